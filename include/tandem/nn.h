@@ -1,0 +1,177 @@
+/* Tandem neural-network layers: functional ops, losses and modules with PyTorch's meaning.
+ *
+ * Functional ops and losses follow tensor.h's ownership and error rules. Modules are trees:
+ * each has its own parameters and buffers (named as PyTorch names them: "weight", "bias",
+ * "running_mean") and named children ("0", "1" in a Sequential), so the full names are
+ * PyTorch's ("features.0.weight"). Module parameters are caller-owned tensors that the
+ * module owns; tdm_module_free releases the whole tree.
+ */
+#ifndef TANDEM_NN_H
+#define TANDEM_NN_H
+
+#include "tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- functional ops (differentiable) ----------------------------------------------------- */
+
+/* x [..., in] @ w[out, in]^T + b[out] (b may be NULL) -> [..., out] */
+tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b);
+
+typedef struct {
+    int stride_h, stride_w;     /* 0 means 1 */
+    int pad_h, pad_w;
+    int dilation_h, dilation_w; /* 0 means 1 */
+    int groups;                 /* 0 means 1 */
+} tdm_conv2d_opts;
+/* x [N, Cin, H, W], w [Cout, Cin/groups, kh, kw], b [Cout] or NULL -> [N, Cout, Ho, Wo] */
+tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_conv2d_opts *o);
+
+typedef struct {
+    int kernel_h, kernel_w;
+    int stride_h, stride_w;     /* 0 means the kernel size, as in PyTorch */
+    int pad_h, pad_w;
+    int dilation_h, dilation_w; /* max pooling; 0 means 1 */
+    bool ceil_mode;
+    bool count_include_pad;     /* average pooling; PyTorch's default is true */
+} tdm_pool2d_opts;
+tdm_tensor *tdm_max_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o);
+tdm_tensor *tdm_avg_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o);
+
+/* x [N, C] or [N, C, ...]. Training uses batch statistics and updates running_mean/var
+ * (either may be NULL) with momentum and the unbiased variance; eval uses them. */
+tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *running_var,
+                           tdm_tensor *weight, tdm_tensor *bias, bool training, float momentum,
+                           float eps);
+/* Normalises over the last normalized_ndim dims; weight/bias have those dims or are NULL. */
+tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight,
+                           tdm_tensor *bias, float eps);
+/* Zeroes each element with probability p and scales the rest by 1/(1-p) (training only). */
+tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng);
+/* weight [num, dim] looked up by idx (any shape, i32/i64) -> [idx..., dim] */
+tdm_tensor *tdm_embedding(tdm_tensor *weight, const tdm_tensor *idx);
+
+/* ---- losses ----------------------------------------------------------------------------- */
+
+typedef enum { TDM_REDUCE_MEAN = 0, TDM_REDUCE_SUM = 1, TDM_REDUCE_NONE = 2 } tdm_reduction;
+
+typedef struct {
+    tdm_reduction reduction; /* default mean */
+    int64_t ignore_index;    /* targets equal to it add nothing; PyTorch's default is -100 */
+    float label_smoothing;   /* in [0, 1] */
+    tdm_tensor *weight;      /* [C] class weights, or NULL */
+} tdm_ce_opts;
+/* PyTorch's defaults: mean, ignore_index -100, no smoothing, no weights. */
+tdm_ce_opts tdm_ce_defaults(void);
+
+/* logits [N, C], target [N] (i32/i64) -> scalar (mean, sum) or [N] (none). o may be NULL. */
+tdm_tensor *tdm_cross_entropy(tdm_tensor *logits, const tdm_tensor *target,
+                              const tdm_ce_opts *o);
+/* logp [N, C] log-probabilities; label_smoothing must be 0. */
+tdm_tensor *tdm_nll_loss(tdm_tensor *logp, const tdm_tensor *target, const tdm_ce_opts *o);
+tdm_tensor *tdm_mse_loss(tdm_tensor *input, tdm_tensor *target, tdm_reduction r);
+/* Binary cross-entropy on logits, numerically stable; target has input's shape. */
+tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduction r);
+
+/* ---- modules ----------------------------------------------------------------------------- */
+
+#define TDM_MODULE_MAX_PARAMS 4
+#define TDM_MODULE_MAX_BUFFERS 4
+
+typedef struct tdm_module tdm_module;
+
+typedef struct {
+    const char *kind; /* "Linear", "Conv2d", ... */
+    tdm_tensor *(*forward)(tdm_module *m, tdm_tensor *x);
+    void (*destroy)(tdm_module *m); /* frees m->impl; parameters are freed by the caller */
+} tdm_module_ops;
+
+/* Named parameters of a whole model, in registration order, living in one flat buffer. */
+typedef struct {
+    int n;
+    char **names;         /* full names, "0.weight" */
+    tdm_tensor **params;  /* views into flat */
+    tdm_tensor *flat;     /* [total] f32 */
+    tdm_tensor *flat_grad;/* [total] f32; each param's .grad is the view at its offset */
+    int64_t *offsets;     /* element offset of each param in flat */
+    int64_t total;
+} tdm_paramset;
+
+/* Named buffers of a whole model (running statistics). Not flat: they differ in dtype. */
+typedef struct {
+    int n;
+    char **names;
+    tdm_tensor **buffers;
+} tdm_bufferset;
+
+struct tdm_module {
+    const tdm_module_ops *ops;
+    tdm_device device;
+    bool training;
+    int n_params;
+    const char *param_names[TDM_MODULE_MAX_PARAMS];
+    tdm_tensor *params[TDM_MODULE_MAX_PARAMS];
+    int n_buffers;
+    const char *buffer_names[TDM_MODULE_MAX_BUFFERS];
+    tdm_tensor *buffers[TDM_MODULE_MAX_BUFFERS];
+    int n_children;
+    char **child_names;
+    tdm_module **children;
+    void *impl;               /* the layer's own settings */
+    tdm_paramset *paramset;   /* made by tdm_module_parameters */
+    tdm_bufferset *bufferset; /* made by tdm_module_buffers */
+};
+
+/* Layers, with PyTorch's default initialisation drawn from rng (NULL: default generator).
+ * Each returns NULL and an error on bad sizes. */
+tdm_module *tdm_linear_new(int64_t in, int64_t out, bool bias, tdm_device dev, tdm_rng *rng);
+tdm_module *tdm_conv2d_new(int64_t in_ch, int64_t out_ch, int kernel_h, int kernel_w,
+                           const tdm_conv2d_opts *o, bool bias, tdm_device dev, tdm_rng *rng);
+tdm_module *tdm_max_pool2d_new(const tdm_pool2d_opts *o);
+tdm_module *tdm_avg_pool2d_new(const tdm_pool2d_opts *o);
+/* BatchNorm1d and 2d: affine weight 1, bias 0; running_mean 0, running_var 1,
+ * num_batches_tracked (i64); momentum 0.1 and eps 1e-5 are PyTorch's defaults. */
+tdm_module *tdm_batch_norm1d_new(int64_t features, float eps, float momentum, tdm_device dev);
+tdm_module *tdm_batch_norm2d_new(int64_t channels, float eps, float momentum, tdm_device dev);
+/* LayerNorm over the last dim of size features (weight 1, bias 0 when affine). */
+tdm_module *tdm_layer_norm_new(int64_t features, float eps, bool affine, tdm_device dev);
+tdm_module *tdm_dropout_new(float p, tdm_rng *rng);
+/* Embedding: weight N(0, 1) as in PyTorch. */
+tdm_module *tdm_embedding_new(int64_t num, int64_t dim, tdm_device dev, tdm_rng *rng);
+tdm_module *tdm_relu_new(void);
+tdm_module *tdm_gelu_new(bool tanh_approx);
+tdm_module *tdm_tanh_new(void);
+tdm_module *tdm_sigmoid_new(void);
+tdm_module *tdm_flatten_new(int start_dim, int end_dim); /* PyTorch's defaults: 1, -1 */
+/* A Sequential of n modules, taking ownership of them; children are named "0", "1", ... */
+tdm_module *tdm_sequential_new(int n, tdm_module *const *mods);
+/* Appends a child under name (NULL: its index). Takes ownership. */
+int tdm_module_add(tdm_module *parent, const char *name, tdm_module *child);
+
+/* Runs the module. */
+tdm_tensor *tdm_module_forward(tdm_module *m, tdm_tensor *x);
+/* Training (true) or evaluation mode, for m and all its children. */
+void tdm_module_train(tdm_module *m, bool training);
+/* All parameters of the tree, named, moved on first call into one flat buffer (values kept)
+ * with a flat gradient buffer beside it. Owned by m; later calls return the same set. All
+ * parameters must be on one device. NULL and an error on failure. */
+tdm_paramset *tdm_module_parameters(tdm_module *m);
+/* All buffers of the tree, named. Owned by m. */
+tdm_bufferset *tdm_module_buffers(tdm_module *m);
+/* The parameter or buffer with this full name, or NULL. */
+tdm_tensor *tdm_module_find(tdm_module *m, const char *name);
+/* Frees the tree, its parameters, buffers and sets. NULL is allowed. */
+void tdm_module_free(tdm_module *m);
+
+/* Base constructor for new layer kinds: a module with no parameters. */
+tdm_module *tdm_module_new(const tdm_module_ops *ops, tdm_device dev, void *impl);
+/* Registers a caller-owned tensor under name (the module takes ownership). */
+int tdm_module_add_param(tdm_module *m, const char *name, tdm_tensor *p);
+int tdm_module_add_buffer(tdm_module *m, const char *name, tdm_tensor *b);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

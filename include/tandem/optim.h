@@ -1,0 +1,95 @@
+/* Tandem optimizers, learning-rate schedules and gradient clipping, with PyTorch's exact
+ * update formulas. An optimizer works on a model's tdm_paramset: one fused pass over the flat
+ * parameter and gradient buffers per step.
+ */
+#ifndef TANDEM_OPTIM_H
+#define TANDEM_OPTIM_H
+
+#include "nn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    float lr;
+    float momentum;
+    float dampening;
+    float weight_decay;
+    bool nesterov; /* needs momentum > 0 and dampening == 0, as in PyTorch */
+    bool maximize;
+} tdm_sgd_opts;
+
+typedef struct {
+    float lr;           /* PyTorch's default 1e-3 */
+    float beta1, beta2; /* 0.9, 0.999 */
+    float eps;          /* 1e-8 */
+    float weight_decay; /* Adam 0 (L2 added to the gradient); AdamW 1e-2 (decoupled) */
+    bool amsgrad;
+    bool maximize;
+} tdm_adam_opts;
+
+tdm_sgd_opts tdm_sgd_defaults(float lr);
+tdm_adam_opts tdm_adam_defaults(void);
+tdm_adam_opts tdm_adamw_defaults(void);
+
+typedef struct tdm_optim tdm_optim;
+
+/* Optimizers over ps (which must outlive them). NULL and an error for invalid options (a
+ * negative lr, nesterov without momentum, betas outside [0, 1)). */
+tdm_optim *tdm_sgd_new(tdm_paramset *ps, const tdm_sgd_opts *o);
+tdm_optim *tdm_adam_new(tdm_paramset *ps, const tdm_adam_opts *o);
+tdm_optim *tdm_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o);
+
+/* One update from the gradients in ps->flat_grad. Returns TDM_OK or an error. */
+int tdm_optim_step(tdm_optim *o);
+/* Zeroes ps->flat_grad. */
+int tdm_optim_zero_grad(tdm_optim *o);
+float tdm_optim_lr(const tdm_optim *o);
+void tdm_optim_set_lr(tdm_optim *o, float lr);
+/* Steps taken so far. */
+int64_t tdm_optim_steps(const tdm_optim *o);
+void tdm_optim_free(tdm_optim *o);
+
+/* ---- learning-rate schedules ----------------------------------------------------------- */
+
+typedef enum {
+    TDM_SCHED_CONSTANT,
+    TDM_SCHED_STEP,      /* lr = base * gamma^(floor(epoch / step_size)) */
+    TDM_SCHED_MULTISTEP, /* lr = base * gamma^(number of milestones <= epoch) */
+    TDM_SCHED_COSINE,    /* linear warmup over warmup steps, then cosine to min_lr at total */
+    TDM_SCHED_WARMUP,    /* linear from base*start_factor to base over warmup steps */
+} tdm_sched_kind;
+
+typedef struct {
+    tdm_sched_kind kind;
+    float base_lr;
+    float gamma;         /* STEP, MULTISTEP */
+    int64_t step_size;   /* STEP */
+    int n_milestones;    /* MULTISTEP */
+    int64_t milestones[16];
+    int64_t warmup;      /* COSINE, WARMUP */
+    int64_t total;       /* COSINE: steps until min_lr */
+    float min_lr;        /* COSINE */
+    float start_factor;  /* WARMUP: PyTorch's LinearLR default 1/3 */
+} tdm_sched;
+
+/* The learning rate at step t (t counts from 0), following PyTorch's StepLR, MultiStepLR,
+ * LinearLR and CosineAnnealingLR closed forms. */
+float tdm_sched_lr(const tdm_sched *s, int64_t t);
+/* Sets o's learning rate to tdm_sched_lr(s, t). */
+void tdm_sched_apply(const tdm_sched *s, tdm_optim *o, int64_t t);
+
+/* ---- gradient clipping ------------------------------------------------------------------ */
+
+/* Scales ps's gradients so their global 2-norm is at most max_norm (PyTorch's
+ * clip_grad_norm_: factor max_norm/(norm+1e-6) clamped to 1). Returns the norm before
+ * clipping through *total_norm. A non-finite norm is TDM_ERR_NUMERIC when error_if_nonfinite,
+ * and gradients are then left unchanged. */
+int tdm_clip_grad_norm(tdm_paramset *ps, float max_norm, bool error_if_nonfinite,
+                       float *total_norm);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

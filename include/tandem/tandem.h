@@ -1,0 +1,10 @@
+/* Tandem: train neural networks on many devices from C. The umbrella header. */
+#ifndef TANDEM_TANDEM_H
+#define TANDEM_TANDEM_H
+
+#include "tensor.h"
+#include "autograd.h"
+#include "nn.h"
+#include "optim.h"
+
+#endif

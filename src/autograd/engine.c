@@ -1,0 +1,218 @@
+/* The backward engine: records nodes, walks the tape in reverse, accumulates gradients and
+ * fires gradient-ready hooks. */
+#include "autograd/tape.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HOOKS 4
+
+typedef struct {
+    int n;
+    tdm_grad_hook fn[MAX_HOOKS];
+    void *ctx[MAX_HOOKS];
+} hook_list;
+
+static _Thread_local bool grad_disabled;
+
+bool tdm_set_grad_enabled(bool enabled) {
+    bool prev = !grad_disabled;
+    grad_disabled = !enabled;
+    return prev;
+}
+
+bool tdm_grad_enabled(void) {
+    return !grad_disabled;
+}
+
+int tdm_requires_grad_(tdm_tensor *t, bool requires_grad) {
+    if (!t) return tdm_raise(TDM_ERR_ARG, "requires_grad_: NULL tensor");
+    if (requires_grad && t->dtype != TDM_F32)
+        return tdm_raise(TDM_ERR_DTYPE, "requires_grad_: only f32 tensors can require gradients, "
+                                        "got %s", tdm_dtype_name(t->dtype));
+    if (t->grad_fn)
+        return tdm_raise(TDM_ERR_STATE, "requires_grad_: only leaf tensors can be changed");
+    t->requires_grad = requires_grad;
+    return TDM_OK;
+}
+
+bool tdm_needs_record(int n_in, tdm_tensor *const *in) {
+    if (grad_disabled) return false;
+    for (int i = 0; i < n_in; i++)
+        if (in[i] && in[i]->requires_grad) return true;
+    return false;
+}
+
+tdm_node *tdm_record(const char *name, tdm_backward_fn backward, tdm_tensor *out, int n_in,
+                     tdm_tensor *const *in) {
+    tdm_node *n = tdm_scope_alloc(sizeof *n);
+    if (!n) return NULL;
+    if (!tdm_current_scope()) {
+        free(n);
+        return tdm_raise_null(TDM_ERR_STATE, "%s: recording autograd history needs an open step "
+                                             "scope (tdm_scope_begin)", name);
+    }
+    n->name = name;
+    n->backward = backward;
+    n->out = out;
+    n->n_in = n_in;
+    for (int i = 0; i < n_in; i++) n->in[i] = in[i];
+    if (tdm_tape_push(n) != 0) return NULL;
+    out->requires_grad = true;
+    out->grad_fn = n;
+    return n;
+}
+
+/* ---- accumulation ------------------------------------------------------------------------ */
+
+static int add_into(tdm_tensor *acc, tdm_tensor *g) {
+    return tdm_backend_for(acc->device)->axpy(acc, 1.0f, g);
+}
+
+/* g as a contiguous tensor (kernels need it for axpy); a copy only when g is a view. */
+static tdm_tensor *dense(tdm_tensor *g) {
+    if (tdm_is_contiguous(g)) return g;
+    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(g), TDM_F32, g->device);
+    return c && tdm_backend_for(g->device)->copy(c, g) == 0 ? c : NULL;
+}
+
+int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
+    if (!t || !t->requires_grad) return TDM_OK;
+    if (!g) return tdm_last_status() ? tdm_last_status() : TDM_ERR_STATE;
+    char a[96], b[96];
+    if (!tdm_same_shape(t, g))
+        return tdm_raise(TDM_ERR_SHAPE, "backward: gradient of shape %s for a tensor of shape %s",
+                         tdm_shape_str(tdm_shape_of(g), a), tdm_shape_str(tdm_shape_of(t), b));
+    if (!(g = dense(g))) return tdm_last_status();
+    tdm_node *n = t->grad_fn;
+    if (n) {
+        if (!n->gout) { /* borrow: the producer of g must not modify it afterwards */
+            n->gout = g;
+            n->gout_owned = false;
+            return TDM_OK;
+        }
+        if (!n->gout_owned) {
+            tdm_tensor *own = tdm_clone(n->gout);
+            if (!own) return tdm_last_status();
+            n->gout = own;
+            n->gout_owned = true;
+        }
+        return add_into(n->gout, g);
+    }
+    /* a leaf: .grad lives as long as the leaf itself */
+    if (!t->grad) {
+        t->grad = tdm_tensor_alloc_owned(tdm_shape_of(t), TDM_F32, t->device, t->owner);
+        if (!t->grad) return tdm_last_status();
+        return tdm_backend_for(t->device)->copy(t->grad, g);
+    }
+    return add_into(t->grad, g);
+}
+
+int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g) {
+    if (!t || !t->requires_grad) return TDM_OK;
+    if (!g) return tdm_last_status() ? tdm_last_status() : TDM_ERR_STATE;
+    if (tdm_same_shape(t, g)) return tdm_grad_accumulate(t, g);
+    /* sum over the broadcast dims: view t's shape left-padded with 1s to g's rank */
+    tdm_tensor *r = tdm_tensor_alloc(tdm_shape_of(t), TDM_F32, t->device);
+    if (!r || !(g = dense(g))) return tdm_last_status();
+    tdm_tensor rv = *r;
+    int pad = g->ndim - t->ndim;
+    rv.ndim = g->ndim;
+    for (int i = 0; i < g->ndim; i++) rv.shape[i] = i < pad ? 1 : t->shape[i - pad];
+    tdm_contiguous_strides(rv.ndim, rv.shape, rv.strides);
+    int rc = tdm_backend_for(t->device)->sum_to(&rv, g);
+    return rc ? rc : tdm_grad_accumulate(t, r);
+}
+
+/* ---- hooks ------------------------------------------------------------------------------- */
+
+int tdm_register_grad_hook(tdm_tensor *leaf, tdm_grad_hook hook, void *ctx) {
+    if (!leaf || !hook) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: NULL argument");
+    if (leaf->grad_fn) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: not a leaf tensor");
+    hook_list *h = leaf->hooks;
+    if (!h && !(h = leaf->hooks = calloc(1, sizeof *h)))
+        return tdm_raise(TDM_ERR_NOMEM, "register_grad_hook: out of memory");
+    if (h->n == MAX_HOOKS)
+        return tdm_raise(TDM_ERR_ARG, "register_grad_hook: at most %d hooks per tensor", MAX_HOOKS);
+    h->fn[h->n] = hook;
+    h->ctx[h->n++] = ctx;
+    return TDM_OK;
+}
+
+void tdm_clear_grad_hooks(tdm_tensor *leaf) {
+    if (!leaf) return;
+    free(leaf->hooks);
+    leaf->hooks = NULL;
+}
+
+static void fire_hooks(tdm_tensor *leaf) {
+    hook_list *h = leaf->hooks;
+    for (int i = 0; h && i < h->n; i++) h->fn[i](leaf, h->ctx[i]);
+}
+
+/* ---- backward ---------------------------------------------------------------------------- */
+
+int tdm_zero_grad(tdm_tensor *t) {
+    if (!t) return tdm_raise(TDM_ERR_ARG, "zero_grad: NULL tensor");
+    return t->grad ? tdm_backend_for(t->grad->device)->fill(t->grad, 0.0) : TDM_OK;
+}
+
+/* For each leaf read by nodes in [start, end), the earliest such node: after walking it in
+ * reverse, the leaf's gradient is final. Leaves are chained per node through ready_next,
+ * kept in a scope-allocated array of list heads. */
+static tdm_tensor **ready_lists(tdm_node **tape, int start, int end) {
+    tdm_tensor **heads = tdm_scope_alloc(sizeof(tdm_tensor *) * (size_t)(end - start));
+    if (!heads) return NULL;
+    for (int i = start; i < end; i++)
+        for (int j = 0; j < tape[i]->n_in; j++) {
+            tdm_tensor *x = tape[i]->in[j];
+            if (x && x->requires_grad && !x->grad_fn) x->last_use = -1;
+        }
+    for (int i = start; i < end; i++)
+        for (int j = 0; j < tape[i]->n_in; j++) {
+            tdm_tensor *x = tape[i]->in[j];
+            if (!x || !x->requires_grad || x->grad_fn || x->last_use >= 0) continue;
+            x->last_use = i;
+            x->ready_next = heads[i - start];
+            heads[i - start] = x;
+        }
+    return heads;
+}
+
+int tdm_backward(tdm_tensor *loss) {
+    if (!loss) return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
+    char b[96];
+    if (tdm_numel(loss) != 1)
+        return tdm_raise(TDM_ERR_SHAPE, "backward: the loss must have one element, got shape %s "
+                                        "(reduce it, e.g. with tdm_mean_all)",
+                         tdm_shape_str(tdm_shape_of(loss), b));
+    if (!loss->grad_fn)
+        return tdm_raise(TDM_ERR_STATE, "backward: the loss has no autograd history (no input "
+                                        "requires a gradient, grad mode was off, or backward "
+                                        "already ran over it)");
+    int start, end;
+    tdm_node **tape = tdm_tape_nodes(&start, &end);
+    int li = loss->grad_fn->index;
+    if (li < start || li >= end || tape[li] != loss->grad_fn)
+        return tdm_raise(TDM_ERR_STATE, "backward: the loss's graph was already walked by a "
+                                        "previous backward");
+    tdm_tensor **heads = ready_lists(tape, start, li + 1);
+    tdm_tensor *seed = tdm_full(tdm_shape_of(loss), 1.0f, TDM_F32, loss->device);
+    if (!heads || !seed) return tdm_last_status();
+    loss->grad_fn->gout = seed;
+    loss->grad_fn->gout_owned = true;
+    int rc = TDM_OK;
+    for (int i = li; i >= start && rc == TDM_OK; i--) {
+        tdm_node *n = tape[i];
+        if (n->gout) {
+            rc = n->backward(n, n->gout);
+            n->gout = NULL; /* the step scope frees it; a node runs once */
+        }
+        for (tdm_tensor *x = heads[i - start]; x && rc == TDM_OK; x = x->ready_next) {
+            if (x->grad) fire_hooks(x);
+            x->last_use = -1;
+        }
+    }
+    tdm_tape_consume();
+    return rc;
+}

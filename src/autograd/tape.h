@@ -1,0 +1,65 @@
+/* Private autograd interface: tape nodes and the helpers every differentiable op uses.
+ *
+ * An op's forward computes its output with backend kernels, then, if tdm_needs_record says
+ * so, calls tdm_record to append a node holding its inputs, saved tensors and arguments.
+ * The node's backward receives the gradient of the output (same shape) and hands each
+ * input's gradient to tdm_grad_accumulate.
+ */
+#ifndef TDM_TAPE_H
+#define TDM_TAPE_H
+
+#include "tandem/autograd.h"
+#include "backend/backend.h"
+
+#define TDM_NODE_MAX_IN 4
+#define TDM_NODE_MAX_SAVED 6
+
+typedef int (*tdm_backward_fn)(tdm_node *n, tdm_tensor *gout);
+
+struct tdm_node {
+    const char *name; /* op name, for errors and traces */
+    tdm_backward_fn backward;
+    tdm_tensor *out;
+    tdm_tensor *gout;   /* gradient of out accumulated so far (NULL: none reached it) */
+    bool gout_owned;    /* gout belongs to this node and may be added into in place */
+    int n_in;
+    tdm_tensor *in[TDM_NODE_MAX_IN];
+    tdm_tensor *saved[TDM_NODE_MAX_SAVED];
+    union {
+        float f[8];
+        int64_t i[8];
+    } arg, arg2;        /* op arguments (dims, scalars, flags) */
+    void *ctx;          /* larger op arguments, allocated with tdm_scope_alloc */
+    int32_t index;      /* position on the tape */
+};
+
+/* True if an op with these inputs must record a node: grad mode on and some input
+ * requires a gradient. NULL entries are skipped. */
+bool tdm_needs_record(int n_in, tdm_tensor *const *in);
+/* Appends a node for out (sets out->requires_grad and out->grad_fn). Returns the node, to
+ * which the op adds saved tensors and arguments, or NULL on allocation failure. */
+tdm_node *tdm_record(const char *name, tdm_backward_fn backward, tdm_tensor *out, int n_in,
+                     tdm_tensor *const *in);
+/* Whether input i of the node needs a gradient. */
+static inline bool tdm_node_wants(const tdm_node *n, int i) {
+    return n->in[i] && n->in[i]->requires_grad;
+}
+/* Adds g (shape of t) into t's gradient: a leaf's .grad or its producer node's gout. May
+ * keep a reference to g instead of copying, so g must stay unmodified afterwards. */
+int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g);
+/* Sums g down to t's shape (the reverse of broadcasting) and accumulates it. */
+int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g);
+
+/* The thread's tape, kept by the scope module (src/core/scope.c). */
+int tdm_tape_push(tdm_node *n);
+/* Nodes [*start, *end) not yet walked by a backward. */
+tdm_node **tdm_tape_nodes(int *start, int *end);
+/* Marks every node recorded so far as walked. */
+void tdm_tape_consume(void);
+
+/* Shape checks ops share. */
+/* The broadcast shape of a and b into out; an error naming op and both shapes if none. */
+int tdm_broadcast_shapes(const tdm_tensor *a, const tdm_tensor *b, tdm_shape *out,
+                         const char *op);
+
+#endif

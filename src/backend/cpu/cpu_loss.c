@@ -1,0 +1,159 @@
+/* CPU kernels for cross-entropy and binary cross-entropy on logits.
+ *
+ * Cross-entropy is fused: one row of logits is read twice (max, then exp-sum with the
+ * smoothing sums in the same pass) and never materialised as log-probabilities, and the
+ * backward recomputes the row's log-sum-exp instead of keeping an [N, C] softmax alive.
+ *
+ * With per-class weights w, target t and smoothing e, PyTorch's per-sample loss is
+ *   loss = (1-e) * w[t] * (-logp[t]) + e/C * sum_c w[c] * (-logp[c])
+ * so d loss / d logp[c] = -coef[c] with coef[c] = e/C*w[c] + (c == t)*(1-e)*w[t], and for
+ * logits d loss / d x[c] = p[c] * sum_k coef[k] - coef[c].
+ */
+#include "backend/cpu/cpu.h"
+
+#include <math.h>
+
+/* Element i of a 1-D integer or float tensor with any stride (stride 0: a broadcast). */
+static inline int64_t target_at(const tdm_tensor *t, int64_t i) {
+    int64_t st = t->ndim ? t->strides[0] : 0;
+    if (t->dtype == TDM_I32) return ((const int32_t *)tdm_data_ptr(t))[i * st];
+    return ((const int64_t *)tdm_data_ptr(t))[i * st];
+}
+static inline float f32_at(const tdm_tensor *t, int64_t i) {
+    int64_t st = t->ndim ? t->strides[0] : 0;
+    return ((const float *)tdm_data_ptr(t))[i * st];
+}
+
+/* Checks every target first, so a bad batch fails before any output is written. */
+static int check_targets(const tdm_tensor *target, int64_t N, int64_t C, int64_t ignore_index) {
+    for (int64_t i = 0; i < N; i++) {
+        int64_t t = target_at(target, i);
+        if (t != ignore_index && (t < 0 || t >= C))
+            return tdm_raise(TDM_ERR_ARG,
+                             "cross_entropy: target %lld (sample %lld) is out of range for C = "
+                             "%lld classes",
+                             (long long)t, (long long)i, (long long)C);
+    }
+    return TDM_OK;
+}
+
+/* Row statistics: lse (log-sum-exp; 0 for log-prob input) and, when smoothing, the weighted
+ * sum of the row's -logp over classes. */
+static void ce_row(const float *x, int64_t C, const float *w, double wtotal, bool is_logits,
+                   bool smooth, double *lse_out, double *smooth_out) {
+    double lse = 0, sx = 0;
+    if (is_logits) {
+        float mx = x[0];
+        for (int64_t c = 1; c < C; c++) mx = x[c] > mx ? x[c] : mx;
+        double se = 0;
+        for (int64_t c = 0; c < C; c++) se += expf(x[c] - mx);
+        lse = mx + log(se);
+    }
+    if (smooth) {
+        if (w)
+            for (int64_t c = 0; c < C; c++) sx += (double)w[c] * x[c];
+        else
+            for (int64_t c = 0; c < C; c++) sx += x[c];
+    }
+    *lse_out = lse;
+    *smooth_out = lse * wtotal - sx; /* sum_c w[c] * (lse - x[c]) */
+}
+
+static double weight_total(const float *w, int64_t C) {
+    if (!w) return (double)C;
+    double s = 0;
+    for (int64_t c = 0; c < C; c++) s += w[c];
+    return s;
+}
+
+int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
+                          const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
+                          float smoothing, bool is_logits) {
+    int64_t N = x->shape[0], C = x->shape[1];
+    int rc = check_targets(target, N, C, ignore_index);
+    if (rc) return rc;
+    const float *xp = (const float *)tdm_data_ptr(x);
+    const float *w = weight ? (const float *)tdm_data_ptr(weight) : NULL;
+    float *lp = (float *)tdm_data_ptr(loss), *wp = wsum ? (float *)tdm_data_ptr(wsum) : NULL;
+    double e = smoothing, wtotal = weight_total(w, C);
+    for (int64_t i = 0; i < N; i++) {
+        int64_t t = target_at(target, i);
+        if (t == ignore_index) {
+            lp[i] = 0;
+            if (wp) wp[i] = 0;
+            continue;
+        }
+        const float *xr = xp + i * C;
+        double lse, sm;
+        ce_row(xr, C, w, wtotal, is_logits, e > 0, &lse, &sm);
+        double wt = w ? w[t] : 1.0;
+        double l = (1 - e) * wt * (lse - xr[t]);
+        if (e > 0) l += e / (double)C * sm;
+        lp[i] = (float)l;
+        if (wp) wp[i] = (float)wt;
+    }
+    return TDM_OK;
+}
+
+int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x,
+                                   const tdm_tensor *target, const tdm_tensor *weight,
+                                   int64_t ignore_index, float smoothing, bool is_logits) {
+    int64_t N = x->shape[0], C = x->shape[1];
+    int rc = check_targets(target, N, C, ignore_index);
+    if (rc) return rc;
+    const float *xp = (const float *)tdm_data_ptr(x);
+    const float *w = weight ? (const float *)tdm_data_ptr(weight) : NULL;
+    float *gp = (float *)tdm_data_ptr(gx);
+    float e = smoothing, eC = smoothing / (float)C;
+    double wtotal = weight_total(w, C);
+    for (int64_t i = 0; i < N; i++) {
+        int64_t t = target_at(target, i);
+        float *gr = gp + i * C;
+        if (t == ignore_index) {
+            for (int64_t c = 0; c < C; c++) gr[c] = 0;
+            continue;
+        }
+        const float *xr = xp + i * C;
+        float g = f32_at(gloss, i), wt = w ? w[t] : 1.0f;
+        if (is_logits) {
+            double lse, unused;
+            ce_row(xr, C, w, wtotal, true, false, &lse, &unused);
+            float total = (float)((1 - e) * wt + eC * wtotal); /* sum_k coef[k] */
+            float l = (float)lse;
+            for (int64_t c = 0; c < C; c++)
+                gr[c] = g * (expf(xr[c] - l) * total - eC * (w ? w[c] : 1.0f));
+        } else {
+            for (int64_t c = 0; c < C; c++) gr[c] = -g * eC * (w ? w[c] : 1.0f);
+        }
+        gr[t] -= g * (1 - e) * wt;
+    }
+    return TDM_OK;
+}
+
+/* loss = max(x, 0) - x*y + log1p(exp(-|x|)): never exponentiates a positive number. */
+int tdm_cpu_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const tdm_tensor *y) {
+    int64_t n = tdm_numel(x);
+    const float *xp = (const float *)tdm_data_ptr(x), *yp = (const float *)tdm_data_ptr(y);
+    float *lp = (float *)tdm_data_ptr(loss);
+    for (int64_t i = 0; i < n; i++) {
+        float v = xp[i];
+        lp[i] = (v > 0 ? v : 0) - v * yp[i] + log1pf(expf(-fabsf(v)));
+    }
+    return TDM_OK;
+}
+
+int tdm_cpu_bce_logits_backward(tdm_tensor *gx, const tdm_tensor *g, const tdm_tensor *x,
+                                const tdm_tensor *y) {
+    int64_t n = tdm_numel(x);
+    const float *xp = (const float *)tdm_data_ptr(x), *yp = (const float *)tdm_data_ptr(y);
+    const float *gp = (const float *)tdm_data_ptr(g);
+    float *out = (float *)tdm_data_ptr(gx);
+    for (int64_t i = 0; i < n; i++) {
+        float v = xp[i];
+        /* sigmoid from exp(-|x|), stable on both sides */
+        float z = expf(-fabsf(v));
+        float s = v >= 0 ? 1.0f / (1.0f + z) : z / (1.0f + z);
+        out[i] = gp[i] * (s - yp[i]);
+    }
+    return TDM_OK;
+}

@@ -1,0 +1,239 @@
+/* CPU kernels for batch norm, layer norm and dropout.
+ *
+ * Statistics are accumulated in double: a batch-norm channel can sum millions of values, and
+ * float accumulation would drift visibly from PyTorch's running statistics. Loops visit
+ * memory in storage order; batch norm works on blocks of channels so that a [N, C] input
+ * (S = 1) is still read row by row instead of with stride C.
+ */
+#include "backend/cpu/cpu.h"
+
+#include <math.h>
+
+#define BN_BLOCK 64 /* channels whose accumulators live on the stack at once */
+
+static inline const float *cf(const tdm_tensor *t) {
+    return t ? (const float *)tdm_data_ptr(t) : NULL;
+}
+static inline float *mf(tdm_tensor *t) {
+    return t ? (float *)tdm_data_ptr(t) : NULL;
+}
+
+/* x [N, C, S]: N = shape[0], C = shape[1], S = every further dim (1 for [N, C]). */
+static void bn_dims(const tdm_tensor *x, int64_t *n, int64_t *c, int64_t *s) {
+    *n = x->shape[0];
+    *c = x->ndim > 1 ? x->shape[1] : 1;
+    int64_t nc = *n * *c;
+    *s = nc > 0 ? tdm_numel(x) / nc : 1;
+}
+
+/* Biased mean and variance of channels [c0, c0+nb) (two passes: stable for large means). */
+static void bn_block_stats(const float *x, int64_t N, int64_t C, int64_t S, int64_t c0, int nb,
+                           double *mean, double *var) {
+    double m = (double)N * (double)S;
+    for (int j = 0; j < nb; j++) mean[j] = var[j] = 0;
+    for (int64_t n = 0; n < N; n++)
+        for (int j = 0; j < nb; j++) {
+            const float *p = x + (n * C + c0 + j) * S;
+            double acc = 0;
+            for (int64_t s = 0; s < S; s++) acc += p[s];
+            mean[j] += acc;
+        }
+    for (int j = 0; j < nb; j++) mean[j] /= m;
+    for (int64_t n = 0; n < N; n++)
+        for (int j = 0; j < nb; j++) {
+            const float *p = x + (n * C + c0 + j) * S;
+            double mu = mean[j], acc = 0;
+            for (int64_t s = 0; s < S; s++) acc += (p[s] - mu) * (p[s] - mu);
+            var[j] += acc;
+        }
+    for (int j = 0; j < nb; j++) var[j] /= m;
+}
+
+/* y = x * a[c] + b[c] over channels [c0, c0+nb). */
+static void bn_block_affine(float *y, const float *x, int64_t N, int64_t C, int64_t S, int64_t c0,
+                            int nb, const float *a, const float *b) {
+    for (int64_t n = 0; n < N; n++)
+        for (int j = 0; j < nb; j++) {
+            int64_t base = (n * C + c0 + j) * S;
+            float aj = a[j], bj = b[j];
+            for (int64_t s = 0; s < S; s++) y[base + s] = x[base + s] * aj + bj;
+        }
+}
+
+int tdm_cpu_batch_norm(tdm_tensor *y, tdm_tensor *save_mean, tdm_tensor *save_invstd,
+                       const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias,
+                       tdm_tensor *running_mean, tdm_tensor *running_var, bool training,
+                       float momentum, float eps) {
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    int64_t M = N * S; /* values per channel */
+    if (training && M <= 1)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "batch_norm: expected more than 1 value per channel when training, "
+                         "got %lld",
+                         (long long)M);
+    if (!training && (!running_mean || !running_var))
+        return tdm_raise(TDM_ERR_ARG, "batch_norm: eval mode needs running_mean and running_var");
+    const float *xp = cf(x), *w = cf(weight), *b = cf(bias);
+    float *yp = mf(y), *sm = mf(save_mean), *si = mf(save_invstd);
+    float *rm = mf(running_mean), *rv = mf(running_var);
+    double mean[BN_BLOCK], var[BN_BLOCK];
+    float a[BN_BLOCK], sh[BN_BLOCK];
+    for (int64_t c0 = 0; c0 < C; c0 += BN_BLOCK) {
+        int nb = (int)(C - c0 < BN_BLOCK ? C - c0 : BN_BLOCK);
+        if (training) {
+            bn_block_stats(xp, N, C, S, c0, nb, mean, var);
+        } else {
+            for (int j = 0; j < nb; j++) mean[j] = rm[c0 + j], var[j] = rv[c0 + j];
+        }
+        for (int j = 0; j < nb; j++) {
+            int64_t c = c0 + j;
+            float invstd = (float)(1.0 / sqrt(var[j] + (double)eps));
+            float mu = (float)mean[j];
+            if (sm) sm[c] = mu;
+            if (si) si[c] = invstd;
+            a[j] = invstd * (w ? w[c] : 1.0f);
+            sh[j] = (b ? b[c] : 0.0f) - mu * a[j];
+            if (training && rm) rm[c] = (1 - momentum) * rm[c] + momentum * mu;
+            /* PyTorch tracks the unbiased variance while normalising with the biased one */
+            if (training && rv)
+                rv[c] = (1 - momentum) * rv[c] +
+                        momentum * (float)(var[j] * (double)M / (double)(M - 1));
+        }
+        bn_block_affine(yp, xp, N, C, S, c0, nb, a, sh);
+    }
+    return TDM_OK;
+}
+
+int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                                const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
+                                const tdm_tensor *save_mean, const tdm_tensor *save_invstd,
+                                bool training) {
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    double M = (double)N * (double)S;
+    const float *xp = cf(x), *g = cf(gy), *w = cf(weight), *sm = cf(save_mean),
+                *si = cf(save_invstd);
+    float *gxp = mf(gx), *gwp = mf(gw), *gbp = mf(gb);
+    double sg[BN_BLOCK], sgx[BN_BLOCK]; /* sum gy, sum gy * (x - mean) */
+    for (int64_t c0 = 0; c0 < C; c0 += BN_BLOCK) {
+        int nb = (int)(C - c0 < BN_BLOCK ? C - c0 : BN_BLOCK);
+        for (int j = 0; j < nb; j++) sg[j] = sgx[j] = 0;
+        bool need_sums = gwp || gbp || (gxp && training);
+        for (int64_t n = 0; need_sums && n < N; n++)
+            for (int j = 0; j < nb; j++) {
+                int64_t base = (n * C + c0 + j) * S;
+                double mu = sm[c0 + j], a1 = 0, a2 = 0;
+                for (int64_t s = 0; s < S; s++) {
+                    a1 += g[base + s];
+                    a2 += g[base + s] * (xp[base + s] - mu);
+                }
+                sg[j] += a1;
+                sgx[j] += a2;
+            }
+        for (int j = 0; j < nb; j++) {
+            int64_t c = c0 + j;
+            if (gbp) gbp[c] = (float)sg[j];
+            if (gwp) gwp[c] = (float)(sgx[j] * si[c]);
+        }
+        if (!gxp) continue;
+        /* training: gx = w*invstd * (gy - mean(gy) - xhat * mean(gy * xhat)) */
+        for (int64_t n = 0; n < N; n++)
+            for (int j = 0; j < nb; j++) {
+                int64_t c = c0 + j, base = (n * C + c) * S;
+                float inv = si[c], scale = inv * (w ? w[c] : 1.0f), mu = sm[c];
+                if (training) {
+                    float mg = (float)(sg[j] / M);
+                    float k = (float)(sgx[j] / M) * inv * inv;
+                    for (int64_t s = 0; s < S; s++)
+                        gxp[base + s] = (g[base + s] - mg - (xp[base + s] - mu) * k) * scale;
+                } else {
+                    for (int64_t s = 0; s < S; s++) gxp[base + s] = g[base + s] * scale;
+                }
+            }
+    }
+    return TDM_OK;
+}
+
+/* ---- layer norm: rows of x [rows, cols]; rows = numel(mean) ---- */
+
+int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,
+                       const tdm_tensor *weight, const tdm_tensor *bias, float eps) {
+    int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
+    const float *xp = cf(x), *w = cf(weight), *b = cf(bias);
+    float *yp = mf(y), *mp = mf(mean), *rp = mf(rstd);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = xp + r * cols;
+        float *yr = yp + r * cols;
+        double s = 0, v = 0;
+        for (int64_t c = 0; c < cols; c++) s += xr[c];
+        double mu = s / (double)cols;
+        for (int64_t c = 0; c < cols; c++) v += (xr[c] - mu) * (xr[c] - mu);
+        float inv = (float)(1.0 / sqrt(v / (double)cols + (double)eps));
+        float m = (float)mu;
+        mp[r] = m;
+        rp[r] = inv;
+        if (w && b) {
+            for (int64_t c = 0; c < cols; c++) yr[c] = (xr[c] - m) * inv * w[c] + b[c];
+        } else {
+            for (int64_t c = 0; c < cols; c++)
+                yr[c] = (xr[c] - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f);
+        }
+    }
+    return TDM_OK;
+}
+
+int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                                const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
+                                const tdm_tensor *mean, const tdm_tensor *rstd) {
+    int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
+    const float *xp = cf(x), *g = cf(gy), *w = cf(weight), *mp = cf(mean), *rp = cf(rstd);
+    float *gxp = mf(gx), *gwp = mf(gw), *gbp = mf(gb);
+    for (int64_t c = 0; c < cols; c++) {
+        if (gwp) gwp[c] = 0;
+        if (gbp) gbp[c] = 0;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = xp + r * cols, *gr = g + r * cols;
+        float m = mp[r], inv = rp[r];
+        if (gwp || gbp)
+            for (int64_t c = 0; c < cols; c++) {
+                if (gwp) gwp[c] += gr[c] * (xr[c] - m) * inv;
+                if (gbp) gbp[c] += gr[c];
+            }
+        if (!gxp) continue;
+        /* gx = rstd * (d - mean(d) - xhat * mean(d * xhat)), d = gy * w */
+        double sd = 0, sdx = 0;
+        for (int64_t c = 0; c < cols; c++) {
+            float d = gr[c] * (w ? w[c] : 1.0f);
+            sd += d;
+            sdx += d * ((xr[c] - m) * inv);
+        }
+        float md = (float)(sd / (double)cols), mdx = (float)(sdx / (double)cols);
+        float *gxr = gxp + r * cols;
+        for (int64_t c = 0; c < cols; c++) {
+            float d = gr[c] * (w ? w[c] : 1.0f);
+            gxr[c] = inv * (d - md - (xr[c] - m) * inv * mdx);
+        }
+    }
+    return TDM_OK;
+}
+
+/* ---- dropout ---- */
+
+int tdm_cpu_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, float p, uint64_t seed,
+                    uint64_t offset) {
+    int64_t n = tdm_numel(x);
+    const float *xp = cf(x);
+    float *yp = mf(y), *mp = mf(mask);
+    float keep = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f; /* p = 1 drops everything */
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t r[4];
+        /* element i owns counter offset + i: masks do not depend on how work is split */
+        tdm_philox(seed, offset + (uint64_t)i, 0, r);
+        float m = tdm_u32_to_unit(r[0]) >= p ? keep : 0.0f;
+        if (mp) mp[i] = m;
+        yp[i] = xp[i] * m;
+    }
+    return TDM_OK;
+}

@@ -1,0 +1,200 @@
+/* 2-D max and average pooling (NCHW, f32), with PyTorch's window rules.
+ *
+ * Every (image, channel) plane is independent: the kernels walk planes, and inside a plane
+ * each output pixel reads its window. Windows are clipped to the image; the output size
+ * (ceil_mode included) was fixed by the op, and the kernels take it from y's shape.
+ */
+#include "backend/cpu/cpu.h"
+
+#include <math.h>
+#include <string.h>
+
+typedef struct {
+    int64_t planes, h, w, ho, wo;
+    int64_t kh, kw, sh, sw, ph, pw, dh, dw;
+} pool_geom;
+
+static pool_geom geom_of(const tdm_tensor *x, const tdm_tensor *y, const tdm_pool2d_args *a) {
+    pool_geom g;
+    g.planes = x->shape[0] * x->shape[1], g.h = x->shape[2], g.w = x->shape[3];
+    g.ho = y->shape[2], g.wo = y->shape[3];
+    g.kh = a->kernel_h, g.kw = a->kernel_w;
+    g.sh = a->stride_h > 0 ? a->stride_h : g.kh, g.sw = a->stride_w > 0 ? a->stride_w : g.kw;
+    g.ph = a->pad_h, g.pw = a->pad_w;
+    g.dh = a->dilation_h > 0 ? a->dilation_h : 1, g.dw = a->dilation_w > 0 ? a->dilation_w : 1;
+    return g;
+}
+
+static int check4(const char *op, const tdm_tensor *a, const tdm_tensor *b) {
+    if (a->ndim != 4 || b->ndim != 4 || a->shape[0] != b->shape[0] || a->shape[1] != b->shape[1])
+        return tdm_raise(TDM_ERR_SHAPE, "%s: expects [N, C, H, W] tensors with equal N and C",
+                         op);
+    if (!tdm_is_contiguous(a) || !tdm_is_contiguous(b))
+        return tdm_raise(TDM_ERR_ARG, "%s: expects contiguous tensors", op);
+    return TDM_OK;
+}
+
+/* One plane of max pooling. The first index of a window starts the search and NaN wins, as in
+ * PyTorch, so the gradient goes where PyTorch sends it. */
+static void max_plane(const float *x, float *y, int64_t *idx, const pool_geom *g) {
+    for (int64_t oh = 0; oh < g->ho; oh++) {
+        int64_t h0 = oh * g->sh - g->ph;
+        int64_t h1 = h0 + (g->kh - 1) * g->dh + 1;
+        if (h1 > g->h) h1 = g->h;
+        while (h0 < 0) h0 += g->dh;
+        for (int64_t ow = 0; ow < g->wo; ow++) {
+            int64_t w0 = ow * g->sw - g->pw;
+            int64_t w1 = w0 + (g->kw - 1) * g->dw + 1;
+            if (w1 > g->w) w1 = g->w;
+            while (w0 < 0) w0 += g->dw;
+            int64_t best_i = h0 * g->w + w0;
+            float best = -INFINITY;
+            for (int64_t ih = h0; ih < h1; ih += g->dh) {
+                const float *row = x + ih * g->w;
+                for (int64_t iw = w0; iw < w1; iw += g->dw) {
+                    float v = row[iw];
+                    if (v >= best || isnan(v)) {
+                        best = v;
+                        best_i = ih * g->w + iw;
+                    }
+                }
+            }
+            y[oh * g->wo + ow] = best;
+            idx[oh * g->wo + ow] = best_i;
+        }
+    }
+}
+
+/* The common 2x2, stride 2, unpadded window with every window inside the image. */
+static void max_plane_2x2(const float *x, float *y, int64_t *idx, const pool_geom *g) {
+    for (int64_t oh = 0; oh < g->ho; oh++) {
+        const float *r0 = x + 2 * oh * g->w, *r1 = r0 + g->w;
+        int64_t base = 2 * oh * g->w;
+        for (int64_t ow = 0; ow < g->wo; ow++) {
+            int64_t c = 2 * ow;
+            float best = r0[c];
+            int64_t bi = base + c;
+            if (r0[c + 1] > best || isnan(r0[c + 1])) best = r0[c + 1], bi = base + c + 1;
+            if (r1[c] > best || isnan(r1[c])) best = r1[c], bi = base + g->w + c;
+            if (r1[c + 1] > best || isnan(r1[c + 1])) best = r1[c + 1], bi = base + g->w + c + 1;
+            y[oh * g->wo + ow] = best;
+            idx[oh * g->wo + ow] = bi;
+        }
+    }
+}
+
+int tdm_cpu_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
+                       const tdm_pool2d_args *args) {
+    if (check4("cpu max_pool2d", x, y) || check4("cpu max_pool2d", x, idx))
+        return tdm_last_status();
+    if (idx->dtype != TDM_I64)
+        return tdm_raise(TDM_ERR_DTYPE, "cpu max_pool2d: indices must be i64, got %s",
+                         tdm_dtype_name(idx->dtype));
+    pool_geom g = geom_of(x, y, args);
+    const float *xp = tdm_data_ptr(x);
+    float *yp = tdm_data_ptr(y);
+    int64_t *ip = tdm_data_ptr(idx);
+    bool fast = g.kh == 2 && g.kw == 2 && g.sh == 2 && g.sw == 2 && g.ph == 0 && g.pw == 0 &&
+                g.dh == 1 && g.dw == 1 && 2 * g.ho <= g.h && 2 * g.wo <= g.w;
+    int64_t in_plane = g.h * g.w, out_plane = g.ho * g.wo;
+    for (int64_t p = 0; p < g.planes; p++) {
+        if (fast)
+            max_plane_2x2(xp + p * in_plane, yp + p * out_plane, ip + p * out_plane, &g);
+        else
+            max_plane(xp + p * in_plane, yp + p * out_plane, ip + p * out_plane, &g);
+    }
+    return TDM_OK;
+}
+
+/* gx (zeroed here) [N, C, H, W]: each gy element goes to the input its index names. */
+int tdm_cpu_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *idx) {
+    if (check4("cpu max_pool2d_backward", gx, gy) || check4("cpu max_pool2d_backward", gx, idx))
+        return tdm_last_status();
+    int64_t planes = gx->shape[0] * gx->shape[1];
+    int64_t in_plane = gx->shape[2] * gx->shape[3], out_plane = gy->shape[2] * gy->shape[3];
+    float *gxp = tdm_data_ptr(gx);
+    const float *gyp = tdm_data_ptr(gy);
+    const int64_t *ip = tdm_data_ptr(idx);
+    memset(gxp, 0, (size_t)(planes * in_plane) * sizeof(float));
+    for (int64_t p = 0; p < planes; p++) {
+        float *d = gxp + p * in_plane;
+        const float *s = gyp + p * out_plane;
+        const int64_t *ix = ip + p * out_plane;
+        for (int64_t q = 0; q < out_plane; q++) {
+            if (ix[q] < 0 || ix[q] >= in_plane)
+                return tdm_raise(TDM_ERR_ARG,
+                                 "cpu max_pool2d_backward: index %lld outside a plane of %lld",
+                                 (long long)ix[q], (long long)in_plane);
+            d[ix[q]] += s[q];
+        }
+    }
+    return TDM_OK;
+}
+
+/* The clipped window of output (oh, ow) and its divisor, as PyTorch computes them. Returns
+ * false for a window with no input pixel (its output is 0). */
+static bool avg_window(const pool_geom *g, bool include_pad, int64_t oh, int64_t ow,
+                       int64_t *h0, int64_t *h1, int64_t *w0, int64_t *w1, float *inv) {
+    int64_t hs = oh * g->sh - g->ph, ws = ow * g->sw - g->pw;
+    int64_t he = hs + g->kh, we = ws + g->kw;
+    if (he > g->h + g->ph) he = g->h + g->ph;
+    if (we > g->w + g->pw) we = g->w + g->pw;
+    int64_t pool = (he - hs) * (we - ws); /* padding counts, beyond it does not */
+    if (hs < 0) hs = 0;
+    if (ws < 0) ws = 0;
+    if (he > g->h) he = g->h;
+    if (we > g->w) we = g->w;
+    if (hs >= he || ws >= we) return false;
+    *h0 = hs, *h1 = he, *w0 = ws, *w1 = we;
+    *inv = 1.0f / (float)(include_pad ? pool : (he - hs) * (we - ws));
+    return true;
+}
+
+int tdm_cpu_avg_pool2d(tdm_tensor *y, const tdm_tensor *x, const tdm_pool2d_args *args) {
+    if (check4("cpu avg_pool2d", x, y)) return tdm_last_status();
+    pool_geom g = geom_of(x, y, args);
+    const float *xp = tdm_data_ptr(x);
+    float *yp = tdm_data_ptr(y);
+    for (int64_t p = 0; p < g.planes; p++) {
+        const float *xs = xp + p * g.h * g.w;
+        float *ys = yp + p * g.ho * g.wo;
+        for (int64_t oh = 0; oh < g.ho; oh++)
+            for (int64_t ow = 0; ow < g.wo; ow++) {
+                int64_t h0, h1, w0, w1;
+                float inv;
+                float acc = 0;
+                if (avg_window(&g, args->count_include_pad, oh, ow, &h0, &h1, &w0, &w1, &inv)) {
+                    for (int64_t ih = h0; ih < h1; ih++)
+                        for (int64_t iw = w0; iw < w1; iw++) acc += xs[ih * g.w + iw];
+                    acc *= inv;
+                }
+                ys[oh * g.wo + ow] = acc;
+            }
+    }
+    return TDM_OK;
+}
+
+/* gx (zeroed here): each gy element spread evenly over its window. */
+int tdm_cpu_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy,
+                                const tdm_pool2d_args *args) {
+    if (check4("cpu avg_pool2d_backward", gx, gy)) return tdm_last_status();
+    pool_geom g = geom_of(gx, gy, args);
+    float *gxp = tdm_data_ptr(gx);
+    const float *gyp = tdm_data_ptr(gy);
+    memset(gxp, 0, (size_t)(g.planes * g.h * g.w) * sizeof(float));
+    for (int64_t p = 0; p < g.planes; p++) {
+        float *gs = gxp + p * g.h * g.w;
+        const float *ys = gyp + p * g.ho * g.wo;
+        for (int64_t oh = 0; oh < g.ho; oh++)
+            for (int64_t ow = 0; ow < g.wo; ow++) {
+                int64_t h0, h1, w0, w1;
+                float inv;
+                if (!avg_window(&g, args->count_include_pad, oh, ow, &h0, &h1, &w0, &w1, &inv))
+                    continue;
+                float v = ys[oh * g.wo + ow] * inv;
+                for (int64_t ih = h0; ih < h1; ih++)
+                    for (int64_t iw = w0; iw < w1; iw++) gs[ih * g.w + iw] += v;
+            }
+    }
+    return TDM_OK;
+}

@@ -1,0 +1,80 @@
+/* Private core interface: errors, storage, tensor construction, the caching allocator.
+ * Shared by every layer of the library; not installed. */
+#ifndef TDM_CORE_H
+#define TDM_CORE_H
+
+#include "tandem/tensor.h"
+
+#include <stdatomic.h>
+
+/* ---- errors ----------------------------------------------------------------------------- */
+
+/* Records a printf-style message for tdm_last_error and returns status (so callers can write
+ * `return tdm_raise(TDM_ERR_SHAPE, "...")`). */
+int tdm_raise(tdm_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Same, returning NULL, for functions that return pointers. */
+void *tdm_raise_null(tdm_status status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* ---- storage and the caching allocator -------------------------------------------------- */
+
+struct tdm_storage {
+    void *data;
+    size_t nbytes; /* capacity of the block */
+    tdm_device device;
+    atomic_int refcount;
+};
+
+/* A block of at least nbytes on dev from the device's cache (malloc only on a miss).
+ * Refcount starts at 1. NULL and TDM_ERR_NOMEM on failure. */
+tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev);
+void tdm_storage_retain(tdm_storage *s);
+/* Drops a reference; the block returns to the cache at zero. */
+void tdm_storage_release(tdm_storage *s);
+
+typedef struct {
+    size_t bytes_in_use; /* held by live storages */
+    size_t bytes_cached; /* free blocks kept for reuse */
+    size_t peak_in_use;
+    uint64_t sys_allocs; /* calls into the system allocator (blocks and arena chunks) */
+} tdm_alloc_stats;
+/* Statistics of one device's pool. */
+tdm_alloc_stats tdm_alloc_stats_get(tdm_device dev);
+void tdm_alloc_reset_peak(tdm_device dev);
+/* Returns every cached block of dev to the system. */
+void tdm_alloc_empty_cache(tdm_device dev);
+/* Counts a system allocation made outside the pools (arenas) in the statistics. */
+void tdm_alloc_count_sys(void);
+
+/* ---- tensors ---------------------------------------------------------------------------- */
+
+/* A tensor header with the current scope as owner (or the caller if none), no storage. */
+tdm_tensor *tdm_tensor_header(void);
+/* A header owned by owner (a scope, or NULL for the caller), e.g. a leaf's gradient. */
+tdm_tensor *tdm_tensor_header_owned(tdm_scope *owner);
+/* A contiguous tensor of shape with fresh storage; contents uninitialised. */
+tdm_tensor *tdm_tensor_alloc(tdm_shape shape, tdm_dtype dt, tdm_device dev);
+/* Same, owned by owner (see tdm_tensor_header_owned). */
+tdm_tensor *tdm_tensor_alloc_owned(tdm_shape shape, tdm_dtype dt, tdm_device dev,
+                                   tdm_scope *owner);
+/* A view of base: shares base's storage with the given geometry. */
+tdm_tensor *tdm_tensor_view(const tdm_tensor *base, int ndim, const int64_t *shape,
+                            const int64_t *strides, int64_t offset);
+/* Fills strides for a contiguous row-major layout. */
+void tdm_contiguous_strides(int ndim, const int64_t *shape, int64_t *strides);
+bool tdm_same_shape(const tdm_tensor *a, const tdm_tensor *b);
+
+/* Normalises dim against ndim (negative counts from the end). -1 and an error if invalid. */
+int tdm_wrap_dim(int dim, int ndim, const char *op);
+
+/* Checks shared by every op. Each raises a message naming op and returns nonzero. */
+int tdm_check_f32(const tdm_tensor *t, const char *op);
+int tdm_check_same_device(const tdm_tensor *a, const tdm_tensor *b, const char *op);
+
+/* Allocates n bytes that live as long as the current scope (or malloc'd when none is open:
+ * then the caller frees). Zeroed. For tape nodes and op contexts. */
+void *tdm_scope_alloc(size_t n);
+/* The innermost open scope of this thread (NULL if none). */
+tdm_scope *tdm_current_scope(void);
+
+#endif

@@ -1,0 +1,178 @@
+/* Step scopes: every tensor header, tape node and op context created inside a scope comes
+ * from this thread's arena and is released at once by tdm_scope_end. The arena keeps its
+ * chunks, so a steady-state step allocates nothing from the system. The tape (the nodes
+ * recorded by autograd) is part of the scope too: ending a scope truncates it. */
+#include "core/core.h"
+#include "autograd/tape.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK_BYTES (256 * 1024)
+#define MAX_DEPTH 64
+
+typedef struct chunk {
+    struct chunk *next;
+    size_t size, used;
+    _Alignas(64) unsigned char mem[];
+} chunk;
+
+struct tdm_scope {
+    chunk *mark_chunk; /* arena position at begin */
+    size_t mark_used;
+    int tape_start;
+    tdm_tensor *tensors; /* owned tensors, linked through ->next */
+};
+
+typedef struct {
+    chunk *head, *cur; /* chunk list; cur is the one being filled */
+    tdm_scope scopes[MAX_DEPTH];
+    int depth;
+    tdm_node **tape;
+    int tape_len, tape_cap, tape_consumed;
+} thread_state;
+
+static _Thread_local thread_state ts;
+
+static void *arena_alloc(size_t n) {
+    n = (n + 15) & ~(size_t)15;
+    while (ts.cur && ts.cur->used + n > ts.cur->size) ts.cur = ts.cur->next;
+    if (!ts.cur) {
+        size_t size = n > CHUNK_BYTES ? n : CHUNK_BYTES;
+        chunk *c = malloc(sizeof(chunk) + size);
+        if (!c) return NULL;
+        tdm_alloc_count_sys();
+        c->next = NULL;
+        c->size = size;
+        c->used = 0;
+        /* append, so chunks are reused in order after a reset */
+        chunk **tail = &ts.head;
+        while (*tail) tail = &(*tail)->next;
+        *tail = c;
+        ts.cur = c;
+    }
+    void *p = ts.cur->mem + ts.cur->used;
+    ts.cur->used += n;
+    memset(p, 0, n);
+    return p;
+}
+
+static tdm_scope *current(void) {
+    return ts.depth ? &ts.scopes[ts.depth - 1] : NULL;
+}
+
+int tdm_scope_begin(void) {
+    if (ts.depth == MAX_DEPTH)
+        return tdm_raise(TDM_ERR_STATE, "scope: more than %d nested scopes", MAX_DEPTH);
+    tdm_scope *s = &ts.scopes[ts.depth++];
+    s->mark_chunk = ts.cur;
+    s->mark_used = ts.cur ? ts.cur->used : 0;
+    s->tape_start = ts.tape_len;
+    s->tensors = NULL;
+    return TDM_OK;
+}
+
+void tdm_scope_end(void) {
+    tdm_scope *s = current();
+    if (!s) return;
+    for (tdm_tensor *t = s->tensors, *next; t; t = next) {
+        next = t->next;
+        tdm_storage_release(t->storage);
+        if (t->heap_header) free(t);
+    }
+    ts.tape_len = s->tape_start;
+    if (ts.tape_consumed > ts.tape_len) ts.tape_consumed = ts.tape_len;
+    /* rewind the arena: chunks after the mark become empty */
+    chunk *c = s->mark_chunk ? s->mark_chunk : ts.head;
+    if (c) c->used = s->mark_chunk ? s->mark_used : 0;
+    for (chunk *n = c ? c->next : NULL; n; n = n->next) n->used = 0;
+    ts.cur = c;
+    ts.depth--;
+}
+
+void *tdm_scope_alloc(size_t n) {
+    if (!current()) {
+        void *p = calloc(1, n);
+        return p ? p : tdm_raise_null(TDM_ERR_NOMEM, "scope: out of memory for %zu bytes", n);
+    }
+    void *p = arena_alloc(n);
+    return p ? p : tdm_raise_null(TDM_ERR_NOMEM, "scope: out of memory for %zu bytes", n);
+}
+
+tdm_tensor *tdm_tensor_header(void) {
+    tdm_scope *s = current();
+    tdm_tensor *t = s ? arena_alloc(sizeof *t) : calloc(1, sizeof *t);
+    if (!t) return tdm_raise_null(TDM_ERR_NOMEM, "tensor: out of memory for a header");
+    t->owner = s;
+    t->last_use = -1;
+    if (s) {
+        t->next = s->tensors;
+        s->tensors = t;
+    }
+    return t;
+}
+
+tdm_tensor *tdm_tensor_header_owned(tdm_scope *owner) {
+    if (owner == current()) return tdm_tensor_header();
+    tdm_tensor *t = calloc(1, sizeof *t);
+    if (!t) return tdm_raise_null(TDM_ERR_NOMEM, "tensor: out of memory for a header");
+    t->last_use = -1;
+    t->owner = owner;
+    if (owner) { /* an outer scope: its arena is closed, so the header lives on the heap */
+        t->heap_header = true;
+        t->next = owner->tensors;
+        owner->tensors = t;
+    }
+    return t;
+}
+
+tdm_tensor *tdm_scope_keep(tdm_tensor *t) {
+    if (!t) return NULL;
+    if (!t->owner) return t;
+    tdm_tensor *k = calloc(1, sizeof *k);
+    if (!k) return tdm_raise_null(TDM_ERR_NOMEM, "scope: out of memory keeping a tensor");
+    *k = *t;
+    k->owner = NULL;
+    k->next = NULL;
+    k->grad_fn = NULL; /* the history dies with the scope */
+    k->grad = NULL;
+    k->hooks = NULL;
+    k->last_use = -1;
+    tdm_storage_retain(k->storage);
+    if (t->grad) k->grad = tdm_scope_keep(t->grad);
+    return k;
+}
+
+/* ---- the tape ---------------------------------------------------------------------------- */
+
+int tdm_tape_push(tdm_node *n) {
+    if (ts.tape_len == ts.tape_cap) {
+        int cap = ts.tape_cap ? ts.tape_cap * 2 : 1024;
+        tdm_node **t = realloc(ts.tape, (size_t)cap * sizeof *t);
+        if (!t) return tdm_raise(TDM_ERR_NOMEM, "autograd: out of memory growing the tape");
+        tdm_alloc_count_sys();
+        ts.tape = t;
+        ts.tape_cap = cap;
+    }
+    n->index = ts.tape_len;
+    ts.tape[ts.tape_len++] = n;
+    return TDM_OK;
+}
+
+tdm_node **tdm_tape_nodes(int *start, int *end) {
+    *start = ts.tape_consumed;
+    *end = ts.tape_len;
+    return ts.tape;
+}
+
+void tdm_tape_consume(void) {
+    ts.tape_consumed = ts.tape_len;
+}
+
+int tdm_tape_size(void) {
+    return ts.tape_len;
+}
+
+tdm_scope *tdm_current_scope(void) {
+    return current();
+}

@@ -1,0 +1,272 @@
+/* Differentiable 2-D convolution and pooling (NCHW): argument checks, output shapes as
+ * PyTorch computes them, and the tape nodes. The arithmetic is in the backend's kernels
+ * (src/backend/cpu/cpu_conv.c, cpu_pool.c). */
+#include "tandem/nn.h"
+
+#include "autograd/tape.h"
+
+/* Frees a temporary (a contiguous copy, an index tensor) made while no scope was open and
+ * nothing recorded it; scope-owned temporaries go with their scope. */
+static void drop_temp(tdm_tensor *t, const tdm_tensor *orig) {
+    if (t && t != orig && !t->owner) tdm_tensor_free(t);
+}
+
+/* NULL inputs keep the first error, or report which argument was missing. */
+static bool any_null(const char *op, const char *what, const void *p) {
+    if (p) return false;
+    if (tdm_last_status() == TDM_OK) tdm_raise(TDM_ERR_ARG, "%s: %s is NULL", op, what);
+    return true;
+}
+
+/* ---- conv2d ------------------------------------------------------------------------------ */
+
+static tdm_conv2d_args conv_args(const tdm_conv2d_opts *o) {
+    tdm_conv2d_opts d = {0};
+    if (!o) o = &d;
+    tdm_conv2d_args a = {
+        .stride_h = o->stride_h ? o->stride_h : 1,
+        .stride_w = o->stride_w ? o->stride_w : 1,
+        .pad_h = o->pad_h,
+        .pad_w = o->pad_w,
+        .dilation_h = o->dilation_h ? o->dilation_h : 1,
+        .dilation_w = o->dilation_w ? o->dilation_w : 1,
+        .groups = o->groups ? o->groups : 1,
+    };
+    return a;
+}
+
+/* Ho = (H + 2*pad - dilation*(k-1) - 1) / stride + 1, with the error PyTorch gives when the
+ * (dilated) kernel does not fit the padded input. */
+static int conv_out_size(const char *op, const char *dim, int64_t in, int64_t k, int pad,
+                         int stride, int dil, int64_t *out) {
+    int64_t span = (int64_t)dil * (k - 1) + 1, padded = in + 2 * (int64_t)pad;
+    if (span > padded)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "%s: kernel %s %lld (dilated to %lld) is larger than the padded input "
+                         "%s %lld: output size would be < 1",
+                         op, dim, (long long)k, (long long)span, dim, (long long)padded);
+    *out = (padded - span) / stride + 1;
+    return TDM_OK;
+}
+
+static int conv_check(const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b,
+                      const tdm_conv2d_args *a, int64_t *ho, int64_t *wo) {
+    const char *op = "conv2d";
+    char sx[96], sw[96], sb[96];
+    tdm_shape_str(tdm_shape_of(x), sx);
+    tdm_shape_str(tdm_shape_of(w), sw);
+    if (tdm_check_f32(x, op) || tdm_check_f32(w, op) || (b && tdm_check_f32(b, op)) ||
+        tdm_check_same_device(x, w, op) || (b && tdm_check_same_device(x, b, op)))
+        return tdm_last_status();
+    if (x->ndim != 4)
+        return tdm_raise(TDM_ERR_SHAPE, "conv2d: input must be 4-D [N, C, H, W], got %s", sx);
+    if (w->ndim != 4)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "conv2d: weight must be 4-D [Cout, Cin/groups, kh, kw], "
+                         "got %s",
+                         sw);
+    if (a->stride_h < 1 || a->stride_w < 1 || a->pad_h < 0 || a->pad_w < 0 || a->dilation_h < 1 ||
+        a->dilation_w < 1 || a->groups < 1)
+        return tdm_raise(TDM_ERR_ARG,
+                         "conv2d: stride (%d, %d), padding (%d, %d), dilation "
+                         "(%d, %d) and groups %d must be positive (padding >= 0)",
+                         a->stride_h, a->stride_w, a->pad_h, a->pad_w, a->dilation_h, a->dilation_w,
+                         a->groups);
+    int64_t cin = x->shape[1], cout = w->shape[0];
+    if (cin % a->groups || cout % a->groups)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "conv2d: groups %d must divide the input channels (%lld, "
+                         "input %s) and output channels (%lld, weight %s)",
+                         a->groups, (long long)cin, sx, (long long)cout, sw);
+    if (w->shape[1] * a->groups != cin)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "conv2d: weight %s with groups %d expects %lld input "
+                         "channels, but input %s has %lld",
+                         sw, a->groups, (long long)(w->shape[1] * a->groups), sx, (long long)cin);
+    if (b && (b->ndim != 1 || b->shape[0] != cout))
+        return tdm_raise(TDM_ERR_SHAPE, "conv2d: bias must be [%lld] for weight %s, got %s",
+                         (long long)cout, sw, tdm_shape_str(tdm_shape_of(b), sb));
+    if (conv_out_size(op, "height", x->shape[2], w->shape[2], a->pad_h, a->stride_h, a->dilation_h,
+                      ho) ||
+        conv_out_size(op, "width", x->shape[3], w->shape[3], a->pad_w, a->stride_w, a->dilation_w,
+                      wo))
+        return tdm_last_status();
+    return TDM_OK;
+}
+
+/* in: x [N, Cin, H, W], w, b (or NULL); ctx: tdm_conv2d_args */
+static int conv2d_backward(tdm_node *n, tdm_tensor *gy) {
+    tdm_tensor *x = n->in[0], *w = n->in[1], *b = n->in[2];
+    const tdm_conv2d_args *a = n->ctx;
+    tdm_tensor *gx = NULL, *gw = NULL, *gb = NULL;
+    if (tdm_node_wants(n, 0) && !(gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device)))
+        return tdm_last_status();
+    if (tdm_node_wants(n, 1) && !(gw = tdm_tensor_alloc(tdm_shape_of(w), TDM_F32, w->device)))
+        return tdm_last_status();
+    if (tdm_node_wants(n, 2) && !(gb = tdm_tensor_alloc(tdm_shape_of(b), TDM_F32, b->device)))
+        return tdm_last_status();
+    int rc = tdm_backend_for(x->device)->conv2d_backward(gx, gw, gb, gy, x, w, a);
+    if (rc) return rc;
+    if (gx && (rc = tdm_grad_accumulate(x, gx))) return rc;
+    if (gw && (rc = tdm_grad_accumulate(w, gw))) return rc;
+    if (gb && (rc = tdm_grad_accumulate(b, gb))) return rc;
+    return TDM_OK;
+}
+
+tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_conv2d_opts *o) {
+    if (any_null("conv2d", "input", x) || any_null("conv2d", "weight", w)) return NULL;
+    tdm_conv2d_args a = conv_args(o);
+    int64_t ho = 0, wo = 0;
+    if (conv_check(x, w, b, &a, &ho, &wo)) return NULL;
+    const tdm_backend *be = tdm_backend_for(x->device);
+    if (!be) return NULL;
+    /* kernels want dense memory; tdm_contiguous is a no-op for dense tensors and keeps the
+     * gradient flowing to a strided view */
+    tdm_tensor *xc = tdm_contiguous(x), *wc = tdm_contiguous(w), *bc = b ? tdm_contiguous(b) : NULL;
+    tdm_tensor *y = NULL;
+    if (xc && wc && (!b || bc))
+        y = tdm_tensor_alloc(TDM_SHAPE(x->shape[0], w->shape[0], ho, wo), TDM_F32, x->device);
+    tdm_tensor *in[3] = {xc, wc, bc};
+    bool ok = y && be->conv2d(y, xc, wc, bc, &a) == TDM_OK;
+    bool record = ok && tdm_needs_record(3, in);
+    if (record) {
+        tdm_node *n = tdm_record("conv2d", conv2d_backward, y, 3, in);
+        tdm_conv2d_args *ctx = n ? tdm_scope_alloc(sizeof *ctx) : NULL;
+        if (ctx) {
+            *ctx = a;
+            n->ctx = ctx;
+        }
+        ok = ctx != NULL;
+    }
+    if (!record) drop_temp(xc, x), drop_temp(wc, w), drop_temp(bc, b);
+    if (!ok) {
+        if (y && !y->owner) tdm_tensor_free(y);
+        return NULL;
+    }
+    return y;
+}
+
+/* ---- pooling ----------------------------------------------------------------------------- */
+
+static tdm_pool2d_args pool_args(const tdm_pool2d_opts *o) {
+    tdm_pool2d_args a = {
+        .kernel_h = o->kernel_h,
+        .kernel_w = o->kernel_w,
+        .stride_h = o->stride_h ? o->stride_h : o->kernel_h,
+        .stride_w = o->stride_w ? o->stride_w : o->kernel_w,
+        .pad_h = o->pad_h,
+        .pad_w = o->pad_w,
+        .dilation_h = o->dilation_h ? o->dilation_h : 1,
+        .dilation_w = o->dilation_w ? o->dilation_w : 1,
+        .ceil_mode = o->ceil_mode,
+        .count_include_pad = o->count_include_pad,
+    };
+    return a;
+}
+
+/* PyTorch's pooling_output_shape: floor or ceil division, and in ceil mode the last window
+ * must start inside the input or its left padding. */
+static int64_t pool_out_size(int64_t in, int64_t k, int64_t pad, int64_t stride, int64_t dil,
+                             bool ceil_mode) {
+    int64_t num = in + 2 * pad - dil * (k - 1) - 1 + (ceil_mode ? stride - 1 : 0);
+    int64_t q = num >= 0 ? num / stride : -((-num + stride - 1) / stride); /* floor */
+    int64_t out = q + 1;
+    if (ceil_mode && (out - 1) * stride >= in + pad) out--;
+    return out;
+}
+
+static int pool_check(const char *op, const tdm_tensor *x, const tdm_pool2d_args *a, bool is_max,
+                      int64_t *ho, int64_t *wo) {
+    char sx[96];
+    tdm_shape_str(tdm_shape_of(x), sx);
+    if (tdm_check_f32(x, op)) return tdm_last_status();
+    if (x->ndim != 4)
+        return tdm_raise(TDM_ERR_SHAPE, "%s: input must be 4-D [N, C, H, W], got %s", op, sx);
+    if (a->kernel_h < 1 || a->kernel_w < 1 || a->stride_h < 1 || a->stride_w < 1 || a->pad_h < 0 ||
+        a->pad_w < 0 || a->dilation_h < 1 || a->dilation_w < 1)
+        return tdm_raise(TDM_ERR_ARG,
+                         "%s: kernel (%d, %d), stride (%d, %d) and dilation (%d, %d) "
+                         "must be positive and padding (%d, %d) >= 0",
+                         op, a->kernel_h, a->kernel_w, a->stride_h, a->stride_w, a->dilation_h,
+                         a->dilation_w, a->pad_h, a->pad_w);
+    if (!is_max && (a->dilation_h != 1 || a->dilation_w != 1))
+        return tdm_raise(TDM_ERR_ARG, "%s: dilation is for max pooling only, got (%d, %d)", op,
+                         a->dilation_h, a->dilation_w);
+    /* PyTorch: padding at most half the (dilated, for max) kernel, so no window is all pad */
+    int64_t eh = is_max ? (int64_t)(a->kernel_h - 1) * a->dilation_h + 1 : a->kernel_h;
+    int64_t ew = is_max ? (int64_t)(a->kernel_w - 1) * a->dilation_w + 1 : a->kernel_w;
+    if (a->pad_h > eh / 2 || a->pad_w > ew / 2)
+        return tdm_raise(TDM_ERR_ARG,
+                         "%s: padding (%d, %d) must be at most half the kernel "
+                         "size (%lld, %lld)",
+                         op, a->pad_h, a->pad_w, (long long)eh, (long long)ew);
+    *ho =
+        pool_out_size(x->shape[2], a->kernel_h, a->pad_h, a->stride_h, a->dilation_h, a->ceil_mode);
+    *wo =
+        pool_out_size(x->shape[3], a->kernel_w, a->pad_w, a->stride_w, a->dilation_w, a->ceil_mode);
+    if (*ho < 1 || *wo < 1)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "%s: input %s with kernel (%d, %d), stride (%d, %d), "
+                         "padding (%d, %d) gives output size %lldx%lld (< 1)",
+                         op, sx, a->kernel_h, a->kernel_w, a->stride_h, a->stride_w, a->pad_h,
+                         a->pad_w, (long long)*ho, (long long)*wo);
+    return TDM_OK;
+}
+
+/* in: x; saved[0]: indices (i64, shape of y) */
+static int max_pool2d_backward(tdm_node *n, tdm_tensor *gy) {
+    tdm_tensor *x = n->in[0];
+    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    if (!gx) return tdm_last_status();
+    int rc = tdm_backend_for(x->device)->max_pool2d_backward(gx, gy, n->saved[0]);
+    return rc ? rc : tdm_grad_accumulate(x, gx);
+}
+
+/* in: x; ctx: tdm_pool2d_args */
+static int avg_pool2d_backward(tdm_node *n, tdm_tensor *gy) {
+    tdm_tensor *x = n->in[0];
+    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    if (!gx) return tdm_last_status();
+    int rc = tdm_backend_for(x->device)->avg_pool2d_backward(gx, gy, n->ctx);
+    return rc ? rc : tdm_grad_accumulate(x, gx);
+}
+
+static tdm_tensor *pool2d(const char *op, tdm_tensor *x, const tdm_pool2d_opts *o, bool is_max) {
+    if (any_null(op, "input", x) || any_null(op, "options", o)) return NULL;
+    tdm_pool2d_args a = pool_args(o);
+    int64_t ho = 0, wo = 0;
+    if (pool_check(op, x, &a, is_max, &ho, &wo)) return NULL;
+    const tdm_backend *be = tdm_backend_for(x->device);
+    if (!be) return NULL;
+    tdm_shape ys = TDM_SHAPE(x->shape[0], x->shape[1], ho, wo);
+    tdm_tensor *xc = tdm_contiguous(x);
+    tdm_tensor *y = xc ? tdm_tensor_alloc(ys, TDM_F32, x->device) : NULL;
+    tdm_tensor *idx = y && is_max ? tdm_tensor_alloc(ys, TDM_I64, x->device) : NULL;
+    bool ok = y && (!is_max || idx) &&
+              (is_max ? be->max_pool2d(y, idx, xc, &a) : be->avg_pool2d(y, xc, &a)) == TDM_OK;
+    bool record = ok && tdm_needs_record(1, &xc);
+    if (record) {
+        tdm_node *n = tdm_record(op, is_max ? max_pool2d_backward : avg_pool2d_backward, y, 1, &xc);
+        tdm_pool2d_args *ctx = n ? tdm_scope_alloc(sizeof *ctx) : NULL;
+        if (ctx) {
+            *ctx = a;
+            n->ctx = ctx;
+            n->saved[0] = idx;
+        }
+        ok = ctx != NULL;
+    }
+    if (!record) drop_temp(xc, x), drop_temp(idx, NULL);
+    if (!ok) {
+        if (y && !y->owner) tdm_tensor_free(y);
+        return NULL;
+    }
+    return y;
+}
+
+tdm_tensor *tdm_max_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o) {
+    return pool2d("max_pool2d", x, o, true);
+}
+
+tdm_tensor *tdm_avg_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o) {
+    return pool2d("avg_pool2d", x, o, false);
+}

@@ -1,0 +1,132 @@
+/* tdm_linear: y = x @ w^T + b as one tape node with the bias fused into the GEMM.
+ *
+ * x [..., in] is seen as a matrix X [M, in] (M = product of the leading dims), so every
+ * product is one BLAS call whatever the rank of x:
+ *   forward   Y [M, out]  = b (broadcast rows) + X @ W^T        (matmul with beta = 1)
+ *   backward  dX [M, in]  = dY @ W
+ *             dW [out, in] = dY^T @ X
+ *             db [out]     = column sums of dY
+ */
+#include "autograd/tape.h"
+#include "tandem/nn.h"
+
+/* A 3-D view [1, rows, cols] of a contiguous tensor holding rows*cols elements: the batch
+ * form the backend's matmul takes. Lives on the stack: kernels only read the geometry. */
+static tdm_tensor as_matrix(const tdm_tensor *t, int64_t rows, int64_t cols) {
+    tdm_tensor v = *t;
+    v.ndim = 3;
+    v.shape[0] = 1, v.shape[1] = rows, v.shape[2] = cols;
+    v.strides[0] = rows * cols, v.strides[1] = cols, v.strides[2] = 1;
+    v.requires_grad = false;
+    v.grad = NULL;
+    v.grad_fn = NULL;
+    return v;
+}
+
+/* M: the product of x's leading dims (1 for a 1-D x). */
+static int64_t leading_rows(const tdm_tensor *x) {
+    int64_t rows = 1;
+    for (int d = 0; d < x->ndim - 1; d++) rows *= x->shape[d];
+    return rows;
+}
+
+/* gout may arrive with any strides; the kernels below want it contiguous. */
+static tdm_tensor *contiguous_grad(tdm_tensor *g) {
+    if (tdm_is_contiguous(g)) return g;
+    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(g), TDM_F32, g->device);
+    if (!c || tdm_backend_for(g->device)->copy(c, g)) return NULL;
+    return c;
+}
+
+static int linear_backward(tdm_node *n, tdm_tensor *gout) {
+    tdm_tensor *x = n->in[0], *w = n->in[1], *b = n->in[2];
+    const tdm_backend *be = tdm_backend_for(x->device);
+    int64_t out = w->shape[0], in = w->shape[1], rows = leading_rows(x);
+    tdm_tensor *gy = contiguous_grad(gout);
+    if (!gy) return tdm_last_status();
+    tdm_tensor gy3 = as_matrix(gy, rows, out);
+    if (tdm_node_wants(n, 0)) { /* dX [M, in] = dY [M, out] @ W [out, in] */
+        tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+        if (!gx) return tdm_last_status();
+        tdm_tensor gx3 = as_matrix(gx, rows, in), w3 = as_matrix(w, out, in);
+        int rc = be->matmul(&gx3, &gy3, &w3, false, false, 0.0f);
+        if (rc || (rc = tdm_grad_accumulate(x, gx))) return rc;
+    }
+    if (tdm_node_wants(n, 1)) { /* dW [out, in] = dY^T [out, M] @ X [M, in] */
+        tdm_tensor *gw = tdm_tensor_alloc(tdm_shape_of(w), TDM_F32, w->device);
+        if (!gw) return tdm_last_status();
+        tdm_tensor gw3 = as_matrix(gw, out, in), x3 = as_matrix(x, rows, in);
+        int rc = be->matmul(&gw3, &gy3, &x3, true, false, 0.0f);
+        if (rc || (rc = tdm_grad_accumulate(w, gw))) return rc;
+    }
+    if (tdm_node_wants(n, 2)) { /* db [out] = sum over rows of dY [M, out] */
+        tdm_tensor *gb = tdm_tensor_alloc(tdm_shape_of(b), TDM_F32, b->device);
+        if (!gb) return tdm_last_status();
+        tdm_tensor gb2 = *gb, gy2 = *gy;
+        gb2.ndim = 2, gb2.shape[0] = 1, gb2.shape[1] = out, gb2.strides[0] = out;
+        gb2.strides[1] = 1;
+        gy2.ndim = 2, gy2.shape[0] = rows, gy2.shape[1] = out, gy2.strides[0] = out;
+        gy2.strides[1] = 1;
+        int rc = be->sum_to(&gb2, &gy2);
+        if (rc || (rc = tdm_grad_accumulate(b, gb))) return rc;
+    }
+    return TDM_OK;
+}
+
+static int check_linear(const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b) {
+    char sx[96], sw[96], sb[96];
+    if (tdm_check_f32(x, "linear") || tdm_check_f32(w, "linear") ||
+        (b && tdm_check_f32(b, "linear")) || tdm_check_same_device(x, w, "linear") ||
+        (b && tdm_check_same_device(x, b, "linear")))
+        return tdm_last_status();
+    tdm_shape_str(tdm_shape_of(x), sx);
+    tdm_shape_str(tdm_shape_of(w), sw);
+    if (w->ndim != 2)
+        return tdm_raise(TDM_ERR_SHAPE, "linear: weight must be 2-D [out, in], got %s", sw);
+    if (x->ndim < 1 || x->shape[x->ndim - 1] != w->shape[1])
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "linear: input %s does not end with in_features %lld of weight %s", sx,
+                         (long long)w->shape[1], sw);
+    if (b && (b->ndim != 1 || b->shape[0] != w->shape[0]))
+        return tdm_raise(TDM_ERR_SHAPE, "linear: bias %s must be [%lld] for weight %s",
+                         tdm_shape_str(tdm_shape_of(b), sb), (long long)w->shape[0], sw);
+    return TDM_OK;
+}
+
+tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
+    if (!x || !w) {
+        if (tdm_last_status() == TDM_OK)
+            tdm_raise(TDM_ERR_ARG, "linear: %s is NULL", x ? "weight" : "input");
+        return NULL;
+    }
+    if (check_linear(x, w, b)) return NULL;
+    /* The GEMM wants unit stride in the last dim and a plain row layout. */
+    x = tdm_contiguous(x);
+    w = tdm_contiguous(w);
+    tdm_tensor *bc = b ? tdm_contiguous(b) : NULL;
+    if (!x || !w || (b && !bc)) return NULL;
+    b = bc;
+    const tdm_backend *be = tdm_backend_for(x->device);
+    if (!be) return NULL;
+    int64_t out = w->shape[0], in = w->shape[1], rows = leading_rows(x);
+    tdm_shape ys = tdm_shape_of(x);
+    ys.d[ys.ndim - 1] = out;
+    tdm_tensor *y = tdm_tensor_alloc(ys, TDM_F32, x->device);
+    if (!y) return NULL;
+    tdm_tensor y3 = as_matrix(y, rows, out), x3 = as_matrix(x, rows, in),
+               w3 = as_matrix(w, out, in);
+    float beta = 0.0f;
+    if (b) { /* Y starts as b broadcast over the rows; the GEMM adds onto it. */
+        tdm_tensor y2 = as_matrix(y, rows, out), bb = *b;
+        bb.ndim = 2, bb.shape[0] = rows, bb.shape[1] = out, bb.strides[0] = 0;
+        bb.strides[1] = 1;
+        y2.ndim = 2, y2.shape[0] = rows, y2.shape[1] = out, y2.strides[0] = out;
+        y2.strides[1] = 1;
+        if (be->copy(&y2, &bb)) return NULL;
+        beta = 1.0f;
+    }
+    if (be->matmul(&y3, &x3, &w3, false, true, beta)) return NULL;
+    tdm_tensor *in3[3] = {x, w, b};
+    if (tdm_needs_record(3, in3) && !tdm_record("linear", linear_backward, y, 3, in3)) return NULL;
+    return y;
+}

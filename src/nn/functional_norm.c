@@ -1,0 +1,263 @@
+/* Functional normalisation, dropout and embedding: argument checks, output allocation,
+ * kernel calls and tape nodes. The math is in src/backend/cpu/cpu_norm.c. */
+#include "autograd/ops_index.h"
+#include "tandem/nn.h"
+
+/* A contiguous version of an optional tensor (NULL stays NULL without an error). */
+static tdm_tensor *opt_contiguous(tdm_tensor *t, bool *failed) {
+    if (!t) return NULL;
+    tdm_tensor *c = tdm_contiguous(t);
+    if (!c) *failed = true;
+    return c;
+}
+
+/* An optional per-channel/per-feature tensor must be f32 on dev with exactly shape s. */
+static int check_param(const tdm_tensor *p, const char *what, tdm_shape s, const tdm_tensor *x,
+                       const char *op) {
+    if (!p) return TDM_OK;
+    char b1[96], b2[96], b3[96];
+    if (p->dtype != TDM_F32)
+        return tdm_raise(TDM_ERR_DTYPE, "%s: %s must be f32, got %s", op, what,
+                         tdm_dtype_name(p->dtype));
+    if (tdm_check_same_device(p, x, op)) return -1;
+    tdm_shape ps = tdm_shape_of(p);
+    bool same = ps.ndim == s.ndim;
+    for (int i = 0; same && i < s.ndim; i++) same = ps.d[i] == s.d[i];
+    if (!same)
+        return tdm_raise(TDM_ERR_SHAPE, "%s: %s has shape %s, expected %s for input %s", op, what,
+                         tdm_shape_str(ps, b1), tdm_shape_str(s, b2),
+                         tdm_shape_str(tdm_shape_of(x), b3));
+    return TDM_OK;
+}
+
+/* Allocates a gradient of t's shape if input i of the node wants one. */
+static tdm_tensor *grad_for(tdm_node *n, int i, bool *failed) {
+    if (!tdm_node_wants(n, i)) return NULL;
+    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(n->in[i]), TDM_F32, n->in[i]->device);
+    if (!g) *failed = true;
+    return g;
+}
+
+static int accumulate_all(tdm_node *n, tdm_tensor *const *g, int k) {
+    for (int i = 0; i < k; i++)
+        if (g[i]) {
+            int rc = tdm_grad_accumulate(n->in[i], g[i]);
+            if (rc) return rc;
+        }
+    return TDM_OK;
+}
+
+/* ---- batch norm ---- */
+
+/* in: x, weight, bias; saved: mean, invstd; arg.i[0]: training */
+static int batch_norm_backward(tdm_node *n, tdm_tensor *gout) {
+    bool failed = false;
+    tdm_tensor *gy = tdm_contiguous(gout);
+    tdm_tensor *g[3] = {grad_for(n, 0, &failed), grad_for(n, 1, &failed), grad_for(n, 2, &failed)};
+    if (!gy || failed) return tdm_last_status();
+    tdm_tensor *x = n->in[0];
+    int rc = tdm_backend_for(x->device)->batch_norm_backward(
+        g[0], g[1], g[2], gy, x, n->in[1], n->saved[0], n->saved[1], n->arg.i[0] != 0);
+    return rc ? rc : accumulate_all(n, g, 3);
+}
+
+static int check_running(const tdm_tensor *r, const char *what, tdm_shape cs, const tdm_tensor *x) {
+    if (!r) return TDM_OK;
+    if (check_param(r, what, cs, x, "batch_norm")) return -1;
+    if (!tdm_is_contiguous(r))
+        return tdm_raise(TDM_ERR_ARG, "batch_norm: %s must be contiguous (it is updated in place)",
+                         what);
+    return TDM_OK;
+}
+
+tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *running_var,
+                           tdm_tensor *weight, tdm_tensor *bias, bool training, float momentum,
+                           float eps) {
+    if (!x) return NULL;
+    char b[96];
+    if (tdm_check_f32(x, "batch_norm")) return NULL;
+    if (x->ndim < 2)
+        return tdm_raise_null(TDM_ERR_SHAPE,
+                              "batch_norm: input must be [N, C] or [N, C, ...], "
+                              "got %s",
+                              tdm_shape_str(tdm_shape_of(x), b));
+    tdm_shape cs = TDM_SHAPE(x->shape[1]);
+    if (check_param(weight, "weight", cs, x, "batch_norm") ||
+        check_param(bias, "bias", cs, x, "batch_norm") ||
+        check_running(running_mean, "running_mean", cs, x) ||
+        check_running(running_var, "running_var", cs, x))
+        return NULL;
+    int64_t per_channel = x->shape[1] ? tdm_numel(x) / x->shape[1] : 0;
+    if (training && per_channel <= 1)
+        return tdm_raise_null(TDM_ERR_SHAPE,
+                              "batch_norm: expected more than 1 value per channel "
+                              "when training, got input %s",
+                              tdm_shape_str(tdm_shape_of(x), b));
+    if (!training && (!running_mean || !running_var))
+        return tdm_raise_null(TDM_ERR_ARG,
+                              "batch_norm: eval mode needs running_mean and "
+                              "running_var (input %s)",
+                              tdm_shape_str(tdm_shape_of(x), b));
+    const tdm_backend *be = tdm_backend_for(x->device);
+    if (!be) return NULL;
+    bool failed = false;
+    tdm_tensor *xc = tdm_contiguous(x);
+    tdm_tensor *w = opt_contiguous(weight, &failed), *bb = opt_contiguous(bias, &failed);
+    if (!xc || failed) return NULL;
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
+    tdm_tensor *mean = tdm_tensor_alloc(cs, TDM_F32, x->device);
+    tdm_tensor *invstd = tdm_tensor_alloc(cs, TDM_F32, x->device);
+    if (!y || !mean || !invstd) return NULL;
+    if (be->batch_norm(y, mean, invstd, xc, w, bb, running_mean, running_var, training, momentum,
+                       eps))
+        return NULL;
+    tdm_tensor *in[3] = {xc, w, bb};
+    if (tdm_needs_record(3, in)) {
+        tdm_node *n = tdm_record("batch_norm", batch_norm_backward, y, 3, in);
+        if (!n) return NULL;
+        n->saved[0] = mean;
+        n->saved[1] = invstd;
+        n->arg.i[0] = training;
+    }
+    return y;
+}
+
+/* ---- layer norm ---- */
+
+/* A [rows, cols] view of a contiguous tensor, as the kernels' contract states. */
+static tdm_tensor *view2d(tdm_tensor *t, int64_t rows, int64_t cols) {
+    int64_t shape[2] = {rows, cols}, strides[2] = {cols, 1};
+    return tdm_tensor_view(t, 2, shape, strides, t->offset);
+}
+static tdm_tensor *view1d(tdm_tensor *t) {
+    if (!t) return NULL;
+    int64_t shape[1] = {tdm_numel(t)}, strides[1] = {1};
+    return tdm_tensor_view(t, 1, shape, strides, t->offset);
+}
+
+/* in: x, weight, bias; saved: mean, rstd */
+static int layer_norm_backward(tdm_node *n, tdm_tensor *gout) {
+    bool failed = false;
+    tdm_tensor *gy = tdm_contiguous(gout);
+    tdm_tensor *g[3] = {grad_for(n, 0, &failed), grad_for(n, 1, &failed), grad_for(n, 2, &failed)};
+    if (!gy || failed) return tdm_last_status();
+    tdm_tensor *x = n->in[0], *mean = n->saved[0];
+    int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
+    int rc = tdm_backend_for(x->device)->layer_norm_backward(
+        g[0] ? view2d(g[0], rows, cols) : NULL, g[1] ? view1d(g[1]) : NULL,
+        g[2] ? view1d(g[2]) : NULL, view2d(gy, rows, cols), view2d(x, rows, cols),
+        n->in[1] ? view1d(n->in[1]) : NULL, mean, n->saved[1]);
+    return rc ? rc : accumulate_all(n, g, 3);
+}
+
+tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
+                           float eps) {
+    if (!x) return NULL;
+    char b[96];
+    if (tdm_check_f32(x, "layer_norm")) return NULL;
+    if (normalized_ndim < 1 || normalized_ndim > x->ndim)
+        return tdm_raise_null(TDM_ERR_ARG,
+                              "layer_norm: normalized_ndim %d is not in [1, %d] for input %s",
+                              normalized_ndim, x->ndim, tdm_shape_str(tdm_shape_of(x), b));
+    int lead = x->ndim - normalized_ndim;
+    tdm_shape ns = {normalized_ndim, {0}};
+    int64_t rows = 1, cols = 1;
+    for (int i = 0; i < x->ndim; i++) {
+        if (i < lead)
+            rows *= x->shape[i];
+        else
+            cols *= (ns.d[i - lead] = x->shape[i]);
+    }
+    if (check_param(weight, "weight", ns, x, "layer_norm") ||
+        check_param(bias, "bias", ns, x, "layer_norm"))
+        return NULL;
+    const tdm_backend *be = tdm_backend_for(x->device);
+    if (!be) return NULL;
+    bool failed = false;
+    tdm_tensor *xc = tdm_contiguous(x);
+    tdm_tensor *w = opt_contiguous(weight, &failed), *bb = opt_contiguous(bias, &failed);
+    if (!xc || failed) return NULL;
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
+    tdm_tensor *mean = tdm_tensor_alloc(TDM_SHAPE(rows), TDM_F32, x->device);
+    tdm_tensor *rstd = tdm_tensor_alloc(TDM_SHAPE(rows), TDM_F32, x->device);
+    if (!y || !mean || !rstd) return NULL;
+    tdm_tensor *y2 = view2d(y, rows, cols), *x2 = view2d(xc, rows, cols);
+    tdm_tensor *w1 = w ? view1d(w) : NULL, *b1 = bb ? view1d(bb) : NULL;
+    if (!y2 || !x2 || (w && !w1) || (bb && !b1)) return NULL;
+    if (be->layer_norm(y2, mean, rstd, x2, w1, b1, eps)) return NULL;
+    tdm_tensor *in[3] = {xc, w, bb};
+    if (tdm_needs_record(3, in)) {
+        tdm_node *n = tdm_record("layer_norm", layer_norm_backward, y, 3, in);
+        if (!n) return NULL;
+        n->saved[0] = mean;
+        n->saved[1] = rstd;
+    }
+    return y;
+}
+
+/* ---- dropout ---- */
+
+/* in: x; saved: mask (0 or 1/(1-p)) */
+static int dropout_backward(tdm_node *n, tdm_tensor *gout) {
+    tdm_tensor *x = n->in[0], *mask = n->saved[0];
+    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    if (!gx) return tdm_last_status();
+    int rc = tdm_backend_for(x->device)->binary(TDM_BIN_MUL, gx, gout, mask);
+    return rc ? rc : tdm_grad_accumulate(x, gx);
+}
+
+tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
+    if (!x) return NULL;
+    if (tdm_check_f32(x, "dropout")) return NULL;
+    if (!(p >= 0.0f && p <= 1.0f))
+        return tdm_raise_null(TDM_ERR_ARG, "dropout: p must be in [0, 1], got %g", (double)p);
+    if (!training || p == 0.0f) return x;
+    const tdm_backend *be = tdm_backend_for(x->device);
+    if (!be) return NULL;
+    if (!rng) rng = tdm_default_rng();
+    tdm_tensor *xc = tdm_contiguous(x);
+    if (!xc) return NULL;
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
+    tdm_tensor *mask = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
+    if (!y || !mask) return NULL;
+    if (be->dropout(y, mask, xc, p, rng->seed, rng->offset)) return NULL;
+    /* the next draw starts after this one's counters: masks never repeat */
+    rng->offset += (uint64_t)tdm_numel(xc);
+    tdm_tensor *in[1] = {xc};
+    if (tdm_needs_record(1, in)) {
+        tdm_node *n = tdm_record("dropout", dropout_backward, y, 1, in);
+        if (!n) return NULL;
+        n->saved[0] = mask;
+    }
+    return y;
+}
+
+/* ---- embedding ---- */
+
+tdm_tensor *tdm_embedding(tdm_tensor *weight, const tdm_tensor *idx) {
+    if (!weight || !idx) return NULL;
+    char b1[96];
+    if (tdm_check_f32(weight, "embedding")) return NULL;
+    if (weight->ndim != 2)
+        return tdm_raise_null(TDM_ERR_SHAPE, "embedding: weight must be [num, dim], got %s",
+                              tdm_shape_str(tdm_shape_of(weight), b1));
+    if (tdm_check_index(idx, weight, "embedding")) return NULL;
+    if (idx->ndim + 1 > TDM_MAX_DIMS)
+        return tdm_raise_null(TDM_ERR_SHAPE, "embedding: index %s has too many dims",
+                              tdm_shape_str(tdm_shape_of(idx), b1));
+    /* index_select wants a 1-D index: flatten (copying only a strided one) */
+    const tdm_tensor *ci = idx;
+    if (!tdm_is_contiguous(idx)) {
+        tdm_tensor *c = tdm_empty(tdm_shape_of(idx), idx->dtype, idx->device);
+        if (!c || tdm_copy_(c, idx)) return NULL;
+        ci = c;
+    }
+    int64_t k = tdm_numel(ci), one = 1;
+    tdm_tensor *flat = tdm_tensor_view(ci, 1, &k, &one, ci->offset);
+    if (!flat) return NULL;
+    tdm_tensor *rows = tdm_index_select(weight, 0, flat); /* [k, dim] */
+    if (!rows) return NULL;
+    tdm_shape os = tdm_shape_of(idx);
+    os.d[os.ndim++] = weight->shape[1];
+    return tdm_reshape(rows, os);
+}

@@ -1,0 +1,200 @@
+/* Losses with PyTorch's meaning: cross-entropy (logits) and NLL (log-probabilities) with class
+ * weights, ignore_index and label smoothing; MSE; binary cross-entropy on logits.
+ *
+ * The heavy part of each loss is one fused per-sample node (kernels in cpu_loss.c); the
+ * reduction is composed from scalar ops. For cross-entropy, torch 1.13's mean divides the sum
+ * of per-sample losses by the sum of w[target] over non-ignored samples (the count of them
+ * without weights), for the smoothing term too; the kernel returns those w[target] terms.
+ */
+#include "autograd/ops_index.h"
+#include "tandem/nn.h"
+
+tdm_ce_opts tdm_ce_defaults(void) {
+    tdm_ce_opts o = {TDM_REDUCE_MEAN, -100, 0.0f, NULL};
+    return o;
+}
+
+static int check_reduction(tdm_reduction r, const char *op) {
+    if (r != TDM_REDUCE_MEAN && r != TDM_REDUCE_SUM && r != TDM_REDUCE_NONE)
+        return tdm_raise(TDM_ERR_ARG, "%s: unknown reduction %d", op, (int)r);
+    return TDM_OK;
+}
+
+static tdm_tensor *reduce(tdm_tensor *per, tdm_reduction r) {
+    if (r == TDM_REDUCE_NONE) return per;
+    return r == TDM_REDUCE_SUM ? tdm_sum_all(per) : tdm_mean_all(per);
+}
+
+/* ---- cross-entropy and NLL ---- */
+
+/* in: x [N, C] contiguous; saved: target, weight; arg.i[0] ignore_index;
+ * arg2.f[0] smoothing, arg2.f[1] is_logits */
+static int ce_backward(tdm_node *n, tdm_tensor *gout) {
+    tdm_tensor *x = n->in[0];
+    tdm_tensor *g = tdm_contiguous(gout);
+    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    if (!g || !gx) return tdm_last_status();
+    int rc = tdm_backend_for(x->device)->cross_entropy_backward(
+        gx, g, x, n->saved[0], n->saved[1], n->arg.i[0], n->arg2.f[0], n->arg2.f[1] != 0);
+    return rc ? rc : tdm_grad_accumulate(x, gx);
+}
+
+static int ce_check(const tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
+                    const char *op) {
+    char b1[96], b2[96];
+    if (tdm_check_f32(x, op)) return -1;
+    if (x->ndim != 2)
+        return tdm_raise(TDM_ERR_SHAPE, "%s: input must be [N, C], got %s", op,
+                         tdm_shape_str(tdm_shape_of(x), b1));
+    if (target->dtype != TDM_I32 && target->dtype != TDM_I64)
+        return tdm_raise(TDM_ERR_DTYPE, "%s: target must be i32 or i64 class indices, got %s", op,
+                         tdm_dtype_name(target->dtype));
+    if (tdm_check_same_device(x, target, op)) return -1;
+    if (target->ndim != 1 || target->shape[0] != x->shape[0])
+        return tdm_raise(TDM_ERR_SHAPE, "%s: target %s does not match input %s (expected [%lld])",
+                         op, tdm_shape_str(tdm_shape_of(target), b1),
+                         tdm_shape_str(tdm_shape_of(x), b2), (long long)x->shape[0]);
+    if (check_reduction(o->reduction, op)) return -1;
+    if (!(o->label_smoothing >= 0.0f && o->label_smoothing <= 1.0f))
+        return tdm_raise(TDM_ERR_ARG, "%s: label_smoothing must be in [0, 1], got %g", op,
+                         (double)o->label_smoothing);
+    const tdm_tensor *w = o->weight;
+    if (w) {
+        if (w->dtype != TDM_F32)
+            return tdm_raise(TDM_ERR_DTYPE, "%s: weight must be f32, got %s", op,
+                             tdm_dtype_name(w->dtype));
+        if (tdm_check_same_device(x, w, op)) return -1;
+        if (w->ndim != 1 || w->shape[0] != x->shape[1])
+            return tdm_raise(TDM_ERR_SHAPE,
+                             "%s: weight %s does not match input %s (expected [%lld])", op,
+                             tdm_shape_str(tdm_shape_of(w), b1), tdm_shape_str(tdm_shape_of(x), b2),
+                             (long long)x->shape[1]);
+    }
+    return TDM_OK;
+}
+
+/* The loss of every sample [N] (differentiable in x) and, in *wsum, w[target] per sample
+ * (0 where ignored). */
+static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
+                                 bool is_logits, tdm_tensor **wsum) {
+    const tdm_backend *be = tdm_backend_for(x->device);
+    if (!be) return NULL;
+    tdm_tensor *xc = tdm_contiguous(x), *w = NULL;
+    if (!xc) return NULL;
+    if (o->weight) {
+        /* class weights are constants here, as in PyTorch's loss: a contiguous copy is fine */
+        w = tdm_is_contiguous(o->weight) ? o->weight : tdm_clone(o->weight);
+        if (!w) return NULL;
+    }
+    tdm_shape ns = TDM_SHAPE(x->shape[0]);
+    tdm_tensor *loss = tdm_tensor_alloc(ns, TDM_F32, x->device);
+    *wsum = tdm_tensor_alloc(ns, TDM_F32, x->device);
+    if (!loss || !*wsum) return NULL;
+    if (be->cross_entropy(loss, *wsum, xc, target, w, o->ignore_index, o->label_smoothing,
+                          is_logits))
+        return NULL;
+    tdm_tensor *in[1] = {xc};
+    if (tdm_needs_record(1, in)) {
+        tdm_tensor *tk = tdm_index_keep(target), *wk = w ? tdm_index_keep(w) : NULL;
+        if (!tk || (w && !wk)) return NULL;
+        tdm_node *n =
+            tdm_record(is_logits ? "cross_entropy" : "nll_loss", ce_backward, loss, 1, in);
+        if (!n) return NULL;
+        n->saved[0] = tk;
+        n->saved[1] = wk;
+        n->arg.i[0] = o->ignore_index;
+        n->arg2.f[0] = o->label_smoothing;
+        n->arg2.f[1] = is_logits ? 1.0f : 0.0f;
+    }
+    return loss;
+}
+
+static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
+                             bool is_logits, const char *op) {
+    if (!x || !target) return NULL;
+    tdm_ce_opts defaults = tdm_ce_defaults();
+    if (!o) o = &defaults;
+    if (ce_check(x, target, o, op)) return NULL;
+    if (!is_logits && o->label_smoothing != 0.0f)
+        return tdm_raise_null(TDM_ERR_ARG,
+                              "%s: label_smoothing must be 0 (got %g); use "
+                              "cross_entropy on logits",
+                              op, (double)o->label_smoothing);
+    tdm_tensor *wsum = NULL;
+    tdm_tensor *loss = ce_per_sample(x, target, o, is_logits, &wsum);
+    if (!loss) return NULL;
+    switch (o->reduction) {
+    case TDM_REDUCE_NONE:
+        return loss;
+    case TDM_REDUCE_SUM:
+        return tdm_sum_all(loss);
+    default:
+        return tdm_div(tdm_sum_all(loss), tdm_sum_all(wsum));
+    }
+}
+
+tdm_tensor *tdm_cross_entropy(tdm_tensor *logits, const tdm_tensor *target, const tdm_ce_opts *o) {
+    return ce_common(logits, target, o, true, "cross_entropy");
+}
+
+tdm_tensor *tdm_nll_loss(tdm_tensor *logp, const tdm_tensor *target, const tdm_ce_opts *o) {
+    return ce_common(logp, target, o, false, "nll_loss");
+}
+
+/* ---- MSE and BCE ---- */
+
+/* input and target: f32, same device, same shape (no silent broadcasting of a target). */
+static int check_pair(const tdm_tensor *a, const tdm_tensor *t, tdm_reduction r, const char *op) {
+    char b1[96], b2[96];
+    if (tdm_check_f32(a, op) || tdm_check_f32(t, op) || tdm_check_same_device(a, t, op)) return -1;
+    if (!tdm_same_shape(a, t))
+        return tdm_raise(TDM_ERR_SHAPE, "%s: target %s does not match input %s", op,
+                         tdm_shape_str(tdm_shape_of(t), b1), tdm_shape_str(tdm_shape_of(a), b2));
+    return check_reduction(r, op);
+}
+
+tdm_tensor *tdm_mse_loss(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
+    if (!input || !target) return NULL;
+    if (check_pair(input, target, r, "mse_loss")) return NULL;
+    tdm_tensor *d = tdm_sub(input, target);
+    return reduce(tdm_mul(d, d), r);
+}
+
+/* in: x, target (both contiguous) */
+static int bce_backward(tdm_node *n, tdm_tensor *gout) {
+    tdm_tensor *x = n->in[0], *t = n->in[1];
+    const tdm_backend *be = tdm_backend_for(x->device);
+    tdm_tensor *g = tdm_contiguous(gout);
+    if (!g) return tdm_last_status();
+    if (tdm_node_wants(n, 0)) {
+        tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+        if (!gx) return tdm_last_status();
+        int rc = be->bce_logits_backward(gx, g, x, t);
+        if (!rc) rc = tdm_grad_accumulate(x, gx);
+        if (rc) return rc;
+    }
+    if (tdm_node_wants(n, 1)) { /* d loss / d target = -x */
+        tdm_tensor *gt = tdm_tensor_alloc(tdm_shape_of(t), TDM_F32, t->device);
+        if (!gt) return tdm_last_status();
+        int rc = be->binary(TDM_BIN_MUL, gt, g, x);
+        if (!rc) rc = be->unary(TDM_UN_NEG, gt, gt, 0.0f);
+        if (!rc) rc = tdm_grad_accumulate(t, gt);
+        if (rc) return rc;
+    }
+    return TDM_OK;
+}
+
+tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
+    if (!input || !target) return NULL;
+    if (check_pair(input, target, r, "bce_with_logits")) return NULL;
+    const tdm_backend *be = tdm_backend_for(input->device);
+    if (!be) return NULL;
+    tdm_tensor *x = tdm_contiguous(input), *t = tdm_contiguous(target);
+    if (!x || !t) return NULL;
+    tdm_tensor *loss = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    if (!loss || be->bce_logits(loss, x, t)) return NULL;
+    tdm_tensor *in[2] = {x, t};
+    if (tdm_needs_record(2, in) && !tdm_record("bce_with_logits", bce_backward, loss, 2, in))
+        return NULL;
+    return reduce(loss, r);
+}

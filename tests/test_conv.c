@@ -69,8 +69,8 @@ static void naive_conv(const conv_cfg *c, const float *x, const float *w, const 
 }
 
 /* Its adjoint: gx, gw, gb of L = sum(y * gy), in double. */
-static void naive_conv_backward(const conv_cfg *c, const float *x, const float *w,
-                                const float *gy, double *gx, double *gw, double *gb) {
+static void naive_conv_backward(const conv_cfg *c, const float *x, const float *w, const float *gy,
+                                double *gx, double *gw, double *gb) {
     int g = opt1(c->o.groups);
     int64_t ho = out_dim(c->h, c->kh, c->o.pad_h, c->o.stride_h, c->o.dilation_h);
     int64_t wo = out_dim(c->w, c->kw, c->o.pad_w, c->o.stride_w, c->o.dilation_w);
@@ -122,10 +122,29 @@ static const conv_cfg reference_cfgs[] = {
     {"pointwise", 3, 5, 4, 6, 3, 1, 1, {0}, true},
     {"pointwise_stride", 2, 3, 5, 5, 2, 1, 1, {.stride_h = 2, .stride_w = 2}, true},
     {"big_kernel_pad", 1, 2, 5, 5, 3, 5, 4, {.pad_h = 2, .pad_w = 3, .stride_h = 3}, true},
-    /* several chunks of images with a partial last chunk (batch 11, 10x10 planes) */
-    {"chunks", 11, 16, 10, 10, 8, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
-    /* one image per GEMM (planes >= 512 pixels) */
-    {"large_plane", 3, 1, 28, 28, 4, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    /* an odd batch of small planes */
+    {"batch11", 11, 16, 10, 10, 8, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    /* a plane whose column matrix exceeds the kernel's chunk: bands of 30 + 10 output rows */
+    {"row_chunks",
+     2,
+     16,
+     79,
+     120,
+     4,
+     3,
+     3,
+     {.stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1},
+     true},
+    {"row_chunks_groups",
+     1,
+     16,
+     70,
+     100,
+     8,
+     3,
+     3,
+     {.groups = 4, .dilation_h = 2, .pad_w = 1},
+     false},
     /* the Fashion-MNIST CNN's second layer on a small batch */
     {"cnn_conv2", 3, 32, 14, 14, 64, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
 };
@@ -186,8 +205,8 @@ static tdm_tensor *conv_gc_fn(tdm_tensor **in, void *ctx) {
     return tdm_conv2d(x, in[1], in[2], &c->o);
 }
 
-static void gradcheck_conv(const char *what, tdm_shape xs, tdm_shape ws, bool bias,
-                           conv_gc_ctx ctx, uint64_t seed) {
+static void gradcheck_conv(const char *what, tdm_shape xs, tdm_shape ws, bool bias, conv_gc_ctx ctx,
+                           uint64_t seed) {
     tdm_tensor *in[3] = {gradcheck_input(xs, seed), gradcheck_input(ws, seed + 1),
                          bias ? gradcheck_input(TDM_SHAPE(ws.d[0]), seed + 2) : NULL};
     /* conv is linear in each input, so a large step has no truncation error */
@@ -253,32 +272,54 @@ static void test_pool_gradcheck(void) {
     gradcheck_pool("max_pool2d k2", TDM_SHAPE(2, 3, 6, 7),
                    (pool_gc_ctx){{.kernel_h = 2, .kernel_w = 2}, true, false}, 1);
     gradcheck_pool("max_pool2d k3 s2 p1 ceil", TDM_SHAPE(2, 2, 8, 7),
-                   (pool_gc_ctx){{.kernel_h = 3, .kernel_w = 3, .stride_h = 2, .stride_w = 2,
-                                  .pad_h = 1, .pad_w = 1, .ceil_mode = true},
-                                 true, false},
+                   (pool_gc_ctx){{.kernel_h = 3,
+                                  .kernel_w = 3,
+                                  .stride_h = 2,
+                                  .stride_w = 2,
+                                  .pad_h = 1,
+                                  .pad_w = 1,
+                                  .ceil_mode = true},
+                                 true,
+                                 false},
                    2);
     gradcheck_pool("max_pool2d dilation 2 overlapping", TDM_SHAPE(1, 2, 9, 8),
-                   (pool_gc_ctx){{.kernel_h = 3, .kernel_w = 2, .stride_h = 1, .stride_w = 1,
-                                  .dilation_h = 2, .pad_h = 1},
-                                 true, false},
+                   (pool_gc_ctx){{.kernel_h = 3,
+                                  .kernel_w = 2,
+                                  .stride_h = 1,
+                                  .stride_w = 1,
+                                  .dilation_h = 2,
+                                  .pad_h = 1},
+                                 true,
+                                 false},
                    3);
     gradcheck_pool("max_pool2d strided view", TDM_SHAPE(2, 2, 7, 6),
                    (pool_gc_ctx){{.kernel_h = 2, .kernel_w = 3, .stride_w = 2}, true, true}, 4);
     gradcheck_pool("avg_pool2d k3 s2 p1 ceil", TDM_SHAPE(2, 2, 8, 7),
-                   (pool_gc_ctx){{.kernel_h = 3, .kernel_w = 3, .stride_h = 2, .stride_w = 2,
-                                  .pad_h = 1, .pad_w = 1, .ceil_mode = true,
+                   (pool_gc_ctx){{.kernel_h = 3,
+                                  .kernel_w = 3,
+                                  .stride_h = 2,
+                                  .stride_w = 2,
+                                  .pad_h = 1,
+                                  .pad_w = 1,
+                                  .ceil_mode = true,
                                   .count_include_pad = true},
-                                 false, false},
+                                 false,
+                                 false},
                    5);
     gradcheck_pool("avg_pool2d exclude pad", TDM_SHAPE(2, 2, 7, 8),
-                   (pool_gc_ctx){{.kernel_h = 2, .kernel_w = 3, .stride_h = 1, .stride_w = 2,
-                                  .pad_h = 1, .pad_w = 1, .ceil_mode = true},
-                                 false, false},
+                   (pool_gc_ctx){{.kernel_h = 2,
+                                  .kernel_w = 3,
+                                  .stride_h = 1,
+                                  .stride_w = 2,
+                                  .pad_h = 1,
+                                  .pad_w = 1,
+                                  .ceil_mode = true},
+                                 false,
+                                 false},
                    6);
-    gradcheck_pool("avg_pool2d strided view", TDM_SHAPE(1, 3, 6, 6),
-                   (pool_gc_ctx){{.kernel_h = 2, .kernel_w = 2, .count_include_pad = true},
-                                 false, true},
-                   7);
+    gradcheck_pool(
+        "avg_pool2d strided view", TDM_SHAPE(1, 3, 6, 6),
+        (pool_gc_ctx){{.kernel_h = 2, .kernel_w = 2, .count_include_pad = true}, false, true}, 7);
 }
 
 /* ---- PyTorch fixtures -------------------------------------------------------------------- */
@@ -296,8 +337,13 @@ static void test_conv_fixture(void) {
     tdm_tensor *b = tdm_from_data(shape4(conv_fx_b_shape, 1), TDM_F32, tdm_cpu(0), conv_fx_b);
     tdm_tensor *gy = tdm_from_data(shape4(conv_fx_gy_shape, 4), TDM_F32, tdm_cpu(0), conv_fx_gy);
     tdm_requires_grad_(x, true), tdm_requires_grad_(w, true), tdm_requires_grad_(b, true);
-    tdm_conv2d_opts o = {.stride_h = 2, .stride_w = 1, .pad_h = 1, .pad_w = 2,
-                         .dilation_h = 2, .dilation_w = 1, .groups = 2};
+    tdm_conv2d_opts o = {.stride_h = 2,
+                         .stride_w = 1,
+                         .pad_h = 1,
+                         .pad_w = 2,
+                         .dilation_h = 2,
+                         .dilation_w = 1,
+                         .groups = 2};
     tdm_tensor *y = tdm_conv2d(x, w, b, &o);
     CHECK(y && tdm_same_shape(y, gy), "conv fixture: output shape (%s)", tdm_last_error());
     if (y && tdm_same_shape(y, gy)) {
@@ -318,15 +364,20 @@ static void test_pool_fixtures(void) {
         tdm_scope_begin();
         tdm_tensor *x = tdm_from_data(shape4(pool_fx_x_shape, 4), TDM_F32, tdm_cpu(0), pool_fx_x);
         tdm_requires_grad_(x, true);
-        tdm_pool2d_opts o = {.kernel_h = f->kernel[0], .kernel_w = f->kernel[1],
-                             .stride_h = f->stride[0], .stride_w = f->stride[1],
-                             .pad_h = f->pad[0], .pad_w = f->pad[1],
-                             .dilation_h = f->dilation[0], .dilation_w = f->dilation[1],
-                             .ceil_mode = f->ceil_mode, .count_include_pad = f->count_include_pad};
+        tdm_pool2d_opts o = {.kernel_h = f->kernel[0],
+                             .kernel_w = f->kernel[1],
+                             .stride_h = f->stride[0],
+                             .stride_w = f->stride[1],
+                             .pad_h = f->pad[0],
+                             .pad_w = f->pad[1],
+                             .dilation_h = f->dilation[0],
+                             .dilation_w = f->dilation[1],
+                             .ceil_mode = f->ceil_mode,
+                             .count_include_pad = f->count_include_pad};
         tdm_tensor *y = f->is_max ? tdm_max_pool2d(x, &o) : tdm_avg_pool2d(x, &o);
         tdm_shape ys = shape4(f->y_shape, 4);
-        bool shape_ok = y && y->ndim == 4 && tdm_shape_numel(tdm_shape_of(y)) ==
-                                                 tdm_shape_numel(ys) &&
+        bool shape_ok = y && y->ndim == 4 &&
+                        tdm_shape_numel(tdm_shape_of(y)) == tdm_shape_numel(ys) &&
                         y->shape[2] == ys.d[2] && y->shape[3] == ys.d[3];
         CHECK(shape_ok, "pool fixture %s: output shape (%s)", f->name, tdm_last_error());
         if (shape_ok) {
@@ -340,8 +391,8 @@ static void test_pool_fixtures(void) {
         if (shape_ok && f->idx) { /* the index output of the kernel itself */
             tdm_tensor *yk = tdm_empty(ys, TDM_F32, tdm_cpu(0));
             tdm_tensor *ik = tdm_empty(ys, TDM_I64, tdm_cpu(0));
-            tdm_pool2d_args a = {o.kernel_h, o.kernel_w, o.stride_h, o.stride_w, o.pad_h,
-                                 o.pad_w, o.dilation_h, o.dilation_w, o.ceil_mode, false};
+            tdm_pool2d_args a = {o.kernel_h, o.kernel_w,   o.stride_h,   o.stride_w,  o.pad_h,
+                                 o.pad_w,    o.dilation_h, o.dilation_w, o.ceil_mode, false};
             CHECK(tdm_backend_for(tdm_cpu(0))->max_pool2d(yk, ik, x, &a) == 0, "%s",
                   tdm_last_error());
             int64_t n = tdm_numel(ik), bad = 0;
@@ -354,6 +405,30 @@ static void test_pool_fixtures(void) {
         }
         tdm_scope_end();
     }
+}
+
+/* NaN propagates and wins as in PyTorch, in the 2x2 fast path and the general one. */
+static void check_nan_pool(int k, int s, int p, const float *ey, const int64_t *eidx, int n) {
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_from_data(TDM_SHAPE(1, 1, 4, 4), TDM_F32, tdm_cpu(0), pool_nan_x);
+    tdm_shape ys = TDM_SHAPE(1, 1, n / 4 > 1 ? 4 : 2, n / 4 > 1 ? 4 : 2);
+    tdm_tensor *y = tdm_empty(ys, TDM_F32, tdm_cpu(0)), *ik = tdm_empty(ys, TDM_I64, tdm_cpu(0));
+    tdm_pool2d_args a = {k, k, s, s, p, p, 1, 1, false, false};
+    CHECK(tdm_backend_for(tdm_cpu(0))->max_pool2d(y, ik, x, &a) == 0, "%s", tdm_last_error());
+    float gy[16];
+    int64_t gi[16];
+    tdm_to_host(y, gy, sizeof(float) * (size_t)n);
+    tdm_to_host(ik, gi, sizeof(int64_t) * (size_t)n);
+    int bad = 0;
+    for (int i = 0; i < n; i++)
+        bad += gi[i] != eidx[i] || (isnan(ey[i]) ? !isnan(gy[i]) : gy[i] != ey[i]);
+    CHECK(bad == 0, "max_pool2d k%d with NaN/inf: %d outputs differ from PyTorch", k, bad);
+    tdm_scope_end();
+}
+
+static void test_pool_nan(void) {
+    check_nan_pool(2, 2, 0, pool_nan_k2_y, pool_nan_k2_idx, 4);
+    check_nan_pool(3, 1, 1, pool_nan_k3_y, pool_nan_k3_idx, 16);
 }
 
 /* ---- errors, no-scope use, no-grad ------------------------------------------------------- */
@@ -370,7 +445,7 @@ static void test_errors(void) {
     CHECK_ERROR(!tdm_conv2d(x, x3, NULL, &none), "[3, 8, 8]");
     tdm_tensor *w2 = tdm_zeros(TDM_SHAPE(4, 2, 3, 3), TDM_F32, tdm_cpu(0));
     CHECK_ERROR(!tdm_conv2d(x, w2, NULL, &none), "weight [4, 2, 3, 3] with groups 1 expects 2 "
-                                                  "input channels, but input [2, 3, 8, 8] has 3");
+                                                 "input channels, but input [2, 3, 8, 8] has 3");
     tdm_conv2d_opts g2 = {.groups = 2};
     CHECK_ERROR(!tdm_conv2d(x, w2, NULL, &g2), "groups 2 must divide the input channels (3");
     tdm_tensor *b5 = tdm_zeros(TDM_SHAPE(5), TDM_F32, tdm_cpu(0));
@@ -414,8 +489,7 @@ static void test_no_scope(void) {
     tdm_tensor *y1 = tdm_max_pool2d(xt, &p);
     tdm_tensor *y2 = tdm_avg_pool2d(xt, &p);
     tdm_tensor *y3 = tdm_conv2d(xt, w, NULL, NULL);
-    CHECK(y1 && y2 && y3 && !y1->owner && !y1->requires_grad, "no-scope ops: %s",
-          tdm_last_error());
+    CHECK(y1 && y2 && y3 && !y1->owner && !y1->requires_grad, "no-scope ops: %s", tdm_last_error());
     tdm_tensor_free(y1), tdm_tensor_free(y2), tdm_tensor_free(y3);
     size_t after = tdm_alloc_stats_get(tdm_cpu(0)).bytes_in_use;
     CHECK(after == before, "no-scope ops leaked %lld bytes", (long long)(after - before));
@@ -439,6 +513,7 @@ int main(void) {
     test_pool_gradcheck();
     test_conv_fixture();
     test_pool_fixtures();
+    test_pool_nan();
     test_errors();
     test_no_scope();
     return check_summary();

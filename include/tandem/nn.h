@@ -132,7 +132,8 @@ tdm_module *tdm_conv2d_new(int64_t in_ch, int64_t out_ch, int kernel_h, int kern
 tdm_module *tdm_max_pool2d_new(const tdm_pool2d_opts *o);
 tdm_module *tdm_avg_pool2d_new(const tdm_pool2d_opts *o);
 /* BatchNorm1d and 2d: affine weight 1, bias 0; running_mean 0, running_var 1,
- * num_batches_tracked (i64); momentum 0.1 and eps 1e-5 are PyTorch's defaults. */
+ * num_batches_tracked (i64); momentum 0.1 and eps 1e-5 are PyTorch's defaults. momentum NAN
+ * is PyTorch's momentum=None (a cumulative average: factor 1/num_batches_tracked). */
 tdm_module *tdm_batch_norm1d_new(int64_t features, float eps, float momentum, tdm_device dev);
 tdm_module *tdm_batch_norm2d_new(int64_t channels, float eps, float momentum, tdm_device dev);
 /* LayerNorm over the last dim of size features (weight 1, bias 0 when affine). */

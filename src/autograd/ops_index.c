@@ -34,7 +34,7 @@ static int index_select_backward(tdm_node *n, tdm_tensor *gout) {
 }
 
 tdm_tensor *tdm_index_select(tdm_tensor *src, int dim, const tdm_tensor *index) {
-    if (!src || !index) return NULL;
+    if (!src || !index) return tdm_null_input("index_select");
     if (src->ndim == 0)
         return tdm_raise_null(TDM_ERR_SHAPE, "index_select: src must have at least 1 dim, got []");
     int d = tdm_wrap_dim(dim, src->ndim, "index_select");
@@ -52,8 +52,11 @@ tdm_tensor *tdm_index_select(tdm_tensor *src, int dim, const tdm_tensor *index) 
     tdm_shape ys = tdm_shape_of(x);
     ys.d[d] = tdm_numel(index);
     tdm_tensor *y = tdm_tensor_alloc(ys, x->dtype, x->device);
-    if (!y) return NULL;
-    if (be->index_select(y, x, d, index)) return NULL;
+    if (!y || be->index_select(y, x, d, index)) {
+        tdm_drop_temp(y, NULL);
+        tdm_drop_temp(x, src);
+        return NULL;
+    }
     tdm_tensor *in[1] = {x};
     if (x->dtype == TDM_F32 && tdm_needs_record(1, in)) {
         tdm_tensor *keep = tdm_index_keep(index);
@@ -63,5 +66,6 @@ tdm_tensor *tdm_index_select(tdm_tensor *src, int dim, const tdm_tensor *index) 
         nd->saved[0] = keep;
         nd->arg.i[0] = d;
     }
+    tdm_drop_temp(x, src);
     return y;
 }

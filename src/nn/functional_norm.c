@@ -73,7 +73,7 @@ static int check_running(const tdm_tensor *r, const char *what, tdm_shape cs, co
 tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *running_var,
                            tdm_tensor *weight, tdm_tensor *bias, bool training, float momentum,
                            float eps) {
-    if (!x) return NULL;
+    if (!x) return tdm_null_input("batch_norm");
     char b[96];
     if (tdm_check_f32(x, "batch_norm")) return NULL;
     if (x->ndim < 2)
@@ -118,7 +118,13 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
         n->saved[0] = mean;
         n->saved[1] = invstd;
         n->arg.i[0] = training;
+    } else {
+        tdm_drop_temp(mean, NULL);
+        tdm_drop_temp(invstd, NULL);
     }
+    tdm_drop_temp(xc, x);
+    tdm_drop_temp(w, weight);
+    tdm_drop_temp(bb, bias);
     return y;
 }
 
@@ -152,7 +158,7 @@ static int layer_norm_backward(tdm_node *n, tdm_tensor *gout) {
 
 tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
                            float eps) {
-    if (!x) return NULL;
+    if (!x) return tdm_null_input("layer_norm");
     char b[96];
     if (tdm_check_f32(x, "layer_norm")) return NULL;
     if (normalized_ndim < 1 || normalized_ndim > x->ndim)
@@ -185,13 +191,23 @@ tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weigh
     tdm_tensor *w1 = w ? view1d(w) : NULL, *b1 = bb ? view1d(bb) : NULL;
     if (!y2 || !x2 || (w && !w1) || (bb && !b1)) return NULL;
     if (be->layer_norm(y2, mean, rstd, x2, w1, b1, eps)) return NULL;
+    tdm_drop_temp(y2, NULL);
+    tdm_drop_temp(x2, NULL);
+    tdm_drop_temp(w1, NULL);
+    tdm_drop_temp(b1, NULL);
     tdm_tensor *in[3] = {xc, w, bb};
     if (tdm_needs_record(3, in)) {
         tdm_node *n = tdm_record("layer_norm", layer_norm_backward, y, 3, in);
         if (!n) return NULL;
         n->saved[0] = mean;
         n->saved[1] = rstd;
+    } else {
+        tdm_drop_temp(mean, NULL);
+        tdm_drop_temp(rstd, NULL);
     }
+    tdm_drop_temp(xc, x);
+    tdm_drop_temp(w, weight);
+    tdm_drop_temp(bb, bias);
     return y;
 }
 
@@ -207,7 +223,7 @@ static int dropout_backward(tdm_node *n, tdm_tensor *gout) {
 }
 
 tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
-    if (!x) return NULL;
+    if (!x) return tdm_null_input("dropout");
     if (tdm_check_f32(x, "dropout")) return NULL;
     if (!(p >= 0.0f && p <= 1.0f))
         return tdm_raise_null(TDM_ERR_ARG, "dropout: p must be in [0, 1], got %g", (double)p);
@@ -228,14 +244,17 @@ tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
         tdm_node *n = tdm_record("dropout", dropout_backward, y, 1, in);
         if (!n) return NULL;
         n->saved[0] = mask;
+    } else {
+        tdm_drop_temp(mask, NULL);
     }
+    tdm_drop_temp(xc, x);
     return y;
 }
 
 /* ---- embedding ---- */
 
 tdm_tensor *tdm_embedding(tdm_tensor *weight, const tdm_tensor *idx) {
-    if (!weight || !idx) return NULL;
+    if (!weight || !idx) return tdm_null_input("embedding");
     char b1[96];
     if (tdm_check_f32(weight, "embedding")) return NULL;
     if (weight->ndim != 2)
@@ -256,8 +275,12 @@ tdm_tensor *tdm_embedding(tdm_tensor *weight, const tdm_tensor *idx) {
     tdm_tensor *flat = tdm_tensor_view(ci, 1, &k, &one, ci->offset);
     if (!flat) return NULL;
     tdm_tensor *rows = tdm_index_select(weight, 0, flat); /* [k, dim] */
+    tdm_drop_temp(flat, NULL);
+    if (ci != idx) tdm_drop_temp((tdm_tensor *)ci, NULL);
     if (!rows) return NULL;
     tdm_shape os = tdm_shape_of(idx);
     os.d[os.ndim++] = weight->shape[1];
-    return tdm_reshape(rows, os);
+    tdm_tensor *out = tdm_reshape(rows, os); /* a view: shares rows' storage */
+    tdm_drop_temp(rows, out);
+    return out;
 }

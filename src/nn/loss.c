@@ -20,9 +20,12 @@ static int check_reduction(tdm_reduction r, const char *op) {
     return TDM_OK;
 }
 
+/* The reduction of per-element losses; per is dropped when it is a temporary. */
 static tdm_tensor *reduce(tdm_tensor *per, tdm_reduction r) {
-    if (r == TDM_REDUCE_NONE) return per;
-    return r == TDM_REDUCE_SUM ? tdm_sum_all(per) : tdm_mean_all(per);
+    if (!per || r == TDM_REDUCE_NONE) return per;
+    tdm_tensor *out = r == TDM_REDUCE_SUM ? tdm_sum_all(per) : tdm_mean_all(per);
+    tdm_drop_temp(per, NULL);
+    return out;
 }
 
 /* ---- cross-entropy and NLL ---- */
@@ -106,12 +109,14 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
         n->arg2.f[0] = o->label_smoothing;
         n->arg2.f[1] = is_logits ? 1.0f : 0.0f;
     }
+    tdm_drop_temp(xc, x);
+    tdm_drop_temp(w, o->weight);
     return loss;
 }
 
 static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
                              bool is_logits, const char *op) {
-    if (!x || !target) return NULL;
+    if (!x || !target) return tdm_null_input(op);
     tdm_ce_opts defaults = tdm_ce_defaults();
     if (!o) o = &defaults;
     if (ce_check(x, target, o, op)) return NULL;
@@ -123,14 +128,18 @@ static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_
     tdm_tensor *wsum = NULL;
     tdm_tensor *loss = ce_per_sample(x, target, o, is_logits, &wsum);
     if (!loss) return NULL;
-    switch (o->reduction) {
-    case TDM_REDUCE_NONE:
-        return loss;
-    case TDM_REDUCE_SUM:
-        return tdm_sum_all(loss);
-    default:
-        return tdm_div(tdm_sum_all(loss), tdm_sum_all(wsum));
+    if (o->reduction != TDM_REDUCE_MEAN) {
+        tdm_drop_temp(wsum, NULL);
+        return reduce(loss, o->reduction);
     }
+    /* sum of losses / sum of w[target] over the samples that count */
+    tdm_tensor *num = tdm_sum_all(loss), *den = tdm_sum_all(wsum);
+    tdm_tensor *out = tdm_div(num, den);
+    tdm_drop_temp(num, NULL);
+    tdm_drop_temp(den, NULL);
+    tdm_drop_temp(loss, NULL);
+    tdm_drop_temp(wsum, NULL);
+    return out;
 }
 
 tdm_tensor *tdm_cross_entropy(tdm_tensor *logits, const tdm_tensor *target, const tdm_ce_opts *o) {
@@ -154,10 +163,12 @@ static int check_pair(const tdm_tensor *a, const tdm_tensor *t, tdm_reduction r,
 }
 
 tdm_tensor *tdm_mse_loss(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
-    if (!input || !target) return NULL;
+    if (!input || !target) return tdm_null_input("mse_loss");
     if (check_pair(input, target, r, "mse_loss")) return NULL;
     tdm_tensor *d = tdm_sub(input, target);
-    return reduce(tdm_mul(d, d), r);
+    tdm_tensor *sq = tdm_mul(d, d);
+    tdm_drop_temp(d, NULL);
+    return reduce(sq, r);
 }
 
 /* in: x, target (both contiguous) */
@@ -185,7 +196,7 @@ static int bce_backward(tdm_node *n, tdm_tensor *gout) {
 }
 
 tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
-    if (!input || !target) return NULL;
+    if (!input || !target) return tdm_null_input("bce_with_logits");
     if (check_pair(input, target, r, "bce_with_logits")) return NULL;
     const tdm_backend *be = tdm_backend_for(input->device);
     if (!be) return NULL;
@@ -196,5 +207,7 @@ tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduc
     tdm_tensor *in[2] = {x, t};
     if (tdm_needs_record(2, in) && !tdm_record("bce_with_logits", bce_backward, loss, 2, in))
         return NULL;
+    tdm_drop_temp(x, input);
+    tdm_drop_temp(t, target);
     return reduce(loss, r);
 }

@@ -13,10 +13,10 @@
 #include "autograd/tape.h"
 #include "tandem/nn.h"
 
-/* Tensors the module keeps must be caller-owned even when a step scope is open. */
+/* Tensors the module keeps must be caller-owned even when a step scope is open: a
+ * scope-owned one is replaced by a caller-owned header (tdm_scope_keep) for the same data. */
 static tdm_tensor *own(tdm_tensor *t) {
-    if (t && t->owner) tdm_scope_keep(t);
-    return t;
+    return t && t->owner ? tdm_scope_keep(t) : t;
 }
 
 static char *dup_str(const char *s) {
@@ -80,8 +80,7 @@ int tdm_module_add_param(tdm_module *m, const char *name, tdm_tensor *p) {
     if (tdm_check_f32(p, "module_add_param")) return tdm_last_status();
     char *nm = dup_str(name);
     if (!nm) return tdm_raise(TDM_ERR_NOMEM, "module_add_param: out of memory");
-    own(p);
-    if (tdm_requires_grad_(p, true)) {
+    if (!(p = own(p)) || tdm_requires_grad_(p, true)) {
         free(nm);
         return tdm_last_status();
     }
@@ -105,8 +104,12 @@ int tdm_module_add_buffer(tdm_module *m, const char *name, tdm_tensor *b) {
                          m->ops->kind);
     char *nm = dup_str(name);
     if (!nm) return tdm_raise(TDM_ERR_NOMEM, "module_add_buffer: out of memory");
+    if (!(b = own(b))) {
+        free(nm);
+        return tdm_last_status();
+    }
     m->buffer_names[m->n_buffers] = nm;
-    m->buffers[m->n_buffers++] = own(b);
+    m->buffers[m->n_buffers++] = b;
     return TDM_OK;
 }
 
@@ -231,7 +234,7 @@ static const tdm_module *flattened_child(const tdm_module *m) {
 
 static void paramset_free(tdm_paramset *ps) {
     if (!ps) return;
-    for (int i = 0; i < ps->n; i++) free(ps->names[i]);
+    for (int i = 0; ps->names && i < ps->n; i++) free(ps->names[i]);
     free(ps->names);
     free(ps->params);
     free(ps->offsets);
@@ -264,7 +267,7 @@ static int rebind(tdm_tensor *p, tdm_tensor *flat, tdm_tensor *flat_grad, int64_
     if (be->copy(&dst, p)) return tdm_last_status();
     tdm_tensor *g =
         tdm_tensor_view(flat_grad, p->ndim, p->shape, dst.strides, flat_grad->offset + off);
-    if (!own(g)) return tdm_last_status();
+    if (!(g = own(g))) return tdm_last_status();
     if (p->grad) {
         tdm_tensor gdst = flat_view(flat_grad, p, off);
         if (be->copy(&gdst, p->grad)) {

@@ -15,12 +15,14 @@ int tdm_cpu_random(tdm_tensor *dst, int dist, float a, float b, uint64_t seed, u
 
 /* cpu_elementwise.c */
 int tdm_cpu_unary(tdm_unary_op op, tdm_tensor *y, const tdm_tensor *x, float s);
-int tdm_cpu_unary_backward(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *y, float s);
+int tdm_cpu_unary_backward(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy,
+                           const tdm_tensor *x, const tdm_tensor *y, float s);
 int tdm_cpu_binary(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, const tdm_tensor *b);
 int tdm_cpu_axpy(tdm_tensor *y, float alpha, const tdm_tensor *x);
 
 /* cpu_reduce.c */
-int tdm_cpu_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim, tdm_tensor *argmax);
+int tdm_cpu_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim,
+                   tdm_tensor *argmax);
 int tdm_cpu_sum_to(tdm_tensor *y, const tdm_tensor *x);
 int tdm_cpu_max_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *argmax, int dim);
 int tdm_cpu_softmax(tdm_tensor *y, const tdm_tensor *x, bool log);
@@ -28,37 +30,58 @@ int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_ten
 int tdm_cpu_sum_squares(double *out, const tdm_tensor *x);
 
 /* cpu_matmul.c */
-int tdm_cpu_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool ta, bool tb, float beta);
+int tdm_cpu_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool ta, bool tb,
+                   float beta);
 
 /* cpu_index.c */
 int tdm_cpu_index_select(tdm_tensor *y, const tdm_tensor *x, int dim, const tdm_tensor *idx);
 int tdm_cpu_index_add(tdm_tensor *gx, int dim, const tdm_tensor *idx, const tdm_tensor *gy);
 
 /* cpu_conv.c */
-int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b, const tdm_conv2d_args *args);
-int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *w, const tdm_conv2d_args *args);
+int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b,
+                   const tdm_conv2d_args *args);
+int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
+                            const tdm_tensor *x, const tdm_tensor *w, const tdm_conv2d_args *args);
 
 /* cpu_pool.c */
-int tdm_cpu_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x, const tdm_pool2d_args *args);
+int tdm_cpu_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
+                       const tdm_pool2d_args *args);
 int tdm_cpu_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *idx);
 int tdm_cpu_avg_pool2d(tdm_tensor *y, const tdm_tensor *x, const tdm_pool2d_args *args);
 int tdm_cpu_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_pool2d_args *args);
 
 /* cpu_norm.c */
-int tdm_cpu_batch_norm(tdm_tensor *y, tdm_tensor *save_mean, tdm_tensor *save_invstd, const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias, tdm_tensor *running_mean, tdm_tensor *running_var, bool training, float momentum, float eps);
-int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *save_mean, const tdm_tensor *save_invstd, bool training);
-int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias, float eps);
-int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *mean, const tdm_tensor *rstd);
-int tdm_cpu_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, float p, uint64_t seed, uint64_t offset);
+int tdm_cpu_batch_norm(tdm_tensor *y, tdm_tensor *save_mean, tdm_tensor *save_invstd,
+                       const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias,
+                       tdm_tensor *running_mean, tdm_tensor *running_var, bool training,
+                       float momentum, float eps);
+int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                                const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
+                                const tdm_tensor *save_mean, const tdm_tensor *save_invstd,
+                                bool training);
+int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,
+                       const tdm_tensor *weight, const tdm_tensor *bias, float eps);
+int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                                const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
+                                const tdm_tensor *mean, const tdm_tensor *rstd);
+int tdm_cpu_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, float p, uint64_t seed,
+                    uint64_t offset);
 
 /* cpu_loss.c */
-int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x, const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index, float smoothing, bool is_logits);
-int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x, const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index, float smoothing, bool is_logits);
+int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
+                          const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
+                          float smoothing, bool is_logits);
+int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x,
+                                   const tdm_tensor *target, const tdm_tensor *weight,
+                                   int64_t ignore_index, float smoothing, bool is_logits);
 int tdm_cpu_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const tdm_tensor *y);
-int tdm_cpu_bce_logits_backward(tdm_tensor *gx, const tdm_tensor *g, const tdm_tensor *x, const tdm_tensor *y);
+int tdm_cpu_bce_logits_backward(tdm_tensor *gx, const tdm_tensor *g, const tdm_tensor *x,
+                                const tdm_tensor *y);
 
 /* cpu_optim.c */
-int tdm_cpu_sgd_step(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *buf, const tdm_sgd_hparams *h, bool first);
-int tdm_cpu_adam_step(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *m, tdm_tensor *v, tdm_tensor *vmax, const tdm_adam_hparams *h, int64_t step);
+int tdm_cpu_sgd_step(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *buf, const tdm_sgd_hparams *h,
+                     bool first);
+int tdm_cpu_adam_step(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *m, tdm_tensor *v,
+                      tdm_tensor *vmax, const tdm_adam_hparams *h, int64_t step);
 
 #endif

@@ -1,13 +1,14 @@
 /* 2-D convolution (NCHW, f32) as im2col + GEMM, with stride, padding, dilation and groups.
  *
- * A batch is processed in chunks of nb images. The column buffer of a chunk is
- * col [K, nb * P] with K = Cin * kh * kw (rows ordered (c, ki, kj), so group g owns the
- * contiguous rows [g*Kg, (g+1)*Kg)) and P = Ho * Wo; column i*P + p is output pixel p of image
- * i of the chunk. One GEMM per group and chunk then has a long inner dimension even when an
- * image is small (14x14), which is what keeps OpenBLAS near its peak. nb is chosen so that the
- * buffer stays around L2 size. With nb == 1 the GEMMs read and write the NCHW tensors in
- * place; with nb > 1 the output (forward) and the upstream gradient (backward) pass through a
- * [Cout, nb * P] staging buffer, a cheap copy next to the GEMM.
+ * Work goes image by image, and within an image by chunks of output rows. A chunk's column
+ * matrix col [K, rows*Wo] has K = Cin*kh*kw rows ordered (c, ki, kj), so group g owns the
+ * contiguous rows [g*K_g, (g+1)*K_g); column (oh - oh0)*Wo + ow holds what output pixel
+ * (oh, ow) reads. Chunks are sized so col stays around 1 MiB (in L2): a whole image for the
+ * Fashion-MNIST CNN, a band of rows for large images. The GEMMs then read and write the NCHW
+ * tensors in place (leading dimension Ho*Wo), so nothing is staged or transposed; per image
+ * they are 64x196x288 for the CNN's second layer, where OpenBLAS runs close to its large-GEMM
+ * speed (batching images into one wider GEMM measured no faster once the staging copies were
+ * paid). A 1x1, stride-1, unpadded convolution skips im2col: the image is its own col.
  *
  * Scratch memory comes from the device's caching allocator inside a scope of its own, so a
  * training step calls no malloc here, and nothing is static: several device threads may run
@@ -19,12 +20,12 @@
 #include <string.h>
 
 typedef struct {
-    int64_t n, cin, h, w;      /* input */
-    int64_t cout, kh, kw;      /* weight [cout, cin/groups, kh, kw] */
-    int64_t ho, wo, p;         /* output plane, p = ho * wo */
+    int64_t n, cin, h, w; /* input */
+    int64_t cout, kh, kw; /* weight [cout, cin/groups, kh, kw] */
+    int64_t ho, wo, p;    /* output plane, p = ho * wo */
     int64_t sh, sw, ph, pw, dh, dw;
     int64_t groups, cin_g, cout_g;
-    int64_t k, k_g;            /* rows of col: cin * kh * kw, and per group */
+    int64_t k, k_g; /* rows of col: cin * kh * kw, and per group */
 } conv_geom;
 
 static conv_geom geom_of(const tdm_tensor *x, const tdm_tensor *w, int64_t ho, int64_t wo,
@@ -43,8 +44,8 @@ static conv_geom geom_of(const tdm_tensor *x, const tdm_tensor *w, int64_t ho, i
 }
 
 /* The output columns [lo, hi) whose input column ow*s - pad + off lies in [0, size). */
-static void valid_range(int64_t size, int64_t out, int64_t s, int64_t pad, int64_t off,
-                        int64_t *lo, int64_t *hi) {
+static void valid_range(int64_t size, int64_t out, int64_t s, int64_t pad, int64_t off, int64_t *lo,
+                        int64_t *hi) {
     int64_t start = pad - off; /* ow*s >= start */
     int64_t l = start <= 0 ? 0 : (start + s - 1) / s;
     int64_t end = size + pad - off; /* ow*s < end */
@@ -54,55 +55,99 @@ static void valid_range(int64_t size, int64_t out, int64_t s, int64_t pad, int64
     *lo = l, *hi = h;
 }
 
-/* col rows (c, ki, kj), each P long at col + row*ld, from one image x [C, H, W]. */
-static void im2col(const float *x, int64_t channels, const conv_geom *g, float *col,
-                   int64_t ld) {
+/* Short-row helpers for im2col/col2im. Rows are Wo long (14 for the CNN), so a call to
+ * memcpy/memset per row (which GCC would otherwise substitute for these loops) costs more
+ * than the copy: eight floats at a time through a vector type, then a scalar tail. */
+typedef float v8f __attribute__((vector_size(32)));
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_LIBCALLS __attribute__((optimize("no-tree-loop-distribute-patterns")))
+#else
+#define NO_LIBCALLS
+#endif
+
+static inline NO_LIBCALLS void copy_row(float *d, const float *s, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f t;
+        memcpy(&t, s + i, sizeof t);
+        memcpy(d + i, &t, sizeof t);
+    }
+    for (; i < n; i++) d[i] = s[i];
+}
+
+static inline NO_LIBCALLS void zero_row(float *d, int64_t n) {
+    int64_t i = 0;
+    v8f z = {0};
+    for (; i + 8 <= n; i += 8) memcpy(d + i, &z, sizeof z);
+    for (; i < n; i++) d[i] = 0;
+}
+
+static inline NO_LIBCALLS void add_row(float *d, const float *s, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f a, b;
+        memcpy(&a, d + i, sizeof a);
+        memcpy(&b, s + i, sizeof b);
+        a += b;
+        memcpy(d + i, &a, sizeof a);
+    }
+    for (; i < n; i++) d[i] += s[i];
+}
+
+/* Rows [oh0, oh1) of the column matrix of one image x [C, H, W]: row (c, ki, kj) at
+ * col + row*ld holds, for each output pixel (oh, ow) of the range, the input pixel that
+ * kernel tap (ki, kj) reads, or 0 in the padding. */
+static NO_LIBCALLS void im2col(const float *x, int64_t channels, const conv_geom *g, int64_t oh0,
+                               int64_t oh1, float *col, int64_t ld) {
     for (int64_t c = 0; c < channels; c++) {
         const float *xc = x + c * g->h * g->w;
         for (int64_t ki = 0; ki < g->kh; ki++) {
-            int64_t oh_lo, oh_hi;
-            valid_range(g->h, g->ho, g->sh, g->ph, ki * g->dh, &oh_lo, &oh_hi);
+            int64_t lo, hi;
+            valid_range(g->h, g->ho, g->sh, g->ph, ki * g->dh, &lo, &hi);
+            lo = lo < oh0 ? oh0 : lo > oh1 ? oh1 : lo;
+            hi = hi > oh1 ? oh1 : hi < lo ? lo : hi;
             for (int64_t kj = 0; kj < g->kw; kj++) {
                 float *dst = col + ((c * g->kh + ki) * g->kw + kj) * ld;
                 int64_t ow_lo, ow_hi;
                 valid_range(g->w, g->wo, g->sw, g->pw, kj * g->dw, &ow_lo, &ow_hi);
-                memset(dst, 0, (size_t)(oh_lo * g->wo) * sizeof(float));
-                for (int64_t oh = oh_lo; oh < oh_hi; oh++) {
-                    const float *src = xc + (oh * g->sh - g->ph + ki * g->dh) * g->w +
-                                       (kj * g->dw - g->pw);
-                    float *d = dst + oh * g->wo;
-                    for (int64_t ow = 0; ow < ow_lo; ow++) d[ow] = 0;
+                zero_row(dst, (lo - oh0) * g->wo);
+                for (int64_t oh = lo; oh < hi; oh++) {
+                    const float *src =
+                        xc + (oh * g->sh - g->ph + ki * g->dh) * g->w + (kj * g->dw - g->pw);
+                    float *d = dst + (oh - oh0) * g->wo;
+                    zero_row(d, ow_lo);
                     if (g->sw == 1) {
-                        memcpy(d + ow_lo, src + ow_lo, (size_t)(ow_hi - ow_lo) * sizeof(float));
+                        copy_row(d + ow_lo, src + ow_lo, ow_hi - ow_lo);
                     } else {
                         for (int64_t ow = ow_lo; ow < ow_hi; ow++) d[ow] = src[ow * g->sw];
                     }
-                    for (int64_t ow = ow_hi; ow < g->wo; ow++) d[ow] = 0;
+                    zero_row(d + ow_hi, g->wo - ow_hi);
                 }
-                memset(dst + oh_hi * g->wo, 0, (size_t)((g->ho - oh_hi) * g->wo) * sizeof(float));
+                zero_row(dst + (hi - oh0) * g->wo, (oh1 - hi) * g->wo);
             }
         }
     }
 }
 
-/* The adjoint of im2col: adds each column entry back into gx [C, H, W]. */
-static void col2im(const float *col, int64_t ld, int64_t channels, const conv_geom *g,
-                   float *gx) {
+/* The adjoint of im2col for rows [oh0, oh1): adds each column entry back into gx [C, H, W]. */
+static NO_LIBCALLS void col2im(const float *col, int64_t ld, int64_t channels, const conv_geom *g,
+                               int64_t oh0, int64_t oh1, float *gx) {
     for (int64_t c = 0; c < channels; c++) {
         float *gc = gx + c * g->h * g->w;
         for (int64_t ki = 0; ki < g->kh; ki++) {
-            int64_t oh_lo, oh_hi;
-            valid_range(g->h, g->ho, g->sh, g->ph, ki * g->dh, &oh_lo, &oh_hi);
+            int64_t lo, hi;
+            valid_range(g->h, g->ho, g->sh, g->ph, ki * g->dh, &lo, &hi);
+            if (lo < oh0) lo = oh0;
+            if (hi > oh1) hi = oh1;
             for (int64_t kj = 0; kj < g->kw; kj++) {
                 const float *src = col + ((c * g->kh + ki) * g->kw + kj) * ld;
                 int64_t ow_lo, ow_hi;
                 valid_range(g->w, g->wo, g->sw, g->pw, kj * g->dw, &ow_lo, &ow_hi);
-                for (int64_t oh = oh_lo; oh < oh_hi; oh++) {
-                    float *d = gc + (oh * g->sh - g->ph + ki * g->dh) * g->w +
-                               (kj * g->dw - g->pw);
-                    const float *s = src + oh * g->wo;
+                for (int64_t oh = lo; oh < hi; oh++) {
+                    float *d = gc + (oh * g->sh - g->ph + ki * g->dh) * g->w + (kj * g->dw - g->pw);
+                    const float *s = src + (oh - oh0) * g->wo;
                     if (g->sw == 1) {
-                        for (int64_t ow = ow_lo; ow < ow_hi; ow++) d[ow] += s[ow];
+                        add_row(d + ow_lo, s + ow_lo, ow_hi - ow_lo);
                     } else {
                         for (int64_t ow = ow_lo; ow < ow_hi; ow++) d[ow * g->sw] += s[ow];
                     }
@@ -117,15 +162,14 @@ static bool is_pointwise(const conv_geom *g) {
     return g->kh == 1 && g->kw == 1 && g->sh == 1 && g->sw == 1 && g->ph == 0 && g->pw == 0;
 }
 
-/* Images per chunk: enough columns for long GEMMs, few enough that col [K, nb*P] stays
- * near L2 size (~512 KiB). */
-static int64_t chunk_images(const conv_geom *g) {
-    const int64_t budget = 1 * 1024; /* floats */
-    int64_t per_image = g->k * g->p;
-    if (g->p >= 512 || per_image >= budget) return 1;
-    int64_t nb = budget / per_image;
-    if (nb > g->n) nb = g->n;
-    return nb < 1 ? 1 : nb;
+/* Output rows per chunk: the whole image when its column matrix fits the budget (~1 MiB,
+ * half of L2), else as many rows as fit, so a 224x224 image does not need a 100 MB buffer.
+ * Within an image the GEMMs read and write the NCHW tensors in place (ld = Ho*Wo). */
+static int64_t chunk_rows(const conv_geom *g) {
+    const int64_t budget = 256 * 1024; /* floats */
+    int64_t rows = budget / (g->k * g->wo > 0 ? g->k * g->wo : 1);
+    if (rows < 1) rows = 1;
+    return rows < g->ho ? rows : g->ho;
 }
 
 /* Scratch f32 buffer of n floats from the current (kernel-local) scope. */
@@ -144,7 +188,8 @@ static int check_args(const char *op, const tdm_tensor *x, const tdm_tensor *w,
     return TDM_OK;
 }
 
-/* y [N, Cout, Ho, Wo] = conv(x, w) + b */
+/* y [N, Cout, Ho, Wo] = conv(x, w) + b: per image and chunk of output rows,
+ * y[n][:, rows] (ld Ho*Wo) = w_g [Cout_g, K_g] @ col_g [K_g, rows*Wo] for each group. */
 int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b,
                    const tdm_conv2d_args *args) {
     if (check_args("cpu conv2d", x, w, y)) return tdm_last_status();
@@ -154,117 +199,104 @@ int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, cons
     float *yp = tdm_data_ptr(y);
     if (g.n == 0 || g.cout == 0 || g.p == 0) return TDM_OK;
     bool pointwise = is_pointwise(&g);
-    int64_t nb = pointwise ? 1 : chunk_images(&g);
+    int64_t rows = pointwise ? g.ho : chunk_rows(&g);
 
     if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
-    float *col = pointwise ? NULL : scratch(g.k * nb * g.p, x->device);
-    float *stage = nb > 1 ? scratch(g.cout * nb * g.p, x->device) : NULL;
-    if ((!pointwise && !col) || (nb > 1 && !stage)) {
+    float *col = pointwise ? NULL : scratch(g.k * rows * g.wo, x->device);
+    if (!pointwise && !col) {
         tdm_scope_end();
         return tdm_last_status();
     }
-    for (int64_t n0 = 0; n0 < g.n; n0 += nb) {
-        int64_t cnt = g.n - n0 < nb ? g.n - n0 : nb;
-        int64_t ld = cnt * g.p; /* columns of this chunk */
-        const float *cols = xp + n0 * g.cin * g.h * g.w;
-        if (!pointwise) {
-            for (int64_t i = 0; i < cnt; i++)
-                im2col(xp + (n0 + i) * g.cin * g.h * g.w, g.cin, &g, col + i * g.p, ld);
-            cols = col;
-        }
-        /* out [Cout, cnt*P]: y[n0] itself when one image, else the staging buffer */
-        float *out = nb > 1 ? stage : yp + n0 * g.cout * g.p;
-        for (int64_t gi = 0; gi < g.groups; gi++)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)g.cout_g, (int)ld,
-                        (int)g.k_g, 1.0f, wp + gi * g.cout_g * g.k_g, (int)g.k_g,
-                        cols + gi * g.k_g * ld, (int)ld, 0.0f, out + gi * g.cout_g * ld,
-                        (int)ld);
-        for (int64_t i = 0; i < cnt; i++) {
-            float *yi = yp + (n0 + i) * g.cout * g.p;
-            for (int64_t co = 0; co < g.cout; co++) {
-                float bias = bp ? bp[co] : 0.0f;
-                float *dst = yi + co * g.p;
-                const float *src = nb > 1 ? out + co * ld + i * g.p : dst;
-                if (bp || nb > 1)
-                    for (int64_t q = 0; q < g.p; q++) dst[q] = src[q] + bias;
+    for (int64_t n = 0; n < g.n; n++) {
+        const float *xn = xp + n * g.cin * g.h * g.w;
+        float *yn = yp + n * g.cout * g.p;
+        for (int64_t oh0 = 0; oh0 < g.ho; oh0 += rows) {
+            int64_t oh1 = oh0 + rows < g.ho ? oh0 + rows : g.ho;
+            int64_t cols = (oh1 - oh0) * g.wo, ld = cols;
+            const float *src = col;
+            if (pointwise) {
+                src = xn, ld = g.p;
+            } else {
+                im2col(xn, g.cin, &g, oh0, oh1, col, ld);
             }
+            for (int64_t gi = 0; gi < g.groups; gi++)
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)g.cout_g, (int)cols,
+                            (int)g.k_g, 1.0f, wp + gi * g.cout_g * g.k_g, (int)g.k_g,
+                            src + gi * g.k_g * ld, (int)ld, 0.0f,
+                            yn + gi * g.cout_g * g.p + oh0 * g.wo, (int)g.p);
         }
+        if (bp) /* while y[n] is still in cache */
+            for (int64_t co = 0; co < g.cout; co++) {
+                float *d = yn + co * g.p, bias = bp[co];
+                for (int64_t q = 0; q < g.p; q++) d[q] += bias;
+            }
     }
     tdm_scope_end();
     return TDM_OK;
 }
 
-/* gb [Cout] = sum of gy over images and pixels (fixed order). */
+/* gb [Cout] += sum of one image's gy [Cout, P] (fixed order). */
 static void bias_grad(float *gb, const float *gy, const conv_geom *g) {
-    for (int64_t co = 0; co < g->cout; co++) gb[co] = 0;
-    for (int64_t n = 0; n < g->n; n++)
-        for (int64_t co = 0; co < g->cout; co++) {
-            const float *s = gy + (n * g->cout + co) * g->p;
-            float acc = 0;
-            for (int64_t q = 0; q < g->p; q++) acc += s[q];
-            gb[co] += acc;
-        }
+    for (int64_t co = 0; co < g->cout; co++) {
+        const float *s = gy + co * g->p;
+        float acc = 0;
+        for (int64_t q = 0; q < g->p; q++) acc += s[q];
+        gb[co] += acc;
+    }
 }
 
+/* Per image and chunk of output rows: gw_g += gy_g [Cout_g, rows*Wo] @ col_g^T,
+ * gcol_g = w_g^T @ gy_g then col2im into gx[n], gb += row sums of gy. */
 int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
-                            const tdm_tensor *x, const tdm_tensor *w,
-                            const tdm_conv2d_args *args) {
+                            const tdm_tensor *x, const tdm_tensor *w, const tdm_conv2d_args *args) {
     if (check_args("cpu conv2d_backward", x, w, gy)) return tdm_last_status();
     conv_geom g = geom_of(x, w, gy->shape[2], gy->shape[3], args);
     const float *xp = tdm_data_ptr(x), *wp = tdm_data_ptr(w), *gyp = tdm_data_ptr(gy);
     float *gxp = gx ? tdm_data_ptr(gx) : NULL;
     float *gwp = gw ? tdm_data_ptr(gw) : NULL;
-    if (gb) bias_grad(tdm_data_ptr(gb), gyp, &g);
+    float *gbp = gb ? tdm_data_ptr(gb) : NULL;
+    if (gbp) memset(gbp, 0, (size_t)g.cout * sizeof(float));
     if (gxp) memset(gxp, 0, (size_t)(g.n * g.cin * g.h * g.w) * sizeof(float));
     if (gwp) memset(gwp, 0, (size_t)(g.cout * g.k_g) * sizeof(float));
-    if ((!gxp && !gwp) || g.n == 0 || g.p == 0 || g.cout == 0) return TDM_OK;
+    if (g.n == 0 || g.p == 0 || g.cout == 0) return TDM_OK;
     bool pointwise = is_pointwise(&g);
-    int64_t nb = pointwise ? 1 : chunk_images(&g);
+    int64_t rows = pointwise ? g.ho : chunk_rows(&g);
 
     if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
-    float *col = pointwise ? NULL : scratch(g.k * nb * g.p, x->device);
-    float *stage = nb > 1 ? scratch(g.cout * nb * g.p, x->device) : NULL;
-    if ((!pointwise && !col) || (nb > 1 && !stage)) {
+    float *col = pointwise ? NULL : scratch(g.k * rows * g.wo, x->device);
+    if (!pointwise && !col) {
         tdm_scope_end();
         return tdm_last_status();
     }
-    for (int64_t n0 = 0; n0 < g.n; n0 += nb) {
-        int64_t cnt = g.n - n0 < nb ? g.n - n0 : nb;
-        int64_t ld = cnt * g.p;
-        /* dy [Cout, cnt*P]: gy[n0] itself when one image, else gathered into stage */
-        const float *dy = gyp + n0 * g.cout * g.p;
-        if (nb > 1) {
-            for (int64_t i = 0; i < cnt; i++)
-                for (int64_t co = 0; co < g.cout; co++)
-                    memcpy(stage + co * ld + i * g.p, gyp + ((n0 + i) * g.cout + co) * g.p,
-                           (size_t)g.p * sizeof(float));
-            dy = stage;
-        }
-        if (gwp) {
-            const float *cols = xp + n0 * g.cin * g.h * g.w;
-            if (!pointwise) {
-                for (int64_t i = 0; i < cnt; i++)
-                    im2col(xp + (n0 + i) * g.cin * g.h * g.w, g.cin, &g, col + i * g.p, ld);
-                cols = col;
+    for (int64_t n = 0; n < g.n; n++) {
+        const float *xn = xp + n * g.cin * g.h * g.w, *gyn = gyp + n * g.cout * g.p;
+        float *gxn = gxp ? gxp + n * g.cin * g.h * g.w : NULL;
+        if (gbp) bias_grad(gbp, gyn, &g);
+        for (int64_t oh0 = 0; oh0 < g.ho && (gwp || gxp); oh0 += rows) {
+            int64_t oh1 = oh0 + rows < g.ho ? oh0 + rows : g.ho;
+            int64_t cols = (oh1 - oh0) * g.wo;
+            const float *dy = gyn + oh0 * g.wo; /* [Cout, cols], ld P */
+            if (gwp) {
+                const float *src = pointwise ? xn : col;
+                int64_t ld = pointwise ? g.p : cols;
+                if (!pointwise) im2col(xn, g.cin, &g, oh0, oh1, col, ld);
+                for (int64_t gi = 0; gi < g.groups; gi++)
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)g.cout_g, (int)g.k_g,
+                                (int)cols, 1.0f, dy + gi * g.cout_g * g.p, (int)g.p,
+                                src + gi * g.k_g * ld, (int)ld, 1.0f, gwp + gi * g.cout_g * g.k_g,
+                                (int)g.k_g);
             }
-            /* gw_g [Cout_g, K_g] += dy_g [Cout_g, cnt*P] @ col_g^T */
-            for (int64_t gi = 0; gi < g.groups; gi++)
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)g.cout_g, (int)g.k_g,
-                            (int)ld, 1.0f, dy + gi * g.cout_g * ld, (int)ld,
-                            cols + gi * g.k_g * ld, (int)ld, 1.0f, gwp + gi * g.cout_g * g.k_g,
-                            (int)g.k_g);
-        }
-        if (gxp) {
-            /* gcol_g [K_g, cnt*P] = w_g^T @ dy_g, reusing col; pointwise: straight into gx */
-            float *gcol = pointwise ? gxp + n0 * g.cin * g.h * g.w : col;
-            for (int64_t gi = 0; gi < g.groups; gi++)
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)g.k_g, (int)ld,
-                            (int)g.cout_g, 1.0f, wp + gi * g.cout_g * g.k_g, (int)g.k_g,
-                            dy + gi * g.cout_g * ld, (int)ld, 0.0f, gcol + gi * g.k_g * ld,
-                            (int)ld);
-            if (!pointwise)
-                for (int64_t i = 0; i < cnt; i++)
-                    col2im(col + i * g.p, ld, g.cin, &g, gxp + (n0 + i) * g.cin * g.h * g.w);
+            if (gxp) {
+                /* pointwise: gx[n] is its own column matrix (ld P); else gcol reuses col */
+                float *dst = pointwise ? gxn : col;
+                int64_t ld = pointwise ? g.p : cols;
+                for (int64_t gi = 0; gi < g.groups; gi++)
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)g.k_g, (int)cols,
+                                (int)g.cout_g, 1.0f, wp + gi * g.cout_g * g.k_g, (int)g.k_g,
+                                dy + gi * g.cout_g * g.p, (int)g.p, 0.0f, dst + gi * g.k_g * ld,
+                                (int)ld);
+                if (!pointwise) col2im(col, cols, g.cin, &g, oh0, oh1, gxn);
+            }
         }
     }
     tdm_scope_end();

@@ -10,8 +10,7 @@
  * logits d loss / d x[c] = p[c] * sum_k coef[k] - coef[c].
  */
 #include "backend/cpu/cpu.h"
-
-#include <math.h>
+#include "backend/cpu/cpu_simd.h"
 
 /* Element i of a 1-D integer or float tensor with any stride (stride 0: a broadcast). */
 static inline int64_t target_at(const tdm_tensor *t, int64_t i) {
@@ -37,24 +36,36 @@ static int check_targets(const tdm_tensor *target, int64_t N, int64_t C, int64_t
     return TDM_OK;
 }
 
+/* sum_c exp(x[c] - shift), in lanes */
+static float sum_exp(const float *x, int64_t C, float shift) {
+    v8f acc = v8_set1(0), m = v8_set1(shift);
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) acc += v8_exp(v8_load(x + c) - m);
+    float s = v8_hsum(acc);
+    for (; c < C; c++) s += expf(x[c] - shift);
+    return s;
+}
+
+/* sum_c w[c] * x[c] */
+static float dot(const float *w, const float *x, int64_t C) {
+    v8f acc = v8_set1(0);
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) acc += v8_load(w + c) * v8_load(x + c);
+    float s = v8_hsum(acc);
+    for (; c < C; c++) s += w[c] * x[c];
+    return s;
+}
+
 /* Row statistics: lse (log-sum-exp; 0 for log-prob input) and, when smoothing, the weighted
  * sum of the row's -logp over classes. */
 static void ce_row(const float *x, int64_t C, const float *w, double wtotal, bool is_logits,
                    bool smooth, double *lse_out, double *smooth_out) {
     double lse = 0, sx = 0;
     if (is_logits) {
-        float mx = x[0];
-        for (int64_t c = 1; c < C; c++) mx = x[c] > mx ? x[c] : mx;
-        double se = 0;
-        for (int64_t c = 0; c < C; c++) se += expf(x[c] - mx);
-        lse = mx + log(se);
+        float mx = simd_max(x, C); /* the shift keeps exp from overflowing */
+        lse = mx + log((double)sum_exp(x, C, mx));
     }
-    if (smooth) {
-        if (w)
-            for (int64_t c = 0; c < C; c++) sx += (double)w[c] * x[c];
-        else
-            for (int64_t c = 0; c < C; c++) sx += x[c];
-    }
+    if (smooth) sx = w ? dot(w, x, C) : simd_sum(x, C);
     *lse_out = lse;
     *smooth_out = lse * wtotal - sx; /* sum_c w[c] * (lse - x[c]) */
 }
@@ -115,15 +126,21 @@ int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, cons
         }
         const float *xr = xp + i * C;
         float g = f32_at(gloss, i), wt = w ? w[t] : 1.0f;
+        float ge = g * eC;
         if (is_logits) {
+            /* gx[c] = g * (p[c] * sum_k coef[k] - e/C * w[c]) */
             double lse, unused;
             ce_row(xr, C, w, wtotal, true, false, &lse, &unused);
-            float total = (float)((1 - e) * wt + eC * wtotal); /* sum_k coef[k] */
-            float l = (float)lse;
-            for (int64_t c = 0; c < C; c++)
-                gr[c] = g * (expf(xr[c] - l) * total - eC * (w ? w[c] : 1.0f));
+            float total = g * (float)((1 - e) * wt + eC * wtotal), l = (float)lse;
+            v8f vt = v8_set1(total), vl = v8_set1(l), ve = v8_set1(ge);
+            int64_t c = 0;
+            for (; c + 8 <= C; c += 8) {
+                v8f p = v8_exp(v8_load(xr + c) - vl);
+                v8_store(gr + c, p * vt - (w ? ve * v8_load(w + c) : ve));
+            }
+            for (; c < C; c++) gr[c] = expf(xr[c] - l) * total - ge * (w ? w[c] : 1.0f);
         } else {
-            for (int64_t c = 0; c < C; c++) gr[c] = -g * eC * (w ? w[c] : 1.0f);
+            for (int64_t c = 0; c < C; c++) gr[c] = -ge * (w ? w[c] : 1.0f);
         }
         gr[t] -= g * (1 - e) * wt;
     }
@@ -132,10 +149,16 @@ int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, cons
 
 /* loss = max(x, 0) - x*y + log1p(exp(-|x|)): never exponentiates a positive number. */
 int tdm_cpu_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const tdm_tensor *y) {
-    int64_t n = tdm_numel(x);
+    int64_t n = tdm_numel(x), i = 0;
     const float *xp = (const float *)tdm_data_ptr(x), *yp = (const float *)tdm_data_ptr(y);
     float *lp = (float *)tdm_data_ptr(loss);
-    for (int64_t i = 0; i < n; i++) {
+    v8f zero = v8_set1(0);
+    for (; i + 8 <= n; i += 8) {
+        v8f v = v8_load(xp + i);
+        v8f l = v8_max(v, zero) - v * v8_load(yp + i) + v8_log1p_unit(v8_exp(-v8_abs(v)));
+        v8_store(lp + i, l);
+    }
+    for (; i < n; i++) {
         float v = xp[i];
         lp[i] = (v > 0 ? v : 0) - v * yp[i] + log1pf(expf(-fabsf(v)));
     }
@@ -144,14 +167,19 @@ int tdm_cpu_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const tdm_tensor *
 
 int tdm_cpu_bce_logits_backward(tdm_tensor *gx, const tdm_tensor *g, const tdm_tensor *x,
                                 const tdm_tensor *y) {
-    int64_t n = tdm_numel(x);
+    int64_t n = tdm_numel(x), i = 0;
     const float *xp = (const float *)tdm_data_ptr(x), *yp = (const float *)tdm_data_ptr(y);
     const float *gp = (const float *)tdm_data_ptr(g);
     float *out = (float *)tdm_data_ptr(gx);
-    for (int64_t i = 0; i < n; i++) {
-        float v = xp[i];
-        /* sigmoid from exp(-|x|), stable on both sides */
-        float z = expf(-fabsf(v));
+    /* sigmoid from z = exp(-|x|): 1/(1+z) for x >= 0, z/(1+z) below, stable on both sides */
+    v8f one = v8_set1(1), zero = v8_set1(0);
+    for (; i + 8 <= n; i += 8) {
+        v8f v = v8_load(xp + i), z = v8_exp(-v8_abs(v));
+        v8f s = v8_select(v >= zero, one, z) / (one + z);
+        v8_store(out + i, v8_load(gp + i) * (s - v8_load(yp + i)));
+    }
+    for (; i < n; i++) {
+        float v = xp[i], z = expf(-fabsf(v));
         float s = v >= 0 ? 1.0f / (1.0f + z) : z / (1.0f + z);
         out[i] = gp[i] * (s - yp[i]);
     }

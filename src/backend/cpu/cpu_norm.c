@@ -1,13 +1,13 @@
 /* CPU kernels for batch norm, layer norm and dropout.
  *
- * Statistics are accumulated in double: a batch-norm channel can sum millions of values, and
- * float accumulation would drift visibly from PyTorch's running statistics. Loops visit
+ * Statistics are summed in float lanes within one row or (n, c) plane and in double across
+ * them: a batch-norm channel can sum millions of values, and pure float accumulation would
+ * drift visibly from PyTorch's running statistics. Loops visit
  * memory in storage order; batch norm works on blocks of channels so that a [N, C] input
  * (S = 1) is still read row by row instead of with stride C.
  */
 #include "backend/cpu/cpu.h"
-
-#include <math.h>
+#include "backend/cpu/cpu_simd.h"
 
 #define BN_BLOCK 64 /* channels whose accumulators live on the stack at once */
 
@@ -33,18 +33,12 @@ static void bn_block_stats(const float *x, int64_t N, int64_t C, int64_t S, int6
     for (int j = 0; j < nb; j++) mean[j] = var[j] = 0;
     for (int64_t n = 0; n < N; n++)
         for (int j = 0; j < nb; j++) {
-            const float *p = x + (n * C + c0 + j) * S;
-            double acc = 0;
-            for (int64_t s = 0; s < S; s++) acc += p[s];
-            mean[j] += acc;
+            mean[j] += simd_sum(x + (n * C + c0 + j) * S, S);
         }
     for (int j = 0; j < nb; j++) mean[j] /= m;
     for (int64_t n = 0; n < N; n++)
         for (int j = 0; j < nb; j++) {
-            const float *p = x + (n * C + c0 + j) * S;
-            double mu = mean[j], acc = 0;
-            for (int64_t s = 0; s < S; s++) acc += (p[s] - mu) * (p[s] - mu);
-            var[j] += acc;
+            var[j] += simd_sq_dev(x + (n * C + c0 + j) * S, S, (float)mean[j]);
         }
     for (int j = 0; j < nb; j++) var[j] /= m;
 }
@@ -55,8 +49,7 @@ static void bn_block_affine(float *y, const float *x, int64_t N, int64_t C, int6
     for (int64_t n = 0; n < N; n++)
         for (int j = 0; j < nb; j++) {
             int64_t base = (n * C + c0 + j) * S;
-            float aj = a[j], bj = b[j];
-            for (int64_t s = 0; s < S; s++) y[base + s] = x[base + s] * aj + bj;
+            simd_affine(y + base, x + base, S, a[j], b[j]);
         }
 }
 
@@ -105,6 +98,34 @@ int tdm_cpu_batch_norm(tdm_tensor *y, tdm_tensor *save_mean, tdm_tensor *save_in
     return TDM_OK;
 }
 
+/* *sg = sum g[i], *sgx = sum g[i] * (x[i] - mu) */
+static void sum_g_gdev(const float *g, const float *x, int64_t n, float mu, float *sg, float *sgx) {
+    v8f a1 = v8_set1(0), a2 = v8_set1(0), m = v8_set1(mu);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f gv = v8_load(g + i);
+        a1 += gv;
+        a2 += gv * (v8_load(x + i) - m);
+    }
+    float s1 = v8_hsum(a1), s2 = v8_hsum(a2);
+    for (; i < n; i++) {
+        s1 += g[i];
+        s2 += g[i] * (x[i] - mu);
+    }
+    *sg = s1;
+    *sgx = s2;
+}
+
+/* gx[i] = (g[i] - mg - (x[i] - mu) * k) * scale: the normalisation's Jacobian applied to g */
+static void centred_grad(float *gx, const float *g, const float *x, int64_t n, float mu, float mg,
+                         float k, float scale) {
+    v8f vm = v8_set1(mu), vg = v8_set1(mg), vk = v8_set1(k), vs = v8_set1(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        v8_store(gx + i, (v8_load(g + i) - vg - (v8_load(x + i) - vm) * vk) * vs);
+    for (; i < n; i++) gx[i] = (g[i] - mg - (x[i] - mu) * k) * scale;
+}
+
 int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                 const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
                                 const tdm_tensor *save_mean, const tdm_tensor *save_invstd,
@@ -123,11 +144,8 @@ int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
         for (int64_t n = 0; need_sums && n < N; n++)
             for (int j = 0; j < nb; j++) {
                 int64_t base = (n * C + c0 + j) * S;
-                double mu = sm[c0 + j], a1 = 0, a2 = 0;
-                for (int64_t s = 0; s < S; s++) {
-                    a1 += g[base + s];
-                    a2 += g[base + s] * (xp[base + s] - mu);
-                }
+                float a1, a2;
+                sum_g_gdev(g + base, xp + base, S, sm[c0 + j], &a1, &a2);
                 sg[j] += a1;
                 sgx[j] += a2;
             }
@@ -145,10 +163,9 @@ int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                 if (training) {
                     float mg = (float)(sg[j] / M);
                     float k = (float)(sgx[j] / M) * inv * inv;
-                    for (int64_t s = 0; s < S; s++)
-                        gxp[base + s] = (g[base + s] - mg - (xp[base + s] - mu) * k) * scale;
+                    centred_grad(gxp + base, g + base, xp + base, S, mu, mg, k, scale);
                 } else {
-                    for (int64_t s = 0; s < S; s++) gxp[base + s] = g[base + s] * scale;
+                    simd_affine(gxp + base, g + base, S, scale, 0.0f);
                 }
             }
     }
@@ -165,22 +182,61 @@ int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const 
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = xp + r * cols;
         float *yr = yp + r * cols;
-        double s = 0, v = 0;
-        for (int64_t c = 0; c < cols; c++) s += xr[c];
-        double mu = s / (double)cols;
-        for (int64_t c = 0; c < cols; c++) v += (xr[c] - mu) * (xr[c] - mu);
-        float inv = (float)(1.0 / sqrt(v / (double)cols + (double)eps));
-        float m = (float)mu;
+        float m = (float)((double)simd_sum(xr, cols) / (double)cols);
+        double var = (double)simd_sq_dev(xr, cols, m) / (double)cols; /* biased, as PyTorch */
+        float inv = (float)(1.0 / sqrt(var + (double)eps));
         mp[r] = m;
         rp[r] = inv;
-        if (w && b) {
-            for (int64_t c = 0; c < cols; c++) yr[c] = (xr[c] - m) * inv * w[c] + b[c];
-        } else {
-            for (int64_t c = 0; c < cols; c++)
-                yr[c] = (xr[c] - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f);
+        if (!w && !b) {
+            simd_affine(yr, xr, cols, inv, -m * inv);
+            continue;
         }
+        v8f vm = v8_set1(m), vi = v8_set1(inv), one = v8_set1(1), zero = v8_set1(0);
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8) {
+            v8f h = (v8_load(xr + c) - vm) * vi;
+            v8_store(yr + c, h * (w ? v8_load(w + c) : one) + (b ? v8_load(b + c) : zero));
+        }
+        for (; c < cols; c++) yr[c] = (xr[c] - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f);
     }
     return TDM_OK;
+}
+
+/* One row of the layer-norm backward: gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with
+ * d = gy * w; gw += gy * xhat and gb += gy. */
+static void layer_norm_row_backward(float *gx, float *gw, float *gb, const float *g, const float *x,
+                                    const float *w, int64_t n, float m, float inv) {
+    v8f vm = v8_set1(m), vi = v8_set1(inv), one = v8_set1(1);
+    v8f ad = v8_set1(0), adx = v8_set1(0);
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        v8f gv = v8_load(g + c), h = (v8_load(x + c) - vm) * vi;
+        v8f d = gv * (w ? v8_load(w + c) : one);
+        ad += d;
+        adx += d * h;
+        if (gw) v8_store(gw + c, v8_load(gw + c) + gv * h);
+        if (gb) v8_store(gb + c, v8_load(gb + c) + gv);
+    }
+    float sd = v8_hsum(ad), sdx = v8_hsum(adx);
+    for (int64_t k = c; k < n; k++) {
+        float h = (x[k] - m) * inv, d = g[k] * (w ? w[k] : 1.0f);
+        sd += d;
+        sdx += d * h;
+        if (gw) gw[k] += g[k] * h;
+        if (gb) gb[k] += g[k];
+    }
+    if (!gx) return;
+    float md = sd / (float)n, mdx = sdx / (float)n;
+    v8f vmd = v8_set1(md), vmdx = v8_set1(mdx);
+    for (c = 0; c + 8 <= n; c += 8) {
+        v8f h = (v8_load(x + c) - vm) * vi;
+        v8f d = v8_load(g + c) * (w ? v8_load(w + c) : one);
+        v8_store(gx + c, vi * (d - vmd - h * vmdx));
+    }
+    for (; c < n; c++) {
+        float h = (x[c] - m) * inv, d = g[c] * (w ? w[c] : 1.0f);
+        gx[c] = inv * (d - md - h * mdx);
+    }
 }
 
 int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
@@ -189,33 +245,11 @@ int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
     const float *xp = cf(x), *g = cf(gy), *w = cf(weight), *mp = cf(mean), *rp = cf(rstd);
     float *gxp = mf(gx), *gwp = mf(gw), *gbp = mf(gb);
-    for (int64_t c = 0; c < cols; c++) {
-        if (gwp) gwp[c] = 0;
-        if (gbp) gbp[c] = 0;
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = xp + r * cols, *gr = g + r * cols;
-        float m = mp[r], inv = rp[r];
-        if (gwp || gbp)
-            for (int64_t c = 0; c < cols; c++) {
-                if (gwp) gwp[c] += gr[c] * (xr[c] - m) * inv;
-                if (gbp) gbp[c] += gr[c];
-            }
-        if (!gxp) continue;
-        /* gx = rstd * (d - mean(d) - xhat * mean(d * xhat)), d = gy * w */
-        double sd = 0, sdx = 0;
-        for (int64_t c = 0; c < cols; c++) {
-            float d = gr[c] * (w ? w[c] : 1.0f);
-            sd += d;
-            sdx += d * ((xr[c] - m) * inv);
-        }
-        float md = (float)(sd / (double)cols), mdx = (float)(sdx / (double)cols);
-        float *gxr = gxp + r * cols;
-        for (int64_t c = 0; c < cols; c++) {
-            float d = gr[c] * (w ? w[c] : 1.0f);
-            gxr[c] = inv * (d - md - (xr[c] - m) * inv * mdx);
-        }
-    }
+    if (gwp) memset(gwp, 0, sizeof(float) * (size_t)cols);
+    if (gbp) memset(gbp, 0, sizeof(float) * (size_t)cols);
+    for (int64_t r = 0; r < rows; r++)
+        layer_norm_row_backward(gxp ? gxp + r * cols : NULL, gwp, gbp, g + r * cols, xp + r * cols,
+                                w, cols, mp[r], rp[r]);
     return TDM_OK;
 }
 

@@ -27,12 +27,21 @@ static pool_geom geom_of(const tdm_tensor *x, const tdm_tensor *y, const tdm_poo
 
 static int check4(const char *op, const tdm_tensor *a, const tdm_tensor *b) {
     if (a->ndim != 4 || b->ndim != 4 || a->shape[0] != b->shape[0] || a->shape[1] != b->shape[1])
-        return tdm_raise(TDM_ERR_SHAPE, "%s: expects [N, C, H, W] tensors with equal N and C",
-                         op);
+        return tdm_raise(TDM_ERR_SHAPE, "%s: expects [N, C, H, W] tensors with equal N and C", op);
     if (!tdm_is_contiguous(a) || !tdm_is_contiguous(b))
         return tdm_raise(TDM_ERR_ARG, "%s: expects contiguous tensors", op);
     return TDM_OK;
 }
+
+/* One step of PyTorch's scan: v replaces the best so far if larger or NaN. Branch-free:
+ * with random data the comparison is unpredictable, and a branch costs more than the work. */
+#define MAX_STEP(v, i)                                                                             \
+    do {                                                                                           \
+        float v_ = (v);                                                                            \
+        bool t_ = (v_ > best) | (v_ != v_);                                                        \
+        best = t_ ? v_ : best;                                                                     \
+        bi = t_ ? (i) : bi;                                                                        \
+    } while (0)
 
 /* One plane of max pooling. The first index of a window starts the search and NaN wins, as in
  * PyTorch, so the gradient goes where PyTorch sends it. */
@@ -47,36 +56,44 @@ static void max_plane(const float *x, float *y, int64_t *idx, const pool_geom *g
             int64_t w1 = w0 + (g->kw - 1) * g->dw + 1;
             if (w1 > g->w) w1 = g->w;
             while (w0 < 0) w0 += g->dw;
-            int64_t best_i = h0 * g->w + w0;
+            int64_t bi = h0 * g->w + w0;
             float best = -INFINITY;
             for (int64_t ih = h0; ih < h1; ih += g->dh) {
                 const float *row = x + ih * g->w;
-                for (int64_t iw = w0; iw < w1; iw += g->dw) {
-                    float v = row[iw];
-                    if (v >= best || isnan(v)) {
-                        best = v;
-                        best_i = ih * g->w + iw;
-                    }
-                }
+                for (int64_t iw = w0; iw < w1; iw += g->dw) MAX_STEP(row[iw], ih * g->w + iw);
             }
             y[oh * g->wo + ow] = best;
-            idx[oh * g->wo + ow] = best_i;
+            idx[oh * g->wo + ow] = bi;
         }
     }
 }
 
-/* The common 2x2, stride 2, unpadded window with every window inside the image. */
+/* The common 2x2, stride 2, unpadded window with every window inside the image. Windows
+ * without NaN (the sum of four numbers is NaN if one is, or for inf - inf: then the exact
+ * scan runs too) take a compare-and-select chain the compiler turns into blends and cmovs. */
 static void max_plane_2x2(const float *x, float *y, int64_t *idx, const pool_geom *g) {
     for (int64_t oh = 0; oh < g->ho; oh++) {
         const float *r0 = x + 2 * oh * g->w, *r1 = r0 + g->w;
         int64_t base = 2 * oh * g->w;
         for (int64_t ow = 0; ow < g->wo; ow++) {
-            int64_t c = 2 * ow;
-            float best = r0[c];
-            int64_t bi = base + c;
-            if (r0[c + 1] > best || isnan(r0[c + 1])) best = r0[c + 1], bi = base + c + 1;
-            if (r1[c] > best || isnan(r1[c])) best = r1[c], bi = base + g->w + c;
-            if (r1[c + 1] > best || isnan(r1[c + 1])) best = r1[c + 1], bi = base + g->w + c + 1;
+            int64_t c = 2 * ow, i0 = base + c, i1 = base + g->w + c;
+            float a = r0[c], b = r0[c + 1], d = r1[c], e = r1[c + 1];
+            float best = a;
+            int64_t bi = i0;
+            if (a + b + d + e == a + b + d + e) {
+                bi = b > best ? i0 + 1 : bi;
+                best = b > best ? b : best;
+                bi = d > best ? i1 : bi;
+                best = d > best ? d : best;
+                bi = e > best ? i1 + 1 : bi;
+                best = e > best ? e : best;
+            } else {
+                best = -INFINITY;
+                MAX_STEP(a, i0);
+                MAX_STEP(b, i0 + 1);
+                MAX_STEP(d, i1);
+                MAX_STEP(e, i1 + 1);
+            }
             y[oh * g->wo + ow] = best;
             idx[oh * g->wo + ow] = bi;
         }
@@ -133,8 +150,8 @@ int tdm_cpu_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_
 
 /* The clipped window of output (oh, ow) and its divisor, as PyTorch computes them. Returns
  * false for a window with no input pixel (its output is 0). */
-static bool avg_window(const pool_geom *g, bool include_pad, int64_t oh, int64_t ow,
-                       int64_t *h0, int64_t *h1, int64_t *w0, int64_t *w1, float *inv) {
+static bool avg_window(const pool_geom *g, bool include_pad, int64_t oh, int64_t ow, int64_t *h0,
+                       int64_t *h1, int64_t *w0, int64_t *w1, float *inv) {
     int64_t hs = oh * g->sh - g->ph, ws = ow * g->sw - g->pw;
     int64_t he = hs + g->kh, we = ws + g->kw;
     if (he > g->h + g->ph) he = g->h + g->ph;
@@ -175,8 +192,7 @@ int tdm_cpu_avg_pool2d(tdm_tensor *y, const tdm_tensor *x, const tdm_pool2d_args
 }
 
 /* gx (zeroed here): each gy element spread evenly over its window. */
-int tdm_cpu_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy,
-                                const tdm_pool2d_args *args) {
+int tdm_cpu_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_pool2d_args *args) {
     if (check4("cpu avg_pool2d_backward", gx, gy)) return tdm_last_status();
     pool_geom g = geom_of(gx, gy, args);
     float *gxp = tdm_data_ptr(gx);

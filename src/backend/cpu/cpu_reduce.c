@@ -11,6 +11,7 @@
 
 #include "backend/cpu/cpu.h"
 #include "backend/cpu/cpu_iter.h"
+#include "backend/cpu/cpu_math.h"
 
 #define EW_CHUNK 256
 
@@ -23,18 +24,57 @@ static void split_dim(const tdm_tensor *t, int dim, int64_t *outer, int64_t *n, 
     *n = t->ndim ? t->shape[dim] : 1;
 }
 
-/* sum of x[0..n) in double, four partial sums for instruction-level parallelism */
+/* sum of x[0..n) in double; eight independent partial sums, which the compiler turns into
+ * vector adds, in a fixed order */
 static double row_sum(const float *x, int64_t n) {
-    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    double acc[8] = {0};
     int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        s0 += x[i];
-        s1 += x[i + 1];
-        s2 += x[i + 2];
-        s3 += x[i + 3];
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += x[i + j];
+    double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += x[i];
+    return s;
+}
+
+/* max of x[0..n) (n >= 1) ignoring NaN, in eight lanes that become one vector max; *nan
+ * tells whether a NaN was seen */
+static float row_max_nonnan(const float *x, int64_t n, bool *nan) {
+    float m[8];
+    int bad[8] = {0};
+    for (int j = 0; j < 8; j++) m[j] = x[0];
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) {
+            float v = x[i + j];
+            m[j] = v > m[j] ? v : m[j];
+            bad[j] |= v != v;
+        }
+    float r = m[0] == m[0] ? m[0] : -INFINITY; /* x[0] may itself be the NaN */
+    int any = 0;
+    for (int j = 0; j < 8; j++) {
+        r = m[j] > r ? m[j] : r;
+        any |= bad[j];
     }
-    for (; i < n; i++) s0 += x[i];
-    return (s0 + s1) + (s2 + s3);
+    for (; i < n; i++) {
+        r = x[i] > r ? x[i] : r;
+        any |= x[i] != x[i];
+    }
+    *nan = any || x[0] != x[0];
+    return r;
+}
+
+/* max of x[0..n) (n >= 1) and its first index; NaN counts as the maximum (as in PyTorch) */
+static float row_max(const float *x, int64_t n, int64_t *arg) {
+    bool nan;
+    float m = row_max_nonnan(x, n, &nan);
+    for (int64_t i = 0; i < n; i++) { /* its first position, stopping there */
+        if (nan ? x[i] != x[i] : x[i] == m) {
+            *arg = i;
+            return x[i];
+        }
+    }
+    *arg = 0; /* unreachable: m is one of the values */
+    return m;
 }
 
 /* y [outer, inner] = sum (or mean) over k of x [outer, n, inner] */
@@ -71,6 +111,14 @@ static void reduce_max(float *y, int64_t *am, const float *x, int64_t outer, int
                        int64_t inner) {
     float best[EW_CHUNK];
     int64_t arg[EW_CHUNK];
+    if (inner == 1) {
+        for (int64_t o = 0; o < outer; o++) {
+            int64_t a;
+            y[o] = row_max(x + o * n, n, &a);
+            if (am) am[o] = a;
+        }
+        return;
+    }
     for (int64_t o = 0; o < outer; o++) {
         for (int64_t c = 0; c < inner; c += EW_CHUNK) {
             int64_t len = inner - c < EW_CHUNK ? inner - c : EW_CHUNK;
@@ -247,19 +295,17 @@ static int softmax_check(const char *what, const tdm_tensor *a, const tdm_tensor
 
 /* Subtracting the row max keeps every exp in (0, 1], so nothing overflows. */
 static void softmax_row(float *y, const float *x, int64_t n, bool is_log) {
-    float m = x[0];
-    for (int64_t i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
-    double sum = 0;
+    bool nan;
+    float m = row_max_nonnan(x, n, &nan);
+    if (nan) m = NAN; /* a NaN anywhere makes the whole row NaN, as in PyTorch */
     if (is_log) {
-        for (int64_t i = 0; i < n; i++) sum += expf(x[i] - m);
-        float lse = m + (float)log(sum);
-        for (int64_t i = 0; i < n; i++) y[i] = x[i] - lse;
+        for (int64_t i = 0; i < n; i++) y[i] = tdm_expf(x[i] - m); /* scratch */
+        /* (x - m) is exact for x near m, so this keeps precision for large logits */
+        float ls = (float)log(row_sum(y, n));
+        for (int64_t i = 0; i < n; i++) y[i] = (x[i] - m) - ls;
     } else {
-        for (int64_t i = 0; i < n; i++) {
-            y[i] = expf(x[i] - m);
-            sum += y[i];
-        }
-        float inv = (float)(1.0 / sum);
+        for (int64_t i = 0; i < n; i++) y[i] = tdm_expf(x[i] - m);
+        float inv = (float)(1.0 / row_sum(y, n));
         for (int64_t i = 0; i < n; i++) y[i] *= inv;
     }
 }
@@ -289,7 +335,7 @@ int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_ten
         if (is_log) {
             dot = row_sum(gyr, n);
             float d = (float)dot;
-            for (int64_t i = 0; i < n; i++) gr[i] = gyr[i] - expf(yr[i]) * d;
+            for (int64_t i = 0; i < n; i++) gr[i] = gyr[i] - tdm_expf(yr[i]) * d;
         } else {
             for (int64_t i = 0; i < n; i++) dot += (double)gyr[i] * yr[i];
             float d = (float)dot;

@@ -1,0 +1,402 @@
+/* Batch norm, layer norm, dropout, index_select and embedding: PyTorch fixtures (outputs,
+ * running statistics over three training steps, gradients), gradchecks of every op with
+ * non-contiguous inputs, dropout's determinism, and error messages. */
+#include "gradcheck.h"
+
+#include "fixtures/norm_fixtures.h"
+
+static tdm_tensor *f32(tdm_shape s, const float *v) {
+    return tdm_from_data(s, TDM_F32, tdm_cpu(0), v);
+}
+static tdm_tensor *i64(tdm_shape s, const int64_t *v) {
+    return tdm_from_data(s, TDM_I64, tdm_cpu(0), v);
+}
+
+static int backward_weighted(tdm_tensor *out, const float *u) {
+    if (!out) return -1;
+    return tdm_backward(tdm_sum_all(tdm_mul(out, f32(tdm_shape_of(out), u))));
+}
+
+static void check_grad(const tdm_tensor *t, const float *expected, const char *what) {
+    CHECK(t->grad != NULL, "%s: no gradient", what);
+    if (t->grad) check_tensor_close(t->grad, expected, 1e-5, 1e-4, what);
+}
+
+/* ---- fixtures ---- */
+
+static void test_batch_norm_fixtures(void) {
+    for (int k = 0; k < NF_N_BN_CASES; k++) {
+        const nf_bn_case *c = &nf_bn_cases[k];
+        char what[96];
+        tdm_scope_begin();
+        tdm_tensor *w = f32(TDM_SHAPE(c->C), c->weight), *b = f32(TDM_SHAPE(c->C), c->bias);
+        tdm_requires_grad_(w, true);
+        tdm_requires_grad_(b, true);
+        tdm_tensor *rm = tdm_zeros(TDM_SHAPE(c->C), TDM_F32, tdm_cpu(0));
+        tdm_tensor *rv = tdm_ones(TDM_SHAPE(c->C), TDM_F32, tdm_cpu(0));
+        tdm_tensor *x = NULL, *y = NULL;
+        for (int step = 0; step < 3; step++) {
+            x = f32(c->shape, c->x[step]);
+            tdm_requires_grad_(x, true);
+            y = tdm_batch_norm(x, rm, rv, w, b, true, NF_MOMENTUM, NF_EPS);
+            CHECK(y != NULL, "%s step %d: %s", c->name, step, tdm_last_error());
+            if (!y) break;
+            snprintf(what, sizeof what, "%s step %d output", c->name, step);
+            check_tensor_close(y, c->y[step], 1e-5, 1e-4, what);
+            snprintf(what, sizeof what, "%s step %d running_mean", c->name, step);
+            check_tensor_close(rm, c->rm[step], 1e-6, 1e-5, what);
+            snprintf(what, sizeof what, "%s step %d running_var", c->name, step);
+            check_tensor_close(rv, c->rv[step], 1e-6, 1e-5, what);
+        }
+        if (y) {
+            CHECK(backward_weighted(y, c->u) == 0, "%s: %s", c->name, tdm_last_error());
+            snprintf(what, sizeof what, "%s train grad x", c->name);
+            check_grad(x, c->gx, what);
+            snprintf(what, sizeof what, "%s train grad weight", c->name);
+            check_grad(w, c->gw, what);
+            snprintf(what, sizeof what, "%s train grad bias", c->name);
+            check_grad(b, c->gb, what);
+        }
+        /* eval: running statistics, which must not change */
+        tdm_zero_grad(w);
+        tdm_zero_grad(b);
+        float rm_before[8], rv_before[8];
+        tdm_to_host(rm, rm_before, sizeof(float) * (size_t)c->C);
+        tdm_to_host(rv, rv_before, sizeof(float) * (size_t)c->C);
+        tdm_tensor *xe = f32(c->shape, c->xe);
+        tdm_requires_grad_(xe, true);
+        tdm_tensor *ye = tdm_batch_norm(xe, rm, rv, w, b, false, NF_MOMENTUM, NF_EPS);
+        CHECK(ye != NULL, "%s eval: %s", c->name, tdm_last_error());
+        if (ye) {
+            snprintf(what, sizeof what, "%s eval output", c->name);
+            check_tensor_close(ye, c->ye, 1e-5, 1e-4, what);
+            check_tensor_close(rm, rm_before, 0, 0, "eval keeps running_mean");
+            check_tensor_close(rv, rv_before, 0, 0, "eval keeps running_var");
+            CHECK(backward_weighted(ye, c->u) == 0, "%s: %s", c->name, tdm_last_error());
+            snprintf(what, sizeof what, "%s eval grad x", c->name);
+            check_grad(xe, c->gxe, what);
+            snprintf(what, sizeof what, "%s eval grad weight", c->name);
+            check_grad(w, c->gwe, what);
+            snprintf(what, sizeof what, "%s eval grad bias", c->name);
+            check_grad(b, c->gbe, what);
+        }
+        tdm_scope_end();
+    }
+}
+
+static void test_layer_norm_fixtures(void) {
+    for (int k = 0; k < NF_N_LN_CASES; k++) {
+        const nf_ln_case *c = &nf_ln_cases[k];
+        char what[96];
+        tdm_scope_begin();
+        tdm_tensor *x = f32(c->shape, c->x), *w = NULL, *b = NULL;
+        tdm_requires_grad_(x, true);
+        if (c->w) {
+            tdm_shape ns = {c->nd, {0}};
+            for (int i = 0; i < c->nd; i++) ns.d[i] = c->shape.d[c->shape.ndim - c->nd + i];
+            w = f32(ns, c->w);
+            b = f32(ns, c->b);
+            tdm_requires_grad_(w, true);
+            tdm_requires_grad_(b, true);
+        }
+        tdm_tensor *y = tdm_layer_norm(x, c->nd, w, b, NF_EPS);
+        CHECK(y != NULL, "%s: %s", c->name, tdm_last_error());
+        if (y) {
+            snprintf(what, sizeof what, "%s output", c->name);
+            check_tensor_close(y, c->y, 1e-5, 1e-4, what);
+            CHECK(backward_weighted(y, c->u) == 0, "%s: %s", c->name, tdm_last_error());
+            snprintf(what, sizeof what, "%s grad x", c->name);
+            check_grad(x, c->gx, what);
+            if (w) {
+                snprintf(what, sizeof what, "%s grad weight", c->name);
+                check_grad(w, c->gw, what);
+                snprintf(what, sizeof what, "%s grad bias", c->name);
+                check_grad(b, c->gb, what);
+            }
+        }
+        tdm_scope_end();
+    }
+}
+
+/* ---- gradchecks ---- */
+
+typedef struct {
+    bool training, affine;
+    tdm_tensor *rm, *rv;
+} bn_ctx;
+
+/* in[0] is x with dims 0 and 1 swapped ([C, N, ...]): batch norm sees a strided [N, C, ...] */
+static tdm_tensor *bn_fn(tdm_tensor **in, void *p) {
+    bn_ctx *c = (bn_ctx *)p;
+    tdm_tensor *x = tdm_transpose(in[0], 0, 1);
+    return tdm_batch_norm(x, c->rm, c->rv, c->affine ? in[1] : NULL, c->affine ? in[2] : NULL,
+                          c->training, 0.1f, 1e-5f);
+}
+
+static void test_batch_norm_gradcheck(void) {
+    tdm_shape shapes[2] = {TDM_SHAPE(3, 5), TDM_SHAPE(3, 2, 2, 3)}; /* [C, N, ...] */
+    for (int s = 0; s < 2; s++)
+        for (int mode = 0; mode < 3; mode++) { /* train+affine, train plain, eval+affine */
+            bn_ctx c = {mode < 2, mode != 1, NULL, NULL};
+            tdm_rng r = tdm_rng_make(77);
+            c.rm = tdm_randn(TDM_SHAPE(3), 0, 1, tdm_cpu(0), &r);
+            c.rv = tdm_rand(TDM_SHAPE(3), 0.5f, 2.0f, tdm_cpu(0), &r);
+            tdm_tensor *in[3] = {gradcheck_input(shapes[s], 31 + s),
+                                 gradcheck_input(TDM_SHAPE(3), 41),
+                                 gradcheck_input(TDM_SHAPE(3), 42)};
+            char what[64];
+            snprintf(what, sizeof what, "batch_norm %dd mode %d", shapes[s].ndim, mode);
+            gradcheck(what, bn_fn, c.affine ? 3 : 1, in, &c, 1e-2, 2e-3, 1e-2);
+            for (int i = 0; i < 3; i++) tdm_tensor_free(in[i]);
+            tdm_tensor_free(c.rm);
+            tdm_tensor_free(c.rv);
+        }
+}
+
+typedef struct {
+    int nd;
+    bool affine;
+} ln_ctx;
+
+/* in[0] is [D, ..., R] and used with its first and last dims swapped: layer norm over a strided
+ * last dim */
+static tdm_tensor *ln_fn(tdm_tensor **in, void *p) {
+    ln_ctx *c = (ln_ctx *)p;
+    tdm_tensor *x = tdm_transpose(in[0], 0, in[0]->ndim - 1);
+    return tdm_layer_norm(x, c->nd, c->affine ? in[1] : NULL, c->affine ? in[2] : NULL, 1e-5f);
+}
+
+static void test_layer_norm_gradcheck(void) {
+    for (int affine = 0; affine < 2; affine++) {
+        ln_ctx c = {1, affine != 0};
+        tdm_tensor *in[3] = {gradcheck_input(TDM_SHAPE(4, 6), 51),
+                             gradcheck_input(TDM_SHAPE(4), 52), gradcheck_input(TDM_SHAPE(4), 53)};
+        gradcheck(affine ? "layer_norm affine" : "layer_norm", ln_fn, affine ? 3 : 1, in, &c, 1e-2,
+                  2e-3, 1e-2);
+        for (int i = 0; i < 3; i++) tdm_tensor_free(in[i]);
+    }
+    /* two normalised dims: x [2, 3, 4] seen as the transpose of [4, 3, 2] -> weight [3, 4] */
+    ln_ctx c = {2, true};
+    tdm_tensor *in[3] = {gradcheck_input(TDM_SHAPE(4, 3, 2), 54),
+                         gradcheck_input(TDM_SHAPE(3, 4), 55),
+                         gradcheck_input(TDM_SHAPE(3, 4), 56)};
+    gradcheck("layer_norm 2 dims", ln_fn, 3, in, &c, 1e-2, 2e-3, 1e-2);
+    for (int i = 0; i < 3; i++) tdm_tensor_free(in[i]);
+}
+
+/* The rng is re-made inside the fn so that every finite-difference evaluation draws the same
+ * mask as the analytic pass. */
+static tdm_tensor *dropout_fn(tdm_tensor **in, void *p) {
+    tdm_rng r = tdm_rng_make(99);
+    return tdm_dropout(tdm_transpose(in[0], 0, 1), *(float *)p, true, &r);
+}
+
+static void test_dropout_gradcheck(void) {
+    float p = 0.4f;
+    tdm_tensor *x = gradcheck_input(TDM_SHAPE(5, 6), 61);
+    gradcheck("dropout", dropout_fn, 1, &x, &p, 1e-3, 1e-3, 1e-3);
+    tdm_tensor_free(x);
+}
+
+typedef struct {
+    int dim;
+    tdm_tensor *idx;
+} idx_ctx;
+
+/* in[0] is [4, 5, 3] and used as its [3, 5, 4] transpose */
+static tdm_tensor *index_fn(tdm_tensor **in, void *p) {
+    idx_ctx *c = (idx_ctx *)p;
+    return tdm_index_select(tdm_transpose(in[0], 0, 2), c->dim, c->idx);
+}
+
+static tdm_tensor *embedding_fn(tdm_tensor **in, void *p) {
+    return tdm_embedding(in[0], ((idx_ctx *)p)->idx);
+}
+
+static void test_index_gradcheck(void) {
+    int64_t iv[6] = {2, 0, 2, 2, 1, 0}; /* repeated indices must sum their gradients */
+    tdm_tensor *x = gradcheck_input(TDM_SHAPE(4, 5, 3), 71);
+    for (int dim = -1; dim < 3; dim++) {
+        idx_ctx c = {dim, i64(TDM_SHAPE(6), iv)};
+        if (dim == 1) { /* i32 indices too */
+            tdm_tensor *i32 = tdm_cast(c.idx, TDM_I32);
+            tdm_tensor_free(c.idx);
+            c.idx = i32;
+        }
+        char what[64];
+        snprintf(what, sizeof what, "index_select dim %d", dim);
+        gradcheck(what, index_fn, 1, &x, &c, 1e-3, 1e-3, 1e-3);
+        tdm_tensor_free(c.idx);
+    }
+    tdm_tensor_free(x);
+
+    int64_t ev[6] = {1, 3, 1, 0, 3, 3};
+    tdm_tensor *w = gradcheck_input(TDM_SHAPE(5, 3), 72);
+    idx_ctx c = {0, i64(TDM_SHAPE(2, 3), ev)};
+    gradcheck("embedding [2, 3] index", embedding_fn, 1, &w, &c, 1e-3, 1e-3, 1e-3);
+    /* a strided index: the transpose of [3, 2] */
+    tdm_tensor *it = tdm_transpose(c.idx, 0, 1);
+    idx_ctx c2 = {0, it};
+    gradcheck("embedding strided index", embedding_fn, 1, &w, &c2, 1e-3, 1e-3, 1e-3);
+    tdm_tensor_free(it);
+    tdm_tensor_free(c.idx);
+    tdm_tensor_free(w);
+}
+
+/* ---- values: index_select, embedding, dropout ---- */
+
+static void test_index_values(void) {
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_arange(0, 12, 1, TDM_F32, tdm_cpu(0));
+    x = tdm_reshape(x, TDM_SHAPE(3, 4));
+    int64_t iv[3] = {3, 0, 3};
+    tdm_tensor *y = tdm_index_select(x, 1, i64(TDM_SHAPE(3), iv));
+    float e1[9] = {3, 0, 3, 7, 4, 7, 11, 8, 11};
+    CHECK(y && y->shape[0] == 3 && y->shape[1] == 3, "index_select shape");
+    if (y) check_tensor_close(y, e1, 0, 0, "index_select dim 1");
+    /* embedding of a [2, 2] index gives [2, 2, 4] */
+    int64_t ev[4] = {2, 0, 1, 2};
+    tdm_tensor *e = tdm_embedding(x, i64(TDM_SHAPE(2, 2), ev));
+    float e2[16] = {8, 9, 10, 11, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+    CHECK(e && e->ndim == 3 && e->shape[0] == 2 && e->shape[1] == 2 && e->shape[2] == 4,
+          "embedding shape");
+    if (e) check_tensor_close(e, e2, 0, 0, "embedding");
+    tdm_scope_end();
+}
+
+static void test_dropout_values(void) {
+    tdm_scope_begin();
+    const int n = 20000;
+    const float p = 0.3f;
+    tdm_tensor *x = tdm_ones(TDM_SHAPE(n), TDM_F32, tdm_cpu(0));
+    tdm_rng r = tdm_rng_make(5);
+    tdm_tensor *y = tdm_dropout(x, p, true, &r);
+    CHECK(y != NULL, "%s", tdm_last_error());
+    CHECK(r.offset == (uint64_t)n, "offset advanced by numel: %llu", (unsigned long long)r.offset);
+    float *v = malloc(sizeof(float) * n);
+    tdm_to_host(y, v, sizeof(float) * n);
+    int zeros = 0, bad = 0;
+    for (int i = 0; i < n; i++) {
+        if (v[i] == 0)
+            zeros++;
+        else if (fabsf(v[i] - 1.0f / (1.0f - p)) > 1e-6f)
+            bad++;
+    }
+    CHECK(bad == 0, "%d kept values are not 1/(1-p)", bad);
+    /* binomial(20000, 0.3): sd ~65, so 6000 +- 400 is > 6 sd */
+    CHECK(zeros > 5600 && zeros < 6400, "dropped %d of %d at p = %g", zeros, n, p);
+
+    /* element i uses counter offset + i: two halves drawn in sequence equal one whole draw */
+    tdm_rng a = tdm_rng_make(8), b = tdm_rng_make(8);
+    tdm_tensor *whole = tdm_dropout(tdm_ones(TDM_SHAPE(64), TDM_F32, tdm_cpu(0)), 0.5f, true, &a);
+    tdm_tensor *h1 = tdm_dropout(tdm_ones(TDM_SHAPE(40), TDM_F32, tdm_cpu(0)), 0.5f, true, &b);
+    tdm_tensor *h2 = tdm_dropout(tdm_ones(TDM_SHAPE(4, 6), TDM_F32, tdm_cpu(0)), 0.5f, true, &b);
+    float wv[64], hv[64];
+    tdm_to_host(whole, wv, sizeof wv);
+    tdm_to_host(h1, hv, 40 * sizeof(float));
+    tdm_to_host(h2, hv + 40, 24 * sizeof(float));
+    CHECK(memcmp(wv, hv, sizeof wv) == 0, "split draws differ from one draw");
+    /* a second draw from the same rng is a different mask */
+    tdm_tensor *again = tdm_dropout(tdm_ones(TDM_SHAPE(64), TDM_F32, tdm_cpu(0)), 0.5f, true, &a);
+    float av[64];
+    tdm_to_host(again, av, sizeof av);
+    CHECK(memcmp(wv, av, sizeof wv) != 0, "consecutive masks repeat");
+
+    /* eval and p = 0 return the input itself; p = 1 zeroes everything */
+    CHECK(tdm_dropout(x, p, false, &r) == x, "eval dropout must return its input");
+    CHECK(tdm_dropout(x, 0.0f, true, &r) == x, "p = 0 must return its input");
+    tdm_tensor *z = tdm_dropout(x, 1.0f, true, &r);
+    CHECK(z && tdm_item(tdm_sum_all(z)) == 0.0f, "p = 1 must zero everything");
+    /* NULL rng: the default generator advances */
+    uint64_t before = tdm_default_rng()->offset;
+    CHECK(tdm_dropout(x, p, true, NULL) != NULL, "%s", tdm_last_error());
+    CHECK(tdm_default_rng()->offset == before + (uint64_t)n, "default rng offset");
+    free(v);
+    tdm_scope_end();
+}
+
+/* Ops outside a scope: results are caller-owned and nothing else is left behind. */
+static void test_no_scope(void) {
+    float xv[6] = {1, 2, 3, 4, 5, 6};
+    tdm_tensor *x = f32(TDM_SHAPE(2, 3), xv);
+    tdm_tensor *rm = tdm_zeros(TDM_SHAPE(3), TDM_F32, tdm_cpu(0));
+    tdm_tensor *rv = tdm_ones(TDM_SHAPE(3), TDM_F32, tdm_cpu(0));
+    tdm_tensor *y = tdm_batch_norm(x, rm, rv, NULL, NULL, true, 0.1f, 1e-5f);
+    float e[6] = {-1, -1, -1, 1, 1, 1};
+    CHECK(y && !y->owner, "batch_norm without a scope: %s", tdm_last_error());
+    if (y) check_tensor_close(y, e, 1e-4, 0, "batch_norm no scope");
+    tdm_tensor *l = tdm_layer_norm(x, 1, NULL, NULL, 1e-5f);
+    CHECK(l && !l->owner, "layer_norm without a scope: %s", tdm_last_error());
+    int64_t iv[2] = {1, 1};
+    tdm_tensor *idx = i64(TDM_SHAPE(2), iv);
+    tdm_tensor *em = tdm_embedding(x, idx);
+    float ee[6] = {4, 5, 6, 4, 5, 6};
+    CHECK(em && !em->owner, "embedding without a scope: %s", tdm_last_error());
+    tdm_tensor_free(idx); /* the result shares the weight's values, not the index */
+    if (em) check_tensor_close(em, ee, 0, 0, "embedding no scope");
+    tdm_tensor *d = tdm_dropout(x, 0.5f, true, NULL);
+    CHECK(d && !d->owner, "dropout without a scope: %s", tdm_last_error());
+    tdm_tensor_free(d);
+    tdm_tensor_free(em);
+    tdm_tensor_free(l);
+    tdm_tensor_free(y);
+    tdm_tensor_free(rm);
+    tdm_tensor_free(rv);
+    tdm_tensor_free(x);
+}
+
+/* ---- errors ---- */
+
+static void test_errors(void) {
+    tdm_scope_begin();
+    tdm_device cpu = tdm_cpu(0);
+    tdm_tensor *x = tdm_zeros(TDM_SHAPE(4, 3), TDM_F32, cpu);
+    tdm_tensor *c3 = tdm_ones(TDM_SHAPE(3), TDM_F32, cpu),
+               *c5 = tdm_ones(TDM_SHAPE(5), TDM_F32, cpu);
+    CHECK_ERROR(!tdm_batch_norm(x, NULL, NULL, c5, c3, true, 0.1f, 1e-5f),
+                "batch_norm: weight has shape [5], expected [3] for input [4, 3]");
+    CHECK_ERROR(!tdm_batch_norm(x, c5, c3, NULL, NULL, true, 0.1f, 1e-5f), "running_mean");
+    CHECK_ERROR(!tdm_batch_norm(c3, NULL, NULL, NULL, NULL, true, 0.1f, 1e-5f),
+                "batch_norm: input must be [N, C] or [N, C, ...], got [3]");
+    CHECK_ERROR(!tdm_batch_norm(tdm_zeros(TDM_SHAPE(1, 3), TDM_F32, cpu), NULL, NULL, NULL, NULL,
+                                true, 0.1f, 1e-5f),
+                "more than 1 value per channel when training, got input [1, 3]");
+    CHECK_ERROR(!tdm_batch_norm(x, NULL, NULL, NULL, NULL, false, 0.1f, 1e-5f),
+                "eval mode needs running_mean");
+    CHECK_ERROR(!tdm_batch_norm(tdm_zeros(TDM_SHAPE(4, 3), TDM_I64, cpu), NULL, NULL, NULL, NULL,
+                                true, 0.1f, 1e-5f),
+                "batch_norm");
+    CHECK_ERROR(!tdm_layer_norm(x, 0, NULL, NULL, 1e-5f), "normalized_ndim 0 is not in [1, 2]");
+    CHECK_ERROR(!tdm_layer_norm(x, 1, c5, NULL, 1e-5f),
+                "layer_norm: weight has shape [5], expected [3]");
+    CHECK_ERROR(!tdm_dropout(x, 1.5f, true, NULL), "dropout: p must be in [0, 1], got 1.5");
+    int64_t bad[2] = {1, 7};
+    CHECK_ERROR(!tdm_index_select(x, 0, i64(TDM_SHAPE(2), bad)),
+                "index 7 (position 1) is out of range for dim 0 of size 4");
+    int64_t neg[1] = {-1};
+    CHECK_ERROR(!tdm_index_select(x, 1, i64(TDM_SHAPE(1), neg)), "index -1");
+    CHECK_ERROR(!tdm_index_select(x, 0, tdm_zeros(TDM_SHAPE(2), TDM_F32, cpu)),
+                "index_select: index must be i32 or i64, got f32");
+    CHECK_ERROR(!tdm_index_select(x, 0, tdm_zeros(TDM_SHAPE(2, 2), TDM_I64, cpu)),
+                "index_select: index must be 1-D, got shape [2, 2]");
+    CHECK_ERROR(!tdm_index_select(x, 2, i64(TDM_SHAPE(1), neg)), "index_select");
+    CHECK_ERROR(!tdm_embedding(c3, i64(TDM_SHAPE(1), neg)), "embedding: weight must be [num, dim]");
+    CHECK_ERROR(!tdm_embedding(x, i64(TDM_SHAPE(2), bad)), "index 7");
+    CHECK_ERROR(!tdm_embedding(x, tdm_zeros(TDM_SHAPE(2), TDM_F32, cpu)),
+                "embedding: index must be i32 or i64");
+    tdm_scope_end();
+}
+
+int main(void) {
+    test_batch_norm_fixtures();
+    test_layer_norm_fixtures();
+    test_batch_norm_gradcheck();
+    test_layer_norm_gradcheck();
+    test_dropout_gradcheck();
+    test_index_gradcheck();
+    test_index_values();
+    test_dropout_values();
+    test_no_scope();
+    test_errors();
+    return check_summary();
+}

@@ -6,5 +6,6 @@
 #include "autograd.h"
 #include "nn.h"
 #include "optim.h"
+#include "data.h"
 
 #endif

@@ -57,6 +57,8 @@ static int matmul_backward(tdm_node *n, tdm_tensor *gout) {
  * operand is shared by every batch entry without a copy; other broadcasts are materialised. */
 tdm_tensor *tdm_matmul(tdm_tensor *a, tdm_tensor *b) {
     if (!a || !b) return NULL;
+    tdm_tensor *in[2] = {a, b};
+    if (!tdm_current_scope() && !tdm_needs_record(2, in)) TDM_RETURN_SCOPED(tdm_matmul(a, b));
     char sa[96], sb[96];
 #define SHAPES tdm_shape_str(tdm_shape_of(a), sa), tdm_shape_str(tdm_shape_of(b), sb)
     if (tdm_check_f32(a, "matmul") || tdm_check_f32(b, "matmul") ||
@@ -105,7 +107,6 @@ tdm_tensor *tdm_matmul(tdm_tensor *a, tdm_tensor *b) {
     tdm_tensor *c3 = c ? tdm_tensor_view(c, 3, (int64_t[]){batch, n, m},
                                          (int64_t[]){n * m, m, 1}, 0) : NULL;
     if (!a3 || !b3 || !c3 || gemm(c3, a3, b3, false, false, 0.0f)) return NULL;
-    tdm_tensor *in[2] = {a, b};
     if (tdm_needs_record(2, in)) {
         tdm_node *nd = tdm_record("matmul", matmul_backward, c, 2, in);
         if (!nd) return NULL;

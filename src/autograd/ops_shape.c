@@ -82,6 +82,7 @@ tdm_tensor *tdm_reshape(tdm_tensor *x, tdm_shape s) {
                               shp(x, b), (long long)n, tdm_shape_str(s, a));
     int64_t strides[TDM_MAX_DIMS];
     if (!view_strides(x, s, strides)) {
+        if (!tdm_current_scope() && !tdm_needs_record(1, &x)) TDM_RETURN_SCOPED(tdm_reshape(x, s));
         x = tdm_contiguous(x);
         if (!x) return NULL;
         tdm_contiguous_strides(s.ndim, s.d, strides);

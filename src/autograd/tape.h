@@ -37,7 +37,9 @@ struct tdm_node {
  * requires a gradient. NULL entries are skipped. */
 bool tdm_needs_record(int n_in, tdm_tensor *const *in);
 /* Appends a node for out (sets out->requires_grad and out->grad_fn). Returns the node, to
- * which the op adds saved tensors and arguments, or NULL on allocation failure. */
+ * which the op adds saved tensors and arguments, or NULL on failure: no scope is open (then
+ * out, caller-owned, is freed: the op must return NULL without touching it) or out of
+ * memory. */
 tdm_node *tdm_record(const char *name, tdm_backward_fn backward, tdm_tensor *out, int n_in,
                      tdm_tensor *const *in);
 /* Whether input i of the node needs a gradient. */
@@ -56,6 +58,18 @@ int tdm_tape_push(tdm_node *n);
 tdm_node **tdm_tape_nodes(int *start, int *end);
 /* Marks every node recorded so far as walked. */
 void tdm_tape_consume(void);
+
+/* For ops that make temporaries: when the caller has no scope open (so the temporaries
+ * would be the caller's to free, and no history can be recorded), returns the op's result
+ * computed inside a scope of its own, handing only the result to the caller. Use as
+ * `if (!tdm_current_scope()) TDM_RETURN_SCOPED(tdm_op(a, b));` at the top of the op. */
+#define TDM_RETURN_SCOPED(expr)                                                                \
+    do {                                                                                       \
+        tdm_scope_begin();                                                                     \
+        tdm_tensor *scoped_ = tdm_scope_keep(expr);                                            \
+        tdm_scope_end();                                                                       \
+        return scoped_;                                                                        \
+    } while (0)
 
 /* Shape checks ops share. */
 /* The broadcast shape of a and b into out; an error naming op and both shapes if none. */

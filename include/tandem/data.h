@@ -1,0 +1,111 @@
+/* Tandem data: datasets read from files or memory, samplers, and a DataLoader whose worker
+ * threads build batches in parallel into preallocated buffers.
+ *
+ * Every reader validates what it reads: a truncated file, a wrong magic, or dimensions that
+ * overflow or disagree with the file size give NULL and an error naming the file and the
+ * byte offset, never a crash or an allocation the file size does not justify.
+ */
+#ifndef TANDEM_DATA_H
+#define TANDEM_DATA_H
+
+#include "tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- datasets ---------------------------------------------------------------------------- */
+
+typedef struct tdm_dataset tdm_dataset;
+
+typedef struct {
+    /* Writes sample i: x (sample_numel elements of x_dtype) and y (target_numel i64).
+     * Must be safe to call from several threads at once. */
+    int (*get)(const tdm_dataset *ds, int64_t i, void *x, int64_t *y);
+    void (*destroy)(tdm_dataset *ds); /* frees impl */
+} tdm_dataset_ops;
+
+struct tdm_dataset {
+    const tdm_dataset_ops *ops;
+    int64_t n;               /* number of samples */
+    tdm_shape sample_shape;  /* e.g. [1, 28, 28] for images, [T] for token windows */
+    tdm_dtype x_dtype;       /* TDM_F32 features, or TDM_I64 tokens */
+    tdm_shape target_shape;  /* [] for a class label, [T] for next tokens */
+    int64_t num_classes;     /* labels lie in [0, num_classes); vocabulary size for tokens */
+    char name[64];           /* for messages: "fashion-mnist/train" */
+    void *impl;
+};
+
+/* IDX image and label files (MNIST, Fashion-MNIST), gzipped or raw (detected from the
+ * content). Images become f32 [1, rows, cols] scaled to [0, 1]; labels i64. */
+tdm_dataset *tdm_idx_dataset_open(const char *images_path, const char *labels_path);
+/* Fashion-MNIST from dir (NULL: Debian's /usr/share/datasets/fashion-mnist), train or test
+ * split ("train-*" or "t10k-*" files). */
+tdm_dataset *tdm_fashion_mnist(const char *dir, bool train);
+/* llm.c's token shards: a header of 256 little-endian int32 (magic 20240520, version 1,
+ * token count), then u16 tokens. Sample i is the window tokens[i*T, i*T + T] (x) and the same
+ * shifted by one (y); vocab is the vocabulary size (tokens >= vocab are an error). */
+tdm_dataset *tdm_token_dataset_open(const char *path, int64_t context, int64_t vocab);
+/* Numeric CSV: one sample per line, f32 features and an integer label in column
+ * label_column (negative counts from the end); header skips the first line. */
+tdm_dataset *tdm_csv_dataset_open(const char *path, int label_column, bool header);
+/* Samples from memory: x [n, sample_shape...] f32 and y [n] labels, copied. */
+tdm_dataset *tdm_memory_dataset(tdm_shape sample_shape, int64_t n, const float *x,
+                                const int64_t *y, int64_t num_classes);
+int64_t tdm_dataset_sample_numel(const tdm_dataset *ds);
+void tdm_dataset_free(tdm_dataset *ds);
+
+/* ---- samplers and the loader ------------------------------------------------------------- */
+
+typedef struct {
+    bool normalize;   /* x = (x - mean) / std */
+    float mean, std;
+    int crop_padding; /* random crop of the original size after zero-padding each side; 0 off */
+    bool hflip;       /* random horizontal flip with probability 1/2 */
+} tdm_augment;
+
+typedef struct {
+    int64_t batch_size;
+    bool shuffle;     /* a permutation per epoch from (seed, epoch) */
+    uint64_t seed;
+    bool drop_last;   /* drop a last, smaller batch */
+    int workers;      /* 0: batches are built by the calling thread */
+    int prefetch;     /* batches built ahead per worker (default 2) */
+    int rank, world_size; /* world_size > 1: PyTorch's DistributedSampler semantics */
+    tdm_augment augment;  /* randomness from (seed, epoch, sample index) only */
+} tdm_loader_opts;
+
+tdm_loader_opts tdm_loader_defaults(int64_t batch_size);
+
+typedef struct tdm_loader tdm_loader;
+
+/* One batch: x [B, sample_shape...] and y [B, target_shape...] on the CPU. The tensors
+ * belong to the loader and stay valid until the next tdm_loader_next on this loader. */
+typedef struct {
+    tdm_tensor *x, *y;
+    int64_t size;  /* B: batch_size, or smaller for a last batch without drop_last */
+    int64_t index; /* batch number within the epoch */
+} tdm_batch;
+
+/* A loader over ds (which must outlive it). Worker threads start here and are kept across
+ * epochs. NULL and an error for invalid options. */
+tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o);
+/* Starts epoch e (any order; restarting an epoch is allowed). */
+int tdm_loader_start_epoch(tdm_loader *l, int64_t epoch);
+/* Next batch of the epoch, in order: 1 and *b filled, 0 at the end of the epoch, or a
+ * negative status (a sample that failed to load, naming it). */
+int tdm_loader_next(tdm_loader *l, tdm_batch *b);
+/* Batches per epoch for this rank. */
+int64_t tdm_loader_batches(const tdm_loader *l);
+/* The sample indices this rank sees in epoch e, in order (n_out receives the count,
+ * including DistributedSampler padding). For tests and resumption. Caller frees. */
+int64_t *tdm_loader_indices(const tdm_loader *l, int64_t epoch, int64_t *n_out);
+/* Seconds the caller spent blocked in tdm_loader_next since the loader was made. */
+double tdm_loader_wait_seconds(const tdm_loader *l);
+/* Stops the workers and frees the loader. NULL is allowed. */
+void tdm_loader_free(tdm_loader *l);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,7 +1,10 @@
 /* conv2d and max_pool2d on the Fashion-MNIST CNN shapes (batch 64), forward and
  * forward+backward, against PyTorch (bench/torch_conv.py, run by this program).
  *
- *   OPENBLAS_NUM_THREADS=1 ./build/bench_conv [seconds per case] [path/to/torch_conv.py]
+ *   OPENBLAS_NUM_THREADS=1 ./build/bench_conv [seconds per case] [path/to/torch_conv.py] [filter]
+ *
+ * filter (optional) runs only the cases whose name contains it (e.g. "conv2"), for profiling;
+ * a torch script path of "-" skips PyTorch.
  *
  * Forward runs the op with gradients off. Forward+backward runs the op with gradients on
  * (it records its node) and then the backward kernel the engine would call, with the
@@ -158,6 +161,7 @@ static double torch_ms(const char *name) {
 int main(int argc, char **argv) {
     double min_time = argc > 1 ? atof(argv[1]) : 1.0;
     const char *script = argc > 2 ? argv[2] : "bench/torch_conv.py";
+    const char *filter = argc > 3 ? argv[3] : NULL;
     const char *ct = getenv("OPENBLAS_CORETYPE"), *nt = getenv("OPENBLAS_NUM_THREADS");
     printf("# bench_conv: batch %d, OPENBLAS_NUM_THREADS=%s, OPENBLAS_CORETYPE=%s\n", N,
            nt ? nt : "(unset)", ct ? ct : "(unset)");
@@ -175,6 +179,8 @@ int main(int argc, char **argv) {
     int nc = (int)(sizeof cases / sizeof cases[0]);
     double mean[16], best[16];
     for (int i = 0; i < nc; i++) {
+        mean[i] = best[i] = -1;
+        if (filter && !strstr(cases[i].name, filter)) continue;
         bench_case c;
         switch (cases[i].which) {
         case 0:
@@ -193,9 +199,10 @@ int main(int argc, char **argv) {
         run(&c, cases[i].fn, min_time, &mean[i], &best[i]);
         free_case(&c);
     }
-    run_torch(script, min_time);
+    if (strcmp(script, "-")) run_torch(script, min_time);
     printf("%-14s %12s %12s %12s %10s\n", "case", "tandem ms", "best ms", "torch ms", "ratio");
     for (int i = 0; i < nc; i++) {
+        if (mean[i] < 0) continue;
         double t = torch_ms(cases[i].name);
         if (t > 0)
             printf("%-14s %12.3f %12.3f %12.3f %10.2f\n", cases[i].name, mean[i], best[i], t,
@@ -203,6 +210,7 @@ int main(int argc, char **argv) {
         else
             printf("%-14s %12.3f %12.3f %12s %10s\n", cases[i].name, mean[i], best[i], "-", "-");
     }
-    if (!n_torch) printf("# PyTorch figures unavailable (run from the repository root)\n");
+    if (!n_torch && strcmp(script, "-"))
+        printf("# PyTorch figures unavailable (run from the repository root)\n");
     return 0;
 }

@@ -145,8 +145,19 @@ static const conv_cfg reference_cfgs[] = {
      3,
      {.groups = 4, .dilation_h = 2, .pad_w = 1},
      false},
-    /* the Fashion-MNIST CNN's second layer on a small batch */
+    /* the Fashion-MNIST CNN's second layer on a small batch (the Winograd path) */
     {"cnn_conv2", 3, 32, 14, 14, 64, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    /* Winograd F(2x2, 3x3): odd planes (partial tiles), pads 0 and 2, a plane wider than one
+     * vector of tiles (19 tiles a row), and more images than one chunk holds (5 + 5 + 3) */
+    {"wino_odd", 3, 8, 13, 11, 9, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"wino_pad0", 2, 9, 10, 9, 8, 3, 3, {0}, false},
+    {"wino_pad2_asym", 2, 8, 7, 12, 10, 3, 3, {.pad_h = 2}, true},
+    {"wino_wide", 2, 8, 9, 37, 8, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"wino_chunks", 13, 32, 14, 14, 64, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    /* the first layer (one input channel): weight gradient as dot products over 9 rows of col,
+     * with an odd channel count; and 12 rows (a block of 9, then 3) */
+    {"cnn_conv1", 3, 1, 28, 28, 5, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"small_k_12", 2, 3, 9, 8, 3, 2, 2, {.pad_w = 1}, true},
 };
 
 static void test_conv_reference(const conv_cfg *c, int seed) {

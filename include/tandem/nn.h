@@ -120,6 +120,7 @@ struct tdm_module {
     char **child_names;
     tdm_module **children;
     void *impl;               /* the layer's own settings */
+    size_t impl_size;         /* bytes of impl when it is plain data (tdm_module_clone) */
     tdm_paramset *paramset;   /* made by tdm_module_parameters */
     tdm_bufferset *bufferset; /* made by tdm_module_buffers */
 };
@@ -163,10 +164,16 @@ tdm_paramset *tdm_module_parameters(tdm_module *m);
 tdm_bufferset *tdm_module_buffers(tdm_module *m);
 /* The parameter or buffer with this full name, or NULL. */
 tdm_tensor *tdm_module_find(tdm_module *m, const char *name);
+/* A deep copy of m on dev: same layers and settings, parameters and buffers copied with
+ * their values, not yet flattened; training mode kept. Used for replicas. A layer whose impl
+ * is not plain data (impl_size 0 with impl set) cannot be cloned: NULL and an error. */
+tdm_module *tdm_module_clone(const tdm_module *m, tdm_device dev);
 /* Frees the tree, its parameters, buffers and sets. NULL is allowed. */
 void tdm_module_free(tdm_module *m);
 
-/* Base constructor for new layer kinds: a module with no parameters. */
+/* Base constructor for new layer kinds: a module with no parameters. impl (malloc'd, freed
+ * by ops->destroy) holds the layer's settings; set m->impl_size when they are plain data so
+ * the layer can be cloned. */
 tdm_module *tdm_module_new(const tdm_module_ops *ops, tdm_device dev, void *impl);
 /* Registers a caller-owned tensor under name (the module takes ownership). */
 int tdm_module_add_param(tdm_module *m, const char *name, tdm_tensor *p);

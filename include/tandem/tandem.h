@@ -7,5 +7,6 @@
 #include "nn.h"
 #include "optim.h"
 #include "data.h"
+#include "parallel.h"
 
 #endif

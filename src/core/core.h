@@ -76,5 +76,8 @@ int tdm_check_same_device(const tdm_tensor *a, const tdm_tensor *b, const char *
 void *tdm_scope_alloc(size_t n);
 /* The innermost open scope of this thread (NULL if none). */
 tdm_scope *tdm_current_scope(void);
+/* Ends this thread's open scopes and frees its arena and tape: a thread that used scopes
+ * (a rank of tdm_spawn, a DataParallel worker) calls it before it exits. */
+void tdm_thread_release(void);
 
 #endif

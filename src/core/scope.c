@@ -176,3 +176,15 @@ int tdm_tape_size(void) {
 tdm_scope *tdm_current_scope(void) {
     return current();
 }
+
+void tdm_thread_release(void) {
+    while (ts.depth) tdm_scope_end();
+    for (chunk *c = ts.head, *next; c; c = next) {
+        next = c->next;
+        free(c);
+    }
+    ts.head = ts.cur = NULL;
+    free(ts.tape);
+    ts.tape = NULL;
+    ts.tape_len = ts.tape_cap = ts.tape_consumed = 0;
+}

@@ -52,6 +52,7 @@ static tdm_module *new_with_impl(const tdm_module_ops *ops, tdm_device dev, cons
     }
     tdm_module *m = tdm_module_new(ops, dev, impl);
     if (!m) free(impl);
+    else m->impl_size = n;
     return m;
 }
 

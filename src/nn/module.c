@@ -388,6 +388,52 @@ tdm_tensor *tdm_module_find(tdm_module *m, const char *name) {
     return NULL;
 }
 
+/* ---- cloning ---------------------------------------------------------------------------- */
+
+/* A caller-owned copy of t's values on dev (called with grad mode off: no history). */
+static tdm_tensor *copy_to(const tdm_tensor *t, tdm_device dev) {
+    return tdm_scope_keep(tdm_to_device((tdm_tensor *)t, dev));
+}
+
+static int clone_tensors(tdm_module *c, const tdm_module *m, tdm_device dev) {
+    int rc = TDM_OK;
+    for (int i = 0; !rc && i < m->n_params; i++)
+        rc = tdm_module_add_param(c, m->param_names[i], copy_to(m->params[i], dev));
+    for (int i = 0; !rc && i < m->n_buffers; i++)
+        rc = tdm_module_add_buffer(c, m->buffer_names[i], copy_to(m->buffers[i], dev));
+    return rc;
+}
+
+tdm_module *tdm_module_clone(const tdm_module *m, tdm_device dev) {
+    if (!m) return tdm_raise_null(TDM_ERR_ARG, "module_clone: NULL module");
+    if (m->impl && !m->impl_size)
+        return tdm_raise_null(TDM_ERR_ARG, "module_clone: a %s's settings are not plain data",
+                              m->ops->kind);
+    void *impl = m->impl_size ? malloc(m->impl_size) : NULL;
+    if (m->impl_size && !impl) return tdm_raise_null(TDM_ERR_NOMEM, "module_clone: out of memory");
+    if (impl) memcpy(impl, m->impl, m->impl_size);
+    tdm_module *c = tdm_module_new(m->ops, dev, impl);
+    if (!c) {
+        free(impl);
+        return NULL;
+    }
+    c->impl_size = m->impl_size;
+    c->training = m->training;
+    bool prev = tdm_set_grad_enabled(false);
+    int rc = clone_tensors(c, m, dev);
+    for (int i = 0; !rc && i < m->n_children; i++) {
+        tdm_module *child = tdm_module_clone(m->children[i], dev);
+        rc = child ? tdm_module_add(c, m->child_names[i], child) : tdm_last_status();
+        if (rc && child) tdm_module_free(child);
+    }
+    tdm_set_grad_enabled(prev);
+    if (rc) {
+        tdm_module_free(c);
+        return NULL;
+    }
+    return c;
+}
+
 /* ---- freeing ---------------------------------------------------------------------------- */
 
 void tdm_module_free(tdm_module *m) {

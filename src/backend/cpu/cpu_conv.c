@@ -14,19 +14,10 @@
  * training step calls no malloc here, and nothing is static: several device threads may run
  * these kernels at once.
  */
-#include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_conv.h"
 
 #include <cblas.h>
 #include <string.h>
-
-typedef struct {
-    int64_t n, cin, h, w; /* input */
-    int64_t cout, kh, kw; /* weight [cout, cin/groups, kh, kw] */
-    int64_t ho, wo, p;    /* output plane, p = ho * wo */
-    int64_t sh, sw, ph, pw, dh, dw;
-    int64_t groups, cin_g, cout_g;
-    int64_t k, k_g; /* rows of col: cin * kh * kw, and per group */
-} conv_geom;
 
 static conv_geom geom_of(const tdm_tensor *x, const tdm_tensor *w, int64_t ho, int64_t wo,
                          const tdm_conv2d_args *a) {
@@ -198,6 +189,7 @@ int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, cons
     const float *bp = b ? tdm_data_ptr(b) : NULL;
     float *yp = tdm_data_ptr(y);
     if (g.n == 0 || g.cout == 0 || g.p == 0) return TDM_OK;
+    if (tdm_cpu_wino_applies(&g)) return tdm_cpu_wino_conv2d(yp, xp, wp, bp, &g, x->device);
     bool pointwise = is_pointwise(&g);
     int64_t rows = pointwise ? g.ho : chunk_rows(&g);
 
@@ -235,15 +227,66 @@ int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, cons
     return TDM_OK;
 }
 
-/* gb [Cout] += sum of one image's gy [Cout, P] (fixed order). */
+/* gb [Cout] += sum of one image's gy [Cout, P], in a fixed order: 16 lanes, then their sum and
+ * the tail (a scalar loop costs as much as a small GEMM here). */
 static void bias_grad(float *gb, const float *gy, const conv_geom *g) {
     for (int64_t co = 0; co < g->cout; co++) {
         const float *s = gy + co * g->p;
-        float acc = 0;
-        for (int64_t q = 0; q < g->p; q++) acc += s[q];
+        v8f a0 = {0}, a1 = {0};
+        int64_t q = 0;
+        for (; q + 16 <= g->p; q += 16) {
+            v8f t0, t1;
+            memcpy(&t0, s + q, sizeof t0);
+            memcpy(&t1, s + q + 8, sizeof t1);
+            a0 += t0, a1 += t1;
+        }
+        a0 += a1;
+        float acc = ((a0[0] + a0[4]) + (a0[1] + a0[5])) + ((a0[2] + a0[6]) + (a0[3] + a0[7]));
+        for (; q < g->p; q++) acc += s[q];
         gb[co] += acc;
     }
 }
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define SMALL_K_MAX 27
+
+/* gw [cout, k] (ld ldw) += dy [cout, cols] (ld ldy) @ col [k, cols]^T (ld ldc) for a few rows k
+ * (the first layer: k = 9): OpenBLAS spends most of such a thin GEMM packing, so this runs it
+ * as dot products, two output channels by nine rows of col at a time (18 accumulators). */
+static void gw_small_k(float *gw, int64_t ldw, const float *dy, int64_t ldy, const float *col,
+                       int64_t ldc, int64_t cout, int64_t k, int64_t cols) {
+    for (int64_t co = 0; co < cout; co += 2) {
+        const float *d0 = dy + co * ldy, *d1 = co + 1 < cout ? d0 + ldy : d0;
+        for (int64_t k0 = 0; k0 < k; k0 += 9) {
+            const float *c[9]; /* rows past k repeat row k0; their sums are dropped */
+            for (int j = 0; j < 9; j++) c[j] = col + (k0 + j < k ? k0 + j : k0) * ldc;
+            __m512 a0[9], a1[9];
+            for (int j = 0; j < 9; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+            for (int64_t q = 0; q < cols; q += 16) {
+                __mmask16 m =
+                    cols - q >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - q)) - 1);
+                __m512 y0 = _mm512_maskz_loadu_ps(m, d0 + q), y1 = _mm512_maskz_loadu_ps(m, d1 + q);
+                for (int j = 0; j < 9; j++) {
+                    __m512 cv = _mm512_maskz_loadu_ps(m, c[j] + q);
+                    a0[j] = _mm512_fmadd_ps(y0, cv, a0[j]);
+                    a1[j] = _mm512_fmadd_ps(y1, cv, a1[j]);
+                }
+            }
+            for (int j = 0; j < 9 && k0 + j < k; j++) {
+                gw[co * ldw + k0 + j] += _mm512_reduce_add_ps(a0[j]);
+                if (co + 1 < cout) gw[(co + 1) * ldw + k0 + j] += _mm512_reduce_add_ps(a1[j]);
+            }
+        }
+    }
+}
+#else
+#define SMALL_K_MAX 0
+static void gw_small_k(float *gw, int64_t ldw, const float *dy, int64_t ldy, const float *col,
+                       int64_t ldc, int64_t cout, int64_t k, int64_t cols) {
+    (void)gw, (void)ldw, (void)dy, (void)ldy, (void)col, (void)ldc, (void)cout, (void)k, (void)cols;
+}
+#endif
 
 /* Per image and chunk of output rows: gw_g += gy_g [Cout_g, rows*Wo] @ col_g^T,
  * gcol_g = w_g^T @ gy_g then col2im into gx[n], gb += row sums of gy. */
@@ -256,6 +299,10 @@ int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, cons
     float *gwp = gw ? tdm_data_ptr(gw) : NULL;
     float *gbp = gb ? tdm_data_ptr(gb) : NULL;
     if (gbp) memset(gbp, 0, (size_t)g.cout * sizeof(float));
+    if (g.n > 0 && g.p > 0 && g.cout > 0 && tdm_cpu_wino_applies(&g)) {
+        for (int64_t n = 0; gbp && n < g.n; n++) bias_grad(gbp, gyp + n * g.cout * g.p, &g);
+        return tdm_cpu_wino_conv2d_backward(gxp, gwp, gyp, xp, wp, &g, x->device);
+    }
     if (gxp) memset(gxp, 0, (size_t)(g.n * g.cin * g.h * g.w) * sizeof(float));
     if (gwp) memset(gwp, 0, (size_t)(g.cout * g.k_g) * sizeof(float));
     if (g.n == 0 || g.p == 0 || g.cout == 0) return TDM_OK;
@@ -281,10 +328,14 @@ int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, cons
                 int64_t ld = pointwise ? g.p : cols;
                 if (!pointwise) im2col(xn, g.cin, &g, oh0, oh1, col, ld);
                 for (int64_t gi = 0; gi < g.groups; gi++)
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)g.cout_g, (int)g.k_g,
-                                (int)cols, 1.0f, dy + gi * g.cout_g * g.p, (int)g.p,
-                                src + gi * g.k_g * ld, (int)ld, 1.0f, gwp + gi * g.cout_g * g.k_g,
-                                (int)g.k_g);
+                    if (g.k_g <= SMALL_K_MAX)
+                        gw_small_k(gwp + gi * g.cout_g * g.k_g, g.k_g, dy + gi * g.cout_g * g.p,
+                                   g.p, src + gi * g.k_g * ld, ld, g.cout_g, g.k_g, cols);
+                    else
+                        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)g.cout_g,
+                                    (int)g.k_g, (int)cols, 1.0f, dy + gi * g.cout_g * g.p, (int)g.p,
+                                    src + gi * g.k_g * ld, (int)ld, 1.0f,
+                                    gwp + gi * g.cout_g * g.k_g, (int)g.k_g);
             }
             if (gxp) {
                 /* pointwise: gx[n] is its own column matrix (ld P); else gcol reuses col */

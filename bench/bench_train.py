@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""`tandem train` against PyTorch on the same Fashion-MNIST runs, in one invocation.
+
+usage: python3 bench/bench_train.py [--tandem build/tandem] [--only mlp|cnn] [--limit N]
+                                    [--epochs-mlp 3] [--epochs-cnn 2] [--no-torch]
+
+Runs (batch 64 everywhere):
+  mlp  SGD lr 0.01 momentum 0.9, 3 epochs
+  cnn  Adam lr 1e-3, 2 epochs
+each as
+  tandem       `tandem train`, OPENBLAS_NUM_THREADS=1, 2 loader workers (the default)
+  torch-1t     bench/torch_fmnist.py, 1 torch thread, OpenBLAS 1 thread
+  torch-2t     bench/torch_fmnist.py, 2 torch threads, OpenBLAS 1 thread
+and prints every epoch's training time and accuracy, then a summary with the ratio of
+PyTorch's mean epoch time to Tandem's (> 1: Tandem is faster). Epoch times are the training
+steps only (no evaluation) in both. PyTorch indexes a preloaded tensor (no DataLoader);
+Tandem's DataLoader workers build batches on the side and their wait is reported.
+Torch runs need Debian's torch at /usr/bin/python3.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--tandem", default=os.path.join(ROOT, "build", "tandem"))
+ap.add_argument("--python", default="/usr/bin/python3", help="a python with torch")
+ap.add_argument("--only", choices=["mlp", "cnn"])
+ap.add_argument("--limit", type=int, default=0, help="first N samples (quick check)")
+ap.add_argument("--epochs-mlp", type=int, default=3)
+ap.add_argument("--epochs-cnn", type=int, default=2)
+ap.add_argument("--no-torch", action="store_true")
+args = ap.parse_args()
+
+CONFIGS = [
+    dict(model="mlp", optimizer="sgd", lr=0.01, momentum=0.9, epochs=args.epochs_mlp),
+    dict(model="cnn", optimizer="adam", lr=1e-3, momentum=None, epochs=args.epochs_cnn),
+]
+
+
+def run_tandem(c):
+    with tempfile.TemporaryDirectory() as d:
+        log = os.path.join(d, "log.jsonl")
+        cmd = [args.tandem, "train", "--model", c["model"], "--optimizer", c["optimizer"],
+               "--lr", str(c["lr"]), "--epochs", str(c["epochs"]), "--batch-size", "64",
+               "--log", log, "--quiet"]
+        if c["momentum"] is not None:
+            cmd += ["--momentum", str(c["momentum"])]
+        if args.limit:
+            cmd += ["--limit", str(args.limit)]
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if p.returncode != 0:
+            sys.exit(f"tandem failed ({p.returncode}): {p.stderr.strip()}")
+        epochs = [json.loads(line) for line in open(log) if '"type":"epoch"' in line]
+    for e in epochs:
+        print(f"  tandem   {c['model']} epoch {e['epoch']}: {e['seconds']:.2f} s  "
+              f"{e['img_s']:.0f} img/s  train loss {e['train_loss']:.4f}  "
+              f"test acc {e['test_acc']:.4f}  loader wait {e['loader_wait_s']:.2f} s", flush=True)
+    return epochs
+
+
+def run_torch(c, threads):
+    cmd = [args.python, os.path.join(HERE, "torch_fmnist.py"), "--model", c["model"],
+           "--optimizer", c["optimizer"], "--lr", str(c["lr"]), "--epochs", str(c["epochs"]),
+           "--batch", "64", "--threads", str(threads), "--blas-threads", "1"]
+    if c["momentum"] is not None:
+        cmd += ["--momentum", str(c["momentum"])]
+    if args.limit:
+        cmd += ["--limit", str(args.limit)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"torch failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
+    res = json.loads([l for l in p.stdout.splitlines() if l.startswith("RESULT ")][-1][7:])
+    for e in res["epochs"]:
+        print(f"  torch-{threads}t {c['model']} epoch {e['epoch']}: {e['seconds']:.2f} s  "
+              f"{e['img_s']:.0f} img/s  train loss {e['train_loss']:.4f}  "
+              f"test acc {e['test_acc']:.4f}", flush=True)
+    return res["epochs"]
+
+
+def mean_time(epochs):
+    return statistics.mean(e["seconds"] for e in epochs)
+
+
+rows = []
+for c in CONFIGS:
+    if args.only and c["model"] != args.only:
+        continue
+    desc = f"{c['model']}: {c['optimizer']} lr {c['lr']}" + (
+        f" momentum {c['momentum']}" if c["momentum"] is not None else "") + \
+        f", batch 64, {c['epochs']} epochs"
+    print(desc, flush=True)
+    runs = {"tandem": run_tandem(c)}
+    if not args.no_torch:
+        runs["torch-1t"] = run_torch(c, 1)
+        runs["torch-2t"] = run_torch(c, 2)
+    for name, ep in runs.items():
+        rows.append((c["model"], name, mean_time(ep), min(e["seconds"] for e in ep),
+                     ep[-1]["test_acc"], mean_time(runs["tandem"]) / 1.0))
+
+print("\nsummary (epoch seconds: mean and best; ratio = this run's mean / tandem's mean)")
+print(f"{'model':5} {'run':9} {'mean s':>7} {'best s':>7} {'test acc':>8} {'ratio':>6}")
+for model, name, mean, best, acc, tandem_mean in rows:
+    print(f"{model:5} {name:9} {mean:7.2f} {best:7.2f} {acc:8.4f} {mean / tandem_mean:6.2f}")

@@ -1,0 +1,139 @@
+/* Tandem parallelism: devices as workers, process groups with asynchronous collectives, SPMD
+ * launch, DistributedDataParallel and DataParallel.
+ *
+ * A group is the set of ranks that train one model together. Every rank calls the same
+ * collectives in the same order (SPMD). Collectives are asynchronous: each returns a work
+ * handle; tdm_work_wait blocks until the result is in place. Reductions add in rank order
+ * 0, 1, ..., so results are identical on every rank and on every run.
+ */
+#ifndef TANDEM_PARALLEL_H
+#define TANDEM_PARALLEL_H
+
+#include "nn.h"
+#include "optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- devices ------------------------------------------------------------------------------ */
+
+/* How many devices of a type this machine offers: CPU devices are cores (one device per
+ * core), CUDA devices are GPUs (0 in a build without CUDA). */
+int tdm_device_count(tdm_device_type type);
+/* Parses a device list: "cpu:0,cpu:1", "cpu:all" (one per core), "cpu" (cpu:0) or a count
+ * "4" (cpu:0..cpu:3). Writes at most max devices; returns how many, or a negative status
+ * naming the bad entry (duplicates and unknown devices are errors). */
+int tdm_devices_parse(const char *text, tdm_device *out, int max);
+
+/* ---- process groups ----------------------------------------------------------------------- */
+
+typedef enum { TDM_SUM = 0, TDM_AVG = 1 } tdm_reduce_kind;
+
+typedef struct tdm_group tdm_group;
+typedef struct tdm_work tdm_work;
+
+int tdm_group_rank(const tdm_group *g);
+int tdm_group_size(const tdm_group *g);
+/* The device this rank computes on. */
+tdm_device tdm_group_device(const tdm_group *g);
+
+/* In-place all-reduce of a contiguous f32 tensor (same shape on every rank). */
+tdm_work *tdm_all_reduce(tdm_group *g, tdm_tensor *t, tdm_reduce_kind op);
+/* Copies root's t into every other rank's t. Any dtype, contiguous. */
+tdm_work *tdm_broadcast(tdm_group *g, tdm_tensor *t, int root);
+/* out [size * numel(in)] receives every rank's in, in rank order. */
+tdm_work *tdm_all_gather(tdm_group *g, tdm_tensor *out, const tdm_tensor *in);
+/* in [size * n]: out [n] on rank r receives the reduction of chunk r over all ranks. */
+tdm_work *tdm_reduce_scatter(tdm_group *g, tdm_tensor *out, const tdm_tensor *in,
+                             tdm_reduce_kind op);
+tdm_work *tdm_barrier(tdm_group *g);
+/* Waits for the collective and frees the handle. Returns TDM_OK, or TDM_ERR_COMM with a
+ * message naming the rank that failed or the timeout; NULL gives the error that prevented
+ * the collective from starting. */
+int tdm_work_wait(tdm_work *w);
+/* Marks this rank as failed with its message: every collective of the group, pending or
+ * future, fails on every rank with "rank R failed: message". */
+void tdm_group_abort(tdm_group *g, const char *message);
+/* Seconds a collective waits for the other ranks before failing (default 60). */
+void tdm_group_set_timeout(tdm_group *g, double seconds);
+
+/* ---- SPMD launch (the equivalent of torch.multiprocessing.spawn, with threads) ------------ */
+
+typedef struct {
+    int rank, size;
+    tdm_device device;
+    tdm_group *group; /* the threads group of all ranks */
+} tdm_rank_ctx;
+
+/* Runs fn(ctx, arg) on n threads, rank r on devices[r], each thread pinned to its own cores
+ * where the machine allows and with BLAS single-threaded when devices fill the cores. A rank
+ * whose fn returns nonzero aborts the group, so the others fail at their next collective
+ * instead of hanging. Returns TDM_OK, or the first failing rank's status with a message
+ * "rank R: ...". */
+int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, void *arg),
+              void *arg);
+
+/* ---- DistributedDataParallel -------------------------------------------------------------- */
+
+typedef struct {
+    int64_t bucket_cap_bytes;       /* PyTorch's default 25 MiB */
+    int64_t first_bucket_cap_bytes; /* PyTorch's default 1 MiB */
+    bool find_unused_parameters;    /* false: a parameter without a gradient is an error */
+    bool broadcast_buffers;         /* true: rank 0's buffers are copied at each forward */
+} tdm_ddp_opts;
+
+tdm_ddp_opts tdm_ddp_defaults(void);
+
+typedef struct tdm_ddp tdm_ddp;
+
+/* Wraps this rank's replica: broadcasts rank 0's parameters and buffers, checks that every
+ * rank has the same parameter names and shapes (an error naming the first difference), and
+ * hangs gradient buckets on the parameters' ready hooks. */
+tdm_ddp *tdm_ddp_new(tdm_module *replica, tdm_group *g, const tdm_ddp_opts *o);
+/* The replica's forward (broadcasting buffers first when asked). */
+tdm_tensor *tdm_ddp_forward(tdm_ddp *d, tdm_tensor *x);
+/* backward(loss), with each bucket's all-reduce (average) launched as soon as its gradients
+ * are final, then waits for all of them. With sync off (PyTorch's no_sync), gradients only
+ * accumulate locally; the next synced backward reduces the accumulated sum. */
+int tdm_ddp_backward(tdm_ddp *d, tdm_tensor *loss);
+void tdm_ddp_set_sync(tdm_ddp *d, bool sync);
+int tdm_ddp_bucket_count(const tdm_ddp *d);
+void tdm_ddp_free(tdm_ddp *d);
+
+/* ---- DataParallel ------------------------------------------------------------------------ */
+
+/* DataParallel keeps one loop in the caller and a replica per device, each run by a
+ * persistent thread. Every step scatters the batch's rows over the devices (uneven splits
+ * included), runs forward, loss and backward on every replica at once, averages gradients
+ * with the DDP buckets, and steps every replica's optimizer, so replicas stay identical
+ * without being copied again. */
+typedef struct tdm_dp tdm_dp;
+
+/* The loss of one replica's slice: the MEAN over its rows of out [b, ...] against target. */
+typedef tdm_tensor *(*tdm_loss_fn)(tdm_tensor *out, tdm_tensor *target, void *arg);
+/* Builds a replica's optimizer over its parameters (called once per device). */
+typedef tdm_optim *(*tdm_optim_factory)(tdm_paramset *ps, void *arg);
+
+/* Wraps model (which must be on devices[0] and becomes replica 0; the others are clones).
+ * NULL and an error if a device is invalid, repeated, or the model cannot be cloned. */
+tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
+                   tdm_optim_factory make_optim, void *optim_arg);
+/* One training step on the global batch x [B, ...], target [B, ...] (caller's CPU tensors).
+ * Gradients are weighted by slice size, so the update equals one device's on the whole
+ * batch. *loss (may be NULL) receives the batch's mean loss. B must be at least the number
+ * of devices; a failing replica's error names its device. */
+int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                void *loss_arg, float *loss);
+/* Replica r's module and optimizer (0 <= r < devices). */
+tdm_module *tdm_dp_replica(tdm_dp *dp, int r);
+tdm_optim *tdm_dp_optim(tdm_dp *dp, int r);
+int tdm_dp_devices(const tdm_dp *dp);
+/* Stops the threads and frees the replicas it made (not replica 0, the caller's model) and
+ * the optimizers. */
+void tdm_dp_free(tdm_dp *dp);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

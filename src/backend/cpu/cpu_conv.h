@@ -1,0 +1,26 @@
+/* Shared by the convolution kernels: cpu_conv.c (im2col + GEMM, every shape; the dispatcher)
+ * and cpu_conv_winograd.c (Winograd F(2x2, 3x3) for stride-1 3x3 convolutions). */
+#ifndef TDM_CPU_CONV_H
+#define TDM_CPU_CONV_H
+
+#include "backend/cpu/cpu.h"
+
+typedef struct {
+    int64_t n, cin, h, w; /* input */
+    int64_t cout, kh, kw; /* weight [cout, cin/groups, kh, kw] */
+    int64_t ho, wo, p;    /* output plane, p = ho * wo */
+    int64_t sh, sw, ph, pw, dh, dw;
+    int64_t groups, cin_g, cout_g;
+    int64_t k, k_g; /* rows of col: cin * kh * kw, and per group */
+} conv_geom;
+
+/* Whether the Winograd path takes this convolution (and is compiled in). */
+bool tdm_cpu_wino_applies(const conv_geom *g);
+/* y = conv(x, w) + b (b may be NULL), all contiguous, for a geometry the test above accepts. */
+int tdm_cpu_wino_conv2d(float *y, const float *x, const float *w, const float *b,
+                        const conv_geom *g, tdm_device dev);
+/* gx and gw (either may be NULL), overwritten; gb is left to the caller. */
+int tdm_cpu_wino_conv2d_backward(float *gx, float *gw, const float *gy, const float *x,
+                                 const float *w, const conv_geom *g, tdm_device dev);
+
+#endif

@@ -1,0 +1,367 @@
+/* Winograd F(2x2, 3x3) for stride-1, undilated, ungrouped 3x3 convolutions (NCHW, f32).
+ *
+ * Each 2x2 block of output (a tile) is A^T [sum_ci (G g G^T) . (B^T d B)] A, where d is the 4x4
+ * input patch under the tile and g a 3x3 filter: 16 products per tile and channel pair instead
+ * of 36, so the GEMMs do 2.25x less arithmetic than im2col's. With the 16 transformed points xi
+ * kept apart, the channel sums are 16 GEMMs per chunk of images:
+ *
+ *   forward      M[xi] [C2, T] = U[xi] [C2, C1] @ V[xi] [C1, T]      (T = tiles in the chunk)
+ *   input grad   the same, on gy padded by 2 - pad, with the filters flipped and transposed
+ *   weight grad  dU[xi] [Cout, Cin] += (A dY A^T)[xi] [Cout, T] @ V[xi]^T, then gw = G^T dU G
+ *
+ * The transforms are vectorised with AVX-512 along a tile row: a plane is first copied into a
+ * zero-padded buffer P (the padding is then plain zeros and every load is in bounds), and lane
+ * l of a 16-wide load at column 16k holds column 16k + l, so the even lanes are tiles 8k..8k+7.
+ * F(2x2, 3x3) is well conditioned (its transforms only add, subtract and halve): its error is
+ * that of a reordered sum. Scratch (V, M: 16 (C1 + C2) floats per tile) is bounded by working
+ * on a few images at a time; a plane too large for the budget goes to im2col instead.
+ */
+#include "backend/cpu/cpu_conv.h"
+
+#include <cblas.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* floats of V and M together per chunk of images: well inside L2 (two images of the CNN's
+ * second layer; measured: one to two images are fastest, five 5% and ten 40% slower) */
+#define WINO_CHUNK_FLOATS (192 * 1024)
+/* a plane is taken only if one image's V and M fit in this many floats */
+#define WINO_IMAGE_FLOATS (4 * 1024 * 1024)
+
+/* One correlation out [N, C2, H2, W2] = in [N, C1, H1, W1] (zero-padded by ph, pw) * filters. */
+typedef struct {
+    int64_t c1, h1, w1, ph, pw; /* input planes and padding (top/left) */
+    int64_t c2, h2, w2;         /* output planes */
+    int64_t ty, tx, tt;         /* tile grid ceil(H2/2) x ceil(W2/2), tt = ty * tx */
+    int64_t kc;                 /* 8-tile vectors per tile row, ceil(tx / 8) */
+    int64_t prow, pld;          /* padded plane: prow = 2 ty + 2 rows of pld floats */
+} wgeom;
+
+static wgeom wgeom_make(int64_t c1, int64_t h1, int64_t w1, int64_t ph, int64_t pw, int64_t c2,
+                        int64_t h2, int64_t w2) {
+    wgeom g = {c1, h1, w1, ph, pw, c2, h2, w2, (h2 + 1) / 2, (w2 + 1) / 2, 0, 0, 0, 0};
+    g.tt = g.ty * g.tx;
+    g.kc = (g.tx + 7) / 8;
+    g.prow = 2 * g.ty + 2;
+    g.pld = 16 * g.kc + 16; /* loads reach column 16 (kc - 1) + 18 */
+    return g;
+}
+
+static float *scratch(int64_t n, tdm_device dev) {
+    tdm_tensor *t = tdm_tensor_alloc(TDM_SHAPE(n > 0 ? n : 1), TDM_F32, dev);
+    return t ? (float *)tdm_data_ptr(t) : NULL;
+}
+
+/* Lanes of tiles 8k.. of a tile row that exist. */
+static inline __mmask16 tile_mask(int64_t tx, int64_t k) {
+    int64_t n = tx - 8 * k;
+    return n >= 8 ? (__mmask16)0xFF : (__mmask16)((1u << n) - 1);
+}
+
+static inline __mmask16 col_mask(int64_t w, int64_t k) {
+    int64_t n = w - 16 * k;
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
+/* P (prow x pld, zeros outside the copy) row r, column c = src row r - ph, column c - pw. The
+ * padding cells are never written, so P is zeroed once per kernel call. Rows are short (14
+ * floats in the CNN): masked vector copies, not a memcpy call per row. */
+static void pad_plane(const float *src, int64_t h, int64_t w, int64_t ph, int64_t pw, float *P,
+                      int64_t prow, int64_t pld) {
+    int64_t r0 = ph > 0 ? ph : 0, r1 = h + ph < prow ? h + ph : prow;
+    int64_t c0 = pw > 0 ? pw : 0, c1 = w + pw < pld ? w + pw : pld;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *s = src + (r - ph) * w + (c0 - pw);
+        float *d = P + r * pld + c0;
+        for (int64_t c = 0; c < c1 - c0; c += 16) {
+            __mmask16 m = col_mask(c1 - c0 - c, 0);
+            _mm512_mask_storeu_ps(d + c, m, _mm512_maskz_loadu_ps(m, s + c));
+        }
+    }
+}
+
+/* V[xi][t] (xi stride xs) = (B^T d B)[xi] for every tile t = ty * tx + tx of padded plane P. */
+static void input_transform(const float *P, const wgeom *g, float *v, int64_t xs) {
+    const __m512i even = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int64_t ty = 0; ty < g->ty; ty++)
+        for (int64_t k = 0; k < g->kc; k++) {
+            __m512 h[4][4]; /* h[i][j]: row i of the patch times B, lane = column 16k + l */
+            for (int i = 0; i < 4; i++) {
+                const float *r = P + (2 * ty + i) * g->pld + 16 * k;
+                __m512 a0 = _mm512_loadu_ps(r), a1 = _mm512_loadu_ps(r + 1);
+                __m512 a2 = _mm512_loadu_ps(r + 2), a3 = _mm512_loadu_ps(r + 3);
+                h[i][0] = _mm512_sub_ps(a0, a2), h[i][1] = _mm512_add_ps(a1, a2);
+                h[i][2] = _mm512_sub_ps(a2, a1), h[i][3] = _mm512_sub_ps(a1, a3);
+            }
+            __mmask16 m = tile_mask(g->tx, k);
+            float *d = v + ty * g->tx + 8 * k;
+            for (int j = 0; j < 4; j++) {
+                __m512 v0 = _mm512_sub_ps(h[0][j], h[2][j]), v1 = _mm512_add_ps(h[1][j], h[2][j]);
+                __m512 v2 = _mm512_sub_ps(h[2][j], h[1][j]), v3 = _mm512_sub_ps(h[1][j], h[3][j]);
+                _mm512_mask_storeu_ps(d + j * xs, m, _mm512_permutexvar_ps(even, v0));
+                _mm512_mask_storeu_ps(d + (4 + j) * xs, m, _mm512_permutexvar_ps(even, v1));
+                _mm512_mask_storeu_ps(d + (8 + j) * xs, m, _mm512_permutexvar_ps(even, v2));
+                _mm512_mask_storeu_ps(d + (12 + j) * xs, m, _mm512_permutexvar_ps(even, v3));
+            }
+        }
+}
+
+/* out [H2, W2] = A^T M A + bias for every tile, M[xi][t] at mm + xi * xs + t. */
+static void output_transform(const float *mm, int64_t xs, const wgeom *g, float bias, float *out) {
+    /* lane 2l <- y.0[l], lane 2l + 1 <- y.1[l]: a tile's two columns side by side */
+    const __m512i inter = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 b = _mm512_set1_ps(bias);
+    for (int64_t ty = 0; ty < g->ty; ty++)
+        for (int64_t k = 0; k < g->kc; k++) {
+            __mmask16 m = tile_mask(g->tx, k), cm = col_mask(g->w2, k);
+            const float *s = mm + ty * g->tx + 8 * k;
+            __m512 s0[4], s1[4]; /* A^T applied to the rows */
+            for (int j = 0; j < 4; j++) {
+                __m512 q0 = _mm512_maskz_loadu_ps(m, s + j * xs);
+                __m512 q1 = _mm512_maskz_loadu_ps(m, s + (4 + j) * xs);
+                __m512 q2 = _mm512_maskz_loadu_ps(m, s + (8 + j) * xs);
+                __m512 q3 = _mm512_maskz_loadu_ps(m, s + (12 + j) * xs);
+                s0[j] = _mm512_add_ps(_mm512_add_ps(q0, q1), q2);
+                s1[j] = _mm512_sub_ps(_mm512_sub_ps(q1, q2), q3);
+            }
+            __m512 y00 = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(s0[0], s0[1]), s0[2]), b);
+            __m512 y01 = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(s0[1], s0[2]), s0[3]), b);
+            float *o = out + 2 * ty * g->w2 + 16 * k;
+            _mm512_mask_storeu_ps(o, cm, _mm512_permutex2var_ps(y00, inter, y01));
+            if (2 * ty + 1 < g->h2) {
+                __m512 y10 = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(s1[0], s1[1]), s1[2]), b);
+                __m512 y11 = _mm512_add_ps(_mm512_sub_ps(_mm512_sub_ps(s1[1], s1[2]), s1[3]), b);
+                _mm512_mask_storeu_ps(o + g->w2, cm, _mm512_permutex2var_ps(y10, inter, y11));
+            }
+        }
+}
+
+/* dM[xi][t] = (A dY A^T)[xi], the gradient of the tile's M, from the output gradient dY padded
+ * into Q (rows and columns past H2, W2 are zero, so partial tiles contribute nothing). */
+static void grad_transform(const float *Q, const wgeom *g, float *v, int64_t xs) {
+    const __m512i even = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1);
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t ty = 0; ty < g->ty; ty++)
+        for (int64_t k = 0; k < g->kc; k++) {
+            __m512 e[2][4]; /* e[r][j]: row r of dY times A^T, lane = tile */
+            for (int r = 0; r < 2; r++) {
+                __m512 a = _mm512_loadu_ps(Q + (2 * ty + r) * g->pld + 16 * k);
+                __m512 d0 = _mm512_permutexvar_ps(even, a), d1 = _mm512_permutexvar_ps(odd, a);
+                e[r][0] = d0, e[r][1] = _mm512_add_ps(d0, d1);
+                e[r][2] = _mm512_sub_ps(d0, d1), e[r][3] = _mm512_sub_ps(zero, d1);
+            }
+            __mmask16 m = tile_mask(g->tx, k);
+            float *d = v + ty * g->tx + 8 * k;
+            for (int j = 0; j < 4; j++) {
+                _mm512_mask_storeu_ps(d + j * xs, m, e[0][j]);
+                _mm512_mask_storeu_ps(d + (4 + j) * xs, m, _mm512_add_ps(e[0][j], e[1][j]));
+                _mm512_mask_storeu_ps(d + (8 + j) * xs, m, _mm512_sub_ps(e[0][j], e[1][j]));
+                _mm512_mask_storeu_ps(d + (12 + j) * xs, m, _mm512_sub_ps(zero, e[1][j]));
+            }
+        }
+}
+
+static const float G[4][3] = {{1, 0, 0}, {0.5f, 0.5f, 0.5f}, {0.5f, -0.5f, 0.5f}, {0, 0, 1}};
+
+/* u[xi * us] = (G f G^T)[xi] for one 3x3 filter f (row stride 3, or flipped: f[2-a][2-b]). */
+static void filter_transform(const float *f, bool flip, float *u, int64_t us) {
+    float t[4][3];
+    for (int i = 0; i < 4; i++)
+        for (int b = 0; b < 3; b++) {
+            float acc = 0;
+            for (int a = 0; a < 3; a++)
+                acc += G[i][a] * (flip ? f[(2 - a) * 3 + (2 - b)] : f[a * 3 + b]);
+            t[i][b] = acc;
+        }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++)
+            u[(i * 4 + j) * us] = t[i][0] * G[j][0] + t[i][1] * G[j][1] + t[i][2] * G[j][2];
+}
+
+/* f [3x3] = G^T dU G, the adjoint of filter_transform; dU[xi * us]. */
+static void filter_transform_adjoint(const float *du, int64_t us, float *f) {
+    float t[3][4]; /* G^T dU */
+    for (int a = 0; a < 3; a++)
+        for (int j = 0; j < 4; j++) {
+            float acc = 0;
+            for (int i = 0; i < 4; i++) acc += G[i][a] * du[(i * 4 + j) * us];
+            t[a][j] = acc;
+        }
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 3; b++) {
+            float acc = 0;
+            for (int j = 0; j < 4; j++) acc += t[a][j] * G[j][b];
+            f[a * 3 + b] = acc;
+        }
+}
+
+/* Images per chunk: V and M of the chunk fill about an L2. */
+static int64_t chunk_images(const wgeom *g, int64_t n) {
+    int64_t per = 16 * (g->c1 + g->c2) * g->tt;
+    int64_t nb = WINO_CHUNK_FLOATS / (per > 0 ? per : 1);
+    return nb < 1 ? 1 : nb > n ? n : nb;
+}
+
+/* The V leading dimension for nb images, rounded up to a cache line. */
+static int64_t chunk_ld(const wgeom *g, int64_t nb) {
+    return (nb * g->tt + 15) / 16 * 16;
+}
+
+/* Distance between the 16 matrices of V (or M) of c rows: one cache line more than c * ld, so
+ * that the transforms' 16 store (load) streams do not all map to the same L1 sets, as they
+ * would with a stride of a multiple of 4 KiB. */
+static int64_t xi_stride(int64_t c, int64_t ld) {
+    return c * ld + 16;
+}
+
+/* V[xi][c][i * tt + t] for images [n0, n0 + cnt) of in [N, C1, H1, W1]. */
+static void transform_inputs(const float *in, const wgeom *g, int64_t n0, int64_t cnt, float *P,
+                             float *v, int64_t ld) {
+    for (int64_t i = 0; i < cnt; i++)
+        for (int64_t c = 0; c < g->c1; c++) {
+            pad_plane(in + ((n0 + i) * g->c1 + c) * g->h1 * g->w1, g->h1, g->w1, g->ph, g->pw, P,
+                      g->prow, g->pld);
+            input_transform(P, g, v + c * ld + i * g->tt, xi_stride(g->c1, ld));
+        }
+}
+
+/* out [N, C2, H2, W2] = in [N, C1, H1, W1] correlated with the filters whose transforms are
+ * U [16][C2][C1], plus bias [C2] (or NULL). */
+static int wino_correlate(const float *in, const wgeom *g, int64_t n, const float *U,
+                          const float *bias, float *out, tdm_device dev) {
+    int64_t nb = chunk_images(g, n), ld = chunk_ld(g, nb);
+    if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
+    float *P = scratch(g->prow * g->pld, dev);
+    int64_t vs = xi_stride(g->c1, ld), ms = xi_stride(g->c2, ld);
+    float *V = scratch(16 * vs, dev), *M = scratch(16 * ms, dev);
+    if (!P || !V || !M) {
+        tdm_scope_end();
+        return tdm_last_status();
+    }
+    memset(P, 0, (size_t)(g->prow * g->pld) * sizeof(float));
+    for (int64_t n0 = 0; n0 < n; n0 += nb) {
+        int64_t cnt = n - n0 < nb ? n - n0 : nb, t = cnt * g->tt;
+        transform_inputs(in, g, n0, cnt, P, V, ld);
+        for (int xi = 0; xi < 16; xi++)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)g->c2, (int)t, (int)g->c1,
+                        1.0f, U + xi * g->c2 * g->c1, (int)g->c1, V + xi * vs, (int)ld, 0.0f,
+                        M + xi * ms, (int)ld);
+        for (int64_t i = 0; i < cnt; i++)
+            for (int64_t c = 0; c < g->c2; c++)
+                output_transform(M + c * ld + i * g->tt, ms, g, bias ? bias[c] : 0.0f,
+                                 out + ((n0 + i) * g->c2 + c) * g->h2 * g->w2);
+    }
+    tdm_scope_end();
+    return TDM_OK;
+}
+
+static wgeom forward_geom(const conv_geom *g) {
+    return wgeom_make(g->cin, g->h, g->w, g->ph, g->pw, g->cout, g->ho, g->wo);
+}
+
+bool tdm_cpu_wino_applies(const conv_geom *g) {
+    if (g->kh != 3 || g->kw != 3 || g->sh != 1 || g->sw != 1 || g->dh != 1 || g->dw != 1 ||
+        g->groups != 1)
+        return false;
+    /* pad <= 2 keeps the input gradient a correlation with pad 2 - pad >= 0; few channels
+     * leave the transforms, not the GEMMs, as the cost (im2col is then as good) */
+    if (g->ph > 2 || g->pw > 2 || g->cin < 8 || g->cout < 8 || g->ho < 1 || g->wo < 1) return false;
+    wgeom w = forward_geom(g);
+    return 16 * (g->cin + g->cout) * w.tt <= WINO_IMAGE_FLOATS;
+}
+
+int tdm_cpu_wino_conv2d(float *y, const float *x, const float *w, const float *b,
+                        const conv_geom *g, tdm_device dev) {
+    wgeom fg = forward_geom(g);
+    if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
+    float *U = scratch(16 * g->cout * g->cin, dev); /* [16][Cout][Cin] */
+    if (!U) {
+        tdm_scope_end();
+        return tdm_last_status();
+    }
+    for (int64_t co = 0; co < g->cout; co++)
+        for (int64_t ci = 0; ci < g->cin; ci++)
+            filter_transform(w + (co * g->cin + ci) * 9, false, U + co * g->cin + ci,
+                             g->cout * g->cin);
+    int rc = wino_correlate(x, &fg, g->n, U, b, y, dev);
+    tdm_scope_end();
+    return rc;
+}
+
+/* gx [N, Cin, H, W]: gy padded by 2 - pad, correlated with w flipped, as [Cin, Cout, 3, 3]. */
+static int wino_input_grad(float *gx, const float *gy, const float *w, const conv_geom *g,
+                           tdm_device dev) {
+    wgeom bg = wgeom_make(g->cout, g->ho, g->wo, 2 - g->ph, 2 - g->pw, g->cin, g->h, g->w);
+    float *U = scratch(16 * g->cin * g->cout, dev); /* [16][Cin][Cout] */
+    if (!U) return tdm_last_status();
+    for (int64_t co = 0; co < g->cout; co++)
+        for (int64_t ci = 0; ci < g->cin; ci++)
+            filter_transform(w + (co * g->cin + ci) * 9, true, U + ci * g->cout + co,
+                             g->cin * g->cout);
+    return wino_correlate(gy, &bg, g->n, U, NULL, gx, dev);
+}
+
+/* gw [Cout, Cin, 3, 3] = G^T dU G with dU[xi] = sum over tiles of dM[xi] V[xi]^T. */
+static int wino_weight_grad(float *gw, const float *gy, const float *x, const conv_geom *g,
+                            tdm_device dev) {
+    wgeom fg = forward_geom(g);
+    int64_t nb = chunk_images(&fg, g->n), ld = chunk_ld(&fg, nb);
+    float *P = scratch(fg.prow * fg.pld, dev), *Q = scratch(fg.prow * fg.pld, dev);
+    int64_t vs = xi_stride(g->cin, ld), ds = xi_stride(g->cout, ld);
+    float *V = scratch(16 * vs, dev), *D = scratch(16 * ds, dev);
+    float *dU = scratch(16 * g->cout * g->cin, dev); /* [16][Cout][Cin] */
+    if (!P || !Q || !V || !D || !dU) return tdm_last_status();
+    memset(P, 0, (size_t)(fg.prow * fg.pld) * sizeof(float));
+    memset(Q, 0, (size_t)(fg.prow * fg.pld) * sizeof(float));
+    for (int64_t n0 = 0; n0 < g->n; n0 += nb) {
+        int64_t cnt = g->n - n0 < nb ? g->n - n0 : nb, t = cnt * fg.tt;
+        transform_inputs(x, &fg, n0, cnt, P, V, ld);
+        for (int64_t i = 0; i < cnt; i++)
+            for (int64_t c = 0; c < g->cout; c++) {
+                pad_plane(gy + ((n0 + i) * g->cout + c) * g->p, g->ho, g->wo, 0, 0, Q, fg.prow,
+                          fg.pld);
+                grad_transform(Q, &fg, D + c * ld + i * fg.tt, ds);
+            }
+        for (int xi = 0; xi < 16; xi++)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)g->cout, (int)g->cin, (int)t,
+                        1.0f, D + xi * ds, (int)ld, V + xi * vs, (int)ld, n0 == 0 ? 0.0f : 1.0f,
+                        dU + xi * g->cout * g->cin, (int)g->cin);
+    }
+    for (int64_t co = 0; co < g->cout; co++)
+        for (int64_t ci = 0; ci < g->cin; ci++)
+            filter_transform_adjoint(dU + co * g->cin + ci, g->cout * g->cin,
+                                     gw + (co * g->cin + ci) * 9);
+    return TDM_OK;
+}
+
+int tdm_cpu_wino_conv2d_backward(float *gx, float *gw, const float *gy, const float *x,
+                                 const float *w, const conv_geom *g, tdm_device dev) {
+    if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
+    int rc = TDM_OK;
+    if (gw) rc = wino_weight_grad(gw, gy, x, g, dev);
+    if (gx && rc == TDM_OK) rc = wino_input_grad(gx, gy, w, g, dev);
+    tdm_scope_end();
+    return rc;
+}
+
+#else /* no AVX-512: im2col everywhere */
+
+bool tdm_cpu_wino_applies(const conv_geom *g) {
+    (void)g;
+    return false;
+}
+
+int tdm_cpu_wino_conv2d(float *y, const float *x, const float *w, const float *b,
+                        const conv_geom *g, tdm_device dev) {
+    return tdm_raise(TDM_ERR_STATE, "cpu conv2d: Winograd path not compiled in");
+}
+
+int tdm_cpu_wino_conv2d_backward(float *gx, float *gw, const float *gy, const float *x,
+                                 const float *w, const conv_geom *g, tdm_device dev) {
+    return tdm_raise(TDM_ERR_STATE, "cpu conv2d_backward: Winograd path not compiled in");
+}
+
+#endif

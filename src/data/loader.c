@@ -1,0 +1,465 @@
+/* The DataLoader: worker threads build whole batches into a ring of preallocated slots, and
+ * tdm_loader_next hands them out strictly in order.
+ *
+ * Batch k always goes to slot k % nslots, so a slot is free for batch k only once the caller
+ * has released batch k - nslots: order comes from the ring itself and workers never need to
+ * reorder. Slot states move FREE -> FILLING (a worker builds it) -> READY -> IN_USE (the
+ * caller holds it until its next call) -> FREE. Everything a worker reads while building
+ * (the epoch's indices, the slot's buffers) is only rewritten while no build is in flight.
+ *
+ * The batch tensors are allocated once per slot, owned by the loader (not by any scope), so
+ * a steady-state epoch allocates nothing. With workers == 0 there is one slot and the caller
+ * builds each batch itself.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/core.h"
+#include "data/sampler.h"
+
+#define MAX_WORKERS     256
+#define MAX_SLOTS       4096
+#define BUILD_CANCELLED 1
+
+typedef enum { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_IN_USE } slot_state;
+
+typedef struct {
+    tdm_tensor *x, *y;           /* x [B, sample...], y [B, target...]: a full batch */
+    tdm_tensor *x_tail, *y_tail; /* the first rows only, for a last smaller batch (or NULL) */
+    char *xdata;                 /* host memory of x */
+    int64_t *ydata;              /* host memory of y */
+    slot_state state;
+    int64_t k;       /* the batch it holds */
+    int status;      /* < 0: a sample failed to load; error says which */
+    char error[640]; /* written by the builder, read by the caller once READY */
+} slot;
+
+struct tdm_loader {
+    tdm_dataset *ds;
+    tdm_loader_opts o;
+    int64_t per_rank; /* samples this rank sees per epoch, DistributedSampler padding included */
+    int64_t nbatches;
+    int64_t tail; /* size of a last smaller batch, 0 if none */
+    size_t x_row_bytes;
+    int64_t y_row;    /* i64 elements per target */
+    int64_t *indices; /* [per_rank] this epoch's order */
+    int64_t *scratch; /* [n] the full order when world_size > 1 */
+    int nslots;
+    slot *slots;
+
+    /* the caller's side */
+    bool started;
+    int64_t epoch;
+    int64_t next_consume;
+    slot *held; /* handed out by the last next(), released by the following one */
+    int failed; /* sticky status of a failed batch until the next start_epoch */
+    char failed_msg[640];
+    double wait_s;
+
+    /* shared with the workers, under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv;  /* a slot was freed, an epoch started, or stop */
+    pthread_cond_t ready_cv; /* a slot became READY */
+    pthread_cond_t idle_cv;  /* in_flight reached 0 */
+    bool active, stop;
+    int64_t next_build;
+    int in_flight;
+    atomic_bool cancel; /* read between samples: abandons builds of a finished epoch */
+    pthread_t *threads;
+    int nthreads;
+    bool sync_made; /* mu and the condition variables exist */
+};
+
+tdm_loader_opts tdm_loader_defaults(int64_t batch_size) {
+    tdm_loader_opts o;
+    memset(&o, 0, sizeof o);
+    o.batch_size = batch_size;
+    o.prefetch = 2;
+    o.world_size = 1;
+    o.augment.mean = 0.0f;
+    o.augment.std = 1.0f;
+    return o;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- building a batch -------------------------------------------------------------------- */
+
+/* Fills s with batch k of the current epoch: get() per sample into the slot's buffers, then
+ * augmentation in place. Returns TDM_OK, BUILD_CANCELLED, or a negative status with s->error
+ * naming the sample. Runs on a worker, or on the caller when workers == 0. */
+static int build_batch(tdm_loader *l, slot *s, int64_t k) {
+    const tdm_dataset *ds = l->ds;
+    int64_t start = k * l->o.batch_size;
+    int64_t count = l->per_rank - start < l->o.batch_size ? l->per_rank - start : l->o.batch_size;
+    bool augment = tdm_augment_active(&l->o.augment);
+    s->status = TDM_OK;
+    for (int64_t j = 0; j < count; j++) {
+        if (atomic_load_explicit(&l->cancel, memory_order_relaxed)) return BUILD_CANCELLED;
+        int64_t idx = l->indices[start + j];
+        void *x = s->xdata + (size_t)j * l->x_row_bytes;
+        int rc = ds->ops->get(ds, idx, x, s->ydata + j * l->y_row);
+        if (rc != 0) {
+            const char *why = tdm_last_error();
+            snprintf(s->error, sizeof s->error,
+                     "loader: sample %lld of dataset '%s' (batch %lld) failed to load: %s",
+                     (long long)idx, ds->name, (long long)k,
+                     why[0] ? why : "get() returned an error");
+            tdm_clear_error();
+            s->status = rc < 0 ? rc : TDM_ERR_IO;
+            return s->status;
+        }
+        if (augment)
+            tdm_augment_apply(&l->o.augment, (float *)x, ds->sample_shape, l->o.seed, l->epoch,
+                              idx);
+    }
+    return TDM_OK;
+}
+
+/* ---- workers ----------------------------------------------------------------------------- */
+
+/* The slot for the next batch to build, if it may be built now (under mu). */
+static slot *claimable(tdm_loader *l) {
+    if (!l->active || l->next_build >= l->nbatches) return NULL;
+    slot *s = &l->slots[l->next_build % l->nslots];
+    return s->state == SLOT_FREE ? s : NULL;
+}
+
+static void *worker_main(void *arg) {
+    tdm_loader *l = arg;
+    pthread_mutex_lock(&l->mu);
+    while (!l->stop) {
+        slot *s = claimable(l);
+        if (!s) {
+            pthread_cond_wait(&l->work_cv, &l->mu);
+            continue;
+        }
+        int64_t k = l->next_build++;
+        s->state = SLOT_FILLING;
+        s->k = k;
+        l->in_flight++;
+        pthread_mutex_unlock(&l->mu);
+
+        int rc = build_batch(l, s, k);
+
+        pthread_mutex_lock(&l->mu);
+        s->state = rc == BUILD_CANCELLED ? SLOT_FREE : SLOT_READY;
+        if (rc != BUILD_CANCELLED) pthread_cond_broadcast(&l->ready_cv);
+        if (--l->in_flight == 0) pthread_cond_broadcast(&l->idle_cv);
+    }
+    pthread_mutex_unlock(&l->mu);
+    return NULL;
+}
+
+/* Ends the current epoch: no new builds, builds in flight abandoned and waited for, every
+ * slot free. Afterwards no worker touches the indices or the slots until active is set. */
+static void halt_epoch(tdm_loader *l) {
+    l->held = NULL;
+    if (l->nthreads == 0) {
+        l->slots[0].state = SLOT_FREE;
+        return;
+    }
+    pthread_mutex_lock(&l->mu);
+    l->active = false;
+    atomic_store(&l->cancel, true);
+    while (l->in_flight > 0) pthread_cond_wait(&l->idle_cv, &l->mu);
+    for (int i = 0; i < l->nslots; i++) l->slots[i].state = SLOT_FREE;
+    atomic_store(&l->cancel, false);
+    pthread_mutex_unlock(&l->mu);
+}
+
+/* ---- creation ---------------------------------------------------------------------------- */
+
+static int check_opts(const tdm_dataset *ds, const tdm_loader_opts *o) {
+    if (!ds || !o) return tdm_raise(TDM_ERR_ARG, "loader_new: NULL %s", ds ? "options" : "dataset");
+    if (!ds->ops || !ds->ops->get)
+        return tdm_raise(TDM_ERR_ARG, "loader_new: dataset '%s' has no get()", ds->name);
+    if (ds->n < 1)
+        return tdm_raise(TDM_ERR_ARG, "loader_new: dataset '%s' has %lld samples", ds->name,
+                         (long long)ds->n);
+    if (ds->sample_shape.ndim < 0 || ds->sample_shape.ndim >= TDM_MAX_DIMS ||
+        ds->target_shape.ndim < 0 || ds->target_shape.ndim >= TDM_MAX_DIMS)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "loader_new: dataset '%s': sample and target need at most %d dims "
+                         "(got %d and %d)",
+                         ds->name, TDM_MAX_DIMS - 1, ds->sample_shape.ndim, ds->target_shape.ndim);
+    if (o->batch_size < 1)
+        return tdm_raise(TDM_ERR_ARG, "loader_new: batch_size must be >= 1 (got %lld)",
+                         (long long)o->batch_size);
+    if (o->workers < 0 || o->workers > MAX_WORKERS)
+        return tdm_raise(TDM_ERR_ARG, "loader_new: workers must be in [0, %d] (got %d)",
+                         MAX_WORKERS, o->workers);
+    if (o->workers > 0 && (o->prefetch < 1 || o->workers * o->prefetch > MAX_SLOTS))
+        return tdm_raise(TDM_ERR_ARG,
+                         "loader_new: prefetch must be >= 1 with workers * prefetch <= %d "
+                         "(got prefetch %d, workers %d)",
+                         MAX_SLOTS, o->prefetch, o->workers);
+    if (o->world_size < 1)
+        return tdm_raise(TDM_ERR_ARG, "loader_new: world_size must be >= 1 (got %d)",
+                         o->world_size);
+    if (o->rank < 0 || o->rank >= o->world_size)
+        return tdm_raise(TDM_ERR_ARG, "loader_new: rank %d is not in [0, world_size %d)", o->rank,
+                         o->world_size);
+    return tdm_augment_check(&o->augment, ds);
+}
+
+/* A caller-owned view of the first rows of base: the last, smaller batch. Made here, outside
+ * any scope, so that it lives as long as the loader. */
+static tdm_tensor *rows_view(const tdm_tensor *base, int64_t rows) {
+    tdm_tensor *t = tdm_tensor_header_owned(NULL);
+    if (!t) return NULL;
+    t->dtype = base->dtype;
+    t->ndim = base->ndim;
+    memcpy(t->shape, base->shape, sizeof t->shape);
+    memcpy(t->strides, base->strides, sizeof t->strides);
+    t->shape[0] = rows;
+    t->offset = base->offset;
+    t->device = base->device;
+    t->storage = base->storage;
+    tdm_storage_retain(t->storage);
+    return t;
+}
+
+/* [B, inner...] */
+static tdm_shape batch_shape(int64_t b, tdm_shape inner) {
+    tdm_shape s;
+    s.ndim = inner.ndim + 1;
+    s.d[0] = b;
+    for (int i = 0; i < inner.ndim; i++) s.d[i + 1] = inner.d[i];
+    return s;
+}
+
+static int slot_init(tdm_loader *l, slot *s) {
+    const tdm_dataset *ds = l->ds;
+    int64_t b = l->o.batch_size;
+    s->x = tdm_tensor_alloc_owned(batch_shape(b, ds->sample_shape), ds->x_dtype, tdm_cpu(0), NULL);
+    s->y = tdm_tensor_alloc_owned(batch_shape(b, ds->target_shape), TDM_I64, tdm_cpu(0), NULL);
+    if (!s->x || !s->y) return tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
+    s->xdata = tdm_data_ptr(s->x);
+    s->ydata = tdm_data_ptr(s->y);
+    if (l->tail > 0) {
+        s->x_tail = rows_view(s->x, l->tail);
+        s->y_tail = rows_view(s->y, l->tail);
+        if (!s->x_tail || !s->y_tail) return TDM_ERR_NOMEM;
+    }
+    s->state = SLOT_FREE;
+    return TDM_OK;
+}
+
+static int start_workers(tdm_loader *l) {
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_cond_init(&l->work_cv, NULL);
+    pthread_cond_init(&l->ready_cv, NULL);
+    pthread_cond_init(&l->idle_cv, NULL);
+    atomic_init(&l->cancel, false);
+    l->sync_made = true;
+    if (l->o.workers == 0) return TDM_OK;
+    l->threads = calloc((size_t)l->o.workers, sizeof *l->threads);
+    if (!l->threads) return tdm_raise(TDM_ERR_NOMEM, "loader_new: out of memory");
+    for (int i = 0; i < l->o.workers; i++) {
+        int rc = pthread_create(&l->threads[i], NULL, worker_main, l);
+        if (rc != 0)
+            return tdm_raise(TDM_ERR_NOMEM, "loader_new: cannot start worker %d of %d (%s)", i,
+                             l->o.workers, strerror(rc));
+        l->nthreads++;
+    }
+    return TDM_OK;
+}
+
+tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o) {
+    if (check_opts(ds, o)) return NULL;
+    int64_t row = tdm_shape_numel(ds->sample_shape), trow = tdm_shape_numel(ds->target_shape);
+    if (row < 0 || trow < 0 || (row > 0 && o->batch_size > INT64_MAX / 16 / row) ||
+        (trow > 0 && o->batch_size > INT64_MAX / 16 / trow))
+        return tdm_raise_null(TDM_ERR_ARG, "loader_new: batch_size %lld of dataset '%s' overflows",
+                              (long long)o->batch_size, ds->name);
+    tdm_loader *l = calloc(1, sizeof *l);
+    if (!l) return tdm_raise_null(TDM_ERR_NOMEM, "loader_new: out of memory");
+    l->ds = ds;
+    l->o = *o;
+    l->per_rank = tdm_sampler_count(ds->n, o->world_size);
+    int64_t b = o->batch_size, rem = l->per_rank % b;
+    l->nbatches = o->drop_last ? l->per_rank / b : (l->per_rank + b - 1) / b;
+    l->tail = o->drop_last ? 0 : rem;
+    l->x_row_bytes = (size_t)row * tdm_dtype_size(ds->x_dtype);
+    l->y_row = trow;
+    l->nslots = o->workers > 0 ? o->workers * o->prefetch : 1;
+    l->indices = malloc((size_t)l->per_rank * sizeof *l->indices);
+    l->scratch = o->world_size > 1 ? malloc((size_t)ds->n * sizeof *l->scratch) : NULL;
+    l->slots = calloc((size_t)l->nslots, sizeof *l->slots);
+    if (!l->indices || !l->slots || (o->world_size > 1 && !l->scratch)) {
+        free(l->indices);
+        free(l->scratch);
+        free(l->slots);
+        free(l);
+        return tdm_raise_null(TDM_ERR_NOMEM, "loader_new: out of memory for %lld indices",
+                              (long long)ds->n);
+    }
+    int rc = TDM_OK;
+    for (int i = 0; i < l->nslots && rc == TDM_OK; i++) rc = slot_init(l, &l->slots[i]);
+    if (rc == TDM_OK) rc = start_workers(l);
+    if (rc != TDM_OK) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", tdm_last_error());
+        tdm_loader_free(l);
+        tdm_raise(rc, "%s", msg[0] ? msg : "loader_new: out of memory for batch buffers");
+        return NULL;
+    }
+    return l;
+}
+
+/* ---- epochs and batches ------------------------------------------------------------------ */
+
+int tdm_loader_start_epoch(tdm_loader *l, int64_t epoch) {
+    if (!l) return tdm_raise(TDM_ERR_ARG, "loader_start_epoch: NULL loader");
+    if (epoch < 0)
+        return tdm_raise(TDM_ERR_ARG, "loader_start_epoch: epoch %lld is negative",
+                         (long long)epoch);
+    halt_epoch(l);
+    /* no build is in flight: the order can be rewritten */
+    l->epoch = epoch;
+    tdm_sampler_fill(l->indices, l->scratch, l->ds->n, l->o.shuffle, l->o.seed, epoch, l->o.rank,
+                     l->o.world_size);
+    l->started = true;
+    l->next_consume = 0;
+    l->failed = TDM_OK;
+    if (l->nthreads > 0) {
+        pthread_mutex_lock(&l->mu);
+        l->next_build = 0;
+        l->active = true;
+        pthread_cond_broadcast(&l->work_cv);
+        pthread_mutex_unlock(&l->mu);
+    }
+    return TDM_OK;
+}
+
+/* Gives the slot of the previous batch back to the workers. */
+static void release_held(tdm_loader *l) {
+    if (!l->held) return;
+    if (l->nthreads == 0) {
+        l->held->state = SLOT_FREE;
+    } else {
+        pthread_mutex_lock(&l->mu);
+        l->held->state = SLOT_FREE;
+        pthread_cond_broadcast(&l->work_cv);
+        pthread_mutex_unlock(&l->mu);
+    }
+    l->held = NULL;
+}
+
+/* Blocks until a worker has built batch k into s, counting the time blocked. */
+static void wait_ready(tdm_loader *l, slot *s, int64_t k) {
+    pthread_mutex_lock(&l->mu);
+    if (!(s->state == SLOT_READY && s->k == k)) {
+        double t0 = now_s();
+        while (!(s->state == SLOT_READY && s->k == k)) pthread_cond_wait(&l->ready_cv, &l->mu);
+        l->wait_s += now_s() - t0;
+    }
+    s->state = SLOT_IN_USE;
+    pthread_mutex_unlock(&l->mu);
+}
+
+int tdm_loader_next(tdm_loader *l, tdm_batch *b) {
+    if (!l || !b) return tdm_raise(TDM_ERR_ARG, "loader_next: NULL %s", l ? "batch" : "loader");
+    if (!l->started)
+        return tdm_raise(TDM_ERR_STATE,
+                         "loader_next: no epoch started on dataset '%s'; call "
+                         "tdm_loader_start_epoch first",
+                         l->ds->name);
+    release_held(l);
+    if (l->failed) return tdm_raise(l->failed, "%s", l->failed_msg);
+    if (l->next_consume >= l->nbatches) return 0;
+
+    int64_t k = l->next_consume++;
+    slot *s = &l->slots[k % l->nslots];
+    if (l->nthreads == 0) {
+        /* the caller builds: all of that time is time the caller waits for data */
+        double t0 = now_s();
+        s->k = k;
+        build_batch(l, s, k);
+        s->state = SLOT_IN_USE;
+        l->wait_s += now_s() - t0;
+    } else {
+        wait_ready(l, s, k);
+    }
+    l->held = s;
+    if (s->status < 0) {
+        l->failed = s->status;
+        memcpy(l->failed_msg, s->error, sizeof l->failed_msg);
+        return tdm_raise(s->status, "%s", s->error);
+    }
+    bool tail = l->tail > 0 && k == l->nbatches - 1;
+    b->x = tail ? s->x_tail : s->x;
+    b->y = tail ? s->y_tail : s->y;
+    b->size = tail ? l->tail : l->o.batch_size;
+    b->index = k;
+    return 1;
+}
+
+int64_t tdm_loader_batches(const tdm_loader *l) {
+    return l ? l->nbatches : 0;
+}
+
+int64_t *tdm_loader_indices(const tdm_loader *l, int64_t epoch, int64_t *n_out) {
+    if (n_out) *n_out = 0;
+    if (!l || !n_out) return tdm_raise_null(TDM_ERR_ARG, "loader_indices: NULL argument");
+    if (epoch < 0)
+        return tdm_raise_null(TDM_ERR_ARG, "loader_indices: epoch %lld is negative",
+                              (long long)epoch);
+    int64_t *out = malloc((size_t)l->per_rank * sizeof *out);
+    int64_t *scratch = l->o.world_size > 1 ? malloc((size_t)l->ds->n * sizeof *scratch) : NULL;
+    if (!out || (l->o.world_size > 1 && !scratch)) {
+        free(out);
+        free(scratch);
+        return tdm_raise_null(TDM_ERR_NOMEM, "loader_indices: out of memory for %lld indices",
+                              (long long)l->per_rank);
+    }
+    tdm_sampler_fill(out, scratch, l->ds->n, l->o.shuffle, l->o.seed, epoch, l->o.rank,
+                     l->o.world_size);
+    free(scratch);
+    *n_out = l->per_rank;
+    return out;
+}
+
+double tdm_loader_wait_seconds(const tdm_loader *l) {
+    return l ? l->wait_s : 0.0;
+}
+
+void tdm_loader_free(tdm_loader *l) {
+    if (!l) return;
+    if (l->nthreads > 0) {
+        pthread_mutex_lock(&l->mu);
+        l->stop = true;
+        l->active = false;
+        atomic_store(&l->cancel, true);
+        pthread_cond_broadcast(&l->work_cv);
+        pthread_mutex_unlock(&l->mu);
+        for (int i = 0; i < l->nthreads; i++) pthread_join(l->threads[i], NULL);
+    }
+    if (l->sync_made) {
+        pthread_mutex_destroy(&l->mu);
+        pthread_cond_destroy(&l->work_cv);
+        pthread_cond_destroy(&l->ready_cv);
+        pthread_cond_destroy(&l->idle_cv);
+    }
+    for (int i = 0; i < l->nslots; i++) {
+        slot *s = &l->slots[i];
+        tdm_tensor_free(s->x_tail);
+        tdm_tensor_free(s->y_tail);
+        tdm_tensor_free(s->x);
+        tdm_tensor_free(s->y);
+    }
+    free(l->threads);
+    free(l->slots);
+    free(l->indices);
+    free(l->scratch);
+    free(l);
+}

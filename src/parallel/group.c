@@ -1,0 +1,242 @@
+/* Process groups, backend-independent: argument checks, work handles, waiting, abort and
+ * timeout. The backends (threads_group.c) only move memory and synchronise ranks. */
+#include "parallel/group.h"
+
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DEFAULT_TIMEOUT_S 60.0
+/* Rounds a waiter spins before sleeping: short collectives finish within a few
+ * microseconds, and a futex sleep/wake costs more than that on a VM. */
+#define WAIT_SPINS 2000
+
+const char *tdm_coll_name(tdm_coll_kind k) {
+    switch (k) {
+    case TDM_COLL_ALL_REDUCE:
+        return "all_reduce";
+    case TDM_COLL_BROADCAST:
+        return "broadcast";
+    case TDM_COLL_ALL_GATHER:
+        return "all_gather";
+    case TDM_COLL_REDUCE_SCATTER:
+        return "reduce_scatter";
+    case TDM_COLL_BARRIER:
+        return "barrier";
+    }
+    return "?";
+}
+
+void tdm_group_init(tdm_group *g, const tdm_group_ops *ops, int rank, int size, tdm_device dev) {
+    g->ops = ops;
+    g->rank = rank;
+    g->size = size;
+    g->device = dev;
+    atomic_init(&g->timeout_ns, (int64_t)(DEFAULT_TIMEOUT_S * 1e9));
+    pthread_mutex_init(&g->lock, NULL);
+    pthread_cond_init(&g->done_cond, NULL);
+    g->free_works = g->all_works = NULL;
+}
+
+void tdm_group_destroy(tdm_group *g) {
+    for (tdm_work *w = g->all_works, *next; w; w = next) {
+        next = w->all_next;
+        free(w);
+    }
+    g->all_works = g->free_works = NULL;
+    pthread_cond_destroy(&g->done_cond);
+    pthread_mutex_destroy(&g->lock);
+}
+
+int tdm_group_rank(const tdm_group *g) {
+    return g ? g->rank : -1;
+}
+
+int tdm_group_size(const tdm_group *g) {
+    return g ? g->size : 0;
+}
+
+tdm_device tdm_group_device(const tdm_group *g) {
+    return g ? g->device : tdm_cpu(0);
+}
+
+void tdm_group_set_timeout(tdm_group *g, double seconds) {
+    if (!g || !(seconds > 0)) return;
+    if (seconds > 1e9) seconds = 1e9; /* "forever", without overflowing the nanoseconds */
+    atomic_store(&g->timeout_ns, (int64_t)(seconds * 1e9));
+}
+
+double tdm_group_timeout(const tdm_group *g) {
+    return (double)atomic_load(&g->timeout_ns) * 1e-9;
+}
+
+void tdm_group_abort(tdm_group *g, const char *message) {
+    if (g) g->ops->abort(g, message ? message : "aborted");
+}
+
+/* ---- handles ---------------------------------------------------------------------------- */
+
+static tdm_work *work_get(tdm_group *g) {
+    pthread_mutex_lock(&g->lock);
+    tdm_work *w = g->free_works;
+    if (w) g->free_works = w->next;
+    pthread_mutex_unlock(&g->lock);
+    if (!w) {
+        w = calloc(1, sizeof *w);
+        if (!w) return tdm_raise_null(TDM_ERR_NOMEM, "collective: out of memory for a handle");
+        pthread_mutex_lock(&g->lock);
+        w->all_next = g->all_works;
+        g->all_works = w;
+        pthread_mutex_unlock(&g->lock);
+    }
+    w->group = g;
+    w->next = NULL;
+    w->status = TDM_OK;
+    w->msg[0] = '\0';
+    atomic_store_explicit(&w->done, 0, memory_order_relaxed);
+    return w;
+}
+
+static void work_put(tdm_work *w) {
+    tdm_group *g = w->group;
+    pthread_mutex_lock(&g->lock);
+    w->next = g->free_works;
+    g->free_works = w;
+    pthread_mutex_unlock(&g->lock);
+}
+
+void tdm_work_finish(tdm_work *w, int status, const char *msg) {
+    tdm_group *g = w->group;
+    w->status = status;
+    snprintf(w->msg, sizeof w->msg, "%s", msg ? msg : "");
+    /* the store is under the lock so a waiter cannot check done and then miss the wake-up */
+    pthread_mutex_lock(&g->lock);
+    atomic_store_explicit(&w->done, 1, memory_order_release);
+    pthread_cond_broadcast(&g->done_cond);
+    pthread_mutex_unlock(&g->lock);
+}
+
+int tdm_work_wait(tdm_work *w) {
+    if (!w) {
+        tdm_status s = tdm_last_status();
+        return s != TDM_OK ? s : tdm_raise(TDM_ERR_ARG, "work_wait: NULL handle");
+    }
+    tdm_group *g = w->group;
+    for (int i = 0; i < WAIT_SPINS && !atomic_load_explicit(&w->done, memory_order_acquire); i++) {
+        if (i % 64 == 63)
+            sched_yield(); /* the communication thread may share this core */
+        else
+            tdm_cpu_relax();
+    }
+    if (!atomic_load_explicit(&w->done, memory_order_acquire)) {
+        /* no timeout here: the backend bounds every wait of its own (tdm_group_set_timeout) */
+        pthread_mutex_lock(&g->lock);
+        while (!atomic_load_explicit(&w->done, memory_order_acquire))
+            pthread_cond_wait(&g->done_cond, &g->lock);
+        pthread_mutex_unlock(&g->lock);
+    }
+    int status = w->status;
+    if (status != TDM_OK) tdm_raise((tdm_status)status, "%s", w->msg);
+    work_put(w);
+    return status;
+}
+
+/* ---- collectives: checks on the calling rank, then the backend -------------------------- */
+
+static tdm_work *launch(tdm_group *g, tdm_coll c) {
+    tdm_work *w = work_get(g);
+    if (!w) return NULL;
+    w->c = c;
+    if (g->ops->launch(g, w) != TDM_OK) {
+        work_put(w);
+        return NULL;
+    }
+    return w;
+}
+
+static int check_buffer(const tdm_tensor *t, const char *op, const char *what, bool f32_only) {
+    if (!t) return tdm_raise(TDM_ERR_ARG, "%s: %s is NULL", op, what);
+    char sb[96];
+    if (f32_only && t->dtype != TDM_F32)
+        return tdm_raise(TDM_ERR_DTYPE, "%s: %s must be f32, got %s %s", op, what,
+                         tdm_dtype_name(t->dtype), tdm_shape_str(tdm_shape_of(t), sb));
+    if (!tdm_is_contiguous(t))
+        return tdm_raise(TDM_ERR_ARG, "%s: %s %s must be contiguous", op, what,
+                         tdm_shape_str(tdm_shape_of(t), sb));
+    if (t->device.type != TDM_CPU) {
+        char db[16];
+        return tdm_raise(TDM_ERR_DEVICE, "%s: %s is on %s; this group reduces CPU memory", op, what,
+                         tdm_device_str(t->device, db));
+    }
+    return TDM_OK;
+}
+
+static int check_op(tdm_reduce_kind op, const char *name) {
+    if (op != TDM_SUM && op != TDM_AVG)
+        return tdm_raise(TDM_ERR_ARG, "%s: unknown reduction %d (expected TDM_SUM or TDM_AVG)",
+                         name, (int)op);
+    return TDM_OK;
+}
+
+tdm_work *tdm_all_reduce(tdm_group *g, tdm_tensor *t, tdm_reduce_kind op) {
+    if (!g) return tdm_raise_null(TDM_ERR_ARG, "all_reduce: NULL group");
+    if (check_buffer(t, "all_reduce", "tensor", true) || check_op(op, "all_reduce")) return NULL;
+    tdm_coll c = {TDM_COLL_ALL_REDUCE, op, 0, tdm_numel(t), 4, tdm_data_ptr(t), NULL};
+    c.in = c.out;
+    return launch(g, c);
+}
+
+tdm_work *tdm_broadcast(tdm_group *g, tdm_tensor *t, int root) {
+    if (!g) return tdm_raise_null(TDM_ERR_ARG, "broadcast: NULL group");
+    if (check_buffer(t, "broadcast", "tensor", false)) return NULL;
+    if (root < 0 || root >= g->size)
+        return tdm_raise_null(TDM_ERR_ARG, "broadcast: root %d out of range for %d ranks", root,
+                              g->size);
+    tdm_coll c = {TDM_COLL_BROADCAST,       TDM_SUM,         root, tdm_numel(t),
+                  tdm_dtype_size(t->dtype), tdm_data_ptr(t), NULL};
+    c.in = c.out;
+    return launch(g, c);
+}
+
+tdm_work *tdm_all_gather(tdm_group *g, tdm_tensor *out, const tdm_tensor *in) {
+    if (!g) return tdm_raise_null(TDM_ERR_ARG, "all_gather: NULL group");
+    if (check_buffer(out, "all_gather", "out", false) ||
+        check_buffer(in, "all_gather", "in", false))
+        return NULL;
+    char so[96], si[96];
+    if (out->dtype != in->dtype)
+        return tdm_raise_null(TDM_ERR_DTYPE, "all_gather: out is %s but in is %s",
+                              tdm_dtype_name(out->dtype), tdm_dtype_name(in->dtype));
+    if (tdm_numel(out) != (int64_t)g->size * tdm_numel(in))
+        return tdm_raise_null(
+            TDM_ERR_SHAPE, "all_gather: out %s must hold %d x in %s = %lld elements",
+            tdm_shape_str(tdm_shape_of(out), so), g->size, tdm_shape_str(tdm_shape_of(in), si),
+            (long long)(g->size * tdm_numel(in)));
+    tdm_coll c = {TDM_COLL_ALL_GATHER, TDM_SUM,         0, tdm_numel(in), tdm_dtype_size(in->dtype),
+                  tdm_data_ptr(out),   tdm_data_ptr(in)};
+    return launch(g, c);
+}
+
+tdm_work *tdm_reduce_scatter(tdm_group *g, tdm_tensor *out, const tdm_tensor *in,
+                             tdm_reduce_kind op) {
+    if (!g) return tdm_raise_null(TDM_ERR_ARG, "reduce_scatter: NULL group");
+    if (check_buffer(out, "reduce_scatter", "out", true) ||
+        check_buffer(in, "reduce_scatter", "in", true) || check_op(op, "reduce_scatter"))
+        return NULL;
+    char so[96], si[96];
+    if (tdm_numel(in) != (int64_t)g->size * tdm_numel(out))
+        return tdm_raise_null(
+            TDM_ERR_SHAPE, "reduce_scatter: in %s must hold %d x out %s = %lld elements",
+            tdm_shape_str(tdm_shape_of(in), si), g->size, tdm_shape_str(tdm_shape_of(out), so),
+            (long long)(g->size * tdm_numel(out)));
+    tdm_coll c = {TDM_COLL_REDUCE_SCATTER, op, 0, tdm_numel(out), 4, tdm_data_ptr(out),
+                  tdm_data_ptr(in)};
+    return launch(g, c);
+}
+
+tdm_work *tdm_barrier(tdm_group *g) {
+    if (!g) return tdm_raise_null(TDM_ERR_ARG, "barrier: NULL group");
+    tdm_coll c = {TDM_COLL_BARRIER, TDM_SUM, 0, 0, 1, NULL, NULL};
+    return launch(g, c);
+}

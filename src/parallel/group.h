@@ -1,0 +1,106 @@
+/* Private interface of process groups: the group struct every backend embeds, the backend
+ * table, work handles, and the threads world that DataParallel keeps alive across steps.
+ *
+ * A backend (threads here; MPI or a two-level threads-inside-MPI group later) embeds
+ * tdm_group as the first member of its own rank struct and fills in ops. group.c checks the
+ * arguments of every collective on the calling thread, fills a tdm_work with plain pointers
+ * and sizes, and hands it to ops->launch; the backend runs it (on its own thread, so the
+ * caller keeps computing) and completes it with tdm_work_finish, in launch order per rank.
+ * Callers never see which backend they talk to. */
+#ifndef TDM_PARALLEL_GROUP_H
+#define TDM_PARALLEL_GROUP_H
+
+#include "core/core.h"
+#include "tandem/parallel.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+typedef enum {
+    TDM_COLL_ALL_REDUCE = 0,
+    TDM_COLL_BROADCAST,
+    TDM_COLL_ALL_GATHER,
+    TDM_COLL_REDUCE_SCATTER,
+    TDM_COLL_BARRIER,
+} tdm_coll_kind;
+
+/* Name of a collective for messages ("all_reduce"). */
+const char *tdm_coll_name(tdm_coll_kind k);
+
+/* One collective as a backend sees it: raw memory, already checked on the calling rank.
+ * all_reduce / broadcast: out is the tensor (in-place), in == out, count its elements.
+ * all_gather: in [count] -> out [size * count]. reduce_scatter: in [size * count] -> out
+ * [count]. barrier: no memory. Reductions are f32 (elem 4); copies move count * elem bytes. */
+typedef struct {
+    tdm_coll_kind kind;
+    tdm_reduce_kind op;
+    int root;
+    int64_t count;
+    size_t elem;
+    void *out;
+    const void *in;
+} tdm_coll;
+
+#define TDM_WORK_MSG 512
+
+struct tdm_work {
+    tdm_group *group;
+    tdm_coll c;
+    atomic_int done; /* set last by tdm_work_finish (release) */
+    int status;
+    char msg[TDM_WORK_MSG];
+    struct tdm_work *next;     /* backend queue, or the group's free list */
+    struct tdm_work *all_next; /* every handle this group allocated, freed with the group */
+};
+
+typedef struct tdm_group_ops {
+    const char *name; /* "threads", "mpi", ... */
+    /* Starts w (in launch order for this rank). Returns TDM_OK, or raises and returns an
+     * error when the collective cannot start (w is then recycled by the caller). */
+    int (*launch)(tdm_group *g, tdm_work *w);
+    /* Marks this rank failed: every pending and future collective of every rank fails with
+     * "rank R failed: message". */
+    void (*abort)(tdm_group *g, const char *message);
+} tdm_group_ops;
+
+struct tdm_group {
+    const tdm_group_ops *ops;
+    int rank, size;
+    tdm_device device;
+    _Atomic int64_t timeout_ns; /* read by the backend at each wait */
+    /* handles: a free list (no malloc per collective in steady state) and their waiters */
+    pthread_mutex_t lock;
+    pthread_cond_t done_cond;
+    tdm_work *free_works, *all_works;
+};
+
+/* Fills the generic part (timeout 60 s). The backend owns the memory. */
+void tdm_group_init(tdm_group *g, const tdm_group_ops *ops, int rank, int size, tdm_device dev);
+/* Frees every handle the group ever allocated (waited or not) and the sync objects. */
+void tdm_group_destroy(tdm_group *g);
+/* Backend side: w is complete with status (TDM_OK or TDM_ERR_COMM and msg). Wakes waiters. */
+void tdm_work_finish(tdm_work *w, int status, const char *msg);
+/* Timeout of this rank's group in seconds. */
+double tdm_group_timeout(const tdm_group *g);
+
+/* One round of a spin-wait (lets the sibling hyperthread run). */
+static inline void tdm_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* ---- the threads world: every rank a thread of this process ------------------------------- */
+
+typedef struct tdm_threads_world tdm_threads_world;
+
+/* n ranks on devs[0..n-1], each with a communication thread that runs its collectives. NULL
+ * and an error if n < 1 or a thread cannot start. The world outlives any number of steps. */
+tdm_threads_world *tdm_threads_world_new(int n, const tdm_device *devs);
+/* Rank r's group handle (owned by the world). */
+tdm_group *tdm_threads_world_group(tdm_threads_world *w, int rank);
+/* Fails anything still pending ("group destroyed"), joins the communication threads and frees
+ * the groups and their handles. Call once no rank uses the world any more. */
+void tdm_threads_world_free(tdm_threads_world *w);
+
+#endif

@@ -1,0 +1,307 @@
+/* The `tandem` command end to end: help, usage errors, runtime errors, and short real training
+ * runs whose log, plot and accuracy are checked.
+ *
+ *   test_cli PATH_TO_TANDEM [PATH_TO_MLP_TUTORIAL]
+ *
+ * CTest passes the built binaries' paths. Runs need Debian's dataset-fashion-mnist. */
+#define _GNU_SOURCE /* memmem */
+#include <fcntl.h>
+#include <stdarg.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "check.h"
+
+static const char *tandem_path;
+static char tmpdir[256] = "/tmp/tandem_test_cli_XXXXXX";
+
+typedef struct {
+    int status; /* exit status, or -1 if the process did not exit normally (a crash) */
+    char *out, *err;
+} result;
+
+static char *slurp(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return calloc(1, 1);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *s = calloc(1, (size_t)n + 1);
+    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) s[0] = '\0';
+    fclose(f);
+    return s;
+}
+
+/* Runs argv (NULL-terminated) with stdout and stderr captured in files. */
+static result run(const char *const *argv) {
+    char out[300], err[300];
+    snprintf(out, sizeof out, "%s/stdout", tmpdir);
+    snprintf(err, sizeof err, "%s/stderr", tmpdir);
+    result r = {-1, NULL, NULL};
+    pid_t pid = fork();
+    if (pid == 0) {
+        int fo = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        int fe = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fo < 0 || fe < 0) _exit(126);
+        dup2(fo, 1);
+        dup2(fe, 2);
+        execv(argv[0], (char *const *)argv);
+        _exit(127);
+    }
+    int st = 0;
+    if (pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st)) r.status = WEXITSTATUS(st);
+    r.out = slurp(out);
+    r.err = slurp(err);
+    return r;
+}
+
+static void result_free(result *r) {
+    free(r->out);
+    free(r->err);
+}
+
+/* tandem ARGS... */
+#define TANDEM(...) run((const char *const[]){tandem_path, __VA_ARGS__, NULL})
+
+/* The number after "key": in a JSON line, NAN for null or a missing key. */
+static double json_num(const char *line, const char *key) {
+    char pat[64];
+    snprintf(pat, sizeof pat, "\"%s\":", key);
+    const char *p = strstr(line, pat);
+    if (!p) return NAN;
+    p += strlen(pat);
+    char *end;
+    double v = strtod(p, &end);
+    return end == p ? NAN : v;
+}
+
+/* A line looks like one JSON object: braces at both ends, balanced quotes, no NaN text. */
+static bool json_line_ok(const char *line, size_t n) {
+    if (n < 2 || line[0] != '{' || line[n - 1] != '}') return false;
+    int quotes = 0;
+    for (size_t i = 0; i < n; i++) quotes += line[i] == '"' && (i == 0 || line[i - 1] != '\\');
+    static const char *const bad[] = {":nan", ":-nan", ":inf", ":-inf", ":NaN"};
+    for (int i = 0; i < 5; i++)
+        if (memmem(line, n, bad[i], strlen(bad[i]))) return false;
+    return quotes % 2 == 0;
+}
+
+static void test_help(void) {
+    result r = run((const char *const[]){tandem_path, "--help", NULL});
+    CHECK(r.status == 0, "tandem --help exit %d", r.status);
+    CHECK(strstr(r.out, "train") && strstr(r.out, "devices"), "top-level help: %s", r.out);
+    result_free(&r);
+
+    r = TANDEM("train", "--help");
+    CHECK(r.status == 0, "tandem train --help exit %d: %s", r.status, r.err);
+    static const char *const options[] = {
+        "--data",        "--model",    "--epochs",       "--batch-size", "--optimizer",
+        "--lr",          "--momentum", "--weight-decay", "--schedule",   "--warmup-steps",
+        "--seed",        "--workers",  "--devices",      "--limit",      "--log",
+        "--plot",        "--quiet",    "SYNOPSIS",       "EXAMPLES",     "Default: 64",
+        "fashion-mnist", "cosine"};
+    for (size_t i = 0; i < sizeof options / sizeof options[0]; i++)
+        CHECK(strstr(r.out, options[i]) != NULL, "train --help does not mention %s", options[i]);
+    result_free(&r);
+
+    r = TANDEM("devices");
+    CHECK(r.status == 0 && strstr(r.out, "cpu:0"), "devices exit %d: %s", r.status, r.out);
+    result_free(&r);
+}
+
+/* A usage error: exit 2, one line on stderr containing `want`. */
+static void expect_usage(const char *want, const char *const *argv) {
+    result r = run(argv);
+    CHECK(r.status == 2, "%s: exit %d, expected 2 (stderr: %s)", want, r.status, r.err);
+    CHECK(strstr(r.err, want) != NULL, "stderr should name \"%s\": %s", want, r.err);
+    char *nl = strchr(r.err, '\n');
+    CHECK(nl && nl[1] == '\0', "usage error should be one line: %s", r.err);
+    result_free(&r);
+}
+
+static void test_usage_errors(void) {
+    const char *t = tandem_path;
+    expect_usage("--bogus", (const char *const[]){t, "train", "--bogus", NULL});
+    expect_usage("--bogus", (const char *const[]){t, "train", "--bogus=3", NULL});
+    expect_usage("--epochs", (const char *const[]){t, "train", "--epochs", NULL});
+    expect_usage("'abc'", (const char *const[]){t, "train", "--epochs", "abc", NULL});
+    expect_usage("--epochs", (const char *const[]){t, "train", "--epochs", "0", NULL});
+    expect_usage("--lr", (const char *const[]){t, "train", "--lr", "-1", NULL});
+    expect_usage("--batch-size", (const char *const[]){t, "train", "--batch-size", "1e", NULL});
+    expect_usage("resnet", (const char *const[]){t, "train", "--model", "resnet", NULL});
+    expect_usage("rmsprop", (const char *const[]){t, "train", "--optimizer", "rmsprop", NULL});
+    expect_usage("--momentum", (const char *const[]){t, "train", "--optimizer", "adam",
+                                                     "--momentum", "0.5", NULL});
+    expect_usage("--log", (const char *const[]){t, "train", "--log", "--quiet", NULL});
+    expect_usage("multi-device",
+                 (const char *const[]){t, "train", "--devices", "cpu:0,cpu:1", NULL});
+    expect_usage("gpu:0", (const char *const[]){t, "train", "--devices", "gpu:0", NULL});
+    expect_usage("stray", (const char *const[]){t, "train", "stray", NULL});
+    expect_usage("frobnicate", (const char *const[]){t, "frobnicate", NULL});
+}
+
+static void test_runtime_errors(void) {
+    char missing[300];
+    snprintf(missing, sizeof missing, "%s/no-such-dir", tmpdir);
+    result r = TANDEM("train", "--data", missing, "--limit", "100");
+    CHECK(r.status == 1, "missing data dir: exit %d (stderr %s)", r.status, r.err);
+    CHECK(strstr(r.err, missing) != NULL, "error should name %s: %s", missing, r.err);
+    result_free(&r);
+
+    /* a directory that exists but holds no IDX files */
+    r = TANDEM("train", "--data", tmpdir, "--limit", "100");
+    CHECK(r.status == 1, "empty data dir: exit %d (stderr %s)", r.status, r.err);
+    CHECK(strstr(r.err, tmpdir) != NULL, "error should name %s: %s", tmpdir, r.err);
+    result_free(&r);
+
+    /* an unwritable log */
+    r = TANDEM("train", "--limit", "100", "--log", "/nonexistent-dir/x.jsonl");
+    CHECK(r.status == 1 && strstr(r.err, "/nonexistent-dir/x.jsonl"), "bad log: exit %d %s",
+          r.status, r.err);
+    result_free(&r);
+
+    /* a learning rate that makes the loss overflow: stopped with the epoch and step named */
+    r = TANDEM("train", "--limit", "640", "--lr", "1e6", "--quiet");
+    CHECK(r.status == 1, "diverging run: exit %d (stdout %s, stderr %s)", r.status, r.out, r.err);
+    CHECK(strstr(r.err, "epoch 1, step") != NULL, "divergence error: %s", r.err);
+    result_free(&r);
+}
+
+static void check_log(const char *path, int epochs, int steps_per_epoch) {
+    char *log = slurp(path);
+    int steps = 0, n_epochs = 0, bad = 0;
+    double first_loss = NAN, last_loss = NAN, last_acc = NAN;
+    for (char *line = log, *nl; *line; line = nl + 1) {
+        nl = strchr(line, '\n');
+        CHECK(nl != NULL, "log ends without a newline");
+        if (!nl) break;
+        size_t n = (size_t)(nl - line);
+        *nl = '\0';
+        if (!json_line_ok(line, n)) {
+            if (bad++ < 3) CHECK(false, "log line is not a JSON object: %s", line);
+            continue;
+        }
+        if (strstr(line, "\"type\":\"step\"")) {
+            steps++;
+            CHECK(json_num(line, "epoch") >= 1 && json_num(line, "step") >= 1 &&
+                      isfinite(json_num(line, "loss")) && json_num(line, "lr") > 0 &&
+                      json_num(line, "img_s") > 0,
+                  "step line: %s", line);
+        } else if (strstr(line, "\"type\":\"epoch\"")) {
+            n_epochs++;
+            static const char *const keys[] = {"epoch",        "train_loss", "train_acc",
+                                               "test_loss",    "test_acc",   "seconds",
+                                               "loader_wait_s"};
+            for (int k = 0; k < 7; k++)
+                CHECK(isfinite(json_num(line, keys[k])), "epoch line lacks %s: %s", keys[k], line);
+            if (n_epochs == 1) first_loss = json_num(line, "train_loss");
+            last_loss = json_num(line, "train_loss");
+            last_acc = json_num(line, "test_acc");
+        } else {
+            CHECK(strstr(line, "\"type\":\"config\"") != NULL, "unknown line: %s", line);
+        }
+    }
+    CHECK(steps == epochs * steps_per_epoch, "%d step lines, expected %d", steps,
+          epochs * steps_per_epoch);
+    CHECK(n_epochs == epochs, "%d epoch lines, expected %d", n_epochs, epochs);
+    CHECK(last_loss < first_loss, "train loss did not fall: %g -> %g", first_loss, last_loss);
+    CHECK(last_acc > 0.6, "test accuracy %g after %d epochs", last_acc, epochs);
+    free(log);
+}
+
+static void check_svg(const char *path) {
+    char *svg = slurp(path);
+    size_t n = strlen(svg);
+    CHECK(strncmp(svg, "<svg", 4) == 0, "svg starts with %.20s", svg);
+    CHECK(n > 8 && strstr(svg + n - 8, "</svg>"), "svg does not end with </svg>");
+    CHECK(strstr(svg, "class=\"train\"") && strstr(svg, "class=\"test\"") &&
+              strstr(svg, "class=\"train-step\""),
+          "svg lacks the train, test or per-step curves");
+    CHECK(strstr(svg, "Loss") && strstr(svg, "Accuracy") && strstr(svg, "epoch"),
+          "svg lacks panel titles or axis labels");
+    /* every element opened is closed: count "<" of open tags against "/>" and "</" */
+    int opens = 0, closes = 0;
+    for (const char *p = svg; *p; p++) {
+        if (p[0] == '<' && p[1] != '/') opens++;
+        if ((p[0] == '/' && p[1] == '>') || (p[0] == '<' && p[1] == '/')) closes++;
+    }
+    CHECK(opens == closes, "svg: %d elements opened, %d closed", opens, closes);
+    free(svg);
+}
+
+static void test_mlp_run(void) {
+    char log[300], plot[300];
+    snprintf(log, sizeof log, "%s/run.jsonl", tmpdir);
+    snprintf(plot, sizeof plot, "%s/run.svg", tmpdir);
+    result r = TANDEM("train", "--limit", "2000", "--epochs", "2", "--model", "mlp", "--log", log,
+                      "--plot", plot);
+    CHECK(r.status == 0, "mlp run: exit %d, stderr: %s", r.status, r.err);
+    CHECK(strstr(r.out, "epoch 2/2") && strstr(r.out, "test loss") && strstr(r.out, "img/s") &&
+              strstr(r.out, "loader wait"),
+          "mlp run output: %s", r.out);
+    result_free(&r);
+    check_log(log, 2, 32); /* ceil(2000 / 64) steps */
+    check_svg(plot);
+}
+
+static void test_cnn_run(void) {
+    result r = TANDEM("train", "--limit", "500", "--epochs", "1", "--model", "cnn", "--optimizer",
+                      "adam", "--workers", "0", "--quiet");
+    CHECK(r.status == 0, "cnn run: exit %d, stderr: %s", r.status, r.err);
+    CHECK(strstr(r.out, "epoch 1/1") && !strstr(r.out, "step "), "cnn --quiet output: %s", r.out);
+    result_free(&r);
+}
+
+static void test_schedules(void) {
+    char log[300];
+    snprintf(log, sizeof log, "%s/cos.jsonl", tmpdir);
+    result r = TANDEM("train", "--limit", "640", "--epochs", "2", "--schedule", "cosine",
+                      "--warmup-steps", "5", "--optimizer", "adamw", "--log", log, "--quiet");
+    CHECK(r.status == 0, "cosine run: exit %d, stderr: %s", r.status, r.err);
+    result_free(&r);
+    /* 10 steps per epoch: lr rises over 5 warmup steps, then decays towards 0 at step 20 */
+    char *text = slurp(log);
+    double lr[21] = {0};
+    int k = 0;
+    for (char *p = strstr(text, "\"type\":\"step\""); p && k < 21;
+         p = strstr(p + 1, "\"type\":\"step\""))
+        lr[k++] = json_num(p, "lr");
+    CHECK(k == 20, "%d step lines, expected 20", k);
+    CHECK_CLOSE(lr[0], 1e-3 / 5, 1e-9, 1e-4);
+    CHECK_CLOSE(lr[4], 1e-3, 1e-9, 1e-4);
+    CHECK(lr[10] < lr[5] && lr[19] < lr[10] && lr[19] > 0, "cosine lr %g %g %g", lr[5], lr[10],
+          lr[19]);
+    free(text);
+}
+
+static void test_tutorial(const char *path) {
+    result r = run((const char *const[]){path, "300", "2", NULL});
+    CHECK(r.status == 0, "mlp_tutorial: exit %d, stderr: %s", r.status, r.err);
+    CHECK(strstr(r.out, "Epoch 2") && strstr(r.out, "Accuracy:") && strstr(r.out, "Done!"),
+          "mlp_tutorial output: %s", r.out);
+    result_free(&r);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: test_cli PATH_TO_TANDEM [PATH_TO_MLP_TUTORIAL]\n");
+        return 2;
+    }
+    tandem_path = argv[1];
+    if (!mkdtemp(tmpdir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    test_help();
+    test_usage_errors();
+    test_runtime_errors();
+    test_mlp_run();
+    test_cnn_run();
+    test_schedules();
+    if (argc > 2) test_tutorial(argv[2]);
+    char cmd[320];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+    if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
+    return check_summary();
+}

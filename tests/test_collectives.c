@@ -1,0 +1,382 @@
+/* Collectives of the threads group, launched with tdm_spawn: every op against a serial
+ * reference computed here (sums in rank order in float, so results must match bit for bit),
+ * asynchronous handles waited in and out of order, failures (a rank's error, a timeout, ranks
+ * that disagree) that end in errors instead of hangs, and device lists. */
+#include "check.h"
+#include "parallel/group.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#define MAX_RANKS 4
+
+/* Rank threads must not touch check.h's counters (they are plain ints): they count their own
+ * failures here and main reports them. */
+typedef struct {
+    int n;
+    int bad[MAX_RANKS];
+    char first[MAX_RANKS][256];
+    uint64_t digest[MAX_RANKS]; /* of the largest all-reduce result */
+    int status[MAX_RANKS];
+    char msg[MAX_RANKS][512];
+    atomic_int flag;
+} shared;
+
+#define RCHECK(sh, r, cond, fmt, ...)                                                              \
+    do {                                                                                           \
+        if (!(cond) && !(sh)->bad[r]++)                                                            \
+            snprintf((sh)->first[r], sizeof(sh)->first[r], "line %d: " fmt, __LINE__,              \
+                     ##__VA_ARGS__);                                                               \
+    } while (0)
+
+static const int64_t sizes[] = {0, 1, 7, 1000, (1 << 20) + 3};
+#define N_SIZES ((int)(sizeof sizes / sizeof sizes[0]))
+
+/* The input of rank r at element i: a hash of (r, i, salt) in [-1, 1). */
+static float value(int r, int64_t i, int salt) {
+    uint32_t x = (uint32_t)i * 2654435761u ^ (uint32_t)(r + 1) * 40503u ^ (uint32_t)salt * 97u;
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return (float)(x >> 8) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+/* What every rank must get: the inputs of ranks 0..n-1 added in that order, / n for AVG. */
+static float reference(int n, int64_t i, int salt, tdm_reduce_kind op) {
+    float s = value(0, i, salt);
+    for (int k = 1; k < n; k++) s += value(k, i, salt);
+    return op == TDM_AVG ? s / (float)n : s;
+}
+
+/* Writes rank r's inputs into t (a contiguous f32 tensor) and returns t. */
+static tdm_tensor *fill_values(tdm_tensor *t, int r, int salt) {
+    float *p = tdm_data_ptr(t);
+    int64_t m = tdm_numel(t);
+    for (int64_t i = 0; i < m; i++) p[i] = value(r, i, salt);
+    return t;
+}
+
+static tdm_tensor *filled(int r, int64_t m, int salt) {
+    return fill_values(tdm_empty(TDM_SHAPE(m), TDM_F32, tdm_cpu(r)), r, salt);
+}
+
+/* The first m elements of a buffer allocated once per rank: fresh pages cost ~11 us each to
+ * fault in on this kind of VM, so the test reuses the same memory for every size. */
+static tdm_tensor *head(tdm_tensor *buf, int64_t m) {
+    return tdm_slice(buf, 0, 0, m, 1);
+}
+
+typedef struct {
+    tdm_tensor *big; /* f32 [MAX_RANKS * max size] */
+    tdm_tensor *f;   /* f32 [max size] */
+    tdm_tensor *out; /* f32 [max size] */
+    tdm_tensor *i;   /* i32 [max size] */
+} buffers;
+
+/* Elements of t that differ in any bit from the expected reduction. */
+static int64_t count_wrong(const tdm_tensor *t, int n, int salt, tdm_reduce_kind op,
+                           int64_t first) {
+    const float *p = tdm_data_ptr(t);
+    int64_t wrong = 0, m = tdm_numel(t);
+    for (int64_t i = 0; i < m; i++) {
+        float want = reference(n, first + i, salt, op);
+        uint32_t got_bits, want_bits; /* bit for bit: -0 and +0 differ */
+        memcpy(&got_bits, &p[i], 4);
+        memcpy(&want_bits, &want, 4);
+        wrong += got_bits != want_bits;
+    }
+    return wrong;
+}
+
+static uint64_t digest(const tdm_tensor *t) {
+    const unsigned char *p = tdm_data_ptr(t);
+    uint64_t h = 1469598103934665603ull;
+    int64_t bytes = tdm_numel(t) * 4;
+    for (int64_t i = 0; i < bytes; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+static void ops_one_size(shared *sh, const buffers *bu, tdm_group *g, int r, int n, int64_t m,
+                         int salt) {
+    /* all-reduce, SUM and AVG */
+    for (int op = TDM_SUM; op <= TDM_AVG; op++) {
+        tdm_tensor *t = fill_values(head(bu->f, m), r, salt + op);
+        int st = tdm_work_wait(tdm_all_reduce(g, t, (tdm_reduce_kind)op));
+        RCHECK(sh, r, st == TDM_OK, "all_reduce m=%lld: %s", (long long)m, tdm_last_error());
+        int64_t wrong = count_wrong(t, n, salt + op, (tdm_reduce_kind)op, 0);
+        RCHECK(sh, r, wrong == 0, "all_reduce op %d m=%lld n=%d: %lld wrong", op, (long long)m, n,
+               (long long)wrong);
+        if (op == TDM_SUM && m == sizes[N_SIZES - 1]) sh->digest[r] = digest(t);
+    }
+    /* broadcast from a root that moves with the size, f32 and i32 */
+    int root = (int)(m % n);
+    tdm_tensor *b = fill_values(head(bu->f, m), r, salt + 2);
+    RCHECK(sh, r, tdm_work_wait(tdm_broadcast(g, b, root)) == TDM_OK, "broadcast: %s",
+           tdm_last_error());
+    const float *pb = tdm_data_ptr(b);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < m; i++) wrong += pb[i] != value(root, i, salt + 2);
+    RCHECK(sh, r, wrong == 0, "broadcast m=%lld root %d: %lld wrong", (long long)m, root,
+           (long long)wrong);
+    tdm_tensor *bi = head(bu->i, m);
+    tdm_fill_(bi, (float)(r * 10 + 3));
+    RCHECK(sh, r, tdm_work_wait(tdm_broadcast(g, bi, root)) == TDM_OK, "broadcast i32: %s",
+           tdm_last_error());
+    const int32_t *pbi = tdm_data_ptr(bi);
+    wrong = 0;
+    for (int64_t i = 0; i < m; i++) wrong += pbi[i] != root * 10 + 3;
+    RCHECK(sh, r, wrong == 0, "broadcast i32 m=%lld: %lld wrong", (long long)m, (long long)wrong);
+    /* all-gather: out [n * m] holds every rank's in, in rank order */
+    tdm_tensor *in = fill_values(head(bu->f, m), r, salt + 3);
+    tdm_tensor *out = head(bu->big, n * m);
+    tdm_fill_(out, -7.0f);
+    RCHECK(sh, r, tdm_work_wait(tdm_all_gather(g, out, in)) == TDM_OK, "all_gather: %s",
+           tdm_last_error());
+    const float *po = tdm_data_ptr(out);
+    wrong = 0;
+    for (int k = 0; k < n; k++)
+        for (int64_t i = 0; i < m; i++) wrong += po[k * m + i] != value(k, i, salt + 3);
+    RCHECK(sh, r, wrong == 0, "all_gather m=%lld: %lld wrong", (long long)m, (long long)wrong);
+    /* reduce-scatter: rank r gets chunk r of the reduction of in [n * m] */
+    for (int op = TDM_SUM; op <= TDM_AVG; op++) {
+        tdm_tensor *big = fill_values(head(bu->big, n * m), r, salt + 4 + op);
+        tdm_tensor *part = head(bu->out, m);
+        tdm_fill_(part, -7.0f);
+        RCHECK(sh, r, tdm_work_wait(tdm_reduce_scatter(g, part, big, (tdm_reduce_kind)op)) == 0,
+               "reduce_scatter: %s", tdm_last_error());
+        wrong = count_wrong(part, n, salt + 4 + op, (tdm_reduce_kind)op, r * m);
+        RCHECK(sh, r, wrong == 0, "reduce_scatter op %d m=%lld: %lld wrong", op, (long long)m,
+               (long long)wrong);
+    }
+    RCHECK(sh, r, tdm_work_wait(tdm_barrier(g)) == TDM_OK, "barrier: %s", tdm_last_error());
+}
+
+/* Several all-reduces in flight at once, waited in launch order and then out of order. */
+static void outstanding(shared *sh, tdm_group *g, int r, int n) {
+    const int64_t ms[4] = {1000, 7, 1 << 16, 1};
+    for (int round = 0; round < 2; round++) {
+        tdm_tensor *t[4];
+        tdm_work *w[4];
+        for (int j = 0; j < 4; j++) {
+            t[j] = filled(r, ms[j], 100 + 10 * round + j);
+            w[j] = tdm_all_reduce(g, t[j], j % 2 ? TDM_AVG : TDM_SUM);
+        }
+        /* the rank keeps computing while its collectives run */
+        tdm_tensor *x = tdm_ones(TDM_SHAPE(32, 32), TDM_F32, tdm_cpu(r));
+        RCHECK(sh, r, tdm_matmul(x, x) != NULL, "matmul: %s", tdm_last_error());
+        const int order[2][4] = {{0, 1, 2, 3}, {3, 1, 0, 2}};
+        for (int j = 0; j < 4; j++) {
+            int k = order[round][j];
+            RCHECK(sh, r, tdm_work_wait(w[k]) == TDM_OK, "wait %d: %s", k, tdm_last_error());
+        }
+        for (int j = 0; j < 4; j++) {
+            int64_t wrong =
+                count_wrong(t[j], n, 100 + 10 * round + j, j % 2 ? TDM_AVG : TDM_SUM, 0);
+            RCHECK(sh, r, wrong == 0, "outstanding round %d tensor %d: %lld wrong", round, j,
+                   (long long)wrong);
+        }
+    }
+}
+
+static int rank_all_ops(tdm_rank_ctx *ctx, void *arg) {
+    shared *sh = arg;
+    int r = ctx->rank, n = ctx->size;
+    RCHECK(sh, r, tdm_group_rank(ctx->group) == r && tdm_group_size(ctx->group) == n,
+           "group rank %d size %d", tdm_group_rank(ctx->group), tdm_group_size(ctx->group));
+    RCHECK(sh, r, tdm_device_equal(tdm_group_device(ctx->group), tdm_cpu(r)), "group device");
+    int64_t max = sizes[N_SIZES - 1];
+    buffers bu = {tdm_empty(TDM_SHAPE(MAX_RANKS * max), TDM_F32, tdm_cpu(r)),
+                  tdm_empty(TDM_SHAPE(max), TDM_F32, tdm_cpu(r)),
+                  tdm_empty(TDM_SHAPE(max), TDM_F32, tdm_cpu(r)),
+                  tdm_empty(TDM_SHAPE(max), TDM_I32, tdm_cpu(r))};
+    for (int s = 0; s < N_SIZES; s++) {
+        tdm_scope_begin();
+        ops_one_size(sh, &bu, ctx->group, r, n, sizes[s], 10 * s);
+        tdm_scope_end();
+    }
+    tdm_tensor_free(bu.big);
+    tdm_tensor_free(bu.f);
+    tdm_tensor_free(bu.out);
+    tdm_tensor_free(bu.i);
+    tdm_scope_begin();
+    outstanding(sh, ctx->group, r, n);
+    tdm_scope_end();
+    return 0;
+}
+
+static void report(const shared *sh, int n, const char *what) {
+    for (int r = 0; r < n; r++)
+        CHECK(sh->bad[r] == 0, "%s, rank %d of %d: %d failures, first: %s", what, r, n, sh->bad[r],
+              sh->first[r]);
+}
+
+static tdm_device devs[MAX_RANKS];
+
+static void test_all_ops(void) {
+    for (int n = 1; n <= MAX_RANKS; n++) {
+        shared sh = {.n = n};
+        int st = tdm_spawn(n, devs, rank_all_ops, &sh);
+        CHECK(st == TDM_OK, "spawn %d ranks: %s", n, tdm_last_error());
+        report(&sh, n, "all ops");
+        for (int r = 1; r < n; r++)
+            CHECK(sh.digest[r] == sh.digest[0], "all_reduce of %d ranks: rank %d differs from 0", n,
+                  r);
+    }
+}
+
+static void sleep_s(double s) {
+    struct timespec t = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&t, NULL);
+}
+
+/* Rank 1 fails while the others wait in an all-reduce: they fail too, naming rank 1. */
+static int rank_fails(tdm_rank_ctx *ctx, void *arg) {
+    shared *sh = arg;
+    int r = ctx->rank;
+    tdm_group_set_timeout(ctx->group, 30.0); /* the abort, not the timeout, must end the wait */
+    if (r == 1) {
+        sleep_s(0.05); /* let the others reach the collective first */
+        return tdm_raise(TDM_ERR_ARG, "boom");
+    }
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(1000), TDM_F32, tdm_cpu(r));
+    sh->status[r] = tdm_work_wait(tdm_all_reduce(ctx->group, t, TDM_SUM));
+    snprintf(sh->msg[r], sizeof sh->msg[r], "%s", tdm_last_error());
+    /* and every later collective fails at once */
+    int later = tdm_work_wait(tdm_barrier(ctx->group));
+    RCHECK(sh, r, later == TDM_ERR_COMM && strstr(tdm_last_error(), "rank 1 failed: boom"),
+           "later barrier: %d %s", later, tdm_last_error());
+    tdm_tensor_free(t);
+    return sh->status[r];
+}
+
+static void test_rank_error(void) {
+    shared sh = {.n = 3};
+    int st = tdm_spawn(3, devs, rank_fails, &sh);
+    CHECK(st == TDM_ERR_ARG, "spawn returned %d", st);
+    CHECK(strstr(tdm_last_error(), "rank 1: boom") != NULL, "spawn message: %s", tdm_last_error());
+    for (int r = 0; r < 3; r += 2) {
+        CHECK(sh.status[r] == TDM_ERR_COMM, "rank %d status %d", r, sh.status[r]);
+        CHECK(strstr(sh.msg[r], "rank 1 failed: boom") != NULL, "rank %d message: %s", r,
+              sh.msg[r]);
+    }
+    report(&sh, 3, "rank error");
+}
+
+/* Rank 1 never joins rank 0's all-reduce: rank 0 times out naming it, and rank 1's own
+ * collective, launched later, fails with the same cause. */
+static int rank_late(tdm_rank_ctx *ctx, void *arg) {
+    shared *sh = arg;
+    int r = ctx->rank;
+    tdm_group_set_timeout(ctx->group, 0.2);
+    if (r == 0) {
+        tdm_tensor *t = tdm_ones(TDM_SHAPE(10), TDM_F32, tdm_cpu(0));
+        sh->status[0] = tdm_work_wait(tdm_all_reduce(ctx->group, t, TDM_SUM));
+        snprintf(sh->msg[0], sizeof sh->msg[0], "%s", tdm_last_error());
+        tdm_tensor_free(t);
+        atomic_store(&sh->flag, 1);
+    } else {
+        while (!atomic_load(&sh->flag)) sleep_s(0.01);
+        sh->status[1] = tdm_work_wait(tdm_barrier(ctx->group));
+        snprintf(sh->msg[1], sizeof sh->msg[1], "%s", tdm_last_error());
+    }
+    return 0;
+}
+
+static void test_timeout(void) {
+    shared sh = {.n = 2};
+    CHECK(tdm_spawn(2, devs, rank_late, &sh) == TDM_OK, "spawn: %s", tdm_last_error());
+    for (int r = 0; r < 2; r++) {
+        CHECK(sh.status[r] == TDM_ERR_COMM, "rank %d status %d", r, sh.status[r]);
+        CHECK(strstr(sh.msg[r], "timed out after 0.2 s waiting for rank 1") != NULL,
+              "rank %d message: %s", r, sh.msg[r]);
+    }
+}
+
+/* Ranks that call collectives of different sizes get an error, not corrupted memory. */
+static int rank_mismatch(tdm_rank_ctx *ctx, void *arg) {
+    shared *sh = arg;
+    int r = ctx->rank;
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(10 + r), TDM_F32, tdm_cpu(r));
+    sh->status[r] = tdm_work_wait(tdm_all_reduce(ctx->group, t, TDM_SUM));
+    snprintf(sh->msg[r], sizeof sh->msg[r], "%s", tdm_last_error());
+    tdm_tensor_free(t);
+    return 0;
+}
+
+static void test_mismatch(void) {
+    shared sh = {.n = 2};
+    CHECK(tdm_spawn(2, devs, rank_mismatch, &sh) == TDM_OK, "spawn: %s", tdm_last_error());
+    for (int r = 0; r < 2; r++) {
+        CHECK(sh.status[r] == TDM_ERR_COMM, "rank %d status %d", r, sh.status[r]);
+        CHECK(strstr(sh.msg[r], "ranks disagree on the element count") != NULL,
+              "rank %d message: %s", r, sh.msg[r]);
+    }
+}
+
+/* Bad arguments fail on the calling rank before anything starts (no peer needed). */
+static void test_bad_arguments(void) {
+    tdm_threads_world *w = tdm_threads_world_new(2, devs);
+    CHECK(w != NULL, "world: %s", tdm_last_error());
+    tdm_group *g = tdm_threads_world_group(w, 0);
+    tdm_scope_begin();
+    tdm_tensor *i32 = tdm_zeros(TDM_SHAPE(4), TDM_I32, tdm_cpu(0));
+    tdm_tensor *m = tdm_zeros(TDM_SHAPE(3, 4), TDM_F32, tdm_cpu(0));
+    tdm_tensor *v5 = tdm_zeros(TDM_SHAPE(5), TDM_F32, tdm_cpu(0));
+    CHECK_ERROR(tdm_all_reduce(g, i32, TDM_SUM) == NULL, "all_reduce: tensor must be f32");
+    CHECK_ERROR(tdm_all_reduce(g, tdm_transpose(m, 0, 1), TDM_SUM) == NULL,
+                "all_reduce: tensor [4, 3] must be contiguous");
+    CHECK_ERROR(tdm_all_reduce(g, m, (tdm_reduce_kind)7) == NULL, "unknown reduction 7");
+    CHECK_ERROR(tdm_broadcast(g, m, 2) == NULL, "broadcast: root 2 out of range for 2 ranks");
+    CHECK_ERROR(tdm_all_gather(g, v5, m) == NULL, "all_gather: out [5] must hold 2 x in [3, 4]");
+    CHECK_ERROR(tdm_all_gather(g, i32, v5) == NULL, "all_gather: out is i32 but in is f32");
+    CHECK_ERROR(tdm_reduce_scatter(g, v5, m, TDM_SUM) == NULL,
+                "reduce_scatter: in [3, 4] must hold 2 x out [5]");
+    CHECK_ERROR(tdm_all_reduce(NULL, m, TDM_SUM) == NULL, "all_reduce: NULL group");
+    tdm_raise(TDM_ERR_SHAPE, "earlier failure");
+    CHECK(tdm_work_wait(NULL) == TDM_ERR_SHAPE, "wait(NULL) gives the launch error");
+    tdm_clear_error();
+    CHECK_ERROR(tdm_threads_world_group(w, 2) == NULL, "rank 2 out of range");
+    tdm_scope_end();
+    tdm_threads_world_free(w);
+    CHECK_ERROR(tdm_spawn(0, devs, rank_all_ops, NULL) != TDM_OK, "spawn: 0 ranks");
+}
+
+static void test_devices(void) {
+    tdm_device d[8];
+    int cores = tdm_device_count(TDM_CPU);
+    CHECK(cores >= 1, "device count %d", cores);
+    CHECK(tdm_device_count(TDM_CUDA) == 0, "no CUDA in this build");
+    CHECK(tdm_devices_parse("cpu:0,cpu:1", d, 8) == 2 && d[0].index == 0 && d[1].index == 1 &&
+              d[1].type == TDM_CPU,
+          "cpu:0,cpu:1: %s", tdm_last_error());
+    CHECK(tdm_devices_parse("cpu:2, cpu:0", d, 8) == 2 && d[0].index == 2 && d[1].index == 0,
+          "blanks: %s", tdm_last_error());
+    tdm_device all[64];
+    int na = tdm_devices_parse("cpu:all", all, 64);
+    CHECK(na == cores, "cpu:all gave %d, expected %d", na, cores);
+    for (int i = 0; i < na && i < 64; i++) CHECK(all[i].index == i, "cpu:all entry %d", i);
+    CHECK(tdm_devices_parse("3", d, 8) == 3 && d[2].index == 2 && d[2].type == TDM_CPU, "3");
+    CHECK(tdm_devices_parse("cpu", d, 8) == 1 && d[0].index == 0, "cpu");
+    CHECK_ERROR(tdm_devices_parse("cpu:0,cpu:0", d, 8) < 0, "cpu:0 is listed twice");
+    CHECK_ERROR(tdm_devices_parse("gpu:0", d, 8) < 0, "unknown device \"gpu:0\"");
+    CHECK_ERROR(tdm_devices_parse("cuda:0", d, 8) < 0, "\"cuda:0\" is not available");
+    CHECK_ERROR(tdm_devices_parse("cpu:0,,cpu:1", d, 8) < 0, "empty entry");
+    CHECK_ERROR(tdm_devices_parse("4", d, 2) < 0, "4 devices but room for 2");
+    CHECK_ERROR(tdm_devices_parse("cpu:0,cpu:1,cpu:2", d, 2) < 0, "more than 2 devices");
+    CHECK_ERROR(tdm_devices_parse("0", d, 8) < 0, "count 0 out of range");
+    CHECK_ERROR(tdm_devices_parse("", d, 8) < 0, "empty device list");
+}
+
+int main(void) {
+    for (int r = 0; r < MAX_RANKS; r++) devs[r] = tdm_cpu(r);
+    test_devices();
+    test_bad_arguments();
+    test_all_ops();
+    test_rank_error();
+    test_timeout();
+    test_mismatch();
+    return check_summary();
+}

@@ -1,0 +1,39 @@
+/* --log FILE: one JSON object per line, for scripts and plots. Lines:
+ *   {"type":"config", "model":.., "optimizer":.., "lr":.., "batch_size":.., ...}
+ *   {"type":"step", "epoch":1, "step":12, "global_step":12, "loss":.., "lr":.., "img_s":..}
+ *   {"type":"epoch", "epoch":1, "train_loss":.., "train_acc":.., "test_loss":.., "test_acc":..,
+ *    "seconds":.., "eval_seconds":.., "img_s":.., "loader_wait_s":.., "lr":..}
+ * Steps count from 1 within an epoch; accuracies are fractions in [0, 1]; a non-finite number
+ * is written as null (JSON has no NaN). */
+#ifndef TANDEM_TOOLS_LOG_H
+#define TANDEM_TOOLS_LOG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+/* What one epoch measured; shared by the log, the plot and the console. */
+typedef struct {
+    int epoch; /* from 1 */
+    double train_loss, train_acc, test_loss, test_acc;
+    double seconds;      /* training steps only */
+    double eval_seconds; /* the test pass */
+    double img_s;
+    double loader_wait_s; /* time the training loop spent waiting for batches */
+    double lr;            /* at the end of the epoch */
+} epoch_stats;
+
+typedef struct {
+    FILE *f; /* NULL: logging off, every call is a no-op */
+} run_log;
+
+/* Opens path for writing (truncating it). Returns 0, or -1 with errno set. */
+int log_open(run_log *l, const char *path);
+/* A config line; fields is preformatted JSON members ("\"model\":\"mlp\",..."). */
+void log_config(run_log *l, const char *fields);
+void log_step(run_log *l, int epoch, int64_t step, int64_t global_step, double loss, double lr,
+              double img_s);
+void log_epoch(run_log *l, const epoch_stats *e);
+/* Flushes and closes. Returns 0, or -1 if a write failed (a full disk). */
+int log_close(run_log *l);
+
+#endif

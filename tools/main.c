@@ -1,0 +1,89 @@
+/* The `tandem` command: dispatches to a subcommand.
+ *
+ *   tandem train [OPTION]...   train a model (see train.c)
+ *   tandem devices             list the devices this machine and build offer
+ *   tandem help [COMMAND]      help on tandem or on one command
+ */
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "tandem/tandem.h"
+#include "train.h"
+
+#define TANDEM_VERSION "0.1.0"
+
+static void help(FILE *out) {
+    fprintf(out,
+            "NAME\n"
+            "    tandem - train neural networks from the command line\n\n"
+            "SYNOPSIS\n"
+            "    tandem train [OPTION]...\n"
+            "    tandem devices\n"
+            "    tandem help [COMMAND]\n"
+            "    tandem --version\n\n"
+            "COMMANDS\n"
+            "    train      Train an MLP or a CNN on Fashion-MNIST and report loss and accuracy\n"
+            "               per epoch. 'tandem train --help' describes every option.\n"
+            "    devices    List the devices training can use.\n"
+            "    help       Show this help, or 'tandem help train' for one command.\n\n"
+            "TRAIN OPTIONS (defaults)\n");
+    train_synopsis(out);
+    fprintf(out, "\nEXIT STATUS\n"
+                 "    0 success, 1 runtime error, 2 usage error.\n\n"
+                 "EXAMPLES\n"
+                 "    tandem train --model mlp --epochs 3\n"
+                 "    tandem train --model cnn --optimizer adam --epochs 2 --plot cnn.svg\n"
+                 "    tandem devices\n");
+}
+
+/* CPU cores and memory from sysconf; CUDA is not part of this build yet. */
+static int devices(void) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    double gib = pages > 0 && page > 0 ? (double)pages * (double)page / (1 << 30) : 0;
+    printf("DEVICE   KIND  DETAILS\n");
+    printf("cpu:0    cpu   %ld cores online, %.1f GiB memory (training uses one CPU device "
+           "for now)\n",
+           cores, gib);
+    printf("cuda     -     none: this build has no CUDA backend\n");
+    return EXIT_OK;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        help(stderr);
+        return EXIT_USAGE;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "train") == 0) return train_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "devices") == 0) {
+        if (argc > 2) {
+            fprintf(stderr, "tandem devices: unexpected argument '%s'\n", argv[2]);
+            return EXIT_USAGE;
+        }
+        return devices();
+    }
+    if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0) {
+        if (argc > 2 && strcmp(argv[2], "train") == 0) {
+            train_help(stdout);
+            return EXIT_OK;
+        }
+        if (argc > 2 && strcmp(argv[2], "devices") != 0) {
+            fprintf(stderr, "tandem help: unknown command '%s' (commands: train, devices)\n",
+                    argv[2]);
+            return EXIT_USAGE;
+        }
+        help(stdout);
+        return EXIT_OK;
+    }
+    if (strcmp(cmd, "--version") == 0) {
+        printf("tandem %s\n", TANDEM_VERSION);
+        return EXIT_OK;
+    }
+    fprintf(stderr,
+            "tandem: unknown command '%s' (commands: train, devices, help; see "
+            "'tandem --help')\n",
+            cmd);
+    return EXIT_USAGE;
+}

@@ -1,0 +1,60 @@
+/* Model builders: each is PyTorch's nn.Sequential written out layer by layer.
+ *
+ *   mlp: Flatten, Linear(784, 256), ReLU, Linear(256, 128), ReLU, Linear(128, 10)
+ *   cnn: Conv2d(1, 32, 3, padding=1), ReLU, MaxPool2d(2),
+ *        Conv2d(32, 64, 3, padding=1), ReLU, MaxPool2d(2),
+ *        Flatten, Linear(64*7*7, 128), ReLU, Linear(128, 10)
+ */
+#include "models.h"
+
+#include <string.h>
+
+const char *const model_names[] = {"mlp", "cnn", NULL};
+
+/* Wraps n layers in a Sequential; if any layer failed, frees the others and returns NULL
+ * (the failed layer's error stays in tdm_last_error). */
+static tdm_module *sequential(int n, tdm_module **layers) {
+    for (int i = 0; i < n; i++) {
+        if (layers[i]) continue;
+        for (int j = 0; j < n; j++) tdm_module_free(layers[j]);
+        return NULL;
+    }
+    return tdm_sequential_new(n, layers);
+}
+
+static tdm_module *build_mlp(tdm_device dev, tdm_rng *rng) {
+    /* x [N, 1, 28, 28] -> [N, 784] -> [N, 256] -> [N, 128] -> [N, 10] */
+    tdm_module *layers[6] = {
+        tdm_flatten_new(1, -1), tdm_linear_new(784, 256, true, dev, rng),
+        tdm_relu_new(),         tdm_linear_new(256, 128, true, dev, rng),
+        tdm_relu_new(),         tdm_linear_new(128, 10, true, dev, rng),
+    };
+    return sequential(6, layers);
+}
+
+static tdm_module *build_cnn(tdm_device dev, tdm_rng *rng) {
+    /* x [N, 1, 28, 28] -> [N, 32, 28, 28] -> [N, 32, 14, 14] -> [N, 64, 14, 14]
+     *   -> [N, 64, 7, 7] -> [N, 3136] -> [N, 128] -> [N, 10] */
+    tdm_conv2d_opts same = {.pad_h = 1, .pad_w = 1};
+    tdm_pool2d_opts pool2 = {.kernel_h = 2, .kernel_w = 2};
+    tdm_module *layers[10] = {
+        tdm_conv2d_new(1, 32, 3, 3, &same, true, dev, rng),
+        tdm_relu_new(),
+        tdm_max_pool2d_new(&pool2),
+        tdm_conv2d_new(32, 64, 3, 3, &same, true, dev, rng),
+        tdm_relu_new(),
+        tdm_max_pool2d_new(&pool2),
+        tdm_flatten_new(1, -1),
+        tdm_linear_new(64 * 7 * 7, 128, true, dev, rng),
+        tdm_relu_new(),
+        tdm_linear_new(128, 10, true, dev, rng),
+    };
+    return sequential(10, layers);
+}
+
+tdm_module *model_build(const char *name, tdm_device dev, tdm_rng *rng) {
+    if (name && strcmp(name, "mlp") == 0) return build_mlp(dev, rng);
+    if (name && strcmp(name, "cnn") == 0) return build_cnn(dev, rng);
+    /* no public raise: the caller reports unknown names itself (see train.c) */
+    return NULL;
+}

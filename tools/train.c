@@ -1,0 +1,786 @@
+/* `tandem train`: parses options, builds the data pipeline, model and optimizer, and runs
+ * epochs of training and evaluation with progress, a JSON-lines log and an SVG plot.
+ *
+ * The step loop keeps the host out of the device's way: each step's loss and predictions are
+ * copied into small device buffers, and the host reads them back only every SYNC_STEPS steps
+ * (or at a progress line / the end of the epoch). That is one transfer per 16 steps instead
+ * of two per step on a GPU; on the CPU it costs nothing either way. A non-finite loss is
+ * therefore noticed up to SYNC_STEPS-1 steps late, but reported with its exact epoch and step.
+ */
+#include "train.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "log.h"
+#include "models.h"
+#include "plot.h"
+#include "progress.h"
+#include "tandem/tandem.h"
+
+#define SYNC_STEPS 16
+#define EVAL_BATCH 1000
+
+/* ---- options ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const char *data, *model, *optimizer, *schedule, *devices, *log_path, *plot_path;
+    int64_t epochs, batch_size, workers, limit, warmup_steps, step_size, print_every, seed;
+    double lr, momentum, weight_decay, gamma; /* lr, momentum: NAN until set (optimizer default) */
+    bool quiet;
+} train_opts;
+
+typedef enum { OPT_STR, OPT_INT, OPT_NUM, OPT_FLAG } opt_kind;
+
+typedef struct {
+    const char *name; /* "--epochs" */
+    const char *arg;  /* metavariable in help; NULL for a flag */
+    opt_kind kind;
+    size_t off;    /* field in train_opts */
+    double lo, hi; /* accepted range of a number */
+    const char *deflt;
+    const char *help;
+} opt_spec;
+
+#define F(field) offsetof(train_opts, field)
+static const opt_spec specs[] = {
+    {"--data", "fashion-mnist|DIR", OPT_STR, F(data), 0, 0, "fashion-mnist",
+     "Training and test data. fashion-mnist reads Debian's dataset-fashion-mnist from "
+     "/usr/share/datasets/fashion-mnist; DIR is a directory holding the four IDX files "
+     "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and "
+     "t10k-labels-idx1-ubyte (each raw or with .gz) of 28x28 images in 10 classes (MNIST works "
+     "too)."},
+    {"--model", "mlp|cnn", OPT_STR, F(model), 0, 0, "mlp",
+     "The network, PyTorch's nn.Sequential layer for layer (parameter names such as "
+     "\"1.weight\" match). mlp: Flatten, Linear 784-256, ReLU, Linear 256-128, ReLU, Linear "
+     "128-10. cnn: Conv2d 1-32 3x3 pad 1, ReLU, MaxPool 2, Conv2d 32-64 3x3 pad 1, ReLU, "
+     "MaxPool 2, Flatten, Linear 3136-128, ReLU, Linear 128-10."},
+    {"--epochs", "N", OPT_INT, F(epochs), 1, 1e6, "1", "Passes over the training data."},
+    {"--batch-size", "B", OPT_INT, F(batch_size), 1, 1 << 20, "64",
+     "Global batch size: samples per optimizer step, summed over all devices. The last batch "
+     "of an epoch may be smaller."},
+    {"--optimizer", "sgd|adam|adamw", OPT_STR, F(optimizer), 0, 0, "sgd",
+     "Update rule, with PyTorch's formulas (torch.optim.SGD, Adam, AdamW; Adam's betas 0.9, "
+     "0.999 and eps 1e-8)."},
+    {"--lr", "LR", OPT_NUM, F(lr), 0, 1e6, "0.1 for sgd, 1e-3 for adam and adamw",
+     "Base learning rate (before the schedule)."},
+    {"--momentum", "M", OPT_NUM, F(momentum), 0, 0.999999, "0.9",
+     "SGD momentum (PyTorch's form: b = M*b + g). sgd only."},
+    {"--weight-decay", "WD", OPT_NUM, F(weight_decay), 0, 1e6, "0",
+     "L2 penalty added to the gradient (sgd, adam), or decoupled decay (adamw; PyTorch's "
+     "AdamW default would be 0.01)."},
+    {"--schedule", "constant|step|cosine", OPT_STR, F(schedule), 0, 0, "constant",
+     "Learning-rate schedule. step: multiply by --gamma every --step-size epochs (StepLR). "
+     "cosine: linear warmup over --warmup-steps, then cosine decay to 0 at the last step of "
+     "the last epoch (steps = epochs * steps per epoch)."},
+    {"--warmup-steps", "N", OPT_INT, F(warmup_steps), 0, 1e12, "0",
+     "Warmup steps of the cosine schedule."},
+    {"--step-size", "E", OPT_INT, F(step_size), 1, 1e6, "1", "Epochs between decays (step)."},
+    {"--gamma", "G", OPT_NUM, F(gamma), 0, 1, "0.1", "Decay factor (step)."},
+    {"--seed", "S", OPT_INT, F(seed), 0, 9.007199254740992e15, "0",
+     "Seed of the weight initialisation and of the data order: the same seed gives the same "
+     "run."},
+    {"--workers", "N", OPT_INT, F(workers), 0, 64, "2",
+     "DataLoader worker threads building batches ahead of the training loop; 0 builds them "
+     "on the training thread."},
+    {"--devices", "LIST", OPT_STR, F(devices), 0, 0, "cpu:0",
+     "Comma-separated devices to train on. One CPU device for now; several devices arrive "
+     "with data-parallel training."},
+    {"--limit", "N", OPT_INT, F(limit), 1, 1e12, "all",
+     "Use only the first N training samples and the first N/6 test samples (at least 1): "
+     "for quick runs and tests."},
+    {"--log", "FILE", OPT_STR, F(log_path), 0, 0, "none",
+     "Write one JSON object per line: a config line, a line per step (epoch, step, loss, lr, "
+     "img_s) and a line per epoch (train_loss, train_acc, test_loss, test_acc, seconds, "
+     "loader_wait_s, ...)."},
+    {"--plot", "FILE.svg", OPT_STR, F(plot_path), 0, 0, "none",
+     "Draw loss and accuracy curves (train and test per epoch, train loss per step) into an "
+     "SVG file, rewritten after every epoch."},
+    {"--print-every", "N", OPT_INT, F(print_every), 0, 1e12, "0",
+     "When stdout is not a terminal, print a progress line every N steps (0: about ten per "
+     "epoch). On a terminal a progress bar is redrawn in place instead."},
+    {"--quiet", NULL, OPT_FLAG, F(quiet), 0, 0, "off",
+     "No banner and no progress; only the per-epoch results and errors."},
+};
+#undef F
+#define N_SPECS (int)(sizeof specs / sizeof specs[0])
+
+static train_opts opts_defaults(void) {
+    return (train_opts){.data = "fashion-mnist",
+                        .model = "mlp",
+                        .optimizer = "sgd",
+                        .schedule = "constant",
+                        .devices = "cpu:0",
+                        .epochs = 1,
+                        .batch_size = 64,
+                        .workers = 2,
+                        .limit = 0,
+                        .step_size = 1,
+                        .lr = NAN,
+                        .momentum = NAN,
+                        .gamma = 0.1};
+}
+
+static int usage_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "tandem train: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, " (see 'tandem train --help')\n");
+    va_end(ap);
+    return EXIT_USAGE;
+}
+
+/* Prints text wrapped at 80 columns with the given indent. */
+static void wrap(FILE *out, const char *text, int indent) {
+    int col = 0;
+    const char *p = text;
+    while (*p) {
+        const char *w = p;
+        while (*p && *p != ' ') p++;
+        int len = (int)(p - w);
+        if (col == 0) {
+            col = fprintf(out, "%*s%.*s", indent, "", len, w);
+        } else if (col + 1 + len > 80) {
+            col = fprintf(out, "\n%*s%.*s", indent, "", len, w) - 1;
+        } else {
+            col += fprintf(out, " %.*s", len, w);
+        }
+        while (*p == ' ') p++;
+    }
+    fputc('\n', out);
+}
+
+void train_synopsis(FILE *out) {
+    for (int i = 0; i < N_SPECS; i++) {
+        char left[64];
+        snprintf(left, sizeof left, "%s%s%s", specs[i].name, specs[i].arg ? " " : "",
+                 specs[i].arg ? specs[i].arg : "");
+        fprintf(out, "    %-34s default %s\n", left, specs[i].deflt);
+    }
+}
+
+void train_help(FILE *out) {
+    fprintf(out, "NAME\n    tandem train - train an image classifier on Fashion-MNIST\n\n");
+    fprintf(out, "SYNOPSIS\n    tandem train [OPTION]...\n\n");
+    fprintf(out, "DESCRIPTION\n");
+    wrap(out,
+         "Trains an MLP or a small CNN with cross-entropy loss. Each epoch visits the training "
+         "set once in an order shuffled from (--seed, epoch), then evaluates on the test set in "
+         "eval mode without gradients, and prints train loss and accuracy, test loss and "
+         "accuracy, the epoch's training time, images per second and the time the loop waited "
+         "for the data loader.",
+         4);
+    fprintf(out, "\nOPTIONS\n");
+    for (int i = 0; i < N_SPECS; i++) {
+        fprintf(out, "    %s%s%s\n", specs[i].name, specs[i].arg ? " " : "",
+                specs[i].arg ? specs[i].arg : "");
+        char text[1024];
+        snprintf(text, sizeof text, "%s Default: %s.", specs[i].help, specs[i].deflt);
+        wrap(out, text, 8);
+    }
+    fprintf(out, "    -h, --help\n        Show this help and exit.\n");
+    fprintf(out, "\nOUTPUT\n");
+    wrap(out,
+         "On a terminal a progress bar shows epoch, step/steps, the running loss, images per "
+         "second and the time left, redrawn in place at most ten times a second. When stdout "
+         "is a file or a pipe, plain lines are printed instead (see --print-every).",
+         4);
+    fprintf(out, "\nEXIT STATUS\n    0  training finished\n"
+                 "    1  a runtime error: unreadable data, a non-finite loss, a file that cannot "
+                 "be written\n    2  a usage error: an unknown option, a missing or invalid "
+                 "value\n");
+    fprintf(out, "\nEXAMPLES\n");
+    fprintf(out, "    tandem train --model mlp --epochs 3\n");
+    fprintf(out, "    tandem train --model cnn --optimizer adam --epochs 2 --plot cnn.svg\n");
+    fprintf(out, "    tandem train --model mlp --lr 0.05 --schedule cosine --warmup-steps 100 "
+                 "--epochs 5 --log run.jsonl\n");
+    fprintf(out, "    tandem train --data ~/mnist --limit 2000 --quiet\n");
+}
+
+/* Parses a whole-string integer or number within [lo, hi]. */
+static int parse_value(const opt_spec *s, const char *v, train_opts *o) {
+    char *end;
+    errno = 0;
+    if (s->kind == OPT_STR) {
+        if (!*v) return usage_error("%s: empty value", s->name);
+        *(const char **)((char *)o + s->off) = v;
+        return 0;
+    }
+    double x = strtod(v, &end);
+    bool bad = end == v || *end || errno == ERANGE || !isfinite(x) || x < s->lo || x > s->hi;
+    if (s->kind == OPT_INT) {
+        long long n = strtoll(v, &end, 10);
+        bad = bad || end == v || *end || errno == ERANGE;
+        if (bad)
+            return usage_error("%s: expected an integer in [%.0f, %.0f], got '%s'", s->name, s->lo,
+                               s->hi, v);
+        *(int64_t *)((char *)o + s->off) = n;
+        return 0;
+    }
+    if (bad)
+        return usage_error("%s: expected a number in [%g, %g], got '%s'", s->name, s->lo, s->hi, v);
+    *(double *)((char *)o + s->off) = x;
+    return 0;
+}
+
+static const opt_spec *find_spec(const char *name, size_t len) {
+    for (int i = 0; i < N_SPECS; i++)
+        if (strlen(specs[i].name) == len && strncmp(specs[i].name, name, len) == 0)
+            return &specs[i];
+    return NULL;
+}
+
+static bool one_of(const char *v, const char *const *choices) {
+    for (; *choices; choices++)
+        if (strcmp(v, *choices) == 0) return true;
+    return false;
+}
+
+/* Checks choices and combinations once every option is known. */
+static int check_opts(train_opts *o, tdm_device *dev) {
+    static const char *const optimizers[] = {"sgd", "adam", "adamw", NULL};
+    static const char *const schedules[] = {"constant", "step", "cosine", NULL};
+    if (!one_of(o->model, model_names))
+        return usage_error("--model: unknown model '%s' (expected mlp or cnn)", o->model);
+    if (!one_of(o->optimizer, optimizers))
+        return usage_error("--optimizer: unknown optimizer '%s' (expected sgd, adam or adamw)",
+                           o->optimizer);
+    if (!one_of(o->schedule, schedules))
+        return usage_error("--schedule: unknown schedule '%s' (expected constant, step or "
+                           "cosine)",
+                           o->schedule);
+    bool sgd = strcmp(o->optimizer, "sgd") == 0;
+    if (!sgd && !isnan(o->momentum))
+        return usage_error("--momentum applies to sgd only (adam and adamw use betas 0.9, "
+                           "0.999)");
+    if (isnan(o->lr)) o->lr = sgd ? 0.1 : 1e-3;
+    if (isnan(o->momentum)) o->momentum = sgd ? 0.9 : 0;
+    if (o->warmup_steps > 0 && strcmp(o->schedule, "cosine") != 0)
+        return usage_error("--warmup-steps needs --schedule cosine");
+    /* devices: a comma-separated list, each parsed by the library */
+    char list[256];
+    if (strlen(o->devices) >= sizeof list)
+        return usage_error("--devices: list too long: '%s'", o->devices);
+    snprintf(list, sizeof list, "%s", o->devices);
+    int n = 0;
+    for (char *save = NULL, *tok = strtok_r(list, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save), n++) {
+        if (tdm_device_parse(tok, dev) != TDM_OK)
+            return usage_error("--devices: %s", tdm_last_error());
+        if (dev->type != TDM_CPU)
+            return usage_error("--devices: %s: this build has no CUDA backend", tok);
+    }
+    if (n == 0) return usage_error("--devices: no device in '%s'", o->devices);
+    if (n > 1)
+        return usage_error("--devices %s: multi-device training arrives with the data-parallel "
+                           "issue; give one device",
+                           o->devices);
+    return 0;
+}
+
+/* Fills o from argv (argv[0] is "train"). Returns 0, EXIT_USAGE, or -1 for --help. */
+static int parse_args(int argc, char **argv, train_opts *o, tdm_device *dev) {
+    *o = opts_defaults();
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) return -1;
+        if (strncmp(a, "--", 2) != 0) return usage_error("unexpected argument '%s'", a);
+        const char *eq = strchr(a, '=');
+        const opt_spec *s = find_spec(a, eq ? (size_t)(eq - a) : strlen(a));
+        if (!s) return usage_error("unknown option '%.*s'", eq ? (int)(eq - a) : (int)strlen(a), a);
+        if (s->kind == OPT_FLAG) {
+            if (eq) return usage_error("%s takes no value", s->name);
+            *(bool *)((char *)o + s->off) = true;
+            continue;
+        }
+        const char *v = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
+        if (!v) return usage_error("%s needs a value (%s)", s->name, s->arg);
+        if (!eq && strncmp(v, "--", 2) == 0)
+            return usage_error("%s needs a value (%s), got option '%s'", s->name, s->arg, v);
+        int rc = parse_value(s, v, o);
+        if (rc) return rc;
+    }
+    return check_opts(o, dev);
+}
+
+/* ---- the trainer ---------------------------------------------------------------------------- */
+
+typedef struct {
+    train_opts o;
+    tdm_device dev;
+    tdm_dataset *train_ds, *test_ds;
+    tdm_loader *train_l, *test_l;
+    tdm_module *model;
+    tdm_paramset *ps;
+    tdm_optim *opt;
+    tdm_sched sched;
+    run_log log;
+    progress prog;
+    int64_t steps_per_epoch, global_step;
+    /* device-side records of the current chunk of steps, and their host copies */
+    tdm_tensor *loss_buf; /* [SYNC_STEPS] f32 */
+    tdm_tensor *pred_buf; /* [SYNC_STEPS * B] i64 */
+    float *loss_host;     /* [SYNC_STEPS] */
+    double *time_host, *lr_host;
+    int64_t *size_host;
+    int64_t *pred_host, *label_host; /* [max(SYNC_STEPS * B, EVAL_BATCH)] */
+    int chunk_steps;
+    int64_t chunk_images;
+    double t_last; /* end of the previous step */
+    /* the epoch so far */
+    double loss_sum; /* sum of per-step mean loss times batch size */
+    int64_t correct, images;
+    /* history for the plot */
+    float *step_loss; /* [cap_step_loss] */
+    int64_t n_step_loss, cap_step_loss;
+    epoch_stats *hist;
+    int n_hist;
+    char title[256], subtitle[320];
+} trainer;
+
+static int runtime_error(trainer *t, const char *fmt, ...) {
+    progress_clear(&t->prog);
+    fflush(stdout);
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "tandem train: error: ");
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return EXIT_RUNTIME;
+}
+
+/* Loads both splits; --limit keeps a prefix of each. */
+static int load_data(trainer *t) {
+    const char *dir = strcmp(t->o.data, "fashion-mnist") == 0 ? NULL : t->o.data;
+    struct stat st;
+    if (dir && stat(dir, &st) != 0)
+        return runtime_error(t, "data directory '%s': %s", dir, strerror(errno));
+    if (dir && !S_ISDIR(st.st_mode))
+        return runtime_error(t, "data directory '%s' is not a directory", dir);
+    const char *shown = dir ? dir : "/usr/share/datasets/fashion-mnist";
+    t->train_ds = tdm_fashion_mnist(dir, true);
+    if (!t->train_ds)
+        return runtime_error(t, "cannot load training data from '%s': %s", shown, tdm_last_error());
+    t->test_ds = tdm_fashion_mnist(dir, false);
+    if (!t->test_ds)
+        return runtime_error(t, "cannot load test data from '%s': %s", shown, tdm_last_error());
+    if (tdm_dataset_sample_numel(t->train_ds) != 784 || t->train_ds->num_classes > 10) {
+        char b[96];
+        return runtime_error(t,
+                             "'%s' holds %lld classes of images %s; the models expect 10 "
+                             "classes of 1x28x28",
+                             shown, (long long)t->train_ds->num_classes,
+                             tdm_shape_str(t->train_ds->sample_shape, b));
+    }
+    if (t->o.limit > 0) {
+        /* readers index samples i < n, so lowering n keeps a prefix of the dataset */
+        int64_t test_n = t->o.limit / 6 > 0 ? t->o.limit / 6 : 1;
+        if (t->train_ds->n > t->o.limit) t->train_ds->n = t->o.limit;
+        if (t->test_ds->n > test_n) t->test_ds->n = test_n;
+    }
+    return 0;
+}
+
+static int make_loaders(trainer *t) {
+    tdm_loader_opts lo = tdm_loader_defaults(t->o.batch_size);
+    lo.shuffle = true;
+    lo.seed = (uint64_t)t->o.seed;
+    lo.workers = (int)t->o.workers;
+    t->train_l = tdm_loader_new(t->train_ds, &lo);
+    if (!t->train_l) return runtime_error(t, "training loader: %s", tdm_last_error());
+    tdm_loader_opts eo = tdm_loader_defaults(EVAL_BATCH);
+    eo.shuffle = false;
+    eo.workers = (int)t->o.workers;
+    t->test_l = tdm_loader_new(t->test_ds, &eo);
+    if (!t->test_l) return runtime_error(t, "test loader: %s", tdm_last_error());
+    t->steps_per_epoch = tdm_loader_batches(t->train_l);
+    return 0;
+}
+
+static int make_optimizer(trainer *t) {
+    const train_opts *o = &t->o;
+    if (strcmp(o->optimizer, "sgd") == 0) {
+        tdm_sgd_opts so = tdm_sgd_defaults((float)o->lr);
+        so.momentum = (float)o->momentum;
+        so.weight_decay = (float)o->weight_decay;
+        t->opt = tdm_sgd_new(t->ps, &so);
+    } else {
+        bool w = strcmp(o->optimizer, "adamw") == 0;
+        tdm_adam_opts ao = w ? tdm_adamw_defaults() : tdm_adam_defaults();
+        ao.lr = (float)o->lr;
+        ao.weight_decay = (float)o->weight_decay;
+        t->opt = w ? tdm_adamw_new(t->ps, &ao) : tdm_adam_new(t->ps, &ao);
+    }
+    if (!t->opt) return runtime_error(t, "optimizer: %s", tdm_last_error());
+    tdm_sched s = {.kind = TDM_SCHED_CONSTANT, .base_lr = (float)o->lr};
+    if (strcmp(o->schedule, "step") == 0) {
+        s.kind = TDM_SCHED_STEP;
+        s.gamma = (float)o->gamma;
+        s.step_size = o->step_size;
+    } else if (strcmp(o->schedule, "cosine") == 0) {
+        s.kind = TDM_SCHED_COSINE;
+        s.warmup = o->warmup_steps;
+        s.total = o->epochs * t->steps_per_epoch;
+        if (s.warmup > s.total) {
+            progress_clear(&t->prog);
+            return usage_error("--warmup-steps %lld is more than the %lld steps of the run",
+                               (long long)s.warmup, (long long)s.total);
+        }
+    }
+    t->sched = s;
+    return 0;
+}
+
+static int make_model(trainer *t) {
+    tdm_rng rng = tdm_rng_make((uint64_t)t->o.seed);
+    t->model = model_build(t->o.model, t->dev, &rng);
+    if (!t->model) return runtime_error(t, "model %s: %s", t->o.model, tdm_last_error());
+    t->ps = tdm_module_parameters(t->model);
+    if (!t->ps) return runtime_error(t, "model %s: %s", t->o.model, tdm_last_error());
+    return 0;
+}
+
+/* Buffers reused by every step and every chunk: nothing is allocated per step. */
+static int make_buffers(trainer *t) {
+    int64_t B = t->o.batch_size, chunk = SYNC_STEPS * B;
+    int64_t host = chunk > EVAL_BATCH ? chunk : EVAL_BATCH;
+    t->loss_buf = tdm_zeros(TDM_SHAPE(SYNC_STEPS), TDM_F32, t->dev);
+    t->pred_buf = tdm_zeros(TDM_SHAPE(chunk), TDM_I64, t->dev);
+    t->loss_host = malloc(sizeof(float) * SYNC_STEPS);
+    t->time_host = malloc(sizeof(double) * SYNC_STEPS);
+    t->lr_host = malloc(sizeof(double) * SYNC_STEPS);
+    t->size_host = malloc(sizeof(int64_t) * SYNC_STEPS);
+    t->pred_host = malloc(sizeof(int64_t) * (size_t)host);
+    t->label_host = malloc(sizeof(int64_t) * (size_t)host);
+    t->cap_step_loss = t->o.epochs * t->steps_per_epoch;
+    t->step_loss = malloc(sizeof(float) * (size_t)(t->cap_step_loss + 1));
+    t->hist = malloc(sizeof(epoch_stats) * (size_t)t->o.epochs);
+    if (!t->loss_buf || !t->pred_buf) return runtime_error(t, "step buffers: %s", tdm_last_error());
+    if (!t->loss_host || !t->time_host || !t->lr_host || !t->size_host || !t->pred_host ||
+        !t->label_host || !t->step_loss || !t->hist)
+        return runtime_error(t, "out of memory for step buffers");
+    return 0;
+}
+
+static int64_t count_correct(const int64_t *pred, const int64_t *label, int64_t n) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += pred[i] == label[i];
+    return c;
+}
+
+/* One optimizer step on batch b; records loss and predictions into the chunk buffers. */
+static int train_step(trainer *t, const tdm_batch *b) {
+    int k = t->chunk_steps;
+    int64_t off = t->chunk_images, n = b->size;
+    if (tdm_scope_begin() != TDM_OK) return runtime_error(t, "%s", tdm_last_error());
+    tdm_tensor *x = b->x, *y = b->y;
+    if (!tdm_device_equal(x->device, t->dev)) {
+        x = tdm_to_device(x, t->dev);
+        y = tdm_to_device(y, t->dev);
+    }
+    int rc = tdm_optim_zero_grad(t->opt);
+    /* x [n, 1, 28, 28] -> logits [n, 10] -> loss [] */
+    tdm_tensor *logits = rc ? NULL : tdm_module_forward(t->model, x);
+    tdm_tensor *loss = tdm_cross_entropy(logits, y, NULL);
+    rc = loss ? tdm_backward(loss) : -1;
+    if (!rc) rc = tdm_optim_step(t->opt);
+    if (!rc) {
+        /* bookkeeping outside autograd: argmax and two device-side copies */
+        bool prev = tdm_set_grad_enabled(false);
+        tdm_tensor *pred = NULL;
+        rc = tdm_max(logits, 1, false, &pred) ? 0 : -1;
+        if (!rc) rc = tdm_copy_(tdm_slice(t->pred_buf, 0, off, off + n, 1), pred);
+        if (!rc)
+            rc = tdm_copy_(tdm_slice(t->loss_buf, 0, k, k + 1, 1), tdm_reshape(loss, TDM_SHAPE(1)));
+        if (!rc) rc = tdm_to_host(b->y, t->label_host + off, sizeof(int64_t) * (size_t)n);
+        tdm_set_grad_enabled(prev);
+    }
+    tdm_scope_end();
+    if (rc) return runtime_error(t, "training step: %s", tdm_last_error());
+    return 0;
+}
+
+/* Reads the chunk's losses and predictions back, checks them, logs each step, and updates
+ * the epoch totals and the progress display. step: steps done in this epoch. */
+static int sync_chunk(trainer *t, int epoch, int64_t step) {
+    int k = t->chunk_steps;
+    if (k == 0) return 0;
+    int rc = tdm_scope_begin();
+    if (!rc) rc = tdm_to_host(tdm_slice(t->loss_buf, 0, 0, k, 1), t->loss_host, sizeof(float) * k);
+    if (!rc)
+        rc = tdm_to_host(tdm_slice(t->pred_buf, 0, 0, t->chunk_images, 1), t->pred_host,
+                         sizeof(int64_t) * (size_t)t->chunk_images);
+    tdm_scope_end();
+    if (rc) return runtime_error(t, "reading losses back: %s", tdm_last_error());
+    for (int i = 0; i < k; i++) {
+        int64_t s = step - k + i + 1;
+        double loss = t->loss_host[i];
+        if (!isfinite(loss))
+            return runtime_error(t,
+                                 "the loss is %s at epoch %d, step %lld (lr %g): training "
+                                 "diverged; try a lower --lr",
+                                 isnan(loss) ? "nan" : "infinite", epoch, (long long)s,
+                                 t->lr_host[i]);
+        double dt = t->time_host[i] - (i ? t->time_host[i - 1] : t->t_last);
+        log_step(&t->log, epoch, s, t->global_step - k + i + 1, loss, t->lr_host[i],
+                 dt > 0 ? (double)t->size_host[i] / dt : NAN);
+        t->loss_sum += loss * (double)t->size_host[i];
+        if (t->n_step_loss < t->cap_step_loss) t->step_loss[t->n_step_loss++] = (float)loss;
+    }
+    t->correct += count_correct(t->pred_host, t->label_host, t->chunk_images);
+    t->images += t->chunk_images;
+    t->t_last = t->time_host[k - 1];
+    t->chunk_steps = 0;
+    t->chunk_images = 0;
+    progress_update(&t->prog, step, t->loss_sum / (double)t->images, t->images, t->t_last);
+    return 0;
+}
+
+/* Whether to read back after this step: a full chunk, the end of the epoch, or a plain
+ * progress line due. */
+static bool sync_due(const trainer *t, int64_t step) {
+    if (t->chunk_steps == SYNC_STEPS || step >= t->steps_per_epoch) return true;
+    if (t->prog.tty || t->prog.quiet) return false;
+    int64_t every = t->o.print_every > 0 ? t->o.print_every : (t->steps_per_epoch + 9) / 10;
+    return every > 0 && step % every == 0;
+}
+
+static int train_epoch(trainer *t, int epoch, epoch_stats *e) {
+    if (tdm_loader_start_epoch(t->train_l, epoch - 1) != TDM_OK)
+        return runtime_error(t, "training loader: %s", tdm_last_error());
+    if (t->sched.kind == TDM_SCHED_STEP) tdm_sched_apply(&t->sched, t->opt, epoch - 1);
+    tdm_module_train(t->model, true);
+    double wait0 = tdm_loader_wait_seconds(t->train_l), t0 = progress_now();
+    t->loss_sum = 0;
+    t->correct = t->images = 0;
+    t->t_last = t0;
+    progress_epoch_begin(&t->prog, epoch, (int)t->o.epochs, t->steps_per_epoch, t0);
+    int64_t step = 0;
+    tdm_batch b;
+    for (;;) {
+        int r = tdm_loader_next(t->train_l, &b);
+        if (r < 0) return runtime_error(t, "loading a training batch: %s", tdm_last_error());
+        if (r == 0) break;
+        if (t->sched.kind == TDM_SCHED_COSINE) tdm_sched_apply(&t->sched, t->opt, t->global_step);
+        t->lr_host[t->chunk_steps] = tdm_optim_lr(t->opt);
+        t->size_host[t->chunk_steps] = b.size;
+        if (train_step(t, &b)) return EXIT_RUNTIME;
+        t->time_host[t->chunk_steps] = progress_now();
+        t->chunk_steps++;
+        t->chunk_images += b.size;
+        step++;
+        t->global_step++;
+        if (sync_due(t, step) && sync_chunk(t, epoch, step)) return EXIT_RUNTIME;
+    }
+    if (sync_chunk(t, epoch, step)) return EXIT_RUNTIME;
+    double secs = progress_now() - t0;
+    *e = (epoch_stats){.epoch = epoch,
+                       .train_loss = t->images ? t->loss_sum / (double)t->images : NAN,
+                       .train_acc = t->images ? (double)t->correct / (double)t->images : NAN,
+                       .seconds = secs,
+                       .img_s = secs > 0 ? (double)t->images / secs : NAN,
+                       .loader_wait_s = tdm_loader_wait_seconds(t->train_l) - wait0,
+                       .lr = tdm_optim_lr(t->opt)};
+    return 0;
+}
+
+/* Test loss and accuracy in eval mode, without autograd. */
+static int evaluate(trainer *t, epoch_stats *e) {
+    double t0 = progress_now();
+    if (tdm_loader_start_epoch(t->test_l, 0) != TDM_OK)
+        return runtime_error(t, "test loader: %s", tdm_last_error());
+    tdm_ce_opts sum = tdm_ce_defaults();
+    sum.reduction = TDM_REDUCE_SUM;
+    tdm_module_train(t->model, false);
+    bool prev = tdm_set_grad_enabled(false);
+    double loss_sum = 0;
+    int64_t correct = 0, n = 0;
+    int r, rc = 0;
+    tdm_batch b;
+    while (!rc && (r = tdm_loader_next(t->test_l, &b)) != 0) {
+        if (r < 0) {
+            rc = -1;
+            break;
+        }
+        if ((rc = tdm_scope_begin()) != TDM_OK) break;
+        tdm_tensor *x = b.x, *y = b.y, *pred = NULL;
+        if (!tdm_device_equal(x->device, t->dev)) {
+            x = tdm_to_device(x, t->dev);
+            y = tdm_to_device(y, t->dev);
+        }
+        tdm_tensor *logits = tdm_module_forward(t->model, x);
+        tdm_tensor *loss = tdm_cross_entropy(logits, y, &sum);
+        float l = tdm_item(loss);
+        if (!loss || !tdm_max(logits, 1, false, &pred) || isnan(l)) rc = -1;
+        size_t bytes = sizeof(int64_t) * (size_t)b.size;
+        if (!rc) rc = tdm_to_host(pred, t->pred_host, bytes);
+        if (!rc) rc = tdm_to_host(b.y, t->label_host, bytes);
+        tdm_scope_end();
+        loss_sum += l;
+        correct += count_correct(t->pred_host, t->label_host, b.size);
+        n += b.size;
+    }
+    tdm_set_grad_enabled(prev);
+    tdm_module_train(t->model, true);
+    if (rc) return runtime_error(t, "evaluation: %s", tdm_last_error());
+    e->test_loss = n ? loss_sum / (double)n : NAN;
+    e->test_acc = n ? (double)correct / (double)n : NAN;
+    e->eval_seconds = progress_now() - t0;
+    return 0;
+}
+
+/* Appends a JSON string (escaped) to buf. */
+static void json_str(char *buf, size_t cap, const char *key, const char *v, bool comma) {
+    size_t n = strlen(buf);
+    n += (size_t)snprintf(buf + n, cap - n, "\"%s\":\"", key);
+    for (; *v && n + 8 < cap; v++) {
+        unsigned char c = (unsigned char)*v;
+        if (c == '"' || c == '\\')
+            n += (size_t)snprintf(buf + n, cap - n, "\\%c", c);
+        else if (c < 0x20)
+            n += (size_t)snprintf(buf + n, cap - n, "\\u%04x", c);
+        else
+            buf[n++] = (char)c, buf[n] = '\0';
+    }
+    snprintf(buf + n, cap - n, "\"%s", comma ? "," : "");
+}
+
+static void write_config(trainer *t) {
+    const train_opts *o = &t->o;
+    char f[2048] = "";
+    json_str(f, sizeof f, "model", o->model, true);
+    json_str(f, sizeof f, "data", o->data, true);
+    json_str(f, sizeof f, "optimizer", o->optimizer, true);
+    json_str(f, sizeof f, "schedule", o->schedule, true);
+    json_str(f, sizeof f, "devices", o->devices, true);
+    size_t n = strlen(f);
+    snprintf(f + n, sizeof f - n,
+             "\"lr\":%g,\"momentum\":%g,\"weight_decay\":%g,\"epochs\":%lld,"
+             "\"batch_size\":%lld,\"steps_per_epoch\":%lld,\"train_samples\":%lld,"
+             "\"test_samples\":%lld,\"seed\":%lld,\"workers\":%lld,\"parameters\":%lld",
+             o->lr, o->momentum, o->weight_decay, (long long)o->epochs, (long long)o->batch_size,
+             (long long)t->steps_per_epoch, (long long)t->train_ds->n, (long long)t->test_ds->n,
+             (long long)o->seed, (long long)o->workers, (long long)t->ps->total);
+    log_config(&t->log, f);
+}
+
+static void describe_optimizer(const train_opts *o, char *buf, size_t cap) {
+    int n = snprintf(buf, cap, "%s lr %g", o->optimizer, o->lr);
+    if (strcmp(o->optimizer, "sgd") == 0 && o->momentum > 0)
+        n += snprintf(buf + n, cap - (size_t)n, " momentum %g", o->momentum);
+    if (o->weight_decay > 0)
+        n += snprintf(buf + n, cap - (size_t)n, " weight decay %g", o->weight_decay);
+    if (strcmp(o->schedule, "constant") != 0)
+        snprintf(buf + n, cap - (size_t)n, ", %s schedule", o->schedule);
+}
+
+static void banner(trainer *t) {
+    char opt[160], dev[16];
+    describe_optimizer(&t->o, opt, sizeof opt);
+    snprintf(t->title, sizeof t->title, "%s on %s: %s", t->o.model, t->o.data, opt);
+    if (t->o.quiet) return;
+    printf("model     %s, %lld parameters, on %s\n", t->o.model, (long long)t->ps->total,
+           tdm_device_str(t->dev, dev));
+    printf("data      %s: %lld train, %lld test samples; batch %lld, %lld steps per epoch, "
+           "%lld loader workers\n",
+           t->o.data, (long long)t->train_ds->n, (long long)t->test_ds->n,
+           (long long)t->o.batch_size, (long long)t->steps_per_epoch, (long long)t->o.workers);
+    printf("optimizer %s\n", opt);
+    fflush(stdout);
+}
+
+static void print_epoch(const trainer *t, const epoch_stats *e) {
+    printf("epoch %d/%lld  train loss %.4f acc %5.2f%%  test loss %.4f acc %5.2f%%  %.2f s  "
+           "%.0f img/s  loader wait %.2f s\n",
+           e->epoch, (long long)t->o.epochs, e->train_loss, 100 * e->train_acc, e->test_loss,
+           100 * e->test_acc, e->seconds, e->img_s, e->loader_wait_s);
+    fflush(stdout);
+}
+
+static int write_plot(trainer *t) {
+    if (!t->o.plot_path) return 0;
+    const epoch_stats *last = t->n_hist ? &t->hist[t->n_hist - 1] : NULL;
+    char dev[16];
+    snprintf(t->subtitle, sizeof t->subtitle,
+             "batch %lld, %lld train samples, seed %lld, %s%s%.2f%%", (long long)t->o.batch_size,
+             (long long)t->train_ds->n, (long long)t->o.seed, tdm_device_str(t->dev, dev),
+             last ? "; test accuracy " : "", last ? 100 * last->test_acc : 0.0);
+    if (!last) t->subtitle[strlen(t->subtitle) - 5] = '\0'; /* drop the number */
+    plot_data d = {t->title,           t->subtitle, t->step_loss, t->n_step_loss,
+                   t->steps_per_epoch, t->hist,     t->n_hist,    (int)t->o.epochs};
+    if (plot_write_svg(t->o.plot_path, &d) != 0)
+        return runtime_error(t, "cannot write plot '%s': %s", t->o.plot_path, strerror(errno));
+    return 0;
+}
+
+static int run(trainer *t) {
+    int rc;
+    if (t->o.log_path && log_open(&t->log, t->o.log_path) != 0)
+        return runtime_error(t, "cannot write log '%s': %s", t->o.log_path, strerror(errno));
+    if ((rc = load_data(t)) || (rc = make_loaders(t)) || (rc = make_model(t)) ||
+        (rc = make_optimizer(t)) || (rc = make_buffers(t)))
+        return rc;
+    banner(t);
+    write_config(t);
+    if ((rc = write_plot(t))) return rc; /* fail early on an unwritable path */
+    double t0 = progress_now();
+    for (int epoch = 1; epoch <= t->o.epochs; epoch++) {
+        epoch_stats *e = &t->hist[t->n_hist];
+        if ((rc = train_epoch(t, epoch, e)) || (rc = evaluate(t, e))) return rc;
+        t->n_hist++;
+        progress_clear(&t->prog);
+        print_epoch(t, e);
+        log_epoch(&t->log, e);
+        if ((rc = write_plot(t))) return rc;
+    }
+    if (!t->o.quiet) {
+        printf("done      %lld epochs in %.1f s, test accuracy %.2f%%\n", (long long)t->o.epochs,
+               progress_now() - t0, 100 * t->hist[t->n_hist - 1].test_acc);
+        if (t->o.log_path) printf("log       %s\n", t->o.log_path);
+        if (t->o.plot_path) printf("plot      %s\n", t->o.plot_path);
+    }
+    return 0;
+}
+
+static void trainer_free(trainer *t) {
+    tdm_loader_free(t->train_l);
+    tdm_loader_free(t->test_l);
+    tdm_dataset_free(t->train_ds);
+    tdm_dataset_free(t->test_ds);
+    tdm_optim_free(t->opt);
+    tdm_module_free(t->model);
+    tdm_tensor_free(t->loss_buf);
+    tdm_tensor_free(t->pred_buf);
+    free(t->loss_host);
+    free(t->time_host);
+    free(t->lr_host);
+    free(t->size_host);
+    free(t->pred_host);
+    free(t->label_host);
+    free(t->step_loss);
+    free(t->hist);
+}
+
+int train_main(int argc, char **argv) {
+    trainer t = {0};
+    int rc = parse_args(argc, argv, &t.o, &t.dev);
+    if (rc < 0) {
+        train_help(stdout);
+        return EXIT_OK;
+    }
+    if (rc) return rc;
+    progress_init(&t.prog, stdout, t.o.quiet, t.o.print_every);
+    rc = run(&t);
+    if (log_close(&t.log) != 0 && rc == 0)
+        rc = runtime_error(&t, "writing log '%s' failed", t.o.log_path);
+    trainer_free(&t);
+    return rc;
+}

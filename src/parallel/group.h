@@ -90,6 +90,15 @@ static inline void tdm_cpu_relax(void) {
 #endif
 }
 
+/* ---- rank threads (spawn.c) -------------------------------------------------------------- */
+
+/* Pins the calling thread to the core of rank `rank` of n, where the machine allows. */
+void tdm_pin_rank_thread(int rank, int n);
+/* Makes BLAS single-threaded while n device threads fill the cores; returns the previous
+ * thread count for tdm_blas_threads_restore. */
+int tdm_blas_threads_for_devices(int n);
+void tdm_blas_threads_restore(int prev);
+
 /* ---- the threads world: every rank a thread of this process ------------------------------- */
 
 typedef struct tdm_threads_world tdm_threads_world;

@@ -25,15 +25,18 @@ typedef struct {
     spawn_state *st;
 } rank_arg;
 
+static void pin_to(int cpu) {
+    if (cpu < 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    /* a container may forbid it: then the scheduler places the rank, which still works */
+    (void)pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
 static void *rank_main(void *p) {
     rank_arg *a = p;
-    if (a->cpu >= 0) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(a->cpu, &set);
-        /* a container may forbid it: then the scheduler places the rank, which still works */
-        (void)pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-    }
+    pin_to(a->cpu);
     int rc = a->fn(&a->ctx, a->arg);
     if (rc != 0) {
         char msg[900];
@@ -67,6 +70,22 @@ static int core_for_rank(int r, int n) {
     return -1;
 }
 
+void tdm_pin_rank_thread(int rank, int n) {
+    pin_to(core_for_rank(rank, n));
+}
+
+int tdm_blas_threads_for_devices(int n) {
+    int prev = openblas_get_num_threads();
+    /* devices that fill the cores each make their own BLAS calls: BLAS threads would only
+     * fight them for the same cores */
+    if (n >= tdm_device_count(TDM_CPU)) openblas_set_num_threads(1);
+    return prev;
+}
+
+void tdm_blas_threads_restore(int prev) {
+    openblas_set_num_threads(prev);
+}
+
 int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, void *arg),
               void *arg) {
     if (n < 1) return tdm_raise(TDM_ERR_ARG, "spawn: %d ranks (need at least 1)", n);
@@ -83,11 +102,7 @@ int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, voi
     }
     spawn_state st = {.first_rank = -1};
     pthread_mutex_init(&st.lock, NULL);
-    /* ranks that fill the cores each do their own BLAS calls: BLAS threads would only fight
-     * them for the same cores */
-    int cores = tdm_device_count(TDM_CPU);
-    int blas_threads = openblas_get_num_threads();
-    if (n >= cores) openblas_set_num_threads(1);
+    int blas_threads = tdm_blas_threads_for_devices(n);
     int started = 0, err = 0;
     for (int r = 0; r < n; r++) {
         args[r] = (rank_arg){
@@ -101,7 +116,7 @@ int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, voi
         tdm_group_abort(tdm_threads_world_group(w, started), "its thread could not start");
     }
     for (int r = 0; r < started; r++) pthread_join(threads[r], NULL);
-    if (n >= cores) openblas_set_num_threads(blas_threads);
+    tdm_blas_threads_restore(blas_threads);
     tdm_threads_world_free(w);
     free(args);
     free(threads);

@@ -1,0 +1,253 @@
+/* DataParallel: one persistent thread and replica per device, driven by the caller's single
+ * loop. A step hands each thread its rows of the batch; the threads run forward, loss and a
+ * DDP backward (bucketed all-reduces over the threads group) and step their own optimizer.
+ * Since every replica applies the same averaged gradient with the same arithmetic, replicas
+ * stay bit-identical and are never copied after the start. */
+#include "parallel/group.h"
+#include "autograd/tape.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_DEVICES 64
+
+typedef struct {
+    struct tdm_dp *dp;
+    int rank;
+    pthread_t thread;
+    tdm_module *replica;
+    tdm_optim *opt;
+    tdm_ddp *ddp;
+    float loss; /* this step's mean loss over the replica's rows */
+    int rc;
+    char err[512];
+} replica;
+
+struct tdm_dp {
+    int n;
+    tdm_device devices[MAX_DEVICES];
+    replica reps[MAX_DEVICES];
+    tdm_threads_world *world;
+    int blas_threads; /* restored at free */
+    tdm_module *model;
+    tdm_optim_factory make_optim;
+    void *optim_arg;
+    /* the step being run, published under mu with a new generation */
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    uint64_t generation;
+    int finished;
+    bool quit;
+    tdm_tensor *x, *y;
+    tdm_loss_fn loss_fn;
+    void *loss_arg;
+};
+
+/* ---- per-replica work --------------------------------------------------------------------- */
+
+static int replica_init(replica *r) {
+    tdm_dp *dp = r->dp;
+    tdm_group *g = tdm_threads_world_group(dp->world, r->rank);
+    if (!g) return tdm_last_status();
+    tdm_pin_rank_thread(r->rank, dp->n);
+    tdm_paramset *ps = tdm_module_parameters(r->replica);
+    r->opt = ps ? dp->make_optim(ps, dp->optim_arg) : NULL;
+    if (!r->opt) {
+        tdm_group_abort(g, tdm_last_error());
+        return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
+    }
+    r->ddp = tdm_ddp_new(r->replica, g, NULL);
+    return r->ddp ? TDM_OK : tdm_last_status();
+}
+
+/* Rows [lo, hi) of the batch for this rank: the first B % n ranks get one more row. */
+static void rows_of(int64_t b, int n, int rank, int64_t *lo, int64_t *hi) {
+    int64_t base = b / n, extra = b % n;
+    *lo = rank * base + (rank < extra ? rank : extra);
+    *hi = *lo + base + (rank < extra ? 1 : 0);
+}
+
+static int replica_step(replica *r) {
+    tdm_dp *dp = r->dp;
+    tdm_device dev = dp->devices[r->rank];
+    int64_t b = dp->x->shape[0], lo, hi;
+    rows_of(b, dp->n, r->rank, &lo, &hi);
+    tdm_scope_begin();
+    tdm_tensor *xs = tdm_to_device(tdm_slice(dp->x, 0, lo, hi, 1), dev);
+    tdm_tensor *ys = tdm_to_device(tdm_slice(dp->y, 0, lo, hi, 1), dev);
+    tdm_tensor *loss = dp->loss_fn(tdm_ddp_forward(r->ddp, xs), ys, dp->loss_arg);
+    /* DDP averages over n replicas; weighting each by its share of the batch makes the
+     * average the gradient of the whole batch's mean loss */
+    tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
+    int rc = tdm_optim_zero_grad(r->opt);
+    if (!rc) rc = scaled ? tdm_ddp_backward(r->ddp, scaled) : tdm_last_status();
+    if (!rc) rc = tdm_optim_step(r->opt);
+    r->loss = rc ? NAN : tdm_item(loss);
+    tdm_scope_end();
+    return rc;
+}
+
+static void *replica_main(void *arg) {
+    replica *r = arg;
+    tdm_dp *dp = r->dp;
+    uint64_t seen = 0;
+    int rc = replica_init(r);
+    for (;;) {
+        pthread_mutex_lock(&dp->mu);
+        r->rc = rc;
+        if (rc) snprintf(r->err, sizeof r->err, "%s", tdm_last_error());
+        dp->finished++;
+        pthread_cond_broadcast(&dp->done);
+        while (!dp->quit && dp->generation == seen) pthread_cond_wait(&dp->go, &dp->mu);
+        seen = dp->generation;
+        bool quit = dp->quit;
+        pthread_mutex_unlock(&dp->mu);
+        if (quit) break;
+        rc = r->rc ? r->rc : replica_step(r); /* a replica that failed to start stays failed */
+    }
+    tdm_ddp_free(r->ddp);
+    tdm_optim_free(r->opt);
+    tdm_thread_release(); /* the thread's arena and tape */
+    return NULL;
+}
+
+/* Waits until every replica has finished the current round; returns the first failure. */
+static int wait_round(tdm_dp *dp) {
+    pthread_mutex_lock(&dp->mu);
+    while (dp->finished < dp->n) pthread_cond_wait(&dp->done, &dp->mu);
+    int rc = TDM_OK;
+    for (int i = 0; i < dp->n && !rc; i++)
+        if (dp->reps[i].rc) {
+            rc = dp->reps[i].rc;
+            tdm_raise(rc, "data_parallel: device %d: %s", i, dp->reps[i].err);
+        }
+    pthread_mutex_unlock(&dp->mu);
+    return rc;
+}
+
+/* ---- the public API ----------------------------------------------------------------------- */
+
+static int check_devices(const tdm_module *model, const tdm_device *devices, int n) {
+    char a[16], b[16];
+    if (n < 1 || n > MAX_DEVICES)
+        return tdm_raise(TDM_ERR_ARG, "data_parallel: %d devices (1 to %d)", n, MAX_DEVICES);
+    if (!tdm_device_equal(model->device, devices[0]))
+        return tdm_raise(TDM_ERR_DEVICE, "data_parallel: the model is on %s, devices[0] is %s",
+                         tdm_device_str(model->device, a), tdm_device_str(devices[0], b));
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < i; j++)
+            if (tdm_device_equal(devices[i], devices[j]))
+                return tdm_raise(TDM_ERR_DEVICE, "data_parallel: device %s listed twice",
+                                 tdm_device_str(devices[i], a));
+    return TDM_OK;
+}
+
+tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
+                   tdm_optim_factory make_optim, void *optim_arg) {
+    if (!model || !devices || !make_optim)
+        return tdm_raise_null(TDM_ERR_ARG, "data_parallel: NULL model, devices or factory");
+    if (check_devices(model, devices, n)) return NULL;
+    tdm_dp *dp = calloc(1, sizeof *dp);
+    if (!dp) return tdm_raise_null(TDM_ERR_NOMEM, "data_parallel: out of memory");
+    dp->n = n;
+    memcpy(dp->devices, devices, sizeof *devices * (size_t)n);
+    dp->model = model;
+    dp->make_optim = make_optim;
+    dp->optim_arg = optim_arg;
+    pthread_mutex_init(&dp->mu, NULL);
+    pthread_cond_init(&dp->go, NULL);
+    pthread_cond_init(&dp->done, NULL);
+    if (!(dp->world = tdm_threads_world_new(n, devices))) {
+        free(dp);
+        return NULL;
+    }
+    dp->blas_threads = tdm_blas_threads_for_devices(n);
+    /* replicas are cloned here, before any thread flattens the model's parameters */
+    for (int r = 0; r < n; r++) {
+        dp->reps[r] = (replica){.dp = dp, .rank = r};
+        dp->reps[r].replica = r ? tdm_module_clone(model, devices[r]) : model;
+        if (!dp->reps[r].replica) {
+            dp->n = r; /* frees the clones made so far */
+            tdm_dp_free(dp);
+            return NULL;
+        }
+    }
+    int started = 0;
+    for (; started < n; started++) {
+        if (pthread_create(&dp->reps[started].thread, NULL, replica_main, &dp->reps[started]))
+            break;
+    }
+    if (started < n) { /* the started ones are stuck at their first collective: abort it */
+        tdm_group_abort(tdm_threads_world_group(dp->world, 0), "could not start a thread");
+        tdm_dp_free(dp);
+        return tdm_raise_null(TDM_ERR_NOMEM, "data_parallel: could not start %d threads", n);
+    }
+    if (wait_round(dp)) {
+        tdm_dp_free(dp);
+        return NULL;
+    }
+    return dp;
+}
+
+int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                void *loss_arg, float *loss) {
+    if (!dp || !x || !target || !loss_fn)
+        return tdm_raise(TDM_ERR_ARG, "data_parallel step: NULL argument");
+    char a[96], b[96];
+    if (x->ndim < 1 || target->ndim < 1 || x->shape[0] != target->shape[0])
+        return tdm_raise(TDM_ERR_SHAPE, "data_parallel step: input %s and target %s differ in "
+                         "batch size", tdm_shape_str(tdm_shape_of(x), a),
+                         tdm_shape_str(tdm_shape_of(target), b));
+    if (x->shape[0] < dp->n)
+        return tdm_raise(TDM_ERR_SHAPE, "data_parallel step: a batch of %lld rows cannot be "
+                         "split over %d devices", (long long)x->shape[0], dp->n);
+    pthread_mutex_lock(&dp->mu);
+    dp->x = x, dp->y = target, dp->loss_fn = loss_fn, dp->loss_arg = loss_arg;
+    dp->finished = 0;
+    dp->generation++;
+    pthread_cond_broadcast(&dp->go);
+    pthread_mutex_unlock(&dp->mu);
+    int rc = wait_round(dp);
+    if (loss) {
+        double sum = 0;
+        int64_t lo, hi;
+        for (int i = 0; i < dp->n; i++) {
+            rows_of(x->shape[0], dp->n, i, &lo, &hi);
+            sum += (double)dp->reps[i].loss * (double)(hi - lo);
+        }
+        *loss = rc ? NAN : (float)(sum / (double)x->shape[0]);
+    }
+    return rc;
+}
+
+tdm_module *tdm_dp_replica(tdm_dp *dp, int r) {
+    return dp && r >= 0 && r < dp->n ? dp->reps[r].replica : NULL;
+}
+
+tdm_optim *tdm_dp_optim(tdm_dp *dp, int r) {
+    return dp && r >= 0 && r < dp->n ? dp->reps[r].opt : NULL;
+}
+
+int tdm_dp_devices(const tdm_dp *dp) {
+    return dp ? dp->n : 0;
+}
+
+void tdm_dp_free(tdm_dp *dp) {
+    if (!dp) return;
+    pthread_mutex_lock(&dp->mu);
+    dp->quit = true;
+    pthread_cond_broadcast(&dp->go);
+    pthread_mutex_unlock(&dp->mu);
+    for (int i = 0; i < dp->n; i++)
+        if (dp->reps[i].thread) pthread_join(dp->reps[i].thread, NULL);
+    for (int i = 1; i < dp->n; i++) tdm_module_free(dp->reps[i].replica);
+    tdm_threads_world_free(dp->world);
+    tdm_blas_threads_restore(dp->blas_threads);
+    pthread_cond_destroy(&dp->go);
+    pthread_cond_destroy(&dp->done);
+    pthread_mutex_destroy(&dp->mu);
+    free(dp);
+}

@@ -134,8 +134,9 @@ static void test_usage_errors(void) {
     expect_usage("--momentum", (const char *const[]){t, "train", "--optimizer", "adam",
                                                      "--momentum", "0.5", NULL});
     expect_usage("--log", (const char *const[]){t, "train", "--log", "--quiet", NULL});
-    expect_usage("multi-device",
-                 (const char *const[]){t, "train", "--devices", "cpu:0,cpu:1", NULL});
+    expect_usage("cpu:0", (const char *const[]){t, "train", "--devices", "cpu:0,cpu:0", NULL});
+    expect_usage("smaller than the 3 devices",
+                 (const char *const[]){t, "train", "--devices", "3", "--batch-size", "2", NULL});
     expect_usage("gpu:0", (const char *const[]){t, "train", "--devices", "gpu:0", NULL});
     expect_usage("stray", (const char *const[]){t, "train", "stray", NULL});
     expect_usage("frobnicate", (const char *const[]){t, "frobnicate", NULL});
@@ -253,6 +254,27 @@ static void test_cnn_run(void) {
     result_free(&r);
 }
 
+/* The train loss printed after an epoch, or NAN. */
+static double epoch_train_loss(const char *out) {
+    const char *p = strstr(out, "train loss ");
+    return p ? strtod(p + strlen("train loss "), NULL) : NAN;
+}
+
+/* Data parallelism over 3 CPU devices (the batch of 64 splits 22/21/21) learns what one
+ * device learns: the same printed train loss, and per-device throughput is reported. */
+static void test_devices_run(void) {
+    result one = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet");
+    result three = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet", "--devices",
+                          "cpu:0,cpu:1,cpu:2");
+    CHECK(one.status == 0 && three.status == 0, "device runs: exit %d and %d: %s", one.status,
+          three.status, three.err);
+    double l1 = epoch_train_loss(one.out), l3 = epoch_train_loss(three.out);
+    CHECK(fabs(l1 - l3) <= 2e-4, "train loss on 1 device %.4f, on 3 devices %.4f", l1, l3);
+    CHECK(strstr(three.out, "per device"), "3-device output: %s", three.out);
+    result_free(&one);
+    result_free(&three);
+}
+
 static void test_schedules(void) {
     char log[300];
     snprintf(log, sizeof log, "%s/cos.jsonl", tmpdir);
@@ -298,6 +320,7 @@ int main(int argc, char **argv) {
     test_runtime_errors();
     test_mlp_run();
     test_cnn_run();
+    test_devices_run();
     test_schedules();
     if (argc > 2) test_tutorial(argv[2]);
     char cmd[320];

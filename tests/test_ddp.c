@@ -199,7 +199,7 @@ static void test_ddp_errors(void) {
 
 /* ---- DataParallel ------------------------------------------------------------------------- */
 
-static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, void *arg) {
+static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
     return tdm_cross_entropy(out, target, NULL);
 }
 

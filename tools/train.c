@@ -26,6 +26,7 @@
 
 #define SYNC_STEPS 16
 #define EVAL_BATCH 1000
+#define MAX_DEVICES 64
 
 /* ---- options ------------------------------------------------------------------------------ */
 
@@ -34,6 +35,8 @@ typedef struct {
     int64_t epochs, batch_size, workers, limit, warmup_steps, step_size, print_every, seed;
     double lr, momentum, weight_decay, gamma; /* lr, momentum: NAN until set (optimizer default) */
     bool quiet;
+    tdm_device devs[MAX_DEVICES]; /* parsed from devices */
+    int n_devs;
 } train_opts;
 
 typedef enum { OPT_STR, OPT_INT, OPT_NUM, OPT_FLAG } opt_kind;
@@ -90,8 +93,10 @@ static const opt_spec specs[] = {
      "DataLoader worker threads building batches ahead of the training loop; 0 builds them "
      "on the training thread."},
     {"--devices", "LIST", OPT_STR, F(devices), 0, 0, "cpu:0",
-     "Comma-separated devices to train on. One CPU device for now; several devices arrive "
-     "with data-parallel training."},
+     "Devices to train on: a list (cpu:0,cpu:1), cpu:all (one device per core) or a count "
+     "(2 means cpu:0,cpu:1). With several devices the model is replicated, each device "
+     "trains on its share of every global batch, and gradients are averaged before one "
+     "update (data parallelism), so results match one device."},
     {"--limit", "N", OPT_INT, F(limit), 1, 1e12, "all",
      "Use only the first N training samples and the first N/6 test samples (at least 1): "
      "for quick runs and tests."},
@@ -244,7 +249,7 @@ static bool one_of(const char *v, const char *const *choices) {
 }
 
 /* Checks choices and combinations once every option is known. */
-static int check_opts(train_opts *o, tdm_device *dev) {
+static int check_opts(train_opts *o) {
     static const char *const optimizers[] = {"sgd", "adam", "adamw", NULL};
     static const char *const schedules[] = {"constant", "step", "cosine", NULL};
     if (!one_of(o->model, model_names))
@@ -264,29 +269,17 @@ static int check_opts(train_opts *o, tdm_device *dev) {
     if (isnan(o->momentum)) o->momentum = sgd ? 0.9 : 0;
     if (o->warmup_steps > 0 && strcmp(o->schedule, "cosine") != 0)
         return usage_error("--warmup-steps needs --schedule cosine");
-    /* devices: a comma-separated list, each parsed by the library */
-    char list[256];
-    if (strlen(o->devices) >= sizeof list)
-        return usage_error("--devices: list too long: '%s'", o->devices);
-    snprintf(list, sizeof list, "%s", o->devices);
-    int n = 0;
-    for (char *save = NULL, *tok = strtok_r(list, ",", &save); tok;
-         tok = strtok_r(NULL, ",", &save), n++) {
-        if (tdm_device_parse(tok, dev) != TDM_OK)
-            return usage_error("--devices: %s", tdm_last_error());
-        if (dev->type != TDM_CPU)
-            return usage_error("--devices: %s: this build has no CUDA backend", tok);
-    }
-    if (n == 0) return usage_error("--devices: no device in '%s'", o->devices);
-    if (n > 1)
-        return usage_error("--devices %s: multi-device training arrives with the data-parallel "
-                           "issue; give one device",
-                           o->devices);
+    o->n_devs = tdm_devices_parse(o->devices, o->devs, MAX_DEVICES);
+    if (o->n_devs < 0) return usage_error("--devices: %s", tdm_last_error());
+    if (o->n_devs == 0) return usage_error("--devices: no device in '%s'", o->devices);
+    if (o->batch_size < o->n_devs)
+        return usage_error("--batch-size %lld is smaller than the %d devices sharing it",
+                           (long long)o->batch_size, o->n_devs);
     return 0;
 }
 
 /* Fills o from argv (argv[0] is "train"). Returns 0, EXIT_USAGE, or -1 for --help. */
-static int parse_args(int argc, char **argv, train_opts *o, tdm_device *dev) {
+static int parse_args(int argc, char **argv, train_opts *o) {
     *o = opts_defaults();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -307,7 +300,7 @@ static int parse_args(int argc, char **argv, train_opts *o, tdm_device *dev) {
         int rc = parse_value(s, v, o);
         if (rc) return rc;
     }
-    return check_opts(o, dev);
+    return check_opts(o);
 }
 
 /* ---- the trainer ---------------------------------------------------------------------------- */
@@ -319,7 +312,8 @@ typedef struct {
     tdm_loader *train_l, *test_l;
     tdm_module *model;
     tdm_paramset *ps;
-    tdm_optim *opt;
+    tdm_optim *opt; /* with several devices: replica 0's (the others follow it) */
+    tdm_dp *dp;     /* several devices: the replicas and their threads */
     tdm_sched sched;
     run_log log;
     progress prog;
@@ -405,19 +399,30 @@ static int make_loaders(trainer *t) {
     return 0;
 }
 
-static int make_optimizer(trainer *t) {
-    const train_opts *o = &t->o;
+/* The optimizer the options ask for, over ps (a tdm_optim_factory: one per replica). */
+static tdm_optim *build_optimizer(tdm_paramset *ps, void *arg) {
+    const train_opts *o = arg;
     if (strcmp(o->optimizer, "sgd") == 0) {
         tdm_sgd_opts so = tdm_sgd_defaults((float)o->lr);
         so.momentum = (float)o->momentum;
         so.weight_decay = (float)o->weight_decay;
-        t->opt = tdm_sgd_new(t->ps, &so);
+        return tdm_sgd_new(ps, &so);
+    }
+    bool w = strcmp(o->optimizer, "adamw") == 0;
+    tdm_adam_opts ao = w ? tdm_adamw_defaults() : tdm_adam_defaults();
+    ao.lr = (float)o->lr;
+    ao.weight_decay = (float)o->weight_decay;
+    return w ? tdm_adamw_new(ps, &ao) : tdm_adam_new(ps, &ao);
+}
+
+static int make_optimizer(trainer *t) {
+    const train_opts *o = &t->o;
+    if (o->n_devs > 1) {
+        t->dp = tdm_dp_new(t->model, o->devs, o->n_devs, build_optimizer, &t->o);
+        if (!t->dp) return runtime_error(t, "data parallel: %s", tdm_last_error());
+        t->opt = tdm_dp_optim(t->dp, 0);
     } else {
-        bool w = strcmp(o->optimizer, "adamw") == 0;
-        tdm_adam_opts ao = w ? tdm_adamw_defaults() : tdm_adam_defaults();
-        ao.lr = (float)o->lr;
-        ao.weight_decay = (float)o->weight_decay;
-        t->opt = w ? tdm_adamw_new(t->ps, &ao) : tdm_adam_new(t->ps, &ao);
+        t->opt = build_optimizer(t->ps, &t->o);
     }
     if (!t->opt) return runtime_error(t, "optimizer: %s", tdm_last_error());
     tdm_sched s = {.kind = TDM_SCHED_CONSTANT, .base_lr = (float)o->lr};
@@ -476,8 +481,40 @@ static int64_t count_correct(const int64_t *pred, const int64_t *label, int64_t 
     return c;
 }
 
+/* The schedule's learning rate at t on every replica's optimizer. */
+static void apply_lr(trainer *t, int64_t at) {
+    for (int r = 0; r < (t->dp ? tdm_dp_devices(t->dp) : 1); r++)
+        tdm_sched_apply(&t->sched, t->dp ? tdm_dp_optim(t->dp, r) : t->opt, at);
+}
+
+/* A replica's loss (tdm_loss_fn); its predictions go straight to the host chunk buffer at
+ * the replica's rows. */
+static tdm_tensor *replica_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    trainer *t = arg;
+    tdm_tensor *loss = tdm_cross_entropy(out, target, NULL), *pred = NULL;
+    bool prev = tdm_set_grad_enabled(false);
+    int rc = loss && tdm_max(out, 1, false, &pred) ? 0 : -1;
+    if (!rc)
+        rc = tdm_to_host(pred, t->pred_host + t->chunk_images + row0,
+                         sizeof(int64_t) * (size_t)out->shape[0]);
+    tdm_set_grad_enabled(prev);
+    return rc ? NULL : loss;
+}
+
+/* A data-parallel step: the replicas record losses and predictions on the host. */
+static int train_step_dp(trainer *t, const tdm_batch *b) {
+    float loss = NAN;
+    int rc = tdm_dp_step(t->dp, b->x, b->y, replica_loss, t, &loss);
+    if (!rc)
+        rc = tdm_to_host(b->y, t->label_host + t->chunk_images, sizeof(int64_t) * (size_t)b->size);
+    if (rc) return runtime_error(t, "training step: %s", tdm_last_error());
+    t->loss_host[t->chunk_steps] = loss;
+    return 0;
+}
+
 /* One optimizer step on batch b; records loss and predictions into the chunk buffers. */
 static int train_step(trainer *t, const tdm_batch *b) {
+    if (t->dp) return train_step_dp(t, b);
     int k = t->chunk_steps;
     int64_t off = t->chunk_images, n = b->size;
     if (tdm_scope_begin() != TDM_OK) return runtime_error(t, "%s", tdm_last_error());
@@ -513,12 +550,13 @@ static int train_step(trainer *t, const tdm_batch *b) {
 static int sync_chunk(trainer *t, int epoch, int64_t step) {
     int k = t->chunk_steps;
     if (k == 0) return 0;
-    int rc = tdm_scope_begin();
-    if (!rc) rc = tdm_to_host(tdm_slice(t->loss_buf, 0, 0, k, 1), t->loss_host, sizeof(float) * k);
-    if (!rc)
+    int rc = t->dp ? TDM_OK : tdm_scope_begin(); /* data parallel: already on the host */
+    if (!rc && !t->dp)
+        rc = tdm_to_host(tdm_slice(t->loss_buf, 0, 0, k, 1), t->loss_host, sizeof(float) * k);
+    if (!rc && !t->dp)
         rc = tdm_to_host(tdm_slice(t->pred_buf, 0, 0, t->chunk_images, 1), t->pred_host,
                          sizeof(int64_t) * (size_t)t->chunk_images);
-    tdm_scope_end();
+    if (!t->dp) tdm_scope_end();
     if (rc) return runtime_error(t, "reading losses back: %s", tdm_last_error());
     for (int i = 0; i < k; i++) {
         int64_t s = step - k + i + 1;
@@ -556,7 +594,7 @@ static bool sync_due(const trainer *t, int64_t step) {
 static int train_epoch(trainer *t, int epoch, epoch_stats *e) {
     if (tdm_loader_start_epoch(t->train_l, epoch - 1) != TDM_OK)
         return runtime_error(t, "training loader: %s", tdm_last_error());
-    if (t->sched.kind == TDM_SCHED_STEP) tdm_sched_apply(&t->sched, t->opt, epoch - 1);
+    if (t->sched.kind == TDM_SCHED_STEP) apply_lr(t, epoch - 1);
     tdm_module_train(t->model, true);
     double wait0 = tdm_loader_wait_seconds(t->train_l), t0 = progress_now();
     t->loss_sum = 0;
@@ -569,7 +607,7 @@ static int train_epoch(trainer *t, int epoch, epoch_stats *e) {
         int r = tdm_loader_next(t->train_l, &b);
         if (r < 0) return runtime_error(t, "loading a training batch: %s", tdm_last_error());
         if (r == 0) break;
-        if (t->sched.kind == TDM_SCHED_COSINE) tdm_sched_apply(&t->sched, t->opt, t->global_step);
+        if (t->sched.kind == TDM_SCHED_COSINE) apply_lr(t, t->global_step);
         t->lr_host[t->chunk_steps] = tdm_optim_lr(t->opt);
         t->size_host[t->chunk_steps] = b.size;
         if (train_step(t, &b)) return EXIT_RUNTIME;
@@ -687,8 +725,12 @@ static void banner(trainer *t) {
     describe_optimizer(&t->o, opt, sizeof opt);
     snprintf(t->title, sizeof t->title, "%s on %s: %s", t->o.model, t->o.data, opt);
     if (t->o.quiet) return;
-    printf("model     %s, %lld parameters, on %s\n", t->o.model, (long long)t->ps->total,
+    printf("model     %s, %lld parameters, on %s", t->o.model, (long long)t->ps->total,
            tdm_device_str(t->dev, dev));
+    for (int i = 1; i < t->o.n_devs; i++) printf(",%s", tdm_device_str(t->o.devs[i], dev));
+    if (t->o.n_devs > 1) printf(" (data parallel, %lld samples per device per step)",
+                                (long long)(t->o.batch_size / t->o.n_devs));
+    printf("\n");
     printf("data      %s: %lld train, %lld test samples; batch %lld, %lld steps per epoch, "
            "%lld loader workers\n",
            t->o.data, (long long)t->train_ds->n, (long long)t->test_ds->n,
@@ -699,19 +741,20 @@ static void banner(trainer *t) {
 
 static void print_epoch(const trainer *t, const epoch_stats *e) {
     printf("epoch %d/%lld  train loss %.4f acc %5.2f%%  test loss %.4f acc %5.2f%%  %.2f s  "
-           "%.0f img/s  loader wait %.2f s\n",
+           "%.0f img/s  loader wait %.2f s",
            e->epoch, (long long)t->o.epochs, e->train_loss, 100 * e->train_acc, e->test_loss,
            100 * e->test_acc, e->seconds, e->img_s, e->loader_wait_s);
+    if (t->o.n_devs > 1) printf("  (%.0f img/s per device)", e->img_s / t->o.n_devs);
+    printf("\n");
     fflush(stdout);
 }
 
 static int write_plot(trainer *t) {
     if (!t->o.plot_path) return 0;
     const epoch_stats *last = t->n_hist ? &t->hist[t->n_hist - 1] : NULL;
-    char dev[16];
     snprintf(t->subtitle, sizeof t->subtitle,
              "batch %lld, %lld train samples, seed %lld, %s%s%.2f%%", (long long)t->o.batch_size,
-             (long long)t->train_ds->n, (long long)t->o.seed, tdm_device_str(t->dev, dev),
+             (long long)t->train_ds->n, (long long)t->o.seed, t->o.devices,
              last ? "; test accuracy " : "", last ? 100 * last->test_acc : 0.0);
     if (!last) t->subtitle[strlen(t->subtitle) - 5] = '\0'; /* drop the number */
     plot_data d = {t->title,           t->subtitle, t->step_loss, t->n_step_loss,
@@ -755,7 +798,8 @@ static void trainer_free(trainer *t) {
     tdm_loader_free(t->test_l);
     tdm_dataset_free(t->train_ds);
     tdm_dataset_free(t->test_ds);
-    tdm_optim_free(t->opt);
+    if (t->dp) tdm_dp_free(t->dp); /* frees every replica's optimizer */
+    else tdm_optim_free(t->opt);
     tdm_module_free(t->model);
     tdm_tensor_free(t->loss_buf);
     tdm_tensor_free(t->pred_buf);
@@ -771,7 +815,8 @@ static void trainer_free(trainer *t) {
 
 int train_main(int argc, char **argv) {
     trainer t = {0};
-    int rc = parse_args(argc, argv, &t.o, &t.dev);
+    int rc = parse_args(argc, argv, &t.o);
+    t.dev = t.o.devs[0];
     if (rc < 0) {
         train_help(stdout);
         return EXIT_OK;

@@ -110,8 +110,11 @@ void tdm_ddp_free(tdm_ddp *d);
  * without being copied again. */
 typedef struct tdm_dp tdm_dp;
 
-/* The loss of one replica's slice: the MEAN over its rows of out [b, ...] against target. */
-typedef tdm_tensor *(*tdm_loss_fn)(tdm_tensor *out, tdm_tensor *target, void *arg);
+/* The loss of one replica's slice: the MEAN over its rows of out [b, ...] against target,
+ * which are rows [row0, row0 + b) of the global batch. Called from the replicas' threads at
+ * once (write only to disjoint rows of shared memory), e.g. to record predictions. */
+typedef tdm_tensor *(*tdm_loss_fn)(tdm_tensor *out, tdm_tensor *target, int64_t row0,
+                                   void *arg);
 /* Builds a replica's optimizer over its parameters (called once per device). */
 typedef tdm_optim *(*tdm_optim_factory)(tdm_paramset *ps, void *arg);
 

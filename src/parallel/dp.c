@@ -78,7 +78,7 @@ static int replica_step(replica *r) {
     tdm_scope_begin();
     tdm_tensor *xs = tdm_to_device(tdm_slice(dp->x, 0, lo, hi, 1), dev);
     tdm_tensor *ys = tdm_to_device(tdm_slice(dp->y, 0, lo, hi, 1), dev);
-    tdm_tensor *loss = dp->loss_fn(tdm_ddp_forward(r->ddp, xs), ys, dp->loss_arg);
+    tdm_tensor *loss = dp->loss_fn(tdm_ddp_forward(r->ddp, xs), ys, lo, dp->loss_arg);
     /* DDP averages over n replicas; weighting each by its share of the batch makes the
      * average the gradient of the whole batch's mean loss */
     tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));

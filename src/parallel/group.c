@@ -8,9 +8,8 @@
 #include <string.h>
 
 #define DEFAULT_TIMEOUT_S 60.0
-/* Rounds a waiter spins before sleeping: short collectives finish within a few
- * microseconds, and a futex sleep/wake costs more than that on a VM. */
-#define WAIT_SPINS 2000
+/* Rounds a waiter spins before sleeping (0: see SPINS in threads_group.c). */
+#define WAIT_SPINS 0
 
 const char *tdm_coll_name(tdm_coll_kind k) {
     switch (k) {

@@ -27,8 +27,11 @@
 #include <string.h>
 #include <time.h>
 
-/* spin rounds (~65 cycles each) before a barrier or an idle worker sleeps */
-#define SPINS 4000
+/* Spin rounds (~65 cycles each) before a barrier or an idle worker sleeps. 0: spinning
+ * threads that share a core with a pinned device thread stalled DataParallel steps for whole
+ * 4 ms scheduler ticks on the 2-core VM (median step 4 ms vs 70 us without), while a condvar
+ * round trip costs ~6 us there. */
+#define SPINS 0
 /* floats per reduction block: the accumulator (8 KiB) stays in L1 */
 #define RED_BLK 2048
 /* bytes per copy block: the source block stays in L2 while it goes to every rank */

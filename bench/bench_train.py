@@ -8,7 +8,8 @@ Runs (batch 64 everywhere):
   mlp  SGD lr 0.01 momentum 0.9, 3 epochs
   cnn  Adam lr 1e-3, 2 epochs
 each as
-  tandem       `tandem train`, OPENBLAS_NUM_THREADS=1, 2 loader workers (the default)
+  tandem-1d    `tandem train` on one device (cpu:0), OPENBLAS_NUM_THREADS=1, 2 loader workers
+  tandem-2d    the same on two devices (--devices cpu:0,cpu:1): data parallel, one core each
   torch-1t     bench/torch_fmnist.py, 1 torch thread, OpenBLAS 1 thread
   torch-2t     bench/torch_fmnist.py, 2 torch threads, OpenBLAS 1 thread
 and prints every epoch's training time and accuracy, then a summary with the ratio of
@@ -44,12 +45,12 @@ CONFIGS = [
 ]
 
 
-def run_tandem(c):
+def run_tandem(c, devices):
     with tempfile.TemporaryDirectory() as d:
         log = os.path.join(d, "log.jsonl")
         cmd = [args.tandem, "train", "--model", c["model"], "--optimizer", c["optimizer"],
                "--lr", str(c["lr"]), "--epochs", str(c["epochs"]), "--batch-size", "64",
-               "--log", log, "--quiet"]
+               "--log", log, "--quiet", "--devices", devices]
         if c["momentum"] is not None:
             cmd += ["--momentum", str(c["momentum"])]
         if args.limit:
@@ -59,8 +60,9 @@ def run_tandem(c):
         if p.returncode != 0:
             sys.exit(f"tandem failed ({p.returncode}): {p.stderr.strip()}")
         epochs = [json.loads(line) for line in open(log) if '"type":"epoch"' in line]
+    name = f"tandem-{len(devices.split(','))}d"
     for e in epochs:
-        print(f"  tandem   {c['model']} epoch {e['epoch']}: {e['seconds']:.2f} s  "
+        print(f"  {name} {c['model']} epoch {e['epoch']}: {e['seconds']:.2f} s  "
               f"{e['img_s']:.0f} img/s  train loss {e['train_loss']:.4f}  "
               f"test acc {e['test_acc']:.4f}  loader wait {e['loader_wait_s']:.2f} s", flush=True)
     return epochs
@@ -97,15 +99,20 @@ for c in CONFIGS:
         f" momentum {c['momentum']}" if c["momentum"] is not None else "") + \
         f", batch 64, {c['epochs']} epochs"
     print(desc, flush=True)
-    runs = {"tandem": run_tandem(c)}
+    runs = {"tandem-1d": run_tandem(c, "cpu:0"), "tandem-2d": run_tandem(c, "cpu:0,cpu:1")}
     if not args.no_torch:
         runs["torch-1t"] = run_torch(c, 1)
         runs["torch-2t"] = run_torch(c, 2)
     for name, ep in runs.items():
         rows.append((c["model"], name, mean_time(ep), min(e["seconds"] for e in ep),
-                     ep[-1]["test_acc"], mean_time(runs["tandem"]) / 1.0))
+                     ep[-1]["test_acc"]))
 
-print("\nsummary (epoch seconds: mean and best; ratio = this run's mean / tandem's mean)")
-print(f"{'model':5} {'run':9} {'mean s':>7} {'best s':>7} {'test acc':>8} {'ratio':>6}")
-for model, name, mean, best, acc, tandem_mean in rows:
-    print(f"{model:5} {name:9} {mean:7.2f} {best:7.2f} {acc:8.4f} {mean / tandem_mean:6.2f}")
+print("\nsummary (epoch seconds, training steps only: mean and best; speedup = the fastest "
+      "PyTorch run's mean / this run's mean)")
+print(f"{'model':5} {'run':9} {'mean s':>7} {'best s':>7} {'test acc':>8} {'speedup':>7}")
+for model in dict.fromkeys(r[0] for r in rows):
+    torch_means = [r[2] for r in rows if r[0] == model and r[1].startswith("torch")]
+    ref = min(torch_means) if torch_means else float("nan")
+    for m, name, mean, best, acc in rows:
+        if m == model:
+            print(f"{m:5} {name:9} {mean:7.2f} {best:7.2f} {acc:8.4f} {ref / mean:7.2f}")

@@ -8,5 +8,6 @@
 #include "optim.h"
 #include "data.h"
 #include "parallel.h"
+#include "trace.h"
 
 #endif

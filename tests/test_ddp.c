@@ -1,19 +1,24 @@
 /* DDP and DataParallel: N replicas on N CPU devices end with the parameters of one device
  * trained on the same global batches (uneven splits, several bucket sizes, gradient
  * accumulation without sync), stay identical to each other, and fail clearly when the
- * replicas differ or a parameter gets no gradient.
+ * replicas differ or a parameter gets no gradient. With batch norm and dropout under the
+ * parallel context (DataParallel sets it), replicas match one device too, running statistics
+ * included: synchronised batch norm is checked against one device's on the concatenated
+ * batch, and dropout against one device's masks for the same global rows.
  *
  * Tolerance: the replicas sum their slices' gradients in another order than one device
  * summing the whole batch, so results differ by float32 rounding, amplified a little by a
- * few optimizer steps: 1e-5 absolute + 1e-4 relative on parameters of order 0.1-1. */
+ * few optimizer steps: 1e-5 absolute + 1e-4 relative on parameters of order 0.1-1. The same
+ * tolerance holds with batch norm (its statistics are summed per rank, then over ranks) and
+ * running statistics: the observed error is well under 1% of it. */
 #include "check.h"
 
 #include <stdlib.h>
 
-#define B 10     /* global batch: not divisible by 3 or 4 */
-#define IN 6
-#define HID 8
-#define OUT 3
+#define B     10 /* global batch: not divisible by 3 or 4 */
+#define IN    6
+#define HID   8
+#define OUT   3
 #define STEPS 3
 
 static tdm_module *make_mlp(uint64_t seed, int64_t hidden) {
@@ -76,8 +81,8 @@ static int compare(const float *got, const float *want, int64_t n, const char *w
     for (int64_t i = 0; i < n; i++)
         if (!(fabsf(got[i] - want[i]) <= 1e-5f + 1e-4f * fabsf(want[i]))) {
             if (bad++ < 3)
-                fprintf(stderr, "%s: parameter %lld = %.8g, one device %.8g\n", what,
-                        (long long)i, got[i], want[i]);
+                fprintf(stderr, "%s: parameter %lld = %.8g, one device %.8g\n", what, (long long)i,
+                        got[i], want[i]);
         }
     return bad;
 }
@@ -86,11 +91,11 @@ static int compare(const float *got, const float *want, int64_t n, const char *w
 
 typedef struct {
     tdm_optim_factory make;
-    int accumulate;       /* micro-batches per step, the first ones without sync */
-    int64_t bucket_cap;   /* bytes */
+    int accumulate;     /* micro-batches per step, the first ones without sync */
+    int64_t bucket_cap; /* bytes */
     const float *want;
-    int bad[8];           /* per rank: parameters off the reference */
-    float *params[8];     /* per rank: final parameters */
+    int bad[8];       /* per rank: parameters off the reference */
+    float *params[8]; /* per rank: final parameters */
     int64_t total;
 } ddp_case;
 
@@ -114,7 +119,8 @@ static int ddp_rank(tdm_rank_ctx *ctx, void *arg) {
             batch_of(s * 10 + a, x, y);
             tdm_ddp_set_sync(d, a == c->accumulate - 1);
             tdm_scope_begin();
-            tdm_tensor *xs = tdm_from_data(TDM_SHAPE(hi - lo, IN), TDM_F32, tdm_cpu(0), x + lo * IN);
+            tdm_tensor *xs =
+                tdm_from_data(TDM_SHAPE(hi - lo, IN), TDM_F32, tdm_cpu(0), x + lo * IN);
             tdm_tensor *ys = tdm_from_data(TDM_SHAPE(hi - lo), TDM_I64, tdm_cpu(0), y + lo);
             tdm_tensor *l = tdm_cross_entropy(tdm_ddp_forward(d, xs), ys, NULL);
             float w = (float)((double)(hi - lo) * n / B / c->accumulate);
@@ -134,9 +140,15 @@ static int ddp_rank(tdm_rank_ctx *ctx, void *arg) {
 }
 
 static void test_ddp_equivalence(void) {
-    struct { tdm_optim_factory make; const char *name; int acc; int64_t cap; } cases[] = {
-        {make_sgd, "sgd", 1, 25 << 20}, {make_adam, "adam", 1, 25 << 20},
-        {make_sgd, "sgd, 64-byte buckets", 1, 64}, {make_sgd, "sgd, no_sync x2", 2, 25 << 20}};
+    struct {
+        tdm_optim_factory make;
+        const char *name;
+        int acc;
+        int64_t cap;
+    } cases[] = {{make_sgd, "sgd", 1, 25 << 20},
+                 {make_adam, "adam", 1, 25 << 20},
+                 {make_sgd, "sgd, 64-byte buckets", 1, 64},
+                 {make_sgd, "sgd, no_sync x2", 2, 25 << 20}};
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         float *want = reference(cases[k].make, cases[k].acc);
         for (int n = 1; n <= 4; n++) {
@@ -147,8 +159,8 @@ static void test_ddp_equivalence(void) {
             for (int r = 0; r < n; r++) {
                 CHECK(c.bad[r] == 0, "ddp %s, %d ranks, rank %d: %d parameters off one device",
                       cases[k].name, n, r, c.bad[r]);
-                CHECK(c.params[r] && memcmp(c.params[r], c.params[0],
-                                            sizeof(float) * (size_t)c.total) == 0,
+                CHECK(c.params[r] &&
+                          memcmp(c.params[r], c.params[0], sizeof(float) * (size_t)c.total) == 0,
                       "ddp %s, %d ranks: rank %d differs from rank 0", cases[k].name, n, r);
             }
             for (int r = 0; r < n; r++) free(c.params[r]);
@@ -228,8 +240,10 @@ static void test_data_parallel(void) {
                 tdm_paramset *ps = tdm_module_parameters(tdm_dp_replica(dp, r));
                 float *p = malloc(sizeof(float) * (size_t)ps->total);
                 tdm_to_host(ps->flat, p, sizeof(float) * (size_t)ps->total);
-                CHECK(compare(p, want, ps->total, "dp") == 0, "dp optimizer %d, %d devices, "
-                      "replica %d matches one device", k, n, r);
+                CHECK(compare(p, want, ps->total, "dp") == 0,
+                      "dp optimizer %d, %d devices, "
+                      "replica %d matches one device",
+                      k, n, r);
                 free(p);
             }
             tdm_dp_free(dp);
@@ -245,9 +259,340 @@ static void test_data_parallel(void) {
     tdm_module_free(m);
 }
 
+/* ---- batch norm and dropout across devices ------------------------------------------------ */
+
+#define CH      2 /* CNN input [B, CH, HW, HW] */
+#define HW      6
+#define MAX_ROW (CH * HW * HW)
+
+typedef struct {
+    const char *name;
+    tdm_module *(*make)(uint64_t seed);
+    tdm_shape row; /* one sample's shape */
+} bn_model;
+
+/* No bias before batch norm (as usual): its exact gradient is 0, and Adam would turn the
+ * rounding noise left in it into full-size steps of either sign, on any number of devices. */
+static tdm_module *make_bn_mlp(uint64_t seed) {
+    tdm_rng r = tdm_rng_make(seed);
+    tdm_module *l[5] = {tdm_linear_new(IN, HID, false, tdm_cpu(0), &r),
+                        tdm_batch_norm1d_new(HID, 1e-5f, 0.1f, tdm_cpu(0)), tdm_relu_new(),
+                        tdm_dropout_new(0.3f, &r), tdm_linear_new(HID, OUT, true, tdm_cpu(0), &r)};
+    return tdm_sequential_new(5, l);
+}
+
+static tdm_module *make_bn_cnn(uint64_t seed) {
+    tdm_rng r = tdm_rng_make(seed);
+    tdm_conv2d_opts c = {.pad_h = 1, .pad_w = 1};
+    tdm_pool2d_opts p = {.kernel_h = 2, .kernel_w = 2};
+    tdm_module *l[6] = {tdm_conv2d_new(CH, 4, 3, 3, &c, false, tdm_cpu(0), &r),
+                        tdm_batch_norm2d_new(4, 1e-5f, 0.1f, tdm_cpu(0)),
+                        tdm_relu_new(),
+                        tdm_max_pool2d_new(&p),
+                        tdm_flatten_new(1, -1),
+                        tdm_linear_new(4 * (HW / 2) * (HW / 2), OUT, true, tdm_cpu(0), &r)};
+    return tdm_sequential_new(6, l);
+}
+
+static int64_t row_numel(const bn_model *bm) {
+    int64_t n = 1;
+    for (int i = 0; i < bm->row.ndim; i++) n *= bm->row.d[i];
+    return n;
+}
+
+static tdm_shape rows_shape(const bn_model *bm, int64_t rows) {
+    tdm_shape s = {bm->row.ndim + 1, {rows}};
+    for (int i = 0; i < bm->row.ndim; i++) s.d[i + 1] = bm->row.d[i];
+    return s;
+}
+
+/* Step s's global batch for bm: x [B, row...] (mean 0.5 so batch norm has a mean to remove). */
+static void bn_batch_of(const bn_model *bm, int s, float *x, int64_t *y) {
+    tdm_rng r = tdm_rng_make(200 + (uint64_t)s);
+    tdm_scope_begin();
+    tdm_to_host(tdm_randn(rows_shape(bm, B), 0.5f, 1, tdm_cpu(0), &r), x,
+                sizeof(float) * (size_t)(B * row_numel(bm)));
+    tdm_scope_end();
+    for (int i = 0; i < B; i++) y[i] = (i * 5 + s) % OUT;
+}
+
+/* Parameters, then every buffer (running statistics, batch counts), as floats. */
+static float *state_of(tdm_module *m, int64_t *n) {
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_bufferset *bs = tdm_module_buffers(m);
+    int64_t total = ps->total;
+    for (int i = 0; i < bs->n; i++) total += tdm_numel(bs->buffers[i]);
+    float *v = malloc(sizeof(float) * (size_t)total);
+    tdm_to_host(ps->flat, v, sizeof(float) * (size_t)ps->total);
+    int64_t at = ps->total;
+    for (int i = 0; i < bs->n; i++) {
+        tdm_tensor *t = bs->buffers[i];
+        if (t->dtype == TDM_F32)
+            tdm_to_host(t, v + at, sizeof(float) * (size_t)tdm_numel(t));
+        else /* num_batches_tracked */
+            v[at] = tdm_item(t);
+        at += tdm_numel(t);
+    }
+    *n = total;
+    return v;
+}
+
+static float *bn_reference(const bn_model *bm, tdm_optim_factory make, int64_t *n) {
+    tdm_module *m = bm->make(1);
+    tdm_optim *opt = make(tdm_module_parameters(m), NULL);
+    float x[B * MAX_ROW];
+    int64_t y[B];
+    for (int s = 0; s < STEPS; s++) {
+        bn_batch_of(bm, s, x, y);
+        tdm_optim_zero_grad(opt);
+        tdm_scope_begin();
+        tdm_tensor *l = tdm_cross_entropy(
+            tdm_module_forward(m, tdm_from_data(rows_shape(bm, B), TDM_F32, tdm_cpu(0), x)),
+            tdm_from_data(TDM_SHAPE(B), TDM_I64, tdm_cpu(0), y), NULL);
+        tdm_backward(l);
+        tdm_scope_end();
+        tdm_optim_step(opt);
+    }
+    float *v = state_of(m, n);
+    tdm_optim_free(opt);
+    tdm_module_free(m);
+    return v;
+}
+
+/* DataParallel with batch norm (synchronised over the replicas) and dropout (masks of the
+ * global rows) ends where one device does: parameters and running statistics. */
+static void test_data_parallel_bn_dropout(void) {
+    bn_model models[2] = {
+        {"Linear-BatchNorm1d-ReLU-Dropout-Linear", make_bn_mlp, TDM_SHAPE(IN)},
+        {"Conv-BatchNorm2d-ReLU-MaxPool-Linear", make_bn_cnn, TDM_SHAPE(CH, HW, HW)}};
+    tdm_optim_factory makes[2] = {make_sgd, make_adam};
+    const char *opt_names[2] = {"sgd", "adam"};
+    for (int mi = 0; mi < 2; mi++)
+        for (int k = 0; k < 2; k++) {
+            const bn_model *bm = &models[mi];
+            int64_t n_want = 0;
+            float *want = bn_reference(bm, makes[k], &n_want);
+            for (int n = 1; n <= 4; n++) {
+                tdm_module *m = bm->make(1);
+                tdm_device devs[4] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+                tdm_dp *dp = tdm_dp_new(m, devs, n, makes[k], NULL);
+                CHECK(dp, "dp_new on %d devices: %s", n, tdm_last_error());
+                if (!dp) {
+                    tdm_module_free(m);
+                    continue;
+                }
+                float x[B * MAX_ROW], loss = NAN;
+                int64_t y[B];
+                for (int s = 0; s < STEPS; s++) {
+                    bn_batch_of(bm, s, x, y);
+                    tdm_scope_begin();
+                    int rc = tdm_dp_step(
+                        dp, tdm_from_data(rows_shape(bm, B), TDM_F32, tdm_cpu(0), x),
+                        tdm_from_data(TDM_SHAPE(B), TDM_I64, tdm_cpu(0), y), ce_loss, NULL, &loss);
+                    tdm_scope_end();
+                    CHECK(rc == 0 && isfinite(loss), "dp %s step: %s", bm->name, tdm_last_error());
+                }
+                float *first = NULL;
+                for (int r = 0; r < n; r++) {
+                    int64_t got_n = 0;
+                    float *got = state_of(tdm_dp_replica(dp, r), &got_n);
+                    CHECK(got_n == n_want && compare(got, want, got_n, bm->name) == 0,
+                          "dp %s, %s, %d devices: replica %d's parameters and buffers match one "
+                          "device",
+                          bm->name, opt_names[k], n, r);
+                    if (r == 0)
+                        first = got;
+                    else {
+                        CHECK(memcmp(got, first, sizeof(float) * (size_t)got_n) == 0,
+                              "dp %s, %d devices: replica %d differs from replica 0", bm->name, n,
+                              r);
+                        free(got);
+                    }
+                }
+                free(first);
+                tdm_dp_free(dp);
+                tdm_module_free(m);
+            }
+            free(want);
+        }
+}
+
+/* ---- synchronised batch norm against one device on the concatenated batch ---------------- */
+
+#define SB_N 5 /* rows: 3 on rank 0, 2 on rank 1 */
+#define SB_C 3
+#define SB_S 4 /* [N, C, 2, 2] */
+
+typedef struct {
+    int ndim; /* 2: [N, C]; 4: [N, C, 2, 2] */
+    float x[SB_N * SB_C * SB_S], gy[SB_N * SB_C * SB_S], w[SB_C], b[SB_C];
+    /* results: rows of y and gx at their global place; gw, gb, running stats per rank */
+    float y[SB_N * SB_C * SB_S], gx[SB_N * SB_C * SB_S];
+    float gw[2][SB_C], gb[2][SB_C], rm[2][SB_C], rv[2][SB_C];
+} sbn_case;
+
+static tdm_shape sbn_shape(const sbn_case *c, int64_t rows) {
+    return c->ndim == 2 ? TDM_SHAPE(rows, SB_C) : TDM_SHAPE(rows, SB_C, 2, 2);
+}
+
+/* Batch norm of rows [lo, hi) with gradient gy; results stored into c at rank slot r. */
+static int sbn_run(sbn_case *c, int r, int64_t lo, int64_t hi) {
+    int64_t row = c->ndim == 2 ? SB_C : SB_C * SB_S, n = (hi - lo) * row;
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_from_data(sbn_shape(c, hi - lo), TDM_F32, tdm_cpu(0), c->x + lo * row);
+    tdm_tensor *gy = tdm_from_data(sbn_shape(c, hi - lo), TDM_F32, tdm_cpu(0), c->gy + lo * row);
+    tdm_tensor *w = tdm_from_data(TDM_SHAPE(SB_C), TDM_F32, tdm_cpu(0), c->w);
+    tdm_tensor *b = tdm_from_data(TDM_SHAPE(SB_C), TDM_F32, tdm_cpu(0), c->b);
+    tdm_tensor *rm = tdm_full(TDM_SHAPE(SB_C), 0, TDM_F32, tdm_cpu(0));
+    tdm_tensor *rv = tdm_full(TDM_SHAPE(SB_C), 1, TDM_F32, tdm_cpu(0));
+    tdm_requires_grad_(x, true);
+    tdm_requires_grad_(w, true);
+    tdm_requires_grad_(b, true);
+    tdm_tensor *y = tdm_batch_norm(x, rm, rv, w, b, true, 0.1f, 1e-5f);
+    int rc = y ? tdm_backward(tdm_sum_all(tdm_mul(y, gy))) : tdm_last_status();
+    if (!rc) {
+        tdm_to_host(y, c->y + lo * row, sizeof(float) * (size_t)n);
+        if (n) tdm_to_host(x->grad, c->gx + lo * row, sizeof(float) * (size_t)n);
+        tdm_to_host(w->grad, c->gw[r], sizeof c->gw[r]);
+        tdm_to_host(b->grad, c->gb[r], sizeof c->gb[r]);
+        tdm_to_host(rm, c->rm[r], sizeof c->rm[r]);
+        tdm_to_host(rv, c->rv[r], sizeof c->rv[r]);
+    }
+    tdm_scope_end();
+    return rc;
+}
+
+static int sbn_rank(tdm_rank_ctx *ctx, void *arg) {
+    sbn_case *c = arg;
+    int64_t lo = ctx->rank ? 3 : 0, hi = ctx->rank ? SB_N : 3;
+    int rc = tdm_parallel_context_set(ctx->group, lo, SB_N);
+    if (!rc) rc = sbn_run(c, ctx->rank, lo, hi);
+    tdm_parallel_context_clear();
+    return rc;
+}
+
+static void test_sync_batch_norm_values(void) {
+    for (int ndim = 2; ndim <= 4; ndim += 2) {
+        sbn_case c = {.ndim = ndim}, one;
+        tdm_rng r = tdm_rng_make(31 + (uint64_t)ndim);
+        tdm_scope_begin();
+        tdm_to_host(tdm_randn(TDM_SHAPE(SB_N * SB_C * SB_S), 2, 3, tdm_cpu(0), &r), c.x,
+                    sizeof c.x);
+        tdm_to_host(tdm_randn(TDM_SHAPE(SB_N * SB_C * SB_S), 0, 1, tdm_cpu(0), &r), c.gy,
+                    sizeof c.gy);
+        tdm_to_host(tdm_rand(TDM_SHAPE(SB_C), 0.5f, 1.5f, tdm_cpu(0), &r), c.w, sizeof c.w);
+        tdm_to_host(tdm_randn(TDM_SHAPE(SB_C), 0, 1, tdm_cpu(0), &r), c.b, sizeof c.b);
+        tdm_scope_end();
+        one = c;
+        CHECK(sbn_run(&one, 0, 0, SB_N) == 0, "one-device batch norm: %s", tdm_last_error());
+        tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+        CHECK(tdm_spawn(2, devs, sbn_rank, &c) == 0, "sync batch norm: %s", tdm_last_error());
+        int64_t n = SB_N * SB_C * (ndim == 2 ? 1 : SB_S);
+        float gw[SB_C], gb[SB_C];
+        for (int k = 0; k < SB_C; k++) { /* DDP sums (averages) the ranks' local gradients */
+            gw[k] = c.gw[0][k] + c.gw[1][k];
+            gb[k] = c.gb[0][k] + c.gb[1][k];
+        }
+        CHECK(compare(c.y, one.y, n, "sync bn y") == 0, "%dD sync batch norm output", ndim);
+        CHECK(compare(c.gx, one.gx, n, "sync bn gx") == 0, "%dD sync batch norm dx", ndim);
+        CHECK(compare(gw, one.gw[0], SB_C, "sync bn gw") == 0, "%dD weight gradient", ndim);
+        CHECK(compare(gb, one.gb[0], SB_C, "sync bn gb") == 0, "%dD bias gradient", ndim);
+        for (int rk = 0; rk < 2; rk++) {
+            CHECK(compare(c.rm[rk], one.rm[0], SB_C, "running_mean") == 0 &&
+                      compare(c.rv[rk], one.rv[0], SB_C, "running_var") == 0,
+                  "%dD running statistics of rank %d", ndim, rk);
+        }
+    }
+}
+
+/* Rank 0 holds one row, rank 1 none: one value per channel over the group. */
+static int sbn_tiny_rank(tdm_rank_ctx *ctx, void *arg) {
+    int rc = tdm_parallel_context_set(ctx->group, ctx->rank, 1);
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_ones(TDM_SHAPE(1 - ctx->rank, 3), TDM_F32, tdm_cpu(0));
+    if (!rc && !tdm_batch_norm(x, NULL, NULL, NULL, NULL, true, 0.1f, 1e-5f))
+        rc = tdm_last_status();
+    tdm_scope_end();
+    tdm_parallel_context_clear();
+    return rc;
+}
+
+/* One row per rank is enough when the group has more than one value per channel. */
+static int sbn_one_row_rank(tdm_rank_ctx *ctx, void *arg) {
+    int rc = tdm_parallel_context_set(ctx->group, ctx->rank, 2);
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_full(TDM_SHAPE(1, 3), (float)ctx->rank, TDM_F32, tdm_cpu(0));
+    tdm_tensor *y = rc ? NULL : tdm_batch_norm(x, NULL, NULL, NULL, NULL, true, 0.1f, 0);
+    float v[3] = {0};
+    if (y) tdm_to_host(y, v, sizeof v);
+    if (!rc && !y) rc = tdm_last_status();
+    /* values 0 and 1: mean 0.5, biased variance 0.25, so -1 on rank 0 and +1 on rank 1 */
+    float want = ctx->rank ? 1.0f : -1.0f;
+    if (!rc && fabsf(v[0] - want) > 1e-5f) {
+        fprintf(stderr, "rank %d: y %g, want %g\n", ctx->rank, v[0], want);
+        rc = TDM_ERR_ARG;
+    }
+    tdm_scope_end();
+    tdm_parallel_context_clear();
+    return rc;
+}
+
+static void test_sync_batch_norm_edges(void) {
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    CHECK(tdm_spawn(2, devs, sbn_one_row_rank, NULL) == 0, "one row per rank: %s",
+          tdm_last_error());
+    CHECK_ERROR(tdm_spawn(2, devs, sbn_tiny_rank, NULL) != 0,
+                "batch_norm: expected more than 1 value per channel when training, got 1 over "
+                "2 ranks");
+    CHECK_ERROR(tdm_parallel_context_set(NULL, 6, 5) != 0,
+                "parallel_context_set: row0 6 is not in [0, global_rows 5]");
+}
+
+/* Dropout under a context draws the masks of its global rows and advances the generator by
+ * the whole batch. */
+static void test_dropout_rows(void) {
+    tdm_rng whole_rng = tdm_rng_make(9), part_rng = tdm_rng_make(9);
+    tdm_scope_begin();
+    float whole[10 * 5], part[4 * 5];
+    tdm_to_host(
+        tdm_dropout(tdm_ones(TDM_SHAPE(10, 5), TDM_F32, tdm_cpu(0)), 0.5f, true, &whole_rng), whole,
+        sizeof whole);
+    CHECK(tdm_parallel_context_set(NULL, 3, 10) == 0, "%s", tdm_last_error());
+    tdm_tensor *y =
+        tdm_dropout(tdm_ones(TDM_SHAPE(4, 5), TDM_F32, tdm_cpu(0)), 0.5f, true, &part_rng);
+    CHECK(y && tdm_to_host(y, part, sizeof part) == 0, "dropout under a context: %s",
+          tdm_last_error());
+    CHECK(y && memcmp(part, whole + 3 * 5, sizeof part) == 0,
+          "rows 3..6 under a context get one device's masks for those rows");
+    CHECK(part_rng.offset == whole_rng.offset, "the generator advanced by %llu, one device by %llu",
+          (unsigned long long)part_rng.offset, (unsigned long long)whole_rng.offset);
+    CHECK(tdm_parallel_context_set(NULL, 8, 10) == 0, "%s", tdm_last_error());
+    CHECK_ERROR(!tdm_dropout(tdm_ones(TDM_SHAPE(4, 5), TDM_F32, tdm_cpu(0)), 0.5f, true, &part_rng),
+                "dropout: input [4, 5] has 4 rows from global row 8, past the parallel "
+                "context's 10 rows");
+    tdm_parallel_context_clear();
+    tdm_scope_end();
+    /* two Dropout layers made from one generator draw different masks */
+    tdm_rng r = tdm_rng_make(4);
+    tdm_module *d1 = tdm_dropout_new(0.5f, &r), *d2 = tdm_dropout_new(0.5f, &r);
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_ones(TDM_SHAPE(64), TDM_F32, tdm_cpu(0));
+    float m1[64], m2[64];
+    tdm_to_host(tdm_module_forward(d1, x), m1, sizeof m1);
+    tdm_to_host(tdm_module_forward(d2, x), m2, sizeof m2);
+    CHECK(memcmp(m1, m2, sizeof m1) != 0, "two Dropout layers from one generator share masks");
+    tdm_scope_end();
+    tdm_module_free(d1);
+    tdm_module_free(d2);
+}
+
 int main(void) {
     test_ddp_equivalence();
     test_ddp_errors();
     test_data_parallel();
+    test_dropout_rows();
+    test_sync_batch_norm_values();
+    test_sync_batch_norm_edges();
+    test_data_parallel_bn_dropout();
     return check_summary();
 }

@@ -1,6 +1,7 @@
 /* The `tandem` command: dispatches to a subcommand.
  *
  *   tandem train [OPTION]...   train a model (see train.c)
+ *   tandem eval --weights F    test loss and accuracy of saved weights (see eval.c)
  *   tandem devices             list the devices this machine and build offer
  *   tandem help [COMMAND]      help on tandem or on one command
  */
@@ -8,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "eval.h"
 #include "tandem/tandem.h"
 #include "train.h"
 
@@ -19,12 +21,15 @@ static void help(FILE *out) {
             "    tandem - train neural networks from the command line\n\n"
             "SYNOPSIS\n"
             "    tandem train [OPTION]...\n"
+            "    tandem eval --weights FILE [--model mlp|cnn] [OPTION]...\n"
             "    tandem devices\n"
             "    tandem help [COMMAND]\n"
             "    tandem --version\n\n"
             "COMMANDS\n"
             "    train      Train an MLP or a CNN on Fashion-MNIST and report loss and accuracy\n"
             "               per epoch. 'tandem train --help' describes every option.\n"
+            "    eval       Test loss and accuracy of saved weights (a checkpoint's\n"
+            "               model.safetensors, or PyTorch's). 'tandem eval --help' for options.\n"
             "    devices    List the devices training can use.\n"
             "    help       Show this help, or 'tandem help train' for one command.\n\n"
             "TRAIN OPTIONS (defaults)\n");
@@ -57,6 +62,7 @@ int main(int argc, char **argv) {
     }
     const char *cmd = argv[1];
     if (strcmp(cmd, "train") == 0) return train_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "eval") == 0) return eval_main(argc - 1, argv + 1);
     if (strcmp(cmd, "devices") == 0) {
         if (argc > 2) {
             fprintf(stderr, "tandem devices: unexpected argument '%s'\n", argv[2]);
@@ -69,8 +75,12 @@ int main(int argc, char **argv) {
             train_help(stdout);
             return EXIT_OK;
         }
+        if (argc > 2 && strcmp(argv[2], "eval") == 0) {
+            eval_help(stdout);
+            return EXIT_OK;
+        }
         if (argc > 2 && strcmp(argv[2], "devices") != 0) {
-            fprintf(stderr, "tandem help: unknown command '%s' (commands: train, devices)\n",
+            fprintf(stderr, "tandem help: unknown command '%s' (commands: train, eval, devices)\n",
                     argv[2]);
             return EXIT_USAGE;
         }
@@ -82,7 +92,7 @@ int main(int argc, char **argv) {
         return EXIT_OK;
     }
     fprintf(stderr,
-            "tandem: unknown command '%s' (commands: train, devices, help; see "
+            "tandem: unknown command '%s' (commands: train, eval, devices, help; see "
             "'tandem --help')\n",
             cmd);
     return EXIT_USAGE;

@@ -35,6 +35,9 @@ typedef struct {
     int64_t epochs, batch_size, workers, limit, warmup_steps, step_size, print_every, seed;
     double lr, momentum, weight_decay, gamma; /* lr, momentum: NAN until set (optimizer default) */
     bool quiet;
+    const char *checkpoint_dir, *init_from;
+    int64_t checkpoint_every, keep, max_steps;
+    bool resume;
     tdm_device devs[MAX_DEVICES]; /* parsed from devices */
     int n_devs;
 } train_opts;
@@ -112,6 +115,28 @@ static const opt_spec specs[] = {
      "epoch). On a terminal a progress bar is redrawn in place instead."},
     {"--quiet", NULL, OPT_FLAG, F(quiet), 0, 0, "off",
      "No banner and no progress; only the per-epoch results and errors."},
+    {"--checkpoint-dir", "DIR", OPT_STR, F(checkpoint_dir), 0, 0, "none",
+     "Write checkpoints into DIR/ckpt-STEP/: model.safetensors (the weights under PyTorch's "
+     "names, loadable with load_state_dict) and train_state.safetensors (optimizer moments, "
+     "step counts, data position, RNG state). Each is written atomically, so a crash keeps "
+     "the previous one. A final checkpoint is written when the run ends. With several "
+     "devices the (identical) replicas are saved once."},
+    {"--checkpoint-every", "N", OPT_INT, F(checkpoint_every), 0, 1e12, "0",
+     "Also write a checkpoint every N optimizer steps (0: only the final one)."},
+    {"--keep", "K", OPT_INT, F(keep), 0, 1e6, "3",
+     "Keep the newest K checkpoints in the checkpoint directory (0 keeps all)."},
+    {"--resume", NULL, OPT_FLAG, F(resume), 0, 0, "off",
+     "Continue from the newest checkpoint in --checkpoint-dir (weights, optimizer, schedule "
+     "position, data order and position), giving the same weights as a run never stopped; "
+     "starts from the beginning when there is none yet. The other options must be those of "
+     "the interrupted run."},
+    {"--init-from", "FILE", OPT_STR, F(init_from), 0, 0, "none",
+     "Start from the weights in FILE.safetensors (e.g. a PyTorch state_dict of the same "
+     "nn.Sequential, or a checkpoint's model.safetensors); every name, shape and dtype must "
+     "match. Ignored when --resume finds a checkpoint."},
+    {"--max-steps", "N", OPT_INT, F(max_steps), 1, 1e12, "none",
+     "Stop after N optimizer steps in total, counted across resumes, as if interrupted there "
+     "(writing a checkpoint when --checkpoint-dir is set), without evaluating."},
 };
 #undef F
 #define N_SPECS (int)(sizeof specs / sizeof specs[0])
@@ -129,7 +154,8 @@ static train_opts opts_defaults(void) {
                         .step_size = 1,
                         .lr = NAN,
                         .momentum = NAN,
-                        .gamma = 0.1};
+                        .gamma = 0.1,
+                        .keep = 3};
 }
 
 static int usage_error(const char *fmt, ...) {
@@ -269,6 +295,9 @@ static int check_opts(train_opts *o) {
     if (isnan(o->momentum)) o->momentum = sgd ? 0.9 : 0;
     if (o->warmup_steps > 0 && strcmp(o->schedule, "cosine") != 0)
         return usage_error("--warmup-steps needs --schedule cosine");
+    if (!o->checkpoint_dir && (o->resume || o->checkpoint_every > 0))
+        return usage_error("%s needs --checkpoint-dir",
+                           o->resume ? "--resume" : "--checkpoint-every");
     o->n_devs = tdm_devices_parse(o->devices, o->devs, MAX_DEVICES);
     if (o->n_devs < 0) return usage_error("--devices: %s", tdm_last_error());
     if (o->n_devs == 0) return usage_error("--devices: no device in '%s'", o->devices);
@@ -318,6 +347,12 @@ typedef struct {
     run_log log;
     progress prog;
     int64_t steps_per_epoch, global_step;
+    /* checkpoints: where a resumed run starts, and the epoch's totals before it */
+    int start_epoch;
+    int64_t resume_batch, last_saved;
+    double resume_loss_sum;
+    int64_t resume_correct, resume_images;
+    bool stopped; /* --max-steps reached */
     /* device-side records of the current chunk of steps, and their host copies */
     tdm_tensor *loss_buf; /* [SYNC_STEPS] f32 */
     tdm_tensor *pred_buf; /* [SYNC_STEPS * B] i64 */
@@ -591,19 +626,56 @@ static bool sync_due(const trainer *t, int64_t step) {
     return every > 0 && step % every == 0;
 }
 
+/* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
+ * the epoch's running totals so a resumed epoch reports the same loss and accuracy. */
+static int save_checkpoint(trainer *t) {
+    if (!t->o.checkpoint_dir || t->last_saved == t->global_step) return 0;
+    char loss[64], correct[32], images[32];
+    snprintf(loss, sizeof loss, "%a", t->loss_sum);
+    snprintf(correct, sizeof correct, "%lld", (long long)t->correct);
+    snprintf(images, sizeof images, "%lld", (long long)t->images);
+    tdm_meta meta[3] = {
+        {"epoch_loss_sum", loss}, {"epoch_correct", correct}, {"epoch_images", images}};
+    tdm_train_state s = {.model = t->model,
+                         .optim = t->opt,
+                         .loader = t->train_l,
+                         .rng = tdm_default_rng(),
+                         .step = t->global_step,
+                         .meta = meta,
+                         .n_meta = 3};
+    if (tdm_checkpoint_save(t->o.checkpoint_dir, &s, (int)t->o.keep) != TDM_OK)
+        return runtime_error(t, "checkpoint: %s", tdm_last_error());
+    t->last_saved = t->global_step;
+    return 0;
+}
+
+/* After a step: a periodic checkpoint, or the stop of --max-steps (with its checkpoint).
+ * Reads the chunk back first so the saved epoch totals are complete. */
+static int after_step(trainer *t, int epoch, int64_t step) {
+    bool stop = t->o.max_steps > 0 && t->global_step >= t->o.max_steps;
+    bool every = t->o.checkpoint_every > 0 && t->global_step % t->o.checkpoint_every == 0;
+    if (!stop && !every) return 0;
+    if (sync_chunk(t, epoch, step) || save_checkpoint(t)) return EXIT_RUNTIME;
+    t->stopped = stop;
+    return 0;
+}
+
 static int train_epoch(trainer *t, int epoch, epoch_stats *e) {
-    if (tdm_loader_start_epoch(t->train_l, epoch - 1) != TDM_OK)
+    int64_t skip = t->resume_batch; /* batches of this epoch done before a resume */
+    t->resume_batch = 0;
+    if (tdm_loader_start_epoch_at(t->train_l, epoch - 1, skip) != TDM_OK)
         return runtime_error(t, "training loader: %s", tdm_last_error());
     if (t->sched.kind == TDM_SCHED_STEP) apply_lr(t, epoch - 1);
     tdm_module_train(t->model, true);
     double wait0 = tdm_loader_wait_seconds(t->train_l), t0 = progress_now();
-    t->loss_sum = 0;
-    t->correct = t->images = 0;
+    t->loss_sum = skip ? t->resume_loss_sum : 0;
+    t->correct = skip ? t->resume_correct : 0;
+    t->images = skip ? t->resume_images : 0;
     t->t_last = t0;
     progress_epoch_begin(&t->prog, epoch, (int)t->o.epochs, t->steps_per_epoch, t0);
-    int64_t step = 0;
+    int64_t step = skip;
     tdm_batch b;
-    for (;;) {
+    while (!t->stopped) {
         int r = tdm_loader_next(t->train_l, &b);
         if (r < 0) return runtime_error(t, "loading a training batch: %s", tdm_last_error());
         if (r == 0) break;
@@ -617,6 +689,7 @@ static int train_epoch(trainer *t, int epoch, epoch_stats *e) {
         step++;
         t->global_step++;
         if (sync_due(t, step) && sync_chunk(t, epoch, step)) return EXIT_RUNTIME;
+        if (after_step(t, epoch, step)) return EXIT_RUNTIME;
     }
     if (sync_chunk(t, epoch, step)) return EXIT_RUNTIME;
     double secs = progress_now() - t0;
@@ -764,27 +837,96 @@ static int write_plot(trainer *t) {
     return 0;
 }
 
+/* --init-from: weights made elsewhere (PyTorch included), before the replicas are cloned. */
+static int init_weights(trainer *t) {
+    if (!t->o.init_from) return 0;
+    if (tdm_weights_load(t->o.init_from, t->model) != TDM_OK)
+        return runtime_error(t, "--init-from: %s", tdm_last_error());
+    return 0;
+}
+
+/* Reads the trainer's own metadata of a checkpoint (the resumed epoch's totals). */
+static int resume_totals(trainer *t, const char *path) {
+    char v[64];
+    if (tdm_checkpoint_meta(path, "epoch_loss_sum", v, sizeof v) == 1)
+        t->resume_loss_sum = strtod(v, NULL);
+    if (tdm_checkpoint_meta(path, "epoch_correct", v, sizeof v) == 1)
+        t->resume_correct = strtoll(v, NULL, 10);
+    if (tdm_checkpoint_meta(path, "epoch_images", v, sizeof v) == 1)
+        t->resume_images = strtoll(v, NULL, 10);
+    return 0;
+}
+
+/* --resume: restores every replica's weights and optimizer from the newest checkpoint, and
+ * the data position, RNG and step count once. */
+static int resume(trainer *t) {
+    t->start_epoch = 1;
+    if (!t->o.resume) return 0;
+    char path[4096];
+    int64_t step = 0;
+    int found = tdm_checkpoint_latest(t->o.checkpoint_dir, path, sizeof path, &step);
+    if (found < 0) return runtime_error(t, "--resume: %s", tdm_last_error());
+    if (found == 0) {
+        if (!t->o.quiet)
+            printf("resume    no checkpoint in %s yet: starting from the beginning\n",
+                   t->o.checkpoint_dir);
+        return 0;
+    }
+    int n = t->dp ? tdm_dp_devices(t->dp) : 1;
+    for (int r = 0; r < n; r++) {
+        tdm_train_state s = {.model = t->dp ? tdm_dp_replica(t->dp, r) : t->model,
+                             .optim = t->dp ? tdm_dp_optim(t->dp, r) : t->opt};
+        if (r == 0) s.loader = t->train_l, s.rng = tdm_default_rng();
+        if (tdm_checkpoint_load(path, &s) != TDM_OK)
+            return runtime_error(t, "--resume from '%s': %s", path, tdm_last_error());
+        if (r == 0) t->global_step = s.step;
+    }
+    int64_t epoch = 0, batch = 0;
+    tdm_loader_position(t->train_l, &epoch, &batch);
+    t->start_epoch = (int)epoch + 1;
+    t->resume_batch = batch;
+    t->last_saved = t->global_step;
+    resume_totals(t, path);
+    if (!t->o.quiet)
+        printf("resume    %s: epoch %d, step %lld of the epoch, %lld steps done\n", path,
+               t->start_epoch, (long long)batch, (long long)t->global_step);
+    return 0;
+}
+
 static int run(trainer *t) {
     int rc;
     if (t->o.log_path && log_open(&t->log, t->o.log_path) != 0)
         return runtime_error(t, "cannot write log '%s': %s", t->o.log_path, strerror(errno));
+    t->last_saved = -1;
     if ((rc = load_data(t)) || (rc = make_loaders(t)) || (rc = make_model(t)) ||
-        (rc = make_optimizer(t)) || (rc = make_buffers(t)))
+        (rc = init_weights(t)) || (rc = make_optimizer(t)) || (rc = make_buffers(t)) ||
+        (rc = resume(t)))
         return rc;
     banner(t);
     write_config(t);
     if ((rc = write_plot(t))) return rc; /* fail early on an unwritable path */
     double t0 = progress_now();
-    for (int epoch = 1; epoch <= t->o.epochs; epoch++) {
+    for (int epoch = t->start_epoch; epoch <= t->o.epochs && !t->stopped; epoch++) {
         epoch_stats *e = &t->hist[t->n_hist];
-        if ((rc = train_epoch(t, epoch, e)) || (rc = evaluate(t, e))) return rc;
+        if ((rc = train_epoch(t, epoch, e))) return rc;
+        if (t->stopped) break;
+        if ((rc = evaluate(t, e))) return rc;
         t->n_hist++;
         progress_clear(&t->prog);
         print_epoch(t, e);
         log_epoch(&t->log, e);
         if ((rc = write_plot(t))) return rc;
     }
-    if (!t->o.quiet) {
+    if ((rc = save_checkpoint(t))) return rc; /* the final one */
+    if (t->stopped) {
+        progress_clear(&t->prog);
+        if (!t->o.quiet)
+            printf("stopped   after %lld steps (--max-steps)%s%s\n", (long long)t->global_step,
+                   t->o.checkpoint_dir ? "; continue with --resume, checkpoint in " : "",
+                   t->o.checkpoint_dir ? t->o.checkpoint_dir : "");
+        return 0;
+    }
+    if (!t->o.quiet && t->n_hist > 0) {
         printf("done      %lld epochs in %.1f s, test accuracy %.2f%%\n", (long long)t->o.epochs,
                progress_now() - t0, 100 * t->hist[t->n_hist - 1].test_acc);
         if (t->o.log_path) printf("log       %s\n", t->o.log_path);

@@ -92,6 +92,13 @@ typedef struct {
 tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o);
 /* Starts epoch e (any order; restarting an epoch is allowed). */
 int tdm_loader_start_epoch(tdm_loader *l, int64_t epoch);
+/* Starts epoch e at batch `batch` (0 <= batch <= batches per epoch): the batches before it
+ * are skipped without being built, and the rest are exactly those a full epoch would give
+ * (resuming from a checkpoint). */
+int tdm_loader_start_epoch_at(tdm_loader *l, int64_t epoch, int64_t batch);
+/* The current epoch and the batches of it handed out so far (through *epoch and *batch;
+ * either may be NULL). Returns TDM_OK, or TDM_ERR_STATE before any epoch was started. */
+int tdm_loader_position(const tdm_loader *l, int64_t *epoch, int64_t *batch);
 /* Next batch of the epoch, in order: 1 and *b filled, 0 at the end of the epoch, or a
  * negative status (a sample that failed to load, naming it). */
 int tdm_loader_next(tdm_loader *l, tdm_batch *b);

@@ -48,7 +48,9 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
 /* Normalises over the last normalized_ndim dims; weight/bias have those dims or are NULL. */
 tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight,
                            tdm_tensor *bias, float eps);
-/* Zeroes each element with probability p and scales the rest by 1/(1-p) (training only). */
+/* Zeroes each element with probability p and scales the rest by 1/(1-p) (training only).
+ * Under a parallel context (parallel.h), dim 0 is the global batch's rows and the masks are
+ * those one device would draw for them. */
 tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng);
 /* weight [num, dim] looked up by idx (any shape, i32/i64) -> [idx..., dim] */
 tdm_tensor *tdm_embedding(tdm_tensor *weight, const tdm_tensor *idx);
@@ -139,6 +141,9 @@ tdm_module *tdm_batch_norm1d_new(int64_t features, float eps, float momentum, td
 tdm_module *tdm_batch_norm2d_new(int64_t channels, float eps, float momentum, tdm_device dev);
 /* LayerNorm over the last dim of size features (weight 1, bias 0 when affine). */
 tdm_module *tdm_layer_norm_new(int64_t features, float eps, bool affine, tdm_device dev);
+/* Dropout draws from a generator of its own, seeded at construction by one draw of rng (NULL:
+ * the default generator), which advances by one counter; the layer never touches rng again.
+ * Clones copy that state, so replicas draw the same masks (see tdm_parallel_context_set). */
 tdm_module *tdm_dropout_new(float p, tdm_rng *rng);
 /* Embedding: weight N(0, 1) as in PyTorch. */
 tdm_module *tdm_embedding_new(int64_t num, int64_t dim, tdm_device dev, tdm_rng *rng);

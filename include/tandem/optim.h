@@ -49,6 +49,16 @@ float tdm_optim_lr(const tdm_optim *o);
 void tdm_optim_set_lr(tdm_optim *o, float lr);
 /* Steps taken so far. */
 int64_t tdm_optim_steps(const tdm_optim *o);
+/* Sets the step count (restoring a checkpoint: it drives Adam's bias correction and SGD's
+ * first-step momentum). */
+void tdm_optim_set_steps(tdm_optim *o, int64_t steps);
+/* "sgd", "adam" or "adamw". */
+const char *tdm_optim_kind(const tdm_optim *o);
+/* The optimizer's state buffers with PyTorch's state names: "momentum_buffer" (SGD with
+ * momentum), "exp_avg", "exp_avg_sq" and "max_exp_avg_sq" (Adam, AdamW; the last with
+ * amsgrad). Each is flat [ps->total] f32 in parameter order, owned by the optimizer (read
+ * and write them to save and restore its state). Writes at most max; returns how many. */
+int tdm_optim_state(tdm_optim *o, const char **names, tdm_tensor **tensors, int max);
 void tdm_optim_free(tdm_optim *o);
 
 /* ---- learning-rate schedules ----------------------------------------------------------- */

@@ -74,6 +74,67 @@ typedef struct {
 int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, void *arg),
               void *arg);
 
+/* ---- MPI: one rank per process, across processes and machines ----------------------------- */
+
+/* Whether this build of Tandem has the MPI backend (CMake option TANDEM_MPI). */
+bool tdm_mpi_available(void);
+/* Whether this process was started by an MPI launcher: mpirun/mpiexec (Open MPI, MPICH) or
+ * Slurm's srun (OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMI_RANK or PMIX_RANK is set). Works in
+ * every build, so a program can choose between tdm_mpi_init and tdm_spawn. */
+bool tdm_mpi_launched(void);
+/* Initialises MPI and returns the group of every process of the job (MPI_COMM_WORLD): rank
+ * and size from MPI, device cpu:0 of this process. The collectives are those above, with the
+ * same guarantees: asynchronous (a communication thread owns all MPI calls, so bucket
+ * all-reduces overlap backward), reductions in rank order (bit-identical on every rank and
+ * to the threads backend), ranks that disagree on a collective get an error. Faults: a rank
+ * that fails (tdm_group_abort) makes every rank's collectives fail with "rank R failed: ...";
+ * a rank that dies or hangs makes the others fail with "timed out after T s waiting for rank
+ * R" after the group's timeout, 30 s by default (tdm_group_set_timeout; raise it when one
+ * rank works alone for long between collectives, e.g. rank 0 evaluating). argc/argv may be
+ * NULL. Calling it again returns the same group. NULL and an error when this build has no
+ * MPI, when the process was not started by mpirun/srun (see tdm_mpi_launched), or when MPI
+ * cannot start. The group is freed by tdm_mpi_finalize; never tdm_spawn it. */
+tdm_group *tdm_mpi_init(int *argc, char ***argv);
+/* Finishes the queued collectives, stops the communication thread and finalises MPI. After
+ * a failure MPI is not finalised (a dead peer would make MPI_Finalize wait forever): the
+ * process should then exit with a nonzero status, and mpirun ends the job. MPI cannot be
+ * initialised again in this process. Does nothing without tdm_mpi_init. */
+void tdm_mpi_finalize(void);
+
+/* ---- parallel context: batch-dependent layers across replicas ----------------------------- */
+
+/* Declares, for the calling thread, that the tensors it computes hold rows
+ * [row0, row0 + b) of a global batch of global_rows rows split over the ranks of g (dim 0 of
+ * every batch-shaped tensor is the row). Until tdm_parallel_context_clear, the layers whose
+ * result depends on the whole batch behave as one device on the global batch would:
+ *
+ * - Batch norm in training mode with g of size > 1 is synchronised batch norm (PyTorch's
+ *   SyncBatchNorm): each channel's mean and biased variance are those of the global batch
+ *   (two all-reduces of per-channel sums, in rank order, so every rank gets the same bits),
+ *   running statistics are updated with the global unbiased variance, and backward
+ *   all-reduces the per-channel sums of dy and dy * (x - mean) before computing dx. It
+ *   issues collectives on g: every rank must run the same batch-norm layers in the same
+ *   order, forward and backward, while its context is set. The weight and bias gradients
+ *   stay local (DDP reduces them with the other parameters). Eval mode is unchanged.
+ * - Dropout draws element j of local row i from the Philox counter one device would use for
+ *   global row row0 + i (offset + (row0 + i) * row_numel + j) and then advances the
+ *   generator by global_rows * row_numel, as one device does for the whole batch. Each rank
+ *   must pass its own generator, with the same state on every rank (a Dropout module holds
+ *   its own copy, so replicas cloned from one model, or built with the same seed, qualify).
+ *
+ * DataParallel sets and clears the context itself around every replica's step. With DDP the
+ * caller sets it on each rank around forward and backward:
+ *   tdm_parallel_context_set(group, lo, B);
+ *   loss = loss_fn(tdm_ddp_forward(ddp, x_rows_lo_to_hi), ...);
+ *   tdm_ddp_backward(ddp, loss);
+ *   tdm_parallel_context_clear();
+ * g may be NULL (dropout matches one device; batch norm stays per rank). The group must
+ * outlive the context and any tape recorded under it. Returns TDM_OK, or TDM_ERR_ARG when
+ * row0 is not in [0, global_rows] (row0 == global_rows: an empty slice). */
+int tdm_parallel_context_set(tdm_group *g, int64_t row0, int64_t global_rows);
+/* Ends the calling thread's parallel context: layers act on the local batch alone again. */
+void tdm_parallel_context_clear(void);
+
 /* ---- DistributedDataParallel -------------------------------------------------------------- */
 
 typedef struct {
@@ -107,7 +168,10 @@ void tdm_ddp_free(tdm_ddp *d);
  * persistent thread. Every step scatters the batch's rows over the devices (uneven splits
  * included), runs forward, loss and backward on every replica at once, averages gradients
  * with the DDP buckets, and steps every replica's optimizer, so replicas stay identical
- * without being copied again. */
+ * without being copied again. Each replica's step runs under a parallel context
+ * (tdm_parallel_context_set), so batch norm is synchronised over the replicas and dropout
+ * draws one device's masks: the result is one device's on the whole batch for those layers
+ * too, running statistics included. */
 typedef struct tdm_dp tdm_dp;
 
 /* The loss of one replica's slice: the MEAN over its rows of out [b, ...] against target,

@@ -148,6 +148,24 @@ typedef struct tdm_backend {
                                const tdm_tensor *gy, const tdm_tensor *x,
                                const tdm_tensor *weight, const tdm_tensor *save_mean,
                                const tdm_tensor *save_invstd, bool training);
+    /* Synchronised batch norm in three kernels around the collectives (PyTorch's SyncBN
+     * split; x [N, C, S] as above, this rank's rows only; per-channel tensors [C], possibly
+     * views into one buffer that is all-reduced). The forward normalises with the batch_norm
+     * kernel in eval mode, given the global mean and biased variance as "running" stats.
+     * stats: sum[c] = sum of x over channel c when center is NULL, else the sum of
+     * (x - center[c])^2 (accumulated in double). */
+    int (*batch_norm_stats)(tdm_tensor *sum, const tdm_tensor *x, const tdm_tensor *center);
+    /* sum_dy[c] = sum of gy, sum_dy_xmu[c] = sum of gy * (x - mean[c]) over this rank's
+     * values; gb = sum_dy and gw = sum_dy_xmu * invstd (either may be NULL). */
+    int (*batch_norm_backward_reduce)(tdm_tensor *sum_dy, tdm_tensor *sum_dy_xmu, tdm_tensor *gw,
+                                      tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x,
+                                      const tdm_tensor *mean, const tdm_tensor *invstd);
+    /* gx = w*invstd * (gy - sum_dy/count - (x - mean) * invstd^2 * sum_dy_xmu/count), the
+     * sums being over every rank's values (count of them per channel); weight may be NULL. */
+    int (*batch_norm_backward_elemt)(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *x,
+                                     const tdm_tensor *weight, const tdm_tensor *mean,
+                                     const tdm_tensor *invstd, const tdm_tensor *sum_dy,
+                                     const tdm_tensor *sum_dy_xmu, double count);
     /* Normalises each row of x [rows, cols]; mean/rstd [rows]; weight/bias [cols] or NULL. */
     int (*layer_norm)(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,
                       const tdm_tensor *weight, const tdm_tensor *bias, float eps);

@@ -319,21 +319,40 @@ tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o) {
 /* ---- epochs and batches ------------------------------------------------------------------ */
 
 int tdm_loader_start_epoch(tdm_loader *l, int64_t epoch) {
+    return tdm_loader_start_epoch_at(l, epoch, 0);
+}
+
+int tdm_loader_position(const tdm_loader *l, int64_t *epoch, int64_t *batch) {
+    if (!l) return tdm_raise(TDM_ERR_ARG, "loader_position: NULL loader");
+    if (!l->started)
+        return tdm_raise(TDM_ERR_STATE, "loader_position: no epoch started on dataset '%s'",
+                         l->ds->name);
+    if (epoch) *epoch = l->epoch;
+    if (batch) *batch = l->next_consume;
+    return TDM_OK;
+}
+
+int tdm_loader_start_epoch_at(tdm_loader *l, int64_t epoch, int64_t batch) {
     if (!l) return tdm_raise(TDM_ERR_ARG, "loader_start_epoch: NULL loader");
     if (epoch < 0)
         return tdm_raise(TDM_ERR_ARG, "loader_start_epoch: epoch %lld is negative",
                          (long long)epoch);
+    if (batch < 0 || batch > l->nbatches)
+        return tdm_raise(TDM_ERR_ARG,
+                         "loader_start_epoch: batch %lld is not in [0, %lld] (batches per "
+                         "epoch of dataset '%s')",
+                         (long long)batch, (long long)l->nbatches, l->ds->name);
     halt_epoch(l);
     /* no build is in flight: the order can be rewritten */
     l->epoch = epoch;
     tdm_sampler_fill(l->indices, l->scratch, l->ds->n, l->o.shuffle, l->o.seed, epoch, l->o.rank,
                      l->o.world_size);
     l->started = true;
-    l->next_consume = 0;
+    l->next_consume = batch; /* batch k lives in slot k % nslots: any start works */
     l->failed = TDM_OK;
     if (l->nthreads > 0) {
         pthread_mutex_lock(&l->mu);
-        l->next_build = 0;
+        l->next_build = batch;
         l->active = true;
         pthread_cond_broadcast(&l->work_cv);
         pthread_mutex_unlock(&l->mu);

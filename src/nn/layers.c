@@ -249,14 +249,17 @@ tdm_module *tdm_layer_norm_new(int64_t features, float eps, bool affine, tdm_dev
 
 /* ---- Dropout ---------------------------------------------------------------------------- */
 
+/* The layer owns its generator state (a value, not a pointer): a clone copies it, so
+ * DataParallel replicas each advance their own copy, identically, instead of racing on one
+ * shared generator. */
 typedef struct {
     float p;
-    tdm_rng *rng; /* the caller's generator (must outlive the module), NULL: default */
+    tdm_rng rng;
 } dropout_impl;
 
 static tdm_tensor *dropout_forward(tdm_module *m, tdm_tensor *x) {
-    const dropout_impl *d = m->impl;
-    return tdm_dropout(x, d->p, m->training, d->rng);
+    dropout_impl *d = m->impl;
+    return tdm_dropout(x, d->p, m->training, &d->rng);
 }
 
 static const tdm_module_ops dropout_ops = {"Dropout", dropout_forward, destroy_impl};
@@ -264,7 +267,12 @@ static const tdm_module_ops dropout_ops = {"Dropout", dropout_forward, destroy_i
 tdm_module *tdm_dropout_new(float p, tdm_rng *rng) {
     if (!(p >= 0 && p <= 1))
         return tdm_raise_null(TDM_ERR_ARG, "Dropout: probability %g is not in [0, 1]", p);
-    dropout_impl d = {p, rng};
+    /* A stream of its own, seeded by one draw of the caller's generator (which moves on by
+     * one counter): two layers made from one generator never share masks. */
+    if (!rng) rng = tdm_default_rng();
+    uint32_t r[4];
+    tdm_philox(rng->seed, rng->offset++, 0, r);
+    dropout_impl d = {p, tdm_rng_make((uint64_t)r[0] | (uint64_t)r[1] << 32)};
     return new_with_impl(&dropout_ops, tdm_cpu(0), &d, sizeof d);
 }
 

@@ -160,6 +160,29 @@ int64_t tdm_optim_steps(const tdm_optim *o) {
     return o ? o->steps : 0;
 }
 
+void tdm_optim_set_steps(tdm_optim *o, int64_t steps) {
+    if (o && steps >= 0) o->steps = steps;
+}
+
+const char *tdm_optim_kind(const tdm_optim *o) {
+    if (!o) return "";
+    return o->kind == OPT_SGD ? "sgd" : o->adam.decoupled ? "adamw" : "adam";
+}
+
+int tdm_optim_state(tdm_optim *o, const char **names, tdm_tensor **tensors, int max) {
+    static const char *const sgd[] = {"momentum_buffer"};
+    static const char *const adam[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    if (!o) return 0;
+    int n = 0;
+    for (int i = 0; i < 3 && n < max; i++) {
+        if (!o->state[i]) continue;
+        if (names) names[n] = o->kind == OPT_SGD ? sgd[0] : adam[i];
+        if (tensors) tensors[n] = o->state[i];
+        n++;
+    }
+    return n;
+}
+
 void tdm_optim_free(tdm_optim *o) {
     if (!o) return;
     for (int i = 0; i < 3; i++) tdm_tensor_free(o->state[i]);

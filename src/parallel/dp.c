@@ -1,8 +1,13 @@
-/* DataParallel: one persistent thread and replica per device, driven by the caller's single
- * loop. A step hands each thread its rows of the batch; the threads run forward, loss and a
- * DDP backward (bucketed all-reduces over the threads group) and step their own optimizer.
- * Since every replica applies the same averaged gradient with the same arithmetic, replicas
- * stay bit-identical and are never copied after the start. */
+/* DataParallel: one replica per device, driven by the caller's single loop. Replica 0 runs
+ * on the caller's thread, every other one on a persistent thread of its own. A step hands
+ * each thread its rows of the batch; the replicas run forward, loss and a DDP backward
+ * (bucketed all-reduces over the threads group) and step their own optimizer. Since every
+ * replica applies the same averaged gradient with the same arithmetic, replicas stay
+ * bit-identical and are never copied after the start.
+ *
+ * Running replica 0 on the caller spares a thread handoff each way per step and puts the
+ * caller's core to work instead of asleep; with as many devices as cores, every core then
+ * runs exactly one replica. */
 #include "parallel/group.h"
 #include "autograd/tape.h"
 
@@ -11,8 +16,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define MAX_DEVICES 64
+/* Nanoseconds the caller spins for the other replicas after its own: they finish within
+ * microseconds of it (same work after the same all-reduce), sooner than a futex wake-up. */
+#ifndef DONE_SPIN_NS
+#define DONE_SPIN_NS 0
+#endif
 
 typedef struct {
     struct tdm_dp *dp;
@@ -32,6 +43,10 @@ struct tdm_dp {
     replica reps[MAX_DEVICES];
     tdm_threads_world *world;
     int blas_threads; /* restored at free */
+    /* the caller runs replica 0 pinned to its core: unpinned, the scheduler pulled it onto
+     * replica 1's core whenever replica 1 woke it (CNN steps took twice as long) */
+    pthread_t caller;
+    tdm_saved_affinity caller_affinity;
     tdm_module *model;
     tdm_optim_factory make_optim;
     void *optim_arg;
@@ -39,7 +54,8 @@ struct tdm_dp {
     pthread_mutex_t mu;
     pthread_cond_t go, done;
     uint64_t generation;
-    int finished;
+    atomic_int finished; /* replicas 1..n-1 done with the round (written under mu) */
+    int64_t done_spin_ns;
     bool quit;
     tdm_tensor *x, *y;
     tdm_loss_fn loss_fn;
@@ -52,7 +68,7 @@ static int replica_init(replica *r) {
     tdm_dp *dp = r->dp;
     tdm_group *g = tdm_threads_world_group(dp->world, r->rank);
     if (!g) return tdm_last_status();
-    tdm_pin_rank_thread(r->rank, dp->n);
+    if (r->rank > 0) tdm_pin_rank_thread(r->rank, dp->n);
     tdm_paramset *ps = tdm_module_parameters(r->replica);
     r->opt = ps ? dp->make_optim(ps, dp->optim_arg) : NULL;
     if (!r->opt) {
@@ -75,6 +91,8 @@ static int replica_step(replica *r) {
     tdm_device dev = dp->devices[r->rank];
     int64_t b = dp->x->shape[0], lo, hi;
     rows_of(b, dp->n, r->rank, &lo, &hi);
+    /* batch norm (synchronised) and dropout (global rows' masks) act as on one device */
+    tdm_parallel_context_set(tdm_threads_world_group(dp->world, r->rank), lo, b);
     tdm_scope_begin();
     tdm_tensor *xs = tdm_to_device(tdm_slice(dp->x, 0, lo, hi, 1), dev);
     tdm_tensor *ys = tdm_to_device(tdm_slice(dp->y, 0, lo, hi, 1), dev);
@@ -84,9 +102,12 @@ static int replica_step(replica *r) {
     tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
     int rc = tdm_optim_zero_grad(r->opt);
     if (!rc) rc = scaled ? tdm_ddp_backward(r->ddp, scaled) : tdm_last_status();
+    tdm_parallel_context_clear();
     if (!rc) rc = tdm_optim_step(r->opt);
     r->loss = rc ? NAN : tdm_item(loss);
     tdm_scope_end();
+    /* the others may wait for this replica at a collective: they fail now, not at timeout */
+    if (rc) tdm_group_abort(tdm_threads_world_group(dp->world, r->rank), tdm_last_error());
     return rc;
 }
 
@@ -99,8 +120,7 @@ static void *replica_main(void *arg) {
         pthread_mutex_lock(&dp->mu);
         r->rc = rc;
         if (rc) snprintf(r->err, sizeof r->err, "%s", tdm_last_error());
-        dp->finished++;
-        pthread_cond_broadcast(&dp->done);
+        if (atomic_fetch_add(&dp->finished, 1) == dp->n - 2) pthread_cond_signal(&dp->done);
         while (!dp->quit && dp->generation == seen) pthread_cond_wait(&dp->go, &dp->mu);
         seen = dp->generation;
         bool quit = dp->quit;
@@ -114,10 +134,33 @@ static void *replica_main(void *arg) {
     return NULL;
 }
 
+/* Replica 0's part of a round, on the caller's thread (whose grad mode may be off). */
+static void run_caller_replica(tdm_dp *dp, bool init) {
+    replica *r = &dp->reps[0];
+    bool prev = tdm_set_grad_enabled(true);
+    r->rc = init ? replica_init(r) : replica_step(r);
+    tdm_set_grad_enabled(prev);
+    if (r->rc) snprintf(r->err, sizeof r->err, "%s", tdm_last_error());
+    if (init && r->rc) tdm_group_abort(tdm_threads_world_group(dp->world, 0), r->err);
+}
+
 /* Waits until every replica has finished the current round; returns the first failure. */
 static int wait_round(tdm_dp *dp) {
+    int others = dp->n - 1;
+    if (others > 0 && dp->done_spin_ns > 0) {
+        struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (int i = 1; atomic_load(&dp->finished) < others; i++) {
+            tdm_cpu_relax();
+            if (i % 16) continue;
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) >
+                dp->done_spin_ns)
+                break;
+        }
+    }
     pthread_mutex_lock(&dp->mu);
-    while (dp->finished < dp->n) pthread_cond_wait(&dp->done, &dp->mu);
+    while (atomic_load(&dp->finished) < others) pthread_cond_wait(&dp->done, &dp->mu);
     int rc = TDM_OK;
     for (int i = 0; i < dp->n && !rc; i++)
         if (dp->reps[i].rc) {
@@ -160,6 +203,9 @@ tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
     pthread_mutex_init(&dp->mu, NULL);
     pthread_cond_init(&dp->go, NULL);
     pthread_cond_init(&dp->done, NULL);
+    atomic_init(&dp->finished, 0);
+    dp->done_spin_ns = n <= tdm_device_count(TDM_CPU) ? DONE_SPIN_NS : 0;
+    if (getenv("TDM_DONE_SPIN_NS")) dp->done_spin_ns = atoll(getenv("TDM_DONE_SPIN_NS")); /* EXPERIMENT */
     if (!(dp->world = tdm_threads_world_new(n, devices))) {
         free(dp);
         return NULL;
@@ -175,7 +221,7 @@ tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
             return NULL;
         }
     }
-    int started = 0;
+    int started = 1;
     for (; started < n; started++) {
         if (pthread_create(&dp->reps[started].thread, NULL, replica_main, &dp->reps[started]))
             break;
@@ -185,6 +231,9 @@ tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
         tdm_dp_free(dp);
         return tdm_raise_null(TDM_ERR_NOMEM, "data_parallel: could not start %d threads", n);
     }
+    dp->caller = pthread_self();
+    if (n > 1) tdm_pin_caller_thread(0, n, &dp->caller_affinity);
+    run_caller_replica(dp, true); /* with the others: tdm_ddp_new is collective */
     if (wait_round(dp)) {
         tdm_dp_free(dp);
         return NULL;
@@ -204,12 +253,20 @@ int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_
     if (x->shape[0] < dp->n)
         return tdm_raise(TDM_ERR_SHAPE, "data_parallel step: a batch of %lld rows cannot be "
                          "split over %d devices", (long long)x->shape[0], dp->n);
+    int start, end;
+    tdm_tape_nodes(&start, &end);
+    if (start < end) /* replica 0's backward would walk them and mark them done */
+        return tdm_raise(TDM_ERR_STATE, "data_parallel step: this thread has %d recorded "
+                         "operations that no backward has walked yet; replica 0 runs on the "
+                         "caller's thread, so step outside that graph (or with grad off)",
+                         end - start);
     pthread_mutex_lock(&dp->mu);
     dp->x = x, dp->y = target, dp->loss_fn = loss_fn, dp->loss_arg = loss_arg;
-    dp->finished = 0;
+    atomic_store(&dp->finished, 0);
     dp->generation++;
     pthread_cond_broadcast(&dp->go);
     pthread_mutex_unlock(&dp->mu);
+    run_caller_replica(dp, false);
     int rc = wait_round(dp);
     if (loss) {
         double sum = 0;
@@ -241,8 +298,12 @@ void tdm_dp_free(tdm_dp *dp) {
     dp->quit = true;
     pthread_cond_broadcast(&dp->go);
     pthread_mutex_unlock(&dp->mu);
-    for (int i = 0; i < dp->n; i++)
+    for (int i = 1; i < dp->n; i++)
         if (dp->reps[i].thread) pthread_join(dp->reps[i].thread, NULL);
+    tdm_ddp_free(dp->reps[0].ddp); /* replica 0's, made on the caller's thread */
+    tdm_optim_free(dp->reps[0].opt);
+    if (pthread_equal(dp->caller, pthread_self()))
+        tdm_restore_thread_affinity(&dp->caller_affinity);
     for (int i = 1; i < dp->n; i++) tdm_module_free(dp->reps[i].replica);
     tdm_threads_world_free(dp->world);
     tdm_blas_threads_restore(dp->blas_threads);

@@ -8,7 +8,7 @@
 #include <string.h>
 
 #define DEFAULT_TIMEOUT_S 60.0
-/* Rounds a waiter spins before sleeping (0: see SPINS in threads_group.c). */
+/* Rounds a waiter spins before sleeping (0: see BARRIER_SPIN_NS in threads_group.c). */
 #define WAIT_SPINS 0
 
 const char *tdm_coll_name(tdm_coll_kind k) {
@@ -108,7 +108,10 @@ static void work_put(tdm_work *w) {
 void tdm_work_finish(tdm_work *w, int status, const char *msg) {
     tdm_group *g = w->group;
     w->status = status;
-    snprintf(w->msg, sizeof w->msg, "%s", msg ? msg : "");
+    if (msg && msg[0])
+        snprintf(w->msg, sizeof w->msg, "%s", msg);
+    else
+        w->msg[0] = '\0';
     /* the store is under the lock so a waiter cannot check done and then miss the wake-up */
     pthread_mutex_lock(&g->lock);
     atomic_store_explicit(&w->done, 1, memory_order_release);
@@ -122,6 +125,8 @@ int tdm_work_wait(tdm_work *w) {
         return s != TDM_OK ? s : tdm_raise(TDM_ERR_ARG, "work_wait: NULL handle");
     }
     tdm_group *g = w->group;
+    if (g->ops->progress && !atomic_load_explicit(&w->done, memory_order_acquire))
+        g->ops->progress(g, w);
     for (int i = 0; i < WAIT_SPINS && !atomic_load_explicit(&w->done, memory_order_acquire); i++) {
         if (i % 64 == 63)
             sched_yield(); /* the communication thread may share this core */

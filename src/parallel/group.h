@@ -61,6 +61,10 @@ typedef struct tdm_group_ops {
     /* Marks this rank failed: every pending and future collective of every rank fails with
      * "rank R failed: message". */
     void (*abort)(tdm_group *g, const char *message);
+    /* Optional (NULL: the waiter just sleeps): called by tdm_work_wait while w is not done.
+     * The backend may run w, and the collectives launched before it, on the calling thread
+     * when it has not started them, sparing two thread handoffs. */
+    void (*progress)(tdm_group *g, tdm_work *w);
 } tdm_group_ops;
 
 struct tdm_group {
@@ -94,6 +98,15 @@ static inline void tdm_cpu_relax(void) {
 
 /* Pins the calling thread to the core of rank `rank` of n, where the machine allows. */
 void tdm_pin_rank_thread(int rank, int n);
+/* A thread's affinity as it was before tdm_pin_caller_thread (a cpu_set_t's bytes). */
+typedef struct {
+    bool saved;
+    unsigned char mask[128];
+} tdm_saved_affinity;
+/* tdm_pin_rank_thread for a thread that is not ours (the caller of DataParallel): its
+ * affinity is saved first, for tdm_restore_thread_affinity on the same thread. */
+void tdm_pin_caller_thread(int rank, int n, tdm_saved_affinity *saved);
+void tdm_restore_thread_affinity(const tdm_saved_affinity *saved);
 /* Makes BLAS single-threaded while n device threads fill the cores; returns the previous
  * thread count for tdm_blas_threads_restore. */
 int tdm_blas_threads_for_devices(int n);

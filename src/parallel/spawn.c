@@ -74,6 +74,26 @@ void tdm_pin_rank_thread(int rank, int n) {
     pin_to(core_for_rank(rank, n));
 }
 
+_Static_assert(sizeof(cpu_set_t) <= sizeof(((tdm_saved_affinity *)0)->mask),
+               "tdm_saved_affinity too small for a cpu_set_t");
+
+void tdm_pin_caller_thread(int rank, int n, tdm_saved_affinity *saved) {
+    saved->saved = false;
+    int cpu = core_for_rank(rank, n);
+    cpu_set_t prev;
+    if (cpu < 0 || pthread_getaffinity_np(pthread_self(), sizeof prev, &prev) != 0) return;
+    memcpy(saved->mask, &prev, sizeof prev);
+    saved->saved = true;
+    pin_to(cpu);
+}
+
+void tdm_restore_thread_affinity(const tdm_saved_affinity *saved) {
+    cpu_set_t prev;
+    if (!saved->saved) return;
+    memcpy(&prev, saved->mask, sizeof prev);
+    (void)pthread_setaffinity_np(pthread_self(), sizeof prev, &prev);
+}
+
 int tdm_blas_threads_for_devices(int n) {
     int prev = openblas_get_num_threads();
     /* devices that fill the cores each make their own BLAS calls: BLAS threads would only

@@ -2,8 +2,16 @@
  * each other's tensors directly (this is the CPU collectives backend: it touches tensor
  * memory, like a kernel).
  *
- * Each rank has a communication thread that runs its collectives in launch order, so
- * tdm_all_reduce returns at once and the rank keeps computing. A collective is three steps:
+ * Each rank's collectives run in launch order, one at a time, on one of two threads:
+ *   - the thread that waits for it (tdm_work_wait), when nobody has started it: the common
+ *     case when ranks fill the cores (DDP waits for its last bucket right after launching it),
+ *     and it spares the two thread handoffs (launch -> communication thread -> waiter) that
+ *     cost more than a small all-reduce itself;
+ *   - the rank's communication thread, so tdm_all_reduce returns at once and the rank keeps
+ *     computing. It starts at launch when cores are to spare (overlap is then free), and
+ *     otherwise as soon as a peer waits for this rank at a barrier: a collective progresses
+ *     as soon as any rank waits for it, whatever the others do meanwhile.
+ * A collective is three steps:
  *   1. rendezvous: each rank publishes its buffers (a tdm_coll) and waits at the barrier;
  *   2. work: rank r handles chunk r of the data for every rank;
  *   3. barrier: nobody returns (and lets its caller touch the buffer) while a peer may still
@@ -27,11 +35,13 @@
 #include <string.h>
 #include <time.h>
 
-/* Spin rounds (~65 cycles each) before a barrier or an idle worker sleeps. 0: spinning
- * threads that share a core with a pinned device thread stalled DataParallel steps for whole
- * 4 ms scheduler ticks on the 2-core VM (median step 4 ms vs 70 us without), while a condvar
- * round trip costs ~6 us there. */
-#define SPINS 0
+/* Nanoseconds a rank spins at a barrier before it sleeps, when ranks do not outnumber cores.
+ * Short and bounded, with no sched_yield: unbounded spinning threads that shared a core with
+ * a pinned device thread stalled DataParallel steps for whole 4 ms scheduler ticks on the
+ * 2-core VM; a futex sleep and wake-up costs a few microseconds there. */
+#ifndef BARRIER_SPIN_NS
+#define BARRIER_SPIN_NS 0
+#endif
 /* floats per reduction block: the accumulator (8 KiB) stays in L1 */
 #define RED_BLK 2048
 /* bytes per copy block: the source block stays in L2 while it goes to every rank */
@@ -44,11 +54,12 @@ typedef struct trank {
     tdm_threads_world *w;
     pthread_t thread;
     bool started;
-    /* launch queue, FIFO */
+    /* launch queue, FIFO, and who runs it: everything under qlock */
     pthread_mutex_t qlock;
-    pthread_cond_t qcond;
+    pthread_cond_t qcond; /* wakes the communication thread */
     tdm_work *head, *tail;
-    atomic_int queued; /* queue length, for the spinning worker */
+    bool busy; /* one of this rank's collectives is running (communication thread or inline) */
+    bool kick; /* the communication thread should run the queue: a peer waits for this rank */
     bool stop;
     /* this rank's current collective, read by peers between its two barriers */
     tdm_coll slot;
@@ -59,9 +70,12 @@ typedef struct trank {
 struct tdm_threads_world {
     int n;
     trank *ranks;
+    bool eager;      /* cores to spare: communication threads start each collective at launch */
+    int64_t spin_ns; /* BARRIER_SPIN_NS, or 0 when ranks outnumber cores */
     /* generation-counted barrier */
     atomic_uint arrived;
     atomic_ulong gen;
+    atomic_int sleepers;  /* ranks asleep at the barrier: the last arriver wakes them */
     pthread_mutex_t lock; /* sleepers of the barrier, and the failure record */
     pthread_cond_t cond;
     /* failure: fail_msg is written once, before failed is set (release) */
@@ -96,11 +110,10 @@ static void threads_abort(tdm_group *g, const char *message) {
     pthread_mutex_unlock(&w->lock);
 }
 
-static void spin_round(int i) {
-    if (i % 64 == 63)
-        sched_yield(); /* ranks may outnumber cores */
-    else
-        tdm_cpu_relax();
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
 static struct timespec deadline_after(double seconds) {
@@ -129,6 +142,34 @@ static void fail_timeout_locked(trank *me, unsigned long my_count) {
         fail_locked(w, "timed out after %s s at a barrier", secs);
 }
 
+/* Launches are lazy when cores are scarce: a rank that has not reached the barrier I wait at
+ * but holds queued collectives that nobody runs gets its communication thread started. */
+static void kick_absent(trank *me, unsigned long my_count) {
+    tdm_threads_world *w = me->w;
+    for (int k = 0; k < w->n; k++) {
+        trank *t = &w->ranks[k];
+        if (t == me || atomic_load(&t->arrivals) >= my_count) continue;
+        pthread_mutex_lock(&t->qlock);
+        if (t->head && !t->kick) {
+            t->kick = true;
+            if (!t->busy) pthread_cond_signal(&t->qcond);
+        }
+        pthread_mutex_unlock(&t->qlock);
+    }
+}
+
+/* Spins up to w->spin_ns for the generation to move. true: it moved, or the world failed. */
+static bool spin_wait(tdm_threads_world *w, unsigned long gen) {
+    if (w->spin_ns <= 0) return false;
+    int64_t until = now_ns() + w->spin_ns;
+    for (int i = 1;; i++) {
+        if (atomic_load_explicit(&w->gen, memory_order_acquire) != gen || has_failed(w))
+            return true;
+        tdm_cpu_relax();
+        if (i % 16 == 0 && now_ns() > until) return false;
+    }
+}
+
 /* Waits until every rank has arrived. 0, or -1 once the world has failed. */
 static int world_barrier(trank *me) {
     tdm_threads_world *w = me->w;
@@ -136,29 +177,33 @@ static int world_barrier(trank *me) {
     /* gen cannot move before I arrive, so this is the generation I wait to see change */
     unsigned long gen = atomic_load_explicit(&w->gen, memory_order_acquire);
     if (has_failed(w)) return -1;
-    if (atomic_fetch_add_explicit(&w->arrived, 1, memory_order_acq_rel) == (unsigned)w->n - 1) {
+    /* seq_cst: a launch that misses this arrival is seen by kick_absent (both hold qlock) */
+    if (atomic_fetch_add(&w->arrived, 1) == (unsigned)w->n - 1) {
         atomic_store_explicit(&w->arrived, 0, memory_order_relaxed);
-        pthread_mutex_lock(&w->lock);
-        atomic_store_explicit(&w->gen, gen + 1, memory_order_release);
-        pthread_cond_broadcast(&w->cond);
-        pthread_mutex_unlock(&w->lock);
+        /* seq_cst store then load, against the sleeper's increment then load: either it sees
+         * the new generation or I see it and wake it under the lock */
+        atomic_store(&w->gen, gen + 1);
+        if (atomic_load(&w->sleepers) > 0) {
+            pthread_mutex_lock(&w->lock);
+            pthread_cond_broadcast(&w->cond);
+            pthread_mutex_unlock(&w->lock);
+        }
         return 0;
     }
-    for (int i = 0; i < SPINS; i++) {
-        if (atomic_load_explicit(&w->gen, memory_order_acquire) != gen) return 0;
-        if (has_failed(w)) return -1;
-        spin_round(i);
+    kick_absent(me, my_count);
+    if (!spin_wait(w, gen)) {
+        struct timespec until = deadline_after(tdm_group_timeout(&me->g));
+        pthread_mutex_lock(&w->lock);
+        atomic_fetch_add(&w->sleepers, 1);
+        while (atomic_load(&w->gen) == gen && !has_failed(w)) {
+            if (pthread_cond_timedwait(&w->cond, &w->lock, &until) == ETIMEDOUT &&
+                atomic_load(&w->gen) == gen)
+                fail_timeout_locked(me, my_count);
+        }
+        atomic_fetch_sub(&w->sleepers, 1);
+        pthread_mutex_unlock(&w->lock);
     }
-    struct timespec until = deadline_after(tdm_group_timeout(&me->g));
-    pthread_mutex_lock(&w->lock);
-    while (atomic_load_explicit(&w->gen, memory_order_acquire) == gen && !has_failed(w)) {
-        if (pthread_cond_timedwait(&w->cond, &w->lock, &until) == ETIMEDOUT &&
-            atomic_load_explicit(&w->gen, memory_order_acquire) == gen)
-            fail_timeout_locked(me, my_count);
-    }
-    int rc = atomic_load_explicit(&w->gen, memory_order_acquire) != gen ? 0 : -1;
-    pthread_mutex_unlock(&w->lock);
-    return rc;
+    return atomic_load_explicit(&w->gen, memory_order_acquire) != gen ? 0 : -1;
 }
 
 /* ---- the data movement ---------------------------------------------------------------------- */
@@ -299,7 +344,10 @@ static int check_slots(trank *me) {
 static int run(trank *me, const tdm_coll *c, char *msg) {
     tdm_threads_world *w = me->w;
     int rc = -1;
-    if (!has_failed(w)) {
+    bool in_place = c->kind == TDM_COLL_ALL_REDUCE || c->kind == TDM_COLL_BROADCAST;
+    if (w->n == 1 && (in_place || c->kind == TDM_COLL_BARRIER)) {
+        rc = has_failed(w) ? -1 : 0; /* one rank: x / 1 is x, so there is nothing to do */
+    } else if (!has_failed(w)) {
         me->slot = *c;
         rc = world_barrier(me);
         if (!rc && c->kind != TDM_COLL_BARRIER) {
@@ -331,45 +379,96 @@ static int run(trank *me, const tdm_coll *c, char *msg) {
     return TDM_ERR_COMM;
 }
 
-/* ---- communication threads -------------------------------------------------------------- */
+/* ---- who runs a rank's queue: its communication thread, or the thread that waits ---------- */
 
-/* The next queued collective, or NULL once the world is being freed and the queue is empty. */
-static tdm_work *dequeue(trank *me) {
-    for (int i = 0; i < SPINS && atomic_load_explicit(&me->queued, memory_order_relaxed) == 0; i++)
-        spin_round(i);
-    pthread_mutex_lock(&me->qlock);
-    while (!me->head && !me->stop) pthread_cond_wait(&me->qcond, &me->qlock);
+static void run_one(trank *me, tdm_work *wk) {
+    char msg[TDM_WORK_MSG];
+    msg[0] = '\0';
+    int status = run(me, &wk->c, msg);
+    tdm_work_finish(wk, status, msg);
+}
+
+/* Takes the head of the queue to run it (caller holds qlock, the queue is not empty and
+ * nobody else runs one of this rank's collectives). */
+static tdm_work *take_locked(trank *me) {
     tdm_work *wk = me->head;
-    if (wk) {
-        me->head = wk->next;
-        if (!me->head) me->tail = NULL;
-        atomic_fetch_sub_explicit(&me->queued, 1, memory_order_relaxed);
-    }
-    pthread_mutex_unlock(&me->qlock);
+    me->head = wk->next;
+    if (!me->head) me->tail = NULL;
+    me->busy = true;
     return wk;
+}
+
+/* After a collective: hands the rest of the queue to the communication thread if a peer
+ * waits for it or the world is being freed. Caller holds qlock. */
+static void release_locked(trank *me) {
+    me->busy = false;
+    if (!me->head)
+        me->kick = false;
+    else if (me->kick || me->stop)
+        pthread_cond_signal(&me->qcond);
 }
 
 static void *comm_main(void *arg) {
     trank *me = arg;
-    char msg[TDM_WORK_MSG];
-    for (tdm_work *wk; (wk = dequeue(me));) {
-        msg[0] = '\0';
-        int status = run(me, &wk->c, msg);
-        tdm_work_finish(wk, status, msg);
+    pthread_mutex_lock(&me->qlock);
+    for (;;) {
+        while (!(me->head && !me->busy && (me->kick || me->stop)) && !(me->stop && !me->head))
+            pthread_cond_wait(&me->qcond, &me->qlock);
+        if (!me->head) break; /* stopping, and nothing is left */
+        tdm_work *wk = take_locked(me);
+        pthread_mutex_unlock(&me->qlock);
+        run_one(me, wk);
+        pthread_mutex_lock(&me->qlock);
+        release_locked(me);
     }
+    pthread_mutex_unlock(&me->qlock);
     return NULL;
+}
+
+static bool queued_locked(const trank *me, const tdm_work *wk) {
+    for (const tdm_work *q = me->head; q; q = q->next)
+        if (q == wk) return true;
+    return false;
+}
+
+/* tdm_work_wait's hook: runs wk, and the collectives queued before it, on the waiting thread
+ * unless the communication thread already runs one of them; then it is told to go on. */
+static void threads_progress(tdm_group *g, tdm_work *wk) {
+    trank *me = (trank *)g;
+    pthread_mutex_lock(&me->qlock);
+    while (queued_locked(me, wk)) {
+        if (me->busy) {
+            me->kick = true; /* whoever runs now hands the queue on when done */
+            break;
+        }
+        tdm_work *q = take_locked(me);
+        pthread_mutex_unlock(&me->qlock);
+        run_one(me, q); /* wk may be finished (and then recycled) from here on */
+        pthread_mutex_lock(&me->qlock);
+        release_locked(me);
+        if (q == wk) break;
+    }
+    pthread_mutex_unlock(&me->qlock);
 }
 
 static int threads_launch(tdm_group *g, tdm_work *wk) {
     trank *me = (trank *)g;
+    tdm_threads_world *w = me->w;
+    if (w->n == 1) { /* nothing to wait for: done before the caller sees the handle */
+        run_one(me, wk);
+        return TDM_OK;
+    }
     pthread_mutex_lock(&me->qlock);
     if (me->tail)
         me->tail->next = wk;
     else
         me->head = wk;
     me->tail = wk;
-    atomic_fetch_add_explicit(&me->queued, 1, memory_order_relaxed);
-    pthread_cond_signal(&me->qcond);
+    /* seq_cst load: see world_barrier. A peer already waiting needs this collective now. */
+    if (w->eager || atomic_load(&w->arrived) > 0) {
+        me->kick = true;
+        if (!me->busy) pthread_cond_signal(&me->qcond);
+    }
     pthread_mutex_unlock(&me->qlock);
     return TDM_OK;
 }
@@ -378,6 +477,7 @@ static const tdm_group_ops threads_ops = {
     .name = "threads",
     .launch = threads_launch,
     .abort = threads_abort,
+    .progress = threads_progress,
 };
 
 /* ---- the world ------------------------------------------------------------------------------ */
@@ -394,8 +494,13 @@ tdm_threads_world *tdm_threads_world_new(int n, const tdm_device *devs) {
     }
     w->n = n;
     w->ranks = ranks;
+    int cores = tdm_device_count(TDM_CPU);
+    w->eager = 2 * n <= cores;
+    w->spin_ns = n <= cores ? BARRIER_SPIN_NS : 0;
+    if (getenv("TDM_SPIN_NS")) w->spin_ns = atoll(getenv("TDM_SPIN_NS")); /* EXPERIMENT */
     atomic_init(&w->arrived, 0);
     atomic_init(&w->gen, 0);
+    atomic_init(&w->sleepers, 0);
     atomic_init(&w->failed, 0);
     pthread_mutex_init(&w->lock, NULL);
     pthread_condattr_t ca;
@@ -410,7 +515,6 @@ tdm_threads_world *tdm_threads_world_new(int n, const tdm_device *devs) {
         t->w = w;
         pthread_mutex_init(&t->qlock, NULL);
         pthread_cond_init(&t->qcond, NULL);
-        atomic_init(&t->queued, 0);
         atomic_init(&t->arrivals, 0);
     }
     for (int r = 0; r < n; r++) {

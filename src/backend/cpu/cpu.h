@@ -59,6 +59,14 @@ int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                 const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
                                 const tdm_tensor *save_mean, const tdm_tensor *save_invstd,
                                 bool training);
+int tdm_cpu_batch_norm_stats(tdm_tensor *sum, const tdm_tensor *x, const tdm_tensor *center);
+int tdm_cpu_batch_norm_backward_reduce(tdm_tensor *sum_dy, tdm_tensor *sum_dy_xmu, tdm_tensor *gw,
+                                       tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x,
+                                       const tdm_tensor *mean, const tdm_tensor *invstd);
+int tdm_cpu_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *x,
+                                      const tdm_tensor *weight, const tdm_tensor *mean,
+                                      const tdm_tensor *invstd, const tdm_tensor *sum_dy,
+                                      const tdm_tensor *sum_dy_xmu, double count);
 int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,
                        const tdm_tensor *weight, const tdm_tensor *bias, float eps);
 int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,

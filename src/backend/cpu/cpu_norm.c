@@ -172,6 +172,77 @@ int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
     return TDM_OK;
 }
 
+/* ---- synchronised batch norm: this rank's share of the statistics ---- */
+
+int tdm_cpu_batch_norm_stats(tdm_tensor *sum, const tdm_tensor *x, const tdm_tensor *center) {
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    const float *xp = cf(x), *ctr = cf(center);
+    float *out = mf(sum);
+    double acc[BN_BLOCK];
+    for (int64_t c0 = 0; c0 < C; c0 += BN_BLOCK) {
+        int nb = (int)(C - c0 < BN_BLOCK ? C - c0 : BN_BLOCK);
+        for (int j = 0; j < nb; j++) acc[j] = 0;
+        for (int64_t n = 0; n < N; n++)
+            for (int j = 0; j < nb; j++) {
+                const float *p = xp + (n * C + c0 + j) * S;
+                acc[j] += ctr ? simd_sq_dev(p, S, ctr[c0 + j]) : simd_sum(p, S);
+            }
+        for (int j = 0; j < nb; j++) out[c0 + j] = (float)acc[j];
+    }
+    return TDM_OK;
+}
+
+int tdm_cpu_batch_norm_backward_reduce(tdm_tensor *sum_dy, tdm_tensor *sum_dy_xmu, tdm_tensor *gw,
+                                       tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x,
+                                       const tdm_tensor *mean, const tdm_tensor *invstd) {
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    const float *xp = cf(x), *g = cf(gy), *sm = cf(mean), *si = cf(invstd);
+    float *sdy = mf(sum_dy), *sdx = mf(sum_dy_xmu), *gwp = mf(gw), *gbp = mf(gb);
+    double sg[BN_BLOCK], sgx[BN_BLOCK];
+    for (int64_t c0 = 0; c0 < C; c0 += BN_BLOCK) {
+        int nb = (int)(C - c0 < BN_BLOCK ? C - c0 : BN_BLOCK);
+        for (int j = 0; j < nb; j++) sg[j] = sgx[j] = 0;
+        for (int64_t n = 0; n < N; n++)
+            for (int j = 0; j < nb; j++) {
+                int64_t base = (n * C + c0 + j) * S;
+                float a1, a2;
+                sum_g_gdev(g + base, xp + base, S, sm[c0 + j], &a1, &a2);
+                sg[j] += a1;
+                sgx[j] += a2;
+            }
+        for (int j = 0; j < nb; j++) {
+            int64_t c = c0 + j;
+            sdy[c] = (float)sg[j];
+            sdx[c] = (float)sgx[j];
+            if (gbp) gbp[c] = (float)sg[j];
+            if (gwp) gwp[c] = (float)(sgx[j] * si[c]);
+        }
+    }
+    return TDM_OK;
+}
+
+int tdm_cpu_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *x,
+                                      const tdm_tensor *weight, const tdm_tensor *mean,
+                                      const tdm_tensor *invstd, const tdm_tensor *sum_dy,
+                                      const tdm_tensor *sum_dy_xmu, double count) {
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    const float *xp = cf(x), *g = cf(gy), *w = cf(weight), *sm = cf(mean), *si = cf(invstd),
+                *sdy = cf(sum_dy), *sdx = cf(sum_dy_xmu);
+    float *gxp = mf(gx);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t c = 0; c < C; c++) {
+            int64_t base = (n * C + c) * S;
+            float inv = si[c];
+            float mg = (float)((double)sdy[c] / count);
+            float k = (float)((double)sdx[c] / count) * inv * inv;
+            centred_grad(gxp + base, g + base, xp + base, S, sm[c], mg, k, inv * (w ? w[c] : 1.0f));
+        }
+    return TDM_OK;
+}
+
 /* ---- layer norm: rows of x [rows, cols]; rows = numel(mean) ---- */
 
 int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,

@@ -1,0 +1,153 @@
+/* Tandem input/output: safetensors files, model weights by PyTorch's names, and training
+ * checkpoints that resume a run exactly.
+ *
+ * safetensors (https://github.com/huggingface/safetensors): an 8-byte little-endian header
+ * length N, then N bytes of JSON, {"name": {"dtype": "F32", "shape": [2, 3],
+ * "data_offsets": [begin, end]}, ..., "__metadata__": {"key": "value"}}, then the raw
+ * little-endian data; offsets count from the first byte after the header. Files written here
+ * are read by Python's `safetensors` and so by PyTorch (`load_state_dict`), and files they
+ * write are read here.
+ *
+ * Reading never trusts the file: the header length must fit in the file, the JSON must parse
+ * (duplicate names and invalid UTF-8 are rejected), every dtype must be known, every shape
+ * must agree with its byte range, and the byte ranges must tile the data exactly (no overlap,
+ * no gap, nothing past the end). A violation is TDM_ERR_FORMAT with a message naming the file
+ * and the tensor; no allocation is larger than the file justifies.
+ *
+ * Writing is atomic: the data goes to a temporary file in the same directory, which is
+ * flushed to disk (fsync) and renamed over the destination, and the directory is flushed
+ * too. A crash at any point leaves either the old file or the new one, never a mix.
+ *
+ * Errors follow tensor.h: functions return TDM_OK or a negative tdm_status (NULL for
+ * pointers) and tdm_last_error() says what went wrong and where.
+ */
+#ifndef TANDEM_IO_H
+#define TANDEM_IO_H
+
+#include "data.h"
+#include "nn.h"
+#include "optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- safetensors files ------------------------------------------------------------------- */
+
+/* One tensor to write: its name (any UTF-8 text except "__metadata__"; names must be
+ * distinct) and its values (any device, any strides; f32, i32 or i64). */
+typedef struct {
+    const char *name;
+    const tdm_tensor *tensor;
+} tdm_named_tensor;
+
+/* A key/value pair of the header's "__metadata__" (both UTF-8 strings). */
+typedef struct {
+    const char *key;
+    const char *value;
+} tdm_meta;
+
+/* Writes n tensors and n_meta metadata entries (meta may be NULL when n_meta is 0) to path,
+ * atomically (see above). The data of tensor i follows that of tensor i-1, each aligned as
+ * the format expects (the header is padded with spaces to a multiple of 8 bytes). Fails
+ * with TDM_ERR_ARG for a NULL, repeated or reserved name, TDM_ERR_IO naming the path for a
+ * file that cannot be written; path is then left as it was. */
+int tdm_safetensors_save(const char *path, const tdm_named_tensor *ts, int n, const tdm_meta *meta,
+                         int n_meta);
+
+/* An opened, validated safetensors file. The header is read and checked when it is opened;
+ * tensor data is read on demand. */
+typedef struct tdm_safetensors tdm_safetensors;
+
+/* Opens and validates path. Returns NULL and TDM_ERR_IO (cannot open or read) or
+ * TDM_ERR_FORMAT (malformed: the message names the file and, where one is at fault, the
+ * tensor). The caller closes the result with tdm_safetensors_close. */
+tdm_safetensors *tdm_safetensors_open(const char *path);
+/* The same from n bytes of memory (which must outlive the result; not copied). what names the
+ * bytes in messages (e.g. a file name). For parsers of received data and fuzzing. */
+tdm_safetensors *tdm_safetensors_open_memory(const void *data, size_t n, const char *what);
+/* Releases f (and closes its file). NULL is allowed. */
+void tdm_safetensors_close(tdm_safetensors *f);
+
+/* Number of tensors in f, and the name of tensor i (0 <= i < count; owned by f; in the
+ * order of their data in the file). */
+int tdm_safetensors_count(const tdm_safetensors *f);
+const char *tdm_safetensors_name(const tdm_safetensors *f, int i);
+/* The index of the tensor called name, or -1 (no error raised). */
+int tdm_safetensors_find(const tdm_safetensors *f, const char *name);
+/* The safetensors dtype string of tensor i ("F32", "BF16", "I64", ...), and its shape. The
+ * file may hold dtypes Tandem does not compute in (F16, BF16, F64, U8, ...): they are valid
+ * here but tdm_safetensors_read refuses them. */
+const char *tdm_safetensors_dtype(const tdm_safetensors *f, int i);
+tdm_shape tdm_safetensors_shape(const tdm_safetensors *f, int i);
+/* The Tandem dtype of tensor i through *dt: TDM_OK for F32, I32 and I64, TDM_ERR_DTYPE
+ * naming the file, the tensor and its dtype otherwise. */
+int tdm_safetensors_tdm_dtype(const tdm_safetensors *f, int i, tdm_dtype *dt);
+/* The value of metadata key, or NULL when absent. Owned by f. */
+const char *tdm_safetensors_meta(const tdm_safetensors *f, const char *key);
+
+/* Reads tensor name into dst, which must have its shape and dtype (any device and strides):
+ * TDM_ERR_ARG when the name is absent, TDM_ERR_SHAPE / TDM_ERR_DTYPE naming both sides when
+ * they differ, TDM_ERR_IO when the file cannot be read. dst is unchanged on failure. */
+int tdm_safetensors_read(tdm_safetensors *f, const char *name, tdm_tensor *dst);
+/* Tensor name as a new tensor on dev (owned like any new tensor: by the open scope, or the
+ * caller). NULL and an error as for tdm_safetensors_read. */
+tdm_tensor *tdm_safetensors_load(tdm_safetensors *f, const char *name, tdm_device dev);
+
+/* ---- model weights ----------------------------------------------------------------------- */
+
+/* Saves m's parameters and buffers under their full PyTorch names ("1.weight",
+ * "features.0.running_mean") with metadata {"format": "pt"} plus meta, atomically, so
+ * `model.load_state_dict(safetensors.torch.load_file(path))` restores them in PyTorch. */
+int tdm_weights_save(const char *path, tdm_module *m, const tdm_meta *meta, int n_meta);
+/* Loads every parameter and buffer of m from path. Strict: a name of m missing from the
+ * file, a tensor of the file that m does not have, or a shape or dtype that differs is
+ * TDM_ERR_FORMAT with a message listing each of them (missing, unexpected, different); m is
+ * then left unchanged. Values go to m's device. */
+int tdm_weights_load(const char *path, tdm_module *m);
+/* Same from an opened file (e.g. a checkpoint's). */
+int tdm_weights_load_from(tdm_safetensors *f, tdm_module *m);
+
+/* ---- training checkpoints ---------------------------------------------------------------- */
+
+/* What a checkpoint saves and restores. Each pointer may be NULL, leaving that part out. */
+typedef struct {
+    tdm_module *model;  /* weights: model.safetensors */
+    tdm_optim *optim;   /* moments per parameter, step count, kind and learning rate */
+    tdm_loader *loader; /* epoch and the batches of it already consumed */
+    tdm_rng *rng;       /* a generator's seed and offset (e.g. tdm_default_rng()) */
+    int64_t step;       /* optimizer steps taken in the run: the LR schedule's position */
+    /* Extra string metadata of the caller, saved as "user.<key>" in train_state.safetensors
+     * and read back with tdm_checkpoint_meta (ignored by tdm_checkpoint_load). */
+    const tdm_meta *meta;
+    int n_meta;
+} tdm_train_state;
+
+/* Writes checkpoint `step` into dir (created if missing) as the directory
+ * dir/ckpt-<step, 10 digits>/ holding model.safetensors (the weights, exactly as
+ * tdm_weights_save writes them, so PyTorch loads them) and train_state.safetensors (the
+ * optimizer's moments as "optim.<param name>.<exp_avg|exp_avg_sq|max_exp_avg_sq|
+ * momentum_buffer>" tensors; positions, RNG and caller metadata in __metadata__). Both files
+ * are written into a temporary directory, flushed, and the directory is renamed into place:
+ * a crash leaves the previous checkpoints intact. Then all but the newest keep checkpoints
+ * are removed (keep <= 0 keeps all). An existing ckpt-<step> is replaced. */
+int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep);
+/* The newest complete checkpoint in dir: writes its path into path (cap bytes) and its step
+ * into *step (may be NULL). Returns 1 when found, 0 when dir holds none (or does not exist),
+ * or a negative status. */
+int tdm_checkpoint_latest(const char *dir, char *path, size_t cap, int64_t *step);
+/* Restores from checkpoint directory path (as written by tdm_checkpoint_save) whatever s
+ * points to: the model's weights (strictly, as tdm_weights_load), the optimizer's moments,
+ * step count and learning rate (its kind and parameter names must match), the loader
+ * (restarted at the saved epoch and batch with tdm_loader_start_epoch_at), the generator,
+ * and s->step. Everything is validated before anything is changed. */
+int tdm_checkpoint_load(const char *path, tdm_train_state *s);
+/* The caller metadata `key` (as given in tdm_train_state.meta) of checkpoint directory path,
+ * copied into out (cap bytes, truncated to fit). Returns 1 when present, 0 when absent, or a
+ * negative status when the checkpoint cannot be read. */
+int tdm_checkpoint_meta(const char *path, const char *key, char *out, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,68 @@
+/* Atomic file replacement: write a temporary file in the destination's directory, fsync it,
+ * rename it over the destination, fsync the directory. A crash at any moment leaves the old
+ * file or the new one; the rename is the commit point, and the directory fsync makes the
+ * rename itself durable. */
+#define _GNU_SOURCE /* mkostemp */
+#include "io/io_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void tdm_io_dirname(const char *path, char *dir, size_t cap) {
+    const char *slash = strrchr(path, '/');
+    if (!slash)
+        snprintf(dir, cap, ".");
+    else if (slash == path)
+        snprintf(dir, cap, "/");
+    else
+        snprintf(dir, cap, "%.*s", (int)(slash - path), path);
+}
+
+int tdm_io_fsync_dir(const char *dir) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return tdm_raise(TDM_ERR_IO, "cannot open directory '%s': %s", dir, strerror(errno));
+    int rc = fsync(fd) == 0 || errno == EINVAL ? TDM_OK
+                                               : tdm_raise(TDM_ERR_IO,
+                                                           "cannot flush directory "
+                                                           "'%s': %s",
+                                                           dir, strerror(errno));
+    close(fd);
+    return rc;
+}
+
+int tdm_io_temp_open(const char *path, char *tmp, size_t cap) {
+    int n = snprintf(tmp, cap, "%s.tmp-XXXXXX", path);
+    if (n < 0 || (size_t)n >= cap) {
+        tdm_raise(TDM_ERR_IO, "cannot write '%.200s': path too long", path);
+        return -1;
+    }
+    int fd = mkostemp(tmp, O_CLOEXEC);
+    if (fd < 0) {
+        tdm_raise(TDM_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
+        return -1;
+    }
+    fchmod(fd, 0644); /* mkstemp's 0600 would make weights unreadable to other users */
+    return fd;
+}
+
+int tdm_io_temp_commit(int fd, const char *tmp, const char *path, int rc) {
+    if (!rc && fsync(fd) != 0)
+        rc = tdm_raise(TDM_ERR_IO, "cannot flush '%s' to disk: %s", path, strerror(errno));
+    if (close(fd) != 0 && !rc)
+        rc = tdm_raise(TDM_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
+    if (!rc && rename(tmp, path) != 0)
+        rc = tdm_raise(TDM_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
+    if (rc) {
+        unlink(tmp);
+        return rc;
+    }
+    char dir[4096];
+    tdm_io_dirname(path, dir, sizeof dir);
+    return tdm_io_fsync_dir(dir);
+}

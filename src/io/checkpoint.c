@@ -1,0 +1,565 @@
+/* Model weights by PyTorch's names, and training checkpoints.
+ *
+ * A checkpoint is a directory DIR/ckpt-<step>/ with two safetensors files:
+ *   model.safetensors        the state_dict (parameters and buffers), metadata {"format":"pt"}
+ *   train_state.safetensors  "optim.<param>.<state>" tensors (PyTorch's state names) and, in
+ *                            __metadata__, everything else as decimal or hex-float strings:
+ *                            tandem.checkpoint (format version), step, optim.kind, optim.steps,
+ *                            optim.lr, loader.epoch, loader.batch, rng.seed, rng.offset, and
+ *                            the caller's entries prefixed "user.".
+ * Both are written into DIR/.ckpt-<step>.tmp, flushed, and that directory is renamed into
+ * place, so a checkpoint either exists whole or not at all. Values are stored bit for bit
+ * (floats as hex), so a resumed run continues exactly.
+ *
+ * Loading validates everything (names, shapes, dtypes, kinds, numbers) before changing
+ * anything, so a bad checkpoint leaves the model and the optimizer as they were.
+ */
+#include "io/io_internal.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define CKPT_VERSION "1"
+#define MAX_STATE    3
+#define MAX_META     64
+
+/* ---- the model's named tensors ------------------------------------------------------------- */
+
+/* Parameters then buffers of m, named. *out is malloc'd (caller frees). */
+static int model_tensors(tdm_module *m, tdm_named_tensor **out, int *n, const char *op) {
+    if (!m) return tdm_raise(TDM_ERR_ARG, "%s: model is NULL", op);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_bufferset *bs = ps ? tdm_module_buffers(m) : NULL;
+    if (!bs) return tdm_last_status();
+    *n = ps->n + bs->n;
+    *out = malloc(sizeof **out * (size_t)(*n ? *n : 1));
+    if (!*out) return tdm_raise(TDM_ERR_NOMEM, "%s: out of memory", op);
+    for (int i = 0; i < ps->n; i++) (*out)[i] = (tdm_named_tensor){ps->names[i], ps->params[i]};
+    for (int i = 0; i < bs->n; i++)
+        (*out)[ps->n + i] = (tdm_named_tensor){bs->names[i], bs->buffers[i]};
+    return TDM_OK;
+}
+
+int tdm_weights_save(const char *path, tdm_module *m, const tdm_meta *meta, int n_meta) {
+    if (n_meta < 0 || n_meta > MAX_META - 1 || (n_meta && !meta))
+        return tdm_raise(TDM_ERR_ARG, "weights_save: %d metadata entries (0 to %d)", n_meta,
+                         MAX_META - 1);
+    tdm_named_tensor *ts;
+    int n, rc = model_tensors(m, &ts, &n, "weights_save");
+    if (rc) return rc;
+    tdm_meta all[MAX_META] = {{"format", "pt"}};
+    for (int i = 0; i < n_meta; i++) all[i + 1] = meta[i];
+    rc = tdm_safetensors_save(path, ts, n, all, n_meta + 1);
+    free(ts);
+    return rc;
+}
+
+/* Appends ", text" (or text) to a message, noting once that it was cut short. */
+static void append(char *msg, size_t cap, int *count, const char *fmt, const char *a, const char *b,
+                   const char *c) {
+    size_t len = strlen(msg);
+    if (++*count > 8 || len + 8 >= cap) {
+        if (*count == 9 && len + 8 < cap) snprintf(msg + len, cap - len, ", ...");
+        return;
+    }
+    if (*count > 1) len += (size_t)snprintf(msg + len, cap - len, ", ");
+    snprintf(msg + len, cap - len, fmt, a, b, c);
+}
+
+/* Checks that f holds exactly m's tensors with their shapes and dtypes. */
+static int check_weights(tdm_safetensors *f, const tdm_named_tensor *ts, int n) {
+    char missing[300] = "", extra[300] = "", diff[400] = "";
+    int n_missing = 0, n_extra = 0, n_diff = 0;
+    for (int i = 0; i < n; i++) {
+        int k = tdm_safetensors_find(f, ts[i].name);
+        if (k < 0) {
+            append(missing, sizeof missing, &n_missing, "%s%s%s", ts[i].name, "", "");
+            continue;
+        }
+        if (tdm_safetensors_check(f, k, ts[i].tensor) == TDM_OK) continue;
+        char a[96], b[96];
+        tdm_safetensors_shape(f, k);
+        tdm_shape_str(tdm_safetensors_shape(f, k), a);
+        snprintf(a + strlen(a), sizeof a - strlen(a), " %s", tdm_safetensors_dtype(f, k));
+        tdm_shape_str(tdm_shape_of(ts[i].tensor), b);
+        snprintf(b + strlen(b), sizeof b - strlen(b), " %s",
+                 ts[i].tensor->dtype == TDM_F32   ? "F32"
+                 : ts[i].tensor->dtype == TDM_I32 ? "I32"
+                                                  : "I64");
+        append(diff, sizeof diff, &n_diff, "%s (file %s, model %s)", ts[i].name, a, b);
+    }
+    for (int k = 0; k < tdm_safetensors_count(f); k++) {
+        const char *name = tdm_safetensors_name(f, k);
+        bool found = false;
+        for (int i = 0; i < n && !found; i++) found = strcmp(ts[i].name, name) == 0;
+        if (!found) append(extra, sizeof extra, &n_extra, "%s%s%s", name, "", "");
+    }
+    tdm_clear_error();
+    if (!n_missing && !n_extra && !n_diff) return TDM_OK;
+    char what[256];
+    tdm_safetensors_what(f, what, sizeof what);
+    return tdm_raise(TDM_ERR_FORMAT,
+                     "load_weights '%s' does not match the model:%s%s%s%s%s%s%s%s%s", what,
+                     n_missing ? " missing: " : "", missing,
+                     n_missing && (n_extra || n_diff) ? ";" : "", n_extra ? " unexpected: " : "",
+                     extra, n_extra && n_diff ? ";" : "", n_diff ? " different: " : "", diff, "");
+}
+
+static int read_weights(tdm_safetensors *f, const tdm_named_tensor *ts, int n) {
+    int rc = TDM_OK;
+    for (int i = 0; i < n && !rc; i++)
+        rc = tdm_safetensors_read(f, ts[i].name, (tdm_tensor *)ts[i].tensor);
+    return rc;
+}
+
+int tdm_weights_load_from(tdm_safetensors *f, tdm_module *m) {
+    if (!f) return tdm_raise(TDM_ERR_ARG, "weights_load: file is NULL");
+    tdm_named_tensor *ts;
+    int n, rc = model_tensors(m, &ts, &n, "weights_load");
+    if (rc) return rc;
+    rc = check_weights(f, ts, n);
+    if (!rc) rc = read_weights(f, ts, n);
+    free(ts);
+    return rc;
+}
+
+int tdm_weights_load(const char *path, tdm_module *m) {
+    tdm_safetensors *f = tdm_safetensors_open(path);
+    if (!f) return tdm_last_status();
+    int rc = tdm_weights_load_from(f, m);
+    tdm_safetensors_close(f);
+    return rc;
+}
+
+/* ---- optimizer state as per-parameter views ------------------------------------------------ */
+
+typedef struct {
+    int n;               /* tensors */
+    tdm_named_tensor *t; /* views into the optimizer's flat buffers, in the current scope */
+    char **names;
+} optim_views;
+
+static void views_free(optim_views *v) {
+    for (int i = 0; i < v->n; i++) free(v->names[i]);
+    free(v->names);
+    free(v->t);
+}
+
+/* "optim.<param>.<state>" views of every state buffer (call inside a scope). */
+static int optim_views_make(tdm_optim *o, tdm_module *m, optim_views *v) {
+    memset(v, 0, sizeof *v);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    if (!ps) return tdm_last_status();
+    const char *snames[MAX_STATE];
+    tdm_tensor *st[MAX_STATE];
+    int ns = tdm_optim_state(o, snames, st, MAX_STATE);
+    size_t total = (size_t)ns * (size_t)ps->n;
+    v->t = calloc(total ? total : 1, sizeof *v->t);
+    v->names = calloc(total ? total : 1, sizeof *v->names);
+    if (!v->t || !v->names) return tdm_raise(TDM_ERR_NOMEM, "checkpoint: out of memory");
+    for (int s = 0; s < ns; s++) {
+        if (st[s]->ndim != 1 || st[s]->shape[0] != ps->total)
+            return tdm_raise(TDM_ERR_STATE,
+                             "checkpoint: optimizer state '%s' has %lld elements, "
+                             "the model %lld parameters",
+                             snames[s], (long long)tdm_numel(st[s]), (long long)ps->total);
+        for (int i = 0; i < ps->n; i++) {
+            const tdm_tensor *p = ps->params[i];
+            int64_t strides[TDM_MAX_DIMS];
+            tdm_contiguous_strides(p->ndim, p->shape, strides);
+            size_t len = strlen(ps->names[i]) + strlen(snames[s]) + 8;
+            char *name = malloc(len);
+            tdm_tensor *view =
+                tdm_tensor_view(st[s], p->ndim, p->shape, strides, st[s]->offset + ps->offsets[i]);
+            if (!name || !view) {
+                free(name);
+                return tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
+            }
+            snprintf(name, len, "optim.%s.%s", ps->names[i], snames[s]);
+            v->names[v->n] = name;
+            v->t[v->n++] = (tdm_named_tensor){name, view};
+        }
+    }
+    return TDM_OK;
+}
+
+/* ---- metadata ----------------------------------------------------------------------------- */
+
+typedef struct {
+    int n;
+    tdm_meta m[MAX_META];
+    char store[MAX_META][48];
+} meta_list;
+
+static void meta_add(meta_list *l, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void meta_add(meta_list *l, const char *key, const char *fmt, ...) {
+    if (l->n >= MAX_META) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(l->store[l->n], sizeof l->store[l->n], fmt, ap);
+    va_end(ap);
+    l->m[l->n] = (tdm_meta){key, l->store[l->n]};
+    l->n++;
+}
+
+static int state_meta(const tdm_train_state *s, meta_list *l, char (*ukeys)[128]) {
+    l->n = 0;
+    meta_add(l, "tandem.checkpoint", "%s", CKPT_VERSION);
+    meta_add(l, "step", "%" PRId64, s->step);
+    if (s->optim) {
+        meta_add(l, "optim.kind", "%s", tdm_optim_kind(s->optim));
+        meta_add(l, "optim.steps", "%" PRId64, tdm_optim_steps(s->optim));
+        meta_add(l, "optim.lr", "%a", (double)tdm_optim_lr(s->optim));
+    }
+    if (s->loader) {
+        int64_t epoch, batch;
+        if (tdm_loader_position(s->loader, &epoch, &batch)) return tdm_last_status();
+        meta_add(l, "loader.epoch", "%" PRId64, epoch);
+        meta_add(l, "loader.batch", "%" PRId64, batch);
+    }
+    if (s->rng) {
+        meta_add(l, "rng.seed", "%" PRIu64, s->rng->seed);
+        meta_add(l, "rng.offset", "%" PRIu64, s->rng->offset);
+    }
+    if (s->n_meta < 0 || (s->n_meta && !s->meta) || l->n + s->n_meta > MAX_META)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_save: %d caller metadata entries (at most %d)",
+                         s->n_meta, MAX_META - l->n);
+    for (int i = 0; i < s->n_meta; i++) {
+        if (!s->meta[i].key || !s->meta[i].value)
+            return tdm_raise(TDM_ERR_ARG, "checkpoint_save: metadata entry %d is NULL", i);
+        snprintf(ukeys[i], 128, "user.%s", s->meta[i].key);
+        l->m[l->n++] = (tdm_meta){ukeys[i], s->meta[i].value};
+    }
+    return TDM_OK;
+}
+
+/* ---- saving ------------------------------------------------------------------------------- */
+
+/* Removes a checkpoint (or temporary) directory: its files, then itself. */
+static void remove_ckpt_dir(const char *path) {
+    DIR *d = opendir(path);
+    if (d) {
+        struct dirent *e;
+        char f[4096];
+        while ((e = readdir(d)) != NULL) {
+            if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+            snprintf(f, sizeof f, "%s/%s", path, e->d_name);
+            unlink(f);
+        }
+        closedir(d);
+    }
+    rmdir(path);
+}
+
+static int mkdir_p(const char *dir) {
+    char p[4096];
+    snprintf(p, sizeof p, "%s", dir);
+    for (char *s = p + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = '\0';
+        if (mkdir(p, 0755) != 0 && errno != EEXIST) break;
+        *s = '/';
+    }
+    if (mkdir(p, 0755) != 0 && errno != EEXIST)
+        return tdm_raise(TDM_ERR_IO, "checkpoint: cannot create directory '%s': %s", dir,
+                         strerror(errno));
+    return TDM_OK;
+}
+
+/* The step of a "ckpt-<digits>" name, or -1. */
+static int64_t ckpt_step(const char *name) {
+    if (strncmp(name, "ckpt-", 5) != 0 || !name[5]) return -1;
+    int64_t v = 0;
+    for (const char *p = name + 5; *p; p++) {
+        if (*p < '0' || *p > '9' || v > (INT64_MAX - 9) / 10) return -1;
+        v = v * 10 + (*p - '0');
+    }
+    return v;
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The steps of dir's checkpoints, sorted; *n receives the count. Caller frees. */
+static int64_t *list_ckpts(const char *dir, int *n) {
+    *n = 0;
+    DIR *d = opendir(dir);
+    if (!d) return NULL;
+    int cap = 16;
+    int64_t *steps = malloc(sizeof *steps * (size_t)cap);
+    struct dirent *e;
+    while (steps && (e = readdir(d)) != NULL) {
+        int64_t s = ckpt_step(e->d_name);
+        if (s < 0) continue;
+        if (*n == cap) {
+            int64_t *g = realloc(steps, sizeof *steps * (size_t)(cap *= 2));
+            if (!g) break;
+            steps = g;
+        }
+        steps[(*n)++] = s;
+    }
+    closedir(d);
+    if (steps) qsort(steps, (size_t)*n, sizeof *steps, cmp_i64);
+    return steps;
+}
+
+static void prune(const char *dir, int keep) {
+    int n;
+    int64_t *steps = list_ckpts(dir, &n);
+    char p[4096];
+    for (int i = 0; steps && keep > 0 && i < n - keep; i++) {
+        snprintf(p, sizeof p, "%s/ckpt-%010" PRId64, dir, steps[i]);
+        remove_ckpt_dir(p);
+    }
+    free(steps);
+    tdm_io_fsync_dir(dir);
+}
+
+static int write_state(const char *path, const tdm_train_state *s) {
+    char ukeys[MAX_META][128];
+    meta_list meta;
+    int rc = state_meta(s, &meta, ukeys);
+    if (rc) return rc;
+    optim_views v = {0};
+    if ((rc = tdm_scope_begin())) return rc;
+    if (s->optim)
+        rc = s->model ? optim_views_make(s->optim, s->model, &v)
+                      : tdm_raise(TDM_ERR_ARG, "checkpoint_save: an optimizer needs "
+                                               "its model (parameter names)");
+    if (!rc) rc = tdm_safetensors_save(path, v.t, v.n, meta.m, meta.n);
+    views_free(&v);
+    tdm_scope_end();
+    return rc;
+}
+
+int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {
+    if (!dir || !s) return tdm_raise(TDM_ERR_ARG, "checkpoint_save: NULL directory or state");
+    if (s->step < 0)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_save: step %lld is negative", (long long)s->step);
+    int rc = mkdir_p(dir);
+    if (rc) return rc;
+    char tmp[4096], final[4096], old[4096], f[4200];
+    snprintf(tmp, sizeof tmp, "%s/.ckpt-%010" PRId64 ".tmp", dir, s->step);
+    snprintf(final, sizeof final, "%s/ckpt-%010" PRId64, dir, s->step);
+    snprintf(old, sizeof old, "%s/.ckpt-%010" PRId64 ".old", dir, s->step);
+    remove_ckpt_dir(tmp); /* left by a crashed save */
+    if (mkdir(tmp, 0755) != 0)
+        return tdm_raise(TDM_ERR_IO, "checkpoint: cannot create '%s': %s", tmp, strerror(errno));
+    if (s->model) {
+        snprintf(f, sizeof f, "%s/model.safetensors", tmp);
+        rc = tdm_weights_save(f, s->model, NULL, 0);
+    }
+    snprintf(f, sizeof f, "%s/train_state.safetensors", tmp);
+    if (!rc) rc = write_state(f, s);
+    if (!rc) rc = tdm_io_fsync_dir(tmp);
+    /* an existing checkpoint of this step is moved aside, then replaced */
+    bool moved = !rc && rename(final, old) == 0;
+    if (!rc && rename(tmp, final) != 0)
+        rc = tdm_raise(TDM_ERR_IO, "checkpoint: cannot rename '%s' to '%s': %s", tmp, final,
+                       strerror(errno));
+    if (rc) {
+        remove_ckpt_dir(tmp);
+        if (moved) rename(old, final);
+        return rc;
+    }
+    if (moved) remove_ckpt_dir(old);
+    rc = tdm_io_fsync_dir(dir);
+    if (!rc) prune(dir, keep);
+    return rc;
+}
+
+int tdm_checkpoint_latest(const char *dir, char *path, size_t cap, int64_t *step) {
+    if (!dir || !path || cap == 0)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_latest: NULL argument");
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return errno == ENOENT ? 0
+                               : tdm_raise(TDM_ERR_IO,
+                                           "checkpoint: cannot read "
+                                           "'%s': %s",
+                                           dir, strerror(errno));
+    int n;
+    int64_t *steps = list_ckpts(dir, &n);
+    if (!steps)
+        return tdm_raise(TDM_ERR_IO, "checkpoint: cannot list '%s': %s", dir, strerror(errno));
+    int found = n > 0;
+    if (found) {
+        snprintf(path, cap, "%s/ckpt-%010" PRId64, dir, steps[n - 1]);
+        if (step) *step = steps[n - 1];
+    }
+    free(steps);
+    return found;
+}
+
+/* ---- loading ------------------------------------------------------------------------------ */
+
+/* Metadata key of f as an integer (hex floats for "%a" values go through parse_float). */
+static int meta_i64(tdm_safetensors *f, const char *key, int64_t *out, bool required) {
+    const char *v = tdm_safetensors_meta(f, key);
+    char what[256];
+    tdm_safetensors_what(f, what, sizeof what);
+    if (!v)
+        return required ? tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': metadata '%s' is missing",
+                                    what, key)
+                        : 1;
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (end == v || *end || errno == ERANGE)
+        return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': metadata %s = '%.40s' is not an integer",
+                         what, key, v);
+    *out = x;
+    return TDM_OK;
+}
+
+static int meta_u64(tdm_safetensors *f, const char *key, uint64_t *out) {
+    const char *v = tdm_safetensors_meta(f, key);
+    char what[256];
+    tdm_safetensors_what(f, what, sizeof what);
+    char *end;
+    errno = 0;
+    unsigned long long x = v ? strtoull(v, &end, 10) : 0;
+    if (!v || end == v || *end || errno == ERANGE || v[0] == '-')
+        return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': metadata %s is %s%.40s%s", what, key,
+                         v ? "'" : "missing", v ? v : "", v ? "', not an unsigned integer" : "");
+    *out = x;
+    return TDM_OK;
+}
+
+typedef struct {
+    int64_t step, optim_steps, epoch, batch;
+    double lr;
+    uint64_t seed, offset;
+} parsed_state;
+
+/* Checks the state file against s and parses its numbers; changes nothing. */
+static int check_state(tdm_safetensors *f, const tdm_train_state *s, const optim_views *v,
+                       parsed_state *p) {
+    char what[256];
+    tdm_safetensors_what(f, what, sizeof what);
+    const char *ver = tdm_safetensors_meta(f, "tandem.checkpoint");
+    if (!ver || strcmp(ver, CKPT_VERSION) != 0)
+        return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': format version %s%.20s%s, expected %s",
+                         what, ver ? "'" : "(missing)", ver ? ver : "", ver ? "'" : "",
+                         CKPT_VERSION);
+    int rc = meta_i64(f, "step", &p->step, true);
+    if (!rc && s->optim) {
+        const char *kind = tdm_safetensors_meta(f, "optim.kind");
+        if (!kind)
+            return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s' holds no optimizer state", what);
+        if (strcmp(kind, tdm_optim_kind(s->optim)) != 0)
+            return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': the optimizer was %.20s, now %s",
+                             what, kind, tdm_optim_kind(s->optim));
+        rc = meta_i64(f, "optim.steps", &p->optim_steps, true);
+        const char *lr = tdm_safetensors_meta(f, "optim.lr");
+        char *end = NULL;
+        p->lr = lr ? strtod(lr, &end) : 0;
+        if (!rc && (!lr || end == lr || *end))
+            return tdm_raise(TDM_ERR_FORMAT,
+                             "checkpoint '%s': metadata optim.lr is missing or "
+                             "not a number",
+                             what);
+        for (int i = 0; !rc && i < v->n; i++) {
+            int k = tdm_safetensors_find(f, v->t[i].name);
+            rc = k < 0 ? tdm_raise(TDM_ERR_FORMAT,
+                                   "checkpoint '%s': optimizer state '%s' is "
+                                   "missing (was the optimizer built with other "
+                                   "options, e.g. momentum or amsgrad?)",
+                                   what, v->t[i].name)
+                       : tdm_safetensors_check(f, k, v->t[i].tensor);
+        }
+        if (!rc && tdm_safetensors_count(f) != v->n)
+            return tdm_raise(TDM_ERR_FORMAT,
+                             "checkpoint '%s' holds %d optimizer tensors, the "
+                             "optimizer has %d",
+                             what, tdm_safetensors_count(f), v->n);
+    }
+    if (!rc && s->loader) {
+        rc = meta_i64(f, "loader.epoch", &p->epoch, true);
+        if (!rc) rc = meta_i64(f, "loader.batch", &p->batch, true);
+        if (!rc && (p->epoch < 0 || p->batch < 0 || p->batch > tdm_loader_batches(s->loader)))
+            return tdm_raise(TDM_ERR_FORMAT,
+                             "checkpoint '%s': loader position epoch %lld batch "
+                             "%lld does not fit this loader's %lld batches per "
+                             "epoch (another --batch-size or dataset?)",
+                             what, (long long)p->epoch, (long long)p->batch,
+                             (long long)tdm_loader_batches(s->loader));
+    }
+    if (!rc && s->rng) rc = meta_u64(f, "rng.seed", &p->seed);
+    if (!rc && s->rng) rc = meta_u64(f, "rng.offset", &p->offset);
+    return rc;
+}
+
+static int apply_state(tdm_safetensors *f, tdm_train_state *s, const optim_views *v,
+                       const parsed_state *p) {
+    int rc = TDM_OK;
+    if (s->optim) {
+        rc = read_weights(f, v->t, v->n);
+        if (rc) return rc;
+        tdm_optim_set_steps(s->optim, p->optim_steps);
+        tdm_optim_set_lr(s->optim, (float)p->lr);
+    }
+    if (s->loader && (rc = tdm_loader_start_epoch_at(s->loader, p->epoch, p->batch))) return rc;
+    if (s->rng) {
+        s->rng->seed = p->seed;
+        s->rng->offset = p->offset;
+    }
+    s->step = p->step;
+    return TDM_OK;
+}
+
+int tdm_checkpoint_load(const char *path, tdm_train_state *s) {
+    if (!path || !s) return tdm_raise(TDM_ERR_ARG, "checkpoint_load: NULL path or state");
+    if (s->optim && !s->model)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_load: an optimizer needs its model");
+    char f[4200];
+    tdm_safetensors *wf = NULL, *sf = NULL;
+    tdm_named_tensor *ts = NULL;
+    int n = 0, rc = TDM_OK;
+    optim_views v = {0};
+    parsed_state p = {0};
+    if ((rc = tdm_scope_begin())) return rc;
+    if (s->model) {
+        snprintf(f, sizeof f, "%s/model.safetensors", path);
+        rc = (wf = tdm_safetensors_open(f)) ? model_tensors(s->model, &ts, &n, "checkpoint_load")
+                                            : tdm_last_status();
+        if (!rc) rc = check_weights(wf, ts, n);
+    }
+    snprintf(f, sizeof f, "%s/train_state.safetensors", path);
+    if (!rc) rc = (sf = tdm_safetensors_open(f)) ? TDM_OK : tdm_last_status();
+    if (!rc && s->optim) rc = optim_views_make(s->optim, s->model, &v);
+    if (!rc) rc = check_state(sf, s, &v, &p);
+    /* everything checked: now change things */
+    if (!rc && s->model) rc = read_weights(wf, ts, n);
+    if (!rc) rc = apply_state(sf, s, &v, &p);
+    views_free(&v);
+    tdm_scope_end();
+    free(ts);
+    tdm_safetensors_close(wf);
+    tdm_safetensors_close(sf);
+    return rc;
+}
+
+int tdm_checkpoint_meta(const char *path, const char *key, char *out, size_t cap) {
+    if (!path || !key || !out || cap == 0)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_meta: NULL argument");
+    char f[4200], k[256];
+    snprintf(f, sizeof f, "%s/train_state.safetensors", path);
+    snprintf(k, sizeof k, "user.%s", key);
+    tdm_safetensors *sf = tdm_safetensors_open(f);
+    if (!sf) return tdm_last_status();
+    const char *v = tdm_safetensors_meta(sf, k);
+    if (v) snprintf(out, cap, "%s", v);
+    tdm_safetensors_close(sf);
+    return v ? 1 : 0;
+}

@@ -1,0 +1,801 @@
+/* The MPI backend: one rank per process, launched by mpirun or a scheduler (srun).
+ *
+ * Threading. One communication thread per process owns MPI: it calls MPI_Init_thread with
+ * MPI_THREAD_FUNNELED (it is the "main" thread in MPI's sense, since it initialises MPI), runs
+ * every collective in launch order, and finalises MPI. The caller's threads only queue work
+ * and wait on handles, exactly as with the threads backend, so DDP's bucket all-reduces
+ * overlap backward. We do not use MPI_THREAD_MULTIPLE: Debian's Open MPI 4.1 offers it
+ * (ompi_info: "MPI_THREAD_MULTIPLE: yes"), but it turns on locking inside every MPI call
+ * and a single owner thread needs none of it; one thread also keeps the failure handling
+ * (below) in one place.
+ *
+ * Determinism. MPI_Allreduce's summation order depends on the algorithm Open MPI picks for
+ * the size and rank count (ring, recursive doubling, Rabenseifner), and some algorithms sum
+ * in a different order on different ranks. We implement the all-reduce ourselves with
+ * point-to-point messages, like the threads backend: chunk c of each segment is owned by rank
+ * c, which receives chunk c from every rank, sums it in rank order 0, 1, ..., N-1 (then
+ * divides for AVG), and sends the sum back to every rank (a direct reduce-scatter + all-gather:
+ * each rank sends and receives (N-1)/N of the tensor twice, the bandwidth-optimal amount).
+ * The result is bit-identical on every rank, on every run, and to the threads backend.
+ * Large tensors go in segments of SEG_BYTES, so the scratch buffer is small and allocated
+ * once (Open MPI's own all-reduce maps a fresh temporary buffer per call, which falls off a
+ * cliff on this VM above 16 MiB: ../shared/baseline/README.md).
+ *
+ * Checks. Every collective starts with a 40-byte header from each rank to every other
+ * (kind, op, root, count, element size, sequence number), posted together with the first
+ * data messages so it costs no extra round trip: ranks that call different collectives,
+ * sizes or roots get "ranks disagree on the ..." instead of corrupted memory.
+ *
+ * Faults. The communicator returns errors (MPI_ERRORS_RETURN) and the communication thread
+ * never blocks inside MPI: it polls nonblocking requests with MPI_Testsome up to the group's
+ * timeout (tdm_group_set_timeout; 30 s by default here), then fails naming the first rank
+ * it was still waiting for. Any failure (a timeout, a mismatch, tdm_group_abort) is sticky
+ * and is sent to every other rank as a notice, which each rank's communication thread is
+ * always listening for, so the others fail at once with the same message instead of timing
+ * out in turn. A process that dies is usually also reported by mpirun itself, which then
+ * ends the job ("mpirun noticed that process rank 1 ... exited on signal 9"). */
+#include "parallel/group.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+bool tdm_mpi_launched(void) {
+    /* Open MPI's mpirun, Hydra (MPICH's mpiexec), PMIx launchers and Slurm's srun */
+    const char *vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
+        if (getenv(vars[i])) return true;
+    return false;
+}
+
+#ifndef TANDEM_HAVE_MPI
+
+bool tdm_mpi_available(void) {
+    return false;
+}
+
+tdm_group *tdm_mpi_init(int *argc, char ***argv) {
+    return tdm_raise_null(TDM_ERR_STATE,
+                          "mpi_init: this build of Tandem has no MPI (install libopenmpi-dev and "
+                          "configure with -DTANDEM_MPI=ON)");
+}
+
+void tdm_mpi_finalize(void) {}
+
+#else
+
+#include <errno.h>
+#include <mpi.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <time.h>
+
+#define DEFAULT_TIMEOUT_S 30.0
+/* bytes of a tensor reduced per round: bounds the scratch buffer and the size of a message */
+#define SEG_BYTES         (1 << 20)
+/* chunk boundaries are multiples of this many bytes (cache lines, like the threads backend) */
+#define CHUNK_ALIGN       64
+/* floats per reduction block: the accumulator stays in L1 */
+#define RED_BLK           2048
+/* polling: spin this long after the last completion, then sleep with growing naps */
+#define SPIN_NS           200000
+#define NAP_MAX_NS        200000
+/* how often an idle communication thread listens for failure notices */
+#define IDLE_POLL_NS      5000000
+
+enum { TAG_HDR = 101, TAG_DATA = 102, TAG_FAIL = 103 };
+
+typedef struct {
+    int32_t kind, op, root, pad;
+    int64_t count, elem, seq;
+} header;
+
+#define FAIL_LEN (TDM_WORK_MSG - 64) /* room for the "op on rank R: " prefix */
+
+typedef struct {
+    tdm_group g; /* first member: a tdm_group * is an mworld * */
+    pthread_t thread;
+    bool started;
+    /* launch queue, FIFO; also guards init_state, abort_req, abort_done and stop */
+    pthread_mutex_t qlock;
+    pthread_cond_t qcond;
+    tdm_work *head, *tail;
+    bool stop;
+    int init_state; /* 0 starting, 1 ready, -1 failed (init_msg) */
+    char init_msg[256];
+    int *argc;
+    char ***argv;
+    bool abort_req, abort_done;
+    char abort_msg[FAIL_LEN];
+    /* failure: fail_msg is written once, before failed is set (release) */
+    atomic_int failed;
+    char fail_msg[FAIL_LEN];
+    /* ---- owned by the communication thread ---- */
+    MPI_Comm comm;
+    int64_t seq;
+    float *scratch; /* (size - 1) chunks of one segment */
+    size_t scratch_bytes;
+    header hdr_out, *hdr_in;
+    bool hdr_round; /* this round started with the headers */
+    MPI_Request *reqs;
+    int *req_peer; /* the rank each request talks to; negative for sends */
+    int *req_idx;
+    MPI_Status *stats;
+    int nreq, req_cap;
+    MPI_Request fail_recv, *fail_sends;
+    char fail_in[FAIL_LEN], fail_out[FAIL_LEN];
+    bool notices_sent;
+} mworld;
+
+static mworld *world;  /* the one MPI world of this process */
+static bool finalized; /* MPI cannot be initialised again once finalised */
+static pthread_mutex_t world_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* ---- time --------------------------------------------------------------------------------- */
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void nap_ns(int64_t ns) {
+    struct timespec t = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
+    nanosleep(&t, NULL);
+}
+
+/* ---- failure ------------------------------------------------------------------------------ */
+
+static bool has_failed(mworld *w) {
+    return atomic_load_explicit(&w->failed, memory_order_acquire) != 0;
+}
+
+/* Comm thread: tells every other rank, once, so they fail now rather than at their timeout.
+ * The notices are small (eager) messages: they leave even if the peer never receives them. */
+static void send_notices(mworld *w) {
+    if (w->notices_sent) return;
+    w->notices_sent = true;
+    snprintf(w->fail_out, sizeof w->fail_out, "%s", w->fail_msg);
+    for (int k = 0; k < w->g.size; k++) {
+        w->fail_sends[k] = MPI_REQUEST_NULL;
+        if (k != w->g.rank)
+            MPI_Isend(w->fail_out, FAIL_LEN, MPI_CHAR, k, TAG_FAIL, w->comm, &w->fail_sends[k]);
+    }
+}
+
+/* Comm thread: records the first failure; a local one (not a peer's notice) is sent on. */
+static void fail(mworld *w, bool local, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void fail(mworld *w, bool local, const char *fmt, ...) {
+    if (has_failed(w)) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->fail_msg, sizeof w->fail_msg, fmt, ap);
+    va_end(ap);
+    atomic_store_explicit(&w->failed, 1, memory_order_release);
+    if (local) send_notices(w);
+}
+
+/* Comm thread: takes in a peer's notice or this rank's tdm_group_abort. True once failed. */
+static bool poll_failure(mworld *w) {
+    int got = 0;
+    if (w->fail_recv != MPI_REQUEST_NULL) {
+        MPI_Status st;
+        if (MPI_Test(&w->fail_recv, &got, &st) == MPI_SUCCESS && got) {
+            w->fail_in[FAIL_LEN - 1] = '\0';
+            fail(w, false, "%s", w->fail_in);
+        }
+    }
+    pthread_mutex_lock(&w->qlock);
+    bool req = w->abort_req && !w->abort_done;
+    pthread_mutex_unlock(&w->qlock);
+    if (req) {
+        fail(w, true, "rank %d failed: %s", w->g.rank, w->abort_msg);
+        send_notices(w); /* also when a peer's failure came first: they may not all know */
+        /* give the notices a moment to leave before the caller may exit the process */
+        for (int64_t until = now_ns() + 100000000; now_ns() < until;) {
+            int all = 0;
+            MPI_Testall(w->g.size, w->fail_sends, &all, MPI_STATUSES_IGNORE);
+            if (all) break;
+            nap_ns(100000);
+        }
+        pthread_mutex_lock(&w->qlock);
+        w->abort_done = true;
+        pthread_cond_broadcast(&w->qcond);
+        pthread_mutex_unlock(&w->qlock);
+    }
+    return has_failed(w);
+}
+
+static void mpi_abort(tdm_group *g, const char *message) {
+    mworld *w = (mworld *)g;
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += 2; /* bounded: never hang the failing rank */
+    pthread_mutex_lock(&w->qlock);
+    if (!w->abort_req) {
+        snprintf(w->abort_msg, sizeof w->abort_msg, "%s", message);
+        w->abort_req = true;
+        pthread_cond_broadcast(&w->qcond);
+    }
+    while (!w->abort_done && !w->stop)
+        if (pthread_cond_timedwait(&w->qcond, &w->qlock, &until) == ETIMEDOUT) break;
+    pthread_mutex_unlock(&w->qlock);
+}
+
+/* ---- requests of one round ---------------------------------------------------------------- */
+
+static void round_begin(mworld *w) {
+    w->nreq = 0;
+    w->hdr_round = false;
+}
+
+static void post(mworld *w, bool send, void *buf, int64_t bytes, int peer, int tag) {
+    MPI_Request *r = &w->reqs[w->nreq];
+    if (send)
+        MPI_Isend(buf, (int)bytes, MPI_BYTE, peer, tag, w->comm, r);
+    else
+        MPI_Irecv(buf, (int)bytes, MPI_BYTE, peer, tag, w->comm, r);
+    w->req_peer[w->nreq++] = send ? -1 - peer : peer;
+}
+
+/* The first rank a still-pending receive (else send) of this round waits for. */
+static int missing_peer(const mworld *w) {
+    int send_peer = -1;
+    for (int i = 0; i < w->nreq; i++) {
+        if (w->reqs[i] == MPI_REQUEST_NULL) continue;
+        if (w->req_peer[i] >= 0) return w->req_peer[i];
+        if (send_peer < 0) send_peer = -1 - w->req_peer[i];
+    }
+    return send_peer;
+}
+
+static void cancel_round(mworld *w) {
+    for (int i = 0; i < w->nreq; i++) {
+        if (w->reqs[i] == MPI_REQUEST_NULL) continue;
+        if (w->req_peer[i] >= 0) MPI_Cancel(&w->reqs[i]);
+        MPI_Request_free(&w->reqs[i]);
+    }
+}
+
+static bool wait_headers(mworld *w);
+static int check_headers(mworld *w);
+
+/* Polls the round's requests until all complete, spinning briefly after each completion and
+ * then napping (the comm thread shares the core with the rank's computation). 0, or -1 with
+ * the world failed: a peer's notice, an abort, an MPI error or the deadline. */
+static int round_wait(mworld *w, int64_t deadline) {
+    int left = w->nreq;
+    int64_t last = now_ns(), nap = 1000;
+    for (int spins = 0; left > 0; spins++) {
+        int outcount = 0;
+        int rc = MPI_Testsome(w->nreq, w->reqs, &outcount, w->req_idx, w->stats);
+        if (rc != MPI_SUCCESS) {
+            int peer = -1, code = rc;
+            for (int i = 0; i < outcount; i++)
+                if (w->stats[i].MPI_ERROR != MPI_SUCCESS) {
+                    peer = w->req_peer[w->req_idx[i]];
+                    peer = peer < 0 ? -1 - peer : peer;
+                    code = w->stats[i].MPI_ERROR;
+                    break;
+                }
+            char es[MPI_MAX_ERROR_STRING];
+            int len = 0;
+            MPI_Error_string(code, es, &len);
+            /* a size mismatch truncates a message: say so when the headers are in */
+            if (!(w->hdr_round && wait_headers(w) && check_headers(w)))
+                fail(w, true, "MPI error with rank %d: %s", peer, es);
+            cancel_round(w);
+            return -1;
+        }
+        if (outcount != MPI_UNDEFINED && outcount > 0) {
+            left -= outcount;
+            last = now_ns();
+            nap = 1000;
+            continue;
+        }
+        if (outcount == MPI_UNDEFINED) break;
+        if ((spins & 63) == 63 || now_ns() - last > SPIN_NS) {
+            if (poll_failure(w)) {
+                cancel_round(w);
+                return -1;
+            }
+            int64_t t = now_ns();
+            if (t > deadline) {
+                double s = tdm_group_timeout(&w->g);
+                char secs[32];
+                snprintf(secs, sizeof secs, s >= 0.1 ? "%.1f" : "%.3g", s);
+                fail(w, true, "timed out after %s s waiting for rank %d", secs, missing_peer(w));
+                cancel_round(w);
+                return -1;
+            }
+            if (t - last > SPIN_NS) {
+                nap_ns(nap);
+                nap = nap * 2 < NAP_MAX_NS ? nap * 2 : NAP_MAX_NS;
+            } else {
+                sched_yield();
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- the collectives ---------------------------------------------------------------------- */
+
+/* [lo, hi) of chunk r when count elements of elem bytes are split over n ranks. */
+static void chunk_of(int64_t count, size_t elem, int n, int r, int64_t *lo, int64_t *hi) {
+    int64_t align = CHUNK_ALIGN / (int64_t)elem > 0 ? CHUNK_ALIGN / (int64_t)elem : 1;
+    int64_t per = (count + n - 1) / n;
+    per = (per + align - 1) / align * align;
+    *lo = (int64_t)r * per < count ? (int64_t)r * per : count;
+    *hi = *lo + per < count ? *lo + per : count;
+}
+
+/* Posts this collective's headers (call first in the first round of a collective). */
+static void post_headers(mworld *w, const tdm_coll *c) {
+    w->hdr_round = true; /* the headers are requests 0 .. 2(n-1) - 1 of this round */
+    w->hdr_out = (header){c->kind, c->op, c->root, 0, c->count, (int64_t)c->elem, w->seq};
+    for (int k = 0; k < w->g.size; k++) {
+        if (k == w->g.rank) continue;
+        post(w, false, &w->hdr_in[k], sizeof(header), k, TAG_HDR);
+        post(w, true, &w->hdr_out, sizeof(header), k, TAG_HDR);
+    }
+}
+
+/* After an MPI error in a round that began with the headers: gives them up to 0.2 s to
+ * arrive (they may trail a truncated data message). True once all are in. */
+static bool wait_headers(mworld *w) {
+    int nh = 2 * (w->g.size - 1), all = 0;
+    for (int64_t until = now_ns() + 200000000; !all && now_ns() < until;) {
+        if (MPI_Testall(nh, w->reqs, &all, MPI_STATUSES_IGNORE) != MPI_SUCCESS) return false;
+        if (!all) sched_yield();
+    }
+    return all;
+}
+
+/* After the first round: every peer called the same collective. 0, or -1 and failed. */
+static int check_headers(mworld *w) {
+    const header *me = &w->hdr_out;
+    for (int k = 0; k < w->g.size; k++) {
+        if (k == w->g.rank) continue;
+        const header *h = &w->hdr_in[k];
+        const char *what = NULL;
+        if (h->seq != me->seq)
+            what = "number of collectives called so far";
+        else if (h->kind != me->kind)
+            what = "collective";
+        else if (h->count != me->count)
+            what = "element count";
+        else if (h->elem != me->elem)
+            what = "dtype size";
+        else if (h->op != me->op)
+            what = "reduction";
+        else if (h->root != me->root)
+            what = "root";
+        if (!what) continue;
+        const header *a = k < w->g.rank ? h : me, *b = k < w->g.rank ? me : h;
+        int ra = k < w->g.rank ? k : w->g.rank, rb = k < w->g.rank ? w->g.rank : k;
+        fail(w, true,
+             "ranks disagree on the %s: rank %d called %s #%lld (%lld elements, root %d, op %d), "
+             "rank %d called %s #%lld (%lld elements, root %d, op %d)",
+             what, ra, tdm_coll_name((tdm_coll_kind)a->kind), (long long)a->seq,
+             (long long)a->count, a->root, a->op, rb, tdm_coll_name((tdm_coll_kind)b->kind),
+             (long long)b->seq, (long long)b->count, b->root, b->op);
+        return -1;
+    }
+    return 0;
+}
+
+/* Waits for a round; the first round of a collective also checks the headers, which take
+ * precedence over an MPI error (a size mismatch shows up as a truncated message first). */
+static int finish_round(mworld *w, bool first, int64_t deadline) {
+    int rc = round_wait(w, deadline);
+    if (first && !rc) rc = check_headers(w);
+    return rc;
+}
+
+/* acc[0..len) = src[0][0..len) + ... + src[n-1][0..len), in rank order (then / n for AVG). */
+static void reduce_block(float *restrict acc, const float *const *src, int n, int len, bool avg) {
+    if (n == 1) {
+        for (int j = 0; j < len; j++) acc[j] = src[0][j];
+    } else {
+        const float *s0 = src[0], *s1 = src[1];
+        for (int j = 0; j < len; j++) acc[j] = s0[j] + s1[j];
+    }
+    for (int k = 2; k < n; k++) {
+        const float *sk = src[k];
+        for (int j = 0; j < len; j++) acc[j] += sk[j];
+    }
+    if (avg) {
+        float fn = (float)n;
+        for (int j = 0; j < len; j++) acc[j] /= fn;
+    }
+}
+
+/* out[0..len) = rank-order reduction of srcs[k][0..len); out may be one of the sources. */
+static void reduce_into(float *out, const float **srcs, int n, int64_t len, bool avg) {
+    float acc[RED_BLK];
+    const float *blk[64] = {0};
+    for (int64_t off = 0; off < len; off += RED_BLK) {
+        int l = (int)(len - off < RED_BLK ? len - off : RED_BLK);
+        for (int k = 0; k < n; k++) blk[k] = srcs[k] + off;
+        reduce_block(acc, blk, n, l, avg);
+        memcpy(out + off, acc, (size_t)l * 4);
+    }
+}
+
+/* Scratch slot of peer k (k != me) for one segment's chunk of at most `per` floats. */
+static float *slot(mworld *w, int k, int64_t per) {
+    int idx = k < w->g.rank ? k : k - 1;
+    return w->scratch + (size_t)idx * (size_t)per;
+}
+
+static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
+    int n = w->g.size, r = w->g.rank;
+    float *buf = c->out;
+    bool avg = c->op == TDM_AVG, first = true;
+    /* a segment's chunks fit the scratch: n chunks of per_max floats, n - 1 of them received */
+    int64_t per_max =
+        (int64_t)(w->scratch_bytes / 4) / (n - 1) / (CHUNK_ALIGN / 4) * (CHUNK_ALIGN / 4);
+    int64_t seg = per_max * n;
+    const float *srcs[64];
+    for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
+        int64_t len = c->count - s0 < seg ? c->count - s0 : seg;
+        float *sb = buf + s0;
+        int64_t lo, hi, per;
+        chunk_of(len, 4, n, 0, &lo, &per); /* per = size of chunk 0: the largest */
+        /* reduce-scatter: chunk k of my segment goes to rank k, chunk r comes from everyone */
+        round_begin(w);
+        if (first) post_headers(w, c);
+        chunk_of(len, 4, n, r, &lo, &hi);
+        for (int k = 0; k < n; k++) {
+            if (k == r) continue;
+            int64_t klo, khi;
+            chunk_of(len, 4, n, k, &klo, &khi);
+            post(w, false, slot(w, k, per), (hi - lo) * 4, k, TAG_DATA);
+            post(w, true, sb + klo, (khi - klo) * 4, k, TAG_DATA);
+        }
+        if (finish_round(w, first, deadline)) return -1;
+        first = false;
+        for (int k = 0; k < n; k++) srcs[k] = k == r ? sb + lo : slot(w, k, per);
+        reduce_into(sb + lo, srcs, n, hi - lo, avg);
+        /* all-gather: my reduced chunk to everyone, theirs into place */
+        round_begin(w);
+        for (int k = 0; k < n; k++) {
+            if (k == r) continue;
+            int64_t klo, khi;
+            chunk_of(len, 4, n, k, &klo, &khi);
+            post(w, false, sb + klo, (khi - klo) * 4, k, TAG_DATA);
+            post(w, true, sb + lo, (hi - lo) * 4, k, TAG_DATA);
+        }
+        if (round_wait(w, deadline)) return -1;
+        if (len == 0) break;
+    }
+    return 0;
+}
+
+static int run_reduce_scatter(mworld *w, const tdm_coll *c, int64_t deadline) {
+    int n = w->g.size, r = w->g.rank;
+    const float *in = c->in;
+    float *out = c->out;
+    bool avg = c->op == TDM_AVG, first = true;
+    int64_t seg = (int64_t)(w->scratch_bytes / 4) / (n - 1);
+    const float *srcs[64];
+    for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
+        int64_t len = c->count - s0 < seg ? c->count - s0 : seg;
+        round_begin(w);
+        if (first) post_headers(w, c);
+        for (int k = 0; k < n; k++) {
+            if (k == r) continue;
+            post(w, false, slot(w, k, seg), len * 4, k, TAG_DATA);
+            post(w, true, (void *)(in + (int64_t)k * c->count + s0), len * 4, k, TAG_DATA);
+        }
+        if (finish_round(w, first, deadline)) return -1;
+        first = false;
+        for (int k = 0; k < n; k++)
+            srcs[k] = k == r ? in + (int64_t)r * c->count + s0 : slot(w, k, seg);
+        reduce_into(out + s0, srcs, n, len, avg);
+        if (len == 0) break;
+    }
+    return 0;
+}
+
+/* Broadcast (root sends to all) and all-gather (everyone sends to all) in byte segments. */
+static int run_copies(mworld *w, const tdm_coll *c, int64_t deadline) {
+    int n = w->g.size, r = w->g.rank;
+    bool gather = c->kind == TDM_COLL_ALL_GATHER, first = true;
+    int64_t bytes = c->count * (int64_t)c->elem;
+    if (gather && bytes) memcpy((char *)c->out + r * bytes, c->in, (size_t)bytes);
+    for (int64_t s0 = 0; s0 < bytes || first; s0 += SEG_BYTES) {
+        int64_t len = bytes - s0 < SEG_BYTES ? bytes - s0 : SEG_BYTES;
+        round_begin(w);
+        if (first) post_headers(w, c);
+        for (int k = 0; k < n; k++) {
+            if (k == r) continue;
+            if (gather) {
+                post(w, false, (char *)c->out + k * bytes + s0, len, k, TAG_DATA);
+                post(w, true, (char *)c->in + s0, len, k, TAG_DATA);
+            } else if (r == c->root) {
+                post(w, true, (char *)c->out + s0, len, k, TAG_DATA);
+            } else if (k == c->root) {
+                post(w, false, (char *)c->out + s0, len, k, TAG_DATA);
+            }
+        }
+        if (finish_round(w, first, deadline)) return -1;
+        first = false;
+        if (len == 0) break;
+    }
+    return 0;
+}
+
+/* Runs one collective. TDM_OK, or TDM_ERR_COMM with msg. */
+static int run(mworld *w, const tdm_coll *c, char *msg) {
+    int rc = -1;
+    if (!poll_failure(w)) {
+        int64_t deadline = now_ns() + atomic_load(&w->g.timeout_ns);
+        w->seq++;
+        if (w->g.size == 1) {
+            rc = 0;
+            if (c->kind == TDM_COLL_ALL_GATHER || c->kind == TDM_COLL_REDUCE_SCATTER)
+                memmove(c->out, c->in, (size_t)c->count * c->elem);
+            /* AVG over one rank divides by 1: nothing to do */
+        } else {
+            switch (c->kind) {
+            case TDM_COLL_ALL_REDUCE:
+                rc = run_all_reduce(w, c, deadline);
+                break;
+            case TDM_COLL_REDUCE_SCATTER:
+                rc = run_reduce_scatter(w, c, deadline);
+                break;
+            case TDM_COLL_BROADCAST:
+            case TDM_COLL_ALL_GATHER:
+                rc = run_copies(w, c, deadline);
+                break;
+            case TDM_COLL_BARRIER: /* the header exchange is the barrier */
+                round_begin(w);
+                post_headers(w, c);
+                rc = finish_round(w, true, deadline);
+                break;
+            }
+        }
+    }
+    if (!rc) return TDM_OK;
+    snprintf(msg, TDM_WORK_MSG, "%s on rank %d: %s", tdm_coll_name(c->kind), w->g.rank,
+             w->fail_msg);
+    return TDM_ERR_COMM;
+}
+
+/* ---- the communication thread ------------------------------------------------------------- */
+
+static int setup(mworld *w) {
+    int provided = 0;
+    if (MPI_Init_thread(w->argc, w->argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+        snprintf(w->init_msg, sizeof w->init_msg, "mpi_init: MPI_Init_thread failed");
+        return -1;
+    }
+    if (provided < MPI_THREAD_FUNNELED) {
+        snprintf(w->init_msg, sizeof w->init_msg,
+                 "mpi_init: this MPI provides thread level %d, Tandem needs MPI_THREAD_FUNNELED",
+                 provided);
+        return -1;
+    }
+    MPI_Comm_dup(MPI_COMM_WORLD, &w->comm);
+    MPI_Comm_set_errhandler(w->comm, MPI_ERRORS_RETURN);
+    int rank = 0, size = 1;
+    MPI_Comm_rank(w->comm, &rank);
+    MPI_Comm_size(w->comm, &size);
+    if (size > 64) {
+        snprintf(w->init_msg, sizeof w->init_msg,
+                 "mpi_init: %d ranks; this backend handles at most 64", size);
+        return -1;
+    }
+    tdm_group_init(&w->g, w->g.ops, rank, size, tdm_cpu(0));
+    tdm_group_set_timeout(&w->g, DEFAULT_TIMEOUT_S);
+    int cap = 4 * size + 4;
+    w->hdr_in = calloc((size_t)size, sizeof *w->hdr_in);
+    w->reqs = calloc((size_t)cap, sizeof *w->reqs);
+    w->req_peer = calloc((size_t)cap, sizeof *w->req_peer);
+    w->req_idx = calloc((size_t)cap, sizeof *w->req_idx);
+    w->stats = calloc((size_t)cap, sizeof *w->stats);
+    w->fail_sends = calloc((size_t)size, sizeof *w->fail_sends);
+    w->req_cap = cap;
+    /* scratch: (n - 1) chunks of one segment, allocated and touched once (huge pages where
+     * the kernel gives them: first touches of fresh 4 KiB pages are slow on this VM) */
+    w->scratch_bytes = size > 1 ? (size_t)SEG_BYTES : 64;
+    w->scratch = aligned_alloc(2 << 20, (w->scratch_bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20));
+    if (!w->hdr_in || !w->reqs || !w->req_peer || !w->req_idx || !w->stats || !w->fail_sends ||
+        !w->scratch) {
+        snprintf(w->init_msg, sizeof w->init_msg, "mpi_init: out of memory");
+        return -1;
+    }
+    madvise(w->scratch, w->scratch_bytes, MADV_HUGEPAGE);
+    memset(w->scratch, 0, w->scratch_bytes);
+    for (int k = 0; k < size; k++) w->fail_sends[k] = MPI_REQUEST_NULL;
+    w->fail_recv = MPI_REQUEST_NULL;
+    if (size > 1)
+        MPI_Irecv(w->fail_in, FAIL_LEN, MPI_CHAR, MPI_ANY_SOURCE, TAG_FAIL, w->comm, &w->fail_recv);
+    return 0;
+}
+
+/* The next queued collective, or NULL once asked to stop and the queue is empty. Listens for
+ * failure notices while idle. */
+static tdm_work *dequeue(mworld *w) {
+    pthread_mutex_lock(&w->qlock);
+    while (!w->head && !w->stop) {
+        if (w->abort_req && !w->abort_done) {
+            pthread_mutex_unlock(&w->qlock);
+            poll_failure(w);
+            pthread_mutex_lock(&w->qlock);
+            continue;
+        }
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        until.tv_nsec += IDLE_POLL_NS;
+        if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
+        if (pthread_cond_timedwait(&w->qcond, &w->qlock, &until) == ETIMEDOUT) {
+            pthread_mutex_unlock(&w->qlock);
+            poll_failure(w);
+            pthread_mutex_lock(&w->qlock);
+        }
+    }
+    tdm_work *wk = w->head;
+    if (wk) {
+        w->head = wk->next;
+        if (!w->head) w->tail = NULL;
+    }
+    pthread_mutex_unlock(&w->qlock);
+    return wk;
+}
+
+static void teardown(mworld *w) {
+    if (!has_failed(w)) {
+        if (w->fail_recv != MPI_REQUEST_NULL) {
+            MPI_Cancel(&w->fail_recv);
+            MPI_Wait(&w->fail_recv, MPI_STATUS_IGNORE);
+        }
+        MPI_Comm_free(&w->comm);
+        MPI_Finalize();
+    }
+    /* after a failure a peer may be dead, and MPI_Finalize would wait for it forever: MPI is
+     * left as it is and the process is expected to exit with an error (mpirun then ends the
+     * job) */
+    free(w->hdr_in);
+    free(w->reqs);
+    free(w->req_peer);
+    free(w->req_idx);
+    free(w->stats);
+    free(w->fail_sends);
+    free(w->scratch);
+}
+
+static void *comm_main(void *arg) {
+    mworld *w = arg;
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); /* naps of microseconds, not 50 us */
+    int ok = setup(w) == 0;
+    pthread_mutex_lock(&w->qlock);
+    w->init_state = ok ? 1 : -1;
+    pthread_cond_broadcast(&w->qcond);
+    pthread_mutex_unlock(&w->qlock);
+    if (!ok) return NULL;
+    char msg[TDM_WORK_MSG];
+    for (tdm_work *wk; (wk = dequeue(w));) {
+        msg[0] = '\0';
+        int status = run(w, &wk->c, msg);
+        tdm_work_finish(wk, status, msg);
+    }
+    teardown(w);
+    return NULL;
+}
+
+static int mpi_launch(tdm_group *g, tdm_work *wk) {
+    mworld *w = (mworld *)g;
+    pthread_mutex_lock(&w->qlock);
+    if (w->stop) {
+        pthread_mutex_unlock(&w->qlock);
+        return tdm_raise(TDM_ERR_STATE, "%s: the MPI group was finalized",
+                         tdm_coll_name(wk->c.kind));
+    }
+    if (w->tail)
+        w->tail->next = wk;
+    else
+        w->head = wk;
+    w->tail = wk;
+    pthread_cond_broadcast(&w->qcond);
+    pthread_mutex_unlock(&w->qlock);
+    return TDM_OK;
+}
+
+static const tdm_group_ops mpi_ops = {
+    .name = "mpi",
+    .launch = mpi_launch,
+    .abort = mpi_abort,
+};
+
+/* ---- the public API ----------------------------------------------------------------------- */
+
+bool tdm_mpi_available(void) {
+    return true;
+}
+
+static void world_free(mworld *w) {
+    pthread_cond_destroy(&w->qcond);
+    pthread_mutex_destroy(&w->qlock);
+    free(w);
+}
+
+tdm_group *tdm_mpi_init(int *argc, char ***argv) {
+    pthread_mutex_lock(&world_lock);
+    if (world) {
+        pthread_mutex_unlock(&world_lock);
+        return &world->g;
+    }
+    if (finalized) {
+        pthread_mutex_unlock(&world_lock);
+        return tdm_raise_null(TDM_ERR_STATE,
+                              "mpi_init: MPI was finalized and cannot be initialized again");
+    }
+    if (!tdm_mpi_launched()) {
+        pthread_mutex_unlock(&world_lock);
+        return tdm_raise_null(TDM_ERR_STATE,
+                              "mpi_init: not launched by mpirun or srun (none of "
+                              "OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_RANK is set); run "
+                              "`mpirun -np N program`");
+    }
+    mworld *w = calloc(1, sizeof *w);
+    if (!w) {
+        pthread_mutex_unlock(&world_lock);
+        return tdm_raise_null(TDM_ERR_NOMEM, "mpi_init: out of memory");
+    }
+    w->g.ops = &mpi_ops;
+    w->argc = argc;
+    w->argv = argv;
+    atomic_init(&w->failed, 0);
+    pthread_mutex_init(&w->qlock, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&w->qcond, &ca);
+    pthread_condattr_destroy(&ca);
+    int e = pthread_create(&w->thread, NULL, comm_main, w);
+    if (e) {
+        world_free(w);
+        pthread_mutex_unlock(&world_lock);
+        return tdm_raise_null(TDM_ERR_NOMEM, "mpi_init: cannot start the communication thread (%s)",
+                              strerror(e));
+    }
+    pthread_mutex_lock(&w->qlock);
+    while (w->init_state == 0) pthread_cond_wait(&w->qcond, &w->qlock);
+    pthread_mutex_unlock(&w->qlock);
+    if (w->init_state < 0) {
+        pthread_join(w->thread, NULL);
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", w->init_msg);
+        world_free(w);
+        pthread_mutex_unlock(&world_lock);
+        return tdm_raise_null(TDM_ERR_COMM, "%s", msg);
+    }
+    w->started = true;
+    world = w;
+    pthread_mutex_unlock(&world_lock);
+    return &w->g;
+}
+
+void tdm_mpi_finalize(void) {
+    pthread_mutex_lock(&world_lock);
+    mworld *w = world;
+    world = NULL;
+    if (w) {
+        finalized = true;
+        pthread_mutex_lock(&w->qlock);
+        w->stop = true;
+        pthread_cond_broadcast(&w->qcond);
+        pthread_mutex_unlock(&w->qlock);
+        pthread_join(w->thread, NULL);
+        tdm_group_destroy(&w->g);
+        world_free(w);
+    }
+    pthread_mutex_unlock(&world_lock);
+}
+
+#endif

@@ -1,0 +1,475 @@
+/* safetensors and checkpoints: files written by PyTorch load with its outputs, Tandem's files
+ * load back bit for bit (and into PyTorch when torch is installed), malformed files give
+ * clear errors, strict loading names every mismatch, a checkpoint resumes training exactly,
+ * and a save killed at any moment leaves the previous checkpoint loadable. */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "fixtures/safetensors_fixtures.h"
+#include "tandem/io.h"
+
+#define FIX "tests/fixtures/"
+
+static char tmpdir[] = "/tmp/tandem_test_ckpt_XXXXXX";
+
+static char *tmp_path(const char *name) {
+    static char buf[4][512];
+    static int k;
+    char *p = buf[k++ % 4];
+    snprintf(p, 512, "%s/%s", tmpdir, name);
+    return p;
+}
+
+/* Sequential(Conv2d(1, 2, 3, padding=1), BatchNorm2d(2), ReLU, Flatten, Linear(32, out)) */
+static tdm_module *small_model(int64_t out, uint64_t seed) {
+    tdm_rng rng = tdm_rng_make(seed);
+    tdm_conv2d_opts same = {.pad_h = 1, .pad_w = 1};
+    tdm_module *layers[5] = {tdm_conv2d_new(1, 2, 3, 3, &same, true, tdm_cpu(0), &rng),
+                             tdm_batch_norm2d_new(2, 1e-5f, 0.1f, tdm_cpu(0)), tdm_relu_new(),
+                             tdm_flatten_new(1, -1),
+                             tdm_linear_new(32, out, true, tdm_cpu(0), &rng)};
+    return tdm_sequential_new(5, layers);
+}
+
+static tdm_tensor *forward_eval(tdm_module *m, const float *x) {
+    tdm_module_train(m, false);
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_tensor *xt = tdm_from_data(TDM_SHAPE(3, 1, 4, 4), TDM_F32, tdm_cpu(0), x);
+    tdm_tensor *y = tdm_module_forward(m, xt);
+    tdm_set_grad_enabled(prev);
+    tdm_module_train(m, true);
+    return y;
+}
+
+/* Bitwise equality of two tensors' contents. */
+static bool same_bits(const tdm_tensor *a, const tdm_tensor *b) {
+    size_t n = (size_t)tdm_numel(a) * tdm_dtype_size(a->dtype);
+    if (a->dtype != b->dtype || tdm_numel(a) != tdm_numel(b)) return false;
+    char *x = malloc(n + 1), *y = malloc(n + 1);
+    bool eq = !tdm_to_host(a, x, n) && !tdm_to_host(b, y, n) && memcmp(x, y, n) == 0;
+    free(x);
+    free(y);
+    return eq;
+}
+
+static bool models_equal(tdm_module *a, tdm_module *b) {
+    tdm_paramset *pa = tdm_module_parameters(a), *pb = tdm_module_parameters(b);
+    tdm_bufferset *ba = tdm_module_buffers(a), *bb = tdm_module_buffers(b);
+    if (!same_bits(pa->flat, pb->flat) || ba->n != bb->n) return false;
+    for (int i = 0; i < ba->n; i++)
+        if (!same_bits(ba->buffers[i], bb->buffers[i])) return false;
+    return true;
+}
+
+static int count_files(const char *dir, const char *containing) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d)) != NULL) n += strstr(e->d_name, containing) != NULL;
+    if (d) closedir(d);
+    return n;
+}
+
+/* ---- PyTorch's files ----------------------------------------------------------------------- */
+
+static void test_torch_file(void) {
+    tdm_module *m = small_model(3, 1);
+    int rc = tdm_weights_load(FIX "safetensors/torch_model.safetensors", m);
+    CHECK(rc == TDM_OK, "loading PyTorch's state_dict: %s", tdm_last_error());
+    tdm_scope_begin();
+    tdm_tensor *y = forward_eval(m, st_x);
+    CHECK(y && check_tensor_close(y, st_y, 1e-5, 1e-5, "torch model outputs") == 0,
+          "outputs differ from PyTorch's");
+    tdm_scope_end();
+    tdm_tensor *nbt = tdm_module_find(m, "1.num_batches_tracked");
+    CHECK(nbt && nbt->dtype == TDM_I64 && tdm_item(nbt) == 7, "num_batches_tracked restored");
+
+    /* the reverse: Tandem writes it, Tandem and PyTorch read it back */
+    CHECK(tdm_weights_save(tmp_path("w.safetensors"), m, NULL, 0) == TDM_OK, "save: %s",
+          tdm_last_error());
+    tdm_module *m2 = small_model(3, 99);
+    CHECK(!models_equal(m, m2), "different seeds differ");
+    CHECK(tdm_weights_load(tmp_path("w.safetensors"), m2) == TDM_OK, "reload: %s",
+          tdm_last_error());
+    CHECK(models_equal(m, m2), "a saved model loads back bit for bit");
+    tdm_safetensors *f = tdm_safetensors_open(tmp_path("w.safetensors"));
+    CHECK(f && tdm_safetensors_count(f) == 9, "9 tensors: %s", tdm_last_error());
+    CHECK(f && strcmp(tdm_safetensors_meta(f, "format"), "pt") == 0, "format pt metadata");
+    int k = tdm_safetensors_find(f, "1.num_batches_tracked");
+    CHECK(k >= 0 && strcmp(tdm_safetensors_dtype(f, k), "I64") == 0 &&
+              tdm_safetensors_shape(f, k).ndim == 0,
+          "num_batches_tracked is an I64 scalar");
+    tdm_safetensors_close(f);
+    CHECK(count_files(tmpdir, ".tmp") == 0, "no temporary file is left");
+    tdm_module_free(m);
+    tdm_module_free(m2);
+}
+
+/* A model trained here, written here, checked by PyTorch when torch is installed. */
+static void test_torch_reads_ours(void) {
+    tdm_module *m = small_model(3, 5);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_sgd_opts so = tdm_sgd_defaults(0.1f);
+    tdm_optim *opt = tdm_sgd_new(ps, &so);
+    int64_t labels[3] = {0, 2, 1};
+    for (int step = 0; step < 3; step++) { /* moves weights and BatchNorm statistics */
+        tdm_scope_begin();
+        tdm_optim_zero_grad(opt);
+        tdm_tensor *x = tdm_from_data(TDM_SHAPE(3, 1, 4, 4), TDM_F32, tdm_cpu(0), st_x);
+        tdm_tensor *t = tdm_from_data(TDM_SHAPE(3), TDM_I64, tdm_cpu(0), labels);
+        tdm_backward(tdm_cross_entropy(tdm_module_forward(m, x), t, NULL));
+        tdm_optim_step(opt);
+        tdm_scope_end();
+    }
+    mkdir(tmp_path("torch"), 0755);
+    char model_path[600], io_path[600];
+    snprintf(model_path, sizeof model_path, "%s/model.safetensors", tmp_path("torch"));
+    snprintf(io_path, sizeof io_path, "%s/io.safetensors", tmp_path("torch"));
+    CHECK(tdm_weights_save(model_path, m, NULL, 0) == TDM_OK, "%s", tdm_last_error());
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_from_data(TDM_SHAPE(3, 1, 4, 4), TDM_F32, tdm_cpu(0), st_x);
+    tdm_tensor *y = forward_eval(m, st_x);
+    tdm_named_tensor io[2] = {{"x", x}, {"y", y}};
+    CHECK(tdm_safetensors_save(io_path, io, 2, NULL, 0) == TDM_OK, "%s", tdm_last_error());
+    tdm_scope_end();
+    if (system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
+        printf("skip: PyTorch is not installed; the committed fixture covers the other way\n");
+    } else {
+        char cmd[800];
+        snprintf(cmd, sizeof cmd, "/usr/bin/python3 " FIX "gen_safetensors.py --verify %s",
+                 tmp_path("torch"));
+        CHECK(system(cmd) == 0, "PyTorch loads Tandem's file and computes the same outputs");
+    }
+    tdm_optim_free(opt);
+    tdm_module_free(m);
+}
+
+static void test_dtypes(void) {
+    tdm_safetensors *f = tdm_safetensors_open(FIX "safetensors/dtypes.safetensors");
+    CHECK(f != NULL, "%s", tdm_last_error());
+    if (!f) return;
+    CHECK(tdm_safetensors_count(f) == 7, "7 tensors");
+    CHECK(strcmp(tdm_safetensors_meta(f, "note"), "\xc3\xbc"
+                                                  "n\xc3\xaf"
+                                                  "code") == 0,
+          "UTF-8 metadata");
+    CHECK(tdm_safetensors_meta(f, "absent") == NULL, "absent metadata is NULL");
+    tdm_scope_begin();
+    tdm_tensor *f32 = tdm_safetensors_load(f, "f32", tdm_cpu(0));
+    float e32[6] = {0, 0.25f, 0.5f, 0.75f, 1, 1.25f};
+    CHECK(f32 && f32->ndim == 2 && check_tensor_close(f32, e32, 0, 0, "f32") == 0, "f32 values");
+    tdm_tensor *i32 = tdm_safetensors_load(f, "i32", tdm_cpu(0));
+    int32_t v32[3] = {0};
+    CHECK(i32 && !tdm_to_host(i32, v32, sizeof v32) && v32[0] == -1 && v32[2] == 2147483647,
+          "i32 values");
+    tdm_tensor *i64 = tdm_safetensors_load(f, "i64", tdm_cpu(0));
+    int64_t v64[2] = {0};
+    CHECK(i64 && !tdm_to_host(i64, v64, sizeof v64) && v64[0] == -(INT64_C(1) << 40) && v64[1] == 5,
+          "i64 values");
+    tdm_tensor *sc = tdm_safetensors_load(f, "scalar", tdm_cpu(0));
+    CHECK(sc && sc->ndim == 0 && tdm_item(sc) == 2.5f, "a scalar");
+    tdm_tensor *em = tdm_safetensors_load(f, "empty", tdm_cpu(0));
+    CHECK(em && tdm_numel(em) == 0 && em->shape[1] == 4, "an empty tensor");
+    CHECK_ERROR(!tdm_safetensors_load(f, "f16", tdm_cpu(0)), "'f16' is F16");
+    CHECK_ERROR(!tdm_safetensors_load(f, "nope", tdm_cpu(0)), "no tensor named 'nope'");
+    tdm_tensor *wrong = tdm_zeros(TDM_SHAPE(3, 2), TDM_F32, tdm_cpu(0));
+    CHECK_ERROR(tdm_safetensors_read(f, "f32", wrong) == TDM_ERR_SHAPE,
+                "shape [2, 3], expected [3, 2]");
+    tdm_tensor *wrong_dt = tdm_zeros(TDM_SHAPE(3), TDM_I64, tdm_cpu(0));
+    CHECK_ERROR(tdm_safetensors_read(f, "i32", wrong_dt) == TDM_ERR_DTYPE, "is I32, expected I64");
+    /* a strided destination receives the values in row-major order */
+    tdm_tensor *dst = tdm_zeros(TDM_SHAPE(3, 2), TDM_F32, tdm_cpu(0));
+    CHECK(tdm_safetensors_read(f, "f32", tdm_transpose(dst, 0, 1)) == TDM_OK, "%s",
+          tdm_last_error());
+    float et[6] = {0, 0.75f, 0.25f, 1, 0.5f, 1.25f};
+    CHECK(check_tensor_close(dst, et, 0, 0, "strided read") == 0, "strided read");
+    tdm_scope_end();
+    tdm_safetensors_close(f);
+}
+
+/* ---- malformed files ----------------------------------------------------------------------- */
+
+static void test_bad_files(void) {
+    for (size_t i = 0; i < sizeof st_bad / sizeof st_bad[0]; i++) {
+        char path[300];
+        snprintf(path, sizeof path, FIX "safetensors_bad/%s", st_bad[i].file);
+        tdm_safetensors *f = tdm_safetensors_open(path);
+        CHECK(!f && tdm_last_status() == TDM_ERR_FORMAT, "%s must be refused (status %d)",
+              st_bad[i].file, tdm_last_status());
+        CHECK(strstr(tdm_last_error(), st_bad[i].error) && strstr(tdm_last_error(), path),
+              "%s: expected an error naming the file and containing \"%s\", got \"%s\"",
+              st_bad[i].file, st_bad[i].error, tdm_last_error());
+        tdm_safetensors_close(f);
+        tdm_clear_error();
+    }
+    CHECK_ERROR(!tdm_safetensors_open(tmp_path("does-not-exist")), "cannot open");
+    CHECK_ERROR(!tdm_safetensors_open(tmpdir), "not a regular file");
+    /* the same checks on memory, which names what it was given */
+    CHECK_ERROR(!tdm_safetensors_open_memory("\x02\0\0\0\0\0\0\0[]", 10, "buf"),
+                "safetensors 'buf': the header is not a JSON object");
+}
+
+static void test_save_errors(void) {
+    tdm_scope_begin();
+    tdm_tensor *a = tdm_zeros(TDM_SHAPE(2), TDM_F32, tdm_cpu(0));
+    tdm_named_tensor dup[2] = {{"a", a}, {"a", a}};
+    CHECK_ERROR(tdm_safetensors_save(tmp_path("x.safetensors"), dup, 2, NULL, 0),
+                "'a' is used twice");
+    tdm_named_tensor res[1] = {{"__metadata__", a}};
+    CHECK_ERROR(tdm_safetensors_save(tmp_path("x.safetensors"), res, 1, NULL, 0), "reserved");
+    tdm_named_tensor bad[1] = {{"\xff", a}};
+    CHECK_ERROR(tdm_safetensors_save(tmp_path("x.safetensors"), bad, 1, NULL, 0), "UTF-8");
+    CHECK_ERROR(tdm_safetensors_save("/nonexistent-dir/x.safetensors", dup, 1, NULL, 0),
+                "/nonexistent-dir/x.safetensors");
+    CHECK(access(tmp_path("x.safetensors"), F_OK) != 0, "nothing written on failure");
+    CHECK(count_files(tmpdir, ".tmp") == 0, "no temporary file is left");
+    tdm_scope_end();
+}
+
+/* ---- strict loading --------------------------------------------------------------------- */
+
+static void test_strict(void) {
+    const char *path = FIX "safetensors/torch_model.safetensors";
+    tdm_module *wide = small_model(4, 1);
+    tdm_tensor *before = tdm_clone(tdm_module_parameters(wide)->flat);
+    CHECK_ERROR(tdm_weights_load(path, wide),
+                "different: 4.weight (file [3, 32] F32, model [4, 32] F32), 4.bias");
+    CHECK(same_bits(before, tdm_module_parameters(wide)->flat), "a failed load changes nothing");
+    tdm_tensor_free(before);
+    tdm_module_free(wide);
+
+    tdm_rng rng = tdm_rng_make(1);
+    tdm_conv2d_opts same = {.pad_h = 1, .pad_w = 1};
+    tdm_module *conv_only[1] = {tdm_conv2d_new(1, 2, 3, 3, &same, true, tdm_cpu(0), &rng)};
+    tdm_module *fewer = tdm_sequential_new(1, conv_only);
+    CHECK_ERROR(tdm_weights_load(path, fewer),
+                "unexpected: 1.num_batches_tracked, 1.bias, 1.running_mean");
+    tdm_module_free(fewer);
+
+    tdm_module *more = small_model(3, 1);
+    tdm_module_add(more, "head", tdm_linear_new(3, 2, true, tdm_cpu(0), &rng));
+    CHECK_ERROR(tdm_weights_load(path, more), "missing: head.weight, head.bias");
+    tdm_module_free(more);
+}
+
+/* ---- training checkpoints --------------------------------------------------------------- */
+
+typedef struct {
+    tdm_module *m;
+    tdm_optim *opt;
+    tdm_dataset *ds;
+    tdm_loader *l;
+    int64_t step;
+} run_state;
+
+static tdm_dataset *toy_data(void) {
+    enum { N = 40 };
+    float x[N * 16];
+    int64_t y[N];
+    tdm_rng r = tdm_rng_make(11);
+    tdm_tensor *t = tdm_rand(TDM_SHAPE(N * 16), -1, 1, tdm_cpu(0), &r);
+    tdm_to_host(t, x, sizeof x);
+    tdm_tensor_free(t);
+    for (int i = 0; i < N; i++) y[i] = i % 3;
+    return tdm_memory_dataset(TDM_SHAPE(1, 4, 4), N, x, y, 3);
+}
+
+static run_state run_new(bool adam, int workers) {
+    run_state s = {.m = small_model(3, 3), .ds = toy_data()};
+    tdm_paramset *ps = tdm_module_parameters(s.m);
+    if (adam) {
+        tdm_adam_opts ao = tdm_adamw_defaults();
+        ao.amsgrad = true;
+        s.opt = tdm_adamw_new(ps, &ao);
+    } else {
+        tdm_sgd_opts so = tdm_sgd_defaults(0.05f);
+        so.momentum = 0.9f;
+        s.opt = tdm_sgd_new(ps, &so);
+    }
+    tdm_loader_opts lo = tdm_loader_defaults(6); /* 7 batches, the last of 4 */
+    lo.shuffle = true;
+    lo.seed = 5;
+    lo.workers = workers;
+    s.l = tdm_loader_new(s.ds, &lo);
+    tdm_loader_start_epoch(s.l, 0);
+    return s;
+}
+
+static void run_free(run_state *s) {
+    tdm_loader_free(s->l);
+    tdm_dataset_free(s->ds);
+    tdm_optim_free(s->opt);
+    tdm_module_free(s->m);
+}
+
+/* n steps, moving to the next epoch at the end of one; dropout draws from the default rng. */
+static void run_steps(run_state *s, int n) {
+    for (int i = 0; i < n; i++) {
+        tdm_batch b;
+        if (tdm_loader_next(s->l, &b) == 0) {
+            int64_t e;
+            tdm_loader_position(s->l, &e, NULL);
+            tdm_loader_start_epoch(s->l, e + 1);
+            tdm_loader_next(s->l, &b);
+        }
+        tdm_scope_begin();
+        tdm_optim_zero_grad(s->opt);
+        tdm_tensor *x = tdm_dropout(b.x, 0.1f, true, NULL);
+        tdm_backward(tdm_cross_entropy(tdm_module_forward(s->m, x), b.y, NULL));
+        tdm_optim_set_lr(s->opt, tdm_optim_lr(s->opt) * 0.99f);
+        tdm_optim_step(s->opt);
+        tdm_scope_end();
+        s->step++;
+    }
+}
+
+static tdm_train_state state_of(run_state *s) {
+    return (tdm_train_state){
+        .model = s->m, .optim = s->opt, .loader = s->l, .rng = tdm_default_rng(), .step = s->step};
+}
+
+static void test_exact_resume(bool adam) {
+    const char *dir = tmp_path(adam ? "ckpt_adam" : "ckpt_sgd");
+    tdm_manual_seed(42);
+    run_state a = run_new(adam, 2);
+    run_steps(&a, 9); /* into the second epoch */
+    tdm_train_state st = state_of(&a);
+    tdm_meta meta[1] = {{"note", "hello"}};
+    st.meta = meta, st.n_meta = 1;
+    CHECK(tdm_checkpoint_save(dir, &st, 2) == TDM_OK, "save: %s", tdm_last_error());
+    run_steps(&a, 8); /* the uninterrupted run */
+
+    tdm_manual_seed(7); /* a different generator state: the checkpoint must restore it */
+    run_state b = run_new(adam, 0);
+    char path[600];
+    int64_t step = -1;
+    CHECK(tdm_checkpoint_latest(dir, path, sizeof path, &step) == 1 && step == 9,
+          "latest is step 9 (got %lld)", (long long)step);
+    tdm_train_state sb = state_of(&b);
+    CHECK(tdm_checkpoint_load(path, &sb) == TDM_OK, "load: %s", tdm_last_error());
+    b.step = sb.step;
+    CHECK(b.step == 9 && tdm_optim_steps(b.opt) == 9, "step counts restored");
+    int64_t e, k;
+    tdm_loader_position(b.l, &e, &k);
+    CHECK(e == 1 && k == 2, "loader at epoch 1 batch 2 (got %lld, %lld)", (long long)e,
+          (long long)k);
+    char note[16];
+    CHECK(tdm_checkpoint_meta(path, "note", note, sizeof note) == 1 && !strcmp(note, "hello"),
+          "caller metadata");
+    CHECK(tdm_checkpoint_meta(path, "other", note, sizeof note) == 0, "absent caller metadata");
+    run_steps(&b, 8);
+    CHECK(models_equal(a.m, b.m), "%s: resumed run is bit-identical", adam ? "adamw" : "sgd");
+    const char *names[3];
+    tdm_tensor *sa[3], *sb2[3];
+    int n = tdm_optim_state(a.opt, names, sa, 3);
+    CHECK(n == (adam ? 3 : 1) && tdm_optim_state(b.opt, NULL, sb2, 3) == n, "state count");
+    for (int i = 0; i < n; i++) CHECK(same_bits(sa[i], sb2[i]), "%s identical", names[i]);
+    run_free(&a);
+    run_free(&b);
+}
+
+static void test_checkpoint_errors(void) {
+    const char *dir = tmp_path("ckpt_keep");
+    run_state s = run_new(true, 0);
+    for (int i = 1; i <= 5; i++) {
+        run_steps(&s, 1);
+        tdm_train_state st = state_of(&s);
+        CHECK(tdm_checkpoint_save(dir, &st, 2) == TDM_OK, "save %d: %s", i, tdm_last_error());
+    }
+    CHECK(count_files(dir, "ckpt-") == 2, "keep 2 leaves 2 checkpoints (found %d)",
+          count_files(dir, "ckpt-"));
+    char path[600];
+    int64_t step;
+    CHECK(tdm_checkpoint_latest(dir, path, sizeof path, &step) == 1 && step == 5, "latest 5");
+    CHECK(tdm_checkpoint_latest(tmp_path("none"), path, sizeof path, &step) == 0, "no dir: 0");
+
+    run_state sgd = run_new(false, 0);
+    tdm_train_state st = state_of(&sgd);
+    CHECK_ERROR(tdm_checkpoint_load(path, &st), "the optimizer was adamw, now sgd");
+    /* another batch size: the saved position does not fit */
+    tdm_loader_opts lo = tdm_loader_defaults(40);
+    tdm_loader *big = tdm_loader_new(s.ds, &lo);
+    tdm_loader_start_epoch(big, 0);
+    tdm_train_state sl = {.loader = big};
+    run_state s2 = run_new(true, 0);
+    tdm_train_state sm = state_of(&s2);
+    sm.loader = big;
+    tdm_tensor *before = tdm_clone(tdm_module_parameters(s2.m)->flat);
+    CHECK_ERROR(tdm_checkpoint_load(path, &sm), "does not fit this loader's 1 batches");
+    CHECK(same_bits(before, tdm_module_parameters(s2.m)->flat), "a failed load changes nothing");
+    CHECK_ERROR(tdm_checkpoint_load(tmp_path("none"), &sl), "cannot open");
+    tdm_tensor_free(before);
+    tdm_loader_free(big);
+    run_free(&s2);
+    run_free(&sgd);
+    run_free(&s);
+}
+
+/* A child saves checkpoints in a loop, each with every weight equal to its step; it is killed
+ * at a random moment, often in the middle of a write. The newest checkpoint left must load and
+ * hold its step's weights. */
+static void test_crash(void) {
+    const char *dir = tmp_path("ckpt_crash");
+    srand((unsigned)time(NULL));
+    int rounds = 6, ok = 0;
+    for (int r = 0; r < rounds; r++) {
+        pid_t pid = fork();
+        if (pid == 0) {
+            tdm_rng rng = tdm_rng_make(1);
+            tdm_module *m = tdm_linear_new(512, 512, true, tdm_cpu(0), &rng);
+            tdm_paramset *ps = tdm_module_parameters(m);
+            for (int64_t step = (int64_t)r * 100000 + 1;; step++) {
+                tdm_fill_(ps->flat, (float)step);
+                tdm_train_state st = {.model = m, .step = step};
+                if (tdm_checkpoint_save(dir, &st, 3)) _exit(3);
+            }
+        }
+        struct timespec ts = {0, (long)(20 + rand() % 80) * 1000000L};
+        nanosleep(&ts, NULL);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        char path[600];
+        int64_t step = 0;
+        if (tdm_checkpoint_latest(dir, path, sizeof path, &step) != 1) continue; /* too early */
+        tdm_rng rng = tdm_rng_make(2);
+        tdm_module *m = tdm_linear_new(512, 512, true, tdm_cpu(0), &rng);
+        tdm_train_state st = {.model = m};
+        int rc = tdm_checkpoint_load(path, &st);
+        CHECK(rc == TDM_OK, "round %d: the newest checkpoint loads: %s", r, tdm_last_error());
+        tdm_scope_begin();
+        float w = tdm_item(tdm_slice(tdm_module_parameters(m)->flat, 0, 7, 8, 1));
+        tdm_scope_end();
+        CHECK(st.step == step && w == (float)step, "round %d: checkpoint %lld holds its weights", r,
+              (long long)step);
+        ok += rc == TDM_OK;
+        tdm_module_free(m);
+    }
+    CHECK(ok > 0, "at least one round found a checkpoint");
+}
+
+int main(void) {
+    if (!mkdtemp(tmpdir)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    test_torch_file();
+    test_torch_reads_ours();
+    test_dtypes();
+    test_bad_files();
+    test_save_errors();
+    test_strict();
+    test_exact_resume(false);
+    test_exact_resume(true);
+    test_checkpoint_errors();
+    test_crash();
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
+    if (check_failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    return check_summary();
+}

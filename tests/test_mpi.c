@@ -1,0 +1,404 @@
+/* The MPI backend, run by CTest under `mpirun -np 2` and `-np 3` (one rank per process):
+ * every collective against a serial reference computed on each rank (sums in rank order in
+ * float, so results must match bit for bit, and be identical on every rank), handles in
+ * flight at once, and DDP across processes ending with the parameters of one process
+ * trained on the same global batches.
+ *
+ * `test_mpi --faults MPIRUN` (its own CTest entry) launches `MPIRUN -np 3 test_mpi --fault
+ * CASE` for each fault case and checks that the job exits nonzero, quickly, with a message
+ * naming the failing rank: a rank killed mid-epoch, a rank that hangs (timeout), a rank that
+ * aborts, ranks built with different models, ranks that call different collectives. */
+#include "check.h"
+#include "core/core.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static tdm_group *G;
+static int R, N;
+
+/* The input of rank r at element i: a hash of (r, i, salt) in [-1, 1). */
+static float value(int r, int64_t i, int salt) {
+    uint32_t x = (uint32_t)i * 2654435761u ^ (uint32_t)(r + 1) * 40503u ^ (uint32_t)salt * 97u;
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return (float)(x >> 8) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+/* What every rank must get: the inputs of ranks 0..n-1 added in that order, / n for AVG. */
+static float reference(int n, int64_t i, int salt, tdm_reduce_kind op) {
+    float s = value(0, i, salt);
+    for (int k = 1; k < n; k++) s += value(k, i, salt);
+    return op == TDM_AVG ? s / (float)n : s;
+}
+
+static tdm_tensor *filled(int r, int64_t m, int salt) {
+    tdm_tensor *t = tdm_empty(TDM_SHAPE(m), TDM_F32, tdm_cpu(0));
+    float *p = tdm_data_ptr(t);
+    for (int64_t i = 0; i < m; i++) p[i] = value(r, i, salt);
+    return t;
+}
+
+/* Elements of t [m] that differ from the reference for elements off .. off + m. */
+static int64_t count_wrong(const tdm_tensor *t, int salt, tdm_reduce_kind op, int64_t off) {
+    const float *p = tdm_data_ptr(t);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < tdm_numel(t); i++) wrong += p[i] != reference(N, off + i, salt, op);
+    return wrong;
+}
+
+static uint64_t digest(const void *data, size_t bytes) { /* FNV-1a */
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < bytes; i++)
+        h = (h ^ ((const unsigned char *)data)[i]) * 1099511628211ull;
+    return h;
+}
+
+/* True when every rank passes the same digest (an all-gather of one i64 per rank). */
+static bool same_everywhere(uint64_t d) {
+    tdm_tensor *in = tdm_from_data(TDM_SHAPE(1), TDM_I64, tdm_cpu(0), &d);
+    tdm_tensor *all = tdm_zeros(TDM_SHAPE(N), TDM_I64, tdm_cpu(0));
+    bool ok = tdm_work_wait(tdm_all_gather(G, all, in)) == TDM_OK;
+    const uint64_t *p = tdm_data_ptr(all);
+    for (int k = 0; ok && k < N; k++) ok = p[k] == d;
+    tdm_tensor_free(in);
+    tdm_tensor_free(all);
+    return ok;
+}
+
+/* ---- collectives -------------------------------------------------------------------------- */
+
+/* 0, 1, odd, around a cache line, > 1 MiB, and > several 1 MiB segments of the backend */
+static const int64_t sizes[] = {0, 1, 7, 17, 1000, 4097, (1 << 18) + 5, 2500003};
+#define N_SIZES ((int)(sizeof sizes / sizeof sizes[0]))
+
+static void ops_one_size(int64_t m, int salt) {
+    for (int op = TDM_SUM; op <= TDM_AVG; op++) {
+        tdm_tensor *t = filled(R, m, salt + op);
+        CHECK(tdm_work_wait(tdm_all_reduce(G, t, (tdm_reduce_kind)op)) == TDM_OK,
+              "all_reduce m=%lld: %s", (long long)m, tdm_last_error());
+        int64_t wrong = count_wrong(t, salt + op, (tdm_reduce_kind)op, 0);
+        CHECK(wrong == 0, "all_reduce op %d m=%lld on rank %d: %lld wrong", op, (long long)m, R,
+              (long long)wrong);
+        CHECK(same_everywhere(digest(tdm_data_ptr(t), (size_t)m * 4)),
+              "all_reduce op %d m=%lld: ranks differ", op, (long long)m);
+    }
+    /* broadcast from a root that moves with the size, f32 and i32 */
+    int root = (int)(m % N);
+    tdm_tensor *b = filled(R, m, salt + 2);
+    CHECK(tdm_work_wait(tdm_broadcast(G, b, root)) == TDM_OK, "broadcast: %s", tdm_last_error());
+    const float *pb = tdm_data_ptr(b);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < m; i++) wrong += pb[i] != value(root, i, salt + 2);
+    CHECK(wrong == 0, "broadcast m=%lld root %d on rank %d: %lld wrong", (long long)m, root, R,
+          (long long)wrong);
+    tdm_tensor *bi = tdm_full(TDM_SHAPE(m), (float)(R * 10 + 3), TDM_I32, tdm_cpu(0));
+    CHECK(tdm_work_wait(tdm_broadcast(G, bi, root)) == TDM_OK, "broadcast i32: %s",
+          tdm_last_error());
+    const int32_t *pbi = tdm_data_ptr(bi);
+    wrong = 0;
+    for (int64_t i = 0; i < m; i++) wrong += pbi[i] != root * 10 + 3;
+    CHECK(wrong == 0, "broadcast i32 m=%lld: %lld wrong", (long long)m, (long long)wrong);
+    /* all-gather: out [N * m] holds every rank's in, in rank order */
+    tdm_tensor *in = filled(R, m, salt + 3);
+    tdm_tensor *out = tdm_full(TDM_SHAPE(N * m), -7.0f, TDM_F32, tdm_cpu(0));
+    CHECK(tdm_work_wait(tdm_all_gather(G, out, in)) == TDM_OK, "all_gather: %s", tdm_last_error());
+    const float *po = tdm_data_ptr(out);
+    wrong = 0;
+    for (int k = 0; k < N; k++)
+        for (int64_t i = 0; i < m; i++) wrong += po[k * m + i] != value(k, i, salt + 3);
+    CHECK(wrong == 0, "all_gather m=%lld on rank %d: %lld wrong", (long long)m, R,
+          (long long)wrong);
+    /* reduce-scatter: rank R gets chunk R of the reduction of in [N * m] */
+    for (int op = TDM_SUM; op <= TDM_AVG; op++) {
+        tdm_tensor *big = filled(R, N * m, salt + 4 + op);
+        tdm_tensor *part = tdm_full(TDM_SHAPE(m), -7.0f, TDM_F32, tdm_cpu(0));
+        CHECK(tdm_work_wait(tdm_reduce_scatter(G, part, big, (tdm_reduce_kind)op)) == TDM_OK,
+              "reduce_scatter: %s", tdm_last_error());
+        wrong = count_wrong(part, salt + 4 + op, (tdm_reduce_kind)op, R * m);
+        CHECK(wrong == 0, "reduce_scatter op %d m=%lld on rank %d: %lld wrong", op, (long long)m, R,
+              (long long)wrong);
+    }
+    CHECK(tdm_work_wait(tdm_barrier(G)) == TDM_OK, "barrier: %s", tdm_last_error());
+}
+
+/* Several all-reduces in flight at once while the rank computes, waited out of order. */
+static void outstanding(void) {
+    const int64_t ms[4] = {1000, 7, 1 << 20, 1};
+    tdm_tensor *t[4];
+    tdm_work *w[4];
+    for (int j = 0; j < 4; j++) {
+        t[j] = filled(R, ms[j], 100 + j);
+        w[j] = tdm_all_reduce(G, t[j], j % 2 ? TDM_AVG : TDM_SUM);
+    }
+    tdm_tensor *x = tdm_ones(TDM_SHAPE(64, 64), TDM_F32, tdm_cpu(0));
+    CHECK(tdm_matmul(x, x) != NULL, "matmul: %s", tdm_last_error());
+    const int order[4] = {3, 1, 0, 2};
+    for (int j = 0; j < 4; j++)
+        CHECK(tdm_work_wait(w[order[j]]) == TDM_OK, "wait %d: %s", order[j], tdm_last_error());
+    for (int j = 0; j < 4; j++)
+        CHECK(count_wrong(t[j], 100 + j, j % 2 ? TDM_AVG : TDM_SUM, 0) == 0,
+              "outstanding tensor %d wrong", j);
+}
+
+static void test_collectives(void) {
+    CHECK(tdm_group_rank(G) == R && tdm_group_size(G) == N && N >= 1, "rank %d size %d", R, N);
+    const char *env = getenv("OMPI_COMM_WORLD_SIZE");
+    CHECK(!env || atoi(env) == N, "size %d, mpirun says %s", N, env);
+    for (int s = 0; s < N_SIZES; s++) {
+        tdm_scope_begin();
+        ops_one_size(sizes[s], 10 * s);
+        tdm_scope_end();
+    }
+    tdm_scope_begin();
+    outstanding();
+    tdm_scope_end();
+    /* bad arguments fail on the calling rank before anything is sent */
+    tdm_scope_begin();
+    tdm_tensor *i32 = tdm_zeros(TDM_SHAPE(4), TDM_I32, tdm_cpu(0));
+    CHECK_ERROR(tdm_all_reduce(G, i32, TDM_SUM) == NULL, "all_reduce: tensor must be f32");
+    CHECK_ERROR(tdm_broadcast(G, i32, N) == NULL, "root");
+    tdm_scope_end();
+    CHECK(tdm_mpi_init(NULL, NULL) == G, "a second tdm_mpi_init returns the same group");
+}
+
+/* ---- DDP across processes (as tests/test_ddp.c does with threads) -------------------------- */
+
+#define B     10 /* global batch: not divisible by 3 or 4 */
+#define IN    6
+#define HID   8
+#define OUT   3
+#define STEPS 3
+
+static tdm_module *make_mlp(uint64_t seed, int64_t hidden) {
+    tdm_rng r = tdm_rng_make(seed);
+    tdm_module *l[3] = {tdm_linear_new(IN, hidden, true, tdm_cpu(0), &r), tdm_relu_new(),
+                        tdm_linear_new(hidden, OUT, true, tdm_cpu(0), &r)};
+    return tdm_sequential_new(3, l);
+}
+
+/* Step s's global batch, the same on every rank and for the reference. */
+static void batch_of(int s, float *x, int64_t *y) {
+    tdm_rng r = tdm_rng_make(100 + (uint64_t)s);
+    tdm_scope_begin();
+    tdm_to_host(tdm_randn(TDM_SHAPE(B, IN), 0, 1, tdm_cpu(0), &r), x, sizeof(float) * B * IN);
+    tdm_scope_end();
+    for (int i = 0; i < B; i++) y[i] = (i * 7 + s) % OUT;
+}
+
+static tdm_optim *make_sgd(tdm_paramset *ps) {
+    tdm_sgd_opts o = tdm_sgd_defaults(0.1f);
+    o.momentum = 0.9f;
+    return tdm_sgd_new(ps, &o);
+}
+
+static tdm_optim *make_adam(tdm_paramset *ps) {
+    tdm_adam_opts o = tdm_adam_defaults();
+    o.lr = 0.01f;
+    return tdm_adam_new(ps, &o);
+}
+
+/* One process, whole batches: the reference parameters. */
+static float *one_process(tdm_optim *(*make)(tdm_paramset *)) {
+    tdm_module *m = make_mlp(1, HID);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_optim *opt = make(ps);
+    float x[B * IN];
+    int64_t y[B];
+    for (int s = 0; s < STEPS; s++) {
+        tdm_optim_zero_grad(opt);
+        batch_of(s, x, y);
+        tdm_scope_begin();
+        tdm_backward(tdm_cross_entropy(
+            tdm_module_forward(m, tdm_from_data(TDM_SHAPE(B, IN), TDM_F32, tdm_cpu(0), x)),
+            tdm_from_data(TDM_SHAPE(B), TDM_I64, tdm_cpu(0), y), NULL));
+        tdm_scope_end();
+        tdm_optim_step(opt);
+    }
+    float *p = malloc(sizeof(float) * (size_t)ps->total);
+    tdm_to_host(ps->flat, p, sizeof(float) * (size_t)ps->total);
+    tdm_optim_free(opt);
+    tdm_module_free(m);
+    return p;
+}
+
+/* This rank's rows [lo, hi) of a global batch of B split over N ranks (uneven splits). */
+static void rows_of(int64_t *lo, int64_t *hi) {
+    *lo = R * (B / N) + (R < B % N ? R : B % N);
+    *hi = *lo + B / N + (R < B % N);
+}
+
+/* One DDP step on this rank's rows of step s's batch; the loss is weighted by the rank's
+ * share so that the average over ranks is the mean over the global batch. */
+static int ddp_step(tdm_ddp *d, tdm_module *m, tdm_optim *opt, int s) {
+    float x[B * IN];
+    int64_t y[B], lo, hi;
+    batch_of(s, x, y);
+    rows_of(&lo, &hi);
+    tdm_optim_zero_grad(opt);
+    tdm_scope_begin();
+    tdm_tensor *out =
+        tdm_ddp_forward(d, tdm_from_data(TDM_SHAPE(hi - lo, IN), TDM_F32, tdm_cpu(0), x + lo * IN));
+    tdm_tensor *l = tdm_cross_entropy(
+        out, tdm_from_data(TDM_SHAPE(hi - lo), TDM_I64, tdm_cpu(0), y + lo), NULL);
+    int rc = tdm_ddp_backward(d, tdm_mul_scalar(l, (float)((double)(hi - lo) * N / B)));
+    tdm_scope_end();
+    return rc ? rc : tdm_optim_step(opt);
+}
+
+static void test_ddp(void) {
+    tdm_optim *(*makes[2])(tdm_paramset *) = {make_sgd, make_adam};
+    for (int k = 0; k < 2; k++) {
+        float *want = one_process(makes[k]);
+        tdm_module *m = make_mlp(1 + (uint64_t)R, HID); /* rank 0's weights are broadcast */
+        tdm_ddp_opts o = tdm_ddp_defaults();
+        o.bucket_cap_bytes = o.first_bucket_cap_bytes = k ? 64 : 25 << 20;
+        tdm_ddp *d = tdm_ddp_new(m, G, &o);
+        CHECK(d, "ddp_new: %s", tdm_last_error());
+        if (!d) return;
+        tdm_paramset *ps = tdm_module_parameters(m);
+        tdm_optim *opt = makes[k](ps);
+        int rc = 0;
+        for (int s = 0; s < STEPS && !rc; s++) rc = ddp_step(d, m, opt, s);
+        CHECK(rc == 0, "ddp step: %s", tdm_last_error());
+        const float *p = tdm_data_ptr(ps->flat);
+        int bad = 0;
+        for (int64_t i = 0; i < ps->total; i++)
+            bad += !(fabsf(p[i] - want[i]) <= 1e-5f + 1e-4f * fabsf(want[i]));
+        CHECK(bad == 0, "ddp optimizer %d, %d processes, rank %d: %d parameters off one process", k,
+              N, R, bad);
+        CHECK(same_everywhere(digest(p, sizeof(float) * (size_t)ps->total)),
+              "ddp optimizer %d: ranks' parameters differ", k);
+        tdm_optim_free(opt);
+        tdm_ddp_free(d);
+        tdm_module_free(m);
+        free(want);
+    }
+}
+
+/* ---- fault cases (one mpirun each) -------------------------------------------------------- */
+
+/* Trains with DDP; rank 1 misbehaves at step 3 as `what` says. Ends the process: 0 if all
+ * steps passed, 1 with "test_mpi rank R: error" on stderr otherwise. */
+static int fault_child(const char *what) {
+    bool timeout_case = !strcmp(what, "hang") || !strcmp(what, "kill");
+    tdm_group_set_timeout(G, timeout_case ? 1.0 : 30.0);
+    int rc = 0;
+    if (!strcmp(what, "mismatch")) {
+        tdm_tensor *t = tdm_ones(TDM_SHAPE(10 + (R == 1)), TDM_F32, tdm_cpu(0));
+        rc = tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM));
+    } else {
+        tdm_module *m = make_mlp(1, !strcmp(what, "model") && R == 1 ? HID + 1 : HID);
+        tdm_ddp *d = tdm_ddp_new(m, G, NULL);
+        rc = d ? 0 : tdm_last_status();
+        tdm_optim *opt = d ? make_sgd(tdm_module_parameters(m)) : NULL;
+        for (int s = 0; s < 20 && !rc; s++) {
+            if (s == 3 && R == 1) {
+                if (!strcmp(what, "kill")) raise(SIGKILL);
+                if (!strcmp(what, "hang")) sleep(60);
+                if (!strcmp(what, "abort")) {
+                    tdm_group_abort(G, "out of data");
+                    rc = tdm_raise(TDM_ERR_STATE, "out of data");
+                    break;
+                }
+            }
+            rc = ddp_step(d, m, opt, s);
+        }
+    }
+    if (rc) fprintf(stderr, "test_mpi rank %d: %s\n", R, tdm_last_error());
+    fflush(stderr);
+    tdm_mpi_finalize();
+    return rc ? 1 : 0;
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* Runs `mpirun -np 3 this --fault what`; the job must fail within max_s, its output holding
+ * every string of want (NULL-terminated). */
+static void expect_job_fails(const char *mpirun, const char *what, double max_s,
+                             const char *const *want) {
+    char self[4096], cmd[8192];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) {
+        CHECK(false, "cannot find this executable");
+        return;
+    }
+    self[n] = '\0';
+    snprintf(cmd, sizeof cmd, "%s -np 3 %s --fault %s 2>&1", mpirun, self, what);
+    double t0 = now();
+    FILE *f = popen(cmd, "r");
+    CHECK(f != NULL, "popen %s", cmd);
+    if (!f) return;
+    static char out[1 << 16];
+    size_t len = fread(out, 1, sizeof out - 1, f);
+    out[len] = '\0';
+    int st = pclose(f);
+    double dt = now() - t0;
+    bool failed = st != -1 && WIFEXITED(st) && WEXITSTATUS(st) != 0;
+    CHECK(failed, "%s: the job exited with status %d", what, st);
+    CHECK(dt < max_s, "%s: the job took %.1f s (limit %.0f s)", what, dt, max_s);
+    for (int i = 0; want[i]; i++) { /* "A||B": either */
+        char alt[512];
+        snprintf(alt, sizeof alt, "%s", want[i]);
+        char *bar = strstr(alt, "||");
+        if (bar) *bar = '\0';
+        bool found = strstr(out, alt) || (bar && strstr(out, bar + 2));
+        CHECK(found, "%s: no \"%s\" in the output:\n%s", what, want[i], out);
+    }
+    printf("fault case %s: failed in %.2f s as expected\n", what, dt);
+}
+
+static void test_faults(const char *mpirun) {
+    /* killed mid-epoch: mpirun notices the death; a survivor that gets there first times out */
+    expect_job_fails(mpirun, "kill", 20,
+                     (const char *[]){"timed out after 1.0 s waiting for rank 1||"
+                                      "process rank 1 with PID",
+                                      NULL});
+    /* alive but silent: ranks 0 and 2 time out naming it (1 s), mpirun ends rank 1 */
+    expect_job_fails(mpirun, "hang", 20,
+                     (const char *[]){"timed out after 1.0 s waiting for rank 1", NULL});
+    /* A rank that gives up: the others learn at once (their timeout is 30 s). Once the
+     * first process exits non-zero mpirun ends the rest, so only some of them get to print:
+     * the message must appear from at least one survivor. */
+    expect_job_fails(mpirun, "abort", 15,
+                     (const char *[]){"on rank 0: rank 1 failed: out of data||"
+                                      "on rank 2: rank 1 failed: out of data",
+                                      NULL});
+    expect_job_fails(mpirun, "model", 15,
+                     (const char *[]){"ddp: parameter \"0.weight\" has shape [9, 6] on rank 1 "
+                                      "but [8, 6] on rank 0",
+                                      NULL});
+    expect_job_fails(mpirun, "mismatch", 15,
+                     (const char *[]){"ranks disagree on the element count: ",
+                                      "called all_reduce #1 (11 elements", NULL});
+}
+
+int main(int argc, char **argv) {
+    if (argc >= 3 && !strcmp(argv[1], "--faults")) {
+        test_faults(argv[2]);
+        return check_summary();
+    }
+    G = tdm_mpi_init(&argc, &argv);
+    if (!G) {
+        fprintf(stderr, "test_mpi: %s\n", tdm_last_error());
+        return 1;
+    }
+    R = tdm_group_rank(G);
+    N = tdm_group_size(G);
+    if (argc >= 3 && !strcmp(argv[1], "--fault")) return fault_child(argv[2]);
+    test_collectives();
+    test_ddp();
+    tdm_mpi_finalize();
+    CHECK_ERROR(tdm_mpi_init(NULL, NULL) == NULL, "cannot be initialized again");
+    if (R != 0) printf("rank %d: ", R);
+    return check_summary();
+}

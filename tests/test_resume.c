@@ -1,0 +1,211 @@
+/* Exact resume through the `tandem` command: a run of 2N steps and a run stopped after N steps
+ * then resumed for N more end with byte-identical checkpoints (weights and training state),
+ * for the MLP with SGD and the CNN with Adam and a cosine schedule, on 1 and 2 devices. Also:
+ * keeping the last K checkpoints, `tandem eval` on a checkpoint, --init-from, and killing the
+ * trainer at random moments while it writes checkpoints.
+ *
+ *   test_resume PATH_TO_TANDEM
+ *
+ * Needs Debian's dataset-fashion-mnist (skipped without it). */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+
+static const char *tandem;
+static char tmpdir[] = "/tmp/tandem_test_resume_XXXXXX";
+
+static char *slurp(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *s = calloc(1, (size_t)n + 1);
+    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) s[0] = '\0';
+    fclose(f);
+    if (len) *len = (size_t)n;
+    return s;
+}
+
+/* Starts tandem with args (NULL-terminated), stdout and stderr into tmpdir/out and err. */
+static pid_t start(const char *const *args) {
+    pid_t pid = fork();
+    if (pid == 0) {
+        char out[300], err[300];
+        snprintf(out, sizeof out, "%s/out", tmpdir);
+        snprintf(err, sizeof err, "%s/err", tmpdir);
+        int fo = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        int fe = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fo < 0 || fe < 0) _exit(126);
+        dup2(fo, 1);
+        dup2(fe, 2);
+        const char *argv[64] = {tandem};
+        for (int i = 0; args[i] && i < 62; i++) argv[i + 1] = args[i];
+        execv(tandem, (char *const *)argv);
+        _exit(127);
+    }
+    return pid;
+}
+
+/* Runs tandem to completion; returns its exit status (-1 for a crash). */
+static int run(const char *const *args) {
+    pid_t pid = start(args);
+    int st = 0;
+    if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) return -1;
+    return WEXITSTATUS(st);
+}
+
+static char *output(const char *which) {
+    char p[300];
+    snprintf(p, sizeof p, "%s/%s", tmpdir, which);
+    char *s = slurp(p, NULL);
+    return s ? s : calloc(1, 1);
+}
+
+static bool same_file(const char *a, const char *b) {
+    size_t na = 0, nb = 0;
+    char *x = slurp(a, &na), *y = slurp(b, &nb);
+    bool eq = x && y && na == nb && na > 0 && memcmp(x, y, na) == 0;
+    free(x);
+    free(y);
+    return eq;
+}
+
+static int count_ckpts(const char *dir) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d)) != NULL) n += strncmp(e->d_name, "ckpt-", 5) == 0;
+    if (d) closedir(d);
+    return n;
+}
+
+#define ARGS(...) ((const char *const[]){__VA_ARGS__, NULL})
+#define COMMON    "--limit", "256", "--batch-size", "64", "--epochs", "3", "--quiet"
+
+/* The last "test loss X acc Y%" of a trainer's or eval's output. */
+static void last_test(const char *out, char *buf, size_t cap) {
+    const char *p = NULL, *q = out;
+    while ((q = strstr(q, "test loss ")) != NULL) p = q++;
+    buf[0] = '\0';
+    if (p) snprintf(buf, cap, "%.*s", (int)(strchr(p, '%') ? strchr(p, '%') - p : 0), p);
+}
+
+static void exact_resume(const char *model, const char *devices, bool adam) {
+    char a[300], b[300], fa[400], fb[400];
+    snprintf(a, sizeof a, "%s/%s-%s-full", tmpdir, model, devices);
+    snprintf(b, sizeof b, "%s/%s-%s-split", tmpdir, model, devices);
+    const char *opt = adam ? "adam" : "sgd", *sched = adam ? "cosine" : "constant";
+    /* 12 steps (4 per epoch); checkpoints at 4, 8 and 12, of which 2 are kept */
+    int rc =
+        run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
+                 sched, COMMON, "--checkpoint-dir", a, "--checkpoint-every", "4", "--keep", "2"));
+    char *err = output("err");
+    CHECK(rc == 0, "%s on %s: the full run failed (%d): %s", model, devices, rc, err);
+    free(err);
+    char *out = output("out"), full_test[128];
+    last_test(out, full_test, sizeof full_test);
+    free(out);
+    CHECK(count_ckpts(a) == 2, "--keep 2 leaves 2 checkpoints, found %d", count_ckpts(a));
+    /* stopped after 6 steps, in the middle of epoch 2, then resumed (other worker count) */
+    rc = run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
+                  sched, COMMON, "--checkpoint-dir", b, "--max-steps", "6"));
+    CHECK(rc == 0, "%s on %s: the first half failed (%d)", model, devices, rc);
+    rc = run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
+                  sched, COMMON, "--checkpoint-dir", b, "--resume", "--workers", "0"));
+    err = output("err");
+    CHECK(rc == 0, "%s on %s: the resumed half failed (%d): %s", model, devices, rc, err);
+    free(err);
+    for (int f = 0; f < 2; f++) {
+        const char *file = f ? "train_state.safetensors" : "model.safetensors";
+        snprintf(fa, sizeof fa, "%s/ckpt-0000000012/%s", a, file);
+        snprintf(fb, sizeof fb, "%s/ckpt-0000000012/%s", b, file);
+        CHECK(same_file(fa, fb),
+              "%s on %s (%s): %s of the resumed run differs from the full "
+              "run's",
+              model, devices, opt, file);
+    }
+    /* tandem eval on the final checkpoint reproduces the trainer's last test result */
+    snprintf(fa, sizeof fa, "%s/ckpt-0000000012", a);
+    rc = run(ARGS("eval", "--model", model, "--weights", fa, "--limit", "256"));
+    out = output("out");
+    char eval_test[128];
+    last_test(out, eval_test, sizeof eval_test);
+    CHECK(rc == 0 && full_test[0] && strcmp(full_test, eval_test) == 0,
+          "eval gives '%s', training gave '%s'", eval_test, full_test);
+    free(out);
+}
+
+static void init_from(void) {
+    char w[400];
+    snprintf(w, sizeof w, "%s/mlp-cpu:0-full/ckpt-0000000012/model.safetensors", tmpdir);
+    CHECK(run(ARGS("train", "--model", "mlp", COMMON, "--epochs", "1", "--init-from", w)) == 0,
+          "--init-from a checkpoint's weights");
+    CHECK(run(ARGS("train", "--model", "cnn", COMMON, "--init-from", w)) == 1,
+          "--init-from weights of another model fails");
+    char *err = output("err");
+    CHECK(strstr(err, "--init-from") && strstr(err, "missing: 0.weight"),
+          "names what is missing: %s", err);
+    free(err);
+    CHECK(run(ARGS("train", COMMON, "--init-from", "/nonexistent.safetensors")) == 1,
+          "--init-from a missing file");
+    CHECK(run(ARGS("train", COMMON, "--resume")) == 2, "--resume needs --checkpoint-dir");
+    CHECK(run(ARGS("eval", "--model", "mlp")) == 2, "eval needs --weights");
+    char *e2 = output("err");
+    CHECK(strstr(e2, "--weights"), "says --weights is required: %s", e2);
+    free(e2);
+}
+
+/* Kills the trainer at random moments of a run that checkpoints every step; each time the
+ * newest checkpoint must resume. */
+static void kill_during_checkpoint(void) {
+    char dir[300];
+    snprintf(dir, sizeof dir, "%s/killed", tmpdir);
+    srand((unsigned)time(NULL));
+    for (int round = 0; round < 3; round++) {
+        pid_t pid = start(ARGS("train", "--model", "mlp", "--limit", "4096", "--batch-size", "16",
+                               "--epochs", "1", "--quiet", "--checkpoint-dir", dir,
+                               "--checkpoint-every", "1", "--keep", "2", "--resume"));
+        struct timespec ts = {0, (long)(150 + rand() % 250) * 1000000L};
+        nanosleep(&ts, NULL);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+    }
+    int rc = run(ARGS("train", "--model", "mlp", "--limit", "4096", "--batch-size", "16",
+                      "--epochs", "1", "--checkpoint-dir", dir, "--resume", "--max-steps", "257"));
+    char *err = output("err"), *out = output("out");
+    CHECK(rc == 0, "resuming after kills failed (%d): %s", rc, err);
+    CHECK(strstr(out, "resume    ") != NULL || count_ckpts(dir) == 0, "resumed: %s", out);
+    free(err);
+    free(out);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: test_resume PATH_TO_TANDEM\n");
+        return 2;
+    }
+    tandem = argv[1];
+    if (access("/usr/share/datasets/fashion-mnist", R_OK) != 0) {
+        printf("skip: dataset-fashion-mnist is not installed\n");
+        return 0;
+    }
+    if (!mkdtemp(tmpdir)) return 1;
+    exact_resume("mlp", "cpu:0", false);
+    exact_resume("mlp", "cpu:0,cpu:1", false);
+    exact_resume("cnn", "cpu:0", true);
+    exact_resume("cnn", "cpu:0,cpu:1", true);
+    init_from();
+    kill_during_checkpoint();
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
+    if (check_failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    return check_summary();
+}

@@ -1,0 +1,181 @@
+/* `tandem eval`: test loss and accuracy of saved weights (a .safetensors file written by
+ * `tandem train --checkpoint-dir`, by tdm_weights_save, or by PyTorch for the same
+ * nn.Sequential), on the test split of the data `tandem train` uses. */
+#include "eval.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "models.h"
+#include "tandem/tandem.h"
+#include "train.h"
+
+typedef struct {
+    const char *weights, *model, *data;
+    int64_t limit, batch_size;
+} eval_opts;
+
+void eval_help(FILE *out) {
+    fprintf(
+        out,
+        "NAME\n    tandem eval - test loss and accuracy of saved weights\n\n"
+        "SYNOPSIS\n    tandem eval --weights FILE [--model mlp|cnn] [--data fashion-mnist|DIR]\n"
+        "                [--limit N] [--batch-size B]\n\n"
+        "OPTIONS\n"
+        "    --weights FILE\n"
+        "        A .safetensors file of the model's parameters under PyTorch's names (from\n"
+        "        tandem train --checkpoint-dir, or PyTorch's state_dict of the same\n"
+        "        nn.Sequential), or a checkpoint directory holding model.safetensors.\n"
+        "        Required.\n"
+        "    --model mlp|cnn\n"
+        "        The network the weights belong to (see tandem train --help). Default: mlp.\n"
+        "    --data fashion-mnist|DIR\n"
+        "        As for tandem train; the test split is used. Default: fashion-mnist.\n"
+        "    --limit N\n"
+        "        Use the first N/6 test samples (at least 1), as tandem train --limit N does.\n"
+        "        Default: all.\n"
+        "    --batch-size B\n"
+        "        Samples per forward pass. Default: 1000.\n\n"
+        "OUTPUT\n    One line: test loss, accuracy and the number of samples.\n\n"
+        "EXIT STATUS\n    0 success, 1 runtime error (unreadable or mismatched weights), 2 "
+        "usage error.\n\n"
+        "EXAMPLES\n"
+        "    tandem train --model cnn --checkpoint-dir runs/cnn\n"
+        "    tandem eval --model cnn --weights runs/cnn/ckpt-0000000938/model.safetensors\n");
+}
+
+static int usage(const char *fmt, const char *a) {
+    fprintf(stderr, "tandem eval: ");
+    fprintf(stderr, fmt, a);
+    fprintf(stderr, " (see 'tandem eval --help')\n");
+    return EXIT_USAGE;
+}
+
+static int fail(const char *fmt, const char *a, const char *b) {
+    fprintf(stderr, "tandem eval: error: ");
+    fprintf(stderr, fmt, a, b);
+    fputc('\n', stderr);
+    return EXIT_RUNTIME;
+}
+
+static int parse_int(const char *name, const char *v, int64_t lo, int64_t *out) {
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (end == v || *end || errno == ERANGE || x < lo)
+        return usage("%s: expected a positive integer", name);
+    *out = x;
+    return 0;
+}
+
+static int parse(int argc, char **argv, eval_opts *o) {
+    *o = (eval_opts){.model = "mlp", .data = "fashion-mnist", .batch_size = 1000};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) return -1;
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        bool known = !strcmp(a, "--weights") || !strcmp(a, "--model") || !strcmp(a, "--data") ||
+                     !strcmp(a, "--limit") || !strcmp(a, "--batch-size");
+        if (!known) return usage("unknown option or argument '%s'", a);
+        if (!v || !*v) return usage("%s needs a value", a);
+        i++;
+        int rc = 0;
+        if (!strcmp(a, "--weights"))
+            o->weights = v;
+        else if (!strcmp(a, "--model"))
+            o->model = v;
+        else if (!strcmp(a, "--data"))
+            o->data = v;
+        else if (!strcmp(a, "--limit"))
+            rc = parse_int(a, v, 1, &o->limit);
+        else
+            rc = parse_int(a, v, 1, &o->batch_size);
+        if (rc) return rc;
+    }
+    if (!o->weights) return usage("%s is required", "--weights FILE");
+    bool ok = false;
+    for (const char *const *m = model_names; *m; m++) ok = ok || !strcmp(*m, o->model);
+    if (!ok) return usage("--model: unknown model '%s' (expected mlp or cnn)", o->model);
+    return 0;
+}
+
+/* Sum of the loss and count of correct predictions over the loader's epoch 0. */
+static int run_eval(tdm_module *m, tdm_loader *l, double *loss_sum, int64_t *correct, int64_t *n) {
+    tdm_ce_opts sum = tdm_ce_defaults();
+    sum.reduction = TDM_REDUCE_SUM;
+    tdm_module_train(m, false);
+    bool prev = tdm_set_grad_enabled(false);
+    int r, rc = tdm_loader_start_epoch(l, 0);
+    tdm_batch b;
+    while (!rc && (r = tdm_loader_next(l, &b)) != 0) {
+        if (r < 0 || tdm_scope_begin()) {
+            rc = -1;
+            break;
+        }
+        /* x [B, 1, 28, 28] -> logits [B, 10] */
+        tdm_tensor *logits = tdm_module_forward(m, b.x), *pred = NULL;
+        float loss = tdm_item(tdm_cross_entropy(logits, b.y, &sum));
+        int64_t *p = malloc(sizeof *p * (size_t)b.size), *y = malloc(sizeof *y * (size_t)b.size);
+        size_t bytes = sizeof *p * (size_t)b.size;
+        rc = p && y && !isnan(loss) && tdm_max(logits, 1, false, &pred) &&
+                     !tdm_to_host(pred, p, bytes) && !tdm_to_host(b.y, y, bytes)
+                 ? 0
+                 : -1;
+        for (int64_t i = 0; !rc && i < b.size; i++) *correct += p[i] == y[i];
+        *loss_sum += loss;
+        *n += b.size;
+        free(p);
+        free(y);
+        tdm_scope_end();
+    }
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+int eval_main(int argc, char **argv) {
+    eval_opts o;
+    int rc = parse(argc, argv, &o);
+    if (rc < 0) {
+        eval_help(stdout);
+        return EXIT_OK;
+    }
+    if (rc) return rc;
+    char path[4096];
+    struct stat st;
+    if (stat(o.weights, &st) == 0 && S_ISDIR(st.st_mode))
+        snprintf(path, sizeof path, "%s/model.safetensors", o.weights); /* a checkpoint */
+    else
+        snprintf(path, sizeof path, "%s", o.weights);
+    const char *dir = strcmp(o.data, "fashion-mnist") == 0 ? NULL : o.data;
+    tdm_dataset *ds = tdm_fashion_mnist(dir, false);
+    if (!ds)
+        return fail("cannot load test data from '%s': %s", dir ? dir : "fashion-mnist",
+                    tdm_last_error());
+    if (o.limit > 0 && ds->n > (o.limit / 6 > 0 ? o.limit / 6 : 1))
+        ds->n = o.limit / 6 > 0 ? o.limit / 6 : 1;
+    tdm_rng rng = tdm_rng_make(0);
+    tdm_module *m = model_build(o.model, tdm_cpu(0), &rng);
+    tdm_loader_opts lo = tdm_loader_defaults(o.batch_size);
+    tdm_loader *l = m ? tdm_loader_new(ds, &lo) : NULL;
+    rc = EXIT_OK;
+    if (!m || !l) {
+        rc = fail("%s%s", "setting up: ", tdm_last_error());
+    } else if (tdm_weights_load(path, m) != TDM_OK) {
+        rc = fail("%s%s", "", tdm_last_error());
+    } else {
+        double loss = 0;
+        int64_t correct = 0, n = 0;
+        if (run_eval(m, l, &loss, &correct, &n))
+            rc = fail("%s%s", "evaluation: ", tdm_last_error());
+        else
+            printf("test loss %.4f acc %5.2f%%  (%lld samples, %s, %s)\n", loss / (double)n,
+                   100.0 * (double)correct / (double)n, (long long)n, o.model, path);
+    }
+    tdm_loader_free(l);
+    tdm_module_free(m);
+    tdm_dataset_free(ds);
+    return rc;
+}

@@ -42,16 +42,17 @@ static void help(FILE *out) {
                  "    tandem devices\n");
 }
 
-/* CPU cores and memory from sysconf; CUDA is not part of this build yet. */
+/* One CPU device per core this process may use (each with its own thread and memory pool
+ * when training on several), and the memory they share; CUDA is not part of this build yet. */
 static int devices(void) {
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int n = tdm_device_count(TDM_CPU);
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     double gib = pages > 0 && page > 0 ? (double)pages * (double)page / (1 << 30) : 0;
     printf("DEVICE   KIND  DETAILS\n");
-    printf("cpu:0    cpu   %ld cores online, %.1f GiB memory (training uses one CPU device "
-           "for now)\n",
-           cores, gib);
+    for (int i = 0; i < n; i++)
+        printf("cpu:%-4d cpu   core %d, shares %.1f GiB of memory\n", i, i, gib);
     printf("cuda     -     none: this build has no CUDA backend\n");
+    printf("\nTrain on several with --devices cpu:0,cpu:1 (or cpu:all, or a count).\n");
     return EXIT_OK;
 }
 

@@ -31,7 +31,7 @@
 /* ---- options ------------------------------------------------------------------------------ */
 
 typedef struct {
-    const char *data, *model, *optimizer, *schedule, *devices, *log_path, *plot_path;
+    const char *data, *model, *optimizer, *schedule, *devices, *log_path, *plot_path, *trace_path;
     int64_t epochs, batch_size, workers, limit, warmup_steps, step_size, print_every, seed;
     double lr, momentum, weight_decay, gamma; /* lr, momentum: NAN until set (optimizer default) */
     bool quiet;
@@ -107,6 +107,10 @@ static const opt_spec specs[] = {
      "Write one JSON object per line: a config line, a line per step (epoch, step, loss, lr, "
      "img_s) and a line per epoch (train_loss, train_acc, test_loss, test_acc, seconds, "
      "loader_wait_s, ...)."},
+    {"--trace", "FILE.json", OPT_STR, F(trace_path), 0, 0, "none",
+     "Write a Chrome trace (open it in Perfetto or chrome://tracing): one track per thread "
+     "(the training loop, each device's compute, its communication, the loader's workers) "
+     "with the spans of forward, backward, optimizer, each all-reduce and waiting for data."},
     {"--plot", "FILE.svg", OPT_STR, F(plot_path), 0, 0, "none",
      "Draw loss and accuracy curves (train and test per epoch, train loss per step) into an "
      "SVG file, rewritten after every epoch."},
@@ -560,10 +564,16 @@ static int train_step(trainer *t, const tdm_batch *b) {
     }
     int rc = tdm_optim_zero_grad(t->opt);
     /* x [n, 1, 28, 28] -> logits [n, 10] -> loss [] */
+    tdm_trace_begin("forward");
     tdm_tensor *logits = rc ? NULL : tdm_module_forward(t->model, x);
     tdm_tensor *loss = tdm_cross_entropy(logits, y, NULL);
+    tdm_trace_end();
+    tdm_trace_begin("backward");
     rc = loss ? tdm_backward(loss) : -1;
+    tdm_trace_end();
+    tdm_trace_begin("optimizer");
     if (!rc) rc = tdm_optim_step(t->opt);
+    tdm_trace_end();
     if (!rc) {
         /* bookkeeping outside autograd: argmax and two device-side copies */
         bool prev = tdm_set_grad_enabled(false);
@@ -676,13 +686,18 @@ static int train_epoch(trainer *t, int epoch, epoch_stats *e) {
     int64_t step = skip;
     tdm_batch b;
     while (!t->stopped) {
+        tdm_trace_begin("wait for data");
         int r = tdm_loader_next(t->train_l, &b);
+        tdm_trace_end();
         if (r < 0) return runtime_error(t, "loading a training batch: %s", tdm_last_error());
         if (r == 0) break;
         if (t->sched.kind == TDM_SCHED_COSINE) apply_lr(t, t->global_step);
         t->lr_host[t->chunk_steps] = tdm_optim_lr(t->opt);
         t->size_host[t->chunk_steps] = b.size;
-        if (train_step(t, &b)) return EXIT_RUNTIME;
+        tdm_trace_begin("step");
+        int step_rc = train_step(t, &b);
+        tdm_trace_end();
+        if (step_rc) return EXIT_RUNTIME;
         t->time_host[t->chunk_steps] = progress_now();
         t->chunk_steps++;
         t->chunk_images += b.size;
@@ -704,7 +719,16 @@ static int train_epoch(trainer *t, int epoch, epoch_stats *e) {
 }
 
 /* Test loss and accuracy in eval mode, without autograd. */
+static int evaluate_all(trainer *t, epoch_stats *e);
+
 static int evaluate(trainer *t, epoch_stats *e) {
+    tdm_trace_begin("evaluate");
+    int rc = evaluate_all(t, e);
+    tdm_trace_end();
+    return rc;
+}
+
+static int evaluate_all(trainer *t, epoch_stats *e) {
     double t0 = progress_now();
     if (tdm_loader_start_epoch(t->test_l, 0) != TDM_OK)
         return runtime_error(t, "test loader: %s", tdm_last_error());
@@ -965,7 +989,14 @@ int train_main(int argc, char **argv) {
     }
     if (rc) return rc;
     progress_init(&t.prog, stdout, t.o.quiet, t.o.print_every);
+    if (t.o.trace_path && tdm_trace_start(t.o.trace_path, 0) != 0)
+        return runtime_error(&t, "trace: %s", tdm_last_error());
+    tdm_trace_name_thread("training loop");
     rc = run(&t);
+    if (t.o.trace_path && tdm_trace_stop() != 0 && rc == 0)
+        rc = runtime_error(&t, "%s", tdm_last_error());
+    else if (t.o.trace_path && rc == 0 && !t.o.quiet)
+        printf("trace     %s\n", t.o.trace_path);
     if (log_close(&t.log) != 0 && rc == 0)
         rc = runtime_error(&t, "writing log '%s' failed", t.o.log_path);
     trainer_free(&t);

@@ -20,6 +20,7 @@
 
 #include "core/core.h"
 #include "data/sampler.h"
+#include "tandem/trace.h"
 
 #define MAX_WORKERS     256
 #define MAX_SLOTS       4096
@@ -135,6 +136,7 @@ static slot *claimable(tdm_loader *l) {
 
 static void *worker_main(void *arg) {
     tdm_loader *l = arg;
+    tdm_trace_name_thread("loader worker");
     pthread_mutex_lock(&l->mu);
     while (!l->stop) {
         slot *s = claimable(l);
@@ -148,7 +150,9 @@ static void *worker_main(void *arg) {
         l->in_flight++;
         pthread_mutex_unlock(&l->mu);
 
+        tdm_trace_begin("build batch");
         int rc = build_batch(l, s, k);
+        tdm_trace_end();
 
         pthread_mutex_lock(&l->mu);
         s->state = rc == BUILD_CANCELLED ? SLOT_FREE : SLOT_READY;

@@ -12,10 +12,10 @@
 #include <string.h>
 #include <time.h>
 
-#define B 64
-#define IN 784
+#define B       64
+#define IN      784
 #define CLASSES 10
-#define WARMUP 30
+#define WARMUP  30
 
 static double now_us(void) {
     struct timespec t;

@@ -264,13 +264,22 @@ static double epoch_train_loss(const char *out) {
  * device learns: the same printed train loss, and per-device throughput is reported. */
 static void test_devices_run(void) {
     result one = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet");
+    char trace[300];
+    snprintf(trace, sizeof trace, "%s/trace.json", tmpdir);
     result three = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet", "--devices",
-                          "cpu:0,cpu:1,cpu:2");
+                          "cpu:0,cpu:1,cpu:2", "--trace", trace);
     CHECK(one.status == 0 && three.status == 0, "device runs: exit %d and %d: %s", one.status,
           three.status, three.err);
     double l1 = epoch_train_loss(one.out), l3 = epoch_train_loss(three.out);
     CHECK(fabs(l1 - l3) <= 2e-4, "train loss on 1 device %.4f, on 3 devices %.4f", l1, l3);
     CHECK(strstr(three.out, "per device"), "3-device output: %s", three.out);
+    /* the trace: a track per device and per communication thread, each step's spans */
+    char *tr = slurp(trace);
+    CHECK(tr && strstr(tr, "\"traceEvents\"") && strstr(tr, "\"cpu:2 compute\"") &&
+              strstr(tr, "\"name\":\"all_reduce\"") && strstr(tr, "\"name\":\"backward") &&
+              strstr(tr, "\"name\":\"wait for data\"") && strstr(tr, "\"name\":\"optimizer\""),
+          "trace %s lacks tracks or spans", trace);
+    free(tr);
     result_free(&one);
     result_free(&three);
 }

@@ -991,7 +991,8 @@ int train_main(int argc, char **argv) {
     progress_init(&t.prog, stdout, t.o.quiet, t.o.print_every);
     if (t.o.trace_path && tdm_trace_start(t.o.trace_path, 0) != 0)
         return runtime_error(&t, "trace: %s", tdm_last_error());
-    tdm_trace_name_thread("training loop");
+    /* with several devices this thread also runs device 0's replica */
+    tdm_trace_name_thread("training loop (and devices[0] compute)");
     rc = run(&t);
     if (t.o.trace_path && tdm_trace_stop() != 0 && rc == 0)
         rc = runtime_error(&t, "%s", tdm_last_error());

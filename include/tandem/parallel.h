@@ -164,19 +164,22 @@ void tdm_ddp_free(tdm_ddp *d);
 
 /* ---- DataParallel ------------------------------------------------------------------------ */
 
-/* DataParallel keeps one loop in the caller and a replica per device, each run by a
- * persistent thread. Every step scatters the batch's rows over the devices (uneven splits
- * included), runs forward, loss and backward on every replica at once, averages gradients
- * with the DDP buckets, and steps every replica's optimizer, so replicas stay identical
- * without being copied again. Each replica's step runs under a parallel context
- * (tdm_parallel_context_set), so batch norm is synchronised over the replicas and dropout
- * draws one device's masks: the result is one device's on the whole batch for those layers
- * too, running statistics included. */
+/* DataParallel keeps one loop in the caller and a replica per device: replica 0 runs on the
+ * caller's thread (pinned to the first core while the DataParallel lives, when devices do not
+ * outnumber cores), every other one on a persistent thread of its own. Every step scatters
+ * the batch's rows over the devices (uneven splits included), runs forward, loss and
+ * backward on every replica at once, averages gradients with the DDP buckets, and steps
+ * every replica's optimizer, so replicas stay identical without being copied again. Each
+ * replica's step runs under a parallel context (tdm_parallel_context_set), so batch norm is
+ * synchronised over the replicas and dropout draws one device's masks: the result is one
+ * device's on the whole batch for those layers too, running statistics included. */
 typedef struct tdm_dp tdm_dp;
 
 /* The loss of one replica's slice: the MEAN over its rows of out [b, ...] against target,
- * which are rows [row0, row0 + b) of the global batch. Called from the replicas' threads at
- * once (write only to disjoint rows of shared memory), e.g. to record predictions. */
+ * which are rows [row0, row0 + b) of the global batch. Called from the replicas' threads (the
+ * caller's for replica 0) at once (write only to disjoint rows of shared memory), e.g. to
+ * record predictions. A step fails if the caller's thread holds recorded operations that no
+ * backward has walked (replica 0's backward would walk them). */
 typedef tdm_tensor *(*tdm_loss_fn)(tdm_tensor *out, tdm_tensor *target, int64_t row0,
                                    void *arg);
 /* Builds a replica's optimizer over its parameters (called once per device). */

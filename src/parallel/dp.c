@@ -9,6 +9,7 @@
  * caller's core to work instead of asleep; with as many devices as cores, every core then
  * runs exactly one replica. */
 #include "parallel/group.h"
+#include "tandem/trace.h"
 #include "autograd/tape.h"
 
 #include <math.h>
@@ -21,9 +22,7 @@
 #define MAX_DEVICES 64
 /* Nanoseconds the caller spins for the other replicas after its own: they finish within
  * microseconds of it (same work after the same all-reduce), sooner than a futex wake-up. */
-#ifndef DONE_SPIN_NS
-#define DONE_SPIN_NS 0
-#endif
+#define DONE_SPIN_NS 50000
 
 typedef struct {
     struct tdm_dp *dp;
@@ -96,14 +95,20 @@ static int replica_step(replica *r) {
     tdm_scope_begin();
     tdm_tensor *xs = tdm_to_device(tdm_slice(dp->x, 0, lo, hi, 1), dev);
     tdm_tensor *ys = tdm_to_device(tdm_slice(dp->y, 0, lo, hi, 1), dev);
+    tdm_trace_begin("forward");
     tdm_tensor *loss = dp->loss_fn(tdm_ddp_forward(r->ddp, xs), ys, lo, dp->loss_arg);
+    tdm_trace_end();
     /* DDP averages over n replicas; weighting each by its share of the batch makes the
      * average the gradient of the whole batch's mean loss */
     tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
     int rc = tdm_optim_zero_grad(r->opt);
+    tdm_trace_begin("backward (buckets all-reduced as they fill)");
     if (!rc) rc = scaled ? tdm_ddp_backward(r->ddp, scaled) : tdm_last_status();
+    tdm_trace_end();
     tdm_parallel_context_clear();
+    tdm_trace_begin("optimizer");
     if (!rc) rc = tdm_optim_step(r->opt);
+    tdm_trace_end();
     r->loss = rc ? NAN : tdm_item(loss);
     tdm_scope_end();
     /* the others may wait for this replica at a collective: they fail now, not at timeout */
@@ -114,6 +119,9 @@ static int replica_step(replica *r) {
 static void *replica_main(void *arg) {
     replica *r = arg;
     tdm_dp *dp = r->dp;
+    char track[48], dev[16];
+    snprintf(track, sizeof track, "%s compute", tdm_device_str(dp->devices[r->rank], dev));
+    tdm_trace_name_thread(track);
     uint64_t seen = 0;
     int rc = replica_init(r);
     for (;;) {
@@ -154,8 +162,7 @@ static int wait_round(tdm_dp *dp) {
             tdm_cpu_relax();
             if (i % 16) continue;
             clock_gettime(CLOCK_MONOTONIC, &t);
-            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) >
-                dp->done_spin_ns)
+            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > dp->done_spin_ns)
                 break;
         }
     }
@@ -205,7 +212,6 @@ tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
     pthread_cond_init(&dp->done, NULL);
     atomic_init(&dp->finished, 0);
     dp->done_spin_ns = n <= tdm_device_count(TDM_CPU) ? DONE_SPIN_NS : 0;
-    if (getenv("TDM_DONE_SPIN_NS")) dp->done_spin_ns = atoll(getenv("TDM_DONE_SPIN_NS")); /* EXPERIMENT */
     if (!(dp->world = tdm_threads_world_new(n, devices))) {
         free(dp);
         return NULL;
@@ -241,22 +247,26 @@ tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
     return dp;
 }
 
-int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
-                void *loss_arg, float *loss) {
+int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn, void *loss_arg,
+                float *loss) {
     if (!dp || !x || !target || !loss_fn)
         return tdm_raise(TDM_ERR_ARG, "data_parallel step: NULL argument");
     char a[96], b[96];
     if (x->ndim < 1 || target->ndim < 1 || x->shape[0] != target->shape[0])
-        return tdm_raise(TDM_ERR_SHAPE, "data_parallel step: input %s and target %s differ in "
-                         "batch size", tdm_shape_str(tdm_shape_of(x), a),
-                         tdm_shape_str(tdm_shape_of(target), b));
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "data_parallel step: input %s and target %s differ in "
+                         "batch size",
+                         tdm_shape_str(tdm_shape_of(x), a), tdm_shape_str(tdm_shape_of(target), b));
     if (x->shape[0] < dp->n)
-        return tdm_raise(TDM_ERR_SHAPE, "data_parallel step: a batch of %lld rows cannot be "
-                         "split over %d devices", (long long)x->shape[0], dp->n);
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "data_parallel step: a batch of %lld rows cannot be "
+                         "split over %d devices",
+                         (long long)x->shape[0], dp->n);
     int start, end;
     tdm_tape_nodes(&start, &end);
     if (start < end) /* replica 0's backward would walk them and mark them done */
-        return tdm_raise(TDM_ERR_STATE, "data_parallel step: this thread has %d recorded "
+        return tdm_raise(TDM_ERR_STATE,
+                         "data_parallel step: this thread has %d recorded "
                          "operations that no backward has walked yet; replica 0 runs on the "
                          "caller's thread, so step outside that graph (or with grad off)",
                          end - start);

@@ -26,6 +26,7 @@
  * that times out sets it and wakes every sleeper; from then on every collective of every
  * rank fails at once with that message. */
 #include "parallel/group.h"
+#include "tandem/trace.h"
 
 #include <errno.h>
 #include <sched.h>
@@ -36,12 +37,12 @@
 #include <time.h>
 
 /* Nanoseconds a rank spins at a barrier before it sleeps, when ranks do not outnumber cores.
- * Short and bounded, with no sched_yield: unbounded spinning threads that shared a core with
- * a pinned device thread stalled DataParallel steps for whole 4 ms scheduler ticks on the
- * 2-core VM; a futex sleep and wake-up costs a few microseconds there. */
-#ifndef BARRIER_SPIN_NS
-#define BARRIER_SPIN_NS 0
-#endif
+ * Bounded, with no sched_yield: unbounded spinning threads that shared a core with a pinned
+ * device thread stalled DataParallel steps for whole 4 ms scheduler ticks on the 2-core VM.
+ * There a sleeping rank took tens of microseconds to wake (4 KiB all-reduce: 45 us sleeping,
+ * 10 us spinning); 50 us covers the usual skew between ranks (bench_dp MLP step on 2 devices:
+ * 714 us without spinning, 660 us with 20 us, 629 us with 100 us). */
+#define BARRIER_SPIN_NS 50000
 /* floats per reduction block: the accumulator (8 KiB) stays in L1 */
 #define RED_BLK 2048
 /* bytes per copy block: the source block stays in L2 while it goes to every rank */
@@ -384,7 +385,9 @@ static int run(trank *me, const tdm_coll *c, char *msg) {
 static void run_one(trank *me, tdm_work *wk) {
     char msg[TDM_WORK_MSG];
     msg[0] = '\0';
+    tdm_trace_begin(tdm_coll_name(wk->c.kind));
     int status = run(me, &wk->c, msg);
+    tdm_trace_end();
     tdm_work_finish(wk, status, msg);
 }
 
@@ -410,6 +413,9 @@ static void release_locked(trank *me) {
 
 static void *comm_main(void *arg) {
     trank *me = arg;
+    char track[48];
+    snprintf(track, sizeof track, "rank %d communication", me->g.rank);
+    tdm_trace_name_thread(track);
     pthread_mutex_lock(&me->qlock);
     for (;;) {
         while (!(me->head && !me->busy && (me->kick || me->stop)) && !(me->stop && !me->head))
@@ -497,7 +503,6 @@ tdm_threads_world *tdm_threads_world_new(int n, const tdm_device *devs) {
     int cores = tdm_device_count(TDM_CPU);
     w->eager = 2 * n <= cores;
     w->spin_ns = n <= cores ? BARRIER_SPIN_NS : 0;
-    if (getenv("TDM_SPIN_NS")) w->spin_ns = atoll(getenv("TDM_SPIN_NS")); /* EXPERIMENT */
     atomic_init(&w->arrived, 0);
     atomic_init(&w->gen, 0);
     atomic_init(&w->sleepers, 0);

@@ -14,21 +14,21 @@ static double now_ms(void) {
 }
 
 /* Best of 5 rounds of about 0.2 s each. */
-#define TIME_IT(name, body)                                                                    \
-    do {                                                                                       \
-        body; /* warm-up: fills the allocator's cache */                                       \
-        int iters = 0; /* runs that fit in 20 ms, times 10: about 0.2 s a round */             \
-        for (double t0 = now_ms(); now_ms() - t0 < 20; iters++) body;                          \
-        iters = iters < 1 ? 1 : iters * 10;                                                    \
-        double best = 1e30;                                                                    \
-        for (int rep_ = 0; rep_ < 5; rep_++) {                                                        \
-            double t0 = now_ms();                                                              \
-            for (int i = 0; i < iters; i++) body;                                              \
-            double ms = (now_ms() - t0) / iters;                                               \
-            best = ms < best ? ms : best;                                                      \
-        }                                                                                      \
-        printf("BENCH %s %.5f\n", name, best);                                                 \
-        fflush(stdout);                                                                        \
+#define TIME_IT(name, body)                                                                        \
+    do {                                                                                           \
+        body;          /* warm-up: fills the allocator's cache */                                  \
+        int iters = 0; /* runs that fit in 20 ms, times 10: about 0.2 s a round */                 \
+        for (double t0 = now_ms(); now_ms() - t0 < 20; iters++) body;                              \
+        iters = iters < 1 ? 1 : iters * 10;                                                        \
+        double best = 1e30;                                                                        \
+        for (int rep_ = 0; rep_ < 5; rep_++) {                                                     \
+            double t0 = now_ms();                                                                  \
+            for (int i = 0; i < iters; i++) body;                                                  \
+            double ms = (now_ms() - t0) / iters;                                                   \
+            best = ms < best ? ms : best;                                                          \
+        }                                                                                          \
+        printf("BENCH %s %.5f\n", name, best);                                                     \
+        fflush(stdout);                                                                            \
     } while (0)
 
 static void bench_matmul(int n, int k, int m) {

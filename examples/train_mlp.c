@@ -103,12 +103,12 @@ static double now(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-#define TRY(x)                                                                                 \
-    do {                                                                                       \
-        if (!(x)) {                                                                            \
-            fprintf(stderr, "error: %s\n", tdm_last_error());                                  \
-            return 1;                                                                          \
-        }                                                                                      \
+#define TRY(x)                                                                                     \
+    do {                                                                                           \
+        if (!(x)) {                                                                                \
+            fprintf(stderr, "error: %s\n", tdm_last_error());                                      \
+            return 1;                                                                              \
+        }                                                                                          \
     } while (0)
 
 /* Test-set loss and accuracy, in eval mode without autograd. */
@@ -153,10 +153,9 @@ int main(int argc, char **argv) {
 
     tdm_device dev = tdm_cpu(0);
     tdm_rng init = tdm_rng_make(42);
-    tdm_module *layers[5] = {
-        tdm_linear_new(784, 256, true, dev, &init), tdm_relu_new(),
-        tdm_linear_new(256, 128, true, dev, &init), tdm_relu_new(),
-        tdm_linear_new(128, 10, true, dev, &init)};
+    tdm_module *layers[5] = {tdm_linear_new(784, 256, true, dev, &init), tdm_relu_new(),
+                             tdm_linear_new(256, 128, true, dev, &init), tdm_relu_new(),
+                             tdm_linear_new(128, 10, true, dev, &init)};
     tdm_module *model = tdm_sequential_new(5, layers);
     TRY(model);
     tdm_paramset *ps = tdm_module_parameters(model);

@@ -13,33 +13,33 @@
 
 static int check_passed, check_failed;
 
-#define CHECK(cond, ...)                                                                       \
-    do {                                                                                       \
-        if (cond) {                                                                            \
-            check_passed++;                                                                    \
-        } else {                                                                               \
-            check_failed++;                                                                    \
-            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                    \
-            fprintf(stderr, __VA_ARGS__);                                                      \
-            fprintf(stderr, "\n");                                                             \
-        }                                                                                      \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            check_passed++;                                                                        \
+        } else {                                                                                   \
+            check_failed++;                                                                        \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                        \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+        }                                                                                          \
     } while (0)
 
 /* |a - b| <= atol + rtol * |b| */
-#define CHECK_CLOSE(a, b, atol, rtol)                                                          \
-    do {                                                                                       \
-        double ca_ = (a), cb_ = (b);                                                           \
-        CHECK(fabs(ca_ - cb_) <= (atol) + (rtol)*fabs(cb_), "%s = %.9g, expected %.9g", #a,   \
-              ca_, cb_);                                                                       \
+#define CHECK_CLOSE(a, b, atol, rtol)                                                              \
+    do {                                                                                           \
+        double ca_ = (a), cb_ = (b);                                                               \
+        CHECK(fabs(ca_ - cb_) <= (atol) + (rtol)*fabs(cb_), "%s = %.9g, expected %.9g", #a, ca_,   \
+              cb_);                                                                                \
     } while (0)
 
 /* Checks that expr failed (NULL or nonzero status) with a message containing substr. */
-#define CHECK_ERROR(failed, substr)                                                            \
-    do {                                                                                       \
-        bool f_ = (failed);                                                                    \
-        CHECK(f_ && strstr(tdm_last_error(), substr) != NULL,                                  \
-              "expected an error containing \"%s\", got \"%s\"", substr, tdm_last_error());   \
-        tdm_clear_error();                                                                     \
+#define CHECK_ERROR(failed, substr)                                                                \
+    do {                                                                                           \
+        bool f_ = (failed);                                                                        \
+        CHECK(f_ &&strstr(tdm_last_error(), substr) != NULL,                                       \
+              "expected an error containing \"%s\", got \"%s\"", substr, tdm_last_error());        \
+        tdm_clear_error();                                                                         \
     } while (0)
 
 /* Element-wise comparison of a tensor with expected host values. Returns mismatches. */
@@ -57,14 +57,16 @@ static inline int check_tensor_close(const tdm_tensor *t, const float *expected,
     for (int64_t i = 0; i < n; i++) {
         if (!(fabs((double)got[i] - expected[i]) <= atol + rtol * fabs((double)expected[i]))) {
             if (bad < 5)
-                fprintf(stderr, "FAIL %s: element %lld = %.9g, expected %.9g\n", what,
-                        (long long)i, got[i], expected[i]);
+                fprintf(stderr, "FAIL %s: element %lld = %.9g, expected %.9g\n", what, (long long)i,
+                        got[i], expected[i]);
             bad++;
         }
     }
     free(got);
-    if (bad) check_failed++;
-    else check_passed++;
+    if (bad)
+        check_failed++;
+    else
+        check_passed++;
     return bad;
 }
 

@@ -36,8 +36,8 @@ static double gradcheck_loss(gradcheck_fn fn, tdm_tensor **in, void *ctx, const 
 /* Checks d(sum(fn(in) * W))/d(in[i]) for every input with requires_grad. Inputs must be
  * caller-owned f32 tensors (views are allowed: the check perturbs their elements through
  * tdm_to_host/tdm_copy_ of the base). Returns the number of mismatching elements. */
-static inline int gradcheck(const char *what, gradcheck_fn fn, int n_in, tdm_tensor **in,
-                            void *ctx, double eps, double atol, double rtol) {
+static inline int gradcheck(const char *what, gradcheck_fn fn, int n_in, tdm_tensor **in, void *ctx,
+                            double eps, double atol, double rtol) {
     int bad = 0;
     /* analytic gradients */
     for (int i = 0; i < n_in; i++)
@@ -105,8 +105,10 @@ static inline int gradcheck(const char *what, gradcheck_fn fn, int n_in, tdm_ten
         free(g);
     }
     free(w);
-    if (bad) check_failed++;
-    else check_passed++;
+    if (bad)
+        check_failed++;
+    else
+        check_passed++;
     return bad;
 }
 

@@ -46,7 +46,11 @@ static void test_gradchecks(void) {
     tdm_tensor *cs[2] = {gradcheck_input(TDM_SHAPE(4, 3), 3), y};
     gradcheck("concat+split", f_concat_split, 2, cs, NULL, 1e-2, 1e-3, 1e-3);
 
-    struct { tdm_shape a, b; const char *what; gradcheck_fn fn; } mm[] = {
+    struct {
+        tdm_shape a, b;
+        const char *what;
+        gradcheck_fn fn;
+    } mm[] = {
         {TDM_SHAPE(3, 4), TDM_SHAPE(4, 5), "matmul 2d", f_matmul},
         {TDM_SHAPE(2, 3, 4), TDM_SHAPE(2, 4, 5), "matmul batched", f_matmul},
         {TDM_SHAPE(2, 2, 3, 4), TDM_SHAPE(4, 5), "matmul broadcast b", f_matmul},

@@ -15,7 +15,8 @@ static void test_mixed_devices(void) {
     CHECK_ERROR(tdm_concat((tdm_tensor *[]){a, b}, 2, 0) == NULL, want);
     tdm_tensor *x = tdm_ones(TDM_SHAPE(1, 3, 4, 4), TDM_F32, tdm_cpu(0));
     CHECK_ERROR(tdm_conv2d(x, tdm_ones(TDM_SHAPE(2, 3, 3, 3), TDM_F32, tdm_cpu(1)), NULL, NULL) ==
-                    NULL, want);
+                    NULL,
+                want);
     CHECK_ERROR(tdm_copy_(a, b) != 0, want);
     tdm_scope_end();
 }

@@ -37,19 +37,23 @@ void *__wrap_aligned_alloc(size_t a, size_t n) {
 
 static tdm_module *mlp(tdm_rng *r) {
     tdm_module *l[6] = {tdm_flatten_new(1, -1), tdm_linear_new(784, 256, true, tdm_cpu(0), r),
-                        tdm_relu_new(), tdm_linear_new(256, 128, true, tdm_cpu(0), r),
-                        tdm_relu_new(), tdm_linear_new(128, 10, true, tdm_cpu(0), r)};
+                        tdm_relu_new(),         tdm_linear_new(256, 128, true, tdm_cpu(0), r),
+                        tdm_relu_new(),         tdm_linear_new(128, 10, true, tdm_cpu(0), r)};
     return tdm_sequential_new(6, l);
 }
 
 static tdm_module *cnn(tdm_rng *r) {
     tdm_conv2d_opts c = {.pad_h = 1, .pad_w = 1};
     tdm_pool2d_opts p = {.kernel_h = 2, .kernel_w = 2};
-    tdm_module *l[10] = {tdm_conv2d_new(1, 32, 3, 3, &c, true, tdm_cpu(0), r), tdm_relu_new(),
-                         tdm_max_pool2d_new(&p), tdm_conv2d_new(32, 64, 3, 3, &c, true,
-                                                                tdm_cpu(0), r),
-                         tdm_relu_new(), tdm_max_pool2d_new(&p), tdm_flatten_new(1, -1),
-                         tdm_linear_new(3136, 128, true, tdm_cpu(0), r), tdm_relu_new(),
+    tdm_module *l[10] = {tdm_conv2d_new(1, 32, 3, 3, &c, true, tdm_cpu(0), r),
+                         tdm_relu_new(),
+                         tdm_max_pool2d_new(&p),
+                         tdm_conv2d_new(32, 64, 3, 3, &c, true, tdm_cpu(0), r),
+                         tdm_relu_new(),
+                         tdm_max_pool2d_new(&p),
+                         tdm_flatten_new(1, -1),
+                         tdm_linear_new(3136, 128, true, tdm_cpu(0), r),
+                         tdm_relu_new(),
                          tdm_linear_new(128, 10, true, tdm_cpu(0), r)};
     return tdm_sequential_new(10, l);
 }
@@ -57,8 +61,10 @@ static tdm_module *cnn(tdm_rng *r) {
 static tdm_rng dropout_rng;
 
 static tdm_module *bn_dropout(tdm_rng *r) {
-    tdm_module *l[6] = {tdm_flatten_new(1, -1), tdm_linear_new(784, 64, true, tdm_cpu(0), r),
-                        tdm_batch_norm1d_new(64, 1e-5f, 0.1f, tdm_cpu(0)), tdm_gelu_new(false),
+    tdm_module *l[6] = {tdm_flatten_new(1, -1),
+                        tdm_linear_new(784, 64, true, tdm_cpu(0), r),
+                        tdm_batch_norm1d_new(64, 1e-5f, 0.1f, tdm_cpu(0)),
+                        tdm_gelu_new(false),
                         tdm_dropout_new(0.2f, &dropout_rng),
                         tdm_linear_new(64, 10, true, tdm_cpu(0), r)};
     return tdm_sequential_new(6, l);
@@ -95,8 +101,10 @@ static void check_model(const char *name, tdm_module *m, bool adam) {
     }
     counting = false;
     CHECK(failures == 0, "%s: a step failed: %s", name, tdm_last_error());
-    CHECK(first_step_calls > 0, "%s: the first step made no allocation call: the wrapping "
-          "does not count", name);
+    CHECK(first_step_calls > 0,
+          "%s: the first step made no allocation call: the wrapping "
+          "does not count",
+          name);
     CHECK(n_calls == 0, "%s: %ld allocation calls in 5 steady-state steps", name, n_calls);
     uint64_t sys_after = tdm_alloc_stats_get(tdm_cpu(0)).sys_allocs;
     CHECK(sys_after == sys_before, "%s: caching allocator missed %llu times", name,

@@ -68,8 +68,7 @@ static void test_views(void) {
     tdm_tensor *fl = tdm_flatten(x, 1, -1);
     CHECK(fl->ndim == 2 && fl->shape[1] == 12, "flatten");
     tdm_tensor *parts[3];
-    CHECK(tdm_split(x, (int64_t[]){1, 2, 1}, 3, 2, parts) == 0 && parts[1]->shape[2] == 2,
-          "split");
+    CHECK(tdm_split(x, (int64_t[]){1, 2, 1}, 3, 2, parts) == 0 && parts[1]->shape[2] == 2, "split");
     tdm_tensor *cat = tdm_concat(parts, 3, 2);
     float cv[24];
     tdm_to_host(cat, cv, sizeof cv);
@@ -88,8 +87,9 @@ static void test_errors(void) {
     CHECK_ERROR(tdm_reshape(x, TDM_SHAPE(4, 2)) == NULL, "cannot view [2, 3]");
     CHECK_ERROR(tdm_transpose(x, 0, 2) == NULL, "dim 2 out of range");
     CHECK_ERROR(tdm_expand(x, TDM_SHAPE(2, 4)) == NULL, "cannot expand [2, 3] to [2, 4]");
-    CHECK_ERROR(tdm_concat((tdm_tensor *[]){x, tdm_zeros(TDM_SHAPE(3, 3), TDM_F32, tdm_cpu(0))}, 2, 1) ==
-                    NULL, "tensor 1 has shape [3, 3]");
+    CHECK_ERROR(tdm_concat((tdm_tensor *[]){x, tdm_zeros(TDM_SHAPE(3, 3), TDM_F32, tdm_cpu(0))}, 2,
+                           1) == NULL,
+                "tensor 1 has shape [3, 3]");
     CHECK_ERROR(isnan(tdm_item(x)), "more than one element");
     float small[2];
     CHECK_ERROR(tdm_to_host(x, small, sizeof small) != 0, "buffer of 8 bytes");

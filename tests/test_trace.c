@@ -79,8 +79,10 @@ static void test_threads(const char *path) {
     double ots, odur, its, idur;
     event_time(s, "outer", &ots, &odur);
     event_time(s, "inner", &its, &idur);
-    CHECK(its >= ots + 400 && its + idur <= ots + odur - 400, "inner (%g +%g) inside outer "
-          "(%g +%g)", its, idur, ots, odur);
+    CHECK(its >= ots + 400 && its + idur <= ots + odur - 400,
+          "inner (%g +%g) inside outer "
+          "(%g +%g)",
+          its, idur, ots, odur);
     free(s);
 }
 

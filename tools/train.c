@@ -24,8 +24,8 @@
 #include "progress.h"
 #include "tandem/tandem.h"
 
-#define SYNC_STEPS 16
-#define EVAL_BATCH 1000
+#define SYNC_STEPS  16
+#define EVAL_BATCH  1000
 #define MAX_DEVICES 64
 
 /* ---- options ------------------------------------------------------------------------------ */
@@ -825,8 +825,9 @@ static void banner(trainer *t) {
     printf("model     %s, %lld parameters, on %s", t->o.model, (long long)t->ps->total,
            tdm_device_str(t->dev, dev));
     for (int i = 1; i < t->o.n_devs; i++) printf(",%s", tdm_device_str(t->o.devs[i], dev));
-    if (t->o.n_devs > 1) printf(" (data parallel, %lld samples per device per step)",
-                                (long long)(t->o.batch_size / t->o.n_devs));
+    if (t->o.n_devs > 1)
+        printf(" (data parallel, %lld samples per device per step)",
+               (long long)(t->o.batch_size / t->o.n_devs));
     printf("\n");
     printf("data      %s: %lld train, %lld test samples; batch %lld, %lld steps per epoch, "
            "%lld loader workers\n",
@@ -964,8 +965,10 @@ static void trainer_free(trainer *t) {
     tdm_loader_free(t->test_l);
     tdm_dataset_free(t->train_ds);
     tdm_dataset_free(t->test_ds);
-    if (t->dp) tdm_dp_free(t->dp); /* frees every replica's optimizer */
-    else tdm_optim_free(t->opt);
+    if (t->dp)
+        tdm_dp_free(t->dp); /* frees every replica's optimizer */
+    else
+        tdm_optim_free(t->opt);
     tdm_module_free(t->model);
     tdm_tensor_free(t->loss_buf);
     tdm_tensor_free(t->pred_buf);

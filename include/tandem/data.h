@@ -27,12 +27,12 @@ typedef struct {
 
 struct tdm_dataset {
     const tdm_dataset_ops *ops;
-    int64_t n;               /* number of samples */
-    tdm_shape sample_shape;  /* e.g. [1, 28, 28] for images, [T] for token windows */
-    tdm_dtype x_dtype;       /* TDM_F32 features, or TDM_I64 tokens */
-    tdm_shape target_shape;  /* [] for a class label, [T] for next tokens */
-    int64_t num_classes;     /* labels lie in [0, num_classes); vocabulary size for tokens */
-    char name[64];           /* for messages: "fashion-mnist/train" */
+    int64_t n;              /* number of samples */
+    tdm_shape sample_shape; /* e.g. [1, 28, 28] for images, [T] for token windows */
+    tdm_dtype x_dtype;      /* TDM_F32 features, or TDM_I64 tokens */
+    tdm_shape target_shape; /* [] for a class label, [T] for next tokens */
+    int64_t num_classes;    /* labels lie in [0, num_classes); vocabulary size for tokens */
+    char name[64];          /* for messages: "fashion-mnist/train" */
     void *impl;
 };
 
@@ -50,15 +50,15 @@ tdm_dataset *tdm_token_dataset_open(const char *path, int64_t context, int64_t v
  * label_column (negative counts from the end); header skips the first line. */
 tdm_dataset *tdm_csv_dataset_open(const char *path, int label_column, bool header);
 /* Samples from memory: x [n, sample_shape...] f32 and y [n] labels, copied. */
-tdm_dataset *tdm_memory_dataset(tdm_shape sample_shape, int64_t n, const float *x,
-                                const int64_t *y, int64_t num_classes);
+tdm_dataset *tdm_memory_dataset(tdm_shape sample_shape, int64_t n, const float *x, const int64_t *y,
+                                int64_t num_classes);
 int64_t tdm_dataset_sample_numel(const tdm_dataset *ds);
 void tdm_dataset_free(tdm_dataset *ds);
 
 /* ---- samplers and the loader ------------------------------------------------------------- */
 
 typedef struct {
-    bool normalize;   /* x = (x - mean) / std */
+    bool normalize; /* x = (x - mean) / std */
     float mean, std;
     int crop_padding; /* random crop of the original size after zero-padding each side; 0 off */
     bool hflip;       /* random horizontal flip with probability 1/2 */
@@ -66,11 +66,11 @@ typedef struct {
 
 typedef struct {
     int64_t batch_size;
-    bool shuffle;     /* a permutation per epoch from (seed, epoch) */
+    bool shuffle; /* a permutation per epoch from (seed, epoch) */
     uint64_t seed;
-    bool drop_last;   /* drop a last, smaller batch */
-    int workers;      /* 0: batches are built by the calling thread */
-    int prefetch;     /* batches built ahead per worker (default 2) */
+    bool drop_last;       /* drop a last, smaller batch */
+    int workers;          /* 0: batches are built by the calling thread */
+    int prefetch;         /* batches built ahead per worker (default 2) */
     int rank, world_size; /* world_size > 1: PyTorch's DistributedSampler semantics */
     tdm_augment augment;  /* randomness from (seed, epoch, sample index) only */
 } tdm_loader_opts;

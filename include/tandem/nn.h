@@ -21,7 +21,7 @@ extern "C" {
 tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b);
 
 typedef struct {
-    int stride_h, stride_w;     /* 0 means 1 */
+    int stride_h, stride_w; /* 0 means 1 */
     int pad_h, pad_w;
     int dilation_h, dilation_w; /* 0 means 1 */
     int groups;                 /* 0 means 1 */
@@ -31,11 +31,11 @@ tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_co
 
 typedef struct {
     int kernel_h, kernel_w;
-    int stride_h, stride_w;     /* 0 means the kernel size, as in PyTorch */
+    int stride_h, stride_w; /* 0 means the kernel size, as in PyTorch */
     int pad_h, pad_w;
     int dilation_h, dilation_w; /* max pooling; 0 means 1 */
     bool ceil_mode;
-    bool count_include_pad;     /* average pooling; PyTorch's default is true */
+    bool count_include_pad; /* average pooling; PyTorch's default is true */
 } tdm_pool2d_opts;
 tdm_tensor *tdm_max_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o);
 tdm_tensor *tdm_avg_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o);
@@ -46,8 +46,8 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
                            tdm_tensor *weight, tdm_tensor *bias, bool training, float momentum,
                            float eps);
 /* Normalises over the last normalized_ndim dims; weight/bias have those dims or are NULL. */
-tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight,
-                           tdm_tensor *bias, float eps);
+tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
+                           float eps);
 /* Zeroes each element with probability p and scales the rest by 1/(1-p) (training only).
  * Under a parallel context (parallel.h), dim 0 is the global batch's rows and the masks are
  * those one device would draw for them. */
@@ -69,8 +69,7 @@ typedef struct {
 tdm_ce_opts tdm_ce_defaults(void);
 
 /* logits [N, C], target [N] (i32/i64) -> scalar (mean, sum) or [N] (none). o may be NULL. */
-tdm_tensor *tdm_cross_entropy(tdm_tensor *logits, const tdm_tensor *target,
-                              const tdm_ce_opts *o);
+tdm_tensor *tdm_cross_entropy(tdm_tensor *logits, const tdm_tensor *target, const tdm_ce_opts *o);
 /* logp [N, C] log-probabilities; label_smoothing must be 0. */
 tdm_tensor *tdm_nll_loss(tdm_tensor *logp, const tdm_tensor *target, const tdm_ce_opts *o);
 tdm_tensor *tdm_mse_loss(tdm_tensor *input, tdm_tensor *target, tdm_reduction r);
@@ -79,7 +78,7 @@ tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduc
 
 /* ---- modules ----------------------------------------------------------------------------- */
 
-#define TDM_MODULE_MAX_PARAMS 4
+#define TDM_MODULE_MAX_PARAMS  4
 #define TDM_MODULE_MAX_BUFFERS 4
 
 typedef struct tdm_module tdm_module;
@@ -93,11 +92,11 @@ typedef struct {
 /* Named parameters of a whole model, in registration order, living in one flat buffer. */
 typedef struct {
     int n;
-    char **names;         /* full names, "0.weight" */
-    tdm_tensor **params;  /* views into flat */
-    tdm_tensor *flat;     /* [total] f32 */
-    tdm_tensor *flat_grad;/* [total] f32; each param's .grad is the view at its offset */
-    int64_t *offsets;     /* element offset of each param in flat */
+    char **names;          /* full names, "0.weight" */
+    tdm_tensor **params;   /* views into flat */
+    tdm_tensor *flat;      /* [total] f32 */
+    tdm_tensor *flat_grad; /* [total] f32; each param's .grad is the view at its offset */
+    int64_t *offsets;      /* element offset of each param in flat */
     int64_t total;
 } tdm_paramset;
 

@@ -74,14 +74,14 @@ typedef enum {
 typedef struct {
     tdm_sched_kind kind;
     float base_lr;
-    float gamma;         /* STEP, MULTISTEP */
-    int64_t step_size;   /* STEP */
-    int n_milestones;    /* MULTISTEP */
+    float gamma;       /* STEP, MULTISTEP */
+    int64_t step_size; /* STEP */
+    int n_milestones;  /* MULTISTEP */
     int64_t milestones[16];
-    int64_t warmup;      /* COSINE, WARMUP */
-    int64_t total;       /* COSINE: steps until min_lr */
-    float min_lr;        /* COSINE */
-    float start_factor;  /* WARMUP: PyTorch's LinearLR default 1/3 */
+    int64_t warmup;     /* COSINE, WARMUP */
+    int64_t total;      /* COSINE: steps until min_lr */
+    float min_lr;       /* COSINE */
+    float start_factor; /* WARMUP: PyTorch's LinearLR default 1/3 */
 } tdm_sched;
 
 /* The learning rate at step t (t counts from 0), following PyTorch's StepLR, MultiStepLR,

@@ -71,8 +71,7 @@ typedef struct {
  * whose fn returns nonzero aborts the group, so the others fail at their next collective
  * instead of hanging. Returns TDM_OK, or the first failing rank's status with a message
  * "rank R: ...". */
-int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, void *arg),
-              void *arg);
+int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, void *arg), void *arg);
 
 /* ---- MPI: one rank per process, across processes and machines ----------------------------- */
 
@@ -180,8 +179,7 @@ typedef struct tdm_dp tdm_dp;
  * caller's for replica 0) at once (write only to disjoint rows of shared memory), e.g. to
  * record predictions. A step fails if the caller's thread holds recorded operations that no
  * backward has walked (replica 0's backward would walk them). */
-typedef tdm_tensor *(*tdm_loss_fn)(tdm_tensor *out, tdm_tensor *target, int64_t row0,
-                                   void *arg);
+typedef tdm_tensor *(*tdm_loss_fn)(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg);
 /* Builds a replica's optimizer over its parameters (called once per device). */
 typedef tdm_optim *(*tdm_optim_factory)(tdm_paramset *ps, void *arg);
 
@@ -193,8 +191,8 @@ tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
  * Gradients are weighted by slice size, so the update equals one device's on the whole
  * batch. *loss (may be NULL) receives the batch's mean loss. B must be at least the number
  * of devices; a failing replica's error names its device. */
-int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
-                void *loss_arg, float *loss);
+int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn, void *loss_arg,
+                float *loss);
 /* Replica r's module and optimizer (0 <= r < devices). */
 tdm_module *tdm_dp_replica(tdm_dp *dp, int r);
 tdm_optim *tdm_dp_optim(tdm_dp *dp, int r);

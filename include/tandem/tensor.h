@@ -82,7 +82,7 @@ typedef struct {
 } tdm_shape;
 
 /* TDM_SHAPE(2, 3) is the shape [2, 3]; TDM_SHAPE0 a scalar. */
-#define TDM_SHAPE(...)                                                                         \
+#define TDM_SHAPE(...)                                                                             \
     ((tdm_shape){(int)(sizeof((int64_t[]){__VA_ARGS__}) / sizeof(int64_t)), {__VA_ARGS__}})
 #define TDM_SHAPE0 ((tdm_shape){0, {0}})
 
@@ -110,12 +110,12 @@ typedef struct tdm_tensor {
     struct tdm_tensor *grad; /* leaf: accumulated gradient (same owner as the tensor) */
     tdm_node *grad_fn;       /* the tape node that produced it; NULL for a leaf */
     /* bookkeeping */
-    tdm_scope *owner;            /* NULL: owned by the caller */
-    bool heap_header;            /* scope-owned, but the header was malloc'd */
-    struct tdm_tensor *next;     /* owner's list */
+    tdm_scope *owner;              /* NULL: owned by the caller */
+    bool heap_header;              /* scope-owned, but the header was malloc'd */
+    struct tdm_tensor *next;       /* owner's list */
     struct tdm_tensor *ready_next; /* autograd: leaves whose gradient is final together */
-    int32_t last_use;            /* autograd: first tape index that reads this leaf */
-    void *hooks;                 /* autograd: gradient-ready hooks */
+    int32_t last_use;              /* autograd: first tape index that reads this leaf */
+    void *hooks;                   /* autograd: gradient-ready hooks */
 } tdm_tensor;
 
 int64_t tdm_numel(const tdm_tensor *t);

@@ -28,8 +28,10 @@ bool tdm_grad_enabled(void) {
 int tdm_requires_grad_(tdm_tensor *t, bool requires_grad) {
     if (!t) return tdm_raise(TDM_ERR_ARG, "requires_grad_: NULL tensor");
     if (requires_grad && t->dtype != TDM_F32)
-        return tdm_raise(TDM_ERR_DTYPE, "requires_grad_: only f32 tensors can require gradients, "
-                                        "got %s", tdm_dtype_name(t->dtype));
+        return tdm_raise(TDM_ERR_DTYPE,
+                         "requires_grad_: only f32 tensors can require gradients, "
+                         "got %s",
+                         tdm_dtype_name(t->dtype));
     if (t->grad_fn)
         return tdm_raise(TDM_ERR_STATE, "requires_grad_: only leaf tensors can be changed");
     t->requires_grad = requires_grad;
@@ -47,8 +49,10 @@ tdm_node *tdm_record(const char *name, tdm_backward_fn backward, tdm_tensor *out
                      tdm_tensor *const *in) {
     if (!tdm_current_scope()) {
         tdm_tensor_free(out); /* caller-owned and not yet handed out: the op returns NULL */
-        return tdm_raise_null(TDM_ERR_STATE, "%s: recording autograd history needs an open step "
-                                             "scope (tdm_scope_begin)", name);
+        return tdm_raise_null(TDM_ERR_STATE,
+                              "%s: recording autograd history needs an open step "
+                              "scope (tdm_scope_begin)",
+                              name);
     }
     tdm_node *n = tdm_scope_alloc(sizeof *n);
     if (!n) return NULL;
@@ -183,8 +187,9 @@ int tdm_backward(tdm_tensor *loss) {
     if (!loss) return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
     char b[96];
     if (tdm_numel(loss) != 1)
-        return tdm_raise(TDM_ERR_SHAPE, "backward: the loss must have one element, got shape %s "
-                                        "(reduce it, e.g. with tdm_mean_all)",
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "backward: the loss must have one element, got shape %s "
+                         "(reduce it, e.g. with tdm_mean_all)",
                          tdm_shape_str(tdm_shape_of(loss), b));
     if (!loss->grad_fn)
         return tdm_raise(TDM_ERR_STATE, "backward: the loss has no autograd history (no input "

@@ -36,7 +36,8 @@ static int matmul_backward(tdm_node *n, tdm_tensor *gout) {
         tdm_shape gs = side == 0 ? TDM_SHAPE(B, rows, k) : TDM_SHAPE(B, k, m);
         tdm_tensor *d = tdm_tensor_alloc(gs, TDM_F32, gout->device);
         if (!d) return tdm_last_status();
-        int rc = side == 0 ? gemm(d, g3, b3, false, true, 0.0f) : gemm(d, a3, g3, true, false, 0.0f);
+        int rc =
+            side == 0 ? gemm(d, g3, b3, false, true, 0.0f) : gemm(d, a3, g3, true, false, 0.0f);
         if (rc) return rc;
         tdm_tensor *x = n->in[side];
         if (bcast) { /* a broadcast operand: sum its gradient over the batch */
@@ -104,8 +105,8 @@ tdm_tensor *tdm_matmul(tdm_tensor *a, tdm_tensor *b) {
     b3 = b3 ? as_batched(b3, batch, b_bc) : NULL;
     tdm_set_grad_enabled(prev);
     tdm_tensor *c = tdm_tensor_alloc(out, TDM_F32, a->device);
-    tdm_tensor *c3 = c ? tdm_tensor_view(c, 3, (int64_t[]){batch, n, m},
-                                         (int64_t[]){n * m, m, 1}, 0) : NULL;
+    tdm_tensor *c3 =
+        c ? tdm_tensor_view(c, 3, (int64_t[]){batch, n, m}, (int64_t[]){n * m, m, 1}, 0) : NULL;
     if (!a3 || !b3 || !c3 || gemm(c3, a3, b3, false, false, 0.0f)) return NULL;
     if (tdm_needs_record(2, in)) {
         tdm_node *nd = tdm_record("matmul", matmul_backward, c, 2, in);
@@ -123,6 +124,7 @@ tdm_tensor *tdm_bmm(tdm_tensor *a, tdm_tensor *b) {
     char sa[96], sb[96];
     if (a->ndim != 3 || b->ndim != 3 || a->shape[0] != b->shape[0])
         return tdm_raise_null(TDM_ERR_SHAPE, "bmm: expected [B, n, k] @ [B, k, m], got %s @ %s",
-                              tdm_shape_str(tdm_shape_of(a), sa), tdm_shape_str(tdm_shape_of(b), sb));
+                              tdm_shape_str(tdm_shape_of(a), sa),
+                              tdm_shape_str(tdm_shape_of(b), sb));
     return tdm_matmul(a, b);
 }

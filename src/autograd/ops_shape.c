@@ -40,8 +40,7 @@ static bool view_strides(const tdm_tensor *x, tdm_shape s, int64_t *out) {
     int64_t base = x->strides[x->ndim - 1], tn = 1, vn = 1;
     for (int td = x->ndim - 1; td >= 0; td--) {
         tn *= x->shape[td];
-        bool chunk_ends = td == 0 || (x->shape[td - 1] != 1 &&
-                                      x->strides[td - 1] != tn * base);
+        bool chunk_ends = td == 0 || (x->shape[td - 1] != 1 && x->strides[td - 1] != tn * base);
         if (!chunk_ends) continue;
         while (vd >= 0 && (vn < tn || s.d[vd] == 1)) {
             out[vd] = vn * base;
@@ -65,10 +64,12 @@ tdm_tensor *tdm_reshape(tdm_tensor *x, tdm_shape s) {
     if (s.ndim < 0 || s.ndim > TDM_MAX_DIMS)
         return tdm_raise_null(TDM_ERR_SHAPE, "reshape: %d dims", s.ndim);
     for (int i = 0; i < s.ndim; i++) {
-        if (s.d[i] == -1 && infer < 0) infer = i;
-        else if (s.d[i] < 0) return tdm_raise_null(TDM_ERR_SHAPE, "reshape: invalid shape %s",
-                                                   tdm_shape_str(s, a));
-        else known *= s.d[i];
+        if (s.d[i] == -1 && infer < 0)
+            infer = i;
+        else if (s.d[i] < 0)
+            return tdm_raise_null(TDM_ERR_SHAPE, "reshape: invalid shape %s", tdm_shape_str(s, a));
+        else
+            known *= s.d[i];
     }
     int64_t n = tdm_numel(x);
     if (infer >= 0) {
@@ -96,12 +97,15 @@ tdm_tensor *tdm_flatten(tdm_tensor *x, int start_dim, int end_dim) {
     int s0 = tdm_wrap_dim(start_dim, x->ndim, "flatten");
     int s1 = tdm_wrap_dim(end_dim, x->ndim, "flatten");
     if (s0 < 0 || s1 < 0) return NULL;
-    if (s0 > s1) return tdm_raise_null(TDM_ERR_ARG, "flatten: start_dim %d after end_dim %d",
-                                       start_dim, end_dim);
+    if (s0 > s1)
+        return tdm_raise_null(TDM_ERR_ARG, "flatten: start_dim %d after end_dim %d", start_dim,
+                              end_dim);
     tdm_shape s = {0, {0}};
     for (int i = 0; i < x->ndim; i++) {
-        if (i > s0 && i <= s1) s.d[s.ndim - 1] *= x->shape[i];
-        else s.d[s.ndim++] = x->shape[i];
+        if (i > s0 && i <= s1)
+            s.d[s.ndim - 1] *= x->shape[i];
+        else
+            s.d[s.ndim++] = x->shape[i];
     }
     return tdm_reshape(x, s);
 }
@@ -203,8 +207,8 @@ tdm_tensor *tdm_slice(tdm_tensor *x, int dim, int64_t start, int64_t end, int64_
     if (!x) return NULL;
     int d = tdm_wrap_dim(dim, x->ndim, "slice");
     if (d < 0) return NULL;
-    if (step < 1) return tdm_raise_null(TDM_ERR_ARG, "slice: step %lld must be >= 1",
-                                        (long long)step);
+    if (step < 1)
+        return tdm_raise_null(TDM_ERR_ARG, "slice: step %lld must be >= 1", (long long)step);
     int64_t size = x->shape[d];
     if (start < 0) start += size;
     if (end < 0) end += size;
@@ -308,8 +312,8 @@ static int concat_backward(tdm_node *n, tdm_tensor *gout) {
     int rc = TDM_OK;
     for (int i = 0; i < n->n_in && rc == TDM_OK; i++) {
         int64_t len = n->in[i]->shape[dim];
-        if (tdm_node_wants(n, i)) rc = tdm_grad_accumulate(n->in[i],
-                                                          tdm_slice(gout, dim, at, at + len, 1));
+        if (tdm_node_wants(n, i))
+            rc = tdm_grad_accumulate(n->in[i], tdm_slice(gout, dim, at, at + len, 1));
         at += len;
     }
     tdm_set_grad_enabled(prev);
@@ -335,9 +339,11 @@ tdm_tensor *tdm_concat(tdm_tensor *const *ts, int n, int dim) {
         bool ok = t->ndim == t0->ndim && t->dtype == t0->dtype;
         for (int k = 0; ok && k < t->ndim; k++) ok = k == d || t->shape[k] == t0->shape[k];
         if (!ok)
-            return tdm_raise_null(TDM_ERR_SHAPE, "concat: tensor %d has shape %s (%s), tensor 0 "
-                                  "has %s (%s), joining along dim %d", i, shp(t, a),
-                                  tdm_dtype_name(t->dtype), shp(t0, b), tdm_dtype_name(t0->dtype), d);
+            return tdm_raise_null(TDM_ERR_SHAPE,
+                                  "concat: tensor %d has shape %s (%s), tensor 0 "
+                                  "has %s (%s), joining along dim %d",
+                                  i, shp(t, a), tdm_dtype_name(t->dtype), shp(t0, b),
+                                  tdm_dtype_name(t0->dtype), d);
         if (tdm_check_same_device(t0, t, "concat")) return NULL;
         s.d[d] += t->shape[d];
     }

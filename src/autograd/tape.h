@@ -11,7 +11,7 @@
 #include "tandem/autograd.h"
 #include "backend/backend.h"
 
-#define TDM_NODE_MAX_IN 4
+#define TDM_NODE_MAX_IN    4
 #define TDM_NODE_MAX_SAVED 6
 
 typedef int (*tdm_backward_fn)(tdm_node *n, tdm_tensor *gout);
@@ -20,17 +20,17 @@ struct tdm_node {
     const char *name; /* op name, for errors and traces */
     tdm_backward_fn backward;
     tdm_tensor *out;
-    tdm_tensor *gout;   /* gradient of out accumulated so far (NULL: none reached it) */
-    bool gout_owned;    /* gout belongs to this node and may be added into in place */
+    tdm_tensor *gout; /* gradient of out accumulated so far (NULL: none reached it) */
+    bool gout_owned;  /* gout belongs to this node and may be added into in place */
     int n_in;
     tdm_tensor *in[TDM_NODE_MAX_IN];
     tdm_tensor *saved[TDM_NODE_MAX_SAVED];
     union {
         float f[8];
         int64_t i[8];
-    } arg, arg2;        /* op arguments (dims, scalars, flags) */
-    void *ctx;          /* larger op arguments, allocated with tdm_scope_alloc */
-    int32_t index;      /* position on the tape */
+    } arg, arg2;   /* op arguments (dims, scalars, flags) */
+    void *ctx;     /* larger op arguments, allocated with tdm_scope_alloc */
+    int32_t index; /* position on the tape */
 };
 
 /* True if an op with these inputs must record a node: grad mode on and some input
@@ -63,17 +63,16 @@ void tdm_tape_consume(void);
  * would be the caller's to free, and no history can be recorded), returns the op's result
  * computed inside a scope of its own, handing only the result to the caller. Use as
  * `if (!tdm_current_scope()) TDM_RETURN_SCOPED(tdm_op(a, b));` at the top of the op. */
-#define TDM_RETURN_SCOPED(expr)                                                                \
-    do {                                                                                       \
-        tdm_scope_begin();                                                                     \
-        tdm_tensor *scoped_ = tdm_scope_keep(expr);                                            \
-        tdm_scope_end();                                                                       \
-        return scoped_;                                                                        \
+#define TDM_RETURN_SCOPED(expr)                                                                    \
+    do {                                                                                           \
+        tdm_scope_begin();                                                                         \
+        tdm_tensor *scoped_ = tdm_scope_keep(expr);                                                \
+        tdm_scope_end();                                                                           \
+        return scoped_;                                                                            \
     } while (0)
 
 /* Shape checks ops share. */
 /* The broadcast shape of a and b into out; an error naming op and both shapes if none. */
-int tdm_broadcast_shapes(const tdm_tensor *a, const tdm_tensor *b, tdm_shape *out,
-                         const char *op);
+int tdm_broadcast_shapes(const tdm_tensor *a, const tdm_tensor *b, tdm_shape *out, const char *op);
 
 #endif

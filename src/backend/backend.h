@@ -144,10 +144,10 @@ typedef struct tdm_backend {
     /* Gradients for whichever of gx, gw, gb is non-NULL; training selects whether the batch
      * statistics depend on x. save_* are the batch stats (training) or running stats turned
      * into mean/invstd (eval). */
-    int (*batch_norm_backward)(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
-                               const tdm_tensor *gy, const tdm_tensor *x,
-                               const tdm_tensor *weight, const tdm_tensor *save_mean,
-                               const tdm_tensor *save_invstd, bool training);
+    int (*batch_norm_backward)(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
+                               const tdm_tensor *x, const tdm_tensor *weight,
+                               const tdm_tensor *save_mean, const tdm_tensor *save_invstd,
+                               bool training);
     /* Synchronised batch norm in three kernels around the collectives (PyTorch's SyncBN
      * split; x [N, C, S] as above, this rank's rows only; per-channel tensors [C], possibly
      * views into one buffer that is all-reduced). The forward normalises with the batch_norm
@@ -169,8 +169,8 @@ typedef struct tdm_backend {
     /* Normalises each row of x [rows, cols]; mean/rstd [rows]; weight/bias [cols] or NULL. */
     int (*layer_norm)(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,
                       const tdm_tensor *weight, const tdm_tensor *bias, float eps);
-    int (*layer_norm_backward)(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
-                               const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
+    int (*layer_norm_backward)(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
+                               const tdm_tensor *x, const tdm_tensor *weight,
                                const tdm_tensor *mean, const tdm_tensor *rstd);
     /* mask = (u >= p) / (1 - p) from Philox (seed, offset + i); y = x * mask. */
     int (*dropout)(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, float p, uint64_t seed,
@@ -182,8 +182,8 @@ typedef struct tdm_backend {
      * e/C * sum_c w[c]*(-logp[c]); wsum[i] = w[t] (the mean's denominator term). Both are 0
      * where target == ignore_index. A target outside [0, C) is an error naming it. */
     int (*cross_entropy)(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
-                         const tdm_tensor *target, const tdm_tensor *weight,
-                         int64_t ignore_index, float smoothing, bool is_logits);
+                         const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
+                         float smoothing, bool is_logits);
     /* gx = d(sum_i gloss[i] * loss[i]) / dx. */
     int (*cross_entropy_backward)(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x,
                                   const tdm_tensor *target, const tdm_tensor *weight,
@@ -195,8 +195,8 @@ typedef struct tdm_backend {
 
     /* ---- optimizers: one fused pass over flat f32 buffers ---- */
     /* buf: momentum buffer (NULL when momentum == 0); first: the first step (buf = g). */
-    int (*sgd_step)(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *buf,
-                    const tdm_sgd_hparams *h, bool first);
+    int (*sgd_step)(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *buf, const tdm_sgd_hparams *h,
+                    bool first);
     /* m, v: moments; vmax: AMSGrad's running max (NULL unless amsgrad); step counts from 1. */
     int (*adam_step)(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *m, tdm_tensor *v,
                      tdm_tensor *vmax, const tdm_adam_hparams *h, int64_t step);

@@ -13,8 +13,7 @@
  * `return tdm_raise(TDM_ERR_SHAPE, "...")`). */
 int tdm_raise(tdm_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Same, returning NULL, for functions that return pointers. */
-void *tdm_raise_null(tdm_status status, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+void *tdm_raise_null(tdm_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- storage and the caching allocator -------------------------------------------------- */
 
@@ -55,8 +54,7 @@ tdm_tensor *tdm_tensor_header_owned(tdm_scope *owner);
 /* A contiguous tensor of shape with fresh storage; contents uninitialised. */
 tdm_tensor *tdm_tensor_alloc(tdm_shape shape, tdm_dtype dt, tdm_device dev);
 /* Same, owned by owner (see tdm_tensor_header_owned). */
-tdm_tensor *tdm_tensor_alloc_owned(tdm_shape shape, tdm_dtype dt, tdm_device dev,
-                                   tdm_scope *owner);
+tdm_tensor *tdm_tensor_alloc_owned(tdm_shape shape, tdm_dtype dt, tdm_device dev, tdm_scope *owner);
 /* A view of base: shares base's storage with the given geometry. */
 tdm_tensor *tdm_tensor_view(const tdm_tensor *base, int ndim, const int64_t *shape,
                             const int64_t *strides, int64_t offset);

@@ -11,9 +11,12 @@ size_t tdm_dtype_size(tdm_dtype dt) {
 
 const char *tdm_dtype_name(tdm_dtype dt) {
     switch (dt) {
-    case TDM_F32: return "f32";
-    case TDM_I32: return "i32";
-    case TDM_I64: return "i64";
+    case TDM_F32:
+        return "f32";
+    case TDM_I32:
+        return "i32";
+    case TDM_I64:
+        return "i64";
     }
     return "?";
 }

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #define CHUNK_BYTES (256 * 1024)
-#define MAX_DEPTH 64
+#define MAX_DEPTH   64
 
 typedef struct chunk {
     struct chunk *next;

@@ -80,8 +80,7 @@ static int check_shape(tdm_shape shape, const char *op) {
     int64_t n = 1;
     for (int i = 0; i < shape.ndim; i++) {
         if (shape.d[i] < 0 || (shape.d[i] > 0 && n > INT64_MAX / 8 / shape.d[i]))
-            return tdm_raise(TDM_ERR_SHAPE, "%s: invalid shape %s", op,
-                             tdm_shape_str(shape, buf));
+            return tdm_raise(TDM_ERR_SHAPE, "%s: invalid shape %s", op, tdm_shape_str(shape, buf));
         n *= shape.d[i];
     }
     return 0;
@@ -183,9 +182,12 @@ tdm_tensor *tdm_arange(double start, double end, double step, tdm_dtype dt, tdm_
     if (!h) return tdm_raise_null(TDM_ERR_NOMEM, "arange: out of memory");
     for (int64_t i = 0; i < n; i++) {
         double v = start + (double)i * step;
-        if (dt == TDM_F32) ((float *)h)[i] = (float)v;
-        else if (dt == TDM_I32) ((int32_t *)h)[i] = (int32_t)v;
-        else ((int64_t *)h)[i] = (int64_t)v;
+        if (dt == TDM_F32)
+            ((float *)h)[i] = (float)v;
+        else if (dt == TDM_I32)
+            ((int32_t *)h)[i] = (int32_t)v;
+        else
+            ((int64_t *)h)[i] = (int64_t)v;
     }
     int rc = backend_of(t)->from_host(t, h);
     free(h);

@@ -14,7 +14,7 @@
 #include <time.h>
 
 #define MAX_TRACKS 256
-#define MAX_DEPTH 16
+#define MAX_DEPTH  16
 
 typedef struct {
     const char *name;
@@ -119,8 +119,10 @@ int tdm_trace_start(const char *path, int64_t capacity) {
 static void put_str(FILE *f, const char *s) {
     for (; *s; s++) {
         if (*s == '"' || *s == '\\') fputc('\\', f);
-        if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", *s);
-        else fputc(*s, f);
+        if ((unsigned char)*s < 0x20)
+            fprintf(f, "\\u%04x", *s);
+        else
+            fputc(*s, f);
     }
 }
 
@@ -129,12 +131,17 @@ static int write_trace(FILE *f, int64_t n, int64_t dropped) {
             (long long)dropped);
     int tracks = atomic_load(&tr.tracks);
     for (int t = 0; t < tracks && t < MAX_TRACKS; t++) {
-        fprintf(f, "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":1,\"tid\":%d,\"args\":{\"name\":\"",
+        fprintf(f,
+                "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":1,\"tid\":%d,\"args\":{\"name\":\"",
                 t);
-        if (tr.track_names[t][0]) put_str(f, tr.track_names[t]);
-        else fprintf(f, "thread %d", t);
-        fprintf(f, "\"}},\n{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":1,\"tid\":%d,"
-                   "\"args\":{\"sort_index\":%d}},\n", t, t);
+        if (tr.track_names[t][0])
+            put_str(f, tr.track_names[t]);
+        else
+            fprintf(f, "thread %d", t);
+        fprintf(f,
+                "\"}},\n{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":1,\"tid\":%d,"
+                "\"args\":{\"sort_index\":%d}},\n",
+                t, t);
     }
     for (int64_t i = 0; i < n; i++) {
         const span *s = &tr.spans[i];

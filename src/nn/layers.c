@@ -51,8 +51,10 @@ static tdm_module *new_with_impl(const tdm_module_ops *ops, tdm_device dev, cons
         memcpy(impl, settings, n);
     }
     tdm_module *m = tdm_module_new(ops, dev, impl);
-    if (!m) free(impl);
-    else m->impl_size = n;
+    if (!m)
+        free(impl);
+    else
+        m->impl_size = n;
     return m;
 }
 

@@ -18,7 +18,7 @@
 typedef struct {
     int64_t lo, hi; /* element range of the flat gradient */
     int n_params;
-    int pending;    /* parameters whose gradient is not final yet this backward */
+    int pending; /* parameters whose gradient is not final yet this backward */
     tdm_tensor view;
     tdm_work *work;
 } bucket;
@@ -82,23 +82,28 @@ static int check_same_params(tdm_ddp *d) {
             s[1] = ps->params[i]->ndim;
             memcpy(s + 2, ps->params[i]->shape, sizeof(int64_t) * TDM_MAX_DIMS);
         }
-        tdm_tensor *t = tdm_from_data(TDM_SHAPE((int64_t)ps->n * SIG_PER_PARAM), TDM_I64,
-                                      tdm_cpu(0), sig);
+        tdm_tensor *t =
+            tdm_from_data(TDM_SHAPE((int64_t)ps->n * SIG_PER_PARAM), TDM_I64, tdm_cpu(0), sig);
         rc = t ? tdm_work_wait(tdm_broadcast(d->g, t, 0)) : tdm_last_status();
         int64_t *sig0 = malloc(sizeof *sig0 * ((size_t)ps->n * SIG_PER_PARAM + 1));
         if (!rc && sig0) tdm_to_host(t, sig0, sizeof *sig0 * (size_t)ps->n * SIG_PER_PARAM);
         for (int i = 0; !rc && sig0 && i < ps->n && !msg[0]; i++) {
-            const int64_t *a = sig + (size_t)i * SIG_PER_PARAM, *b = sig0 + (size_t)i * SIG_PER_PARAM;
+            const int64_t *a = sig + (size_t)i * SIG_PER_PARAM,
+                          *b = sig0 + (size_t)i * SIG_PER_PARAM;
             char s0[96], s1[96];
             tdm_shape sa = {(int)a[1], {0}}, sb = {(int)b[1], {0}};
             memcpy(sa.d, a + 2, sizeof sa.d);
             memcpy(sb.d, b + 2, sizeof sb.d);
             if (a[0] != b[0])
-                snprintf(msg, sizeof msg, "ddp: parameter %d is \"%s\" on rank %d but has another "
-                         "name on rank 0", i, ps->names[i], rank);
+                snprintf(msg, sizeof msg,
+                         "ddp: parameter %d is \"%s\" on rank %d but has another "
+                         "name on rank 0",
+                         i, ps->names[i], rank);
             else if (memcmp(a, b, sizeof *a * SIG_PER_PARAM))
-                snprintf(msg, sizeof msg, "ddp: parameter \"%s\" has shape %s on rank %d but %s on "
-                         "rank 0", ps->names[i], tdm_shape_str(sa, s0), rank, tdm_shape_str(sb, s1));
+                snprintf(msg, sizeof msg,
+                         "ddp: parameter \"%s\" has shape %s on rank %d but %s on "
+                         "rank 0",
+                         ps->names[i], tdm_shape_str(sa, s0), rank, tdm_shape_str(sb, s1));
         }
         free(sig);
         free(sig0);
@@ -238,8 +243,10 @@ int tdm_ddp_backward(tdm_ddp *d, tdm_tensor *loss) {
         unused_names(d, names, sizeof names);
         if (!d->o.find_unused_parameters) {
             char msg[600];
-            snprintf(msg, sizeof msg, "ddp: parameters got no gradient in this backward: %s "
-                     "(set find_unused_parameters to reduce them as zeros)", names);
+            snprintf(msg, sizeof msg,
+                     "ddp: parameters got no gradient in this backward: %s "
+                     "(set find_unused_parameters to reduce them as zeros)",
+                     names);
             tdm_group_abort(d->g, msg);
             rc = tdm_raise(TDM_ERR_STATE, "%s", msg);
         }

@@ -24,36 +24,45 @@ void tdm_cpu_mem_free(int device_index, void *p, size_t nbytes) {
 }
 
 /* Visits every element of t in row-major order, calling body with the element offset. */
-#define FOR_EACH_OFFSET(t, off, body)                                                          \
-    do {                                                                                       \
-        int64_t idx_[TDM_MAX_DIMS] = {0};                                                      \
-        int64_t n_ = tdm_numel(t), off = 0;                                                    \
-        int nd_ = (t)->ndim;                                                                   \
-        for (int64_t i_ = 0; i_ < n_; i_++) {                                                  \
-            body;                                                                              \
-            for (int d_ = nd_ - 1; d_ >= 0; d_--) {                                            \
-                off += (t)->strides[d_];                                                       \
-                if (++idx_[d_] < (t)->shape[d_]) break;                                        \
-                off -= (t)->strides[d_] * (t)->shape[d_];                                      \
-                idx_[d_] = 0;                                                                  \
-            }                                                                                  \
-        }                                                                                      \
+#define FOR_EACH_OFFSET(t, off, body)                                                              \
+    do {                                                                                           \
+        int64_t idx_[TDM_MAX_DIMS] = {0};                                                          \
+        int64_t n_ = tdm_numel(t), off = 0;                                                        \
+        int nd_ = (t)->ndim;                                                                       \
+        for (int64_t i_ = 0; i_ < n_; i_++) {                                                      \
+            body;                                                                                  \
+            for (int d_ = nd_ - 1; d_ >= 0; d_--) {                                                \
+                off += (t)->strides[d_];                                                           \
+                if (++idx_[d_] < (t)->shape[d_]) break;                                            \
+                off -= (t)->strides[d_] * (t)->shape[d_];                                          \
+                idx_[d_] = 0;                                                                      \
+            }                                                                                      \
+        }                                                                                          \
     } while (0)
 
 static inline double load(const void *base, tdm_dtype dt, int64_t i) {
     switch (dt) {
-    case TDM_F32: return ((const float *)base)[i];
-    case TDM_I32: return ((const int32_t *)base)[i];
-    case TDM_I64: return (double)((const int64_t *)base)[i];
+    case TDM_F32:
+        return ((const float *)base)[i];
+    case TDM_I32:
+        return ((const int32_t *)base)[i];
+    case TDM_I64:
+        return (double)((const int64_t *)base)[i];
     }
     return 0;
 }
 
 static inline void store(void *base, tdm_dtype dt, int64_t i, double v) {
     switch (dt) {
-    case TDM_F32: ((float *)base)[i] = (float)v; break;
-    case TDM_I32: ((int32_t *)base)[i] = (int32_t)v; break;
-    case TDM_I64: ((int64_t *)base)[i] = (int64_t)v; break;
+    case TDM_F32:
+        ((float *)base)[i] = (float)v;
+        break;
+    case TDM_I32:
+        ((int32_t *)base)[i] = (int32_t)v;
+        break;
+    case TDM_I64:
+        ((int64_t *)base)[i] = (int64_t)v;
+        break;
     }
 }
 
@@ -73,7 +82,8 @@ int tdm_cpu_copy(tdm_tensor *dst, const tdm_tensor *src) {
             int64_t row = src->shape[src->ndim - 1];
             tdm_tensor outer = *src;
             outer.ndim--;
-            if (row > 0) FOR_EACH_OFFSET(&outer, off, {
+            if (row > 0)
+                FOR_EACH_OFFSET(&outer, off, {
                     memcpy(o + k, in + off, (size_t)row * sizeof(float));
                     k += row;
                 });
@@ -132,8 +142,10 @@ int tdm_cpu_fill(tdm_tensor *dst, double value) {
     int64_t n = tdm_numel(dst);
     if (tdm_is_contiguous(dst) && dst->dtype == TDM_F32) {
         float v = (float)value, *o = d;
-        if (v == 0.0f) memset(o, 0, (size_t)n * sizeof(float));
-        else for (int64_t i = 0; i < n; i++) o[i] = v;
+        if (v == 0.0f)
+            memset(o, 0, (size_t)n * sizeof(float));
+        else
+            for (int64_t i = 0; i < n; i++) o[i] = v;
         return TDM_OK;
     }
     FOR_EACH_OFFSET(dst, off, store(d, dst->dtype, off, value));

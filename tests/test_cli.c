@@ -314,7 +314,41 @@ static void test_tutorial(const char *path) {
     result_free(&r);
 }
 
+/* mpirun -np 2 tandem train: two processes learn what one does (the global batch is split,
+ * gradients averaged), only rank 0 prints, and a batch that does not split is refused. */
+static void test_mpi_run(const char *mpirun) {
+    result one = TANDEM("train", "--limit", "1280", "--model", "mlp", "--quiet");
+    result two =
+        run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path, "train",
+                                  "--limit", "1280", "--model", "mlp", "--quiet", NULL});
+    CHECK(one.status == 0 && two.status == 0, "mpi run: exit %d and %d: %s", one.status, two.status,
+          two.err);
+    double l1 = epoch_train_loss(one.out), l2 = epoch_train_loss(two.out);
+    CHECK(fabs(l1 - l2) <= 2e-4, "train loss in 1 process %.4f, in 2 processes %.4f", l1, l2);
+    const char *first = strstr(two.out, "train loss");
+    CHECK(first && !strstr(first + 1, "train loss"), "only rank 0 prints: %s", two.out);
+    result_free(&one);
+    result_free(&two);
+    result bad = run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path,
+                                           "train", "--limit", "640", "--batch-size", "63", NULL});
+    CHECK(bad.status != 0 && strstr(bad.err, "does not split evenly over 2 processes"),
+          "odd batch under mpirun: exit %d: %s", bad.status, bad.err);
+    result_free(&bad);
+}
+
 int main(int argc, char **argv) {
+    if (argc == 4 && strcmp(argv[2], "--mpirun") == 0) {
+        tandem_path = argv[1];
+        if (!mkdtemp(tmpdir)) {
+            perror("mkdtemp");
+            return 1;
+        }
+        test_mpi_run(argv[3]);
+        char cmd[300];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+        if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
+        return check_summary();
+    }
     if (argc < 2) {
         fprintf(stderr, "usage: test_cli PATH_TO_TANDEM [PATH_TO_MLP_TUTORIAL]\n");
         return 2;

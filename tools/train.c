@@ -347,6 +347,9 @@ typedef struct {
     tdm_paramset *ps;
     tdm_optim *opt; /* with several devices: replica 0's (the others follow it) */
     tdm_dp *dp;     /* several devices: the replicas and their threads */
+    tdm_group *g;   /* under mpirun: all processes; each trains a replica through ddp */
+    tdm_ddp *ddp;
+    bool silent; /* a rank other than 0: prints and writes nothing */
     tdm_sched sched;
     run_log log;
     progress prog;
@@ -424,6 +427,11 @@ static int load_data(trainer *t) {
 
 static int make_loaders(trainer *t) {
     tdm_loader_opts lo = tdm_loader_defaults(t->o.batch_size);
+    if (t->g) { /* DistributedSampler: rank r's rows of each global batch are r, r+N, ... */
+        lo.rank = tdm_group_rank(t->g);
+        lo.world_size = tdm_group_size(t->g);
+        lo.batch_size = t->o.batch_size / lo.world_size;
+    }
     lo.shuffle = true;
     lo.seed = (uint64_t)t->o.seed;
     lo.workers = (int)t->o.workers;
@@ -456,6 +464,9 @@ static tdm_optim *build_optimizer(tdm_paramset *ps, void *arg) {
 
 static int make_optimizer(trainer *t) {
     const train_opts *o = &t->o;
+    /* rank 0's initial weights go to every process */
+    if (t->g && !(t->ddp = tdm_ddp_new(t->model, t->g, NULL)))
+        return runtime_error(t, "ddp: %s", tdm_last_error());
     if (o->n_devs > 1) {
         t->dp = tdm_dp_new(t->model, o->devs, o->n_devs, build_optimizer, &t->o);
         if (!t->dp) return runtime_error(t, "data parallel: %s", tdm_last_error());
@@ -565,11 +576,13 @@ static int train_step(trainer *t, const tdm_batch *b) {
     int rc = tdm_optim_zero_grad(t->opt);
     /* x [n, 1, 28, 28] -> logits [n, 10] -> loss [] */
     tdm_trace_begin("forward");
-    tdm_tensor *logits = rc ? NULL : tdm_module_forward(t->model, x);
+    tdm_tensor *logits = rc       ? NULL
+                         : t->ddp ? tdm_ddp_forward(t->ddp, x)
+                                  : tdm_module_forward(t->model, x);
     tdm_tensor *loss = tdm_cross_entropy(logits, y, NULL);
     tdm_trace_end();
     tdm_trace_begin("backward");
-    rc = loss ? tdm_backward(loss) : -1;
+    rc = !loss ? -1 : t->ddp ? tdm_ddp_backward(t->ddp, loss) : tdm_backward(loss);
     tdm_trace_end();
     tdm_trace_begin("optimizer");
     if (!rc) rc = tdm_optim_step(t->opt);
@@ -639,7 +652,8 @@ static bool sync_due(const trainer *t, int64_t step) {
 /* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
  * the epoch's running totals so a resumed epoch reports the same loss and accuracy. */
 static int save_checkpoint(trainer *t) {
-    if (!t->o.checkpoint_dir || t->last_saved == t->global_step) return 0;
+    /* under MPI rank 0 writes; every rank loads */
+    if (!t->o.checkpoint_dir || t->last_saved == t->global_step || t->silent) return 0;
     char loss[64], correct[32], images[32];
     snprintf(loss, sizeof loss, "%a", t->loss_sum);
     snprintf(correct, sizeof correct, "%lld", (long long)t->correct);
@@ -667,6 +681,18 @@ static int after_step(trainer *t, int epoch, int64_t step) {
     if (!stop && !every) return 0;
     if (sync_chunk(t, epoch, step) || save_checkpoint(t)) return EXIT_RUNTIME;
     t->stopped = stop;
+    return 0;
+}
+
+/* Under MPI: the epoch's loss sum, correct count and images summed over the processes. */
+static int reduce_totals(trainer *t) {
+    float v[3] = {(float)t->loss_sum, (float)t->correct, (float)t->images};
+    tdm_tensor *s = tdm_from_data(TDM_SHAPE(3), TDM_F32, tdm_cpu(0), v);
+    int rc = s ? tdm_work_wait(tdm_all_reduce(t->g, s, TDM_SUM)) : tdm_last_status();
+    if (!rc) rc = tdm_to_host(s, v, sizeof v);
+    tdm_tensor_free(s);
+    if (rc) return runtime_error(t, "reducing the epoch's metrics: %s", tdm_last_error());
+    t->loss_sum = v[0], t->correct = (int64_t)v[1], t->images = (int64_t)v[2];
     return 0;
 }
 
@@ -707,6 +733,7 @@ static int train_epoch(trainer *t, int epoch, epoch_stats *e) {
         if (after_step(t, epoch, step)) return EXIT_RUNTIME;
     }
     if (sync_chunk(t, epoch, step)) return EXIT_RUNTIME;
+    if (t->g && reduce_totals(t)) return EXIT_RUNTIME;
     double secs = progress_now() - t0;
     *e = (epoch_stats){.epoch = epoch,
                        .train_loss = t->images ? t->loss_sum / (double)t->images : NAN,
@@ -927,7 +954,7 @@ static int run(trainer *t) {
         (rc = init_weights(t)) || (rc = make_optimizer(t)) || (rc = make_buffers(t)) ||
         (rc = resume(t)))
         return rc;
-    banner(t);
+    if (!t->silent) banner(t);
     write_config(t);
     if ((rc = write_plot(t))) return rc; /* fail early on an unwritable path */
     double t0 = progress_now();
@@ -938,7 +965,7 @@ static int run(trainer *t) {
         if ((rc = evaluate(t, e))) return rc;
         t->n_hist++;
         progress_clear(&t->prog);
-        print_epoch(t, e);
+        if (!t->silent) print_epoch(t, e);
         log_epoch(&t->log, e);
         if ((rc = write_plot(t))) return rc;
     }
@@ -982,6 +1009,25 @@ static void trainer_free(trainer *t) {
     free(t->hist);
 }
 
+/* Started by mpirun: this process is one rank of the world; the global batch is split over
+ * the ranks and only rank 0 prints and writes files. */
+static int join_mpi(trainer *t, int *argc, char ***argv) {
+    t->g = tdm_mpi_init(argc, argv);
+    if (!t->g) return runtime_error(t, "mpi: %s", tdm_last_error());
+    int n = tdm_group_size(t->g);
+    if (t->o.n_devs > 1)
+        return usage_error("--devices: one device per process under mpirun (threads inside MPI "
+                           "processes are not supported yet)");
+    if (t->o.batch_size % n)
+        return usage_error("--batch-size %lld does not split evenly over %d processes",
+                           (long long)t->o.batch_size, n);
+    if (tdm_group_rank(t->g) != 0) {
+        t->silent = t->o.quiet = true;
+        t->o.log_path = t->o.plot_path = t->o.trace_path = NULL;
+    }
+    return 0;
+}
+
 int train_main(int argc, char **argv) {
     trainer t = {0};
     int rc = parse_args(argc, argv, &t.o);
@@ -991,6 +1037,7 @@ int train_main(int argc, char **argv) {
         return EXIT_OK;
     }
     if (rc) return rc;
+    if (tdm_mpi_launched() && (rc = join_mpi(&t, &argc, &argv))) return rc;
     progress_init(&t.prog, stdout, t.o.quiet, t.o.print_every);
     if (t.o.trace_path && tdm_trace_start(t.o.trace_path, 0) != 0)
         return runtime_error(&t, "trace: %s", tdm_last_error());
@@ -1003,6 +1050,9 @@ int train_main(int argc, char **argv) {
         printf("trace     %s\n", t.o.trace_path);
     if (log_close(&t.log) != 0 && rc == 0)
         rc = runtime_error(&t, "writing log '%s' failed", t.o.log_path);
+    if (t.g && rc) tdm_group_abort(t.g, "its training failed"); /* the others stop too */
+    tdm_ddp_free(t.ddp);
     trainer_free(&t);
+    if (t.g && !rc) tdm_mpi_finalize(); /* after a failure MPI_Finalize could wait forever */
     return rc;
 }

@@ -112,6 +112,11 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     return add_into(t->grad, g);
 }
 
+tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t) {
+    if (!t || !t->requires_grad || t->grad_fn || !t->grad) return NULL;
+    return tdm_is_contiguous(t->grad) && tdm_same_shape(t->grad, t) ? t->grad : NULL;
+}
+
 int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g) {
     if (!t || !t->requires_grad) return TDM_OK;
     if (!g) return tdm_last_status() ? tdm_last_status() : TDM_ERR_STATE;

@@ -49,6 +49,10 @@ static inline bool tdm_node_wants(const tdm_node *n, int i) {
 /* Adds g (shape of t) into t's gradient: a leaf's .grad or its producer node's gout. May
  * keep a reference to g instead of copying, so g must stay unmodified afterwards. */
 int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g);
+/* The leaf's own gradient buffer when a backward may add into it directly (t is a leaf with
+ * a contiguous .grad of its shape, e.g. a parameter's view of the flat gradient), else NULL.
+ * Kernels that can accumulate (a GEMM with beta 1) then skip a temporary and an add. */
+tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t);
 /* Sums g down to t's shape (the reverse of broadcasting) and accumulates it. */
 int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g);
 

@@ -53,11 +53,14 @@ static int linear_backward(tdm_node *n, tdm_tensor *gout) {
         if (rc || (rc = tdm_grad_accumulate(x, gx))) return rc;
     }
     if (tdm_node_wants(n, 1)) { /* dW [out, in] = dY^T [out, M] @ X [M, in] */
-        tdm_tensor *gw = tdm_tensor_alloc(tdm_shape_of(w), TDM_F32, w->device);
+        /* a parameter's gradient (a view of the flat buffer) takes the GEMM's sum directly */
+        tdm_tensor *acc = tdm_grad_inplace_target(w);
+        tdm_tensor *gw = acc ? acc : tdm_tensor_alloc(tdm_shape_of(w), TDM_F32, w->device);
         if (!gw) return tdm_last_status();
         tdm_tensor gw3 = as_matrix(gw, out, in), x3 = as_matrix(x, rows, in);
-        int rc = be->matmul(&gw3, &gy3, &x3, true, false, 0.0f);
-        if (rc || (rc = tdm_grad_accumulate(w, gw))) return rc;
+        int rc = be->matmul(&gw3, &gy3, &x3, true, false, acc ? 1.0f : 0.0f);
+        if (!rc && !acc) rc = tdm_grad_accumulate(w, gw);
+        if (rc) return rc;
     }
     if (tdm_node_wants(n, 2)) { /* db [out] = sum over rows of dY [M, out] */
         tdm_tensor *gb = tdm_tensor_alloc(tdm_shape_of(b), TDM_F32, b->device);

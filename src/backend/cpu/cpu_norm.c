@@ -126,6 +126,21 @@ static void centred_grad(float *gx, const float *g, const float *x, int64_t n, f
     for (; i < n; i++) gx[i] = (g[i] - mg - (x[i] - mu) * k) * scale;
 }
 
+/* For channels [c0, c0 + nb): sg = sum of g, sgx = sum of g * (x - mean), in double, in a
+ * fixed order (both batch-norm backward kernels need them). */
+static void channel_grad_sums(const float *g, const float *xp, const float *mean, int64_t N,
+                              int64_t C, int64_t S, int64_t c0, int nb, double *sg, double *sgx) {
+    for (int j = 0; j < nb; j++) sg[j] = sgx[j] = 0;
+    for (int64_t n = 0; n < N; n++)
+        for (int j = 0; j < nb; j++) {
+            int64_t base = (n * C + c0 + j) * S;
+            float a1, a2;
+            sum_g_gdev(g + base, xp + base, S, mean[c0 + j], &a1, &a2);
+            sg[j] += a1;
+            sgx[j] += a2;
+        }
+}
+
 int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                 const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
                                 const tdm_tensor *save_mean, const tdm_tensor *save_invstd,
@@ -139,16 +154,11 @@ int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
     double sg[BN_BLOCK], sgx[BN_BLOCK]; /* sum gy, sum gy * (x - mean) */
     for (int64_t c0 = 0; c0 < C; c0 += BN_BLOCK) {
         int nb = (int)(C - c0 < BN_BLOCK ? C - c0 : BN_BLOCK);
-        for (int j = 0; j < nb; j++) sg[j] = sgx[j] = 0;
         bool need_sums = gwp || gbp || (gxp && training);
-        for (int64_t n = 0; need_sums && n < N; n++)
-            for (int j = 0; j < nb; j++) {
-                int64_t base = (n * C + c0 + j) * S;
-                float a1, a2;
-                sum_g_gdev(g + base, xp + base, S, sm[c0 + j], &a1, &a2);
-                sg[j] += a1;
-                sgx[j] += a2;
-            }
+        if (need_sums)
+            channel_grad_sums(g, xp, sm, N, C, S, c0, nb, sg, sgx);
+        else
+            for (int j = 0; j < nb; j++) sg[j] = sgx[j] = 0;
         for (int j = 0; j < nb; j++) {
             int64_t c = c0 + j;
             if (gbp) gbp[c] = (float)sg[j];
@@ -203,15 +213,7 @@ int tdm_cpu_batch_norm_backward_reduce(tdm_tensor *sum_dy, tdm_tensor *sum_dy_xm
     double sg[BN_BLOCK], sgx[BN_BLOCK];
     for (int64_t c0 = 0; c0 < C; c0 += BN_BLOCK) {
         int nb = (int)(C - c0 < BN_BLOCK ? C - c0 : BN_BLOCK);
-        for (int j = 0; j < nb; j++) sg[j] = sgx[j] = 0;
-        for (int64_t n = 0; n < N; n++)
-            for (int j = 0; j < nb; j++) {
-                int64_t base = (n * C + c0 + j) * S;
-                float a1, a2;
-                sum_g_gdev(g + base, xp + base, S, sm[c0 + j], &a1, &a2);
-                sg[j] += a1;
-                sgx[j] += a2;
-            }
+        channel_grad_sums(g, xp, sm, N, C, S, c0, nb, sg, sgx);
         for (int j = 0; j < nb; j++) {
             int64_t c = c0 + j;
             sdy[c] = (float)sg[j];

@@ -234,7 +234,6 @@ typedef struct {
     uint8_t *pixels; /* [n, rows * cols] */
     uint8_t *labels; /* [n] */
     int64_t pixels_per_image;
-    float scale[256]; /* scale[v] = v / 255.0f */
 } idx_impl;
 
 static int idx_get(const tdm_dataset *ds, int64_t i, void *x, int64_t *y) {
@@ -244,9 +243,9 @@ static int idx_get(const tdm_dataset *ds, int64_t i, void *x, int64_t *y) {
     const int64_t n = m->pixels_per_image;
     const uint8_t *restrict p = m->pixels + i * n;
     float *restrict out = (float *)x;
-    /* a table of p / 255.0f: bit for bit ToTensor's f32 div(255), and faster than the
-     * vectorised division (or a double product); a f32 reciprocal would miss 126 values */
-    for (int64_t j = 0; j < n; j++) out[j] = m->scale[p[j]];
+    /* a f32 division, bit for bit ToTensor's div(255) (a reciprocal product would miss 126
+     * of the 256 values); it vectorises, and beats a 256-entry table lookup by ~30% */
+    for (int64_t j = 0; j < n; j++) out[j] = (float)p[j] / 255.0f;
     *y = m->labels[i];
     return TDM_OK;
 }
@@ -289,7 +288,6 @@ static idx_impl *idx_load(const char *images_path, const char *labels_path, int 
     uint64_t lbytes = 0, ibytes = 0;
     idx_impl *m = (idx_impl *)calloc(1, sizeof *m);
     if (!m) return tdm_raise_null(TDM_ERR_NOMEM, OP ": out of memory");
-    for (int v = 0; v < 256; v++) m->scale[v] = (float)v / 255.0f;
     if (reader_open(&li, labels_path)) goto fail_m;
     if (reader_open(&ii, images_path)) goto fail_l;
     if (read_header(&li, 1, "labels", ldims, &lbytes) ||

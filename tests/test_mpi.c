@@ -10,6 +10,7 @@
  * aborts, ranks built with different models, ranks that call different collectives. */
 #include "check.h"
 #include "core/core.h"
+#include "parallel/group.h"
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -167,8 +168,8 @@ static tdm_optim *make_adam(tdm_paramset *ps) {
     return tdm_adam_new(ps, &o);
 }
 
-/* One process, whole batches: the reference parameters. */
-static float *one_process(tdm_optim *(*make)(tdm_paramset *)) {
+/* One process on the first `rows` rows of every batch: the reference parameters. */
+static float *one_process(tdm_optim *(*make)(tdm_paramset *), int64_t rows) {
     tdm_module *m = make_mlp(1, HID);
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_optim *opt = make(ps);
@@ -179,8 +180,8 @@ static float *one_process(tdm_optim *(*make)(tdm_paramset *)) {
         batch_of(s, x, y);
         tdm_scope_begin();
         tdm_backward(tdm_cross_entropy(
-            tdm_module_forward(m, tdm_from_data(TDM_SHAPE(B, IN), TDM_F32, tdm_cpu(0), x)),
-            tdm_from_data(TDM_SHAPE(B), TDM_I64, tdm_cpu(0), y), NULL));
+            tdm_module_forward(m, tdm_from_data(TDM_SHAPE(rows, IN), TDM_F32, tdm_cpu(0), x)),
+            tdm_from_data(TDM_SHAPE(rows), TDM_I64, tdm_cpu(0), y), NULL));
         tdm_scope_end();
         tdm_optim_step(opt);
     }
@@ -218,7 +219,7 @@ static int ddp_step(tdm_ddp *d, tdm_module *m, tdm_optim *opt, int s) {
 static void test_ddp(void) {
     tdm_optim *(*makes[2])(tdm_paramset *) = {make_sgd, make_adam};
     for (int k = 0; k < 2; k++) {
-        float *want = one_process(makes[k]);
+        float *want = one_process(makes[k], B);
         tdm_module *m = make_mlp(1 + (uint64_t)R, HID); /* rank 0's weights are broadcast */
         tdm_ddp_opts o = tdm_ddp_defaults();
         o.bucket_cap_bytes = o.first_bucket_cap_bytes = k ? 64 : 25 << 20;
@@ -240,6 +241,148 @@ static void test_ddp(void) {
               "ddp optimizer %d: ranks' parameters differ", k);
         tdm_optim_free(opt);
         tdm_ddp_free(d);
+        tdm_module_free(m);
+        free(want);
+    }
+}
+
+/* ---- two devices per process: the two-level group ------------------------------------------ */
+
+#define L 2 /* devices (threads) per process */
+
+/* What every rank of the two-level group must get: each process's inputs added in local rank
+ * order, then the processes' sums in rank order (the MPI backend's order), / N*L for AVG. */
+static float two_level_reference(int64_t i, int salt, tdm_reduce_kind op) {
+    float s = 0;
+    for (int p = 0; p < N; p++) {
+        float sp = value(p * L, i, salt);
+        for (int l = 1; l < L; l++) sp += value(p * L + l, i, salt);
+        s = p ? s + sp : sp;
+    }
+    return op == TDM_AVG ? s / (float)(N * L) : s;
+}
+
+typedef struct {
+    tdm_group *g;
+    int64_t wrong; /* elements that differ from the reference, over every collective */
+    char err[256];
+} level_rank;
+
+/* Every collective of one rank of the two-level group on size m, counted into a->wrong. */
+static void two_level_ops(level_rank *a, int64_t m, int salt) {
+    tdm_group *g = a->g;
+    int r = tdm_group_rank(g), n = tdm_group_size(g);
+    for (int op = TDM_SUM; op <= TDM_AVG; op++) {
+        tdm_tensor *t = filled(r, m, salt + op);
+        if (tdm_work_wait(tdm_all_reduce(g, t, (tdm_reduce_kind)op))) goto fail;
+        const float *p = tdm_data_ptr(t);
+        for (int64_t i = 0; i < m; i++)
+            a->wrong += p[i] != two_level_reference(i, salt + op, (tdm_reduce_kind)op);
+        tdm_tensor *big = filled(r, n * m, salt + 4 + op),
+                   *part = tdm_zeros(TDM_SHAPE(m), TDM_F32, tdm_cpu(0));
+        if (tdm_work_wait(tdm_reduce_scatter(g, part, big, (tdm_reduce_kind)op))) goto fail;
+        p = tdm_data_ptr(part);
+        for (int64_t i = 0; i < m; i++)
+            a->wrong += p[i] != two_level_reference(r * m + i, salt + 4 + op, (tdm_reduce_kind)op);
+    }
+    int root = (int)((m + 1) % n);
+    tdm_tensor *b = filled(r, m, salt + 2);
+    if (tdm_work_wait(tdm_broadcast(g, b, root))) goto fail;
+    const float *pb = tdm_data_ptr(b);
+    for (int64_t i = 0; i < m; i++) a->wrong += pb[i] != value(root, i, salt + 2);
+    tdm_tensor *in = filled(r, m, salt + 3),
+               *out = tdm_zeros(TDM_SHAPE(n * m), TDM_F32, tdm_cpu(0));
+    if (tdm_work_wait(tdm_all_gather(g, out, in))) goto fail;
+    const float *po = tdm_data_ptr(out);
+    for (int k = 0; k < n; k++)
+        for (int64_t i = 0; i < m; i++) a->wrong += po[k * m + i] != value(k, i, salt + 3);
+    if (tdm_work_wait(tdm_barrier(g))) goto fail;
+    return;
+fail:
+    snprintf(a->err, sizeof a->err, "%s", tdm_last_error());
+}
+
+static void *two_level_main(void *arg) {
+    level_rank *a = arg;
+    const int64_t ms[] = {0, 1, 17, 4097, (1 << 18) + 5};
+    for (int s = 0; s < 5 && !a->err[0]; s++) {
+        tdm_scope_begin();
+        two_level_ops(a, ms[s], 7 * s);
+        tdm_scope_end();
+    }
+    tdm_thread_release();
+    return NULL;
+}
+
+static void test_two_level_collectives(void) {
+    tdm_device devs[L] = {tdm_cpu(0), tdm_cpu(1)};
+    tdm_threads_world *tw = tdm_threads_world_new(L, devs);
+    tdm_hier_world *hw = tw ? tdm_hier_world_new(tw, L, G) : NULL;
+    CHECK(hw, "two-level world: %s", tdm_last_error());
+    if (!hw) return;
+    level_rank a[L] = {{0}};
+    pthread_t th[L];
+    for (int l = 0; l < L; l++) {
+        a[l].g = tdm_hier_world_group(hw, l);
+        CHECK(tdm_group_rank(a[l].g) == R * L + l && tdm_group_size(a[l].g) == N * L,
+              "two-level rank %d of %d", tdm_group_rank(a[l].g), tdm_group_size(a[l].g));
+        pthread_create(&th[l], NULL, two_level_main, &a[l]);
+    }
+    for (int l = 0; l < L; l++) {
+        pthread_join(th[l], NULL);
+        CHECK(!a[l].err[0], "two-level collective on device %d of process %d: %s", l, R, a[l].err);
+        CHECK(a[l].wrong == 0, "two-level collectives, device %d of process %d: %lld wrong", l, R,
+              (long long)a[l].wrong);
+    }
+    tdm_hier_world_free(hw);
+    tdm_threads_world_free(tw);
+}
+
+static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    return tdm_cross_entropy(out, target, NULL);
+}
+
+static tdm_optim *dp_factory(tdm_paramset *ps, void *make) {
+    return ((tdm_optim * (*)(tdm_paramset *)) make)(ps);
+}
+
+/* DataParallel over 2 devices in each of N processes equals one process on the same rows. */
+static void test_dp_two_level(void) {
+    tdm_optim *(*makes[2])(tdm_paramset *) = {make_sgd, make_adam};
+    const int64_t k = B / N; /* rows per process: equal shares */
+    for (int o = 0; o < 2; o++) {
+        float *want = one_process(makes[o], k * N);
+        tdm_module *m = make_mlp(1 + (uint64_t)R, HID); /* rank 0's weights reach everyone */
+        tdm_device devs[L] = {tdm_cpu(0), tdm_cpu(1)};
+        tdm_dp *dp = tdm_dp_new_distributed(m, devs, L, G, dp_factory, (void *)makes[o]);
+        CHECK(dp, "dp_new_distributed: %s", tdm_last_error());
+        if (!dp) return;
+        float x[B * IN], loss = NAN;
+        int64_t y[B];
+        int rc = 0;
+        for (int s = 0; s < STEPS && !rc; s++) {
+            batch_of(s, x, y);
+            tdm_scope_begin();
+            rc = tdm_dp_step(
+                dp, tdm_from_data(TDM_SHAPE(k, IN), TDM_F32, tdm_cpu(0), x + R * k * IN),
+                tdm_from_data(TDM_SHAPE(k), TDM_I64, tdm_cpu(0), y + R * k), ce_loss, NULL, &loss);
+            tdm_scope_end();
+        }
+        CHECK(rc == 0 && isfinite(loss), "two-level dp step: %s", tdm_last_error());
+        for (int r = 0; r < L; r++) {
+            tdm_paramset *ps = tdm_module_parameters(tdm_dp_replica(dp, r));
+            const float *p = tdm_data_ptr(ps->flat);
+            int bad = 0;
+            for (int64_t i = 0; i < ps->total; i++)
+                bad += !(fabsf(p[i] - want[i]) <= 1e-5f + 1e-4f * fabsf(want[i]));
+            CHECK(bad == 0,
+                  "two-level dp optimizer %d, %d x %d devices, device %d of process %d: "
+                  "%d parameters off one process",
+                  o, N, L, r, R, bad);
+            CHECK(same_everywhere(digest(p, sizeof(float) * (size_t)ps->total)),
+                  "two-level dp optimizer %d: processes' parameters differ", o);
+        }
+        tdm_dp_free(dp);
         tdm_module_free(m);
         free(want);
     }
@@ -361,6 +504,8 @@ int main(int argc, char **argv) {
     if (argc >= 3 && !strcmp(argv[1], "--fault")) return fault_child(argv[2]);
     test_collectives();
     test_ddp();
+    test_two_level_collectives();
+    test_dp_two_level();
     tdm_mpi_finalize();
     CHECK_ERROR(tdm_mpi_init(NULL, NULL) == NULL, "cannot be initialized again");
     if (R != 0) printf("rank %d: ", R);

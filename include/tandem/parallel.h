@@ -187,6 +187,18 @@ typedef tdm_optim *(*tdm_optim_factory)(tdm_paramset *ps, void *arg);
  * NULL and an error if a device is invalid, repeated, or the model cannot be cloned. */
 tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
                    tdm_optim_factory make_optim, void *optim_arg);
+/* DataParallel over this process's devices, joined with the same DataParallel in every other
+ * process of `processes` (e.g. tdm_mpi_init's group under mpirun; each process passes its own
+ * devices): gradients are averaged over every device of every process through a two-level
+ * group (threads inside the process, the processes' group across; sums per process first,
+ * then over processes in rank order, so results are deterministic). Rank 0 of process 0's
+ * parameters and buffers reach every replica at the start. tdm_dp_step then takes this
+ * process's share of the global batch; with equal shares the update is one device's on the
+ * whole global batch. Every process must call it, with the same model and device count, as a
+ * collective; `processes` must outlive the DataParallel and must not be used by the caller
+ * while a step runs. NULL processes is tdm_dp_new. */
+tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int n,
+                               tdm_group *processes, tdm_optim_factory make_optim, void *optim_arg);
 /* One training step on the global batch x [B, ...], target [B, ...] (caller's CPU tensors).
  * Gradients are weighted by slice size, so the update equals one device's on the whole
  * batch. *loss (may be NULL) receives the batch's mean loss. B must be at least the number

@@ -41,7 +41,8 @@ struct tdm_dp {
     tdm_device devices[MAX_DEVICES];
     replica reps[MAX_DEVICES];
     tdm_threads_world *world;
-    int blas_threads; /* restored at free */
+    tdm_hier_world *hier; /* every device of every process (tdm_dp_new_distributed), or NULL */
+    int blas_threads;     /* restored at free */
     /* the caller runs replica 0 pinned to its core: unpinned, the scheduler pulled it onto
      * replica 1's core whenever replica 1 woke it (CNN steps took twice as long) */
     pthread_t caller;
@@ -63,9 +64,14 @@ struct tdm_dp {
 
 /* ---- per-replica work --------------------------------------------------------------------- */
 
+/* Replica r's group: this process's devices, or every device of every process. */
+static tdm_group *rank_group(tdm_dp *dp, int r) {
+    return dp->hier ? tdm_hier_world_group(dp->hier, r) : tdm_threads_world_group(dp->world, r);
+}
+
 static int replica_init(replica *r) {
     tdm_dp *dp = r->dp;
-    tdm_group *g = tdm_threads_world_group(dp->world, r->rank);
+    tdm_group *g = rank_group(dp, r->rank);
     if (!g) return tdm_last_status();
     if (r->rank > 0) tdm_pin_rank_thread(r->rank, dp->n);
     tdm_paramset *ps = tdm_module_parameters(r->replica);
@@ -91,7 +97,7 @@ static int replica_step(replica *r) {
     int64_t b = dp->x->shape[0], lo, hi;
     rows_of(b, dp->n, r->rank, &lo, &hi);
     /* batch norm (synchronised) and dropout (global rows' masks) act as on one device */
-    tdm_parallel_context_set(tdm_threads_world_group(dp->world, r->rank), lo, b);
+    tdm_parallel_context_set(rank_group(dp, r->rank), lo, b);
     tdm_scope_begin();
     tdm_tensor *xs = tdm_to_device(tdm_slice(dp->x, 0, lo, hi, 1), dev);
     tdm_tensor *ys = tdm_to_device(tdm_slice(dp->y, 0, lo, hi, 1), dev);
@@ -112,7 +118,7 @@ static int replica_step(replica *r) {
     r->loss = rc ? NAN : tdm_item(loss);
     tdm_scope_end();
     /* the others may wait for this replica at a collective: they fail now, not at timeout */
-    if (rc) tdm_group_abort(tdm_threads_world_group(dp->world, r->rank), tdm_last_error());
+    if (rc) tdm_group_abort(rank_group(dp, r->rank), tdm_last_error());
     return rc;
 }
 
@@ -149,7 +155,7 @@ static void run_caller_replica(tdm_dp *dp, bool init) {
     r->rc = init ? replica_init(r) : replica_step(r);
     tdm_set_grad_enabled(prev);
     if (r->rc) snprintf(r->err, sizeof r->err, "%s", tdm_last_error());
-    if (init && r->rc) tdm_group_abort(tdm_threads_world_group(dp->world, 0), r->err);
+    if (init && r->rc) tdm_group_abort(rank_group(dp, 0), r->err);
 }
 
 /* Waits until every replica has finished the current round; returns the first failure. */
@@ -197,6 +203,12 @@ static int check_devices(const tdm_module *model, const tdm_device *devices, int
 
 tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
                    tdm_optim_factory make_optim, void *optim_arg) {
+    return tdm_dp_new_distributed(model, devices, n, NULL, make_optim, optim_arg);
+}
+
+tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int n,
+                               tdm_group *processes, tdm_optim_factory make_optim,
+                               void *optim_arg) {
     if (!model || !devices || !make_optim)
         return tdm_raise_null(TDM_ERR_ARG, "data_parallel: NULL model, devices or factory");
     if (check_devices(model, devices, n)) return NULL;
@@ -212,7 +224,9 @@ tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
     pthread_cond_init(&dp->done, NULL);
     atomic_init(&dp->finished, 0);
     dp->done_spin_ns = n <= tdm_device_count(TDM_CPU) ? DONE_SPIN_NS : 0;
-    if (!(dp->world = tdm_threads_world_new(n, devices))) {
+    if (!(dp->world = tdm_threads_world_new(n, devices)) ||
+        (processes && !(dp->hier = tdm_hier_world_new(dp->world, n, processes)))) {
+        tdm_threads_world_free(dp->world);
         free(dp);
         return NULL;
     }
@@ -233,7 +247,7 @@ tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
             break;
     }
     if (started < n) { /* the started ones are stuck at their first collective: abort it */
-        tdm_group_abort(tdm_threads_world_group(dp->world, 0), "could not start a thread");
+        tdm_group_abort(rank_group(dp, 0), "could not start a thread");
         tdm_dp_free(dp);
         return tdm_raise_null(TDM_ERR_NOMEM, "data_parallel: could not start %d threads", n);
     }
@@ -315,6 +329,7 @@ void tdm_dp_free(tdm_dp *dp) {
     if (pthread_equal(dp->caller, pthread_self()))
         tdm_restore_thread_affinity(&dp->caller_affinity);
     for (int i = 1; i < dp->n; i++) tdm_module_free(dp->reps[i].replica);
+    tdm_hier_world_free(dp->hier); /* its threads wait on the threads world's groups */
     tdm_threads_world_free(dp->world);
     tdm_blas_threads_restore(dp->blas_threads);
     pthread_cond_destroy(&dp->go);

@@ -148,7 +148,7 @@ int tdm_work_wait(tdm_work *w) {
 
 /* ---- collectives: checks on the calling rank, then the backend -------------------------- */
 
-static tdm_work *launch(tdm_group *g, tdm_coll c) {
+tdm_work *tdm_group_launch(tdm_group *g, tdm_coll c) {
     tdm_work *w = work_get(g);
     if (!w) return NULL;
     w->c = c;
@@ -188,7 +188,7 @@ tdm_work *tdm_all_reduce(tdm_group *g, tdm_tensor *t, tdm_reduce_kind op) {
     if (check_buffer(t, "all_reduce", "tensor", true) || check_op(op, "all_reduce")) return NULL;
     tdm_coll c = {TDM_COLL_ALL_REDUCE, op, 0, tdm_numel(t), 4, tdm_data_ptr(t), NULL};
     c.in = c.out;
-    return launch(g, c);
+    return tdm_group_launch(g, c);
 }
 
 tdm_work *tdm_broadcast(tdm_group *g, tdm_tensor *t, int root) {
@@ -200,7 +200,7 @@ tdm_work *tdm_broadcast(tdm_group *g, tdm_tensor *t, int root) {
     tdm_coll c = {TDM_COLL_BROADCAST,       TDM_SUM,         root, tdm_numel(t),
                   tdm_dtype_size(t->dtype), tdm_data_ptr(t), NULL};
     c.in = c.out;
-    return launch(g, c);
+    return tdm_group_launch(g, c);
 }
 
 tdm_work *tdm_all_gather(tdm_group *g, tdm_tensor *out, const tdm_tensor *in) {
@@ -219,7 +219,7 @@ tdm_work *tdm_all_gather(tdm_group *g, tdm_tensor *out, const tdm_tensor *in) {
             (long long)(g->size * tdm_numel(in)));
     tdm_coll c = {TDM_COLL_ALL_GATHER, TDM_SUM,         0, tdm_numel(in), tdm_dtype_size(in->dtype),
                   tdm_data_ptr(out),   tdm_data_ptr(in)};
-    return launch(g, c);
+    return tdm_group_launch(g, c);
 }
 
 tdm_work *tdm_reduce_scatter(tdm_group *g, tdm_tensor *out, const tdm_tensor *in,
@@ -236,11 +236,11 @@ tdm_work *tdm_reduce_scatter(tdm_group *g, tdm_tensor *out, const tdm_tensor *in
             (long long)(g->size * tdm_numel(out)));
     tdm_coll c = {TDM_COLL_REDUCE_SCATTER, op, 0, tdm_numel(out), 4, tdm_data_ptr(out),
                   tdm_data_ptr(in)};
-    return launch(g, c);
+    return tdm_group_launch(g, c);
 }
 
 tdm_work *tdm_barrier(tdm_group *g) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "barrier: NULL group");
     tdm_coll c = {TDM_COLL_BARRIER, TDM_SUM, 0, 0, 1, NULL, NULL};
-    return launch(g, c);
+    return tdm_group_launch(g, c);
 }

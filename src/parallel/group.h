@@ -1,7 +1,7 @@
 /* Private interface of process groups: the group struct every backend embeds, the backend
  * table, work handles, and the threads world that DataParallel keeps alive across steps.
  *
- * A backend (threads here; MPI or a two-level threads-inside-MPI group later) embeds
+ * A backend (threads_group.c, mpi_group.c, hier_group.c: threads inside MPI) embeds
  * tdm_group as the first member of its own rank struct and fills in ops. group.c checks the
  * arguments of every collective on the calling thread, fills a tdm_work with plain pointers
  * and sizes, and hands it to ops->launch; the backend runs it (on its own thread, so the
@@ -78,6 +78,10 @@ struct tdm_group {
     tdm_work *free_works, *all_works;
 };
 
+/* Starts collective c on g without the public entry points' checks (the caller made them):
+ * how a backend built on other groups (hier_group.c) drives them. NULL and an error when it
+ * cannot start. */
+tdm_work *tdm_group_launch(tdm_group *g, tdm_coll c);
 /* Fills the generic part (timeout 60 s). The backend owns the memory. */
 void tdm_group_init(tdm_group *g, const tdm_group_ops *ops, int rank, int size, tdm_device dev);
 /* Frees every handle the group ever allocated (waited or not) and the sync objects. */
@@ -124,5 +128,19 @@ tdm_group *tdm_threads_world_group(tdm_threads_world *w, int rank);
 /* Fails anything still pending ("group destroyed"), joins the communication threads and frees
  * the groups and their handles. Call once no rank uses the world any more. */
 void tdm_threads_world_free(tdm_threads_world *w);
+
+/* ---- the two-level world: threads inside this process, processes outside --------------- */
+
+typedef struct tdm_hier_world tdm_hier_world;
+
+/* One group per device thread of this process spanning every device of every process:
+ * global rank = process rank * local size + local rank. Collectives run over local (this
+ * process's threads world, which must outlive it) and processes (the outer group, e.g.
+ * tdm_mpi_init's; only local rank 0 talks to it). NULL and an error when a thread cannot
+ * start. */
+tdm_hier_world *tdm_hier_world_new(tdm_threads_world *local, int local_size, tdm_group *processes);
+tdm_group *tdm_hier_world_group(tdm_hier_world *w, int local_rank);
+/* Fails what is still queued, joins the threads, frees the groups. */
+void tdm_hier_world_free(tdm_hier_world *w);
 
 #endif

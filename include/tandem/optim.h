@@ -41,8 +41,19 @@ tdm_optim *tdm_sgd_new(tdm_paramset *ps, const tdm_sgd_opts *o);
 tdm_optim *tdm_adam_new(tdm_paramset *ps, const tdm_adam_opts *o);
 tdm_optim *tdm_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o);
 
+/* Per-parameter weight decay: wd[i] (>= 0) replaces the options' weight_decay for parameter
+ * i of the set (ps->n values, copied), as PyTorch's parameter groups that differ only in
+ * weight_decay (e.g. decay on matrices only, see tdm_gpt_adamw_new). NULL goes back to one
+ * value for all. The step stays one fused kernel call per run of consecutive parameters with
+ * the same decay. Fails with TDM_ERR_ARG (naming the parameter) for a negative value. */
+int tdm_optim_set_weight_decays(tdm_optim *o, const float *wd);
 /* One update from the gradients in ps->flat_grad. Returns TDM_OK or an error. */
 int tdm_optim_step(tdm_optim *o);
+/* Elements [lo, hi) of one update, without counting it: threads may update disjoint ranges
+ * of one optimizer at once (a sharded step); afterwards one of them calls
+ * tdm_optim_set_steps(o, tdm_optim_steps(o) + 1). TDM_ERR_ARG for a range outside the
+ * flat buffers. */
+int tdm_optim_step_range(tdm_optim *o, int64_t lo, int64_t hi);
 /* Zeroes ps->flat_grad. */
 int tdm_optim_zero_grad(tdm_optim *o);
 float tdm_optim_lr(const tdm_optim *o);

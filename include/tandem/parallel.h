@@ -168,7 +168,8 @@ void tdm_ddp_free(tdm_ddp *d);
  * outnumber cores), every other one on a persistent thread of its own. Every step scatters
  * the batch's rows over the devices (uneven splits included), runs forward, loss and
  * backward on every replica at once, averages gradients with the DDP buckets, and steps
- * every replica's optimizer, so replicas stay identical without being copied again. Each
+ * every replica's optimizer, so replicas stay identical (CPU devices of one process split
+ * the averaging and the step into shards instead: see tdm_dp_optim). Each
  * replica's step runs under a parallel context (tdm_parallel_context_set), so batch norm is
  * synchronised over the replicas and dropout draws one device's masks: the result is one
  * device's on the whole batch for those layers too, running statistics included. */
@@ -205,7 +206,11 @@ tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int
  * of devices; a failing replica's error names its device. */
 int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn, void *loss_arg,
                 float *loss);
-/* Replica r's module and optimizer (0 <= r < devices). */
+/* Replica r's module and optimizer (0 <= r < devices). When every device is a CPU device of
+ * this process, replicas share memory and split the update instead: each averages the
+ * gradients of its shard of the parameters and steps replica 0's optimizer there, then copies
+ * the shard to the others (bit for bit the all-reduce's result). Replica 0's optimizer then
+ * holds the whole state (save and restore that one); the others are not stepped. */
 tdm_module *tdm_dp_replica(tdm_dp *dp, int r);
 tdm_optim *tdm_dp_optim(tdm_dp *dp, int r);
 int tdm_dp_devices(const tdm_dp *dp);

@@ -21,6 +21,7 @@ struct tdm_optim {
     tdm_adam_hparams adam;
     tdm_tensor *state[3]; /* SGD: momentum buffer; Adam: exp_avg, exp_avg_sq, max_exp_avg_sq */
     int64_t steps;
+    float *wd; /* [ps->n] per-parameter weight decay (param groups), or NULL: one for all */
 };
 
 tdm_sgd_opts tdm_sgd_defaults(float lr) {
@@ -124,18 +125,78 @@ tdm_optim *tdm_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o) {
     return adam_new(ps, o, true, "adamw");
 }
 
+/* A stack view of elements [off, off + n) of a flat buffer (kernels read only geometry). */
+static tdm_tensor flat_range(const tdm_tensor *flat, int64_t off, int64_t n) {
+    tdm_tensor v = *flat;
+    v.shape[0] = n;
+    v.offset = flat->offset + off;
+    return v;
+}
+
+/* Updates elements [lo, hi) of the flat buffers: one kernel call per run of consecutive
+ * parameters sharing a weight decay (one run when all share it), each still one fused pass
+ * over its slice. Does not count the step. */
+static int step_slice(tdm_optim *o, int64_t lo, int64_t hi) {
+    const tdm_paramset *ps = o->ps;
+    for (int i = 0, j; i < ps->n; i = j) {
+        for (j = i + 1; j < ps->n && (!o->wd || o->wd[j] == o->wd[i]);) j++;
+        int64_t a = ps->offsets[i] > lo ? ps->offsets[i] : lo;
+        int64_t b = ps->offsets[j] < hi ? ps->offsets[j] : hi;
+        if (a >= b) continue;
+        tdm_tensor p = flat_range(ps->flat, a, b - a), g = flat_range(ps->flat_grad, a, b - a);
+        tdm_tensor st[3];
+        for (int k = 0; k < 3; k++)
+            if (o->state[k]) st[k] = flat_range(o->state[k], a, b - a);
+        int rc;
+        if (o->kind == OPT_SGD) {
+            tdm_sgd_hparams h = o->sgd;
+            if (o->wd) h.weight_decay = o->wd[i];
+            rc = o->be->sgd_step(&p, &g, o->state[0] ? &st[0] : NULL, &h, o->steps == 0);
+        } else {
+            tdm_adam_hparams h = o->adam;
+            if (o->wd) h.weight_decay = o->wd[i];
+            rc = o->be->adam_step(&p, &g, &st[0], &st[1], o->state[2] ? &st[2] : NULL, &h,
+                                  o->steps + 1);
+        }
+        if (rc) return rc;
+    }
+    return TDM_OK;
+}
+
+int tdm_optim_set_weight_decays(tdm_optim *o, const float *wd) {
+    if (!o) return tdm_raise(TDM_ERR_ARG, "optim_set_weight_decays: optimizer is NULL");
+    if (!wd) {
+        free(o->wd);
+        o->wd = NULL;
+        return TDM_OK;
+    }
+    for (int i = 0; i < o->ps->n; i++)
+        if (!(wd[i] >= 0))
+            return tdm_raise(TDM_ERR_ARG,
+                             "optim_set_weight_decays: invalid weight_decay value %g for %s", wd[i],
+                             o->ps->names[i]);
+    size_t count = o->ps->n > 0 ? (size_t)o->ps->n : 1;
+    float *copy = malloc(sizeof(float) * count);
+    if (!copy) return tdm_raise(TDM_ERR_NOMEM, "optim_set_weight_decays: out of memory");
+    for (int i = 0; i < o->ps->n; i++) copy[i] = wd[i];
+    free(o->wd);
+    o->wd = copy;
+    return TDM_OK;
+}
+
 int tdm_optim_step(tdm_optim *o) {
     if (!o) return tdm_raise(TDM_ERR_ARG, "optim_step: optimizer is NULL");
-    tdm_paramset *ps = o->ps;
-    int rc;
-    if (o->kind == OPT_SGD)
-        rc = o->be->sgd_step(ps->flat, ps->flat_grad, o->state[0], &o->sgd, o->steps == 0);
-    else
-        rc = o->be->adam_step(ps->flat, ps->flat_grad, o->state[0], o->state[1], o->state[2],
-                              &o->adam, o->steps + 1);
-    if (rc) return rc;
-    o->steps++;
-    return TDM_OK;
+    int rc = step_slice(o, 0, o->ps->total);
+    if (!rc) o->steps++;
+    return rc;
+}
+
+int tdm_optim_step_range(tdm_optim *o, int64_t lo, int64_t hi) {
+    if (!o) return tdm_raise(TDM_ERR_ARG, "optim_step_range: optimizer is NULL");
+    if (lo < 0 || lo > hi || hi > o->ps->total)
+        return tdm_raise(TDM_ERR_ARG, "optim_step_range: [%lld, %lld) is not within [0, %lld)",
+                         (long long)lo, (long long)hi, (long long)o->ps->total);
+    return step_slice(o, lo, hi);
 }
 
 int tdm_optim_zero_grad(tdm_optim *o) {
@@ -186,5 +247,6 @@ int tdm_optim_state(tdm_optim *o, const char **names, tdm_tensor **tensors, int 
 void tdm_optim_free(tdm_optim *o) {
     if (!o) return;
     for (int i = 0; i < 3; i++) tdm_tensor_free(o->state[i]);
+    free(o->wd);
     free(o);
 }

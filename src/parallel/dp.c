@@ -30,6 +30,7 @@ typedef struct {
     pthread_t thread;
     tdm_module *replica;
     tdm_optim *opt;
+    tdm_paramset *ps;
     tdm_ddp *ddp;
     float loss; /* this step's mean loss over the replica's rows */
     int rc;
@@ -42,6 +43,7 @@ struct tdm_dp {
     replica reps[MAX_DEVICES];
     tdm_threads_world *world;
     tdm_hier_world *hier; /* every device of every process (tdm_dp_new_distributed), or NULL */
+    bool sharded;         /* CPU devices in one process: see sharded_update */
     int blas_threads;     /* restored at free */
     /* the caller runs replica 0 pinned to its core: unpinned, the scheduler pulled it onto
      * replica 1's core whenever replica 1 woke it (CNN steps took twice as long) */
@@ -74,14 +76,54 @@ static int replica_init(replica *r) {
     tdm_group *g = rank_group(dp, r->rank);
     if (!g) return tdm_last_status();
     if (r->rank > 0) tdm_pin_rank_thread(r->rank, dp->n);
-    tdm_paramset *ps = tdm_module_parameters(r->replica);
+    tdm_paramset *ps = r->ps = tdm_module_parameters(r->replica);
     r->opt = ps ? dp->make_optim(ps, dp->optim_arg) : NULL;
     if (!r->opt) {
         tdm_group_abort(g, tdm_last_error());
         return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
     }
     r->ddp = tdm_ddp_new(r->replica, g, NULL);
+    if (r->ddp && dp->sharded) tdm_ddp_set_sync(r->ddp, false); /* sharded_update reduces */
     return r->ddp ? TDM_OK : tdm_last_status();
+}
+
+/* The update, split over the replicas when the devices share memory (CPU devices of one
+ * process). Replica r takes shard r of the flat buffers: it averages every replica's
+ * gradient there into replica 0's, steps replica 0's optimizer on the shard, and copies the
+ * shard's new parameters into every other replica. Each element is then reduced once and
+ * stepped once, where an all-reduce followed by n optimizer steps reduces it n times (once
+ * per destination) and steps it n times: on the MLP that is most of a step's time outside
+ * the GEMMs. The sums are the threads all-reduce's (rank order, then / n), so the result is
+ * bit for bit the unsharded one, and replica 0's optimizer keeps the whole state (what a
+ * checkpoint saves). The other replicas' optimizers stay unused. */
+static int sharded_update(replica *r) {
+    tdm_dp *dp = r->dp;
+    int n = dp->n;
+    int rc = tdm_work_wait(tdm_barrier(rank_group(dp, r->rank))); /* every gradient final */
+    if (rc) return rc;
+    int64_t total = r->ps->total, per = ((total + n - 1) / n + 15) / 16 * 16; /* cache lines */
+    int64_t lo = r->rank * per < total ? r->rank * per : total;
+    int64_t hi = lo + per < total ? lo + per : total;
+    const float *grads[MAX_DEVICES];
+    for (int k = 0; k < n; k++) grads[k] = tdm_data_ptr(dp->reps[k].ps->flat_grad);
+    float *g0 = tdm_data_ptr(dp->reps[0].ps->flat_grad), acc[2048];
+    tdm_trace_begin("reduce shard");
+    for (int64_t off = lo; off < hi; off += 2048) {
+        int len = (int)(hi - off < 2048 ? hi - off : 2048);
+        tdm_reduce_ranks(acc, grads, n, off, len, true);
+        memcpy(g0 + off, acc, sizeof(float) * (size_t)len);
+    }
+    tdm_trace_end();
+    tdm_trace_begin("step shard");
+    rc = tdm_optim_step_range(dp->reps[0].opt, lo, hi);
+    tdm_trace_end();
+    tdm_trace_begin("copy shard");
+    const float *p0 = tdm_data_ptr(dp->reps[0].ps->flat);
+    for (int k = 1; !rc && k < n; k++)
+        memcpy((float *)tdm_data_ptr(dp->reps[k].ps->flat) + lo, p0 + lo,
+               sizeof(float) * (size_t)(hi - lo));
+    tdm_trace_end();
+    return rc;
 }
 
 /* Rows [lo, hi) of the batch for this rank: the first B % n ranks get one more row. */
@@ -108,12 +150,12 @@ static int replica_step(replica *r) {
      * average the gradient of the whole batch's mean loss */
     tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
     int rc = tdm_optim_zero_grad(r->opt);
-    tdm_trace_begin("backward (buckets all-reduced as they fill)");
+    tdm_trace_begin(dp->sharded ? "backward" : "backward (buckets all-reduced as they fill)");
     if (!rc) rc = scaled ? tdm_ddp_backward(r->ddp, scaled) : tdm_last_status();
     tdm_trace_end();
     tdm_parallel_context_clear();
     tdm_trace_begin("optimizer");
-    if (!rc) rc = tdm_optim_step(r->opt);
+    if (!rc) rc = dp->sharded ? sharded_update(r) : tdm_optim_step(r->opt);
     tdm_trace_end();
     r->loss = rc ? NAN : tdm_item(loss);
     tdm_scope_end();
@@ -224,6 +266,8 @@ tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int
     pthread_cond_init(&dp->done, NULL);
     atomic_init(&dp->finished, 0);
     dp->done_spin_ns = n <= tdm_device_count(TDM_CPU) ? DONE_SPIN_NS : 0;
+    dp->sharded = n > 1 && !processes;
+    for (int r = 0; r < n; r++) dp->sharded &= devices[r].type == TDM_CPU;
     if (!(dp->world = tdm_threads_world_new(n, devices)) ||
         (processes && !(dp->hier = tdm_hier_world_new(dp->world, n, processes)))) {
         tdm_threads_world_free(dp->world);
@@ -292,6 +336,10 @@ int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_
     pthread_mutex_unlock(&dp->mu);
     run_caller_replica(dp, false);
     int rc = wait_round(dp);
+    if (!rc && dp->sharded) { /* each replica took a shard of one step: count it once */
+        int64_t steps = tdm_optim_steps(dp->reps[0].opt) + 1;
+        for (int i = 0; i < dp->n; i++) tdm_optim_set_steps(dp->reps[i].opt, steps);
+    }
     if (loss) {
         double sum = 0;
         int64_t lo, hi;

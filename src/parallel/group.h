@@ -91,6 +91,28 @@ void tdm_work_finish(tdm_work *w, int status, const char *msg);
 /* Timeout of this rank's group in seconds. */
 double tdm_group_timeout(const tdm_group *g);
 
+/* acc[0..len) = src[0][off..] + src[1][off..] + ... + src[n-1][off..], added in rank order
+ * (then divided by n for AVG): every backend reduces with it, so every caller gets the same
+ * bits for the same inputs. */
+static inline void tdm_reduce_ranks(float *restrict acc, const float *const *src, int n,
+                                    int64_t off, int len, bool avg) {
+    const float *s0 = src[0] + off;
+    if (n == 1) {
+        for (int j = 0; j < len; j++) acc[j] = s0[j];
+    } else {
+        const float *s1 = src[1] + off;
+        for (int j = 0; j < len; j++) acc[j] = s0[j] + s1[j];
+    }
+    for (int k = 2; k < n; k++) {
+        const float *sk = src[k] + off;
+        for (int j = 0; j < len; j++) acc[j] += sk[j];
+    }
+    if (avg) {
+        float fn = (float)n;
+        for (int j = 0; j < len; j++) acc[j] /= fn;
+    }
+}
+
 /* One round of a spin-wait (lets the sibling hyperthread run). */
 static inline void tdm_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

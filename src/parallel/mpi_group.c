@@ -395,32 +395,12 @@ static int finish_round(mworld *w, bool first, int64_t deadline) {
     return rc;
 }
 
-/* acc[0..len) = src[0][0..len) + ... + src[n-1][0..len), in rank order (then / n for AVG). */
-static void reduce_block(float *restrict acc, const float *const *src, int n, int len, bool avg) {
-    if (n == 1) {
-        for (int j = 0; j < len; j++) acc[j] = src[0][j];
-    } else {
-        const float *s0 = src[0], *s1 = src[1];
-        for (int j = 0; j < len; j++) acc[j] = s0[j] + s1[j];
-    }
-    for (int k = 2; k < n; k++) {
-        const float *sk = src[k];
-        for (int j = 0; j < len; j++) acc[j] += sk[j];
-    }
-    if (avg) {
-        float fn = (float)n;
-        for (int j = 0; j < len; j++) acc[j] /= fn;
-    }
-}
-
 /* out[0..len) = rank-order reduction of srcs[k][0..len); out may be one of the sources. */
 static void reduce_into(float *out, const float **srcs, int n, int64_t len, bool avg) {
     float acc[RED_BLK];
-    const float *blk[64] = {0};
     for (int64_t off = 0; off < len; off += RED_BLK) {
         int l = (int)(len - off < RED_BLK ? len - off : RED_BLK);
-        for (int k = 0; k < n; k++) blk[k] = srcs[k] + off;
-        reduce_block(acc, blk, n, l, avg);
+        tdm_reduce_ranks(acc, srcs, n, off, l, avg);
         memcpy(out + off, acc, (size_t)l * 4);
     }
 }

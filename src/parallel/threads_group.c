@@ -218,27 +218,6 @@ static void chunk_of(int64_t count, size_t elem, int n, int r, int64_t *lo, int6
     *hi = *lo + per < count ? *lo + per : count;
 }
 
-/* acc[0..len) = src[0][off..] + src[1][off..] + ... + src[n-1][off..], added in rank order
- * (then divided by n for AVG), so every caller gets the same bits for the same inputs. */
-static void reduce_block(float *restrict acc, float *const *src, int n, int64_t off, int len,
-                         bool avg) {
-    const float *s0 = src[0] + off;
-    if (n == 1) {
-        for (int j = 0; j < len; j++) acc[j] = s0[j];
-    } else {
-        const float *s1 = src[1] + off;
-        for (int j = 0; j < len; j++) acc[j] = s0[j] + s1[j];
-    }
-    for (int k = 2; k < n; k++) {
-        const float *sk = src[k] + off;
-        for (int j = 0; j < len; j++) acc[j] += sk[j];
-    }
-    if (avg) {
-        float fn = (float)n;
-        for (int j = 0; j < len; j++) acc[j] /= fn;
-    }
-}
-
 /* Sums chunk r over every rank's buffer and writes it into every rank's buffer. */
 static int run_all_reduce(trank *me) {
     tdm_threads_world *w = me->w;
@@ -252,7 +231,7 @@ static int run_all_reduce(trank *me) {
     for (int64_t off = lo; off < hi; off += RED_BLK) {
         if (has_failed(w)) return -1; /* stop touching peers' memory at once */
         int len = (int)(hi - off < RED_BLK ? hi - off : RED_BLK);
-        reduce_block(acc, bufs, n, off, len, avg);
+        tdm_reduce_ranks(acc, (const float *const *)bufs, n, off, len, avg);
         for (int k = 0; k < n; k++) memcpy(bufs[k] + off, acc, (size_t)len * 4);
     }
     return 0;
@@ -271,7 +250,7 @@ static int run_reduce_scatter(trank *me) {
     for (int64_t off = 0; off < count; off += RED_BLK) {
         if (has_failed(w)) return -1;
         int len = (int)(count - off < RED_BLK ? count - off : RED_BLK);
-        reduce_block(acc, ins, n, off, len, avg);
+        tdm_reduce_ranks(acc, (const float *const *)ins, n, off, len, avg);
         memcpy(out + off, acc, (size_t)len * 4);
     }
     return 0;

@@ -2,6 +2,7 @@
  *
  *   tandem train [OPTION]...   train a model (see train.c)
  *   tandem eval --weights F    test loss and accuracy of saved weights (see eval.c)
+ *   tandem sample --model F    text from a trained GPT (see sample.c)
  *   tandem devices             list the devices this machine and build offer
  *   tandem help [COMMAND]      help on tandem or on one command
  */
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include "eval.h"
+#include "sample.h"
 #include "tandem/tandem.h"
 #include "train.h"
 
@@ -22,12 +24,15 @@ static void help(FILE *out) {
             "SYNOPSIS\n"
             "    tandem train [OPTION]...\n"
             "    tandem eval --weights FILE [--model mlp|cnn] [OPTION]...\n"
+            "    tandem sample --model FILE [OPTION]...\n"
             "    tandem devices\n"
             "    tandem help [COMMAND]\n"
             "    tandem --version\n\n"
             "COMMANDS\n"
             "    train      Train an MLP or a CNN on Fashion-MNIST and report loss and accuracy\n"
-            "               per epoch. 'tandem train --help' describes every option.\n"
+            "               per epoch, or a GPT (--model gpt) on a text file or llm.c token\n"
+            "               shards. 'tandem train --help' describes every option.\n"
+            "    sample     Generate text with a trained GPT. 'tandem sample --help'.\n"
             "    eval       Test loss and accuracy of saved weights (a checkpoint's\n"
             "               model.safetensors, or PyTorch's). 'tandem eval --help' for options.\n"
             "    devices    List the devices training can use.\n"
@@ -39,6 +44,8 @@ static void help(FILE *out) {
                  "EXAMPLES\n"
                  "    tandem train --model mlp --epochs 3\n"
                  "    tandem train --model cnn --optimizer adam --epochs 2 --plot cnn.svg\n"
+                 "    tandem train --model gpt --data book.txt --save gpt.bin\n"
+                 "    tandem sample --model gpt.bin --prompt 'Once' --top-k 40\n"
                  "    tandem devices\n");
 }
 
@@ -64,6 +71,7 @@ int main(int argc, char **argv) {
     const char *cmd = argv[1];
     if (strcmp(cmd, "train") == 0) return train_main(argc - 1, argv + 1);
     if (strcmp(cmd, "eval") == 0) return eval_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "sample") == 0) return sample_main(argc - 1, argv + 1);
     if (strcmp(cmd, "devices") == 0) {
         if (argc > 2) {
             fprintf(stderr, "tandem devices: unexpected argument '%s'\n", argv[2]);
@@ -80,8 +88,13 @@ int main(int argc, char **argv) {
             eval_help(stdout);
             return EXIT_OK;
         }
+        if (argc > 2 && strcmp(argv[2], "sample") == 0) {
+            sample_help(stdout);
+            return EXIT_OK;
+        }
         if (argc > 2 && strcmp(argv[2], "devices") != 0) {
-            fprintf(stderr, "tandem help: unknown command '%s' (commands: train, eval, devices)\n",
+            fprintf(stderr,
+                    "tandem help: unknown command '%s' (commands: train, eval, sample, devices)\n",
                     argv[2]);
             return EXIT_USAGE;
         }
@@ -93,7 +106,7 @@ int main(int argc, char **argv) {
         return EXIT_OK;
     }
     fprintf(stderr,
-            "tandem: unknown command '%s' (commands: train, eval, devices, help; see "
+            "tandem: unknown command '%s' (commands: train, eval, sample, devices, help; see "
             "'tandem --help')\n",
             cmd);
     return EXIT_USAGE;

@@ -4,6 +4,7 @@
  *   cnn: Conv2d(1, 32, 3, padding=1), ReLU, MaxPool2d(2),
  *        Conv2d(32, 64, 3, padding=1), ReLU, MaxPool2d(2),
  *        Flatten, Linear(64*7*7, 128), ReLU, Linear(128, 10)
+ *   gpt: GPT-2 (include/tandem/gpt.h), nanoGPT's names; trained by train_gpt.c
  */
 #include "models.h"
 
@@ -50,6 +51,10 @@ static tdm_module *build_cnn(tdm_device dev, tdm_rng *rng) {
         tdm_linear_new(128, 10, true, dev, rng),
     };
     return sequential(10, layers);
+}
+
+tdm_module *model_build_gpt(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng) {
+    return tdm_gpt_new(cfg, dev, rng);
 }
 
 tdm_module *model_build(const char *name, tdm_device dev, tdm_rng *rng) {

@@ -23,6 +23,7 @@
 #include "plot.h"
 #include "progress.h"
 #include "tandem/tandem.h"
+#include "train_gpt.h"
 
 #define SYNC_STEPS  16
 #define EVAL_BATCH  1000
@@ -38,6 +39,11 @@ typedef struct {
     const char *checkpoint_dir, *init_from;
     int64_t checkpoint_every, keep, max_steps;
     bool resume;
+    /* --model gpt */
+    int64_t layers, heads, channels, context, vocab;
+    const char *save_path;
+    double clip;
+    int64_t grad_accum;
     tdm_device devs[MAX_DEVICES]; /* parsed from devices */
     int n_devs;
 } train_opts;
@@ -56,22 +62,42 @@ typedef struct {
 
 #define F(field) offsetof(train_opts, field)
 static const opt_spec specs[] = {
-    {"--data", "fashion-mnist|DIR", OPT_STR, F(data), 0, 0, "fashion-mnist",
+    {"--data", "fashion-mnist|DIR|FILE", OPT_STR, F(data), 0, 0, "fashion-mnist",
      "Training and test data. fashion-mnist reads Debian's dataset-fashion-mnist from "
      "/usr/share/datasets/fashion-mnist; DIR is a directory holding the four IDX files "
      "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and "
      "t10k-labels-idx1-ubyte (each raw or with .gz) of 28x28 images in 10 classes (MNIST works "
-     "too)."},
-    {"--model", "mlp|cnn", OPT_STR, F(model), 0, 0, "mlp",
+     "too). For gpt, FILE is an llm.c token shard (magic 20240520, u16 tokens) or any other "
+     "file, whose bytes are the tokens (vocabulary 256): plain text trains with no tokenizer."},
+    {"--model", "mlp|cnn|gpt", OPT_STR, F(model), 0, 0, "mlp",
      "The network, PyTorch's nn.Sequential layer for layer (parameter names such as "
      "\"1.weight\" match). mlp: Flatten, Linear 784-256, ReLU, Linear 256-128, ReLU, Linear "
      "128-10. cnn: Conv2d 1-32 3x3 pad 1, ReLU, MaxPool 2, Conv2d 32-64 3x3 pad 1, ReLU, "
-     "MaxPool 2, Flatten, Linear 3136-128, ReLU, Linear 128-10."},
+     "MaxPool 2, Flatten, Linear 3136-128, ReLU, Linear 128-10. gpt: GPT-2 (nanoGPT's "
+     "names) sized by --layers, --heads, --channels and --context, trained with AdamW "
+     "(weight decay on matrices only) on --data FILE; see --save and 'tandem sample'."},
+    {"--layers", "L", OPT_INT, F(layers), 1, 1024, "2", "gpt: transformer blocks."},
+    {"--heads", "H", OPT_INT, F(heads), 1, 1024, "4",
+     "gpt: attention heads (must divide --channels)."},
+    {"--channels", "C", OPT_INT, F(channels), 1, 65536, "128", "gpt: width of the model."},
+    {"--context", "T", OPT_INT, F(context), 1, 1 << 20, "64 (the file's with --init-from)",
+     "gpt: tokens per training window (the longest sequence the model reads)."},
+    {"--vocab", "V", OPT_INT, F(vocab), 1, 1 << 20, "256 for text, 50257 for token shards",
+     "gpt: vocabulary size (padded to a multiple of 128 in the embedding, as llm.c does)."},
+    {"--save", "FILE", OPT_STR, F(save_path), 0, 0, "none",
+     "gpt: write the trained model as an llm.c fp32 model file (readable by llm.c's "
+     "train_gpt2.c and by 'tandem sample')."},
+    {"--clip-grad", "N", OPT_NUM, F(clip), 0, 1e12, "0 (off)",
+     "gpt: clip the gradients' global 2-norm to N before each step (one device)."},
+    {"--grad-accum", "N", OPT_INT, F(grad_accum), 1, 4096, "1",
+     "gpt: gradient accumulation, one optimizer step per N batches (one device): the "
+     "gradients of N batches of --batch-size add up (each loss divided by N), so the step is "
+     "that of one batch N times larger in 1/N of the memory."},
     {"--epochs", "N", OPT_INT, F(epochs), 1, 1e6, "1", "Passes over the training data."},
     {"--batch-size", "B", OPT_INT, F(batch_size), 1, 1 << 20, "64",
      "Global batch size: samples per optimizer step, summed over all devices. The last batch "
      "of an epoch may be smaller."},
-    {"--optimizer", "sgd|adam|adamw", OPT_STR, F(optimizer), 0, 0, "sgd",
+    {"--optimizer", "sgd|adam|adamw", OPT_STR, F(optimizer), 0, 0, "sgd (adamw for gpt)",
      "Update rule, with PyTorch's formulas (torch.optim.SGD, Adam, AdamW; Adam's betas 0.9, "
      "0.999 and eps 1e-8)."},
     {"--lr", "LR", OPT_NUM, F(lr), 0, 1e6, "0.1 for sgd, 1e-3 for adam and adamw",
@@ -148,7 +174,7 @@ static const opt_spec specs[] = {
 static train_opts opts_defaults(void) {
     return (train_opts){.data = "fashion-mnist",
                         .model = "mlp",
-                        .optimizer = "sgd",
+                        .optimizer = NULL, /* sgd, or adamw for gpt */
                         .schedule = "constant",
                         .devices = "cpu:0",
                         .epochs = 1,
@@ -202,7 +228,8 @@ void train_synopsis(FILE *out) {
 }
 
 void train_help(FILE *out) {
-    fprintf(out, "NAME\n    tandem train - train an image classifier on Fashion-MNIST\n\n");
+    fprintf(out, "NAME\n    tandem train - train an image classifier on Fashion-MNIST, or a GPT on "
+                 "text\n\n");
     fprintf(out, "SYNOPSIS\n    tandem train [OPTION]...\n\n");
     fprintf(out, "DESCRIPTION\n");
     wrap(out,
@@ -210,7 +237,10 @@ void train_help(FILE *out) {
          "set once in an order shuffled from (--seed, epoch), then evaluates on the test set in "
          "eval mode without gradients, and prints train loss and accuracy, test loss and "
          "accuracy, the epoch's training time, images per second and the time the loop waited "
-         "for the data loader.",
+         "for the data loader. With --model gpt it trains a GPT-2 on --data FILE (text as bytes, "
+         "or llm.c token shards) for --epochs passes or --max-steps steps, printing the mean "
+         "loss, learning rate, ms per step and tokens per second; --save writes the model in "
+         "llm.c's format for 'tandem sample'.",
          4);
     fprintf(out, "\nOPTIONS\n");
     for (int i = 0; i < N_SPECS; i++) {
@@ -237,6 +267,8 @@ void train_help(FILE *out) {
     fprintf(out, "    tandem train --model mlp --lr 0.05 --schedule cosine --warmup-steps 100 "
                  "--epochs 5 --log run.jsonl\n");
     fprintf(out, "    tandem train --data ~/mnist --limit 2000 --quiet\n");
+    fprintf(out, "    tandem train --model gpt --data book.txt --layers 2 --heads 4 --channels 128 "
+                 "--context 64 --batch-size 8 --save gpt.bin\n");
 }
 
 /* Parses a whole-string integer or number within [lo, hi]. */
@@ -282,8 +314,24 @@ static bool one_of(const char *v, const char *const *choices) {
 static int check_opts(train_opts *o) {
     static const char *const optimizers[] = {"sgd", "adam", "adamw", NULL};
     static const char *const schedules[] = {"constant", "step", "cosine", NULL};
-    if (!one_of(o->model, model_names))
-        return usage_error("--model: unknown model '%s' (expected mlp or cnn)", o->model);
+    bool gpt = strcmp(o->model, "gpt") == 0;
+    if (!gpt && !one_of(o->model, model_names))
+        return usage_error("--model: unknown model '%s' (expected mlp, cnn or gpt)", o->model);
+    if (!o->optimizer) o->optimizer = gpt ? "adamw" : "sgd";
+    if (gpt && strcmp(o->optimizer, "adamw") != 0)
+        return usage_error("--model gpt trains with adamw (weight decay on matrices only), not "
+                           "%s",
+                           o->optimizer);
+    if (gpt && (o->resume || o->log_path || o->plot_path || o->trace_path || o->limit ||
+                strcmp(o->schedule, "step") == 0))
+        return usage_error("--model gpt does not take --resume, --log, --plot, --trace, --limit "
+                           "or --schedule step yet");
+    if (gpt && !strcmp(o->data, "fashion-mnist"))
+        return usage_error("--model gpt needs --data FILE (text, or an llm.c token shard)");
+    if (!gpt && (o->layers || o->heads || o->channels || o->context || o->vocab || o->save_path ||
+                 o->clip > 0 || o->grad_accum))
+        return usage_error("--layers, --heads, --channels, --context, --vocab, --save, "
+                           "--clip-grad and --grad-accum apply to --model gpt only");
     if (!one_of(o->optimizer, optimizers))
         return usage_error("--optimizer: unknown optimizer '%s' (expected sgd, adam or adamw)",
                            o->optimizer);
@@ -295,7 +343,7 @@ static int check_opts(train_opts *o) {
     if (!sgd && !isnan(o->momentum))
         return usage_error("--momentum applies to sgd only (adam and adamw use betas 0.9, "
                            "0.999)");
-    if (isnan(o->lr)) o->lr = sgd ? 0.1 : 1e-3;
+    if (isnan(o->lr)) o->lr = sgd ? 0.1 : gpt ? 3e-4 : 1e-3;
     if (isnan(o->momentum)) o->momentum = sgd ? 0.9 : 0;
     if (o->warmup_steps > 0 && strcmp(o->schedule, "cosine") != 0)
         return usage_error("--warmup-steps needs --schedule cosine");
@@ -308,6 +356,8 @@ static int check_opts(train_opts *o) {
     if (o->batch_size < o->n_devs)
         return usage_error("--batch-size %lld is smaller than the %d devices sharing it",
                            (long long)o->batch_size, o->n_devs);
+    if (gpt && (o->clip > 0 || o->grad_accum > 1) && o->n_devs > 1)
+        return usage_error("--clip-grad and --grad-accum work on one device only for now");
     return 0;
 }
 
@@ -1028,6 +1078,37 @@ static int join_mpi(trainer *t, int *argc, char ***argv) {
     return 0;
 }
 
+/* --model gpt: its own loop (train_gpt.c), from the shared options. */
+static int train_gpt_main(const train_opts *o) {
+    if (tdm_mpi_launched())
+        return usage_error("--model gpt under mpirun is not supported yet (use --devices)");
+    gpt_train_opts g = {.data = o->data,
+                        .init_from = o->init_from,
+                        .save = o->save_path,
+                        .checkpoint_dir = o->checkpoint_dir,
+                        .layers = o->layers ? o->layers : 2,
+                        .heads = o->heads ? o->heads : 4,
+                        .channels = o->channels ? o->channels : 128,
+                        .context = o->context,
+                        .vocab = o->vocab,
+                        .epochs = o->epochs,
+                        .batch_size = o->batch_size,
+                        .workers = o->workers,
+                        .seed = o->seed,
+                        .warmup_steps = o->warmup_steps,
+                        .max_steps = o->max_steps,
+                        .print_every = o->print_every,
+                        .lr = o->lr,
+                        .weight_decay = o->weight_decay,
+                        .clip = o->clip,
+                        .grad_accum = o->grad_accum ? o->grad_accum : 1,
+                        .cosine = strcmp(o->schedule, "cosine") == 0,
+                        .quiet = o->quiet,
+                        .devs = o->devs,
+                        .n_devs = o->n_devs};
+    return gpt_train(&g);
+}
+
 int train_main(int argc, char **argv) {
     trainer t = {0};
     int rc = parse_args(argc, argv, &t.o);
@@ -1037,6 +1118,7 @@ int train_main(int argc, char **argv) {
         return EXIT_OK;
     }
     if (rc) return rc;
+    if (strcmp(t.o.model, "gpt") == 0) return train_gpt_main(&t.o);
     if (tdm_mpi_launched() && (rc = join_mpi(&t, &argc, &argv))) return rc;
     progress_init(&t.prog, stdout, t.o.quiet, t.o.print_every);
     if (t.o.trace_path && tdm_trace_start(t.o.trace_path, 0) != 0)

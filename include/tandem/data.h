@@ -46,6 +46,11 @@ tdm_dataset *tdm_fashion_mnist(const char *dir, bool train);
  * token count), then u16 tokens. Sample i is the window tokens[i*T, i*T + T] (x) and the same
  * shifted by one (y); vocab is the vocabulary size (tokens >= vocab are an error). */
 tdm_dataset *tdm_token_dataset_open(const char *path, int64_t context, int64_t vocab);
+/* Raw text (any file) as byte-level tokens, vocabulary 256: sample i is the window of bytes
+ * [i*T, i*T + T) (x, i64) and the same shifted by one (y), like the token shards, so a GPT
+ * trains on any text without a tokenizer. The file is read into memory. NULL and TDM_ERR_IO
+ * naming the file, or TDM_ERR_FORMAT when it holds fewer than T + 1 bytes. */
+tdm_dataset *tdm_text_dataset_open(const char *path, int64_t context);
 /* Numeric CSV: one sample per line, f32 features and an integer label in column
  * label_column (negative counts from the end); header skips the first line. */
 tdm_dataset *tdm_csv_dataset_open(const char *path, int label_column, bool header);

@@ -54,6 +54,15 @@ tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weigh
 tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng);
 /* weight [num, dim] looked up by idx (any shape, i32/i64) -> [idx..., dim] */
 tdm_tensor *tdm_embedding(tdm_tensor *weight, const tdm_tensor *idx);
+/* Causal multi-head self-attention (GPT-2's, without dropout) as one differentiable op.
+ * qkv [B, T, 3C] holds the queries, keys and values side by side along the last dim (the
+ * output of one Linear(C, 3C), as in GPT-2 and llm.c); head h uses channels [h*hs, (h+1)*hs)
+ * of each, hs = C / n_head. Returns y [B, T, C]: for every head, position t attends to
+ * positions s <= t with softmax(q_t . k_s / sqrt(hs)), heads concatenated along C. Memory is
+ * O(B*T*C) plus one head's [T, T] scores at a time: the probabilities are recomputed in
+ * backward, never stored. Fails (NULL) with TDM_ERR_SHAPE when qkv is not [B, T, 3C] with C
+ * divisible by n_head, TDM_ERR_DEVICE when qkv's backend has no attention kernel. */
+tdm_tensor *tdm_causal_attention(tdm_tensor *qkv, int n_head);
 
 /* ---- losses ----------------------------------------------------------------------------- */
 

@@ -10,5 +10,6 @@
 #include "parallel.h"
 #include "io.h"
 #include "trace.h"
+#include "gpt.h"
 
 #endif

@@ -200,6 +200,17 @@ typedef struct tdm_backend {
     /* m, v: moments; vmax: AMSGrad's running max (NULL unless amsgrad); step counts from 1. */
     int (*adam_step)(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *m, tdm_tensor *v,
                      tdm_tensor *vmax, const tdm_adam_hparams *h, int64_t step);
+
+    /* ---- attention (appended; a backend may leave these NULL: the op then fails) ---- */
+    /* Causal self-attention of qkv [B, T, 3C] (q, k, v side by side along the last dim, head
+     * h owning channels [h*hs, (h+1)*hs) of each, hs = C / n_head, as llm.c lays them out):
+     * y [B, T, C] with y[b, t, head h] = sum_{s <= t} softmax_s(q_t . k_s / sqrt(hs)) v_s;
+     * lse [B, n_head, T] receives each row's log-sum-exp of the scaled scores, so backward
+     * recomputes the probabilities without storing them (no [B, n_head, T, T] tensor). */
+    int (*attention)(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int n_head);
+    /* dqkv [B, T, 3C] (overwritten) from dy [B, T, C], the forward's qkv and lse. */
+    int (*attention_backward)(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
+                              const tdm_tensor *lse, int n_head);
 } tdm_backend;
 
 /* The backend of a device (never NULL for a device that tdm_device_parse accepted and the

@@ -92,4 +92,9 @@ int tdm_cpu_sgd_step(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *buf, const 
 int tdm_cpu_adam_step(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *m, tdm_tensor *v,
                       tdm_tensor *vmax, const tdm_adam_hparams *h, int64_t step);
 
+/* cpu_attention.c */
+int tdm_cpu_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int n_head);
+int tdm_cpu_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
+                               const tdm_tensor *lse, int n_head);
+
 #endif

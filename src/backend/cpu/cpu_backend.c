@@ -43,4 +43,6 @@ const tdm_backend tdm_cpu_backend = {
     .bce_logits_backward = tdm_cpu_bce_logits_backward,
     .sgd_step = tdm_cpu_sgd_step,
     .adam_step = tdm_cpu_adam_step,
+    .attention = tdm_cpu_attention,
+    .attention_backward = tdm_cpu_attention_backward,
 };

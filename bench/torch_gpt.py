@@ -1,0 +1,134 @@
+#!/usr/bin/python3
+"""The PyTorch side of bench_gpt: a byte-level GPT-2 trained for --steps steps, timed per step.
+
+usage: /usr/bin/python3 bench/torch_gpt.py [--dir /tmp/tandem_bench_gpt] [--steps 40] [--threads 1]
+
+Config (../shared/baseline/README.md, section 6): 2 layers, 128 channels, 4 heads, context
+64, batch 4, vocabulary 256 (bytes), no dropout; AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8,
+weight decay 0.1 on matrices only. Text: the license files of /usr/share/common-licenses
+listed below, as bytes. Batch k is tokens [k*B*T, (k+1)*B*T + 1) (llm.c's sequential loader).
+
+Writes into --dir what bench_gpt reads, so both sides start from the same weights and see
+the same batches:
+  model.bin    the initial weights as an llm.c fp32 checkpoint (GPT-2 init, seed 0)
+  tokens.bin   the text as an llm.c token shard (magic 20240520, version 1, u16 tokens)
+  torch.txt    one line per step: "step loss ms"
+Step time = forward + backward + optimizer step (batches are prepared before timing).
+"""
+import argparse
+import math
+import os
+import struct
+import time
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--dir", default="/tmp/tandem_bench_gpt")
+ap.add_argument("--steps", type=int, default=40)
+ap.add_argument("--threads", type=int, default=1)
+args = ap.parse_args()
+os.environ["OMP_NUM_THREADS"] = str(args.threads)
+os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
+
+import torch  # noqa: E402  (after the thread settings)
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+L, C, NH, T, B, V = 2, 128, 4, 64, 4, 256
+LIC = "/usr/share/common-licenses"
+TEXT_FILES = ["Apache-2.0", "Artistic", "BSD", "CC0-1.0", "GFDL-1.2", "GFDL-1.3", "GPL-1", "GPL-2",
+              "GPL-3", "LGPL-2", "LGPL-2.1", "LGPL-3", "MPL-1.1", "MPL-2.0"]
+text = b"".join(open(os.path.join(LIC, f), "rb").read() for f in TEXT_FILES)
+data = torch.tensor(list(text), dtype=torch.long)
+torch.set_num_threads(args.threads)
+torch.manual_seed(0)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.c_fc, self.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+        self.register_buffer("mask", torch.tril(torch.ones(T, T, dtype=torch.bool)))
+
+    def forward(self, x):
+        Bn, Tn, _ = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q = q.view(Bn, Tn, NH, C // NH).transpose(1, 2)
+        k = k.view(Bn, Tn, NH, C // NH).transpose(1, 2)
+        v = v.view(Bn, Tn, NH, C // NH).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // NH))
+        att = att.masked_fill(~self.mask[:Tn, :Tn], float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(Bn, Tn, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+        self.h = nn.ModuleList([Block() for _ in range(L)])
+        self.ln_f = nn.LayerNorm(C)
+        for n, p in self.named_parameters():  # GPT-2's initialisation
+            if n.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * L) if "proj" in n else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx, tgt):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.h:
+            x = b(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()  # the tied head
+        return F.cross_entropy(logits.view(-1, V), tgt.view(-1))
+
+
+def llmc_params(m):
+    """The weights in llm.c's order, each kind stacked over the layers."""
+    hs = m.h
+    kinds = [[m.wte.weight], [m.wpe.weight], [b.ln_1.weight for b in hs], [b.ln_1.bias for b in hs],
+             [b.c_attn.weight for b in hs], [b.c_attn.bias for b in hs],
+             [b.c_proj.weight for b in hs], [b.c_proj.bias for b in hs],
+             [b.ln_2.weight for b in hs], [b.ln_2.bias for b in hs], [b.c_fc.weight for b in hs],
+             [b.c_fc.bias for b in hs], [b.mlp_proj.weight for b in hs],
+             [b.mlp_proj.bias for b in hs], [m.ln_f.weight], [m.ln_f.bias]]
+    return torch.cat([t.detach().reshape(-1) for k in kinds for t in k])
+
+
+model = GPT()
+os.makedirs(args.dir, exist_ok=True)
+with open(os.path.join(args.dir, "model.bin"), "wb") as f:
+    f.write(struct.pack("<256i", *([20240326, 3, T, V, L, NH, C, V] + [0] * 248)))
+    f.write(llmc_params(model).numpy().astype("<f4").tobytes())
+with open(os.path.join(args.dir, "tokens.bin"), "wb") as f:
+    f.write(struct.pack("<256i", *([20240520, 1, len(text)] + [0] * 253)))
+    f.write(data.numpy().astype("<u2").tobytes())
+
+decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                         {"params": no_decay, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.999),
+                        eps=1e-8)
+batches = []
+for k in range(args.steps):
+    chunk = data[k * B * T:(k + 1) * B * T + 1]
+    batches.append((chunk[:-1].view(B, T), chunk[1:].view(B, T)))
+lines = []
+for step, (x, y) in enumerate(batches):
+    t0 = time.perf_counter()
+    loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    lv = loss.item()
+    ms = (time.perf_counter() - t0) * 1e3
+    lines.append("%d %.9g %.4f\n" % (step, lv, ms))
+with open(os.path.join(args.dir, "torch.txt"), "w") as f:
+    f.writelines(lines)
+ms = sorted(float(s.split()[2]) for s in lines[5:])
+print("torch %s, %d thread(s), OPENBLAS_CORETYPE=%s: %d steps, median %.2f ms/step (steps 5-%d), "
+      "loss %s -> %s" % (torch.__version__, args.threads, os.environ.get("OPENBLAS_CORETYPE"),
+                         args.steps, ms[len(ms) // 2], args.steps - 1, lines[0].split()[1],
+                         lines[-1].split()[1]))

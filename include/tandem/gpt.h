@@ -1,0 +1,95 @@
+/* Tandem GPT-2: the model, its optimizer setup, and llm.c's checkpoint format.
+ *
+ * The model is a tdm_module tree with nanoGPT's names, so it trains, checkpoints and
+ * replicates (DataParallel, DDP) like any other module:
+ *
+ *   transformer.wte.weight            [Vp, C]  token embedding, also the LM head (tied)
+ *   transformer.wpe.weight            [maxT, C]
+ *   transformer.h.<l>.ln_1.weight/bias, attn.c_attn.weight [3C, C] / bias [3C],
+ *                  attn.c_proj.weight [C, C] / bias, ln_2.weight/bias,
+ *                  mlp.c_fc.weight [4C, C] / bias [4C], mlp.c_proj.weight [C, 4C] / bias
+ *   transformer.ln_f.weight/bias      [C]
+ *
+ * Forward (tdm_module_forward or tdm_gpt_forward) takes tokens idx [B, T] (i32/i64, T <=
+ * maxT) and returns logits [B, T, V]: pre-LayerNorm blocks x += attn(ln_1(x)); x +=
+ * mlp(ln_2(x)) with GELU (tanh form) and causal attention (tdm_causal_attention), then ln_f
+ * and x @ wte[:V]^T. The LM head is the embedding tensor itself, used twice: autograd adds
+ * both gradients into its one .grad, and checkpoints hold it once (there is no
+ * "lm_head.weight"). Rows V..Vp-1 of wte are padding, as in llm.c: never read by the head.
+ *
+ * Errors follow tensor.h: NULL or a negative tdm_status, and tdm_last_error() says what and
+ * where (for files: the path and the cause).
+ */
+#ifndef TANDEM_GPT_H
+#define TANDEM_GPT_H
+
+#include "nn.h"
+#include "optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    int layers;       /* L: transformer blocks */
+    int heads;        /* NH: attention heads; must divide channels */
+    int channels;     /* C: width of the residual stream */
+    int context;      /* maxT: longest sequence (rows of the position embedding) */
+    int vocab;        /* V: tokens the model predicts */
+    int padded_vocab; /* Vp >= V: rows of the token embedding (llm.c pads to a multiple of
+                         128); 0 means V */
+} tdm_gpt_config;
+
+/* A GPT-2 on dev with GPT-2's initialisation drawn from rng (NULL: the default generator):
+ * every Linear and Embedding weight N(0, 0.02), the two residual projections (attn.c_proj,
+ * mlp.c_proj) N(0, 0.02 / sqrt(2 * layers)), biases 0, LayerNorms weight 1 and bias 0, and
+ * wte's padding rows 0. The caller frees it with tdm_module_free. NULL and TDM_ERR_ARG for a
+ * config with a non-positive size, heads not dividing channels, or padded_vocab < vocab. */
+tdm_module *tdm_gpt_new(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng);
+/* The config of a model made by tdm_gpt_new (or a clone of one), or NULL (no error raised)
+ * for any other module. Owned by m. */
+const tdm_gpt_config *tdm_gpt_config_of(const tdm_module *m);
+/* Logits [B, T, V] for tokens idx [B, T]; the same as tdm_module_forward. TDM_ERR_SHAPE when
+ * T exceeds the context; TDM_ERR_ARG naming the token for one outside [0, Vp). */
+tdm_tensor *tdm_gpt_forward(tdm_module *m, const tdm_tensor *idx);
+/* Mean cross-entropy of logits [B, T, V] against targets [B, T] (i32/i64): a scalar. */
+tdm_tensor *tdm_gpt_loss(tdm_tensor *logits, const tdm_tensor *targets);
+
+/* AdamW over ps with o's hyper-parameters, except that weight decay applies only to
+ * parameters of 2 or more dims (matrices and embeddings; not biases or LayerNorm), as llm.c
+ * and nanoGPT do: two parameter groups, through tdm_optim_set_weight_decays. Works for any
+ * parameter set; freed with tdm_optim_free. NULL and an error as tdm_adamw_new. */
+tdm_optim *tdm_gpt_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o);
+
+/* ---- llm.c's parameter layout and checkpoint files ---------------------------------------
+ *
+ * llm.c keeps all parameters in one float array, each kind stacked over the layers: wte
+ * [Vp, C], wpe [maxT, C], ln1w [L, C], ln1b [L, C], qkvw [L, 3C, C], qkvb [L, 3C], attprojw
+ * [L, C, C], attprojb [L, C], ln2w [L, C], ln2b [L, C], fcw [L, 4C, C], fcb [L, 4C], fcprojw
+ * [L, C, 4C], fcprojb [L, C], lnfw [C], lnfb [C]. Its fp32 checkpoint (train_gpt2.c's
+ * gpt2_build_from_checkpoint, version 3) is a header of 256 little-endian int32: magic
+ * 20240326, version 3, maxT, V, L, NH, C, Vp, the rest 0; then that array as little-endian
+ * f32, nothing after it. */
+
+/* Number of floats in llm.c's array for cfg (0 for an invalid config). */
+int64_t tdm_gpt_llmc_numel(const tdm_gpt_config *cfg);
+/* Copies m's parameters (grads: their gradients, 0 where none yet) into out in llm.c's order.
+ * n must be tdm_gpt_llmc_numel(config), else TDM_ERR_ARG. */
+int tdm_gpt_export_llmc(tdm_module *m, bool grads, float *out, int64_t n);
+/* Sets m's parameters from in, n floats in llm.c's order (n checked as above). */
+int tdm_gpt_import_llmc(tdm_module *m, const float *in, int64_t n);
+/* Writes m as an llm.c fp32 checkpoint (version 3), atomically (see io.h). TDM_ERR_ARG when m
+ * is not a GPT, TDM_ERR_IO naming path when it cannot be written. */
+int tdm_gpt_save_llmc(const char *path, tdm_module *m);
+/* Reads an llm.c fp32 checkpoint into a new GPT on dev (the caller frees it). Everything is
+ * checked before the parameters are allocated: TDM_ERR_IO when path cannot be read;
+ * TDM_ERR_FORMAT naming path and the cause for a wrong magic, an unsupported version (5 is
+ * llm.c's bf16 format), a non-positive or inconsistent size in the header (with its byte
+ * offset), or a file whose size is not 1024 + 4 * parameters (truncated, or trailing bytes).
+ * cfg (may be NULL) receives the header's config. */
+tdm_module *tdm_gpt_load_llmc(const char *path, tdm_device dev, tdm_gpt_config *cfg);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

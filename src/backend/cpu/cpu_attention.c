@@ -1,0 +1,146 @@
+/* CPU causal self-attention, one (batch row, head) at a time.
+ *
+ * qkv [B, T, 3C] holds q, k and v side by side (llm.c's layout); head h of each is the
+ * channel block [h*hs, (h+1)*hs). For one (b, h) the three are [T, hs] matrices with row
+ * stride 3C, so BLAS reads them in place:
+ *   forward   S = scale * Q K^T      [T, T]   (sgemm; entries above the diagonal ignored)
+ *             P = causal softmax(S), lse_t = log sum_{s<=t} exp(S_ts)
+ *             Y = P V                [T, hs]  (written into y's head block, row stride C)
+ *   backward  P = exp(scale * Q K^T - lse)   (recomputed: nothing T x T is kept)
+ *             dV = P^T dY,  dP = dY V^T,  dS = P * (dP - rowsum(P * dP))
+ *             dQ = scale * dS K,  dK = scale * dS^T Q
+ * Only one head's [T, T] scores (and, in backward, their gradient) exist at a time, in a
+ * block from the device's caching allocator: memory grows with T^2, not with B * heads, and
+ * a training step in steady state allocates nothing. The full square is multiplied even
+ * though half is masked: at the sizes where attention matters BLAS on the square beats
+ * scalar loops on the triangle.
+ */
+#pragma GCC optimize("O3")
+
+#include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_math.h"
+
+#include <cblas.h>
+#include <math.h>
+
+typedef struct {
+    int64_t B, T, C, nh, hs;
+} att_dims;
+
+/* Checks the kernel's contract (the op checked shapes already; this guards direct callers). */
+static int att_check(const char *op, const tdm_tensor *qkv, const tdm_tensor *y,
+                     const tdm_tensor *lse, int n_head, att_dims *d) {
+    if (qkv->ndim != 3 || qkv->shape[2] % 3 || n_head < 1 || (qkv->shape[2] / 3) % n_head)
+        return tdm_raise(TDM_ERR_SHAPE, "%s: qkv must be [B, T, 3C] with C divisible by %d heads",
+                         op, n_head);
+    d->B = qkv->shape[0], d->T = qkv->shape[1], d->C = qkv->shape[2] / 3;
+    d->nh = n_head, d->hs = d->C / n_head;
+    if (!tdm_is_contiguous(qkv) || !tdm_is_contiguous(y) || !tdm_is_contiguous(lse) ||
+        tdm_numel(y) != d->B * d->T * d->C || tdm_numel(lse) != d->B * d->nh * d->T)
+        return tdm_raise(TDM_ERR_ARG, "%s: tensors must be contiguous with matching sizes", op);
+    return TDM_OK;
+}
+
+/* A scratch block of n floats from the device's cache (released with tdm_storage_release). */
+static tdm_storage *scratch(int64_t n, tdm_device dev, float **p) {
+    tdm_storage *s = tdm_storage_new((size_t)n * sizeof(float), dev);
+    *p = s ? (float *)s->data : NULL;
+    return s;
+}
+
+/* Row t of the scores: causal softmax in place (entries after t set to 0); returns lse. */
+static float softmax_row(float *s, int64_t t, int64_t T) {
+    float mx = s[0];
+    for (int64_t j = 1; j <= t; j++) mx = s[j] > mx ? s[j] : mx;
+    float sum = 0.0f;
+    for (int64_t j = 0; j <= t; j++) {
+        s[j] = tdm_expf(s[j] - mx);
+        sum += s[j];
+    }
+    float inv = 1.0f / sum;
+    for (int64_t j = 0; j <= t; j++) s[j] *= inv;
+    for (int64_t j = t + 1; j < T; j++) s[j] = 0.0f;
+    return mx + logf(sum);
+}
+
+int tdm_cpu_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int n_head) {
+    att_dims d;
+    if (att_check("cpu attention", qkv, y, lse, n_head, &d)) return tdm_last_status();
+    const int64_t T = d.T, C = d.C, hs = d.hs;
+    if (T == 0 || d.B == 0) return TDM_OK;
+    float *S;
+    tdm_storage *blk = scratch(T * T, y->device, &S);
+    if (!blk) return tdm_last_status();
+    const float scale = 1.0f / sqrtf((float)hs);
+    const float *base = tdm_data_ptr(qkv);
+    float *yp = tdm_data_ptr(y), *lp = tdm_data_ptr(lse);
+    for (int64_t b = 0; b < d.B; b++)
+        for (int64_t h = 0; h < d.nh; h++) {
+            const float *q = base + b * T * 3 * C + h * hs, *k = q + C, *v = q + 2 * C;
+            float *l = lp + (b * d.nh + h) * T;
+            /* S [T, T] = scale * Q [T, hs] @ K^T [hs, T] */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hs, scale, q,
+                        (int)(3 * C), k, (int)(3 * C), 0.0f, S, (int)T);
+            for (int64_t t = 0; t < T; t++) l[t] = softmax_row(S + t * T, t, T);
+            /* Y [T, hs] = P [T, T] @ V [T, hs] */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)T, (int)hs, (int)T, 1.0f, S,
+                        (int)T, v, (int)(3 * C), 0.0f, yp + b * T * C + h * hs, (int)C);
+        }
+    tdm_storage_release(blk);
+    return TDM_OK;
+}
+
+/* P and dS of one (b, h) in place: P from the scores and lse; dP (in G) becomes dS / scale.
+ * Rows are causal: entries after t are 0 in both. */
+static void probs_and_dscores(float *P, float *G, const float *l, int64_t T) {
+    for (int64_t t = 0; t < T; t++) {
+        float *p = P + t * T, *g = G + t * T;
+        const float lt = l[t];
+        float dot = 0.0f;
+        for (int64_t j = 0; j <= t; j++) {
+            p[j] = tdm_expf(p[j] - lt);
+            dot += p[j] * g[j];
+        }
+        for (int64_t j = 0; j <= t; j++) g[j] = p[j] * (g[j] - dot);
+        for (int64_t j = t + 1; j < T; j++) p[j] = g[j] = 0.0f;
+    }
+}
+
+int tdm_cpu_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
+                               const tdm_tensor *lse, int n_head) {
+    att_dims d;
+    if (att_check("cpu attention_backward", qkv, dy, lse, n_head, &d)) return tdm_last_status();
+    if (!tdm_is_contiguous(dqkv) || tdm_numel(dqkv) != tdm_numel(qkv))
+        return tdm_raise(TDM_ERR_ARG, "cpu attention_backward: dqkv must be contiguous like qkv");
+    const int64_t T = d.T, C = d.C, hs = d.hs, C3 = 3 * C;
+    if (T == 0 || d.B == 0) return TDM_OK;
+    float *P;
+    tdm_storage *blk = scratch(2 * T * T, dqkv->device, &P);
+    if (!blk) return tdm_last_status();
+    float *G = P + T * T;
+    const float scale = 1.0f / sqrtf((float)hs);
+    const float *base = tdm_data_ptr(qkv), *dyp = tdm_data_ptr(dy), *lp = tdm_data_ptr(lse);
+    float *gbase = tdm_data_ptr(dqkv);
+    for (int64_t b = 0; b < d.B; b++)
+        for (int64_t h = 0; h < d.nh; h++) {
+            const float *q = base + b * T * C3 + h * hs, *k = q + C, *v = q + 2 * C;
+            const float *g_y = dyp + b * T * C + h * hs;
+            float *gq = gbase + b * T * C3 + h * hs, *gk = gq + C, *gv = gq + 2 * C;
+            /* the forward's scaled scores again, and dP [T, T] = dY [T, hs] @ V^T */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hs, scale, q,
+                        (int)C3, k, (int)C3, 0.0f, P, (int)T);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hs, 1.0f, g_y,
+                        (int)C, v, (int)C3, 0.0f, G, (int)T);
+            probs_and_dscores(P, G, lp + (b * d.nh + h) * T, T);
+            /* dV [T, hs] = P^T [T, T] @ dY [T, hs] */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)T, (int)hs, (int)T, 1.0f, P,
+                        (int)T, g_y, (int)C, 0.0f, gv, (int)C3);
+            /* dQ = scale * dS @ K;  dK = scale * dS^T @ Q */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)T, (int)hs, (int)T, scale,
+                        G, (int)T, k, (int)C3, 0.0f, gq, (int)C3);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)T, (int)hs, (int)T, scale, G,
+                        (int)T, q, (int)C3, 0.0f, gk, (int)C3);
+        }
+    tdm_storage_release(blk);
+    return TDM_OK;
+}

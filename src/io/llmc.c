@@ -1,0 +1,185 @@
+/* llm.c's fp32 model checkpoint (train_gpt2.c, version 3): 256 little-endian int32 of header
+ * (magic 20240326, version 3, maxT, V, L, NH, C, Vp), then every parameter as little-endian
+ * f32 in llm.c's order (tdm_gpt_export_llmc). The reader checks the header and the file size
+ * before allocating anything, so a hostile header cannot make it allocate more than the file
+ * holds. Hosts are assumed little-endian with IEEE floats, as llm.c itself assumes. */
+#include "io/io_internal.h"
+#include "tandem/gpt.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define LLMC_MAGIC        20240326
+#define LLMC_VERSION_FP32 3
+#define LLMC_VERSION_BF16 5
+#define HEADER_INTS       256
+#define HEADER_BYTES      (HEADER_INTS * 4)
+/* Sizes past these are no GPT anyone trains on a CPU, and keep every product in int64. */
+#define MAX_DIM (1 << 20)
+
+static void put_le32(uint8_t *p, int32_t v) {
+    uint32_t u = (uint32_t)v;
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(u >> (8 * i));
+}
+
+static int32_t get_le32(const uint8_t *p) {
+    return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                     (uint32_t)p[3] << 24);
+}
+
+static int write_all(int fd, const void *buf, size_t n, const char *path) {
+    const char *p = buf;
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0)
+            return tdm_raise(TDM_ERR_IO, "gpt_save_llmc: cannot write '%s': %s", path,
+                             strerror(errno));
+        p += w, n -= (size_t)w;
+    }
+    return TDM_OK;
+}
+
+int tdm_gpt_save_llmc(const char *path, tdm_module *m) {
+    const tdm_gpt_config *c = tdm_gpt_config_of(m);
+    if (!path) return tdm_raise(TDM_ERR_ARG, "gpt_save_llmc: path is NULL");
+    if (!c) return tdm_raise(TDM_ERR_ARG, "gpt_save_llmc: %s: the module is not a GPT", path);
+    int64_t n = tdm_gpt_llmc_numel(c);
+    float *params = malloc(sizeof(float) * (size_t)n);
+    if (!params) return tdm_raise(TDM_ERR_NOMEM, "gpt_save_llmc: %s: out of memory", path);
+    int rc = tdm_gpt_export_llmc(m, false, params, n);
+    if (rc) {
+        free(params);
+        return rc;
+    }
+    uint8_t header[HEADER_BYTES] = {0};
+    int32_t fields[8] = {LLMC_MAGIC, LLMC_VERSION_FP32, c->context,  c->vocab,
+                         c->layers,  c->heads,          c->channels, c->padded_vocab};
+    for (int i = 0; i < 8; i++) put_le32(header + 4 * i, fields[i]);
+    char tmp[4200];
+    int fd = tdm_io_temp_open(path, tmp, sizeof tmp);
+    if (fd < 0) {
+        free(params);
+        return tdm_last_status();
+    }
+    rc = write_all(fd, header, sizeof header, path);
+    if (!rc) rc = write_all(fd, params, sizeof(float) * (size_t)n, path);
+    free(params);
+    return tdm_io_temp_commit(fd, tmp, path, rc);
+}
+
+/* The header's config, checked field by field (byte offsets name the culprit). */
+static int parse_header(const char *path, const uint8_t *h, tdm_gpt_config *c) {
+    static const char *const names[8] = {"magic",  "version",   "max_seq_len", "vocab_size",
+                                         "layers", "num_heads", "channels",    "padded_vocab_size"};
+    int32_t f[8];
+    for (int i = 0; i < 8; i++) f[i] = get_le32(h + 4 * i);
+    if (f[0] != LLMC_MAGIC)
+        return tdm_raise(TDM_ERR_FORMAT,
+                         "gpt_load_llmc: %s: wrong magic %d at byte offset 0 (an llm.c model "
+                         "file starts with %d)",
+                         path, f[0], LLMC_MAGIC);
+    if (f[1] != LLMC_VERSION_FP32)
+        return tdm_raise(TDM_ERR_FORMAT,
+                         "gpt_load_llmc: %s: unsupported version %d at byte offset 4 (expected "
+                         "%d, fp32%s)",
+                         path, f[1], LLMC_VERSION_FP32,
+                         f[1] == LLMC_VERSION_BF16 ? "; version 5 is llm.c's bf16 format" : "");
+    for (int i = 2; i < 8; i++)
+        if (f[i] < 1 || f[i] > MAX_DIM)
+            return tdm_raise(TDM_ERR_FORMAT,
+                             "gpt_load_llmc: %s: %s %d at byte offset %d is not in [1, %d]", path,
+                             names[i], f[i], 4 * i, MAX_DIM);
+    *c = (tdm_gpt_config){.context = f[2],
+                          .vocab = f[3],
+                          .layers = f[4],
+                          .heads = f[5],
+                          .channels = f[6],
+                          .padded_vocab = f[7]};
+    if (c->channels % c->heads)
+        return tdm_raise(TDM_ERR_FORMAT,
+                         "gpt_load_llmc: %s: num_heads %d (byte offset 20) does not divide "
+                         "channels %d (byte offset 24)",
+                         path, c->heads, c->channels);
+    if (c->padded_vocab < c->vocab)
+        return tdm_raise(TDM_ERR_FORMAT,
+                         "gpt_load_llmc: %s: padded_vocab_size %d (byte offset 28) is smaller "
+                         "than vocab_size %d (byte offset 12)",
+                         path, c->padded_vocab, c->vocab);
+    return TDM_OK;
+}
+
+/* Reads exactly n bytes; a short read is a truncated file. */
+static int read_exact(FILE *f, void *buf, size_t n, const char *path, long at) {
+    if (fread(buf, 1, n, f) == n) return TDM_OK;
+    if (ferror(f))
+        return tdm_raise(TDM_ERR_IO, "gpt_load_llmc: cannot read '%s': %s", path, strerror(errno));
+    return tdm_raise(TDM_ERR_FORMAT, "gpt_load_llmc: %s: truncated: the file ends before byte %ld",
+                     path, at + (long)n);
+}
+
+/* Opens path, checks header and size; returns the open file positioned at the parameters. */
+static FILE *open_checked(const char *path, tdm_gpt_config *c, int64_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return tdm_raise_null(TDM_ERR_IO, "gpt_load_llmc: cannot open '%s': %s", path,
+                              strerror(errno));
+    struct stat st;
+    uint8_t h[HEADER_BYTES];
+    int rc = fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)
+                 ? tdm_raise(TDM_ERR_IO, "gpt_load_llmc: '%s' is not a regular file", path)
+                 : TDM_OK;
+    if (!rc && st.st_size < HEADER_BYTES)
+        rc = tdm_raise(TDM_ERR_FORMAT,
+                       "gpt_load_llmc: %s: truncated header: the file has %lld bytes, the header "
+                       "%d",
+                       path, (long long)st.st_size, HEADER_BYTES);
+    if (!rc) rc = read_exact(f, h, sizeof h, path, 0);
+    if (!rc) rc = parse_header(path, h, c);
+    if (!rc) {
+        *n = tdm_gpt_llmc_numel(c);
+        long long want = HEADER_BYTES + 4LL * *n;
+        if (st.st_size != want)
+            rc = tdm_raise(TDM_ERR_FORMAT,
+                           "gpt_load_llmc: %s: %s: the file has %lld bytes, the header's model "
+                           "(%lld parameters) needs %lld",
+                           path,
+                           st.st_size < want ? "truncated"
+                                             : "trailing bytes after the "
+                                               "parameters",
+                           (long long)st.st_size, (long long)*n, want);
+    }
+    if (rc) {
+        fclose(f);
+        return NULL;
+    }
+    return f;
+}
+
+tdm_module *tdm_gpt_load_llmc(const char *path, tdm_device dev, tdm_gpt_config *cfg) {
+    if (!path) return tdm_raise_null(TDM_ERR_ARG, "gpt_load_llmc: path is NULL");
+    tdm_gpt_config c;
+    int64_t n = 0;
+    FILE *f = open_checked(path, &c, &n);
+    if (!f) return NULL;
+    float *params = malloc(sizeof(float) * (size_t)n);
+    int rc = params ? read_exact(f, params, sizeof(float) * (size_t)n, path, HEADER_BYTES)
+                    : tdm_raise(TDM_ERR_NOMEM, "gpt_load_llmc: %s: out of memory", path);
+    fclose(f);
+    tdm_module *m = NULL;
+    if (!rc) {
+        tdm_rng rng = tdm_rng_make(0); /* the draws are overwritten by the file's values */
+        m = tdm_gpt_new(&c, dev, &rng);
+        if (m && tdm_gpt_import_llmc(m, params, n)) {
+            tdm_module_free(m);
+            m = NULL;
+        }
+    }
+    free(params);
+    if (m && cfg) *cfg = c;
+    return m;
+}

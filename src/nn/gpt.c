@@ -1,0 +1,357 @@
+/* GPT-2 built from the library's modules (see include/tandem/gpt.h for the names and math).
+ *
+ * Every layer is an ordinary child module, so the flat parameter buffer, cloning for
+ * replicas and checkpoints need nothing special. Forwards look their children up by
+ * position at run time (never through cached pointers), which is what lets
+ * tdm_module_clone copy a GPT like any other tree. The tied LM head is the token
+ * embedding's own tensor, read twice by the tape: its gradient is the sum of both uses.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "autograd/ops_index.h"
+#include "backend/backend.h"
+#include "tandem/autograd.h"
+#include "tandem/gpt.h"
+
+/* Child indices, in registration order (which is also the flat buffer's order). */
+enum { TR_WTE, TR_WPE, TR_H, TR_LNF };               /* transformer.* */
+enum { BL_LN1, BL_ATTN, BL_LN2, BL_MLP };            /* transformer.h.<l>.* */
+enum { AT_C_ATTN, AT_C_PROJ };                       /* attn.* */
+enum { MLP_C_FC, MLP_GELU, MLP_C_PROJ, MLP_N_KIDS }; /* mlp.* */
+
+static void destroy_impl(tdm_module *m) {
+    free(m->impl);
+    m->impl = NULL;
+}
+
+/* ---- forwards ---------------------------------------------------------------------------- */
+
+/* x [B, T, C] -> [B, T, C]: qkv = c_attn(x) [B, T, 3C], causal attention, c_proj */
+static tdm_tensor *attn_forward(tdm_module *m, tdm_tensor *x) {
+    int heads = *(const int *)m->impl;
+    tdm_tensor *qkv = tdm_module_forward(m->children[AT_C_ATTN], x);
+    return tdm_module_forward(m->children[AT_C_PROJ], tdm_causal_attention(qkv, heads));
+}
+
+/* x [B, T, C] -> [B, T, 4C] -> GELU -> [B, T, C] */
+static tdm_tensor *mlp_forward(tdm_module *m, tdm_tensor *x) {
+    for (int i = 0; i < MLP_N_KIDS && x; i++) x = tdm_module_forward(m->children[i], x);
+    return x;
+}
+
+/* Pre-LayerNorm residual block: x + attn(ln_1(x)), then + mlp(ln_2(.)). */
+static tdm_tensor *block_forward(tdm_module *m, tdm_tensor *x) {
+    tdm_module **k = m->children;
+    x = tdm_add(x, tdm_module_forward(k[BL_ATTN], tdm_module_forward(k[BL_LN1], x)));
+    if (!x) return NULL;
+    return tdm_add(x, tdm_module_forward(k[BL_MLP], tdm_module_forward(k[BL_LN2], x)));
+}
+
+static tdm_tensor *no_forward(tdm_module *m, tdm_tensor *x) {
+    return tdm_raise_null(TDM_ERR_STATE, "%s: a container of the GPT, not called on its own",
+                          m->ops->kind);
+}
+
+static const tdm_module_ops attn_ops = {"CausalSelfAttention", attn_forward, destroy_impl};
+static const tdm_module_ops mlp_ops = {"MLP", mlp_forward, NULL};
+static const tdm_module_ops block_ops = {"Block", block_forward, NULL};
+static const tdm_module_ops dict_ops = {"ModuleDict", no_forward, NULL};
+
+static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx);
+static const tdm_module_ops gpt_ops = {"GPT", gpt_module_forward, destroy_impl};
+
+/* idx [B, T] -> logits [B, T, V] */
+static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
+    const tdm_gpt_config *c = m->impl;
+    tdm_module *tr = m->children[0], *h = tr->children[TR_H];
+    tdm_tensor *wte = tr->children[TR_WTE]->params[0], *wpe = tr->children[TR_WPE]->params[0];
+    char b[96];
+    if (idx->ndim != 2)
+        return tdm_raise_null(TDM_ERR_SHAPE, "gpt: tokens must be [B, T], got %s",
+                              tdm_shape_str(tdm_shape_of(idx), b));
+    int64_t T = idx->shape[1];
+    if (T < 1 || T > c->context)
+        return tdm_raise_null(TDM_ERR_SHAPE,
+                              "gpt: sequence length %lld is not in [1, %d] (context)", (long long)T,
+                              c->context);
+    /* x [B, T, C] = wte[idx] + wpe[0..T) (broadcast over B) */
+    tdm_tensor *pos = tdm_arange(0, (double)T, 1, TDM_I64, wte->device);
+    tdm_tensor *x = tdm_add(tdm_embedding(wte, idx), tdm_embedding(wpe, pos));
+    for (int l = 0; l < h->n_children && x; l++) x = tdm_module_forward(h->children[l], x);
+    if (!x) return NULL;
+    x = tdm_module_forward(tr->children[TR_LNF], x);
+    /* the tied head: logits = x @ wte[:V]^T (a row view: the padding rows are never read).
+     * Without padding the leaf itself is used, so its gradient GEMM accumulates straight into
+     * the flat gradient buffer. */
+    tdm_tensor *head = c->vocab == c->padded_vocab ? wte : tdm_slice(wte, 0, 0, c->vocab, 1);
+    return tdm_linear(x, head, NULL);
+}
+
+tdm_tensor *tdm_gpt_forward(tdm_module *m, const tdm_tensor *idx) {
+    if (!tdm_gpt_config_of(m)) return tdm_raise_null(TDM_ERR_ARG, "gpt_forward: not a GPT module");
+    return tdm_module_forward(m, (tdm_tensor *)idx);
+}
+
+tdm_tensor *tdm_gpt_loss(tdm_tensor *logits, const tdm_tensor *targets) {
+    if (!logits || !targets) {
+        if (tdm_last_status() == TDM_OK) tdm_raise(TDM_ERR_ARG, "gpt_loss: NULL input");
+        return NULL;
+    }
+    char a[96], b[96];
+    if (logits->ndim != 3 || targets->ndim != 2 || targets->shape[0] != logits->shape[0] ||
+        targets->shape[1] != logits->shape[1])
+        return tdm_raise_null(TDM_ERR_SHAPE,
+                              "gpt_loss: logits %s and targets %s must be [B, T, V] "
+                              "and [B, T]",
+                              tdm_shape_str(tdm_shape_of(logits), a),
+                              tdm_shape_str(tdm_shape_of(targets), b));
+    int64_t n = logits->shape[0] * logits->shape[1];
+    tdm_tensor *flat = tdm_reshape(logits, TDM_SHAPE(n, logits->shape[2]));
+    tdm_tensor *tg = tdm_reshape((tdm_tensor *)targets, TDM_SHAPE(n));
+    return tdm_cross_entropy(flat, tg, NULL);
+}
+
+const tdm_gpt_config *tdm_gpt_config_of(const tdm_module *m) {
+    return m && m->ops == &gpt_ops ? m->impl : NULL;
+}
+
+/* ---- construction ------------------------------------------------------------------------ */
+
+static tdm_module *container(const tdm_module_ops *ops, tdm_device dev, const void *impl,
+                             size_t n) {
+    void *copy = NULL;
+    if (n && !(copy = malloc(n))) return tdm_raise_null(TDM_ERR_NOMEM, "gpt: out of memory");
+    if (n) memcpy(copy, impl, n);
+    tdm_module *m = tdm_module_new(ops, dev, copy);
+    if (!m) {
+        free(copy);
+        return NULL;
+    }
+    m->impl_size = n;
+    return m;
+}
+
+/* Adds child under name; on failure frees child. Returns the status. */
+static int add(tdm_module *parent, const char *name, tdm_module *child) {
+    if (!parent || !child) {
+        tdm_module_free(child);
+        return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
+    }
+    int rc = tdm_module_add(parent, name, child);
+    if (rc) tdm_module_free(child);
+    return rc;
+}
+
+static tdm_module *linear(int64_t in, int64_t out, float std, const tdm_gpt_config *c,
+                          tdm_device dev, tdm_rng *rng) {
+    tdm_module *m = tdm_linear_new(in, out, true, dev, rng);
+    if (m && (tdm_normal_(m->params[0], 0.0f, std, rng) || tdm_fill_(m->params[1], 0.0f))) {
+        tdm_module_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+static tdm_module *block_new(const tdm_gpt_config *c, tdm_device dev, tdm_rng *rng) {
+    int64_t C = c->channels;
+    float std = 0.02f, proj_std = 0.02f / sqrtf(2.0f * (float)c->layers);
+    tdm_module *b = container(&block_ops, dev, NULL, 0);
+    tdm_module *at = container(&attn_ops, dev, &c->heads, sizeof c->heads);
+    tdm_module *mlp = container(&mlp_ops, dev, NULL, 0);
+    int rc = add(at, "c_attn", linear(C, 3 * C, std, c, dev, rng));
+    if (!rc) rc = add(at, "c_proj", linear(C, C, proj_std, c, dev, rng));
+    if (!rc) rc = add(mlp, "c_fc", linear(C, 4 * C, std, c, dev, rng));
+    if (!rc) rc = add(mlp, "gelu", tdm_gelu_new(true));
+    if (!rc) rc = add(mlp, "c_proj", linear(4 * C, C, proj_std, c, dev, rng));
+    if (!rc) rc = add(b, "ln_1", tdm_layer_norm_new(C, 1e-5f, true, dev));
+    if (!rc)
+        rc = add(b, "attn", at);
+    else
+        tdm_module_free(at);
+    if (!rc) rc = add(b, "ln_2", tdm_layer_norm_new(C, 1e-5f, true, dev));
+    if (!rc)
+        rc = add(b, "mlp", mlp);
+    else
+        tdm_module_free(mlp);
+    if (rc) {
+        tdm_module_free(b);
+        return NULL;
+    }
+    return b;
+}
+
+static tdm_module *embedding(int64_t num, int64_t rows_drawn, int64_t dim, tdm_device dev,
+                             tdm_rng *rng) {
+    tdm_module *m = tdm_embedding_new(num, dim, dev, rng);
+    if (!m) return NULL;
+    tdm_tensor *w = m->params[0];
+    /* N(0, 0.02) for the real rows, 0 for padding (as llm.c writes padded rows) */
+    tdm_tensor *real = tdm_slice(w, 0, 0, rows_drawn, 1), *pad = NULL;
+    int rc = real ? tdm_normal_(real, 0.0f, 0.02f, rng) : tdm_last_status();
+    tdm_drop_temp(real, NULL);
+    if (!rc && rows_drawn < num) {
+        pad = tdm_slice(w, 0, rows_drawn, num, 1);
+        rc = pad ? tdm_fill_(pad, 0.0f) : tdm_last_status();
+        tdm_drop_temp(pad, NULL);
+    }
+    if (rc) {
+        tdm_module_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+static int check_config(const tdm_gpt_config *c) {
+    if (!c) return tdm_raise(TDM_ERR_ARG, "gpt_new: config is NULL");
+    if (c->layers < 1 || c->heads < 1 || c->channels < 1 || c->context < 1 || c->vocab < 1 ||
+        c->padded_vocab < 0)
+        return tdm_raise(TDM_ERR_ARG,
+                         "gpt_new: sizes must be positive: layers %d heads %d channels %d "
+                         "context %d vocab %d padded_vocab %d",
+                         c->layers, c->heads, c->channels, c->context, c->vocab, c->padded_vocab);
+    if (c->channels % c->heads)
+        return tdm_raise(TDM_ERR_ARG, "gpt_new: %d heads do not divide %d channels", c->heads,
+                         c->channels);
+    if (c->padded_vocab && c->padded_vocab < c->vocab)
+        return tdm_raise(TDM_ERR_ARG, "gpt_new: padded_vocab %d is smaller than vocab %d",
+                         c->padded_vocab, c->vocab);
+    return TDM_OK;
+}
+
+/* The transformer.* container: wte, wpe, h.<l>, ln_f. */
+static tdm_module *transformer_new(const tdm_gpt_config *c, tdm_device dev, tdm_rng *rng) {
+    tdm_module *tr = container(&dict_ops, dev, NULL, 0);
+    tdm_module *h = container(&dict_ops, dev, NULL, 0);
+    int rc = add(tr, "wte", embedding(c->padded_vocab, c->vocab, c->channels, dev, rng));
+    if (!rc) rc = add(tr, "wpe", embedding(c->context, c->context, c->channels, dev, rng));
+    for (int l = 0; !rc && l < c->layers; l++) rc = add(h, NULL, block_new(c, dev, rng));
+    if (!rc)
+        rc = add(tr, "h", h);
+    else
+        tdm_module_free(h);
+    if (!rc) rc = add(tr, "ln_f", tdm_layer_norm_new(c->channels, 1e-5f, true, dev));
+    if (rc) {
+        tdm_module_free(tr);
+        return NULL;
+    }
+    return tr;
+}
+
+tdm_module *tdm_gpt_new(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng) {
+    if (check_config(cfg)) return NULL;
+    tdm_gpt_config c = *cfg;
+    if (!c.padded_vocab) c.padded_vocab = c.vocab;
+    if (!rng) rng = tdm_default_rng();
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_module *m = container(&gpt_ops, dev, &c, sizeof c);
+    int rc = add(m, "transformer", transformer_new(&c, dev, rng));
+    tdm_set_grad_enabled(prev);
+    if (rc) {
+        tdm_module_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* ---- the optimizer ----------------------------------------------------------------------- */
+
+tdm_optim *tdm_gpt_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o) {
+    tdm_optim *opt = tdm_adamw_new(ps, o);
+    if (!opt) return NULL;
+    size_t count = ps->n > 0 ? (size_t)ps->n : 1;
+    float *wd = malloc(sizeof(float) * count);
+    if (!wd) {
+        tdm_optim_free(opt);
+        return tdm_raise_null(TDM_ERR_NOMEM, "gpt_adamw_new: out of memory");
+    }
+    for (int i = 0; i < ps->n; i++) wd[i] = ps->params[i]->ndim >= 2 ? o->weight_decay : 0.0f;
+    int rc = tdm_optim_set_weight_decays(opt, wd);
+    free(wd);
+    if (rc) {
+        tdm_optim_free(opt);
+        return NULL;
+    }
+    return opt;
+}
+
+/* ---- llm.c's layout ---------------------------------------------------------------------- */
+
+#define LLMC_KINDS 16
+
+/* llm.c's tensor `kind` of layer l (ignored for the per-model kinds 0, 1, 14, 15). */
+static tdm_tensor *llmc_tensor(tdm_module *m, int kind, int l) {
+    tdm_module *tr = m->children[0];
+    if (kind == 0) return tr->children[TR_WTE]->params[0];
+    if (kind == 1) return tr->children[TR_WPE]->params[0];
+    if (kind >= 14) return tr->children[TR_LNF]->params[kind - 14];
+    tdm_module *b = tr->children[TR_H]->children[l];
+    tdm_module *at = b->children[BL_ATTN], *mlp = b->children[BL_MLP];
+    switch (kind) {
+    case 2:
+    case 3:
+        return b->children[BL_LN1]->params[kind - 2];
+    case 4:
+    case 5:
+        return at->children[AT_C_ATTN]->params[kind - 4];
+    case 6:
+    case 7:
+        return at->children[AT_C_PROJ]->params[kind - 6];
+    case 8:
+    case 9:
+        return b->children[BL_LN2]->params[kind - 8];
+    case 10:
+    case 11:
+        return mlp->children[MLP_C_FC]->params[kind - 10];
+    default:
+        return mlp->children[MLP_C_PROJ]->params[kind - 12];
+    }
+}
+
+static bool per_layer(int kind) {
+    return kind >= 2 && kind < 14;
+}
+
+int64_t tdm_gpt_llmc_numel(const tdm_gpt_config *c) {
+    if (!c || c->layers < 1 || c->channels < 1 || c->context < 1 || c->vocab < 1) return 0;
+    int64_t C = c->channels, L = c->layers, Vp = c->padded_vocab ? c->padded_vocab : c->vocab;
+    /* wte, wpe, then per layer: 2 LN (4C) + qkv (3C*C + 3C) + proj (C*C + C) + fc (4C*C + 4C)
+     * + fcproj (4C*C + C), then ln_f (2C) */
+    return Vp * C + (int64_t)c->context * C + L * (12 * C * C + 13 * C) + 2 * C;
+}
+
+/* Walks llm.c's order, calling fn on each tensor with its offset in the flat array. */
+static int llmc_walk(tdm_module *m, float *buf, int64_t n, bool grads, bool import) {
+    const tdm_gpt_config *c = tdm_gpt_config_of(m);
+    const char *op = import ? "gpt_import_llmc" : "gpt_export_llmc";
+    if (!c) return tdm_raise(TDM_ERR_ARG, "%s: not a GPT module", op);
+    if (!buf || n != tdm_gpt_llmc_numel(c))
+        return tdm_raise(TDM_ERR_ARG, "%s: the buffer holds %lld floats, the model %lld", op,
+                         (long long)n, (long long)tdm_gpt_llmc_numel(c));
+    int64_t off = 0;
+    for (int kind = 0; kind < LLMC_KINDS; kind++)
+        for (int l = 0; l < (per_layer(kind) ? c->layers : 1); l++) {
+            tdm_tensor *t = llmc_tensor(m, kind, l);
+            const tdm_backend *be = tdm_backend_for(t->device);
+            int64_t k = tdm_numel(t);
+            int rc;
+            if (import)
+                rc = be->from_host(t, buf + off);
+            else if (grads && !t->grad)
+                rc = (memset(buf + off, 0, sizeof(float) * (size_t)k), TDM_OK);
+            else
+                rc = be->to_host(buf + off, grads ? t->grad : t);
+            if (rc) return rc;
+            off += k;
+        }
+    return TDM_OK;
+}
+
+int tdm_gpt_export_llmc(tdm_module *m, bool grads, float *out, int64_t n) {
+    return llmc_walk(m, out, n, grads, false);
+}
+
+int tdm_gpt_import_llmc(tdm_module *m, const float *in, int64_t n) {
+    return llmc_walk(m, (float *)in, n, false, true);
+}

@@ -1,0 +1,221 @@
+/* `tandem train --model gpt` and `tandem sample` end to end: a tiny GPT learns a repetitive
+ * text (its loss falls), is saved in llm.c's format and read back by the library, samples are
+ * reproducible from a seed, two devices train like one, and bad options fail with the right
+ * status and message. Runs the `tandem` built beside this test. */
+#include <sys/wait.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "check.h"
+
+static char tandem[4096];
+static char tmpdir[] = "/tmp/tandem_test_gpt_cli_XXXXXX";
+
+typedef struct {
+    int status;
+    char out[16384], err[4096];
+} result;
+
+static void slurp(const char *path, char *buf, size_t cap) {
+    FILE *f = fopen(path, "rb");
+    size_t n = f ? fread(buf, 1, cap - 1, f) : 0;
+    buf[n] = '\0';
+    if (f) fclose(f);
+}
+
+/* Runs tandem with argv (NULL-terminated, argv[0] ignored), capturing stdout and stderr. */
+static result *run(const char **argv) {
+    static result r;
+    char out[300], err[300];
+    snprintf(out, sizeof out, "%s/stdout", tmpdir);
+    snprintf(err, sizeof err, "%s/stderr", tmpdir);
+    argv[0] = tandem;
+    pid_t pid = fork();
+    if (pid == 0) {
+        int fo = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        int fe = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fo < 0 || fe < 0) _exit(126);
+        dup2(fo, 1);
+        dup2(fe, 2);
+        execv(tandem, (char *const *)argv);
+        _exit(127);
+    }
+    int st = 0;
+    r.status = -1;
+    if (pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st)) r.status = WEXITSTATUS(st);
+    slurp(out, r.out, sizeof r.out);
+    slurp(err, r.err, sizeof r.err);
+    return &r;
+}
+
+#define TANDEM(...) run((const char *[]){"", __VA_ARGS__, NULL})
+
+/* The losses of the "step N/M  loss X" lines, in order; returns how many. */
+static int losses(const char *out, double *v, int cap) {
+    int n = 0;
+    for (const char *p = strstr(out, "  loss "); p && n < cap; p = strstr(p + 1, "  loss "))
+        v[n++] = strtod(p + 7, NULL);
+    return n;
+}
+
+static char text_path[300], model_path[300];
+
+static void write_text(void) {
+    snprintf(text_path, sizeof text_path, "%s/fox.txt", tmpdir);
+    FILE *f = fopen(text_path, "w");
+    for (int i = 0; f && i < 300; i++) fputs("the quick brown fox jumps over the lazy dog.\n", f);
+    if (f) fclose(f);
+}
+
+static void test_train_and_save(void) {
+    snprintf(model_path, sizeof model_path, "%s/fox.bin", tmpdir);
+    result *r =
+        TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "1", "--heads", "2",
+               "--channels", "32", "--context", "16", "--batch-size", "8", "--max-steps", "60",
+               "--lr", "3e-3", "--workers", "0", "--print-every", "10", "--save", model_path);
+    CHECK(r->status == 0, "train exit %d: %s", r->status, r->err);
+    double v[16];
+    int n = losses(r->out, v, 16);
+    CHECK(n == 6 && strstr(r->out, "step 60/60"), "progress lines: %s", r->out);
+    if (n == 6) CHECK(v[5] < v[0] - 1.0, "loss %.4f -> %.4f: not learning", v[0], v[5]);
+    tdm_gpt_config cfg;
+    tdm_module *m = tdm_gpt_load_llmc(model_path, tdm_cpu(0), &cfg);
+    CHECK(m && cfg.layers == 1 && cfg.heads == 2 && cfg.channels == 32 && cfg.context == 16 &&
+              cfg.vocab == 256,
+          "saved model: %s", tdm_last_error());
+    tdm_module_free(m);
+}
+
+static void test_two_devices(void) {
+    const char *common[] = {"",
+                            "train",
+                            "--model",
+                            "gpt",
+                            "--data",
+                            text_path,
+                            "--layers",
+                            "1",
+                            "--channels",
+                            "16",
+                            "--context",
+                            "8",
+                            "--batch-size",
+                            "6",
+                            "--max-steps",
+                            "8",
+                            "--workers",
+                            "0",
+                            "--print-every",
+                            "4",
+                            "--devices",
+                            "1",
+                            NULL};
+    result *r = run(common);
+    double one[4], two[4];
+    int n1 = losses(r->out, one, 4);
+    CHECK(r->status == 0 && n1 == 2, "one device: %s", r->err);
+    common[21] = "2";
+    r = run(common);
+    int n2 = losses(r->out, two, 4);
+    CHECK(r->status == 0 && n2 == 2, "two devices: %s", r->err);
+    for (int i = 0; i < n1 && i < n2; i++) CHECK_CLOSE(two[i], one[i], 2e-4, 0);
+}
+
+/* Gradient accumulation: two batches of 4 per step train exactly like batches of 8. */
+static void test_grad_accum(void) {
+    const char *args[] = {"",
+                          "train",
+                          "--model",
+                          "gpt",
+                          "--data",
+                          text_path,
+                          "--layers",
+                          "1",
+                          "--channels",
+                          "16",
+                          "--context",
+                          "8",
+                          "--max-steps",
+                          "6",
+                          "--workers",
+                          "0",
+                          "--print-every",
+                          "3",
+                          "--batch-size",
+                          "8",
+                          NULL,
+                          NULL,
+                          NULL};
+    result *r = run(args);
+    double whole[4], accum[4];
+    int n1 = losses(r->out, whole, 4);
+    CHECK(r->status == 0 && n1 == 2, "batch 8: %s", r->err);
+    args[19] = "4", args[20] = "--grad-accum", args[21] = "2";
+    r = run(args);
+    int n2 = losses(r->out, accum, 4);
+    CHECK(r->status == 0 && n2 == 2 && strstr(r->out, "batch 4 x 2 accumulated"),
+          "batch 4 x 2: %s %s", r->out, r->err);
+    for (int i = 0; i < n1 && i < n2; i++) CHECK_CLOSE(accum[i], whole[i], 2e-4, 0);
+}
+
+static void test_sample(void) {
+    result *r = TANDEM("sample", "--model", model_path, "--prompt", "the quick", "--tokens", "30",
+                       "--seed", "7", "--top-k", "5");
+    CHECK(r->status == 0, "sample exit %d: %s", r->status, r->err);
+    char first[16384];
+    strcpy(first, r->out);
+    CHECK(strncmp(first, "the quick", 9) == 0 && strlen(first) == 9 + 30 + 1, "sample: '%s'",
+          first);
+    r = TANDEM("sample", "--model", model_path, "--prompt", "the quick", "--tokens", "30", "--seed",
+               "7", "--top-k", "5");
+    CHECK(strcmp(first, r->out) == 0, "same seed, different text: '%s' vs '%s'", first, r->out);
+    r = TANDEM("sample", "--model", tmpdir); /* a directory without model.bin */
+    CHECK(r->status == 1 && strstr(r->err, "model.bin"), "missing model: %d %s", r->status, r->err);
+    r = TANDEM("sample", "--prompt", "x");
+    CHECK(r->status == 2 && strstr(r->err, "--model FILE is required"), "%s", r->err);
+    r = TANDEM("sample", "--model", model_path, "--temperature", "0");
+    CHECK(r->status == 2 && strstr(r->err, "--temperature"), "%s", r->err);
+    r = TANDEM("sample", "--help");
+    CHECK(r->status == 0 && strstr(r->out, "--top-k"), "sample --help");
+}
+
+static void test_errors(void) {
+    result *r = TANDEM("train", "--model", "gpt");
+    CHECK(r->status == 2 && strstr(r->err, "needs --data FILE"), "%d %s", r->status, r->err);
+    r = TANDEM("train", "--model", "gpt", "--data", text_path, "--optimizer", "sgd");
+    CHECK(r->status == 2 && strstr(r->err, "adamw"), "%d %s", r->status, r->err);
+    r = TANDEM("train", "--layers", "3");
+    CHECK(r->status == 2 && strstr(r->err, "--model gpt only"), "%d %s", r->status, r->err);
+    r = TANDEM("train", "--model", "gpt", "--data", text_path, "--heads", "3", "--channels", "32",
+               "--max-steps", "1");
+    CHECK(r->status == 1 && strstr(r->err, "3 heads do not divide 32 channels"), "%d %s", r->status,
+          r->err);
+    r = TANDEM("train", "--model", "gpt", "--data", "/nonexistent/book.txt");
+    CHECK(r->status == 1 && strstr(r->err, "/nonexistent/book.txt"), "%d %s", r->status, r->err);
+    r = TANDEM("train", "--model", "gpt", "--data", text_path, "--init-from", text_path);
+    CHECK(r->status == 1 && strstr(r->err, "wrong magic"), "%d %s", r->status, r->err);
+    r = TANDEM("train", "--help");
+    CHECK(r->status == 0 && strstr(r->out, "--channels") && strstr(r->out, "--save"), "help");
+}
+
+int main(int argc, char **argv) {
+    ssize_t n = readlink("/proc/self/exe", tandem, sizeof tandem - 16);
+    if (n <= 0 || !mkdtemp(tmpdir)) {
+        perror("setup");
+        return 1;
+    }
+    tandem[n] = '\0';
+    strcpy(strrchr(tandem, '/') + 1, "tandem"); /* built beside this test */
+    if (argc > 1) snprintf(tandem, sizeof tandem, "%s", argv[1]);
+    CHECK(access(tandem, X_OK) == 0, "no tandem binary at %s", tandem);
+    write_text();
+    test_train_and_save();
+    test_two_devices();
+    test_grad_accum();
+    test_sample();
+    test_errors();
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
+    if (check_failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    return check_summary();
+}

@@ -328,8 +328,17 @@ static void test_mpi_run(const char *mpirun) {
     CHECK(fabs(l1 - l2) <= 2e-4, "train loss in 1 process %.4f, in 2 processes %.4f", l1, l2);
     const char *first = strstr(two.out, "train loss");
     CHECK(first && !strstr(first + 1, "train loss"), "only rank 0 prints: %s", two.out);
+    /* two devices in each of two processes: the two-level group */
+    result four = run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path,
+                                            "train", "--limit", "1280", "--model", "mlp", "--quiet",
+                                            "--devices", "2", "--timeout", "20", NULL});
+    double l4 = epoch_train_loss(four.out);
+    CHECK(four.status == 0 && fabs(l1 - l4) <= 2e-4,
+          "train loss in 1 process %.4f, on 2 processes x 2 devices %.4f (exit %d: %s)", l1, l4,
+          four.status, four.err);
     result_free(&one);
     result_free(&two);
+    result_free(&four);
     result bad = run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path,
                                            "train", "--limit", "640", "--batch-size", "63", NULL});
     CHECK(bad.status != 0 && strstr(bad.err, "does not split evenly over 2 processes"),

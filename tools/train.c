@@ -43,6 +43,7 @@ typedef struct {
     int64_t layers, heads, channels, context, vocab;
     const char *save_path;
     double clip;
+    double timeout; /* seconds, under mpirun */
     int64_t grad_accum;
     tdm_device devs[MAX_DEVICES]; /* parsed from devices */
     int n_devs;
@@ -125,7 +126,13 @@ static const opt_spec specs[] = {
      "Devices to train on: a list (cpu:0,cpu:1), cpu:all (one device per core) or a count "
      "(2 means cpu:0,cpu:1). With several devices the model is replicated, each device "
      "trains on its share of every global batch, and gradients are averaged before one "
-     "update (data parallelism), so results match one device."},
+     "update (data parallelism), so results match one device. Under mpirun each process "
+     "uses these devices for its share of the batch, and gradients are averaged over every "
+     "device of every process."},
+    {"--timeout", "SECONDS", OPT_NUM, F(timeout), 0.1, 1e6, "30",
+     "Under mpirun: how long a process waits for the others at a collective before it stops "
+     "with an error naming the rank it waited for (a process that crashed or hangs). Raise "
+     "it when one process can work alone for long between steps."},
     {"--limit", "N", OPT_INT, F(limit), 1, 1e12, "all",
      "Use only the first N training samples and the first N/6 test samples (at least 1): "
      "for quick runs and tests."},
@@ -177,6 +184,7 @@ static train_opts opts_defaults(void) {
                         .optimizer = NULL, /* sgd, or adamw for gpt */
                         .schedule = "constant",
                         .devices = "cpu:0",
+                        .timeout = 30,
                         .epochs = 1,
                         .batch_size = 64,
                         .workers = 2,
@@ -515,10 +523,11 @@ static tdm_optim *build_optimizer(tdm_paramset *ps, void *arg) {
 static int make_optimizer(trainer *t) {
     const train_opts *o = &t->o;
     /* rank 0's initial weights go to every process */
-    if (t->g && !(t->ddp = tdm_ddp_new(t->model, t->g, NULL)))
+    if (t->g && o->n_devs == 1 && !(t->ddp = tdm_ddp_new(t->model, t->g, NULL)))
         return runtime_error(t, "ddp: %s", tdm_last_error());
     if (o->n_devs > 1) {
-        t->dp = tdm_dp_new(t->model, o->devs, o->n_devs, build_optimizer, &t->o);
+        /* under mpirun: this process's devices, averaged with every other process's */
+        t->dp = tdm_dp_new_distributed(t->model, o->devs, o->n_devs, t->g, build_optimizer, &t->o);
         if (!t->dp) return runtime_error(t, "data parallel: %s", tdm_last_error());
         t->opt = tdm_dp_optim(t->dp, 0);
     } else {
@@ -902,9 +911,11 @@ static void banner(trainer *t) {
     printf("model     %s, %lld parameters, on %s", t->o.model, (long long)t->ps->total,
            tdm_device_str(t->dev, dev));
     for (int i = 1; i < t->o.n_devs; i++) printf(",%s", tdm_device_str(t->o.devs[i], dev));
-    if (t->o.n_devs > 1)
+    int procs = t->g ? tdm_group_size(t->g) : 1;
+    if (procs > 1) printf(" in each of %d processes", procs);
+    if (t->o.n_devs * procs > 1)
         printf(" (data parallel, %lld samples per device per step)",
-               (long long)(t->o.batch_size / t->o.n_devs));
+               (long long)(t->o.batch_size / (t->o.n_devs * procs)));
     printf("\n");
     printf("data      %s: %lld train, %lld test samples; batch %lld, %lld steps per epoch, "
            "%lld loader workers\n",
@@ -919,7 +930,8 @@ static void print_epoch(const trainer *t, const epoch_stats *e) {
            "%.0f img/s  loader wait %.2f s",
            e->epoch, (long long)t->o.epochs, e->train_loss, 100 * e->train_acc, e->test_loss,
            100 * e->test_acc, e->seconds, e->img_s, e->loader_wait_s);
-    if (t->o.n_devs > 1) printf("  (%.0f img/s per device)", e->img_s / t->o.n_devs);
+    int devices = t->o.n_devs * (t->g ? tdm_group_size(t->g) : 1);
+    if (devices > 1) printf("  (%.0f img/s per device)", e->img_s / devices);
     printf("\n");
     fflush(stdout);
 }
@@ -1065,12 +1077,14 @@ static int join_mpi(trainer *t, int *argc, char ***argv) {
     t->g = tdm_mpi_init(argc, argv);
     if (!t->g) return runtime_error(t, "mpi: %s", tdm_last_error());
     int n = tdm_group_size(t->g);
-    if (t->o.n_devs > 1)
-        return usage_error("--devices: one device per process under mpirun (threads inside MPI "
-                           "processes are not supported yet)");
+    tdm_group_set_timeout(t->g, t->o.timeout);
     if (t->o.batch_size % n)
         return usage_error("--batch-size %lld does not split evenly over %d processes",
                            (long long)t->o.batch_size, n);
+    if (t->o.batch_size / n < t->o.n_devs)
+        return usage_error("--batch-size %lld gives each of %d processes fewer rows than its %d "
+                           "devices",
+                           (long long)t->o.batch_size, n, t->o.n_devs);
     if (tdm_group_rank(t->g) != 0) {
         t->silent = t->o.quiet = true;
         t->o.log_path = t->o.plot_path = t->o.trace_path = NULL;

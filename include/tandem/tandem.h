@@ -8,6 +8,7 @@
 #include "optim.h"
 #include "data.h"
 #include "parallel.h"
+#include "pipeline.h"
 #include "io.h"
 #include "trace.h"
 #include "gpt.h"

@@ -1,0 +1,180 @@
+/* Tandem model and pipeline parallelism: a Sequential cut into stages on different devices,
+ * each stage run by its own pinned thread, the batch cut into micro-batches that flow through
+ * the stages at once (GPipe or 1F1B), optionally with every stage replicated for data
+ * parallelism (a 2-D layout: stages x replicas).
+ *
+ * Two layers of API:
+ * - tdm_pipe_*: the whole thing. Build once from a model, then one call per training step.
+ * - Building blocks for other schedules: a differentiable copy between devices whose graphs
+ *   live on different threads (tdm_device_recv, tdm_backward_from) and the early release of
+ *   a finished micro-batch's activations (tdm_graph_release). tdm_to_device (tensor.h) is the
+ *   differentiable copy for a graph that stays on one thread.
+ *
+ * Errors follow tensor.h: NULL or a negative tdm_status, with tdm_last_error() naming the
+ * cause (stage, device, micro-batch, sizes).
+ */
+#ifndef TANDEM_PIPELINE_H
+#define TANDEM_PIPELINE_H
+
+#include "parallel.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- differentiable copies between threads' graphs ---------------------------------------- */
+
+/* Receives a gradient computed on another thread: grad is caller-owned (the callee owns it
+ * from now on and frees it with tdm_tensor_free) and lives on the device of the tensor that
+ * was sent. Called from the receiving thread, inside its backward. */
+typedef void (*tdm_grad_sink)(tdm_tensor *grad, void *arg);
+
+/* The receiving half of a copy between devices whose graphs are recorded on different
+ * threads. Returns a copy of src (another thread's tensor, which must stay alive and
+ * unchanged during the call) on dev, owned by the calling thread's current scope (one must
+ * be open). If src requires a gradient and grad mode is on, the copy is recorded on this
+ * thread's tape: when a backward reaches it, dL/d(copy) is copied back to src's device and
+ * handed to sink(grad, arg) (sink may be NULL: the gradient is dropped). The sending thread
+ * then continues the backward with tdm_backward_from(src, grad, its mark). src's graph is
+ * never touched from this thread, so the two threads need no lock beyond the hand-off of
+ * src and of grad. NULL and an error if src is NULL, no scope is open, or the copy fails. */
+tdm_tensor *tdm_device_recv(tdm_tensor *src, tdm_device dev, tdm_grad_sink sink, void *arg);
+
+/* Backpropagates from out, a tensor recorded on this thread's tape at or after position
+ * mark (tdm_tape_size() before its forward began), seeded with grad (out's shape, f32, on
+ * out's device; NULL means 1 for a one-element out). Walks only the nodes in [mark, out's
+ * node], so the forwards of other micro-batches recorded on the same tape are left for their
+ * own backward, in any order. Gradients accumulate into leaves' .grad as tdm_backward does;
+ * gradient-ready hooks do not fire. grad is borrowed: keep it until this returns. Returns
+ * TDM_OK, TDM_ERR_STATE if out has no history or was not recorded after mark on this thread,
+ * TDM_ERR_SHAPE/DTYPE/DEVICE for a grad that does not match out. */
+int tdm_backward_from(tdm_tensor *out, tdm_tensor *grad, int mark);
+
+/* Releases, now instead of at the end of the step scope, the memory of the tensors held by
+ * the nodes recorded at tape positions [mark, end): their outputs, inputs and saved tensors,
+ * except leaves that require gradients and caller-owned tensors (parameters). Their headers
+ * stay in the scope with no storage. Call it after the backward over those nodes, when every
+ * scope-owned tensor they hold was made after mark (true of a micro-batch's forward) and
+ * nothing else reads them: a pipeline stage keeps only in-flight micro-batches' activations
+ * this way although scopes end in stack order. Invalid ranges are ignored. */
+void tdm_graph_release(int mark, int end);
+
+/* ---- splitting a Sequential into stages ---------------------------------------------------- */
+
+typedef enum {
+    TDM_SPLIT_PARAMS = 0, /* contiguous stages with the largest stage's parameter count the
+                             smallest possible (a proxy for compute in MLPs and transformers) */
+    TDM_SPLIT_LAYERS = 1, /* n / k layers per stage, the first n % k stages one more */
+} tdm_split_by;
+
+/* Cuts the n children of seq into k contiguous non-empty stages: first[s] is the index of
+ * stage s's first layer, first[k] == n (first has room for k + 1 entries). Returns TDM_OK, or
+ * TDM_ERR_ARG when k < 1 or k > n ("3 stages for a Sequential of 2 layers"). */
+int tdm_pipe_split(const tdm_module *seq, int k, tdm_split_by by, int *first);
+
+/* ---- the pipeline -------------------------------------------------------------------------- */
+
+#define TDM_PIPE_MAX_STAGES   16
+#define TDM_PIPE_MAX_REPLICAS 16
+#define TDM_PIPE_MAX_MICRO    64
+
+typedef enum {
+    TDM_PIPE_GPIPE = 0, /* all forwards, then all backwards (last micro-batch first):
+                           every micro-batch's activations are alive at once */
+    TDM_PIPE_1F1B = 1,  /* PipeDream-Flush: stage s runs min(stages-1-s, M) forwards, then
+                           alternates one forward and one backward: at most stages-s
+                           micro-batches alive on stage s */
+} tdm_pipe_schedule;
+
+typedef struct {
+    int stages;        /* K >= 1; 0 with layer_stage set: taken from the map */
+    int micro_batches; /* M >= 1: the batch (each replica's share) is cut into M row ranges */
+    tdm_pipe_schedule schedule;
+    int replicas; /* data-parallel replicas of every stage (0 means 1) */
+    /* devices[s * replicas + r] runs stage s of replica r; all distinct. A list as
+     * tdm_devices_parse reads it ("cpu:0,cpu:1", "4"); NULL: cpu:0 .. cpu:K*R-1. */
+    const char *devices;
+    /* Optional explicit placement: layer_stage[i] is the stage of layer i (n entries,
+     * starting at 0, each stage a contiguous run, rising by 0 or 1). Layer i then runs on
+     * devices[layer_stage[i] * replicas + r]. NULL: an even split by split_by. */
+    const int *layer_stage;
+    tdm_split_by split_by;
+} tdm_pipe_opts;
+
+/* K stages, M micro-batches, 1F1B, one replica, devices cpu:0.., split by parameters. */
+tdm_pipe_opts tdm_pipe_defaults(int stages, int micro_batches);
+
+typedef struct tdm_pipe tdm_pipe;
+
+/* Splits model (a Sequential whose layers can be cloned; it is left unchanged and stays the
+ * caller's) into stages, clones each stage's layers onto its devices, and starts one pinned
+ * thread per (stage, replica) that flattens its stage's parameters and builds its optimizer
+ * with make_optim(ps, optim_arg) (a stage without parameters gets none). NULL and an error
+ * naming the cause: not a Sequential, more stages than layers, a bad or repeated device, a
+ * device count that is not stages x replicas, a layer that cannot be cloned, a bad map, a
+ * failing factory. */
+tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_factory make_optim,
+                       void *optim_arg);
+
+/* One training step on x [B, ...], target [B, ...] (the caller's tensors on any device; read
+ * during the call only): rows are split over the replicas as DataParallel splits them (the
+ * first B % R take one more), each replica's rows into M micro-batches the same way; every
+ * stage runs its schedule, gradients accumulate over micro-batches with each micro-batch's
+ * mean loss weighted by rows/B, so the accumulated gradient is that of the whole batch's
+ * mean loss; replicas of a stage sum their gradients (rank-ordered all-reduce); then every
+ * stage steps its optimizer once. loss_fn(out, target_rows, row0, loss_arg) gives the MEAN
+ * loss of a micro-batch (row0 its first global row); it runs on the last stage's threads,
+ * on its device. *loss (may be NULL) receives the batch's mean loss.
+ *
+ * Layers that depend on the batch behave as follows. Dropout draws exactly the masks of
+ * the unsplit batch (each micro-batch runs under a parallel context keyed by global rows,
+ * and every layer's state is reset to the step's start before each micro-batch's forward).
+ * Batch norm normalises each micro-batch with its own statistics and updates its running
+ * statistics once per micro-batch, as torch's Pipe does (deferred_batch_norm=False); with
+ * replicas, replica 0's buffers are broadcast at the start of every step (DDP's
+ * broadcast_buffers). Errors: B not split into at least one row per micro-batch and
+ * replica, batch sizes of x and target that differ, or a failure in a stage (its message
+ * names the stage, replica and device). After a failure inside a stage the pipeline stays
+ * failed: later steps return TDM_ERR_STATE. */
+int tdm_pipe_step(tdm_pipe *p, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                  void *loss_arg, float *loss);
+
+/* Copies the trained parameters and buffers (replica 0's) back into model, the Sequential
+ * the pipeline was built from (or one with the same layers), e.g. to evaluate or save it.
+ * Returns TDM_OK or TDM_ERR_SHAPE naming the first layer that does not match. */
+int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model);
+
+/* Stage s of replica r: its Sequential (children named "0", "1", ... locally, on the
+ * stage's device) and its optimizer (NULL for a stage without parameters); owned by the
+ * pipeline. NULL for an index out of range. Do not use them while a step runs. */
+tdm_module *tdm_pipe_stage_module(tdm_pipe *p, int s, int r);
+tdm_optim *tdm_pipe_stage_optim(tdm_pipe *p, int s, int r);
+/* Sets the learning rate of every stage's optimizer (a schedule's tdm_sched_lr per step). */
+void tdm_pipe_set_lr(tdm_pipe *p, float lr);
+/* The index of stage s's first layer in the original Sequential (s == stages: its length). */
+int tdm_pipe_stage_first_layer(const tdm_pipe *p, int s);
+int tdm_pipe_stages(const tdm_pipe *p);
+
+/* What the last step did, from the spans the stages recorded (the same times as the trace's
+ * "F k" / "B k" spans). */
+typedef struct {
+    double step_us;                          /* first forward start to last backward end */
+    double busy_us[TDM_PIPE_MAX_STAGES];     /* replica 0's forward + backward time */
+    double bubble;                           /* 1 - sum(busy) / (stages*replicas*step_us) */
+    int max_in_flight[TDM_PIPE_MAX_STAGES];  /* most micro-batches alive at once */
+    int64_t peak_bytes[TDM_PIPE_MAX_STAGES]; /* replica 0's device: allocator peak during
+                                                the step minus what it held at its start */
+} tdm_pipe_stats;
+/* Fills *st (zeros before the first step). */
+void tdm_pipe_get_stats(const tdm_pipe *p, tdm_pipe_stats *st);
+/* The bubble of a perfectly balanced pipeline: (stages - 1) / (M + stages - 1). */
+double tdm_pipe_ideal_bubble(int stages, int micro_batches);
+
+/* Stops the threads and frees the stages (not the model given to tdm_pipe_new). NULL is
+ * allowed. */
+void tdm_pipe_free(tdm_pipe *p);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

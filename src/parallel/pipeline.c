@@ -1,0 +1,820 @@
+/* Pipelines: a Sequential cut into stages, one persistent pinned thread per (stage, replica),
+ * the batch cut into micro-batches that flow through the stages at once.
+ *
+ * Each thread owns its stage's clone of the layers, its flat parameters and its optimizer,
+ * and records its micro-batches' forwards on its own tape. Activations cross to the next
+ * stage through hand-off slots (a pointer and a flag per micro-batch, under one mutex): the
+ * next stage copies them onto its device with tdm_device_recv, whose backward copies the
+ * gradient back into the slot for the sending stage to resume its backward with
+ * tdm_backward_from. A micro-batch's activations are released as soon as its backward ends
+ * (tdm_graph_release), which is what lets 1F1B hold at most stages-s micro-batches on stage s.
+ *
+ * A failing stage marks the pipeline failed and aborts its replica group: every other thread
+ * stops at its next wait or collective, and a failed thread keeps its tensors until every
+ * thread has stopped, since the neighbours may still be copying them. */
+#include "parallel/group.h"
+#include "tandem/autograd.h"
+#include "tandem/pipeline.h"
+#include "tandem/trace.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_WORKERS (TDM_PIPE_MAX_STAGES * TDM_PIPE_MAX_REPLICAS)
+#define MAX_DEVS    64 /* the allocator's pools per device type (src/core/alloc.c) */
+#define SPIN_ROUNDS 2000
+
+typedef struct {
+    struct tdm_pipe *p;
+    tdm_tensor *act;  /* the stage's output for the next stage (owned by the sender's scope) */
+    tdm_tensor *grad; /* its gradient from the next stage (caller-owned, on the sender) */
+    bool act_ready, grad_ready;
+} handoff;
+
+typedef struct {
+    int mark, end;              /* the forward's tape range */
+    tdm_tensor *root;           /* where its backward starts: the output or the scaled loss */
+    tdm_tensor *input, *target; /* rows taken from the caller's tensors */
+} micro;
+
+typedef struct {
+    tdm_module *m;
+    void *saved; /* the layer's settings at the step's start (dropout's generator) */
+} impl_snap;
+
+typedef struct worker {
+    struct tdm_pipe *p;
+    int stage, replica, idx;
+    tdm_device dev;
+    pthread_t thread;
+    bool started;
+    tdm_module *mod;
+    tdm_optim *opt;
+    tdm_group *group; /* this stage's replicas, NULL with one replica */
+    tdm_bufferset *bs;
+    impl_snap *snaps;
+    int n_snaps;
+    handoff ho[TDM_PIPE_MAX_MICRO];
+    micro mb[TDM_PIPE_MAX_MICRO];
+    double loss; /* last stage: the replica's share of the batch's mean loss */
+    int rc;
+    /* statistics of the last step */
+    double busy_us, t_first, t_last;
+    int in_flight, max_in_flight;
+    int64_t peak_bytes;
+} worker;
+
+struct tdm_pipe {
+    int S, M, R;
+    tdm_pipe_schedule sched;
+    int first[TDM_PIPE_MAX_STAGES + 1];
+    int n_workers;
+    worker w[MAX_WORKERS];
+    tdm_threads_world *worlds[TDM_PIPE_MAX_STAGES];
+    tdm_optim_factory make_optim;
+    void *optim_arg;
+    int blas_threads;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;   /* hand-offs and failures */
+    pthread_cond_t go;   /* a new round */
+    pthread_cond_t done; /* a worker finished its round */
+    uint64_t generation;
+    int finished, out;
+    bool quit, failed, broken;
+    int spin_rounds; /* pause rounds a wait spins before sleeping (0: ranks outnumber cores) */
+    char err[768];
+    /* the step being run */
+    tdm_tensor *x, *y;
+    int64_t B;
+    tdm_loss_fn loss_fn;
+    void *loss_arg;
+};
+
+/* "F 3" / "B 3": trace span names must outlive the trace, so they are static. */
+static char span_names[2][TDM_PIPE_MAX_MICRO][8];
+static pthread_once_t names_once = PTHREAD_ONCE_INIT;
+
+static void names_init(void) {
+    for (int k = 0; k < TDM_PIPE_MAX_MICRO; k++) {
+        snprintf(span_names[0][k], sizeof span_names[0][k], "F %d", k);
+        snprintf(span_names[1][k], sizeof span_names[1][k], "B %d", k);
+    }
+}
+
+/* ---- rows ------------------------------------------------------------------------------- */
+
+/* Part i of n of the range [0, b): the first b % n parts get one more row. */
+static void part_of(int64_t b, int n, int i, int64_t *lo, int64_t *hi) {
+    int64_t base = b / n, extra = b % n;
+    *lo = i * base + (i < extra ? i : extra);
+    *hi = *lo + base + (i < extra ? 1 : 0);
+}
+
+/* Global rows [*row0, *row0 + *rows) of micro-batch k of replica r. */
+static void micro_rows(const struct tdm_pipe *p, int r, int k, int64_t *row0, int64_t *rows) {
+    int64_t rlo, rhi, lo, hi;
+    part_of(p->B, p->R, r, &rlo, &rhi);
+    part_of(rhi - rlo, p->M, k, &lo, &hi);
+    *row0 = rlo + lo;
+    *rows = hi - lo;
+}
+
+/* ---- failures and waits ------------------------------------------------------------------- */
+
+/* Records this worker's error as the pipeline's first (if it is) and wakes every waiter. */
+static int fail(worker *w, int rc) {
+    struct tdm_pipe *p = w->p;
+    char dev[16];
+    pthread_mutex_lock(&p->mu);
+    if (!p->failed) {
+        snprintf(p->err, sizeof p->err, "pipeline: stage %d, replica %d (%s): %s", w->stage,
+                 w->replica, tdm_device_str(w->dev, dev), tdm_last_error());
+        __atomic_store_n(&p->failed, true, __ATOMIC_RELEASE);
+    }
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    if (w->group) tdm_group_abort(w->group, tdm_last_error()); /* peers in a collective */
+    return rc ? rc : TDM_ERR_STATE;
+}
+
+/* Waits until *flag is set; an error when the pipeline failed meanwhile. When the workers
+ * fit the cores it first spins a little: the neighbour's hand-off usually comes within
+ * microseconds, sooner than a futex wake-up on this VM (~50-100 us per micro-batch). Flags
+ * are written with release under the mutex and read with acquire, so the pointer published
+ * before the flag is visible either way. */
+static int wait_flag(worker *w, const bool *flag) {
+    struct tdm_pipe *p = w->p;
+    for (int i = 0; i < p->spin_rounds && !__atomic_load_n(flag, __ATOMIC_ACQUIRE); i++) {
+        if (__atomic_load_n(&p->failed, __ATOMIC_ACQUIRE)) break;
+        tdm_cpu_relax();
+    }
+    pthread_mutex_lock(&p->mu);
+    while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE) && !p->failed)
+        pthread_cond_wait(&p->cv, &p->mu);
+    bool failed = p->failed;
+    pthread_mutex_unlock(&p->mu);
+    return failed ? tdm_raise(TDM_ERR_STATE, "stopped: another stage failed") : TDM_OK;
+}
+
+static void publish(struct tdm_pipe *p, bool *flag) {
+    pthread_mutex_lock(&p->mu);
+    __atomic_store_n(flag, true, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* tdm_device_recv's sink: the next stage hands the gradient of our output back. */
+static void grad_sink(tdm_tensor *grad, void *arg) {
+    handoff *h = arg;
+    pthread_mutex_lock(&h->p->mu);
+    h->grad = grad;
+    __atomic_store_n(&h->grad_ready, true, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&h->p->cv);
+    pthread_mutex_unlock(&h->p->mu);
+}
+
+/* ---- one micro-batch ---------------------------------------------------------------------- */
+
+/* Drops a tensor's memory before the step scope ends (its header stays in the scope). */
+static void release_early(tdm_tensor *t) {
+    if (t && t->owner && t->storage) {
+        tdm_storage_release(t->storage);
+        t->storage = NULL;
+    }
+}
+
+/* Rows [row0, row0 + rows) of the caller's t on dev: a view when t is there already. */
+static tdm_tensor *rows_on(tdm_tensor *t, int64_t row0, int64_t rows, tdm_device dev) {
+    bool prev = tdm_set_grad_enabled(false); /* never record on the caller's tensors */
+    tdm_tensor *s = tdm_slice(t, 0, row0, row0 + rows, 1);
+    if (s && !tdm_device_equal(s->device, dev)) s = tdm_to_device(s, dev);
+    tdm_set_grad_enabled(prev);
+    return s;
+}
+
+static void restore_impls(worker *w) {
+    for (int i = 0; i < w->n_snaps; i++)
+        memcpy(w->snaps[i].m->impl, w->snaps[i].saved, w->snaps[i].m->impl_size);
+}
+
+/* The last stage's root: the micro-batch's mean loss weighted by its share of the batch. */
+static tdm_tensor *loss_root(worker *w, micro *m, tdm_tensor *out, int64_t row0, int64_t rows) {
+    struct tdm_pipe *p = w->p;
+    m->target = rows_on(p->y, row0, rows, w->dev);
+    tdm_tensor *loss = m->target ? p->loss_fn(out, m->target, row0, p->loss_arg) : NULL;
+    if (!loss) return NULL;
+    double share = (double)rows / (double)p->B;
+    w->loss += (double)tdm_item(loss) * share;
+    return tdm_mul_scalar(loss, (float)share);
+}
+
+static tdm_tensor *stage_input(worker *w, micro *m, int k, int64_t row0, int64_t rows) {
+    if (w->stage == 0) return m->input = rows_on(w->p->x, row0, rows, w->dev);
+    handoff *h = &w->p->w[w->idx - w->p->R].ho[k]; /* the previous stage, same replica */
+    return tdm_device_recv(h->act, w->dev, grad_sink, h);
+}
+
+static int run_forward(worker *w, int k) {
+    struct tdm_pipe *p = w->p;
+    micro *m = &w->mb[k];
+    int64_t row0, rows;
+    micro_rows(p, w->replica, k, &row0, &rows);
+    if (w->stage > 0 && wait_flag(w, &p->w[w->idx - p->R].ho[k].act_ready))
+        return tdm_last_status();
+    double t0 = tdm_trace_now();
+    restore_impls(w); /* every micro-batch starts from the step's layer state */
+    tdm_parallel_context_set(NULL, row0, p->B); /* dropout keyed by global rows */
+    m->mark = tdm_tape_size();
+    tdm_tensor *out = tdm_module_forward(w->mod, stage_input(w, m, k, row0, rows));
+    bool last = w->stage == p->S - 1;
+    m->root = last && out ? loss_root(w, m, out, row0, rows) : out;
+    m->end = tdm_tape_size();
+    tdm_parallel_context_clear();
+    if (!m->root) return tdm_last_status();
+    if (!last) {
+        w->ho[k].act = out;
+        publish(p, &w->ho[k].act_ready);
+    }
+    double t1 = tdm_trace_now();
+    tdm_trace_span(span_names[0][k], t0, t1);
+    w->busy_us += t1 - t0;
+    if (w->t_first < 0) w->t_first = t0;
+    if (++w->in_flight > w->max_in_flight) w->max_in_flight = w->in_flight;
+    return TDM_OK;
+}
+
+static int run_backward(worker *w, int k) {
+    struct tdm_pipe *p = w->p;
+    micro *m = &w->mb[k];
+    /* an output without history (parameter-free layers on raw input) gets no gradient */
+    bool wants = w->stage < p->S - 1 && m->root->requires_grad;
+    if (wants && wait_flag(w, &w->ho[k].grad_ready)) return tdm_last_status();
+    tdm_tensor *g = wants ? w->ho[k].grad : NULL;
+    w->ho[k].grad = NULL;
+    double t0 = tdm_trace_now();
+    int rc = TDM_OK;
+    if (m->root->grad_fn) {
+        tdm_scope_begin(); /* the backward's temporaries die with it */
+        rc = tdm_backward_from(m->root, g, m->mark);
+        tdm_scope_end();
+    }
+    tdm_tensor_free(g);
+    tdm_graph_release(m->mark, m->end);
+    release_early(m->input);
+    release_early(m->target);
+    double t1 = tdm_trace_now();
+    tdm_trace_span(span_names[1][k], t0, t1);
+    w->busy_us += t1 - t0;
+    w->t_last = t1;
+    w->in_flight--;
+    return rc;
+}
+
+/* ---- schedules ---------------------------------------------------------------------------- */
+
+/* Stage s's order of work: k >= 0 is micro-batch k's forward, -(k + 1) its backward. */
+static int schedule_of(tdm_pipe_schedule sched, int S, int M, int s, int *ops) {
+    int n = 0;
+    if (sched == TDM_PIPE_GPIPE) {
+        for (int k = 0; k < M; k++) ops[n++] = k;
+        for (int k = M - 1; k >= 0; k--) ops[n++] = -(k + 1); /* last in, first out */
+        return n;
+    }
+    int warm = S - 1 - s < M ? S - 1 - s : M; /* fills the pipeline below this stage */
+    for (int k = 0; k < warm; k++) ops[n++] = k;
+    for (int i = 0; i < M - warm; i++) {
+        ops[n++] = warm + i;
+        ops[n++] = -(i + 1);
+    }
+    for (int k = M - warm; k < M; k++) ops[n++] = -(k + 1);
+    return n;
+}
+
+static int run_schedule(worker *w) {
+    struct tdm_pipe *p = w->p;
+    int ops[2 * TDM_PIPE_MAX_MICRO];
+    int n = schedule_of(p->sched, p->S, p->M, w->stage, ops), rc = TDM_OK;
+    for (int i = 0; i < n && !rc; i++)
+        rc = ops[i] >= 0 ? run_forward(w, ops[i]) : run_backward(w, -ops[i] - 1);
+    return rc;
+}
+
+/* ---- one step of one worker --------------------------------------------------------------- */
+
+static int sync_replicas(worker *w, bool buffers) {
+    int rc = TDM_OK;
+    if (!w->group) return rc;
+    if (buffers) {
+        for (int i = 0; !rc && i < w->bs->n; i++)
+            rc = tdm_work_wait(tdm_broadcast(w->group, w->bs->buffers[i], 0));
+        return rc;
+    }
+    tdm_trace_begin("all-reduce gradients");
+    if (w->opt) rc = tdm_work_wait(tdm_all_reduce(w->group, w->mod->paramset->flat_grad, TDM_SUM));
+    tdm_trace_end();
+    return rc;
+}
+
+static void step_begin(worker *w) {
+    w->loss = 0;
+    w->busy_us = 0;
+    w->t_first = w->t_last = -1;
+    w->in_flight = w->max_in_flight = 0;
+    memset(w->mb, 0, sizeof w->mb);
+    for (int i = 0; i < w->n_snaps; i++)
+        memcpy(w->snaps[i].saved, w->snaps[i].m->impl, w->snaps[i].m->impl_size);
+    tdm_alloc_reset_peak(w->dev);
+}
+
+static int worker_step(worker *w) {
+    struct tdm_pipe *p = w->p;
+    step_begin(w);
+    size_t base = tdm_alloc_stats_get(w->dev).bytes_in_use;
+    int rc = sync_replicas(w, true);
+    if (!rc && w->opt) rc = tdm_optim_zero_grad(w->opt);
+    tdm_scope_begin();
+    if (!rc) rc = run_schedule(w);
+    if (!rc) rc = sync_replicas(w, false);
+    if (!rc && w->opt) {
+        tdm_trace_begin("optimizer");
+        rc = tdm_optim_step(w->opt);
+        tdm_trace_end();
+    }
+    w->peak_bytes = (int64_t)(tdm_alloc_stats_get(w->dev).peak_in_use - base);
+    if (rc) fail(w, rc);
+    pthread_mutex_lock(&p->mu);
+    p->out++;
+    pthread_cond_broadcast(&p->cv);
+    /* after a failure the neighbours may still read our activations or write our slots */
+    while (p->failed && p->out < p->n_workers) pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+    for (int k = 0; k < p->M; k++) tdm_tensor_free(w->ho[k].grad); /* left by a failure */
+    tdm_scope_end();
+    return rc;
+}
+
+/* ---- worker threads ----------------------------------------------------------------------- */
+
+static int collect_snaps(worker *w, tdm_module *m) {
+    for (int c = 0; c < m->n_children; c++)
+        if (collect_snaps(w, m->children[c])) return tdm_last_status();
+    if (!m->impl || !m->impl_size) return TDM_OK;
+    impl_snap *s = realloc(w->snaps, sizeof *s * (size_t)(w->n_snaps + 1));
+    if (!s) return tdm_raise(TDM_ERR_NOMEM, "pipeline: out of memory");
+    w->snaps = s;
+    s[w->n_snaps] = (impl_snap){m, malloc(m->impl_size)};
+    if (!s[w->n_snaps].saved) return tdm_raise(TDM_ERR_NOMEM, "pipeline: out of memory");
+    w->n_snaps++;
+    return TDM_OK;
+}
+
+static int worker_init(worker *w) {
+    struct tdm_pipe *p = w->p;
+    char name[64], dev[16];
+    snprintf(name, sizeof name, "stage %d replica %d (%s)", w->stage, w->replica,
+             tdm_device_str(w->dev, dev));
+    tdm_trace_name_thread(name);
+    tdm_pin_rank_thread(w->idx, p->n_workers);
+    tdm_paramset *ps = tdm_module_parameters(w->mod);
+    w->bs = ps ? tdm_module_buffers(w->mod) : NULL;
+    if (!w->bs) return tdm_last_status();
+    if (ps->total > 0 && !(w->opt = p->make_optim(ps, p->optim_arg)))
+        return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
+    return collect_snaps(w, w->mod);
+}
+
+static void *worker_main(void *arg) {
+    worker *w = arg;
+    struct tdm_pipe *p = w->p;
+    int rc = worker_init(w);
+    if (rc) fail(w, rc);
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        w->rc = rc;
+        if (++p->finished == p->n_workers) pthread_cond_signal(&p->done);
+        while (!p->quit && p->generation == seen) pthread_cond_wait(&p->go, &p->mu);
+        seen = p->generation;
+        bool quit = p->quit;
+        pthread_mutex_unlock(&p->mu);
+        if (quit) break;
+        rc = worker_step(w);
+    }
+    tdm_optim_free(w->opt);
+    w->opt = NULL;
+    tdm_thread_release();
+    return NULL;
+}
+
+/* Starts a round (init or step) on every worker and waits for all of them. */
+static int run_round(struct tdm_pipe *p, bool start) {
+    pthread_mutex_lock(&p->mu);
+    if (start) {
+        /* the slots are cleared while every worker is idle: a stage that starts early must
+         * not find its neighbour's flags of the last step */
+        for (int i = 0; i < p->n_workers; i++) {
+            memset(p->w[i].ho, 0, sizeof p->w[i].ho);
+            for (int k = 0; k < p->M; k++) p->w[i].ho[k].p = p;
+        }
+        p->finished = p->out = 0;
+        p->generation++;
+        pthread_cond_broadcast(&p->go);
+    }
+    while (p->finished < p->n_workers) pthread_cond_wait(&p->done, &p->mu);
+    int rc = p->failed ? tdm_raise(TDM_ERR_STATE, "%s", p->err) : TDM_OK;
+    if (p->failed) p->broken = true;
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* ---- splitting ---------------------------------------------------------------------------- */
+
+static int64_t count_params(const tdm_module *m) {
+    int64_t n = 0;
+    for (int i = 0; i < m->n_params; i++) n += tdm_numel(m->params[i]);
+    for (int c = 0; c < m->n_children; c++) n += count_params(m->children[c]);
+    return n;
+}
+
+/* Cuts n layers of costs c into k runs minimising the largest run's cost (dynamic
+ * programming over prefix sums; n and k are small). */
+static int split_min_max(const int64_t *c, int n, int k, int *first) {
+    int64_t *pre = calloc((size_t)n + 1, sizeof *pre);
+    int64_t *best = malloc(sizeof *best * (size_t)(k + 1) * (size_t)(n + 1));
+    int *cut = malloc(sizeof *cut * (size_t)(k + 1) * (size_t)(n + 1));
+    if (!pre || !best || !cut) {
+        free(pre), free(best), free(cut);
+        return tdm_raise(TDM_ERR_NOMEM, "pipe_split: out of memory");
+    }
+    for (int i = 0; i < n; i++) pre[i + 1] = pre[i] + c[i];
+#define AT(a, j, i) a[(size_t)(j) * (size_t)(n + 1) + (size_t)(i)]
+    for (int i = 0; i <= n; i++) AT(best, 1, i) = pre[i], AT(cut, 1, i) = 0;
+    for (int j = 2; j <= k; j++)
+        for (int i = j; i <= n; i++) {
+            AT(best, j, i) = INT64_MAX;
+            for (int q = j - 1; q < i; q++) { /* stage j-1 is layers [q, i) */
+                int64_t last = pre[i] - pre[q], v = AT(best, j - 1, q);
+                if (last > v) v = last;
+                if (v < AT(best, j, i)) AT(best, j, i) = v, AT(cut, j, i) = q;
+            }
+        }
+    first[k] = n;
+    for (int j = k, i = n; j >= 1; j--) i = first[j - 1] = AT(cut, j, i);
+#undef AT
+    free(pre), free(best), free(cut);
+    return TDM_OK;
+}
+
+int tdm_pipe_split(const tdm_module *seq, int k, tdm_split_by by, int *first) {
+    if (!seq || !first) return tdm_raise(TDM_ERR_ARG, "pipe_split: NULL model or output");
+    int n = seq->n_children;
+    if (k < 1 || k > n)
+        return tdm_raise(TDM_ERR_ARG,
+                         "pipe_split: %d stages for a %s of %d layers (need 1 to %d: every "
+                         "stage holds at least one layer)",
+                         k, seq->ops->kind, n, n);
+    if (by == TDM_SPLIT_LAYERS) {
+        for (int s = 0; s <= k; s++) {
+            int64_t lo, hi;
+            part_of(n, k, s < k ? s : k - 1, &lo, &hi);
+            first[s] = (int)(s < k ? lo : hi);
+        }
+        return TDM_OK;
+    }
+    int64_t *c = malloc(sizeof *c * (size_t)n);
+    if (!c) return tdm_raise(TDM_ERR_NOMEM, "pipe_split: out of memory");
+    /* ties go to the split whose largest stage has fewer layers: parameters first, then
+     * layers, as one cost */
+    for (int i = 0; i < n; i++) c[i] = count_params(seq->children[i]) * (n + 1) + 1;
+    int rc = split_min_max(c, n, k, first);
+    free(c);
+    return rc;
+}
+
+/* ---- construction ------------------------------------------------------------------------- */
+
+tdm_pipe_opts tdm_pipe_defaults(int stages, int micro_batches) {
+    tdm_pipe_opts o = {stages, micro_batches, TDM_PIPE_1F1B, 1, NULL, NULL, TDM_SPLIT_PARAMS};
+    return o;
+}
+
+double tdm_pipe_ideal_bubble(int stages, int micro_batches) {
+    if (stages < 1 || micro_batches < 1) return NAN;
+    return (double)(stages - 1) / (double)(micro_batches + stages - 1);
+}
+
+/* Stage boundaries from an explicit layer -> stage map. */
+static int split_from_map(const tdm_module *seq, const int *map, int *stages, int *first) {
+    int n = seq->n_children;
+    if (map[0] != 0)
+        return tdm_raise(TDM_ERR_ARG,
+                         "pipeline: layer_stage[0] is %d, the first layer must be "
+                         "on stage 0",
+                         map[0]);
+    first[0] = 0;
+    int s = 0;
+    for (int i = 1; i < n; i++) {
+        if (map[i] != s && map[i] != s + 1)
+            return tdm_raise(TDM_ERR_ARG,
+                             "pipeline: layer_stage[%d] is %d after %d: stages must be "
+                             "contiguous runs numbered 0, 1, ... in layer order",
+                             i, map[i], s);
+        if (map[i] == s + 1) {
+            if (++s >= TDM_PIPE_MAX_STAGES) break;
+            first[s] = i;
+        }
+    }
+    if (s + 1 > TDM_PIPE_MAX_STAGES || (*stages && *stages != s + 1))
+        return tdm_raise(TDM_ERR_ARG,
+                         "pipeline: layer_stage gives %d stages, opts say %d (at "
+                         "most %d)",
+                         s + 1, *stages, TDM_PIPE_MAX_STAGES);
+    *stages = s + 1;
+    first[s + 1] = n;
+    return TDM_OK;
+}
+
+static int check_opts(const tdm_module *model, const tdm_pipe_opts *o, int *S, int *R) {
+    if (!model || !o) return tdm_raise(TDM_ERR_ARG, "pipeline: NULL model or options");
+    if (strcmp(model->ops->kind, "Sequential") != 0 || model->n_children < 1)
+        return tdm_raise(TDM_ERR_ARG,
+                         "pipeline: the model must be a non-empty Sequential, got "
+                         "a %s of %d children",
+                         model->ops->kind, model->n_children);
+    *S = o->stages;
+    *R = o->replicas ? o->replicas : 1;
+    if (!o->layer_stage && (*S < 1 || *S > TDM_PIPE_MAX_STAGES))
+        return tdm_raise(TDM_ERR_ARG, "pipeline: %d stages (1 to %d)", *S, TDM_PIPE_MAX_STAGES);
+    if (o->micro_batches < 1 || o->micro_batches > TDM_PIPE_MAX_MICRO)
+        return tdm_raise(TDM_ERR_ARG, "pipeline: %d micro-batches (1 to %d)", o->micro_batches,
+                         TDM_PIPE_MAX_MICRO);
+    if (*R < 1 || *R > TDM_PIPE_MAX_REPLICAS)
+        return tdm_raise(TDM_ERR_ARG, "pipeline: %d replicas (1 to %d)", *R, TDM_PIPE_MAX_REPLICAS);
+    if (o->schedule != TDM_PIPE_GPIPE && o->schedule != TDM_PIPE_1F1B)
+        return tdm_raise(TDM_ERR_ARG, "pipeline: unknown schedule %d", (int)o->schedule);
+    return TDM_OK;
+}
+
+/* The S*R devices: parsed from the list, or cpu:0 .. cpu:S*R-1. */
+static int pipe_devices(const tdm_pipe_opts *o, int S, int R, tdm_device *devs) {
+    int want = S * R;
+    if (!o->devices) {
+        if (want > MAX_DEVS)
+            return tdm_raise(TDM_ERR_ARG, "pipeline: %d devices needed, at most %d", want,
+                             MAX_DEVS);
+        for (int i = 0; i < want; i++) devs[i] = tdm_cpu(i);
+        return TDM_OK;
+    }
+    int n = tdm_devices_parse(o->devices, devs, MAX_DEVS);
+    if (n < 0) {
+        char why[512]; /* the message is rewritten by the raise that quotes it */
+        snprintf(why, sizeof why, "%s", tdm_last_error());
+        return tdm_raise(tdm_last_status(), "pipeline: devices \"%s\": %s", o->devices, why);
+    }
+    if (n != want)
+        return tdm_raise(TDM_ERR_DEVICE,
+                         "pipeline: devices \"%s\" lists %d devices, %d stages x %d replicas "
+                         "need %d",
+                         o->devices, n, S, R, want);
+    return TDM_OK;
+}
+
+/* Stage s's layers, cloned onto dev, as a Sequential of their own. */
+static tdm_module *clone_stage(const tdm_module *model, int lo, int hi, tdm_device dev) {
+    tdm_module *kids[256];
+    if (hi - lo > 256)
+        return tdm_raise_null(TDM_ERR_ARG, "pipeline: a stage of %d layers (at most 256)", hi - lo);
+    bool prev = tdm_set_grad_enabled(false);
+    int n = 0;
+    for (; n < hi - lo; n++)
+        if (!(kids[n] = tdm_module_clone(model->children[lo + n], dev))) break;
+    tdm_set_grad_enabled(prev);
+    if (n < hi - lo) {
+        while (n--) tdm_module_free(kids[n]);
+        return NULL;
+    }
+    return tdm_sequential_new(n, kids);
+}
+
+static int build_workers(struct tdm_pipe *p, const tdm_module *model, const tdm_device *devs) {
+    p->n_workers = p->S * p->R;
+    for (int s = 0; s < p->S; s++) {
+        if (p->R > 1 && !(p->worlds[s] = tdm_threads_world_new(p->R, devs + s * p->R)))
+            return tdm_last_status();
+        for (int r = 0; r < p->R; r++) {
+            int i = s * p->R + r;
+            worker *w = &p->w[i];
+            *w = (worker){.p = p, .stage = s, .replica = r, .idx = i, .dev = devs[i]};
+            w->group = p->R > 1 ? tdm_threads_world_group(p->worlds[s], r) : NULL;
+            w->mod = clone_stage(model, p->first[s], p->first[s + 1], devs[i]);
+            if (!w->mod) {
+                char d[16], why[512];
+                snprintf(why, sizeof why, "%s", tdm_last_error());
+                return tdm_raise(tdm_last_status(), "pipeline: stage %d on %s: %s", s,
+                                 tdm_device_str(devs[i], d), why);
+            }
+        }
+    }
+    return TDM_OK;
+}
+
+static int start_threads(struct tdm_pipe *p) {
+    /* ~50 us of pause instructions; spinning only pays when every worker has its own core */
+    p->spin_rounds = p->n_workers <= tdm_device_count(TDM_CPU) ? SPIN_ROUNDS : 0;
+    p->blas_threads = tdm_blas_threads_for_devices(p->n_workers);
+    for (int i = 0; i < p->n_workers; i++) {
+        if (pthread_create(&p->w[i].thread, NULL, worker_main, &p->w[i]))
+            return tdm_raise(TDM_ERR_NOMEM, "pipeline: cannot start the thread of stage %d",
+                             p->w[i].stage);
+        p->w[i].started = true;
+    }
+    return run_round(p, false); /* each worker's init ends with a finished round */
+}
+
+tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_factory make_optim,
+                       void *optim_arg) {
+    int S = 0, R = 0;
+    tdm_device devs[MAX_DEVS];
+    if (check_opts(model, o, &S, &R)) return NULL;
+    if (!make_optim) return tdm_raise_null(TDM_ERR_ARG, "pipeline: NULL optimizer factory");
+    int first[TDM_PIPE_MAX_STAGES + 2];
+    int rc = o->layer_stage ? split_from_map(model, o->layer_stage, &S, first)
+                            : tdm_pipe_split(model, S, o->split_by, first);
+    if (rc || pipe_devices(o, S, R, devs)) return NULL;
+    struct tdm_pipe *p = calloc(1, sizeof *p);
+    if (!p) return tdm_raise_null(TDM_ERR_NOMEM, "pipeline: out of memory");
+    *p = (struct tdm_pipe){.S = S,
+                           .M = o->micro_batches,
+                           .R = R,
+                           .sched = o->schedule,
+                           .make_optim = make_optim,
+                           .optim_arg = optim_arg};
+    memcpy(p->first, first, sizeof(int) * (size_t)(S + 1));
+    pthread_once(&names_once, names_init);
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    pthread_cond_init(&p->go, NULL);
+    pthread_cond_init(&p->done, NULL);
+    rc = build_workers(p, model, devs);
+    if (!rc) rc = start_threads(p);
+    if (rc) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", tdm_last_error());
+        tdm_pipe_free(p);
+        return tdm_raise_null((tdm_status)rc, "%s", msg);
+    }
+    return p;
+}
+
+/* ---- steps -------------------------------------------------------------------------------- */
+
+static int check_batch(const struct tdm_pipe *p, const tdm_tensor *x, const tdm_tensor *y) {
+    char a[96], b[96];
+    if (x->ndim < 1 || y->ndim < 1 || x->shape[0] != y->shape[0])
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "pipeline step: input %s and target %s differ in batch "
+                         "size",
+                         tdm_shape_str(tdm_shape_of(x), a), tdm_shape_str(tdm_shape_of(y), b));
+    int64_t need = (int64_t)p->M * p->R;
+    if (x->shape[0] < need)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "pipeline step: a batch of %lld rows cannot be cut into %d "
+                         "micro-batches on each of %d replicas (at least %lld rows needed)",
+                         (long long)x->shape[0], p->M, p->R, (long long)need);
+    return TDM_OK;
+}
+
+int tdm_pipe_step(tdm_pipe *p, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                  void *loss_arg, float *loss) {
+    if (loss) *loss = NAN;
+    if (!p || !x || !target || !loss_fn)
+        return tdm_raise(TDM_ERR_ARG, "pipeline step: NULL argument");
+    if (p->broken)
+        return tdm_raise(TDM_ERR_STATE, "pipeline step: a previous step failed inside a stage; "
+                                        "the stages' state is lost (build a new pipeline)");
+    if (check_batch(p, x, target)) return tdm_last_status();
+    p->x = x, p->y = target, p->B = x->shape[0];
+    p->loss_fn = loss_fn, p->loss_arg = loss_arg;
+    int rc = run_round(p, true);
+    if (!rc && loss) {
+        double sum = 0;
+        for (int r = 0; r < p->R; r++) sum += p->w[(p->S - 1) * p->R + r].loss;
+        *loss = (float)sum;
+    }
+    return rc;
+}
+
+/* ---- results ------------------------------------------------------------------------------ */
+
+/* Copies src's parameters and buffers (a stage's clone) into dst (the original layer). */
+static int copy_layer(tdm_module *dst, const tdm_module *src, int layer) {
+    if (dst->n_params != src->n_params || dst->n_buffers != src->n_buffers ||
+        dst->n_children != src->n_children)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "pipe_copy_to: layer %d (%s) differs from the "
+                         "pipeline's %s",
+                         layer, dst->ops->kind, src->ops->kind);
+    int rc = TDM_OK;
+    for (int i = 0; !rc && i < dst->n_params + dst->n_buffers; i++) {
+        tdm_tensor *d = i < dst->n_params ? dst->params[i] : dst->buffers[i - dst->n_params];
+        tdm_tensor *s = i < src->n_params ? src->params[i] : src->buffers[i - src->n_params];
+        char a[96], b[96];
+        if (!tdm_same_shape(d, s))
+            return tdm_raise(TDM_ERR_SHAPE,
+                             "pipe_copy_to: layer %d has a tensor %s, the "
+                             "pipeline's is %s",
+                             layer, tdm_shape_str(tdm_shape_of(d), a),
+                             tdm_shape_str(tdm_shape_of(s), b));
+        tdm_scope_begin();
+        rc = tdm_copy_(d, tdm_to_device(s, d->device));
+        tdm_scope_end();
+    }
+    for (int c = 0; !rc && c < dst->n_children; c++)
+        rc = copy_layer(dst->children[c], src->children[c], layer);
+    return rc;
+}
+
+int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model) {
+    if (!p || !model) return tdm_raise(TDM_ERR_ARG, "pipe_copy_to: NULL argument");
+    if (model->n_children != p->first[p->S])
+        return tdm_raise(TDM_ERR_SHAPE, "pipe_copy_to: the model has %d layers, the pipeline %d",
+                         model->n_children, p->first[p->S]);
+    bool prev = tdm_set_grad_enabled(false);
+    int rc = TDM_OK;
+    for (int s = 0; s < p->S && !rc; s++)
+        for (int i = p->first[s]; i < p->first[s + 1] && !rc; i++)
+            rc = copy_layer(model->children[i], p->w[s * p->R].mod->children[i - p->first[s]], i);
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+static worker *worker_at(const tdm_pipe *p, int s, int r) {
+    return p && s >= 0 && s < p->S && r >= 0 && r < p->R ? (worker *)&p->w[s * p->R + r] : NULL;
+}
+
+tdm_module *tdm_pipe_stage_module(tdm_pipe *p, int s, int r) {
+    worker *w = worker_at(p, s, r);
+    return w ? w->mod : NULL;
+}
+
+tdm_optim *tdm_pipe_stage_optim(tdm_pipe *p, int s, int r) {
+    worker *w = worker_at(p, s, r);
+    return w ? w->opt : NULL;
+}
+
+void tdm_pipe_set_lr(tdm_pipe *p, float lr) {
+    for (int i = 0; p && i < p->n_workers; i++)
+        if (p->w[i].opt) tdm_optim_set_lr(p->w[i].opt, lr);
+}
+
+int tdm_pipe_stage_first_layer(const tdm_pipe *p, int s) {
+    return p && s >= 0 && s <= p->S ? p->first[s] : -1;
+}
+
+int tdm_pipe_stages(const tdm_pipe *p) {
+    return p ? p->S : 0;
+}
+
+void tdm_pipe_get_stats(const tdm_pipe *p, tdm_pipe_stats *st) {
+    if (!st) return;
+    memset(st, 0, sizeof *st);
+    if (!p || p->w[0].t_first < 0 || p->generation == 0) return;
+    double t0 = INFINITY, t1 = -INFINITY, busy = 0;
+    for (int i = 0; i < p->n_workers; i++) {
+        const worker *w = &p->w[i];
+        if (w->t_first < t0) t0 = w->t_first;
+        if (w->t_last > t1) t1 = w->t_last;
+        busy += w->busy_us;
+        if (w->replica) continue;
+        st->busy_us[w->stage] = w->busy_us;
+        st->max_in_flight[w->stage] = w->max_in_flight;
+        st->peak_bytes[w->stage] = w->peak_bytes;
+    }
+    st->step_us = t1 - t0;
+    st->bubble = st->step_us > 0 ? 1.0 - busy / ((double)p->n_workers * st->step_us) : 0;
+}
+
+void tdm_pipe_free(tdm_pipe *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    p->quit = true;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->n_workers; i++)
+        if (p->w[i].started) pthread_join(p->w[i].thread, NULL);
+    if (p->n_workers && p->w[0].started) tdm_blas_threads_restore(p->blas_threads);
+    for (int i = 0; i < p->n_workers; i++) {
+        worker *w = &p->w[i];
+        for (int j = 0; j < w->n_snaps; j++) free(w->snaps[j].saved);
+        free(w->snaps);
+        tdm_module_free(w->mod);
+    }
+    for (int s = 0; s < p->S; s++) tdm_threads_world_free(p->worlds[s]);
+    pthread_cond_destroy(&p->cv);
+    pthread_cond_destroy(&p->go);
+    pthread_cond_destroy(&p->done);
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}

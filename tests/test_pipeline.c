@@ -1,0 +1,458 @@
+/* Pipelines: a Sequential split into 2 or 3 stages on CPU devices, 1 to 8 micro-batches,
+ * GPipe and 1F1B, alone and with 2 data-parallel replicas per stage, ends with the parameters
+ * of the same model trained unsplit on one device on the same batches (dropout included:
+ * the masks are the unsplit batch's). Batch norm matches its documented meaning (statistics
+ * per micro-batch, as torch's Pipe). The allocator's peak shows 1F1B holding at most
+ * `stages` micro-batches of activations per stage while GPipe holds all M. Bad input fails
+ * with a message naming it.
+ *
+ * Tolerance: a pipeline sums each micro-batch's gradient into the flat buffer, while one
+ * device reduces the whole batch inside one GEMM, so the sums are rounded in another order:
+ * float32 rounding (~1e-7 relative per add over a few dozen rows), carried through 3 SGD
+ * steps with momentum. 1e-5 absolute + 1e-4 relative on parameters of order 0.1-1 is two
+ * orders above what is observed and far below what a wrong mask, a missed micro-batch or a
+ * wrong loss weight causes (1e-3 and up). */
+#include "check.h"
+#include "core/core.h"
+
+#include <pthread.h>
+#include <unistd.h>
+
+#define B     17 /* uneven over 2 replicas and 2..8 micro-batches */
+#define IN    6
+#define HID   12
+#define OUT   4
+#define STEPS 3
+
+/* Linear, ReLU, Dropout, Linear, Tanh, Linear: 6 layers, so 3 stages fit. */
+static tdm_module *make_model(uint64_t seed, bool dropout) {
+    tdm_rng r = tdm_rng_make(seed);
+    tdm_module *l[6] = {tdm_linear_new(IN, HID, true, tdm_cpu(0), &r),
+                        tdm_relu_new(),
+                        dropout ? tdm_dropout_new(0.3f, &r) : tdm_gelu_new(false),
+                        tdm_linear_new(HID, HID, true, tdm_cpu(0), &r),
+                        tdm_tanh_new(),
+                        tdm_linear_new(HID, OUT, true, tdm_cpu(0), &r)};
+    return tdm_sequential_new(6, l);
+}
+
+/* Linear, BatchNorm1d, ReLU, Linear. */
+static tdm_module *make_bn_model(uint64_t seed) {
+    tdm_rng r = tdm_rng_make(seed);
+    tdm_module *l[4] = {tdm_linear_new(IN, HID, true, tdm_cpu(0), &r),
+                        tdm_batch_norm1d_new(HID, 1e-5f, 0.1f, tdm_cpu(0)), tdm_relu_new(),
+                        tdm_linear_new(HID, OUT, true, tdm_cpu(0), &r)};
+    return tdm_sequential_new(4, l);
+}
+
+static tdm_optim *make_sgd(tdm_paramset *ps, void *arg) {
+    tdm_sgd_opts o = tdm_sgd_defaults(0.1f);
+    o.momentum = 0.9f;
+    return tdm_sgd_new(ps, &o);
+}
+
+static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    return tdm_cross_entropy(out, target, NULL);
+}
+
+/* Step s's batch, caller-owned. */
+static void batch_of(int s, int64_t b, tdm_tensor **x, tdm_tensor **y) {
+    tdm_rng r = tdm_rng_make(100 + (uint64_t)s);
+    *x = tdm_randn(TDM_SHAPE(b, IN), 0, 1, tdm_cpu(0), &r);
+    int64_t t[256];
+    for (int64_t i = 0; i < b; i++) t[i] = (i * 7 + s) % OUT;
+    *y = tdm_from_data(TDM_SHAPE(b), TDM_I64, tdm_cpu(0), t);
+}
+
+/* All parameters and buffers of m, in order, as host floats (i64 buffers converted). */
+static int64_t state_of(tdm_module *m, float *out, int64_t cap) {
+    int64_t n = 0;
+    for (int i = 0; i < m->n_params + m->n_buffers; i++) {
+        tdm_tensor *t = i < m->n_params ? m->params[i] : m->buffers[i - m->n_params];
+        tdm_tensor *f = tdm_cast(t, TDM_F32);
+        int64_t k = tdm_numel(t);
+        if (n + k <= cap) tdm_to_host(f, out + n, sizeof(float) * (size_t)k);
+        tdm_tensor_free(f);
+        n += k;
+    }
+    for (int c = 0; c < m->n_children; c++) n += state_of(m->children[c], out + n, cap - n);
+    return n;
+}
+
+/* One device: STEPS steps on whole batches (or `micro` batches accumulated in sequence). */
+static int64_t reference(tdm_module *m, int micro, float *out, int64_t cap) {
+    tdm_optim *opt = make_sgd(tdm_module_parameters(m), NULL);
+    for (int s = 0; s < STEPS; s++) {
+        tdm_tensor *x, *y;
+        batch_of(s, B, &x, &y);
+        tdm_optim_zero_grad(opt);
+        for (int k = 0; k < micro; k++) {
+            int64_t lo = k * (B / micro) + (k < B % micro ? k : B % micro);
+            int64_t hi = lo + B / micro + (k < B % micro);
+            tdm_scope_begin();
+            tdm_tensor *l = tdm_cross_entropy(tdm_module_forward(m, tdm_slice(x, 0, lo, hi, 1)),
+                                              tdm_slice(y, 0, lo, hi, 1), NULL);
+            tdm_backward(tdm_mul_scalar(l, (float)(hi - lo) / B));
+            tdm_scope_end();
+        }
+        tdm_optim_step(opt);
+        tdm_tensor_free(x);
+        tdm_tensor_free(y);
+    }
+    tdm_optim_free(opt);
+    return state_of(m, out, cap);
+}
+
+static int compare(const float *got, const float *want, int64_t n, const char *what) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!(fabsf(got[i] - want[i]) <= 1e-5f + 1e-4f * fabsf(want[i])) && bad++ < 3)
+            fprintf(stderr, "%s: value %lld = %.8g, unsplit %.8g\n", what, (long long)i, got[i],
+                    want[i]);
+    return bad;
+}
+
+/* Trains a pipeline built from a fresh model for STEPS steps; the result lands in out. */
+static int train_pipe(tdm_module *m, const tdm_pipe_opts *o, float *out, int64_t cap,
+                      tdm_pipe **keep) {
+    tdm_pipe *p = tdm_pipe_new(m, o, make_sgd, NULL);
+    if (!p) return -1;
+    int rc = 0;
+    for (int s = 0; s < STEPS && !rc; s++) {
+        tdm_tensor *x, *y;
+        batch_of(s, B, &x, &y);
+        float loss;
+        rc = tdm_pipe_step(p, x, y, ce_loss, NULL, &loss);
+        if (!rc && !isfinite(loss)) rc = -1;
+        tdm_tensor_free(x);
+        tdm_tensor_free(y);
+    }
+    if (!rc) rc = tdm_pipe_copy_to(p, m);
+    if (!rc) state_of(m, out, cap);
+    if (keep)
+        *keep = p;
+    else
+        tdm_pipe_free(p);
+    return rc;
+}
+
+/* ---- equivalence --------------------------------------------------------------------------- */
+
+static void test_equivalence(void) {
+    float want[1024], got[1024];
+    tdm_module *ref = make_model(1, true);
+    int64_t n = reference(ref, 1, want, 1024);
+    tdm_module_free(ref);
+    for (int stages = 2; stages <= 3; stages++)
+        for (int sched = 0; sched < 2; sched++)
+            for (int M = 1; M <= 8; M++) {
+                tdm_module *m = make_model(1, true);
+                tdm_pipe_opts o = tdm_pipe_defaults(stages, M);
+                o.schedule = (tdm_pipe_schedule)sched;
+                int rc = train_pipe(m, &o, got, 1024, NULL);
+                char what[64];
+                snprintf(what, sizeof what, "%d stages, %s, M %d", stages, sched ? "1F1B" : "GPipe",
+                         M);
+                CHECK(rc == 0, "%s: %s", what, tdm_last_error());
+                CHECK(rc || compare(got, want, n, what) == 0,
+                      "%s: parameters differ from "
+                      "unsplit training",
+                      what);
+                tdm_module_free(m);
+            }
+}
+
+/* An explicit map with a parameter-free middle stage (the Dropout alone): no optimizer
+ * there, and the gradient still flows through it. */
+static void test_explicit_map(void) {
+    float want[1024], got[1024];
+    tdm_module *ref = make_model(1, true);
+    int64_t n = reference(ref, 1, want, 1024);
+    tdm_module_free(ref);
+    int map[6] = {0, 0, 1, 2, 2, 2};
+    tdm_module *m = make_model(1, true);
+    tdm_pipe_opts o = tdm_pipe_defaults(0, 4);
+    o.layer_stage = map;
+    o.devices = "cpu:2,cpu:0,cpu:1";
+    tdm_pipe *p = NULL;
+    int rc = train_pipe(m, &o, got, 1024, &p);
+    CHECK(rc == 0, "explicit map: %s", tdm_last_error());
+    CHECK(rc || compare(got, want, n, "explicit map") == 0, "explicit map differs from unsplit");
+    CHECK(p && tdm_pipe_stages(p) == 3 && !tdm_pipe_stage_optim(p, 1, 0) &&
+              tdm_pipe_stage_optim(p, 2, 0) &&
+              tdm_device_equal(tdm_pipe_stage_module(p, 0, 0)->children[0]->device, tdm_cpu(2)),
+          "stage 0 on cpu:2, stage 1 without an optimizer");
+    tdm_pipe_free(p);
+    tdm_module_free(m);
+}
+
+/* Two replicas per stage: every replica ends like unsplit training, replicas identical. */
+static void test_with_data_parallel(void) {
+    float want[1024], got[1024];
+    tdm_module *ref = make_model(1, true);
+    int64_t n = reference(ref, 1, want, 1024);
+    tdm_module_free(ref);
+    int micro[3] = {1, 3, 8};
+    for (int sched = 0; sched < 2; sched++)
+        for (int i = 0; i < 3; i++) {
+            tdm_module *m = make_model(1, true);
+            tdm_pipe_opts o = tdm_pipe_defaults(2, micro[i]);
+            o.schedule = (tdm_pipe_schedule)sched;
+            o.replicas = 2;
+            o.devices = "cpu:0,cpu:1,cpu:2,cpu:3"; /* stage 0: cpu:0, cpu:1; stage 1: ... */
+            tdm_pipe *p = NULL;
+            int rc = train_pipe(m, &o, got, 1024, &p);
+            char what[64];
+            snprintf(what, sizeof what, "2 stages x 2 replicas, %s, M %d", sched ? "1F1B" : "GPipe",
+                     micro[i]);
+            CHECK(rc == 0, "%s: %s", what, tdm_last_error());
+            CHECK(rc || compare(got, want, n, what) == 0, "%s: differs from unsplit", what);
+            for (int s = 0; p && s < 2; s++) {
+                tdm_paramset *a = tdm_pipe_stage_module(p, s, 0)->paramset;
+                tdm_paramset *b = tdm_pipe_stage_module(p, s, 1)->paramset;
+                CHECK(memcmp(tdm_data_ptr(a->flat), tdm_data_ptr(b->flat),
+                             sizeof(float) * (size_t)a->total) == 0,
+                      "%s: stage %d's replicas differ", what, s);
+            }
+            tdm_pipe_free(p);
+            tdm_module_free(m);
+        }
+}
+
+/* Batch norm: per micro-batch statistics, running statistics updated per micro-batch; the
+ * reference runs the same micro-batches in sequence on one device. */
+static void test_batch_norm(void) {
+    float want[1024], got[1024];
+    for (int M = 1; M <= 4; M += 3) {
+        tdm_module *ref = make_bn_model(3);
+        int64_t n = reference(ref, M, want, 1024);
+        tdm_module_free(ref);
+        for (int sched = 0; sched < 2; sched++) {
+            tdm_module *m = make_bn_model(3);
+            tdm_pipe_opts o = tdm_pipe_defaults(2, M);
+            o.schedule = (tdm_pipe_schedule)sched;
+            o.split_by = TDM_SPLIT_LAYERS; /* BatchNorm on stage 0 */
+            int rc = train_pipe(m, &o, got, 1024, NULL);
+            CHECK(rc == 0, "batch norm, M %d: %s", M, tdm_last_error());
+            CHECK(rc || compare(got, want, n, "batch norm") == 0,
+                  "batch norm, M %d, %s: parameters or running statistics differ from the "
+                  "micro-batched reference",
+                  M, sched ? "1F1B" : "GPipe");
+            tdm_module_free(m);
+        }
+    }
+}
+
+/* ---- the cross-thread copy on its own ------------------------------------------------------ */
+
+static void keep_grad(tdm_tensor *g, void *arg) {
+    *(tdm_tensor **)arg = g;
+}
+
+/* y = recv(x * 3) on cpu:1, loss = sum(y * y): dL/dx = 18 x, through the sink and
+ * tdm_backward_from on the "sending" side (one thread here, two tapes' worth of work). */
+static void test_recv(void) {
+    float xv[4] = {1, -2, 0.5f, 4};
+    tdm_tensor *x = tdm_from_data(TDM_SHAPE(4), TDM_F32, tdm_cpu(0), xv);
+    tdm_requires_grad_(x, true);
+    tdm_scope_begin();
+    int mark = tdm_tape_size();
+    tdm_tensor *h = tdm_mul_scalar(x, 3);
+    tdm_tensor *g = NULL;
+    int mark1 = tdm_tape_size();
+    tdm_tensor *y = tdm_device_recv(h, tdm_cpu(1), keep_grad, &g);
+    CHECK(y && tdm_device_equal(y->device, tdm_cpu(1)), "recv copies onto cpu:1");
+    CHECK(tdm_backward_from(tdm_sum_all(tdm_mul(y, y)), NULL, mark1) == 0, "%s", tdm_last_error());
+    CHECK(g && tdm_device_equal(g->device, tdm_cpu(0)), "the gradient comes back on cpu:0");
+    CHECK(tdm_backward_from(h, g, mark) == 0, "%s", tdm_last_error());
+    float want[4];
+    for (int i = 0; i < 4; i++) want[i] = 18 * xv[i];
+    check_tensor_close(x->grad, want, 1e-6, 1e-6, "dL/dx through device_recv");
+    CHECK_ERROR(tdm_backward_from(h, g, mark1 + 1) != 0, "not recorded");
+    tdm_tensor *wrong = tdm_ones(TDM_SHAPE(3), TDM_F32, tdm_cpu(0));
+    CHECK_ERROR(tdm_backward_from(tdm_mul_scalar(x, 2), wrong, mark) != 0, "gradient of shape");
+    tdm_tensor_free(g);
+    tdm_scope_end();
+    CHECK_ERROR(tdm_device_recv(x, tdm_cpu(1), NULL, NULL) == NULL, "open step scope");
+    tdm_tensor_free(x);
+}
+
+/* ---- splitting and errors ------------------------------------------------------------------ */
+
+static void test_split(void) {
+    tdm_module *m = make_model(1, false); /* params: 84, 0, 0, 156, 0, 52 */
+    int first[4];
+    CHECK(tdm_pipe_split(m, 2, TDM_SPLIT_LAYERS, first) == 0 && first[1] == 3 && first[2] == 6,
+          "by layers: 3 + 3");
+    CHECK(tdm_pipe_split(m, 3, TDM_SPLIT_LAYERS, first) == 0 && first[1] == 2 && first[2] == 4,
+          "by layers: 2 + 2 + 2");
+    /* by parameters the largest stage is the middle Linear alone (156) */
+    CHECK(tdm_pipe_split(m, 3, TDM_SPLIT_PARAMS, first) == 0 && first[3] == 6, "%s",
+          tdm_last_error());
+    int64_t per[3] = {0};
+    for (int s = 0; s < 3; s++)
+        for (int i = first[s]; i < first[s + 1]; i++)
+            per[s] += m->children[i]->n_params ? tdm_numel(m->children[i]->params[0]) +
+                                                     tdm_numel(m->children[i]->params[1])
+                                               : 0;
+    CHECK(per[0] <= 156 && per[1] <= 156 && per[2] <= 156 && first[1] >= 1 && first[2] > first[1],
+          "by parameters: stages %lld, %lld, %lld", (long long)per[0], (long long)per[1],
+          (long long)per[2]);
+    CHECK_ERROR(tdm_pipe_split(m, 7, TDM_SPLIT_PARAMS, first) != 0,
+                "7 stages for a Sequential of 6 layers");
+    tdm_module_free(m);
+}
+
+static tdm_tensor *failing_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    return row0 > 0 ? tdm_raise_null(TDM_ERR_NUMERIC, "loss went bad at row %lld", (long long)row0)
+                    : tdm_cross_entropy(out, target, NULL);
+}
+
+static void test_errors(void) {
+    tdm_module *m = make_model(1, false);
+    tdm_pipe_opts o = tdm_pipe_defaults(7, 2);
+    CHECK_ERROR(tdm_pipe_new(m, &o, make_sgd, NULL) == NULL,
+                "7 stages for a Sequential of 6 layers");
+    o = tdm_pipe_defaults(2, 2);
+    o.devices = "cpu:0,gpu:1";
+    CHECK_ERROR(tdm_pipe_new(m, &o, make_sgd, NULL) == NULL, "unknown device \"gpu:1\"");
+    o.devices = "cpu:0,cpu:0";
+    CHECK_ERROR(tdm_pipe_new(m, &o, make_sgd, NULL) == NULL, "cpu:0 is listed twice");
+    o.devices = "cpu:0,cpu:1,cpu:2";
+    CHECK_ERROR(tdm_pipe_new(m, &o, make_sgd, NULL) == NULL, "lists 3 devices, 2 stages x 1");
+    int bad_map[6] = {0, 0, 2, 2, 2, 2};
+    o = tdm_pipe_defaults(0, 2);
+    o.layer_stage = bad_map;
+    CHECK_ERROR(tdm_pipe_new(m, &o, make_sgd, NULL) == NULL, "layer_stage[2] is 2 after 0");
+    o.micro_batches = 0;
+    CHECK_ERROR(tdm_pipe_new(m, &o, make_sgd, NULL) == NULL, "0 micro-batches");
+    tdm_module *relu = tdm_relu_new();
+    CHECK_ERROR(tdm_pipe_new(relu, &o, make_sgd, NULL) == NULL, "non-empty Sequential");
+    tdm_module_free(relu);
+
+    int map[6] = {0, 0, 0, 1, 1, 1};
+    o = tdm_pipe_defaults(0, 8);
+    o.layer_stage = map;
+    tdm_pipe *p = tdm_pipe_new(m, &o, make_sgd, NULL);
+    CHECK(p && tdm_pipe_stages(p) == 2 && tdm_pipe_stage_first_layer(p, 1) == 3, "map: %s",
+          tdm_last_error());
+    tdm_pipe_set_lr(p, 0.05f);
+    CHECK(tdm_optim_lr(tdm_pipe_stage_optim(p, 0, 0)) == 0.05f &&
+              tdm_optim_lr(tdm_pipe_stage_optim(p, 1, 0)) == 0.05f,
+          "set_lr reaches every stage");
+    tdm_tensor *x, *y;
+    batch_of(0, 4, &x, &y);
+    CHECK_ERROR(tdm_pipe_step(p, x, y, ce_loss, NULL, NULL) != 0,
+                "a batch of 4 rows cannot be cut into 8 micro-batches");
+    tdm_tensor_free(x);
+    tdm_tensor_free(y);
+    batch_of(0, B, &x, &y);
+    tdm_tensor *y3 = tdm_slice(y, 0, 0, 3, 1);
+    CHECK_ERROR(tdm_pipe_step(p, x, y3, ce_loss, NULL, NULL) != 0, "differ in batch size");
+    tdm_tensor_free(y3);
+    /* a stage that fails: its message names it; the others stop; the pipeline stays failed */
+    CHECK_ERROR(tdm_pipe_step(p, x, y, failing_loss, NULL, NULL) != 0,
+                "stage 1, replica 0 (cpu:1): loss went bad at row 3");
+    CHECK_ERROR(tdm_pipe_step(p, x, y, ce_loss, NULL, NULL) != 0, "a previous step failed");
+    tdm_pipe_free(p);
+    tdm_tensor_free(x);
+    tdm_tensor_free(y);
+    tdm_module_free(m);
+}
+
+/* ---- memory and trace ---------------------------------------------------------------------- */
+
+#define MB_ROWS 16
+#define WIDE    256
+
+static tdm_module *make_wide(void) {
+    tdm_rng r = tdm_rng_make(5);
+    tdm_module *l[6] = {tdm_linear_new(IN, WIDE, true, tdm_cpu(0), &r),
+                        tdm_relu_new(),
+                        tdm_linear_new(WIDE, WIDE, true, tdm_cpu(0), &r),
+                        tdm_relu_new(),
+                        tdm_linear_new(WIDE, WIDE, true, tdm_cpu(0), &r),
+                        tdm_linear_new(WIDE, OUT, true, tdm_cpu(0), &r)};
+    return tdm_sequential_new(6, l);
+}
+
+/* The stats of one step of a 2-stage pipeline over M micro-batches of MB_ROWS rows. */
+static tdm_pipe_stats one_step(tdm_pipe_schedule sched, int M) {
+    tdm_module *m = make_wide();
+    tdm_pipe_opts o = tdm_pipe_defaults(2, M);
+    o.schedule = sched;
+    o.split_by = TDM_SPLIT_LAYERS;
+    tdm_pipe *p = tdm_pipe_new(m, &o, make_sgd, NULL);
+    tdm_pipe_stats st = {0};
+    tdm_tensor *x, *y;
+    batch_of(0, (int64_t)M * MB_ROWS, &x, &y);
+    /* the second step: the first also allocates the optimizer's state */
+    for (int i = 0; i < 2 && p; i++)
+        CHECK(tdm_pipe_step(p, x, y, ce_loss, NULL, NULL) == 0, "%s", tdm_last_error());
+    tdm_pipe_get_stats(p, &st);
+    tdm_pipe_free(p);
+    tdm_tensor_free(x);
+    tdm_tensor_free(y);
+    tdm_module_free(m);
+    return st;
+}
+
+static void test_memory(void) {
+    const int M = 8, S = 2;
+    tdm_pipe_stats one = one_step(TDM_PIPE_1F1B, 1);
+    tdm_pipe_stats gp = one_step(TDM_PIPE_GPIPE, M);
+    tdm_pipe_stats ff = one_step(TDM_PIPE_1F1B, M);
+    for (int s = 0; s < S; s++) {
+        int64_t a = one.peak_bytes[s]; /* one micro-batch: forward, backward, gradients */
+        printf("stage %d peak: 1 micro-batch %lld B, GPipe x%d %lld B, 1F1B x%d %lld B\n", s,
+               (long long)a, M, (long long)gp.peak_bytes[s], M, (long long)ff.peak_bytes[s]);
+        CHECK(gp.max_in_flight[s] == M, "GPipe holds all %d micro-batches on stage %d (got %d)", M,
+              s, gp.max_in_flight[s]);
+        CHECK(ff.max_in_flight[s] == S - s, "1F1B holds %d on stage %d (got %d)", S - s, s,
+              ff.max_in_flight[s]);
+        /* every micro-batch's activations alive at once: more than M/2 single footprints */
+        CHECK(gp.peak_bytes[s] > a * M / 2, "GPipe peak %lld on stage %d, one micro-batch %lld",
+              (long long)gp.peak_bytes[s], s, (long long)a);
+        /* slack: tensors a forward makes that no tape node holds (cross-entropy's per-row
+         * weight sums, 256 B here) are not released early and live until the step ends */
+        CHECK(ff.peak_bytes[s] <= a * (S - s) + 1024 * M,
+              "1F1B peak %lld on stage %d above %d x %lld", (long long)ff.peak_bytes[s], s, S - s,
+              (long long)a);
+    }
+}
+
+static void test_trace(void) {
+    char path[] = "/tmp/tandem_pipe_traceXXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "temp file");
+    close(fd);
+    CHECK(tdm_trace_start(path, 0) == 0, "%s", tdm_last_error());
+    tdm_pipe_stats st = one_step(TDM_PIPE_GPIPE, 4);
+    CHECK(tdm_trace_stop() == 0, "%s", tdm_last_error());
+    FILE *f = fopen(path, "r");
+    static char buf[1 << 20];
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    buf[n] = '\0';
+    if (f) fclose(f);
+    unlink(path);
+    CHECK(strstr(buf, "\"name\":\"F 3\"") && strstr(buf, "\"name\":\"B 0\"") &&
+              strstr(buf, "stage 1 replica 0 (cpu:1)"),
+          "trace holds per-stage forward and backward spans");
+    CHECK(st.step_us > 0 && st.busy_us[0] > 0 && st.busy_us[1] > 0 && st.bubble >= 0 &&
+              st.bubble < 1,
+          "stats: step %.0f us, bubble %.3f", st.step_us, st.bubble);
+    CHECK(fabs(tdm_pipe_ideal_bubble(2, 4) - 0.2) < 1e-12, "ideal bubble");
+}
+
+int main(void) {
+    test_recv();
+    test_split();
+    test_errors();
+    test_equivalence();
+    test_explicit_map();
+    test_with_data_parallel();
+    test_batch_norm();
+    test_memory();
+    test_trace();
+    return check_summary();
+}

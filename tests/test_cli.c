@@ -138,6 +138,13 @@ static void test_usage_errors(void) {
     expect_usage("smaller than the 3 devices",
                  (const char *const[]){t, "train", "--devices", "3", "--batch-size", "2", NULL});
     expect_usage("gpu:0", (const char *const[]){t, "train", "--devices", "gpu:0", NULL});
+    expect_usage("multiple of 2 devices",
+                 (const char *const[]){t, "train", "--model-split", "2", "--devices", "3", NULL});
+    expect_usage("'zigzag'", (const char *const[]){t, "train", "--model-split", "2", "--devices",
+                                                   "2", "--pipeline", "zigzag", NULL});
+    expect_usage("too small for 8 micro-batches",
+                 (const char *const[]){t, "train", "--model-split", "2", "--devices", "2",
+                                       "--micro-batches", "8", "--batch-size", "4", NULL});
     expect_usage("stray", (const char *const[]){t, "train", "stray", NULL});
     expect_usage("frobnicate", (const char *const[]){t, "frobnicate", NULL});
 }
@@ -285,6 +292,27 @@ static void test_devices_run(void) {
     result_free(&three);
 }
 
+/* --model-split: the MLP cut into 2 pipeline stages (and 2 x 2 with replicas) learns what
+ * one device learns; the same loss to float rounding (gradients summed per micro-batch). */
+static void test_model_split(void) {
+    result one = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet");
+    result two = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet", "--devices", "2",
+                        "--model-split", "2", "--pipeline", "gpipe", "--micro-batches", "3");
+    result four = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet", "--devices", "4",
+                         "--model-split", "2");
+    double l1 = epoch_train_loss(one.out), l2 = epoch_train_loss(two.out),
+           l4 = epoch_train_loss(four.out);
+    CHECK(two.status == 0 && fabs(l1 - l2) <= 2e-4,
+          "train loss on 1 device %.4f, in 2 stages %.4f (exit %d: %s)", l1, l2, two.status,
+          two.err);
+    CHECK(four.status == 0 && fabs(l1 - l4) <= 2e-4,
+          "train loss on 1 device %.4f, 2 stages x 2 replicas %.4f (exit %d: %s)", l1, l4,
+          four.status, four.err);
+    result_free(&one);
+    result_free(&two);
+    result_free(&four);
+}
+
 static void test_schedules(void) {
     char log[300];
     snprintf(log, sizeof log, "%s/cos.jsonl", tmpdir);
@@ -374,6 +402,7 @@ int main(int argc, char **argv) {
     test_mlp_run();
     test_cnn_run();
     test_devices_run();
+    test_model_split();
     test_schedules();
     if (argc > 2) test_tutorial(argv[2]);
     char cmd[320];

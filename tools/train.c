@@ -44,6 +44,8 @@ typedef struct {
     const char *save_path;
     double clip;
     double timeout; /* seconds, under mpirun */
+    int64_t model_split, micro_batches;
+    const char *pipe_schedule;
     int64_t grad_accum;
     tdm_device devs[MAX_DEVICES]; /* parsed from devices */
     int n_devs;
@@ -129,6 +131,16 @@ static const opt_spec specs[] = {
      "update (data parallelism), so results match one device. Under mpirun each process "
      "uses these devices for its share of the batch, and gradients are averaged over every "
      "device of every process."},
+    {"--model-split", "K", OPT_INT, F(model_split), 1, TDM_PIPE_MAX_STAGES, "1 (no split)",
+     "Model parallelism: cut the model into K pipeline stages of consecutive layers (balanced "
+     "by parameter count), each on its own device of --devices, which must list K devices, or "
+     "K x R for R data-parallel replicas of every stage. Each batch flows through the stages "
+     "in --micro-batches pieces, so the devices work at once; results match one device."},
+    {"--micro-batches", "M", OPT_INT, F(micro_batches), 1, TDM_PIPE_MAX_MICRO, "4",
+     "With --model-split: pieces each batch is cut into."},
+    {"--pipeline", "1f1b|gpipe", OPT_STR, F(pipe_schedule), 0, 0, "1f1b",
+     "With --model-split: gpipe runs every forward, then every backward (all micro-batches' "
+     "activations alive at once); 1f1b alternates them (at most K alive on a stage)."},
     {"--timeout", "SECONDS", OPT_NUM, F(timeout), 0.1, 1e6, "30",
      "Under mpirun: how long a process waits for the others at a collective before it stops "
      "with an error naming the rank it waited for (a process that crashed or hangs). Raise "
@@ -185,6 +197,9 @@ static train_opts opts_defaults(void) {
                         .schedule = "constant",
                         .devices = "cpu:0",
                         .timeout = 30,
+                        .model_split = 1,
+                        .micro_batches = 4,
+                        .pipe_schedule = "1f1b",
                         .epochs = 1,
                         .batch_size = 64,
                         .workers = 2,
@@ -364,6 +379,24 @@ static int check_opts(train_opts *o) {
     if (o->batch_size < o->n_devs)
         return usage_error("--batch-size %lld is smaller than the %d devices sharing it",
                            (long long)o->batch_size, o->n_devs);
+    if (o->model_split > 1) {
+        static const char *const pipes[] = {"1f1b", "gpipe", NULL};
+        if (!one_of(o->pipe_schedule, pipes))
+            return usage_error("--pipeline: unknown schedule '%s' (expected 1f1b or gpipe)",
+                               o->pipe_schedule);
+        if (gpt || o->checkpoint_dir)
+            return usage_error("--model-split does not work with %s yet",
+                               gpt ? "--model gpt" : "--checkpoint-dir");
+        if (o->n_devs % o->model_split)
+            return usage_error("--model-split %lld needs a multiple of %lld devices, --devices "
+                               "gives %d",
+                               (long long)o->model_split, (long long)o->model_split, o->n_devs);
+        if (o->micro_batches * (o->n_devs / o->model_split) > o->batch_size)
+            return usage_error("--batch-size %lld is too small for %lld micro-batches on each of "
+                               "%lld replicas",
+                               (long long)o->batch_size, (long long)o->micro_batches,
+                               (long long)(o->n_devs / o->model_split));
+    }
     if (gpt && (o->clip > 0 || o->grad_accum > 1) && o->n_devs > 1)
         return usage_error("--clip-grad and --grad-accum work on one device only for now");
     return 0;
@@ -405,6 +438,7 @@ typedef struct {
     tdm_paramset *ps;
     tdm_optim *opt; /* with several devices: replica 0's (the others follow it) */
     tdm_dp *dp;     /* several devices: the replicas and their threads */
+    tdm_pipe *pipe; /* --model-split: the stages (and their replicas) and their threads */
     tdm_group *g;   /* under mpirun: all processes; each trains a replica through ddp */
     tdm_ddp *ddp;
     bool silent; /* a rank other than 0: prints and writes nothing */
@@ -525,7 +559,17 @@ static int make_optimizer(trainer *t) {
     /* rank 0's initial weights go to every process */
     if (t->g && o->n_devs == 1 && !(t->ddp = tdm_ddp_new(t->model, t->g, NULL)))
         return runtime_error(t, "ddp: %s", tdm_last_error());
-    if (o->n_devs > 1) {
+    if (o->model_split > 1) {
+        tdm_pipe_opts po = tdm_pipe_defaults((int)o->model_split, (int)o->micro_batches);
+        po.schedule = strcmp(o->pipe_schedule, "gpipe") == 0 ? TDM_PIPE_GPIPE : TDM_PIPE_1F1B;
+        po.replicas = o->n_devs / (int)o->model_split;
+        po.devices = o->devices;
+        t->pipe = tdm_pipe_new(t->model, &po, build_optimizer, &t->o);
+        if (!t->pipe) return runtime_error(t, "pipeline: %s", tdm_last_error());
+        /* the learning rate is read from a stage's optimizer (every stage has the same) */
+        for (int s = 0; s < tdm_pipe_stages(t->pipe) && !t->opt; s++)
+            t->opt = tdm_pipe_stage_optim(t->pipe, s, 0);
+    } else if (o->n_devs > 1) {
         /* under mpirun: this process's devices, averaged with every other process's */
         t->dp = tdm_dp_new_distributed(t->model, o->devs, o->n_devs, t->g, build_optimizer, &t->o);
         if (!t->dp) return runtime_error(t, "data parallel: %s", tdm_last_error());
@@ -592,6 +636,10 @@ static int64_t count_correct(const int64_t *pred, const int64_t *label, int64_t 
 
 /* The schedule's learning rate at t on every replica's optimizer. */
 static void apply_lr(trainer *t, int64_t at) {
+    if (t->pipe) {
+        tdm_pipe_set_lr(t->pipe, tdm_sched_lr(&t->sched, at));
+        return;
+    }
     for (int r = 0; r < (t->dp ? tdm_dp_devices(t->dp) : 1); r++)
         tdm_sched_apply(&t->sched, t->dp ? tdm_dp_optim(t->dp, r) : t->opt, at);
 }
@@ -621,9 +669,21 @@ static int train_step_dp(trainer *t, const tdm_batch *b) {
     return 0;
 }
 
+/* A pipelined step: the last stage records losses and predictions on the host. */
+static int train_step_pipe(trainer *t, const tdm_batch *b) {
+    float loss = NAN;
+    int rc = tdm_pipe_step(t->pipe, b->x, b->y, replica_loss, t, &loss);
+    if (!rc)
+        rc = tdm_to_host(b->y, t->label_host + t->chunk_images, sizeof(int64_t) * (size_t)b->size);
+    if (rc) return runtime_error(t, "training step: %s", tdm_last_error());
+    t->loss_host[t->chunk_steps] = loss;
+    return 0;
+}
+
 /* One optimizer step on batch b; records loss and predictions into the chunk buffers. */
 static int train_step(trainer *t, const tdm_batch *b) {
     if (t->dp) return train_step_dp(t, b);
+    if (t->pipe) return train_step_pipe(t, b);
     int k = t->chunk_steps;
     int64_t off = t->chunk_images, n = b->size;
     if (tdm_scope_begin() != TDM_OK) return runtime_error(t, "%s", tdm_last_error());
@@ -667,13 +727,14 @@ static int train_step(trainer *t, const tdm_batch *b) {
 static int sync_chunk(trainer *t, int epoch, int64_t step) {
     int k = t->chunk_steps;
     if (k == 0) return 0;
-    int rc = t->dp ? TDM_OK : tdm_scope_begin(); /* data parallel: already on the host */
-    if (!rc && !t->dp)
+    bool on_host = t->dp || t->pipe; /* the replicas or stages wrote them there */
+    int rc = on_host ? TDM_OK : tdm_scope_begin();
+    if (!rc && !on_host)
         rc = tdm_to_host(tdm_slice(t->loss_buf, 0, 0, k, 1), t->loss_host, sizeof(float) * k);
-    if (!rc && !t->dp)
+    if (!rc && !on_host)
         rc = tdm_to_host(tdm_slice(t->pred_buf, 0, 0, t->chunk_images, 1), t->pred_host,
                          sizeof(int64_t) * (size_t)t->chunk_images);
-    if (!t->dp) tdm_scope_end();
+    if (!on_host) tdm_scope_end();
     if (rc) return runtime_error(t, "reading losses back: %s", tdm_last_error());
     for (int i = 0; i < k; i++) {
         int64_t s = step - k + i + 1;
@@ -809,7 +870,10 @@ static int evaluate_all(trainer *t, epoch_stats *e);
 
 static int evaluate(trainer *t, epoch_stats *e) {
     tdm_trace_begin("evaluate");
-    int rc = evaluate_all(t, e);
+    /* the stages' trained weights back into the model that evaluates */
+    int rc = t->pipe && tdm_pipe_copy_to(t->pipe, t->model)
+                 ? runtime_error(t, "pipeline: %s", tdm_last_error())
+                 : evaluate_all(t, e);
     tdm_trace_end();
     return rc;
 }
@@ -913,7 +977,13 @@ static void banner(trainer *t) {
     for (int i = 1; i < t->o.n_devs; i++) printf(",%s", tdm_device_str(t->o.devs[i], dev));
     int procs = t->g ? tdm_group_size(t->g) : 1;
     if (procs > 1) printf(" in each of %d processes", procs);
-    if (t->o.n_devs * procs > 1)
+    if (t->pipe) {
+        printf(" (%lld pipeline stages, layers", (long long)t->o.model_split);
+        for (int s = 0; s < tdm_pipe_stages(t->pipe); s++)
+            printf(" %d-%d", tdm_pipe_stage_first_layer(t->pipe, s),
+                   tdm_pipe_stage_first_layer(t->pipe, s + 1) - 1);
+        printf(", %lld micro-batches, %s)", (long long)t->o.micro_batches, t->o.pipe_schedule);
+    } else if (t->o.n_devs * procs > 1)
         printf(" (data parallel, %lld samples per device per step)",
                (long long)(t->o.batch_size / (t->o.n_devs * procs)));
     printf("\n");
@@ -1056,6 +1126,8 @@ static void trainer_free(trainer *t) {
     tdm_dataset_free(t->test_ds);
     if (t->dp)
         tdm_dp_free(t->dp); /* frees every replica's optimizer */
+    else if (t->pipe)
+        tdm_pipe_free(t->pipe); /* and every stage's */
     else
         tdm_optim_free(t->opt);
     tdm_module_free(t->model);
@@ -1078,6 +1150,7 @@ static int join_mpi(trainer *t, int *argc, char ***argv) {
     if (!t->g) return runtime_error(t, "mpi: %s", tdm_last_error());
     int n = tdm_group_size(t->g);
     tdm_group_set_timeout(t->g, t->o.timeout);
+    if (t->o.model_split > 1) return usage_error("--model-split does not work under mpirun yet");
     if (t->o.batch_size % n)
         return usage_error("--batch-size %lld does not split evenly over %d processes",
                            (long long)t->o.batch_size, n);

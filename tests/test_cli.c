@@ -367,6 +367,43 @@ static void test_mpi_run(const char *mpirun) {
     result_free(&one);
     result_free(&two);
     result_free(&four);
+    /* a GPT on text (bytes as tokens): the printed loss is the global batch's, the same in
+     * 1 process and in 2 processes of 2 devices */
+    char text[300];
+    snprintf(text, sizeof text, "%s/text.txt", tmpdir);
+    FILE *f = fopen(text, "w");
+    for (int i = 0; f && i < 200; i++) fprintf(f, "line %d of a small text to learn from\n", i);
+    if (f) fclose(f);
+    const char *gpt[] = {"train", "--model",     "gpt", "--data",        text, "--batch-size",
+                         "8",     "--max-steps", "6",   "--print-every", "6",  "--layers",
+                         "1",     "--channels",  "32",  "--heads",       "2",  "--context",
+                         "16"};
+    result g1 =
+        run((const char *const[]){tandem_path, gpt[0],  gpt[1],  gpt[2],  gpt[3],  gpt[4],  gpt[5],
+                                  gpt[6],      gpt[7],  gpt[8],  gpt[9],  gpt[10], gpt[11], gpt[12],
+                                  gpt[13],     gpt[14], gpt[15], gpt[16], gpt[17], gpt[18], NULL});
+    result g2 = run((const char *const[]){mpirun,      "--oversubscribe",
+                                          "-np",       "2",
+                                          tandem_path, gpt[0],
+                                          gpt[1],      gpt[2],
+                                          gpt[3],      gpt[4],
+                                          gpt[5],      gpt[6],
+                                          gpt[7],      gpt[8],
+                                          gpt[9],      gpt[10],
+                                          gpt[11],     gpt[12],
+                                          gpt[13],     gpt[14],
+                                          gpt[15],     gpt[16],
+                                          gpt[17],     gpt[18],
+                                          "--devices", "2",
+                                          NULL});
+    const char *p1 = strstr(g1.out, "step 6/6  loss "), *p2 = strstr(g2.out, "step 6/6  loss ");
+    double a = p1 ? strtod(p1 + 15, NULL) : NAN, b = p2 ? strtod(p2 + 15, NULL) : NAN;
+    CHECK(g1.status == 0 && g2.status == 0 && fabs(a - b) <= 1e-3,
+          "gpt loss after 6 steps: 1 process %.4f, 2 processes x 2 devices %.4f (exit %d, %d: "
+          "%s)",
+          a, b, g1.status, g2.status, g2.err);
+    result_free(&g1);
+    result_free(&g2);
     result bad = run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path,
                                            "train", "--limit", "640", "--batch-size", "63", NULL});
     CHECK(bad.status != 0 && strstr(bad.err, "does not split evenly over 2 processes"),

@@ -1167,12 +1167,24 @@ static int join_mpi(trainer *t, int *argc, char ***argv) {
 
 /* --model gpt: its own loop (train_gpt.c), from the shared options. */
 static int train_gpt_main(const train_opts *o) {
-    if (tdm_mpi_launched())
-        return usage_error("--model gpt under mpirun is not supported yet (use --devices)");
+    tdm_group *procs = NULL;
+    if (tdm_mpi_launched()) { /* as join_mpi: rank 0 alone prints and writes */
+        if (!(procs = tdm_mpi_init(NULL, NULL)))
+            return fprintf(stderr, "tandem train: error: mpi: %s\n", tdm_last_error()),
+                   EXIT_RUNTIME;
+        tdm_group_set_timeout(procs, o->timeout);
+        int n = tdm_group_size(procs);
+        if (o->batch_size % n || o->batch_size / n < o->n_devs)
+            return usage_error("--batch-size %lld does not split evenly over %d processes of %d "
+                               "devices",
+                               (long long)o->batch_size, n, o->n_devs);
+    }
+    bool rank0 = !procs || tdm_group_rank(procs) == 0;
     gpt_train_opts g = {.data = o->data,
+                        .procs = procs,
                         .init_from = o->init_from,
-                        .save = o->save_path,
-                        .checkpoint_dir = o->checkpoint_dir,
+                        .save = rank0 ? o->save_path : NULL,
+                        .checkpoint_dir = rank0 ? o->checkpoint_dir : NULL,
                         .layers = o->layers ? o->layers : 2,
                         .heads = o->heads ? o->heads : 4,
                         .channels = o->channels ? o->channels : 128,
@@ -1190,10 +1202,12 @@ static int train_gpt_main(const train_opts *o) {
                         .clip = o->clip,
                         .grad_accum = o->grad_accum ? o->grad_accum : 1,
                         .cosine = strcmp(o->schedule, "cosine") == 0,
-                        .quiet = o->quiet,
+                        .quiet = o->quiet || !rank0,
                         .devs = o->devs,
                         .n_devs = o->n_devs};
-    return gpt_train(&g);
+    int rc = gpt_train(&g);
+    if (procs && !rc) tdm_mpi_finalize(); /* after a failure MPI_Finalize could wait forever */
+    return rc;
 }
 
 int train_main(int argc, char **argv) {

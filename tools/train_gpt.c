@@ -6,7 +6,9 @@
  * Optimizer: AdamW with weight decay on matrices only (tdm_gpt_adamw_new), an optional cosine
  * schedule with warmup, gradient clipping and gradient accumulation (--grad-accum N: N
  * batches' gradients, each loss divided by N, add up before one step, which is then the step
- * of one batch N times larger). Several devices train through DataParallel.
+ * of one batch N times larger). Several devices train through DataParallel; under mpirun
+ * each process takes its share of every batch (DistributedSampler) and the gradients are
+ * averaged over the processes (DDP, or DataParallel over every device of every process).
  * The trained model is written in llm.c's format (--save, and DIR/model.bin beside the
  * checkpoint of --checkpoint-dir), which `tandem sample` reads.
  */
@@ -36,6 +38,7 @@ typedef struct {
     tdm_adam_opts adam;
     tdm_optim *opt;
     tdm_dp *dp;
+    tdm_ddp *ddp; /* under mpirun with one device per process */
     tdm_sched sched;
     int64_t steps, total;
     int64_t micro;     /* batches of the current step so far (gradient accumulation) */
@@ -105,6 +108,11 @@ static int make_data(gpt_run *r) {
         return fail("--data '%s' holds byte tokens (vocabulary 256) but the model predicts %d",
                     o->data, r->cfg.vocab);
     tdm_loader_opts lo = tdm_loader_defaults(o->batch_size);
+    if (o->procs) { /* this process's rows of every global batch */
+        lo.rank = tdm_group_rank(o->procs);
+        lo.world_size = tdm_group_size(o->procs);
+        lo.batch_size = o->batch_size / lo.world_size;
+    }
     lo.shuffle = true;
     lo.seed = (uint64_t)o->seed;
     lo.workers = (int)o->workers;
@@ -132,8 +140,12 @@ static int make_optimizer(gpt_run *r) {
     r->adam = tdm_adamw_defaults();
     r->adam.lr = (float)o->lr;
     r->adam.weight_decay = (float)o->weight_decay;
+    /* rank 0's initial weights reach every process */
+    if (o->procs && o->n_devs == 1 && !(r->ddp = tdm_ddp_new(r->model, o->procs, NULL)))
+        return fail("ddp: %s", tdm_last_error());
     if (o->n_devs > 1) {
-        r->dp = tdm_dp_new(r->model, o->devs, o->n_devs, make_optim, &r->adam);
+        r->dp =
+            tdm_dp_new_distributed(r->model, o->devs, o->n_devs, o->procs, make_optim, &r->adam);
         if (!r->dp) return fail("data parallel: %s", tdm_last_error());
         r->opt = tdm_dp_optim(r->dp, 0);
     } else {
@@ -168,7 +180,13 @@ static int accumulate(gpt_run *r, const tdm_batch *b, int64_t micro, float *loss
     tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(r->model, b->x), b->y);
     int rc = l ? TDM_OK : tdm_last_status();
     if (!rc && micro == 0) rc = tdm_optim_zero_grad(r->opt);
-    if (!rc) rc = tdm_backward(tdm_mul_scalar(l, 1.0f / (float)r->o->grad_accum));
+    tdm_tensor *scaled = rc ? NULL : tdm_mul_scalar(l, 1.0f / (float)r->o->grad_accum);
+    if (!rc && r->ddp) { /* gradients of all but the step's last batch stay local (no_sync) */
+        tdm_ddp_set_sync(r->ddp, micro == r->o->grad_accum - 1);
+        rc = tdm_ddp_backward(r->ddp, scaled);
+    } else if (!rc) {
+        rc = tdm_backward(scaled);
+    }
     *loss = rc ? NAN : tdm_item(l);
     tdm_scope_end();
     return rc;
@@ -196,6 +214,17 @@ static int train_batch(gpt_run *r, const tdm_batch *b, bool *done, float *loss) 
     return tdm_optim_step(r->opt);
 }
 
+/* *v <- its mean over the processes (every process calls it at the same steps). */
+static int mean_over_processes(tdm_group *procs, double *v) {
+    float f = (float)*v;
+    tdm_tensor *t = tdm_from_data(TDM_SHAPE(1), TDM_F32, tdm_cpu(0), &f);
+    int rc = t ? tdm_work_wait(tdm_all_reduce(procs, t, TDM_AVG)) : tdm_last_status();
+    if (!rc) rc = tdm_to_host(t, &f, sizeof f);
+    tdm_tensor_free(t);
+    *v = f;
+    return rc;
+}
+
 static int train_loop(gpt_run *r) {
     const gpt_train_opts *o = r->o;
     int64_t every = o->print_every > 0 ? o->print_every : (r->total >= 10 ? r->total / 10 : 1);
@@ -217,14 +246,17 @@ static int train_loop(gpt_run *r) {
             if (!isfinite(loss))
                 return fail("step %lld: the loss is %g", (long long)r->steps + 1, loss);
             r->steps++, loss_sum += loss, n_sum++;
-            if (!o->quiet && (r->steps % every == 0 || r->steps == r->total)) {
-                double t = now_s(), dt = (t - t_last) / (double)n_sum;
+            if (r->steps % every != 0 && r->steps != r->total) continue;
+            if (o->procs && mean_over_processes(o->procs, &loss_sum))
+                return fail("step %lld: %s", (long long)r->steps, tdm_last_error());
+            double t = now_s(), dt = (t - t_last) / (double)n_sum;
+            if (!o->quiet) {
                 printf("step %lld/%lld  loss %.4f  lr %.3g  %.1f ms/step  %.0f tok/s\n",
                        (long long)r->steps, (long long)r->total, loss_sum / (double)n_sum,
                        tdm_optim_lr(r->opt), 1e3 * dt, (double)tokens / dt);
                 fflush(stdout);
-                t_last = t, loss_sum = 0, n_sum = 0;
             }
+            t_last = t, loss_sum = 0, n_sum = 0;
         }
     }
     if (!o->quiet) printf("done      %lld steps in %.1f s\n", (long long)r->steps, now_s() - t0);
@@ -276,6 +308,7 @@ int gpt_train(const gpt_train_opts *o) {
     if (!rc) rc = train_loop(&r);
     if (!rc) rc = save(&r);
     tdm_loader_free(r.loader);
+    tdm_ddp_free(r.ddp);
     if (r.dp)
         tdm_dp_free(r.dp);
     else

@@ -1,5 +1,6 @@
 /* `tandem train --model gpt`: a GPT-2 trained on a text file (bytes as tokens) or on llm.c
- * token shards, on one CPU device or several (DataParallel). */
+ * token shards, on one CPU device or several (DataParallel), in one process or several
+ * (under mpirun: DDP, or DataParallel joined over the processes). */
 #ifndef TANDEM_TOOLS_TRAIN_GPT_H
 #define TANDEM_TOOLS_TRAIN_GPT_H
 
@@ -10,6 +11,7 @@
 
 typedef struct {
     const char *data;      /* a token shard (detected by its magic) or any other file as bytes */
+    tdm_group *procs;      /* under mpirun: every process (this one trains its share), or NULL */
     const char *init_from; /* an llm.c model file to start from, or NULL */
     const char *save;      /* write the trained model here (llm.c's format), or NULL */
     const char *checkpoint_dir; /* also write DIR/model.bin and a Tandem checkpoint */

@@ -658,21 +658,12 @@ static tdm_tensor *replica_loss(tdm_tensor *out, tdm_tensor *target, int64_t row
     return rc ? NULL : loss;
 }
 
-/* A data-parallel step: the replicas record losses and predictions on the host. */
-static int train_step_dp(trainer *t, const tdm_batch *b) {
+/* A data-parallel or pipelined step: the replicas (or the last stage) record losses and
+ * predictions on the host. */
+static int train_step_on_host(trainer *t, const tdm_batch *b) {
     float loss = NAN;
-    int rc = tdm_dp_step(t->dp, b->x, b->y, replica_loss, t, &loss);
-    if (!rc)
-        rc = tdm_to_host(b->y, t->label_host + t->chunk_images, sizeof(int64_t) * (size_t)b->size);
-    if (rc) return runtime_error(t, "training step: %s", tdm_last_error());
-    t->loss_host[t->chunk_steps] = loss;
-    return 0;
-}
-
-/* A pipelined step: the last stage records losses and predictions on the host. */
-static int train_step_pipe(trainer *t, const tdm_batch *b) {
-    float loss = NAN;
-    int rc = tdm_pipe_step(t->pipe, b->x, b->y, replica_loss, t, &loss);
+    int rc = t->dp ? tdm_dp_step(t->dp, b->x, b->y, replica_loss, t, &loss)
+                   : tdm_pipe_step(t->pipe, b->x, b->y, replica_loss, t, &loss);
     if (!rc)
         rc = tdm_to_host(b->y, t->label_host + t->chunk_images, sizeof(int64_t) * (size_t)b->size);
     if (rc) return runtime_error(t, "training step: %s", tdm_last_error());
@@ -682,8 +673,7 @@ static int train_step_pipe(trainer *t, const tdm_batch *b) {
 
 /* One optimizer step on batch b; records loss and predictions into the chunk buffers. */
 static int train_step(trainer *t, const tdm_batch *b) {
-    if (t->dp) return train_step_dp(t, b);
-    if (t->pipe) return train_step_pipe(t, b);
+    if (t->dp || t->pipe) return train_step_on_host(t, b);
     int k = t->chunk_steps;
     int64_t off = t->chunk_images, n = b->size;
     if (tdm_scope_begin() != TDM_OK) return runtime_error(t, "%s", tdm_last_error());

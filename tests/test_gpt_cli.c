@@ -1,6 +1,7 @@
 /* `tandem train --model gpt` and `tandem sample` end to end: a tiny GPT learns a repetitive
  * text (its loss falls), is saved in llm.c's format and read back by the library, samples are
- * reproducible from a seed, two devices train like one, and bad options fail with the right
+ * reproducible from a seed, two devices train like one, a resumed run continues as if never
+ * stopped, and bad options fail with the right
  * status and message. Runs the `tandem` built beside this test. */
 #include <sys/wait.h>
 #include <fcntl.h>
@@ -158,6 +159,29 @@ static void test_grad_accum(void) {
     for (int i = 0; i < n1 && i < n2; i++) CHECK_CLOSE(accum[i], whole[i], 2e-4, 0);
 }
 
+/* Stopping at step 6 with a checkpoint and resuming to step 12 prints the losses of an
+ * uninterrupted run of 12 steps (weights, AdamW moments and data position restored). */
+static void test_resume(void) {
+    char dir[300];
+    snprintf(dir, sizeof dir, "%s/ckpt", tmpdir);
+#define GPT_RUN(steps, ...)                                                                        \
+    TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "1", "--channels", "16",    \
+           "--context", "8", "--batch-size", "4", "--max-steps", steps, "--workers", "0",          \
+           "--print-every", "3", __VA_ARGS__)
+    double whole[8], resumed[8];
+    result *r = GPT_RUN("12", "--seed", "3");
+    int n = losses(r->out, whole, 8);
+    CHECK(r->status == 0 && n == 4, "uninterrupted run: %s", r->err);
+    r = GPT_RUN("6", "--seed", "3", "--checkpoint-dir", dir, "--checkpoint-every", "3");
+    CHECK(r->status == 0 && strstr(r->out, "checkpoint"), "first half: %s %s", r->out, r->err);
+    r = GPT_RUN("12", "--seed", "3", "--checkpoint-dir", dir, "--resume");
+    int m = losses(r->out, resumed, 8);
+    CHECK(r->status == 0 && m == 2 && strstr(r->out, "step 6"), "resumed run: %s %s", r->out,
+          r->err);
+    for (int i = 0; i < m && n == 4; i++) CHECK_CLOSE(resumed[i], whole[2 + i], 1e-6, 0);
+#undef GPT_RUN
+}
+
 static void test_sample(void) {
     result *r = TANDEM("sample", "--model", model_path, "--prompt", "the quick", "--tokens", "30",
                        "--seed", "7", "--top-k", "5");
@@ -212,6 +236,7 @@ int main(int argc, char **argv) {
     test_train_and_save();
     test_two_devices();
     test_grad_accum();
+    test_resume();
     test_sample();
     test_errors();
     char cmd[300];

@@ -345,9 +345,9 @@ static int check_opts(train_opts *o) {
         return usage_error("--model gpt trains with adamw (weight decay on matrices only), not "
                            "%s",
                            o->optimizer);
-    if (gpt && (o->resume || o->log_path || o->plot_path || o->trace_path || o->limit ||
+    if (gpt && (o->log_path || o->plot_path || o->trace_path || o->limit ||
                 strcmp(o->schedule, "step") == 0))
-        return usage_error("--model gpt does not take --resume, --log, --plot, --trace, --limit "
+        return usage_error("--model gpt does not take --log, --plot, --trace, --limit "
                            "or --schedule step yet");
     if (gpt && !strcmp(o->data, "fashion-mnist"))
         return usage_error("--model gpt needs --data FILE (text, or an llm.c token shard)");
@@ -1174,7 +1174,10 @@ static int train_gpt_main(const train_opts *o) {
                         .procs = procs,
                         .init_from = o->init_from,
                         .save = rank0 ? o->save_path : NULL,
-                        .checkpoint_dir = rank0 ? o->checkpoint_dir : NULL,
+                        .checkpoint_dir = o->checkpoint_dir,
+                        .write_checkpoints = rank0,
+                        .checkpoint_every = o->checkpoint_every,
+                        .resume = o->resume,
                         .layers = o->layers ? o->layers : 2,
                         .heads = o->heads ? o->heads : 4,
                         .channels = o->channels ? o->channels : 128,

@@ -41,6 +41,7 @@ typedef struct {
     tdm_ddp *ddp; /* under mpirun with one device per process */
     tdm_sched sched;
     int64_t steps, total;
+    bool resumed;      /* the loader stands where the checkpoint left it: no epoch start */
     int64_t micro;     /* batches of the current step so far (gradient accumulation) */
     double micro_loss; /* their summed losses */
 } gpt_run;
@@ -214,6 +215,56 @@ static int train_batch(gpt_run *r, const tdm_batch *b, bool *done, float *loss) 
     return tdm_optim_step(r->opt);
 }
 
+/* DIR/model.bin (for tandem sample) and a Tandem checkpoint of the weights, optimizer and
+ * loader position (for --resume). */
+static int save_checkpoint(gpt_run *r) {
+    const gpt_train_opts *o = r->o;
+    if (!o->checkpoint_dir || !o->write_checkpoints) return 0;
+    if (mkdir(o->checkpoint_dir, 0755) != 0 && errno != EEXIST)
+        return fail("--checkpoint-dir '%s': %s", o->checkpoint_dir, strerror(errno));
+    char path[4200];
+    snprintf(path, sizeof path, "%s/model.bin", o->checkpoint_dir);
+    if (tdm_gpt_save_llmc(path, r->model)) return fail("checkpoint: %s", tdm_last_error());
+    tdm_train_state s = {.model = r->model, .optim = r->opt, .loader = r->loader, .step = r->steps};
+    if (tdm_checkpoint_save(o->checkpoint_dir, &s, 3))
+        return fail("checkpoint: %s", tdm_last_error());
+    if (!o->quiet)
+        printf("checkpoint %s at step %lld (model.bin for tandem sample)\n", o->checkpoint_dir,
+               (long long)r->steps);
+    return 0;
+}
+
+/* --resume: weights, optimizer state (every replica's) and loader position from the newest
+ * checkpoint of --checkpoint-dir; none there yet starts from the beginning. */
+static int resume(gpt_run *r) {
+    const gpt_train_opts *o = r->o;
+    char path[4200];
+    int64_t step = 0;
+    int found = o->resume ? tdm_checkpoint_latest(o->checkpoint_dir, path, sizeof path, &step) : 0;
+    if (found < 0) return fail("--resume: %s", tdm_last_error());
+    if (found == 0) return 0;
+    int n = r->dp ? tdm_dp_devices(r->dp) : 1;
+    for (int i = 0; i < n; i++) {
+        tdm_train_state s = {.model = r->dp ? tdm_dp_replica(r->dp, i) : r->model,
+                             .optim = r->dp ? tdm_dp_optim(r->dp, i) : r->opt,
+                             .loader = i == 0 ? r->loader : NULL};
+        if (tdm_checkpoint_load(path, &s))
+            return fail("--resume from '%s': %s", path, tdm_last_error());
+    }
+    r->steps = step;
+    r->resumed = true;
+    if (!o->quiet) printf("resume    %s: step %lld\n", path, (long long)step);
+    return 0;
+}
+
+static int save(gpt_run *r) {
+    const gpt_train_opts *o = r->o;
+    if (o->save && tdm_gpt_save_llmc(o->save, r->model))
+        return fail("--save: %s", tdm_last_error());
+    if (o->save && !o->quiet) printf("saved     %s (llm.c model file)\n", o->save);
+    return save_checkpoint(r);
+}
+
 /* *v <- its mean over the processes (every process calls it at the same steps). */
 static int mean_over_processes(tdm_group *procs, double *v) {
     float f = (float)*v;
@@ -231,8 +282,12 @@ static int train_loop(gpt_run *r) {
     int64_t tokens = o->batch_size * r->ds->sample_shape.d[0] * o->grad_accum; /* per step */
     double t0 = now_s(), t_last = t0, loss_sum = 0;
     int64_t n_sum = 0;
-    for (int64_t epoch = 0; r->steps < r->total; epoch++) {
-        if (tdm_loader_start_epoch(r->loader, epoch)) return fail("loader: %s", tdm_last_error());
+    int64_t epoch = 0, batch = 0;
+    if (r->resumed) tdm_loader_position(r->loader, &epoch, &batch);
+    for (; r->steps < r->total; epoch++) {
+        if (!r->resumed && tdm_loader_start_epoch(r->loader, epoch))
+            return fail("loader: %s", tdm_last_error());
+        r->resumed = false;
         tdm_batch b;
         int got;
         while (r->steps < r->total && (got = tdm_loader_next(r->loader, &b)) != 0) {
@@ -246,6 +301,9 @@ static int train_loop(gpt_run *r) {
             if (!isfinite(loss))
                 return fail("step %lld: the loss is %g", (long long)r->steps + 1, loss);
             r->steps++, loss_sum += loss, n_sum++;
+            if (o->checkpoint_every > 0 && r->steps % o->checkpoint_every == 0 &&
+                r->steps < r->total && save_checkpoint(r))
+                return EXIT_RUNTIME;
             if (r->steps % every != 0 && r->steps != r->total) continue;
             if (o->procs && mean_over_processes(o->procs, &loss_sum))
                 return fail("step %lld: %s", (long long)r->steps, tdm_last_error());
@@ -260,24 +318,6 @@ static int train_loop(gpt_run *r) {
         }
     }
     if (!o->quiet) printf("done      %lld steps in %.1f s\n", (long long)r->steps, now_s() - t0);
-    return 0;
-}
-
-static int save(gpt_run *r) {
-    const gpt_train_opts *o = r->o;
-    if (o->save && tdm_gpt_save_llmc(o->save, r->model))
-        return fail("--save: %s", tdm_last_error());
-    if (o->save && !o->quiet) printf("saved     %s (llm.c model file)\n", o->save);
-    if (!o->checkpoint_dir) return 0;
-    if (mkdir(o->checkpoint_dir, 0755) != 0 && errno != EEXIST)
-        return fail("--checkpoint-dir '%s': %s", o->checkpoint_dir, strerror(errno));
-    char path[4200];
-    snprintf(path, sizeof path, "%s/model.bin", o->checkpoint_dir);
-    if (tdm_gpt_save_llmc(path, r->model)) return fail("checkpoint: %s", tdm_last_error());
-    tdm_train_state s = {.model = r->model, .optim = r->opt, .step = r->steps};
-    if (tdm_checkpoint_save(o->checkpoint_dir, &s, 3))
-        return fail("checkpoint: %s", tdm_last_error());
-    if (!o->quiet) printf("checkpoint %s (model.bin for tandem sample)\n", o->checkpoint_dir);
     return 0;
 }
 
@@ -305,6 +345,7 @@ int gpt_train(const gpt_train_opts *o) {
     if (!rc) rc = make_data(&r);
     if (!rc) rc = make_optimizer(&r);
     if (!rc && !o->quiet) banner(&r);
+    if (!rc) rc = resume(&r);
     if (!rc) rc = train_loop(&r);
     if (!rc) rc = save(&r);
     tdm_loader_free(r.loader);

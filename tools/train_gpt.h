@@ -15,6 +15,9 @@ typedef struct {
     const char *init_from; /* an llm.c model file to start from, or NULL */
     const char *save;      /* write the trained model here (llm.c's format), or NULL */
     const char *checkpoint_dir; /* also write DIR/model.bin and a Tandem checkpoint */
+    bool write_checkpoints;     /* this process writes them (rank 0 under mpirun) */
+    int64_t checkpoint_every;   /* steps between checkpoints (0: only at the end) */
+    bool resume;                /* continue from checkpoint_dir's newest checkpoint */
     int64_t layers, heads, channels, context, vocab; /* vocab 0: 256 for text, 50257 for shards */
     int64_t epochs, batch_size, workers, seed, warmup_steps, max_steps, print_every;
     int64_t grad_accum; /* batches per optimizer step (one device); 1: none */

@@ -332,7 +332,8 @@ static void test_devices(void) {
     tdm_device d[8];
     int cores = tdm_device_count(TDM_CPU);
     CHECK(cores >= 1, "device count %d", cores);
-    CHECK(tdm_device_count(TDM_CUDA) == 0, "no CUDA in this build");
+    int gpus = tdm_device_count(TDM_CUDA);
+    CHECK(gpus >= 0, "GPU count %d", gpus);
     CHECK(tdm_devices_parse("cpu:0,cpu:1", d, 8) == 2 && d[0].index == 0 && d[1].index == 1 &&
               d[1].type == TDM_CPU,
           "cpu:0,cpu:1: %s", tdm_last_error());
@@ -346,7 +347,9 @@ static void test_devices(void) {
     CHECK(tdm_devices_parse("cpu", d, 8) == 1 && d[0].index == 0, "cpu");
     CHECK_ERROR(tdm_devices_parse("cpu:0,cpu:0", d, 8) < 0, "cpu:0 is listed twice");
     CHECK_ERROR(tdm_devices_parse("gpu:0", d, 8) < 0, "unknown device \"gpu:0\"");
-    CHECK_ERROR(tdm_devices_parse("cuda:0", d, 8) < 0, "\"cuda:0\" is not available");
+    char beyond[16]; /* the first GPU this machine does not have */
+    snprintf(beyond, sizeof beyond, "cuda:%d", gpus);
+    CHECK_ERROR(tdm_devices_parse(beyond, d, 8) < 0, "is not available");
     CHECK_ERROR(tdm_devices_parse("cpu:0,,cpu:1", d, 8) < 0, "empty entry");
     CHECK_ERROR(tdm_devices_parse("4", d, 2) < 0, "4 devices but room for 2");
     CHECK_ERROR(tdm_devices_parse("cpu:0,cpu:1,cpu:2", d, 2) < 0, "more than 2 devices");

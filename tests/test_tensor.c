@@ -96,7 +96,9 @@ static void test_errors(void) {
     CHECK_ERROR(tdm_zeros(TDM_SHAPE(2, -3), TDM_F32, tdm_cpu(0)) == NULL, "invalid shape [2, -3]");
     tdm_device d;
     CHECK_ERROR(tdm_device_parse("tpu:0", &d) != 0, "unknown device \"tpu:0\"");
-    CHECK_ERROR(tdm_empty(TDM_SHAPE(2), TDM_F32, (tdm_device){TDM_CUDA, 0}) == NULL, "no CUDA");
+    int gpus = tdm_device_count(TDM_CUDA); /* a GPU beyond the last one is refused */
+    CHECK_ERROR(tdm_empty(TDM_SHAPE(2), TDM_F32, (tdm_device){TDM_CUDA, gpus}) == NULL,
+                gpus ? "GPU" : "CUDA");
     CHECK(tdm_device_parse("cpu:3", &d) == 0 && d.index == 3 && d.type == TDM_CPU, "parse cpu:3");
     CHECK(tdm_reshape(NULL, TDM_SHAPE(1)) == NULL, "NULL input gives NULL");
     CHECK_ERROR((tdm_tensor_free(x), true), "belongs to a scope");

@@ -68,11 +68,20 @@ static inline tdm_device tdm_cpu(int index) {
     tdm_device d = {TDM_CPU, index};
     return d;
 }
+static inline tdm_device tdm_cuda(int index) {
+    tdm_device d = {TDM_CUDA, index};
+    return d;
+}
 bool tdm_device_equal(tdm_device a, tdm_device b);
-/* Parses "cpu", "cpu:3", "cuda:0". Returns TDM_OK or TDM_ERR_DEVICE naming the text. */
+/* Parses "cpu", "cpu:3", "cuda:0" (syntax only: whether the GPU exists is checked when a
+ * tensor is made on it). Returns TDM_OK or TDM_ERR_DEVICE naming the text. */
 int tdm_device_parse(const char *text, tdm_device *out);
 /* Writes "cpu:0" into buf (at least 16 bytes) and returns buf. */
 char *tdm_device_str(tdm_device d, char *buf);
+/* Describes a GPU for listings ("NVIDIA H100 80GB HBM3, 79.2 GiB, sm_90") into buf of cap
+ * bytes. TDM_OK, or TDM_ERR_DEVICE when d is not a GPU this process can use (the message
+ * says why: no CUDA in this build, no GPU, fewer GPUs). */
+int tdm_device_describe(tdm_device d, char *buf, size_t cap);
 
 /* ---- shapes ----------------------------------------------------------------------------- */
 

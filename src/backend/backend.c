@@ -1,9 +1,42 @@
 /* Device -> backend table lookup. */
 #include "backend/backend.h"
 
+#ifdef TANDEM_HAVE_CUDA
+#include "backend/cuda/cuda.h"
+#else
+int tdm_cuda_device_count(void) {
+    return 0; /* this build has no CUDA backend */
+}
+#endif
+
+int tdm_device_describe(tdm_device d, char *buf, size_t cap) {
+    if (!buf || cap == 0) return tdm_raise(TDM_ERR_ARG, "device_describe: no buffer");
+    buf[0] = '\0';
+    if (d.type != TDM_CUDA) {
+        char b[16];
+        return tdm_raise(TDM_ERR_DEVICE, "device_describe: %s is not a GPU", tdm_device_str(d, b));
+    }
+    if (!tdm_backend_for(d)) return tdm_last_status();
+#ifdef TANDEM_HAVE_CUDA
+    return tdm_cuda_describe(d.index, buf, cap);
+#else
+    return TDM_ERR_DEVICE; /* unreachable: tdm_backend_for refused */
+#endif
+}
+
 const tdm_backend *tdm_backend_for(tdm_device dev) {
     if (dev.type == TDM_CPU) return &tdm_cpu_backend;
     char b[16];
-    return tdm_raise_null(TDM_ERR_DEVICE, "device %s: this build has no CUDA backend",
-                          tdm_device_str(dev, b));
+    tdm_device_str(dev, b);
+#ifdef TANDEM_HAVE_CUDA
+    int n = tdm_cuda_device_count(); /* cached after the first call */
+    if (dev.index >= 0 && dev.index < n) return &tdm_cuda_backend;
+    if (n == 0)
+        return tdm_raise_null(TDM_ERR_DEVICE, "device %s asked for but %s", b,
+                              tdm_cuda_unavailable_reason());
+    return tdm_raise_null(TDM_ERR_DEVICE, "device %s asked for but only %d GPU%s found", b, n,
+                          n == 1 ? "" : "s");
+#else
+    return tdm_raise_null(TDM_ERR_DEVICE, "device %s asked for but this build has no CUDA", b);
+#endif
 }

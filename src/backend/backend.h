@@ -217,6 +217,9 @@ typedef struct tdm_backend {
  * build supports; NULL with an error otherwise). */
 const tdm_backend *tdm_backend_for(tdm_device dev);
 
+/* GPUs this process can use: 0 without a GPU or in a build without the CUDA backend. */
+int tdm_cuda_device_count(void);
+
 /* The CPU backend's table. */
 extern const tdm_backend tdm_cpu_backend;
 

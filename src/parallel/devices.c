@@ -1,6 +1,7 @@
 /* Devices as workers: how many this machine offers, and device lists such as "cpu:0,cpu:1",
  * "cpu:all" or "4" (the --devices option of the trainer and DataParallel). */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT, pthread_setaffinity_np */
+#include "backend/backend.h"
 #include "parallel/group.h"
 
 #include <sched.h>
@@ -13,7 +14,8 @@
 #define MAX_CPU_DEVICES 64
 
 int tdm_device_count(tdm_device_type type) {
-    if (type != TDM_CPU) return 0; /* this build has no CUDA backend */
+    if (type == TDM_CUDA) return tdm_cuda_device_count();
+    if (type != TDM_CPU) return 0;
     /* the cores this process may run on (a container or taskset may allow fewer than exist) */
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);

@@ -1,0 +1,186 @@
+/* Private helpers shared by the CUDA kernels (C++ for nvcc; not installed).
+ *
+ * core.h holds one C11 atomic (tdm_storage.refcount), which GCC 12's C++ front end cannot
+ * parse. The .cu files never touch the refcount, so they see it as a plain int of the same
+ * size and alignment (true for _Atomic int on every target CUDA supports); the only code
+ * that reads or writes it is C. */
+#ifndef TDM_CUDA_COMMON_CUH
+#define TDM_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+#include <pthread.h>
+#include <stdint.h>
+
+#ifndef _STDATOMIC_H
+#define _STDATOMIC_H
+typedef int atomic_int;
+typedef unsigned long long atomic_ullong;
+#endif
+extern "C" {
+#include "backend/backend.h"
+}
+#include "backend/cuda/cuda.h"
+
+/* Threads per block of the element-wise kernels, and per row of the row kernels. */
+#define CU_THREADS 256
+
+/* One device's state: its streams, cuBLAS handle, and a pinned word through which kernels
+ * report the first bad user index (-1: none). */
+typedef struct {
+    cudaStream_t compute, comm;
+    cudaEvent_t order;          /* reused by tdm_cuda_order_streams (recorded, then waited on) */
+    pthread_mutex_t order_lock; /* makes that record + wait one step for concurrent callers */
+    cublasHandle_t blas;
+    unsigned long long *bad_dev;  /* first bad position (atomicMin; all ones: none) */
+    unsigned long long *bad_host; /* pinned copy read after a stream sync */
+} cu_device;
+
+/* The state of GPU index, current on this thread. NULL and an error naming what for. */
+cu_device *cu_dev(int index, const char *what);
+/* The state of t's device (cu_dev of its index). */
+static inline cu_device *cu_dev_of(const tdm_tensor *t, const char *what) {
+    return cu_dev(t->device.index, what);
+}
+/* Raises TDM_ERR_DEVICE naming the kernel and device when the last launch (or err) failed. */
+int cu_check(cudaError_t err, const char *what, int index);
+int cu_check_launch(const char *what, int index);
+int cu_check_blas(cublasStatus_t st, const char *what, int index);
+/* Device scratch of nbytes from the caching allocator, in compute-stream order: released
+ * right after the kernels that use it are queued (later kernels of the same stream reuse it
+ * only after those have run). NULL and an error on failure. */
+void *cu_scratch(int index, size_t nbytes, tdm_storage **hold);
+/* Resets the bad-index word (queued on the compute stream). */
+int cu_bad_reset(cu_device *d, int index);
+/* Waits for the compute stream and gives the first bad position (-1 if none). A kernel
+ * reports position i with atomicMin(bad_dev, i): the minimum does not depend on the order
+ * the threads run in, so the reported position is deterministic. */
+int cu_bad_read(cu_device *d, int index, long long *pos);
+/* Element i of a 1-D integer tensor (i32/i64, any stride; 0-D: a scalar), on the device. */
+__device__ __forceinline__ int64_t cu_index_at(const void *p, bool i64, int64_t stride, int64_t i) {
+    return i64 ? ((const int64_t *)p)[i * stride] : (int64_t)((const int32_t *)p)[i * stride];
+}
+/* Element i of such a tensor read back to the host (for an error message; waits). */
+int64_t cu_index_to_host(const tdm_tensor *idx, int64_t i);
+
+/* Threads for one block per row of n elements: a power of two (the block reductions halve),
+ * small rows do not leave most of a 256-thread block idle. */
+static inline int cu_row_threads(int64_t n) {
+    int t = 32;
+    while (t < CU_THREADS && t < n) t *= 2;
+    return t;
+}
+
+/* Grid for a grid-stride loop over n elements. */
+static inline unsigned cu_blocks(int64_t n) {
+    int64_t b = (n + CU_THREADS - 1) / CU_THREADS;
+    if (b < 1) b = 1;
+    return (unsigned)(b > (1 << 20) ? (1 << 20) : b);
+}
+
+/* Element pointers (kernels take them typed). */
+static inline float *cu_f(const tdm_tensor *t) {
+    return t ? (float *)tdm_cuda_ptr(t) : NULL;
+}
+
+/* A tensor's geometry by value, for kernels that walk any strides: element i (row-major
+ * over shape) lives at offset cu_offset(v, i). Contiguous tensors collapse to one dim so
+ * the offset is i itself. */
+typedef struct {
+    int ndim;
+    int64_t shape[TDM_MAX_DIMS];
+    int64_t stride[TDM_MAX_DIMS];
+} cu_view;
+
+static inline cu_view cu_view_of(const tdm_tensor *t) {
+    cu_view v;
+    if (tdm_is_contiguous(t)) {
+        v.ndim = 1;
+        v.shape[0] = tdm_numel(t);
+        v.stride[0] = 1;
+        return v;
+    }
+    v.ndim = t->ndim;
+    for (int d = 0; d < t->ndim; d++) v.shape[d] = t->shape[d], v.stride[d] = t->strides[d];
+    return v;
+}
+
+__device__ __forceinline__ int64_t cu_offset(const cu_view &v, int64_t i) {
+    if (v.ndim == 1) return i * v.stride[0];
+    int64_t off = 0;
+    for (int d = v.ndim - 1; d >= 0; d--) {
+        int64_t s = v.shape[d];
+        off += (i % s) * v.stride[d];
+        i /= s;
+    }
+    return off;
+}
+
+#define CU_LOOP(i, n)                                                                              \
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                      \
+         i += (int64_t)blockDim.x * gridDim.x)
+
+/* ---- block reductions (fixed tree order: deterministic for a given block size) ---------- */
+
+/* Sum of v over the block; every thread gets the result. sh holds blockDim.x values. */
+template <typename T> __device__ T cu_block_sum(T v, T *sh) {
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) sh[t] += sh[t + s];
+        __syncthreads();
+    }
+    T r = sh[0];
+    __syncthreads(); /* sh may be reused right after */
+    return r;
+}
+
+/* Max of v over the block, NaN if any v is NaN (a NaN row softmaxes to NaN, as in PyTorch);
+ * every thread gets it. */
+__device__ __forceinline__ float cu_nanmax(float a, float b) {
+    return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+}
+__device__ __forceinline__ float cu_block_max(float v, float *sh) {
+    int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) sh[t] = cu_nanmax(sh[t], sh[t + s]);
+        __syncthreads();
+    }
+    float r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+/* ---- Philox4x32-10, bit-identical to src/core/rng.c ------------------------------------- */
+
+__device__ __forceinline__ void cu_philox(uint64_t seed, uint64_t counter, uint64_t stream,
+                                          uint32_t out[4]) {
+    uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32);
+    uint32_t c2 = (uint32_t)stream, c3 = (uint32_t)(stream >> 32);
+    uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+    for (int r = 0; r < 10; r++) {
+        uint32_t lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
+        uint32_t lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
+        uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    out[0] = c0;
+    out[1] = c1;
+    out[2] = c2;
+    out[3] = c3;
+}
+
+/* tdm_u32_to_unit: 24 significant bits, exact in float. */
+__device__ __forceinline__ float cu_unit(uint32_t x) {
+    return (float)(x >> 8) * (1.0f / 16777216.0f);
+}
+
+#endif

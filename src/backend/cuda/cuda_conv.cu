@@ -1,0 +1,480 @@
+/* CUDA matrix products (cuBLAS), 2-D convolution (im2col + cuBLAS strided-batched GEMM) and
+ * pooling.
+ *
+ * Row-major to column-major: cuBLAS sees a row-major [r, c] matrix with row stride ld as a
+ * column-major [c, r] one with the same ld, so row-major C = A B is computed as the
+ * column-major C^T = B^T A^T: operands swap places and the transposes stay as they are.
+ *
+ * Convolution works on chunks of images: im2col writes col [nb, K, P] (K = Cin*kh*kw rows
+ * ordered (c, ki, kj), P = Ho*Wo output pixels), and one strided-batched GEMM per group
+ * multiplies it with the weights straight into the NCHW output. Backward reverses it: the
+ * weight gradient is a batched GEMM per image summed over images in order (no atomics), the
+ * input gradient a batched GEMM into col followed by a gather (col2im) where each input
+ * pixel adds the columns that read it in a fixed order. A 1x1, stride-1, unpadded
+ * convolution skips im2col: the image is its own col. */
+#include "backend/cuda/cuda_common.cuh"
+
+#include <limits.h>
+#include <math.h>
+
+#define COL_BUDGET_BYTES ((size_t)256 << 20) /* col scratch per chunk of images */
+
+/* ---- matmul ------------------------------------------------------------------------------ */
+
+/* Leading dimension of a [rows, cols] view with unit stride in its last dim. */
+static int64_t lead(const tdm_tensor *t) {
+    int64_t ld = t->strides[t->ndim - 2];
+    return ld < t->shape[t->ndim - 1] ? t->shape[t->ndim - 1] : ld;
+}
+
+extern "C" int tdm_cuda_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool ta,
+                               bool tb, float beta) {
+    /* c [B, n, m]; a [B, n, k] or [B, k, n]; b [B, k, m] or [B, m, k] */
+    if (c->ndim != 3 || a->ndim != 3 || b->ndim != 3 || !tdm_is_contiguous(c))
+        return tdm_raise(TDM_ERR_SHAPE, "cuda matmul: expects 3-D operands, c contiguous");
+    if (a->strides[2] != 1 || b->strides[2] != 1)
+        return tdm_raise(TDM_ERR_ARG, "cuda matmul: operands need unit stride in their last dim");
+    int64_t batch = c->shape[0], n = c->shape[1], m = c->shape[2];
+    int64_t k = ta ? a->shape[1] : a->shape[2];
+    cu_device *d = cu_dev_of(c, "matmul");
+    if (!d) return tdm_last_status();
+    if (batch == 0 || n == 0 || m == 0) return TDM_OK;
+    if (k == 0) return beta == 0.0f ? tdm_cuda_fill(c, 0.0) : TDM_OK; /* an empty sum */
+    int64_t lda = lead(a), ldb = lead(b);
+    if (n > INT_MAX || m > INT_MAX || k > INT_MAX || batch > INT_MAX || lda > INT_MAX ||
+        ldb > INT_MAX)
+        return tdm_raise(TDM_ERR_SHAPE, "cuda matmul: a dimension exceeds cuBLAS's int range");
+    const float one = 1.0f;
+    cublasStatus_t st = cublasSgemmStridedBatched(
+        d->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m, (int)n,
+        (int)k, &one, cu_f(b), (int)ldb, b->strides[0], cu_f(a), (int)lda, a->strides[0], &beta,
+        cu_f(c), (int)m, n * m, (int)batch);
+    return cu_check_blas(st, "matmul (cublasSgemmStridedBatched)", c->device.index);
+}
+
+/* ---- convolution ------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t n, cin, h, w, cout, kh, kw, ho, wo, p;
+    int64_t sh, sw, ph, pw, dh, dw, groups, cin_g, cout_g, k, k_g;
+} conv_geom;
+
+static conv_geom geom_of(const tdm_tensor *x, const tdm_tensor *w, int64_t ho, int64_t wo,
+                         const tdm_conv2d_args *a) {
+    conv_geom g;
+    g.n = x->shape[0], g.cin = x->shape[1], g.h = x->shape[2], g.w = x->shape[3];
+    g.cout = w->shape[0], g.kh = w->shape[2], g.kw = w->shape[3];
+    g.ho = ho, g.wo = wo, g.p = ho * wo;
+    g.sh = a->stride_h > 0 ? a->stride_h : 1, g.sw = a->stride_w > 0 ? a->stride_w : 1;
+    g.ph = a->pad_h, g.pw = a->pad_w;
+    g.dh = a->dilation_h > 0 ? a->dilation_h : 1, g.dw = a->dilation_w > 0 ? a->dilation_w : 1;
+    g.groups = a->groups > 0 ? a->groups : 1;
+    g.cin_g = g.cin / g.groups, g.cout_g = g.cout / g.groups;
+    g.k = g.cin * g.kh * g.kw, g.k_g = g.cin_g * g.kh * g.kw;
+    return g;
+}
+
+static bool is_pointwise(const conv_geom *g) {
+    return g->kh == 1 && g->kw == 1 && g->sh == 1 && g->sw == 1 && g->ph == 0 && g->pw == 0;
+}
+
+/* col [nb, K, P] of images [n0, n0 + nb): zero where the window leaves the image. */
+__global__ void im2col_kernel(float *col, const float *x, conv_geom g, int64_t n0, int64_t nb) {
+    CU_LOOP(e, nb * g.k * g.p) {
+        int64_t p = e % g.p, kk = (e / g.p) % g.k, img = n0 + e / (g.p * g.k);
+        int64_t j = kk % g.kw, i = (kk / g.kw) % g.kh, c = kk / (g.kw * g.kh);
+        int64_t oh = p / g.wo, ow = p % g.wo;
+        int64_t ih = oh * g.sh - g.ph + i * g.dh, iw = ow * g.sw - g.pw + j * g.dw;
+        bool in = ih >= 0 && ih < g.h && iw >= 0 && iw < g.w;
+        col[e] = in ? x[((img * g.cin + c) * g.h + ih) * g.w + iw] : 0.0f;
+    }
+}
+
+/* gx of images [n0, n0 + nb) from their col gradients: each input pixel adds, in (ki, kj)
+ * order, the column entries that read it. Overwrites gx. */
+__global__ void col2im_kernel(float *gx, const float *col, conv_geom g, int64_t n0, int64_t nb) {
+    CU_LOOP(e, nb * g.cin * g.h * g.w) {
+        int64_t iw = e % g.w, ih = (e / g.w) % g.h, c = (e / (g.w * g.h)) % g.cin;
+        int64_t img = e / (g.w * g.h * g.cin); /* within the chunk */
+        const float *cb = col + img * g.k * g.p;
+        float s = 0.0f;
+        for (int64_t i = 0; i < g.kh; i++) {
+            int64_t th = ih + g.ph - i * g.dh; /* = oh * sh */
+            if (th < 0 || th % g.sh) continue;
+            int64_t oh = th / g.sh;
+            if (oh >= g.ho) continue;
+            for (int64_t j = 0; j < g.kw; j++) {
+                int64_t tw = iw + g.pw - j * g.dw;
+                if (tw < 0 || tw % g.sw) continue;
+                int64_t ow = tw / g.sw;
+                if (ow >= g.wo) continue;
+                s += cb[((c * g.kh + i) * g.kw + j) * g.p + oh * g.wo + ow];
+            }
+        }
+        gx[((n0 + img) * g.cin + c) * g.h * g.w + ih * g.w + iw] = s;
+    }
+}
+
+__global__ void add_bias_kernel(float *y, const float *b, int64_t cout, int64_t p, int64_t n) {
+    CU_LOOP(e, n) y[e] += b[(e / p) % cout];
+}
+
+/* Images per chunk so that col stays within the budget (at least one). */
+static int64_t chunk_images(const conv_geom *g) {
+    size_t per = (size_t)g->k * (size_t)g->p * sizeof(float);
+    int64_t nb = per ? (int64_t)(COL_BUDGET_BYTES / per) : g->n;
+    return nb < 1 ? 1 : nb > g->n ? g->n : nb;
+}
+
+static int check_conv(const char *op, const tdm_tensor *x, const tdm_tensor *w,
+                      const conv_geom *g) {
+    if (x->ndim != 4 || w->ndim != 4 || !tdm_is_contiguous(x) || !tdm_is_contiguous(w))
+        return tdm_raise(TDM_ERR_ARG, "cuda %s: contiguous 4-D x and w", op);
+    if (g->cin % g->groups || g->cout % g->groups || w->shape[1] != g->cin_g)
+        return tdm_raise(TDM_ERR_SHAPE, "cuda %s: channels do not split into %lld groups", op,
+                         (long long)g->groups);
+    if (g->k_g > INT_MAX || g->p > INT_MAX || g->cout_g > INT_MAX || g->n > INT_MAX)
+        return tdm_raise(TDM_ERR_SHAPE, "cuda %s: sizes exceed cuBLAS's int range", op);
+    return TDM_OK;
+}
+
+/* One strided-batched GEMM, named for errors. */
+static int gemm(cu_device *d, int index, cublasOperation_t ta, cublasOperation_t tb, int64_t m,
+                int64_t n, int64_t k, const float *a, int64_t lda, int64_t sa, const float *b,
+                int64_t ldb, int64_t sb, float *c, int64_t ldc, int64_t sc, int64_t batch,
+                const char *what) {
+    const float one = 1.0f, zero = 0.0f;
+    return cu_check_blas(cublasSgemmStridedBatched(d->blas, ta, tb, (int)m, (int)n, (int)k, &one, a,
+                                                   (int)lda, sa, b, (int)ldb, sb, &zero, c,
+                                                   (int)ldc, sc, (int)batch),
+                         what, index);
+}
+
+extern "C" int tdm_cuda_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w,
+                               const tdm_tensor *b, const tdm_conv2d_args *args) {
+    conv_geom g = geom_of(x, w, y->shape[2], y->shape[3], args);
+    if (check_conv("conv2d", x, w, &g)) return tdm_last_status();
+    cu_device *d = cu_dev_of(x, "conv2d");
+    if (!d) return tdm_last_status();
+    int index = x->device.index;
+    if (g.n == 0 || g.cout == 0 || g.p == 0) return TDM_OK;
+    if (g.k_g == 0) return tdm_cuda_fill(y, 0.0);
+    bool pw = is_pointwise(&g);
+    int64_t nbmax = chunk_images(&g);
+    tdm_storage *hold = NULL;
+    float *col = pw ? NULL : (float *)cu_scratch(index, (size_t)(nbmax * g.k * g.p) * 4, &hold);
+    if (!pw && !col) return tdm_last_status();
+    int rc = TDM_OK;
+    for (int64_t n0 = 0; n0 < g.n && !rc; n0 += nbmax) {
+        int64_t nb = g.n - n0 < nbmax ? g.n - n0 : nbmax;
+        const float *src = pw ? cu_f(x) + n0 * g.k * g.p : col;
+        if (!pw) {
+            im2col_kernel<<<cu_blocks(nb * g.k * g.p), CU_THREADS, 0, d->compute>>>(col, cu_f(x), g,
+                                                                                    n0, nb);
+            if ((rc = cu_check_launch("conv2d im2col", index))) break;
+        }
+        /* y_n,g [cout_g, P] = w_g [cout_g, K_g] @ col_n,g [K_g, P] */
+        for (int64_t gi = 0; gi < g.groups && !rc; gi++)
+            rc = gemm(d, index, CUBLAS_OP_N, CUBLAS_OP_N, g.p, g.cout_g, g.k_g,
+                      src + gi * g.k_g * g.p, g.p, g.k * g.p, cu_f(w) + gi * g.cout_g * g.k_g,
+                      g.k_g, 0, cu_f(y) + n0 * g.cout * g.p + gi * g.cout_g * g.p, g.p,
+                      g.cout * g.p, nb, "conv2d (cublasSgemmStridedBatched)");
+    }
+    if (hold) tdm_storage_release(hold);
+    if (rc || !b) return rc;
+    int64_t total = g.n * g.cout * g.p;
+    add_bias_kernel<<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(cu_f(y), cu_f(b), g.cout, g.p,
+                                                                     total);
+    return cu_check_launch("conv2d bias", index);
+}
+
+/* gb[co] = sum over images and pixels of gy: one block per output channel. */
+__global__ void bias_grad_kernel(float *gb, const float *gy, int64_t cout, int64_t p, int64_t n) {
+    __shared__ double sh[CU_THREADS];
+    int64_t co = blockIdx.x, m = n * p;
+    double s = 0;
+    for (int64_t e = threadIdx.x; e < m; e += blockDim.x)
+        s += gy[((e / p) * cout + co) * p + e % p];
+    s = cu_block_sum(s, sh);
+    if (threadIdx.x == 0) gb[co] = (float)s;
+}
+
+/* gw [len] (+)= sum over nb per-image partials tmp [nb, len], images in order. */
+__global__ void sum_images_kernel(float *gw, const float *tmp, int64_t nb, int64_t len,
+                                  bool accumulate) {
+    CU_LOOP(j, len) {
+        double s = accumulate ? gw[j] : 0.0;
+        for (int64_t i = 0; i < nb; i++) s += tmp[i * len + j];
+        gw[j] = (float)s;
+    }
+}
+
+/* The weight and input gradients of images [n0, n0 + nb). */
+static int conv_bwd_chunk(cu_device *d, int index, const conv_geom *g, int64_t n0, int64_t nb,
+                          tdm_tensor *gx, tdm_tensor *gw, const tdm_tensor *gy, const tdm_tensor *x,
+                          const tdm_tensor *w, float *col, float *tmp) {
+    bool pw = is_pointwise(g);
+    const float *dy = cu_f(gy) + n0 * g->cout * g->p;
+    if (gw) {
+        const float *src = pw ? cu_f(x) + n0 * g->k * g->p : col;
+        if (!pw) {
+            im2col_kernel<<<cu_blocks(nb * g->k * g->p), CU_THREADS, 0, d->compute>>>(col, cu_f(x),
+                                                                                      *g, n0, nb);
+            if (cu_check_launch("conv2d_backward im2col", index)) return tdm_last_status();
+        }
+        /* tmp_n [cout_g, K_g] (group gi's rows) = dy_n,g [cout_g, P] @ col_n,g^T [P, K_g] */
+        for (int64_t gi = 0; gi < g->groups; gi++)
+            if (gemm(d, index, CUBLAS_OP_T, CUBLAS_OP_N, g->k_g, g->cout_g, g->p,
+                     src + gi * g->k_g * g->p, g->p, g->k * g->p, dy + gi * g->cout_g * g->p, g->p,
+                     g->cout * g->p, tmp + gi * g->cout_g * g->k_g, g->k_g, g->cout * g->k_g, nb,
+                     "conv2d_backward weights"))
+                return tdm_last_status();
+        int64_t len = g->cout * g->k_g;
+        sum_images_kernel<<<cu_blocks(len), CU_THREADS, 0, d->compute>>>(cu_f(gw), tmp, nb, len,
+                                                                         n0 > 0);
+        if (cu_check_launch("conv2d_backward weight sum", index)) return tdm_last_status();
+    }
+    if (gx) {
+        /* col_n,g [K_g, P] = w_g^T [K_g, cout_g] @ dy_n,g [cout_g, P]; pointwise: into gx */
+        float *dst = pw ? cu_f(gx) + n0 * g->k * g->p : col;
+        for (int64_t gi = 0; gi < g->groups; gi++)
+            if (gemm(d, index, CUBLAS_OP_N, CUBLAS_OP_T, g->p, g->k_g, g->cout_g,
+                     dy + gi * g->cout_g * g->p, g->p, g->cout * g->p,
+                     cu_f(w) + gi * g->cout_g * g->k_g, g->k_g, 0, dst + gi * g->k_g * g->p, g->p,
+                     g->k * g->p, nb, "conv2d_backward input"))
+                return tdm_last_status();
+        if (!pw) {
+            col2im_kernel<<<cu_blocks(nb * g->cin * g->h * g->w), CU_THREADS, 0, d->compute>>>(
+                cu_f(gx), col, *g, n0, nb);
+            if (cu_check_launch("conv2d_backward col2im", index)) return tdm_last_status();
+        }
+    }
+    return TDM_OK;
+}
+
+extern "C" int tdm_cuda_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                                        const tdm_tensor *gy, const tdm_tensor *x,
+                                        const tdm_tensor *w, const tdm_conv2d_args *args) {
+    conv_geom g = geom_of(x, w, gy->shape[2], gy->shape[3], args);
+    if (check_conv("conv2d_backward", x, w, &g)) return tdm_last_status();
+    cu_device *d = cu_dev_of(x, "conv2d_backward");
+    if (!d) return tdm_last_status();
+    int index = x->device.index;
+    if (gb) {
+        if (g.n * g.p == 0 || g.cout > INT32_MAX) {
+            if (tdm_cuda_fill(gb, 0.0)) return tdm_last_status();
+        } else if (g.cout > 0) {
+            bias_grad_kernel<<<(unsigned)g.cout, cu_row_threads(g.n * g.p), 0, d->compute>>>(
+                cu_f(gb), cu_f(gy), g.cout, g.p, g.n);
+            if (cu_check_launch("conv2d_backward bias", index)) return tdm_last_status();
+        }
+    }
+    if (g.n * g.p == 0 || g.k_g == 0 || g.cout == 0) { /* empty sums: zero gradients */
+        if ((gx && tdm_cuda_fill(gx, 0.0)) || (gw && tdm_cuda_fill(gw, 0.0)))
+            return tdm_last_status();
+        return TDM_OK;
+    }
+    if (!gx && !gw) return TDM_OK;
+    int64_t nbmax = chunk_images(&g);
+    tdm_storage *hc = NULL, *ht = NULL;
+    float *col = NULL, *tmp = NULL;
+    if (!is_pointwise(&g) &&
+        !(col = (float *)cu_scratch(index, (size_t)(nbmax * g.k * g.p) * 4, &hc)))
+        return tdm_last_status();
+    if (gw && !(tmp = (float *)cu_scratch(index, (size_t)(nbmax * g.cout * g.k_g) * 4, &ht))) {
+        if (hc) tdm_storage_release(hc);
+        return tdm_last_status();
+    }
+    int rc = TDM_OK;
+    for (int64_t n0 = 0; n0 < g.n && !rc; n0 += nbmax) {
+        int64_t nb = g.n - n0 < nbmax ? g.n - n0 : nbmax;
+        rc = conv_bwd_chunk(d, index, &g, n0, nb, gx, gw, gy, x, w, col, tmp);
+    }
+    if (hc) tdm_storage_release(hc);
+    if (ht) tdm_storage_release(ht);
+    return rc;
+}
+
+/* ---- pooling (PyTorch's window rules, as cpu_pool.c) ------------------------------------- */
+
+typedef struct {
+    int64_t planes, h, w, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw;
+    bool include_pad;
+} pool_geom;
+
+static pool_geom pool_of(const tdm_tensor *x, const tdm_tensor *y, const tdm_pool2d_args *a) {
+    pool_geom g;
+    g.planes = x->shape[0] * x->shape[1], g.h = x->shape[2], g.w = x->shape[3];
+    g.ho = y->shape[2], g.wo = y->shape[3];
+    g.kh = a->kernel_h, g.kw = a->kernel_w;
+    g.sh = a->stride_h > 0 ? a->stride_h : g.kh, g.sw = a->stride_w > 0 ? a->stride_w : g.kw;
+    g.ph = a->pad_h, g.pw = a->pad_w;
+    g.dh = a->dilation_h > 0 ? a->dilation_h : 1, g.dw = a->dilation_w > 0 ? a->dilation_w : 1;
+    g.include_pad = a->count_include_pad;
+    return g;
+}
+
+static int check4(const char *op, const tdm_tensor *a, const tdm_tensor *b) {
+    if (a->ndim != 4 || b->ndim != 4 || a->shape[0] != b->shape[0] || a->shape[1] != b->shape[1])
+        return tdm_raise(TDM_ERR_SHAPE, "%s: expects [N, C, H, W] tensors with equal N and C", op);
+    if (!tdm_is_contiguous(a) || !tdm_is_contiguous(b))
+        return tdm_raise(TDM_ERR_ARG, "%s: expects contiguous tensors", op);
+    return TDM_OK;
+}
+
+/* One output per thread; the scan order and NaN rule of the CPU's max_plane (a NaN always
+ * replaces the best so far), so indices agree exactly. */
+__global__ void max_pool_kernel(float *y, int64_t *idx, const float *x, pool_geom g) {
+    CU_LOOP(e, g.planes * g.ho * g.wo) {
+        int64_t ow = e % g.wo, oh = (e / g.wo) % g.ho, pl = e / (g.wo * g.ho);
+        const float *xp = x + pl * g.h * g.w;
+        int64_t h0 = oh * g.sh - g.ph, h1 = h0 + (g.kh - 1) * g.dh + 1;
+        if (h1 > g.h) h1 = g.h;
+        while (h0 < 0) h0 += g.dh;
+        int64_t w0 = ow * g.sw - g.pw, w1 = w0 + (g.kw - 1) * g.dw + 1;
+        if (w1 > g.w) w1 = g.w;
+        while (w0 < 0) w0 += g.dw;
+        int64_t bi = h0 * g.w + w0;
+        float best = -INFINITY;
+        for (int64_t ih = h0; ih < h1; ih += g.dh)
+            for (int64_t iw = w0; iw < w1; iw += g.dw) {
+                float v = xp[ih * g.w + iw];
+                if (v > best || v != v) best = v, bi = ih * g.w + iw;
+            }
+        y[e] = best;
+        idx[e] = bi;
+    }
+}
+
+extern "C" int tdm_cuda_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
+                                   const tdm_pool2d_args *args) {
+    if (check4("cuda max_pool2d", x, y) || check4("cuda max_pool2d", x, idx))
+        return tdm_last_status();
+    if (idx->dtype != TDM_I64)
+        return tdm_raise(TDM_ERR_DTYPE, "cuda max_pool2d: indices must be i64, got %s",
+                         tdm_dtype_name(idx->dtype));
+    cu_device *d = cu_dev_of(x, "max_pool2d");
+    if (!d) return tdm_last_status();
+    pool_geom g = pool_of(x, y, args);
+    int64_t n = g.planes * g.ho * g.wo;
+    if (n == 0) return TDM_OK;
+    max_pool_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(
+        cu_f(y), (int64_t *)tdm_cuda_ptr(idx), cu_f(x), g);
+    return cu_check_launch("max_pool2d", x->device.index);
+}
+
+/* Output rows whose window (stride s, pad p, extent ext) can contain input row i. */
+__device__ __forceinline__ void out_range(int64_t i, int64_t s, int64_t p, int64_t ext, int64_t out,
+                                          int64_t *lo, int64_t *hi) {
+    int64_t a = i + p - ext + 1; /* o*s >= a */
+    *lo = a <= 0 ? 0 : (a + s - 1) / s;
+    int64_t b = (i + p) / s; /* o*s <= i + p (i + p >= 0) */
+    *hi = b < out - 1 ? b : out - 1;
+}
+
+/* One thread per (image, channel) plane adds its outputs' gradients at their indices in
+ * output order, exactly as the CPU loop does: overlapping windows can name one pixel several
+ * times, and a fixed order keeps the sum deterministic without atomics. The kernel gets no
+ * window geometry, so a thread per input pixel could not find its outputs cheaply. */
+__global__ void max_pool_bwd_kernel(float *gx, const float *gy, const int64_t *idx, int64_t planes,
+                                    int64_t in_plane, int64_t out_plane) {
+    CU_LOOP(pl, planes) {
+        float *d = gx + pl * in_plane;
+        const float *s = gy + pl * out_plane;
+        const int64_t *ix = idx + pl * out_plane;
+        for (int64_t q = 0; q < out_plane; q++)
+            if (ix[q] >= 0 && ix[q] < in_plane) d[ix[q]] += s[q]; /* our own indices: trusted */
+    }
+}
+
+extern "C" int tdm_cuda_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy,
+                                            const tdm_tensor *idx) {
+    if (check4("cuda max_pool2d_backward", gx, gy) || check4("cuda max_pool2d_backward", gx, idx))
+        return tdm_last_status();
+    cu_device *d = cu_dev_of(gx, "max_pool2d_backward");
+    if (!d) return tdm_last_status();
+    if (tdm_cuda_fill(gx, 0.0)) return tdm_last_status();
+    int64_t planes = gx->shape[0] * gx->shape[1];
+    if (planes == 0 || tdm_numel(gy) == 0) return TDM_OK;
+    max_pool_bwd_kernel<<<cu_blocks(planes), CU_THREADS, 0, d->compute>>>(
+        cu_f(gx), cu_f(gy), (const int64_t *)tdm_cuda_ptr(idx), planes, gx->shape[2] * gx->shape[3],
+        gy->shape[2] * gy->shape[3]);
+    return cu_check_launch("max_pool2d_backward", gx->device.index);
+}
+
+/* The clipped window of output (oh, ow) and its divisor (cpu_pool.c avg_window). */
+__device__ bool avg_window(const pool_geom &g, int64_t oh, int64_t ow, int64_t *h0, int64_t *h1,
+                           int64_t *w0, int64_t *w1, float *inv) {
+    int64_t hs = oh * g.sh - g.ph, ws = ow * g.sw - g.pw;
+    int64_t he = hs + g.kh, we = ws + g.kw;
+    if (he > g.h + g.ph) he = g.h + g.ph;
+    if (we > g.w + g.pw) we = g.w + g.pw;
+    int64_t pool = (he - hs) * (we - ws);
+    if (hs < 0) hs = 0;
+    if (ws < 0) ws = 0;
+    if (he > g.h) he = g.h;
+    if (we > g.w) we = g.w;
+    if (hs >= he || ws >= we) return false;
+    *h0 = hs, *h1 = he, *w0 = ws, *w1 = we;
+    *inv = 1.0f / (float)(g.include_pad ? pool : (he - hs) * (we - ws));
+    return true;
+}
+
+__global__ void avg_pool_kernel(float *y, const float *x, pool_geom g) {
+    CU_LOOP(e, g.planes * g.ho * g.wo) {
+        int64_t ow = e % g.wo, oh = (e / g.wo) % g.ho, pl = e / (g.wo * g.ho);
+        const float *xp = x + pl * g.h * g.w;
+        int64_t h0, h1, w0, w1;
+        float inv, acc = 0.0f;
+        if (avg_window(g, oh, ow, &h0, &h1, &w0, &w1, &inv)) {
+            for (int64_t ih = h0; ih < h1; ih++)
+                for (int64_t iw = w0; iw < w1; iw++) acc += xp[ih * g.w + iw];
+            acc *= inv;
+        }
+        y[e] = acc;
+    }
+}
+
+__global__ void avg_pool_bwd_kernel(float *gx, const float *gy, pool_geom g) {
+    CU_LOOP(e, g.planes * g.h * g.w) {
+        int64_t q = e % (g.h * g.w), pl = e / (g.h * g.w);
+        int64_t ih = q / g.w, iw = q % g.w, oh0, oh1, ow0, ow1;
+        out_range(ih, g.sh, g.ph, g.kh, g.ho, &oh0, &oh1);
+        out_range(iw, g.sw, g.pw, g.kw, g.wo, &ow0, &ow1);
+        const float *gp = gy + pl * g.ho * g.wo;
+        float s = 0.0f;
+        for (int64_t oh = oh0; oh <= oh1; oh++)
+            for (int64_t ow = ow0; ow <= ow1; ow++) {
+                int64_t h0, h1, w0, w1;
+                float inv;
+                if (avg_window(g, oh, ow, &h0, &h1, &w0, &w1, &inv) && ih >= h0 && ih < h1 &&
+                    iw >= w0 && iw < w1)
+                    s += gp[oh * g.wo + ow] * inv;
+            }
+        gx[e] = s;
+    }
+}
+
+extern "C" int tdm_cuda_avg_pool2d(tdm_tensor *y, const tdm_tensor *x,
+                                   const tdm_pool2d_args *args) {
+    if (check4("cuda avg_pool2d", x, y)) return tdm_last_status();
+    cu_device *d = cu_dev_of(x, "avg_pool2d");
+    if (!d) return tdm_last_status();
+    pool_geom g = pool_of(x, y, args);
+    int64_t n = g.planes * g.ho * g.wo;
+    if (n == 0) return TDM_OK;
+    avg_pool_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_f(y), cu_f(x), g);
+    return cu_check_launch("avg_pool2d", x->device.index);
+}
+
+extern "C" int tdm_cuda_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy,
+                                            const tdm_pool2d_args *args) {
+    if (check4("cuda avg_pool2d_backward", gx, gy)) return tdm_last_status();
+    cu_device *d = cu_dev_of(gx, "avg_pool2d_backward");
+    if (!d) return tdm_last_status();
+    pool_geom g = pool_of(gx, gy, args);
+    int64_t n = g.planes * g.h * g.w;
+    if (n == 0) return TDM_OK;
+    avg_pool_bwd_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_f(gx), cu_f(gy), g);
+    return cu_check_launch("avg_pool2d_backward", gx->device.index);
+}

@@ -1,0 +1,337 @@
+/* CUDA batch norm (plain and synchronised) and layer norm.
+ *
+ * Batch norm: one block per channel walks that channel's N*S values (x [N, C, S]),
+ * reducing in double with a fixed tree, then writes the channel's outputs: statistics and
+ * normalisation in one launch, no scratch, no atomics. Layer norm: one block per row for
+ * the row statistics and gx; the weight and bias gradients are column sums over rows, one
+ * thread per column adding rows in order (deterministic, no atomics). */
+#include "backend/cuda/cuda_common.cuh"
+
+#include <math.h>
+
+/* x [N, C, S]: N = shape[0], C = shape[1], S = every further dim (1 for [N, C]). */
+static void bn_dims(const tdm_tensor *x, int64_t *n, int64_t *c, int64_t *s) {
+    *n = x->shape[0];
+    *c = x->ndim > 1 ? x->shape[1] : 1;
+    int64_t nc = *n * *c;
+    *s = nc > 0 ? tdm_numel(x) / nc : 1;
+}
+
+/* Offset of value e (0 <= e < N*S) of channel c. */
+__device__ __forceinline__ int64_t bn_at(int64_t e, int64_t c, int64_t C, int64_t S) {
+    return ((e / S) * C + c) * S + e % S;
+}
+
+typedef struct {
+    float *y, *save_mean, *save_invstd, *running_mean, *running_var;
+    const float *x, *w, *b;
+    int64_t N, C, S;
+    bool training;
+    float momentum, eps;
+} bn_args;
+
+__global__ void bn_fwd_kernel(bn_args a) {
+    __shared__ double sh[CU_THREADS];
+    int64_t c = blockIdx.x, M = a.N * a.S;
+    double mean, var;
+    if (a.training) { /* two passes, as the CPU: stable for large means */
+        double s = 0;
+        for (int64_t e = threadIdx.x; e < M; e += blockDim.x) s += a.x[bn_at(e, c, a.C, a.S)];
+        mean = cu_block_sum(s, sh) / (double)M;
+        float mf = (float)mean;
+        double q = 0;
+        for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
+            float dv = a.x[bn_at(e, c, a.C, a.S)] - mf;
+            q += (double)dv * dv;
+        }
+        var = cu_block_sum(q, sh) / (double)M;
+    } else {
+        mean = a.running_mean[c], var = a.running_var[c];
+    }
+    float invstd = (float)(1.0 / sqrt(var + (double)a.eps)), mu = (float)mean;
+    float scale = invstd * (a.w ? a.w[c] : 1.0f);
+    float shift = (a.b ? a.b[c] : 0.0f) - mu * scale;
+    if (threadIdx.x == 0) {
+        if (a.save_mean) a.save_mean[c] = mu;
+        if (a.save_invstd) a.save_invstd[c] = invstd;
+        float m1 = 1 - a.momentum;
+        if (a.training && a.running_mean)
+            a.running_mean[c] = m1 * a.running_mean[c] + a.momentum * mu;
+        /* PyTorch tracks the unbiased variance while normalising with the biased one */
+        if (a.training && a.running_var)
+            a.running_var[c] =
+                m1 * a.running_var[c] + a.momentum * (float)(var * (double)M / (double)(M - 1));
+    }
+    for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
+        int64_t o = bn_at(e, c, a.C, a.S);
+        a.y[o] = a.x[o] * scale + shift;
+    }
+}
+
+extern "C" int tdm_cuda_batch_norm(tdm_tensor *y, tdm_tensor *save_mean, tdm_tensor *save_invstd,
+                                   const tdm_tensor *x, const tdm_tensor *weight,
+                                   const tdm_tensor *bias, tdm_tensor *running_mean,
+                                   tdm_tensor *running_var, bool training, float momentum,
+                                   float eps) {
+    bn_args a;
+    bn_dims(x, &a.N, &a.C, &a.S);
+    if (training && a.N * a.S <= 1)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "batch_norm: expected more than 1 value per channel when training, "
+                         "got %lld",
+                         (long long)(a.N * a.S));
+    if (!training && (!running_mean || !running_var))
+        return tdm_raise(TDM_ERR_ARG, "batch_norm: eval mode needs running_mean and running_var");
+    cu_device *d = cu_dev_of(x, "batch_norm");
+    if (!d) return tdm_last_status();
+    if (a.C == 0 || a.C > INT32_MAX) return TDM_OK;
+    a.y = cu_f(y), a.save_mean = cu_f(save_mean), a.save_invstd = cu_f(save_invstd);
+    a.running_mean = cu_f(running_mean), a.running_var = cu_f(running_var);
+    a.x = cu_f(x), a.w = cu_f(weight), a.b = cu_f(bias);
+    a.training = training, a.momentum = momentum, a.eps = eps;
+    bn_fwd_kernel<<<(unsigned)a.C, cu_row_threads(a.N * a.S), 0, d->compute>>>(a);
+    return cu_check_launch("batch_norm", x->device.index);
+}
+
+/* sum of g and of g * (x - mean[c]) over channel c, in double; every thread gets both. */
+__device__ void bn_grad_sums(const float *g, const float *x, float mu, int64_t c, int64_t C,
+                             int64_t S, int64_t M, double *sg, double *sgx) {
+    __shared__ double sh[CU_THREADS];
+    double s1 = 0, s2 = 0;
+    for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
+        int64_t o = bn_at(e, c, C, S);
+        s1 += g[o];
+        s2 += (double)g[o] * (x[o] - mu);
+    }
+    *sg = cu_block_sum(s1, sh);
+    *sgx = cu_block_sum(s2, sh);
+}
+
+typedef struct {
+    float *gx, *gw, *gb;
+    const float *gy, *x, *w, *mean, *invstd;
+    int64_t N, C, S;
+    bool training;
+} bn_bwd_args;
+
+__global__ void bn_bwd_kernel(bn_bwd_args a) {
+    int64_t c = blockIdx.x, M = a.N * a.S;
+    float inv = a.invstd[c], mu = a.mean[c], scale = inv * (a.w ? a.w[c] : 1.0f);
+    double sg = 0, sgx = 0;
+    if (a.gw || a.gb || (a.gx && a.training))
+        bn_grad_sums(a.gy, a.x, mu, c, a.C, a.S, M, &sg, &sgx);
+    if (threadIdx.x == 0) {
+        if (a.gb) a.gb[c] = (float)sg;
+        if (a.gw) a.gw[c] = (float)(sgx * inv);
+    }
+    if (!a.gx) return;
+    /* training: gx = w*invstd * (gy - mean(gy) - xhat * mean(gy * xhat)) */
+    float mg = (float)(sg / (double)M), k = (float)(sgx / (double)M) * inv * inv;
+    for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
+        int64_t o = bn_at(e, c, a.C, a.S);
+        a.gx[o] = a.training ? (a.gy[o] - mg - (a.x[o] - mu) * k) * scale : a.gy[o] * scale;
+    }
+}
+
+extern "C" int tdm_cuda_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                                            const tdm_tensor *gy, const tdm_tensor *x,
+                                            const tdm_tensor *weight, const tdm_tensor *save_mean,
+                                            const tdm_tensor *save_invstd, bool training) {
+    bn_bwd_args a;
+    bn_dims(x, &a.N, &a.C, &a.S);
+    cu_device *d = cu_dev_of(x, "batch_norm_backward");
+    if (!d) return tdm_last_status();
+    if (a.C == 0 || a.C > INT32_MAX) return TDM_OK;
+    a.gx = cu_f(gx), a.gw = cu_f(gw), a.gb = cu_f(gb);
+    a.gy = cu_f(gy), a.x = cu_f(x), a.w = cu_f(weight);
+    a.mean = cu_f(save_mean), a.invstd = cu_f(save_invstd), a.training = training;
+    bn_bwd_kernel<<<(unsigned)a.C, cu_row_threads(a.N * a.S), 0, d->compute>>>(a);
+    return cu_check_launch("batch_norm_backward", x->device.index);
+}
+
+/* ---- synchronised batch norm: this rank's share ------------------------------------------ */
+
+__global__ void bn_stats_kernel(float *sum, const float *x, const float *center, int64_t C,
+                                int64_t S, int64_t M) {
+    __shared__ double sh[CU_THREADS];
+    int64_t c = blockIdx.x;
+    float ctr = center ? center[c] : 0.0f;
+    double s = 0;
+    for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
+        float v = x[bn_at(e, c, C, S)];
+        if (center) {
+            float dv = v - ctr;
+            s += (double)dv * dv;
+        } else {
+            s += v;
+        }
+    }
+    s = cu_block_sum(s, sh);
+    if (threadIdx.x == 0) sum[c] = (float)s;
+}
+
+extern "C" int tdm_cuda_batch_norm_stats(tdm_tensor *sum, const tdm_tensor *x,
+                                         const tdm_tensor *center) {
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    cu_device *d = cu_dev_of(x, "batch_norm_stats");
+    if (!d) return tdm_last_status();
+    if (C == 0 || C > INT32_MAX) return TDM_OK;
+    bn_stats_kernel<<<(unsigned)C, cu_row_threads(N * S), 0, d->compute>>>(
+        cu_f(sum), cu_f(x), cu_f(center), C, S, N * S);
+    return cu_check_launch("batch_norm_stats", x->device.index);
+}
+
+__global__ void bn_reduce_kernel(float *sdy, float *sdx, float *gw, float *gb, const float *g,
+                                 const float *x, const float *mean, const float *invstd, int64_t C,
+                                 int64_t S, int64_t M) {
+    int64_t c = blockIdx.x;
+    double sg, sgx;
+    bn_grad_sums(g, x, mean[c], c, C, S, M, &sg, &sgx);
+    if (threadIdx.x == 0) {
+        sdy[c] = (float)sg;
+        sdx[c] = (float)sgx;
+        if (gb) gb[c] = (float)sg;
+        if (gw) gw[c] = (float)(sgx * invstd[c]);
+    }
+}
+
+extern "C" int tdm_cuda_batch_norm_backward_reduce(tdm_tensor *sum_dy, tdm_tensor *sum_dy_xmu,
+                                                   tdm_tensor *gw, tdm_tensor *gb,
+                                                   const tdm_tensor *gy, const tdm_tensor *x,
+                                                   const tdm_tensor *mean,
+                                                   const tdm_tensor *invstd) {
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    cu_device *d = cu_dev_of(x, "batch_norm_backward_reduce");
+    if (!d) return tdm_last_status();
+    if (C == 0 || C > INT32_MAX) return TDM_OK;
+    bn_reduce_kernel<<<(unsigned)C, cu_row_threads(N * S), 0, d->compute>>>(
+        cu_f(sum_dy), cu_f(sum_dy_xmu), cu_f(gw), cu_f(gb), cu_f(gy), cu_f(x), cu_f(mean),
+        cu_f(invstd), C, S, N * S);
+    return cu_check_launch("batch_norm_backward_reduce", x->device.index);
+}
+
+__global__ void bn_elemt_kernel(float *gx, const float *g, const float *x, const float *w,
+                                const float *mean, const float *invstd, const float *sdy,
+                                const float *sdx, double count, int64_t C, int64_t S, int64_t n) {
+    CU_LOOP(i, n) {
+        int64_t c = (i / S) % C;
+        float inv = invstd[c];
+        float mg = (float)((double)sdy[c] / count);
+        float k = (float)((double)sdx[c] / count) * inv * inv;
+        gx[i] = (g[i] - mg - (x[i] - mean[c]) * k) * (inv * (w ? w[c] : 1.0f));
+    }
+}
+
+extern "C" int tdm_cuda_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy,
+                                                  const tdm_tensor *x, const tdm_tensor *weight,
+                                                  const tdm_tensor *mean, const tdm_tensor *invstd,
+                                                  const tdm_tensor *sum_dy,
+                                                  const tdm_tensor *sum_dy_xmu, double count) {
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    cu_device *d = cu_dev_of(x, "batch_norm_backward_elemt");
+    if (!d) return tdm_last_status();
+    int64_t n = tdm_numel(x);
+    if (n == 0) return TDM_OK;
+    bn_elemt_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(
+        cu_f(gx), cu_f(gy), cu_f(x), cu_f(weight), cu_f(mean), cu_f(invstd), cu_f(sum_dy),
+        cu_f(sum_dy_xmu), count, C, S, n);
+    return cu_check_launch("batch_norm_backward_elemt", x->device.index);
+}
+
+/* ---- layer norm: x [rows, cols] ---------------------------------------------------------- */
+
+__global__ void ln_fwd_kernel(float *y, float *mean, float *rstd, const float *x, const float *w,
+                              const float *b, int64_t cols, float eps) {
+    __shared__ double sh[CU_THREADS];
+    int64_t r = blockIdx.x;
+    const float *xr = x + r * cols;
+    float *yr = y + r * cols;
+    double s = 0;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += xr[c];
+    float m = (float)(cu_block_sum(s, sh) / (double)cols);
+    double q = 0;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+        float dv = xr[c] - m;
+        q += (double)dv * dv;
+    }
+    double var = cu_block_sum(q, sh) / (double)cols; /* biased, as PyTorch */
+    float inv = (float)(1.0 / sqrt(var + (double)eps));
+    if (threadIdx.x == 0) mean[r] = m, rstd[r] = inv;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+        yr[c] = (xr[c] - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f);
+}
+
+extern "C" int tdm_cuda_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd,
+                                   const tdm_tensor *x, const tdm_tensor *weight,
+                                   const tdm_tensor *bias, float eps) {
+    int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
+    cu_device *d = cu_dev_of(x, "layer_norm");
+    if (!d) return tdm_last_status();
+    if (rows == 0 || cols == 0) return TDM_OK;
+    if (rows > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda layer_norm: too many rows");
+    ln_fwd_kernel<<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
+        cu_f(y), cu_f(mean), cu_f(rstd), cu_f(x), cu_f(weight), cu_f(bias), cols, eps);
+    return cu_check_launch("layer_norm", x->device.index);
+}
+
+/* gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with d = gy * w, one block per row. */
+__global__ void ln_bwd_kernel(float *gx, const float *g, const float *x, const float *w,
+                              const float *mean, const float *rstd, int64_t cols) {
+    __shared__ double sh[CU_THREADS];
+    int64_t r = blockIdx.x;
+    const float *gr = g + r * cols, *xr = x + r * cols;
+    float m = mean[r], inv = rstd[r];
+    double sd = 0, sdx = 0;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+        float h = (xr[c] - m) * inv, dv = gr[c] * (w ? w[c] : 1.0f);
+        sd += dv;
+        sdx += (double)dv * h;
+    }
+    float md = (float)(cu_block_sum(sd, sh) / (double)cols);
+    float mdx = (float)(cu_block_sum(sdx, sh) / (double)cols);
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+        float h = (xr[c] - m) * inv, dv = gr[c] * (w ? w[c] : 1.0f);
+        gx[r * cols + c] = inv * (dv - md - h * mdx);
+    }
+}
+
+/* gw[c] = sum_r gy[r, c] * xhat[r, c], gb[c] = sum_r gy[r, c]: one thread per column. */
+__global__ void ln_wb_kernel(float *gw, float *gb, const float *g, const float *x,
+                             const float *mean, const float *rstd, int64_t rows, int64_t cols) {
+    CU_LOOP(c, cols) {
+        double sw = 0, sb = 0;
+        for (int64_t r = 0; r < rows; r++) {
+            float gv = g[r * cols + c];
+            sw += (double)gv * ((x[r * cols + c] - mean[r]) * rstd[r]);
+            sb += gv;
+        }
+        if (gw) gw[c] = (float)sw;
+        if (gb) gb[c] = (float)sb;
+    }
+}
+
+extern "C" int tdm_cuda_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                                            const tdm_tensor *gy, const tdm_tensor *x,
+                                            const tdm_tensor *weight, const tdm_tensor *mean,
+                                            const tdm_tensor *rstd) {
+    int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
+    cu_device *d = cu_dev_of(x, "layer_norm_backward");
+    if (!d) return tdm_last_status();
+    if (cols == 0) return TDM_OK;
+    if (rows == 0) { /* an empty sum: zero gradients, as the CPU's memset */
+        if ((gw && tdm_cuda_fill(gw, 0.0)) || (gb && tdm_cuda_fill(gb, 0.0)))
+            return tdm_last_status();
+        return TDM_OK;
+    }
+    if (rows > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda layer_norm: too many rows");
+    if (gx)
+        ln_bwd_kernel<<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
+            cu_f(gx), cu_f(gy), cu_f(x), cu_f(weight), cu_f(mean), cu_f(rstd), cols);
+    if (gw || gb)
+        ln_wb_kernel<<<cu_blocks(cols), CU_THREADS, 0, d->compute>>>(
+            cu_f(gw), cu_f(gb), cu_f(gy), cu_f(x), cu_f(mean), cu_f(rstd), rows, cols);
+    return cu_check_launch("layer_norm_backward", x->device.index);
+}

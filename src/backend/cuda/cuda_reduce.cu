@@ -1,0 +1,588 @@
+/* CUDA reductions: sum/mean/max over one dim, sum_to (un-broadcasting), the max gradient,
+ * (log-)softmax, the sum of squares, index_select/index_add and the fused cross-entropy.
+ *
+ * Determinism: no float atomics. A long row is reduced by one block with a fixed tree
+ * (cu_block_sum), otherwise one thread owns an output and adds in index order; sums
+ * accumulate in double as on the CPU. The summation order differs from the CPU's, so results
+ * agree to rounding (about 1e-6 relative), but each run on a GPU gives the same bits. */
+#include "backend/cuda/cuda_common.cuh"
+
+#include <math.h>
+
+static void split_dim(const tdm_tensor *t, int dim, int64_t *outer, int64_t *n, int64_t *inner) {
+    *outer = *inner = 1;
+    for (int d = 0; d < dim; d++) *outer *= t->shape[d];
+    for (int d = dim + 1; d < t->ndim; d++) *inner *= t->shape[d];
+    *n = t->ndim ? t->shape[dim] : 1;
+}
+
+/* v beats best if larger, or if it is the first NaN (max propagates NaN, as PyTorch). */
+__device__ __forceinline__ bool max_beats(float v, float best) {
+    return v > best || (v != v && best == best);
+}
+
+/* ---- reduce over one dim: x [outer, n, inner] -> y [outer, inner] ------------------------ */
+
+/* One thread per output, k = 0..n-1 in order: exact CPU semantics for max and argmax. */
+__global__ void reduce_cols_kernel(tdm_reduce_op op, float *y, int64_t *am, const float *x,
+                                   int64_t outer, int64_t n, int64_t inner, double scale) {
+    CU_LOOP(e, outer * inner) {
+        int64_t o = e / inner, j = e % inner;
+        const float *p = x + o * n * inner + j;
+        if (op == TDM_RED_MAX) {
+            float best = p[0];
+            int64_t arg = 0;
+            for (int64_t k = 1; k < n; k++)
+                if (max_beats(p[k * inner], best)) best = p[k * inner], arg = k;
+            y[e] = best;
+            if (am) am[e] = arg;
+        } else {
+            double s = 0;
+            for (int64_t k = 0; k < n; k++) s += p[k * inner];
+            y[e] = (float)(s * scale);
+        }
+    }
+}
+
+/* One block per row (inner == 1, long rows). */
+__global__ void reduce_rows_kernel(tdm_reduce_op op, float *y, int64_t *am, const float *x,
+                                   int64_t n, double scale) {
+    __shared__ double shd[CU_THREADS];
+    __shared__ float shv[CU_THREADS];
+    __shared__ int64_t shi[CU_THREADS];
+    const float *row = x + (int64_t)blockIdx.x * n;
+    int t = threadIdx.x;
+    if (op != TDM_RED_MAX) {
+        double s = 0;
+        for (int64_t k = t; k < n; k += blockDim.x) s += row[k];
+        s = cu_block_sum(s, shd);
+        if (t == 0) y[blockIdx.x] = (float)(s * scale);
+        return;
+    }
+    /* each thread scans k = t, t + B, ... keeping its first best; pairs then combine keeping
+     * the NaN or the larger value, and the lower index on a tie: the first max overall */
+    float best = -INFINITY;
+    int64_t arg = n;
+    for (int64_t k = t; k < n; k += blockDim.x)
+        if (arg == n || max_beats(row[k], best)) best = row[k], arg = k;
+    shv[t] = best;
+    shi[t] = arg;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            float a = shv[t], b = shv[t + s];
+            int64_t ia = shi[t], ib = shi[t + s];
+            bool take_b = ib < n && (ia == n || max_beats(b, a) ||
+                                     (ib < ia && (a == b || (a != a && b != b))));
+            if (take_b) shv[t] = b, shi[t] = ib;
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        y[blockIdx.x] = shv[0];
+        if (am) am[blockIdx.x] = shi[0];
+    }
+}
+
+extern "C" int tdm_cuda_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim,
+                               tdm_tensor *argmax) {
+    if (op < TDM_RED_SUM || op > TDM_RED_MAX)
+        return tdm_raise(TDM_ERR_ARG, "cuda reduce: unknown op %d", (int)op);
+    if (x->dtype != TDM_F32 || y->dtype != TDM_F32 || !tdm_is_contiguous(x) ||
+        !tdm_is_contiguous(y))
+        return tdm_raise(TDM_ERR_ARG, "cuda reduce: x and y must be contiguous f32");
+    if (x->ndim > 0 && (dim < 0 || dim >= x->ndim))
+        return tdm_raise(TDM_ERR_ARG, "cuda reduce: dim %d out of range for %d dims", dim, x->ndim);
+    int64_t outer, n, inner;
+    split_dim(x, dim, &outer, &n, &inner);
+    if (tdm_numel(y) != outer * inner)
+        return tdm_raise(TDM_ERR_SHAPE, "cuda reduce: y has %lld elements, expected %lld",
+                         (long long)tdm_numel(y), (long long)(outer * inner));
+    if (op == TDM_RED_MAX && n == 0 && outer * inner > 0)
+        return tdm_raise(TDM_ERR_SHAPE, "cuda reduce: max over an empty dim %d", dim);
+    if (op == TDM_RED_MAX && argmax &&
+        (argmax->dtype != TDM_I64 || !tdm_is_contiguous(argmax) ||
+         tdm_numel(argmax) != outer * inner))
+        return tdm_raise(TDM_ERR_ARG, "cuda reduce: argmax must be contiguous i64 with y's size");
+    cu_device *d = cu_dev_of(x, "reduce");
+    if (!d) return tdm_last_status();
+    if (outer * inner == 0) return TDM_OK;
+    double scale = op == TDM_RED_MEAN ? (n ? 1.0 / (double)n : NAN) : 1.0;
+    int64_t *am = op == TDM_RED_MAX && argmax ? (int64_t *)tdm_cuda_ptr(argmax) : NULL;
+    if (inner == 1 && n >= 256 && outer <= INT32_MAX)
+        reduce_rows_kernel<<<(unsigned)outer, CU_THREADS, 0, d->compute>>>(op, cu_f(y), am, cu_f(x),
+                                                                           n, scale);
+    else
+        reduce_cols_kernel<<<cu_blocks(outer * inner), CU_THREADS, 0, d->compute>>>(
+            op, cu_f(y), am, cu_f(x), outer, n, inner, scale);
+    return cu_check_launch("reduce", x->device.index);
+}
+
+/* ---- sum_to ------------------------------------------------------------------------------ */
+
+/* x's dims split into kept ones (y's dims, in order) and summed ones; strides are x's. */
+typedef struct {
+    int nk, nr;
+    int64_t kshape[TDM_MAX_DIMS], kstride[TDM_MAX_DIMS];
+    int64_t rshape[TDM_MAX_DIMS], rstride[TDM_MAX_DIMS];
+    int64_t count; /* elements summed per output */
+} sum_plan;
+
+__device__ __forceinline__ int64_t plan_off(int n, const int64_t *shape, const int64_t *stride,
+                                            int64_t i) {
+    int64_t off = 0;
+    for (int d = n - 1; d >= 0; d--) {
+        off += (i % shape[d]) * stride[d];
+        i /= shape[d];
+    }
+    return off;
+}
+
+__global__ void sum_to_thread_kernel(float *y, const float *x, sum_plan p, int64_t ny) {
+    CU_LOOP(j, ny) {
+        const float *base = x + plan_off(p.nk, p.kshape, p.kstride, j);
+        double s = 0;
+        for (int64_t r = 0; r < p.count; r++) s += base[plan_off(p.nr, p.rshape, p.rstride, r)];
+        y[j] = (float)s;
+    }
+}
+
+__global__ void sum_to_block_kernel(float *y, const float *x, sum_plan p) {
+    __shared__ double sh[CU_THREADS];
+    const float *base = x + plan_off(p.nk, p.kshape, p.kstride, blockIdx.x);
+    double s = 0;
+    for (int64_t r = threadIdx.x; r < p.count; r += blockDim.x)
+        s += base[plan_off(p.nr, p.rshape, p.rstride, r)];
+    s = cu_block_sum(s, sh);
+    if (threadIdx.x == 0) y[blockIdx.x] = (float)s;
+}
+
+extern "C" int tdm_cuda_sum_to(tdm_tensor *y, const tdm_tensor *x) {
+    if (x->dtype != TDM_F32 || y->dtype != TDM_F32 || !tdm_is_contiguous(x) ||
+        !tdm_is_contiguous(y))
+        return tdm_raise(TDM_ERR_ARG, "cuda sum_to: x and y must be contiguous f32");
+    int nd = x->ndim, lead = x->ndim - y->ndim;
+    int64_t xst[TDM_MAX_DIMS];
+    tdm_contiguous_strides(nd, x->shape, xst);
+    sum_plan p;
+    p.nk = p.nr = 0;
+    p.count = 1;
+    bool ok = lead >= 0;
+    for (int d = 0; ok && d < nd; d++) {
+        int64_t yd = d < lead ? 1 : y->shape[d - lead];
+        if (d >= lead && yd == x->shape[d]) {
+            p.kshape[p.nk] = x->shape[d], p.kstride[p.nk++] = xst[d];
+        } else if (yd == 1) {
+            p.rshape[p.nr] = x->shape[d], p.rstride[p.nr++] = xst[d];
+            p.count *= x->shape[d];
+        } else {
+            ok = false;
+        }
+    }
+    if (!ok) {
+        char sx[96], sy[96];
+        return tdm_raise(TDM_ERR_SHAPE, "cuda sum_to: %s does not broadcast to %s",
+                         tdm_shape_str(tdm_shape_of(y), sy), tdm_shape_str(tdm_shape_of(x), sx));
+    }
+    cu_device *d = cu_dev_of(x, "sum_to");
+    if (!d) return tdm_last_status();
+    int64_t ny = tdm_numel(y);
+    if (ny == 0) return TDM_OK;
+    if (p.nk == 0) p.nk = 1, p.kshape[0] = 1, p.kstride[0] = 0; /* a scalar result */
+    if (p.nr == 0) p.nr = 1, p.rshape[0] = 1, p.rstride[0] = 0; /* nothing summed: a copy */
+    if (p.count >= 4096 && ny <= 4096)
+        sum_to_block_kernel<<<(unsigned)ny, CU_THREADS, 0, d->compute>>>(cu_f(y), cu_f(x), p);
+    else
+        sum_to_thread_kernel<<<cu_blocks(ny), CU_THREADS, 0, d->compute>>>(cu_f(y), cu_f(x), p, ny);
+    return cu_check_launch("sum_to", x->device.index);
+}
+
+/* ---- max backward ------------------------------------------------------------------------ */
+
+__global__ void max_bwd_kernel(float *gx, const float *gy, const int64_t *am, int64_t outer,
+                               int64_t n, int64_t inner) {
+    CU_LOOP(e, outer * inner) {
+        int64_t o = e / inner, j = e % inner, k = am[e];
+        if (k >= 0 && k < n) gx[(o * n + k) * inner + j] = gy[e]; /* our own argmax: trusted */
+    }
+}
+
+extern "C" int tdm_cuda_max_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *argmax,
+                                     int dim) {
+    if (argmax->dtype != TDM_I64 || !tdm_is_contiguous(gx) || !tdm_is_contiguous(gy) ||
+        !tdm_is_contiguous(argmax))
+        return tdm_raise(TDM_ERR_ARG, "cuda max_backward: contiguous tensors, i64 argmax");
+    if (gx->ndim > 0 && (dim < 0 || dim >= gx->ndim))
+        return tdm_raise(TDM_ERR_ARG, "cuda max_backward: dim %d out of range", dim);
+    int64_t outer, n, inner;
+    split_dim(gx, dim, &outer, &n, &inner);
+    if (tdm_numel(gy) != outer * inner || tdm_numel(argmax) != outer * inner)
+        return tdm_raise(TDM_ERR_SHAPE, "cuda max_backward: gy and argmax must have %lld elements",
+                         (long long)(outer * inner));
+    cu_device *d = cu_dev_of(gx, "max_backward");
+    if (!d) return tdm_last_status();
+    if (tdm_cuda_fill(gx, 0.0)) return tdm_last_status();
+    if (outer * inner == 0) return TDM_OK;
+    max_bwd_kernel<<<cu_blocks(outer * inner), CU_THREADS, 0, d->compute>>>(
+        cu_f(gx), cu_f(gy), (const int64_t *)tdm_cuda_ptr(argmax), outer, n, inner);
+    return cu_check_launch("max_backward", gx->device.index);
+}
+
+/* ---- softmax over the last dim: one block per row ---------------------------------------- */
+
+__global__ void softmax_kernel(float *y, const float *x, int64_t n, bool is_log) {
+    __shared__ float shf[CU_THREADS];
+    __shared__ double shd[CU_THREADS];
+    const float *xr = x + (int64_t)blockIdx.x * n;
+    float *yr = y + (int64_t)blockIdx.x * n;
+    float m = -INFINITY;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) m = cu_nanmax(m, xr[i]);
+    m = cu_block_max(m, shf); /* NaN anywhere: the row is NaN */
+    double s = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += expf(xr[i] - m);
+    s = cu_block_sum(s, shd);
+    if (is_log) {
+        float ls = (float)log(s);
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (xr[i] - m) - ls;
+    } else {
+        float inv = (float)(1.0 / s);
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = expf(xr[i] - m) * inv;
+    }
+}
+
+/* softmax: gx = y * (gy - sum(gy * y)); log-softmax: gx = gy - exp(y) * sum(gy). */
+__global__ void softmax_bwd_kernel(float *gx, const float *gy, const float *y, int64_t n,
+                                   bool is_log) {
+    __shared__ double shd[CU_THREADS];
+    int64_t base = (int64_t)blockIdx.x * n;
+    double s = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+        s += is_log ? (double)gy[base + i] : (double)gy[base + i] * y[base + i];
+    float dot = (float)cu_block_sum(s, shd);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float g = gy[base + i], o = y[base + i];
+        gx[base + i] = is_log ? g - expf(o) * dot : o * (g - dot);
+    }
+}
+
+static int softmax_check(const char *op, const tdm_tensor *a, const tdm_tensor *b,
+                         const tdm_tensor *c) {
+    const tdm_tensor *ts[3] = {a, b, c};
+    for (int i = 0; i < 3 && ts[i]; i++)
+        if (ts[i]->dtype != TDM_F32 || !tdm_is_contiguous(ts[i]) || !tdm_same_shape(ts[i], a))
+            return tdm_raise(TDM_ERR_ARG, "cuda %s: tensors must be contiguous f32 of one shape",
+                             op);
+    return TDM_OK;
+}
+
+extern "C" int tdm_cuda_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log) {
+    if (softmax_check("softmax", y, x, NULL)) return tdm_last_status();
+    cu_device *d = cu_dev_of(x, "softmax");
+    if (!d) return tdm_last_status();
+    int64_t n = x->ndim ? x->shape[x->ndim - 1] : 1, numel = tdm_numel(x);
+    if (numel == 0) return TDM_OK;
+    if (numel / n > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda softmax: too many rows");
+    softmax_kernel<<<(unsigned)(numel / n), cu_row_threads(n), 0, d->compute>>>(cu_f(y), cu_f(x), n,
+                                                                                is_log);
+    return cu_check_launch("softmax", x->device.index);
+}
+
+extern "C" int tdm_cuda_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *y,
+                                         bool is_log) {
+    if (softmax_check("softmax_backward", gx, gy, y)) return tdm_last_status();
+    cu_device *d = cu_dev_of(gx, "softmax_backward");
+    if (!d) return tdm_last_status();
+    int64_t n = gx->ndim ? gx->shape[gx->ndim - 1] : 1, numel = tdm_numel(gx);
+    if (numel == 0) return TDM_OK;
+    if (numel / n > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda softmax: too many rows");
+    softmax_bwd_kernel<<<(unsigned)(numel / n), cu_row_threads(n), 0, d->compute>>>(
+        cu_f(gx), cu_f(gy), cu_f(y), n, is_log);
+    return cu_check_launch("softmax_backward", gx->device.index);
+}
+
+/* ---- sum of squares: fixed grid of partial sums, then one block adds them in order ------- */
+
+#define SSQ_BLOCKS 256
+
+__global__ void ssq_partial_kernel(double *part, const float *x, cu_view v, int64_t n) {
+    __shared__ double sh[CU_THREADS];
+    double s = 0;
+    CU_LOOP(i, n) {
+        double a = x[cu_offset(v, i)];
+        s += a * a;
+    }
+    s = cu_block_sum(s, sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+__global__ void ssq_final_kernel(double *part, int nparts) {
+    __shared__ double sh[CU_THREADS];
+    double s = 0;
+    for (int i = threadIdx.x; i < nparts; i += blockDim.x) s += part[i];
+    s = cu_block_sum(s, sh);
+    if (threadIdx.x == 0) part[0] = s;
+}
+
+extern "C" int tdm_cuda_sum_squares(double *out, const tdm_tensor *x) {
+    if (x->dtype != TDM_F32) return tdm_raise(TDM_ERR_DTYPE, "cuda sum_squares: f32 only");
+    *out = 0;
+    cu_device *d = cu_dev_of(x, "sum_squares");
+    if (!d) return tdm_last_status();
+    int64_t n = tdm_numel(x);
+    if (n == 0) return TDM_OK;
+    tdm_storage *hold;
+    double *part = (double *)cu_scratch(x->device.index, SSQ_BLOCKS * sizeof(double), &hold);
+    if (!part) return tdm_last_status();
+    unsigned blocks = cu_blocks(n) < SSQ_BLOCKS ? cu_blocks(n) : SSQ_BLOCKS;
+    ssq_partial_kernel<<<blocks, CU_THREADS, 0, d->compute>>>(part, cu_f(x), cu_view_of(x), n);
+    ssq_final_kernel<<<1, CU_THREADS, 0, d->compute>>>(part, (int)blocks);
+    int rc = cu_check_launch("sum_squares", x->device.index);
+    if (!rc)
+        rc =
+            cu_check(cudaMemcpyAsync(out, part, sizeof(double), cudaMemcpyDeviceToHost, d->compute),
+                     "sum_squares", x->device.index);
+    if (!rc) rc = cu_check(cudaStreamSynchronize(d->compute), "sum_squares", x->device.index);
+    tdm_storage_release(hold);
+    return rc;
+}
+
+/* ---- index_select / index_add ------------------------------------------------------------ */
+
+/* Records the first position whose index is outside [0, n) (ignore: exempt value). */
+__global__ void check_index_kernel(unsigned long long *bad, const void *idx, bool i64,
+                                   int64_t stride, int64_t k, int64_t n, bool use_ignore,
+                                   int64_t ignore) {
+    CU_LOOP(i, k) {
+        int64_t v = cu_index_at(idx, i64, stride, i);
+        if (use_ignore && v == ignore) continue;
+        if (v < 0 || v >= n) atomicMin(bad, (unsigned long long)i);
+    }
+}
+
+/* Checks every index before anything is written (as the CPU does). Waits for the stream:
+ * the error must reach the caller of this op, not a later one. */
+static int check_indices(cu_device *d, const tdm_tensor *idx, int64_t k, int64_t n, int dim,
+                         const char *op, bool use_ignore, int64_t ignore) {
+    int index = idx->device.index;
+    if (idx->dtype != TDM_I32 && idx->dtype != TDM_I64)
+        return tdm_raise(TDM_ERR_DTYPE, "%s: indices must be i32 or i64, got %s", op,
+                         tdm_dtype_name(idx->dtype));
+    if (k == 0) return TDM_OK;
+    if (cu_bad_reset(d, index)) return tdm_last_status();
+    check_index_kernel<<<cu_blocks(k), CU_THREADS, 0, d->compute>>>(
+        d->bad_dev, tdm_cuda_ptr(idx), idx->dtype == TDM_I64, idx->ndim ? idx->strides[0] : 0, k, n,
+        use_ignore, ignore);
+    long long pos;
+    if (cu_check_launch(op, index) || cu_bad_read(d, index, &pos)) return tdm_last_status();
+    if (pos < 0) return TDM_OK;
+    long long v = (long long)cu_index_to_host(idx, pos);
+    if (use_ignore)
+        return tdm_raise(TDM_ERR_ARG,
+                         "%s: target %lld (sample %lld) is out of range for C = %lld classes", op,
+                         v, pos, (long long)n);
+    return tdm_raise(TDM_ERR_ARG,
+                     "%s: index %lld (position %lld) is out of range for dim %d of size %lld", op,
+                     v, pos, dim, (long long)n);
+}
+
+/* y [outer, k, inner] = x [outer, n, inner] picked by idx; es-byte elements. */
+template <typename T>
+__global__ void index_select_kernel(T *y, const T *x, const void *idx, bool i64, int64_t ist,
+                                    int64_t outer, int64_t k, int64_t n, int64_t inner) {
+    CU_LOOP(e, outer * k * inner) {
+        int64_t j = e % inner, i = (e / inner) % k, o = e / (inner * k);
+        y[e] = x[(o * n + cu_index_at(idx, i64, ist, i)) * inner + j];
+    }
+}
+
+extern "C" int tdm_cuda_index_select(tdm_tensor *y, const tdm_tensor *x, int dim,
+                                     const tdm_tensor *idx) {
+    if (!tdm_is_contiguous(x) || !tdm_is_contiguous(y) || x->dtype != y->dtype)
+        return tdm_raise(TDM_ERR_ARG, "cuda index_select: x and y contiguous, of one dtype");
+    int64_t outer, n, inner, k = tdm_numel(idx);
+    split_dim(x, dim, &outer, &n, &inner);
+    cu_device *d = cu_dev_of(x, "index_select");
+    if (!d) return tdm_last_status();
+    if (check_indices(d, idx, k, n, dim, "index_select", false, 0)) return tdm_last_status();
+    int64_t total = outer * k * inner;
+    if (total == 0) return TDM_OK;
+    bool i64 = idx->dtype == TDM_I64;
+    int64_t ist = idx->ndim ? idx->strides[0] : 0;
+    const void *ip = tdm_cuda_ptr(idx);
+    if (tdm_dtype_size(x->dtype) == 8)
+        index_select_kernel<int64_t><<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(
+            (int64_t *)tdm_cuda_ptr(y), (const int64_t *)tdm_cuda_ptr(x), ip, i64, ist, outer, k, n,
+            inner);
+    else
+        index_select_kernel<int32_t><<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(
+            (int32_t *)tdm_cuda_ptr(y), (const int32_t *)tdm_cuda_ptr(x), ip, i64, ist, outer, k, n,
+            inner);
+    return cu_check_launch("index_select", x->device.index);
+}
+
+/* One thread per (o, j) column adds gy's k rows in increasing i: a repeated index sums in
+ * the same order on every run, with no atomics. */
+__global__ void index_add_kernel(float *gx, const float *gy, const void *idx, bool i64, int64_t ist,
+                                 int64_t outer, int64_t k, int64_t n, int64_t inner) {
+    CU_LOOP(e, outer * inner) {
+        int64_t o = e / inner, j = e % inner;
+        for (int64_t i = 0; i < k; i++)
+            gx[(o * n + cu_index_at(idx, i64, ist, i)) * inner + j] += gy[(o * k + i) * inner + j];
+    }
+}
+
+extern "C" int tdm_cuda_index_add(tdm_tensor *gx, int dim, const tdm_tensor *idx,
+                                  const tdm_tensor *gy) {
+    if (!tdm_is_contiguous(gx) || !tdm_is_contiguous(gy) || gx->dtype != TDM_F32 ||
+        gy->dtype != TDM_F32)
+        return tdm_raise(TDM_ERR_ARG, "cuda index_add: gx and gy contiguous f32");
+    int64_t outer, n, inner, k = tdm_numel(idx);
+    split_dim(gx, dim, &outer, &n, &inner);
+    cu_device *d = cu_dev_of(gx, "index_add");
+    if (!d) return tdm_last_status();
+    if (check_indices(d, idx, k, n, dim, "index_add", false, 0)) return tdm_last_status();
+    if (outer * inner == 0 || k == 0) return TDM_OK;
+    index_add_kernel<<<cu_blocks(outer * inner), CU_THREADS, 0, d->compute>>>(
+        cu_f(gx), cu_f(gy), tdm_cuda_ptr(idx), idx->dtype == TDM_I64,
+        idx->ndim ? idx->strides[0] : 0, outer, k, n, inner);
+    return cu_check_launch("index_add", gx->device.index);
+}
+
+/* ---- cross-entropy: one block per sample (formulas in cpu_loss.c) ------------------------ */
+
+typedef struct {
+    const float *x, *w;
+    const void *target;
+    bool t64;
+    int64_t tstride, N, C, ignore;
+    float e;
+    bool is_logits;
+} ce_args;
+
+/* The row's log-sum-exp (0 for log-probabilities) and, when smoothing, sum_c w[c]*(lse-x[c]);
+ * every thread of the block gets them. */
+__device__ void ce_row(const ce_args &a, const float *xr, double *lse_out, double *smooth_out) {
+    __shared__ float shf[CU_THREADS];
+    __shared__ double shd[CU_THREADS];
+    double lse = 0;
+    if (a.is_logits) {
+        float m = -INFINITY;
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) m = cu_nanmax(m, xr[c]);
+        m = cu_block_max(m, shf);
+        double s = 0;
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) s += expf(xr[c] - m);
+        lse = m + log(cu_block_sum(s, shd));
+    }
+    double sm = 0;
+    if (a.e > 0) {
+        double sx = 0, wt = 0;
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
+            double w = a.w ? a.w[c] : 1.0;
+            sx += w * xr[c];
+            wt += w;
+        }
+        sx = cu_block_sum(sx, shd);
+        wt = cu_block_sum(wt, shd);
+        sm = lse * wt - sx;
+    }
+    *lse_out = lse;
+    *smooth_out = sm;
+}
+
+__global__ void ce_kernel(float *loss, float *wsum, ce_args a) {
+    int64_t i = blockIdx.x;
+    int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
+    if (t == a.ignore) { /* uniform across the block: no thread reaches a barrier below */
+        if (threadIdx.x == 0) {
+            loss[i] = 0;
+            if (wsum) wsum[i] = 0;
+        }
+        return;
+    }
+    const float *xr = a.x + i * a.C;
+    double lse, sm;
+    ce_row(a, xr, &lse, &sm);
+    if (threadIdx.x == 0) {
+        double wt = a.w ? a.w[t] : 1.0, e = a.e;
+        double l = (1 - e) * wt * (lse - xr[t]);
+        if (e > 0) l += e / (double)a.C * sm;
+        loss[i] = (float)l;
+        if (wsum) wsum[i] = (float)wt;
+    }
+}
+
+__global__ void ce_bwd_kernel(float *gx, const float *gloss, int64_t gstride, ce_args a) {
+    __shared__ double shd[CU_THREADS];
+    int64_t i = blockIdx.x;
+    int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
+    float *gr = gx + i * a.C;
+    if (t == a.ignore) {
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) gr[c] = 0;
+        return;
+    }
+    const float *xr = a.x + i * a.C;
+    float g = gloss[i * gstride], wt = a.w ? a.w[t] : 1.0f;
+    float eC = a.e / (float)a.C, ge = g * eC;
+    if (a.is_logits) {
+        double lse, unused;
+        ce_row(a, xr, &lse, &unused);
+        double wtot = 0;
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) wtot += a.w ? a.w[c] : 1.0;
+        wtot = cu_block_sum(wtot, shd);
+        float total = g * (float)((1 - a.e) * wt + eC * wtot), l = (float)lse;
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
+            float v = expf(xr[c] - l) * total - ge * (a.w ? a.w[c] : 1.0f);
+            gr[c] = c == t ? v - g * (1 - a.e) * wt : v;
+        }
+    } else {
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
+            float v = -ge * (a.w ? a.w[c] : 1.0f);
+            gr[c] = c == t ? v - g * (1 - a.e) * wt : v;
+        }
+    }
+}
+
+static int ce_prepare(ce_args *a, cu_device **d, const tdm_tensor *x, const tdm_tensor *target,
+                      const tdm_tensor *weight, int64_t ignore, float smoothing, bool is_logits,
+                      const char *op) {
+    if (x->ndim != 2 || !tdm_is_contiguous(x) || x->dtype != TDM_F32 ||
+        (weight && !tdm_is_contiguous(weight)))
+        return tdm_raise(TDM_ERR_ARG, "cuda %s: x must be a contiguous f32 [N, C]", op);
+    a->x = cu_f(x);
+    a->w = cu_f(weight);
+    a->target = tdm_cuda_ptr(target);
+    a->t64 = target->dtype == TDM_I64;
+    a->tstride = target->ndim ? target->strides[0] : 0;
+    a->N = x->shape[0], a->C = x->shape[1], a->ignore = ignore;
+    a->e = smoothing, a->is_logits = is_logits;
+    if (!(*d = cu_dev_of(x, op))) return tdm_last_status();
+    if (a->N > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda %s: too many samples", op);
+    return check_indices(*d, target, a->N, a->C, 0, "cross_entropy", true, ignore);
+}
+
+extern "C" int tdm_cuda_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
+                                      const tdm_tensor *target, const tdm_tensor *weight,
+                                      int64_t ignore_index, float smoothing, bool is_logits) {
+    ce_args a;
+    cu_device *d;
+    if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits, "cross_entropy"))
+        return tdm_last_status();
+    if (a.N == 0) return TDM_OK;
+    ce_kernel<<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(cu_f(loss), cu_f(wsum), a);
+    return cu_check_launch("cross_entropy", x->device.index);
+}
+
+extern "C" int tdm_cuda_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss,
+                                               const tdm_tensor *x, const tdm_tensor *target,
+                                               const tdm_tensor *weight, int64_t ignore_index,
+                                               float smoothing, bool is_logits) {
+    ce_args a;
+    cu_device *d;
+    if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits,
+                   "cross_entropy_backward"))
+        return tdm_last_status();
+    if (a.N == 0) return TDM_OK;
+    ce_bwd_kernel<<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(
+        cu_f(gx), cu_f(gloss), gloss->ndim ? gloss->strides[0] : 0, a);
+    return cu_check_launch("cross_entropy_backward", x->device.index);
+}

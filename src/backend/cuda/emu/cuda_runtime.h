@@ -1,0 +1,122 @@
+/* A host emulation of the parts of the CUDA runtime that Tandem's CUDA backend uses, so that
+ * its kernels can run (slowly, on one CPU thread) where no GPU is: src/backend/cuda/emu/run
+ * builds the backend against it and runs tests/test_cuda. Not a CUDA implementation: only
+ * what the backend calls, with the same semantics on one in-order "stream". */
+#ifndef TDM_EMU_CUDA_RUNTIME_H
+#define TDM_EMU_CUDA_RUNTIME_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    cudaSuccess = 0,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorInvalidValue = 1,
+    cudaErrorNotReady = 600,
+} cudaError_t;
+typedef struct emu_stream *cudaStream_t;
+typedef struct emu_event *cudaEvent_t;
+enum cudaMemcpyKind {
+    cudaMemcpyHostToDevice = 1,
+    cudaMemcpyDeviceToHost = 2,
+    cudaMemcpyDeviceToDevice = 3
+};
+enum cudaMemoryType {
+    cudaMemoryTypeUnregistered = 0,
+    cudaMemoryTypeHost = 1,
+    cudaMemoryTypeDevice = 2
+};
+struct cudaPointerAttributes {
+    enum cudaMemoryType type;
+};
+struct cudaDeviceProp {
+    char name[256];
+    size_t totalGlobalMem;
+    int major, minor;
+};
+#define cudaStreamNonBlocking  1
+#define cudaEventDisableTiming 2
+#define cudaHostAllocPortable  1
+
+cudaError_t cudaGetDeviceCount(int *n);
+const char *cudaGetErrorString(cudaError_t e);
+cudaError_t cudaGetLastError(void);
+cudaError_t cudaSetDevice(int d);
+cudaError_t cudaGetDevice(int *d);
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaDeviceSynchronize(void);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
+cudaError_t cudaEventQuery(cudaEvent_t e);
+cudaError_t cudaEventDestroy(cudaEvent_t e);
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags);
+cudaError_t cudaMalloc(void **p, size_t n);
+cudaError_t cudaFree(void *p);
+cudaError_t cudaMallocHost(void **p, size_t n);
+cudaError_t cudaHostAlloc(void **p, size_t n, unsigned flags);
+cudaError_t cudaFreeHost(void *p);
+cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b);
+cudaError_t cudaMemcpy(void *d, const void *s, size_t n, enum cudaMemcpyKind k);
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind k,
+                            cudaStream_t st);
+cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st);
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p);
+
+#ifdef __cplusplus
+}
+
+/* ---- device side: kernels are plain functions run by emu_launch ---- */
+#include <functional>
+
+struct dim3 {
+    unsigned x, y, z;
+};
+extern dim3 threadIdx, blockIdx, blockDim, gridDim;
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__      static /* one block runs at a time on one thread */
+void __syncthreads(void);
+void emu_launch(long long grid, long long block, const std::function<void()> &body);
+
+template <typename T> cudaError_t cudaMalloc(T **p, size_t n) {
+    return cudaMalloc((void **)p, n);
+}
+template <typename T> cudaError_t cudaMallocHost(T **p, size_t n) {
+    return cudaMallocHost((void **)p, n);
+}
+template <typename T> cudaError_t cudaHostAlloc(T **p, size_t n, unsigned f) {
+    return cudaHostAlloc((void **)p, n, f);
+}
+static inline uint32_t __umulhi(uint32_t a, uint32_t b) {
+    return (uint32_t)(((uint64_t)a * b) >> 32);
+}
+static inline float __int_as_float(int i) {
+    float f;
+    __builtin_memcpy(&f, &i, 4);
+    return f;
+}
+static inline float __fadd_rn(float a, float b) {
+    volatile float r = a + b;
+    return r;
+}
+static inline float __fmul_rn(float a, float b) {
+    volatile float r = a * b;
+    return r;
+}
+static inline unsigned long long atomicMin(unsigned long long *p, unsigned long long v) {
+    unsigned long long old = *p;
+    if (v < old) *p = v;
+    return old;
+}
+#endif
+
+#endif

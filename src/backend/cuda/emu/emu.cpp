@@ -1,0 +1,239 @@
+/* The host emulation behind cuda_runtime.h and cublas_v2.h in this directory.
+ *
+ * A launch runs its blocks one after another on the calling thread. The threads of a block
+ * are coroutines (ucontext) run in rounds: each runs until its next __syncthreads or its
+ * end, so a barrier holds exactly as on a GPU, and __shared__ arrays (statics) are shared by
+ * the block. Streams and events are in order by construction; device memory is host memory,
+ * so AddressSanitizer sees a kernel's out-of-bounds access. Invalid launch configurations
+ * (empty grid, more than 1024 threads, a block size that is not a power of two where the
+ * reductions need one is the caller's check) fail as on a GPU, through cudaGetLastError. */
+#include "cuda_runtime.h"
+#include "cublas_v2.h"
+
+#include <set>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucontext.h>
+
+dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+static cudaError_t last_error = cudaSuccess;
+static int current_device = 0;
+static std::set<const void *> pinned;
+
+#define MAX_BLOCK  1024
+#define STACK_SIZE (256 * 1024)
+
+static ucontext_t sched_ctx, thread_ctx[MAX_BLOCK];
+static char *stacks[MAX_BLOCK];
+static bool finished[MAX_BLOCK];
+static const std::function<void()> *body_now;
+
+static void trampoline(void) {
+    (*body_now)();
+    finished[threadIdx.x] = true; /* uc_link returns to the scheduler */
+}
+
+void __syncthreads(void) {
+    swapcontext(&thread_ctx[threadIdx.x], &sched_ctx);
+}
+
+void emu_launch(long long grid, long long block, const std::function<void()> &body) {
+    if (grid < 1 || grid > 2147483647LL || block < 1 || block > MAX_BLOCK) {
+        fprintf(stderr, "emu: invalid launch configuration <<<%lld, %lld>>>\n", grid, block);
+        last_error = cudaErrorInvalidValue;
+        return;
+    }
+    body_now = &body;
+    gridDim = {(unsigned)grid, 1, 1};
+    blockDim = {(unsigned)block, 1, 1};
+    for (long long b = 0; b < grid; b++) {
+        blockIdx = {(unsigned)b, 0, 0};
+        for (int t = 0; t < block; t++) {
+            if (!stacks[t] && !(stacks[t] = (char *)malloc(STACK_SIZE))) abort();
+            getcontext(&thread_ctx[t]);
+            thread_ctx[t].uc_stack.ss_sp = stacks[t];
+            thread_ctx[t].uc_stack.ss_size = STACK_SIZE;
+            thread_ctx[t].uc_link = &sched_ctx;
+            makecontext(&thread_ctx[t], trampoline, 0);
+            finished[t] = false;
+        }
+        for (bool any = true; any;) {
+            any = false;
+            for (int t = 0; t < block; t++) {
+                if (finished[t]) continue;
+                any = true;
+                threadIdx = {(unsigned)t, 0, 0};
+                swapcontext(&sched_ctx, &thread_ctx[t]);
+            }
+        }
+    }
+}
+
+/* ---- runtime ----------------------------------------------------------------------------- */
+
+extern "C" {
+
+cudaError_t cudaGetDeviceCount(int *n) {
+    const char *e = getenv("EMU_GPUS");
+    *n = e ? atoi(e) : 1;
+    return cudaSuccess;
+}
+const char *cudaGetErrorString(cudaError_t e) {
+    return e == cudaSuccess                 ? "no error"
+           : e == cudaErrorMemoryAllocation ? "out of memory"
+                                            : "emulated error";
+}
+cudaError_t cudaGetLastError(void) {
+    cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    return e;
+}
+cudaError_t cudaSetDevice(int d) {
+    current_device = d;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int *d) {
+    *d = current_device;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d) {
+    snprintf(p->name, sizeof p->name, "host emulation");
+    p->totalGlobalMem = (size_t)80 << 30;
+    p->major = 9, p->minor = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
+    *s = (cudaStream_t)malloc(1);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) {
+    return cudaSuccess;
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
+    *e = (cudaEvent_t)malloc(1);
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+    return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    free(e);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
+    return cudaSuccess;
+}
+cudaError_t cudaMalloc(void **p, size_t n) {
+    /* a "GPU" of 64 GiB: larger requests fail as cudaMalloc does */
+    if (n > ((size_t)64 << 30) || !(*p = malloc(n))) {
+        last_error = cudaErrorMemoryAllocation;
+        return cudaErrorMemoryAllocation;
+    }
+    memset(*p, 0xa5, n); /* garbage, as fresh device memory is: kernels must not rely on 0 */
+    return cudaSuccess;
+}
+cudaError_t cudaFree(void *p) {
+    free(p);
+    return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void **p, size_t n) {
+    if (!(*p = malloc(n))) return cudaErrorMemoryAllocation;
+    pinned.insert(*p);
+    return cudaSuccess;
+}
+cudaError_t cudaHostAlloc(void **p, size_t n, unsigned flags) {
+    return cudaMallocHost(p, n);
+}
+cudaError_t cudaFreeHost(void *p) {
+    pinned.erase(p);
+    free(p);
+    return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
+    *free_b = *total_b = (size_t)64 << 30;
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void *d, const void *s, size_t n, enum cudaMemcpyKind k) {
+    memmove(d, s, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind k,
+                            cudaStream_t st) {
+    memmove(d, s, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) {
+    memset(d, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
+    a->type = pinned.count(p) ? cudaMemoryTypeHost : cudaMemoryTypeUnregistered;
+    return cudaSuccess;
+}
+
+/* ---- cuBLAS ------------------------------------------------------------------------------ */
+
+cublasStatus_t cublasCreate(cublasHandle_t *h) {
+    *h = (cublasHandle_t)malloc(1);
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasDestroy(cublasHandle_t h) {
+    free(h);
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t m) {
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+/* C = alpha op(A) op(B) + beta C, column-major, with cuBLAS's argument checks. */
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
+                                         cublasOperation_t tb, int m, int n, int k,
+                                         const float *alpha, const float *a, int lda, long long sa,
+                                         const float *b, int ldb, long long sb, const float *beta,
+                                         float *c, int ldc, long long sc, int batch) {
+    int arows = ta == CUBLAS_OP_N ? m : k, brows = tb == CUBLAS_OP_N ? k : n;
+    if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < (arows > 1 ? arows : 1) ||
+        ldb < (brows > 1 ? brows : 1) || ldc < (m > 1 ? m : 1)) {
+        fprintf(stderr, "emu cublas: invalid gemm m=%d n=%d k=%d lda=%d ldb=%d ldc=%d\n", m, n, k,
+                lda, ldb, ldc);
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    for (int p = 0; p < batch; p++) {
+        const float *A = a + p * sa, *B = b + p * sb;
+        float *C = c + p * sc;
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                double s = 0;
+                for (int l = 0; l < k; l++) {
+                    float av =
+                        ta == CUBLAS_OP_N ? A[i + (long long)l * lda] : A[l + (long long)i * lda];
+                    float bv =
+                        tb == CUBLAS_OP_N ? B[l + (long long)j * ldb] : B[j + (long long)l * ldb];
+                    s += (double)av * bv;
+                }
+                float r = (float)(*alpha * s);
+                C[i + (long long)j * ldc] =
+                    *beta == 0.0f ? r : r + *beta * C[i + (long long)j * ldc];
+            }
+    }
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                           int n, int k, const float *alpha, const float *a, int lda,
+                           const float *b, int ldb, const float *beta, float *c, int ldc) {
+    return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc,
+                                     0, 1);
+}
+}

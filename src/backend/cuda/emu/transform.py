@@ -1,0 +1,48 @@
+"""Rewrites CUDA launches `k<<<grid, block, shmem, stream>>>(args)` of a .cu file into
+`emu_launch(grid, block, [&]() { k(args); })` for the host emulation (see emu.cpp)."""
+import re
+import sys
+
+
+def split_top(s):
+    """The comma-separated parts of s outside brackets."""
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        if ch in "([{":
+            depth += 1
+        if ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts]
+
+
+def transform(src):
+    """src with every launch rewritten (the launch's argument list is matched by parens)."""
+    out, pos = [], 0
+    for m in re.finditer(r"([A-Za-z_][A-Za-z_0-9]*(?:<[A-Za-z_0-9]+>)?)\s*<<<", src):
+        if m.start() < pos:
+            continue
+        end_cfg = src.index(">>>", m.end())
+        cfg = split_top(src[m.end():end_cfg])
+        i = src.index("(", end_cfg)
+        depth, j = 0, i
+        while True:
+            depth += src[j] == "("
+            depth -= src[j] == ")"
+            if depth == 0:
+                break
+            j += 1
+        args = src[i + 1:j]
+        out.append(src[pos:m.start()])
+        out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), [&]() {{ {m.group(1)}({args}); }})")
+        pos = j + 1
+    out.append(src[pos:])
+    return "".join(out)
+
+
+sys.stdout.write(transform(open(sys.argv[1]).read()))

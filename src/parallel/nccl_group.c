@@ -1,0 +1,317 @@
+/* The NCCL process-group backend (see nccl_group.h). Without NCCL in the build every entry
+ * point reports that it is missing.
+ *
+ * Each rank keeps a FIFO of launched collectives with one CUDA event each. Completion is
+ * in launch order: tdm_work_wait (through ops->progress) polls the oldest events until its
+ * own has fired, finishing every handle on the way. A poll also reads NCCL's asynchronous
+ * error state, and gives up after the group's timeout: the communicator is then aborted so
+ * the GPU is not left spinning in a collective whose peer died. */
+#include "parallel/nccl_group.h"
+
+#ifndef TANDEM_HAVE_NCCL
+
+bool tdm_nccl_available(void) {
+    return false;
+}
+
+tdm_group *tdm_nccl_group_new(tdm_group *parent, tdm_device dev) {
+    return tdm_raise_null(TDM_ERR_DEVICE, "nccl group: this build has no NCCL (it needs the "
+                                          "CUDA backend and nccl.h/libnccl at configure time)");
+}
+
+int tdm_nccl_world_new(int n, const tdm_device *devs, tdm_group **out) {
+    return tdm_raise(TDM_ERR_DEVICE, "nccl group: this build has no NCCL");
+}
+
+void tdm_nccl_group_free(tdm_group *g) {}
+
+#else
+
+#include "backend/cuda/cuda.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define RING 64 /* collectives in flight per rank before a launch waits for the oldest */
+
+typedef struct {
+    tdm_work *w;
+    cudaEvent_t ev;
+} pending;
+
+typedef struct nrank {
+    tdm_group g; /* first member: a tdm_group * is an nrank * */
+    ncclComm_t comm;
+    int dev;
+    cudaStream_t stream; /* the device's communication stream (owned by the CUDA backend) */
+    float *barrier_buf;  /* one float all-reduced by a barrier */
+    pthread_mutex_t lock;
+    pending ring[RING];
+    int head, count;
+    bool failed;
+    char fail_msg[TDM_WORK_MSG - 64];
+} nrank;
+
+bool tdm_nccl_available(void) {
+    return true;
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Marks the rank failed (first message wins) and aborts its communicator. Caller holds lock. */
+static void fail_locked(nrank *r, const char *msg) {
+    if (r->failed) return;
+    r->failed = true;
+    snprintf(r->fail_msg, sizeof r->fail_msg, "%s", msg);
+    ncclCommAbort(r->comm); /* frees the communicator; later collectives fail at once */
+    r->comm = NULL;
+}
+
+/* Finishes every pending collective with the failure. Caller holds lock. */
+static void fail_pending_locked(nrank *r) {
+    while (r->count > 0) {
+        pending *p = &r->ring[r->head];
+        tdm_work_finish(p->w, TDM_ERR_COMM, r->fail_msg);
+        r->head = (r->head + 1) % RING;
+        r->count--;
+    }
+}
+
+/* Waits for the oldest pending collective; finishes it. Caller holds lock. */
+static void wait_oldest_locked(nrank *r) {
+    pending *p = &r->ring[r->head];
+    int64_t deadline = now_ns() + (int64_t)(tdm_group_timeout(&r->g) * 1e9);
+    char msg[TDM_WORK_MSG - 64];
+    for (;;) {
+        cudaError_t q = cudaEventQuery(p->ev);
+        if (q == cudaSuccess) break;
+        if (q != cudaErrorNotReady) {
+            cudaGetLastError();
+            snprintf(msg, sizeof msg, "%s on rank %d (cuda:%d): %s", tdm_coll_name(p->w->c.kind),
+                     r->g.rank, r->dev, cudaGetErrorString(q));
+            fail_locked(r, msg);
+            fail_pending_locked(r);
+            return;
+        }
+        ncclResult_t ae = ncclSuccess;
+        if (ncclCommGetAsyncError(r->comm, &ae) == ncclSuccess && ae != ncclSuccess &&
+            ae != ncclInProgress) {
+            snprintf(msg, sizeof msg, "%s on rank %d (cuda:%d): NCCL: %s",
+                     tdm_coll_name(p->w->c.kind), r->g.rank, r->dev, ncclGetErrorString(ae));
+            fail_locked(r, msg);
+            fail_pending_locked(r);
+            return;
+        }
+        if (now_ns() > deadline) {
+            snprintf(msg, sizeof msg,
+                     "%s on rank %d (cuda:%d): timed out after %.0f s waiting "
+                     "for the other ranks",
+                     tdm_coll_name(p->w->c.kind), r->g.rank, r->dev, tdm_group_timeout(&r->g));
+            fail_locked(r, msg);
+            fail_pending_locked(r);
+            return;
+        }
+        struct timespec nap = {0, 20000}; /* 20 us: far below a collective's usual cost */
+        nanosleep(&nap, NULL);
+    }
+    tdm_work_finish(p->w, TDM_OK, NULL);
+    r->head = (r->head + 1) % RING;
+    r->count--;
+}
+
+static void nccl_progress(tdm_group *g, tdm_work *w) {
+    nrank *r = (nrank *)g;
+    pthread_mutex_lock(&r->lock);
+    while (r->count > 0 && !atomic_load_explicit(&w->done, memory_order_acquire))
+        wait_oldest_locked(r);
+    pthread_mutex_unlock(&r->lock);
+}
+
+static ncclRedOp_t red_op(tdm_reduce_kind k) {
+    return k == TDM_AVG ? ncclAvg : ncclSum;
+}
+
+/* Queues one collective on the communication stream. */
+static ncclResult_t enqueue(nrank *r, const tdm_coll *c) {
+    size_t bytes = (size_t)c->count * c->elem;
+    switch (c->kind) {
+    case TDM_COLL_ALL_REDUCE:
+        return ncclAllReduce(c->out, c->out, (size_t)c->count, ncclFloat, red_op(c->op), r->comm,
+                             r->stream);
+    case TDM_COLL_BROADCAST: /* any dtype: move bytes */
+        return ncclBroadcast(c->out, c->out, bytes, ncclInt8, c->root, r->comm, r->stream);
+    case TDM_COLL_ALL_GATHER:
+        return ncclAllGather(c->in, c->out, bytes, ncclInt8, r->comm, r->stream);
+    case TDM_COLL_REDUCE_SCATTER:
+        return ncclReduceScatter(c->in, c->out, (size_t)c->count, ncclFloat, red_op(c->op), r->comm,
+                                 r->stream);
+    case TDM_COLL_BARRIER:
+        return ncclAllReduce(r->barrier_buf, r->barrier_buf, 1, ncclFloat, ncclSum, r->comm,
+                             r->stream);
+    }
+    return ncclInvalidArgument;
+}
+
+static int nccl_launch(tdm_group *g, tdm_work *w) {
+    nrank *r = (nrank *)g;
+    const tdm_coll *c = &w->c;
+    if (c->kind != TDM_COLL_BARRIER && c->count > 0 && !c->out)
+        return tdm_raise(TDM_ERR_DEVICE,
+                         "nccl %s: no device address for the tensor (group.c "
+                         "must pass CUDA tensors' device pointers)",
+                         tdm_coll_name(c->kind));
+    pthread_mutex_lock(&r->lock);
+    if (r->failed) {
+        tdm_work_finish(w, TDM_ERR_COMM, r->fail_msg);
+        pthread_mutex_unlock(&r->lock);
+        return TDM_OK;
+    }
+    if (r->count == RING) wait_oldest_locked(r); /* bounded in flight */
+    int rc = TDM_OK;
+    /* the collective reads what the compute stream wrote: order it after, with an event */
+    if (!r->failed && tdm_cuda_order_streams(r->dev, true) != TDM_OK) rc = tdm_last_status();
+    ncclResult_t nr = ncclSuccess;
+    if (!rc && !r->failed && (nr = enqueue(r, c)) != ncclSuccess)
+        rc = tdm_raise(TDM_ERR_COMM, "nccl %s on rank %d (cuda:%d): %s", tdm_coll_name(c->kind),
+                       g->rank, r->dev, ncclGetErrorString(nr));
+    pending *p = &r->ring[(r->head + r->count) % RING];
+    if (!rc && !r->failed && cudaEventRecord(p->ev, r->stream) != cudaSuccess) {
+        cudaGetLastError();
+        rc = tdm_raise(TDM_ERR_COMM, "nccl %s on rank %d: recording its event failed",
+                       tdm_coll_name(c->kind), g->rank);
+    }
+    if (r->failed) { /* wait_oldest_locked found a failure */
+        tdm_work_finish(w, TDM_ERR_COMM, r->fail_msg);
+    } else if (!rc) {
+        p->w = w;
+        r->count++;
+    }
+    pthread_mutex_unlock(&r->lock);
+    return rc;
+}
+
+static void nccl_abort(tdm_group *g, const char *message) {
+    nrank *r = (nrank *)g;
+    char msg[TDM_WORK_MSG - 64];
+    snprintf(msg, sizeof msg, "rank %d failed: %s", g->rank, message);
+    pthread_mutex_lock(&r->lock);
+    fail_locked(r, msg);
+    fail_pending_locked(r);
+    pthread_mutex_unlock(&r->lock);
+}
+
+static const tdm_group_ops nccl_ops = {
+    .name = "nccl",
+    .launch = nccl_launch,
+    .abort = nccl_abort,
+    .progress = nccl_progress,
+};
+
+/* A rank without its communicator: streams, events, barrier buffer. */
+static nrank *rank_new(int rank, int size, tdm_device dev) {
+    if (dev.type != TDM_CUDA) {
+        char b[16];
+        return tdm_raise_null(TDM_ERR_DEVICE, "nccl group: rank %d is on %s, not a GPU", rank,
+                              tdm_device_str(dev, b));
+    }
+    void *stream = tdm_cuda_stream(dev.index, true); /* makes the device current */
+    if (!stream) return NULL;
+    nrank *r = calloc(1, sizeof *r);
+    if (!r) return tdm_raise_null(TDM_ERR_NOMEM, "nccl group: out of memory");
+    r->dev = dev.index;
+    r->stream = (cudaStream_t)stream;
+    pthread_mutex_init(&r->lock, NULL);
+    int made = 0;
+    for (; made < RING; made++)
+        if (cudaEventCreateWithFlags(&r->ring[made].ev, cudaEventDisableTiming) != cudaSuccess)
+            break;
+    if (made < RING || cudaMalloc((void **)&r->barrier_buf, sizeof(float)) != cudaSuccess) {
+        cudaGetLastError();
+        for (int i = 0; i < made; i++) cudaEventDestroy(r->ring[i].ev);
+        pthread_mutex_destroy(&r->lock);
+        free(r);
+        return tdm_raise_null(TDM_ERR_DEVICE, "nccl group: cannot create events on cuda:%d",
+                              dev.index);
+    }
+    tdm_group_init(&r->g, &nccl_ops, rank, size, dev);
+    return r;
+}
+
+void tdm_nccl_group_free(tdm_group *g) {
+    if (!g) return;
+    nrank *r = (nrank *)g;
+    pthread_mutex_lock(&r->lock);
+    while (r->count > 0 && !r->failed) wait_oldest_locked(r);
+    pthread_mutex_unlock(&r->lock);
+    if (r->comm) ncclCommDestroy(r->comm);
+    for (int i = 0; i < RING; i++) cudaEventDestroy(r->ring[i].ev);
+    cudaFree(r->barrier_buf);
+    tdm_group_destroy(&r->g);
+    pthread_mutex_destroy(&r->lock);
+    free(r);
+}
+
+tdm_group *tdm_nccl_group_new(tdm_group *parent, tdm_device dev) {
+    if (!parent) return tdm_raise_null(TDM_ERR_ARG, "nccl group: NULL parent group");
+    int rank = tdm_group_rank(parent), size = tdm_group_size(parent);
+    /* rank 0 draws the id; the parent group (threads or MPI) broadcasts its bytes */
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    if (rank == 0 && ncclGetUniqueId(&id) != ncclSuccess)
+        memset(&id, 0, sizeof id); /* an all-zero id makes every rank's init fail below */
+    tdm_tensor *t = tdm_from_data(TDM_SHAPE(sizeof id / 4), TDM_I32, tdm_cpu(0), &id);
+    if (!t) return NULL;
+    int rc = tdm_work_wait(tdm_broadcast(parent, t, 0));
+    if (!rc) rc = tdm_to_host(t, &id, sizeof id);
+    tdm_tensor_free(t);
+    if (rc) return NULL;
+    nrank *r = rank_new(rank, size, dev);
+    if (!r) return NULL;
+    ncclResult_t nr = ncclCommInitRank(&r->comm, size, id, rank);
+    if (nr != ncclSuccess) {
+        r->comm = NULL;
+        tdm_nccl_group_free(&r->g);
+        return tdm_raise_null(TDM_ERR_COMM, "nccl group: rank %d of %d on cuda:%d: %s", rank, size,
+                              dev.index, ncclGetErrorString(nr));
+    }
+    return &r->g;
+}
+
+int tdm_nccl_world_new(int n, const tdm_device *devs, tdm_group **out) {
+    if (n < 1 || !devs || !out) return tdm_raise(TDM_ERR_ARG, "nccl world: bad arguments");
+    ncclComm_t *comms = calloc((size_t)n, sizeof *comms);
+    int *ids = calloc((size_t)n, sizeof *ids);
+    nrank **ranks = calloc((size_t)n, sizeof *ranks);
+    int rc = comms && ids && ranks ? TDM_OK : tdm_raise(TDM_ERR_NOMEM, "nccl world: out of memory");
+    for (int i = 0; i < n && !rc; i++) {
+        if (!(ranks[i] = rank_new(i, n, devs[i])))
+            rc = tdm_last_status();
+        else
+            ids[i] = devs[i].index;
+    }
+    ncclResult_t nr = ncclSuccess;
+    if (!rc && (nr = ncclCommInitAll(comms, n, ids)) != ncclSuccess)
+        rc = tdm_raise(TDM_ERR_COMM, "nccl world of %d GPUs: %s", n, ncclGetErrorString(nr));
+    for (int i = 0; i < n; i++) {
+        if (!rc) {
+            ranks[i]->comm = comms[i];
+            out[i] = &ranks[i]->g;
+        } else if (ranks && ranks[i]) {
+            tdm_nccl_group_free(&ranks[i]->g);
+        }
+    }
+    free(comms);
+    free(ids);
+    free(ranks);
+    return rc;
+}
+
+#endif

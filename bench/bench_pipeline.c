@@ -130,15 +130,17 @@ int main(int argc, char **argv) {
     printf("%-22s %10s %10s %9s %9s %9s %15s\n", "case", "step ms", "images/s", "vs M=1", "bubble",
            "ideal", "busy ms s0/s1");
     /* pipelines first: the unsplit case then runs with their single-threaded BLAS, one core */
-    bench_case cs[8] = {{.name = "split, M=1", .M = 1, .sched = TDM_PIPE_1F1B},
-                        {.name = "GPipe, M=2", .M = 2, .sched = TDM_PIPE_GPIPE},
-                        {.name = "GPipe, M=4", .M = 4, .sched = TDM_PIPE_GPIPE},
-                        {.name = "GPipe, M=8", .M = 8, .sched = TDM_PIPE_GPIPE},
-                        {.name = "1F1B, M=2", .M = 2, .sched = TDM_PIPE_1F1B},
-                        {.name = "1F1B, M=4", .M = 4, .sched = TDM_PIPE_1F1B},
-                        {.name = "1F1B, M=8", .M = 8, .sched = TDM_PIPE_1F1B},
-                        {.name = "unsplit, 1 thread", .M = 0, .sched = 0}};
-    int n = 8, rc = 0;
+    bench_case cs[] = {{.name = "split, M=1", .M = 1, .sched = TDM_PIPE_1F1B},
+                       {.name = "GPipe, M=2", .M = 2, .sched = TDM_PIPE_GPIPE},
+                       {.name = "GPipe, M=4", .M = 4, .sched = TDM_PIPE_GPIPE},
+                       {.name = "GPipe, M=8", .M = 8, .sched = TDM_PIPE_GPIPE},
+                       {.name = "GPipe, M=16", .M = 16, .sched = TDM_PIPE_GPIPE},
+                       {.name = "1F1B, M=2", .M = 2, .sched = TDM_PIPE_1F1B},
+                       {.name = "1F1B, M=4", .M = 4, .sched = TDM_PIPE_1F1B},
+                       {.name = "1F1B, M=8", .M = 8, .sched = TDM_PIPE_1F1B},
+                       {.name = "1F1B, M=16", .M = 16, .sched = TDM_PIPE_1F1B},
+                       {.name = "unsplit, 1 thread", .M = 0, .sched = 0}};
+    int n = (int)(sizeof cs / sizeof cs[0]), rc = 0;
     for (int k = 0; k < n && !rc; k++) {
         cs[k].t = calloc((size_t)steps, sizeof(double));
         rc = cs[k].t && b >= cs[k].M ? case_init(&cs[k]) : -1;

@@ -29,8 +29,9 @@ static tdm_optim *make_adam(tdm_paramset *ps, void *arg) {
     return tdm_adam_new(ps, &o);
 }
 
-/* One device, whole batches: the reference parameters. */
-static float *reference(tdm_optim_factory make, int accumulate) {
+/* One device, whole batches (accumulate of them per step, each loss divided by accumulate),
+ * the gradient clipped to a norm of clip when clip > 0: the reference parameters. */
+static float *reference(tdm_optim_factory make, int accumulate, float clip) {
     tdm_module *m = make_mlp(1, HID);
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_optim *opt = make(ps, NULL);
@@ -47,6 +48,10 @@ static float *reference(tdm_optim_factory make, int accumulate) {
             tdm_backward(tdm_mul_scalar(l, 1.0f / (float)accumulate));
             tdm_scope_end();
         }
+        float norm = 0;
+        if (clip > 0) tdm_clip_grad_norm(ps, clip, false, &norm);
+        CHECK(clip == 0 || norm > clip, "step %d: norm %g below the clip %g: clipping untested", s,
+              norm, clip);
         tdm_optim_step(opt);
     }
     float *p = malloc(sizeof(float) * (size_t)ps->total);
@@ -130,7 +135,7 @@ static void test_ddp_equivalence(void) {
                  {make_sgd, "sgd, 64-byte buckets", 1, 64},
                  {make_sgd, "sgd, no_sync x2", 2, 25 << 20}};
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        float *want = reference(cases[k].make, cases[k].acc);
+        float *want = reference(cases[k].make, cases[k].acc, 0);
         for (int n = 1; n <= 4; n++) {
             ddp_case c = {cases[k].make, cases[k].acc, cases[k].cap, want, {0}, {0}, 0};
             tdm_device devs[4] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
@@ -195,47 +200,70 @@ static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, vo
     return tdm_cross_entropy(out, target, NULL);
 }
 
+/* The loss of one micro-batch of a step of *(int *)arg micro-batches. */
+static tdm_tensor *ce_loss_accum(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    return tdm_mul_scalar(tdm_cross_entropy(out, target, NULL), 1.0f / (float)*(int *)arg);
+}
+
+/* DataParallel on 1-4 devices against one device: plain steps, gradient accumulation
+ * (tdm_dp_accumulate), and clipping to a norm well below the gradients' (every step clips),
+ * with both optimizers. */
 static void test_data_parallel(void) {
     tdm_optim_factory makes[2] = {make_sgd, make_adam};
-    for (int k = 0; k < 2; k++) {
-        float *want = reference(makes[k], 1);
-        for (int n = 1; n <= 4; n++) {
-            tdm_module *m = make_mlp(1, HID);
-            tdm_device devs[4] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
-            tdm_dp *dp = tdm_dp_new(m, devs, n, makes[k], NULL);
-            CHECK(dp, "dp_new on %d devices: %s", n, tdm_last_error());
-            if (!dp) continue;
-            float x[B * IN], loss = NAN;
-            int64_t y[B];
-            for (int s = 0; s < STEPS; s++) {
-                batch_of(s * 10, x, y);
-                tdm_scope_begin();
-                int rc = tdm_dp_step(dp, tdm_from_data(TDM_SHAPE(B, IN), TDM_F32, tdm_cpu(0), x),
-                                     tdm_from_data(TDM_SHAPE(B), TDM_I64, tdm_cpu(0), y), ce_loss,
-                                     NULL, &loss);
-                tdm_scope_end();
-                CHECK(rc == 0 && isfinite(loss), "dp step: %s", tdm_last_error());
+    struct {
+        int accumulate;
+        float clip;
+    } modes[3] = {{1, 0}, {3, 0}, {2, 0.05f}};
+    for (int k = 0; k < 2; k++)
+        for (int md = 0; md < 3; md++) {
+            int acc = modes[md].accumulate;
+            float *want = reference(makes[k], acc, modes[md].clip);
+            for (int n = 1; n <= 4; n++) {
+                tdm_module *m = make_mlp(1, HID);
+                tdm_device devs[4] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+                tdm_dp *dp = tdm_dp_new(m, devs, n, makes[k], NULL);
+                CHECK(dp, "dp_new on %d devices: %s", n, tdm_last_error());
+                if (!dp) continue;
+                CHECK(tdm_dp_set_clip_grad_norm(dp, modes[md].clip) == 0, "%s", tdm_last_error());
+                float x[B * IN], loss = NAN;
+                int64_t y[B];
+                for (int s = 0; s < STEPS; s++)
+                    for (int a = 0; a < acc; a++) {
+                        batch_of(s * 10 + a, x, y);
+                        tdm_scope_begin();
+                        tdm_tensor *tx = tdm_from_data(TDM_SHAPE(B, IN), TDM_F32, tdm_cpu(0), x);
+                        tdm_tensor *ty = tdm_from_data(TDM_SHAPE(B), TDM_I64, tdm_cpu(0), y);
+                        int rc = a + 1 < acc
+                                     ? tdm_dp_accumulate(dp, tx, ty, ce_loss_accum, &acc, &loss)
+                                     : tdm_dp_step(dp, tx, ty, ce_loss_accum, &acc, &loss);
+                        tdm_scope_end();
+                        CHECK(rc == 0 && isfinite(loss), "dp step: %s", tdm_last_error());
+                    }
+                for (int r = 0; r < n; r++) {
+                    tdm_paramset *ps = tdm_module_parameters(tdm_dp_replica(dp, r));
+                    float *p = malloc(sizeof(float) * (size_t)ps->total);
+                    tdm_to_host(ps->flat, p, sizeof(float) * (size_t)ps->total);
+                    CHECK(compare(p, want, ps->total, "dp") == 0,
+                          "dp optimizer %d, accumulate %d, clip %g, %d devices: replica %d "
+                          "matches one device",
+                          k, acc, modes[md].clip, n, r);
+                    free(p);
+                }
+                tdm_dp_free(dp);
+                tdm_module_free(m);
             }
-            for (int r = 0; r < n; r++) {
-                tdm_paramset *ps = tdm_module_parameters(tdm_dp_replica(dp, r));
-                float *p = malloc(sizeof(float) * (size_t)ps->total);
-                tdm_to_host(ps->flat, p, sizeof(float) * (size_t)ps->total);
-                CHECK(compare(p, want, ps->total, "dp") == 0,
-                      "dp optimizer %d, %d devices, "
-                      "replica %d matches one device",
-                      k, n, r);
-                free(p);
-            }
-            tdm_dp_free(dp);
-            tdm_module_free(m);
+            free(want);
         }
-        free(want);
-    }
     tdm_module *m = make_mlp(1, HID);
     tdm_device twice[2] = {tdm_cpu(0), tdm_cpu(0)};
     CHECK_ERROR(tdm_dp_new(m, twice, 2, make_sgd, NULL) == NULL, "cpu:0 listed twice");
     tdm_device other[1] = {tdm_cpu(1)};
     CHECK_ERROR(tdm_dp_new(m, other, 1, make_sgd, NULL) == NULL, "the model is on cpu:0");
+    tdm_dp *dp = tdm_dp_new(m, twice, 1, make_sgd, NULL);
+    CHECK_ERROR(tdm_dp_set_clip_grad_norm(dp, -1.0f) != 0, "max_norm -1 must be >= 0");
+    CHECK_ERROR(tdm_dp_accumulate(dp, NULL, NULL, ce_loss, NULL, NULL) != 0,
+                "data_parallel accumulate: NULL argument");
+    tdm_dp_free(dp);
     tdm_module_free(m);
 }
 

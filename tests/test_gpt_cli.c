@@ -87,39 +87,52 @@ static void test_train_and_save(void) {
     tdm_module_free(m);
 }
 
+/* Two devices print the losses of one, plain and with the gradient clipped. AdamW ignores a
+ * constant gradient scale, so the clip is low enough to bring the gradients near AdamW's eps:
+ * the losses then differ from the plain run's, and show that clipping happened. */
 static void test_two_devices(void) {
-    const char *common[] = {"",
-                            "train",
-                            "--model",
-                            "gpt",
-                            "--data",
-                            text_path,
-                            "--layers",
-                            "1",
-                            "--channels",
-                            "16",
-                            "--context",
-                            "8",
-                            "--batch-size",
-                            "6",
-                            "--max-steps",
-                            "8",
-                            "--workers",
-                            "0",
-                            "--print-every",
-                            "4",
-                            "--devices",
-                            "1",
-                            NULL};
-    result *r = run(common);
-    double one[4], two[4];
-    int n1 = losses(r->out, one, 4);
-    CHECK(r->status == 0 && n1 == 2, "one device: %s", r->err);
-    common[21] = "2";
-    r = run(common);
-    int n2 = losses(r->out, two, 4);
-    CHECK(r->status == 0 && n2 == 2, "two devices: %s", r->err);
-    for (int i = 0; i < n1 && i < n2; i++) CHECK_CLOSE(two[i], one[i], 2e-4, 0);
+    const char *args[] = {"",
+                          "train",
+                          "--model",
+                          "gpt",
+                          "--data",
+                          text_path,
+                          "--layers",
+                          "1",
+                          "--channels",
+                          "16",
+                          "--context",
+                          "8",
+                          "--batch-size",
+                          "6",
+                          "--max-steps",
+                          "8",
+                          "--workers",
+                          "0",
+                          "--print-every",
+                          "4",
+                          "--devices",
+                          "1",
+                          NULL,
+                          NULL,
+                          NULL};
+    double v[4][4];
+    const char *devices[2] = {"1", "2"}, *clip[2] = {NULL, "1e-6"};
+    for (int c = 0; c < 2; c++)
+        for (int d = 0; d < 2; d++) {
+            args[21] = devices[d];
+            args[22] = clip[c] ? "--clip-grad" : NULL, args[23] = clip[c];
+            result *r = run(args);
+            int n = losses(r->out, v[2 * c + d], 4);
+            CHECK(r->status == 0 && n == 2, "%s device(s), clip %s: %s", devices[d],
+                  clip[c] ? clip[c] : "off", r->err);
+        }
+    for (int i = 0; i < 2; i++) {
+        CHECK_CLOSE(v[1][i], v[0][i], 2e-4, 0);
+        CHECK_CLOSE(v[3][i], v[2][i], 2e-4, 0);
+    }
+    CHECK(fabs(v[2][1] - v[0][1]) > 1e-3, "clipping changed nothing: loss %.5f vs %.5f", v[2][1],
+          v[0][1]);
 }
 
 /* Gradient accumulation: two batches of 4 per step train exactly like batches of 8. */
@@ -146,6 +159,9 @@ static void test_grad_accum(void) {
                           "8",
                           NULL,
                           NULL,
+                          NULL,
+                          NULL,
+                          NULL,
                           NULL};
     result *r = run(args);
     double whole[4], accum[4];
@@ -156,6 +172,12 @@ static void test_grad_accum(void) {
     int n2 = losses(r->out, accum, 4);
     CHECK(r->status == 0 && n2 == 2 && strstr(r->out, "batch 4 x 2 accumulated"),
           "batch 4 x 2: %s %s", r->out, r->err);
+    for (int i = 0; i < n1 && i < n2; i++) CHECK_CLOSE(accum[i], whole[i], 2e-4, 0);
+    /* and on two devices (DataParallel without sync until the step's last batch) */
+    args[22] = "--devices", args[23] = "2";
+    r = run(args);
+    n2 = losses(r->out, accum, 4);
+    CHECK(r->status == 0 && n2 == 2, "batch 4 x 2 on 2 devices: %s %s", r->out, r->err);
     for (int i = 0; i < n1 && i < n2; i++) CHECK_CLOSE(accum[i], whole[i], 2e-4, 0);
 }
 

@@ -39,7 +39,7 @@ static int test_get(const tdm_dataset *ds, int64_t i, void *x, int64_t *y) {
     return 0;
 }
 
-static const tdm_dataset_ops test_ops = {test_get, NULL};
+static const tdm_dataset_ops test_ops = {.get = test_get, .destroy = NULL};
 
 static tdm_dataset make_ds(test_impl *impl, const char *name, int64_t n, tdm_shape sample) {
     tdm_dataset ds;

@@ -91,11 +91,13 @@ static const opt_spec specs[] = {
      "gpt: write the trained model as an llm.c fp32 model file (readable by llm.c's "
      "train_gpt2.c and by 'tandem sample')."},
     {"--clip-grad", "N", OPT_NUM, F(clip), 0, 1e12, "0 (off)",
-     "gpt: clip the gradients' global 2-norm to N before each step (one device)."},
+     "gpt: clip the gradients' global 2-norm to N before each step (the averaged gradient's, "
+     "with several devices or processes)."},
     {"--grad-accum", "N", OPT_INT, F(grad_accum), 1, 4096, "1",
-     "gpt: gradient accumulation, one optimizer step per N batches (one device): the "
-     "gradients of N batches of --batch-size add up (each loss divided by N), so the step is "
-     "that of one batch N times larger in 1/N of the memory."},
+     "gpt: gradient accumulation, one optimizer step per N batches: the gradients of N "
+     "batches of --batch-size add up (each loss divided by N; devices and processes "
+     "exchange them once, at the last), so the step is that of one batch N times larger in "
+     "1/N of the memory."},
     {"--epochs", "N", OPT_INT, F(epochs), 1, 1e6, "1", "Passes over the training data."},
     {"--batch-size", "B", OPT_INT, F(batch_size), 1, 1 << 20, "64",
      "Global batch size: samples per optimizer step, summed over all devices. The last batch "
@@ -397,8 +399,6 @@ static int check_opts(train_opts *o) {
                                (long long)o->batch_size, (long long)o->micro_batches,
                                (long long)(o->n_devs / o->model_split));
     }
-    if (gpt && (o->clip > 0 || o->grad_accum > 1) && o->n_devs > 1)
-        return usage_error("--clip-grad and --grad-accum work on one device only for now");
     return 0;
 }
 

@@ -147,7 +147,8 @@ static int make_optimizer(gpt_run *r) {
     if (o->n_devs > 1) {
         r->dp =
             tdm_dp_new_distributed(r->model, o->devs, o->n_devs, o->procs, make_optim, &r->adam);
-        if (!r->dp) return fail("data parallel: %s", tdm_last_error());
+        if (!r->dp || tdm_dp_set_clip_grad_norm(r->dp, (float)o->clip))
+            return fail("data parallel: %s", tdm_last_error());
         r->opt = tdm_dp_optim(r->dp, 0);
     } else {
         r->opt = make_optim(r->ps, &r->adam);
@@ -169,8 +170,11 @@ static void set_lr(gpt_run *r) {
         tdm_sched_apply(&r->sched, r->dp ? tdm_dp_optim(r->dp, i) : r->opt, r->steps);
 }
 
+/* DataParallel's loss: the mean over a replica's rows, divided by the step's grad_accum
+ * (*(int64_t *)arg) so that the micro-batches' gradients add up to their mean. */
 static tdm_tensor *loss_fn(tdm_tensor *logits, tdm_tensor *target, int64_t row0, void *arg) {
-    return tdm_gpt_loss(logits, target);
+    (void)row0;
+    return tdm_mul_scalar(tdm_gpt_loss(logits, target), 1.0f / (float)*(const int64_t *)arg);
 }
 
 /* Forward and backward of batch b, micro-batch `micro` of its optimizer step: gradients add
@@ -198,18 +202,24 @@ static int accumulate(gpt_run *r, const tdm_batch *b, int64_t micro, float *loss
  * the step's mean loss then. */
 static int train_batch(gpt_run *r, const tdm_batch *b, bool *done, float *loss) {
     *done = false;
-    if (r->dp) {
-        *done = true;
-        return tdm_dp_step(r->dp, b->x, b->y, loss_fn, NULL, loss);
-    }
     float l = NAN;
-    int rc = accumulate(r, b, r->micro, &l);
+    int rc;
+    if (r->dp) { /* the last batch of the step averages over the devices and updates */
+        int64_t k = r->o->grad_accum;
+        bool last = r->micro + 1 == k;
+        rc = last ? tdm_dp_step(r->dp, b->x, b->y, loss_fn, &k, &l)
+                  : tdm_dp_accumulate(r->dp, b->x, b->y, loss_fn, &k, &l);
+        l *= (float)k; /* the batch's own mean loss */
+    } else {
+        rc = accumulate(r, b, r->micro, &l);
+    }
     if (rc) return rc;
     r->micro_loss = r->micro ? r->micro_loss + l : l;
     if (++r->micro < r->o->grad_accum) return TDM_OK;
     *loss = (float)(r->micro_loss / (double)r->micro);
     r->micro = 0;
     *done = true;
+    if (r->dp) return TDM_OK; /* clipped and stepped by tdm_dp_step */
     if (r->o->clip > 0 && tdm_clip_grad_norm(r->ps, (float)r->o->clip, false, NULL))
         return tdm_last_status();
     return tdm_optim_step(r->opt);

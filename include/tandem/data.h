@@ -23,6 +23,10 @@ typedef struct {
      * Must be safe to call from several threads at once. */
     int (*get)(const tdm_dataset *ds, int64_t i, void *x, int64_t *y);
     void (*destroy)(tdm_dataset *ds); /* frees impl */
+    /* Optional (NULL: none): a hint that sample i will be read soon, such as a prefetch of
+     * its bytes. The loader calls it a few samples ahead, so that the memory reads of
+     * several samples overlap instead of waiting for each in turn. No effect on results. */
+    void (*prefetch)(const tdm_dataset *ds, int64_t i);
 } tdm_dataset_ops;
 
 struct tdm_dataset {

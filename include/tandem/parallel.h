@@ -206,6 +206,19 @@ tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int
  * of devices; a failing replica's error names its device. */
 int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn, void *loss_arg,
                 float *loss);
+/* Gradient accumulation (PyTorch's no_sync): forward and backward of the micro-batch
+ * (x, target) on every replica, its gradients added to those of the micro-batches before it
+ * since the last tdm_dp_step, with no communication and no update. The tdm_dp_step that
+ * follows takes the last micro-batch, averages the summed gradients over the replicas once
+ * and updates. Gradients are summed: for the mean over K micro-batches, let loss_fn divide
+ * by K, as in PyTorch (*loss is then the scaled loss). Fails as tdm_dp_step does. */
+int tdm_dp_accumulate(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                      void *loss_arg, float *loss);
+/* Clips the averaged gradient to a global 2-norm of max_norm before every update, as
+ * tdm_clip_grad_norm (PyTorch's clip_grad_norm_ after DDP's backward) does on one device;
+ * the norm is the whole gradient's, also when the update is split into shards. 0 turns it
+ * off (the default). TDM_ERR_ARG for a negative or non-finite max_norm. */
+int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm);
 /* Replica r's module and optimizer (0 <= r < devices). When every device is a CPU device of
  * this process, replicas share memory and split the update instead: each averages the
  * gradients of its shard of the parameters and steps replica 0's optimizer there, then copies

@@ -106,7 +106,7 @@ static void memory_destroy(tdm_dataset *ds) {
     ds->impl = NULL;
 }
 
-static const tdm_dataset_ops memory_ops = {memory_get, memory_destroy};
+static const tdm_dataset_ops memory_ops = {.get = memory_get, .destroy = memory_destroy};
 
 static int memory_check_args(tdm_shape s, int64_t n, const float *x, const int64_t *y,
                              int64_t num_classes, int64_t *numel) {

@@ -40,7 +40,7 @@ static void csv_destroy(tdm_dataset *ds) {
     ds->impl = NULL;
 }
 
-static const tdm_dataset_ops csv_ops = {csv_get, csv_destroy};
+static const tdm_dataset_ops csv_ops = {.get = csv_get, .destroy = csv_destroy};
 
 /* ---- parsing ------------------------------------------------------------------------------ */
 

@@ -250,6 +250,15 @@ static int idx_get(const tdm_dataset *ds, int64_t i, void *x, int64_t *y) {
     return TDM_OK;
 }
 
+/* Requests image i's pixels into the cache (the loader's hint, a few samples ahead). */
+static void idx_prefetch(const tdm_dataset *ds, int64_t i) {
+    if (i < 0 || i >= ds->n) return;
+    const idx_impl *m = (const idx_impl *)ds->impl;
+    const char *p = (const char *)(m->pixels + i * m->pixels_per_image);
+    for (int64_t b = 0; b < m->pixels_per_image; b += 64) __builtin_prefetch(p + b);
+    __builtin_prefetch(p + m->pixels_per_image - 1);
+}
+
 static void idx_free_impl(idx_impl *m) {
     if (!m) return;
     free(m->pixels);
@@ -262,7 +271,8 @@ static void idx_destroy(tdm_dataset *ds) {
     ds->impl = NULL;
 }
 
-static const tdm_dataset_ops idx_ops = {idx_get, idx_destroy};
+static const tdm_dataset_ops idx_ops = {
+    .get = idx_get, .destroy = idx_destroy, .prefetch = idx_prefetch};
 
 /* Labels must lie below max_classes; num_classes becomes the largest label + 1. */
 static int check_labels(const char *path, const uint8_t *labels, int64_t n, int max_classes,

@@ -33,7 +33,7 @@ static void text_destroy(tdm_dataset *ds) {
     ds->impl = NULL;
 }
 
-static const tdm_dataset_ops text_ops = {text_get, text_destroy};
+static const tdm_dataset_ops text_ops = {.get = text_get, .destroy = text_destroy};
 
 tdm_dataset *tdm_text_dataset_open(const char *path, int64_t context) {
     if (!path) return tdm_raise_null(TDM_ERR_ARG, OP ": path is NULL");

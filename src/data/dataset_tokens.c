@@ -53,7 +53,7 @@ static void token_destroy(tdm_dataset *ds) {
     ds->impl = NULL;
 }
 
-static const tdm_dataset_ops token_ops = {token_get, token_destroy};
+static const tdm_dataset_ops token_ops = {.get = token_get, .destroy = token_destroy};
 
 static int32_t le32(const uint8_t *p) {
     return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |

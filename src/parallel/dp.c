@@ -11,6 +11,7 @@
 #include "parallel/group.h"
 #include "tandem/trace.h"
 #include "autograd/tape.h"
+#include "optim/clip.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -23,6 +24,11 @@
 /* Nanoseconds the caller spins for the other replicas after its own: they finish within
  * microseconds of it (same work after the same all-reduce), sooner than a futex wake-up. */
 #define DONE_SPIN_NS 50000
+/* Nanoseconds a replica thread spins for the next step before it sleeps: the caller starts
+ * the next step within microseconds of the last (one batch from the loader), and waking a
+ * sleeping thread costs it 50-80 us of a ~500 us MLP step on the 2-core VM. Between epochs
+ * (evaluation) the thread soon sleeps. */
+#define NEXT_SPIN_NS 200000
 
 typedef struct {
     struct tdm_dp *dp;
@@ -32,7 +38,8 @@ typedef struct {
     tdm_optim *opt;
     tdm_paramset *ps;
     tdm_ddp *ddp;
-    float loss; /* this step's mean loss over the replica's rows */
+    float loss;      /* this round's mean loss over the replica's rows */
+    double shard_ss; /* sum of squares of the shard's averaged gradient (clipping) */
     int rc;
     char err[512];
 } replica;
@@ -44,6 +51,8 @@ struct tdm_dp {
     tdm_threads_world *world;
     tdm_hier_world *hier; /* every device of every process (tdm_dp_new_distributed), or NULL */
     bool sharded;         /* CPU devices in one process: see sharded_update */
+    float clip;           /* max gradient norm before each update, or 0 */
+    int64_t window;       /* micro-batches accumulated since the last update */
     int blas_threads;     /* restored at free */
     /* the caller runs replica 0 pinned to its core: unpinned, the scheduler pulled it onto
      * replica 1's core whenever replica 1 woke it (CNN steps took twice as long) */
@@ -55,11 +64,13 @@ struct tdm_dp {
     /* the step being run, published under mu with a new generation */
     pthread_mutex_t mu;
     pthread_cond_t go, done;
-    uint64_t generation;
-    atomic_int finished; /* replicas 1..n-1 done with the round (written under mu) */
+    _Atomic uint64_t generation; /* written under mu; read by spinning replicas without it */
+    atomic_int finished;         /* replicas 1..n-1 done with the round (written under mu) */
     int64_t done_spin_ns;
     bool quit;
     tdm_tensor *x, *y;
+    bool update; /* the round ends with the update (tdm_dp_step), or only accumulates */
+    bool zero;   /* the round starts a window: gradients are zeroed first */
     tdm_loss_fn loss_fn;
     void *loss_arg;
 };
@@ -96,6 +107,20 @@ static int replica_init(replica *r) {
  * the GEMMs. The sums are the threads all-reduce's (rank order, then / n), so the result is
  * bit for bit the unsharded one, and replica 0's optimizer keeps the whole state (what a
  * checkpoint saves). The other replicas' optimizers stay unused. */
+/* Gradient clipping of a sharded update: the global norm is the square root of the shards'
+ * sums of squares, added in rank order after a barrier, so every replica scales its shard by
+ * the same factor (the norm of the whole averaged gradient, as on one device). */
+static int clip_shard(replica *r, int64_t lo, int64_t hi) {
+    tdm_dp *dp = r->dp;
+    tdm_paramset *ps0 = dp->reps[0].ps;
+    int rc = tdm_clip_sum_squares(ps0, lo, hi, &r->shard_ss);
+    if (!rc) rc = tdm_work_wait(tdm_barrier(rank_group(dp, r->rank)));
+    if (rc) return rc;
+    double ss = 0;
+    for (int k = 0; k < dp->n; k++) ss += dp->reps[k].shard_ss;
+    return tdm_clip_scale(ps0, lo, hi, dp->clip, (float)sqrt(ss));
+}
+
 static int sharded_update(replica *r) {
     tdm_dp *dp = r->dp;
     int n = dp->n;
@@ -114,6 +139,7 @@ static int sharded_update(replica *r) {
         memcpy(g0 + off, acc, sizeof(float) * (size_t)len);
     }
     tdm_trace_end();
+    if (dp->clip > 0 && (rc = clip_shard(r, lo, hi))) return rc;
     tdm_trace_begin("step shard");
     rc = tdm_optim_step_range(dp->reps[0].opt, lo, hi);
     tdm_trace_end();
@@ -133,6 +159,14 @@ static void rows_of(int64_t b, int n, int rank, int64_t *lo, int64_t *hi) {
     *hi = *lo + base + (rank < extra ? 1 : 0);
 }
 
+/* The update of an unsharded replica: its gradient is the all-reduced average, the same bits
+ * on every replica, so clipping gives every replica the same factor. */
+static int replica_update(replica *r) {
+    if (r->dp->clip > 0 && tdm_clip_grad_norm(r->ps, r->dp->clip, false, NULL))
+        return tdm_last_status();
+    return tdm_optim_step(r->opt);
+}
+
 static int replica_step(replica *r) {
     tdm_dp *dp = r->dp;
     tdm_device dev = dp->devices[r->rank];
@@ -149,19 +183,37 @@ static int replica_step(replica *r) {
     /* DDP averages over n replicas; weighting each by its share of the batch makes the
      * average the gradient of the whole batch's mean loss */
     tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
-    int rc = tdm_optim_zero_grad(r->opt);
-    tdm_trace_begin(dp->sharded ? "backward" : "backward (buckets all-reduced as they fill)");
+    int rc = dp->zero ? tdm_optim_zero_grad(r->opt) : TDM_OK;
+    bool sync = dp->update && !dp->sharded; /* accumulating rounds keep gradients local */
+    if (!dp->sharded) tdm_ddp_set_sync(r->ddp, sync);
+    tdm_trace_begin(sync ? "backward (buckets all-reduced as they fill)" : "backward");
     if (!rc) rc = scaled ? tdm_ddp_backward(r->ddp, scaled) : tdm_last_status();
     tdm_trace_end();
     tdm_parallel_context_clear();
-    tdm_trace_begin("optimizer");
-    if (!rc) rc = dp->sharded ? sharded_update(r) : tdm_optim_step(r->opt);
-    tdm_trace_end();
+    if (dp->update) {
+        tdm_trace_begin("optimizer");
+        if (!rc) rc = dp->sharded ? sharded_update(r) : replica_update(r);
+        tdm_trace_end();
+    }
     r->loss = rc ? NAN : tdm_item(loss);
     tdm_scope_end();
     /* the others may wait for this replica at a collective: they fail now, not at timeout */
     if (rc) tdm_group_abort(rank_group(dp, r->rank), tdm_last_error());
     return rc;
+}
+
+/* Spins up to NEXT_SPIN_NS for a round after `seen`, when the devices do not outnumber the
+ * cores (a spinning thread then takes only its own core). */
+static void spin_for_next(tdm_dp *dp, uint64_t seen) {
+    if (dp->done_spin_ns <= 0) return;
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 1; atomic_load_explicit(&dp->generation, memory_order_acquire) == seen; i++) {
+        tdm_cpu_relax();
+        if (i % 16) continue;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > NEXT_SPIN_NS) return;
+    }
 }
 
 static void *replica_main(void *arg) {
@@ -177,6 +229,9 @@ static void *replica_main(void *arg) {
         r->rc = rc;
         if (rc) snprintf(r->err, sizeof r->err, "%s", tdm_last_error());
         if (atomic_fetch_add(&dp->finished, 1) == dp->n - 2) pthread_cond_signal(&dp->done);
+        pthread_mutex_unlock(&dp->mu);
+        spin_for_next(dp, seen);
+        pthread_mutex_lock(&dp->mu);
         while (!dp->quit && dp->generation == seen) pthread_cond_wait(&dp->go, &dp->mu);
         seen = dp->generation;
         bool quit = dp->quit;
@@ -305,38 +360,37 @@ tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int
     return dp;
 }
 
-int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn, void *loss_arg,
-                float *loss) {
-    if (!dp || !x || !target || !loss_fn)
-        return tdm_raise(TDM_ERR_ARG, "data_parallel step: NULL argument");
+/* One round on every replica: forward and backward of (x, target), then the update when
+ * `update` (tdm_dp_step), else only the gradients' accumulation (tdm_dp_accumulate). */
+static int run_round(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                     void *loss_arg, float *loss, bool update, const char *op) {
+    if (!dp || !x || !target || !loss_fn) return tdm_raise(TDM_ERR_ARG, "%s: NULL argument", op);
     char a[96], b[96];
     if (x->ndim < 1 || target->ndim < 1 || x->shape[0] != target->shape[0])
-        return tdm_raise(TDM_ERR_SHAPE,
-                         "data_parallel step: input %s and target %s differ in "
-                         "batch size",
+        return tdm_raise(TDM_ERR_SHAPE, "%s: input %s and target %s differ in batch size", op,
                          tdm_shape_str(tdm_shape_of(x), a), tdm_shape_str(tdm_shape_of(target), b));
     if (x->shape[0] < dp->n)
-        return tdm_raise(TDM_ERR_SHAPE,
-                         "data_parallel step: a batch of %lld rows cannot be "
-                         "split over %d devices",
-                         (long long)x->shape[0], dp->n);
+        return tdm_raise(TDM_ERR_SHAPE, "%s: a batch of %lld rows cannot be split over %d devices",
+                         op, (long long)x->shape[0], dp->n);
     int start, end;
     tdm_tape_nodes(&start, &end);
     if (start < end) /* replica 0's backward would walk them and mark them done */
         return tdm_raise(TDM_ERR_STATE,
-                         "data_parallel step: this thread has %d recorded "
-                         "operations that no backward has walked yet; replica 0 runs on the "
-                         "caller's thread, so step outside that graph (or with grad off)",
-                         end - start);
+                         "%s: this thread has %d recorded operations that no backward has "
+                         "walked yet; replica 0 runs on the caller's thread, so step outside "
+                         "that graph (or with grad off)",
+                         op, end - start);
     pthread_mutex_lock(&dp->mu);
     dp->x = x, dp->y = target, dp->loss_fn = loss_fn, dp->loss_arg = loss_arg;
+    dp->update = update, dp->zero = dp->window == 0;
     atomic_store(&dp->finished, 0);
     dp->generation++;
     pthread_cond_broadcast(&dp->go);
     pthread_mutex_unlock(&dp->mu);
     run_caller_replica(dp, false);
     int rc = wait_round(dp);
-    if (!rc && dp->sharded) { /* each replica took a shard of one step: count it once */
+    dp->window = update || rc ? 0 : dp->window + 1; /* after a failure, start afresh */
+    if (!rc && update && dp->sharded) { /* each replica took a shard of one step: count it once */
         int64_t steps = tdm_optim_steps(dp->reps[0].opt) + 1;
         for (int i = 0; i < dp->n; i++) tdm_optim_set_steps(dp->reps[i].opt, steps);
     }
@@ -350,6 +404,25 @@ int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_
         *loss = rc ? NAN : (float)(sum / (double)x->shape[0]);
     }
     return rc;
+}
+
+int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn, void *loss_arg,
+                float *loss) {
+    return run_round(dp, x, target, loss_fn, loss_arg, loss, true, "data_parallel step");
+}
+
+int tdm_dp_accumulate(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                      void *loss_arg, float *loss) {
+    return run_round(dp, x, target, loss_fn, loss_arg, loss, false, "data_parallel accumulate");
+}
+
+int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm) {
+    if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel clip_grad_norm: NULL data parallel");
+    if (!(max_norm >= 0) || !isfinite(max_norm))
+        return tdm_raise(TDM_ERR_ARG, "data_parallel clip_grad_norm: max_norm %g must be >= 0",
+                         max_norm);
+    dp->clip = max_norm;
+    return TDM_OK;
 }
 
 tdm_module *tdm_dp_replica(tdm_dp *dp, int r) {
@@ -368,6 +441,7 @@ void tdm_dp_free(tdm_dp *dp) {
     if (!dp) return;
     pthread_mutex_lock(&dp->mu);
     dp->quit = true;
+    dp->generation++; /* ends the spins too */
     pthread_cond_broadcast(&dp->go);
     pthread_mutex_unlock(&dp->mu);
     for (int i = 1; i < dp->n; i++)

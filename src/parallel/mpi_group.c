@@ -35,6 +35,7 @@
  * out in turn. A process that dies is usually also reported by mpirun itself, which then
  * ends the job ("mpirun noticed that process rank 1 ... exited on signal 9"). */
 #include "parallel/group.h"
+#include "tandem/trace.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -659,9 +660,12 @@ static void *comm_main(void *arg) {
     pthread_mutex_unlock(&w->qlock);
     if (!ok) return NULL;
     char msg[TDM_WORK_MSG];
+    tdm_trace_name_thread("MPI communication");
     for (tdm_work *wk; (wk = dequeue(w));) {
         msg[0] = '\0';
+        tdm_trace_begin(tdm_coll_name(wk->c.kind));
         int status = run(w, &wk->c, msg);
+        tdm_trace_end();
         tdm_work_finish(wk, status, msg);
     }
     teardown(w);

@@ -138,6 +138,8 @@ static void test_usage_errors(void) {
     expect_usage("smaller than the 3 devices",
                  (const char *const[]){t, "train", "--devices", "3", "--batch-size", "2", NULL});
     expect_usage("gpu:0", (const char *const[]){t, "train", "--devices", "gpu:0", NULL});
+    expect_usage("exclude each other", (const char *const[]){t, "train", "--batch-size", "64",
+                                                             "--batch-per-device", "32", NULL});
     expect_usage("multiple of 2 devices",
                  (const char *const[]){t, "train", "--model-split", "2", "--devices", "3", NULL});
     expect_usage("'zigzag'", (const char *const[]){t, "train", "--model-split", "2", "--devices",
@@ -280,6 +282,13 @@ static void test_devices_run(void) {
     double l1 = epoch_train_loss(one.out), l3 = epoch_train_loss(three.out);
     CHECK(fabs(l1 - l3) <= 2e-4, "train loss on 1 device %.4f, on 3 devices %.4f", l1, l3);
     CHECK(strstr(three.out, "per device"), "3-device output: %s", three.out);
+    /* 32 per device on 2 devices is the default global batch of 64 */
+    result per = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet", "--devices", "2",
+                        "--batch-per-device", "32");
+    double lp = epoch_train_loss(per.out);
+    CHECK(per.status == 0 && fabs(l1 - lp) <= 2e-4,
+          "--batch-per-device 32 on 2 devices: %.4f vs %.4f", lp, l1);
+    result_free(&per);
     /* the trace: a track per device and per communication thread, each step's spans (CPU
      * devices reduce and step a shard each after backward: see sharded_update in dp.c) */
     char *tr = slurp(trace);
@@ -357,13 +366,13 @@ static void test_mpi_run(const char *mpirun) {
     const char *first = strstr(two.out, "train loss");
     CHECK(first && !strstr(first + 1, "train loss"), "only rank 0 prints: %s", two.out);
     /* two devices in each of two processes: the two-level group */
-    result four = run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path,
-                                            "train", "--limit", "1280", "--model", "mlp", "--quiet",
-                                            "--devices", "2", "--timeout", "20", NULL});
+    result four = run((const char *const[]){
+        mpirun, "--oversubscribe", "-np", "2", tandem_path, "train", "--limit", "1280", "--model",
+        "mlp", "--quiet", "--devices", "2", "--timeout", "20", "--batch-per-device", "16", NULL});
     double l4 = epoch_train_loss(four.out);
     CHECK(four.status == 0 && fabs(l1 - l4) <= 2e-4,
-          "train loss in 1 process %.4f, on 2 processes x 2 devices %.4f (exit %d: %s)", l1, l4,
-          four.status, four.err);
+          "train loss in 1 process %.4f, on 2 processes x 2 devices of 16 rows %.4f (exit %d: %s)",
+          l1, l4, four.status, four.err);
     result_free(&one);
     result_free(&two);
     result_free(&four);

@@ -47,6 +47,7 @@ typedef struct {
     int64_t model_split, micro_batches;
     const char *pipe_schedule;
     int64_t grad_accum;
+    int64_t batch_per_device;     /* 0: --batch-size is the global batch */
     tdm_device devs[MAX_DEVICES]; /* parsed from devices */
     int n_devs;
 } train_opts;
@@ -100,8 +101,13 @@ static const opt_spec specs[] = {
      "1/N of the memory."},
     {"--epochs", "N", OPT_INT, F(epochs), 1, 1e6, "1", "Passes over the training data."},
     {"--batch-size", "B", OPT_INT, F(batch_size), 1, 1 << 20, "64",
-     "Global batch size: samples per optimizer step, summed over all devices. The last batch "
-     "of an epoch may be smaller."},
+     "Global batch size: samples per optimizer step, summed over all devices and processes, "
+     "so results do not depend on how the work is spread. The last batch of an epoch may be "
+     "smaller."},
+    {"--batch-per-device", "B", OPT_INT, F(batch_per_device), 1, 1 << 20, "none",
+     "Samples per device per step instead, as PyTorch's batch_size under DDP: the global "
+     "batch is B x devices (x processes under mpirun; with --model-split K, B per replica of "
+     "the K stages). Not with --batch-size."},
     {"--optimizer", "sgd|adam|adamw", OPT_STR, F(optimizer), 0, 0, "sgd (adamw for gpt)",
      "Update rule, with PyTorch's formulas (torch.optim.SGD, Adam, AdamW; Adam's betas 0.9, "
      "0.999 and eps 1e-8)."},
@@ -203,7 +209,7 @@ static train_opts opts_defaults(void) {
                         .micro_batches = 4,
                         .pipe_schedule = "1f1b",
                         .epochs = 1,
-                        .batch_size = 64,
+                        .batch_size = 0, /* 64 unless --batch-per-device (check_opts) */
                         .workers = 2,
                         .limit = 0,
                         .step_size = 1,
@@ -378,6 +384,14 @@ static int check_opts(train_opts *o) {
     o->n_devs = tdm_devices_parse(o->devices, o->devs, MAX_DEVICES);
     if (o->n_devs < 0) return usage_error("--devices: %s", tdm_last_error());
     if (o->n_devs == 0) return usage_error("--devices: no device in '%s'", o->devices);
+    if (o->batch_per_device && o->batch_size)
+        return usage_error("--batch-size (global) and --batch-per-device exclude each other");
+    int64_t replicas = o->model_split > 1 && o->n_devs % o->model_split == 0
+                           ? o->n_devs / o->model_split
+                           : o->n_devs; /* a bad split is reported below */
+    o->batch_size = o->batch_per_device ? o->batch_per_device * replicas
+                    : o->batch_size     ? o->batch_size
+                                        : 64;
     if (o->batch_size < o->n_devs)
         return usage_error("--batch-size %lld is smaller than the %d devices sharing it",
                            (long long)o->batch_size, o->n_devs);
@@ -1140,6 +1154,7 @@ static int join_mpi(trainer *t, int *argc, char ***argv) {
     if (!t->g) return runtime_error(t, "mpi: %s", tdm_last_error());
     int n = tdm_group_size(t->g);
     tdm_group_set_timeout(t->g, t->o.timeout);
+    if (t->o.batch_per_device) t->o.batch_size *= n;
     if (t->o.model_split > 1) return usage_error("--model-split does not work under mpirun yet");
     if (t->o.batch_size % n)
         return usage_error("--batch-size %lld does not split evenly over %d processes",
@@ -1156,7 +1171,7 @@ static int join_mpi(trainer *t, int *argc, char ***argv) {
 }
 
 /* --model gpt: its own loop (train_gpt.c), from the shared options. */
-static int train_gpt_main(const train_opts *o) {
+static int train_gpt_main(train_opts *o) {
     tdm_group *procs = NULL;
     if (tdm_mpi_launched()) { /* as join_mpi: rank 0 alone prints and writes */
         if (!(procs = tdm_mpi_init(NULL, NULL)))
@@ -1164,6 +1179,7 @@ static int train_gpt_main(const train_opts *o) {
                    EXIT_RUNTIME;
         tdm_group_set_timeout(procs, o->timeout);
         int n = tdm_group_size(procs);
+        if (o->batch_per_device) o->batch_size *= n;
         if (o->batch_size % n || o->batch_size / n < o->n_devs)
             return usage_error("--batch-size %lld does not split evenly over %d processes of %d "
                                "devices",

@@ -1,9 +1,11 @@
 /* DataParallel: one replica per device, driven by the caller's single loop. Replica 0 runs
- * on the caller's thread, every other one on a persistent thread of its own. A step hands
+ * on the caller's thread, every other one on a persistent thread of its own. A round hands
  * each thread its rows of the batch; the replicas run forward, loss and a DDP backward
- * (bucketed all-reduces over the threads group) and step their own optimizer. Since every
- * replica applies the same averaged gradient with the same arithmetic, replicas stay
- * bit-identical and are never copied after the start.
+ * (bucketed all-reduces over the threads group) and step their own optimizer, or, for CPU
+ * devices of one process, split the reduction and the step into shards (sharded_update).
+ * Either way every replica ends the step with the same parameters, bit for bit. A round of
+ * tdm_dp_accumulate stops after backward: its gradients stay local and add up until the
+ * tdm_dp_step that closes the window.
  *
  * Running replica 0 on the caller spares a thread handoff each way per step and puts the
  * caller's core to work instead of asleep; with as many devices as cores, every core then
@@ -98,15 +100,6 @@ static int replica_init(replica *r) {
     return r->ddp ? TDM_OK : tdm_last_status();
 }
 
-/* The update, split over the replicas when the devices share memory (CPU devices of one
- * process). Replica r takes shard r of the flat buffers: it averages every replica's
- * gradient there into replica 0's, steps replica 0's optimizer on the shard, and copies the
- * shard's new parameters into every other replica. Each element is then reduced once and
- * stepped once, where an all-reduce followed by n optimizer steps reduces it n times (once
- * per destination) and steps it n times: on the MLP that is most of a step's time outside
- * the GEMMs. The sums are the threads all-reduce's (rank order, then / n), so the result is
- * bit for bit the unsharded one, and replica 0's optimizer keeps the whole state (what a
- * checkpoint saves). The other replicas' optimizers stay unused. */
 /* Gradient clipping of a sharded update: the global norm is the square root of the shards'
  * sums of squares, added in rank order after a barrier, so every replica scales its shard by
  * the same factor (the norm of the whole averaged gradient, as on one device). */
@@ -121,6 +114,15 @@ static int clip_shard(replica *r, int64_t lo, int64_t hi) {
     return tdm_clip_scale(ps0, lo, hi, dp->clip, (float)sqrt(ss));
 }
 
+/* The update, split over the replicas when the devices share memory (CPU devices of one
+ * process). Replica r takes shard r of the flat buffers: it averages every replica's
+ * gradient there into replica 0's, steps replica 0's optimizer on the shard, and copies the
+ * shard's new parameters into every other replica. Each element is then reduced once and
+ * stepped once, where an all-reduce followed by n optimizer steps reduces it n times (once
+ * per destination) and steps it n times: on the MLP that is most of a step's time outside
+ * the GEMMs. The sums are the threads all-reduce's (rank order, then / n), so the result is
+ * bit for bit the unsharded one, and replica 0's optimizer keeps the whole state (what a
+ * checkpoint saves). The other replicas' optimizers stay unused. */
 static int sharded_update(replica *r) {
     tdm_dp *dp = r->dp;
     int n = dp->n;

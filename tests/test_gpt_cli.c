@@ -133,6 +133,16 @@ static void test_two_devices(void) {
     }
     CHECK(fabs(v[2][1] - v[0][1]) > 1e-3, "clipping changed nothing: loss %.5f vs %.5f", v[2][1],
           v[0][1]);
+    /* --trace: the loop's spans and a track per device */
+    char trace[300];
+    static char json[1 << 20];
+    snprintf(trace, sizeof trace, "%s/trace.json", tmpdir);
+    args[21] = "2", args[22] = "--trace", args[23] = trace;
+    result *r = run(args);
+    slurp(trace, json, sizeof json);
+    CHECK(r->status == 0 && strstr(r->out, "trace     ") && strstr(json, "\"traceEvents\"") &&
+              strstr(json, "\"name\":\"step\"") && strstr(json, "\"cpu:1 compute\""),
+          "trace of a 2-device GPT run: %s", r->err);
 }
 
 /* Gradient accumulation: two batches of 4 per step train exactly like batches of 8. */

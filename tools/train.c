@@ -353,9 +353,8 @@ static int check_opts(train_opts *o) {
         return usage_error("--model gpt trains with adamw (weight decay on matrices only), not "
                            "%s",
                            o->optimizer);
-    if (gpt && (o->log_path || o->plot_path || o->trace_path || o->limit ||
-                strcmp(o->schedule, "step") == 0))
-        return usage_error("--model gpt does not take --log, --plot, --trace, --limit "
+    if (gpt && (o->log_path || o->plot_path || o->limit || strcmp(o->schedule, "step") == 0))
+        return usage_error("--model gpt does not take --log, --plot, --limit "
                            "or --schedule step yet");
     if (gpt && !strcmp(o->data, "fashion-mnist"))
         return usage_error("--model gpt needs --data FILE (text, or an llm.c token shard)");
@@ -1214,7 +1213,17 @@ static int train_gpt_main(train_opts *o) {
                         .quiet = o->quiet || !rank0,
                         .devs = o->devs,
                         .n_devs = o->n_devs};
+    const char *trace = rank0 ? o->trace_path : NULL;
+    if (trace && tdm_trace_start(trace, 0) != 0)
+        return fprintf(stderr, "tandem train: error: trace: %s\n", tdm_last_error()), EXIT_RUNTIME;
+    tdm_trace_name_thread("training loop (and devices[0] compute)");
     int rc = gpt_train(&g);
+    if (trace && tdm_trace_stop() != 0 && rc == 0) {
+        fprintf(stderr, "tandem train: error: %s\n", tdm_last_error());
+        rc = EXIT_RUNTIME;
+    } else if (trace && rc == 0 && !g.quiet) {
+        printf("trace     %s\n", trace);
+    }
     if (procs && !rc) tdm_mpi_finalize(); /* after a failure MPI_Finalize could wait forever */
     return rc;
 }

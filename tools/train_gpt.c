@@ -300,13 +300,20 @@ static int train_loop(gpt_run *r) {
         r->resumed = false;
         tdm_batch b;
         int got;
-        while (r->steps < r->total && (got = tdm_loader_next(r->loader, &b)) != 0) {
+        for (;;) {
+            if (r->steps >= r->total) break;
+            tdm_trace_begin("wait for data");
+            got = tdm_loader_next(r->loader, &b);
+            tdm_trace_end();
+            if (got == 0) break;
             if (got < 0) return fail("loading a batch: %s", tdm_last_error());
             set_lr(r);
             float loss;
             bool done;
-            if (train_batch(r, &b, &done, &loss))
-                return fail("step %lld: %s", (long long)r->steps + 1, tdm_last_error());
+            tdm_trace_begin("step");
+            int rc = train_batch(r, &b, &done, &loss);
+            tdm_trace_end();
+            if (rc) return fail("step %lld: %s", (long long)r->steps + 1, tdm_last_error());
             if (!done) continue;
             if (!isfinite(loss))
                 return fail("step %lld: the loss is %g", (long long)r->steps + 1, loss);

@@ -4,8 +4,12 @@
  *   bench_dp [steps per case (default 400)] [tiny|mlp (default both)] [plain|1|2 (default all)]
  * Prints median, p90 and mean microseconds per step and images/s at the median. Set
  * OPENBLAS_NUM_THREADS to choose the plain step's BLAS threads (DataParallel on as many
- * devices as cores makes BLAS single-threaded itself). */
+ * devices as cores makes BLAS single-threaded itself). Then the MLP step's GEMM floor: the
+ * time of its 8 GEMMs (forward, weight and input gradients) alone at 64 and 32 rows, the
+ * ceiling of what 2 devices can gain over 1 before any other work. */
 #include "tandem/tandem.h"
+
+#include <cblas.h>
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -94,6 +98,40 @@ static int run_case(bool tiny, int devices, int steps, tdm_tensor *x, tdm_tensor
     return rc;
 }
 
+/* One GEMM of the MLP step, C [m, n] (+)= op(A) op(B) with k inner: row-major, as linear.c. */
+typedef struct {
+    bool ta, tb;
+    int m, n, k;
+    float beta;
+} gemm;
+
+/* Microseconds of the MLP's step GEMMs at `rows` rows (median of 7 rounds of 50). */
+static double gemm_floor_us(int rows) {
+    const gemm g[8] = {{0, 1, rows, 256, IN, 1},  {0, 1, rows, 128, 256, 1}, /* forward */
+                       {0, 1, rows, 10, 128, 1},  {1, 0, 10, 128, rows, 1},  /* dW3 */
+                       {0, 0, rows, 128, 10, 0},  {1, 0, 128, 256, rows, 1}, /* dX3, dW2 */
+                       {0, 0, rows, 256, 128, 0}, {1, 0, 256, IN, rows, 1}}; /* dX2, dW1 */
+    float *buf[3];
+    for (int i = 0; i < 3; i++) {
+        buf[i] = malloc(sizeof(float) * IN * 256);
+        for (int j = 0; j < IN * 256; j++) buf[i][j] = (float)(j % 17) * 0.01f;
+    }
+    double t[7];
+    for (int r = 0; r < 7; r++) {
+        double t0 = now_us();
+        for (int it = 0; it < 50; it++)
+            for (int i = 0; i < 8; i++)
+                cblas_sgemm(CblasRowMajor, g[i].ta ? CblasTrans : CblasNoTrans,
+                            g[i].tb ? CblasTrans : CblasNoTrans, g[i].m, g[i].n, g[i].k, 1.0f,
+                            buf[0], g[i].ta ? g[i].m : g[i].k, buf[1], g[i].tb ? g[i].k : g[i].n,
+                            g[i].beta, buf[2], g[i].n);
+        t[r] = (now_us() - t0) / 50;
+    }
+    for (int i = 0; i < 3; i++) free(buf[i]);
+    qsort(t, 7, sizeof *t, cmp_double);
+    return t[3];
+}
+
 int main(int argc, char **argv) {
     int steps = argc > 1 ? atoi(argv[1]) : 400;
     if (steps < 10) {
@@ -117,6 +155,12 @@ int main(int argc, char **argv) {
         if (only[0] && strcmp(only, tiny ? "tiny" : "mlp") != 0) continue;
         for (int d = 0; d <= 2 && !rc; d++)
             if (argc <= 3 || atoi(argv[3]) == d) rc = run_case(tiny, d, steps, x, y);
+    }
+    if (!rc && (!only[0] || strcmp(only, "mlp") == 0) && argc <= 3) {
+        double full = gemm_floor_us(B), half = gemm_floor_us(B / 2);
+        printf("# the MLP step's GEMMs alone (cblas_sgemm, this thread): %.1f us at %d rows, %.1f "
+               "us at %d: 2 devices can be at most %.2fx one before any other work\n",
+               full, B, half, B / 2, full / half);
     }
     if (rc) fprintf(stderr, "bench_dp: %s\n", tdm_last_error());
     tdm_tensor_free(x);

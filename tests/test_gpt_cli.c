@@ -70,15 +70,31 @@ static void write_text(void) {
 
 static void test_train_and_save(void) {
     snprintf(model_path, sizeof model_path, "%s/fox.bin", tmpdir);
-    result *r =
-        TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "1", "--heads", "2",
-               "--channels", "32", "--context", "16", "--batch-size", "8", "--max-steps", "60",
-               "--lr", "3e-3", "--workers", "0", "--print-every", "10", "--save", model_path);
+    char log[300], plot[300];
+    snprintf(log, sizeof log, "%s/gpt.jsonl", tmpdir);
+    snprintf(plot, sizeof plot, "%s/gpt.svg", tmpdir);
+    result *r = TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "1", "--heads",
+                       "2", "--channels", "32", "--context", "16", "--batch-size", "8",
+                       "--max-steps", "60", "--lr", "3e-3", "--workers", "0", "--print-every", "10",
+                       "--save", model_path, "--log", log, "--plot", plot);
     CHECK(r->status == 0, "train exit %d: %s", r->status, r->err);
     double v[16];
     int n = losses(r->out, v, 16);
     CHECK(n == 6 && strstr(r->out, "step 60/60"), "progress lines: %s", r->out);
     if (n == 6) CHECK(v[5] < v[0] - 1.0, "loss %.4f -> %.4f: not learning", v[0], v[5]);
+    /* --log: a config line, then one line per step with its loss and tokens per second */
+    static char text[1 << 16];
+    slurp(log, text, sizeof text);
+    int steps = 0;
+    for (const char *p = strstr(text, "\"type\":\"step\""); p;
+         p = strstr(p + 1, "\"type\":\"step\""))
+        steps++;
+    CHECK(strstr(text, "{\"type\":\"config\",\"model\":\"gpt\"") && steps == 60 &&
+              strstr(text, "\"global_step\":60,") && strstr(text, "\"tok_s\":"),
+          "log %s: %d step lines", log, steps);
+    slurp(plot, text, sizeof text);
+    CHECK(strstr(text, "<svg") && strstr(text, "train-step") && strstr(text, "</svg>"), "plot %s",
+          plot);
     tdm_gpt_config cfg;
     tdm_module *m = tdm_gpt_load_llmc(model_path, tdm_cpu(0), &cfg);
     CHECK(m && cfg.layers == 1 && cfg.heads == 2 && cfg.channels == 32 && cfg.context == 16 &&

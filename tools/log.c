@@ -24,13 +24,13 @@ void log_config(run_log *l, const char *fields) {
 }
 
 void log_step(run_log *l, int epoch, int64_t step, int64_t global_step, double loss, double lr,
-              double img_s) {
+              const char *rate_key, double rate) {
     if (!l->f) return;
     fprintf(l->f, "{\"type\":\"step\",\"epoch\":%d,\"step\":%lld,\"global_step\":%lld,", epoch,
             (long long)step, (long long)global_step);
     num(l->f, "loss", loss, ",");
     num(l->f, "lr", lr, ",");
-    num(l->f, "img_s", img_s, "}\n");
+    num(l->f, rate_key, rate, "}\n");
 }
 
 void log_epoch(run_log *l, const epoch_stats *e) {

@@ -1,6 +1,7 @@
 /* --log FILE: one JSON object per line, for scripts and plots. Lines:
  *   {"type":"config", "model":.., "optimizer":.., "lr":.., "batch_size":.., ...}
  *   {"type":"step", "epoch":1, "step":12, "global_step":12, "loss":.., "lr":.., "img_s":..}
+ *     (a GPT's step lines have "tok_s", tokens per second, instead of "img_s")
  *   {"type":"epoch", "epoch":1, "train_loss":.., "train_acc":.., "test_loss":.., "test_acc":..,
  *    "seconds":.., "eval_seconds":.., "img_s":.., "loader_wait_s":.., "lr":..}
  * Steps count from 1 within an epoch; accuracies are fractions in [0, 1]; a non-finite number
@@ -30,8 +31,9 @@ typedef struct {
 int log_open(run_log *l, const char *path);
 /* A config line; fields is preformatted JSON members ("\"model\":\"mlp\",..."). */
 void log_config(run_log *l, const char *fields);
+/* rate_key names the throughput: "img_s" (images per second) or "tok_s" (tokens). */
 void log_step(run_log *l, int epoch, int64_t step, int64_t global_step, double loss, double lr,
-              double img_s);
+              const char *rate_key, double rate);
 void log_epoch(run_log *l, const epoch_stats *e);
 /* Flushes and closes. Returns 0, or -1 if a write failed (a full disk). */
 int log_close(run_log *l);

@@ -116,14 +116,19 @@ static void epoch_series(FILE *f, const frame *fr, const plot_data *d, size_t fi
     fprintf(f, "</g>\n");
 }
 
+/* The per-step line is faint behind the epoch lines, and the whole story without them. */
+static double step_opacity(const plot_data *d) {
+    return d->loss_only ? 1.0 : 0.3;
+}
+
 /* Per-step train loss, averaged into bins of `bin` steps, clipped to the frame. */
 static void step_series(FILE *f, const frame *fr, const plot_data *d) {
     int64_t bin = (d->n_steps + MAX_POINTS - 1) / MAX_POINTS;
     if (bin < 1) bin = 1;
     fprintf(f,
-            "<polyline class=\"train-step\" fill=\"none\" stroke=\"%s\" stroke-opacity=\"0.3\" "
+            "<polyline class=\"train-step\" fill=\"none\" stroke=\"%s\" stroke-opacity=\"%.1f\" "
             "stroke-width=\"1\" points=\"",
-            COLOR_TRAIN);
+            COLOR_TRAIN, step_opacity(d));
     for (int64_t s = 0; s < d->n_steps; s += bin) {
         double sum = 0;
         int64_t k = 0;
@@ -155,7 +160,9 @@ static void legend(FILE *f, double x, double y, int n, const char *const *labels
     fprintf(f, "</g>\n");
 }
 
-static double x_step(int epochs) {
+/* Whole epochs for runs of 2 to 10 epochs; nice fractions or multiples otherwise. */
+static double x_step(double epochs) {
+    if (epochs < 2) return nice_step(epochs, 5);
     return epochs <= 10 ? 1 : ceil(nice_step(epochs, 8));
 }
 
@@ -179,14 +186,15 @@ static void loss_panel(FILE *f, const plot_data *d, double left) {
                 HEIGHT - MARGIN_T - MARGIN_B};
     fprintf(f, "<text x=\"%.1f\" y=\"%d\" font-size=\"14\" font-weight=\"bold\">Loss</text>\n",
             fr.px, MARGIN_T - 10);
-    axes(f, &fr, "cross-entropy loss", false, x_step(d->total_epochs), ystep);
+    axes(f, &fr, d->loss_label ? d->loss_label : "cross-entropy loss", false,
+         x_step(d->total_epochs), ystep);
     step_series(f, &fr, d);
     epoch_series(f, &fr, d, offsetof(epoch_stats, train_loss), COLOR_TRAIN, "train");
     epoch_series(f, &fr, d, offsetof(epoch_stats, test_loss), COLOR_TEST, "test");
     const char *labels[] = {"train (per step)", "train", "test"};
     const char *colors[] = {COLOR_TRAIN, COLOR_TRAIN, COLOR_TEST};
-    const double opacity[] = {0.3, 1, 1};
-    legend(f, fr.px + fr.pw - 140, fr.py + 8, 3, labels, colors, opacity);
+    const double opacity[] = {step_opacity(d), 1, 1};
+    legend(f, fr.px + fr.pw - 140, fr.py + 8, d->n_epochs ? 3 : 1, labels, colors, opacity);
 }
 
 static void accuracy_panel(FILE *f, const plot_data *d, double left) {
@@ -221,24 +229,25 @@ static void accuracy_panel(FILE *f, const plot_data *d, double left) {
 int plot_write_svg(const char *path, const plot_data *d) {
     FILE *f = fopen(path, "w");
     if (!f) return -1;
+    int width = d->loss_only ? PANEL_W : WIDTH;
     fprintf(f,
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" "
             "viewBox=\"0 0 %d %d\" font-family=\"Helvetica, Arial, sans-serif\">\n",
-            WIDTH, HEIGHT, WIDTH, HEIGHT);
+            width, HEIGHT, width, HEIGHT);
     fprintf(f, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
     fprintf(f,
             "<text x=\"%d\" y=\"28\" font-size=\"18\" font-weight=\"bold\" "
             "text-anchor=\"middle\">",
-            WIDTH / 2);
+            width / 2);
     put_escaped(f, d->title);
     fprintf(f,
             "</text>\n<text x=\"%d\" y=\"48\" font-size=\"13\" fill=\"#555\" "
             "text-anchor=\"middle\">",
-            WIDTH / 2);
+            width / 2);
     put_escaped(f, d->subtitle);
     fprintf(f, "</text>\n");
     loss_panel(f, d, 0);
-    accuracy_panel(f, d, PANEL_W);
+    if (!d->loss_only) accuracy_panel(f, d, PANEL_W);
     fprintf(f, "</svg>\n");
     int bad = ferror(f);
     bad |= fclose(f);

@@ -1,8 +1,10 @@
 /* --plot FILE.svg: training curves as a standalone SVG (no dependencies): two panels, loss and
- * accuracy, with train and test per epoch and the per-step train loss as a faint line. */
+ * accuracy, with train and test per epoch and the per-step train loss as a faint line; or
+ * (loss_only, a GPT) the loss panel alone. */
 #ifndef TANDEM_TOOLS_PLOT_H
 #define TANDEM_TOOLS_PLOT_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "log.h"
@@ -15,7 +17,9 @@ typedef struct {
     int64_t steps_per_epoch;
     const epoch_stats *epochs; /* [n_epochs] finished epochs */
     int n_epochs;
-    int total_epochs; /* the x axis spans [0, total_epochs] */
+    double total_epochs;    /* the x axis spans [0, total_epochs] */
+    bool loss_only;         /* no accuracy panel (a language model) */
+    const char *loss_label; /* the loss axis's title; NULL: "cross-entropy loss" */
 } plot_data;
 
 /* Writes the SVG to path (replacing it). Returns 0, or -1 with errno set. */

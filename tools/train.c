@@ -158,15 +158,16 @@ static const opt_spec specs[] = {
      "for quick runs and tests."},
     {"--log", "FILE", OPT_STR, F(log_path), 0, 0, "none",
      "Write one JSON object per line: a config line, a line per step (epoch, step, loss, lr, "
-     "img_s) and a line per epoch (train_loss, train_acc, test_loss, test_acc, seconds, "
-     "loader_wait_s, ...)."},
+     "img_s, or tok_s for gpt) and a line per epoch (train_loss, train_acc, test_loss, "
+     "test_acc, seconds, loader_wait_s, ...; not for gpt)."},
     {"--trace", "FILE.json", OPT_STR, F(trace_path), 0, 0, "none",
      "Write a Chrome trace (open it in Perfetto or chrome://tracing): one track per thread "
      "(the training loop, each device's compute, its communication, the loader's workers) "
      "with the spans of forward, backward, optimizer, each all-reduce and waiting for data."},
     {"--plot", "FILE.svg", OPT_STR, F(plot_path), 0, 0, "none",
      "Draw loss and accuracy curves (train and test per epoch, train loss per step) into an "
-     "SVG file, rewritten after every epoch."},
+     "SVG file, rewritten after every epoch (for gpt: the loss per step, rewritten at every "
+     "progress line)."},
     {"--print-every", "N", OPT_INT, F(print_every), 0, 1e12, "0",
      "When stdout is not a terminal, print a progress line every N steps (0: about ten per "
      "epoch). On a terminal a progress bar is redrawn in place instead."},
@@ -353,9 +354,8 @@ static int check_opts(train_opts *o) {
         return usage_error("--model gpt trains with adamw (weight decay on matrices only), not "
                            "%s",
                            o->optimizer);
-    if (gpt && (o->log_path || o->plot_path || o->limit || strcmp(o->schedule, "step") == 0))
-        return usage_error("--model gpt does not take --log, --plot, --limit "
-                           "or --schedule step yet");
+    if (gpt && (o->limit || strcmp(o->schedule, "step") == 0))
+        return usage_error("--model gpt does not take --limit or --schedule step yet");
     if (gpt && !strcmp(o->data, "fashion-mnist"))
         return usage_error("--model gpt needs --data FILE (text, or an llm.c token shard)");
     if (!gpt && (o->layers || o->heads || o->channels || o->context || o->vocab || o->save_path ||
@@ -749,7 +749,7 @@ static int sync_chunk(trainer *t, int epoch, int64_t step) {
                                  isnan(loss) ? "nan" : "infinite", epoch, (long long)s,
                                  t->lr_host[i]);
         double dt = t->time_host[i] - (i ? t->time_host[i - 1] : t->t_last);
-        log_step(&t->log, epoch, s, t->global_step - k + i + 1, loss, t->lr_host[i],
+        log_step(&t->log, epoch, s, t->global_step - k + i + 1, loss, t->lr_host[i], "img_s",
                  dt > 0 ? (double)t->size_host[i] / dt : NAN);
         t->loss_sum += loss * (double)t->size_host[i];
         if (t->n_step_loss < t->cap_step_loss) t->step_loss[t->n_step_loss++] = (float)loss;
@@ -1017,8 +1017,14 @@ static int write_plot(trainer *t) {
              (long long)t->train_ds->n, (long long)t->o.seed, t->o.devices,
              last ? "; test accuracy " : "", last ? 100 * last->test_acc : 0.0);
     if (!last) t->subtitle[strlen(t->subtitle) - 5] = '\0'; /* drop the number */
-    plot_data d = {t->title,           t->subtitle, t->step_loss, t->n_step_loss,
-                   t->steps_per_epoch, t->hist,     t->n_hist,    (int)t->o.epochs};
+    plot_data d = {.title = t->title,
+                   .subtitle = t->subtitle,
+                   .step_loss = t->step_loss,
+                   .n_steps = t->n_step_loss,
+                   .steps_per_epoch = t->steps_per_epoch,
+                   .epochs = t->hist,
+                   .n_epochs = t->n_hist,
+                   .total_epochs = (double)t->o.epochs};
     if (plot_write_svg(t->o.plot_path, &d) != 0)
         return runtime_error(t, "cannot write plot '%s': %s", t->o.plot_path, strerror(errno));
     return 0;
@@ -1189,6 +1195,8 @@ static int train_gpt_main(train_opts *o) {
                         .procs = procs,
                         .init_from = o->init_from,
                         .save = rank0 ? o->save_path : NULL,
+                        .log_path = rank0 ? o->log_path : NULL,
+                        .plot_path = rank0 ? o->plot_path : NULL,
                         .checkpoint_dir = o->checkpoint_dir,
                         .write_checkpoints = rank0,
                         .checkpoint_every = o->checkpoint_every,

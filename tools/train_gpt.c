@@ -23,7 +23,9 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "log.h"
 #include "models.h"
+#include "plot.h"
 #include "train.h"
 
 #define SHARD_MAGIC 20240520
@@ -44,6 +46,9 @@ typedef struct {
     bool resumed;      /* the loader stands where the checkpoint left it: no epoch start */
     int64_t micro;     /* batches of the current step so far (gradient accumulation) */
     double micro_loss; /* their summed losses */
+    run_log log;       /* --log */
+    float *step_loss;  /* [total] every step's loss, for --plot */
+    int64_t steps_per_epoch;
 } gpt_run;
 
 static int fail(const char *fmt, ...) {
@@ -124,7 +129,8 @@ static int make_data(gpt_run *r) {
     if (per_epoch < 1)
         return fail("--data '%s' holds %lld windows of %lld tokens, fewer than one batch of %lld",
                     o->data, (long long)r->ds->n, (long long)T, (long long)o->batch_size);
-    r->total = o->epochs * (per_epoch / o->grad_accum);
+    r->steps_per_epoch = per_epoch / o->grad_accum;
+    r->total = o->epochs * r->steps_per_epoch;
     if (r->total < 1)
         return fail("--grad-accum %lld is more than the %lld batches of an epoch",
                     (long long)o->grad_accum, (long long)per_epoch);
@@ -286,11 +292,69 @@ static int mean_over_processes(tdm_group *procs, double *v) {
     return rc;
 }
 
+/* --log's line for the step just taken and its loss for --plot. *t_prev: when the step before
+ * ended (updated). Under mpirun the loss is rank 0's rows' (the printed one is everyone's). */
+static void record_step(gpt_run *r, int64_t epoch, float loss, double *t_prev) {
+    const gpt_train_opts *o = r->o;
+    double t = now_s(), tokens = (double)(o->batch_size * r->ds->sample_shape.d[0] * o->grad_accum);
+    int64_t in_epoch = (r->steps - 1) % r->steps_per_epoch + 1;
+    log_step(&r->log, (int)epoch + 1, in_epoch, r->steps, loss, tdm_optim_lr(r->opt), "tok_s",
+             t > *t_prev ? tokens / (t - *t_prev) : NAN);
+    if (r->step_loss) r->step_loss[r->steps - 1] = loss;
+    *t_prev = t;
+}
+
+/* --plot: the loss of every step so far, over the run's planned length in epochs. */
+static int write_plot(gpt_run *r) {
+    const gpt_train_opts *o = r->o;
+    if (!o->plot_path || !r->step_loss) return 0;
+    const tdm_gpt_config *c = &r->cfg;
+    char title[256], sub[256];
+    snprintf(title, sizeof title, "gpt on %s", o->data);
+    snprintf(sub, sizeof sub, "L%d H%d C%d T%lld, batch %lld, adamw lr %g, %lld steps", c->layers,
+             c->heads, c->channels, (long long)r->ds->sample_shape.d[0],
+             (long long)(o->batch_size * o->grad_accum), o->lr, (long long)r->steps);
+    plot_data d = {.title = title,
+                   .subtitle = sub,
+                   .step_loss = r->step_loss,
+                   .n_steps = r->steps,
+                   .steps_per_epoch = r->steps_per_epoch,
+                   .total_epochs = (double)r->total / (double)r->steps_per_epoch,
+                   .loss_only = true,
+                   .loss_label = "next-token cross-entropy"};
+    if (plot_write_svg(o->plot_path, &d) != 0)
+        return fail("cannot write plot '%s': %s", o->plot_path, strerror(errno));
+    return 0;
+}
+
+static int open_outputs(gpt_run *r) {
+    const gpt_train_opts *o = r->o;
+    if (o->plot_path) {
+        r->step_loss = malloc(sizeof(float) * (size_t)r->total);
+        if (!r->step_loss) return fail("--plot: out of memory for %lld steps", (long long)r->total);
+        for (int64_t i = 0; i < r->total; i++) r->step_loss[i] = NAN; /* before a resume */
+    }
+    if (o->log_path && log_open(&r->log, o->log_path) != 0)
+        return fail("cannot write log '%s': %s", o->log_path, strerror(errno));
+    const tdm_gpt_config *c = &r->cfg;
+    char cfg[512];
+    snprintf(cfg, sizeof cfg,
+             "\"model\":\"gpt\",\"layers\":%d,\"heads\":%d,\"channels\":%d,\"context\":%lld,"
+             "\"vocab\":%d,\"parameters\":%lld,\"batch_size\":%lld,\"grad_accum\":%lld,"
+             "\"optimizer\":\"adamw\",\"lr\":%g,\"weight_decay\":%g,\"steps\":%lld,"
+             "\"devices\":%d",
+             c->layers, c->heads, c->channels, (long long)r->ds->sample_shape.d[0], c->vocab,
+             (long long)r->ps->total, (long long)o->batch_size, (long long)o->grad_accum, o->lr,
+             o->weight_decay, (long long)r->total, o->n_devs);
+    log_config(&r->log, cfg);
+    return 0;
+}
+
 static int train_loop(gpt_run *r) {
     const gpt_train_opts *o = r->o;
     int64_t every = o->print_every > 0 ? o->print_every : (r->total >= 10 ? r->total / 10 : 1);
     int64_t tokens = o->batch_size * r->ds->sample_shape.d[0] * o->grad_accum; /* per step */
-    double t0 = now_s(), t_last = t0, loss_sum = 0;
+    double t0 = now_s(), t_last = t0, t_step = t0, loss_sum = 0;
     int64_t n_sum = 0;
     int64_t epoch = 0, batch = 0;
     if (r->resumed) tdm_loader_position(r->loader, &epoch, &batch);
@@ -318,12 +382,14 @@ static int train_loop(gpt_run *r) {
             if (!isfinite(loss))
                 return fail("step %lld: the loss is %g", (long long)r->steps + 1, loss);
             r->steps++, loss_sum += loss, n_sum++;
+            record_step(r, epoch, loss, &t_step);
             if (o->checkpoint_every > 0 && r->steps % o->checkpoint_every == 0 &&
                 r->steps < r->total && save_checkpoint(r))
                 return EXIT_RUNTIME;
             if (r->steps % every != 0 && r->steps != r->total) continue;
             if (o->procs && mean_over_processes(o->procs, &loss_sum))
                 return fail("step %lld: %s", (long long)r->steps, tdm_last_error());
+            if (write_plot(r)) return EXIT_RUNTIME;
             double t = now_s(), dt = (t - t_last) / (double)n_sum;
             if (!o->quiet) {
                 printf("step %lld/%lld  loss %.4f  lr %.3g  %.1f ms/step  %.0f tok/s\n",
@@ -363,8 +429,14 @@ int gpt_train(const gpt_train_opts *o) {
     if (!rc) rc = make_optimizer(&r);
     if (!rc && !o->quiet) banner(&r);
     if (!rc) rc = resume(&r);
+    if (!rc) rc = open_outputs(&r);
     if (!rc) rc = train_loop(&r);
+    if (!rc) rc = write_plot(&r);
     if (!rc) rc = save(&r);
+    if (log_close(&r.log) != 0 && rc == 0) rc = fail("writing log '%s' failed", o->log_path);
+    if (!rc && !o->quiet && o->log_path) printf("log       %s\n", o->log_path);
+    if (!rc && !o->quiet && o->plot_path) printf("plot      %s\n", o->plot_path);
+    free(r.step_loss);
     tdm_loader_free(r.loader);
     tdm_ddp_free(r.ddp);
     if (r.dp)

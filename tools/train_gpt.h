@@ -14,6 +14,8 @@ typedef struct {
     tdm_group *procs;      /* under mpirun: every process (this one trains its share), or NULL */
     const char *init_from; /* an llm.c model file to start from, or NULL */
     const char *save;      /* write the trained model here (llm.c's format), or NULL */
+    const char *log_path;  /* JSON lines: a config line and one per step, or NULL */
+    const char *plot_path; /* the loss curve (SVG, rewritten at each progress line), or NULL */
     const char *checkpoint_dir; /* also write DIR/model.bin and a Tandem checkpoint */
     bool write_checkpoints;     /* this process writes them (rank 0 under mpirun) */
     int64_t checkpoint_every;   /* steps between checkpoints (0: only at the end) */

@@ -1,6 +1,7 @@
 /* Modules: names, the flat parameter buffer, Linear (forward, gradcheck), train/eval,
  * PyTorch's default initialisation (fixture: tests/fixtures/gen_init.py), errors. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "gradcheck.h"
 #include "fixtures/init_fixtures.h"
@@ -197,6 +198,54 @@ static void test_linear_grad(void) {
               1e-2);
     tdm_tensor *all[] = {x, w, b, x3, x1, xt, wt};
     for (int i = 0; i < 7; i++) tdm_tensor_free(all[i]);
+}
+
+/* Sequential runs ReLU -> MaxPool2d as MaxPool2d -> ReLU (sequential_forward): outputs and
+ * input gradients must be bit for bit those of the literal order, with negative windows,
+ * zeros and ties in the input, for plain, padded and ceil-mode pooling. */
+static void relu_pool_run(bool module, const tdm_pool2d_opts *po, const float *xd, float *y,
+                          float *gx, int64_t *ny) {
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_from_data(TDM_SHAPE(2, 3, 7, 7), TDM_F32, tdm_cpu(0), xd);
+    tdm_requires_grad_(x, true);
+    tdm_module *l[2] = {tdm_relu_new(), tdm_max_pool2d_new(po)};
+    tdm_module *seq = module ? tdm_sequential_new(2, l) : NULL;
+    tdm_tensor *out = module ? tdm_module_forward(seq, x) : tdm_max_pool2d(tdm_relu(x), po);
+    *ny = out ? tdm_numel(out) : 0;
+    tdm_rng r = tdm_rng_make(5);
+    tdm_tensor *w = out ? tdm_randn(tdm_shape_of(out), 0, 1, tdm_cpu(0), &r) : NULL;
+    CHECK(out && tdm_backward(tdm_sum_all(tdm_mul(out, w))) == 0, "relu/pool: %s",
+          tdm_last_error());
+    if (out) tdm_to_host(out, y, sizeof(float) * (size_t)*ny);
+    if (x->grad) tdm_to_host(x->grad, gx, sizeof(float) * 2 * 3 * 7 * 7);
+    if (seq)
+        tdm_module_free(seq);
+    else
+        for (int i = 0; i < 2; i++) tdm_module_free(l[i]);
+    tdm_tensor_free(x->grad);
+    tdm_scope_end();
+}
+
+static void test_relu_pool_order(void) {
+    enum { N = 2 * 3 * 7 * 7 };
+    static const float levels[5] = {-2.0f, -1.0f, 0.0f, 0.5f, 1.0f};
+    float xd[N];
+    for (int i = 0; i < N; i++) xd[i] = levels[(i * 7 + i / 5) % 5];
+    xd[0] = xd[1] = xd[7] = xd[8] = -1.0f; /* an all-negative 2x2 window */
+    tdm_pool2d_opts opts[3] = {
+        {.kernel_h = 2, .kernel_w = 2},
+        {.kernel_h = 3, .kernel_w = 3, .stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1},
+        {.kernel_h = 2, .kernel_w = 2, .ceil_mode = true}};
+    for (int k = 0; k < 3; k++) {
+        float y[2][N], gx[2][N];
+        int64_t ny[2];
+        memset(gx, 0, sizeof gx);
+        for (int m = 0; m < 2; m++) relu_pool_run(m == 1, &opts[k], xd, y[m], gx[m], &ny[m]);
+        CHECK(ny[0] == ny[1] && ny[0] > 0, "case %d: %lld vs %lld outputs", k, (long long)ny[0],
+              (long long)ny[1]);
+        CHECK(memcmp(y[0], y[1], sizeof(float) * (size_t)ny[0]) == 0, "case %d: outputs differ", k);
+        CHECK(memcmp(gx[0], gx[1], sizeof gx[0]) == 0, "case %d: input gradients differ", k);
+    }
 }
 
 /* ---- train / eval ----------------------------------------------------------------------- */
@@ -411,6 +460,7 @@ int main(void) {
     test_flat_buffer();
     test_linear_forward();
     test_linear_grad();
+    test_relu_pool_order();
     test_train_eval();
     test_batch_norm_cumulative();
     test_init();

@@ -128,6 +128,11 @@ int tdm_cuda_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm
 int tdm_cuda_avg_pool2d(tdm_tensor *y, const tdm_tensor *x, const tdm_pool2d_args *args);
 int tdm_cuda_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_pool2d_args *args);
 
+/* ---- cuda_attention.cu: causal self-attention, one block per row ------------------------- */
+int tdm_cuda_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int n_head);
+int tdm_cuda_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
+                                const tdm_tensor *lse, int n_head);
+
 #ifdef __cplusplus
 }
 #endif

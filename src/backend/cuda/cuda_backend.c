@@ -1,6 +1,6 @@
 /* The CUDA backend table: every kernel of backend.h for cuda:N devices. Designated
- * initializers: an entry this backend does not provide yet stays NULL, and the op that
- * needs it reports that instead of crashing. */
+ * initializers: an entry a backend does not provide stays NULL, and the op that needs it
+ * reports that instead of crashing. */
 #include "backend/cuda/cuda.h"
 
 void *tdm_cuda_ptr(const tdm_tensor *t) {
@@ -50,4 +50,6 @@ const tdm_backend tdm_cuda_backend = {
     .bce_logits_backward = tdm_cuda_bce_logits_backward,
     .sgd_step = tdm_cuda_sgd_step,
     .adam_step = tdm_cuda_adam_step,
+    .attention = tdm_cuda_attention,
+    .attention_backward = tdm_cuda_attention_backward,
 };

@@ -85,7 +85,12 @@ extern dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __forceinline__ inline
 #define __shared__      static /* one block runs at a time on one thread */
 void __syncthreads(void);
-void emu_launch(long long grid, long long block, const std::function<void()> &body);
+/* Runs body for every thread of every block; shmem bytes of dynamic shared memory (extern
+ * __shared__, at emu_dynamic_shared) are allocated for the launch, exactly sized, so that
+ * AddressSanitizer sees an access past them. */
+void emu_launch(long long grid, long long block, const std::function<void()> &body,
+                size_t shmem = 0);
+extern void *emu_dynamic_shared;
 
 template <typename T> cudaError_t cudaMalloc(T **p, size_t n) {
     return cudaMalloc((void **)p, n);

@@ -39,12 +39,17 @@ void __syncthreads(void) {
     swapcontext(&thread_ctx[threadIdx.x], &sched_ctx);
 }
 
-void emu_launch(long long grid, long long block, const std::function<void()> &body) {
-    if (grid < 1 || grid > 2147483647LL || block < 1 || block > MAX_BLOCK) {
-        fprintf(stderr, "emu: invalid launch configuration <<<%lld, %lld>>>\n", grid, block);
+void *emu_dynamic_shared;
+
+void emu_launch(long long grid, long long block, const std::function<void()> &body, size_t shmem) {
+    if (grid < 1 || grid > 2147483647LL || block < 1 || block > MAX_BLOCK || shmem > 48 * 1024) {
+        fprintf(stderr, "emu: invalid launch configuration <<<%lld, %lld, %zu>>>\n", grid, block,
+                shmem);
         last_error = cudaErrorInvalidValue;
         return;
     }
+    free(emu_dynamic_shared);
+    emu_dynamic_shared = shmem ? malloc(shmem) : NULL;
     body_now = &body;
     gridDim = {(unsigned)grid, 1, 1};
     blockDim = {(unsigned)block, 1, 1};

@@ -1,5 +1,7 @@
 """Rewrites CUDA launches `k<<<grid, block, shmem, stream>>>(args)` of a .cu file into
-`emu_launch(grid, block, [&]() { k(args); })` for the host emulation (see emu.cpp)."""
+`emu_launch(grid, block, [&]() { k(args); }, shmem)` for the host emulation (see emu.cpp),
+and `extern __shared__ T name[];` (the launch's dynamic shared memory) into a pointer to the
+block the emulation allocates for that launch."""
 import re
 import sys
 
@@ -39,10 +41,12 @@ def transform(src):
             j += 1
         args = src[i + 1:j]
         out.append(src[pos:m.start()])
-        out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), [&]() {{ {m.group(1)}({args}); }})")
+        shmem = cfg[2] if len(cfg) > 2 else "0"
+        out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), [&]() {{ {m.group(1)}({args}); }}, (size_t)({shmem}))")
         pos = j + 1
     out.append(src[pos:])
-    return "".join(out)
+    return re.sub(r"extern\s+__shared__\s+([A-Za-z_0-9]+)\s+([A-Za-z_0-9]+)\s*\[\s*\]\s*;",
+                  r"\1 *\2 = (\1 *)emu_dynamic_shared;", "".join(out))
 
 
 sys.stdout.write(transform(open(sys.argv[1]).read()))

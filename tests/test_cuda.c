@@ -4,7 +4,7 @@
  * the results are compared, forward and backward, with the error bound written beside each
  * check (relative to the CPU's value, plus a small absolute term where results cancel to
  * ~0). Then training: a few steps of an MLP and a CNN on cuda:0 match the same steps on
- * cpu:0, and repeat bit for bit on the GPU. Then the bad conditions: a GPU that is not
+ * cpu:0, and repeat bit for bit on the GPU; a GPT's loss and gradients match too. Then the bad conditions: a GPU that is not
  * there, and an allocation no GPU can hold.
  *
  * Without the CUDA backend or without a GPU the test prints why and exits 77, which CTest
@@ -613,6 +613,51 @@ static void test_attention(void) {
     }
 }
 
+/* A GPT-2 (2 layers, 2 heads) on cuda:0 against its CPU twin: the loss and every parameter
+ * gradient of one forward and backward (attention, layer norm, GELU, the tied head), and a
+ * second GPU run bit for bit the first. */
+static float *gpt_grads(tdm_module *m, tdm_device dev, float *loss) {
+    tdm_paramset *ps = tdm_module_parameters(m);
+    int64_t tok[2 * 12], tgt[2 * 12];
+    for (int i = 0; i < 24; i++) tok[i] = (i * 7 + 3) % 20, tgt[i] = (i * 5 + 1) % 20;
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_to_device(tdm_from_data(TDM_SHAPE(2, 12), TDM_I64, tdm_cpu(0), tok), dev);
+    tdm_tensor *y = tdm_to_device(tdm_from_data(TDM_SHAPE(2, 12), TDM_I64, tdm_cpu(0), tgt), dev);
+    tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(m, x), y);
+    float *g = NULL;
+    if (ps && l && tdm_backward(l) == 0 && (g = malloc(sizeof(float) * (size_t)ps->total)) &&
+        tdm_to_host(ps->flat_grad, g, sizeof(float) * (size_t)ps->total) == 0)
+        *loss = tdm_item(l);
+    else
+        CHECK(false, "gpt on %s: %s", dev.type == TDM_CUDA ? "cuda" : "cpu", tdm_last_error());
+    tdm_scope_end();
+    return g;
+}
+
+static void test_gpt(void) {
+    tdm_gpt_config cfg = {.layers = 2, .heads = 2, .channels = 16, .context = 12, .vocab = 20};
+    tdm_rng r = tdm_rng_make(9);
+    tdm_module *mc = tdm_gpt_new(&cfg, tdm_cpu(0), &r);
+    tdm_module *mg = mc ? tdm_module_clone(mc, G) : NULL,
+               *mg2 = mc ? tdm_module_clone(mc, G) : NULL;
+    CHECK(mg && mg2, "gpt: clone to cuda:0: %s", tdm_last_error());
+    if (!mg || !mg2) return;
+    float lc = NAN, lg = NAN, lg2 = NAN;
+    float *gc = gpt_grads(mc, tdm_cpu(0), &lc), *gg = gpt_grads(mg, G, &lg);
+    float *gg2 = gpt_grads(mg2, G, &lg2);
+    int64_t n = tdm_module_parameters(mc)->total, bad = 0, diff2 = 0;
+    CHECK(fabsf(lg - lc) <= 1e-5f * fabsf(lc), "gpt loss: cuda %.7g, cpu %.7g", lg, lc);
+    for (int64_t i = 0; gc && gg && i < n; i++)
+        bad += !(fabsf(gg[i] - gc[i]) <= 1e-5f + 1e-3f * fabsf(gc[i]));
+    for (int64_t i = 0; gg && gg2 && i < n; i++) diff2 += gg[i] != gg2[i];
+    CHECK(gc && gg && bad == 0, "gpt: %lld of %lld gradients differ from the CPU's", (long long)bad,
+          (long long)n);
+    CHECK(gg && gg2 && diff2 == 0 && lg == lg2, "gpt: two GPU runs differ in %lld gradients",
+          (long long)diff2);
+    free(gc), free(gg), free(gg2);
+    tdm_module_free(mc), tdm_module_free(mg), tdm_module_free(mg2);
+}
+
 /* ---- losses, optimizers ------------------------------------------------------------------ */
 
 static void test_losses(void) {
@@ -922,6 +967,7 @@ int main(int argc, char **argv) {
     test_batch_norm();
     test_layer_norm_dropout();
     test_attention();
+    test_gpt();
     test_losses();
     test_optim();
     test_training();

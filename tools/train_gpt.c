@@ -188,7 +188,10 @@ static tdm_tensor *loss_fn(tdm_tensor *logits, tdm_tensor *target, int64_t row0,
  * is the mean over the step's batches. *loss receives b's mean loss. */
 static int accumulate(gpt_run *r, const tdm_batch *b, int64_t micro, float *loss) {
     if (tdm_scope_begin()) return tdm_last_status();
-    tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(r->model, b->x), b->y);
+    tdm_tensor *x = b->x, *y = b->y; /* the loader's host batch, to a GPU model's device */
+    if (!tdm_device_equal(x->device, r->o->devs[0]))
+        x = tdm_to_device(x, r->o->devs[0]), y = tdm_to_device(y, r->o->devs[0]);
+    tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(r->model, x), y);
     int rc = l ? TDM_OK : tdm_last_status();
     if (!rc && micro == 0) rc = tdm_optim_zero_grad(r->opt);
     tdm_tensor *scaled = rc ? NULL : tdm_mul_scalar(l, 1.0f / (float)r->o->grad_accum);

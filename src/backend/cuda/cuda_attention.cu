@@ -162,8 +162,8 @@ static int att_setup(const char *op, const tdm_tensor *qkv, const tdm_tensor *y,
 extern "C" int tdm_cuda_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv,
                                   int n_head) {
     att_geom g;
-    unsigned grid;
-    size_t shared;
+    unsigned grid = 0; /* set by att_setup; initialised for -O3's flow analysis */
+    size_t shared = 0;
     int rc = att_setup("cuda attention", qkv, y, lse, n_head, 1, &g, &grid, &shared);
     if (rc) return rc > 0 ? TDM_OK : rc;
     cu_device *d = cu_dev_of(qkv, "attention");
@@ -176,8 +176,8 @@ extern "C" int tdm_cuda_attention_backward(tdm_tensor *dqkv, const tdm_tensor *d
                                            const tdm_tensor *qkv, const tdm_tensor *lse,
                                            int n_head) {
     att_geom g;
-    unsigned grid;
-    size_t shared;
+    unsigned grid = 0; /* set by att_setup; initialised for -O3's flow analysis */
+    size_t shared = 0;
     int rc = att_setup("cuda attention_backward", qkv, dy, lse, n_head, 2, &g, &grid, &shared);
     if (rc) return rc > 0 ? TDM_OK : rc;
     if (!tdm_is_contiguous(dqkv) || tdm_numel(dqkv) != tdm_numel(qkv))

@@ -564,7 +564,7 @@ extern "C" int tdm_cuda_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const 
                                       const tdm_tensor *target, const tdm_tensor *weight,
                                       int64_t ignore_index, float smoothing, bool is_logits) {
     ce_args a;
-    cu_device *d;
+    cu_device *d = NULL;
     if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits, "cross_entropy"))
         return tdm_last_status();
     if (a.N == 0) return TDM_OK;
@@ -577,7 +577,7 @@ extern "C" int tdm_cuda_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor 
                                                const tdm_tensor *weight, int64_t ignore_index,
                                                float smoothing, bool is_logits) {
     ce_args a;
-    cu_device *d;
+    cu_device *d = NULL;
     if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits,
                    "cross_entropy_backward"))
         return tdm_last_status();

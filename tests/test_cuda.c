@@ -4,8 +4,8 @@
  * the results are compared, forward and backward, with the error bound written beside each
  * check (relative to the CPU's value, plus a small absolute term where results cancel to
  * ~0). Then training: a few steps of an MLP and a CNN on cuda:0 match the same steps on
- * cpu:0, and repeat bit for bit on the GPU; a GPT's loss and gradients match too. Then the bad conditions: a GPU that is not
- * there, and an allocation no GPU can hold.
+ * cpu:0, and repeat bit for bit on the GPU; a GPT's loss and gradients match too. Then the bad
+ * conditions: a GPU that is not there, and an allocation no GPU can hold.
  *
  * Without the CUDA backend or without a GPU the test prints why and exits 77, which CTest
  * reports as skipped. `test_cuda --bench` prints GPU throughput for scripts/gpu-check. */
@@ -776,21 +776,31 @@ static tdm_module *make_cnn(void) {
 /* STEPS steps of m on dev from its current weights; losses written out. Returns the final
  * parameters (flat, on the host; caller frees) or NULL. */
 #define STEPS 6
+static tdm_optim *make_optim(tdm_paramset *ps, void *adam) {
+    return *(bool *)adam
+               ? tdm_adam_new(ps, &(tdm_adam_opts){1e-2f, 0.9f, 0.999f, 1e-8f, 0, false, false})
+               : tdm_sgd_new(ps, &(tdm_sgd_opts){.lr = 0.05f, .momentum = 0.9f});
+}
+
+/* Step s's batch on dev: inputs x [xs], targets t [B] (in the current scope). */
+static void make_batch(int s, tdm_shape xs, tdm_device dev, tdm_tensor **x, tdm_tensor **t) {
+    int64_t B = xs.d[0], y[64];
+    tdm_rng r = tdm_rng_make(500 + (uint64_t)s);
+    for (int i = 0; i < B; i++) y[i] = (i * 3 + s) % 5;
+    *x = tdm_to_device(tdm_randn(xs, 0.5f, 1, tdm_cpu(0), &r), dev);
+    *t = tdm_from_data(TDM_SHAPE(B), TDM_I64, dev, y);
+}
+
 static float *train(tdm_module *m, tdm_shape xs, bool adam, float *losses) {
     tdm_device dev = tdm_module_parameters(m)->flat->device;
     tdm_paramset *ps = tdm_module_parameters(m);
-    tdm_optim *o =
-        adam ? tdm_adam_new(ps, &(tdm_adam_opts){1e-2f, 0.9f, 0.999f, 1e-8f, 0, false, false})
-             : tdm_sgd_new(ps, &(tdm_sgd_opts){.lr = 0.05f, .momentum = 0.9f});
+    tdm_optim *o = make_optim(ps, &adam);
     if (!o) return NULL;
-    int64_t B = xs.d[0], y[64];
     for (int s = 0; s < STEPS; s++) {
-        tdm_rng r = tdm_rng_make(500 + (uint64_t)s);
-        for (int i = 0; i < B; i++) y[i] = (i * 3 + s) % 5;
         tdm_optim_zero_grad(o);
         tdm_scope_begin();
-        tdm_tensor *x = tdm_to_device(tdm_randn(xs, 0.5f, 1, tdm_cpu(0), &r), dev);
-        tdm_tensor *t = tdm_from_data(TDM_SHAPE(B), TDM_I64, dev, y);
+        tdm_tensor *x, *t;
+        make_batch(s, xs, dev, &x, &t);
         tdm_tensor *l = tdm_cross_entropy(tdm_module_forward(m, x), t, NULL);
         losses[s] = l ? tdm_item(l) : NAN;
         int rc = l ? tdm_backward(l) : -1;
@@ -842,6 +852,75 @@ static void test_training(void) {
                   models[mi].name, adam ? "adam" : "sgd", (long long)diff2);
             free(pc), free(pg), free(pg2);
             tdm_module_free(mc), tdm_module_free(mg), tdm_module_free(mg2);
+        }
+}
+
+static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    (void)row0, (void)arg;
+    return tdm_cross_entropy(out, target, NULL);
+}
+
+/* DataParallel over cuda:0 and cuda:1 (NCCL: bucket all-reduces, synchronised batch norm,
+ * the wrap-time broadcasts) gives one CPU device's parameters on the same batches, within
+ * test_training's bounds, and both replicas the same bits. Needs 2 GPUs (the emulation
+ * gives them: EMU_GPUS=2); CPU and GPU replicas mixed are refused on any machine. */
+static void test_data_parallel(void) {
+    tdm_module *mix = make_mlp(); /* on cpu:0 */
+    bool adam = false;
+    tdm_device mixed[2] = {tdm_cpu(0), G};
+    CHECK_ERROR(tdm_dp_new(mix, mixed, 2, make_optim, &adam) == NULL, "mix CPU and GPU");
+    tdm_module_free(mix);
+    if (tdm_cuda_device_count() < 2) {
+        printf("test_data_parallel: skipped (needs 2 GPUs, this machine has 1)\n");
+        return;
+    }
+    struct {
+        const char *name;
+        tdm_module *(*make)(void);
+        tdm_shape xs;
+    } models[] = {{"mlp", make_mlp, TDM_SHAPE(32, 20)},
+                  {"cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12)}};
+    tdm_device gpus[2] = {G, tdm_cuda(1)};
+    for (int mi = 0; mi < 2; mi++)
+        for (int a = 0; a < 2; a++) {
+            adam = a;
+            const char *name = models[mi].name, *on = adam ? "adam" : "sgd";
+            tdm_module *mc = models[mi].make(), *mg = tdm_module_clone(mc, G);
+            tdm_dp *dp = mg ? tdm_dp_new(mg, gpus, 2, make_optim, &adam) : NULL;
+            CHECK(dp, "%s: data_parallel on cuda:0,cuda:1: %s", name, tdm_last_error());
+            if (!dp) {
+                tdm_module_free(mc), tdm_module_free(mg);
+                continue;
+            }
+            tdm_module_train(mc, true), tdm_module_train(mg, true);
+            float lc[STEPS];
+            float *pc = train(mc, models[mi].xs, adam, lc);
+            for (int s = 0; s < STEPS; s++) {
+                tdm_scope_begin();
+                tdm_tensor *x, *t;
+                make_batch(s, models[mi].xs, tdm_cpu(0), &x, &t);
+                float loss = NAN;
+                int rc = tdm_dp_step(dp, x, t, ce_loss, NULL, &loss);
+                tdm_scope_end();
+                CHECK(rc == TDM_OK, "%s %s step %d: %s", name, on, s, tdm_last_error());
+                CHECK(fabsf(loss - lc[s]) <= 1e-4f + 1e-4f * fabsf(lc[s]),
+                      "%s %s step %d loss: 2 GPUs %.7g, cpu %.7g", name, on, s, loss, lc[s]);
+            }
+            int64_t n = tdm_module_parameters(mc)->total, bad = 0, diff = 0;
+            float *p0 = malloc(sizeof(float) * (size_t)n), *p1 = malloc(sizeof(float) * (size_t)n);
+            tdm_to_host(tdm_module_parameters(tdm_dp_replica(dp, 0))->flat, p0, sizeof *p0 * n);
+            tdm_to_host(tdm_module_parameters(tdm_dp_replica(dp, 1))->flat, p1, sizeof *p1 * n);
+            for (int64_t i = 0; i < n && pc; i++) {
+                bad += !(fabsf(p0[i] - pc[i]) <= 1e-4f + 1e-3f * fabsf(pc[i]));
+                diff += p0[i] != p1[i];
+            }
+            CHECK(pc && bad == 0, "%s %s: %lld of %lld parameters on 2 GPUs differ from the CPU's",
+                  name, on, (long long)bad, (long long)n);
+            CHECK(diff == 0, "%s %s: the replicas differ in %lld parameters", name, on,
+                  (long long)diff);
+            free(pc), free(p0), free(p1);
+            tdm_dp_free(dp);
+            tdm_module_free(mc), tdm_module_free(mg);
         }
 }
 
@@ -971,6 +1050,7 @@ int main(int argc, char **argv) {
     test_losses();
     test_optim();
     test_training();
+    test_data_parallel();
     test_steady_state();
     test_errors();
     return check_summary();

@@ -37,6 +37,10 @@ int tdm_group_rank(const tdm_group *g);
 int tdm_group_size(const tdm_group *g);
 /* The device this rank computes on. */
 tdm_device tdm_group_device(const tdm_group *g);
+/* Where this group's collectives take their tensors: the rank's GPU for an NCCL group (see
+ * tdm_dp_new), CPU memory (cpu:0) for the threads and MPI groups. A tensor elsewhere is an
+ * error naming both devices. */
+tdm_device tdm_group_memory(const tdm_group *g);
 
 /* In-place all-reduce of a contiguous f32 tensor (same shape on every rank). */
 tdm_work *tdm_all_reduce(tdm_group *g, tdm_tensor *t, tdm_reduce_kind op);

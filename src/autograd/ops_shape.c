@@ -3,6 +3,7 @@
  * backward maps the output gradient back to the input's geometry. */
 #include "autograd/tape.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static const char *shp(const tdm_tensor *t, char *buf) {
@@ -293,9 +294,15 @@ tdm_tensor *tdm_to_device(tdm_tensor *x, tdm_device dev) {
     } else if (x->device.type == TDM_CPU) {
         tdm_tensor *xc = tdm_contiguous(x);
         rc = xc ? to->from_host(y, tdm_data_ptr(xc)) : tdm_last_status();
-    } else {
-        rc = tdm_raise(TDM_ERR_DEVICE, "to_device: device-to-device copies between accelerators "
-                                       "are not supported yet");
+    } else if (tdm_device_equal(dev, x->device)) {
+        rc = from->copy(y, x);
+    } else { /* GPU to GPU through host memory: correct everywhere, and rare (cloning a replica);
+              * a peer copy would spare the host round trip */
+        size_t bytes = (size_t)tdm_numel(x) * tdm_dtype_size(x->dtype);
+        void *host = malloc(bytes ? bytes : 1);
+        rc = host ? from->to_host(host, x) : tdm_raise(TDM_ERR_NOMEM, "to_device: out of memory");
+        if (!rc) rc = to->from_host(y, host);
+        free(host);
     }
     if (rc) return NULL;
     if (tdm_needs_record(1, &x) && !tdm_record("to_device", to_device_backward, y, 1, &x))

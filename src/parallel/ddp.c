@@ -63,7 +63,7 @@ static uint64_t hash_name(const char *s) { /* FNV-1a */
 static int check_same_params(tdm_ddp *d) {
     tdm_paramset *ps = d->ps;
     int rank = tdm_group_rank(d->g);
-    tdm_tensor *count = tdm_full(TDM_SHAPE(1), (float)ps->n, TDM_I64, tdm_cpu(0));
+    tdm_tensor *count = tdm_full(TDM_SHAPE(1), (float)ps->n, TDM_I64, tdm_group_memory(d->g));
     int rc = tdm_work_wait(tdm_broadcast(d->g, count, 0));
     int64_t n0 = 0;
     if (!rc) tdm_to_host(count, &n0, sizeof n0);
@@ -82,8 +82,8 @@ static int check_same_params(tdm_ddp *d) {
             s[1] = ps->params[i]->ndim;
             memcpy(s + 2, ps->params[i]->shape, sizeof(int64_t) * TDM_MAX_DIMS);
         }
-        tdm_tensor *t =
-            tdm_from_data(TDM_SHAPE((int64_t)ps->n * SIG_PER_PARAM), TDM_I64, tdm_cpu(0), sig);
+        tdm_tensor *t = tdm_from_data(TDM_SHAPE((int64_t)ps->n * SIG_PER_PARAM), TDM_I64,
+                                      tdm_group_memory(d->g), sig);
         rc = t ? tdm_work_wait(tdm_broadcast(d->g, t, 0)) : tdm_last_status();
         int64_t *sig0 = malloc(sizeof *sig0 * ((size_t)ps->n * SIG_PER_PARAM + 1));
         if (!rc && sig0) tdm_to_host(t, sig0, sizeof *sig0 * (size_t)ps->n * SIG_PER_PARAM);

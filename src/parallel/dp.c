@@ -11,6 +11,7 @@
  * caller's core to work instead of asleep; with as many devices as cores, every core then
  * runs exactly one replica. */
 #include "parallel/group.h"
+#include "parallel/nccl_group.h"
 #include "tandem/trace.h"
 #include "autograd/tape.h"
 #include "optim/clip.h"
@@ -52,10 +53,11 @@ struct tdm_dp {
     replica reps[MAX_DEVICES];
     tdm_threads_world *world;
     tdm_hier_world *hier; /* every device of every process (tdm_dp_new_distributed), or NULL */
-    bool sharded;         /* CPU devices in one process: see sharded_update */
-    float clip;           /* max gradient norm before each update, or 0 */
-    int64_t window;       /* micro-batches accumulated since the last update */
-    int blas_threads;     /* restored at free */
+    tdm_group *nccl[MAX_DEVICES]; /* GPUs: replica r's NCCL group (see make_nccl), or NULLs */
+    bool sharded;                 /* CPU devices in one process: see sharded_update */
+    float clip;                   /* max gradient norm before each update, or 0 */
+    int64_t window;               /* micro-batches accumulated since the last update */
+    int blas_threads;             /* restored at free */
     /* the caller runs replica 0 pinned to its core: unpinned, the scheduler pulled it onto
      * replica 1's core whenever replica 1 woke it (CNN steps took twice as long) */
     pthread_t caller;
@@ -81,6 +83,7 @@ struct tdm_dp {
 
 /* Replica r's group: this process's devices, or every device of every process. */
 static tdm_group *rank_group(tdm_dp *dp, int r) {
+    if (dp->nccl[0]) return dp->nccl[r];
     return dp->hier ? tdm_hier_world_group(dp->hier, r) : tdm_threads_world_group(dp->world, r);
 }
 
@@ -300,6 +303,30 @@ static int check_devices(const tdm_module *model, const tdm_device *devices, int
     return TDM_OK;
 }
 
+/* GPUs reduce in device memory over NCCL: several GPUs of this process get one communicator
+ * each, made together; one GPU per process joins the processes' communicator (its id
+ * broadcast over the MPI group). Several GPUs per process under MPI would need a communicator
+ * across every GPU of every process: refused for now. CPU and GPU replicas cannot be mixed. */
+static int make_nccl(tdm_dp *dp, tdm_group *processes) {
+    int n = dp->n, gpus = 0;
+    for (int r = 0; r < n; r++) gpus += dp->devices[r].type == TDM_CUDA;
+    char a[16], b[16];
+    if (gpus && gpus < n)
+        return tdm_raise(TDM_ERR_DEVICE,
+                         "data_parallel: devices %s and %s mix CPU and GPU; every replica must be "
+                         "on the same kind of device",
+                         tdm_device_str(dp->devices[0], a), tdm_device_str(dp->devices[n - 1], b));
+    if (!gpus || (n == 1 && !processes)) return TDM_OK;
+    if (processes && n > 1)
+        return tdm_raise(TDM_ERR_DEVICE,
+                         "data_parallel: %d GPUs in each of several processes is not supported; "
+                         "run one process per GPU (mpirun -np <GPUs> ... --devices cuda:N)",
+                         n);
+    if (!processes) return tdm_nccl_world_new(n, dp->devices, dp->nccl);
+    dp->nccl[0] = tdm_nccl_group_new(processes, dp->devices[0]);
+    return dp->nccl[0] ? TDM_OK : tdm_last_status();
+}
+
 tdm_dp *tdm_dp_new(tdm_module *model, const tdm_device *devices, int n,
                    tdm_optim_factory make_optim, void *optim_arg) {
     return tdm_dp_new_distributed(model, devices, n, NULL, make_optim, optim_arg);
@@ -325,8 +352,8 @@ tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int
     dp->done_spin_ns = n <= tdm_device_count(TDM_CPU) ? DONE_SPIN_NS : 0;
     dp->sharded = n > 1 && !processes;
     for (int r = 0; r < n; r++) dp->sharded &= devices[r].type == TDM_CPU;
-    if (!(dp->world = tdm_threads_world_new(n, devices)) ||
-        (processes && !(dp->hier = tdm_hier_world_new(dp->world, n, processes)))) {
+    if (!(dp->world = tdm_threads_world_new(n, devices)) || make_nccl(dp, processes) ||
+        (processes && !dp->nccl[0] && !(dp->hier = tdm_hier_world_new(dp->world, n, processes)))) {
         tdm_threads_world_free(dp->world);
         free(dp);
         return NULL;
@@ -453,6 +480,7 @@ void tdm_dp_free(tdm_dp *dp) {
     if (pthread_equal(dp->caller, pthread_self()))
         tdm_restore_thread_affinity(&dp->caller_affinity);
     for (int i = 1; i < dp->n; i++) tdm_module_free(dp->reps[i].replica);
+    for (int i = 0; i < MAX_DEVICES; i++) tdm_nccl_group_free(dp->nccl[i]); /* NULLs ignored */
     tdm_hier_world_free(dp->hier); /* its threads wait on the threads world's groups */
     tdm_threads_world_free(dp->world);
     tdm_blas_threads_restore(dp->blas_threads);

@@ -60,6 +60,10 @@ tdm_device tdm_group_device(const tdm_group *g) {
     return g ? g->device : tdm_cpu(0);
 }
 
+tdm_device tdm_group_memory(const tdm_group *g) {
+    return g && g->ops->device_memory ? g->device : tdm_cpu(0);
+}
+
 void tdm_group_set_timeout(tdm_group *g, double seconds) {
     if (!g || !(seconds > 0)) return;
     if (seconds > 1e9) seconds = 1e9; /* "forever", without overflowing the nanoseconds */
@@ -159,7 +163,13 @@ tdm_work *tdm_group_launch(tdm_group *g, tdm_coll c) {
     return w;
 }
 
-static int check_buffer(const tdm_tensor *t, const char *op, const char *what, bool f32_only) {
+/* The address a collective reads or writes: CPU memory, or device memory for an NCCL group. */
+static void *coll_ptr(const tdm_tensor *t) {
+    return (char *)t->storage->data + t->offset * (int64_t)tdm_dtype_size(t->dtype);
+}
+
+static int check_buffer(const tdm_group *g, const tdm_tensor *t, const char *op, const char *what,
+                        bool f32_only) {
     if (!t) return tdm_raise(TDM_ERR_ARG, "%s: %s is NULL", op, what);
     char sb[96];
     if (f32_only && t->dtype != TDM_F32)
@@ -168,10 +178,12 @@ static int check_buffer(const tdm_tensor *t, const char *op, const char *what, b
     if (!tdm_is_contiguous(t))
         return tdm_raise(TDM_ERR_ARG, "%s: %s %s must be contiguous", op, what,
                          tdm_shape_str(tdm_shape_of(t), sb));
-    if (t->device.type != TDM_CPU) {
-        char db[16];
-        return tdm_raise(TDM_ERR_DEVICE, "%s: %s is on %s; this group reduces CPU memory", op, what,
-                         tdm_device_str(t->device, db));
+    if (g->ops->device_memory ? !tdm_device_equal(t->device, g->device)
+                              : t->device.type != TDM_CPU) {
+        char db[16], gb[16];
+        return tdm_raise(TDM_ERR_DEVICE, "%s: %s is on %s; this %s group reduces %s memory", op,
+                         what, tdm_device_str(t->device, db), g->ops->name,
+                         g->ops->device_memory ? tdm_device_str(g->device, gb) : "CPU");
     }
     return TDM_OK;
 }
@@ -185,28 +197,28 @@ static int check_op(tdm_reduce_kind op, const char *name) {
 
 tdm_work *tdm_all_reduce(tdm_group *g, tdm_tensor *t, tdm_reduce_kind op) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "all_reduce: NULL group");
-    if (check_buffer(t, "all_reduce", "tensor", true) || check_op(op, "all_reduce")) return NULL;
-    tdm_coll c = {TDM_COLL_ALL_REDUCE, op, 0, tdm_numel(t), 4, tdm_data_ptr(t), NULL};
+    if (check_buffer(g, t, "all_reduce", "tensor", true) || check_op(op, "all_reduce")) return NULL;
+    tdm_coll c = {TDM_COLL_ALL_REDUCE, op, 0, tdm_numel(t), 4, coll_ptr(t), NULL};
     c.in = c.out;
     return tdm_group_launch(g, c);
 }
 
 tdm_work *tdm_broadcast(tdm_group *g, tdm_tensor *t, int root) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "broadcast: NULL group");
-    if (check_buffer(t, "broadcast", "tensor", false)) return NULL;
+    if (check_buffer(g, t, "broadcast", "tensor", false)) return NULL;
     if (root < 0 || root >= g->size)
         return tdm_raise_null(TDM_ERR_ARG, "broadcast: root %d out of range for %d ranks", root,
                               g->size);
-    tdm_coll c = {TDM_COLL_BROADCAST,       TDM_SUM,         root, tdm_numel(t),
-                  tdm_dtype_size(t->dtype), tdm_data_ptr(t), NULL};
+    tdm_coll c = {TDM_COLL_BROADCAST,       TDM_SUM,     root, tdm_numel(t),
+                  tdm_dtype_size(t->dtype), coll_ptr(t), NULL};
     c.in = c.out;
     return tdm_group_launch(g, c);
 }
 
 tdm_work *tdm_all_gather(tdm_group *g, tdm_tensor *out, const tdm_tensor *in) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "all_gather: NULL group");
-    if (check_buffer(out, "all_gather", "out", false) ||
-        check_buffer(in, "all_gather", "in", false))
+    if (check_buffer(g, out, "all_gather", "out", false) ||
+        check_buffer(g, in, "all_gather", "in", false))
         return NULL;
     char so[96], si[96];
     if (out->dtype != in->dtype)
@@ -217,16 +229,16 @@ tdm_work *tdm_all_gather(tdm_group *g, tdm_tensor *out, const tdm_tensor *in) {
             TDM_ERR_SHAPE, "all_gather: out %s must hold %d x in %s = %lld elements",
             tdm_shape_str(tdm_shape_of(out), so), g->size, tdm_shape_str(tdm_shape_of(in), si),
             (long long)(g->size * tdm_numel(in)));
-    tdm_coll c = {TDM_COLL_ALL_GATHER, TDM_SUM,         0, tdm_numel(in), tdm_dtype_size(in->dtype),
-                  tdm_data_ptr(out),   tdm_data_ptr(in)};
+    tdm_coll c = {TDM_COLL_ALL_GATHER,       TDM_SUM,       0,           tdm_numel(in),
+                  tdm_dtype_size(in->dtype), coll_ptr(out), coll_ptr(in)};
     return tdm_group_launch(g, c);
 }
 
 tdm_work *tdm_reduce_scatter(tdm_group *g, tdm_tensor *out, const tdm_tensor *in,
                              tdm_reduce_kind op) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "reduce_scatter: NULL group");
-    if (check_buffer(out, "reduce_scatter", "out", true) ||
-        check_buffer(in, "reduce_scatter", "in", true) || check_op(op, "reduce_scatter"))
+    if (check_buffer(g, out, "reduce_scatter", "out", true) ||
+        check_buffer(g, in, "reduce_scatter", "in", true) || check_op(op, "reduce_scatter"))
         return NULL;
     char so[96], si[96];
     if (tdm_numel(in) != (int64_t)g->size * tdm_numel(out))
@@ -234,8 +246,7 @@ tdm_work *tdm_reduce_scatter(tdm_group *g, tdm_tensor *out, const tdm_tensor *in
             TDM_ERR_SHAPE, "reduce_scatter: in %s must hold %d x out %s = %lld elements",
             tdm_shape_str(tdm_shape_of(in), si), g->size, tdm_shape_str(tdm_shape_of(out), so),
             (long long)(g->size * tdm_numel(out)));
-    tdm_coll c = {TDM_COLL_REDUCE_SCATTER, op, 0, tdm_numel(out), 4, tdm_data_ptr(out),
-                  tdm_data_ptr(in)};
+    tdm_coll c = {TDM_COLL_REDUCE_SCATTER, op, 0, tdm_numel(out), 4, coll_ptr(out), coll_ptr(in)};
     return tdm_group_launch(g, c);
 }
 

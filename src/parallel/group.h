@@ -55,6 +55,8 @@ struct tdm_work {
 
 typedef struct tdm_group_ops {
     const char *name; /* "threads", "mpi", ... */
+    /* Collectives take tensors in the rank's device memory (NCCL: its GPU), not CPU memory. */
+    bool device_memory;
     /* Starts w (in launch order for this rank). Returns TDM_OK, or raises and returns an
      * error when the collective cannot start (w is then recycled by the caller). */
     int (*launch)(tdm_group *g, tdm_work *w);

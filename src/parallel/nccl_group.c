@@ -210,6 +210,7 @@ static void nccl_abort(tdm_group *g, const char *message) {
 
 static const tdm_group_ops nccl_ops = {
     .name = "nccl",
+    .device_memory = true,
     .launch = nccl_launch,
     .abort = nccl_abort,
     .progress = nccl_progress,

@@ -6,10 +6,14 @@
  * the block. Streams and events are in order by construction; device memory is host memory,
  * so AddressSanitizer sees a kernel's out-of-bounds access. Invalid launch configurations
  * (empty grid, more than 1024 threads, a block size that is not a power of two where the
- * reductions need one is the caller's check) fail as on a GPU, through cudaGetLastError. */
+ * reductions need one is the caller's check) fail as on a GPU, through cudaGetLastError.
+ * Several host threads (DataParallel's replicas, one per emulated GPU) may launch: launches
+ * then take turns (one lock), and the current device and last error are per thread, as in
+ * CUDA. */
 #include "cuda_runtime.h"
 #include "cublas_v2.h"
 
+#include <mutex>
 #include <set>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,8 +22,9 @@
 
 dim3 threadIdx, blockIdx, blockDim, gridDim;
 
-static cudaError_t last_error = cudaSuccess;
-static int current_device = 0;
+static thread_local cudaError_t last_error = cudaSuccess;
+static thread_local int current_device = 0;
+static std::mutex emu_mu; /* launches (the globals above and below) and the pinned set */
 static std::set<const void *> pinned;
 
 #define MAX_BLOCK  1024
@@ -48,6 +53,7 @@ void emu_launch(long long grid, long long block, const std::function<void()> &bo
         last_error = cudaErrorInvalidValue;
         return;
     }
+    std::lock_guard<std::mutex> turn(emu_mu);
     free(emu_dynamic_shared);
     emu_dynamic_shared = shmem ? malloc(shmem) : NULL;
     body_now = &body;
@@ -151,6 +157,7 @@ cudaError_t cudaFree(void *p) {
 }
 cudaError_t cudaMallocHost(void **p, size_t n) {
     if (!(*p = malloc(n))) return cudaErrorMemoryAllocation;
+    std::lock_guard<std::mutex> g(emu_mu);
     pinned.insert(*p);
     return cudaSuccess;
 }
@@ -158,6 +165,7 @@ cudaError_t cudaHostAlloc(void **p, size_t n, unsigned flags) {
     return cudaMallocHost(p, n);
 }
 cudaError_t cudaFreeHost(void *p) {
+    std::lock_guard<std::mutex> g(emu_mu);
     pinned.erase(p);
     free(p);
     return cudaSuccess;
@@ -180,6 +188,7 @@ cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) {
     return cudaSuccess;
 }
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {
+    std::lock_guard<std::mutex> g(emu_mu);
     a->type = pinned.count(p) ? cudaMemoryTypeHost : cudaMemoryTypeUnregistered;
     return cudaSuccess;
 }

@@ -924,6 +924,49 @@ static void test_data_parallel(void) {
         }
 }
 
+/* The loader on cuda:0 (pinned buffers, asynchronous uploads) delivers the CPU loader's
+ * batches bit for bit, the last smaller one included, with 0 and 2 workers over 2 epochs. */
+static void test_loader_upload(void) {
+    enum { N = 50, ROW = 12, BATCH = 8 };
+    float x[N * ROW];
+    int64_t y[N];
+    for (int i = 0; i < N * ROW; i++) x[i] = (float)(i / ROW) + 0.01f * (float)(i % ROW);
+    for (int i = 0; i < N; i++) y[i] = i % 7;
+    tdm_dataset *ds = tdm_memory_dataset(TDM_SHAPE(3, 4), N, x, y, 7);
+    for (int workers = 0; workers <= 2 && ds; workers += 2) {
+        tdm_loader_opts o = tdm_loader_defaults(BATCH);
+        o.shuffle = true, o.seed = 3, o.workers = workers;
+        tdm_loader *lc = tdm_loader_new(ds, &o);
+        o.device = G;
+        tdm_loader *lg = tdm_loader_new(ds, &o);
+        CHECK(lc && lg, "loader on cuda:0 with %d workers: %s", workers, tdm_last_error());
+        for (int epoch = 0; epoch < 2 && lc && lg; epoch++) {
+            tdm_loader_start_epoch(lc, epoch), tdm_loader_start_epoch(lg, epoch);
+            tdm_batch bc, bg;
+            int batches = 0, same = 0;
+            while (tdm_loader_next(lc, &bc) == 1 && tdm_loader_next(lg, &bg) == 1) {
+                float hx[BATCH * ROW];
+                int64_t hy[BATCH];
+                size_t nx = sizeof(float) * (size_t)(bc.size * ROW), ny = sizeof(int64_t) * bc.size;
+                bool ok = bg.x->device.type == TDM_CUDA && bg.size == bc.size &&
+                          !tdm_to_host(bg.x, hx, nx) && !tdm_to_host(bg.y, hy, ny);
+                same += ok && !memcmp(hx, tdm_data_ptr(bc.x), nx) &&
+                        !memcmp(hy, tdm_data_ptr(bc.y), ny) && !memcmp(bg.y_host, hy, ny);
+                batches++;
+            }
+            CHECK(batches == (N + BATCH - 1) / BATCH && same == batches,
+                  "%d workers, epoch %d: %d of %d uploaded batches equal the CPU's", workers, epoch,
+                  same, batches);
+        }
+        tdm_loader_free(lc);
+        tdm_loader_free(lg);
+    }
+    tdm_loader_opts bad = tdm_loader_defaults(BATCH);
+    bad.device = tdm_cuda(7);
+    CHECK_ERROR(tdm_loader_new(ds, &bad) == NULL, "cuda:7");
+    tdm_dataset_free(ds);
+}
+
 /* After a warm-up step, training steps take every block from the caching allocator: no
  * cudaMalloc (which would also synchronise the device) in steady state. */
 static void test_steady_state(void) {
@@ -1051,6 +1094,7 @@ int main(int argc, char **argv) {
     test_optim();
     test_training();
     test_data_parallel();
+    test_loader_upload();
     test_steady_state();
     test_errors();
     return check_summary();

@@ -96,6 +96,9 @@ static int run_epoch(tdm_loader *l, const tdm_dataset *ds, int64_t epoch, epoch_
         if (ds->x_dtype == TDM_F32)
             tdm_to_host(b.x, e->x + e->nsamples * m, (size_t)(b.size * m) * sizeof(float));
         tdm_to_host(b.y, e->y + e->nsamples * tn, (size_t)(b.size * tn) * sizeof(int64_t));
+        CHECK(memcmp(b.y_host, e->y + e->nsamples * tn, (size_t)(b.size * tn) * sizeof(int64_t)) ==
+                  0,
+              "batch %lld: y_host differs from y", (long long)b.index);
         e->sizes[e->nbatches++] = b.size;
         e->nsamples += b.size;
     }

@@ -540,11 +540,15 @@ static int make_loaders(trainer *t) {
     lo.shuffle = true;
     lo.seed = (uint64_t)t->o.seed;
     lo.workers = (int)t->o.workers;
+    /* one GPU: batches built in pinned memory and uploaded ahead of the step that needs them
+     * (DataParallel and pipelines take host batches and split them) */
+    if (t->o.n_devs == 1 && t->o.model_split <= 1) lo.device = t->dev;
     t->train_l = tdm_loader_new(t->train_ds, &lo);
     if (!t->train_l) return runtime_error(t, "training loader: %s", tdm_last_error());
     tdm_loader_opts eo = tdm_loader_defaults(EVAL_BATCH);
     eo.shuffle = false;
     eo.workers = (int)t->o.workers;
+    eo.device = lo.device;
     t->test_l = tdm_loader_new(t->test_ds, &eo);
     if (!t->test_l) return runtime_error(t, "test loader: %s", tdm_last_error());
     t->steps_per_epoch = tdm_loader_batches(t->train_l);
@@ -678,7 +682,7 @@ static int train_step_on_host(trainer *t, const tdm_batch *b) {
     int rc = t->dp ? tdm_dp_step(t->dp, b->x, b->y, replica_loss, t, &loss)
                    : tdm_pipe_step(t->pipe, b->x, b->y, replica_loss, t, &loss);
     if (!rc)
-        rc = tdm_to_host(b->y, t->label_host + t->chunk_images, sizeof(int64_t) * (size_t)b->size);
+        memcpy(t->label_host + t->chunk_images, b->y_host, sizeof(int64_t) * (size_t)b->size);
     if (rc) return runtime_error(t, "training step: %s", tdm_last_error());
     t->loss_host[t->chunk_steps] = loss;
     return 0;
@@ -717,7 +721,7 @@ static int train_step(trainer *t, const tdm_batch *b) {
         if (!rc) rc = tdm_copy_(tdm_slice(t->pred_buf, 0, off, off + n, 1), pred);
         if (!rc)
             rc = tdm_copy_(tdm_slice(t->loss_buf, 0, k, k + 1, 1), tdm_reshape(loss, TDM_SHAPE(1)));
-        if (!rc) rc = tdm_to_host(b->y, t->label_host + off, sizeof(int64_t) * (size_t)n);
+        if (!rc) memcpy(t->label_host + off, b->y_host, sizeof(int64_t) * (size_t)n);
         tdm_set_grad_enabled(prev);
     }
     tdm_scope_end();
@@ -910,7 +914,7 @@ static int evaluate_all(trainer *t, epoch_stats *e) {
         if (!loss || !tdm_max(logits, 1, false, &pred) || isnan(l)) rc = -1;
         size_t bytes = sizeof(int64_t) * (size_t)b.size;
         if (!rc) rc = tdm_to_host(pred, t->pred_host, bytes);
-        if (!rc) rc = tdm_to_host(b.y, t->label_host, bytes);
+        if (!rc) memcpy(t->label_host, b.y_host, bytes);
         tdm_scope_end();
         loss_sum += l;
         correct += count_correct(t->pred_host, t->label_host, b.size);

@@ -123,6 +123,7 @@ static int make_data(gpt_run *r) {
     lo.seed = (uint64_t)o->seed;
     lo.workers = (int)o->workers;
     lo.drop_last = true; /* every step sees a full [B, T] batch */
+    if (o->n_devs == 1) lo.device = o->devs[0]; /* a GPU: pinned batches, uploaded ahead */
     r->loader = tdm_loader_new(r->ds, &lo);
     if (!r->loader) return fail("loader: %s", tdm_last_error());
     int64_t per_epoch = tdm_loader_batches(r->loader);
@@ -188,7 +189,7 @@ static tdm_tensor *loss_fn(tdm_tensor *logits, tdm_tensor *target, int64_t row0,
  * is the mean over the step's batches. *loss receives b's mean loss. */
 static int accumulate(gpt_run *r, const tdm_batch *b, int64_t micro, float *loss) {
     if (tdm_scope_begin()) return tdm_last_status();
-    tdm_tensor *x = b->x, *y = b->y; /* the loader's host batch, to a GPU model's device */
+    tdm_tensor *x = b->x, *y = b->y; /* on the model's device already, unless a CPU model */
     if (!tdm_device_equal(x->device, r->o->devs[0]))
         x = tdm_to_device(x, r->o->devs[0]), y = tdm_to_device(y, r->o->devs[0]);
     tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(r->model, x), y);

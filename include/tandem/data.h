@@ -82,17 +82,26 @@ typedef struct {
     int prefetch;         /* batches built ahead per worker (default 2) */
     int rank, world_size; /* world_size > 1: PyTorch's DistributedSampler semantics */
     tdm_augment augment;  /* randomness from (seed, epoch, sample index) only */
+    /* Where batches are delivered: cpu:0 (the default), or a GPU, for which workers build
+     * batches in pinned host memory and tdm_loader_next uploads them asynchronously,
+     * overlapped with the work already queued on the GPU (PyTorch's pin_memory with
+     * non_blocking copies). */
+    tdm_device device;
 } tdm_loader_opts;
 
 tdm_loader_opts tdm_loader_defaults(int64_t batch_size);
 
 typedef struct tdm_loader tdm_loader;
 
-/* One batch: x [B, sample_shape...] and y [B, target_shape...] on the CPU. The tensors
- * belong to the loader and stay valid until the next tdm_loader_next on this loader. */
+/* One batch: x [B, sample_shape...] and y [B, target_shape...] on the loader's device. The
+ * tensors belong to the loader and stay valid until the next tdm_loader_next on this loader
+ * (on a GPU: work queued before that call may still read them; the loader orders its next
+ * upload into them after it). */
 typedef struct {
     tdm_tensor *x, *y;
-    int64_t size;  /* B: batch_size, or smaller for a last batch without drop_last */
+    const int64_t *y_host; /* y's elements in host memory, valid as long as y: for metrics
+                            * without reading a GPU back */
+    int64_t size;          /* B: batch_size, or smaller for a last batch without drop_last */
     int64_t index; /* batch number within the epoch */
 } tdm_batch;
 

@@ -68,6 +68,18 @@ typedef struct tdm_backend {
     /* Host memory to/from a tensor's elements in row-major order (t may be strided). */
     int (*to_host)(void *host, const tdm_tensor *t);
     int (*from_host)(tdm_tensor *t, const void *host);
+    /* Optional (NULL where the device is host memory): the loader's asynchronous uploads.
+     * pinned_alloc/free: page-locked host memory (NULL and an error on failure).
+     * upload_async: queues a copy of contiguous t's bytes from pinned host memory, after the
+     * device's work queued so far (which may still read t's old contents), and orders the
+     * work queued afterwards after the copy; the host does not wait. *fence (made on first
+     * use, reused after) completes with the copy: fence_wait blocks the host until then
+     * (before the pinned buffer is rewritten), fence_free frees it (NULL ignored). */
+    void *(*pinned_alloc)(size_t nbytes);
+    void (*pinned_free)(void *p);
+    int (*upload_async)(tdm_tensor *t, const void *pinned, void **fence);
+    int (*fence_wait)(void *fence);
+    void (*fence_free)(void *fence);
 
     /* ---- element-wise ---- */
     /* dst = src for any strides, converting dtype (f32/i32/i64). Same shape. */

@@ -10,6 +10,12 @@
  * The batch tensors are allocated once per slot, owned by the loader (not by any scope), so
  * a steady-state epoch allocates nothing. With workers == 0 there is one slot and the caller
  * builds each batch itself.
+ *
+ * For a GPU (opts.device) a slot is built in pinned host memory and tdm_loader_next queues
+ * its upload into the slot's device tensors (backend upload_async): after the work already
+ * queued on the device, which may still read the slot's last batch, and before the work
+ * queued next, so the copy overlaps the step in flight and the host never waits for it. A
+ * worker rebuilding the slot first waits for that upload's fence (long done, in order).
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -18,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "backend/backend.h"
 #include "core/core.h"
 #include "data/sampler.h"
 #include "tandem/trace.h"
@@ -35,8 +42,9 @@ typedef enum { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_IN_USE } slot_state;
 typedef struct {
     tdm_tensor *x, *y;           /* x [B, sample...], y [B, target...]: a full batch */
     tdm_tensor *x_tail, *y_tail; /* the first rows only, for a last smaller batch (or NULL) */
-    char *xdata;                 /* host memory of x */
-    int64_t *ydata;              /* host memory of y */
+    char *xdata;                 /* host memory the batch is built in: x's own on the CPU, */
+    int64_t *ydata;              /* pinned buffers uploaded into x and y for a GPU */
+    void *fence;                 /* GPU: completes with the last upload from xdata/ydata */
     slot_state state;
     int64_t k;       /* the batch it holds */
     int status;      /* < 0: a sample failed to load; error says which */
@@ -46,6 +54,7 @@ typedef struct {
 struct tdm_loader {
     tdm_dataset *ds;
     tdm_loader_opts o;
+    const tdm_backend *gpu; /* the device's backend when batches are uploaded, else NULL */
     int64_t per_rank; /* samples this rank sees per epoch, DistributedSampler padding included */
     int64_t nbatches;
     int64_t tail; /* size of a last smaller batch, 0 if none */
@@ -87,6 +96,7 @@ tdm_loader_opts tdm_loader_defaults(int64_t batch_size) {
     o.world_size = 1;
     o.augment.mean = 0.0f;
     o.augment.std = 1.0f;
+    o.device = tdm_cpu(0);
     return o;
 }
 
@@ -108,6 +118,12 @@ static int build_batch(tdm_loader *l, slot *s, int64_t k) {
     bool augment = tdm_augment_active(&l->o.augment);
     void (*prefetch)(const tdm_dataset *, int64_t) = ds->ops->prefetch;
     s->status = TDM_OK;
+    if (s->fence && l->gpu->fence_wait(s->fence)) { /* the last upload still reads the buffers */
+        snprintf(s->error, sizeof s->error, "loader: batch %lld: %s", (long long)k,
+                 tdm_last_error());
+        tdm_clear_error();
+        return s->status = TDM_ERR_DEVICE;
+    }
     for (int64_t j = 0; prefetch && j < PREFETCH_AHEAD && j < count; j++)
         prefetch(ds, l->indices[start + j]);
     for (int64_t j = 0; j < count; j++) {
@@ -218,6 +234,14 @@ static int check_opts(const tdm_dataset *ds, const tdm_loader_opts *o) {
     if (o->world_size < 1)
         return tdm_raise(TDM_ERR_ARG, "loader_new: world_size must be >= 1 (got %d)",
                          o->world_size);
+    if (o->device.type != TDM_CPU) {
+        const tdm_backend *be = tdm_backend_for(o->device); /* raises for a missing GPU */
+        char db[16];
+        if (!be) return tdm_last_status();
+        if (!be->upload_async || !be->pinned_alloc)
+            return tdm_raise(TDM_ERR_DEVICE, "loader_new: batches cannot be uploaded to %s",
+                             tdm_device_str(o->device, db));
+    }
     if (o->rank < 0 || o->rank >= o->world_size)
         return tdm_raise(TDM_ERR_ARG, "loader_new: rank %d is not in [0, world_size %d)", o->rank,
                          o->world_size);
@@ -253,11 +277,19 @@ static tdm_shape batch_shape(int64_t b, tdm_shape inner) {
 static int slot_init(tdm_loader *l, slot *s) {
     const tdm_dataset *ds = l->ds;
     int64_t b = l->o.batch_size;
-    s->x = tdm_tensor_alloc_owned(batch_shape(b, ds->sample_shape), ds->x_dtype, tdm_cpu(0), NULL);
-    s->y = tdm_tensor_alloc_owned(batch_shape(b, ds->target_shape), TDM_I64, tdm_cpu(0), NULL);
+    tdm_device dev = l->gpu ? l->o.device : tdm_cpu(0);
+    s->x = tdm_tensor_alloc_owned(batch_shape(b, ds->sample_shape), ds->x_dtype, dev, NULL);
+    s->y = tdm_tensor_alloc_owned(batch_shape(b, ds->target_shape), TDM_I64, dev, NULL);
     if (!s->x || !s->y) return tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
-    s->xdata = tdm_data_ptr(s->x);
-    s->ydata = tdm_data_ptr(s->y);
+    if (l->gpu) {
+        s->xdata = l->gpu->pinned_alloc((size_t)tdm_numel(s->x) * tdm_dtype_size(ds->x_dtype));
+        s->ydata =
+            s->xdata ? l->gpu->pinned_alloc((size_t)tdm_numel(s->y) * sizeof(int64_t)) : NULL;
+        if (!s->ydata) return tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
+    } else {
+        s->xdata = tdm_data_ptr(s->x);
+        s->ydata = tdm_data_ptr(s->y);
+    }
     if (l->tail > 0) {
         s->x_tail = rows_view(s->x, l->tail);
         s->y_tail = rows_view(s->y, l->tail);
@@ -298,6 +330,7 @@ tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o) {
     if (!l) return tdm_raise_null(TDM_ERR_NOMEM, "loader_new: out of memory");
     l->ds = ds;
     l->o = *o;
+    l->gpu = o->device.type == TDM_CPU ? NULL : tdm_backend_for(o->device);
     l->per_rank = tdm_sampler_count(ds->n, o->world_size);
     int64_t b = o->batch_size, rem = l->per_rank % b;
     l->nbatches = o->drop_last ? l->per_rank / b : (l->per_rank + b - 1) / b;
@@ -433,6 +466,13 @@ int tdm_loader_next(tdm_loader *l, tdm_batch *b) {
     bool tail = l->tail > 0 && k == l->nbatches - 1;
     b->x = tail ? s->x_tail : s->x;
     b->y = tail ? s->y_tail : s->y;
+    b->y_host = s->ydata;
+    if (l->gpu && (l->gpu->upload_async(b->x, s->xdata, &s->fence) ||
+                   l->gpu->upload_async(b->y, s->ydata, &s->fence))) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", tdm_last_error());
+        return tdm_raise(TDM_ERR_DEVICE, "loader: uploading batch %lld: %s", (long long)k, why);
+    }
     b->size = tail ? l->tail : l->o.batch_size;
     b->index = k;
     return 1;
@@ -490,6 +530,10 @@ void tdm_loader_free(tdm_loader *l) {
         tdm_tensor_free(s->y_tail);
         tdm_tensor_free(s->x);
         tdm_tensor_free(s->y);
+        if (!l->gpu) continue;
+        l->gpu->pinned_free(s->xdata);
+        l->gpu->pinned_free(s->ydata);
+        l->gpu->fence_free(s->fence);
     }
     free(l->threads);
     free(l->slots);

@@ -45,10 +45,11 @@ void *tdm_cuda_ptr(const tdm_tensor *t);
  * buffers: copies from it to a GPU run asynchronously. NULL and an error on failure. */
 void *tdm_cuda_host_alloc(size_t nbytes);
 void tdm_cuda_host_free(void *p);
-/* Copies a contiguous tensor's bytes from pinned host memory without waiting: the buffer
- * must stay untouched until the GPU's compute stream has passed the copy (the next
- * tdm_cuda_synchronize, to_host or loss read). For the loader's double buffering. */
-int tdm_cuda_from_pinned_async(tdm_tensor *t, const void *pinned);
+/* The backend table's upload_async, fence_wait and fence_free (see backend.h): the copy runs
+ * on the GPU's upload stream, ordered with events. */
+int tdm_cuda_upload_async(tdm_tensor *t, const void *pinned, void **fence);
+int tdm_cuda_fence_wait(void *fence);
+void tdm_cuda_fence_free(void *fence);
 
 void *tdm_cuda_mem_alloc(int device_index, size_t nbytes);
 void tdm_cuda_mem_free(int device_index, void *p, size_t nbytes);

@@ -73,6 +73,8 @@ static int device_init(cu_device *d, int index) {
                  "creating the compute stream", index) ||
         cu_check(cudaStreamCreateWithFlags(&d->comm, cudaStreamNonBlocking),
                  "creating the communication stream", index) ||
+        cu_check(cudaStreamCreateWithFlags(&d->upload, cudaStreamNonBlocking),
+                 "creating the upload stream", index) ||
         cu_check(cudaEventCreateWithFlags(&d->order, cudaEventDisableTiming), "creating an event",
                  index) ||
         cu_check(cudaMalloc(&d->bad_dev, sizeof *d->bad_dev), "allocating a flag", index) ||
@@ -353,16 +355,42 @@ extern "C" void tdm_cuda_host_free(void *p) {
     if (p) cudaFreeHost(p);
 }
 
-extern "C" int tdm_cuda_from_pinned_async(tdm_tensor *t, const void *pinned) {
-    cu_device *d = cu_dev_of(t, "from_pinned_async");
+extern "C" int tdm_cuda_upload_async(tdm_tensor *t, const void *pinned, void **fence) {
+    cu_device *d = cu_dev_of(t, "upload");
     if (!d) return tdm_last_status();
+    int idx = t->device.index;
     if (!tdm_is_contiguous(t))
-        return tdm_raise(TDM_ERR_ARG, "cuda from_pinned_async: the tensor must be contiguous");
+        return tdm_raise(TDM_ERR_ARG, "cuda upload: the tensor must be contiguous");
     size_t bytes = (size_t)tdm_numel(t) * tdm_dtype_size(t->dtype);
-    if (bytes == 0) return TDM_OK;
-    return cu_check(
-        cudaMemcpyAsync(tdm_cuda_ptr(t), pinned, bytes, cudaMemcpyHostToDevice, d->compute),
-        "from_pinned_async", t->device.index);
+    cudaEvent_t *ev = (cudaEvent_t *)fence;
+    if (!*ev && cu_check(cudaEventCreateWithFlags(ev, cudaEventDisableTiming), "upload", idx))
+        return tdm_last_status();
+    /* after the compute stream's work so far (the last batch in t may still be read), then
+     * the copy on the upload stream, overlapping what the compute stream runs meanwhile */
+    cudaStream_t up = d->upload;
+    pthread_mutex_lock(&d->order_lock);
+    int rc = cu_check(cudaEventRecord(d->order, d->compute), "upload", idx);
+    if (!rc) rc = cu_check(cudaStreamWaitEvent(up, d->order, 0), "upload", idx);
+    pthread_mutex_unlock(&d->order_lock);
+    if (!rc && bytes)
+        rc = cu_check(cudaMemcpyAsync(tdm_cuda_ptr(t), pinned, bytes, cudaMemcpyHostToDevice, up),
+                      "upload", idx);
+    if (!rc) rc = cu_check(cudaEventRecord(*ev, up), "upload", idx);
+    /* kernels queued from now on read the new batch */
+    if (!rc) rc = cu_check(cudaStreamWaitEvent(d->compute, *ev, 0), "upload", idx);
+    return rc;
+}
+
+extern "C" int tdm_cuda_fence_wait(void *fence) {
+    cudaError_t err = fence ? cudaEventSynchronize((cudaEvent_t)fence) : cudaSuccess;
+    if (err == cudaSuccess) return TDM_OK;
+    cudaGetLastError();
+    return tdm_raise(TDM_ERR_DEVICE, "waiting for a batch's upload to the GPU: %s",
+                     cudaGetErrorString(err));
+}
+
+extern "C" void tdm_cuda_fence_free(void *fence) {
+    if (fence) cudaEventDestroy((cudaEvent_t)fence);
 }
 
 __global__ void fill_kernel(void *dst, cu_view v, tdm_dtype dt, double value, int64_t n) {

@@ -350,6 +350,17 @@ static void test_devices(void) {
     char beyond[16]; /* the first GPU this machine does not have */
     snprintf(beyond, sizeof beyond, "cuda:%d", gpus);
     CHECK_ERROR(tdm_devices_parse(beyond, d, 8) < 0, "is not available");
+    /* cuda:local: GPU <local rank> as a launcher sets it, an error past this machine's GPUs */
+    char rank[16];
+    snprintf(rank, sizeof rank, "%d", gpus);
+    setenv("OMPI_COMM_WORLD_LOCAL_RANK", rank, 1);
+    CHECK_ERROR(tdm_devices_parse("cuda:local", d, 8) < 0, "cuda:local is GPU");
+    setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
+    if (gpus > 0)
+        CHECK(tdm_devices_parse("cuda:local", d, 8) == 1 && d[0].type == TDM_CUDA &&
+                  d[0].index == 0,
+              "cuda:local at local rank 0");
+    unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
     CHECK_ERROR(tdm_devices_parse("cpu:0,,cpu:1", d, 8) < 0, "empty entry");
     CHECK_ERROR(tdm_devices_parse("4", d, 2) < 0, "4 devices but room for 2");
     CHECK_ERROR(tdm_devices_parse("cpu:0,cpu:1,cpu:2", d, 2) < 0, "more than 2 devices");

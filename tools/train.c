@@ -573,8 +573,10 @@ static tdm_optim *build_optimizer(tdm_paramset *ps, void *arg) {
 
 static int make_optimizer(trainer *t) {
     const train_opts *o = &t->o;
+    /* one GPU per process: DataParallel, whose NCCL group spans the processes */
+    bool gpu_procs = t->g && t->dev.type == TDM_CUDA;
     /* rank 0's initial weights go to every process */
-    if (t->g && o->n_devs == 1 && !(t->ddp = tdm_ddp_new(t->model, t->g, NULL)))
+    if (t->g && o->n_devs == 1 && !gpu_procs && !(t->ddp = tdm_ddp_new(t->model, t->g, NULL)))
         return runtime_error(t, "ddp: %s", tdm_last_error());
     if (o->model_split > 1) {
         tdm_pipe_opts po = tdm_pipe_defaults((int)o->model_split, (int)o->micro_batches);
@@ -586,7 +588,7 @@ static int make_optimizer(trainer *t) {
         /* the learning rate is read from a stage's optimizer (every stage has the same) */
         for (int s = 0; s < tdm_pipe_stages(t->pipe) && !t->opt; s++)
             t->opt = tdm_pipe_stage_optim(t->pipe, s, 0);
-    } else if (o->n_devs > 1) {
+    } else if (o->n_devs > 1 || gpu_procs) {
         /* under mpirun: this process's devices, averaged with every other process's */
         t->dp = tdm_dp_new_distributed(t->model, o->devs, o->n_devs, t->g, build_optimizer, &t->o);
         if (!t->dp) return runtime_error(t, "data parallel: %s", tdm_last_error());
@@ -681,8 +683,7 @@ static int train_step_on_host(trainer *t, const tdm_batch *b) {
     float loss = NAN;
     int rc = t->dp ? tdm_dp_step(t->dp, b->x, b->y, replica_loss, t, &loss)
                    : tdm_pipe_step(t->pipe, b->x, b->y, replica_loss, t, &loss);
-    if (!rc)
-        memcpy(t->label_host + t->chunk_images, b->y_host, sizeof(int64_t) * (size_t)b->size);
+    if (!rc) memcpy(t->label_host + t->chunk_images, b->y_host, sizeof(int64_t) * (size_t)b->size);
     if (rc) return runtime_error(t, "training step: %s", tdm_last_error());
     t->loss_host[t->chunk_steps] = loss;
     return 0;

@@ -122,7 +122,7 @@ static int make_data(gpt_run *r) {
     lo.shuffle = true;
     lo.seed = (uint64_t)o->seed;
     lo.workers = (int)o->workers;
-    lo.drop_last = true; /* every step sees a full [B, T] batch */
+    lo.drop_last = true;                        /* every step sees a full [B, T] batch */
     if (o->n_devs == 1) lo.device = o->devs[0]; /* a GPU: pinned batches, uploaded ahead */
     r->loader = tdm_loader_new(r->ds, &lo);
     if (!r->loader) return fail("loader: %s", tdm_last_error());
@@ -148,10 +148,13 @@ static int make_optimizer(gpt_run *r) {
     r->adam = tdm_adamw_defaults();
     r->adam.lr = (float)o->lr;
     r->adam.weight_decay = (float)o->weight_decay;
+    /* one GPU per process: DataParallel, whose NCCL group spans the processes */
+    bool gpu_procs = o->procs && o->devs[0].type == TDM_CUDA;
     /* rank 0's initial weights reach every process */
-    if (o->procs && o->n_devs == 1 && !(r->ddp = tdm_ddp_new(r->model, o->procs, NULL)))
+    if (o->procs && o->n_devs == 1 && !gpu_procs &&
+        !(r->ddp = tdm_ddp_new(r->model, o->procs, NULL)))
         return fail("ddp: %s", tdm_last_error());
-    if (o->n_devs > 1) {
+    if (o->n_devs > 1 || gpu_procs) {
         r->dp =
             tdm_dp_new_distributed(r->model, o->devs, o->n_devs, o->procs, make_optim, &r->adam);
         if (!r->dp || tdm_dp_set_clip_grad_norm(r->dp, (float)o->clip))

@@ -37,9 +37,30 @@ static int add_device(tdm_device d, tdm_device *out, int *count, int max, const 
     return TDM_OK;
 }
 
-/* One comma-separated entry: "cpu", "cpu:N", "cpu:all" or "cuda:N". */
+/* This process's rank among those of its machine, from the launcher (Open MPI, Slurm, MPICH
+ * and Intel MPI), or 0 when there is none: "cuda:local" is then GPU <local rank>. */
+static int local_rank(void) {
+    const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID",
+                          "PMI_LOCAL_RANK"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v) return atoi(v);
+    }
+    return 0;
+}
+
+/* One comma-separated entry: "cpu", "cpu:N", "cpu:all", "cuda:N" or "cuda:local". */
 static int parse_entry(const char *e, tdm_device *out, int *count, int max) {
     if (!*e) return tdm_raise(TDM_ERR_DEVICE, "devices: empty entry in the device list");
+    if (strcmp(e, "cuda:local") == 0) { /* one process per GPU: rank r of a machine on GPU r */
+        int r = local_rank(), n = tdm_device_count(TDM_CUDA);
+        if (r >= n)
+            return tdm_raise(TDM_ERR_DEVICE,
+                             "devices: cuda:local is GPU %d (this process's local rank) but "
+                             "this machine has %d GPU%s",
+                             r, n, n == 1 ? "" : "s");
+        return add_device(tdm_cuda(r), out, count, max, e);
+    }
     if (strcmp(e, "cpu:all") == 0) {
         int n = tdm_device_count(TDM_CPU);
         for (int i = 0; i < n; i++)
@@ -50,7 +71,7 @@ static int parse_entry(const char *e, tdm_device *out, int *count, int max) {
     if (tdm_device_parse(e, &d) != TDM_OK)
         return tdm_raise(TDM_ERR_DEVICE,
                          "devices: unknown device \"%s\" (expected cpu, cpu:N, "
-                         "cpu:all, cuda:N or a count)",
+                         "cpu:all, cuda:N, cuda:local or a count)",
                          e);
     int avail = d.type == TDM_CPU ? MAX_CPU_DEVICES : tdm_device_count(d.type);
     if (d.index >= avail)

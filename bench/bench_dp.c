@@ -9,6 +9,7 @@
  * to choose the plain step's BLAS threads (DataParallel on as many devices as cores makes BLAS
  * single-threaded itself). Then, for the MLP and the CNN, the ceiling of 2 devices over 1 on this
  * machine: two plain half-batch steps at once, one per core, with no communication at all. */
+#include "models.h"
 #include "tandem/tandem.h"
 
 #include <stdio.h>
@@ -30,37 +31,13 @@ static double now_us(void) {
     return (double)t.tv_sec * 1e6 + (double)t.tv_nsec * 1e-3;
 }
 
-static tdm_module *make_cnn(tdm_device dev, tdm_rng *rng) {
-    /* the CNN of `tandem train --model cnn`: x [N, 1, 28, 28] -> conv 32, pool -> conv 64, pool
-     * -> [N, 3136] -> [N, 128] -> [N, 10]; 421 K parameters */
-    tdm_conv2d_opts same = {.pad_h = 1, .pad_w = 1};
-    tdm_pool2d_opts pool2 = {.kernel_h = 2, .kernel_w = 2};
-    tdm_module *l[10] = {tdm_conv2d_new(1, 32, 3, 3, &same, true, dev, rng),
-                         tdm_relu_new(),
-                         tdm_max_pool2d_new(&pool2),
-                         tdm_conv2d_new(32, 64, 3, 3, &same, true, dev, rng),
-                         tdm_relu_new(),
-                         tdm_max_pool2d_new(&pool2),
-                         tdm_flatten_new(1, -1),
-                         tdm_linear_new(64 * 7 * 7, 128, true, dev, rng),
-                         tdm_relu_new(),
-                         tdm_linear_new(128, CLASSES, true, dev, rng)};
-    return tdm_sequential_new(10, l);
-}
-
 static tdm_module *make_model(model_kind kind, tdm_device dev) {
     tdm_rng rng = tdm_rng_make(7);
-    if (kind == CNN) return make_cnn(dev, &rng);
-    if (kind == TINY) { /* x [64, 784] -> [64, 4] -> [64, 10]: ~3 K parameters, one 12 KiB bucket */
-        tdm_module *l[3] = {tdm_linear_new(IN, 4, true, dev, &rng), tdm_relu_new(),
-                            tdm_linear_new(4, CLASSES, true, dev, &rng)};
-        return tdm_sequential_new(3, l);
-    }
-    /* the MLP of `tandem train --model mlp`: 235 K parameters */
-    tdm_module *l[5] = {tdm_linear_new(IN, 256, true, dev, &rng), tdm_relu_new(),
-                        tdm_linear_new(256, 128, true, dev, &rng), tdm_relu_new(),
-                        tdm_linear_new(128, CLASSES, true, dev, &rng)};
-    return tdm_sequential_new(5, l);
+    if (kind != TINY) return model_build(kind_names[kind], dev, &rng); /* `tandem train`'s */
+    /* x [64, 784] -> [64, 4] -> [64, 10]: ~3 K parameters, one 12 KiB bucket */
+    tdm_module *l[3] = {tdm_linear_new(IN, 4, true, dev, &rng), tdm_relu_new(),
+                        tdm_linear_new(4, CLASSES, true, dev, &rng)};
+    return tdm_sequential_new(3, l);
 }
 
 /* The trainer's settings: SGD lr 0.01 for the MLP (and the tiny model), Adam 1e-3 for the CNN. */

@@ -860,67 +860,63 @@ static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, vo
     return tdm_cross_entropy(out, target, NULL);
 }
 
-/* DataParallel over cuda:0 and cuda:1 (NCCL: bucket all-reduces, synchronised batch norm,
- * the wrap-time broadcasts) gives one CPU device's parameters on the same batches, within
- * test_training's bounds, and both replicas the same bits. Needs 2 GPUs (the emulation
- * gives them: EMU_GPUS=2); CPU and GPU replicas mixed are refused on any machine. */
+/* DataParallel over n GPUs (NCCL: bucket all-reduces, synchronised batch norm, the wrap-time
+ * broadcasts) gives one CPU device's parameters on the same batches, within test_training's
+ * bounds, and every replica the same bits. One GPU runs everywhere; two need 2 GPUs (the
+ * emulation gives them: EMU_GPUS=2). CPU and GPU replicas mixed are refused. */
+static void dp_against_cpu(int n, const char *name, tdm_module *(*make)(void), tdm_shape xs,
+                           bool adam) {
+    const char *on = adam ? "adam" : "sgd";
+    tdm_device gpus[2] = {G, tdm_cuda(1)};
+    tdm_module *mc = make(), *mg = tdm_module_clone(mc, G);
+    tdm_dp *dp = mg ? tdm_dp_new(mg, gpus, n, make_optim, &adam) : NULL;
+    CHECK(dp, "%s: data_parallel on %d GPU(s): %s", name, n, tdm_last_error());
+    if (!dp) {
+        tdm_module_free(mc), tdm_module_free(mg);
+        return;
+    }
+    tdm_module_train(mc, true), tdm_module_train(mg, true);
+    float lc[STEPS];
+    float *pc = train(mc, xs, adam, lc);
+    for (int s = 0; s < STEPS; s++) {
+        tdm_scope_begin();
+        tdm_tensor *x, *t;
+        make_batch(s, xs, tdm_cpu(0), &x, &t);
+        float loss = NAN;
+        int rc = tdm_dp_step(dp, x, t, ce_loss, NULL, &loss);
+        tdm_scope_end();
+        CHECK(rc == TDM_OK, "%s %s on %d GPU(s), step %d: %s", name, on, n, s, tdm_last_error());
+        CHECK(fabsf(loss - lc[s]) <= 1e-4f + 1e-4f * fabsf(lc[s]),
+              "%s %s step %d loss: %d GPU(s) %.7g, cpu %.7g", name, on, s, n, loss, lc[s]);
+    }
+    int64_t np = tdm_module_parameters(mc)->total, bad = 0, diff = 0;
+    float *p[2] = {malloc(sizeof(float) * (size_t)np), malloc(sizeof(float) * (size_t)np)};
+    for (int r = 0; r < n; r++)
+        tdm_to_host(tdm_module_parameters(tdm_dp_replica(dp, r))->flat, p[r], sizeof(float) * np);
+    for (int64_t i = 0; i < np && pc; i++) {
+        bad += !(fabsf(p[0][i] - pc[i]) <= 1e-4f + 1e-3f * fabsf(pc[i]));
+        diff += n > 1 && p[0][i] != p[1][i];
+    }
+    CHECK(pc && bad == 0, "%s %s: %lld of %lld parameters on %d GPU(s) differ from the CPU's", name,
+          on, (long long)bad, (long long)np, n);
+    CHECK(diff == 0, "%s %s: the replicas differ in %lld parameters", name, on, (long long)diff);
+    free(pc), free(p[0]), free(p[1]);
+    tdm_dp_free(dp);
+    tdm_module_free(mc), tdm_module_free(mg);
+}
+
 static void test_data_parallel(void) {
     tdm_module *mix = make_mlp(); /* on cpu:0 */
     bool adam = false;
     tdm_device mixed[2] = {tdm_cpu(0), G};
     CHECK_ERROR(tdm_dp_new(mix, mixed, 2, make_optim, &adam) == NULL, "mix CPU and GPU");
     tdm_module_free(mix);
-    if (tdm_cuda_device_count() < 2) {
-        printf("test_data_parallel: skipped (needs 2 GPUs, this machine has 1)\n");
-        return;
-    }
-    struct {
-        const char *name;
-        tdm_module *(*make)(void);
-        tdm_shape xs;
-    } models[] = {{"mlp", make_mlp, TDM_SHAPE(32, 20)},
-                  {"cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12)}};
-    tdm_device gpus[2] = {G, tdm_cuda(1)};
-    for (int mi = 0; mi < 2; mi++)
+    int most = tdm_cuda_device_count() >= 2 ? 2 : 1;
+    if (most < 2) printf("test_data_parallel: 2 GPUs skipped (this machine has 1)\n");
+    for (int n = 1; n <= most; n++)
         for (int a = 0; a < 2; a++) {
-            adam = a;
-            const char *name = models[mi].name, *on = adam ? "adam" : "sgd";
-            tdm_module *mc = models[mi].make(), *mg = tdm_module_clone(mc, G);
-            tdm_dp *dp = mg ? tdm_dp_new(mg, gpus, 2, make_optim, &adam) : NULL;
-            CHECK(dp, "%s: data_parallel on cuda:0,cuda:1: %s", name, tdm_last_error());
-            if (!dp) {
-                tdm_module_free(mc), tdm_module_free(mg);
-                continue;
-            }
-            tdm_module_train(mc, true), tdm_module_train(mg, true);
-            float lc[STEPS];
-            float *pc = train(mc, models[mi].xs, adam, lc);
-            for (int s = 0; s < STEPS; s++) {
-                tdm_scope_begin();
-                tdm_tensor *x, *t;
-                make_batch(s, models[mi].xs, tdm_cpu(0), &x, &t);
-                float loss = NAN;
-                int rc = tdm_dp_step(dp, x, t, ce_loss, NULL, &loss);
-                tdm_scope_end();
-                CHECK(rc == TDM_OK, "%s %s step %d: %s", name, on, s, tdm_last_error());
-                CHECK(fabsf(loss - lc[s]) <= 1e-4f + 1e-4f * fabsf(lc[s]),
-                      "%s %s step %d loss: 2 GPUs %.7g, cpu %.7g", name, on, s, loss, lc[s]);
-            }
-            int64_t n = tdm_module_parameters(mc)->total, bad = 0, diff = 0;
-            float *p0 = malloc(sizeof(float) * (size_t)n), *p1 = malloc(sizeof(float) * (size_t)n);
-            tdm_to_host(tdm_module_parameters(tdm_dp_replica(dp, 0))->flat, p0, sizeof *p0 * n);
-            tdm_to_host(tdm_module_parameters(tdm_dp_replica(dp, 1))->flat, p1, sizeof *p1 * n);
-            for (int64_t i = 0; i < n && pc; i++) {
-                bad += !(fabsf(p0[i] - pc[i]) <= 1e-4f + 1e-3f * fabsf(pc[i]));
-                diff += p0[i] != p1[i];
-            }
-            CHECK(pc && bad == 0, "%s %s: %lld of %lld parameters on 2 GPUs differ from the CPU's",
-                  name, on, (long long)bad, (long long)n);
-            CHECK(diff == 0, "%s %s: the replicas differ in %lld parameters", name, on,
-                  (long long)diff);
-            free(pc), free(p0), free(p1);
-            tdm_dp_free(dp);
-            tdm_module_free(mc), tdm_module_free(mg);
+            dp_against_cpu(n, "mlp", make_mlp, TDM_SHAPE(32, 20), a);
+            dp_against_cpu(n, "cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12), a);
         }
 }
 

@@ -303,9 +303,10 @@ static int check_devices(const tdm_module *model, const tdm_device *devices, int
     return TDM_OK;
 }
 
-/* GPUs reduce in device memory over NCCL: several GPUs of this process get one communicator
- * each, made together; one GPU per process joins the processes' communicator (its id
- * broadcast over the MPI group). Several GPUs per process under MPI would need a communicator
+/* GPUs reduce in device memory over NCCL: the GPUs of this process get one communicator each,
+ * made together (one GPU alone too: DDP's wrap-time broadcasts need a group that takes device
+ * memory); one GPU per process joins the processes' communicator (its id broadcast over the
+ * MPI group). Several GPUs per process under MPI would need a communicator
  * across every GPU of every process: refused for now. CPU and GPU replicas cannot be mixed. */
 static int make_nccl(tdm_dp *dp, tdm_group *processes) {
     int n = dp->n, gpus = 0;
@@ -316,11 +317,11 @@ static int make_nccl(tdm_dp *dp, tdm_group *processes) {
                          "data_parallel: devices %s and %s mix CPU and GPU; every replica must be "
                          "on the same kind of device",
                          tdm_device_str(dp->devices[0], a), tdm_device_str(dp->devices[n - 1], b));
-    if (!gpus || (n == 1 && !processes)) return TDM_OK;
+    if (!gpus) return TDM_OK;
     if (processes && n > 1)
         return tdm_raise(TDM_ERR_DEVICE,
                          "data_parallel: %d GPUs in each of several processes is not supported; "
-                         "run one process per GPU (mpirun -np <GPUs> ... --devices cuda:N)",
+                         "run one process per GPU (mpirun -np <GPUs> ... --devices cuda:local)",
                          n);
     if (!processes) return tdm_nccl_world_new(n, dp->devices, dp->nccl);
     dp->nccl[0] = tdm_nccl_group_new(processes, dp->devices[0]);

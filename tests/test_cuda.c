@@ -920,6 +920,51 @@ static void test_data_parallel(void) {
         }
 }
 
+/* A 2-stage pipeline over cuda:0 and cuda:1 (activations and gradients cross between the
+ * GPUs), 4 micro-batches, GPipe and 1F1B: the parameters of unsplit training on the CPU. */
+static void test_pipeline(void) {
+    if (tdm_cuda_device_count() < 2) {
+        printf("test_pipeline: skipped (needs 2 GPUs, this machine has 1)\n");
+        return;
+    }
+    tdm_shape xs = TDM_SHAPE(32, 20);
+    bool adam = false;
+    for (int sched = 0; sched < 2; sched++) {
+        const char *name = sched ? "1F1B" : "GPipe";
+        tdm_module *mc = make_mlp(), *mp = make_mlp();
+        tdm_module_train(mc, true), tdm_module_train(mp, true);
+        float lc[STEPS];
+        float *pc = train(mc, xs, adam, lc);
+        tdm_pipe_opts o = tdm_pipe_defaults(2, 4);
+        o.schedule = (tdm_pipe_schedule)sched;
+        o.devices = "cuda:0,cuda:1";
+        tdm_pipe *p = tdm_pipe_new(mp, &o, make_optim, &adam);
+        CHECK(p, "pipeline %s on cuda:0,cuda:1: %s", name, tdm_last_error());
+        for (int s = 0; s < STEPS && p; s++) {
+            tdm_scope_begin();
+            tdm_tensor *x, *t;
+            make_batch(s, xs, tdm_cpu(0), &x, &t);
+            float loss = NAN;
+            int rc = tdm_pipe_step(p, x, t, ce_loss, NULL, &loss);
+            tdm_scope_end();
+            CHECK(rc == TDM_OK, "pipeline %s step %d: %s", name, s, tdm_last_error());
+            CHECK(fabsf(loss - lc[s]) <= 1e-4f + 1e-4f * fabsf(lc[s]),
+                  "pipeline %s step %d loss: GPUs %.7g, cpu %.7g", name, s, loss, lc[s]);
+        }
+        int64_t n = tdm_module_parameters(mc)->total, bad = 0;
+        CHECK(p && tdm_pipe_copy_to(p, mp) == TDM_OK, "pipeline %s: copy_to: %s", name,
+              tdm_last_error());
+        const float *pp = tdm_data_ptr(tdm_module_parameters(mp)->flat);
+        for (int64_t i = 0; i < n && pc && pp; i++)
+            bad += !(fabsf(pp[i] - pc[i]) <= 1e-4f + 1e-3f * fabsf(pc[i]));
+        CHECK(pc && pp && bad == 0, "pipeline %s: %lld of %lld parameters differ from the CPU's",
+              name, (long long)bad, (long long)n);
+        free(pc);
+        tdm_pipe_free(p);
+        tdm_module_free(mc), tdm_module_free(mp);
+    }
+}
+
 /* The loader on cuda:0 (pinned buffers, asynchronous uploads) delivers the CPU loader's
  * batches bit for bit, the last smaller one included, with 0 and 2 workers over 2 epochs. */
 static void test_loader_upload(void) {
@@ -1090,6 +1135,7 @@ int main(int argc, char **argv) {
     test_optim();
     test_training();
     test_data_parallel();
+    test_pipeline();
     test_loader_upload();
     test_steady_state();
     test_errors();

@@ -355,11 +355,16 @@ static void test_devices(void) {
     snprintf(rank, sizeof rank, "%d", gpus);
     setenv("OMPI_COMM_WORLD_LOCAL_RANK", rank, 1);
     CHECK_ERROR(tdm_devices_parse("cuda:local", d, 8) < 0, "cuda:local is GPU");
+    CHECK_ERROR(tdm_devices_parse("cuda", d, 8) < 0, "cuda is GPU");
     setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
     if (gpus > 0)
         CHECK(tdm_devices_parse("cuda:local", d, 8) == 1 && d[0].type == TDM_CUDA &&
                   d[0].index == 0,
               "cuda:local at local rank 0");
+    if (gpus == 0)
+        CHECK_ERROR(tdm_devices_parse("cuda:all", d, 8) < 0, "no GPU");
+    else
+        CHECK(tdm_devices_parse("cuda:all", d, 8) == gpus, "cuda:all");
     unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
     CHECK_ERROR(tdm_devices_parse("cpu:0,,cpu:1", d, 8) < 0, "empty entry");
     CHECK_ERROR(tdm_devices_parse("4", d, 2) < 0, "4 devices but room for 2");

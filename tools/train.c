@@ -133,12 +133,14 @@ static const opt_spec specs[] = {
      "DataLoader worker threads building batches ahead of the training loop; 0 builds them "
      "on the training thread."},
     {"--devices", "LIST", OPT_STR, F(devices), 0, 0, "cpu:0",
-     "Devices to train on: a list (cpu:0,cpu:1), cpu:all (one device per core) or a count "
-     "(2 means cpu:0,cpu:1). With several devices the model is replicated, each device "
-     "trains on its share of every global batch, and gradients are averaged before one "
-     "update (data parallelism), so results match one device. Under mpirun each process "
-     "uses these devices for its share of the batch, and gradients are averaged over every "
-     "device of every process."},
+     "Devices to train on: a list (cpu:0,cpu:1 or cuda:0,cuda:1), cpu:all (one device per "
+     "core), cuda:all (every GPU), cuda (the GPU of this process's local rank under mpirun or "
+     "srun, cuda:0 otherwise) or a count (2 means cpu:0,cpu:1). With several devices the "
+     "model is replicated, each device trains on its share of every global batch, and "
+     "gradients are averaged before one update (data parallelism; NCCL between GPUs), so "
+     "results match one device. Under mpirun each process uses these devices for its share "
+     "of the batch, and gradients are averaged over every device of every process "
+     "(mpirun -np <GPUs> ... --devices cuda: one GPU per process)."},
     {"--model-split", "K", OPT_INT, F(model_split), 1, TDM_PIPE_MAX_STAGES, "1 (no split)",
      "Model parallelism: cut the model into K pipeline stages of consecutive layers (balanced "
      "by parameter count), each on its own device of --devices, which must list K devices, or "

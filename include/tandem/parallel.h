@@ -22,8 +22,9 @@ extern "C" {
  * core), CUDA devices are GPUs (0 in a build without CUDA). */
 int tdm_device_count(tdm_device_type type);
 /* Parses a device list: "cpu:0,cpu:1", "cpu:all" (one per core), "cpu" (cpu:0), a count
- * "4" (cpu:0..cpu:3), "cuda:0,cuda:1", or "cuda:local": GPU r for the process of local rank r
- * under mpirun or srun (OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID, ...; 0 without a launcher).
+ * "4" (cpu:0..cpu:3), "cuda:0,cuda:1", "cuda:all" (every GPU), or "cuda" (also "cuda:local"):
+ * GPU r for the process of local rank r under mpirun or srun (OMPI_COMM_WORLD_LOCAL_RANK,
+ * SLURM_LOCALID, ...; cuda:0 without a launcher).
  * Writes at most max devices; returns how many, or a negative status naming the bad entry
  * (duplicates, unknown devices and GPUs this machine lacks are errors). */
 int tdm_devices_parse(const char *text, tdm_device *out, int max);

@@ -49,29 +49,35 @@ static int local_rank(void) {
     return 0;
 }
 
-/* One comma-separated entry: "cpu", "cpu:N", "cpu:all", "cuda:N" or "cuda:local". */
+/* One comma-separated entry: "cpu", "cpu:N", "cpu:all", "cuda:N", "cuda:all", or "cuda" /
+ * "cuda:local" (the GPU of this process's local rank). */
 static int parse_entry(const char *e, tdm_device *out, int *count, int max) {
     if (!*e) return tdm_raise(TDM_ERR_DEVICE, "devices: empty entry in the device list");
-    if (strcmp(e, "cuda:local") == 0) { /* one process per GPU: rank r of a machine on GPU r */
-        int r = local_rank(), n = tdm_device_count(TDM_CUDA);
-        if (r >= n)
+    int gpus = tdm_device_count(TDM_CUDA);
+    if (strcmp(e, "cuda") == 0 || strcmp(e, "cuda:local") == 0) { /* rank r of a machine: GPU r */
+        int r = local_rank();
+        if (r >= gpus)
             return tdm_raise(TDM_ERR_DEVICE,
-                             "devices: cuda:local is GPU %d (this process's local rank) but "
-                             "this machine has %d GPU%s",
-                             r, n, n == 1 ? "" : "s");
+                             "devices: %s is GPU %d (this process's local rank) but this machine "
+                             "has %d GPU%s",
+                             e, r, gpus, gpus == 1 ? "" : "s");
         return add_device(tdm_cuda(r), out, count, max, e);
     }
-    if (strcmp(e, "cpu:all") == 0) {
-        int n = tdm_device_count(TDM_CPU);
+    bool cpus = strcmp(e, "cpu:all") == 0;
+    if (cpus || strcmp(e, "cuda:all") == 0) {
+        int n = cpus ? tdm_device_count(TDM_CPU) : gpus;
+        if (n == 0)
+            return tdm_raise(TDM_ERR_DEVICE, "devices: cuda:all, but this machine has no GPU");
         for (int i = 0; i < n; i++)
-            if (add_device(tdm_cpu(i), out, count, max, e)) return tdm_last_status();
+            if (add_device(cpus ? tdm_cpu(i) : tdm_cuda(i), out, count, max, e))
+                return tdm_last_status();
         return TDM_OK;
     }
     tdm_device d;
     if (tdm_device_parse(e, &d) != TDM_OK)
         return tdm_raise(TDM_ERR_DEVICE,
                          "devices: unknown device \"%s\" (expected cpu, cpu:N, "
-                         "cpu:all, cuda:N, cuda:local or a count)",
+                         "cpu:all, cuda, cuda:N, cuda:all or a count)",
                          e);
     int avail = d.type == TDM_CPU ? MAX_CPU_DEVICES : tdm_device_count(d.type);
     if (d.index >= avail)

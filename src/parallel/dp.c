@@ -321,7 +321,7 @@ static int make_nccl(tdm_dp *dp, tdm_group *processes) {
     if (processes && n > 1)
         return tdm_raise(TDM_ERR_DEVICE,
                          "data_parallel: %d GPUs in each of several processes is not supported; "
-                         "run one process per GPU (mpirun -np <GPUs> ... --devices cuda:local)",
+                         "run one process per GPU (mpirun -np <GPUs> ... --devices cuda)",
                          n);
     if (!processes) return tdm_nccl_world_new(n, dp->devices, dp->nccl);
     dp->nccl[0] = tdm_nccl_group_new(processes, dp->devices[0]);

@@ -22,6 +22,7 @@ int main(void) {
 #else
 
 #include "backend/cuda/cuda.h"
+#include "parallel/nccl_group.h"
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -911,6 +912,10 @@ static void test_data_parallel(void) {
     tdm_device mixed[2] = {tdm_cpu(0), G};
     CHECK_ERROR(tdm_dp_new(mix, mixed, 2, make_optim, &adam) == NULL, "mix CPU and GPU");
     tdm_module_free(mix);
+    if (!tdm_nccl_available()) {
+        printf("test_data_parallel: skipped (this build has no NCCL)\n");
+        return;
+    }
     int most = tdm_cuda_device_count() >= 2 ? 2 : 1;
     if (most < 2) printf("test_data_parallel: 2 GPUs skipped (this machine has 1)\n");
     for (int n = 1; n <= most; n++)

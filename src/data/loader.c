@@ -531,6 +531,7 @@ void tdm_loader_free(tdm_loader *l) {
         tdm_tensor_free(s->x);
         tdm_tensor_free(s->y);
         if (!l->gpu) continue;
+        if (s->fence) l->gpu->fence_wait(s->fence); /* an upload may still read the buffers */
         l->gpu->pinned_free(s->xdata);
         l->gpu->pinned_free(s->ydata);
         l->gpu->fence_free(s->fence);

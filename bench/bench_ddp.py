@@ -2,7 +2,7 @@
 """`mpirun -np N tandem train` against PyTorch DDP (gloo) on the same Fashion-MNIST runs.
 
 usage: python3 bench/bench_ddp.py [--tandem build/tandem] [--world 2] [--only mlp|cnn]
-                                  [--epochs 1] [--limit N]
+                                  [--epochs 1] [--limit N] [--rounds 3]
 
 Runs (global batch 64, so 32 per process with 2 processes; one thread per process):
   mlp  SGD lr 0.01 momentum 0.9      cnn  Adam lr 1e-3
@@ -10,7 +10,8 @@ each as
   tandem-mpi   mpirun -np N tandem train (MPI backend, DistributedSampler, DDP buckets)
   torch-ddp    bench/torch_ddp.py: N processes of torch.multiprocessing, gloo, DDP
 and prints every epoch's training time and test accuracy, then the ratio of PyTorch's
-mean epoch time to Tandem's (> 1: Tandem is faster). Needs Open MPI's mpirun and Debian's
+mean epoch time to Tandem's (> 1: Tandem is faster): the median over --rounds rounds, each
+Tandem then PyTorch, so that a slow spell of a shared machine lands on both sides. Needs Open MPI's mpirun and Debian's
 torch at /usr/bin/python3.
 """
 import argparse
@@ -31,6 +32,7 @@ ap.add_argument("--world", type=int, default=2)
 ap.add_argument("--only", choices=["mlp", "cnn"])
 ap.add_argument("--epochs", type=int, default=1)
 ap.add_argument("--limit", type=int, default=0)
+ap.add_argument("--rounds", type=int, default=3)
 args = ap.parse_args()
 
 CONFIGS = [dict(model="mlp", optimizer="sgd", lr=0.01, momentum=0.9),
@@ -87,13 +89,18 @@ for c in CONFIGS:
     if args.only and c["model"] != args.only:
         continue
     print(f"{c['model']}: {c['optimizer']} lr {c['lr']}, global batch 64, {args.world} processes "
-          f"x 1 thread, {args.epochs} epoch(s)", flush=True)
-    t, p = run_tandem(c), run_torch(c)
-    mean_t = statistics.mean(e["seconds"] for e in t)
-    mean_p = statistics.mean(e["seconds"] for e in p)
-    rows.append((c["model"], mean_t, t[-1]["test_acc"], mean_p, p[-1]["test_acc"]))
+          f"x 1 thread, {args.epochs} epoch(s), {args.rounds} round(s)", flush=True)
+    rounds = []
+    for _ in range(args.rounds):
+        t, p = run_tandem(c), run_torch(c)
+        rounds.append((statistics.mean(e["seconds"] for e in t), t[-1]["test_acc"],
+                       statistics.mean(e["seconds"] for e in p), p[-1]["test_acc"]))
+    ratio = statistics.median(ps / ts for ts, _, ps, _ in rounds)
+    ts, ta, ps, pa = (statistics.median(r[i] for r in rounds) for i in range(4))
+    rows.append((c["model"], ts, ta, ps, pa, ratio))
 
-print("\nsummary (mean epoch seconds, training steps only; speedup = PyTorch DDP / Tandem)")
+print("\nsummary (median over the rounds of the mean epoch seconds, training steps only;")
+print("speedup = the median of the rounds' PyTorch DDP / Tandem)")
 print(f"{'model':5} {'tandem s':>8} {'acc':>7} {'torch s':>8} {'acc':>7} {'speedup':>7}")
-for m, ts, ta, ps, pa in rows:
-    print(f"{m:5} {ts:8.2f} {ta:7.4f} {ps:8.2f} {pa:7.4f} {ps / ts:7.2f}")
+for m, ts, ta, ps, pa, ratio in rows:
+    print(f"{m:5} {ts:8.2f} {ta:7.4f} {ps:8.2f} {pa:7.4f} {ratio:7.2f}")

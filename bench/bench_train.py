@@ -3,6 +3,7 @@
 
 usage: python3 bench/bench_train.py [--tandem build/tandem] [--only mlp|cnn] [--limit N]
                                     [--epochs-mlp 3] [--epochs-cnn 2] [--no-torch]
+                                    [--rounds-mlp 3] [--rounds-cnn 1]
 
 Runs (batch 64 everywhere):
   mlp  SGD lr 0.01 momentum 0.9, 3 epochs
@@ -13,7 +14,9 @@ each as
   torch-1t     bench/torch_fmnist.py, 1 torch thread, OpenBLAS 1 thread
   torch-2t     bench/torch_fmnist.py, 2 torch threads, OpenBLAS 1 thread
 and prints every epoch's training time and accuracy, then a summary with the ratio of
-PyTorch's mean epoch time to Tandem's (> 1: Tandem is faster). Epoch times are the training
+PyTorch's mean epoch time to Tandem's (> 1: Tandem is faster). With several rounds (each
+runs the four in turn, so a slow spell of a shared machine lands on all of them) a run's
+time is the median of its rounds' means. Epoch times are the training
 steps only (no evaluation) in both. PyTorch indexes a preloaded tensor (no DataLoader);
 Tandem's DataLoader workers build batches on the side and their wait is reported.
 Torch runs need Debian's torch at /usr/bin/python3.
@@ -37,11 +40,15 @@ ap.add_argument("--limit", type=int, default=0, help="first N samples (quick che
 ap.add_argument("--epochs-mlp", type=int, default=3)
 ap.add_argument("--epochs-cnn", type=int, default=2)
 ap.add_argument("--no-torch", action="store_true")
+ap.add_argument("--rounds-mlp", type=int, default=3)
+ap.add_argument("--rounds-cnn", type=int, default=1)
 args = ap.parse_args()
 
 CONFIGS = [
-    dict(model="mlp", optimizer="sgd", lr=0.01, momentum=0.9, epochs=args.epochs_mlp),
-    dict(model="cnn", optimizer="adam", lr=1e-3, momentum=None, epochs=args.epochs_cnn),
+    dict(model="mlp", optimizer="sgd", lr=0.01, momentum=0.9, epochs=args.epochs_mlp,
+         rounds=args.rounds_mlp),
+    dict(model="cnn", optimizer="adam", lr=1e-3, momentum=None, epochs=args.epochs_cnn,
+         rounds=args.rounds_cnn),
 ]
 
 
@@ -97,18 +104,22 @@ for c in CONFIGS:
         continue
     desc = f"{c['model']}: {c['optimizer']} lr {c['lr']}" + (
         f" momentum {c['momentum']}" if c["momentum"] is not None else "") + \
-        f", batch 64, {c['epochs']} epochs"
+        f", batch 64, {c['epochs']} epochs, {c['rounds']} round(s)"
     print(desc, flush=True)
-    runs = {"tandem-1d": run_tandem(c, "cpu:0"), "tandem-2d": run_tandem(c, "cpu:0,cpu:1")}
-    if not args.no_torch:
-        runs["torch-1t"] = run_torch(c, 1)
-        runs["torch-2t"] = run_torch(c, 2)
-    for name, ep in runs.items():
-        rows.append((c["model"], name, mean_time(ep), min(e["seconds"] for e in ep),
-                     ep[-1]["test_acc"]))
+    runs = {}
+    for _ in range(c["rounds"]):
+        ran = {"tandem-1d": run_tandem(c, "cpu:0"), "tandem-2d": run_tandem(c, "cpu:0,cpu:1")}
+        if not args.no_torch:
+            ran["torch-1t"] = run_torch(c, 1)
+            ran["torch-2t"] = run_torch(c, 2)
+        for name, ep in ran.items():
+            runs.setdefault(name, []).append(ep)
+    for name, rounds in runs.items():
+        rows.append((c["model"], name, statistics.median(mean_time(ep) for ep in rounds),
+                     min(e["seconds"] for ep in rounds for e in ep), rounds[-1][-1]["test_acc"]))
 
-print("\nsummary (epoch seconds, training steps only: mean and best; speedup = the fastest "
-      "PyTorch run's mean / this run's mean)")
+print("\nsummary (epoch seconds, training steps only: mean (the median of the rounds' means) "
+      "and best; speedup = the fastest PyTorch run's mean / this run's mean)")
 print(f"{'model':5} {'run':9} {'mean s':>7} {'best s':>7} {'test acc':>8} {'speedup':>7}")
 for model in dict.fromkeys(r[0] for r in rows):
     torch_means = [r[2] for r in rows if r[0] == model and r[1].startswith("torch")]

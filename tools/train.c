@@ -543,7 +543,8 @@ static int make_loaders(trainer *t) {
     lo.seed = (uint64_t)t->o.seed;
     lo.workers = (int)t->o.workers;
     /* one GPU: batches built in pinned memory and uploaded ahead of the step that needs them
-     * (DataParallel and pipelines take host batches and split them) */
+     * (several devices and pipelines split host batches; one GPU per MPI process gets them
+     * on the GPU, which its one-device DataParallel takes as they are) */
     if (t->o.n_devs == 1 && t->o.model_split <= 1) lo.device = t->dev;
     t->train_l = tdm_loader_new(t->train_ds, &lo);
     if (!t->train_l) return runtime_error(t, "training loader: %s", tdm_last_error());

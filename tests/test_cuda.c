@@ -870,13 +870,14 @@ static void dp_against_cpu(int n, const char *name, tdm_module *(*make)(void), t
     const char *on = adam ? "adam" : "sgd";
     tdm_device gpus[2] = {G, tdm_cuda(1)};
     tdm_module *mc = make(), *mg = tdm_module_clone(mc, G);
+    tdm_module_train(mc, true);
+    if (mg) tdm_module_train(mg, true); /* before the replicas are cloned from it */
     tdm_dp *dp = mg ? tdm_dp_new(mg, gpus, n, make_optim, &adam) : NULL;
     CHECK(dp, "%s: data_parallel on %d GPU(s): %s", name, n, tdm_last_error());
     if (!dp) {
         tdm_module_free(mc), tdm_module_free(mg);
         return;
     }
-    tdm_module_train(mc, true), tdm_module_train(mg, true);
     float lc[STEPS];
     float *pc = train(mc, xs, adam, lc);
     for (int s = 0; s < STEPS; s++) {

@@ -102,7 +102,7 @@ typedef struct {
     const int64_t *y_host; /* y's elements in host memory, valid as long as y: for metrics
                             * without reading a GPU back */
     int64_t size;          /* B: batch_size, or smaller for a last batch without drop_last */
-    int64_t index; /* batch number within the epoch */
+    int64_t index;         /* batch number within the epoch */
 } tdm_batch;
 
 /* A loader over ds (which must outlive it). Worker threads start here and are kept across

@@ -29,8 +29,8 @@ extern "C" {
  * report the first bad user index (-1: none). */
 typedef struct {
     cudaStream_t compute, comm;
-    cudaStream_t upload; /* the loader's host-to-device copies (tdm_cuda_upload_async) */
-    cudaEvent_t order;   /* reused by tdm_cuda_order_streams (recorded, then waited on) */
+    cudaStream_t upload;        /* the loader's host-to-device copies (tdm_cuda_upload_async) */
+    cudaEvent_t order;          /* reused by tdm_cuda_order_streams (recorded, then waited on) */
     pthread_mutex_t order_lock; /* makes that record + wait one step for concurrent callers */
     cublasHandle_t blas;
     unsigned long long *bad_dev;  /* first bad position (atomicMin; all ones: none) */

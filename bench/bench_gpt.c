@@ -9,13 +9,13 @@
  * both sides' losses, their largest difference and the median ms per step over steps 5 and
  * later (forward + backward + optimizer step; the batch is made before the clock starts).
  */
-#include <cblas.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
 #include "tandem/tandem.h"
 
 #define B         4
@@ -88,7 +88,7 @@ int main(int argc, char **argv) {
             dir = argv[i];
     }
     if (steps < 1 || steps > MAX_STEPS) steps = 40;
-    openblas_set_num_threads(threads);
+    tdm_cpu_gemm_set_threads(threads);
     char path[512];
     snprintf(path, sizeof path, "%s/model.bin", dir);
     tdm_gpt_config cfg;

@@ -1,10 +1,10 @@
 /* Times the ops a training step spends its time in, for bench/run to set beside PyTorch:
- * matmul (also against the cblas_sgemm it calls, on the same buffers) and cross-entropy
+ * matmul (also against the GEMM it calls, cpu_gemm.c, on the same buffers) and cross-entropy
  * forward+backward. Prints "BENCH <name> <ms per iteration>" lines. */
-#include <cblas.h>
 #include <stdio.h>
 #include <time.h>
 
+#include "backend/cpu/cpu.h" /* tdm_cpu_sgemm */
 #include "tandem/tandem.h"
 
 static double now_ms(void) {
@@ -46,8 +46,7 @@ static void bench_matmul(int n, int k, int m) {
         tdm_scope_end();
     });
     snprintf(name, sizeof name, "sgemm_%dx%dx%d", n, k, m);
-    TIME_IT(name, cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, m, k, 1.0f, pa, k, pb,
-                              m, 0.0f, pc, m));
+    TIME_IT(name, tdm_cpu_sgemm(false, false, n, m, k, 1.0f, pa, k, pb, m, 0.0f, pc, m));
     tdm_tensor_free(a), tdm_tensor_free(b), tdm_tensor_free(c);
 }
 

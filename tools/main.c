@@ -50,16 +50,29 @@ static void help(FILE *out) {
 }
 
 /* One CPU device per core this process may use (each with its own thread and memory pool
- * when training on several), and the memory they share; CUDA is not part of this build yet. */
+ * when training on several), the memory they share and the GEMM they run; then the GPUs. */
 static int devices(void) {
     int n = tdm_device_count(TDM_CPU);
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     double gib = pages > 0 && page > 0 ? (double)pages * (double)page / (1 << 30) : 0;
+    char gemm[128], gpu[256];
+    tdm_gemm_describe(gemm, sizeof gemm);
     printf("DEVICE   KIND  DETAILS\n");
     for (int i = 0; i < n; i++)
-        printf("cpu:%-4d cpu   core %d, shares %.1f GiB of memory\n", i, i, gib);
-    printf("cuda     -     none: this build has no CUDA backend\n");
-    printf("\nTrain on several with --devices cpu:0,cpu:1 (or cpu:all, or a count).\n");
+        printf("cpu:%-4d cpu   core %d, shares %.1f GiB of memory, %s\n", i, i, gib, gemm);
+    int gpus = tdm_device_count(TDM_CUDA);
+    for (int i = 0; i < gpus; i++)
+        if (tdm_device_describe(tdm_cuda(i), gpu, sizeof gpu) == TDM_OK)
+            printf("cuda:%-3d cuda  %s\n", i, gpu);
+    if (gpus == 0) {
+        /* the reason: no CUDA in this build, no driver, or no GPU */
+        tdm_device_describe(tdm_cuda(0), gpu, sizeof gpu);
+        printf("cuda     -     none: %s\n", tdm_last_error());
+    }
+    const char *warn = tdm_gemm_warning();
+    if (warn) printf("\nwarning: %s\n", warn);
+    printf("\nTrain on several with --devices cpu:0,cpu:1 (or cpu:all, or a count)%s.\n",
+           gpus > 1 ? ", or cuda:all" : "");
     return EXIT_OK;
 }
 

@@ -3,6 +3,8 @@
  * when stdout is a file or a pipe, a plain line every `every` steps keeps logs readable. */
 #include "progress.h"
 
+#include "tandem/tensor.h"
+
 #include <time.h>
 #include <unistd.h>
 
@@ -83,4 +85,14 @@ void progress_clear(progress *p) {
     fprintf(p->out, "\r\033[K");
     fflush(p->out);
     p->drawn = false;
+}
+
+void progress_print_compute(FILE *out) {
+    char gemm[128];
+    fprintf(out, "compute   %s\n", tdm_gemm_describe(gemm, sizeof gemm));
+    const char *warn = tdm_gemm_warning();
+    if (warn) {
+        fflush(out);
+        fprintf(stderr, "tandem: warning: %s\n", warn);
+    }
 }

@@ -25,6 +25,9 @@ void progress_epoch_begin(progress *p, int epoch, int epochs, int64_t steps, dou
 /* Reports that `step` steps (1-based) of the epoch are done, with the running mean loss and
  * the images processed so far in this epoch. Draws at most ~10 times a second. */
 void progress_update(progress *p, int64_t step, double loss, int64_t images, double now);
+/* The header's "compute" line: the CPU GEMM library and its kernel set; when that library
+ * runs slower kernels than the CPU allows, a warning with the fix on stderr. */
+void progress_print_compute(FILE *out);
 /* Clears the bar (a terminal) so the next line starts clean. */
 void progress_clear(progress *p);
 

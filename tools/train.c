@@ -998,6 +998,7 @@ static void banner(trainer *t) {
         printf(" (data parallel, %lld samples per device per step)",
                (long long)(t->o.batch_size / (t->o.n_devs * procs)));
     printf("\n");
+    if (t->dev.type == TDM_CPU) progress_print_compute(stdout);
     printf("data      %s: %lld train, %lld test samples; batch %lld, %lld steps per epoch, "
            "%lld loader workers\n",
            t->o.data, (long long)t->train_ds->n, (long long)t->test_ds->n,

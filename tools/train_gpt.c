@@ -26,6 +26,7 @@
 #include "log.h"
 #include "models.h"
 #include "plot.h"
+#include "progress.h"
 #include "train.h"
 
 #define SHARD_MAGIC 20240520
@@ -420,7 +421,9 @@ static void banner(const gpt_run *r) {
            c->layers, c->heads, c->channels, c->context, c->vocab, c->padded_vocab,
            (long long)r->ps->total, tdm_device_str(o->devs[0], dev));
     for (int i = 1; i < o->n_devs; i++) printf(",%s", tdm_device_str(o->devs[i], dev));
-    printf("\ndata      %s: %lld windows of %lld tokens; batch %lld", o->data, (long long)r->ds->n,
+    printf("\n");
+    if (o->devs[0].type == TDM_CPU) progress_print_compute(stdout);
+    printf("data      %s: %lld windows of %lld tokens; batch %lld", o->data, (long long)r->ds->n,
            (long long)r->ds->sample_shape.d[0], (long long)o->batch_size);
     if (o->grad_accum > 1) printf(" x %lld accumulated", (long long)o->grad_accum);
     printf(", %lld steps\n", (long long)r->total);

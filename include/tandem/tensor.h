@@ -82,6 +82,13 @@ char *tdm_device_str(tdm_device d, char *buf);
  * bytes. TDM_OK, or TDM_ERR_DEVICE when d is not a GPU this process can use (the message
  * says why: no CUDA in this build, no GPU, fewer GPUs). */
 int tdm_device_describe(tdm_device d, char *buf, size_t cap);
+/* The library behind CPU matrix products and the kernel set it runs on this CPU, for listings
+ * and logs: "oneDNN 2.6.3, avx512_core" or "OpenBLAS 0.3.21, SkylakeX kernels". Writes at most
+ * cap bytes into buf (always terminated) and returns buf. */
+char *tdm_gemm_describe(char *buf, size_t cap);
+/* NULL when that library runs the fastest kernels this CPU allows; otherwise one line that
+ * says what it runs instead and how to fix it (stored per thread, valid until the next call). */
+const char *tdm_gemm_warning(void);
 
 /* ---- shapes ----------------------------------------------------------------------------- */
 

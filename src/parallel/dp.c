@@ -11,6 +11,7 @@
  * caller's core to work instead of asleep; with as many devices as cores, every core then
  * runs exactly one replica. */
 #include "parallel/group.h"
+#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
 #include "parallel/nccl_group.h"
 #include "tandem/trace.h"
 #include "autograd/tape.h"
@@ -57,7 +58,7 @@ struct tdm_dp {
     bool sharded;                 /* CPU devices in one process: see sharded_update */
     float clip;                   /* max gradient norm before each update, or 0 */
     int64_t window;               /* micro-batches accumulated since the last update */
-    int blas_threads;             /* restored at free */
+    int gemm_threads;             /* restored at free */
     /* the caller runs replica 0 pinned to its core: unpinned, the scheduler pulled it onto
      * replica 1's core whenever replica 1 woke it (CNN steps took twice as long) */
     pthread_t caller;
@@ -359,7 +360,7 @@ tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int
         free(dp);
         return NULL;
     }
-    dp->blas_threads = tdm_blas_threads_for_devices(n);
+    dp->gemm_threads = tdm_gemm_threads_for_devices(n);
     /* replicas are cloned here, before any thread flattens the model's parameters */
     for (int r = 0; r < n; r++) {
         dp->reps[r] = (replica){.dp = dp, .rank = r};
@@ -484,7 +485,7 @@ void tdm_dp_free(tdm_dp *dp) {
     for (int i = 0; i < MAX_DEVICES; i++) tdm_nccl_group_free(dp->nccl[i]); /* NULLs ignored */
     tdm_hier_world_free(dp->hier); /* its threads wait on the threads world's groups */
     tdm_threads_world_free(dp->world);
-    tdm_blas_threads_restore(dp->blas_threads);
+    tdm_cpu_gemm_set_threads(dp->gemm_threads);
     pthread_cond_destroy(&dp->go);
     pthread_cond_destroy(&dp->done);
     pthread_mutex_destroy(&dp->mu);

@@ -124,7 +124,8 @@ static inline void tdm_cpu_relax(void) {
 
 /* ---- rank threads (spawn.c) -------------------------------------------------------------- */
 
-/* Pins the calling thread to the core of rank `rank` of n, where the machine allows. */
+/* Pins the calling thread to the core of rank `rank` of n, where the machine allows; its GEMMs
+ * then run on that core alone. */
 void tdm_pin_rank_thread(int rank, int n);
 /* A thread's affinity as it was before tdm_pin_caller_thread (a cpu_set_t's bytes). */
 typedef struct {
@@ -135,10 +136,9 @@ typedef struct {
  * affinity is saved first, for tdm_restore_thread_affinity on the same thread. */
 void tdm_pin_caller_thread(int rank, int n, tdm_saved_affinity *saved);
 void tdm_restore_thread_affinity(const tdm_saved_affinity *saved);
-/* Makes BLAS single-threaded while n device threads fill the cores; returns the previous
- * thread count for tdm_blas_threads_restore. */
-int tdm_blas_threads_for_devices(int n);
-void tdm_blas_threads_restore(int prev);
+/* Makes the GEMM single-threaded while n device threads fill the cores; returns the previous
+ * thread count, for tdm_cpu_gemm_set_threads once they are done. */
+int tdm_gemm_threads_for_devices(int n);
 
 /* ---- the threads world: every rank a thread of this process ------------------------------- */
 

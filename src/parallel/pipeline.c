@@ -13,6 +13,7 @@
  * stops at its next wait or collective, and a failed thread keeps its tensors until every
  * thread has stopped, since the neighbours may still be copying them. */
 #include "parallel/group.h"
+#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
 #include "tandem/autograd.h"
 #include "tandem/pipeline.h"
 #include "tandem/trace.h"
@@ -75,7 +76,7 @@ struct tdm_pipe {
     tdm_threads_world *worlds[TDM_PIPE_MAX_STAGES];
     tdm_optim_factory make_optim;
     void *optim_arg;
-    int blas_threads;
+    int gemm_threads;
     pthread_mutex_t mu;
     pthread_cond_t cv;   /* hand-offs and failures */
     pthread_cond_t go;   /* a new round */
@@ -623,7 +624,7 @@ static int build_workers(struct tdm_pipe *p, const tdm_module *model, const tdm_
 static int start_threads(struct tdm_pipe *p) {
     /* ~50 us of pause instructions; spinning only pays when every worker has its own core */
     p->spin_rounds = p->n_workers <= tdm_device_count(TDM_CPU) ? SPIN_ROUNDS : 0;
-    p->blas_threads = tdm_blas_threads_for_devices(p->n_workers);
+    p->gemm_threads = tdm_gemm_threads_for_devices(p->n_workers);
     for (int i = 0; i < p->n_workers; i++) {
         if (pthread_create(&p->w[i].thread, NULL, worker_main, &p->w[i]))
             return tdm_raise(TDM_ERR_NOMEM, "pipeline: cannot start the thread of stage %d",
@@ -804,7 +805,7 @@ void tdm_pipe_free(tdm_pipe *p) {
     pthread_mutex_unlock(&p->mu);
     for (int i = 0; i < p->n_workers; i++)
         if (p->w[i].started) pthread_join(p->w[i].thread, NULL);
-    if (p->n_workers && p->w[0].started) tdm_blas_threads_restore(p->blas_threads);
+    if (p->n_workers && p->w[0].started) tdm_cpu_gemm_set_threads(p->gemm_threads);
     for (int i = 0; i < p->n_workers; i++) {
         worker *w = &p->w[i];
         for (int j = 0; j < w->n_snaps; j++) free(w->snaps[j].saved);

@@ -4,7 +4,8 @@
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT, pthread_setaffinity_np */
 #include "parallel/group.h"
 
-#include <cblas.h> /* openblas_set_num_threads, openblas_get_num_threads */
+#include "backend/cpu/cpu.h" /* the GEMM's threads */
+
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,6 +27,7 @@ typedef struct {
 } rank_arg;
 
 static void pin_to(int cpu) {
+    tdm_cpu_gemm_thread_single(); /* a device's thread: its GEMMs run on its own core */
     if (cpu < 0) return;
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -94,16 +96,12 @@ void tdm_restore_thread_affinity(const tdm_saved_affinity *saved) {
     (void)pthread_setaffinity_np(pthread_self(), sizeof prev, &prev);
 }
 
-int tdm_blas_threads_for_devices(int n) {
-    int prev = openblas_get_num_threads();
-    /* devices that fill the cores each make their own BLAS calls: BLAS threads would only
+int tdm_gemm_threads_for_devices(int n) {
+    int prev = tdm_cpu_gemm_threads();
+    /* devices that fill the cores each make their own GEMM calls: library threads would only
      * fight them for the same cores */
-    if (n >= tdm_device_count(TDM_CPU)) openblas_set_num_threads(1);
+    if (n >= tdm_device_count(TDM_CPU)) tdm_cpu_gemm_set_threads(1);
     return prev;
-}
-
-void tdm_blas_threads_restore(int prev) {
-    openblas_set_num_threads(prev);
 }
 
 int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, void *arg),
@@ -122,7 +120,7 @@ int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, voi
     }
     spawn_state st = {.first_rank = -1};
     pthread_mutex_init(&st.lock, NULL);
-    int blas_threads = tdm_blas_threads_for_devices(n);
+    int gemm_threads = tdm_gemm_threads_for_devices(n);
     int started = 0, err = 0;
     for (int r = 0; r < n; r++) {
         args[r] = (rank_arg){
@@ -136,7 +134,7 @@ int tdm_spawn(int n, const tdm_device *devices, int (*fn)(tdm_rank_ctx *ctx, voi
         tdm_group_abort(tdm_threads_world_group(w, started), "its thread could not start");
     }
     for (int r = 0; r < started; r++) pthread_join(threads[r], NULL);
-    tdm_blas_threads_restore(blas_threads);
+    tdm_cpu_gemm_set_threads(gemm_threads);
     tdm_threads_world_free(w);
     free(args);
     free(threads);

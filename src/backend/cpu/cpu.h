@@ -29,6 +29,22 @@ int tdm_cpu_softmax(tdm_tensor *y, const tdm_tensor *x, bool log);
 int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *y, bool log);
 int tdm_cpu_sum_squares(double *out, const tdm_tensor *x);
 
+/* cpu_gemm.c: c[m, n] = alpha * op(a)[m, k] @ op(b)[k, n] + beta * c, row-major, op(x) = x^T
+ * where ta/tb; lda, ldb, ldc are the row strides of a, b and c as stored */
+void tdm_cpu_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                   const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                   int64_t ldc);
+/* Threads one GEMM call may use: with oneDNN (OpenMP) a setting of the calling thread, with
+ * OpenBLAS of the process. */
+int tdm_cpu_gemm_threads(void);
+void tdm_cpu_gemm_set_threads(int n);
+/* The widest vector ISA this CPU and its OS allow: 512 (AVX-512 F/BW/DQ/VL), 256 (AVX2 with
+ * FMA) or 0 (baseline x86-64). */
+int tdm_cpu_vector_bits(void);
+/* The calling thread is a device's: its GEMMs run on its own core alone (oneDNN; OpenBLAS's
+ * process-wide count is set by tdm_gemm_threads_for_devices, parallel/group.h). */
+void tdm_cpu_gemm_thread_single(void);
+
 /* cpu_matmul.c */
 int tdm_cpu_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool ta, bool tb,
                    float beta);

@@ -20,7 +20,6 @@
 #include "backend/cpu/cpu.h"
 #include "backend/cpu/cpu_math.h"
 
-#include <cblas.h>
 #include <math.h>
 
 typedef struct {
@@ -79,11 +78,11 @@ int tdm_cpu_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int
             const float *q = base + b * T * 3 * C + h * hs, *k = q + C, *v = q + 2 * C;
             float *l = lp + (b * d.nh + h) * T;
             /* S [T, T] = scale * Q [T, hs] @ K^T [hs, T] */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hs, scale, q,
+            tdm_cpu_sgemm(false, true, (int)T, (int)T, (int)hs, scale, q,
                         (int)(3 * C), k, (int)(3 * C), 0.0f, S, (int)T);
             for (int64_t t = 0; t < T; t++) l[t] = softmax_row(S + t * T, t, T);
             /* Y [T, hs] = P [T, T] @ V [T, hs] */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)T, (int)hs, (int)T, 1.0f, S,
+            tdm_cpu_sgemm(false, false, (int)T, (int)hs, (int)T, 1.0f, S,
                         (int)T, v, (int)(3 * C), 0.0f, yp + b * T * C + h * hs, (int)C);
         }
     tdm_storage_release(blk);
@@ -127,18 +126,18 @@ int tdm_cpu_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm
             const float *g_y = dyp + b * T * C + h * hs;
             float *gq = gbase + b * T * C3 + h * hs, *gk = gq + C, *gv = gq + 2 * C;
             /* the forward's scaled scores again, and dP [T, T] = dY [T, hs] @ V^T */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hs, scale, q,
+            tdm_cpu_sgemm(false, true, (int)T, (int)T, (int)hs, scale, q,
                         (int)C3, k, (int)C3, 0.0f, P, (int)T);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)T, (int)T, (int)hs, 1.0f, g_y,
+            tdm_cpu_sgemm(false, true, (int)T, (int)T, (int)hs, 1.0f, g_y,
                         (int)C, v, (int)C3, 0.0f, G, (int)T);
             probs_and_dscores(P, G, lp + (b * d.nh + h) * T, T);
             /* dV [T, hs] = P^T [T, T] @ dY [T, hs] */
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)T, (int)hs, (int)T, 1.0f, P,
+            tdm_cpu_sgemm(true, false, (int)T, (int)hs, (int)T, 1.0f, P,
                         (int)T, g_y, (int)C, 0.0f, gv, (int)C3);
             /* dQ = scale * dS @ K;  dK = scale * dS^T @ Q */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)T, (int)hs, (int)T, scale,
+            tdm_cpu_sgemm(false, false, (int)T, (int)hs, (int)T, scale,
                         G, (int)T, k, (int)C3, 0.0f, gq, (int)C3);
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)T, (int)hs, (int)T, scale, G,
+            tdm_cpu_sgemm(true, false, (int)T, (int)hs, (int)T, scale, G,
                         (int)T, q, (int)C3, 0.0f, gk, (int)C3);
         }
     tdm_storage_release(blk);

@@ -16,7 +16,6 @@
  */
 #include "backend/cpu/cpu_conv.h"
 
-#include <cblas.h>
 #include <string.h>
 
 static conv_geom geom_of(const tdm_tensor *x, const tdm_tensor *w, int64_t ho, int64_t wo,
@@ -212,7 +211,7 @@ int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, cons
                 im2col(xn, g.cin, &g, oh0, oh1, col, ld);
             }
             for (int64_t gi = 0; gi < g.groups; gi++)
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)g.cout_g, (int)cols,
+                tdm_cpu_sgemm(false, false, (int)g.cout_g, (int)cols,
                             (int)g.k_g, 1.0f, wp + gi * g.cout_g * g.k_g, (int)g.k_g,
                             src + gi * g.k_g * ld, (int)ld, 0.0f,
                             yn + gi * g.cout_g * g.p + oh0 * g.wo, (int)g.p);
@@ -332,7 +331,7 @@ int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, cons
                         gw_small_k(gwp + gi * g.cout_g * g.k_g, g.k_g, dy + gi * g.cout_g * g.p,
                                    g.p, src + gi * g.k_g * ld, ld, g.cout_g, g.k_g, cols);
                     else
-                        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)g.cout_g,
+                        tdm_cpu_sgemm(false, true, (int)g.cout_g,
                                     (int)g.k_g, (int)cols, 1.0f, dy + gi * g.cout_g * g.p, (int)g.p,
                                     src + gi * g.k_g * ld, (int)ld, 1.0f,
                                     gwp + gi * g.cout_g * g.k_g, (int)g.k_g);
@@ -342,7 +341,7 @@ int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, cons
                 float *dst = pointwise ? gxn : col;
                 int64_t ld = pointwise ? g.p : cols;
                 for (int64_t gi = 0; gi < g.groups; gi++)
-                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)g.k_g, (int)cols,
+                    tdm_cpu_sgemm(true, false, (int)g.k_g, (int)cols,
                                 (int)g.cout_g, 1.0f, wp + gi * g.cout_g * g.k_g, (int)g.k_g,
                                 dy + gi * g.cout_g * g.p, (int)g.p, 0.0f, dst + gi * g.k_g * ld,
                                 (int)ld);

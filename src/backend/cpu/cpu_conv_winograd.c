@@ -18,7 +18,6 @@
  */
 #include "backend/cpu/cpu_conv.h"
 
-#include <cblas.h>
 #include <string.h>
 
 #ifdef __AVX512F__
@@ -246,7 +245,7 @@ static int wino_correlate(const float *in, const wgeom *g, int64_t n, const floa
         int64_t cnt = n - n0 < nb ? n - n0 : nb, t = cnt * g->tt;
         transform_inputs(in, g, n0, cnt, P, V, ld);
         for (int xi = 0; xi < 16; xi++)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)g->c2, (int)t, (int)g->c1,
+            tdm_cpu_sgemm(false, false, (int)g->c2, (int)t, (int)g->c1,
                         1.0f, U + xi * g->c2 * g->c1, (int)g->c1, V + xi * vs, (int)ld, 0.0f,
                         M + xi * ms, (int)ld);
         for (int64_t i = 0; i < cnt; i++)
@@ -326,7 +325,7 @@ static int wino_weight_grad(float *gw, const float *gy, const float *x, const co
                 grad_transform(Q, &fg, D + c * ld + i * fg.tt, ds);
             }
         for (int xi = 0; xi < 16; xi++)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)g->cout, (int)g->cin, (int)t,
+            tdm_cpu_sgemm(false, true, (int)g->cout, (int)g->cin, (int)t,
                         1.0f, D + xi * ds, (int)ld, V + xi * vs, (int)ld, n0 == 0 ? 0.0f : 1.0f,
                         dU + xi * g->cout * g->cin, (int)g->cin);
     }

@@ -18,6 +18,7 @@
 #pragma GCC optimize("O3")
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_math.h"
 
 #include <math.h>
@@ -48,6 +49,7 @@ static tdm_storage *scratch(int64_t n, tdm_device dev, float **p) {
 }
 
 /* Row t of the scores: causal softmax in place (entries after t set to 0); returns lse. */
+TDM_CPU_CLONES
 static float softmax_row(float *s, int64_t t, int64_t T) {
     float mx = s[0];
     for (int64_t j = 1; j <= t; j++) mx = s[j] > mx ? s[j] : mx;
@@ -91,6 +93,7 @@ int tdm_cpu_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int
 
 /* P and dS of one (b, h) in place: P from the scores and lse; dP (in G) becomes dS / scale.
  * Rows are causal: entries after t are 0 in both. */
+TDM_CPU_CLONES
 static void probs_and_dscores(float *P, float *G, const float *l, int64_t T) {
     for (int64_t t = 0; t < T; t++) {
         float *p = P + t * T, *g = G + t * T;

@@ -15,6 +15,7 @@
  * these kernels at once.
  */
 #include "backend/cpu/cpu_conv.h"
+#include "backend/cpu/cpu_isa.h"
 
 #include <string.h>
 
@@ -87,6 +88,7 @@ static inline NO_LIBCALLS void add_row(float *d, const float *s, int64_t n) {
 /* Rows [oh0, oh1) of the column matrix of one image x [C, H, W]: row (c, ki, kj) at
  * col + row*ld holds, for each output pixel (oh, ow) of the range, the input pixel that
  * kernel tap (ki, kj) reads, or 0 in the padding. */
+TDM_CPU_CLONES
 static NO_LIBCALLS void im2col(const float *x, int64_t channels, const conv_geom *g, int64_t oh0,
                                int64_t oh1, float *col, int64_t ld) {
     for (int64_t c = 0; c < channels; c++) {
@@ -120,6 +122,7 @@ static NO_LIBCALLS void im2col(const float *x, int64_t channels, const conv_geom
 }
 
 /* The adjoint of im2col for rows [oh0, oh1): adds each column entry back into gx [C, H, W]. */
+TDM_CPU_CLONES
 static NO_LIBCALLS void col2im(const float *col, int64_t ld, int64_t channels, const conv_geom *g,
                                int64_t oh0, int64_t oh1, float *gx) {
     for (int64_t c = 0; c < channels; c++) {
@@ -228,6 +231,7 @@ int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, cons
 
 /* gb [Cout] += sum of one image's gy [Cout, P], in a fixed order: 16 lanes, then their sum and
  * the tail (a scalar loop costs as much as a small GEMM here). */
+TDM_CPU_CLONES
 static void bias_grad(float *gb, const float *gy, const conv_geom *g) {
     for (int64_t co = 0; co < g->cout; co++) {
         const float *s = gy + co * g->p;
@@ -246,9 +250,11 @@ static void bias_grad(float *gb, const float *gy, const conv_geom *g) {
     }
 }
 
-#ifdef __AVX512F__
+#ifdef TDM_HAVE_AVX512_CODE
 #include <immintrin.h>
-#define SMALL_K_MAX 27
+/* rows k up to which gw_small_k beats the GEMM; it is AVX-512 code */
+#define SMALL_K_MAX (tdm_cpu_vector_bits() == 512 ? 27 : 0)
+TDM_AVX512_BEGIN
 
 /* gw [cout, k] (ld ldw) += dy [cout, cols] (ld ldy) @ col [k, cols]^T (ld ldc) for a few rows k
  * (the first layer: k = 9): OpenBLAS spends most of such a thin GEMM packing, so this runs it
@@ -279,6 +285,7 @@ static void gw_small_k(float *gw, int64_t ldw, const float *dy, int64_t ldy, con
         }
     }
 }
+TDM_AVX512_END
 #else
 #define SMALL_K_MAX 0
 static void gw_small_k(float *gw, int64_t ldw, const float *dy, int64_t ldy, const float *col,

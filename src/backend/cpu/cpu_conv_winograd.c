@@ -17,11 +17,16 @@
  * on a few images at a time; a plane too large for the budget goes to im2col instead.
  */
 #include "backend/cpu/cpu_conv.h"
+#include "backend/cpu/cpu_isa.h"
 
 #include <string.h>
 
-#ifdef __AVX512F__
+#ifdef TDM_HAVE_AVX512_CODE
 #include <immintrin.h>
+
+/* everything up to tdm_cpu_wino_applies is AVX-512 code, reached only where it checks that
+ * the CPU has it */
+TDM_AVX512_BEGIN
 
 /* floats of V and M together per chunk of images: well inside L2 (two images of the CNN's
  * second layer; measured: one to two images are fastest, five 5% and ten 40% slower) */
@@ -261,13 +266,8 @@ static wgeom forward_geom(const conv_geom *g) {
     return wgeom_make(g->cin, g->h, g->w, g->ph, g->pw, g->cout, g->ho, g->wo);
 }
 
-bool tdm_cpu_wino_applies(const conv_geom *g) {
-    if (g->kh != 3 || g->kw != 3 || g->sh != 1 || g->sw != 1 || g->dh != 1 || g->dw != 1 ||
-        g->groups != 1)
-        return false;
-    /* pad <= 2 keeps the input gradient a correlation with pad 2 - pad >= 0; few channels
-     * leave the transforms, not the GEMMs, as the cost (im2col is then as good) */
-    if (g->ph > 2 || g->pw > 2 || g->cin < 8 || g->cout < 8 || g->ho < 1 || g->wo < 1) return false;
+/* one image's transforms fit the budget */
+static bool wino_fits(const conv_geom *g) {
     wgeom w = forward_geom(g);
     return 16 * (g->cin + g->cout) * w.tt <= WINO_IMAGE_FLOATS;
 }
@@ -346,7 +346,20 @@ int tdm_cpu_wino_conv2d_backward(float *gx, float *gw, const float *gy, const fl
     return rc;
 }
 
-#else /* no AVX-512: im2col everywhere */
+TDM_AVX512_END
+
+bool tdm_cpu_wino_applies(const conv_geom *g) {
+    if (tdm_cpu_vector_bits() != 512) return false; /* im2col on CPUs without AVX-512 */
+    if (g->kh != 3 || g->kw != 3 || g->sh != 1 || g->sw != 1 || g->dh != 1 || g->dw != 1 ||
+        g->groups != 1)
+        return false;
+    /* pad <= 2 keeps the input gradient a correlation with pad 2 - pad >= 0; few channels
+     * leave the transforms, not the GEMMs, as the cost (im2col is then as good) */
+    if (g->ph > 2 || g->pw > 2 || g->cin < 8 || g->cout < 8 || g->ho < 1 || g->wo < 1) return false;
+    return wino_fits(g);
+}
+
+#else /* not x86-64: im2col everywhere */
 
 bool tdm_cpu_wino_applies(const conv_geom *g) {
     (void)g;

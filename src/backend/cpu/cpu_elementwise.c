@@ -11,6 +11,7 @@
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_iter.h"
 #include "backend/cpu/cpu_math.h"
 
@@ -37,6 +38,7 @@
     } while (0)
 
 /* One row: y [n] contiguous, x [n] with stride sx. */
+TDM_CPU_CLONES
 static void unary_row(tdm_unary_op op, float *y, const float *x, int64_t sx, int64_t n, float s) {
     switch (op) {
     case TDM_UN_NEG:
@@ -191,6 +193,7 @@ static inline float pow_grad(float v, float s) {
 }
 
 /* One row: gx [n] contiguous; gy, x, y with strides sg, sx, sy. */
+TDM_CPU_CLONES
 static void unary_bwd_row(tdm_unary_op op, float *gx, const float *gy, int64_t sg, const float *x,
                           int64_t sx, const float *y, int64_t sy, int64_t n, float s) {
     switch (op) {
@@ -320,6 +323,7 @@ int tdm_cpu_unary_backward(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy
         }                                                                                          \
     } while (0)
 
+TDM_CPU_CLONES
 static void binary_row(tdm_binary_op op, float *y, const float *a, int64_t sa, const float *b,
                        int64_t sb, int64_t n) {
     switch (op) {
@@ -370,6 +374,7 @@ int tdm_cpu_binary(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, const t
 
 /* ---- axpy ------------------------------------------------------------------------------- */
 
+TDM_CPU_CLONES
 int tdm_cpu_axpy(tdm_tensor *y, float alpha, const tdm_tensor *x) {
     if (ew_check_f32("cpu axpy", 2, (const tdm_tensor *[]){y, x}) ||
         ew_check_numel("cpu axpy", y, x))

@@ -62,11 +62,15 @@ void tdm_cpu_gemm_thread_single(void) {
 }
 
 int tdm_cpu_vector_bits(void) {
+#if defined(__x86_64__)
+    /* __builtin_cpu_supports reads cpuid's answers, which the loader has already cached, and
+     * includes the OS's consent (XSAVE state enabled) */
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
         return 512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 256;
+#endif
     return 0;
 }
 

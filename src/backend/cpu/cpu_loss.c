@@ -10,6 +10,7 @@
  * logits d loss / d x[c] = p[c] * sum_k coef[k] - coef[c].
  */
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_simd.h"
 
 /* Element i of a 1-D integer or float tensor with any stride (stride 0: a broadcast). */
@@ -37,6 +38,7 @@ static int check_targets(const tdm_tensor *target, int64_t N, int64_t C, int64_t
 }
 
 /* sum_c exp(x[c] - shift), in lanes */
+TDM_CPU_CLONES
 static float sum_exp(const float *x, int64_t C, float shift) {
     v8f acc = v8_set1(0), m = v8_set1(shift);
     int64_t c = 0;
@@ -47,6 +49,7 @@ static float sum_exp(const float *x, int64_t C, float shift) {
 }
 
 /* sum_c w[c] * x[c] */
+TDM_CPU_CLONES
 static float dot(const float *w, const float *x, int64_t C) {
     v8f acc = v8_set1(0);
     int64_t c = 0;
@@ -58,6 +61,7 @@ static float dot(const float *w, const float *x, int64_t C) {
 
 /* Row statistics: lse (log-sum-exp; 0 for log-prob input) and, when smoothing, the weighted
  * sum of the row's -logp over classes. */
+TDM_CPU_CLONES
 static void ce_row(const float *x, int64_t C, const float *w, double wtotal, bool is_logits,
                    bool smooth, double *lse_out, double *smooth_out) {
     double lse = 0, sx = 0;
@@ -77,6 +81,7 @@ static double weight_total(const float *w, int64_t C) {
     return s;
 }
 
+TDM_CPU_CLONES
 int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
                           const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
                           float smoothing, bool is_logits) {
@@ -106,6 +111,7 @@ int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *
     return TDM_OK;
 }
 
+TDM_CPU_CLONES
 int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x,
                                    const tdm_tensor *target, const tdm_tensor *weight,
                                    int64_t ignore_index, float smoothing, bool is_logits) {
@@ -148,6 +154,7 @@ int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, cons
 }
 
 /* loss = max(x, 0) - x*y + log1p(exp(-|x|)): never exponentiates a positive number. */
+TDM_CPU_CLONES
 int tdm_cpu_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const tdm_tensor *y) {
     int64_t n = tdm_numel(x), i = 0;
     const float *xp = (const float *)tdm_data_ptr(x), *yp = (const float *)tdm_data_ptr(y);
@@ -165,6 +172,7 @@ int tdm_cpu_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const tdm_tensor *
     return TDM_OK;
 }
 
+TDM_CPU_CLONES
 int tdm_cpu_bce_logits_backward(tdm_tensor *gx, const tdm_tensor *g, const tdm_tensor *x,
                                 const tdm_tensor *y) {
     int64_t n = tdm_numel(x), i = 0;

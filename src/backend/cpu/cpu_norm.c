@@ -7,6 +7,7 @@
  * (S = 1) is still read row by row instead of with stride C.
  */
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_simd.h"
 
 #define BN_BLOCK 64 /* channels whose accumulators live on the stack at once */
@@ -27,6 +28,7 @@ static void bn_dims(const tdm_tensor *x, int64_t *n, int64_t *c, int64_t *s) {
 }
 
 /* Biased mean and variance of channels [c0, c0+nb) (two passes: stable for large means). */
+TDM_CPU_CLONES
 static void bn_block_stats(const float *x, int64_t N, int64_t C, int64_t S, int64_t c0, int nb,
                            double *mean, double *var) {
     double m = (double)N * (double)S;
@@ -44,6 +46,7 @@ static void bn_block_stats(const float *x, int64_t N, int64_t C, int64_t S, int6
 }
 
 /* y = x * a[c] + b[c] over channels [c0, c0+nb). */
+TDM_CPU_CLONES
 static void bn_block_affine(float *y, const float *x, int64_t N, int64_t C, int64_t S, int64_t c0,
                             int nb, const float *a, const float *b) {
     for (int64_t n = 0; n < N; n++)
@@ -99,6 +102,7 @@ int tdm_cpu_batch_norm(tdm_tensor *y, tdm_tensor *save_mean, tdm_tensor *save_in
 }
 
 /* *sg = sum g[i], *sgx = sum g[i] * (x[i] - mu) */
+TDM_CPU_CLONES
 static void sum_g_gdev(const float *g, const float *x, int64_t n, float mu, float *sg, float *sgx) {
     v8f a1 = v8_set1(0), a2 = v8_set1(0), m = v8_set1(mu);
     int64_t i = 0;
@@ -117,6 +121,7 @@ static void sum_g_gdev(const float *g, const float *x, int64_t n, float mu, floa
 }
 
 /* gx[i] = (g[i] - mg - (x[i] - mu) * k) * scale: the normalisation's Jacobian applied to g */
+TDM_CPU_CLONES
 static void centred_grad(float *gx, const float *g, const float *x, int64_t n, float mu, float mg,
                          float k, float scale) {
     v8f vm = v8_set1(mu), vg = v8_set1(mg), vk = v8_set1(k), vs = v8_set1(scale);
@@ -128,6 +133,7 @@ static void centred_grad(float *gx, const float *g, const float *x, int64_t n, f
 
 /* For channels [c0, c0 + nb): sg = sum of g, sgx = sum of g * (x - mean), in double, in a
  * fixed order (both batch-norm backward kernels need them). */
+TDM_CPU_CLONES
 static void channel_grad_sums(const float *g, const float *xp, const float *mean, int64_t N,
                               int64_t C, int64_t S, int64_t c0, int nb, double *sg, double *sgx) {
     for (int j = 0; j < nb; j++) sg[j] = sgx[j] = 0;
@@ -184,6 +190,7 @@ int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
 
 /* ---- synchronised batch norm: this rank's share of the statistics ---- */
 
+TDM_CPU_CLONES
 int tdm_cpu_batch_norm_stats(tdm_tensor *sum, const tdm_tensor *x, const tdm_tensor *center) {
     int64_t N, C, S;
     bn_dims(x, &N, &C, &S);
@@ -203,6 +210,7 @@ int tdm_cpu_batch_norm_stats(tdm_tensor *sum, const tdm_tensor *x, const tdm_ten
     return TDM_OK;
 }
 
+TDM_CPU_CLONES
 int tdm_cpu_batch_norm_backward_reduce(tdm_tensor *sum_dy, tdm_tensor *sum_dy_xmu, tdm_tensor *gw,
                                        tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x,
                                        const tdm_tensor *mean, const tdm_tensor *invstd) {
@@ -225,6 +233,7 @@ int tdm_cpu_batch_norm_backward_reduce(tdm_tensor *sum_dy, tdm_tensor *sum_dy_xm
     return TDM_OK;
 }
 
+TDM_CPU_CLONES
 int tdm_cpu_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *x,
                                       const tdm_tensor *weight, const tdm_tensor *mean,
                                       const tdm_tensor *invstd, const tdm_tensor *sum_dy,
@@ -247,6 +256,7 @@ int tdm_cpu_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy, cons
 
 /* ---- layer norm: rows of x [rows, cols]; rows = numel(mean) ---- */
 
+TDM_CPU_CLONES
 int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,
                        const tdm_tensor *weight, const tdm_tensor *bias, float eps) {
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
@@ -277,6 +287,7 @@ int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const 
 
 /* One row of the layer-norm backward: gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with
  * d = gy * w; gw += gy * xhat and gb += gy. */
+TDM_CPU_CLONES
 static void layer_norm_row_backward(float *gx, float *gw, float *gb, const float *g, const float *x,
                                     const float *w, int64_t n, float m, float inv) {
     v8f vm = v8_set1(m), vi = v8_set1(inv), one = v8_set1(1);
@@ -312,6 +323,7 @@ static void layer_norm_row_backward(float *gx, float *gw, float *gb, const float
     }
 }
 
+TDM_CPU_CLONES
 int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                 const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
                                 const tdm_tensor *mean, const tdm_tensor *rstd) {
@@ -328,6 +340,7 @@ int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
 
 /* ---- dropout ---- */
 
+TDM_CPU_CLONES
 int tdm_cpu_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, float p, uint64_t seed,
                     uint64_t offset) {
     int64_t n = tdm_numel(x);

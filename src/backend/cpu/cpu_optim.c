@@ -17,6 +17,7 @@
 #pragma GCC optimize("O3")
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_isa.h"
 
 #include <math.h>
 #ifdef __AVX__
@@ -60,6 +61,7 @@ ALWAYS_INLINE void sgd_loop(float *restrict p, const float *restrict g, float *r
     sgd_loop(pp, gg, bb, n, h->lr, h->momentum, 1.0f - h->dampening, h->weight_decay, sign, wd_,   \
              mom_, nest_, first_)
 
+TDM_CPU_CLONES
 int tdm_cpu_sgd_step(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *buf, const tdm_sgd_hparams *h,
                      bool first) {
     int64_t n = tdm_numel(p);
@@ -154,6 +156,7 @@ ALWAYS_INLINE void adam_loop(float *restrict p, const float *restrict g, float *
 
 #define ADAM_CASE(l2_, dec_, ams_) adam_loop(pp, gg, mm, vv, vm, n, &c, l2_, dec_, ams_)
 
+TDM_CPU_CLONES
 int tdm_cpu_adam_step(tdm_tensor *p, const tdm_tensor *g, tdm_tensor *m, tdm_tensor *v,
                       tdm_tensor *vmax, const tdm_adam_hparams *h, int64_t step) {
     int64_t n = tdm_numel(p);

@@ -10,6 +10,7 @@
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_iter.h"
 #include "backend/cpu/cpu_math.h"
 
@@ -26,6 +27,7 @@ static void split_dim(const tdm_tensor *t, int dim, int64_t *outer, int64_t *n, 
 
 /* sum of x[0..n) in double; eight independent partial sums, which the compiler turns into
  * vector adds, in a fixed order */
+TDM_CPU_CLONES
 static double row_sum(const float *x, int64_t n) {
     double acc[8] = {0};
     int64_t i = 0;
@@ -38,6 +40,7 @@ static double row_sum(const float *x, int64_t n) {
 
 /* max of x[0..n) (n >= 1) ignoring NaN, in eight lanes that become one vector max; *nan
  * tells whether a NaN was seen */
+TDM_CPU_CLONES
 static float row_max_nonnan(const float *x, int64_t n, bool *nan) {
     float m[8];
     int bad[8] = {0};
@@ -64,6 +67,7 @@ static float row_max_nonnan(const float *x, int64_t n, bool *nan) {
 }
 
 /* max of x[0..n) (n >= 1) and its first index; NaN counts as the maximum (as in PyTorch) */
+TDM_CPU_CLONES
 static float row_max(const float *x, int64_t n, int64_t *arg) {
     bool nan;
     float m = row_max_nonnan(x, n, &nan);
@@ -78,6 +82,7 @@ static float row_max(const float *x, int64_t n, int64_t *arg) {
 }
 
 /* y [outer, inner] = sum (or mean) over k of x [outer, n, inner] */
+TDM_CPU_CLONES
 static void reduce_sum(float *y, const float *x, int64_t outer, int64_t n, int64_t inner,
                        bool mean) {
     double scale = mean ? 1.0 / (double)n : 1.0; /* n == 0: mean is NaN, as in PyTorch */
@@ -107,6 +112,7 @@ static inline bool max_beats(float v, float best) {
 }
 
 /* y [outer, inner] = max over k of x [outer, n, inner]; am (may be NULL) the first argmax */
+TDM_CPU_CLONES
 static void reduce_max(float *y, int64_t *am, const float *x, int64_t outer, int64_t n,
                        int64_t inner) {
     float best[EW_CHUNK];
@@ -180,6 +186,7 @@ int tdm_cpu_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim
 
 /* ---- sum_to: the reverse of broadcasting ------------------------------------------------ */
 
+TDM_CPU_CLONES
 int tdm_cpu_sum_to(tdm_tensor *y, const tdm_tensor *x) {
     if (ew_check_f32("cpu sum_to", 2, (const tdm_tensor *[]){y, x})) return tdm_last_status();
     if (!tdm_is_contiguous(x) || !tdm_is_contiguous(y))
@@ -237,6 +244,7 @@ int tdm_cpu_sum_to(tdm_tensor *y, const tdm_tensor *x) {
 
 /* ---- max backward ----------------------------------------------------------------------- */
 
+TDM_CPU_CLONES
 int tdm_cpu_max_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *argmax, int dim) {
     if (ew_check_f32("cpu max_backward", 2, (const tdm_tensor *[]){gx, gy}))
         return tdm_last_status();
@@ -294,6 +302,7 @@ static int softmax_check(const char *what, const tdm_tensor *a, const tdm_tensor
 }
 
 /* Subtracting the row max keeps every exp in (0, 1], so nothing overflows. */
+TDM_CPU_CLONES
 static void softmax_row(float *y, const float *x, int64_t n, bool is_log) {
     bool nan;
     float m = row_max_nonnan(x, n, &nan);
@@ -321,6 +330,7 @@ int tdm_cpu_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log) {
 }
 
 /* softmax: gx = y * (gy - sum(gy * y)); log-softmax: gx = gy - exp(y) * sum(gy). */
+TDM_CPU_CLONES
 int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *y,
                              bool is_log) {
     if (softmax_check("cpu softmax_backward", gx, gy, y)) return tdm_last_status();
@@ -348,6 +358,7 @@ int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_ten
 /* ---- sum of squares --------------------------------------------------------------------- */
 
 /* Accepts any strides (a parameter's gradient may be a view into the flat buffer). */
+TDM_CPU_CLONES
 int tdm_cpu_sum_squares(double *out, const tdm_tensor *x) {
     if (ew_check_f32("cpu sum_squares", 1, &x)) return tdm_last_status();
     *out = 0;

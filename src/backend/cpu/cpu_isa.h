@@ -1,0 +1,38 @@
+/* The instruction sets the CPU kernels are built for, chosen at run time.
+ *
+ * A default (portable) build runs on any x86-64 CPU, so no kernel may assume the build
+ * machine's ISA. Instead:
+ * - a function whose loops the compiler vectorises is marked TDM_CPU_CLONES: GCC and Clang
+ *   build it for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA) and baseline x86-64, and the
+ *   dynamic loader picks one from cpuid once (an ifunc), so a call costs what it did;
+ * - hand-written AVX-512 code sits between TDM_AVX512_BEGIN and TDM_AVX512_END and runs only
+ *   where tdm_cpu_vector_bits() (cpu.h) says 512.
+ * TANDEM_NATIVE builds (-march=native) compile everything for the build machine alone.
+ * Results agree across the variants within float rounding (FMA contracts a*b + c), not bit
+ * for bit: scripts/test runs the kernel tests again as an AVX2 CPU under qemu.
+ */
+#ifndef TDM_CPU_ISA_H
+#define TDM_CPU_ISA_H
+
+#if defined(__x86_64__) && !defined(TANDEM_NATIVE)
+#define TDM_CPU_CLONES                                                                             \
+    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TDM_CPU_CLONES
+#endif
+
+#if defined(__x86_64__)
+#define TDM_HAVE_AVX512_CODE 1
+#if defined(__clang__)
+#define TDM_AVX512_BEGIN                                                                           \
+    _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512dq,avx512vl,"    \
+            "fma\"))), apply_to = function)")
+#define TDM_AVX512_END _Pragma("clang attribute pop")
+#else
+#define TDM_AVX512_BEGIN                                                                           \
+    _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512dq,avx512vl,fma\")")
+#define TDM_AVX512_END _Pragma("GCC pop_options")
+#endif
+#endif
+
+#endif

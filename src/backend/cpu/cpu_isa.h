@@ -7,14 +7,18 @@
  *   dynamic loader picks one from cpuid once (an ifunc), so a call costs what it did;
  * - hand-written AVX-512 code sits between TDM_AVX512_BEGIN and TDM_AVX512_END and runs only
  *   where tdm_cpu_vector_bits() (cpu.h) says 512.
- * TANDEM_NATIVE builds (-march=native) compile everything for the build machine alone.
+ * TANDEM_NATIVE builds (-march=native) compile everything for the build machine alone. Clang
+ * before 16 refuses a multi-versioned function that calls the vector helpers of cpu_simd.h
+ * (it checks their vector ABI before inlining), so with it the clones are baseline only; GCC,
+ * the compiler of the build, has no such limit.
  * Results agree across the variants within float rounding (FMA contracts a*b + c), not bit
  * for bit: scripts/test runs the kernel tests again as an AVX2 CPU under qemu.
  */
 #ifndef TDM_CPU_ISA_H
 #define TDM_CPU_ISA_H
 
-#if defined(__x86_64__) && !defined(TANDEM_NATIVE)
+#if defined(__x86_64__) && !defined(TANDEM_NATIVE) &&                                             \
+    !(defined(__clang__) && __clang_major__ < 16)
 #define TDM_CPU_CLONES                                                                             \
     __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -24,9 +28,9 @@
 #if defined(__x86_64__)
 #define TDM_HAVE_AVX512_CODE 1
 #if defined(__clang__)
+/* one string: _Pragma takes no concatenation */
 #define TDM_AVX512_BEGIN                                                                           \
-    _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512dq,avx512vl,"    \
-            "fma\"))), apply_to = function)")
+    _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512dq,avx512vl,fma\"))), apply_to = function)")
 #define TDM_AVX512_END _Pragma("clang attribute pop")
 #else
 #define TDM_AVX512_BEGIN                                                                           \

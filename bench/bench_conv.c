@@ -135,7 +135,8 @@ static int n_torch;
 
 static void run_torch(const char *script, double min_time) {
     char cmd[1024];
-    snprintf(cmd, sizeof cmd, "/usr/bin/python3 %s %g 2>/dev/null", script, min_time);
+    const char *py = getenv("TANDEM_BENCH_PYTHON"); /* bench/run: the venv's, with PyPI's torch */
+    snprintf(cmd, sizeof cmd, "%s %s %g 2>/dev/null", py ? py : "python3", script, min_time);
     FILE *p = popen(cmd, "r");
     if (!p) return;
     char line[256];

@@ -12,7 +12,7 @@ each as
 and prints every epoch's training time and test accuracy, then the ratio of PyTorch's
 mean epoch time to Tandem's (> 1: Tandem is faster): the median over --rounds rounds, each
 Tandem then PyTorch, so that a slow spell of a shared machine lands on both sides. Needs Open MPI's mpirun and Debian's
-torch at /usr/bin/python3.
+PyTorch from the python given by --python (this one by default).
 """
 import argparse
 import json
@@ -27,7 +27,8 @@ ROOT = os.path.dirname(HERE)
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--tandem", default=os.path.join(ROOT, "build", "tandem"))
-ap.add_argument("--python", default="/usr/bin/python3")
+ap.add_argument("--python", default=sys.executable,
+                help="a python with PyTorch (default: this one; bench/run uses the venv of scripts/setup --bench)")
 ap.add_argument("--world", type=int, default=2)
 ap.add_argument("--only", choices=["mlp", "cnn"])
 ap.add_argument("--epochs", type=int, default=1)

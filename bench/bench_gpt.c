@@ -1,6 +1,6 @@
 /* bench_gpt: Tandem training the byte-level GPT of bench/torch_gpt.py, side by side with it.
  *
- *   /usr/bin/python3 bench/torch_gpt.py --steps 40        # writes /tmp/tandem_bench_gpt/...
+ *   $VENV/bin/python bench/torch_gpt.py --steps 40        # writes /tmp/tandem_bench_gpt/...
  *   build/bench_gpt [DIR] [--steps N] [--threads N]
  *
  * Starts from the same weights (DIR/model.bin, llm.c's format, written by the torch script)

@@ -19,7 +19,8 @@ runs the four in turn, so a slow spell of a shared machine lands on all of them)
 time is the median of its rounds' means. Epoch times are the training
 steps only (no evaluation) in both. PyTorch indexes a preloaded tensor (no DataLoader);
 Tandem's DataLoader workers build batches on the side and their wait is reported.
-Torch runs need Debian's torch at /usr/bin/python3.
+PyTorch runs use the python given by --python (this one by default): the PyPI release in the
+venv of scripts/setup --bench.
 """
 import argparse
 import json
@@ -34,7 +35,8 @@ ROOT = os.path.dirname(HERE)
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--tandem", default=os.path.join(ROOT, "build", "tandem"))
-ap.add_argument("--python", default="/usr/bin/python3", help="a python with torch")
+ap.add_argument("--python", default=sys.executable,
+                help="a python with PyTorch (default: this one; bench/run uses the venv of scripts/setup --bench)")
 ap.add_argument("--only", choices=["mlp", "cnn"])
 ap.add_argument("--limit", type=int, default=0, help="first N samples (quick check)")
 ap.add_argument("--epochs-mlp", type=int, default=3)

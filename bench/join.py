@@ -2,7 +2,7 @@
 ratio torch/tandem (above 1: Tandem is faster). Lines named sgemm_* (the raw BLAS call on the
 same buffers) are set beside the matching matmul_* as "vs BLAS".
 
-    /usr/bin/python3 bench/join.py TANDEM_OUTPUT TORCH_OUTPUT
+    python3 bench/join.py TANDEM_OUTPUT TORCH_OUTPUT
 """
 import sys
 

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch reference for bench/bench_conv.c: conv2d forward+backward and max_pool2d on the
-Fashion-MNIST CNN shapes, one thread. Run with Debian's /usr/bin/python3 (torch 1.13) and the
-same OPENBLAS_CORETYPE as the C bench. Prints ms per iteration, one line per case, in the
+Fashion-MNIST CNN shapes, one thread. Run with the python of scripts/setup --bench's venv
+(PyTorch from PyPI). Prints ms per iteration, one line per case, in the
 format bench_conv reads back ("torch <case> <ms>")."""
 import os
 import sys

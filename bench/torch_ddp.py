@@ -1,8 +1,8 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch DistributedDataParallel (gloo, CPU) on Fashion-MNIST: the reference for
 `mpirun -np N tandem train` (bench/bench_ddp.py).
 
-usage: /usr/bin/python3 bench/torch_ddp.py --model mlp|cnn [--world 2] [--epochs 1]
+usage: $VENV/bin/python bench/torch_ddp.py --model mlp|cnn [--world 2] [--epochs 1]
            [--batch 64] [--optimizer sgd|adam] [--lr LR] [--momentum M] [--seed S] [--limit N]
 
 The models and data of bench/torch_fmnist.py. --world processes (torch.multiprocessing.spawn),

@@ -1,8 +1,8 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch reference runs for `tandem train` on Fashion-MNIST: the same models (nn.Sequential,
 so the same parameter names and default initialisation), optimizers and batch size.
 
-usage: /usr/bin/python3 bench/torch_fmnist.py --model mlp|cnn [--epochs N] [--batch 64]
+usage: $VENV/bin/python bench/torch_fmnist.py --model mlp|cnn [--epochs N] [--batch 64]
            [--optimizer sgd|adam|adamw] [--lr LR] [--momentum M] [--threads T]
            [--blas-threads T] [--seed S] [--limit N]
 

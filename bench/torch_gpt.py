@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """The PyTorch side of bench_gpt: a byte-level GPT-2 trained for --steps steps, timed per step.
 
-usage: /usr/bin/python3 bench/torch_gpt.py [--dir /tmp/tandem_bench_gpt] [--steps 40] [--threads 1]
+usage: $VENV/bin/python bench/torch_gpt.py [--dir /tmp/tandem_bench_gpt] [--steps 40] [--threads 1]
 
 Config (../shared/baseline/README.md, section 6): 2 layers, 128 channels, 4 heads, context
 64, batch 4, vocabulary 256 (bytes), no dropout; AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8,

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch's optimizer step speed on one thread, for comparison with bench/bench_optim.c.
 
-    /usr/bin/python3 bench/torch_optim.py [path/to/bench_optim]
+    $VENV/bin/python bench/torch_optim.py [path/to/bench_optim]
 
 Times Adam, AdamW and SGD(momentum=0.9) steps over one 1M and one 10M-element parameter with
 foreach=False (the single-tensor loop) and foreach=True (multi-tensor kernels); the median of

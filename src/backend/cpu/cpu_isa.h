@@ -17,7 +17,17 @@
 #ifndef TDM_CPU_ISA_H
 #define TDM_CPU_ISA_H
 
-#if defined(__x86_64__) && !defined(TANDEM_NATIVE) &&                                             \
+/* Sanitizer builds take the baseline code: the loader runs an ifunc's resolver before the
+ * sanitizer's runtime exists, and an instrumented resolver crashes there. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define TDM_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define TDM_SANITIZED 1
+#endif
+#endif
+
+#if defined(__x86_64__) && !defined(TANDEM_NATIVE) && !defined(TDM_SANITIZED) &&                  \
     !(defined(__clang__) && __clang_major__ < 16)
 #define TDM_CPU_CLONES                                                                             \
     __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))

@@ -107,6 +107,10 @@ static void test_help(void) {
 
     r = TANDEM("devices");
     CHECK(r.status == 0 && strstr(r.out, "cpu:0"), "devices exit %d: %s", r.status, r.out);
+    /* the GEMM library each CPU device runs, named as tdm_gemm_describe names it */
+    char gemm[128];
+    tdm_gemm_describe(gemm, sizeof gemm);
+    CHECK(strstr(r.out, gemm) != NULL, "devices should name the GEMM '%s': %s", gemm, r.out);
     result_free(&r);
 }
 
@@ -128,6 +132,7 @@ static void test_usage_errors(void) {
     expect_usage("'abc'", (const char *const[]){t, "train", "--epochs", "abc", NULL});
     expect_usage("--epochs", (const char *const[]){t, "train", "--epochs", "0", NULL});
     expect_usage("--lr", (const char *const[]){t, "train", "--lr", "-1", NULL});
+    expect_usage("--denormals", (const char *const[]){t, "train", "--denormals", "fast", NULL});
     expect_usage("--batch-size", (const char *const[]){t, "train", "--batch-size", "1e", NULL});
     expect_usage("resnet", (const char *const[]){t, "train", "--model", "resnet", NULL});
     expect_usage("rmsprop", (const char *const[]){t, "train", "--optimizer", "rmsprop", NULL});

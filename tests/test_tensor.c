@@ -3,6 +3,8 @@
 #include "check.h"
 #include "core/core.h"
 
+#include <pthread.h>
+
 static void test_creation(void) {
     tdm_scope_begin();
     tdm_tensor *z = tdm_zeros(TDM_SHAPE(2, 3), TDM_F32, tdm_cpu(0));
@@ -168,7 +170,35 @@ static void test_allocator(void) {
     tdm_tensor_free(kept);
 }
 
+static void *denormal_probe(void *arg) {
+    volatile float tiny = 1e-38f; /* below FLT_MIN: a product with it is denormal */
+    *(float *)arg = tiny * 0.5f;
+    return NULL;
+}
+
+/* tdm_set_flush_denormal: the calling thread's arithmetic, and threads it creates later */
+static void test_flush_denormal(void) {
+    bool was = tdm_flush_denormal();
+    float here, there;
+    pthread_t th;
+    if (!tdm_set_flush_denormal(true)) {
+        CHECK(!tdm_flush_denormal(), "an unsupported flush reports itself off");
+        return;
+    }
+    CHECK(tdm_flush_denormal(), "flush on");
+    denormal_probe(&here);
+    pthread_create(&th, NULL, denormal_probe, &there);
+    pthread_join(th, NULL);
+    CHECK(here == 0.0f && there == 0.0f, "denormal results flush to 0: %g here, %g in a new thread",
+          here, there);
+    tdm_set_flush_denormal(false);
+    denormal_probe(&here);
+    CHECK(!tdm_flush_denormal() && here > 0.0f, "flush off: 1e-38 * 0.5 = %g", here);
+    tdm_set_flush_denormal(was);
+}
+
 int main(void) {
+    test_flush_denormal();
     test_creation();
     test_views();
     test_errors();

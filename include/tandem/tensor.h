@@ -86,6 +86,14 @@ int tdm_device_describe(tdm_device d, char *buf, size_t cap);
  * and logs: "oneDNN 2.6.3, avx512_core" or "OpenBLAS 0.3.21, SkylakeX kernels". Writes at most
  * cap bytes into buf (always terminated) and returns buf. */
 char *tdm_gemm_describe(char *buf, size_t cap);
+/* Flushes denormal floats (below 1.18e-38) to zero in the calling thread's arithmetic, or
+ * stops (torch.set_flush_denormal). Threads it creates afterwards, the devices' among them,
+ * start with the same setting. Off by default, as in PyTorch; `tandem train` turns it on
+ * (--denormals): a denormal costs a microcode assist per operation. Returns false where the
+ * CPU has no such mode (then nothing changed). */
+bool tdm_set_flush_denormal(bool on);
+/* Whether the calling thread flushes denormals. */
+bool tdm_flush_denormal(void);
 /* NULL when that library runs the fastest kernels this CPU allows; otherwise one line that
  * says what it runs instead and how to fix it (stored per thread, valid until the next call). */
 const char *tdm_gemm_warning(void);

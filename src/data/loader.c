@@ -82,6 +82,7 @@ struct tdm_loader {
     bool active, stop;
     int64_t next_build;
     int in_flight;
+    int sleeping; /* workers waiting on work_cv */
     atomic_bool cancel; /* read between samples: abandons builds of a finished epoch */
     pthread_t *threads;
     int nthreads;
@@ -166,7 +167,9 @@ static void *worker_main(void *arg) {
     while (!l->stop) {
         slot *s = claimable(l);
         if (!s) {
+            l->sleeping++;
             pthread_cond_wait(&l->work_cv, &l->mu);
+            l->sleeping--;
             continue;
         }
         int64_t k = l->next_build++;
@@ -414,9 +417,17 @@ static void release_held(tdm_loader *l) {
     } else {
         pthread_mutex_lock(&l->mu);
         l->held->state = SLOT_FREE;
-        /* one slot freed: one worker can use it; waking them all made the extra ones
-         * preempt the training thread for nothing (~50 us a step on 2 cores) */
-        pthread_cond_signal(&l->work_cv);
+        /* A woken worker builds every free slot before it sleeps again, so it is woken only
+         * once half the ring is free (or all that is left of the epoch): a wake-up is a
+         * syscall on the training thread and a context switch on a core a device may need,
+         * per step before. One worker, not all: the others would preempt the training
+         * thread for nothing (~50 us a step on 2 cores). wait_ready wakes one too when the
+         * caller gets ahead of the builds. */
+        int64_t end = l->next_consume + l->nslots < l->nbatches ? l->next_consume + l->nslots
+                                                                 : l->nbatches;
+        int64_t ahead = end - l->next_build;
+        if (l->sleeping > 0 && ahead > 0 && (ahead >= (l->nslots + 1) / 2 || end == l->nbatches))
+            pthread_cond_signal(&l->work_cv);
         pthread_mutex_unlock(&l->mu);
     }
     l->held = NULL;
@@ -426,6 +437,7 @@ static void release_held(tdm_loader *l) {
 static void wait_ready(tdm_loader *l, slot *s, int64_t k) {
     pthread_mutex_lock(&l->mu);
     if (!(s->state == SLOT_READY && s->k == k)) {
+        if (l->sleeping > 0) pthread_cond_signal(&l->work_cv); /* see release_held */
         double t0 = now_s();
         while (!(s->state == SLOT_READY && s->k == k)) pthread_cond_wait(&l->ready_cv, &l->mu);
         l->wait_s += now_s() - t0;

@@ -1,6 +1,6 @@
 """Joins "BENCH <name> <ms>" lines from Tandem and PyTorch into a Markdown table with the
-ratio torch/tandem (above 1: Tandem is faster). Lines named sgemm_* (the raw BLAS call on the
-same buffers) are set beside the matching matmul_* as "vs BLAS".
+ratio torch/tandem (above 1: Tandem is faster). Lines named sgemm_* (the raw GEMM call, cpu_gemm.c, on the
+same buffers) are set beside the matching matmul_* as "vs GEMM".
 
     python3 bench/join.py TANDEM_OUTPUT TORCH_OUTPUT
 """
@@ -17,7 +17,7 @@ def read(path):
 
 
 tandem, torch = read(sys.argv[1]), read(sys.argv[2])
-print("| op | Tandem ms | PyTorch ms | PyTorch / Tandem | OpenBLAS sgemm ms | Tandem / sgemm |")
+print("| op | Tandem ms | PyTorch ms | PyTorch / Tandem | its GEMM alone ms | Tandem / GEMM |")
 print("|---|---|---|---|---|---|")
 for name, ms in tandem.items():
     if name.startswith("sgemm_"):

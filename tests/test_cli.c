@@ -294,6 +294,19 @@ static void test_devices_run(void) {
     CHECK(per.status == 0 && fabs(l1 - lp) <= 2e-4,
           "--batch-per-device 32 on 2 devices: %.4f vs %.4f", lp, l1);
     result_free(&per);
+    /* the header's note when a device's share of a step is small: the MLP's 32 rows per
+     * device, not its 256 (an 8x larger share), nor one device, nor --quiet */
+    result small = TANDEM("train", "--limit", "640", "--model", "mlp", "--devices", "2");
+    result big = TANDEM("train", "--limit", "640", "--model", "mlp", "--devices", "2",
+                        "--batch-size", "512");
+    result single = TANDEM("train", "--limit", "640", "--model", "mlp");
+    CHECK(small.status == 0 && strstr(small.out, "\nnote      ") &&
+              strstr(small.out, "MFLOP of matrix products per device per step"),
+          "2 devices x 32 rows: no note: %s", small.out);
+    CHECK(big.status == 0 && !strstr(big.out, "\nnote ") && single.status == 0 &&
+              !strstr(single.out, "\nnote ") && !strstr(three.out, "note "),
+          "a note where none is due: %s\n%s", big.out, single.out);
+    result_free(&small), result_free(&big), result_free(&single);
     /* the trace: a track per device and per communication thread, each step's spans (CPU
      * devices reduce and step a shard each after backward: see sharded_update in dp.c) */
     char *tr = slurp(trace);

@@ -703,6 +703,25 @@ static int train_step_on_host(trainer *t, const tdm_batch *b) {
     return 0;
 }
 
+/* Data parallelism pays when each device's share of a step is large next to the ~0.1-0.2 ms
+ * a step spends synchronising the devices (bench/RESULTS.md, bench_dp: the MLP, 32 MFLOP of
+ * products per device per step, gains 1.2x on 2 devices; the CNN, several hundred, 1.95x). The first
+ * step's products on this thread are device 0's share: below the threshold, say so. */
+#define SMALL_DEVICE_WORK_FLOPS 100e6
+
+static void note_small_work(trainer *t, uint64_t flops) {
+    int procs = t->g ? tdm_group_size(t->g) : 1;
+    if (t->pipe || t->o.n_devs * procs < 2 || t->dev.type != TDM_CPU || t->o.quiet ||
+        (double)flops >= SMALL_DEVICE_WORK_FLOPS)
+        return;
+    progress_clear(&t->prog);
+    printf("note      %.0f MFLOP of matrix products per device per step: little next to the "
+           "devices' synchronisation; expect well under %dx (a larger --batch-size, or fewer "
+           "devices, does better)\n",
+           (double)flops / 1e6, t->o.n_devs * procs);
+    fflush(stdout);
+}
+
 /* One optimizer step on batch b; records loss and predictions into the chunk buffers. */
 static int train_step(trainer *t, const tdm_batch *b) {
     if (t->dp || t->pipe) return train_step_on_host(t, b);
@@ -862,10 +881,12 @@ static int train_epoch(trainer *t, int epoch, epoch_stats *e) {
         if (t->sched.kind == TDM_SCHED_COSINE) apply_lr(t, t->global_step);
         t->lr_host[t->chunk_steps] = tdm_optim_lr(t->opt);
         t->size_host[t->chunk_steps] = b.size;
+        uint64_t flops = tdm_gemm_flops();
         tdm_trace_begin("step");
         int step_rc = train_step(t, &b);
         tdm_trace_end();
         if (step_rc) return EXIT_RUNTIME;
+        if (step == skip && epoch == t->start_epoch) note_small_work(t, tdm_gemm_flops() - flops);
         t->time_host[t->chunk_steps] = progress_now();
         t->chunk_steps++;
         t->chunk_images += b.size;

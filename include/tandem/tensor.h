@@ -86,6 +86,10 @@ int tdm_device_describe(tdm_device d, char *buf, size_t cap);
  * and logs: "oneDNN 2.6.3, avx512_core" or "OpenBLAS 0.3.21, SkylakeX kernels". Writes at most
  * cap bytes into buf (always terminated) and returns buf. */
 char *tdm_gemm_describe(char *buf, size_t cap);
+/* Floating-point operations (2 m n k each) of the CPU matrix products the calling thread has
+ * run since it started: the bulk of a training step's work, for telling how much work a
+ * device gets (tandem train's data-parallel note). Never fails. */
+uint64_t tdm_gemm_flops(void);
 /* Flushes denormal floats (below 1.18e-38) to zero in the calling thread's arithmetic, or
  * stops (torch.set_flush_denormal). Threads it creates afterwards, the devices' among them,
  * start with the same setting. Off by default, as in PyTorch; `tandem train` turns it on

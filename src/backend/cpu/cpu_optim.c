@@ -11,8 +11,8 @@
  *
  * Each loop is written once as an always-inline function over compile-time flags and
  * instantiated per flag combination, so every variant is a branch-free loop the compiler
- * vectorises at O3. Adam's sqrtf keeps GCC from vectorising it (errno, which no function
- * attribute turns off), so its body has an explicit AVX path with the same operation order.
+ * vectorises at O3 (sqrtf too: the build has -fno-math-errno), in each instruction set of
+ * TDM_CPU_CLONES.
  */
 #pragma GCC optimize("O3")
 
@@ -20,9 +20,6 @@
 #include "backend/cpu/cpu_isa.h"
 
 #include <math.h>
-#ifdef __AVX__
-#include <immintrin.h>
-#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -108,33 +105,6 @@ ALWAYS_INLINE void adam_loop(float *restrict p, const float *restrict g, float *
                 b2 = c->b2, omb2 = c->omb2, bc2s = c->bc2_sqrt, eps = c->eps,
                 nss = c->neg_step_size;
     int64_t i = 0;
-#ifdef __AVX__
-    const __m256 vsign = _mm256_set1_ps(sign), vwd = _mm256_set1_ps(wd),
-                 vdecay = _mm256_set1_ps(decay), vb1 = _mm256_set1_ps(b1),
-                 vomb1 = _mm256_set1_ps(omb1), vb2 = _mm256_set1_ps(b2),
-                 vomb2 = _mm256_set1_ps(omb2), vbc2s = _mm256_set1_ps(bc2s),
-                 veps = _mm256_set1_ps(eps), vnss = _mm256_set1_ps(nss);
-    for (; i + 8 <= n; i += 8) {
-        __m256 gi = _mm256_mul_ps(vsign, _mm256_loadu_ps(g + i));
-        __m256 pi = _mm256_loadu_ps(p + i);
-        if (l2) gi = _mm256_add_ps(gi, _mm256_mul_ps(vwd, pi));
-        if (decoupled) pi = _mm256_mul_ps(pi, vdecay);
-        __m256 mi =
-            _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(m + i), vb1), _mm256_mul_ps(vomb1, gi));
-        __m256 vi = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i), vb2),
-                                  _mm256_mul_ps(vomb2, _mm256_mul_ps(gi, gi)));
-        _mm256_storeu_ps(m + i, mi);
-        _mm256_storeu_ps(v + i, vi);
-        __m256 vv = vi;
-        if (amsgrad) {
-            vv = _mm256_max_ps(_mm256_loadu_ps(vmax + i), vi);
-            _mm256_storeu_ps(vmax + i, vv);
-        }
-        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), vbc2s), veps);
-        __m256 upd = _mm256_div_ps(_mm256_mul_ps(vnss, mi), denom);
-        _mm256_storeu_ps(p + i, _mm256_add_ps(pi, upd));
-    }
-#endif
     for (; i < n; i++) {
         float gi = sign * g[i];
         float pi = p[i];

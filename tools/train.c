@@ -989,6 +989,7 @@ static void write_config(trainer *t) {
     json_str(f, sizeof f, "optimizer", o->optimizer, true);
     json_str(f, sizeof f, "schedule", o->schedule, true);
     json_str(f, sizeof f, "devices", o->devices, true);
+    json_str(f, sizeof f, "denormals", o->denormals, true);
     size_t n = strlen(f);
     snprintf(f + n, sizeof f - n,
              "\"lr\":%g,\"momentum\":%g,\"weight_decay\":%g,\"epochs\":%lld,"

@@ -44,8 +44,10 @@ static void check_gemm(bool ta, bool tb, int m, int n, int k, float alpha, float
         for (int j = 0; j < ldc; j++) {
             double d = fabs(c[i * ldc + j] - ref[i * ldc + j]);
             /* the padding is not part of c: it must be left as it was */
-            if (j >= n) pad_moved = fmax(pad_moved, d);
-            else worst = fmax(worst, d / (1.0 + fabs(ref[i * ldc + j])));
+            if (j >= n)
+                pad_moved = fmax(pad_moved, d);
+            else
+                worst = fmax(worst, d / (1.0 + fabs(ref[i * ldc + j])));
         }
     /* float products of k terms: rounding grows like sqrt(k) * 2^-24 */
     CHECK(worst < 1e-5 * sqrt((double)k) + 1e-6 && pad_moved == 0,
@@ -56,8 +58,8 @@ static void check_gemm(bool ta, bool tb, int m, int n, int k, float alpha, float
 
 static void test_products(void) {
     /* the model shapes (MLP, CNN im2col, attention) and odd ones that leave kernel tails */
-    int shapes[][3] = {{64, 256, 784}, {32, 196, 288}, {64, 64, 32}, {1, 1, 1}, {7, 13, 5},
-                       {33, 17, 65}, {2, 130, 3}};
+    int shapes[][3] = {{64, 256, 784}, {32, 196, 288}, {64, 64, 32}, {1, 1, 1},
+                       {7, 13, 5},     {33, 17, 65},   {2, 130, 3}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int t = 0; t < 4; t++) {
             check_gemm(t & 1, t & 2, shapes[s][0], shapes[s][1], shapes[s][2], 1.0f, 0.0f);

@@ -376,8 +376,7 @@ static int check_opts(train_opts *o) {
                            o->optimizer);
     static const char *const denormal_modes[] = {"flush", "keep", NULL};
     if (!one_of(o->denormals, denormal_modes))
-        return usage_error("--denormals: unknown mode '%s' (expected flush or keep)",
-                           o->denormals);
+        return usage_error("--denormals: unknown mode '%s' (expected flush or keep)", o->denormals);
     if (!one_of(o->schedule, schedules))
         return usage_error("--schedule: unknown schedule '%s' (expected constant, step or "
                            "cosine)",
@@ -705,8 +704,8 @@ static int train_step_on_host(trainer *t, const tdm_batch *b) {
 
 /* Data parallelism pays when each device's share of a step is large next to the ~0.1-0.2 ms
  * a step spends synchronising the devices (bench/RESULTS.md, bench_dp: the MLP, 32 MFLOP of
- * products per device per step, gains 1.2x on 2 devices; the CNN, several hundred, 1.95x). The first
- * step's products on this thread are device 0's share: below the threshold, say so. */
+ * products per device per step, gains 1.2x on 2 devices; the CNN, several hundred, 1.95x). The
+ * first step's products on this thread are device 0's share: below the threshold, say so. */
 #define SMALL_DEVICE_WORK_FLOPS 100e6
 
 static void note_small_work(trainer *t, uint64_t flops) {

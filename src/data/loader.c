@@ -82,7 +82,7 @@ struct tdm_loader {
     bool active, stop;
     int64_t next_build;
     int in_flight;
-    int sleeping; /* workers waiting on work_cv */
+    int sleeping;       /* workers waiting on work_cv */
     atomic_bool cancel; /* read between samples: abandons builds of a finished epoch */
     pthread_t *threads;
     int nthreads;
@@ -423,8 +423,8 @@ static void release_held(tdm_loader *l) {
          * per step before. One worker, not all: the others would preempt the training
          * thread for nothing (~50 us a step on 2 cores). wait_ready wakes one too when the
          * caller gets ahead of the builds. */
-        int64_t end = l->next_consume + l->nslots < l->nbatches ? l->next_consume + l->nslots
-                                                                 : l->nbatches;
+        int64_t end =
+            l->next_consume + l->nslots < l->nbatches ? l->next_consume + l->nslots : l->nbatches;
         int64_t ahead = end - l->next_build;
         if (l->sleeping > 0 && ahead > 0 && (ahead >= (l->nslots + 1) / 2 || end == l->nbatches))
             pthread_cond_signal(&l->work_cv);

@@ -31,9 +31,8 @@ int tdm_cpu_sum_squares(double *out, const tdm_tensor *x);
 
 /* cpu_gemm.c: c[m, n] = alpha * op(a)[m, k] @ op(b)[k, n] + beta * c, row-major, op(x) = x^T
  * where ta/tb; lda, ldb, ldc are the row strides of a, b and c as stored */
-void tdm_cpu_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                   const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
-                   int64_t ldc);
+void tdm_cpu_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+                   int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
 /* Threads one GEMM call may use: with oneDNN (OpenMP) a setting of the calling thread, with
  * OpenBLAS of the process. */
 int tdm_cpu_gemm_threads(void);

@@ -80,12 +80,11 @@ int tdm_cpu_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int
             const float *q = base + b * T * 3 * C + h * hs, *k = q + C, *v = q + 2 * C;
             float *l = lp + (b * d.nh + h) * T;
             /* S [T, T] = scale * Q [T, hs] @ K^T [hs, T] */
-            tdm_cpu_sgemm(false, true, (int)T, (int)T, (int)hs, scale, q,
-                        (int)(3 * C), k, (int)(3 * C), 0.0f, S, (int)T);
+            tdm_cpu_sgemm(false, true, T, T, hs, scale, q, 3 * C, k, 3 * C, 0.0f, S, T);
             for (int64_t t = 0; t < T; t++) l[t] = softmax_row(S + t * T, t, T);
             /* Y [T, hs] = P [T, T] @ V [T, hs] */
-            tdm_cpu_sgemm(false, false, (int)T, (int)hs, (int)T, 1.0f, S,
-                        (int)T, v, (int)(3 * C), 0.0f, yp + b * T * C + h * hs, (int)C);
+            tdm_cpu_sgemm(false, false, T, hs, T, 1.0f, S, T, v, 3 * C, 0.0f,
+                          yp + b * T * C + h * hs, C);
         }
     tdm_storage_release(blk);
     return TDM_OK;
@@ -129,19 +128,14 @@ int tdm_cpu_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm
             const float *g_y = dyp + b * T * C + h * hs;
             float *gq = gbase + b * T * C3 + h * hs, *gk = gq + C, *gv = gq + 2 * C;
             /* the forward's scaled scores again, and dP [T, T] = dY [T, hs] @ V^T */
-            tdm_cpu_sgemm(false, true, (int)T, (int)T, (int)hs, scale, q,
-                        (int)C3, k, (int)C3, 0.0f, P, (int)T);
-            tdm_cpu_sgemm(false, true, (int)T, (int)T, (int)hs, 1.0f, g_y,
-                        (int)C, v, (int)C3, 0.0f, G, (int)T);
+            tdm_cpu_sgemm(false, true, T, T, hs, scale, q, C3, k, C3, 0.0f, P, T);
+            tdm_cpu_sgemm(false, true, T, T, hs, 1.0f, g_y, C, v, C3, 0.0f, G, T);
             probs_and_dscores(P, G, lp + (b * d.nh + h) * T, T);
             /* dV [T, hs] = P^T [T, T] @ dY [T, hs] */
-            tdm_cpu_sgemm(true, false, (int)T, (int)hs, (int)T, 1.0f, P,
-                        (int)T, g_y, (int)C, 0.0f, gv, (int)C3);
+            tdm_cpu_sgemm(true, false, T, hs, T, 1.0f, P, T, g_y, C, 0.0f, gv, C3);
             /* dQ = scale * dS @ K;  dK = scale * dS^T @ Q */
-            tdm_cpu_sgemm(false, false, (int)T, (int)hs, (int)T, scale,
-                        G, (int)T, k, (int)C3, 0.0f, gq, (int)C3);
-            tdm_cpu_sgemm(true, false, (int)T, (int)hs, (int)T, scale, G,
-                        (int)T, q, (int)C3, 0.0f, gk, (int)C3);
+            tdm_cpu_sgemm(false, false, T, hs, T, scale, G, T, k, C3, 0.0f, gq, C3);
+            tdm_cpu_sgemm(true, false, T, hs, T, scale, G, T, q, C3, 0.0f, gk, C3);
         }
     tdm_storage_release(blk);
     return TDM_OK;

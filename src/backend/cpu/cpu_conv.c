@@ -214,10 +214,9 @@ int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, cons
                 im2col(xn, g.cin, &g, oh0, oh1, col, ld);
             }
             for (int64_t gi = 0; gi < g.groups; gi++)
-                tdm_cpu_sgemm(false, false, (int)g.cout_g, (int)cols,
-                            (int)g.k_g, 1.0f, wp + gi * g.cout_g * g.k_g, (int)g.k_g,
-                            src + gi * g.k_g * ld, (int)ld, 0.0f,
-                            yn + gi * g.cout_g * g.p + oh0 * g.wo, (int)g.p);
+                tdm_cpu_sgemm(false, false, g.cout_g, cols, g.k_g, 1.0f, wp + gi * g.cout_g * g.k_g,
+                              g.k_g, src + gi * g.k_g * ld, ld, 0.0f,
+                              yn + gi * g.cout_g * g.p + oh0 * g.wo, g.p);
         }
         if (bp) /* while y[n] is still in cache */
             for (int64_t co = 0; co < g.cout; co++) {
@@ -338,20 +337,18 @@ int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, cons
                         gw_small_k(gwp + gi * g.cout_g * g.k_g, g.k_g, dy + gi * g.cout_g * g.p,
                                    g.p, src + gi * g.k_g * ld, ld, g.cout_g, g.k_g, cols);
                     else
-                        tdm_cpu_sgemm(false, true, (int)g.cout_g,
-                                    (int)g.k_g, (int)cols, 1.0f, dy + gi * g.cout_g * g.p, (int)g.p,
-                                    src + gi * g.k_g * ld, (int)ld, 1.0f,
-                                    gwp + gi * g.cout_g * g.k_g, (int)g.k_g);
+                        tdm_cpu_sgemm(false, true, g.cout_g, g.k_g, cols, 1.0f,
+                                      dy + gi * g.cout_g * g.p, g.p, src + gi * g.k_g * ld, ld,
+                                      1.0f, gwp + gi * g.cout_g * g.k_g, g.k_g);
             }
             if (gxp) {
                 /* pointwise: gx[n] is its own column matrix (ld P); else gcol reuses col */
                 float *dst = pointwise ? gxn : col;
                 int64_t ld = pointwise ? g.p : cols;
                 for (int64_t gi = 0; gi < g.groups; gi++)
-                    tdm_cpu_sgemm(true, false, (int)g.k_g, (int)cols,
-                                (int)g.cout_g, 1.0f, wp + gi * g.cout_g * g.k_g, (int)g.k_g,
-                                dy + gi * g.cout_g * g.p, (int)g.p, 0.0f, dst + gi * g.k_g * ld,
-                                (int)ld);
+                    tdm_cpu_sgemm(true, false, g.k_g, cols, g.cout_g, 1.0f,
+                                  wp + gi * g.cout_g * g.k_g, g.k_g, dy + gi * g.cout_g * g.p, g.p,
+                                  0.0f, dst + gi * g.k_g * ld, ld);
                 if (!pointwise) col2im(col, cols, g.cin, &g, oh0, oh1, gxn);
             }
         }

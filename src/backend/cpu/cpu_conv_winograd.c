@@ -250,9 +250,8 @@ static int wino_correlate(const float *in, const wgeom *g, int64_t n, const floa
         int64_t cnt = n - n0 < nb ? n - n0 : nb, t = cnt * g->tt;
         transform_inputs(in, g, n0, cnt, P, V, ld);
         for (int xi = 0; xi < 16; xi++)
-            tdm_cpu_sgemm(false, false, (int)g->c2, (int)t, (int)g->c1,
-                        1.0f, U + xi * g->c2 * g->c1, (int)g->c1, V + xi * vs, (int)ld, 0.0f,
-                        M + xi * ms, (int)ld);
+            tdm_cpu_sgemm(false, false, g->c2, t, g->c1, 1.0f, U + xi * g->c2 * g->c1, g->c1,
+                          V + xi * vs, ld, 0.0f, M + xi * ms, ld);
         for (int64_t i = 0; i < cnt; i++)
             for (int64_t c = 0; c < g->c2; c++)
                 output_transform(M + c * ld + i * g->tt, ms, g, bias ? bias[c] : 0.0f,
@@ -325,9 +324,8 @@ static int wino_weight_grad(float *gw, const float *gy, const float *x, const co
                 grad_transform(Q, &fg, D + c * ld + i * fg.tt, ds);
             }
         for (int xi = 0; xi < 16; xi++)
-            tdm_cpu_sgemm(false, true, (int)g->cout, (int)g->cin, (int)t,
-                        1.0f, D + xi * ds, (int)ld, V + xi * vs, (int)ld, n0 == 0 ? 0.0f : 1.0f,
-                        dU + xi * g->cout * g->cin, (int)g->cin);
+            tdm_cpu_sgemm(false, true, g->cout, g->cin, t, 1.0f, D + xi * ds, ld, V + xi * vs, ld,
+                          n0 == 0 ? 0.0f : 1.0f, dU + xi * g->cout * g->cin, g->cin);
     }
     for (int64_t co = 0; co < g->cout; co++)
         for (int64_t ci = 0; ci < g->cin; ci++)

@@ -30,15 +30,14 @@ uint64_t tdm_gemm_flops(void) {
     return gemm_flops;
 }
 
-void tdm_cpu_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                   const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c,
-                   int64_t ldc) {
+void tdm_cpu_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
+                   int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
     gemm_flops += 2 * (uint64_t)m * (uint64_t)n * (uint64_t)k;
 #ifdef TANDEM_GEMM_ONEDNN
     /* row-major, as cblas with CblasRowMajor; fails only on bad dimensions, which the ops
      * have checked before a kernel runs */
-    dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb,
-                                  beta, c, ldc);
+    dnnl_status_t st =
+        dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     (void)st;
 #else
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,

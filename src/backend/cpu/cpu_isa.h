@@ -27,10 +27,9 @@
 #endif
 #endif
 
-#if defined(__x86_64__) && !defined(TANDEM_NATIVE) && !defined(TDM_SANITIZED) &&                  \
+#if defined(__x86_64__) && !defined(TANDEM_NATIVE) && !defined(TDM_SANITIZED) &&                   \
     !(defined(__clang__) && __clang_major__ < 16)
-#define TDM_CPU_CLONES                                                                             \
-    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define TDM_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TDM_CPU_CLONES
 #endif
@@ -39,8 +38,10 @@
 #define TDM_HAVE_AVX512_CODE 1
 #if defined(__clang__)
 /* one string: _Pragma takes no concatenation */
+/* clang-format off */
 #define TDM_AVX512_BEGIN                                                                           \
     _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512dq,avx512vl,fma\"))), apply_to = function)")
+/* clang-format on */
 #define TDM_AVX512_END _Pragma("clang attribute pop")
 #else
 #define TDM_AVX512_BEGIN                                                                           \

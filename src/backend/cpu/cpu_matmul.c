@@ -1,7 +1,6 @@
 /* Matrix products: one GEMM (cpu_gemm.c) per batch entry. */
 #include "backend/cpu/cpu.h"
 
-
 /* Leading dimension of a [rows, cols] matrix view with unit stride in its last dim. */
 static int64_t lead(const tdm_tensor *t) {
     int64_t ld = t->strides[t->ndim - 2];
@@ -20,8 +19,8 @@ int tdm_cpu_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool
     if (k == 0) /* an empty sum: BLAS rejects k = 0 leading dims, and the result is beta*c */
         return beta == 0.0f ? tdm_cpu_fill(c, 0.0) : TDM_OK;
     for (int64_t i = 0; i < batch; i++) {
-        tdm_cpu_sgemm(ta, tb, n, m, k, 1.0f, pa + i * a->strides[0], lead(a), pb + i * b->strides[0],
-                      lead(b), beta, pc + i * n * m, m);
+        tdm_cpu_sgemm(ta, tb, n, m, k, 1.0f, pa + i * a->strides[0], lead(a),
+                      pb + i * b->strides[0], lead(b), beta, pc + i * n * m, m);
     }
     return TDM_OK;
 }

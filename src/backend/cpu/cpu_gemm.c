@@ -9,7 +9,7 @@
  *
  * Threads: a CPU device is one thread pinned to one core, so its products run on that core
  * alone (tdm_cpu_gemm_thread_single). oneDNN's OpenMP thread count is a per-thread setting;
- * OpenBLAS's is process-wide (tdm_cpu_gemm_threads_for_devices). */
+ * OpenBLAS's is process-wide (tdm_gemm_threads_for_devices, parallel/spawn.c). */
 #include "backend/cpu/cpu.h"
 #include "tandem/tensor.h"
 
@@ -36,9 +36,7 @@ void tdm_cpu_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alph
 #ifdef TANDEM_GEMM_ONEDNN
     /* row-major, as cblas with CblasRowMajor; fails only on bad dimensions, which the ops
      * have checked before a kernel runs */
-    dnnl_status_t st =
-        dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    (void)st;
+    (void)dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 #else
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
                 (int)m, (int)n, (int)k, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
@@ -112,7 +110,6 @@ static int openblas_core_bits(const char *core) {
         if (strcasecmp(core, avx2[i]) == 0) return 256;
     return 0;
 }
-
 #endif
 
 char *tdm_gemm_describe(char *buf, size_t cap) {

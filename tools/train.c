@@ -25,9 +25,8 @@
 #include "tandem/tandem.h"
 #include "train_gpt.h"
 
-#define SYNC_STEPS  16
-#define EVAL_BATCH  1000
-#define MAX_DEVICES 64
+#define SYNC_STEPS 16
+#define EVAL_BATCH 1000
 
 /* ---- options ------------------------------------------------------------------------------ */
 
@@ -48,8 +47,8 @@ typedef struct {
     const char *pipe_schedule;
     const char *denormals; /* "flush" or "keep" */
     int64_t grad_accum;
-    int64_t batch_per_device;     /* 0: --batch-size is the global batch */
-    tdm_device devs[MAX_DEVICES]; /* parsed from devices */
+    int64_t batch_per_device;         /* 0: --batch-size is the global batch */
+    tdm_device devs[TDM_MAX_DEVICES]; /* parsed from devices */
     int n_devs;
 } train_opts;
 
@@ -392,7 +391,7 @@ static int check_opts(train_opts *o) {
     if (!o->checkpoint_dir && (o->resume || o->checkpoint_every > 0))
         return usage_error("%s needs --checkpoint-dir",
                            o->resume ? "--resume" : "--checkpoint-every");
-    o->n_devs = tdm_devices_parse(o->devices, o->devs, MAX_DEVICES);
+    o->n_devs = tdm_devices_parse(o->devices, o->devs, TDM_MAX_DEVICES);
     if (o->n_devs < 0) return usage_error("--devices: %s", tdm_last_error());
     if (o->n_devs == 0) return usage_error("--devices: no device in '%s'", o->devices);
     if (o->batch_per_device && o->batch_size)

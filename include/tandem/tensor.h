@@ -72,6 +72,10 @@ static inline tdm_device tdm_cuda(int index) {
     tdm_device d = {TDM_CUDA, index};
     return d;
 }
+/* Devices of one type a process may use (cpu:0 .. cpu:63): the caching allocator keeps a
+ * memory pool for each, and DataParallel, pipelines and --devices take at most this many. */
+#define TDM_MAX_DEVICES 64
+
 bool tdm_device_equal(tdm_device a, tdm_device b);
 /* Parses "cpu", "cpu:3", "cuda:0" (syntax only: whether the GPU exists is checked when a
  * tensor is made on it). Returns TDM_OK or TDM_ERR_DEVICE naming the text. */

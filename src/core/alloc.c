@@ -11,7 +11,6 @@
 #include <string.h>
 
 #define N_CLASSES 256
-#define MAX_POOLS 64
 
 typedef struct {
     pthread_mutex_t lock;
@@ -19,7 +18,7 @@ typedef struct {
     tdm_alloc_stats stats;
 } pool;
 
-static pool pools[2][MAX_POOLS];
+static pool pools[2][TDM_MAX_DEVICES];
 static pthread_once_t pools_once = PTHREAD_ONCE_INIT;
 static atomic_ullong extra_sys_allocs;
 
@@ -31,12 +30,12 @@ typedef struct cached {
 
 static void pools_init(void) {
     for (int t = 0; t < 2; t++)
-        for (int i = 0; i < MAX_POOLS; i++) pthread_mutex_init(&pools[t][i].lock, NULL);
+        for (int i = 0; i < TDM_MAX_DEVICES; i++) pthread_mutex_init(&pools[t][i].lock, NULL);
 }
 
 static pool *pool_of(tdm_device dev) {
     pthread_once(&pools_once, pools_init);
-    if (dev.index < 0 || dev.index >= MAX_POOLS) return NULL;
+    if (dev.index < 0 || dev.index >= TDM_MAX_DEVICES) return NULL;
     return &pools[dev.type == TDM_CUDA][dev.index];
 }
 

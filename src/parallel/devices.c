@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 /* CPU devices index the allocator's per-device pools (src/core/alloc.c MAX_POOLS). */
-#define MAX_CPU_DEVICES 64
 
 int tdm_device_count(tdm_device_type type) {
     if (type == TDM_CUDA) return tdm_cuda_device_count();
@@ -79,7 +78,7 @@ static int parse_entry(const char *e, tdm_device *out, int *count, int max) {
                          "devices: unknown device \"%s\" (expected cpu, cpu:N, "
                          "cpu:all, cuda, cuda:N, cuda:all or a count)",
                          e);
-    int avail = d.type == TDM_CPU ? MAX_CPU_DEVICES : tdm_device_count(d.type);
+    int avail = d.type == TDM_CPU ? TDM_MAX_DEVICES : tdm_device_count(d.type);
     if (d.index >= avail)
         return tdm_raise(TDM_ERR_DEVICE, "devices: \"%s\" is not available (%d %s device%s)", e,
                          avail, d.type == TDM_CPU ? "CPU" : "CUDA", avail == 1 ? "" : "s");
@@ -91,9 +90,9 @@ static int parse_count(const char *text, tdm_device *out, int max) {
     char *end;
     long n = strtol(text, &end, 10);
     if (end == text || *end != '\0') return 0;
-    if (n < 1 || n > MAX_CPU_DEVICES)
+    if (n < 1 || n > TDM_MAX_DEVICES)
         return tdm_raise(TDM_ERR_DEVICE, "devices: count %ld out of range 1..%d", n,
-                         MAX_CPU_DEVICES);
+                         TDM_MAX_DEVICES);
     if (n > max) return tdm_raise(TDM_ERR_ARG, "devices: %ld devices but room for %d", n, max);
     for (int i = 0; i < (int)n; i++) out[i] = tdm_cpu(i);
     return (int)n;

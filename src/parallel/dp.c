@@ -11,6 +11,7 @@
  * caller's core to work instead of asleep; with as many devices as cores, every core then
  * runs exactly one replica. */
 #include "parallel/group.h"
+#include "parallel/sync.h"
 #include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
 #include "parallel/nccl_group.h"
 #include "tandem/trace.h"
@@ -24,7 +25,6 @@
 #include <string.h>
 #include <time.h>
 
-#define MAX_DEVICES 64
 /* Nanoseconds the caller spins for the other replicas after its own: they finish within
  * microseconds of it (same work after the same all-reduce), sooner than a futex wake-up. */
 #define DONE_SPIN_NS 50000
@@ -50,15 +50,15 @@ typedef struct {
 
 struct tdm_dp {
     int n;
-    tdm_device devices[MAX_DEVICES];
-    replica reps[MAX_DEVICES];
+    tdm_device devices[TDM_MAX_DEVICES];
+    replica reps[TDM_MAX_DEVICES];
     tdm_threads_world *world;
     tdm_hier_world *hier; /* every device of every process (tdm_dp_new_distributed), or NULL */
-    tdm_group *nccl[MAX_DEVICES]; /* GPUs: replica r's NCCL group (see make_nccl), or NULLs */
-    bool sharded;                 /* CPU devices in one process: see sharded_update */
-    float clip;                   /* max gradient norm before each update, or 0 */
-    int64_t window;               /* micro-batches accumulated since the last update */
-    int gemm_threads;             /* restored at free */
+    tdm_group *nccl[TDM_MAX_DEVICES]; /* GPUs: replica r's NCCL group (see make_nccl), or NULLs */
+    bool sharded;                     /* CPU devices in one process: see sharded_update */
+    float clip;                       /* max gradient norm before each update, or 0 */
+    int64_t window;                   /* micro-batches accumulated since the last update */
+    int gemm_threads;                 /* restored at free */
     /* the caller runs replica 0 pinned to its core: unpinned, the scheduler pulled it onto
      * replica 1's core whenever replica 1 woke it (CNN steps took twice as long) */
     pthread_t caller;
@@ -135,7 +135,7 @@ static int sharded_update(replica *r) {
     int64_t total = r->ps->total, per = ((total + n - 1) / n + 15) / 16 * 16; /* cache lines */
     int64_t lo = r->rank * per < total ? r->rank * per : total;
     int64_t hi = lo + per < total ? lo + per : total;
-    const float *grads[MAX_DEVICES];
+    const float *grads[TDM_MAX_DEVICES];
     for (int k = 0; k < n; k++) grads[k] = tdm_data_ptr(dp->reps[k].ps->flat_grad);
     float *g0 = tdm_data_ptr(dp->reps[0].ps->flat_grad), acc[2048];
     tdm_trace_begin("reduce shard");
@@ -212,13 +212,10 @@ static int replica_step(replica *r) {
  * cores (a spinning thread then takes only its own core). */
 static void spin_for_next(tdm_dp *dp, uint64_t seen) {
     if (dp->done_spin_ns <= 0) return;
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int64_t t0 = tdm_now_ns();
     for (int i = 1; atomic_load_explicit(&dp->generation, memory_order_acquire) == seen; i++) {
         tdm_cpu_relax();
-        if (i % 16) continue;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > NEXT_SPIN_NS) return;
+        if (i % 16 == 0 && tdm_now_ns() - t0 > NEXT_SPIN_NS) return;
     }
 }
 
@@ -265,14 +262,10 @@ static void run_caller_replica(tdm_dp *dp, bool init) {
 static int wait_round(tdm_dp *dp) {
     int others = dp->n - 1;
     if (others > 0 && dp->done_spin_ns > 0) {
-        struct timespec t0, t;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
+        int64_t t0 = tdm_now_ns();
         for (int i = 1; atomic_load(&dp->finished) < others; i++) {
             tdm_cpu_relax();
-            if (i % 16) continue;
-            clock_gettime(CLOCK_MONOTONIC, &t);
-            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > dp->done_spin_ns)
-                break;
+            if (i % 16 == 0 && tdm_now_ns() - t0 > dp->done_spin_ns) break;
         }
     }
     pthread_mutex_lock(&dp->mu);
@@ -291,8 +284,8 @@ static int wait_round(tdm_dp *dp) {
 
 static int check_devices(const tdm_module *model, const tdm_device *devices, int n) {
     char a[16], b[16];
-    if (n < 1 || n > MAX_DEVICES)
-        return tdm_raise(TDM_ERR_ARG, "data_parallel: %d devices (1 to %d)", n, MAX_DEVICES);
+    if (n < 1 || n > TDM_MAX_DEVICES)
+        return tdm_raise(TDM_ERR_ARG, "data_parallel: %d devices (1 to %d)", n, TDM_MAX_DEVICES);
     if (!tdm_device_equal(model->device, devices[0]))
         return tdm_raise(TDM_ERR_DEVICE, "data_parallel: the model is on %s, devices[0] is %s",
                          tdm_device_str(model->device, a), tdm_device_str(devices[0], b));
@@ -482,7 +475,7 @@ void tdm_dp_free(tdm_dp *dp) {
     if (pthread_equal(dp->caller, pthread_self()))
         tdm_restore_thread_affinity(&dp->caller_affinity);
     for (int i = 1; i < dp->n; i++) tdm_module_free(dp->reps[i].replica);
-    for (int i = 0; i < MAX_DEVICES; i++) tdm_nccl_group_free(dp->nccl[i]); /* NULLs ignored */
+    for (int i = 0; i < TDM_MAX_DEVICES; i++) tdm_nccl_group_free(dp->nccl[i]); /* NULLs ignored */
     tdm_hier_world_free(dp->hier); /* its threads wait on the threads world's groups */
     tdm_threads_world_free(dp->world);
     tdm_cpu_gemm_set_threads(dp->gemm_threads);

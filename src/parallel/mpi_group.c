@@ -35,6 +35,7 @@
  * out in turn. A process that dies is usually also reported by mpirun itself, which then
  * ends the job ("mpirun noticed that process rank 1 ... exited on signal 9"). */
 #include "parallel/group.h"
+#include "parallel/sync.h"
 #include "tandem/trace.h"
 
 #include <stdio.h>
@@ -77,7 +78,6 @@ void tdm_mpi_finalize(void) {}
 /* bytes of a tensor reduced per round: bounds the scratch buffer and the size of a message */
 #define SEG_BYTES         (1 << 20)
 /* chunk boundaries are multiples of this many bytes (cache lines, like the threads backend) */
-#define CHUNK_ALIGN       64
 /* floats per reduction block: the accumulator stays in L1 */
 #define RED_BLK           2048
 /* polling: spin this long after the last completion, then sleep with growing naps */
@@ -136,12 +136,6 @@ static pthread_mutex_t world_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* ---- time --------------------------------------------------------------------------------- */
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
 static void nap_ns(int64_t ns) {
     struct timespec t = {(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
     nanosleep(&t, NULL);
@@ -195,7 +189,7 @@ static bool poll_failure(mworld *w) {
         fail(w, true, "rank %d failed: %s", w->g.rank, w->abort_msg);
         send_notices(w); /* also when a peer's failure came first: they may not all know */
         /* give the notices a moment to leave before the caller may exit the process */
-        for (int64_t until = now_ns() + 100000000; now_ns() < until;) {
+        for (int64_t until = tdm_now_ns() + 100000000; tdm_now_ns() < until;) {
             int all = 0;
             MPI_Testall(w->g.size, w->fail_sends, &all, MPI_STATUSES_IGNORE);
             if (all) break;
@@ -268,7 +262,7 @@ static int check_headers(mworld *w);
  * the world failed: a peer's notice, an abort, an MPI error or the deadline. */
 static int round_wait(mworld *w, int64_t deadline) {
     int left = w->nreq;
-    int64_t last = now_ns(), nap = 1000;
+    int64_t last = tdm_now_ns(), nap = 1000;
     for (int spins = 0; left > 0; spins++) {
         int outcount = 0;
         int rc = MPI_Testsome(w->nreq, w->reqs, &outcount, w->req_idx, w->stats);
@@ -292,17 +286,17 @@ static int round_wait(mworld *w, int64_t deadline) {
         }
         if (outcount != MPI_UNDEFINED && outcount > 0) {
             left -= outcount;
-            last = now_ns();
+            last = tdm_now_ns();
             nap = 1000;
             continue;
         }
         if (outcount == MPI_UNDEFINED) break;
-        if ((spins & 63) == 63 || now_ns() - last > SPIN_NS) {
+        if ((spins & 63) == 63 || tdm_now_ns() - last > SPIN_NS) {
             if (poll_failure(w)) {
                 cancel_round(w);
                 return -1;
             }
-            int64_t t = now_ns();
+            int64_t t = tdm_now_ns();
             if (t > deadline) {
                 double s = tdm_group_timeout(&w->g);
                 char secs[32];
@@ -324,15 +318,6 @@ static int round_wait(mworld *w, int64_t deadline) {
 
 /* ---- the collectives ---------------------------------------------------------------------- */
 
-/* [lo, hi) of chunk r when count elements of elem bytes are split over n ranks. */
-static void chunk_of(int64_t count, size_t elem, int n, int r, int64_t *lo, int64_t *hi) {
-    int64_t align = CHUNK_ALIGN / (int64_t)elem > 0 ? CHUNK_ALIGN / (int64_t)elem : 1;
-    int64_t per = (count + n - 1) / n;
-    per = (per + align - 1) / align * align;
-    *lo = (int64_t)r * per < count ? (int64_t)r * per : count;
-    *hi = *lo + per < count ? *lo + per : count;
-}
-
 /* Posts this collective's headers (call first in the first round of a collective). */
 static void post_headers(mworld *w, const tdm_coll *c) {
     w->hdr_round = true; /* the headers are requests 0 .. 2(n-1) - 1 of this round */
@@ -348,7 +333,7 @@ static void post_headers(mworld *w, const tdm_coll *c) {
  * arrive (they may trail a truncated data message). True once all are in. */
 static bool wait_headers(mworld *w) {
     int nh = 2 * (w->g.size - 1), all = 0;
-    for (int64_t until = now_ns() + 200000000; !all && now_ns() < until;) {
+    for (int64_t until = tdm_now_ns() + 200000000; !all && tdm_now_ns() < until;) {
         if (MPI_Testall(nh, w->reqs, &all, MPI_STATUSES_IGNORE) != MPI_SUCCESS) return false;
         if (!all) sched_yield();
     }
@@ -418,22 +403,22 @@ static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
     bool avg = c->op == TDM_AVG, first = true;
     /* a segment's chunks fit the scratch: n chunks of per_max floats, n - 1 of them received */
     int64_t per_max =
-        (int64_t)(w->scratch_bytes / 4) / (n - 1) / (CHUNK_ALIGN / 4) * (CHUNK_ALIGN / 4);
+        (int64_t)(w->scratch_bytes / 4) / (n - 1) / (TDM_CHUNK_ALIGN / 4) * (TDM_CHUNK_ALIGN / 4);
     int64_t seg = per_max * n;
     const float *srcs[64];
     for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
         int64_t len = c->count - s0 < seg ? c->count - s0 : seg;
         float *sb = buf + s0;
         int64_t lo, hi, per;
-        chunk_of(len, 4, n, 0, &lo, &per); /* per = size of chunk 0: the largest */
+        tdm_chunk_of(len, 4, n, 0, &lo, &per); /* per = size of chunk 0: the largest */
         /* reduce-scatter: chunk k of my segment goes to rank k, chunk r comes from everyone */
         round_begin(w);
         if (first) post_headers(w, c);
-        chunk_of(len, 4, n, r, &lo, &hi);
+        tdm_chunk_of(len, 4, n, r, &lo, &hi);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
             int64_t klo, khi;
-            chunk_of(len, 4, n, k, &klo, &khi);
+            tdm_chunk_of(len, 4, n, k, &klo, &khi);
             post(w, false, slot(w, k, per), (hi - lo) * 4, k, TAG_DATA);
             post(w, true, sb + klo, (khi - klo) * 4, k, TAG_DATA);
         }
@@ -446,7 +431,7 @@ static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
             int64_t klo, khi;
-            chunk_of(len, 4, n, k, &klo, &khi);
+            tdm_chunk_of(len, 4, n, k, &klo, &khi);
             post(w, false, sb + klo, (khi - klo) * 4, k, TAG_DATA);
             post(w, true, sb + lo, (hi - lo) * 4, k, TAG_DATA);
         }
@@ -514,7 +499,7 @@ static int run_copies(mworld *w, const tdm_coll *c, int64_t deadline) {
 static int run(mworld *w, const tdm_coll *c, char *msg) {
     int rc = -1;
     if (!poll_failure(w)) {
-        int64_t deadline = now_ns() + atomic_load(&w->g.timeout_ns);
+        int64_t deadline = tdm_now_ns() + atomic_load(&w->g.timeout_ns);
         w->seq++;
         if (w->g.size == 1) {
             rc = 0;

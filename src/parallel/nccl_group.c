@@ -7,6 +7,7 @@
  * error state, and gives up after the group's timeout: the communicator is then aborted so
  * the GPU is not left spinning in a collective whose peer died. */
 #include "parallel/nccl_group.h"
+#include "parallel/sync.h"
 
 #ifndef TANDEM_HAVE_NCCL
 
@@ -60,12 +61,6 @@ bool tdm_nccl_available(void) {
     return true;
 }
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
 /* Marks the rank failed (first message wins) and aborts its communicator. Caller holds lock. */
 static void fail_locked(nrank *r, const char *msg) {
     if (r->failed) return;
@@ -88,7 +83,7 @@ static void fail_pending_locked(nrank *r) {
 /* Waits for the oldest pending collective; finishes it. Caller holds lock. */
 static void wait_oldest_locked(nrank *r) {
     pending *p = &r->ring[r->head];
-    int64_t deadline = now_ns() + (int64_t)(tdm_group_timeout(&r->g) * 1e9);
+    int64_t deadline = tdm_now_ns() + (int64_t)(tdm_group_timeout(&r->g) * 1e9);
     char msg[TDM_WORK_MSG - 64];
     for (;;) {
         cudaError_t q = cudaEventQuery(p->ev);
@@ -110,7 +105,7 @@ static void wait_oldest_locked(nrank *r) {
             fail_pending_locked(r);
             return;
         }
-        if (now_ns() > deadline) {
+        if (tdm_now_ns() > deadline) {
             snprintf(msg, sizeof msg,
                      "%s on rank %d (cuda:%d): timed out after %.0f s waiting "
                      "for the other ranks",

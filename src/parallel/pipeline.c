@@ -24,7 +24,6 @@
 #include <string.h>
 
 #define MAX_WORKERS (TDM_PIPE_MAX_STAGES * TDM_PIPE_MAX_REPLICAS)
-#define MAX_DEVS    64 /* the allocator's pools per device type (src/core/alloc.c) */
 #define SPIN_ROUNDS 2000
 
 typedef struct {
@@ -562,13 +561,13 @@ static int check_opts(const tdm_module *model, const tdm_pipe_opts *o, int *S, i
 static int pipe_devices(const tdm_pipe_opts *o, int S, int R, tdm_device *devs) {
     int want = S * R;
     if (!o->devices) {
-        if (want > MAX_DEVS)
+        if (want > TDM_MAX_DEVICES)
             return tdm_raise(TDM_ERR_ARG, "pipeline: %d devices needed, at most %d", want,
-                             MAX_DEVS);
+                             TDM_MAX_DEVICES);
         for (int i = 0; i < want; i++) devs[i] = tdm_cpu(i);
         return TDM_OK;
     }
-    int n = tdm_devices_parse(o->devices, devs, MAX_DEVS);
+    int n = tdm_devices_parse(o->devices, devs, TDM_MAX_DEVICES);
     if (n < 0) {
         char why[512]; /* the message is rewritten by the raise that quotes it */
         snprintf(why, sizeof why, "%s", tdm_last_error());
@@ -637,7 +636,7 @@ static int start_threads(struct tdm_pipe *p) {
 tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_factory make_optim,
                        void *optim_arg) {
     int S = 0, R = 0;
-    tdm_device devs[MAX_DEVS];
+    tdm_device devs[TDM_MAX_DEVICES];
     if (check_opts(model, o, &S, &R)) return NULL;
     if (!make_optim) return tdm_raise_null(TDM_ERR_ARG, "pipeline: NULL optimizer factory");
     int first[TDM_PIPE_MAX_STAGES + 2];

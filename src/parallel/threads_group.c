@@ -26,6 +26,7 @@
  * that times out sets it and wakes every sleeper; from then on every collective of every
  * rank fails at once with that message. */
 #include "parallel/group.h"
+#include "parallel/sync.h"
 #include "tandem/trace.h"
 
 #include <errno.h>
@@ -48,7 +49,6 @@
 /* bytes per copy block: the source block stays in L2 while it goes to every rank */
 #define COPY_BLK (64 * 1024)
 /* chunk boundaries are multiples of this many bytes, so ranks never write one cache line */
-#define CHUNK_ALIGN 64
 
 typedef struct trank {
     tdm_group g; /* first member: a tdm_group * is a trank * */
@@ -111,12 +111,6 @@ static void threads_abort(tdm_group *g, const char *message) {
     pthread_mutex_unlock(&w->lock);
 }
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
 static struct timespec deadline_after(double seconds) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -162,12 +156,12 @@ static void kick_absent(trank *me, unsigned long my_count) {
 /* Spins up to w->spin_ns for the generation to move. true: it moved, or the world failed. */
 static bool spin_wait(tdm_threads_world *w, unsigned long gen) {
     if (w->spin_ns <= 0) return false;
-    int64_t until = now_ns() + w->spin_ns;
+    int64_t until = tdm_now_ns() + w->spin_ns;
     for (int i = 1;; i++) {
         if (atomic_load_explicit(&w->gen, memory_order_acquire) != gen || has_failed(w))
             return true;
         tdm_cpu_relax();
-        if (i % 16 == 0 && now_ns() > until) return false;
+        if (i % 16 == 0 && tdm_now_ns() > until) return false;
     }
 }
 
@@ -209,15 +203,6 @@ static int world_barrier(trank *me) {
 
 /* ---- the data movement ---------------------------------------------------------------------- */
 
-/* [lo, hi) of chunk r when count elements of elem bytes are split over n ranks. */
-static void chunk_of(int64_t count, size_t elem, int n, int r, int64_t *lo, int64_t *hi) {
-    int64_t align = CHUNK_ALIGN / (int64_t)elem > 0 ? CHUNK_ALIGN / (int64_t)elem : 1;
-    int64_t per = (count + n - 1) / n;
-    per = (per + align - 1) / align * align;
-    *lo = (int64_t)r * per < count ? (int64_t)r * per : count;
-    *hi = *lo + per < count ? *lo + per : count;
-}
-
 /* Sums chunk r over every rank's buffer and writes it into every rank's buffer. */
 static int run_all_reduce(trank *me) {
     tdm_threads_world *w = me->w;
@@ -225,7 +210,7 @@ static int run_all_reduce(trank *me) {
     float **bufs = (float **)me->peer;
     for (int k = 0; k < n; k++) bufs[k] = (float *)w->ranks[k].slot.out;
     int64_t lo, hi;
-    chunk_of(me->slot.count, 4, n, me->g.rank, &lo, &hi);
+    tdm_chunk_of(me->slot.count, 4, n, me->g.rank, &lo, &hi);
     float acc[RED_BLK];
     bool avg = me->slot.op == TDM_AVG;
     for (int64_t off = lo; off < hi; off += RED_BLK) {
@@ -276,7 +261,7 @@ static int run_broadcast(trank *me) {
     char **dst = (char **)me->peer;
     for (int k = 0; k < n; k++) dst[k] = k == root ? NULL : (char *)w->ranks[k].slot.out;
     int64_t lo, hi;
-    chunk_of(me->slot.count * (int64_t)me->slot.elem, 1, n, me->g.rank, &lo, &hi);
+    tdm_chunk_of(me->slot.count * (int64_t)me->slot.elem, 1, n, me->g.rank, &lo, &hi);
     return copy_to_all(w, dst, (const char *)w->ranks[root].slot.out, lo, hi);
 }
 

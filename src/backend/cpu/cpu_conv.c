@@ -19,21 +19,6 @@
 
 #include <string.h>
 
-static conv_geom geom_of(const tdm_tensor *x, const tdm_tensor *w, int64_t ho, int64_t wo,
-                         const tdm_conv2d_args *a) {
-    conv_geom g;
-    g.n = x->shape[0], g.cin = x->shape[1], g.h = x->shape[2], g.w = x->shape[3];
-    g.cout = w->shape[0], g.kh = w->shape[2], g.kw = w->shape[3];
-    g.ho = ho, g.wo = wo, g.p = ho * wo;
-    g.sh = a->stride_h > 0 ? a->stride_h : 1, g.sw = a->stride_w > 0 ? a->stride_w : 1;
-    g.ph = a->pad_h, g.pw = a->pad_w;
-    g.dh = a->dilation_h > 0 ? a->dilation_h : 1, g.dw = a->dilation_w > 0 ? a->dilation_w : 1;
-    g.groups = a->groups > 0 ? a->groups : 1;
-    g.cin_g = g.cin / g.groups, g.cout_g = g.cout / g.groups;
-    g.k = g.cin * g.kh * g.kw, g.k_g = g.cin_g * g.kh * g.kw;
-    return g;
-}
-
 /* The output columns [lo, hi) whose input column ow*s - pad + off lies in [0, size). */
 static void valid_range(int64_t size, int64_t out, int64_t s, int64_t pad, int64_t off, int64_t *lo,
                         int64_t *hi) {
@@ -150,11 +135,6 @@ static NO_LIBCALLS void col2im(const float *col, int64_t ld, int64_t channels, c
     }
 }
 
-/* 1x1, stride 1, no padding: the image itself is its column matrix. */
-static bool is_pointwise(const conv_geom *g) {
-    return g->kh == 1 && g->kw == 1 && g->sh == 1 && g->sw == 1 && g->ph == 0 && g->pw == 0;
-}
-
 /* Output rows per chunk: the whole image when its column matrix fits the budget (~1 MiB,
  * half of L2), else as many rows as fit, so a 224x224 image does not need a 100 MB buffer.
  * Within an image the GEMMs read and write the NCHW tensors in place (ld = Ho*Wo). */
@@ -186,13 +166,13 @@ static int check_args(const char *op, const tdm_tensor *x, const tdm_tensor *w,
 int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b,
                    const tdm_conv2d_args *args) {
     if (check_args("cpu conv2d", x, w, y)) return tdm_last_status();
-    conv_geom g = geom_of(x, w, y->shape[2], y->shape[3], args);
+    conv_geom g = tdm_conv_geom(x, w, y->shape[2], y->shape[3], args);
     const float *xp = tdm_data_ptr(x), *wp = tdm_data_ptr(w);
     const float *bp = b ? tdm_data_ptr(b) : NULL;
     float *yp = tdm_data_ptr(y);
     if (g.n == 0 || g.cout == 0 || g.p == 0) return TDM_OK;
     if (tdm_cpu_wino_applies(&g)) return tdm_cpu_wino_conv2d(yp, xp, wp, bp, &g, x->device);
-    bool pointwise = is_pointwise(&g);
+    bool pointwise = tdm_conv_is_pointwise(&g);
     int64_t rows = pointwise ? g.ho : chunk_rows(&g);
 
     if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
@@ -298,7 +278,7 @@ static void gw_small_k(float *gw, int64_t ldw, const float *dy, int64_t ldy, con
 int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
                             const tdm_tensor *x, const tdm_tensor *w, const tdm_conv2d_args *args) {
     if (check_args("cpu conv2d_backward", x, w, gy)) return tdm_last_status();
-    conv_geom g = geom_of(x, w, gy->shape[2], gy->shape[3], args);
+    conv_geom g = tdm_conv_geom(x, w, gy->shape[2], gy->shape[3], args);
     const float *xp = tdm_data_ptr(x), *wp = tdm_data_ptr(w), *gyp = tdm_data_ptr(gy);
     float *gxp = gx ? tdm_data_ptr(gx) : NULL;
     float *gwp = gw ? tdm_data_ptr(gw) : NULL;
@@ -311,7 +291,7 @@ int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, cons
     if (gxp) memset(gxp, 0, (size_t)(g.n * g.cin * g.h * g.w) * sizeof(float));
     if (gwp) memset(gwp, 0, (size_t)(g.cout * g.k_g) * sizeof(float));
     if (g.n == 0 || g.p == 0 || g.cout == 0) return TDM_OK;
-    bool pointwise = is_pointwise(&g);
+    bool pointwise = tdm_conv_is_pointwise(&g);
     int64_t rows = pointwise ? g.ho : chunk_rows(&g);
 
     if (tdm_scope_begin() != TDM_OK) return tdm_last_status();

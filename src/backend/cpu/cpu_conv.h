@@ -3,16 +3,8 @@
 #ifndef TDM_CPU_CONV_H
 #define TDM_CPU_CONV_H
 
+#include "backend/conv_geom.h"
 #include "backend/cpu/cpu.h"
-
-typedef struct {
-    int64_t n, cin, h, w; /* input */
-    int64_t cout, kh, kw; /* weight [cout, cin/groups, kh, kw] */
-    int64_t ho, wo, p;    /* output plane, p = ho * wo */
-    int64_t sh, sw, ph, pw, dh, dw;
-    int64_t groups, cin_g, cout_g;
-    int64_t k, k_g; /* rows of col: cin * kh * kw, and per group */
-} conv_geom;
 
 /* Whether the Winograd path takes this convolution (and is compiled in). */
 bool tdm_cpu_wino_applies(const conv_geom *g);

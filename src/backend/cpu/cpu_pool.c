@@ -4,27 +4,12 @@
  * each output pixel reads its window. Windows are clipped to the image; the output size
  * (ceil_mode included) was fixed by the op, and the kernels take it from y's shape.
  */
+#include "backend/conv_geom.h"
 #include "backend/cpu/cpu.h"
 #include "backend/cpu/cpu_isa.h"
 
 #include <math.h>
 #include <string.h>
-
-typedef struct {
-    int64_t planes, h, w, ho, wo;
-    int64_t kh, kw, sh, sw, ph, pw, dh, dw;
-} pool_geom;
-
-static pool_geom geom_of(const tdm_tensor *x, const tdm_tensor *y, const tdm_pool2d_args *a) {
-    pool_geom g;
-    g.planes = x->shape[0] * x->shape[1], g.h = x->shape[2], g.w = x->shape[3];
-    g.ho = y->shape[2], g.wo = y->shape[3];
-    g.kh = a->kernel_h, g.kw = a->kernel_w;
-    g.sh = a->stride_h > 0 ? a->stride_h : g.kh, g.sw = a->stride_w > 0 ? a->stride_w : g.kw;
-    g.ph = a->pad_h, g.pw = a->pad_w;
-    g.dh = a->dilation_h > 0 ? a->dilation_h : 1, g.dw = a->dilation_w > 0 ? a->dilation_w : 1;
-    return g;
-}
 
 static int check4(const char *op, const tdm_tensor *a, const tdm_tensor *b) {
     if (a->ndim != 4 || b->ndim != 4 || a->shape[0] != b->shape[0] || a->shape[1] != b->shape[1])
@@ -113,7 +98,7 @@ int tdm_cpu_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
     if (idx->dtype != TDM_I64)
         return tdm_raise(TDM_ERR_DTYPE, "cpu max_pool2d: indices must be i64, got %s",
                          tdm_dtype_name(idx->dtype));
-    pool_geom g = geom_of(x, y, args);
+    pool_geom g = tdm_pool_geom(x, y, args);
     const float *xp = tdm_data_ptr(x);
     float *yp = tdm_data_ptr(y);
     int64_t *ip = tdm_data_ptr(idx);
@@ -157,8 +142,8 @@ int tdm_cpu_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_
 
 /* The clipped window of output (oh, ow) and its divisor, as PyTorch computes them. Returns
  * false for a window with no input pixel (its output is 0). */
-static bool avg_window(const pool_geom *g, bool include_pad, int64_t oh, int64_t ow, int64_t *h0,
-                       int64_t *h1, int64_t *w0, int64_t *w1, float *inv) {
+static bool avg_window(const pool_geom *g, int64_t oh, int64_t ow, int64_t *h0, int64_t *h1,
+                       int64_t *w0, int64_t *w1, float *inv) {
     int64_t hs = oh * g->sh - g->ph, ws = ow * g->sw - g->pw;
     int64_t he = hs + g->kh, we = ws + g->kw;
     if (he > g->h + g->ph) he = g->h + g->ph;
@@ -170,14 +155,14 @@ static bool avg_window(const pool_geom *g, bool include_pad, int64_t oh, int64_t
     if (we > g->w) we = g->w;
     if (hs >= he || ws >= we) return false;
     *h0 = hs, *h1 = he, *w0 = ws, *w1 = we;
-    *inv = 1.0f / (float)(include_pad ? pool : (he - hs) * (we - ws));
+    *inv = 1.0f / (float)(g->include_pad ? pool : (he - hs) * (we - ws));
     return true;
 }
 
 TDM_CPU_CLONES
 int tdm_cpu_avg_pool2d(tdm_tensor *y, const tdm_tensor *x, const tdm_pool2d_args *args) {
     if (check4("cpu avg_pool2d", x, y)) return tdm_last_status();
-    pool_geom g = geom_of(x, y, args);
+    pool_geom g = tdm_pool_geom(x, y, args);
     const float *xp = tdm_data_ptr(x);
     float *yp = tdm_data_ptr(y);
     for (int64_t p = 0; p < g.planes; p++) {
@@ -188,7 +173,7 @@ int tdm_cpu_avg_pool2d(tdm_tensor *y, const tdm_tensor *x, const tdm_pool2d_args
                 int64_t h0, h1, w0, w1;
                 float inv;
                 float acc = 0;
-                if (avg_window(&g, args->count_include_pad, oh, ow, &h0, &h1, &w0, &w1, &inv)) {
+                if (avg_window(&g, oh, ow, &h0, &h1, &w0, &w1, &inv)) {
                     for (int64_t ih = h0; ih < h1; ih++)
                         for (int64_t iw = w0; iw < w1; iw++) acc += xs[ih * g.w + iw];
                     acc *= inv;
@@ -203,7 +188,7 @@ int tdm_cpu_avg_pool2d(tdm_tensor *y, const tdm_tensor *x, const tdm_pool2d_args
 TDM_CPU_CLONES
 int tdm_cpu_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_pool2d_args *args) {
     if (check4("cpu avg_pool2d_backward", gx, gy)) return tdm_last_status();
-    pool_geom g = geom_of(gx, gy, args);
+    pool_geom g = tdm_pool_geom(gx, gy, args);
     float *gxp = tdm_data_ptr(gx);
     const float *gyp = tdm_data_ptr(gy);
     memset(gxp, 0, (size_t)(g.planes * g.h * g.w) * sizeof(float));
@@ -214,8 +199,7 @@ int tdm_cpu_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_
             for (int64_t ow = 0; ow < g.wo; ow++) {
                 int64_t h0, h1, w0, w1;
                 float inv;
-                if (!avg_window(&g, args->count_include_pad, oh, ow, &h0, &h1, &w0, &w1, &inv))
-                    continue;
+                if (!avg_window(&g, oh, ow, &h0, &h1, &w0, &w1, &inv)) continue;
                 float v = ys[oh * g.wo + ow] * inv;
                 for (int64_t ih = h0; ih < h1; ih++)
                     for (int64_t iw = w0; iw < w1; iw++) gs[ih * g.w + iw] += v;

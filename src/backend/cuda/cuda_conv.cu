@@ -13,6 +13,8 @@
  * pixel adds the columns that read it in a fixed order. A 1x1, stride-1, unpadded
  * convolution skips im2col: the image is its own col. */
 #include "backend/cuda/cuda_common.cuh"
+/* after cuda_common.cuh, which includes the C headers for nvcc */
+#include "backend/conv_geom.h"
 
 #include <limits.h>
 #include <math.h>
@@ -53,30 +55,6 @@ extern "C" int tdm_cuda_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_ten
 }
 
 /* ---- convolution ------------------------------------------------------------------------- */
-
-typedef struct {
-    int64_t n, cin, h, w, cout, kh, kw, ho, wo, p;
-    int64_t sh, sw, ph, pw, dh, dw, groups, cin_g, cout_g, k, k_g;
-} conv_geom;
-
-static conv_geom geom_of(const tdm_tensor *x, const tdm_tensor *w, int64_t ho, int64_t wo,
-                         const tdm_conv2d_args *a) {
-    conv_geom g;
-    g.n = x->shape[0], g.cin = x->shape[1], g.h = x->shape[2], g.w = x->shape[3];
-    g.cout = w->shape[0], g.kh = w->shape[2], g.kw = w->shape[3];
-    g.ho = ho, g.wo = wo, g.p = ho * wo;
-    g.sh = a->stride_h > 0 ? a->stride_h : 1, g.sw = a->stride_w > 0 ? a->stride_w : 1;
-    g.ph = a->pad_h, g.pw = a->pad_w;
-    g.dh = a->dilation_h > 0 ? a->dilation_h : 1, g.dw = a->dilation_w > 0 ? a->dilation_w : 1;
-    g.groups = a->groups > 0 ? a->groups : 1;
-    g.cin_g = g.cin / g.groups, g.cout_g = g.cout / g.groups;
-    g.k = g.cin * g.kh * g.kw, g.k_g = g.cin_g * g.kh * g.kw;
-    return g;
-}
-
-static bool is_pointwise(const conv_geom *g) {
-    return g->kh == 1 && g->kw == 1 && g->sh == 1 && g->sw == 1 && g->ph == 0 && g->pw == 0;
-}
 
 /* col [nb, K, P] of images [n0, n0 + nb): zero where the window leaves the image. */
 __global__ void im2col_kernel(float *col, const float *x, conv_geom g, int64_t n0, int64_t nb) {
@@ -152,14 +130,14 @@ static int gemm(cu_device *d, int index, cublasOperation_t ta, cublasOperation_t
 
 extern "C" int tdm_cuda_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w,
                                const tdm_tensor *b, const tdm_conv2d_args *args) {
-    conv_geom g = geom_of(x, w, y->shape[2], y->shape[3], args);
+    conv_geom g = tdm_conv_geom(x, w, y->shape[2], y->shape[3], args);
     if (check_conv("conv2d", x, w, &g)) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "conv2d");
     if (!d) return tdm_last_status();
     int index = x->device.index;
     if (g.n == 0 || g.cout == 0 || g.p == 0) return TDM_OK;
     if (g.k_g == 0) return tdm_cuda_fill(y, 0.0);
-    bool pw = is_pointwise(&g);
+    bool pw = tdm_conv_is_pointwise(&g);
     int64_t nbmax = chunk_images(&g);
     tdm_storage *hold = NULL;
     float *col = pw ? NULL : (float *)cu_scratch(index, (size_t)(nbmax * g.k * g.p) * 4, &hold);
@@ -213,7 +191,7 @@ __global__ void sum_images_kernel(float *gw, const float *tmp, int64_t nb, int64
 static int conv_bwd_chunk(cu_device *d, int index, const conv_geom *g, int64_t n0, int64_t nb,
                           tdm_tensor *gx, tdm_tensor *gw, const tdm_tensor *gy, const tdm_tensor *x,
                           const tdm_tensor *w, float *col, float *tmp) {
-    bool pw = is_pointwise(g);
+    bool pw = tdm_conv_is_pointwise(g);
     const float *dy = cu_f(gy) + n0 * g->cout * g->p;
     if (gw) {
         const float *src = pw ? cu_f(x) + n0 * g->k * g->p : col;
@@ -255,7 +233,7 @@ static int conv_bwd_chunk(cu_device *d, int index, const conv_geom *g, int64_t n
 extern "C" int tdm_cuda_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                         const tdm_tensor *gy, const tdm_tensor *x,
                                         const tdm_tensor *w, const tdm_conv2d_args *args) {
-    conv_geom g = geom_of(x, w, gy->shape[2], gy->shape[3], args);
+    conv_geom g = tdm_conv_geom(x, w, gy->shape[2], gy->shape[3], args);
     if (check_conv("conv2d_backward", x, w, &g)) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "conv2d_backward");
     if (!d) return tdm_last_status();
@@ -278,7 +256,7 @@ extern "C" int tdm_cuda_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tens
     int64_t nbmax = chunk_images(&g);
     tdm_storage *hc = NULL, *ht = NULL;
     float *col = NULL, *tmp = NULL;
-    if (!is_pointwise(&g) &&
+    if (!tdm_conv_is_pointwise(&g) &&
         !(col = (float *)cu_scratch(index, (size_t)(nbmax * g.k * g.p) * 4, &hc)))
         return tdm_last_status();
     if (gw && !(tmp = (float *)cu_scratch(index, (size_t)(nbmax * g.cout * g.k_g) * 4, &ht))) {
@@ -296,23 +274,6 @@ extern "C" int tdm_cuda_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tens
 }
 
 /* ---- pooling (PyTorch's window rules, as cpu_pool.c) ------------------------------------- */
-
-typedef struct {
-    int64_t planes, h, w, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw;
-    bool include_pad;
-} pool_geom;
-
-static pool_geom pool_of(const tdm_tensor *x, const tdm_tensor *y, const tdm_pool2d_args *a) {
-    pool_geom g;
-    g.planes = x->shape[0] * x->shape[1], g.h = x->shape[2], g.w = x->shape[3];
-    g.ho = y->shape[2], g.wo = y->shape[3];
-    g.kh = a->kernel_h, g.kw = a->kernel_w;
-    g.sh = a->stride_h > 0 ? a->stride_h : g.kh, g.sw = a->stride_w > 0 ? a->stride_w : g.kw;
-    g.ph = a->pad_h, g.pw = a->pad_w;
-    g.dh = a->dilation_h > 0 ? a->dilation_h : 1, g.dw = a->dilation_w > 0 ? a->dilation_w : 1;
-    g.include_pad = a->count_include_pad;
-    return g;
-}
 
 static int check4(const char *op, const tdm_tensor *a, const tdm_tensor *b) {
     if (a->ndim != 4 || b->ndim != 4 || a->shape[0] != b->shape[0] || a->shape[1] != b->shape[1])
@@ -355,7 +316,7 @@ extern "C" int tdm_cuda_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_ten
                          tdm_dtype_name(idx->dtype));
     cu_device *d = cu_dev_of(x, "max_pool2d");
     if (!d) return tdm_last_status();
-    pool_geom g = pool_of(x, y, args);
+    pool_geom g = tdm_pool_geom(x, y, args);
     int64_t n = g.planes * g.ho * g.wo;
     if (n == 0) return TDM_OK;
     max_pool_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(
@@ -460,7 +421,7 @@ extern "C" int tdm_cuda_avg_pool2d(tdm_tensor *y, const tdm_tensor *x,
     if (check4("cuda avg_pool2d", x, y)) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "avg_pool2d");
     if (!d) return tdm_last_status();
-    pool_geom g = pool_of(x, y, args);
+    pool_geom g = tdm_pool_geom(x, y, args);
     int64_t n = g.planes * g.ho * g.wo;
     if (n == 0) return TDM_OK;
     avg_pool_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_f(y), cu_f(x), g);
@@ -472,7 +433,7 @@ extern "C" int tdm_cuda_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy
     if (check4("cuda avg_pool2d_backward", gx, gy)) return tdm_last_status();
     cu_device *d = cu_dev_of(gx, "avg_pool2d_backward");
     if (!d) return tdm_last_status();
-    pool_geom g = pool_of(gx, gy, args);
+    pool_geom g = tdm_pool_geom(gx, gy, args);
     int64_t n = g.planes * g.h * g.w;
     if (n == 0) return TDM_OK;
     avg_pool_bwd_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_f(gx), cu_f(gy), g);

@@ -11,15 +11,12 @@
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/unary_math.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_iter.h"
 #include "backend/cpu/cpu_math.h"
 
 /* ---- unary forward ---------------------------------------------------------------------- */
-
-/* PyTorch's tanh-GELU constants: sqrt(2/pi) and the cubic coefficient. */
-#define GELU_BETA  0.7978845608028654f
-#define GELU_KAPPA 0.044715f
 
 /* y[i] = EXPR(v) with v = x[i * sx]; a unit-stride copy of the loop lets it vectorise. */
 #define UNARY_ROW(EXPR)                                                                            \
@@ -59,7 +56,7 @@ static void unary_row(tdm_unary_op op, float *y, const float *x, int64_t sx, int
         break;
     case TDM_UN_GELU_TANH:
         /* 0.5 v (1 + tanh(u)) = v sigmoid(2u): the same value without a libm call */
-        UNARY_ROW(v * tdm_sigmoidf(2.0f * GELU_BETA * (v + GELU_KAPPA * v * v * v)));
+        UNARY_ROW(v * tdm_sigmoidf(2.0f * TDM_GELU_BETA * (v + TDM_GELU_KAPPA * v * v * v)));
         break;
     case TDM_UN_GELU_ERF:
         UNARY_ROW(0.5f * v * (1.0f + erff(v * (float)M_SQRT1_2)));
@@ -172,9 +169,11 @@ int tdm_cpu_unary(tdm_unary_op op, tdm_tensor *y, const tdm_tensor *x, float s) 
 static inline float gelu_tanh_grad(float v) {
     /* PyTorch's GeluBackward (tanh approximation) */
     float x2 = v * v;
-    float t = 2.0f * tdm_sigmoidf(2.0f * GELU_BETA * (v + GELU_KAPPA * x2 * v)) - 1.0f; /* tanh */
+    float t =
+        2.0f * tdm_sigmoidf(2.0f * TDM_GELU_BETA * (v + TDM_GELU_KAPPA * x2 * v)) - 1.0f; /* tanh */
     float left = 0.5f * v, right = 1.0f + t;
-    return 0.5f * right + left * (1.0f - t * t) * GELU_BETA * (1.0f + 3.0f * GELU_KAPPA * x2);
+    return 0.5f * right +
+           left * (1.0f - t * t) * TDM_GELU_BETA * (1.0f + 3.0f * TDM_GELU_KAPPA * x2);
 }
 
 static inline float gelu_erf_grad(float v) {
@@ -236,32 +235,13 @@ static void unary_bwd_row(tdm_unary_op op, float *gx, const float *gy, int64_t s
     }
 }
 
-/* Which saved tensor the derivative reads: 'x', 'y' or neither. */
-static char unary_bwd_needs(tdm_unary_op op) {
-    switch (op) {
-    case TDM_UN_EXP:
-    case TDM_UN_SQRT:
-    case TDM_UN_TANH:
-    case TDM_UN_SIGMOID:
-        return 'y';
-    case TDM_UN_LOG:
-    case TDM_UN_RELU:
-    case TDM_UN_GELU_TANH:
-    case TDM_UN_GELU_ERF:
-    case TDM_UN_POW_SCALAR:
-        return 'x';
-    default:
-        return 0;
-    }
-}
-
 /* gx contiguous; gy, x, y any strides with gx's numel (the one the op does not need may be
  * NULL). */
 int tdm_cpu_unary_backward(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy,
                            const tdm_tensor *x, const tdm_tensor *y, float s) {
     if (!unary_op_valid(op))
         return tdm_raise(TDM_ERR_ARG, "cpu unary_backward: unknown op %d", (int)op);
-    char need = unary_bwd_needs(op);
+    char need = tdm_unary_bwd_needs(op);
     const tdm_tensor *saved = need == 'x' ? x : need == 'y' ? y : NULL;
     if (need && !saved)
         return tdm_raise(TDM_ERR_ARG, "cpu unary_backward: op %d needs its saved %c", (int)op,

@@ -7,8 +7,8 @@
  * across a launch, so it costs no divergence. */
 #include "backend/cuda/cuda_common.cuh"
 
-#define GELU_BETA  0.7978845608028654f
-#define GELU_KAPPA 0.044715f
+/* after cuda_common.cuh, which includes the C headers for nvcc */
+#include "backend/unary_math.h"
 
 static int check_f32(const char *op, const tdm_tensor *t) {
     if (t && t->dtype != TDM_F32)
@@ -36,7 +36,7 @@ __device__ float unary_fwd(tdm_unary_op op, float v, float s) {
     case TDM_UN_RELU:
         return v <= 0.0f ? 0.0f : v; /* NaN propagates, as torch.relu */
     case TDM_UN_GELU_TANH:
-        return v * sigmoidf_(2.0f * GELU_BETA * (v + GELU_KAPPA * v * v * v));
+        return v * sigmoidf_(2.0f * TDM_GELU_BETA * (v + TDM_GELU_KAPPA * v * v * v));
     case TDM_UN_GELU_ERF:
         return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
     case TDM_UN_TANH:
@@ -91,9 +91,9 @@ __device__ float unary_grad(tdm_unary_op op, float g, float v, float o, float s)
         return v > 0.0f ? g : 0.0f;
     case TDM_UN_GELU_TANH: {
         float x2 = v * v;
-        float t = tanhf(GELU_BETA * (v + GELU_KAPPA * x2 * v));
-        return g * (0.5f * (1.0f + t) +
-                    0.5f * v * (1.0f - t * t) * GELU_BETA * (1.0f + 3.0f * GELU_KAPPA * x2));
+        float t = tanhf(TDM_GELU_BETA * (v + TDM_GELU_KAPPA * x2 * v));
+        return g * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * TDM_GELU_BETA *
+                                            (1.0f + 3.0f * TDM_GELU_KAPPA * x2));
     }
     case TDM_UN_GELU_ERF: {
         float cdf = 0.5f * (1.0f + erff(v * 0.70710678118654752f));
@@ -127,25 +127,6 @@ __global__ void unary_bwd_kernel(tdm_unary_op op, float *gx, const float *gy, cu
     }
 }
 
-/* Which saved tensor the derivative reads: 'x', 'y' or neither (as tdm_cpu_unary_backward). */
-static char bwd_needs(tdm_unary_op op) {
-    switch (op) {
-    case TDM_UN_EXP:
-    case TDM_UN_SQRT:
-    case TDM_UN_TANH:
-    case TDM_UN_SIGMOID:
-        return 'y';
-    case TDM_UN_LOG:
-    case TDM_UN_RELU:
-    case TDM_UN_GELU_TANH:
-    case TDM_UN_GELU_ERF:
-    case TDM_UN_POW_SCALAR:
-        return 'x';
-    default:
-        return 0;
-    }
-}
-
 /* An operand with gx's numel: contiguous (any shape), or strided with gx's shape. */
 static bool walkable(const tdm_tensor *t, const tdm_tensor *gx) {
     if (tdm_numel(t) != tdm_numel(gx)) return false;
@@ -156,7 +137,7 @@ extern "C" int tdm_cuda_unary_backward(tdm_unary_op op, tdm_tensor *gx, const td
                                        const tdm_tensor *x, const tdm_tensor *y, float s) {
     if (op < TDM_UN_NEG || op > TDM_UN_POW_SCALAR)
         return tdm_raise(TDM_ERR_ARG, "cuda unary_backward: unknown op %d", (int)op);
-    char need = bwd_needs(op);
+    char need = tdm_unary_bwd_needs(op);
     const tdm_tensor *saved = need == 'x' ? x : need == 'y' ? y : gy;
     if (!saved)
         return tdm_raise(TDM_ERR_ARG, "cuda unary_backward: op %d needs its saved %c", (int)op,

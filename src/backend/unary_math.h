@@ -1,0 +1,31 @@
+/* What the CPU and CUDA element-wise kernels share about the unary ops, so that the two
+ * backends compute the same function and save the same tensor for its derivative. */
+#ifndef TDM_BACKEND_UNARY_MATH_H
+#define TDM_BACKEND_UNARY_MATH_H
+
+#include "backend/backend.h"
+
+/* PyTorch's tanh-GELU constants: sqrt(2/pi) and the cubic coefficient. */
+#define TDM_GELU_BETA  0.7978845608028654f
+#define TDM_GELU_KAPPA 0.044715f
+
+/* Which saved tensor an op's derivative reads: 'x' (the input), 'y' (the output) or 0. */
+static inline char tdm_unary_bwd_needs(tdm_unary_op op) {
+    switch (op) {
+    case TDM_UN_EXP:
+    case TDM_UN_SQRT:
+    case TDM_UN_TANH:
+    case TDM_UN_SIGMOID:
+        return 'y';
+    case TDM_UN_LOG:
+    case TDM_UN_RELU:
+    case TDM_UN_GELU_TANH:
+    case TDM_UN_GELU_ERF:
+    case TDM_UN_POW_SCALAR:
+        return 'x';
+    default:
+        return 0;
+    }
+}
+
+#endif

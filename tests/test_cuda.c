@@ -1123,6 +1123,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (argc > 1 && !strcmp(argv[1], "--bench")) return bench();
+    /* every kernel of backend.h, and the loader's uploads (a GPU is not host memory) */
+    CHECK(tdm_backend_check(GPU, true) == TDM_OK, "cuda table: %s", tdm_last_error());
     test_memory();
     test_unary();
     test_binary_axpy();

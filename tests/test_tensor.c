@@ -2,6 +2,7 @@
  * allocator, and the errors bad arguments get. */
 #include "check.h"
 #include "core/core.h"
+#include "backend/backend.h"
 
 #include <pthread.h>
 
@@ -197,8 +198,21 @@ static void test_flush_denormal(void) {
     tdm_set_flush_denormal(was);
 }
 
+/* The CPU table fills every kernel of backend.h; a table with an empty entry is named. */
+static void test_backend_table(void) {
+    CHECK(tdm_backend_check(&tdm_cpu_backend, false) == TDM_OK, "cpu table: %s",
+          tdm_last_error());
+    tdm_backend holey = tdm_cpu_backend;
+    holey.layer_norm_backward = NULL;
+    CHECK_ERROR(tdm_backend_check(&holey, false) != TDM_OK, "backend cpu: no kernel for "
+                                                            "layer_norm_backward");
+    /* the CPU is host memory: it has no upload entries, and a check that wants them says so */
+    CHECK_ERROR(tdm_backend_check(&tdm_cpu_backend, true) != TDM_OK, "pinned_alloc");
+}
+
 int main(void) {
     test_flush_denormal();
+    test_backend_table();
     test_creation();
     test_views();
     test_errors();

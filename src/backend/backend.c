@@ -9,6 +9,24 @@ int tdm_cuda_device_count(void) {
 }
 #endif
 
+/* the lists of backend.h cover the struct: its name and one pointer per entry */
+#define TDM_COUNT_ENTRY(e) +1
+_Static_assert(sizeof(tdm_backend) == sizeof(void *) * (1 TDM_BACKEND_KERNELS(TDM_COUNT_ENTRY)
+                                                            TDM_BACKEND_UPLOADS(TDM_COUNT_ENTRY)),
+               "an entry of tdm_backend is missing from TDM_BACKEND_KERNELS or _UPLOADS");
+
+int tdm_backend_check(const tdm_backend *be, bool uploads) {
+    if (!be) return tdm_raise(TDM_ERR_ARG, "backend_check: NULL backend");
+#define TDM_CHECK_ENTRY(e)                                                                         \
+    if (!be->e) return tdm_raise(TDM_ERR_STATE, "backend %s: no kernel for %s", be->name, #e);
+    TDM_BACKEND_KERNELS(TDM_CHECK_ENTRY)
+    if (uploads) {
+        TDM_BACKEND_UPLOADS(TDM_CHECK_ENTRY)
+    }
+#undef TDM_CHECK_ENTRY
+    return TDM_OK;
+}
+
 int tdm_device_describe(tdm_device d, char *buf, size_t cap) {
     if (!buf || cap == 0) return tdm_raise(TDM_ERR_ARG, "device_describe: no buffer");
     buf[0] = '\0';

@@ -225,6 +225,29 @@ typedef struct tdm_backend {
                               const tdm_tensor *lse, int n_head);
 } tdm_backend;
 
+/* Every entry of tdm_backend after its name, listed once: a backend must fill each of
+ * TDM_BACKEND_KERNELS; TDM_BACKEND_UPLOADS only where the device is not host memory.
+ * backend.c asserts at compile time that the lists cover the struct, so an entry added to
+ * the struct and not here fails the build, and tdm_backend_check names an entry a table
+ * leaves empty (test_tensor checks the CPU table, test_cuda the CUDA one). */
+/* clang-format off */
+#define TDM_BACKEND_KERNELS(X)                                                                     \
+    X(mem_alloc) X(mem_free) X(to_host) X(from_host) X(copy) X(fill) X(random) X(unary)            \
+    X(unary_backward) X(binary) X(axpy) X(reduce) X(sum_to) X(max_backward) X(softmax)             \
+    X(softmax_backward) X(sum_squares) X(matmul) X(index_select) X(index_add) X(conv2d)            \
+    X(conv2d_backward) X(max_pool2d) X(max_pool2d_backward) X(avg_pool2d)                          \
+    X(avg_pool2d_backward) X(batch_norm) X(batch_norm_backward) X(batch_norm_stats)                \
+    X(batch_norm_backward_reduce) X(batch_norm_backward_elemt) X(layer_norm)                       \
+    X(layer_norm_backward) X(dropout) X(cross_entropy) X(cross_entropy_backward) X(bce_logits)     \
+    X(bce_logits_backward) X(sgd_step) X(adam_step) X(attention) X(attention_backward)
+#define TDM_BACKEND_UPLOADS(X)                                                                     \
+    X(pinned_alloc) X(pinned_free) X(upload_async) X(fence_wait) X(fence_free)
+/* clang-format on */
+
+/* TDM_OK when be fills every kernel entry (and, with uploads, every upload entry); else
+ * TDM_ERR_STATE naming the backend and the first empty entry. */
+int tdm_backend_check(const tdm_backend *be, bool uploads);
+
 /* The backend of a device (never NULL for a device that tdm_device_parse accepted and the
  * build supports; NULL with an error otherwise). */
 const tdm_backend *tdm_backend_for(tdm_device dev);

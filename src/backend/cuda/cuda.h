@@ -43,8 +43,8 @@ void *tdm_cuda_ptr(const tdm_tensor *t);
 
 /* Page-locked host memory (cudaHostAlloc, portable to every GPU) for the loader's batch
  * buffers: copies from it to a GPU run asynchronously. NULL and an error on failure. */
-void *tdm_cuda_host_alloc(size_t nbytes);
-void tdm_cuda_host_free(void *p);
+void *tdm_cuda_pinned_alloc(size_t nbytes);
+void tdm_cuda_pinned_free(void *p);
 /* The backend table's upload_async, fence_wait and fence_free (see backend.h): the copy runs
  * on the GPU's upload stream, ordered with events. */
 int tdm_cuda_upload_async(tdm_tensor *t, const void *pinned, void **fence);

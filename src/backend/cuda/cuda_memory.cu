@@ -340,7 +340,7 @@ extern "C" int tdm_cuda_from_host(tdm_tensor *t, const void *host) {
     return rc;
 }
 
-extern "C" void *tdm_cuda_host_alloc(size_t nbytes) {
+extern "C" void *tdm_cuda_pinned_alloc(size_t nbytes) {
     void *p = NULL;
     cudaError_t err = cudaHostAlloc(&p, nbytes ? nbytes : 1, cudaHostAllocPortable);
     if (err != cudaSuccess) {
@@ -351,7 +351,7 @@ extern "C" void *tdm_cuda_host_alloc(size_t nbytes) {
     return p;
 }
 
-extern "C" void tdm_cuda_host_free(void *p) {
+extern "C" void tdm_cuda_pinned_free(void *p) {
     if (p) cudaFreeHost(p);
 }
 

@@ -200,8 +200,7 @@ static void test_flush_denormal(void) {
 
 /* The CPU table fills every kernel of backend.h; a table with an empty entry is named. */
 static void test_backend_table(void) {
-    CHECK(tdm_backend_check(&tdm_cpu_backend, false) == TDM_OK, "cpu table: %s",
-          tdm_last_error());
+    CHECK(tdm_backend_check(&tdm_cpu_backend, false) == TDM_OK, "cpu table: %s", tdm_last_error());
     tdm_backend holey = tdm_cpu_backend;
     holey.layer_norm_backward = NULL;
     CHECK_ERROR(tdm_backend_check(&holey, false) != TDM_OK, "backend cpu: no kernel for "

@@ -418,9 +418,9 @@ static void release_held(tdm_loader *l) {
         pthread_mutex_lock(&l->mu);
         l->held->state = SLOT_FREE;
         /* A woken worker builds every free slot before it sleeps again, so it is woken only
-         * once half the ring is free (or all that is left of the epoch): a wake-up is a
-         * syscall on the training thread and a context switch on a core a device may need,
-         * per step before. One worker, not all: the others would preempt the training
+         * once half the ring is free (or all that is left of the epoch), not every step: a
+         * wake-up is a syscall on the training thread and a context switch on a core a device
+         * may need. One worker, not all: the others would preempt the training
          * thread for nothing (~50 us a step on 2 cores). wait_ready wakes one too when the
          * caller gets ahead of the builds. */
         int64_t end =

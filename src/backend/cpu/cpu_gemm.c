@@ -103,7 +103,7 @@ static const char *onednn_kernels(int *bits) {
 /* Whether an OpenBLAS core name is one of its AVX2 or AVX-512 kernel sets. */
 static int openblas_core_bits(const char *core) {
     static const char *avx512[] = {"skylakex", "cooperlake", "sapphirerapids"};
-    static const char *avx2[] = {"haswell", "zen", "skylake"};
+    static const char *avx2[] = {"haswell", "zen"};
     for (size_t i = 0; i < sizeof avx512 / sizeof avx512[0]; i++)
         if (strcasecmp(core, avx512[i]) == 0) return 512;
     for (size_t i = 0; i < sizeof avx2 / sizeof avx2[0]; i++)

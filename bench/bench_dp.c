@@ -9,7 +9,6 @@
  * to choose the plain step's BLAS threads (DataParallel on as many devices as cores makes BLAS
  * single-threaded itself). Then, for the MLP and the CNN, the ceiling of 2 devices over 1 on this
  * machine: two plain half-batch steps at once, one per core, with no communication at all. */
-#include "models.h"
 #include "tandem/tandem.h"
 
 #include <stdio.h>
@@ -33,7 +32,7 @@ static double now_us(void) {
 
 static tdm_module *make_model(model_kind kind, tdm_device dev) {
     tdm_rng rng = tdm_rng_make(7);
-    if (kind != TINY) return model_build(kind_names[kind], dev, &rng); /* `tandem train`'s */
+    if (kind != TINY) return tdm_model_new(kind_names[kind], dev, &rng); /* `tandem train`'s */
     /* x [64, 784] -> [64, 4] -> [64, 10]: ~3 K parameters, one 12 KiB bucket */
     tdm_module *l[3] = {tdm_linear_new(IN, 4, true, dev, &rng), tdm_relu_new(),
                         tdm_linear_new(4, CLASSES, true, dev, &rng)};

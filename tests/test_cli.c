@@ -362,6 +362,35 @@ static void test_schedules(void) {
     free(text);
 }
 
+/* Options that used to be the GPT's alone, now the one trainer's: gradient accumulation (2
+ * batches of 32 are one step of 64: the same losses, on 1 and 2 devices) and clipping (a low
+ * limit changes the run; 2 devices clip their averaged gradient as 1 device clips its own). */
+static void test_accumulate_and_clip(void) {
+#define RUN(...) TANDEM("train", "--limit", "640", "--model", "mlp", "--quiet", __VA_ARGS__)
+    result whole = RUN("--batch-size", "64");
+    result acc = RUN("--batch-size", "32", "--grad-accum", "2");
+    result acc2 = RUN("--batch-size", "32", "--grad-accum", "2", "--devices", "2");
+    double lw = epoch_train_loss(whole.out), la = epoch_train_loss(acc.out);
+    double la2 = epoch_train_loss(acc2.out);
+    CHECK(whole.status == 0 && acc.status == 0 && acc2.status == 0, "exit %d %d %d: %s%s",
+          whole.status, acc.status, acc2.status, acc.err, acc2.err);
+    CHECK(fabs(lw - la) <= 2e-4 && fabs(lw - la2) <= 2e-4,
+          "train loss of batch 64 %.4f, 32 x 2 accumulated %.4f, on 2 devices %.4f", lw, la, la2);
+    result clip = RUN("--batch-size", "64", "--clip-grad", "0.05");
+    result clip2 = RUN("--batch-size", "64", "--clip-grad", "0.05", "--devices", "2");
+    double lc = epoch_train_loss(clip.out), lc2 = epoch_train_loss(clip2.out);
+    CHECK(clip.status == 0 && fabs(lc - lw) > 1e-2, "clipping changed nothing: %.4f vs %.4f", lc,
+          lw);
+    CHECK(clip2.status == 0 && fabs(lc - lc2) <= 2e-4, "clipped on 1 device %.4f, on 2 %.4f", lc,
+          lc2);
+    result split = RUN("--devices", "2", "--model-split", "2", "--grad-accum", "2");
+    CHECK(split.status == 2 && strstr(split.err, "--micro-batches"), "split + accum: %d %s",
+          split.status, split.err);
+    result *all[] = {&whole, &acc, &acc2, &clip, &clip2, &split};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) result_free(all[i]);
+#undef RUN
+}
+
 static void test_tutorial(const char *path) {
     result r = run((const char *const[]){path, "300", "2", NULL});
     CHECK(r.status == 0, "mlp_tutorial: exit %d, stderr: %s", r.status, r.err);
@@ -468,6 +497,7 @@ int main(int argc, char **argv) {
     test_devices_run();
     test_model_split();
     test_schedules();
+    test_accumulate_and_clip();
     if (argc > 2) test_tutorial(argv[2]);
     char cmd[320];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);

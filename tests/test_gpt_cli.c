@@ -3,6 +3,7 @@
  * reproducible from a seed, two devices train like one, a resumed run continues as if never
  * stopped, and bad options fail with the right
  * status and message. Runs the `tandem` built beside this test. */
+#include <dirent.h>
 #include <sys/wait.h>
 #include <fcntl.h>
 #include <unistd.h>
@@ -251,6 +252,51 @@ static void test_sample(void) {
     CHECK(r->status == 0 && strstr(r->out, "--top-k"), "sample --help");
 }
 
+static int count_ckpts(const char *dir) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d)) != NULL) n += strncmp(e->d_name, "ckpt-", 5) == 0;
+    if (d) closedir(d);
+    return n;
+}
+
+/* The image trainer's options on the GPT (one trainer): --keep, the RNG in its checkpoints,
+ * --limit, --schedule step; and --model-split refused with its reason. */
+static void test_shared_options(void) {
+    char dir[300], path[4300], log[300];
+    snprintf(dir, sizeof dir, "%s/keep", tmpdir);
+    snprintf(log, sizeof log, "%s/step.jsonl", tmpdir);
+#define GPT(...)                                                                                   \
+    TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "1", "--channels", "16",    \
+           "--context", "8", "--batch-size", "4", "--workers", "0", __VA_ARGS__)
+    result *r = GPT("--max-steps", "30", "--keep", "1", "--checkpoint-every", "10",
+                    "--checkpoint-dir", dir, "--quiet");
+    CHECK(r->status == 0 && count_ckpts(dir) == 1, "--keep 1: exit %d, %d checkpoints: %s",
+          r->status, count_ckpts(dir), r->err);
+    int64_t step = 0;
+    CHECK(tdm_checkpoint_latest(dir, path, sizeof path, &step) == 1 && step == 30,
+          "newest checkpoint: step %lld", (long long)step);
+    strcat(path, "/train_state.safetensors");
+    tdm_safetensors *sf = tdm_safetensors_open(path);
+    CHECK(sf && tdm_safetensors_meta(sf, "rng.seed") && tdm_safetensors_meta(sf, "rng.offset"),
+          "the GPT's checkpoint holds the generator: %s", sf ? path : tdm_last_error());
+    tdm_safetensors_close(sf);
+    r = GPT("--limit", "40", "--epochs", "2", "--schedule", "step", "--gamma", "0.5", "--log", log);
+    CHECK(r->status == 0 && strstr(r->out, "40 windows") && strstr(r->out, "10 steps per epoch"),
+          "--limit 40: %s %s", r->out, r->err);
+    static char text[1 << 16];
+    slurp(log, text, sizeof text);
+    const char *e2 = strstr(text, "\"epoch\":2,\"step\":1,");
+    const char *lr = e2 ? strstr(e2, "\"lr\":") : NULL;
+    CHECK(lr && fabs(strtod(lr + 5, NULL) - 1.5e-4) < 1e-9, "step schedule, epoch 2: %s",
+          e2 ? e2 : text);
+    r = GPT("--devices", "2", "--model-split", "2");
+    CHECK(r->status == 2 && strstr(r->err, "Sequential"), "--model-split: %d %s", r->status,
+          r->err);
+#undef GPT
+}
+
 static void test_errors(void) {
     result *r = TANDEM("train", "--model", "gpt");
     CHECK(r->status == 2 && strstr(r->err, "needs --data FILE"), "%d %s", r->status, r->err);
@@ -285,6 +331,7 @@ int main(int argc, char **argv) {
     test_two_devices();
     test_grad_accum();
     test_resume();
+    test_shared_options();
     test_sample();
     test_errors();
     char cmd[300];

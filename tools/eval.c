@@ -9,7 +9,6 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "models.h"
 #include "tandem/tandem.h"
 #include "train.h"
 
@@ -97,7 +96,7 @@ static int parse(int argc, char **argv, eval_opts *o) {
     }
     if (!o->weights) return usage("%s is required", "--weights FILE");
     bool ok = false;
-    for (const char *const *m = model_names; *m; m++) ok = ok || !strcmp(*m, o->model);
+    for (const char *const *m = tdm_model_names; *m; m++) ok = ok || !strcmp(*m, o->model);
     if (!ok) return usage("--model: unknown model '%s' (expected mlp or cnn)", o->model);
     return 0;
 }
@@ -157,7 +156,7 @@ int eval_main(int argc, char **argv) {
     if (o.limit > 0 && ds->n > (o.limit / 6 > 0 ? o.limit / 6 : 1))
         ds->n = o.limit / 6 > 0 ? o.limit / 6 : 1;
     tdm_rng rng = tdm_rng_make(0);
-    tdm_module *m = model_build(o.model, tdm_cpu(0), &rng);
+    tdm_module *m = tdm_model_new(o.model, tdm_cpu(0), &rng);
     tdm_loader_opts lo = tdm_loader_defaults(o.batch_size);
     tdm_loader *l = m ? tdm_loader_new(ds, &lo) : NULL;
     rc = EXIT_OK;

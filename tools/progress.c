@@ -1,6 +1,6 @@
 /* Progress display. On a terminal one line is redrawn in place (\r, then erase to the end of
  * the line), throttled to ~10 redraws a second so printing never shows up in the step time;
- * when stdout is a file or a pipe, a plain line every `every` steps keeps logs readable. */
+ * when stdout is a file or a pipe, the trainer prints plain lines so logs stay readable. */
 #include "progress.h"
 
 #include "tandem/tensor.h"
@@ -17,8 +17,8 @@ double progress_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-void progress_init(progress *p, FILE *out, bool quiet, int64_t every) {
-    *p = (progress){.out = out, .quiet = quiet, .every = every};
+void progress_init(progress *p, FILE *out, bool quiet, const char *unit) {
+    *p = (progress){.out = out, .quiet = quiet, .unit = unit};
     p->tty = isatty(fileno(out)) == 1;
 }
 
@@ -28,7 +28,6 @@ void progress_epoch_begin(progress *p, int epoch, int epochs, int64_t steps, dou
     p->steps = steps;
     p->t_start = now;
     p->t_drawn = -1e30;
-    p->last_line = 0;
 }
 
 /* "1:05" or "1:02:05" */
@@ -44,39 +43,41 @@ static void format_duration(char *buf, size_t n, double s) {
         snprintf(buf, n, "%ld:%02ld", t / 60, t % 60);
 }
 
-static void draw_bar(progress *p, int64_t step, double loss, double img_s, double eta) {
+static void draw_bar(progress *p, int64_t step, double loss, double rate, double eta) {
     char bar[BAR_WIDTH + 1], left[32];
     int full = p->steps > 0 ? (int)(BAR_WIDTH * step / p->steps) : BAR_WIDTH;
     for (int i = 0; i < BAR_WIDTH; i++) bar[i] = i < full ? '#' : '.';
     bar[BAR_WIDTH] = '\0';
     format_duration(left, sizeof left, eta);
     /* \033[K erases what a longer previous line left behind */
-    fprintf(p->out, "\repoch %d/%d [%s] %lld/%lld  loss %.4f  %.0f img/s  ETA %s\033[K", p->epoch,
-            p->epochs, bar, (long long)step, (long long)p->steps, loss, img_s, left);
+    fprintf(p->out, "\repoch %d/%d [%s] %lld/%lld  loss %.4f  %.0f %s/s  ETA %s\033[K", p->epoch,
+            p->epochs, bar, (long long)step, (long long)p->steps, loss, rate, p->unit, left);
     fflush(p->out);
     p->drawn = true;
 }
 
-void progress_update(progress *p, int64_t step, double loss, int64_t images, double now) {
-    if (p->quiet) return;
+/* Seconds left in the epoch at the pace so far; -1 before the first step. */
+static double eta_of(const progress *p, int64_t step, double now) {
+    return step > 0 ? (now - p->t_start) / (double)step * (double)(p->steps - step) : -1;
+}
+
+void progress_update(progress *p, int64_t step, double loss, double units, double now) {
+    if (p->quiet || !p->tty) return;
+    if (now - p->t_drawn < REDRAW_SECONDS && step < p->steps) return;
     double elapsed = now - p->t_start;
-    double img_s = elapsed > 0 ? (double)images / elapsed : 0;
-    double eta = step > 0 ? elapsed / (double)step * (double)(p->steps - step) : -1;
-    if (p->tty) {
-        if (now - p->t_drawn < REDRAW_SECONDS && step < p->steps) return;
-        p->t_drawn = now;
-        draw_bar(p, step, loss, img_s, eta);
-        return;
-    }
-    int64_t every = p->every > 0 ? p->every : (p->steps + 9) / 10;
-    if (every < 1) every = 1;
-    if (step - p->last_line < every && step < p->steps) return;
-    if (step == p->last_line) return;
-    p->last_line = step;
+    p->t_drawn = now;
+    draw_bar(p, step, loss, elapsed > 0 ? units / elapsed : 0, eta_of(p, step, now));
+}
+
+void progress_line(progress *p, int64_t step, double loss, double lr, double ms_per_step,
+                   double rate, double now) {
+    if (p->quiet || p->tty) return;
     char left[32];
-    format_duration(left, sizeof left, eta);
-    fprintf(p->out, "epoch %d/%d  step %lld/%lld  loss %.4f  %.0f img/s  ETA %s\n", p->epoch,
-            p->epochs, (long long)step, (long long)p->steps, loss, img_s, left);
+    format_duration(left, sizeof left, eta_of(p, step, now));
+    fprintf(p->out,
+            "epoch %d/%d  step %lld/%lld  loss %.4f  lr %.3g  %.1f ms/step  %.0f %s/s  ETA %s\n",
+            p->epoch, p->epochs, (long long)step, (long long)p->steps, loss, lr, ms_per_step, rate,
+            p->unit, left);
     fflush(p->out);
 }
 

@@ -1,4 +1,5 @@
-/* Training progress on stdout: a bar redrawn in place on a terminal, plain lines otherwise. */
+/* Training progress on stdout: a bar redrawn in place on a terminal, plain lines otherwise
+ * (the trainer prints those at the steps it chooses, with the mean loss since the last one). */
 #ifndef TANDEM_TOOLS_PROGRESS_H
 #define TANDEM_TOOLS_PROGRESS_H
 
@@ -8,23 +9,28 @@
 
 typedef struct {
     FILE *out;
-    bool tty;      /* redraw one line with \r; otherwise print a line every `every` steps */
-    bool quiet;    /* print nothing */
-    int64_t every; /* steps between plain lines (non-terminal) */
+    bool tty;         /* redraw one line with \r; otherwise plain lines (progress_line) */
+    bool quiet;       /* print nothing */
+    const char *unit; /* what the rate counts: "img" or "tok" */
     int epoch, epochs;
-    int64_t steps;     /* steps in this epoch */
-    double t_start;    /* when the epoch started */
-    double t_drawn;    /* when the bar was last drawn */
-    int64_t last_line; /* step of the last plain line */
-    bool drawn;        /* a bar is on screen and must be cleared before other output */
+    int64_t steps;  /* steps in this epoch */
+    double t_start; /* when the epoch started */
+    double t_drawn; /* when the bar was last drawn */
+    bool drawn;     /* a bar is on screen and must be cleared before other output */
 } progress;
 
-/* every: steps between plain lines when out is not a terminal; 0 picks about 10 per epoch. */
-void progress_init(progress *p, FILE *out, bool quiet, int64_t every);
+/* unit: what a sample's rate counts ("img", "tok"); a string that outlives p. */
+void progress_init(progress *p, FILE *out, bool quiet, const char *unit);
+/* steps: the steps this epoch will run (fewer than an epoch's when --max-steps stops it). */
 void progress_epoch_begin(progress *p, int epoch, int epochs, int64_t steps, double now);
-/* Reports that `step` steps (1-based) of the epoch are done, with the running mean loss and
- * the images processed so far in this epoch. Draws at most ~10 times a second. */
-void progress_update(progress *p, int64_t step, double loss, int64_t images, double now);
+/* On a terminal: redraws the bar for `step` steps (1-based) of the epoch done, the epoch's
+ * running mean loss and `units` (images, tokens) processed so far in the epoch, at most ~10
+ * times a second. Elsewhere nothing. */
+void progress_update(progress *p, int64_t step, double loss, double units, double now);
+/* Not on a terminal: one plain line for `step` with the mean loss of the steps since the
+ * previous line, the learning rate, ms per step and units per second over those steps. */
+void progress_line(progress *p, int64_t step, double loss, double lr, double ms_per_step,
+                   double rate, double now);
 /* The header's "compute" line: the CPU GEMM library and its kernel set; when that library
  * runs slower kernels than the CPU allows, a warning with the fix on stderr. */
 void progress_print_compute(FILE *out);

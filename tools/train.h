@@ -1,11 +1,41 @@
-/* `tandem train`: option parsing, help and the training loop. */
+/* `tandem train`: the options (parsed once, from one table that also writes --help), shared by
+ * the trainer (trainer.c) and the tasks it trains (task.h). */
 #ifndef TANDEM_TOOLS_TRAIN_H
 #define TANDEM_TOOLS_TRAIN_H
 
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
+
+#include "tandem/tandem.h"
 
 /* Exit statuses of every subcommand. */
 enum { EXIT_OK = 0, EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
+
+/* Every option of `tandem train`, after check_opts has filled in the defaults that depend on
+ * others (the optimizer's lr, the batch size). */
+typedef struct {
+    const char *data, *model, *optimizer, *schedule, *devices;
+    const char *log_path, *plot_path, *trace_path, *tensorboard_dir;
+    int64_t epochs, batch_size, workers, limit, warmup_steps, step_size, print_every, seed;
+    double lr, momentum, weight_decay, gamma; /* lr, momentum: NAN until set (optimizer default) */
+    bool quiet;
+    const char *checkpoint_dir, *init_from;
+    int64_t checkpoint_every, keep, max_steps;
+    bool resume;
+    double clip;        /* the gradients' global 2-norm limit; 0: off */
+    int64_t grad_accum; /* batches per optimizer step; 0 until checked, then >= 1 */
+    /* --model gpt */
+    int64_t layers, heads, channels, context, vocab;
+    const char *save_path;
+    double timeout; /* seconds, under mpirun */
+    int64_t model_split, micro_batches;
+    const char *pipe_schedule;
+    const char *denormals;            /* "flush" or "keep" */
+    int64_t batch_per_device;         /* 0: --batch-size is the global batch */
+    tdm_device devs[TDM_MAX_DEVICES]; /* parsed from devices */
+    int n_devs;
+} train_opts;
 
 /* Runs `tandem train` with argv[0] == "train". Returns an exit status. */
 int train_main(int argc, char **argv);
@@ -13,5 +43,7 @@ int train_main(int argc, char **argv);
 void train_help(FILE *out);
 /* One line per option ("  --epochs N  ..."), for the top-level help. */
 void train_synopsis(FILE *out);
+/* Prints "tandem train: <message> (see 'tandem train --help')" and returns EXIT_USAGE. */
+int train_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 #endif

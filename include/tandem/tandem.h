@@ -12,5 +12,6 @@
 #include "io.h"
 #include "trace.h"
 #include "gpt.h"
+#include "models.h"
 
 #endif

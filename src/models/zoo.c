@@ -1,16 +1,12 @@
-/* Model builders: each is PyTorch's nn.Sequential written out layer by layer.
- *
- *   mlp: Flatten, Linear(784, 256), ReLU, Linear(256, 128), ReLU, Linear(128, 10)
- *   cnn: Conv2d(1, 32, 3, padding=1), ReLU, MaxPool2d(2),
- *        Conv2d(32, 64, 3, padding=1), ReLU, MaxPool2d(2),
- *        Flatten, Linear(64*7*7, 128), ReLU, Linear(128, 10)
- *   gpt: GPT-2 (include/tandem/gpt.h), nanoGPT's names; trained by train_gpt.c
- */
-#include "models.h"
+/* The small image models (include/tandem/models.h): each is PyTorch's nn.Sequential written
+ * out layer by layer, so parameter names ("1.weight") and initialisation match PyTorch's. */
+#include "tandem/models.h"
 
 #include <string.h>
 
-const char *const model_names[] = {"mlp", "cnn", NULL};
+#include "core/core.h"
+
+const char *const tdm_model_names[] = {"mlp", "cnn", NULL};
 
 /* Wraps n layers in a Sequential; if any layer failed, frees the others and returns NULL
  * (the failed layer's error stays in tdm_last_error). */
@@ -53,13 +49,9 @@ static tdm_module *build_cnn(tdm_device dev, tdm_rng *rng) {
     return sequential(10, layers);
 }
 
-tdm_module *model_build_gpt(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng) {
-    return tdm_gpt_new(cfg, dev, rng);
-}
-
-tdm_module *model_build(const char *name, tdm_device dev, tdm_rng *rng) {
+tdm_module *tdm_model_new(const char *name, tdm_device dev, tdm_rng *rng) {
     if (name && strcmp(name, "mlp") == 0) return build_mlp(dev, rng);
     if (name && strcmp(name, "cnn") == 0) return build_cnn(dev, rng);
-    /* no public raise: the caller reports unknown names itself (see train.c) */
-    return NULL;
+    return tdm_raise_null(TDM_ERR_ARG, "unknown model '%s' (expected mlp or cnn)",
+                          name ? name : "(null)");
 }

@@ -1,0 +1,217 @@
+/* The trainer's outputs behind sink.h's one interface. Each output is a struct whose first
+ * member is `sink` (its table of calls); a call an output does not need is NULL. */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "plot.h"
+#include "sink.h"
+#include "task.h"
+
+struct sink {
+    const char *label; /* the closing line's name: "log", "plot", ... */
+    const char *path;
+    void (*config)(sink *, const char *json_fields);
+    void (*step)(sink *, const step_record *);
+    int (*epoch)(sink *, const epoch_stats *);
+    int (*flush)(sink *);
+    int (*close)(sink *); /* also frees */
+};
+
+/* ---- --log: JSON lines ----------------------------------------------------------------- */
+
+typedef struct {
+    sink base;
+    run_log log;
+    char rate_key[16];
+} json_sink;
+
+static void json_config(sink *s, const char *fields) {
+    log_config(&((json_sink *)s)->log, fields);
+}
+static void json_step(sink *s, const step_record *r) {
+    json_sink *j = (json_sink *)s;
+    log_step(&j->log, r->epoch, r->step, r->global_step, r->loss, r->lr, j->rate_key, r->rate);
+}
+static int json_epoch(sink *s, const epoch_stats *e) {
+    log_epoch(&((json_sink *)s)->log, e);
+    return 0;
+}
+static int json_close(sink *s) {
+    int rc = log_close(&((json_sink *)s)->log);
+    free(s);
+    return rc;
+}
+
+static sink *json_open(const char *path, const sinks_info *info) {
+    json_sink *j = calloc(1, sizeof *j);
+    if (!j || log_open(&j->log, path) != 0) return free(j), NULL;
+    snprintf(j->rate_key, sizeof j->rate_key, "%s_s", info->unit);
+    j->base = (sink){"log", path, json_config, json_step, json_epoch, NULL, json_close};
+    return &j->base;
+}
+
+/* ---- --plot: the SVG curves, redrawn at each progress line and epoch --------------------- */
+
+typedef struct {
+    sink base;
+    sinks_info info;
+    char title[256], subtitle[320];
+    float *step_loss; /* [cap] by global step - 1; NaN for steps before a resume */
+    int64_t n_steps, cap;
+    epoch_stats *epochs; /* [info.epochs] */
+    int n_epochs;
+} plot_sink;
+
+static void plot_step(sink *s, const step_record *r) {
+    plot_sink *p = (plot_sink *)s;
+    if (r->global_step > p->cap) { /* doubling: a run may go on past its first plan */
+        int64_t cap = r->global_step * 2;
+        float *grown = realloc(p->step_loss, sizeof(float) * (size_t)cap);
+        if (!grown) return; /* the curve stops; training goes on */
+        p->step_loss = grown, p->cap = cap;
+    }
+    while (p->n_steps < r->global_step - 1) p->step_loss[p->n_steps++] = NAN;
+    p->step_loss[r->global_step - 1] = (float)r->loss;
+    if (p->n_steps < r->global_step) p->n_steps = r->global_step;
+}
+
+static int plot_flush(sink *s) {
+    plot_sink *p = (plot_sink *)s;
+    const epoch_stats *last = p->n_epochs ? &p->epochs[p->n_epochs - 1] : NULL;
+    char sub[400];
+    if (last && p->info.accuracy)
+        snprintf(sub, sizeof sub, "%s; test accuracy %.2f%%", p->subtitle, 100 * last->test_acc);
+    else
+        snprintf(sub, sizeof sub, "%s", p->subtitle);
+    plot_data d = {.title = p->title,
+                   .subtitle = sub,
+                   .step_loss = p->step_loss,
+                   .n_steps = p->n_steps,
+                   .steps_per_epoch = p->info.steps_per_epoch,
+                   .epochs = p->epochs,
+                   .n_epochs = p->n_epochs,
+                   .total_epochs = (double)p->info.epochs,
+                   .loss_only = !p->info.accuracy,
+                   .loss_label = p->info.loss_label};
+    return plot_write_svg(s->path, &d) != 0 ? -1 : 0;
+}
+
+static int plot_epoch(sink *s, const epoch_stats *e) {
+    plot_sink *p = (plot_sink *)s;
+    if (p->n_epochs < p->info.epochs) p->epochs[p->n_epochs++] = *e;
+    return plot_flush(s);
+}
+
+static int plot_close(sink *s) {
+    plot_sink *p = (plot_sink *)s;
+    int rc = plot_flush(s);
+    free(p->step_loss);
+    free(p->epochs);
+    free(p);
+    return rc;
+}
+
+static sink *plot_open(const char *path, const sinks_info *info) {
+    plot_sink *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->info = *info;
+    snprintf(p->title, sizeof p->title, "%s", info->title);
+    snprintf(p->subtitle, sizeof p->subtitle, "%s", info->subtitle);
+    p->epochs = calloc((size_t)info->epochs, sizeof *p->epochs);
+    p->base = (sink){"plot", path, NULL, plot_step, plot_epoch, plot_flush, plot_close};
+    if (!p->epochs || plot_flush(&p->base) != 0) { /* an empty plot: the path is writable */
+        free(p->epochs);
+        free(p);
+        return NULL;
+    }
+    return &p->base;
+}
+
+/* ---- --trace: the Chrome trace records itself; this starts and stops it ----------------- */
+
+static int trace_close(sink *s) {
+    free(s);
+    return tdm_trace_stop() != 0 ? -1 : 0;
+}
+
+static sink *trace_open(const char *path, const sinks_info *info) {
+    (void)info;
+    sink *s = calloc(1, sizeof *s);
+    if (!s || tdm_trace_start(path, 0) != 0) return free(s), NULL;
+    *s = (sink){"trace", path, NULL, NULL, NULL, NULL, trace_close};
+    return s;
+}
+
+/* ---- the set --------------------------------------------------------------------------- */
+
+/* The output's error: the library's message when it raised one, else errno's. */
+static const char *sink_error(void) {
+    const char *e = tdm_last_error();
+    return e && *e ? e : strerror(errno);
+}
+
+int sinks_open(sinks *s, const train_opts *o, const sinks_info *info) {
+    struct {
+        const char *path, *option;
+        sink *(*open)(const char *, const sinks_info *);
+    } outs[] = {{o->trace_path, "--trace", trace_open},
+                {o->log_path, "--log", json_open},
+                {o->plot_path, "--plot", plot_open}};
+    *s = (sinks){0};
+    for (size_t i = 0; i < sizeof outs / sizeof outs[0]; i++) {
+        if (!outs[i].path) continue;
+        tdm_clear_error();
+        errno = 0;
+        sink *k = outs[i].open(outs[i].path, info);
+        if (!k) {
+            task_error("%s '%s' cannot be written: %s", outs[i].option, outs[i].path, sink_error());
+            sinks_close(s, EXIT_RUNTIME, true);
+            return EXIT_RUNTIME;
+        }
+        s->open[s->n++] = k;
+    }
+    return 0;
+}
+
+void sinks_config(sinks *s, const char *json_fields) {
+    for (int i = 0; i < s->n; i++)
+        if (s->open[i]->config) s->open[i]->config(s->open[i], json_fields);
+}
+
+void sinks_step(sinks *s, const step_record *r) {
+    for (int i = 0; i < s->n; i++)
+        if (s->open[i]->step) s->open[i]->step(s->open[i], r);
+}
+
+static int failed(const sink *k) {
+    return task_error("writing %s '%s' failed: %s", k->label, k->path, sink_error());
+}
+
+int sinks_epoch(sinks *s, const epoch_stats *e) {
+    for (int i = 0; i < s->n; i++)
+        if (s->open[i]->epoch && s->open[i]->epoch(s->open[i], e) != 0) return failed(s->open[i]);
+    return 0;
+}
+
+int sinks_flush(sinks *s) {
+    for (int i = 0; i < s->n; i++)
+        if (s->open[i]->flush && s->open[i]->flush(s->open[i]) != 0) return failed(s->open[i]);
+    return 0;
+}
+
+int sinks_close(sinks *s, int rc, bool quiet) {
+    for (int i = 0; i < s->n; i++) {
+        sink *k = s->open[i];
+        const char *label = k->label, *path = k->path;
+        tdm_clear_error();
+        errno = 0;
+        if (k->close(k) != 0 && rc == 0)
+            rc = task_error("writing %s '%s' failed: %s", label, path, sink_error());
+        else if (rc == 0 && !quiet)
+            printf("%-9s %s\n", label, path);
+    }
+    s->n = 0;
+    return rc;
+}

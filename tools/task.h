@@ -1,0 +1,57 @@
+/* What the trainer trains: a task supplies the data, the model, the loss, the metrics and the
+ * files a model is saved as; the trainer (trainer.c) owns everything else (devices, the loop,
+ * schedules, clipping, accumulation, checkpoints, resume, logs, progress, MPI) and knows
+ * nothing of images or text.
+ *
+ *   image (task_image.c): Fashion-MNIST/MNIST IDX files, the mlp or cnn of models.h,
+ *     cross-entropy, accuracy, evaluation on the test split every epoch.
+ *   text (task_text.c): a text file (bytes as tokens) or llm.c token shards, a GPT-2,
+ *     next-token cross-entropy, no test split; the model is also written in llm.c's format.
+ */
+#ifndef TANDEM_TOOLS_TASK_H
+#define TANDEM_TOOLS_TASK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tandem/tandem.h"
+#include "train.h"
+
+typedef struct task task;
+
+struct task {
+    const char *unit;          /* what a sample is, for throughput: "img" or "tok" */
+    int64_t units_per_sample;  /* 1 for an image, T for a window of T tokens */
+    bool drop_last;            /* every batch full (a GPT's [B, T]); else a smaller last one */
+    bool accuracy;             /* score argmax(logits [n, C], 1) against the targets [n] */
+    tdm_dataset *train, *test; /* test NULL: no evaluation */
+    tdm_module *model;         /* on the first device, weights as the options ask */
+    /* The mean loss of a batch's model output against its targets (a scalar), or NULL. */
+    tdm_tensor *(*loss)(tdm_tensor *out, const tdm_tensor *target);
+    /* The optimizer over ps for the options o (a tdm_optim_factory: one per replica). */
+    tdm_optim *(*optimizer)(tdm_paramset *ps, void *o);
+    /* Writes the task's own files of the model (may be NULL): at each checkpoint into
+     * checkpoint_dir, and at the end (checkpoint_dir NULL) to --save. Returns 0 or
+     * EXIT_RUNTIME after printing the error. */
+    int (*save)(const task *t, const train_opts *o, const char *checkpoint_dir);
+    char model_desc[192];   /* "mlp", "gpt: 2 layers, 4 heads, ..." */
+    char data_desc[192];    /* "60000 train, 10000 test samples" */
+    char plot_title[96];    /* "mlp on fashion-mnist" */
+    const char *loss_label; /* the plot's loss axis; NULL: cross-entropy */
+};
+
+/* Each fills t from the options (data first or model first, as the task needs) on device
+ * dev. Return 0, or EXIT_RUNTIME / EXIT_USAGE after printing the error; task_free releases
+ * what was made either way. */
+int task_image_open(task *t, const train_opts *o, tdm_device dev);
+int task_text_open(task *t, const train_opts *o, tdm_device dev);
+void task_free(task *t);
+
+/* The optimizer the options ask for (sgd, adam, adamw with PyTorch's defaults): the image
+ * task's, and the base of the text task's. */
+tdm_optim *task_default_optimizer(tdm_paramset *ps, void *o);
+/* Prints "tandem train: error: <message>" on stderr and returns EXIT_RUNTIME. */
+int task_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#endif

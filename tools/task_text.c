@@ -1,0 +1,109 @@
+/* The text task: a GPT-2 trained on next-token prediction.
+ *
+ * Data: an llm.c token shard (recognised by its magic) or any other file read as bytes
+ * (vocabulary 256), cut into windows of context + 1 tokens. Model: tdm_gpt_new with GPT-2's
+ * initialisation from the seed, or an llm.c model file (--init-from). Optimizer: AdamW with
+ * weight decay on matrices only (tdm_gpt_adamw_new). The model is also written in llm.c's
+ * format (--save, and DIR/model.bin beside each checkpoint), which `tandem sample` and
+ * llm.c's train_gpt2.c read. There is no test split: the trainer evaluates nothing. */
+#include <errno.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "task.h"
+
+#define SHARD_MAGIC 20240520
+
+/* Whether path starts with the token shard magic (unreadable files are left to the reader). */
+static bool is_token_shard(const char *path) {
+    unsigned char h[4] = {0};
+    FILE *f = fopen(path, "rb");
+    if (!f) return false;
+    size_t n = fread(h, 1, 4, f);
+    fclose(f);
+    uint32_t magic =
+        (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
+    return n == 4 && magic == SHARD_MAGIC;
+}
+
+/* The model: from an llm.c file, or new with the options' sizes. *cfg receives its config. */
+static int build_gpt(task *t, const train_opts *o, tdm_device dev, tdm_gpt_config *cfg) {
+    if (o->init_from) {
+        if (!(t->model = tdm_gpt_load_llmc(o->init_from, dev, cfg)))
+            return task_error("--init-from: %s", tdm_last_error());
+        if (o->context > cfg->context)
+            return task_error("--context %lld is longer than the %d of '%s'", (long long)o->context,
+                              cfg->context, o->init_from);
+        return 0;
+    }
+    int64_t v = o->vocab ? o->vocab : is_token_shard(o->data) ? 50257 : 256;
+    /* llm.c pads the vocabulary to a multiple of 128 (wte rows no token reads) */
+    *cfg = (tdm_gpt_config){.layers = (int)(o->layers ? o->layers : 2),
+                            .heads = (int)(o->heads ? o->heads : 4),
+                            .channels = (int)(o->channels ? o->channels : 128),
+                            .context = (int)(o->context ? o->context : 64),
+                            .vocab = (int)v,
+                            .padded_vocab = (int)((v + 127) / 128 * 128)};
+    tdm_rng rng = tdm_rng_make((uint64_t)o->seed);
+    if (!(t->model = tdm_gpt_new(cfg, dev, &rng)))
+        return task_error("model gpt: %s", tdm_last_error());
+    return 0;
+}
+
+/* Windows of T + 1 tokens (T = --context, or the model's); --limit keeps the first N. */
+static int open_text(task *t, const train_opts *o, const tdm_gpt_config *cfg) {
+    int64_t T = o->context ? o->context : cfg->context;
+    t->train = is_token_shard(o->data) ? tdm_token_dataset_open(o->data, T, cfg->vocab)
+                                       : tdm_text_dataset_open(o->data, T);
+    if (!t->train) return task_error("--data: %s", tdm_last_error());
+    if (t->train->num_classes > cfg->vocab)
+        return task_error("--data '%s' holds byte tokens (vocabulary 256) but the model "
+                          "predicts %d",
+                          o->data, cfg->vocab);
+    if (o->limit > 0 && t->train->n > o->limit) t->train->n = o->limit;
+    t->units_per_sample = T;
+    return 0;
+}
+
+static tdm_optim *gpt_optimizer(tdm_paramset *ps, void *arg) {
+    const train_opts *o = arg;
+    tdm_adam_opts a = tdm_adamw_defaults();
+    a.lr = (float)o->lr;
+    a.weight_decay = (float)o->weight_decay;
+    return tdm_gpt_adamw_new(ps, &a);
+}
+
+/* DIR/model.bin beside a checkpoint (for tandem sample), or --save at the end. */
+static int save_llmc(const task *t, const train_opts *o, const char *checkpoint_dir) {
+    char path[4200];
+    if (checkpoint_dir)
+        snprintf(path, sizeof path, "%s/model.bin", checkpoint_dir);
+    else if (o->save_path)
+        snprintf(path, sizeof path, "%s", o->save_path);
+    else
+        return 0;
+    if (tdm_gpt_save_llmc(path, t->model))
+        return task_error("%s: %s", checkpoint_dir ? "checkpoint" : "--save", tdm_last_error());
+    if (!checkpoint_dir && !o->quiet) printf("saved     %s (llm.c model file)\n", path);
+    return 0;
+}
+
+int task_text_open(task *t, const train_opts *o, tdm_device dev) {
+    *t = (task){.unit = "tok",
+                .drop_last = true, /* every step sees a full [B, T] batch */
+                .loss = tdm_gpt_loss,
+                .optimizer = gpt_optimizer,
+                .save = save_llmc,
+                .loss_label = "next-token cross-entropy"};
+    tdm_gpt_config c;
+    int rc = build_gpt(t, o, dev, &c);
+    if (!rc) rc = open_text(t, o, &c);
+    if (rc) return rc;
+    snprintf(t->model_desc, sizeof t->model_desc,
+             "gpt: %d layers, %d heads, %d channels, context %d, vocab %d (padded %d)", c.layers,
+             c.heads, c.channels, c.context, c.vocab, c.padded_vocab);
+    snprintf(t->data_desc, sizeof t->data_desc, "%lld windows of %lld tokens",
+             (long long)t->train->n, (long long)t->units_per_sample);
+    snprintf(t->plot_title, sizeof t->plot_title, "gpt on %s", o->data);
+    return 0;
+}

@@ -1,0 +1,789 @@
+/* The training loop of `tandem train`, for every task (task.h).
+ *
+ * The step loop keeps the host out of the device's way: each step's loss (and, for a task that
+ * scores accuracy, its predictions) are copied into small device buffers, and the host reads
+ * them back only every SYNC_STEPS steps or at a progress line or the end of the epoch: one
+ * transfer per 16 steps instead of two per step on a GPU; on the CPU it costs nothing either
+ * way. A non-finite loss is therefore noticed up to SYNC_STEPS-1 steps late, but reported with
+ * its exact epoch and step. With several devices (DataParallel) or a pipeline the replicas
+ * write losses and predictions to the host themselves.
+ *
+ * Gradient accumulation (--grad-accum K): an optimizer step takes K loader batches; each
+ * batch's loss is divided by K so the gradients add up to their mean, devices and processes
+ * exchange gradients once, at the step's last batch; a step's loss is the mean of its
+ * batches'. Steps per epoch = batches per epoch / K (a remainder is not trained on).
+ */
+#include "trainer.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "progress.h"
+#include "sink.h"
+
+#define SYNC_STEPS 16
+#define EVAL_BATCH 1000
+
+typedef struct {
+    const train_opts *o;
+    task *task;
+    tdm_device dev;
+    tdm_group *g; /* under mpirun: every process, each training a share of the batch */
+    bool silent;  /* a rank other than 0: prints and writes nothing */
+    tdm_loader *train_l, *test_l;
+    tdm_paramset *ps;
+    tdm_optim *opt; /* with several devices: replica 0's (the others follow it) */
+    tdm_dp *dp;     /* several devices: the replicas and their threads */
+    tdm_pipe *pipe; /* --model-split: the stages (and their replicas) and their threads */
+    tdm_ddp *ddp;   /* one device per process under mpirun */
+    tdm_sched sched;
+    sinks out;
+    progress prog;
+    int64_t accum, steps_per_epoch, global_step;
+    /* checkpoints: where a resumed run starts, and its epoch's totals before it */
+    int start_epoch;
+    int64_t resume_step, last_saved;
+    double resume_loss_sum;
+    int64_t resume_correct, resume_samples;
+    bool stopped; /* --max-steps reached */
+    /* device-side records of the current chunk of steps, and their host copies */
+    tdm_tensor *loss_buf;            /* [SYNC_STEPS * accum] f32: each batch's mean loss */
+    tdm_tensor *pred_buf;            /* [SYNC_STEPS * accum * B] i64 */
+    float *loss_host;                /* [SYNC_STEPS * accum] */
+    double *time_host, *lr_host;     /* [SYNC_STEPS] */
+    int64_t *size_host;              /* [SYNC_STEPS] samples of each step */
+    int64_t *pred_host, *label_host; /* [max(SYNC_STEPS * accum * B, EVAL_BATCH)] */
+    int chunk_steps, micro;
+    int64_t chunk_samples;
+    double t_last; /* when the previous step ended */
+    /* the epoch so far, and the window since the last progress line */
+    double loss_sum; /* sum of each step's mean loss times its samples */
+    int64_t correct, samples, steps_planned, every;
+    double win_loss, win_t0;
+    int64_t win_steps, win_samples;
+    epoch_stats last; /* the last finished epoch */
+} trainer;
+
+static int64_t count_correct(const int64_t *pred, const int64_t *label, int64_t n) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += pred[i] == label[i];
+    return c;
+}
+
+/* ---- setting up ------------------------------------------------------------------------- */
+
+static int make_loaders(trainer *tr) {
+    const train_opts *o = tr->o;
+    tdm_loader_opts lo = tdm_loader_defaults(o->batch_size);
+    if (tr->g) { /* DistributedSampler: rank r's rows of each global batch are r, r+N, ... */
+        lo.rank = tdm_group_rank(tr->g);
+        lo.world_size = tdm_group_size(tr->g);
+        lo.batch_size = o->batch_size / lo.world_size;
+    }
+    lo.shuffle = true;
+    lo.seed = (uint64_t)o->seed;
+    lo.workers = (int)o->workers;
+    lo.drop_last = tr->task->drop_last;
+    /* one GPU: batches built in pinned memory and uploaded ahead of the step that needs them
+     * (several devices and pipelines split host batches) */
+    if (o->n_devs == 1 && o->model_split <= 1) lo.device = tr->dev;
+    if (!(tr->train_l = tdm_loader_new(tr->task->train, &lo)))
+        return task_error("training loader: %s", tdm_last_error());
+    int64_t batches = tdm_loader_batches(tr->train_l);
+    if (batches < 1)
+        return task_error("--data '%s' holds %lld samples, fewer than one batch of %lld", o->data,
+                          (long long)tr->task->train->n, (long long)o->batch_size);
+    tr->steps_per_epoch = batches / tr->accum;
+    if (tr->steps_per_epoch < 1)
+        return task_error("--grad-accum %lld is more than the %lld batches of an epoch",
+                          (long long)tr->accum, (long long)batches);
+    if (!tr->task->test) return 0;
+    tdm_loader_opts eo = tdm_loader_defaults(EVAL_BATCH);
+    eo.workers = (int)o->workers;
+    eo.device = lo.device;
+    if (!(tr->test_l = tdm_loader_new(tr->task->test, &eo)))
+        return task_error("test loader: %s", tdm_last_error());
+    return 0;
+}
+
+/* The devices: one, DataParallel (also one GPU per MPI process, whose NCCL group spans the
+ * processes), DDP (one CPU device per process) or a pipeline; and their optimizers. */
+static int make_devices(trainer *tr) {
+    const train_opts *o = tr->o;
+    task *t = tr->task;
+    bool gpu_procs = tr->g && tr->dev.type == TDM_CUDA;
+    if (!(tr->ps = tdm_module_parameters(t->model)))
+        return task_error("model %s: %s", o->model, tdm_last_error());
+    /* rank 0's initial weights go to every process */
+    if (tr->g && o->n_devs == 1 && !gpu_procs && !(tr->ddp = tdm_ddp_new(t->model, tr->g, NULL)))
+        return task_error("ddp: %s", tdm_last_error());
+    if (o->model_split > 1) {
+        tdm_pipe_opts po = tdm_pipe_defaults((int)o->model_split, (int)o->micro_batches);
+        po.schedule = strcmp(o->pipe_schedule, "gpipe") == 0 ? TDM_PIPE_GPIPE : TDM_PIPE_1F1B;
+        po.replicas = o->n_devs / (int)o->model_split;
+        po.devices = o->devices;
+        if (!(tr->pipe = tdm_pipe_new(t->model, &po, t->optimizer, (void *)o)))
+            return task_error("pipeline: %s", tdm_last_error());
+        /* the learning rate is read from a stage's optimizer (every stage has the same) */
+        for (int s = 0; s < tdm_pipe_stages(tr->pipe) && !tr->opt; s++)
+            tr->opt = tdm_pipe_stage_optim(tr->pipe, s, 0);
+    } else if (o->n_devs > 1 || gpu_procs) {
+        tr->dp =
+            tdm_dp_new_distributed(t->model, o->devs, o->n_devs, tr->g, t->optimizer, (void *)o);
+        if (!tr->dp || tdm_dp_set_clip_grad_norm(tr->dp, (float)o->clip))
+            return task_error("data parallel: %s", tdm_last_error());
+        tr->opt = tdm_dp_optim(tr->dp, 0);
+    } else {
+        tr->opt = t->optimizer(tr->ps, (void *)o);
+    }
+    return tr->opt ? 0 : task_error("optimizer: %s", tdm_last_error());
+}
+
+static int make_schedule(trainer *tr) {
+    const train_opts *o = tr->o;
+    tdm_sched s = {.kind = TDM_SCHED_CONSTANT, .base_lr = (float)o->lr};
+    if (strcmp(o->schedule, "step") == 0) {
+        s.kind = TDM_SCHED_STEP;
+        s.gamma = (float)o->gamma;
+        s.step_size = o->step_size;
+    } else if (strcmp(o->schedule, "cosine") == 0) {
+        s.kind = TDM_SCHED_COSINE;
+        s.warmup = o->warmup_steps;
+        s.total = o->epochs * tr->steps_per_epoch;
+        if (s.warmup > s.total)
+            return train_usage_error("--warmup-steps %lld is more than the %lld steps of the run",
+                                     (long long)s.warmup, (long long)s.total);
+    }
+    tr->sched = s;
+    return 0;
+}
+
+/* Buffers reused by every step and every chunk: nothing is allocated per step. */
+static int make_buffers(trainer *tr) {
+    int64_t slots = SYNC_STEPS * tr->accum, rows = slots * tr->o->batch_size;
+    int64_t host = rows > EVAL_BATCH ? rows : EVAL_BATCH;
+    tr->loss_buf = tdm_zeros(TDM_SHAPE(slots), TDM_F32, tr->dev);
+    tr->pred_buf = tr->task->accuracy ? tdm_zeros(TDM_SHAPE(rows), TDM_I64, tr->dev) : NULL;
+    tr->loss_host = malloc(sizeof(float) * (size_t)slots);
+    tr->time_host = malloc(sizeof(double) * SYNC_STEPS);
+    tr->lr_host = malloc(sizeof(double) * SYNC_STEPS);
+    tr->size_host = malloc(sizeof(int64_t) * SYNC_STEPS);
+    tr->pred_host = malloc(sizeof(int64_t) * (size_t)host);
+    tr->label_host = malloc(sizeof(int64_t) * (size_t)host);
+    if (!tr->loss_buf || (tr->task->accuracy && !tr->pred_buf))
+        return task_error("step buffers: %s", tdm_last_error());
+    if (!tr->loss_host || !tr->time_host || !tr->lr_host || !tr->size_host || !tr->pred_host ||
+        !tr->label_host)
+        return task_error("out of memory for step buffers");
+    return 0;
+}
+
+/* ---- checkpoints ------------------------------------------------------------------------ */
+
+/* Under MPI, v[0..n) summed over the processes (every process calls it at the same steps). */
+static int sum_over_processes(trainer *tr, double *v, int n) {
+    float f[4];
+    for (int i = 0; i < n; i++) f[i] = (float)v[i];
+    tdm_tensor *s = tdm_from_data(TDM_SHAPE(n), TDM_F32, tdm_cpu(0), f);
+    int rc = s ? tdm_work_wait(tdm_all_reduce(tr->g, s, TDM_SUM)) : tdm_last_status();
+    if (!rc) rc = tdm_to_host(s, f, sizeof(float) * (size_t)n);
+    tdm_tensor_free(s);
+    for (int i = 0; !rc && i < n; i++) v[i] = f[i];
+    return rc ? task_error("summing over the processes: %s", tdm_last_error()) : 0;
+}
+
+/* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
+ * the epoch's running totals (summed over the processes) so that a resumed epoch reports the
+ * same loss and accuracy, and the task's own files of the model. */
+static int save_checkpoint(trainer *tr) {
+    const train_opts *o = tr->o;
+    if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
+    double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
+    if (tr->g && sum_over_processes(tr, tot, 3)) return EXIT_RUNTIME;
+    tr->last_saved = tr->global_step;
+    if (tr->silent) return 0; /* rank 0 writes; every rank loads */
+    char loss[64], correct[32], samples[32];
+    snprintf(loss, sizeof loss, "%a", tot[0]);
+    snprintf(correct, sizeof correct, "%lld", (long long)tot[1]);
+    snprintf(samples, sizeof samples, "%lld", (long long)tot[2]);
+    tdm_meta meta[3] = {
+        {"epoch_loss_sum", loss}, {"epoch_correct", correct}, {"epoch_images", samples}};
+    tdm_train_state s = {.model = tr->task->model,
+                         .optim = tr->opt,
+                         .loader = tr->train_l,
+                         .rng = tdm_default_rng(),
+                         .step = tr->global_step,
+                         .meta = meta,
+                         .n_meta = 3};
+    if (tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep) != TDM_OK)
+        return task_error("checkpoint: %s", tdm_last_error());
+    return tr->task->save ? tr->task->save(tr->task, o, o->checkpoint_dir) : 0;
+}
+
+/* The epoch's totals saved with a checkpoint: rank 0 resumes with them (under MPI the others
+ * start from 0, so the epoch's sum over the processes is right again). */
+static void resume_totals(trainer *tr, const char *path) {
+    char v[64];
+    if (tr->g && tdm_group_rank(tr->g) != 0) return;
+    if (tdm_checkpoint_meta(path, "epoch_loss_sum", v, sizeof v) == 1)
+        tr->resume_loss_sum = strtod(v, NULL);
+    if (tdm_checkpoint_meta(path, "epoch_correct", v, sizeof v) == 1)
+        tr->resume_correct = strtoll(v, NULL, 10);
+    if (tdm_checkpoint_meta(path, "epoch_images", v, sizeof v) == 1)
+        tr->resume_samples = strtoll(v, NULL, 10);
+}
+
+/* --resume: restores every replica's weights and optimizer from the newest checkpoint, and
+ * the data position, RNG and step count once. */
+static int resume(trainer *tr) {
+    const train_opts *o = tr->o;
+    tr->start_epoch = 1;
+    if (!o->resume) return 0;
+    char path[4096];
+    int64_t step = 0;
+    int found = tdm_checkpoint_latest(o->checkpoint_dir, path, sizeof path, &step);
+    if (found < 0) return task_error("--resume: %s", tdm_last_error());
+    if (found == 0) {
+        if (!o->quiet)
+            printf("resume    no checkpoint in %s yet: starting from the beginning\n",
+                   o->checkpoint_dir);
+        return 0;
+    }
+    int n = tr->dp ? tdm_dp_devices(tr->dp) : 1;
+    for (int r = 0; r < n; r++) {
+        tdm_train_state s = {.model = tr->dp ? tdm_dp_replica(tr->dp, r) : tr->task->model,
+                             .optim = tr->dp ? tdm_dp_optim(tr->dp, r) : tr->opt};
+        if (r == 0) s.loader = tr->train_l, s.rng = tdm_default_rng();
+        if (tdm_checkpoint_load(path, &s) != TDM_OK)
+            return task_error("--resume from '%s': %s", path, tdm_last_error());
+        if (r == 0) tr->global_step = s.step;
+    }
+    int64_t epoch = 0, batch = 0;
+    tdm_loader_position(tr->train_l, &epoch, &batch);
+    tr->start_epoch = (int)epoch + 1;
+    tr->resume_step = batch / tr->accum;
+    tr->last_saved = tr->global_step;
+    resume_totals(tr, path);
+    if (!o->quiet)
+        printf("resume    %s: epoch %d, step %lld of the epoch, %lld steps done\n", path,
+               tr->start_epoch, (long long)tr->resume_step, (long long)tr->global_step);
+    return 0;
+}
+
+/* ---- one step --------------------------------------------------------------------------- */
+
+/* The schedule's learning rate at `at` on every replica's optimizer. */
+static void apply_lr(trainer *tr, int64_t at) {
+    if (tr->pipe) {
+        tdm_pipe_set_lr(tr->pipe, tdm_sched_lr(&tr->sched, at));
+        return;
+    }
+    for (int r = 0; r < (tr->dp ? tdm_dp_devices(tr->dp) : 1); r++)
+        tdm_sched_apply(&tr->sched, tr->dp ? tdm_dp_optim(tr->dp, r) : tr->opt, at);
+}
+
+/* A replica's (or the last stage's) loss, a tdm_loss_fn: the task's mean loss divided by the
+ * accumulation count; its predictions go straight to the host chunk at the replica's rows. */
+static tdm_tensor *replica_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    trainer *tr = arg;
+    tdm_tensor *loss = tr->task->loss(out, target), *pred = NULL;
+    if (loss && tr->accum > 1) loss = tdm_mul_scalar(loss, 1.0f / (float)tr->accum);
+    if (!loss || !tr->task->accuracy) return loss;
+    bool prev = tdm_set_grad_enabled(false);
+    int rc = tdm_max(out, 1, false, &pred) ? 0 : -1;
+    if (!rc)
+        rc = tdm_to_host(pred, tr->pred_host + tr->chunk_samples + row0,
+                         sizeof(int64_t) * (size_t)out->shape[0]);
+    tdm_set_grad_enabled(prev);
+    return rc ? NULL : loss;
+}
+
+/* A data-parallel or pipelined batch: the replicas (or the last stage) record the loss and
+ * predictions on the host. */
+static int batch_on_host(trainer *tr, const tdm_batch *b, bool last) {
+    float loss = NAN;
+    int rc = tr->pipe ? tdm_pipe_step(tr->pipe, b->x, b->y, replica_loss, tr, &loss)
+             : last   ? tdm_dp_step(tr->dp, b->x, b->y, replica_loss, tr, &loss)
+                      : tdm_dp_accumulate(tr->dp, b->x, b->y, replica_loss, tr, &loss);
+    if (rc) return rc;
+    tr->loss_host[tr->chunk_steps * tr->accum + tr->micro] = loss * (float)tr->accum;
+    return 0;
+}
+
+/* Copies a batch's loss and predictions into the chunk's device buffers (no host read). */
+static int record_on_device(trainer *tr, tdm_tensor *out, tdm_tensor *loss, int64_t n) {
+    bool prev = tdm_set_grad_enabled(false);
+    int64_t k = tr->chunk_steps * tr->accum + tr->micro, off = tr->chunk_samples;
+    int rc = tdm_copy_(tdm_slice(tr->loss_buf, 0, k, k + 1, 1), tdm_reshape(loss, TDM_SHAPE(1)));
+    tdm_tensor *pred = NULL;
+    if (!rc && tr->task->accuracy)
+        rc = tdm_max(out, 1, false, &pred)
+                 ? tdm_copy_(tdm_slice(tr->pred_buf, 0, off, off + n, 1), pred)
+                 : -1;
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+/* A batch on the one device of this process: forward, backward (gradients add up over the
+ * step's batches), and at the step's last batch clipping and the update. */
+static int batch_on_device(trainer *tr, const tdm_batch *b, bool last) {
+    if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
+    tdm_tensor *x = b->x, *y = b->y;
+    if (!tdm_device_equal(x->device, tr->dev)) {
+        x = tdm_to_device(x, tr->dev);
+        y = tdm_to_device(y, tr->dev);
+    }
+    int rc = tr->micro == 0 ? tdm_optim_zero_grad(tr->opt) : TDM_OK;
+    tdm_trace_begin("forward");
+    tdm_tensor *out = rc        ? NULL
+                      : tr->ddp ? tdm_ddp_forward(tr->ddp, x)
+                                : tdm_module_forward(tr->task->model, x);
+    tdm_tensor *loss = out ? tr->task->loss(out, y) : NULL;
+    tdm_tensor *scaled =
+        loss && tr->accum > 1 ? tdm_mul_scalar(loss, 1.0f / (float)tr->accum) : loss;
+    tdm_trace_end();
+    tdm_trace_begin("backward");
+    if (tr->ddp) tdm_ddp_set_sync(tr->ddp, last); /* other batches keep theirs (no_sync) */
+    rc = !scaled ? -1 : tr->ddp ? tdm_ddp_backward(tr->ddp, scaled) : tdm_backward(scaled);
+    tdm_trace_end();
+    tdm_trace_begin("optimizer");
+    if (!rc && last && tr->o->clip > 0)
+        rc = tdm_clip_grad_norm(tr->ps, (float)tr->o->clip, false, NULL) ? -1 : 0;
+    if (!rc && last) rc = tdm_optim_step(tr->opt);
+    tdm_trace_end();
+    if (!rc) rc = record_on_device(tr, out, loss, b->size);
+    tdm_scope_end();
+    return rc;
+}
+
+/* Feeds batch b to the current step; *done says whether it was the step's last. */
+static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
+    bool last = tr->micro + 1 == tr->accum;
+    int rc = tr->dp || tr->pipe ? batch_on_host(tr, b, last) : batch_on_device(tr, b, last);
+    if (rc) return task_error("training step: %s", tdm_last_error());
+    if (tr->task->accuracy)
+        memcpy(tr->label_host + tr->chunk_samples, b->y_host, sizeof(int64_t) * (size_t)b->size);
+    tr->chunk_samples += b->size;
+    tr->size_host[tr->chunk_steps] = (tr->micro ? tr->size_host[tr->chunk_steps] : 0) + b->size;
+    tr->micro = last ? 0 : tr->micro + 1;
+    *done = last;
+    return 0;
+}
+
+/* ---- the chunk, the window and the epoch ------------------------------------------------- */
+
+/* Data parallelism pays when each device's share of a step is large next to the ~0.1-0.2 ms
+ * a step spends synchronising the devices (bench/RESULTS.md, bench_dp: the MLP, 32 MFLOP of
+ * products per device per step, gains 1.2x on 2 devices; the CNN, several hundred, 1.95x). The
+ * first step's products on this thread are device 0's share: below the threshold, say so. */
+#define SMALL_DEVICE_WORK_FLOPS 100e6
+
+static void note_small_work(trainer *tr, uint64_t flops) {
+    int procs = tr->g ? tdm_group_size(tr->g) : 1;
+    if (tr->pipe || tr->o->n_devs * procs < 2 || tr->dev.type != TDM_CPU || tr->o->quiet ||
+        (double)flops >= SMALL_DEVICE_WORK_FLOPS)
+        return;
+    progress_clear(&tr->prog);
+    printf("note      %.0f MFLOP of matrix products per device per step: little next to the "
+           "devices' synchronisation; expect well under %dx (a larger --batch-size, or fewer "
+           "devices, does better)\n",
+           (double)flops / 1e6, tr->o->n_devs * procs);
+    fflush(stdout);
+}
+
+/* A progress line's window ends: its mean loss (over every process) printed, the outputs
+ * flushed. Every process comes here at the same steps. */
+static int end_window(trainer *tr, int64_t step, double now) {
+    double w[2] = {tr->win_loss, (double)tr->win_samples};
+    if (tr->g && sum_over_processes(tr, w, 2)) return EXIT_RUNTIME;
+    int procs = tr->g ? tdm_group_size(tr->g) : 1;
+    double dt = now - tr->win_t0, n = (double)tr->win_steps;
+    progress_line(&tr->prog, step, w[0] / procs / n, tdm_optim_lr(tr->opt), 1e3 * dt / n,
+                  dt > 0 ? w[1] * (double)tr->task->units_per_sample / dt : NAN, now);
+    tr->win_loss = 0, tr->win_steps = 0, tr->win_samples = 0, tr->win_t0 = now;
+    return sinks_flush(&tr->out);
+}
+
+/* Reads the chunk's losses and predictions back, checks them, records each step, and updates
+ * the epoch's totals, the windows and the progress display. step: steps done this epoch. */
+static int sync_chunk(trainer *tr, int epoch, int64_t step) {
+    int k = tr->chunk_steps;
+    int64_t slots = k * tr->accum;
+    bool on_host = tr->dp || tr->pipe; /* the replicas or stages wrote them there */
+    int rc = on_host || k == 0 ? TDM_OK : tdm_scope_begin();
+    if (!rc && !on_host && k)
+        rc = tdm_to_host(tdm_slice(tr->loss_buf, 0, 0, slots, 1), tr->loss_host,
+                         sizeof(float) * (size_t)slots);
+    if (!rc && !on_host && k && tr->task->accuracy)
+        rc = tdm_to_host(tdm_slice(tr->pred_buf, 0, 0, tr->chunk_samples, 1), tr->pred_host,
+                         sizeof(int64_t) * (size_t)tr->chunk_samples);
+    if (!on_host && k) tdm_scope_end();
+    if (rc) return task_error("reading losses back: %s", tdm_last_error());
+    for (int i = 0; i < k; i++) {
+        int64_t s = step - k + i + 1;
+        double loss = 0;
+        for (int64_t m = 0; m < tr->accum; m++) loss += tr->loss_host[i * tr->accum + m];
+        loss /= (double)tr->accum;
+        if (!isfinite(loss))
+            return task_error("the loss is %s at epoch %d, step %lld (lr %g): training "
+                              "diverged; try a lower --lr",
+                              isnan(loss) ? "nan" : "infinite", epoch, (long long)s,
+                              tr->lr_host[i]);
+        double dt = tr->time_host[i] - (i ? tr->time_host[i - 1] : tr->t_last);
+        double units = (double)(tr->size_host[i] * tr->task->units_per_sample);
+        sinks_step(&tr->out, &(step_record){epoch, s, tr->global_step - k + i + 1, loss,
+                                            tr->lr_host[i], dt > 0 ? units / dt : NAN});
+        tr->loss_sum += loss * (double)tr->size_host[i];
+        tr->win_loss += loss, tr->win_steps++, tr->win_samples += tr->size_host[i];
+        if ((s % tr->every == 0 || s == tr->steps_planned) && end_window(tr, s, tr->time_host[i]))
+            return EXIT_RUNTIME;
+    }
+    if (tr->task->accuracy)
+        tr->correct += count_correct(tr->pred_host, tr->label_host, tr->chunk_samples);
+    tr->samples += tr->chunk_samples;
+    if (k) tr->t_last = tr->time_host[k - 1];
+    tr->chunk_steps = 0;
+    tr->chunk_samples = 0;
+    progress_update(&tr->prog, step, tr->loss_sum / (double)tr->samples,
+                    (double)(tr->samples * tr->task->units_per_sample), tr->t_last);
+    return 0;
+}
+
+/* Whether to read back after this step: a full chunk or a window's end. */
+static bool sync_due(const trainer *tr, int64_t step) {
+    return tr->chunk_steps == SYNC_STEPS || step % tr->every == 0 || step >= tr->steps_planned;
+}
+
+/* After a step: a periodic checkpoint, or the stop of --max-steps (with its checkpoint).
+ * Reads the chunk back first so the saved epoch totals are complete. */
+static int after_step(trainer *tr, int epoch, int64_t step) {
+    const train_opts *o = tr->o;
+    bool stop = o->max_steps > 0 && tr->global_step >= o->max_steps;
+    bool every = o->checkpoint_every > 0 && tr->global_step % o->checkpoint_every == 0;
+    if (!stop && !every) return 0;
+    if (sync_chunk(tr, epoch, step) || save_checkpoint(tr)) return EXIT_RUNTIME;
+    tr->stopped = stop;
+    return 0;
+}
+
+/* Starts epoch `epoch` (from 1), after `skip` of its steps done before a resume. */
+static int begin_epoch(trainer *tr, int epoch, int64_t skip) {
+    const train_opts *o = tr->o;
+    if (tdm_loader_start_epoch_at(tr->train_l, epoch - 1, skip * tr->accum) != TDM_OK)
+        return task_error("training loader: %s", tdm_last_error());
+    if (tr->sched.kind == TDM_SCHED_STEP) apply_lr(tr, epoch - 1);
+    tdm_module_train(tr->task->model, true);
+    tr->loss_sum = skip ? tr->resume_loss_sum : 0;
+    tr->correct = skip ? tr->resume_correct : 0;
+    tr->samples = skip ? tr->resume_samples : 0;
+    tr->steps_planned = tr->steps_per_epoch;
+    if (o->max_steps > 0 && skip + o->max_steps - tr->global_step < tr->steps_planned)
+        tr->steps_planned = skip + o->max_steps - tr->global_step;
+    int64_t left = tr->steps_planned - skip;
+    tr->every = o->print_every > 0 ? o->print_every : left >= 10 ? (left + 9) / 10 : 1;
+    tr->t_last = tr->win_t0 = progress_now();
+    tr->win_loss = 0, tr->win_steps = 0, tr->win_samples = 0;
+    progress_epoch_begin(&tr->prog, epoch, (int)o->epochs, tr->steps_planned, tr->t_last);
+    return 0;
+}
+
+/* One step's batches; returns 1 when the epoch's data ran out first, 0 after a step. */
+static int train_step(trainer *tr, bool first) {
+    bool done = false;
+    while (!done) {
+        tdm_batch b;
+        tdm_trace_begin("wait for data");
+        int r = tdm_loader_next(tr->train_l, &b);
+        tdm_trace_end();
+        if (r < 0) return task_error("loading a training batch: %s", tdm_last_error());
+        if (r == 0) return 1;
+        if (tr->micro == 0 && tr->sched.kind == TDM_SCHED_COSINE) apply_lr(tr, tr->global_step);
+        tr->lr_host[tr->chunk_steps] = tdm_optim_lr(tr->opt);
+        uint64_t flops = tdm_gemm_flops();
+        tdm_trace_begin("step");
+        int rc = train_batch(tr, &b, &done);
+        tdm_trace_end();
+        if (rc) return rc;
+        if (first) note_small_work(tr, tdm_gemm_flops() - flops), first = false;
+    }
+    tr->time_host[tr->chunk_steps++] = progress_now();
+    tr->global_step++;
+    return 0;
+}
+
+static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
+    int64_t skip = tr->resume_step; /* steps of this epoch done before a resume */
+    tr->resume_step = 0;
+    if (begin_epoch(tr, epoch, skip)) return EXIT_RUNTIME;
+    double wait0 = tdm_loader_wait_seconds(tr->train_l), t0 = tr->t_last;
+    int64_t step = skip;
+    while (!tr->stopped && step < tr->steps_planned) {
+        int rc = train_step(tr, step == skip && epoch == tr->start_epoch);
+        if (rc == 1) break;
+        if (rc) return EXIT_RUNTIME;
+        step++;
+        if (sync_due(tr, step) && sync_chunk(tr, epoch, step)) return EXIT_RUNTIME;
+        if (after_step(tr, epoch, step)) return EXIT_RUNTIME;
+    }
+    if (sync_chunk(tr, epoch, step)) return EXIT_RUNTIME;
+    double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
+    if (tr->g && !tr->stopped && sum_over_processes(tr, tot, 3)) return EXIT_RUNTIME;
+    double secs = progress_now() - t0, n = tot[2];
+    *e = (epoch_stats){.epoch = epoch,
+                       .train_loss = n ? tot[0] / n : NAN,
+                       .train_acc = n && tr->task->accuracy ? tot[1] / n : NAN,
+                       .test_loss = NAN,
+                       .test_acc = NAN,
+                       .seconds = secs,
+                       .img_s = secs > 0 ? n * (double)tr->task->units_per_sample / secs : NAN,
+                       .loader_wait_s = tdm_loader_wait_seconds(tr->train_l) - wait0,
+                       .lr = tdm_optim_lr(tr->opt)};
+    return 0;
+}
+
+/* Test loss and accuracy in eval mode, without autograd. */
+static int evaluate(trainer *tr, epoch_stats *e) {
+    double t0 = progress_now();
+    /* the stages' trained weights back into the model that evaluates */
+    if (tr->pipe && tdm_pipe_copy_to(tr->pipe, tr->task->model))
+        return task_error("pipeline: %s", tdm_last_error());
+    if (tdm_loader_start_epoch(tr->test_l, 0) != TDM_OK)
+        return task_error("test loader: %s", tdm_last_error());
+    tdm_module_train(tr->task->model, false);
+    bool prev = tdm_set_grad_enabled(false);
+    double loss_sum = 0;
+    int64_t correct = 0, n = 0;
+    int r, rc = 0;
+    tdm_batch b;
+    while (!rc && (r = tdm_loader_next(tr->test_l, &b)) != 0) {
+        if (r < 0 || (rc = tdm_scope_begin()) != TDM_OK) {
+            rc = -1;
+            break;
+        }
+        tdm_tensor *x = b.x, *y = b.y, *pred = NULL;
+        if (!tdm_device_equal(x->device, tr->dev)) {
+            x = tdm_to_device(x, tr->dev);
+            y = tdm_to_device(y, tr->dev);
+        }
+        tdm_tensor *out = tdm_module_forward(tr->task->model, x);
+        tdm_tensor *loss = out ? tr->task->loss(out, y) : NULL;
+        float l = tdm_item(loss);
+        if (!loss || isnan(l)) rc = -1;
+        if (!rc && tr->task->accuracy)
+            rc = tdm_max(out, 1, false, &pred)
+                     ? tdm_to_host(pred, tr->pred_host, sizeof(int64_t) * (size_t)b.size)
+                     : -1;
+        tdm_scope_end();
+        loss_sum += (double)l * (double)b.size;
+        if (!rc && tr->task->accuracy) correct += count_correct(tr->pred_host, b.y_host, b.size);
+        n += b.size;
+    }
+    tdm_set_grad_enabled(prev);
+    tdm_module_train(tr->task->model, true);
+    if (rc) {
+        const char *why = tdm_last_error();
+        return task_error("evaluation: %s", why && *why ? why : "the test loss is not a number");
+    }
+    e->test_loss = n ? loss_sum / (double)n : NAN;
+    e->test_acc = n ? (double)correct / (double)n : NAN;
+    e->eval_seconds = progress_now() - t0;
+    return 0;
+}
+
+/* ---- the header, the epoch line, the run ----------------------------------------------- */
+
+static void describe_optimizer(const train_opts *o, char *buf, size_t cap) {
+    int n = snprintf(buf, cap, "%s lr %g", o->optimizer, o->lr);
+    if (strcmp(o->optimizer, "sgd") == 0 && o->momentum > 0)
+        n += snprintf(buf + n, cap - (size_t)n, " momentum %g", o->momentum);
+    if (o->weight_decay > 0)
+        n += snprintf(buf + n, cap - (size_t)n, " weight decay %g%s", o->weight_decay,
+                      strcmp(o->model, "gpt") == 0 ? " on matrices" : "");
+    if (strcmp(o->schedule, "constant") != 0)
+        n += snprintf(buf + n, cap - (size_t)n, ", %s schedule", o->schedule);
+    if (o->clip > 0) snprintf(buf + n, cap - (size_t)n, ", gradient clipping at %g", o->clip);
+}
+
+static void print_devices(const trainer *tr) {
+    const train_opts *o = tr->o;
+    char dev[16];
+    printf(" on %s", tdm_device_str(tr->dev, dev));
+    for (int i = 1; i < o->n_devs; i++) printf(",%s", tdm_device_str(o->devs[i], dev));
+    int procs = tr->g ? tdm_group_size(tr->g) : 1;
+    if (procs > 1) printf(" in each of %d processes", procs);
+    if (tr->pipe) {
+        printf(" (%lld pipeline stages, layers", (long long)o->model_split);
+        for (int s = 0; s < tdm_pipe_stages(tr->pipe); s++)
+            printf(" %d-%d", tdm_pipe_stage_first_layer(tr->pipe, s),
+                   tdm_pipe_stage_first_layer(tr->pipe, s + 1) - 1);
+        printf(", %lld micro-batches, %s)", (long long)o->micro_batches, o->pipe_schedule);
+    } else if (o->n_devs * procs > 1) {
+        printf(" (data parallel, %lld samples per device per step)",
+               (long long)(o->batch_size / (o->n_devs * procs)));
+    }
+}
+
+static void banner(const trainer *tr) {
+    const train_opts *o = tr->o;
+    char opt[256];
+    describe_optimizer(o, opt, sizeof opt);
+    printf("model     %s, %lld parameters,", tr->task->model_desc, (long long)tr->ps->total);
+    print_devices(tr);
+    printf("\n");
+    if (tr->dev.type == TDM_CPU) progress_print_compute(stdout);
+    printf("data      %s: %s; batch %lld", o->data, tr->task->data_desc, (long long)o->batch_size);
+    if (tr->accum > 1) printf(" x %lld accumulated", (long long)tr->accum);
+    printf(", %lld steps per epoch, %lld loader workers\n", (long long)tr->steps_per_epoch,
+           (long long)o->workers);
+    printf("optimizer %s\n", opt);
+    fflush(stdout);
+}
+
+/* Appends "key":"v", (escaped) to buf. */
+static void json_str(char *buf, size_t cap, const char *key, const char *v) {
+    size_t n = strlen(buf);
+    n += (size_t)snprintf(buf + n, cap - n, "\"%s\":\"", key);
+    for (; *v && n + 8 < cap; v++) {
+        unsigned char c = (unsigned char)*v;
+        if (c == '"' || c == '\\')
+            n += (size_t)snprintf(buf + n, cap - n, "\\%c", c);
+        else if (c < 0x20)
+            n += (size_t)snprintf(buf + n, cap - n, "\\u%04x", c);
+        else
+            buf[n++] = (char)c, buf[n] = '\0';
+    }
+    snprintf(buf + n, cap - n, "\",");
+}
+
+/* --log's first line: every option that shapes the run, and what it came to. */
+static void write_config(trainer *tr) {
+    const train_opts *o = tr->o;
+    char f[2048] = "";
+    json_str(f, sizeof f, "model", o->model);
+    json_str(f, sizeof f, "data", o->data);
+    json_str(f, sizeof f, "optimizer", o->optimizer);
+    json_str(f, sizeof f, "schedule", o->schedule);
+    json_str(f, sizeof f, "devices", o->devices);
+    json_str(f, sizeof f, "denormals", o->denormals);
+    size_t n = strlen(f);
+    snprintf(f + n, sizeof f - n,
+             "\"lr\":%g,\"momentum\":%g,\"weight_decay\":%g,\"clip_grad\":%g,\"epochs\":%lld,"
+             "\"batch_size\":%lld,\"grad_accum\":%lld,\"steps_per_epoch\":%lld,"
+             "\"train_samples\":%lld,\"test_samples\":%lld,\"seed\":%lld,\"workers\":%lld,"
+             "\"parameters\":%lld",
+             o->lr, o->momentum, o->weight_decay, o->clip, (long long)o->epochs,
+             (long long)o->batch_size, (long long)tr->accum, (long long)tr->steps_per_epoch,
+             (long long)tr->task->train->n, (long long)(tr->task->test ? tr->task->test->n : 0),
+             (long long)o->seed, (long long)o->workers, (long long)tr->ps->total);
+    sinks_config(&tr->out, f);
+}
+
+static void print_epoch(const trainer *tr, const epoch_stats *e) {
+    printf("epoch %d/%lld  train loss %.4f", e->epoch, (long long)tr->o->epochs, e->train_loss);
+    if (tr->task->accuracy) printf(" acc %5.2f%%", 100 * e->train_acc);
+    if (tr->task->test) printf("  test loss %.4f acc %5.2f%%", e->test_loss, 100 * e->test_acc);
+    printf("  %.2f s  %.0f %s/s  loader wait %.2f s", e->seconds, e->img_s, tr->task->unit,
+           e->loader_wait_s);
+    int devices = tr->o->n_devs * (tr->g ? tdm_group_size(tr->g) : 1);
+    if (devices > 1) printf("  (%.0f %s/s per device)", e->img_s / devices, tr->task->unit);
+    printf("\n");
+    fflush(stdout);
+}
+
+/* The outputs, with what the plot shows of the run. */
+static int open_outputs(trainer *tr) {
+    const train_opts *o = tr->o;
+    char title[400], sub[320], opt[256];
+    describe_optimizer(o, opt, sizeof opt);
+    snprintf(title, sizeof title, "%s: %s", tr->task->plot_title, opt);
+    snprintf(sub, sizeof sub, "batch %lld, %lld train samples, seed %lld, %s",
+             (long long)(o->batch_size * tr->accum), (long long)tr->task->train->n,
+             (long long)o->seed, o->devices);
+    sinks_info info = {.title = title,
+                       .subtitle = sub,
+                       .unit = tr->task->unit,
+                       .loss_label = tr->task->loss_label,
+                       .accuracy = tr->task->accuracy,
+                       .steps_per_epoch = tr->steps_per_epoch,
+                       .epochs = o->epochs};
+    train_opts none = {0}; /* a rank other than 0 writes nothing */
+    return sinks_open(&tr->out, tr->silent ? &none : o, &info);
+}
+
+static int run_epochs(trainer *tr) {
+    for (int epoch = tr->start_epoch; epoch <= tr->o->epochs && !tr->stopped; epoch++) {
+        epoch_stats e;
+        int rc = train_epoch(tr, epoch, &e);
+        if (!rc && !tr->stopped && tr->task->test) rc = evaluate(tr, &e);
+        if (rc || tr->stopped) return rc;
+        progress_clear(&tr->prog);
+        if (!tr->silent) print_epoch(tr, &e);
+        if ((rc = sinks_epoch(&tr->out, &e))) return rc;
+        tr->last = e;
+    }
+    return 0;
+}
+
+static int run(trainer *tr) {
+    const train_opts *o = tr->o;
+    int rc;
+    tr->last_saved = -1;
+    tr->last.test_acc = NAN;
+    if ((rc = make_loaders(tr)) || (rc = open_outputs(tr)) || (rc = make_devices(tr)) ||
+        (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = resume(tr)))
+        return rc;
+    if (!tr->silent && !o->quiet) banner(tr);
+    write_config(tr);
+    double t0 = progress_now();
+    if ((rc = run_epochs(tr)) || (rc = save_checkpoint(tr))) return rc; /* the final one */
+    if (!tr->silent && tr->task->save && (rc = tr->task->save(tr->task, o, NULL))) return rc;
+    progress_clear(&tr->prog);
+    if (o->quiet) return 0;
+    if (tr->stopped)
+        printf("stopped   after %lld steps (--max-steps)%s%s\n", (long long)tr->global_step,
+               o->checkpoint_dir ? "; continue with --resume, checkpoint in " : "",
+               o->checkpoint_dir ? o->checkpoint_dir : "");
+    else if (tr->task->test)
+        printf("done      %lld epochs in %.1f s, test accuracy %.2f%%\n", (long long)o->epochs,
+               progress_now() - t0, 100 * tr->last.test_acc);
+    else
+        printf("done      %lld steps in %.1f s\n", (long long)tr->global_step, progress_now() - t0);
+    return 0;
+}
+
+static void trainer_free(trainer *tr) {
+    tdm_loader_free(tr->train_l);
+    tdm_loader_free(tr->test_l);
+    tdm_ddp_free(tr->ddp);
+    if (tr->dp)
+        tdm_dp_free(tr->dp); /* frees every replica's optimizer */
+    else if (tr->pipe)
+        tdm_pipe_free(tr->pipe); /* and every stage's */
+    else
+        tdm_optim_free(tr->opt);
+    tdm_tensor_free(tr->loss_buf);
+    tdm_tensor_free(tr->pred_buf);
+    free(tr->loss_host);
+    free(tr->time_host);
+    free(tr->lr_host);
+    free(tr->size_host);
+    free(tr->pred_host);
+    free(tr->label_host);
+}
+
+int trainer_run(const train_opts *o, task *t, tdm_group *procs) {
+    trainer tr = {.o = o, .task = t, .dev = o->devs[0], .g = procs, .accum = o->grad_accum};
+    tr.silent = procs && tdm_group_rank(procs) != 0;
+    progress_init(&tr.prog, stdout, o->quiet || tr.silent, t->unit);
+    /* mpirun hands its ranks a pty of its own whatever the job's output is (mostly a batch
+     * job's log file): plain lines there */
+    if (procs) tr.prog.tty = false;
+    /* with several devices this thread also runs device 0's replica */
+    tdm_trace_name_thread("training loop (and devices[0] compute)");
+    int rc = run(&tr);
+    progress_clear(&tr.prog);
+    rc = sinks_close(&tr.out, rc, o->quiet || tr.silent);
+    trainer_free(&tr);
+    return rc;
+}

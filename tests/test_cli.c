@@ -391,6 +391,54 @@ static void test_accumulate_and_clip(void) {
 #undef RUN
 }
 
+/* The value of "scalar TAG STEP VALUE WALL_TIME" in tensorboard_read.py's output, or NAN. */
+static double tb_scalar(const char *seen, const char *tag, long long step) {
+    char want[160];
+    snprintf(want, sizeof want, "scalar %s %lld ", tag, step);
+    const char *p = strstr(seen, want);
+    return p ? strtod(p + strlen(want), NULL) : NAN;
+}
+
+/* --tensorboard DIR, read back by the tensorboard package's own reader (python SCRIPT, i.e.
+ * tests/tensorboard_read.py in the venv of scripts/setup): each step's loss and lr and each
+ * epoch's test accuracy are those of --log. Returns 77 (skipped) without that python. */
+static int test_tensorboard_run(const char *python, const char *script) {
+    if (access(python, X_OK) != 0) {
+        fprintf(stderr, "skipped: no %s (scripts/setup makes the venv)\n", python);
+        return 77;
+    }
+    char dir[300], log[300];
+    snprintf(dir, sizeof dir, "%s/tb", tmpdir);
+    snprintf(log, sizeof log, "%s/tb.jsonl", tmpdir);
+    result r = TANDEM("train", "--limit", "320", "--epochs", "2", "--quiet", "--log", log,
+                      "--tensorboard", dir);
+    CHECK(r.status == 0, "train --tensorboard: exit %d: %s", r.status, r.err);
+    result_free(&r);
+    char cmd[1200];
+    snprintf(cmd, sizeof cmd, "%s %s %s/events.out.tfevents.* > %s/tb.txt", python, script, dir,
+             tmpdir);
+    CHECK(system(cmd) == 0, "%s failed", cmd);
+    snprintf(cmd, sizeof cmd, "%s/tb.txt", tmpdir);
+    char *seen = slurp(cmd), *text = slurp(log);
+    int steps = 0, epochs = 0;
+    for (char *p = strstr(text, "\"type\":\"step\""); p; p = strstr(p + 1, "\"type\":\"step\"")) {
+        double v = tb_scalar(seen, "train/loss", (long long)json_num(p, "global_step"));
+        steps += !isnan(v);
+        CHECK_CLOSE(v, json_num(p, "loss"), 0, 1e-6); /* --log writes 7 digits */
+    }
+    for (char *p = strstr(text, "\"type\":\"epoch\""); p; p = strstr(p + 1, "\"type\":\"epoch\"")) {
+        double v = tb_scalar(seen, "epoch/test_acc", (long long)json_num(p, "epoch"));
+        epochs += !isnan(v);
+        CHECK_CLOSE(v, json_num(p, "test_acc"), 0, 1e-6);
+    }
+    CHECK(steps == 10 && epochs == 2 && strstr(seen, "scalar train/lr 10 0.100000001 ") &&
+              strstr(seen, "scalar train/img_per_s 10 "),
+          "TensorBoard read %d steps, %d epochs: %.300s", steps, epochs, seen);
+    free(seen);
+    free(text);
+    return check_summary();
+}
+
 static void test_tutorial(const char *path) {
     result r = run((const char *const[]){path, "300", "2", NULL});
     CHECK(r.status == 0, "mlp_tutorial: exit %d, stderr: %s", r.status, r.err);
@@ -468,6 +516,15 @@ static void test_mpi_run(const char *mpirun) {
 }
 
 int main(int argc, char **argv) {
+    if (argc == 5 && strcmp(argv[2], "--tensorboard") == 0) {
+        tandem_path = argv[1];
+        if (!mkdtemp(tmpdir)) return perror("mkdtemp"), 1;
+        int rc = test_tensorboard_run(argv[3], argv[4]);
+        char cmd[300];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+        if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
+        return rc;
+    }
     if (argc == 4 && strcmp(argv[2], "--mpirun") == 0) {
         tandem_path = argv[1];
         if (!mkdtemp(tmpdir)) {

@@ -129,6 +129,56 @@ static sink *plot_open(const char *path, const sinks_info *info) {
     return &p->base;
 }
 
+/* ---- --tensorboard: event files ----------------------------------------------------------- */
+
+typedef struct {
+    sink base;
+    tdm_tb_writer *w;
+    char rate_tag[32];
+    int bad; /* a failed write, reported at the next flush */
+} tb_sink;
+
+static void tb_scalar(tb_sink *t, const char *tag, int64_t step, double v) {
+    if (isfinite(v) && tdm_tb_add_scalar(t->w, tag, step, v, 0) != TDM_OK) t->bad = 1;
+}
+
+static void tb_step(sink *s, const step_record *r) {
+    tb_sink *t = (tb_sink *)s;
+    tb_scalar(t, "train/loss", r->global_step, r->loss);
+    tb_scalar(t, "train/lr", r->global_step, r->lr);
+    tb_scalar(t, t->rate_tag, r->global_step, r->rate);
+}
+
+/* Epoch scalars at the epoch's number, as PyTorch examples log them. */
+static int tb_epoch(sink *s, const epoch_stats *e) {
+    tb_sink *t = (tb_sink *)s;
+    tb_scalar(t, "epoch/train_loss", e->epoch, e->train_loss);
+    tb_scalar(t, "epoch/train_acc", e->epoch, e->train_acc);
+    tb_scalar(t, "epoch/test_loss", e->epoch, e->test_loss);
+    tb_scalar(t, "epoch/test_acc", e->epoch, e->test_acc);
+    return s->flush(s);
+}
+
+static int tb_flush(sink *s) {
+    tb_sink *t = (tb_sink *)s;
+    return t->bad || tdm_tb_flush(t->w) != TDM_OK ? -1 : 0;
+}
+
+static int tb_close(sink *s) {
+    tb_sink *t = (tb_sink *)s;
+    int rc = tdm_tb_close(t->w) != TDM_OK || t->bad ? -1 : 0;
+    free(t);
+    return rc;
+}
+
+static sink *tb_open(const char *dir, const sinks_info *info) {
+    tb_sink *t = calloc(1, sizeof *t);
+    if (!t || !(t->w = tdm_tb_open(dir))) return free(t), NULL;
+    snprintf(t->rate_tag, sizeof t->rate_tag, "train/%s_per_s", info->unit);
+    t->base = (sink){"tensorboard", dir, NULL, tb_step, tb_epoch, tb_flush, tb_close};
+    return &t->base;
+}
+
 /* ---- --trace: the Chrome trace records itself; this starts and stops it ----------------- */
 
 static int trace_close(sink *s) {
@@ -158,7 +208,8 @@ int sinks_open(sinks *s, const train_opts *o, const sinks_info *info) {
         sink *(*open)(const char *, const sinks_info *);
     } outs[] = {{o->trace_path, "--trace", trace_open},
                 {o->log_path, "--log", json_open},
-                {o->plot_path, "--plot", plot_open}};
+                {o->plot_path, "--plot", plot_open},
+                {o->tensorboard_dir, "--tensorboard", tb_open}};
     *s = (sinks){0};
     for (size_t i = 0; i < sizeof outs / sizeof outs[0]; i++) {
         if (!outs[i].path) continue;

@@ -138,6 +138,10 @@ static const opt_spec specs[] = {
      "Write a Chrome trace (open it in Perfetto or chrome://tracing): one track per thread "
      "(the training loop, each device's compute, its communication, the loader's workers) "
      "with the spans of forward, backward, optimizer, each all-reduce and waiting for data."},
+    {"--tensorboard", "DIR", OPT_STR, F(tensorboard_dir), 0, 0, "none",
+     "Write TensorBoard event files into DIR (created if missing; open with tensorboard "
+     "--logdir DIR): train/loss, train/lr and train/img_per_s (tok_per_s for gpt) per step, "
+     "and epoch/train_loss, train_acc, test_loss, test_acc per epoch."},
     {"--plot", "FILE.svg", OPT_STR, F(plot_path), 0, 0, "none",
      "Draw loss and accuracy curves (train and test per epoch, train loss per step) into an "
      "SVG file, rewritten at every progress line and after every epoch (for gpt: the loss "

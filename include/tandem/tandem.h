@@ -11,6 +11,7 @@
 #include "pipeline.h"
 #include "io.h"
 #include "trace.h"
+#include "tensorboard.h"
 #include "gpt.h"
 #include "models.h"
 

@@ -1,7 +1,7 @@
 /* Atomic file replacement: write a temporary file in the destination's directory, fsync it,
  * rename it over the destination, fsync the directory. A crash at any moment leaves the old
  * file or the new one; the rename is the commit point, and the directory fsync makes the
- * rename itself durable. */
+ * rename itself durable. The directory helpers the writers of src/io share live here too. */
 #define _GNU_SOURCE /* mkostemp */
 #include "io/io_internal.h"
 
@@ -21,6 +21,25 @@ void tdm_io_dirname(const char *path, char *dir, size_t cap) {
         snprintf(dir, cap, "/");
     else
         snprintf(dir, cap, "%.*s", (int)(slash - path), path);
+}
+
+int tdm_io_mkdir_p(const char *dir, const char *what) {
+    char p[4096];
+    if (snprintf(p, sizeof p, "%s", dir) >= (int)sizeof p)
+        return tdm_raise(TDM_ERR_IO, "%s: cannot create directory '%.200s...': path too long", what,
+                         dir);
+    /* each parent in turn; one that cannot be made ends the walk, and the mkdir below, of that
+     * same parent, reports why */
+    for (char *s = p + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = '\0';
+        if (mkdir(p, 0755) != 0 && errno != EEXIST) break;
+        *s = '/';
+    }
+    if (mkdir(p, 0755) != 0 && errno != EEXIST)
+        return tdm_raise(TDM_ERR_IO, "%s: cannot create directory '%s': %s", what, dir,
+                         strerror(errno));
+    return TDM_OK;
 }
 
 int tdm_io_fsync_dir(const char *dir) {

@@ -259,21 +259,6 @@ static void remove_ckpt_dir(const char *path) {
     rmdir(path);
 }
 
-static int mkdir_p(const char *dir) {
-    char p[4096];
-    snprintf(p, sizeof p, "%s", dir);
-    for (char *s = p + 1; *s; s++) {
-        if (*s != '/') continue;
-        *s = '\0';
-        if (mkdir(p, 0755) != 0 && errno != EEXIST) break;
-        *s = '/';
-    }
-    if (mkdir(p, 0755) != 0 && errno != EEXIST)
-        return tdm_raise(TDM_ERR_IO, "checkpoint: cannot create directory '%s': %s", dir,
-                         strerror(errno));
-    return TDM_OK;
-}
-
 /* The step of a "ckpt-<digits>" name, or -1. */
 static int64_t ckpt_step(const char *name) {
     if (strncmp(name, "ckpt-", 5) != 0 || !name[5]) return -1;
@@ -346,7 +331,7 @@ int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {
     if (!dir || !s) return tdm_raise(TDM_ERR_ARG, "checkpoint_save: NULL directory or state");
     if (s->step < 0)
         return tdm_raise(TDM_ERR_ARG, "checkpoint_save: step %lld is negative", (long long)s->step);
-    int rc = mkdir_p(dir);
+    int rc = tdm_io_mkdir_p(dir, "checkpoint");
     if (rc) return rc;
     char tmp[4096], final[4096], old[4096], f[4200];
     snprintf(tmp, sizeof tmp, "%s/.ckpt-%010" PRId64 ".tmp", dir, s->step);

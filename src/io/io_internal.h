@@ -1,5 +1,5 @@
-/* Private helpers of src/io: atomic file writes and checks shared by the safetensors reader
- * and the checkpoint code. */
+/* Private helpers of src/io: atomic file writes, directories, checksums and checks shared by
+ * the safetensors reader, the checkpoint code and the TensorBoard writer. */
 #ifndef TDM_IO_INTERNAL_H
 #define TDM_IO_INTERNAL_H
 
@@ -15,8 +15,15 @@ int tdm_io_temp_open(const char *path, char *tmp, size_t cap);
 int tdm_io_temp_commit(int fd, const char *tmp, const char *path, int rc);
 /* Flushes a directory's entries (renames, creations) to disk. */
 int tdm_io_fsync_dir(const char *dir);
+/* Creates directory dir and its missing parents (mkdir -p; an existing one is fine). Returns
+ * TDM_OK or TDM_ERR_IO "<what>: cannot create directory '<dir>': <errno's text>". */
+int tdm_io_mkdir_p(const char *dir, const char *what);
 /* Writes path's directory part into dir (cap bytes): "." when it has none. */
 void tdm_io_dirname(const char *path, char *dir, size_t cap);
+
+/* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) of n bytes: the checksum of TFRecord
+ * framing (tensorboard.c). tdm_crc32c("123456789", 9) is 0xE3069283. */
+uint32_t tdm_crc32c(const void *data, size_t n);
 
 /* Checks that tensor i of f can be read into dst (same shape and dtype); raises naming the
  * file and the tensor otherwise. */

@@ -11,12 +11,11 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "testdir.h"
 #include "fixtures/safetensors_fixtures.h"
 #include "tandem/io.h"
 
 #define FIX "tests/fixtures/"
-
-static char tmpdir[] = "/tmp/tandem_test_ckpt_XXXXXX";
 
 static char *tmp_path(const char *name) {
     static char buf[4][512];
@@ -454,10 +453,7 @@ static void test_crash(void) {
 }
 
 int main(void) {
-    if (!mkdtemp(tmpdir)) {
-        perror("mkdtemp");
-        return 1;
-    }
+    if (tmpdir_make("test_ckpt") != 0) return 1;
     test_torch_file();
     test_torch_reads_ours();
     test_dtypes();
@@ -468,8 +464,6 @@ int main(void) {
     test_exact_resume(true);
     test_checkpoint_errors();
     test_crash();
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
-    if (check_failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    tmpdir_remove();
     return check_summary();
 }

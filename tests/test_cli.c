@@ -5,54 +5,29 @@
  *
  * CTest passes the built binaries' paths. Runs need Debian's dataset-fashion-mnist. */
 #define _GNU_SOURCE /* memmem */
-#include <fcntl.h>
 #include <stdarg.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "check.h"
+#include "testdir.h"
 
 static const char *tandem_path;
-static char tmpdir[256] = "/tmp/tandem_test_cli_XXXXXX";
-
 typedef struct {
     int status; /* exit status, or -1 if the process did not exit normally (a crash) */
     char *out, *err;
 } result;
 
+/* A file's contents, "" when it cannot be read. */
 static char *slurp(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return calloc(1, 1);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = calloc(1, (size_t)n + 1);
-    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) s[0] = '\0';
-    fclose(f);
-    return s;
+    char *s = slurp_file(path, NULL);
+    return s ? s : calloc(1, 1);
 }
 
-/* Runs argv (NULL-terminated) with stdout and stderr captured in files. */
+/* Runs argv (NULL-terminated) with stdout and stderr captured. */
 static result run(const char *const *argv) {
-    char out[300], err[300];
-    snprintf(out, sizeof out, "%s/stdout", tmpdir);
-    snprintf(err, sizeof err, "%s/stderr", tmpdir);
-    result r = {-1, NULL, NULL};
-    pid_t pid = fork();
-    if (pid == 0) {
-        int fo = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        int fe = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (fo < 0 || fe < 0) _exit(126);
-        dup2(fo, 1);
-        dup2(fe, 2);
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    int st = 0;
-    if (pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st)) r.status = WEXITSTATUS(st);
-    r.out = slurp(out);
-    r.err = slurp(err);
+    result r = {wait_status(spawn_captured(argv)), NULL, NULL};
+    r.out = captured("stdout");
+    r.err = captured("stderr");
     return r;
 }
 
@@ -516,48 +491,32 @@ static void test_mpi_run(const char *mpirun) {
 }
 
 int main(int argc, char **argv) {
-    if (argc == 5 && strcmp(argv[2], "--tensorboard") == 0) {
-        tandem_path = argv[1];
-        if (!mkdtemp(tmpdir)) return perror("mkdtemp"), 1;
-        int rc = test_tensorboard_run(argv[3], argv[4]);
-        char cmd[300];
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-        if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
-        return rc;
-    }
-    if (argc == 4 && strcmp(argv[2], "--mpirun") == 0) {
-        tandem_path = argv[1];
-        if (!mkdtemp(tmpdir)) {
-            perror("mkdtemp");
-            return 1;
-        }
-        test_mpi_run(argv[3]);
-        char cmd[300];
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-        if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
-        return check_summary();
-    }
     if (argc < 2) {
-        fprintf(stderr, "usage: test_cli PATH_TO_TANDEM [PATH_TO_MLP_TUTORIAL]\n");
+        fprintf(stderr, "usage: test_cli PATH_TO_TANDEM [PATH_TO_MLP_TUTORIAL | --mpirun MPIRUN | "
+                        "--tensorboard PYTHON SCRIPT]\n");
         return 2;
     }
     tandem_path = argv[1];
-    if (!mkdtemp(tmpdir)) {
-        perror("mkdtemp");
-        return 1;
+    if (tmpdir_make("test_cli") != 0) return 1;
+    if (argc == 5 && strcmp(argv[2], "--tensorboard") == 0) {
+        int rc = test_tensorboard_run(argv[3], argv[4]);
+        tmpdir_remove();
+        return rc;
     }
-    test_help();
-    test_usage_errors();
-    test_runtime_errors();
-    test_mlp_run();
-    test_cnn_run();
-    test_devices_run();
-    test_model_split();
-    test_schedules();
-    test_accumulate_and_clip();
-    if (argc > 2) test_tutorial(argv[2]);
-    char cmd[320];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-    if (system(cmd) != 0) fprintf(stderr, "warning: could not remove %s\n", tmpdir);
+    if (argc == 4 && strcmp(argv[2], "--mpirun") == 0) {
+        test_mpi_run(argv[3]);
+    } else {
+        test_help();
+        test_usage_errors();
+        test_runtime_errors();
+        test_mlp_run();
+        test_cnn_run();
+        test_devices_run();
+        test_model_split();
+        test_schedules();
+        test_accumulate_and_clip();
+        if (argc > 2) test_tutorial(argv[2]);
+    }
+    tmpdir_remove();
     return check_summary();
 }

@@ -3,14 +3,13 @@
  * directory) gives NULL and a message naming the file and where the problem is. */
 #define _GNU_SOURCE
 #include "check.h"
+#include "testdir.h"
 
 #include <pthread.h>
 #include <sys/stat.h>
 #include <stdint.h>
 #include <unistd.h>
 #include <zlib.h>
-
-static char tmpdir[64];
 
 static const char *tmp_path(const char *name) {
     static _Thread_local char buf[8][256];
@@ -526,18 +525,8 @@ static void test_concurrent(void) {
 }
 
 /* Removes the files of the temporary directory (one level of subdirectories). */
-static void remove_tmpdir(void) {
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
-}
-
 int main(void) {
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/tdm_datasets_XXXXXX");
-    if (!mkdtemp(tmpdir)) {
-        perror("mkdtemp");
-        return 1;
-    }
+    if (tmpdir_make("test_datasets") != 0) return 1;
     test_idx_valid();
     test_idx_errors();
     test_fashion_crafted();
@@ -546,6 +535,6 @@ int main(void) {
     test_csv();
     test_memory();
     test_concurrent();
-    remove_tmpdir();
+    tmpdir_remove();
     return check_summary();
 }

@@ -3,6 +3,7 @@
  * decay on matrices only), weight tying, cloning, llm.c's checkpoint files (round trip and
  * every malformed case), and byte-level text data. */
 #include "gradcheck.h"
+#include "testdir.h"
 
 #include "core/core.h" /* tdm_alloc_stats_get */
 
@@ -10,8 +11,6 @@
 #include "fixtures/llmc_fixtures.h"
 
 #include <unistd.h>
-
-static char tmpdir[] = "/tmp/tandem_test_gpt_XXXXXX";
 
 /* ---- attention ------------------------------------------------------------------------- */
 
@@ -475,10 +474,7 @@ static void test_weight_decay_groups(void) {
 }
 
 int main(void) {
-    if (!mkdtemp(tmpdir)) {
-        perror("mkdtemp");
-        return 1;
-    }
+    if (tmpdir_make("test_gpt") != 0) return 1;
     test_attention_forward();
     test_attention_gradcheck();
     test_attention_errors();
@@ -492,8 +488,6 @@ int main(void) {
     test_llmc_errors();
     test_text_dataset();
     test_weight_decay_groups();
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
-    if (check_failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    tmpdir_remove();
     return check_summary();
 }

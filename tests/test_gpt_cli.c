@@ -3,50 +3,32 @@
  * reproducible from a seed, two devices train like one, a resumed run continues as if never
  * stopped, and bad options fail with the right
  * status and message. Runs the `tandem` built beside this test. */
-#include <dirent.h>
-#include <sys/wait.h>
-#include <fcntl.h>
-#include <unistd.h>
-
 #include "check.h"
+#include "testdir.h"
 
 static char tandem[4096];
-static char tmpdir[] = "/tmp/tandem_test_gpt_cli_XXXXXX";
-
 typedef struct {
     int status;
-    char out[16384], err[4096];
+    char *out, *err;
 } result;
 
+/* A file's first cap - 1 bytes into buf, "" when it cannot be read. */
 static void slurp(const char *path, char *buf, size_t cap) {
-    FILE *f = fopen(path, "rb");
-    size_t n = f ? fread(buf, 1, cap - 1, f) : 0;
-    buf[n] = '\0';
-    if (f) fclose(f);
+    char *s = slurp_file(path, NULL);
+    snprintf(buf, cap, "%s", s ? s : "");
+    free(s);
 }
 
-/* Runs tandem with argv (NULL-terminated, argv[0] ignored), capturing stdout and stderr. */
+/* Runs tandem with argv (NULL-terminated, argv[0] ignored), capturing stdout and stderr; the
+ * result stays valid until the next run. */
 static result *run(const char **argv) {
     static result r;
-    char out[300], err[300];
-    snprintf(out, sizeof out, "%s/stdout", tmpdir);
-    snprintf(err, sizeof err, "%s/stderr", tmpdir);
+    free(r.out);
+    free(r.err);
     argv[0] = tandem;
-    pid_t pid = fork();
-    if (pid == 0) {
-        int fo = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        int fe = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (fo < 0 || fe < 0) _exit(126);
-        dup2(fo, 1);
-        dup2(fe, 2);
-        execv(tandem, (char *const *)argv);
-        _exit(127);
-    }
-    int st = 0;
-    r.status = -1;
-    if (pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st)) r.status = WEXITSTATUS(st);
-    slurp(out, r.out, sizeof r.out);
-    slurp(err, r.err, sizeof r.err);
+    r.status = wait_status(spawn_captured(argv));
+    r.out = captured("stdout");
+    r.err = captured("stderr");
     return &r;
 }
 
@@ -252,15 +234,6 @@ static void test_sample(void) {
     CHECK(r->status == 0 && strstr(r->out, "--top-k"), "sample --help");
 }
 
-static int count_ckpts(const char *dir) {
-    DIR *d = opendir(dir);
-    int n = 0;
-    struct dirent *e;
-    while (d && (e = readdir(d)) != NULL) n += strncmp(e->d_name, "ckpt-", 5) == 0;
-    if (d) closedir(d);
-    return n;
-}
-
 /* The image trainer's options on the GPT (one trainer): --keep, the RNG in its checkpoints,
  * --limit, --schedule step; and --model-split refused with its reason. */
 static void test_shared_options(void) {
@@ -318,7 +291,7 @@ static void test_errors(void) {
 
 int main(int argc, char **argv) {
     ssize_t n = readlink("/proc/self/exe", tandem, sizeof tandem - 16);
-    if (n <= 0 || !mkdtemp(tmpdir)) {
+    if (n <= 0 || tmpdir_make("test_gpt_cli") != 0) {
         perror("setup");
         return 1;
     }
@@ -334,8 +307,6 @@ int main(int argc, char **argv) {
     test_shared_options();
     test_sample();
     test_errors();
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
-    if (check_failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    tmpdir_remove();
     return check_summary();
 }

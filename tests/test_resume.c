@@ -8,83 +8,33 @@
  *
  * Needs Debian's dataset-fashion-mnist (skipped without it). */
 #define _GNU_SOURCE
-#include <dirent.h>
-#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "check.h"
+#include "testdir.h"
 
 static const char *tandem;
-static char tmpdir[] = "/tmp/tandem_test_resume_XXXXXX";
-
-static char *slurp(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = calloc(1, (size_t)n + 1);
-    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) s[0] = '\0';
-    fclose(f);
-    if (len) *len = (size_t)n;
-    return s;
-}
-
-/* Starts tandem with args (NULL-terminated), stdout and stderr into tmpdir/out and err. */
+/* Starts tandem with args (NULL-terminated), its output captured (testdir.h). */
 static pid_t start(const char *const *args) {
-    pid_t pid = fork();
-    if (pid == 0) {
-        char out[300], err[300];
-        snprintf(out, sizeof out, "%s/out", tmpdir);
-        snprintf(err, sizeof err, "%s/err", tmpdir);
-        int fo = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        int fe = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (fo < 0 || fe < 0) _exit(126);
-        dup2(fo, 1);
-        dup2(fe, 2);
-        const char *argv[64] = {tandem};
-        for (int i = 0; args[i] && i < 62; i++) argv[i + 1] = args[i];
-        execv(tandem, (char *const *)argv);
-        _exit(127);
-    }
-    return pid;
+    const char *argv[64] = {tandem};
+    for (int i = 0; args[i] && i < 62; i++) argv[i + 1] = args[i];
+    return spawn_captured(argv);
 }
 
 /* Runs tandem to completion; returns its exit status (-1 for a crash). */
 static int run(const char *const *args) {
-    pid_t pid = start(args);
-    int st = 0;
-    if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) return -1;
-    return WEXITSTATUS(st);
-}
-
-static char *output(const char *which) {
-    char p[300];
-    snprintf(p, sizeof p, "%s/%s", tmpdir, which);
-    char *s = slurp(p, NULL);
-    return s ? s : calloc(1, 1);
+    return wait_status(start(args));
 }
 
 static bool same_file(const char *a, const char *b) {
     size_t na = 0, nb = 0;
-    char *x = slurp(a, &na), *y = slurp(b, &nb);
+    char *x = slurp_file(a, &na), *y = slurp_file(b, &nb);
     bool eq = x && y && na == nb && na > 0 && memcmp(x, y, na) == 0;
     free(x);
     free(y);
     return eq;
-}
-
-static int count_ckpts(const char *dir) {
-    DIR *d = opendir(dir);
-    int n = 0;
-    struct dirent *e;
-    while (d && (e = readdir(d)) != NULL) n += strncmp(e->d_name, "ckpt-", 5) == 0;
-    if (d) closedir(d);
-    return n;
 }
 
 #define ARGS(...) ((const char *const[]){__VA_ARGS__, NULL})
@@ -107,10 +57,10 @@ static void exact_resume(const char *model, const char *devices, bool adam) {
     int rc =
         run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
                  sched, COMMON, "--checkpoint-dir", a, "--checkpoint-every", "4", "--keep", "2"));
-    char *err = output("err");
+    char *err = captured("stderr");
     CHECK(rc == 0, "%s on %s: the full run failed (%d): %s", model, devices, rc, err);
     free(err);
-    char *out = output("out"), full_test[128];
+    char *out = captured("stdout"), full_test[128];
     last_test(out, full_test, sizeof full_test);
     free(out);
     CHECK(count_ckpts(a) == 2, "--keep 2 leaves 2 checkpoints, found %d", count_ckpts(a));
@@ -120,7 +70,7 @@ static void exact_resume(const char *model, const char *devices, bool adam) {
     CHECK(rc == 0, "%s on %s: the first half failed (%d)", model, devices, rc);
     rc = run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
                   sched, COMMON, "--checkpoint-dir", b, "--resume", "--workers", "0"));
-    err = output("err");
+    err = captured("stderr");
     CHECK(rc == 0, "%s on %s: the resumed half failed (%d): %s", model, devices, rc, err);
     free(err);
     for (int f = 0; f < 2; f++) {
@@ -135,7 +85,7 @@ static void exact_resume(const char *model, const char *devices, bool adam) {
     /* tandem eval on the final checkpoint reproduces the trainer's last test result */
     snprintf(fa, sizeof fa, "%s/ckpt-0000000012", a);
     rc = run(ARGS("eval", "--model", model, "--weights", fa, "--limit", "256"));
-    out = output("out");
+    out = captured("stdout");
     char eval_test[128];
     last_test(out, eval_test, sizeof eval_test);
     CHECK(rc == 0 && full_test[0] && strcmp(full_test, eval_test) == 0,
@@ -150,7 +100,7 @@ static void init_from(void) {
           "--init-from a checkpoint's weights");
     CHECK(run(ARGS("train", "--model", "cnn", COMMON, "--init-from", w)) == 1,
           "--init-from weights of another model fails");
-    char *err = output("err");
+    char *err = captured("stderr");
     CHECK(strstr(err, "--init-from") && strstr(err, "missing: 0.weight"),
           "names what is missing: %s", err);
     free(err);
@@ -158,17 +108,21 @@ static void init_from(void) {
           "--init-from a missing file");
     CHECK(run(ARGS("train", COMMON, "--resume")) == 2, "--resume needs --checkpoint-dir");
     CHECK(run(ARGS("eval", "--model", "mlp")) == 2, "eval needs --weights");
-    char *e2 = output("err");
+    char *e2 = captured("stderr");
     CHECK(strstr(e2, "--weights"), "says --weights is required: %s", e2);
     free(e2);
 }
 
 /* Kills the trainer at random moments of a run that checkpoints every step; each time the
- * newest checkpoint must resume. */
+ * newest checkpoint must resume. The moments come from a seed it prints (TANDEM_TEST_SEED=S
+ * replays a failure). */
 static void kill_during_checkpoint(void) {
     char dir[300];
     snprintf(dir, sizeof dir, "%s/killed", tmpdir);
-    srand((unsigned)time(NULL));
+    const char *given = getenv("TANDEM_TEST_SEED");
+    unsigned seed = given ? (unsigned)strtoul(given, NULL, 10) : (unsigned)time(NULL);
+    printf("kill moments: TANDEM_TEST_SEED=%u\n", seed);
+    srand(seed);
     for (int round = 0; round < 3; round++) {
         pid_t pid = start(ARGS("train", "--model", "mlp", "--limit", "4096", "--batch-size", "16",
                                "--epochs", "1", "--quiet", "--checkpoint-dir", dir,
@@ -180,7 +134,7 @@ static void kill_during_checkpoint(void) {
     }
     int rc = run(ARGS("train", "--model", "mlp", "--limit", "4096", "--batch-size", "16",
                       "--epochs", "1", "--checkpoint-dir", dir, "--resume", "--max-steps", "257"));
-    char *err = output("err"), *out = output("out");
+    char *err = captured("stderr"), *out = captured("stdout");
     CHECK(rc == 0, "resuming after kills failed (%d): %s", rc, err);
     CHECK(strstr(out, "resume    ") != NULL || count_ckpts(dir) == 0, "resumed: %s", out);
     free(err);
@@ -194,18 +148,16 @@ int main(int argc, char **argv) {
     }
     tandem = argv[1];
     if (access("/usr/share/datasets/fashion-mnist", R_OK) != 0) {
-        printf("skip: dataset-fashion-mnist is not installed\n");
-        return 0;
+        printf("skipped: dataset-fashion-mnist is not installed\n");
+        return 77; /* CTest's SKIP_RETURN_CODE: not a pass */
     }
-    if (!mkdtemp(tmpdir)) return 1;
+    if (tmpdir_make("test_resume") != 0) return 1;
     exact_resume("mlp", "cpu:0", false);
     exact_resume("mlp", "cpu:0,cpu:1", false);
     exact_resume("cnn", "cpu:0", true);
     exact_resume("cnn", "cpu:0,cpu:1", true);
     init_from();
     kill_during_checkpoint();
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
-    if (check_failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    tmpdir_remove();
     return check_summary();
 }

@@ -114,15 +114,10 @@ static void init_from(void) {
 }
 
 /* Kills the trainer at random moments of a run that checkpoints every step; each time the
- * newest checkpoint must resume. The moments come from a seed it prints (TANDEM_TEST_SEED=S
- * replays a failure). */
+ * newest checkpoint must resume. The moments come from seed_moments. */
 static void kill_during_checkpoint(void) {
     char dir[300];
     snprintf(dir, sizeof dir, "%s/killed", tmpdir);
-    const char *given = getenv("TANDEM_TEST_SEED");
-    unsigned seed = given ? (unsigned)strtoul(given, NULL, 10) : (unsigned)time(NULL);
-    printf("kill moments: TANDEM_TEST_SEED=%u\n", seed);
-    srand(seed);
     for (int round = 0; round < 3; round++) {
         pid_t pid = start(ARGS("train", "--model", "mlp", "--limit", "4096", "--batch-size", "16",
                                "--epochs", "1", "--quiet", "--checkpoint-dir", dir,
@@ -141,9 +136,111 @@ static void kill_during_checkpoint(void) {
     free(out);
 }
 
+/* Starts `[launcher...] tandem args...` (launcher: NULL, or mpirun and its options). */
+static pid_t start_with(const char *const *launcher, const char *const *args) {
+    const char *argv[64];
+    int n = 0;
+    for (int i = 0; launcher && launcher[i]; i++) argv[n++] = launcher[i];
+    argv[n++] = tandem;
+    for (int i = 0; args[i] && n < 63; i++) argv[n++] = args[i];
+    argv[n] = NULL;
+    char out[200]; /* gone before the child starts: wait_for_steps must not see the last run's */
+    snprintf(out, sizeof out, "%s/stdout", tmpdir);
+    unlink(out);
+    return spawn_captured(argv);
+}
+
+/* Waits (up to 60 s) until the captured stdout shows a step line: the trainer is training. */
+static bool wait_for_steps(pid_t pid) {
+    for (int i = 0; i < 12000; i++) {
+        char *out = captured("stdout");
+        bool started = strstr(out, "  step ") != NULL;
+        free(out);
+        if (started || waitpid(pid, NULL, WNOHANG) == pid) return started;
+        struct timespec ts = {0, 5000000};
+        nanosleep(&ts, NULL);
+    }
+    return false;
+}
+
+/* SIGTERM at a moment drawn from the seed, once the run is training: it stops with a
+ * checkpoint and status 143, and --resume then ends with the checkpoint of a run never
+ * stopped, byte for byte. launcher: NULL, or mpirun (the signal reaches every process through
+ * it; they agree on one step). */
+static void sigterm_resume(const char *const *launcher, const char *name, const char *const *opts) {
+    char a[300], b[300], fa[400], fb[400];
+    snprintf(a, sizeof a, "%s/term-%s-full", tmpdir, name);
+    snprintf(b, sizeof b, "%s/term-%s-split", tmpdir, name);
+    const char *args[40];
+    int n = 0;
+    for (int i = 0; opts[i]; i++) args[n++] = opts[i];
+    /* a line a step shows the run has started; under mpirun fewer, since a stopping mpirun
+     * stops reading its processes' output and a full pipe would hold rank 0 up */
+    args[n++] = "--print-every", args[n++] = launcher ? "32" : "1", args[n++] = "--checkpoint-dir";
+    args[n++] = a, args[n] = NULL;
+    int rc = wait_status(start_with(launcher, args));
+    CHECK(rc == 0, "%s: the full run failed (%d)", name, rc);
+    args[n - 1] = b;
+    pid_t pid = start_with(launcher, args);
+    bool training = wait_for_steps(pid);
+    struct timespec ts = {0, (long)(rand() % 100) * 1000000L};
+    nanosleep(&ts, NULL);
+    kill(pid, SIGTERM);
+    rc = wait_status(pid);
+    char *out = captured("stdout");
+    /* under mpirun the ranks exit 143 and mpirun itself 1; a stopping mpirun may no longer
+     * pass on what rank 0 prints */
+    CHECK(training && rc == (launcher ? 1 : 143) && (launcher || strstr(out, "stopped   by ")) &&
+              count_ckpts(b) == 1,
+          "%s: SIGTERM: exit %d, %d checkpoints, output ends %s", name, rc, count_ckpts(b),
+          strlen(out) > 300 ? out + strlen(out) - 300 : out);
+    free(out);
+    args[n++] = "--resume", args[n] = NULL;
+    rc = wait_status(start_with(launcher, args));
+    CHECK(rc == 0, "%s: the resumed run failed (%d)", name, rc);
+    char path[400];
+    int64_t last = 0;
+    CHECK(tdm_checkpoint_latest(a, path, sizeof path, &last) == 1, "%s: no final checkpoint", name);
+    for (int f = 0; f < 2; f++) {
+        const char *file = f ? "train_state.safetensors" : "model.safetensors";
+        snprintf(fa, sizeof fa, "%s/ckpt-%010lld/%s", a, (long long)last, file);
+        snprintf(fb, sizeof fb, "%s/ckpt-%010lld/%s", b, (long long)last, file);
+        CHECK(same_file(fa, fb), "%s: %s after SIGTERM and --resume differs from the full run's",
+              name, file);
+    }
+}
+
+/* The seed of the moments of the kill and signal tests, printed (TANDEM_TEST_SEED=S replays). */
+static void seed_moments(void) {
+    const char *given = getenv("TANDEM_TEST_SEED");
+    unsigned seed = given ? (unsigned)strtoul(given, NULL, 10) : (unsigned)time(NULL);
+    printf("moments of the kills and signals: TANDEM_TEST_SEED=%u\n", seed);
+    srand(seed);
+}
+
+#define SIG_MLP "--model", "mlp", "--limit", "8192", "--batch-size", "16", "--workers", "1"
+
+static void sigterm_all(const char *mpirun) {
+    char text[300];
+    snprintf(text, sizeof text, "%s/term.txt", tmpdir);
+    FILE *f = fopen(text, "w");
+    for (int i = 0; f && i < 400; i++) fprintf(f, "line %d of a small text to learn from\n", i);
+    if (f) fclose(f);
+    if (mpirun) {
+        const char *const mpi[] = {mpirun, "--oversubscribe", "-np", "2", NULL};
+        sigterm_resume(mpi, "mpi", ARGS("train", SIG_MLP, "--epochs", "2", "--timeout", "20"));
+        return;
+    }
+    sigterm_resume(NULL, "mlp", ARGS("train", SIG_MLP));
+    sigterm_resume(NULL, "mlp-2-devices", ARGS("train", SIG_MLP, "--devices", "2"));
+    sigterm_resume(NULL, "gpt",
+                   ARGS("train", "--model", "gpt", "--data", text, "--layers", "1", "--channels",
+                        "16", "--context", "8", "--batch-size", "4", "--workers", "0"));
+}
+
 int main(int argc, char **argv) {
-    if (argc < 2) {
-        fprintf(stderr, "usage: test_resume PATH_TO_TANDEM\n");
+    if (argc != 2 && !(argc == 4 && strcmp(argv[2], "--mpirun") == 0)) {
+        fprintf(stderr, "usage: test_resume PATH_TO_TANDEM [--mpirun MPIRUN]\n");
         return 2;
     }
     tandem = argv[1];
@@ -152,6 +249,13 @@ int main(int argc, char **argv) {
         return 77; /* CTest's SKIP_RETURN_CODE: not a pass */
     }
     if (tmpdir_make("test_resume") != 0) return 1;
+    seed_moments();
+    if (argc == 4) { /* test_resume_mpi: SIGTERM through mpirun */
+        sigterm_all(argv[3]);
+        tmpdir_remove();
+        return check_summary();
+    }
+    sigterm_all(NULL);
     exact_resume("mlp", "cpu:0", false);
     exact_resume("mlp", "cpu:0,cpu:1", false);
     exact_resume("cnn", "cpu:0", true);

@@ -271,10 +271,18 @@ void train_help(FILE *out) {
          "(or tokens) per second and the time left, redrawn in place at most ten times a second. "
          "When stdout is a file or a pipe, plain lines are printed instead (see --print-every).",
          4);
+    fprintf(out, "\nSIGNALS\n");
+    wrap(out,
+         "SIGTERM or SIGINT (Ctrl-C) stops the run after the step in flight: a checkpoint is "
+         "written when --checkpoint-dir is set (under mpirun every process stops at the same "
+         "step, within 16 steps of the signal), a line says so, and the exit status is 128 + "
+         "the signal's number (143, 130). --resume then continues as if never stopped. A second "
+         "signal ends the process at once.",
+         4);
     fprintf(out, "\nEXIT STATUS\n    0  training finished\n"
                  "    1  a runtime error: unreadable data, a non-finite loss, a file that cannot "
                  "be written\n    2  a usage error: an unknown option, a missing or invalid "
-                 "value\n");
+                 "value\n    143, 130  stopped by SIGTERM or SIGINT (see SIGNALS)\n");
     fprintf(out, "\nEXAMPLES\n");
     fprintf(out, "    tandem train --model mlp --epochs 3\n");
     fprintf(out, "    tandem train --model cnn --optimizer adam --epochs 2 --plot cnn.svg\n");
@@ -477,7 +485,8 @@ int train_main(int argc, char **argv) {
                                      : task_image_open(&t, &o, o.devs[0]);
     if (!rc) rc = trainer_run(&o, &t, procs);
     task_free(&t);
-    if (procs && rc) tdm_group_abort(procs, "its training failed"); /* the others stop too */
-    if (procs && !rc) tdm_mpi_finalize(); /* after a failure MPI_Finalize could wait forever */
+    bool clean = rc == 0 || rc > 128; /* finished, or stopped by a signal with a checkpoint */
+    if (procs && !clean) tdm_group_abort(procs, "its training failed"); /* the others stop too */
+    if (procs && clean) tdm_mpi_finalize(); /* after a failure MPI_Finalize could wait forever */
     return rc;
 }

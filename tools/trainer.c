@@ -16,6 +16,7 @@
 #include "trainer.h"
 
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,7 +47,8 @@ typedef struct {
     int64_t resume_step, last_saved;
     double resume_loss_sum;
     int64_t resume_correct, resume_samples;
-    bool stopped; /* --max-steps reached */
+    bool stopped;    /* --max-steps reached, or a stop signal */
+    int stop_signal; /* SIGTERM or SIGINT that stopped the run (every process agrees), or 0 */
     /* device-side records of the current chunk of steps, and their host copies */
     tdm_tensor *loss_buf;            /* [SYNC_STEPS * accum] f32: each batch's mean loss */
     tdm_tensor *pred_buf;            /* [SYNC_STEPS * accum * B] i64 */
@@ -399,8 +401,9 @@ static int end_window(trainer *tr, int64_t step, double now) {
     if (tr->g && sum_over_processes(tr, w, 2)) return EXIT_RUNTIME;
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
     double dt = now - tr->win_t0, n = (double)tr->win_steps;
-    progress_line(&tr->prog, step, w[0] / procs / n, tdm_optim_lr(tr->opt), 1e3 * dt / n,
-                  dt > 0 ? w[1] * (double)tr->task->units_per_sample / dt : NAN, now);
+    if (!tdm_stop_requested()) /* a stopping mpirun no longer reads: a write could block */
+        progress_line(&tr->prog, step, w[0] / procs / n, tdm_optim_lr(tr->opt), 1e3 * dt / n,
+                      dt > 0 ? w[1] * (double)tr->task->units_per_sample / dt : NAN, now);
     tr->win_loss = 0, tr->win_steps = 0, tr->win_samples = 0, tr->win_t0 = now;
     return sinks_flush(&tr->out);
 }
@@ -455,15 +458,31 @@ static bool sync_due(const trainer *tr, int64_t step) {
     return tr->chunk_steps == SYNC_STEPS || step % tr->every == 0 || step >= tr->steps_planned;
 }
 
-/* After a step: a periodic checkpoint, or the stop of --max-steps (with its checkpoint).
- * Reads the chunk back first so the saved epoch totals are complete. */
-static int after_step(trainer *tr, int epoch, int64_t step) {
+/* The stop signal the run obeys after this step, or 0. One process looks after every step;
+ * under MPI the processes agree at the steps where they all read back (synced), so that
+ * every one stops at the same step, also when the signal reached only some. */
+static int stop_signal(trainer *tr, bool synced) {
+    int sig = tdm_stop_requested();
+    if (!tr->g) return sig;
+    if (!synced) return 0;
+    double any = sig;
+    if (sum_over_processes(tr, &any, 1)) return -1;
+    if (any > 0 && !sig) tdm_stop_request(SIGTERM), sig = tdm_stop_requested();
+    return any > 0 ? sig : 0;
+}
+
+/* After a step: a periodic checkpoint, or a stop (--max-steps, or SIGTERM / SIGINT) with its
+ * checkpoint. Reads the chunk back first so the saved epoch totals are complete. */
+static int after_step(trainer *tr, int epoch, int64_t step, bool synced) {
     const train_opts *o = tr->o;
-    bool stop = o->max_steps > 0 && tr->global_step >= o->max_steps;
+    int sig = stop_signal(tr, synced);
+    if (sig < 0) return EXIT_RUNTIME;
+    bool stop = sig || (o->max_steps > 0 && tr->global_step >= o->max_steps);
     bool every = o->checkpoint_every > 0 && tr->global_step % o->checkpoint_every == 0;
     if (!stop && !every) return 0;
     if (sync_chunk(tr, epoch, step) || save_checkpoint(tr)) return EXIT_RUNTIME;
     tr->stopped = stop;
+    tr->stop_signal = sig;
     return 0;
 }
 
@@ -523,8 +542,9 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
         if (rc == 1) break;
         if (rc) return EXIT_RUNTIME;
         step++;
-        if (sync_due(tr, step) && sync_chunk(tr, epoch, step)) return EXIT_RUNTIME;
-        if (after_step(tr, epoch, step)) return EXIT_RUNTIME;
+        bool synced = sync_due(tr, step);
+        if (synced && sync_chunk(tr, epoch, step)) return EXIT_RUNTIME;
+        if (after_step(tr, epoch, step, synced)) return EXIT_RUNTIME;
     }
     if (sync_chunk(tr, epoch, step)) return EXIT_RUNTIME;
     double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
@@ -739,6 +759,15 @@ static int run(trainer *tr) {
     if ((rc = run_epochs(tr)) || (rc = save_checkpoint(tr))) return rc; /* the final one */
     if (!tr->silent && tr->task->save && (rc = tr->task->save(tr->task, o, NULL))) return rc;
     progress_clear(&tr->prog);
+    if (tr->stop_signal) { /* said even with --quiet: the run did not finish */
+        if (!tr->silent)
+            printf("stopped   by %s after %lld steps%s%s\n", strsignal(tr->stop_signal),
+                   (long long)tr->global_step,
+                   o->checkpoint_dir ? "; continue with --resume, checkpoint in "
+                                     : " (no --checkpoint-dir: nothing saved)",
+                   o->checkpoint_dir ? o->checkpoint_dir : "");
+        return 128 + tr->stop_signal;
+    }
     if (o->quiet) return 0;
     if (tr->stopped)
         printf("stopped   after %lld steps (--max-steps)%s%s\n", (long long)tr->global_step,
@@ -781,9 +810,17 @@ int trainer_run(const train_opts *o, task *t, tdm_group *procs) {
     if (procs) tr.prog.tty = false;
     /* with several devices this thread also runs device 0's replica */
     tdm_trace_name_thread("training loop (and devices[0] compute)");
-    int rc = run(&tr);
+    /* a stopping mpirun closes its ranks' stdout: a line printed then must not end the process
+     * before its checkpoint (a failed write is ignored; the checkpoint is what matters) */
+    if (procs) signal(SIGPIPE, SIG_IGN);
+    int rc = tdm_stop_on_signals() ? task_error("%s", tdm_last_error()) : run(&tr);
     progress_clear(&tr.prog);
     rc = sinks_close(&tr.out, rc, o->quiet || tr.silent);
+    /* stopped by a signal: mpirun ends every process once one exits non-zero, so none exits
+     * before rank 0 has written its checkpoint and closed its files */
+    fflush(stdout);
+    if (procs && rc > 128 && tdm_work_wait(tdm_barrier(procs)) != TDM_OK)
+        rc = task_error("waiting for the other processes to stop: %s", tdm_last_error());
     trainer_free(&tr);
     return rc;
 }

@@ -102,6 +102,18 @@ uint64_t tdm_gemm_flops(void);
 bool tdm_set_flush_denormal(bool on);
 /* Whether the calling thread flushes denormals. */
 bool tdm_flush_denormal(void);
+/* Preemption: from now on SIGTERM and SIGINT are recorded instead of ending the process, so
+ * a training loop can poll tdm_stop_requested between steps, save a checkpoint and return
+ * (Slurm, Kubernetes and torchrun stop jobs with SIGTERM). Once one has arrived, both get
+ * their default action back: a second signal ends the process at once. Process-wide; call it
+ * once, early. TDM_ERR_IO when the handlers cannot be installed. */
+int tdm_stop_on_signals(void);
+/* The first SIGTERM or SIGINT recorded since tdm_stop_on_signals (or tdm_stop_request's
+ * signal), 0 when none: cheap enough to call every step. Never fails. */
+int tdm_stop_requested(void);
+/* Records a stop as if signal sig (SIGTERM when <= 0) had arrived: what another rank's stop
+ * becomes in this process, and what tests call. The first request wins. */
+void tdm_stop_request(int sig);
 /* NULL when that library runs the fastest kernels this CPU allows; otherwise one line that
  * says what it runs instead and how to fix it (stored per thread, valid until the next call). */
 const char *tdm_gemm_warning(void);

@@ -1,11 +1,14 @@
-/* The CUDA backend against the CPU backend.
+/* The CUDA backend's kernels against the CPU backend's.
  *
- * Every kernel of the backend table runs on the same random inputs on cpu:0 and cuda:0 and
- * the results are compared, forward and backward, with the error bound written beside each
- * check (relative to the CPU's value, plus a small absolute term where results cancel to
- * ~0). Then training: a few steps of an MLP and a CNN on cuda:0 match the same steps on
- * cpu:0, and repeat bit for bit on the GPU; a GPT's loss and gradients match too. Then the bad
- * conditions: a GPU that is not there, and an allocation no GPU can hold.
+ * A table in the manner of ggml's test-backend-ops, one row per kernel (or per op): a row's
+ * builder draws inputs from a seeded generator, runs its kernels forward (and backward) on
+ * one device, and keeps what they wrote. The driver runs every row on cpu:0 and twice on
+ * cuda:0, and compares each output and gradient of cuda:0 with cpu:0's within the row's
+ * bound (relative to the CPU's value, plus a small absolute term where results cancel to ~0),
+ * and the two GPU runs bit for bit (the backend is deterministic). Every kernel of backend.h
+ * must have a row (checked), and a GPT's gradients have one too. Then the bad conditions: a
+ * GPU that is not there, an allocation no GPU can hold. Training, DataParallel, pipelines and
+ * the loader on GPUs are test_cuda_train.c's.
  *
  * Without the CUDA backend or without a GPU the test prints why and exits 77, which CTest
  * reports as skipped. `test_cuda --bench` prints GPU throughput for scripts/gpu-check. */
@@ -22,375 +25,368 @@ int main(void) {
 #else
 
 #include "backend/cuda/cuda.h"
-#include "parallel/nccl_group.h"
 
+#include <ctype.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <stdarg.h>
 #include <time.h>
 
 static const tdm_backend *CPU, *GPU;
 static tdm_device G; /* cuda:0 */
 
-/* The same values on the CPU (c) and on the GPU (g). */
+/* ---- rows, runs, what a run keeps -------------------------------------------------------- */
+
+/* A bound on |cuda - cpu|, element-wise: atol + rtol * |cpu| (NaN must meet NaN). */
 typedef struct {
-    tdm_tensor *c, *g;
-} twin;
+    double atol, rtol;
+} bound;
+/* clang-format off */
+#define EXACT {0, 0}
+/* clang-format on */
 
-static twin twin_of(tdm_tensor *c) {
-    twin t = {c, c ? tdm_to_device(c, G) : NULL};
-    if (!t.g) fprintf(stderr, "twin: %s\n", tdm_last_error());
-    return t;
+typedef struct run run;
+
+typedef struct {
+    const char *name; /* the kernels it runs, named as in backend.h (see covered) */
+    void (*build)(run *r);
+    bound out, grad; /* for its outputs; for its gradients */
+} row;
+
+/* An output or a gradient, as doubles on the host. */
+typedef struct {
+    char name[96];
+    double *v;
+    int64_t n;
+    bound b;
+} kept;
+
+/* A run of a row on one device: its builder draws inputs from rng (the same draws on every
+ * device), runs be's kernels with KERNEL and keeps results with out(), grad() or keep(). */
+struct run {
+    const row *row;
+    const tdm_backend *be;
+    tdm_device dev;
+    const char *on; /* the device, for messages */
+    tdm_rng rng;
+    char label[48]; /* the variant being built ("case 2"), prefixed to what is kept */
+    kept *kept;
+    int n_kept;
+    char failed[256]; /* the first kernel that returned an error, and the error */
+};
+
+/* ---- what builders call ------------------------------------------------------------------ */
+
+/* Names the variant built next, for messages: "case 2", "exp(s=0.7)". */
+static void variant(run *r, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->label, sizeof r->label, fmt, ap);
+    va_end(ap);
 }
 
-/* N(mean, 1) values drawn from seed. */
-static twin twin_randn(tdm_shape s, float mean, uint64_t seed) {
-    tdm_rng r = tdm_rng_make(seed);
-    return twin_of(tdm_randn(s, mean, 1.0f, tdm_cpu(0), &r));
+/* A call's status: the run fails on its first error, which the driver reports. */
+static void ok(run *r, int rc, const char *what) {
+    if (rc != TDM_OK && !r->failed[0])
+        snprintf(r->failed, sizeof r->failed, "%s %s: %s", r->label, what, tdm_last_error());
+}
+#define KERNEL(r, k, ...) ok(r, (r)->be->k(__VA_ARGS__), #k)
+
+/* A call that must fail, on every device, with an error containing substr. */
+static void fails(run *r, int rc, const char *substr) {
+    CHECK(rc != TDM_OK && strstr(tdm_last_error(), substr),
+          "%s on %s: %s: expected an error containing \"%s\", got \"%s\"", r->row->name, r->on,
+          r->label, substr, tdm_last_error());
+    tdm_clear_error();
 }
 
-static twin twin_empty(tdm_shape s, tdm_dtype dt) {
-    twin t = {tdm_zeros(s, dt, tdm_cpu(0)), tdm_zeros(s, dt, G)};
-    return t;
+/* Keeps n values (malloc'd: the run owns them now) under name, to compare within b. */
+static void keep_values(run *r, const char *name, double *v, int64_t n, bound b) {
+    r->kept = realloc(r->kept, sizeof(kept) * (size_t)(r->n_kept + 1));
+    kept *k = &r->kept[r->n_kept++];
+    snprintf(k->name, sizeof k->name, "%s%s%s", r->label, r->label[0] ? " " : "", name);
+    k->v = v, k->n = n, k->b = b;
 }
 
-static twin twin_ints(tdm_shape s, tdm_dtype dt, const int64_t *v) {
-    int64_t n = tdm_shape_numel(s);
-    int32_t v32[4096];
-    if (dt == TDM_I32)
-        for (int64_t i = 0; i < n && i < 4096; i++) v32[i] = (int32_t)v[i];
-    return twin_of(tdm_from_data(s, dt, tdm_cpu(0), dt == TDM_I32 ? (void *)v32 : (void *)v));
+/* Keeps t's values as they are now (a later kernel may overwrite t). A strided t is read
+ * through its backend's to_host; integers through i64. */
+static void keep(run *r, const char *name, const tdm_tensor *t, bound b) {
+    int64_t n = t ? tdm_numel(t) : 0;
+    bool f32 = t && t->dtype == TDM_F32;
+    const tdm_tensor *h = f32 || !t ? t : tdm_cast(t, TDM_I64);
+    void *raw = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    double *v = calloc((size_t)(n + 1), sizeof(double));
+    ok(r, h ? tdm_to_host(h, raw, (f32 ? 4 : 8) * (size_t)n) : TDM_ERR_STATE, name);
+    for (int64_t i = 0; h && i < n; i++)
+        v[i] = f32 ? ((float *)raw)[i] : (double)((int64_t *)raw)[i];
+    free(raw);
+    keep_values(r, name, v, n, b);
 }
 
-/* A view of both with the given geometry (stride 0 for broadcasts, transposes...). */
-static twin twin_view(twin t, int nd, const int64_t *shape, const int64_t *strides) {
-    twin v = {tdm_tensor_view(t.c, nd, shape, strides, t.c->offset),
-              tdm_tensor_view(t.g, nd, shape, strides, t.g->offset)};
-    return v;
-}
-
-/* Element-wise |gpu - cpu| <= atol + rtol * |cpu| (NaN must match NaN). Returns mismatches.
- * Called inside a scope, which owns the copies it makes. */
-static int cmp(const char *what, twin t, double atol, double rtol) {
-    if (!t.c || !t.g) {
-        CHECK(false, "%s: missing tensor: %s", what, tdm_last_error());
-        return 1;
+/* Keeps the tensors that follow, one for each word of names ("gx gw gb"), within b. */
+static void keep_each(run *r, bound b, const char *names, va_list ap) {
+    for (const char *p = names; *p; p += p[strcspn(p, " ")] ? strcspn(p, " ") + 1 : strlen(p)) {
+        char name[32];
+        snprintf(name, sizeof name, "%.*s", (int)strcspn(p, " "), p);
+        keep(r, name, va_arg(ap, const tdm_tensor *), b);
     }
-    int64_t n = tdm_numel(t.c);
-    double *a = malloc(sizeof(double) * (size_t)(n ? n : 1));
-    double *b = malloc(sizeof(double) * (size_t)(n ? n : 1));
-    tdm_tensor *ca = tdm_cast(t.c, t.c->dtype == TDM_F32 ? TDM_F32 : TDM_I64);
-    tdm_tensor *ga = tdm_cast(t.g, t.c->dtype == TDM_F32 ? TDM_F32 : TDM_I64);
-    int bad = 0;
-    if (!ca || !ga) {
-        CHECK(false, "%s: cast: %s", what, tdm_last_error());
-        bad = 1;
-    }
-    for (int side = 0; side < 2 && !bad; side++) {
-        tdm_tensor *x = side ? ga : ca;
-        double *out = side ? b : a;
-        if (x->dtype == TDM_F32) {
-            float *f = malloc(sizeof(float) * (size_t)(n ? n : 1));
-            bad |= tdm_to_host(x, f, sizeof(float) * (size_t)n) != 0;
-            for (int64_t i = 0; i < n && !bad; i++) out[i] = f[i];
-            free(f);
-        } else {
-            int64_t *v = malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
-            bad |= tdm_to_host(x, v, sizeof(int64_t) * (size_t)n) != 0;
-            for (int64_t i = 0; i < n && !bad; i++) out[i] = (double)v[i];
-            free(v);
-        }
-        if (bad) CHECK(false, "%s: to_host: %s", what, tdm_last_error());
-    }
-    int mism = 0;
-    for (int64_t i = 0; i < n && !bad; i++) {
-        bool both_nan = a[i] != a[i] && b[i] != b[i];
-        if (both_nan || fabs(b[i] - a[i]) <= atol + rtol * fabs(a[i])) continue;
-        if (mism++ < 4)
-            fprintf(stderr, "  %s: element %lld: cuda %.9g, cpu %.9g\n", what, (long long)i, b[i],
-                    a[i]);
-    }
-    CHECK(!bad && mism == 0, "%s: %d of %lld elements differ (atol %g, rtol %g)", what, mism,
-          (long long)n, atol, rtol);
-    free(a); /* ca and ga belong to the caller's scope */
-    free(b);
-    return mism + bad;
 }
 
-/* Both backends returned TDM_OK. */
-#define BOTH(what, call_c, call_g)                                                                 \
-    do {                                                                                           \
-        int rc_c_ = (call_c), rc_g_ = (call_g);                                                    \
-        CHECK(rc_c_ == TDM_OK && rc_g_ == TDM_OK, "%s: cpu %d, cuda %d: %s", what, rc_c_, rc_g_,   \
-              tdm_last_error());                                                                   \
-    } while (0)
+/* Outputs, within the row's out bound: out(r, "y lse", y, lse). */
+static void out(run *r, const char *names, ...) {
+    va_list ap;
+    va_start(ap, names);
+    keep_each(r, r->row->out, names, ap);
+    va_end(ap);
+}
 
-/* ---- memory, copies, random ------------------------------------------------------------ */
+/* Gradients, within the row's grad bound. */
+static void grad(run *r, const char *names, ...) {
+    va_list ap;
+    va_start(ap, names);
+    keep_each(r, r->row->grad, names, ap);
+    va_end(ap);
+}
 
-static void test_memory(void) {
-    tdm_scope_begin();
-    twin x = twin_randn(TDM_SHAPE(7, 33), 0, 1);
-    cmp("to_device/to_host round trip (exact)", x, 0, 0);
-    /* a transposed view read back through the strided gather: exact */
-    int64_t sh[2] = {33, 7}, st[2] = {1, 33};
-    twin xt = twin_view(x, 2, sh, st);
-    twin c = twin_empty(TDM_SHAPE(33, 7), TDM_F32);
-    BOTH("strided copy", CPU->copy(c.c, xt.c), GPU->copy(c.g, xt.g));
-    cmp("strided copy (exact)", c, 0, 0);
-    cmp("strided to_host (exact)", xt, 0, 0);
-    /* dtype conversions: f32 -> i32 -> i64 -> f32 truncate exactly as C casts do */
-    twin s = twin_randn(TDM_SHAPE(50), 0, 2);
-    BOTH("scale", CPU->unary(TDM_UN_MUL_SCALAR, s.c, s.c, 1000.0f),
-         GPU->unary(TDM_UN_MUL_SCALAR, s.g, s.g, 1000.0f));
-    twin i32 = twin_empty(TDM_SHAPE(50), TDM_I32), i64 = twin_empty(TDM_SHAPE(50), TDM_I64);
-    twin f = twin_empty(TDM_SHAPE(50), TDM_F32);
-    BOTH("f32->i32", CPU->copy(i32.c, s.c), GPU->copy(i32.g, s.g));
-    BOTH("i32->i64", CPU->copy(i64.c, i32.c), GPU->copy(i64.g, i32.g));
-    BOTH("i64->f32", CPU->copy(f.c, i64.c), GPU->copy(f.g, i64.g));
-    cmp("f32->i32 (exact)", i32, 0, 0);
-    cmp("i64->f32 (exact)", f, 0, 0);
-    /* fill of a strided view (every other column) */
-    twin z = twin_randn(TDM_SHAPE(6, 8), 0, 3);
-    int64_t fs[2] = {6, 4}, fst[2] = {8, 2};
-    twin zv = twin_view(z, 2, fs, fst);
-    BOTH("fill", CPU->fill(zv.c, 2.5), GPU->fill(zv.g, 2.5));
-    cmp("strided fill (exact)", z, 0, 0);
-    /* Philox: the same 24-bit words; uniform is a + (b - a) * u, rounded twice on the GPU
-     * and maybe fused on the CPU (GCC contracts by default): one rounding, 1e-6 absolute.
-     * Normal goes through double log/cos, where CUDA's libm and glibc may differ in the
-     * last double bit: 1e-6 */
-    twin u = twin_empty(TDM_SHAPE(1001), TDM_F32), g = twin_empty(TDM_SHAPE(999), TDM_F32);
-    BOTH("uniform", CPU->random(u.c, 0, -2, 3, 42, 5), GPU->random(u.g, 0, -2, 3, 42, 5));
-    BOTH("normal", CPU->random(g.c, 1, 1, 2, 42, 7), GPU->random(g.g, 1, 1, 2, 42, 7));
-    cmp("uniform", u, 1e-6, 0);
-    cmp("normal", g, 1e-6, 1e-6);
-    tdm_scope_end();
+/* N(mean, sd^2) draws, on the run's device. */
+static tdm_tensor *randn(run *r, tdm_shape s, float mean, float sd) {
+    return tdm_to_device(tdm_randn(s, mean, sd, tdm_cpu(0), &r->rng), r->dev);
+}
+
+/* x^2 + 0.5 for x ~ N(0, 1): inputs that keep log, sqrt, powers and variances finite. */
+static tdm_tensor *positive(run *r, tdm_shape s) {
+    tdm_tensor *x = tdm_randn(s, 0, 1, tdm_cpu(0), &r->rng);
+    float *p = tdm_data_ptr(x);
+    for (int64_t i = 0; i < tdm_numel(x); i++) p[i] = p[i] * p[i] + 0.5f;
+    return tdm_to_device(x, r->dev);
+}
+
+/* Host values (f32, or i64 to be stored as dt) on the run's device. */
+static tdm_tensor *from(run *r, tdm_shape s, tdm_dtype dt, const void *host) {
+    tdm_tensor *t = tdm_from_data(s, dt == TDM_F32 ? TDM_F32 : TDM_I64, tdm_cpu(0), host);
+    return tdm_to_device(dt == TDM_I32 ? tdm_cast(t, dt) : t, r->dev);
+}
+
+/* Outputs, written by the kernels (f32 unless said). */
+static tdm_tensor *zeros(run *r, tdm_shape s) {
+    return tdm_zeros(s, TDM_F32, r->dev);
+}
+
+static tdm_tensor *like(run *r, const tdm_tensor *t) {
+    return zeros(r, tdm_shape_of(t));
+}
+
+/* A view of t with other geometry: a transpose, a broadcast (stride 0), every other column. */
+static tdm_tensor *view(tdm_tensor *t, int nd, const int64_t *shape, const int64_t *strides) {
+    return tdm_tensor_view(t, nd, shape, strides, t->offset);
+}
+
+static tdm_tensor *transposed(tdm_tensor *t) {
+    return view(t, 2, (int64_t[]){t->shape[1], t->shape[0]}, (int64_t[]){1, t->shape[1]});
+}
+
+/* ---- memory, copies, random -------------------------------------------------------------- */
+
+static void case_to_host(run *r) {
+    tdm_tensor *x = randn(r, TDM_SHAPE(7, 33), 0, 1);
+    out(r, "round_trip transposed", x, transposed(x));
+}
+
+/* A transposed view copied, then f32 -> i32 -> i64 -> f32, truncating as C casts do. */
+static void case_copy(run *r) {
+    tdm_tensor *x = randn(r, TDM_SHAPE(7, 33), 0, 1), *c = zeros(r, TDM_SHAPE(33, 7));
+    tdm_tensor *f = randn(r, TDM_SHAPE(50), 0, 1000), *back = zeros(r, TDM_SHAPE(50));
+    tdm_tensor *i32 = tdm_zeros(TDM_SHAPE(50), TDM_I32, r->dev);
+    tdm_tensor *i64 = tdm_zeros(TDM_SHAPE(50), TDM_I64, r->dev);
+    KERNEL(r, copy, c, transposed(x));
+    KERNEL(r, copy, i32, f);
+    KERNEL(r, copy, i64, i32);
+    KERNEL(r, copy, back, i64);
+    out(r, "transposed f32_to_i32 i32_to_i64 i64_to_f32", c, i32, i64, back);
+}
+
+static void case_fill(run *r) {
+    tdm_tensor *z = randn(r, TDM_SHAPE(6, 8), 0, 1);
+    KERNEL(r, fill, view(z, 2, (int64_t[]){6, 4}, (int64_t[]){8, 2}), 2.5);
+    out(r, "every_other_column", z);
+}
+
+static void case_random(run *r) {
+    tdm_tensor *u = zeros(r, TDM_SHAPE(1001)), *g = zeros(r, TDM_SHAPE(999));
+    KERNEL(r, random, u, 0, -2, 3, 42, 5);
+    KERNEL(r, random, g, 1, 1, 2, 42, 7);
+    out(r, "uniform", u);
+    /* through double log/cos, where CUDA's libm and glibc may differ in the last bit */
+    keep(r, "normal", g, (bound){1e-6, 1e-6});
 }
 
 /* ---- element-wise ------------------------------------------------------------------------ */
 
-static void test_unary(void) {
+/* Every unary op (powers of three exponents) on a transposed view: the strided path. */
+static void case_unary(run *r) {
     const char *names[] = {"neg",  "exp",  "log",     "sqrt",  "relu",  "gelu_tanh",
                            "gelu", "tanh", "sigmoid", "add_s", "mul_s", "pow_s"};
-    float scalars[] = {2.0f, 3.0f, -1.5f};
+    float pows[] = {2.0f, 3.0f, -1.5f};
     for (int op = TDM_UN_NEG; op <= TDM_UN_POW_SCALAR; op++)
-        for (int si = 0; si < (op == TDM_UN_POW_SCALAR ? 3 : 1); si++) {
-            tdm_scope_begin();
-            float s = op == TDM_UN_POW_SCALAR ? scalars[si] : 0.7f;
-            bool positive = op == TDM_UN_LOG || op == TDM_UN_SQRT || op == TDM_UN_POW_SCALAR;
-            twin x0 = twin_randn(TDM_SHAPE(40, 30), 0, 10 + (uint64_t)op);
-            if (positive) { /* |x| + 0.5 keeps log, sqrt and powers finite */
-                twin a = twin_empty(TDM_SHAPE(40, 30), TDM_F32);
-                BOTH("abs", CPU->unary(TDM_UN_POW_SCALAR, a.c, x0.c, 2.0f),
-                     GPU->unary(TDM_UN_POW_SCALAR, a.g, x0.g, 2.0f));
-                BOTH("shift", CPU->unary(TDM_UN_ADD_SCALAR, x0.c, a.c, 0.5f),
-                     GPU->unary(TDM_UN_ADD_SCALAR, x0.g, a.g, 0.5f));
-            }
-            /* x is a transposed view: the strided path */
-            int64_t sh[2] = {30, 40}, st[2] = {1, 30};
-            twin x = twin_view(x0, 2, sh, st);
-            twin y = twin_empty(TDM_SHAPE(30, 40), TDM_F32);
-            twin gy = twin_randn(TDM_SHAPE(30, 40), 0, 99);
-            twin gx = twin_empty(TDM_SHAPE(30, 40), TDM_F32);
-            tdm_unary_op u = (tdm_unary_op)op;
-            BOTH(names[op], CPU->unary(u, y.c, x.c, s), GPU->unary(u, y.g, x.g, s));
-            BOTH(names[op], CPU->unary_backward(u, gx.c, gy.c, x.c, y.c, s),
-                 GPU->unary_backward(u, gx.g, gy.g, x.g, y.g, s));
-            char what[64];
-            /* libm functions differ by a few ulp between glibc, the CPU's own expf and CUDA:
-             * 1e-5 relative (+1e-6 where a result cancels to ~0) */
-            snprintf(what, sizeof what, "unary %s(s=%g)", names[op], s);
-            cmp(what, y, 1e-6, 1e-5);
-            snprintf(what, sizeof what, "unary_backward %s(s=%g)", names[op], s);
-            cmp(what, gx, 1e-6, 1e-5);
-            tdm_scope_end();
+        for (int i = 0; i < (op == TDM_UN_POW_SCALAR ? 3 : 1); i++) {
+            float s = op == TDM_UN_POW_SCALAR ? pows[i] : 0.7f;
+            bool pos = op == TDM_UN_LOG || op == TDM_UN_SQRT || op == TDM_UN_POW_SCALAR;
+            tdm_shape xs = TDM_SHAPE(40, 30);
+            tdm_tensor *x = transposed(pos ? positive(r, xs) : randn(r, xs, 0, 1));
+            tdm_tensor *gy = randn(r, TDM_SHAPE(30, 40), 0, 1), *y = like(r, gy), *gx = like(r, gy);
+            variant(r, "%s(s=%g)", names[op], s);
+            KERNEL(r, unary, op, y, x, s);
+            KERNEL(r, unary_backward, op, gx, gy, x, y, s);
+            out(r, "y", y);
+            grad(r, "gx", gx);
         }
 }
 
-static void test_binary_axpy(void) {
+/* a op b with b broadcast along the rows, and c op a with c along the columns (stride 0). */
+static void case_binary(run *r) {
     const char *names[] = {"add", "sub", "mul", "div"};
+    int64_t sh[2] = {17, 23};
     for (int op = TDM_BIN_ADD; op <= TDM_BIN_DIV; op++) {
-        tdm_scope_begin();
-        twin a = twin_randn(TDM_SHAPE(17, 23), 0, 20);
-        twin b0 = twin_randn(TDM_SHAPE(23), 3, 21); /* mean 3: no division by ~0 */
-        twin c0 = twin_randn(TDM_SHAPE(17, 1), 3, 22);
-        int64_t sh[2] = {17, 23}, row[2] = {0, 1}, col[2] = {1, 0};
-        twin b = twin_view(b0, 2, sh, row), c = twin_view(c0, 2, sh, col); /* broadcasts */
-        twin y1 = twin_empty(TDM_SHAPE(17, 23), TDM_F32),
-             y2 = twin_empty(TDM_SHAPE(17, 23), TDM_F32);
-        tdm_binary_op o = (tdm_binary_op)op;
-        BOTH(names[op], CPU->binary(o, y1.c, a.c, b.c), GPU->binary(o, y1.g, a.g, b.g));
-        BOTH(names[op], CPU->binary(o, y2.c, c.c, a.c), GPU->binary(o, y2.g, c.g, a.g));
-        /* one IEEE operation per element on both sides: exact */
-        char what[64];
-        snprintf(what, sizeof what, "binary %s, row broadcast (exact)", names[op]);
-        cmp(what, y1, 0, 0);
-        snprintf(what, sizeof what, "binary %s, column broadcast (exact)", names[op]);
-        cmp(what, y2, 0, 0);
-        tdm_scope_end();
+        tdm_tensor *a = randn(r, TDM_SHAPE(17, 23), 0, 1), *y = like(r, a), *y2 = like(r, a);
+        /* mean 3: no division by ~0 */
+        tdm_tensor *b = view(randn(r, TDM_SHAPE(23), 3, 1), 2, sh, (int64_t[]){0, 1});
+        tdm_tensor *c = view(randn(r, TDM_SHAPE(17, 1), 3, 1), 2, sh, (int64_t[]){1, 0});
+        variant(r, "%s", names[op]);
+        KERNEL(r, binary, op, y, a, b);
+        KERNEL(r, binary, op, y2, c, a);
+        out(r, "row_broadcast column_broadcast", y, y2);
     }
-    tdm_scope_begin();
-    twin y = twin_randn(TDM_SHAPE(1000), 0, 23), x = twin_randn(TDM_SHAPE(1000), 0, 24);
-    BOTH("axpy", CPU->axpy(y.c, -0.3f, x.c), GPU->axpy(y.g, -0.3f, x.g));
-    cmp("axpy (FMA on the GPU: 1 ulp)", y, 1e-7, 1e-6);
-    tdm_scope_end();
+}
+
+static void case_axpy(run *r) {
+    tdm_tensor *y = randn(r, TDM_SHAPE(1000), 0, 1), *x = randn(r, TDM_SHAPE(1000), 0, 1);
+    KERNEL(r, axpy, y, -0.3f, x);
+    out(r, "y", y);
 }
 
 /* ---- reductions -------------------------------------------------------------------------- */
 
-static void test_reduce(void) {
+/* Sum, mean and max over each dim of three shapes (long and short rows); max (exact), its
+ * argmax and backward. Then a NaN wins max and ties go to the first index, in both kernels. */
+static void case_reduce(run *r) {
+    const char *names[] = {"sum", "mean", "max"};
     tdm_shape shapes[] = {TDM_SHAPE(5, 300, 7), TDM_SHAPE(3, 5000), TDM_SHAPE(4, 2, 9)};
     for (int si = 0; si < 3; si++)
-        for (int dim = 0; dim < shapes[si].ndim; dim++)
+        for (int dim = 0; dim < shapes[si].ndim; dim++) {
+            tdm_shape s = shapes[si], ys = s;
+            ys.d[dim] = 1;
+            tdm_tensor *x = randn(r, s, 0, 1), *gy = randn(r, ys, 0, 1), *gx = like(r, x);
+            tdm_tensor *am = tdm_zeros(ys, TDM_I64, r->dev);
+            variant(r, "shape %d dim %d", si, dim);
             for (int op = TDM_RED_SUM; op <= TDM_RED_MAX; op++) {
-                tdm_scope_begin();
-                tdm_shape s = shapes[si], ys = s;
-                ys.d[dim] = 1;
-                twin x = twin_randn(s, 0, 30 + (uint64_t)si);
-                twin y = twin_empty(ys, TDM_F32), am = twin_empty(ys, TDM_I64);
-                tdm_reduce_op r = (tdm_reduce_op)op;
-                BOTH("reduce", CPU->reduce(r, y.c, x.c, dim, am.c),
-                     GPU->reduce(r, y.g, x.g, dim, am.g));
-                char what[80];
-                /* sums in double in another order: 1e-6 relative, 1e-5 absolute for sums of
-                 * up to 5000 N(0,1) values that cancel; max is exact */
-                snprintf(what, sizeof what, "reduce op %d over dim %d of shape %d", op, dim, si);
-                cmp(what, y, op == TDM_RED_MAX ? 0 : 1e-5, op == TDM_RED_MAX ? 0 : 1e-6);
-                if (op == TDM_RED_MAX) {
-                    snprintf(what, sizeof what, "argmax over dim %d of shape %d (exact)", dim, si);
-                    cmp(what, am, 0, 0);
-                    twin gy = twin_randn(ys, 0, 31), gx = twin_empty(s, TDM_F32);
-                    BOTH("max_backward", CPU->max_backward(gx.c, gy.c, am.c, dim),
-                         GPU->max_backward(gx.g, gy.g, am.g, dim));
-                    cmp("max_backward (exact)", gx, 0, 0);
-                }
-                tdm_scope_end();
+                tdm_tensor *y = zeros(r, ys);
+                KERNEL(r, reduce, op, y, x, dim, am);
+                keep(r, names[op], y, op == TDM_RED_MAX ? (bound)EXACT : r->row->out);
             }
-    /* a NaN wins max, and ties go to the first index, in both kernels (long and short rows) */
-    tdm_scope_begin();
+            KERNEL(r, max_backward, gx, gy, am, dim);
+            keep(r, "argmax", am, (bound)EXACT);
+            grad(r, "max_backward", gx);
+        }
     float v[600];
     for (int i = 0; i < 600; i++) v[i] = (float)(i % 7);
     v[400] = NAN;
-    twin x = twin_of(tdm_from_data(TDM_SHAPE(2, 300), TDM_F32, tdm_cpu(0), v));
-    twin y = twin_empty(TDM_SHAPE(2), TDM_F32), am = twin_empty(TDM_SHAPE(2), TDM_I64);
-    BOTH("max with NaN", CPU->reduce(TDM_RED_MAX, y.c, x.c, 1, am.c),
-         GPU->reduce(TDM_RED_MAX, y.g, x.g, 1, am.g));
-    cmp("max with NaN and ties", y, 0, 0);
-    cmp("argmax with NaN and ties (exact)", am, 0, 0);
-    tdm_scope_end();
+    tdm_tensor *x = from(r, TDM_SHAPE(2, 300), TDM_F32, v), *y = zeros(r, TDM_SHAPE(2));
+    tdm_tensor *am = tdm_zeros(TDM_SHAPE(2), TDM_I64, r->dev);
+    variant(r, "NaN and ties");
+    KERNEL(r, reduce, TDM_RED_MAX, y, x, 1, am);
+    keep(r, "max", y, (bound)EXACT);
+    keep(r, "argmax", am, (bound)EXACT);
 }
 
-static void test_sum_to(void) {
-    struct {
-        tdm_shape x, y;
-    } cases[] = {{TDM_SHAPE(4, 6, 5), TDM_SHAPE(6, 1)}, {TDM_SHAPE(4, 6, 5), TDM_SHAPE(1, 5)},
-                 {TDM_SHAPE(4, 6, 5), TDM_SHAPE(5)},    {TDM_SHAPE(64, 300), TDM_SHAPE(300)},
-                 {TDM_SHAPE(8192, 3), TDM_SHAPE(1, 3)}, {TDM_SHAPE(3, 4), TDM_SHAPE(3, 4)},
-                 {TDM_SHAPE(2, 3, 4), TDM_SHAPE0}};
+static void case_sum_to(run *r) {
+    tdm_shape xs[] = {TDM_SHAPE(4, 6, 5), TDM_SHAPE(4, 6, 5), TDM_SHAPE(4, 6, 5),
+                      TDM_SHAPE(64, 300), TDM_SHAPE(8192, 3), TDM_SHAPE(3, 4),
+                      TDM_SHAPE(2, 3, 4)};
+    tdm_shape ys[] = {TDM_SHAPE(6, 1), TDM_SHAPE(1, 5), TDM_SHAPE(5), TDM_SHAPE(300),
+                      TDM_SHAPE(1, 3), TDM_SHAPE(3, 4), TDM_SHAPE0};
     for (int i = 0; i < 7; i++) {
-        tdm_scope_begin();
-        twin x = twin_randn(cases[i].x, 0, 40 + (uint64_t)i);
-        twin y = twin_empty(cases[i].y, TDM_F32);
-        BOTH("sum_to", CPU->sum_to(y.c, x.c), GPU->sum_to(y.g, x.g));
-        char what[48];
-        /* the GPU sums in double; the CPU adds [m, n] -> [1, n] row by row in float, whose
-         * error grows like sqrt(m) * eps * |sum| (3.7e-4 seen for m = 8192): 1e-3 absolute */
-        snprintf(what, sizeof what, "sum_to case %d", i);
-        cmp(what, y, 1e-3, 1e-5);
-        tdm_scope_end();
+        tdm_tensor *x = randn(r, xs[i], 0, 1), *y = zeros(r, ys[i]);
+        variant(r, "case %d", i);
+        KERNEL(r, sum_to, y, x);
+        out(r, "y", y);
     }
 }
 
-static void test_softmax(void) {
+static void case_softmax(run *r) {
     tdm_shape shapes[] = {TDM_SHAPE(37, 1000), TDM_SHAPE(5, 10), TDM_SHAPE(3, 4, 70)};
     for (int si = 0; si < 3; si++)
         for (int lg = 0; lg < 2; lg++) {
-            tdm_scope_begin();
-            twin x = twin_randn(shapes[si], 0, 50 + (uint64_t)si);
-            BOTH("scale", CPU->unary(TDM_UN_MUL_SCALAR, x.c, x.c, 4.0f),
-                 GPU->unary(TDM_UN_MUL_SCALAR, x.g, x.g, 4.0f));
-            twin y = twin_empty(shapes[si], TDM_F32), gx = twin_empty(shapes[si], TDM_F32);
-            twin gy = twin_randn(shapes[si], 0, 51);
-            BOTH("softmax", CPU->softmax(y.c, x.c, lg), GPU->softmax(y.g, x.g, lg));
-            BOTH("softmax_backward", CPU->softmax_backward(gx.c, gy.c, y.c, lg),
-                 GPU->softmax_backward(gx.g, gy.g, y.g, lg));
-            /* expf differs by an ulp or two between the CPU's polynomial and CUDA: 1e-5 */
-            cmp(lg ? "log_softmax" : "softmax", y, 1e-6, 1e-5);
-            cmp(lg ? "log_softmax backward" : "softmax backward", gx, 1e-6, 1e-5);
-            tdm_scope_end();
+            tdm_tensor *x = randn(r, shapes[si], 0, 4), *gy = randn(r, shapes[si], 0, 1);
+            tdm_tensor *y = like(r, x), *gx = like(r, x);
+            variant(r, "%s shape %d", lg ? "log_softmax" : "softmax", si);
+            KERNEL(r, softmax, y, x, lg);
+            KERNEL(r, softmax_backward, gx, gy, y, lg);
+            out(r, "y", y);
+            grad(r, "gx", gx);
         }
-    tdm_scope_begin();
-    twin x = twin_randn(TDM_SHAPE(123, 457), 0, 52);
-    int64_t sh[2] = {457, 123}, st[2] = {1, 457};
-    twin xt = twin_view(x, 2, sh, st);
-    double sc = 0, sg = 0;
-    BOTH("sum_squares", CPU->sum_squares(&sc, xt.c), GPU->sum_squares(&sg, xt.g));
-    CHECK_CLOSE(sg, sc, 0, 1e-12); /* double sums of exact float squares: ~1e-15 apart */
-    tdm_scope_end();
 }
 
-/* ---- linear algebra ---------------------------------------------------------------------- */
+/* Of a transposed view, into a double on the host. */
+static void case_sum_squares(run *r) {
+    tdm_tensor *x = randn(r, TDM_SHAPE(123, 457), 0, 1);
+    double *s = calloc(1, sizeof(double));
+    KERNEL(r, sum_squares, s, transposed(x));
+    keep_values(r, "sum", s, 1, r->row->out);
+}
 
-static void test_matmul(void) {
+/* ---- linear algebra, indexing ------------------------------------------------------------ */
+
+/* Each transpose of a and b, with beta 0, and with a broadcast over the batch (stride 0) and
+ * c accumulated (beta 1). */
+static void case_matmul(run *r) {
     int64_t B = 3, n = 37, m = 29, k = 301;
     for (int ta = 0; ta < 2; ta++)
         for (int tb = 0; tb < 2; tb++)
-            for (int variant = 0; variant < 2; variant++) {
-                tdm_scope_begin();
-                /* variant 1: a broadcast over the batch (stride 0) and c accumulated (beta 1) */
-                twin a0 = twin_randn(ta ? TDM_SHAPE(B, k, n) : TDM_SHAPE(B, n, k), 0, 60);
-                twin b = twin_randn(tb ? TDM_SHAPE(B, m, k) : TDM_SHAPE(B, k, m), 0, 61);
-                twin a = a0;
-                if (variant) {
-                    int64_t sh[3] = {B, a0.c->shape[1], a0.c->shape[2]};
-                    int64_t st[3] = {0, a0.c->strides[1], 1};
-                    a = twin_view(a0, 3, sh, st);
-                }
-                twin c = twin_randn(TDM_SHAPE(B, n, m), 0, 62);
-                float beta = variant ? 1.0f : 0.0f;
-                BOTH("matmul", CPU->matmul(c.c, a.c, b.c, ta, tb, beta),
-                     GPU->matmul(c.g, a.g, b.g, ta, tb, beta));
-                char what[64];
-                /* FP32 GEMMs with k = 301 blocked differently: sums of ~17 in magnitude agree
-                 * to ~1e-5 absolute; 1e-4 absolute + 1e-4 relative */
-                snprintf(what, sizeof what, "matmul ta=%d tb=%d %s", ta, tb,
-                         variant ? "broadcast a, beta 1" : "beta 0");
-                cmp(what, c, 1e-4, 1e-4);
-                tdm_scope_end();
+            for (int bc = 0; bc < 2; bc++) {
+                tdm_tensor *a = randn(r, ta ? TDM_SHAPE(B, k, n) : TDM_SHAPE(B, n, k), 0, 1);
+                tdm_tensor *b = randn(r, tb ? TDM_SHAPE(B, m, k) : TDM_SHAPE(B, k, m), 0, 1);
+                tdm_tensor *c = randn(r, TDM_SHAPE(B, n, m), 0, 1);
+                if (bc)
+                    a = view(a, 3, (int64_t[]){B, a->shape[1], a->shape[2]},
+                             (int64_t[]){0, a->strides[1], 1});
+                variant(r, "ta=%d tb=%d %s", ta, tb, bc ? "broadcast a, beta 1" : "beta 0");
+                KERNEL(r, matmul, c, a, b, ta, tb, bc ? 1.0f : 0.0f);
+                out(r, "c", c);
             }
 }
 
-static void test_index(void) {
+/* Along dims 0 and 1, i32 and i64 indices with repeats (index_add sums them in order: exact);
+ * an index out of range is an error naming it and its position. */
+static void case_index(run *r) {
+    int64_t iv[6] = {3, 0, 3, 9, 1, 3}, bad[3] = {1, 2, 10};
     for (int dt = 0; dt < 2; dt++) {
-        tdm_scope_begin();
         tdm_dtype idt = dt ? TDM_I64 : TDM_I32;
-        int64_t iv[6] = {3, 0, 3, 9, 1, 3}; /* repeats: index_add must sum them in order */
-        twin idx = twin_ints(TDM_SHAPE(6), idt, iv);
-        twin x = twin_randn(TDM_SHAPE(10, 4, 3), 0, 70);
-        twin y0 = twin_empty(TDM_SHAPE(6, 4, 3), TDM_F32);
-        BOTH("index_select dim 0", CPU->index_select(y0.c, x.c, 0, idx.c),
-             GPU->index_select(y0.g, x.g, 0, idx.g));
-        cmp("index_select dim 0 (exact)", y0, 0, 0);
-        twin x2 = twin_randn(TDM_SHAPE(2, 10, 5), 0, 71);
-        twin y1 = twin_empty(TDM_SHAPE(2, 6, 5), TDM_F32);
-        BOTH("index_select dim 1", CPU->index_select(y1.c, x2.c, 1, idx.c),
-             GPU->index_select(y1.g, x2.g, 1, idx.g));
-        cmp("index_select dim 1 (exact)", y1, 0, 0);
-        twin gx = twin_randn(TDM_SHAPE(2, 10, 5), 0, 72);
-        BOTH("index_add", CPU->index_add(gx.c, 1, idx.c, y1.c),
-             GPU->index_add(gx.g, 1, idx.g, y1.g));
-        cmp("index_add, repeated indices (same order: exact)", gx, 0, 0);
-        int64_t bad[3] = {1, 2, 10};
-        twin bi = twin_ints(TDM_SHAPE(3), idt, bad);
-        twin yb = twin_empty(TDM_SHAPE(3, 4, 3), TDM_F32);
-        CHECK_ERROR(GPU->index_select(yb.g, x.g, 0, bi.g) != TDM_OK, "index 10 (position 2)");
-        CHECK_ERROR(GPU->index_add(x.g, 0, bi.g, yb.g) != TDM_OK, "index 10 (position 2)");
-        tdm_scope_end();
+        tdm_tensor *idx = from(r, TDM_SHAPE(6), idt, iv), *bi = from(r, TDM_SHAPE(3), idt, bad);
+        tdm_tensor *x = randn(r, TDM_SHAPE(10, 4, 3), 0, 1), *y0 = zeros(r, TDM_SHAPE(6, 4, 3));
+        tdm_tensor *x2 = randn(r, TDM_SHAPE(2, 10, 5), 0, 1), *y1 = zeros(r, TDM_SHAPE(2, 6, 5));
+        tdm_tensor *gx = randn(r, TDM_SHAPE(2, 10, 5), 0, 1), *yb = zeros(r, TDM_SHAPE(3, 4, 3));
+        variant(r, "%s indices", dt ? "i64" : "i32");
+        KERNEL(r, index_select, y0, x, 0, idx);
+        KERNEL(r, index_select, y1, x2, 1, idx);
+        KERNEL(r, index_add, gx, 1, idx, y1);
+        out(r, "dim_0 dim_1", y0, y1);
+        grad(r, "index_add", gx);
+        fails(r, r->be->index_select(yb, x, 0, bi), "index 10 (position 2)");
+        fails(r, r->be->index_add(x, 0, bi, yb), "index 10 (position 2)");
     }
 }
 
 /* ---- convolution and pooling ------------------------------------------------------------- */
 
-static void test_conv(void) {
+/* One side of a convolved or pooled plane, by PyTorch's rule (ceil mode: the last window
+ * starts inside the input or its left padding). */
+static int64_t out_size(int64_t n, int64_t k, int stride, int pad, int dilation, bool ceil_mode) {
+    int64_t e = n + 2 * pad - dilation * (k - 1) - 1;
+    int64_t o = (ceil_mode ? (e + stride - 1) / stride : e / stride) + 1;
+    return ceil_mode && (o - 1) * stride >= n + pad ? o - 1 : o;
+}
+
+static void case_conv2d(run *r) {
     struct {
         int64_t n, cin, h, w, cout, kh, kw;
         tdm_conv2d_args a;
@@ -402,638 +398,383 @@ static void test_conv(void) {
         {3, 6, 9, 9, 6, 3, 3, {1, 1, 1, 1, 1, 1, 6}},   /* depthwise */
     };
     for (int i = 0; i < 5; i++) {
-        tdm_scope_begin();
-        tdm_conv2d_args *a = &cases[i].a;
-        int64_t ho =
-            (cases[i].h + 2 * a->pad_h - a->dilation_h * (cases[i].kh - 1) - 1) / a->stride_h + 1;
-        int64_t wo =
-            (cases[i].w + 2 * a->pad_w - a->dilation_w * (cases[i].kw - 1) - 1) / a->stride_w + 1;
-        twin x = twin_randn(TDM_SHAPE(cases[i].n, cases[i].cin, cases[i].h, cases[i].w), 0, 80);
-        twin w = twin_randn(
-            TDM_SHAPE(cases[i].cout, cases[i].cin / a->groups, cases[i].kh, cases[i].kw), 0, 81);
-        twin b = twin_randn(TDM_SHAPE(cases[i].cout), 0, 82);
-        tdm_shape ys = TDM_SHAPE(cases[i].n, cases[i].cout, ho, wo);
-        twin y = twin_empty(ys, TDM_F32), gy = twin_randn(ys, 0, 83);
-        twin gx = twin_empty(tdm_shape_of(x.c), TDM_F32),
-             gw = twin_empty(tdm_shape_of(w.c), TDM_F32);
-        twin gb = twin_empty(TDM_SHAPE(cases[i].cout), TDM_F32);
-        BOTH("conv2d", CPU->conv2d(y.c, x.c, w.c, b.c, a), GPU->conv2d(y.g, x.g, w.g, b.g, a));
-        BOTH("conv2d_backward", CPU->conv2d_backward(gx.c, gw.c, gb.c, gy.c, x.c, w.c, a),
-             GPU->conv2d_backward(gx.g, gw.g, gb.g, gy.g, x.g, w.g, a));
-        char what[64];
-        /* FP32 GEMMs over up to K = 150 (forward) and N*P = 400 (weights) terms: 1e-4 */
-        snprintf(what, sizeof what, "conv2d case %d", i);
-        cmp(what, y, 1e-4, 1e-4);
-        snprintf(what, sizeof what, "conv2d case %d gx", i);
-        cmp(what, gx, 1e-4, 1e-4);
-        snprintf(what, sizeof what, "conv2d case %d gw", i);
-        cmp(what, gw, 1e-4, 1e-4);
-        snprintf(what, sizeof what, "conv2d case %d gb", i);
-        cmp(what, gb, 1e-4, 1e-4); /* the CPU sums each plane in float lanes */
-        tdm_scope_end();
+        const tdm_conv2d_args *a = &cases[i].a;
+        int64_t ho = out_size(cases[i].h, cases[i].kh, a->stride_h, a->pad_h, a->dilation_h, 0);
+        int64_t wo = out_size(cases[i].w, cases[i].kw, a->stride_w, a->pad_w, a->dilation_w, 0);
+        tdm_shape ws = TDM_SHAPE(cases[i].cout, cases[i].cin / a->groups, cases[i].kh, cases[i].kw);
+        tdm_tensor *x = randn(r, TDM_SHAPE(cases[i].n, cases[i].cin, cases[i].h, cases[i].w), 0, 1);
+        tdm_tensor *w = randn(r, ws, 0, 1), *b = randn(r, TDM_SHAPE(cases[i].cout), 0, 1);
+        tdm_tensor *gy = randn(r, TDM_SHAPE(cases[i].n, cases[i].cout, ho, wo), 0, 1);
+        tdm_tensor *y = like(r, gy), *gx = like(r, x), *gw = like(r, w), *gb = like(r, b);
+        variant(r, "case %d", i);
+        KERNEL(r, conv2d, y, x, w, b, a);
+        KERNEL(r, conv2d_backward, gx, gw, gb, gy, x, w, a);
+        out(r, "y", y);
+        grad(r, "gx gw gb", gx, gw, gb);
     }
 }
 
-static void test_pool(void) {
-    tdm_pool2d_args cases[] = {
+/* Pooling case i of x [3, 4, 11, 10]: the arguments, and the output's shape. */
+static const tdm_pool2d_args *pool_case(int i, tdm_shape *ys) {
+    static const tdm_pool2d_args cases[] = {
         {2, 2, 2, 2, 0, 0, 1, 1, false, true}, /* the CNN's 2x2 */
         {3, 3, 2, 2, 1, 1, 1, 1, false, true}, /* overlapping, padded */
         {3, 2, 1, 2, 1, 0, 2, 1, true, false}, /* dilation, ceil mode, no pad count */
     };
+    const tdm_pool2d_args *a = &cases[i];
+    *ys = TDM_SHAPE(3, 4,
+                    out_size(11, a->kernel_h, a->stride_h, a->pad_h, a->dilation_h, a->ceil_mode),
+                    out_size(10, a->kernel_w, a->stride_w, a->pad_w, a->dilation_w, a->ceil_mode));
+    return a;
+}
+
+/* Max pooling (exact: the same scan) and average pooling, forward and backward. */
+static void case_pool2d(run *r) {
     for (int i = 0; i < 3; i++) {
-        tdm_scope_begin();
-        tdm_pool2d_args *a = &cases[i];
-        int64_t H = 11, W = 10, ho, wo;
-        /* output size with PyTorch's rule (ceil mode: the last window starts inside) */
-        int64_t eh = H + 2 * a->pad_h - a->dilation_h * (a->kernel_h - 1) - 1;
-        int64_t ew = W + 2 * a->pad_w - a->dilation_w * (a->kernel_w - 1) - 1;
-        ho = (a->ceil_mode ? (eh + a->stride_h - 1) / a->stride_h : eh / a->stride_h) + 1;
-        wo = (a->ceil_mode ? (ew + a->stride_w - 1) / a->stride_w : ew / a->stride_w) + 1;
-        if (a->ceil_mode && (ho - 1) * a->stride_h >= H + a->pad_h) ho--;
-        if (a->ceil_mode && (wo - 1) * a->stride_w >= W + a->pad_w) wo--;
-        twin x = twin_randn(TDM_SHAPE(3, 4, H, W), 0, 90);
-        tdm_shape ys = TDM_SHAPE(3, 4, ho, wo);
-        twin y = twin_empty(ys, TDM_F32), idx = twin_empty(ys, TDM_I64), gy = twin_randn(ys, 0, 91);
-        twin gx = twin_empty(tdm_shape_of(x.c), TDM_F32);
-        BOTH("max_pool2d", CPU->max_pool2d(y.c, idx.c, x.c, a),
-             GPU->max_pool2d(y.g, idx.g, x.g, a));
-        BOTH("max_pool2d_backward", CPU->max_pool2d_backward(gx.c, gy.c, idx.c),
-             GPU->max_pool2d_backward(gx.g, gy.g, idx.g));
-        char what[64];
-        /* same scan, same summation order: exact */
-        snprintf(what, sizeof what, "max_pool2d case %d (exact)", i);
-        cmp(what, y, 0, 0);
-        snprintf(what, sizeof what, "max_pool2d case %d indices (exact)", i);
-        cmp(what, idx, 0, 0);
-        snprintf(what, sizeof what, "max_pool2d case %d backward (exact)", i);
-        cmp(what, gx, 0, 0);
-        BOTH("avg_pool2d", CPU->avg_pool2d(y.c, x.c, a), GPU->avg_pool2d(y.g, x.g, a));
-        BOTH("avg_pool2d_backward", CPU->avg_pool2d_backward(gx.c, gy.c, a),
-             GPU->avg_pool2d_backward(gx.g, gy.g, a));
-        /* same window sums in the same order; 1 ulp slack for compiler contraction */
-        snprintf(what, sizeof what, "avg_pool2d case %d", i);
-        cmp(what, y, 1e-7, 1e-6);
-        snprintf(what, sizeof what, "avg_pool2d case %d backward", i);
-        cmp(what, gx, 1e-7, 1e-6);
-        tdm_scope_end();
+        tdm_shape ys;
+        const tdm_pool2d_args *a = pool_case(i, &ys);
+        tdm_tensor *x = randn(r, TDM_SHAPE(3, 4, 11, 10), 0, 1), *gy = randn(r, ys, 0, 1);
+        tdm_tensor *y = like(r, gy), *gx = like(r, x), *idx = tdm_zeros(ys, TDM_I64, r->dev);
+        tdm_tensor *ya = like(r, gy), *gxa = like(r, x);
+        variant(r, "case %d", i);
+        KERNEL(r, max_pool2d, y, idx, x, a);
+        KERNEL(r, max_pool2d_backward, gx, gy, idx);
+        KERNEL(r, avg_pool2d, ya, x, a);
+        KERNEL(r, avg_pool2d_backward, gxa, gy, a);
+        out(r, "max indices", y, idx);
+        grad(r, "max_backward", gx);
+        /* the same window sums in the same order; 1 ulp of slack for compiler contraction */
+        keep(r, "avg", ya, (bound){1e-7, 1e-6});
+        keep(r, "avg_backward", gxa, (bound){1e-7, 1e-6});
     }
 }
 
-/* ---- normalisation, dropout -------------------------------------------------------------- */
+/* ---- normalisation, dropout, attention --------------------------------------------------- */
 
-static void test_batch_norm(void) {
-    tdm_shape shapes[] = {TDM_SHAPE(16, 5, 7, 6), TDM_SHAPE(64, 33)};
+/* Batch norm's inputs: x [N, C, ...] of mean 3 (where a two-pass variance matters), and
+ * per-channel statistics near x's (mean 3, invstd 1) for the sync-BN kernels. */
+typedef struct {
+    tdm_tensor *x, *gy, *w, *mean, *invstd;
+    tdm_shape c; /* [C] */
+} bn_inputs;
+
+static bn_inputs bn_draw(run *r, int si) {
+    tdm_shape s = si ? TDM_SHAPE(64, 33) : TDM_SHAPE(16, 5, 7, 6);
+    bn_inputs in = {.c = TDM_SHAPE(s.d[1])};
+    in.x = randn(r, s, 3, 1), in.gy = randn(r, s, 0, 1), in.w = randn(r, in.c, 1, 1);
+    in.mean = randn(r, in.c, 3, 0.1f), in.invstd = randn(r, in.c, 1, 0.1f);
+    return in;
+}
+
+static void case_batch_norm(run *r) {
     for (int si = 0; si < 2; si++)
         for (int training = 1; training >= 0; training--) {
-            tdm_scope_begin();
-            tdm_shape s = shapes[si];
-            int64_t C = s.d[1];
-            twin x = twin_randn(s, 3, 100); /* mean 3: the two-pass variance matters */
-            twin w = twin_randn(TDM_SHAPE(C), 1, 101), b = twin_randn(TDM_SHAPE(C), 0, 102);
-            twin rm = twin_randn(TDM_SHAPE(C), 0, 103), rv = twin_randn(TDM_SHAPE(C), 2, 104);
-            BOTH("abs", CPU->unary(TDM_UN_POW_SCALAR, rv.c, rv.c, 2.0f),
-                 GPU->unary(TDM_UN_POW_SCALAR, rv.g, rv.g, 2.0f));
-            twin y = twin_empty(s, TDM_F32), sm = twin_empty(TDM_SHAPE(C), TDM_F32);
-            twin si_ = twin_empty(TDM_SHAPE(C), TDM_F32);
-            BOTH(
-                "batch_norm",
-                CPU->batch_norm(y.c, sm.c, si_.c, x.c, w.c, b.c, rm.c, rv.c, training, 0.1f, 1e-5f),
-                GPU->batch_norm(y.g, sm.g, si_.g, x.g, w.g, b.g, rm.g, rv.g, training, 0.1f,
-                                1e-5f));
-            /* double statistics on both sides, summed in another order: 1e-5 */
-            cmp(training ? "batch_norm train y" : "batch_norm eval y", y, 1e-5, 1e-5);
-            cmp("batch_norm save_mean", sm, 1e-6, 1e-5);
-            cmp("batch_norm save_invstd", si_, 1e-6, 1e-5);
-            cmp("batch_norm running_mean", rm, 1e-6, 1e-5);
-            cmp("batch_norm running_var", rv, 1e-6, 1e-5);
-            twin gy = twin_randn(s, 0, 105), gx = twin_empty(s, TDM_F32);
-            twin gw = twin_empty(TDM_SHAPE(C), TDM_F32), gb = twin_empty(TDM_SHAPE(C), TDM_F32);
-            BOTH("batch_norm_backward",
-                 CPU->batch_norm_backward(gx.c, gw.c, gb.c, gy.c, x.c, w.c, sm.c, si_.c, training),
-                 GPU->batch_norm_backward(gx.g, gw.g, gb.g, gy.g, x.g, w.g, sm.g, si_.g, training));
-            /* the CPU sums rows in float lanes; gradients ~1e-5 apart in relative terms, and
-             * gx cancels (mean-free): 1e-4 absolute */
-            cmp("batch_norm_backward gx", gx, 1e-4, 1e-4);
-            cmp("batch_norm_backward gw", gw, 1e-4, 1e-4);
-            cmp("batch_norm_backward gb", gb, 1e-4, 1e-4);
-            if (training) { /* the sync-BN kernels on this rank's share */
-                twin sum = twin_empty(TDM_SHAPE(C), TDM_F32),
-                     sq = twin_empty(TDM_SHAPE(C), TDM_F32);
-                BOTH("batch_norm_stats", CPU->batch_norm_stats(sum.c, x.c, NULL),
-                     GPU->batch_norm_stats(sum.g, x.g, NULL));
-                BOTH("batch_norm_stats centred", CPU->batch_norm_stats(sq.c, x.c, sm.c),
-                     GPU->batch_norm_stats(sq.g, x.g, sm.g));
-                cmp("batch_norm_stats sum", sum, 1e-4, 1e-5);
-                cmp("batch_norm_stats centred squares", sq, 1e-4, 1e-5);
-                twin sdy = twin_empty(TDM_SHAPE(C), TDM_F32),
-                     sdx = twin_empty(TDM_SHAPE(C), TDM_F32);
-                BOTH("batch_norm_backward_reduce",
-                     CPU->batch_norm_backward_reduce(sdy.c, sdx.c, gw.c, gb.c, gy.c, x.c, sm.c,
-                                                     si_.c),
-                     GPU->batch_norm_backward_reduce(sdy.g, sdx.g, gw.g, gb.g, gy.g, x.g, sm.g,
-                                                     si_.g));
-                cmp("batch_norm_backward_reduce sum_dy", sdy, 1e-4, 1e-4);
-                cmp("batch_norm_backward_reduce sum_dy_xmu", sdx, 1e-4, 1e-4);
-                cmp("batch_norm_backward_reduce gw", gw, 1e-4, 1e-4);
-                double count = (double)(tdm_numel(x.c) / C);
-                /* elemt from the CPU's sums on both sides: only the element formula differs */
-                twin sdyc = twin_of(sdy.c), sdxc = twin_of(sdx.c);
-                BOTH("batch_norm_backward_elemt",
-                     CPU->batch_norm_backward_elemt(gx.c, gy.c, x.c, w.c, sm.c, si_.c, sdy.c, sdx.c,
-                                                    count),
-                     GPU->batch_norm_backward_elemt(gx.g, gy.g, x.g, w.g, sm.g, si_.g, sdyc.g,
-                                                    sdxc.g, count));
-                cmp("batch_norm_backward_elemt", gx, 1e-5, 1e-5);
-            }
-            tdm_scope_end();
+            bn_inputs in = bn_draw(r, si);
+            tdm_tensor *b = randn(r, in.c, 0, 1), *rm = randn(r, in.c, 0, 1),
+                       *rv = positive(r, in.c);
+            tdm_tensor *y = like(r, in.x), *gx = like(r, in.x), *gw = like(r, b), *gb = like(r, b);
+            tdm_tensor *sm = like(r, b), *sv = like(r, b);
+            variant(r, "%s shape %d", training ? "training" : "eval", si);
+            KERNEL(r, batch_norm, y, sm, sv, in.x, in.w, b, rm, rv, training, 0.1f, 1e-5f);
+            KERNEL(r, batch_norm_backward, gx, gw, gb, in.gy, in.x, in.w, sm, sv, training);
+            out(r, "y", y);
+            grad(r, "gx gw gb", gx, gw, gb);
+            /* statistics in double on both sides, summed in another order: closer than y */
+            bound stats = {1e-6, 1e-5};
+            keep(r, "save_mean", sm, stats), keep(r, "save_invstd", sv, stats);
+            keep(r, "running_mean", rm, stats), keep(r, "running_var", rv, stats);
         }
 }
 
-static void test_layer_norm_dropout(void) {
-    int64_t rows = 37, cols[2] = {64, 1500};
-    for (int ci = 0; ci < 2; ci++) {
-        tdm_scope_begin();
-        int64_t c = cols[ci];
-        twin x = twin_randn(TDM_SHAPE(rows, c), 2, 110);
-        twin w = twin_randn(TDM_SHAPE(c), 1, 111), b = twin_randn(TDM_SHAPE(c), 0, 112);
-        twin y = twin_empty(TDM_SHAPE(rows, c), TDM_F32), m = twin_empty(TDM_SHAPE(rows), TDM_F32);
-        twin r = twin_empty(TDM_SHAPE(rows), TDM_F32);
-        BOTH("layer_norm", CPU->layer_norm(y.c, m.c, r.c, x.c, w.c, b.c, 1e-5f),
-             GPU->layer_norm(y.g, m.g, r.g, x.g, w.g, b.g, 1e-5f));
-        /* row statistics in double vs float lanes: 1e-5 */
-        cmp("layer_norm y", y, 1e-5, 1e-5);
-        cmp("layer_norm mean", m, 1e-6, 1e-5);
-        cmp("layer_norm rstd", r, 1e-6, 1e-5);
-        twin gy = twin_randn(TDM_SHAPE(rows, c), 0, 113),
-             gx = twin_empty(TDM_SHAPE(rows, c), TDM_F32);
-        twin gw = twin_empty(TDM_SHAPE(c), TDM_F32), gb = twin_empty(TDM_SHAPE(c), TDM_F32);
-        BOTH("layer_norm_backward",
-             CPU->layer_norm_backward(gx.c, gw.c, gb.c, gy.c, x.c, w.c, m.c, r.c),
-             GPU->layer_norm_backward(gx.g, gw.g, gb.g, gy.g, x.g, w.g, m.g, r.g));
-        /* the CPU adds gw/gb in float over rows, the GPU in double: 1e-4 */
-        cmp("layer_norm_backward gx", gx, 1e-4, 1e-4);
-        cmp("layer_norm_backward gw", gw, 1e-4, 1e-4);
-        cmp("layer_norm_backward gb", gb, 1e-4, 1e-4);
-        tdm_scope_end();
+/* Synchronised batch norm's three kernels on one rank's share. elemt's sums are drawn like
+ * sums of count N(0, 1) values, the same on both devices: only its element formula differs. */
+static void case_sync_batch_norm(run *r) {
+    for (int si = 0; si < 2; si++) {
+        bn_inputs in = bn_draw(r, si);
+        tdm_tensor *sum = like(r, in.w), *sq = like(r, in.w), *sdy = like(r, in.w);
+        tdm_tensor *sdx = like(r, in.w), *gw = like(r, in.w), *gb = like(r, in.w);
+        tdm_tensor *sums_dy = randn(r, in.c, 0, 20), *sums_dy_xmu = randn(r, in.c, 0, 20);
+        tdm_tensor *gx = like(r, in.x);
+        double count = (double)(tdm_numel(in.x) / in.c.d[0]);
+        variant(r, "shape %d", si);
+        KERNEL(r, batch_norm_stats, sum, in.x, NULL);
+        KERNEL(r, batch_norm_stats, sq, in.x, in.mean);
+        KERNEL(r, batch_norm_backward_reduce, sdy, sdx, gw, gb, in.gy, in.x, in.mean, in.invstd);
+        KERNEL(r, batch_norm_backward_elemt, gx, in.gy, in.x, in.w, in.mean, in.invstd, sums_dy,
+               sums_dy_xmu, count);
+        out(r, "sum centred_squares", sum, sq);
+        grad(r, "sum_dy sum_dy_xmu gw gb", sdy, sdx, gw, gb);
+        keep(r, "elemt_gx", gx, (bound){1e-5, 1e-5}); /* a few float operations an element */
     }
-    tdm_scope_begin();
-    twin x = twin_randn(TDM_SHAPE(3, 1001), 0, 114);
-    twin y = twin_empty(TDM_SHAPE(3, 1001), TDM_F32), mk = twin_empty(TDM_SHAPE(3, 1001), TDM_F32);
-    BOTH("dropout", CPU->dropout(y.c, mk.c, x.c, 0.3f, 7, 12345),
-         GPU->dropout(y.g, mk.g, x.g, 0.3f, 7, 12345));
-    cmp("dropout mask (same Philox counters: bit-identical)", mk, 0, 0);
-    cmp("dropout y (bit-identical)", y, 0, 0);
-    tdm_scope_end();
 }
 
-/* Causal attention, forward and backward, against the CPU kernel: row lengths below and
- * above the block's 128 threads, a head size of 3, and one head. The GPU sums each dot
- * product and softmax in another order than BLAS: 1e-5 forward, 1e-4 backward. */
-static void test_attention(void) {
-    struct {
-        int64_t B, T, C;
-        int nh;
-    } cases[4] = {{2, 9, 8, 2}, {1, 200, 32, 4}, {3, 5, 6, 2}, {1, 1, 4, 1}};
+static void case_layer_norm(run *r) {
+    int64_t widths[2] = {64, 1500};
+    for (int i = 0; i < 2; i++) {
+        int64_t cols = widths[i];
+        tdm_shape s = TDM_SHAPE(37, cols), c = TDM_SHAPE(cols);
+        tdm_tensor *x = randn(r, s, 2, 1), *gy = randn(r, s, 0, 1), *w = randn(r, c, 1, 1);
+        tdm_tensor *b = randn(r, c, 0, 1), *y = like(r, x), *gx = like(r, x);
+        tdm_tensor *gw = like(r, w), *gb = like(r, w), *m = zeros(r, TDM_SHAPE(37));
+        tdm_tensor *rstd = like(r, m);
+        variant(r, "%lld columns", (long long)cols);
+        KERNEL(r, layer_norm, y, m, rstd, x, w, b, 1e-5f);
+        KERNEL(r, layer_norm_backward, gx, gw, gb, gy, x, w, m, rstd);
+        out(r, "y", y);
+        grad(r, "gx gw gb", gx, gw, gb);
+        keep(r, "mean", m, (bound){1e-6, 1e-5}); /* double vs float lanes: closer than y */
+        keep(r, "rstd", rstd, (bound){1e-6, 1e-5});
+    }
+}
+
+static void case_dropout(run *r) {
+    tdm_tensor *x = randn(r, TDM_SHAPE(3, 1001), 0, 1), *y = like(r, x), *mask = like(r, x);
+    KERNEL(r, dropout, y, mask, x, 0.3f, 7, 12345);
+    out(r, "mask y", mask, y);
+}
+
+/* Causal attention: rows below and above the block's 128 threads, a head size of 3, and one
+ * head. */
+static void case_attention(run *r) {
+    int64_t cases[4][4] = {{2, 9, 8, 2}, {1, 200, 32, 4}, {3, 5, 6, 2}, {1, 1, 4, 1}};
     for (int i = 0; i < 4; i++) {
-        tdm_scope_begin();
-        int64_t B = cases[i].B, T = cases[i].T, C = cases[i].C;
-        int nh = cases[i].nh;
-        twin qkv = twin_randn(TDM_SHAPE(B, T, 3 * C), 0, 130 + (uint64_t)i);
-        twin y = twin_empty(TDM_SHAPE(B, T, C), TDM_F32),
-             lse = twin_empty(TDM_SHAPE(B, nh, T), TDM_F32);
-        BOTH("attention", CPU->attention(y.c, lse.c, qkv.c, nh),
-             GPU->attention(y.g, lse.g, qkv.g, nh));
-        cmp("attention y", y, 1e-5, 1e-5);
-        cmp("attention lse", lse, 1e-5, 1e-5);
-        twin dy = twin_randn(TDM_SHAPE(B, T, C), 0, 140 + (uint64_t)i);
-        twin dqkv = twin_empty(TDM_SHAPE(B, T, 3 * C), TDM_F32);
-        BOTH("attention_backward", CPU->attention_backward(dqkv.c, dy.c, qkv.c, lse.c, nh),
-             GPU->attention_backward(dqkv.g, dy.g, qkv.g, lse.g, nh));
-        cmp("attention_backward dqkv", dqkv, 1e-4, 1e-4);
-        tdm_scope_end();
+        int64_t B = cases[i][0], T = cases[i][1], C = cases[i][2];
+        int nh = (int)cases[i][3];
+        tdm_tensor *qkv = randn(r, TDM_SHAPE(B, T, 3 * C), 0, 1), *dqkv = like(r, qkv);
+        tdm_tensor *dy = randn(r, TDM_SHAPE(B, T, C), 0, 1), *y = like(r, dy);
+        tdm_tensor *lse = zeros(r, TDM_SHAPE(B, nh, T));
+        variant(r, "B=%lld T=%lld C=%lld heads=%d", (long long)B, (long long)T, (long long)C, nh);
+        KERNEL(r, attention, y, lse, qkv, nh);
+        KERNEL(r, attention_backward, dqkv, dy, qkv, lse, nh);
+        out(r, "y lse", y, lse);
+        grad(r, "dqkv", dqkv);
     }
-}
-
-/* A GPT-2 (2 layers, 2 heads) on cuda:0 against its CPU twin: the loss and every parameter
- * gradient of one forward and backward (attention, layer norm, GELU, the tied head), and a
- * second GPU run bit for bit the first. */
-static float *gpt_grads(tdm_module *m, tdm_device dev, float *loss) {
-    tdm_paramset *ps = tdm_module_parameters(m);
-    int64_t tok[2 * 12], tgt[2 * 12];
-    for (int i = 0; i < 24; i++) tok[i] = (i * 7 + 3) % 20, tgt[i] = (i * 5 + 1) % 20;
-    tdm_scope_begin();
-    tdm_tensor *x = tdm_to_device(tdm_from_data(TDM_SHAPE(2, 12), TDM_I64, tdm_cpu(0), tok), dev);
-    tdm_tensor *y = tdm_to_device(tdm_from_data(TDM_SHAPE(2, 12), TDM_I64, tdm_cpu(0), tgt), dev);
-    tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(m, x), y);
-    float *g = NULL;
-    if (ps && l && tdm_backward(l) == 0 && (g = malloc(sizeof(float) * (size_t)ps->total)) &&
-        tdm_to_host(ps->flat_grad, g, sizeof(float) * (size_t)ps->total) == 0)
-        *loss = tdm_item(l);
-    else
-        CHECK(false, "gpt on %s: %s", dev.type == TDM_CUDA ? "cuda" : "cpu", tdm_last_error());
-    tdm_scope_end();
-    return g;
-}
-
-static void test_gpt(void) {
-    tdm_gpt_config cfg = {.layers = 2, .heads = 2, .channels = 16, .context = 12, .vocab = 20};
-    tdm_rng r = tdm_rng_make(9);
-    tdm_module *mc = tdm_gpt_new(&cfg, tdm_cpu(0), &r);
-    tdm_module *mg = mc ? tdm_module_clone(mc, G) : NULL,
-               *mg2 = mc ? tdm_module_clone(mc, G) : NULL;
-    CHECK(mg && mg2, "gpt: clone to cuda:0: %s", tdm_last_error());
-    if (!mg || !mg2) return;
-    float lc = NAN, lg = NAN, lg2 = NAN;
-    float *gc = gpt_grads(mc, tdm_cpu(0), &lc), *gg = gpt_grads(mg, G, &lg);
-    float *gg2 = gpt_grads(mg2, G, &lg2);
-    int64_t n = tdm_module_parameters(mc)->total, bad = 0, diff2 = 0;
-    CHECK(fabsf(lg - lc) <= 1e-5f * fabsf(lc), "gpt loss: cuda %.7g, cpu %.7g", lg, lc);
-    for (int64_t i = 0; gc && gg && i < n; i++)
-        bad += !(fabsf(gg[i] - gc[i]) <= 1e-5f + 1e-3f * fabsf(gc[i]));
-    for (int64_t i = 0; gg && gg2 && i < n; i++) diff2 += gg[i] != gg2[i];
-    CHECK(gc && gg && bad == 0, "gpt: %lld of %lld gradients differ from the CPU's", (long long)bad,
-          (long long)n);
-    CHECK(gg && gg2 && diff2 == 0 && lg == lg2, "gpt: two GPU runs differ in %lld gradients",
-          (long long)diff2);
-    free(gc), free(gg), free(gg2);
-    tdm_module_free(mc), tdm_module_free(mg), tdm_module_free(mg2);
 }
 
 /* ---- losses, optimizers ------------------------------------------------------------------ */
 
-static void test_losses(void) {
-    int64_t N = 33, C = 10;
-    int64_t t[33];
+/* Logits; weights; label smoothing; log-probabilities, with i32 and i64 targets, one of them
+ * ignored. A target out of range is an error naming it and its sample. */
+static void case_cross_entropy(run *r) {
+    int64_t N = 33, C = 10, t[33], badt[3] = {1, 12, 2};
     for (int i = 0; i < N; i++) t[i] = (i * 7) % C;
-    t[5] = -100; /* ignored */
-    for (int variant = 0; variant < 4; variant++) {
-        tdm_scope_begin();
-        bool logits = variant != 3, weighted = variant >= 1;
-        float smooth = variant == 2 || variant == 3 ? 0.1f : 0.0f;
-        twin x = twin_randn(TDM_SHAPE(N, C), 0, 120);
+    t[5] = -100;
+    for (int v = 0; v < 4; v++) {
+        bool logits = v != 3;
+        float smooth = v >= 2 ? 0.1f : 0.0f;
+        tdm_tensor *x = randn(r, TDM_SHAPE(N, C), 0, 1), *gl = randn(r, TDM_SHAPE(N), 1, 1);
+        tdm_tensor *w = v >= 1 ? randn(r, TDM_SHAPE(C), 2, 1) : NULL, *gx = like(r, x);
+        tdm_tensor *tg = from(r, TDM_SHAPE(N), v & 1 ? TDM_I32 : TDM_I64, t);
+        tdm_tensor *loss = like(r, gl), *ws = like(r, gl), *lp = like(r, x);
+        variant(r, "variant %d", v);
         if (!logits) { /* log-probabilities (the CPU softmax is not in-place) */
-            twin lp = twin_empty(TDM_SHAPE(N, C), TDM_F32);
-            BOTH("log_softmax", CPU->softmax(lp.c, x.c, true), GPU->softmax(lp.g, x.g, true));
+            KERNEL(r, softmax, lp, x, true);
             x = lp;
         }
-        twin tg = twin_ints(TDM_SHAPE(N), variant & 1 ? TDM_I32 : TDM_I64, t);
-        twin w = twin_randn(TDM_SHAPE(C), 2, 121);
-        const tdm_tensor *wc = weighted ? w.c : NULL, *wg = weighted ? w.g : NULL;
-        twin loss = twin_empty(TDM_SHAPE(N), TDM_F32), ws = twin_empty(TDM_SHAPE(N), TDM_F32);
-        BOTH("cross_entropy", CPU->cross_entropy(loss.c, ws.c, x.c, tg.c, wc, -100, smooth, logits),
-             GPU->cross_entropy(loss.g, ws.g, x.g, tg.g, wg, -100, smooth, logits));
-        char what[64];
-        /* log-sum-exp through different expf: 1e-5 */
-        snprintf(what, sizeof what, "cross_entropy variant %d", variant);
-        cmp(what, loss, 1e-6, 1e-5);
-        cmp("cross_entropy wsum (exact)", ws, 0, 0);
-        twin gl = twin_randn(TDM_SHAPE(N), 1, 122), gx = twin_empty(TDM_SHAPE(N, C), TDM_F32);
-        BOTH("cross_entropy_backward",
-             CPU->cross_entropy_backward(gx.c, gl.c, x.c, tg.c, wc, -100, smooth, logits),
-             GPU->cross_entropy_backward(gx.g, gl.g, x.g, tg.g, wg, -100, smooth, logits));
-        snprintf(what, sizeof what, "cross_entropy_backward variant %d", variant);
-        cmp(what, gx, 1e-6, 1e-5);
-        tdm_scope_end();
+        KERNEL(r, cross_entropy, loss, ws, x, tg, w, -100, smooth, logits);
+        KERNEL(r, cross_entropy_backward, gx, gl, x, tg, w, -100, smooth, logits);
+        out(r, "loss", loss);
+        grad(r, "gx", gx);
+        keep(r, "wsum", ws, (bound)EXACT);
     }
-    tdm_scope_begin();
-    int64_t badt[3] = {1, 12, 2};
-    twin x = twin_randn(TDM_SHAPE(3, C), 0, 123), tg = twin_ints(TDM_SHAPE(3), TDM_I64, badt);
-    twin loss = twin_empty(TDM_SHAPE(3), TDM_F32);
-    CHECK_ERROR(GPU->cross_entropy(loss.g, NULL, x.g, tg.g, NULL, -100, 0, true) != TDM_OK,
-                "target 12 (sample 1)");
-    twin xb = twin_randn(TDM_SHAPE(500), 0, 124), yb = twin_randn(TDM_SHAPE(500), 0.5f, 125);
-    twin lb = twin_empty(TDM_SHAPE(500), TDM_F32), gb = twin_empty(TDM_SHAPE(500), TDM_F32);
-    twin g = twin_randn(TDM_SHAPE(500), 0, 126);
-    BOTH("bce_logits", CPU->bce_logits(lb.c, xb.c, yb.c), GPU->bce_logits(lb.g, xb.g, yb.g));
-    BOTH("bce_logits_backward", CPU->bce_logits_backward(gb.c, g.c, xb.c, yb.c),
-         GPU->bce_logits_backward(gb.g, g.g, xb.g, yb.g));
-    cmp("bce_logits", lb, 1e-6, 1e-5); /* expf/log1pf ulps */
-    cmp("bce_logits_backward", gb, 1e-6, 1e-5);
-    tdm_scope_end();
+    variant(r, "bad target");
+    tdm_tensor *x = randn(r, TDM_SHAPE(3, C), 0, 1), *tg = from(r, TDM_SHAPE(3), TDM_I64, badt);
+    fails(r, r->be->cross_entropy(zeros(r, TDM_SHAPE(3)), NULL, x, tg, NULL, -100, 0, true),
+          "target 12 (sample 1)");
 }
 
-static void test_optim(void) {
-    int64_t n = 3001;
-    for (int variant = 0; variant < 4; variant++) {
-        tdm_scope_begin();
-        twin p = twin_randn(TDM_SHAPE(n), 0, 130), buf = twin_empty(TDM_SHAPE(n), TDM_F32);
-        tdm_sgd_hparams h = {
-            0.1f,         variant ? 0.9f : 0, 0.1f * (variant == 2), 1e-2f * (variant > 1),
-            variant == 3, variant == 1};
-        for (int s = 0; s < 3; s++) {
-            twin g = twin_randn(TDM_SHAPE(n), 0, 131 + (uint64_t)s);
-            BOTH("sgd_step", CPU->sgd_step(p.c, g.c, buf.c, &h, s == 0),
-                 GPU->sgd_step(p.g, g.g, buf.g, &h, s == 0));
-        }
-        /* a few FMAs per element per step: 1e-6 */
-        char what[48];
-        snprintf(what, sizeof what, "sgd variant %d", variant);
-        cmp(what, p, 1e-6, 1e-6);
-        tdm_scope_end();
-    }
-    for (int variant = 0; variant < 4; variant++) {
-        tdm_scope_begin();
-        twin p = twin_randn(TDM_SHAPE(n), 0, 140);
-        twin m = twin_empty(TDM_SHAPE(n), TDM_F32), v = twin_empty(TDM_SHAPE(n), TDM_F32);
-        twin vm = twin_empty(TDM_SHAPE(n), TDM_F32);
-        tdm_adam_hparams h = {1e-2f,        0.9f,         0.999f,      1e-8f, variant ? 1e-2f : 0,
-                              variant == 2, variant == 3, variant == 1};
-        for (int s = 1; s <= 3; s++) {
-            twin g = twin_randn(TDM_SHAPE(n), 0, 141 + (uint64_t)s);
-            BOTH("adam_step", CPU->adam_step(p.c, g.c, m.c, v.c, vm.c, &h, s),
-                 GPU->adam_step(p.g, g.g, m.g, v.g, vm.g, &h, s));
-        }
-        /* Adam divides by sqrt(v) + eps: ~1e-6 relative per step on the update */
-        char what[48];
-        snprintf(what, sizeof what, "adam variant %d", variant);
-        cmp(what, p, 1e-6, 1e-5);
-        cmp("adam exp_avg_sq", v, 1e-9, 1e-5);
-        tdm_scope_end();
+static void case_bce_logits(run *r) {
+    tdm_tensor *x = randn(r, TDM_SHAPE(500), 0, 1), *y = randn(r, TDM_SHAPE(500), 0.5f, 1);
+    tdm_tensor *g = randn(r, TDM_SHAPE(500), 0, 1), *loss = like(r, x), *gx = like(r, x);
+    KERNEL(r, bce_logits, loss, x, y);
+    KERNEL(r, bce_logits_backward, gx, g, x, y);
+    out(r, "loss", loss);
+    grad(r, "gx", gx);
+}
+
+/* Three steps of plain SGD; momentum and maximize; dampening and weight decay; Nesterov. */
+static void case_sgd_step(run *r) {
+    for (int v = 0; v < 4; v++) {
+        tdm_tensor *p = randn(r, TDM_SHAPE(3001), 0, 1), *buf = like(r, p);
+        tdm_sgd_hparams h = {0.1f, v ? 0.9f : 0, 0.1f * (v == 2), 1e-2f * (v > 1), v == 3, v == 1};
+        variant(r, "variant %d", v);
+        for (int s = 0; s < 3; s++)
+            KERNEL(r, sgd_step, p, randn(r, TDM_SHAPE(3001), 0, 1), buf, &h, s == 0);
+        out(r, "p", p);
     }
 }
 
-/* ---- training equivalence ---------------------------------------------------------------- */
-
-static tdm_module *make_mlp(void) {
-    tdm_rng r = tdm_rng_make(1);
-    tdm_module *l[4] = {tdm_linear_new(20, 64, true, tdm_cpu(0), &r), tdm_relu_new(),
-                        tdm_dropout_new(0.2f, &r), tdm_linear_new(64, 5, true, tdm_cpu(0), &r)};
-    return tdm_sequential_new(4, l);
-}
-
-static tdm_module *make_cnn(void) {
-    tdm_rng r = tdm_rng_make(2);
-    tdm_conv2d_opts c = {.pad_h = 1, .pad_w = 1};
-    tdm_pool2d_opts p = {.kernel_h = 2, .kernel_w = 2};
-    tdm_module *l[6] = {tdm_conv2d_new(1, 8, 3, 3, &c, false, tdm_cpu(0), &r),
-                        tdm_batch_norm2d_new(8, 1e-5f, 0.1f, tdm_cpu(0)),
-                        tdm_relu_new(),
-                        tdm_max_pool2d_new(&p),
-                        tdm_flatten_new(1, -1),
-                        tdm_linear_new(8 * 6 * 6, 5, true, tdm_cpu(0), &r)};
-    return tdm_sequential_new(6, l);
-}
-
-/* STEPS steps of m on dev from its current weights; losses written out. Returns the final
- * parameters (flat, on the host; caller frees) or NULL. */
-#define STEPS 6
-static tdm_optim *make_optim(tdm_paramset *ps, void *adam) {
-    return *(bool *)adam
-               ? tdm_adam_new(ps, &(tdm_adam_opts){1e-2f, 0.9f, 0.999f, 1e-8f, 0, false, false})
-               : tdm_sgd_new(ps, &(tdm_sgd_opts){.lr = 0.05f, .momentum = 0.9f});
-}
-
-/* Step s's batch on dev: inputs x [xs], targets t [B] (in the current scope). */
-static void make_batch(int s, tdm_shape xs, tdm_device dev, tdm_tensor **x, tdm_tensor **t) {
-    int64_t B = xs.d[0], y[64];
-    tdm_rng r = tdm_rng_make(500 + (uint64_t)s);
-    for (int i = 0; i < B; i++) y[i] = (i * 3 + s) % 5;
-    *x = tdm_to_device(tdm_randn(xs, 0.5f, 1, tdm_cpu(0), &r), dev);
-    *t = tdm_from_data(TDM_SHAPE(B), TDM_I64, dev, y);
-}
-
-static float *train(tdm_module *m, tdm_shape xs, bool adam, float *losses) {
-    tdm_device dev = tdm_module_parameters(m)->flat->device;
-    tdm_paramset *ps = tdm_module_parameters(m);
-    tdm_optim *o = make_optim(ps, &adam);
-    if (!o) return NULL;
-    for (int s = 0; s < STEPS; s++) {
-        tdm_optim_zero_grad(o);
-        tdm_scope_begin();
-        tdm_tensor *x, *t;
-        make_batch(s, xs, dev, &x, &t);
-        tdm_tensor *l = tdm_cross_entropy(tdm_module_forward(m, x), t, NULL);
-        losses[s] = l ? tdm_item(l) : NAN;
-        int rc = l ? tdm_backward(l) : -1;
-        if (!rc) rc = tdm_optim_step(o);
-        tdm_scope_end();
-        if (rc) {
-            tdm_optim_free(o);
-            return NULL;
-        }
-    }
-    float *out = malloc(sizeof(float) * (size_t)ps->total);
-    tdm_to_host(ps->flat, out, sizeof(float) * (size_t)ps->total);
-    tdm_optim_free(o);
-    return out;
-}
-
-static void test_training(void) {
-    struct {
-        const char *name;
-        tdm_module *(*make)(void);
-        tdm_shape xs;
-    } models[] = {{"mlp", make_mlp, TDM_SHAPE(32, 20)},
-                  {"cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12)}};
-    for (int mi = 0; mi < 2; mi++)
-        for (int adam = 0; adam < 2; adam++) {
-            tdm_module *mc = models[mi].make(), *mg = tdm_module_clone(mc, G);
-            tdm_module *mg2 = tdm_module_clone(mc, G);
-            CHECK(mg && mg2, "%s: clone to cuda:0: %s", models[mi].name, tdm_last_error());
-            if (!mg || !mg2) continue;
-            tdm_module_train(mc, true), tdm_module_train(mg, true), tdm_module_train(mg2, true);
-            float lc[STEPS], lg[STEPS], lg2[STEPS];
-            float *pc = train(mc, models[mi].xs, adam, lc);
-            float *pg = train(mg, models[mi].xs, adam, lg);
-            float *pg2 = train(mg2, models[mi].xs, adam, lg2);
-            CHECK(pc && pg && pg2, "%s: training failed: %s", models[mi].name, tdm_last_error());
-            int64_t n = tdm_module_parameters(mc)->total, bad = 0, diff2 = 0;
-            for (int s = 0; s < STEPS && pc && pg; s++)
-                CHECK(fabsf(lg[s] - lc[s]) <= 1e-4f + 1e-4f * fabsf(lc[s]),
-                      "%s %s step %d loss: cuda %.7g, cpu %.7g", models[mi].name,
-                      adam ? "adam" : "sgd", s, lg[s], lc[s]);
-            /* six steps compound rounding differences (and Adam divides by small sqrt(v)):
-             * 1e-3 relative + 1e-4 absolute on every parameter */
-            for (int64_t i = 0; i < n && pc && pg; i++)
-                bad += !(fabsf(pg[i] - pc[i]) <= 1e-4f + 1e-3f * fabsf(pc[i]));
-            for (int64_t i = 0; i < n && pg && pg2; i++) diff2 += pg[i] != pg2[i];
-            CHECK(bad == 0, "%s %s: %lld of %lld parameters differ from the CPU's", models[mi].name,
-                  adam ? "adam" : "sgd", (long long)bad, (long long)n);
-            CHECK(diff2 == 0, "%s %s: two GPU runs differ in %lld parameters (not deterministic)",
-                  models[mi].name, adam ? "adam" : "sgd", (long long)diff2);
-            free(pc), free(pg), free(pg2);
-            tdm_module_free(mc), tdm_module_free(mg), tdm_module_free(mg2);
-        }
-}
-
-static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
-    (void)row0, (void)arg;
-    return tdm_cross_entropy(out, target, NULL);
-}
-
-/* DataParallel over n GPUs (NCCL: bucket all-reduces, synchronised batch norm, the wrap-time
- * broadcasts) gives one CPU device's parameters on the same batches, within test_training's
- * bounds, and every replica the same bits. One GPU runs everywhere; two need 2 GPUs (the
- * emulation gives them: EMU_GPUS=2). CPU and GPU replicas mixed are refused. */
-static void dp_against_cpu(int n, const char *name, tdm_module *(*make)(void), tdm_shape xs,
-                           bool adam) {
-    const char *on = adam ? "adam" : "sgd";
-    tdm_device gpus[2] = {G, tdm_cuda(1)};
-    tdm_module *mc = make(), *mg = tdm_module_clone(mc, G);
-    tdm_module_train(mc, true);
-    if (mg) tdm_module_train(mg, true); /* before the replicas are cloned from it */
-    tdm_dp *dp = mg ? tdm_dp_new(mg, gpus, n, make_optim, &adam) : NULL;
-    CHECK(dp, "%s: data_parallel on %d GPU(s): %s", name, n, tdm_last_error());
-    if (!dp) {
-        tdm_module_free(mc), tdm_module_free(mg);
-        return;
-    }
-    float lc[STEPS];
-    float *pc = train(mc, xs, adam, lc);
-    for (int s = 0; s < STEPS; s++) {
-        tdm_scope_begin();
-        tdm_tensor *x, *t;
-        make_batch(s, xs, tdm_cpu(0), &x, &t);
-        float loss = NAN;
-        int rc = tdm_dp_step(dp, x, t, ce_loss, NULL, &loss);
-        tdm_scope_end();
-        CHECK(rc == TDM_OK, "%s %s on %d GPU(s), step %d: %s", name, on, n, s, tdm_last_error());
-        CHECK(fabsf(loss - lc[s]) <= 1e-4f + 1e-4f * fabsf(lc[s]),
-              "%s %s step %d loss: %d GPU(s) %.7g, cpu %.7g", name, on, s, n, loss, lc[s]);
-    }
-    int64_t np = tdm_module_parameters(mc)->total, bad = 0, diff = 0;
-    float *p[2] = {malloc(sizeof(float) * (size_t)np), malloc(sizeof(float) * (size_t)np)};
-    for (int r = 0; r < n; r++)
-        tdm_to_host(tdm_module_parameters(tdm_dp_replica(dp, r))->flat, p[r], sizeof(float) * np);
-    for (int64_t i = 0; i < np && pc; i++) {
-        bad += !(fabsf(p[0][i] - pc[i]) <= 1e-4f + 1e-3f * fabsf(pc[i]));
-        diff += n > 1 && p[0][i] != p[1][i];
-    }
-    CHECK(pc && bad == 0, "%s %s: %lld of %lld parameters on %d GPU(s) differ from the CPU's", name,
-          on, (long long)bad, (long long)np, n);
-    CHECK(diff == 0, "%s %s: the replicas differ in %lld parameters", name, on, (long long)diff);
-    free(pc), free(p[0]), free(p[1]);
-    tdm_dp_free(dp);
-    tdm_module_free(mc), tdm_module_free(mg);
-}
-
-static void test_data_parallel(void) {
-    tdm_module *mix = make_mlp(); /* on cpu:0 */
-    bool adam = false;
-    tdm_device mixed[2] = {tdm_cpu(0), G};
-    CHECK_ERROR(tdm_dp_new(mix, mixed, 2, make_optim, &adam) == NULL, "mix CPU and GPU");
-    tdm_module_free(mix);
-    if (!tdm_nccl_available()) {
-        printf("test_data_parallel: skipped (this build has no NCCL)\n");
-        return;
-    }
-    int most = tdm_cuda_device_count() >= 2 ? 2 : 1;
-    if (most < 2) printf("test_data_parallel: 2 GPUs skipped (this machine has 1)\n");
-    for (int n = 1; n <= most; n++)
-        for (int a = 0; a < 2; a++) {
-            dp_against_cpu(n, "mlp", make_mlp, TDM_SHAPE(32, 20), a);
-            dp_against_cpu(n, "cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12), a);
-        }
-}
-
-/* A 2-stage pipeline over cuda:0 and cuda:1 (activations and gradients cross between the
- * GPUs), 4 micro-batches, GPipe and 1F1B: the parameters of unsplit training on the CPU. */
-static void test_pipeline(void) {
-    if (tdm_cuda_device_count() < 2) {
-        printf("test_pipeline: skipped (needs 2 GPUs, this machine has 1)\n");
-        return;
-    }
-    tdm_shape xs = TDM_SHAPE(32, 20);
-    bool adam = false;
-    for (int sched = 0; sched < 2; sched++) {
-        const char *name = sched ? "1F1B" : "GPipe";
-        tdm_module *mc = make_mlp(), *mp = make_mlp();
-        tdm_module_train(mc, true), tdm_module_train(mp, true);
-        float lc[STEPS];
-        float *pc = train(mc, xs, adam, lc);
-        tdm_pipe_opts o = tdm_pipe_defaults(2, 4);
-        o.schedule = (tdm_pipe_schedule)sched;
-        o.devices = "cuda:0,cuda:1";
-        tdm_pipe *p = tdm_pipe_new(mp, &o, make_optim, &adam);
-        CHECK(p, "pipeline %s on cuda:0,cuda:1: %s", name, tdm_last_error());
-        for (int s = 0; s < STEPS && p; s++) {
-            tdm_scope_begin();
-            tdm_tensor *x, *t;
-            make_batch(s, xs, tdm_cpu(0), &x, &t);
-            float loss = NAN;
-            int rc = tdm_pipe_step(p, x, t, ce_loss, NULL, &loss);
-            tdm_scope_end();
-            CHECK(rc == TDM_OK, "pipeline %s step %d: %s", name, s, tdm_last_error());
-            CHECK(fabsf(loss - lc[s]) <= 1e-4f + 1e-4f * fabsf(lc[s]),
-                  "pipeline %s step %d loss: GPUs %.7g, cpu %.7g", name, s, loss, lc[s]);
-        }
-        int64_t n = tdm_module_parameters(mc)->total, bad = 0;
-        CHECK(p && tdm_pipe_copy_to(p, mp) == TDM_OK, "pipeline %s: copy_to: %s", name,
-              tdm_last_error());
-        const float *pp = tdm_data_ptr(tdm_module_parameters(mp)->flat);
-        for (int64_t i = 0; i < n && pc && pp; i++)
-            bad += !(fabsf(pp[i] - pc[i]) <= 1e-4f + 1e-3f * fabsf(pc[i]));
-        CHECK(pc && pp && bad == 0, "pipeline %s: %lld of %lld parameters differ from the CPU's",
-              name, (long long)bad, (long long)n);
-        free(pc);
-        tdm_pipe_free(p);
-        tdm_module_free(mc), tdm_module_free(mp);
+/* Three steps of Adam; with weight decay and maximize; AdamW; AMSGrad. */
+static void case_adam_step(run *r) {
+    for (int v = 0; v < 4; v++) {
+        tdm_tensor *p = randn(r, TDM_SHAPE(3001), 0, 1), *m = like(r, p), *sq = like(r, p);
+        tdm_tensor *vmax = like(r, p);
+        tdm_adam_hparams h = {1e-2f, 0.9f, 0.999f, 1e-8f, v ? 1e-2f : 0, v == 2, v == 3, v == 1};
+        variant(r, "variant %d", v);
+        for (int step = 1; step <= 3; step++)
+            KERNEL(r, adam_step, p, randn(r, TDM_SHAPE(3001), 0, 1), m, sq, vmax, &h, step);
+        out(r, "p", p);
+        keep(r, "exp_avg_sq", sq, (bound){1e-9, 1e-5}); /* values ~1e-3 */
     }
 }
 
-/* The loader on cuda:0 (pinned buffers, asynchronous uploads) delivers the CPU loader's
- * batches bit for bit, the last smaller one included, with 0 and 2 workers over 2 epochs. */
-static void test_loader_upload(void) {
-    enum { N = 50, ROW = 12, BATCH = 8 };
-    float x[N * ROW];
-    int64_t y[N];
-    for (int i = 0; i < N * ROW; i++) x[i] = (float)(i / ROW) + 0.01f * (float)(i % ROW);
-    for (int i = 0; i < N; i++) y[i] = i % 7;
-    tdm_dataset *ds = tdm_memory_dataset(TDM_SHAPE(3, 4), N, x, y, 7);
-    for (int workers = 0; workers <= 2 && ds; workers += 2) {
-        tdm_loader_opts o = tdm_loader_defaults(BATCH);
-        o.shuffle = true, o.seed = 3, o.workers = workers;
-        tdm_loader *lc = tdm_loader_new(ds, &o);
-        o.device = G;
-        tdm_loader *lg = tdm_loader_new(ds, &o);
-        CHECK(lc && lg, "loader on cuda:0 with %d workers: %s", workers, tdm_last_error());
-        for (int epoch = 0; epoch < 2 && lc && lg; epoch++) {
-            tdm_loader_start_epoch(lc, epoch), tdm_loader_start_epoch(lg, epoch);
-            tdm_batch bc, bg;
-            int batches = 0, same = 0;
-            while (tdm_loader_next(lc, &bc) == 1 && tdm_loader_next(lg, &bg) == 1) {
-                float hx[BATCH * ROW];
-                int64_t hy[BATCH];
-                size_t nx = sizeof(float) * (size_t)(bc.size * ROW), ny = sizeof(int64_t) * bc.size;
-                bool ok = bg.x->device.type == TDM_CUDA && bg.size == bc.size &&
-                          !tdm_to_host(bg.x, hx, nx) && !tdm_to_host(bg.y, hy, ny);
-                same += ok && !memcmp(hx, tdm_data_ptr(bc.x), nx) &&
-                        !memcmp(hy, tdm_data_ptr(bc.y), ny) && !memcmp(bg.y_host, hy, ny);
-                batches++;
-            }
-            CHECK(batches == (N + BATCH - 1) / BATCH && same == batches,
-                  "%d workers, epoch %d: %d of %d uploaded batches equal the CPU's", workers, epoch,
-                  same, batches);
-        }
-        tdm_loader_free(lc);
-        tdm_loader_free(lg);
+/* A GPT-2 (2 layers, 2 heads): the loss and every parameter's gradient of one forward and
+ * backward (attention, layer norm, GELU, the tied head) through the ops above. */
+static void case_gpt(run *r) {
+    tdm_gpt_config cfg = {.layers = 2, .heads = 2, .channels = 16, .context = 12, .vocab = 20};
+    tdm_rng init = tdm_rng_make(9);
+    tdm_module *m = tdm_gpt_new(&cfg, tdm_cpu(0), &init);
+    if (m && r->dev.type == TDM_CUDA) { /* the CPU's initial weights */
+        tdm_module *on_gpu = tdm_module_clone(m, r->dev);
+        tdm_module_free(m);
+        m = on_gpu;
     }
-    tdm_loader_opts bad = tdm_loader_defaults(BATCH);
-    bad.device = tdm_cuda(7);
-    CHECK_ERROR(tdm_loader_new(ds, &bad) == NULL, "cuda:7");
-    tdm_dataset_free(ds);
-}
-
-/* After a warm-up step, training steps take every block from the caching allocator: no
- * cudaMalloc (which would also synchronise the device) in steady state. */
-static void test_steady_state(void) {
-    tdm_module *c = make_cnn(), *m = tdm_module_clone(c, G);
-    tdm_module_free(c);
-    CHECK(m != NULL, "clone: %s", tdm_last_error());
-    if (!m) return;
-    float losses[STEPS];
-    float *p = train(m, TDM_SHAPE(16, 1, 12, 12), true, losses); /* warm-up: fills the cache */
-    tdm_alloc_stats before = tdm_alloc_stats_get(G);
-    float *q = train(m, TDM_SHAPE(16, 1, 12, 12), true, losses);
-    tdm_alloc_stats after = tdm_alloc_stats_get(G);
-    CHECK(p && q, "steady-state training: %s", tdm_last_error());
-    /* the second run makes a new optimizer (its moments are new blocks of sizes already
-     * cached, released by the first run's optimizer) and repeats the same steps */
-    CHECK(after.sys_allocs == before.sys_allocs,
-          "%llu cudaMalloc calls in steady state (expected 0)",
-          (unsigned long long)(after.sys_allocs - before.sys_allocs));
-    free(p), free(q);
+    int64_t tok[2 * 12], tgt[2 * 12];
+    for (int i = 0; i < 24; i++) tok[i] = (i * 7 + 3) % 20, tgt[i] = (i * 5 + 1) % 20;
+    tdm_tensor *x = from(r, TDM_SHAPE(2, 12), TDM_I64, tok);
+    tdm_tensor *l =
+        m ? tdm_gpt_loss(tdm_gpt_forward(m, x), from(r, TDM_SHAPE(2, 12), TDM_I64, tgt)) : NULL;
+    ok(r, l ? tdm_backward(l) : TDM_ERR_STATE, "gpt");
+    if (l) out(r, "loss", l), grad(r, "gradients", tdm_module_parameters(m)->flat_grad);
     tdm_module_free(m);
+}
+
+/* ---- the table --------------------------------------------------------------------------- */
+
+/* To add a case: write a builder case_<kernel>(run *r) that draws its inputs with randn(),
+ * positive() or from(), makes its outputs with zeros() or like(), runs the kernels with
+ * KERNEL(r, kernel, args...) and keeps what they wrote with out() (outputs: the row's out
+ * bound), grad() (gradients: its grad bound) or keep() (a bound of its own); then add a row
+ * here: the kernels it runs as backend.h names them (a kernel no row names fails the
+ * coverage check), the builder, and the bounds with a comment saying why they hold. */
+static const row ROWS[] = {
+    /* moving and filling values: exact */
+    {"to_host, from_host, mem_alloc, mem_free", case_to_host, EXACT, EXACT},
+    {"copy", case_copy, EXACT, EXACT},
+    {"fill", case_fill, EXACT, EXACT},
+    /* Philox: the same 24-bit words. Uniform is a + (b - a) * u, rounded twice on the GPU and
+     * maybe fused on the CPU (GCC contracts by default): one rounding, 1e-6 absolute */
+    {"random", case_random, {1e-6, 0}, EXACT},
+    /* libm functions differ by a few ulp between glibc, the CPU's own expf and CUDA: 1e-5
+     * relative (+1e-6 where a result cancels to ~0) */
+    {"unary, unary_backward", case_unary, {1e-6, 1e-5}, {1e-6, 1e-5}},
+    {"binary", case_binary, EXACT, EXACT},    /* one IEEE operation per element on both sides */
+    {"axpy", case_axpy, {1e-7, 1e-6}, EXACT}, /* an FMA on the GPU: 1 ulp */
+    /* sums in double in another order: 1e-6 relative, 1e-5 absolute for sums of up to 5000
+     * N(0,1) values that cancel; max and its backward are exact */
+    {"reduce, max_backward", case_reduce, {1e-5, 1e-6}, EXACT},
+    /* the GPU sums in double; the CPU adds [m, n] -> [1, n] row by row in float, whose error
+     * grows like sqrt(m) * eps * |sum| (3.7e-4 seen for m = 8192): 1e-3 absolute */
+    {"sum_to", case_sum_to, {1e-3, 1e-5}, EXACT},
+    /* expf differs by an ulp or two between the CPU's polynomial and CUDA: 1e-5 */
+    {"softmax, softmax_backward", case_softmax, {1e-6, 1e-5}, {1e-6, 1e-5}},
+    {"sum_squares", case_sum_squares, {0, 1e-12}, EXACT}, /* double sums of float squares */
+    /* FP32 GEMMs with k = 301 blocked differently: sums of ~17 in magnitude agree to ~1e-5
+     * absolute; 1e-4 absolute + 1e-4 relative */
+    {"matmul", case_matmul, {1e-4, 1e-4}, EXACT},
+    {"index_select, index_add", case_index, EXACT, EXACT},
+    /* FP32 GEMMs over up to K = 150 (forward) and N*P = 400 (weights) terms; the CPU sums
+     * each plane of gb in float lanes: 1e-4 */
+    {"conv2d, conv2d_backward", case_conv2d, {1e-4, 1e-4}, {1e-4, 1e-4}},
+    /* max pooling: the same scan, exact (average pooling keeps its own bound) */
+    {"max_pool2d, max_pool2d_backward, avg_pool2d, avg_pool2d_backward", case_pool2d, EXACT, EXACT},
+    /* double statistics on both sides, summed in another order: 1e-5; the CPU sums the
+     * backward's rows in float lanes, and gx cancels (mean-free): 1e-4 absolute */
+    {"batch_norm, batch_norm_backward", case_batch_norm, {1e-5, 1e-5}, {1e-4, 1e-4}},
+    /* batch_norm's sums split around the all-reduces, in double (stats) and as the CPU's
+     * float lanes (backward_reduce) */
+    {"batch_norm_stats, batch_norm_backward_reduce, batch_norm_backward_elemt",
+     case_sync_batch_norm,
+     {1e-4, 1e-5},
+     {1e-4, 1e-4}},
+    /* row statistics in double vs float lanes: 1e-5; the CPU adds gw and gb in float over
+     * rows, the GPU in double: 1e-4 */
+    {"layer_norm, layer_norm_backward", case_layer_norm, {1e-5, 1e-5}, {1e-4, 1e-4}},
+    {"dropout", case_dropout, EXACT, EXACT}, /* the same Philox counters: bit-identical */
+    /* the GPU sums each dot product and softmax in another order than BLAS */
+    {"attention, attention_backward", case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}},
+    /* log-sum-exp through different expf; expf and log1pf ulps: 1e-5 */
+    {"cross_entropy, cross_entropy_backward", case_cross_entropy, {1e-6, 1e-5}, {1e-6, 1e-5}},
+    {"bce_logits, bce_logits_backward", case_bce_logits, {1e-6, 1e-5}, {1e-6, 1e-5}},
+    {"sgd_step", case_sgd_step, {1e-6, 1e-6}, EXACT}, /* a few FMAs per element per step */
+    /* Adam divides by sqrt(v) + eps: ~1e-6 relative per step on the update */
+    {"adam_step", case_adam_step, {1e-6, 1e-5}, EXACT},
+    /* the loss to 1e-5 relative; gradients through every kernel above: 1e-3 relative */
+    {"gpt-2 forward and backward", case_gpt, {0, 1e-5}, {1e-5, 1e-3}},
+};
+
+/* ---- the driver -------------------------------------------------------------------------- */
+
+/* Elements of g (cuda) outside the bound around c (cpu); the first few printed. */
+static int64_t differ(const char *row_name, const kept *c, const kept *g) {
+    int64_t bad = c->n == g->n ? 0 : c->n;
+    for (int64_t i = 0; i < c->n && c->n == g->n; i++) {
+        double a = c->v[i], b = g->v[i];
+        if ((a != a && b != b) || fabs(b - a) <= c->b.atol + c->b.rtol * fabs(a)) continue;
+        if (bad++ < 4)
+            fprintf(stderr, "  %s: %s: element %lld: cuda %.9g, cpu %.9g\n", row_name, c->name,
+                    (long long)i, b, a);
+    }
+    return bad;
+}
+
+/* Runs w on cpu:0 and twice on cuda:0, each from the same seed (so a row's inputs do not
+ * depend on its place in the table), and compares what the runs kept. */
+static void run_row(const row *w) {
+    run runs[3] = {{.row = w, .be = CPU, .dev = tdm_cpu(0), .on = "cpu:0"},
+                   {.row = w, .be = GPU, .dev = G, .on = "cuda:0"},
+                   {.row = w, .be = GPU, .dev = G, .on = "cuda:0"}};
+    for (int i = 0; i < 3; i++) {
+        runs[i].rng = tdm_rng_make(1);
+        tdm_scope_begin();
+        w->build(&runs[i]);
+        tdm_scope_end();
+        CHECK(!runs[i].failed[0], "%s on %s: %s", w->name, runs[i].on, runs[i].failed);
+    }
+    const run *c = &runs[0], *g = &runs[1], *g2 = &runs[2];
+    CHECK(c->n_kept == g->n_kept && g->n_kept == g2->n_kept, "%s: the runs kept %d, %d and %d",
+          w->name, c->n_kept, g->n_kept, g2->n_kept);
+    const char *nondet = NULL;
+    for (int k = 0; k < c->n_kept && k < g->n_kept && k < g2->n_kept; k++) {
+        const kept *a = &c->kept[k], *b = &g->kept[k], *b2 = &g2->kept[k];
+        int64_t bad = differ(w->name, a, b);
+        CHECK(bad == 0, "%s: %s: %lld of %lld elements differ (atol %g, rtol %g)", w->name, a->name,
+              (long long)bad, (long long)a->n, a->b.atol, a->b.rtol);
+        if (!nondet && (b->n != b2->n || memcmp(b->v, b2->v, sizeof(double) * (size_t)b->n)))
+            nondet = b->name;
+    }
+    CHECK(!nondet, "%s: two runs on cuda:0 differ in %s (not deterministic)", w->name, nondet);
+    for (int i = 0; i < 3; i++) {
+        for (int k = 0; k < runs[i].n_kept; k++) free(runs[i].kept[k].v);
+        free(runs[i].kept);
+    }
+}
+
+static bool word_char(char c) {
+    return isalnum((unsigned char)c) || c == '_';
+}
+
+/* Whether a row runs kernel k: k is a word of the row's name. */
+static bool covered(const char *k) {
+    size_t n = strlen(k);
+    for (size_t i = 0; i < sizeof ROWS / sizeof ROWS[0]; i++)
+        for (const char *s = ROWS[i].name, *p = s; (p = strstr(p, k)); p++)
+            if ((p == s || !word_char(p[-1])) && !word_char(p[n])) return true;
+    return false;
+}
+
+/* The kernels of backend.h, by name. */
+/* clang-format off */
+#define NAME_OF(k) #k,
+/* clang-format on */
+static const char *const KERNELS[] = {TDM_BACKEND_KERNELS(NAME_OF)};
+
+/* Every kernel of backend.h has a row (one added to backend.h without a row fails here),
+ * and every row passes. */
+static void test_kernels(void) {
+    for (size_t i = 0; i < sizeof KERNELS / sizeof KERNELS[0]; i++)
+        CHECK(covered(KERNELS[i]), "kernel %s: no row of the table runs it", KERNELS[i]);
+    for (size_t i = 0; i < sizeof ROWS / sizeof ROWS[0]; i++) run_row(&ROWS[i]);
 }
 
 /* ---- bad conditions ---------------------------------------------------------------------- */
@@ -1052,9 +793,9 @@ static void test_errors(void) {
     }
     /* 2^40 floats = 4 TiB: no GPU holds it; the error names the device and the size */
     CHECK_ERROR(tdm_empty(TDM_SHAPE((int64_t)1 << 40), TDM_F32, G) == NULL, "out of memory");
-    tdm_tensor *ok = tdm_ones(TDM_SHAPE(1), TDM_F32, G);
-    CHECK(ok && tdm_item(ok) == 1.0f, "cuda:0 still works after an OOM: %s", tdm_last_error());
-    tdm_tensor_free(ok);
+    tdm_tensor *one = tdm_ones(TDM_SHAPE(1), TDM_F32, G);
+    CHECK(one && tdm_item(one) == 1.0f, "cuda:0 still works after an OOM: %s", tdm_last_error());
+    tdm_tensor_free(one);
 }
 
 /* ---- --bench: throughput for scripts/gpu-check -------------------------------------------- */
@@ -1123,29 +864,9 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (argc > 1 && !strcmp(argv[1], "--bench")) return bench();
-    /* every kernel of backend.h, and the loader's uploads (a GPU is not host memory) */
+    /* the table is full: every kernel, and the loader's uploads (a GPU is not host memory) */
     CHECK(tdm_backend_check(GPU, true) == TDM_OK, "cuda table: %s", tdm_last_error());
-    test_memory();
-    test_unary();
-    test_binary_axpy();
-    test_reduce();
-    test_sum_to();
-    test_softmax();
-    test_matmul();
-    test_index();
-    test_conv();
-    test_pool();
-    test_batch_norm();
-    test_layer_norm_dropout();
-    test_attention();
-    test_gpt();
-    test_losses();
-    test_optim();
-    test_training();
-    test_data_parallel();
-    test_pipeline();
-    test_loader_upload();
-    test_steady_state();
+    test_kernels();
     test_errors();
     return check_summary();
 }

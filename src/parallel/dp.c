@@ -159,13 +159,6 @@ static int sharded_update(replica *r) {
     return rc;
 }
 
-/* Rows [lo, hi) of the batch for this rank: the first B % n ranks get one more row. */
-static void rows_of(int64_t b, int n, int rank, int64_t *lo, int64_t *hi) {
-    int64_t base = b / n, extra = b % n;
-    *lo = rank * base + (rank < extra ? rank : extra);
-    *hi = *lo + base + (rank < extra ? 1 : 0);
-}
-
 /* The update of an unsharded replica: its gradient is the all-reduced average, the same bits
  * on every replica, so clipping gives every replica the same factor. */
 static int replica_update(replica *r) {
@@ -178,7 +171,7 @@ static int replica_step(replica *r) {
     tdm_dp *dp = r->dp;
     tdm_device dev = dp->devices[r->rank];
     int64_t b = dp->x->shape[0], lo, hi;
-    rows_of(b, dp->n, r->rank, &lo, &hi);
+    tdm_rows_of(b, dp->n, r->rank, &lo, &hi);
     /* batch norm (synchronised) and dropout (global rows' masks) act as on one device */
     tdm_parallel_context_set(rank_group(dp, r->rank), lo, b);
     tdm_scope_begin();
@@ -397,7 +390,7 @@ static int run_round(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn 
         double sum = 0;
         int64_t lo, hi;
         for (int i = 0; i < dp->n; i++) {
-            rows_of(x->shape[0], dp->n, i, &lo, &hi);
+            tdm_rows_of(x->shape[0], dp->n, i, &lo, &hi);
             sum += (double)dp->reps[i].loss * (double)(hi - lo);
         }
         *loss = rc ? NAN : (float)(sum / (double)x->shape[0]);

@@ -13,6 +13,7 @@
  * stops at its next wait or collective, and a failed thread keeps its tensors until every
  * thread has stopped, since the neighbours may still be copying them. */
 #include "parallel/group.h"
+#include "parallel/pipeline_split.h"
 #include "parallel/sync.h"
 #include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
 #include "tandem/autograd.h"
@@ -111,18 +112,11 @@ static void names_init(void) {
 
 /* ---- rows ------------------------------------------------------------------------------- */
 
-/* Part i of n of the range [0, b): the first b % n parts get one more row. */
-static void part_of(int64_t b, int n, int i, int64_t *lo, int64_t *hi) {
-    int64_t base = b / n, extra = b % n;
-    *lo = i * base + (i < extra ? i : extra);
-    *hi = *lo + base + (i < extra ? 1 : 0);
-}
-
 /* Global rows [*row0, *row0 + *rows) of micro-batch k of replica r. */
 static void micro_rows(const struct tdm_pipe *p, int r, int k, int64_t *row0, int64_t *rows) {
     int64_t rlo, rhi, lo, hi;
-    part_of(p->B, p->R, r, &rlo, &rhi);
-    part_of(rhi - rlo, p->M, k, &lo, &hi);
+    tdm_rows_of(p->B, p->R, r, &rlo, &rhi);
+    tdm_rows_of(rhi - rlo, p->M, k, &lo, &hi);
     *row0 = rlo + lo;
     *rows = hi - lo;
 }
@@ -426,70 +420,6 @@ static int run_round(struct tdm_pipe *p, bool start) {
     return rc;
 }
 
-/* ---- splitting ---------------------------------------------------------------------------- */
-
-static int64_t count_params(const tdm_module *m) {
-    int64_t n = 0;
-    for (int i = 0; i < m->n_params; i++) n += tdm_numel(m->params[i]);
-    for (int c = 0; c < m->n_children; c++) n += count_params(m->children[c]);
-    return n;
-}
-
-/* Cuts n layers of costs c into k runs minimising the largest run's cost (dynamic
- * programming over prefix sums; n and k are small). */
-static int split_min_max(const int64_t *c, int n, int k, int *first) {
-    int64_t *pre = calloc((size_t)n + 1, sizeof *pre);
-    int64_t *best = malloc(sizeof *best * (size_t)(k + 1) * (size_t)(n + 1));
-    int *cut = malloc(sizeof *cut * (size_t)(k + 1) * (size_t)(n + 1));
-    if (!pre || !best || !cut) {
-        free(pre), free(best), free(cut);
-        return tdm_raise(TDM_ERR_NOMEM, "pipe_split: out of memory");
-    }
-    for (int i = 0; i < n; i++) pre[i + 1] = pre[i] + c[i];
-#define AT(a, j, i) a[(size_t)(j) * (size_t)(n + 1) + (size_t)(i)]
-    for (int i = 0; i <= n; i++) AT(best, 1, i) = pre[i], AT(cut, 1, i) = 0;
-    for (int j = 2; j <= k; j++)
-        for (int i = j; i <= n; i++) {
-            AT(best, j, i) = INT64_MAX;
-            for (int q = j - 1; q < i; q++) { /* stage j-1 is layers [q, i) */
-                int64_t last = pre[i] - pre[q], v = AT(best, j - 1, q);
-                if (last > v) v = last;
-                if (v < AT(best, j, i)) AT(best, j, i) = v, AT(cut, j, i) = q;
-            }
-        }
-    first[k] = n;
-    for (int j = k, i = n; j >= 1; j--) i = first[j - 1] = AT(cut, j, i);
-#undef AT
-    free(pre), free(best), free(cut);
-    return TDM_OK;
-}
-
-int tdm_pipe_split(const tdm_module *seq, int k, tdm_split_by by, int *first) {
-    if (!seq || !first) return tdm_raise(TDM_ERR_ARG, "pipe_split: NULL model or output");
-    int n = seq->n_children;
-    if (k < 1 || k > n)
-        return tdm_raise(TDM_ERR_ARG,
-                         "pipe_split: %d stages for a %s of %d layers (need 1 to %d: every "
-                         "stage holds at least one layer)",
-                         k, seq->ops->kind, n, n);
-    if (by == TDM_SPLIT_LAYERS) {
-        for (int s = 0; s <= k; s++) {
-            int64_t lo, hi;
-            part_of(n, k, s < k ? s : k - 1, &lo, &hi);
-            first[s] = (int)(s < k ? lo : hi);
-        }
-        return TDM_OK;
-    }
-    int64_t *c = malloc(sizeof *c * (size_t)n);
-    if (!c) return tdm_raise(TDM_ERR_NOMEM, "pipe_split: out of memory");
-    /* ties go to the split whose largest stage has fewer layers: parameters first, then
-     * layers, as one cost */
-    for (int i = 0; i < n; i++) c[i] = count_params(seq->children[i]) * (n + 1) + 1;
-    int rc = split_min_max(c, n, k, first);
-    free(c);
-    return rc;
-}
-
 /* ---- construction ------------------------------------------------------------------------- */
 
 tdm_pipe_opts tdm_pipe_defaults(int stages, int micro_batches) {
@@ -500,37 +430,6 @@ tdm_pipe_opts tdm_pipe_defaults(int stages, int micro_batches) {
 double tdm_pipe_ideal_bubble(int stages, int micro_batches) {
     if (stages < 1 || micro_batches < 1) return NAN;
     return (double)(stages - 1) / (double)(micro_batches + stages - 1);
-}
-
-/* Stage boundaries from an explicit layer -> stage map. */
-static int split_from_map(const tdm_module *seq, const int *map, int *stages, int *first) {
-    int n = seq->n_children;
-    if (map[0] != 0)
-        return tdm_raise(TDM_ERR_ARG,
-                         "pipeline: layer_stage[0] is %d, the first layer must be "
-                         "on stage 0",
-                         map[0]);
-    first[0] = 0;
-    int s = 0;
-    for (int i = 1; i < n; i++) {
-        if (map[i] != s && map[i] != s + 1)
-            return tdm_raise(TDM_ERR_ARG,
-                             "pipeline: layer_stage[%d] is %d after %d: stages must be "
-                             "contiguous runs numbered 0, 1, ... in layer order",
-                             i, map[i], s);
-        if (map[i] == s + 1) {
-            if (++s >= TDM_PIPE_MAX_STAGES) break;
-            first[s] = i;
-        }
-    }
-    if (s + 1 > TDM_PIPE_MAX_STAGES || (*stages && *stages != s + 1))
-        return tdm_raise(TDM_ERR_ARG,
-                         "pipeline: layer_stage gives %d stages, opts say %d (at "
-                         "most %d)",
-                         s + 1, *stages, TDM_PIPE_MAX_STAGES);
-    *stages = s + 1;
-    first[s + 1] = n;
-    return TDM_OK;
 }
 
 static int check_opts(const tdm_module *model, const tdm_pipe_opts *o, int *S, int *R) {
@@ -636,8 +535,7 @@ tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_fact
     if (check_opts(model, o, &S, &R)) return NULL;
     if (!make_optim) return tdm_raise_null(TDM_ERR_ARG, "pipeline: NULL optimizer factory");
     int first[TDM_PIPE_MAX_STAGES + 2];
-    int rc = o->layer_stage ? split_from_map(model, o->layer_stage, &S, first)
-                            : tdm_pipe_split(model, S, o->split_by, first);
+    int rc = tdm_pipe_stage_bounds(model, o, &S, first);
     if (rc || pipe_devices(o, S, R, devs)) return NULL;
     struct tdm_pipe *p = calloc(1, sizeof *p);
     if (!p) return tdm_raise_null(TDM_ERR_NOMEM, "pipeline: out of memory");

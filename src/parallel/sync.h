@@ -42,6 +42,16 @@ static inline void tdm_chunk_of(int64_t count, size_t elem, int n, int r, int64_
     *hi = *lo + per < count ? *lo + per : count;
 }
 
+/* Rows [lo, hi) of part i when b rows are split over n parts: the first b % n parts get one
+ * more row. DataParallel splits a batch over its replicas this way and a pipeline splits it
+ * over its replicas and micro-batches alike, so that both compute on the rows one device
+ * would, in the same groups. */
+static inline void tdm_rows_of(int64_t b, int n, int i, int64_t *lo, int64_t *hi) {
+    int64_t base = b / n, extra = b % n;
+    *lo = i * base + (i < extra ? i : extra);
+    *hi = *lo + base + (i < extra ? 1 : 0);
+}
+
 /* ---- waiting: spin a bounded time, then sleep ------------------------------------------------ */
 
 /* One round of a spin-wait (lets the sibling hyperthread run). */

@@ -176,7 +176,7 @@ extern "C" void tdm_cuda_mem_free(int index, void *p, size_t nbytes) {
 void *cu_scratch(int index, size_t nbytes, tdm_storage **hold) {
     tdm_device dev = {TDM_CUDA, index};
     *hold = tdm_storage_new(nbytes, dev);
-    return *hold ? (*hold)->data : NULL;
+    return tdm_cuda_storage_ptr(*hold);
 }
 
 int cu_bad_reset(cu_device *d, int index) {

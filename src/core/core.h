@@ -5,8 +5,6 @@
 
 #include "tandem/tensor.h"
 
-#include <stdatomic.h>
-
 /* ---- errors ----------------------------------------------------------------------------- */
 
 /* Records a printf-style message for tdm_last_error and returns status (so callers can write
@@ -17,12 +15,19 @@ void *tdm_raise_null(tdm_status status, const char *fmt, ...) __attribute__((for
 
 /* ---- storage and the caching allocator -------------------------------------------------- */
 
+/* A storage's layout is C's alone: its count is a C11 atomic, which C++ cannot parse (the
+ * CUDA kernels are C++ for nvcc, whose host compiler is GCC). C++ code holds storages by
+ * pointer only and reaches their memory through a C function (tdm_cuda_storage_ptr). */
+#ifndef __cplusplus
+#include <stdatomic.h>
+
 struct tdm_storage {
     void *data;
     size_t nbytes; /* capacity of the block */
     tdm_device device;
     atomic_int refcount;
 };
+#endif
 
 /* A block of at least nbytes on dev from the device's cache (malloc only on a miss).
  * Refcount starts at 1. NULL and TDM_ERR_NOMEM on failure. */

@@ -66,12 +66,13 @@ struct tdm_dp {
     tdm_module *model;
     tdm_optim_factory make_optim;
     void *optim_arg;
-    /* the step being run, published under mu with a new generation */
-    pthread_mutex_t mu;
-    pthread_cond_t go, done;
-    _Atomic uint64_t generation; /* written under mu; read by spinning replicas without it */
-    atomic_int finished;         /* replicas 1..n-1 done with the round (written under mu) */
-    int64_t done_spin_ns;
+    /* The round being run: the caller writes the fields below, then moves `generation`; a
+     * replica thread writes its rc and err, then counts itself in `finished`. Each side reads
+     * the other's writes only after seeing the word move (tdm_wait_until), so no lock. */
+    tdm_wait_word generation; /* rounds started (tdm_dp_free's quit is one more) */
+    tdm_wait_word finished;   /* replicas 1..n-1 done with the round */
+    tdm_waitq go, done;       /* where replicas wait for a round, the caller for its end */
+    int64_t next_spin_ns, done_spin_ns; /* NEXT_SPIN_NS, DONE_SPIN_NS or 0 (tdm_spin_budget) */
     bool quit;
     tdm_tensor *x, *y;
     bool update; /* the round ends with the update (tdm_dp_step), or only accumulates */
@@ -158,13 +159,6 @@ static int sharded_update(replica *r) {
     return rc;
 }
 
-/* Rows [lo, hi) of the batch for this rank: the first B % n ranks get one more row. */
-static void rows_of(int64_t b, int n, int rank, int64_t *lo, int64_t *hi) {
-    int64_t base = b / n, extra = b % n;
-    *lo = rank * base + (rank < extra ? rank : extra);
-    *hi = *lo + base + (rank < extra ? 1 : 0);
-}
-
 /* The update of an unsharded replica: its gradient is the all-reduced average, the same bits
  * on every replica, so clipping gives every replica the same factor. */
 static int replica_update(replica *r) {
@@ -177,7 +171,7 @@ static int replica_step(replica *r) {
     tdm_dp *dp = r->dp;
     tdm_device dev = dp->devices[r->rank];
     int64_t b = dp->x->shape[0], lo, hi;
-    rows_of(b, dp->n, r->rank, &lo, &hi);
+    tdm_rows_of(b, dp->n, r->rank, &lo, &hi);
     /* batch norm (synchronised) and dropout (global rows' masks) act as on one device */
     tdm_parallel_context_set(rank_group(dp, r->rank), lo, b);
     tdm_scope_begin();
@@ -208,17 +202,6 @@ static int replica_step(replica *r) {
     return rc;
 }
 
-/* Spins up to NEXT_SPIN_NS for a round after `seen`, when the devices do not outnumber the
- * cores (a spinning thread then takes only its own core). */
-static void spin_for_next(tdm_dp *dp, uint64_t seen) {
-    if (dp->done_spin_ns <= 0) return;
-    int64_t t0 = tdm_now_ns();
-    for (int i = 1; atomic_load_explicit(&dp->generation, memory_order_acquire) == seen; i++) {
-        tdm_cpu_relax();
-        if (i % 16 == 0 && tdm_now_ns() - t0 > NEXT_SPIN_NS) return;
-    }
-}
-
 static void *replica_main(void *arg) {
     replica *r = arg;
     tdm_dp *dp = r->dp;
@@ -228,18 +211,13 @@ static void *replica_main(void *arg) {
     uint64_t seen = 0;
     int rc = replica_init(r);
     for (;;) {
-        pthread_mutex_lock(&dp->mu);
         r->rc = rc;
         if (rc) snprintf(r->err, sizeof r->err, "%s", tdm_last_error());
-        if (atomic_fetch_add(&dp->finished, 1) == dp->n - 2) pthread_cond_signal(&dp->done);
-        pthread_mutex_unlock(&dp->mu);
-        spin_for_next(dp, seen);
-        pthread_mutex_lock(&dp->mu);
-        while (!dp->quit && dp->generation == seen) pthread_cond_wait(&dp->go, &dp->mu);
-        seen = dp->generation;
-        bool quit = dp->quit;
-        pthread_mutex_unlock(&dp->mu);
-        if (quit) break;
+        if (atomic_fetch_add(&dp->finished, 1) == (uint64_t)dp->n - 2) tdm_waitq_wake(&dp->done);
+        tdm_wait_until(&dp->go, &dp->generation, seen + 1,
+                       (tdm_wait_opts){.spin_ns = dp->next_spin_ns});
+        seen = atomic_load(&dp->generation);
+        if (dp->quit) break;
         rc = r->rc ? r->rc : replica_step(r); /* a replica that failed to start stays failed */
     }
     tdm_ddp_free(r->ddp);
@@ -260,23 +238,14 @@ static void run_caller_replica(tdm_dp *dp, bool init) {
 
 /* Waits until every replica has finished the current round; returns the first failure. */
 static int wait_round(tdm_dp *dp) {
-    int others = dp->n - 1;
-    if (others > 0 && dp->done_spin_ns > 0) {
-        int64_t t0 = tdm_now_ns();
-        for (int i = 1; atomic_load(&dp->finished) < others; i++) {
-            tdm_cpu_relax();
-            if (i % 16 == 0 && tdm_now_ns() - t0 > dp->done_spin_ns) break;
-        }
-    }
-    pthread_mutex_lock(&dp->mu);
-    while (atomic_load(&dp->finished) < others) pthread_cond_wait(&dp->done, &dp->mu);
+    tdm_wait_until(&dp->done, &dp->finished, (uint64_t)dp->n - 1,
+                   (tdm_wait_opts){.spin_ns = dp->done_spin_ns});
     int rc = TDM_OK;
     for (int i = 0; i < dp->n && !rc; i++)
         if (dp->reps[i].rc) {
             rc = dp->reps[i].rc;
             tdm_raise(rc, "data_parallel: device %d: %s", i, dp->reps[i].err);
         }
-    pthread_mutex_unlock(&dp->mu);
     return rc;
 }
 
@@ -340,11 +309,12 @@ tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int
     dp->model = model;
     dp->make_optim = make_optim;
     dp->optim_arg = optim_arg;
-    pthread_mutex_init(&dp->mu, NULL);
-    pthread_cond_init(&dp->go, NULL);
-    pthread_cond_init(&dp->done, NULL);
+    tdm_waitq_init(&dp->go);
+    tdm_waitq_init(&dp->done);
+    atomic_init(&dp->generation, 0);
     atomic_init(&dp->finished, 0);
-    dp->done_spin_ns = n <= tdm_device_count(TDM_CPU) ? DONE_SPIN_NS : 0;
+    dp->next_spin_ns = tdm_spin_budget(n, NEXT_SPIN_NS);
+    dp->done_spin_ns = tdm_spin_budget(n, DONE_SPIN_NS);
     dp->sharded = n > 1 && !processes;
     for (int r = 0; r < n; r++) dp->sharded &= devices[r].type == TDM_CPU;
     if (!(dp->world = tdm_threads_world_new(n, devices)) || make_nccl(dp, processes) ||
@@ -404,13 +374,11 @@ static int run_round(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn 
                          "walked yet; replica 0 runs on the caller's thread, so step outside "
                          "that graph (or with grad off)",
                          op, end - start);
-    pthread_mutex_lock(&dp->mu);
     dp->x = x, dp->y = target, dp->loss_fn = loss_fn, dp->loss_arg = loss_arg;
     dp->update = update, dp->zero = dp->window == 0;
     atomic_store(&dp->finished, 0);
-    dp->generation++;
-    pthread_cond_broadcast(&dp->go);
-    pthread_mutex_unlock(&dp->mu);
+    atomic_fetch_add(&dp->generation, 1);
+    tdm_waitq_wake(&dp->go);
     run_caller_replica(dp, false);
     int rc = wait_round(dp);
     dp->window = update || rc ? 0 : dp->window + 1; /* after a failure, start afresh */
@@ -422,7 +390,7 @@ static int run_round(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn 
         double sum = 0;
         int64_t lo, hi;
         for (int i = 0; i < dp->n; i++) {
-            rows_of(x->shape[0], dp->n, i, &lo, &hi);
+            tdm_rows_of(x->shape[0], dp->n, i, &lo, &hi);
             sum += (double)dp->reps[i].loss * (double)(hi - lo);
         }
         *loss = rc ? NAN : (float)(sum / (double)x->shape[0]);
@@ -463,11 +431,9 @@ int tdm_dp_devices(const tdm_dp *dp) {
 
 void tdm_dp_free(tdm_dp *dp) {
     if (!dp) return;
-    pthread_mutex_lock(&dp->mu);
     dp->quit = true;
-    dp->generation++; /* ends the spins too */
-    pthread_cond_broadcast(&dp->go);
-    pthread_mutex_unlock(&dp->mu);
+    atomic_fetch_add(&dp->generation, 1);
+    tdm_waitq_wake(&dp->go);
     for (int i = 1; i < dp->n; i++)
         if (dp->reps[i].thread) pthread_join(dp->reps[i].thread, NULL);
     tdm_ddp_free(dp->reps[0].ddp); /* replica 0's, made on the caller's thread */
@@ -479,8 +445,7 @@ void tdm_dp_free(tdm_dp *dp) {
     tdm_hier_world_free(dp->hier); /* its threads wait on the threads world's groups */
     tdm_threads_world_free(dp->world);
     tdm_cpu_gemm_set_threads(dp->gemm_threads);
-    pthread_cond_destroy(&dp->go);
-    pthread_cond_destroy(&dp->done);
-    pthread_mutex_destroy(&dp->mu);
+    tdm_waitq_destroy(&dp->go);
+    tdm_waitq_destroy(&dp->done);
     free(dp);
 }

@@ -2,14 +2,11 @@
  * timeout. The backends (threads_group.c) only move memory and synchronise ranks. */
 #include "parallel/group.h"
 
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define DEFAULT_TIMEOUT_S 60.0
-/* Rounds a waiter spins before sleeping (0: see BARRIER_SPIN_NS in threads_group.c). */
-#define WAIT_SPINS 0
 
 const char *tdm_coll_name(tdm_coll_kind k) {
     switch (k) {
@@ -34,7 +31,7 @@ void tdm_group_init(tdm_group *g, const tdm_group_ops *ops, int rank, int size, 
     g->device = dev;
     atomic_init(&g->timeout_ns, (int64_t)(DEFAULT_TIMEOUT_S * 1e9));
     pthread_mutex_init(&g->lock, NULL);
-    pthread_cond_init(&g->done_cond, NULL);
+    tdm_waitq_init(&g->done_q);
     g->free_works = g->all_works = NULL;
 }
 
@@ -44,7 +41,7 @@ void tdm_group_destroy(tdm_group *g) {
         free(w);
     }
     g->all_works = g->free_works = NULL;
-    pthread_cond_destroy(&g->done_cond);
+    tdm_waitq_destroy(&g->done_q);
     pthread_mutex_destroy(&g->lock);
 }
 
@@ -116,11 +113,8 @@ void tdm_work_finish(tdm_work *w, int status, const char *msg) {
         snprintf(w->msg, sizeof w->msg, "%s", msg);
     else
         w->msg[0] = '\0';
-    /* the store is under the lock so a waiter cannot check done and then miss the wake-up */
-    pthread_mutex_lock(&g->lock);
-    atomic_store_explicit(&w->done, 1, memory_order_release);
-    pthread_cond_broadcast(&g->done_cond);
-    pthread_mutex_unlock(&g->lock);
+    atomic_store(&w->done, 1);
+    tdm_waitq_wake(&g->done_q);
 }
 
 int tdm_work_wait(tdm_work *w) {
@@ -131,19 +125,11 @@ int tdm_work_wait(tdm_work *w) {
     tdm_group *g = w->group;
     if (g->ops->progress && !atomic_load_explicit(&w->done, memory_order_acquire))
         g->ops->progress(g, w);
-    for (int i = 0; i < WAIT_SPINS && !atomic_load_explicit(&w->done, memory_order_acquire); i++) {
-        if (i % 64 == 63)
-            sched_yield(); /* the communication thread may share this core */
-        else
-            tdm_cpu_relax();
-    }
-    if (!atomic_load_explicit(&w->done, memory_order_acquire)) {
-        /* no timeout here: the backend bounds every wait of its own (tdm_group_set_timeout) */
-        pthread_mutex_lock(&g->lock);
-        while (!atomic_load_explicit(&w->done, memory_order_acquire))
-            pthread_cond_wait(&g->done_cond, &g->lock);
-        pthread_mutex_unlock(&g->lock);
-    }
+    /* No spinning and no timeout here. After progress the collective runs on another thread
+     * (the rank's communication thread, MPI's or the GPU), which may need this core; the
+     * backends spin where it pays (the threads barrier) and bound every wait of their own
+     * (tdm_group_set_timeout). */
+    tdm_wait_until(&g->done_q, &w->done, 1, (tdm_wait_opts){0});
     int status = w->status;
     if (status != TDM_OK) tdm_raise((tdm_status)status, "%s", w->msg);
     work_put(w);

@@ -11,6 +11,7 @@
 #define TDM_PARALLEL_GROUP_H
 
 #include "core/core.h"
+#include "parallel/sync.h"
 #include "tandem/parallel.h"
 
 #include <pthread.h>
@@ -46,7 +47,7 @@ typedef struct {
 struct tdm_work {
     tdm_group *group;
     tdm_coll c;
-    atomic_int done; /* set last by tdm_work_finish (release) */
+    tdm_wait_word done; /* 1, set last by tdm_work_finish: its waiter may recycle it then */
     int status;
     char msg[TDM_WORK_MSG];
     struct tdm_work *next;     /* backend queue, or the group's free list */
@@ -75,8 +76,8 @@ struct tdm_group {
     tdm_device device;
     _Atomic int64_t timeout_ns; /* read by the backend at each wait */
     /* handles: a free list (no malloc per collective in steady state) and their waiters */
-    pthread_mutex_t lock;
-    pthread_cond_t done_cond;
+    pthread_mutex_t lock; /* the lists */
+    tdm_waitq done_q;
     tdm_work *free_works, *all_works;
 };
 
@@ -113,13 +114,6 @@ static inline void tdm_reduce_ranks(float *restrict acc, const float *const *src
         float fn = (float)n;
         for (int j = 0; j < len; j++) acc[j] /= fn;
     }
-}
-
-/* One round of a spin-wait (lets the sibling hyperthread run). */
-static inline void tdm_cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
 }
 
 /* ---- rank threads (spawn.c) -------------------------------------------------------------- */

@@ -13,6 +13,8 @@
  * stops at its next wait or collective, and a failed thread keeps its tensors until every
  * thread has stopped, since the neighbours may still be copying them. */
 #include "parallel/group.h"
+#include "parallel/pipeline_split.h"
+#include "parallel/sync.h"
 #include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
 #include "tandem/autograd.h"
 #include "tandem/pipeline.h"
@@ -24,13 +26,16 @@
 #include <string.h>
 
 #define MAX_WORKERS (TDM_PIPE_MAX_STAGES * TDM_PIPE_MAX_REPLICAS)
-#define SPIN_ROUNDS 2000
+/* Nanoseconds a stage spins for its neighbour's hand-off before it sleeps (when the workers
+ * fit the cores): the hand-off usually comes within microseconds, sooner than a futex wake-up
+ * on this VM (~50-100 us per micro-batch). */
+#define HANDOFF_SPIN_NS 50000
 
 typedef struct {
     struct tdm_pipe *p;
     tdm_tensor *act;  /* the stage's output for the next stage (owned by the sender's scope) */
     tdm_tensor *grad; /* its gradient from the next stage (caller-owned, on the sender) */
-    bool act_ready, grad_ready;
+    tdm_wait_word act_ready, grad_ready; /* 1 once the pointer above is published */
 } handoff;
 
 typedef struct {
@@ -77,13 +82,15 @@ struct tdm_pipe {
     void *optim_arg;
     int gemm_threads;
     pthread_mutex_t mu;
-    pthread_cond_t cv;   /* hand-offs and failures */
+    pthread_cond_t cv;   /* a worker stopped its step (after a failure) */
     pthread_cond_t go;   /* a new round */
     pthread_cond_t done; /* a worker finished its round */
     uint64_t generation;
     int finished, out;
-    bool quit, failed, broken;
-    int spin_rounds; /* pause rounds a wait spins before sleeping (0: ranks outnumber cores) */
+    bool quit, broken;
+    tdm_wait_word failed; /* set once, under mu, after err */
+    tdm_waitq handoffs;   /* where stages wait for hand-offs (and see failures) */
+    int64_t spin_ns;      /* HANDOFF_SPIN_NS, or 0 when workers outnumber cores */
     char err[768];
     /* the step being run */
     tdm_tensor *x, *y;
@@ -105,18 +112,11 @@ static void names_init(void) {
 
 /* ---- rows ------------------------------------------------------------------------------- */
 
-/* Part i of n of the range [0, b): the first b % n parts get one more row. */
-static void part_of(int64_t b, int n, int i, int64_t *lo, int64_t *hi) {
-    int64_t base = b / n, extra = b % n;
-    *lo = i * base + (i < extra ? i : extra);
-    *hi = *lo + base + (i < extra ? 1 : 0);
-}
-
 /* Global rows [*row0, *row0 + *rows) of micro-batch k of replica r. */
 static void micro_rows(const struct tdm_pipe *p, int r, int k, int64_t *row0, int64_t *rows) {
     int64_t rlo, rhi, lo, hi;
-    part_of(p->B, p->R, r, &rlo, &rhi);
-    part_of(rhi - rlo, p->M, k, &lo, &hi);
+    tdm_rows_of(p->B, p->R, r, &rlo, &rhi);
+    tdm_rows_of(rhi - rlo, p->M, k, &lo, &hi);
     *row0 = rlo + lo;
     *rows = hi - lo;
 }
@@ -128,51 +128,38 @@ static int fail(worker *w, int rc) {
     struct tdm_pipe *p = w->p;
     char dev[16];
     pthread_mutex_lock(&p->mu);
-    if (!p->failed) {
+    if (!atomic_load(&p->failed)) {
         snprintf(p->err, sizeof p->err, "pipeline: stage %d, replica %d (%s): %s", w->stage,
                  w->replica, tdm_device_str(w->dev, dev), tdm_last_error());
-        __atomic_store_n(&p->failed, true, __ATOMIC_RELEASE);
+        atomic_store(&p->failed, 1);
     }
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
+    tdm_waitq_wake(&p->handoffs);
     if (w->group) tdm_group_abort(w->group, tdm_last_error()); /* peers in a collective */
     return rc ? rc : TDM_ERR_STATE;
 }
 
-/* Waits until *flag is set; an error when the pipeline failed meanwhile. When the workers
- * fit the cores it first spins a little: the neighbour's hand-off usually comes within
- * microseconds, sooner than a futex wake-up on this VM (~50-100 us per micro-batch). Flags
- * are written with release under the mutex and read with acquire, so the pointer published
- * before the flag is visible either way. */
-static int wait_flag(worker *w, const bool *flag) {
+/* Waits until *flag is set (the pointer published before it is then visible); an error when
+ * the pipeline failed meanwhile, even if the flag came too. */
+static int wait_flag(worker *w, const tdm_wait_word *flag) {
     struct tdm_pipe *p = w->p;
-    for (int i = 0; i < p->spin_rounds && !__atomic_load_n(flag, __ATOMIC_ACQUIRE); i++) {
-        if (__atomic_load_n(&p->failed, __ATOMIC_ACQUIRE)) break;
-        tdm_cpu_relax();
-    }
-    pthread_mutex_lock(&p->mu);
-    while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE) && !p->failed)
-        pthread_cond_wait(&p->cv, &p->mu);
-    bool failed = p->failed;
-    pthread_mutex_unlock(&p->mu);
-    return failed ? tdm_raise(TDM_ERR_STATE, "stopped: another stage failed") : TDM_OK;
+    tdm_wait_until(&p->handoffs, flag, 1,
+                   (tdm_wait_opts){.spin_ns = p->spin_ns, .stop = &p->failed});
+    if (atomic_load(&p->failed)) return tdm_raise(TDM_ERR_STATE, "stopped: another stage failed");
+    return TDM_OK;
 }
 
-static void publish(struct tdm_pipe *p, bool *flag) {
-    pthread_mutex_lock(&p->mu);
-    __atomic_store_n(flag, true, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&p->cv);
-    pthread_mutex_unlock(&p->mu);
+static void publish(struct tdm_pipe *p, tdm_wait_word *flag) {
+    atomic_store(flag, 1);
+    tdm_waitq_wake(&p->handoffs);
 }
 
 /* tdm_device_recv's sink: the next stage hands the gradient of our output back. */
 static void grad_sink(tdm_tensor *grad, void *arg) {
     handoff *h = arg;
-    pthread_mutex_lock(&h->p->mu);
     h->grad = grad;
-    __atomic_store_n(&h->grad_ready, true, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&h->p->cv);
-    pthread_mutex_unlock(&h->p->mu);
+    publish(h->p, &h->grad_ready);
 }
 
 /* ---- one micro-batch ---------------------------------------------------------------------- */
@@ -348,7 +335,7 @@ static int worker_step(worker *w) {
     p->out++;
     pthread_cond_broadcast(&p->cv);
     /* after a failure the neighbours may still read our activations or write our slots */
-    while (p->failed && p->out < p->n_workers) pthread_cond_wait(&p->cv, &p->mu);
+    while (atomic_load(&p->failed) && p->out < p->n_workers) pthread_cond_wait(&p->cv, &p->mu);
     pthread_mutex_unlock(&p->mu);
     for (int k = 0; k < p->M; k++) tdm_tensor_free(w->ho[k].grad); /* left by a failure */
     tdm_scope_end();
@@ -414,82 +401,22 @@ static int run_round(struct tdm_pipe *p, bool start) {
     if (start) {
         /* the slots are cleared while every worker is idle: a stage that starts early must
          * not find its neighbour's flags of the last step */
-        for (int i = 0; i < p->n_workers; i++) {
-            memset(p->w[i].ho, 0, sizeof p->w[i].ho);
-            for (int k = 0; k < p->M; k++) p->w[i].ho[k].p = p;
-        }
+        for (int i = 0; i < p->n_workers; i++)
+            for (int k = 0; k < p->M; k++) {
+                handoff *h = &p->w[i].ho[k];
+                h->p = p, h->act = h->grad = NULL;
+                atomic_store_explicit(&h->act_ready, 0, memory_order_relaxed);
+                atomic_store_explicit(&h->grad_ready, 0, memory_order_relaxed);
+            }
         p->finished = p->out = 0;
         p->generation++;
         pthread_cond_broadcast(&p->go);
     }
     while (p->finished < p->n_workers) pthread_cond_wait(&p->done, &p->mu);
-    int rc = p->failed ? tdm_raise(TDM_ERR_STATE, "%s", p->err) : TDM_OK;
-    if (p->failed) p->broken = true;
+    bool failed = atomic_load(&p->failed);
+    int rc = failed ? tdm_raise(TDM_ERR_STATE, "%s", p->err) : TDM_OK;
+    if (failed) p->broken = true;
     pthread_mutex_unlock(&p->mu);
-    return rc;
-}
-
-/* ---- splitting ---------------------------------------------------------------------------- */
-
-static int64_t count_params(const tdm_module *m) {
-    int64_t n = 0;
-    for (int i = 0; i < m->n_params; i++) n += tdm_numel(m->params[i]);
-    for (int c = 0; c < m->n_children; c++) n += count_params(m->children[c]);
-    return n;
-}
-
-/* Cuts n layers of costs c into k runs minimising the largest run's cost (dynamic
- * programming over prefix sums; n and k are small). */
-static int split_min_max(const int64_t *c, int n, int k, int *first) {
-    int64_t *pre = calloc((size_t)n + 1, sizeof *pre);
-    int64_t *best = malloc(sizeof *best * (size_t)(k + 1) * (size_t)(n + 1));
-    int *cut = malloc(sizeof *cut * (size_t)(k + 1) * (size_t)(n + 1));
-    if (!pre || !best || !cut) {
-        free(pre), free(best), free(cut);
-        return tdm_raise(TDM_ERR_NOMEM, "pipe_split: out of memory");
-    }
-    for (int i = 0; i < n; i++) pre[i + 1] = pre[i] + c[i];
-#define AT(a, j, i) a[(size_t)(j) * (size_t)(n + 1) + (size_t)(i)]
-    for (int i = 0; i <= n; i++) AT(best, 1, i) = pre[i], AT(cut, 1, i) = 0;
-    for (int j = 2; j <= k; j++)
-        for (int i = j; i <= n; i++) {
-            AT(best, j, i) = INT64_MAX;
-            for (int q = j - 1; q < i; q++) { /* stage j-1 is layers [q, i) */
-                int64_t last = pre[i] - pre[q], v = AT(best, j - 1, q);
-                if (last > v) v = last;
-                if (v < AT(best, j, i)) AT(best, j, i) = v, AT(cut, j, i) = q;
-            }
-        }
-    first[k] = n;
-    for (int j = k, i = n; j >= 1; j--) i = first[j - 1] = AT(cut, j, i);
-#undef AT
-    free(pre), free(best), free(cut);
-    return TDM_OK;
-}
-
-int tdm_pipe_split(const tdm_module *seq, int k, tdm_split_by by, int *first) {
-    if (!seq || !first) return tdm_raise(TDM_ERR_ARG, "pipe_split: NULL model or output");
-    int n = seq->n_children;
-    if (k < 1 || k > n)
-        return tdm_raise(TDM_ERR_ARG,
-                         "pipe_split: %d stages for a %s of %d layers (need 1 to %d: every "
-                         "stage holds at least one layer)",
-                         k, seq->ops->kind, n, n);
-    if (by == TDM_SPLIT_LAYERS) {
-        for (int s = 0; s <= k; s++) {
-            int64_t lo, hi;
-            part_of(n, k, s < k ? s : k - 1, &lo, &hi);
-            first[s] = (int)(s < k ? lo : hi);
-        }
-        return TDM_OK;
-    }
-    int64_t *c = malloc(sizeof *c * (size_t)n);
-    if (!c) return tdm_raise(TDM_ERR_NOMEM, "pipe_split: out of memory");
-    /* ties go to the split whose largest stage has fewer layers: parameters first, then
-     * layers, as one cost */
-    for (int i = 0; i < n; i++) c[i] = count_params(seq->children[i]) * (n + 1) + 1;
-    int rc = split_min_max(c, n, k, first);
-    free(c);
     return rc;
 }
 
@@ -503,37 +430,6 @@ tdm_pipe_opts tdm_pipe_defaults(int stages, int micro_batches) {
 double tdm_pipe_ideal_bubble(int stages, int micro_batches) {
     if (stages < 1 || micro_batches < 1) return NAN;
     return (double)(stages - 1) / (double)(micro_batches + stages - 1);
-}
-
-/* Stage boundaries from an explicit layer -> stage map. */
-static int split_from_map(const tdm_module *seq, const int *map, int *stages, int *first) {
-    int n = seq->n_children;
-    if (map[0] != 0)
-        return tdm_raise(TDM_ERR_ARG,
-                         "pipeline: layer_stage[0] is %d, the first layer must be "
-                         "on stage 0",
-                         map[0]);
-    first[0] = 0;
-    int s = 0;
-    for (int i = 1; i < n; i++) {
-        if (map[i] != s && map[i] != s + 1)
-            return tdm_raise(TDM_ERR_ARG,
-                             "pipeline: layer_stage[%d] is %d after %d: stages must be "
-                             "contiguous runs numbered 0, 1, ... in layer order",
-                             i, map[i], s);
-        if (map[i] == s + 1) {
-            if (++s >= TDM_PIPE_MAX_STAGES) break;
-            first[s] = i;
-        }
-    }
-    if (s + 1 > TDM_PIPE_MAX_STAGES || (*stages && *stages != s + 1))
-        return tdm_raise(TDM_ERR_ARG,
-                         "pipeline: layer_stage gives %d stages, opts say %d (at "
-                         "most %d)",
-                         s + 1, *stages, TDM_PIPE_MAX_STAGES);
-    *stages = s + 1;
-    first[s + 1] = n;
-    return TDM_OK;
 }
 
 static int check_opts(const tdm_module *model, const tdm_pipe_opts *o, int *S, int *R) {
@@ -621,8 +517,7 @@ static int build_workers(struct tdm_pipe *p, const tdm_module *model, const tdm_
 }
 
 static int start_threads(struct tdm_pipe *p) {
-    /* ~50 us of pause instructions; spinning only pays when every worker has its own core */
-    p->spin_rounds = p->n_workers <= tdm_device_count(TDM_CPU) ? SPIN_ROUNDS : 0;
+    p->spin_ns = tdm_spin_budget(p->n_workers, HANDOFF_SPIN_NS);
     p->gemm_threads = tdm_gemm_threads_for_devices(p->n_workers);
     for (int i = 0; i < p->n_workers; i++) {
         if (pthread_create(&p->w[i].thread, NULL, worker_main, &p->w[i]))
@@ -640,8 +535,7 @@ tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_fact
     if (check_opts(model, o, &S, &R)) return NULL;
     if (!make_optim) return tdm_raise_null(TDM_ERR_ARG, "pipeline: NULL optimizer factory");
     int first[TDM_PIPE_MAX_STAGES + 2];
-    int rc = o->layer_stage ? split_from_map(model, o->layer_stage, &S, first)
-                            : tdm_pipe_split(model, S, o->split_by, first);
+    int rc = tdm_pipe_stage_bounds(model, o, &S, first);
     if (rc || pipe_devices(o, S, R, devs)) return NULL;
     struct tdm_pipe *p = calloc(1, sizeof *p);
     if (!p) return tdm_raise_null(TDM_ERR_NOMEM, "pipeline: out of memory");
@@ -657,6 +551,7 @@ tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_fact
     pthread_cond_init(&p->cv, NULL);
     pthread_cond_init(&p->go, NULL);
     pthread_cond_init(&p->done, NULL);
+    tdm_waitq_init(&p->handoffs);
     rc = build_workers(p, model, devs);
     if (!rc) rc = start_threads(p);
     if (rc) {
@@ -815,6 +710,7 @@ void tdm_pipe_free(tdm_pipe *p) {
     pthread_cond_destroy(&p->cv);
     pthread_cond_destroy(&p->go);
     pthread_cond_destroy(&p->done);
+    tdm_waitq_destroy(&p->handoffs);
     pthread_mutex_destroy(&p->mu);
     free(p);
 }

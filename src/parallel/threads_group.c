@@ -30,7 +30,6 @@
 #include "tandem/trace.h"
 
 #include <errno.h>
-#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,14 +72,13 @@ struct tdm_threads_world {
     trank *ranks;
     bool eager;      /* cores to spare: communication threads start each collective at launch */
     int64_t spin_ns; /* BARRIER_SPIN_NS, or 0 when ranks outnumber cores */
-    /* generation-counted barrier */
+    /* generation-counted barrier: the last arriver moves gen, the others wait for it on q */
     atomic_uint arrived;
-    atomic_ulong gen;
-    atomic_int sleepers;  /* ranks asleep at the barrier: the last arriver wakes them */
-    pthread_mutex_t lock; /* sleepers of the barrier, and the failure record */
-    pthread_cond_t cond;
-    /* failure: fail_msg is written once, before failed is set (release) */
-    atomic_int failed;
+    tdm_wait_word gen;
+    tdm_waitq q;
+    /* failure: fail_msg is written once, under lock, before failed is set */
+    pthread_mutex_t lock;
+    tdm_wait_word failed;
     char fail_msg[TDM_WORK_MSG - 64]; /* room for the "op on rank R: " prefix */
 };
 
@@ -95,9 +93,9 @@ static void fail_locked(tdm_threads_world *w, const char *fmt, ...) {
         va_start(ap, fmt);
         vsnprintf(w->fail_msg, sizeof w->fail_msg, fmt, ap);
         va_end(ap);
-        atomic_store_explicit(&w->failed, 1, memory_order_release);
+        atomic_store(&w->failed, 1);
     }
-    pthread_cond_broadcast(&w->cond);
+    tdm_waitq_wake(&w->q);
 }
 
 static bool has_failed(tdm_threads_world *w) {
@@ -111,20 +109,15 @@ static void threads_abort(tdm_group *g, const char *message) {
     pthread_mutex_unlock(&w->lock);
 }
 
-static struct timespec deadline_after(double seconds) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    double s = (double)t.tv_sec + t.tv_nsec * 1e-9 + seconds;
-    t.tv_sec = (time_t)s;
-    t.tv_nsec = (long)((s - (double)t.tv_sec) * 1e9);
-    if (t.tv_nsec >= 1000000000L) t.tv_nsec = 999999999L;
-    return t;
-}
-
-/* Called with lock held once my wait ran out: names the first rank that has not reached the
- * barrier I am waiting at. */
-static void fail_timeout_locked(trank *me, unsigned long my_count) {
+/* Once my wait at the barrier of generation gen ran out: fails the world naming the first
+ * rank that has not reached it (unless it completed meanwhile). */
+static void fail_timeout(trank *me, unsigned long my_count, uint64_t gen) {
     tdm_threads_world *w = me->w;
+    pthread_mutex_lock(&w->lock);
+    if (atomic_load(&w->gen) != gen) {
+        pthread_mutex_unlock(&w->lock);
+        return;
+    }
     int missing = -1;
     for (int k = 0; k < w->n && missing < 0; k++)
         if (atomic_load(&w->ranks[k].arrivals) < my_count) missing = k;
@@ -135,6 +128,7 @@ static void fail_timeout_locked(trank *me, unsigned long my_count) {
         fail_locked(w, "timed out after %s s waiting for rank %d", secs, missing);
     else
         fail_locked(w, "timed out after %s s at a barrier", secs);
+    pthread_mutex_unlock(&w->lock);
 }
 
 /* Launches are lazy when cores are scarce: a rank that has not reached the barrier I wait at
@@ -153,51 +147,26 @@ static void kick_absent(trank *me, unsigned long my_count) {
     }
 }
 
-/* Spins up to w->spin_ns for the generation to move. true: it moved, or the world failed. */
-static bool spin_wait(tdm_threads_world *w, unsigned long gen) {
-    if (w->spin_ns <= 0) return false;
-    int64_t until = tdm_now_ns() + w->spin_ns;
-    for (int i = 1;; i++) {
-        if (atomic_load_explicit(&w->gen, memory_order_acquire) != gen || has_failed(w))
-            return true;
-        tdm_cpu_relax();
-        if (i % 16 == 0 && tdm_now_ns() > until) return false;
-    }
-}
-
 /* Waits until every rank has arrived. 0, or -1 once the world has failed. */
 static int world_barrier(trank *me) {
     tdm_threads_world *w = me->w;
     unsigned long my_count = atomic_fetch_add(&me->arrivals, 1) + 1;
     /* gen cannot move before I arrive, so this is the generation I wait to see change */
-    unsigned long gen = atomic_load_explicit(&w->gen, memory_order_acquire);
+    uint64_t gen = atomic_load_explicit(&w->gen, memory_order_acquire);
     if (has_failed(w)) return -1;
     /* seq_cst: a launch that misses this arrival is seen by kick_absent (both hold qlock) */
     if (atomic_fetch_add(&w->arrived, 1) == (unsigned)w->n - 1) {
         atomic_store_explicit(&w->arrived, 0, memory_order_relaxed);
-        /* seq_cst store then load, against the sleeper's increment then load: either it sees
-         * the new generation or I see it and wake it under the lock */
         atomic_store(&w->gen, gen + 1);
-        if (atomic_load(&w->sleepers) > 0) {
-            pthread_mutex_lock(&w->lock);
-            pthread_cond_broadcast(&w->cond);
-            pthread_mutex_unlock(&w->lock);
-        }
+        tdm_waitq_wake(&w->q);
         return 0;
     }
     kick_absent(me, my_count);
-    if (!spin_wait(w, gen)) {
-        struct timespec until = deadline_after(tdm_group_timeout(&me->g));
-        pthread_mutex_lock(&w->lock);
-        atomic_fetch_add(&w->sleepers, 1);
-        while (atomic_load(&w->gen) == gen && !has_failed(w)) {
-            if (pthread_cond_timedwait(&w->cond, &w->lock, &until) == ETIMEDOUT &&
-                atomic_load(&w->gen) == gen)
-                fail_timeout_locked(me, my_count);
-        }
-        atomic_fetch_sub(&w->sleepers, 1);
-        pthread_mutex_unlock(&w->lock);
-    }
+    tdm_wait_opts o = {.spin_ns = w->spin_ns,
+                       .timeout_ns = atomic_load_explicit(&me->g.timeout_ns, memory_order_relaxed),
+                       .stop = &w->failed};
+    tdm_wait_result r = tdm_wait_until(&w->q, &w->gen, gen + 1, o);
+    if (r == TDM_WAIT_TIMEOUT) fail_timeout(me, my_count, gen);
     return atomic_load_explicit(&w->gen, memory_order_acquire) != gen ? 0 : -1;
 }
 
@@ -466,17 +435,12 @@ tdm_threads_world *tdm_threads_world_new(int n, const tdm_device *devs) {
     w->ranks = ranks;
     int cores = tdm_device_count(TDM_CPU);
     w->eager = 2 * n <= cores;
-    w->spin_ns = n <= cores ? BARRIER_SPIN_NS : 0;
+    w->spin_ns = tdm_spin_budget(n, BARRIER_SPIN_NS);
     atomic_init(&w->arrived, 0);
     atomic_init(&w->gen, 0);
-    atomic_init(&w->sleepers, 0);
     atomic_init(&w->failed, 0);
     pthread_mutex_init(&w->lock, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* timeouts immune to clock changes */
-    pthread_cond_init(&w->cond, &ca);
-    pthread_condattr_destroy(&ca);
+    tdm_waitq_init(&w->q);
     for (int r = 0; r < n; r++) {
         trank *t = &ranks[r];
         t->peer = calloc((size_t)n, sizeof(void *));
@@ -528,7 +492,7 @@ void tdm_threads_world_free(tdm_threads_world *w) {
         tdm_group_destroy(&t->g);
         free(t->peer);
     }
-    pthread_cond_destroy(&w->cond);
+    tdm_waitq_destroy(&w->q);
     pthread_mutex_destroy(&w->lock);
     free(w->ranks);
     free(w);

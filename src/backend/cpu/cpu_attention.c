@@ -21,24 +21,24 @@
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_math.h"
 
+#include <assert.h>
 #include <math.h>
 
 typedef struct {
     int64_t B, T, C, nh, hs;
 } att_dims;
 
-/* Checks the kernel's contract (the op checked shapes already; this guards direct callers). */
-static int att_check(const char *op, const tdm_tensor *qkv, const tdm_tensor *y,
-                     const tdm_tensor *lse, int n_head, att_dims *d) {
-    if (qkv->ndim != 3 || qkv->shape[2] % 3 || n_head < 1 || (qkv->shape[2] / 3) % n_head)
-        return tdm_raise(TDM_ERR_SHAPE, "%s: qkv must be [B, T, 3C] with C divisible by %d heads",
-                         op, n_head);
-    d->B = qkv->shape[0], d->T = qkv->shape[1], d->C = qkv->shape[2] / 3;
-    d->nh = n_head, d->hs = d->C / n_head;
-    if (!tdm_is_contiguous(qkv) || !tdm_is_contiguous(y) || !tdm_is_contiguous(lse) ||
-        tdm_numel(y) != d->B * d->T * d->C || tdm_numel(lse) != d->B * d->nh * d->T)
-        return tdm_raise(TDM_ERR_ARG, "%s: tensors must be contiguous with matching sizes", op);
-    return TDM_OK;
+/* The dimensions of qkv. The op (autograd/ops_attention.c) refused a qkv that is not
+ * [B, T, 3C] with C divisible by n_head and allocated y and lse contiguous: asserted here. */
+static att_dims att_dims_of(const tdm_tensor *qkv, const tdm_tensor *y, const tdm_tensor *lse,
+                            int n_head) {
+    assert(qkv->ndim == 3 && qkv->shape[2] % 3 == 0 && n_head >= 1 &&
+           (qkv->shape[2] / 3) % n_head == 0);
+    att_dims d = {qkv->shape[0], qkv->shape[1], qkv->shape[2] / 3, n_head, 0};
+    d.hs = d.C / n_head;
+    assert(tdm_is_contiguous(qkv) && tdm_is_contiguous(y) && tdm_is_contiguous(lse) &&
+           tdm_numel(y) == d.B * d.T * d.C && tdm_numel(lse) == d.B * d.nh * d.T);
+    return d;
 }
 
 /* A scratch block of n floats from the device's cache (released with tdm_storage_release). */
@@ -65,8 +65,7 @@ static float softmax_row(float *s, int64_t t, int64_t T) {
 }
 
 int tdm_cpu_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int n_head) {
-    att_dims d;
-    if (att_check("cpu attention", qkv, y, lse, n_head, &d)) return tdm_last_status();
+    att_dims d = att_dims_of(qkv, y, lse, n_head);
     const int64_t T = d.T, C = d.C, hs = d.hs;
     if (T == 0 || d.B == 0) return TDM_OK;
     float *S;
@@ -109,10 +108,8 @@ static void probs_and_dscores(float *P, float *G, const float *l, int64_t T) {
 
 int tdm_cpu_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
                                const tdm_tensor *lse, int n_head) {
-    att_dims d;
-    if (att_check("cpu attention_backward", qkv, dy, lse, n_head, &d)) return tdm_last_status();
-    if (!tdm_is_contiguous(dqkv) || tdm_numel(dqkv) != tdm_numel(qkv))
-        return tdm_raise(TDM_ERR_ARG, "cpu attention_backward: dqkv must be contiguous like qkv");
+    att_dims d = att_dims_of(qkv, dy, lse, n_head);
+    assert(tdm_is_contiguous(dqkv) && tdm_numel(dqkv) == tdm_numel(qkv)); /* the op's alloc */
     const int64_t T = d.T, C = d.C, hs = d.hs, C3 = 3 * C;
     if (T == 0 || d.B == 0) return TDM_OK;
     float *P;

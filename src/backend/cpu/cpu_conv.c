@@ -17,6 +17,7 @@
 #include "backend/cpu/cpu_conv.h"
 #include "backend/cpu/cpu_isa.h"
 
+#include <assert.h>
 #include <string.h>
 
 /* The output columns [lo, hi) whose input column ow*s - pad + off lies in [0, size). */
@@ -151,21 +152,19 @@ static float *scratch(int64_t n, tdm_device dev) {
     return t ? (float *)tdm_data_ptr(t) : NULL;
 }
 
-static int check_args(const char *op, const tdm_tensor *x, const tdm_tensor *w,
-                      const tdm_tensor *y) {
-    if (x->ndim != 4 || w->ndim != 4 || y->ndim != 4 || x->dtype != TDM_F32 ||
-        w->dtype != TDM_F32 || y->dtype != TDM_F32)
-        return tdm_raise(TDM_ERR_ARG, "%s: expects 4-D f32 tensors", op);
-    if (!tdm_is_contiguous(x) || !tdm_is_contiguous(w) || !tdm_is_contiguous(y))
-        return tdm_raise(TDM_ERR_ARG, "%s: expects contiguous tensors", op);
-    return TDM_OK;
+/* The contract: the op (nn/functional_conv.c) refused inputs that are not 4-D f32 and
+ * handed contiguous tensors. */
+static inline bool conv_args_ok(const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *y) {
+    return x->ndim == 4 && w->ndim == 4 && y->ndim == 4 && x->dtype == TDM_F32 &&
+           w->dtype == TDM_F32 && y->dtype == TDM_F32 && tdm_is_contiguous(x) &&
+           tdm_is_contiguous(w) && tdm_is_contiguous(y);
 }
 
 /* y [N, Cout, Ho, Wo] = conv(x, w) + b: per image and chunk of output rows,
  * y[n][:, rows] (ld Ho*Wo) = w_g [Cout_g, K_g] @ col_g [K_g, rows*Wo] for each group. */
 int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b,
                    const tdm_conv2d_args *args) {
-    if (check_args("cpu conv2d", x, w, y)) return tdm_last_status();
+    assert(conv_args_ok(x, w, y));
     conv_geom g = tdm_conv_geom(x, w, y->shape[2], y->shape[3], args);
     const float *xp = tdm_data_ptr(x), *wp = tdm_data_ptr(w);
     const float *bp = b ? tdm_data_ptr(b) : NULL;
@@ -277,7 +276,7 @@ static void gw_small_k(float *gw, int64_t ldw, const float *dy, int64_t ldy, con
  * gcol_g = w_g^T @ gy_g then col2im into gx[n], gb += row sums of gy. */
 int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
                             const tdm_tensor *x, const tdm_tensor *w, const tdm_conv2d_args *args) {
-    if (check_args("cpu conv2d_backward", x, w, gy)) return tdm_last_status();
+    assert(conv_args_ok(x, w, gy));
     conv_geom g = tdm_conv_geom(x, w, gy->shape[2], gy->shape[3], args);
     const float *xp = tdm_data_ptr(x), *wp = tdm_data_ptr(w), *gyp = tdm_data_ptr(gy);
     float *gxp = gx ? tdm_data_ptr(gx) : NULL;

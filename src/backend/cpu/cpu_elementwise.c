@@ -8,6 +8,7 @@
  * inner loops are specialised for unit and zero strides so that the compiler vectorises
  * them; the operator switch sits outside the element loop.
  */
+#include <assert.h>
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
@@ -95,9 +96,8 @@ static bool unary_op_valid(tdm_unary_op op) {
 
 int tdm_cpu_unary(tdm_unary_op op, tdm_tensor *y, const tdm_tensor *x, float s) {
     if (!unary_op_valid(op)) return tdm_raise(TDM_ERR_ARG, "cpu unary: unknown op %d", (int)op);
-    if (ew_check_f32("cpu unary", 2, (const tdm_tensor *[]){y, x}) ||
-        ew_check_numel("cpu unary", y, x))
-        return tdm_last_status();
+    /* the op refused a tensor that is not f32 and allocated y like x */
+    assert(ew_all_f32(2, (const tdm_tensor *[]){y, x}) && tdm_numel(y) == tdm_numel(x));
     int64_t numel = tdm_numel(y);
     if (numel == 0) return TDM_OK;
     float *yp = (float *)tdm_data_ptr(y);
@@ -325,13 +325,9 @@ static void binary_row(tdm_binary_op op, float *y, const float *a, int64_t sa, c
 int tdm_cpu_binary(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, const tdm_tensor *b) {
     if (op < TDM_BIN_ADD || op > TDM_BIN_DIV)
         return tdm_raise(TDM_ERR_ARG, "cpu binary: unknown op %d", (int)op);
-    if (ew_check_f32("cpu binary", 3, (const tdm_tensor *[]){y, a, b})) return tdm_last_status();
-    if (!ew_same_shape(y, a) || !ew_same_shape(y, b)) {
-        char sy[96], sa[96], sb[96];
-        return tdm_raise(TDM_ERR_SHAPE, "cpu binary: operands %s and %s are not expanded to %s",
-                         tdm_shape_str(tdm_shape_of(a), sa), tdm_shape_str(tdm_shape_of(b), sb),
-                         tdm_shape_str(tdm_shape_of(y), sy));
-    }
+    /* the op refused operands that are not f32 or do not broadcast, and expanded them */
+    assert(ew_all_f32(3, (const tdm_tensor *[]){y, a, b}) && ew_same_shape(y, a) &&
+           ew_same_shape(y, b));
     int64_t numel = tdm_numel(y);
     if (numel == 0) return TDM_OK;
     float *yp = (float *)tdm_data_ptr(y);

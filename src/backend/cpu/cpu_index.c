@@ -21,7 +21,9 @@ static void around_dim(const tdm_tensor *t, int dim, int64_t *outer, int64_t *in
     for (int d = dim + 1; d < t->ndim; d++) *inner *= t->shape[d];
 }
 
-/* Every index must lie in [0, n): checked before anything is written. */
+/* Every index must lie in [0, n): checked before anything is written. The values are data
+ * (on a GPU they live in device memory), so unlike the shapes the op cannot check them: this
+ * check stays in the kernel, on every backend. */
 static int check_indices(const tdm_tensor *idx, int64_t k, int64_t n, int dim, const char *op) {
     for (int64_t i = 0; i < k; i++) {
         int64_t v = idx_at(idx, i);

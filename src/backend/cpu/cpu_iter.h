@@ -95,6 +95,13 @@ static inline bool ew_same_shape(const tdm_tensor *a, const tdm_tensor *b) {
     return true;
 }
 
+/* For a kernel's asserts: every one of the n tensors is f32 (the ops refuse other dtypes). */
+static inline bool ew_all_f32(int n, const tdm_tensor *const *ts) {
+    for (int i = 0; i < n; i++)
+        if (ts[i]->dtype != TDM_F32) return false;
+    return true;
+}
+
 /* Raises a dtype error naming the kernel unless every tensor is f32. */
 static inline int ew_check_f32(const char *what, int n, const tdm_tensor *const *ts) {
     for (int i = 0; i < n; i++)

@@ -24,7 +24,9 @@ static inline float f32_at(const tdm_tensor *t, int64_t i) {
     return ((const float *)tdm_data_ptr(t))[i * st];
 }
 
-/* Checks every target first, so a bad batch fails before any output is written. */
+/* Checks every target first, so a bad batch fails before any output is written. Targets are
+ * data (on a GPU they live in device memory), so unlike the shapes the op (nn/loss.c) cannot
+ * check them: this check stays in the kernel, on every backend. */
 static int check_targets(const tdm_tensor *target, int64_t N, int64_t C, int64_t ignore_index) {
     for (int64_t i = 0; i < N; i++) {
         int64_t t = target_at(target, i);

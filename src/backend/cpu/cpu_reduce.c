@@ -7,6 +7,7 @@
  * element-wise into a stack buffer of EW_CHUNK doubles, a chunk of inner at a time, which
  * keeps the loop contiguous (vectorised) and allocation-free.
  */
+#include <assert.h>
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
@@ -151,19 +152,14 @@ static void reduce_max(float *y, int64_t *am, const float *x, int64_t outer, int
 
 int tdm_cpu_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim,
                    tdm_tensor *argmax) {
-    if (ew_check_f32("cpu reduce", 2, (const tdm_tensor *[]){y, x})) return tdm_last_status();
-    if (!tdm_is_contiguous(x) || !tdm_is_contiguous(y))
-        return tdm_raise(TDM_ERR_ARG, "cpu reduce: x and y must be contiguous");
-    if (x->ndim > 0 && (dim < 0 || dim >= x->ndim))
-        return tdm_raise(TDM_ERR_ARG, "cpu reduce: dim %d out of range for %d dims", dim, x->ndim);
+    /* the op (autograd/ops_math.c) refused a tensor that is not f32, a dim out of range and
+     * a max over an empty dim; it hands x contiguous and allocates y (and argmax) for it */
+    assert(ew_all_f32(2, (const tdm_tensor *[]){y, x}) && tdm_is_contiguous(x) &&
+           tdm_is_contiguous(y));
+    assert(x->ndim == 0 || (dim >= 0 && dim < x->ndim));
     int64_t outer, n, inner;
     split_dim(x, dim, &outer, &n, &inner);
-    if (tdm_numel(y) != outer * inner) {
-        char sx[96], sy[96];
-        return tdm_raise(TDM_ERR_SHAPE, "cpu reduce: y %s does not match x %s reduced over dim %d",
-                         tdm_shape_str(tdm_shape_of(y), sy), tdm_shape_str(tdm_shape_of(x), sx),
-                         dim);
-    }
+    assert(tdm_numel(y) == outer * inner);
     float *yp = (float *)tdm_data_ptr(y);
     const float *xp = (const float *)tdm_data_ptr(x);
     switch (op) {
@@ -172,12 +168,9 @@ int tdm_cpu_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim
         reduce_sum(yp, xp, outer, n, inner, op == TDM_RED_MEAN);
         return TDM_OK;
     case TDM_RED_MAX:
-        if (n == 0 && outer * inner > 0)
-            return tdm_raise(TDM_ERR_SHAPE, "cpu reduce: max over an empty dim %d", dim);
-        if (argmax && (argmax->dtype != TDM_I64 || !tdm_is_contiguous(argmax) ||
-                       tdm_numel(argmax) != outer * inner))
-            return tdm_raise(TDM_ERR_ARG, "cpu reduce: argmax must be contiguous i64 with y's "
-                                          "size");
+        assert(n > 0 || outer * inner == 0);
+        assert(!argmax || (argmax->dtype == TDM_I64 && tdm_is_contiguous(argmax) &&
+                           tdm_numel(argmax) == outer * inner));
         reduce_max(yp, argmax ? (int64_t *)tdm_data_ptr(argmax) : NULL, xp, outer, n, inner);
         return TDM_OK;
     }
@@ -246,23 +239,13 @@ int tdm_cpu_sum_to(tdm_tensor *y, const tdm_tensor *x) {
 
 TDM_CPU_CLONES
 int tdm_cpu_max_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *argmax, int dim) {
-    if (ew_check_f32("cpu max_backward", 2, (const tdm_tensor *[]){gx, gy}))
-        return tdm_last_status();
-    if (argmax->dtype != TDM_I64)
-        return tdm_raise(TDM_ERR_DTYPE, "cpu max_backward: argmax must be i64, got %s",
-                         tdm_dtype_name(argmax->dtype));
-    if (!tdm_is_contiguous(gx) || !tdm_is_contiguous(gy) || !tdm_is_contiguous(argmax))
-        return tdm_raise(TDM_ERR_ARG, "cpu max_backward: tensors must be contiguous");
-    if (gx->ndim > 0 && (dim < 0 || dim >= gx->ndim))
-        return tdm_raise(TDM_ERR_ARG, "cpu max_backward: dim %d out of range for %d dims", dim,
-                         gx->ndim);
+    /* the forward op checked dim; its backward hands the forward's argmax and dense tensors */
+    assert(ew_all_f32(2, (const tdm_tensor *[]){gx, gy}) && argmax->dtype == TDM_I64);
+    assert(tdm_is_contiguous(gx) && tdm_is_contiguous(gy) && tdm_is_contiguous(argmax));
+    assert(gx->ndim == 0 || (dim >= 0 && dim < gx->ndim));
     int64_t outer, n, inner;
     split_dim(gx, dim, &outer, &n, &inner);
-    if (tdm_numel(gy) != outer * inner || tdm_numel(argmax) != outer * inner)
-        return tdm_raise(TDM_ERR_SHAPE,
-                         "cpu max_backward: gy and argmax must have %lld "
-                         "elements",
-                         (long long)(outer * inner));
+    assert(tdm_numel(gy) == outer * inner && tdm_numel(argmax) == outer * inner);
     float *g = (float *)tdm_data_ptr(gx);
     const float *gyp = (const float *)tdm_data_ptr(gy);
     const int64_t *am = (const int64_t *)tdm_data_ptr(argmax);
@@ -283,22 +266,14 @@ int tdm_cpu_max_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor 
 
 /* ---- softmax over the last dim ---------------------------------------------------------- */
 
-static int softmax_check(const char *what, const tdm_tensor *a, const tdm_tensor *b,
-                         const tdm_tensor *c) {
+/* The contract: f32 (the op refused other dtypes), contiguous, one shape (c may be NULL). */
+static inline bool softmax_args_ok(const tdm_tensor *a, const tdm_tensor *b, const tdm_tensor *c) {
     const tdm_tensor *ts[3] = {a, b, c};
     int n = c ? 3 : 2;
-    if (ew_check_f32(what, n, ts)) return tdm_last_status();
-    for (int i = 0; i < n; i++) {
-        if (!tdm_is_contiguous(ts[i]))
-            return tdm_raise(TDM_ERR_ARG, "%s: tensors must be contiguous", what);
-        if (!ew_same_shape(ts[i], a)) {
-            char s0[96], s1[96];
-            return tdm_raise(TDM_ERR_SHAPE, "%s: shapes differ: %s vs %s", what,
-                             tdm_shape_str(tdm_shape_of(a), s0),
-                             tdm_shape_str(tdm_shape_of(ts[i]), s1));
-        }
-    }
-    return TDM_OK;
+    if (!ew_all_f32(n, ts)) return false;
+    for (int i = 0; i < n; i++)
+        if (!tdm_is_contiguous(ts[i]) || !ew_same_shape(ts[i], a)) return false;
+    return true;
 }
 
 /* Subtracting the row max keeps every exp in (0, 1], so nothing overflows. */
@@ -320,7 +295,7 @@ static void softmax_row(float *y, const float *x, int64_t n, bool is_log) {
 }
 
 int tdm_cpu_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log) {
-    if (softmax_check("cpu softmax", y, x, NULL)) return tdm_last_status();
+    assert(softmax_args_ok(y, x, NULL));
     int64_t n = x->ndim ? x->shape[x->ndim - 1] : 1, numel = tdm_numel(x);
     if (numel == 0) return TDM_OK;
     float *yp = (float *)tdm_data_ptr(y);
@@ -333,7 +308,7 @@ int tdm_cpu_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log) {
 TDM_CPU_CLONES
 int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *y,
                              bool is_log) {
-    if (softmax_check("cpu softmax_backward", gx, gy, y)) return tdm_last_status();
+    assert(softmax_args_ok(gx, gy, y));
     int64_t n = gx->ndim ? gx->shape[gx->ndim - 1] : 1, numel = tdm_numel(gx);
     if (numel == 0) return TDM_OK;
     float *g = (float *)tdm_data_ptr(gx);

@@ -40,6 +40,9 @@ int tdm_cuda_order_streams(int index, bool comm_waits_compute);
 int tdm_cuda_synchronize(int index);
 /* Device address of a tensor's first element (tdm_data_ptr gives NULL off the CPU). */
 void *tdm_cuda_ptr(const tdm_tensor *t);
+/* A storage's memory (NULL for NULL): C, because the .cu files do not see tdm_storage's
+ * layout (core.h keeps it, with its C11 atomic, from C++). */
+void *tdm_cuda_storage_ptr(const tdm_storage *s);
 
 /* Page-locked host memory (cudaHostAlloc, portable to every GPU) for the loader's batch
  * buffers: copies from it to a GPU run asynchronously. NULL and an error on failure. */

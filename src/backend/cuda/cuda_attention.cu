@@ -13,6 +13,7 @@
  * on every run. Block reductions (max, sums) use the fixed tree of cu_block_sum. */
 #include "backend/cuda/cuda_common.cuh"
 
+#include <assert.h>
 #include <math.h>
 
 #define ATT_THREADS 128
@@ -135,18 +136,18 @@ __global__ void att_bwd_kv_kernel(float *dqkv, const float *D, const float *dy, 
     }
 }
 
-/* Checks the contract (the op checked shapes; this guards direct callers) and fills g, the
- * grid and the shared bytes a block needs for `arrays` [T] arrays beside two [hs] rows. */
+/* Fills g, the grid and the shared bytes a block needs for `arrays` [T] arrays beside two
+ * [hs] rows. The op (autograd/ops_attention.c) refused a qkv that is not [B, T, 3C] with C
+ * divisible by n_head and allocated y and lse contiguous: asserted. A context too long for
+ * this kernel's shared memory is an error only the kernel knows. */
 static int att_setup(const char *op, const tdm_tensor *qkv, const tdm_tensor *y,
                      const tdm_tensor *lse, int n_head, int arrays, att_geom *g, unsigned *grid,
                      size_t *shared) {
-    if (qkv->ndim != 3 || qkv->shape[2] % 3 || n_head < 1 || (qkv->shape[2] / 3) % n_head)
-        return tdm_raise(TDM_ERR_SHAPE, "%s: qkv must be [B, T, 3C] with C divisible by %d heads",
-                         op, n_head);
+    assert(qkv->ndim == 3 && qkv->shape[2] % 3 == 0 && n_head >= 1 &&
+           (qkv->shape[2] / 3) % n_head == 0);
     int64_t B = qkv->shape[0], T = qkv->shape[1], C = qkv->shape[2] / 3;
-    if (!tdm_is_contiguous(qkv) || !tdm_is_contiguous(y) || !tdm_is_contiguous(lse) ||
-        tdm_numel(y) != B * T * C || tdm_numel(lse) != B * n_head * T)
-        return tdm_raise(TDM_ERR_ARG, "%s: tensors must be contiguous with matching sizes", op);
+    assert(tdm_is_contiguous(qkv) && tdm_is_contiguous(y) && tdm_is_contiguous(lse) &&
+           tdm_numel(y) == B * T * C && tdm_numel(lse) == B * n_head * T);
     *shared = sizeof(float) * (size_t)(2 * (C / n_head) + arrays * T);
     if (*shared > ATT_MAX_SHARED || B * n_head * T > INT32_MAX)
         return tdm_raise(TDM_ERR_SHAPE,
@@ -180,8 +181,7 @@ extern "C" int tdm_cuda_attention_backward(tdm_tensor *dqkv, const tdm_tensor *d
     size_t shared = 0;
     int rc = att_setup("cuda attention_backward", qkv, dy, lse, n_head, 2, &g, &grid, &shared);
     if (rc) return rc > 0 ? TDM_OK : rc;
-    if (!tdm_is_contiguous(dqkv) || tdm_numel(dqkv) != tdm_numel(qkv))
-        return tdm_raise(TDM_ERR_ARG, "cuda attention_backward: dqkv must be contiguous like qkv");
+    assert(tdm_is_contiguous(dqkv) && tdm_numel(dqkv) == tdm_numel(qkv)); /* the op's alloc */
     int idx = qkv->device.index;
     cu_device *d = cu_dev_of(qkv, "attention_backward");
     if (!d) return tdm_last_status();

@@ -1,9 +1,8 @@
 /* Private helpers shared by the CUDA kernels (C++ for nvcc; not installed).
  *
- * core.h holds one C11 atomic (tdm_storage.refcount), which GCC 12's C++ front end cannot
- * parse. The .cu files never touch the refcount, so they see it as a plain int of the same
- * size and alignment (true for _Atomic int on every target CUDA supports); the only code
- * that reads or writes it is C. */
+ * The C headers come in with C linkage. core.h shows C++ no C11 atomic: tdm_storage's layout
+ * (its count is one) is C's alone, and a storage's memory is reached through
+ * tdm_cuda_storage_ptr. */
 #ifndef TDM_CUDA_COMMON_CUH
 #define TDM_CUDA_COMMON_CUH
 
@@ -12,11 +11,6 @@
 #include <pthread.h>
 #include <stdint.h>
 
-#ifndef _STDATOMIC_H
-#define _STDATOMIC_H
-typedef int atomic_int;
-typedef unsigned long long atomic_ullong;
-#endif
 extern "C" {
 #include "backend/backend.h"
 }

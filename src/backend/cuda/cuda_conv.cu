@@ -16,6 +16,7 @@
 /* after cuda_common.cuh, which includes the C headers for nvcc */
 #include "backend/conv_geom.h"
 
+#include <assert.h>
 #include <limits.h>
 #include <math.h>
 
@@ -104,13 +105,13 @@ static int64_t chunk_images(const conv_geom *g) {
     return nb < 1 ? 1 : nb > g->n ? g->n : nb;
 }
 
+/* The op (nn/functional_conv.c) refused inputs that are not 4-D or whose channels do not
+ * split into the groups, and made x and w contiguous: asserted. What only this kernel limits
+ * (cuBLAS's int sizes) is an error. */
 static int check_conv(const char *op, const tdm_tensor *x, const tdm_tensor *w,
                       const conv_geom *g) {
-    if (x->ndim != 4 || w->ndim != 4 || !tdm_is_contiguous(x) || !tdm_is_contiguous(w))
-        return tdm_raise(TDM_ERR_ARG, "cuda %s: contiguous 4-D x and w", op);
-    if (g->cin % g->groups || g->cout % g->groups || w->shape[1] != g->cin_g)
-        return tdm_raise(TDM_ERR_SHAPE, "cuda %s: channels do not split into %lld groups", op,
-                         (long long)g->groups);
+    assert(x->ndim == 4 && w->ndim == 4 && tdm_is_contiguous(x) && tdm_is_contiguous(w));
+    assert(g->cin % g->groups == 0 && g->cout % g->groups == 0 && w->shape[1] == g->cin_g);
     if (g->k_g > INT_MAX || g->p > INT_MAX || g->cout_g > INT_MAX || g->n > INT_MAX)
         return tdm_raise(TDM_ERR_SHAPE, "cuda %s: sizes exceed cuBLAS's int range", op);
     return TDM_OK;
@@ -275,12 +276,11 @@ extern "C" int tdm_cuda_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tens
 
 /* ---- pooling (PyTorch's window rules, as cpu_pool.c) ------------------------------------- */
 
-static int check4(const char *op, const tdm_tensor *a, const tdm_tensor *b) {
-    if (a->ndim != 4 || b->ndim != 4 || a->shape[0] != b->shape[0] || a->shape[1] != b->shape[1])
-        return tdm_raise(TDM_ERR_SHAPE, "%s: expects [N, C, H, W] tensors with equal N and C", op);
-    if (!tdm_is_contiguous(a) || !tdm_is_contiguous(b))
-        return tdm_raise(TDM_ERR_ARG, "%s: expects contiguous tensors", op);
-    return TDM_OK;
+/* The contract: the op (nn/functional_conv.c) refused an input that is not 4-D and hands
+ * contiguous [N, C, H, W] tensors of equal N and C. */
+[[maybe_unused]] static inline bool planes_match(const tdm_tensor *a, const tdm_tensor *b) {
+    return a->ndim == 4 && b->ndim == 4 && a->shape[0] == b->shape[0] &&
+           a->shape[1] == b->shape[1] && tdm_is_contiguous(a) && tdm_is_contiguous(b);
 }
 
 /* One output per thread; the scan order and NaN rule of the CPU's max_plane (a NaN always
@@ -309,11 +309,7 @@ __global__ void max_pool_kernel(float *y, int64_t *idx, const float *x, pool_geo
 
 extern "C" int tdm_cuda_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
                                    const tdm_pool2d_args *args) {
-    if (check4("cuda max_pool2d", x, y) || check4("cuda max_pool2d", x, idx))
-        return tdm_last_status();
-    if (idx->dtype != TDM_I64)
-        return tdm_raise(TDM_ERR_DTYPE, "cuda max_pool2d: indices must be i64, got %s",
-                         tdm_dtype_name(idx->dtype));
+    assert(planes_match(x, y) && planes_match(x, idx) && idx->dtype == TDM_I64);
     cu_device *d = cu_dev_of(x, "max_pool2d");
     if (!d) return tdm_last_status();
     pool_geom g = tdm_pool_geom(x, y, args);
@@ -350,8 +346,7 @@ __global__ void max_pool_bwd_kernel(float *gx, const float *gy, const int64_t *i
 
 extern "C" int tdm_cuda_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy,
                                             const tdm_tensor *idx) {
-    if (check4("cuda max_pool2d_backward", gx, gy) || check4("cuda max_pool2d_backward", gx, idx))
-        return tdm_last_status();
+    assert(planes_match(gx, gy) && planes_match(gx, idx));
     cu_device *d = cu_dev_of(gx, "max_pool2d_backward");
     if (!d) return tdm_last_status();
     if (tdm_cuda_fill(gx, 0.0)) return tdm_last_status();
@@ -418,7 +413,7 @@ __global__ void avg_pool_bwd_kernel(float *gx, const float *gy, pool_geom g) {
 
 extern "C" int tdm_cuda_avg_pool2d(tdm_tensor *y, const tdm_tensor *x,
                                    const tdm_pool2d_args *args) {
-    if (check4("cuda avg_pool2d", x, y)) return tdm_last_status();
+    assert(planes_match(x, y));
     cu_device *d = cu_dev_of(x, "avg_pool2d");
     if (!d) return tdm_last_status();
     pool_geom g = tdm_pool_geom(x, y, args);
@@ -430,7 +425,7 @@ extern "C" int tdm_cuda_avg_pool2d(tdm_tensor *y, const tdm_tensor *x,
 
 extern "C" int tdm_cuda_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy,
                                             const tdm_pool2d_args *args) {
-    if (check4("cuda avg_pool2d_backward", gx, gy)) return tdm_last_status();
+    assert(planes_match(gx, gy));
     cu_device *d = cu_dev_of(gx, "avg_pool2d_backward");
     if (!d) return tdm_last_status();
     pool_geom g = tdm_pool_geom(gx, gy, args);

@@ -4,6 +4,7 @@
  * same numbers from the same generator state). */
 #include "backend/cuda/cuda_common.cuh"
 
+#include <assert.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -175,7 +176,7 @@ extern "C" void tdm_cuda_mem_free(int index, void *p, size_t nbytes) {
 void *cu_scratch(int index, size_t nbytes, tdm_storage **hold) {
     tdm_device dev = {TDM_CUDA, index};
     *hold = tdm_storage_new(nbytes, dev);
-    return *hold ? (*hold)->data : NULL;
+    return tdm_cuda_storage_ptr(*hold);
 }
 
 int cu_bad_reset(cu_device *d, int index) {
@@ -439,9 +440,7 @@ extern "C" int tdm_cuda_random(tdm_tensor *dst, int dist, float a, float b, uint
                                uint64_t offset) {
     cu_device *d = cu_dev_of(dst, "random");
     if (!d) return tdm_last_status();
-    if (dst->dtype != TDM_F32)
-        return tdm_raise(TDM_ERR_DTYPE, "cuda random: f32 only, got %s",
-                         tdm_dtype_name(dst->dtype));
+    assert(dst->dtype == TDM_F32); /* uniform_ and normal_ refused other dtypes */
     int64_t n = tdm_numel(dst);
     if (n == 0) return TDM_OK;
     random_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_f(dst), cu_view_of(dst), dist, a,

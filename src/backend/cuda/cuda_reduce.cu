@@ -7,6 +7,7 @@
  * agree to rounding (about 1e-6 relative), but each run on a GPU gives the same bits. */
 #include "backend/cuda/cuda_common.cuh"
 
+#include <assert.h>
 #include <math.h>
 
 static void split_dim(const tdm_tensor *t, int dim, int64_t *outer, int64_t *n, int64_t *inner) {
@@ -88,22 +89,18 @@ extern "C" int tdm_cuda_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor
                                tdm_tensor *argmax) {
     if (op < TDM_RED_SUM || op > TDM_RED_MAX)
         return tdm_raise(TDM_ERR_ARG, "cuda reduce: unknown op %d", (int)op);
-    if (x->dtype != TDM_F32 || y->dtype != TDM_F32 || !tdm_is_contiguous(x) ||
-        !tdm_is_contiguous(y))
-        return tdm_raise(TDM_ERR_ARG, "cuda reduce: x and y must be contiguous f32");
-    if (x->ndim > 0 && (dim < 0 || dim >= x->ndim))
-        return tdm_raise(TDM_ERR_ARG, "cuda reduce: dim %d out of range for %d dims", dim, x->ndim);
+    /* the op (autograd/ops_math.c) refused a tensor that is not f32, a dim out of range and
+     * a max over an empty dim; it hands x contiguous and allocates y (and argmax) for it */
+    assert(x->dtype == TDM_F32 && y->dtype == TDM_F32 && tdm_is_contiguous(x) &&
+           tdm_is_contiguous(y));
+    assert(x->ndim == 0 || (dim >= 0 && dim < x->ndim));
     int64_t outer, n, inner;
     split_dim(x, dim, &outer, &n, &inner);
-    if (tdm_numel(y) != outer * inner)
-        return tdm_raise(TDM_ERR_SHAPE, "cuda reduce: y has %lld elements, expected %lld",
-                         (long long)tdm_numel(y), (long long)(outer * inner));
-    if (op == TDM_RED_MAX && n == 0 && outer * inner > 0)
-        return tdm_raise(TDM_ERR_SHAPE, "cuda reduce: max over an empty dim %d", dim);
-    if (op == TDM_RED_MAX && argmax &&
-        (argmax->dtype != TDM_I64 || !tdm_is_contiguous(argmax) ||
-         tdm_numel(argmax) != outer * inner))
-        return tdm_raise(TDM_ERR_ARG, "cuda reduce: argmax must be contiguous i64 with y's size");
+    assert(tdm_numel(y) == outer * inner);
+    assert(op != TDM_RED_MAX || n > 0 || outer * inner == 0);
+    assert(op != TDM_RED_MAX || !argmax ||
+           (argmax->dtype == TDM_I64 && tdm_is_contiguous(argmax) &&
+            tdm_numel(argmax) == outer * inner));
     cu_device *d = cu_dev_of(x, "reduce");
     if (!d) return tdm_last_status();
     if (outer * inner == 0) return TDM_OK;
@@ -209,16 +206,13 @@ __global__ void max_bwd_kernel(float *gx, const float *gy, const int64_t *am, in
 
 extern "C" int tdm_cuda_max_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *argmax,
                                      int dim) {
-    if (argmax->dtype != TDM_I64 || !tdm_is_contiguous(gx) || !tdm_is_contiguous(gy) ||
-        !tdm_is_contiguous(argmax))
-        return tdm_raise(TDM_ERR_ARG, "cuda max_backward: contiguous tensors, i64 argmax");
-    if (gx->ndim > 0 && (dim < 0 || dim >= gx->ndim))
-        return tdm_raise(TDM_ERR_ARG, "cuda max_backward: dim %d out of range", dim);
+    /* the forward op checked dim; its backward hands the forward's argmax and dense tensors */
+    assert(argmax->dtype == TDM_I64 && tdm_is_contiguous(gx) && tdm_is_contiguous(gy) &&
+           tdm_is_contiguous(argmax));
+    assert(gx->ndim == 0 || (dim >= 0 && dim < gx->ndim));
     int64_t outer, n, inner;
     split_dim(gx, dim, &outer, &n, &inner);
-    if (tdm_numel(gy) != outer * inner || tdm_numel(argmax) != outer * inner)
-        return tdm_raise(TDM_ERR_SHAPE, "cuda max_backward: gy and argmax must have %lld elements",
-                         (long long)(outer * inner));
+    assert(tdm_numel(gy) == outer * inner && tdm_numel(argmax) == outer * inner);
     cu_device *d = cu_dev_of(gx, "max_backward");
     if (!d) return tdm_last_status();
     if (tdm_cuda_fill(gx, 0.0)) return tdm_last_status();
@@ -265,18 +259,18 @@ __global__ void softmax_bwd_kernel(float *gx, const float *gy, const float *y, i
     }
 }
 
-static int softmax_check(const char *op, const tdm_tensor *a, const tdm_tensor *b,
-                         const tdm_tensor *c) {
+/* The contract: f32 (the op refused other dtypes), contiguous, one shape (c may be NULL). */
+[[maybe_unused]] static inline bool softmax_args_ok(const tdm_tensor *a, const tdm_tensor *b,
+                                                    const tdm_tensor *c) {
     const tdm_tensor *ts[3] = {a, b, c};
     for (int i = 0; i < 3 && ts[i]; i++)
         if (ts[i]->dtype != TDM_F32 || !tdm_is_contiguous(ts[i]) || !tdm_same_shape(ts[i], a))
-            return tdm_raise(TDM_ERR_ARG, "cuda %s: tensors must be contiguous f32 of one shape",
-                             op);
-    return TDM_OK;
+            return false;
+    return true;
 }
 
 extern "C" int tdm_cuda_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log) {
-    if (softmax_check("softmax", y, x, NULL)) return tdm_last_status();
+    assert(softmax_args_ok(y, x, NULL));
     cu_device *d = cu_dev_of(x, "softmax");
     if (!d) return tdm_last_status();
     int64_t n = x->ndim ? x->shape[x->ndim - 1] : 1, numel = tdm_numel(x);
@@ -289,7 +283,7 @@ extern "C" int tdm_cuda_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log)
 
 extern "C" int tdm_cuda_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *y,
                                          bool is_log) {
-    if (softmax_check("softmax_backward", gx, gy, y)) return tdm_last_status();
+    assert(softmax_args_ok(gx, gy, y));
     cu_device *d = cu_dev_of(gx, "softmax_backward");
     if (!d) return tdm_last_status();
     int64_t n = gx->ndim ? gx->shape[gx->ndim - 1] : 1, numel = tdm_numel(gx);
@@ -360,13 +354,13 @@ __global__ void check_index_kernel(unsigned long long *bad, const void *idx, boo
 }
 
 /* Checks every index before anything is written (as the CPU does). Waits for the stream:
- * the error must reach the caller of this op, not a later one. */
+ * the error must reach the caller of this op, not a later one. The values live in device
+ * memory, so unlike their dtype and shape (checked by the op) only the kernel can check
+ * them: this check stays here. */
 static int check_indices(cu_device *d, const tdm_tensor *idx, int64_t k, int64_t n, int dim,
                          const char *op, bool use_ignore, int64_t ignore) {
     int index = idx->device.index;
-    if (idx->dtype != TDM_I32 && idx->dtype != TDM_I64)
-        return tdm_raise(TDM_ERR_DTYPE, "%s: indices must be i32 or i64, got %s", op,
-                         tdm_dtype_name(idx->dtype));
+    assert(idx->dtype == TDM_I32 || idx->dtype == TDM_I64); /* the op refused other dtypes */
     if (k == 0) return TDM_OK;
     if (cu_bad_reset(d, index)) return tdm_last_status();
     check_index_kernel<<<cu_blocks(k), CU_THREADS, 0, d->compute>>>(
@@ -397,8 +391,7 @@ __global__ void index_select_kernel(T *y, const T *x, const void *idx, bool i64,
 
 extern "C" int tdm_cuda_index_select(tdm_tensor *y, const tdm_tensor *x, int dim,
                                      const tdm_tensor *idx) {
-    if (!tdm_is_contiguous(x) || !tdm_is_contiguous(y) || x->dtype != y->dtype)
-        return tdm_raise(TDM_ERR_ARG, "cuda index_select: x and y contiguous, of one dtype");
+    assert(tdm_is_contiguous(x) && tdm_is_contiguous(y) && x->dtype == y->dtype); /* the op's */
     int64_t outer, n, inner, k = tdm_numel(idx);
     split_dim(x, dim, &outer, &n, &inner);
     cu_device *d = cu_dev_of(x, "index_select");
@@ -433,9 +426,8 @@ __global__ void index_add_kernel(float *gx, const float *gy, const void *idx, bo
 
 extern "C" int tdm_cuda_index_add(tdm_tensor *gx, int dim, const tdm_tensor *idx,
                                   const tdm_tensor *gy) {
-    if (!tdm_is_contiguous(gx) || !tdm_is_contiguous(gy) || gx->dtype != TDM_F32 ||
-        gy->dtype != TDM_F32)
-        return tdm_raise(TDM_ERR_ARG, "cuda index_add: gx and gy contiguous f32");
+    assert(tdm_is_contiguous(gx) && tdm_is_contiguous(gy) && gx->dtype == TDM_F32 &&
+           gy->dtype == TDM_F32); /* index_select's backward allocates them so */
     int64_t outer, n, inner, k = tdm_numel(idx);
     split_dim(gx, dim, &outer, &n, &inner);
     cu_device *d = cu_dev_of(gx, "index_add");
@@ -545,9 +537,10 @@ __global__ void ce_bwd_kernel(float *gx, const float *gloss, int64_t gstride, ce
 static int ce_prepare(ce_args *a, cu_device **d, const tdm_tensor *x, const tdm_tensor *target,
                       const tdm_tensor *weight, int64_t ignore, float smoothing, bool is_logits,
                       const char *op) {
-    if (x->ndim != 2 || !tdm_is_contiguous(x) || x->dtype != TDM_F32 ||
-        (weight && !tdm_is_contiguous(weight)))
-        return tdm_raise(TDM_ERR_ARG, "cuda %s: x must be a contiguous f32 [N, C]", op);
+    /* the op (nn/loss.c) refused an input that is not f32 [N, C] and made x and weight
+     * contiguous */
+    assert(x->ndim == 2 && tdm_is_contiguous(x) && x->dtype == TDM_F32 &&
+           (!weight || tdm_is_contiguous(weight)));
     a->x = cu_f(x);
     a->w = cu_f(weight);
     a->target = tdm_cuda_ptr(target);

@@ -443,6 +443,21 @@ static void test_mpi_run(const char *mpirun) {
     CHECK(four.status == 0 && fabs(l1 - l4) <= 2e-4,
           "train loss in 1 process %.4f, on 2 processes x 2 devices of 16 rows %.4f (exit %d: %s)",
           l1, l4, four.status, four.err);
+    /* processes started with different options stop before training, naming them */
+    result odd = run((const char *const[]){mpirun,      "--oversubscribe",
+                                           "-np",       "1",
+                                           tandem_path, "train",
+                                           "--limit",   "1280",
+                                           "--quiet",   ":",
+                                           "-np",       "1",
+                                           tandem_path, "train",
+                                           "--limit",   "1280",
+                                           "--quiet",   "--momentum",
+                                           "0.5",       NULL});
+    CHECK(odd.status != 0 && strstr(odd.err, "different options: --momentum 0.9 on rank 0, 0.5 "
+                                             "on rank 1"),
+          "processes with different options: exit %d: %s", odd.status, odd.err);
+    result_free(&odd);
     result_free(&one);
     result_free(&two);
     result_free(&four);

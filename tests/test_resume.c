@@ -136,6 +136,31 @@ static void kill_during_checkpoint(void) {
     free(out);
 }
 
+/* A resume checks the options that shape the run (train_identity): another --batch-size or
+ * --seed is refused with both values named; a new --lr is taken (and logged). */
+static void checked_resume(void) {
+    char dir[300], log[300];
+    snprintf(dir, sizeof dir, "%s/checked", tmpdir);
+    snprintf(log, sizeof log, "%s/checked.jsonl", tmpdir);
+    CHECK(run(ARGS("train", COMMON, "--checkpoint-dir", dir, "--max-steps", "2")) == 0,
+          "first part");
+    int rc = run(ARGS("train", COMMON, "--checkpoint-dir", dir, "--resume", "--batch-size", "32",
+                      "--seed", "3"));
+    char *err = captured("stderr");
+    CHECK(rc == 2 && strstr(err, "--batch-size 64 in the checkpoint, 32 now") &&
+              strstr(err, "--seed 0 in the checkpoint, 3 now"),
+          "resume with other options: %d %s", rc, err);
+    free(err);
+    rc = run(
+        ARGS("train", COMMON, "--checkpoint-dir", dir, "--resume", "--lr", "0.05", "--log", log));
+    size_t n = 0;
+    char *text = slurp_file(log, &n);
+    const char *step3 = text ? strstr(text, "\"global_step\":3,") : NULL;
+    CHECK(rc == 0 && step3 && strstr(step3, "\"lr\":0.05,"), "--lr on resume: %d %s", rc,
+          step3 ? step3 : "(no step 3)");
+    free(text);
+}
+
 /* Starts `[launcher...] tandem args...` (launcher: NULL, or mpirun and its options). */
 static pid_t start_with(const char *const *launcher, const char *const *args) {
     const char *argv[64];
@@ -261,6 +286,7 @@ int main(int argc, char **argv) {
     exact_resume("cnn", "cpu:0", true);
     exact_resume("cnn", "cpu:0,cpu:1", true);
     init_from();
+    checked_resume();
     kill_during_checkpoint();
     tmpdir_remove();
     return check_summary();

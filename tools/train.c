@@ -327,6 +327,74 @@ static const opt_spec *find_spec(const char *name, size_t len) {
     return NULL;
 }
 
+/* ---- the run's identity: what a resume and every process must share ------------------------ */
+
+/* The options that shape the run's results. The others may differ on --resume (--epochs,
+ * --max-steps, --lr, --devices, --workers, the outputs and the checkpoint cadence) and between
+ * the processes of one run only where they describe the process itself. */
+static const char *const identity[] = {
+    "--data",        "--model",         "--layers",       "--heads",      "--channels",
+    "--context",     "--vocab",         "--batch-size",   "--grad-accum", "--clip-grad",
+    "--optimizer",   "--momentum",      "--weight-decay", "--schedule",   "--warmup-steps",
+    "--step-size",   "--gamma",         "--seed",         "--denormals",  "--limit",
+    "--model-split", "--micro-batches", "--pipeline"};
+
+/* One option's value as the options hold it after check_opts, into buf. */
+static void format_value(const train_opts *o, const opt_spec *s, char *buf, size_t cap) {
+    const char *p = (const char *)o + s->off;
+    if (s->kind == OPT_STR)
+        snprintf(buf, cap, "%s", *(const char *const *)p ? *(const char *const *)p : "none");
+    else if (s->kind == OPT_INT)
+        snprintf(buf, cap, "%lld", (long long)*(const int64_t *)p);
+    else if (s->kind == OPT_NUM)
+        snprintf(buf, cap, "%.9g", *(const double *)p);
+    else
+        snprintf(buf, cap, "%s", *(const bool *)p ? "on" : "off");
+}
+
+int train_identity(const train_opts *o, char *buf, size_t cap) {
+    size_t n = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; i < sizeof identity / sizeof identity[0]; i++) {
+        const opt_spec *s = find_spec(identity[i], strlen(identity[i]));
+        char v[512];
+        format_value(o, s, v, sizeof v);
+        int k = snprintf(buf + n, cap - n, "%s=%s;", s->name, v);
+        if (k < 0 || (size_t)k >= cap - n) return -1;
+        n += (size_t)k;
+    }
+    return 0;
+}
+
+/* The value of option `name` in an identity string, into v (cap bytes); false when absent. */
+static bool identity_value(const char *id, const char *name, char *v, size_t cap) {
+    size_t len = strlen(name);
+    for (const char *p = id; p && *p; p = strchr(p, ';') ? strchr(p, ';') + 1 : NULL) {
+        if (strncmp(p, name, len) != 0 || p[len] != '=') continue;
+        const char *end = strchr(p, ';');
+        snprintf(v, cap, "%.*s", (int)(end ? end - p - (long)len - 1 : (long)strlen(p + len + 1)),
+                 p + len + 1);
+        return true;
+    }
+    return false;
+}
+
+bool train_identity_diff(const char *a, const char *b, const char *a_name, const char *b_name,
+                         char *out, size_t cap) {
+    size_t n = 0;
+    out[0] = '\0';
+    for (size_t i = 0; i < sizeof identity / sizeof identity[0]; i++) {
+        char va[512] = "(unset)", vb[512] = "(unset)";
+        identity_value(a, identity[i], va, sizeof va);
+        identity_value(b, identity[i], vb, sizeof vb);
+        if (strcmp(va, vb) == 0) continue;
+        int k = snprintf(out + n, cap - n, "%s%s %s %s, %s %s", n ? "; " : "", identity[i], va,
+                         a_name, vb, b_name);
+        if (k > 0) n += (size_t)k < cap - n ? (size_t)k : cap - n - 1;
+    }
+    return n > 0;
+}
+
 static bool one_of(const char *v, const char *const *choices) {
     for (; *choices; choices++)
         if (strcmp(v, *choices) == 0) return true;

@@ -43,6 +43,13 @@ int train_main(int argc, char **argv);
 void train_help(FILE *out);
 /* One line per option ("  --epochs N  ..."), for the top-level help. */
 void train_synopsis(FILE *out);
+/* The options that shape the run's results (the same for --resume and for every process
+ * under mpirun) as "--name=value;" pairs, into buf. 0, or -1 when cap is too small. */
+int train_identity(const train_opts *o, char *buf, size_t cap);
+/* Whether identities a and b differ; if so, out (cap bytes) lists each option that does:
+ * "--batch-size 64 <a_name>, 32 <b_name>; ...". */
+bool train_identity_diff(const char *a, const char *b, const char *a_name, const char *b_name,
+                         char *out, size_t cap);
 /* Prints "tandem train: <message> (see 'tandem train --help')" and returns EXIT_USAGE. */
 int train_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

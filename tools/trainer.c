@@ -25,6 +25,7 @@
 
 #define SYNC_STEPS 16
 #define EVAL_BATCH 1000
+#define ID_CAP     2048 /* bytes of train_identity's string */
 
 typedef struct {
     const train_opts *o;
@@ -209,15 +210,19 @@ static int save_checkpoint(trainer *tr) {
     snprintf(loss, sizeof loss, "%a", tot[0]);
     snprintf(correct, sizeof correct, "%lld", (long long)tot[1]);
     snprintf(samples, sizeof samples, "%lld", (long long)tot[2]);
-    tdm_meta meta[3] = {
-        {"epoch_loss_sum", loss}, {"epoch_correct", correct}, {"epoch_images", samples}};
+    char id[ID_CAP];
+    if (train_identity(o, id, sizeof id)) return task_error("checkpoint: options too long");
+    tdm_meta meta[4] = {{"epoch_loss_sum", loss},
+                        {"epoch_correct", correct},
+                        {"epoch_images", samples},
+                        {"run.options", id}};
     tdm_train_state s = {.model = tr->task->model,
                          .optim = tr->opt,
                          .loader = tr->train_l,
                          .rng = tdm_default_rng(),
                          .step = tr->global_step,
                          .meta = meta,
-                         .n_meta = 3};
+                         .n_meta = 4};
     if (tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep) != TDM_OK)
         return task_error("checkpoint: %s", tdm_last_error());
     return tr->task->save ? tr->task->save(tr->task, o, o->checkpoint_dir) : 0;
@@ -236,6 +241,48 @@ static void resume_totals(trainer *tr, const char *path) {
         tr->resume_samples = strtoll(v, NULL, 10);
 }
 
+/* Whether the checkpoint at path was written by a run of these options (those that shape its
+ * results: train_identity); a checkpoint from before they were recorded is taken as it is. */
+static int same_run(const train_opts *o, const char *path) {
+    char saved[ID_CAP], now[ID_CAP], diff[2048];
+    int got = tdm_checkpoint_meta(path, "run.options", saved, sizeof saved);
+    if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
+    if (got == 0 || train_identity(o, now, sizeof now)) return 0;
+    if (!train_identity_diff(saved, now, "in the checkpoint", "now", diff, sizeof diff)) return 0;
+    return train_usage_error("--resume from '%s': the run was started with other options: %s. "
+                             "Give the interrupted run's options again (--epochs, --max-steps, "
+                             "--lr, --devices, --workers and the outputs may change)",
+                             path, diff);
+}
+
+/* Under mpirun: every process must have been started with the same options (those that shape
+ * the results); each compares every process's with rank 0's, so all stop with one message. */
+static int same_options_everywhere(trainer *tr) {
+    int n = tdm_group_size(tr->g);
+    char mine[ID_CAP] = "";
+    if (train_identity(tr->o, mine, sizeof mine)) return task_error("options too long");
+    int32_t *all = calloc((size_t)n * ID_CAP, sizeof(int32_t)), one[ID_CAP] = {0};
+    for (int i = 0; mine[i]; i++) one[i] = (unsigned char)mine[i];
+    tdm_tensor *in = all ? tdm_from_data(TDM_SHAPE(ID_CAP), TDM_I32, tdm_cpu(0), one) : NULL;
+    tdm_tensor *out = in ? tdm_zeros(TDM_SHAPE((int64_t)n * ID_CAP), TDM_I32, tdm_cpu(0)) : NULL;
+    int rc = out ? tdm_work_wait(tdm_all_gather(tr->g, out, in)) : tdm_last_status();
+    if (!rc) rc = tdm_to_host(out, all, sizeof(int32_t) * (size_t)n * ID_CAP);
+    tdm_tensor_free(in);
+    tdm_tensor_free(out);
+    char first[ID_CAP], other[ID_CAP], diff[2048], a[32], b[32];
+    for (int r = 0; !rc && r < n; r++) {
+        char *id = r ? other : first;
+        for (int i = 0; i < ID_CAP; i++) id[i] = (char)all[(size_t)r * ID_CAP + i];
+        id[ID_CAP - 1] = '\0';
+        snprintf(a, sizeof a, "on rank 0"), snprintf(b, sizeof b, "on rank %d", r);
+        if (r && train_identity_diff(first, other, a, b, diff, sizeof diff)) rc = 1;
+    }
+    free(all);
+    if (rc < 0) return task_error("comparing the processes' options: %s", tdm_last_error());
+    return rc ? train_usage_error("the processes were started with different options: %s", diff)
+              : 0;
+}
+
 /* --resume: restores every replica's weights and optimizer from the newest checkpoint, and
  * the data position, RNG and step count once. */
 static int resume(trainer *tr) {
@@ -252,6 +299,8 @@ static int resume(trainer *tr) {
                    o->checkpoint_dir);
         return 0;
     }
+    int rc = same_run(o, path);
+    if (rc) return rc;
     int n = tr->dp ? tdm_dp_devices(tr->dp) : 1;
     for (int r = 0; r < n; r++) {
         tdm_train_state s = {.model = tr->dp ? tdm_dp_replica(tr->dp, r) : tr->task->model,
@@ -491,7 +540,9 @@ static int begin_epoch(trainer *tr, int epoch, int64_t skip) {
     const train_opts *o = tr->o;
     if (tdm_loader_start_epoch_at(tr->train_l, epoch - 1, skip * tr->accum) != TDM_OK)
         return task_error("training loader: %s", tdm_last_error());
-    if (tr->sched.kind == TDM_SCHED_STEP) apply_lr(tr, epoch - 1);
+    /* the constant and step schedules at the epoch's start (a resumed run's --lr included);
+     * cosine moves every step */
+    if (tr->sched.kind != TDM_SCHED_COSINE) apply_lr(tr, epoch - 1);
     tdm_module_train(tr->task->model, true);
     tr->loss_sum = skip ? tr->resume_loss_sum : 0;
     tr->correct = skip ? tr->resume_correct : 0;
@@ -750,6 +801,7 @@ static int run(trainer *tr) {
     int rc;
     tr->last_saved = -1;
     tr->last.test_acc = NAN;
+    if (tr->g && (rc = same_options_everywhere(tr))) return rc;
     if ((rc = make_loaders(tr)) || (rc = open_outputs(tr)) || (rc = make_devices(tr)) ||
         (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = resume(tr)))
         return rc;

@@ -11,19 +11,22 @@
 
 static atomic_int stop_signal; /* the first SIGTERM or SIGINT received, 0 before */
 
+/* The default action, made before any signal (the handler keeps no buffer on its stack,
+ * which a sanitizer's fake stack would move to the heap). */
+static struct sigaction default_action;
+
 /* Records the first signal and hands both back to their default action: sigaction is
  * async-signal-safe, and so are lock-free atomics. */
 static void on_stop_signal(int sig) {
     int none = 0;
     atomic_compare_exchange_strong(&stop_signal, &none, sig);
-    struct sigaction dfl;
-    memset(&dfl, 0, sizeof dfl);
-    dfl.sa_handler = SIG_DFL;
-    sigaction(SIGTERM, &dfl, NULL);
-    sigaction(SIGINT, &dfl, NULL);
+    sigaction(SIGTERM, &default_action, NULL);
+    sigaction(SIGINT, &default_action, NULL);
 }
 
 int tdm_stop_on_signals(void) {
+    default_action.sa_handler = SIG_DFL;
+    sigemptyset(&default_action.sa_mask);
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal;

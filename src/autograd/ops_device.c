@@ -14,7 +14,6 @@
  * frees that range's activations as soon as its backward is done, since step scopes end in
  * stack order and 1F1B finishes micro-batches in first-in-first-out order. */
 #include "autograd/tape.h"
-#include "tandem/pipeline.h"
 
 typedef struct {
     tdm_grad_sink sink;

@@ -1,6 +1,6 @@
 /* The backward engine: records nodes, walks the tape in reverse, accumulates gradients and
  * fires gradient-ready hooks. */
-#include "autograd/tape.h"
+#include "autograd/ops.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -73,13 +73,6 @@ static int add_into(tdm_tensor *acc, tdm_tensor *g) {
     return tdm_backend_for(acc->device)->axpy(acc, 1.0f, g);
 }
 
-/* g as a contiguous tensor (kernels need it for axpy); a copy only when g is a view. */
-static tdm_tensor *dense(tdm_tensor *g) {
-    if (tdm_is_contiguous(g)) return g;
-    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(g), TDM_F32, g->device);
-    return c && tdm_backend_for(g->device)->copy(c, g) == 0 ? c : NULL;
-}
-
 int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     if (!t || !t->requires_grad) return TDM_OK;
     if (!g) return tdm_last_status() ? tdm_last_status() : TDM_ERR_STATE;
@@ -87,7 +80,7 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     if (!tdm_same_shape(t, g))
         return tdm_raise(TDM_ERR_SHAPE, "backward: gradient of shape %s for a tensor of shape %s",
                          tdm_shape_str(tdm_shape_of(g), a), tdm_shape_str(tdm_shape_of(t), b));
-    if (!(g = dense(g))) return tdm_last_status();
+    if (!(g = tdm_dense(g))) return tdm_last_status(); /* axpy wants it contiguous */
     tdm_node *n = t->grad_fn;
     if (n) {
         if (!n->gout) { /* borrow: the producer of g must not modify it afterwards */
@@ -123,7 +116,7 @@ int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g) {
     if (tdm_same_shape(t, g)) return tdm_grad_accumulate(t, g);
     /* sum over the broadcast dims: view t's shape left-padded with 1s to g's rank */
     tdm_tensor *r = tdm_tensor_alloc(tdm_shape_of(t), TDM_F32, t->device);
-    if (!r || !(g = dense(g))) return tdm_last_status();
+    if (!r || !(g = tdm_dense(g))) return tdm_last_status();
     tdm_tensor rv = *r;
     int pad = g->ndim - t->ndim;
     rv.ndim = g->ndim;

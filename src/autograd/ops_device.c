@@ -9,7 +9,7 @@
  *
  * The sender's side, tdm_backward_from and tdm_graph_release, walks and frees part of a tape:
  * it lives with the backward engine (engine.c). */
-#include "autograd/tape.h"
+#include "autograd/ops.h"
 
 typedef struct {
     tdm_grad_sink sink;
@@ -30,10 +30,7 @@ static int recv_backward(tdm_node *n, tdm_tensor *gout) {
 }
 
 tdm_tensor *tdm_device_recv(tdm_tensor *src, tdm_device dev, tdm_grad_sink sink, void *arg) {
-    if (!src) {
-        if (tdm_last_status() == TDM_OK) tdm_raise(TDM_ERR_ARG, "device_recv: NULL input");
-        return NULL;
-    }
+    if (!src) return tdm_null_input("device_recv");
     if (!tdm_current_scope())
         return tdm_raise_null(TDM_ERR_STATE, "device_recv: needs an open step scope on the "
                                              "receiving thread (tdm_scope_begin)");

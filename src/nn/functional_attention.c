@@ -8,7 +8,7 @@
  */
 #include "tandem/nn.h"
 
-#include "autograd/ops_index.h"
+#include "autograd/ops.h"
 
 /* in: qkv; saved: lse; arg.i[0]: heads */
 static int attention_backward(tdm_node *n, tdm_tensor *gout) {

@@ -2,7 +2,7 @@
  * composed of index_select (whose backward scatters the gradient back) and a reshape. */
 #include "tandem/nn.h"
 
-#include "autograd/ops_index.h"
+#include "autograd/ops.h"
 
 tdm_tensor *tdm_embedding(tdm_tensor *weight, const tdm_tensor *idx) {
     if (!weight || !idx) return tdm_null_input("embedding");

@@ -1,6 +1,6 @@
 /* Functional normalisation and dropout: argument checks, output allocation, kernel calls and
  * tape nodes. The math is in src/backend/cpu/cpu_norm.c. */
-#include "autograd/ops_index.h"
+#include "autograd/ops.h"
 #include "parallel/context.h"
 #include "tandem/nn.h"
 

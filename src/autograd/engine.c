@@ -128,12 +128,19 @@ int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g) {
 
 /* ---- hooks ------------------------------------------------------------------------------- */
 
+static void hook_list_free(void *hooks) {
+    free(hooks);
+}
+
 int tdm_register_grad_hook(tdm_tensor *leaf, tdm_grad_hook hook, void *ctx) {
     if (!leaf || !hook) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: NULL argument");
     if (leaf->grad_fn) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: not a leaf tensor");
     hook_list *h = leaf->hooks;
-    if (!h && !(h = leaf->hooks = calloc(1, sizeof *h)))
-        return tdm_raise(TDM_ERR_NOMEM, "register_grad_hook: out of memory");
+    if (!h) {
+        if (!(h = leaf->hooks = calloc(1, sizeof *h)))
+            return tdm_raise(TDM_ERR_NOMEM, "register_grad_hook: out of memory");
+        tdm_tensor_set_hooks_free(hook_list_free); /* tdm_tensor_free frees them */
+    }
     if (h->n == MAX_HOOKS)
         return tdm_raise(TDM_ERR_ARG, "register_grad_hook: at most %d hooks per tensor", MAX_HOOKS);
     h->fn[h->n] = hook;
@@ -143,7 +150,7 @@ int tdm_register_grad_hook(tdm_tensor *leaf, tdm_grad_hook hook, void *ctx) {
 
 void tdm_clear_grad_hooks(tdm_tensor *leaf) {
     if (!leaf) return;
-    free(leaf->hooks);
+    hook_list_free(leaf->hooks);
     leaf->hooks = NULL;
 }
 

@@ -57,7 +57,7 @@ tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t);
 /* Sums g down to t's shape (the reverse of broadcasting) and accumulates it. */
 int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g);
 
-/* The thread's tape, kept by the scope module (src/core/scope.c). */
+/* The thread's tape (src/autograd/tape.c), truncated by the scopes as they end. */
 int tdm_tape_push(tdm_node *n);
 /* Nodes [*start, *end) not yet walked by a backward. */
 tdm_node **tdm_tape_nodes(int *start, int *end);

@@ -69,6 +69,31 @@ int tdm_wrap_dim(int dim, int ndim, const char *op);
 int tdm_check_f32(const tdm_tensor *t, const char *op);
 int tdm_check_same_device(const tdm_tensor *a, const tdm_tensor *b, const char *op);
 
+/* ---- hooks: where core calls the layers above it ------------------------------------------
+ *
+ * Core is the bottom layer, but two things it owns hold state of autograd's: a tensor's
+ * gradient-ready hooks and the tape recorded inside a scope. Autograd registers a function
+ * for each when it first makes such state, so before that there is nothing to call and core
+ * runs without it. Each is set once (later calls are ignored) and read with one atomic load;
+ * a call is one indirect call per freed tensor with hooks or per scope, never per element. */
+
+/* Frees a tensor's gradient-ready hooks (tdm_tensor.hooks) when tdm_tensor_free frees it.
+ * Registered by autograd as it makes a tensor's first hook (src/autograd/engine.c). */
+typedef void (*tdm_hooks_free_fn)(void *hooks);
+void tdm_tensor_set_hooks_free(tdm_hooks_free_fn fn);
+
+/* The calling thread's autograd tape as step scopes see it: a scope marks the tape's length
+ * when it begins and truncates the tape to that mark when it ends (its nodes live in the
+ * scope's arena); tdm_thread_release frees the thread's tape. Registered by autograd at its
+ * first node (src/autograd/tape.c): until then every thread's tape is empty, so a scope that
+ * began without it marks 0. */
+typedef struct {
+    int (*mark)(void);
+    void (*truncate)(int mark);
+    void (*release)(void);
+} tdm_scope_tape;
+void tdm_scope_set_tape(const tdm_scope_tape *tape);
+
 /* Allocates n bytes that live as long as the current scope (or malloc'd when none is open:
  * then the caller frees). Zeroed. For tape nodes and op contexts. */
 void *tdm_scope_alloc(size_t n);

@@ -1,7 +1,6 @@
 /* Tensors: construction, geometry, creation helpers, host transfer and freeing. Memory is
  * reached only through the backend of the tensor's device. */
 #include "backend/backend.h"
-#include "autograd/tape.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -124,6 +123,13 @@ tdm_tensor *tdm_tensor_view(const tdm_tensor *base, int ndim, const int64_t *sha
     return t;
 }
 
+static _Atomic(tdm_hooks_free_fn) hooks_free;
+
+void tdm_tensor_set_hooks_free(tdm_hooks_free_fn fn) {
+    tdm_hooks_free_fn none = NULL;
+    atomic_compare_exchange_strong(&hooks_free, &none, fn);
+}
+
 void tdm_tensor_free(tdm_tensor *t) {
     if (!t) return;
     if (t->owner) {
@@ -131,7 +137,7 @@ void tdm_tensor_free(tdm_tensor *t) {
         return;
     }
     if (t->grad && !t->grad->owner) tdm_tensor_free(t->grad);
-    tdm_clear_grad_hooks(t);
+    if (t->hooks) atomic_load_explicit(&hooks_free, memory_order_acquire)(t->hooks);
     tdm_storage_release(t->storage);
     free(t);
 }

@@ -45,6 +45,16 @@ void tdm_alloc_empty_cache(tdm_device dev);
 /* Counts a system allocation made outside the pools (arenas) in the statistics. */
 void tdm_alloc_count_sys(void);
 
+/* Raw device memory under the pools: a block on a miss, returned by tdm_alloc_empty_cache.
+ * It comes from the device's backend, whose kernels allocate through these pools and so sit
+ * above them: the backend layer registers it as the library loads (src/backend/backend.c),
+ * once; later calls are ignored. alloc returns NULL when it cannot (an error raised or not). */
+typedef struct {
+    void *(*alloc)(tdm_device dev, size_t nbytes);
+    void (*free)(tdm_device dev, void *p, size_t nbytes);
+} tdm_device_memory;
+void tdm_alloc_set_device_memory(const tdm_device_memory *mem);
+
 /* ---- tensors ---------------------------------------------------------------------------- */
 
 /* A tensor header with the current scope as owner (or the caller if none), no storage. */

@@ -79,13 +79,23 @@ int tdm_wrap_dim(int dim, int ndim, const char *op);
 int tdm_check_f32(const tdm_tensor *t, const char *op);
 int tdm_check_same_device(const tdm_tensor *a, const tdm_tensor *b, const char *op);
 
-/* ---- hooks: where core calls the layers above it ------------------------------------------
+/* Allocates n bytes that live as long as the current scope (or malloc'd when none is open:
+ * then the caller frees). Zeroed. For tape nodes and op contexts. */
+void *tdm_scope_alloc(size_t n);
+/* The innermost open scope of this thread (NULL if none). */
+tdm_scope *tdm_current_scope(void);
+/* Ends this thread's open scopes and frees its arena and tape: a thread that used scopes
+ * (a rank of tdm_spawn, a DataParallel worker) calls it before it exits. */
+void tdm_thread_release(void);
+
+/* ---- hooks autograd registers ----------------------------------------------------------------
  *
- * Core is the bottom layer, but two things it owns hold state of autograd's: a tensor's
+ * Core is the bottom layer, but two things it owns hold autograd's state: a tensor's
  * gradient-ready hooks and the tape recorded inside a scope. Autograd registers a function
  * for each when it first makes such state, so before that there is nothing to call and core
  * runs without it. Each is set once (later calls are ignored) and read with one atomic load;
- * a call is one indirect call per freed tensor with hooks or per scope, never per element. */
+ * a call is one indirect call per freed tensor with hooks or per scope, never per element.
+ * (The allocator's device memory, above, is registered the same way by the backend.) */
 
 /* Frees a tensor's gradient-ready hooks (tdm_tensor.hooks) when tdm_tensor_free frees it.
  * Registered by autograd as it makes a tensor's first hook (src/autograd/engine.c). */
@@ -103,14 +113,5 @@ typedef struct {
     void (*release)(void);
 } tdm_scope_tape;
 void tdm_scope_set_tape(const tdm_scope_tape *tape);
-
-/* Allocates n bytes that live as long as the current scope (or malloc'd when none is open:
- * then the caller frees). Zeroed. For tape nodes and op contexts. */
-void *tdm_scope_alloc(size_t n);
-/* The innermost open scope of this thread (NULL if none). */
-tdm_scope *tdm_current_scope(void);
-/* Ends this thread's open scopes and frees its arena and tape: a thread that used scopes
- * (a rank of tdm_spawn, a DataParallel worker) calls it before it exits. */
-void tdm_thread_release(void);
 
 #endif

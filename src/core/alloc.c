@@ -21,7 +21,7 @@ typedef struct {
 static pool pools[2][TDM_MAX_DEVICES];
 static pthread_once_t pools_once = PTHREAD_ONCE_INIT;
 static atomic_ullong extra_sys_allocs;
-static const tdm_device_memory *_Atomic device_memory;
+static tdm_hook device_memory;
 
 /* A block: its storage header and, while cached, the link to the next free block. */
 typedef struct cached {
@@ -35,12 +35,11 @@ static void pools_init(void) {
 }
 
 void tdm_alloc_set_device_memory(const tdm_device_memory *mem) {
-    const tdm_device_memory *none = NULL;
-    atomic_compare_exchange_strong(&device_memory, &none, mem);
+    tdm_hook_set(&device_memory, mem);
 }
 
 static const tdm_device_memory *memory(void) {
-    return atomic_load_explicit(&device_memory, memory_order_acquire);
+    return tdm_hook_get(&device_memory);
 }
 
 static pool *pool_of(tdm_device dev) {

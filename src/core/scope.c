@@ -31,16 +31,15 @@ typedef struct {
 } thread_state;
 
 static _Thread_local thread_state ts;
-static const tdm_scope_tape *_Atomic tape_hook;
+static tdm_hook tape_hook;
 
 void tdm_scope_set_tape(const tdm_scope_tape *tape) {
-    const tdm_scope_tape *none = NULL;
-    atomic_compare_exchange_strong(&tape_hook, &none, tape);
+    tdm_hook_set(&tape_hook, tape);
 }
 
 /* The registered tape, or NULL while no node was ever recorded (every tape is empty). */
 static const tdm_scope_tape *registered_tape(void) {
-    return atomic_load_explicit(&tape_hook, memory_order_acquire);
+    return tdm_hook_get(&tape_hook);
 }
 
 static void *arena_alloc(size_t n) {

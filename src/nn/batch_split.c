@@ -3,15 +3,14 @@
  * call. */
 #include "nn/batch_split.h"
 
-static const tdm_batch_split_ops *_Atomic registered;
+static tdm_hook registered;
 
 void tdm_batch_split_register(const tdm_batch_split_ops *ops) {
-    const tdm_batch_split_ops *none = NULL;
-    atomic_compare_exchange_strong(&registered, &none, ops);
+    tdm_hook_set(&registered, ops);
 }
 
 static const tdm_batch_split_ops *ops(void) {
-    return atomic_load_explicit(&registered, memory_order_acquire);
+    return tdm_hook_get(&registered);
 }
 
 bool tdm_batch_split_current(tdm_batch_split *out) {

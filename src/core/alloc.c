@@ -5,6 +5,7 @@
  * Size classes: 256-byte granules up to 4 KiB, then four classes per power of two (at most
  * 25% waste). A block keeps its storage header, so a cache hit allocates nothing. */
 #include "core/core.h"
+#include "core/hook.h"
 
 #include <pthread.h>
 #include <stdlib.h>

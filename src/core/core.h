@@ -15,20 +15,6 @@ int tdm_raise(tdm_status status, const char *fmt, ...) __attribute__((format(pri
 /* Same, returning NULL, for functions that return pointers. */
 void *tdm_raise_null(tdm_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* ---- hooks: what a lower layer calls in a higher one ------------------------------------ */
-
-/* A slot for the table of functions a higher layer registers with a lower one
- * (docs/ARCHITECTURE.md, "Layers"): set once, later registrations ignored; read with one
- * atomic load, NULL until set. */
-typedef const void *_Atomic tdm_hook;
-static inline void tdm_hook_set(tdm_hook *hook, const void *table) {
-    const void *none = NULL;
-    atomic_compare_exchange_strong(hook, &none, table);
-}
-static inline const void *tdm_hook_get(tdm_hook *hook) {
-    return atomic_load_explicit(hook, memory_order_acquire);
-}
-
 /* ---- storage and the caching allocator -------------------------------------------------- */
 
 struct tdm_storage {

@@ -4,6 +4,7 @@
  * recorded by autograd, src/autograd/tape.c) is part of the scope too: ending a scope
  * truncates it, through the tdm_scope_tape autograd registers. */
 #include "core/core.h"
+#include "core/hook.h"
 
 #include <stdlib.h>
 #include <string.h>

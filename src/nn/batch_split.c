@@ -3,6 +3,8 @@
  * call. */
 #include "nn/batch_split.h"
 
+#include "core/hook.h"
+
 static tdm_hook registered;
 
 void tdm_batch_split_register(const tdm_batch_split_ops *ops) {

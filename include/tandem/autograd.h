@@ -42,6 +42,43 @@ void tdm_clear_grad_hooks(tdm_tensor *leaf);
 /* Number of nodes on this thread's tape (for tests and debugging). */
 int tdm_tape_size(void);
 
+/* ---- differentiable copies between threads' graphs ---------------------------------------- */
+
+/* Receives a gradient computed on another thread: grad is caller-owned (the callee owns it
+ * from now on and frees it with tdm_tensor_free) and lives on the device of the tensor that
+ * was sent. Called from the receiving thread, inside its backward. */
+typedef void (*tdm_grad_sink)(tdm_tensor *grad, void *arg);
+
+/* The receiving half of a copy between devices whose graphs are recorded on different
+ * threads. Returns a copy of src (another thread's tensor, which must stay alive and
+ * unchanged during the call) on dev, owned by the calling thread's current scope (one must
+ * be open). If src requires a gradient and grad mode is on, the copy is recorded on this
+ * thread's tape: when a backward reaches it, dL/d(copy) is copied back to src's device and
+ * handed to sink(grad, arg) (sink may be NULL: the gradient is dropped). The sending thread
+ * then continues the backward with tdm_backward_from(src, grad, its mark). src's graph is
+ * never touched from this thread, so the two threads need no lock beyond the hand-off of
+ * src and of grad. NULL and an error if src is NULL, no scope is open, or the copy fails. */
+tdm_tensor *tdm_device_recv(tdm_tensor *src, tdm_device dev, tdm_grad_sink sink, void *arg);
+
+/* Backpropagates from out, a tensor recorded on this thread's tape at or after position
+ * mark (tdm_tape_size() before its forward began), seeded with grad (out's shape, f32, on
+ * out's device; NULL means 1 for a one-element out). Walks only the nodes in [mark, out's
+ * node], so the forwards of other micro-batches recorded on the same tape are left for their
+ * own backward, in any order. Gradients accumulate into leaves' .grad as tdm_backward does;
+ * gradient-ready hooks do not fire. grad is borrowed: keep it until this returns. Returns
+ * TDM_OK, TDM_ERR_STATE if out has no history or was not recorded after mark on this thread,
+ * TDM_ERR_SHAPE/DTYPE/DEVICE for a grad that does not match out. */
+int tdm_backward_from(tdm_tensor *out, tdm_tensor *grad, int mark);
+
+/* Releases, now instead of at the end of the step scope, the memory of the tensors held by
+ * the nodes recorded at tape positions [mark, end): their outputs, inputs and saved tensors,
+ * except leaves that require gradients and caller-owned tensors (parameters). Their headers
+ * stay in the scope with no storage. Call it after the backward over those nodes, when every
+ * scope-owned tensor they hold was made after mark (true of a micro-batch's forward) and
+ * nothing else reads them: a pipeline stage keeps only in-flight micro-batches' activations
+ * this way although scopes end in stack order. Invalid ranges are ignored. */
+void tdm_graph_release(int mark, int end);
+
 #ifdef __cplusplus
 }
 #endif

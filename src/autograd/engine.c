@@ -1,6 +1,6 @@
 /* The backward engine: records nodes, walks the tape in reverse, accumulates gradients and
  * fires gradient-ready hooks. */
-#include "autograd/tape.h"
+#include "autograd/ops.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -73,13 +73,6 @@ static int add_into(tdm_tensor *acc, tdm_tensor *g) {
     return tdm_backend_for(acc->device)->axpy(acc, 1.0f, g);
 }
 
-/* g as a contiguous tensor (kernels need it for axpy); a copy only when g is a view. */
-static tdm_tensor *dense(tdm_tensor *g) {
-    if (tdm_is_contiguous(g)) return g;
-    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(g), TDM_F32, g->device);
-    return c && tdm_backend_for(g->device)->copy(c, g) == 0 ? c : NULL;
-}
-
 int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     if (!t || !t->requires_grad) return TDM_OK;
     if (!g) return tdm_last_status() ? tdm_last_status() : TDM_ERR_STATE;
@@ -87,7 +80,7 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     if (!tdm_same_shape(t, g))
         return tdm_raise(TDM_ERR_SHAPE, "backward: gradient of shape %s for a tensor of shape %s",
                          tdm_shape_str(tdm_shape_of(g), a), tdm_shape_str(tdm_shape_of(t), b));
-    if (!(g = dense(g))) return tdm_last_status();
+    if (!(g = tdm_dense(g))) return tdm_last_status(); /* axpy wants it contiguous */
     tdm_node *n = t->grad_fn;
     if (n) {
         if (!n->gout) { /* borrow: the producer of g must not modify it afterwards */
@@ -123,7 +116,7 @@ int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g) {
     if (tdm_same_shape(t, g)) return tdm_grad_accumulate(t, g);
     /* sum over the broadcast dims: view t's shape left-padded with 1s to g's rank */
     tdm_tensor *r = tdm_tensor_alloc(tdm_shape_of(t), TDM_F32, t->device);
-    if (!r || !(g = dense(g))) return tdm_last_status();
+    if (!r || !(g = tdm_dense(g))) return tdm_last_status();
     tdm_tensor rv = *r;
     int pad = g->ndim - t->ndim;
     rv.ndim = g->ndim;
@@ -135,12 +128,19 @@ int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g) {
 
 /* ---- hooks ------------------------------------------------------------------------------- */
 
+static void hook_list_free(void *hooks) {
+    free(hooks);
+}
+
 int tdm_register_grad_hook(tdm_tensor *leaf, tdm_grad_hook hook, void *ctx) {
     if (!leaf || !hook) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: NULL argument");
     if (leaf->grad_fn) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: not a leaf tensor");
     hook_list *h = leaf->hooks;
-    if (!h && !(h = leaf->hooks = calloc(1, sizeof *h)))
-        return tdm_raise(TDM_ERR_NOMEM, "register_grad_hook: out of memory");
+    if (!h) {
+        if (!(h = leaf->hooks = calloc(1, sizeof *h)))
+            return tdm_raise(TDM_ERR_NOMEM, "register_grad_hook: out of memory");
+        tdm_tensor_set_hooks_free(hook_list_free); /* tdm_tensor_free frees them */
+    }
     if (h->n == MAX_HOOKS)
         return tdm_raise(TDM_ERR_ARG, "register_grad_hook: at most %d hooks per tensor", MAX_HOOKS);
     h->fn[h->n] = hook;
@@ -150,7 +150,7 @@ int tdm_register_grad_hook(tdm_tensor *leaf, tdm_grad_hook hook, void *ctx) {
 
 void tdm_clear_grad_hooks(tdm_tensor *leaf) {
     if (!leaf) return;
-    free(leaf->hooks);
+    hook_list_free(leaf->hooks);
     leaf->hooks = NULL;
 }
 
@@ -188,6 +188,35 @@ static tdm_tensor **ready_lists(tdm_node **tape, int start, int end) {
     return heads;
 }
 
+/* The one tape walker: runs the backward of every node in [stop, top] that a gradient
+ * reached, from top down, each once. heads (NULL: no hooks) holds, per node from stop on,
+ * the leaves whose gradient is final once that node is done; their hooks fire then. The
+ * tape is looked up again at each node, since a backward may grow it (and so move it). */
+static int walk(int top, int stop, tdm_tensor **heads) {
+    int rc = TDM_OK;
+    for (int i = top; i >= stop && rc == TDM_OK; i--) {
+        int start, end;
+        tdm_node *n = tdm_tape_nodes(&start, &end)[i];
+        if (n->gout) {
+            rc = n->backward(n, n->gout);
+            n->gout = NULL; /* the step scope frees it; a node runs once */
+        }
+        for (tdm_tensor *x = heads ? heads[i - stop] : NULL; x && rc == TDM_OK; x = x->ready_next) {
+            if (x->grad) fire_hooks(x);
+            x->last_use = -1;
+        }
+    }
+    return rc;
+}
+
+/* Starts a walk at out's node with gradient seed (owned: the walk may add into it). */
+static void seed_node(tdm_tensor *out, tdm_tensor *seed, bool owned) {
+    out->grad_fn->gout = seed;
+    out->grad_fn->gout_owned = owned;
+}
+
+/* ---- entry points: the whole tape from a loss, or part of it from a pipeline stage's output */
+
 int tdm_backward(tdm_tensor *loss) {
     if (!loss) return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
     char b[96];
@@ -209,20 +238,77 @@ int tdm_backward(tdm_tensor *loss) {
     tdm_tensor **heads = ready_lists(tape, start, li + 1);
     tdm_tensor *seed = tdm_full(tdm_shape_of(loss), 1.0f, TDM_F32, loss->device);
     if (!heads || !seed) return tdm_last_status();
-    loss->grad_fn->gout = seed;
-    loss->grad_fn->gout_owned = true;
-    int rc = TDM_OK;
-    for (int i = li; i >= start && rc == TDM_OK; i--) {
-        tdm_node *n = tape[i];
-        if (n->gout) {
-            rc = n->backward(n, n->gout);
-            n->gout = NULL; /* the step scope frees it; a node runs once */
-        }
-        for (tdm_tensor *x = heads[i - start]; x && rc == TDM_OK; x = x->ready_next) {
-            if (x->grad) fire_hooks(x);
-            x->last_use = -1;
-        }
-    }
+    seed_node(loss, seed, true);
+    int rc = walk(li, start, heads);
     tdm_tape_consume();
     return rc;
+}
+
+/* One thread holds several micro-batches' forwards on its tape at once (1F1B interleaves
+ * them), so a pipeline stage cannot use tdm_backward, which walks and consumes the whole
+ * tape: tdm_backward_from walks one micro-batch's range of the tape only, and
+ * tdm_graph_release frees that range's activations as soon as its backward is done, since
+ * step scopes end in stack order and 1F1B finishes micro-batches first in, first out. */
+
+/* The seed of a backward from out: grad checked against out, or ones. */
+static tdm_tensor *seed_for(tdm_tensor *out, tdm_tensor *grad) {
+    char a[96], b[96], da[16], db[16];
+    if (!grad) {
+        if (tdm_numel(out) != 1)
+            return tdm_raise_null(TDM_ERR_SHAPE,
+                                  "backward_from: a gradient is needed for an output of "
+                                  "shape %s (only a one-element output defaults to 1)",
+                                  tdm_shape_str(tdm_shape_of(out), a));
+        return tdm_full(tdm_shape_of(out), 1.0f, TDM_F32, out->device);
+    }
+    if (grad->dtype != TDM_F32)
+        return tdm_raise_null(TDM_ERR_DTYPE, "backward_from: gradient is %s, expected f32",
+                              tdm_dtype_name(grad->dtype));
+    if (!tdm_same_shape(grad, out))
+        return tdm_raise_null(
+            TDM_ERR_SHAPE, "backward_from: gradient of shape %s for an output of shape %s",
+            tdm_shape_str(tdm_shape_of(grad), a), tdm_shape_str(tdm_shape_of(out), b));
+    if (!tdm_device_equal(grad->device, out->device))
+        return tdm_raise_null(TDM_ERR_DEVICE, "backward_from: gradient on %s for an output on %s",
+                              tdm_device_str(grad->device, da), tdm_device_str(out->device, db));
+    return tdm_contiguous(grad);
+}
+
+int tdm_backward_from(tdm_tensor *out, tdm_tensor *grad, int mark) {
+    if (!out) return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
+    if (!out->grad_fn)
+        return tdm_raise(TDM_ERR_STATE, "backward_from: the output has no autograd history "
+                                        "(no input required a gradient, or grad mode was off)");
+    int start, end;
+    tdm_node **tape = tdm_tape_nodes(&start, &end);
+    int top = out->grad_fn->index;
+    if (mark < 0 || top < mark || top >= end || tape[top] != out->grad_fn)
+        return tdm_raise(TDM_ERR_STATE,
+                         "backward_from: the output's node (tape position %d) was not recorded "
+                         "on this thread at or after mark %d (tape holds %d nodes)",
+                         top, mark, end);
+    tdm_tensor *seed = seed_for(out, grad);
+    if (!seed) return tdm_last_status();
+    seed_node(out, seed, grad == NULL); /* the caller's gradient is only borrowed */
+    return walk(top, mark, NULL);
+}
+
+/* Drops t's reference to its storage now; the scope later finds no storage to release. */
+static void release_now(tdm_tensor *t) {
+    if (!t || !t->owner || !t->storage) return;
+    if (t->requires_grad && !t->grad_fn) return; /* a leaf: its .grad is read later */
+    tdm_storage_release(t->storage);
+    t->storage = NULL;
+}
+
+void tdm_graph_release(int mark, int end) {
+    int start, len;
+    tdm_node **tape = tdm_tape_nodes(&start, &len);
+    if (mark < 0 || end > len || mark >= end) return;
+    for (int i = mark; i < end; i++) {
+        tdm_node *n = tape[i];
+        release_now(n->out);
+        for (int j = 0; j < n->n_in; j++) release_now(n->in[j]);
+        for (int j = 0; j < TDM_NODE_MAX_SAVED; j++) release_now(n->saved[j]);
+    }
 }

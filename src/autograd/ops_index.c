@@ -1,26 +1,6 @@
 /* index_select: rows of src along dim picked by an integer index; its backward scatters the
  * gradient back with index_add (repeated indices sum, in a fixed order). */
-#include "autograd/ops_index.h"
-
-/* An index tensor the tape may read at backward time: a caller-owned one could be freed
- * before then, so it is copied into the current scope. */
-tdm_tensor *tdm_index_keep(const tdm_tensor *idx) {
-    if (idx->owner) return (tdm_tensor *)idx;
-    return tdm_clone(idx);
-}
-
-/* The checks every integer index argument shares. */
-int tdm_check_index(const tdm_tensor *idx, const tdm_tensor *src, const char *op) {
-    if (idx->dtype != TDM_I32 && idx->dtype != TDM_I64)
-        return tdm_raise(TDM_ERR_DTYPE, "%s: index must be i32 or i64, got %s", op,
-                         tdm_dtype_name(idx->dtype));
-    if (!tdm_device_equal(idx->device, src->device)) {
-        char d1[16], d2[16];
-        return tdm_raise(TDM_ERR_DEVICE, "%s: index is on %s but the tensor is on %s", op,
-                         tdm_device_str(idx->device, d1), tdm_device_str(src->device, d2));
-    }
-    return TDM_OK;
-}
+#include "autograd/ops.h"
 
 static int index_select_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *src = n->in[0], *idx = n->saved[0];

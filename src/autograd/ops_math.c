@@ -11,40 +11,9 @@
  * Softmax over a middle dim is rare in the models we train, and this keeps one simple,
  * vectorisable kernel per backend instead of a strided [outer, n, inner] variant.
  */
-#include "autograd/tape.h"
+#include "autograd/ops.h"
 
 #include <string.h>
-
-static const char *shp(const tdm_tensor *t, char *buf) {
-    return tdm_shape_str(tdm_shape_of(t), buf);
-}
-
-/* True for a NULL input; raises only if no error is pending, so the first cause survives a
- * chain of ops. */
-static bool missing(const tdm_tensor *t, const char *op) {
-    if (t) return false;
-    if (tdm_last_status() == TDM_OK) tdm_raise(TDM_ERR_ARG, "%s: NULL input", op);
-    return true;
-}
-
-/* Frees a temporary of this op unless it is keep (an input) or a scope will free it. */
-static void drop(tdm_tensor *tmp, const tdm_tensor *keep) {
-    if (tmp && tmp != keep && !tmp->owner) tdm_tensor_free(tmp);
-}
-
-/* Frees out (see drop) and returns NULL, for the failure paths after allocating it. */
-static tdm_tensor *fail(tdm_tensor *out) {
-    drop(out, NULL);
-    return NULL;
-}
-
-/* t itself when contiguous, else a contiguous copy (no autograd: kernels only). */
-static tdm_tensor *dense(const tdm_tensor *t) {
-    if (tdm_is_contiguous(t)) return (tdm_tensor *)t;
-    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(t), t->dtype, t->device);
-    if (c && tdm_backend_for(t->device)->copy(c, t) != 0) return fail(c);
-    return c;
-}
 
 /* A header-only view of t: same storage, the given geometry. Lives on the caller's stack and
  * is only ever handed to kernels, so it takes no reference and joins no scope. */
@@ -86,25 +55,6 @@ static tdm_tensor swapped_view(const tdm_tensor *t, int d0, int d1) {
     return stack_view(t, t->ndim, sh, st);
 }
 
-int tdm_broadcast_shapes(const tdm_tensor *a, const tdm_tensor *b, tdm_shape *out, const char *op) {
-    int nd = a->ndim > b->ndim ? a->ndim : b->ndim;
-    out->ndim = nd;
-    for (int d = 0; d < nd; d++) {
-        /* right-aligned: missing leading dims count as 1 */
-        int da = d - (nd - a->ndim), db = d - (nd - b->ndim);
-        int64_t sa = da >= 0 ? a->shape[da] : 1, sb = db >= 0 ? b->shape[db] : 1;
-        if (sa != sb && sa != 1 && sb != 1) {
-            char ba[96], bb[96];
-            return tdm_raise(TDM_ERR_SHAPE,
-                             "%s: shapes %s and %s cannot be broadcast together (dim %d: %lld vs "
-                             "%lld)",
-                             op, shp(a, ba), shp(b, bb), d - nd, (long long)sa, (long long)sb);
-        }
-        out->d[d] = sa == 1 ? sb : sa;
-    }
-    return TDM_OK;
-}
-
 /* ---- binary ops ---------------------------------------------------------------------- */
 
 /* y = a op b with a, b expanded to y's shape */
@@ -118,7 +68,7 @@ static int binary_into(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, con
 static tdm_tensor *binary_new(tdm_binary_op op, const tdm_tensor *x, const tdm_tensor *other,
                               tdm_shape s) {
     tdm_tensor *g = tdm_tensor_alloc(s, TDM_F32, x->device);
-    if (g && binary_into(op, g, x, other) != 0) return fail(g);
+    if (g && binary_into(op, g, x, other) != 0) return tdm_drop_fail(g);
     return g;
 }
 
@@ -165,16 +115,16 @@ static int div_backward(tdm_node *n, tdm_tensor *gout) {
 
 static tdm_tensor *binary_op(tdm_binary_op op, const char *name, tdm_backward_fn bw, tdm_tensor *a,
                              tdm_tensor *b) {
-    if (missing(a, name) || missing(b, name)) return NULL;
+    if (!a || !b) return tdm_null_input(name);
     if (tdm_check_f32(a, name) || tdm_check_f32(b, name) || tdm_check_same_device(a, b, name))
         return NULL;
     tdm_shape s;
     if (tdm_broadcast_shapes(a, b, &s, name)) return NULL;
     tdm_tensor *y = tdm_tensor_alloc(s, TDM_F32, a->device);
     if (!y) return NULL;
-    if (binary_into(op, y, a, b) != 0) return fail(y);
+    if (binary_into(op, y, a, b) != 0) return tdm_drop_fail(y);
     tdm_tensor *in[2] = {a, b};
-    if (tdm_needs_record(2, in) && !tdm_record(name, bw, y, 2, in)) return fail(y);
+    if (tdm_needs_record(2, in) && !tdm_record(name, bw, y, 2, in)) return tdm_drop_fail(y);
     return y;
 }
 
@@ -208,13 +158,14 @@ static int unary_backward(tdm_node *n, tdm_tensor *gout) {
 }
 
 static tdm_tensor *unary_op(tdm_unary_op op, const char *name, tdm_tensor *a, float s) {
-    if (missing(a, name) || tdm_check_f32(a, name)) return NULL;
+    if (!a) return tdm_null_input(name);
+    if (tdm_check_f32(a, name)) return NULL;
     tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(a), TDM_F32, a->device);
     if (!y) return NULL;
-    if (tdm_backend_for(a->device)->unary(op, y, a, s) != 0) return fail(y);
+    if (tdm_backend_for(a->device)->unary(op, y, a, s) != 0) return tdm_drop_fail(y);
     if (tdm_needs_record(1, &a)) {
         tdm_node *n = tdm_record(name, unary_backward, y, 1, &a);
-        if (!n) return fail(y);
+        if (!n) return tdm_drop_fail(y);
         n->arg.f[0] = s;
         n->arg2.i[0] = op;
     }
@@ -283,7 +234,7 @@ static tdm_tensor *unreduce(const tdm_tensor *x, const tdm_tensor *gout, int d, 
     tdm_tensor gv = stack_view(gout, x->ndim, x->shape, st);
     tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
     if (g && tdm_backend_for(x->device)->unary(TDM_UN_MUL_SCALAR, g, &gv, scale) != 0)
-        return fail(g);
+        return tdm_drop_fail(g);
     return g;
 }
 
@@ -299,7 +250,7 @@ static int sum_backward(tdm_node *n, tdm_tensor *gout) {
         tdm_tensor gv = stack_view(gout, x->ndim, x->shape, zero);
         g = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
         if (g && tdm_backend_for(x->device)->unary(TDM_UN_MUL_SCALAR, g, &gv, scale) != 0)
-            g = fail(g);
+            g = tdm_drop_fail(g);
     } else {
         g = unreduce(x, gout, d, scale);
     }
@@ -307,11 +258,11 @@ static int sum_backward(tdm_node *n, tdm_tensor *gout) {
 }
 
 static int max_backward(tdm_node *n, tdm_tensor *gout) {
-    tdm_tensor *x = n->in[0], *gy = dense(gout);
+    tdm_tensor *x = n->in[0], *gy = tdm_dense(gout);
     tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
     if (!gy || !g) return tdm_last_status();
     int rc = tdm_backend_for(x->device)->max_backward(g, gy, n->saved[0], (int)n->arg.i[0]);
-    drop(gy, gout);
+    tdm_drop_temp(gy, gout);
     return rc ? rc : tdm_grad_accumulate(x, g);
 }
 
@@ -330,28 +281,30 @@ static tdm_shape reduced_shape(const tdm_tensor *a, int d, bool keepdim) {
 static tdm_tensor *reduce_op(tdm_reduce_op op, const char *name, tdm_tensor *a, int dim,
                              bool keepdim, tdm_tensor **argmax) {
     if (argmax) *argmax = NULL;
-    if (missing(a, name) || tdm_check_f32(a, name)) return NULL;
+    if (!a) return tdm_null_input(name);
+    if (tdm_check_f32(a, name)) return NULL;
     int d = tdm_wrap_dim(dim, a->ndim, name);
     if (d < 0) return NULL;
     char b[96];
     if (op == TDM_RED_MAX && a->ndim && a->shape[d] == 0)
-        return tdm_raise_null(TDM_ERR_SHAPE, "%s: dim %d of %s is empty", name, dim, shp(a, b));
+        return tdm_raise_null(TDM_ERR_SHAPE, "%s: dim %d of %s is empty", name, dim,
+                              tdm_tensor_shape_str(a, b));
     tdm_shape s = reduced_shape(a, d, keepdim);
-    tdm_tensor *x = dense(a);
+    tdm_tensor *x = tdm_dense(a);
     tdm_tensor *y = tdm_tensor_alloc(s, TDM_F32, a->device);
     tdm_tensor *am = op == TDM_RED_MAX ? tdm_tensor_alloc(s, TDM_I64, a->device) : NULL;
     if (!x || !y || (op == TDM_RED_MAX && !am) ||
         tdm_backend_for(a->device)->reduce(op, y, x, d, am) != 0) {
-        drop(x, a);
-        drop(am, NULL);
-        return fail(y);
+        tdm_drop_temp(x, a);
+        tdm_drop_temp(am, NULL);
+        return tdm_drop_fail(y);
     }
-    drop(x, a);
+    tdm_drop_temp(x, a);
     if (tdm_needs_record(1, &a)) {
         tdm_node *n = tdm_record(name, op == TDM_RED_MAX ? max_backward : sum_backward, y, 1, &a);
         if (!n) {
-            drop(am, NULL);
-            return fail(y);
+            tdm_drop_temp(am, NULL);
+            return tdm_drop_fail(y);
         }
         n->arg.i[0] = d;
         n->arg.i[1] = op == TDM_RED_MEAN;
@@ -360,7 +313,7 @@ static tdm_tensor *reduce_op(tdm_reduce_op op, const char *name, tdm_tensor *a, 
     if (argmax)
         *argmax = am;
     else if (!y->grad_fn)
-        drop(am, NULL);
+        tdm_drop_temp(am, NULL);
     return y;
 }
 
@@ -378,21 +331,22 @@ tdm_tensor *tdm_max(tdm_tensor *a, int dim, bool keepdim, tdm_tensor **argmax) {
 
 /* Sum or mean of every element into a scalar: the kernel sees a as one flat row. */
 static tdm_tensor *reduce_all(tdm_reduce_op op, const char *name, tdm_tensor *a) {
-    if (missing(a, name) || tdm_check_f32(a, name)) return NULL;
-    tdm_tensor *x = dense(a);
+    if (!a) return tdm_null_input(name);
+    if (tdm_check_f32(a, name)) return NULL;
+    tdm_tensor *x = tdm_dense(a);
     tdm_tensor *y = tdm_tensor_alloc(TDM_SHAPE0, TDM_F32, a->device);
     if (!x || !y) {
-        drop(x, a);
-        return fail(y);
+        tdm_drop_temp(x, a);
+        return tdm_drop_fail(y);
     }
     int64_t numel = tdm_numel(a), one = 1;
     tdm_tensor flat = stack_view(x, 1, &numel, &one);
     int rc = tdm_backend_for(a->device)->reduce(op, y, &flat, 0, NULL);
-    drop(x, a);
-    if (rc != 0) return fail(y);
+    tdm_drop_temp(x, a);
+    if (rc != 0) return tdm_drop_fail(y);
     if (tdm_needs_record(1, &a)) {
         tdm_node *n = tdm_record(name, sum_backward, y, 1, &a);
-        if (!n) return fail(y);
+        if (!n) return tdm_drop_fail(y);
         n->arg.i[0] = -1;
         n->arg.i[1] = op == TDM_RED_MEAN;
     }
@@ -413,10 +367,10 @@ tdm_tensor *tdm_mean_all(tdm_tensor *a) {
  * contiguous). */
 static tdm_tensor *to_last(const tdm_tensor *t, int d) {
     int last = t->ndim - 1;
-    if (t->ndim == 0 || d == last) return dense(t);
+    if (t->ndim == 0 || d == last) return tdm_dense(t);
     tdm_tensor v = swapped_view(t, d, last);
     tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(&v), TDM_F32, t->device);
-    if (c && tdm_backend_for(t->device)->copy(c, &v) != 0) return fail(c);
+    if (c && tdm_backend_for(t->device)->copy(c, &v) != 0) return tdm_drop_fail(c);
     return c;
 }
 
@@ -437,16 +391,17 @@ static int softmax_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *gy = to_last(gout, d);
     tdm_tensor *gt = tdm_tensor_alloc(tdm_shape_of(y), TDM_F32, x->device);
     if (!gy || !gt || be->softmax_backward(gt, gy, y, is_log) != 0) return tdm_last_status();
-    drop(gy, gout);
+    tdm_drop_temp(gy, gout);
     if (last) return tdm_grad_accumulate(x, gt);
     tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
     if (!g || from_last(g, gt, d) != 0) return tdm_last_status();
-    drop(gt, NULL);
+    tdm_drop_temp(gt, NULL);
     return tdm_grad_accumulate(x, g);
 }
 
 static tdm_tensor *softmax_op(tdm_tensor *a, int dim, bool is_log, const char *name) {
-    if (missing(a, name) || tdm_check_f32(a, name)) return NULL;
+    if (!a) return tdm_null_input(name);
+    if (tdm_check_f32(a, name)) return NULL;
     int d = tdm_wrap_dim(dim, a->ndim, name);
     if (d < 0) return NULL;
     bool last = a->ndim == 0 || d == a->ndim - 1;
@@ -454,29 +409,29 @@ static tdm_tensor *softmax_op(tdm_tensor *a, int dim, bool is_log, const char *n
     tdm_tensor *x = to_last(a, d);
     tdm_tensor *yt = x ? tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, a->device) : NULL;
     if (!yt || be->softmax(yt, x, is_log) != 0) {
-        drop(x, a);
-        return fail(yt);
+        tdm_drop_temp(x, a);
+        return tdm_drop_fail(yt);
     }
-    drop(x, a);
+    tdm_drop_temp(x, a);
     tdm_tensor *y = yt;
     if (!last) {
         y = tdm_tensor_alloc(tdm_shape_of(a), TDM_F32, a->device);
         if (!y || from_last(y, yt, d) != 0) {
-            drop(yt, NULL);
-            return fail(y);
+            tdm_drop_temp(yt, NULL);
+            return tdm_drop_fail(y);
         }
     }
     if (tdm_needs_record(1, &a)) {
         tdm_node *n = tdm_record(name, softmax_backward, y, 1, &a);
         if (!n) {
-            if (!last) drop(yt, NULL);
-            return fail(y);
+            if (!last) tdm_drop_temp(yt, NULL);
+            return tdm_drop_fail(y);
         }
         n->arg.i[0] = d;
         n->arg.i[1] = is_log;
         n->saved[0] = last ? NULL : yt;
     } else if (!last) {
-        drop(yt, NULL);
+        tdm_drop_temp(yt, NULL);
     }
     return y;
 }

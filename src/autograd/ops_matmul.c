@@ -1,6 +1,6 @@
 /* matmul and bmm: shapes resolved here, products computed by the backend's batched GEMM.
  * Backward: dA = dC @ B^T, dB = A^T @ dC, with broadcast batch dims summed back. */
-#include "autograd/tape.h"
+#include "autograd/ops.h"
 
 #include <string.h>
 

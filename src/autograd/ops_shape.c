@@ -1,14 +1,10 @@
 /* Shape ops: views that share storage (reshape, transpose, permute, slice, expand, squeeze),
  * and the copies around them (contiguous, concat, to_device). Each records a node whose
  * backward maps the output gradient back to the input's geometry. */
-#include "autograd/tape.h"
+#include "autograd/ops.h"
 
 #include <stdlib.h>
 #include <string.h>
-
-static const char *shp(const tdm_tensor *t, char *buf) {
-    return tdm_shape_str(tdm_shape_of(t), buf);
-}
 
 /* ---- plain views ------------------------------------------------------------------------- */
 
@@ -75,13 +71,13 @@ tdm_tensor *tdm_reshape(tdm_tensor *x, tdm_shape s) {
     int64_t n = tdm_numel(x);
     if (infer >= 0) {
         if (known == 0 || n % known)
-            return tdm_raise_null(TDM_ERR_SHAPE, "reshape: cannot view %s as %s", shp(x, b),
-                                  tdm_shape_str(s, a));
+            return tdm_raise_null(TDM_ERR_SHAPE, "reshape: cannot view %s as %s",
+                                  tdm_tensor_shape_str(x, b), tdm_shape_str(s, a));
         s.d[infer] = n / known;
     }
     if (tdm_shape_numel(s) != n)
         return tdm_raise_null(TDM_ERR_SHAPE, "reshape: cannot view %s (%lld elements) as %s",
-                              shp(x, b), (long long)n, tdm_shape_str(s, a));
+                              tdm_tensor_shape_str(x, b), (long long)n, tdm_shape_str(s, a));
     int64_t strides[TDM_MAX_DIMS];
     if (!view_strides(x, s, strides)) {
         if (!tdm_current_scope() && !tdm_needs_record(1, &x)) TDM_RETURN_SCOPED(tdm_reshape(x, s));
@@ -239,8 +235,8 @@ tdm_tensor *tdm_expand(tdm_tensor *x, tdm_shape s) {
     char a[96], b[96];
     int pad = s.ndim - x->ndim;
     if (pad < 0 || s.ndim > TDM_MAX_DIMS)
-        return tdm_raise_null(TDM_ERR_SHAPE, "expand: cannot expand %s to %s", shp(x, a),
-                              tdm_shape_str(s, b));
+        return tdm_raise_null(TDM_ERR_SHAPE, "expand: cannot expand %s to %s",
+                              tdm_tensor_shape_str(x, a), tdm_shape_str(s, b));
     int64_t shape[TDM_MAX_DIMS], strides[TDM_MAX_DIMS];
     for (int i = 0; i < s.ndim; i++) {
         int64_t have = i < pad ? 1 : x->shape[i - pad];
@@ -250,7 +246,7 @@ tdm_tensor *tdm_expand(tdm_tensor *x, tdm_shape s) {
                                   tdm_shape_str(s, b));
         if (have != want && have != 1)
             return tdm_raise_null(TDM_ERR_SHAPE, "expand: cannot expand %s to %s (dim %d)",
-                                  shp(x, a), tdm_shape_str(s, b), i);
+                                  tdm_tensor_shape_str(x, a), tdm_shape_str(s, b), i);
         shape[i] = want;
         strides[i] = (i < pad || have != want) ? 0 : x->strides[i - pad];
     }
@@ -349,8 +345,8 @@ tdm_tensor *tdm_concat(tdm_tensor *const *ts, int n, int dim) {
             return tdm_raise_null(TDM_ERR_SHAPE,
                                   "concat: tensor %d has shape %s (%s), tensor 0 "
                                   "has %s (%s), joining along dim %d",
-                                  i, shp(t, a), tdm_dtype_name(t->dtype), shp(t0, b),
-                                  tdm_dtype_name(t0->dtype), d);
+                                  i, tdm_tensor_shape_str(t, a), tdm_dtype_name(t->dtype),
+                                  tdm_tensor_shape_str(t0, b), tdm_dtype_name(t0->dtype), d);
         if (tdm_check_same_device(t0, t, "concat")) return NULL;
         s.d[d] += t->shape[d];
     }
@@ -382,7 +378,7 @@ int tdm_split(tdm_tensor *t, const int64_t *sizes, int n, int dim, tdm_tensor **
     char a[96];
     if (total != t->shape[d])
         return tdm_raise(TDM_ERR_SHAPE, "split: sizes sum to %lld but dim %d of %s is %lld",
-                         (long long)total, d, shp(t, a), (long long)t->shape[d]);
+                         (long long)total, d, tdm_tensor_shape_str(t, a), (long long)t->shape[d]);
     int64_t at = 0;
     for (int i = 0; i < n; i++) {
         if (!(out[i] = tdm_slice(t, d, at, at + sizes[i], 1))) return tdm_last_status();

@@ -1,4 +1,5 @@
-/* Private autograd interface: tape nodes and the helpers every differentiable op uses.
+/* Private autograd interface: tape nodes, recording and gradient accumulation (the helpers
+ * ops share besides are in autograd/ops.h).
  *
  * An op's forward computes its output with backend kernels, then, if tdm_needs_record says
  * so, calls tdm_record to append a node holding its inputs, saved tensors and arguments.
@@ -56,27 +57,11 @@ tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t);
 /* Sums g down to t's shape (the reverse of broadcasting) and accumulates it. */
 int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g);
 
-/* The thread's tape, kept by the scope module (src/core/scope.c). */
+/* The thread's tape (src/autograd/tape.c), truncated by the scopes as they end. */
 int tdm_tape_push(tdm_node *n);
 /* Nodes [*start, *end) not yet walked by a backward. */
 tdm_node **tdm_tape_nodes(int *start, int *end);
 /* Marks every node recorded so far as walked. */
 void tdm_tape_consume(void);
-
-/* For ops that make temporaries: when the caller has no scope open (so the temporaries
- * would be the caller's to free, and no history can be recorded), returns the op's result
- * computed inside a scope of its own, handing only the result to the caller. Use as
- * `if (!tdm_current_scope()) TDM_RETURN_SCOPED(tdm_op(a, b));` at the top of the op. */
-#define TDM_RETURN_SCOPED(expr)                                                                    \
-    do {                                                                                           \
-        tdm_scope_begin();                                                                         \
-        tdm_tensor *scoped_ = tdm_scope_keep(expr);                                                \
-        tdm_scope_end();                                                                           \
-        return scoped_;                                                                            \
-    } while (0)
-
-/* Shape checks ops share. */
-/* The broadcast shape of a and b into out; an error naming op and both shapes if none. */
-int tdm_broadcast_shapes(const tdm_tensor *a, const tdm_tensor *b, tdm_shape *out, const char *op);
 
 #endif

@@ -15,6 +15,27 @@ _Static_assert(sizeof(tdm_backend) == sizeof(void *) * (1 TDM_BACKEND_KERNELS(TD
                                                             TDM_BACKEND_UPLOADS(TDM_COUNT_ENTRY)),
                "an entry of tdm_backend is missing from TDM_BACKEND_KERNELS or _UPLOADS");
 
+/* ---- device memory for core's caching allocator ----------------------------------------- */
+
+static void *device_alloc(tdm_device dev, size_t nbytes) {
+    const tdm_backend *be = tdm_backend_for(dev); /* raises for a device this build lacks */
+    return be ? be->mem_alloc(dev.index, nbytes) : NULL;
+}
+
+static void device_free(tdm_device dev, void *p, size_t nbytes) {
+    const tdm_backend *be = tdm_backend_for(dev);
+    if (be) be->mem_free(dev.index, p, nbytes);
+}
+
+static const tdm_device_memory device_memory = {device_alloc, device_free};
+
+/* Registered as the library loads, not at a first lookup: a program's first tensor may be
+ * made without one (a loader's CPU batch slots). Every program that makes a tensor links this
+ * file, since every tensor is made or filled through tdm_backend_for. */
+__attribute__((constructor)) static void register_device_memory(void) {
+    tdm_alloc_set_device_memory(&device_memory);
+}
+
 int tdm_backend_check(const tdm_backend *be, bool uploads) {
     if (!be) return tdm_raise(TDM_ERR_ARG, "backend_check: NULL backend");
 #define TDM_CHECK_ENTRY(e)                                                                         \

@@ -4,7 +4,8 @@
  *
  * Size classes: 256-byte granules up to 4 KiB, then four classes per power of two (at most
  * 25% waste). A block keeps its storage header, so a cache hit allocates nothing. */
-#include "backend/backend.h"
+#include "core/core.h"
+#include "core/hook.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -21,6 +22,7 @@ typedef struct {
 static pool pools[2][TDM_MAX_DEVICES];
 static pthread_once_t pools_once = PTHREAD_ONCE_INIT;
 static atomic_ullong extra_sys_allocs;
+static tdm_hook device_memory;
 
 /* A block: its storage header and, while cached, the link to the next free block. */
 typedef struct cached {
@@ -31,6 +33,14 @@ typedef struct cached {
 static void pools_init(void) {
     for (int t = 0; t < 2; t++)
         for (int i = 0; i < TDM_MAX_DEVICES; i++) pthread_mutex_init(&pools[t][i].lock, NULL);
+}
+
+void tdm_alloc_set_device_memory(const tdm_device_memory *mem) {
+    tdm_hook_set(&device_memory, mem);
+}
+
+static const tdm_device_memory *memory(void) {
+    return tdm_hook_get(&device_memory);
 }
 
 static pool *pool_of(tdm_device dev) {
@@ -72,9 +82,9 @@ tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev) {
     if (!b) p->stats.sys_allocs++;
     pthread_mutex_unlock(&p->lock);
     if (!b) {
-        const tdm_backend *be = tdm_backend_for(dev);
-        b = be ? malloc(sizeof *b) : NULL;
-        void *data = b ? be->mem_alloc(dev.index, rounded) : NULL;
+        const tdm_device_memory *mem = memory();
+        b = mem ? malloc(sizeof *b) : NULL;
+        void *data = b ? mem->alloc(dev, rounded) : NULL;
         if (!data) {
             free(b);
             pthread_mutex_lock(&p->lock);
@@ -129,14 +139,14 @@ void tdm_alloc_reset_peak(tdm_device dev) {
 
 void tdm_alloc_empty_cache(tdm_device dev) {
     pool *p = pool_of(dev);
-    const tdm_backend *be = tdm_backend_for(dev);
-    if (!p || !be) return;
+    const tdm_device_memory *mem = memory();
+    if (!p || !mem) return;
     pthread_mutex_lock(&p->lock);
     for (int c = 0; c < N_CLASSES; c++) {
         cached *b = (cached *)p->free_list[c];
         while (b) {
             cached *next = b->next;
-            be->mem_free(dev.index, b->s.data, b->s.nbytes);
+            mem->free(dev, b->s.data, b->s.nbytes);
             free(b);
             b = next;
         }

@@ -50,6 +50,16 @@ void tdm_alloc_empty_cache(tdm_device dev);
 /* Counts a system allocation made outside the pools (arenas) in the statistics. */
 void tdm_alloc_count_sys(void);
 
+/* Raw device memory under the pools: a block on a miss, returned by tdm_alloc_empty_cache.
+ * It comes from the device's backend, whose kernels allocate through these pools and so sit
+ * above them: the backend layer registers it as the library loads (src/backend/backend.c),
+ * once; later calls are ignored. alloc returns NULL when it cannot (an error raised or not). */
+typedef struct {
+    void *(*alloc)(tdm_device dev, size_t nbytes);
+    void (*free)(tdm_device dev, void *p, size_t nbytes);
+} tdm_device_memory;
+void tdm_alloc_set_device_memory(const tdm_device_memory *mem);
+
 /* ---- tensors ---------------------------------------------------------------------------- */
 
 /* A tensor header with the current scope as owner (or the caller if none), no storage. */
@@ -82,5 +92,31 @@ tdm_scope *tdm_current_scope(void);
 /* Ends this thread's open scopes and frees its arena and tape: a thread that used scopes
  * (a rank of tdm_spawn, a DataParallel worker) calls it before it exits. */
 void tdm_thread_release(void);
+
+/* ---- hooks autograd registers ----------------------------------------------------------------
+ *
+ * Core is the bottom layer, but two things it owns hold autograd's state: a tensor's
+ * gradient-ready hooks and the tape recorded inside a scope. Autograd registers a function
+ * for each when it first makes such state, so before that there is nothing to call and core
+ * runs without it. Each is set once (later calls are ignored) and read with one atomic load;
+ * a call is one indirect call per freed tensor with hooks or per scope, never per element.
+ * (The allocator's device memory, above, is registered the same way by the backend.) */
+
+/* Frees a tensor's gradient-ready hooks (tdm_tensor.hooks) when tdm_tensor_free frees it.
+ * Registered by autograd as it makes a tensor's first hook (src/autograd/engine.c). */
+typedef void (*tdm_hooks_free_fn)(void *hooks);
+void tdm_tensor_set_hooks_free(tdm_hooks_free_fn fn);
+
+/* The calling thread's autograd tape as step scopes see it: a scope marks the tape's length
+ * when it begins and truncates the tape to that mark when it ends (its nodes live in the
+ * scope's arena); tdm_thread_release frees the thread's tape. Registered by autograd at its
+ * first node (src/autograd/tape.c): until then every thread's tape is empty, so a scope that
+ * began without it marks 0. */
+typedef struct {
+    int (*mark)(void);
+    void (*truncate)(int mark);
+    void (*release)(void);
+} tdm_scope_tape;
+void tdm_scope_set_tape(const tdm_scope_tape *tape);
 
 #endif

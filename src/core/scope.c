@@ -1,9 +1,10 @@
 /* Step scopes: every tensor header, tape node and op context created inside a scope comes
  * from this thread's arena and is released at once by tdm_scope_end. The arena keeps its
  * chunks, so a steady-state step allocates nothing from the system. The tape (the nodes
- * recorded by autograd) is part of the scope too: ending a scope truncates it. */
+ * recorded by autograd, src/autograd/tape.c) is part of the scope too: ending a scope
+ * truncates it, through the tdm_scope_tape autograd registers. */
 #include "core/core.h"
-#include "autograd/tape.h"
+#include "core/hook.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -28,11 +29,19 @@ typedef struct {
     chunk *head, *cur; /* chunk list; cur is the one being filled */
     tdm_scope scopes[MAX_DEPTH];
     int depth;
-    tdm_node **tape;
-    int tape_len, tape_cap, tape_consumed;
 } thread_state;
 
 static _Thread_local thread_state ts;
+static tdm_hook tape_hook;
+
+void tdm_scope_set_tape(const tdm_scope_tape *tape) {
+    tdm_hook_set(&tape_hook, tape);
+}
+
+/* The registered tape, or NULL while no node was ever recorded (every tape is empty). */
+static const tdm_scope_tape *registered_tape(void) {
+    return tdm_hook_get(&tape_hook);
+}
 
 static void *arena_alloc(size_t n) {
     n = (n + 15) & ~(size_t)15;
@@ -67,7 +76,8 @@ int tdm_scope_begin(void) {
     tdm_scope *s = &ts.scopes[ts.depth++];
     s->mark_chunk = ts.cur;
     s->mark_used = ts.cur ? ts.cur->used : 0;
-    s->tape_start = ts.tape_len;
+    const tdm_scope_tape *tp = registered_tape();
+    s->tape_start = tp ? tp->mark() : 0;
     s->tensors = NULL;
     return TDM_OK;
 }
@@ -80,8 +90,8 @@ void tdm_scope_end(void) {
         tdm_storage_release(t->storage);
         if (t->heap_header) free(t);
     }
-    ts.tape_len = s->tape_start;
-    if (ts.tape_consumed > ts.tape_len) ts.tape_consumed = ts.tape_len;
+    const tdm_scope_tape *tp = registered_tape();
+    if (tp) tp->truncate(s->tape_start);
     /* rewind the arena: chunks after the mark become empty */
     chunk *c = s->mark_chunk ? s->mark_chunk : ts.head;
     if (c) c->used = s->mark_chunk ? s->mark_used : 0;
@@ -143,36 +153,6 @@ tdm_tensor *tdm_scope_keep(tdm_tensor *t) {
     return k;
 }
 
-/* ---- the tape ---------------------------------------------------------------------------- */
-
-int tdm_tape_push(tdm_node *n) {
-    if (ts.tape_len == ts.tape_cap) {
-        int cap = ts.tape_cap ? ts.tape_cap * 2 : 1024;
-        tdm_node **t = realloc(ts.tape, (size_t)cap * sizeof *t);
-        if (!t) return tdm_raise(TDM_ERR_NOMEM, "autograd: out of memory growing the tape");
-        tdm_alloc_count_sys();
-        ts.tape = t;
-        ts.tape_cap = cap;
-    }
-    n->index = ts.tape_len;
-    ts.tape[ts.tape_len++] = n;
-    return TDM_OK;
-}
-
-tdm_node **tdm_tape_nodes(int *start, int *end) {
-    *start = ts.tape_consumed;
-    *end = ts.tape_len;
-    return ts.tape;
-}
-
-void tdm_tape_consume(void) {
-    ts.tape_consumed = ts.tape_len;
-}
-
-int tdm_tape_size(void) {
-    return ts.tape_len;
-}
-
 tdm_scope *tdm_current_scope(void) {
     return current();
 }
@@ -184,7 +164,6 @@ void tdm_thread_release(void) {
         free(c);
     }
     ts.head = ts.cur = NULL;
-    free(ts.tape);
-    ts.tape = NULL;
-    ts.tape_len = ts.tape_cap = ts.tape_consumed = 0;
+    const tdm_scope_tape *tp = registered_tape();
+    if (tp) tp->release();
 }

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "autograd/ops_index.h"
+#include "autograd/ops.h"
 #include "backend/backend.h"
 #include "tandem/autograd.h"
 #include "tandem/gpt.h"

@@ -3,22 +3,7 @@
  * (src/backend/cpu/cpu_conv.c, cpu_pool.c). */
 #include "tandem/nn.h"
 
-#include "autograd/tape.h"
-
-/* Frees a temporary (a contiguous copy, an index tensor) made while no scope was open and
- * nothing recorded it; scope-owned temporaries go with their scope. */
-static void drop_temp(tdm_tensor *t, const tdm_tensor *orig) {
-    if (t && t != orig && !t->owner) tdm_tensor_free(t);
-}
-
-/* NULL inputs keep the first error, or report which argument was missing. */
-static bool any_null(const char *op, const char *what, const void *p) {
-    if (p) return false;
-    if (tdm_last_status() == TDM_OK) tdm_raise(TDM_ERR_ARG, "%s: %s is NULL", op, what);
-    return true;
-}
-
-/* ---- conv2d ------------------------------------------------------------------------------ */
+#include "autograd/ops.h"
 
 static tdm_conv2d_args conv_args(const tdm_conv2d_opts *o) {
     tdm_conv2d_opts d = {0};
@@ -114,7 +99,7 @@ static int conv2d_backward(tdm_node *n, tdm_tensor *gy) {
 }
 
 tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_conv2d_opts *o) {
-    if (any_null("conv2d", "input", x) || any_null("conv2d", "weight", w)) return NULL;
+    if (!x || !w) return tdm_null_arg("conv2d", x ? "weight" : "input");
     tdm_conv2d_args a = conv_args(o);
     int64_t ho = 0, wo = 0;
     if (conv_check(x, w, b, &a, &ho, &wo)) return NULL;
@@ -138,12 +123,8 @@ tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_co
         }
         ok = ctx != NULL;
     }
-    if (!record) drop_temp(xc, x), drop_temp(wc, w), drop_temp(bc, b);
-    if (!ok) {
-        if (y && !y->owner) tdm_tensor_free(y);
-        return NULL;
-    }
-    return y;
+    if (!record) tdm_drop_temp(xc, x), tdm_drop_temp(wc, w), tdm_drop_temp(bc, b);
+    return ok ? y : tdm_drop_fail(y);
 }
 
 /* ---- pooling ----------------------------------------------------------------------------- */
@@ -232,7 +213,7 @@ static int avg_pool2d_backward(tdm_node *n, tdm_tensor *gy) {
 }
 
 static tdm_tensor *pool2d(const char *op, tdm_tensor *x, const tdm_pool2d_opts *o, bool is_max) {
-    if (any_null(op, "input", x) || any_null(op, "options", o)) return NULL;
+    if (!x || !o) return tdm_null_arg(op, x ? "options" : "input");
     tdm_pool2d_args a = pool_args(o);
     int64_t ho = 0, wo = 0;
     if (pool_check(op, x, &a, is_max, &ho, &wo)) return NULL;
@@ -255,12 +236,8 @@ static tdm_tensor *pool2d(const char *op, tdm_tensor *x, const tdm_pool2d_opts *
         }
         ok = ctx != NULL;
     }
-    if (!record) drop_temp(xc, x), drop_temp(idx, NULL);
-    if (!ok) {
-        if (y && !y->owner) tdm_tensor_free(y);
-        return NULL;
-    }
-    return y;
+    if (!record) tdm_drop_temp(xc, x), tdm_drop_temp(idx, NULL);
+    return ok ? y : tdm_drop_fail(y);
 }
 
 tdm_tensor *tdm_max_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o) {

@@ -7,7 +7,7 @@
  *             dW [out, in] = dY^T @ X
  *             db [out]     = column sums of dY
  */
-#include "autograd/tape.h"
+#include "autograd/ops.h"
 #include "tandem/nn.h"
 
 /* A 3-D view [1, rows, cols] of a contiguous tensor holding rows*cols elements: the batch
@@ -97,11 +97,7 @@ static int check_linear(const tdm_tensor *x, const tdm_tensor *w, const tdm_tens
 }
 
 tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
-    if (!x || !w) {
-        if (tdm_last_status() == TDM_OK)
-            tdm_raise(TDM_ERR_ARG, "linear: %s is NULL", x ? "weight" : "input");
-        return NULL;
-    }
+    if (!x || !w) return tdm_null_arg("linear", x ? "weight" : "input");
     if (check_linear(x, w, b)) return NULL;
     /* The GEMM wants unit stride in the last dim and a plain row layout. */
     x = tdm_contiguous(x);

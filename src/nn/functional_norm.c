@@ -1,7 +1,7 @@
-/* Functional normalisation, dropout and embedding: argument checks, output allocation,
- * kernel calls and tape nodes. The math is in src/backend/cpu/cpu_norm.c. */
-#include "autograd/ops_index.h"
-#include "parallel/context.h"
+/* Functional normalisation and dropout: argument checks, output allocation, kernel calls and
+ * tape nodes. The math is in src/backend/cpu/cpu_norm.c. */
+#include "autograd/ops.h"
+#include "nn/batch_split.h"
 #include "tandem/nn.h"
 
 /* A contiguous version of an optional tensor (NULL stays NULL without an error). */
@@ -81,17 +81,13 @@ static int check_running(const tdm_tensor *r, const char *what, tdm_shape cs, co
  * the group, so the other ranks fail at their next collective instead of waiting. */
 
 typedef struct {
-    tdm_group *g;
-    double count; /* values per channel over every rank */
+    tdm_batch_split split; /* a copy: the thread's context may change before backward */
+    double count;          /* values per channel over every rank */
 } sync_bn_ctx;
 
-static int sync_fail(tdm_group *g, int rc) {
-    tdm_group_abort(g, tdm_last_error());
+static int sync_fail(const tdm_batch_split *s, int rc) {
+    tdm_batch_split_abort(s, tdm_last_error());
     return rc ? rc : TDM_ERR_ARG;
-}
-
-static int all_reduce_sum(tdm_group *g, tdm_tensor *t) {
-    return tdm_work_wait(tdm_all_reduce(g, t, TDM_SUM));
 }
 
 /* A [n] view of the contiguous buf starting at element at. */
@@ -110,43 +106,43 @@ static int sync_batch_norm_backward(tdm_node *n, tdm_tensor *gout) {
     int64_t c = x->shape[1];
     tdm_tensor *buf = tdm_tensor_alloc(TDM_SHAPE(2 * c), TDM_F32, x->device);
     tdm_tensor *sdy = buf ? part(buf, 0, c) : NULL, *sdx = buf ? part(buf, c, c) : NULL;
-    if (!gy || failed || !sdy || !sdx) return sync_fail(sc->g, tdm_last_status());
+    if (!gy || failed || !sdy || !sdx) return sync_fail(&sc->split, tdm_last_status());
     const tdm_backend *be = tdm_backend_for(x->device);
     tdm_tensor *mean = n->saved[0], *invstd = n->saved[1];
     if (be->batch_norm_backward_reduce(sdy, sdx, g[1], g[2], gy, x, mean, invstd))
-        return sync_fail(sc->g, tdm_last_status());
+        return sync_fail(&sc->split, tdm_last_status());
     /* every rank runs the same graph, so all of them skip or run this collective */
     if (g[0]) {
-        int rc = all_reduce_sum(sc->g, buf);
+        int rc = tdm_batch_split_sum(&sc->split, buf);
         if (rc) return rc;
         if (be->batch_norm_backward_elemt(g[0], gy, x, n->in[1], mean, invstd, sdy, sdx, sc->count))
-            return sync_fail(sc->g, tdm_last_status());
+            return sync_fail(&sc->split, tdm_last_status());
     }
     return accumulate_all(n, g, 3);
 }
 
-/* Global statistics of the contiguous xc [N, C, ...] over g: mean and biased var [C] (new
- * tensors), *count the values per channel. unbiased [C] gets the unbiased variance. */
-static int sync_stats(tdm_group *g, const tdm_backend *be, tdm_tensor *xc, tdm_tensor **mean,
-                      tdm_tensor **var, tdm_tensor **unbiased, double *count) {
+/* Global statistics of the contiguous xc [N, C, ...] over sp's replicas: mean and biased var [C]
+ * (new tensors), *count the values per channel. unbiased [C] gets the unbiased variance. */
+static int sync_stats(const tdm_batch_split *sp, const tdm_backend *be, tdm_tensor *xc,
+                      tdm_tensor **mean, tdm_tensor **var, tdm_tensor **unbiased, double *count) {
     int64_t c = xc->shape[1], s = 1; /* s: values per row and channel */
     for (int i = 2; i < xc->ndim; i++) s *= xc->shape[i];
     tdm_tensor *buf = tdm_tensor_alloc(TDM_SHAPE(c + 1), TDM_F32, xc->device); /* sums, rows */
     tdm_tensor *sums = buf ? part(buf, 0, c) : NULL, *rows = buf ? part(buf, c, 1) : NULL;
     if (!sums || !rows || be->batch_norm_stats(sums, xc, NULL) ||
         be->fill(rows, (double)xc->shape[0]))
-        return sync_fail(g, tdm_last_status());
-    int rc = all_reduce_sum(g, buf);
+        return sync_fail(sp, tdm_last_status());
+    int rc = tdm_batch_split_sum(sp, buf);
     float total_rows = 0;
     if (rc) return rc;
-    if (tdm_to_host(rows, &total_rows, sizeof total_rows)) return sync_fail(g, tdm_last_status());
+    if (tdm_to_host(rows, &total_rows, sizeof total_rows)) return sync_fail(sp, tdm_last_status());
     double m = (double)total_rows * (double)s; /* f32 row counts are exact below 2^24 rows */
     char b[96];
     if (m <= 1) /* the same on every rank: they all fail here, none waits */
         return tdm_raise(TDM_ERR_SHAPE,
                          "batch_norm: expected more than 1 value per channel when training, "
                          "got %.0f over %d ranks (this rank's input %s)",
-                         m, tdm_group_size(g), tdm_shape_str(tdm_shape_of(xc), b));
+                         m, sp->replicas, tdm_shape_str(tdm_shape_of(xc), b));
     tdm_shape cs = TDM_SHAPE(c);
     tdm_tensor *sq = tdm_tensor_alloc(cs, TDM_F32, xc->device);
     *mean = tdm_tensor_alloc(cs, TDM_F32, xc->device);
@@ -155,11 +151,11 @@ static int sync_stats(tdm_group *g, const tdm_backend *be, tdm_tensor *xc, tdm_t
     if (!sq || !*mean || !*var || !*unbiased ||
         be->unary(TDM_UN_MUL_SCALAR, *mean, sums, (float)(1.0 / m)) ||
         be->batch_norm_stats(sq, xc, *mean))
-        return sync_fail(g, tdm_last_status());
-    if ((rc = all_reduce_sum(g, sq))) return rc;
+        return sync_fail(sp, tdm_last_status());
+    if ((rc = tdm_batch_split_sum(sp, sq))) return rc;
     if (be->unary(TDM_UN_MUL_SCALAR, *var, sq, (float)(1.0 / m)) ||
         be->unary(TDM_UN_MUL_SCALAR, *unbiased, sq, (float)(1.0 / (m - 1))))
-        return sync_fail(g, tdm_last_status());
+        return sync_fail(sp, tdm_last_status());
     *count = m;
     return TDM_OK;
 }
@@ -172,13 +168,13 @@ static int update_running(const tdm_backend *be, tdm_tensor *running, const tdm_
     return be->axpy(running, momentum, batch);
 }
 
-static tdm_tensor *sync_batch_norm(tdm_group *g, tdm_tensor *xc, tdm_tensor *running_mean,
-                                   tdm_tensor *running_var, tdm_tensor *w, tdm_tensor *bb,
-                                   float momentum, float eps) {
+static tdm_tensor *sync_batch_norm(const tdm_batch_split *sp, tdm_tensor *xc,
+                                   tdm_tensor *running_mean, tdm_tensor *running_var, tdm_tensor *w,
+                                   tdm_tensor *bb, float momentum, float eps) {
     const tdm_backend *be = tdm_backend_for(xc->device);
     tdm_tensor *mean = NULL, *var = NULL, *unbiased = NULL;
     double count = 0;
-    if (sync_stats(g, be, xc, &mean, &var, &unbiased, &count)) return NULL;
+    if (sync_stats(sp, be, xc, &mean, &var, &unbiased, &count)) return NULL;
     tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, xc->device);
     tdm_tensor *save_mean = tdm_tensor_alloc(tdm_shape_of(mean), TDM_F32, xc->device);
     tdm_tensor *invstd = tdm_tensor_alloc(tdm_shape_of(mean), TDM_F32, xc->device);
@@ -187,7 +183,7 @@ static tdm_tensor *sync_batch_norm(tdm_group *g, tdm_tensor *xc, tdm_tensor *run
         be->batch_norm(y, save_mean, invstd, xc, w, bb, mean, var, false, 0, eps) ||
         update_running(be, running_mean, mean, momentum) ||
         update_running(be, running_var, unbiased, momentum)) {
-        sync_fail(g, tdm_last_status());
+        sync_fail(sp, tdm_last_status());
         return NULL;
     }
     tdm_tensor *in[3] = {xc, w, bb};
@@ -195,10 +191,10 @@ static tdm_tensor *sync_batch_norm(tdm_group *g, tdm_tensor *xc, tdm_tensor *run
         tdm_node *n = tdm_record("sync_batch_norm", sync_batch_norm_backward, y, 3, in);
         sync_bn_ctx *sc = n ? tdm_scope_alloc(sizeof *sc) : NULL;
         if (!sc) {
-            sync_fail(g, tdm_last_status());
+            sync_fail(sp, tdm_last_status());
             return NULL;
         }
-        *sc = (sync_bn_ctx){g, count};
+        *sc = (sync_bn_ctx){*sp, count};
         n->saved[0] = save_mean;
         n->saved[1] = invstd;
         n->ctx = sc;
@@ -211,7 +207,9 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
                            float eps) {
     if (!x) return tdm_null_input("batch_norm");
     /* synchronised batch norm makes temporaries (statistics, views): they need a scope */
-    if (training && tdm_parallel_context() && !tdm_current_scope())
+    tdm_batch_split split;
+    bool split_on = training && tdm_batch_split_current(&split);
+    if (split_on && !tdm_current_scope())
         TDM_RETURN_SCOPED(
             tdm_batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps));
     char b[96];
@@ -227,8 +225,7 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
         check_running(running_mean, "running_mean", cs, x) ||
         check_running(running_var, "running_var", cs, x))
         return NULL;
-    const tdm_parallel_ctx *pc = training ? tdm_parallel_context() : NULL;
-    tdm_group *sync = pc && pc->group && tdm_group_size(pc->group) > 1 ? pc->group : NULL;
+    const tdm_batch_split *sync = split_on && split.replicas > 1 ? &split : NULL;
     int64_t per_channel = x->shape[1] ? tdm_numel(x) / x->shape[1] : 0;
     if (training && !sync && per_channel <= 1)
         return tdm_raise_null(TDM_ERR_SHAPE,
@@ -380,7 +377,7 @@ tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
     tdm_tensor *mask = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
     if (!y || !mask) return NULL;
     uint64_t start = rng->offset, used = (uint64_t)tdm_numel(xc);
-    const tdm_parallel_ctx *pc = tdm_parallel_context();
+    tdm_batch_split split, *pc = tdm_batch_split_current(&split) ? &split : NULL;
     if (pc && xc->ndim >= 1) {
         /* rows [row0, row0 + b) of the global batch: the counters one device would give
          * them, and the whole batch's worth consumed, so every rank's generator moves on
@@ -410,38 +407,4 @@ tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
     }
     tdm_drop_temp(xc, x);
     return y;
-}
-
-/* ---- embedding ---- */
-
-tdm_tensor *tdm_embedding(tdm_tensor *weight, const tdm_tensor *idx) {
-    if (!weight || !idx) return tdm_null_input("embedding");
-    char b1[96];
-    if (tdm_check_f32(weight, "embedding")) return NULL;
-    if (weight->ndim != 2)
-        return tdm_raise_null(TDM_ERR_SHAPE, "embedding: weight must be [num, dim], got %s",
-                              tdm_shape_str(tdm_shape_of(weight), b1));
-    if (tdm_check_index(idx, weight, "embedding")) return NULL;
-    if (idx->ndim + 1 > TDM_MAX_DIMS)
-        return tdm_raise_null(TDM_ERR_SHAPE, "embedding: index %s has too many dims",
-                              tdm_shape_str(tdm_shape_of(idx), b1));
-    /* index_select wants a 1-D index: flatten (copying only a strided one) */
-    const tdm_tensor *ci = idx;
-    if (!tdm_is_contiguous(idx)) {
-        tdm_tensor *c = tdm_empty(tdm_shape_of(idx), idx->dtype, idx->device);
-        if (!c || tdm_copy_(c, idx)) return NULL;
-        ci = c;
-    }
-    int64_t k = tdm_numel(ci), one = 1;
-    tdm_tensor *flat = tdm_tensor_view(ci, 1, &k, &one, ci->offset);
-    if (!flat) return NULL;
-    tdm_tensor *rows = tdm_index_select(weight, 0, flat); /* [k, dim] */
-    tdm_drop_temp(flat, NULL);
-    if (ci != idx) tdm_drop_temp((tdm_tensor *)ci, NULL);
-    if (!rows) return NULL;
-    tdm_shape os = tdm_shape_of(idx);
-    os.d[os.ndim++] = weight->shape[1];
-    tdm_tensor *out = tdm_reshape(rows, os); /* a view: shares rows' storage */
-    tdm_drop_temp(rows, out);
-    return out;
 }

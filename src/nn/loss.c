@@ -6,7 +6,7 @@
  * of per-sample losses by the sum of w[target] over non-ignored samples (the count of them
  * without weights), for the smoothing term too; the kernel returns those w[target] terms.
  */
-#include "autograd/ops_index.h"
+#include "autograd/ops.h"
 #include "tandem/nn.h"
 
 tdm_ce_opts tdm_ce_defaults(void) {

@@ -1,12 +1,14 @@
-/* Causal self-attention as one tape node: qkv [B, T, 3C] -> y [B, T, C].
+/* Functional causal self-attention as one tape node: qkv [B, T, 3C] -> y [B, T, C]. A layer
+ * of a network, so it lives in nn/ (docs/ARCHITECTURE.md, "What lives where").
  *
  * One node instead of the eight of the textbook form (split, three reshapes, matmul, mask,
  * softmax, matmul) means no [B, heads, T, T] tensor is ever stored: the node saves qkv and
  * the per-row log-sum-exp [B, heads, T], and backward recomputes the probabilities one head
  * at a time (see the backend's attention kernels).
  */
-#include "autograd/ops_index.h"
 #include "tandem/nn.h"
+
+#include "autograd/ops.h"
 
 /* in: qkv; saved: lse; arg.i[0]: heads */
 static int attention_backward(tdm_node *n, tdm_tensor *gout) {

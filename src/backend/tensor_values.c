@@ -1,0 +1,145 @@
+/* The functions of tensor.h that run a kernel of the tensor's device: creation with values,
+ * fills, random draws, copies and host transfers. They are the backend layer's, above core
+ * (which makes headers, views and storage), so that core never calls up into the table. */
+#include "backend/backend.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+static const tdm_backend *backend_of(const tdm_tensor *t) {
+    return tdm_backend_for(t->device);
+}
+
+tdm_tensor *tdm_empty(tdm_shape shape, tdm_dtype dt, tdm_device dev) {
+    if (!tdm_backend_for(dev)) return NULL;
+    return tdm_tensor_alloc(shape, dt, dev);
+}
+
+tdm_tensor *tdm_full(tdm_shape shape, float value, tdm_dtype dt, tdm_device dev) {
+    tdm_tensor *t = tdm_empty(shape, dt, dev);
+    if (t && backend_of(t)->fill(t, value) != 0) return NULL;
+    return t;
+}
+
+tdm_tensor *tdm_zeros(tdm_shape shape, tdm_dtype dt, tdm_device dev) {
+    return tdm_full(shape, 0.0f, dt, dev);
+}
+
+tdm_tensor *tdm_ones(tdm_shape shape, tdm_dtype dt, tdm_device dev) {
+    return tdm_full(shape, 1.0f, dt, dev);
+}
+
+tdm_tensor *tdm_from_data(tdm_shape shape, tdm_dtype dt, tdm_device dev, const void *host) {
+    if (!host) return tdm_raise_null(TDM_ERR_ARG, "from_data: NULL host pointer");
+    tdm_tensor *t = tdm_empty(shape, dt, dev);
+    if (t && backend_of(t)->from_host(t, host) != 0) return NULL;
+    return t;
+}
+
+tdm_tensor *tdm_arange(double start, double end, double step, tdm_dtype dt, tdm_device dev) {
+    if (step == 0 || !isfinite(start) || !isfinite(end) || !isfinite(step))
+        return tdm_raise_null(TDM_ERR_ARG, "arange: invalid range (%g, %g, step %g)", start, end,
+                              step);
+    double count = ceil((end - start) / step);
+    int64_t n = count > 0 ? (int64_t)count : 0;
+    tdm_tensor *t = tdm_empty(TDM_SHAPE(n), dt, dev);
+    if (!t) return NULL;
+    /* Built on the host once: arange is for setup, not for a step's hot path. */
+    size_t es = tdm_dtype_size(dt);
+    void *h = malloc((size_t)n * es + 1);
+    if (!h) return tdm_raise_null(TDM_ERR_NOMEM, "arange: out of memory");
+    for (int64_t i = 0; i < n; i++) {
+        double v = start + (double)i * step;
+        if (dt == TDM_F32)
+            ((float *)h)[i] = (float)v;
+        else if (dt == TDM_I32)
+            ((int32_t *)h)[i] = (int32_t)v;
+        else
+            ((int64_t *)h)[i] = (int64_t)v;
+    }
+    int rc = backend_of(t)->from_host(t, h);
+    free(h);
+    return rc ? NULL : t;
+}
+
+static int draw(tdm_tensor *t, int dist, float a, float b, tdm_rng *rng) {
+    if (!t) return tdm_last_status();
+    if (tdm_check_f32(t, dist ? "normal_" : "uniform_")) return TDM_ERR_DTYPE;
+    if (!rng) rng = tdm_default_rng();
+    int rc = backend_of(t)->random(t, dist, a, b, rng->seed, rng->offset);
+    /* each element consumes one counter; round up so draws never overlap */
+    rng->offset += (uint64_t)tdm_numel(t) + 4;
+    return rc;
+}
+
+int tdm_uniform_(tdm_tensor *t, float low, float high, tdm_rng *rng) {
+    return draw(t, 0, low, high, rng);
+}
+
+int tdm_normal_(tdm_tensor *t, float mean, float std, tdm_rng *rng) {
+    return draw(t, 1, mean, std, rng);
+}
+
+tdm_tensor *tdm_randn(tdm_shape shape, float mean, float std, tdm_device dev, tdm_rng *rng) {
+    tdm_tensor *t = tdm_empty(shape, TDM_F32, dev);
+    return t && draw(t, 1, mean, std, rng) == 0 ? t : NULL;
+}
+
+tdm_tensor *tdm_rand(tdm_shape shape, float low, float high, tdm_device dev, tdm_rng *rng) {
+    tdm_tensor *t = tdm_empty(shape, TDM_F32, dev);
+    return t && draw(t, 0, low, high, rng) == 0 ? t : NULL;
+}
+
+int tdm_fill_(tdm_tensor *t, float value) {
+    if (!t) return tdm_raise(TDM_ERR_ARG, "fill_: NULL tensor");
+    return backend_of(t)->fill(t, value);
+}
+
+int tdm_copy_(tdm_tensor *dst, const tdm_tensor *src) {
+    if (!dst || !src) return tdm_raise(TDM_ERR_ARG, "copy_: NULL tensor");
+    char a[96], b[96];
+    if (!tdm_same_shape(dst, src))
+        return tdm_raise(TDM_ERR_SHAPE, "copy_: shapes differ (dst %s, src %s)",
+                         tdm_shape_str(tdm_shape_of(dst), a), tdm_shape_str(tdm_shape_of(src), b));
+    if (tdm_check_same_device(dst, src, "copy_")) return TDM_ERR_DEVICE;
+    return backend_of(dst)->copy(dst, src);
+}
+
+int tdm_to_host(const tdm_tensor *t, void *host, size_t nbytes) {
+    if (!t || !host) return tdm_raise(TDM_ERR_ARG, "to_host: NULL argument");
+    size_t need = (size_t)tdm_numel(t) * tdm_dtype_size(t->dtype);
+    if (nbytes < need)
+        return tdm_raise(TDM_ERR_ARG, "to_host: buffer of %zu bytes, tensor needs %zu", nbytes,
+                         need);
+    return backend_of(t)->to_host(host, t);
+}
+
+float tdm_item(const tdm_tensor *t) {
+    if (!t) return NAN;
+    if (tdm_numel(t) != 1) {
+        char b[96];
+        tdm_raise(TDM_ERR_SHAPE, "item: tensor of shape %s has more than one element",
+                  tdm_shape_str(tdm_shape_of(t), b));
+        return NAN;
+    }
+    if (t->dtype == TDM_F32) {
+        float v;
+        return backend_of(t)->to_host(&v, t) ? NAN : v;
+    }
+    int64_t v64 = 0;
+    int32_t v32 = 0;
+    if (backend_of(t)->to_host(t->dtype == TDM_I64 ? (void *)&v64 : (void *)&v32, t)) return NAN;
+    return t->dtype == TDM_I64 ? (float)v64 : (float)v32;
+}
+
+tdm_tensor *tdm_clone(const tdm_tensor *t) {
+    if (!t) return NULL;
+    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(t), t->dtype, t->device);
+    return c && backend_of(c)->copy(c, t) == 0 ? c : NULL;
+}
+
+tdm_tensor *tdm_cast(const tdm_tensor *t, tdm_dtype dt) {
+    if (!t) return NULL;
+    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(t), dt, t->device);
+    return c && backend_of(c)->copy(c, t) == 0 ? c : NULL;
+}

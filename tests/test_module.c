@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "gradcheck.h"
+#include "core/core.h"
 #include "fixtures/init_fixtures.h"
 
 static float *host_copy(const tdm_tensor *t) {
@@ -444,7 +445,8 @@ static void test_built_in_scope(void) {
     tdm_module *lin = tdm_linear_new(3, 2, true, tdm_cpu(0), &r);
     tdm_paramset *ps = tdm_module_parameters(lin);
     tdm_scope_end();
-    CHECK(lin && ps && !lin->params[0]->owner && !ps->flat->owner && !ps->params[1]->grad->owner,
+    CHECK(lin && ps && !tdm_book(lin->params[0])->owner && !tdm_book(ps->flat)->owner &&
+              !tdm_book(ps->params[1]->grad)->owner,
           "module tensors are caller-owned");
     tdm_scope_begin();
     tdm_tensor *y = tdm_module_forward(lin, tdm_ones(TDM_SHAPE(2, 3), TDM_F32, tdm_cpu(0)));

@@ -2,6 +2,7 @@
  * running statistics over three training steps, gradients), gradchecks of every op with
  * non-contiguous inputs, dropout's determinism, and error messages. */
 #include "gradcheck.h"
+#include "core/core.h"
 
 #include "fixtures/norm_fixtures.h"
 
@@ -323,19 +324,19 @@ static void test_no_scope(void) {
     tdm_tensor *rv = tdm_ones(TDM_SHAPE(3), TDM_F32, tdm_cpu(0));
     tdm_tensor *y = tdm_batch_norm(x, rm, rv, NULL, NULL, true, 0.1f, 1e-5f);
     float e[6] = {-1, -1, -1, 1, 1, 1};
-    CHECK(y && !y->owner, "batch_norm without a scope: %s", tdm_last_error());
+    CHECK(y && !tdm_book(y)->owner, "batch_norm without a scope: %s", tdm_last_error());
     if (y) check_tensor_close(y, e, 1e-4, 0, "batch_norm no scope");
     tdm_tensor *l = tdm_layer_norm(x, 1, NULL, NULL, 1e-5f);
-    CHECK(l && !l->owner, "layer_norm without a scope: %s", tdm_last_error());
+    CHECK(l && !tdm_book(l)->owner, "layer_norm without a scope: %s", tdm_last_error());
     int64_t iv[2] = {1, 1};
     tdm_tensor *idx = i64(TDM_SHAPE(2), iv);
     tdm_tensor *em = tdm_embedding(x, idx);
     float ee[6] = {4, 5, 6, 4, 5, 6};
-    CHECK(em && !em->owner, "embedding without a scope: %s", tdm_last_error());
+    CHECK(em && !tdm_book(em)->owner, "embedding without a scope: %s", tdm_last_error());
     tdm_tensor_free(idx); /* the result shares the weight's values, not the index */
     if (em) check_tensor_close(em, ee, 0, 0, "embedding no scope");
     tdm_tensor *d = tdm_dropout(x, 0.5f, true, NULL);
-    CHECK(d && !d->owner, "dropout without a scope: %s", tdm_last_error());
+    CHECK(d && !tdm_book(d)->owner, "dropout without a scope: %s", tdm_last_error());
     tdm_tensor_free(d);
     tdm_tensor_free(em);
     tdm_tensor_free(l);

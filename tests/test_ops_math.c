@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "gradcheck.h"
+#include "core/core.h"
 
 #include "backend/backend.h"
 
@@ -799,7 +800,8 @@ static void test_recording(void) {
     tdm_tensor *m = tdm_sum(xt, 1, false);
     tdm_tensor *am = NULL;
     tdm_tensor *mx = tdm_max(xt, 0, true, &am);
-    CHECK(s && m && mx && am && !s->owner && !am->owner, "ops work without a scope");
+    CHECK(s && m && mx && am && !tdm_book(s)->owner && !tdm_book(am)->owner,
+          "ops work without a scope");
     tdm_tensor_free(s);
     tdm_tensor_free(m);
     tdm_tensor_free(mx);

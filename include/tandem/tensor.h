@@ -153,13 +153,8 @@ typedef struct tdm_tensor {
     bool requires_grad;
     struct tdm_tensor *grad; /* leaf: accumulated gradient (same owner as the tensor) */
     tdm_node *grad_fn;       /* the tape node that produced it; NULL for a leaf */
-    /* bookkeeping */
-    tdm_scope *owner;              /* NULL: owned by the caller */
-    bool heap_header;              /* scope-owned, but the header was malloc'd */
-    struct tdm_tensor *next;       /* owner's list */
-    struct tdm_tensor *ready_next; /* autograd: leaves whose gradient is final together */
-    int32_t last_use;              /* autograd: first tape index that reads this leaf */
-    void *hooks;                   /* autograd: gradient-ready hooks */
+    /* the library's bookkeeping (the scope that owns it, autograd's lists): not for users */
+    _Alignas(8) unsigned char internal_[48];
 } tdm_tensor;
 
 int64_t tdm_numel(const tdm_tensor *t);

@@ -98,7 +98,7 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     }
     /* a leaf: .grad lives as long as the leaf itself */
     if (!t->grad) {
-        t->grad = tdm_tensor_alloc_owned(tdm_shape_of(t), TDM_F32, t->device, t->owner);
+        t->grad = tdm_tensor_alloc_owned(tdm_shape_of(t), TDM_F32, t->device, tdm_book(t)->owner);
         if (!t->grad) return tdm_last_status();
         return tdm_backend_for(t->device)->copy(t->grad, g);
     }
@@ -135,9 +135,9 @@ static void hook_list_free(void *hooks) {
 int tdm_register_grad_hook(tdm_tensor *leaf, tdm_grad_hook hook, void *ctx) {
     if (!leaf || !hook) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: NULL argument");
     if (leaf->grad_fn) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: not a leaf tensor");
-    hook_list *h = leaf->hooks;
+    hook_list *h = tdm_book(leaf)->hooks;
     if (!h) {
-        if (!(h = leaf->hooks = calloc(1, sizeof *h)))
+        if (!(h = tdm_book(leaf)->hooks = calloc(1, sizeof *h)))
             return tdm_raise(TDM_ERR_NOMEM, "register_grad_hook: out of memory");
         tdm_tensor_set_hooks_free(hook_list_free); /* tdm_tensor_free frees them */
     }
@@ -150,12 +150,12 @@ int tdm_register_grad_hook(tdm_tensor *leaf, tdm_grad_hook hook, void *ctx) {
 
 void tdm_clear_grad_hooks(tdm_tensor *leaf) {
     if (!leaf) return;
-    hook_list_free(leaf->hooks);
-    leaf->hooks = NULL;
+    hook_list_free(tdm_book(leaf)->hooks);
+    tdm_book(leaf)->hooks = NULL;
 }
 
 static void fire_hooks(tdm_tensor *leaf) {
-    hook_list *h = leaf->hooks;
+    hook_list *h = tdm_book(leaf)->hooks;
     for (int i = 0; h && i < h->n; i++) h->fn[i](leaf, h->ctx[i]);
 }
 
@@ -175,14 +175,14 @@ static tdm_tensor **ready_lists(tdm_node **tape, int start, int end) {
     for (int i = start; i < end; i++)
         for (int j = 0; j < tape[i]->n_in; j++) {
             tdm_tensor *x = tape[i]->in[j];
-            if (x && x->requires_grad && !x->grad_fn) x->last_use = -1;
+            if (x && x->requires_grad && !x->grad_fn) tdm_book(x)->last_use = -1;
         }
     for (int i = start; i < end; i++)
         for (int j = 0; j < tape[i]->n_in; j++) {
             tdm_tensor *x = tape[i]->in[j];
-            if (!x || !x->requires_grad || x->grad_fn || x->last_use >= 0) continue;
-            x->last_use = i;
-            x->ready_next = heads[i - start];
+            if (!x || !x->requires_grad || x->grad_fn || tdm_book(x)->last_use >= 0) continue;
+            tdm_book(x)->last_use = i;
+            tdm_book(x)->ready_next = heads[i - start];
             heads[i - start] = x;
         }
     return heads;
@@ -201,9 +201,10 @@ static int walk(int top, int stop, tdm_tensor **heads) {
             rc = n->backward(n, n->gout);
             n->gout = NULL; /* the step scope frees it; a node runs once */
         }
-        for (tdm_tensor *x = heads ? heads[i - stop] : NULL; x && rc == TDM_OK; x = x->ready_next) {
+        for (tdm_tensor *x = heads ? heads[i - stop] : NULL; x && rc == TDM_OK;
+             x = tdm_book(x)->ready_next) {
             if (x->grad) fire_hooks(x);
-            x->last_use = -1;
+            tdm_book(x)->last_use = -1;
         }
     }
     return rc;
@@ -295,7 +296,7 @@ int tdm_backward_from(tdm_tensor *out, tdm_tensor *grad, int mark) {
 
 /* Drops t's reference to its storage now; the scope later finds no storage to release. */
 static void release_now(tdm_tensor *t) {
-    if (!t || !t->owner || !t->storage) return;
+    if (!t || !tdm_book(t)->owner || !t->storage) return;
     if (t->requires_grad && !t->grad_fn) return; /* a leaf: its .grad is read later */
     tdm_storage_release(t->storage);
     t->storage = NULL;

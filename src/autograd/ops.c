@@ -32,7 +32,7 @@ int tdm_broadcast_shapes(const tdm_tensor *a, const tdm_tensor *b, tdm_shape *ou
 /* An index tensor the tape may read at backward time: a caller-owned one could be freed
  * before then, so it is copied into the current scope. */
 tdm_tensor *tdm_index_keep(const tdm_tensor *idx) {
-    if (idx->owner) return (tdm_tensor *)idx;
+    if (tdm_book(idx)->owner) return (tdm_tensor *)idx;
     return tdm_clone(idx);
 }
 

@@ -25,7 +25,7 @@ static inline tdm_tensor *tdm_null_arg(const char *op, const char *what) {
 /* Frees an op's temporary when no scope owns it (ops called outside a step scope), unless it
  * is keep (an input the op returned or was handed). With a scope open this does nothing. */
 static inline void tdm_drop_temp(tdm_tensor *tmp, const tdm_tensor *keep) {
-    if (tmp && tmp != keep && !tmp->owner) tdm_tensor_free(tmp);
+    if (tmp && tmp != keep && !tdm_book(tmp)->owner) tdm_tensor_free(tmp);
 }
 
 /* Frees out (see tdm_drop_temp) and returns NULL, for the failure paths after making it. */

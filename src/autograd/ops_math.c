@@ -26,9 +26,7 @@ static tdm_tensor stack_view(const tdm_tensor *t, int ndim, const int64_t *shape
     v.requires_grad = false;
     v.grad = NULL;
     v.grad_fn = NULL;
-    v.owner = NULL;
-    v.next = v.ready_next = NULL;
-    v.hooks = NULL;
+    memset(v.internal_, 0, sizeof v.internal_); /* owned by nobody, on no list */
     return v;
 }
 

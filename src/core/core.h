@@ -13,6 +13,31 @@ int tdm_raise(tdm_status status, const char *fmt, ...) __attribute__((format(pri
 /* Same, returning NULL, for functions that return pointers. */
 void *tdm_raise_null(tdm_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* ---- a tensor's bookkeeping -------------------------------------------------------------- */
+
+/* What the library keeps in tdm_tensor's opaque internal_ bytes. */
+typedef struct {
+    tdm_scope *owner;       /* NULL: owned by the caller */
+    bool heap_header;       /* scope-owned, but the header was malloc'd */
+    tdm_tensor *next;       /* owner's list */
+    tdm_tensor *ready_next; /* autograd: leaves whose gradient is final together */
+    int32_t last_use;       /* autograd: first tape index that reads this leaf */
+    void *hooks;            /* autograd: gradient-ready hooks */
+} tdm_tensor_book;
+
+#ifdef __cplusplus
+static_assert(sizeof(tdm_tensor_book) <= sizeof(((tdm_tensor *)0)->internal_),
+              "tdm_tensor_book outgrew tdm_tensor.internal_");
+#else
+_Static_assert(sizeof(tdm_tensor_book) <= sizeof(((tdm_tensor *)0)->internal_),
+               "tdm_tensor_book outgrew tdm_tensor.internal_");
+#endif
+
+/* t's bookkeeping (a view copied by value carries its source's, as the fields did). */
+static inline tdm_tensor_book *tdm_book(const tdm_tensor *t) {
+    return (tdm_tensor_book *)(void *)t->internal_;
+}
+
 /* ---- storage and the caching allocator -------------------------------------------------- */
 
 /* A storage's layout is C's alone: its count is a C11 atomic, which C++ cannot parse (the
@@ -102,7 +127,7 @@ void tdm_thread_release(void);
  * a call is one indirect call per freed tensor with hooks or per scope, never per element.
  * (The allocator's device memory, above, is registered the same way by the backend.) */
 
-/* Frees a tensor's gradient-ready hooks (tdm_tensor.hooks) when tdm_tensor_free frees it.
+/* Frees a tensor's gradient-ready hooks (tdm_book(t)->hooks) when tdm_tensor_free frees it.
  * Registered by autograd as it makes a tensor's first hook (src/autograd/engine.c). */
 typedef void (*tdm_hooks_free_fn)(void *hooks);
 void tdm_tensor_set_hooks_free(tdm_hooks_free_fn fn);

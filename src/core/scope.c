@@ -22,7 +22,7 @@ struct tdm_scope {
     chunk *mark_chunk; /* arena position at begin */
     size_t mark_used;
     int tape_start;
-    tdm_tensor *tensors; /* owned tensors, linked through ->next */
+    tdm_tensor *tensors; /* owned tensors, linked through their tdm_book(t)->next */
 };
 
 typedef struct {
@@ -86,9 +86,9 @@ void tdm_scope_end(void) {
     tdm_scope *s = current();
     if (!s) return;
     for (tdm_tensor *t = s->tensors, *next; t; t = next) {
-        next = t->next;
+        next = tdm_book(t)->next;
         tdm_storage_release(t->storage);
-        if (t->heap_header) free(t);
+        if (tdm_book(t)->heap_header) free(t);
     }
     const tdm_scope_tape *tp = registered_tape();
     if (tp) tp->truncate(s->tape_start);
@@ -113,10 +113,10 @@ tdm_tensor *tdm_tensor_header(void) {
     tdm_scope *s = current();
     tdm_tensor *t = s ? arena_alloc(sizeof *t) : calloc(1, sizeof *t);
     if (!t) return tdm_raise_null(TDM_ERR_NOMEM, "tensor: out of memory for a header");
-    t->owner = s;
-    t->last_use = -1;
+    tdm_book(t)->owner = s;
+    tdm_book(t)->last_use = -1;
     if (s) {
-        t->next = s->tensors;
+        tdm_book(t)->next = s->tensors;
         s->tensors = t;
     }
     return t;
@@ -126,11 +126,11 @@ tdm_tensor *tdm_tensor_header_owned(tdm_scope *owner) {
     if (owner == current()) return tdm_tensor_header();
     tdm_tensor *t = calloc(1, sizeof *t);
     if (!t) return tdm_raise_null(TDM_ERR_NOMEM, "tensor: out of memory for a header");
-    t->last_use = -1;
-    t->owner = owner;
+    tdm_book(t)->last_use = -1;
+    tdm_book(t)->owner = owner;
     if (owner) { /* an outer scope: its arena is closed, so the header lives on the heap */
-        t->heap_header = true;
-        t->next = owner->tensors;
+        tdm_book(t)->heap_header = true;
+        tdm_book(t)->next = owner->tensors;
         owner->tensors = t;
     }
     return t;
@@ -138,16 +138,16 @@ tdm_tensor *tdm_tensor_header_owned(tdm_scope *owner) {
 
 tdm_tensor *tdm_scope_keep(tdm_tensor *t) {
     if (!t) return NULL;
-    if (!t->owner) return t;
+    if (!tdm_book(t)->owner) return t;
     tdm_tensor *k = calloc(1, sizeof *k);
     if (!k) return tdm_raise_null(TDM_ERR_NOMEM, "scope: out of memory keeping a tensor");
     *k = *t;
-    k->owner = NULL;
-    k->next = NULL;
+    tdm_book(k)->owner = NULL;
+    tdm_book(k)->next = NULL;
     k->grad_fn = NULL; /* the history dies with the scope */
     k->grad = NULL;
-    k->hooks = NULL;
-    k->last_use = -1;
+    tdm_book(k)->hooks = NULL;
+    tdm_book(k)->last_use = -1;
     tdm_storage_retain(k->storage);
     if (t->grad) k->grad = tdm_scope_keep(t->grad);
     return k;

@@ -133,12 +133,13 @@ void tdm_tensor_set_hooks_free(tdm_hooks_free_fn fn) {
 
 void tdm_tensor_free(tdm_tensor *t) {
     if (!t) return;
-    if (t->owner) {
+    if (tdm_book(t)->owner) {
         tdm_raise(TDM_ERR_STATE, "tensor_free: tensor belongs to a scope; tdm_scope_end frees it");
         return;
     }
-    if (t->grad && !t->grad->owner) tdm_tensor_free(t->grad);
-    if (t->hooks) atomic_load_explicit(&hooks_free, memory_order_acquire)(t->hooks);
+    if (t->grad && !tdm_book(t->grad)->owner) tdm_tensor_free(t->grad);
+    if (tdm_book(t)->hooks)
+        atomic_load_explicit(&hooks_free, memory_order_acquire)(tdm_book(t)->hooks);
     tdm_storage_release(t->storage);
     free(t);
 }

@@ -479,7 +479,7 @@ tdm_tensor *tdm_safetensors_load(tdm_safetensors *f, const char *name, tdm_devic
     tdm_tensor *t = tdm_empty(tdm_safetensors_shape(f, i), dt, dev);
     if (!t) return NULL;
     if (tdm_safetensors_read(f, name, t)) {
-        if (!t->owner) tdm_tensor_free(t);
+        if (!tdm_book(t)->owner) tdm_tensor_free(t);
         return NULL;
     }
     return t;

@@ -25,7 +25,7 @@ static void destroy_impl(tdm_module *m) {
 
 /* A caller-owned tensor even when a step scope is open (modules own their tensors). */
 static tdm_tensor *owned(tdm_tensor *t) {
-    return t && t->owner ? tdm_scope_keep(t) : t;
+    return t && tdm_book(t)->owner ? tdm_scope_keep(t) : t;
 }
 
 static tdm_tensor *uniform_param(tdm_shape s, float bound, tdm_device dev, tdm_rng *rng) {

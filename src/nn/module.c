@@ -16,7 +16,7 @@
 /* Tensors the module keeps must be caller-owned even when a step scope is open: a
  * scope-owned one is replaced by a caller-owned header (tdm_scope_keep) for the same data. */
 static tdm_tensor *own(tdm_tensor *t) {
-    return t && t->owner ? tdm_scope_keep(t) : t;
+    return t && tdm_book(t)->owner ? tdm_scope_keep(t) : t;
 }
 
 static char *dup_str(const char *s) {
@@ -254,8 +254,7 @@ static tdm_tensor flat_view(const tdm_tensor *flat, const tdm_tensor *p, int64_t
     v.requires_grad = false;
     v.grad = NULL;
     v.grad_fn = NULL;
-    v.owner = NULL;
-    v.next = NULL;
+    memset(v.internal_, 0, sizeof v.internal_); /* owned by nobody, on no list */
     return v;
 }
 

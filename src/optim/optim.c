@@ -43,7 +43,7 @@ tdm_adam_opts tdm_adamw_defaults(void) {
 /* A zeroed caller-owned state buffer like ps->flat. */
 static tdm_tensor *state_buffer(const tdm_paramset *ps) {
     tdm_tensor *t = tdm_zeros(TDM_SHAPE(ps->total), TDM_F32, ps->flat->device);
-    return t && t->owner ? tdm_scope_keep(t) : t;
+    return t && tdm_book(t)->owner ? tdm_scope_keep(t) : t;
 }
 
 static int check_paramset(const tdm_paramset *ps, const char *op) {

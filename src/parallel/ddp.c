@@ -143,7 +143,7 @@ static int make_buckets(tdm_ddp *d) {
         bk->view = *ps->flat_grad;
         bk->view.shape[0] = bk->hi - bk->lo;
         bk->view.offset = ps->flat_grad->offset + bk->lo;
-        bk->view.grad = NULL, bk->view.grad_fn = NULL, bk->view.hooks = NULL;
+        bk->view.grad = NULL, bk->view.grad_fn = NULL, tdm_book(&bk->view)->hooks = NULL;
     }
     return TDM_OK;
 }

@@ -166,7 +166,7 @@ static void grad_sink(tdm_tensor *grad, void *arg) {
 
 /* Drops a tensor's memory before the step scope ends (its header stays in the scope). */
 static void release_early(tdm_tensor *t) {
-    if (t && t->owner && t->storage) {
+    if (t && tdm_book(t)->owner && t->storage) {
         tdm_storage_release(t->storage);
         t->storage = NULL;
     }

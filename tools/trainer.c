@@ -20,53 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "progress.h"
-#include "sink.h"
-
-#define SYNC_STEPS 16
-#define EVAL_BATCH 1000
-#define ID_CAP     2048 /* bytes of train_identity's string */
-
-typedef struct {
-    const train_opts *o;
-    task *task;
-    tdm_device dev;
-    tdm_group *g; /* under mpirun: every process, each training a share of the batch */
-    bool silent;  /* a rank other than 0: prints and writes nothing */
-    tdm_loader *train_l, *test_l;
-    tdm_paramset *ps;
-    tdm_optim *opt; /* with several devices: replica 0's (the others follow it) */
-    tdm_dp *dp;     /* several devices: the replicas and their threads */
-    tdm_pipe *pipe; /* --model-split: the stages (and their replicas) and their threads */
-    tdm_ddp *ddp;   /* one device per process under mpirun */
-    tdm_sched sched;
-    sinks out;
-    progress prog;
-    int64_t accum, steps_per_epoch, global_step;
-    /* checkpoints: where a resumed run starts, and its epoch's totals before it */
-    int start_epoch;
-    int64_t resume_step, last_saved;
-    double resume_loss_sum;
-    int64_t resume_correct, resume_samples;
-    bool stopped;    /* --max-steps reached, or a stop signal */
-    int stop_signal; /* SIGTERM or SIGINT that stopped the run (every process agrees), or 0 */
-    /* device-side records of the current chunk of steps, and their host copies */
-    tdm_tensor *loss_buf;            /* [SYNC_STEPS * accum] f32: each batch's mean loss */
-    tdm_tensor *pred_buf;            /* [SYNC_STEPS * accum * B] i64 */
-    float *loss_host;                /* [SYNC_STEPS * accum] */
-    double *time_host, *lr_host;     /* [SYNC_STEPS] */
-    int64_t *size_host;              /* [SYNC_STEPS] samples of each step */
-    int64_t *pred_host, *label_host; /* [max(SYNC_STEPS * accum * B, EVAL_BATCH)] */
-    int chunk_steps, micro;
-    int64_t chunk_samples;
-    double t_last; /* when the previous step ended */
-    /* the epoch so far, and the window since the last progress line */
-    double loss_sum; /* sum of each step's mean loss times its samples */
-    int64_t correct, samples, steps_planned, every;
-    double win_loss, win_t0;
-    int64_t win_steps, win_samples;
-    epoch_stats last; /* the last finished epoch */
-} trainer;
+#include "trainer_state.h"
 
 static int64_t count_correct(const int64_t *pred, const int64_t *label, int64_t n) {
     int64_t c = 0;
@@ -179,146 +133,6 @@ static int make_buffers(trainer *tr) {
     if (!tr->loss_host || !tr->time_host || !tr->lr_host || !tr->size_host || !tr->pred_host ||
         !tr->label_host)
         return task_error("out of memory for step buffers");
-    return 0;
-}
-
-/* ---- checkpoints ------------------------------------------------------------------------ */
-
-/* Under MPI, v[0..n) summed over the processes (every process calls it at the same steps). */
-static int sum_over_processes(trainer *tr, double *v, int n) {
-    float f[4];
-    for (int i = 0; i < n; i++) f[i] = (float)v[i];
-    tdm_tensor *s = tdm_from_data(TDM_SHAPE(n), TDM_F32, tdm_cpu(0), f);
-    int rc = s ? tdm_work_wait(tdm_all_reduce(tr->g, s, TDM_SUM)) : tdm_last_status();
-    if (!rc) rc = tdm_to_host(s, f, sizeof(float) * (size_t)n);
-    tdm_tensor_free(s);
-    for (int i = 0; !rc && i < n; i++) v[i] = f[i];
-    return rc ? task_error("summing over the processes: %s", tdm_last_error()) : 0;
-}
-
-/* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
- * the epoch's running totals (summed over the processes) so that a resumed epoch reports the
- * same loss and accuracy, and the task's own files of the model. */
-static int save_checkpoint(trainer *tr) {
-    const train_opts *o = tr->o;
-    if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
-    double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
-    if (tr->g && sum_over_processes(tr, tot, 3)) return EXIT_RUNTIME;
-    tr->last_saved = tr->global_step;
-    if (tr->silent) return 0; /* rank 0 writes; every rank loads */
-    char loss[64], correct[32], samples[32];
-    snprintf(loss, sizeof loss, "%a", tot[0]);
-    snprintf(correct, sizeof correct, "%lld", (long long)tot[1]);
-    snprintf(samples, sizeof samples, "%lld", (long long)tot[2]);
-    char id[ID_CAP];
-    if (train_identity(o, id, sizeof id)) return task_error("checkpoint: options too long");
-    tdm_meta meta[4] = {{"epoch_loss_sum", loss},
-                        {"epoch_correct", correct},
-                        {"epoch_images", samples},
-                        {"run.options", id}};
-    tdm_train_state s = {.model = tr->task->model,
-                         .optim = tr->opt,
-                         .loader = tr->train_l,
-                         .rng = tdm_default_rng(),
-                         .step = tr->global_step,
-                         .meta = meta,
-                         .n_meta = 4};
-    if (tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep) != TDM_OK)
-        return task_error("checkpoint: %s", tdm_last_error());
-    return tr->task->save ? tr->task->save(tr->task, o, o->checkpoint_dir) : 0;
-}
-
-/* The epoch's totals saved with a checkpoint: rank 0 resumes with them (under MPI the others
- * start from 0, so the epoch's sum over the processes is right again). */
-static void resume_totals(trainer *tr, const char *path) {
-    char v[64];
-    if (tr->g && tdm_group_rank(tr->g) != 0) return;
-    if (tdm_checkpoint_meta(path, "epoch_loss_sum", v, sizeof v) == 1)
-        tr->resume_loss_sum = strtod(v, NULL);
-    if (tdm_checkpoint_meta(path, "epoch_correct", v, sizeof v) == 1)
-        tr->resume_correct = strtoll(v, NULL, 10);
-    if (tdm_checkpoint_meta(path, "epoch_images", v, sizeof v) == 1)
-        tr->resume_samples = strtoll(v, NULL, 10);
-}
-
-/* Whether the checkpoint at path was written by a run of these options (those that shape its
- * results: train_identity); a checkpoint from before they were recorded is taken as it is. */
-static int same_run(const train_opts *o, const char *path) {
-    char saved[ID_CAP], now[ID_CAP], diff[2048];
-    int got = tdm_checkpoint_meta(path, "run.options", saved, sizeof saved);
-    if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
-    if (got == 0 || train_identity(o, now, sizeof now)) return 0;
-    if (!train_identity_diff(saved, now, "in the checkpoint", "now", diff, sizeof diff)) return 0;
-    return train_usage_error("--resume from '%s': the run was started with other options: %s. "
-                             "Give the interrupted run's options again (--epochs, --max-steps, "
-                             "--lr, --devices, --workers and the outputs may change)",
-                             path, diff);
-}
-
-/* Under mpirun: every process must have been started with the same options (those that shape
- * the results); each compares every process's with rank 0's, so all stop with one message. */
-static int same_options_everywhere(trainer *tr) {
-    int n = tdm_group_size(tr->g);
-    char mine[ID_CAP] = "";
-    if (train_identity(tr->o, mine, sizeof mine)) return task_error("options too long");
-    int32_t *all = calloc((size_t)n * ID_CAP, sizeof(int32_t)), one[ID_CAP] = {0};
-    for (int i = 0; mine[i]; i++) one[i] = (unsigned char)mine[i];
-    tdm_tensor *in = all ? tdm_from_data(TDM_SHAPE(ID_CAP), TDM_I32, tdm_cpu(0), one) : NULL;
-    tdm_tensor *out = in ? tdm_zeros(TDM_SHAPE((int64_t)n * ID_CAP), TDM_I32, tdm_cpu(0)) : NULL;
-    int rc = out ? tdm_work_wait(tdm_all_gather(tr->g, out, in)) : tdm_last_status();
-    if (!rc) rc = tdm_to_host(out, all, sizeof(int32_t) * (size_t)n * ID_CAP);
-    tdm_tensor_free(in);
-    tdm_tensor_free(out);
-    char first[ID_CAP], other[ID_CAP], diff[2048], a[32], b[32];
-    for (int r = 0; !rc && r < n; r++) {
-        char *id = r ? other : first;
-        for (int i = 0; i < ID_CAP; i++) id[i] = (char)all[(size_t)r * ID_CAP + i];
-        id[ID_CAP - 1] = '\0';
-        snprintf(a, sizeof a, "on rank 0"), snprintf(b, sizeof b, "on rank %d", r);
-        if (r && train_identity_diff(first, other, a, b, diff, sizeof diff)) rc = 1;
-    }
-    free(all);
-    if (rc < 0) return task_error("comparing the processes' options: %s", tdm_last_error());
-    return rc ? train_usage_error("the processes were started with different options: %s", diff)
-              : 0;
-}
-
-/* --resume: restores every replica's weights and optimizer from the newest checkpoint, and
- * the data position, RNG and step count once. */
-static int resume(trainer *tr) {
-    const train_opts *o = tr->o;
-    tr->start_epoch = 1;
-    if (!o->resume) return 0;
-    char path[4096];
-    int64_t step = 0;
-    int found = tdm_checkpoint_latest(o->checkpoint_dir, path, sizeof path, &step);
-    if (found < 0) return task_error("--resume: %s", tdm_last_error());
-    if (found == 0) {
-        if (!o->quiet)
-            printf("resume    no checkpoint in %s yet: starting from the beginning\n",
-                   o->checkpoint_dir);
-        return 0;
-    }
-    int rc = same_run(o, path);
-    if (rc) return rc;
-    int n = tr->dp ? tdm_dp_devices(tr->dp) : 1;
-    for (int r = 0; r < n; r++) {
-        tdm_train_state s = {.model = tr->dp ? tdm_dp_replica(tr->dp, r) : tr->task->model,
-                             .optim = tr->dp ? tdm_dp_optim(tr->dp, r) : tr->opt};
-        if (r == 0) s.loader = tr->train_l, s.rng = tdm_default_rng();
-        if (tdm_checkpoint_load(path, &s) != TDM_OK)
-            return task_error("--resume from '%s': %s", path, tdm_last_error());
-        if (r == 0) tr->global_step = s.step;
-    }
-    int64_t epoch = 0, batch = 0;
-    tdm_loader_position(tr->train_l, &epoch, &batch);
-    tr->start_epoch = (int)epoch + 1;
-    tr->resume_step = batch / tr->accum;
-    tr->last_saved = tr->global_step;
-    resume_totals(tr, path);
-    if (!o->quiet)
-        printf("resume    %s: epoch %d, step %lld of the epoch, %lld steps done\n", path,
-               tr->start_epoch, (long long)tr->resume_step, (long long)tr->global_step);
     return 0;
 }
 
@@ -447,7 +261,7 @@ static void note_small_work(trainer *tr, uint64_t flops) {
  * flushed. Every process comes here at the same steps. */
 static int end_window(trainer *tr, int64_t step, double now) {
     double w[2] = {tr->win_loss, (double)tr->win_samples};
-    if (tr->g && sum_over_processes(tr, w, 2)) return EXIT_RUNTIME;
+    if (tr->g && trainer_sum_over_processes(tr, w, 2)) return EXIT_RUNTIME;
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
     double dt = now - tr->win_t0, n = (double)tr->win_steps;
     if (!tdm_stop_requested()) /* a stopping mpirun no longer reads: a write could block */
@@ -515,7 +329,7 @@ static int stop_signal(trainer *tr, bool synced) {
     if (!tr->g) return sig;
     if (!synced) return 0;
     double any = sig;
-    if (sum_over_processes(tr, &any, 1)) return -1;
+    if (trainer_sum_over_processes(tr, &any, 1)) return -1;
     if (any > 0 && !sig) tdm_stop_request(SIGTERM), sig = tdm_stop_requested();
     return any > 0 ? sig : 0;
 }
@@ -529,7 +343,7 @@ static int after_step(trainer *tr, int epoch, int64_t step, bool synced) {
     bool stop = sig || (o->max_steps > 0 && tr->global_step >= o->max_steps);
     bool every = o->checkpoint_every > 0 && tr->global_step % o->checkpoint_every == 0;
     if (!stop && !every) return 0;
-    if (sync_chunk(tr, epoch, step) || save_checkpoint(tr)) return EXIT_RUNTIME;
+    if (sync_chunk(tr, epoch, step) || trainer_save_checkpoint(tr)) return EXIT_RUNTIME;
     tr->stopped = stop;
     tr->stop_signal = sig;
     return 0;
@@ -599,7 +413,7 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
     }
     if (sync_chunk(tr, epoch, step)) return EXIT_RUNTIME;
     double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
-    if (tr->g && !tr->stopped && sum_over_processes(tr, tot, 3)) return EXIT_RUNTIME;
+    if (tr->g && !tr->stopped && trainer_sum_over_processes(tr, tot, 3)) return EXIT_RUNTIME;
     double secs = progress_now() - t0, n = tot[2];
     *e = (epoch_stats){.epoch = epoch,
                        .train_loss = n ? tot[0] / n : NAN,
@@ -801,14 +615,14 @@ static int run(trainer *tr) {
     int rc;
     tr->last_saved = -1;
     tr->last.test_acc = NAN;
-    if (tr->g && (rc = same_options_everywhere(tr))) return rc;
+    if (tr->g && (rc = trainer_same_options_everywhere(tr))) return rc;
     if ((rc = make_loaders(tr)) || (rc = open_outputs(tr)) || (rc = make_devices(tr)) ||
-        (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = resume(tr)))
+        (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = trainer_resume(tr)))
         return rc;
     if (!tr->silent && !o->quiet) banner(tr);
     write_config(tr);
     double t0 = progress_now();
-    if ((rc = run_epochs(tr)) || (rc = save_checkpoint(tr))) return rc; /* the final one */
+    if ((rc = run_epochs(tr)) || (rc = trainer_save_checkpoint(tr))) return rc; /* the final one */
     if (!tr->silent && tr->task->save && (rc = tr->task->save(tr->task, o, NULL))) return rc;
     progress_clear(&tr->prog);
     if (tr->stop_signal) { /* said even with --quiet: the run did not finish */

@@ -1,0 +1,145 @@
+/* The trainer's checkpoints: writing one (weights, optimizer, data position, RNG, the epoch's
+ * totals summed over the processes, the options that shape the run), --resume from the newest
+ * after checking it is this run's, and the same check across the processes under mpirun. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer_state.h"
+
+/* Under MPI, v[0..n) summed over the processes (every process calls it at the same steps). */
+int trainer_sum_over_processes(trainer *tr, double *v, int n) {
+    float f[4];
+    for (int i = 0; i < n; i++) f[i] = (float)v[i];
+    tdm_tensor *s = tdm_from_data(TDM_SHAPE(n), TDM_F32, tdm_cpu(0), f);
+    int rc = s ? tdm_work_wait(tdm_all_reduce(tr->g, s, TDM_SUM)) : tdm_last_status();
+    if (!rc) rc = tdm_to_host(s, f, sizeof(float) * (size_t)n);
+    tdm_tensor_free(s);
+    for (int i = 0; !rc && i < n; i++) v[i] = f[i];
+    return rc ? task_error("summing over the processes: %s", tdm_last_error()) : 0;
+}
+
+/* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
+ * the epoch's running totals (summed over the processes) so that a resumed epoch reports the
+ * same loss and accuracy, and the task's own files of the model. */
+int trainer_save_checkpoint(trainer *tr) {
+    const train_opts *o = tr->o;
+    if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
+    double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
+    if (tr->g && trainer_sum_over_processes(tr, tot, 3)) return EXIT_RUNTIME;
+    tr->last_saved = tr->global_step;
+    if (tr->silent) return 0; /* rank 0 writes; every rank loads */
+    char loss[64], correct[32], samples[32];
+    snprintf(loss, sizeof loss, "%a", tot[0]);
+    snprintf(correct, sizeof correct, "%lld", (long long)tot[1]);
+    snprintf(samples, sizeof samples, "%lld", (long long)tot[2]);
+    char id[ID_CAP];
+    if (train_identity(o, id, sizeof id)) return task_error("checkpoint: options too long");
+    tdm_meta meta[4] = {{"epoch_loss_sum", loss},
+                        {"epoch_correct", correct},
+                        {"epoch_images", samples},
+                        {"run.options", id}};
+    tdm_train_state s = {.model = tr->task->model,
+                         .optim = tr->opt,
+                         .loader = tr->train_l,
+                         .rng = tdm_default_rng(),
+                         .step = tr->global_step,
+                         .meta = meta,
+                         .n_meta = 4};
+    if (tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep) != TDM_OK)
+        return task_error("checkpoint: %s", tdm_last_error());
+    return tr->task->save ? tr->task->save(tr->task, o, o->checkpoint_dir) : 0;
+}
+
+/* The epoch's totals saved with a checkpoint: rank 0 resumes with them (under MPI the others
+ * start from 0, so the epoch's sum over the processes is right again). */
+static void resume_totals(trainer *tr, const char *path) {
+    char v[64];
+    if (tr->g && tdm_group_rank(tr->g) != 0) return;
+    if (tdm_checkpoint_meta(path, "epoch_loss_sum", v, sizeof v) == 1)
+        tr->resume_loss_sum = strtod(v, NULL);
+    if (tdm_checkpoint_meta(path, "epoch_correct", v, sizeof v) == 1)
+        tr->resume_correct = strtoll(v, NULL, 10);
+    if (tdm_checkpoint_meta(path, "epoch_images", v, sizeof v) == 1)
+        tr->resume_samples = strtoll(v, NULL, 10);
+}
+
+/* Whether the checkpoint at path was written by a run of these options (those that shape its
+ * results: train_identity); a checkpoint from before they were recorded is taken as it is. */
+static int same_run(const train_opts *o, const char *path) {
+    char saved[ID_CAP], now[ID_CAP], diff[2048];
+    int got = tdm_checkpoint_meta(path, "run.options", saved, sizeof saved);
+    if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
+    if (got == 0 || train_identity(o, now, sizeof now)) return 0;
+    if (!train_identity_diff(saved, now, "in the checkpoint", "now", diff, sizeof diff)) return 0;
+    return train_usage_error("--resume from '%s': the run was started with other options: %s. "
+                             "Give the interrupted run's options again (--epochs, --max-steps, "
+                             "--lr, --devices, --workers and the outputs may change)",
+                             path, diff);
+}
+
+/* Under mpirun: every process must have been started with the same options (those that shape
+ * the results); each compares every process's with rank 0's, so all stop with one message. */
+int trainer_same_options_everywhere(trainer *tr) {
+    int n = tdm_group_size(tr->g);
+    char mine[ID_CAP] = "";
+    if (train_identity(tr->o, mine, sizeof mine)) return task_error("options too long");
+    int32_t *all = calloc((size_t)n * ID_CAP, sizeof(int32_t)), one[ID_CAP] = {0};
+    for (int i = 0; mine[i]; i++) one[i] = (unsigned char)mine[i];
+    tdm_tensor *in = all ? tdm_from_data(TDM_SHAPE(ID_CAP), TDM_I32, tdm_cpu(0), one) : NULL;
+    tdm_tensor *out = in ? tdm_zeros(TDM_SHAPE((int64_t)n * ID_CAP), TDM_I32, tdm_cpu(0)) : NULL;
+    int rc = out ? tdm_work_wait(tdm_all_gather(tr->g, out, in)) : tdm_last_status();
+    if (!rc) rc = tdm_to_host(out, all, sizeof(int32_t) * (size_t)n * ID_CAP);
+    tdm_tensor_free(in);
+    tdm_tensor_free(out);
+    char first[ID_CAP], other[ID_CAP], diff[2048], a[32], b[32];
+    for (int r = 0; !rc && r < n; r++) {
+        char *id = r ? other : first;
+        for (int i = 0; i < ID_CAP; i++) id[i] = (char)all[(size_t)r * ID_CAP + i];
+        id[ID_CAP - 1] = '\0';
+        snprintf(a, sizeof a, "on rank 0"), snprintf(b, sizeof b, "on rank %d", r);
+        if (r && train_identity_diff(first, other, a, b, diff, sizeof diff)) rc = 1;
+    }
+    free(all);
+    if (rc < 0) return task_error("comparing the processes' options: %s", tdm_last_error());
+    return rc ? train_usage_error("the processes were started with different options: %s", diff)
+              : 0;
+}
+
+/* --resume: restores every replica's weights and optimizer from the newest checkpoint, and
+ * the data position, RNG and step count once. */
+int trainer_resume(trainer *tr) {
+    const train_opts *o = tr->o;
+    tr->start_epoch = 1;
+    if (!o->resume) return 0;
+    char path[4096];
+    int64_t step = 0;
+    int found = tdm_checkpoint_latest(o->checkpoint_dir, path, sizeof path, &step);
+    if (found < 0) return task_error("--resume: %s", tdm_last_error());
+    if (found == 0) {
+        if (!o->quiet)
+            printf("resume    no checkpoint in %s yet: starting from the beginning\n",
+                   o->checkpoint_dir);
+        return 0;
+    }
+    int rc = same_run(o, path);
+    if (rc) return rc;
+    int n = tr->dp ? tdm_dp_devices(tr->dp) : 1;
+    for (int r = 0; r < n; r++) {
+        tdm_train_state s = {.model = tr->dp ? tdm_dp_replica(tr->dp, r) : tr->task->model,
+                             .optim = tr->dp ? tdm_dp_optim(tr->dp, r) : tr->opt};
+        if (r == 0) s.loader = tr->train_l, s.rng = tdm_default_rng();
+        if (tdm_checkpoint_load(path, &s) != TDM_OK)
+            return task_error("--resume from '%s': %s", path, tdm_last_error());
+        if (r == 0) tr->global_step = s.step;
+    }
+    int64_t epoch = 0, batch = 0;
+    tdm_loader_position(tr->train_l, &epoch, &batch);
+    tr->start_epoch = (int)epoch + 1;
+    tr->resume_step = batch / tr->accum;
+    tr->last_saved = tr->global_step;
+    resume_totals(tr, path);
+    if (!o->quiet)
+        printf("resume    %s: epoch %d, step %lld of the epoch, %lld steps done\n", path,
+               tr->start_epoch, (long long)tr->resume_step, (long long)tr->global_step);
+    return 0;
+}

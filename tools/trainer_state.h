@@ -1,0 +1,69 @@
+/* The trainer's state, shared by its files: trainer.c (the loop) and trainer_ckpt.c
+ * (checkpoints, resume, and the options every process and every resume must share). */
+#ifndef TANDEM_TOOLS_TRAINER_STATE_H
+#define TANDEM_TOOLS_TRAINER_STATE_H
+
+#include "progress.h"
+#include "sink.h"
+#include "trainer.h"
+
+#define SYNC_STEPS 16
+#define EVAL_BATCH 1000
+#define ID_CAP     2048 /* bytes of train_identity's string */
+
+typedef struct trainer {
+    const train_opts *o;
+    task *task;
+    tdm_device dev;
+    tdm_group *g; /* under mpirun: every process, each training a share of the batch */
+    bool silent;  /* a rank other than 0: prints and writes nothing */
+    tdm_loader *train_l, *test_l;
+    tdm_paramset *ps;
+    tdm_optim *opt; /* with several devices: replica 0's (the others follow it) */
+    tdm_dp *dp;     /* several devices: the replicas and their threads */
+    tdm_pipe *pipe; /* --model-split: the stages (and their replicas) and their threads */
+    tdm_ddp *ddp;   /* one device per process under mpirun */
+    tdm_sched sched;
+    sinks out;
+    progress prog;
+    int64_t accum, steps_per_epoch, global_step;
+    /* checkpoints: where a resumed run starts, and its epoch's totals before it */
+    int start_epoch;
+    int64_t resume_step, last_saved;
+    double resume_loss_sum;
+    int64_t resume_correct, resume_samples;
+    bool stopped;    /* --max-steps reached, or a stop signal */
+    int stop_signal; /* SIGTERM or SIGINT that stopped the run (every process agrees), or 0 */
+    /* device-side records of the current chunk of steps, and their host copies */
+    tdm_tensor *loss_buf;            /* [SYNC_STEPS * accum] f32: each batch's mean loss */
+    tdm_tensor *pred_buf;            /* [SYNC_STEPS * accum * B] i64 */
+    float *loss_host;                /* [SYNC_STEPS * accum] */
+    double *time_host, *lr_host;     /* [SYNC_STEPS] */
+    int64_t *size_host;              /* [SYNC_STEPS] samples of each step */
+    int64_t *pred_host, *label_host; /* [max(SYNC_STEPS * accum * B, EVAL_BATCH)] */
+    int chunk_steps, micro;
+    int64_t chunk_samples;
+    double t_last; /* when the previous step ended */
+    /* the epoch so far, and the window since the last progress line */
+    double loss_sum; /* sum of each step's mean loss times its samples */
+    int64_t correct, samples, steps_planned, every;
+    double win_loss, win_t0;
+    int64_t win_steps, win_samples;
+    epoch_stats last; /* the last finished epoch */
+} trainer;
+
+/* Under MPI, v[0..n) (n <= 4) summed over the processes; every process calls it at the same
+ * steps. 0, or EXIT_RUNTIME after printing the error. */
+int trainer_sum_over_processes(trainer *tr, double *v, int n);
+/* A checkpoint at the current step (rank 0 writes; every process takes part in the sums), and
+ * the task's files of the model. 0 or EXIT_RUNTIME. */
+int trainer_save_checkpoint(trainer *tr);
+/* --resume: every replica's weights and optimizer, the data position, the RNG and the step
+ * count from the newest checkpoint, after checking it is this run's. 0, EXIT_RUNTIME or
+ * EXIT_USAGE. */
+int trainer_resume(trainer *tr);
+/* Under mpirun: refuses to train (EXIT_USAGE, naming each option and rank) when the processes
+ * were started with different options. */
+int trainer_same_options_everywhere(trainer *tr);
+
+#endif

@@ -154,7 +154,7 @@ typedef struct tdm_tensor {
     struct tdm_tensor *grad; /* leaf: accumulated gradient (same owner as the tensor) */
     tdm_node *grad_fn;       /* the tape node that produced it; NULL for a leaf */
     /* the library's bookkeeping (the scope that owns it, autograd's lists): not for users */
-    _Alignas(8) unsigned char internal_[48];
+    uint64_t internal_[6];
 } tdm_tensor;
 
 int64_t tdm_numel(const tdm_tensor *t);

@@ -212,14 +212,15 @@ static void sigterm_resume(const char *const *launcher, const char *name, const 
     nanosleep(&ts, NULL);
     kill(pid, SIGTERM);
     rc = wait_status(pid);
-    char *out = captured("stdout");
+    char *out = captured("stdout"), *err = captured("stderr");
     /* under mpirun the ranks exit 143 and mpirun itself 1; a stopping mpirun may no longer
      * pass on what rank 0 prints */
     CHECK(training && rc == (launcher ? 1 : 143) && (launcher || strstr(out, "stopped   by ")) &&
               count_ckpts(b) == 1,
-          "%s: SIGTERM: exit %d, %d checkpoints, output ends %s", name, rc, count_ckpts(b),
-          strlen(out) > 300 ? out + strlen(out) - 300 : out);
+          "%s: SIGTERM: exit %d, %d checkpoints, output ends %s, stderr %s", name, rc,
+          count_ckpts(b), strlen(out) > 300 ? out + strlen(out) - 300 : out, err);
     free(out);
+    free(err);
     args[n++] = "--resume", args[n] = NULL;
     rc = wait_status(start_with(launcher, args));
     CHECK(rc == 0, "%s: the resumed run failed (%d)", name, rc);

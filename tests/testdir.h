@@ -77,11 +77,13 @@ static inline char *captured(const char *which) {
     return s ? s : calloc(1, 1);
 }
 
-/* Waits for pid: its exit status, or -1 when it did not exit normally (a crash, a kill). */
+/* Waits for pid: its exit status, or -1 when it did not exit normally (a crash, a kill: the
+ * signal is printed on stderr, so that a failure says which). */
 static inline int wait_status(pid_t pid) {
     int st = 0;
-    if (pid <= 0 || waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) return -1;
-    return WEXITSTATUS(st);
+    if (pid <= 0 || waitpid(pid, &st, 0) != pid) return -1;
+    if (WIFSIGNALED(st)) fprintf(stderr, "(pid %d ended by signal %d)\n", (int)pid, WTERMSIG(st));
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
 #endif

@@ -151,6 +151,16 @@ static void test_runtime_errors(void) {
           r.status, r.err);
     result_free(&r);
 
+    /* a checkpoint directory that is a file: refused before any training */
+    char file[300];
+    snprintf(file, sizeof file, "%s/a-file", tmpdir);
+    FILE *f = fopen(file, "w");
+    if (f) fclose(f);
+    r = TANDEM("train", "--limit", "100", "--checkpoint-dir", file);
+    CHECK(r.status == 1 && strstr(r.err, file) && !strstr(r.out, "epoch "),
+          "checkpoint dir that is a file: exit %d %s %s", r.status, r.err, r.out);
+    result_free(&r);
+
     /* a learning rate that makes the loss overflow: stopped with the epoch and step named */
     r = TANDEM("train", "--limit", "640", "--lr", "1e6", "--quiet");
     CHECK(r.status == 1, "diverging run: exit %d (stdout %s, stderr %s)", r.status, r.out, r.err);

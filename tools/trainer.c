@@ -616,6 +616,10 @@ static int run(trainer *tr) {
     tr->last_saved = -1;
     tr->last.test_acc = NAN;
     if (tr->g && (rc = trainer_same_options_everywhere(tr))) return rc;
+    /* before any work: a directory that cannot hold a checkpoint is found now, not at the
+     * first save (rank 0 writes them) */
+    if (o->checkpoint_dir && !tr->silent && tdm_checkpoint_dir_check(o->checkpoint_dir))
+        return task_error("--checkpoint-dir: %s", tdm_last_error());
     if ((rc = make_loaders(tr)) || (rc = open_outputs(tr)) || (rc = make_devices(tr)) ||
         (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = trainer_resume(tr)))
         return rc;

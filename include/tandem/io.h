@@ -132,6 +132,11 @@ typedef struct {
  * a crash leaves the previous checkpoints intact. Then all but the newest keep checkpoints
  * are removed (keep <= 0 keeps all). An existing ckpt-<step> is replaced. */
 int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep);
+/* Makes dir (and its parents) if missing and checks that a checkpoint could be written there
+ * (a file created and removed), so that a run finds an unusable directory at its start rather
+ * than at its first save. TDM_ERR_IO naming dir and the cause (not a directory, read-only,
+ * no permission). */
+int tdm_checkpoint_dir_check(const char *dir);
 /* The newest complete checkpoint in dir: writes its path into path (cap bytes) and its step
  * into *step (may be NULL). Returns 1 when found, 0 when dir holds none (or does not exist),
  * or a negative status. */

@@ -18,6 +18,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -325,6 +326,21 @@ static int write_state(const char *path, const tdm_train_state *s) {
     views_free(&v);
     tdm_scope_end();
     return rc;
+}
+
+int tdm_checkpoint_dir_check(const char *dir) {
+    if (!dir) return tdm_raise(TDM_ERR_ARG, "checkpoint directory: NULL");
+    int rc = tdm_io_mkdir_p(dir, "checkpoint");
+    if (rc) return rc;
+    char probe[4200];
+    snprintf(probe, sizeof probe, "%s/.tandem-probe-%ld", dir, (long)getpid());
+    int fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0644);
+    if (fd < 0)
+        return tdm_raise(TDM_ERR_IO, "checkpoint directory '%s' cannot be written: %s", dir,
+                         strerror(errno));
+    close(fd);
+    unlink(probe);
+    return TDM_OK;
 }
 
 int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {

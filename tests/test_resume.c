@@ -91,6 +91,13 @@ static void exact_resume(const char *model, const char *devices, bool adam) {
     CHECK(rc == 0 && full_test[0] && strcmp(full_test, eval_test) == 0,
           "eval gives '%s', training gave '%s'", eval_test, full_test);
     free(out);
+    /* and on the run's --checkpoint-dir: its newest checkpoint */
+    rc = run(ARGS("eval", "--model", model, "--weights", a, "--limit", "256"));
+    out = captured("stdout");
+    last_test(out, eval_test, sizeof eval_test);
+    CHECK(rc == 0 && strcmp(full_test, eval_test) == 0, "eval of the run's directory gives '%s'",
+          eval_test);
+    free(out);
 }
 
 static void init_from(void) {

@@ -27,7 +27,8 @@ void eval_help(FILE *out) {
         "    --weights FILE\n"
         "        A .safetensors file of the model's parameters under PyTorch's names (from\n"
         "        tandem train --checkpoint-dir, or PyTorch's state_dict of the same\n"
-        "        nn.Sequential), or a checkpoint directory holding model.safetensors.\n"
+        "        nn.Sequential), a checkpoint directory holding model.safetensors, or\n"
+        "        a run's --checkpoint-dir (its newest checkpoint).\n"
         "        Required.\n"
         "    --model mlp|cnn\n"
         "        The network the weights belong to (see tandem train --help). Default: mlp.\n"
@@ -142,12 +143,13 @@ int eval_main(int argc, char **argv) {
         return EXIT_OK;
     }
     if (rc) return rc;
-    char path[4096];
+    char path[4200], ckpt[4096];
     struct stat st;
-    if (stat(o.weights, &st) == 0 && S_ISDIR(st.st_mode))
-        snprintf(path, sizeof path, "%s/model.safetensors", o.weights); /* a checkpoint */
-    else
+    snprintf(path, sizeof path, "%s/model.safetensors", o.weights);
+    if (stat(o.weights, &st) != 0 || !S_ISDIR(st.st_mode))
         snprintf(path, sizeof path, "%s", o.weights);
+    else if (stat(path, &st) != 0 && tdm_checkpoint_latest(o.weights, ckpt, sizeof ckpt, NULL) == 1)
+        snprintf(path, sizeof path, "%s/model.safetensors", ckpt); /* a run's directory */
     const char *dir = strcmp(o.data, "fashion-mnist") == 0 ? NULL : o.data;
     tdm_dataset *ds = tdm_fashion_mnist(dir, false);
     if (!ds)

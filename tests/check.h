@@ -25,6 +25,14 @@ static int check_passed, check_failed;
         }                                                                                          \
     } while (0)
 
+/* CPU tensors made from test data (copied). */
+static inline tdm_tensor *f32(tdm_shape s, const float *v) {
+    return tdm_from_data(s, TDM_F32, tdm_cpu(0), v);
+}
+static inline tdm_tensor *i64(tdm_shape s, const int64_t *v) {
+    return tdm_from_data(s, TDM_I64, tdm_cpu(0), v);
+}
+
 /* |a - b| <= atol + rtol * |b| */
 #define CHECK_CLOSE(a, b, atol, rtol)                                                              \
     do {                                                                                           \

@@ -20,6 +20,16 @@ static inline tdm_module *make_mlp(uint64_t seed, int64_t hidden) {
 }
 
 /* Step s's global batch. */
+/* The trained weights (ps's flat buffer, copied to the host; the caller frees them), after
+ * which the model and its optimizer are freed: how a reference run ends. */
+static inline float *take_weights(tdm_module *m, tdm_paramset *ps, tdm_optim *opt) {
+    float *p = malloc(sizeof(float) * (size_t)ps->total);
+    if (p) tdm_to_host(ps->flat, p, sizeof(float) * (size_t)ps->total);
+    tdm_optim_free(opt);
+    tdm_module_free(m);
+    return p;
+}
+
 static inline void batch_of(int s, float *x, int64_t *y) {
     tdm_rng r = tdm_rng_make(100 + (uint64_t)s);
     tdm_scope_begin();

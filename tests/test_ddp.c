@@ -54,11 +54,7 @@ static float *reference(tdm_optim_factory make, int accumulate, float clip) {
               norm, clip);
         tdm_optim_step(opt);
     }
-    float *p = malloc(sizeof(float) * (size_t)ps->total);
-    tdm_to_host(ps->flat, p, sizeof(float) * (size_t)ps->total);
-    tdm_optim_free(opt);
-    tdm_module_free(m);
-    return p;
+    return take_weights(m, ps, opt);
 }
 
 static int compare(const float *got, const float *want, int64_t n, const char *what) {

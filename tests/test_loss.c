@@ -4,13 +4,6 @@
 #include "gradcheck.h"
 #include "core/core.h"
 
-static tdm_tensor *f32(tdm_shape s, const float *v) {
-    return tdm_from_data(s, TDM_F32, tdm_cpu(0), v);
-}
-static tdm_tensor *i64(tdm_shape s, const int64_t *v) {
-    return tdm_from_data(s, TDM_I64, tdm_cpu(0), v);
-}
-
 /* L = sum(out * U) (U = 1 for a scalar loss), run backward. */
 static int backward_weighted(tdm_tensor *out, const float *u) {
     if (!out) return -1;

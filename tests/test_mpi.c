@@ -185,11 +185,7 @@ static float *one_process(tdm_optim *(*make)(tdm_paramset *), int64_t rows) {
         tdm_scope_end();
         tdm_optim_step(opt);
     }
-    float *p = malloc(sizeof(float) * (size_t)ps->total);
-    tdm_to_host(ps->flat, p, sizeof(float) * (size_t)ps->total);
-    tdm_optim_free(opt);
-    tdm_module_free(m);
-    return p;
+    return take_weights(m, ps, opt);
 }
 
 /* This rank's rows [lo, hi) of a global batch of B split over N ranks (uneven splits). */

@@ -6,13 +6,6 @@
 
 #include "fixtures/norm_fixtures.h"
 
-static tdm_tensor *f32(tdm_shape s, const float *v) {
-    return tdm_from_data(s, TDM_F32, tdm_cpu(0), v);
-}
-static tdm_tensor *i64(tdm_shape s, const int64_t *v) {
-    return tdm_from_data(s, TDM_I64, tdm_cpu(0), v);
-}
-
 static int backward_weighted(tdm_tensor *out, const float *u) {
     if (!out) return -1;
     return tdm_backward(tdm_sum_all(tdm_mul(out, f32(tdm_shape_of(out), u))));

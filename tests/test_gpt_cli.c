@@ -283,6 +283,14 @@ static void test_errors(void) {
           r->err);
     r = TANDEM("train", "--model", "gpt", "--data", "/nonexistent/book.txt");
     CHECK(r->status == 1 && strstr(r->err, "/nonexistent/book.txt"), "%d %s", r->status, r->err);
+    /* llm.c's Llama-3 shards (u32 tokens) are refused by their magic, never read as text */
+    char llama[300];
+    snprintf(llama, sizeof llama, "%s/llama3.bin", tmpdir);
+    FILE *f = fopen(llama, "wb");
+    int32_t header[256] = {20240801, 7, 100};
+    if (f) fwrite(header, sizeof header, 1, f), fwrite(header, 400, 1, f), fclose(f);
+    r = TANDEM("train", "--model", "gpt", "--data", llama);
+    CHECK(r->status == 1 && strstr(r->err, "20240801"), "Llama-3 shard: %d %s", r->status, r->err);
     r = TANDEM("train", "--model", "gpt", "--data", text_path, "--init-from", text_path);
     CHECK(r->status == 1 && strstr(r->err, "wrong magic"), "%d %s", r->status, r->err);
     r = TANDEM("train", "--help");

@@ -12,9 +12,11 @@
 
 #include "task.h"
 
-#define SHARD_MAGIC 20240520
+#define SHARD_MAGIC        20240520
+#define LLAMA3_SHARD_MAGIC 20240801 /* llm.c's u32 token shards: the reader refuses them */
 
-/* Whether path starts with the token shard magic (unreadable files are left to the reader). */
+/* Whether path starts with an llm.c token shard magic (unreadable files are left to the
+ * reader): such a file is never read as text, whether or not its version is supported. */
 static bool is_token_shard(const char *path) {
     unsigned char h[4] = {0};
     FILE *f = fopen(path, "rb");
@@ -23,7 +25,7 @@ static bool is_token_shard(const char *path) {
     fclose(f);
     uint32_t magic =
         (uint32_t)h[0] | (uint32_t)h[1] << 8 | (uint32_t)h[2] << 16 | (uint32_t)h[3] << 24;
-    return n == 4 && magic == SHARD_MAGIC;
+    return n == 4 && (magic == SHARD_MAGIC || magic == LLAMA3_SHARD_MAGIC);
 }
 
 /* The model: from an llm.c file, or new with the options' sizes. *cfg receives its config. */

@@ -111,6 +111,20 @@ static void init_from(void) {
     CHECK(strstr(err, "--init-from") && strstr(err, "missing: 0.weight"),
           "names what is missing: %s", err);
     free(err);
+    /* weights holding a NaN are named at the start, not blamed on the learning rate later */
+    char nan_w[400];
+    snprintf(nan_w, sizeof nan_w, "%s/nan.safetensors", tmpdir);
+    tdm_rng rng = tdm_rng_make(1);
+    tdm_module *m = tdm_model_new("mlp", tdm_cpu(0), &rng);
+    tdm_paramset *ps = m ? tdm_module_parameters(m) : NULL;
+    if (ps) ((float *)tdm_data_ptr(ps->flat))[ps->offsets[2] + 5] = NAN; /* in "3.weight" */
+    CHECK(ps && tdm_weights_save(nan_w, m, NULL, 0) == TDM_OK, "NaN weights: %s", tdm_last_error());
+    tdm_module_free(m);
+    int nrc = run(ARGS("train", "--model", "mlp", COMMON, "--init-from", nan_w));
+    char *nerr = captured("stderr");
+    CHECK(nrc == 1 && strstr(nerr, "'3.weight' holds non-finite values") && !strstr(nerr, "--lr"),
+          "NaN --init-from: %d %s", nrc, nerr);
+    free(nerr);
     CHECK(run(ARGS("train", COMMON, "--init-from", "/nonexistent.safetensors")) == 1,
           "--init-from a missing file");
     CHECK(run(ARGS("train", COMMON, "--resume")) == 2, "--resume needs --checkpoint-dir");

@@ -51,6 +51,9 @@ void task_free(task *t);
 /* The optimizer the options ask for (sgd, adam, adamw with PyTorch's defaults): the image
  * task's, and the base of the text task's. */
 tdm_optim *task_default_optimizer(tdm_paramset *ps, void *o);
+/* After --init-from: EXIT_RUNTIME naming the first parameter of m that holds a NaN or an
+ * infinity (so a diverging run does not blame the learning rate), else 0. */
+int task_check_finite(tdm_module *m, const char *file);
 /* Prints "tandem train: error: <message>" on stderr and returns EXIT_RUNTIME. */
 int task_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

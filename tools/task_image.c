@@ -1,7 +1,9 @@
 /* The image task: Fashion-MNIST (or MNIST) IDX files, the mlp or cnn of models.h, softmax
  * cross-entropy, accuracy, and an evaluation on the test split after every epoch. */
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -31,6 +33,26 @@ tdm_optim *task_default_optimizer(tdm_paramset *ps, void *arg) {
     ao.lr = (float)o->lr;
     ao.weight_decay = (float)o->weight_decay;
     return w ? tdm_adamw_new(ps, &ao) : tdm_adam_new(ps, &ao);
+}
+
+int task_check_finite(tdm_module *m, const char *file) {
+    tdm_paramset *ps = tdm_module_parameters(m); /* flattens once; the trainer reuses it */
+    float *v = ps ? malloc(sizeof(float) * (size_t)ps->total) : NULL;
+    if (!v || tdm_to_host(ps->flat, v, sizeof(float) * (size_t)ps->total) != TDM_OK) {
+        free(v);
+        return task_error("--init-from: reading the weights back: %s", tdm_last_error());
+    }
+    int bad = -1;
+    for (int i = 0; i < ps->n && bad < 0; i++) {
+        int64_t end = i + 1 < ps->n ? ps->offsets[i + 1] : ps->total;
+        for (int64_t j = ps->offsets[i]; j < end && bad < 0; j++)
+            if (!isfinite(v[j])) bad = i;
+    }
+    free(v);
+    if (bad < 0) return 0;
+    return task_error("--init-from '%s': '%s' holds non-finite values (nan or inf): these "
+                      "weights cannot be trained from",
+                      file, ps->names[bad]);
 }
 
 void task_free(task *t) {
@@ -75,7 +97,7 @@ static int build_model(task *t, const train_opts *o, tdm_device dev) {
         return task_error("model %s: %s", o->model, tdm_last_error());
     if (o->init_from && tdm_weights_load(o->init_from, t->model) != TDM_OK)
         return task_error("--init-from: %s", tdm_last_error());
-    return 0;
+    return o->init_from ? task_check_finite(t->model, o->init_from) : 0;
 }
 
 /* logits [n, 10], labels [n] -> the mean cross-entropy [] */

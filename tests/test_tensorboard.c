@@ -20,12 +20,11 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "testdir.h"
 #include "io/io_internal.h"
 #include "tandem/tensorboard.h"
 
 #define SKIPPED 77 /* CTest's SKIP_RETURN_CODE for test_tensorboard_reader */
-
-static char tmpdir[] = "/tmp/tandem_test_tb_XXXXXX";
 
 #define TAG10 "0123456789"
 #define LONG_TAG                                                                                   \
@@ -197,25 +196,10 @@ static const char *parse_records(const uint8_t *b, size_t n, events *ev) {
     return ev->version[0] ? NULL : "no file_version event";
 }
 
-static uint8_t *slurp(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    *n = (size_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    uint8_t *b = malloc(*n + 1);
-    if (b && fread(b, 1, *n, f) != *n) {
-        free(b);
-        b = NULL;
-    }
-    fclose(f);
-    return b;
-}
-
 /* Reads the file at path into *ev. Returns NULL, or what is wrong first. */
 static const char *read_events(const char *path, events *ev) {
     size_t n = 0;
-    uint8_t *b = slurp(path, &n);
+    uint8_t *b = (uint8_t *)slurp_file(path, &n);
     const char *why = b ? parse_records(b, n, ev) : "cannot read the file";
     free(b);
     return why;
@@ -312,7 +296,7 @@ static void test_known_bytes(void) {
               tdm_tb_close(w) == TDM_OK,
           "%s", tdm_last_error());
     size_t n = 0;
-    uint8_t *b = slurp(path, &n);
+    uint8_t *b = (uint8_t *)slurp_file(path, &n);
     size_t first = b && n >= 8 ? 16 + (size_t)le(b, 8) : n; /* the file_version record */
     bool same = b && n == first + sizeof loss - 1 + sizeof lr - 1 &&
                 memcmp(b + first, loss, sizeof loss - 1) == 0 &&
@@ -327,7 +311,7 @@ static void test_corruption(void) {
     char path[600];
     if (!write_table("corrupt", path)) return;
     size_t n = 0;
-    uint8_t *b = slurp(path, &n);
+    uint8_t *b = (uint8_t *)slurp_file(path, &n);
     if (!b) return;
     events ev;
     int missed = -1;
@@ -482,10 +466,7 @@ static int python_check(const char *py, const char *script) {
 }
 
 int main(int argc, char **argv) {
-    if (!mkdtemp(tmpdir)) {
-        perror("mkdtemp");
-        return 1;
-    }
+    if (tmpdir_make("test_tb") != 0) return 1;
     int rc;
     if (argc == 4 && strcmp(argv[1], "--python") == 0) {
         rc = python_check(argv[2], argv[3]);
@@ -499,8 +480,6 @@ int main(int argc, char **argv) {
         test_write_failure();
         rc = check_summary();
     }
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
-    if (rc != 1 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    if (rc != 1) tmpdir_remove();
     return rc;
 }

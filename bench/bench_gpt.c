@@ -1,7 +1,7 @@
 /* bench_gpt: Tandem training the byte-level GPT of bench/torch_gpt.py, side by side with it.
  *
  *   $VENV/bin/python bench/torch_gpt.py --steps 40        # writes /tmp/tandem_bench_gpt/...
- *   build/bench_gpt [DIR] [--steps N] [--threads N]
+ *   build/bench_gpt [DIR] [--steps N] [--threads N] [--device D]
  *
  * Starts from the same weights (DIR/model.bin, llm.c's format, written by the torch script)
  * and the same batches (DIR/tokens.bin, batch k = tokens [k*B*T, (k+1)*B*T + 1)), with the
@@ -59,14 +59,16 @@ static int fail(const char *what) {
     return 1;
 }
 
-/* One training step on batch k; *loss receives its loss. */
-static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int T, float *loss) {
+/* One training step on batch k on device dev (the model's); *loss receives its loss, read back
+ * to the host as the trainer reads it, so the step has ended on the device too. */
+static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int T, tdm_device dev,
+                      float *loss) {
     int64_t x[B * 1024], y[B * 1024];
     for (int i = 0; i < B; i++)
         if (ds->ops->get(ds, (int64_t)k * B + i, x + i * T, y + i * T)) return -1;
     tdm_scope_begin();
-    tdm_tensor *xt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, tdm_cpu(0), x);
-    tdm_tensor *yt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, tdm_cpu(0), y);
+    tdm_tensor *xt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, x);
+    tdm_tensor *yt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, y);
     tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(m, xt), yt);
     int rc = l ? tdm_optim_zero_grad(opt) : -1;
     if (!rc) rc = tdm_backward(l);
@@ -79,12 +81,15 @@ static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int
 int main(int argc, char **argv) {
     const char *dir = "/tmp/tandem_bench_gpt";
     int steps = 40, threads = 1;
+    tdm_device dev = tdm_cpu(0);
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--steps") && i + 1 < argc)
             steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
             threads = atoi(argv[++i]);
-        else
+        else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
+            if (tdm_device_parse(argv[++i], &dev)) return fail("--device");
+        } else
             dir = argv[i];
     }
     if (steps < 1 || steps > MAX_STEPS) steps = 40;
@@ -92,7 +97,7 @@ int main(int argc, char **argv) {
     char path[512];
     snprintf(path, sizeof path, "%s/model.bin", dir);
     tdm_gpt_config cfg;
-    tdm_module *m = tdm_gpt_load_llmc(path, tdm_cpu(0), &cfg);
+    tdm_module *m = tdm_gpt_load_llmc(path, dev, &cfg);
     if (!m) return fail("model (run bench/torch_gpt.py first)");
     snprintf(path, sizeof path, "%s/tokens.bin", dir);
     tdm_dataset *ds = tdm_token_dataset_open(path, cfg.context, cfg.vocab);
@@ -107,7 +112,7 @@ int main(int argc, char **argv) {
     static double ms[MAX_STEPS], tms[MAX_STEPS];
     for (int k = 0; k < steps; k++) {
         double t0 = now_ms();
-        if (train_step(m, opt, ds, k, cfg.context, &loss[k])) return fail("step");
+        if (train_step(m, opt, ds, k, cfg.context, dev, &loss[k])) return fail("step");
         ms[k] = now_ms() - t0;
     }
     int nt = read_torch(dir, tloss, tms);
@@ -123,8 +128,10 @@ int main(int argc, char **argv) {
     double tmin = ms[steps > 5 ? 5 : 0], pmin = nt ? tms[nt > 5 ? 5 : 0] : NAN;
     for (int k = 5; k < steps; k++) tmin = ms[k] < tmin ? ms[k] : tmin;
     for (int k = 5; k < nt; k++) pmin = tms[k] < pmin ? tms[k] : pmin;
-    printf("GPT L%d C%d NH%d T%d B%d V%d, %lld parameters, %d BLAS thread(s)\n", cfg.layers,
-           cfg.channels, cfg.heads, cfg.context, B, cfg.vocab, (long long)ps->total, threads);
+    char dname[32];
+    printf("GPT L%d C%d NH%d T%d B%d V%d, %lld parameters, on %s, %d BLAS thread(s)\n", cfg.layers,
+           cfg.channels, cfg.heads, cfg.context, B, cfg.vocab, (long long)ps->total,
+           tdm_device_str(dev, dname), threads);
     printf("tandem %.2f ms/step, torch %.2f ms/step (median of steps 5-%d): %.2fx; max |loss "
            "diff| %.2e over %d steps\n",
            tm, pm, steps - 1, pm / tm, maxdiff, nt < steps ? nt : steps);

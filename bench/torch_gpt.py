@@ -2,6 +2,7 @@
 """The PyTorch side of bench_gpt: a byte-level GPT-2 trained for --steps steps, timed per step.
 
 usage: $VENV/bin/python bench/torch_gpt.py [--dir /tmp/tandem_bench_gpt] [--steps 40] [--threads 1]
+                                          [--device cpu|cuda]
 
 Config (../shared/baseline/README.md, section 6): 2 layers, 128 channels, 4 heads, context
 64, batch 4, vocabulary 256 (bytes), no dropout; AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8,
@@ -13,7 +14,8 @@ the same batches:
   model.bin    the initial weights as an llm.c fp32 checkpoint (GPT-2 init, seed 0)
   tokens.bin   the text as an llm.c token shard (magic 20240520, version 1, u16 tokens)
   torch.txt    one line per step: "step loss ms"
-Step time = forward + backward + optimizer step (batches are prepared before timing).
+Step time = forward + backward + optimizer step (batches are prepared before timing, on the
+device; loss.item() ends each step, as the Tandem trainer reads each step's loss).
 """
 import argparse
 import math
@@ -25,6 +27,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--dir", default="/tmp/tandem_bench_gpt")
 ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--threads", type=int, default=1)
+ap.add_argument("--device", default="cpu")
 args = ap.parse_args()
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
 os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
@@ -37,7 +40,10 @@ L, C, NH, T, B, V = 2, 128, 4, 64, 4, 256
 LIC = "/usr/share/common-licenses"
 TEXT_FILES = ["Apache-2.0", "Artistic", "BSD", "CC0-1.0", "GFDL-1.2", "GFDL-1.3", "GPL-1", "GPL-2",
               "GPL-3", "LGPL-2", "LGPL-2.1", "LGPL-3", "MPL-1.1", "MPL-2.0"]
-text = b"".join(open(os.path.join(LIC, f), "rb").read() for f in TEXT_FILES)
+# those of the files this system has (Ubuntu's base-files lacks some of Debian's): both sides
+# read the same tokens.bin
+text = b"".join(open(os.path.join(LIC, f), "rb").read() for f in TEXT_FILES
+                if os.path.exists(os.path.join(LIC, f)))
 data = torch.tensor(list(text), dtype=torch.long)
 torch.set_num_threads(args.threads)
 torch.manual_seed(0)
@@ -78,7 +84,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx, tgt):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for b in self.h:
             x = b(x)
         logits = self.ln_f(x) @ self.wte.weight.t()  # the tied head
@@ -106,6 +112,8 @@ with open(os.path.join(args.dir, "tokens.bin"), "wb") as f:
     f.write(struct.pack("<256i", *([20240520, 1, len(text)] + [0] * 253)))
     f.write(data.numpy().astype("<u2").tobytes())
 
+dev = torch.device(args.device)
+model.to(dev)
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
 no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
 opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -114,7 +122,7 @@ opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
 batches = []
 for k in range(args.steps):
     chunk = data[k * B * T:(k + 1) * B * T + 1]
-    batches.append((chunk[:-1].view(B, T), chunk[1:].view(B, T)))
+    batches.append((chunk[:-1].view(B, T).to(dev), chunk[1:].view(B, T).to(dev)))
 lines = []
 for step, (x, y) in enumerate(batches):
     t0 = time.perf_counter()
@@ -128,7 +136,7 @@ for step, (x, y) in enumerate(batches):
 with open(os.path.join(args.dir, "torch.txt"), "w") as f:
     f.writelines(lines)
 ms = sorted(float(s.split()[2]) for s in lines[5:])
-print("torch %s, %d thread(s), OPENBLAS_CORETYPE=%s: %d steps, median %.2f ms/step (steps 5-%d), "
-      "loss %s -> %s" % (torch.__version__, args.threads, os.environ.get("OPENBLAS_CORETYPE"),
+print("torch %s on %s, %d thread(s), OPENBLAS_CORETYPE=%s: %d steps, median %.2f ms/step (steps 5-%d), "
+      "loss %s -> %s" % (torch.__version__, args.device, args.threads, os.environ.get("OPENBLAS_CORETYPE"),
                          args.steps, ms[len(ms) // 2], args.steps - 1, lines[0].split()[1],
                          lines[-1].split()[1]))

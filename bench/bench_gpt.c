@@ -1,7 +1,7 @@
 /* bench_gpt: Tandem training the byte-level GPT of bench/torch_gpt.py, side by side with it.
  *
  *   $VENV/bin/python bench/torch_gpt.py --steps 40        # writes /tmp/tandem_bench_gpt/...
- *   build/bench_gpt [DIR] [--steps N] [--threads N] [--device D]
+ *   build/bench_gpt [DIR] [--steps N] [--threads N] [--device D] [--batch B]
  *
  * Starts from the same weights (DIR/model.bin, llm.c's format, written by the torch script)
  * and the same batches (DIR/tokens.bin, batch k = tokens [k*B*T, (k+1)*B*T + 1)), with the
@@ -18,7 +18,7 @@
 #include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
 #include "tandem/tandem.h"
 
-#define B         4
+static int B = 4; /* --batch, torch_gpt.py's */
 #define MAX_STEPS 1000
 
 static double now_ms(void) {
@@ -63,9 +63,12 @@ static int fail(const char *what) {
  * to the host as the trainer reads it, so the step has ended on the device too. */
 static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int T, tdm_device dev,
                       float *loss) {
-    int64_t x[B * 1024], y[B * 1024];
+    int64_t *x = malloc(sizeof(int64_t) * (size_t)(2 * B * T)), *y = x + B * T;
     for (int i = 0; i < B; i++)
-        if (ds->ops->get(ds, (int64_t)k * B + i, x + i * T, y + i * T)) return -1;
+        if (ds->ops->get(ds, (int64_t)k * B + i, x + i * T, y + i * T)) {
+            free(x);
+            return -1;
+        }
     tdm_scope_begin();
     tdm_tensor *xt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, x);
     tdm_tensor *yt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, y);
@@ -75,6 +78,7 @@ static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int
     if (!rc) rc = tdm_optim_step(opt);
     *loss = rc ? NAN : tdm_item(l);
     tdm_scope_end();
+    free(x);
     return rc;
 }
 
@@ -87,6 +91,8 @@ int main(int argc, char **argv) {
             steps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
             threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
+            B = atoi(argv[++i]) > 0 ? atoi(argv[i]) : 4;
         else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
             if (tdm_device_parse(argv[++i], &dev)) return fail("--device");
         } else

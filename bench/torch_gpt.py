@@ -2,7 +2,8 @@
 """The PyTorch side of bench_gpt: a byte-level GPT-2 trained for --steps steps, timed per step.
 
 usage: $VENV/bin/python bench/torch_gpt.py [--dir /tmp/tandem_bench_gpt] [--steps 40] [--threads 1]
-                                          [--device cpu|cuda]
+                                          [--device cpu|cuda] [--layers 2] [--channels 128]
+                                          [--heads 4] [--context 64] [--batch 4]
 
 Config (../shared/baseline/README.md, section 6): 2 layers, 128 channels, 4 heads, context
 64, batch 4, vocabulary 256 (bytes), no dropout; AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8,
@@ -28,6 +29,11 @@ ap.add_argument("--dir", default="/tmp/tandem_bench_gpt")
 ap.add_argument("--steps", type=int, default=40)
 ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--device", default="cpu")
+ap.add_argument("--layers", type=int, default=2)
+ap.add_argument("--channels", type=int, default=128)
+ap.add_argument("--heads", type=int, default=4)
+ap.add_argument("--context", type=int, default=64)
+ap.add_argument("--batch", type=int, default=4, help="bench_gpt --batch must be the same")
 args = ap.parse_args()
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
 os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
@@ -36,7 +42,7 @@ import torch  # noqa: E402  (after the thread settings)
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-L, C, NH, T, B, V = 2, 128, 4, 64, 4, 256
+L, C, NH, T, B, V = args.layers, args.channels, args.heads, args.context, args.batch, 256
 LIC = "/usr/share/common-licenses"
 TEXT_FILES = ["Apache-2.0", "Artistic", "BSD", "CC0-1.0", "GFDL-1.2", "GFDL-1.3", "GPL-1", "GPL-2",
               "GPL-3", "LGPL-2", "LGPL-2.1", "LGPL-3", "MPL-1.1", "MPL-2.0"]
@@ -44,6 +50,8 @@ TEXT_FILES = ["Apache-2.0", "Artistic", "BSD", "CC0-1.0", "GFDL-1.2", "GFDL-1.3"
 # read the same tokens.bin
 text = b"".join(open(os.path.join(LIC, f), "rb").read() for f in TEXT_FILES
                 if os.path.exists(os.path.join(LIC, f)))
+while len(text) < args.steps * B * T + 1:  # a large model's batches: the text again
+    text += text
 data = torch.tensor(list(text), dtype=torch.long)
 torch.set_num_threads(args.threads)
 torch.manual_seed(0)

@@ -508,16 +508,18 @@ static void case_sync_batch_norm(run *r) {
     }
 }
 
+/* Rows x columns: the weight and bias gradients sum over rows in chunks of 128 and columns in
+ * tiles of 32 (300 rows: three chunks, the last partial; 100 columns: a partial tile). */
 static void case_layer_norm(run *r) {
-    int64_t widths[2] = {64, 1500};
-    for (int i = 0; i < 2; i++) {
-        int64_t cols = widths[i];
-        tdm_shape s = TDM_SHAPE(37, cols), c = TDM_SHAPE(cols);
+    int64_t shapes[3][2] = {{37, 64}, {37, 1500}, {300, 100}};
+    for (int i = 0; i < 3; i++) {
+        int64_t rows = shapes[i][0], cols = shapes[i][1];
+        tdm_shape s = TDM_SHAPE(rows, cols), c = TDM_SHAPE(cols);
         tdm_tensor *x = randn(r, s, 2, 1), *gy = randn(r, s, 0, 1), *w = randn(r, c, 1, 1);
         tdm_tensor *b = randn(r, c, 0, 1), *y = like(r, x), *gx = like(r, x);
-        tdm_tensor *gw = like(r, w), *gb = like(r, w), *m = zeros(r, TDM_SHAPE(37));
+        tdm_tensor *gw = like(r, w), *gb = like(r, w), *m = zeros(r, TDM_SHAPE(rows));
         tdm_tensor *rstd = like(r, m);
-        variant(r, "%lld columns", (long long)cols);
+        variant(r, "%lld rows, %lld columns", (long long)rows, (long long)cols);
         KERNEL(r, layer_norm, y, m, rstd, x, w, b, 1e-5f);
         KERNEL(r, layer_norm_backward, gx, gw, gb, gy, x, w, m, rstd);
         out(r, "y", y);
@@ -533,11 +535,12 @@ static void case_dropout(run *r) {
     out(r, "mask y", mask, y);
 }
 
-/* Causal attention: rows below and above the block's 128 threads, a head size of 3, and one
- * head. */
+/* Causal attention: rows shorter and longer than a row kernel's 256 threads, a head size of
+ * 3, one head, one token, several batch rows of several heads. */
 static void case_attention(run *r) {
-    int64_t cases[4][4] = {{2, 9, 8, 2}, {1, 200, 32, 4}, {3, 5, 6, 2}, {1, 1, 4, 1}};
-    for (int i = 0; i < 4; i++) {
+    int64_t cases[5][4] = {
+        {2, 9, 8, 2}, {1, 300, 32, 4}, {3, 5, 6, 2}, {1, 1, 4, 1}, {3, 40, 48, 3}};
+    for (int i = 0; i < 5; i++) {
         int64_t B = cases[i][0], T = cases[i][1], C = cases[i][2];
         int nh = (int)cases[i][3];
         tdm_tensor *qkv = randn(r, TDM_SHAPE(B, T, 3 * C), 0, 1), *dqkv = like(r, qkv);

@@ -359,6 +359,8 @@ static void test_exact_resume(bool adam) {
     tdm_loader_position(b.l, &e, &k);
     CHECK(e == 1 && k == 2, "loader at epoch 1 batch 2 (got %lld, %lld)", (long long)e,
           (long long)k);
+    CHECK(tdm_loader_samples_done(b.l) == 12, "12 samples of epoch 1 done (got %lld)",
+          (long long)tdm_loader_samples_done(b.l));
     char note[16];
     CHECK(tdm_checkpoint_meta(path, "note", note, sizeof note) == 1 && !strcmp(note, "hello"),
           "caller metadata");
@@ -392,8 +394,22 @@ static void test_checkpoint_errors(void) {
     run_state sgd = run_new(false, 0);
     tdm_train_state st = state_of(&sgd);
     CHECK_ERROR(tdm_checkpoint_load(path, &st), "the optimizer was adamw, now sgd");
-    /* another batch size: the saved position does not fit */
-    tdm_loader_opts lo = tdm_loader_defaults(40);
+    /* the position is stored in samples (30 after 5 batches of 6): batches of 10 resume at
+     * batch 3; the end of an epoch whose last batch is smaller (40 = 6 * 6 + 4) is found */
+    tdm_loader_opts lo = tdm_loader_defaults(10);
+    tdm_loader *ten = tdm_loader_new(s.ds, &lo);
+    tdm_loader_start_epoch(ten, 0);
+    tdm_train_state st10 = {.loader = ten};
+    int64_t k = -1;
+    CHECK(tdm_checkpoint_load(path, &st10) == TDM_OK, "load into batches of 10: %s",
+          tdm_last_error());
+    tdm_loader_position(ten, NULL, &k);
+    CHECK(k == 3, "sample 30 is batch 3 of 10 (got %lld)", (long long)k);
+    CHECK(tdm_loader_batch_at(s.l, 40, &k) == TDM_OK && k == 7, "the epoch's end is batch 7");
+    CHECK_ERROR(tdm_loader_batch_at(ten, 35, &k), "sample 35 is not the start of a batch of 10");
+    tdm_loader_free(ten);
+    /* another batch size whose batches do not start at the saved sample */
+    lo = tdm_loader_defaults(40);
     tdm_loader *big = tdm_loader_new(s.ds, &lo);
     tdm_loader_start_epoch(big, 0);
     tdm_train_state sl = {.loader = big};
@@ -401,7 +417,7 @@ static void test_checkpoint_errors(void) {
     tdm_train_state sm = state_of(&s2);
     sm.loader = big;
     tdm_tensor *before = tdm_clone(tdm_module_parameters(s2.m)->flat);
-    CHECK_ERROR(tdm_checkpoint_load(path, &sm), "does not fit this loader's 1 batches");
+    CHECK_ERROR(tdm_checkpoint_load(path, &sm), "sample 30 is not the start of a batch of 40");
     CHECK(same_bits(before, tdm_module_parameters(s2.m)->flat), "a failed load changes nothing");
     CHECK_ERROR(tdm_checkpoint_load(tmp_path("none"), &sl), "cannot open");
     tdm_tensor_free(before);

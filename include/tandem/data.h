@@ -117,6 +117,14 @@ int tdm_loader_start_epoch_at(tdm_loader *l, int64_t epoch, int64_t batch);
 /* The current epoch and the batches of it handed out so far (through *epoch and *batch;
  * either may be NULL). Returns TDM_OK, or TDM_ERR_STATE before any epoch was started. */
 int tdm_loader_position(const tdm_loader *l, int64_t *epoch, int64_t *batch);
+/* The position in samples: how many samples of the current epoch's order this rank has been
+ * handed (the last, smaller batch counted at its size). 0 for NULL or before any epoch. A
+ * checkpoint stores this, so a position means the same whatever the batch size. */
+int64_t tdm_loader_samples_done(const tdm_loader *l);
+/* The batch that starts at `sample` of an epoch of this loader (through *batch; the end of
+ * the epoch gives the batch count). TDM_ERR_ARG, naming the sample and the batch size, when
+ * no batch starts there. */
+int tdm_loader_batch_at(const tdm_loader *l, int64_t sample, int64_t *batch);
 /* Next batch of the epoch, in order: 1 and *b filled, 0 at the end of the epoch, or a
  * negative status (a sample that failed to load, naming it). */
 int tdm_loader_next(tdm_loader *l, tdm_batch *b);

@@ -381,6 +381,26 @@ int tdm_loader_position(const tdm_loader *l, int64_t *epoch, int64_t *batch) {
     return TDM_OK;
 }
 
+int64_t tdm_loader_samples_done(const tdm_loader *l) {
+    if (!l || !l->started) return 0;
+    int64_t b = l->o.batch_size, k = l->next_consume;
+    return l->tail > 0 && k == l->nbatches ? (k - 1) * b + l->tail : k * b;
+}
+
+int tdm_loader_batch_at(const tdm_loader *l, int64_t sample, int64_t *batch) {
+    if (!l || !batch) return tdm_raise(TDM_ERR_ARG, "loader_batch_at: NULL argument");
+    int64_t b = l->o.batch_size,
+            end = l->tail > 0 ? (l->nbatches - 1) * b + l->tail : l->nbatches * b;
+    if (sample == end) return *batch = l->nbatches, TDM_OK;
+    if (sample < 0 || sample > end || sample % b != 0)
+        return tdm_raise(TDM_ERR_ARG,
+                         "loader position: sample %lld is not the start of a batch of %lld "
+                         "(an epoch of '%s' has %lld samples here)",
+                         (long long)sample, (long long)b, l->ds->name, (long long)end);
+    *batch = sample / b;
+    return TDM_OK;
+}
+
 int tdm_loader_start_epoch_at(tdm_loader *l, int64_t epoch, int64_t batch) {
     if (!l) return tdm_raise(TDM_ERR_ARG, "loader_start_epoch: NULL loader");
     if (epoch < 0)

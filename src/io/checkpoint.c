@@ -5,7 +5,9 @@
  *   train_state.safetensors  "optim.<param>.<state>" tensors (PyTorch's state names) and, in
  *                            __metadata__, everything else as decimal or hex-float strings:
  *                            tandem.checkpoint (format version), step, optim.kind, optim.steps,
- *                            optim.lr, loader.epoch, loader.batch, rng.seed, rng.offset, and
+ *                            optim.lr, loader.epoch, loader.sample (samples of the epoch
+ *                            done; loader.batch beside it for older readers), rng.seed,
+ *                            rng.offset, and
  *                            the caller's entries prefixed "user.".
  * Both are written into DIR/.ckpt-<step>.tmp, flushed, and that directory is renamed into
  * place, so a checkpoint either exists whole or not at all. Values are stored bit for bit
@@ -224,6 +226,7 @@ static int state_meta(const tdm_train_state *s, meta_list *l, char (*ukeys)[128]
         int64_t epoch, batch;
         if (tdm_loader_position(s->loader, &epoch, &batch)) return tdm_last_status();
         meta_add(l, "loader.epoch", "%" PRId64, epoch);
+        meta_add(l, "loader.sample", "%" PRId64, tdm_loader_samples_done(s->loader));
         meta_add(l, "loader.batch", "%" PRId64, batch);
     }
     if (s->rng) {
@@ -486,8 +489,19 @@ static int check_state(tdm_safetensors *f, const tdm_train_state *s, const optim
                              what, tdm_safetensors_count(f), v->n);
     }
     if (!rc && s->loader) {
+        int64_t sample = -1;
         rc = meta_i64(f, "loader.epoch", &p->epoch, true);
-        if (!rc) rc = meta_i64(f, "loader.batch", &p->batch, true);
+        /* the position in samples where the file has it (checkpoints before it: batches) */
+        if (!rc && tdm_safetensors_meta(f, "loader.sample")) {
+            rc = meta_i64(f, "loader.sample", &sample, true);
+            if (!rc && tdm_loader_batch_at(s->loader, sample, &p->batch)) {
+                char why[256]; /* the message is rewritten: copied out first */
+                snprintf(why, sizeof why, "%s", tdm_last_error());
+                return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': %s (another --batch-size?)",
+                                 what, why);
+            }
+        } else if (!rc)
+            rc = meta_i64(f, "loader.batch", &p->batch, true);
         if (!rc && (p->epoch < 0 || p->batch < 0 || p->batch > tdm_loader_batches(s->loader)))
             return tdm_raise(TDM_ERR_FORMAT,
                              "checkpoint '%s': loader position epoch %lld batch "

@@ -293,6 +293,14 @@ static void test_errors(void) {
     CHECK(r->status == 1 && strstr(r->err, "20240801"), "Llama-3 shard: %d %s", r->status, r->err);
     r = TANDEM("train", "--model", "gpt", "--data", text_path, "--init-from", text_path);
     CHECK(r->status == 1 && strstr(r->err, "wrong magic"), "%d %s", r->status, r->err);
+    /* --save is written at the end: an unwritable one is refused before any step */
+    r = TANDEM("train", "--model", "gpt", "--data", text_path, "--save", "/nonexistent/m.bin");
+    CHECK(r->status == 1 && strstr(r->err, "'/nonexistent' is not writable") &&
+              !strstr(r->out, "step "),
+          "--save in a missing directory: %d %s", r->status, r->err);
+    r = TANDEM("train", "--model", "gpt", "--data", text_path, "--save", tmpdir);
+    CHECK(r->status == 1 && strstr(r->err, "is a directory") && !strstr(r->out, "step "),
+          "--save a directory: %d %s", r->status, r->err);
     r = TANDEM("train", "--help");
     CHECK(r->status == 0 && strstr(r->out, "--channels") && strstr(r->out, "--save"), "help");
 }

@@ -7,8 +7,10 @@
  * format (--save, and DIR/model.bin beside each checkpoint), which `tandem sample` and
  * llm.c's train_gpt2.c read. There is no test split: the trainer evaluates nothing. */
 #include <errno.h>
+#include <libgen.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "task.h"
 
@@ -91,6 +93,21 @@ static int save_llmc(const task *t, const train_opts *o, const char *checkpoint_
     return 0;
 }
 
+/* --save is written when training ends: a path that cannot be written (a directory, a
+ * directory that is missing or read-only) is refused before the first step. */
+static int check_save_path(const char *path) {
+    struct stat st;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", path);
+    const char *d = dirname(dir);
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
+        return task_error("--save '%s' is a directory; give a file name", path);
+    if (access(d, W_OK | X_OK) != 0)
+        return task_error("--save '%s': its directory '%s' is not writable: %s", path, d,
+                          strerror(errno));
+    return 0;
+}
+
 int task_text_open(task *t, const train_opts *o, tdm_device dev) {
     *t = (task){.unit = "tok",
                 .drop_last = true, /* every step sees a full [B, T] batch */
@@ -98,6 +115,7 @@ int task_text_open(task *t, const train_opts *o, tdm_device dev) {
                 .optimizer = gpt_optimizer,
                 .save = save_llmc,
                 .loss_label = "next-token cross-entropy"};
+    if (o->save_path && check_save_path(o->save_path)) return EXIT_RUNTIME;
     tdm_gpt_config c;
     int rc = build_gpt(t, o, dev, &c);
     if (!rc) rc = open_text(t, o, &c);

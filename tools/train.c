@@ -548,7 +548,7 @@ int train_main(int argc, char **argv) {
     tdm_set_flush_denormal(strcmp(o.denormals, "flush") == 0);
     tdm_group *procs = NULL;
     if (tdm_mpi_launched() && (rc = join_mpi(&o, &procs, &argc, &argv))) return rc;
-    task t;
+    task t = {0}; /* task_free is safe on what a failed open leaves */
     rc = strcmp(o.model, "gpt") == 0 ? task_text_open(&t, &o, o.devs[0])
                                      : task_image_open(&t, &o, o.devs[0]);
     if (!rc) rc = trainer_run(&o, &t, procs);

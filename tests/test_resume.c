@@ -98,6 +98,13 @@ static void exact_resume(const char *model, const char *devices, bool adam) {
     CHECK(rc == 0 && strcmp(full_test, eval_test) == 0, "eval of the run's directory gives '%s'",
           eval_test);
     free(out);
+    /* --resume of the finished run trains nothing: its epoch line has no speed to show */
+    rc = run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
+                  sched, COMMON, "--checkpoint-dir", a, "--resume"));
+    out = captured("stdout");
+    CHECK(rc == 0 && strstr(out, "(trained before the resume)") && !strstr(out, "img/s"),
+          "resuming a finished run: %d %s", rc, out);
+    free(out);
 }
 
 static void init_from(void) {

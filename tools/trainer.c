@@ -360,7 +360,7 @@ static int begin_epoch(trainer *tr, int epoch, int64_t skip) {
     tdm_module_train(tr->task->model, true);
     tr->loss_sum = skip ? tr->resume_loss_sum : 0;
     tr->correct = skip ? tr->resume_correct : 0;
-    tr->samples = skip ? tr->resume_samples : 0;
+    tr->samples = tr->samples_before = skip ? tr->resume_samples : 0;
     tr->steps_planned = tr->steps_per_epoch;
     if (o->max_steps > 0 && skip + o->max_steps - tr->global_step < tr->steps_planned)
         tr->steps_planned = skip + o->max_steps - tr->global_step;
@@ -412,18 +412,21 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
         if (after_step(tr, epoch, step, synced)) return EXIT_RUNTIME;
     }
     if (sync_chunk(tr, epoch, step)) return EXIT_RUNTIME;
-    double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
-    if (tr->g && !tr->stopped && trainer_sum_over_processes(tr, tot, 3)) return EXIT_RUNTIME;
-    double secs = progress_now() - t0, n = tot[2];
-    *e = (epoch_stats){.epoch = epoch,
-                       .train_loss = n ? tot[0] / n : NAN,
-                       .train_acc = n && tr->task->accuracy ? tot[1] / n : NAN,
-                       .test_loss = NAN,
-                       .test_acc = NAN,
-                       .seconds = secs,
-                       .img_s = secs > 0 ? n * (double)tr->task->units_per_sample / secs : NAN,
-                       .loader_wait_s = tdm_loader_wait_seconds(tr->train_l) - wait0,
-                       .lr = tdm_optim_lr(tr->opt)};
+    /* the totals, and the samples trained here: a resumed epoch's speed is this process's */
+    double tot[4] = {tr->loss_sum, (double)tr->correct, (double)tr->samples,
+                     (double)(tr->samples - tr->samples_before)};
+    if (tr->g && !tr->stopped && trainer_sum_over_processes(tr, tot, 4)) return EXIT_RUNTIME;
+    double secs = progress_now() - t0, n = tot[2], here = tot[3];
+    *e = (epoch_stats){
+        .epoch = epoch,
+        .train_loss = n ? tot[0] / n : NAN,
+        .train_acc = n && tr->task->accuracy ? tot[1] / n : NAN,
+        .test_loss = NAN,
+        .test_acc = NAN,
+        .seconds = secs,
+        .img_s = secs > 0 && here > 0 ? here * (double)tr->task->units_per_sample / secs : NAN,
+        .loader_wait_s = tdm_loader_wait_seconds(tr->train_l) - wait0,
+        .lr = tdm_optim_lr(tr->opt)};
     return 0;
 }
 
@@ -568,8 +571,13 @@ static void print_epoch(const trainer *tr, const epoch_stats *e) {
     printf("epoch %d/%lld  train loss %.4f", e->epoch, (long long)tr->o->epochs, e->train_loss);
     if (tr->task->accuracy) printf(" acc %5.2f%%", 100 * e->train_acc);
     if (tr->task->test) printf("  test loss %.4f acc %5.2f%%", e->test_loss, 100 * e->test_acc);
-    printf("  %.2f s  %.0f %s/s  loader wait %.2f s", e->seconds, e->img_s, tr->task->unit,
-           e->loader_wait_s);
+    printf("  %.2f s", e->seconds);
+    if (isnan(e->img_s)) { /* resumed after the epoch's last step: nothing trained here */
+        printf("  (trained before the resume)\n");
+        fflush(stdout);
+        return;
+    }
+    printf("  %.0f %s/s  loader wait %.2f s", e->img_s, tr->task->unit, e->loader_wait_s);
     int devices = tr->o->n_devs * (tr->g ? tdm_group_size(tr->g) : 1);
     if (devices > 1) printf("  (%.0f %s/s per device)", e->img_s / devices, tr->task->unit);
     printf("\n");

@@ -47,6 +47,7 @@ typedef struct trainer {
     /* the epoch so far, and the window since the last progress line */
     double loss_sum; /* sum of each step's mean loss times its samples */
     int64_t correct, samples, steps_planned, every;
+    int64_t samples_before; /* of samples: those a resumed epoch had before this process */
     double win_loss, win_t0;
     int64_t win_steps, win_samples;
     epoch_stats last; /* the last finished epoch */

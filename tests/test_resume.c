@@ -2,7 +2,8 @@
  * then resumed for N more end with byte-identical checkpoints (weights and training state),
  * for the MLP with SGD and the CNN with Adam and a cosine schedule, on 1 and 2 devices. Also:
  * keeping the last K checkpoints, `tandem eval` on a checkpoint, --init-from, and killing the
- * trainer at random moments while it writes checkpoints.
+ * trainer at random moments while it writes checkpoints, and that the stop handler runs on a
+ * stack of its own.
  *
  *   test_resume PATH_TO_TANDEM
  *
@@ -10,6 +11,7 @@
 #define _GNU_SOURCE
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 
 #include "check.h"
@@ -264,6 +266,48 @@ static void sigterm_resume(const char *const *launcher, const char *name, const 
     }
 }
 
+#if defined(__x86_64__)
+/* Sends sig to the calling thread while its stack pointer is sp, as oneDNN's JIT GEMM kernels
+ * run: they point rsp into a workspace they malloc'd. The signal is delivered as the syscall
+ * returns, with rsp still there. */
+static void signal_self_on_stack(char *sp, int sig) {
+    long pid = getpid(), tid = syscall(SYS_gettid), nr = SYS_tgkill;
+    __asm__ volatile("mov %%rsp, %%r12\n\t"
+                     "mov %[sp], %%rsp\n\t"
+                     "syscall\n\t"
+                     "mov %%r12, %%rsp"
+                     : "+a"(nr)
+                     : "D"(pid), "S"(tid), "d"((long)sig), [sp] "r"(sp)
+                     : "rcx", "r11", "r12", "memory");
+}
+#endif
+
+/* A SIGTERM that arrives while a GEMM kernel runs on a heap workspace (see above) must not
+ * write its signal frame below that stack pointer: the frame (some 3 KiB with the vector
+ * registers) landed on malloc's chunk headers there, and the trainer died of "corrupted size
+ * vs. prev_size" instead of saving its checkpoint. In a child, so that the signal's
+ * disposition and the stop flag stay this process's own. */
+static void handler_stack(void) {
+#if defined(__x86_64__)
+    pid_t pid = fork();
+    if (pid == 0) {
+        enum { SIZE = 1 << 17, BELOW = 1 << 16 };
+        unsigned char *buf = malloc(SIZE);
+        if (!buf || tdm_stop_on_signals() != TDM_OK) _exit(3);
+        memset(buf, 0xa5, SIZE);
+        signal_self_on_stack((char *)buf + BELOW, SIGTERM);
+        int clobbered = 0;
+        for (int i = 0; i < BELOW; i++) clobbered += buf[i] != 0xa5;
+        _exit(tdm_stop_requested() != SIGTERM ? 2 : clobbered ? 1 : 0);
+    }
+    int rc = wait_status(pid);
+    CHECK(rc == 0, "the stop handler ran on the interrupted code's stack (%d: %s)", rc,
+          rc == 1   ? "bytes below it were overwritten"
+          : rc == 2 ? "no stop recorded"
+                    : "no handler");
+#endif
+}
+
 /* The seed of the moments of the kill and signal tests, printed (TANDEM_TEST_SEED=S replays). */
 static void seed_moments(void) {
     const char *given = getenv("TANDEM_TEST_SEED");
@@ -298,6 +342,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     tandem = argv[1];
+    handler_stack();
     if (access("/usr/share/datasets/fashion-mnist", R_OK) != 0) {
         printf("skipped: dataset-fashion-mnist is not installed\n");
         return 77; /* CTest's SKIP_RETURN_CODE: not a pass */

@@ -106,7 +106,8 @@ bool tdm_flush_denormal(void);
  * a training loop can poll tdm_stop_requested between steps, save a checkpoint and return
  * (Slurm, Kubernetes and torchrun stop jobs with SIGTERM). Once one has arrived, both get
  * their default action back: a second signal ends the process at once. Process-wide; call it
- * once, early. TDM_ERR_IO when the handlers cannot be installed. */
+ * once, early, from the main thread, which Linux hands such signals and which gets the
+ * handler's own stack (sigaltstack). TDM_ERR_IO when the handlers cannot be installed. */
 int tdm_stop_on_signals(void);
 /* The first SIGTERM or SIGINT recorded since tdm_stop_on_signals (or tdm_stop_request's
  * signal), 0 when none: cheap enough to call every step. Never fails. */

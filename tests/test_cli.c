@@ -513,6 +513,15 @@ static void test_mpi_run(const char *mpirun) {
     CHECK(bad.status != 0 && strstr(bad.err, "does not split evenly over 2 processes"),
           "odd batch under mpirun: exit %d: %s", bad.status, bad.err);
     result_free(&bad);
+    /* a diverging run: each process's error is one whole line naming its rank */
+    result nan = run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path,
+                                           "train", "--limit", "640", "--lr", "1e5", NULL});
+    const char *line = strstr(nan.err, "tandem train: error: rank ");
+    const char *eol = line ? strchr(line, '\n') : NULL;
+    const char *why = line ? strstr(line, ": the loss is nan") : NULL;
+    CHECK(nan.status != 0 && why && eol && why < eol, "a diverging run under mpirun: exit %d: %s",
+          nan.status, nan.err);
+    result_free(&nan);
 }
 
 int main(int argc, char **argv) {

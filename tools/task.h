@@ -54,7 +54,10 @@ tdm_optim *task_default_optimizer(tdm_paramset *ps, void *o);
 /* After --init-from: EXIT_RUNTIME naming the first parameter of m that holds a NaN or an
  * infinity (so a diverging run does not blame the learning rate), else 0. */
 int task_check_finite(tdm_module *m, const char *file);
-/* Prints "tandem train: error: <message>" on stderr and returns EXIT_RUNTIME. */
+/* Under mpirun, this process's rank (set when it joins), -1 otherwise. */
+extern int task_rank;
+/* Prints "tandem train: error: <message>" on stderr, one whole line ("... error: rank R:
+ * <message>" under mpirun), and returns EXIT_RUNTIME. */
 int task_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 #endif

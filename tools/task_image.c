@@ -6,17 +6,28 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "task.h"
 
+int task_rank = -1;
+
 int task_error(const char *fmt, ...) {
     fflush(stdout);
+    /* one write of the whole line: under mpirun the processes share stderr, and pieces
+     * written apart interleave with the other ranks' */
+    char line[4096];
+    int n = task_rank >= 0
+                ? snprintf(line, sizeof line, "tandem train: error: rank %d: ", task_rank)
+                : snprintf(line, sizeof line, "tandem train: error: ");
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "tandem train: error: ");
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
     va_end(ap);
+    n = (int)strlen(line);
+    line[n++] = '\n';
+    if (write(STDERR_FILENO, line, (size_t)n) < 0) { /* nowhere left to say it */
+    }
     return EXIT_RUNTIME;
 }
 

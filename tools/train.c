@@ -521,6 +521,7 @@ static int parse_args(int argc, char **argv, train_opts *o) {
 static int join_mpi(train_opts *o, tdm_group **procs, int *argc, char ***argv) {
     if (!(*procs = tdm_mpi_init(argc, argv))) return task_error("mpi: %s", tdm_last_error());
     int n = tdm_group_size(*procs);
+    task_rank = tdm_group_rank(*procs);
     tdm_group_set_timeout(*procs, o->timeout);
     if (o->batch_per_device) o->batch_size *= n;
     if (o->model_split > 1)

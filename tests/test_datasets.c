@@ -100,6 +100,16 @@ static void test_idx_valid(void) {
     tdm_dataset *mixed = tdm_idx_dataset_open(tmp_path("img.gz"), tmp_path("lab"));
     check_idx_contents(mixed, img, "gzipped images, raw labels");
     tdm_dataset_free(mixed);
+    /* two gzip members back to back (cat a.gz b.gz) are one stream, as for gzip -d */
+    unsigned char both[4096];
+    write_gz(tmp_path("part1.gz"), img, 30);
+    write_gz(tmp_path("part2.gz"), img + 30, ni - 30);
+    size_t g1 = read_back(tmp_path("part1.gz"), both, sizeof both);
+    size_t g2 = read_back(tmp_path("part2.gz"), both + g1, sizeof both - g1);
+    write_file(tmp_path("img2.gz"), both, g1 + g2);
+    tdm_dataset *two = tdm_idx_dataset_open(tmp_path("img2.gz"), tmp_path("lab.gz"));
+    check_idx_contents(two, img, "two gzip members");
+    tdm_dataset_free(two);
     /* any u8 label is valid for plain IDX: num_classes = max + 1 */
     lab[8 + 2] = 200;
     write_file(tmp_path("lab200"), lab, nl);
@@ -203,6 +213,26 @@ static void test_idx_errors(void) {
     write_file(tmp_path("crc.gz"), gz, gn);
     expect_idx_error(tmp_path("crc.gz"), l5, "corrupt gzip data", tmp_path("crc.gz"),
                      TDM_ERR_FORMAT);
+    /* bytes after the gzip stream that are not another member: gzread would skip them */
+    gz[gn - 6] ^= 0x5a;
+    memcpy(gz + gn, "garbage", 7);
+    write_file(tmp_path("garbage.gz"), gz, gn + 7);
+    expect_idx_error(tmp_path("garbage.gz"), l5, "trailing data after the gzip stream",
+                     tmp_path("garbage.gz"), TDM_ERR_FORMAT);
+    char at[64];
+    snprintf(at, sizeof at, "ends at byte offset %zu of the file's %zu bytes", gn, gn + 7);
+    expect_idx_error(tmp_path("garbage.gz"), l5, at, tmp_path("garbage.gz"), TDM_ERR_FORMAT);
+    gz[gn] = 0x1f; /* one byte of a gzip magic, then the end of the file */
+    write_file(tmp_path("garbage1.gz"), gz, gn + 1);
+    expect_idx_error(tmp_path("garbage1.gz"), l5, "trailing data after the gzip stream",
+                     tmp_path("garbage1.gz"), TDM_ERR_FORMAT);
+    nl = make_labels(lab, 5, 5, 3);
+    write_gz(tmp_path("lab5.gz"), lab, nl);
+    size_t lgn = read_back(tmp_path("lab5.gz"), gz, sizeof gz);
+    gz[lgn] = 0;
+    write_file(tmp_path("lab_nul.gz"), gz, lgn + 1); /* one NUL byte after the labels */
+    expect_idx_error(tmp_path("ok.gz"), tmp_path("lab_nul.gz"), "trailing data after the gzip",
+                     tmp_path("lab_nul.gz"), TDM_ERR_FORMAT);
 
     /* images and labels disagree */
     make_labels(lab, 6, 6, 3);

@@ -487,8 +487,7 @@ static int check_opts(train_opts *o) {
     return 0;
 }
 
-/* Fills o from argv (argv[0] is "train"). Returns 0, EXIT_USAGE, or -1 for --help. */
-static int parse_args(int argc, char **argv, train_opts *o) {
+int train_parse_args(int argc, char **argv, train_opts *o) {
     *o = opts_defaults();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -539,7 +538,7 @@ static int join_mpi(train_opts *o, tdm_group **procs, int *argc, char ***argv) {
 
 int train_main(int argc, char **argv) {
     train_opts o;
-    int rc = parse_args(argc, argv, &o);
+    int rc = train_parse_args(argc, argv, &o);
     if (rc < 0) {
         train_help(stdout);
         return EXIT_OK;

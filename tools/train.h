@@ -37,6 +37,10 @@ typedef struct {
     int n_devs;
 } train_opts;
 
+/* Fills o from argv (argv[0] is "train") and checks the options together, printing a usage
+ * error to stderr. Returns 0, EXIT_USAGE, or -1 for --help. Starts nothing and opens no file:
+ * o points into argv. (Separate from train_main for tests/fuzz_cli.c.) */
+int train_parse_args(int argc, char **argv, train_opts *o);
 /* Runs `tandem train` with argv[0] == "train". Returns an exit status. */
 int train_main(int argc, char **argv);
 /* The man-page style help of `tandem train`. */

@@ -71,7 +71,8 @@ tdm_optim *tdm_gpt_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o);
  * 20240326, version 3, maxT, V, L, NH, C, Vp, the rest 0; then that array as little-endian
  * f32, nothing after it. */
 
-/* Number of floats in llm.c's array for cfg (0 for an invalid config). */
+/* Number of floats in llm.c's array for cfg (0 for an invalid config, or one whose count
+ * does not fit in 64 bits). */
 int64_t tdm_gpt_llmc_numel(const tdm_gpt_config *cfg);
 /* Copies m's parameters (grads: their gradients, 0 where none yet) into out in llm.c's order.
  * n must be tdm_gpt_llmc_numel(config), else TDM_ERR_ARG. */

@@ -28,12 +28,22 @@
 
 /* ---- a reader over a raw or gzipped file, tracking the (decompressed) offset ------------ */
 
+/* Gzipped files go through zlib's inflate (not gzread, which ignores whatever follows the
+ * last gzip member): the reader sees where each member ends, accepts a further member (as
+ * gzip -d does) and rejects anything else after the stream. */
+#define GZ_IN_BYTES (1u << 17)
+
 typedef struct {
     const char *path;
-    int fd;         /* raw files; -1 once handed to zlib */
-    gzFile gz;      /* gzipped files; NULL for raw ones */
-    uint64_t fsize; /* bytes on disk */
-    uint64_t pos;   /* offset in the (decompressed) stream */
+    int fd;            /* the open file */
+    bool gz;           /* gzipped: inflated through zs */
+    bool gz_done;      /* the last gzip member has ended, and the file with it */
+    bool zs_live;      /* zs is initialised */
+    z_stream zs;       /* reads from in */
+    unsigned char *in; /* GZ_IN_BYTES of compressed input */
+    uint64_t in_off;   /* compressed bytes read from the file */
+    uint64_t fsize;    /* bytes on disk */
+    uint64_t pos;      /* offset in the (decompressed) stream */
 } idx_reader;
 
 static const char *where(const idx_reader *r) {
@@ -54,61 +64,109 @@ static int reader_open(idx_reader *r, const char *path) {
     r->fsize = (uint64_t)st.st_size;
     unsigned char m[2] = {0, 0};
     if (pread(r->fd, m, 2, 0) == 2 && m[0] == 0x1f && m[1] == 0x8b) {
-        r->gz = gzdopen(r->fd, "rb"); /* owns the fd from here */
-        if (!r->gz) {
+        r->gz = true;
+        r->in = (unsigned char *)malloc(GZ_IN_BYTES);
+        /* 16 + MAX_WBITS: a gzip wrapper, checked (header CRC when present, CRC-32, length) */
+        if (!r->in || inflateInit2(&r->zs, 16 + MAX_WBITS) != Z_OK) {
+            free(r->in);
+            r->in = NULL;
             close(r->fd);
             r->fd = -1;
             return tdm_raise(TDM_ERR_NOMEM, OP ": %s: cannot start zlib", path);
         }
-        r->fd = -1;
-        gzbuffer(r->gz, 1 << 17);
+        r->zs_live = true;
     }
     return TDM_OK;
 }
 
 static void reader_close(idx_reader *r) {
-    if (r->gz) gzclose(r->gz);
+    if (r->zs_live) inflateEnd(&r->zs);
+    free(r->in);
     if (r->fd >= 0) close(r->fd);
-    r->gz = NULL;
+    r->zs_live = false;
+    r->in = NULL;
     r->fd = -1;
 }
 
+/* Tops the compressed input up to at least `need` bytes (fewer only at the end of the file).
+ * Returns the bytes available, or -1 with an error raised. */
+static int64_t gz_fill(idx_reader *r, unsigned need) {
+    if (r->zs.avail_in >= need) return r->zs.avail_in;
+    if (r->zs.avail_in && r->zs.next_in != r->in) memmove(r->in, r->zs.next_in, r->zs.avail_in);
+    r->zs.next_in = r->in;
+    while (r->zs.avail_in < need) {
+        ssize_t k = read(r->fd, r->in + r->zs.avail_in, GZ_IN_BYTES - r->zs.avail_in);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0)
+            return tdm_raise(TDM_ERR_IO, OP ": %s: read failed at byte offset %llu: %s", r->path,
+                             (unsigned long long)r->in_off, strerror(errno));
+        if (k == 0) break;
+        r->zs.avail_in += (unsigned)k;
+        r->in_off += (uint64_t)k;
+    }
+    return r->zs.avail_in;
+}
+
+/* Inflates up to n (<= 2^30) bytes into buf; the count, short only at the end of the last
+ * gzip member, or -1 with an error raised (corrupt, truncated, or trailing non-gzip data). */
+static int64_t gz_read(idx_reader *r, unsigned char *buf, uint64_t n) {
+    z_stream *zs = &r->zs;
+    zs->next_out = buf;
+    zs->avail_out = (uInt)n;
+    while (zs->avail_out && !r->gz_done) {
+        int64_t have = gz_fill(r, 1);
+        if (have < 0) return -1;
+        if (have == 0)
+            return tdm_raise(TDM_ERR_FORMAT,
+                             OP ": %s: gzip stream is truncated at decompressed byte offset %llu",
+                             r->path, (unsigned long long)(r->pos + (n - zs->avail_out)));
+        int zr = inflate(zs, Z_NO_FLUSH);
+        if (zr == Z_MEM_ERROR)
+            return tdm_raise(TDM_ERR_NOMEM, OP ": %s: zlib out of memory", r->path);
+        if (zr != Z_OK && zr != Z_STREAM_END && zr != Z_BUF_ERROR)
+            return tdm_raise(TDM_ERR_FORMAT,
+                             OP ": %s: corrupt gzip data near decompressed byte offset %llu: %s",
+                             r->path, (unsigned long long)(r->pos + (n - zs->avail_out)),
+                             zs->msg ? zs->msg : "invalid stream");
+        if (zr != Z_STREAM_END) continue;
+        /* a member ended: the file ends too, or another gzip member follows */
+        have = gz_fill(r, 2);
+        if (have < 0) return -1;
+        if (have == 0) {
+            r->gz_done = true;
+        } else if (have >= 2 && zs->next_in[0] == 0x1f && zs->next_in[1] == 0x8b) {
+            inflateReset(zs);
+        } else {
+            uint64_t at = r->in_off - zs->avail_in;
+            return tdm_raise(TDM_ERR_FORMAT,
+                             OP ": %s: trailing data after the gzip stream: it ends at byte "
+                                "offset %llu of the file's %llu bytes, and what follows is not "
+                                "another gzip member",
+                             r->path, (unsigned long long)at, (unsigned long long)r->fsize);
+        }
+    }
+    return (int64_t)(n - zs->avail_out);
+}
+
 /* Reads up to n bytes; returns the count (short only at the end of the data) or -1 with an
- * error raised (I/O error, corrupt or truncated gzip stream). */
+ * error raised (I/O error, corrupt or truncated gzip stream, data after it). */
 static int64_t reader_read(idx_reader *r, void *buf, uint64_t n) {
     uint64_t got = 0;
     while (got < n) {
         uint64_t want = n - got > (1u << 30) ? (1u << 30) : n - got;
         int64_t k;
         if (r->gz) {
-            k = gzread(r->gz, (char *)buf + got, (unsigned)want);
+            k = gz_read(r, (unsigned char *)buf + got, want);
+            if (k < 0) return -1;
         } else {
             k = read(r->fd, (char *)buf + got, (size_t)want);
             if (k < 0 && errno == EINTR) continue;
+            if (k < 0)
+                return tdm_raise(TDM_ERR_IO, OP ": %s: read failed at byte offset %llu: %s",
+                                 r->path, (unsigned long long)(r->pos + got), strerror(errno));
         }
-        if (k < 0 && !r->gz)
-            return tdm_raise(TDM_ERR_IO, OP ": %s: read failed at byte offset %llu: %s", r->path,
-                             (unsigned long long)(r->pos + got), strerror(errno));
-        if (k > 0) {
-            got += (uint64_t)k;
-            continue;
-        }
-        /* k <= 0 from zlib, or a raw end of file: tell a clean end from a broken stream */
-        if (r->gz) {
-            int zerr = Z_OK;
-            const char *msg = gzerror(r->gz, &zerr);
-            if (zerr == Z_BUF_ERROR)
-                return tdm_raise(TDM_ERR_FORMAT,
-                                 OP ": %s: gzip stream is truncated at decompressed byte offset "
-                                    "%llu",
-                                 r->path, (unsigned long long)(r->pos + got));
-            if (zerr != Z_OK)
-                return tdm_raise(TDM_ERR_FORMAT,
-                                 OP ": %s: corrupt gzip data near decompressed byte offset "
-                                    "%llu: %s",
-                                 r->path, (unsigned long long)(r->pos + got), msg);
-        }
-        break;
+        if (k == 0) break; /* the end of the data */
+        got += (uint64_t)k;
     }
     r->pos += got;
     return (int64_t)got;

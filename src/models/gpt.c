@@ -317,8 +317,15 @@ int64_t tdm_gpt_llmc_numel(const tdm_gpt_config *c) {
     if (!c || c->layers < 1 || c->channels < 1 || c->context < 1 || c->vocab < 1) return 0;
     int64_t C = c->channels, L = c->layers, Vp = c->padded_vocab ? c->padded_vocab : c->vocab;
     /* wte, wpe, then per layer: 2 LN (4C) + qkv (3C*C + 3C) + proj (C*C + C) + fc (4C*C + 4C)
-     * + fcproj (4C*C + C), then ln_f (2C) */
-    return Vp * C + (int64_t)c->context * C + L * (12 * C * C + 13 * C) + 2 * C;
+     * + fcproj (4C*C + C), then ln_f (2C); 0 past 64 bits (a hostile file's header) */
+    int64_t layer, all, wpe;
+    if (__builtin_mul_overflow(12 * C, C, &layer) ||
+        __builtin_add_overflow(layer, 13 * C, &layer) || __builtin_mul_overflow(L, layer, &all) ||
+        __builtin_mul_overflow(Vp, C, &wpe) || __builtin_add_overflow(all, wpe, &all) ||
+        __builtin_mul_overflow((int64_t)c->context, C, &wpe) ||
+        __builtin_add_overflow(all, wpe + 2 * C, &all))
+        return 0;
+    return all;
 }
 
 /* Walks llm.c's order, calling fn on each tensor with its offset in the flat array. */

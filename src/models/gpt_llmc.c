@@ -142,8 +142,15 @@ static FILE *open_checked(const char *path, tdm_gpt_config *c, int64_t *n) {
     if (!rc) rc = parse_header(path, h, c);
     if (!rc) {
         *n = tdm_gpt_llmc_numel(c);
-        long long want = HEADER_BYTES + 4LL * *n;
-        if (st.st_size != want)
+        bool fits = *n >= 1 && *n <= (INT64_MAX - HEADER_BYTES) / 4;
+        long long want = fits ? HEADER_BYTES + 4LL * *n : 0;
+        if (!fits)
+            rc = tdm_raise(TDM_ERR_FORMAT,
+                           "gpt_load_llmc: %s: the header's sizes (byte offsets 8..31: %d "
+                           "layers of %d channels, vocab %d, context %d) give more parameters "
+                           "than a file can hold",
+                           path, c->layers, c->channels, c->padded_vocab, c->context);
+        else if (st.st_size != want)
             rc = tdm_raise(TDM_ERR_FORMAT,
                            "gpt_load_llmc: %s: %s: the file has %lld bytes, the header's model "
                            "(%lld parameters) needs %lld",

@@ -4,6 +4,7 @@
  * and a save killed at any moment leaves the previous checkpoint loadable. */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <errno.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -486,6 +487,59 @@ static void test_crash(void) {
     CHECK(ok == rounds, "%d of %d rounds found a checkpoint that loads", ok, rounds);
 }
 
+/* src/io's fault injection (io/io_internal.h): the n-th write, fsync, rename or mkdir fails */
+void tdm_io_fail_nth(int n, int err);
+
+static void remove_tree(const char *path) {
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", path);
+    CHECK(system(cmd) == 0, "rm -rf %s", path);
+}
+
+/* A disk that fails (ENOSPC) at each I/O step of a checkpoint write in turn: the save reports
+ * the file and the errno, leaves no temporary file, and the newest checkpoint in the directory
+ * loads and is one of the two whole ones (the old, or the new when only a step after its
+ * rename failed); the old one is not pruned away by a failed save (--keep 1). */
+static void test_disk_full(void) {
+    const char *dir = tmp_path("ckpt_full");
+    run_state s = run_new(true, 0);
+    run_steps(&s, 1);
+    tdm_train_state st = state_of(&s);
+    CHECK(tdm_checkpoint_save(dir, &st, 1) == TDM_OK, "first save: %s", tdm_last_error());
+    run_steps(&s, 1);
+    st = state_of(&s);
+    int n = 1, failed = 0;
+    for (; n < 400; n++) {
+        tdm_io_fail_nth(n, ENOSPC);
+        int rc = tdm_checkpoint_save(dir, &st, 1);
+        tdm_io_fail_nth(0, 0);
+        if (rc == TDM_OK) break; /* n is past the save's last step */
+        failed++;
+        CHECK(strstr(tdm_last_error(), "No space left on device") && strstr(tdm_last_error(), dir),
+              "step %d: the error names the directory and the errno: %s", n, tdm_last_error());
+        CHECK(count_files(dir, "tmp") == 0, "step %d: no temporary file is left", n);
+        char path[600];
+        int64_t step = -1;
+        run_state r = run_new(true, 0);
+        tdm_train_state sr = state_of(&r);
+        CHECK(tdm_checkpoint_latest(dir, path, sizeof path, &step) == 1 &&
+                  (step == 1 || step == 2) && tdm_checkpoint_load(path, &sr) == TDM_OK,
+              "step %d: the newest checkpoint (%lld) loads: %s", n, (long long)step,
+              tdm_last_error());
+        run_free(&r);
+        if (step == 2) { /* the new one is whole: start the next round from the old again */
+            char old[600];
+            snprintf(old, sizeof old, "%s/ckpt-0000000002", dir);
+            CHECK(count_files(dir, "ckpt-") >= 1, "step %d: a checkpoint is left", n);
+            remove_tree(old);
+            CHECK(tdm_checkpoint_latest(dir, path, sizeof path, &step) == 1 && step == 1,
+                  "step %d: the step-1 checkpoint is still there (keep 1 pruned it early)", n);
+        }
+    }
+    CHECK(failed >= 5 && n < 400, "the save has several I/O steps, each failed once (%d)", failed);
+    run_free(&s);
+}
+
 int main(void) {
     if (tmpdir_make("test_ckpt") != 0) return 1;
     test_torch_file();
@@ -498,6 +552,7 @@ int main(void) {
     test_exact_resume(true);
     test_checkpoint_errors();
     test_crash();
+    test_disk_full();
     tmpdir_remove();
     return check_summary();
 }

@@ -7,11 +7,27 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+static atomic_int fail_countdown; /* steps until the injected failure; <= 0: none */
+static atomic_int fail_errno;
+
+void tdm_io_fail_nth(int n, int err) {
+    atomic_store(&fail_errno, err);
+    atomic_store(&fail_countdown, n);
+}
+
+bool tdm_io_fault(void) {
+    if (atomic_load_explicit(&fail_countdown, memory_order_relaxed) <= 0) return false;
+    if (atomic_fetch_sub(&fail_countdown, 1) != 1) return false;
+    errno = atomic_load(&fail_errno);
+    return true;
+}
 
 void tdm_io_dirname(const char *path, char *dir, size_t cap) {
     const char *slash = strrchr(path, '/');
@@ -36,7 +52,7 @@ int tdm_io_mkdir_p(const char *dir, const char *what) {
         if (mkdir(p, 0755) != 0 && errno != EEXIST) break;
         *s = '/';
     }
-    if (mkdir(p, 0755) != 0 && errno != EEXIST)
+    if ((tdm_io_fault() || mkdir(p, 0755) != 0) && errno != EEXIST)
         return tdm_raise(TDM_ERR_IO, "%s: cannot create directory '%s': %s", what, dir,
                          strerror(errno));
     return TDM_OK;
@@ -46,11 +62,12 @@ int tdm_io_fsync_dir(const char *dir) {
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0)
         return tdm_raise(TDM_ERR_IO, "cannot open directory '%s': %s", dir, strerror(errno));
-    int rc = fsync(fd) == 0 || errno == EINVAL ? TDM_OK
-                                               : tdm_raise(TDM_ERR_IO,
-                                                           "cannot flush directory "
-                                                           "'%s': %s",
-                                                           dir, strerror(errno));
+    int rc = (!tdm_io_fault() && fsync(fd) == 0) || errno == EINVAL
+                 ? TDM_OK
+                 : tdm_raise(TDM_ERR_IO,
+                             "cannot flush directory "
+                             "'%s': %s",
+                             dir, strerror(errno));
     close(fd);
     return rc;
 }
@@ -61,7 +78,7 @@ int tdm_io_temp_open(const char *path, char *tmp, size_t cap) {
         tdm_raise(TDM_ERR_IO, "cannot write '%.200s': path too long", path);
         return -1;
     }
-    int fd = mkostemp(tmp, O_CLOEXEC);
+    int fd = tdm_io_fault() ? -1 : mkostemp(tmp, O_CLOEXEC);
     if (fd < 0) {
         tdm_raise(TDM_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
         return -1;
@@ -71,11 +88,11 @@ int tdm_io_temp_open(const char *path, char *tmp, size_t cap) {
 }
 
 int tdm_io_temp_commit(int fd, const char *tmp, const char *path, int rc) {
-    if (!rc && fsync(fd) != 0)
+    if (!rc && (tdm_io_fault() || fsync(fd) != 0))
         rc = tdm_raise(TDM_ERR_IO, "cannot flush '%s' to disk: %s", path, strerror(errno));
     if (close(fd) != 0 && !rc)
         rc = tdm_raise(TDM_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
-    if (!rc && rename(tmp, path) != 0)
+    if (!rc && (tdm_io_fault() || rename(tmp, path) != 0))
         rc = tdm_raise(TDM_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
     if (rc) {
         unlink(tmp);

@@ -21,6 +21,13 @@ int tdm_io_mkdir_p(const char *dir, const char *what);
 /* Writes path's directory part into dir (cap bytes): "." when it has none. */
 void tdm_io_dirname(const char *path, char *dir, size_t cap);
 
+/* Fault injection, for tests of what a failing disk leaves behind: the n-th I/O step from now
+ * (a write, fsync, rename, mkdir or temporary file of src/io's writers) fails with errno err
+ * as if its system call had; n <= 0 turns it off. Process-wide. */
+void tdm_io_fail_nth(int n, int err);
+/* Counts one I/O step: true (errno set) when it is the one to fail. */
+bool tdm_io_fault(void);
+
 /* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) of n bytes: the checksum of TFRecord
  * framing (tensorboard.c). tdm_crc32c("123456789", 9) is 0xE3069283. */
 uint32_t tdm_crc32c(const void *data, size_t n);

@@ -574,7 +574,7 @@ static char *build_header(const tdm_named_tensor *ts, int n, const tdm_meta *met
 static int write_all(int fd, const void *p, size_t n, const char *path) {
     size_t done = 0;
     while (done < n) {
-        ssize_t w = write(fd, (const char *)p + done, n - done);
+        ssize_t w = tdm_io_fault() ? -1 : write(fd, (const char *)p + done, n - done);
         if (w < 0 && errno == EINTR) continue;
         if (w <= 0) return tdm_raise(TDM_ERR_IO, "cannot write '%s': %s", path, strerror(errno));
         done += (size_t)w;

@@ -29,9 +29,15 @@ static int run(const char *const *args) {
     return wait_status(start(args));
 }
 
+/* Whether two checkpoint files are byte for byte the same, but for the identities of their
+ * runs (two runs, by design: "run.id" in train_state.safetensors, 16 hex digits each). */
 static bool same_file(const char *a, const char *b) {
     size_t na = 0, nb = 0;
     char *x = slurp_file(a, &na), *y = slurp_file(b, &nb);
+    const char *key = "\"run.id\":\"";
+    char *ix = x ? memmem(x, na, key, strlen(key)) : NULL;
+    char *iy = y ? memmem(y, nb, key, strlen(key)) : NULL;
+    if (ix && iy && na == nb && ix - x == iy - y) memcpy(iy, ix, strlen(key) + 16);
     bool eq = x && y && na == nb && na > 0 && memcmp(x, y, na) == 0;
     free(x);
     free(y);

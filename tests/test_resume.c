@@ -283,6 +283,18 @@ static void sigterm_all(const char *mpirun) {
     if (mpirun) {
         const char *const mpi[] = {mpirun, "--oversubscribe", "-np", "2", NULL};
         sigterm_resume(mpi, "mpi", ARGS("train", SIG_MLP, "--epochs", "2", "--timeout", "20"));
+        /* a directory in use: rank 0 cannot take it, and every rank stops (none waits for it) */
+        char dir[300];
+        snprintf(dir, sizeof dir, "%s/mpi-locked", tmpdir);
+        tdm_checkpoint_lock *held = tdm_checkpoint_lock_dir(dir, "test_resume");
+        int rc = wait_status(
+            start_with(mpi, ARGS("train", COMMON, "--timeout", "20", "--checkpoint-dir", dir)));
+        char *err = captured("stderr");
+        CHECK(held && rc == 2 && strstr(err, "is in use by test_resume pid ") &&
+                  count_ckpts(dir) == 0,
+              "mpirun into a directory in use: exit %d, %s", rc, err);
+        free(err);
+        tdm_checkpoint_unlock(held);
         return;
     }
     sigterm_resume(NULL, "mlp", ARGS("train", SIG_MLP));

@@ -290,9 +290,9 @@ void train_help(FILE *out) {
     fprintf(out, "\nEXIT STATUS\n    0  training finished\n"
                  "    1  a runtime error: unreadable data, a non-finite loss, a file that cannot "
                  "be written\n    2  a usage error: an unknown option, a missing or invalid "
-                 "value; a --checkpoint-dir in use by another run, or holding an earlier run's "
-                 "checkpoints without --resume or --overwrite\n    143, 130  stopped by SIGTERM or "
-                 "SIGINT (see SIGNALS)\n");
+                 "value;\n       a --checkpoint-dir in use by another run, or holding an "
+                 "earlier run's\n       checkpoints without --resume or --overwrite\n"
+                 "    143, 130  stopped by SIGTERM or SIGINT (see SIGNALS)\n");
     fprintf(out, "\nEXAMPLES\n");
     fprintf(out, "    tandem train --model mlp --epochs 3\n");
     fprintf(out, "    tandem train --model cnn --optimizer adam --epochs 2 --plot cnn.svg\n");

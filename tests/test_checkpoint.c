@@ -1,7 +1,9 @@
 /* safetensors and checkpoints: files written by PyTorch load with its outputs, Tandem's files
  * load back bit for bit (and into PyTorch when torch is installed), malformed files give
  * clear errors, strict loading names every mismatch, a checkpoint resumes training exactly,
- * and a save killed at any moment leaves the previous checkpoint loadable. */
+ * a save killed at any moment leaves the previous checkpoint loadable, a checkpoint
+ * directory's lock has one holder at a time, and runs sharing a directory prune only their
+ * own checkpoints. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -540,6 +542,136 @@ static void test_disk_full(void) {
     run_free(&s);
 }
 
+/* The directory lock: one holder at a time (another lock of this process, a child process),
+ * its holder named in the refusal, released by tdm_checkpoint_unlock and by the holder's
+ * death (a LOCK file left by kill -9 does not block), and an unusable directory named. */
+static void test_lock(void) {
+    const char *dir = tmp_path("locked/sub"), *lock_file = tmp_path("locked/sub/LOCK");
+    tdm_checkpoint_lock *l = tdm_checkpoint_lock_dir(dir, "test holder");
+    CHECK(l != NULL, "lock a new directory: %s", tdm_last_error());
+    char me[64];
+    snprintf(me, sizeof me, "test holder pid %ld on host ", (long)getpid());
+    char *text = slurp_file(lock_file, NULL);
+    CHECK(text && strncmp(text, me, strlen(me)) == 0 && strstr(text, " since "),
+          "LOCK names its holder: '%s'", text ? text : "(none)");
+    free(text);
+    char expect[200];
+    snprintf(expect, sizeof expect, "is in use by %s", me);
+    CHECK_ERROR(!tdm_checkpoint_lock_dir(dir, "second") && tdm_last_status() == TDM_ERR_STATE,
+                expect);
+    /* another process is refused too */
+    pid_t pid = fork();
+    if (pid == 0) {
+        tdm_checkpoint_lock *c = tdm_checkpoint_lock_dir(dir, "child");
+        _exit(!c && strstr(tdm_last_error(), "in use by test holder") ? 0 : 1);
+    }
+    CHECK(wait_status(pid) == 0, "another process cannot take the lock");
+    tdm_checkpoint_unlock(l);
+    text = slurp_file(lock_file, NULL);
+    CHECK(text && !text[0], "an unheld LOCK names nobody: '%s'", text ? text : "(no file)");
+    free(text);
+    l = tdm_checkpoint_lock_dir(dir, NULL);
+    CHECK(l != NULL, "taken again after unlock: %s", tdm_last_error());
+    tdm_checkpoint_unlock(l);
+    tdm_checkpoint_unlock(NULL);
+
+    /* a holder killed with -9 leaves its LOCK file, which blocks nobody */
+    int ready[2];
+    CHECK(pipe(ready) == 0, "pipe");
+    pid = fork();
+    if (pid == 0) {
+        close(ready[0]);
+        tdm_checkpoint_lock *c = tdm_checkpoint_lock_dir(dir, "doomed");
+        if (write(ready[1], c ? "y" : "n", 1) != 1) _exit(1);
+        for (;;) pause();
+    }
+    close(ready[1]);
+    char took = 0;
+    CHECK(read(ready[0], &took, 1) == 1 && took == 'y', "the child took the lock");
+    close(ready[0]);
+    CHECK(!tdm_checkpoint_lock_dir(dir, NULL), "held by the child");
+    tdm_clear_error();
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    text = slurp_file(lock_file, NULL);
+    CHECK(text && strstr(text, "doomed pid "), "the killed holder's line stays: '%s'",
+          text ? text : "(none)");
+    free(text);
+    l = tdm_checkpoint_lock_dir(dir, "next");
+    CHECK(l != NULL, "a killed holder's lock is free: %s", tdm_last_error());
+    tdm_checkpoint_unlock(l);
+
+    /* a directory that cannot be one */
+    const char *file = tmp_path("lock-a-file");
+    FILE *f = fopen(file, "w");
+    if (f) fclose(f);
+    CHECK_ERROR(!tdm_checkpoint_lock_dir(file, NULL) && tdm_last_status() == TDM_ERR_IO, file);
+    CHECK_ERROR(!tdm_checkpoint_lock_dir(NULL, NULL), "NULL directory");
+}
+
+/* Saves a checkpoint of the small model at step for run (NULL: no identity), keeping keep. */
+static int save_for(const char *dir, tdm_module *m, int64_t step, const char *run, int keep) {
+    tdm_train_state st = {.model = m, .step = step, .run_id = run};
+    return tdm_checkpoint_save(dir, &st, keep);
+}
+
+/* Run identities: each checkpoint records its run's; pruning and replacing touch only the
+ * saving run's checkpoints; listing and clearing a directory. */
+static void test_run_ids(void) {
+    char a[17], b[17], id[64];
+    CHECK(tdm_checkpoint_new_run_id(a, sizeof a) == TDM_OK &&
+              tdm_checkpoint_new_run_id(b, sizeof b) == TDM_OK,
+          "new run ids: %s", tdm_last_error());
+    CHECK(strlen(a) == 16 && strspn(a, "0123456789abcdef") == 16 && strcmp(a, b) != 0,
+          "16 hex digits, new each time: %s %s", a, b);
+    CHECK_ERROR(tdm_checkpoint_new_run_id(id, 16), "needs 17 bytes");
+
+    const char *dir = tmp_path("ckpt_runs");
+    tdm_module *m = small_model(3, 1);
+    /* run a keeps 2, run b keeps 1, a checkpoint without identity keeps 1: interleaved */
+    int rc = save_for(dir, m, 1, a, 2) || save_for(dir, m, 2, a, 2) || save_for(dir, m, 10, b, 1) ||
+             save_for(dir, m, 5, NULL, 1) || save_for(dir, m, 3, a, 2) ||
+             save_for(dir, m, 4, a, 2) || save_for(dir, m, 11, b, 1);
+    CHECK(rc == 0, "saves: %s", tdm_last_error());
+    int64_t steps[8] = {0};
+    int n = tdm_checkpoint_list(dir, steps, 8);
+    CHECK(n == 4 && steps[0] == 3 && steps[1] == 4 && steps[2] == 5 && steps[3] == 11,
+          "each run pruned its own only: %d checkpoints, steps %lld %lld %lld %lld", n,
+          (long long)steps[0], (long long)steps[1], (long long)steps[2], (long long)steps[3]);
+    CHECK(tdm_checkpoint_list(dir, steps, 1) == 4 && steps[0] == 3, "a short list");
+    CHECK(tdm_checkpoint_list(tmp_path("no-such-dir"), NULL, 0) == 0, "no directory: none");
+    char path[600];
+    snprintf(path, sizeof path, "%s/ckpt-0000000003", dir);
+    CHECK(tdm_checkpoint_run_id(path, id, sizeof id) == 1 && strcmp(id, a) == 0,
+          "ckpt 3 is run a's: %s", id);
+    snprintf(path, sizeof path, "%s/ckpt-0000000005", dir);
+    CHECK(tdm_checkpoint_run_id(path, id, sizeof id) == 0, "ckpt 5 has no identity");
+    CHECK(tdm_checkpoint_run_id(tmp_path("none"), id, sizeof id) < 0, "no checkpoint: an error");
+    tdm_clear_error();
+    /* run b may not replace run a's step 3 */
+    char expect[100];
+    snprintf(expect, sizeof expect, "belongs to run %s, not to this run (%s)", a, b);
+    CHECK_ERROR(save_for(dir, m, 3, b, 1) == TDM_ERR_STATE, expect);
+    snprintf(path, sizeof path, "%s/ckpt-0000000003", dir);
+    CHECK(tdm_checkpoint_run_id(path, id, sizeof id) == 1 && strcmp(id, a) == 0 &&
+              tdm_checkpoint_list(dir, NULL, 0) == 4,
+          "run a's checkpoint is left as it was");
+    CHECK(save_for(dir, m, 3, a, 0) == TDM_OK, "run a replaces its own: %s", tdm_last_error());
+
+    /* clearing: every checkpoint and what crashed saves left; other files stay */
+    char tmp[600], other[600];
+    snprintf(tmp, sizeof tmp, "%s/.ckpt-0000000009.tmp", dir);
+    snprintf(other, sizeof other, "%s/notes.txt", dir);
+    mkdir(tmp, 0755);
+    FILE *f = fopen(other, "w");
+    if (f) fclose(f);
+    CHECK(tdm_checkpoint_clear(dir) == TDM_OK, "clear: %s", tdm_last_error());
+    CHECK(tdm_checkpoint_list(dir, NULL, 0) == 0 && access(tmp, F_OK) != 0 &&
+              access(other, F_OK) == 0,
+          "cleared the checkpoints, kept other files");
+    tdm_module_free(m);
+}
+
 int main(void) {
     if (tmpdir_make("test_ckpt") != 0) return 1;
     test_torch_file();
@@ -553,6 +685,8 @@ int main(void) {
     test_checkpoint_errors();
     test_crash();
     test_disk_full();
+    test_lock();
+    test_run_ids();
     tmpdir_remove();
     return check_summary();
 }

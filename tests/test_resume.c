@@ -1,9 +1,10 @@
 /* Exact resume through the `tandem` command: a run of 2N steps and a run stopped after N steps
  * then resumed for N more end with byte-identical checkpoints (weights and training state),
  * for the MLP with SGD and the CNN with Adam and a cosine schedule, on 1 and 2 devices. Also:
- * keeping the last K checkpoints, `tandem eval` on a checkpoint, --init-from, and killing the
- * trainer at random moments while it writes checkpoints, and that the stop handler runs on a
- * stack of its own.
+ * keeping the last K checkpoints, `tandem eval` on a checkpoint, --init-from, killing the
+ * trainer at random moments while it writes checkpoints, that the stop handler runs on a
+ * stack of its own, and one run at a time per checkpoint directory (a second refused, fresh
+ * runs needing --resume or --overwrite).
  *
  *   test_resume PATH_TO_TANDEM
  *
@@ -30,9 +31,15 @@ static int run(const char *const *args) {
     return wait_status(start(args));
 }
 
+/* Whether two checkpoint files are byte for byte the same, but for the identities of their
+ * runs (two runs, by design: "run.id" in train_state.safetensors, 16 hex digits each). */
 static bool same_file(const char *a, const char *b) {
     size_t na = 0, nb = 0;
     char *x = slurp_file(a, &na), *y = slurp_file(b, &nb);
+    const char *key = "\"run.id\":\"";
+    char *ix = x ? memmem(x, na, key, strlen(key)) : NULL;
+    char *iy = y ? memmem(y, nb, key, strlen(key)) : NULL;
+    if (ix && iy && na == nb && ix - x == iy - y) memcpy(iy, ix, strlen(key) + 16);
     bool eq = x && y && na == nb && na > 0 && memcmp(x, y, na) == 0;
     free(x);
     free(y);
@@ -327,6 +334,18 @@ static void sigterm_all(const char *mpirun) {
     if (mpirun) {
         const char *const mpi[] = {mpirun, "--oversubscribe", "-np", "2", NULL};
         sigterm_resume(mpi, "mpi", ARGS("train", SIG_MLP, "--epochs", "2", "--timeout", "20"));
+        /* a directory in use: rank 0 cannot take it, and every rank stops (none waits for it) */
+        char dir[300];
+        snprintf(dir, sizeof dir, "%s/mpi-locked", tmpdir);
+        tdm_checkpoint_lock *held = tdm_checkpoint_lock_dir(dir, "test_resume");
+        int rc = wait_status(
+            start_with(mpi, ARGS("train", COMMON, "--timeout", "20", "--checkpoint-dir", dir)));
+        char *err = captured("stderr");
+        CHECK(held && rc == 2 && strstr(err, "is in use by test_resume pid ") &&
+                  count_ckpts(dir) == 0,
+              "mpirun into a directory in use: exit %d, %s", rc, err);
+        free(err);
+        tdm_checkpoint_unlock(held);
         return;
     }
     sigterm_resume(NULL, "mlp", ARGS("train", SIG_MLP));
@@ -334,6 +353,120 @@ static void sigterm_all(const char *mpirun) {
     sigterm_resume(NULL, "gpt",
                    ARGS("train", "--model", "gpt", "--data", text, "--layers", "1", "--channels",
                         "16", "--context", "8", "--batch-size", "4", "--workers", "0"));
+}
+
+/* Whether every checkpoint of dir has one run identity (written into id), and how many. */
+static bool one_run(const char *dir, char *id, size_t cap, int *n) {
+    int64_t steps[64];
+    *n = tdm_checkpoint_list(dir, steps, 64);
+    bool same = *n > 0;
+    id[0] = '\0';
+    for (int i = 0; i < *n && i < 64 && same; i++) {
+        char path[400], this[64] = "";
+        snprintf(path, sizeof path, "%s/ckpt-%010lld", dir, (long long)steps[i]);
+        same = tdm_checkpoint_run_id(path, this, sizeof this) == 1 && (!i || !strcmp(this, id));
+        snprintf(id, cap, "%s", this);
+    }
+    return same;
+}
+
+#define LONG_RUN(dir)                                                                              \
+    "train", SIG_MLP, "--epochs", "100", "--print-every", "1", "--checkpoint-every", "20",         \
+        "--keep", "2", "--checkpoint-dir", dir
+
+/* A checkpoint directory belongs to one run at a time: a second run is refused naming the
+ * holder and changes nothing; a fresh run into a directory with checkpoints is refused until
+ * --resume or --overwrite; pruning leaves another run's checkpoint alone; and a run killed
+ * with -9 leaves a LOCK file that blocks nobody. */
+static void one_run_per_dir(void) {
+    char dir[300], other[300], id[64], id2[64], expect[600], path[400];
+    snprintf(dir, sizeof dir, "%s/shared", tmpdir);
+    snprintf(other, sizeof other, "%s/other", tmpdir);
+    pid_t a = start_with(NULL, ARGS(LONG_RUN(dir)));
+    CHECK(wait_for_steps(a), "the first run trains");
+    snprintf(expect, sizeof expect,
+             "checkpoint directory '%s' is in use by tandem train pid %d on host ", dir, (int)a);
+    /* (--max-steps: should one get in, it ends soon) */
+    const char *const *second[] = {ARGS(LONG_RUN(dir), "--max-steps", "5"),
+                                   ARGS(LONG_RUN(dir), "--resume", "--max-steps", "5"),
+                                   ARGS("train", COMMON, "--checkpoint-dir", dir, "--overwrite")};
+    for (int i = 0; i < 3; i++) {
+        int rc = wait_status(start_with(NULL, second[i]));
+        char *err = captured("stderr"), *out = captured("stdout");
+        CHECK(rc == 2 && strstr(err, expect) && !strstr(out, "step "),
+              "second run %d into a directory in use: exit %d, stderr %s", i, rc, err);
+        free(err);
+        free(out);
+    }
+    kill(a, SIGTERM);
+    int rc = wait_status(a), n = 0;
+    CHECK(rc == 143 && one_run(dir, id, sizeof id, &n) && n == 2,
+          "the first run ends as it would alone: exit %d, %d checkpoints of one run %s", rc, n, id);
+    int64_t last = 0;
+    CHECK(tdm_checkpoint_latest(dir, path, sizeof path, &last) == 1, "a checkpoint");
+
+    /* a fresh run into it: refused, listing the checkpoints and the two ways on */
+    rc = run(ARGS("train", COMMON, "--checkpoint-dir", dir));
+    char *err = captured("stderr");
+    snprintf(expect, sizeof expect, "ckpt-%010lld; the newest at step %lld", (long long)last,
+             (long long)last);
+    CHECK(rc == 2 && strstr(err, "already holds 2 checkpoints of an earlier run") &&
+              strstr(err, expect) && strstr(err, "--resume") && strstr(err, "--overwrite"),
+          "a fresh run into a used directory: exit %d, %s", rc, err);
+    free(err);
+    int64_t now = 0;
+    CHECK(tdm_checkpoint_latest(dir, path, sizeof path, &now) == 1 && now == last &&
+              one_run(dir, id2, sizeof id2, &n) && n == 2 && !strcmp(id, id2),
+          "the refused run changed nothing");
+
+    /* --resume continues it, under its identity; pruning spares another run's checkpoint */
+    CHECK(run(ARGS("train", SIG_MLP, "--checkpoint-dir", other, "--max-steps", "1", "--quiet")) ==
+              0,
+          "another run");
+    char cmd[800];
+    snprintf(cmd, sizeof cmd, "cp -r '%s/ckpt-0000000001' '%s/'", other, dir);
+    CHECK(system(cmd) == 0, "%s", cmd);
+    char max[32];
+    snprintf(max, sizeof max, "%lld", (long long)last + 6);
+    rc = run(ARGS(LONG_RUN(dir), "--resume", "--max-steps", max, "--checkpoint-every", "1"));
+    char *out = captured("stdout");
+    snprintf(path, sizeof path, "%s/ckpt-0000000001", dir);
+    CHECK(rc == 0 && strstr(out, "resume    ") && count_ckpts(dir) == 3 &&
+              tdm_checkpoint_run_id(path, id2, sizeof id2) == 1 && strcmp(id, id2) != 0,
+          "resumed with another run's checkpoint beside: exit %d, %d checkpoints", rc,
+          count_ckpts(dir));
+    free(out);
+    CHECK(tdm_checkpoint_latest(dir, path, sizeof path, &now) == 1 && now == last + 6 &&
+              tdm_checkpoint_run_id(path, id2, sizeof id2) == 1 && !strcmp(id, id2),
+          "the resumed run keeps its identity: step %lld, run %s (was %s)", (long long)now, id2,
+          id);
+
+    /* --overwrite starts over: only the new run's checkpoints are left */
+    rc = run(ARGS("train", COMMON, "--checkpoint-dir", dir, "--overwrite"));
+    CHECK(rc == 0 && one_run(dir, id2, sizeof id2, &n) && n == 1 && strcmp(id, id2) != 0 &&
+              tdm_checkpoint_latest(dir, path, sizeof path, &now) == 1 && now == 12,
+          "--overwrite: exit %d, %d checkpoints of run %s, newest %lld", rc, n, id2,
+          (long long)now);
+    CHECK(run(ARGS("train", COMMON, "--checkpoint-dir", dir, "--overwrite", "--resume")) == 2,
+          "--overwrite and --resume exclude each other");
+    CHECK(run(ARGS("train", COMMON, "--overwrite")) == 2, "--overwrite needs --checkpoint-dir");
+
+    /* a run killed with -9 leaves LOCK naming it; the next run is not blocked */
+    char killed[300], lock[400];
+    snprintf(killed, sizeof killed, "%s/killed9", tmpdir);
+    snprintf(lock, sizeof lock, "%s/LOCK", killed);
+    pid_t k = start_with(NULL, ARGS(LONG_RUN(killed)));
+    CHECK(wait_for_steps(k), "the run to kill trains");
+    kill(k, SIGKILL);
+    waitpid(k, NULL, 0);
+    char *text = slurp_file(lock, NULL);
+    snprintf(expect, sizeof expect, "tandem train pid %d on host ", (int)k);
+    CHECK(text && strstr(text, expect), "the killed run's LOCK stays: %s", text ? text : "(none)");
+    free(text);
+    rc = run(ARGS(LONG_RUN(killed), "--resume", "--max-steps", "25"));
+    err = captured("stderr");
+    CHECK(rc == 0, "a stale LOCK blocks nobody: exit %d, %s", rc, err);
+    free(err);
 }
 
 int main(int argc, char **argv) {
@@ -362,6 +495,7 @@ int main(int argc, char **argv) {
     init_from();
     checked_resume();
     kill_during_checkpoint();
+    one_run_per_dir();
     tmpdir_remove();
     return check_summary();
 }

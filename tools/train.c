@@ -158,16 +158,24 @@ static const opt_spec specs[] = {
      "step counts, data position, RNG state). Each is written atomically, so a crash keeps "
      "the previous one. A final checkpoint is written when the run ends. With several "
      "devices the (identical) replicas are saved once. For gpt, DIR/model.bin is also "
-     "written (llm.c's format, for 'tandem sample')."},
+     "written (llm.c's format, for 'tandem sample'). DIR belongs to one run at a time: the run "
+     "holds DIR/LOCK (released when it ends, however it ends), another run into DIR is refused "
+     "naming the holder, and each checkpoint records its run's identity (kept by --resume). "
+     "A new run into a DIR holding checkpoints needs --resume or --overwrite."},
     {"--checkpoint-every", "N", OPT_INT, F(checkpoint_every), 0, 1e12, "0",
      "Also write a checkpoint every N optimizer steps (0: only the final one)."},
     {"--keep", "K", OPT_INT, F(keep), 0, 1e6, "3",
-     "Keep the newest K checkpoints in the checkpoint directory (0 keeps all)."},
+     "Keep the newest K checkpoints of this run in the checkpoint directory (0 keeps all); "
+     "other runs' checkpoints there are never deleted."},
     {"--resume", NULL, OPT_FLAG, F(resume), 0, 0, "off",
      "Continue from the newest checkpoint in --checkpoint-dir (weights, optimizer, schedule "
      "position, data order and position), giving the same weights as a run never stopped; "
      "starts from the beginning when there is none yet. The other options must be those of "
      "the interrupted run."},
+    {"--overwrite", NULL, OPT_FLAG, F(overwrite), 0, 0, "off",
+     "Start over in a --checkpoint-dir that holds checkpoints of an earlier run: they are "
+     "deleted (other files stay) once this run holds the directory. Without it such a run is "
+     "refused, so that no run loses another's checkpoints. Not with --resume."},
     {"--init-from", "FILE", OPT_STR, F(init_from), 0, 0, "none",
      "Start from the weights in FILE.safetensors (e.g. a PyTorch state_dict of the same "
      "nn.Sequential, or a checkpoint's model.safetensors); every name, shape and dtype must "
@@ -282,7 +290,9 @@ void train_help(FILE *out) {
     fprintf(out, "\nEXIT STATUS\n    0  training finished\n"
                  "    1  a runtime error: unreadable data, a non-finite loss, a file that cannot "
                  "be written\n    2  a usage error: an unknown option, a missing or invalid "
-                 "value\n    143, 130  stopped by SIGTERM or SIGINT (see SIGNALS)\n");
+                 "value;\n       a --checkpoint-dir in use by another run, or holding an "
+                 "earlier run's\n       checkpoints without --resume or --overwrite\n"
+                 "    143, 130  stopped by SIGTERM or SIGINT (see SIGNALS)\n");
     fprintf(out, "\nEXAMPLES\n");
     fprintf(out, "    tandem train --model mlp --epochs 3\n");
     fprintf(out, "    tandem train --model cnn --optimizer adam --epochs 2 --plot cnn.svg\n");
@@ -441,9 +451,14 @@ static int check_opts(train_opts *o) {
     if (isnan(o->momentum)) o->momentum = sgd ? 0.9 : 0;
     if (o->warmup_steps > 0 && strcmp(o->schedule, "cosine") != 0)
         return train_usage_error("--warmup-steps needs --schedule cosine");
-    if (!o->checkpoint_dir && (o->resume || o->checkpoint_every > 0))
-        return train_usage_error("%s needs --checkpoint-dir",
-                                 o->resume ? "--resume" : "--checkpoint-every");
+    if (!o->checkpoint_dir && (o->resume || o->overwrite || o->checkpoint_every > 0))
+        return train_usage_error("%s needs --checkpoint-dir", o->resume ? "--resume"
+                                                              : o->overwrite
+                                                                  ? "--overwrite"
+                                                                  : "--checkpoint-every");
+    if (o->resume && o->overwrite)
+        return train_usage_error("--resume continues the run in --checkpoint-dir and --overwrite "
+                                 "deletes it: not both");
     o->n_devs = tdm_devices_parse(o->devices, o->devs, TDM_MAX_DEVICES);
     if (o->n_devs < 0) return train_usage_error("--devices: %s", tdm_last_error());
     if (o->n_devs == 0) return train_usage_error("--devices: no device in '%s'", o->devices);

@@ -22,7 +22,7 @@ typedef struct {
     bool quiet;
     const char *checkpoint_dir, *init_from;
     int64_t checkpoint_every, keep, max_steps;
-    bool resume;
+    bool resume, overwrite;
     double clip;        /* the gradients' global 2-norm limit; 0: off */
     int64_t grad_accum; /* batches per optimizer step; 0 until checked, then >= 1 */
     /* --model gpt */

@@ -624,10 +624,9 @@ static int run(trainer *tr) {
     tr->last_saved = -1;
     tr->last.test_acc = NAN;
     if (tr->g && (rc = trainer_same_options_everywhere(tr))) return rc;
-    /* before any work: a directory that cannot hold a checkpoint is found now, not at the
-     * first save (rank 0 writes them) */
-    if (o->checkpoint_dir && !tr->silent && tdm_checkpoint_dir_check(o->checkpoint_dir))
-        return task_error("--checkpoint-dir: %s", tdm_last_error());
+    /* before any work (and before the outputs, which another run may be writing): a directory
+     * that cannot hold a checkpoint, or that another run uses, is found now */
+    if ((rc = trainer_claim_checkpoint_dir(tr))) return rc;
     if ((rc = make_loaders(tr)) || (rc = open_outputs(tr)) || (rc = make_devices(tr)) ||
         (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = trainer_resume(tr)))
         return rc;
@@ -677,6 +676,7 @@ static void trainer_free(trainer *tr) {
     free(tr->size_host);
     free(tr->pred_host);
     free(tr->label_host);
+    tdm_checkpoint_unlock(tr->lock); /* after the last checkpoint */
 }
 
 int trainer_run(const train_opts *o, task *t, tdm_group *procs) {

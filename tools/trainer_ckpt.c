@@ -1,6 +1,8 @@
-/* The trainer's checkpoints: writing one (weights, optimizer, data position, RNG, the epoch's
- * totals summed over the processes, the options that shape the run), --resume from the newest
- * after checking it is this run's, and the same check across the processes under mpirun. */
+/* The trainer's checkpoints: the directory held by this run alone, writing one (weights,
+ * optimizer, data position, RNG, the epoch's totals summed over the processes, the options
+ * that shape the run, the run's identity), --resume from the newest after checking it is
+ * this run's, and the same check across the processes under mpirun. */
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,7 +46,8 @@ int trainer_save_checkpoint(trainer *tr) {
                          .rng = tdm_default_rng(),
                          .step = tr->global_step,
                          .meta = meta,
-                         .n_meta = 4};
+                         .n_meta = 4,
+                         .run_id = tr->run_id[0] ? tr->run_id : NULL};
     if (tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep) != TDM_OK)
         return task_error("checkpoint: %s", tdm_last_error());
     return tr->task->save ? tr->task->save(tr->task, o, o->checkpoint_dir) : 0;
@@ -105,11 +108,77 @@ int trainer_same_options_everywhere(trainer *tr) {
               : 0;
 }
 
+/* A fresh run into a directory holding checkpoints: refused (EXIT_USAGE) with what is there and
+ * the two ways on, or with --overwrite those checkpoints deleted. */
+static int fresh_start(const train_opts *o) {
+    const char *dir = o->checkpoint_dir;
+    int n = tdm_checkpoint_list(dir, NULL, 0);
+    int64_t *steps = n > 0 ? malloc(sizeof *steps * (size_t)n) : NULL;
+    if (n > 0 && steps) n = tdm_checkpoint_list(dir, steps, n);
+    if (n < 0 || (n > 0 && !steps)) {
+        free(steps);
+        return task_error("--checkpoint-dir: %s", n < 0 ? tdm_last_error() : "out of memory");
+    }
+    if (n == 0) return 0;
+    if (o->overwrite) {
+        free(steps);
+        if (tdm_checkpoint_clear(dir)) return task_error("--overwrite: %s", tdm_last_error());
+        if (!o->quiet) printf("overwrite deleted %d checkpoints of an earlier run in %s\n", n, dir);
+        return 0;
+    }
+    char list[256] = "";
+    size_t len = 0;
+    for (int i = 0; i < n && len < sizeof list; i++) {
+        if (n > 4 && i == 2) { /* the first two, then the last */
+            len += (size_t)snprintf(list + len, sizeof list - len, ", ...");
+            i = n - 1;
+        }
+        if (len < sizeof list)
+            len += (size_t)snprintf(list + len, sizeof list - len, "%sckpt-%010" PRId64,
+                                    i ? ", " : "", steps[i]);
+    }
+    int64_t newest = steps[n - 1];
+    free(steps);
+    return train_usage_error("--checkpoint-dir %s already holds %d checkpoint%s of an earlier run "
+                             "(%s; the newest at step %lld). Continue that run with --resume "
+                             "(and its options), or start over with --overwrite, which deletes "
+                             "them, or give another --checkpoint-dir",
+                             dir, n, n == 1 ? "" : "s", list, (long long)newest);
+}
+
+/* Rank 0's part of trainer_claim_checkpoint_dir. */
+static int claim(trainer *tr) {
+    const train_opts *o = tr->o;
+    if (tdm_checkpoint_dir_check(o->checkpoint_dir))
+        return task_error("--checkpoint-dir: %s", tdm_last_error());
+    tr->lock = tdm_checkpoint_lock_dir(o->checkpoint_dir, "tandem train");
+    if (!tr->lock && tdm_last_status() == TDM_ERR_STATE) { /* another run's */
+        fflush(stdout);
+        fprintf(stderr,
+                "tandem train: %s; nothing was changed there (one run at a time uses a "
+                "checkpoint directory)\n",
+                tdm_last_error());
+        return EXIT_USAGE;
+    }
+    if (!tr->lock) return task_error("--checkpoint-dir: %s", tdm_last_error());
+    return o->resume ? 0 : fresh_start(o);
+}
+
+int trainer_claim_checkpoint_dir(trainer *tr) {
+    if (!tr->o->checkpoint_dir) return 0;
+    double rc = tr->silent ? 0 : claim(tr); /* rank 0 writes the checkpoints */
+    if (tr->g && trainer_sum_over_processes(tr, &rc, 1)) return EXIT_RUNTIME;
+    return (int)rc; /* every process stops with rank 0's status */
+}
+
 /* --resume: restores every replica's weights and optimizer from the newest checkpoint, and
- * the data position, RNG and step count once. */
+ * the data position, RNG, step count and run identity once. A run that starts from the
+ * beginning draws a new identity. */
 int trainer_resume(trainer *tr) {
     const train_opts *o = tr->o;
     tr->start_epoch = 1;
+    if (o->checkpoint_dir && tdm_checkpoint_new_run_id(tr->run_id, sizeof tr->run_id))
+        return task_error("run identity: %s", tdm_last_error());
     if (!o->resume) return 0;
     char path[4096];
     int64_t step = 0;
@@ -123,6 +192,10 @@ int trainer_resume(trainer *tr) {
     }
     int rc = same_run(o, path);
     if (rc) return rc;
+    /* the resumed run's identity (none when it was written before identities) */
+    int got = tdm_checkpoint_run_id(path, tr->run_id, sizeof tr->run_id);
+    if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
+    if (got == 0) tr->run_id[0] = '\0';
     int n = tr->dp ? tdm_dp_devices(tr->dp) : 1;
     for (int r = 0; r < n; r++) {
         tdm_train_state s = {.model = tr->dp ? tdm_dp_replica(tr->dp, r) : tr->task->model,

@@ -27,7 +27,11 @@ typedef struct trainer {
     sinks out;
     progress prog;
     int64_t accum, steps_per_epoch, global_step;
-    /* checkpoints: where a resumed run starts, and its epoch's totals before it */
+    /* checkpoints: the directory's lock (rank 0), the run's identity (empty: a run resumed
+     * from a checkpoint written before identities), where a resumed run starts, and its
+     * epoch's totals before it */
+    tdm_checkpoint_lock *lock;
+    char run_id[64];
     int start_epoch;
     int64_t resume_step, last_saved;
     double resume_loss_sum;
@@ -59,9 +63,14 @@ int trainer_sum_over_processes(trainer *tr, double *v, int n);
 /* A checkpoint at the current step (rank 0 writes; every process takes part in the sums), and
  * the task's files of the model. 0 or EXIT_RUNTIME. */
 int trainer_save_checkpoint(trainer *tr);
-/* --resume: every replica's weights and optimizer, the data position, the RNG and the step
- * count from the newest checkpoint, after checking it is this run's. 0, EXIT_RUNTIME or
- * EXIT_USAGE. */
+/* --checkpoint-dir becomes this run's: rank 0 checks it can be written, takes its lock (held
+ * until the trainer ends) and refuses a fresh run into a directory holding checkpoints, or
+ * with --overwrite deletes them; under mpirun every process stops when rank 0 does. 0,
+ * EXIT_RUNTIME or EXIT_USAGE (in use, or an earlier run's checkpoints). */
+int trainer_claim_checkpoint_dir(trainer *tr);
+/* --resume: every replica's weights and optimizer, the data position, the RNG, the step count
+ * and the run's identity from the newest checkpoint, after checking it is this run's; a new
+ * identity otherwise. 0, EXIT_RUNTIME or EXIT_USAGE. */
 int trainer_resume(trainer *tr);
 /* Under mpirun: refuses to train (EXIT_USAGE, naming each option and rank) when the processes
  * were started with different options. */

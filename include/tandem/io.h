@@ -121,6 +121,11 @@ typedef struct {
      * and read back with tdm_checkpoint_meta (ignored by tdm_checkpoint_load). */
     const tdm_meta *meta;
     int n_meta;
+    /* The run's identity (a short string, e.g. from tdm_checkpoint_new_run_id), saved as
+     * "run.id" in train_state.safetensors. Pruning and replacing touch only checkpoints of the
+     * same identity, so runs sharing a directory cannot delete each other's. NULL: none, and
+     * only checkpoints without one are touched (those written before identities existed). */
+    const char *run_id;
 } tdm_train_state;
 
 /* Writes checkpoint `step` into dir (created if missing) as the directory
@@ -130,7 +135,9 @@ typedef struct {
  * momentum_buffer>" tensors; positions, RNG and caller metadata in __metadata__). Both files
  * are written into a temporary directory, flushed, and the directory is renamed into place:
  * a crash leaves the previous checkpoints intact. Then all but the newest keep checkpoints
- * are removed (keep <= 0 keeps all). An existing ckpt-<step> is replaced. */
+ * of this run (s->run_id) are removed (keep <= 0 keeps all); other runs' are left alone. An
+ * existing ckpt-<step> of this run is replaced; one of another run is TDM_ERR_STATE naming
+ * both runs, and is left as it was. */
 int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep);
 /* Makes dir (and its parents) if missing and checks that a checkpoint could be written there
  * (a file created and removed), so that a run finds an unusable directory at its start rather
@@ -151,6 +158,51 @@ int tdm_checkpoint_load(const char *path, tdm_train_state *s);
  * copied into out (cap bytes, truncated to fit). Returns 1 when present, 0 when absent, or a
  * negative status when the checkpoint cannot be read. */
 int tdm_checkpoint_meta(const char *path, const char *key, char *out, size_t cap);
+
+/* ---- one run per checkpoint directory ---------------------------------------------------- */
+
+/* Two runs writing into one directory would interleave their checkpoints and prune each
+ * other's. A run therefore holds the directory's lock while it uses it, and tags its
+ * checkpoints with its identity (tdm_train_state.run_id): a new one at its start, the
+ * resumed checkpoint's on a resume. */
+
+/* The lock on a checkpoint directory, held by one holder at a time. */
+typedef struct tdm_checkpoint_lock tdm_checkpoint_lock;
+
+/* Takes the lock of checkpoint directory dir (made, with its parents, if missing) without
+ * waiting: the file dir/LOCK, locked with flock(2), into which the holder writes one line
+ * saying who it is: "<who> pid <pid> on host <host> since <local time>" (who: e.g.
+ * "tandem train"; NULL for "a process"). The kernel releases the lock when its holder exits,
+ * however it ends (kill -9 included), so a LOCK file left by a killed run does not block the
+ * next; the file itself is never removed (removing it would let two processes lock two
+ * different files). The lock is not passed on to programs the holder execs; a child made by
+ * fork shares it until it execs or exits.
+ * Returns the lock, which the caller releases with tdm_checkpoint_unlock. NULL when it cannot
+ * be taken: TDM_ERR_STATE "checkpoint directory '<dir>' is in use by <the holder's line>" when
+ * another holder has it (another process, or another lock taken by this one); TDM_ERR_IO
+ * naming dir and the cause when the directory or its LOCK file cannot be made or locked (a
+ * read-only directory, a file system without locks). */
+tdm_checkpoint_lock *tdm_checkpoint_lock_dir(const char *dir, const char *who);
+/* Releases the lock (emptying the LOCK file's line first). NULL is allowed. */
+void tdm_checkpoint_unlock(tdm_checkpoint_lock *lock);
+
+/* Writes a new run identity into out (cap >= 17 bytes): 16 hex digits of 64 random bits from
+ * /dev/urandom (from the clock and the process id where that cannot be read). TDM_OK, or
+ * TDM_ERR_ARG for a NULL or short out. */
+int tdm_checkpoint_new_run_id(char *out, size_t cap);
+/* The run identity of checkpoint directory path (tdm_train_state.run_id), copied into out
+ * (cap bytes, truncated to fit). Returns 1 when present, 0 when absent (a checkpoint written
+ * without one), or a negative status when the checkpoint cannot be read. */
+int tdm_checkpoint_run_id(const char *path, char *out, size_t cap);
+
+/* The steps of dir's checkpoints (its ckpt-<step> directories), ascending, into steps (the
+ * first cap of them; steps may be NULL when cap is 0). Returns how many there are (perhaps
+ * more than cap), 0 when dir does not exist, or TDM_ERR_IO when it cannot be read. */
+int tdm_checkpoint_list(const char *dir, int64_t *steps, int cap);
+/* Deletes every checkpoint of dir, whoever wrote it (and what interrupted saves left), to
+ * start a run over; other files are left. Hold dir's lock. TDM_OK, or TDM_ERR_IO naming the
+ * checkpoint that could not be removed. */
+int tdm_checkpoint_clear(const char *dir);
 
 #ifdef __cplusplus
 }

@@ -7,11 +7,14 @@
  *                            tandem.checkpoint (format version), step, optim.kind, optim.steps,
  *                            optim.lr, loader.epoch, loader.sample (samples of the epoch
  *                            done; loader.batch beside it for older readers), rng.seed,
- *                            rng.offset, and
- *                            the caller's entries prefixed "user.".
+ *                            rng.offset, run.id (the run's identity, when it has one), and the
+ *                            caller's entries prefixed "user.".
  * Both are written into DIR/.ckpt-<step>.tmp, flushed, and that directory is renamed into
  * place, so a checkpoint either exists whole or not at all. Values are stored bit for bit
  * (floats as hex), so a resumed run continues exactly.
+ *
+ * Pruning and replacing touch only checkpoints whose run.id is the saving run's, so that no
+ * run deletes another's (one directory is meant for one run at a time: ckpt_lock.c).
  *
  * Loading validates everything (names, shapes, dtypes, kinds, numbers) before changing
  * anything, so a bad checkpoint leaves the model and the optimizer as they were.
@@ -233,6 +236,7 @@ static int state_meta(const tdm_train_state *s, meta_list *l, char (*ukeys)[128]
         meta_add(l, "rng.seed", "%" PRIu64, s->rng->seed);
         meta_add(l, "rng.offset", "%" PRIu64, s->rng->offset);
     }
+    if (s->run_id) l->m[l->n++] = (tdm_meta){"run.id", s->run_id};
     if (s->n_meta < 0 || (s->n_meta && !s->meta) || l->n + s->n_meta > MAX_META)
         return tdm_raise(TDM_ERR_ARG, "checkpoint_save: %d caller metadata entries (at most %d)",
                          s->n_meta, MAX_META - l->n);
@@ -247,8 +251,9 @@ static int state_meta(const tdm_train_state *s, meta_list *l, char (*ukeys)[128]
 
 /* ---- saving ------------------------------------------------------------------------------- */
 
-/* Removes a checkpoint (or temporary) directory: its files, then itself. */
-static void remove_ckpt_dir(const char *path) {
+/* Removes a checkpoint (or temporary) directory: its files, then itself. 0, or -1 with errno
+ * set when the directory is still there. */
+static int remove_ckpt_dir(const char *path) {
     DIR *d = opendir(path);
     if (d) {
         struct dirent *e;
@@ -260,7 +265,7 @@ static void remove_ckpt_dir(const char *path) {
         }
         closedir(d);
     }
-    rmdir(path);
+    return rmdir(path) == 0 || errno == ENOENT ? 0 : -1;
 }
 
 /* The step of a "ckpt-<digits>" name, or -1. */
@@ -302,13 +307,34 @@ static int64_t *list_ckpts(const char *dir, int *n) {
     return steps;
 }
 
-static void prune(const char *dir, int keep) {
+/* Whether checkpoint directory path belongs to run (NULL: to no run, as checkpoints written
+ * without an identity): 1 or 0, with the checkpoint's identity copied into id (cap bytes;
+ * "none" when it has none); -1 when it cannot be read (no error is left raised). */
+static int run_matches(const char *path, const char *run, char *id, size_t cap) {
+    char f[4200];
+    snprintf(f, sizeof f, "%s/train_state.safetensors", path);
+    tdm_safetensors *sf = tdm_safetensors_open(f);
+    if (!sf) {
+        tdm_clear_error();
+        snprintf(id, cap, "(unreadable)");
+        return -1;
+    }
+    const char *v = tdm_safetensors_meta(sf, "run.id");
+    snprintf(id, cap, "%s", v ? v : "none");
+    int mine = run ? v && strcmp(v, run) == 0 : !v;
+    tdm_safetensors_close(sf);
+    return mine;
+}
+
+/* Removes all but the newest keep checkpoints of run from dir; other runs' (and unreadable
+ * ones, which may be anyone's) stay. */
+static void prune(const char *dir, int keep, const char *run) {
     int n;
     int64_t *steps = list_ckpts(dir, &n);
-    char p[4096];
-    for (int i = 0; steps && keep > 0 && i < n - keep; i++) {
+    char p[4096], id[64];
+    for (int i = n - 1, mine = 0; steps && keep > 0 && i >= 0; i--) {
         snprintf(p, sizeof p, "%s/ckpt-%010" PRId64, dir, steps[i]);
-        remove_ckpt_dir(p);
+        if (run_matches(p, run, id, sizeof id) == 1 && ++mine > keep) remove_ckpt_dir(p);
     }
     free(steps);
     tdm_io_fsync_dir(dir);
@@ -356,8 +382,16 @@ int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {
     snprintf(tmp, sizeof tmp, "%s/.ckpt-%010" PRId64 ".tmp", dir, s->step);
     snprintf(final, sizeof final, "%s/ckpt-%010" PRId64, dir, s->step);
     snprintf(old, sizeof old, "%s/.ckpt-%010" PRId64 ".old", dir, s->step);
+    /* a checkpoint of this step written by another run is not ours to replace */
+    char other[64];
+    struct stat st;
+    if (stat(final, &st) == 0 && run_matches(final, s->run_id, other, sizeof other) == 0)
+        return tdm_raise(TDM_ERR_STATE,
+                         "checkpoint_save: '%s' belongs to run %s, not to this run (%s): "
+                         "left as it is",
+                         final, other, s->run_id ? s->run_id : "none");
     remove_ckpt_dir(tmp); /* left by a crashed save */
-    if (mkdir(tmp, 0755) != 0)
+    if (tdm_io_fault() || mkdir(tmp, 0755) != 0)
         return tdm_raise(TDM_ERR_IO, "checkpoint: cannot create '%s': %s", tmp, strerror(errno));
     if (s->model) {
         snprintf(f, sizeof f, "%s/model.safetensors", tmp);
@@ -368,7 +402,7 @@ int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {
     if (!rc) rc = tdm_io_fsync_dir(tmp);
     /* an existing checkpoint of this step is moved aside, then replaced */
     bool moved = !rc && rename(final, old) == 0;
-    if (!rc && rename(tmp, final) != 0)
+    if (!rc && (tdm_io_fault() || rename(tmp, final) != 0))
         rc = tdm_raise(TDM_ERR_IO, "checkpoint: cannot rename '%s' to '%s': %s", tmp, final,
                        strerror(errno));
     if (rc) {
@@ -378,8 +412,45 @@ int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {
     }
     if (moved) remove_ckpt_dir(old);
     rc = tdm_io_fsync_dir(dir);
-    if (!rc) prune(dir, keep);
+    if (!rc) prune(dir, keep, s->run_id);
     return rc;
+}
+
+int tdm_checkpoint_list(const char *dir, int64_t *steps, int cap) {
+    if (!dir || cap < 0 || (cap && !steps))
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_list: NULL argument");
+    struct stat st;
+    if (stat(dir, &st) != 0 && errno == ENOENT) return 0;
+    int n;
+    int64_t *all = list_ckpts(dir, &n);
+    if (!all)
+        return tdm_raise(TDM_ERR_IO, "checkpoint: cannot list '%s': %s", dir, strerror(errno));
+    for (int i = 0; i < n && i < cap; i++) steps[i] = all[i];
+    free(all);
+    return n;
+}
+
+int tdm_checkpoint_clear(const char *dir) {
+    if (!dir) return tdm_raise(TDM_ERR_ARG, "checkpoint_clear: NULL directory");
+    DIR *d = opendir(dir);
+    if (!d)
+        return errno == ENOENT ? TDM_OK
+                               : tdm_raise(TDM_ERR_IO, "checkpoint: cannot list '%s': %s", dir,
+                                           strerror(errno));
+    int rc = TDM_OK;
+    struct dirent *e;
+    char p[4200];
+    while (!rc && (e = readdir(d)) != NULL) {
+        const char *name = e->d_name, *dot = strrchr(name, '.');
+        bool temp = strncmp(name, ".ckpt-", 6) == 0 && dot &&
+                    (strcmp(dot, ".tmp") == 0 || strcmp(dot, ".old") == 0);
+        if (ckpt_step(name) < 0 && !temp) continue;
+        snprintf(p, sizeof p, "%s/%s", dir, name);
+        if (remove_ckpt_dir(p) != 0)
+            rc = tdm_raise(TDM_ERR_IO, "checkpoint: cannot remove '%s': %s", p, strerror(errno));
+    }
+    closedir(d);
+    return rc ? rc : tdm_io_fsync_dir(dir);
 }
 
 int tdm_checkpoint_latest(const char *dir, char *path, size_t cap, int64_t *step) {
@@ -565,16 +636,29 @@ int tdm_checkpoint_load(const char *path, tdm_train_state *s) {
     return rc;
 }
 
-int tdm_checkpoint_meta(const char *path, const char *key, char *out, size_t cap) {
-    if (!path || !key || !out || cap == 0)
-        return tdm_raise(TDM_ERR_ARG, "checkpoint_meta: NULL argument");
-    char f[4200], k[256];
+/* The metadata key of checkpoint path's training state into out: 1, 0 when absent, or an
+ * error. */
+static int state_meta_get(const char *path, const char *k, char *out, size_t cap) {
+    char f[4200];
     snprintf(f, sizeof f, "%s/train_state.safetensors", path);
-    snprintf(k, sizeof k, "user.%s", key);
     tdm_safetensors *sf = tdm_safetensors_open(f);
     if (!sf) return tdm_last_status();
     const char *v = tdm_safetensors_meta(sf, k);
     if (v) snprintf(out, cap, "%s", v);
     tdm_safetensors_close(sf);
     return v ? 1 : 0;
+}
+
+int tdm_checkpoint_meta(const char *path, const char *key, char *out, size_t cap) {
+    if (!path || !key || !out || cap == 0)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_meta: NULL argument");
+    char k[256];
+    snprintf(k, sizeof k, "user.%s", key);
+    return state_meta_get(path, k, out, cap);
+}
+
+int tdm_checkpoint_run_id(const char *path, char *out, size_t cap) {
+    if (!path || !out || cap == 0)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_run_id: NULL argument");
+    return state_meta_get(path, "run.id", out, cap);
 }

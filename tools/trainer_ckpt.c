@@ -123,7 +123,9 @@ static int fresh_start(const train_opts *o) {
     if (o->overwrite) {
         free(steps);
         if (tdm_checkpoint_clear(dir)) return task_error("--overwrite: %s", tdm_last_error());
-        if (!o->quiet) printf("overwrite deleted %d checkpoints of an earlier run in %s\n", n, dir);
+        if (!o->quiet)
+            printf("overwrite deleted %d checkpoint%s of an earlier run in %s\n", n,
+                   n == 1 ? "" : "s", dir);
         return 0;
     }
     char list[256] = "";

@@ -151,6 +151,20 @@ static void test_runtime_errors(void) {
           r.status, r.err);
     result_free(&r);
 
+    /* a full disk (/dev/full: every write fails with ENOSPC): the log's failure names the
+     * file and the errno at the first epoch, not after the run; the trace's at its end */
+    if (access("/dev/full", W_OK) == 0) {
+        r = TANDEM("train", "--limit", "256", "--epochs", "3", "--log", "/dev/full");
+        CHECK(r.status == 1 && strstr(r.err, "'/dev/full'") &&
+                  strstr(r.err, "No space left on device") && !strstr(r.out, "epoch 2/"),
+              "--log on a full disk: exit %d %s", r.status, r.err);
+        result_free(&r);
+        r = TANDEM("train", "--limit", "256", "--epochs", "1", "--trace", "/dev/full");
+        CHECK(r.status == 1 && strstr(r.err, "/dev/full: No space left on device"),
+              "--trace on a full disk: exit %d %s", r.status, r.err);
+        result_free(&r);
+    }
+
     /* a checkpoint directory that is a file: refused before any training */
     char file[300];
     snprintf(file, sizeof file, "%s/a-file", tmpdir);

@@ -3,6 +3,7 @@
  * following the file (tail -f, a plotting script) sees whole epochs promptly. */
 #include "log.h"
 
+#include <errno.h>
 #include <math.h>
 
 int log_open(run_log *l, const char *path) {
@@ -33,8 +34,15 @@ void log_step(run_log *l, int epoch, int64_t step, int64_t global_step, double l
     num(l->f, rate_key, rate, "}\n");
 }
 
-void log_epoch(run_log *l, const epoch_stats *e) {
-    if (!l->f) return;
+/* Records the errno of the first failed write (fflush repeats the write the buffer could not
+ * make, so its errno is the disk's); -1 once one has failed. */
+static int check(run_log *l) {
+    if (!l->failed && (fflush(l->f) != 0 || ferror(l->f))) l->failed = errno ? errno : EIO;
+    return l->failed ? -1 : 0;
+}
+
+int log_epoch(run_log *l, const epoch_stats *e) {
+    if (!l->f) return 0;
     fprintf(l->f, "{\"type\":\"epoch\",\"epoch\":%d,", e->epoch);
     num(l->f, "train_loss", e->train_loss, ",");
     num(l->f, "train_acc", e->train_acc, ",");
@@ -45,13 +53,14 @@ void log_epoch(run_log *l, const epoch_stats *e) {
     num(l->f, "img_s", e->img_s, ",");
     num(l->f, "loader_wait_s", e->loader_wait_s, ",");
     num(l->f, "lr", e->lr, "}\n");
-    fflush(l->f);
+    return check(l);
 }
 
 int log_close(run_log *l) {
     if (!l->f) return 0;
-    int bad = ferror(l->f);
-    bad |= fclose(l->f);
+    int bad = check(l);
+    if (fclose(l->f) != 0 && !l->failed) l->failed = errno, bad = -1;
     l->f = NULL;
-    return bad ? -1 : 0;
+    errno = l->failed;
+    return bad;
 }

@@ -24,7 +24,8 @@ typedef struct {
 } epoch_stats;
 
 typedef struct {
-    FILE *f; /* NULL: logging off, every call is a no-op */
+    FILE *f;    /* NULL: logging off, every call is a no-op */
+    int failed; /* errno of the first write that failed (a full disk), 0 while none has */
 } run_log;
 
 /* Opens path for writing (truncating it). Returns 0, or -1 with errno set. */
@@ -34,8 +35,10 @@ void log_config(run_log *l, const char *fields);
 /* rate_key names the throughput: "img_s" (images per second) or "tok_s" (tokens). */
 void log_step(run_log *l, int epoch, int64_t step, int64_t global_step, double loss, double lr,
               const char *rate_key, double rate);
-void log_epoch(run_log *l, const epoch_stats *e);
-/* Flushes and closes. Returns 0, or -1 if a write failed (a full disk). */
+/* An epoch line, flushed. Returns 0, or -1 with errno set once a write has failed. */
+int log_epoch(run_log *l, const epoch_stats *e);
+/* Flushes and closes. Returns 0, or -1 with errno set (the first failure's) if a write failed
+ * (a full disk). */
 int log_close(run_log *l);
 
 #endif

@@ -35,8 +35,7 @@ static void json_step(sink *s, const step_record *r) {
     log_step(&j->log, r->epoch, r->step, r->global_step, r->loss, r->lr, j->rate_key, r->rate);
 }
 static int json_epoch(sink *s, const epoch_stats *e) {
-    log_epoch(&((json_sink *)s)->log, e);
-    return 0;
+    return log_epoch(&((json_sink *)s)->log, e);
 }
 static int json_close(sink *s) {
     int rc = log_close(&((json_sink *)s)->log);

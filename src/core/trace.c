@@ -5,6 +5,7 @@
 
 #include "core/core.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -165,11 +166,13 @@ int tdm_trace_stop(void) {
     while (atomic_load(&tr.writers)) sched_yield();
     int64_t used = atomic_load(&tr.used), n = used < tr.capacity ? used : tr.capacity;
     FILE *f = fopen(tr.path, "w");
-    int rc = !f || write_trace(f, n, used - n) != 0;
-    if (f && fclose(f) != 0) rc = 1;
+    int rc = !f || write_trace(f, n, used - n) != 0, err = rc ? errno : 0;
+    if (f && fclose(f) != 0 && !rc) rc = 1, err = errno; /* the buffer's last write */
     free(tr.spans);
     tr.spans = NULL;
     pthread_mutex_unlock(&tr_lock);
-    if (rc) return tdm_raise(TDM_ERR_IO, "trace: cannot write %s", tr.path);
+    if (rc)
+        return tdm_raise(TDM_ERR_IO, "trace: cannot write %s: %s", tr.path,
+                         strerror(err ? err : EIO));
     return TDM_OK;
 }

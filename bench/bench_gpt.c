@@ -59,16 +59,14 @@ static int fail(const char *what) {
     return 1;
 }
 
-/* One training step on batch k on device dev (the model's); *loss receives its loss, read back
- * to the host as the trainer reads it, so the step has ended on the device too. */
+/* One training step on batch k on device dev (the model's), its tokens read into x [2, B, T]
+ * (inputs, then targets); *loss receives its loss, read back to the host as the trainer reads
+ * it, so the step has ended on the device too. */
 static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int T, tdm_device dev,
-                      float *loss) {
-    int64_t *x = malloc(sizeof(int64_t) * (size_t)(2 * B * T)), *y = x + B * T;
+                      int64_t *x, float *loss) {
+    int64_t *y = x + B * T;
     for (int i = 0; i < B; i++)
-        if (ds->ops->get(ds, (int64_t)k * B + i, x + i * T, y + i * T)) {
-            free(x);
-            return -1;
-        }
+        if (ds->ops->get(ds, (int64_t)k * B + i, x + i * T, y + i * T)) return -1;
     tdm_scope_begin();
     tdm_tensor *xt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, x);
     tdm_tensor *yt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, y);
@@ -78,7 +76,6 @@ static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int
     if (!rc) rc = tdm_optim_step(opt);
     *loss = rc ? NAN : tdm_item(l);
     tdm_scope_end();
-    free(x);
     return rc;
 }
 
@@ -116,11 +113,14 @@ int main(int argc, char **argv) {
     if (!opt) return fail("optimizer");
     static float loss[MAX_STEPS], tloss[MAX_STEPS];
     static double ms[MAX_STEPS], tms[MAX_STEPS];
+    int64_t *tokens = malloc(sizeof(int64_t) * 2 * (size_t)B * (size_t)cfg.context);
+    if (!tokens) return fail("tokens buffer");
     for (int k = 0; k < steps; k++) {
         double t0 = now_ms();
-        if (train_step(m, opt, ds, k, cfg.context, dev, &loss[k])) return fail("step");
+        if (train_step(m, opt, ds, k, cfg.context, dev, tokens, &loss[k])) return fail("step");
         ms[k] = now_ms() - t0;
     }
+    free(tokens);
     int nt = read_torch(dir, tloss, tms);
     printf("step  tandem loss   torch loss     |diff|   tandem ms  torch ms\n");
     double maxdiff = 0;

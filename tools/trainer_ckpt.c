@@ -8,16 +8,54 @@
 
 #include "trainer_state.h"
 
-/* Under MPI, v[0..n) summed over the processes (every process calls it at the same steps). */
+/* Under MPI, every process's v[0..n) into all[rank * n + i], exactly: the doubles travel as
+ * pairs of 32-bit words. */
+static int gather_over_processes(trainer *tr, const double *v, int n, double *all) {
+    int procs = tdm_group_size(tr->g);
+    int32_t mine[2 * TOTALS_CAP];
+    memcpy(mine, v, sizeof(double) * (size_t)n);
+    tdm_tensor *in = tdm_from_data(TDM_SHAPE(2 * n), TDM_I32, tdm_cpu(0), mine);
+    tdm_tensor *out = in ? tdm_zeros(TDM_SHAPE(2 * n * procs), TDM_I32, tdm_cpu(0)) : NULL;
+    int rc = out ? tdm_work_wait(tdm_all_gather(tr->g, out, in)) : tdm_last_status();
+    if (!rc) rc = tdm_to_host(out, all, sizeof(double) * (size_t)n * (size_t)procs);
+    tdm_tensor_free(in);
+    tdm_tensor_free(out);
+    return rc ? task_error("gathering over the processes: %s", tdm_last_error()) : 0;
+}
+
+/* Under MPI, v[0..n) summed over the processes in rank order, in double: every process gets
+ * the same bits, and a count stays exact (a float sum was not past 2^24). */
 int trainer_sum_over_processes(trainer *tr, double *v, int n) {
-    float f[4];
-    for (int i = 0; i < n; i++) f[i] = (float)v[i];
-    tdm_tensor *s = tdm_from_data(TDM_SHAPE(n), TDM_F32, tdm_cpu(0), f);
-    int rc = s ? tdm_work_wait(tdm_all_reduce(tr->g, s, TDM_SUM)) : tdm_last_status();
-    if (!rc) rc = tdm_to_host(s, f, sizeof(float) * (size_t)n);
-    tdm_tensor_free(s);
-    for (int i = 0; !rc && i < n; i++) v[i] = f[i];
-    return rc ? task_error("summing over the processes: %s", tdm_last_error()) : 0;
+    int procs = tdm_group_size(tr->g);
+    double *all = malloc(sizeof(double) * (size_t)n * (size_t)procs);
+    if (!all) return task_error("summing over the processes: out of memory");
+    int rc = gather_over_processes(tr, v, n, all);
+    for (int i = 0; !rc && i < n; i++) {
+        v[i] = 0;
+        for (int r = 0; r < procs; r++) v[i] += all[r * n + i];
+    }
+    free(all);
+    return rc;
+}
+
+/* "loss correct samples;" for each process: a resumed process continues its own sums, so that
+ * the epoch's totals come out bit for bit as the uninterrupted run's (a sum of sums, rounded
+ * at other places, did not). Without MPI, the one process's. */
+static int rank_totals(trainer *tr, const double *tot, char **out) {
+    int procs = tr->g ? tdm_group_size(tr->g) : 1;
+    double *all = malloc(sizeof(double) * 3 * (size_t)procs);
+    size_t cap = 80 * (size_t)procs + 1, len = 0;
+    char *s = malloc(cap);
+    int rc = all && s ? 0 : task_error("checkpoint: out of memory");
+    if (!rc && tr->g) rc = gather_over_processes(tr, tot, 3, all);
+    if (!rc && !tr->g) memcpy(all, tot, sizeof(double) * 3);
+    for (int r = 0; !rc && r < procs; r++)
+        len += (size_t)snprintf(s + len, cap - len, "%a %lld %lld;", all[3 * r],
+                                (long long)all[3 * r + 1], (long long)all[3 * r + 2]);
+    free(all);
+    if (rc) free(s), s = NULL;
+    *out = s;
+    return rc;
 }
 
 /* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
@@ -27,18 +65,22 @@ int trainer_save_checkpoint(trainer *tr) {
     const train_opts *o = tr->o;
     if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
     double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
-    if (tr->g && trainer_sum_over_processes(tr, tot, 3)) return EXIT_RUNTIME;
+    char *ranks = NULL;
+    if (rank_totals(tr, tot, &ranks)) return EXIT_RUNTIME;
+    if (tr->g && trainer_sum_over_processes(tr, tot, 3)) return free(ranks), EXIT_RUNTIME;
     tr->last_saved = tr->global_step;
-    if (tr->silent) return 0; /* rank 0 writes; every rank loads */
+    if (tr->silent) return free(ranks), 0; /* rank 0 writes; every rank loads */
     char loss[64], correct[32], samples[32];
     snprintf(loss, sizeof loss, "%a", tot[0]);
     snprintf(correct, sizeof correct, "%lld", (long long)tot[1]);
     snprintf(samples, sizeof samples, "%lld", (long long)tot[2]);
     char id[ID_CAP];
-    if (train_identity(o, id, sizeof id)) return task_error("checkpoint: options too long");
-    tdm_meta meta[4] = {{"epoch_loss_sum", loss},
+    if (train_identity(o, id, sizeof id))
+        return free(ranks), task_error("checkpoint: options too long");
+    tdm_meta meta[5] = {{"epoch_loss_sum", loss},
                         {"epoch_correct", correct},
                         {"epoch_images", samples},
+                        {"epoch_rank_totals", ranks},
                         {"run.options", id}};
     tdm_train_state s = {.model = tr->task->model,
                          .optim = tr->opt,
@@ -46,18 +88,37 @@ int trainer_save_checkpoint(trainer *tr) {
                          .rng = tdm_default_rng(),
                          .step = tr->global_step,
                          .meta = meta,
-                         .n_meta = 4,
+                         .n_meta = 5,
                          .run_id = tr->run_id[0] ? tr->run_id : NULL};
-    if (tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep) != TDM_OK)
-        return task_error("checkpoint: %s", tdm_last_error());
+    int rc = tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);
+    free(ranks);
+    if (rc != TDM_OK) return task_error("checkpoint: %s", tdm_last_error());
     return tr->task->save ? tr->task->save(tr->task, o, o->checkpoint_dir) : 0;
 }
 
-/* The epoch's totals saved with a checkpoint: rank 0 resumes with them (under MPI the others
- * start from 0, so the epoch's sum over the processes is right again). */
+/* The epoch's totals saved with a checkpoint: each process continues its own when the
+ * checkpoint holds one per process of this run; otherwise (a checkpoint from before they were
+ * saved, or another number of processes) rank 0 takes the sums and the others start from 0,
+ * so that the epoch's sum over the processes is right again. */
 static void resume_totals(trainer *tr, const char *path) {
-    char v[64];
-    if (tr->g && tdm_group_rank(tr->g) != 0) return;
+    int rank = tr->g ? tdm_group_rank(tr->g) : 0, procs = tr->g ? tdm_group_size(tr->g) : 1;
+    char v[64], *all = malloc(80 * (size_t)procs + 1);
+    if (all && tdm_checkpoint_meta(path, "epoch_rank_totals", all, 80 * (size_t)procs + 1) == 1) {
+        int n = 0;
+        for (const char *p = all; (p = strchr(p, ';')) != NULL; p++) n++;
+        const char *mine = all;
+        for (int r = 0; r < rank && n == procs; r++) mine = strchr(mine, ';') + 1;
+        double loss;
+        long long correct, samples;
+        if (n == procs && sscanf(mine, "%la %lld %lld;", &loss, &correct, &samples) == 3) {
+            tr->resume_loss_sum = loss, tr->resume_correct = correct;
+            tr->resume_samples = samples;
+            free(all);
+            return;
+        }
+    }
+    free(all);
+    if (rank != 0) return;
     if (tdm_checkpoint_meta(path, "epoch_loss_sum", v, sizeof v) == 1)
         tr->resume_loss_sum = strtod(v, NULL);
     if (tdm_checkpoint_meta(path, "epoch_correct", v, sizeof v) == 1)

@@ -10,6 +10,7 @@
 #define SYNC_STEPS 16
 #define EVAL_BATCH 1000
 #define ID_CAP     2048 /* bytes of train_identity's string */
+#define TOTALS_CAP 4    /* values trainer_sum_over_processes sums at once */
 
 typedef struct trainer {
     const train_opts *o;
@@ -57,8 +58,9 @@ typedef struct trainer {
     epoch_stats last; /* the last finished epoch */
 } trainer;
 
-/* Under MPI, v[0..n) (n <= 4) summed over the processes; every process calls it at the same
- * steps. 0, or EXIT_RUNTIME after printing the error. */
+/* Under MPI, v[0..n) (n <= TOTALS_CAP) summed over the processes, in double and in rank order
+ * (every process gets the same bits); every process calls it at the same steps. 0, or
+ * EXIT_RUNTIME after printing the error. */
 int trainer_sum_over_processes(trainer *tr, double *v, int n);
 /* A checkpoint at the current step (rank 0 writes; every process takes part in the sums), and
  * the task's files of the model. 0 or EXIT_RUNTIME. */

@@ -18,6 +18,13 @@ extern "C" {
 
 typedef struct tdm_dataset tdm_dataset;
 
+/* One decoded image: data [c, h, w] f32, values in [0, 1] as torchvision's ToTensor gives them
+ * (c is 1 for grey, 3 for RGB). Whoever fills it says who frees data. */
+typedef struct {
+    int64_t c, h, w;
+    float *data;
+} tdm_image;
+
 typedef struct {
     /* Writes sample i: x (sample_numel elements of x_dtype) and y (target_numel i64).
      * Must be safe to call from several threads at once. */
@@ -27,6 +34,16 @@ typedef struct {
      * its bytes. The loader calls it a few samples ahead, so that the memory reads of
      * several samples overlap instead of waiting for each in turn. No effect on results. */
     void (*prefetch)(const tdm_dataset *ds, int64_t i);
+    /* Optional (NULL: none), for image datasets whose images differ in size (a folder of
+     * JPEGs): decodes sample i into *img (data malloc'd here, freed by the caller with free())
+     * and its label into *y. Such a dataset has sample_shape [c, 0, 0] and its get() fails;
+     * the loader runs its transform (transforms.h), which makes every image one size. Safe to
+     * call from several threads at once. A file that does not decode is a negative status
+     * with an error naming the file and the reason. */
+    int (*get_image)(const tdm_dataset *ds, int64_t i, tdm_image *img, int64_t *y);
+    /* Optional (NULL: none): the name of class k (a folder name), NULL when k is out of
+     * range. The classes of an ImageFolder, for messages and checkpoints. */
+    const char *(*class_name)(const tdm_dataset *ds, int64_t k);
 } tdm_dataset_ops;
 
 struct tdm_dataset {
@@ -58,6 +75,31 @@ tdm_dataset *tdm_text_dataset_open(const char *path, int64_t context);
 /* Numeric CSV: one sample per line, f32 features and an integer label in column
  * label_column (negative counts from the end); header skips the first line. */
 tdm_dataset *tdm_csv_dataset_open(const char *path, int label_column, bool header);
+/* ImageFolder, as torchvision reads it: dir holds one folder per class, the classes are the
+ * sorted folder names (class k is the k-th; ops->class_name gives it), and the samples are the
+ * files with an image extension (.jpg .jpeg .png, any case) under each, sorted by path.
+ * Images decode (libjpeg-turbo, libspng) in the loader's workers, to f32 [channels, h, w] in
+ * [0, 1] of each file's own size (get_image); the loader's transform makes them one size. */
+typedef struct {
+    int channels;  /* 3 (the default: grey files become RGB, as torchvision's loader) or 1 */
+    bool skip_bad; /* a file whose header does not read is skipped and counted
+                    * (tdm_image_folder_skipped) instead of failing the open */
+} tdm_image_folder_opts;
+tdm_image_folder_opts tdm_image_folder_defaults(void);
+/* NULL and an error naming the file or folder and the reason: no class folders, a class
+ * without images, a file that is not a JPEG or PNG (unless skip_bad). o may be NULL. */
+tdm_dataset *tdm_image_folder_open(const char *dir, const tdm_image_folder_opts *o);
+/* Files tdm_image_folder_open skipped (skip_bad); 0 for any other dataset. */
+int64_t tdm_image_folder_skipped(const tdm_dataset *ds);
+/* Decodes a JPEG or PNG held in memory (the format from its first bytes) into *img, data
+ * malloc'd (the caller frees it), with `channels` channels (1 or 3). name is for messages.
+ * TDM_OK, or TDM_ERR_FORMAT naming name and the decoder's reason. */
+int tdm_image_decode(const void *bytes, size_t n, const char *name, int channels, tdm_image *img);
+/* CIFAR-10 (classes 10: data_batch_1..5.bin for train, test_batch.bin; records of a label
+ * byte and 3072 pixel bytes) or CIFAR-100 (classes 100: train.bin, test.bin; records of a
+ * coarse and a fine label byte, then the pixels; coarse picks the 20 superclasses) in their
+ * binary format from dir. Samples f32 [3, 32, 32] in [0, 1], labels i64. */
+tdm_dataset *tdm_cifar_open(const char *dir, int classes, bool train, bool coarse);
 /* Samples from memory: x [n, sample_shape...] f32 and y [n] labels, copied. */
 tdm_dataset *tdm_memory_dataset(tdm_shape sample_shape, int64_t n, const float *x, const int64_t *y,
                                 int64_t num_classes);
@@ -73,6 +115,8 @@ typedef struct {
     bool hflip;       /* random horizontal flip with probability 1/2 */
 } tdm_augment;
 
+typedef struct tdm_transform tdm_transform; /* transforms.h */
+
 typedef struct {
     int64_t batch_size;
     bool shuffle; /* a permutation per epoch from (seed, epoch) */
@@ -82,6 +126,10 @@ typedef struct {
     int prefetch;         /* batches built ahead per worker (default 2) */
     int rank, world_size; /* world_size > 1: PyTorch's DistributedSampler semantics */
     tdm_augment augment;  /* randomness from (seed, epoch, sample index) only */
+    /* Applied to each sample before augment (NULL: none; borrowed, it must outlive the loader):
+     * batches are [B, its output shape]. Needed for a dataset of images that differ in size
+     * (get_image). */
+    const tdm_transform *transform;
     /* Where batches are delivered: cpu:0 (the default), or a GPU, for which workers build
      * batches in pinned host memory and tdm_loader_next uploads them asynchronously,
      * overlapped with the work already queued on the GPU (PyTorch's pin_memory with

@@ -7,6 +7,7 @@
 #include "nn.h"
 #include "optim.h"
 #include "data.h"
+#include "transforms.h"
 #include "parallel.h"
 #include "pipeline.h"
 #include "io.h"

@@ -53,6 +53,12 @@ static float *run_inplace(tf_run *r) {
     return d;
 }
 
+/* The buffer a step that maps each pixel from the image (in == out allowed) writes to: the
+ * image itself when it is ours, else without a copy first. */
+static float *run_map(tf_run *r) {
+    return r->owned && !r->last ? r->data : run_dest(r, r->c, r->h, r->w);
+}
+
 /* Whether step s, a Resize, runs together with next, a CenterCrop that lies inside its output
  * for an image h x w. */
 static bool resize_fuses(const tdm_transform_step *s, const tdm_transform_step *next, int64_t h,
@@ -155,9 +161,11 @@ static int run_step(tf_run *r, int i, const tdm_transform_step *s, const tdm_tra
         return run_random_crop(r, i, s, g);
     case TDM_TF_RANDOM_HFLIP: {
         bool flip = tdm_tf_rng_uniform(g, 0.0, 1.0) < s->p; /* torch.rand(1) < p */
-        float *x = run_inplace(r);
-        if (!x) return TDM_ERR_NOMEM;
-        if (flip) tdm_tf_hflip(x, r->c, r->h, r->w, x);
+        if (!flip) return TDM_OK; /* tdm_transform_apply copies a last image into out */
+        float *d = run_map(r);
+        if (!d) return TDM_ERR_NOMEM;
+        tdm_tf_hflip(r->data, r->c, r->h, r->w, d);
+        run_set(r, d, r->c, r->h, r->w);
         return TDM_OK;
     }
     case TDM_TF_COLOR_JITTER:
@@ -170,9 +178,10 @@ static int run_step(tf_run *r, int i, const tdm_transform_step *s, const tdm_tra
         return TDM_OK;
     }
     case TDM_TF_NORMALIZE: {
-        float *x = run_inplace(r);
-        if (!x) return TDM_ERR_NOMEM;
-        tdm_tf_normalize(x, r->c, r->h, r->w, s->mean, s->std, x);
+        float *d = run_map(r);
+        if (!d) return TDM_ERR_NOMEM;
+        tdm_tf_normalize(r->data, r->c, r->h, r->w, s->mean, s->std, d);
+        run_set(r, d, r->c, r->h, r->w);
         return TDM_OK;
     }
     case TDM_TF_RANDOM_ERASING: {

@@ -63,15 +63,57 @@ static void axis_weights(int64_t in, int64_t out, int64_t first, int64_t count, 
     }
 }
 
-/* Horizontal pass over one row: dst[k] = sum_j src[lo[k] + j] * w[k][j], summed in
- * PyTorch's order. */
+/* Gives every output of the axis the same number of weights, the most any has, by adding
+ * zero weights after its own (or before them, moving lo back, at the end of the row): the
+ * horizontal pass then runs a loop of one trip count, without the mispredicted branches of
+ * counts that change from pixel to pixel (3 or 4 alternating when shrinking by 1.5: twice the
+ * time). Exact for finite pixels: t + 0 * s is t, and 0 * s + x is x. Returns the count. */
+static int axis_pad(tf_axis *a, int64_t in, int64_t count) {
+    int most = 0;
+    for (int64_t k = 0; k < count; k++) most = a->n[k] > most ? a->n[k] : most;
+    for (int64_t k = 0; k < count; k++) {
+        float *w = a->w + k * a->taps;
+        int64_t shift = a->lo[k] + most > in ? a->lo[k] + most - in : 0;
+        memmove(w + shift, w, (size_t)a->n[k] * sizeof(float));
+        for (int64_t j = 0; j < shift; j++) w[j] = 0.0f;
+        for (int64_t j = shift + a->n[k]; j < most; j++) w[j] = 0.0f;
+        a->lo[k] -= shift;
+        a->n[k] = most;
+    }
+    return most;
+}
+
+/* One output of the horizontal pass, summed in PyTorch's order; n is a constant where the
+ * callers below inline it, so the loop unrolls. */
+static inline float dot_taps(const float *s, const float *w, int n) {
+    float t = s[0] * w[0];
+    for (int j = 1; j < n; j++) t += s[j] * w[j];
+    return t;
+}
+
+/* Horizontal pass over one row: dst[k] = sum_j src[lo[k] + j] * w[k][j]; every output has
+ * a->n[0] weights (axis_pad). */
 static void resample_row(const float *restrict src, const tf_axis *a, int64_t count,
                          float *restrict dst) {
-    for (int64_t k = 0; k < count; k++) {
-        const float *s = src + a->lo[k], *w = a->w + k * a->taps;
-        float t = a->n[k] > 0 ? s[0] * w[0] : 0.0f;
-        for (int j = 1; j < a->n[k]; j++) t += s[j] * w[j];
-        dst[k] = t;
+    const int64_t *lo = a->lo;
+    const float *w = a->w;
+    int taps = a->taps, n = count > 0 ? a->n[0] : 0;
+    switch (n) {
+    case 2:
+        for (int64_t k = 0; k < count; k++) dst[k] = dot_taps(src + lo[k], w + k * taps, 2);
+        break;
+    case 3:
+        for (int64_t k = 0; k < count; k++) dst[k] = dot_taps(src + lo[k], w + k * taps, 3);
+        break;
+    case 4:
+        for (int64_t k = 0; k < count; k++) dst[k] = dot_taps(src + lo[k], w + k * taps, 4);
+        break;
+    case 5:
+        for (int64_t k = 0; k < count; k++) dst[k] = dot_taps(src + lo[k], w + k * taps, 5);
+        break;
+    default:
+        for (int64_t k = 0; k < count; k++)
+            dst[k] = n > 0 ? dot_taps(src + lo[k], w + k * taps, n) : 0.0f;
     }
 }
 
@@ -116,7 +158,10 @@ static int plan_make(tdm_tf_box src, int64_t oh, int64_t ow, tdm_tf_box part, bo
     float *w = (float *)(n + part.w + part.h);
     p->ax = (tf_axis){tx, lo, n, w};
     p->ay = (tf_axis){ty, lo + part.w, n + part.w, w + part.w * tx};
-    if (hpass) axis_weights(src.w, ow, part.left, part.w, &p->ax);
+    if (hpass) {
+        axis_weights(src.w, ow, part.left, part.w, &p->ax);
+        axis_pad(&p->ax, src.w, part.w);
+    }
     if (vpass) axis_weights(src.h, oh, part.top, part.h, &p->ay);
     return TDM_OK;
 }

@@ -9,8 +9,10 @@
  * uninterrupted one drew. Where a step draws its parameters, the draws follow torchvision's
  * rules (RandomResizedCrop's ten tries then the central fallback, ColorJitter's random order)
  * but not its random number generator, so the same seed gives other crops than torchvision's;
- * the same parameters give torchvision's pixels (tests/test_transforms.c, against fixtures
- * from tests/fixtures/make_transform_fixtures.py).
+ * the same parameters give torchvision's pixels, its tensor path (torchvision.transforms.v2 or
+ * functional on tensors), to ~1e-7 (tests/test_transforms.c, against fixtures from
+ * tests/fixtures/gen_transforms.py). Each step draws from its own Philox stream, chosen by its
+ * position in the list, so appending a step leaves the draws of the others as they were.
  */
 #ifndef TANDEM_TRANSFORMS_H
 #define TANDEM_TRANSFORMS_H
@@ -22,16 +24,25 @@ extern "C" {
 #endif
 
 typedef enum {
-    TDM_TF_RESIZE = 1,          /* size[1] 0: shorter side to size[0], aspect kept; else (h, w) */
-    TDM_TF_CENTER_CROP,         /* (size[0], size[1]); zero-padded where the image is smaller */
+    /* size[1] 0: shorter side to size[0], the longer int(size[0] * long / short), truncated;
+     * else (h, w). Bilinear with antialias (torchvision's default for tensors): PIL's triangle
+     * filter widened by the downscale factor; plain bilinear when enlarging */
+    TDM_TF_RESIZE = 1,
+    TDM_TF_CENTER_CROP,         /* (size[0], size[1]) at round((side - crop) / 2), halves to
+                                 * even as Python's; zero-padded where the image is smaller */
     TDM_TF_RANDOM_RESIZED_CROP, /* crop of area in scale x the image's, aspect in ratio, resized
-                                 * to (size[0], size[1]) */
-    TDM_TF_RANDOM_CROP,         /* (size[0], size[1]) after zero-padding each side by padding */
+                                 * to (size[0], size[1]) as Resize does */
+    TDM_TF_RANDOM_CROP,         /* (size[0], size[1]) after zero-padding each side by padding;
+                                 * an image still smaller fails (TDM_ERR_SHAPE), as torchvision
+                                 * without pad_if_needed */
     TDM_TF_RANDOM_HFLIP,        /* with probability p */
     TDM_TF_COLOR_JITTER,        /* brightness, contrast, saturation: factors drawn uniformly in
-                                 * [max(0, 1 - v), 1 + v], applied in a random order */
-    TDM_TF_GRAYSCALE,           /* to channels (1 or 3) grey channels, ITU-R 601-2 luma */
-    TDM_TF_NORMALIZE,           /* (x - mean[c]) / std[c] */
+                                 * [max(0, 1 - v), 1 + v], applied in a random order; a v of 0
+                                 * leaves its adjustment out. No hue. Saturation leaves a grey
+                                 * image as it is, as torchvision */
+    TDM_TF_GRAYSCALE,           /* to channels (1 or 3) grey channels, ITU-R 601-2 luma
+                                 * (0.2989, 0.587, 0.114); a grey image is copied */
+    TDM_TF_NORMALIZE,           /* (x - mean[c]) / std[c]; images of 1 or 3 channels */
     TDM_TF_RANDOM_ERASING,      /* with probability p, a rectangle of area in scale and aspect in
                                  * ratio set to value (torchvision's RandomErasing; cutout) */
 } tdm_transform_kind;
@@ -41,7 +52,7 @@ typedef enum {
  * RandomResizedCrop, scale (0.02, 0.33) and ratio (0.3, 3.3) for RandomErasing, p 0.5). */
 typedef struct {
     tdm_transform_kind kind;
-    int64_t size[2]; /* h, w */
+    int64_t size[2]; /* h, w; for the crops size[1] 0 means size[0] (torchvision's int size) */
     int64_t padding;
     float p;
     float scale[2], ratio[2];
@@ -65,19 +76,22 @@ tdm_transform *tdm_transform_new(int n, const tdm_transform_step *steps);
  * or a preset name (tdm_transform_presets) sized by image_size. NULL and TDM_ERR_ARG pointing
  * at the character that could not be read. */
 tdm_transform *tdm_transform_parse(const char *text, int64_t image_size);
-/* The presets tdm_transform_parse knows, NULL-terminated, each "name: what it stands for". */
+/* The presets tdm_transform_parse knows, NULL-terminated, each "name: what it stands for", S
+ * standing for image_size (imagenet-eval's Resize is to S * 256 / 224, 256 for 224). */
 extern const char *const tdm_transform_presets[];
 /* The shape of the transform's output for inputs of shape in [c, h, w] (h and w 0 when
  * images differ in size): TDM_OK and *out, or TDM_ERR_SHAPE when the output's size would
  * still vary (the message says to end with a crop or a Resize to (h, w)). */
 int tdm_transform_output_shape(const tdm_transform *tf, tdm_shape in, tdm_shape *out);
 /* Applies tf to in (not changed), writing out [the output shape for in's shape], with the
- * draws of (seed, epoch, index). Thread-safe: tf is only read. TDM_OK, or an error (a size
- * that does not fit the output shape, out of memory). */
+ * draws of (seed, epoch, index). Thread-safe: tf is only read, and the buffers between steps
+ * are this call's (malloc'd, the size of an intermediate image). TDM_OK, or an error (an
+ * image a RandomCrop does not fit, out of memory). */
 int tdm_transform_apply(const tdm_transform *tf, const tdm_image *in, float *out, uint64_t seed,
                         int64_t epoch, int64_t index);
-/* The steps as text, torchvision's way ("RandomCrop(32, padding=4), RandomHorizontalFlip(p=0.5)"),
- * into buf; returns buf. */
+/* The steps as text, torchvision's way ("RandomCrop(32, padding=4), RandomHorizontalFlip(p=0.5)";
+ * "none" for no steps), into buf (truncated to cap); returns buf. tdm_transform_parse reads it
+ * back to the same steps. */
 const char *tdm_transform_str(const tdm_transform *tf, char *buf, size_t cap);
 /* NULL is allowed. */
 void tdm_transform_free(tdm_transform *tf);

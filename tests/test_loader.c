@@ -7,6 +7,7 @@
 
 #include "check.h"
 #include "core/core.h" /* tdm_raise: the test dataset reports errors as a real one does */
+#include "tandem/transforms.h"
 
 typedef struct {
     int64_t fail_at;  /* get() fails on this index (-1: never) */
@@ -40,6 +41,21 @@ static int test_get(const tdm_dataset *ds, int64_t i, void *x, int64_t *y) {
 }
 
 static const tdm_dataset_ops test_ops = {.get = test_get, .destroy = NULL};
+
+/* Images of three sizes, [1, 4 + i % 3, 5 + i % 2], pixel j = i + 0.5 j (an image folder's
+ * kind: get_image only); get_image fails on fail_at. */
+static int sized_get_image(const tdm_dataset *ds, int64_t i, tdm_image *img, int64_t *y) {
+    test_impl *t = ds->impl;
+    if (i == t->fail_at)
+        return tdm_raise(TDM_ERR_FORMAT, "image 'x/%lld.png': bad CRC", (long long)i);
+    *img = (tdm_image){.c = 1, .h = 4 + i % 3, .w = 5 + i % 2};
+    img->data = malloc(sizeof(float) * (size_t)(img->h * img->w));
+    for (int64_t j = 0; j < img->h * img->w; j++) img->data[j] = (float)i + 0.5f * (float)j;
+    *y = i % 10;
+    return 0;
+}
+
+static const tdm_dataset_ops sized_ops = {.get_image = sized_get_image};
 
 static tdm_dataset make_ds(test_impl *impl, const char *name, int64_t n, tdm_shape sample) {
     tdm_dataset ds;
@@ -647,6 +663,98 @@ static void test_no_alloc_per_batch(void) {
     tdm_loader_free(l);
 }
 
+/* ---- transforms ----------------------------------------------------------------------------- */
+
+/* Every row of an epoch of l over ds is the transform of its sample under (seed, epoch, index),
+ * whichever worker built it. */
+static void check_transformed(const char *what, tdm_dataset *ds, const tdm_transform *tf,
+                              int workers) {
+    tdm_loader_opts o = tdm_loader_defaults(4);
+    o.workers = workers, o.shuffle = true, o.seed = 11, o.transform = tf;
+    tdm_loader *l = tdm_loader_new(ds, &o);
+    CHECK(l != NULL, "%s: loader_new: %s", what, tdm_last_error());
+    if (!l) return;
+    int64_t n = 0, *order = tdm_loader_indices(l, 2, &n), rows = 0;
+    CHECK(tdm_loader_start_epoch(l, 2) == TDM_OK, "%s: start_epoch", what);
+    tdm_batch b;
+    float want[64], got[4 * 64], raw[64];
+    while (tdm_loader_next(l, &b) == 1) {
+        CHECK(b.x->ndim == 4 && b.x->shape[1] == 1 && b.x->shape[2] == 3 && b.x->shape[3] == 3,
+              "%s: batch x has %d dims, [.., %lld, %lld, %lld]", what, b.x->ndim,
+              (long long)b.x->shape[1], (long long)b.x->shape[2], (long long)b.x->shape[3]);
+        tdm_to_host(b.x, got, sizeof(float) * (size_t)(b.size * 9));
+        for (int64_t r = 0; r < b.size; r++, rows++) {
+            int64_t i = order[rows], y;
+            tdm_image img = {.c = 1, .h = 4, .w = 6, .data = raw};
+            if (ds->ops->get_image)
+                ds->ops->get_image(ds, i, &img, &y);
+            else
+                ds->ops->get(ds, i, raw, &y);
+            tdm_transform_apply(tf, &img, want, 11, 2, i);
+            if (ds->ops->get_image) free(img.data);
+            CHECK(memcmp(want, got + r * 9, sizeof want[0] * 9) == 0 && b.y_host[r] == i % 10,
+                  "%s (%d workers): row %lld (sample %lld) is not its transform", what, workers,
+                  (long long)rows, (long long)i);
+        }
+    }
+    CHECK(rows == n && n == ds->n, "%s: %lld rows of %lld", what, (long long)rows, (long long)n);
+    free(order);
+    tdm_loader_free(l);
+}
+
+/* A transform turns a dataset's samples, of one size or of many (get_image), into the
+ * batch's; without one, images of many sizes are refused, and a file that does not decode
+ * is named. */
+static void test_transform(void) {
+    test_impl impl;
+    tdm_dataset fixed = make_ds(&impl, "fixed", 21, TDM_SHAPE(1, 4, 6));
+    tdm_transform *tf = tdm_transform_parse("RandomCrop(3, padding=1),RandomHorizontalFlip()", 0);
+    CHECK(tf != NULL, "parse: %s", tdm_last_error());
+    for (int w = 0; tf && w <= 2; w += 2) check_transformed("fixed size", &fixed, tf, w);
+    tdm_transform_free(tf);
+    test_impl simpl;
+    tdm_dataset sized = make_ds(&simpl, "sized", 19, TDM_SHAPE(1, 0, 0));
+    sized.ops = &sized_ops;
+    tdm_loader_opts o = tdm_loader_defaults(4);
+    CHECK_ERROR(tdm_loader_new(&sized, &o) == NULL, "differ in size");
+    tf = tdm_transform_parse("RandomHorizontalFlip()", 0);
+    o.transform = tf;
+    CHECK_ERROR(tdm_loader_new(&sized, &o) == NULL, "dataset 'sized'"); /* size still varies */
+    tdm_transform_free(tf);
+    tf = tdm_transform_parse("Resize(5),CenterCrop(3)", 0);
+    for (int w = 0; w <= 2; w += 2) check_transformed("sizes differ", &sized, tf, w);
+    simpl.fail_at = 7;
+    o.transform = tf, o.workers = 2;
+    tdm_loader *l = tdm_loader_new(&sized, &o);
+    epoch_data e;
+    CHECK(l && run_epoch(l, &sized, 0, &e) == TDM_ERR_FORMAT &&
+              strstr(tdm_last_error(), "sample 7 of dataset 'sized'") &&
+              strstr(tdm_last_error(), "image 'x/7.png': bad CRC"),
+          "a failed decode: %s", tdm_last_error());
+    tdm_clear_error();
+    epoch_free(&e);
+    tdm_loader_free(l);
+    tdm_transform_free(tf);
+}
+
+/* tdm_dataset_subset reads the base's samples at its indices, and refuses one outside it. */
+static void test_subset(void) {
+    test_impl impl;
+    tdm_dataset base = make_ds(&impl, "base", 50, TDM_SHAPE(2));
+    int64_t idx[3] = {49, 5, 7}, y;
+    tdm_dataset *sub = tdm_dataset_subset(&base, idx, 3);
+    CHECK(sub && sub->n == 3 && sub->num_classes == 10 && sub->sample_shape.d[0] == 2, "subset: %s",
+          tdm_last_error());
+    float x[2];
+    for (int k = 0; sub && k < 3; k++)
+        CHECK(sub->ops->get(sub, k, x, &y) == 0 && x[0] == (float)idx[k] && y == idx[k] % 10,
+              "subset sample %d is %g, label %lld", k, (double)x[0], (long long)y);
+    CHECK_ERROR(sub && sub->ops->get(sub, 3, x, &y) != 0, "index 3 out of range");
+    tdm_dataset_free(sub);
+    idx[1] = 50;
+    CHECK_ERROR(tdm_dataset_subset(&base, idx, 3) == NULL, "index 50 (entry 1)");
+}
+
 int main(void) {
     test_invalid_options();
     for (int w = 0; w <= 3; w++) {
@@ -663,5 +771,7 @@ int main(void) {
     test_tokens();
     test_scope_independent();
     test_no_alloc_per_batch();
+    test_transform();
+    test_subset();
     return check_summary();
 }

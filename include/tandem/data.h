@@ -103,6 +103,9 @@ tdm_dataset *tdm_cifar_open(const char *dir, int classes, bool train, bool coars
 /* Samples from memory: x [n, sample_shape...] f32 and y [n] labels, copied. */
 tdm_dataset *tdm_memory_dataset(tdm_shape sample_shape, int64_t n, const float *x, const int64_t *y,
                                 int64_t num_classes);
+/* The samples indices[0..n) of base, in that order (PyTorch's Subset): indices are copied, base
+ * is borrowed and must outlive the subset. NULL and TDM_ERR_ARG naming an index outside base. */
+tdm_dataset *tdm_dataset_subset(tdm_dataset *base, const int64_t *indices, int64_t n);
 int64_t tdm_dataset_sample_numel(const tdm_dataset *ds);
 void tdm_dataset_free(tdm_dataset *ds);
 

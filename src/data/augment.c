@@ -13,7 +13,7 @@ bool tdm_augment_active(const tdm_augment *a) {
     return a->normalize || a->crop_padding > 0 || a->hflip;
 }
 
-int tdm_augment_check(const tdm_augment *a, const tdm_dataset *ds) {
+int tdm_augment_check(const tdm_augment *a, const tdm_dataset *ds, tdm_shape shape) {
     char buf[96];
     if (!tdm_augment_active(a) && a->crop_padding == 0) return TDM_OK;
     if (a->crop_padding < 0)
@@ -28,11 +28,11 @@ int tdm_augment_check(const tdm_augment *a, const tdm_dataset *ds) {
                          "loader_new: augment normalize needs a finite mean and std > 0 "
                          "(mean %g, std %g)",
                          (double)a->mean, (double)a->std);
-    if ((a->crop_padding > 0 || a->hflip) && ds->sample_shape.ndim != 3)
+    if ((a->crop_padding > 0 || a->hflip) && shape.ndim != 3)
         return tdm_raise(TDM_ERR_SHAPE,
                          "loader_new: random crop and flip need image samples [C, H, W]; "
                          "dataset '%s' has samples %s",
-                         ds->name, tdm_shape_str(ds->sample_shape, buf));
+                         ds->name, tdm_shape_str(shape, buf));
     return TDM_OK;
 }
 

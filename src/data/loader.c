@@ -28,6 +28,7 @@
 #include "core/core.h"
 #include "data/sampler.h"
 #include "tandem/trace.h"
+#include "tandem/transforms.h"
 
 #define MAX_WORKERS     256
 #define MAX_SLOTS       4096
@@ -44,6 +45,8 @@ typedef struct {
     tdm_tensor *x_tail, *y_tail; /* the first rows only, for a last smaller batch (or NULL) */
     char *xdata;                 /* host memory the batch is built in: x's own on the CPU, */
     int64_t *ydata;              /* pinned buffers uploaded into x and y for a GPU */
+    float *raw;                  /* one sample as the dataset gives it, before the transform
+                                  * (a transform over a dataset of one image size), or NULL */
     void *fence;                 /* GPU: completes with the last upload from xdata/ydata */
     slot_state state;
     int64_t k;       /* the batch it holds */
@@ -57,7 +60,8 @@ struct tdm_loader {
     const tdm_backend *gpu; /* the device's backend when batches are uploaded, else NULL */
     int64_t per_rank; /* samples this rank sees per epoch, DistributedSampler padding included */
     int64_t nbatches;
-    int64_t tail; /* size of a last smaller batch, 0 if none */
+    int64_t tail;           /* size of a last smaller batch, 0 if none */
+    tdm_shape sample_shape; /* of a batch's row: the dataset's, or its transform's output */
     size_t x_row_bytes;
     int64_t y_row;    /* i64 elements per target */
     int64_t *indices; /* [per_rank] this epoch's order */
@@ -109,6 +113,25 @@ static double now_s(void) {
 
 /* ---- building a batch -------------------------------------------------------------------- */
 
+/* Sample idx into x (a row of the batch) and y: the dataset's get(), or with a transform
+ * its decoded image (get_image) or its sample as an image, transformed into x. */
+static int read_sample(tdm_loader *l, slot *s, int64_t idx, void *x, int64_t *y) {
+    const tdm_dataset *ds = l->ds;
+    if (!l->o.transform) return ds->ops->get(ds, idx, x, y);
+    tdm_image img = {0};
+    int rc;
+    if (ds->ops->get_image) {
+        rc = ds->ops->get_image(ds, idx, &img, y);
+    } else {
+        const tdm_shape *in = &ds->sample_shape; /* [C, H, W], checked at creation */
+        img = (tdm_image){.c = in->d[0], .h = in->d[1], .w = in->d[2], .data = s->raw};
+        rc = ds->ops->get(ds, idx, s->raw, y);
+    }
+    if (rc == 0) rc = tdm_transform_apply(l->o.transform, &img, x, l->o.seed, l->epoch, idx);
+    if (ds->ops->get_image) free(img.data);
+    return rc;
+}
+
 /* Fills s with batch k of the current epoch: get() per sample into the slot's buffers, then
  * augmentation in place. Returns TDM_OK, BUILD_CANCELLED, or a negative status with s->error
  * naming the sample. Runs on a worker, or on the caller when workers == 0. */
@@ -133,7 +156,7 @@ static int build_batch(tdm_loader *l, slot *s, int64_t k) {
         if (prefetch && j + PREFETCH_AHEAD < count)
             prefetch(ds, l->indices[start + j + PREFETCH_AHEAD]);
         void *x = s->xdata + (size_t)j * l->x_row_bytes;
-        int rc = ds->ops->get(ds, idx, x, s->ydata + j * l->y_row);
+        int rc = read_sample(l, s, idx, x, s->ydata + j * l->y_row);
         if (rc != 0) {
             const char *why = tdm_last_error();
             snprintf(s->error, sizeof s->error,
@@ -145,8 +168,7 @@ static int build_batch(tdm_loader *l, slot *s, int64_t k) {
             return s->status;
         }
         if (augment)
-            tdm_augment_apply(&l->o.augment, (float *)x, ds->sample_shape, l->o.seed, l->epoch,
-                              idx);
+            tdm_augment_apply(&l->o.augment, (float *)x, l->sample_shape, l->o.seed, l->epoch, idx);
     }
     return TDM_OK;
 }
@@ -210,9 +232,30 @@ static void halt_epoch(tdm_loader *l) {
 
 /* ---- creation ---------------------------------------------------------------------------- */
 
-static int check_opts(const tdm_dataset *ds, const tdm_loader_opts *o) {
+/* The shape of a batch's row: the dataset's samples, or what the transform makes of them. */
+static int row_shape(const tdm_dataset *ds, const tdm_loader_opts *o, tdm_shape *shape) {
+    char b[96];
+    *shape = ds->sample_shape;
+    if (!o->transform && ds->ops->get_image)
+        return tdm_raise(TDM_ERR_ARG,
+                         "loader_new: the images of dataset '%s' differ in size: give the loader "
+                         "a transform that makes them one size (transforms.h)",
+                         ds->name);
+    if (!o->transform) return TDM_OK;
+    if (ds->x_dtype != TDM_F32 || ds->sample_shape.ndim != 3)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "loader_new: a transform needs images [C, H, W] of f32; dataset '%s' "
+                         "has %s samples %s",
+                         ds->name, tdm_dtype_name(ds->x_dtype), tdm_shape_str(ds->sample_shape, b));
+    if (tdm_transform_output_shape(o->transform, ds->sample_shape, shape) != TDM_OK)
+        return tdm_raise(tdm_last_status(), "loader_new: dataset '%s': %s", ds->name,
+                         tdm_last_error());
+    return TDM_OK;
+}
+
+static int check_opts(const tdm_dataset *ds, const tdm_loader_opts *o, tdm_shape *shape) {
     if (!ds || !o) return tdm_raise(TDM_ERR_ARG, "loader_new: NULL %s", ds ? "options" : "dataset");
-    if (!ds->ops || !ds->ops->get)
+    if (!ds->ops || !(ds->ops->get || ds->ops->get_image))
         return tdm_raise(TDM_ERR_ARG, "loader_new: dataset '%s' has no get()", ds->name);
     if (ds->n < 1)
         return tdm_raise(TDM_ERR_ARG, "loader_new: dataset '%s' has %lld samples", ds->name,
@@ -248,7 +291,8 @@ static int check_opts(const tdm_dataset *ds, const tdm_loader_opts *o) {
     if (o->rank < 0 || o->rank >= o->world_size)
         return tdm_raise(TDM_ERR_ARG, "loader_new: rank %d is not in [0, world_size %d)", o->rank,
                          o->world_size);
-    return tdm_augment_check(&o->augment, ds);
+    int rc = row_shape(ds, o, shape);
+    return rc ? rc : tdm_augment_check(&o->augment, ds, *shape);
 }
 
 /* A caller-owned view of the first rows of base: the last, smaller batch. Made here, outside
@@ -281,7 +325,7 @@ static int slot_init(tdm_loader *l, slot *s) {
     const tdm_dataset *ds = l->ds;
     int64_t b = l->o.batch_size;
     tdm_device dev = l->gpu ? l->o.device : tdm_cpu(0);
-    s->x = tdm_tensor_alloc_owned(batch_shape(b, ds->sample_shape), ds->x_dtype, dev, NULL);
+    s->x = tdm_tensor_alloc_owned(batch_shape(b, l->sample_shape), ds->x_dtype, dev, NULL);
     s->y = tdm_tensor_alloc_owned(batch_shape(b, ds->target_shape), TDM_I64, dev, NULL);
     if (!s->x || !s->y) return tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
     if (l->gpu) {
@@ -297,6 +341,10 @@ static int slot_init(tdm_loader *l, slot *s) {
         s->x_tail = rows_view(s->x, l->tail);
         s->y_tail = rows_view(s->y, l->tail);
         if (!s->x_tail || !s->y_tail) return TDM_ERR_NOMEM;
+    }
+    if (l->o.transform && !ds->ops->get_image) {
+        s->raw = malloc(sizeof(float) * (size_t)tdm_shape_numel(ds->sample_shape));
+        if (!s->raw) return TDM_ERR_NOMEM;
     }
     s->state = SLOT_FREE;
     return TDM_OK;
@@ -323,8 +371,9 @@ static int start_workers(tdm_loader *l) {
 }
 
 tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o) {
-    if (check_opts(ds, o)) return NULL;
-    int64_t row = tdm_shape_numel(ds->sample_shape), trow = tdm_shape_numel(ds->target_shape);
+    tdm_shape shape;
+    if (check_opts(ds, o, &shape)) return NULL;
+    int64_t row = tdm_shape_numel(shape), trow = tdm_shape_numel(ds->target_shape);
     if (row < 0 || trow < 0 || (row > 0 && o->batch_size > INT64_MAX / 16 / row) ||
         (trow > 0 && o->batch_size > INT64_MAX / 16 / trow))
         return tdm_raise_null(TDM_ERR_ARG, "loader_new: batch_size %lld of dataset '%s' overflows",
@@ -338,6 +387,7 @@ tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o) {
     int64_t b = o->batch_size, rem = l->per_rank % b;
     l->nbatches = o->drop_last ? l->per_rank / b : (l->per_rank + b - 1) / b;
     l->tail = o->drop_last ? 0 : rem;
+    l->sample_shape = shape;
     l->x_row_bytes = (size_t)row * tdm_dtype_size(ds->x_dtype);
     l->y_row = trow;
     l->nslots = o->workers > 0 ? o->workers * o->prefetch : 1;
@@ -562,6 +612,7 @@ void tdm_loader_free(tdm_loader *l) {
         tdm_tensor_free(s->y_tail);
         tdm_tensor_free(s->x);
         tdm_tensor_free(s->y);
+        free(s->raw);
         if (!l->gpu) continue;
         if (s->fence) l->gpu->fence_wait(s->fence); /* an upload may still read the buffers */
         l->gpu->pinned_free(s->xdata);

@@ -16,9 +16,9 @@ void tdm_sampler_fill(int64_t *out, int64_t *scratch, int64_t n, bool shuffle, u
 
 /* Whether a changes samples at all. */
 bool tdm_augment_active(const tdm_augment *a);
-/* Checks a against the dataset (f32 samples; crop and flip need [C, H, W]); raises naming
- * what is wrong. */
-int tdm_augment_check(const tdm_augment *a, const tdm_dataset *ds);
+/* Checks a against the dataset's samples, of shape `shape` in a batch (after the loader's
+ * transform): f32, and [C, H, W] for crop and flip; raises naming what is wrong. */
+int tdm_augment_check(const tdm_augment *a, const tdm_dataset *ds, tdm_shape shape);
 /* Applies a in place to one sample x of shape s (f32): random crop, flip, then normalize, as
  * torchvision's RandomCrop(padding), RandomHorizontalFlip and Normalize. The random draws
  * depend on (seed, epoch, index) only, so the result does not depend on the worker. */

@@ -227,6 +227,10 @@ static int png_decode(const unsigned char *b, size_t n, const char *name, int ch
         rc = tdm_raise(TDM_ERR_NOMEM, "image '%s': cannot allocate %zu bytes", name, len);
     else if ((err = spng_decode_image(ctx, px, len, SPNG_FMT_RGB8, 0)) != 0)
         rc = png_error(err, name);
+    /* the chunks after the pixels, to IEND: libspng checks the last IDAT chunk's CRC only
+     * when it reads past it, which decoding the pixels alone may not do */
+    else if ((err = spng_decode_chunks(ctx)) != 0)
+        rc = png_error(err, name);
     if (!rc && grey)
         for (int64_t i = 0; i < w * h; i++) px[i] = px[3 * i]; /* in place: i <= 3i */
     if (!rc) rc = image_fill(img, px, grey ? 1 : 3, h, w, channels, name);

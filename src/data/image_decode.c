@@ -70,7 +70,12 @@ static int format_of(const unsigned char *b, size_t n, const char *name, tdm_ima
 }
 
 static int check_size(const char *name, const char *fmt, int64_t w, int64_t h) {
-    if (w < 1 || h < 1 || w > MAX_SIDE || h > MAX_SIDE || w * h > MAX_PIXELS)
+    if (w < 1 || h < 1) /* TurboJPEG's reading of a header cut before its SOF marker */
+        return tdm_raise(TDM_ERR_FORMAT,
+                         "image '%s': %s: the header gives no image size (the file is "
+                         "truncated or damaged)",
+                         name, fmt);
+    if (w > MAX_SIDE || h > MAX_SIDE || w * h > MAX_PIXELS)
         return tdm_raise(TDM_ERR_FORMAT,
                          "image '%s': %s of %lld x %lld pixels: too large (at most %d per side "
                          "and %d pixels, Pillow's MAX_IMAGE_PIXELS)",

@@ -182,7 +182,7 @@ static int jpeg_decode(const unsigned char *b, size_t n, const char *name, int c
 
 static int png_error(int err, const char *name) {
     return tdm_raise(TDM_ERR_FORMAT, "image '%s': PNG: %s%s", name, spng_strerror(err),
-                     err == SPNG_EOF ? " (the file is truncated)" : "");
+                     err == SPNG_IO_EOF ? " (the file is truncated)" : "");
 }
 
 /* A decoder over b with its header read and checked; NULL with an error raised. */

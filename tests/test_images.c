@@ -399,6 +399,29 @@ static void test_folder_rules(void) {
     tdm_dataset_free(ds);
 }
 
+/* A JPEG whose header lies beyond the first 8 KB read at open (a 30 KB APP1 segment, as
+ * EXIF thumbnails make) opens and decodes. */
+static void test_folder_long_header(void) {
+    size_t n = 0;
+    char *jpeg = slurp_file(tmp("data/jpeg/train/%s/00001.jpg", CLASSES[0]), &n);
+    enum { APP = 30000 };
+    unsigned char *b = (unsigned char *)calloc(1, n + APP + 4);
+    CHECK(jpeg && b, "cannot read a JPEG");
+    if (!jpeg || !b) return free(jpeg), free(b);
+    memcpy(b, jpeg, 2); /* SOI, then APP1 of APP + 2 bytes (its length counts itself) */
+    b[2] = 0xff, b[3] = 0xe1, b[4] = (APP + 2) >> 8, b[5] = (APP + 2) & 0xff;
+    memcpy(b + 6 + APP, jpeg + 2, n - 2);
+    make_dir(tmp("exif")), make_dir(tmp("exif/A"));
+    write_bytes(tmp("exif/A/big.jpg"), b, n + APP + 4);
+    tdm_dataset *ds = tdm_image_folder_open(tmp("exif"), NULL);
+    tdm_image img = {0};
+    int64_t y = -1;
+    CHECK(ds && ds->n == 1 && ds->ops->get_image(ds, 0, &img, &y) == TDM_OK && img.h == SIDE,
+          "a JPEG with a 30 KB APP1: %s", tdm_last_error());
+    free(img.data), free(jpeg), free(b);
+    tdm_dataset_free(ds);
+}
+
 static void test_folder_errors(void) {
     CHECK_ERROR(tdm_image_folder_open(tmp("nowhere"), NULL) == NULL, "nowhere: No such file");
     CHECK_ERROR(tdm_image_folder_open(tmp("rgba.png"), NULL) == NULL, "rgba.png is not a folder");
@@ -677,6 +700,7 @@ int main(int argc, char **argv) {
     test_decode_errors();
     test_folder_fashion();
     test_folder_rules();
+    test_folder_long_header();
     test_folder_errors();
     test_bad_files();
     test_cifar10(idx_test);

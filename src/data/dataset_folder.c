@@ -306,8 +306,10 @@ static int probe_file(const char *path, unsigned char *buf) {
     close(fd);
     tdm_image_info info;
     int rc = tdm_image_probe(buf, got, path, &info);
-    if (rc != TDM_ERR_FORMAT || got == (size_t)st.st_size) return rc;
-    char *all = NULL; /* a JPEG whose SOF comes after large APPn segments */
+    /* a JPEG's SOF may come after large APPn segments (EXIF, ICC): read on for those only */
+    bool jpeg = got >= 3 && buf[0] == 0xff && buf[1] == 0xd8 && buf[2] == 0xff;
+    if (rc != TDM_ERR_FORMAT || got == (size_t)st.st_size || !jpeg) return rc;
+    char *all = NULL;
     size_t n = 0;
     tdm_clear_error();
     if (tdm_ds_read_file(path, "image", &all, &n)) return tdm_last_status();

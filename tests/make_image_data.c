@@ -1,7 +1,7 @@
 /* Writes image data sets made from Fashion-MNIST (Debian's /usr/share/datasets/fashion-mnist),
  * for tests/test_images.c and for real training runs on folders of images:
  *
- *   make_image_data OUT_DIR [--limit N] [--fashion DIR]
+ *   make_image_data OUT_DIR [--limit N] [--test-limit M] [--fashion DIR]
  *
  *   OUT_DIR/png/{train,test}/<class>/<index>.png   grey 28x28 PNG (libspng)
  *   OUT_DIR/jpeg/{train,test}/<class>/<index>.jpg  grey 28x28 JPEG, quality 95 (TurboJPEG)
@@ -18,7 +18,8 @@
  * <class> is "<label>_<name>" (0_T-shirt_top .. 9_Ankle_boot), so that the sorted folder
  * names are in label order and an ImageFolder's labels are the IDX labels; <index> is the
  * image's index in its IDX split, zero-padded to 5 digits, so that the files of a class sort
- * in IDX order. --limit N writes only the first N images of each split. Exit status 0, or 1
+ * in IDX order. --limit N writes only the first N images of each split, --test-limit M the
+ * first M of the test split (default: N). Exit status 0, or 1
  * with the reason on stderr.
  */
 #include "tandem/tandem.h"
@@ -278,7 +279,8 @@ static double now(void) {
 }
 
 static int usage(void) {
-    fprintf(stderr, "usage: make_image_data OUT_DIR [--limit N] [--fashion DIR]\n");
+    fprintf(stderr,
+            "usage: make_image_data OUT_DIR [--limit N] [--test-limit M] [--fashion DIR]\n");
     return 1;
 }
 
@@ -298,10 +300,12 @@ static int write_all(split *train, split *test) {
 
 int main(int argc, char **argv) {
     const char *out = NULL, *fashion = NULL;
-    int64_t limit = -1;
+    int64_t limit = -1, test_limit = 0;
     for (int a = 1; a < argc; a++) {
         if (!strcmp(argv[a], "--limit") && a + 1 < argc)
             limit = strtoll(argv[++a], NULL, 10);
+        else if (!strcmp(argv[a], "--test-limit") && a + 1 < argc)
+            test_limit = strtoll(argv[++a], NULL, 10);
         else if (!strcmp(argv[a], "--fashion") && a + 1 < argc)
             fashion = argv[++a];
         else if (argv[a][0] != '-' && !out)
@@ -309,12 +313,13 @@ int main(int argc, char **argv) {
         else
             return usage();
     }
-    if (!out || limit == 0 || limit < -1) return usage();
+    if (!test_limit) test_limit = limit;
+    if (!out || limit == 0 || limit < -1 || test_limit < -1) return usage();
     if (strlen(out) > 3000) return fprintf(stderr, "make_image_data: OUT_DIR is too long\n"), 1;
     double t0 = now();
     split train = {.out = out}, test = {.out = out};
     int rc = split_read(&train, true, fashion, limit);
-    if (!rc) rc = split_read(&test, false, fashion, limit);
+    if (!rc) rc = split_read(&test, false, fashion, test_limit);
     if (!rc) rc = write_all(&train, &test);
     if (!rc)
         printf("make_image_data: %lld train and %lld test images as PNG, JPEG and CIFAR-10 in "

@@ -77,28 +77,39 @@ tdm_dataset *tdm_text_dataset_open(const char *path, int64_t context);
 tdm_dataset *tdm_csv_dataset_open(const char *path, int label_column, bool header);
 /* ImageFolder, as torchvision reads it: dir holds one folder per class, the classes are the
  * sorted folder names (class k is the k-th; ops->class_name gives it), and the samples are the
- * files with an image extension (.jpg .jpeg .png, any case) under each, sorted by path.
+ * files with an image extension under each, at any depth, in torchvision's order (folders by
+ * path, then files by name). Only JPEG and PNG are read: .jpg .jpeg .png (any case) are
+ * samples; a file with torchvision's other extensions (.bmp .ppm .pgm .tif .tiff .webp) is one
+ * only when its bytes are a JPEG or PNG, else a bad file; other files are not samples.
  * Images decode (libjpeg-turbo, libspng) in the loader's workers, to f32 [channels, h, w] in
- * [0, 1] of each file's own size (get_image); the loader's transform makes them one size. */
+ * [0, 1] of each file's own size (get_image); the loader's transform makes them one size.
+ * sample_shape is [channels, 0, 0] and get() fails. docs/FORMATS.md has the details. */
 typedef struct {
     int channels;  /* 3 (the default: grey files become RGB, as torchvision's loader) or 1 */
-    bool skip_bad; /* a file whose header does not read is skipped and counted
-                    * (tdm_image_folder_skipped) instead of failing the open */
+    bool skip_bad; /* a file whose header does not read (empty, not a JPEG or PNG, broken
+                    * signature or IHDR) is skipped and counted (tdm_image_folder_skipped)
+                    * instead of failing the open; damage past the header shows in
+                    * get_image either way */
 } tdm_image_folder_opts;
 tdm_image_folder_opts tdm_image_folder_defaults(void);
-/* NULL and an error naming the file or folder and the reason: no class folders, a class
- * without images, a file that is not a JPEG or PNG (unless skip_bad). o may be NULL. */
+/* Reads every file's header (not its pixels). NULL and an error naming the file or folder and
+ * the reason: dir missing, no class folders, a class without images, a file that is not a
+ * JPEG or PNG (unless skip_bad). o may be NULL (the defaults). */
 tdm_dataset *tdm_image_folder_open(const char *dir, const tdm_image_folder_opts *o);
 /* Files tdm_image_folder_open skipped (skip_bad); 0 for any other dataset. */
 int64_t tdm_image_folder_skipped(const tdm_dataset *ds);
 /* Decodes a JPEG or PNG held in memory (the format from its first bytes) into *img, data
- * malloc'd (the caller frees it), with `channels` channels (1 or 3). name is for messages.
- * TDM_OK, or TDM_ERR_FORMAT naming name and the decoder's reason. */
+ * malloc'd (the caller frees it), with `channels` channels (1 or 3): the values of PIL's
+ * convert("RGB") or convert("L") and ToTensor (grey replicated, luma for RGB to grey, alpha
+ * dropped). name is for messages. At most 65535 pixels a side and 89478485 in all. TDM_OK, or
+ * TDM_ERR_FORMAT naming name and the decoder's reason (img zeroed). Thread-safe. */
 int tdm_image_decode(const void *bytes, size_t n, const char *name, int channels, tdm_image *img);
 /* CIFAR-10 (classes 10: data_batch_1..5.bin for train, test_batch.bin; records of a label
  * byte and 3072 pixel bytes) or CIFAR-100 (classes 100: train.bin, test.bin; records of a
  * coarse and a fine label byte, then the pixels; coarse picks the 20 superclasses) in their
- * binary format from dir. Samples f32 [3, 32, 32] in [0, 1], labels i64. */
+ * binary format from dir (or its cifar-10-batches-bin / cifar-100-binary folder). Samples
+ * f32 [3, 32, 32] in [0, 1], labels i64; get_image gives the same. NULL and an error naming
+ * the file: missing, a size not a multiple of the record, a label out of range (its record). */
 tdm_dataset *tdm_cifar_open(const char *dir, int classes, bool train, bool coarse);
 /* Samples from memory: x [n, sample_shape...] f32 and y [n] labels, copied. */
 tdm_dataset *tdm_memory_dataset(tdm_shape sample_shape, int64_t n, const float *x, const int64_t *y,

@@ -11,6 +11,7 @@ import gzip
 import os
 import re
 import struct
+import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -140,6 +141,122 @@ cli("bad_number", "--lr", "1e999")
 cli("flag_with_value", "--quiet=yes")
 cli("value_is_option", "--data", "--model")
 cli("devices_bad", "--devices", "cpu:,,cuda:99")
+
+# ---- images: a byte choosing the channels (bit 0: 1, else 3), then a PNG or JPEG file ---------
+PNG_SIG = b"\x89PNG\r\n\x1a\n"
+
+
+def png_chunk(tag, data, crc_ok=True):
+    crc = zlib.crc32(tag + data) ^ (0 if crc_ok else 0xFFFFFFFF)
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", crc)
+
+
+def png_file(w, h, depth, ctype, rows, plte=None, interlace=0, crc_ok=True, sig=PNG_SIG):
+    """rows: the filtered scanlines (filter byte, then the row's bytes), every pass's in order"""
+    ihdr = struct.pack(">2I5B", w, h, depth, ctype, 0, 0, interlace)
+    out = sig + png_chunk(b"IHDR", ihdr)
+    if plte:
+        out += png_chunk(b"PLTE", plte)
+    return out + png_chunk(b"IDAT", zlib.compress(rows), crc_ok) + png_chunk(b"IEND", b"")
+
+
+def adam7_rows(w, h, pixel):
+    """8-bit grey Adam7 scanlines of pixel(x, y), filter 0"""
+    rows = b""
+    for x0, y0, dx, dy in ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4),
+                           (1, 0, 2, 2), (0, 1, 1, 2)):
+        for y in range(y0, h, dy):
+            line = bytes(pixel(x, y) for x in range(x0, w, dx))
+            if line:
+                rows += b"\0" + line
+    return rows
+
+
+def image(name, data, channels=3):
+    write("image", name, bytes([1 if channels == 1 else 0]) + data)
+
+# tiny JPEGs made by TurboJPEG (tjCompress2, quality 75): 8x8 grey, 16x8 RGB 4:2:0, 8x8 RGB
+# progressive; the standard library has no JPEG encoder
+JPEG_GREY_8X8 = bytes.fromhex(
+    "ffd8ffe000104a46494600010100000100010000ffdb00430008060607060508070707090908"
+    "0a0c140d0c0b0b0c1912130f141d1a1f1e1d1a1c1c20242e2720222c231c1c2837292c303134"
+    "34341f27393d38323c2e333432ffc0000b080008000801011100ffc4001f0000010501010101"
+    "010100000000000000000102030405060708090a0bffc400b510000201030302040305050404"
+    "0000017d01020300041105122131410613516107227114328191a1082342b1c11552d1f02433"
+    "627282090a161718191a25262728292a3435363738393a434445464748494a53545556575859"
+    "5a636465666768696a737475767778797a838485868788898a92939495969798999aa2a3a4a5"
+    "a6a7a8a9aab2b3b4b5b6b7b8b9bac2c3c4c5c6c7c8c9cad2d3d4d5d6d7d8d9dae1e2e3e4e5e6"
+    "e7e8e9eaf1f2f3f4f5f6f7f8f9faffda0008010100003f008353b4b7f0e793e27d09bcbd3669"
+    "552eacd14edb676ce1d71c2c64f1838dac401c300bffd9"
+)
+JPEG_RGB420_16X8 = bytes.fromhex(
+    "ffd8ffe000104a46494600010100000100010000ffdb00430008060607060508070707090908"
+    "0a0c140d0c0b0b0c1912130f141d1a1f1e1d1a1c1c20242e2720222c231c1c2837292c303134"
+    "34341f27393d38323c2e333432ffdb0043010909090c0b0c180d0d1832211c21323232323232"
+    "3232323232323232323232323232323232323232323232323232323232323232323232323232"
+    "323232323232ffc00011080008001003012200021101031101ffc4001f000001050101010101"
+    "0100000000000000000102030405060708090a0bffc400b51000020103030204030505040400"
+    "00017d01020300041105122131410613516107227114328191a1082342b1c11552d1f0243362"
+    "7282090a161718191a25262728292a3435363738393a434445464748494a535455565758595a"
+    "636465666768696a737475767778797a838485868788898a92939495969798999aa2a3a4a5a6"
+    "a7a8a9aab2b3b4b5b6b7b8b9bac2c3c4c5c6c7c8c9cad2d3d4d5d6d7d8d9dae1e2e3e4e5e6e7"
+    "e8e9eaf1f2f3f4f5f6f7f8f9faffc4001f010003010101010101010101000000000000010203"
+    "0405060708090a0bffc400b51100020102040403040705040400010277000102031104052131"
+    "061241510761711322328108144291a1b1c109233352f0156272d10a162434e125f11718191a"
+    "262728292a35363738393a434445464748494a535455565758595a636465666768696a737475"
+    "767778797a82838485868788898a92939495969798999aa2a3a4a5a6a7a8a9aab2b3b4b5b6b7"
+    "b8b9bac2c3c4c5c6c7c8c9cad2d3d4d5d6d7d8d9dae2e3e4e5e6e7e8e9eaf2f3f4f5f6f7f8f9"
+    "faffda000c03010002110311003f00648214549a054101557f2e38d4aa448c7cb03823696c63"
+    "1bd738da257cb07c658831c9bc121a372625eac774e4e5bb701b2d8ff9e8e4feee8a2aaa2e5b"
+    "5bcff0575fd76339cb91dacbfa6d7f5f7ee7ffd9"
+)
+JPEG_RGB_PROGRESSIVE_8X8 = bytes.fromhex(
+    "ffd8ffe000104a46494600010100000100010000ffdb00430008060607060508070707090908"
+    "0a0c140d0c0b0b0c1912130f141d1a1f1e1d1a1c1c20242e2720222c231c1c2837292c303134"
+    "34341f27393d38323c2e333432ffdb0043010909090c0b0c180d0d1832211c21323232323232"
+    "3232323232323232323232323232323232323232323232323232323232323232323232323232"
+    "323232323232ffc20011080008000803011100021101031101ffc40014000100000000000000"
+    "000000000000000002ffc4001501010100000000000000000000000000000102ffda000c0301"
+    "00021003100000012cff00ffc4001510010100000000000000000000000000000022ffda0008"
+    "01010001050297ffc4001c1100010305000000000000000000000000010011f00212213191ff"
+    "da0008010301013f01b28c39937d0ebfffc4001a1100010501000000000000000000000000f0"
+    "0003113151a1ffda0008010201013f0187342babffc4001a1001000105000000000000000000"
+    "0000000100214151b1f1ffda0008010100063f02a025b1cd33ffc4001c100100000701000000"
+    "00000000000000000100112131415171a1ffda0008010100013f21d1685d242d38b1e11fffda"
+    "000c03010002000300000010ff00ffc4001b1101010001050000000000000000000000012111"
+    "0031417191ffda0008010301013f1000c1bdbef318372603afffc4001a110100020301000000"
+    "000000000000000001112100315141ffda0008010201013f1014b86f9ef14b476884a1379fff"
+    "c40017100101010100000000000000000000000001112141ffda0008010100013f101002096a"
+    "5e2d85df01a8ff00ffd9"
+)
+
+
+grey8 = png_file(4, 3, 8, 0, b"".join(b"\0" + bytes(range(40 * y, 40 * y + 4)) for y in range(3)))
+image("png_grey8", grey8)
+image("png_grey8_to_grey", grey8, 1)
+image("png_rgb8", png_file(3, 2, 8, 2, b"\0" + bytes(range(9)) + b"\1" + bytes(range(9, 18))))
+image("png_rgba8_to_grey", png_file(2, 2, 8, 6, b"\0" + bytes(range(8)) + b"\2" + bytes(8)), 1)
+image("png_palette4", png_file(3, 1, 4, 3, b"\0\x12\x00", plte=bytes([255, 0, 0, 0, 255, 0, 1, 2, 3])))
+image("png_grey16", png_file(3, 1, 16, 0, b"\0\x00\xff\x80\x7f\xff\xff"))
+image("png_grey2", png_file(4, 1, 2, 0, b"\0\x1b"))
+image("png_grey_alpha8", png_file(2, 1, 8, 4, b"\0\x4d\x00\xc8\xff"))
+image("png_rgb16_paeth", png_file(2, 1, 16, 2, b"\4" + bytes(range(12))))
+image("png_adam7", png_file(9, 9, 8, 0, adam7_rows(9, 9, lambda x, y: (x * 17 + y * 5) % 256),
+                            interlace=1))
+image("png_bad_idat_crc", png_file(4, 3, 8, 0, b"\0" * 15, crc_ok=False))
+image("png_bad_signature", png_file(4, 3, 8, 0, b"\0" * 15, sig=b"\x89PNG\r\n\0\n"))
+image("png_truncated", grey8[: len(grey8) - 20])
+image("png_huge", png_file(100000, 100000, 8, 0, b"\0"))
+image("png_palette_missing", png_file(2, 1, 8, 3, b"\0\0\1"))
+image("empty", b"")
+image("text", b"This is a text file, not a JPEG.\n")
+image("jpeg_grey", JPEG_GREY_8X8)
+image("jpeg_rgb420", JPEG_RGB420_16X8)
+image("jpeg_rgb420_to_grey", JPEG_RGB420_16X8, 1)
+image("jpeg_progressive", JPEG_RGB_PROGRESSIVE_8X8)
+image("jpeg_truncated", JPEG_RGB420_16X8[: len(JPEG_RGB420_16X8) * 3 // 4])
+image("jpeg_header_only", JPEG_GREY_8X8[:40])
+image("jpeg_corrupt_scan", JPEG_GREY_8X8[:-8] + b"\xff\x00\xff\xd0" + JPEG_GREY_8X8[-4:])
 
 names = sorted(set(re.findall(r'\{"(--[a-z0-9-]+)"', open(os.path.join(ROOT, "tools", "train.c")).read())))
 with open(os.path.join(HERE, "cli.dict"), "w") as f:

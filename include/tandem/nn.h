@@ -39,6 +39,11 @@ typedef struct {
 } tdm_pool2d_opts;
 tdm_tensor *tdm_max_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o);
 tdm_tensor *tdm_avg_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o);
+/* x [N, C, H, W] -> [N, C, out_h, out_w], PyTorch's AdaptiveAvgPool2d: output (i, j) averages
+ * rows [floor(i*H/out_h), ceil((i+1)*H/out_h)) and the columns likewise (bins overlap when
+ * the sizes do not divide). Equal bins, a global pool (1, 1) among them, run as avg_pool2d;
+ * others as two products with bin matrices, so every backend has both. */
+tdm_tensor *tdm_adaptive_avg_pool2d(tdm_tensor *x, int64_t out_h, int64_t out_w);
 
 /* x [N, C] or [N, C, ...]. Training uses batch statistics and updates running_mean/var
  * (either may be NULL) with momentum and the unbiased variance; eval uses them. */
@@ -142,6 +147,7 @@ tdm_module *tdm_conv2d_new(int64_t in_ch, int64_t out_ch, int kernel_h, int kern
                            const tdm_conv2d_opts *o, bool bias, tdm_device dev, tdm_rng *rng);
 tdm_module *tdm_max_pool2d_new(const tdm_pool2d_opts *o);
 tdm_module *tdm_avg_pool2d_new(const tdm_pool2d_opts *o);
+tdm_module *tdm_adaptive_avg_pool2d_new(int64_t out_h, int64_t out_w);
 /* BatchNorm1d and 2d: affine weight 1, bias 0; running_mean 0, running_var 1,
  * num_batches_tracked (i64); momentum 0.1 and eps 1e-5 are PyTorch's defaults. momentum NAN
  * is PyTorch's momentum=None (a cumulative average: factor 1/num_batches_tracked). */

@@ -3,6 +3,9 @@
  * (src/backend/cpu/cpu_conv.c, cpu_pool.c). */
 #include "tandem/nn.h"
 
+#include <stdint.h>
+#include <stdlib.h>
+
 #include "autograd/ops.h"
 
 static tdm_conv2d_args conv_args(const tdm_conv2d_opts *o) {
@@ -246,4 +249,60 @@ tdm_tensor *tdm_max_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o) {
 
 tdm_tensor *tdm_avg_pool2d(tdm_tensor *x, const tdm_pool2d_opts *o) {
     return pool2d("avg_pool2d", x, o, false);
+}
+
+/* ---- adaptive average pooling ------------------------------------------------------------- */
+
+/* P [out, in] as a host array: row i averages input positions [floor(i*in/out),
+ * ceil((i+1)*in/out)), PyTorch's bins (they overlap when in % out != 0). */
+static float *bin_matrix(int64_t in, int64_t out) {
+    float *p = calloc((size_t)(in * out), sizeof *p);
+    for (int64_t i = 0; p && i < out; i++) {
+        int64_t lo = i * in / out, hi = ((i + 1) * in + out - 1) / out;
+        for (int64_t j = lo; j < hi; j++) p[i * in + j] = 1.0f / (float)(hi - lo);
+    }
+    return p;
+}
+
+/* y = Ph [oh, H] @ x [N, C, H, W] @ Pw^T [W, ow]: the bins of any size, as two products. */
+static tdm_tensor *adaptive_by_matmul(tdm_tensor *x, int64_t oh, int64_t ow) {
+    int64_t h = x->shape[2], w = x->shape[3];
+    float *ph = bin_matrix(h, oh), *pw = bin_matrix(w, ow);
+    tdm_tensor *y = NULL;
+    if (!ph || !pw) {
+        tdm_raise(TDM_ERR_NOMEM, "adaptive_avg_pool2d: out of memory for the bin matrices");
+    } else {
+        tdm_tensor *tph = tdm_from_data(TDM_SHAPE(oh, h), TDM_F32, x->device, ph);
+        tdm_tensor *tpw = tdm_from_data(TDM_SHAPE(ow, w), TDM_F32, x->device, pw);
+        y = tdm_matmul(tdm_matmul(tph, x), tdm_transpose(tpw, 0, 1));
+    }
+    free(ph);
+    free(pw);
+    return y;
+}
+
+tdm_tensor *tdm_adaptive_avg_pool2d(tdm_tensor *x, int64_t out_h, int64_t out_w) {
+    if (!x) return tdm_null_input("adaptive_avg_pool2d");
+    char sx[96];
+    if (tdm_check_f32(x, "adaptive_avg_pool2d")) return NULL;
+    if (x->ndim != 4)
+        return tdm_raise_null(TDM_ERR_SHAPE,
+                              "adaptive_avg_pool2d: input must be 4-D [N, C, H, W], got %s",
+                              tdm_tensor_shape_str(x, sx));
+    if (out_h < 1 || out_w < 1)
+        return tdm_raise_null(TDM_ERR_ARG,
+                              "adaptive_avg_pool2d: output size (%lld, %lld) must be positive",
+                              (long long)out_h, (long long)out_w);
+    int64_t h = x->shape[2], w = x->shape[3];
+    if (h < 1 || w < 1)
+        return tdm_raise_null(TDM_ERR_SHAPE, "adaptive_avg_pool2d: input %s has no pixels",
+                              tdm_tensor_shape_str(x, sx));
+    /* Equal bins (always for a global pool, (1, 1)) are a plain average pooling: one pass
+     * over x in one kernel, which every backend has. */
+    if (h % out_h == 0 && w % out_w == 0 && h / out_h <= INT32_MAX && w / out_w <= INT32_MAX) {
+        tdm_pool2d_opts o = {.kernel_h = (int)(h / out_h), .kernel_w = (int)(w / out_w)};
+        return tdm_avg_pool2d(x, &o);
+    }
+    if (!tdm_current_scope()) TDM_RETURN_SCOPED(adaptive_by_matmul(x, out_h, out_w));
+    return adaptive_by_matmul(x, out_h, out_w);
 }

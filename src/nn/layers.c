@@ -157,6 +157,23 @@ tdm_module *tdm_avg_pool2d_new(const tdm_pool2d_opts *o) {
     return pool_new(&avg_pool_ops, o);
 }
 
+static tdm_tensor *adaptive_avg_pool_forward(tdm_module *m, tdm_tensor *x) {
+    const int64_t *out = m->impl;
+    return tdm_adaptive_avg_pool2d(x, out[0], out[1]);
+}
+static const tdm_module_ops adaptive_avg_pool_ops = {"AdaptiveAvgPool2d", adaptive_avg_pool_forward,
+                                                     destroy_impl};
+
+tdm_module *tdm_adaptive_avg_pool2d_new(int64_t out_h, int64_t out_w) {
+    if (out_h < 1 || out_w < 1)
+        return tdm_raise_null(TDM_ERR_ARG,
+                              "AdaptiveAvgPool2d: output size (%lld, %lld) must be "
+                              "positive",
+                              (long long)out_h, (long long)out_w);
+    int64_t out[2] = {out_h, out_w};
+    return new_with_impl(&adaptive_avg_pool_ops, tdm_cpu(0), out, sizeof out);
+}
+
 /* ---- BatchNorm -------------------------------------------------------------------------- */
 
 typedef struct {

@@ -10,19 +10,21 @@
 #include <sys/stat.h>
 
 #include "tandem/tandem.h"
+#include "task.h"
 #include "train.h"
 
 typedef struct {
-    const char *weights, *model, *data;
-    int64_t limit, batch_size;
+    const char *weights, *model, *data, *eval_transform;
+    int64_t limit, batch_size, image_size;
 } eval_opts;
 
 void eval_help(FILE *out) {
     fprintf(
         out,
         "NAME\n    tandem eval - test loss and accuracy of saved weights\n\n"
-        "SYNOPSIS\n    tandem eval --weights FILE [--model mlp|cnn] [--data fashion-mnist|DIR]\n"
-        "                [--limit N] [--batch-size B]\n\n"
+        "SYNOPSIS\n    tandem eval --weights FILE [--model NAME] [--data fashion-mnist|DIR|...]\n"
+        "                [--image-size S] [--eval-transform STEPS] [--limit N]\n"
+        "                [--batch-size B]\n\n"
         "OPTIONS\n"
         "    --weights FILE\n"
         "        A .safetensors file of the model's parameters under PyTorch's names (from\n"
@@ -30,10 +32,13 @@ void eval_help(FILE *out) {
         "        nn.Sequential), a checkpoint directory holding model.safetensors, or\n"
         "        a run's --checkpoint-dir (its newest checkpoint).\n"
         "        Required.\n"
-        "    --model mlp|cnn\n"
+        "    --model mlp|cnn|resnet18|resnet34|resnet50\n"
         "        The network the weights belong to (see tandem train --help). Default: mlp.\n"
-        "    --data fashion-mnist|DIR\n"
+        "    --data fashion-mnist|DIR|cifar10:DIR|cifar100:DIR\n"
         "        As for tandem train; the test split is used. Default: fashion-mnist.\n"
+        "    --image-size S, --eval-transform STEPS|PRESET\n"
+        "        As for tandem train: the test images' size and transforms. Default: the\n"
+        "        data's.\n"
         "    --limit N\n"
         "        Use the first N/6 test samples (at least 1), as tandem train --limit N does.\n"
         "        Default: all.\n"
@@ -78,7 +83,8 @@ static int parse(int argc, char **argv, eval_opts *o) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) return -1;
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         bool known = !strcmp(a, "--weights") || !strcmp(a, "--model") || !strcmp(a, "--data") ||
-                     !strcmp(a, "--limit") || !strcmp(a, "--batch-size");
+                     !strcmp(a, "--limit") || !strcmp(a, "--batch-size") ||
+                     !strcmp(a, "--image-size") || !strcmp(a, "--eval-transform");
         if (!known) return usage("unknown option or argument '%s'", a);
         if (!v || !*v) return usage("%s needs a value", a);
         i++;
@@ -89,16 +95,24 @@ static int parse(int argc, char **argv, eval_opts *o) {
             o->model = v;
         else if (!strcmp(a, "--data"))
             o->data = v;
+        else if (!strcmp(a, "--eval-transform"))
+            o->eval_transform = v;
         else if (!strcmp(a, "--limit"))
             rc = parse_int(a, v, 1, &o->limit);
+        else if (!strcmp(a, "--image-size"))
+            rc = parse_int(a, v, 8, &o->image_size);
         else
             rc = parse_int(a, v, 1, &o->batch_size);
         if (rc) return rc;
     }
     if (!o->weights) return usage("%s is required", "--weights FILE");
-    bool ok = false;
+    bool ok = !strcmp(o->model, "resnet18") || !strcmp(o->model, "resnet34") ||
+              !strcmp(o->model, "resnet50");
     for (const char *const *m = tdm_model_names; *m; m++) ok = ok || !strcmp(*m, o->model);
-    if (!ok) return usage("--model: unknown model '%s' (expected mlp or cnn)", o->model);
+    if (!ok)
+        return usage("--model: unknown model '%s' (expected mlp, cnn, resnet18, resnet34 or "
+                     "resnet50)",
+                     o->model);
     return 0;
 }
 
@@ -150,19 +164,25 @@ int eval_main(int argc, char **argv) {
         snprintf(path, sizeof path, "%s", o.weights);
     else if (stat(path, &st) != 0 && tdm_checkpoint_latest(o.weights, ckpt, sizeof ckpt, NULL) == 1)
         snprintf(path, sizeof path, "%s/model.safetensors", ckpt); /* a run's directory */
-    const char *dir = strcmp(o.data, "fashion-mnist") == 0 ? NULL : o.data;
-    tdm_dataset *ds = tdm_fashion_mnist(dir, false);
-    if (!ds)
-        return fail("cannot load test data from '%s': %s", dir ? dir : "fashion-mnist",
-                    tdm_last_error());
-    if (o.limit > 0 && ds->n > (o.limit / 6 > 0 ? o.limit / 6 : 1))
-        ds->n = o.limit / 6 > 0 ? o.limit / 6 : 1;
-    tdm_rng rng = tdm_rng_make(0);
-    tdm_module *m = tdm_model_new(o.model, tdm_cpu(0), &rng);
+    /* the data, its test transform and the model, as tandem train makes them */
+    train_opts to = {.data = o.data,
+                     .model = o.model,
+                     .limit = o.limit,
+                     .image_size = o.image_size,
+                     .transform = NULL, /* the training split is opened, never read */
+                     .eval_transform = o.eval_transform};
+    task t;
+    task_program = "tandem eval";
+    if (task_image_open(&t, &to, tdm_cpu(0))) {
+        task_free(&t);
+        return EXIT_RUNTIME;
+    }
+    tdm_module *m = t.model;
     tdm_loader_opts lo = tdm_loader_defaults(o.batch_size);
-    tdm_loader *l = m ? tdm_loader_new(ds, &lo) : NULL;
+    lo.transform = t.test_tf;
+    tdm_loader *l = tdm_loader_new(t.test, &lo);
     rc = EXIT_OK;
-    if (!m || !l) {
+    if (!l) {
         rc = fail("%s%s", "setting up: ", tdm_last_error());
     } else if (tdm_weights_load(path, m) != TDM_OK) {
         rc = fail("%s%s", "", tdm_last_error());
@@ -176,7 +196,6 @@ int eval_main(int argc, char **argv) {
                    100.0 * (double)correct / (double)n, (long long)n, o.model, path);
     }
     tdm_loader_free(l);
-    tdm_module_free(m);
-    tdm_dataset_free(ds);
+    task_free(&t);
     return rc;
 }

@@ -3,8 +3,9 @@
  * schedules, clipping, accumulation, checkpoints, resume, logs, progress, MPI) and knows
  * nothing of images or text.
  *
- *   image (task_image.c): Fashion-MNIST/MNIST IDX files, the mlp or cnn of models.h,
- *     cross-entropy, accuracy, evaluation on the test split every epoch.
+ *   image (task_image.c): Fashion-MNIST/MNIST IDX files, CIFAR's files or image folders, the
+ *     mlp, cnn or a ResNet of models.h, transforms, cross-entropy, accuracy, evaluation on the
+ *     test split every epoch.
  *   text (task_text.c): a text file (bytes as tokens) or llm.c token shards, a GPT-2,
  *     next-token cross-entropy, no test split; the model is also written in llm.c's format.
  */
@@ -26,7 +27,11 @@ struct task {
     bool drop_last;            /* every batch full (a GPT's [B, T]); else a smaller last one */
     bool accuracy;             /* score argmax(logits [n, C], 1) against the targets [n] */
     tdm_dataset *train, *test; /* test NULL: no evaluation */
-    tdm_module *model;         /* on the first device, weights as the options ask */
+    /* what train and test are subsets of (--limit on image folders), or NULL */
+    tdm_dataset *train_base, *test_base;
+    /* the loaders' transforms of each split's samples (transforms.h), or NULL */
+    tdm_transform *train_tf, *test_tf;
+    tdm_module *model; /* on the first device, weights as the options ask */
     /* The mean loss of a batch's model output against its targets (a scalar), or NULL. */
     tdm_tensor *(*loss)(tdm_tensor *out, const tdm_tensor *target);
     /* The optimizer over ps for the options o (a tdm_optim_factory: one per replica). */
@@ -35,10 +40,15 @@ struct task {
      * checkpoint_dir, and at the end (checkpoint_dir NULL) to --save. Returns 0 or
      * EXIT_RUNTIME after printing the error. */
     int (*save)(const task *t, const train_opts *o, const char *checkpoint_dir);
-    char model_desc[192];   /* "mlp", "gpt: 2 layers, 4 heads, ..." */
-    char data_desc[192];    /* "60000 train, 10000 test samples" */
-    char plot_title[96];    /* "mlp on fashion-mnist" */
-    const char *loss_label; /* the plot's loss axis; NULL: cross-entropy */
+    char model_desc[192];     /* "mlp", "gpt: 2 layers, 4 heads, ..." */
+    char data_desc[192];      /* "60000 train, 10000 test samples" */
+    char plot_title[96];      /* "mlp on fashion-mnist" */
+    char image_desc[96];      /* the images a batch holds: "[3, 32, 32]" */
+    char transform_desc[900]; /* "train RandomCrop(32, padding=4), ...; test ..." or "" */
+    char classes_desc[256];   /* an image folder's first classes: "cat, dog" or "" */
+    char *class_to_idx;       /* torchvision's class_to_idx as JSON, saved with checkpoints;
+                               * NULL without class names */
+    const char *loss_label;   /* the plot's loss axis; NULL: cross-entropy */
 };
 
 /* Each fills t from the options (data first or model first, as the task needs) on device
@@ -56,7 +66,9 @@ tdm_optim *task_default_optimizer(tdm_paramset *ps, void *o);
 int task_check_finite(tdm_module *m, const char *file);
 /* Under mpirun, this process's rank (set when it joins), -1 otherwise. */
 extern int task_rank;
-/* Prints "tandem train: error: <message>" on stderr, one whole line ("... error: rank R:
+/* The command in error messages: "tandem train" (the default) or "tandem eval". */
+extern const char *task_program;
+/* Prints "<task_program>: error: <message>" on stderr, one whole line ("... error: rank R:
  * <message>" under mpirun), and returns EXIT_RUNTIME. */
 int task_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

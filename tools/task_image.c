@@ -1,5 +1,6 @@
-/* The image task: Fashion-MNIST (or MNIST) IDX files, the mlp or cnn of models.h, softmax
- * cross-entropy, accuracy, and an evaluation on the test split after every epoch. */
+/* The image task: Fashion-MNIST (or MNIST) IDX files, CIFAR's binary files or image folders,
+ * their transforms, the mlp, cnn or a ResNet of models.h, softmax cross-entropy, accuracy, and
+ * an evaluation on the test split after every epoch. */
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -11,6 +12,7 @@
 #include "task.h"
 
 int task_rank = -1;
+const char *task_program = "tandem train";
 
 int task_error(const char *fmt, ...) {
     fflush(stdout);
@@ -18,8 +20,8 @@ int task_error(const char *fmt, ...) {
      * written apart interleave with the other ranks' */
     char line[4096];
     int n = task_rank >= 0
-                ? snprintf(line, sizeof line, "tandem train: error: rank %d: ", task_rank)
-                : snprintf(line, sizeof line, "tandem train: error: ");
+                ? snprintf(line, sizeof line, "%s: error: rank %d: ", task_program, task_rank)
+                : snprintf(line, sizeof line, "%s: error: ", task_program);
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
@@ -67,51 +69,253 @@ int task_check_finite(tdm_module *m, const char *file) {
 }
 
 void task_free(task *t) {
-    tdm_dataset_free(t->train);
+    tdm_dataset_free(t->train); /* a subset before the set it is of */
     tdm_dataset_free(t->test);
+    tdm_dataset_free(t->train_base);
+    tdm_dataset_free(t->test_base);
+    tdm_transform_free(t->train_tf);
+    tdm_transform_free(t->test_tf);
+    free(t->class_to_idx);
     tdm_module_free(t->model);
     *t = (task){0};
 }
 
-/* Both splits; --limit keeps the first N training and N/6 test samples. */
-static int load_images(task *t, const train_opts *o) {
-    const char *dir = strcmp(o->data, "fashion-mnist") == 0 ? NULL : o->data;
+static bool is_resnet(const char *model) {
+    return strncmp(model, "resnet", 6) == 0;
+}
+
+/* Where the images come from: IDX files, CIFAR's binary files, or image folders. */
+typedef enum { DATA_IDX, DATA_CIFAR, DATA_FOLDER } data_kind;
+
+static bool is_dir(const char *path) {
     struct stat st;
-    if (dir && stat(dir, &st) != 0)
-        return task_error("data directory '%s': %s", dir, strerror(errno));
-    if (dir && !S_ISDIR(st.st_mode))
-        return task_error("data directory '%s' is not a directory", dir);
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* DIR/train and DIR/val (or DIR/test), each a folder of class folders. */
+static int open_folders(task *t, const char *dir, int channels) {
+    char train[4096], test[4096];
+    snprintf(train, sizeof train, "%s/train", dir);
+    snprintf(test, sizeof test, "%s/val", dir);
+    if (!is_dir(test)) snprintf(test, sizeof test, "%s/test", dir);
+    if (!is_dir(test))
+        return task_error("image folders '%s': no '%s/val' or '%s/test' beside '%s' (the test "
+                          "images, one folder per class as in train)",
+                          dir, dir, dir, train);
+    /* decoded as the model takes them: 3 channels for a ResNet (torchvision's loader), 1 for
+     * the mlp and cnn (the grey PNGs of Fashion-MNIST give its exact pixels) */
+    tdm_image_folder_opts fo = tdm_image_folder_defaults();
+    fo.channels = channels;
+    if (!(t->train = tdm_image_folder_open(train, &fo)))
+        return task_error("training images: %s", tdm_last_error());
+    if (!(t->test = tdm_image_folder_open(test, &fo)))
+        return task_error("test images: %s", tdm_last_error());
+    /* a label means a folder name: the test folders must be the same classes */
+    const tdm_dataset *a = t->train, *b = t->test;
+    for (int64_t k = 0; k < a->num_classes || k < b->num_classes; k++) {
+        const char *x = a->ops->class_name(a, k), *y = b->ops->class_name(b, k);
+        if (!x || !y || strcmp(x, y) != 0)
+            return task_error("image folders '%s': class %lld is '%s' in '%s' but '%s' in '%s' "
+                              "(train and test need the same class folders)",
+                              dir, (long long)k, x ? x : "(none)", train, y ? y : "(none)", test);
+    }
+    return 0;
+}
+
+static int open_cifar(task *t, const char *spec) {
+    int classes = strncmp(spec, "cifar100:", 9) == 0 ? 100 : 10;
+    const char *dir = strchr(spec, ':') + 1;
+    if (!(t->train = tdm_cifar_open(dir, classes, true, false)))
+        return task_error("CIFAR-%d training data: %s", classes, tdm_last_error());
+    if (!(t->test = tdm_cifar_open(dir, classes, false, false)))
+        return task_error("CIFAR-%d test data: %s", classes, tdm_last_error());
+    return 0;
+}
+
+static int open_idx(task *t, const char *dir) {
     const char *shown = dir ? dir : "/usr/share/datasets/fashion-mnist";
     if (!(t->train = tdm_fashion_mnist(dir, true)))
         return task_error("cannot load training data from '%s': %s", shown, tdm_last_error());
     if (!(t->test = tdm_fashion_mnist(dir, false)))
         return task_error("cannot load test data from '%s': %s", shown, tdm_last_error());
-    if (tdm_dataset_sample_numel(t->train) != 784 || t->train->num_classes > 10) {
-        char b[96];
-        return task_error("'%s' holds %lld classes of images %s; the models expect 10 classes "
-                          "of 1x28x28",
-                          shown, (long long)t->train->num_classes,
-                          tdm_shape_str(t->train->sample_shape, b));
-    }
-    if (o->limit > 0) { /* readers index samples i < n: a lower n keeps a prefix */
-        int64_t test_n = o->limit / 6 > 0 ? o->limit / 6 : 1;
-        if (t->train->n > o->limit) t->train->n = o->limit;
-        if (t->test->n > test_n) t->test->n = test_n;
-    }
     return 0;
 }
 
-/* The model, from the seed or --init-from (weights made elsewhere, PyTorch included). */
-static int build_model(task *t, const train_opts *o, tdm_device dev) {
+/* n evenly spaced samples of *ds (an image folder lists its classes one after the other: a
+ * prefix would hold the first class only); *base keeps the whole set. */
+static int keep_spread(tdm_dataset **ds, tdm_dataset **base, int64_t n) {
+    if ((*ds)->n <= n) return 0;
+    int64_t *idx = malloc(sizeof *idx * (size_t)n);
+    if (!idx) return task_error("--limit: out of memory");
+    for (int64_t k = 0; k < n; k++) idx[k] = k * (*ds)->n / n;
+    *base = *ds;
+    *ds = tdm_dataset_subset(*base, idx, n);
+    free(idx);
+    return *ds ? 0 : task_error("--limit: %s", tdm_last_error());
+}
+
+/* --limit keeps N training and N/6 test samples: the first ones of IDX and CIFAR files (their
+ * classes are mixed), evenly spaced ones of image folders. */
+static int apply_limit(task *t, const train_opts *o, data_kind kind) {
+    if (o->limit <= 0) return 0;
+    int64_t test_n = o->limit / 6 > 0 ? o->limit / 6 : 1;
+    if (kind == DATA_FOLDER)
+        return keep_spread(&t->train, &t->train_base, o->limit) ||
+               keep_spread(&t->test, &t->test_base, test_n);
+    /* readers index samples i < n: a lower n keeps a prefix */
+    if (t->train->n > o->limit) t->train->n = o->limit;
+    if (t->test->n > test_n) t->test->n = test_n;
+    return 0;
+}
+
+/* Both splits, as --data names them. */
+static int load_images(task *t, const train_opts *o, data_kind *kind) {
+    const char *data = o->data;
+    int rc;
+    if (!strncmp(data, "cifar10:", 8) || !strncmp(data, "cifar100:", 9)) {
+        *kind = DATA_CIFAR;
+        rc = open_cifar(t, data);
+    } else {
+        const char *dir = strcmp(data, "fashion-mnist") == 0 ? NULL : data;
+        struct stat st;
+        if (dir && stat(dir, &st) != 0)
+            return task_error("data directory '%s': %s", dir, strerror(errno));
+        if (dir && !S_ISDIR(st.st_mode))
+            return task_error("data directory '%s' is not a directory", dir);
+        char train[4096];
+        snprintf(train, sizeof train, "%s/train", dir ? dir : "");
+        *kind = dir && is_dir(train) ? DATA_FOLDER : DATA_IDX;
+        rc = *kind == DATA_FOLDER ? open_folders(t, dir, is_resnet(o->model) ? 3 : 1)
+                                  : open_idx(t, dir);
+    }
+    return rc ? rc : apply_limit(t, o, *kind);
+}
+
+/* The transform of one split: `text` (NULL or "none": nothing) after a Grayscale step when the
+ * data's channels are not the model's. *tf stays NULL when nothing is to be done. */
+static int make_transform(const char *text, const char *what, int64_t have_c, int64_t want_c,
+                          int64_t size, tdm_transform **tf) {
+    if (text && !strcmp(text, "none")) text = NULL;
+    if (!text && have_c == want_c) return 0;
+    char steps[2048] = "";
+    if (text) {
+        tdm_transform *user = tdm_transform_parse(text, size);
+        if (!user) return train_usage_error("%s: %s", what, tdm_last_error());
+        tdm_transform_str(user, steps, sizeof steps);
+        tdm_transform_free(user);
+    }
+    char all[2200];
+    if (have_c != want_c) /* torchvision's Grayscale(3) for grey images, and the reverse */
+        snprintf(all, sizeof all, "Grayscale(num_output_channels=%lld)%s%s", (long long)want_c,
+                 steps[0] ? ", " : "", steps);
+    else
+        snprintf(all, sizeof all, "%s", steps);
+    if (!(*tf = tdm_transform_parse(all, size)))
+        return task_error("%s '%s': %s", what, all, tdm_last_error());
+    return 0;
+}
+
+/* The training and test transforms: the options', or the data's defaults (torchvision's
+ * ImageNet recipe for image folders, the CIFAR one for a ResNet on CIFAR, none otherwise). */
+static int make_transforms(task *t, const train_opts *o, data_kind kind, int64_t size) {
+    bool cifar_resnet = kind == DATA_CIFAR && is_resnet(o->model);
+    const char *train = o->transform, *eval = o->eval_transform;
+    if (!train)
+        train = kind == DATA_FOLDER ? "imagenet-train" : cifar_resnet ? "cifar-train" : NULL;
+    if (!eval) eval = kind == DATA_FOLDER ? "imagenet-eval" : cifar_resnet ? "cifar-eval" : NULL;
+    int64_t want_c = is_resnet(o->model) ? 3 : 1, have_c = t->train->sample_shape.d[0];
+    return make_transform(train, "--transform", have_c, want_c, size, &t->train_tf) ||
+           make_transform(eval, "--eval-transform", have_c, want_c, size, &t->test_tf);
+}
+
+/* The shape of a batch's images after the split's transform. */
+static int image_shape(const tdm_dataset *ds, const tdm_transform *tf, const char *what,
+                       tdm_shape *shape) {
+    *shape = ds->sample_shape;
+    if (tf && tdm_transform_output_shape(tf, ds->sample_shape, shape) != TDM_OK)
+        return task_error("%s: %s", what, tdm_last_error());
+    if (!tf && ds->ops->get_image)
+        return task_error("%s: the images of '%s' differ in size: give transforms that end "
+                          "with a crop (see --transform)",
+                          what, ds->name);
+    return 0;
+}
+
+/* The images the model gets must be what it takes: 10 classes of 1x28x28 for mlp and cnn, and
+ * the same shape from both splits. */
+static int check_shapes(task *t, const train_opts *o) {
+    tdm_shape a, b;
+    char sa[96], sb[96];
+    if (image_shape(t->train, t->train_tf, "--transform", &a) ||
+        image_shape(t->test, t->test_tf, "--eval-transform", &b))
+        return EXIT_RUNTIME;
+    tdm_shape_str(a, sa), tdm_shape_str(b, sb);
+    if (strcmp(sa, sb) != 0)
+        return task_error("the training images become %s but the test images %s: make "
+                          "--transform and --eval-transform end at one size",
+                          sa, sb);
+    if (!is_resnet(o->model) && (tdm_shape_numel(a) != 784 || t->train->num_classes > 10))
+        return task_error("--data '%s' gives %lld classes of images %s; --model %s expects 10 "
+                          "classes of 1x28x28 (a resnet takes any)",
+                          o->data, (long long)t->train->num_classes, sa, o->model);
+    snprintf(t->image_desc, sizeof t->image_desc, "%s", sa);
+    return 0;
+}
+/* The model, from the seed or --init-from (weights made elsewhere, PyTorch included): a
+ * ResNet has the data's classes, and the small-image stem for images of 64 pixels or less. */
+static int build_model(task *t, const train_opts *o, tdm_device dev, int64_t size) {
     tdm_rng rng = tdm_rng_make((uint64_t)o->seed);
-    if (!(t->model = tdm_model_new(o->model, dev, &rng)))
-        return task_error("model %s: %s", o->model, tdm_last_error());
+    snprintf(t->model_desc, sizeof t->model_desc, "%s", o->model);
+    if (is_resnet(o->model)) {
+        tdm_resnet_opts ro = tdm_resnet_defaults(atoi(o->model + 6));
+        ro.num_classes = t->train->num_classes;
+        ro.in_channels = 3;
+        ro.small_input = size <= 64;
+        t->model = tdm_resnet_new(&ro, dev, &rng);
+        snprintf(t->model_desc, sizeof t->model_desc, "%s (%lld classes%s)", o->model,
+                 (long long)ro.num_classes,
+                 ro.small_input ? "; small-image stem: 3x3 conv, no max-pool" : "");
+    } else {
+        t->model = tdm_model_new(o->model, dev, &rng);
+    }
+    if (!t->model) return task_error("model %s: %s", o->model, tdm_last_error());
     if (o->init_from && tdm_weights_load(o->init_from, t->model) != TDM_OK)
         return task_error("--init-from: %s", tdm_last_error());
     return o->init_from ? task_check_finite(t->model, o->init_from) : 0;
 }
 
-/* logits [n, 10], labels [n] -> the mean cross-entropy [] */
+/* An image folder's classes as torchvision's class_to_idx, {"name": k, ...}, for the
+ * checkpoints; and the first few for the banner. */
+static int describe_classes(task *t) {
+    const tdm_dataset *ds = t->train;
+    if (!ds->ops->class_name) return 0;
+    size_t cap = 16, n = 0;
+    for (int64_t k = 0; k < ds->num_classes; k++)
+        cap += 2 * strlen(ds->ops->class_name(ds, k)) + 32;
+    char *json = malloc(cap);
+    if (!json) return task_error("classes: out of memory");
+    n += (size_t)snprintf(json, cap, "{");
+    int shown = 0;
+    for (int64_t k = 0; k < ds->num_classes; k++) {
+        const char *name = ds->ops->class_name(ds, k);
+        n += (size_t)snprintf(json + n, cap - n, "%s\"", k ? ", " : "");
+        for (const char *c = name; *c; c++) {
+            if (*c == '"' || *c == '\\') json[n++] = '\\';
+            json[n++] = *c;
+        }
+        n += (size_t)snprintf(json + n, cap - n, "\": %lld", (long long)k);
+        if (k < 6)
+            shown += snprintf(t->classes_desc + shown, sizeof t->classes_desc - (size_t)shown,
+                              "%s%s", k ? ", " : "", name);
+        else if (k == 6)
+            snprintf(t->classes_desc + shown, sizeof t->classes_desc - (size_t)shown, ", ...");
+    }
+    snprintf(json + n, cap - n, "}");
+    t->class_to_idx = json;
+    return 0;
+}
+
+/* logits [n, classes], labels [n] -> the mean cross-entropy [] */
 static tdm_tensor *image_loss(tdm_tensor *logits, const tdm_tensor *labels) {
     return tdm_cross_entropy(logits, labels, NULL);
 }
@@ -122,12 +326,29 @@ int task_image_open(task *t, const train_opts *o, tdm_device dev) {
                 .accuracy = true,
                 .loss = image_loss,
                 .optimizer = task_default_optimizer};
-    int rc = load_images(t, o);
-    if (!rc) rc = build_model(t, o, dev);
-    snprintf(t->model_desc, sizeof t->model_desc, "%s", o->model);
+    data_kind kind = DATA_IDX;
+    int rc = load_images(t, o, &kind);
+    /* the side of the model's images: asked, 28 for the mlp and cnn, the data's own, or 224
+     * (image folders) as torchvision's recipes */
+    int64_t size = o->image_size          ? o->image_size
+                   : !is_resnet(o->model) ? 28
+                   : kind == DATA_FOLDER  ? 224
+                   : t->train             ? t->train->sample_shape.d[2]
+                                          : 0;
+    if (!rc) rc = make_transforms(t, o, kind, size);
+    if (!rc) rc = check_shapes(t, o);
+    if (!rc) rc = describe_classes(t);
+    if (!rc) rc = build_model(t, o, dev, size);
     snprintf(t->plot_title, sizeof t->plot_title, "%s on %s", o->model, o->data);
     if (!rc)
-        snprintf(t->data_desc, sizeof t->data_desc, "%lld train, %lld test samples",
-                 (long long)t->train->n, (long long)t->test->n);
+        snprintf(t->data_desc, sizeof t->data_desc,
+                 "%lld train, %lld test images %s of %lld classes", (long long)t->train->n,
+                 (long long)t->test->n, t->image_desc, (long long)t->train->num_classes);
+    if (!rc && (t->train_tf || t->test_tf)) {
+        char a[400] = "none", b[400] = "none";
+        if (t->train_tf) tdm_transform_str(t->train_tf, a, sizeof a);
+        if (t->test_tf) tdm_transform_str(t->test_tf, b, sizeof b);
+        snprintf(t->transform_desc, sizeof t->transform_desc, "train %s; test %s", a, b);
+    }
     return rc;
 }

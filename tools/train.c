@@ -29,20 +29,43 @@ typedef struct {
 
 #define F(field) offsetof(train_opts, field)
 static const opt_spec specs[] = {
-    {"--data", "fashion-mnist|DIR|FILE", OPT_STR, F(data), 0, 0, "fashion-mnist",
+    {"--data", "fashion-mnist|DIR|cifar10:DIR|cifar100:DIR|FILE", OPT_STR, F(data), 0, 0,
+     "fashion-mnist",
      "Training and test data. fashion-mnist reads Debian's dataset-fashion-mnist from "
-     "/usr/share/datasets/fashion-mnist; DIR is a directory holding the four IDX files "
+     "/usr/share/datasets/fashion-mnist. DIR is either a directory holding the four IDX files "
      "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and "
-     "t10k-labels-idx1-ubyte (each raw or with .gz) of 28x28 images in 10 classes (MNIST works "
-     "too). For gpt, FILE is an llm.c token shard (magic 20240520, u16 tokens) or any other "
-     "file, whose bytes are the tokens (vocabulary 256): plain text trains with no tokenizer."},
-    {"--model", "mlp|cnn|gpt", OPT_STR, F(model), 0, 0, "mlp",
-     "The network, PyTorch's nn.Sequential layer for layer (parameter names such as "
-     "\"1.weight\" match). mlp: Flatten, Linear 784-256, ReLU, Linear 256-128, ReLU, Linear "
-     "128-10. cnn: Conv2d 1-32 3x3 pad 1, ReLU, MaxPool 2, Conv2d 32-64 3x3 pad 1, ReLU, "
-     "MaxPool 2, Flatten, Linear 3136-128, ReLU, Linear 128-10. gpt: GPT-2 (nanoGPT's "
-     "names) sized by --layers, --heads, --channels and --context, trained with AdamW "
-     "(weight decay on matrices only) on --data FILE; see --save and 'tandem sample'."},
+     "t10k-labels-idx1-ubyte (each raw or with .gz; MNIST works too), or image folders as "
+     "torchvision's ImageFolder reads them: DIR/train and DIR/val (or DIR/test), each with one "
+     "folder of JPEG and PNG files per class, the classes being the sorted folder names. "
+     "cifar10:DIR and cifar100:DIR read CIFAR's binary files (data_batch_1.bin ... "
+     "test_batch.bin; train.bin and test.bin, fine labels). For gpt, FILE is an llm.c token "
+     "shard (magic 20240520, u16 tokens) or any other file, whose bytes are the tokens "
+     "(vocabulary 256): plain text trains with no tokenizer."},
+    {"--model", "mlp|cnn|resnet18|resnet34|resnet50|gpt", OPT_STR, F(model), 0, 0, "mlp",
+     "The network, with PyTorch's parameter names. mlp: Flatten, Linear 784-256, ReLU, Linear "
+     "256-128, ReLU, Linear 128-10. cnn: Conv2d 1-32 3x3 pad 1, ReLU, MaxPool 2, Conv2d 32-64 "
+     "3x3 pad 1, ReLU, MaxPool 2, Flatten, Linear 3136-128, ReLU, Linear 128-10 (both take "
+     "1x28x28 images). resnet18, resnet34, resnet50: torchvision's ResNets (state_dict names "
+     "such as layer1.0.conv1.weight), with as many outputs as the data has classes, on 3-channel "
+     "images (grey ones are copied to 3 channels); for images of at most 64 pixels the stem is "
+     "a 3x3 convolution without max-pool (the CIFAR variant). gpt: GPT-2 (nanoGPT's names) "
+     "sized by --layers, --heads, --channels and --context, trained with AdamW (weight decay on "
+     "matrices only) on --data FILE; see --save and 'tandem sample'."},
+    {"--image-size", "S", OPT_INT, F(image_size), 8, 4096,
+     "the data's (28 Fashion-MNIST, 32 CIFAR), 224 for image folders",
+     "The side of the square images the model is trained on: the presets of --transform are "
+     "sized by it."},
+    {"--transform", "STEPS|PRESET", OPT_STR, F(transform), 0, 0,
+     "imagenet-train for image folders, cifar-train for CIFAR with a resnet, none otherwise",
+     "The training images' transforms, torchvision's classes in order, comma-separated, e.g. "
+     "'RandomResizedCrop(224),RandomHorizontalFlip(),Normalize(imagenet)' (Resize, CenterCrop, "
+     "RandomResizedCrop, RandomCrop, RandomHorizontalFlip, ColorJitter, Grayscale, Normalize, "
+     "RandomErasing), or a preset: imagenet-train, imagenet-eval, cifar-train, cifar-eval. "
+     "Random choices come from (--seed, epoch, sample), whatever the workers and devices. Images "
+     "of an image folder differ in size: the steps must end with a crop or a Resize to (h, w)."},
+    {"--eval-transform", "STEPS|PRESET", OPT_STR, F(eval_transform), 0, 0,
+     "imagenet-eval for image folders, cifar-eval for CIFAR with a resnet, none otherwise",
+     "The test images' transforms, as --transform."},
     {"--layers", "L", OPT_INT, F(layers), 1, 1024, "2", "gpt: transformer blocks."},
     {"--heads", "H", OPT_INT, F(heads), 1, 1024, "4",
      "gpt: attention heads (must divide --channels)."},
@@ -343,11 +366,12 @@ static const opt_spec *find_spec(const char *name, size_t len) {
  * --max-steps, --lr, --devices, --workers, the outputs and the checkpoint cadence) and between
  * the processes of one run only where they describe the process itself. */
 static const char *const identity[] = {
-    "--data",        "--model",         "--layers",       "--heads",      "--channels",
-    "--context",     "--vocab",         "--batch-size",   "--grad-accum", "--clip-grad",
-    "--optimizer",   "--momentum",      "--weight-decay", "--schedule",   "--warmup-steps",
-    "--step-size",   "--gamma",         "--seed",         "--denormals",  "--limit",
-    "--model-split", "--micro-batches", "--pipeline"};
+    "--data",          "--model",         "--layers",       "--heads",      "--channels",
+    "--context",       "--vocab",         "--batch-size",   "--grad-accum", "--clip-grad",
+    "--optimizer",     "--momentum",      "--weight-decay", "--schedule",   "--warmup-steps",
+    "--step-size",     "--gamma",         "--seed",         "--denormals",  "--limit",
+    "--model-split",   "--micro-batches", "--pipeline",     "--image-size", "--transform",
+    "--eval-transform"};
 
 /* One option's value as the options hold it after check_opts, into buf. */
 static void format_value(const train_opts *o, const opt_spec *s, char *buf, size_t cap) {
@@ -397,6 +421,11 @@ bool train_identity_diff(const char *a, const char *b, const char *a_name, const
         char va[512] = "(unset)", vb[512] = "(unset)";
         identity_value(a, identity[i], va, sizeof va);
         identity_value(b, identity[i], vb, sizeof vb);
+        /* an option newer than a checkpoint, at its default there */
+        bool unset_a = !strcmp(va, "(unset)"), unset_b = !strcmp(vb, "(unset)");
+        if ((unset_a && (!strcmp(vb, "none") || !strcmp(vb, "0"))) ||
+            (unset_b && (!strcmp(va, "none") || !strcmp(va, "0"))))
+            continue;
         if (strcmp(va, vb) == 0) continue;
         int k = snprintf(out + n, cap - n, "%s%s %s %s, %s %s", n ? "; " : "", identity[i], va,
                          a_name, vb, b_name);
@@ -415,10 +444,15 @@ static bool one_of(const char *v, const char *const *choices) {
 static int check_opts(train_opts *o) {
     static const char *const optimizers[] = {"sgd", "adam", "adamw", NULL};
     static const char *const schedules[] = {"constant", "step", "cosine", NULL};
+    static const char *const resnets[] = {"resnet18", "resnet34", "resnet50", NULL};
     bool gpt = strcmp(o->model, "gpt") == 0;
-    if (!gpt && !one_of(o->model, tdm_model_names))
-        return train_usage_error("--model: unknown model '%s' (expected mlp, cnn or gpt)",
+    if (!gpt && !one_of(o->model, tdm_model_names) && !one_of(o->model, resnets))
+        return train_usage_error("--model: unknown model '%s' (expected mlp, cnn, resnet18, "
+                                 "resnet34, resnet50 or gpt)",
                                  o->model);
+    if (gpt && (o->image_size || o->transform || o->eval_transform))
+        return train_usage_error("--image-size, --transform and --eval-transform apply to image "
+                                 "models, not gpt");
     if (!o->optimizer) o->optimizer = gpt ? "adamw" : "sgd";
     if (gpt && strcmp(o->optimizer, "adamw") != 0)
         return train_usage_error(

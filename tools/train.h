@@ -25,6 +25,10 @@ typedef struct {
     bool resume, overwrite;
     double clip;        /* the gradients' global 2-norm limit; 0: off */
     int64_t grad_accum; /* batches per optimizer step; 0 until checked, then >= 1 */
+    /* images: the side images are made (0: the data's own, 224 for an image folder), and the
+     * transforms of the training and test images (NULL: the data's default) */
+    int64_t image_size;
+    const char *transform, *eval_transform;
     /* --model gpt */
     int64_t layers, heads, channels, context, vocab;
     const char *save_path;

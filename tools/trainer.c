@@ -42,6 +42,7 @@ static int make_loaders(trainer *tr) {
     lo.seed = (uint64_t)o->seed;
     lo.workers = (int)o->workers;
     lo.drop_last = tr->task->drop_last;
+    lo.transform = tr->task->train_tf;
     /* one GPU: batches built in pinned memory and uploaded ahead of the step that needs them
      * (several devices and pipelines split host batches) */
     if (o->n_devs == 1 && o->model_split <= 1) lo.device = tr->dev;
@@ -59,6 +60,8 @@ static int make_loaders(trainer *tr) {
     tdm_loader_opts eo = tdm_loader_defaults(EVAL_BATCH);
     eo.workers = (int)o->workers;
     eo.device = lo.device;
+    eo.seed = lo.seed; /* a random step in the test transform draws the same every epoch */
+    eo.transform = tr->task->test_tf;
     if (!(tr->test_l = tdm_loader_new(tr->task->test, &eo)))
         return task_error("test loader: %s", tdm_last_error());
     return 0;
@@ -524,6 +527,8 @@ static void banner(const trainer *tr) {
     if (tr->accum > 1) printf(" x %lld accumulated", (long long)tr->accum);
     printf(", %lld steps per epoch, %lld loader workers\n", (long long)tr->steps_per_epoch,
            (long long)o->workers);
+    if (tr->task->classes_desc[0]) printf("classes   %s\n", tr->task->classes_desc);
+    if (tr->task->transform_desc[0]) printf("transform %s\n", tr->task->transform_desc);
     printf("optimizer %s\n", opt);
     fflush(stdout);
 }

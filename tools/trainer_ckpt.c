@@ -77,18 +77,16 @@ int trainer_save_checkpoint(trainer *tr) {
     char id[ID_CAP];
     if (train_identity(o, id, sizeof id))
         return free(ranks), task_error("checkpoint: options too long");
-    tdm_meta meta[5] = {{"epoch_loss_sum", loss},
-                        {"epoch_correct", correct},
-                        {"epoch_images", samples},
-                        {"epoch_rank_totals", ranks},
-                        {"run.options", id}};
+    tdm_meta meta[6] = {{"epoch_loss_sum", loss},  {"epoch_correct", correct},
+                        {"epoch_images", samples}, {"epoch_rank_totals", ranks},
+                        {"run.options", id},       {"class_to_idx", tr->task->class_to_idx}};
     tdm_train_state s = {.model = tr->task->model,
                          .optim = tr->opt,
                          .loader = tr->train_l,
                          .rng = tdm_default_rng(),
                          .step = tr->global_step,
                          .meta = meta,
-                         .n_meta = 5,
+                         .n_meta = tr->task->class_to_idx ? 6 : 5,
                          .run_id = tr->run_id[0] ? tr->run_id : NULL};
     int rc = tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);
     free(ranks);

@@ -152,8 +152,21 @@ static void test_engine(void) {
     tdm_scope_end();
     CHECK(tdm_tape_size() == 0, "the scope end clears the tape");
 
-    /* recording needs a scope */
+    /* recording needs a scope: each kind of op fails, naming it, and frees its output once
+     * (ASan: a double free here was the output freed by the tape and again by the op) */
     CHECK_ERROR(tdm_matmul(w, v) == NULL, "needs an open step scope");
+    CHECK_ERROR(tdm_relu(w) == NULL, "needs an open step scope");
+    CHECK_ERROR(tdm_sum_all(w) == NULL, "needs an open step scope");
+    CHECK_ERROR(tdm_softmax(w, 1) == NULL, "needs an open step scope");
+    tdm_tensor *img = tdm_ones(TDM_SHAPE(1, 1, 2, 2), TDM_F32, CPU);
+    tdm_tensor *k = tdm_ones(TDM_SHAPE(1, 1, 1, 1), TDM_F32, CPU);
+    tdm_requires_grad_(img, true);
+    tdm_pool2d_opts p2 = {.kernel_h = 2, .kernel_w = 2};
+    CHECK_ERROR(tdm_conv2d(img, k, NULL, NULL) == NULL, "conv2d: recording");
+    CHECK_ERROR(tdm_max_pool2d(img, &p2) == NULL, "max_pool2d: recording");
+    CHECK_ERROR(tdm_avg_pool2d(img, &p2) == NULL, "avg_pool2d: recording");
+    tdm_tensor_free(img);
+    tdm_tensor_free(k);
     CHECK_ERROR(tdm_requires_grad_(tdm_scope_keep(NULL), true) != 0, "NULL tensor");
     tdm_tensor *iv = tdm_zeros(TDM_SHAPE(2), TDM_I64, CPU);
     CHECK_ERROR(tdm_requires_grad_(iv, true) != 0, "only f32 tensors");

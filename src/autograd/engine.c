@@ -47,13 +47,11 @@ bool tdm_needs_record(int n_in, tdm_tensor *const *in) {
 
 tdm_node *tdm_record(const char *name, tdm_backward_fn backward, tdm_tensor *out, int n_in,
                      tdm_tensor *const *in) {
-    if (!tdm_current_scope()) {
-        tdm_tensor_free(out); /* caller-owned and not yet handed out: the op returns NULL */
+    if (!tdm_current_scope())
         return tdm_raise_null(TDM_ERR_STATE,
                               "%s: recording autograd history needs an open step "
                               "scope (tdm_scope_begin)",
                               name);
-    }
     tdm_node *n = tdm_scope_alloc(sizeof *n);
     if (!n) return NULL;
     n->name = name;

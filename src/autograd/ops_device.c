@@ -42,7 +42,7 @@ tdm_tensor *tdm_device_recv(tdm_tensor *src, tdm_device dev, tdm_grad_sink sink,
     if (!y || !grad || !src->requires_grad) return y;
     tdm_node *n = tdm_record("device_recv", recv_backward, y, 0, NULL);
     recv_ctx *c = n ? tdm_scope_alloc(sizeof *c) : NULL;
-    if (!c) return NULL;
+    if (!c) return tdm_drop_fail(y);
     *c = (recv_ctx){sink, arg, src->device};
     n->ctx = c;
     return y;

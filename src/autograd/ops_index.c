@@ -42,7 +42,7 @@ tdm_tensor *tdm_index_select(tdm_tensor *src, int dim, const tdm_tensor *index) 
         tdm_tensor *keep = tdm_index_keep(index);
         if (!keep) return NULL;
         tdm_node *nd = tdm_record("index_select", index_select_backward, y, 1, in);
-        if (!nd) return NULL;
+        if (!nd) return tdm_drop_fail(y);
         nd->saved[0] = keep;
         nd->arg.i[0] = d;
     }

@@ -110,7 +110,7 @@ tdm_tensor *tdm_matmul(tdm_tensor *a, tdm_tensor *b) {
     if (!a3 || !b3 || !c3 || gemm(c3, a3, b3, false, false, 0.0f)) return NULL;
     if (tdm_needs_record(2, in)) {
         tdm_node *nd = tdm_record("matmul", matmul_backward, c, 2, in);
-        if (!nd) return NULL;
+        if (!nd) return tdm_drop_fail(c);
         nd->saved[0] = a3;
         nd->saved[1] = b3;
         nd->arg.i[0] = a_bc;

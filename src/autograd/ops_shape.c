@@ -21,7 +21,7 @@ static int reshape_backward(tdm_node *n, tdm_tensor *gout) {
 static tdm_tensor *view_of(tdm_tensor *x, int ndim, const int64_t *shape, const int64_t *strides,
                            int64_t offset, const char *name, tdm_backward_fn bw) {
     tdm_tensor *y = tdm_tensor_view(x, ndim, shape, strides, offset);
-    if (y && tdm_needs_record(1, &x) && !tdm_record(name, bw, y, 1, &x)) return NULL;
+    if (y && tdm_needs_record(1, &x) && !tdm_record(name, bw, y, 1, &x)) return tdm_drop_fail(y);
     return y;
 }
 
@@ -265,7 +265,7 @@ tdm_tensor *tdm_contiguous(tdm_tensor *x) {
     tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!y || tdm_backend_for(x->device)->copy(y, x)) return NULL;
     if (tdm_needs_record(1, &x) && !tdm_record("contiguous", identity_backward, y, 1, &x))
-        return NULL;
+        return tdm_drop_fail(y);
     return y;
 }
 
@@ -302,7 +302,7 @@ tdm_tensor *tdm_to_device(tdm_tensor *x, tdm_device dev) {
     }
     if (rc) return NULL;
     if (tdm_needs_record(1, &x) && !tdm_record("to_device", to_device_backward, y, 1, &x))
-        return NULL;
+        return tdm_drop_fail(y);
     return y;
 }
 
@@ -363,7 +363,7 @@ tdm_tensor *tdm_concat(tdm_tensor *const *ts, int n, int dim) {
     }
     if (tdm_needs_record(n, ts)) {
         tdm_node *nd = tdm_record("concat", concat_backward, y, n, ts);
-        if (!nd) return NULL;
+        if (!nd) return tdm_drop_fail(y);
         nd->arg.i[0] = d;
     }
     return y;

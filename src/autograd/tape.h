@@ -38,9 +38,9 @@ struct tdm_node {
  * requires a gradient. NULL entries are skipped. */
 bool tdm_needs_record(int n_in, tdm_tensor *const *in);
 /* Appends a node for out (sets out->requires_grad and out->grad_fn). Returns the node, to
- * which the op adds saved tensors and arguments, or NULL on failure: no scope is open (then
- * out, caller-owned, is freed: the op must return NULL without touching it) or out of
- * memory. */
+ * which the op adds saved tensors and arguments, or NULL on failure: no scope is open, or out
+ * of memory. out is the op's either way: on failure it drops it as on any other
+ * (tdm_drop_fail frees it when no scope owns it). */
 tdm_node *tdm_record(const char *name, tdm_backward_fn backward, tdm_tensor *out, int n_in,
                      tdm_tensor *const *in);
 /* Whether input i of the node needs a gradient. */

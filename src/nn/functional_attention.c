@@ -58,7 +58,7 @@ tdm_tensor *tdm_causal_attention(tdm_tensor *qkv, int n_head) {
     tdm_tensor *in[1] = {x};
     if (tdm_needs_record(1, in)) {
         tdm_node *n = tdm_record("causal_attention", attention_backward, y, 1, in);
-        if (!n) return NULL;
+        if (!n) return tdm_drop_fail(y);
         n->saved[0] = lse;
         n->arg.i[0] = n_head;
     } else {

@@ -126,7 +126,7 @@ tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_co
         }
         ok = ctx != NULL;
     }
-    if (!record) tdm_drop_temp(xc, x), tdm_drop_temp(wc, w), tdm_drop_temp(bc, b);
+    if (!record || !ok) tdm_drop_temp(xc, x), tdm_drop_temp(wc, w), tdm_drop_temp(bc, b);
     return ok ? y : tdm_drop_fail(y);
 }
 
@@ -239,7 +239,7 @@ static tdm_tensor *pool2d(const char *op, tdm_tensor *x, const tdm_pool2d_opts *
         }
         ok = ctx != NULL;
     }
-    if (!record) tdm_drop_temp(xc, x), tdm_drop_temp(idx, NULL);
+    if (!record || !ok) tdm_drop_temp(xc, x), tdm_drop_temp(idx, NULL);
     return ok ? y : tdm_drop_fail(y);
 }
 

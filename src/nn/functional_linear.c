@@ -126,6 +126,7 @@ tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
     }
     if (be->matmul(&y3, &x3, &w3, false, true, beta)) return NULL;
     tdm_tensor *in3[3] = {x, w, b};
-    if (tdm_needs_record(3, in3) && !tdm_record("linear", linear_backward, y, 3, in3)) return NULL;
+    if (tdm_needs_record(3, in3) && !tdm_record("linear", linear_backward, y, 3, in3))
+        return tdm_drop_fail(y);
     return y;
 }

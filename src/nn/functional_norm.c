@@ -192,7 +192,7 @@ static tdm_tensor *sync_batch_norm(const tdm_batch_split *sp, tdm_tensor *xc,
         sync_bn_ctx *sc = n ? tdm_scope_alloc(sizeof *sc) : NULL;
         if (!sc) {
             sync_fail(sp, tdm_last_status());
-            return NULL;
+            return tdm_drop_fail(y);
         }
         *sc = (sync_bn_ctx){*sp, count};
         n->saved[0] = save_mean;
@@ -254,7 +254,7 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
     tdm_tensor *in[3] = {xc, w, bb};
     if (tdm_needs_record(3, in)) {
         tdm_node *n = tdm_record("batch_norm", batch_norm_backward, y, 3, in);
-        if (!n) return NULL;
+        if (!n) return tdm_drop_fail(y);
         n->saved[0] = mean;
         n->saved[1] = invstd;
         n->arg.i[0] = training;
@@ -338,7 +338,7 @@ tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weigh
     tdm_tensor *in[3] = {xc, w, bb};
     if (tdm_needs_record(3, in)) {
         tdm_node *n = tdm_record("layer_norm", layer_norm_backward, y, 3, in);
-        if (!n) return NULL;
+        if (!n) return tdm_drop_fail(y);
         n->saved[0] = mean;
         n->saved[1] = rstd;
     } else {
@@ -400,7 +400,7 @@ tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
     tdm_tensor *in[1] = {xc};
     if (tdm_needs_record(1, in)) {
         tdm_node *n = tdm_record("dropout", dropout_backward, y, 1, in);
-        if (!n) return NULL;
+        if (!n) return tdm_drop_fail(y);
         n->saved[0] = mask;
     } else {
         tdm_drop_temp(mask, NULL);

@@ -102,7 +102,7 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
         if (!tk || (w && !wk)) return NULL;
         tdm_node *n =
             tdm_record(is_logits ? "cross_entropy" : "nll_loss", ce_backward, loss, 1, in);
-        if (!n) return NULL;
+        if (!n) return tdm_drop_fail(loss);
         n->saved[0] = tk;
         n->saved[1] = wk;
         n->arg.i[0] = o->ignore_index;
@@ -206,7 +206,7 @@ tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduc
     if (!loss || be->bce_logits(loss, x, t)) return NULL;
     tdm_tensor *in[2] = {x, t};
     if (tdm_needs_record(2, in) && !tdm_record("bce_with_logits", bce_backward, loss, 2, in))
-        return NULL;
+        return tdm_drop_fail(loss);
     tdm_drop_temp(x, input);
     tdm_drop_temp(t, target);
     return reduce(loss, r);

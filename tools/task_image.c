@@ -159,9 +159,10 @@ static int keep_spread(tdm_dataset **ds, tdm_dataset **base, int64_t n) {
 static int apply_limit(task *t, const train_opts *o, data_kind kind) {
     if (o->limit <= 0) return 0;
     int64_t test_n = o->limit / 6 > 0 ? o->limit / 6 : 1;
-    if (kind == DATA_FOLDER)
-        return keep_spread(&t->train, &t->train_base, o->limit) ||
-               keep_spread(&t->test, &t->test_base, test_n);
+    if (kind == DATA_FOLDER) {
+        int rc = keep_spread(&t->train, &t->train_base, o->limit);
+        return rc ? rc : keep_spread(&t->test, &t->test_base, test_n);
+    }
     /* readers index samples i < n: a lower n keeps a prefix */
     if (t->train->n > o->limit) t->train->n = o->limit;
     if (t->test->n > test_n) t->test->n = test_n;
@@ -191,41 +192,50 @@ static int load_images(task *t, const train_opts *o, data_kind *kind) {
     return rc ? rc : apply_limit(t, o, *kind);
 }
 
-/* The transform of one split: `text` (NULL or "none": nothing) after a Grayscale step when the
- * data's channels are not the model's. *tf stays NULL when nothing is to be done. */
-static int make_transform(const char *text, const char *what, int64_t have_c, int64_t want_c,
-                          int64_t size, tdm_transform **tf) {
+/* The transform of one split: the steps of `prefix` (may be "") then those of `text` (NULL or
+ * "none": nothing). *tf stays NULL when nothing is to be done. */
+static int make_transform(const char *text, const char *what, const char *prefix, int64_t size,
+                          tdm_transform **tf) {
     if (text && !strcmp(text, "none")) text = NULL;
-    if (!text && have_c == want_c) return 0;
-    char steps[2048] = "";
+    if (!text && !prefix[0]) return 0;
+    char steps[2048] = "", all[2400];
     if (text) {
         tdm_transform *user = tdm_transform_parse(text, size);
         if (!user) return train_usage_error("%s: %s", what, tdm_last_error());
         tdm_transform_str(user, steps, sizeof steps);
         tdm_transform_free(user);
     }
-    char all[2200];
-    if (have_c != want_c) /* torchvision's Grayscale(3) for grey images, and the reverse */
-        snprintf(all, sizeof all, "Grayscale(num_output_channels=%lld)%s%s", (long long)want_c,
-                 steps[0] ? ", " : "", steps);
-    else
-        snprintf(all, sizeof all, "%s", steps);
+    snprintf(all, sizeof all, "%s%s%s", prefix, prefix[0] && steps[0] ? ", " : "", steps);
     if (!(*tf = tdm_transform_parse(all, size)))
         return task_error("%s '%s': %s", what, all, tdm_last_error());
     return 0;
 }
 
 /* The training and test transforms: the options', or the data's defaults (torchvision's
- * ImageNet recipe for image folders, the CIFAR one for a ResNet on CIFAR, none otherwise). */
+ * ImageNet recipe for image folders, the CIFAR one for a ResNet on CIFAR, none otherwise),
+ * after a Grayscale step where the data's channels are not the model's (torchvision's
+ * Grayscale(3) for grey images, and the reverse) and, for a default, a Resize where the
+ * data's fixed size is not --image-size. */
 static int make_transforms(task *t, const train_opts *o, data_kind kind, int64_t size) {
     bool cifar_resnet = kind == DATA_CIFAR && is_resnet(o->model);
     const char *train = o->transform, *eval = o->eval_transform;
     if (!train)
         train = kind == DATA_FOLDER ? "imagenet-train" : cifar_resnet ? "cifar-train" : NULL;
     if (!eval) eval = kind == DATA_FOLDER ? "imagenet-eval" : cifar_resnet ? "cifar-eval" : NULL;
-    int64_t want_c = is_resnet(o->model) ? 3 : 1, have_c = t->train->sample_shape.d[0];
-    return make_transform(train, "--transform", have_c, want_c, size, &t->train_tf) ||
-           make_transform(eval, "--eval-transform", have_c, want_c, size, &t->test_tf);
+    const tdm_shape *in = &t->train->sample_shape;
+    int64_t want_c = is_resnet(o->model) ? 3 : 1;
+    char grey[64] = "", resize[64] = "", pre[2][160];
+    if (in->d[0] != want_c)
+        snprintf(grey, sizeof grey, "Grayscale(num_output_channels=%lld)", (long long)want_c);
+    if (kind != DATA_FOLDER && (in->d[1] != size || in->d[2] != size))
+        snprintf(resize, sizeof resize, "Resize((%lld, %lld))", (long long)size, (long long)size);
+    for (int k = 0; k < 2; k++) {
+        bool asked = k == 0 ? o->transform != NULL : o->eval_transform != NULL;
+        const char *r = asked ? "" : resize;
+        snprintf(pre[k], sizeof pre[k], "%s%s%s", grey, grey[0] && r[0] ? ", " : "", r);
+    }
+    int rc = make_transform(train, "--transform", pre[0], size, &t->train_tf);
+    return rc ? rc : make_transform(eval, "--eval-transform", pre[1], size, &t->test_tf);
 }
 
 /* The shape of a batch's images after the split's transform. */

@@ -203,6 +203,12 @@ static int batch_on_device(trainer *tr, const tdm_batch *b, bool last) {
         y = tdm_to_device(y, tr->dev);
     }
     int rc = tr->micro == 0 ? tdm_optim_zero_grad(tr->opt) : TDM_OK;
+    /* DDP: batch norm over the global batch (SyncBatchNorm), as one device on it would. The
+     * sampler interleaves the ranks' rows, so dropout's masks, keyed by row, are not one
+     * device's: no trainer model has dropout */
+    int procs = tr->ddp ? tdm_group_size(tr->g) : 0;
+    if (!rc && tr->ddp)
+        rc = tdm_parallel_context_set(tr->g, tdm_group_rank(tr->g) * b->size, procs * b->size);
     tdm_trace_begin("forward");
     tdm_tensor *out = rc        ? NULL
                       : tr->ddp ? tdm_ddp_forward(tr->ddp, x)
@@ -214,6 +220,7 @@ static int batch_on_device(trainer *tr, const tdm_batch *b, bool last) {
     tdm_trace_begin("backward");
     if (tr->ddp) tdm_ddp_set_sync(tr->ddp, last); /* other batches keep theirs (no_sync) */
     rc = !scaled ? -1 : tr->ddp ? tdm_ddp_backward(tr->ddp, scaled) : tdm_backward(scaled);
+    if (tr->ddp) tdm_parallel_context_clear();
     tdm_trace_end();
     tdm_trace_begin("optimizer");
     if (!rc && last && tr->o->clip > 0)

@@ -52,7 +52,8 @@ static const opt_spec specs[] = {
      "sized by --layers, --heads, --channels and --context, trained with AdamW (weight decay on "
      "matrices only) on --data FILE; see --save and 'tandem sample'."},
     {"--image-size", "S", OPT_INT, F(image_size), 8, 4096,
-     "the data's (28 Fashion-MNIST, 32 CIFAR), 224 for image folders",
+     "28 for mlp and cnn; for a resnet the data's (28 Fashion-MNIST, 32 CIFAR), 224 for image "
+     "folders",
      "The side of the square images the model is trained on: the presets of --transform are "
      "sized by it."},
     {"--transform", "STEPS|PRESET", OPT_STR, F(transform), 0, 0,
@@ -273,20 +274,21 @@ void train_synopsis(FILE *out) {
 }
 
 void train_help(FILE *out) {
-    fprintf(out, "NAME\n    tandem train - train an image classifier on Fashion-MNIST, or a GPT on "
-                 "text\n\n");
+    fprintf(out, "NAME\n    tandem train - train an image classifier, or a GPT on text\n\n");
     fprintf(out, "SYNOPSIS\n    tandem train [OPTION]...\n\n");
     fprintf(out, "DESCRIPTION\n");
-    wrap(out,
-         "Trains an MLP or a small CNN with cross-entropy loss. Each epoch visits the training "
-         "set once in an order shuffled from (--seed, epoch), then evaluates on the test set in "
-         "eval mode without gradients, and prints train loss and accuracy, test loss and "
-         "accuracy, the epoch's training time, images per second and the time the loop waited "
-         "for the data loader. With --model gpt it trains a GPT-2 on --data FILE (text as bytes, "
-         "or llm.c token shards) for --epochs passes or --max-steps steps, with no test split; "
-         "--save writes the model in llm.c's format for 'tandem sample'. Both run the same "
-         "loop: every option works for both, except where its text says otherwise.",
-         4);
+    wrap(
+        out,
+        "Trains an image classifier (an MLP, a small CNN or a ResNet) with cross-entropy loss "
+        "on Fashion-MNIST, CIFAR or folders of JPEG and PNG images. Each epoch visits the training "
+        "set once in an order shuffled from (--seed, epoch), then evaluates on the test set in "
+        "eval mode without gradients, and prints train loss and accuracy, test loss and "
+        "accuracy, the epoch's training time, images per second and the time the loop waited "
+        "for the data loader. With --model gpt it trains a GPT-2 on --data FILE (text as bytes, "
+        "or llm.c token shards) for --epochs passes or --max-steps steps, with no test split; "
+        "--save writes the model in llm.c's format for 'tandem sample'. Both run the same "
+        "loop: every option works for both, except where its text says otherwise.",
+        4);
     fprintf(out, "\nOPTIONS\n");
     for (int i = 0; i < N_SPECS; i++) {
         fprintf(out, "    %s%s%s\n", specs[i].name, specs[i].arg ? " " : "",
@@ -322,6 +324,11 @@ void train_help(FILE *out) {
     fprintf(out, "    tandem train --model mlp --lr 0.05 --schedule cosine --warmup-steps 100 "
                  "--epochs 5 --log run.jsonl\n");
     fprintf(out, "    tandem train --data ~/mnist --limit 2000 --quiet\n");
+    fprintf(out, "    tandem train --data photos --model resnet18 --devices cpu:all   "
+                 "(photos/train/CLASS/*.jpg, photos/val/...)\n");
+    fprintf(out,
+            "    tandem train --data cifar10:cifar-10-batches-bin --model resnet18 --epochs 30 "
+            "--schedule cosine\n");
     fprintf(out, "    tandem train --model gpt --data book.txt --layers 2 --heads 4 --channels 128 "
                  "--context 64 --batch-size 8 --save gpt.bin\n");
 }

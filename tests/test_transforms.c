@@ -457,6 +457,9 @@ static void test_parse_errors(void) {
         {"Resize(32),,", "not \"\" at character 12 "},
         /* the checks of tdm_transform_new behind the parser */
         {"RandomResizedCrop(8, scale=(0, 1))", "transform step 0 (RandomResizedCrop): scale"},
+        {"Resize(1600070807884)", "transform step 0 (Resize): size (1600070807884, 0) or "
+                                  "padding 0 is more than 65535"},
+        {"RandomCrop(8, padding=70000)", "padding 70000 is more than 65535"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         tdm_transform *tf = tdm_transform_parse(bad[i].text, 32);

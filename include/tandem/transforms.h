@@ -64,6 +64,9 @@ typedef struct {
 
 tdm_transform_step tdm_transform_defaults(tdm_transform_kind kind);
 
+/* The largest size or padding a step takes (the decoders' largest side). */
+#define TDM_TRANSFORM_MAX_SIDE 65535
+
 /* A transform of n steps (copied). NULL and TDM_ERR_ARG naming the step for a bad one (a
  * size < 1, a scale outside (0, 1], p outside [0, 1], std <= 0, ...). Free with
  * tdm_transform_free. */

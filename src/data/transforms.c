@@ -39,6 +39,14 @@ static bool range_ok(const float v[2], float lo_excl, bool lo_incl_zero, float h
 /* TDM_OK, or TDM_ERR_ARG naming step i and what is wrong with it. */
 static int step_check(int i, tdm_transform_step *s) {
     const char *nm = tdm_tf_kind_name(s->kind);
+    /* a side no image decodes to (image_decode.c's limit): its products cannot overflow */
+    if (s->size[0] > TDM_TRANSFORM_MAX_SIDE || s->size[1] > TDM_TRANSFORM_MAX_SIDE ||
+        s->padding > TDM_TRANSFORM_MAX_SIDE)
+        return tdm_raise(TDM_ERR_ARG,
+                         "transform step %d (%s): size (%lld, %lld) or padding %lld is more than "
+                         "%d",
+                         i, nm, (long long)s->size[0], (long long)s->size[1], (long long)s->padding,
+                         TDM_TRANSFORM_MAX_SIDE);
     switch (s->kind) {
     case TDM_TF_RESIZE:
         if (s->size[0] < 1 || s->size[1] < 0)

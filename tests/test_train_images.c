@@ -142,6 +142,13 @@ static void cifar_resnet(void) {
           b);
     result_free(&one);
     result_free(&two);
+    /* a ResNet is a Sequential of named layers: a pipeline cuts it into stages */
+    result pipe = TANDEM(CIFAR_ARGS, "--devices", "cpu:0,cpu:1", "--model-split", "2",
+                         "--micro-batches", "2");
+    CHECK(pipe.status == 0 && strstr(pipe.out, "2 pipeline stages") &&
+              isfinite(number_after(pipe.out, "train loss ")),
+          "resnet18 in 2 pipeline stages: exit %d: %s %s", pipe.status, pipe.out, pipe.err);
+    result_free(&pipe);
 }
 
 /* What goes wrong is named: an unreadable file (its path), no test folder, a transform that

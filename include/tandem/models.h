@@ -68,10 +68,12 @@ tdm_resnet_opts tdm_resnet_defaults(int depth);
 /* A new ResNet on dev, weights drawn from rng (NULL: the default generator); the caller frees
  * it with tdm_module_free. Its forward takes x [N, in_channels, H, W] and returns logits
  * [N, num_classes] for any H, W (each stride-2 layer halves them, rounding up: five such in
- * the ImageNet stem, three with small_input); an input of other channels is TDM_ERR_SHAPE
- * naming its shape.
- * The model is plain modules, so tdm_module_clone copies it (DataParallel replicas) and its
- * batch norms synchronise under a parallel context as any other. NULL and TDM_ERR_ARG for a
+ * the ImageNet stem, three with small_input); an input of other channels is conv1's
+ * TDM_ERR_SHAPE naming its shape.
+ * The model is a Sequential of named children (conv1, bn1, relu, maxpool, layer1..layer4,
+ * avgpool, flatten, fc; the flatten has no parameters, so the keys are torchvision's): a
+ * pipeline cuts it into stages as any Sequential, tdm_module_clone copies it (DataParallel
+ * replicas), and its batch norms synchronise under a parallel context as any other. NULL and TDM_ERR_ARG for a
  * depth other than 18, 34, 50, or sizes < 1. Not listed in tdm_model_names: tdm_model_new
  * takes no class or channel count, and a ResNet needs the dataset's. */
 tdm_module *tdm_resnet_new(const tdm_resnet_opts *o, tdm_device dev, tdm_rng *rng);

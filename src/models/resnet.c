@@ -1,11 +1,12 @@
 /* torchvision's ResNet-18, -34 and -50 (include/tandem/models.h), built from nn's layers with
  * torchvision's module tree, so every parameter and buffer has its state_dict name.
  *
- * The blocks and the network are modules of their own kinds ("BasicBlock", "Bottleneck",
- * "ResNet"): a forward of a few lines over children registered under torchvision's attribute
- * names. They keep no settings (impl NULL: the strides live in the convolutions), so
- * tdm_module_clone copies them as any layer, and everything they compute is nn's ops, so they
- * run on every backend and under DataParallel's synchronised batch norm unchanged.
+ * The blocks are modules of their own kinds ("BasicBlock", "Bottleneck"): a forward of a few
+ * lines over children registered under torchvision's attribute names; the network is a
+ * Sequential of named children, so that a pipeline can cut it into stages. They keep no settings
+ * (impl NULL: the strides live in the convolutions), so tdm_module_clone copies them as any layer,
+ * and everything they compute is nn's ops, so they run on every backend and under DataParallel's
+ * synchronised batch norm unchanged.
  */
 #include <math.h>
 
@@ -148,24 +149,6 @@ static tdm_module *layer_new(int64_t *in, int64_t planes, int blocks, int stride
 
 /* ---- the network ---------------------------------------------------------------------------- */
 
-/* x [N, C, H, W] -> conv1, bn1, relu -> [N, 64, H/2, W/2] -> maxpool -> [N, 64, H/4, W/4]
- *   -> layer1..4 -> [N, 512 e, H/32, W/32] -> avgpool -> [N, 512 e, 1, 1] -> flatten
- *   -> fc -> [N, classes]   (e = expansion; small_input: no /2 in conv1, no maxpool)
- * The children run in order; fc, the last, takes the flattened features. */
-static tdm_tensor *resnet_forward(tdm_module *m, tdm_tensor *x) {
-    const tdm_tensor *w = m->children[0]->params[0]; /* conv1.weight [64, C, k, k] */
-    if (x->ndim != 4 || x->shape[1] != w->shape[1]) {
-        char s[96];
-        return tdm_raise_null(TDM_ERR_SHAPE, "ResNet: expected input [N, %lld, H, W], got %s",
-                              (long long)w->shape[1], tdm_shape_str(tdm_shape_of(x), s));
-    }
-    int last = m->n_children - 1;
-    for (int i = 0; i < last && x; i++) x = fwd(m->children[i], x);
-    return fwd(m->children[last], tdm_flatten(x, 1, -1));
-}
-
-static const tdm_module_ops resnet_ops = {"ResNet", resnet_forward, NULL};
-
 tdm_resnet_opts tdm_resnet_defaults(int depth) {
     tdm_resnet_opts o = {.depth = depth, .num_classes = 1000, .in_channels = 3};
     return o;
@@ -201,13 +184,19 @@ tdm_module *tdm_resnet_new(const tdm_resnet_opts *o, tdm_device dev, tdm_rng *rn
                               (long long)o->num_classes, o->in_channels);
     block_kind k = {o->depth == 50, o->zero_init_residual, dev, rng};
     const int *nb = blocks[o->depth != 18];
-    child c[11];
+    child c[12];
     int n = stem(o, dev, rng, c);
     int64_t in = 64;
     static const char *const layers[4] = {"layer1", "layer2", "layer3", "layer4"};
     for (int i = 0; i < 4; i++)
         c[n++] = (child){layers[i], layer_new(&in, 64 << i, nb[i], i ? 2 : 1, &k)};
     c[n++] = (child){"avgpool", tdm_adaptive_avg_pool2d_new(1, 1)};
+    c[n++] = (child){"flatten", tdm_flatten_new(1, -1)}; /* torch.flatten in its forward */
     c[n++] = (child){"fc", tdm_linear_new(in, o->num_classes, true, dev, rng)};
-    return with_children(tdm_module_new(&resnet_ops, dev, NULL), n, c);
+    /* x [N, C, H, W] -> conv1, bn1, relu -> [N, 64, H/2, W/2] -> maxpool -> [N, 64, H/4, W/4]
+     *   -> layer1..4 -> [N, 512 e, H/32, W/32] -> avgpool -> [N, 512 e, 1, 1] -> flatten
+     *   -> fc -> [N, classes]   (e = expansion; small_input: no /2 in conv1, no maxpool).
+     * A Sequential of named children (the flatten has no parameters: torchvision's keys), so
+     * that a pipeline can cut it into stages as any Sequential */
+    return with_children(tdm_sequential_new(0, NULL), n, c);
 }

@@ -3,9 +3,11 @@
  * temporary directory (its path is argv[1]; CMake passes it). Skipped (77) without
  * Fashion-MNIST.
  *
- * (a) decoded pixels against the IDX pixels they were written from (PNG exactly, JPEG within
- *     JPEG_TOLERANCE), and PIL's conversions on small PNGs written here, whose expected
- *     values are what Pillow 13 gives for the same files (see image_decode.c);
+ * (a) decoded pixels against Pillow's for files Pillow wrote (tests/fixtures/images/ and
+ *     images_fixtures.h, from gen_images.py; run even without Fashion-MNIST), against the IDX
+ *     pixels they were written from (PNG exactly, JPEG within JPEG_TOLERANCE), and PIL's
+ *     conversions on small PNGs written here, whose expected values are what Pillow 13 gives
+ *     for the same files (see image_decode.c);
  * (b) ImageFolder's classes, labels and sample order (torchvision's), extensions, errors;
  * (c) each malformed file: at open (named, or skipped and counted) or at get_image (named);
  * (d) CIFAR-10 against the IDX pixels padded to 32x32, its errors, and CIFAR-100's labels;

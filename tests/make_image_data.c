@@ -1,7 +1,7 @@
 /* Writes image data sets made from Fashion-MNIST (Debian's /usr/share/datasets/fashion-mnist),
  * for tests/test_images.c and for real training runs on folders of images:
  *
- *   make_image_data OUT_DIR [--limit N] [--test-limit M] [--fashion DIR]
+ *   make_image_data OUT_DIR [--limit N] [--test-limit M] [--fashion DIR] [--photo WxH]
  *
  *   OUT_DIR/png/{train,test}/<class>/<index>.png   grey 28x28 PNG (libspng)
  *   OUT_DIR/jpeg/{train,test}/<class>/<index>.jpg  grey 28x28 JPEG, quality 95 (TurboJPEG)
@@ -19,8 +19,17 @@
  * names are in label order and an ImageFolder's labels are the IDX labels; <index> is the
  * image's index in its IDX split, zero-padded to 5 digits, so that the files of a class sort
  * in IDX order. --limit N writes only the first N images of each split, --test-limit M the
- * first M of the test split (default: N). Exit status 0, or 1
- * with the reason on stderr.
+ * first M of the test split (default: N).
+ *
+ * --photo WxH writes instead only OUT_DIR/photo/{train,test}/<class>/<index>.jpg: each image
+ * enlarged (bilinear) to W x H, coloured by a different tint per channel, with mild noise,
+ * as RGB JPEG at quality 90 (4:2:0, what cameras and most web photos use). Debian has no
+ * photo data set; this stands in for one where the size of the files and of the pixels is
+ * what matters (bench/bench_image_loader.c): at 500x375 the files come to ~43 KB (the noise
+ * gives the entropy coder photo-like work; real photos of that size are often larger), where
+ * a 28x28 one is 1 KB and decodes in microseconds.
+ *
+ * Exit status 0, or 1 with the reason on stderr.
  */
 #include "tandem/tandem.h"
 
@@ -175,6 +184,60 @@ static int write_jpeg_split(const split *s, const char *name, tjhandle tj) {
     return rc;
 }
 
+/* A "photo" from a 28x28 grey image: bilinear (half-pixel centres, edges clamped) to w x h,
+ * then per channel a tint that also varies across the image (so the chroma planes are not
+ * flat) and +-10 levels of noise from a hash of (image, pixel, channel), as RGB [h, w, 3]. */
+static void photo_make(const unsigned char *g, int64_t image, int w, int h, unsigned char *rgb) {
+    for (int y = 0; y < h; y++) {
+        float sy = ((float)y + 0.5f) * SIDE / (float)h - 0.5f;
+        sy = sy < 0 ? 0 : sy;
+        int y0 = (int)sy, y1 = y0 + 1 < SIDE ? y0 + 1 : SIDE - 1;
+        float fy = sy - (float)y0;
+        for (int x = 0; x < w; x++) {
+            float sx = ((float)x + 0.5f) * SIDE / (float)w - 0.5f;
+            sx = sx < 0 ? 0 : sx;
+            int x0 = (int)sx, x1 = x0 + 1 < SIDE ? x0 + 1 : SIDE - 1;
+            float fx = sx - (float)x0;
+            float v = (1 - fy) * ((1 - fx) * g[y0 * SIDE + x0] + fx * g[y0 * SIDE + x1]) +
+                      fy * ((1 - fx) * g[y1 * SIDE + x0] + fx * g[y1 * SIDE + x1]);
+            float u = (float)x / (float)w, t = (float)y / (float)h;
+            float c[3] = {0.85f * v + 30.0f * t, 0.6f * v + 70.0f * u,
+                          0.45f * (255.0f - v) + 40.0f * (1.0f - t)};
+            for (int k = 0; k < 3; k++) {
+                uint32_t z = (uint32_t)(((uint64_t)image * 2654435761u) ^
+                                        (uint64_t)((y * w + x) * 3 + k) * 0x9e3779b9u);
+                z ^= z >> 15, z *= 0x2c1b3c6du, z ^= z >> 12, z *= 0x297a2d39u, z ^= z >> 15;
+                float q = c[k] + (float)(z % 21) - 10.0f;
+                rgb[((size_t)y * w + x) * 3 + k] = (unsigned char)(q < 0 ? 0 : q > 255 ? 255 : q);
+            }
+        }
+    }
+}
+
+/* OUT/photo/<name>/<class>/<index>.jpg for every image of the split (see the header). */
+static int write_photo_split(const split *s, const char *name, tjhandle tj, int w, int h,
+                             size_t *bytes) {
+    char p[4096];
+    unsigned char *buf = NULL, *rgb = (unsigned char *)malloc((size_t)w * h * 3);
+    unsigned long n = 0;
+    int rc = rgb ? class_dirs(s->out, "photo", name) : -1;
+    for (int64_t i = 0; !rc && i < s->n; i++) {
+        photo_make(s->px + i * SIDE * SIDE, i, w, h, rgb);
+        if (tjCompress2(tj, rgb, w, 0, h, TJPF_RGB, &buf, &n, TJSAMP_420, 90, 0) != 0) {
+            fprintf(stderr, "make_image_data: JPEG encoder: %s\n", tjGetErrorStr2(tj));
+            rc = -1;
+            break;
+        }
+        snprintf(p, sizeof p, "%s/photo/%s/%s/%05lld.jpg", s->out, name, CLASSES[s->lab[i]],
+                 (long long)i);
+        rc = write_file(p, buf, n);
+        *bytes += n;
+    }
+    tjFree(buf);
+    free(rgb);
+    return rc;
+}
+
 /* Images [first, last) as CIFAR-10 records: label, then R, G, B planes of 32x32. */
 static int write_cifar_file(const split *s, int64_t first, int64_t last, const char *file) {
     const size_t rec = 1 + 3 * CIFAR_SIDE * CIFAR_SIDE;
@@ -279,8 +342,8 @@ static double now(void) {
 }
 
 static int usage(void) {
-    fprintf(stderr,
-            "usage: make_image_data OUT_DIR [--limit N] [--test-limit M] [--fashion DIR]\n");
+    fprintf(stderr, "usage: make_image_data OUT_DIR [--limit N] [--test-limit M] [--fashion DIR] "
+                    "[--photo WxH]\n");
     return 1;
 }
 
@@ -298,9 +361,24 @@ static int write_all(split *train, split *test) {
     return rc;
 }
 
+/* The photo folder only (--photo). */
+static int write_photos(split *train, split *test, int w, int h) {
+    tjhandle tj = tjInitCompress();
+    if (!tj) return fprintf(stderr, "make_image_data: %s\n", tjGetErrorStr2(NULL)), -1;
+    size_t bytes = 0;
+    int rc = write_photo_split(train, "train", tj, w, h, &bytes);
+    if (!rc) rc = write_photo_split(test, "test", tj, w, h, &bytes);
+    if (!rc)
+        printf("make_image_data: %dx%d RGB JPEGs, %.1f KB each on average\n", w, h,
+               (double)bytes / 1024.0 / (double)(train->n + test->n));
+    tjDestroy(tj);
+    return rc;
+}
+
 int main(int argc, char **argv) {
     const char *out = NULL, *fashion = NULL;
     int64_t limit = -1, test_limit = 0;
+    int photo_w = 0, photo_h = 0;
     for (int a = 1; a < argc; a++) {
         if (!strcmp(argv[a], "--limit") && a + 1 < argc)
             limit = strtoll(argv[++a], NULL, 10);
@@ -308,7 +386,11 @@ int main(int argc, char **argv) {
             test_limit = strtoll(argv[++a], NULL, 10);
         else if (!strcmp(argv[a], "--fashion") && a + 1 < argc)
             fashion = argv[++a];
-        else if (argv[a][0] != '-' && !out)
+        else if (!strcmp(argv[a], "--photo") && a + 1 < argc) {
+            if (sscanf(argv[++a], "%dx%d", &photo_w, &photo_h) != 2 || photo_w < 1 || photo_h < 1 ||
+                photo_w > 4096 || photo_h > 4096)
+                return usage();
+        } else if (argv[a][0] != '-' && !out)
             out = argv[a];
         else
             return usage();
@@ -320,11 +402,12 @@ int main(int argc, char **argv) {
     split train = {.out = out}, test = {.out = out};
     int rc = split_read(&train, true, fashion, limit);
     if (!rc) rc = split_read(&test, false, fashion, test_limit);
-    if (!rc) rc = write_all(&train, &test);
     if (!rc)
-        printf("make_image_data: %lld train and %lld test images as PNG, JPEG and CIFAR-10 in "
-               "%s (%.1f s)\n",
-               (long long)train.n, (long long)test.n, out, now() - t0);
+        rc = photo_w ? write_photos(&train, &test, photo_w, photo_h) : write_all(&train, &test);
+    if (!rc)
+        printf("make_image_data: %lld train and %lld test images as %s in %s (%.1f s)\n",
+               (long long)train.n, (long long)test.n,
+               photo_w ? "photo-sized JPEGs" : "PNG, JPEG and CIFAR-10", out, now() - t0);
     for (split *s = &train; s; s = s == &train ? &test : NULL) {
         tdm_dataset_free(s->ds);
         free(s->px);

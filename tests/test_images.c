@@ -3,9 +3,11 @@
  * temporary directory (its path is argv[1]; CMake passes it). Skipped (77) without
  * Fashion-MNIST.
  *
- * (a) decoded pixels against the IDX pixels they were written from (PNG exactly, JPEG within
- *     JPEG_TOLERANCE), and PIL's conversions on small PNGs written here, whose expected
- *     values are what Pillow 13 gives for the same files (see image_decode.c);
+ * (a) decoded pixels against Pillow's for files Pillow wrote (tests/fixtures/images/ and
+ *     images_fixtures.h, from gen_images.py; run even without Fashion-MNIST), against the IDX
+ *     pixels they were written from (PNG exactly, JPEG within JPEG_TOLERANCE), and PIL's
+ *     conversions on small PNGs written here, whose expected values are what Pillow 13 gives
+ *     for the same files (see image_decode.c);
  * (b) ImageFolder's classes, labels and sample order (torchvision's), extensions, errors;
  * (c) each malformed file: at open (named, or skipped and counted) or at get_image (named);
  * (d) CIFAR-10 against the IDX pixels padded to 32x32, its errors, and CIFAR-100's labels;
@@ -13,6 +15,7 @@
  *     rest in the sanitized build). */
 #define _GNU_SOURCE
 #include "check.h"
+#include "fixtures/images_fixtures.h"
 #include "testdir.h"
 
 #include <errno.h>
@@ -204,6 +207,53 @@ static void test_decode_conversions(void) {
               &pl);
     check_pixels(tmp("pal.png"), 3, (const unsigned char[]){0, 17, 255, 34, 0, 51}, 6, 1, 2);
     check_pixels(tmp("pal.png"), 1, (const unsigned char[]){150, 31}, 2, 1, 2);
+}
+
+/* Pillow's own files (tests/fixtures/images/, written by gen_images.py with Pillow) against
+ * Pillow's convert("RGB") and convert("L") of them, at 3 and 1 channels: every value exactly,
+ * PNG and JPEG alike (4:2:0, 4:2:2, 4:4:4, grey, progressive; sizes not multiples of the
+ * blocks). The JPEGs are exact although Debian's libjpeg-turbo is 2.1.5 and the one in
+ * Pillow's wheel 3.2: both decode with the accurate integer IDCT (jidctint.c) and fancy
+ * upsampling, and libjpeg-turbo's README ("Mathematical Compatibility") names the float IDCT
+ * as the one path whose output may differ between builds and CPUs (also jidctflt.c: "may not
+ * give the same results on all machines"); neither decoder uses it. Should a release change
+ * the integer path or the upsampling, this names the file and the largest difference. The
+ * 16-bit grey PNG holds Tandem's documented value, the high byte, where Pillow clips to 255
+ * (image_decode.c, docs/FORMATS.md; the generator checks that Pillow clips). */
+static void test_decode_pillow(void) {
+    int files = 0, exact = 0;
+    for (int k = 0; k < IMF_N_CASES; k++) {
+        const imf_case *f = &imf_cases[k];
+        char path[256];
+        snprintf(path, sizeof path, "tests/fixtures/images/%s", f->file);
+        int64_t n = (int64_t)f->h * f->w, bad = 0;
+        double worst = 0;
+        int decoded = 0;
+        for (int ch = 3; ch >= 1; ch -= 2) {
+            tdm_image img;
+            int rc = decode_file(path, ch, &img);
+            CHECK(rc == TDM_OK, "%s: %s", path, tdm_last_error());
+            if (rc) continue;
+            CHECK(img.c == ch && img.h == f->h && img.w == f->w, "%s: [%lld, %lld, %lld]", path,
+                  (long long)img.c, (long long)img.h, (long long)img.w);
+            decoded += img.c * img.h * img.w == ch * n;
+            const unsigned char *want = ch == 3 ? f->rgb : f->l;
+            for (int64_t i = 0; i < ch * n && img.c * img.h * img.w == ch * n; i++) {
+                float p = (float)want[i] / 255.0f; /* ToTensor's div(255) */
+                bad += img.data[i] != p;
+                worst = fmax(worst, fabs((double)img.data[i] - p) * 255);
+            }
+            free(img.data);
+        }
+        CHECK(bad == 0,
+              "%s (%s, Pillow mode %s): %lld values differ from Pillow %s's, by up to "
+              "%.0f/255",
+              f->file, f->deviation ? "Tandem's documented high byte" : "Pillow", f->pillow_mode,
+              (long long)bad, IMF_PILLOW, worst);
+        files++, exact += bad == 0 && decoded == 2;
+    }
+    printf("Pillow %s (libjpeg-turbo %s) parity: %d of %d files exact at 3 and 1 channels\n",
+           IMF_PILLOW, IMF_PILLOW_LIBJPEG_TURBO, exact, files);
 }
 
 /* An RGB JPEG (4:2:0): the planes are TurboJPEG's own RGB decode de-interleaved, and one
@@ -688,6 +738,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: test_images PATH/make_image_data\n");
         return 2;
     }
+    test_decode_pillow(); /* committed files: runs without Fashion-MNIST */
     idx_train = tdm_fashion_mnist(NULL, true);
     tdm_dataset *idx_test = idx_train ? tdm_fashion_mnist(NULL, false) : NULL;
     if (!idx_test) {
@@ -695,7 +746,7 @@ int main(int argc, char **argv) {
                "it (scripts/setup)\n",
                tdm_last_error());
         tdm_dataset_free(idx_train);
-        return 77;
+        return check_failed ? 1 : 77;
     }
     if (tmpdir_make("images") || make_data(argv[1])) return check_summary() ? 1 : 1;
     test_decode_fashion();

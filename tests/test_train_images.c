@@ -129,12 +129,12 @@ static void cifar_resnet(void) {
     char data[320];
     snprintf(data, sizeof data, "cifar10:%s", cifar);
 #define CIFAR_ARGS                                                                                 \
-    "train", "--data", data, "--model", "resnet18", "--image-size", "16", "--limit", "32",         \
-        "--batch-size", "16", "--lr", "0.01", "--workers", "1"
+    "train", "--data", data, "--model", "resnet18", "--image-size", "8", "--limit", "16",          \
+        "--batch-size", "8", "--lr", "0.01", "--workers", "1"
     result one = TANDEM(CIFAR_ARGS);
     CHECK(one.status == 0 && strstr(one.out, "small-image stem") &&
-              strstr(one.out, "32 train, 5 test images [3, 16, 16] of 10 classes") &&
-              strstr(one.out, "transform train Resize((16, 16)), RandomCrop(16, padding=4)"),
+              strstr(one.out, "16 train, 2 test images [3, 8, 8] of 10 classes") &&
+              strstr(one.out, "transform train Resize((8, 8)), RandomCrop(8, padding=4)"),
           "CIFAR resnet18: exit %d: %s %s", one.status, one.out, one.err);
     result two = TANDEM(CIFAR_ARGS, "--devices", "cpu:0,cpu:1");
     double a = number_after(one.out, "train loss "), b = number_after(two.out, "train loss ");

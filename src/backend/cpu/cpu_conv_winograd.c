@@ -195,6 +195,15 @@ static inline __m256i lanes_256(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+/* v's lanes [0, n) to d: a plain store when all 8 are (vmaskmovps to memory is microcoded on
+ * AMD's Zen, several times a store's cost, and the transforms are mostly stores) */
+static inline void store_n(float *d, int64_t n, __m256i m, __m256 v) {
+    if (n >= 8)
+        _mm256_storeu_ps(d, v);
+    else
+        _mm256_maskstore_ps(d, m, v);
+}
+
 /* lanes 0, 2, 4, 6 of a, then of b */
 static inline __m256 evens(__m256 a, __m256 b) {
     __m256 t = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)); /* a0 a2 b0 b2 | a4 a6 b4 b6 */
@@ -213,7 +222,9 @@ static void pad_plane_256(const float *src, int64_t h, int64_t w, int64_t ph, in
     for (int64_t r = r0; r < r1; r++) {
         const float *s = src + (r - ph) * w + (c0 - pw);
         float *d = P + r * pld + c0;
-        for (int64_t c = 0; c < c1 - c0; c += 8) {
+        int64_t c = 0;
+        for (; c + 8 <= c1 - c0; c += 8) _mm256_storeu_ps(d + c, _mm256_loadu_ps(s + c));
+        if (c < c1 - c0) {
             __m256i m = lanes_256(c1 - c0 - c);
             _mm256_maskstore_ps(d + c, m, _mm256_maskload_ps(s + c, m));
         }
@@ -240,10 +251,10 @@ static void input_transform_256(const float *P, const wgeom *g, float *v, int64_
                     o[hf][12 + j] = _mm256_sub_ps(h[1][j], h[3][j]);
                 }
             }
-            __m256i m = lanes_256(g->tx - 8 * k);
+            int64_t nt = g->tx - 8 * k;
+            __m256i m = lanes_256(nt);
             float *d = v + ty * g->tx + 8 * k;
-            for (int xi = 0; xi < 16; xi++)
-                _mm256_maskstore_ps(d + xi * xs, m, evens(o[0][xi], o[1][xi]));
+            for (int xi = 0; xi < 16; xi++) store_n(d + xi * xs, nt, m, evens(o[0][xi], o[1][xi]));
         }
 }
 
@@ -271,8 +282,8 @@ static void output_transform_256(const float *mm, int64_t xs, const wgeom *g, fl
                 /* a tile's two columns side by side: y0[l], y1[l] at columns 2l, 2l + 1 */
                 __m256 ul = _mm256_unpacklo_ps(y0, y1), uh = _mm256_unpackhi_ps(y0, y1);
                 float *o = out + (2 * ty + r) * g->w2 + 16 * k;
-                _mm256_maskstore_ps(o, lo, _mm256_permute2f128_ps(ul, uh, 0x20));
-                _mm256_maskstore_ps(o + 8, hi, _mm256_permute2f128_ps(ul, uh, 0x31));
+                store_n(o, g->w2 - 16 * k, lo, _mm256_permute2f128_ps(ul, uh, 0x20));
+                store_n(o + 8, g->w2 - 16 * k - 8, hi, _mm256_permute2f128_ps(ul, uh, 0x31));
             }
         }
 }
@@ -289,13 +300,14 @@ static void grad_transform_256(const float *Q, const wgeom *g, float *v, int64_t
                 e[r][0] = d0, e[r][1] = _mm256_add_ps(d0, d1);
                 e[r][2] = _mm256_sub_ps(d0, d1), e[r][3] = _mm256_sub_ps(zero, d1);
             }
-            __m256i m = lanes_256(g->tx - 8 * k);
+            int64_t nt = g->tx - 8 * k;
+            __m256i m = lanes_256(nt);
             float *d = v + ty * g->tx + 8 * k;
             for (int j = 0; j < 4; j++) {
-                _mm256_maskstore_ps(d + j * xs, m, e[0][j]);
-                _mm256_maskstore_ps(d + (4 + j) * xs, m, _mm256_add_ps(e[0][j], e[1][j]));
-                _mm256_maskstore_ps(d + (8 + j) * xs, m, _mm256_sub_ps(e[0][j], e[1][j]));
-                _mm256_maskstore_ps(d + (12 + j) * xs, m, _mm256_sub_ps(zero, e[1][j]));
+                store_n(d + j * xs, nt, m, e[0][j]);
+                store_n(d + (4 + j) * xs, nt, m, _mm256_add_ps(e[0][j], e[1][j]));
+                store_n(d + (8 + j) * xs, nt, m, _mm256_sub_ps(e[0][j], e[1][j]));
+                store_n(d + (12 + j) * xs, nt, m, _mm256_sub_ps(zero, e[1][j]));
             }
         }
 }

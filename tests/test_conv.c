@@ -7,6 +7,7 @@
 #include "gradcheck.h"
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_conv.h" /* tdm_cpu_conv_set_fast_paths */
 #include "fixtures/conv_fixtures.h"
 
 /* ---- helpers ----------------------------------------------------------------------------- */
@@ -202,6 +203,77 @@ static void test_conv_reference(const conv_cfg *c, int seed) {
     CHECK(x->grad && w->grad && (!b || b->grad), "conv2d %s: gradients missing", c->name);
     free(xh), free(wh), free(bh), free(ref), free(gyh), free(gx), free(gw), free(gb);
     tdm_scope_end();
+}
+
+/* ---- the fast paths against per-image im2col, at the ResNets' shapes ---------------------- */
+
+/* Every path the CPU takes instead of per-image im2col + GEMM (Winograd on AVX2 and AVX-512)
+ * at ResNet-18's layer shapes (a few images; the CIFAR planes 32..4, the ImageNet ones
+ * 56..7), odd planes (partial tiles) and pads 0 and 2, against the same op with the fast
+ * paths off: forward, dX, dW and db. Fewer channels than the real layers where the result
+ * would not change which path runs (the test runs under ASan too). */
+static const conv_cfg resnet_cfgs[] = {
+    {"cifar_layer1", 2, 64, 32, 32, 64, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
+    {"cifar_layer2", 3, 128, 16, 16, 128, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
+    {"cifar_layer3", 2, 256, 8, 8, 256, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
+    {"cifar_layer4", 5, 512, 4, 4, 512, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
+    {"imagenet_layer1", 1, 64, 56, 56, 64, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
+    {"imagenet_layer4", 3, 512, 7, 7, 512, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
+    {"odd_15x13", 3, 24, 15, 13, 40, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"odd_3x5_pad0", 4, 16, 3, 5, 16, 3, 3, {0}, true},
+    {"odd_9x7_pad2", 2, 16, 9, 7, 24, 3, 3, {.pad_h = 2, .pad_w = 2}, false},
+    {"one_pixel", 6, 32, 1, 1, 32, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
+};
+
+/* y, and the gradients of L = sum(y * gy), of one convolution; host copies the caller frees. */
+static void conv_run(const conv_cfg *c, int seed, float **out) {
+    int g = opt1(c->o.groups);
+    tdm_scope_begin();
+    tdm_tensor *x = randn_leaf(TDM_SHAPE(c->n, c->cin, c->h, c->w), 500 + seed, true);
+    tdm_tensor *w = randn_leaf(TDM_SHAPE(c->cout, c->cin / g, c->kh, c->kw), 600 + seed, true);
+    tdm_tensor *b = c->bias ? randn_leaf(TDM_SHAPE(c->cout), 700 + seed, true) : NULL;
+    tdm_tensor *y = tdm_conv2d(x, w, b, &c->o);
+    CHECK(y != NULL, "conv2d %s: %s", c->name, tdm_last_error());
+    tdm_tensor *gy = y ? randn_leaf(tdm_shape_of(y), 800 + seed, false) : NULL;
+    CHECK(y && tdm_backward(tdm_sum_all(tdm_mul(y, gy))) == 0, "conv2d %s backward: %s", c->name,
+          tdm_last_error());
+    out[0] = y ? host_copy(y) : NULL;
+    out[1] = x->grad ? host_copy(x->grad) : NULL;
+    out[2] = w->grad ? host_copy(w->grad) : NULL;
+    out[3] = b && b->grad ? host_copy(b->grad) : NULL;
+    tdm_scope_end();
+}
+
+static void test_fast_paths(const conv_cfg *c, int seed) {
+    float *fast[4], *ref[4];
+    int g = opt1(c->o.groups);
+    int64_t ho = out_dim(c->h, c->kh, c->o.pad_h, c->o.stride_h, c->o.dilation_h);
+    int64_t wo = out_dim(c->w, c->kw, c->o.pad_w, c->o.stride_w, c->o.dilation_w);
+    int64_t n[4] = {c->n * c->cout * ho * wo, c->n * c->cin * c->h * c->w,
+                    c->cout * (c->cin / g) * c->kh * c->kw, c->cout};
+    const char *names[4] = {"forward", "grad x", "grad w", "grad b"};
+    conv_run(c, seed, fast);
+    bool prev = tdm_cpu_conv_set_fast_paths(false);
+    conv_run(c, seed, ref);
+    tdm_cpu_conv_set_fast_paths(prev);
+    for (int k = 0; k < 4; k++) {
+        if (!fast[k] || !ref[k]) {
+            CHECK(k == 3 && !c->bias, "conv2d %s %s: missing", c->name, names[k]);
+            continue;
+        }
+        /* sums of K = cin*9 (or N*P for dW) products of unit normals: error relative to the
+         * largest magnitude, as a reordered float sum's */
+        double scale = 0, err = 0;
+        for (int64_t i = 0; i < n[k]; i++) {
+            double a = ref[k][i] < 0 ? -ref[k][i] : ref[k][i];
+            double d = (double)fast[k][i] - ref[k][i];
+            scale = a > scale ? a : scale;
+            err = (d < 0 ? -d : d) > err ? (d < 0 ? -d : d) : err;
+        }
+        CHECK(err <= 1e-5 * (scale > 1 ? scale : 1),
+              "conv2d %s %s: fast path differs by %g (max %g)", c->name, names[k], err, scale);
+    }
+    for (int k = 0; k < 4; k++) free(fast[k]), free(ref[k]);
 }
 
 /* ---- gradcheck --------------------------------------------------------------------------- */
@@ -522,6 +594,8 @@ static void test_no_scope(void) {
 int main(void) {
     int nc = (int)(sizeof reference_cfgs / sizeof reference_cfgs[0]);
     for (int i = 0; i < nc; i++) test_conv_reference(&reference_cfgs[i], i);
+    int nr = (int)(sizeof resnet_cfgs / sizeof resnet_cfgs[0]);
+    for (int i = 0; i < nr; i++) test_fast_paths(&resnet_cfgs[i], i);
     test_conv_gradcheck();
     test_pool_gradcheck();
     test_conv_fixture();

@@ -32,6 +32,14 @@ static void valid_range(int64_t size, int64_t out, int64_t s, int64_t pad, int64
     *lo = l, *hi = h;
 }
 
+static _Thread_local bool fast_paths_off; /* tdm_cpu_conv_set_fast_paths */
+
+bool tdm_cpu_conv_set_fast_paths(bool on) {
+    bool prev = !fast_paths_off;
+    fast_paths_off = !on;
+    return prev;
+}
+
 /* Short-row helpers for im2col/col2im. Rows are Wo long (14 for the CNN), so a call to
  * memcpy/memset per row (which GCC would otherwise substitute for these loops) costs more
  * than the copy: eight floats at a time through a vector type, then a scalar tail. */
@@ -170,7 +178,8 @@ int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, cons
     const float *bp = b ? tdm_data_ptr(b) : NULL;
     float *yp = tdm_data_ptr(y);
     if (g.n == 0 || g.cout == 0 || g.p == 0) return TDM_OK;
-    if (tdm_cpu_wino_applies(&g)) return tdm_cpu_wino_conv2d(yp, xp, wp, bp, &g, x->device);
+    if (!fast_paths_off && tdm_cpu_wino_applies(&g))
+        return tdm_cpu_wino_conv2d(yp, xp, wp, bp, &g, x->device);
     bool pointwise = tdm_conv_is_pointwise(&g);
     int64_t rows = pointwise ? g.ho : chunk_rows(&g);
 
@@ -283,7 +292,7 @@ int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, cons
     float *gwp = gw ? tdm_data_ptr(gw) : NULL;
     float *gbp = gb ? tdm_data_ptr(gb) : NULL;
     if (gbp) memset(gbp, 0, (size_t)g.cout * sizeof(float));
-    if (g.n > 0 && g.p > 0 && g.cout > 0 && tdm_cpu_wino_applies(&g)) {
+    if (g.n > 0 && g.p > 0 && g.cout > 0 && !fast_paths_off && tdm_cpu_wino_applies(&g)) {
         for (int64_t n = 0; gbp && n < g.n; n++) bias_grad(gbp, gyp + n * g.cout * g.p, &g);
         return tdm_cpu_wino_conv2d_backward(gxp, gwp, gyp, xp, wp, &g, x->device);
     }

@@ -8,6 +8,10 @@
 
 /* Whether the Winograd path takes this convolution (and is compiled in). */
 bool tdm_cpu_wino_applies(const conv_geom *g);
+/* Turns the fast paths (Winograd, ...) off (false) or back on for the calling thread's
+ * convolutions, so that every shape runs per-image im2col + GEMM, and returns the previous
+ * setting: tests and benchmarks compare each path with im2col on the same shape. */
+bool tdm_cpu_conv_set_fast_paths(bool on);
 /* y = conv(x, w) + b (b may be NULL), all contiguous, for a geometry the test above accepts. */
 int tdm_cpu_wino_conv2d(float *y, const float *x, const float *w, const float *b,
                         const conv_geom *g, tdm_device dev);

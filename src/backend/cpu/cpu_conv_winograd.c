@@ -9,9 +9,12 @@
  *   input grad   the same, on gy padded by 2 - pad, with the filters flipped and transposed
  *   weight grad  dU[xi] [Cout, Cin] += (A dY A^T)[xi] [Cout, T] @ V[xi]^T, then gw = G^T dU G
  *
- * The transforms are vectorised with AVX-512 along a tile row: a plane is first copied into a
- * zero-padded buffer P (the padding is then plain zeros and every load is in bounds), and lane
- * l of a 16-wide load at column 16k holds column 16k + l, so the even lanes are tiles 8k..8k+7.
+ * The transforms are vectorised along a tile row: a plane is first copied into a zero-padded
+ * buffer P (the padding is then plain zeros and every load is in bounds), and lane l of a
+ * 16-wide load at column 16k holds column 16k + l, so the even lanes are tiles 8k..8k+7. They
+ * exist twice, for AVX-512 (one 16-lane vector) and for AVX2 (two 8-lane halves whose even
+ * lanes are gathered into the 8 tiles); everything else (filter transforms, chunks, GEMMs) is
+ * ISA-independent and reaches the transforms through a table picked once per call.
  * F(2x2, 3x3) is well conditioned (its transforms only add, subtract and halve): its error is
  * that of a reordered sum. Scratch (V, M: 16 (C1 + C2) floats per tile) is bounded by working
  * on a few images at a time; a plane too large for the budget goes to im2col instead.
@@ -24,13 +27,11 @@
 #ifdef TDM_HAVE_AVX512_CODE
 #include <immintrin.h>
 
-/* everything up to tdm_cpu_wino_applies is AVX-512 code, reached only where it checks that
- * the CPU has it */
-TDM_AVX512_BEGIN
-
 /* floats of V and M together per chunk of images: well inside L2 (two images of the CNN's
  * second layer; measured: one to two images are fastest, five 5% and ten 40% slower) */
 #define WINO_CHUNK_FLOATS (192 * 1024)
+/* tiles per chunk at least (chunk_images) */
+#define WINO_MIN_TILES 64
 /* a plane is taken only if one image's V and M fit in this many floats */
 #define WINO_IMAGE_FLOATS (4 * 1024 * 1024)
 
@@ -58,6 +59,18 @@ static float *scratch(int64_t n, tdm_device dev) {
     return t ? (float *)tdm_data_ptr(t) : NULL;
 }
 
+/* The transforms of one instruction set (the vectorised loops over a plane). */
+typedef struct {
+    void (*pad_plane)(const float *src, int64_t h, int64_t w, int64_t ph, int64_t pw, float *P,
+                      int64_t prow, int64_t pld);
+    void (*input_transform)(const float *P, const wgeom *g, float *v, int64_t xs);
+    void (*output_transform)(const float *mm, int64_t xs, const wgeom *g, float bias, float *out);
+    void (*grad_transform)(const float *Q, const wgeom *g, float *v, int64_t xs);
+} wino_kernels;
+
+/* AVX-512 code, reached only where tdm_cpu_vector_bits() says 512 */
+TDM_AVX512_BEGIN
+
 /* Lanes of tiles 8k.. of a tile row that exist. */
 static inline __mmask16 tile_mask(int64_t tx, int64_t k) {
     int64_t n = tx - 8 * k;
@@ -72,8 +85,8 @@ static inline __mmask16 col_mask(int64_t w, int64_t k) {
 /* P (prow x pld, zeros outside the copy) row r, column c = src row r - ph, column c - pw. The
  * padding cells are never written, so P is zeroed once per kernel call. Rows are short (14
  * floats in the CNN): masked vector copies, not a memcpy call per row. */
-static void pad_plane(const float *src, int64_t h, int64_t w, int64_t ph, int64_t pw, float *P,
-                      int64_t prow, int64_t pld) {
+static void pad_plane_512(const float *src, int64_t h, int64_t w, int64_t ph, int64_t pw, float *P,
+                          int64_t prow, int64_t pld) {
     int64_t r0 = ph > 0 ? ph : 0, r1 = h + ph < prow ? h + ph : prow;
     int64_t c0 = pw > 0 ? pw : 0, c1 = w + pw < pld ? w + pw : pld;
     for (int64_t r = r0; r < r1; r++) {
@@ -87,7 +100,7 @@ static void pad_plane(const float *src, int64_t h, int64_t w, int64_t ph, int64_
 }
 
 /* V[xi][t] (xi stride xs) = (B^T d B)[xi] for every tile t = ty * tx + tx of padded plane P. */
-static void input_transform(const float *P, const wgeom *g, float *v, int64_t xs) {
+static void input_transform_512(const float *P, const wgeom *g, float *v, int64_t xs) {
     const __m512i even = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     for (int64_t ty = 0; ty < g->ty; ty++)
         for (int64_t k = 0; k < g->kc; k++) {
@@ -113,7 +126,8 @@ static void input_transform(const float *P, const wgeom *g, float *v, int64_t xs
 }
 
 /* out [H2, W2] = A^T M A + bias for every tile, M[xi][t] at mm + xi * xs + t. */
-static void output_transform(const float *mm, int64_t xs, const wgeom *g, float bias, float *out) {
+static void output_transform_512(const float *mm, int64_t xs, const wgeom *g, float bias,
+                                 float *out) {
     /* lane 2l <- y.0[l], lane 2l + 1 <- y.1[l]: a tile's two columns side by side */
     const __m512i inter = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 b = _mm512_set1_ps(bias);
@@ -144,7 +158,7 @@ static void output_transform(const float *mm, int64_t xs, const wgeom *g, float 
 
 /* dM[xi][t] = (A dY A^T)[xi], the gradient of the tile's M, from the output gradient dY padded
  * into Q (rows and columns past H2, W2 are zero, so partial tiles contribute nothing). */
-static void grad_transform(const float *Q, const wgeom *g, float *v, int64_t xs) {
+static void grad_transform_512(const float *Q, const wgeom *g, float *v, int64_t xs) {
     const __m512i even = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1);
     const __m512 zero = _mm512_setzero_ps();
@@ -166,6 +180,148 @@ static void grad_transform(const float *Q, const wgeom *g, float *v, int64_t xs)
                 _mm512_mask_storeu_ps(d + (12 + j) * xs, m, _mm512_sub_ps(zero, e[1][j]));
             }
         }
+}
+
+TDM_AVX512_END
+
+/* AVX2 + FMA code, reached only where tdm_cpu_vector_bits() says 256 or more: the same
+ * transforms on 8-lane halves of the 16 columns. Columns 16k..16k+15 are two halves; the even
+ * lanes of both, put side by side (evens()), are tiles 8k..8k+7, one 8-lane vector. */
+TDM_AVX2_BEGIN
+
+/* lanes [0, n) set, for maskload/maskstore */
+static inline __m256i lanes_256(int64_t n) {
+    int32_t c = n < 0 ? 0 : n > 8 ? 8 : (int32_t)n;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* v's lanes [0, n) to d: a plain store when all 8 are (vmaskmovps to memory is microcoded on
+ * AMD's Zen, several times a store's cost, and the transforms are mostly stores) */
+static inline void store_n(float *d, int64_t n, __m256i m, __m256 v) {
+    if (n >= 8)
+        _mm256_storeu_ps(d, v);
+    else
+        _mm256_maskstore_ps(d, m, v);
+}
+
+/* lanes 0, 2, 4, 6 of a, then of b */
+static inline __m256 evens(__m256 a, __m256 b) {
+    __m256 t = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)); /* a0 a2 b0 b2 | a4 a6 b4 b6 */
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(t), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+static inline __m256 odds(__m256 a, __m256 b) {
+    __m256 t = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(t), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+static void pad_plane_256(const float *src, int64_t h, int64_t w, int64_t ph, int64_t pw, float *P,
+                          int64_t prow, int64_t pld) {
+    int64_t r0 = ph > 0 ? ph : 0, r1 = h + ph < prow ? h + ph : prow;
+    int64_t c0 = pw > 0 ? pw : 0, c1 = w + pw < pld ? w + pw : pld;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *s = src + (r - ph) * w + (c0 - pw);
+        float *d = P + r * pld + c0;
+        int64_t c = 0;
+        for (; c + 8 <= c1 - c0; c += 8) _mm256_storeu_ps(d + c, _mm256_loadu_ps(s + c));
+        if (c < c1 - c0) {
+            __m256i m = lanes_256(c1 - c0 - c);
+            _mm256_maskstore_ps(d + c, m, _mm256_maskload_ps(s + c, m));
+        }
+    }
+}
+
+static void input_transform_256(const float *P, const wgeom *g, float *v, int64_t xs) {
+    for (int64_t ty = 0; ty < g->ty; ty++)
+        for (int64_t k = 0; k < g->kc; k++) {
+            __m256 o[2][16]; /* o[half][4i + j]: (B^T d B)[i][j], lane = column of the half */
+            for (int hf = 0; hf < 2; hf++) {
+                __m256 h[4][4]; /* h[i][j]: row i of the patch times B */
+                for (int i = 0; i < 4; i++) {
+                    const float *r = P + (2 * ty + i) * g->pld + 16 * k + 8 * hf;
+                    __m256 a0 = _mm256_loadu_ps(r), a1 = _mm256_loadu_ps(r + 1);
+                    __m256 a2 = _mm256_loadu_ps(r + 2), a3 = _mm256_loadu_ps(r + 3);
+                    h[i][0] = _mm256_sub_ps(a0, a2), h[i][1] = _mm256_add_ps(a1, a2);
+                    h[i][2] = _mm256_sub_ps(a2, a1), h[i][3] = _mm256_sub_ps(a1, a3);
+                }
+                for (int j = 0; j < 4; j++) {
+                    o[hf][j] = _mm256_sub_ps(h[0][j], h[2][j]);
+                    o[hf][4 + j] = _mm256_add_ps(h[1][j], h[2][j]);
+                    o[hf][8 + j] = _mm256_sub_ps(h[2][j], h[1][j]);
+                    o[hf][12 + j] = _mm256_sub_ps(h[1][j], h[3][j]);
+                }
+            }
+            int64_t nt = g->tx - 8 * k;
+            __m256i m = lanes_256(nt);
+            float *d = v + ty * g->tx + 8 * k;
+            for (int xi = 0; xi < 16; xi++) store_n(d + xi * xs, nt, m, evens(o[0][xi], o[1][xi]));
+        }
+}
+
+static void output_transform_256(const float *mm, int64_t xs, const wgeom *g, float bias,
+                                 float *out) {
+    const __m256 b = _mm256_set1_ps(bias);
+    for (int64_t ty = 0; ty < g->ty; ty++)
+        for (int64_t k = 0; k < g->kc; k++) {
+            __m256i m = lanes_256(g->tx - 8 * k);
+            __m256i lo = lanes_256(g->w2 - 16 * k), hi = lanes_256(g->w2 - 16 * k - 8);
+            const float *s = mm + ty * g->tx + 8 * k;
+            __m256 s0[4], s1[4]; /* A^T applied to the rows */
+            for (int j = 0; j < 4; j++) {
+                __m256 q0 = _mm256_maskload_ps(s + j * xs, m);
+                __m256 q1 = _mm256_maskload_ps(s + (4 + j) * xs, m);
+                __m256 q2 = _mm256_maskload_ps(s + (8 + j) * xs, m);
+                __m256 q3 = _mm256_maskload_ps(s + (12 + j) * xs, m);
+                s0[j] = _mm256_add_ps(_mm256_add_ps(q0, q1), q2);
+                s1[j] = _mm256_sub_ps(_mm256_sub_ps(q1, q2), q3);
+            }
+            for (int r = 0; r < 2 && 2 * ty + r < g->h2; r++) {
+                const __m256 *t = r ? s1 : s0;
+                __m256 y0 = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(t[0], t[1]), t[2]), b);
+                __m256 y1 = _mm256_add_ps(_mm256_sub_ps(_mm256_sub_ps(t[1], t[2]), t[3]), b);
+                /* a tile's two columns side by side: y0[l], y1[l] at columns 2l, 2l + 1 */
+                __m256 ul = _mm256_unpacklo_ps(y0, y1), uh = _mm256_unpackhi_ps(y0, y1);
+                float *o = out + (2 * ty + r) * g->w2 + 16 * k;
+                store_n(o, g->w2 - 16 * k, lo, _mm256_permute2f128_ps(ul, uh, 0x20));
+                store_n(o + 8, g->w2 - 16 * k - 8, hi, _mm256_permute2f128_ps(ul, uh, 0x31));
+            }
+        }
+}
+
+static void grad_transform_256(const float *Q, const wgeom *g, float *v, int64_t xs) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t ty = 0; ty < g->ty; ty++)
+        for (int64_t k = 0; k < g->kc; k++) {
+            __m256 e[2][4]; /* e[r][j]: row r of dY times A^T, lane = tile */
+            for (int r = 0; r < 2; r++) {
+                const float *q = Q + (2 * ty + r) * g->pld + 16 * k;
+                __m256 a = _mm256_loadu_ps(q), c = _mm256_loadu_ps(q + 8);
+                __m256 d0 = evens(a, c), d1 = odds(a, c);
+                e[r][0] = d0, e[r][1] = _mm256_add_ps(d0, d1);
+                e[r][2] = _mm256_sub_ps(d0, d1), e[r][3] = _mm256_sub_ps(zero, d1);
+            }
+            int64_t nt = g->tx - 8 * k;
+            __m256i m = lanes_256(nt);
+            float *d = v + ty * g->tx + 8 * k;
+            for (int j = 0; j < 4; j++) {
+                store_n(d + j * xs, nt, m, e[0][j]);
+                store_n(d + (4 + j) * xs, nt, m, _mm256_add_ps(e[0][j], e[1][j]));
+                store_n(d + (8 + j) * xs, nt, m, _mm256_sub_ps(e[0][j], e[1][j]));
+                store_n(d + (12 + j) * xs, nt, m, _mm256_sub_ps(zero, e[1][j]));
+            }
+        }
+}
+
+TDM_AVX2_END
+
+static const wino_kernels kernels_512 = {pad_plane_512, input_transform_512, output_transform_512,
+                                         grad_transform_512};
+static const wino_kernels kernels_256 = {pad_plane_256, input_transform_256, output_transform_256,
+                                         grad_transform_256};
+
+/* The transforms for this CPU (tdm_cpu_wino_applies has checked it has one of them). */
+static const wino_kernels *wino_kernels_for_cpu(void) {
+    return tdm_cpu_vector_bits() == 512 ? &kernels_512 : &kernels_256;
 }
 
 static const float G[4][3] = {{1, 0, 0}, {0.5f, 0.5f, 0.5f}, {0.5f, -0.5f, 0.5f}, {0, 0, 1}};
@@ -206,6 +362,10 @@ static void filter_transform_adjoint(const float *du, int64_t us, float *f) {
 static int64_t chunk_images(const wgeom *g, int64_t n) {
     int64_t per = 16 * (g->c1 + g->c2) * g->tt;
     int64_t nb = WINO_CHUNK_FLOATS / (per > 0 ? per : 1);
+    /* but at least WINO_MIN_TILES tiles: the deep layers' planes have few tiles (4 at 4x4, 16
+     * at 7x7) and their 512-channel GEMMs would be [512, 8] @ ... (measured on AVX2 at
+     * ResNet-18's layer4: 1.3x -> 1.7-1.9x im2col's speed, forward and backward together) */
+    if (nb * g->tt < WINO_MIN_TILES) nb = (WINO_MIN_TILES + g->tt - 1) / g->tt;
     return nb < 1 ? 1 : nb > n ? n : nb;
 }
 
@@ -222,13 +382,13 @@ static int64_t xi_stride(int64_t c, int64_t ld) {
 }
 
 /* V[xi][c][i * tt + t] for images [n0, n0 + cnt) of in [N, C1, H1, W1]. */
-static void transform_inputs(const float *in, const wgeom *g, int64_t n0, int64_t cnt, float *P,
-                             float *v, int64_t ld) {
+static void transform_inputs(const wino_kernels *kt, const float *in, const wgeom *g, int64_t n0,
+                             int64_t cnt, float *P, float *v, int64_t ld) {
     for (int64_t i = 0; i < cnt; i++)
         for (int64_t c = 0; c < g->c1; c++) {
-            pad_plane(in + ((n0 + i) * g->c1 + c) * g->h1 * g->w1, g->h1, g->w1, g->ph, g->pw, P,
-                      g->prow, g->pld);
-            input_transform(P, g, v + c * ld + i * g->tt, xi_stride(g->c1, ld));
+            kt->pad_plane(in + ((n0 + i) * g->c1 + c) * g->h1 * g->w1, g->h1, g->w1, g->ph, g->pw,
+                          P, g->prow, g->pld);
+            kt->input_transform(P, g, v + c * ld + i * g->tt, xi_stride(g->c1, ld));
         }
 }
 
@@ -236,6 +396,7 @@ static void transform_inputs(const float *in, const wgeom *g, int64_t n0, int64_
  * U [16][C2][C1], plus bias [C2] (or NULL). */
 static int wino_correlate(const float *in, const wgeom *g, int64_t n, const float *U,
                           const float *bias, float *out, tdm_device dev) {
+    const wino_kernels *kt = wino_kernels_for_cpu();
     int64_t nb = chunk_images(g, n), ld = chunk_ld(g, nb);
     if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
     float *P = scratch(g->prow * g->pld, dev);
@@ -248,14 +409,14 @@ static int wino_correlate(const float *in, const wgeom *g, int64_t n, const floa
     memset(P, 0, (size_t)(g->prow * g->pld) * sizeof(float));
     for (int64_t n0 = 0; n0 < n; n0 += nb) {
         int64_t cnt = n - n0 < nb ? n - n0 : nb, t = cnt * g->tt;
-        transform_inputs(in, g, n0, cnt, P, V, ld);
+        transform_inputs(kt, in, g, n0, cnt, P, V, ld);
         for (int xi = 0; xi < 16; xi++)
             tdm_cpu_sgemm(false, false, g->c2, t, g->c1, 1.0f, U + xi * g->c2 * g->c1, g->c1,
                           V + xi * vs, ld, 0.0f, M + xi * ms, ld);
         for (int64_t i = 0; i < cnt; i++)
             for (int64_t c = 0; c < g->c2; c++)
-                output_transform(M + c * ld + i * g->tt, ms, g, bias ? bias[c] : 0.0f,
-                                 out + ((n0 + i) * g->c2 + c) * g->h2 * g->w2);
+                kt->output_transform(M + c * ld + i * g->tt, ms, g, bias ? bias[c] : 0.0f,
+                                     out + ((n0 + i) * g->c2 + c) * g->h2 * g->w2);
     }
     tdm_scope_end();
     return TDM_OK;
@@ -305,6 +466,7 @@ static int wino_input_grad(float *gx, const float *gy, const float *w, const con
 /* gw [Cout, Cin, 3, 3] = G^T dU G with dU[xi] = sum over tiles of dM[xi] V[xi]^T. */
 static int wino_weight_grad(float *gw, const float *gy, const float *x, const conv_geom *g,
                             tdm_device dev) {
+    const wino_kernels *kt = wino_kernels_for_cpu();
     wgeom fg = forward_geom(g);
     int64_t nb = chunk_images(&fg, g->n), ld = chunk_ld(&fg, nb);
     float *P = scratch(fg.prow * fg.pld, dev), *Q = scratch(fg.prow * fg.pld, dev);
@@ -316,12 +478,12 @@ static int wino_weight_grad(float *gw, const float *gy, const float *x, const co
     memset(Q, 0, (size_t)(fg.prow * fg.pld) * sizeof(float));
     for (int64_t n0 = 0; n0 < g->n; n0 += nb) {
         int64_t cnt = g->n - n0 < nb ? g->n - n0 : nb, t = cnt * fg.tt;
-        transform_inputs(x, &fg, n0, cnt, P, V, ld);
+        transform_inputs(kt, x, &fg, n0, cnt, P, V, ld);
         for (int64_t i = 0; i < cnt; i++)
             for (int64_t c = 0; c < g->cout; c++) {
-                pad_plane(gy + ((n0 + i) * g->cout + c) * g->p, g->ho, g->wo, 0, 0, Q, fg.prow,
-                          fg.pld);
-                grad_transform(Q, &fg, D + c * ld + i * fg.tt, ds);
+                kt->pad_plane(gy + ((n0 + i) * g->cout + c) * g->p, g->ho, g->wo, 0, 0, Q, fg.prow,
+                              fg.pld);
+                kt->grad_transform(Q, &fg, D + c * ld + i * fg.tt, ds);
             }
         for (int xi = 0; xi < 16; xi++)
             tdm_cpu_sgemm(false, true, g->cout, g->cin, t, 1.0f, D + xi * ds, ld, V + xi * vs, ld,
@@ -344,10 +506,8 @@ int tdm_cpu_wino_conv2d_backward(float *gx, float *gw, const float *gy, const fl
     return rc;
 }
 
-TDM_AVX512_END
-
 bool tdm_cpu_wino_applies(const conv_geom *g) {
-    if (tdm_cpu_vector_bits() != 512) return false; /* im2col on CPUs without AVX-512 */
+    if (tdm_cpu_vector_bits() < 256) return false; /* im2col on CPUs without AVX2 */
     if (g->kh != 3 || g->kw != 3 || g->sh != 1 || g->sw != 1 || g->dh != 1 || g->dw != 1 ||
         g->groups != 1)
         return false;

@@ -6,7 +6,8 @@
  *   build it for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA) and baseline x86-64, and the
  *   dynamic loader picks one from cpuid once (an ifunc), so a call costs what it did;
  * - hand-written AVX-512 code sits between TDM_AVX512_BEGIN and TDM_AVX512_END and runs only
- *   where tdm_cpu_vector_bits() (cpu.h) says 512.
+ *   where tdm_cpu_vector_bits() (cpu.h) says 512; hand-written AVX2 + FMA code between
+ *   TDM_AVX2_BEGIN and TDM_AVX2_END, only where it says 256 or more.
  * TANDEM_NATIVE builds (-march=native) compile everything for the build machine alone. Clang
  * before 16 refuses a multi-versioned function that calls the vector helpers of cpu_simd.h
  * (it checks their vector ABI before inlining), so with it the clones are baseline only; GCC,
@@ -43,10 +44,17 @@
     _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512dq,avx512vl,fma\"))), apply_to = function)")
 /* clang-format on */
 #define TDM_AVX512_END _Pragma("clang attribute pop")
+/* clang-format off */
+#define TDM_AVX2_BEGIN                                                                             \
+    _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+/* clang-format on */
+#define TDM_AVX2_END _Pragma("clang attribute pop")
 #else
 #define TDM_AVX512_BEGIN                                                                           \
     _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512dq,avx512vl,fma\")")
 #define TDM_AVX512_END _Pragma("GCC pop_options")
+#define TDM_AVX2_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define TDM_AVX2_END   _Pragma("GCC pop_options")
 #endif
 #endif
 

@@ -93,7 +93,7 @@ static bool is_dir(const char *path) {
 }
 
 /* DIR/train and DIR/val (or DIR/test), each a folder of class folders. */
-static int open_folders(task *t, const char *dir, int channels) {
+static int open_folders(task *t, const char *dir, int channels, bool skip_bad) {
     char train[4096], test[4096];
     snprintf(train, sizeof train, "%s/train", dir);
     snprintf(test, sizeof test, "%s/val", dir);
@@ -106,6 +106,7 @@ static int open_folders(task *t, const char *dir, int channels) {
      * the mlp and cnn (the grey PNGs of Fashion-MNIST give its exact pixels) */
     tdm_image_folder_opts fo = tdm_image_folder_defaults();
     fo.channels = channels;
+    fo.skip_bad = skip_bad;
     if (!(t->train = tdm_image_folder_open(train, &fo)))
         return task_error("training images: %s", tdm_last_error());
     if (!(t->test = tdm_image_folder_open(test, &fo)))
@@ -186,7 +187,7 @@ static int load_images(task *t, const train_opts *o, data_kind *kind) {
         char train[4096];
         snprintf(train, sizeof train, "%s/train", dir ? dir : "");
         *kind = dir && is_dir(train) ? DATA_FOLDER : DATA_IDX;
-        rc = *kind == DATA_FOLDER ? open_folders(t, dir, is_resnet(o->model) ? 3 : 1)
+        rc = *kind == DATA_FOLDER ? open_folders(t, dir, is_resnet(o->model) ? 3 : 1, o->skip_bad)
                                   : open_idx(t, dir);
     }
     return rc ? rc : apply_limit(t, o, *kind);
@@ -350,10 +351,16 @@ int task_image_open(task *t, const train_opts *o, tdm_device dev) {
     if (!rc) rc = describe_classes(t);
     if (!rc) rc = build_model(t, o, dev, size);
     snprintf(t->plot_title, sizeof t->plot_title, "%s on %s", o->model, o->data);
+    int64_t skipped =
+        t->train ? tdm_image_folder_skipped(t->train_base ? t->train_base : t->train) : 0;
+    if (t->test) skipped += tdm_image_folder_skipped(t->test_base ? t->test_base : t->test);
+    char skip[64] = "";
+    if (skipped)
+        snprintf(skip, sizeof skip, " (%lld unreadable files skipped)", (long long)skipped);
     if (!rc)
         snprintf(t->data_desc, sizeof t->data_desc,
-                 "%lld train, %lld test images %s of %lld classes", (long long)t->train->n,
-                 (long long)t->test->n, t->image_desc, (long long)t->train->num_classes);
+                 "%lld train, %lld test images %s of %lld classes%s", (long long)t->train->n,
+                 (long long)t->test->n, t->image_desc, (long long)t->train->num_classes, skip);
     if (!rc && (t->train_tf || t->test_tf)) {
         char a[400] = "none", b[400] = "none";
         if (t->train_tf) tdm_transform_str(t->train_tf, a, sizeof a);

@@ -64,6 +64,10 @@ static const opt_spec specs[] = {
      "RandomErasing), or a preset: imagenet-train, imagenet-eval, cifar-train, cifar-eval. "
      "Random choices come from (--seed, epoch, sample), whatever the workers and devices. Images "
      "of an image folder differ in size: the steps must end with a crop or a Resize to (h, w)."},
+    {"--skip-bad-images", NULL, OPT_FLAG, F(skip_bad), 0, 0, "off",
+     "Image folders: skip the files that are not a JPEG or PNG image (empty, another format, "
+     "a broken header) and say how many, instead of stopping with the first one's name. A "
+     "file whose pixels are corrupt still stops the run, naming it."},
     {"--eval-transform", "STEPS|PRESET", OPT_STR, F(eval_transform), 0, 0,
      "imagenet-eval for image folders, cifar-eval for CIFAR with a resnet, none otherwise",
      "The test images' transforms, as --transform."},

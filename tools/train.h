@@ -29,6 +29,7 @@ typedef struct {
      * transforms of the training and test images (NULL: the data's default) */
     int64_t image_size;
     const char *transform, *eval_transform;
+    bool skip_bad; /* image folders: files that do not read are skipped and counted */
     /* --model gpt */
     int64_t layers, heads, channels, context, vocab;
     const char *save_path;

@@ -73,9 +73,9 @@ tdm_resnet_opts tdm_resnet_defaults(int depth);
  * The model is a Sequential of named children (conv1, bn1, relu, maxpool, layer1..layer4,
  * avgpool, flatten, fc; the flatten has no parameters, so the keys are torchvision's): a
  * pipeline cuts it into stages as any Sequential, tdm_module_clone copies it (DataParallel
- * replicas), and its batch norms synchronise under a parallel context as any other. NULL and TDM_ERR_ARG for a
- * depth other than 18, 34, 50, or sizes < 1. Not listed in tdm_model_names: tdm_model_new
- * takes no class or channel count, and a ResNet needs the dataset's. */
+ * replicas), and its batch norms synchronise under a parallel context as any other. NULL and
+ * TDM_ERR_ARG for a depth other than 18, 34, 50, or sizes < 1. Not listed in tdm_model_names:
+ * tdm_model_new takes no class or channel count, and a ResNet needs the dataset's. */
 tdm_module *tdm_resnet_new(const tdm_resnet_opts *o, tdm_device dev, tdm_rng *rng);
 
 #ifdef __cplusplus

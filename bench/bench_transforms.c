@@ -64,7 +64,7 @@ int main(void) {
         s = s * 1664525u + 1013904223u;
         x[i] = (float)(s >> 8) / 16777216.0f;
     }
-    tdm_image img = {C, H, W, x};
+    tdm_image img = {.c = C, .h = H, .w = W, .data = x};
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         double us = run_case(cases[k], &img, out);
         if (us < 0) {

@@ -284,6 +284,104 @@ static void test_decode_rgb_jpeg(void) {
     tjDestroy(c), tjDestroy(d);
 }
 
+/* A tdm_image_want_fn that asks for the box in arg and counts its calls. */
+typedef struct {
+    int64_t box[4];
+    int calls;
+} want_box;
+
+static void want_fixed(void *arg, int64_t h, int64_t w, int64_t box[4]) {
+    want_box *b = arg;
+    CHECK(box[0] == 0 && box[1] == 0 && box[2] == h && box[3] == w, "want starts from the image");
+    memcpy(box, b->box, sizeof b->box);
+    b->calls++;
+}
+
+/* Whether part holds rows/columns of box from the whole decode full, bit for bit. */
+static bool part_matches(const tdm_image *part, const tdm_image *full, const int64_t box[4]) {
+    bool whole = box[2] == full->h && box[3] == full->w;
+    if (part->c != full->c || part->h != box[2] || part->w != box[3]) return false;
+    if (whole ? part->full_h != 0
+              : part->top != box[0] || part->left != box[1] || part->full_h != full->h ||
+                    part->full_w != full->w)
+        return false;
+    for (int64_t c = 0; c < part->c; c++)
+        for (int64_t y = 0; y < part->h; y++)
+            if (memcmp(part->data + (c * part->h + y) * part->w,
+                       full->data + (c * full->h + box[0] + y) * full->w + box[1],
+                       sizeof(float) * (size_t)part->w))
+                return false;
+    return true;
+}
+
+/* tdm_image_decode_part: for every chroma subsampling libjpeg-turbo writes (4:4:4, 4:2:2,
+ * 4:2:0, 4:4:0, 4:1:1), grey, and progressive, random boxes decode to the whole decode's
+ * pixels there, bit for bit (at 3 channels and at 1, luma), with the part's place recorded;
+ * a JPEG without its end marker and a PNG decode whole without asking. */
+static void test_decode_part(void) {
+    enum { W = 83, H = 61 };
+    static unsigned char src[H * W * 3];
+    for (int i = 0; i < H * W * 3; i++) src[i] = (unsigned char)((i * 37 + (i / 7) * 11) % 251);
+    const int samp[] = {TJSAMP_444, TJSAMP_422,  TJSAMP_420, TJSAMP_440,
+                        TJSAMP_411, TJSAMP_GRAY, TJSAMP_420};
+    tjhandle enc = tjInitCompress();
+    uint64_t rnd = 12345;
+    int bad = 0, boxes = 0;
+    for (size_t k = 0; k < sizeof samp / sizeof *samp; k++) {
+        unsigned char *jpeg = NULL;
+        unsigned long n = 0;
+        int flags = k + 1 == sizeof samp / sizeof *samp ? TJFLAG_PROGRESSIVE : 0;
+        CHECK(tjCompress2(enc, src, W, 0, H, TJPF_RGB, &jpeg, &n, samp[k], 85, flags) == 0,
+              "encode");
+        for (int ch = 1; ch <= 3; ch += 2) {
+            tdm_image full;
+            CHECK(tdm_image_decode(jpeg, n, "s.jpg", ch, &full) == TDM_OK, "%s", tdm_last_error());
+            for (int t = 0; t < 40; t++) {
+                rnd = rnd * 6364136223846793005ull + 1442695040888963407ull;
+                int64_t h = 1 + (int64_t)(rnd >> 33) % H, w = 1 + (int64_t)(rnd >> 17) % W;
+                want_box wb = {
+                    {(int64_t)(rnd >> 40) % (H - h + 1), (int64_t)(rnd >> 9) % (W - w + 1), h, w},
+                    0};
+                if (t == 0) wb = (want_box){{0, 0, H, W}, 0};
+                tdm_image part;
+                int rc = tdm_image_decode_part(jpeg, n, "s.jpg", ch, want_fixed, &wb, &part);
+                boxes++;
+                bad += rc != TDM_OK || wb.calls != 1 || !part_matches(&part, &full, wb.box);
+                free(part.data);
+            }
+            free(full.data);
+        }
+        if (k == 2) { /* 4:2:0: the errors */
+            want_box out = {{H - 3, 0, 4, W}, 0};
+            tdm_image img;
+            CHECK_ERROR(tdm_image_decode_part(jpeg, n, "o.jpg", 3, want_fixed, &out, &img) ==
+                            TDM_ERR_ARG,
+                        "image 'o.jpg': the part asked for (top 58, left 0, 4 x 83) is not inside");
+            CHECK(img.data == NULL, "a failed part leaves img empty");
+            want_box top = {{0, 0, 8, 8}, 0};
+            CHECK_ERROR(tdm_image_decode_part(jpeg, n / 2, "cut.jpg", 3, want_fixed, &top, &img) ==
+                            TDM_ERR_FORMAT,
+                        "image 'cut.jpg': JPEG: Premature end");
+            CHECK(top.calls == 0, "a JPEG without its end marker decodes whole, unasked");
+        }
+        tjFree(jpeg);
+    }
+    tjDestroy(enc);
+    CHECK(bad == 0, "%d of %d parts differ from the whole decode", bad, boxes);
+    /* a PNG (Pillow's, tests/fixtures/images) decodes whole: want is not called */
+    static unsigned char b[4096];
+    FILE *f = fopen("tests/fixtures/images/rgb_13x9.png", "rb");
+    size_t n = f ? fread(b, 1, sizeof b, f) : 0;
+    if (f) fclose(f);
+    want_box wb = {{1, 1, 2, 2}, 0};
+    tdm_image img;
+    CHECK(tdm_image_decode_part(b, n, "p.png", 3, want_fixed, &wb, &img) == TDM_OK &&
+              wb.calls == 0 && img.h == 9 && img.w == 13 && img.full_h == 0,
+          "a PNG part: %s", tdm_last_error());
+    free(img.data);
+    printf("decode_part: %d boxes bit for bit the whole decode's\n", boxes);
+}
+
 static void put_be32(unsigned char *p, uint32_t v) {
     p[0] = (unsigned char)(v >> 24), p[1] = (unsigned char)(v >> 16);
     p[2] = (unsigned char)(v >> 8), p[3] = (unsigned char)v;
@@ -347,6 +445,48 @@ static void check_samples(tdm_dataset *ds, const int64_t *want, int64_t n, doubl
     CHECK(failed == 0 && bad_label == 0 && bad_pixels == 0,
           "%s: %d failed, %d wrong labels, %d wrong images", ds->name, failed, bad_label,
           bad_pixels);
+}
+
+/* The loader over a JPEG folder with a transform that starts with RandomResizedCrop decodes
+ * only each crop's part (get_image_part): its batches are those of the whole images through
+ * the same transform, bit for bit, in epochs 0 and 1. */
+static void test_loader_parts(void) {
+    tdm_dataset *ds = tdm_image_folder_open(tmp("data/jpeg/train"), NULL);
+    tdm_transform *tf = tdm_transform_parse("RandomResizedCrop(20),RandomHorizontalFlip()", 0);
+    CHECK(ds && tf && ds->ops->get_image_part, "%s", tdm_last_error());
+    if (!ds || !tf) return;
+    enum { B = 64 };
+    tdm_loader_opts o = tdm_loader_defaults(B);
+    o.workers = 2, o.transform = tf, o.seed = 5;
+    tdm_loader *l = tdm_loader_new(ds, &o);
+    CHECK(l != NULL, "%s", tdm_last_error());
+    static float want[B * 3 * 20 * 20];
+    int bad = 0, batches = 0;
+    for (int64_t epoch = 0; l && epoch < 2; epoch++) {
+        CHECK(tdm_loader_start_epoch(l, epoch) == TDM_OK, "%s", tdm_last_error());
+        tdm_batch b;
+        int64_t n;
+        int64_t *idx = tdm_loader_indices(l, epoch, &n);
+        for (int k = 0; idx && k < 2 && tdm_loader_next(l, &b) == 1; k++, batches++) {
+            for (int64_t r = 0; r < b.size; r++) {
+                int64_t i = idx[b.index * B + r], y;
+                tdm_image img;
+                bad += ds->ops->get_image(ds, i, &img, &y) ||
+                       tdm_transform_apply(tf, &img, want + r * 1200, o.seed, epoch, i);
+                free(img.data);
+            }
+            float *got = malloc(sizeof(float) * (size_t)tdm_numel(b.x));
+            tdm_to_host(b.x, got, sizeof(float) * (size_t)tdm_numel(b.x));
+            bad += memcmp(got, want, sizeof(float) * (size_t)(b.size * 1200)) != 0;
+            free(got);
+        }
+        free(idx);
+    }
+    CHECK(bad == 0 && batches == 4, "%d of %d batches differ from whole-image decodes", bad,
+          batches);
+    tdm_loader_free(l);
+    tdm_transform_free(tf);
+    tdm_dataset_free(ds);
 }
 
 /* The PNG and JPEG folders of the first LIMIT train images: classes in order, each class's
@@ -752,8 +892,10 @@ int main(int argc, char **argv) {
     test_decode_fashion();
     test_decode_conversions();
     test_decode_rgb_jpeg();
+    test_decode_part();
     test_decode_errors();
     test_folder_fashion();
+    test_loader_parts();
     test_folder_rules();
     test_folder_long_header();
     test_folder_errors();

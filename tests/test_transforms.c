@@ -62,7 +62,7 @@ static double run_fixture(const tff_case *f) {
     if (f->text) {
         tdm_transform *tf = tdm_transform_parse(f->text, 0);
         tdm_shape s = TDM_SHAPE0;
-        tdm_image img = {f->in[0], f->in[1], f->in[2], x};
+        tdm_image img = {.c = f->in[0], .h = f->in[1], .w = f->in[2], .data = x};
         if (tf &&
             tdm_transform_output_shape(tf, TDM_SHAPE(f->in[0], f->in[1], f->in[2]), &s) == TDM_OK &&
             s.d[0] == f->out[0] && s.d[1] == f->out[1] && s.d[2] == f->out[2])
@@ -131,7 +131,7 @@ static int apply_text(const char *text, const float *x, int64_t c, int64_t h, in
                       uint64_t seed, int64_t epoch, int64_t index) {
     tdm_transform *tf = tdm_transform_parse(text, 0);
     if (!tf) return -1;
-    tdm_image img = {c, h, w, (float *)x};
+    tdm_image img = {.c = c, .h = h, .w = w, .data = (float *)x};
     int st = tdm_transform_apply(tf, &img, out, seed, epoch, index);
     tdm_transform_free(tf);
     return st;
@@ -258,7 +258,7 @@ static const char *const det_text = "RandomResizedCrop(24),RandomHorizontalFlip(
 static float *det_outputs(int64_t first, int64_t step) {
     float *x = tf_input(DC, DH, DW), *out = calloc((size_t)DN * DC * DO * DO, sizeof(float));
     tdm_transform *tf = tdm_transform_parse(det_text, 0);
-    tdm_image img = {DC, DH, DW, x};
+    tdm_image img = {.c = DC, .h = DH, .w = DW, .data = x};
     for (int64_t i = first; tf && i < DN; i += step)
         if (tdm_transform_apply(tf, &img, out + i * DC * DO * DO, 42, 3, i) != TDM_OK) break;
     tdm_transform_free(tf);
@@ -537,10 +537,80 @@ static void test_output_shape(void) {
     /* the same check when the size is only known from the image */
     tdm_transform *tf = tdm_transform_parse("RandomCrop(32, padding=2)", 0);
     float x[3 * 20 * 20] = {0}, out[3 * 32 * 32];
-    tdm_image img = {3, 20, 20, x};
+    tdm_image img = {.c = 3, .h = 20, .w = 20, .data = x};
     CHECK_ERROR(tf && tdm_transform_apply(tf, &img, out, 0, 0, 0) == TDM_ERR_SHAPE,
                 "larger than the image 20x20");
     tdm_transform_free(tf);
+}
+
+/* img's box {top, left, h, w} copied out as a part of it (tdm_image_decode_part's result). */
+static tdm_image part_of(const tdm_image *img, const int64_t box[4]) {
+    tdm_image p = {.c = img->c,
+                   .h = box[2],
+                   .w = box[3],
+                   .top = box[0],
+                   .left = box[1],
+                   .full_h = img->h,
+                   .full_w = img->w};
+    p.data = malloc(sizeof(float) * (size_t)(p.c * p.h * p.w));
+    for (int64_t c = 0; c < p.c; c++)
+        for (int64_t y = 0; y < p.h; y++)
+            memcpy(p.data + (c * p.h + y) * p.w,
+                   img->data + (c * img->h + box[0] + y) * img->w + box[1],
+                   sizeof(float) * (size_t)p.w);
+    return p;
+}
+
+/* A transform that starts with a crop, given only the part tdm_transform_source_box names,
+ * writes what it writes from the whole image, bit for bit; a part that does not hold the crop,
+ * or a transform that needs the whole image, is an error. */
+static void test_source_box(void) {
+    enum { C = 3, H = 75, W = 100 };
+    static float x[C * H * W], whole[3 * 64 * 64], from_part[3 * 64 * 64];
+    for (int i = 0; i < C * H * W; i++) x[i] = (float)((i * 7919) % 1000) / 1000.0f;
+    tdm_image img = {.c = C, .h = H, .w = W, .data = x};
+    const char *texts[] = {"RandomResizedCrop(64),RandomHorizontalFlip(),Normalize(imagenet)",
+                           "RandomResizedCrop(48, scale=(0.5, 1), ratio=(1, 1))",
+                           "CenterCrop(40),Normalize(imagenet)"};
+    int bad = 0, smaller = 0;
+    for (size_t t = 0; t < sizeof texts / sizeof *texts; t++) {
+        tdm_transform *tf = tdm_transform_parse(texts[t], 0);
+        CHECK(tf != NULL, "%s: %s", texts[t], tdm_last_error());
+        tdm_shape out;
+        CHECK(tdm_transform_output_shape(tf, TDM_SHAPE(C, H, W), &out) == TDM_OK, "shape");
+        size_t bytes = sizeof(float) * (size_t)tdm_shape_numel(out);
+        for (int64_t index = 0; index < 50; index++) {
+            int64_t box[4];
+            tdm_transform_source_box(tf, H, W, 7, 3, index, box);
+            smaller += box[2] * box[3] < H * W;
+            tdm_image p = part_of(&img, box);
+            int r1 = tdm_transform_apply(tf, &img, whole, 7, 3, index);
+            int r2 = tdm_transform_apply(tf, &p, from_part, 7, 3, index);
+            bad += r1 || r2 || memcmp(whole, from_part, bytes);
+            if (index == 0 && t == 0) { /* the part for another draw does not hold this one */
+                tdm_transform_source_box(tf, H, W, 7, 3, 1, box);
+                free(p.data);
+                p = part_of(&img, box);
+                if (box[2] < H || box[3] < W)
+                    CHECK_ERROR(tdm_transform_apply(tf, &p, from_part, 7, 3, 0) == TDM_ERR_ARG,
+                                "its crop is not inside the part of the image given");
+            }
+            free(p.data);
+        }
+        tdm_transform_free(tf);
+    }
+    CHECK(bad == 0 && smaller >= 100, "%d outputs differ from the whole image's (%d parts)", bad,
+          smaller);
+    tdm_transform *rs = tdm_transform_parse("Resize(32),CenterCrop(32)", 0);
+    int64_t box[4];
+    tdm_transform_source_box(rs, H, W, 0, 0, 0, box);
+    CHECK(box[0] == 0 && box[1] == 0 && box[2] == H && box[3] == W, "Resize reads it all");
+    int64_t half[4] = {0, 0, H / 2, W};
+    tdm_image p = part_of(&img, half);
+    CHECK_ERROR(tdm_transform_apply(rs, &p, whole, 0, 0, 0) == TDM_ERR_ARG,
+                "transform step 0 (Resize) needs the whole image");
+    free(p.data);
+    tdm_transform_free(rs);
 }
 
 int main(void) {
@@ -556,5 +626,6 @@ int main(void) {
     test_parse_errors();
     test_new_errors();
     test_output_shape();
+    test_source_box();
     return check_summary();
 }

@@ -19,11 +19,19 @@ extern "C" {
 typedef struct tdm_dataset tdm_dataset;
 
 /* One decoded image: data [c, h, w] f32, values in [0, 1] as torchvision's ToTensor gives them
- * (c is 1 for grey, 3 for RGB). Whoever fills it says who frees data. */
+ * (c is 1 for grey, 3 for RGB). Whoever fills it says who frees data.
+ * A part of an image (tdm_image_decode_part) has full_h > 0: data then holds rows
+ * [top, top + h) and columns [left, left + w) of an image of full_h x full_w pixels. full_h 0
+ * (what a zeroed or designated initialiser gives): data is the whole image. */
 typedef struct {
     int64_t c, h, w;
     float *data;
+    int64_t top, left, full_h, full_w;
 } tdm_image;
+
+/* Says which part of an h x w image its reader needs: box = {top, left, height, width}, inside
+ * the image (it comes in as the whole image). Called once the image's header is read. */
+typedef void (*tdm_image_want_fn)(void *arg, int64_t h, int64_t w, int64_t box[4]);
 
 typedef struct {
     /* Writes sample i: x (sample_numel elements of x_dtype) and y (target_numel i64).
@@ -41,6 +49,12 @@ typedef struct {
      * call from several threads at once. A file that does not decode is a negative status
      * with an error naming the file and the reason. */
     int (*get_image)(const tdm_dataset *ds, int64_t i, tdm_image *img, int64_t *y);
+    /* Optional (NULL: none): get_image for the part of sample i's image that want names (see
+     * tdm_image_decode_part): *img holds that box, or more of the image around it, with the
+     * same pixels get_image gives there. The loader calls it when its transform starts with a
+     * crop (RandomResizedCrop, CenterCrop), so that a JPEG decodes only what the crop reads. */
+    int (*get_image_part)(const tdm_dataset *ds, int64_t i, tdm_image_want_fn want, void *arg,
+                          tdm_image *img, int64_t *y);
     /* Optional (NULL: none): the name of class k (a folder name), NULL when k is out of
      * range. The classes of an ImageFolder, for messages and checkpoints. */
     const char *(*class_name)(const tdm_dataset *ds, int64_t k);
@@ -104,6 +118,15 @@ int64_t tdm_image_folder_skipped(const tdm_dataset *ds);
  * dropped). name is for messages. At most 65535 pixels a side and 89478485 in all. TDM_OK, or
  * TDM_ERR_FORMAT naming name and the decoder's reason (img zeroed). Thread-safe. */
 int tdm_image_decode(const void *bytes, size_t n, const char *name, int channels, tdm_image *img);
+/* tdm_image_decode of the part of the image that want(arg, h, w, box) names once the header is
+ * read: a JPEG decodes only those rows (and those columns, with a margin of one iMCU inside
+ * which its pixels are bit for bit the whole decode's) and *img is the box, with its top,
+ * left, full_h and full_w set (full_h 0 when the box is the whole image); a PNG, or a JPEG
+ * whose end marker is missing (so that a file cut short fails whatever part is asked for),
+ * decodes whole and want is not called. TDM_ERR_ARG for a box outside the image, else as
+ * tdm_image_decode. want NULL is tdm_image_decode. */
+int tdm_image_decode_part(const void *bytes, size_t n, const char *name, int channels,
+                          tdm_image_want_fn want, void *arg, tdm_image *img);
 /* CIFAR-10 (classes 10: data_batch_1..5.bin for train, test_batch.bin; records of a label
  * byte and 3072 pixel bytes) or CIFAR-100 (classes 100: train.bin, test.bin; records of a
  * coarse and a fine label byte, then the pixels; coarse picks the 20 superclasses) in their

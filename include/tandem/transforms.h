@@ -88,10 +88,20 @@ extern const char *const tdm_transform_presets[];
 int tdm_transform_output_shape(const tdm_transform *tf, tdm_shape in, tdm_shape *out);
 /* Applies tf to in (not changed), writing out [the output shape for in's shape], with the
  * draws of (seed, epoch, index). Thread-safe: tf is only read, and the buffers between steps
- * are this call's (malloc'd, the size of an intermediate image). TDM_OK, or an error (an
- * image a RandomCrop does not fit, out of memory). */
+ * are this call's (malloc'd, the size of an intermediate image). in may be a part of an image
+ * (in->full_h > 0, see tdm_image_decode_part) when tf starts with a RandomResizedCrop or a
+ * CenterCrop whose box (drawn on the whole image) lies in the part, e.g. the part that
+ * tdm_transform_source_box names: the output is then that of the whole image, bit for bit.
+ * TDM_OK, or an error (an image a RandomCrop does not fit, a part that does not hold the
+ * first crop, out of memory). */
 int tdm_transform_apply(const tdm_transform *tf, const tdm_image *in, float *out, uint64_t seed,
                         int64_t epoch, int64_t index);
+/* The part of an h x w image that tdm_transform_apply(tf, ..., seed, epoch, index) reads, as
+ * box = {top, left, height, width}: the box of a first RandomResizedCrop (the same draws), or
+ * of a first CenterCrop inside the image; else the whole image. A tdm_image_want_fn for
+ * tdm_image_decode_part, so that a JPEG decodes only the rows and columns the crop reads. */
+void tdm_transform_source_box(const tdm_transform *tf, int64_t h, int64_t w, uint64_t seed,
+                              int64_t epoch, int64_t index, int64_t box[4]);
 /* The steps as text, torchvision's way ("RandomCrop(32, padding=4), RandomHorizontalFlip(p=0.5)";
  * "none" for no steps), into buf (truncated to cap); returns buf. tdm_transform_parse reads it
  * back to the same steps. */

@@ -109,8 +109,10 @@ static int folder_get(const tdm_dataset *ds, int64_t i, void *x, int64_t *y) {
                      ds->name, (long long)ds->sample_shape.d[0]);
 }
 
-/* Reads sample i's file whole (no shared state: safe from any thread) and decodes it. */
-static int folder_get_image(const tdm_dataset *ds, int64_t i, tdm_image *img, int64_t *y) {
+/* Reads sample i's file whole (no shared state: safe from any thread) and decodes the part of
+ * it want names (want NULL: all of it). */
+static int folder_get_image_part(const tdm_dataset *ds, int64_t i, tdm_image_want_fn want,
+                                 void *arg, tdm_image *img, int64_t *y) {
     int rc = tdm_ds_check_index(ds, i);
     if (rc) return rc;
     const folder_impl *m = (const folder_impl *)ds->impl;
@@ -118,10 +120,14 @@ static int folder_get_image(const tdm_dataset *ds, int64_t i, tdm_image *img, in
     size_t n = 0;
     full_path(path, m->root, m->paths.p + m->samples[i].path); /* it fitted at open */
     if (tdm_ds_read_file(path, "image", &bytes, &n)) return tdm_last_status();
-    rc = tdm_image_decode(bytes, n, path, m->channels, img);
+    rc = tdm_image_decode_part(bytes, n, path, m->channels, want, arg, img);
     free(bytes);
     *y = m->samples[i].label;
     return rc;
+}
+
+static int folder_get_image(const tdm_dataset *ds, int64_t i, tdm_image *img, int64_t *y) {
+    return folder_get_image_part(ds, i, NULL, NULL, img, y);
 }
 
 static const char *folder_class_name(const tdm_dataset *ds, int64_t k) {
@@ -147,6 +153,7 @@ static void folder_destroy(tdm_dataset *ds) {
 static const tdm_dataset_ops folder_ops = {.get = folder_get,
                                            .destroy = folder_destroy,
                                            .get_image = folder_get_image,
+                                           .get_image_part = folder_get_image_part,
                                            .class_name = folder_class_name};
 
 int64_t tdm_image_folder_skipped(const tdm_dataset *ds) {

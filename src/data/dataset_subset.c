@@ -32,6 +32,14 @@ static int subset_get_image(const tdm_dataset *ds, int64_t i, tdm_image *img, in
     return b->ops->get_image(b, i, img, y);
 }
 
+static int subset_get_image_part(const tdm_dataset *ds, int64_t i, tdm_image_want_fn want,
+                                 void *arg, tdm_image *img, int64_t *y) {
+    int rc = tdm_ds_check_index(ds, i);
+    if (rc) return rc;
+    const tdm_dataset *b = base_of(ds, &i);
+    return b->ops->get_image_part(b, i, want, arg, img, y);
+}
+
 static void subset_prefetch(const tdm_dataset *ds, int64_t i) {
     if ((uint64_t)i >= (uint64_t)ds->n) return;
     const tdm_dataset *b = base_of(ds, &i);
@@ -80,6 +88,7 @@ tdm_dataset *tdm_dataset_subset(tdm_dataset *base, const int64_t *indices, int64
         .destroy = subset_destroy,
         .prefetch = base->ops->prefetch ? subset_prefetch : NULL,
         .get_image = base->ops->get_image ? subset_get_image : NULL,
+        .get_image_part = base->ops->get_image_part ? subset_get_image_part : NULL,
         .class_name = base->ops->class_name ? subset_class_name : NULL,
     };
     ds->n = n;

@@ -113,14 +113,29 @@ static double now_s(void) {
 
 /* ---- building a batch -------------------------------------------------------------------- */
 
+/* The part of sample idx's image the loader's transform reads (tdm_image_want_fn). */
+typedef struct {
+    const tdm_loader *l;
+    int64_t idx;
+} want_arg;
+
+static void want_source_box(void *arg, int64_t h, int64_t w, int64_t box[4]) {
+    const want_arg *a = arg;
+    tdm_transform_source_box(a->l->o.transform, h, w, a->l->o.seed, a->l->epoch, a->idx, box);
+}
+
 /* Sample idx into x (a row of the batch) and y: the dataset's get(), or with a transform
- * its decoded image (get_image) or its sample as an image, transformed into x. */
+ * its decoded image (get_image; get_image_part where the dataset has it: a JPEG decodes only
+ * what the transform's first crop reads) or its sample as an image, transformed into x. */
 static int read_sample(tdm_loader *l, slot *s, int64_t idx, void *x, int64_t *y) {
     const tdm_dataset *ds = l->ds;
     if (!l->o.transform) return ds->ops->get(ds, idx, x, y);
     tdm_image img = {0};
     int rc;
-    if (ds->ops->get_image) {
+    want_arg want = {l, idx};
+    if (ds->ops->get_image_part) {
+        rc = ds->ops->get_image_part(ds, idx, want_source_box, &want, &img, y);
+    } else if (ds->ops->get_image) {
         rc = ds->ops->get_image(ds, idx, &img, y);
     } else {
         const tdm_shape *in = &ds->sample_shape; /* [C, H, W], checked at creation */
@@ -128,7 +143,7 @@ static int read_sample(tdm_loader *l, slot *s, int64_t idx, void *x, int64_t *y)
         rc = ds->ops->get(ds, idx, s->raw, y);
     }
     if (rc == 0) rc = tdm_transform_apply(l->o.transform, &img, x, l->o.seed, l->epoch, idx);
-    if (ds->ops->get_image) free(img.data);
+    if (ds->ops->get_image_part || ds->ops->get_image) free(img.data);
     return rc;
 }
 

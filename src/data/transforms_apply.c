@@ -11,13 +11,16 @@
 #include "core/core.h"
 #include "data/transforms_internal.h"
 
-/* The image between steps; owned: data is this call's buffer, freed when replaced. */
+/* The image between steps; owned: data is this call's buffer, freed when replaced. Before the
+ * first step the image may be a part of the decoded file (tdm_image_decode_part): rows
+ * [top, top + h) and columns [left, left + w) of full_h x full_w; after any step it is whole. */
 typedef struct {
     int64_t c, h, w;
     float *data;
     bool owned;
     float *out; /* the caller's output, where the last step writes */
     bool last;  /* the step being run is the last */
+    int64_t top, left, full_h, full_w;
 } tf_run;
 
 static int64_t numel(int64_t c, int64_t h, int64_t w) {
@@ -40,6 +43,30 @@ static void run_set(tf_run *r, float *dst, int64_t c, int64_t h, int64_t w) {
     r->owned = dst != r->out;
     r->data = dst;
     r->c = c, r->h = h, r->w = w;
+    r->top = r->left = 0, r->full_h = h, r->full_w = w;
+}
+
+/* box, drawn on the whole image, in the coordinates of the part r holds; an error when the
+ * part does not hold it (a part decoded for other draws). */
+static int run_box_in_part(const tf_run *r, int i, tdm_tf_box *box) {
+    box->top -= r->top, box->left -= r->left;
+    if (box->top < 0 || box->left < 0 || box->top + box->h > r->h || box->left + box->w > r->w)
+        return tdm_raise(TDM_ERR_ARG,
+                         "transform step %d: its crop is not inside the part of the image given "
+                         "(rows %lld.., columns %lld.. of %lld x %lld); decode the part "
+                         "tdm_transform_source_box names",
+                         i, (long long)r->top, (long long)r->left, (long long)r->h,
+                         (long long)r->w);
+    return TDM_OK;
+}
+
+/* A step other than a first crop needs the whole image. */
+static int run_need_whole(const tf_run *r, int i, const tdm_transform_step *s) {
+    if (r->full_h == r->h && r->full_w == r->w) return TDM_OK;
+    return tdm_raise(TDM_ERR_ARG,
+                     "transform step %d (%s) needs the whole image, and it was given a part of "
+                     "one (only a first RandomResizedCrop or CenterCrop reads a part)",
+                     i, tdm_tf_kind_name(s->kind));
 }
 
 /* The buffer a step that works in place runs on: the image itself when it is ours, else a
@@ -88,6 +115,10 @@ static int run_resize(tf_run *r, const tdm_transform_step *s, const tdm_transfor
 }
 
 static int run_crop(tf_run *r, tdm_tf_box box) {
+    if (r->full_h != r->h || r->full_w != r->w) { /* a first CenterCrop of a part */
+        int st = run_box_in_part(r, 0, &box);
+        if (st) return st;
+    }
     float *d = run_dest(r, r->c, box.h, box.w);
     if (!d) return TDM_ERR_NOMEM;
     tdm_tf_crop(r->data, r->c, r->h, r->w, box, d);
@@ -95,12 +126,14 @@ static int run_crop(tf_run *r, tdm_tf_box box) {
     return TDM_OK;
 }
 
-static int run_resized_crop(tf_run *r, const tdm_transform_step *s, tdm_tf_rng *g) {
-    tdm_tf_box box = tdm_tf_rrc_params(g, r->h, r->w, s->scale, s->ratio);
+static int run_resized_crop(tf_run *r, int i, const tdm_transform_step *s, tdm_tf_rng *g) {
+    tdm_tf_box box = tdm_tf_rrc_params(g, r->full_h, r->full_w, s->scale, s->ratio);
+    int st = run_box_in_part(r, i, &box);
+    if (st) return st;
     tdm_tf_box part = {0, 0, s->size[0], s->size[1]};
     float *d = run_dest(r, r->c, part.h, part.w);
     if (!d) return TDM_ERR_NOMEM;
-    int st = tdm_tf_resample(r->data, r->c, r->h, r->w, box, part.h, part.w, part, d);
+    st = tdm_tf_resample(r->data, r->c, r->h, r->w, box, part.h, part.w, part, d);
     if (st) {
         if (d != r->out) free(d);
         return st;
@@ -150,13 +183,17 @@ static int run_color_jitter(tf_run *r, const tdm_transform_step *s, tdm_tf_rng *
 /* Step i, s; next is the step run with it (a Resize's CenterCrop) or NULL. */
 static int run_step(tf_run *r, int i, const tdm_transform_step *s, const tdm_transform_step *next,
                     tdm_tf_rng *g) {
+    if (s->kind != TDM_TF_RANDOM_RESIZED_CROP && s->kind != TDM_TF_CENTER_CROP) {
+        int st = run_need_whole(r, i, s);
+        if (st) return st;
+    }
     switch (s->kind) {
     case TDM_TF_RESIZE:
         return run_resize(r, s, next);
     case TDM_TF_CENTER_CROP:
-        return run_crop(r, tdm_tf_center_box(r->h, r->w, s->size[0], s->size[1]));
+        return run_crop(r, tdm_tf_center_box(r->full_h, r->full_w, s->size[0], s->size[1]));
     case TDM_TF_RANDOM_RESIZED_CROP:
-        return run_resized_crop(r, s, g);
+        return run_resized_crop(r, i, s, g);
     case TDM_TF_RANDOM_CROP:
         return run_random_crop(r, i, s, g);
     case TDM_TF_RANDOM_HFLIP: {
@@ -198,15 +235,36 @@ static int run_step(tf_run *r, int i, const tdm_transform_step *s, const tdm_tra
     }
 }
 
+/* The whole image's size: in's, or the image in is a part of. */
+static void image_full_size(const tdm_image *in, int64_t *h, int64_t *w) {
+    *h = in->full_h > 0 ? in->full_h : in->h;
+    *w = in->full_h > 0 ? in->full_w : in->w;
+}
+
 int tdm_transform_apply(const tdm_transform *tf, const tdm_image *in, float *out, uint64_t seed,
                         int64_t epoch, int64_t index) {
     if (!tf || !in || !in->data || !out || in->c < 1 || in->h < 1 || in->w < 1)
         return tdm_raise(TDM_ERR_ARG, "transform_apply: no transform, image or output, or an "
                                       "empty image");
+    int64_t fh, fw;
+    image_full_size(in, &fh, &fw);
+    if (in->full_h > 0 &&
+        (in->top < 0 || in->left < 0 || in->top + in->h > fh || in->left + in->w > fw))
+        return tdm_raise(TDM_ERR_ARG, "transform_apply: the image's part is not inside its "
+                                      "full size");
     tdm_shape shape;
-    int st = tdm_transform_output_shape(tf, TDM_SHAPE(in->c, in->h, in->w), &shape);
+    int st = tdm_transform_output_shape(tf, TDM_SHAPE(in->c, fh, fw), &shape);
     if (st) return st;
-    tf_run r = {in->c, in->h, in->w, in->data, false, out, false};
+    bool part = in->full_h > 0;
+    tf_run r = {.c = in->c,
+                .h = in->h,
+                .w = in->w,
+                .data = in->data,
+                .out = out,
+                .top = part ? in->top : 0,
+                .left = part ? in->left : 0,
+                .full_h = fh,
+                .full_w = fw};
     for (int i = 0; i < tf->n && st == TDM_OK; i++) {
         const tdm_transform_step *s = &tf->steps[i], *next = i + 1 < tf->n ? s + 1 : NULL;
         bool fuse = resize_fuses(s, next, r.h, r.w);
@@ -216,8 +274,27 @@ int tdm_transform_apply(const tdm_transform *tf, const tdm_image *in, float *out
         st = run_step(&r, i, s, fuse ? next : NULL, &g);
         i += fuse;
     }
+    if (st == TDM_OK && (r.h != r.full_h || r.w != r.full_w)) /* no steps */
+        st = tdm_raise(TDM_ERR_ARG, "transform_apply: an empty transform of a part of an image");
     if (st == TDM_OK && r.data != out)
         memcpy(out, r.data, (size_t)numel(r.c, r.h, r.w) * sizeof(float));
     if (r.owned) free(r.data);
     return st;
+}
+
+void tdm_transform_source_box(const tdm_transform *tf, int64_t h, int64_t w, uint64_t seed,
+                              int64_t epoch, int64_t index, int64_t box[4]) {
+    box[0] = 0, box[1] = 0, box[2] = h, box[3] = w;
+    if (!tf || tf->n == 0) return;
+    const tdm_transform_step *s = &tf->steps[0];
+    tdm_tf_box b = {0, 0, h, w};
+    if (s->kind == TDM_TF_RANDOM_RESIZED_CROP) {
+        tdm_tf_rng g;
+        tdm_tf_rng_init(&g, seed, epoch, index, 0); /* the draws tdm_transform_apply makes */
+        b = tdm_tf_rrc_params(&g, h, w, s->scale, s->ratio);
+    } else if (s->kind == TDM_TF_CENTER_CROP) {
+        b = tdm_tf_center_box(h, w, s->size[0], s->size[1]);
+    }
+    if (b.top < 0 || b.left < 0 || b.top + b.h > h || b.left + b.w > w) return; /* padded */
+    box[0] = b.top, box[1] = b.left, box[2] = b.h, box[3] = b.w;
 }

@@ -142,7 +142,8 @@ cli("flag_with_value", "--quiet=yes")
 cli("value_is_option", "--data", "--model")
 cli("devices_bad", "--devices", "cpu:,,cuda:99")
 
-# ---- images: a byte choosing the channels (bit 0: 1, else 3), then a PNG or JPEG file ---------
+# ---- images: a byte choosing the channels (bit 0: 1, else 3) and a part (bit 1; bits 2-7 place
+# its box), then a PNG or JPEG file ----------------------------------------------------------
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -172,8 +173,10 @@ def adam7_rows(w, h, pixel):
     return rows
 
 
-def image(name, data, channels=3):
-    write("image", name, bytes([1 if channels == 1 else 0]) + data)
+def image(name, data, channels=3, part=None):
+    """part: None for the whole image, else (top, left) in eighths of the image"""
+    ctl = (1 if channels == 1 else 0) | (0 if part is None else 2 | part[0] << 2 | part[1] << 5)
+    write("image", name, bytes([ctl]) + data)
 
 # tiny JPEGs made by TurboJPEG (tjCompress2, quality 75): 8x8 grey, 16x8 RGB 4:2:0, 8x8 RGB
 # progressive; the standard library has no JPEG encoder
@@ -254,6 +257,10 @@ image("jpeg_grey", JPEG_GREY_8X8)
 image("jpeg_rgb420", JPEG_RGB420_16X8)
 image("jpeg_rgb420_to_grey", JPEG_RGB420_16X8, 1)
 image("jpeg_progressive", JPEG_RGB_PROGRESSIVE_8X8)
+image("jpeg_rgb420_part", JPEG_RGB420_16X8, part=(2, 4))
+image("jpeg_progressive_part_grey", JPEG_RGB_PROGRESSIVE_8X8, 1, part=(4, 1))
+image("jpeg_truncated_part", JPEG_RGB420_16X8[: len(JPEG_RGB420_16X8) * 3 // 4], part=(0, 0))
+image("png_part", grey8, part=(1, 1))
 image("jpeg_truncated", JPEG_RGB420_16X8[: len(JPEG_RGB420_16X8) * 3 // 4])
 image("jpeg_header_only", JPEG_GREY_8X8[:40])
 image("jpeg_corrupt_scan", JPEG_GREY_8X8[:-8] + b"\xff\x00\xff\xd0" + JPEG_GREY_8X8[-4:])

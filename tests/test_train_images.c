@@ -149,6 +149,16 @@ static void cifar_resnet(void) {
               isfinite(number_after(pipe.out, "train loss ")),
           "resnet18 in 2 pipeline stages: exit %d: %s %s", pipe.status, pipe.out, pipe.err);
     result_free(&pipe);
+    /* the stem follows the images the model gets, not --image-size: 8x8 crops of a run told
+     * 224 still get the small-image stem */
+    result told = TANDEM("train", "--data", data, "--model", "resnet18", "--image-size", "224",
+                         "--transform", "RandomCrop(8)", "--eval-transform", "CenterCrop(8)",
+                         "--limit", "16", "--batch-size", "8", "--max-steps", "1");
+    CHECK(told.status == 0 && strstr(told.out, "small-image stem") &&
+              strstr(told.out, "images [3, 8, 8]"),
+          "resnet18 on 8x8 crops, --image-size 224: exit %d: %s %s", told.status, told.out,
+          told.err);
+    result_free(&told);
 }
 
 /* What goes wrong is named: an unreadable file (its path), no test folder, a transform that

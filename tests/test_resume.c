@@ -401,8 +401,9 @@ static bool same_ckpt(const char *a, const char *b, int64_t step) {
         "--weight-decay", "0.01", "--grad-accum", "2", "--clip-grad", "0.5", "--workers", "1",     \
         "--timeout", "20"
 
-/* --shard optimizer (ZeRO stage 1) under mpirun: its checkpoints are the unsharded run's byte
- * for byte (the weights, and the state gathered from the shards); a sharded checkpoint resumes
+/* --shard optimizer (ZeRO stage 1) under mpirun, one device per process (DDP) and two
+ * (DataParallel): its checkpoints are the unsharded run's byte for byte (the weights, and the
+ * state gathered from the shards); a sharded checkpoint resumes
  * unsharded and an unsharded one sharded, ending as the uninterrupted run; a sharded one
  * resumes on 1 and on 3 processes. 2 epochs of 3 steps (2 batches each). */
 static void zero_resume(const char *mpirun) {
@@ -423,6 +424,23 @@ static void zero_resume(const char *mpirun) {
           "sharded mpi run: exit %d, output %s", rc, out);
     free(out);
     CHECK(same_ckpt(plain, sharded, 6), "--shard optimizer: a checkpoint differs from unsharded");
+    /* 2 devices in each process (DataParallel on the two-level group): sharded over all 4 */
+    char dp_plain[300], dp_sharded[300];
+    snprintf(dp_plain, sizeof dp_plain, "%s/zero-dp-plain", tmpdir);
+    snprintf(dp_sharded, sizeof dp_sharded, "%s/zero-dp-sharded", tmpdir);
+    rc = wait_status(start_with(
+        np[2], ARGS(ZERO_RUN, "--devices", "2", "--checkpoint-dir", dp_plain, "--quiet")));
+    int rc2 = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--devices", "2", "--checkpoint-dir",
+                                                 dp_sharded, "--shard", "optimizer")));
+    out = captured("stdout");
+    CHECK(rc == 0 && rc2 == 0 &&
+              strstr(out, "sharding  optimizer state 470400 bytes per rank of 1881168 "
+                          "(ZeRO stage 1 over 4 ranks)") &&
+              same_ckpt(dp_plain, dp_sharded, 6),
+          "2 processes x 2 devices, --shard optimizer: exit %d and %d, or a checkpoint differs "
+          "from unsharded: %s",
+          rc, rc2, out);
+    free(out);
     /* stopped after 2 steps: sharded, then resumed unsharded; and the other way round */
     for (int i = 0; i < 2; i++) {
         snprintf(half[i], sizeof half[i], "%s/zero-half-%d", tmpdir, i);
@@ -441,7 +459,9 @@ static void zero_resume(const char *mpirun) {
               "differs from the uninterrupted run's",
               first, then, rc);
     }
-    /* on 1 and 3 processes: it continues (where, in the data, is the resharding stage's) */
+    /* on 1 and 3 processes it continues; not yet at the same place in the data: the loader's
+     * position is saved in samples of rank 0's share, which another process count reads as
+     * another batch (resuming on another count is a later stage of issue 19) */
     for (int p = 1; p <= 3; p += 2) {
         char dir[320], path[400];
         snprintf(dir, sizeof dir, "%s-np%d", half[0], p);

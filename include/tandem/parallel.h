@@ -156,7 +156,8 @@ typedef struct tdm_ddp tdm_ddp;
 
 /* Wraps this rank's replica: broadcasts rank 0's parameters and buffers, checks that every
  * rank has the same parameter names and shapes (an error naming the first difference), and
- * hangs gradient buckets on the parameters' ready hooks. */
+ * hangs gradient buckets on the parameters' ready hooks. Each rank steps its own optimizer
+ * after tdm_ddp_backward; tdm_optim_shard (below) splits their state over the ranks. */
 tdm_ddp *tdm_ddp_new(tdm_module *replica, tdm_group *g, const tdm_ddp_opts *o);
 /* The replica's forward (broadcasting buffers first when asked). */
 tdm_tensor *tdm_ddp_forward(tdm_ddp *d, tdm_tensor *x);
@@ -217,9 +218,9 @@ int tdm_optim_state_gather(tdm_optim *o, const char **names, tdm_tensor **full, 
  * over o's group when o is sharded; a plain copy otherwise). What a checkpoint saves:
  * tdm_checkpoint_save(..., &(tdm_train_state){.optim = whole, ...}) writes the same file as
  * the unsharded run, which resumes sharded (load into an unsharded optimizer, then
- * tdm_optim_shard; or tdm_optim_state_load into a sharded one), on any number of ranks, or
- * not sharded at all. Owned by the caller (tdm_optim_free; it steps no group). NULL and an
- * error on failure. */
+ * tdm_optim_shard; or tdm_checkpoint_load into a sharded one, which takes its range through
+ * tdm_optim_state_load), on any number of ranks, or not sharded at all. Owned by the caller
+ * (tdm_optim_free; it steps no group). NULL and an error on failure. */
 tdm_optim *tdm_optim_gather(tdm_optim *o);
 
 /* ---- DataParallel ------------------------------------------------------------------------ */

@@ -146,8 +146,8 @@ static const opt_spec specs[] = {
      "the parameters only, steps that shard and shares it, so the state per device is divided "
      "by their number and the weights are the same, bit for bit. Under mpirun, or on several "
      "GPUs; the CPU devices of one process already hold the state once. Checkpoints are the "
-     "unsharded run's (the state is gathered to save it), so a run may resume with another "
-     "--shard or number of processes. gradients and parameters (ZeRO stages 2 and 3) are not "
+     "unsharded run's (the state is gathered to save it), so a run may resume with or without "
+     "--shard. gradients and parameters (ZeRO stages 2 and 3) are not "
      "written yet. Not with --model-split."},
     {"--model-split", "K", OPT_INT, F(model_split), 1, TDM_PIPE_MAX_STAGES, "1 (no split)",
      "Model parallelism: cut the model into K pipeline stages of consecutive layers (balanced "

@@ -546,8 +546,9 @@ static void print_sharding(const trainer *tr) {
     for (int k = 0; k < n; k++) mine += tdm_numel(st[k]) * 4;
     if (tr->sharded)
         printf("sharding  optimizer state %lld bytes per rank of %lld (ZeRO stage 1 over %d "
-               "ranks)\n",
-               (long long)mine, (long long)whole, o->n_devs * procs);
+               "rank%s)\n",
+               (long long)mine, (long long)whole, o->n_devs * procs,
+               o->n_devs * procs == 1 ? "" : "s");
     else
         printf("sharding  optimizer state %lld bytes, held once by %s\n", (long long)whole,
                o->n_devs > 1 ? "this process for its devices (their update is split already)"

@@ -127,6 +127,15 @@ static void test_usage_errors(void) {
     expect_usage("too small for 8 micro-batches",
                  (const char *const[]){t, "train", "--model-split", "2", "--devices", "2",
                                        "--micro-batches", "8", "--batch-size", "4", NULL});
+    expect_usage("--shard: unknown kind 'all'",
+                 (const char *const[]){t, "train", "--shard", "all", NULL});
+    expect_usage("--shard gradients (ZeRO stage 2) is not written yet",
+                 (const char *const[]){t, "train", "--shard", "gradients", NULL});
+    expect_usage("--shard parameters (ZeRO stage 3) is not written yet",
+                 (const char *const[]){t, "train", "--shard", "parameters", NULL});
+    expect_usage("with --model-split each pipeline stage steps an optimizer of its own",
+                 (const char *const[]){t, "train", "--shard", "optimizer", "--model-split", "2",
+                                       "--devices", "2", NULL});
     expect_usage("stray", (const char *const[]){t, "train", "stray", NULL});
     expect_usage("frobnicate", (const char *const[]){t, "frobnicate", NULL});
 }
@@ -481,6 +490,21 @@ static void test_mpi_run(const char *mpirun) {
     CHECK(odd.status != 0 && strstr(odd.err, "different options: --momentum 0.9 on rank 0, 0.5 "
                                              "on rank 1"),
           "processes with different options: exit %d: %s", odd.status, odd.err);
+    result_free(&odd);
+    /* --shard may change on a resume (it changes no result) but not between processes */
+    odd = run((const char *const[]){mpirun,      "--oversubscribe",
+                                    "-np",       "1",
+                                    tandem_path, "train",
+                                    "--limit",   "1280",
+                                    "--quiet",   ":",
+                                    "-np",       "1",
+                                    tandem_path, "train",
+                                    "--limit",   "1280",
+                                    "--quiet",   "--shard",
+                                    "optimizer", NULL});
+    CHECK(odd.status != 0 && strstr(odd.err, "different options: --shard none on rank 0, "
+                                             "optimizer on rank 1"),
+          "processes with different --shard: exit %d: %s", odd.status, odd.err);
     result_free(&odd);
     result_free(&one);
     result_free(&two);

@@ -163,17 +163,21 @@ static void run_steps(const char *what, int (*step)(void *, tdm_tensor *, tdm_te
 }
 
 /* DataParallel over n GPUs (NCCL: bucket all-reduces, synchronised batch norm, the wrap-time
- * broadcasts) gives one CPU device's parameters on the same batches, and every replica the
- * same bits. CPU and GPU replicas mixed are refused. */
-static void dp_against_cpu(int n, model md, bool adam) {
-    char what[64];
-    snprintf(what, sizeof what, "%s %s on %d GPU(s)", md.name, adam ? "adam" : "sgd", n);
+ * broadcasts; with shard, the optimizer state sharded over the GPUs, ZeRO stage 1) gives one
+ * CPU device's parameters on the same batches, and every replica the same bits. CPU and GPU
+ * replicas mixed are refused. */
+static void dp_against_cpu(int n, model md, bool adam, bool shard) {
+    char what[80];
+    snprintf(what, sizeof what, "%s %s on %d GPU(s)%s", md.name, adam ? "adam" : "sgd", n,
+             shard ? ", sharded" : "");
     tdm_device gpus[2] = {G, tdm_cuda(1)};
     tdm_module *mc = md.make(), *mg = tdm_module_clone(mc, G);
     tdm_module_train(mc, true);
     if (mg) tdm_module_train(mg, true); /* before the replicas are cloned from it */
     tdm_dp *dp = mg ? tdm_dp_new(mg, gpus, n, make_optim, &adam) : NULL;
     CHECK(dp, "%s: data_parallel: %s", what, tdm_last_error());
+    if (dp && shard)
+        CHECK(tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER) == 0, "%s: %s", what, tdm_last_error());
     int64_t np = tdm_module_parameters(mc)->total;
     float lc[STEPS], lg[STEPS], *pc = dp ? train(mc, md.xs, adam, lc) : NULL;
     float *p[2] = {malloc(sizeof(float) * (size_t)np), malloc(sizeof(float) * (size_t)np)};
@@ -185,6 +189,12 @@ static void dp_against_cpu(int n, model md, bool adam) {
         like_cpu(what, lg, lc, p[0], pc, np);
         if (n > 1)
             CHECK(!memcmp(p[0], p[1], sizeof(float) * (size_t)np), "%s: the replicas differ", what);
+        tdm_optim *whole = shard ? tdm_dp_optim_gather(dp) : NULL;
+        tdm_tensor *st[3];
+        CHECK(!shard || (whole && tdm_optim_state(whole, NULL, st, 3) > 0 &&
+                         tdm_numel(st[0]) == np && tdm_device_equal(st[0]->device, G)),
+              "%s: the gathered state: %s", what, tdm_last_error());
+        tdm_optim_free(whole);
     }
     free(pc), free(p[0]), free(p[1]);
     tdm_dp_free(dp);
@@ -207,7 +217,8 @@ static void test_data_parallel(void) {
      * replica alone is run only where there is one GPU: the CPU emulation is slow) */
     for (int n = most; n <= most; n++)
         for (int adam = 0; adam < 2; adam++)
-            for (int mi = 0; mi < 2; mi++) dp_against_cpu(n, model_of(mi), adam);
+            for (int mi = 0; mi < 2; mi++) dp_against_cpu(n, model_of(mi), adam, false);
+    dp_against_cpu(most, model_of(0), true, true);
 }
 
 /* A 2-stage pipeline over cuda:0 and cuda:1 (activations and gradients cross between the

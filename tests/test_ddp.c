@@ -1,8 +1,10 @@
 /* DDP and DataParallel: N replicas on N CPU devices end with the parameters of one device
  * trained on the same global batches (uneven splits, several bucket sizes, gradient
  * accumulation without sync), stay identical to each other, and fail clearly when the
- * replicas differ or a parameter gets no gradient. With batch norm and dropout under the
- * parallel context (DataParallel sets it), replicas match one device too, running statistics
+ * replicas differ or a parameter gets no gradient. ZeRO stage 1 (the optimizer state sharded
+ * over the ranks) ends with the unsharded run's parameters and state bit for bit, and its
+ * checkpoints resume on another number of ranks, sharded or not. With batch norm and dropout under
+ * the parallel context (DataParallel sets it), replicas match one device too, running statistics
  * included: synchronised batch norm is checked against one device's on the concatenated
  * batch, and dropout against one device's masks for the same global rows.
  *
@@ -16,6 +18,7 @@
 #include <stdlib.h>
 
 #include "ddp_common.h"
+#include "testdir.h"
 
 static tdm_optim *make_sgd(tdm_paramset *ps, void *arg) {
     tdm_sgd_opts o = tdm_sgd_defaults(0.1f);
@@ -188,6 +191,307 @@ static void test_ddp_errors(void) {
     find = true;
     CHECK(tdm_spawn(2, devs, unused_rank, &find) == 0, "find_unused_parameters: %s",
           tdm_last_error());
+}
+
+/* ---- ZeRO stage 1: the optimizer state sharded over the group ----------------------------- */
+
+/* Adam with weight decay and amsgrad: three state buffers. */
+static tdm_optim *make_adam_zero(tdm_paramset *ps, void *arg) {
+    tdm_adam_opts o = tdm_adam_defaults();
+    o.lr = 0.01f;
+    o.weight_decay = 0.05f;
+    o.amsgrad = true;
+    return tdm_adam_new(ps, &o);
+}
+
+/* SGD with nesterov momentum and per-parameter weight decays, whose runs of equal decay cross
+ * the shards' boundaries. */
+static tdm_optim *make_sgd_zero(tdm_paramset *ps, void *arg) {
+    tdm_sgd_opts o = tdm_sgd_defaults(0.1f);
+    o.momentum = 0.9f;
+    o.nesterov = true;
+    tdm_optim *opt = tdm_sgd_new(ps, &o);
+    const float wd[4] = {1e-3f, 0, 1e-3f, 0}; /* 0.weight, 0.bias, 2.weight, 2.bias */
+    if (opt && ps->n == 4 && tdm_optim_set_weight_decays(opt, wd)) tdm_optim_free(opt), opt = NULL;
+    return opt;
+}
+
+#define ZERO_CLIP 0.05f /* well below the gradients' norm: every step clips */
+
+/* How a rank of a ZeRO case starts: from scratch, or from the checkpoint at path (loaded
+ * into the unsharded optimizer, then sharded; or sharded first, then loaded). */
+typedef enum { FROM_SCRATCH, LOAD_THEN_SHARD, SHARD_THEN_LOAD } zero_start;
+
+typedef struct {
+    tdm_optim_factory make;
+    bool shard;
+    zero_start start;
+    const char *ckpt;     /* the checkpoint to start from, or to write (rank 0) after the steps */
+    int first_batch;      /* batches s * 10 + a for s from here */
+    float *params[4];     /* per rank: the parameters after the steps */
+    float *state[4][3];   /* per rank: the whole state, gathered */
+    int n_state;          /* state buffers */
+    int64_t lo[4], hi[4]; /* per rank: its shard */
+    int64_t numel[4];     /* per rank: elements of each of its state buffers */
+    int64_t total, steps; /* the flat buffer's elements; rank 0's optimizer steps */
+} zero_case;
+
+/* STEPS steps of DDP: 2 micro-batches each (the first without sync), the averaged gradient
+ * clipped, then the (maybe sharded) optimizer's step. */
+static int zero_steps(tdm_ddp *d, tdm_paramset *ps, tdm_optim *opt, int n, int r, int first) {
+    int64_t lo = r * (B / n) + (r < B % n ? r : B % n), hi = lo + B / n + (r < B % n);
+    float x[B * IN];
+    int64_t y[B];
+    int rc = 0;
+    for (int s = first; s < first + STEPS && !rc; s++) {
+        tdm_optim_zero_grad(opt);
+        for (int a = 0; a < 2 && !rc; a++) {
+            batch_of(s * 10 + a, x, y);
+            tdm_ddp_set_sync(d, a == 1);
+            tdm_scope_begin();
+            tdm_tensor *xs =
+                tdm_from_data(TDM_SHAPE(hi - lo, IN), TDM_F32, tdm_cpu(0), x + lo * IN);
+            tdm_tensor *ys = tdm_from_data(TDM_SHAPE(hi - lo), TDM_I64, tdm_cpu(0), y + lo);
+            tdm_tensor *l = tdm_cross_entropy(tdm_ddp_forward(d, xs), ys, NULL);
+            rc = tdm_ddp_backward(d, tdm_mul_scalar(l, (float)((double)(hi - lo) * n / B / 2)));
+            tdm_scope_end();
+        }
+        if (!rc) rc = tdm_clip_grad_norm(ps, ZERO_CLIP, false, NULL);
+        if (!rc) rc = tdm_optim_step(opt);
+    }
+    return rc;
+}
+
+/* What a rank ends with: parameters, shard, state sizes and the gathered whole state (and,
+ * on rank 0 when asked, a checkpoint of the whole copy, which every rank helps gather). */
+static int zero_record(zero_case *c, tdm_module *m, tdm_paramset *ps, tdm_optim *opt, int r) {
+    c->params[r] = malloc(sizeof(float) * (size_t)ps->total);
+    tdm_to_host(ps->flat, c->params[r], sizeof(float) * (size_t)ps->total);
+    tdm_optim_shard_range(opt, &c->lo[r], &c->hi[r]);
+    tdm_tensor *st[3], *whole[3];
+    int n = tdm_optim_state(opt, NULL, st, 3);
+    c->numel[r] = n ? tdm_numel(st[0]) : 0;
+    for (int k = 1; k < n; k++)
+        if (tdm_numel(st[k]) != c->numel[r]) c->numel[r] = -1;
+    int got = tdm_optim_state_gather(opt, NULL, whole, 3);
+    if (got != n) return got < 0 ? got : TDM_ERR_STATE;
+    for (int k = 0; k < n; k++) {
+        c->state[r][k] = malloc(sizeof(float) * (size_t)ps->total);
+        tdm_to_host(whole[k], c->state[r][k], sizeof(float) * (size_t)ps->total);
+        tdm_tensor_free(whole[k]);
+    }
+    if (r == 0) c->n_state = n, c->total = ps->total, c->steps = tdm_optim_steps(opt);
+    if (!c->ckpt || c->start != FROM_SCRATCH) return TDM_OK;
+    tdm_optim *copy = tdm_optim_gather(opt);
+    tdm_train_state s = {.model = m, .optim = copy, .step = tdm_optim_steps(opt)};
+    int rc = !copy ? tdm_last_status() : r == 0 ? tdm_checkpoint_save(c->ckpt, &s, 0) : TDM_OK;
+    tdm_optim_free(copy);
+    return rc;
+}
+
+static int zero_rank(tdm_rank_ctx *ctx, void *arg) {
+    zero_case *c = arg;
+    int r = ctx->rank, rc = 0;
+    tdm_module *m = make_mlp(1 + (uint64_t)r, HID); /* rank 0's weights are broadcast */
+    tdm_ddp *d = tdm_ddp_new(m, ctx->group, NULL);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_optim *opt = d ? c->make(ps, NULL) : NULL;
+    tdm_train_state s = {.model = m, .optim = opt};
+    if (!opt) rc = tdm_last_status();
+    if (!rc && c->shard && c->start != LOAD_THEN_SHARD) rc = tdm_optim_shard(opt, ctx->group);
+    if (!rc && c->start != FROM_SCRATCH) rc = tdm_checkpoint_load(c->ckpt, &s);
+    if (!rc && c->shard && c->start == LOAD_THEN_SHARD) rc = tdm_optim_shard(opt, ctx->group);
+    if (!rc) rc = zero_steps(d, ps, opt, ctx->size, r, c->first_batch);
+    if (!rc) rc = zero_record(c, m, ps, opt, r);
+    tdm_optim_free(opt);
+    tdm_ddp_free(d);
+    tdm_module_free(m);
+    return rc;
+}
+
+static void zero_case_free(zero_case *c) {
+    for (int r = 0; r < 4; r++) {
+        free(c->params[r]);
+        for (int k = 0; k < 3; k++) free(c->state[r][k]);
+    }
+}
+
+/* Each rank's shard is tdm_chunk_of's (ceil(total / n) rounded up to 16, in rank order), its
+ * state buffers that size, and the shards tile the flat buffer. */
+static void check_shards(const zero_case *c, int n, const char *what) {
+    int64_t per = ((c->total + n - 1) / n + 15) / 16 * 16, at = 0;
+    for (int r = 0; r < n; r++) {
+        int64_t lo = r * per < c->total ? r * per : c->total;
+        int64_t hi = lo + per < c->total ? lo + per : c->total;
+        CHECK(c->lo[r] == lo && c->hi[r] == hi && c->numel[r] == hi - lo,
+              "%s, %d ranks: rank %d's shard [%lld, %lld) with %lld state elements, expected "
+              "[%lld, %lld)",
+              what, n, r, (long long)c->lo[r], (long long)c->hi[r], (long long)c->numel[r],
+              (long long)lo, (long long)hi);
+        at += c->numel[r];
+    }
+    CHECK(at == c->total, "%s, %d ranks: the shards hold %lld elements of %lld", what, n,
+          (long long)at, (long long)c->total);
+}
+
+/* Whether every rank of c ends with want's rank-0 parameters and whole state, bit for bit. */
+static void check_same(const zero_case *c, const zero_case *want, int n, const char *what) {
+    size_t bytes = sizeof(float) * (size_t)want->total;
+    for (int r = 0; r < n; r++) {
+        CHECK(c->params[r] && memcmp(c->params[r], want->params[0], bytes) == 0,
+              "%s, %d ranks: rank %d's parameters differ from the unsharded run's", what, n, r);
+        for (int k = 0; k < want->n_state; k++)
+            CHECK(c->state[r][k] && memcmp(c->state[r][k], want->state[0][k], bytes) == 0,
+                  "%s, %d ranks: rank %d's gathered state %d differs from the unsharded one", what,
+                  n, r, k);
+    }
+    CHECK(c->steps == want->steps, "%s: %lld steps counted, unsharded %lld", what,
+          (long long)c->steps, (long long)want->steps);
+}
+
+/* Sharded DDP on 2, 3 and 4 ranks (the 4th's shard empty) ends with the unsharded run's
+ * parameters and state, bit for bit, with accumulation and clipping; a sharded run's
+ * checkpoint (saved on 2 ranks) resumes on 3, sharded before or after the load, as the
+ * unsharded optimizer does. */
+static void test_zero(void) {
+    tdm_optim_factory makes[2] = {make_adam_zero, make_sgd_zero};
+    const char *names[2] = {"adam (weight decay, amsgrad)", "sgd (nesterov, param groups)"};
+    tdm_device devs[4] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+    char ckpt[200];
+    snprintf(ckpt, sizeof ckpt, "%s/zero", tmpdir);
+    for (int k = 0; k < 2; k++) {
+        for (int n = 2; n <= 4; n++) {
+            zero_case plain = {.make = makes[k]};
+            zero_case sharded = {.make = makes[k], .shard = true, .ckpt = n == 2 ? ckpt : NULL};
+            CHECK(tdm_spawn(n, devs, zero_rank, &plain) == 0, "%s: %s", names[k], tdm_last_error());
+            CHECK(tdm_spawn(n, devs, zero_rank, &sharded) == 0, "sharded %s on %d ranks: %s",
+                  names[k], n, tdm_last_error());
+            check_shards(&sharded, n, names[k]);
+            check_same(&sharded, &plain, n, names[k]);
+            zero_case_free(&plain);
+            zero_case_free(&sharded);
+        }
+        /* saved by 2 sharded ranks: 3 ranks continue, unsharded and sharded both ways */
+        char path[300] = "";
+        CHECK(tdm_checkpoint_latest(ckpt, path, sizeof path, NULL) == 1,
+              "the sharded run's checkpoint: %s", tdm_last_error());
+        zero_case resumed[3] = {
+            {.make = makes[k], .start = LOAD_THEN_SHARD, .ckpt = path, .first_batch = 10},
+            {.make = makes[k],
+             .shard = true,
+             .start = LOAD_THEN_SHARD,
+             .ckpt = path,
+             .first_batch = 10},
+            {.make = makes[k],
+             .shard = true,
+             .start = SHARD_THEN_LOAD,
+             .ckpt = path,
+             .first_batch = 10}};
+        for (int i = 0; i < 3; i++)
+            CHECK(tdm_spawn(3, devs, zero_rank, &resumed[i]) == 0, "%s resumed (%d): %s", names[k],
+                  i, tdm_last_error());
+        CHECK(resumed[0].steps == 2 * STEPS, "%s: the resumed optimizer took %lld steps", names[k],
+              (long long)resumed[0].steps);
+        check_same(&resumed[1], &resumed[0], 3, "loaded, then sharded");
+        check_same(&resumed[2], &resumed[0], 3, "sharded, then loaded");
+        for (int i = 0; i < 3; i++) zero_case_free(&resumed[i]);
+        tdm_checkpoint_clear(ckpt);
+    }
+}
+
+/* ---- ZeRO errors ---------------------------------------------------------------------------- */
+
+typedef enum { SHARD_TWICE, SHARD_NULL_ON_1, SHARD_SIZES_DIFFER, SAVE_SHARDED } zero_fault;
+
+typedef struct {
+    zero_fault fault;
+    int rc[2];
+    char err[2][400];
+} zero_err_case;
+
+/* Every rank records its own failure: the spawn itself succeeds, so both are seen. */
+static int zero_err_rank(tdm_rank_ctx *ctx, void *arg) {
+    zero_err_case *c = arg;
+    int r = ctx->rank;
+    tdm_module *m = make_mlp(1, c->fault == SHARD_SIZES_DIFFER && r == 1 ? HID + 1 : HID);
+    tdm_optim *opt = make_adam_zero(tdm_module_parameters(m), NULL);
+    int rc = tdm_optim_shard(c->fault == SHARD_NULL_ON_1 && r == 1 ? NULL : opt, ctx->group);
+    if (!rc && c->fault == SHARD_TWICE) rc = tdm_optim_shard(opt, ctx->group);
+    if (!rc && c->fault == SAVE_SHARDED) {
+        char dir[200];
+        snprintf(dir, sizeof dir, "%s/sharded-%d", tmpdir, r);
+        rc = tdm_checkpoint_save(dir, &(tdm_train_state){.model = m, .optim = opt}, 0);
+    }
+    c->rc[r] = rc;
+    snprintf(c->err[r], sizeof c->err[r], "%s", rc ? tdm_last_error() : "");
+    tdm_optim_free(opt);
+    tdm_module_free(m);
+    return 0;
+}
+
+static void expect_zero_fault(zero_fault f, const char *want0, const char *want1) {
+    zero_err_case c = {.fault = f};
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    CHECK(tdm_spawn(2, devs, zero_err_rank, &c) == 0, "fault %d: %s", f, tdm_last_error());
+    CHECK(c.rc[0] && strstr(c.err[0], want0), "fault %d, rank 0: %d \"%s\", expected \"%s\"", f,
+          c.rc[0], c.err[0], want0);
+    CHECK(c.rc[1] && strstr(c.err[1], want1), "fault %d, rank 1: %d \"%s\", expected \"%s\"", f,
+          c.rc[1], c.err[1], want1);
+}
+
+/* Sharding twice, a rank that cannot shard (every rank fails, none waits), a sharded state
+ * saved as it is, loading a whole state of the wrong name or size, the ZeRO stages not
+ * written yet, and DataParallel on one process's CPU devices (which holds the state once
+ * already: the flag changes nothing). */
+static void test_zero_errors(void) {
+    expect_zero_fault(SHARD_TWICE, "optim_shard: the optimizer is sharded already",
+                      "optim_shard: the optimizer is sharded already");
+    expect_zero_fault(SHARD_NULL_ON_1, "1 other rank of the group could not shard",
+                      "optim_shard: optimizer is NULL");
+    expect_zero_fault(
+        SHARD_SIZES_DIFFER, "1 other rank of the group could not shard",
+        "rank 1's optimizer has 93 parameters and 3 state buffers, rank 0's 83 and 3");
+    expect_zero_fault(SAVE_SHARDED,
+                      "checkpoint_save: the optimizer is sharded (its state covers "
+                      "[0, 48) of 83 elements)",
+                      "[48, 83) of 83 elements); save its whole copy from tdm_optim_gather");
+    tdm_module *m = make_mlp(1, HID);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_optim *opt = make_adam_zero(ps, NULL);
+    CHECK_ERROR(tdm_optim_shard(opt, NULL) != 0, "optim_shard: NULL group");
+    tdm_tensor *whole = tdm_zeros(TDM_SHAPE(ps->total), TDM_F32, tdm_cpu(0));
+    tdm_tensor *small = tdm_zeros(TDM_SHAPE(ps->total - 1), TDM_F32, tdm_cpu(0));
+    CHECK(tdm_optim_state_load(opt, "exp_avg_sq", whole) == 0, "%s", tdm_last_error());
+    CHECK_ERROR(tdm_optim_state_load(opt, "momentum_buffer", whole) != 0,
+                "this adam optimizer has no state 'momentum_buffer'");
+    CHECK_ERROR(tdm_optim_state_load(opt, "exp_avg", small) != 0,
+                "'exp_avg' must be f32 [83] (the whole flat buffer), got f32 [82]");
+    tdm_tensor_free(whole);
+    tdm_tensor_free(small);
+    tdm_optim_free(opt);
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    tdm_dp *dp = tdm_dp_new(m, devs, 2, make_adam_zero, NULL);
+    CHECK(dp, "dp_new: %s", tdm_last_error());
+    if (!dp) return;
+    CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_GRADIENTS) != 0,
+                "sharding the gradients (ZeRO stage 2) is not written yet");
+    CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_PARAMETERS) != 0,
+                "sharding the parameters (ZeRO stage 3) is not written yet");
+    CHECK_ERROR(tdm_dp_set_shard(dp, (tdm_shard_kind)7) != 0, "unknown kind 7");
+    CHECK(tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER) == 0 && tdm_dp_shard(dp) == TDM_SHARD_OPTIMIZER,
+          "one process's CPU devices accept --shard optimizer: %s", tdm_last_error());
+    int64_t lo = -1, hi = -1;
+    tdm_optim_shard_range(tdm_dp_optim(dp, 0), &lo, &hi);
+    CHECK(lo == 0 && hi == ps->total, "replica 0 keeps the whole state: [%lld, %lld)",
+          (long long)lo, (long long)hi);
+    CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_NONE) != 0, "is sharded and stays so");
+    tdm_optim *copy = tdm_dp_optim_gather(dp);
+    tdm_tensor *st[3];
+    CHECK(copy && tdm_optim_state(copy, NULL, st, 3) == 3 && tdm_numel(st[2]) == ps->total,
+          "dp_optim_gather: %s", tdm_last_error());
+    tdm_optim_free(copy);
+    tdm_dp_free(dp);
+    tdm_module_free(m);
 }
 
 /* ---- DataParallel ------------------------------------------------------------------------- */
@@ -591,12 +895,16 @@ static void test_dropout_rows(void) {
 }
 
 int main(void) {
+    if (tmpdir_make("test_ddp") != 0) return 1;
     test_ddp_equivalence();
     test_ddp_errors();
+    test_zero();
+    test_zero_errors();
     test_data_parallel();
     test_dropout_rows();
     test_sync_batch_norm_values();
     test_sync_batch_norm_edges();
     test_data_parallel_bn_dropout();
+    tmpdir_remove();
     return check_summary();
 }

@@ -1,8 +1,10 @@
 /* The MPI backend, run by CTest under `mpirun -np 2` and `-np 3` (one rank per process):
  * every collective against a serial reference computed on each rank (sums in rank order in
  * float, so results must match bit for bit, and be identical on every rank), handles in
- * flight at once, and DDP across processes ending with the parameters of one process
- * trained on the same global batches.
+ * flight at once, DDP across processes ending with the parameters of one process trained
+ * on the same global batches, and ZeRO stage 1 (the optimizer state sharded over the
+ * processes, and over every device of every process on the two-level group) ending with the
+ * unsharded run's parameters and state bit for bit.
  *
  * `test_mpi --faults MPIRUN` (its own CTest entry) launches `MPIRUN -np 3 test_mpi --fault
  * CASE` for each fault case and checks that the job exits nonzero, quickly, with a message
@@ -384,6 +386,202 @@ static void test_dp_two_level(void) {
     }
 }
 
+/* ---- ZeRO stage 1 across processes ---------------------------------------------------------- */
+
+static tdm_optim *make_adam_zero(tdm_paramset *ps) {
+    tdm_adam_opts o = tdm_adam_defaults();
+    o.lr = 0.01f;
+    o.weight_decay = 0.05f;
+    o.amsgrad = true;
+    return tdm_adam_new(ps, &o);
+}
+
+static tdm_optim *make_sgd_zero(tdm_paramset *ps) {
+    tdm_sgd_opts o = tdm_sgd_defaults(0.1f);
+    o.momentum = 0.9f;
+    o.weight_decay = 1e-3f;
+    return tdm_sgd_new(ps, &o);
+}
+
+#define ZERO_CLIP 0.05f /* below the gradients' norm: every step clips */
+
+/* What a run leaves on a rank (or a replica): its parameters, a digest of the whole optimizer
+ * state gathered, its shard and the elements of its state buffers. */
+typedef struct {
+    float *params;
+    uint64_t state;
+    int64_t total, lo, hi, numel;
+} zero_result;
+
+/* o's shard and state size, and a digest of its whole state (whole: gathered, or NULL to
+ * gather it here, a collective over o's group). */
+static int zero_describe(tdm_optim *o, tdm_optim *whole, zero_result *z) {
+    tdm_optim *w = whole ? whole : tdm_optim_gather(o);
+    if (!w) return tdm_last_status();
+    tdm_tensor *st[3];
+    int n = tdm_optim_state(w, NULL, st, 3);
+    int64_t total = n ? tdm_numel(st[0]) : 0;
+    float *all = malloc(sizeof(float) * (size_t)(n * total + 1));
+    for (int k = 0; all && k < n; k++)
+        tdm_to_host(st[k], all + k * total, sizeof(float) * (size_t)total);
+    z->state = all ? digest(all, sizeof(float) * (size_t)(n * total)) : 0;
+    free(all);
+    if (w != whole) tdm_optim_free(w);
+    tdm_optim_shard_range(o, &z->lo, &z->hi);
+    n = tdm_optim_state(o, NULL, st, 3);
+    z->numel = n ? tdm_numel(st[0]) : 0;
+    for (int k = 1; k < n; k++)
+        if (tdm_numel(st[k]) != z->numel) z->numel = -1;
+    return TDM_OK;
+}
+
+/* DDP over the processes, 2 micro-batches a step (the first without sync), the averaged
+ * gradient clipped, the optimizer sharded over the processes when asked. */
+static int zero_ddp(tdm_optim *(*make)(tdm_paramset *), bool shard, zero_result *z) {
+    tdm_module *m = make_mlp(1 + (uint64_t)R, HID);
+    tdm_ddp *d = tdm_ddp_new(m, G, NULL);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_optim *opt = d ? make(ps) : NULL;
+    int rc = !opt ? tdm_last_status() : shard ? tdm_optim_shard(opt, G) : 0;
+    float x[B * IN];
+    int64_t y[B], lo, hi;
+    rows_of(&lo, &hi);
+    for (int s = 0; s < STEPS && !rc; s++) {
+        tdm_optim_zero_grad(opt);
+        for (int a = 0; a < 2 && !rc; a++) {
+            batch_of(s * 10 + a, x, y);
+            tdm_ddp_set_sync(d, a == 1);
+            tdm_scope_begin();
+            tdm_tensor *out = tdm_ddp_forward(
+                d, tdm_from_data(TDM_SHAPE(hi - lo, IN), TDM_F32, tdm_cpu(0), x + lo * IN));
+            tdm_tensor *l = tdm_cross_entropy(
+                out, tdm_from_data(TDM_SHAPE(hi - lo), TDM_I64, tdm_cpu(0), y + lo), NULL);
+            rc = tdm_ddp_backward(d, tdm_mul_scalar(l, (float)((double)(hi - lo) * N / B / 2)));
+            tdm_scope_end();
+        }
+        if (!rc) rc = tdm_clip_grad_norm(ps, ZERO_CLIP, false, NULL);
+        if (!rc) rc = tdm_optim_step(opt);
+    }
+    if (!rc) {
+        z->total = ps->total;
+        z->params = malloc(sizeof(float) * (size_t)ps->total);
+        tdm_to_host(ps->flat, z->params, sizeof(float) * (size_t)ps->total);
+        rc = zero_describe(opt, NULL, z);
+    }
+    tdm_optim_free(opt);
+    tdm_ddp_free(d);
+    tdm_module_free(m);
+    return rc;
+}
+
+/* Rank r of n's shard is tdm_chunk_of's, its state buffers that size, and the shards of every
+ * rank add up to the flat buffer (an all-reduce of the sizes). */
+static void check_shard(const zero_result *z, int r, int n, const char *what) {
+    int64_t lo, hi;
+    tdm_chunk_of(z->total, sizeof(float), n, r, &lo, &hi);
+    CHECK(z->lo == lo && z->hi == hi && z->numel == hi - lo,
+          "%s: rank %d of %d has shard [%lld, %lld) and %lld state elements, expected [%lld, "
+          "%lld)",
+          what, r, n, (long long)z->lo, (long long)z->hi, (long long)z->numel, (long long)lo,
+          (long long)hi);
+}
+
+static void check_shard_sum(int64_t numel, int64_t total, const char *what) {
+    tdm_tensor *t = tdm_full(TDM_SHAPE(1), (float)numel, TDM_F32, tdm_cpu(0));
+    float sum = -1;
+    if (tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM)) == TDM_OK) tdm_to_host(t, &sum, sizeof sum);
+    tdm_tensor_free(t);
+    CHECK(sum == (float)total, "%s: the ranks' shards hold %g elements of %lld", what, sum,
+          (long long)total);
+}
+
+/* Sharded DDP over N processes ends with the unsharded run's parameters and state, bit for
+ * bit, with accumulation and clipping, with Adam (weight decay, amsgrad) and SGD momentum. */
+static void test_zero_ddp(void) {
+    tdm_optim *(*makes[2])(tdm_paramset *) = {make_adam_zero, make_sgd_zero};
+    for (int k = 0; k < 2; k++) {
+        zero_result plain = {0}, sharded = {0};
+        CHECK(zero_ddp(makes[k], false, &plain) == 0, "ddp: %s", tdm_last_error());
+        CHECK(zero_ddp(makes[k], true, &sharded) == 0, "sharded ddp: %s", tdm_last_error());
+        if (!plain.params || !sharded.params) return;
+        CHECK(memcmp(sharded.params, plain.params, sizeof(float) * (size_t)plain.total) == 0,
+              "zero ddp optimizer %d, %d processes, rank %d: parameters differ from unsharded", k,
+              N, R);
+        CHECK(sharded.state == plain.state,
+              "zero ddp optimizer %d, rank %d: the gathered state differs from unsharded", k, R);
+        CHECK(same_everywhere(digest(sharded.params, sizeof(float) * (size_t)plain.total)),
+              "zero ddp optimizer %d: ranks' parameters differ", k);
+        check_shard(&sharded, R, N, "zero ddp");
+        check_shard_sum(sharded.numel, sharded.total, "zero ddp");
+        free(plain.params);
+        free(sharded.params);
+    }
+}
+
+/* The loss of one of a step's 2 micro-batches. */
+static tdm_tensor *ce_loss_half(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    return tdm_mul_scalar(tdm_cross_entropy(out, target, NULL), 0.5f);
+}
+
+/* DataParallel over L devices in each of N processes, 2 micro-batches a step and clipping,
+ * the optimizers sharded over all N * L replicas when asked: each replica's result in z[l]. */
+static int zero_dp(tdm_optim *(*make)(tdm_paramset *), bool shard, zero_result *z) {
+    const int64_t k = B / N; /* rows per process: equal shares */
+    tdm_module *m = make_mlp(1 + (uint64_t)R, HID);
+    tdm_device devs[L] = {tdm_cpu(0), tdm_cpu(1)};
+    tdm_dp *dp = tdm_dp_new_distributed(m, devs, L, G, dp_factory, (void *)make);
+    int rc = dp ? tdm_dp_set_clip_grad_norm(dp, ZERO_CLIP) : tdm_last_status();
+    if (!rc && shard) rc = tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER);
+    float x[B * IN];
+    int64_t y[B];
+    for (int s = 0; s < STEPS * 2 && !rc; s++) {
+        batch_of(s, x, y);
+        tdm_scope_begin();
+        tdm_tensor *tx = tdm_from_data(TDM_SHAPE(k, IN), TDM_F32, tdm_cpu(0), x + R * k * IN);
+        tdm_tensor *ty = tdm_from_data(TDM_SHAPE(k), TDM_I64, tdm_cpu(0), y + R * k);
+        rc = s % 2 ? tdm_dp_step(dp, tx, ty, ce_loss_half, NULL, NULL)
+                   : tdm_dp_accumulate(dp, tx, ty, ce_loss_half, NULL, NULL);
+        tdm_scope_end();
+    }
+    tdm_optim *whole = rc ? NULL : tdm_dp_optim_gather(dp);
+    if (!rc && !whole) rc = tdm_last_status();
+    for (int l = 0; l < L && !rc; l++) {
+        tdm_paramset *ps = tdm_module_parameters(tdm_dp_replica(dp, l));
+        z[l].total = ps->total;
+        z[l].params = malloc(sizeof(float) * (size_t)ps->total);
+        tdm_to_host(ps->flat, z[l].params, sizeof(float) * (size_t)ps->total);
+        rc = zero_describe(tdm_dp_optim(dp, l), whole, &z[l]);
+    }
+    tdm_optim_free(whole);
+    tdm_dp_free(dp);
+    tdm_module_free(m);
+    return rc;
+}
+
+/* The same on the two-level group: sharded over every device of every process. */
+static void test_zero_two_level(void) {
+    tdm_optim *(*makes[2])(tdm_paramset *) = {make_adam_zero, make_sgd_zero};
+    for (int k = 0; k < 2; k++) {
+        zero_result plain[L] = {{0}}, sharded[L] = {{0}};
+        CHECK(zero_dp(makes[k], false, plain) == 0, "two-level dp: %s", tdm_last_error());
+        CHECK(zero_dp(makes[k], true, sharded) == 0, "sharded two-level dp: %s", tdm_last_error());
+        int64_t held = 0;
+        for (int l = 0; l < L && plain[0].params && sharded[l].params; l++) {
+            CHECK(memcmp(sharded[l].params, plain[0].params,
+                         sizeof(float) * (size_t)plain[0].total) == 0,
+                  "zero two-level optimizer %d, device %d of process %d: parameters differ from "
+                  "unsharded",
+                  k, l, R);
+            CHECK(sharded[l].state == plain[0].state,
+                  "zero two-level optimizer %d, process %d: the gathered state differs", k, R);
+            check_shard(&sharded[l], R * L + l, N * L, "zero two-level");
+            held += sharded[l].numel;
+        }
+        check_shard_sum(held, plain[0].total, "zero two-level");
+        for (int l = 0; l < L; l++) free(plain[l].params), free(sharded[l].params);
+    }
+}
+
 /* ---- fault cases (one mpirun each) -------------------------------------------------------- */
 
 /* Trains with DDP; rank 1 misbehaves at step 3 as `what` says. Ends the process: 0 if all
@@ -502,6 +700,8 @@ int main(int argc, char **argv) {
     test_ddp();
     test_two_level_collectives();
     test_dp_two_level();
+    test_zero_ddp();
+    test_zero_two_level();
     tdm_mpi_finalize();
     CHECK_ERROR(tdm_mpi_init(NULL, NULL) == NULL, "cannot be initialized again");
     if (R != 0) printf("rank %d: ", R);

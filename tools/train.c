@@ -140,6 +140,15 @@ static const opt_spec specs[] = {
      "results match one device. Under mpirun each process uses these devices for its share "
      "of the batch, and gradients are averaged over every device of every process "
      "(mpirun -np <GPUs> ... --devices cuda: one GPU per process)."},
+    {"--shard", "none|optimizer", OPT_STR, F(shard), 0, 0, "none",
+     "optimizer: ZeRO stage 1 (PyTorch's ZeroRedundancyOptimizer) over every device of every "
+     "process: each keeps the optimizer state (SGD's momentum, Adam's moments) of its shard of "
+     "the parameters only, steps that shard and shares it, so the state per device is divided "
+     "by their number and the weights are the same, bit for bit. Under mpirun, or on several "
+     "GPUs; the CPU devices of one process already hold the state once. Checkpoints are the "
+     "unsharded run's (the state is gathered to save it), so a run may resume with or without "
+     "--shard. gradients and parameters (ZeRO stages 2 and 3) are not "
+     "written yet. Not with --model-split."},
     {"--model-split", "K", OPT_INT, F(model_split), 1, TDM_PIPE_MAX_STAGES, "1 (no split)",
      "Model parallelism: cut the model into K pipeline stages of consecutive layers (balanced "
      "by parameter count), each on its own device of --devices, which must list K devices, or "
@@ -227,6 +236,7 @@ static train_opts opts_defaults(void) {
                         .micro_batches = 4,
                         .pipe_schedule = "1f1b",
                         .denormals = "flush",
+                        .shard = "none",
                         .epochs = 1,
                         .batch_size = 0, /* 64 unless --batch-per-device (check_opts) */
                         .workers = 2,
@@ -411,6 +421,23 @@ int train_identity(const train_opts *o, char *buf, size_t cap) {
     return 0;
 }
 
+/* Options every process of a run must share that a resume may change: they change no result. */
+static const char *const process_only[] = {"--shard"};
+
+int train_process_identity(const train_opts *o, char *buf, size_t cap) {
+    if (train_identity(o, buf, cap)) return -1;
+    size_t n = strlen(buf);
+    for (size_t i = 0; i < sizeof process_only / sizeof process_only[0]; i++) {
+        const opt_spec *s = find_spec(process_only[i], strlen(process_only[i]));
+        char v[512];
+        format_value(o, s, v, sizeof v);
+        int k = snprintf(buf + n, cap - n, "%s=%s;", s->name, v);
+        if (k < 0 || (size_t)k >= cap - n) return -1;
+        n += (size_t)k;
+    }
+    return 0;
+}
+
 /* The value of option `name` in an identity string, into v (cap bytes); false when absent. */
 static bool identity_value(const char *id, const char *name, char *v, size_t cap) {
     size_t len = strlen(name);
@@ -426,20 +453,21 @@ static bool identity_value(const char *id, const char *name, char *v, size_t cap
 
 bool train_identity_diff(const char *a, const char *b, const char *a_name, const char *b_name,
                          char *out, size_t cap) {
-    size_t n = 0;
+    size_t n = 0, n_id = sizeof identity / sizeof identity[0];
     out[0] = '\0';
-    for (size_t i = 0; i < sizeof identity / sizeof identity[0]; i++) {
+    for (size_t i = 0; i < n_id + sizeof process_only / sizeof process_only[0]; i++) {
+        const char *name = i < n_id ? identity[i] : process_only[i - n_id];
         char va[512] = "(unset)", vb[512] = "(unset)";
-        identity_value(a, identity[i], va, sizeof va);
-        identity_value(b, identity[i], vb, sizeof vb);
+        identity_value(a, name, va, sizeof va);
+        identity_value(b, name, vb, sizeof vb);
         /* an option newer than a checkpoint, at its default there */
         bool unset_a = !strcmp(va, "(unset)"), unset_b = !strcmp(vb, "(unset)");
         if ((unset_a && (!strcmp(vb, "none") || !strcmp(vb, "0"))) ||
             (unset_b && (!strcmp(va, "none") || !strcmp(va, "0"))))
             continue;
         if (strcmp(va, vb) == 0) continue;
-        int k = snprintf(out + n, cap - n, "%s%s %s %s, %s %s", n ? "; " : "", identity[i], va,
-                         a_name, vb, b_name);
+        int k = snprintf(out + n, cap - n, "%s%s %s %s, %s %s", n ? "; " : "", name, va, a_name, vb,
+                         b_name);
         if (k > 0) n += (size_t)k < cap - n ? (size_t)k : cap - n - 1;
     }
     return n > 0;
@@ -449,6 +477,23 @@ static bool one_of(const char *v, const char *const *choices) {
     for (; *choices; choices++)
         if (strcmp(v, *choices) == 0) return true;
     return false;
+}
+
+/* --shard: the ZeRO stages written so far, and not with a pipeline. */
+static int check_shard(const train_opts *o) {
+    static const char *const kinds[] = {"none", "optimizer", "gradients", "parameters", NULL};
+    if (!one_of(o->shard, kinds))
+        return train_usage_error("--shard: unknown kind '%s' (expected none or optimizer)",
+                                 o->shard);
+    if (!strcmp(o->shard, "gradients") || !strcmp(o->shard, "parameters"))
+        return train_usage_error("--shard %s (ZeRO stage %d) is not written yet; --shard "
+                                 "optimizer (stage 1) is",
+                                 o->shard, !strcmp(o->shard, "gradients") ? 2 : 3);
+    if (!strcmp(o->shard, "optimizer") && o->model_split > 1)
+        return train_usage_error("--shard optimizer shares one optimizer's state among "
+                                 "data-parallel replicas; with --model-split each pipeline "
+                                 "stage steps an optimizer of its own, which is not sharded yet");
+    return 0;
 }
 
 /* Checks choices and combinations once every option is known. */
@@ -484,6 +529,7 @@ static int check_opts(train_opts *o) {
     if (!one_of(o->denormals, denormal_modes))
         return train_usage_error("--denormals: unknown mode '%s' (expected flush or keep)",
                                  o->denormals);
+    if (check_shard(o)) return EXIT_USAGE;
     if (!one_of(o->schedule, schedules))
         return train_usage_error("--schedule: unknown schedule '%s' (expected constant, step or "
                                  "cosine)",

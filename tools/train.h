@@ -37,6 +37,7 @@ typedef struct {
     int64_t model_split, micro_batches;
     const char *pipe_schedule;
     const char *denormals;            /* "flush" or "keep" */
+    const char *shard;                /* "none" or "optimizer" (ZeRO stage 1) */
     int64_t batch_per_device;         /* 0: --batch-size is the global batch */
     tdm_device devs[TDM_MAX_DEVICES]; /* parsed from devices */
     int n_devs;
@@ -55,6 +56,9 @@ void train_synopsis(FILE *out);
 /* The options that shape the run's results (the same for --resume and for every process
  * under mpirun) as "--name=value;" pairs, into buf. 0, or -1 when cap is too small. */
 int train_identity(const train_opts *o, char *buf, size_t cap);
+/* train_identity and the options that every process must share but a resume may change
+ * (--shard: sharding changes no result): what the processes of one run compare. */
+int train_process_identity(const train_opts *o, char *buf, size_t cap);
 /* Whether identities a and b differ; if so, out (cap bytes) lists each option that does:
  * "--batch-size 64 <a_name>, 32 <b_name>; ...". */
 bool train_identity_diff(const char *a, const char *b, const char *a_name, const char *b_name,

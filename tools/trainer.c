@@ -100,6 +100,21 @@ static int make_devices(trainer *tr) {
     return tr->opt ? 0 : task_error("optimizer: %s", tdm_last_error());
 }
 
+/* --shard optimizer: ZeRO stage 1 over every device of every process, after the resume (a
+ * sharded optimizer keeps its shard of the restored state). The CPU devices of one process
+ * already hold the state once (DataParallel's shared-memory update), and one device alone
+ * has nobody to share it with: both are left as they are. */
+static int shard_optimizer(trainer *tr) {
+    if (strcmp(tr->o->shard, "optimizer") != 0) return 0;
+    bool shared_memory = tr->dp && !tr->g && tr->dev.type == TDM_CPU;
+    int rc = tr->dp    ? tdm_dp_set_shard(tr->dp, TDM_SHARD_OPTIMIZER)
+             : tr->ddp ? tdm_optim_shard(tr->opt, tr->g)
+                       : TDM_OK;
+    if (rc) return task_error("--shard optimizer: %s", tdm_last_error());
+    tr->sharded = tr->ddp || (tr->dp && !shared_memory);
+    return 0;
+}
+
 static int make_schedule(trainer *tr) {
     const train_opts *o = tr->o;
     tdm_sched s = {.kind = TDM_SCHED_CONSTANT, .base_lr = (float)o->lr};
@@ -522,6 +537,24 @@ static void print_devices(const trainer *tr) {
     }
 }
 
+/* --shard's line: rank 0's (replica 0's) optimizer state against the whole state. */
+static void print_sharding(const trainer *tr) {
+    const train_opts *o = tr->o;
+    tdm_tensor *st[3];
+    int n = tdm_optim_state(tr->opt, NULL, st, 3), procs = tr->g ? tdm_group_size(tr->g) : 1;
+    int64_t mine = 0, whole = (int64_t)n * tr->ps->total * 4;
+    for (int k = 0; k < n; k++) mine += tdm_numel(st[k]) * 4;
+    if (tr->sharded)
+        printf("sharding  optimizer state %lld bytes per rank of %lld (ZeRO stage 1 over %d "
+               "rank%s)\n",
+               (long long)mine, (long long)whole, o->n_devs * procs,
+               o->n_devs * procs == 1 ? "" : "s");
+    else
+        printf("sharding  optimizer state %lld bytes, held once by %s\n", (long long)whole,
+               o->n_devs > 1 ? "this process for its devices (their update is split already)"
+                             : "the one device: nothing to shard");
+}
+
 static void banner(const trainer *tr) {
     const train_opts *o = tr->o;
     char opt[256];
@@ -537,6 +570,7 @@ static void banner(const trainer *tr) {
     if (tr->task->classes_desc[0]) printf("classes   %s\n", tr->task->classes_desc);
     if (tr->task->transform_desc[0]) printf("transform %s\n", tr->task->transform_desc);
     printf("optimizer %s\n", opt);
+    if (strcmp(o->shard, "none") != 0) print_sharding(tr);
     fflush(stdout);
 }
 
@@ -566,6 +600,7 @@ static void write_config(trainer *tr) {
     json_str(f, sizeof f, "schedule", o->schedule);
     json_str(f, sizeof f, "devices", o->devices);
     json_str(f, sizeof f, "denormals", o->denormals);
+    json_str(f, sizeof f, "shard", o->shard);
     size_t n = strlen(f);
     snprintf(f + n, sizeof f - n,
              "\"lr\":%g,\"momentum\":%g,\"weight_decay\":%g,\"clip_grad\":%g,\"epochs\":%lld,"
@@ -640,7 +675,8 @@ static int run(trainer *tr) {
      * that cannot hold a checkpoint, or that another run uses, is found now */
     if ((rc = trainer_claim_checkpoint_dir(tr))) return rc;
     if ((rc = make_loaders(tr)) || (rc = open_outputs(tr)) || (rc = make_devices(tr)) ||
-        (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = trainer_resume(tr)))
+        (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = trainer_resume(tr)) ||
+        (rc = shard_optimizer(tr)))
         return rc;
     if (!tr->silent && !o->quiet) banner(tr);
     write_config(tr);

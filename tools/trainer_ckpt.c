@@ -58,30 +58,46 @@ static int rank_totals(trainer *tr, const double *tot, char **out) {
     return rc;
 }
 
+/* The optimizer state a checkpoint saves: a sharded one's whole copy, gathered from every rank
+ * (a collective: every process comes here at the same steps), in *whole (caller frees); else
+ * *whole is NULL and tr->opt is saved as it is. 0 or EXIT_RUNTIME. */
+static int whole_optimizer(trainer *tr, tdm_optim **whole) {
+    *whole = NULL;
+    if (!tr->sharded) return 0;
+    *whole = tr->dp ? tdm_dp_optim_gather(tr->dp) : tdm_optim_gather(tr->opt);
+    return *whole ? 0
+                  : task_error("checkpoint: gathering the sharded optimizer state: %s",
+                               tdm_last_error());
+}
+
 /* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
  * the epoch's running totals (summed over the processes) so that a resumed epoch reports the
- * same loss and accuracy, and the task's own files of the model. */
+ * same loss and accuracy, and the task's own files of the model. A sharded optimizer's state
+ * is gathered first, so the file is the one an unsharded run writes. */
 int trainer_save_checkpoint(trainer *tr) {
     const train_opts *o = tr->o;
     if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
     double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
     char *ranks = NULL;
+    tdm_optim *whole = NULL;
     if (rank_totals(tr, tot, &ranks)) return EXIT_RUNTIME;
-    if (tr->g && trainer_sum_over_processes(tr, tot, 3)) return free(ranks), EXIT_RUNTIME;
+    if ((tr->g && trainer_sum_over_processes(tr, tot, 3)) || whole_optimizer(tr, &whole))
+        return free(ranks), EXIT_RUNTIME;
     tr->last_saved = tr->global_step;
-    if (tr->silent) return free(ranks), 0; /* rank 0 writes; every rank loads */
+    if (tr->silent) /* rank 0 writes; every rank loads */
+        return free(ranks), tdm_optim_free(whole), 0;
     char loss[64], correct[32], samples[32];
     snprintf(loss, sizeof loss, "%a", tot[0]);
     snprintf(correct, sizeof correct, "%lld", (long long)tot[1]);
     snprintf(samples, sizeof samples, "%lld", (long long)tot[2]);
     char id[ID_CAP];
     if (train_identity(o, id, sizeof id))
-        return free(ranks), task_error("checkpoint: options too long");
+        return free(ranks), tdm_optim_free(whole), task_error("checkpoint: options too long");
     tdm_meta meta[6] = {{"epoch_loss_sum", loss},  {"epoch_correct", correct},
                         {"epoch_images", samples}, {"epoch_rank_totals", ranks},
                         {"run.options", id},       {"class_to_idx", tr->task->class_to_idx}};
     tdm_train_state s = {.model = tr->task->model,
-                         .optim = tr->opt,
+                         .optim = whole ? whole : tr->opt,
                          .loader = tr->train_l,
                          .rng = tdm_default_rng(),
                          .step = tr->global_step,
@@ -90,6 +106,7 @@ int trainer_save_checkpoint(trainer *tr) {
                          .run_id = tr->run_id[0] ? tr->run_id : NULL};
     int rc = tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);
     free(ranks);
+    tdm_optim_free(whole);
     if (rc != TDM_OK) return task_error("checkpoint: %s", tdm_last_error());
     return tr->task->save ? tr->task->save(tr->task, o, o->checkpoint_dir) : 0;
 }
@@ -140,11 +157,12 @@ static int same_run(const train_opts *o, const char *path) {
 }
 
 /* Under mpirun: every process must have been started with the same options (those that shape
- * the results); each compares every process's with rank 0's, so all stop with one message. */
+ * the results, and --shard, which every process must take part in); each compares every
+ * process's with rank 0's, so all stop with one message. */
 int trainer_same_options_everywhere(trainer *tr) {
     int n = tdm_group_size(tr->g);
     char mine[ID_CAP] = "";
-    if (train_identity(tr->o, mine, sizeof mine)) return task_error("options too long");
+    if (train_process_identity(tr->o, mine, sizeof mine)) return task_error("options too long");
     int32_t *all = calloc((size_t)n * ID_CAP, sizeof(int32_t)), one[ID_CAP] = {0};
     for (int i = 0; mine[i]; i++) one[i] = (unsigned char)mine[i];
     tdm_tensor *in = all ? tdm_from_data(TDM_SHAPE(ID_CAP), TDM_I32, tdm_cpu(0), one) : NULL;

@@ -24,6 +24,7 @@ typedef struct trainer {
     tdm_dp *dp;     /* several devices: the replicas and their threads */
     tdm_pipe *pipe; /* --model-split: the stages (and their replicas) and their threads */
     tdm_ddp *ddp;   /* one device per process under mpirun */
+    bool sharded;   /* --shard optimizer split the optimizer state over ranks (ZeRO stage 1) */
     tdm_sched sched;
     sinks out;
     progress prog;

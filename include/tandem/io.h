@@ -137,7 +137,9 @@ typedef struct {
  * a crash leaves the previous checkpoints intact. Then all but the newest keep checkpoints
  * of this run (s->run_id) are removed (keep <= 0 keeps all); other runs' are left alone. An
  * existing ckpt-<step> of this run is replaced; one of another run is TDM_ERR_STATE naming
- * both runs, and is left as it was. */
+ * both runs, and is left as it was. A sharded optimizer (tdm_optim_shard) is TDM_ERR_STATE:
+ * save the whole copy tdm_optim_gather makes on every rank, which writes the file an
+ * unsharded run writes. */
 int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep);
 /* Makes dir (and its parents) if missing and checks that a checkpoint could be written there
  * (a file created and removed), so that a run finds an unusable directory at its start rather
@@ -152,7 +154,9 @@ int tdm_checkpoint_latest(const char *dir, char *path, size_t cap, int64_t *step
  * points to: the model's weights (strictly, as tdm_weights_load), the optimizer's moments,
  * step count and learning rate (its kind and parameter names must match), the loader
  * (restarted at the saved epoch and batch with tdm_loader_start_epoch_at), the generator,
- * and s->step. Everything is validated before anything is changed. */
+ * and s->step. Everything is validated before anything is changed. A sharded optimizer
+ * (tdm_optim_shard) takes its shard of the saved state (tdm_optim_state_load: no
+ * communication), whatever the number of ranks that saved it. */
 int tdm_checkpoint_load(const char *path, tdm_train_state *s);
 /* The caller metadata `key` (as given in tdm_train_state.meta) of checkpoint directory path,
  * copied into out (cap bytes, truncated to fit). Returns 1 when present, 0 when absent, or a

@@ -47,12 +47,15 @@ tdm_optim *tdm_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o);
  * value for all. The step stays one fused kernel call per run of consecutive parameters with
  * the same decay. Fails with TDM_ERR_ARG (naming the parameter) for a negative value. */
 int tdm_optim_set_weight_decays(tdm_optim *o, const float *wd);
-/* One update from the gradients in ps->flat_grad. Returns TDM_OK or an error. */
+/* One update from the gradients in ps->flat_grad. Returns TDM_OK or an error. A sharded
+ * optimizer (tdm_optim_shard) updates its shard, then shares it with the group's other ranks
+ * and takes theirs, so every rank ends with all of ps->flat updated: a collective, called
+ * by every rank of the group in the same order as its other collectives. */
 int tdm_optim_step(tdm_optim *o);
 /* Elements [lo, hi) of one update, without counting it: threads may update disjoint ranges
  * of one optimizer at once (a sharded step); afterwards one of them calls
  * tdm_optim_set_steps(o, tdm_optim_steps(o) + 1). TDM_ERR_ARG for a range outside the
- * flat buffers. */
+ * flat buffers (for a sharded optimizer: outside its shard; nothing is shared). */
 int tdm_optim_step_range(tdm_optim *o, int64_t lo, int64_t hi);
 /* Zeroes ps->flat_grad. */
 int tdm_optim_zero_grad(tdm_optim *o);
@@ -68,8 +71,24 @@ const char *tdm_optim_kind(const tdm_optim *o);
 /* The optimizer's state buffers with PyTorch's state names: "momentum_buffer" (SGD with
  * momentum), "exp_avg", "exp_avg_sq" and "max_exp_avg_sq" (Adam, AdamW; the last with
  * amsgrad). Each is flat [ps->total] f32 in parameter order, owned by the optimizer (read
- * and write them to save and restore its state). Writes at most max; returns how many. */
+ * and write them to save and restore its state). A sharded optimizer (tdm_optim_shard,
+ * parallel.h) holds only its shard: each buffer is [hi - lo], element i being flat element
+ * lo + i of tdm_optim_shard_range (tdm_optim_state_gather assembles the whole). Writes at
+ * most max; returns how many. */
 int tdm_optim_state(tdm_optim *o, const char **names, tdm_tensor **tensors, int max);
+/* The flat elements [*lo, *hi) whose state o holds and whose update it computes: the whole
+ * buffer [0, ps->total) for an unsharded optimizer, this rank's shard for a sharded one (an
+ * empty range, lo == hi, for a rank past the end). lo or hi may be NULL. TDM_ERR_ARG for a
+ * NULL optimizer. */
+int tdm_optim_shard_range(const tdm_optim *o, int64_t *lo, int64_t *hi);
+/* Loads state buffer `name` (as tdm_optim_state names it) from full, the whole flat buffer's
+ * values (f32 [ps->total], on the optimizer's device, e.g. read from a checkpoint): o copies
+ * elements [lo, hi) of tdm_optim_shard_range, so every rank of a sharded optimizer takes its
+ * own range with no communication; an unsharded one takes all. full stays the caller's.
+ * TDM_ERR_ARG for a name o has not, TDM_ERR_SHAPE for another size or dtype,
+ * TDM_ERR_DEVICE for another device. */
+int tdm_optim_state_load(tdm_optim *o, const char *name, const tdm_tensor *full);
+/* Frees the state (a sharded optimizer's shard and its bookkeeping too); not the paramset. */
 void tdm_optim_free(tdm_optim *o);
 
 /* ---- learning-rate schedules ----------------------------------------------------------- */

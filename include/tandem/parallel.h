@@ -156,7 +156,8 @@ typedef struct tdm_ddp tdm_ddp;
 
 /* Wraps this rank's replica: broadcasts rank 0's parameters and buffers, checks that every
  * rank has the same parameter names and shapes (an error naming the first difference), and
- * hangs gradient buckets on the parameters' ready hooks. */
+ * hangs gradient buckets on the parameters' ready hooks. Each rank steps its own optimizer
+ * after tdm_ddp_backward; tdm_optim_shard (below) splits their state over the ranks. */
 tdm_ddp *tdm_ddp_new(tdm_module *replica, tdm_group *g, const tdm_ddp_opts *o);
 /* The replica's forward (broadcasting buffers first when asked). */
 tdm_tensor *tdm_ddp_forward(tdm_ddp *d, tdm_tensor *x);
@@ -167,6 +168,60 @@ int tdm_ddp_backward(tdm_ddp *d, tdm_tensor *loss);
 void tdm_ddp_set_sync(tdm_ddp *d, bool sync);
 int tdm_ddp_bucket_count(const tdm_ddp *d);
 void tdm_ddp_free(tdm_ddp *d);
+
+/* ---- ZeRO stage 1: the optimizer's state sharded over a group ----------------------------- */
+
+/* PyTorch's ZeroRedundancyOptimizer (DeepSpeed's ZeRO stage 1). With DDP each rank keeps the
+ * whole gradient and parameters but, once its optimizer is sharded, the optimizer state of
+ * one range of the flat buffer only: 1/size of Adam's two moments (or SGD's momentum) per
+ * rank. Each step updates the rank's range and shares it with the others, so every rank
+ * ends the step with the same parameters, bit for bit those of the unsharded optimizer (each
+ * element's update is the same; clip the whole averaged gradient before the step, as without
+ * sharding):
+ *
+ *   tdm_ddp *d = tdm_ddp_new(model, g, NULL);
+ *   tdm_optim *opt = tdm_adamw_new(tdm_module_parameters(model), &adam_opts);
+ *   tdm_optim_shard(opt, g);               // after a restore, if any: the shard is kept
+ *   for (...) {
+ *       tdm_optim_zero_grad(opt);
+ *       tdm_ddp_backward(d, loss_fn(tdm_ddp_forward(d, x)));
+ *       tdm_clip_grad_norm(tdm_module_parameters(model), 1.0f, false, NULL);  // optional
+ *       tdm_optim_step(opt);               // a collective over g
+ *   }
+ *   tdm_optim *whole = tdm_optim_gather(opt);   // every rank, at a checkpoint
+ *
+ * Shards are contiguous ranges of the flat buffer in rank order, ceil(total / size) elements
+ * rounded up to 16 each, the last shorter (empty on a rank past the end); see
+ * tdm_optim_shard_range. */
+
+/* Shards o over g: a collective, called by every rank of g with its optimizer over the same
+ * parameters (checked against rank 0's). Afterwards o keeps the state of this rank's shard
+ * only, with the values it had there (so an optimizer restored from a checkpoint can be
+ * sharded), and frees the whole-size buffers; tdm_optim_state returns the shard-sized
+ * buffers, and tdm_optim_step updates the shard, then broadcasts each rank's range of
+ * ps->flat from its owner, in place, and counts the step: every step is then a collective
+ * over g, which must outlive o. The parameters (ps->flat) must be in the group's memory
+ * (tdm_group_memory). A group of one rank keeps the whole state. Fails on every rank when
+ * one cannot shard: TDM_ERR_ARG for a NULL optimizer or group, TDM_ERR_STATE when o is
+ * sharded already, TDM_ERR_DEVICE for parameters the group cannot reach, TDM_ERR_SHAPE when
+ * the ranks' parameters differ in size; o is then unchanged. */
+int tdm_optim_shard(tdm_optim *o, tdm_group *g);
+/* The whole state of o for a checkpoint: a collective over o's group (every rank calls it,
+ * every rank gets the result). full[k] receives state buffer k (names[k] its name, as
+ * tdm_optim_state gives them; names may be NULL) as a new f32 [ps->total] tensor on the
+ * optimizer's device, owned by the caller (tdm_tensor_free). An unsharded optimizer's state
+ * is copied without communication. Returns how many were written (at most max), or a
+ * negative status (a failed exchange aborts the group, naming the cause). */
+int tdm_optim_state_gather(tdm_optim *o, const char **names, tdm_tensor **full, int max);
+/* A whole, unsharded copy of o: the same kind, hyper-parameters, learning rate, weight decays
+ * and step count, with the whole state gathered as tdm_optim_state_gather does (a collective
+ * over o's group when o is sharded; a plain copy otherwise). What a checkpoint saves:
+ * tdm_checkpoint_save(..., &(tdm_train_state){.optim = whole, ...}) writes the same file as
+ * the unsharded run, which resumes sharded (load into an unsharded optimizer, then
+ * tdm_optim_shard; or tdm_checkpoint_load into a sharded one, which takes its range through
+ * tdm_optim_state_load), on any number of ranks, or not sharded at all. Owned by the caller
+ * (tdm_optim_free; it steps no group). NULL and an error on failure. */
+tdm_optim *tdm_optim_gather(tdm_optim *o);
 
 /* ---- DataParallel ------------------------------------------------------------------------ */
 
@@ -221,6 +276,36 @@ int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_
  * by K, as in PyTorch (*loss is then the scaled loss). Fails as tdm_dp_step does. */
 int tdm_dp_accumulate(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
                       void *loss_arg, float *loss);
+/* What a DataParallel shards over all its replicas (PyTorch's FSDP ShardingStrategy, DeepSpeed's
+ * ZeRO stages). */
+typedef enum {
+    TDM_SHARD_NONE,       /* every replica holds everything (the default) */
+    TDM_SHARD_OPTIMIZER,  /* ZeRO stage 1: the optimizer state (tdm_optim_shard) */
+    TDM_SHARD_GRADIENTS,  /* ZeRO stage 2: also the gradients (not written yet) */
+    TDM_SHARD_PARAMETERS, /* ZeRO stage 3: also the parameters (not written yet) */
+} tdm_shard_kind;
+
+/* Shards the replicas' state over every device of every process (tdm_dp_new_distributed's
+ * global group, or the GPUs' NCCL group). With TDM_SHARD_OPTIMIZER each replica's optimizer
+ * keeps its shard of the state (tdm_optim_shard over the replicas' group) and, after the
+ * gradients are averaged and clipped as before, steps its shard and shares it: the results
+ * are bit for bit the unsharded ones. A collective over the processes (every process calls
+ * it, between steps); call it after restoring the optimizers' state, if any (their values
+ * are kept). CPU devices of one process already hold the optimizer state once (replica 0's,
+ * stepped in shards: see tdm_dp_optim), so there the call records the kind and changes
+ * nothing. Asking again for the current kind does nothing. Fails with TDM_ERR_ARG for a NULL
+ * dp or an unknown kind, and for TDM_SHARD_GRADIENTS and TDM_SHARD_PARAMETERS, whose ZeRO
+ * stages (2 and 3) are not written yet; TDM_ERR_STATE for TDM_SHARD_NONE once sharded (a
+ * sharded state stays sharded: tdm_dp_optim_gather copies it whole); a replica that cannot
+ * shard fails the call on every process (naming its device). */
+int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind);
+tdm_shard_kind tdm_dp_shard(const tdm_dp *dp);
+/* A whole, unsharded copy of the replicas' optimizer (replica 0's state and settings, the
+ * shards gathered from every replica of every process: tdm_optim_gather), for a checkpoint.
+ * A collective over the processes, between steps; every process gets one. Caller-owned
+ * (tdm_optim_free). Without sharding it is a copy of tdm_dp_optim(dp, 0). NULL and an error
+ * on failure. */
+tdm_optim *tdm_dp_optim_gather(tdm_dp *dp);
 /* Clips the averaged gradient to a global 2-norm of max_norm before every update, as
  * tdm_clip_grad_norm (PyTorch's clip_grad_norm_ after DDP's backward) does on one device;
  * the norm is the whole gradient's, also when the update is split into shards. 0 turns it
@@ -230,7 +315,9 @@ int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm);
  * this process, replicas share memory and split the update instead: each averages the
  * gradients of its shard of the parameters and steps replica 0's optimizer there, then copies
  * the shard to the others (bit for bit the all-reduce's result). Replica 0's optimizer then
- * holds the whole state (save and restore that one); the others are not stepped. */
+ * holds the whole state (save and restore that one); the others are not stepped. Otherwise
+ * every replica's optimizer holds the whole state, or, after tdm_dp_set_shard(dp,
+ * TDM_SHARD_OPTIMIZER), its shard of it (tdm_dp_optim_gather assembles the whole). */
 tdm_module *tdm_dp_replica(tdm_dp *dp, int r);
 tdm_optim *tdm_dp_optim(tdm_dp *dp, int r);
 int tdm_dp_devices(const tdm_dp *dp);

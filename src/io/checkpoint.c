@@ -150,6 +150,11 @@ typedef struct {
     int n;               /* tensors */
     tdm_named_tensor *t; /* views into the optimizer's flat buffers, in the current scope */
     char **names;
+    /* A sharded optimizer (ZeRO stage 1) being loaded: the views are into whole-size buffers
+     * of the current scope, whose shard tdm_optim_state_load then takes. */
+    int n_whole;
+    tdm_tensor *whole[MAX_STATE];
+    const char *whole_names[MAX_STATE];
 } optim_views;
 
 static void views_free(optim_views *v) {
@@ -158,14 +163,29 @@ static void views_free(optim_views *v) {
     free(v->t);
 }
 
-/* "optim.<param>.<state>" views of every state buffer (call inside a scope). */
-static int optim_views_make(tdm_optim *o, tdm_module *m, optim_views *v) {
+/* "optim.<param>.<state>" views of every state buffer (call inside a scope). A sharded
+ * optimizer holds part of each buffer: it is saved through its whole copy (tdm_optim_gather,
+ * a collective, which a writer on one rank cannot run) and loaded through whole-size buffers
+ * of which it keeps its shard. */
+static int optim_views_make(tdm_optim *o, tdm_module *m, optim_views *v, bool loading) {
     memset(v, 0, sizeof *v);
     tdm_paramset *ps = tdm_module_parameters(m);
     if (!ps) return tdm_last_status();
     const char *snames[MAX_STATE];
     tdm_tensor *st[MAX_STATE];
     int ns = tdm_optim_state(o, snames, st, MAX_STATE);
+    int64_t lo = 0, hi = ps->total;
+    tdm_optim_shard_range(o, &lo, &hi);
+    if (hi - lo != ps->total && !loading)
+        return tdm_raise(TDM_ERR_STATE,
+                         "checkpoint_save: the optimizer is sharded (its state covers [%lld, %lld) "
+                         "of %lld elements); save its whole copy from tdm_optim_gather",
+                         (long long)lo, (long long)hi, (long long)ps->total);
+    for (int s = 0; s < ns && hi - lo != ps->total; s++) {
+        if (!(st[s] = tdm_empty(TDM_SHAPE(ps->total), TDM_F32, st[s]->device)))
+            return tdm_last_status();
+        v->whole[s] = st[s], v->whole_names[s] = snames[s], v->n_whole = s + 1;
+    }
     size_t total = (size_t)ns * (size_t)ps->n;
     v->t = calloc(total ? total : 1, sizeof *v->t);
     v->names = calloc(total ? total : 1, sizeof *v->names);
@@ -348,7 +368,7 @@ static int write_state(const char *path, const tdm_train_state *s) {
     optim_views v = {0};
     if ((rc = tdm_scope_begin())) return rc;
     if (s->optim)
-        rc = s->model ? optim_views_make(s->optim, s->model, &v)
+        rc = s->model ? optim_views_make(s->optim, s->model, &v, false)
                       : tdm_raise(TDM_ERR_ARG, "checkpoint_save: an optimizer needs "
                                                "its model (parameter names)");
     if (!rc) rc = tdm_safetensors_save(path, v.t, v.n, meta.m, meta.n);
@@ -591,6 +611,8 @@ static int apply_state(tdm_safetensors *f, tdm_train_state *s, const optim_views
     int rc = TDM_OK;
     if (s->optim) {
         rc = read_weights(f, v->t, v->n);
+        for (int k = 0; k < v->n_whole && !rc; k++) /* a sharded optimizer's part */
+            rc = tdm_optim_state_load(s->optim, v->whole_names[k], v->whole[k]);
         if (rc) return rc;
         tdm_optim_set_steps(s->optim, p->optim_steps);
         tdm_optim_set_lr(s->optim, (float)p->lr);
@@ -623,7 +645,7 @@ int tdm_checkpoint_load(const char *path, tdm_train_state *s) {
     }
     snprintf(f, sizeof f, "%s/train_state.safetensors", path);
     if (!rc) rc = (sf = tdm_safetensors_open(f)) ? TDM_OK : tdm_last_status();
-    if (!rc && s->optim) rc = optim_views_make(s->optim, s->model, &v);
+    if (!rc && s->optim) rc = optim_views_make(s->optim, s->model, &v, true);
     if (!rc) rc = check_state(sf, s, &v, &p);
     /* everything checked: now change things */
     if (!rc && s->model) rc = read_weights(wf, ts, n);

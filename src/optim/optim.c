@@ -4,12 +4,17 @@
  * tensor per kind, the size of the parameter buffer, allocated when the optimizer is made,
  * so a step allocates nothing and is a single kernel call over the flat buffers. The update
  * formulas are PyTorch's; see src/backend/cpu/cpu_optim.c.
+ *
+ * A sharded optimizer (ZeRO stage 1, src/parallel/zero.c through optim/shard.h) keeps the
+ * state of one contiguous range [lo, hi) of the flat buffer, steps that range, and leaves
+ * the rest of the parameters to the hook that shares the ranks' ranges.
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "backend/backend.h"
-#include "tandem/optim.h"
+#include "optim/shard.h"
 
 typedef enum { OPT_SGD, OPT_ADAM } opt_kind;
 
@@ -22,7 +27,20 @@ struct tdm_optim {
     tdm_tensor *state[3]; /* SGD: momentum buffer; Adam: exp_avg, exp_avg_sq, max_exp_avg_sq */
     int64_t steps;
     float *wd; /* [ps->n] per-parameter weight decay (param groups), or NULL: one for all */
+    /* The flat elements the state covers, state[k] element i being flat element lo + i:
+     * [0, ps->total), or a shard's range once sharded (then `shard` holds its hooks). */
+    int64_t lo, hi;
+    bool sharded;
+    tdm_optim_shard_hooks shard;
 };
+
+static const char *const sgd_names[] = {"momentum_buffer"};
+static const char *const adam_names[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+
+/* PyTorch's name of state buffer k. */
+static const char *state_name(const tdm_optim *o, int k) {
+    return o->kind == OPT_SGD ? sgd_names[0] : adam_names[k];
+}
 
 tdm_sgd_opts tdm_sgd_defaults(float lr) {
     tdm_sgd_opts o = {.lr = lr};
@@ -40,9 +58,9 @@ tdm_adam_opts tdm_adamw_defaults(void) {
     return o;
 }
 
-/* A zeroed caller-owned state buffer like ps->flat. */
-static tdm_tensor *state_buffer(const tdm_paramset *ps) {
-    tdm_tensor *t = tdm_zeros(TDM_SHAPE(ps->total), TDM_F32, ps->flat->device);
+/* A zeroed caller-owned state buffer of n elements on ps->flat's device. */
+static tdm_tensor *state_buffer(const tdm_paramset *ps, int64_t n) {
+    tdm_tensor *t = tdm_zeros(TDM_SHAPE(n), TDM_F32, ps->flat->device);
     return t && tdm_book(t)->owner ? tdm_scope_keep(t) : t;
 }
 
@@ -57,9 +75,10 @@ static tdm_optim *optim_new(opt_kind kind, tdm_paramset *ps, int n_state, const 
     if (!o) return tdm_raise_null(TDM_ERR_NOMEM, "%s: out of memory", op);
     o->kind = kind;
     o->ps = ps;
+    o->lo = 0, o->hi = ps->total;
     o->be = tdm_backend_for(ps->flat->device);
     for (int i = 0; i < n_state && o->be; i++)
-        if (!(o->state[i] = state_buffer(ps))) break;
+        if (!(o->state[i] = state_buffer(ps, ps->total))) break;
     if (!o->be || (n_state && !o->state[n_state - 1])) {
         tdm_optim_free(o);
         return NULL;
@@ -125,17 +144,18 @@ tdm_optim *tdm_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o) {
     return adam_new(ps, o, true, "adamw");
 }
 
-/* A stack view of elements [off, off + n) of a flat buffer (kernels read only geometry). */
+/* A stack view of elements [off, off + n) of a 1-D tensor (kernels and copies read only its
+ * geometry); no bookkeeping of its own, so it must not outlive the call it is made for. */
 static tdm_tensor flat_range(const tdm_tensor *flat, int64_t off, int64_t n) {
     tdm_tensor v = *flat;
     v.shape[0] = n;
-    v.offset = flat->offset + off;
+    v.offset = flat->offset + off * flat->strides[0];
     return v;
 }
 
-/* Updates elements [lo, hi) of the flat buffers: one kernel call per run of consecutive
- * parameters sharing a weight decay (one run when all share it), each still one fused pass
- * over its slice. Does not count the step. */
+/* Updates elements [lo, hi) of the flat buffers, within the state's [o->lo, o->hi): one
+ * kernel call per run of consecutive parameters sharing a weight decay (one run when all
+ * share it), each still one fused pass over its slice. Does not count the step. */
 static int step_slice(tdm_optim *o, int64_t lo, int64_t hi) {
     const tdm_paramset *ps = o->ps;
     for (int i = 0, j; i < ps->n; i = j) {
@@ -146,7 +166,7 @@ static int step_slice(tdm_optim *o, int64_t lo, int64_t hi) {
         tdm_tensor p = flat_range(ps->flat, a, b - a), g = flat_range(ps->flat_grad, a, b - a);
         tdm_tensor st[3];
         for (int k = 0; k < 3; k++)
-            if (o->state[k]) st[k] = flat_range(o->state[k], a, b - a);
+            if (o->state[k]) st[k] = flat_range(o->state[k], a - o->lo, b - a);
         int rc;
         if (o->kind == OPT_SGD) {
             tdm_sgd_hparams h = o->sgd;
@@ -186,16 +206,19 @@ int tdm_optim_set_weight_decays(tdm_optim *o, const float *wd) {
 
 int tdm_optim_step(tdm_optim *o) {
     if (!o) return tdm_raise(TDM_ERR_ARG, "optim_step: optimizer is NULL");
-    int rc = step_slice(o, 0, o->ps->total);
+    int rc = step_slice(o, o->lo, o->hi);
+    /* sharded: the other ranks' ranges come from them (parallel/zero.c) */
+    if (!rc && o->sharded) rc = o->shard.after_step(o, o->shard.ctx);
     if (!rc) o->steps++;
     return rc;
 }
 
 int tdm_optim_step_range(tdm_optim *o, int64_t lo, int64_t hi) {
     if (!o) return tdm_raise(TDM_ERR_ARG, "optim_step_range: optimizer is NULL");
-    if (lo < 0 || lo > hi || hi > o->ps->total)
-        return tdm_raise(TDM_ERR_ARG, "optim_step_range: [%lld, %lld) is not within [0, %lld)",
-                         (long long)lo, (long long)hi, (long long)o->ps->total);
+    if (lo < o->lo || lo > hi || hi > o->hi)
+        return tdm_raise(TDM_ERR_ARG, "optim_step_range: [%lld, %lld) is not within [%lld, %lld)%s",
+                         (long long)lo, (long long)hi, (long long)o->lo, (long long)o->hi,
+                         o->sharded ? ", the range of this rank's shard" : "");
     return step_slice(o, lo, hi);
 }
 
@@ -231,22 +254,108 @@ const char *tdm_optim_kind(const tdm_optim *o) {
 }
 
 int tdm_optim_state(tdm_optim *o, const char **names, tdm_tensor **tensors, int max) {
-    static const char *const sgd[] = {"momentum_buffer"};
-    static const char *const adam[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
     if (!o) return 0;
     int n = 0;
     for (int i = 0; i < 3 && n < max; i++) {
         if (!o->state[i]) continue;
-        if (names) names[n] = o->kind == OPT_SGD ? sgd[0] : adam[i];
+        if (names) names[n] = state_name(o, i);
         if (tensors) tensors[n] = o->state[i];
         n++;
     }
     return n;
 }
 
+int tdm_optim_shard_range(const tdm_optim *o, int64_t *lo, int64_t *hi) {
+    if (!o) return tdm_raise(TDM_ERR_ARG, "optim_shard_range: optimizer is NULL");
+    if (lo) *lo = o->lo;
+    if (hi) *hi = o->hi;
+    return TDM_OK;
+}
+
+int tdm_optim_state_load(tdm_optim *o, const char *name, const tdm_tensor *full) {
+    if (!o || !name || !full)
+        return tdm_raise(TDM_ERR_ARG, "optim_state_load: NULL optimizer, name or tensor");
+    int k = 0;
+    while (k < 3 && !(o->state[k] && strcmp(state_name(o, k), name) == 0)) k++;
+    if (k == 3)
+        return tdm_raise(TDM_ERR_ARG, "optim_state_load: this %s optimizer has no state '%s'",
+                         tdm_optim_kind(o), name);
+    char sb[96];
+    if (full->dtype != TDM_F32 || full->ndim != 1 || full->shape[0] != o->ps->total)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "optim_state_load: '%s' must be f32 [%lld] (the whole flat buffer), "
+                         "got %s %s",
+                         name, (long long)o->ps->total, tdm_dtype_name(full->dtype),
+                         tdm_shape_str(tdm_shape_of(full), sb));
+    tdm_tensor part = flat_range(full, o->lo, o->hi - o->lo);
+    return tdm_copy_(o->state[k], &part);
+}
+
+/* ---- sharding (optim/shard.h) ------------------------------------------------------------ */
+
+int tdm_optim_restrict(tdm_optim *o, int64_t lo, int64_t hi, const tdm_optim_shard_hooks *hooks) {
+    if (!o || !hooks || !hooks->after_step)
+        return tdm_raise(TDM_ERR_ARG, "optim_shard: NULL optimizer or hooks");
+    if (o->sharded)
+        return tdm_raise(TDM_ERR_STATE,
+                         "optim_shard: the optimizer is sharded already (its state covers "
+                         "[%lld, %lld) of %lld); shard it once",
+                         (long long)o->lo, (long long)o->hi, (long long)o->ps->total);
+    if (lo < 0 || lo > hi || hi > o->ps->total)
+        return tdm_raise(TDM_ERR_ARG, "optim_shard: [%lld, %lld) is not within [0, %lld)",
+                         (long long)lo, (long long)hi, (long long)o->ps->total);
+    tdm_tensor *part[3] = {NULL, NULL, NULL};
+    int rc = TDM_OK;
+    for (int k = 0; k < 3 && !rc; k++) {
+        if (!o->state[k]) continue;
+        tdm_tensor src = flat_range(o->state[k], lo, hi - lo);
+        part[k] = state_buffer(o->ps, hi - lo);
+        rc = part[k] ? tdm_copy_(part[k], &src) : tdm_last_status();
+    }
+    for (int k = 0; k < 3; k++) { /* keep the full buffers, or the shard's copies */
+        tdm_tensor *drop = rc ? part[k] : o->state[k];
+        tdm_tensor_free(drop);
+        if (!rc) o->state[k] = part[k];
+    }
+    if (rc) return rc;
+    o->lo = lo, o->hi = hi;
+    o->sharded = true;
+    o->shard = *hooks;
+    return TDM_OK;
+}
+
+void *tdm_optim_shard_ctx(const tdm_optim *o) {
+    return o && o->sharded ? o->shard.ctx : NULL;
+}
+
+tdm_paramset *tdm_optim_paramset(const tdm_optim *o) {
+    return o ? o->ps : NULL;
+}
+
+tdm_optim *tdm_optim_new_like(const tdm_optim *o) {
+    if (!o) return tdm_raise_null(TDM_ERR_ARG, "optim_new_like: optimizer is NULL");
+    tdm_optim *c = calloc(1, sizeof *c);
+    if (!c) return tdm_raise_null(TDM_ERR_NOMEM, "optim_new_like: out of memory");
+    *c = *o; /* kind, hyper-parameters, learning rate, steps; the pointers are replaced */
+    c->wd = NULL;
+    c->lo = 0, c->hi = o->ps->total;
+    c->sharded = false;
+    c->shard = (tdm_optim_shard_hooks){0};
+    for (int k = 0; k < 3; k++) c->state[k] = NULL;
+    bool ok = !o->wd || tdm_optim_set_weight_decays(c, o->wd) == TDM_OK;
+    for (int k = 0; k < 3 && ok; k++)
+        if (o->state[k]) ok = (c->state[k] = state_buffer(o->ps, o->ps->total)) != NULL;
+    if (!ok) {
+        tdm_optim_free(c);
+        return NULL;
+    }
+    return c;
+}
+
 void tdm_optim_free(tdm_optim *o) {
     if (!o) return;
     for (int i = 0; i < 3; i++) tdm_tensor_free(o->state[i]);
+    if (o->sharded && o->shard.free) o->shard.free(o->shard.ctx);
     free(o->wd);
     free(o);
 }

@@ -5,7 +5,9 @@
  * devices of one process, split the reduction and the step into shards (sharded_update).
  * Either way every replica ends the step with the same parameters, bit for bit. A round of
  * tdm_dp_accumulate stops after backward: its gradients stay local and add up until the
- * tdm_dp_step that closes the window.
+ * tdm_dp_step that closes the window. Two other rounds run a collective of the optimizers on
+ * every replica at once: sharding their state over all replicas (ZeRO stage 1, zero.c), and
+ * gathering it whole for a checkpoint.
  *
  * Running replica 0 on the caller spares a thread handoff each way per step and puts the
  * caller's core to work instead of asleep; with as many devices as cores, every core then
@@ -24,6 +26,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* What a round does on every replica: a training step (or accumulation), or one of the
+ * optimizers' collectives (tdm_dp_set_shard, tdm_dp_optim_gather). */
+typedef enum { ROUND_STEP, ROUND_SHARD, ROUND_GATHER } round_task;
 
 /* Nanoseconds the caller spins for the other replicas after its own: they finish within
  * microseconds of it (same work after the same all-reduce), sooner than a futex wake-up. */
@@ -56,6 +62,9 @@ struct tdm_dp {
     tdm_hier_world *hier; /* every device of every process (tdm_dp_new_distributed), or NULL */
     tdm_group *nccl[TDM_MAX_DEVICES]; /* GPUs: replica r's NCCL group (see make_nccl), or NULLs */
     bool sharded;                     /* CPU devices in one process: see sharded_update */
+    tdm_shard_kind shard;             /* what tdm_dp_set_shard asked for */
+    round_task task;                  /* what the round being run does */
+    tdm_optim *gathered;              /* ROUND_GATHER's result, replica 0's */
     float clip;                       /* max gradient norm before each update, or 0 */
     int64_t window;                   /* micro-batches accumulated since the last update */
     int gemm_threads;                 /* restored at free */
@@ -133,9 +142,8 @@ static int sharded_update(replica *r) {
     int n = dp->n;
     int rc = tdm_work_wait(tdm_barrier(rank_group(dp, r->rank))); /* every gradient final */
     if (rc) return rc;
-    int64_t total = r->ps->total, per = ((total + n - 1) / n + 15) / 16 * 16; /* cache lines */
-    int64_t lo = r->rank * per < total ? r->rank * per : total;
-    int64_t hi = lo + per < total ? lo + per : total;
+    int64_t lo, hi; /* the all-reduce's chunks, and ZeRO's shards (zero.c) */
+    tdm_chunk_of(r->ps->total, sizeof(float), n, r->rank, &lo, &hi);
     const float *grads[TDM_MAX_DEVICES];
     for (int k = 0; k < n; k++) grads[k] = tdm_data_ptr(dp->reps[k].ps->flat_grad);
     float *g0 = tdm_data_ptr(dp->reps[0].ps->flat_grad), acc[2048];
@@ -202,6 +210,21 @@ static int replica_step(replica *r) {
     return rc;
 }
 
+/* Replica r's part of a round: a step, or its optimizer's share of a collective. Those
+ * fail on every rank alike (tdm_optim_shard agrees first; a failed exchange aborts the
+ * group), so nobody is left waiting. */
+static int replica_round(replica *r) {
+    tdm_dp *dp = r->dp;
+    if (dp->task == ROUND_STEP) return replica_step(r);
+    if (dp->task == ROUND_SHARD) return tdm_optim_shard(r->opt, rank_group(dp, r->rank));
+    tdm_optim *whole = tdm_optim_gather(r->opt); /* every replica takes part; 0's is kept */
+    if (r->rank == 0)
+        dp->gathered = whole;
+    else
+        tdm_optim_free(whole);
+    return whole ? TDM_OK : tdm_last_status();
+}
+
 static void *replica_main(void *arg) {
     replica *r = arg;
     tdm_dp *dp = r->dp;
@@ -218,7 +241,7 @@ static void *replica_main(void *arg) {
                        (tdm_wait_opts){.spin_ns = dp->next_spin_ns});
         seen = atomic_load(&dp->generation);
         if (dp->quit) break;
-        rc = r->rc ? r->rc : replica_step(r); /* a replica that failed to start stays failed */
+        rc = r->rc ? r->rc : replica_round(r); /* a replica that failed to start stays failed */
     }
     tdm_ddp_free(r->ddp);
     tdm_optim_free(r->opt);
@@ -230,7 +253,7 @@ static void *replica_main(void *arg) {
 static void run_caller_replica(tdm_dp *dp, bool init) {
     replica *r = &dp->reps[0];
     bool prev = tdm_set_grad_enabled(true);
-    r->rc = init ? replica_init(r) : replica_step(r);
+    r->rc = init ? replica_init(r) : replica_round(r);
     tdm_set_grad_enabled(prev);
     if (r->rc) snprintf(r->err, sizeof r->err, "%s", tdm_last_error());
     if (init && r->rc) tdm_group_abort(rank_group(dp, 0), r->err);
@@ -354,6 +377,19 @@ tdm_dp *tdm_dp_new_distributed(tdm_module *model, const tdm_device *devices, int
     return dp;
 }
 
+/* Runs one round of `task` on every replica (replica 0 on this thread) and waits for all of
+ * them; returns the first failure, naming its device. */
+static int run_task(tdm_dp *dp, round_task task) {
+    dp->task = task;
+    atomic_store(&dp->finished, 0);
+    atomic_fetch_add(&dp->generation, 1);
+    tdm_waitq_wake(&dp->go);
+    run_caller_replica(dp, false);
+    int rc = wait_round(dp);
+    dp->task = ROUND_STEP;
+    return rc;
+}
+
 /* One round on every replica: forward and backward of (x, target), then the update when
  * `update` (tdm_dp_step), else only the gradients' accumulation (tdm_dp_accumulate). */
 static int run_round(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
@@ -376,11 +412,7 @@ static int run_round(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn 
                          op, end - start);
     dp->x = x, dp->y = target, dp->loss_fn = loss_fn, dp->loss_arg = loss_arg;
     dp->update = update, dp->zero = dp->window == 0;
-    atomic_store(&dp->finished, 0);
-    atomic_fetch_add(&dp->generation, 1);
-    tdm_waitq_wake(&dp->go);
-    run_caller_replica(dp, false);
-    int rc = wait_round(dp);
+    int rc = run_task(dp, ROUND_STEP);
     dp->window = update || rc ? 0 : dp->window + 1; /* after a failure, start afresh */
     if (!rc && update && dp->sharded) { /* each replica took a shard of one step: count it once */
         int64_t steps = tdm_optim_steps(dp->reps[0].opt) + 1;
@@ -415,6 +447,46 @@ int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm) {
                          max_norm);
     dp->clip = max_norm;
     return TDM_OK;
+}
+
+int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind) {
+    if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: NULL data parallel");
+    if (kind == TDM_SHARD_GRADIENTS || kind == TDM_SHARD_PARAMETERS)
+        return tdm_raise(TDM_ERR_ARG,
+                         "data_parallel set_shard: sharding the %s (ZeRO stage %d) is not "
+                         "written yet (issue 19's later stages); TDM_SHARD_OPTIMIZER (stage 1) is",
+                         kind == TDM_SHARD_GRADIENTS ? "gradients" : "parameters",
+                         kind == TDM_SHARD_GRADIENTS ? 2 : 3);
+    if (kind != TDM_SHARD_NONE && kind != TDM_SHARD_OPTIMIZER)
+        return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: unknown kind %d", (int)kind);
+    if (kind == dp->shard) return TDM_OK;
+    if (kind == TDM_SHARD_NONE)
+        return tdm_raise(TDM_ERR_STATE,
+                         "data_parallel set_shard: the optimizer state is sharded and stays so "
+                         "(tdm_dp_optim_gather copies it whole)");
+    /* replicas sharing memory already hold the state once: replica 0's, stepped in shards */
+    int rc = dp->sharded ? TDM_OK : run_task(dp, ROUND_SHARD);
+    if (!rc) dp->shard = kind;
+    return rc;
+}
+
+tdm_shard_kind tdm_dp_shard(const tdm_dp *dp) {
+    return dp ? dp->shard : TDM_SHARD_NONE;
+}
+
+tdm_optim *tdm_dp_optim_gather(tdm_dp *dp) {
+    if (!dp) return tdm_raise_null(TDM_ERR_ARG, "data_parallel optim_gather: NULL data parallel");
+    /* unsharded, or one process's replicas sharing memory: replica 0 holds the whole state */
+    if (dp->sharded || dp->shard == TDM_SHARD_NONE) return tdm_optim_gather(dp->reps[0].opt);
+    dp->gathered = NULL;
+    int rc = run_task(dp, ROUND_GATHER);
+    tdm_optim *whole = dp->gathered;
+    dp->gathered = NULL;
+    if (rc) {
+        tdm_optim_free(whole);
+        return NULL;
+    }
+    return whole;
 }
 
 tdm_module *tdm_dp_replica(tdm_dp *dp, int r) {

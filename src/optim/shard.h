@@ -1,0 +1,36 @@
+/* What optimizer-state sharding (ZeRO stage 1, src/parallel/zero.c) needs of an optimizer.
+ *
+ * optim is below parallel in the layer map (docs/ARCHITECTURE.md), so an optimizer cannot call
+ * a collective itself. Sharding therefore registers a hook with it: after stepping its own
+ * range, tdm_optim_step calls after_step, which brings every rank's range of the parameters
+ * up to date over the group. Everything here is internal; the public face is
+ * tdm_optim_shard & co in tandem/parallel.h and tdm_optim_shard_range in tandem/optim.h. */
+#ifndef TDM_OPTIM_SHARD_H
+#define TDM_OPTIM_SHARD_H
+
+#include "tandem/optim.h"
+
+typedef struct {
+    /* Called by tdm_optim_step after the optimizer stepped its range [lo, hi), before it
+     * counts the step: every rank's updated range of the flat parameters shared. */
+    int (*after_step)(tdm_optim *o, void *ctx);
+    void (*free)(void *ctx); /* with the optimizer */
+    void *ctx;
+} tdm_optim_shard_hooks;
+
+/* Keeps the state of flat elements [lo, hi) only: each state buffer is replaced by a copy of
+ * its current values there (so a restored optimizer can be sharded), the full-size ones freed.
+ * From then on tdm_optim_step steps [lo, hi) and calls hooks->after_step. TDM_ERR_STATE when o
+ * is sharded already, TDM_ERR_ARG for a range outside the flat buffer; o is then unchanged and
+ * the hooks' ctx stays the caller's. */
+int tdm_optim_restrict(tdm_optim *o, int64_t lo, int64_t hi, const tdm_optim_shard_hooks *hooks);
+/* The ctx given to tdm_optim_restrict, or NULL for an unsharded optimizer. */
+void *tdm_optim_shard_ctx(const tdm_optim *o);
+/* The parameter set o updates. */
+tdm_paramset *tdm_optim_paramset(const tdm_optim *o);
+/* A new, unsharded optimizer like o: same kind, hyper-parameters, learning rate, per-parameter
+ * weight decays and step count, with zeroed full-size state buffers of the same names (to be
+ * filled by a gather). Caller-owned (tdm_optim_free); NULL and an error when out of memory. */
+tdm_optim *tdm_optim_new_like(const tdm_optim *o);
+
+#endif

@@ -160,8 +160,9 @@ static const opt_spec specs[] = {
      "test samples (at least 1): for quick runs and tests."},
     {"--log", "FILE", OPT_STR, F(log_path), 0, 0, "none",
      "Write one JSON object per line: a config line, a line per step (epoch, step, loss, lr, "
-     "img_s, or tok_s for gpt) and a line per epoch (train_loss, train_acc, test_loss, "
-     "test_acc, seconds, loader_wait_s, ...; not for gpt)."},
+     "img_s, or tok_s for gpt) and a line per epoch (train_loss; train_acc, test_loss and "
+     "test_acc, null for gpt; seconds, loader_wait_s, ...; and peak_bytes, each device's "
+     "peak of tensor memory during the epoch's training, also printed on the epoch line)."},
     {"--trace", "FILE.json", OPT_STR, F(trace_path), 0, 0, "none",
      "Write a Chrome trace (open it in Perfetto or chrome://tracing): one track per thread "
      "(the training loop, each device's compute, its communication, the loader's workers) "

@@ -243,6 +243,8 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
     tdm_tensor *xc = tdm_contiguous(x);
     tdm_tensor *w = opt_contiguous(weight, &failed), *bb = opt_contiguous(bias, &failed);
     if (!xc || failed) return NULL;
+    /* a recomputation runs the forward a second time: the first one updated the statistics */
+    if (training && tdm_recomputing()) running_mean = running_var = NULL;
     if (sync) return sync_batch_norm(sync, xc, running_mean, running_var, w, bb, momentum, eps);
     tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
     tdm_tensor *mean = tdm_tensor_alloc(cs, TDM_F32, x->device);

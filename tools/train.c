@@ -82,6 +82,13 @@ static const opt_spec specs[] = {
     {"--save", "FILE", OPT_STR, F(save_path), 0, 0, "none",
      "gpt: write the trained model as an llm.c fp32 model file (readable by llm.c's "
      "train_gpt2.c and by 'tandem sample')."},
+    {"--recompute", NULL, OPT_FLAG, F(recompute), 0, 0, "off",
+     "Recomputation (torch.utils.checkpoint): each of the model's units runs without keeping "
+     "its activations, and again during backward: for gpt every transformer block, for a "
+     "resnet each stage (layer1 to layer4). Activation memory falls to about one unit's plus "
+     "each unit's input, for one more forward pass of compute; the weights are the same bit "
+     "for bit (batch norm's running statistics included). Not for mlp and cnn, which have no "
+     "such units."},
     {"--clip-grad", "N", OPT_NUM, F(clip), 0, 1e12, "0 (off)",
      "Clip the gradients' global 2-norm to N before each step (torch.nn.utils."
      "clip_grad_norm_; the averaged gradient's, with several devices or processes). Not with "
@@ -477,6 +484,10 @@ static int check_opts(train_opts *o) {
         return train_usage_error(
             "--layers, --heads, --channels, --context, --vocab and --save apply "
             "to --model gpt only");
+    if (o->recompute && !gpt && !one_of(o->model, resnets))
+        return train_usage_error("--recompute runs the GPT's blocks or a ResNet's stages again "
+                                 "in backward; --model %s has no such units",
+                                 o->model);
     if (!o->grad_accum) o->grad_accum = 1;
     if (!one_of(o->optimizer, optimizers))
         return train_usage_error(

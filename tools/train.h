@@ -37,6 +37,7 @@ typedef struct {
     int64_t model_split, micro_batches;
     const char *pipe_schedule;
     const char *denormals;            /* "flush" or "keep" */
+    bool recompute;                   /* the GPT's blocks, a ResNet's stages */
     int64_t batch_per_device;         /* 0: --batch-size is the global batch */
     tdm_device devs[TDM_MAX_DEVICES]; /* parsed from devices */
     int n_devs;

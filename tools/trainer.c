@@ -73,6 +73,9 @@ static int make_devices(trainer *tr) {
     const train_opts *o = tr->o;
     task *t = tr->task;
     bool gpu_procs = tr->g && tr->dev.type == TDM_CUDA;
+    /* before replicas and stages are cloned from the model: they keep it */
+    if (o->recompute && tdm_model_set_recompute(t->model, true))
+        return task_error("--recompute: %s", tdm_last_error());
     if (!(tr->ps = tdm_module_parameters(t->model)))
         return task_error("model %s: %s", o->model, tdm_last_error());
     /* rank 0's initial weights go to every process */

@@ -6,6 +6,7 @@
  * statistics bit for bit (memcmp), on one device, under DataParallel (2 devices: replica
  * threads, synchronised batch norm) and under DDP over threads (gradient-ready hooks launch
  * the all-reduces). Dropout's masks are replayed; hooks fire once, after the last gradient. */
+#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
 #include "check.h"
 
 /* ---- helpers ---------------------------------------------------------------------------- */
@@ -465,6 +466,9 @@ static void test_function(void) {
 }
 
 int main(void) {
+    /* bits are compared, not speed: one GEMM thread keeps the test quick on a busy machine
+     * and clean under ThreadSanitizer, which cannot see into OpenMP's threads */
+    tdm_cpu_gemm_set_threads(1);
     test_memory_stats();
     test_function();
     test_gpt();

@@ -113,7 +113,10 @@ static int keep_outer_grads(int mark, const tdm_scope *inner, tdm_scope *outer,
  * matches the first, whose output was n->out. */
 static int check_rerun(const tdm_node *n, const tdm_tensor *y, int mark, const tdm_rng_log *log) {
     char a[96], b[96];
-    if (!y) return tdm_last_status() ? tdm_last_status() : TDM_ERR_STATE;
+    if (!y)
+        return tdm_last_status() ? tdm_last_status()
+                                 : tdm_raise(TDM_ERR_STATE, "recompute: the function returned "
+                                                            "NULL, with no error, when run again");
     if (!y->grad_fn || y->grad_fn->index < mark)
         return tdm_raise(TDM_ERR_STATE, "recompute: run again in backward, the function's output "
                                         "has no history (it must compute the same graph as in "
@@ -186,6 +189,14 @@ static tdm_tensor *record(tdm_recompute_fn fn, void *arg, tdm_tensor *x, tdm_ten
     return out;
 }
 
+/* TDM_OK when fn's first run gave an output y and its draws were all logged. */
+static int first_run_status(const tdm_tensor *y, const tdm_rng_log *log) {
+    if (y && !log->failed) return TDM_OK;
+    if (y) return tdm_raise(TDM_ERR_NOMEM, "recompute: out of memory logging random draws");
+    if (tdm_last_status()) return tdm_last_status();
+    return tdm_raise(TDM_ERR_STATE, "recompute: the function returned NULL, with no error");
+}
+
 tdm_tensor *tdm_recompute(tdm_recompute_fn fn, void *arg, tdm_tensor *x) {
     if (!x) return tdm_null_input("recompute");
     if (!fn) return tdm_raise_null(TDM_ERR_ARG, "recompute: fn is NULL");
@@ -206,10 +217,8 @@ tdm_tensor *tdm_recompute(tdm_recompute_fn fn, void *arg, tdm_tensor *x) {
     tdm_rng_log_pop(&log);
     bool recorded = y && y->grad_fn && y->grad_fn->index >= mark;
     bool inner_owned = y && tdm_book(y)->owner == inner;
-    int rc = !y           ? tdm_last_status()
-             : log.failed ? tdm_raise(TDM_ERR_NOMEM, "recompute: out of memory logging draws")
-             : recorded   ? collect_leaves(mark, inner, &leaves)
-                          : TDM_OK;
+    int rc = first_run_status(y, &log);
+    if (!rc && recorded) rc = collect_leaves(mark, inner, &leaves);
     if (!rc && (recorded || inner_owned)) adopt(out, y);
     tdm_scope_end(); /* fn's tensors and nodes: freed */
     tdm_tensor *result = rc            ? NULL

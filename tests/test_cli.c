@@ -136,6 +136,8 @@ static void test_usage_errors(void) {
     expect_usage("with --model-split each pipeline stage steps an optimizer of its own",
                  (const char *const[]){t, "train", "--shard", "optimizer", "--model-split", "2",
                                        "--devices", "2", NULL});
+    expect_usage("no such units",
+                 (const char *const[]){t, "train", "--model", "cnn", "--recompute", NULL});
     expect_usage("stray", (const char *const[]){t, "train", "stray", NULL});
     expect_usage("frobnicate", (const char *const[]){t, "frobnicate", NULL});
 }
@@ -191,6 +193,19 @@ static void test_runtime_errors(void) {
     result_free(&r);
 }
 
+/* The "peak_bytes":[...] array of an epoch line: how many entries, each > 0 (else -1). */
+static int peak_entries(const char *line) {
+    const char *p = strstr(line, "\"peak_bytes\":[");
+    if (!p) return -1;
+    int n = 0;
+    for (p += strlen("\"peak_bytes\":["); *p != ']'; p += *p == ',', n++) {
+        char *end;
+        if (strtoll(p, &end, 10) <= 0 || end == p) return -1;
+        p = end;
+    }
+    return n;
+}
+
 static void check_log(const char *path, int epochs, int steps_per_epoch) {
     char *log = slurp(path);
     int steps = 0, n_epochs = 0, bad = 0;
@@ -218,6 +233,7 @@ static void check_log(const char *path, int epochs, int steps_per_epoch) {
                                                "loader_wait_s"};
             for (int k = 0; k < 7; k++)
                 CHECK(isfinite(json_num(line, keys[k])), "epoch line lacks %s: %s", keys[k], line);
+            CHECK(peak_entries(line) == 1, "epoch line's peak_bytes, one device: %s", line);
             if (n_epochs == 1) first_loss = json_num(line, "train_loss");
             last_loss = json_num(line, "train_loss");
             last_acc = json_num(line, "test_acc");
@@ -261,7 +277,7 @@ static void test_mlp_run(void) {
                       "--plot", plot);
     CHECK(r.status == 0, "mlp run: exit %d, stderr: %s", r.status, r.err);
     CHECK(strstr(r.out, "epoch 2/2") && strstr(r.out, "test loss") && strstr(r.out, "img/s") &&
-              strstr(r.out, "loader wait"),
+              strstr(r.out, "loader wait") && strstr(r.out, " MiB\n"),
           "mlp run output: %s", r.out);
     result_free(&r);
     check_log(log, 2, 32); /* ceil(2000 / 64) steps */
@@ -286,15 +302,22 @@ static double epoch_train_loss(const char *out) {
  * device learns: the same printed train loss, and per-device throughput is reported. */
 static void test_devices_run(void) {
     result one = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet");
-    char trace[300];
+    char trace[300], log[300];
     snprintf(trace, sizeof trace, "%s/trace.json", tmpdir);
+    snprintf(log, sizeof log, "%s/three.jsonl", tmpdir);
     result three = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet", "--devices",
-                          "cpu:0,cpu:1,cpu:2", "--trace", trace);
+                          "cpu:0,cpu:1,cpu:2", "--trace", trace, "--log", log);
     CHECK(one.status == 0 && three.status == 0, "device runs: exit %d and %d: %s", one.status,
           three.status, three.err);
     double l1 = epoch_train_loss(one.out), l3 = epoch_train_loss(three.out);
     CHECK(fabs(l1 - l3) <= 2e-4, "train loss on 1 device %.4f, on 3 devices %.4f", l1, l3);
     CHECK(strstr(three.out, "per device"), "3-device output: %s", three.out);
+    /* each replica's memory is its own device's pool: a peak for each, printed and logged */
+    char *text = slurp(log), *epoch = strstr(text, "\"type\":\"epoch\"");
+    CHECK(epoch && peak_entries(epoch) == 3 && strstr(three.out, "peak ") &&
+              strstr(three.out, " / ") && strstr(three.out, " MiB"),
+          "3 devices' peaks: %s\n%s", epoch ? epoch : text, three.out);
+    free(text);
     /* 32 per device on 2 devices is the default global batch of 64 */
     result per = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet", "--devices", "2",
                         "--batch-per-device", "32");

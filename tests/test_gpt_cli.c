@@ -270,6 +270,36 @@ static void test_shared_options(void) {
 #undef GPT
 }
 
+/* Whether two files hold the same bytes (and could be read). */
+static bool same_file(const char *a, const char *b) {
+    size_t na = 0, nb = 0;
+    char *pa = slurp_file(a, &na), *pb = slurp_file(b, &nb);
+    bool same = pa && pb && na == nb && na > 0 && memcmp(pa, pb, na) == 0;
+    free(pa);
+    free(pb);
+    return same;
+}
+
+/* --recompute runs each block again in backward: the trained weights are the same bytes as
+ * without it, on one device and on two (DataParallel's replicas recompute on their threads). */
+static void test_recompute(void) {
+    char path[4][300];
+    const char *devices[2] = {"1", "2"};
+    for (int i = 0; i < 4; i++) {
+        snprintf(path[i], sizeof path[i], "%s/recompute%d.bin", tmpdir, i);
+        result *r = TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "2",
+                           "--channels", "16", "--context", "8", "--batch-size", "4", "--max-steps",
+                           "5", "--workers", "0", "--quiet", "--devices", devices[i / 2], "--save",
+                           path[i], i % 2 ? "--recompute" : NULL);
+        CHECK(r->status == 0, "--devices %s%s: exit %d %s", devices[i / 2],
+              i % 2 ? " --recompute" : "", r->status, r->err);
+    }
+    for (int d = 0; d < 2; d++)
+        CHECK(same_file(path[2 * d], path[2 * d + 1]),
+              "--devices %s: %s and %s (--recompute) differ", devices[d], path[2 * d],
+              path[2 * d + 1]);
+}
+
 static void test_errors(void) {
     result *r = TANDEM("train", "--model", "gpt");
     CHECK(r->status == 2 && strstr(r->err, "needs --data FILE"), "%d %s", r->status, r->err);
@@ -321,6 +351,7 @@ int main(int argc, char **argv) {
     test_grad_accum();
     test_resume();
     test_shared_options();
+    test_recompute();
     test_sample();
     test_errors();
     tmpdir_remove();

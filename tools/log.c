@@ -52,7 +52,11 @@ int log_epoch(run_log *l, const epoch_stats *e) {
     num(l->f, "eval_seconds", e->eval_seconds, ",");
     num(l->f, "img_s", e->img_s, ",");
     num(l->f, "loader_wait_s", e->loader_wait_s, ",");
-    num(l->f, "lr", e->lr, "}\n");
+    num(l->f, "lr", e->lr, ",");
+    fprintf(l->f, "\"peak_bytes\":[");
+    for (int d = 0; d < e->n_devices; d++)
+        fprintf(l->f, "%s%lld", d ? "," : "", (long long)e->peak_bytes[d]);
+    fprintf(l->f, "]}\n");
     return check(l);
 }
 

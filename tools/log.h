@@ -3,9 +3,12 @@
  *   {"type":"step", "epoch":1, "step":12, "global_step":12, "loss":.., "lr":.., "img_s":..}
  *     (a GPT's step lines have "tok_s", tokens per second, instead of "img_s")
  *   {"type":"epoch", "epoch":1, "train_loss":.., "train_acc":.., "test_loss":.., "test_acc":..,
- *    "seconds":.., "eval_seconds":.., "img_s":.., "loader_wait_s":.., "lr":..}
+ *    "seconds":.., "eval_seconds":.., "img_s":.., "loader_wait_s":.., "lr":..,
+ *    "peak_bytes":[..]}
  * Steps count from 1 within an epoch; accuracies are fractions in [0, 1]; a non-finite number
- * is written as null (JSON has no NaN). */
+ * is written as null (JSON has no NaN). peak_bytes has one integer per device of --devices, in
+ * that order: the most bytes of tensors the device's memory pool held at once during the
+ * epoch's training steps (tdm_memory_stats.peak_allocated; under mpirun, rank 0's devices). */
 #ifndef TANDEM_TOOLS_LOG_H
 #define TANDEM_TOOLS_LOG_H
 
@@ -21,6 +24,10 @@ typedef struct {
     double img_s;
     double loader_wait_s; /* time the training loop spent waiting for batches */
     double lr;            /* at the end of the epoch */
+    /* each device's allocator peak during the epoch's training, n_devices of them: borrowed
+     * from the trainer, valid during the sinks_epoch call only (copies keep a stale pointer) */
+    const int64_t *peak_bytes;
+    int n_devices;
 } epoch_stats;
 
 typedef struct {

@@ -82,6 +82,13 @@ static const opt_spec specs[] = {
     {"--save", "FILE", OPT_STR, F(save_path), 0, 0, "none",
      "gpt: write the trained model as an llm.c fp32 model file (readable by llm.c's "
      "train_gpt2.c and by 'tandem sample')."},
+    {"--recompute", NULL, OPT_FLAG, F(recompute), 0, 0, "off",
+     "Recomputation (torch.utils.checkpoint): each of the model's units runs without keeping "
+     "its activations, and again during backward: for gpt every transformer block, for a "
+     "resnet each stage (layer1 to layer4). Activation memory falls to about one unit's plus "
+     "each unit's input, for one more forward pass of compute; the weights are the same bit "
+     "for bit (batch norm's running statistics included). Not for mlp and cnn, which have no "
+     "such units."},
     {"--clip-grad", "N", OPT_NUM, F(clip), 0, 1e12, "0 (off)",
      "Clip the gradients' global 2-norm to N before each step (torch.nn.utils."
      "clip_grad_norm_; the averaged gradient's, with several devices or processes). Not with "
@@ -169,8 +176,9 @@ static const opt_spec specs[] = {
      "test samples (at least 1): for quick runs and tests."},
     {"--log", "FILE", OPT_STR, F(log_path), 0, 0, "none",
      "Write one JSON object per line: a config line, a line per step (epoch, step, loss, lr, "
-     "img_s, or tok_s for gpt) and a line per epoch (train_loss, train_acc, test_loss, "
-     "test_acc, seconds, loader_wait_s, ...; not for gpt)."},
+     "img_s, or tok_s for gpt) and a line per epoch (train_loss; train_acc, test_loss and "
+     "test_acc, null for gpt; seconds, loader_wait_s, ...; and peak_bytes, each device's "
+     "peak of tensor memory during the epoch's training, also printed on the epoch line)."},
     {"--trace", "FILE.json", OPT_STR, F(trace_path), 0, 0, "none",
      "Write a Chrome trace (open it in Perfetto or chrome://tracing): one track per thread "
      "(the training loop, each device's compute, its communication, the loader's workers) "
@@ -521,6 +529,10 @@ static int check_opts(train_opts *o) {
         return train_usage_error(
             "--layers, --heads, --channels, --context, --vocab and --save apply "
             "to --model gpt only");
+    if (o->recompute && !gpt && !one_of(o->model, resnets))
+        return train_usage_error("--recompute runs the GPT's blocks or a ResNet's stages again "
+                                 "in backward; --model %s has no such units",
+                                 o->model);
     if (!o->grad_accum) o->grad_accum = 1;
     if (!one_of(o->optimizer, optimizers))
         return train_usage_error(

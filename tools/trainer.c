@@ -73,6 +73,9 @@ static int make_devices(trainer *tr) {
     const train_opts *o = tr->o;
     task *t = tr->task;
     bool gpu_procs = tr->g && tr->dev.type == TDM_CUDA;
+    /* before replicas and stages are cloned from the model: they keep it */
+    if (o->recompute && tdm_model_set_recompute(t->model, true))
+        return task_error("--recompute: %s", tdm_last_error());
     if (!(tr->ps = tdm_module_parameters(t->model)))
         return task_error("model %s: %s", o->model, tdm_last_error());
     /* rank 0's initial weights go to every process */
@@ -374,6 +377,16 @@ static int after_step(trainer *tr, int epoch, int64_t step, bool synced) {
     return 0;
 }
 
+/* Each device's peak memory since the epoch began (tdm_memory_stats), into tr->peak: at the
+ * epoch's start (start: a new peak from what is allocated now) and after every step. */
+static void note_peaks(trainer *tr, bool start) {
+    for (int d = 0; d < tr->o->n_devs; d++) {
+        if (start) tdm_memory_reset_peak(tr->o->devs[d]);
+        int64_t p = tdm_memory_stats_get(tr->o->devs[d]).peak_allocated;
+        tr->peak[d] = start || p > tr->peak[d] ? p : tr->peak[d];
+    }
+}
+
 /* Starts epoch `epoch` (from 1), after `skip` of its steps done before a resume. */
 static int begin_epoch(trainer *tr, int epoch, int64_t skip) {
     const train_opts *o = tr->o;
@@ -393,6 +406,7 @@ static int begin_epoch(trainer *tr, int epoch, int64_t skip) {
     tr->every = o->print_every > 0 ? o->print_every : left >= 10 ? (left + 9) / 10 : 1;
     tr->t_last = tr->win_t0 = progress_now();
     tr->win_loss = 0, tr->win_steps = 0, tr->win_samples = 0;
+    note_peaks(tr, true);
     progress_epoch_begin(&tr->prog, epoch, (int)o->epochs, tr->steps_planned, tr->t_last);
     return 0;
 }
@@ -418,6 +432,7 @@ static int train_step(trainer *tr, bool first) {
     }
     tr->time_host[tr->chunk_steps++] = progress_now();
     tr->global_step++;
+    note_peaks(tr, false);
     return 0;
 }
 
@@ -451,7 +466,9 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
         .seconds = secs,
         .img_s = secs > 0 && here > 0 ? here * (double)tr->task->units_per_sample / secs : NAN,
         .loader_wait_s = tdm_loader_wait_seconds(tr->train_l) - wait0,
-        .lr = tdm_optim_lr(tr->opt)};
+        .lr = tdm_optim_lr(tr->opt),
+        .peak_bytes = tr->peak,
+        .n_devices = tr->o->n_devs};
     return 0;
 }
 
@@ -614,6 +631,19 @@ static void write_config(trainer *tr) {
     sinks_config(&tr->out, f);
 }
 
+/* "  peak 12.3 MiB": the allocator's peak of the epoch, each device's when there are at most
+ * four ("12.3 / 12.1 MiB"), else the largest. */
+static void print_peaks(const epoch_stats *e) {
+    int n = e->n_devices;
+    int64_t most = 0;
+    for (int d = 0; d < n; d++) most = e->peak_bytes[d] > most ? e->peak_bytes[d] : most;
+    printf("  peak ");
+    for (int d = 0; n <= 4 && d < n; d++)
+        printf("%s%.1f", d ? " / " : "", (double)e->peak_bytes[d] / (1 << 20));
+    if (n > 4) printf("%.1f", (double)most / (1 << 20));
+    printf(" MiB%s", n > 4 ? " on the fullest device" : "");
+}
+
 static void print_epoch(const trainer *tr, const epoch_stats *e) {
     printf("epoch %d/%lld  train loss %.4f", e->epoch, (long long)tr->o->epochs, e->train_loss);
     if (tr->task->accuracy) printf(" acc %5.2f%%", 100 * e->train_acc);
@@ -627,6 +657,7 @@ static void print_epoch(const trainer *tr, const epoch_stats *e) {
     printf("  %.0f %s/s  loader wait %.2f s", e->img_s, tr->task->unit, e->loader_wait_s);
     int devices = tr->o->n_devs * (tr->g ? tdm_group_size(tr->g) : 1);
     if (devices > 1) printf("  (%.0f %s/s per device)", e->img_s / devices, tr->task->unit);
+    print_peaks(e);
     printf("\n");
     fflush(stdout);
 }

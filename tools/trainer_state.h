@@ -56,6 +56,9 @@ typedef struct trainer {
     int64_t samples_before; /* of samples: those a resumed epoch had before this process */
     double win_loss, win_t0;
     int64_t win_steps, win_samples;
+    /* the allocator's peak of each device (o->devs) over the epoch's steps so far: read after
+     * every step, since a pipeline resets its devices' peaks at each of its steps */
+    int64_t peak[TDM_MAX_DEVICES];
     epoch_stats last; /* the last finished epoch */
 } trainer;
 

@@ -42,6 +42,38 @@ void tdm_clear_grad_hooks(tdm_tensor *leaf);
 /* Number of nodes on this thread's tape (for tests and debugging). */
 int tdm_tape_size(void);
 
+/* ---- recomputation (torch.utils.checkpoint) ------------------------------------------------ */
+
+/* What tdm_recompute runs: the output of a function of x (NULL and an error on failure). */
+typedef tdm_tensor *(*tdm_recompute_fn)(void *arg, tdm_tensor *x);
+
+/* Trades compute for memory, as torch.utils.checkpoint.checkpoint does: returns fn(arg, x)
+ * but keeps none of the tensors fn makes on the way (they are freed before this returns),
+ * only x and the output, and records one tape node. When a backward reaches that node, fn
+ * runs again on x, its graph is walked with the output's gradient, and what it made is freed
+ * again. The second run draws the random numbers of the first (every draw from a tdm_rng
+ * inside fn, dropout's masks among them, is logged by the first run and replayed), and
+ * batch norm leaves its running statistics alone (see tdm_recomputing). So the gradients,
+ * x's included, are those of calling fn directly, bit for bit: the same kernels in the same
+ * order. Parameters' gradient-ready hooks (DDP's buckets) fire once each, when the node's
+ * backward is done. Nests: fn may call tdm_recompute itself. Per thread, like the tape.
+ *
+ * fn must build the same graph every time it runs on x: the same ops on the same tensors,
+ * with nothing it reads (through arg: parameters, other tensors, the parallel context)
+ * changed between the forward and the backward, and any tensor it reads besides x kept
+ * alive until then. Other side effects happen twice unless fn skips them while
+ * tdm_recomputing() is true.
+ *
+ * With grad mode off this is fn(arg, x). The output is owned by the current scope, as any
+ * op's. NULL and an error: fn's own when it fails, TDM_ERR_ARG for a NULL fn, TDM_ERR_STATE
+ * without an open step scope. A second run that does not match the first (another output
+ * shape, another count of random draws) fails the backward with TDM_ERR_STATE. */
+tdm_tensor *tdm_recompute(tdm_recompute_fn fn, void *arg, tdm_tensor *x);
+
+/* Whether the calling thread is running a function again for a tdm_recompute node's backward:
+ * layers with side effects beyond their output check it (batch norm's running statistics). */
+bool tdm_recomputing(void);
+
 /* ---- differentiable copies between threads' graphs ---------------------------------------- */
 
 /* Receives a gradient computed on another thread: grad is caller-owned (the callee owns it

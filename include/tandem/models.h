@@ -35,6 +35,17 @@ extern const char *const tdm_model_names[];
  * name; NULL and the failing layer's error when a layer cannot be made. */
 tdm_module *tdm_model_new(const char *name, tdm_device dev, tdm_rng *rng);
 
+/* Recomputation (tdm_module_set_recompute) of a model's repeated units, which hold most of its
+ * activations: every block of a GPT (transformer.h.<l>), the four stages of a ResNet
+ * (layer1..layer4: a stage's activations are recomputed from its input in backward). Their
+ * activations then stay alive only while a unit is recomputed: between forward and backward
+ * a GPT keeps each block's input, one [B, T, C] tensor, instead of all the block computed. The
+ * gradients and the batch norms' running statistics are the same bit for bit; each unit's forward
+ * runs twice. Set it before cloning (DataParallel, pipelines): clones keep it. TDM_OK, or
+ * TDM_ERR_ARG for a NULL model or one with no such units (the mlp and the cnn: recompute one of
+ * their layers with tdm_module_set_recompute instead). */
+int tdm_model_set_recompute(tdm_module *m, bool on);
+
 /* ---- ResNet ------------------------------------------------------------------------------ */
 
 /* torchvision's ResNet: conv1 (7x7, stride 2, padding 3, no bias), bn1, relu, maxpool (3x3,

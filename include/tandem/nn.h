@@ -125,6 +125,7 @@ struct tdm_module {
     const tdm_module_ops *ops;
     tdm_device device;
     bool training;
+    bool recompute; /* forward under tdm_recompute (tdm_module_set_recompute) */
     int n_params;
     const char *param_names[TDM_MODULE_MAX_PARAMS];
     tdm_tensor *params[TDM_MODULE_MAX_PARAMS];
@@ -175,6 +176,15 @@ int tdm_module_add(tdm_module *parent, const char *name, tdm_module *child);
 tdm_tensor *tdm_module_forward(tdm_module *m, tdm_tensor *x);
 /* Training (true) or evaluation mode, for m and all its children. */
 void tdm_module_train(tdm_module *m, bool training);
+/* Recomputation of m (torch.utils.checkpoint around m's forward): while on, m's forward with
+ * grad mode on runs under tdm_recompute (autograd.h), so that none of the activations inside
+ * m is kept for the backward, which runs m's forward again: memory for compute, with the same
+ * gradients bit for bit (dropout replays its masks, batch norm updates its running statistics
+ * once). m alone, not its children (set it on a block, a stage); a child that has it on too
+ * recomputes inside m's recomputation. Clones (DataParallel's replicas, pipeline stages)
+ * keep it. m's forward must meet tdm_recompute's conditions: the built-in layers and the
+ * library's models do. TDM_OK, or TDM_ERR_ARG for a NULL m. */
+int tdm_module_set_recompute(tdm_module *m, bool on);
 /* All parameters of the tree, named, moved on first call into one flat buffer (values kept)
  * with a flat gradient buffer beside it. Owned by m; later calls return the same set. All
  * parameters must be on one device. NULL and an error on failure. */

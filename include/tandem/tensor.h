@@ -102,6 +102,29 @@ uint64_t tdm_gemm_flops(void);
 bool tdm_set_flush_denormal(bool on);
 /* Whether the calling thread flushes denormals. */
 bool tdm_flush_denormal(void);
+
+/* Memory of one device as Tandem's caching allocator sees it, in bytes, for this process
+ * (PyTorch's torch.cuda.memory_allocated, max_memory_allocated and memory_reserved). Every
+ * device, cpu:N included, has a pool of its own, so the figures are per logical device. */
+typedef struct {
+    /* held by live tensors on the device (parameters, gradients, optimizer state, batches,
+     * activations), each storage counted at its size class: 256-byte granules up to 4 KiB,
+     * then at most 25% above the request. Not counted: tensor headers and tape nodes (the
+     * threads' scope arenas), and the GEMM library's own workspace. */
+    int64_t allocated;
+    /* the most `allocated` has been since the process began or tdm_memory_reset_peak(d) */
+    int64_t peak_allocated;
+    /* allocated plus the freed blocks the pool keeps for reuse: what the process holds from
+     * the system (or the GPU) for this device */
+    int64_t reserved;
+} tdm_memory_stats;
+/* The device's figures now. Thread-safe (one lock per device); cheap enough for every step.
+ * A device outside cpu:0..63 and cuda:0..63: all zero, and TDM_ERR_DEVICE in tdm_last_error. */
+tdm_memory_stats tdm_memory_stats_get(tdm_device d);
+/* Starts a new peak: peak_allocated becomes allocated now (torch.cuda.reset_peak_memory_stats).
+ * The peak is the device's, not the caller's: a reset is seen by every reader (a pipeline
+ * resets each stage's device at each of its steps). Out-of-range devices are ignored. */
+void tdm_memory_reset_peak(tdm_device d);
 /* Preemption: from now on SIGTERM and SIGINT are recorded instead of ending the process, so
  * a training loop can poll tdm_stop_requested between steps, save a checkpoint and return
  * (Slurm, Kubernetes and torchrun stop jobs with SIGTERM). Once one has arrived, both get

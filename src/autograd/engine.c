@@ -167,17 +167,22 @@ int tdm_zero_grad(tdm_tensor *t) {
 /* For each leaf read by nodes in [start, end), the earliest such node: after walking it in
  * reverse, the leaf's gradient is final. Leaves are chained per node through ready_next,
  * kept in a scope-allocated array of list heads. */
+/* Input j of node n, counting its reads after its inputs. */
+static tdm_tensor *node_read(const tdm_node *n, int j) {
+    return j < n->n_in ? n->in[j] : n->reads[j - n->n_in];
+}
+
 static tdm_tensor **ready_lists(tdm_node **tape, int start, int end) {
     tdm_tensor **heads = tdm_scope_alloc(sizeof(tdm_tensor *) * (size_t)(end - start));
     if (!heads) return NULL;
     for (int i = start; i < end; i++)
-        for (int j = 0; j < tape[i]->n_in; j++) {
-            tdm_tensor *x = tape[i]->in[j];
+        for (int j = 0; j < tape[i]->n_in + tape[i]->n_reads; j++) {
+            tdm_tensor *x = node_read(tape[i], j);
             if (x && x->requires_grad && !x->grad_fn) tdm_book(x)->last_use = -1;
         }
     for (int i = start; i < end; i++)
-        for (int j = 0; j < tape[i]->n_in; j++) {
-            tdm_tensor *x = tape[i]->in[j];
+        for (int j = 0; j < tape[i]->n_in + tape[i]->n_reads; j++) {
+            tdm_tensor *x = node_read(tape[i], j);
             if (!x || !x->requires_grad || x->grad_fn || tdm_book(x)->last_use >= 0) continue;
             tdm_book(x)->last_use = i;
             tdm_book(x)->ready_next = heads[i - start];

@@ -32,6 +32,10 @@ struct tdm_node {
     } arg, arg2;   /* op arguments (dims, scalars, flags) */
     void *ctx;     /* larger op arguments, allocated with tdm_scope_alloc */
     int32_t index; /* position on the tape */
+    /* leaves the backward gives gradients to besides in[] (a recomputation's parameters,
+     * autograd/recompute.c): gradient-ready hooks count them as read by this node */
+    tdm_tensor **reads;
+    int n_reads;
 };
 
 /* True if an op with these inputs must record a node: grad mode on and some input

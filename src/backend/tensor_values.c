@@ -66,10 +66,9 @@ static int draw(tdm_tensor *t, int dist, float a, float b, tdm_rng *rng) {
     if (!t) return tdm_last_status();
     if (tdm_check_f32(t, dist ? "normal_" : "uniform_")) return TDM_ERR_DTYPE;
     if (!rng) rng = tdm_default_rng();
-    int rc = backend_of(t)->random(t, dist, a, b, rng->seed, rng->offset);
     /* each element consumes one counter; round up so draws never overlap */
-    rng->offset += (uint64_t)tdm_numel(t) + 4;
-    return rc;
+    uint64_t first = tdm_rng_take(rng, (uint64_t)tdm_numel(t) + 4);
+    return backend_of(t)->random(t, dist, a, b, rng->seed, first);
 }
 
 int tdm_uniform_(tdm_tensor *t, float low, float high, tdm_rng *rng) {

@@ -159,3 +159,24 @@ void tdm_alloc_empty_cache(tdm_device dev) {
 void tdm_alloc_count_sys(void) {
     atomic_fetch_add(&extra_sys_allocs, 1);
 }
+
+/* ---- the public view (tensor.h) ----------------------------------------------------------- */
+
+tdm_memory_stats tdm_memory_stats_get(tdm_device d) {
+    tdm_memory_stats m = {0};
+    if (!pool_of(d)) {
+        char b[16];
+        tdm_raise(TDM_ERR_DEVICE, "memory_stats_get: device %s has no memory pool (index 0..%d)",
+                  tdm_device_str(d, b), TDM_MAX_DEVICES - 1);
+        return m;
+    }
+    tdm_alloc_stats s = tdm_alloc_stats_get(d);
+    m.allocated = (int64_t)s.bytes_in_use;
+    m.peak_allocated = (int64_t)s.peak_in_use;
+    m.reserved = (int64_t)(s.bytes_in_use + s.bytes_cached);
+    return m;
+}
+
+void tdm_memory_reset_peak(tdm_device d) {
+    tdm_alloc_reset_peak(d);
+}

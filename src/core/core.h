@@ -85,6 +85,33 @@ typedef struct {
 } tdm_device_memory;
 void tdm_alloc_set_device_memory(const tdm_device_memory *mem);
 
+/* ---- random draws, logged and replayed --------------------------------------------------- */
+
+/* The first of n counters of a draw from rng, which moves past them. Every draw from a
+ * tdm_rng (random fills, dropout) takes its counters here, so that a thread's draws can be
+ * logged and replayed (below). Never fails. */
+uint64_t tdm_rng_take(tdm_rng *rng, uint64_t n);
+
+/* A record of the calling thread's draws: how autograd's recomputation (tdm_recompute) runs
+ * a function again with the random numbers of its first run (dropout's masks). Recording,
+ * each draw's first counter is appended to offsets (grown on the heap past cap: heap is then
+ * set and the owner frees offsets); replaying, each draw gets the next logged counter back and
+ * no generator moves. A log pushed while another is in force takes its counters from that
+ * one: a function recomputed inside a recomputed function records what its parent replays. */
+typedef struct tdm_rng_log {
+    uint64_t *offsets;
+    int n, cap;
+    int next; /* replaying: the next logged draw */
+    bool replay;
+    bool heap;   /* offsets was reallocated on the heap: the owner frees it */
+    bool failed; /* out of memory recording, or more draws replayed than were logged */
+    struct tdm_rng_log *parent; /* the log in force when this one was pushed */
+} tdm_rng_log;
+/* Puts log in force on the calling thread (its parent: the one in force before). */
+void tdm_rng_log_push(tdm_rng_log *log);
+/* Puts log's parent back in force; log must be the one in force. */
+void tdm_rng_log_pop(tdm_rng_log *log);
+
 /* ---- tensors ---------------------------------------------------------------------------- */
 
 /* A tensor header with the current scope as owner (or the caller if none), no storage. */

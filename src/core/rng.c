@@ -2,6 +2,9 @@
  * counter-based generator, so draw i of a tensor is a pure function of (seed, offset + i). */
 #include "core/core.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
 #define PHILOX_W0 0x9E3779B9u
@@ -48,4 +51,55 @@ tdm_rng *tdm_default_rng(void) {
 
 void tdm_manual_seed(uint64_t seed) {
     default_rng = tdm_rng_make(seed);
+}
+
+/* ---- draws through the thread's log (core.h) ----------------------------------------------- */
+
+static _Thread_local tdm_rng_log *rng_log;
+
+static void log_append(tdm_rng_log *log, uint64_t v) {
+    if (log->n == log->cap) {
+        int cap = log->cap ? 2 * log->cap : 16;
+        uint64_t *p = log->heap ? realloc(log->offsets, sizeof *p * (size_t)cap)
+                                : malloc(sizeof *p * (size_t)cap);
+        if (!p) {
+            log->failed = true;
+            return;
+        }
+        if (!log->heap && log->n) memcpy(p, log->offsets, sizeof *p * (size_t)log->n);
+        log->offsets = p;
+        log->cap = cap;
+        log->heap = true;
+    }
+    log->offsets[log->n++] = v;
+}
+
+/* A draw's first counter through log and the logs below it (NULL: the generator itself). */
+static uint64_t take(tdm_rng_log *log, tdm_rng *rng, uint64_t n) {
+    if (!log) {
+        uint64_t first = rng->offset;
+        rng->offset += n;
+        return first;
+    }
+    if (log->replay) {
+        if (log->next < log->n) return log->offsets[log->next++];
+        log->failed = true; /* the caller reports it; the draw itself still gets counters */
+        return take(log->parent, rng, n);
+    }
+    uint64_t first = take(log->parent, rng, n);
+    log_append(log, first);
+    return first;
+}
+
+uint64_t tdm_rng_take(tdm_rng *rng, uint64_t n) {
+    return take(rng_log, rng, n);
+}
+
+void tdm_rng_log_push(tdm_rng_log *log) {
+    log->parent = rng_log;
+    rng_log = log;
+}
+
+void tdm_rng_log_pop(tdm_rng_log *log) {
+    rng_log = log->parent;
 }

@@ -55,3 +55,37 @@ tdm_module *tdm_model_new(const char *name, tdm_device dev, tdm_rng *rng) {
     return tdm_raise_null(TDM_ERR_ARG, "unknown model '%s' (expected mlp or cnn)",
                           name ? name : "(null)");
 }
+
+/* ---- recomputation of a model's units ----------------------------------------------------- */
+
+/* m's child named name, or NULL (m may be NULL). */
+static tdm_module *child_named(const tdm_module *m, const char *name) {
+    for (int i = 0; m && i < m->n_children; i++)
+        if (strcmp(m->child_names[i], name) == 0) return m->children[i];
+    return NULL;
+}
+
+/* Recomputation on or off for each of the n units. */
+static void set_all(tdm_module *const *units, int n, bool on) {
+    for (int i = 0; i < n; i++) tdm_module_set_recompute(units[i], on);
+}
+
+int tdm_model_set_recompute(tdm_module *m, bool on) {
+    if (!m) return tdm_raise(TDM_ERR_ARG, "model_set_recompute: model is NULL");
+    tdm_module *h = tdm_gpt_config_of(m) ? child_named(child_named(m, "transformer"), "h") : NULL;
+    if (h) {
+        set_all(h->children, h->n_children, on);
+        return TDM_OK;
+    }
+    static const char *const stages[4] = {"layer1", "layer2", "layer3", "layer4"};
+    tdm_module *st[4];
+    int found = 0;
+    for (int i = 0; i < 4; i++) found += (st[i] = child_named(m, stages[i])) != NULL;
+    if (found < 4)
+        return tdm_raise(TDM_ERR_ARG,
+                         "model_set_recompute: this %s has no units to recompute (a GPT's blocks "
+                         "and a ResNet's stages layer1..layer4 are)",
+                         m->ops->kind);
+    set_all(st, 4, on);
+    return TDM_OK;
+}

@@ -243,6 +243,8 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
     tdm_tensor *xc = tdm_contiguous(x);
     tdm_tensor *w = opt_contiguous(weight, &failed), *bb = opt_contiguous(bias, &failed);
     if (!xc || failed) return NULL;
+    /* a recomputation runs the forward a second time: the first one updated the statistics */
+    if (training && tdm_recomputing()) running_mean = running_var = NULL;
     if (sync) return sync_batch_norm(sync, xc, running_mean, running_var, w, bb, momentum, eps);
     tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
     tdm_tensor *mean = tdm_tensor_alloc(cs, TDM_F32, x->device);
@@ -376,7 +378,7 @@ tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
     tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
     tdm_tensor *mask = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
     if (!y || !mask) return NULL;
-    uint64_t start = rng->offset, used = (uint64_t)tdm_numel(xc);
+    uint64_t first = 0, used = (uint64_t)tdm_numel(xc); /* first: this rank's counter */
     tdm_batch_split split, *pc = tdm_batch_split_current(&split) ? &split : NULL;
     if (pc && xc->ndim >= 1) {
         /* rows [row0, row0 + b) of the global batch: the counters one device would give
@@ -391,12 +393,13 @@ tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
                                   tdm_shape_str(tdm_shape_of(xc), s1), (long long)b,
                                   (long long)pc->row0, (long long)pc->global_rows);
         }
-        start += (uint64_t)(pc->row0 * row_numel);
+        first = (uint64_t)(pc->row0 * row_numel);
         used = (uint64_t)(pc->global_rows * row_numel);
     }
+    /* the next draw starts after this one's counters, so masks never repeat; a recomputation
+     * (tdm_recompute) gets this draw's counters again instead */
+    uint64_t start = tdm_rng_take(rng, used) + first;
     if (be->dropout(y, mask, xc, p, rng->seed, start)) return NULL;
-    /* the next draw starts after this one's counters: masks never repeat */
-    rng->offset += used;
     tdm_tensor *in[1] = {xc};
     if (tdm_needs_record(1, in)) {
         tdm_node *n = tdm_record("dropout", dropout_backward, y, 1, in);

@@ -201,7 +201,7 @@ static tdm_tensor *batch_norm_forward(tdm_module *m, tdm_tensor *x) {
                               tdm_shape_str(tdm_shape_of(x), s));
     }
     float momentum = bn->momentum;
-    if (m->training) {
+    if (m->training && !tdm_recomputing()) { /* counted once, by the first forward */
         int64_t n = bump_batches(m->buffers[2]);
         if (!n) return NULL;
         if (isnan(momentum)) momentum = 1.0f / (float)n;

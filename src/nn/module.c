@@ -140,6 +140,11 @@ int tdm_module_add(tdm_module *parent, const char *name, tdm_module *child) {
 
 /* ---- running ---------------------------------------------------------------------------- */
 
+/* m's own forward, as tdm_recompute runs it (there, m->recompute must not apply again). */
+static tdm_tensor *forward_of(void *m, tdm_tensor *x) {
+    return ((tdm_module *)m)->ops->forward(m, x);
+}
+
 tdm_tensor *tdm_module_forward(tdm_module *m, tdm_tensor *x) {
     if (!m) return tdm_raise_null(TDM_ERR_ARG, "module_forward: module is NULL");
     if (!x) {
@@ -149,7 +154,14 @@ tdm_tensor *tdm_module_forward(tdm_module *m, tdm_tensor *x) {
     }
     if (!m->ops->forward)
         return tdm_raise_null(TDM_ERR_STATE, "module_forward: %s has no forward", m->ops->kind);
+    if (m->recompute && tdm_grad_enabled()) return tdm_recompute(forward_of, m, x);
     return m->ops->forward(m, x);
+}
+
+int tdm_module_set_recompute(tdm_module *m, bool on) {
+    if (!m) return tdm_raise(TDM_ERR_ARG, "module_set_recompute: module is NULL");
+    m->recompute = on;
+    return TDM_OK;
 }
 
 void tdm_module_train(tdm_module *m, bool training) {
@@ -418,6 +430,7 @@ tdm_module *tdm_module_clone(const tdm_module *m, tdm_device dev) {
     }
     c->impl_size = m->impl_size;
     c->training = m->training;
+    c->recompute = m->recompute;
     bool prev = tdm_set_grad_enabled(false);
     int rc = clone_tensors(c, m, dev);
     for (int i = 0; !rc && i < m->n_children; i++) {

@@ -6,7 +6,9 @@
  * stack of its own, and one run at a time per checkpoint directory (a second refused, fresh
  * runs needing --resume or --overwrite). Under mpirun (--mpirun), SIGTERM through mpirun and
  * --shard optimizer: its checkpoints are the unsharded run's byte for byte, and resume with
- * or without it and on other process counts.
+ * or without it; and resharding: runs stopped on one layout of processes x devices and
+ * resumed on another end as the run never stopped (the same steps, data position and
+ * counters, the weights within a stated float bound: RESHARD_REL).
  *
  *   test_resume PATH_TO_TANDEM [--signals | --resumes]   (the signal and lock cases, or the
  *                                                        rest; both without either)

@@ -515,9 +515,7 @@ static void check_resharded(const char *name, const char *ref, const char *ref_l
     int64_t last = -1, last_ref = -2;
     tdm_checkpoint_latest(ref, path, sizeof path, &last_ref);
     tdm_checkpoint_latest(dir, path, sizeof path, &last);
-    CHECK(last == last_ref,
-          "%s: the last checkpoint is at step %lld, the uninterrupted run's at "
-          "%lld",
+    CHECK(last == last_ref, "%s: the last checkpoint is at step %lld, the uninterrupted run's %lld",
           name, (long long)last, (long long)last_ref);
     snprintf(fa, sizeof fa, "%s/ckpt-%010lld/train_state.safetensors", ref, (long long)last_ref);
     snprintf(fb, sizeof fb, "%s/ckpt-%010lld/train_state.safetensors", dir, (long long)last_ref);
@@ -582,7 +580,7 @@ static void older_checkpoint(const char *half) {
     "train", "--limit", "300", "--batch-size", "48", "--epochs", "2", "--workers", "1",            \
         "--timeout", "20"
 
-/* One process (no mpirun) stopped in the middle of epoch 2 (step 9 of 14: 7 a epoch, the last
+/* One process (no mpirun) stopped in the middle of epoch 2 (step 9 of 14: 7 an epoch, the last
  * of 12 samples, 4 on each of 3 processes), resumed on 3 processes: as the uninterrupted
  * one-process run. SGD with momentum. */
 static void reshard_one_to_three(const char *const np[4][5]) {

@@ -420,7 +420,8 @@ static void test_checkpoint_errors(void) {
     tdm_train_state sm = state_of(&s2);
     sm.loader = big;
     tdm_tensor *before = tdm_clone(tdm_module_parameters(s2.m)->flat);
-    CHECK_ERROR(tdm_checkpoint_load(path, &sm), "sample 30 is not the start of a batch of 40");
+    CHECK_ERROR(tdm_checkpoint_load(path, &sm),
+                "global sample 30 is not the start of a global batch of 40");
     CHECK(same_bits(before, tdm_module_parameters(s2.m)->flat), "a failed load changes nothing");
     CHECK_ERROR(tdm_checkpoint_load(tmp_path("none"), &sl), "cannot open");
     tdm_tensor_free(before);
@@ -428,6 +429,67 @@ static void test_checkpoint_errors(void) {
     run_free(&s2);
     run_free(&sgd);
     run_free(&s);
+}
+
+/* A loader of `world` ranks (this one rank) over ds, batches of b, shuffled as run_new's. */
+static tdm_loader *rank_loader(tdm_dataset *ds, int64_t b, int rank, int world) {
+    tdm_loader_opts lo = tdm_loader_defaults(b);
+    lo.shuffle = true;
+    lo.seed = 5;
+    lo.rank = rank;
+    lo.world_size = world;
+    return tdm_loader_new(ds, &lo);
+}
+
+/* The data position is global (samples of the epoch over every rank): rank 0 of 2 ranks saves
+ * at batch 4 of batches of 3 (global 24 of 40), and a loader of any world size whose global
+ * batch divides 24 resumes at the same global batch; the end of an epoch whose last global
+ * batch is smaller (and padded on 3 ranks) is the end on any number of ranks; a global batch
+ * that does not divide the position is refused naming both. */
+static void test_other_world(void) {
+    const char *dir = tmp_path("ckpt_world");
+    tdm_dataset *ds = toy_data();
+    tdm_loader *two = rank_loader(ds, 3, 0, 2);
+    tdm_loader_start_epoch_at(two, 1, 4);
+    tdm_train_state st = {.loader = two, .step = 4};
+    CHECK(tdm_checkpoint_save(dir, &st, 0) == TDM_OK, "save on 2 ranks: %s", tdm_last_error());
+    char path[600];
+    CHECK(tdm_checkpoint_latest(dir, path, sizeof path, NULL) == 1, "saved");
+    const int64_t b[3] = {6, 2, 4}, at[3] = {4, 4, 3};
+    const int world[3] = {1, 3, 2};
+    for (int i = 0; i < 3; i++) { /* 1 x 6 and 3 x 2: global batch 6; 2 x 4: 8 */
+        tdm_loader *l = rank_loader(ds, b[i], world[i] - 1, world[i]);
+        tdm_train_state sl = {.loader = l};
+        int64_t e = -1, k = -1;
+        CHECK(tdm_checkpoint_load(path, &sl) == TDM_OK && !tdm_loader_position(l, &e, &k) &&
+                  e == 1 && k == at[i] && tdm_loader_global_samples_done(l) == 24,
+              "world %d: epoch %lld batch %lld (%s)", world[i], (long long)e, (long long)k,
+              tdm_last_error());
+        tdm_loader_free(l);
+    }
+    tdm_loader *nine = rank_loader(ds, 3, 2, 3);
+    tdm_train_state s9 = {.loader = nine};
+    CHECK_ERROR(tdm_checkpoint_load(path, &s9),
+                "global sample 24 is not the start of a global batch of 9 (3 on each of 3 ranks");
+    /* the end: 40 samples on 3 ranks of 2 (7 batches, 42 with the padding) */
+    tdm_loader *three = rank_loader(ds, 2, 0, 3);
+    tdm_loader_start_epoch_at(three, 2, tdm_loader_batches(three));
+    st.loader = three, st.step = 5;
+    CHECK(
+        tdm_loader_global_samples_done(three) == 40 && tdm_checkpoint_save(dir, &st, 0) == TDM_OK &&
+            tdm_checkpoint_latest(dir, path, sizeof path, NULL) == 1,
+        "the end on 3 ranks is sample 40 (%lld)", (long long)tdm_loader_global_samples_done(three));
+    tdm_loader *one = rank_loader(ds, 6, 0, 1);
+    tdm_train_state s1 = {.loader = one};
+    int64_t k = -1;
+    CHECK(tdm_checkpoint_load(path, &s1) == TDM_OK && !tdm_loader_position(one, NULL, &k) &&
+              k == tdm_loader_batches(one) && k == 7,
+          "the end on 1 rank: batch %lld", (long long)k);
+    tdm_loader_free(one);
+    tdm_loader_free(three);
+    tdm_loader_free(nine);
+    tdm_loader_free(two);
+    tdm_dataset_free(ds);
 }
 
 /* A child saves checkpoints in a loop, each with every weight equal to its step; it is killed
@@ -683,6 +745,7 @@ int main(void) {
     test_exact_resume(false);
     test_exact_resume(true);
     test_checkpoint_errors();
+    test_other_world();
     test_crash();
     test_disk_full();
     test_lock();

@@ -356,6 +356,89 @@ static void test_drop_last(void) {
     tdm_loader_free(l);
 }
 
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Global batch k of `world` ranks (rank r's batch k, r = 0..world-1) against positions
+ * [k*G, (k+1)*G) of the one-rank order `full` (n samples), padded to a multiple of world by
+ * repeating its start: as sorted lists. Returns the mismatches; *padded counts positions past
+ * n (DistributedSampler's repeats) in the batch. */
+static int global_batch_mismatches(int64_t *const *idx, int64_t per, int world, int64_t b,
+                                   int64_t k, const int64_t *full, int64_t n, int64_t *padded) {
+    int64_t got[64], want[64], m = 0, w = 0;
+    for (int r = 0; r < world; r++)
+        for (int64_t j = k * b; j < (k + 1) * b && j < per; j++) got[m++] = idx[r][j];
+    *padded = 0;
+    for (int64_t p = k * b * world; p < (k + 1) * b * world && p < per * world; p++) {
+        want[w++] = full[p % n];
+        *padded += p >= n;
+    }
+    if (m != w) return 1000;
+    qsort(got, (size_t)m, sizeof *got, cmp_i64);
+    qsort(want, (size_t)w, sizeof *want, cmp_i64);
+    int bad = 0;
+    for (int64_t i = 0; i < m; i++) bad += got[i] != want[i];
+    return bad;
+}
+
+/* What resuming on another number of ranks relies on: with a fixed global batch G = 12 split
+ * over 1-4 ranks, an epoch has the same number of batches, global batch k holds positions
+ * [kG, (k+1)G) of the one-rank order (the last, without drop_last, also world - n mod world
+ * padding repeats when world does not divide n; drop_last drops a batch that would hold
+ * them), and the global position of batch k is the same, mapping back to batch k on any
+ * world. */
+static void test_global_batches(void) {
+    const int64_t sizes[4] = {95, 96, 100, 103}, G = 12;
+    for (int si = 0; si < 4; si++)
+        for (int drop = 0; drop < 2; drop++) {
+            int64_t n = sizes[si];
+            test_impl impl;
+            tdm_dataset ds = make_ds(&impl, "global", n, TDM_SHAPE(1));
+            tdm_loader_opts o = tdm_loader_defaults(G);
+            o.shuffle = true, o.seed = 9, o.drop_last = drop;
+            tdm_loader *one = tdm_loader_new(&ds, &o);
+            int64_t n1, nb = tdm_loader_batches(one), *full = tdm_loader_indices(one, 2, &n1);
+            CHECK(nb == (drop ? n / G : (n + G - 1) / G), "n %lld: %lld batches", (long long)n,
+                  (long long)nb);
+            for (int world = 1; world <= 4; world++) {
+                tdm_loader *l[4];
+                int64_t *idx[4], per = 0;
+                for (int r = 0; r < world; r++) {
+                    o.batch_size = G / world, o.rank = r, o.world_size = world;
+                    l[r] = tdm_loader_new(&ds, &o);
+                    idx[r] = tdm_loader_indices(l[r], 2, &per);
+                }
+                int bad = 0;
+                int64_t pad = 0, pads = 0;
+                for (int64_t k = 0; k < nb; k++, pads += pad)
+                    bad += global_batch_mismatches(idx, per, world, G / world, k, full, n, &pad);
+                int64_t expect = drop ? 0 : (world - n % world) % world;
+                CHECK(tdm_loader_batches(l[0]) == nb && bad == 0 && pads == expect,
+                      "n %lld drop_last %d world %d: %lld batches (%lld), %d mismatches, %lld "
+                      "padded (%lld)",
+                      (long long)n, drop, world, (long long)tdm_loader_batches(l[0]), (long long)nb,
+                      bad, (long long)pads, (long long)expect);
+                for (int64_t k = 0; k <= nb; k++) {
+                    int64_t g, back = -1;
+                    tdm_loader_start_epoch_at(l[world - 1], 2, k);
+                    tdm_loader_start_epoch_at(one, 2, k);
+                    g = tdm_loader_global_samples_done(l[world - 1]);
+                    CHECK(g == tdm_loader_global_samples_done(one) &&
+                              tdm_loader_global_batch_at(one, g, &back) == TDM_OK && back == k,
+                          "world %d batch %lld: global sample %lld, back at %lld", world,
+                          (long long)k, (long long)g, (long long)back);
+                }
+                for (int r = 0; r < world; r++) free(idx[r]), tdm_loader_free(l[r]);
+            }
+            int64_t k;
+            CHECK_ERROR(tdm_loader_global_batch_at(one, 6, &k), "global sample 6 is not the start");
+            free(full);
+            tdm_loader_free(one);
+        }
+}
+
 /* ---- augmentation and determinism -------------------------------------------------------- */
 
 static tdm_loader_opts augmented(int workers, int prefetch) {
@@ -763,6 +846,7 @@ int main(void) {
     }
     test_distributed();
     test_drop_last();
+    test_global_batches();
     test_workers_identical();
     test_augment_reference();
     test_restart();

@@ -6,7 +6,9 @@
  * stack of its own, and one run at a time per checkpoint directory (a second refused, fresh
  * runs needing --resume or --overwrite). Under mpirun (--mpirun), SIGTERM through mpirun and
  * --shard optimizer: its checkpoints are the unsharded run's byte for byte, and resume with
- * or without it and on other process counts.
+ * or without it; and resharding: runs stopped on one layout of processes x devices and
+ * resumed on another end as the run never stopped (the same steps, data position and
+ * counters, the weights within a stated float bound: RESHARD_REL).
  *
  *   test_resume PATH_TO_TANDEM [--signals | --resumes]   (the signal and lock cases, or the
  *                                                        rest; both without either)
@@ -188,8 +190,16 @@ static void checked_resume(void) {
                       "--seed", "3"));
     char *err = captured("stderr");
     CHECK(rc == 2 && strstr(err, "--batch-size 64 in the checkpoint, 32 now") &&
-              strstr(err, "--seed 0 in the checkpoint, 3 now"),
+              strstr(err, "--seed 0 in the checkpoint, 3 now") &&
+              strstr(err, "--batch-size is the global batch"),
           "resume with other options: %d %s", rc, err);
+    free(err);
+    /* a pipeline writes no checkpoints, so none resumes as one */
+    rc = run(ARGS("train", COMMON, "--checkpoint-dir", dir, "--resume", "--devices", "2",
+                  "--model-split", "2"));
+    err = captured("stderr");
+    CHECK(rc == 2 && strstr(err, "--model-split does not work with --checkpoint-dir"),
+          "resume as a pipeline: %d %s", rc, err);
     free(err);
     rc = run(
         ARGS("train", COMMON, "--checkpoint-dir", dir, "--resume", "--lr", "0.05", "--log", log));
@@ -396,10 +406,226 @@ static bool same_ckpt(const char *a, const char *b, int64_t step) {
     return same;
 }
 
+/* ---- resharding: a run resumed on other processes or devices ------------------------------- */
+
+/* The bound on the weights and optimizer moments of a run stopped on one layout (processes x
+ * devices) and resumed on another, against the run never stopped, after the 2-5 steps these
+ * tests take after the resume: max |resumed - uninterrupted| over each tensor at most
+ * RESHARD_REL times the tensor's largest |value|. Those steps reduce the same global batch in
+ * another order (a rank-ordered sum of per-rank means, or one GEMM over the batch), so each
+ * gradient element differs by a few float32 ulps (eps 1.2e-7) and each step adds a rounding of
+ * the weight; momentum and Adam's moments carry the differences on. Observed in these resumes:
+ * 3.1e-7 at most (3-4 ulps). Larger jumps come where a ReLU's input sits at its kink or Adam
+ * divides by a gradient near 0: a 1-process and a 2-process run of all 6 steps of ZERO_RUN
+ * differ by 2.7e-5. A step on other data moves the weights by about 1e-2 of the largest value
+ * (two runs on other data: 0.1-0.3), so the bound, 1e-4, is 300x what these resumes show,
+ * some 4x a whole run on another count, and 100x below one wrong batch. */
+#define RESHARD_REL 1e-4
+
+/* Over the f32 tensors of safetensors files fa and fb (the same names and shapes): the largest
+ * max|a - b| / max|a| of a tensor, and through *worst_abs the largest |a - b|; -1 when the files
+ * differ in names or shapes, or cannot be read. */
+static double max_rel_diff(const char *fa, const char *fb, double *worst_abs) {
+    tdm_safetensors *a = tdm_safetensors_open(fa), *b = tdm_safetensors_open(fb);
+    double worst = a && b && tdm_safetensors_count(a) == tdm_safetensors_count(b) ? 0 : -1;
+    *worst_abs = 0;
+    for (int i = 0; worst >= 0 && i < tdm_safetensors_count(a); i++) {
+        const char *name = tdm_safetensors_name(a, i);
+        tdm_dtype dt;
+        if (tdm_safetensors_tdm_dtype(a, i, &dt) || dt != TDM_F32) continue;
+        tdm_tensor *x = tdm_safetensors_load(a, name, tdm_cpu(0));
+        tdm_tensor *y = tdm_safetensors_load(b, name, tdm_cpu(0));
+        bool same = x && y && x->ndim == y->ndim &&
+                    !memcmp(x->shape, y->shape, sizeof(int64_t) * (size_t)x->ndim);
+        int64_t n = same ? tdm_numel(x) : -1;
+        float *px = n >= 0 ? malloc(sizeof(float) * (size_t)(2 * n + 1)) : NULL;
+        float *py = px ? px + n : NULL;
+        if (!px || tdm_to_host(x, px, sizeof(float) * (size_t)n) ||
+            tdm_to_host(y, py, sizeof(float) * (size_t)n))
+            worst = -1;
+        double d = 0, m = 0;
+        for (int64_t j = 0; worst >= 0 && j < n; j++) {
+            d = fmax(d, fabs((double)px[j] - (double)py[j]));
+            m = fmax(m, fabs((double)px[j]));
+        }
+        if (worst >= 0) worst = fmax(worst, m > 0 ? d / m : d > 0 ? INFINITY : 0);
+        *worst_abs = fmax(*worst_abs, d);
+        free(px);
+        tdm_tensor_free(x);
+        tdm_tensor_free(y);
+    }
+    tdm_safetensors_close(a);
+    tdm_safetensors_close(b);
+    return worst;
+}
+
+/* Whether the positions and counters of two train_state files are the same (the step, the
+ * optimizer's steps and learning rate, the data position, the RNG); else what differs, in why. */
+static bool same_counters(const char *fa, const char *fb, char *why, size_t cap) {
+    static const char *const keys[] = {
+        "step",         "optim.steps", "optim.lr",  "loader.epoch", "loader.global_sample",
+        "loader.batch", "rng.seed",    "rng.offset"};
+    tdm_safetensors *a = tdm_safetensors_open(fa), *b = tdm_safetensors_open(fb);
+    snprintf(why, cap, "%s", a && b ? "" : tdm_last_error());
+    for (size_t i = 0; a && b && i < sizeof keys / sizeof keys[0] && !why[0]; i++) {
+        const char *va = tdm_safetensors_meta(a, keys[i]), *vb = tdm_safetensors_meta(b, keys[i]);
+        if (!va || !vb || strcmp(va, vb) != 0)
+            snprintf(why, cap, "%s %s against %s", keys[i], va ? va : "(none)", vb ? vb : "(none)");
+    }
+    tdm_safetensors_close(a);
+    tdm_safetensors_close(b);
+    return !why[0];
+}
+
+/* The step records of a --log file: at[g] = epoch * 1000 + step of global step g (0: none,
+ * g < cap); returns how many records there are. */
+static int logged_steps(const char *log, int *at, int cap) {
+    char *text = slurp_file(log, NULL), *p = text;
+    int n = 0, e, k, g;
+    memset(at, 0, sizeof(int) * (size_t)cap);
+    while (p && (p = strstr(p, "{\"type\":\"step\",")) != NULL) {
+        if (sscanf(p, "{\"type\":\"step\",\"epoch\":%d,\"step\":%d,\"global_step\":%d,", &e, &k,
+                   &g) == 3 &&
+            g >= 0 && g < cap)
+            at[g] = e * 1000 + k, n++;
+        p++;
+    }
+    free(text);
+    return n;
+}
+
+/* The train_loss and train_acc that a --log file records for epoch e; false when it has none. */
+static bool logged_epoch(const char *log, int e, double *loss, double *acc) {
+    char *text = slurp_file(log, NULL), key[64];
+    snprintf(key, sizeof key, "{\"type\":\"epoch\",\"epoch\":%d,", e);
+    const char *p = text ? strstr(text, key) : NULL;
+    bool got = p && sscanf(p + strlen(key), "\"train_loss\":%lf,\"train_acc\":%lf", loss, acc) == 2;
+    free(text);
+    return got;
+}
+
+/* A run stopped after `stop` steps and resumed on another layout (dir, its resumed part's log)
+ * against the run never stopped (ref, its log): the same last step, counters and data position
+ * (exactly), weights and optimizer moments within RESHARD_REL, the resumed part taking exactly
+ * the steps after `stop`, each at the epoch and step of the epoch the uninterrupted run had
+ * there, and the same epoch lines (loss to float rounding, accuracy exactly). */
+static void check_resharded(const char *name, const char *ref, const char *ref_log, const char *dir,
+                            const char *log, int stop) {
+    char path[400], fa[440], fb[440], why[200];
+    int64_t last = -1, last_ref = -2;
+    tdm_checkpoint_latest(ref, path, sizeof path, &last_ref);
+    tdm_checkpoint_latest(dir, path, sizeof path, &last);
+    CHECK(last == last_ref, "%s: the last checkpoint is at step %lld, the uninterrupted run's %lld",
+          name, (long long)last, (long long)last_ref);
+    snprintf(fa, sizeof fa, "%s/ckpt-%010lld/train_state.safetensors", ref, (long long)last_ref);
+    snprintf(fb, sizeof fb, "%s/ckpt-%010lld/train_state.safetensors", dir, (long long)last_ref);
+    CHECK(same_counters(fa, fb, why, sizeof why), "%s: %s", name, why);
+    double opt_abs, w_abs, opt = max_rel_diff(fa, fb, &opt_abs);
+    snprintf(fa, sizeof fa, "%s/ckpt-%010lld/model.safetensors", ref, (long long)last_ref);
+    snprintf(fb, sizeof fb, "%s/ckpt-%010lld/model.safetensors", dir, (long long)last_ref);
+    double w = max_rel_diff(fa, fb, &w_abs);
+    printf("%s: max |diff| weights %.3g (%.3g of a tensor's largest), optimizer state %.3g "
+           "(%.3g)\n",
+           name, w_abs, w, opt_abs, opt);
+    CHECK(w >= 0 && w <= RESHARD_REL && opt >= 0 && opt <= RESHARD_REL,
+          "%s: weights differ by %.3g of a tensor's largest value, the optimizer state by %.3g "
+          "(bound %g)",
+          name, w, opt, RESHARD_REL);
+    int at[64], at_ref[64], n = logged_steps(log, at, 64), bad = 0;
+    logged_steps(ref_log, at_ref, 64);
+    for (int g = 1; g < 64; g++) bad += at[g] != (g > stop && g <= last_ref ? at_ref[g] : 0);
+    CHECK(n == last_ref - stop && bad == 0,
+          "%s: the resumed run took %d steps (%lld expected), %d at another place", name, n,
+          (long long)last_ref - stop, bad);
+    for (int e = 1; e < 10; e++) {
+        double loss, acc, loss_ref, acc_ref;
+        if (!logged_epoch(log, e, &loss, &acc)) continue;
+        CHECK(logged_epoch(ref_log, e, &loss_ref, &acc_ref) &&
+                  fabs(loss - loss_ref) <= 1e-5 * loss_ref && acc == acc_ref,
+              "%s: epoch %d: train loss %.7g acc %.7g, uninterrupted %.7g %.7g", name, e, loss, acc,
+              loss_ref, acc_ref);
+    }
+}
+
 #define ZERO_RUN                                                                                   \
     "train", "--limit", "288", "--batch-size", "48", "--epochs", "2", "--optimizer", "adam",       \
         "--weight-decay", "0.01", "--grad-accum", "2", "--clip-grad", "0.5", "--workers", "1",     \
         "--timeout", "20"
+
+/* A checkpoint of 2 processes from before the global data position (its "run.layout" renamed
+ * in place: the header keeps its length) resumes on 2 processes only: one is refused, naming
+ * both counts. From zero_resume's copy of a sharded run stopped at step 2 (dir "<half>-old"). */
+static void older_checkpoint(const char *half) {
+    char path[400];
+    snprintf(path, sizeof path, "%s-old/ckpt-0000000002/train_state.safetensors", half);
+    size_t n = 0;
+    char *bytes = slurp_file(path, &n);
+    char *key = bytes ? memmem(bytes, n, "\"user.run.layout\"", 17) : NULL;
+    FILE *f = key ? fopen(path, "wb") : NULL;
+    if (key) key[15] = 'X';
+    CHECK(f && fwrite(bytes, 1, n, f) == n && fclose(f) == 0, "rewriting %s", path);
+    free(bytes);
+    snprintf(path, sizeof path, "%s-old", half);
+    int rc = wait_status(
+        start_with(NULL, ARGS(ZERO_RUN, "--checkpoint-dir", path, "--quiet", "--resume")));
+    char *err = captured("stderr");
+    CHECK(rc == 2 && strstr(err, "this checkpoint was written by 2 processes before tandem saved "
+                                 "the data position over every process; it resumes only on 2 "
+                                 "(mpirun -np 2), not on 1"),
+          "an older checkpoint of 2 processes resumed on 1: exit %d, %s", rc, err);
+    free(err);
+}
+
+#define RESHARD_RUN                                                                                \
+    "train", "--limit", "300", "--batch-size", "48", "--epochs", "2", "--workers", "1",            \
+        "--timeout", "20"
+
+/* One process (no mpirun) stopped in the middle of epoch 2 (step 9 of 14: 7 an epoch, the last
+ * of 12 samples, 4 on each of 3 processes), resumed on 3 processes: as the uninterrupted
+ * one-process run. SGD with momentum. */
+static void reshard_one_to_three(const char *const np[4][5]) {
+    char full[300], full_log[320], dir[300], log[320];
+    snprintf(full, sizeof full, "%s/reshard-1-full", tmpdir);
+    snprintf(full_log, sizeof full_log, "%s.jsonl", full);
+    snprintf(dir, sizeof dir, "%s/reshard-1", tmpdir);
+    snprintf(log, sizeof log, "%s.jsonl", dir);
+    int rc = wait_status(start_with(
+        NULL, ARGS(RESHARD_RUN, "--checkpoint-dir", full, "--quiet", "--log", full_log)));
+    int rc2 = wait_status(start_with(
+        NULL, ARGS(RESHARD_RUN, "--checkpoint-dir", dir, "--quiet", "--max-steps", "9")));
+    int rc3 = wait_status(
+        start_with(np[3], ARGS(RESHARD_RUN, "--checkpoint-dir", dir, "--resume", "--log", log)));
+    char *out = captured("stdout"), *err = captured("stderr");
+    CHECK(rc == 0 && rc2 == 0 && rc3 == 0 &&
+              strstr(out, "epoch 2, step 2 of the epoch, 9 steps done; saved on 1 process x 1 "
+                          "device, now 3 x 1"),
+          "1 process stopped at step 9, resumed on 3: exit %d, %d and %d: %s%s", rc, rc2, rc3, out,
+          err);
+    free(out);
+    free(err);
+    check_resharded("1 process -> 3", full, full_log, dir, log, 9);
+}
+
+/* 2 processes x 2 devices stopped at the end of epoch 1 (step 3: the global position is the
+ * epoch's end), resumed on 3 processes of one device: as the uninterrupted 2 x 2 run (dp_plain,
+ * its log dp_log). */
+static void reshard_dp(const char *const np[4][5], const char *dp_plain, const char *dp_log) {
+    char dir[300], log[320];
+    snprintf(dir, sizeof dir, "%s/reshard-2x2", tmpdir);
+    snprintf(log, sizeof log, "%s.jsonl", dir);
+    int rc = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--devices", "2", "--checkpoint-dir", dir,
+                                                "--quiet", "--max-steps", "3")));
+    int rc2 = wait_status(
+        start_with(np[3], ARGS(ZERO_RUN, "--checkpoint-dir", dir, "--resume", "--log", log)));
+    char *out = captured("stdout"), *err = captured("stderr");
+    CHECK(rc == 0 && rc2 == 0 &&
+              strstr(out, "epoch 1, step 3 of the epoch, 3 steps done; saved on 2 processes x 2 "
+                          "devices, now 3 x 1"),
+          "2 x 2 stopped at step 3, resumed on 3: exit %d and %d: %s%s", rc, rc2, out, err);
+    free(out);
+    free(err);
+    check_resharded("2 processes x 2 devices -> 3", dp_plain, dp_log, dir, log, 3);
+}
 
 /* --shard optimizer (ZeRO stage 1) under mpirun, one device per process (DDP) and two
  * (DataParallel): its checkpoints are the unsharded run's byte for byte (the weights, and the
@@ -411,10 +637,12 @@ static void zero_resume(const char *mpirun) {
                                   {mpirun, "--oversubscribe", "-np", "1", NULL},
                                   {mpirun, "--oversubscribe", "-np", "2", NULL},
                                   {mpirun, "--oversubscribe", "-np", "3", NULL}};
-    char plain[300], sharded[300], half[2][300], cmd[1400];
+    char plain[300], plain_log[320], sharded[300], half[2][300], cmd[1400];
     snprintf(plain, sizeof plain, "%s/zero-plain", tmpdir);
+    snprintf(plain_log, sizeof plain_log, "%s.jsonl", plain);
     snprintf(sharded, sizeof sharded, "%s/zero-sharded", tmpdir);
-    int rc = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--checkpoint-dir", plain, "--quiet")));
+    int rc = wait_status(start_with(
+        np[2], ARGS(ZERO_RUN, "--checkpoint-dir", plain, "--quiet", "--log", plain_log)));
     CHECK(rc == 0, "unsharded mpi run: exit %d", rc);
     rc = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--checkpoint-dir", sharded, "--shard",
                                             "optimizer", "--print-every", "3")));
@@ -425,11 +653,12 @@ static void zero_resume(const char *mpirun) {
     free(out);
     CHECK(same_ckpt(plain, sharded, 6), "--shard optimizer: a checkpoint differs from unsharded");
     /* 2 devices in each process (DataParallel on the two-level group): sharded over all 4 */
-    char dp_plain[300], dp_sharded[300];
+    char dp_plain[300], dp_log[320], dp_sharded[300];
     snprintf(dp_plain, sizeof dp_plain, "%s/zero-dp-plain", tmpdir);
+    snprintf(dp_log, sizeof dp_log, "%s.jsonl", dp_plain);
     snprintf(dp_sharded, sizeof dp_sharded, "%s/zero-dp-sharded", tmpdir);
-    rc = wait_status(start_with(
-        np[2], ARGS(ZERO_RUN, "--devices", "2", "--checkpoint-dir", dp_plain, "--quiet")));
+    rc = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--devices", "2", "--checkpoint-dir",
+                                            dp_plain, "--quiet", "--log", dp_log)));
     int rc2 = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--devices", "2", "--checkpoint-dir",
                                                  dp_sharded, "--shard", "optimizer")));
     out = captured("stdout");
@@ -448,8 +677,8 @@ static void zero_resume(const char *mpirun) {
         rc = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--checkpoint-dir", half[i], "--quiet",
                                                 "--shard", first, "--max-steps", "2")));
         if (i == 0) { /* copies for the resumes on 1 and 3 processes */
-            snprintf(cmd, sizeof cmd, "cp -r '%s' '%s-np1' && cp -r '%s' '%s-np3'", half[0],
-                     half[0], half[0], half[0]);
+            snprintf(cmd, sizeof cmd, "for p in np1 np3 old; do cp -r '%s' '%s'-$p; done", half[0],
+                     half[0]);
             CHECK(rc == 0 && system(cmd) == 0, "a sharded run stopped at step 2: exit %d", rc);
         }
         rc = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--checkpoint-dir", half[i], "--quiet",
@@ -459,21 +688,28 @@ static void zero_resume(const char *mpirun) {
               "differs from the uninterrupted run's",
               first, then, rc);
     }
-    /* on 1 and 3 processes it continues; not yet at the same place in the data: the loader's
-     * position is saved in samples of rank 0's share, which another process count reads as
-     * another batch (resuming on another count is a later stage of issue 19) */
+    /* on another number of processes, from the sharded checkpoint at step 2 (mid-epoch 1):
+     * unsharded on 1, sharded on 3; each continues as the uninterrupted run */
     for (int p = 1; p <= 3; p += 2) {
-        char dir[320], path[400];
+        char dir[320], log[340], name[64];
         snprintf(dir, sizeof dir, "%s-np%d", half[0], p);
-        rc = wait_status(start_with(np[p], ARGS(ZERO_RUN, "--checkpoint-dir", dir, "--quiet",
-                                                "--shard", "optimizer", "--resume")));
-        char *err = captured("stderr");
-        int64_t last = 0;
-        CHECK(rc == 0 && tdm_checkpoint_latest(dir, path, sizeof path, &last) == 1 && last > 2,
-              "a sharded checkpoint of 2 processes resumed on %d: exit %d, last step %lld: %s", p,
-              rc, (long long)last, err);
+        snprintf(log, sizeof log, "%s.jsonl", dir);
+        snprintf(name, sizeof name, "2 processes sharded -> %d %s", p,
+                 p == 1 ? "unsharded" : "sharded");
+        rc = wait_status(
+            start_with(np[p], ARGS(ZERO_RUN, "--checkpoint-dir", dir, "--shard",
+                                   p == 1 ? "none" : "optimizer", "--resume", "--log", log)));
+        char *said = captured("stdout"), *err = captured("stderr");
+        CHECK(rc == 0 && strstr(said, "epoch 1, step 2 of the epoch, 2 steps done; saved on 2 "
+                                      "processes x 1 device, now "),
+              "%s: exit %d: %s%s", name, rc, said, err);
+        free(said);
         free(err);
+        check_resharded(name, plain, plain_log, dir, log, 2);
     }
+    older_checkpoint(half[0]);
+    reshard_dp(np, dp_plain, dp_log);
+    reshard_one_to_three(np);
 }
 
 /* Whether every checkpoint of dir has one run identity (written into id), and how many. */

@@ -154,8 +154,8 @@ static const opt_spec specs[] = {
      "by their number and the weights are the same, bit for bit. Under mpirun, or on several "
      "GPUs; the CPU devices of one process already hold the state once. Checkpoints are the "
      "unsharded run's (the state is gathered to save it), so a run may resume with or without "
-     "--shard. gradients and parameters (ZeRO stages 2 and 3) are not "
-     "written yet. Not with --model-split."},
+     "--shard, on any devices and processes. gradients and parameters (ZeRO stages 2 and 3) are "
+     "not written yet. Not with --model-split."},
     {"--model-split", "K", OPT_INT, F(model_split), 1, TDM_PIPE_MAX_STAGES, "1 (no split)",
      "Model parallelism: cut the model into K pipeline stages of consecutive layers (balanced "
      "by parameter count), each on its own device of --devices, which must list K devices, or "
@@ -214,9 +214,11 @@ static const opt_spec specs[] = {
      "other runs' checkpoints there are never deleted."},
     {"--resume", NULL, OPT_FLAG, F(resume), 0, 0, "off",
      "Continue from the newest checkpoint in --checkpoint-dir (weights, optimizer, schedule "
-     "position, data order and position), giving the same weights as a run never stopped; "
-     "starts from the beginning when there is none yet. The other options must be those of "
-     "the interrupted run."},
+     "position, data order and position), giving the same weights as a run never stopped: bit "
+     "for bit on the same devices and processes, to float rounding on others (any --devices "
+     "and mpirun -np that split the global --batch-size: the run goes on at the same sample of "
+     "the same epoch order). Starts from the beginning when there is none yet. The other "
+     "options must be those of the interrupted run."},
     {"--overwrite", NULL, OPT_FLAG, F(overwrite), 0, 0, "off",
      "Start over in a --checkpoint-dir that holds checkpoints of an earlier run: they are "
      "deleted (other files stay) once this run holds the directory. Without it such a run is "

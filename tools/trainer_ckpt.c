@@ -1,7 +1,9 @@
 /* The trainer's checkpoints: the directory held by this run alone, writing one (weights,
  * optimizer, data position, RNG, the epoch's totals summed over the processes, the options
- * that shape the run, the run's identity), --resume from the newest after checking it is
- * this run's, and the same check across the processes under mpirun. */
+ * that shape the run, the processes and devices that wrote it, the run's identity), --resume
+ * from the newest after checking it is this run's (on any processes and devices: the data
+ * position is global, and the global batch is an option of the run), and the same check
+ * across the processes under mpirun. */
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,19 +92,24 @@ int trainer_save_checkpoint(trainer *tr) {
     snprintf(loss, sizeof loss, "%a", tot[0]);
     snprintf(correct, sizeof correct, "%lld", (long long)tot[1]);
     snprintf(samples, sizeof samples, "%lld", (long long)tot[2]);
-    char id[ID_CAP];
+    char id[ID_CAP], layout[32];
     if (train_identity(o, id, sizeof id))
         return free(ranks), tdm_optim_free(whole), task_error("checkpoint: options too long");
-    tdm_meta meta[6] = {{"epoch_loss_sum", loss},  {"epoch_correct", correct},
-                        {"epoch_images", samples}, {"epoch_rank_totals", ranks},
-                        {"run.options", id},       {"class_to_idx", tr->task->class_to_idx}};
+    snprintf(layout, sizeof layout, "%dx%d", tr->g ? tdm_group_size(tr->g) : 1, o->n_devs);
+    tdm_meta meta[7] = {{"epoch_loss_sum", loss},
+                        {"epoch_correct", correct},
+                        {"epoch_images", samples},
+                        {"epoch_rank_totals", ranks},
+                        {"run.options", id},
+                        {"run.layout", layout},
+                        {"class_to_idx", tr->task->class_to_idx}};
     tdm_train_state s = {.model = tr->task->model,
                          .optim = whole ? whole : tr->opt,
                          .loader = tr->train_l,
                          .rng = tdm_default_rng(),
                          .step = tr->global_step,
                          .meta = meta,
-                         .n_meta = tr->task->class_to_idx ? 6 : 5,
+                         .n_meta = tr->task->class_to_idx ? 7 : 6,
                          .run_id = tr->run_id[0] ? tr->run_id : NULL};
     int rc = tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);
     free(ranks);
@@ -112,9 +119,11 @@ int trainer_save_checkpoint(trainer *tr) {
 }
 
 /* The epoch's totals saved with a checkpoint: each process continues its own when the
- * checkpoint holds one per process of this run; otherwise (a checkpoint from before they were
- * saved, or another number of processes) rank 0 takes the sums and the others start from 0,
- * so that the epoch's sum over the processes is right again. */
+ * checkpoint holds one per process of this run, so that the totals come out bit for bit;
+ * otherwise (a checkpoint from before they were saved, or another number of processes, whose
+ * shares of the epoch are other rows) rank 0 takes the sums over the saving processes and the
+ * others start from 0: the epoch's sum over the processes, which the epoch line and the next
+ * checkpoint show, is right again (rounded at other places than a run never resharded). */
 static void resume_totals(trainer *tr, const char *path) {
     int rank = tr->g ? tdm_group_rank(tr->g) : 0, procs = tr->g ? tdm_group_size(tr->g) : 1;
     char v[64], *all = malloc(80 * (size_t)procs + 1);
@@ -150,10 +159,54 @@ static int same_run(const train_opts *o, const char *path) {
     if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
     if (got == 0 || train_identity(o, now, sizeof now)) return 0;
     if (!train_identity_diff(saved, now, "in the checkpoint", "now", diff, sizeof diff)) return 0;
+    /* the global batch is what a resume on other devices or processes keeps */
+    bool batch = strstr(diff, "--batch-size ") != NULL;
     return train_usage_error("--resume from '%s': the run was started with other options: %s. "
                              "Give the interrupted run's options again (--epochs, --max-steps, "
-                             "--lr, --devices, --workers and the outputs may change)",
-                             path, diff);
+                             "--lr, --devices, the number of processes, --workers and the "
+                             "outputs may change)%s",
+                             path, diff,
+                             batch ? "; --batch-size is the global batch, over every device and "
+                                     "process: give the same on any number of them"
+                                   : "");
+}
+
+/* How many processes wrote the checkpoint at path, from its per-process totals (up to 1024):
+ * for a checkpoint from before "run.layout". 0 when it has none. */
+static int processes_of_totals(const char *path) {
+    size_t cap = 80 * 1024 + 1; /* rank_totals' 80 bytes each */
+    char *totals = malloc(cap);
+    int n = 0;
+    if (totals && tdm_checkpoint_meta(path, "epoch_rank_totals", totals, cap) == 1)
+        for (const char *c = totals; (c = strchr(c, ';')) != NULL; c++) n++;
+    free(totals);
+    return n;
+}
+
+/* The processes and devices per process that wrote the checkpoint at path ("run.layout",
+ * "PxD"), and when they are not this run's, a note for the resume line (note_cap bytes). A
+ * checkpoint from before the layout (and the loader's global position) was saved holds rank
+ * 0's share of the data position, right only on as many processes as wrote it: another count
+ * is refused, naming both, where its per-process totals tell the count. 0, EXIT_RUNTIME or
+ * EXIT_USAGE. */
+static int saved_layout(trainer *tr, const char *path, char *note, size_t note_cap) {
+    int procs = tr->g ? tdm_group_size(tr->g) : 1, devs = tr->o->n_devs, p = 0, d = 0;
+    char layout[32];
+    note[0] = '\0';
+    int got = tdm_checkpoint_meta(path, "run.layout", layout, sizeof layout);
+    if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
+    if (got == 1 && sscanf(layout, "%dx%d", &p, &d) == 2) {
+        if (p != procs || d != devs)
+            snprintf(note, note_cap, "; saved on %d process%s x %d device%s, now %d x %d", p,
+                     p == 1 ? "" : "es", d, d == 1 ? "" : "s", procs, devs);
+        return 0;
+    }
+    int n = processes_of_totals(path);
+    if (n == 0 || n == procs) return 0;
+    return train_usage_error("--resume from '%s': this checkpoint was written by %d process%s "
+                             "before tandem saved the data position over every process; it "
+                             "resumes only on %d (mpirun -np %d), not on %d",
+                             path, n, n == 1 ? "" : "es", n, n, procs);
 }
 
 /* Under mpirun: every process must have been started with the same options (those that shape
@@ -269,7 +322,9 @@ int trainer_resume(trainer *tr) {
                    o->checkpoint_dir);
         return 0;
     }
+    char resharded[96];
     int rc = same_run(o, path);
+    if (!rc) rc = saved_layout(tr, path, resharded, sizeof resharded);
     if (rc) return rc;
     /* the resumed run's identity (none when it was written before identities) */
     int got = tdm_checkpoint_run_id(path, tr->run_id, sizeof tr->run_id);
@@ -291,7 +346,7 @@ int trainer_resume(trainer *tr) {
     tr->last_saved = tr->global_step;
     resume_totals(tr, path);
     if (!o->quiet)
-        printf("resume    %s: epoch %d, step %lld of the epoch, %lld steps done\n", path,
-               tr->start_epoch, (long long)tr->resume_step, (long long)tr->global_step);
+        printf("resume    %s: epoch %d, step %lld of the epoch, %lld steps done%s\n", path,
+               tr->start_epoch, (long long)tr->resume_step, (long long)tr->global_step, resharded);
     return 0;
 }

@@ -76,7 +76,10 @@ int trainer_save_checkpoint(trainer *tr);
 int trainer_claim_checkpoint_dir(trainer *tr);
 /* --resume: every replica's weights and optimizer, the data position, the RNG, the step count
  * and the run's identity from the newest checkpoint, after checking it is this run's; a new
- * identity otherwise. 0, EXIT_RUNTIME or EXIT_USAGE. */
+ * identity otherwise. The checkpoint may come from other processes and devices: the position
+ * is the epoch's global samples, which this run's loader maps to its own batch (the global
+ * batch is the same: --batch-size is one of the run's options), and the epoch's totals go to
+ * rank 0 whole. 0, EXIT_RUNTIME or EXIT_USAGE. */
 int trainer_resume(trainer *tr);
 /* Under mpirun: refuses to train (EXIT_USAGE, naming each option and rank) when the processes
  * were started with different options. */

@@ -158,7 +158,8 @@ typedef struct {
     int64_t batch_size;
     bool shuffle; /* a permutation per epoch from (seed, epoch) */
     uint64_t seed;
-    bool drop_last;       /* drop a last, smaller batch */
+    bool drop_last;       /* drop a last, smaller batch (and, with world_size > 1, one
+                           * holding DistributedSampler's padding) */
     int workers;          /* 0: batches are built by the calling thread */
     int prefetch;         /* batches built ahead per worker (default 2) */
     int rank, world_size; /* world_size > 1: PyTorch's DistributedSampler semantics */
@@ -203,13 +204,28 @@ int tdm_loader_start_epoch_at(tdm_loader *l, int64_t epoch, int64_t batch);
  * either may be NULL). Returns TDM_OK, or TDM_ERR_STATE before any epoch was started. */
 int tdm_loader_position(const tdm_loader *l, int64_t *epoch, int64_t *batch);
 /* The position in samples: how many samples of the current epoch's order this rank has been
- * handed (the last, smaller batch counted at its size). 0 for NULL or before any epoch. A
- * checkpoint stores this, so a position means the same whatever the batch size. */
+ * handed (the last, smaller batch counted at its size). 0 for NULL or before any epoch. With
+ * one rank this is the global position below; with several, only ranks as many read it
+ * right (checkpoints before the global position stored it). */
 int64_t tdm_loader_samples_done(const tdm_loader *l);
 /* The batch that starts at `sample` of an epoch of this loader (through *batch; the end of
  * the epoch gives the batch count). TDM_ERR_ARG, naming the sample and the batch size, when
  * no batch starts there. */
 int tdm_loader_batch_at(const tdm_loader *l, int64_t sample, int64_t *batch);
+/* The position over every rank: samples of the epoch's global order handed out by all the
+ * ranks together, each at the same batch as this one (as under DDP): batch k * batch_size *
+ * world_size, and at the epoch's end the dataset's size (with drop_last, the end of its last
+ * whole global batch), DistributedSampler's padding not counted. Rank r's rows of global batch
+ * k are positions k*G + r, k*G + r + world, ... of the order (G = batch_size * world_size), so
+ * a global batch holds the same samples for any world size with the same G, but for the
+ * epoch's last without drop_last when world does not divide the dataset: that one also holds
+ * the padding's repeats of the order's first samples. A checkpoint stores this, so that a run
+ * resumes on another number of ranks. 0 for NULL or before any epoch. */
+int64_t tdm_loader_global_samples_done(const tdm_loader *l);
+/* The batch of this loader that starts at global sample `global` (as
+ * tdm_loader_global_samples_done counts; the epoch's end gives the batch count). TDM_ERR_ARG,
+ * naming the sample and the global batch, when no global batch starts there. */
+int tdm_loader_global_batch_at(const tdm_loader *l, int64_t global, int64_t *batch);
 /* Next batch of the epoch, in order: 1 and *b filled, 0 at the end of the epoch, or a
  * negative status (a sample that failed to load, naming it). */
 int tdm_loader_next(tdm_loader *l, tdm_batch *b);

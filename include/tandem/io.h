@@ -114,7 +114,7 @@ int tdm_weights_load_from(tdm_safetensors *f, tdm_module *m);
 typedef struct {
     tdm_module *model;  /* weights: model.safetensors */
     tdm_optim *optim;   /* moments per parameter, step count, kind and learning rate */
-    tdm_loader *loader; /* epoch and the batches of it already consumed */
+    tdm_loader *loader; /* epoch and the samples of it consumed by every rank together */
     tdm_rng *rng;       /* a generator's seed and offset (e.g. tdm_default_rng()) */
     int64_t step;       /* optimizer steps taken in the run: the LR schedule's position */
     /* Extra string metadata of the caller, saved as "user.<key>" in train_state.safetensors
@@ -153,7 +153,10 @@ int tdm_checkpoint_latest(const char *dir, char *path, size_t cap, int64_t *step
 /* Restores from checkpoint directory path (as written by tdm_checkpoint_save) whatever s
  * points to: the model's weights (strictly, as tdm_weights_load), the optimizer's moments,
  * step count and learning rate (its kind and parameter names must match), the loader
- * (restarted at the saved epoch and batch with tdm_loader_start_epoch_at), the generator,
+ * (restarted with tdm_loader_start_epoch_at at the saved epoch and at its batch that starts
+ * the saved global position: tdm_loader_global_batch_at, so that a loader of another world
+ * size or batch size with a global batch that divides the position resumes where the saving
+ * ranks stopped), the generator,
  * and s->step. Everything is validated before anything is changed. A sharded optimizer
  * (tdm_optim_shard) takes its shard of the saved state (tdm_optim_state_load: no
  * communication), whatever the number of ranks that saved it. */

@@ -400,7 +400,10 @@ tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o) {
     l->gpu = o->device.type == TDM_CPU ? NULL : tdm_backend_for(o->device);
     l->per_rank = tdm_sampler_count(ds->n, o->world_size);
     int64_t b = o->batch_size, rem = l->per_rank % b;
-    l->nbatches = o->drop_last ? l->per_rank / b : (l->per_rank + b - 1) / b;
+    /* drop_last keeps whole batches of real samples only: floor(n / world) per rank, as
+     * DistributedSampler(drop_last=True), so an epoch has floor(n / (b * world)) batches on
+     * any number of ranks (with the padding a last batch of repeats could be one more) */
+    l->nbatches = o->drop_last ? ds->n / o->world_size / b : (l->per_rank + b - 1) / b;
     l->tail = o->drop_last ? 0 : rem;
     l->sample_shape = shape;
     l->x_row_bytes = (size_t)row * tdm_dtype_size(ds->x_dtype);
@@ -463,6 +466,38 @@ int tdm_loader_batch_at(const tdm_loader *l, int64_t sample, int64_t *batch) {
                          "(an epoch of '%s' has %lld samples here)",
                          (long long)sample, (long long)b, l->ds->name, (long long)end);
     *batch = sample / b;
+    return TDM_OK;
+}
+
+/* Where the epoch's global order ends for this loader: its dataset's size, or with drop_last
+ * the last whole global batch's end (the same for any number of ranks: see nbatches). */
+static int64_t global_end(const tdm_loader *l) {
+    int64_t global_batch = l->o.batch_size * l->o.world_size;
+    return l->o.drop_last ? l->nbatches * global_batch : l->ds->n;
+}
+
+int64_t tdm_loader_global_samples_done(const tdm_loader *l) {
+    if (!l || !l->started) return 0;
+    /* every rank is at the same batch; the padding of a last batch is not counted */
+    if (l->next_consume == l->nbatches) return global_end(l);
+    return l->next_consume * l->o.batch_size * l->o.world_size;
+}
+
+int tdm_loader_global_batch_at(const tdm_loader *l, int64_t global, int64_t *batch) {
+    if (!l || !batch) return tdm_raise(TDM_ERR_ARG, "loader_global_batch_at: NULL argument");
+    int64_t gb = l->o.batch_size * l->o.world_size, end = global_end(l);
+    if (global == end) return *batch = l->nbatches, TDM_OK;
+    if (global < 0 || global > end || global % gb != 0) {
+        char split[64] = "";
+        if (l->o.world_size > 1)
+            snprintf(split, sizeof split, "%lld on each of %d ranks; ", (long long)l->o.batch_size,
+                     l->o.world_size);
+        return tdm_raise(TDM_ERR_ARG,
+                         "loader position: global sample %lld is not the start of a global batch "
+                         "of %lld (%san epoch of '%s' has %lld samples here)",
+                         (long long)global, (long long)gb, split, l->ds->name, (long long)end);
+    }
+    *batch = global / gb;
     return TDM_OK;
 }
 

@@ -5,8 +5,10 @@
  *   train_state.safetensors  "optim.<param>.<state>" tensors (PyTorch's state names) and, in
  *                            __metadata__, everything else as decimal or hex-float strings:
  *                            tandem.checkpoint (format version), step, optim.kind, optim.steps,
- *                            optim.lr, loader.epoch, loader.sample (samples of the epoch
- *                            done; loader.batch beside it for older readers), rng.seed,
+ *                            optim.lr, loader.epoch, loader.global_sample (samples of the
+ *                            epoch done by every rank together: the position on any number
+ *                            of ranks; loader.sample, rank 0's, and loader.batch beside it
+ *                            for older readers), rng.seed,
  *                            rng.offset, run.id (the run's identity, when it has one), and the
  *                            caller's entries prefixed "user.".
  * Both are written into DIR/.ckpt-<step>.tmp, flushed, and that directory is renamed into
@@ -249,6 +251,7 @@ static int state_meta(const tdm_train_state *s, meta_list *l, char (*ukeys)[128]
         int64_t epoch, batch;
         if (tdm_loader_position(s->loader, &epoch, &batch)) return tdm_last_status();
         meta_add(l, "loader.epoch", "%" PRId64, epoch);
+        meta_add(l, "loader.global_sample", "%" PRId64, tdm_loader_global_samples_done(s->loader));
         meta_add(l, "loader.sample", "%" PRId64, tdm_loader_samples_done(s->loader));
         meta_add(l, "loader.batch", "%" PRId64, batch);
     }
@@ -537,6 +540,38 @@ typedef struct {
     uint64_t seed, offset;
 } parsed_state;
 
+/* The saved data position as a batch of loader, into p. From the global position (samples of
+ * the epoch over every rank), so that a run resumes on another number of ranks or another
+ * split of the same global batch; older files hold rank 0's samples (read right on as many
+ * ranks as saved them) or, older still, its batches. */
+static int check_position(tdm_safetensors *f, const tdm_loader *loader, const char *what,
+                          parsed_state *p) {
+    bool global = tdm_safetensors_meta(f, "loader.global_sample") != NULL;
+    const char *key = global                                     ? "loader.global_sample"
+                      : tdm_safetensors_meta(f, "loader.sample") ? "loader.sample"
+                                                                 : NULL;
+    int64_t sample = -1;
+    int rc = meta_i64(f, "loader.epoch", &p->epoch, true);
+    if (!rc && !key) rc = meta_i64(f, "loader.batch", &p->batch, true);
+    if (!rc && key && !(rc = meta_i64(f, key, &sample, true))) {
+        rc = global ? tdm_loader_global_batch_at(loader, sample, &p->batch)
+                    : tdm_loader_batch_at(loader, sample, &p->batch);
+        if (rc) {
+            char why[320]; /* the message is rewritten: copied out first */
+            snprintf(why, sizeof why, "%s", tdm_last_error());
+            return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': %s (another batch size?)", what,
+                             why);
+        }
+    }
+    if (!rc && (p->epoch < 0 || p->batch < 0 || p->batch > tdm_loader_batches(loader)))
+        return tdm_raise(TDM_ERR_FORMAT,
+                         "checkpoint '%s': loader position epoch %lld batch %lld does not fit "
+                         "this loader's %lld batches per epoch (another batch size or dataset?)",
+                         what, (long long)p->epoch, (long long)p->batch,
+                         (long long)tdm_loader_batches(loader));
+    return rc;
+}
+
 /* Checks the state file against s and parses its numbers; changes nothing. */
 static int check_state(tdm_safetensors *f, const tdm_train_state *s, const optim_views *v,
                        parsed_state *p) {
@@ -579,28 +614,7 @@ static int check_state(tdm_safetensors *f, const tdm_train_state *s, const optim
                              "optimizer has %d",
                              what, tdm_safetensors_count(f), v->n);
     }
-    if (!rc && s->loader) {
-        int64_t sample = -1;
-        rc = meta_i64(f, "loader.epoch", &p->epoch, true);
-        /* the position in samples where the file has it (checkpoints before it: batches) */
-        if (!rc && tdm_safetensors_meta(f, "loader.sample")) {
-            rc = meta_i64(f, "loader.sample", &sample, true);
-            if (!rc && tdm_loader_batch_at(s->loader, sample, &p->batch)) {
-                char why[256]; /* the message is rewritten: copied out first */
-                snprintf(why, sizeof why, "%s", tdm_last_error());
-                return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': %s (another --batch-size?)",
-                                 what, why);
-            }
-        } else if (!rc)
-            rc = meta_i64(f, "loader.batch", &p->batch, true);
-        if (!rc && (p->epoch < 0 || p->batch < 0 || p->batch > tdm_loader_batches(s->loader)))
-            return tdm_raise(TDM_ERR_FORMAT,
-                             "checkpoint '%s': loader position epoch %lld batch "
-                             "%lld does not fit this loader's %lld batches per "
-                             "epoch (another --batch-size or dataset?)",
-                             what, (long long)p->epoch, (long long)p->batch,
-                             (long long)tdm_loader_batches(s->loader));
-    }
+    if (!rc && s->loader) rc = check_position(f, s->loader, what, p);
     if (!rc && s->rng) rc = meta_u64(f, "rng.seed", &p->seed);
     if (!rc && s->rng) rc = meta_u64(f, "rng.offset", &p->offset);
     return rc;

@@ -9,7 +9,8 @@
  * `test_mpi --faults MPIRUN` (its own CTest entry) launches `MPIRUN -np 3 test_mpi --fault
  * CASE` for each fault case and checks that the job exits nonzero, quickly, with a message
  * naming the failing rank: a rank killed mid-epoch, a rank that hangs (timeout), a rank that
- * aborts, ranks built with different models, ranks that call different collectives. */
+ * aborts, the same killed or aborting rank while the others exchange a sharded optimizer's
+ * ranges, ranks built with different models, ranks that call different collectives. */
 #include "check.h"
 #include "core/core.h"
 #include "parallel/group.h"
@@ -198,6 +199,17 @@ static void rows_of(int64_t *lo, int64_t *hi) {
 
 /* One DDP step on this rank's rows of step s's batch; the loss is weighted by the rank's
  * share so that the average over ranks is the mean over the global batch. */
+/* A fault of rank 1 at step 3 after its backward (the gradients' all-reduce done), before the
+ * sharded optimizer's exchange of ranges: "kill_shard" or "abort_shard" (fault_child). */
+static const char *update_fault;
+
+static int update_fault_now(int s) {
+    if (!update_fault || s != 3 || R != 1) return TDM_OK;
+    if (!strcmp(update_fault, "kill_shard")) raise(SIGKILL);
+    tdm_group_abort(G, "its update failed");
+    return tdm_raise(TDM_ERR_STATE, "its update failed");
+}
+
 static int ddp_step(tdm_ddp *d, tdm_module *m, tdm_optim *opt, int s) {
     float x[B * IN];
     int64_t y[B], lo, hi;
@@ -211,6 +223,7 @@ static int ddp_step(tdm_ddp *d, tdm_module *m, tdm_optim *opt, int s) {
         out, tdm_from_data(TDM_SHAPE(hi - lo), TDM_I64, tdm_cpu(0), y + lo), NULL);
     int rc = tdm_ddp_backward(d, tdm_mul_scalar(l, (float)((double)(hi - lo) * N / B)));
     tdm_scope_end();
+    if (!rc) rc = update_fault_now(s);
     return rc ? rc : tdm_optim_step(opt);
 }
 
@@ -584,10 +597,13 @@ static void test_zero_two_level(void) {
 
 /* ---- fault cases (one mpirun each) -------------------------------------------------------- */
 
-/* Trains with DDP; rank 1 misbehaves at step 3 as `what` says. Ends the process: 0 if all
- * steps passed, 1 with "test_mpi rank R: error" on stderr otherwise. */
+/* Trains with DDP; rank 1 misbehaves at step 3 as `what` says (the *_shard cases with the
+ * optimizer sharded, between backward and the exchange of the shards). Ends the process: 0 if
+ * all steps passed, 1 with "test_mpi rank R: error" on stderr otherwise. */
 static int fault_child(const char *what) {
-    bool timeout_case = !strcmp(what, "hang") || !strcmp(what, "kill");
+    bool timeout_case =
+        !strcmp(what, "hang") || !strcmp(what, "kill") || !strcmp(what, "kill_shard");
+    if (strstr(what, "_shard")) update_fault = what;
     tdm_group_set_timeout(G, timeout_case ? 1.0 : 30.0);
     int rc = 0;
     if (!strcmp(what, "mismatch")) {
@@ -598,6 +614,7 @@ static int fault_child(const char *what) {
         tdm_ddp *d = tdm_ddp_new(m, G, NULL);
         rc = d ? 0 : tdm_last_status();
         tdm_optim *opt = d ? make_sgd(tdm_module_parameters(m)) : NULL;
+        if (opt && update_fault) rc = tdm_optim_shard(opt, G);
         for (int s = 0; s < 20 && !rc; s++) {
             if (s == 3 && R == 1) {
                 if (!strcmp(what, "kill")) raise(SIGKILL);
@@ -674,6 +691,15 @@ static void test_faults(const char *mpirun) {
                      (const char *[]){"on rank 0: rank 1 failed: out of data||"
                                       "on rank 2: rank 1 failed: out of data",
                                       NULL});
+    /* the same two while the others exchange the sharded optimizer's ranges (ZeRO stage 1):
+     * they wait for rank 1's range, which never comes */
+    expect_job_fails(mpirun, "kill_shard", 20,
+                     (const char *[]){"timed out after 1.0 s waiting for rank 1||"
+                                      "process rank 1 with PID",
+                                      NULL});
+    expect_job_fails(
+        mpirun, "abort_shard", 15,
+        (const char *[]){"optimizer step (sharded): ", "rank 1 failed: its update failed", NULL});
     expect_job_fails(mpirun, "model", 15,
                      (const char *[]){"ddp: parameter \"0.weight\" has shape [9, 6] on rank 1 "
                                       "but [8, 6] on rank 0",

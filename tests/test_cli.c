@@ -499,36 +499,26 @@ static void test_mpi_run(const char *mpirun) {
     CHECK(four.status == 0 && fabs(l1 - l4) <= 2e-4,
           "train loss in 1 process %.4f, on 2 processes x 2 devices of 16 rows %.4f (exit %d: %s)",
           l1, l4, four.status, four.err);
-    /* processes started with different options stop before training, naming them */
-    result odd = run((const char *const[]){mpirun,      "--oversubscribe",
-                                           "-np",       "1",
-                                           tandem_path, "train",
-                                           "--limit",   "1280",
-                                           "--quiet",   ":",
-                                           "-np",       "1",
-                                           tandem_path, "train",
-                                           "--limit",   "1280",
-                                           "--quiet",   "--momentum",
-                                           "0.5",       NULL});
-    CHECK(odd.status != 0 && strstr(odd.err, "different options: --momentum 0.9 on rank 0, 0.5 "
-                                             "on rank 1"),
-          "processes with different options: exit %d: %s", odd.status, odd.err);
-    result_free(&odd);
-    /* --shard may change on a resume (it changes no result) but not between processes */
-    odd = run((const char *const[]){mpirun,      "--oversubscribe",
-                                    "-np",       "1",
-                                    tandem_path, "train",
-                                    "--limit",   "1280",
-                                    "--quiet",   ":",
-                                    "-np",       "1",
-                                    tandem_path, "train",
-                                    "--limit",   "1280",
-                                    "--quiet",   "--shard",
-                                    "optimizer", NULL});
-    CHECK(odd.status != 0 && strstr(odd.err, "different options: --shard none on rank 0, "
-                                             "optimizer on rank 1"),
-          "processes with different --shard: exit %d: %s", odd.status, odd.err);
-    result_free(&odd);
+    /* processes started with different options stop before training, naming them; --shard
+     * may change on a resume (it changes no result) but not between processes */
+    const char *const odd_cases[][3] = {
+        {"--momentum", "0.5", "different options: --momentum 0.9 on rank 0, 0.5 on rank 1"},
+        {"--shard", "optimizer", "different options: --shard none on rank 0, optimizer on rank 1"}};
+    for (size_t k = 0; k < sizeof odd_cases / sizeof odd_cases[0]; k++) {
+        result odd = run((const char *const[]){mpirun,          "--oversubscribe",
+                                               "-np",           "1",
+                                               tandem_path,     "train",
+                                               "--limit",       "1280",
+                                               "--quiet",       ":",
+                                               "-np",           "1",
+                                               tandem_path,     "train",
+                                               "--limit",       "1280",
+                                               "--quiet",       odd_cases[k][0],
+                                               odd_cases[k][1], NULL});
+        CHECK(odd.status != 0 && strstr(odd.err, odd_cases[k][2]),
+              "processes with different %s: exit %d: %s", odd_cases[k][0], odd.status, odd.err);
+        result_free(&odd);
+    }
     result_free(&one);
     result_free(&two);
     result_free(&four);

@@ -417,11 +417,12 @@ static void format_value(const train_opts *o, const opt_spec *s, char *buf, size
         snprintf(buf, cap, "%s", *(const bool *)p ? "on" : "off");
 }
 
-int train_identity(const train_opts *o, char *buf, size_t cap) {
-    size_t n = 0;
-    buf[0] = '\0';
-    for (size_t i = 0; i < sizeof identity / sizeof identity[0]; i++) {
-        const opt_spec *s = find_spec(identity[i], strlen(identity[i]));
+/* Appends "name=value;" for each option of names to buf (a string already). */
+static int append_values(const train_opts *o, const char *const *names, size_t count, char *buf,
+                         size_t cap) {
+    size_t n = strlen(buf);
+    for (size_t i = 0; i < count; i++) {
+        const opt_spec *s = find_spec(names[i], strlen(names[i]));
         char v[512];
         format_value(o, s, v, sizeof v);
         int k = snprintf(buf + n, cap - n, "%s=%s;", s->name, v);
@@ -431,21 +432,17 @@ int train_identity(const train_opts *o, char *buf, size_t cap) {
     return 0;
 }
 
+int train_identity(const train_opts *o, char *buf, size_t cap) {
+    buf[0] = '\0';
+    return append_values(o, identity, sizeof identity / sizeof identity[0], buf, cap);
+}
+
 /* Options every process of a run must share that a resume may change: they change no result. */
 static const char *const process_only[] = {"--shard"};
 
 int train_process_identity(const train_opts *o, char *buf, size_t cap) {
     if (train_identity(o, buf, cap)) return -1;
-    size_t n = strlen(buf);
-    for (size_t i = 0; i < sizeof process_only / sizeof process_only[0]; i++) {
-        const opt_spec *s = find_spec(process_only[i], strlen(process_only[i]));
-        char v[512];
-        format_value(o, s, v, sizeof v);
-        int k = snprintf(buf + n, cap - n, "%s=%s;", s->name, v);
-        if (k < 0 || (size_t)k >= cap - n) return -1;
-        n += (size_t)k;
-    }
-    return 0;
+    return append_values(o, process_only, sizeof process_only / sizeof process_only[0], buf, cap);
 }
 
 /* The value of option `name` in an identity string, into v (cap bytes); false when absent. */

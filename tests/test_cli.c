@@ -481,14 +481,27 @@ static void test_tutorial(const char *path) {
 /* mpirun -np 2 tandem train: two processes learn what one does (the global batch is split,
  * gradients averaged), only rank 0 prints, and a batch that does not split is refused. */
 static void test_mpi_run(const char *mpirun) {
-    result one = TANDEM("train", "--limit", "1280", "--model", "mlp", "--quiet");
-    result two =
-        run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path, "train",
-                                  "--limit", "1280", "--model", "mlp", "--quiet", NULL});
+    char log1[300], log2[300];
+    snprintf(log1, sizeof log1, "%s/one.jsonl", tmpdir);
+    snprintf(log2, sizeof log2, "%s/two.jsonl", tmpdir);
+    result one = TANDEM("train", "--limit", "1280", "--model", "mlp", "--quiet", "--log", log1);
+    result two = run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path,
+                                           "train", "--limit", "1280", "--model", "mlp", "--quiet",
+                                           "--log", log2, NULL});
     CHECK(one.status == 0 && two.status == 0, "mpi run: exit %d and %d: %s", one.status, two.status,
           two.err);
     double l1 = epoch_train_loss(one.out), l2 = epoch_train_loss(two.out);
     CHECK(fabs(l1 - l2) <= 2e-4, "train loss in 1 process %.4f, in 2 processes %.4f", l1, l2);
+    /* --log's step losses are the global batch's, as one process's (not rank 0's half) */
+    {
+        char *j1 = slurp(log1), *j2 = slurp(log2);
+        const char *p1 = strstr(j1, "\"step\":5,"), *p2 = strstr(j2, "\"step\":5,");
+        p1 = p1 ? strstr(p1, "\"loss\":") : NULL, p2 = p2 ? strstr(p2, "\"loss\":") : NULL;
+        double s1 = p1 ? strtod(p1 + 7, NULL) : NAN, s2 = p2 ? strtod(p2 + 7, NULL) : NAN;
+        CHECK(fabs(s1 - s2) <= 1e-5, "step 5's logged loss: 1 process %.6f, 2 processes %.6f", s1,
+              s2);
+        free(j1), free(j2);
+    }
     const char *first = strstr(two.out, "train loss");
     CHECK(first && !strstr(first + 1, "train loss"), "only rank 0 prints: %s", two.out);
     /* two devices in each of two processes: the two-level group */

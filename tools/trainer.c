@@ -314,11 +314,22 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
                          sizeof(int64_t) * (size_t)tr->chunk_samples);
     if (!on_host && k) tdm_scope_end();
     if (rc) return task_error("reading losses back: %s", tdm_last_error());
+    /* each step's loss over every process (the processes' shares are equal): what the sinks
+     * record and the divergence check reads, the same on every process; the epoch's and the
+     * window's sums stay this process's (they are summed over the processes at their end) */
+    double global[SYNC_STEPS];
+    for (int i = 0; i < k; i++) {
+        global[i] = 0;
+        for (int64_t m = 0; m < tr->accum; m++) global[i] += tr->loss_host[i * tr->accum + m];
+        global[i] /= (double)tr->accum;
+    }
+    double local[SYNC_STEPS];
+    memcpy(local, global, sizeof(double) * (size_t)k);
+    int procs = tr->g ? tdm_group_size(tr->g) : 1;
+    if (procs > 1 && k && trainer_sum_over_processes(tr, global, k)) return EXIT_RUNTIME;
     for (int i = 0; i < k; i++) {
         int64_t s = step - k + i + 1;
-        double loss = 0;
-        for (int64_t m = 0; m < tr->accum; m++) loss += tr->loss_host[i * tr->accum + m];
-        loss /= (double)tr->accum;
+        double loss = global[i] / procs;
         if (!isfinite(loss))
             return task_error("the loss is %s at epoch %d, step %lld (lr %g): training "
                               "diverged; try a lower --lr",
@@ -327,9 +338,9 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
         double dt = tr->time_host[i] - (i ? tr->time_host[i - 1] : tr->t_last);
         double units = (double)(tr->size_host[i] * tr->task->units_per_sample);
         sinks_step(&tr->out, &(step_record){epoch, s, tr->global_step - k + i + 1, loss,
-                                            tr->lr_host[i], dt > 0 ? units / dt : NAN});
-        tr->loss_sum += loss * (double)tr->size_host[i];
-        tr->win_loss += loss, tr->win_steps++, tr->win_samples += tr->size_host[i];
+                                            tr->lr_host[i], dt > 0 ? units * procs / dt : NAN});
+        tr->loss_sum += local[i] * (double)tr->size_host[i];
+        tr->win_loss += local[i], tr->win_steps++, tr->win_samples += tr->size_host[i];
         if ((s % tr->every == 0 || s == tr->steps_planned) && end_window(tr, s, tr->time_host[i]))
             return EXIT_RUNTIME;
     }

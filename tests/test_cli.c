@@ -512,6 +512,36 @@ static void test_training_extras(void) {
                  (const char *const[]){t, "train", "--no-decay-1d", NULL});
 }
 
+/* The value of `key` in a --log's epoch line. */
+static double log_epoch(const char *log, const char *key) {
+    char *text = slurp(log);
+    char *p = strstr(text, "\"type\":\"epoch\"");
+    double v = p ? json_num(p, key) : NAN;
+    free(text);
+    return v;
+}
+
+/* --eval-flip: training is untouched (the same train loss), the test loss is that of the
+ * flip-averaged logits (another value), the config line says so; refused for gpt. */
+static void test_eval_flip(void) {
+    const char *plain[] = {"--seed", "2", NULL};
+    const char *flip[] = {"--seed", "2", "--eval-flip", NULL};
+    if (logged_run("noflip", plain, NULL) || logged_run("flip", flip, NULL)) return;
+    char a[300], b[300];
+    snprintf(a, sizeof a, "%s/noflip.jsonl", tmpdir);
+    snprintf(b, sizeof b, "%s/flip.jsonl", tmpdir);
+    CHECK(log_epoch(a, "train_loss") == log_epoch(b, "train_loss"), "train loss %g vs %g",
+          log_epoch(a, "train_loss"), log_epoch(b, "train_loss"));
+    double ta = log_epoch(a, "test_loss"), tb = log_epoch(b, "test_loss");
+    CHECK(isfinite(tb) && tb != ta, "test loss with --eval-flip %g, without %g", tb, ta);
+    char *text = slurp(b);
+    CHECK(strstr(text, "\"eval_flip\":true") != NULL, "config: %.300s", text);
+    free(text);
+    expect_usage("--eval-flip mirrors test images",
+                 (const char *const[]){tandem_path, "train", "--model", "gpt", "--data", "x.txt",
+                                       "--eval-flip", NULL});
+}
+
 /* Options that used to be the GPT's alone, now the one trainer's: gradient accumulation (2
  * batches of 32 are one step of 64: the same losses, on 1 and 2 devices) and clipping (a low
  * limit changes the run; 2 devices clip their averaged gradient as 1 device clips its own). */
@@ -730,6 +760,7 @@ int main(int argc, char **argv) {
         test_schedules();
         test_new_schedules();
         test_training_extras();
+        test_eval_flip();
         test_accumulate_and_clip();
         if (argc > 2) test_tutorial(argv[2]);
     }

@@ -138,6 +138,9 @@ static const opt_spec specs[] = {
     {"--no-decay-1d", NULL, OPT_FLAG, F(no_decay_1d), 0, 0, "off",
      "--weight-decay on parameters of 2 or more dims only: biases and norms' weights get 0 "
      "(two parameter groups, as the gpt always does)."},
+    {"--eval-flip", NULL, OPT_FLAG, F(eval_flip), 0, 0, "off",
+     "Evaluate on the mean of the model's logits for each test image and its left-right "
+     "mirror (test-time augmentation). Image models only."},
     {"--step-size", "E", OPT_INT, F(step_size), 1, 1e6, "1", "Epochs between decays (step)."},
     {"--gamma", "G", OPT_NUM, F(gamma), 0, 1, "0.1", "Decay factor (step)."},
     {"--seed", "S", OPT_INT, F(seed), 0, 9.007199254740992e15, "0",
@@ -418,7 +421,7 @@ static const char *const identity[] = {
     "--gamma",        "--seed",           "--denormals",    "--limit",
     "--model-split",  "--micro-batches",  "--pipeline",     "--image-size",
     "--transform",    "--eval-transform", "--pct-start",    "--label-smoothing",
-    "--nesterov",     "--no-decay-1d"};
+    "--nesterov",     "--no-decay-1d",    "--eval-flip"};
 
 /* One option's value as the options hold it after check_opts, into buf. */
 static void format_value(const train_opts *o, const opt_spec *s, char *buf, size_t cap) {
@@ -535,6 +538,8 @@ static int check_training_extras(train_opts *o, bool sgd, bool gpt) {
         return train_usage_error("--nesterov needs --optimizer sgd with --momentum > 0 (as "
                                  "PyTorch's SGD), not %s with momentum %g",
                                  o->optimizer, o->momentum);
+    if (o->eval_flip && gpt)
+        return train_usage_error("--eval-flip mirrors test images; --model gpt has none");
     if (o->no_decay_1d && !(o->weight_decay > 0))
         return train_usage_error("--no-decay-1d chooses where --weight-decay applies; it needs "
                                  "--weight-decay > 0");

@@ -495,6 +495,23 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
     return 0;
 }
 
+/* The model's test logits for images x [N, C, H, W]; with --eval-flip, the mean of the logits
+ * of x and of x flipped left-right (test-time augmentation). Tensors live in the caller's
+ * scope; NULL and an error on failure. */
+static tdm_tensor *eval_logits(trainer *tr, tdm_tensor *x) {
+    tdm_tensor *out = tdm_module_forward(tr->task->model, x);
+    if (!out || !tr->o->eval_flip) return out;
+    if (x->ndim != 4) {
+        task_error("--eval-flip: the test batch is %d-D, not images [N, C, H, W]", x->ndim);
+        return NULL;
+    }
+    int64_t w = x->shape[3];
+    tdm_tensor *rev = tdm_arange((double)(w - 1), -1.0, -1.0, TDM_I64, x->device);
+    tdm_tensor *flipped = rev ? tdm_index_select(x, 3, rev) : NULL;
+    tdm_tensor *out2 = flipped ? tdm_module_forward(tr->task->model, flipped) : NULL;
+    return out2 ? tdm_mul_scalar(tdm_add(out, out2), 0.5f) : NULL;
+}
+
 /* Test loss and accuracy in eval mode, without autograd. */
 static int evaluate(trainer *tr, epoch_stats *e) {
     double t0 = progress_now();
@@ -519,7 +536,7 @@ static int evaluate(trainer *tr, epoch_stats *e) {
             x = tdm_to_device(x, tr->dev);
             y = tdm_to_device(y, tr->dev);
         }
-        tdm_tensor *out = tdm_module_forward(tr->task->model, x);
+        tdm_tensor *out = eval_logits(tr, x);
         tdm_tensor *loss = out ? tr->task->loss(out, y) : NULL;
         float l = tdm_item(loss);
         if (!loss || isnan(l)) rc = -1;
@@ -558,6 +575,7 @@ static void describe_optimizer(const train_opts *o, char *buf, size_t cap) {
         n += snprintf(buf + n, cap - (size_t)n, ", %s schedule", o->schedule);
     if (o->label_smoothing > 0)
         n += snprintf(buf + n, cap - (size_t)n, ", label smoothing %g", o->label_smoothing);
+    if (o->eval_flip) n += snprintf(buf + n, cap - (size_t)n, ", flip-averaged evaluation");
     if (o->clip > 0) snprintf(buf + n, cap - (size_t)n, ", gradient clipping at %g", o->clip);
 }
 
@@ -650,12 +668,13 @@ static void write_config(trainer *tr) {
              "\"batch_size\":%lld,\"grad_accum\":%lld,\"steps_per_epoch\":%lld,"
              "\"train_samples\":%lld,\"test_samples\":%lld,\"seed\":%lld,\"workers\":%lld,"
              "\"parameters\":%lld,\"pct_start\":%g,\"label_smoothing\":%g,\"nesterov\":%s,"
-             "\"no_decay_1d\":%s",
+             "\"no_decay_1d\":%s,\"eval_flip\":%s",
              o->lr, o->momentum, o->weight_decay, o->clip, (long long)o->epochs,
              (long long)o->batch_size, (long long)tr->accum, (long long)tr->steps_per_epoch,
              (long long)tr->task->train->n, (long long)(tr->task->test ? tr->task->test->n : 0),
              (long long)o->seed, (long long)o->workers, (long long)tr->ps->total, o->pct_start,
-             o->label_smoothing, o->nesterov ? "true" : "false", o->no_decay_1d ? "true" : "false");
+             o->label_smoothing, o->nesterov ? "true" : "false", o->no_decay_1d ? "true" : "false",
+             o->eval_flip ? "true" : "false");
     sinks_config(&tr->out, f);
 }
 

@@ -393,6 +393,155 @@ static void test_schedules(void) {
     free(text);
 }
 
+/* The values of `key` in the step lines of a --log, at most max; returns how many. */
+static int log_steps(const char *log, const char *key, double *v, int max) {
+    char *text = slurp(log);
+    int k = 0;
+    for (char *p = strstr(text, "\"type\":\"step\""); p && k < max;
+         p = strstr(p + 1, "\"type\":\"step\""))
+        v[k++] = json_num(p, key);
+    free(text);
+    return k;
+}
+
+/* A --limit 640 mlp run of 2 epochs (20 steps of 64) logged to tmpdir/<name>.jsonl, with
+ * extra options; its step losses into loss[20] when not NULL. Returns the exit status. */
+static int logged_run(const char *name, const char *const *extra, double *loss) {
+    char log[300];
+    snprintf(log, sizeof log, "%s/%s.jsonl", tmpdir, name);
+    const char *argv[24] = {tandem_path, "train",   "--limit", "640", "--epochs",
+                            "2",         "--quiet", "--log",   log};
+    int n = 9;
+    for (int i = 0; extra[i] && n < 23; i++) argv[n++] = extra[i];
+    argv[n] = NULL;
+    result r = run(argv);
+    CHECK(r.status == 0, "%s run: exit %d, stderr: %s", name, r.status, r.err);
+    int status = r.status;
+    result_free(&r);
+    if (loss) CHECK(log_steps(log, "loss", loss, 20) == 20, "%s: 20 step lines", name);
+    return status;
+}
+
+/* --schedule onecycle and linear: the logged lr of every step is tdm_sched_lr's (the log
+ * keeps 7 digits), and the config line records --pct-start. */
+static void test_new_schedules(void) {
+    const char *oc[] = {"--schedule", "onecycle", "--pct-start", "0.25", NULL};
+    const char *li[] = {"--schedule", "linear", "--warmup-steps", "4", NULL};
+    tdm_sched s_oc = {.kind = TDM_SCHED_ONECYCLE, .base_lr = 0.1f, .total = 20, .pct_start = 0.25f};
+    tdm_sched s_li = {.kind = TDM_SCHED_LINEAR,
+                      .base_lr = 0.1f,
+                      .warmup = 4,
+                      .total = 20,
+                      .start_factor = 1,
+                      .end_factor = 0};
+    const struct {
+        const char *name, *const *extra;
+        const tdm_sched *s;
+    } cases[] = {{"onecycle", oc, &s_oc}, {"linear", li, &s_li}};
+    for (int c = 0; c < 2; c++) {
+        if (logged_run(cases[c].name, cases[c].extra, NULL)) continue;
+        char log[300];
+        snprintf(log, sizeof log, "%s/%s.jsonl", tmpdir, cases[c].name);
+        double lr[21];
+        int k = log_steps(log, "lr", lr, 21), bad = 0;
+        CHECK(k == 20, "%s: %d step lines, expected 20", cases[c].name, k);
+        for (int t = 0; t < k; t++) {
+            double want = tdm_sched_lr(cases[c].s, t);
+            if (!(fabs(lr[t] - want) <= 1e-12 + 1e-6 * want)) {
+                if (bad++ < 3)
+                    fprintf(stderr, "FAIL %s step %d: lr %.9g, tdm_sched_lr %.9g\n", cases[c].name,
+                            t, lr[t], want);
+            }
+        }
+        CHECK(bad == 0, "%s: %d step lrs differ from tdm_sched_lr", cases[c].name, bad);
+    }
+    char log[300];
+    snprintf(log, sizeof log, "%s/onecycle.jsonl", tmpdir);
+    char *text = slurp(log);
+    CHECK(strstr(text, "\"schedule\":\"onecycle\"") && strstr(text, "\"pct_start\":0.25"),
+          "onecycle config line: %.300s", text);
+    free(text);
+    const char *t = tandem_path;
+    expect_usage("--pct-start applies to --schedule onecycle only",
+                 (const char *const[]){t, "train", "--pct-start", "0.5", NULL});
+    expect_usage(
+        "onecycle rises over --pct-start",
+        (const char *const[]){t, "train", "--schedule", "onecycle", "--warmup-steps", "3", NULL});
+}
+
+/* --label-smoothing, --nesterov and --no-decay-1d each change the run (same seed, same
+ * data), are recorded in the config line, and are refused where they do not apply. */
+static void test_training_extras(void) {
+    double base[20], ls[20], nest[20], wd[20], wd1[20];
+    int rc = logged_run("plain", (const char *[]){"--seed", "1", NULL}, base);
+    rc |=
+        logged_run("smooth", (const char *[]){"--seed", "1", "--label-smoothing", "0.1", NULL}, ls);
+    rc |= logged_run("nesterov", (const char *[]){"--seed", "1", "--nesterov", NULL}, nest);
+    rc |= logged_run("wd", (const char *[]){"--seed", "1", "--weight-decay", "0.05", NULL}, wd);
+    rc |= logged_run(
+        "wd1", (const char *[]){"--seed", "1", "--weight-decay", "0.05", "--no-decay-1d", NULL},
+        wd1);
+    if (rc) return;
+    /* smoothing changes the loss from the first step; the others from the second update on */
+    CHECK(ls[0] != base[0], "label smoothing: first loss %g unchanged", ls[0]);
+    CHECK(nest[2] != base[2] && nest[0] == base[0], "nesterov: losses %g %g vs %g %g", nest[0],
+          nest[2], base[0], base[2]);
+    CHECK(wd1[19] != wd[19] && wd1[0] == wd[0], "no-decay-1d: last loss %g vs %g", wd1[19], wd[19]);
+    char log[300];
+    snprintf(log, sizeof log, "%s/smooth.jsonl", tmpdir);
+    char *text = slurp(log);
+    CHECK(strstr(text, "\"label_smoothing\":0.1,") != NULL, "config: %.300s", text);
+    free(text);
+    snprintf(log, sizeof log, "%s/wd1.jsonl", tmpdir);
+    text = slurp(log);
+    CHECK(strstr(text, "\"no_decay_1d\":true") != NULL, "config: %.300s", text);
+    free(text);
+    snprintf(log, sizeof log, "%s/nesterov.jsonl", tmpdir);
+    text = slurp(log);
+    CHECK(strstr(text, "\"nesterov\":true") != NULL, "config: %.300s", text);
+    free(text);
+    const char *t = tandem_path;
+    expect_usage("has no label smoothing",
+                 (const char *const[]){t, "train", "--model", "gpt", "--data", "x.txt",
+                                       "--label-smoothing", "0.1", NULL});
+    expect_usage("--nesterov needs --optimizer sgd with --momentum > 0",
+                 (const char *const[]){t, "train", "--optimizer", "adam", "--nesterov", NULL});
+    expect_usage("--nesterov needs --optimizer sgd with --momentum > 0",
+                 (const char *const[]){t, "train", "--momentum", "0", "--nesterov", NULL});
+    expect_usage("it needs --weight-decay > 0",
+                 (const char *const[]){t, "train", "--no-decay-1d", NULL});
+}
+
+/* The value of `key` in a --log's epoch line. */
+static double log_epoch(const char *log, const char *key) {
+    char *text = slurp(log);
+    char *p = strstr(text, "\"type\":\"epoch\"");
+    double v = p ? json_num(p, key) : NAN;
+    free(text);
+    return v;
+}
+
+/* --eval-flip: training is untouched (the same train loss), the test loss is that of the
+ * flip-averaged logits (another value), the config line says so; refused for gpt. */
+static void test_eval_flip(void) {
+    const char *plain[] = {"--seed", "2", NULL};
+    const char *flip[] = {"--seed", "2", "--eval-flip", NULL};
+    if (logged_run("noflip", plain, NULL) || logged_run("flip", flip, NULL)) return;
+    char a[300], b[300];
+    snprintf(a, sizeof a, "%s/noflip.jsonl", tmpdir);
+    snprintf(b, sizeof b, "%s/flip.jsonl", tmpdir);
+    CHECK(log_epoch(a, "train_loss") == log_epoch(b, "train_loss"), "train loss %g vs %g",
+          log_epoch(a, "train_loss"), log_epoch(b, "train_loss"));
+    double ta = log_epoch(a, "test_loss"), tb = log_epoch(b, "test_loss");
+    CHECK(isfinite(tb) && tb != ta, "test loss with --eval-flip %g, without %g", tb, ta);
+    char *text = slurp(b);
+    CHECK(strstr(text, "\"eval_flip\":true") != NULL, "config: %.300s", text);
+    free(text);
+    expect_usage("--eval-flip mirrors test images",
+                 (const char *const[]){tandem_path, "train", "--model", "gpt", "--data", "x.txt",
+                                       "--eval-flip", NULL});
+}
+
 /* Options that used to be the GPT's alone, now the one trainer's: gradient accumulation (2
  * batches of 32 are one step of 64: the same losses, on 1 and 2 devices) and clipping (a low
  * limit changes the run; 2 devices clip their averaged gradient as 1 device clips its own). */
@@ -612,6 +761,9 @@ int main(int argc, char **argv) {
         test_devices_run();
         test_model_split();
         test_schedules();
+        test_new_schedules();
+        test_training_extras();
+        test_eval_flip();
         test_accumulate_and_clip();
         if (argc > 2) test_tutorial(argv[2]);
     }

@@ -4,6 +4,7 @@
 
 #include "check.h"
 #include "fixtures/optim_fixtures.h"
+#include "fixtures/sched_fixtures.h"
 
 /* A module holding the fixture's two parameters ([5, 6] and [7]), no forward. */
 static const tdm_module_ops holder_ops = {"Holder", NULL, NULL};
@@ -103,6 +104,39 @@ static void test_zero_grad_and_lr(void) {
     CHECK_CLOSE(tdm_optim_lr(o), 0.01, 1e-9, 1e-6);
     tdm_optim_free(o);
     tdm_module_free(m);
+}
+
+/* OneCycleLR and LinearLR-after-warmup against PyTorch at every step (relative 1e-6) */
+static void test_onecycle_linear(void) {
+    for (int ci = 0; ci < SCHEDF_NCASES; ci++) {
+        const schedf_case *c = &schedf_cases[ci];
+        int bad = 0;
+        for (int t = 0; t < c->n; t++) {
+            float lr = tdm_sched_lr(&c->s, t);
+            if (!(fabs(lr - c->lr[t]) <= 1e-12 + 1e-6 * fabs(c->lr[t]))) {
+                if (bad < 3)
+                    fprintf(stderr, "FAIL sched %s t=%d: %.9g, torch %.9g\n", c->name, t, lr,
+                            c->lr[t]);
+                bad++;
+            }
+        }
+        CHECK(bad == 0, "schedule %s: %d values differ from PyTorch", c->name, bad);
+    }
+    /* past total, ONECYCLE stays at its final rate (PyTorch raises) */
+    const tdm_sched *oc = &schedf_cases[0].s;
+    CHECK_CLOSE(tdm_sched_lr(oc, oc->total + 5), schedf_cases[0].lr[oc->total - 1], 0, 1e-6);
+    /* defaults: div_factor 0 -> 25, final_div_factor 0 -> 1e4 */
+    tdm_sched dflt = {.kind = TDM_SCHED_ONECYCLE, .base_lr = 0.1f, .total = 20, .pct_start = 0.3f};
+    for (int t = 0; t < 20; t++) CHECK_CLOSE(tdm_sched_lr(&dflt, t), tdm_sched_lr(oc, t), 0, 1e-7);
+    tdm_sched bad1 = {.kind = TDM_SCHED_ONECYCLE, .base_lr = 0.1f, .total = 4, .pct_start = 0.25f};
+    CHECK_ERROR(isnan(tdm_sched_lr(&bad1, 0)), "empty phase");
+    tdm_sched bad2 = {.kind = TDM_SCHED_ONECYCLE, .base_lr = 0.1f, .total = 0, .pct_start = 0.3f};
+    CHECK_ERROR(isnan(tdm_sched_lr(&bad2, 0)), "total > 0");
+    tdm_sched bad3 = {.kind = TDM_SCHED_LINEAR, .base_lr = 0.1f, .total = 10, .end_factor = 0};
+    CHECK_ERROR(isnan(tdm_sched_lr(&bad3, 0)), "start_factor in (0, 1]");
+    tdm_sched bad4 = {
+        .kind = TDM_SCHED_LINEAR, .base_lr = 0.1f, .warmup = 10, .total = 10, .start_factor = 1};
+    CHECK_ERROR(isnan(tdm_sched_lr(&bad4, 0)), "warmup < total");
 }
 
 static void test_schedules(void) {
@@ -217,6 +251,7 @@ int main(void) {
     test_trajectories();
     test_zero_grad_and_lr();
     test_schedules();
+    test_onecycle_linear();
     test_clip();
     test_errors();
     return check_summary();

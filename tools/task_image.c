@@ -33,19 +33,41 @@ int task_error(const char *fmt, ...) {
     return EXIT_RUNTIME;
 }
 
+/* --no-decay-1d: weight decay only on parameters of 2+ dims (biases and norms get 0), as
+ * tdm_gpt_adamw_new. Takes opt (NULL passes through); frees it on failure. */
+static tdm_optim *decay_matrices_only(tdm_optim *opt, tdm_paramset *ps, const train_opts *o) {
+    if (!opt || !o->no_decay_1d) return opt;
+    float *wd = malloc(sizeof(float) * (size_t)ps->n);
+    if (!wd) {
+        tdm_optim_free(opt);
+        task_error("--no-decay-1d: out of memory for %d decays", ps->n);
+        return NULL;
+    }
+    for (int i = 0; i < ps->n; i++)
+        wd[i] = ps->params[i]->ndim >= 2 ? (float)o->weight_decay : 0.0f;
+    int rc = tdm_optim_set_weight_decays(opt, wd);
+    free(wd);
+    if (rc) {
+        tdm_optim_free(opt);
+        return NULL;
+    }
+    return opt;
+}
+
 tdm_optim *task_default_optimizer(tdm_paramset *ps, void *arg) {
     const train_opts *o = arg;
     if (strcmp(o->optimizer, "sgd") == 0) {
         tdm_sgd_opts so = tdm_sgd_defaults((float)o->lr);
         so.momentum = (float)o->momentum;
         so.weight_decay = (float)o->weight_decay;
-        return tdm_sgd_new(ps, &so);
+        so.nesterov = o->nesterov;
+        return decay_matrices_only(tdm_sgd_new(ps, &so), ps, o);
     }
     bool w = strcmp(o->optimizer, "adamw") == 0;
     tdm_adam_opts ao = w ? tdm_adamw_defaults() : tdm_adam_defaults();
     ao.lr = (float)o->lr;
     ao.weight_decay = (float)o->weight_decay;
-    return w ? tdm_adamw_new(ps, &ao) : tdm_adam_new(ps, &ao);
+    return decay_matrices_only(w ? tdm_adamw_new(ps, &ao) : tdm_adam_new(ps, &ao), ps, o);
 }
 
 int task_check_finite(tdm_module *m, const char *file) {
@@ -329,9 +351,16 @@ static int describe_classes(task *t) {
     return 0;
 }
 
+/* --label-smoothing of the open task: the loss callback takes no argument, and a process
+ * trains one task at a time (task_image_open sets it). */
+static float image_label_smoothing;
+
 /* logits [n, classes], labels [n] -> the mean cross-entropy [] */
 static tdm_tensor *image_loss(tdm_tensor *logits, const tdm_tensor *labels) {
-    return tdm_cross_entropy(logits, labels, NULL);
+    if (image_label_smoothing == 0) return tdm_cross_entropy(logits, labels, NULL);
+    tdm_ce_opts ce = tdm_ce_defaults();
+    ce.label_smoothing = image_label_smoothing;
+    return tdm_cross_entropy(logits, labels, &ce);
 }
 
 int task_image_open(task *t, const train_opts *o, tdm_device dev) {
@@ -340,6 +369,7 @@ int task_image_open(task *t, const train_opts *o, tdm_device dev) {
                 .accuracy = true,
                 .loss = image_loss,
                 .optimizer = task_default_optimizer};
+    image_label_smoothing = (float)o->label_smoothing;
     data_kind kind = DATA_IDX;
     int rc = load_images(t, o, &kind);
     /* the side of the model's images: asked, 28 for the mlp and cnn, the data's own, or 224

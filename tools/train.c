@@ -118,13 +118,29 @@ static const opt_spec specs[] = {
     {"--weight-decay", "WD", OPT_NUM, F(weight_decay), 0, 1e6, "0",
      "L2 penalty added to the gradient (sgd, adam), or decoupled decay (adamw; PyTorch's "
      "AdamW default would be 0.01)."},
-    {"--schedule", "constant|step|cosine", OPT_STR, F(schedule), 0, 0, "constant",
+    {"--schedule", "constant|step|cosine|linear|onecycle", OPT_STR, F(schedule), 0, 0, "constant",
      "Learning-rate schedule. step: multiply by --gamma every --step-size epochs (StepLR). "
      "cosine: linear warmup over --warmup-steps, then cosine decay to 0 at the last step of "
      "the last epoch (steps = epochs * steps per epoch; --max-steps stops a run without "
-     "changing its schedule, and --limit shortens the epochs)."},
+     "changing its schedule, and --limit shortens the epochs). linear: the same warmup, then "
+     "linear decay to 0 (LinearLR from 1 to 0). onecycle: PyTorch's OneCycleLR with max_lr "
+     "--lr over the run's steps: cosine rise from lr/25 over --pct-start of them, then "
+     "cosine fall to lr/25/1e4."},
     {"--warmup-steps", "N", OPT_INT, F(warmup_steps), 0, 1e12, "0",
-     "Warmup steps of the cosine schedule."},
+     "Warmup steps of the cosine and linear schedules."},
+    {"--pct-start", "P", OPT_NUM, F(pct_start), 0, 1, "0.3",
+     "onecycle: the fraction of the steps spent rising to --lr (OneCycleLR's pct_start)."},
+    {"--label-smoothing", "E", OPT_NUM, F(label_smoothing), 0, 1, "0",
+     "Cross-entropy against (1-E) x the label + E/classes everywhere (PyTorch's "
+     "label_smoothing). Image models only."},
+    {"--nesterov", NULL, OPT_FLAG, F(nesterov), 0, 0, "off",
+     "Nesterov momentum (PyTorch's SGD nesterov=True). sgd with --momentum > 0 only."},
+    {"--no-decay-1d", NULL, OPT_FLAG, F(no_decay_1d), 0, 0, "off",
+     "--weight-decay on parameters of 2 or more dims only: biases and norms' weights get 0 "
+     "(two parameter groups, as the gpt always does)."},
+    {"--eval-flip", NULL, OPT_FLAG, F(eval_flip), 0, 0, "off",
+     "Evaluate on the mean of the model's logits for each test image and its left-right "
+     "mirror (test-time augmentation). Image models only."},
     {"--step-size", "E", OPT_INT, F(step_size), 1, 1e6, "1", "Epochs between decays (step)."},
     {"--gamma", "G", OPT_NUM, F(gamma), 0, 1, "0.1", "Decay factor (step)."},
     {"--seed", "S", OPT_INT, F(seed), 0, 9.007199254740992e15, "0",
@@ -254,6 +270,7 @@ static train_opts opts_defaults(void) {
                         .step_size = 1,
                         .lr = NAN,
                         .momentum = NAN,
+                        .pct_start = NAN,
                         .gamma = 0.1,
                         .keep = 3};
 }
@@ -397,12 +414,14 @@ static const opt_spec *find_spec(const char *name, size_t len) {
  * --max-steps, --lr, --devices, --workers, the outputs and the checkpoint cadence) and between
  * the processes of one run only where they describe the process itself. */
 static const char *const identity[] = {
-    "--data",          "--model",         "--layers",       "--heads",      "--channels",
-    "--context",       "--vocab",         "--batch-size",   "--grad-accum", "--clip-grad",
-    "--optimizer",     "--momentum",      "--weight-decay", "--schedule",   "--warmup-steps",
-    "--step-size",     "--gamma",         "--seed",         "--denormals",  "--limit",
-    "--model-split",   "--micro-batches", "--pipeline",     "--image-size", "--transform",
-    "--eval-transform"};
+    "--data",         "--model",          "--layers",       "--heads",
+    "--channels",     "--context",        "--vocab",        "--batch-size",
+    "--grad-accum",   "--clip-grad",      "--optimizer",    "--momentum",
+    "--weight-decay", "--schedule",       "--warmup-steps", "--step-size",
+    "--gamma",        "--seed",           "--denormals",    "--limit",
+    "--model-split",  "--micro-batches",  "--pipeline",     "--image-size",
+    "--transform",    "--eval-transform", "--pct-start",    "--label-smoothing",
+    "--nesterov",     "--no-decay-1d",    "--eval-flip"};
 
 /* One option's value as the options hold it after check_opts, into buf. */
 static void format_value(const train_opts *o, const opt_spec *s, char *buf, size_t cap) {
@@ -469,8 +488,8 @@ bool train_identity_diff(const char *a, const char *b, const char *a_name, const
         identity_value(b, name, vb, sizeof vb);
         /* an option newer than a checkpoint, at its default there */
         bool unset_a = !strcmp(va, "(unset)"), unset_b = !strcmp(vb, "(unset)");
-        if ((unset_a && (!strcmp(vb, "none") || !strcmp(vb, "0"))) ||
-            (unset_b && (!strcmp(va, "none") || !strcmp(va, "0"))))
+        if ((unset_a && (!strcmp(vb, "none") || !strcmp(vb, "0") || !strcmp(vb, "off"))) ||
+            (unset_b && (!strcmp(va, "none") || !strcmp(va, "0") || !strcmp(va, "off"))))
             continue;
         if (strcmp(va, vb) == 0) continue;
         int k = snprintf(out + n, cap - n, "%s%s %s %s, %s %s", n ? "; " : "", name, va, a_name, vb,
@@ -503,10 +522,32 @@ static int check_shard(const train_opts *o) {
     return 0;
 }
 
+/* --pct-start, --label-smoothing, --nesterov and --no-decay-1d: where each applies. */
+static int check_training_extras(train_opts *o, bool sgd, bool gpt) {
+    bool onecycle = strcmp(o->schedule, "onecycle") == 0;
+    if (!isnan(o->pct_start) && !onecycle)
+        return train_usage_error("--pct-start applies to --schedule onecycle only");
+    o->pct_start = onecycle ? (isnan(o->pct_start) ? 0.3 : o->pct_start) : 0;
+    if (o->label_smoothing > 0 && gpt)
+        return train_usage_error("--label-smoothing: the gpt's fused next-token loss "
+                                 "(tdm_gpt_loss) has no label smoothing; image models only");
+    if (o->nesterov && (!sgd || !(o->momentum > 0)))
+        return train_usage_error("--nesterov needs --optimizer sgd with --momentum > 0 (as "
+                                 "PyTorch's SGD), not %s with momentum %g",
+                                 o->optimizer, o->momentum);
+    if (o->eval_flip && gpt)
+        return train_usage_error("--eval-flip mirrors test images; --model gpt has none");
+    if (o->no_decay_1d && !(o->weight_decay > 0))
+        return train_usage_error("--no-decay-1d chooses where --weight-decay applies; it needs "
+                                 "--weight-decay > 0");
+    return 0;
+}
+
 /* Checks choices and combinations once every option is known. */
 static int check_opts(train_opts *o) {
     static const char *const optimizers[] = {"sgd", "adam", "adamw", NULL};
-    static const char *const schedules[] = {"constant", "step", "cosine", NULL};
+    static const char *const schedules[] = {"constant", "step",     "cosine",
+                                            "linear",   "onecycle", NULL};
     static const char *const resnets[] = {"resnet18", "resnet34", "resnet50", NULL};
     bool gpt = strcmp(o->model, "gpt") == 0;
     if (!gpt && !one_of(o->model, tdm_model_names) && !one_of(o->model, resnets))
@@ -542,8 +583,8 @@ static int check_opts(train_opts *o) {
                                  o->denormals);
     if (check_shard(o)) return EXIT_USAGE;
     if (!one_of(o->schedule, schedules))
-        return train_usage_error("--schedule: unknown schedule '%s' (expected constant, step or "
-                                 "cosine)",
+        return train_usage_error("--schedule: unknown schedule '%s' (expected constant, step, "
+                                 "cosine, linear or onecycle)",
                                  o->schedule);
     bool sgd = strcmp(o->optimizer, "sgd") == 0;
     if (!sgd && !isnan(o->momentum))
@@ -551,8 +592,12 @@ static int check_opts(train_opts *o) {
                                  "0.999)");
     if (isnan(o->lr)) o->lr = sgd ? 0.1 : gpt ? 3e-4 : 1e-3;
     if (isnan(o->momentum)) o->momentum = sgd ? 0.9 : 0;
-    if (o->warmup_steps > 0 && strcmp(o->schedule, "cosine") != 0)
-        return train_usage_error("--warmup-steps needs --schedule cosine");
+    if (o->warmup_steps > 0 && strcmp(o->schedule, "cosine") && strcmp(o->schedule, "linear"))
+        return train_usage_error("--warmup-steps needs --schedule cosine or linear%s",
+                                 strcmp(o->schedule, "onecycle") ? ""
+                                                                 : " (onecycle rises over "
+                                                                   "--pct-start of the steps)");
+    if (check_training_extras(o, sgd, gpt)) return EXIT_USAGE;
     if (!o->checkpoint_dir && (o->resume || o->overwrite || o->checkpoint_every > 0))
         return train_usage_error("%s needs --checkpoint-dir", o->resume ? "--resume"
                                                               : o->overwrite

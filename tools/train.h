@@ -23,8 +23,13 @@ typedef struct {
     const char *checkpoint_dir, *init_from;
     int64_t checkpoint_every, keep, max_steps;
     bool resume, overwrite;
-    double clip;        /* the gradients' global 2-norm limit; 0: off */
-    int64_t grad_accum; /* batches per optimizer step; 0 until checked, then >= 1 */
+    double clip;            /* the gradients' global 2-norm limit; 0: off */
+    double pct_start;       /* onecycle's rising fraction: NAN until set, then 0.3 or 0 */
+    double label_smoothing; /* image tasks' cross-entropy */
+    bool nesterov;          /* sgd */
+    bool no_decay_1d;       /* weight decay on parameters of 2+ dims only */
+    bool eval_flip;         /* image tasks: test logits averaged over x and its mirror */
+    int64_t grad_accum;     /* batches per optimizer step; 0 until checked, then >= 1 */
     /* images: the side images are made (0: the data's own, 224 for an image folder), and the
      * transforms of the training and test images (NULL: the data's default) */
     int64_t image_size;

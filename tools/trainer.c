@@ -132,7 +132,24 @@ static int make_schedule(trainer *tr) {
         if (s.warmup > s.total)
             return train_usage_error("--warmup-steps %lld is more than the %lld steps of the run",
                                      (long long)s.warmup, (long long)s.total);
+    } else if (strcmp(o->schedule, "linear") == 0) {
+        s.kind = TDM_SCHED_LINEAR;
+        s.warmup = o->warmup_steps;
+        s.total = o->epochs * tr->steps_per_epoch;
+        s.start_factor = 1.0f;
+        s.end_factor = 0.0f;
+        if (s.warmup >= s.total)
+            return train_usage_error("--warmup-steps %lld leaves none of the %lld steps of the run "
+                                     "to decay over",
+                                     (long long)s.warmup, (long long)s.total);
+    } else if (strcmp(o->schedule, "onecycle") == 0) {
+        s.kind = TDM_SCHED_ONECYCLE; /* PyTorch's div_factor 25, final_div_factor 1e4 */
+        s.total = o->epochs * tr->steps_per_epoch;
+        s.pct_start = (float)o->pct_start;
     }
+    /* a schedule the run's length makes invalid (an empty onecycle phase) */
+    if (isnan(tdm_sched_lr(&s, 0)))
+        return train_usage_error("--schedule %s: %s", o->schedule, tdm_last_error());
     tr->sched = s;
     return 0;
 }
@@ -158,6 +175,12 @@ static int make_buffers(trainer *tr) {
 }
 
 /* ---- one step --------------------------------------------------------------------------- */
+
+/* Whether s counts optimizer steps (else epochs: constant, step). */
+static bool per_step(const tdm_sched *s) {
+    return s->kind == TDM_SCHED_COSINE || s->kind == TDM_SCHED_LINEAR ||
+           s->kind == TDM_SCHED_ONECYCLE;
+}
 
 /* The schedule's learning rate at `at` on every replica's optimizer. */
 static void apply_lr(trainer *tr, int64_t at) {
@@ -404,8 +427,8 @@ static int begin_epoch(trainer *tr, int epoch, int64_t skip) {
     if (tdm_loader_start_epoch_at(tr->train_l, epoch - 1, skip * tr->accum) != TDM_OK)
         return task_error("training loader: %s", tdm_last_error());
     /* the constant and step schedules at the epoch's start (a resumed run's --lr included);
-     * cosine moves every step */
-    if (tr->sched.kind != TDM_SCHED_COSINE) apply_lr(tr, epoch - 1);
+     * the others move every step */
+    if (!per_step(&tr->sched)) apply_lr(tr, epoch - 1);
     tdm_module_train(tr->task->model, true);
     tr->loss_sum = skip ? tr->resume_loss_sum : 0;
     tr->correct = skip ? tr->resume_correct : 0;
@@ -432,7 +455,7 @@ static int train_step(trainer *tr, bool first) {
         tdm_trace_end();
         if (r < 0) return task_error("loading a training batch: %s", tdm_last_error());
         if (r == 0) return 1;
-        if (tr->micro == 0 && tr->sched.kind == TDM_SCHED_COSINE) apply_lr(tr, tr->global_step);
+        if (tr->micro == 0 && per_step(&tr->sched)) apply_lr(tr, tr->global_step);
         tr->lr_host[tr->chunk_steps] = tdm_optim_lr(tr->opt);
         uint64_t flops = tdm_gemm_flops();
         tdm_trace_begin("step");
@@ -483,6 +506,23 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
     return 0;
 }
 
+/* The model's test logits for images x [N, C, H, W]; with --eval-flip, the mean of the logits
+ * of x and of x flipped left-right (test-time augmentation). Tensors live in the caller's
+ * scope; NULL and an error on failure. */
+static tdm_tensor *eval_logits(trainer *tr, tdm_tensor *x) {
+    tdm_tensor *out = tdm_module_forward(tr->task->model, x);
+    if (!out || !tr->o->eval_flip) return out;
+    if (x->ndim != 4) {
+        task_error("--eval-flip: the test batch is %d-D, not images [N, C, H, W]", x->ndim);
+        return NULL;
+    }
+    int64_t w = x->shape[3];
+    tdm_tensor *rev = tdm_arange((double)(w - 1), -1.0, -1.0, TDM_I64, x->device);
+    tdm_tensor *flipped = rev ? tdm_index_select(x, 3, rev) : NULL;
+    tdm_tensor *out2 = flipped ? tdm_module_forward(tr->task->model, flipped) : NULL;
+    return out2 ? tdm_mul_scalar(tdm_add(out, out2), 0.5f) : NULL;
+}
+
 /* Test loss and accuracy in eval mode, without autograd. */
 static int evaluate(trainer *tr, epoch_stats *e) {
     double t0 = progress_now();
@@ -507,7 +547,7 @@ static int evaluate(trainer *tr, epoch_stats *e) {
             x = tdm_to_device(x, tr->dev);
             y = tdm_to_device(y, tr->dev);
         }
-        tdm_tensor *out = tdm_module_forward(tr->task->model, x);
+        tdm_tensor *out = eval_logits(tr, x);
         tdm_tensor *loss = out ? tr->task->loss(out, y) : NULL;
         float l = tdm_item(loss);
         if (!loss || isnan(l)) rc = -1;
@@ -537,12 +577,16 @@ static int evaluate(trainer *tr, epoch_stats *e) {
 static void describe_optimizer(const train_opts *o, char *buf, size_t cap) {
     int n = snprintf(buf, cap, "%s lr %g", o->optimizer, o->lr);
     if (strcmp(o->optimizer, "sgd") == 0 && o->momentum > 0)
-        n += snprintf(buf + n, cap - (size_t)n, " momentum %g", o->momentum);
+        n += snprintf(buf + n, cap - (size_t)n, " momentum %g%s", o->momentum,
+                      o->nesterov ? " (nesterov)" : "");
     if (o->weight_decay > 0)
         n += snprintf(buf + n, cap - (size_t)n, " weight decay %g%s", o->weight_decay,
-                      strcmp(o->model, "gpt") == 0 ? " on matrices" : "");
+                      strcmp(o->model, "gpt") == 0 || o->no_decay_1d ? " on matrices" : "");
     if (strcmp(o->schedule, "constant") != 0)
         n += snprintf(buf + n, cap - (size_t)n, ", %s schedule", o->schedule);
+    if (o->label_smoothing > 0)
+        n += snprintf(buf + n, cap - (size_t)n, ", label smoothing %g", o->label_smoothing);
+    if (o->eval_flip) n += snprintf(buf + n, cap - (size_t)n, ", flip-averaged evaluation");
     if (o->clip > 0) snprintf(buf + n, cap - (size_t)n, ", gradient clipping at %g", o->clip);
 }
 
@@ -634,11 +678,14 @@ static void write_config(trainer *tr) {
              "\"lr\":%g,\"momentum\":%g,\"weight_decay\":%g,\"clip_grad\":%g,\"epochs\":%lld,"
              "\"batch_size\":%lld,\"grad_accum\":%lld,\"steps_per_epoch\":%lld,"
              "\"train_samples\":%lld,\"test_samples\":%lld,\"seed\":%lld,\"workers\":%lld,"
-             "\"parameters\":%lld",
+             "\"parameters\":%lld,\"pct_start\":%g,\"label_smoothing\":%g,\"nesterov\":%s,"
+             "\"no_decay_1d\":%s,\"eval_flip\":%s",
              o->lr, o->momentum, o->weight_decay, o->clip, (long long)o->epochs,
              (long long)o->batch_size, (long long)tr->accum, (long long)tr->steps_per_epoch,
              (long long)tr->task->train->n, (long long)(tr->task->test ? tr->task->test->n : 0),
-             (long long)o->seed, (long long)o->workers, (long long)tr->ps->total);
+             (long long)o->seed, (long long)o->workers, (long long)tr->ps->total, o->pct_start,
+             o->label_smoothing, o->nesterov ? "true" : "false", o->no_decay_1d ? "true" : "false",
+             o->eval_flip ? "true" : "false");
     sinks_config(&tr->out, f);
 }
 

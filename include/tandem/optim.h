@@ -99,6 +99,8 @@ typedef enum {
     TDM_SCHED_MULTISTEP, /* lr = base * gamma^(number of milestones <= epoch) */
     TDM_SCHED_COSINE,    /* linear warmup over warmup steps, then cosine to min_lr at total */
     TDM_SCHED_WARMUP,    /* linear from base*start_factor to base over warmup steps */
+    TDM_SCHED_ONECYCLE,  /* PyTorch's OneCycleLR (two phases), max_lr = base_lr */
+    TDM_SCHED_LINEAR,    /* linear warmup over warmup steps, then LinearLR to total */
 } tdm_sched_kind;
 
 typedef struct {
@@ -111,11 +113,23 @@ typedef struct {
     int64_t warmup;     /* COSINE, WARMUP */
     int64_t total;      /* COSINE: steps until min_lr */
     float min_lr;       /* COSINE */
-    float start_factor; /* WARMUP: PyTorch's LinearLR default 1/3 */
+    float start_factor; /* WARMUP: PyTorch's LinearLR default 1/3; LINEAR: in (0, 1] */
+    float end_factor;   /* LINEAR: in [0, 1] */
+    /* ONECYCLE: the rate rises from base/div_factor to base over the first
+     * pct_start * total steps, then falls to base/div_factor/final_div_factor at step
+     * total - 1 (PyTorch's defaults: pct_start 0.3, div_factor 25, final_div_factor 1e4;
+     * here div_factor 0 and final_div_factor 0 mean those defaults, pct_start is taken as
+     * given). linear_anneal: anneal_strategy 'linear' instead of 'cos'. */
+    float pct_start;
+    float div_factor;
+    float final_div_factor;
+    bool linear_anneal;
 } tdm_sched;
 
 /* The learning rate at step t (t counts from 0), following PyTorch's StepLR, MultiStepLR,
- * LinearLR and CosineAnnealingLR closed forms. */
+ * LinearLR, CosineAnnealingLR and OneCycleLR closed forms (src/optim/sched.c gives each
+ * formula). Takes a schedule the caller owns; an invalid one (a field out of range) returns
+ * NAN and sets TDM_ERR_ARG naming the field. */
 float tdm_sched_lr(const tdm_sched *s, int64_t t);
 /* Sets o's learning rate to tdm_sched_lr(s, t). */
 void tdm_sched_apply(const tdm_sched *s, tdm_optim *o, int64_t t);

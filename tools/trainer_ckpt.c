@@ -15,6 +15,8 @@
 static int gather_over_processes(trainer *tr, const double *v, int n, double *all) {
     int procs = tdm_group_size(tr->g);
     int32_t mine[2 * TOTALS_CAP];
+    if (n > TOTALS_CAP)
+        return task_error("gathering over the processes: %d values (at most %d)", n, TOTALS_CAP);
     memcpy(mine, v, sizeof(double) * (size_t)n);
     tdm_tensor *in = tdm_from_data(TDM_SHAPE(2 * n), TDM_I32, tdm_cpu(0), mine);
     tdm_tensor *out = in ? tdm_zeros(TDM_SHAPE(2 * n * procs), TDM_I32, tdm_cpu(0)) : NULL;

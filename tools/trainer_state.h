@@ -10,7 +10,8 @@
 #define SYNC_STEPS 16
 #define EVAL_BATCH 1000
 #define ID_CAP     2048 /* bytes of train_identity's string */
-#define TOTALS_CAP 4    /* values trainer_sum_over_processes sums at once */
+/* values trainer_sum_over_processes sums at once: a chunk's step losses */
+#define TOTALS_CAP SYNC_STEPS
 
 typedef struct trainer {
     const train_opts *o;

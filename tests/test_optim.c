@@ -175,6 +175,29 @@ static void test_schedules(void) {
     tdm_module_free(m);
 }
 
+/* Decay on matrices only: with zero gradients, SGD (lr 1, decay 0.5) halves a Linear's
+ * weight and leaves its bias, where one decay for all would halve both. */
+static void test_decay_matrices_only(void) {
+    tdm_rng rng = tdm_rng_make(3);
+    tdm_module *m = tdm_linear_new(3, 2, true, tdm_cpu(0), &rng);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_optim *o = tdm_sgd_new(ps, &(tdm_sgd_opts){.lr = 1.0f});
+    CHECK(o && tdm_optim_decay_matrices_only(o, 0.5f) == TDM_OK, "%s", tdm_last_error());
+    float before[8], after[8];
+    tdm_to_host(ps->flat, before, sizeof before);
+    tdm_optim_zero_grad(o);
+    tdm_optim_step(o);
+    tdm_to_host(ps->flat, after, sizeof after);
+    int bad = 0;
+    for (int i = 0; i < 8; i++) /* weight [2, 3] first, then bias [2] */
+        bad += after[i] != (i < 6 ? before[i] - 0.5f * before[i] : before[i]);
+    CHECK(bad == 0, "%d parameters not decayed as their dims say", bad);
+    CHECK_ERROR(tdm_optim_decay_matrices_only(o, -1.0f) == TDM_ERR_ARG, "invalid weight_decay");
+    CHECK_ERROR(tdm_optim_decay_matrices_only(NULL, 0.1f) == TDM_ERR_ARG, "optimizer is NULL");
+    tdm_optim_free(o);
+    tdm_module_free(m);
+}
+
 static void test_clip(void) {
     tdm_module *m = make_holder();
     tdm_paramset *ps = tdm_module_parameters(m);
@@ -252,6 +275,7 @@ int main(void) {
     test_zero_grad_and_lr();
     test_schedules();
     test_onecycle_linear();
+    test_decay_matrices_only();
     test_clip();
     test_errors();
     return check_summary();

@@ -35,19 +35,8 @@ int task_error(const char *fmt, ...) {
 
 /* --no-decay-1d: weight decay only on parameters of 2+ dims (biases and norms get 0), as
  * tdm_gpt_adamw_new. Takes opt (NULL passes through); frees it on failure. */
-static tdm_optim *decay_matrices_only(tdm_optim *opt, tdm_paramset *ps, const train_opts *o) {
-    if (!opt || !o->no_decay_1d) return opt;
-    float *wd = malloc(sizeof(float) * (size_t)ps->n);
-    if (!wd) {
-        tdm_optim_free(opt);
-        task_error("--no-decay-1d: out of memory for %d decays", ps->n);
-        return NULL;
-    }
-    for (int i = 0; i < ps->n; i++)
-        wd[i] = ps->params[i]->ndim >= 2 ? (float)o->weight_decay : 0.0f;
-    int rc = tdm_optim_set_weight_decays(opt, wd);
-    free(wd);
-    if (rc) {
+static tdm_optim *decay_matrices_only(tdm_optim *opt, const train_opts *o) {
+    if (opt && o->no_decay_1d && tdm_optim_decay_matrices_only(opt, (float)o->weight_decay)) {
         tdm_optim_free(opt);
         return NULL;
     }
@@ -61,13 +50,13 @@ tdm_optim *task_default_optimizer(tdm_paramset *ps, void *arg) {
         so.momentum = (float)o->momentum;
         so.weight_decay = (float)o->weight_decay;
         so.nesterov = o->nesterov;
-        return decay_matrices_only(tdm_sgd_new(ps, &so), ps, o);
+        return decay_matrices_only(tdm_sgd_new(ps, &so), o);
     }
     bool w = strcmp(o->optimizer, "adamw") == 0;
     tdm_adam_opts ao = w ? tdm_adamw_defaults() : tdm_adam_defaults();
     ao.lr = (float)o->lr;
     ao.weight_decay = (float)o->weight_decay;
-    return decay_matrices_only(w ? tdm_adamw_new(ps, &ao) : tdm_adam_new(ps, &ao), ps, o);
+    return decay_matrices_only(w ? tdm_adamw_new(ps, &ao) : tdm_adam_new(ps, &ao), o);
 }
 
 int task_check_finite(tdm_module *m, const char *file) {

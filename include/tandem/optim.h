@@ -47,6 +47,11 @@ tdm_optim *tdm_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o);
  * value for all. The step stays one fused kernel call per run of consecutive parameters with
  * the same decay. Fails with TDM_ERR_ARG (naming the parameter) for a negative value. */
 int tdm_optim_set_weight_decays(tdm_optim *o, const float *wd);
+/* Weight decay wd on the parameters of 2 or more dims only, 0 on the others (biases,
+ * norms' scales): the parameter groups of GPT-2's and most recipes' AdamW, through
+ * tdm_optim_set_weight_decays. TDM_ERR_ARG for a NULL optimizer or a negative wd,
+ * TDM_ERR_NOMEM. */
+int tdm_optim_decay_matrices_only(tdm_optim *o, float wd);
 /* One update from the gradients in ps->flat_grad. Returns TDM_OK or an error. A sharded
  * optimizer (tdm_optim_shard) updates its shard, then shares it with the group's other ranks
  * and takes theirs, so every rank ends with all of ps->flat updated: a collective, called

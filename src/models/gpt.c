@@ -259,17 +259,7 @@ tdm_module *tdm_gpt_new(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng)
 
 tdm_optim *tdm_gpt_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o) {
     tdm_optim *opt = tdm_adamw_new(ps, o);
-    if (!opt) return NULL;
-    size_t count = ps->n > 0 ? (size_t)ps->n : 1;
-    float *wd = malloc(sizeof(float) * count);
-    if (!wd) {
-        tdm_optim_free(opt);
-        return tdm_raise_null(TDM_ERR_NOMEM, "gpt_adamw_new: out of memory");
-    }
-    for (int i = 0; i < ps->n; i++) wd[i] = ps->params[i]->ndim >= 2 ? o->weight_decay : 0.0f;
-    int rc = tdm_optim_set_weight_decays(opt, wd);
-    free(wd);
-    if (rc) {
+    if (opt && tdm_optim_decay_matrices_only(opt, o->weight_decay)) {
         tdm_optim_free(opt);
         return NULL;
     }

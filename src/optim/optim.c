@@ -204,6 +204,17 @@ int tdm_optim_set_weight_decays(tdm_optim *o, const float *wd) {
     return TDM_OK;
 }
 
+int tdm_optim_decay_matrices_only(tdm_optim *o, float wd) {
+    if (!o) return tdm_raise(TDM_ERR_ARG, "optim_decay_matrices_only: optimizer is NULL");
+    const tdm_paramset *ps = o->ps;
+    float *per = malloc(sizeof(float) * (size_t)(ps->n > 0 ? ps->n : 1));
+    if (!per) return tdm_raise(TDM_ERR_NOMEM, "optim_decay_matrices_only: out of memory");
+    for (int i = 0; i < ps->n; i++) per[i] = ps->params[i]->ndim >= 2 ? wd : 0.0f;
+    int rc = tdm_optim_set_weight_decays(o, per);
+    free(per);
+    return rc;
+}
+
 int tdm_optim_step(tdm_optim *o) {
     if (!o) return tdm_raise(TDM_ERR_ARG, "optim_step: optimizer is NULL");
     int rc = step_slice(o, o->lo, o->hi);

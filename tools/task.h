@@ -29,6 +29,8 @@ struct task {
     tdm_dataset *train, *test; /* test NULL: no evaluation */
     /* what train and test are subsets of (--limit on image folders), or NULL */
     tdm_dataset *train_base, *test_base;
+    /* --validation: the training set that train and test (held-out samples) both split */
+    tdm_dataset *split_base;
     /* the loaders' transforms of each split's samples (transforms.h), or NULL */
     tdm_transform *train_tf, *test_tf;
     tdm_module *model; /* on the first device, weights as the options ask */

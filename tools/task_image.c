@@ -82,6 +82,7 @@ int task_check_finite(tdm_module *m, const char *file) {
 void task_free(task *t) {
     tdm_dataset_free(t->train); /* a subset before the set it is of */
     tdm_dataset_free(t->test);
+    tdm_dataset_free(t->split_base); /* may be a subset of train_base */
     tdm_dataset_free(t->train_base);
     tdm_dataset_free(t->test_base);
     tdm_transform_free(t->train_tf);
@@ -181,6 +182,32 @@ static int apply_limit(task *t, const train_opts *o, data_kind kind) {
     return 0;
 }
 
+/* --validation N: N evenly spaced training samples (spread over the classes of an image
+ * folder, which lists them in turn) become the test set, the others the training set, so a
+ * recipe is tuned without looking at the test set. */
+static int split_validation(task *t, const train_opts *o) {
+    int64_t n = t->train->n, v = o->validation;
+    if (v <= 0) return 0;
+    if (v >= n)
+        return train_usage_error("--validation %lld: the training set has only %lld samples",
+                                 (long long)v, (long long)n);
+    int64_t *idx = malloc(sizeof *idx * (size_t)n);
+    if (!idx) return task_error("--validation: out of memory");
+    /* idx[0, n - v): the training samples in order; idx[n - v, n): the held-out ones */
+    int64_t a = 0, b = n - v;
+    for (int64_t i = 0, k = 0; i < n; i++) {
+        bool held = k < v && i == k * n / v;
+        idx[held ? b++ : a++] = i;
+        k += held;
+    }
+    tdm_dataset_free(t->test);
+    t->split_base = t->train;
+    t->train = tdm_dataset_subset(t->split_base, idx, n - v);
+    t->test = t->train ? tdm_dataset_subset(t->split_base, idx + n - v, v) : NULL;
+    free(idx);
+    return t->test ? 0 : task_error("--validation: %s", tdm_last_error());
+}
+
 /* Both splits, as --data names them. */
 static int load_images(task *t, const train_opts *o, data_kind *kind) {
     const char *data = o->data;
@@ -201,7 +228,8 @@ static int load_images(task *t, const train_opts *o, data_kind *kind) {
         rc = *kind == DATA_FOLDER ? open_folders(t, dir, is_resnet(o->model) ? 3 : 1, o->skip_bad)
                                   : open_idx(t, dir);
     }
-    return rc ? rc : apply_limit(t, o, *kind);
+    if (!rc) rc = apply_limit(t, o, *kind);
+    return rc ? rc : split_validation(t, o);
 }
 
 /* The transform of one split: the steps of `prefix` (may be "") then those of `text` (NULL or
@@ -382,8 +410,9 @@ int task_image_open(task *t, const train_opts *o, tdm_device dev) {
         snprintf(skip, sizeof skip, " (%lld unreadable files skipped)", (long long)skipped);
     if (!rc)
         snprintf(t->data_desc, sizeof t->data_desc,
-                 "%lld train, %lld test images %s of %lld classes%s", (long long)t->train->n,
-                 (long long)t->test->n, t->image_desc, (long long)t->train->num_classes, skip);
+                 "%lld train, %lld %s images %s of %lld classes%s", (long long)t->train->n,
+                 (long long)t->test->n, o->validation ? "validation" : "test", t->image_desc,
+                 (long long)t->train->num_classes, skip);
     if (!rc && (t->train_tf || t->test_tf)) {
         char a[400] = "none", b[400] = "none";
         if (t->train_tf) tdm_transform_str(t->train_tf, a, sizeof a);

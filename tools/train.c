@@ -141,6 +141,10 @@ static const opt_spec specs[] = {
     {"--eval-flip", NULL, OPT_FLAG, F(eval_flip), 0, 0, "off",
      "Evaluate on the mean of the model's logits for each test image and its left-right "
      "mirror (test-time augmentation). Image models only."},
+    {"--validation", "N", OPT_INT, F(validation), 0, 1e12, "0 (the test set)",
+     "Hold out N evenly spaced training samples and evaluate on them instead of the test set, "
+     "training on the rest: tune a recipe on these, so that the test set measures it only "
+     "once. Image models only."},
     {"--step-size", "E", OPT_INT, F(step_size), 1, 1e6, "1", "Epochs between decays (step)."},
     {"--gamma", "G", OPT_NUM, F(gamma), 0, 1, "0.1", "Decay factor (step)."},
     {"--seed", "S", OPT_INT, F(seed), 0, 9.007199254740992e15, "0",
@@ -421,7 +425,7 @@ static const char *const identity[] = {
     "--gamma",        "--seed",           "--denormals",    "--limit",
     "--model-split",  "--micro-batches",  "--pipeline",     "--image-size",
     "--transform",    "--eval-transform", "--pct-start",    "--label-smoothing",
-    "--nesterov",     "--no-decay-1d",    "--eval-flip"};
+    "--nesterov",     "--no-decay-1d",    "--eval-flip",    "--validation"};
 
 /* One option's value as the options hold it after check_opts, into buf. */
 static void format_value(const train_opts *o, const opt_spec *s, char *buf, size_t cap) {
@@ -537,6 +541,9 @@ static int check_training_extras(train_opts *o, bool sgd, bool gpt) {
                                  o->optimizer, o->momentum);
     if (o->eval_flip && gpt)
         return train_usage_error("--eval-flip mirrors test images; --model gpt has none");
+    if (o->validation && gpt)
+        return train_usage_error("--validation holds out test images; --model gpt has no "
+                                 "test split");
     if (o->no_decay_1d && !(o->weight_decay > 0))
         return train_usage_error("--no-decay-1d chooses where --weight-decay applies; it needs "
                                  "--weight-decay > 0");

@@ -29,6 +29,7 @@ typedef struct {
     bool nesterov;          /* sgd */
     bool no_decay_1d;       /* weight decay on parameters of 2+ dims only */
     bool eval_flip;         /* image tasks: test logits averaged over x and its mirror */
+    int64_t validation;     /* image tasks: training samples held out as the test set; 0: off */
     int64_t grad_accum;     /* batches per optimizer step; 0 until checked, then >= 1 */
     /* images: the side images are made (0: the data's own, 224 for an image folder), and the
      * transforms of the training and test images (NULL: the data's default) */

@@ -725,6 +725,58 @@ static void test_data_parallel_bn_dropout(void) {
         }
 }
 
+/* tdm_dp_forward in eval mode gives replica 0's own forward of the whole batch (rows split
+ * over 1-4 devices, also unevenly), keeps every replica's training mode, and runs a batch of
+ * fewer rows than devices on replica 0. */
+static void test_data_parallel_forward(void) {
+    bn_model bm = {"Conv-BatchNorm2d-ReLU-MaxPool-Linear", make_bn_cnn, TDM_SHAPE(CH, HW, HW)};
+    float x[B * MAX_ROW];
+    int64_t y[B];
+    for (int n = 1; n <= 4; n++) {
+        tdm_module *m = bm.make(1);
+        tdm_device devs[4] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+        tdm_dp *dp = tdm_dp_new(m, devs, n, make_sgd, NULL);
+        CHECK(dp, "dp_new on %d devices: %s", n, tdm_last_error());
+        if (!dp) {
+            tdm_module_free(m);
+            continue;
+        }
+        for (int s = 0; s < 2; s++) { /* running statistics away from their start */
+            bn_batch_of(&bm, s, x, y);
+            tdm_scope_begin();
+            tdm_dp_step(dp, tdm_from_data(rows_shape(&bm, B), TDM_F32, tdm_cpu(0), x),
+                        tdm_from_data(TDM_SHAPE(B), TDM_I64, tdm_cpu(0), y), ce_loss, NULL, NULL);
+            tdm_scope_end();
+        }
+        tdm_module_train(m, false);
+        bn_batch_of(&bm, 7, x, y);
+        for (int64_t rows = B; rows >= B - 3 && rows > 0; rows -= 3) {
+            float want[B * OUT], got[B * OUT];
+            tdm_scope_begin();
+            tdm_tensor *xs = tdm_from_data(rows_shape(&bm, rows), TDM_F32, tdm_cpu(0), x), *out;
+            tdm_to_host(tdm_module_forward(m, xs), want, sizeof(float) * (size_t)(rows * OUT));
+            int rc = tdm_dp_forward(dp, xs, &out);
+            CHECK(rc == 0 && out && out->shape[0] == rows && out->shape[1] == OUT,
+                  "dp_forward, %d devices, %lld rows: %s", n, (long long)rows, tdm_last_error());
+            if (!rc) tdm_to_host(out, got, sizeof(float) * (size_t)(rows * OUT));
+            tdm_scope_end();
+            CHECK(!rc && compare(got, want, rows * OUT, "dp_forward") == 0,
+                  "dp_forward on %d devices, %lld rows, equals replica 0's forward", n,
+                  (long long)rows);
+        }
+        for (int r = 1; r < n; r++)
+            CHECK(tdm_dp_replica(dp, r)->training, "replica %d keeps its training mode", r);
+        tdm_scope_begin();
+        tdm_tensor *one = tdm_from_data(rows_shape(&bm, 1), TDM_F32, tdm_cpu(0), x), *out = NULL;
+        CHECK(tdm_dp_forward(dp, one, &out) == 0 && out && out->shape[0] == 1,
+              "dp_forward of 1 row on %d devices: %s", n, tdm_last_error());
+        tdm_scope_end();
+        CHECK_ERROR(tdm_dp_forward(dp, NULL, &out) != 0, "NULL argument");
+        tdm_dp_free(dp);
+        tdm_module_free(m);
+    }
+}
+
 /* ---- synchronised batch norm against one device on the concatenated batch ---------------- */
 
 #define SB_N 5 /* rows: 3 on rank 0, 2 on rank 1 */
@@ -905,6 +957,7 @@ int main(void) {
     test_sync_batch_norm_values();
     test_sync_batch_norm_edges();
     test_data_parallel_bn_dropout();
+    test_data_parallel_forward();
     tmpdir_remove();
     return check_summary();
 }

@@ -506,11 +506,19 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
     return 0;
 }
 
+/* The model's output for x: split over the devices when there are several (DataParallel's
+ * forward), else on the first one. In the caller's scope; NULL and an error on failure. */
+static tdm_tensor *model_forward(trainer *tr, tdm_tensor *x) {
+    tdm_tensor *out = NULL;
+    if (!tr->dp) return tdm_module_forward(tr->task->model, x);
+    return tdm_dp_forward(tr->dp, x, &out) ? NULL : out;
+}
+
 /* The model's test logits for images x [N, C, H, W]; with --eval-flip, the mean of the logits
  * of x and of x flipped left-right (test-time augmentation). Tensors live in the caller's
  * scope; NULL and an error on failure. */
 static tdm_tensor *eval_logits(trainer *tr, tdm_tensor *x) {
-    tdm_tensor *out = tdm_module_forward(tr->task->model, x);
+    tdm_tensor *out = model_forward(tr, x);
     if (!out || !tr->o->eval_flip) return out;
     if (x->ndim != 4) {
         task_error("--eval-flip: the test batch is %d-D, not images [N, C, H, W]", x->ndim);
@@ -519,7 +527,7 @@ static tdm_tensor *eval_logits(trainer *tr, tdm_tensor *x) {
     int64_t w = x->shape[3];
     tdm_tensor *rev = tdm_arange((double)(w - 1), -1.0, -1.0, TDM_I64, x->device);
     tdm_tensor *flipped = rev ? tdm_index_select(x, 3, rev) : NULL;
-    tdm_tensor *out2 = flipped ? tdm_module_forward(tr->task->model, flipped) : NULL;
+    tdm_tensor *out2 = flipped ? model_forward(tr, flipped) : NULL;
     return out2 ? tdm_mul_scalar(tdm_add(out, out2), 0.5f) : NULL;
 }
 

@@ -276,6 +276,20 @@ int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_
  * by K, as in PyTorch (*loss is then the scaled loss). Fails as tdm_dp_step does. */
 int tdm_dp_accumulate(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
                       void *loss_arg, float *loss);
+/* PyTorch's DataParallel forward, without gradients (evaluation, inference): the rows of x
+ * [B, ...] on devices[0] split over the replicas as a step splits them, each replica's
+ * forward run on its own device and thread, and the outputs joined in row order into *out
+ * [B, ...] on devices[0], owned by the caller's open scope. Each replica first takes replica
+ * 0's buffers (batch norm's running statistics, which every replica updates from its own
+ * rows in training) and training mode, as PyTorch copies module 0 to the devices at every
+ * forward, so *out is replica 0's forward of x to float rounding (the same bits where the
+ * kernels do not depend on the row count). In training mode batch norm normalises each
+ * replica's rows by their own statistics, as PyTorch's DataParallel does without
+ * SyncBatchNorm. A batch of fewer rows than devices runs on replica 0 alone. Local to this process
+ * (no collective). Between steps; not re-entrant. Fails with TDM_ERR_ARG for a NULL argument,
+ * TDM_ERR_SHAPE for a 0-dim x, TDM_ERR_STATE when no scope is open, or a replica's error naming its
+ * device; *out is then NULL. */
+int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out);
 /* What a DataParallel shards over all its replicas (PyTorch's FSDP ShardingStrategy, DeepSpeed's
  * ZeRO stages). */
 typedef enum {

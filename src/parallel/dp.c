@@ -29,7 +29,7 @@
 
 /* What a round does on every replica: a training step (or accumulation), or one of the
  * optimizers' collectives (tdm_dp_set_shard, tdm_dp_optim_gather). */
-typedef enum { ROUND_STEP, ROUND_SHARD, ROUND_GATHER } round_task;
+typedef enum { ROUND_STEP, ROUND_SHARD, ROUND_GATHER, ROUND_FORWARD } round_task;
 
 /* Nanoseconds the caller spins for the other replicas after its own: they finish within
  * microseconds of it (same work after the same all-reduce), sooner than a futex wake-up. */
@@ -49,6 +49,7 @@ typedef struct {
     tdm_paramset *ps;
     tdm_ddp *ddp;
     float loss;      /* this round's mean loss over the replica's rows */
+    tdm_tensor *out; /* a forward round's output for its rows, caller-owned until gathered */
     double shard_ss; /* sum of squares of the shard's averaged gradient (clipping) */
     int rc;
     char err[512];
@@ -210,12 +211,55 @@ static int replica_step(replica *r) {
     return rc;
 }
 
+/* Replica r (r > 0) takes replica 0's buffers: batch norm's running statistics, which each
+ * replica updates from its own rows during training. */
+static int copy_buffers(replica *r) {
+    tdm_bufferset *mine = tdm_module_buffers(r->replica), *first = tdm_module_buffers(r->dp->model);
+    if (!mine || !first) return tdm_last_status();
+    int rc = TDM_OK;
+    for (int i = 0; !rc && i < mine->n; i++) {
+        tdm_tensor *b = tdm_to_device(first->buffers[i], r->replica->device);
+        rc = b ? tdm_copy_(mine->buffers[i], b) : tdm_last_status();
+    }
+    return rc;
+}
+
+/* Replica r's rows of a tdm_dp_forward, without gradients, as module 0 would run them: with
+ * its buffers and training mode (PyTorch's DataParallel replicates module 0 at every
+ * forward). The output outlives the round (caller-owned) for tdm_dp_forward to gather. */
+static int replica_forward(replica *r) {
+    tdm_dp *dp = r->dp;
+    int64_t lo, hi;
+    tdm_rows_of(dp->x->shape[0], dp->n, r->rank, &lo, &hi);
+    bool prev = tdm_set_grad_enabled(false), was = r->replica->training;
+    int rc = tdm_scope_begin();
+    if (rc) {
+        tdm_set_grad_enabled(prev);
+        return rc;
+    }
+    if (r->rank > 0) {
+        tdm_module_train(r->replica, dp->model->training);
+        rc = copy_buffers(r);
+    }
+    tdm_trace_begin("forward");
+    tdm_tensor *xs = rc ? NULL : tdm_to_device(tdm_slice(dp->x, 0, lo, hi, 1), r->replica->device);
+    tdm_tensor *out = xs ? tdm_module_forward(r->replica, xs) : NULL;
+    tdm_trace_end();
+    r->out = out ? tdm_scope_keep(out) : NULL;
+    if (!rc && !out) rc = tdm_last_status();
+    tdm_scope_end();
+    tdm_module_train(r->replica, was);
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
 /* Replica r's part of a round: a step, or its optimizer's share of a collective. Those
  * fail on every rank alike (tdm_optim_shard agrees first; a failed exchange aborts the
  * group), so nobody is left waiting. */
 static int replica_round(replica *r) {
     tdm_dp *dp = r->dp;
     if (dp->task == ROUND_STEP) return replica_step(r);
+    if (dp->task == ROUND_FORWARD) return replica_forward(r);
     if (dp->task == ROUND_SHARD) return tdm_optim_shard(r->opt, rank_group(dp, r->rank));
     tdm_optim *whole = tdm_optim_gather(r->opt); /* every replica takes part; 0's is kept */
     if (r->rank == 0)
@@ -438,6 +482,35 @@ int tdm_dp_step(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_
 int tdm_dp_accumulate(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
                       void *loss_arg, float *loss) {
     return run_round(dp, x, target, loss_fn, loss_arg, loss, false, "data_parallel accumulate");
+}
+
+/* The replicas' outputs joined in row order on devices[0], in the current scope. */
+static tdm_tensor *gather_outputs(tdm_dp *dp) {
+    tdm_tensor *parts[TDM_MAX_DEVICES];
+    for (int r = 0; r < dp->n; r++)
+        if (!(parts[r] = tdm_to_device(dp->reps[r].out, dp->devices[0]))) return NULL;
+    return tdm_concat(parts, dp->n, 0);
+}
+
+int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out) {
+    if (!dp || !x || !out) return tdm_raise(TDM_ERR_ARG, "data_parallel forward: NULL argument");
+    *out = NULL;
+    if (x->ndim < 1) return tdm_raise(TDM_ERR_SHAPE, "data_parallel forward: a 0-dim input");
+    bool prev = tdm_set_grad_enabled(false);
+    if (x->shape[0] < dp->n) { /* too few rows to split: module 0 alone */
+        *out = tdm_module_forward(dp->model, x);
+        tdm_set_grad_enabled(prev);
+        return *out ? TDM_OK : tdm_last_status();
+    }
+    dp->x = x;
+    int rc = run_task(dp, ROUND_FORWARD);
+    if (!rc && !(*out = gather_outputs(dp))) rc = tdm_last_status();
+    for (int r = 0; r < dp->n; r++) {
+        tdm_tensor_free(dp->reps[r].out);
+        dp->reps[r].out = NULL;
+    }
+    tdm_set_grad_enabled(prev);
+    return rc;
 }
 
 int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm) {

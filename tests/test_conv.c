@@ -156,6 +156,13 @@ static const conv_cfg reference_cfgs[] = {
     {"wino_pad2_asym", 2, 8, 7, 12, 10, 3, 3, {.pad_h = 2}, true},
     {"wino_wide", 2, 8, 9, 37, 8, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
     {"wino_chunks", 13, 32, 14, 14, 64, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    /* rows of 1 to 8 tiles, whose stores spill into the next row (written after them) except
+     * on a plane's last row; rows of 2 and 3 pixels; a plane of one tile row */
+    {"wino_narrow", 3, 8, 5, 3, 8, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"wino_w6", 2, 8, 9, 6, 8, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"wino_w15", 2, 8, 4, 15, 9, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"wino_one_row", 2, 8, 2, 22, 8, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"wino_w2", 2, 8, 7, 4, 8, 3, 3, {0}, true},
     /* the first layer (one input channel): weight gradient as dot products over 9 rows of col,
      * with an odd channel count; and 12 rows (a block of 9, then 3) */
     {"cnn_conv1", 3, 1, 28, 28, 5, 3, 3, {.pad_h = 1, .pad_w = 1}, true},

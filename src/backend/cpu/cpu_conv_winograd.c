@@ -204,6 +204,17 @@ static inline void store_n(float *d, int64_t n, __m256i m, __m256 v) {
         _mm256_maskstore_ps(d, m, v);
 }
 
+/* store_n where the lanes past n may be written (spill_ok): they land on the first elements
+ * of the next row of tiles (or of pixels), which the same call writes afterwards. Only a
+ * plane's last row then needs the mask: on a 14-wide plane (7 tiles) every store would be
+ * masked otherwise. spill_ok needs a next row, at least as long as the spill. */
+static inline void store_row(float *d, int64_t n, __m256i m, __m256 v, bool spill_ok) {
+    if (spill_ok)
+        _mm256_storeu_ps(d, v);
+    else
+        store_n(d, n, m, v);
+}
+
 /* lanes 0, 2, 4, 6 of a, then of b */
 static inline __m256 evens(__m256 a, __m256 b) {
     __m256 t = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)); /* a0 a2 b0 b2 | a4 a6 b4 b6 */
@@ -254,7 +265,9 @@ static void input_transform_256(const float *P, const wgeom *g, float *v, int64_
             int64_t nt = g->tx - 8 * k;
             __m256i m = lanes_256(nt);
             float *d = v + ty * g->tx + 8 * k;
-            for (int xi = 0; xi < 16; xi++) store_n(d + xi * xs, nt, m, evens(o[0][xi], o[1][xi]));
+            bool spill = ty + 1 < g->ty && 8 - nt <= g->tx;
+            for (int xi = 0; xi < 16; xi++)
+                store_row(d + xi * xs, nt, m, evens(o[0][xi], o[1][xi]), spill);
         }
 }
 
@@ -282,8 +295,14 @@ static void output_transform_256(const float *mm, int64_t xs, const wgeom *g, fl
                 /* a tile's two columns side by side: y0[l], y1[l] at columns 2l, 2l + 1 */
                 __m256 ul = _mm256_unpacklo_ps(y0, y1), uh = _mm256_unpackhi_ps(y0, y1);
                 float *o = out + (2 * ty + r) * g->w2 + 16 * k;
-                store_n(o, g->w2 - 16 * k, lo, _mm256_permute2f128_ps(ul, uh, 0x20));
-                store_n(o + 8, g->w2 - 16 * k - 8, hi, _mm256_permute2f128_ps(ul, uh, 0x31));
+                /* the spill lands on the next row, written after this one only if it is this
+                 * tile row's second (when its columns are not split into blocks) or the next
+                 * tile row's first */
+                bool next = 2 * ty + r + 1 < g->h2 && (r == 1 || g->kc == 1);
+                int64_t n0 = g->w2 - 16 * k, n1 = n0 - 8;
+                store_row(o, n0, lo, _mm256_permute2f128_ps(ul, uh, 0x20), next && 8 - n0 <= g->w2);
+                store_row(o + 8, n1, hi, _mm256_permute2f128_ps(ul, uh, 0x31),
+                          next && 8 - n1 <= g->w2);
             }
         }
 }
@@ -303,11 +322,12 @@ static void grad_transform_256(const float *Q, const wgeom *g, float *v, int64_t
             int64_t nt = g->tx - 8 * k;
             __m256i m = lanes_256(nt);
             float *d = v + ty * g->tx + 8 * k;
+            bool spill = ty + 1 < g->ty && 8 - nt <= g->tx;
             for (int j = 0; j < 4; j++) {
-                store_n(d + j * xs, nt, m, e[0][j]);
-                store_n(d + (4 + j) * xs, nt, m, _mm256_add_ps(e[0][j], e[1][j]));
-                store_n(d + (8 + j) * xs, nt, m, _mm256_sub_ps(e[0][j], e[1][j]));
-                store_n(d + (12 + j) * xs, nt, m, _mm256_sub_ps(zero, e[1][j]));
+                store_row(d + j * xs, nt, m, e[0][j], spill);
+                store_row(d + (4 + j) * xs, nt, m, _mm256_add_ps(e[0][j], e[1][j]), spill);
+                store_row(d + (8 + j) * xs, nt, m, _mm256_sub_ps(e[0][j], e[1][j]), spill);
+                store_row(d + (12 + j) * xs, nt, m, _mm256_sub_ps(zero, e[1][j]), spill);
             }
         }
 }

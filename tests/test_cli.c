@@ -542,6 +542,58 @@ static void test_eval_flip(void) {
                                        "--eval-flip", NULL});
 }
 
+/* --validation N: N evenly spaced training samples are the test set, the rest the training
+ * set (header and log say so); refused for gpt and for N >= the training set. */
+static void test_validation(void) {
+    char log[300];
+    snprintf(log, sizeof log, "%s/val.jsonl", tmpdir);
+    result r = TANDEM("train", "--limit", "3000", "--validation", "600", "--log", log);
+    CHECK(r.status == 0 && strstr(r.out, "2400 train, 600 validation images"),
+          "--validation run: exit %d: %s%s", r.status, r.out, r.err);
+    result_free(&r);
+    char *text = slurp(log);
+    CHECK(strstr(text, "\"train_samples\":2400,\"test_samples\":600,") &&
+              strstr(text, "\"validation\":600"),
+          "config: %.500s", text);
+    free(text);
+    /* the held-out samples are training samples: evaluated, they differ from the test set's */
+    double val_loss = log_epoch(log, "test_loss");
+    snprintf(log, sizeof log, "%s/noval.jsonl", tmpdir);
+    r = TANDEM("train", "--limit", "3000", "--log", log, "--quiet");
+    CHECK(r.status == 0 && isfinite(val_loss) && log_epoch(log, "test_loss") != val_loss,
+          "validation loss %g, test loss %g", val_loss, log_epoch(log, "test_loss"));
+    result_free(&r);
+    const char *t = tandem_path;
+    expect_usage(
+        "--validation 3000: the training set has only 3000 samples",
+        (const char *const[]){t, "train", "--limit", "3000", "--validation", "3000", NULL});
+    expect_usage("--model gpt has no test split",
+                 (const char *const[]){t, "train", "--model", "gpt", "--data", "x.txt",
+                                       "--validation", "10", NULL});
+}
+
+/* --recipe: its options are printed and applied, the command line's override them; an
+ * unknown name is refused with the known ones. */
+static void test_recipe(void) {
+    char log[300];
+    snprintf(log, sizeof log, "%s/recipe.jsonl", tmpdir);
+    result r = TANDEM("train", "--recipe", "fmnist-fast", "--epochs", "1", "--limit", "600",
+                      "--devices", "cpu:0", "--log", log);
+    CHECK(r.status == 0 && strstr(r.out, "recipe    fmnist-fast: --data fashion-mnist --model "
+                                         "cnn-bn --devices 'cpu:0,cpu:1' --epochs 4"),
+          "--recipe run: exit %d: %s%s", r.status, r.out, r.err);
+    result_free(&r);
+    char *text = slurp(log);
+    CHECK(strstr(text, "\"model\":\"cnn-bn\"") && strstr(text, "\"devices\":\"cpu:0\"") &&
+              strstr(text, "\"epochs\":1,\"batch_size\":256,") &&
+              strstr(text, "\"label_smoothing\":0.1,\"nesterov\":true") &&
+              strstr(text, "\"eval_flip\":true"),
+          "config: %.600s", text);
+    free(text);
+    expect_usage("unknown recipe 'fast' (known: fmnist-fast)",
+                 (const char *const[]){tandem_path, "train", "--recipe", "fast", NULL});
+}
+
 /* Options that used to be the GPT's alone, now the one trainer's: gradient accumulation (2
  * batches of 32 are one step of 64: the same losses, on 1 and 2 devices) and clipping (a low
  * limit changes the run; 2 devices clip their averaged gradient as 1 device clips its own). */
@@ -764,6 +816,8 @@ int main(int argc, char **argv) {
         test_new_schedules();
         test_training_extras();
         test_eval_flip();
+        test_validation();
+        test_recipe();
         test_accumulate_and_clip();
         if (argc > 2) test_tutorial(argv[2]);
     }

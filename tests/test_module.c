@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "gradcheck.h"
+#include "tandem/models.h"
 #include "core/core.h"
 #include "fixtures/init_fixtures.h"
 
@@ -457,8 +458,38 @@ static void test_built_in_scope(void) {
     tdm_module_free(lin);
 }
 
+/* cnn-bn has the state_dict of its nn.Sequential in PyTorch (bench/torch_recipe.py): the
+ * same names, shapes and buffers, and maps [N, 1, 28, 28] to logits [N, 10]. */
+static void test_cnn_bn(void) {
+    tdm_rng r = tdm_rng_make(3);
+    tdm_module *m = tdm_model_new("cnn-bn", tdm_cpu(0), &r);
+    CHECK(m != NULL, "cnn-bn: %s", tdm_last_error());
+    if (!m) return;
+    const char *names[] = {"0.weight", "2.weight", "2.bias", "4.weight",  "6.weight",
+                           "6.bias",   "9.weight", "9.bias", "11.weight", "11.bias"};
+    const int64_t numel[] = {16 * 9, 16, 16, 32 * 16 * 9, 32, 32, 256 * 1568, 256, 2560, 10};
+    tdm_paramset *ps = tdm_module_parameters(m);
+    CHECK(ps && ps->n == 10, "cnn-bn: %d parameters", ps ? ps->n : -1);
+    for (int i = 0; ps && i < ps->n && i < 10; i++)
+        CHECK(!strcmp(ps->names[i], names[i]) && tdm_numel(ps->params[i]) == numel[i],
+              "cnn-bn parameter %d: %s of %lld, want %s of %lld", i, ps->names[i],
+              (long long)tdm_numel(ps->params[i]), names[i], (long long)numel[i]);
+    tdm_bufferset *bs = tdm_module_buffers(m);
+    CHECK(bs && bs->n == 6 && !strcmp(bs->names[0], "2.running_mean") &&
+              !strcmp(bs->names[5], "6.num_batches_tracked"),
+          "cnn-bn buffers: %d, %s ... %s", bs ? bs->n : -1, bs ? bs->names[0] : "",
+          bs && bs->n ? bs->names[bs->n - 1] : "");
+    tdm_scope_begin();
+    tdm_tensor *y = tdm_module_forward(m, tdm_randn(TDM_SHAPE(3, 1, 28, 28), 0, 1, tdm_cpu(0), &r));
+    CHECK(y && y->ndim == 2 && y->shape[0] == 3 && y->shape[1] == 10, "cnn-bn output: %s",
+          tdm_last_error());
+    tdm_scope_end();
+    tdm_module_free(m);
+}
+
 int main(void) {
     test_names();
+    test_cnn_bn();
     test_flat_buffer();
     test_linear_forward();
     test_linear_grad();

@@ -32,7 +32,7 @@ void eval_help(FILE *out) {
         "        nn.Sequential), a checkpoint directory holding model.safetensors, or\n"
         "        a run's --checkpoint-dir (its newest checkpoint).\n"
         "        Required.\n"
-        "    --model mlp|cnn|resnet18|resnet34|resnet50\n"
+        "    --model mlp|cnn|cnn-bn|resnet18|resnet34|resnet50\n"
         "        The network the weights belong to (see tandem train --help). Default: mlp.\n"
         "    --data fashion-mnist|DIR|cifar10:DIR|cifar100:DIR\n"
         "        As for tandem train; the test split is used. Default: fashion-mnist.\n"
@@ -110,9 +110,10 @@ static int parse(int argc, char **argv, eval_opts *o) {
               !strcmp(o->model, "resnet50");
     for (const char *const *m = tdm_model_names; *m; m++) ok = ok || !strcmp(*m, o->model);
     if (!ok)
-        return usage("--model: unknown model '%s' (expected mlp, cnn, resnet18, resnet34 or "
-                     "resnet50)",
-                     o->model);
+        return usage(
+            "--model: unknown model '%s' (expected mlp, cnn, cnn-bn, resnet18, resnet34 or "
+            "resnet50)",
+            o->model);
     return 0;
 }
 

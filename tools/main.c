@@ -23,7 +23,7 @@ static void help(FILE *out) {
             "    tandem - train neural networks from the command line\n\n"
             "SYNOPSIS\n"
             "    tandem train [OPTION]...\n"
-            "    tandem eval --weights FILE [--model mlp|cnn] [OPTION]...\n"
+            "    tandem eval --weights FILE [--model mlp|cnn|cnn-bn] [OPTION]...\n"
             "    tandem sample --model FILE [OPTION]...\n"
             "    tandem devices\n"
             "    tandem help [COMMAND]\n"

@@ -12,6 +12,17 @@
 /* Exit statuses of every subcommand. */
 enum { EXIT_OK = 0, EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 
+/* A named set of options (--recipe): args as on a command line, NULL-terminated. */
+typedef struct {
+    const char *name, *what;
+    const char *args[48];
+} train_recipe;
+
+/* The recipe called name, or NULL. */
+const train_recipe *train_recipe_find(const char *name);
+/* r's options as one command line ("--model cnn-bn --epochs 4 ..."), quoted for a shell. */
+void train_recipe_str(const train_recipe *r, char *buf, size_t cap);
+
 /* Every option of `tandem train`, after check_opts has filled in the defaults that depend on
  * others (the optimizer's lr, the batch size). */
 typedef struct {
@@ -30,6 +41,7 @@ typedef struct {
     bool no_decay_1d;       /* weight decay on parameters of 2+ dims only */
     bool eval_flip;         /* image tasks: test logits averaged over x and its mirror */
     int64_t validation;     /* image tasks: training samples held out as the test set; 0: off */
+    const char *recipe;     /* --recipe's name, or NULL */
     int64_t grad_accum;     /* batches per optimizer step; 0 until checked, then >= 1 */
     /* images: the side images are made (0: the data's own, 224 for an image folder), and the
      * transforms of the training and test images (NULL: the data's default) */

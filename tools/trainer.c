@@ -639,6 +639,12 @@ static void banner(const trainer *tr) {
     const train_opts *o = tr->o;
     char opt[256];
     describe_optimizer(o, opt, sizeof opt);
+    const train_recipe *r = o->recipe ? train_recipe_find(o->recipe) : NULL;
+    if (r) {
+        char args[1024];
+        train_recipe_str(r, args, sizeof args);
+        printf("recipe    %s: %s\n", r->name, args);
+    }
     printf("model     %s, %lld parameters,", tr->task->model_desc, (long long)tr->ps->total);
     print_devices(tr);
     printf("\n");

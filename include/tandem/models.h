@@ -8,7 +8,11 @@
  *   cnn: nn.Sequential(Conv2d(1, 32, 3, padding=1), ReLU, MaxPool2d(2),
  *                      Conv2d(32, 64, 3, padding=1), ReLU, MaxPool2d(2),
  *                      Flatten, Linear(64*7*7, 128), ReLU, Linear(128, 10))
- * Both take x [N, 1, 28, 28] (Fashion-MNIST, MNIST) and return logits [N, 10]; weights are
+ *   cnn-bn: nn.Sequential(Conv2d(1, 16, 3, padding=1, bias=False), MaxPool2d(2),
+ *                      BatchNorm2d(16), ReLU, Conv2d(16, 32, 3, padding=1, bias=False),
+ *                      MaxPool2d(2), BatchNorm2d(32), ReLU, Flatten, Linear(32*7*7, 256), ReLU,
+ *                      Linear(256, 10)): the network of `tandem train --recipe fmnist-fast`
+ * All three take x [N, 1, 28, 28] (Fashion-MNIST, MNIST) and return logits [N, 10]; weights are
  * drawn as PyTorch's defaults draw them (Kaiming-uniform with a = sqrt(5)).
  *
  *   resnet18, resnet34, resnet50: torchvision.models.resnet's networks (tdm_resnet_new), with
@@ -27,7 +31,7 @@
 extern "C" {
 #endif
 
-/* The names tdm_model_new knows, NULL-terminated: "mlp", "cnn". */
+/* The names tdm_model_new knows, NULL-terminated: "mlp", "cnn", "cnn-bn". */
 extern const char *const tdm_model_names[];
 
 /* A new model `name` on dev, weights drawn from rng (NULL: the default generator). The caller

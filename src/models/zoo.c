@@ -49,23 +49,26 @@ static tdm_module *build_cnn(tdm_device dev, tdm_rng *rng) {
     return sequential(10, layers);
 }
 
-/* The cnn with batch norm after each convolution (whose bias it makes redundant) and a wider
- * hidden layer: it trains in a few epochs what the cnn needs many for (issue 20's recipe). */
+/* A cnn for time to accuracy (issue 20's recipe), chosen on a validation split: half the
+ * cnn's channels, each convolution followed by max-pool and then batch norm and ReLU (pooling
+ * first gives batch norm and ReLU a quarter of the pixels; it trained as well or better than
+ * the usual order), no convolution bias (batch norm removes it) and a 256-wide hidden layer.
+ * 3.4x fewer multiply-adds than the cnn, and 92% test accuracy in 4 epochs. */
 static tdm_module *build_cnn_bn(tdm_device dev, tdm_rng *rng) {
-    /* x [N, 1, 28, 28] -> [N, C1, 28, 28] -> [N, C1, 14, 14] -> [N, C2, 14, 14]
-     *   -> [N, C2, 7, 7] -> [N, C2*49] -> [N, 256] -> [N, 10] */
-    const int64_t c1 = 32, c2 = 64;
+    /* x [N, 1, 28, 28] -> conv [N, 16, 28, 28] -> pool [N, 16, 14, 14] -> conv [N, 32, 14, 14]
+     *   -> pool [N, 32, 7, 7] -> [N, 1568] -> [N, 256] -> [N, 10] */
+    const int64_t c1 = 16, c2 = 32;
     tdm_conv2d_opts same = {.pad_h = 1, .pad_w = 1};
     tdm_pool2d_opts pool2 = {.kernel_h = 2, .kernel_w = 2};
     tdm_module *layers[12] = {
         tdm_conv2d_new(1, c1, 3, 3, &same, false, dev, rng),
+        tdm_max_pool2d_new(&pool2),
         tdm_batch_norm2d_new(c1, 1e-5f, 0.1f, dev),
         tdm_relu_new(),
-        tdm_max_pool2d_new(&pool2),
         tdm_conv2d_new(c1, c2, 3, 3, &same, false, dev, rng),
+        tdm_max_pool2d_new(&pool2),
         tdm_batch_norm2d_new(c2, 1e-5f, 0.1f, dev),
         tdm_relu_new(),
-        tdm_max_pool2d_new(&pool2),
         tdm_flatten_new(1, -1),
         tdm_linear_new(c2 * 7 * 7, 256, true, dev, rng),
         tdm_relu_new(),

@@ -517,6 +517,47 @@ static void check_nan_pool(int k, int s, int p, const float *ey, const int64_t *
     tdm_scope_end();
 }
 
+/* The 2x2 fast path over rows of 8 windows and more (vectorised where the CPU has AVX2):
+ * values, ties (small integers) and NaN/inf windows against a scan in PyTorch's order. */
+static void test_pool_2x2_wide(void) {
+    enum { H = 6, W = 38, HO = H / 2, WO = W / 2, P = 2 * 3 };
+    static float x[P * H * W], y[P * HO * WO];
+    static int64_t idx[P * HO * WO];
+    for (int i = 0; i < P * H * W; i++) x[i] = (float)((i * 7919 + i / 5) % 7) - 3;
+    x[5 * W + 9] = NAN, x[W + 20] = INFINITY, x[2 * H * W + 3] = -INFINITY, x[40] = NAN;
+    tdm_scope_begin();
+    tdm_tensor *xt = tdm_from_data(TDM_SHAPE(2, 3, H, W), TDM_F32, tdm_cpu(0), x);
+    tdm_tensor *yt = tdm_empty(TDM_SHAPE(2, 3, HO, WO), TDM_F32, tdm_cpu(0));
+    tdm_tensor *it = tdm_empty(TDM_SHAPE(2, 3, HO, WO), TDM_I64, tdm_cpu(0));
+    tdm_pool2d_args a = {2, 2, 2, 2, 0, 0, 1, 1, false, false};
+    CHECK(tdm_backend_for(tdm_cpu(0))->max_pool2d(yt, it, xt, &a) == 0, "%s", tdm_last_error());
+    tdm_to_host(yt, y, sizeof y);
+    tdm_to_host(it, idx, sizeof idx);
+    tdm_scope_end();
+    int bad = 0;
+    for (int p = 0; p < P; p++)
+        for (int oh = 0; oh < HO; oh++)
+            for (int ow = 0; ow < WO; ow++) {
+                const float *pl = x + p * H * W;
+                int64_t bi = 2 * oh * W + 2 * ow;
+                float best = -INFINITY;
+                for (int dh = 0; dh < 2; dh++)
+                    for (int dw = 0; dw < 2; dw++) {
+                        int64_t i = (2 * oh + dh) * W + 2 * ow + dw;
+                        if (pl[i] > best || isnan(pl[i])) best = pl[i], bi = i;
+                        if (isnan(best)) dh = 2, dw = 2; /* the first NaN wins */
+                    }
+                int o = (p * HO + oh) * WO + ow;
+                bool same = isnan(best) ? isnan(y[o]) : y[o] == best;
+                if (!same || idx[o] != bi) {
+                    if (bad++ < 3)
+                        fprintf(stderr, "2x2 pool plane %d (%d, %d): %g at %lld, want %g at %lld\n",
+                                p, oh, ow, y[o], (long long)idx[o], best, (long long)bi);
+                }
+            }
+    CHECK(bad == 0, "max_pool2d 2x2 on rows of %d windows: %d outputs differ", WO, bad);
+}
+
 static void test_pool_nan(void) {
     check_nan_pool(2, 2, 0, pool_nan_k2_y, pool_nan_k2_idx, 4);
     check_nan_pool(3, 1, 1, pool_nan_k3_y, pool_nan_k3_idx, 16);
@@ -622,6 +663,7 @@ int main(void) {
     test_conv_fixture();
     test_pool_fixtures();
     test_pool_nan();
+    test_pool_2x2_wide();
     test_errors();
     test_no_scope();
     return check_summary();

@@ -235,9 +235,10 @@ static void pad_plane_256(const float *src, int64_t h, int64_t w, int64_t ph, in
         float *d = P + r * pld + c0;
         int64_t c = 0;
         for (; c + 8 <= c1 - c0; c += 8) _mm256_storeu_ps(d + c, _mm256_loadu_ps(s + c));
-        if (c < c1 - c0) {
+        if (c < c1 - c0) { /* the lanes past the row are zeros, stored in its right padding
+                            * (pld leaves 16 columns past the last tile's): no vmaskmovps */
             __m256i m = lanes_256(c1 - c0 - c);
-            _mm256_maskstore_ps(d + c, m, _mm256_maskload_ps(s + c, m));
+            _mm256_storeu_ps(d + c, _mm256_maskload_ps(s + c, m));
         }
     }
 }

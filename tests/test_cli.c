@@ -789,6 +789,122 @@ static void test_mpi_run(const char *mpirun) {
     result_free(&nan);
 }
 
+/* ---- wall-clock time and --plot-compare (issue 20: time to accuracy) ------------------- */
+
+/* Writes text to tmpdir/name; the path into path (300 bytes). */
+static void write_tmp(const char *name, const char *text, char *path) {
+    snprintf(path, 300, "%s/%s", tmpdir, name);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL, "cannot write %s", path);
+    if (f) fputs(text, f), fclose(f);
+}
+
+/* The epoch lines' wall_s: finite, rising, and at least the seconds of the epochs so far
+ * (training and evaluation: the process also loaded the data before them). */
+static void check_wall_s(const char *log, int epochs) {
+    char *text = slurp(log);
+    int n = 0;
+    double prev = 0, spent = 0;
+    for (char *p = strstr(text, "\"type\":\"epoch\""); p; p = strstr(p + 1, "\"type\":\"epoch\"")) {
+        double w = json_num(p, "wall_s");
+        spent += json_num(p, "seconds") + json_num(p, "eval_seconds");
+        CHECK(isfinite(w) && w > prev, "epoch %d: wall_s %g after %g", n + 1, w, prev);
+        CHECK(w >= spent, "epoch %d: wall_s %g < the epochs' %g s so far", n + 1, w, spent);
+        prev = w, n++;
+    }
+    CHECK(n == epochs, "%d epoch lines with wall_s, expected %d", n, epochs);
+    free(text);
+}
+
+/* The wall-time panel's series labelled label: its data-points and its dots (-1: absent). */
+static int wall_points(const char *svg, const char *label, int *dots) {
+    char pat[200];
+    snprintf(pat, sizeof pat, "<g class=\"wall\" data-label=\"%s\" data-points=\"", label);
+    const char *g = strstr(svg, pat), *end = g ? strstr(g, "</g>") : NULL;
+    *dots = 0;
+    if (!g || !end) return -1;
+    for (const char *c = strstr(g, "<circle"); c && c < end; c = strstr(c + 1, "<circle"))
+        (*dots)++;
+    return atoi(g + strlen(pat));
+}
+
+/* A PyTorch-side log as bench/torch_recipe.py writes it (json.dumps: a space after ':'), with
+ * lines that must be skipped: a config line, a step line, an epoch line without wall_s. */
+static const char torch_log[] =
+    "{\"type\": \"config\", \"model\": \"cnn-bn\"}\n"
+    "{\"type\": \"step\", \"epoch\": 1, \"loss\": 0.5, \"wall_s\": 1.0}\n"
+    "{\"type\": \"epoch\", \"epoch\": 1, \"test_acc\": 0.71, \"seconds\": 1.5, \"wall_s\": 2.5}\n"
+    "{\"type\": \"epoch\", \"epoch\": 2, \"test_acc\": 0.78, \"seconds\": 1.5, \"wall_s\": 4.25}\n"
+    "{\"type\": \"epoch\", \"epoch\": 3, \"test_acc\": null, \"seconds\": 1.5, \"wall_s\": 5.0}\n"
+    "{\"type\": \"epoch\", \"epoch\": 3, \"test_acc\": 0.8, \"seconds\": 1.5}\n"
+    "{\"type\":\"epoch\",\"epoch\":3,\"test_acc\":0.8125,\"seconds\":1.5,\"wall_s\":6}\n";
+
+/* --log's wall_s and the plot's third panel, with another run drawn beside this one. */
+static void test_wall_time_plot(void) {
+    char log[300], plot[300], cmp[300], spec[320];
+    snprintf(log, sizeof log, "%s/wall.jsonl", tmpdir);
+    snprintf(plot, sizeof plot, "%s/wall.svg", tmpdir);
+    write_tmp("torch.jsonl", torch_log, cmp);
+    snprintf(spec, sizeof spec, "%s=PyTorch & co", cmp);
+    result r = TANDEM("train", "--limit", "640", "--epochs", "3", "--quiet", "--log", log, "--plot",
+                      plot, "--plot-compare", spec);
+    CHECK(r.status == 0, "--plot-compare run: exit %d, stderr: %s", r.status, r.err);
+    result_free(&r);
+    check_wall_s(log, 3);
+    char *svg = slurp(plot);
+    int dots, n = wall_points(svg, "tandem", &dots);
+    CHECK(strstr(svg, "Test accuracy vs wall-clock time") && strstr(svg, "seconds since"),
+          "svg lacks the wall-time panel's title or axis");
+    CHECK(n == 3 && dots == 3, "this run's wall-time series: %d points, %d dots", n, dots);
+    n = wall_points(svg, "PyTorch &amp; co", &dots);
+    CHECK(n == 3 && dots == 3, "the compared run: %d points, %d dots (3 usable lines)", n, dots);
+    CHECK(strstr(svg, ">PyTorch &amp; co</text>") && strstr(svg, ">tandem</text>"),
+          "the legend lacks a run's label");
+    free(svg);
+    check_svg(plot);
+
+    /* without =LABEL the label is the file's base name */
+    r = TANDEM("train", "--limit", "320", "--quiet", "--plot", plot, "--plot-compare", cmp);
+    CHECK(r.status == 0, "--plot-compare without a label: exit %d, stderr: %s", r.status, r.err);
+    result_free(&r);
+    svg = slurp(plot);
+    CHECK(wall_points(svg, "torch.jsonl", &dots) == 3 && dots == 3,
+          "the compared run is not labelled torch.jsonl");
+    free(svg);
+}
+
+/* --plot-compare's errors: each names the file and the cause, before any training. */
+static void expect_compare_error(const char *file, const char *cause) {
+    char plot[300];
+    snprintf(plot, sizeof plot, "%s/err.svg", tmpdir);
+    result r = TANDEM("train", "--limit", "100", "--plot", plot, "--plot-compare", file);
+    CHECK(r.status == 1, "--plot-compare %s: exit %d, expected 1 (stderr %s)", file, r.status,
+          r.err);
+    CHECK(strstr(r.err, file) && strstr(r.err, cause), "error should name %s and '%s': %s", file,
+          cause, r.err);
+    CHECK(!strstr(r.out, "epoch 1/"), "--plot-compare %s: trained before failing: %s", file, r.out);
+    result_free(&r);
+}
+
+static void test_plot_compare_errors(void) {
+    char missing[300], empty[300], pct[300];
+    snprintf(missing, sizeof missing, "%s/no-such.jsonl", tmpdir);
+    expect_compare_error(missing, "No such file or directory");
+    write_tmp("no-epochs.jsonl",
+              "{\"type\":\"config\",\"model\":\"mlp\"}\n{\"type\":\"step\",\"loss\":1}\n", empty);
+    expect_compare_error(empty, "no epoch line with test_acc and wall_s");
+    write_tmp("percent.jsonl", "{\"type\":\"epoch\",\"test_acc\":91.5,\"wall_s\":3}\n", pct);
+    expect_compare_error(pct, "line 1: test_acc 91.5 must be a fraction");
+    expect_usage(
+        "--plot-compare draws other runs into the chart of --plot",
+        (const char *const[]){tandem_path, "train", "--limit", "100", "--plot-compare", pct, NULL});
+
+    result r = TANDEM("train", "--help");
+    CHECK(strstr(r.out, "--plot-compare") && strstr(r.out, "wall-clock") && strstr(r.out, "wall_s"),
+          "train --help should describe --plot-compare, the wall-clock panel and wall_s");
+    result_free(&r);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: test_cli PATH_TO_TANDEM [PATH_TO_MLP_TUTORIAL | --mpirun MPIRUN | "
@@ -819,6 +935,8 @@ int main(int argc, char **argv) {
         test_validation();
         test_recipe();
         test_accumulate_and_clip();
+        test_wall_time_plot();
+        test_plot_compare_errors();
         if (argc > 2) test_tutorial(argv[2]);
     }
     tmpdir_remove();

@@ -5,6 +5,9 @@
 
 #include "tandem/tensor.h"
 
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -15,6 +18,43 @@ double progress_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* CLOCK_BOOTTIME: the clock /proc/<pid>/stat's start time is counted on (ticks since boot). */
+static double boottime_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_BOOTTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The process's start in boot-time seconds from /proc/self/stat's field 22, or NAN. The
+ * command name (field 2) may hold spaces and parentheses, so fields are counted from the
+ * last ')'. */
+static double proc_start_time(void) {
+    char buf[1024];
+    FILE *f = fopen("/proc/self/stat", "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    long ticks = sysconf(_SC_CLK_TCK);
+    if (!p || ticks <= 0) return NAN;
+    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
+    return p ? strtod(p + 1, NULL) / (double)ticks : NAN;
+}
+
+static double process_start; /* boot-time seconds, set before main */
+
+/* Runs when the program is loaded, before main: the fallback start is as early as it gets. */
+__attribute__((constructor)) static void mark_process_start(void) {
+    double loaded = boottime_now(), started = proc_start_time();
+    /* exec to load takes milliseconds: a start in the future or long before means the two
+     * clocks disagree (a time namespace), and the load time is the better guess */
+    process_start = started <= loaded && started > loaded - 60 ? started : loaded;
+}
+
+double progress_wall_s(void) {
+    return boottime_now() - process_start;
 }
 
 void progress_init(progress *p, FILE *out, bool quiet, const char *unit) {

@@ -39,5 +39,9 @@ void progress_clear(progress *p);
 
 /* Seconds on a monotonic clock. */
 double progress_now(void);
+/* Seconds since this process started (the kernel's start time in /proc/self/stat, so the
+ * dynamic loader's work counts too; where that is not readable, since this program was
+ * loaded): the wall time of a whole run, to compare with another program's. */
+double progress_wall_s(void);
 
 #endif

@@ -3,7 +3,8 @@
  * trace of tandem/trace.h, which records itself and is only started and stopped here).
  *
  * Every output is opened by sinks_open, before the first step, so a path that cannot be
- * written fails at once rather than after the training. Step records are buffered; errors of
+ * written fails at once rather than after the training; the runs --plot-compare draws beside
+ * this one are read then too. Step records are buffered; errors of
  * buffered writes surface at the next flush or at close, naming the file and errno. */
 #ifndef TANDEM_TOOLS_SINK_H
 #define TANDEM_TOOLS_SINK_H
@@ -34,13 +35,17 @@ typedef struct {
 } sinks_info;
 
 typedef struct sink sink;
+typedef struct compare_set compare_set; /* --plot-compare's runs (sinks.c) */
 typedef struct {
     sink *open[4]; /* the outputs asked for, in opening order */
     int n;
+    compare_set *compare; /* read by sinks_open, drawn by the plot, freed by sinks_close */
 } sinks;
 
-/* Opens every output the options name (none is fine). Returns 0, or EXIT_RUNTIME after
- * printing which output could not be opened and why; what was opened is closed. */
+/* Opens every output the options name (none is fine), after reading --plot-compare's files.
+ * Returns 0; EXIT_USAGE for --plot-compare without --plot or without test accuracy to compare;
+ * or EXIT_RUNTIME after printing which file could not be read or opened and why. What was
+ * opened is closed. */
 int sinks_open(sinks *s, const train_opts *o, const sinks_info *info);
 /* The run's configuration as JSON members ("\"model\":\"mlp\",..."): --log's first line. */
 void sinks_config(sinks *s, const char *json_fields);

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "plot.h"
 #include "sink.h"
@@ -43,7 +44,8 @@ static int json_close(sink *s) {
     return rc;
 }
 
-static sink *json_open(const char *path, const sinks_info *info) {
+static sink *json_open(const char *path, const sinks_info *info, const compare_set *cmp) {
+    (void)cmp;
     json_sink *j = calloc(1, sizeof *j);
     if (!j || log_open(&j->log, path) != 0) return free(j), NULL;
     snprintf(j->rate_key, sizeof j->rate_key, "%s_s", info->unit);
@@ -51,11 +53,72 @@ static sink *json_open(const char *path, const sinks_info *info) {
     return &j->base;
 }
 
+/* ---- --plot-compare: other runs' --log files, read once before training ------------------ */
+
+struct compare_set {
+    log_curve data[PLOT_MAX_COMPARE];
+    char labels[PLOT_MAX_COMPARE][128];
+    plot_curve curves[PLOT_MAX_COMPARE]; /* pointing into data and labels */
+    int n;
+};
+
+static void compare_free(compare_set *c) {
+    for (int i = 0; c && i < c->n; i++) log_curve_free(&c->data[i]);
+    free(c);
+}
+
+/* One FILE[=LABEL] of the list into c. A FILE holding '=' is taken whole when it exists;
+ * otherwise the text after the last '=' is the label. Returns 0 or an exit status. */
+static int compare_read_one(compare_set *c, char *item) {
+    if (c->n == PLOT_MAX_COMPARE)
+        return train_usage_error("--plot-compare: at most %d files (one colour each)",
+                                 PLOT_MAX_COMPARE);
+    char *eq = access(item, F_OK) == 0 ? NULL : strrchr(item, '=');
+    if (eq) *eq = '\0';
+    const char *base = strrchr(item, '/') ? strrchr(item, '/') + 1 : item;
+    const char *label = eq && eq[1] ? eq + 1 : base;
+    if (!*item) return train_usage_error("--plot-compare: an empty file name");
+    char why[256];
+    if (log_read_curve(item, &c->data[c->n], why, sizeof why) != 0)
+        return task_error("--plot-compare '%s': %s", item, why);
+    snprintf(c->labels[c->n], sizeof c->labels[c->n], "%s", label);
+    const log_curve *d = &c->data[c->n];
+    c->curves[c->n] = (plot_curve){c->labels[c->n], d->wall_s, d->test_acc, d->n};
+    c->n++;
+    return 0;
+}
+
+/* --plot-compare FILE[=LABEL],...: every file read now, so a bad one stops the run before it
+ * starts. *out stays NULL without the option. Returns 0 or an exit status. */
+static int compare_read(const train_opts *o, const sinks_info *info, compare_set **out) {
+    *out = NULL;
+    if (!o->plot_compare) return 0;
+    if (!o->plot_path)
+        return train_usage_error("--plot-compare draws other runs into the chart of --plot; "
+                                 "give --plot FILE.svg too");
+    if (!info->accuracy)
+        return train_usage_error("--plot-compare compares test accuracy, which this model "
+                                 "does not measure");
+    compare_set *c = calloc(1, sizeof *c);
+    char *list = strdup(o->plot_compare), *save = NULL;
+    int rc = c && list ? 0 : task_error("--plot-compare: %s", strerror(ENOMEM));
+    for (char *item = list ? strtok_r(list, ",", &save) : NULL; !rc && item;
+         item = strtok_r(NULL, ",", &save))
+        rc = compare_read_one(c, item);
+    free(list);
+    if (!rc && c->n == 0)
+        rc = train_usage_error("--plot-compare: no file in '%s'", o->plot_compare);
+    if (rc) return compare_free(c), rc;
+    *out = c;
+    return 0;
+}
+
 /* ---- --plot: the SVG curves, redrawn at each progress line and epoch --------------------- */
 
 typedef struct {
     sink base;
     sinks_info info;
+    const compare_set *compare; /* NULL, or the set's: sinks_close frees it after the plot */
     char title[256], subtitle[320];
     float *step_loss; /* [cap] by global step - 1; NaN for steps before a resume */
     int64_t n_steps, cap;
@@ -93,7 +156,9 @@ static int plot_flush(sink *s) {
                    .n_epochs = p->n_epochs,
                    .total_epochs = (double)p->info.epochs,
                    .loss_only = !p->info.accuracy,
-                   .loss_label = p->info.loss_label};
+                   .loss_label = p->info.loss_label,
+                   .compare = p->compare ? p->compare->curves : NULL,
+                   .n_compare = p->compare ? p->compare->n : 0};
     return plot_write_svg(s->path, &d) != 0 ? -1 : 0;
 }
 
@@ -112,10 +177,11 @@ static int plot_close(sink *s) {
     return rc;
 }
 
-static sink *plot_open(const char *path, const sinks_info *info) {
+static sink *plot_open(const char *path, const sinks_info *info, const compare_set *cmp) {
     plot_sink *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->info = *info;
+    p->compare = cmp;
     snprintf(p->title, sizeof p->title, "%s", info->title);
     snprintf(p->subtitle, sizeof p->subtitle, "%s", info->subtitle);
     p->epochs = calloc((size_t)info->epochs, sizeof *p->epochs);
@@ -170,7 +236,8 @@ static int tb_close(sink *s) {
     return rc;
 }
 
-static sink *tb_open(const char *dir, const sinks_info *info) {
+static sink *tb_open(const char *dir, const sinks_info *info, const compare_set *cmp) {
+    (void)cmp;
     tb_sink *t = calloc(1, sizeof *t);
     if (!t || !(t->w = tdm_tb_open(dir))) return free(t), NULL;
     snprintf(t->rate_tag, sizeof t->rate_tag, "train/%s_per_s", info->unit);
@@ -185,8 +252,8 @@ static int trace_close(sink *s) {
     return tdm_trace_stop() != 0 ? -1 : 0;
 }
 
-static sink *trace_open(const char *path, const sinks_info *info) {
-    (void)info;
+static sink *trace_open(const char *path, const sinks_info *info, const compare_set *cmp) {
+    (void)info, (void)cmp;
     sink *s = calloc(1, sizeof *s);
     if (!s || tdm_trace_start(path, 0) != 0) return free(s), NULL;
     *s = (sink){"trace", path, NULL, NULL, NULL, NULL, trace_close};
@@ -204,17 +271,19 @@ static const char *sink_error(void) {
 int sinks_open(sinks *s, const train_opts *o, const sinks_info *info) {
     struct {
         const char *path, *option;
-        sink *(*open)(const char *, const sinks_info *);
+        sink *(*open)(const char *, const sinks_info *, const compare_set *);
     } outs[] = {{o->trace_path, "--trace", trace_open},
                 {o->log_path, "--log", json_open},
                 {o->plot_path, "--plot", plot_open},
                 {o->tensorboard_dir, "--tensorboard", tb_open}};
     *s = (sinks){0};
+    int rc = compare_read(o, info, &s->compare);
+    if (rc) return rc;
     for (size_t i = 0; i < sizeof outs / sizeof outs[0]; i++) {
         if (!outs[i].path) continue;
         tdm_clear_error();
         errno = 0;
-        sink *k = outs[i].open(outs[i].path, info);
+        sink *k = outs[i].open(outs[i].path, info, s->compare);
         if (!k) {
             task_error("%s '%s' cannot be written: %s", outs[i].option, outs[i].path, sink_error());
             sinks_close(s, EXIT_RUNTIME, true);
@@ -263,5 +332,7 @@ int sinks_close(sinks *s, int rc, bool quiet) {
             printf("%-9s %s\n", label, path);
     }
     s->n = 0;
+    compare_free(s->compare); /* after the plot's last drawing */
+    s->compare = NULL;
     return rc;
 }

@@ -204,8 +204,10 @@ static const opt_spec specs[] = {
     {"--log", "FILE", OPT_STR, F(log_path), 0, 0, "none",
      "Write one JSON object per line: a config line, a line per step (epoch, step, loss, lr, "
      "img_s, or tok_s for gpt) and a line per epoch (train_loss; train_acc, test_loss and "
-     "test_acc, null for gpt; seconds, loader_wait_s, ...; and peak_bytes, each device's "
-     "peak of tensor memory during the epoch's training, also printed on the epoch line)."},
+     "test_acc, null for gpt; seconds, eval_seconds, wall_s (seconds since the process "
+     "started, when the epoch's test accuracy is known), loader_wait_s, ...; and peak_bytes, "
+     "each device's peak of tensor memory during the epoch's training, also printed on the "
+     "epoch line)."},
     {"--trace", "FILE.json", OPT_STR, F(trace_path), 0, 0, "none",
      "Write a Chrome trace (open it in Perfetto or chrome://tracing): one track per thread "
      "(the training loop, each device's compute, its communication, the loader's workers) "
@@ -215,9 +217,17 @@ static const opt_spec specs[] = {
      "--logdir DIR): train/loss, train/lr and train/img_per_s (tok_per_s for gpt) per step, "
      "and epoch/train_loss, train_acc, test_loss, test_acc per epoch."},
     {"--plot", "FILE.svg", OPT_STR, F(plot_path), 0, 0, "none",
-     "Draw loss and accuracy curves (train and test per epoch, train loss per step) into an "
-     "SVG file, rewritten at every progress line and after every epoch (for gpt: the loss "
-     "panel alone)."},
+     "Draw loss and accuracy curves (train and test per epoch, train loss per step) and, in a "
+     "third panel, test accuracy against the wall-clock seconds since the process started "
+     "(with --plot-compare's runs) into an SVG file, rewritten at every progress line and "
+     "after every epoch (for gpt: the loss panel alone)."},
+    {"--plot-compare", "FILE[=LABEL],...", OPT_STR, F(plot_compare), 0, 0, "none",
+     "With --plot: draw other runs in its wall-clock panel, each in its own colour and "
+     "labelled LABEL (default: the file's name), this run being 'tandem'. Each FILE is a --log "
+     "of another run, or of any program writing the same epoch lines (bench/torch_recipe.py "
+     "does for PyTorch): only lines with \"type\":\"epoch\" are read, their test_acc (a "
+     "fraction) and wall_s; lines without both are skipped. A file that cannot be read or "
+     "has no such line stops the run before training. At most 6 files."},
     {"--print-every", "N", OPT_INT, F(print_every), 0, 1e12, "0",
      "When stdout is not a terminal, print a progress line every N steps (0: about ten per "
      "epoch) with the mean loss of those steps, the learning rate, ms per step and images "

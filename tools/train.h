@@ -60,6 +60,7 @@ typedef struct {
     int64_t batch_per_device;         /* 0: --batch-size is the global batch */
     tdm_device devs[TDM_MAX_DEVICES]; /* parsed from devices */
     int n_devs;
+    const char *plot_compare; /* --plot-compare: other runs' logs, FILE[=LABEL],...; or NULL */
 } train_opts;
 
 /* Fills o from argv (argv[0] is "train") and checks the options together, printing a usage

@@ -760,6 +760,7 @@ static int run_epochs(trainer *tr) {
         int rc = train_epoch(tr, epoch, &e);
         if (!rc && !tr->stopped && tr->task->test) rc = evaluate(tr, &e);
         if (rc || tr->stopped) return rc;
+        e.wall_s = progress_wall_s(); /* the test accuracy is known: time to accuracy */
         progress_clear(&tr->prog);
         if (!tr->silent) print_epoch(tr, &e);
         if ((rc = sinks_epoch(&tr->out, &e))) return rc;

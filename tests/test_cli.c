@@ -889,7 +889,7 @@ static void expect_compare_error(const char *file, const char *cause) {
 static void test_plot_compare_errors(void) {
     char missing[300], empty[300], pct[300];
     snprintf(missing, sizeof missing, "%s/no-such.jsonl", tmpdir);
-    expect_compare_error(missing, "No such file or directory");
+    expect_compare_error(missing, "cannot be read: No such file or directory");
     write_tmp("no-epochs.jsonl",
               "{\"type\":\"config\",\"model\":\"mlp\"}\n{\"type\":\"step\",\"loss\":1}\n", empty);
     expect_compare_error(empty, "no epoch line with test_acc and wall_s");

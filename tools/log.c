@@ -143,7 +143,7 @@ int log_read_curve(const char *path, log_curve *c, char *why, size_t cap) {
     *c = (log_curve){0};
     FILE *f = fopen(path, "r");
     if (!f) {
-        snprintf(why, cap, "%s", strerror(errno));
+        snprintf(why, cap, "cannot be read: %s", strerror(errno));
         return -1;
     }
     char *line = NULL;

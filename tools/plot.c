@@ -51,11 +51,14 @@ static double nice_step(double range, int want) {
     return (m < 1.5 ? 1 : m < 3.5 ? 2 : m < 7.5 ? 5 : 10) * p;
 }
 
-/* Writes text with &, <, > escaped (titles carry user paths and option values). */
+/* Writes text with &, <, > and " escaped (titles carry user paths and option values; a
+ * --plot-compare label also goes into an attribute). */
 static void put_escaped(FILE *f, const char *s) {
     for (; s && *s; s++) {
         if (*s == '&')
             fputs("&amp;", f);
+        else if (*s == '"')
+            fputs("&quot;", f);
         else if (*s == '<')
             fputs("&lt;", f);
         else if (*s == '>')

@@ -341,10 +341,16 @@ int plot_write_svg(const char *path, const plot_data *d) {
             "viewBox=\"0 0 %d %d\" font-family=\"Helvetica, Arial, sans-serif\">\n",
             width, HEIGHT, width, HEIGHT);
     fprintf(f, "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
+    /* a long title (a recipe's optimizer line) is squeezed into the width rather than cut
+     * off at both edges: bold 18 px text takes about 10 px a character */
+    char fit[64] = "";
+    if ((int)strlen(d->title) * 10 > width - 40)
+        snprintf(fit, sizeof fit, " textLength=\"%d\" lengthAdjust=\"spacingAndGlyphs\"",
+                 width - 40);
     fprintf(f,
             "<text x=\"%d\" y=\"28\" font-size=\"18\" font-weight=\"bold\" "
-            "text-anchor=\"middle\">",
-            width / 2);
+            "text-anchor=\"middle\"%s>",
+            width / 2, fit);
     put_escaped(f, d->title);
     fprintf(f,
             "</text>\n<text x=\"%d\" y=\"48\" font-size=\"13\" fill=\"#555\" "

@@ -43,7 +43,7 @@ struct task {
      * EXIT_RUNTIME after printing the error. */
     int (*save)(const task *t, const train_opts *o, const char *checkpoint_dir);
     char model_desc[192];     /* "mlp", "gpt: 2 layers, 4 heads, ..." */
-    char data_desc[192];      /* "60000 train, 10000 test samples" */
+    char data_desc[320];      /* "60000 train, 10000 test samples" */
     char plot_title[96];      /* "mlp on fashion-mnist" */
     char image_desc[96];      /* the images a batch holds: "[3, 32, 32]" */
     char transform_desc[900]; /* "train RandomCrop(32, padding=4), ...; test ..." or "" */

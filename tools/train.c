@@ -624,6 +624,9 @@ static int check_training_extras(train_opts *o, bool sgd, bool gpt) {
                                  o->optimizer, o->momentum);
     if (o->eval_flip && gpt)
         return train_usage_error("--eval-flip mirrors test images; --model gpt has none");
+    if (o->plot_compare && !o->plot_path)
+        return train_usage_error("--plot-compare draws other runs into the chart of --plot; "
+                                 "give --plot FILE.svg too");
     if (o->validation && gpt)
         return train_usage_error("--validation holds out test images; --model gpt has no "
                                  "test split");

@@ -272,6 +272,7 @@ with open(os.path.join(HERE, "cli.dict"), "w") as f:
     for i, n in enumerate(names):
         f.write('opt%d="%s"\n' % (i, n))
     for i, v in enumerate(["gpt", "mlp", "cnn", "adamw", "adam", "sgd", "cosine", "step",
-                           "cpu:all", "cpu:0", "cuda:0", "1f1b", "gpipe", "flush", "keep", "\\x00"]):
+                           "cpu:all", "cpu:0", "cuda:0", "1f1b", "gpipe", "flush", "keep", "fmnist-fast",
+                           "cnn-bn", "onecycle", "\\x00"]):
         f.write('val%d="%s"\n' % (i, v))
 print("seeds written")

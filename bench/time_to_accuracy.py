@@ -8,7 +8,8 @@ usage: $VENV/bin/python bench/time_to_accuracy.py [--seeds 5] [--out DIR] [--tan
            [--no-stretch] [--target 0.92]
 
 Prints a markdown table for bench/RESULTS.md: per side and seed the whole process's wall
-time, the test accuracy after each epoch, and the seconds to the target (wall_s of the first
+time, the test accuracy after each epoch, the accuracy known 30 s after the start, and the
+seconds to the target (wall_s of the first
 epoch at or above it, from each run's --log); then mean and worst accuracy, median times and
 Tandem's speed-up. Tandem's run of the first seed draws --plot DIR/fmnist-fast.svg with
 PyTorch's run of that seed (--plot-compare).
@@ -68,6 +69,12 @@ def to_target(curve):
     return next((w for w, a in curve if a >= args.target), None)
 
 
+def acc_at(curve, seconds):
+    """The last test accuracy known within `seconds` of the start, or None."""
+    known = [a for w, a in curve if w <= seconds]
+    return known[-1] if known else None
+
+
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
@@ -80,12 +87,15 @@ for seed in range(1, args.seeds + 1):
         print(f"# {side} seed {seed}: {wall:.1f} s, acc "
               + " ".join(f"{100 * a:.2f}" for _, a in curve), file=sys.stderr, flush=True)
 
-print(f"| side | seed | process s | test acc per epoch (%) | s to {100 * args.target:.0f}% |")
-print("|---|---|---|---|---|")
+print(f"| side | seed | process s | test acc per epoch (%) | s to {100 * args.target:.0f}% "
+      "| acc at 30 s (%) |")
+print("|---|---|---|---|---|---|")
 for side in ("tandem", "torch"):
     for seed, wall, curve in results[side]:
         accs = " ".join(f"{100 * a:.2f}" for _, a in curve)
-        print(f"| {side} | {seed} | {wall:.1f} | {accs} | {fmt(to_target(curve))} |")
+        at30 = acc_at(curve, 30)
+        print(f"| {side} | {seed} | {wall:.1f} | {accs} | {fmt(to_target(curve))} "
+              f"| {fmt(None if at30 is None else 100 * at30, '.2f')} |")
 print()
 summary = {}
 for side in ("tandem", "torch"):

@@ -531,7 +531,7 @@ int tdm_ddp_clip_grad_norm(tdm_ddp *d, float max_norm, float *total_norm) {
     if (!d->shard_grad) return tdm_clip_grad_norm(d->ps, max_norm, false, total_norm);
     if (!(max_norm >= 0))
         return tdm_raise(TDM_ERR_ARG, "ddp_clip_grad_norm: max_norm %g must be >= 0", max_norm);
-    double norm;
+    double norm = 0;
     int rc = sharded_norm(d, &norm);
     if (rc) {
         tdm_group_abort(d->g, tdm_last_error());

@@ -88,6 +88,9 @@ struct tdm_dp {
     tdm_tensor *x, *y;
     bool update; /* the round ends with the update (tdm_dp_step), or only accumulates */
     bool zero;   /* the round starts a window: gradients are zeroed first */
+    /* a forward round's training mode, module 0's as the round began: replica 0 (the model)
+     * puts its own mode back at its round's end, while the others may still read it */
+    bool forward_training;
     tdm_loss_fn loss_fn;
     void *loss_arg;
 };
@@ -240,7 +243,7 @@ static int replica_forward(replica *r) {
         return rc;
     }
     if (r->rank > 0) {
-        tdm_module_train(r->replica, dp->model->training);
+        tdm_module_train(r->replica, dp->forward_training);
         rc = copy_buffers(r);
     }
     tdm_trace_begin("forward");
@@ -505,6 +508,7 @@ int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out) {
         return *out ? TDM_OK : tdm_last_status();
     }
     dp->x = x;
+    dp->forward_training = dp->model->training;
     int rc = run_task(dp, ROUND_FORWARD);
     if (!rc && !(*out = gather_outputs(dp))) rc = tdm_last_status();
     for (int r = 0; r < dp->n; r++) {

@@ -191,12 +191,12 @@ int tdm_ddp_bucket_count(const tdm_ddp *d);
  * freed (ps->flat_grad becomes NULL and parameters' .grad are NULL outside tdm_ddp_backward);
  * during backward a bucket's gradient lives in a buffer taken from the allocator when its
  * first gradient arrives, which the parameters' .grad view, and is released once the bucket
- * is averaged over the group and its part of [lo, hi) added into the shard; at most 2
- * averaged buckets wait in flight. The peak gradient memory is thus the shard plus a few
- * buckets (25 MiB each by default). tdm_optim_step and tdm_optim_zero_grad then read and zero
- * the shard; clip with tdm_ddp_clip_grad_norm. With one micro-batch per step the weights are
- * bit for bit DDP's (the same averages: each bucket is all-reduced as DDP does, which moves
- * twice a reduce-scatter's bytes; see docs/ARCHITECTURE.md). Accumulating micro-batches adds
+ * is averaged over the group and its part of [lo, hi) added into the shard; backward waits
+ * for a bucket's average before it launches the next but one. The peak gradient memory is thus the
+ * shard plus a few buckets (25 MiB each by default). tdm_optim_step and tdm_optim_zero_grad then
+ * read and zero the shard; clip with tdm_ddp_clip_grad_norm. With one micro-batch per step the
+ * weights are bit for bit DDP's (the same averages: each bucket is all-reduced as DDP does, which
+ * moves twice a reduce-scatter's bytes; see docs/ARCHITECTURE.md). Accumulating micro-batches adds
  * their averages instead of averaging their sum: equal to float rounding, about
  * (micro-batches + ranks) x 2^-24 of the summed magnitudes per element.
  *

@@ -31,9 +31,9 @@ typedef struct {
 
 /* How many reduced buckets may be in flight at once under ZeRO stage 2 before backward waits
  * for the oldest: what bounds the gradient memory beyond the shard (DeepSpeed's
- * reduce_bucket_size x its overlap). Two let one bucket's reduction overlap the next one's
- * compute. */
-#define STAGE2_IN_FLIGHT 2
+ * reduce_bucket_size x its overlap). One still lets a bucket's reduction overlap the next
+ * one's compute; two cost the GPT of bench/RESULTS.md 20 MiB more at its peak. */
+#define STAGE2_IN_FLIGHT 1
 
 typedef struct {
     struct tdm_ddp *ddp;

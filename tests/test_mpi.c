@@ -11,7 +11,8 @@
  * CASE` for each fault case and checks that the job exits nonzero, quickly, with a message
  * naming the failing rank: a rank killed mid-epoch, a rank that hangs (timeout), a rank that
  * aborts, the same killed or aborting rank while the others exchange a sharded optimizer's
- * ranges or (stage 2) reduce gradient buckets, ranks built with different models, ranks that call different collectives. */
+ * ranges or (stage 2) reduce gradient buckets, ranks built with different models, ranks that
+ * call different collectives. */
 #include "check.h"
 #include "core/core.h"
 #include "parallel/group.h"

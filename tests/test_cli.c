@@ -129,8 +129,9 @@ static void test_usage_errors(void) {
                                        "--micro-batches", "8", "--batch-size", "4", NULL});
     expect_usage("--shard: unknown kind 'all'",
                  (const char *const[]){t, "train", "--shard", "all", NULL});
-    expect_usage("--shard gradients (ZeRO stage 2) is not written yet",
-                 (const char *const[]){t, "train", "--shard", "gradients", NULL});
+    expect_usage("--shard gradients shares one optimizer's state among data-parallel replicas",
+                 (const char *const[]){t, "train", "--shard", "gradients", "--model-split", "2",
+                                       "--devices", "2", NULL});
     expect_usage("--shard parameters (ZeRO stage 3) is not written yet",
                  (const char *const[]){t, "train", "--shard", "parameters", NULL});
     expect_usage("with --model-split each pipeline stage steps an optimizer of its own",

@@ -163,21 +163,23 @@ static void run_steps(const char *what, int (*step)(void *, tdm_tensor *, tdm_te
 }
 
 /* DataParallel over n GPUs (NCCL: bucket all-reduces, synchronised batch norm, the wrap-time
- * broadcasts; with shard, the optimizer state sharded over the GPUs, ZeRO stage 1) gives one
+ * broadcasts; with shard, the optimizer state sharded over the GPUs, ZeRO stage 1, or also
+ * the gradients, stage 2: bucket buffers and the shard's gradient in GPU memory) gives one
  * CPU device's parameters on the same batches, and every replica the same bits. CPU and GPU
  * replicas mixed are refused. */
-static void dp_against_cpu(int n, model md, bool adam, bool shard) {
+static void dp_against_cpu(int n, model md, bool adam, tdm_shard_kind shard) {
     char what[80];
     snprintf(what, sizeof what, "%s %s on %d GPU(s)%s", md.name, adam ? "adam" : "sgd", n,
-             shard ? ", sharded" : "");
+             shard == TDM_SHARD_GRADIENTS ? ", sharded (stage 2)"
+             : shard                      ? ", sharded"
+                                          : "");
     tdm_device gpus[2] = {G, tdm_cuda(1)};
     tdm_module *mc = md.make(), *mg = tdm_module_clone(mc, G);
     tdm_module_train(mc, true);
     if (mg) tdm_module_train(mg, true); /* before the replicas are cloned from it */
     tdm_dp *dp = mg ? tdm_dp_new(mg, gpus, n, make_optim, &adam) : NULL;
     CHECK(dp, "%s: data_parallel: %s", what, tdm_last_error());
-    if (dp && shard)
-        CHECK(tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER) == 0, "%s: %s", what, tdm_last_error());
+    if (dp && shard) CHECK(tdm_dp_set_shard(dp, shard) == 0, "%s: %s", what, tdm_last_error());
     int64_t np = tdm_module_parameters(mc)->total;
     float lc[STEPS], lg[STEPS], *pc = dp ? train(mc, md.xs, adam, lc) : NULL;
     float *p[2] = {malloc(sizeof(float) * (size_t)np), malloc(sizeof(float) * (size_t)np)};
@@ -217,8 +219,9 @@ static void test_data_parallel(void) {
      * replica alone is run only where there is one GPU: the CPU emulation is slow) */
     for (int n = most; n <= most; n++)
         for (int adam = 0; adam < 2; adam++)
-            for (int mi = 0; mi < 2; mi++) dp_against_cpu(n, model_of(mi), adam, false);
-    dp_against_cpu(most, model_of(0), true, true);
+            for (int mi = 0; mi < 2; mi++) dp_against_cpu(n, model_of(mi), adam, TDM_SHARD_NONE);
+    dp_against_cpu(most, model_of(0), true, TDM_SHARD_OPTIMIZER);
+    dp_against_cpu(most, model_of(0), false, TDM_SHARD_GRADIENTS);
 }
 
 /* A 2-stage pipeline over cuda:0 and cuda:1 (activations and gradients cross between the

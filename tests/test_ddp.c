@@ -225,6 +225,10 @@ typedef enum { FROM_SCRATCH, LOAD_THEN_SHARD, SHARD_THEN_LOAD } zero_start;
 typedef struct {
     tdm_optim_factory make;
     bool shard;
+    bool grads;         /* ZeRO stage 2 (tdm_ddp_set_shard) rather than stage 1 */
+    int micro;          /* micro-batches per step (0: 2, the first without sync) */
+    bool no_clip;       /* no gradient clipping */
+    int64_t bucket_cap; /* DDP's bucket caps in bytes (0: the defaults, one bucket here) */
     zero_start start;
     const char *ckpt;     /* the checkpoint to start from, or to write (rank 0) after the steps */
     int first_batch;      /* batches s * 10 + a for s from here */
@@ -236,27 +240,29 @@ typedef struct {
     int64_t total, steps; /* the flat buffer's elements; rank 0's optimizer steps */
 } zero_case;
 
-/* STEPS steps of DDP: 2 micro-batches each (the first without sync), the averaged gradient
- * clipped, then the (maybe sharded) optimizer's step. */
-static int zero_steps(tdm_ddp *d, tdm_paramset *ps, tdm_optim *opt, int n, int r, int first) {
+/* STEPS steps of DDP: c->micro micro-batches each (all but the last without sync), the
+ * averaged gradient clipped (under stage 2 from the shards' norms), then the (maybe sharded)
+ * optimizer's step. */
+static int zero_steps(const zero_case *c, tdm_ddp *d, tdm_optim *opt, int n, int r) {
     int64_t lo = r * (B / n) + (r < B % n ? r : B % n), hi = lo + B / n + (r < B % n);
     float x[B * IN];
     int64_t y[B];
-    int rc = 0;
-    for (int s = first; s < first + STEPS && !rc; s++) {
+    int rc = 0, micro = c->micro ? c->micro : 2;
+    for (int s = c->first_batch; s < c->first_batch + STEPS && !rc; s++) {
         tdm_optim_zero_grad(opt);
-        for (int a = 0; a < 2 && !rc; a++) {
+        for (int a = 0; a < micro && !rc; a++) {
             batch_of(s * 10 + a, x, y);
-            tdm_ddp_set_sync(d, a == 1);
+            tdm_ddp_set_sync(d, a == micro - 1);
             tdm_scope_begin();
             tdm_tensor *xs =
                 tdm_from_data(TDM_SHAPE(hi - lo, IN), TDM_F32, tdm_cpu(0), x + lo * IN);
             tdm_tensor *ys = tdm_from_data(TDM_SHAPE(hi - lo), TDM_I64, tdm_cpu(0), y + lo);
             tdm_tensor *l = tdm_cross_entropy(tdm_ddp_forward(d, xs), ys, NULL);
-            rc = tdm_ddp_backward(d, tdm_mul_scalar(l, (float)((double)(hi - lo) * n / B / 2)));
+            float w = (float)((double)(hi - lo) * n / B / micro);
+            rc = tdm_ddp_backward(d, tdm_mul_scalar(l, w));
             tdm_scope_end();
         }
-        if (!rc) rc = tdm_clip_grad_norm(ps, ZERO_CLIP, false, NULL);
+        if (!rc && !c->no_clip) rc = tdm_ddp_clip_grad_norm(d, ZERO_CLIP, NULL);
         if (!rc) rc = tdm_optim_step(opt);
     }
     return rc;
@@ -293,15 +299,20 @@ static int zero_rank(tdm_rank_ctx *ctx, void *arg) {
     zero_case *c = arg;
     int r = ctx->rank, rc = 0;
     tdm_module *m = make_mlp(1 + (uint64_t)r, HID); /* rank 0's weights are broadcast */
-    tdm_ddp *d = tdm_ddp_new(m, ctx->group, NULL);
+    tdm_ddp_opts o = tdm_ddp_defaults();
+    if (c->bucket_cap) o.bucket_cap_bytes = o.first_bucket_cap_bytes = c->bucket_cap;
+    tdm_ddp *d = tdm_ddp_new(m, ctx->group, &o);
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_optim *opt = d ? c->make(ps, NULL) : NULL;
     tdm_train_state s = {.model = m, .optim = opt};
+    tdm_shard_kind kind = c->grads ? TDM_SHARD_GRADIENTS : TDM_SHARD_OPTIMIZER;
     if (!opt) rc = tdm_last_status();
-    if (!rc && c->shard && c->start != LOAD_THEN_SHARD) rc = tdm_optim_shard(opt, ctx->group);
+    if (!rc && c->shard && c->start != LOAD_THEN_SHARD) rc = tdm_ddp_set_shard(d, opt, kind);
     if (!rc && c->start != FROM_SCRATCH) rc = tdm_checkpoint_load(c->ckpt, &s);
-    if (!rc && c->shard && c->start == LOAD_THEN_SHARD) rc = tdm_optim_shard(opt, ctx->group);
-    if (!rc) rc = zero_steps(d, ps, opt, ctx->size, r, c->first_batch);
+    if (!rc && c->shard && c->start == LOAD_THEN_SHARD) rc = tdm_ddp_set_shard(d, opt, kind);
+    if (!rc && c->grads && (ps->flat_grad || !tdm_ddp_shard_grad(d, NULL)))
+        rc = TDM_ERR_STATE; /* stage 2 kept the whole flat gradient */
+    if (!rc) rc = zero_steps(c, d, opt, ctx->size, r);
     if (!rc) rc = zero_record(c, m, ps, opt, r);
     tdm_optim_free(opt);
     tdm_ddp_free(d);
@@ -399,6 +410,146 @@ static void test_zero(void) {
     }
 }
 
+/* ---- ZeRO stage 2: the gradients sharded too ----------------------------------------------- */
+
+/* Whether every rank of c ends with want's rank-0 parameters and whole state to float
+ * rounding (the tolerance of compare, above). */
+static void check_close(const zero_case *c, const zero_case *want, int n, const char *what) {
+    for (int r = 0; r < n; r++) {
+        CHECK(c->params[r] && compare(c->params[r], want->params[0], want->total, what) == 0,
+              "%s, %d ranks: rank %d's parameters are off the unsharded run's", what, n, r);
+        for (int k = 0; k < want->n_state; k++)
+            CHECK(c->state[r][k] &&
+                      compare(c->state[r][k], want->state[0][k], want->total, what) == 0,
+                  "%s, %d ranks: rank %d's gathered state %d is off the unsharded one", what, n, r,
+                  k);
+    }
+}
+
+/* Stage 2 on 2, 3 and 4 ranks, with buckets of 16 floats (4 buckets across the shards'
+ * boundaries), against unsharded DDP with the same buckets: bit for bit with one micro-batch
+ * a step, clipped or not (the clip's global norm is the shards' sums of squares added); with
+ * 2 micro-batches, each one's average added into the shard, to float rounding. */
+static void test_zero2(void) {
+    tdm_optim_factory makes[2] = {make_adam_zero, make_sgd_zero};
+    const char *names[2] = {"stage 2, adam (weight decay, amsgrad)",
+                            "stage 2, sgd (nesterov, param groups)"};
+    tdm_device devs[4] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+    struct {
+        int micro;
+        bool no_clip, exact;
+    } runs[3] = {{1, true, true}, {1, false, true}, {3, false, false}};
+    for (int k = 0; k < 2; k++)
+        for (int n = 2; n <= 4; n++)
+            for (int i = 0; i < 3; i++) {
+                zero_case plain = {.make = makes[k],
+                                   .micro = runs[i].micro,
+                                   .no_clip = runs[i].no_clip,
+                                   .bucket_cap = 64};
+                zero_case sharded = plain;
+                sharded.shard = sharded.grads = true;
+                CHECK(tdm_spawn(n, devs, zero_rank, &plain) == 0, "%s: %s", names[k],
+                      tdm_last_error());
+                CHECK(tdm_spawn(n, devs, zero_rank, &sharded) == 0, "%s on %d ranks: %s", names[k],
+                      n, tdm_last_error());
+                char what[160];
+                snprintf(what, sizeof what, "%s, %d micro-batch(es)%s", names[k], runs[i].micro,
+                         runs[i].no_clip ? "" : ", clipped");
+                check_shards(&sharded, n, what);
+                if (runs[i].exact)
+                    check_same(&sharded, &plain, n, what);
+                else
+                    check_close(&sharded, &plain, n, what);
+                zero_case_free(&plain);
+                zero_case_free(&sharded);
+            }
+}
+
+/* ---- ZeRO stage 2's memory ------------------------------------------------------------------ */
+
+#define MEM_LAYERS 8
+#define MEM_WIDTH  128
+#define MEM_BUCKET (MEM_WIDTH * (MEM_WIDTH + 1) * 4) /* one layer a bucket */
+
+typedef struct {
+    tdm_shard_kind kind;
+    int64_t between[2], peak[2]; /* per rank: allocated between steps, peak during one */
+    int64_t total, shard[2];     /* floats: the flat buffer's, each rank's shard's */
+} mem_case;
+
+/* A deep, narrow MLP on the rank's own device (its own allocator pool) under DDP with one
+ * layer per bucket and plain SGD (no state: only the gradients differ between stages): what
+ * the device holds between two steps, and its peak during the second. */
+static int mem_rank(tdm_rank_ctx *ctx, void *arg) {
+    mem_case *c = arg;
+    int r = ctx->rank, rc = 0;
+    tdm_rng g = tdm_rng_make(7);
+    tdm_module *l[2 * MEM_LAYERS];
+    for (int i = 0; i < MEM_LAYERS; i++) {
+        l[2 * i] = tdm_linear_new(MEM_WIDTH, MEM_WIDTH, true, ctx->device, &g);
+        l[2 * i + 1] = tdm_relu_new();
+    }
+    tdm_module *m = tdm_sequential_new(2 * MEM_LAYERS, l);
+    tdm_ddp_opts o = tdm_ddp_defaults();
+    o.bucket_cap_bytes = o.first_bucket_cap_bytes = MEM_BUCKET;
+    tdm_ddp *d = tdm_ddp_new(m, ctx->group, &o);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_sgd_opts so = tdm_sgd_defaults(0.01f);
+    tdm_optim *opt = d ? tdm_sgd_new(ps, &so) : NULL;
+    if (!opt) rc = tdm_last_status();
+    if (!rc) rc = tdm_ddp_set_shard(d, opt, c->kind);
+    int64_t lo = 0, hi = 0;
+    tdm_optim_shard_range(opt, &lo, &hi);
+    c->shard[r] = hi - lo;
+    for (int s = 0; s < 2 && !rc; s++) {
+        if (s == 1) {
+            c->between[r] = tdm_memory_stats_get(ctx->device).allocated;
+            tdm_memory_reset_peak(ctx->device);
+        }
+        tdm_optim_zero_grad(opt);
+        tdm_scope_begin();
+        tdm_rng xr = tdm_rng_make(11 + (uint64_t)r);
+        tdm_tensor *x = tdm_randn(TDM_SHAPE(4, MEM_WIDTH), 0, 1, ctx->device, &xr);
+        rc = tdm_ddp_backward(d, tdm_mean_all(tdm_ddp_forward(d, x)));
+        tdm_scope_end();
+        if (!rc) rc = tdm_optim_step(opt);
+    }
+    c->peak[r] = tdm_memory_stats_get(ctx->device).peak_allocated;
+    if (r == 0) c->total = ps->total;
+    tdm_optim_free(opt);
+    tdm_ddp_free(d);
+    tdm_module_free(m);
+    return rc;
+}
+
+/* Under stage 2 a rank holds between steps its shard of the gradient instead of the whole
+ * (about total * (1 - 1/size) floats less than stage 1), and at its peak during a step at
+ * most a few buckets beyond stage 1's peak less that difference. */
+static void test_zero2_memory(void) {
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    mem_case one = {.kind = TDM_SHARD_OPTIMIZER}, two = {.kind = TDM_SHARD_GRADIENTS};
+    CHECK(tdm_spawn(2, devs, mem_rank, &one) == 0, "stage 1: %s", tdm_last_error());
+    CHECK(tdm_spawn(2, devs, mem_rank, &two) == 0, "stage 2: %s", tdm_last_error());
+    for (int r = 0; r < 2; r++) {
+        int64_t saved = (one.total - two.shard[r]) * 4; /* the gradient outside the shard */
+        int64_t drop = one.between[r] - two.between[r];
+        CHECK(drop >= saved * 9 / 10 && drop <= saved * 5 / 4 + 4096, /* + size classes */
+              "rank %d: stage 2 holds %lld bytes between steps, stage 1 %lld: expected %lld "
+              "less (the gradient outside the shard of %lld of %lld floats)",
+              r, (long long)two.between[r], (long long)one.between[r], (long long)saved,
+              (long long)two.shard[r], (long long)one.total);
+        int64_t grad_peak = two.peak[r] - (one.peak[r] - one.total * 4); /* beyond the rest */
+        int64_t bound = two.shard[r] * 4 + 4 * (int64_t)MEM_BUCKET;
+        CHECK(grad_peak <= bound,
+              "rank %d: stage 2's gradients peak at %lld bytes (shard %lld + buckets), above "
+              "%lld; stage 1's whole gradient is %lld",
+              r, (long long)grad_peak, (long long)two.shard[r] * 4, (long long)bound,
+              (long long)one.total * 4);
+        CHECK(two.peak[r] < one.peak[r], "rank %d: stage 2 peaks at %lld, stage 1 at %lld", r,
+              (long long)two.peak[r], (long long)one.peak[r]);
+    }
+}
+
 /* ---- ZeRO errors ---------------------------------------------------------------------------- */
 
 typedef enum { SHARD_TWICE, SHARD_NULL_ON_1, SHARD_SIZES_DIFFER, SAVE_SHARDED } zero_fault;
@@ -473,8 +624,6 @@ static void test_zero_errors(void) {
     tdm_dp *dp = tdm_dp_new(m, devs, 2, make_adam_zero, NULL);
     CHECK(dp, "dp_new: %s", tdm_last_error());
     if (!dp) return;
-    CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_GRADIENTS) != 0,
-                "sharding the gradients (ZeRO stage 2) is not written yet");
     CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_PARAMETERS) != 0,
                 "sharding the parameters (ZeRO stage 3) is not written yet");
     CHECK_ERROR(tdm_dp_set_shard(dp, (tdm_shard_kind)7) != 0, "unknown kind 7");
@@ -485,6 +634,10 @@ static void test_zero_errors(void) {
     CHECK(lo == 0 && hi == ps->total, "replica 0 keeps the whole state: [%lld, %lld)",
           (long long)lo, (long long)hi);
     CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_NONE) != 0, "is sharded and stays so");
+    CHECK(tdm_dp_set_shard(dp, TDM_SHARD_GRADIENTS) == 0 && tdm_dp_shard(dp) == TDM_SHARD_GRADIENTS,
+          "one process's CPU devices accept --shard gradients: %s", tdm_last_error());
+    CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER) != 0,
+                "the gradients and optimizer state are sharded and stay so");
     tdm_optim *copy = tdm_dp_optim_gather(dp);
     tdm_tensor *st[3];
     CHECK(copy && tdm_optim_state(copy, NULL, st, 3) == 3 && tdm_numel(st[2]) == ps->total,
@@ -951,6 +1104,8 @@ int main(void) {
     test_ddp_equivalence();
     test_ddp_errors();
     test_zero();
+    test_zero2();
+    test_zero2_memory();
     test_zero_errors();
     test_data_parallel();
     test_dropout_rows();

@@ -4,13 +4,15 @@
  * flight at once, DDP across processes ending with the parameters of one process trained
  * on the same global batches, and ZeRO stage 1 (the optimizer state sharded over the
  * processes, and over every device of every process on the two-level group) ending with the
- * unsharded run's parameters and state bit for bit.
+ * unsharded run's parameters and state bit for bit; ZeRO stage 2 (the gradients sharded too)
+ * the same, bit for bit with one micro-batch a step and to float rounding when accumulating.
  *
  * `test_mpi --faults MPIRUN` (its own CTest entry) launches `MPIRUN -np 3 test_mpi --fault
  * CASE` for each fault case and checks that the job exits nonzero, quickly, with a message
  * naming the failing rank: a rank killed mid-epoch, a rank that hangs (timeout), a rank that
  * aborts, the same killed or aborting rank while the others exchange a sharded optimizer's
- * ranges, ranks built with different models, ranks that call different collectives. */
+ * ranges or (stage 2) reduce gradient buckets, ranks built with different models, ranks that
+ * call different collectives. */
 #include "check.h"
 #include "core/core.h"
 #include "parallel/group.h"
@@ -448,31 +450,36 @@ static int zero_describe(tdm_optim *o, tdm_optim *whole, zero_result *z) {
     return TDM_OK;
 }
 
-/* DDP over the processes, 2 micro-batches a step (the first without sync), the averaged
- * gradient clipped, the optimizer sharded over the processes when asked. */
-static int zero_ddp(tdm_optim *(*make)(tdm_paramset *), bool shard, zero_result *z) {
+/* DDP over the processes, `micro` micro-batches a step (all but the last without sync), the
+ * averaged gradient clipped, the optimizer (kind: and the gradients) sharded over the
+ * processes when asked; buckets of 16 floats, so that several cross the shards' bounds. */
+static int zero_ddp(tdm_optim *(*make)(tdm_paramset *), tdm_shard_kind kind, int micro,
+                    zero_result *z) {
     tdm_module *m = make_mlp(1 + (uint64_t)R, HID);
-    tdm_ddp *d = tdm_ddp_new(m, G, NULL);
+    tdm_ddp_opts o = tdm_ddp_defaults();
+    o.bucket_cap_bytes = o.first_bucket_cap_bytes = 64;
+    tdm_ddp *d = tdm_ddp_new(m, G, &o);
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_optim *opt = d ? make(ps) : NULL;
-    int rc = !opt ? tdm_last_status() : shard ? tdm_optim_shard(opt, G) : 0;
+    int rc = !opt ? tdm_last_status() : tdm_ddp_set_shard(d, opt, kind);
+    if (!rc && kind == TDM_SHARD_GRADIENTS && ps->flat_grad) rc = TDM_ERR_STATE; /* kept whole */
     float x[B * IN];
     int64_t y[B], lo, hi;
     rows_of(&lo, &hi);
     for (int s = 0; s < STEPS && !rc; s++) {
         tdm_optim_zero_grad(opt);
-        for (int a = 0; a < 2 && !rc; a++) {
+        for (int a = 0; a < micro && !rc; a++) {
             batch_of(s * 10 + a, x, y);
-            tdm_ddp_set_sync(d, a == 1);
+            tdm_ddp_set_sync(d, a == micro - 1);
             tdm_scope_begin();
             tdm_tensor *out = tdm_ddp_forward(
                 d, tdm_from_data(TDM_SHAPE(hi - lo, IN), TDM_F32, tdm_cpu(0), x + lo * IN));
             tdm_tensor *l = tdm_cross_entropy(
                 out, tdm_from_data(TDM_SHAPE(hi - lo), TDM_I64, tdm_cpu(0), y + lo), NULL);
-            rc = tdm_ddp_backward(d, tdm_mul_scalar(l, (float)((double)(hi - lo) * N / B / 2)));
+            rc = tdm_ddp_backward(d, tdm_mul_scalar(l, (float)((double)(hi - lo) * N / B / micro)));
             tdm_scope_end();
         }
-        if (!rc) rc = tdm_clip_grad_norm(ps, ZERO_CLIP, false, NULL);
+        if (!rc) rc = tdm_ddp_clip_grad_norm(d, ZERO_CLIP, NULL);
         if (!rc) rc = tdm_optim_step(opt);
     }
     if (!rc) {
@@ -485,6 +492,14 @@ static int zero_ddp(tdm_optim *(*make)(tdm_paramset *), bool shard, zero_result 
     tdm_ddp_free(d);
     tdm_module_free(m);
     return rc;
+}
+
+/* Parameters off want's beyond float rounding (1e-5 absolute + 1e-4 relative, as test_ddp). */
+static int count_off(const float *got, const float *want, int64_t n) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        bad += !(fabsf(got[i] - want[i]) <= 1e-5f + 1e-4f * fabsf(want[i]));
+    return bad;
 }
 
 /* Rank r of n's shard is tdm_chunk_of's, its state buffers that size, and the shards of every
@@ -509,26 +524,48 @@ static void check_shard_sum(int64_t numel, int64_t total, const char *what) {
 }
 
 /* Sharded DDP over N processes ends with the unsharded run's parameters and state, bit for
- * bit, with accumulation and clipping, with Adam (weight decay, amsgrad) and SGD momentum. */
+ * bit, with clipping, with Adam (weight decay, amsgrad) and SGD momentum: stage 1 with
+ * accumulation, stage 2 with one micro-batch a step; stage 2 accumulating 2 micro-batches
+ * (each one's average added into the shard) to float rounding. */
 static void test_zero_ddp(void) {
     tdm_optim *(*makes[2])(tdm_paramset *) = {make_adam_zero, make_sgd_zero};
-    for (int k = 0; k < 2; k++) {
-        zero_result plain = {0}, sharded = {0};
-        CHECK(zero_ddp(makes[k], false, &plain) == 0, "ddp: %s", tdm_last_error());
-        CHECK(zero_ddp(makes[k], true, &sharded) == 0, "sharded ddp: %s", tdm_last_error());
-        if (!plain.params || !sharded.params) return;
-        CHECK(memcmp(sharded.params, plain.params, sizeof(float) * (size_t)plain.total) == 0,
-              "zero ddp optimizer %d, %d processes, rank %d: parameters differ from unsharded", k,
-              N, R);
-        CHECK(sharded.state == plain.state,
-              "zero ddp optimizer %d, rank %d: the gathered state differs from unsharded", k, R);
-        CHECK(same_everywhere(digest(sharded.params, sizeof(float) * (size_t)plain.total)),
-              "zero ddp optimizer %d: ranks' parameters differ", k);
-        check_shard(&sharded, R, N, "zero ddp");
-        check_shard_sum(sharded.numel, sharded.total, "zero ddp");
-        free(plain.params);
-        free(sharded.params);
-    }
+    struct {
+        tdm_shard_kind kind;
+        int micro;
+        bool exact;
+        const char *name;
+    } runs[3] = {{TDM_SHARD_OPTIMIZER, 2, true, "zero ddp"},
+                 {TDM_SHARD_GRADIENTS, 1, true, "zero-2 ddp"},
+                 {TDM_SHARD_GRADIENTS, 2, false, "zero-2 ddp, accumulating"}};
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 3; i++) {
+            const char *what = runs[i].name;
+            zero_result plain = {0}, sharded = {0};
+            CHECK(zero_ddp(makes[k], TDM_SHARD_NONE, runs[i].micro, &plain) == 0, "ddp: %s",
+                  tdm_last_error());
+            CHECK(zero_ddp(makes[k], runs[i].kind, runs[i].micro, &sharded) == 0, "%s: %s", what,
+                  tdm_last_error());
+            if (!plain.params || !sharded.params) return;
+            size_t bytes = sizeof(float) * (size_t)plain.total;
+            if (runs[i].exact) {
+                CHECK(memcmp(sharded.params, plain.params, bytes) == 0,
+                      "%s optimizer %d, %d processes, rank %d: parameters differ from unsharded",
+                      what, k, N, R);
+                CHECK(sharded.state == plain.state,
+                      "%s optimizer %d, rank %d: the gathered state differs from unsharded", what,
+                      k, R);
+            } else {
+                CHECK(count_off(sharded.params, plain.params, plain.total) == 0,
+                      "%s optimizer %d, %d processes, rank %d: parameters off the unsharded run's",
+                      what, k, N, R);
+            }
+            CHECK(same_everywhere(digest(sharded.params, bytes)),
+                  "%s optimizer %d: ranks' parameters differ", what, k);
+            check_shard(&sharded, R, N, what);
+            check_shard_sum(sharded.numel, sharded.total, what);
+            free(plain.params);
+            free(sharded.params);
+        }
 }
 
 /* The loss of one of a step's 2 micro-batches. */
@@ -536,24 +573,27 @@ static tdm_tensor *ce_loss_half(tdm_tensor *out, tdm_tensor *target, int64_t row
     return tdm_mul_scalar(tdm_cross_entropy(out, target, NULL), 0.5f);
 }
 
-/* DataParallel over L devices in each of N processes, 2 micro-batches a step and clipping,
- * the optimizers sharded over all N * L replicas when asked: each replica's result in z[l]. */
-static int zero_dp(tdm_optim *(*make)(tdm_paramset *), bool shard, zero_result *z) {
+/* DataParallel over L devices in each of N processes, `micro` (1 or 2) micro-batches a step
+ * and clipping, the optimizers (kind: and gradients) sharded over all N * L replicas when
+ * asked: each replica's result in z[l]. */
+static int zero_dp(tdm_optim *(*make)(tdm_paramset *), tdm_shard_kind kind, int micro,
+                   zero_result *z) {
     const int64_t k = B / N; /* rows per process: equal shares */
     tdm_module *m = make_mlp(1 + (uint64_t)R, HID);
     tdm_device devs[L] = {tdm_cpu(0), tdm_cpu(1)};
     tdm_dp *dp = tdm_dp_new_distributed(m, devs, L, G, dp_factory, (void *)make);
     int rc = dp ? tdm_dp_set_clip_grad_norm(dp, ZERO_CLIP) : tdm_last_status();
-    if (!rc && shard) rc = tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER);
+    if (!rc) rc = tdm_dp_set_shard(dp, kind);
     float x[B * IN];
     int64_t y[B];
-    for (int s = 0; s < STEPS * 2 && !rc; s++) {
+    for (int s = 0; s < STEPS * micro && !rc; s++) {
         batch_of(s, x, y);
         tdm_scope_begin();
         tdm_tensor *tx = tdm_from_data(TDM_SHAPE(k, IN), TDM_F32, tdm_cpu(0), x + R * k * IN);
         tdm_tensor *ty = tdm_from_data(TDM_SHAPE(k), TDM_I64, tdm_cpu(0), y + R * k);
-        rc = s % 2 ? tdm_dp_step(dp, tx, ty, ce_loss_half, NULL, NULL)
-                   : tdm_dp_accumulate(dp, tx, ty, ce_loss_half, NULL, NULL);
+        tdm_loss_fn fn = micro == 2 ? ce_loss_half : ce_loss;
+        rc = s % micro == micro - 1 ? tdm_dp_step(dp, tx, ty, fn, NULL, NULL)
+                                    : tdm_dp_accumulate(dp, tx, ty, fn, NULL, NULL);
         tdm_scope_end();
     }
     tdm_optim *whole = rc ? NULL : tdm_dp_optim_gather(dp);
@@ -571,28 +611,41 @@ static int zero_dp(tdm_optim *(*make)(tdm_paramset *), bool shard, zero_result *
     return rc;
 }
 
-/* The same on the two-level group: sharded over every device of every process. */
+/* The same on the two-level group: sharded over every device of every process; stage 2 bit
+ * for bit with one micro-batch a step, to float rounding with 2. */
 static void test_zero_two_level(void) {
     tdm_optim *(*makes[2])(tdm_paramset *) = {make_adam_zero, make_sgd_zero};
-    for (int k = 0; k < 2; k++) {
-        zero_result plain[L] = {{0}}, sharded[L] = {{0}};
-        CHECK(zero_dp(makes[k], false, plain) == 0, "two-level dp: %s", tdm_last_error());
-        CHECK(zero_dp(makes[k], true, sharded) == 0, "sharded two-level dp: %s", tdm_last_error());
-        int64_t held = 0;
-        for (int l = 0; l < L && plain[0].params && sharded[l].params; l++) {
-            CHECK(memcmp(sharded[l].params, plain[0].params,
-                         sizeof(float) * (size_t)plain[0].total) == 0,
-                  "zero two-level optimizer %d, device %d of process %d: parameters differ from "
-                  "unsharded",
-                  k, l, R);
-            CHECK(sharded[l].state == plain[0].state,
-                  "zero two-level optimizer %d, process %d: the gathered state differs", k, R);
-            check_shard(&sharded[l], R * L + l, N * L, "zero two-level");
-            held += sharded[l].numel;
+    struct {
+        tdm_shard_kind kind;
+        int micro;
+        const char *name;
+    } runs[3] = {{TDM_SHARD_OPTIMIZER, 2, "zero two-level"},
+                 {TDM_SHARD_GRADIENTS, 1, "zero-2 two-level"},
+                 {TDM_SHARD_GRADIENTS, 2, "zero-2 two-level, accumulating"}};
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < 3; i++) {
+            const char *what = runs[i].name;
+            bool exact = runs[i].kind == TDM_SHARD_OPTIMIZER || runs[i].micro == 1;
+            zero_result plain[L] = {{0}}, sharded[L] = {{0}};
+            CHECK(zero_dp(makes[k], TDM_SHARD_NONE, runs[i].micro, plain) == 0, "two-level dp: %s",
+                  tdm_last_error());
+            CHECK(zero_dp(makes[k], runs[i].kind, runs[i].micro, sharded) == 0, "%s: %s", what,
+                  tdm_last_error());
+            int64_t held = 0;
+            for (int l = 0; l < L && plain[0].params && sharded[l].params; l++) {
+                size_t bytes = sizeof(float) * (size_t)plain[0].total;
+                CHECK(exact ? memcmp(sharded[l].params, plain[0].params, bytes) == 0
+                            : count_off(sharded[l].params, plain[0].params, plain[0].total) == 0,
+                      "%s optimizer %d, device %d of process %d: parameters %s unsharded", what, k,
+                      l, R, exact ? "differ from" : "off");
+                CHECK(!exact || sharded[l].state == plain[0].state,
+                      "%s optimizer %d, process %d: the gathered state differs", what, k, R);
+                check_shard(&sharded[l], R * L + l, N * L, what);
+                held += sharded[l].numel;
+            }
+            check_shard_sum(held, plain[0].total, what);
+            for (int l = 0; l < L; l++) free(plain[l].params), free(sharded[l].params);
         }
-        check_shard_sum(held, plain[0].total, "zero two-level");
-        for (int l = 0; l < L; l++) free(plain[l].params), free(sharded[l].params);
-    }
 }
 
 /* ---- fault cases (one mpirun each) -------------------------------------------------------- */
@@ -601,8 +654,8 @@ static void test_zero_two_level(void) {
  * optimizer sharded, between backward and the exchange of the shards). Ends the process: 0 if
  * all steps passed, 1 with "test_mpi rank R: error" on stderr otherwise. */
 static int fault_child(const char *what) {
-    bool timeout_case =
-        !strcmp(what, "hang") || !strcmp(what, "kill") || !strcmp(what, "kill_shard");
+    bool timeout_case = !strcmp(what, "hang") || !strcmp(what, "kill") ||
+                        !strcmp(what, "kill_shard") || !strcmp(what, "kill_grads");
     if (strstr(what, "_shard")) update_fault = what;
     tdm_group_set_timeout(G, timeout_case ? 1.0 : 30.0);
     int rc = 0;
@@ -615,9 +668,16 @@ static int fault_child(const char *what) {
         rc = d ? 0 : tdm_last_status();
         tdm_optim *opt = d ? make_sgd(tdm_module_parameters(m)) : NULL;
         if (opt && update_fault) rc = tdm_optim_shard(opt, G);
+        if (opt && strstr(what, "_grads")) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_GRADIENTS);
         for (int s = 0; s < 20 && !rc; s++) {
             if (s == 3 && R == 1) {
-                if (!strcmp(what, "kill")) raise(SIGKILL);
+                /* the others are then in step 3's backward, reducing gradient buckets */
+                if (!strcmp(what, "kill") || !strcmp(what, "kill_grads")) raise(SIGKILL);
+                if (!strcmp(what, "abort_grads")) {
+                    tdm_group_abort(G, "its backward failed");
+                    rc = tdm_raise(TDM_ERR_STATE, "its backward failed");
+                    break;
+                }
                 if (!strcmp(what, "hang")) sleep(60);
                 if (!strcmp(what, "abort")) {
                     tdm_group_abort(G, "out of data");
@@ -700,6 +760,13 @@ static void test_faults(const char *mpirun) {
     expect_job_fails(
         mpirun, "abort_shard", 15,
         (const char *[]){"optimizer step (sharded): ", "rank 1 failed: its update failed", NULL});
+    /* ZeRO stage 2: rank 1 dies or gives up while the others reduce gradient buckets */
+    expect_job_fails(mpirun, "kill_grads", 20,
+                     (const char *[]){"timed out after 1.0 s waiting for rank 1||"
+                                      "process rank 1 with PID",
+                                      NULL});
+    expect_job_fails(mpirun, "abort_grads", 15,
+                     (const char *[]){"rank 1 failed: its backward failed", NULL});
     expect_job_fails(mpirun, "model", 15,
                      (const char *[]){"ddp: parameter \"0.weight\" has shape [9, 6] on rank 1 "
                                       "but [8, 6] on rank 0",

@@ -627,6 +627,40 @@ static void reshard_dp(const char *const np[4][5], const char *dp_plain, const c
     check_resharded("2 processes x 2 devices -> 3", dp_plain, dp_log, dir, log, 3);
 }
 
+/* --shard gradients (ZeRO stage 2) under mpirun -np 2, DDP (one device a process) and
+ * DataParallel (two: 4 ranks on the two-level group): with one batch a step its checkpoints
+ * are the unsharded run's byte for byte (weights and gathered optimizer state); with
+ * --grad-accum 2 (each batch's average added into the shard) it trains to the end. Each
+ * reports its shard of the gradients. 12 steps of 48 samples. */
+static void zero2_runs(const char *const np2[5]) {
+    for (int devs = 1; devs <= 2; devs++) {
+        char plain[300], sharded[300], accum[300], want[160];
+        const char *dv = devs == 1 ? "1" : "2";
+        snprintf(plain, sizeof plain, "%s/zero2-plain-%d", tmpdir, devs);
+        snprintf(sharded, sizeof sharded, "%s/zero2-sharded-%d", tmpdir, devs);
+        snprintf(accum, sizeof accum, "%s/zero2-accum-%d", tmpdir, devs);
+        int rc = wait_status(start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", dv,
+                                                  "--checkpoint-dir", plain, "--quiet")));
+        int rc2 =
+            wait_status(start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", dv,
+                                             "--checkpoint-dir", sharded, "--shard", "gradients")));
+        char *out = captured("stdout");
+        snprintf(want, sizeof want,
+                 "gradients %d bytes per rank of 940584 (ZeRO stage 2 over %d "
+                 "ranks)",
+                 devs == 1 ? 470336 : 235200, 2 * devs);
+        CHECK(rc == 0 && rc2 == 0 && strstr(out, want) && same_ckpt(plain, sharded, 12),
+              "%d process x %d devices, --shard gradients: exit %d and %d, no \"%s\", or a "
+              "checkpoint differs from unsharded: %s",
+              2, devs, rc, rc2, want, out);
+        free(out);
+        rc = wait_status(start_with(np2, ARGS(ZERO_RUN, "--devices", dv, "--checkpoint-dir", accum,
+                                              "--quiet", "--shard", "gradients")));
+        CHECK(rc == 0, "2 processes x %d devices, --shard gradients --grad-accum 2: exit %d", devs,
+              rc);
+    }
+}
+
 /* --shard optimizer (ZeRO stage 1) under mpirun, one device per process (DDP) and two
  * (DataParallel): its checkpoints are the unsharded run's byte for byte (the weights, and the
  * state gathered from the shards); a sharded checkpoint resumes
@@ -710,6 +744,7 @@ static void zero_resume(const char *mpirun) {
     older_checkpoint(half[0]);
     reshard_dp(np, dp_plain, dp_log);
     reshard_one_to_three(np);
+    zero2_runs(np[2]);
 }
 
 /* Whether every checkpoint of dir has one run identity (written into id), and how many. */

@@ -174,15 +174,20 @@ static const opt_spec specs[] = {
      "results match one device. Under mpirun each process uses these devices for its share "
      "of the batch, and gradients are averaged over every device of every process "
      "(mpirun -np <GPUs> ... --devices cuda: one GPU per process)."},
-    {"--shard", "none|optimizer", OPT_STR, F(shard), 0, 0, "none",
+    {"--shard", "none|optimizer|gradients", OPT_STR, F(shard), 0, 0, "none",
      "optimizer: ZeRO stage 1 (PyTorch's ZeroRedundancyOptimizer) over every device of every "
      "process: each keeps the optimizer state (SGD's momentum, Adam's moments) of its shard of "
      "the parameters only, steps that shard and shares it, so the state per device is divided "
-     "by their number and the weights are the same, bit for bit. Under mpirun, or on several "
-     "GPUs; the CPU devices of one process already hold the state once. Checkpoints are the "
-     "unsharded run's (the state is gathered to save it), so a run may resume with or without "
-     "--shard, on any devices and processes. gradients and parameters (ZeRO stages 2 and 3) are "
-     "not written yet. Not with --model-split."},
+     "by their number and the weights are the same, bit for bit. gradients: ZeRO stage 2 "
+     "(FSDP's SHARD_GRAD_OP), also the gradients: each device keeps the averaged gradient of "
+     "its shard only, a bucket's gradients living only while backward produces and averages "
+     "them, so the gradient memory per device is its shard plus a few buckets; the weights "
+     "are the same bit for bit, except with --grad-accum, where each batch's average is added "
+     "into the shard (equal to float rounding). Under mpirun, or on several GPUs; the CPU "
+     "devices of one process already hold the state once. Checkpoints are the unsharded run's "
+     "(the state is gathered to save it), so a run may resume with or without --shard, on any "
+     "devices and processes. parameters (ZeRO stage 3) is not written yet. Not with "
+     "--model-split."},
     {"--model-split", "K", OPT_INT, F(model_split), 1, TDM_PIPE_MAX_STAGES, "1 (no split)",
      "Model parallelism: cut the model into K pipeline stages of consecutive layers (balanced "
      "by parameter count), each on its own device of --devices, which must list K devices, or "
@@ -596,16 +601,16 @@ static bool one_of(const char *v, const char *const *choices) {
 static int check_shard(const train_opts *o) {
     static const char *const kinds[] = {"none", "optimizer", "gradients", "parameters", NULL};
     if (!one_of(o->shard, kinds))
-        return train_usage_error("--shard: unknown kind '%s' (expected none or optimizer)",
-                                 o->shard);
-    if (!strcmp(o->shard, "gradients") || !strcmp(o->shard, "parameters"))
-        return train_usage_error("--shard %s (ZeRO stage %d) is not written yet; --shard "
-                                 "optimizer (stage 1) is",
-                                 o->shard, !strcmp(o->shard, "gradients") ? 2 : 3);
-    if (!strcmp(o->shard, "optimizer") && o->model_split > 1)
-        return train_usage_error("--shard optimizer shares one optimizer's state among "
+        return train_usage_error(
+            "--shard: unknown kind '%s' (expected none, optimizer or gradients)", o->shard);
+    if (!strcmp(o->shard, "parameters"))
+        return train_usage_error("--shard parameters (ZeRO stage 3) is not written yet; --shard "
+                                 "optimizer and gradients (stages 1 and 2) are");
+    if (strcmp(o->shard, "none") != 0 && o->model_split > 1)
+        return train_usage_error("--shard %s shares one optimizer's state among "
                                  "data-parallel replicas; with --model-split each pipeline "
-                                 "stage steps an optimizer of its own, which is not sharded yet");
+                                 "stage steps an optimizer of its own, which is not sharded yet",
+                                 o->shard);
     return 0;
 }
 

@@ -103,17 +103,19 @@ static int make_devices(trainer *tr) {
     return tr->opt ? 0 : task_error("optimizer: %s", tdm_last_error());
 }
 
-/* --shard optimizer: ZeRO stage 1 over every device of every process, after the resume (a
- * sharded optimizer keeps its shard of the restored state). The CPU devices of one process
- * already hold the state once (DataParallel's shared-memory update), and one device alone
- * has nobody to share it with: both are left as they are. */
+/* --shard optimizer|gradients: ZeRO stage 1 or 2 over every device of every process, after
+ * the resume (a sharded optimizer keeps its shard of the restored state). The CPU devices of
+ * one process already hold the state once (DataParallel's shared-memory update), and one
+ * device alone has nobody to share it with: both are left as they are. */
 static int shard_optimizer(trainer *tr) {
-    if (strcmp(tr->o->shard, "optimizer") != 0) return 0;
+    if (strcmp(tr->o->shard, "none") == 0) return 0;
+    tdm_shard_kind kind =
+        strcmp(tr->o->shard, "gradients") == 0 ? TDM_SHARD_GRADIENTS : TDM_SHARD_OPTIMIZER;
     bool shared_memory = tr->dp && !tr->g && tr->dev.type == TDM_CPU;
-    int rc = tr->dp    ? tdm_dp_set_shard(tr->dp, TDM_SHARD_OPTIMIZER)
-             : tr->ddp ? tdm_optim_shard(tr->opt, tr->g)
+    int rc = tr->dp    ? tdm_dp_set_shard(tr->dp, kind)
+             : tr->ddp ? tdm_ddp_set_shard(tr->ddp, tr->opt, kind)
                        : TDM_OK;
-    if (rc) return task_error("--shard optimizer: %s", tdm_last_error());
+    if (rc) return task_error("--shard %s: %s", tr->o->shard, tdm_last_error());
     tr->sharded = tr->ddp || (tr->dp && !shared_memory);
     return 0;
 }
@@ -264,8 +266,11 @@ static int batch_on_device(trainer *tr, const tdm_batch *b, bool last) {
     if (tr->ddp) tdm_parallel_context_clear();
     tdm_trace_end();
     tdm_trace_begin("optimizer");
-    if (!rc && last && tr->o->clip > 0)
-        rc = tdm_clip_grad_norm(tr->ps, (float)tr->o->clip, false, NULL) ? -1 : 0;
+    if (!rc && last && tr->o->clip > 0) /* DDP: under --shard gradients, from the shards */
+        rc = (tr->ddp ? tdm_ddp_clip_grad_norm(tr->ddp, (float)tr->o->clip, NULL)
+                      : tdm_clip_grad_norm(tr->ps, (float)tr->o->clip, false, NULL))
+                 ? -1
+                 : 0;
     if (!rc && last) rc = tdm_optim_step(tr->opt);
     tdm_trace_end();
     if (!rc) rc = record_on_device(tr, out, loss, b->size);
@@ -617,22 +622,29 @@ static void print_devices(const trainer *tr) {
     }
 }
 
-/* --shard's line: rank 0's (replica 0's) optimizer state against the whole state. */
+/* --shard's line: rank 0's (replica 0's) optimizer state against the whole state, and under
+ * --shard gradients its gradient shard against the whole gradient. */
 static void print_sharding(const trainer *tr) {
     const train_opts *o = tr->o;
     tdm_tensor *st[3];
     int n = tdm_optim_state(tr->opt, NULL, st, 3), procs = tr->g ? tdm_group_size(tr->g) : 1;
-    int64_t mine = 0, whole = (int64_t)n * tr->ps->total * 4;
+    int ranks = o->n_devs * procs;
+    int64_t mine = 0, whole = (int64_t)n * tr->ps->total * 4, lo, hi;
     for (int k = 0; k < n; k++) mine += tdm_numel(st[k]) * 4;
-    if (tr->sharded)
-        printf("sharding  optimizer state %lld bytes per rank of %lld (ZeRO stage 1 over %d "
-               "rank%s)\n",
-               (long long)mine, (long long)whole, o->n_devs * procs,
-               o->n_devs * procs == 1 ? "" : "s");
-    else
+    bool grads = strcmp(o->shard, "gradients") == 0;
+    if (tr->sharded) {
+        printf("sharding  optimizer state %lld bytes per rank of %lld", (long long)mine,
+               (long long)whole);
+        tdm_optim_shard_range(tr->opt, &lo, &hi);
+        if (grads)
+            printf(", gradients %lld bytes per rank of %lld", (long long)(hi - lo) * 4,
+                   (long long)tr->ps->total * 4);
+        printf(" (ZeRO stage %d over %d rank%s)\n", grads ? 2 : 1, ranks, ranks == 1 ? "" : "s");
+    } else {
         printf("sharding  optimizer state %lld bytes, held once by %s\n", (long long)whole,
                o->n_devs > 1 ? "this process for its devices (their update is split already)"
                              : "the one device: nothing to shard");
+    }
 }
 
 static void banner(const trainer *tr) {

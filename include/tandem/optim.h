@@ -52,7 +52,9 @@ int tdm_optim_set_weight_decays(tdm_optim *o, const float *wd);
  * tdm_optim_set_weight_decays. TDM_ERR_ARG for a NULL optimizer or a negative wd,
  * TDM_ERR_NOMEM. */
 int tdm_optim_decay_matrices_only(tdm_optim *o, float wd);
-/* One update from the gradients in ps->flat_grad. Returns TDM_OK or an error. A sharded
+/* One update from the gradients in ps->flat_grad (under ZeRO stage 2, tdm_ddp_set_shard: the
+ * rank's shard of the averaged gradient, ps->flat_grad being gone). Returns TDM_OK or an
+ * error. A sharded
  * optimizer (tdm_optim_shard) updates its shard, then shares it with the group's other ranks
  * and takes theirs, so every rank ends with all of ps->flat updated: a collective, called
  * by every rank of the group in the same order as its other collectives. */
@@ -62,7 +64,7 @@ int tdm_optim_step(tdm_optim *o);
  * tdm_optim_set_steps(o, tdm_optim_steps(o) + 1). TDM_ERR_ARG for a range outside the
  * flat buffers (for a sharded optimizer: outside its shard; nothing is shared). */
 int tdm_optim_step_range(tdm_optim *o, int64_t lo, int64_t hi);
-/* Zeroes ps->flat_grad. */
+/* Zeroes the gradient a step reads: ps->flat_grad, or under ZeRO stage 2 the rank's shard. */
 int tdm_optim_zero_grad(tdm_optim *o);
 float tdm_optim_lr(const tdm_optim *o);
 void tdm_optim_set_lr(tdm_optim *o, float lr);

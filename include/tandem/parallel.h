@@ -143,6 +143,16 @@ void tdm_parallel_context_clear(void);
 
 /* ---- DistributedDataParallel -------------------------------------------------------------- */
 
+/* What DDP or DataParallel shards over the ranks (PyTorch's FSDP ShardingStrategy, DeepSpeed's
+ * ZeRO stages); each kind shards what the one before it does, and more. */
+typedef enum {
+    TDM_SHARD_NONE,       /* every rank holds everything (the default; FSDP's NO_SHARD) */
+    TDM_SHARD_OPTIMIZER,  /* ZeRO stage 1: the optimizer state (tdm_optim_shard) */
+    TDM_SHARD_GRADIENTS,  /* ZeRO stage 2 (FSDP's SHARD_GRAD_OP): also the gradients, each
+                           * rank keeping the averaged gradient of its shard only */
+    TDM_SHARD_PARAMETERS, /* ZeRO stage 3: also the parameters (not written yet) */
+} tdm_shard_kind;
+
 typedef struct {
     int64_t bucket_cap_bytes;       /* PyTorch's default 25 MiB */
     int64_t first_bucket_cap_bytes; /* PyTorch's default 1 MiB */
@@ -163,10 +173,51 @@ tdm_ddp *tdm_ddp_new(tdm_module *replica, tdm_group *g, const tdm_ddp_opts *o);
 tdm_tensor *tdm_ddp_forward(tdm_ddp *d, tdm_tensor *x);
 /* backward(loss), with each bucket's all-reduce (average) launched as soon as its gradients
  * are final, then waits for all of them. With sync off (PyTorch's no_sync), gradients only
- * accumulate locally; the next synced backward reduces the accumulated sum. */
+ * accumulate locally; the next synced backward reduces the accumulated sum. Under ZeRO stage
+ * 2 (tdm_ddp_set_shard) every backward reduces, sync or not, and adds the average into the
+ * rank's shard of the gradient (DeepSpeed's accumulation: there is no whole gradient to
+ * accumulate into). */
 int tdm_ddp_backward(tdm_ddp *d, tdm_tensor *loss);
 void tdm_ddp_set_sync(tdm_ddp *d, bool sync);
 int tdm_ddp_bucket_count(const tdm_ddp *d);
+/* Shards over d's group what kind names, with o this rank's optimizer over the replica's
+ * parameters (tdm_module_parameters of the replica): a collective, called by every rank with
+ * the same kind, between steps, after any restore of o's state (its values are kept).
+ *
+ * TDM_SHARD_OPTIMIZER is tdm_optim_shard(o, group) (ZeRO stage 1).
+ * TDM_SHARD_GRADIENTS (ZeRO stage 2, PyTorch FSDP's SHARD_GRAD_OP) also shards the gradient:
+ * the rank keeps the averaged gradient of its optimizer shard, [lo, hi) of the flat buffer
+ * (tdm_optim_shard_range), and nothing more between backwards. The whole flat gradient is
+ * freed (ps->flat_grad becomes NULL and parameters' .grad are NULL outside tdm_ddp_backward);
+ * during backward a bucket's gradient lives in a buffer taken from the allocator when its
+ * first gradient arrives, which the parameters' .grad view, and is released once the bucket
+ * is averaged over the group and its part of [lo, hi) added into the shard; backward waits
+ * for a bucket's average before it launches the next but one. The peak gradient memory is thus the
+ * shard plus a few buckets (25 MiB each by default). tdm_optim_step and tdm_optim_zero_grad then
+ * read and zero the shard; clip with tdm_ddp_clip_grad_norm. With one micro-batch per step the
+ * weights are bit for bit DDP's (the same averages: each bucket is all-reduced as DDP does, which
+ * moves twice a reduce-scatter's bytes; see docs/ARCHITECTURE.md). Accumulating micro-batches adds
+ * their averages instead of averaging their sum: equal to float rounding, about
+ * (micro-batches + ranks) x 2^-24 of the summed magnitudes per element.
+ *
+ * d must outlive o's steps, and the replica keeps no whole gradient for other uses (training
+ * it without d). TDM_ERR_ARG for a NULL d, an optimizer of other parameters, an unknown kind
+ * or TDM_SHARD_PARAMETERS (stage 3, not written yet); TDM_ERR_STATE for a kind below the
+ * current one (sharded stays sharded); tdm_optim_shard's errors. A rank that cannot allocate
+ * its shard aborts the group, so every rank fails. Asking again for the current kind does
+ * nothing. */
+int tdm_ddp_set_shard(tdm_ddp *d, tdm_optim *o, tdm_shard_kind kind);
+tdm_shard_kind tdm_ddp_shard(const tdm_ddp *d);
+/* torch.nn.utils.clip_grad_norm_ (2-norm) of the averaged gradient after tdm_ddp_backward:
+ * tdm_clip_grad_norm on the replica's whole gradient, or under ZeRO stage 2 a collective:
+ * each rank's sum of squares of its shard (in double) all-gathered and added in rank order,
+ * so every rank scales its shard by the same factor, that of the whole gradient's norm (the
+ * unsharded norm but for double rounding). *total_norm (may be NULL) receives the norm.
+ * TDM_ERR_ARG for a NULL d or a negative max_norm; a failed exchange aborts the group. */
+int tdm_ddp_clip_grad_norm(tdm_ddp *d, float max_norm, float *total_norm);
+/* Under ZeRO stage 2, this rank's shard of the averaged gradient (f32 [hi - lo], owned by d)
+ * and *lo its first flat element; NULL (and *lo 0) otherwise. */
+tdm_tensor *tdm_ddp_shard_grad(const tdm_ddp *d, int64_t *lo);
 void tdm_ddp_free(tdm_ddp *d);
 
 /* ---- ZeRO stage 1: the optimizer's state sharded over a group ----------------------------- */
@@ -290,28 +341,24 @@ int tdm_dp_accumulate(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn
  * TDM_ERR_SHAPE for a 0-dim x, TDM_ERR_STATE when no scope is open, or a replica's error naming its
  * device; *out is then NULL. */
 int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out);
-/* What a DataParallel shards over all its replicas (PyTorch's FSDP ShardingStrategy, DeepSpeed's
- * ZeRO stages). */
-typedef enum {
-    TDM_SHARD_NONE,       /* every replica holds everything (the default) */
-    TDM_SHARD_OPTIMIZER,  /* ZeRO stage 1: the optimizer state (tdm_optim_shard) */
-    TDM_SHARD_GRADIENTS,  /* ZeRO stage 2: also the gradients (not written yet) */
-    TDM_SHARD_PARAMETERS, /* ZeRO stage 3: also the parameters (not written yet) */
-} tdm_shard_kind;
-
 /* Shards the replicas' state over every device of every process (tdm_dp_new_distributed's
  * global group, or the GPUs' NCCL group). With TDM_SHARD_OPTIMIZER each replica's optimizer
  * keeps its shard of the state (tdm_optim_shard over the replicas' group) and, after the
  * gradients are averaged and clipped as before, steps its shard and shares it: the results
- * are bit for bit the unsharded ones. A collective over the processes (every process calls
- * it, between steps); call it after restoring the optimizers' state, if any (their values
- * are kept). CPU devices of one process already hold the optimizer state once (replica 0's,
- * stepped in shards: see tdm_dp_optim), so there the call records the kind and changes
- * nothing. Asking again for the current kind does nothing. Fails with TDM_ERR_ARG for a NULL
- * dp or an unknown kind, and for TDM_SHARD_GRADIENTS and TDM_SHARD_PARAMETERS, whose ZeRO
- * stages (2 and 3) are not written yet; TDM_ERR_STATE for TDM_SHARD_NONE once sharded (a
- * sharded state stays sharded: tdm_dp_optim_gather copies it whole); a replica that cannot
- * shard fails the call on every process (naming its device). */
+ * are bit for bit the unsharded ones. TDM_SHARD_GRADIENTS (ZeRO stage 2) also keeps only
+ * each replica's shard of the averaged gradient (tdm_ddp_set_shard on every replica's DDP):
+ * clipping takes the global norm from the shards, tdm_dp_accumulate adds each micro-batch's
+ * average into the shard (equal to the unsharded sum's average to float rounding; a step
+ * without accumulation is bit for bit the unsharded one). A collective over the processes
+ * (every process calls it, between steps); call it after restoring the optimizers' state,
+ * if any (their values are kept). CPU devices of one process already hold the optimizer
+ * state once (replica 0's, stepped in shards: see tdm_dp_optim) and reduce each shard of the
+ * gradients once, reading every replica's whole gradient in shared memory, so there the call
+ * records the kind and changes nothing. Asking again for the current kind
+ * does nothing. Fails with TDM_ERR_ARG for a NULL dp or an unknown kind, and for
+ * TDM_SHARD_PARAMETERS, whose ZeRO stage 3 is not written yet; TDM_ERR_STATE for a kind below
+ * the current one (a sharded state stays sharded: tdm_dp_optim_gather copies it whole); a
+ * replica that cannot shard fails the call on every process (naming its device). */
 int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind);
 tdm_shard_kind tdm_dp_shard(const tdm_dp *dp);
 /* A whole, unsharded copy of the replicas' optimizer (replica 0's state and settings, the

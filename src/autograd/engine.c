@@ -11,7 +11,22 @@ typedef struct {
     int n;
     tdm_grad_hook fn[MAX_HOOKS];
     void *ctx[MAX_HOOKS];
+    tdm_grad_source_fn source; /* gives the leaf a .grad on demand (ZeRO stage 2), or NULL */
+    void *source_ctx;
 } hook_list;
+
+static hook_list *hooks_of(tdm_tensor *leaf);
+
+/* A leaf without .grad whose storage is given on demand (tdm_set_grad_source) gets it now.
+ * TDM_OK with t->grad still NULL when t has no source. */
+static int take_source(tdm_tensor *t) {
+    hook_list *h = tdm_book(t)->hooks;
+    if (t->grad || !h || !h->source) return TDM_OK;
+    int rc = h->source(t, h->source_ctx);
+    if (!rc && !t->grad)
+        rc = tdm_raise(TDM_ERR_STATE, "backward: a gradient source gave a leaf no .grad");
+    return rc;
+}
 
 static _Thread_local bool grad_disabled;
 
@@ -94,7 +109,9 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
         }
         return add_into(n->gout, g);
     }
-    /* a leaf: .grad lives as long as the leaf itself */
+    /* a leaf: .grad lives as long as the leaf itself, or comes from its source */
+    int rc = take_source(t);
+    if (rc) return rc;
     if (!t->grad) {
         t->grad = tdm_tensor_alloc_owned(tdm_shape_of(t), TDM_F32, t->device, tdm_book(t)->owner);
         if (!t->grad) return tdm_last_status();
@@ -104,7 +121,10 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
 }
 
 tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t) {
-    if (!t || !t->requires_grad || t->grad_fn || !t->grad) return NULL;
+    if (!t || !t->requires_grad || t->grad_fn) return NULL;
+    /* a failing source is left to the tdm_grad_accumulate that follows, which reports it */
+    if (!t->grad && take_source(t)) return NULL;
+    if (!t->grad) return NULL;
     return tdm_is_contiguous(t->grad) && tdm_same_shape(t->grad, t) ? t->grad : NULL;
 }
 
@@ -130,19 +150,33 @@ static void hook_list_free(void *hooks) {
     free(hooks);
 }
 
+/* The leaf's hook list, made on first use; NULL when out of memory. */
+static hook_list *hooks_of(tdm_tensor *leaf) {
+    hook_list *h = tdm_book(leaf)->hooks;
+    if (!h && (h = tdm_book(leaf)->hooks = calloc(1, sizeof *h)))
+        tdm_tensor_set_hooks_free(hook_list_free); /* tdm_tensor_free frees them */
+    return h;
+}
+
 int tdm_register_grad_hook(tdm_tensor *leaf, tdm_grad_hook hook, void *ctx) {
     if (!leaf || !hook) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: NULL argument");
     if (leaf->grad_fn) return tdm_raise(TDM_ERR_ARG, "register_grad_hook: not a leaf tensor");
-    hook_list *h = tdm_book(leaf)->hooks;
-    if (!h) {
-        if (!(h = tdm_book(leaf)->hooks = calloc(1, sizeof *h)))
-            return tdm_raise(TDM_ERR_NOMEM, "register_grad_hook: out of memory");
-        tdm_tensor_set_hooks_free(hook_list_free); /* tdm_tensor_free frees them */
-    }
+    hook_list *h = hooks_of(leaf);
+    if (!h) return tdm_raise(TDM_ERR_NOMEM, "register_grad_hook: out of memory");
     if (h->n == MAX_HOOKS)
         return tdm_raise(TDM_ERR_ARG, "register_grad_hook: at most %d hooks per tensor", MAX_HOOKS);
     h->fn[h->n] = hook;
     h->ctx[h->n++] = ctx;
+    return TDM_OK;
+}
+
+int tdm_set_grad_source(tdm_tensor *leaf, tdm_grad_source_fn source, void *ctx) {
+    if (!leaf) return tdm_raise(TDM_ERR_ARG, "set_grad_source: NULL leaf");
+    if (leaf->grad_fn) return tdm_raise(TDM_ERR_ARG, "set_grad_source: not a leaf tensor");
+    hook_list *h = hooks_of(leaf);
+    if (!h) return tdm_raise(TDM_ERR_NOMEM, "set_grad_source: out of memory");
+    h->source = source;
+    h->source_ctx = ctx;
     return TDM_OK;
 }
 
@@ -206,6 +240,9 @@ static int walk(int top, int stop, tdm_tensor **heads) {
         }
         for (tdm_tensor *x = heads ? heads[i - stop] : NULL; x && rc == TDM_OK;
              x = tdm_book(x)->ready_next) {
+            /* a read leaf that no gradient reached still gets its (zero) .grad from its
+             * source, as it has one without: its hooks see the same leaves either way */
+            if (!x->grad) rc = take_source(x);
             if (x->grad) fire_hooks(x);
             tdm_book(x)->last_use = -1;
         }

@@ -58,6 +58,16 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g);
  * a contiguous .grad of its shape, e.g. a parameter's view of the flat gradient), else NULL.
  * Kernels that can accumulate (a GEMM with beta 1) then skip a temporary and an add. */
 tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t);
+/* Where a leaf's .grad comes from when it has none: called as the first gradient of a
+ * backward reaches the leaf (and for a leaf the tape read that no gradient reached, before
+ * its gradient-ready hooks), it sets leaf->grad to a zeroed contiguous f32 tensor of the
+ * leaf's shape that the caller keeps alive (DDP under ZeRO stage 2: a view of a bucket's
+ * buffer, taken from the allocator only while the bucket is in flight). Returns TDM_OK or an
+ * error, which fails the backward. */
+typedef int (*tdm_grad_source_fn)(tdm_tensor *leaf, void *ctx);
+/* Sets leaf's gradient source (NULL: none, .grad is allocated whole as usual). Cleared with
+ * the hooks (tdm_clear_grad_hooks). TDM_ERR_ARG for a NULL or non-leaf tensor. */
+int tdm_set_grad_source(tdm_tensor *leaf, tdm_grad_source_fn source, void *ctx);
 /* Sums g down to t's shape (the reverse of broadcasting) and accumulates it. */
 int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g);
 

@@ -11,4 +11,8 @@ int tdm_clip_sum_squares(const tdm_paramset *ps, int64_t lo, int64_t hi, double 
  * max_norm / (norm + 1e-6), when below 1 (NaN for a NaN norm, as in PyTorch). */
 int tdm_clip_scale(tdm_paramset *ps, int64_t lo, int64_t hi, float max_norm, float norm);
 
+/* The same for a gradient held as a tensor of its own (a ZeRO stage-2 shard, contiguous). */
+int tdm_clip_sum_squares_of(const tdm_tensor *g, double *ss);
+int tdm_clip_scale_of(tdm_tensor *g, float max_norm, float norm);
+
 #endif

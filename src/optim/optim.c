@@ -32,6 +32,10 @@ struct tdm_optim {
     int64_t lo, hi;
     bool sharded;
     tdm_optim_shard_hooks shard;
+    /* The gradient a step reads: ps->flat_grad (grad_lo 0), or under ZeRO stage 2 the rank's
+     * shard of it ([hi - lo] elements, grad_lo = lo; tdm_optim_use_grad), not owned. */
+    tdm_tensor *grad;
+    int64_t grad_lo;
 };
 
 static const char *const sgd_names[] = {"momentum_buffer"};
@@ -163,7 +167,8 @@ static int step_slice(tdm_optim *o, int64_t lo, int64_t hi) {
         int64_t a = ps->offsets[i] > lo ? ps->offsets[i] : lo;
         int64_t b = ps->offsets[j] < hi ? ps->offsets[j] : hi;
         if (a >= b) continue;
-        tdm_tensor p = flat_range(ps->flat, a, b - a), g = flat_range(ps->flat_grad, a, b - a);
+        tdm_tensor p = flat_range(ps->flat, a, b - a);
+        tdm_tensor g = flat_range(o->grad ? o->grad : ps->flat_grad, a - o->grad_lo, b - a);
         tdm_tensor st[3];
         for (int k = 0; k < 3; k++)
             if (o->state[k]) st[k] = flat_range(o->state[k], a - o->lo, b - a);
@@ -235,7 +240,7 @@ int tdm_optim_step_range(tdm_optim *o, int64_t lo, int64_t hi) {
 
 int tdm_optim_zero_grad(tdm_optim *o) {
     if (!o) return tdm_raise(TDM_ERR_ARG, "optim_zero_grad: optimizer is NULL");
-    return o->be->fill(o->ps->flat_grad, 0.0);
+    return o->be->fill(o->grad ? o->grad : o->ps->flat_grad, 0.0);
 }
 
 float tdm_optim_lr(const tdm_optim *o) {
@@ -335,6 +340,24 @@ int tdm_optim_restrict(tdm_optim *o, int64_t lo, int64_t hi, const tdm_optim_sha
     return TDM_OK;
 }
 
+int tdm_optim_use_grad(tdm_optim *o, tdm_tensor *grad, int64_t lo) {
+    if (!o || !grad) return tdm_raise(TDM_ERR_ARG, "optim_use_grad: NULL optimizer or gradient");
+    if (grad->ndim != 1 || lo > o->lo || lo + grad->shape[0] < o->hi)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "optim_use_grad: a gradient of %lld elements from %lld does not cover "
+                         "the optimizer's range [%lld, %lld)",
+                         (long long)tdm_numel(grad), (long long)lo, (long long)o->lo,
+                         (long long)o->hi);
+    o->grad = grad;
+    o->grad_lo = lo;
+    return TDM_OK;
+}
+
+tdm_tensor *tdm_optim_grad(const tdm_optim *o, int64_t *lo) {
+    if (lo) *lo = o && o->grad ? o->grad_lo : 0;
+    return !o ? NULL : o->grad ? o->grad : o->ps->flat_grad;
+}
+
 void *tdm_optim_shard_ctx(const tdm_optim *o) {
     return o && o->sharded ? o->shard.ctx : NULL;
 }
@@ -352,6 +375,7 @@ tdm_optim *tdm_optim_new_like(const tdm_optim *o) {
     c->lo = 0, c->hi = o->ps->total;
     c->sharded = false;
     c->shard = (tdm_optim_shard_hooks){0};
+    c->grad = NULL, c->grad_lo = 0; /* a copy for a checkpoint: it never steps */
     for (int k = 0; k < 3; k++) c->state[k] = NULL;
     bool ok = !o->wd || tdm_optim_set_weight_decays(c, o->wd) == TDM_OK;
     for (int k = 0; k < 3 && ok; k++)

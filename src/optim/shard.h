@@ -24,6 +24,13 @@ typedef struct {
  * is sharded already, TDM_ERR_ARG for a range outside the flat buffer; o is then unchanged and
  * the hooks' ctx stays the caller's. */
 int tdm_optim_restrict(tdm_optim *o, int64_t lo, int64_t hi, const tdm_optim_shard_hooks *hooks);
+/* ZeRO stage 2: steps read their gradient from grad, which holds flat elements
+ * [lo, lo + numel(grad)) and must cover o's range (the caller keeps it alive as long as o
+ * steps), instead of ps->flat_grad; tdm_optim_zero_grad zeroes it. TDM_ERR_SHAPE when it does
+ * not cover the range. */
+int tdm_optim_use_grad(tdm_optim *o, tdm_tensor *grad, int64_t lo);
+/* The gradient a step reads (ps->flat_grad, or tdm_optim_use_grad's), *lo its first element. */
+tdm_tensor *tdm_optim_grad(const tdm_optim *o, int64_t *lo);
 /* The ctx given to tdm_optim_restrict, or NULL for an unsharded optimizer. */
 void *tdm_optim_shard_ctx(const tdm_optim *o);
 /* The parameter set o updates. */

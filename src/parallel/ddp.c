@@ -7,21 +7,33 @@
  * the rest at 25 MiB; all-reduces are launched in bucket order on every rank, since the
  * ranks must issue collectives in the same order. Reverse registration order is a contiguous
  * range of the flat buffer for every bucket, so a bucket is a view, never a copy. */
-#include "tandem/parallel.h"
+#include "parallel/group.h"
 
 #include "autograd/tape.h"
+#include "optim/clip.h"
+#include "optim/shard.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 typedef struct {
-    int64_t lo, hi; /* element range of the flat gradient */
-    int n_params;
-    int pending; /* parameters whose gradient is not final yet this backward */
+    int64_t lo, hi;      /* element range of the flat gradient */
+    int first, n_params; /* parameters first .. first + n_params - 1 */
+    int pending;         /* parameters whose gradient is not final yet this backward */
     tdm_tensor view;
     tdm_work *work;
+    /* ZeRO stage 2: the bucket's gradient [hi - lo] while it is produced and reduced (the
+     * parameters' .grad are views of it), NULL otherwise; caller-owned, from the allocator */
+    tdm_tensor *buf;
 } bucket;
+
+/* How many reduced buckets may be in flight at once under ZeRO stage 2 before backward waits
+ * for the oldest: what bounds the gradient memory beyond the shard (DeepSpeed's
+ * reduce_bucket_size x its overlap). One still lets a bucket's reduction overlap the next
+ * one's compute; two cost the GPT of bench/RESULTS.md 20 MiB more at its peak. */
+#define STAGE2_IN_FLIGHT 1
 
 typedef struct {
     struct tdm_ddp *ddp;
@@ -40,6 +52,12 @@ struct tdm_ddp {
     param_slot *slots;
     bool sync;
     int launch_error; /* first failure to launch a collective during backward */
+    /* ZeRO stage 2 (tdm_ddp_set_shard): the averaged gradient of flat elements [lo, hi), this
+     * rank's optimizer shard, is all this rank keeps ([hi - lo], caller-owned); NULL before */
+    tdm_tensor *shard_grad;
+    int64_t lo, hi;
+    tdm_shard_kind shard;
+    int next_finish; /* first launched bucket not yet added into shard_grad */
 };
 
 tdm_ddp_opts tdm_ddp_defaults(void) {
@@ -135,6 +153,7 @@ static int make_buckets(tdm_ddp *d) {
             b->hi = hi;
         }
         b->lo = lo;
+        b->first = i;
         b->n_params++;
         d->slots[i] = (param_slot){d, d->n_buckets - 1, false};
     }
@@ -148,19 +167,126 @@ static int make_buckets(tdm_ddp *d) {
     return TDM_OK;
 }
 
-/* Launches every ready bucket from the next one in order: ranks must agree on the order. */
+/* ---- ZeRO stage 2: bucket buffers that live while the bucket is in flight ---------------- */
+
+/* A stack view of elements [lo, hi) of contiguous 1-D t (a collective or a kernel reads only
+ * its geometry); lives for one call. */
+static tdm_tensor range_view(const tdm_tensor *t, int64_t lo, int64_t hi) {
+    tdm_tensor v = *t;
+    v.shape[0] = hi - lo;
+    v.offset = t->offset + lo;
+    v.grad = NULL, v.grad_fn = NULL, tdm_book(&v)->hooks = NULL;
+    return v;
+}
+
+/* A caller-owned view of buf ([bucket]) at element off with p's shape: a parameter's .grad
+ * while its bucket is in flight. Made owned by nobody from the start, since a scope-owned
+ * view kept with tdm_scope_keep would leave its scope's copy holding the buffer until the
+ * step's scope ends. */
+static tdm_tensor *grad_view(const tdm_tensor *buf, const tdm_tensor *p, int64_t off) {
+    tdm_tensor *g = tdm_tensor_header_owned(NULL);
+    if (!g) return NULL;
+    g->dtype = TDM_F32;
+    g->ndim = p->ndim;
+    memcpy(g->shape, p->shape, sizeof g->shape);
+    tdm_contiguous_strides(p->ndim, p->shape, g->strides);
+    g->offset = buf->offset + off;
+    g->device = buf->device;
+    g->storage = buf->storage;
+    tdm_storage_retain(g->storage);
+    return g;
+}
+
+/* Bucket b's buffer from the allocator, zeroed (backward adds into .grad, and GEMMs write
+ * into it with beta 1, as into the flat gradient), with every parameter's .grad a view of
+ * it: what DDP's flat gradient is to the bucket, for as long as the bucket is in flight. */
+static int bucket_take(tdm_ddp *d, bucket *b) {
+    tdm_device dev = d->ps->flat->device;
+    tdm_tensor *buf = tdm_tensor_alloc_owned(TDM_SHAPE(b->hi - b->lo), TDM_F32, dev, NULL);
+    const tdm_backend *be = tdm_backend_for(dev);
+    int rc = !buf || !be ? tdm_last_status() : be->fill(buf, 0.0);
+    for (int i = b->first; !rc && i < b->first + b->n_params; i++) {
+        tdm_tensor *p = d->ps->params[i];
+        tdm_tensor *g = grad_view(buf, p, d->ps->offsets[i] - b->lo);
+        if (!g) rc = tdm_last_status();
+        tdm_tensor_free(p->grad); /* none, but for a caller's stray one */
+        p->grad = g;
+    }
+    b->buf = buf;
+    return rc;
+}
+
+/* Drops bucket b's buffer and the parameters' views of it (back to the allocator's cache). */
+static void bucket_release(tdm_ddp *d, bucket *b) {
+    if (!b->buf) return;
+    for (int i = b->first; i < b->first + b->n_params; i++) {
+        tdm_tensor_free(d->ps->params[i]->grad);
+        d->ps->params[i]->grad = NULL;
+    }
+    tdm_tensor_free(b->buf);
+    b->buf = NULL;
+}
+
+/* The gradient source of a parameter under stage 2: its bucket's buffer, taken when the first
+ * gradient of the bucket arrives. */
+static int on_grad_needed(tdm_tensor *param, void *ctx) {
+    param_slot *s = ctx;
+    bucket *b = &s->ddp->buckets[s->bucket];
+    return b->buf ? TDM_OK : bucket_take(s->ddp, b);
+}
+
+/* Waits for bucket k's all-reduce, adds its part of this rank's shard, [lo, hi) of the flat
+ * buffer, into shard_grad (an accumulating window sums its micro-batches' averages there) and
+ * releases the buffer. The first failure is kept in launch_error. */
+static void bucket_finish(tdm_ddp *d, int k) {
+    bucket *b = &d->buckets[k];
+    int rc = b->work ? tdm_work_wait(b->work) : TDM_OK;
+    b->work = NULL;
+    int64_t a = b->lo > d->lo ? b->lo : d->lo, e = b->hi < d->hi ? b->hi : d->hi;
+    if (!rc && b->buf && a < e) {
+        tdm_tensor src = range_view(b->buf, a - b->lo, e - b->lo);
+        tdm_tensor dst = range_view(d->shard_grad, a - d->lo, e - d->lo);
+        rc = tdm_backend_for(dst.device)->axpy(&dst, 1.0f, &src);
+    }
+    bucket_release(d, b);
+    if (rc && !d->launch_error) d->launch_error = rc;
+}
+
+/* Finishes the launched buckets whose reduction is done, and the oldest ones while more than
+ * STAGE2_IN_FLIGHT are in flight: the buffers beyond the shard stay a few buckets. */
+static void reclaim(tdm_ddp *d) {
+    while (d->next_finish < d->next_launch) {
+        bucket *b = &d->buckets[d->next_finish];
+        bool done = !b->work || tdm_work_done(b->work);
+        if (!done && d->next_launch - d->next_finish <= STAGE2_IN_FLIGHT) break;
+        bucket_finish(d, d->next_finish++);
+    }
+}
+
+/* ---- launching ----------------------------------------------------------------------------- */
+
+/* Launches every ready bucket from the next one in order: ranks must agree on the order.
+ * Under stage 2 a bucket whose parameters got no gradient (unused ones) is reduced as zeros,
+ * as the flat gradient's slice would be. */
 static void launch_ready(tdm_ddp *d) {
     while (d->next_launch < d->n_buckets && d->buckets[d->next_launch].pending == 0) {
         bucket *b = &d->buckets[d->next_launch++];
-        b->work = tdm_all_reduce(d->g, &b->view, TDM_AVG);
+        tdm_tensor *t = &b->view;
+        if (d->shard_grad) {
+            if (!b->buf && bucket_take(d, b) && !d->launch_error)
+                d->launch_error = tdm_last_status();
+            t = b->buf;
+        }
+        b->work = t ? tdm_all_reduce(d->g, t, TDM_AVG) : NULL;
         if (!b->work && !d->launch_error) d->launch_error = tdm_last_status();
     }
+    if (d->shard_grad) reclaim(d);
 }
 
 static void on_grad_ready(tdm_tensor *param, void *ctx) {
     param_slot *s = ctx;
     tdm_ddp *d = s->ddp;
-    if (!d->sync || s->ready) return;
+    if ((!d->sync && !d->shard_grad) || s->ready) return;
     s->ready = true;
     d->buckets[s->bucket].pending--;
     launch_ready(d);
@@ -173,6 +299,7 @@ static void reset_buckets(tdm_ddp *d) {
     }
     for (int i = 0; i < d->ps->n; i++) d->slots[i].ready = false;
     d->next_launch = 0;
+    d->next_finish = 0;
     d->launch_error = 0;
 }
 
@@ -227,16 +354,24 @@ static void unused_names(const tdm_ddp *d, char *buf, size_t size) {
             at += (size_t)snprintf(buf + at, size - at, "%s%s", at ? ", " : "", d->ps->names[i]);
 }
 
+/* Stage 2's end of backward: every launched bucket finished into the shard, the buffers of
+ * any others (a failed backward) dropped. */
+static int finish_stage2(tdm_ddp *d, int rc) {
+    while (d->next_finish < d->next_launch) bucket_finish(d, d->next_finish++);
+    for (int k = 0; k < d->n_buckets; k++) bucket_release(d, &d->buckets[k]);
+    return rc ? rc : d->launch_error;
+}
+
 int tdm_ddp_backward(tdm_ddp *d, tdm_tensor *loss) {
     if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_backward: NULL ddp");
     reset_buckets(d);
     int rc = tdm_backward(loss);
-    if (!d->sync) return rc;
+    if (!d->sync && !d->shard_grad) return rc;
     if (rc) {
         char msg[600];
         snprintf(msg, sizeof msg, "backward failed: %s", tdm_last_error());
         tdm_group_abort(d->g, msg);
-        return rc;
+        return d->shard_grad ? finish_stage2(d, rc) : rc;
     }
     if (d->next_launch < d->n_buckets) { /* some parameter got no gradient */
         char names[400];
@@ -253,6 +388,7 @@ int tdm_ddp_backward(tdm_ddp *d, tdm_tensor *loss) {
         for (int i = 0; i < d->ps->n; i++)
             if (!d->slots[i].ready) on_grad_ready(d->ps->params[i], &d->slots[i]);
     }
+    if (d->shard_grad) return finish_stage2(d, rc);
     for (int k = 0; k < d->n_buckets; k++) {
         int w = d->buckets[k].work ? tdm_work_wait(d->buckets[k].work) : TDM_OK;
         d->buckets[k].work = NULL;
@@ -271,9 +407,141 @@ int tdm_ddp_bucket_count(const tdm_ddp *d) {
 
 void tdm_ddp_free(tdm_ddp *d) {
     if (!d) return;
+    for (int k = 0; d->buckets && k < d->n_buckets; k++) bucket_release(d, &d->buckets[k]);
     if (d->ps)
         for (int i = 0; i < d->ps->n; i++) tdm_clear_grad_hooks(d->ps->params[i]);
+    tdm_tensor_free(d->shard_grad);
     free(d->buckets);
     free(d->slots);
     free(d);
+}
+
+/* ---- sharding (ZeRO stages 1 and 2) ------------------------------------------------------ */
+
+/* Stage 2 on this rank, once o is sharded to [lo, hi): the shard's gradient (carrying the
+ * flat gradient's values there), the optimizer reading it, the parameters' gradients given
+ * by bucket on demand, and the whole flat gradient freed. On failure nothing has changed. */
+static int shard_gradients(tdm_ddp *d, tdm_optim *o) {
+    int64_t lo, hi;
+    tdm_optim_shard_range(o, &lo, &hi);
+    tdm_tensor *g = tdm_tensor_alloc_owned(TDM_SHAPE(hi - lo), TDM_F32, d->ps->flat->device, NULL);
+    tdm_tensor part = g ? range_view(d->ps->flat_grad, lo, hi) : (tdm_tensor){0};
+    int rc = !g ? tdm_last_status() : tdm_copy_(g, &part);
+    if (!rc) rc = tdm_optim_use_grad(o, g, lo);
+    for (int i = 0; !rc && i < d->ps->n; i++)
+        rc = tdm_set_grad_source(d->ps->params[i], on_grad_needed, &d->slots[i]);
+    if (rc) {
+        for (int i = 0; i < d->ps->n; i++) tdm_set_grad_source(d->ps->params[i], NULL, NULL);
+        tdm_tensor_free(g);
+        return rc;
+    }
+    for (int i = 0; i < d->ps->n; i++) {
+        tdm_tensor_free(d->ps->params[i]->grad);
+        d->ps->params[i]->grad = NULL;
+    }
+    for (int k = 0; k < d->n_buckets; k++) d->buckets[k].view = (tdm_tensor){0};
+    tdm_tensor_free(d->ps->flat_grad);
+    d->ps->flat_grad = NULL;
+    d->shard_grad = g, d->lo = lo, d->hi = hi;
+    return TDM_OK;
+}
+
+/* Why this rank cannot take kind with o (written into why), or TDM_OK. */
+static int shard_check(const tdm_ddp *d, const tdm_optim *o, tdm_shard_kind kind, char *why,
+                       size_t cap) {
+    if (kind == TDM_SHARD_PARAMETERS) {
+        snprintf(why, cap,
+                 "ddp_set_shard: sharding the parameters (ZeRO stage 3) is not written "
+                 "yet; TDM_SHARD_OPTIMIZER and TDM_SHARD_GRADIENTS are");
+        return TDM_ERR_ARG;
+    }
+    if (kind != TDM_SHARD_NONE && kind != TDM_SHARD_OPTIMIZER && kind != TDM_SHARD_GRADIENTS) {
+        snprintf(why, cap, "ddp_set_shard: unknown kind %d", (int)kind);
+        return TDM_ERR_ARG;
+    }
+    if (!o || tdm_optim_paramset(o) != d->ps) {
+        snprintf(why, cap, "ddp_set_shard: the optimizer %s",
+                 o ? "steps another model's "
+                     "parameters than the DDP's replica"
+                   : "is NULL");
+        return TDM_ERR_ARG;
+    }
+    if (kind < d->shard) {
+        bool both = d->shard == TDM_SHARD_GRADIENTS;
+        snprintf(why, cap,
+                 "ddp_set_shard: the %s sharded and stay%s so (tdm_optim_gather copies the "
+                 "optimizer state whole)",
+                 both ? "gradients and optimizer state are" : "optimizer state is",
+                 both ? "" : "s");
+        return TDM_ERR_STATE;
+    }
+    return TDM_OK;
+}
+
+int tdm_ddp_set_shard(tdm_ddp *d, tdm_optim *o, tdm_shard_kind kind) {
+    if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_set_shard: NULL ddp");
+    char why[300] = "";
+    int rc = shard_check(d, o, kind, why, sizeof why);
+    /* a check fails alike on every rank (same call, same model shapes: tdm_ddp_new checked) */
+    if (rc) return tdm_raise(rc, "%s", why);
+    if (kind == d->shard) return TDM_OK;
+    if (!tdm_optim_shard_ctx(o) && (rc = tdm_optim_shard(o, d->g))) return rc; /* collective */
+    d->shard = TDM_SHARD_OPTIMIZER;
+    if (kind == TDM_SHARD_GRADIENTS && (rc = shard_gradients(d, o))) {
+        /* the others are stage 2 now: they would reduce buckets this rank does not */
+        tdm_group_abort(d->g, tdm_last_error());
+        return rc;
+    }
+    d->shard = kind;
+    return TDM_OK;
+}
+
+tdm_shard_kind tdm_ddp_shard(const tdm_ddp *d) {
+    return d ? d->shard : TDM_SHARD_NONE;
+}
+
+/* The global norm of the sharded gradient: each rank's sum of squares (a double, moved as
+ * the 8 bytes of an i64: collectives copy bytes) all-gathered and added in rank order, so
+ * every rank gets the same bits. */
+static int sharded_norm(tdm_ddp *d, double *norm) {
+    int n = tdm_group_size(d->g);
+    double ss = 0, *sums = malloc(sizeof *sums * (size_t)n);
+    if (!sums) return tdm_raise(TDM_ERR_NOMEM, "ddp_clip_grad_norm: out of memory");
+    int rc = tdm_clip_sum_squares_of(d->shard_grad, &ss);
+    if (!rc) rc = tdm_scope_begin();
+    if (rc) {
+        free(sums);
+        return rc;
+    }
+    tdm_device mem = tdm_group_memory(d->g);
+    tdm_tensor *mine = tdm_from_data(TDM_SHAPE(1), TDM_I64, mem, &ss);
+    tdm_tensor *all = tdm_empty(TDM_SHAPE(n), TDM_I64, mem);
+    rc = mine && all ? tdm_work_wait(tdm_all_gather(d->g, all, mine)) : tdm_last_status();
+    if (!rc) rc = tdm_to_host(all, sums, sizeof *sums * (size_t)n);
+    tdm_scope_end();
+    double total = 0;
+    for (int r = 0; !rc && r < n; r++) total += sums[r];
+    free(sums);
+    *norm = sqrt(total);
+    return rc;
+}
+
+int tdm_ddp_clip_grad_norm(tdm_ddp *d, float max_norm, float *total_norm) {
+    if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_clip_grad_norm: NULL ddp");
+    if (!d->shard_grad) return tdm_clip_grad_norm(d->ps, max_norm, false, total_norm);
+    if (!(max_norm >= 0))
+        return tdm_raise(TDM_ERR_ARG, "ddp_clip_grad_norm: max_norm %g must be >= 0", max_norm);
+    double norm = 0;
+    int rc = sharded_norm(d, &norm);
+    if (rc) {
+        tdm_group_abort(d->g, tdm_last_error());
+        return rc;
+    }
+    if (total_norm) *total_norm = (float)norm;
+    return tdm_clip_scale_of(d->shard_grad, max_norm, (float)norm);
+}
+
+tdm_tensor *tdm_ddp_shard_grad(const tdm_ddp *d, int64_t *lo) {
+    if (lo) *lo = d && d->shard_grad ? d->lo : 0;
+    return d ? d->shard_grad : NULL;
 }

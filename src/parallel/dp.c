@@ -65,6 +65,7 @@ struct tdm_dp {
     bool sharded;                     /* CPU devices in one process: see sharded_update */
     tdm_shard_kind shard;             /* what tdm_dp_set_shard asked for */
     round_task task;                  /* what the round being run does */
+    tdm_shard_kind shard_to;          /* what a ROUND_SHARD asks of every replica */
     tdm_optim *gathered;              /* ROUND_GATHER's result, replica 0's */
     float clip;                       /* max gradient norm before each update, or 0 */
     int64_t window;                   /* micro-batches accumulated since the last update */
@@ -87,6 +88,9 @@ struct tdm_dp {
     tdm_tensor *x, *y;
     bool update; /* the round ends with the update (tdm_dp_step), or only accumulates */
     bool zero;   /* the round starts a window: gradients are zeroed first */
+    /* a forward round's training mode, module 0's as the round began: replica 0 (the model)
+     * puts its own mode back at its round's end, while the others may still read it */
+    bool forward_training;
     tdm_loss_fn loss_fn;
     void *loss_arg;
 };
@@ -171,7 +175,8 @@ static int sharded_update(replica *r) {
 /* The update of an unsharded replica: its gradient is the all-reduced average, the same bits
  * on every replica, so clipping gives every replica the same factor. */
 static int replica_update(replica *r) {
-    if (r->dp->clip > 0 && tdm_clip_grad_norm(r->ps, r->dp->clip, false, NULL))
+    /* under ZeRO stage 2 the norm is taken from every replica's shard (a collective) */
+    if (r->dp->clip > 0 && tdm_ddp_clip_grad_norm(r->ddp, r->dp->clip, NULL))
         return tdm_last_status();
     return tdm_optim_step(r->opt);
 }
@@ -238,7 +243,7 @@ static int replica_forward(replica *r) {
         return rc;
     }
     if (r->rank > 0) {
-        tdm_module_train(r->replica, dp->model->training);
+        tdm_module_train(r->replica, dp->forward_training);
         rc = copy_buffers(r);
     }
     tdm_trace_begin("forward");
@@ -260,7 +265,7 @@ static int replica_round(replica *r) {
     tdm_dp *dp = r->dp;
     if (dp->task == ROUND_STEP) return replica_step(r);
     if (dp->task == ROUND_FORWARD) return replica_forward(r);
-    if (dp->task == ROUND_SHARD) return tdm_optim_shard(r->opt, rank_group(dp, r->rank));
+    if (dp->task == ROUND_SHARD) return tdm_ddp_set_shard(r->ddp, r->opt, dp->shard_to);
     tdm_optim *whole = tdm_optim_gather(r->opt); /* every replica takes part; 0's is kept */
     if (r->rank == 0)
         dp->gathered = whole;
@@ -503,6 +508,7 @@ int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out) {
         return *out ? TDM_OK : tdm_last_status();
     }
     dp->x = x;
+    dp->forward_training = dp->model->training;
     int rc = run_task(dp, ROUND_FORWARD);
     if (!rc && !(*out = gather_outputs(dp))) rc = tdm_last_status();
     for (int r = 0; r < dp->n; r++) {
@@ -524,20 +530,23 @@ int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm) {
 
 int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind) {
     if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: NULL data parallel");
-    if (kind == TDM_SHARD_GRADIENTS || kind == TDM_SHARD_PARAMETERS)
+    if (kind == TDM_SHARD_PARAMETERS)
         return tdm_raise(TDM_ERR_ARG,
-                         "data_parallel set_shard: sharding the %s (ZeRO stage %d) is not "
-                         "written yet (issue 19's later stages); TDM_SHARD_OPTIMIZER (stage 1) is",
-                         kind == TDM_SHARD_GRADIENTS ? "gradients" : "parameters",
-                         kind == TDM_SHARD_GRADIENTS ? 2 : 3);
-    if (kind != TDM_SHARD_NONE && kind != TDM_SHARD_OPTIMIZER)
+                         "data_parallel set_shard: sharding the parameters (ZeRO stage 3) is not "
+                         "written yet (issue 19's last stage); TDM_SHARD_OPTIMIZER and "
+                         "TDM_SHARD_GRADIENTS (stages 1 and 2) are");
+    if (kind != TDM_SHARD_NONE && kind != TDM_SHARD_OPTIMIZER && kind != TDM_SHARD_GRADIENTS)
         return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: unknown kind %d", (int)kind);
     if (kind == dp->shard) return TDM_OK;
-    if (kind == TDM_SHARD_NONE)
+    if (kind < dp->shard)
         return tdm_raise(TDM_ERR_STATE,
-                         "data_parallel set_shard: the optimizer state is sharded and stays so "
-                         "(tdm_dp_optim_gather copies it whole)");
+                         "data_parallel set_shard: the %s sharded and stay%s so "
+                         "(tdm_dp_optim_gather copies the optimizer state whole)",
+                         dp->shard == TDM_SHARD_GRADIENTS ? "gradients and optimizer state are"
+                                                          : "optimizer state is",
+                         dp->shard == TDM_SHARD_GRADIENTS ? "" : "s");
     /* replicas sharing memory already hold the state once: replica 0's, stepped in shards */
+    dp->shard_to = kind;
     int rc = dp->sharded ? TDM_OK : run_task(dp, ROUND_SHARD);
     if (!rc) dp->shard = kind;
     return rc;

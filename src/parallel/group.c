@@ -138,6 +138,10 @@ int tdm_work_wait(tdm_work *w) {
 
 /* ---- collectives: checks on the calling rank, then the backend -------------------------- */
 
+bool tdm_work_done(const tdm_work *w) {
+    return atomic_load(&w->done) != 0;
+}
+
 tdm_work *tdm_group_launch(tdm_group *g, tdm_coll c) {
     tdm_work *w = work_get(g);
     if (!w) return NULL;

@@ -85,6 +85,8 @@ struct tdm_group {
  * how a backend built on other groups (hier_group.c) drives them. NULL and an error when it
  * cannot start. */
 tdm_work *tdm_group_launch(tdm_group *g, tdm_coll c);
+/* Whether w has completed (then tdm_work_wait returns at once): a poll, never a wait. */
+bool tdm_work_done(const tdm_work *w);
 /* Fills the generic part (timeout 60 s). The backend owns the memory. */
 void tdm_group_init(tdm_group *g, const tdm_group_ops *ops, int rank, int size, tdm_device dev);
 /* Frees every handle the group ever allocated (waited or not) and the sync objects. */

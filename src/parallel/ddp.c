@@ -159,25 +159,12 @@ static int make_buckets(tdm_ddp *d) {
     }
     for (int k = 0; k < d->n_buckets; k++) {
         bucket *bk = &d->buckets[k];
-        bk->view = *ps->flat_grad;
-        bk->view.shape[0] = bk->hi - bk->lo;
-        bk->view.offset = ps->flat_grad->offset + bk->lo;
-        bk->view.grad = NULL, bk->view.grad_fn = NULL, tdm_book(&bk->view)->hooks = NULL;
+        bk->view = tdm_range_view(ps->flat_grad, bk->lo, bk->hi);
     }
     return TDM_OK;
 }
 
 /* ---- ZeRO stage 2: bucket buffers that live while the bucket is in flight ---------------- */
-
-/* A stack view of elements [lo, hi) of contiguous 1-D t (a collective or a kernel reads only
- * its geometry); lives for one call. */
-static tdm_tensor range_view(const tdm_tensor *t, int64_t lo, int64_t hi) {
-    tdm_tensor v = *t;
-    v.shape[0] = hi - lo;
-    v.offset = t->offset + lo;
-    v.grad = NULL, v.grad_fn = NULL, tdm_book(&v)->hooks = NULL;
-    return v;
-}
 
 /* A caller-owned view of buf ([bucket]) at element off with p's shape: a parameter's .grad
  * while its bucket is in flight. Made owned by nobody from the start, since a scope-owned
@@ -244,8 +231,8 @@ static void bucket_finish(tdm_ddp *d, int k) {
     b->work = NULL;
     int64_t a = b->lo > d->lo ? b->lo : d->lo, e = b->hi < d->hi ? b->hi : d->hi;
     if (!rc && b->buf && a < e) {
-        tdm_tensor src = range_view(b->buf, a - b->lo, e - b->lo);
-        tdm_tensor dst = range_view(d->shard_grad, a - d->lo, e - d->lo);
+        tdm_tensor src = tdm_range_view(b->buf, a - b->lo, e - b->lo);
+        tdm_tensor dst = tdm_range_view(d->shard_grad, a - d->lo, e - d->lo);
         rc = tdm_backend_for(dst.device)->axpy(&dst, 1.0f, &src);
     }
     bucket_release(d, b);
@@ -425,7 +412,7 @@ static int shard_gradients(tdm_ddp *d, tdm_optim *o) {
     int64_t lo, hi;
     tdm_optim_shard_range(o, &lo, &hi);
     tdm_tensor *g = tdm_tensor_alloc_owned(TDM_SHAPE(hi - lo), TDM_F32, d->ps->flat->device, NULL);
-    tdm_tensor part = g ? range_view(d->ps->flat_grad, lo, hi) : (tdm_tensor){0};
+    tdm_tensor part = g ? tdm_range_view(d->ps->flat_grad, lo, hi) : (tdm_tensor){0};
     int rc = !g ? tdm_last_status() : tdm_copy_(g, &part);
     if (!rc) rc = tdm_optim_use_grad(o, g, lo);
     for (int i = 0; !rc && i < d->ps->n; i++)

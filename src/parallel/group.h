@@ -163,4 +163,15 @@ tdm_group *tdm_hier_world_group(tdm_hier_world *w, int local_rank);
 /* Fails what is still queued, joins the threads, frees the groups. */
 void tdm_hier_world_free(tdm_hier_world *w);
 
+/* A stack view of elements [lo, hi) of contiguous 1-D t with no autograd fields or hooks:
+ * what a collective, a copy or a kernel reads (geometry and storage) of a range of a flat
+ * buffer (DDP's buckets, ZeRO's shards). Lives as long as t's storage; not to be freed. */
+static inline tdm_tensor tdm_range_view(const tdm_tensor *t, int64_t lo, int64_t hi) {
+    tdm_tensor v = *t;
+    v.shape[0] = hi - lo;
+    v.offset = t->offset + lo;
+    v.grad = NULL, v.grad_fn = NULL, tdm_book(&v)->hooks = NULL;
+    return v;
+}
+
 #endif

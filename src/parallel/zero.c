@@ -35,16 +35,6 @@ static void range_of(const zero *z, int r, int64_t *lo, int64_t *hi) {
     tdm_chunk_of(z->total, sizeof(float), z->size, r, lo, hi);
 }
 
-/* A stack view of elements [lo, hi) of contiguous 1-D t with no autograd fields or hooks:
- * what a collective or a copy reads (geometry and storage). Lives for one call. */
-static tdm_tensor range_view(const tdm_tensor *t, int64_t lo, int64_t hi) {
-    tdm_tensor v = *t;
-    v.shape[0] = hi - lo;
-    v.offset = t->offset + lo;
-    v.grad = NULL, v.grad_fn = NULL, tdm_book(&v)->hooks = NULL;
-    return v;
-}
-
 /* Every rank's range of flat ([total], laid out as the flat parameter buffer) from that rank
  * to all the others, in place: one broadcast per non-empty range, all launched before the
  * first wait. On failure the group is aborted, so the other ranks stop at once instead of
@@ -57,7 +47,7 @@ static int share_ranges(zero *z, const tdm_tensor *flat, const char *what) {
         range_of(z, r, &lo, &hi);
         z->works[r] = NULL;
         if (lo == hi) continue;
-        tdm_tensor v = range_view(flat, lo, hi);
+        tdm_tensor v = tdm_range_view(flat, lo, hi);
         if (!(z->works[r] = tdm_broadcast(z->g, &v, r))) rc = tdm_last_status();
     }
     for (int r = 0; r < launched; r++) {
@@ -183,7 +173,7 @@ int tdm_optim_shard(tdm_optim *o, tdm_group *g) {
 /* full ([total], the whole buffer) <- this rank's part (its shard, or the whole when o is not
  * sharded), then every other rank's range from its owner. */
 static int assemble(zero *z, const tdm_tensor *part, int64_t lo, int64_t hi, tdm_tensor *full) {
-    tdm_tensor mine = range_view(full, lo, hi);
+    tdm_tensor mine = tdm_range_view(full, lo, hi);
     int rc = tdm_copy_(&mine, part);
     if (rc && z) tdm_group_abort(z->g, tdm_last_error());
     return rc || !z ? rc : share_ranges(z, full, "gathering the optimizer state");

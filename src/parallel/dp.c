@@ -217,7 +217,8 @@ static int replica_step(replica *r) {
 }
 
 /* Replica r (r > 0) takes replica 0's buffers: batch norm's running statistics, which each
- * replica updates from its own rows during training. */
+ * replica updates from its own rows during training. On the caller's thread before a forward
+ * round, since replica 0's forward in training mode updates them. */
 static int copy_buffers(replica *r) {
     tdm_bufferset *mine = tdm_module_buffers(r->replica), *first = tdm_module_buffers(r->dp->model);
     if (!mine || !first) return tdm_last_status();
@@ -242,16 +243,13 @@ static int replica_forward(replica *r) {
         tdm_set_grad_enabled(prev);
         return rc;
     }
-    if (r->rank > 0) {
-        tdm_module_train(r->replica, dp->forward_training);
-        rc = copy_buffers(r);
-    }
+    if (r->rank > 0) tdm_module_train(r->replica, dp->forward_training);
     tdm_trace_begin("forward");
-    tdm_tensor *xs = rc ? NULL : tdm_to_device(tdm_slice(dp->x, 0, lo, hi, 1), r->replica->device);
+    tdm_tensor *xs = tdm_to_device(tdm_slice(dp->x, 0, lo, hi, 1), r->replica->device);
     tdm_tensor *out = xs ? tdm_module_forward(r->replica, xs) : NULL;
     tdm_trace_end();
     r->out = out ? tdm_scope_keep(out) : NULL;
-    if (!rc && !out) rc = tdm_last_status();
+    if (!out) rc = tdm_last_status();
     tdm_scope_end();
     tdm_module_train(r->replica, was);
     tdm_set_grad_enabled(prev);
@@ -509,7 +507,9 @@ int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out) {
     }
     dp->x = x;
     dp->forward_training = dp->model->training;
-    int rc = run_task(dp, ROUND_FORWARD);
+    int rc = TDM_OK;
+    for (int r = 1; r < dp->n && !rc; r++) rc = copy_buffers(&dp->reps[r]);
+    if (!rc) rc = run_task(dp, ROUND_FORWARD);
     if (!rc && !(*out = gather_outputs(dp))) rc = tdm_last_status();
     for (int r = 0; r < dp->n; r++) {
         tdm_tensor_free(dp->reps[r].out);

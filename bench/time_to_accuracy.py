@@ -32,8 +32,6 @@ ap.add_argument("--target", type=float, default=0.92)
 ap.add_argument("--no-stretch", action="store_true")
 args = ap.parse_args()
 os.makedirs(args.out, exist_ok=True)
-HAS_COMPARE = "--plot-compare" in subprocess.run([args.tandem, "train", "--help"],
-                                                 capture_output=True, text=True).stdout
 
 
 def epochs_of(log):
@@ -51,9 +49,8 @@ def run(side, seed, epochs=None, plot=False):
             cmd += ["--epochs", str(epochs)]
         if plot:
             torch_log = os.path.join(args.out, f"torch-{seed}.jsonl")
-            cmd += ["--plot", os.path.join(args.out, "fmnist-fast.svg")]
-            if HAS_COMPARE:
-                cmd += ["--plot-compare", f"{torch_log}=PyTorch"]
+            cmd += ["--plot", os.path.join(args.out, "fmnist-fast.svg"),
+                    "--plot-compare", f"{torch_log}=PyTorch"]
     else:
         cmd = [sys.executable, os.path.join(HERE, "torch_recipe.py"), "--seed", str(seed),
                "--log", log]

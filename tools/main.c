@@ -25,6 +25,7 @@ static void help(FILE *out) {
             "    tandem train [OPTION]...\n"
             "    tandem eval --weights FILE [--model mlp|cnn|cnn-bn] [OPTION]...\n"
             "    tandem sample --model FILE [OPTION]...\n"
+            "    tandem export CKPT_DIR OUT.safetensors [STATE_OUT.safetensors]\n"
             "    tandem devices\n"
             "    tandem help [COMMAND]\n"
             "    tandem --version\n\n"
@@ -35,6 +36,10 @@ static void help(FILE *out) {
             "    sample     Generate text with a trained GPT. 'tandem sample --help'.\n"
             "    eval       Test loss and accuracy of saved weights (a checkpoint's\n"
             "               model.safetensors, or PyTorch's). 'tandem eval --help' for options.\n"
+            "    export     Write a checkpoint's whole model (a sharded run's too) as one\n"
+            "               model.safetensors (PyTorch: load_file + load_state_dict), and with\n"
+            "               STATE_OUT its training state with the optimizer's moments, as an\n"
+            "               unsharded run writes them.\n"
             "    devices    List the devices training can use.\n"
             "    help       Show this help, or 'tandem help train' for one command.\n\n"
             "TRAIN OPTIONS (defaults)\n");
@@ -47,6 +52,19 @@ static void help(FILE *out) {
                  "    tandem train --model gpt --data book.txt --save gpt.bin\n"
                  "    tandem sample --model gpt.bin --prompt 'Once' --top-k 40\n"
                  "    tandem devices\n");
+}
+
+/* tandem export CKPT_DIR OUT [STATE_OUT]: a checkpoint (sharded or not) made whole. */
+static int export_main(int argc, char **argv) {
+    if (argc < 3 || argc > 4 || argv[1][0] == '-') {
+        fprintf(stderr, "usage: tandem export CKPT_DIR OUT.safetensors [STATE_OUT.safetensors]\n");
+        return EXIT_USAGE;
+    }
+    if (tdm_checkpoint_export(argv[1], argv[2], argc > 3 ? argv[3] : NULL) != TDM_OK) {
+        fprintf(stderr, "tandem export: error: %s\n", tdm_last_error());
+        return EXIT_RUNTIME;
+    }
+    return EXIT_OK;
 }
 
 /* One CPU device per core this process may use (each with its own thread and memory pool
@@ -85,6 +103,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "train") == 0) return train_main(argc - 1, argv + 1);
     if (strcmp(cmd, "eval") == 0) return eval_main(argc - 1, argv + 1);
     if (strcmp(cmd, "sample") == 0) return sample_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "export") == 0) return export_main(argc - 1, argv + 1);
     if (strcmp(cmd, "devices") == 0) {
         if (argc > 2) {
             fprintf(stderr, "tandem devices: unexpected argument '%s'\n", argv[2]);

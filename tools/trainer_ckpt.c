@@ -62,22 +62,88 @@ static int rank_totals(trainer *tr, const double *tot, char **out) {
     return rc;
 }
 
-/* The optimizer state a checkpoint saves: a sharded one's whole copy, gathered from every rank
- * (a collective: every process comes here at the same steps), in *whole (caller frees); else
- * *whole is NULL and tr->opt is saved as it is. 0 or EXIT_RUNTIME. */
+/* The optimizer state a checkpoint saves: under DataParallel across processes (several
+ * devices a process) a sharded one's whole copy, gathered from every rank (a collective:
+ * every process comes here at the same steps), in *whole (caller frees); else *whole is NULL
+ * and tr->opt is saved as it is (a sharded DDP run writes shard files: save_shards). 0 or
+ * EXIT_RUNTIME. */
 static int whole_optimizer(trainer *tr, tdm_optim **whole) {
     *whole = NULL;
-    if (!tr->sharded) return 0;
-    *whole = tr->dp ? tdm_dp_optim_gather(tr->dp) : tdm_optim_gather(tr->opt);
+    if (!tr->sharded || !tr->dp) return 0;
+    *whole = tdm_dp_optim_gather(tr->dp);
     return *whole ? 0
                   : task_error("checkpoint: gathering the sharded optimizer state: %s",
                                tdm_last_error());
 }
 
+/* After one step of a sharded save, whether every process did it: failed is this process's
+ * (its error already reported); the others name the first rank that failed and its file.
+ * Every process returns the same: 0, or EXIT_RUNTIME when any failed. */
+static int all_succeeded(trainer *tr, bool failed, const char *what, int64_t step) {
+    int procs = tdm_group_size(tr->g), first = -1, n = 0;
+    double mine = failed, *all = malloc(sizeof(double) * (size_t)procs);
+    if (!all || gather_over_processes(tr, &mine, 1, all)) return free(all), EXIT_RUNTIME;
+    for (int r = procs - 1; r >= 0; r--)
+        if (all[r] != 0) first = r, n++;
+    free(all);
+    if (n == 0) return 0;
+    if (!failed)
+        task_error("checkpoint at step %lld: %d process%s failed (rank %d: %s "
+                   "shard-%05d-of-%05d.safetensors); no checkpoint was written, the older ones "
+                   "are as they were",
+                   (long long)step, n, n == 1 ? "" : "es", first, what, first, procs);
+    return EXIT_RUNTIME;
+}
+
+/* This process's range of the flat buffers, and every rank's into ranges (2 * procs). */
+static int shard_ranges(trainer *tr, int64_t *ranges) {
+    int procs = tdm_group_size(tr->g);
+    int64_t lo = 0, hi = 0;
+    double mine[2], *all = malloc(sizeof(double) * 2 * (size_t)procs);
+    int rc = all ? tdm_optim_shard_range(tr->opt, &lo, &hi) : TDM_ERR_NOMEM;
+    mine[0] = (double)lo, mine[1] = (double)hi; /* exact below 2^53 */
+    if (!rc) rc = gather_over_processes(tr, mine, 2, all);
+    for (int i = 0; !rc && i < 2 * procs; i++) ranges[i] = (int64_t)all[i];
+    free(all);
+    return rc ? task_error("checkpoint: gathering the ranks' ranges failed") : 0;
+}
+
+/* A sharded DDP run's save: each process writes its shard file; when all did, rank 0 the
+ * layout and training state, and renames the directory into place. No process gathers the
+ * state. Every process takes part (collectives between the steps). */
+static int save_shards(trainer *tr, const tdm_train_state *s) {
+    const char *dir = tr->o->checkpoint_dir;
+    int rank = tdm_group_rank(tr->g), procs = tdm_group_size(tr->g);
+    int64_t *ranges = malloc(sizeof(int64_t) * 2 * (size_t)procs);
+    if (!ranges || shard_ranges(tr, ranges)) return free(ranges), EXIT_RUNTIME;
+    bool failed = rank == 0 && tdm_checkpoint_shard_begin(dir, s) != TDM_OK;
+    if (failed) task_error("checkpoint: %s", tdm_last_error());
+    int rc = all_succeeded(tr, failed, "preparing the directory for", s->step);
+    const char *fail = getenv("TANDEM_TEST_FAIL_SHARD_RANK"); /* tests: one rank fails */
+    if (!rc) {
+        bool injected = fail && atoi(fail) == rank;
+        failed = injected || tdm_checkpoint_shard_write(dir, s, rank, procs) != TDM_OK;
+        if (failed)
+            task_error("checkpoint: %s",
+                       injected ? "injected failure writing this rank's shard" : tdm_last_error());
+        rc = all_succeeded(tr, failed, "writing", s->step);
+    }
+    if (!rc) {
+        failed = rank == 0 &&
+                 tdm_checkpoint_shard_finish(dir, s, ranges, procs, (int)tr->o->keep) != TDM_OK;
+        if (failed) task_error("checkpoint: %s", tdm_last_error());
+        rc = all_succeeded(tr, failed, "finishing the checkpoint after", s->step);
+    } else if (rank == 0)
+        tdm_checkpoint_shard_abort(dir, s->step);
+    free(ranges);
+    return rc;
+}
+
 /* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
  * the epoch's running totals (summed over the processes) so that a resumed epoch reports the
- * same loss and accuracy, and the task's own files of the model. A sharded optimizer's state
- * is gathered first, so the file is the one an unsharded run writes. */
+ * same loss and accuracy, and the task's own files of the model. A sharded DDP run writes a
+ * sharded checkpoint (every process its shard); a sharded DataParallel one gathers the state
+ * first, so the file is the one an unsharded run writes. */
 int trainer_save_checkpoint(trainer *tr) {
     const train_opts *o = tr->o;
     if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
@@ -88,7 +154,8 @@ int trainer_save_checkpoint(trainer *tr) {
     if ((tr->g && trainer_sum_over_processes(tr, tot, 3)) || whole_optimizer(tr, &whole))
         return free(ranks), EXIT_RUNTIME;
     tr->last_saved = tr->global_step;
-    if (tr->silent) /* rank 0 writes; every rank loads */
+    bool shards = tr->sharded && tr->g && !tr->dp;
+    if (tr->silent && !shards) /* rank 0 writes; every rank loads */
         return free(ranks), tdm_optim_free(whole), 0;
     char loss[64], correct[32], samples[32];
     snprintf(loss, sizeof loss, "%a", tot[0]);
@@ -113,10 +180,13 @@ int trainer_save_checkpoint(trainer *tr) {
                          .meta = meta,
                          .n_meta = tr->task->class_to_idx ? 7 : 6,
                          .run_id = tr->run_id[0] ? tr->run_id : NULL};
-    int rc = tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);
+    int rc =
+        shards ? save_shards(tr, &s) : tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);
     free(ranks);
     tdm_optim_free(whole);
+    if (shards && rc) return rc; /* reported */
     if (rc != TDM_OK) return task_error("checkpoint: %s", tdm_last_error());
+    if (tr->silent) return 0;
     return tr->task->save ? tr->task->save(tr->task, o, o->checkpoint_dir) : 0;
 }
 

@@ -166,6 +166,48 @@ int tdm_checkpoint_load(const char *path, tdm_train_state *s);
  * negative status when the checkpoint cannot be read. */
 int tdm_checkpoint_meta(const char *path, const char *key, char *out, size_t cap);
 
+/* ---- sharded checkpoints (ZeRO): each process writes its shard ------------------------------
+ *
+ * A sharded checkpoint is dir/ckpt-<step>/ holding, instead of model.safetensors:
+ *   shard-<rank, 5 digits>-of-<world, 5 digits>.safetensors  one per process: F32 [hi - lo]
+ *       tensors "params" (elements [lo, hi) of the flat parameter buffer, tdm_paramset) and
+ *       "optim.<state>" (the same range of each optimizer state buffer); __metadata__
+ *       tandem.shard, shard.rank, shard.world, shard.lo, shard.hi, shard.total
+ *   layout.safetensors   no tensors; __metadata__ tandem.sharded ("1"), world, total, params
+ *       (their count), param.<i> ("<offset> <ndim> <d0> ... <name>", in the paramset's
+ *       order), rank.<r> ("<lo> <hi>"), optim.kind, optim.states ("exp_avg,exp_avg_sq")
+ *   buffers.safetensors  the model's buffers by their state_dict names
+ *   train_state.safetensors  as an unsharded checkpoint's, without the "optim." tensors
+ * tdm_checkpoint_load reads one on any number of processes (each reads the pieces of the
+ * shard files that cover its range), and tdm_checkpoint_export makes it whole.
+ *
+ * A save is three steps with the caller's agreement between them (e.g. an all-reduce of the
+ * failures): rank 0 tdm_checkpoint_shard_begin; every rank tdm_checkpoint_shard_write; when
+ * every rank succeeded, rank 0 tdm_checkpoint_shard_finish, else tdm_checkpoint_shard_abort.
+ * The checkpoint appears (a rename) only in finish; until then the old ones are intact. */
+
+/* Rank 0: makes the empty temporary directory of checkpoint s->step in dir (checking that
+ * this step's checkpoint, if any, is this run's). TDM_OK, TDM_ERR_STATE (another run's) or
+ * TDM_ERR_IO naming the directory and the cause. */
+int tdm_checkpoint_shard_begin(const char *dir, const tdm_train_state *s);
+/* Every rank, after begin: writes its shard file (s->model's parameters and s->optim's state
+ * over the optimizer's tdm_optim_shard_range) into the temporary directory. rank and world
+ * name the file. TDM_ERR_IO naming the file and the cause; nothing is published. */
+int tdm_checkpoint_shard_write(const char *dir, const tdm_train_state *s, int rank, int world);
+/* Rank 0, when every rank's write succeeded: writes the layout (ranges: world pairs lo, hi,
+ * rank by rank), the buffers and the training state, then renames the directory into place
+ * and prunes as tdm_checkpoint_save does. On failure the directory is removed. */
+int tdm_checkpoint_shard_finish(const char *dir, const tdm_train_state *s, const int64_t *ranges,
+                                int world, int keep);
+/* Rank 0, when some rank failed: removes the temporary directory of step `step`. */
+void tdm_checkpoint_shard_abort(const char *dir, int64_t step);
+/* Writes checkpoint directory ckpt (sharded or not) whole: model_path (may be NULL) as
+ * model.safetensors is written (PyTorch's names; load_state_dict takes it), and state_path
+ * (may be NULL) as an unsharded run's train_state.safetensors, with the moments. The whole
+ * model is held in memory. TDM_ERR_IO / TDM_ERR_FORMAT naming the file and the cause (a
+ * missing or truncated shard, a layout the shards do not fit). */
+int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path);
+
 /* ---- one run per checkpoint directory ---------------------------------------------------- */
 
 /* Two runs writing into one directory would interleave their checkpoints and prune each

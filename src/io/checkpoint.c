@@ -41,7 +41,7 @@
 /* ---- the model's named tensors ------------------------------------------------------------- */
 
 /* Parameters then buffers of m, named. *out is malloc'd (caller frees). */
-static int model_tensors(tdm_module *m, tdm_named_tensor **out, int *n, const char *op) {
+int tdm_ckpt_model_tensors(tdm_module *m, tdm_named_tensor **out, int *n, const char *op) {
     if (!m) return tdm_raise(TDM_ERR_ARG, "%s: model is NULL", op);
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_bufferset *bs = ps ? tdm_module_buffers(m) : NULL;
@@ -60,7 +60,7 @@ int tdm_weights_save(const char *path, tdm_module *m, const tdm_meta *meta, int 
         return tdm_raise(TDM_ERR_ARG, "weights_save: %d metadata entries (0 to %d)", n_meta,
                          MAX_META - 1);
     tdm_named_tensor *ts;
-    int n, rc = model_tensors(m, &ts, &n, "weights_save");
+    int n, rc = tdm_ckpt_model_tensors(m, &ts, &n, "weights_save");
     if (rc) return rc;
     tdm_meta all[MAX_META] = {{"format", "pt"}};
     for (int i = 0; i < n_meta; i++) all[i + 1] = meta[i];
@@ -82,7 +82,7 @@ static void append(char *msg, size_t cap, int *count, const char *fmt, const cha
 }
 
 /* Checks that f holds exactly m's tensors with their shapes and dtypes. */
-static int check_weights(tdm_safetensors *f, const tdm_named_tensor *ts, int n) {
+int tdm_ckpt_check_tensors(tdm_safetensors *f, const tdm_named_tensor *ts, int n) {
     char missing[300] = "", extra[300] = "", diff[400] = "";
     int n_missing = 0, n_extra = 0, n_diff = 0;
     for (int i = 0; i < n; i++) {
@@ -120,7 +120,7 @@ static int check_weights(tdm_safetensors *f, const tdm_named_tensor *ts, int n) 
                      extra, n_extra && n_diff ? ";" : "", n_diff ? " different: " : "", diff, "");
 }
 
-static int read_weights(tdm_safetensors *f, const tdm_named_tensor *ts, int n) {
+int tdm_ckpt_read_tensors(tdm_safetensors *f, const tdm_named_tensor *ts, int n) {
     int rc = TDM_OK;
     for (int i = 0; i < n && !rc; i++)
         rc = tdm_safetensors_read(f, ts[i].name, (tdm_tensor *)ts[i].tensor);
@@ -130,10 +130,10 @@ static int read_weights(tdm_safetensors *f, const tdm_named_tensor *ts, int n) {
 int tdm_weights_load_from(tdm_safetensors *f, tdm_module *m) {
     if (!f) return tdm_raise(TDM_ERR_ARG, "weights_load: file is NULL");
     tdm_named_tensor *ts;
-    int n, rc = model_tensors(m, &ts, &n, "weights_load");
+    int n, rc = tdm_ckpt_model_tensors(m, &ts, &n, "weights_load");
     if (rc) return rc;
-    rc = check_weights(f, ts, n);
-    if (!rc) rc = read_weights(f, ts, n);
+    rc = tdm_ckpt_check_tensors(f, ts, n);
+    if (!rc) rc = tdm_ckpt_read_tensors(f, ts, n);
     free(ts);
     return rc;
 }
@@ -276,7 +276,7 @@ static int state_meta(const tdm_train_state *s, meta_list *l, char (*ukeys)[128]
 
 /* Removes a checkpoint (or temporary) directory: its files, then itself. 0, or -1 with errno
  * set when the directory is still there. */
-static int remove_ckpt_dir(const char *path) {
+int tdm_ckpt_remove_dir(const char *path) {
     DIR *d = opendir(path);
     if (d) {
         struct dirent *e;
@@ -357,20 +357,20 @@ static void prune(const char *dir, int keep, const char *run) {
     char p[4096], id[64];
     for (int i = n - 1, mine = 0; steps && keep > 0 && i >= 0; i--) {
         snprintf(p, sizeof p, "%s/ckpt-%010" PRId64, dir, steps[i]);
-        if (run_matches(p, run, id, sizeof id) == 1 && ++mine > keep) remove_ckpt_dir(p);
+        if (run_matches(p, run, id, sizeof id) == 1 && ++mine > keep) tdm_ckpt_remove_dir(p);
     }
     free(steps);
     tdm_io_fsync_dir(dir);
 }
 
-static int write_state(const char *path, const tdm_train_state *s) {
+int tdm_ckpt_write_state(const char *path, const tdm_train_state *s, bool moments) {
     char ukeys[MAX_META][128];
     meta_list meta;
     int rc = state_meta(s, &meta, ukeys);
     if (rc) return rc;
     optim_views v = {0};
     if ((rc = tdm_scope_begin())) return rc;
-    if (s->optim)
+    if (s->optim && moments)
         rc = s->model ? optim_views_make(s->optim, s->model, &v, false)
                       : tdm_raise(TDM_ERR_ARG, "checkpoint_save: an optimizer needs "
                                                "its model (parameter names)");
@@ -395,16 +395,15 @@ int tdm_checkpoint_dir_check(const char *dir) {
     return TDM_OK;
 }
 
-int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {
+int tdm_ckpt_prepare(const char *dir, const tdm_train_state *s, char *tmp, size_t cap) {
     if (!dir || !s) return tdm_raise(TDM_ERR_ARG, "checkpoint_save: NULL directory or state");
     if (s->step < 0)
         return tdm_raise(TDM_ERR_ARG, "checkpoint_save: step %lld is negative", (long long)s->step);
     int rc = tdm_io_mkdir_p(dir, "checkpoint");
     if (rc) return rc;
-    char tmp[4096], final[4096], old[4096], f[4200];
-    snprintf(tmp, sizeof tmp, "%s/.ckpt-%010" PRId64 ".tmp", dir, s->step);
+    char final[4096];
+    snprintf(tmp, cap, "%s/.ckpt-%010" PRId64 ".tmp", dir, s->step);
     snprintf(final, sizeof final, "%s/ckpt-%010" PRId64, dir, s->step);
-    snprintf(old, sizeof old, "%s/.ckpt-%010" PRId64 ".old", dir, s->step);
     /* a checkpoint of this step written by another run is not ours to replace */
     char other[64];
     struct stat st;
@@ -413,15 +412,17 @@ int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {
                          "checkpoint_save: '%s' belongs to run %s, not to this run (%s): "
                          "left as it is",
                          final, other, s->run_id ? s->run_id : "none");
-    remove_ckpt_dir(tmp); /* left by a crashed save */
+    tdm_ckpt_remove_dir(tmp); /* left by a crashed save */
     if (tdm_io_fault() || mkdir(tmp, 0755) != 0)
         return tdm_raise(TDM_ERR_IO, "checkpoint: cannot create '%s': %s", tmp, strerror(errno));
-    if (s->model) {
-        snprintf(f, sizeof f, "%s/model.safetensors", tmp);
-        rc = tdm_weights_save(f, s->model, NULL, 0);
-    }
-    snprintf(f, sizeof f, "%s/train_state.safetensors", tmp);
-    if (!rc) rc = write_state(f, s);
+    return TDM_OK;
+}
+
+int tdm_ckpt_publish(const char *dir, const tdm_train_state *s, int keep, int rc) {
+    char tmp[4096], final[4096], old[4096];
+    snprintf(tmp, sizeof tmp, "%s/.ckpt-%010" PRId64 ".tmp", dir, s->step);
+    snprintf(final, sizeof final, "%s/ckpt-%010" PRId64, dir, s->step);
+    snprintf(old, sizeof old, "%s/.ckpt-%010" PRId64 ".old", dir, s->step);
     if (!rc) rc = tdm_io_fsync_dir(tmp);
     /* an existing checkpoint of this step is moved aside, then replaced */
     bool moved = !rc && rename(final, old) == 0;
@@ -429,14 +430,27 @@ int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {
         rc = tdm_raise(TDM_ERR_IO, "checkpoint: cannot rename '%s' to '%s': %s", tmp, final,
                        strerror(errno));
     if (rc) {
-        remove_ckpt_dir(tmp);
+        tdm_ckpt_remove_dir(tmp);
         if (moved) rename(old, final);
         return rc;
     }
-    if (moved) remove_ckpt_dir(old);
+    if (moved) tdm_ckpt_remove_dir(old);
     rc = tdm_io_fsync_dir(dir);
     if (!rc) prune(dir, keep, s->run_id);
     return rc;
+}
+
+int tdm_checkpoint_save(const char *dir, const tdm_train_state *s, int keep) {
+    char tmp[4096], f[4200];
+    int rc = tdm_ckpt_prepare(dir, s, tmp, sizeof tmp);
+    if (rc) return rc;
+    if (s->model) {
+        snprintf(f, sizeof f, "%s/model.safetensors", tmp);
+        rc = tdm_weights_save(f, s->model, NULL, 0);
+    }
+    snprintf(f, sizeof f, "%s/train_state.safetensors", tmp);
+    if (!rc) rc = tdm_ckpt_write_state(f, s, true);
+    return tdm_ckpt_publish(dir, s, keep, rc);
 }
 
 int tdm_checkpoint_list(const char *dir, int64_t *steps, int cap) {
@@ -469,7 +483,7 @@ int tdm_checkpoint_clear(const char *dir) {
                     (strcmp(dot, ".tmp") == 0 || strcmp(dot, ".old") == 0);
         if (ckpt_step(name) < 0 && !temp) continue;
         snprintf(p, sizeof p, "%s/%s", dir, name);
-        if (remove_ckpt_dir(p) != 0)
+        if (tdm_ckpt_remove_dir(p) != 0)
             rc = tdm_raise(TDM_ERR_IO, "checkpoint: cannot remove '%s': %s", p, strerror(errno));
     }
     closedir(d);
@@ -624,7 +638,7 @@ static int apply_state(tdm_safetensors *f, tdm_train_state *s, const optim_views
                        const parsed_state *p) {
     int rc = TDM_OK;
     if (s->optim) {
-        rc = read_weights(f, v->t, v->n);
+        rc = tdm_ckpt_read_tensors(f, v->t, v->n);
         for (int k = 0; k < v->n_whole && !rc; k++) /* a sharded optimizer's part */
             rc = tdm_optim_state_load(s->optim, v->whole_names[k], v->whole[k]);
         if (rc) return rc;
@@ -651,19 +665,26 @@ int tdm_checkpoint_load(const char *path, tdm_train_state *s) {
     optim_views v = {0};
     parsed_state p = {0};
     if ((rc = tdm_scope_begin())) return rc;
-    if (s->model) {
+    tdm_ckpt_shards sh = {0};
+    bool sharded = tdm_ckpt_is_sharded(path);
+    if (sharded)
+        rc = tdm_ckpt_shards_read(path, s, &sh);
+    else if (s->model) {
         snprintf(f, sizeof f, "%s/model.safetensors", path);
-        rc = (wf = tdm_safetensors_open(f)) ? model_tensors(s->model, &ts, &n, "checkpoint_load")
-                                            : tdm_last_status();
-        if (!rc) rc = check_weights(wf, ts, n);
+        rc = (wf = tdm_safetensors_open(f))
+                 ? tdm_ckpt_model_tensors(s->model, &ts, &n, "checkpoint_load")
+                 : tdm_last_status();
+        if (!rc) rc = tdm_ckpt_check_tensors(wf, ts, n);
     }
     snprintf(f, sizeof f, "%s/train_state.safetensors", path);
     if (!rc) rc = (sf = tdm_safetensors_open(f)) ? TDM_OK : tdm_last_status();
-    if (!rc && s->optim) rc = optim_views_make(s->optim, s->model, &v, true);
+    if (!rc && s->optim && !sharded) rc = optim_views_make(s->optim, s->model, &v, true);
     if (!rc) rc = check_state(sf, s, &v, &p);
     /* everything checked: now change things */
-    if (!rc && s->model) rc = read_weights(wf, ts, n);
+    if (!rc && sharded) rc = tdm_ckpt_shards_apply(&sh, s);
+    if (!rc && s->model && !sharded) rc = tdm_ckpt_read_tensors(wf, ts, n);
     if (!rc) rc = apply_state(sf, s, &v, &p);
+    tdm_ckpt_shards_free(&sh);
     views_free(&v);
     tdm_scope_end();
     free(ts);

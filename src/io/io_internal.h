@@ -38,4 +38,56 @@ int tdm_safetensors_check(const tdm_safetensors *f, int i, const tdm_tensor *dst
 /* The file name f was opened as, into buf. */
 int tdm_safetensors_what(const tdm_safetensors *f, char *buf, size_t cap);
 
+/* ---- checkpoint internals shared by checkpoint.c and checkpoint_shard.c ------------------- */
+
+/* Parameters then buffers of m, named (views, m's). *out is malloc'd (caller frees). */
+int tdm_ckpt_model_tensors(tdm_module *m, tdm_named_tensor **out, int *n, const char *op);
+/* Checks that f holds exactly ts[0..n) with their shapes and dtypes; TDM_ERR_FORMAT naming the
+ * file and what is missing, unexpected or different. */
+int tdm_ckpt_check_tensors(tdm_safetensors *f, const tdm_named_tensor *ts, int n);
+/* Reads ts[0..n) from f by name (checked first with tdm_ckpt_check_tensors). */
+int tdm_ckpt_read_tensors(tdm_safetensors *f, const tdm_named_tensor *ts, int n);
+/* Removes a checkpoint (or temporary) directory and its files: 0, or -1 with errno. */
+int tdm_ckpt_remove_dir(const char *path);
+/* Checks that checkpoint s->step may be written into dir (not another run's), and makes its
+ * empty temporary directory dir/.ckpt-<step>.tmp, whose path goes into tmp (cap bytes). */
+int tdm_ckpt_prepare(const char *dir, const tdm_train_state *s, char *tmp, size_t cap);
+/* Ends a save begun by tdm_ckpt_prepare: when rc is TDM_OK, flushes the temporary directory,
+ * renames it into place (replacing this run's checkpoint of the step) and prunes to keep;
+ * otherwise, or when that fails, removes it and leaves the old checkpoints. Returns rc or the
+ * new failure. */
+int tdm_ckpt_publish(const char *dir, const tdm_train_state *s, int keep, int rc);
+/* Writes train_state.safetensors to path: the metadata, and with moments the optimizer's
+ * "optim.<param>.<state>" tensors (an unsharded optimizer only). */
+int tdm_ckpt_write_state(const char *path, const tdm_train_state *s, bool moments);
+
+/* Reads n_bytes of tensor `name` of f from byte offset `at` within it into dst (host);
+ * TDM_ERR_ARG when the tensor is missing or the range is outside it. */
+int tdm_safetensors_read_bytes(tdm_safetensors *f, const char *name, uint64_t at, size_t n_bytes,
+                               void *dst);
+/* f's metadata entries, in the file's order: how many, and entry i's key and value (f's). */
+int tdm_safetensors_meta_count(const tdm_safetensors *f);
+void tdm_safetensors_meta_at(const tdm_safetensors *f, int i, const char **key, const char **val);
+
+/* A sharded checkpoint being loaded (checkpoint_shard.c): this process's ranges read into host
+ * memory, checked, before anything is changed. */
+typedef struct {
+    float *params;      /* [p_hi - p_lo] */
+    int64_t p_lo, p_hi; /* the parameters this process takes */
+    float *state[3];    /* [hi - lo] each, the optimizer's state buffers in its order */
+    int n_state;
+    tdm_safetensors *buffers; /* the model's buffers (running statistics) */
+    tdm_named_tensor *bufs;
+    int n_bufs;
+} tdm_ckpt_shards;
+
+/* Whether checkpoint directory path is sharded (holds layout.safetensors). */
+bool tdm_ckpt_is_sharded(const char *path);
+/* Checks the sharded checkpoint at path against s (layout against the model and optimizer,
+ * every shard file needed) and reads this process's ranges into sh; changes nothing. */
+int tdm_ckpt_shards_read(const char *path, const tdm_train_state *s, tdm_ckpt_shards *sh);
+/* Copies what tdm_ckpt_shards_read read into s's model and optimizer. */
+int tdm_ckpt_shards_apply(tdm_ckpt_shards *sh, tdm_train_state *s);
+void tdm_ckpt_shards_free(tdm_ckpt_shards *sh);
+
 #endif

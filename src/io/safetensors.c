@@ -640,3 +640,23 @@ int tdm_safetensors_save(const char *path, const tdm_named_tensor *ts, int n, co
     free(sorted);
     return tdm_io_temp_commit(fd, tmp, path, rc);
 }
+
+int tdm_safetensors_read_bytes(tdm_safetensors *f, const char *name, uint64_t at, size_t n_bytes,
+                               void *dst) {
+    int i = tdm_safetensors_find(f, name);
+    if (i < 0)
+        return tdm_raise(TDM_ERR_ARG, "safetensors '%s': no tensor named '%.200s'", f->what, name);
+    const entry *e = &f->e[i];
+    if (at > e->end - e->begin || n_bytes > e->end - e->begin - at)
+        return tdm_raise(TDM_ERR_ARG, "safetensors '%s': bytes [%llu, %llu) are outside '%.200s'",
+                         f->what, (unsigned long long)at, (unsigned long long)(at + n_bytes), name);
+    return n_bytes ? read_at(f, f->data_start + e->begin + at, dst, n_bytes) : TDM_OK;
+}
+
+int tdm_safetensors_meta_count(const tdm_safetensors *f) {
+    return f->n_meta;
+}
+
+void tdm_safetensors_meta_at(const tdm_safetensors *f, int i, const char **key, const char **val) {
+    *key = f->meta_key[i], *val = f->meta_val[i];
+}

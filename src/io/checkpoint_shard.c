@@ -1,0 +1,566 @@
+/* Sharded checkpoints (ZeRO): each process writes its range of the flat parameter buffer and
+ * of the optimizer state into its own shard file, rank 0 the layout, the buffers and the
+ * training state; loading gives each process its range from whichever shard files cover it,
+ * on any number of processes; export makes the whole model (and state) again. The format is
+ * described in tandem/io.h. No process ever holds more than its range, but for export. */
+#include "io/io_internal.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define MAX_STATE 3
+#define LAYOUT    "layout.safetensors"
+#define BUFFERS   "buffers.safetensors"
+
+static void shard_path(char *out, size_t cap, const char *dir, int rank, int world) {
+    snprintf(out, cap, "%s/shard-%05d-of-%05d.safetensors", dir, rank, world);
+}
+
+static void tmp_dir(char *out, size_t cap, const char *dir, int64_t step) {
+    snprintf(out, cap, "%s/.ckpt-%010" PRId64 ".tmp", dir, step);
+}
+
+/* The parameters of flat range [lo, hi) this process saves: a view of ps->flat, which under
+ * ZeRO stages 1 and 2 holds every parameter on every rank (in the current scope). Under stage
+ * 3 the rank's range comes from elsewhere: this is the one place to change. */
+static tdm_tensor *params_of_range(tdm_paramset *ps, int64_t lo, int64_t hi) {
+    int64_t shape[1] = {hi - lo}, strides[1] = {1};
+    return tdm_tensor_view(ps->flat, 1, shape, strides, ps->flat->offset + lo);
+}
+
+/* ---- saving ------------------------------------------------------------------------------- */
+
+int tdm_checkpoint_shard_begin(const char *dir, const tdm_train_state *s) {
+    char tmp[4096];
+    return tdm_ckpt_prepare(dir, s, tmp, sizeof tmp);
+}
+
+/* The save's range: the optimizer's shard (the whole buffer when it is not sharded). */
+static int save_range(const tdm_train_state *s, tdm_paramset **ps, int64_t *lo, int64_t *hi) {
+    if (!s || !s->model || !s->optim)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_shard: needs the model and its optimizer");
+    if (!(*ps = tdm_module_parameters(s->model))) return tdm_last_status();
+    *lo = 0, *hi = (*ps)->total;
+    return tdm_optim_shard_range(s->optim, lo, hi);
+}
+
+int tdm_checkpoint_shard_write(const char *dir, const tdm_train_state *s, int rank, int world) {
+    tdm_paramset *ps = NULL;
+    int64_t lo = 0, hi = 0;
+    int rc = save_range(s, &ps, &lo, &hi);
+    if (rc) return rc;
+    char tmp[4096], path[4200], keys[MAX_STATE][80], v[6][32];
+    tmp_dir(tmp, sizeof tmp, dir, s->step);
+    shard_path(path, sizeof path, tmp, rank, world);
+    const char *snames[MAX_STATE];
+    tdm_tensor *st[MAX_STATE];
+    int ns = tdm_optim_state(s->optim, snames, st, MAX_STATE);
+    if ((rc = tdm_scope_begin())) return rc;
+    tdm_named_tensor ts[1 + MAX_STATE] = {{"params", params_of_range(ps, lo, hi)}};
+    for (int i = 0; i < ns; i++) {
+        snprintf(keys[i], sizeof keys[i], "optim.%s", snames[i]);
+        ts[1 + i] = (tdm_named_tensor){keys[i], st[i]}; /* [hi - lo] once sharded */
+    }
+    snprintf(v[0], 32, "%d", rank), snprintf(v[1], 32, "%d", world);
+    snprintf(v[2], 32, "%" PRId64, lo), snprintf(v[3], 32, "%" PRId64, hi);
+    snprintf(v[4], 32, "%" PRId64, ps->total);
+    tdm_meta meta[6] = {{"tandem.shard", "1"}, {"shard.rank", v[0]}, {"shard.world", v[1]},
+                        {"shard.lo", v[2]},    {"shard.hi", v[3]},   {"shard.total", v[4]}};
+    rc = ts[0].tensor ? tdm_safetensors_save(path, ts, 1 + ns, meta, 6) : tdm_last_status();
+    tdm_scope_end();
+    return rc;
+}
+
+/* layout.safetensors into directory tmp (format: tandem/io.h). */
+static int write_layout(const char *tmp, const tdm_train_state *s, const int64_t *ranges,
+                        int world) {
+    tdm_paramset *ps = tdm_module_parameters(s->model);
+    if (!ps) return tdm_last_status();
+    int n_meta = 7 + ps->n + world, k = 0, rc = TDM_OK;
+    tdm_meta *meta = calloc((size_t)n_meta, sizeof *meta);
+    char **store = calloc((size_t)n_meta * 2, sizeof *store);
+    if (!meta || !store) rc = tdm_raise(TDM_ERR_NOMEM, "checkpoint layout: out of memory");
+    const char *snames[MAX_STATE];
+    tdm_tensor *st[MAX_STATE];
+    int ns = tdm_optim_state(s->optim, snames, st, MAX_STATE);
+    char states[128] = "", num[3][32];
+    for (int i = 0; i < ns; i++)
+        snprintf(states + strlen(states), sizeof states - strlen(states), "%s%s", i ? "," : "",
+                 snames[i]);
+    snprintf(num[0], 32, "%d", world), snprintf(num[1], 32, "%" PRId64, ps->total);
+    snprintf(num[2], 32, "%d", ps->n);
+    if (!rc) {
+        meta[k++] = (tdm_meta){"tandem.sharded", "1"}, meta[k++] = (tdm_meta){"world", num[0]};
+        meta[k++] = (tdm_meta){"total", num[1]}, meta[k++] = (tdm_meta){"params", num[2]};
+        meta[k++] = (tdm_meta){"optim.kind", tdm_optim_kind(s->optim)};
+        meta[k++] = (tdm_meta){"optim.states", states};
+    }
+    for (int i = 0; !rc && i < ps->n + world; i++) {
+        char key[64], val[512];
+        if (i < ps->n) {
+            const tdm_tensor *p = ps->params[i];
+            int len = snprintf(val, sizeof val, "%" PRId64 " %d", ps->offsets[i], p->ndim);
+            for (int d = 0; d < p->ndim; d++)
+                len += snprintf(val + len, sizeof val - (size_t)len, " %" PRId64, p->shape[d]);
+            snprintf(val + len, sizeof val - (size_t)len, " %s", ps->names[i]);
+            snprintf(key, sizeof key, "param.%d", i);
+        } else {
+            int r = i - ps->n;
+            snprintf(val, sizeof val, "%" PRId64 " %" PRId64, ranges[2 * r], ranges[2 * r + 1]);
+            snprintf(key, sizeof key, "rank.%d", r);
+        }
+        store[2 * i] = strdup(key), store[2 * i + 1] = strdup(val);
+        if (!store[2 * i] || !store[2 * i + 1])
+            rc = tdm_raise(TDM_ERR_NOMEM, "checkpoint layout: out of memory");
+        else
+            meta[k++] = (tdm_meta){store[2 * i], store[2 * i + 1]};
+    }
+    char path[4200];
+    snprintf(path, sizeof path, "%s/" LAYOUT, tmp);
+    if (!rc) rc = tdm_safetensors_save(path, NULL, 0, meta, k);
+    for (int i = 0; store && i < 2 * (ps->n + world); i++) free(store[i]);
+    free(store);
+    free(meta);
+    return rc;
+}
+
+/* buffers.safetensors into tmp: the model's buffers, replicated on every rank. */
+static int write_buffers(const char *tmp, tdm_module *m) {
+    tdm_bufferset *bs = tdm_module_buffers(m);
+    if (!bs) return tdm_last_status();
+    tdm_named_tensor *ts = malloc(sizeof *ts * (size_t)(bs->n ? bs->n : 1));
+    if (!ts) return tdm_raise(TDM_ERR_NOMEM, "checkpoint buffers: out of memory");
+    for (int i = 0; i < bs->n; i++) ts[i] = (tdm_named_tensor){bs->names[i], bs->buffers[i]};
+    char path[4200];
+    snprintf(path, sizeof path, "%s/" BUFFERS, tmp);
+    int rc = tdm_safetensors_save(path, ts, bs->n, NULL, 0);
+    free(ts);
+    return rc;
+}
+
+int tdm_checkpoint_shard_finish(const char *dir, const tdm_train_state *s, const int64_t *ranges,
+                                int world, int keep) {
+    if (!dir || !s || !s->model || !s->optim || !ranges || world < 1)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_shard_finish: NULL or bad argument");
+    char tmp[4096], f[4200];
+    tmp_dir(tmp, sizeof tmp, dir, s->step);
+    int rc = write_layout(tmp, s, ranges, world);
+    if (!rc) rc = write_buffers(tmp, s->model);
+    snprintf(f, sizeof f, "%s/train_state.safetensors", tmp);
+    if (!rc) rc = tdm_ckpt_write_state(f, s, false);
+    return tdm_ckpt_publish(dir, s, keep, rc);
+}
+
+void tdm_checkpoint_shard_abort(const char *dir, int64_t step) {
+    char tmp[4096];
+    tmp_dir(tmp, sizeof tmp, dir, step);
+    tdm_ckpt_remove_dir(tmp);
+}
+
+/* ---- the layout --------------------------------------------------------------------------- */
+
+typedef struct {
+    char path[4200]; /* of layout.safetensors, for messages */
+    char dir[4096];
+    int world, n, n_states;
+    int64_t total;
+    char kind[32], states[MAX_STATE][32];
+    char **names;
+    int64_t *offsets, *lo, *hi;
+    int *ndim;
+    int64_t (*shape)[TDM_MAX_DIMS];
+    tdm_safetensors **files; /* the shard files, opened when first needed */
+} layout;
+
+static void layout_free(layout *l) {
+    for (int i = 0; l->names && i < l->n; i++) free(l->names[i]);
+    for (int r = 0; l->files && r < l->world; r++) tdm_safetensors_close(l->files[r]);
+    free(l->names), free(l->offsets), free(l->lo), free(l->hi), free(l->ndim), free(l->shape);
+    free(l->files);
+    memset(l, 0, sizeof *l);
+}
+
+static int bad_layout(const layout *l, const char *key, const char *why) {
+    return tdm_raise(TDM_ERR_FORMAT, "sharded checkpoint '%s': %s %s", l->path, key, why);
+}
+
+/* An integer of the layout's metadata. */
+static int layout_int(tdm_safetensors *f, const layout *l, const char *key, int64_t *out) {
+    const char *v = tdm_safetensors_meta(f, key);
+    char *end;
+    if (!v) return bad_layout(l, key, "is missing");
+    *out = strtoll(v, &end, 10);
+    return end == v || *end || *out < 0 ? bad_layout(l, key, "is not a count") : TDM_OK;
+}
+
+/* "param.<i>": "<offset> <ndim> <d0> ... <name>". */
+static int layout_param(tdm_safetensors *f, layout *l, int i) {
+    char key[64];
+    snprintf(key, sizeof key, "param.%d", i);
+    const char *v = tdm_safetensors_meta(f, key);
+    int used = 0;
+    if (!v || sscanf(v, "%" SCNd64 " %d%n", &l->offsets[i], &l->ndim[i], &used) != 2 ||
+        l->ndim[i] < 0 || l->ndim[i] > TDM_MAX_DIMS)
+        return bad_layout(l, key, "is missing or not '<offset> <ndim> <dims> <name>'");
+    v += used;
+    for (int d = 0; d < l->ndim[i]; d++, v += used)
+        if (sscanf(v, " %" SCNd64 "%n", &l->shape[i][d], &used) != 1)
+            return bad_layout(l, key, "has too few dimensions");
+    while (*v == ' ') v++;
+    return (l->names[i] = strdup(v)) ? TDM_OK : tdm_raise(TDM_ERR_NOMEM, "out of memory");
+}
+
+static int layout_alloc(layout *l) {
+    l->names = calloc((size_t)l->n + 1, sizeof *l->names);
+    l->offsets = calloc((size_t)l->n + 1, sizeof *l->offsets);
+    l->ndim = calloc((size_t)l->n + 1, sizeof *l->ndim);
+    l->shape = calloc((size_t)l->n + 1, sizeof *l->shape);
+    l->lo = calloc((size_t)l->world, sizeof *l->lo);
+    l->hi = calloc((size_t)l->world, sizeof *l->hi);
+    l->files = calloc((size_t)l->world, sizeof *l->files);
+    bool ok = l->names && l->offsets && l->ndim && l->shape && l->lo && l->hi && l->files;
+    return ok ? TDM_OK : tdm_raise(TDM_ERR_NOMEM, "sharded checkpoint: out of memory");
+}
+
+/* The ranks' ranges must tile [0, total) in rank order. */
+static int layout_ranges(tdm_safetensors *f, layout *l) {
+    for (int r = 0; r < l->world; r++) {
+        char key[32];
+        snprintf(key, sizeof key, "rank.%d", r);
+        const char *v = tdm_safetensors_meta(f, key);
+        if (!v || sscanf(v, "%" SCNd64 " %" SCNd64, &l->lo[r], &l->hi[r]) != 2)
+            return bad_layout(l, key, "is missing or not '<lo> <hi>'");
+        if (l->lo[r] != (r ? l->hi[r - 1] : 0) || l->hi[r] < l->lo[r] ||
+            (r == l->world - 1 && l->hi[r] != l->total))
+            return bad_layout(l, key, "does not continue the ranks' ranges over [0, total)");
+    }
+    return TDM_OK;
+}
+
+static int layout_states(tdm_safetensors *f, layout *l) {
+    const char *kind = tdm_safetensors_meta(f, "optim.kind");
+    const char *st = tdm_safetensors_meta(f, "optim.states");
+    if (!kind || !st) return bad_layout(l, "optim.kind or optim.states", "is missing");
+    snprintf(l->kind, sizeof l->kind, "%s", kind);
+    for (const char *p = st; *p && l->n_states < MAX_STATE; l->n_states++) {
+        size_t len = strcspn(p, ",");
+        snprintf(l->states[l->n_states], sizeof l->states[0], "%.*s", (int)len, p);
+        p += len + (p[len] == ',');
+    }
+    return TDM_OK;
+}
+
+static int layout_read(const char *ckpt, layout *l) {
+    memset(l, 0, sizeof *l);
+    snprintf(l->dir, sizeof l->dir, "%s", ckpt);
+    snprintf(l->path, sizeof l->path, "%s/" LAYOUT, ckpt);
+    tdm_safetensors *f = tdm_safetensors_open(l->path);
+    if (!f) return tdm_last_status();
+    int64_t world = 0, n = 0;
+    int rc = layout_int(f, l, "world", &world);
+    if (!rc) rc = layout_int(f, l, "total", &l->total);
+    if (!rc) rc = layout_int(f, l, "params", &n);
+    if (!rc && (world < 1 || world > 99999 || n > 1000000))
+        rc = bad_layout(l, "world or params", "is out of range");
+    l->world = (int)world, l->n = (int)n;
+    if (!rc) rc = layout_alloc(l);
+    for (int i = 0; !rc && i < l->n; i++) rc = layout_param(f, l, i);
+    if (!rc) rc = layout_ranges(f, l);
+    if (!rc) rc = layout_states(f, l);
+    tdm_safetensors_close(f);
+    if (rc) layout_free(l);
+    return rc;
+}
+
+/* The layout against the model's parameters and the optimizer's state names. */
+static int layout_check(const layout *l, const tdm_paramset *ps, tdm_optim *o) {
+    if (l->n != ps->n || l->total != ps->total)
+        return tdm_raise(TDM_ERR_FORMAT,
+                         "sharded checkpoint '%s' does not match the model: %d parameters of "
+                         "%lld elements in the checkpoint, %d of %lld in the model",
+                         l->path, l->n, (long long)l->total, ps->n, (long long)ps->total);
+    for (int i = 0; i < l->n; i++) {
+        const tdm_tensor *p = ps->params[i];
+        bool same = !strcmp(l->names[i], ps->names[i]) && l->offsets[i] == ps->offsets[i] &&
+                    l->ndim[i] == p->ndim;
+        for (int d = 0; same && d < p->ndim; d++) same = l->shape[i][d] == p->shape[d];
+        if (!same)
+            return tdm_raise(TDM_ERR_FORMAT,
+                             "sharded checkpoint '%s' does not match the model: parameter %d is "
+                             "'%.100s' at offset %lld in the checkpoint, '%.100s' at %lld (or "
+                             "another shape) in the model",
+                             l->path, i, l->names[i], (long long)l->offsets[i], ps->names[i],
+                             (long long)ps->offsets[i]);
+    }
+    if (!o) return TDM_OK;
+    const char *snames[MAX_STATE];
+    tdm_tensor *st[MAX_STATE];
+    int ns = tdm_optim_state(o, snames, st, MAX_STATE);
+    bool same = ns == l->n_states && !strcmp(l->kind, tdm_optim_kind(o));
+    for (int s = 0; same && s < ns; s++) same = !strcmp(l->states[s], snames[s]);
+    return same ? TDM_OK
+                : tdm_raise(TDM_ERR_FORMAT,
+                            "sharded checkpoint '%s': the optimizer was %.20s with %d state "
+                            "buffers, now %s with %d (built with other options?)",
+                            l->path, l->kind, l->n_states, tdm_optim_kind(o), ns);
+}
+
+/* Shard file r, opened once and checked against the layout. */
+static tdm_safetensors *layout_file(layout *l, int r) {
+    if (l->files[r]) return l->files[r];
+    char path[4300];
+    shard_path(path, sizeof path, l->dir, r, l->world);
+    tdm_safetensors *f = tdm_safetensors_open(path);
+    if (!f) return NULL;
+    const char *lo = tdm_safetensors_meta(f, "shard.lo"), *hi = tdm_safetensors_meta(f, "shard.hi");
+    if (!lo || !hi || strtoll(lo, NULL, 10) != l->lo[r] || strtoll(hi, NULL, 10) != l->hi[r]) {
+        tdm_safetensors_close(f);
+        tdm_raise(TDM_ERR_FORMAT,
+                  "sharded checkpoint: shard file '%s' holds range [%s, %s), the layout '%s' "
+                  "says [%lld, %lld)",
+                  path, lo ? lo : "?", hi ? hi : "?", l->path, (long long)l->lo[r],
+                  (long long)l->hi[r]);
+        return NULL;
+    }
+    return l->files[r] = f;
+}
+
+/* Elements [lo, hi) of tensor `name` ("params", "optim.<state>") of the whole flat buffer into
+ * dst, from the pieces of the shard files that cover them. */
+static int layout_read_range(layout *l, const char *name, int64_t lo, int64_t hi, float *dst) {
+    for (int r = 0; r < l->world; r++) {
+        int64_t a = lo > l->lo[r] ? lo : l->lo[r], b = hi < l->hi[r] ? hi : l->hi[r];
+        if (a >= b) continue;
+        tdm_safetensors *f = layout_file(l, r);
+        if (!f) return tdm_last_status();
+        int k = tdm_safetensors_find(f, name);
+        tdm_shape want = TDM_SHAPE(l->hi[r] - l->lo[r]), got = {0};
+        if (k >= 0) got = tdm_safetensors_shape(f, k);
+        if (k < 0 || strcmp(tdm_safetensors_dtype(f, k), "F32") || got.ndim != 1 ||
+            got.d[0] != want.d[0]) {
+            char what[256];
+            tdm_safetensors_what(f, what, sizeof what);
+            return tdm_raise(TDM_ERR_FORMAT,
+                             "sharded checkpoint: shard file '%s' has no F32 [%lld] tensor '%s'",
+                             what, (long long)want.d[0], name);
+        }
+        int rc = tdm_safetensors_read_bytes(f, name, (uint64_t)(a - l->lo[r]) * sizeof(float),
+                                            (size_t)(b - a) * sizeof(float), dst + (a - lo));
+        if (rc) return rc;
+    }
+    return TDM_OK;
+}
+
+/* ---- loading ------------------------------------------------------------------------------ */
+
+bool tdm_ckpt_is_sharded(const char *path) {
+    char f[4200];
+    struct stat st;
+    snprintf(f, sizeof f, "%s/" LAYOUT, path);
+    return stat(f, &st) == 0;
+}
+
+/* The parameters this process loads: all of them (every rank of ZeRO 1 and 2 holds them); under
+ * stage 3 its range, as params_of_range. */
+static void params_to_load(const tdm_paramset *ps, int64_t *lo, int64_t *hi) {
+    *lo = 0, *hi = ps->total;
+}
+
+/* The model's buffers against buffers.safetensors (opened into sh). */
+static int read_buffers(const char *path, tdm_module *m, tdm_ckpt_shards *sh) {
+    char f[4200];
+    snprintf(f, sizeof f, "%s/" BUFFERS, path);
+    tdm_bufferset *bs = tdm_module_buffers(m);
+    if (!bs) return tdm_last_status();
+    if (!(sh->buffers = tdm_safetensors_open(f))) return tdm_last_status();
+    sh->bufs = malloc(sizeof *sh->bufs * (size_t)(bs->n ? bs->n : 1));
+    if (!sh->bufs) return tdm_raise(TDM_ERR_NOMEM, "sharded checkpoint: out of memory");
+    sh->n_bufs = bs->n;
+    for (int i = 0; i < bs->n; i++) sh->bufs[i] = (tdm_named_tensor){bs->names[i], bs->buffers[i]};
+    return tdm_ckpt_check_tensors(sh->buffers, sh->bufs, sh->n_bufs);
+}
+
+int tdm_ckpt_shards_read(const char *path, const tdm_train_state *s, tdm_ckpt_shards *sh) {
+    memset(sh, 0, sizeof *sh);
+    if (!s->model) return TDM_OK; /* the training state alone: train_state.safetensors */
+    tdm_paramset *ps = tdm_module_parameters(s->model);
+    if (!ps) return tdm_last_status();
+    layout l;
+    int rc = layout_read(path, &l);
+    if (rc) return rc;
+    rc = layout_check(&l, ps, s->optim);
+    params_to_load(ps, &sh->p_lo, &sh->p_hi);
+    if (!rc && !(sh->params = malloc(sizeof(float) * (size_t)(sh->p_hi - sh->p_lo + 1))))
+        rc = tdm_raise(TDM_ERR_NOMEM, "sharded checkpoint: out of memory");
+    if (!rc) rc = layout_read_range(&l, "params", sh->p_lo, sh->p_hi, sh->params);
+    int64_t lo = 0, hi = ps->total;
+    if (!rc && s->optim) rc = tdm_optim_shard_range(s->optim, &lo, &hi);
+    for (int k = 0; !rc && s->optim && k < l.n_states; k++, sh->n_state = k) {
+        char name[64];
+        snprintf(name, sizeof name, "optim.%s", l.states[k]);
+        if (!(sh->state[k] = malloc(sizeof(float) * (size_t)(hi - lo + 1))))
+            rc = tdm_raise(TDM_ERR_NOMEM, "sharded checkpoint: out of memory");
+        else
+            rc = layout_read_range(&l, name, lo, hi, sh->state[k]);
+    }
+    if (!rc) rc = read_buffers(path, s->model, sh);
+    layout_free(&l);
+    return rc;
+}
+
+/* host[0..n) into t ([n] f32, on any device; in the caller's scope, which frees the copy). */
+static int copy_in(tdm_tensor *t, const float *host, int64_t n) {
+    tdm_tensor *src = tdm_from_data(TDM_SHAPE(n), TDM_F32, tdm_cpu(0), host);
+    return src ? tdm_copy_(t, src) : tdm_last_status();
+}
+
+int tdm_ckpt_shards_apply(tdm_ckpt_shards *sh, tdm_train_state *s) {
+    if (!s->model) return TDM_OK;
+    tdm_paramset *ps = tdm_module_parameters(s->model);
+    int rc = ps ? TDM_OK : tdm_last_status();
+    if (!rc) {
+        tdm_tensor *dst = params_of_range(ps, sh->p_lo, sh->p_hi);
+        rc = dst ? copy_in(dst, sh->params, sh->p_hi - sh->p_lo) : tdm_last_status();
+    }
+    const char *snames[MAX_STATE];
+    tdm_tensor *st[MAX_STATE];
+    int ns = s->optim ? tdm_optim_state(s->optim, snames, st, MAX_STATE) : 0;
+    for (int k = 0; !rc && k < ns && k < sh->n_state; k++)
+        rc = copy_in(st[k], sh->state[k], tdm_numel(st[k]));
+    if (!rc) rc = tdm_ckpt_read_tensors(sh->buffers, sh->bufs, sh->n_bufs);
+    return rc;
+}
+
+void tdm_ckpt_shards_free(tdm_ckpt_shards *sh) {
+    free(sh->params);
+    for (int k = 0; k < MAX_STATE; k++) free(sh->state[k]);
+    tdm_safetensors_close(sh->buffers);
+    free(sh->bufs);
+    memset(sh, 0, sizeof *sh);
+}
+
+/* ---- export: the whole model (and state) of a checkpoint ---------------------------------- */
+
+static int copy_file(const char *from, const char *to) {
+    tdm_safetensors *f = tdm_safetensors_open(from); /* checked, as a load would */
+    if (!f) return tdm_last_status();
+    tdm_safetensors_close(f);
+    FILE *in = fopen(from, "rb"), *out = in ? fopen(to, "wb") : NULL;
+    char buf[1 << 16];
+    size_t n;
+    int rc = out ? TDM_OK : -1;
+    while (!rc && (n = fread(buf, 1, sizeof buf, in)) > 0)
+        if (fwrite(buf, 1, n, out) != n) rc = -1;
+    if (!rc && ferror(in)) rc = -1;
+    if (out && fclose(out) != 0) rc = -1;
+    if (in) fclose(in);
+    if (rc) unlink(to);
+    return rc ? tdm_raise(TDM_ERR_IO, "export: cannot copy '%s' to '%s': %s", from, to,
+                          strerror(errno))
+              : TDM_OK;
+}
+
+/* Tensors [l->n] viewing each parameter in flat (a whole [total] buffer), named names[i]. */
+static int param_views(const layout *l, tdm_tensor *flat, char **names, tdm_named_tensor *ts) {
+    for (int i = 0; i < l->n; i++) {
+        int64_t strides[TDM_MAX_DIMS];
+        tdm_contiguous_strides(l->ndim[i], l->shape[i], strides);
+        tdm_tensor *v = tdm_tensor_view(flat, l->ndim[i], l->shape[i], strides, l->offsets[i]);
+        if (!v) return tdm_last_status();
+        ts[i] = (tdm_named_tensor){names[i], v};
+    }
+    return TDM_OK;
+}
+
+/* The whole flat buffer `name` as a tensor of the current scope. */
+static tdm_tensor *whole(layout *l, const char *name) {
+    float *host = malloc(sizeof(float) * (size_t)(l->total + 1));
+    if (!host) return tdm_raise(TDM_ERR_NOMEM, "export: out of memory"), NULL;
+    int rc = layout_read_range(l, name, 0, l->total, host);
+    tdm_tensor *t = rc ? NULL : tdm_from_data(TDM_SHAPE(l->total), TDM_F32, tdm_cpu(0), host);
+    free(host);
+    return t;
+}
+
+/* model.safetensors as an unsharded run writes it: the parameters, then the buffers. */
+static int export_model(layout *l, const char *path) {
+    char f[4300];
+    snprintf(f, sizeof f, "%s/" BUFFERS, l->dir);
+    tdm_safetensors *bf = tdm_safetensors_open(f);
+    if (!bf) return tdm_last_status();
+    int nb = tdm_safetensors_count(bf);
+    tdm_named_tensor *ts = calloc((size_t)(l->n + nb + 1), sizeof *ts);
+    tdm_tensor *flat = ts ? whole(l, "params") : NULL;
+    int rc = flat ? param_views(l, flat, l->names, ts) : tdm_last_status();
+    for (int k = 0; !rc && k < nb; k++) {
+        const char *name = tdm_safetensors_name(bf, k);
+        tdm_tensor *t = tdm_safetensors_load(bf, name, tdm_cpu(0));
+        rc = t ? TDM_OK : tdm_last_status();
+        ts[l->n + k] = (tdm_named_tensor){name, t};
+    }
+    tdm_meta pt = {"format", "pt"};
+    if (!rc) rc = tdm_safetensors_save(path, ts, l->n + nb, &pt, 1);
+    free(ts);
+    tdm_safetensors_close(bf);
+    return rc;
+}
+
+/* train_state.safetensors as an unsharded run writes it: the moments "optim.<param>.<state>"
+ * (state by state, parameter by parameter) and the sharded checkpoint's metadata in order. */
+static int export_state(layout *l, const char *path) {
+    char f[4300];
+    snprintf(f, sizeof f, "%s/train_state.safetensors", l->dir);
+    tdm_safetensors *sf = tdm_safetensors_open(f);
+    if (!sf) return tdm_last_status();
+    int nm = tdm_safetensors_meta_count(sf), n = l->n_states * l->n, rc = TDM_OK;
+    tdm_meta *meta = calloc((size_t)nm + 1, sizeof *meta);
+    tdm_named_tensor *ts = calloc((size_t)n + 1, sizeof *ts);
+    char **names = calloc((size_t)n + 1, sizeof *names);
+    if (!meta || !ts || !names) rc = tdm_raise(TDM_ERR_NOMEM, "export: out of memory");
+    for (int i = 0; !rc && i < nm; i++)
+        tdm_safetensors_meta_at(sf, i, &meta[i].key, &meta[i].value);
+    for (int s = 0; !rc && s < l->n_states; s++) {
+        char buf[64];
+        snprintf(buf, sizeof buf, "optim.%s", l->states[s]);
+        tdm_tensor *flat = whole(l, buf);
+        for (int i = 0; flat && i < l->n; i++) {
+            size_t len = strlen(l->names[i]) + strlen(l->states[s]) + 8;
+            if ((names[s * l->n + i] = malloc(len)))
+                snprintf(names[s * l->n + i], len, "optim.%s.%s", l->names[i], l->states[s]);
+        }
+        rc = flat ? param_views(l, flat, names + s * l->n, ts + s * l->n) : tdm_last_status();
+    }
+    for (int i = 0; !rc && i < n; i++)
+        if (!ts[i].name) rc = tdm_raise(TDM_ERR_NOMEM, "export: out of memory");
+    if (!rc) rc = tdm_safetensors_save(path, ts, n, meta, nm);
+    for (int i = 0; names && i < n; i++) free(names[i]);
+    free(names), free(ts), free(meta);
+    tdm_safetensors_close(sf);
+    return rc;
+}
+
+int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path) {
+    if (!ckpt) return tdm_raise(TDM_ERR_ARG, "checkpoint_export: NULL checkpoint");
+    char f[4200];
+    if (!tdm_ckpt_is_sharded(ckpt)) { /* already whole */
+        snprintf(f, sizeof f, "%s/model.safetensors", ckpt);
+        int rc = model_path ? copy_file(f, model_path) : TDM_OK;
+        snprintf(f, sizeof f, "%s/train_state.safetensors", ckpt);
+        return rc || !state_path ? rc : copy_file(f, state_path);
+    }
+    layout l;
+    int rc = layout_read(ckpt, &l);
+    if (rc) return rc;
+    if (!(rc = tdm_scope_begin())) {
+        if (model_path) rc = export_model(&l, model_path);
+        if (!rc && state_path) rc = export_state(&l, state_path);
+        tdm_scope_end();
+    }
+    layout_free(&l);
+    return rc;
+}

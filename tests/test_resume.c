@@ -392,15 +392,29 @@ static void sigterm_all(const char *mpirun) {
                         "16", "--context", "8", "--batch-size", "4", "--workers", "0"));
 }
 
+/* The path of checkpoint step's model.safetensors (state false) or train_state.safetensors
+ * in dir, into out: a sharded checkpoint's made whole first by tdm_checkpoint_export (the
+ * files tandem export writes) beside dir, so that it compares with an unsharded run's. */
+static void whole_file(const char *dir, int64_t step, bool state, char *out, size_t cap) {
+    char ckpt[400], layout[440];
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt-%010lld", dir, (long long)step);
+    snprintf(layout, sizeof layout, "%s/layout.safetensors", ckpt);
+    snprintf(out, cap, "%s/%s", ckpt, state ? "train_state.safetensors" : "model.safetensors");
+    if (access(layout, F_OK) != 0) return;
+    snprintf(out, cap, "%s.whole-%lld-%s.safetensors", dir, (long long)step,
+             state ? "state" : "model");
+    CHECK(tdm_checkpoint_export(ckpt, state ? NULL : out, state ? out : NULL) == TDM_OK,
+          "export of the sharded checkpoint %s: %s", ckpt, tdm_last_error());
+}
+
 /* Whether the checkpoints of step `step` in dirs a and b are the same, byte for byte (but for
- * their runs' identities): the weights and the training state. */
+ * their runs' identities): the weights and the training state (a sharded one's made whole). */
 static bool same_ckpt(const char *a, const char *b, int64_t step) {
     bool same = true;
     for (int f = 0; f < 2; f++) {
-        const char *file = f ? "train_state.safetensors" : "model.safetensors";
         char fa[400], fb[400];
-        snprintf(fa, sizeof fa, "%s/ckpt-%010lld/%s", a, (long long)step, file);
-        snprintf(fb, sizeof fb, "%s/ckpt-%010lld/%s", b, (long long)step, file);
+        whole_file(a, step, f, fa, sizeof fa);
+        whole_file(b, step, f, fb, sizeof fb);
         same = same && same_file(fa, fb);
     }
     return same;
@@ -517,12 +531,12 @@ static void check_resharded(const char *name, const char *ref, const char *ref_l
     tdm_checkpoint_latest(dir, path, sizeof path, &last);
     CHECK(last == last_ref, "%s: the last checkpoint is at step %lld, the uninterrupted run's %lld",
           name, (long long)last, (long long)last_ref);
-    snprintf(fa, sizeof fa, "%s/ckpt-%010lld/train_state.safetensors", ref, (long long)last_ref);
-    snprintf(fb, sizeof fb, "%s/ckpt-%010lld/train_state.safetensors", dir, (long long)last_ref);
+    whole_file(ref, last_ref, true, fa, sizeof fa);
+    whole_file(dir, last_ref, true, fb, sizeof fb);
     CHECK(same_counters(fa, fb, why, sizeof why), "%s: %s", name, why);
     double opt_abs, w_abs, opt = max_rel_diff(fa, fb, &opt_abs);
-    snprintf(fa, sizeof fa, "%s/ckpt-%010lld/model.safetensors", ref, (long long)last_ref);
-    snprintf(fb, sizeof fb, "%s/ckpt-%010lld/model.safetensors", dir, (long long)last_ref);
+    whole_file(ref, last_ref, false, fa, sizeof fa);
+    whole_file(dir, last_ref, false, fb, sizeof fb);
     double w = max_rel_diff(fa, fb, &w_abs);
     printf("%s: max |diff| weights %.3g (%.3g of a tensor's largest), optimizer state %.3g "
            "(%.3g)\n",
@@ -661,6 +675,51 @@ static void zero2_runs(const char *const np2[5]) {
     }
 }
 
+/* `tandem eval --weights dir` of a broken sharded checkpoint (mlp, or model): exits 1 and says
+ * want on stderr. */
+static void eval_refuses(const char *dir, const char *model, const char *want, const char *what) {
+    int rc = run(ARGS("eval", "--weights", dir, "--model", model, "--limit", "48"));
+    char *err = captured("stderr");
+    CHECK(rc == 1 && strstr(err, want), "eval of a sharded checkpoint with %s: exit %d, %s", what,
+          rc, err);
+    free(err);
+}
+
+/* A sharded checkpoint (2 processes, step 2, copies "<half>-bad" and "<half>-fail"): a missing
+ * and a truncated shard file, and a layout that is not the model's, are refused naming the
+ * file; a save where rank 1 cannot write its shard leaves no new checkpoint, every process
+ * saying which rank failed. */
+static void sharded_failures(const char *half, const char *const np2[5]) {
+    char ckpt[400], shard[460], cmd[1500], want[520];
+    snprintf(ckpt, sizeof ckpt, "%s-bad/ckpt-0000000002", half);
+    snprintf(shard, sizeof shard, "%s/shard-00001-of-00002.safetensors", ckpt);
+    int rc = run(ARGS("eval", "--weights", ckpt, "--limit", "48"));
+    CHECK(rc == 0, "eval of a sharded checkpoint: exit %d", rc);
+    eval_refuses(ckpt, "cnn", "does not match the model", "another model");
+    snprintf(cmd, sizeof cmd, "mv '%s' '%s.away'", shard, shard);
+    CHECK(system(cmd) == 0, "%s", cmd);
+    snprintf(want, sizeof want, "%s", shard);
+    eval_refuses(ckpt, "mlp", want, "a missing shard");
+    snprintf(cmd, sizeof cmd, "mv '%s.away' '%s' && truncate -s -100 '%s'", shard, shard, shard);
+    CHECK(system(cmd) == 0, "%s", cmd);
+    eval_refuses(ckpt, "mlp", want, "a truncated shard");
+    char dir[400], tmp[460];
+    snprintf(dir, sizeof dir, "%s-fail", half);
+    setenv("TANDEM_TEST_FAIL_SHARD_RANK", "1", 1);
+    rc = wait_status(start_with(np2, ARGS(ZERO_RUN, "--checkpoint-dir", dir, "--quiet", "--shard",
+                                          "optimizer", "--resume", "--max-steps", "4")));
+    unsetenv("TANDEM_TEST_FAIL_SHARD_RANK");
+    char *err = captured("stderr");
+    snprintf(tmp, sizeof tmp, "%s/.ckpt-0000000004.tmp", dir);
+    CHECK(rc == 1 && tdm_checkpoint_list(dir, NULL, 0) == 1 && access(tmp, F_OK) != 0 &&
+              strstr(err, "rank 1: checkpoint: injected failure") &&
+              strstr(err, "rank 0: checkpoint at step 4: 1 process failed (rank 1: writing "
+                          "shard-00001-of-00002.safetensors); no checkpoint was written"),
+          "a save where rank 1 fails: exit %d, %d checkpoints, stderr %s", rc,
+          tdm_checkpoint_list(dir, NULL, 0), err);
+    free(err);
+}
+
 /* --shard optimizer (ZeRO stage 1) under mpirun, one device per process (DDP) and two
  * (DataParallel): its checkpoints are the unsharded run's byte for byte (the weights, and the
  * state gathered from the shards); a sharded checkpoint resumes
@@ -711,7 +770,8 @@ static void zero_resume(const char *mpirun) {
         rc = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--checkpoint-dir", half[i], "--quiet",
                                                 "--shard", first, "--max-steps", "2")));
         if (i == 0) { /* copies for the resumes on 1 and 3 processes */
-            snprintf(cmd, sizeof cmd, "for p in np1 np3 old; do cp -r '%s' '%s'-$p; done", half[0],
+            snprintf(cmd, sizeof cmd,
+                     "for p in np1 np2 np3 old bad fail; do cp -r '%s' '%s'-$p; done", half[0],
                      half[0]);
             CHECK(rc == 0 && system(cmd) == 0, "a sharded run stopped at step 2: exit %d", rc);
         }
@@ -724,7 +784,7 @@ static void zero_resume(const char *mpirun) {
     }
     /* on another number of processes, from the sharded checkpoint at step 2 (mid-epoch 1):
      * unsharded on 1, sharded on 3; each continues as the uninterrupted run */
-    for (int p = 1; p <= 3; p += 2) {
+    for (int p = 1; p <= 3; p++) {
         char dir[320], log[340], name[64];
         snprintf(dir, sizeof dir, "%s-np%d", half[0], p);
         snprintf(log, sizeof log, "%s.jsonl", dir);
@@ -734,13 +794,16 @@ static void zero_resume(const char *mpirun) {
             start_with(np[p], ARGS(ZERO_RUN, "--checkpoint-dir", dir, "--shard",
                                    p == 1 ? "none" : "optimizer", "--resume", "--log", log)));
         char *said = captured("stdout"), *err = captured("stderr");
-        CHECK(rc == 0 && strstr(said, "epoch 1, step 2 of the epoch, 2 steps done; saved on 2 "
-                                      "processes x 1 device, now "),
+        CHECK(rc == 0 && strstr(said, p == 2 ? "epoch 1, step 2 of the epoch, 2 steps done\n"
+                                             : "epoch 1, step 2 of the epoch, 2 steps done; "
+                                               "saved on 2 processes x 1 device, now "),
               "%s: exit %d: %s%s", name, rc, said, err);
         free(said);
         free(err);
         check_resharded(name, plain, plain_log, dir, log, 2);
+        if (p == 2) CHECK(same_ckpt(plain, dir, 6), "%s: not the uninterrupted run's", name);
     }
+    sharded_failures(half[0], np[2]);
     older_checkpoint(half[0]);
     reshard_dp(np, dp_plain, dp_log);
     reshard_one_to_three(np);

@@ -801,7 +801,16 @@ static void zero_resume(const char *mpirun) {
         free(said);
         free(err);
         check_resharded(name, plain, plain_log, dir, log, 2);
-        if (p == 2) CHECK(same_ckpt(plain, dir, 6), "%s: not the uninterrupted run's", name);
+        if (p != 2) continue;
+        CHECK(same_ckpt(plain, dir, 6), "%s: not the uninterrupted run's", name);
+        /* tandem export: the model.safetensors of the unsharded run, bit for bit */
+        char ckpt[400], exported[440], want[400];
+        snprintf(ckpt, sizeof ckpt, "%s/ckpt-0000000006", dir);
+        snprintf(exported, sizeof exported, "%s.exported.safetensors", dir);
+        snprintf(want, sizeof want, "%s/ckpt-0000000006/model.safetensors", plain);
+        rc = run(ARGS("export", ckpt, exported));
+        CHECK(rc == 0 && same_file(exported, want), "tandem export %s: exit %d, or not %s", ckpt,
+              rc, want);
     }
     sharded_failures(half[0], np[2]);
     older_checkpoint(half[0]);

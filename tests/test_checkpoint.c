@@ -734,6 +734,70 @@ static void test_run_ids(void) {
     tdm_module_free(m);
 }
 
+/* Whether files a and b hold the same bytes. */
+static bool same_bytes(const char *a, const char *b) {
+    size_t na = 0, nb = 0;
+    char *x = slurp_file(a, &na), *y = slurp_file(b, &nb);
+    bool eq = x && y && na == nb && memcmp(x, y, na) == 0;
+    free(x);
+    free(y);
+    return eq;
+}
+
+/* The sharded format on one process (rank 0 of 1, the optimizer's range the whole buffer): it
+ * resumes bit for bit as a whole checkpoint does; its export is the whole checkpoint's files
+ * byte for byte; a model the layout does not fit and a missing shard are refused, naming the
+ * file, with the model unchanged. (Several processes: test_resume_mpi.) */
+static void test_sharded(void) {
+    const char *whole = tmp_path("sh_whole"), *dir = tmp_path("sh_sharded");
+    tdm_manual_seed(42);
+    run_state a = run_new(true, 0);
+    run_steps(&a, 9);
+    tdm_train_state st = state_of(&a);
+    int64_t range[2] = {0, tdm_module_parameters(a.m)->total};
+    CHECK(tdm_checkpoint_save(whole, &st, 0) == TDM_OK, "save: %s", tdm_last_error());
+    CHECK(tdm_checkpoint_shard_begin(dir, &st) == TDM_OK &&
+              tdm_checkpoint_shard_write(dir, &st, 0, 1) == TDM_OK &&
+              tdm_checkpoint_shard_finish(dir, &st, range, 1, 0) == TDM_OK,
+          "sharded save: %s", tdm_last_error());
+    char ck[600], w[700], out[720];
+    snprintf(ck, sizeof ck, "%s/ckpt-0000000009", dir);
+    for (int f = 0; f < 2; f++) {
+        const char *name = f ? "train_state.safetensors" : "model.safetensors";
+        snprintf(w, sizeof w, "%s/ckpt-0000000009/%s", whole, name);
+        snprintf(out, sizeof out, "%s/exported-%s", tmpdir, name);
+        CHECK(tdm_checkpoint_export(ck, f ? NULL : out, f ? out : NULL) == TDM_OK &&
+                  same_bytes(w, out),
+              "export of the sharded checkpoint: %s is not the whole one's (%s)", name,
+              tdm_last_error());
+    }
+    run_steps(&a, 5);
+    tdm_manual_seed(7);
+    run_state b = run_new(true, 0);
+    tdm_train_state sb = state_of(&b);
+    CHECK(tdm_checkpoint_load(ck, &sb) == TDM_OK, "sharded load: %s", tdm_last_error());
+    b.step = sb.step;
+    run_steps(&b, 5);
+    CHECK(models_equal(a.m, b.m), "resumed from a sharded checkpoint: not bit-identical");
+    run_state c = run_new(true, 0), other = {.m = small_model(4, 3)};
+    tdm_train_state so = {.model = other.m};
+    CHECK(tdm_checkpoint_load(ck, &so) == TDM_ERR_FORMAT &&
+              strstr(tdm_last_error(), "layout.safetensors' does not match the model"),
+          "another model: %s", tdm_last_error());
+    snprintf(w, sizeof w, "%s/shard-00000-of-00001.safetensors", ck);
+    snprintf(out, sizeof out, "%s.away", w);
+    CHECK(rename(w, out) == 0, "moving the shard away");
+    tdm_train_state sc = state_of(&c);
+    CHECK(tdm_checkpoint_load(ck, &sc) != TDM_OK && strstr(tdm_last_error(), w) && sc.step == 0 &&
+              tdm_optim_steps(c.opt) == 0,
+          "a missing shard: %s", tdm_last_error());
+    rename(out, w);
+    tdm_module_free(other.m);
+    run_free(&a);
+    run_free(&b);
+    run_free(&c);
+}
+
 int main(void) {
     if (tmpdir_make("test_ckpt") != 0) return 1;
     test_torch_file();
@@ -750,6 +814,7 @@ int main(void) {
     test_disk_full();
     test_lock();
     test_run_ids();
+    test_sharded();
     tmpdir_remove();
     return check_summary();
 }

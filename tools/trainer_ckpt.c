@@ -3,7 +3,8 @@
  * that shape the run, the processes and devices that wrote it, the run's identity), --resume
  * from the newest after checking it is this run's (on any processes and devices: the data
  * position is global, and the global batch is an option of the run), and the same check
- * across the processes under mpirun. */
+ * across the processes under mpirun. A sharded DDP run writes a sharded checkpoint, each
+ * process its own shard file (save_shards). */
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>

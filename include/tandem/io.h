@@ -159,7 +159,10 @@ int tdm_checkpoint_latest(const char *dir, char *path, size_t cap, int64_t *step
  * ranks stopped), the generator,
  * and s->step. Everything is validated before anything is changed. A sharded optimizer
  * (tdm_optim_shard) takes its shard of the saved state (tdm_optim_state_load: no
- * communication), whatever the number of ranks that saved it. */
+ * communication), whatever the number of ranks that saved it. A sharded checkpoint (below:
+ * layout.safetensors) is read the same way, each caller reading only the pieces of the
+ * shard files that cover its range; a missing or truncated shard file, or a layout that does
+ * not fit the model or optimizer, is TDM_ERR_FORMAT / TDM_ERR_IO naming the file. */
 int tdm_checkpoint_load(const char *path, tdm_train_state *s);
 /* The caller metadata `key` (as given in tdm_train_state.meta) of checkpoint directory path,
  * copied into out (cap bytes, truncated to fit). Returns 1 when present, 0 when absent, or a

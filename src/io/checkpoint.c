@@ -20,6 +20,10 @@
  *
  * Loading validates everything (names, shapes, dtypes, kinds, numbers) before changing
  * anything, so a bad checkpoint leaves the model and the optimizer as they were.
+ *
+ * A sharded run's checkpoint (layout.safetensors and one shard file per process instead of
+ * model.safetensors and the moments) is written and read by checkpoint_shard.c, through the
+ * same temporary directory, rename and pruning (tdm_ckpt_prepare / tdm_ckpt_publish).
  */
 #include "io/io_internal.h"
 

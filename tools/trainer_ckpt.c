@@ -63,15 +63,15 @@ static int rank_totals(trainer *tr, const double *tot, char **out) {
     return rc;
 }
 
-/* The optimizer state a checkpoint saves: under DataParallel across processes (several
- * devices a process) a sharded one's whole copy, gathered from every rank (a collective:
+/* The optimizer state a checkpoint saves: under DataParallel (several devices a process) or
+ * without MPI a sharded one's whole copy, gathered from every rank (a collective:
  * every process comes here at the same steps), in *whole (caller frees); else *whole is NULL
  * and tr->opt is saved as it is (a sharded DDP run writes shard files: save_shards). 0 or
  * EXIT_RUNTIME. */
 static int whole_optimizer(trainer *tr, tdm_optim **whole) {
     *whole = NULL;
-    if (!tr->sharded || !tr->dp) return 0;
-    *whole = tdm_dp_optim_gather(tr->dp);
+    if (!tr->sharded || (tr->g && !tr->dp)) return 0;
+    *whole = tr->dp ? tdm_dp_optim_gather(tr->dp) : tdm_optim_gather(tr->opt);
     return *whole ? 0
                   : task_error("checkpoint: gathering the sharded optimizer state: %s",
                                tdm_last_error());

@@ -226,6 +226,7 @@ typedef struct {
     tdm_optim_factory make;
     bool shard;
     bool grads;         /* ZeRO stage 2 (tdm_ddp_set_shard) rather than stage 1 */
+    bool stage3;        /* ZeRO stage 3 (with grads) */
     int micro;          /* micro-batches per step (0: 2, the first without sync) */
     bool no_clip;       /* no gradient clipping */
     int64_t bucket_cap; /* DDP's bucket caps in bytes (0: the defaults, one bucket here) */
@@ -270,9 +271,13 @@ static int zero_steps(const zero_case *c, tdm_ddp *d, tdm_optim *opt, int n, int
 
 /* What a rank ends with: parameters, shard, state sizes and the gathered whole state (and,
  * on rank 0 when asked, a checkpoint of the whole copy, which every rank helps gather). */
-static int zero_record(zero_case *c, tdm_module *m, tdm_paramset *ps, tdm_optim *opt, int r) {
+static int zero_record(zero_case *c, tdm_ddp *d, tdm_module *m, tdm_optim *opt, int r) {
+    tdm_paramset *ps = tdm_module_parameters(m);
     c->params[r] = malloc(sizeof(float) * (size_t)ps->total);
-    tdm_to_host(ps->flat, c->params[r], sizeof(float) * (size_t)ps->total);
+    int rc = tdm_ddp_gather_params(d); /* stage 3: the whole model again, in ps->flat */
+    if (!rc) rc = tdm_to_host(ps->flat, c->params[r], sizeof(float) * (size_t)ps->total);
+    if (!rc) rc = tdm_ddp_release_params(d);
+    if (rc) return rc;
     tdm_optim_shard_range(opt, &c->lo[r], &c->hi[r]);
     tdm_tensor *st[3], *whole[3];
     int n = tdm_optim_state(opt, NULL, st, 3);
@@ -290,7 +295,7 @@ static int zero_record(zero_case *c, tdm_module *m, tdm_paramset *ps, tdm_optim 
     if (!c->ckpt || c->start != FROM_SCRATCH) return TDM_OK;
     tdm_optim *copy = tdm_optim_gather(opt);
     tdm_train_state s = {.model = m, .optim = copy, .step = tdm_optim_steps(opt)};
-    int rc = !copy ? tdm_last_status() : r == 0 ? tdm_checkpoint_save(c->ckpt, &s, 0) : TDM_OK;
+    rc = !copy ? tdm_last_status() : r == 0 ? tdm_checkpoint_save(c->ckpt, &s, 0) : TDM_OK;
     tdm_optim_free(copy);
     return rc;
 }
@@ -305,15 +310,20 @@ static int zero_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_optim *opt = d ? c->make(ps, NULL) : NULL;
     tdm_train_state s = {.model = m, .optim = opt};
-    tdm_shard_kind kind = c->grads ? TDM_SHARD_GRADIENTS : TDM_SHARD_OPTIMIZER;
+    tdm_shard_kind kind = c->stage3  ? TDM_SHARD_PARAMETERS
+                          : c->grads ? TDM_SHARD_GRADIENTS
+                                     : TDM_SHARD_OPTIMIZER;
     if (!opt) rc = tdm_last_status();
     if (!rc && c->shard && c->start != LOAD_THEN_SHARD) rc = tdm_ddp_set_shard(d, opt, kind);
+    /* stage 3 loads into the whole model, summoned */
+    if (!rc && c->start == SHARD_THEN_LOAD) rc = tdm_ddp_gather_params(d);
     if (!rc && c->start != FROM_SCRATCH) rc = tdm_checkpoint_load(c->ckpt, &s);
+    if (!rc && c->start == SHARD_THEN_LOAD) rc = tdm_ddp_release_params(d);
     if (!rc && c->shard && c->start == LOAD_THEN_SHARD) rc = tdm_ddp_set_shard(d, opt, kind);
     if (!rc && c->grads && (ps->flat_grad || !tdm_ddp_shard_grad(d, NULL)))
         rc = TDM_ERR_STATE; /* stage 2 kept the whole flat gradient */
     if (!rc) rc = zero_steps(c, d, opt, ctx->size, r);
-    if (!rc) rc = zero_record(c, m, ps, opt, r);
+    if (!rc) rc = zero_record(c, d, m, opt, r);
     tdm_optim_free(opt);
     tdm_ddp_free(d);
     tdm_module_free(m);
@@ -386,7 +396,7 @@ static void test_zero(void) {
         char path[300] = "";
         CHECK(tdm_checkpoint_latest(ckpt, path, sizeof path, NULL) == 1,
               "the sharded run's checkpoint: %s", tdm_last_error());
-        zero_case resumed[3] = {
+        zero_case resumed[4] = {
             {.make = makes[k], .start = LOAD_THEN_SHARD, .ckpt = path, .first_batch = 10},
             {.make = makes[k],
              .shard = true,
@@ -397,15 +407,25 @@ static void test_zero(void) {
              .shard = true,
              .start = SHARD_THEN_LOAD,
              .ckpt = path,
+             .first_batch = 10},
+            {.make = makes[k],
+             .shard = true,
+             .grads = true,
+             .stage3 = true,
+             .micro = 1,
+             .start = SHARD_THEN_LOAD,
+             .ckpt = path,
              .first_batch = 10}};
-        for (int i = 0; i < 3; i++)
+        for (int i = 0; i < 4; i++)
             CHECK(tdm_spawn(3, devs, zero_rank, &resumed[i]) == 0, "%s resumed (%d): %s", names[k],
                   i, tdm_last_error());
         CHECK(resumed[0].steps == 2 * STEPS, "%s: the resumed optimizer took %lld steps", names[k],
               (long long)resumed[0].steps);
         check_same(&resumed[1], &resumed[0], 3, "loaded, then sharded");
         check_same(&resumed[2], &resumed[0], 3, "sharded, then loaded");
-        for (int i = 0; i < 3; i++) zero_case_free(&resumed[i]);
+        CHECK(resumed[3].steps == resumed[0].steps, "stage 3, loaded while gathered: %lld steps",
+              (long long)resumed[3].steps);
+        for (int i = 0; i < 4; i++) zero_case_free(&resumed[i]);
         tdm_checkpoint_clear(ckpt);
     }
 }
@@ -446,22 +466,29 @@ static void test_zero2(void) {
                                    .micro = runs[i].micro,
                                    .no_clip = runs[i].no_clip,
                                    .bucket_cap = 64};
-                zero_case sharded = plain;
+                zero_case sharded = plain, stage3 = plain;
                 sharded.shard = sharded.grads = true;
+                stage3.shard = stage3.grads = stage3.stage3 = true;
                 CHECK(tdm_spawn(n, devs, zero_rank, &plain) == 0, "%s: %s", names[k],
                       tdm_last_error());
                 CHECK(tdm_spawn(n, devs, zero_rank, &sharded) == 0, "%s on %d ranks: %s", names[k],
                       n, tdm_last_error());
+                CHECK(tdm_spawn(n, devs, zero_rank, &stage3) == 0, "%s, stage 3 on %d ranks: %s",
+                      names[k], n, tdm_last_error());
                 char what[160];
                 snprintf(what, sizeof what, "%s, %d micro-batch(es)%s", names[k], runs[i].micro,
                          runs[i].no_clip ? "" : ", clipped");
                 check_shards(&sharded, n, what);
+                check_shards(&stage3, n, what);
                 if (runs[i].exact)
                     check_same(&sharded, &plain, n, what);
                 else
                     check_close(&sharded, &plain, n, what);
+                /* stage 3 only moves stage 2's values: the same bits in every case */
+                check_same(&stage3, &sharded, n, what);
                 zero_case_free(&plain);
                 zero_case_free(&sharded);
+                zero_case_free(&stage3);
             }
 }
 
@@ -527,9 +554,11 @@ static int mem_rank(tdm_rank_ctx *ctx, void *arg) {
  * most a few buckets beyond stage 1's peak less that difference. */
 static void test_zero2_memory(void) {
     tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
-    mem_case one = {.kind = TDM_SHARD_OPTIMIZER}, two = {.kind = TDM_SHARD_GRADIENTS};
+    mem_case one = {.kind = TDM_SHARD_OPTIMIZER}, two = {.kind = TDM_SHARD_GRADIENTS},
+             three = {.kind = TDM_SHARD_PARAMETERS};
     CHECK(tdm_spawn(2, devs, mem_rank, &one) == 0, "stage 1: %s", tdm_last_error());
     CHECK(tdm_spawn(2, devs, mem_rank, &two) == 0, "stage 2: %s", tdm_last_error());
+    CHECK(tdm_spawn(2, devs, mem_rank, &three) == 0, "stage 3: %s", tdm_last_error());
     for (int r = 0; r < 2; r++) {
         int64_t saved = (one.total - two.shard[r]) * 4; /* the gradient outside the shard */
         int64_t drop = one.between[r] - two.between[r];
@@ -547,7 +576,137 @@ static void test_zero2_memory(void) {
               (long long)one.total * 4);
         CHECK(two.peak[r] < one.peak[r], "rank %d: stage 2 peaks at %lld, stage 1 at %lld", r,
               (long long)two.peak[r], (long long)one.peak[r]);
+        /* stage 3 holds the parameters outside its shard only while a unit (a layer) needs
+         * them: between steps none, at its peak two layers (the current and the next) */
+        drop = two.between[r] - three.between[r];
+        CHECK(drop >= saved * 9 / 10 && drop <= saved * 5 / 4 + 4096,
+              "rank %d: stage 3 holds %lld bytes between steps, stage 2 %lld: expected %lld less "
+              "(the parameters outside the shard)",
+              r, (long long)three.between[r], (long long)two.between[r], (long long)saved);
+        int64_t layer = MEM_WIDTH * (MEM_WIDTH + 1) * 4;
+        CHECK(three.peak[r] <= two.peak[r] - saved + 3 * layer * 5 / 4,
+              "rank %d: stage 3 peaks at %lld bytes, stage 2 at %lld: expected at most %lld less "
+              "than that, plus two or three layers of %lld",
+              r, (long long)three.peak[r], (long long)two.peak[r], (long long)saved,
+              (long long)layer);
     }
+}
+
+/* ---- ZeRO stage 3 on a GPT: blocks as units, the root unit, recomputation ------------------ */
+
+typedef struct {
+    bool stage3, recompute;
+    float *params[3];  /* per rank: the parameters after the steps, gathered */
+    float eval_sum[3]; /* per rank: the sum of the logits of a forward without autograd */
+    int units;         /* rank 0's stage-3 units */
+    int64_t total;
+} gpt_case;
+
+#define GPT_STEPS 3
+#define GPT_B     2 /* rows per rank */
+#define GPT_T     8
+
+/* Rank r's tokens and targets of step s. */
+static void gpt_batch(int s, int r, int64_t *x, int64_t *y) {
+    for (int i = 0; i < GPT_B * GPT_T; i++) {
+        x[i] = (s * 7 + r * 3 + i * 5) % 24;
+        y[i] = (s * 11 + r * 5 + i * 3 + 1) % 24;
+    }
+}
+
+/* The sum of rank r's logits for step 0's tokens, without autograd (the units gathered and
+ * freed by the forward alone). */
+static int gpt_eval(tdm_module *m, int r, float *sum) {
+    int64_t x[GPT_B * GPT_T], y[GPT_B * GPT_T];
+    gpt_batch(0, r, x, y);
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_scope_begin();
+    tdm_tensor *logits =
+        tdm_gpt_forward(m, tdm_from_data(TDM_SHAPE(GPT_B, GPT_T), TDM_I64, tdm_cpu(0), x));
+    int rc = logits ? TDM_OK : tdm_last_status();
+    *sum = logits ? tdm_item(tdm_sum_all(logits)) : NAN;
+    tdm_scope_end();
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+static int gpt_steps(gpt_case *c, tdm_ddp *d, tdm_module *m, tdm_optim *opt, int r) {
+    int rc = 0;
+    for (int s = 0; s < GPT_STEPS && !rc; s++) {
+        int64_t x[GPT_B * GPT_T], y[GPT_B * GPT_T];
+        gpt_batch(s, r, x, y);
+        tdm_optim_zero_grad(opt);
+        tdm_scope_begin();
+        tdm_tensor *xs = tdm_from_data(TDM_SHAPE(GPT_B, GPT_T), TDM_I64, tdm_cpu(0), x);
+        tdm_tensor *ys = tdm_from_data(TDM_SHAPE(GPT_B, GPT_T), TDM_I64, tdm_cpu(0), y);
+        rc = tdm_ddp_backward(d, tdm_gpt_loss(tdm_ddp_forward(d, xs), ys));
+        tdm_scope_end();
+        if (!rc) rc = tdm_ddp_clip_grad_norm(d, 0.5f, NULL);
+        if (!rc) rc = tdm_optim_step(opt);
+        if (!rc && s == 0) rc = gpt_eval(m, r, &c->eval_sum[r]);
+    }
+    return rc;
+}
+
+static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
+    gpt_case *c = arg;
+    int r = ctx->rank, rc = 0;
+    tdm_gpt_config cfg = {.layers = 3, .heads = 2, .channels = 16, .context = GPT_T, .vocab = 24};
+    tdm_rng init = tdm_rng_make(5);
+    tdm_module *m = tdm_gpt_new(&cfg, tdm_cpu(0), &init);
+    if (c->recompute) tdm_model_set_recompute(m, true);
+    tdm_ddp_opts o = tdm_ddp_defaults();
+    o.bucket_cap_bytes = o.first_bucket_cap_bytes = 1024; /* buckets across units and shards */
+    tdm_ddp *d = tdm_ddp_new(m, ctx->group, &o);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_adam_opts ao = tdm_adamw_defaults();
+    ao.lr = 0.01f;
+    tdm_optim *opt = d ? tdm_adam_new(ps, &ao) : NULL;
+    tdm_module *units[8];
+    int n = tdm_model_units(m, units, 8);
+    if (!opt) rc = tdm_last_status();
+    if (!rc && c->stage3) rc = tdm_ddp_set_shard_units(d, units, n);
+    if (!rc) rc = tdm_ddp_set_shard(d, opt, c->stage3 ? TDM_SHARD_PARAMETERS : TDM_SHARD_GRADIENTS);
+    if (!rc) rc = gpt_steps(c, d, m, opt, r);
+    c->params[r] = malloc(sizeof(float) * (size_t)ps->total);
+    if (!rc) rc = tdm_ddp_gather_params(d);
+    if (!rc) rc = tdm_to_host(ps->flat, c->params[r], sizeof(float) * (size_t)ps->total);
+    if (!rc) rc = tdm_ddp_release_params(d);
+    if (r == 0) c->total = ps->total, c->units = n;
+    tdm_optim_free(opt);
+    tdm_ddp_free(d);
+    tdm_module_free(m);
+    return rc;
+}
+
+/* Whether every rank of c ends with want's parameters and evaluation, bit for bit. */
+static void gpt_same(const gpt_case *c, const gpt_case *want, int n, const char *what) {
+    for (int r = 0; r < n; r++) {
+        CHECK(c->params[r] && want->params[r] &&
+                  memcmp(c->params[r], want->params[r], sizeof(float) * (size_t)want->total) == 0,
+              "%s, %d ranks: rank %d's parameters differ", what, n, r);
+        CHECK(c->eval_sum[r] == want->eval_sum[r] && !isnan(c->eval_sum[r]),
+              "%s, %d ranks: rank %d's logits sum to %.9g, expected %.9g", what, n, r,
+              c->eval_sum[r], want->eval_sum[r]);
+    }
+}
+
+/* A GPT under stage 3 (its 3 blocks the units; embeddings, the tied head and the final norm
+ * the root unit) ends with stage 2's weights bit for bit on 2 and 3 ranks, with AdamW and
+ * clipping, its blocks recomputed or not; a forward without autograd between steps gives
+ * the same logits. */
+static void test_zero3_gpt(void) {
+    tdm_device devs[3] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2)};
+    for (int n = 2; n <= 3; n++)
+        for (int rec = 0; rec < 2; rec++) {
+            gpt_case two = {.recompute = rec}, three = {.stage3 = true, .recompute = rec};
+            CHECK(tdm_spawn(n, devs, gpt_rank, &two) == 0, "gpt, stage 2: %s", tdm_last_error());
+            CHECK(tdm_spawn(n, devs, gpt_rank, &three) == 0, "gpt, stage 3 on %d ranks: %s", n,
+                  tdm_last_error());
+            CHECK(three.units == 3, "the GPT has %d units, expected its 3 blocks", three.units);
+            gpt_same(&three, &two, n, rec ? "gpt, stage 3, recomputed" : "gpt, stage 3");
+            for (int r = 0; r < 3; r++) free(two.params[r]), free(three.params[r]);
+        }
 }
 
 /* ---- ZeRO errors ---------------------------------------------------------------------------- */
@@ -1106,6 +1265,7 @@ int main(void) {
     test_zero();
     test_zero2();
     test_zero2_memory();
+    test_zero3_gpt();
     test_zero_errors();
     test_data_parallel();
     test_dropout_rows();

@@ -49,6 +49,11 @@ tdm_module *tdm_model_new(const char *name, tdm_device dev, tdm_rng *rng);
  * TDM_ERR_ARG for a NULL model or one with no such units (the mlp and the cnn: recompute one of
  * their layers with tdm_module_set_recompute instead). */
 int tdm_model_set_recompute(tdm_module *m, bool on);
+/* Those repeated units of m (a GPT's blocks, a ResNet's stages), the ones recomputation and
+ * ZeRO stage 3 (tdm_ddp_set_shard_units) work by, in forward order: up to cap of them into
+ * units (borrowed from m). Returns how many m has (0 for a model without such units: the mlp,
+ * the cnn), or TDM_ERR_ARG for a NULL m. */
+int tdm_model_units(tdm_module *m, tdm_module **units, int cap);
 
 /* ---- ResNet ------------------------------------------------------------------------------ */
 

@@ -97,6 +97,12 @@ tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduc
 
 typedef struct tdm_module tdm_module;
 
+/* Forward hooks (PyTorch's register_forward_pre_hook / register_forward_hook): pre runs just
+ * before m's forward and fails it with its status; post runs on m's output and returns what
+ * the caller gets instead (out itself, or a tensor made from it; NULL and an error fail it). */
+typedef int (*tdm_forward_pre_hook)(tdm_module *m, void *ctx);
+typedef tdm_tensor *(*tdm_forward_hook)(tdm_module *m, tdm_tensor *out, void *ctx);
+
 typedef struct {
     const char *kind; /* "Linear", "Conv2d", ... */
     tdm_tensor *(*forward)(tdm_module *m, tdm_tensor *x);
@@ -125,7 +131,10 @@ struct tdm_module {
     const tdm_module_ops *ops;
     tdm_device device;
     bool training;
-    bool recompute; /* forward under tdm_recompute (tdm_module_set_recompute) */
+    bool recompute;                /* forward under tdm_recompute (tdm_module_set_recompute) */
+    tdm_forward_pre_hook pre_hook; /* tdm_module_set_forward_hooks; not cloned */
+    tdm_forward_hook post_hook;
+    void *hook_ctx;
     int n_params;
     const char *param_names[TDM_MODULE_MAX_PARAMS];
     tdm_tensor *params[TDM_MODULE_MAX_PARAMS];
@@ -185,6 +194,12 @@ void tdm_module_train(tdm_module *m, bool training);
  * keep it. m's forward must meet tdm_recompute's conditions: the built-in layers and the
  * library's models do. TDM_OK, or TDM_ERR_ARG for a NULL m. */
 int tdm_module_set_recompute(tdm_module *m, bool on);
+/* m's forward hooks (either may be NULL; both NULL remove them), with ctx for both. One pair
+ * per module: a later call replaces it. They run around m's own forward (around its
+ * recomputation's first run, not its rerun in backward); clones do not get them. TDM_OK, or
+ * TDM_ERR_ARG for a NULL m. */
+int tdm_module_set_forward_hooks(tdm_module *m, tdm_forward_pre_hook pre, tdm_forward_hook post,
+                                 void *ctx);
 /* All parameters of the tree, named, moved on first call into one flat buffer (values kept)
  * with a flat gradient buffer beside it. Owned by m; later calls return the same set. All
  * parameters must be on one device. NULL and an error on failure. */

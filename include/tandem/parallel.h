@@ -150,7 +150,8 @@ typedef enum {
     TDM_SHARD_OPTIMIZER,  /* ZeRO stage 1: the optimizer state (tdm_optim_shard) */
     TDM_SHARD_GRADIENTS,  /* ZeRO stage 2 (FSDP's SHARD_GRAD_OP): also the gradients, each
                            * rank keeping the averaged gradient of its shard only */
-    TDM_SHARD_PARAMETERS, /* ZeRO stage 3: also the parameters (not written yet) */
+    TDM_SHARD_PARAMETERS, /* ZeRO stage 3 (FSDP's FULL_SHARD): also the parameters, each
+                           * unit gathered around its forward and backward */
 } tdm_shard_kind;
 
 typedef struct {
@@ -200,14 +201,41 @@ int tdm_ddp_bucket_count(const tdm_ddp *d);
  * their averages instead of averaging their sum: equal to float rounding, about
  * (micro-batches + ranks) x 2^-24 of the summed magnitudes per element.
  *
+ * TDM_SHARD_PARAMETERS (ZeRO stage 3, PyTorch FSDP's FULL_SHARD) also shards the parameters:
+ * the rank keeps the parameters of its range [lo, hi) (which o updates from then on), and
+ * the rest of the model only while a unit needs it. The units are the modules named by
+ * tdm_ddp_set_shard_units (FSDP's auto_wrap_policy: a GPT's blocks, tdm_model_units), else
+ * the replica's children that hold parameters; the replica's other parameters (embeddings,
+ * a final norm, tied weights) form the root unit, gathered when the replica's forward starts
+ * and freed when backward is done with them. A unit is gathered just before its forward and
+ * freed after it, gathered again when backward reaches its output and freed when its
+ * parameters' gradients are final; the next unit's gather (the previous one's in backward)
+ * runs while the current one computes. The parameters' tensors stay the same objects (views
+ * of the unit's memory, empty while it is freed), so read them only inside the forward,
+ * or between tdm_ddp_gather_params and tdm_ddp_release_params. ps->flat holds no memory.
+ * The weights are stage 2's bit for bit (a gather moves values). Only for groups whose
+ * collectives reach the parameters' memory (threads, MPI: CPU devices).
+ *
  * d must outlive o's steps, and the replica keeps no whole gradient for other uses (training
- * it without d). TDM_ERR_ARG for a NULL d, an optimizer of other parameters, an unknown kind
- * or TDM_SHARD_PARAMETERS (stage 3, not written yet); TDM_ERR_STATE for a kind below the
+ * it without d). TDM_ERR_ARG for a NULL d, an optimizer of other parameters, an unknown kind,
+ * or units that overlap or hold no parameters; TDM_ERR_STATE for a kind below the
  * current one (sharded stays sharded); tdm_optim_shard's errors. A rank that cannot allocate
  * its shard aborts the group, so every rank fails. Asking again for the current kind does
  * nothing. */
 int tdm_ddp_set_shard(tdm_ddp *d, tdm_optim *o, tdm_shard_kind kind);
 tdm_shard_kind tdm_ddp_shard(const tdm_ddp *d);
+/* The units of ZeRO stage 3 (before tdm_ddp_set_shard with TDM_SHARD_PARAMETERS): n disjoint
+ * modules of the replica, in the order its forward runs them (the prefetch follows it); d
+ * copies the array, not the modules. TDM_ERR_STATE once the parameters are sharded. */
+int tdm_ddp_set_shard_units(tdm_ddp *d, tdm_module *const *units, int n);
+/* Under ZeRO stage 3, every parameter whole again in ps->flat (FSDP's summon_full_params:
+ * to save, export or inspect the model, or load into it) until tdm_ddp_release_params,
+ * which takes this rank's range of ps->flat back as its shard (so values loaded meanwhile
+ * count) and frees the rest. Collectives, called by every rank; no-ops otherwise. A rank
+ * whose gather fails aborts the group. Call tdm_ddp_gather_params before tdm_ddp_free to keep
+ * the model whole after d. */
+int tdm_ddp_gather_params(tdm_ddp *d);
+int tdm_ddp_release_params(tdm_ddp *d);
 /* torch.nn.utils.clip_grad_norm_ (2-norm) of the averaged gradient after tdm_ddp_backward:
  * tdm_clip_grad_norm on the replica's whole gradient, or under ZeRO stage 2 a collective:
  * each rank's sum of squares of its shard (in double) all-gathered and added in rank order,

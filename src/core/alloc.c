@@ -16,6 +16,7 @@
 typedef struct {
     pthread_mutex_t lock;
     tdm_storage *free_list[N_CLASSES]; /* cached blocks, linked through cached.next */
+    tdm_storage *spare; /* headers without a block (tdm_storage_resize), for the next one */
     tdm_alloc_stats stats;
 } pool;
 
@@ -106,6 +107,10 @@ void tdm_storage_retain(tdm_storage *s) {
 
 void tdm_storage_release(tdm_storage *s) {
     if (!s || atomic_fetch_sub_explicit(&s->refcount, 1, memory_order_acq_rel) != 1) return;
+    if (!s->data) { /* emptied by tdm_storage_resize: only its header is left */
+        free((cached *)s);
+        return;
+    }
     pool *p = pool_of(s->device);
     size_t rounded;
     int c = size_class(s->nbytes, &rounded);
@@ -116,6 +121,36 @@ void tdm_storage_release(tdm_storage *s) {
     p->stats.bytes_in_use -= rounded;
     p->stats.bytes_cached += rounded;
     pthread_mutex_unlock(&p->lock);
+}
+
+/* Resizing moves blocks between headers: a storage keeps its header (tensors point at it)
+ * while its block goes to the cache under a spare header, and back. */
+int tdm_storage_resize(tdm_storage *s, size_t nbytes) {
+    if (!s) return tdm_raise(TDM_ERR_ARG, "storage_resize: NULL storage");
+    if ((nbytes == 0) == (s->data == NULL)) return TDM_OK;
+    if (nbytes) { /* an empty s takes a block; the block's header becomes a spare */
+        cached *b = (cached *)tdm_storage_new(nbytes, s->device);
+        if (!b) return tdm_last_status();
+        s->data = b->s.data, s->nbytes = b->s.nbytes;
+        pool *p = pool_of(s->device);
+        pthread_mutex_lock(&p->lock);
+        b->next = (cached *)p->spare;
+        p->spare = &b->s;
+        pthread_mutex_unlock(&p->lock);
+        return TDM_OK;
+    }
+    pool *p = pool_of(s->device);
+    pthread_mutex_lock(&p->lock);
+    cached *h = (cached *)p->spare;
+    if (h) p->spare = (tdm_storage *)h->next;
+    pthread_mutex_unlock(&p->lock);
+    if (!h && !(h = malloc(sizeof *h)))
+        return tdm_raise(TDM_ERR_NOMEM, "storage_resize: out of memory for a block header");
+    h->s.data = s->data, h->s.nbytes = s->nbytes, h->s.device = s->device;
+    atomic_init(&h->s.refcount, 1);
+    s->data = NULL, s->nbytes = 0;
+    tdm_storage_release(&h->s); /* the block, now h's, back to the cache */
+    return TDM_OK;
 }
 
 tdm_alloc_stats tdm_alloc_stats_get(tdm_device dev) {
@@ -151,6 +186,11 @@ void tdm_alloc_empty_cache(tdm_device dev) {
             b = next;
         }
         p->free_list[c] = NULL;
+    }
+    while (p->spare) {
+        cached *h = (cached *)p->spare;
+        p->spare = (tdm_storage *)h->next;
+        free(h);
     }
     p->stats.bytes_cached = 0;
     pthread_mutex_unlock(&p->lock);

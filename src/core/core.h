@@ -60,6 +60,12 @@ tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev);
 void tdm_storage_retain(tdm_storage *s);
 /* Drops a reference; the block returns to the cache at zero. */
 void tdm_storage_release(tdm_storage *s);
+/* FSDP's storage resize: nbytes 0 gives s's block back to the cache and leaves s without
+ * memory (data NULL; every tensor on s keeps its header and geometry); nbytes > 0 gives an
+ * empty s a block of at least nbytes from the cache (contents undefined). A no-op when s is
+ * already in that state. TDM_ERR_NOMEM (s stays empty) or TDM_ERR_ARG when a non-empty s is
+ * asked for another size. */
+int tdm_storage_resize(tdm_storage *s, size_t nbytes);
 
 typedef struct {
     size_t bytes_in_use; /* held by live storages */

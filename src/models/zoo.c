@@ -2,6 +2,7 @@
  * out layer by layer, so parameter names ("1.weight") and initialisation match PyTorch's. */
 #include "tandem/models.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
@@ -94,27 +95,33 @@ static tdm_module *child_named(const tdm_module *m, const char *name) {
     return NULL;
 }
 
-/* Recomputation on or off for each of the n units. */
-static void set_all(tdm_module *const *units, int n, bool on) {
-    for (int i = 0; i < n; i++) tdm_module_set_recompute(units[i], on);
-}
-
-int tdm_model_set_recompute(tdm_module *m, bool on) {
-    if (!m) return tdm_raise(TDM_ERR_ARG, "model_set_recompute: model is NULL");
+int tdm_model_units(tdm_module *m, tdm_module **units, int cap) {
+    if (!m) return tdm_raise(TDM_ERR_ARG, "model_units: model is NULL");
     tdm_module *h = tdm_gpt_config_of(m) ? child_named(child_named(m, "transformer"), "h") : NULL;
     if (h) {
-        set_all(h->children, h->n_children, on);
-        return TDM_OK;
+        for (int i = 0; i < h->n_children && i < cap; i++) units[i] = h->children[i];
+        return h->n_children;
     }
     static const char *const stages[4] = {"layer1", "layer2", "layer3", "layer4"};
     tdm_module *st[4];
     int found = 0;
     for (int i = 0; i < 4; i++) found += (st[i] = child_named(m, stages[i])) != NULL;
-    if (found < 4)
+    for (int i = 0; found == 4 && i < 4 && i < cap; i++) units[i] = st[i];
+    return found == 4 ? 4 : 0;
+}
+
+int tdm_model_set_recompute(tdm_module *m, bool on) {
+    if (!m) return tdm_raise(TDM_ERR_ARG, "model_set_recompute: model is NULL");
+    int n = tdm_model_units(m, NULL, 0);
+    tdm_module **units = n > 0 ? malloc(sizeof *units * (size_t)n) : NULL;
+    if (n > 0 && !units) return tdm_raise(TDM_ERR_NOMEM, "model_set_recompute: out of memory");
+    if (n > 0) tdm_model_units(m, units, n);
+    for (int i = 0; i < n; i++) tdm_module_set_recompute(units[i], on);
+    free(units);
+    if (n == 0)
         return tdm_raise(TDM_ERR_ARG,
                          "model_set_recompute: this %s has no units to recompute (a GPT's blocks "
                          "and a ResNet's stages layer1..layer4 are)",
                          m->ops->kind);
-    set_all(st, 4, on);
     return TDM_OK;
 }

@@ -154,8 +154,18 @@ tdm_tensor *tdm_module_forward(tdm_module *m, tdm_tensor *x) {
     }
     if (!m->ops->forward)
         return tdm_raise_null(TDM_ERR_STATE, "module_forward: %s has no forward", m->ops->kind);
-    if (m->recompute && tdm_grad_enabled()) return tdm_recompute(forward_of, m, x);
-    return m->ops->forward(m, x);
+    int rc = m->pre_hook ? m->pre_hook(m, m->hook_ctx) : TDM_OK;
+    if (rc) return NULL;
+    tdm_tensor *y = m->recompute && tdm_grad_enabled() ? tdm_recompute(forward_of, m, x)
+                                                       : m->ops->forward(m, x);
+    return m->post_hook && y ? m->post_hook(m, y, m->hook_ctx) : y;
+}
+
+int tdm_module_set_forward_hooks(tdm_module *m, tdm_forward_pre_hook pre, tdm_forward_hook post,
+                                 void *ctx) {
+    if (!m) return tdm_raise(TDM_ERR_ARG, "module_set_forward_hooks: module is NULL");
+    m->pre_hook = pre, m->post_hook = post, m->hook_ctx = ctx;
+    return TDM_OK;
 }
 
 int tdm_module_set_recompute(tdm_module *m, bool on) {

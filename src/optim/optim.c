@@ -36,6 +36,10 @@ struct tdm_optim {
      * shard of it ([hi - lo] elements, grad_lo = lo; tdm_optim_use_grad), not owned. */
     tdm_tensor *grad;
     int64_t grad_lo;
+    /* The parameters a step updates: ps->flat (params_lo 0), or under ZeRO stage 3 the rank's
+     * shard of them (tdm_optim_use_params), not owned. */
+    tdm_tensor *params;
+    int64_t params_lo;
 };
 
 static const char *const sgd_names[] = {"momentum_buffer"};
@@ -167,7 +171,7 @@ static int step_slice(tdm_optim *o, int64_t lo, int64_t hi) {
         int64_t a = ps->offsets[i] > lo ? ps->offsets[i] : lo;
         int64_t b = ps->offsets[j] < hi ? ps->offsets[j] : hi;
         if (a >= b) continue;
-        tdm_tensor p = flat_range(ps->flat, a, b - a);
+        tdm_tensor p = flat_range(o->params ? o->params : ps->flat, a - o->params_lo, b - a);
         tdm_tensor g = flat_range(o->grad ? o->grad : ps->flat_grad, a - o->grad_lo, b - a);
         tdm_tensor st[3];
         for (int k = 0; k < 3; k++)
@@ -353,6 +357,25 @@ int tdm_optim_use_grad(tdm_optim *o, tdm_tensor *grad, int64_t lo) {
     return TDM_OK;
 }
 
+int tdm_optim_use_params(tdm_optim *o, tdm_tensor *params, int64_t lo) {
+    if (!o || !params)
+        return tdm_raise(TDM_ERR_ARG, "optim_use_params: NULL optimizer or parameters");
+    if (params->ndim != 1 || lo > o->lo || lo + params->shape[0] < o->hi)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "optim_use_params: parameters of %lld elements from %lld do not cover "
+                         "the optimizer's range [%lld, %lld)",
+                         (long long)tdm_numel(params), (long long)lo, (long long)o->lo,
+                         (long long)o->hi);
+    o->params = params;
+    o->params_lo = lo;
+    return TDM_OK;
+}
+
+tdm_tensor *tdm_optim_params(const tdm_optim *o, int64_t *lo) {
+    if (lo) *lo = o && o->params ? o->params_lo : 0;
+    return !o ? NULL : o->params ? o->params : o->ps->flat;
+}
+
 tdm_tensor *tdm_optim_grad(const tdm_optim *o, int64_t *lo) {
     if (lo) *lo = o && o->grad ? o->grad_lo : 0;
     return !o ? NULL : o->grad ? o->grad : o->ps->flat_grad;
@@ -376,6 +399,7 @@ tdm_optim *tdm_optim_new_like(const tdm_optim *o) {
     c->sharded = false;
     c->shard = (tdm_optim_shard_hooks){0};
     c->grad = NULL, c->grad_lo = 0; /* a copy for a checkpoint: it never steps */
+    c->params = NULL, c->params_lo = 0;
     for (int k = 0; k < 3; k++) c->state[k] = NULL;
     bool ok = !o->wd || tdm_optim_set_weight_decays(c, o->wd) == TDM_OK;
     for (int k = 0; k < 3 && ok; k++)

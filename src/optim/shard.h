@@ -29,6 +29,13 @@ int tdm_optim_restrict(tdm_optim *o, int64_t lo, int64_t hi, const tdm_optim_sha
  * steps), instead of ps->flat_grad; tdm_optim_zero_grad zeroes it. TDM_ERR_SHAPE when it does
  * not cover the range. */
 int tdm_optim_use_grad(tdm_optim *o, tdm_tensor *grad, int64_t lo);
+/* ZeRO stage 3: steps update params, which holds flat elements [lo, lo + numel(params)) and
+ * must cover o's range (the caller keeps it alive as long as o steps), instead of ps->flat.
+ * TDM_ERR_SHAPE when it does not cover the range. */
+int tdm_optim_use_params(tdm_optim *o, tdm_tensor *params, int64_t lo);
+/* The parameters a step updates (ps->flat, or tdm_optim_use_params's), *lo their first
+ * element. */
+tdm_tensor *tdm_optim_params(const tdm_optim *o, int64_t *lo);
 /* The gradient a step reads (ps->flat_grad, or tdm_optim_use_grad's), *lo its first element. */
 tdm_tensor *tdm_optim_grad(const tdm_optim *o, int64_t *lo);
 /* The ctx given to tdm_optim_restrict, or NULL for an unsharded optimizer. */

@@ -7,6 +7,7 @@
  * the rest at 25 MiB; all-reduces are launched in bucket order on every rank, since the
  * ranks must issue collectives in the same order. Reverse registration order is a contiguous
  * range of the flat buffer for every bucket, so a bucket is a view, never a copy. */
+#include "parallel/fsdp.h"
 #include "parallel/group.h"
 
 #include "autograd/tape.h"
@@ -58,6 +59,11 @@ struct tdm_ddp {
     int64_t lo, hi;
     tdm_shard_kind shard;
     int next_finish; /* first launched bucket not yet added into shard_grad */
+    /* ZeRO stage 3: the units (tdm_ddp_set_shard_units; NULL: the replica's children) and the
+     * parameters' sharding over them (fsdp.c), NULL before */
+    tdm_module **units;
+    int n_units;
+    tdm_fsdp *fsdp;
 };
 
 tdm_ddp_opts tdm_ddp_defaults(void) {
@@ -352,7 +358,12 @@ static int finish_stage2(tdm_ddp *d, int rc) {
 int tdm_ddp_backward(tdm_ddp *d, tdm_tensor *loss) {
     if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_backward: NULL ddp");
     reset_buckets(d);
+    if (d->fsdp) tdm_fsdp_backward_begin(d->fsdp);
     int rc = tdm_backward(loss);
+    if (d->fsdp) {
+        int f = tdm_fsdp_backward_end(d->fsdp);
+        if (!rc) rc = f;
+    }
     if (!d->sync && !d->shard_grad) return rc;
     if (rc) {
         char msg[600];
@@ -397,13 +408,23 @@ void tdm_ddp_free(tdm_ddp *d) {
     for (int k = 0; d->buckets && k < d->n_buckets; k++) bucket_release(d, &d->buckets[k]);
     if (d->ps)
         for (int i = 0; i < d->ps->n; i++) tdm_clear_grad_hooks(d->ps->params[i]);
+    tdm_fsdp_free(d->fsdp);
+    free(d->units);
     tdm_tensor_free(d->shard_grad);
     free(d->buckets);
     free(d->slots);
     free(d);
 }
 
-/* ---- sharding (ZeRO stages 1 and 2) ------------------------------------------------------ */
+/* ---- sharding (ZeRO stages 1 to 3) ---------------------------------------------------------- */
+
+/* Whether m or a module under it has a parameter. */
+static bool holds_params(const tdm_module *m) {
+    if (m->n_params) return true;
+    for (int c = 0; c < m->n_children; c++)
+        if (holds_params(m->children[c])) return true;
+    return false;
+}
 
 /* Stage 2 on this rank, once o is sharded to [lo, hi): the shard's gradient (carrying the
  * flat gradient's values there), the optimizer reading it, the parameters' gradients given
@@ -433,16 +454,28 @@ static int shard_gradients(tdm_ddp *d, tdm_optim *o) {
     return TDM_OK;
 }
 
+/* Stage 3 on this rank, once stage 2 is in place: the units (the caller's, or the replica's
+ * children that hold parameters) and the parameters sharded over them. */
+static int shard_parameters(tdm_ddp *d, tdm_optim *o) {
+    if (d->units) {
+        d->fsdp = tdm_fsdp_new(d->replica, d->ps, d->g, o, d->units, d->n_units);
+        return d->fsdp ? TDM_OK : tdm_last_status();
+    }
+    tdm_module **kids = malloc(sizeof *kids * (size_t)(d->replica->n_children + 1));
+    if (!kids) return tdm_raise(TDM_ERR_NOMEM, "ddp_set_shard: out of memory");
+    int n = 0;
+    for (int c = 0; c < d->replica->n_children; c++) {
+        if (holds_params(d->replica->children[c])) kids[n++] = d->replica->children[c];
+    }
+    d->fsdp = tdm_fsdp_new(d->replica, d->ps, d->g, o, kids, n);
+    free(kids);
+    return d->fsdp ? TDM_OK : tdm_last_status();
+}
+
 /* Why this rank cannot take kind with o (written into why), or TDM_OK. */
 static int shard_check(const tdm_ddp *d, const tdm_optim *o, tdm_shard_kind kind, char *why,
                        size_t cap) {
-    if (kind == TDM_SHARD_PARAMETERS) {
-        snprintf(why, cap,
-                 "ddp_set_shard: sharding the parameters (ZeRO stage 3) is not written "
-                 "yet; TDM_SHARD_OPTIMIZER and TDM_SHARD_GRADIENTS are");
-        return TDM_ERR_ARG;
-    }
-    if (kind != TDM_SHARD_NONE && kind != TDM_SHARD_OPTIMIZER && kind != TDM_SHARD_GRADIENTS) {
+    if (kind < TDM_SHARD_NONE || kind > TDM_SHARD_PARAMETERS) {
         snprintf(why, cap, "ddp_set_shard: unknown kind %d", (int)kind);
         return TDM_ERR_ARG;
     }
@@ -454,12 +487,12 @@ static int shard_check(const tdm_ddp *d, const tdm_optim *o, tdm_shard_kind kind
         return TDM_ERR_ARG;
     }
     if (kind < d->shard) {
-        bool both = d->shard == TDM_SHARD_GRADIENTS;
+        const char *what[] = {"", "optimizer state is", "gradients and optimizer state are",
+                              "parameters, gradients and optimizer state are"};
         snprintf(why, cap,
                  "ddp_set_shard: the %s sharded and stay%s so (tdm_optim_gather copies the "
-                 "optimizer state whole)",
-                 both ? "gradients and optimizer state are" : "optimizer state is",
-                 both ? "" : "s");
+                 "optimizer state whole, tdm_ddp_gather_params the parameters)",
+                 what[d->shard], d->shard == TDM_SHARD_OPTIMIZER ? "s" : "");
         return TDM_ERR_STATE;
     }
     return TDM_OK;
@@ -474,13 +507,42 @@ int tdm_ddp_set_shard(tdm_ddp *d, tdm_optim *o, tdm_shard_kind kind) {
     if (kind == d->shard) return TDM_OK;
     if (!tdm_optim_shard_ctx(o) && (rc = tdm_optim_shard(o, d->g))) return rc; /* collective */
     d->shard = TDM_SHARD_OPTIMIZER;
-    if (kind == TDM_SHARD_GRADIENTS && (rc = shard_gradients(d, o))) {
+    if (kind >= TDM_SHARD_GRADIENTS && !d->shard_grad && (rc = shard_gradients(d, o))) {
         /* the others are stage 2 now: they would reduce buckets this rank does not */
+        tdm_group_abort(d->g, tdm_last_error());
+        return rc;
+    }
+    d->shard = TDM_SHARD_GRADIENTS;
+    if (kind == TDM_SHARD_PARAMETERS && (rc = shard_parameters(d, o))) {
         tdm_group_abort(d->g, tdm_last_error());
         return rc;
     }
     d->shard = kind;
     return TDM_OK;
+}
+
+int tdm_ddp_set_shard_units(tdm_ddp *d, tdm_module *const *units, int n) {
+    if (!d || n < 0 || (n && !units))
+        return tdm_raise(TDM_ERR_ARG, "ddp_set_shard_units: NULL ddp or units, or %d units", n);
+    if (d->fsdp)
+        return tdm_raise(TDM_ERR_STATE, "ddp_set_shard_units: the parameters are sharded "
+                                        "already; name the units before");
+    tdm_module **u = malloc(sizeof *u * (size_t)(n ? n : 1));
+    if (!u) return tdm_raise(TDM_ERR_NOMEM, "ddp_set_shard_units: out of memory");
+    if (n) memcpy(u, units, sizeof *u * (size_t)n);
+    free(d->units);
+    d->units = u, d->n_units = n;
+    return TDM_OK;
+}
+
+int tdm_ddp_gather_params(tdm_ddp *d) {
+    if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_gather_params: NULL ddp");
+    return d->fsdp ? tdm_fsdp_summon(d->fsdp) : TDM_OK;
+}
+
+int tdm_ddp_release_params(tdm_ddp *d) {
+    if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_release_params: NULL ddp");
+    return d->fsdp ? tdm_fsdp_reshard(d->fsdp) : TDM_OK;
 }
 
 tdm_shard_kind tdm_ddp_shard(const tdm_ddp *d) {

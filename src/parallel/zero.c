@@ -63,6 +63,8 @@ static int share_ranges(zero *z, const tdm_tensor *flat, const char *what) {
 
 /* tdm_optim_step's hook: the other ranks' updated ranges into this rank's parameters. */
 static int after_step(tdm_optim *o, void *ctx) {
+    if (tdm_optim_params(o, NULL) != tdm_optim_paramset(o)->flat)
+        return TDM_OK; /* ZeRO stage 3: each unit is gathered from the shards before its use */
     tdm_trace_begin("share the optimizer's shards");
     int rc = share_ranges(ctx, tdm_optim_paramset(o)->flat, "optimizer step (sharded)");
     tdm_trace_end();

@@ -1,0 +1,36 @@
+/* ZeRO stage 3 inside DDP (ddp.c): the parameters sharded by unit, gathered around each
+ * unit's forward and backward (fsdp.c). Internal; the public face is tdm_ddp_set_shard with
+ * TDM_SHARD_PARAMETERS, tdm_ddp_set_shard_units and tdm_ddp_gather_params in tandem/parallel.h. */
+#ifndef TDM_PARALLEL_FSDP_H
+#define TDM_PARALLEL_FSDP_H
+
+#include "parallel/group.h"
+#include "tandem/nn.h"
+#include "tandem/optim.h"
+
+typedef struct tdm_fsdp tdm_fsdp;
+
+/* Shards root's parameters (ps, every rank holding them whole and equal) over g: this rank
+ * keeps elements [lo, hi) of the flat buffer, o's shard, which o updates from now on
+ * (tdm_optim_use_params); each of units (n, disjoint subtrees of root; forward order) and the
+ * root's remaining parameters get a storage of their own, empty but while gathered, and
+ * ps->flat's is emptied. Forward hooks on root and the units gather and free them. Local (no
+ * collective). NULL and an error (nothing changed) for overlapping or empty units, or out of
+ * memory. */
+tdm_fsdp *tdm_fsdp_new(tdm_module *root, tdm_paramset *ps, tdm_group *g, tdm_optim *o,
+                       tdm_module *const *units, int n);
+/* Around one backward (tdm_ddp_backward): begin counts each unit's parameters whose
+ * gradient is still to come; end frees whatever is still gathered and returns the first
+ * failure of a gather since begin. */
+void tdm_fsdp_backward_begin(tdm_fsdp *f);
+int tdm_fsdp_backward_end(tdm_fsdp *f);
+/* Every parameter whole in ps->flat (params its views again), until tdm_fsdp_reshard, which
+ * takes this rank's range of ps->flat back into its shard and frees the rest: FSDP's
+ * summon_full_params. Collective. */
+int tdm_fsdp_summon(tdm_fsdp *f);
+int tdm_fsdp_reshard(tdm_fsdp *f);
+int tdm_fsdp_unit_count(const tdm_fsdp *f);
+/* Removes the hooks; the parameters stay where they are (whole when summoned). */
+void tdm_fsdp_free(tdm_fsdp *f);
+
+#endif

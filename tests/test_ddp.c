@@ -753,6 +753,69 @@ static void expect_zero_fault(zero_fault f, const char *want0, const char *want1
  * saved as it is, loading a whole state of the wrong name or size, the ZeRO stages not
  * written yet, and DataParallel on one process's CPU devices (which holds the state once
  * already: the flag changes nothing). */
+/* Stage 3's misuses on 2 ranks, each failing alike on both with its cause: units that overlap,
+ * the model itself or a layer without parameters as a unit (case 0, 1, 2: one spawn each,
+ * since a failed sharding aborts the group); once sharded (case 3), units named too late, a
+ * lower kind, and saving the model whole without gathering it first (then it works). */
+typedef struct {
+    int c;
+    char err[2][4][300];
+} zero3_err_case;
+
+static void note(zero3_err_case *c, int r, int k, int rc, const char *ok) {
+    snprintf(c->err[r][k], 300, "%s", rc ? tdm_last_error() : ok);
+}
+
+static int zero3_err_rank(tdm_rank_ctx *ctx, void *arg) {
+    zero3_err_case *c = arg;
+    int r = ctx->rank;
+    tdm_module *m = make_mlp(1, HID);
+    tdm_ddp *d = tdm_ddp_new(m, ctx->group, NULL);
+    tdm_optim *opt = make_adam_zero(tdm_module_parameters(m), NULL);
+    tdm_module *units[3][2] = {{m->children[0], m->children[0]}, {m}, {m->children[1]}};
+    int rc = c->c < 3 ? tdm_ddp_set_shard_units(d, units[c->c], c->c ? 1 : 2) : TDM_OK;
+    if (!rc) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_PARAMETERS);
+    if (c->c < 3) note(c, r, 0, rc, "no error");
+    if (c->c == 3) {
+        char path[200];
+        snprintf(path, sizeof path, "%s/zero3-%d.safetensors", tmpdir, r);
+        note(c, r, 0, tdm_ddp_set_shard_units(d, m->children, 1), "no error");
+        note(c, r, 1, tdm_ddp_set_shard(d, opt, TDM_SHARD_GRADIENTS), "no error");
+        note(c, r, 2, tdm_weights_save(path, m, NULL, 0), "no error");
+        if (!rc) rc = tdm_ddp_gather_params(d);
+        if (!rc) rc = tdm_weights_save(path, m, NULL, 0);
+        if (!rc) rc = tdm_ddp_release_params(d);
+        note(c, r, 3, rc, "saved whole");
+    }
+    tdm_optim_free(opt);
+    tdm_ddp_free(d);
+    tdm_module_free(m);
+    return 0;
+}
+
+static void test_zero3_errors(void) {
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    const char *want[4][4] = {
+        {"parameter '0.weight' is in two units (0 and 1)"},
+        {"unit 0 is the model itself"},
+        {"unit 0 (a ReLU) holds no parameters"},
+        {"the parameters are sharded already; name the units before",
+         "the parameters, gradients and optimizer state are sharded and stay so",
+         "parameter '0.weight' holds no memory: the parameters are sharded (ZeRO stage 3); "
+         "gather them first (tdm_ddp_gather_params)",
+         "saved whole"}};
+    for (int i = 0; i < 4; i++) {
+        zero3_err_case c = {.c = i};
+        CHECK(tdm_spawn(2, devs, zero3_err_rank, &c) == 0, "stage 3 misuse %d: %s", i,
+              tdm_last_error());
+        for (int k = 0; k < 4 && want[i][k]; k++)
+            for (int r = 0; r < 2; r++)
+                CHECK(strstr(c.err[r][k], want[i][k]),
+                      "stage 3 misuse %d.%d, rank %d: \"%s\", expected \"%s\"", i, k, r,
+                      c.err[r][k], want[i][k]);
+    }
+}
+
 static void test_zero_errors(void) {
     expect_zero_fault(SHARD_TWICE, "optim_shard: the optimizer is sharded already",
                       "optim_shard: the optimizer is sharded already");
@@ -784,7 +847,7 @@ static void test_zero_errors(void) {
     CHECK(dp, "dp_new: %s", tdm_last_error());
     if (!dp) return;
     CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_PARAMETERS) != 0,
-                "sharding the parameters (ZeRO stage 3) is not written yet");
+                "sharding the parameters (ZeRO stage 3) over one process's devices is not written");
     CHECK_ERROR(tdm_dp_set_shard(dp, (tdm_shard_kind)7) != 0, "unknown kind 7");
     CHECK(tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER) == 0 && tdm_dp_shard(dp) == TDM_SHARD_OPTIMIZER,
           "one process's CPU devices accept --shard optimizer: %s", tdm_last_error());
@@ -1266,6 +1329,7 @@ int main(void) {
     test_zero2();
     test_zero2_memory();
     test_zero3_gpt();
+    test_zero3_errors();
     test_zero_errors();
     test_data_parallel();
     test_dropout_rows();

@@ -462,7 +462,7 @@ static int zero_ddp(tdm_optim *(*make)(tdm_paramset *), tdm_shard_kind kind, int
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_optim *opt = d ? make(ps) : NULL;
     int rc = !opt ? tdm_last_status() : tdm_ddp_set_shard(d, opt, kind);
-    if (!rc && kind == TDM_SHARD_GRADIENTS && ps->flat_grad) rc = TDM_ERR_STATE; /* kept whole */
+    if (!rc && kind >= TDM_SHARD_GRADIENTS && ps->flat_grad) rc = TDM_ERR_STATE; /* kept whole */
     float x[B * IN];
     int64_t y[B], lo, hi;
     rows_of(&lo, &hi);
@@ -485,8 +485,10 @@ static int zero_ddp(tdm_optim *(*make)(tdm_paramset *), tdm_shard_kind kind, int
     if (!rc) {
         z->total = ps->total;
         z->params = malloc(sizeof(float) * (size_t)ps->total);
-        tdm_to_host(ps->flat, z->params, sizeof(float) * (size_t)ps->total);
-        rc = zero_describe(opt, NULL, z);
+        rc = tdm_ddp_gather_params(d); /* stage 3: the whole model again, in ps->flat */
+        if (!rc) rc = tdm_to_host(ps->flat, z->params, sizeof(float) * (size_t)ps->total);
+        if (!rc) rc = tdm_ddp_release_params(d);
+        if (!rc) rc = zero_describe(opt, NULL, z);
     }
     tdm_optim_free(opt);
     tdm_ddp_free(d);
@@ -525,8 +527,9 @@ static void check_shard_sum(int64_t numel, int64_t total, const char *what) {
 
 /* Sharded DDP over N processes ends with the unsharded run's parameters and state, bit for
  * bit, with clipping, with Adam (weight decay, amsgrad) and SGD momentum: stage 1 with
- * accumulation, stage 2 with one micro-batch a step; stage 2 accumulating 2 micro-batches
- * (each one's average added into the shard) to float rounding. */
+ * accumulation, stages 2 and 3 with one micro-batch a step; stages 2 and 3 accumulating 2
+ * micro-batches (each one's average added into the shard) to float rounding, and stage 3
+ * always bit for bit stage 2's (its gathers move values only). */
 static void test_zero_ddp(void) {
     tdm_optim *(*makes[2])(tdm_paramset *) = {make_adam_zero, make_sgd_zero};
     struct {
@@ -547,6 +550,17 @@ static void test_zero_ddp(void) {
                   tdm_last_error());
             if (!plain.params || !sharded.params) return;
             size_t bytes = sizeof(float) * (size_t)plain.total;
+            if (runs[i].kind == TDM_SHARD_GRADIENTS) {
+                zero_result stage3 = {0};
+                CHECK(zero_ddp(makes[k], TDM_SHARD_PARAMETERS, runs[i].micro, &stage3) == 0,
+                      "zero-3 ddp: %s", tdm_last_error());
+                CHECK(stage3.params && memcmp(stage3.params, sharded.params, bytes) == 0 &&
+                          stage3.state == sharded.state,
+                      "%s optimizer %d, %d processes, rank %d: stage 3 differs from stage 2", what,
+                      k, N, R);
+                check_shard(&stage3, R, N, "zero-3 ddp");
+                free(stage3.params);
+            }
             if (runs[i].exact) {
                 CHECK(memcmp(sharded.params, plain.params, bytes) == 0,
                       "%s optimizer %d, %d processes, rank %d: parameters differ from unsharded",
@@ -655,7 +669,8 @@ static void test_zero_two_level(void) {
  * all steps passed, 1 with "test_mpi rank R: error" on stderr otherwise. */
 static int fault_child(const char *what) {
     bool timeout_case = !strcmp(what, "hang") || !strcmp(what, "kill") ||
-                        !strcmp(what, "kill_shard") || !strcmp(what, "kill_grads");
+                        !strcmp(what, "kill_shard") || !strcmp(what, "kill_grads") ||
+                        !strcmp(what, "kill_gather");
     if (strstr(what, "_shard")) update_fault = what;
     tdm_group_set_timeout(G, timeout_case ? 1.0 : 30.0);
     int rc = 0;
@@ -669,10 +684,18 @@ static int fault_child(const char *what) {
         tdm_optim *opt = d ? make_sgd(tdm_module_parameters(m)) : NULL;
         if (opt && update_fault) rc = tdm_optim_shard(opt, G);
         if (opt && strstr(what, "_grads")) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_GRADIENTS);
+        if (opt && strstr(what, "_gather")) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_PARAMETERS);
         for (int s = 0; s < 20 && !rc; s++) {
             if (s == 3 && R == 1) {
                 /* the others are then in step 3's backward, reducing gradient buckets */
-                if (!strcmp(what, "kill") || !strcmp(what, "kill_grads")) raise(SIGKILL);
+                if (!strcmp(what, "kill") || !strcmp(what, "kill_grads") ||
+                    !strcmp(what, "kill_gather"))
+                    raise(SIGKILL);
+                if (!strcmp(what, "abort_gather")) { /* the others gather its first unit */
+                    tdm_group_abort(G, "its forward failed");
+                    rc = tdm_raise(TDM_ERR_STATE, "its forward failed");
+                    break;
+                }
                 if (!strcmp(what, "abort_grads")) {
                     tdm_group_abort(G, "its backward failed");
                     rc = tdm_raise(TDM_ERR_STATE, "its backward failed");
@@ -767,6 +790,14 @@ static void test_faults(const char *mpirun) {
                                       NULL});
     expect_job_fails(mpirun, "abort_grads", 15,
                      (const char *[]){"rank 1 failed: its backward failed", NULL});
+    /* ZeRO stage 3: rank 1 dies or gives up while the others gather a unit it owns part of */
+    expect_job_fails(mpirun, "kill_gather", 20,
+                     (const char *[]){"timed out after 1.0 s waiting for rank 1||"
+                                      "process rank 1 with PID",
+                                      NULL});
+    expect_job_fails(mpirun, "abort_gather", 15,
+                     (const char *[]){"gathering the parameters of unit ",
+                                      "rank 1 failed: its forward failed", NULL});
     expect_job_fails(mpirun, "model", 15,
                      (const char *[]){"ddp: parameter \"0.weight\" has shape [9, 6] on rank 1 "
                                       "but [8, 6] on rank 0",

@@ -174,7 +174,7 @@ static const opt_spec specs[] = {
      "results match one device. Under mpirun each process uses these devices for its share "
      "of the batch, and gradients are averaged over every device of every process "
      "(mpirun -np <GPUs> ... --devices cuda: one GPU per process)."},
-    {"--shard", "none|optimizer|gradients", OPT_STR, F(shard), 0, 0, "none",
+    {"--shard", "none|optimizer|gradients|parameters", OPT_STR, F(shard), 0, 0, "none",
      "optimizer: ZeRO stage 1 (PyTorch's ZeroRedundancyOptimizer) over every device of every "
      "process: each keeps the optimizer state (SGD's momentum, Adam's moments) of its shard of "
      "the parameters only, steps that shard and shares it, so the state per device is divided "
@@ -184,10 +184,15 @@ static const opt_spec specs[] = {
      "them, so the gradient memory per device is its shard plus a few buckets; the weights "
      "are the same bit for bit, except with --grad-accum, where each batch's average is added "
      "into the shard (equal to float rounding). Under mpirun, or on several GPUs; the CPU "
-     "devices of one process already hold the state once. Checkpoints are the unsharded run's "
-     "(the state is gathered to save it), so a run may resume with or without --shard, on any "
-     "devices and processes. parameters (ZeRO stage 3) is not written yet. Not with "
-     "--model-split."},
+     "devices of one process already hold the state once. Under mpirun each process writes its "
+     "shard of the checkpoints (tandem export makes them one file), and a run may resume with "
+     "or without --shard, on any devices and processes. parameters: ZeRO stage 3 (FSDP's "
+     "FULL_SHARD), also the "
+     "parameters: each process keeps its shard of them, and the rest of the model only while a "
+     "unit (a GPT's block, a ResNet's stage, else a layer) computes, gathered just before its "
+     "forward and its backward, the next unit's gather overlapping the current one's compute; "
+     "the weights are stage 2's bit for bit. Under mpirun with one CPU device per process; the "
+     "checkpoints are sharded (tandem export makes one file). Not with --model-split."},
     {"--model-split", "K", OPT_INT, F(model_split), 1, TDM_PIPE_MAX_STAGES, "1 (no split)",
      "Model parallelism: cut the model into K pipeline stages of consecutive layers (balanced "
      "by parameter count), each on its own device of --devices, which must list K devices, or "
@@ -602,10 +607,8 @@ static int check_shard(const train_opts *o) {
     static const char *const kinds[] = {"none", "optimizer", "gradients", "parameters", NULL};
     if (!one_of(o->shard, kinds))
         return train_usage_error(
-            "--shard: unknown kind '%s' (expected none, optimizer or gradients)", o->shard);
-    if (!strcmp(o->shard, "parameters"))
-        return train_usage_error("--shard parameters (ZeRO stage 3) is not written yet; --shard "
-                                 "optimizer and gradients (stages 1 and 2) are");
+            "--shard: unknown kind '%s' (expected none, optimizer, gradients or parameters)",
+            o->shard);
     if (strcmp(o->shard, "none") != 0 && o->model_split > 1)
         return train_usage_error("--shard %s shares one optimizer's state among "
                                  "data-parallel replicas; with --model-split each pipeline "

@@ -103,15 +103,29 @@ static int make_devices(trainer *tr) {
     return tr->opt ? 0 : task_error("optimizer: %s", tdm_last_error());
 }
 
-/* --shard optimizer|gradients: ZeRO stage 1 or 2 over every device of every process, after
- * the resume (a sharded optimizer keeps its shard of the restored state). The CPU devices of
- * one process already hold the state once (DataParallel's shared-memory update), and one
- * device alone has nobody to share it with: both are left as they are. */
+/* --shard optimizer|gradients|parameters: ZeRO stage 1, 2 or 3 over every device of every
+ * process, after the resume (a sharded optimizer keeps its shard of the restored state; stage 3
+ * keeps its range of the restored parameters). The CPU devices of one process already hold
+ * the state once (DataParallel's shared-memory update), and one device alone has nobody to
+ * share it with: both are left as they are. Stage 3's units are the model's blocks or stages
+ * (tdm_model_units), else its layers (DDP's default: the children holding parameters). */
 static int shard_optimizer(trainer *tr) {
     if (strcmp(tr->o->shard, "none") == 0) return 0;
-    tdm_shard_kind kind =
-        strcmp(tr->o->shard, "gradients") == 0 ? TDM_SHARD_GRADIENTS : TDM_SHARD_OPTIMIZER;
+    tdm_shard_kind kind = strcmp(tr->o->shard, "parameters") == 0  ? TDM_SHARD_PARAMETERS
+                          : strcmp(tr->o->shard, "gradients") == 0 ? TDM_SHARD_GRADIENTS
+                                                                   : TDM_SHARD_OPTIMIZER;
     bool shared_memory = tr->dp && !tr->g && tr->dev.type == TDM_CPU;
+    if (kind == TDM_SHARD_PARAMETERS && !tr->ddp)
+        return task_error("--shard parameters (ZeRO stage 3) runs under mpirun with one CPU "
+                          "device per process; the devices of one process (DataParallel) and "
+                          "GPUs are not sharded by parameters yet: use --shard gradients there");
+    if (kind == TDM_SHARD_PARAMETERS) {
+        tdm_module *units[256];
+        int n = tdm_model_units(tr->task->model, units, 256);
+        if (n > 256) return task_error("--shard parameters: the model has %d units, over 256", n);
+        if (n > 0 && tdm_ddp_set_shard_units(tr->ddp, units, n))
+            return task_error("--shard parameters: %s", tdm_last_error());
+    }
     int rc = tr->dp    ? tdm_dp_set_shard(tr->dp, kind)
              : tr->ddp ? tdm_ddp_set_shard(tr->ddp, tr->opt, kind)
                        : TDM_OK;
@@ -631,15 +645,20 @@ static void print_sharding(const trainer *tr) {
     int ranks = o->n_devs * procs;
     int64_t mine = 0, whole = (int64_t)n * tr->ps->total * 4, lo, hi;
     for (int k = 0; k < n; k++) mine += tdm_numel(st[k]) * 4;
-    bool grads = strcmp(o->shard, "gradients") == 0;
+    bool params = strcmp(o->shard, "parameters") == 0;
+    bool grads = params || strcmp(o->shard, "gradients") == 0;
     if (tr->sharded) {
         printf("sharding  optimizer state %lld bytes per rank of %lld", (long long)mine,
                (long long)whole);
         tdm_optim_shard_range(tr->opt, &lo, &hi);
         if (grads)
-            printf(", gradients %lld bytes per rank of %lld", (long long)(hi - lo) * 4,
-                   (long long)tr->ps->total * 4);
-        printf(" (ZeRO stage %d over %d rank%s)\n", grads ? 2 : 1, ranks, ranks == 1 ? "" : "s");
+            printf(", gradients%s %lld bytes per rank of %lld", params ? " and parameters" : "",
+                   (long long)(hi - lo) * 4, (long long)tr->ps->total * 4);
+        printf(" (ZeRO stage %d over %d rank%s)\n",
+               params  ? 3
+               : grads ? 2
+                       : 1,
+               ranks, ranks == 1 ? "" : "s");
     } else {
         printf("sharding  optimizer state %lld bytes, held once by %s\n", (long long)whole,
                o->n_devs > 1 ? "this process for its devices (their update is split already)"
@@ -798,7 +817,7 @@ static int run(trainer *tr) {
     write_config(tr);
     double t0 = progress_now();
     if ((rc = run_epochs(tr)) || (rc = trainer_save_checkpoint(tr))) return rc; /* the final one */
-    if (!tr->silent && tr->task->save && (rc = tr->task->save(tr->task, o, NULL))) return rc;
+    if ((rc = trainer_save_task(tr, NULL))) return rc;
     progress_clear(&tr->prog);
     if (tr->stop_signal) { /* said even with --quiet: the run did not finish */
         if (!tr->silent)

@@ -187,8 +187,18 @@ int trainer_save_checkpoint(trainer *tr) {
     tdm_optim_free(whole);
     if (shards && rc) return rc; /* reported */
     if (rc != TDM_OK) return task_error("checkpoint: %s", tdm_last_error());
-    if (tr->silent) return 0;
-    return tr->task->save ? tr->task->save(tr->task, o, o->checkpoint_dir) : 0;
+    return trainer_save_task(tr, o->checkpoint_dir);
+}
+
+int trainer_save_task(trainer *tr, const char *dir) {
+    if (!tr->task->save) return 0;
+    bool gather = tr->ddp && tdm_ddp_shard(tr->ddp) == TDM_SHARD_PARAMETERS;
+    if (gather && tdm_ddp_gather_params(tr->ddp))
+        return task_error("gathering the sharded parameters to save them: %s", tdm_last_error());
+    int rc = tr->silent ? 0 : tr->task->save(tr->task, tr->o, dir);
+    if (gather && tdm_ddp_release_params(tr->ddp) && !rc)
+        rc = task_error("sharding the parameters again after saving: %s", tdm_last_error());
+    return rc;
 }
 
 /* The epoch's totals saved with a checkpoint: each process continues its own when the

@@ -70,6 +70,10 @@ int trainer_sum_over_processes(trainer *tr, double *v, int n);
 /* A checkpoint at the current step (rank 0 writes; every process takes part in the sums), and
  * the task's files of the model. 0 or EXIT_RUNTIME. */
 int trainer_save_checkpoint(trainer *tr);
+/* The task's own files of the model (tr->task->save into dir, NULL: the run's --save), on rank
+ * 0; under --shard parameters every process first helps gather the whole model (a
+ * collective). 0 or the exit status of the failure, reported. */
+int trainer_save_task(trainer *tr, const char *dir);
 /* --checkpoint-dir becomes this run's: rank 0 checks it can be written, takes its lock (held
  * until the trainer ends) and refuses a fresh run into a directory holding checkpoints, or
  * with --overwrite deletes them; under mpirun every process stops when rank 0 does. 0,

@@ -50,6 +50,12 @@ int tdm_ckpt_model_tensors(tdm_module *m, tdm_named_tensor **out, int *n, const 
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_bufferset *bs = ps ? tdm_module_buffers(m) : NULL;
     if (!bs) return tdm_last_status();
+    for (int i = 0; i < ps->n; i++)
+        if (!ps->params[i]->storage->data)
+            return tdm_raise(TDM_ERR_STATE,
+                             "%s: parameter '%s' holds no memory: the parameters are sharded "
+                             "(ZeRO stage 3); gather them first (tdm_ddp_gather_params)",
+                             op, ps->names[i]);
     *n = ps->n + bs->n;
     *out = malloc(sizeof **out * (size_t)(*n ? *n : 1));
     if (!*out) return tdm_raise(TDM_ERR_NOMEM, "%s: out of memory", op);

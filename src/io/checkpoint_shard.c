@@ -4,6 +4,7 @@
  * on any number of processes; export makes the whole model (and state) again. The format is
  * described in tandem/io.h. No process ever holds more than its range, but for export. */
 #include "io/io_internal.h"
+#include "optim/shard.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -25,12 +26,13 @@ static void tmp_dir(char *out, size_t cap, const char *dir, int64_t step) {
     snprintf(out, cap, "%s/.ckpt-%010" PRId64 ".tmp", dir, step);
 }
 
-/* The parameters of flat range [lo, hi) this process saves: a view of ps->flat, which under
- * ZeRO stages 1 and 2 holds every parameter on every rank (in the current scope). Under stage
- * 3 the rank's range comes from elsewhere: this is the one place to change. */
-static tdm_tensor *params_of_range(tdm_paramset *ps, int64_t lo, int64_t hi) {
-    int64_t shape[1] = {hi - lo}, strides[1] = {1};
-    return tdm_tensor_view(ps->flat, 1, shape, strides, ps->flat->offset + lo);
+/* The parameters of flat range [lo, hi) this process saves or loads: a view of ps->flat, which
+ * under ZeRO stages 1 and 2 holds every parameter on every rank, or under stage 3 of the
+ * shard the optimizer updates (tdm_optim_params), which holds [lo, hi) itself. */
+static tdm_tensor *params_of_range(tdm_paramset *ps, const tdm_optim *o, int64_t lo, int64_t hi) {
+    int64_t at = 0, shape[1] = {hi - lo}, strides[1] = {1};
+    const tdm_tensor *src = o ? tdm_optim_params(o, &at) : ps->flat;
+    return tdm_tensor_view(src, 1, shape, strides, src->offset + lo - at);
 }
 
 /* ---- saving ------------------------------------------------------------------------------- */
@@ -61,7 +63,7 @@ int tdm_checkpoint_shard_write(const char *dir, const tdm_train_state *s, int ra
     tdm_tensor *st[MAX_STATE];
     int ns = tdm_optim_state(s->optim, snames, st, MAX_STATE);
     if ((rc = tdm_scope_begin())) return rc;
-    tdm_named_tensor ts[1 + MAX_STATE] = {{"params", params_of_range(ps, lo, hi)}};
+    tdm_named_tensor ts[1 + MAX_STATE] = {{"params", params_of_range(ps, s->optim, lo, hi)}};
     for (int i = 0; i < ns; i++) {
         snprintf(keys[i], sizeof keys[i], "optim.%s", snames[i]);
         ts[1 + i] = (tdm_named_tensor){keys[i], st[i]}; /* [hi - lo] once sharded */
@@ -366,9 +368,13 @@ bool tdm_ckpt_is_sharded(const char *path) {
 }
 
 /* The parameters this process loads: all of them (every rank of ZeRO 1 and 2 holds them); under
- * stage 3 its range, as params_of_range. */
-static void params_to_load(const tdm_paramset *ps, int64_t *lo, int64_t *hi) {
-    *lo = 0, *hi = ps->total;
+ * stage 3 its shard's, as params_of_range. */
+static void params_to_load(const tdm_paramset *ps, const tdm_optim *o, int64_t *lo, int64_t *hi) {
+    const tdm_tensor *own = o ? tdm_optim_params(o, lo) : NULL;
+    if (!own || own == ps->flat)
+        *lo = 0, *hi = ps->total;
+    else
+        *hi = *lo + tdm_numel(own);
 }
 
 /* The model's buffers against buffers.safetensors (opened into sh). */
@@ -394,7 +400,7 @@ int tdm_ckpt_shards_read(const char *path, const tdm_train_state *s, tdm_ckpt_sh
     int rc = layout_read(path, &l);
     if (rc) return rc;
     rc = layout_check(&l, ps, s->optim);
-    params_to_load(ps, &sh->p_lo, &sh->p_hi);
+    params_to_load(ps, s->optim, &sh->p_lo, &sh->p_hi);
     if (!rc && !(sh->params = malloc(sizeof(float) * (size_t)(sh->p_hi - sh->p_lo + 1))))
         rc = tdm_raise(TDM_ERR_NOMEM, "sharded checkpoint: out of memory");
     if (!rc) rc = layout_read_range(&l, "params", sh->p_lo, sh->p_hi, sh->params);
@@ -424,7 +430,7 @@ int tdm_ckpt_shards_apply(tdm_ckpt_shards *sh, tdm_train_state *s) {
     tdm_paramset *ps = tdm_module_parameters(s->model);
     int rc = ps ? TDM_OK : tdm_last_status();
     if (!rc) {
-        tdm_tensor *dst = params_of_range(ps, sh->p_lo, sh->p_hi);
+        tdm_tensor *dst = params_of_range(ps, s->optim, sh->p_lo, sh->p_hi);
         rc = dst ? copy_in(dst, sh->params, sh->p_hi - sh->p_lo) : tdm_last_status();
     }
     const char *snames[MAX_STATE];

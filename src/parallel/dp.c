@@ -532,9 +532,10 @@ int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind) {
     if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: NULL data parallel");
     if (kind == TDM_SHARD_PARAMETERS)
         return tdm_raise(TDM_ERR_ARG,
-                         "data_parallel set_shard: sharding the parameters (ZeRO stage 3) is not "
-                         "written yet (issue 19's last stage); TDM_SHARD_OPTIMIZER and "
-                         "TDM_SHARD_GRADIENTS (stages 1 and 2) are");
+                         "data_parallel set_shard: sharding the parameters (ZeRO stage 3) over "
+                         "one process's devices is not written yet; DDP's (tdm_ddp_set_shard, "
+                         "one device per process) is, and TDM_SHARD_OPTIMIZER and "
+                         "TDM_SHARD_GRADIENTS here");
     if (kind != TDM_SHARD_NONE && kind != TDM_SHARD_OPTIMIZER && kind != TDM_SHARD_GRADIENTS)
         return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: unknown kind %d", (int)kind);
     if (kind == dp->shard) return TDM_OK;

@@ -711,6 +711,10 @@ static int check_opts(train_opts *o) {
     o->n_devs = tdm_devices_parse(o->devices, o->devs, TDM_MAX_DEVICES);
     if (o->n_devs < 0) return train_usage_error("--devices: %s", tdm_last_error());
     if (o->n_devs == 0) return train_usage_error("--devices: no device in '%s'", o->devices);
+    if (!strcmp(o->shard, "parameters") && (o->n_devs > 1 || o->devs[0].type == TDM_CUDA))
+        return train_usage_error("--shard parameters (ZeRO stage 3) runs under mpirun with one "
+                                 "CPU device per process; the devices of one process and GPUs are "
+                                 "not sharded by parameters yet (--shard gradients is)");
     if (o->batch_per_device && o->batch_size)
         return train_usage_error("--batch-size (global) and --batch-per-device exclude each other");
     int64_t replicas = o->model_split > 1 && o->n_devs % o->model_split == 0

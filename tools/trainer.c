@@ -115,11 +115,7 @@ static int shard_optimizer(trainer *tr) {
                           : strcmp(tr->o->shard, "gradients") == 0 ? TDM_SHARD_GRADIENTS
                                                                    : TDM_SHARD_OPTIMIZER;
     bool shared_memory = tr->dp && !tr->g && tr->dev.type == TDM_CPU;
-    if (kind == TDM_SHARD_PARAMETERS && !tr->ddp)
-        return task_error("--shard parameters (ZeRO stage 3) runs under mpirun with one CPU "
-                          "device per process; the devices of one process (DataParallel) and "
-                          "GPUs are not sharded by parameters yet: use --shard gradients there");
-    if (kind == TDM_SHARD_PARAMETERS) {
+    if (kind == TDM_SHARD_PARAMETERS && tr->ddp) {
         tdm_module *units[256];
         int n = tdm_model_units(tr->task->model, units, 256);
         if (n > 256) return task_error("--shard parameters: the model has %d units, over 256", n);

@@ -641,20 +641,63 @@ static void reshard_dp(const char *const np[4][5], const char *dp_plain, const c
     check_resharded("2 processes x 2 devices -> 3", dp_plain, dp_log, dir, log, 3);
 }
 
+/* --shard parameters (ZeRO stage 3) under mpirun -np 2 (plain: the unsharded run with one batch
+ * a step, its log plain_log): its checkpoints are the unsharded run's byte for byte, its model
+ * whole in tandem export; stopped at step 5, it resumes on 3 processes (the layout of each
+ * rank's parameters read from the two shard files) as the uninterrupted run. */
+static void zero3_runs(const char *const np[4][5], const char *plain, const char *plain_log) {
+    char sharded[300], half[300], log[320], ckpt[400], exported[440], want[400];
+    snprintf(sharded, sizeof sharded, "%s/zero3-sharded", tmpdir);
+    snprintf(half, sizeof half, "%s/zero3-half", tmpdir);
+    snprintf(log, sizeof log, "%s.jsonl", half);
+    int rc = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--grad-accum", "1", "--checkpoint-dir",
+                                                sharded, "--shard", "parameters")));
+    char *out = captured("stdout");
+    CHECK(rc == 0 &&
+              strstr(out, "gradients and parameters 470336 bytes per rank of 940584 (ZeRO "
+                          "stage 3 over 2 ranks)") &&
+              same_ckpt(plain, sharded, 12),
+          "--shard parameters: exit %d, no stage 3 line, or a checkpoint differs from "
+          "unsharded: %s",
+          rc, out);
+    free(out);
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt-0000000012", sharded);
+    snprintf(exported, sizeof exported, "%s.exported.safetensors", sharded);
+    snprintf(want, sizeof want, "%s/ckpt-0000000012/model.safetensors", plain);
+    rc = run(ARGS("export", ckpt, exported));
+    CHECK(rc == 0 && same_file(exported, want), "tandem export %s: exit %d, or not %s", ckpt, rc,
+          want);
+    rc = wait_status(
+        start_with(np[2], ARGS(ZERO_RUN, "--grad-accum", "1", "--checkpoint-dir", half, "--quiet",
+                               "--shard", "parameters", "--max-steps", "5")));
+    int rc2 =
+        wait_status(start_with(np[3], ARGS(ZERO_RUN, "--grad-accum", "1", "--checkpoint-dir", half,
+                                           "--shard", "parameters", "--resume", "--log", log)));
+    out = captured("stdout");
+    CHECK(rc == 0 && rc2 == 0 && strstr(out, "saved on 2 processes x 1 device, now 3 x 1") != NULL,
+          "--shard parameters stopped at step 5 on 2 processes, resumed on 3: exit %d and %d: %s",
+          rc, rc2, out);
+    free(out);
+    check_resharded("stage 3, 2 processes -> 3", plain, plain_log, half, log, 5);
+}
+
 /* --shard gradients (ZeRO stage 2) under mpirun -np 2, DDP (one device a process) and
  * DataParallel (two: 4 ranks on the two-level group): with one batch a step its checkpoints
  * are the unsharded run's byte for byte (weights and gathered optimizer state); with
  * --grad-accum 2 (each batch's average added into the shard) it trains to the end. Each
- * reports its shard of the gradients. 12 steps of 48 samples. */
-static void zero2_runs(const char *const np2[5]) {
+ * reports its shard of the gradients. 12 steps of 48 samples. Then stage 3 (zero3_runs). */
+static void zero2_runs(const char *const np[4][5]) {
+    const char *const *np2 = np[2];
     for (int devs = 1; devs <= 2; devs++) {
-        char plain[300], sharded[300], accum[300], want[160];
+        char plain[300], plain_log[320], sharded[300], accum[300], want[160];
         const char *dv = devs == 1 ? "1" : "2";
         snprintf(plain, sizeof plain, "%s/zero2-plain-%d", tmpdir, devs);
+        snprintf(plain_log, sizeof plain_log, "%s.jsonl", plain);
         snprintf(sharded, sizeof sharded, "%s/zero2-sharded-%d", tmpdir, devs);
         snprintf(accum, sizeof accum, "%s/zero2-accum-%d", tmpdir, devs);
-        int rc = wait_status(start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", dv,
-                                                  "--checkpoint-dir", plain, "--quiet")));
+        int rc = wait_status(
+            start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", dv, "--checkpoint-dir",
+                                 plain, "--quiet", "--log", plain_log)));
         int rc2 =
             wait_status(start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", dv,
                                              "--checkpoint-dir", sharded, "--shard", "gradients")));
@@ -672,6 +715,7 @@ static void zero2_runs(const char *const np2[5]) {
                                               "--quiet", "--shard", "gradients")));
         CHECK(rc == 0, "2 processes x %d devices, --shard gradients --grad-accum 2: exit %d", devs,
               rc);
+        if (devs == 1) zero3_runs(np, plain, plain_log);
     }
 }
 
@@ -816,7 +860,7 @@ static void zero_resume(const char *mpirun) {
     older_checkpoint(half[0]);
     reshard_dp(np, dp_plain, dp_log);
     reshard_one_to_three(np);
-    zero2_runs(np[2]);
+    zero2_runs(np);
 }
 
 /* Whether every checkpoint of dir has one run identity (written into id), and how many. */

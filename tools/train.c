@@ -193,6 +193,12 @@ static const opt_spec specs[] = {
      "forward and its backward, the next unit's gather overlapping the current one's compute; "
      "the weights are stage 2's bit for bit. Under mpirun with one CPU device per process; the "
      "checkpoints are sharded (tandem export makes one file). Not with --model-split."},
+    {"--bucket-cap", "MB", OPT_INT, F(bucket_cap), 1, 1024, "25",
+     "Under mpirun with one device per process (DDP): the gradient buckets' size in MiB "
+     "(PyTorch's bucket_cap_mb), each averaged over the processes as soon as backward has "
+     "filled it. Smaller buckets start communication sooner and, under --shard gradients or "
+     "parameters, bound the gradient memory beyond the shard (a few buckets); larger ones "
+     "make fewer, larger messages."},
     {"--model-split", "K", OPT_INT, F(model_split), 1, TDM_PIPE_MAX_STAGES, "1 (no split)",
      "Model parallelism: cut the model into K pipeline stages of consecutive layers (balanced "
      "by parameter count), each on its own device of --devices, which must list K devices, or "
@@ -290,6 +296,7 @@ static train_opts opts_defaults(void) {
                         .devices = "cpu:0",
                         .timeout = 30,
                         .model_split = 1,
+                        .bucket_cap = 25,
                         .micro_batches = 4,
                         .pipe_schedule = "1f1b",
                         .denormals = "flush",
@@ -554,7 +561,7 @@ int train_identity(const train_opts *o, char *buf, size_t cap) {
 }
 
 /* Options every process of a run must share that a resume may change: they change no result. */
-static const char *const process_only[] = {"--shard"};
+static const char *const process_only[] = {"--shard", "--bucket-cap"};
 
 int train_process_identity(const train_opts *o, char *buf, size_t cap) {
     if (train_identity(o, buf, cap)) return -1;

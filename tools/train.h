@@ -56,6 +56,7 @@ typedef struct {
     const char *pipe_schedule;
     const char *denormals;            /* "flush" or "keep" */
     const char *shard;                /* "none" or "optimizer" (ZeRO stage 1) */
+    int64_t bucket_cap;               /* DDP's gradient buckets, MiB */
     bool recompute;                   /* the GPT's blocks, a ResNet's stages */
     int64_t batch_per_device;         /* 0: --batch-size is the global batch */
     tdm_device devs[TDM_MAX_DEVICES]; /* parsed from devices */

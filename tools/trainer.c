@@ -79,7 +79,9 @@ static int make_devices(trainer *tr) {
     if (!(tr->ps = tdm_module_parameters(t->model)))
         return task_error("model %s: %s", o->model, tdm_last_error());
     /* rank 0's initial weights go to every process */
-    if (tr->g && o->n_devs == 1 && !gpu_procs && !(tr->ddp = tdm_ddp_new(t->model, tr->g, NULL)))
+    tdm_ddp_opts dop = tdm_ddp_defaults();
+    dop.bucket_cap_bytes = o->bucket_cap << 20;
+    if (tr->g && o->n_devs == 1 && !gpu_procs && !(tr->ddp = tdm_ddp_new(t->model, tr->g, &dop)))
         return task_error("ddp: %s", tdm_last_error());
     if (o->model_split > 1) {
         tdm_pipe_opts po = tdm_pipe_defaults((int)o->model_split, (int)o->micro_batches);

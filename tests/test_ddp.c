@@ -846,8 +846,9 @@ static void test_zero_errors(void) {
     tdm_dp *dp = tdm_dp_new(m, devs, 2, make_adam_zero, NULL);
     CHECK(dp, "dp_new: %s", tdm_last_error());
     if (!dp) return;
-    CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_PARAMETERS) != 0,
-                "sharding the parameters (ZeRO stage 3) over one process's devices is not written");
+    CHECK_ERROR(
+        tdm_dp_set_shard(dp, TDM_SHARD_PARAMETERS) != 0,
+        "sharding the parameters (ZeRO stage 3) over one process's CPU devices is not written");
     CHECK_ERROR(tdm_dp_set_shard(dp, (tdm_shard_kind)7) != 0, "unknown kind 7");
     CHECK(tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER) == 0 && tdm_dp_shard(dp) == TDM_SHARD_OPTIMIZER,
           "one process's CPU devices accept --shard optimizer: %s", tdm_last_error());

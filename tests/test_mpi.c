@@ -612,6 +612,7 @@ static int zero_dp(tdm_optim *(*make)(tdm_paramset *), tdm_shard_kind kind, int 
     }
     tdm_optim *whole = rc ? NULL : tdm_dp_optim_gather(dp);
     if (!rc && !whole) rc = tdm_last_status();
+    if (!rc) rc = tdm_dp_gather_params(dp); /* stage 3: every replica whole again */
     for (int l = 0; l < L && !rc; l++) {
         tdm_paramset *ps = tdm_module_parameters(tdm_dp_replica(dp, l));
         z[l].total = ps->total;
@@ -619,6 +620,7 @@ static int zero_dp(tdm_optim *(*make)(tdm_paramset *), tdm_shard_kind kind, int 
         tdm_to_host(ps->flat, z[l].params, sizeof(float) * (size_t)ps->total);
         rc = zero_describe(tdm_dp_optim(dp, l), whole, &z[l]);
     }
+    if (!rc) rc = tdm_dp_release_params(dp);
     tdm_optim_free(whole);
     tdm_dp_free(dp);
     tdm_module_free(m);
@@ -626,7 +628,7 @@ static int zero_dp(tdm_optim *(*make)(tdm_paramset *), tdm_shard_kind kind, int 
 }
 
 /* The same on the two-level group: sharded over every device of every process; stage 2 bit
- * for bit with one micro-batch a step, to float rounding with 2. */
+ * for bit with one micro-batch a step, to float rounding with 2; stage 3 stage 2's bits. */
 static void test_zero_two_level(void) {
     tdm_optim *(*makes[2])(tdm_paramset *) = {make_adam_zero, make_sgd_zero};
     struct {
@@ -658,6 +660,22 @@ static void test_zero_two_level(void) {
                 held += sharded[l].numel;
             }
             check_shard_sum(held, plain[0].total, what);
+            if (runs[i].kind == TDM_SHARD_GRADIENTS) { /* stage 3: stage 2's bits */
+                zero_result stage3[L] = {{0}};
+                CHECK(zero_dp(makes[k], TDM_SHARD_PARAMETERS, runs[i].micro, stage3) == 0,
+                      "zero-3 two-level: %s", tdm_last_error());
+                for (int l = 0; l < L && sharded[l].params; l++) {
+                    CHECK(stage3[l].params &&
+                              memcmp(stage3[l].params, sharded[l].params,
+                                     sizeof(float) * (size_t)plain[0].total) == 0 &&
+                              stage3[l].state == sharded[l].state,
+                          "%s optimizer %d, device %d of process %d: stage 3 differs from "
+                          "stage 2",
+                          what, k, l, R);
+                    check_shard(&stage3[l], R * L + l, N * L, "zero-3 two-level");
+                    free(stage3[l].params);
+                }
+            }
             for (int l = 0; l < L; l++) free(plain[l].params), free(sharded[l].params);
         }
 }

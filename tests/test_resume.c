@@ -685,7 +685,8 @@ static void zero3_runs(const char *const np[4][5], const char *plain, const char
  * DataParallel (two: 4 ranks on the two-level group): with one batch a step its checkpoints
  * are the unsharded run's byte for byte (weights and gathered optimizer state); with
  * --grad-accum 2 (each batch's average added into the shard) it trains to the end. Each
- * reports its shard of the gradients. 12 steps of 48 samples. Then stage 3 (zero3_runs). */
+ * reports its shard of the gradients. 12 steps of 48 samples. Then stage 3: DDP's
+ * (zero3_runs), and DataParallel's, whose one file is the unsharded run's byte for byte. */
 static void zero2_runs(const char *const np[4][5]) {
     const char *const *np2 = np[2];
     for (int devs = 1; devs <= 2; devs++) {
@@ -715,7 +716,22 @@ static void zero2_runs(const char *const np[4][5]) {
                                               "--quiet", "--shard", "gradients")));
         CHECK(rc == 0, "2 processes x %d devices, --shard gradients --grad-accum 2: exit %d", devs,
               rc);
-        if (devs == 1) zero3_runs(np, plain, plain_log);
+        if (devs == 1) {
+            zero3_runs(np, plain, plain_log);
+            continue;
+        }
+        /* stage 3 over the 4 replicas of DataParallel across processes: one whole file */
+        char stage3[300];
+        snprintf(stage3, sizeof stage3, "%s/zero3-dp", tmpdir);
+        rc =
+            wait_status(start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", "2",
+                                             "--checkpoint-dir", stage3, "--shard", "parameters")));
+        out = captured("stdout");
+        CHECK(rc == 0 && strstr(out, "(ZeRO stage 3 over 4 ranks)") && same_ckpt(plain, stage3, 12),
+              "2 processes x 2 devices, --shard parameters: exit %d, or a checkpoint differs from "
+              "unsharded: %s",
+              rc, out);
+        free(out);
     }
 }
 

@@ -117,6 +117,8 @@ static int shard_optimizer(trainer *tr) {
                           : strcmp(tr->o->shard, "gradients") == 0 ? TDM_SHARD_GRADIENTS
                                                                    : TDM_SHARD_OPTIMIZER;
     bool shared_memory = tr->dp && !tr->g && tr->dev.type == TDM_CPU;
+    if (kind == TDM_SHARD_PARAMETERS && tr->dp && tdm_dp_set_shard_units(tr->dp, tdm_model_units))
+        return task_error("--shard parameters: %s", tdm_last_error());
     if (kind == TDM_SHARD_PARAMETERS && tr->ddp) {
         tdm_module *units[256];
         int n = tdm_model_units(tr->task->model, units, 256);

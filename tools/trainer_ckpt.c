@@ -145,9 +145,8 @@ static int save_shards(trainer *tr, const tdm_train_state *s) {
  * same loss and accuracy, and the task's own files of the model. A sharded DDP run writes a
  * sharded checkpoint (every process its shard); a sharded DataParallel one gathers the state
  * first, so the file is the one an unsharded run writes. */
-int trainer_save_checkpoint(trainer *tr) {
+static int save_checkpoint(trainer *tr) {
     const train_opts *o = tr->o;
-    if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
     double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
     char *ranks = NULL;
     tdm_optim *whole = NULL;
@@ -190,15 +189,37 @@ int trainer_save_checkpoint(trainer *tr) {
     return trainer_save_task(tr, o->checkpoint_dir);
 }
 
+/* Under --shard parameters, every parameter whole (whole) or sharded again: collectives. */
+static int params_whole(trainer *tr, bool whole) {
+    bool dp = tr->dp && tdm_dp_shard(tr->dp) == TDM_SHARD_PARAMETERS;
+    bool ddp = tr->ddp && tdm_ddp_shard(tr->ddp) == TDM_SHARD_PARAMETERS;
+    int rc = !dp && !ddp ? TDM_OK
+             : whole     ? (dp ? tdm_dp_gather_params(tr->dp) : tdm_ddp_gather_params(tr->ddp))
+                         : (dp ? tdm_dp_release_params(tr->dp) : tdm_ddp_release_params(tr->ddp));
+    return rc ? task_error("%s the sharded parameters: %s", whole ? "gathering" : "resharding",
+                           tdm_last_error())
+              : 0;
+}
+
+/* A DataParallel run across processes writes one file of the whole model: under --shard
+ * parameters every replica's units are gathered for it first. */
+int trainer_save_checkpoint(trainer *tr) {
+    const train_opts *o = tr->o;
+    if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
+    bool gather = tr->dp != NULL;
+    int rc = gather ? params_whole(tr, true) : 0;
+    if (!rc) rc = save_checkpoint(tr);
+    int rc2 = gather ? params_whole(tr, false) : 0;
+    return rc ? rc : rc2;
+}
+
 int trainer_save_task(trainer *tr, const char *dir) {
     if (!tr->task->save) return 0;
-    bool gather = tr->ddp && tdm_ddp_shard(tr->ddp) == TDM_SHARD_PARAMETERS;
-    if (gather && tdm_ddp_gather_params(tr->ddp))
-        return task_error("gathering the sharded parameters to save them: %s", tdm_last_error());
-    int rc = tr->silent ? 0 : tr->task->save(tr->task, tr->o, dir);
-    if (gather && tdm_ddp_release_params(tr->ddp) && !rc)
-        rc = task_error("sharding the parameters again after saving: %s", tdm_last_error());
-    return rc;
+    int rc = params_whole(tr, true);
+    if (rc) return rc;
+    rc = tr->silent ? 0 : tr->task->save(tr->task, tr->o, dir);
+    int rc2 = params_whole(tr, false);
+    return rc ? rc : rc2;
 }
 
 /* The epoch's totals saved with a checkpoint: each process continues its own when the

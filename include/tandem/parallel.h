@@ -383,11 +383,28 @@ int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out);
  * state once (replica 0's, stepped in shards: see tdm_dp_optim) and reduce each shard of the
  * gradients once, reading every replica's whole gradient in shared memory, so there the call
  * records the kind and changes nothing. Asking again for the current kind
- * does nothing. Fails with TDM_ERR_ARG for a NULL dp or an unknown kind, and for
- * TDM_SHARD_PARAMETERS, whose ZeRO stage 3 is not written yet; TDM_ERR_STATE for a kind below
+ * does nothing. TDM_SHARD_PARAMETERS (ZeRO stage 3) runs tdm_ddp_set_shard's on every
+ * replica of a DataParallel across processes (tdm_dp_new_distributed: the two-level group, or
+ * NCCL), with the units tdm_dp_set_shard_units names; the parameters are then whole only
+ * between tdm_dp_gather_params and tdm_dp_release_params. Fails with TDM_ERR_ARG for a NULL
+ * dp or an unknown kind, and for TDM_SHARD_PARAMETERS over one process's CPU devices (not
+ * written yet); TDM_ERR_STATE for a kind below
  * the current one (a sharded state stays sharded: tdm_dp_optim_gather copies it whole); a
  * replica that cannot shard fails the call on every process (naming its device). */
 int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind);
+/* ZeRO stage 3's units of a replica, as tdm_model_units gives them: up to cap into units,
+ * returning how many (0: the replica's children holding parameters) or a negative status. */
+typedef int (*tdm_units_fn)(tdm_module *replica, tdm_module **units, int cap);
+/* The units each replica shards its parameters by (tdm_ddp_set_shard_units, from units_of on
+ * that replica), before tdm_dp_set_shard with TDM_SHARD_PARAMETERS; NULL: DDP's default.
+ * TDM_ERR_STATE once the parameters are sharded. */
+int tdm_dp_set_shard_units(tdm_dp *dp, tdm_units_fn units_of);
+/* Under ZeRO stage 3, every replica's parameters whole (tdm_ddp_gather_params) until
+ * tdm_dp_release_params: to save or load the model (tdm_dp_replica(dp, 0)) whole. Rounds on
+ * every replica and collectives over the processes: every process calls them. No-ops
+ * otherwise. */
+int tdm_dp_gather_params(tdm_dp *dp);
+int tdm_dp_release_params(tdm_dp *dp);
 tdm_shard_kind tdm_dp_shard(const tdm_dp *dp);
 /* A whole, unsharded copy of the replicas' optimizer (replica 0's state and settings, the
  * shards gathered from every replica of every process: tdm_optim_gather), for a checkpoint.

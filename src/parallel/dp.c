@@ -29,7 +29,14 @@
 
 /* What a round does on every replica: a training step (or accumulation), or one of the
  * optimizers' collectives (tdm_dp_set_shard, tdm_dp_optim_gather). */
-typedef enum { ROUND_STEP, ROUND_SHARD, ROUND_GATHER, ROUND_FORWARD } round_task;
+typedef enum {
+    ROUND_STEP,
+    ROUND_SHARD,
+    ROUND_GATHER,
+    ROUND_FORWARD,
+    ROUND_GATHER_PARAMS,
+    ROUND_RELEASE_PARAMS,
+} round_task;
 
 /* Nanoseconds the caller spins for the other replicas after its own: they finish within
  * microseconds of it (same work after the same all-reduce), sooner than a futex wake-up. */
@@ -66,6 +73,7 @@ struct tdm_dp {
     tdm_shard_kind shard;             /* what tdm_dp_set_shard asked for */
     round_task task;                  /* what the round being run does */
     tdm_shard_kind shard_to;          /* what a ROUND_SHARD asks of every replica */
+    tdm_units_fn units_of;            /* ZeRO stage 3's units of a replica, or NULL */
     tdm_optim *gathered;              /* ROUND_GATHER's result, replica 0's */
     float clip;                       /* max gradient norm before each update, or 0 */
     int64_t window;                   /* micro-batches accumulated since the last update */
@@ -235,8 +243,8 @@ static int copy_buffers(replica *r) {
  * forward). The output outlives the round (caller-owned) for tdm_dp_forward to gather. */
 static int replica_forward(replica *r) {
     tdm_dp *dp = r->dp;
-    int64_t lo, hi;
-    tdm_rows_of(dp->x->shape[0], dp->n, r->rank, &lo, &hi);
+    int64_t lo = 0, hi = dp->x->shape[0];
+    if (hi >= dp->n) tdm_rows_of(dp->x->shape[0], dp->n, r->rank, &lo, &hi);
     bool prev = tdm_set_grad_enabled(false), was = r->replica->training;
     int rc = tdm_scope_begin();
     if (rc) {
@@ -256,6 +264,22 @@ static int replica_forward(replica *r) {
     return rc;
 }
 
+/* Replica r's sharding; for ZeRO stage 3 its units first (dp->units_of on its own modules). */
+static int replica_shard(replica *r) {
+    tdm_dp *dp = r->dp;
+    if (dp->shard_to == TDM_SHARD_PARAMETERS && dp->units_of) {
+        int n = dp->units_of(r->replica, NULL, 0);
+        tdm_module **units = n > 0 ? malloc(sizeof *units * (size_t)n) : NULL;
+        if (n > 0 && !units)
+            return tdm_raise(TDM_ERR_NOMEM, "data_parallel set_shard: out of memory");
+        if (n > 0) dp->units_of(r->replica, units, n);
+        int rc = n < 0 ? n : n > 0 ? tdm_ddp_set_shard_units(r->ddp, units, n) : TDM_OK;
+        free(units);
+        if (rc) return rc;
+    }
+    return tdm_ddp_set_shard(r->ddp, r->opt, dp->shard_to);
+}
+
 /* Replica r's part of a round: a step, or its optimizer's share of a collective. Those
  * fail on every rank alike (tdm_optim_shard agrees first; a failed exchange aborts the
  * group), so nobody is left waiting. */
@@ -263,7 +287,9 @@ static int replica_round(replica *r) {
     tdm_dp *dp = r->dp;
     if (dp->task == ROUND_STEP) return replica_step(r);
     if (dp->task == ROUND_FORWARD) return replica_forward(r);
-    if (dp->task == ROUND_SHARD) return tdm_ddp_set_shard(r->ddp, r->opt, dp->shard_to);
+    if (dp->task == ROUND_SHARD) return replica_shard(r);
+    if (dp->task == ROUND_GATHER_PARAMS) return tdm_ddp_gather_params(r->ddp);
+    if (dp->task == ROUND_RELEASE_PARAMS) return tdm_ddp_release_params(r->ddp);
     tdm_optim *whole = tdm_optim_gather(r->opt); /* every replica takes part; 0's is kept */
     if (r->rank == 0)
         dp->gathered = whole;
@@ -490,9 +516,10 @@ int tdm_dp_accumulate(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn
 /* The replicas' outputs joined in row order on devices[0], in the current scope. */
 static tdm_tensor *gather_outputs(tdm_dp *dp) {
     tdm_tensor *parts[TDM_MAX_DEVICES];
-    for (int r = 0; r < dp->n; r++)
+    int n = dp->x->shape[0] < dp->n ? 1 : dp->n; /* every replica ran the whole batch */
+    for (int r = 0; r < n; r++)
         if (!(parts[r] = tdm_to_device(dp->reps[r].out, dp->devices[0]))) return NULL;
-    return tdm_concat(parts, dp->n, 0);
+    return tdm_concat(parts, n, 0);
 }
 
 int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out) {
@@ -500,7 +527,9 @@ int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out) {
     *out = NULL;
     if (x->ndim < 1) return tdm_raise(TDM_ERR_SHAPE, "data_parallel forward: a 0-dim input");
     bool prev = tdm_set_grad_enabled(false);
-    if (x->shape[0] < dp->n) { /* too few rows to split: module 0 alone */
+    /* too few rows to split: module 0 alone (under ZeRO stage 3 every replica runs the whole
+     * batch, since its units' gathers are collectives, and module 0's output is kept) */
+    if (x->shape[0] < dp->n && dp->shard != TDM_SHARD_PARAMETERS) {
         *out = tdm_module_forward(dp->model, x);
         tdm_set_grad_enabled(prev);
         return *out ? TDM_OK : tdm_last_status();
@@ -530,27 +559,47 @@ int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm) {
 
 int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind) {
     if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: NULL data parallel");
-    if (kind == TDM_SHARD_PARAMETERS)
+    if (kind < TDM_SHARD_NONE || kind > TDM_SHARD_PARAMETERS)
+        return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: unknown kind %d", (int)kind);
+    if (kind == TDM_SHARD_PARAMETERS && dp->sharded)
         return tdm_raise(TDM_ERR_ARG,
                          "data_parallel set_shard: sharding the parameters (ZeRO stage 3) over "
-                         "one process's devices is not written yet; DDP's (tdm_ddp_set_shard, "
-                         "one device per process) is, and TDM_SHARD_OPTIMIZER and "
-                         "TDM_SHARD_GRADIENTS here");
-    if (kind != TDM_SHARD_NONE && kind != TDM_SHARD_OPTIMIZER && kind != TDM_SHARD_GRADIENTS)
-        return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: unknown kind %d", (int)kind);
+                         "one process's CPU devices is not written yet; across processes "
+                         "(tdm_dp_new_distributed) and DDP's (tdm_ddp_set_shard) are, and "
+                         "TDM_SHARD_OPTIMIZER and TDM_SHARD_GRADIENTS here");
     if (kind == dp->shard) return TDM_OK;
-    if (kind < dp->shard)
+    if (kind < dp->shard) {
+        const char *what[] = {"", "optimizer state is", "gradients and optimizer state are",
+                              "parameters, gradients and optimizer state are"};
         return tdm_raise(TDM_ERR_STATE,
                          "data_parallel set_shard: the %s sharded and stay%s so "
                          "(tdm_dp_optim_gather copies the optimizer state whole)",
-                         dp->shard == TDM_SHARD_GRADIENTS ? "gradients and optimizer state are"
-                                                          : "optimizer state is",
-                         dp->shard == TDM_SHARD_GRADIENTS ? "" : "s");
+                         what[dp->shard], dp->shard == TDM_SHARD_OPTIMIZER ? "s" : "");
+    }
     /* replicas sharing memory already hold the state once: replica 0's, stepped in shards */
     dp->shard_to = kind;
     int rc = dp->sharded ? TDM_OK : run_task(dp, ROUND_SHARD);
     if (!rc) dp->shard = kind;
     return rc;
+}
+
+int tdm_dp_set_shard_units(tdm_dp *dp, tdm_units_fn units_of) {
+    if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard_units: NULL data parallel");
+    if (dp->shard == TDM_SHARD_PARAMETERS)
+        return tdm_raise(TDM_ERR_STATE, "data_parallel set_shard_units: the parameters are "
+                                        "sharded already; name the units before");
+    dp->units_of = units_of;
+    return TDM_OK;
+}
+
+int tdm_dp_gather_params(tdm_dp *dp) {
+    if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel gather_params: NULL data parallel");
+    return dp->shard == TDM_SHARD_PARAMETERS ? run_task(dp, ROUND_GATHER_PARAMS) : TDM_OK;
+}
+
+int tdm_dp_release_params(tdm_dp *dp) {
+    if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel release_params: NULL data parallel");
+    return dp->shard == TDM_SHARD_PARAMETERS ? run_task(dp, ROUND_RELEASE_PARAMS) : TDM_OK;
 }
 
 tdm_shard_kind tdm_dp_shard(const tdm_dp *dp) {

@@ -164,15 +164,17 @@ static void run_steps(const char *what, int (*step)(void *, tdm_tensor *, tdm_te
 
 /* DataParallel over n GPUs (NCCL: bucket all-reduces, synchronised batch norm, the wrap-time
  * broadcasts; with shard, the optimizer state sharded over the GPUs, ZeRO stage 1, or also
- * the gradients, stage 2: bucket buffers and the shard's gradient in GPU memory) gives one
+ * the gradients, stage 2: bucket buffers and the shard's gradient in GPU memory, or also the
+ * parameters, stage 3: each layer gathered by NCCL broadcasts into GPU memory) gives one
  * CPU device's parameters on the same batches, and every replica the same bits. CPU and GPU
  * replicas mixed are refused. */
 static void dp_against_cpu(int n, model md, bool adam, tdm_shard_kind shard) {
     char what[80];
     snprintf(what, sizeof what, "%s %s on %d GPU(s)%s", md.name, adam ? "adam" : "sgd", n,
-             shard == TDM_SHARD_GRADIENTS ? ", sharded (stage 2)"
-             : shard                      ? ", sharded"
-                                          : "");
+             shard == TDM_SHARD_PARAMETERS  ? ", sharded (stage 3)"
+             : shard == TDM_SHARD_GRADIENTS ? ", sharded (stage 2)"
+             : shard                        ? ", sharded"
+                                            : "");
     tdm_device gpus[2] = {G, tdm_cuda(1)};
     tdm_module *mc = md.make(), *mg = tdm_module_clone(mc, G);
     tdm_module_train(mc, true);
@@ -185,12 +187,14 @@ static void dp_against_cpu(int n, model md, bool adam, tdm_shard_kind shard) {
     float *p[2] = {malloc(sizeof(float) * (size_t)np), malloc(sizeof(float) * (size_t)np)};
     if (dp) {
         run_steps(what, dp_step, dp, md.xs, lg);
+        CHECK(tdm_dp_gather_params(dp) == 0, "%s: %s", what, tdm_last_error()); /* stage 3 */
         for (int r = 0; r < n; r++)
             tdm_to_host(tdm_module_parameters(tdm_dp_replica(dp, r))->flat, p[r],
                         sizeof(float) * (size_t)np);
         like_cpu(what, lg, lc, p[0], pc, np);
         if (n > 1)
             CHECK(!memcmp(p[0], p[1], sizeof(float) * (size_t)np), "%s: the replicas differ", what);
+        CHECK(tdm_dp_release_params(dp) == 0, "%s: %s", what, tdm_last_error());
         tdm_optim *whole = shard ? tdm_dp_optim_gather(dp) : NULL;
         tdm_tensor *st[3];
         CHECK(!shard || (whole && tdm_optim_state(whole, NULL, st, 3) > 0 &&
@@ -222,6 +226,7 @@ static void test_data_parallel(void) {
             for (int mi = 0; mi < 2; mi++) dp_against_cpu(n, model_of(mi), adam, TDM_SHARD_NONE);
     dp_against_cpu(most, model_of(0), true, TDM_SHARD_OPTIMIZER);
     dp_against_cpu(most, model_of(0), false, TDM_SHARD_GRADIENTS);
+    dp_against_cpu(most, model_of(0), true, TDM_SHARD_PARAMETERS);
 }
 
 /* A 2-stage pipeline over cuda:0 and cuda:1 (activations and gradients cross between the

@@ -732,6 +732,18 @@ static void zero2_runs(const char *const np[4][5]) {
               "unsharded: %s",
               rc, out);
         free(out);
+        /* stopped at step 5, resumed: the whole file read into the gathered replicas */
+        snprintf(stage3, sizeof stage3, "%s/zero3-dp-half", tmpdir);
+        rc = wait_status(start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", "2",
+                                              "--checkpoint-dir", stage3, "--shard", "parameters",
+                                              "--quiet", "--max-steps", "5")));
+        int rc3 = wait_status(start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", "2",
+                                                   "--checkpoint-dir", stage3, "--shard",
+                                                   "parameters", "--quiet", "--resume")));
+        CHECK(rc == 0 && rc3 == 0 && same_ckpt(plain, stage3, 12),
+              "2 processes x 2 devices, --shard parameters stopped at step 5 and resumed: exit %d "
+              "and %d, or the last checkpoint differs from the uninterrupted run's",
+              rc, rc3);
     }
 }
 

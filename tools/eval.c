@@ -151,14 +151,6 @@ static int run_eval(tdm_module *m, tdm_loader *l, double *loss_sum, int64_t *cor
     return rc;
 }
 
-/* Whether dir is a sharded checkpoint (its shards are read by tdm_checkpoint_load). */
-static bool sharded_at(const char *dir) {
-    char layout[4300];
-    struct stat st;
-    snprintf(layout, sizeof layout, "%.4200s/layout.safetensors", dir);
-    return stat(layout, &st) == 0;
-}
-
 int eval_main(int argc, char **argv) {
     eval_opts o;
     int rc = parse(argc, argv, &o);
@@ -172,11 +164,11 @@ int eval_main(int argc, char **argv) {
     snprintf(path, sizeof path, "%s/model.safetensors", o.weights);
     if (stat(o.weights, &st) != 0 || !S_ISDIR(st.st_mode))
         snprintf(path, sizeof path, "%s", o.weights);
-    else if (stat(path, &st) != 0 && sharded_at(o.weights))
+    else if (stat(path, &st) != 0 && tdm_checkpoint_is_sharded(o.weights))
         snprintf(path, sizeof path, "%s", o.weights); /* a sharded checkpoint */
     else if (stat(path, &st) != 0 && tdm_checkpoint_latest(o.weights, ckpt, sizeof ckpt, NULL) == 1)
         snprintf(path, sizeof path, "%s%s", ckpt, /* a run's directory */
-                 sharded_at(ckpt) ? "" : "/model.safetensors");
+                 tdm_checkpoint_is_sharded(ckpt) ? "" : "/model.safetensors");
     /* the data, its test transform and the model, as tandem train makes them */
     train_opts to = {.data = o.data,
                      .model = o.model,
@@ -197,8 +189,9 @@ int eval_main(int argc, char **argv) {
     rc = EXIT_OK;
     if (!l) {
         rc = fail("%s%s", "setting up: ", tdm_last_error());
-    } else if ((sharded_at(path) ? tdm_checkpoint_load(path, &(tdm_train_state){.model = m})
-                                 : tdm_weights_load(path, m)) != TDM_OK) {
+    } else if ((tdm_checkpoint_is_sharded(path)
+                    ? tdm_checkpoint_load(path, &(tdm_train_state){.model = m})
+                    : tdm_weights_load(path, m)) != TDM_OK) {
         rc = fail("%s%s", "", tdm_last_error());
     } else {
         double loss = 0;

@@ -106,8 +106,9 @@ static int make_devices(trainer *tr) {
 }
 
 /* --shard optimizer|gradients|parameters: ZeRO stage 1, 2 or 3 over every device of every
- * process, after the resume (a sharded optimizer keeps its shard of the restored state; stage 3
- * keeps its range of the restored parameters). The CPU devices of one process already hold
+ * process, before the resume, which then restores each rank's shard only (a sharded
+ * checkpoint's pieces that cover it, or its range of a whole one), so that no rank ever holds
+ * the whole optimizer state. The CPU devices of one process already hold
  * the state once (DataParallel's shared-memory update), and one device alone has nobody to
  * share it with: both are left as they are. Stage 3's units are the model's blocks or stages
  * (tdm_model_units), else its layers (DDP's default: the children holding parameters). */
@@ -810,8 +811,8 @@ static int run(trainer *tr) {
      * that cannot hold a checkpoint, or that another run uses, is found now */
     if ((rc = trainer_claim_checkpoint_dir(tr))) return rc;
     if ((rc = make_loaders(tr)) || (rc = open_outputs(tr)) || (rc = make_devices(tr)) ||
-        (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = trainer_resume(tr)) ||
-        (rc = shard_optimizer(tr)))
+        (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = shard_optimizer(tr)) ||
+        (rc = trainer_resume(tr)))
         return rc;
     if (!tr->silent && !o->quiet) banner(tr);
     write_config(tr);

@@ -434,15 +434,21 @@ int trainer_resume(trainer *tr) {
     int got = tdm_checkpoint_run_id(path, tr->run_id, sizeof tr->run_id);
     if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
     if (got == 0) tr->run_id[0] = '\0';
+    /* the runs's shards were made before (shard_optimizer): each takes its part; under
+     * --shard parameters a whole model file is read into the model gathered for it */
+    bool gather = !tdm_checkpoint_is_sharded(path);
+    if (gather && (rc = params_whole(tr, true))) return rc;
     int n = tr->dp ? tdm_dp_devices(tr->dp) : 1;
-    for (int r = 0; r < n; r++) {
+    for (int r = 0; r < n && !rc; r++) {
         tdm_train_state s = {.model = tr->dp ? tdm_dp_replica(tr->dp, r) : tr->task->model,
                              .optim = tr->dp ? tdm_dp_optim(tr->dp, r) : tr->opt};
         if (r == 0) s.loader = tr->train_l, s.rng = tdm_default_rng();
         if (tdm_checkpoint_load(path, &s) != TDM_OK)
-            return task_error("--resume from '%s': %s", path, tdm_last_error());
+            rc = task_error("--resume from '%s': %s", path, tdm_last_error());
         if (r == 0) tr->global_step = s.step;
     }
+    int rc2 = gather ? params_whole(tr, false) : 0;
+    if (rc || rc2) return rc ? rc : rc2;
     int64_t epoch = 0, batch = 0;
     tdm_loader_position(tr->train_l, &epoch, &batch);
     tr->start_epoch = (int)epoch + 1;

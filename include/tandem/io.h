@@ -204,6 +204,8 @@ int tdm_checkpoint_shard_finish(const char *dir, const tdm_train_state *s, const
                                 int world, int keep);
 /* Rank 0, when some rank failed: removes the temporary directory of step `step`. */
 void tdm_checkpoint_shard_abort(const char *dir, int64_t step);
+/* Whether checkpoint directory path is a sharded one (holds layout.safetensors). */
+bool tdm_checkpoint_is_sharded(const char *path);
 /* Writes checkpoint directory ckpt (sharded or not) whole: model_path (may be NULL) as
  * model.safetensors is written (PyTorch's names; load_state_dict takes it), and state_path
  * (may be NULL) as an unsharded run's train_state.safetensors, with the moments. The whole

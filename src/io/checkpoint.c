@@ -676,7 +676,7 @@ int tdm_checkpoint_load(const char *path, tdm_train_state *s) {
     parsed_state p = {0};
     if ((rc = tdm_scope_begin())) return rc;
     tdm_ckpt_shards sh = {0};
-    bool sharded = tdm_ckpt_is_sharded(path);
+    bool sharded = tdm_checkpoint_is_sharded(path);
     if (sharded)
         rc = tdm_ckpt_shards_read(path, s, &sh);
     else if (s->model) {

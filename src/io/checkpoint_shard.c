@@ -360,7 +360,7 @@ static int layout_read_range(layout *l, const char *name, int64_t lo, int64_t hi
 
 /* ---- loading ------------------------------------------------------------------------------ */
 
-bool tdm_ckpt_is_sharded(const char *path) {
+bool tdm_checkpoint_is_sharded(const char *path) {
     char f[4200];
     struct stat st;
     snprintf(f, sizeof f, "%s/" LAYOUT, path);
@@ -553,7 +553,7 @@ static int export_state(layout *l, const char *path) {
 int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path) {
     if (!ckpt) return tdm_raise(TDM_ERR_ARG, "checkpoint_export: NULL checkpoint");
     char f[4200];
-    if (!tdm_ckpt_is_sharded(ckpt)) { /* already whole */
+    if (!tdm_checkpoint_is_sharded(ckpt)) { /* already whole */
         snprintf(f, sizeof f, "%s/model.safetensors", ckpt);
         int rc = model_path ? copy_file(f, model_path) : TDM_OK;
         snprintf(f, sizeof f, "%s/train_state.safetensors", ckpt);

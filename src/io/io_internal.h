@@ -81,8 +81,6 @@ typedef struct {
     int n_bufs;
 } tdm_ckpt_shards;
 
-/* Whether checkpoint directory path is sharded (holds layout.safetensors). */
-bool tdm_ckpt_is_sharded(const char *path);
 /* Checks the sharded checkpoint at path against s (layout against the model and optimizer,
  * every shard file needed) and reads this process's ranges into sh; changes nothing. */
 int tdm_ckpt_shards_read(const char *path, const tdm_train_state *s, tdm_ckpt_shards *sh);

@@ -184,16 +184,14 @@ static const opt_spec specs[] = {
      "them, so the gradient memory per device is its shard plus a few buckets; the weights "
      "are the same bit for bit, except with --grad-accum, where each batch's average is added "
      "into the shard (equal to float rounding). Under mpirun, or on several GPUs; the CPU "
-     "devices of one process already hold the state once. Under mpirun each process writes its "
-     "shard of the checkpoints (tandem export makes them one file), and a run may resume with "
-     "or without --shard, on any devices and processes. parameters: ZeRO stage 3 (FSDP's "
-     "FULL_SHARD), also the "
-     "parameters: each process keeps its shard of them, and the rest of the model only while a "
-     "unit (a GPT's block, a ResNet's stage, else a layer) computes, gathered just before its "
-     "forward and its backward, the next unit's gather overlapping the current one's compute; "
-     "the weights are stage 2's bit for bit. Under mpirun (one CPU device a process: the "
-     "checkpoints are sharded, tandem export makes one file; several devices: gathered into "
-     "one file), or on several GPUs; not over the CPU devices of one process. Not with "
+     "devices of one process already hold the state once. Under mpirun each device of each "
+     "process writes its shard of the checkpoints (tandem export makes them one file), and a "
+     "run may resume with or without --shard, on any devices and processes. parameters: ZeRO "
+     "stage 3 (FSDP's FULL_SHARD), also the parameters: each device keeps its shard of them, "
+     "and the rest of the model only while a unit (a GPT's block, a ResNet's stage, else a "
+     "layer) computes, gathered just before its forward and its backward, the next unit's "
+     "gather overlapping the current one's compute; the weights are stage 2's bit for bit. "
+     "Under mpirun, or on several GPUs; not over the CPU devices of one process. Not with "
      "--model-split."},
     {"--bucket-cap", "MB", OPT_INT, F(bucket_cap), 1, 1024, "25",
      "Under mpirun with one device per process (DDP): the gradient buckets' size in MiB "
@@ -432,7 +430,7 @@ void train_help(FILE *out) {
     for (int i = 0; i < N_SPECS; i++) {
         fprintf(out, "    %s%s%s\n", specs[i].name, specs[i].arg ? " " : "",
                 specs[i].arg ? specs[i].arg : "");
-        char text[1024];
+        char text[4096]; /* the longest help (--shard) is about 1.6 KB */
         snprintf(text, sizeof text, "%s Default: %s.", specs[i].help, specs[i].deflt);
         wrap(out, text, 8);
     }

@@ -63,25 +63,29 @@ static int rank_totals(trainer *tr, const double *tot, char **out) {
     return rc;
 }
 
-/* The optimizer state a checkpoint saves: under DataParallel (several devices a process) or
- * without MPI a sharded one's whole copy, gathered from every rank (a collective:
- * every process comes here at the same steps), in *whole (caller frees); else *whole is NULL
- * and tr->opt is saved as it is (a sharded DDP run writes shard files: save_shards). 0 or
- * EXIT_RUNTIME. */
+/* The optimizer state a checkpoint saves: without MPI (GPUs of one process) a sharded one's
+ * whole copy, gathered from every rank (a collective: every replica takes part), in *whole
+ * (caller frees); else *whole is NULL and tr->opt is saved as it is (a sharded run under
+ * mpirun writes shard files: save_shards). 0 or EXIT_RUNTIME. */
 static int whole_optimizer(trainer *tr, tdm_optim **whole) {
     *whole = NULL;
-    if (!tr->sharded || (tr->g && !tr->dp)) return 0;
+    if (!tr->sharded || tr->g) return 0;
     *whole = tr->dp ? tdm_dp_optim_gather(tr->dp) : tdm_optim_gather(tr->opt);
     return *whole ? 0
                   : task_error("checkpoint: gathering the sharded optimizer state: %s",
                                tdm_last_error());
 }
 
+/* The replicas of this process (DataParallel's devices, or 1) and the shards of the run. */
+static int local_replicas(const trainer *tr) {
+    return tr->dp ? tdm_dp_devices(tr->dp) : 1;
+}
+
 /* After one step of a sharded save, whether every process did it: failed is this process's
- * (its error already reported); the others name the first rank that failed and its file.
- * Every process returns the same: 0, or EXIT_RUNTIME when any failed. */
+ * (its error already reported); the others name the first process that failed and its first
+ * file. Every process returns the same: 0, or EXIT_RUNTIME when any failed. */
 static int all_succeeded(trainer *tr, bool failed, const char *what, int64_t step) {
-    int procs = tdm_group_size(tr->g), first = -1, n = 0;
+    int procs = tdm_group_size(tr->g), first = -1, n = 0, l = local_replicas(tr);
     double mine = failed, *all = malloc(sizeof(double) * (size_t)procs);
     if (!all || gather_over_processes(tr, &mine, 1, all)) return free(all), EXIT_RUNTIME;
     for (int r = procs - 1; r >= 0; r--)
@@ -92,46 +96,70 @@ static int all_succeeded(trainer *tr, bool failed, const char *what, int64_t ste
         task_error("checkpoint at step %lld: %d process%s failed (rank %d: %s "
                    "shard-%05d-of-%05d.safetensors); no checkpoint was written, the older ones "
                    "are as they were",
-                   (long long)step, n, n == 1 ? "" : "es", first, what, first, procs);
+                   (long long)step, n, n == 1 ? "" : "es", first, what, first * l, procs * l);
     return EXIT_RUNTIME;
 }
 
-/* This process's range of the flat buffers, and every rank's into ranges (2 * procs). */
-static int shard_ranges(trainer *tr, int64_t *ranges) {
-    int procs = tdm_group_size(tr->g);
-    int64_t lo = 0, hi = 0;
-    double mine[2], *all = malloc(sizeof(double) * 2 * (size_t)procs);
-    int rc = all ? tdm_optim_shard_range(tr->opt, &lo, &hi) : TDM_ERR_NOMEM;
-    mine[0] = (double)lo, mine[1] = (double)hi; /* exact below 2^53 */
-    if (!rc) rc = gather_over_processes(tr, mine, 2, all);
-    for (int i = 0; !rc && i < 2 * procs; i++) ranges[i] = (int64_t)all[i];
-    free(all);
+/* The state of replica l of this process (its model and optimizer) in a copy of s. */
+static tdm_train_state replica_state(const trainer *tr, const tdm_train_state *s, int l) {
+    tdm_train_state r = *s;
+    if (tr->dp) r.model = tdm_dp_replica(tr->dp, l), r.optim = tdm_dp_optim(tr->dp, l);
+    return r;
+}
+
+/* Every rank's range of the flat buffers into ranges (2 per rank: process p's replica l is
+ * rank p * replicas + l, the two-level group's order). */
+static int shard_ranges(trainer *tr, const tdm_train_state *s, int64_t *ranges) {
+    int procs = tdm_group_size(tr->g), l = local_replicas(tr), rc = TDM_OK;
+    double *mine = malloc(sizeof(double) * 2 * (size_t)l);
+    double *all = malloc(sizeof(double) * 2 * (size_t)(procs * l));
+    if (!mine || !all) rc = TDM_ERR_NOMEM;
+    for (int k = 0; k < l && !rc; k++) {
+        int64_t lo = 0, hi = 0;
+        rc = tdm_optim_shard_range(replica_state(tr, s, k).optim, &lo, &hi);
+        mine[2 * k] = (double)lo, mine[2 * k + 1] = (double)hi; /* exact below 2^53 */
+    }
+    if (!rc) rc = gather_over_processes(tr, mine, 2 * l, all);
+    for (int i = 0; !rc && i < 2 * procs * l; i++) ranges[i] = (int64_t)all[i];
+    free(mine), free(all);
     return rc ? task_error("checkpoint: gathering the ranks' ranges failed") : 0;
 }
 
-/* A sharded DDP run's save: each process writes its shard file; when all did, rank 0 the
- * layout and training state, and renames the directory into place. No process gathers the
- * state. Every process takes part (collectives between the steps). */
+/* This process's shard files: one per replica. */
+static bool write_shards(trainer *tr, const tdm_train_state *s) {
+    const char *dir = tr->o->checkpoint_dir;
+    int rank = tdm_group_rank(tr->g), l = local_replicas(tr), world = tdm_group_size(tr->g) * l;
+    const char *fail = getenv("TANDEM_TEST_FAIL_SHARD_RANK"); /* tests: one process fails */
+    if (fail && atoi(fail) == rank) {
+        task_error("checkpoint: injected failure writing this rank's shard");
+        return true;
+    }
+    for (int k = 0; k < l; k++) {
+        tdm_train_state r = replica_state(tr, s, k);
+        if (tdm_checkpoint_shard_write(dir, &r, rank * l + k, world) != TDM_OK) {
+            task_error("checkpoint: %s", tdm_last_error());
+            return true;
+        }
+    }
+    return false;
+}
+
+/* A sharded run's save under mpirun: each process writes the shard file of each of its
+ * replicas; when all did, rank 0 the layout and training state, and renames the directory
+ * into place. No process gathers the state. Every process takes part (collectives between
+ * the steps). */
 static int save_shards(trainer *tr, const tdm_train_state *s) {
     const char *dir = tr->o->checkpoint_dir;
-    int rank = tdm_group_rank(tr->g), procs = tdm_group_size(tr->g);
-    int64_t *ranges = malloc(sizeof(int64_t) * 2 * (size_t)procs);
-    if (!ranges || shard_ranges(tr, ranges)) return free(ranges), EXIT_RUNTIME;
+    int rank = tdm_group_rank(tr->g), world = tdm_group_size(tr->g) * local_replicas(tr);
+    int64_t *ranges = malloc(sizeof(int64_t) * 2 * (size_t)world);
+    if (!ranges || shard_ranges(tr, s, ranges)) return free(ranges), EXIT_RUNTIME;
     bool failed = rank == 0 && tdm_checkpoint_shard_begin(dir, s) != TDM_OK;
     if (failed) task_error("checkpoint: %s", tdm_last_error());
     int rc = all_succeeded(tr, failed, "preparing the directory for", s->step);
-    const char *fail = getenv("TANDEM_TEST_FAIL_SHARD_RANK"); /* tests: one rank fails */
-    if (!rc) {
-        bool injected = fail && atoi(fail) == rank;
-        failed = injected || tdm_checkpoint_shard_write(dir, s, rank, procs) != TDM_OK;
-        if (failed)
-            task_error("checkpoint: %s",
-                       injected ? "injected failure writing this rank's shard" : tdm_last_error());
-        rc = all_succeeded(tr, failed, "writing", s->step);
-    }
+    if (!rc) rc = all_succeeded(tr, write_shards(tr, s), "writing", s->step);
     if (!rc) {
         failed = rank == 0 &&
-                 tdm_checkpoint_shard_finish(dir, s, ranges, procs, (int)tr->o->keep) != TDM_OK;
+                 tdm_checkpoint_shard_finish(dir, s, ranges, world, (int)tr->o->keep) != TDM_OK;
         if (failed) task_error("checkpoint: %s", tdm_last_error());
         rc = all_succeeded(tr, failed, "finishing the checkpoint after", s->step);
     } else if (rank == 0)
@@ -142,9 +170,9 @@ static int save_shards(trainer *tr, const tdm_train_state *s) {
 
 /* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
  * the epoch's running totals (summed over the processes) so that a resumed epoch reports the
- * same loss and accuracy, and the task's own files of the model. A sharded DDP run writes a
- * sharded checkpoint (every process its shard); a sharded DataParallel one gathers the state
- * first, so the file is the one an unsharded run writes. */
+ * same loss and accuracy, and the task's own files of the model. A sharded run under mpirun
+ * writes a sharded checkpoint (every replica its shard); a sharded one without MPI (GPUs)
+ * gathers the state first, so the file is the one an unsharded run writes. */
 static int save_checkpoint(trainer *tr) {
     const train_opts *o = tr->o;
     double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
@@ -154,7 +182,7 @@ static int save_checkpoint(trainer *tr) {
     if ((tr->g && trainer_sum_over_processes(tr, tot, 3)) || whole_optimizer(tr, &whole))
         return free(ranks), EXIT_RUNTIME;
     tr->last_saved = tr->global_step;
-    bool shards = tr->sharded && tr->g && !tr->dp;
+    bool shards = tr->sharded && tr->g;
     if (tr->silent && !shards) /* rank 0 writes; every rank loads */
         return free(ranks), tdm_optim_free(whole), 0;
     char loss[64], correct[32], samples[32];
@@ -201,12 +229,12 @@ static int params_whole(trainer *tr, bool whole) {
               : 0;
 }
 
-/* A DataParallel run across processes writes one file of the whole model: under --shard
- * parameters every replica's units are gathered for it first. */
+/* A DataParallel run that writes one file of the whole model (GPUs without MPI): under
+ * --shard parameters every replica's units are gathered for it first. */
 int trainer_save_checkpoint(trainer *tr) {
     const train_opts *o = tr->o;
     if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
-    bool gather = tr->dp != NULL;
+    bool gather = tr->dp && !(tr->sharded && tr->g);
     int rc = gather ? params_whole(tr, true) : 0;
     if (!rc) rc = save_checkpoint(tr);
     int rc2 = gather ? params_whole(tr, false) : 0;

@@ -4,6 +4,7 @@
  * on any number of processes; export makes the whole model (and state) again. The format is
  * described in tandem/io.h. No process ever holds more than its range, but for export. */
 #include "io/io_internal.h"
+#include "backend/backend.h"
 #include "optim/shard.h"
 
 #include <errno.h>
@@ -421,8 +422,11 @@ int tdm_ckpt_shards_read(const char *path, const tdm_train_state *s, tdm_ckpt_sh
 
 /* host[0..n) into t ([n] f32, on any device; in the caller's scope, which frees the copy). */
 static int copy_in(tdm_tensor *t, const float *host, int64_t n) {
-    tdm_tensor *src = tdm_from_data(TDM_SHAPE(n), TDM_F32, tdm_cpu(0), host);
-    return src ? tdm_copy_(t, src) : tdm_last_status();
+    const tdm_backend *be = tdm_backend_for(t->device); /* any device: a CPU's or a GPU's */
+    if (tdm_numel(t) != n)
+        return tdm_raise(TDM_ERR_SHAPE, "sharded checkpoint: %lld values for %lld elements",
+                         (long long)n, (long long)tdm_numel(t));
+    return be ? be->from_host(t, host) : tdm_last_status();
 }
 
 int tdm_ckpt_shards_apply(tdm_ckpt_shards *sh, tdm_train_state *s) {

@@ -704,6 +704,9 @@ static int fault_child(const char *what) {
         if (opt && strstr(what, "_grads")) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_GRADIENTS);
         if (opt && strstr(what, "_gather")) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_PARAMETERS);
         for (int s = 0; s < 20 && !rc; s++) {
+            /* stage 3: every rank done with the step before (its last buckets' reductions
+             * included), so that the others meet rank 1's end in their next forward's gather */
+            if (strstr(what, "_gather")) rc = tdm_work_wait(tdm_barrier(G));
             if (s == 3 && R == 1) {
                 /* the others are then in step 3's backward, reducing gradient buckets */
                 if (!strcmp(what, "kill") || !strcmp(what, "kill_grads") ||

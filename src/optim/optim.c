@@ -344,31 +344,29 @@ int tdm_optim_restrict(tdm_optim *o, int64_t lo, int64_t hi, const tdm_optim_sha
     return TDM_OK;
 }
 
+/* Whether t, holding flat elements [lo, lo + numel(t)), covers o's range: TDM_OK, or an error
+ * of op's naming what t is. */
+static int covers(const tdm_optim *o, const tdm_tensor *t, int64_t lo, const char *op,
+                  const char *what) {
+    if (!o || !t) return tdm_raise(TDM_ERR_ARG, "%s: NULL optimizer or %s", op, what);
+    if (t->ndim == 1 && lo <= o->lo && lo + t->shape[0] >= o->hi) return TDM_OK;
+    return tdm_raise(TDM_ERR_SHAPE,
+                     "%s: %s of %lld elements from %lld do not cover the optimizer's range "
+                     "[%lld, %lld)",
+                     op, what, (long long)tdm_numel(t), (long long)lo, (long long)o->lo,
+                     (long long)o->hi);
+}
+
 int tdm_optim_use_grad(tdm_optim *o, tdm_tensor *grad, int64_t lo) {
-    if (!o || !grad) return tdm_raise(TDM_ERR_ARG, "optim_use_grad: NULL optimizer or gradient");
-    if (grad->ndim != 1 || lo > o->lo || lo + grad->shape[0] < o->hi)
-        return tdm_raise(TDM_ERR_SHAPE,
-                         "optim_use_grad: a gradient of %lld elements from %lld does not cover "
-                         "the optimizer's range [%lld, %lld)",
-                         (long long)tdm_numel(grad), (long long)lo, (long long)o->lo,
-                         (long long)o->hi);
-    o->grad = grad;
-    o->grad_lo = lo;
-    return TDM_OK;
+    int rc = covers(o, grad, lo, "optim_use_grad", "gradient");
+    if (!rc) o->grad = grad, o->grad_lo = lo;
+    return rc;
 }
 
 int tdm_optim_use_params(tdm_optim *o, tdm_tensor *params, int64_t lo) {
-    if (!o || !params)
-        return tdm_raise(TDM_ERR_ARG, "optim_use_params: NULL optimizer or parameters");
-    if (params->ndim != 1 || lo > o->lo || lo + params->shape[0] < o->hi)
-        return tdm_raise(TDM_ERR_SHAPE,
-                         "optim_use_params: parameters of %lld elements from %lld do not cover "
-                         "the optimizer's range [%lld, %lld)",
-                         (long long)tdm_numel(params), (long long)lo, (long long)o->lo,
-                         (long long)o->hi);
-    o->params = params;
-    o->params_lo = lo;
-    return TDM_OK;
+    int rc = covers(o, params, lo, "optim_use_params", "parameters");
+    if (!rc) o->params = params, o->params_lo = lo;
+    return rc;
 }
 
 tdm_tensor *tdm_optim_params(const tdm_optim *o, int64_t *lo) {

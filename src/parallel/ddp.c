@@ -487,12 +487,10 @@ static int shard_check(const tdm_ddp *d, const tdm_optim *o, tdm_shard_kind kind
         return TDM_ERR_ARG;
     }
     if (kind < d->shard) {
-        const char *what[] = {"", "optimizer state is", "gradients and optimizer state are",
-                              "parameters, gradients and optimizer state are"};
         snprintf(why, cap,
                  "ddp_set_shard: the %s sharded and stay%s so (tdm_optim_gather copies the "
                  "optimizer state whole, tdm_ddp_gather_params the parameters)",
-                 what[d->shard], d->shard == TDM_SHARD_OPTIMIZER ? "s" : "");
+                 tdm_shard_held(d->shard), d->shard == TDM_SHARD_OPTIMIZER ? "s" : "");
         return TDM_ERR_STATE;
     }
     return TDM_OK;

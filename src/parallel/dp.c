@@ -569,12 +569,10 @@ int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind) {
                          "TDM_SHARD_OPTIMIZER and TDM_SHARD_GRADIENTS here");
     if (kind == dp->shard) return TDM_OK;
     if (kind < dp->shard) {
-        const char *what[] = {"", "optimizer state is", "gradients and optimizer state are",
-                              "parameters, gradients and optimizer state are"};
         return tdm_raise(TDM_ERR_STATE,
                          "data_parallel set_shard: the %s sharded and stay%s so "
                          "(tdm_dp_optim_gather copies the optimizer state whole)",
-                         what[dp->shard], dp->shard == TDM_SHARD_OPTIMIZER ? "s" : "");
+                         tdm_shard_held(dp->shard), dp->shard == TDM_SHARD_OPTIMIZER ? "s" : "");
     }
     /* replicas sharing memory already hold the state once: replica 0's, stepped in shards */
     dp->shard_to = kind;

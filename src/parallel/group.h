@@ -163,6 +163,14 @@ tdm_group *tdm_hier_world_group(tdm_hier_world *w, int local_rank);
 /* Fails what is still queued, joins the threads, frees the groups. */
 void tdm_hier_world_free(tdm_hier_world *w);
 
+/* What a sharding of kind k (TDM_SHARD_OPTIMIZER or above) holds in shards, with its verb, for
+ * messages: "gradients and optimizer state are". */
+static inline const char *tdm_shard_held(tdm_shard_kind k) {
+    return k == TDM_SHARD_PARAMETERS  ? "parameters, gradients and optimizer state are"
+           : k == TDM_SHARD_GRADIENTS ? "gradients and optimizer state are"
+                                      : "optimizer state is";
+}
+
 /* A stack view of elements [lo, hi) of contiguous 1-D t with no autograd fields or hooks:
  * what a collective, a copy or a kernel reads (geometry and storage) of a range of a flat
  * buffer (DDP's buckets, ZeRO's shards). Lives as long as t's storage; not to be freed. */

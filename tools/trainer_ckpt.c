@@ -76,7 +76,7 @@ static int whole_optimizer(trainer *tr, tdm_optim **whole) {
                                tdm_last_error());
 }
 
-/* The replicas of this process (DataParallel's devices, or 1) and the shards of the run. */
+/* The replicas of this process: DataParallel's devices, or 1 (each writes a shard file). */
 static int local_replicas(const trainer *tr) {
     return tr->dp ? tdm_dp_devices(tr->dp) : 1;
 }

@@ -111,17 +111,18 @@ static int gather_start(unit *u) {
     return rc ? gather_failed(u, rc) : TDM_OK;
 }
 
-/* Waits for u's gather (started here when it was not). */
+/* Waits for u's gather (started here when it was not). A failure to start was reported
+ * already; the broadcasts it did launch are still waited for (they write into u). */
 static int gather_wait(unit *u) {
-    int rc = gather_start(u);
-    if (u->state != UNIT_GATHERING) return rc;
+    int started = gather_start(u), rc = TDM_OK;
+    if (u->state != UNIT_GATHERING) return started;
     for (int k = 0; k < u->n_works; k++) {
         int w = tdm_work_wait(u->works[k]);
         if (!rc) rc = w;
     }
     u->n_works = 0;
     u->state = UNIT_READY;
-    return rc ? gather_failed(u, rc) : TDM_OK;
+    return started ? started : rc ? gather_failed(u, rc) : TDM_OK;
 }
 
 /* u's memory back to the allocator (after its gather is done: broadcasts write into it). */

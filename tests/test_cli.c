@@ -132,9 +132,6 @@ static void test_usage_errors(void) {
     expect_usage("--shard gradients shares one optimizer's state among data-parallel replicas",
                  (const char *const[]){t, "train", "--shard", "gradients", "--model-split", "2",
                                        "--devices", "2", NULL});
-    expect_usage(
-        "--shard parameters (ZeRO stage 3) over the CPU devices of one process is not written",
-        (const char *const[]){t, "train", "--shard", "parameters", "--devices", "2", NULL});
     expect_usage("with --model-split each pipeline stage steps an optimizer of its own",
                  (const char *const[]){t, "train", "--shard", "optimizer", "--model-split", "2",
                                        "--devices", "2", NULL});

@@ -62,7 +62,11 @@ static void last_test(const char *out, char *buf, size_t cap) {
     if (p) snprintf(buf, cap, "%.*s", (int)(strchr(p, '%') ? strchr(p, '%') - p : 0), p);
 }
 
-static void exact_resume(const char *model, const char *devices, bool adam) {
+/* A run of 12 steps against the same run stopped after 6 and resumed: the same checkpoint,
+ * byte for byte, and tandem eval of it gives the run's last test result. The stopped run
+ * shards with --shard `shard` (stage 3 over one process's CPU devices: the weights and the
+ * optimizer state gathered into the file are the unsharded run's, bit for bit). */
+static void exact_resume(const char *model, const char *devices, bool adam, const char *shard) {
     char a[300], b[300], fa[400], fb[400];
     snprintf(a, sizeof a, "%s/%s-%s-full", tmpdir, model, devices);
     snprintf(b, sizeof b, "%s/%s-%s-split", tmpdir, model, devices);
@@ -80,21 +84,22 @@ static void exact_resume(const char *model, const char *devices, bool adam) {
     CHECK(count_ckpts(a) == 2, "--keep 2 leaves 2 checkpoints, found %d", count_ckpts(a));
     /* stopped after 6 steps, in the middle of epoch 2, then resumed (other worker count) */
     rc = run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
-                  sched, COMMON, "--checkpoint-dir", b, "--max-steps", "6"));
+                  sched, COMMON, "--checkpoint-dir", b, "--max-steps", "6", "--shard", shard));
     CHECK(rc == 0, "%s on %s: the first half failed (%d)", model, devices, rc);
     rc = run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
-                  sched, COMMON, "--checkpoint-dir", b, "--resume", "--workers", "0"));
+                  sched, COMMON, "--checkpoint-dir", b, "--resume", "--workers", "0", "--shard",
+                  shard));
     err = captured("stderr");
-    CHECK(rc == 0, "%s on %s: the resumed half failed (%d): %s", model, devices, rc, err);
+    CHECK(rc == 0, "%s on %s, --shard %s: the resumed half failed (%d): %s", model, devices, shard,
+          rc, err);
     free(err);
     for (int f = 0; f < 2; f++) {
         const char *file = f ? "train_state.safetensors" : "model.safetensors";
         snprintf(fa, sizeof fa, "%s/ckpt-0000000012/%s", a, file);
         snprintf(fb, sizeof fb, "%s/ckpt-0000000012/%s", b, file);
         CHECK(same_file(fa, fb),
-              "%s on %s (%s): %s of the resumed run differs from the full "
-              "run's",
-              model, devices, opt, file);
+              "%s on %s (%s, --shard %s): %s of the resumed run differs from the full run's", model,
+              devices, opt, shard, file);
     }
     /* tandem eval on the final checkpoint reproduces the trainer's last test result */
     snprintf(fa, sizeof fa, "%s/ckpt-0000000012", a);
@@ -1027,10 +1032,10 @@ int main(int argc, char **argv) {
         one_run_per_dir();
     }
     if (strcmp(part, "--signals") != 0) {
-        exact_resume("mlp", "cpu:0", false);
-        exact_resume("mlp", "cpu:0,cpu:1", false);
-        exact_resume("cnn", "cpu:0", true);
-        exact_resume("cnn", "cpu:0,cpu:1", true);
+        exact_resume("mlp", "cpu:0", false, "none");
+        exact_resume("mlp", "cpu:0,cpu:1", false, "parameters");
+        exact_resume("cnn", "cpu:0", true, "none");
+        exact_resume("cnn", "cpu:0,cpu:1", true, "none");
         init_from();
         checked_resume();
         kill_during_checkpoint();

@@ -191,8 +191,9 @@ static const opt_spec specs[] = {
      "and the rest of the model only while a unit (a GPT's block, a ResNet's stage, else a "
      "layer) computes, gathered just before its forward and its backward, the next unit's "
      "gather overlapping the current one's compute; the weights are stage 2's bit for bit. "
-     "Under mpirun, or on several GPUs; not over the CPU devices of one process. Not with "
-     "--model-split."},
+     "On every kind of device and process; over the CPU devices of one process it replaces "
+     "their shared-memory update, so each device holds its shard of the optimizer state too. "
+     "Not with --model-split."},
     {"--bucket-cap", "MB", OPT_INT, F(bucket_cap), 1, 1024, "25",
      "Under mpirun with one device per process (DDP): the gradient buckets' size in MiB "
      "(PyTorch's bucket_cap_mb), each averaged over the processes as soon as backward has "
@@ -718,11 +719,6 @@ static int check_opts(train_opts *o) {
     o->n_devs = tdm_devices_parse(o->devices, o->devs, TDM_MAX_DEVICES);
     if (o->n_devs < 0) return train_usage_error("--devices: %s", tdm_last_error());
     if (o->n_devs == 0) return train_usage_error("--devices: no device in '%s'", o->devices);
-    if (!strcmp(o->shard, "parameters") && o->n_devs > 1 && o->devs[0].type == TDM_CPU &&
-        !tdm_mpi_launched())
-        return train_usage_error("--shard parameters (ZeRO stage 3) over the CPU devices of one "
-                                 "process is not written yet; under mpirun, or on GPUs, it is "
-                                 "(--shard gradients is here)");
     if (o->batch_per_device && o->batch_size)
         return train_usage_error("--batch-size (global) and --batch-per-device exclude each other");
     int64_t replicas = o->model_split > 1 && o->n_devs % o->model_split == 0

@@ -108,16 +108,17 @@ static int make_devices(trainer *tr) {
 /* --shard optimizer|gradients|parameters: ZeRO stage 1, 2 or 3 over every device of every
  * process, before the resume, which then restores each rank's shard only (a sharded
  * checkpoint's pieces that cover it, or its range of a whole one), so that no rank ever holds
- * the whole optimizer state. The CPU devices of one process already hold
- * the state once (DataParallel's shared-memory update), and one device alone has nobody to
- * share it with: both are left as they are. Stage 3's units are the model's blocks or stages
- * (tdm_model_units), else its layers (DDP's default: the children holding parameters). */
+ * the whole optimizer state. The CPU devices of one process already hold the state once
+ * (DataParallel's shared-memory update), except under stage 3, which shards it with the
+ * parameters; one device alone has nobody to share it with. Stage 3's units are the model's blocks
+ * or stages (tdm_model_units), else its layers (DDP's default: the children holding parameters). */
 static int shard_optimizer(trainer *tr) {
     if (strcmp(tr->o->shard, "none") == 0) return 0;
     tdm_shard_kind kind = strcmp(tr->o->shard, "parameters") == 0  ? TDM_SHARD_PARAMETERS
                           : strcmp(tr->o->shard, "gradients") == 0 ? TDM_SHARD_GRADIENTS
                                                                    : TDM_SHARD_OPTIMIZER;
-    bool shared_memory = tr->dp && !tr->g && tr->dev.type == TDM_CPU;
+    bool shared_memory =
+        tr->dp && !tr->g && tr->dev.type == TDM_CPU && kind != TDM_SHARD_PARAMETERS;
     if (kind == TDM_SHARD_PARAMETERS && tr->dp && tdm_dp_set_shard_units(tr->dp, tdm_model_units))
         return task_error("--shard parameters: %s", tdm_last_error());
     if (kind == TDM_SHARD_PARAMETERS && tr->ddp) {

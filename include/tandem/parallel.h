@@ -384,11 +384,13 @@ int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out);
  * gradients once, reading every replica's whole gradient in shared memory, so there the call
  * records the kind and changes nothing. Asking again for the current kind
  * does nothing. TDM_SHARD_PARAMETERS (ZeRO stage 3) runs tdm_ddp_set_shard's on every
- * replica of a DataParallel across processes (tdm_dp_new_distributed: the two-level group, or
- * NCCL), with the units tdm_dp_set_shard_units names; the parameters are then whole only
- * between tdm_dp_gather_params and tdm_dp_release_params. Fails with TDM_ERR_ARG for a NULL
- * dp or an unknown kind, and for TDM_SHARD_PARAMETERS over one process's CPU devices (not
- * written yet); TDM_ERR_STATE for a kind below
+ * replica (over the threads group, the two-level group, or NCCL), with the units
+ * tdm_dp_set_shard_units names; the parameters are then whole only between
+ * tdm_dp_gather_params and tdm_dp_release_params. CPU devices of one process then leave their
+ * shared-memory update: every replica's optimizer first takes replica 0's state and learning
+ * rate, then keeps its shard, and gradients are averaged by DDP's buckets (the weights are
+ * still bit for bit the unsharded ones without accumulation). Fails with TDM_ERR_ARG for a
+ * NULL dp or an unknown kind; TDM_ERR_STATE for a kind below
  * the current one (a sharded state stays sharded: tdm_dp_optim_gather copies it whole); a
  * replica that cannot shard fails the call on every process (naming its device). */
 int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind);
@@ -421,9 +423,10 @@ int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm);
  * this process, replicas share memory and split the update instead: each averages the
  * gradients of its shard of the parameters and steps replica 0's optimizer there, then copies
  * the shard to the others (bit for bit the all-reduce's result). Replica 0's optimizer then
- * holds the whole state (save and restore that one); the others are not stepped. Otherwise
- * every replica's optimizer holds the whole state, or, after tdm_dp_set_shard(dp,
- * TDM_SHARD_OPTIMIZER), its shard of it (tdm_dp_optim_gather assembles the whole). */
+ * holds the whole state (save and restore that one); the others are not stepped (until
+ * ZeRO stage 3, see tdm_dp_set_shard). Otherwise every replica's optimizer holds the whole
+ * state, or, after tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER), its shard of it
+ * (tdm_dp_optim_gather assembles the whole). */
 tdm_module *tdm_dp_replica(tdm_dp *dp, int r);
 tdm_optim *tdm_dp_optim(tdm_dp *dp, int r);
 int tdm_dp_devices(const tdm_dp *dp);

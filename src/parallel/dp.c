@@ -2,7 +2,8 @@
  * on the caller's thread, every other one on a persistent thread of its own. A round hands
  * each thread its rows of the batch; the replicas run forward, loss and a DDP backward
  * (bucketed all-reduces over the threads group) and step their own optimizer, or, for CPU
- * devices of one process, split the reduction and the step into shards (sharded_update).
+ * devices of one process, split the reduction and the step into shards (sharded_update;
+ * ZeRO stage 3 leaves it for DDP's buckets: leave_shared_update).
  * Either way every replica ends the step with the same parameters, bit for bit. A round of
  * tdm_dp_accumulate stops after backward: its gradients stay local and add up until the
  * tdm_dp_step that closes the window. Two other rounds run a collective of the optimizers on
@@ -557,16 +558,34 @@ int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm) {
     return TDM_OK;
 }
 
+/* ZeRO stage 3 over CPU devices of one process leaves the shared-memory update (its point is
+ * that no replica holds the whole model, where sharded_update reads every replica's whole
+ * gradient and writes every replica's parameters): each replica's DDP then reduces over the
+ * threads group and each optimizer steps its own shard. Until now only replica 0's optimizer
+ * was stepped, so every other one first takes its state and learning rate. */
+static int leave_shared_update(tdm_dp *dp) {
+    tdm_optim *o0 = dp->reps[0].opt;
+    const char *names[4];
+    tdm_tensor *state[4];
+    int k = tdm_optim_state(o0, names, state, 4), rc = tdm_scope_begin();
+    if (rc) return rc;
+    for (int r = 1; r < dp->n && !rc; r++) {
+        tdm_optim *o = dp->reps[r].opt;
+        for (int i = 0; i < k && !rc; i++) {
+            tdm_tensor *there = tdm_to_device(state[i], dp->devices[r]);
+            rc = there ? tdm_optim_state_load(o, names[i], there) : tdm_last_status();
+        }
+        tdm_optim_set_lr(o, tdm_optim_lr(o0)); /* (run_round keeps every step count) */
+    }
+    tdm_scope_end(); /* the copies */
+    if (!rc) dp->sharded = false;
+    return rc;
+}
+
 int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind) {
     if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: NULL data parallel");
     if (kind < TDM_SHARD_NONE || kind > TDM_SHARD_PARAMETERS)
         return tdm_raise(TDM_ERR_ARG, "data_parallel set_shard: unknown kind %d", (int)kind);
-    if (kind == TDM_SHARD_PARAMETERS && dp->sharded)
-        return tdm_raise(TDM_ERR_ARG,
-                         "data_parallel set_shard: sharding the parameters (ZeRO stage 3) over "
-                         "one process's CPU devices is not written yet; across processes "
-                         "(tdm_dp_new_distributed) and DDP's (tdm_ddp_set_shard) are, and "
-                         "TDM_SHARD_OPTIMIZER and TDM_SHARD_GRADIENTS here");
     if (kind == dp->shard) return TDM_OK;
     if (kind < dp->shard) {
         return tdm_raise(TDM_ERR_STATE,
@@ -576,7 +595,8 @@ int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind) {
     }
     /* replicas sharing memory already hold the state once: replica 0's, stepped in shards */
     dp->shard_to = kind;
-    int rc = dp->sharded ? TDM_OK : run_task(dp, ROUND_SHARD);
+    int rc = kind == TDM_SHARD_PARAMETERS && dp->sharded ? leave_shared_update(dp) : TDM_OK;
+    if (!rc && !dp->sharded) rc = run_task(dp, ROUND_SHARD);
     if (!rc) dp->shard = kind;
     return rc;
 }

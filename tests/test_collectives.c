@@ -135,6 +135,19 @@ static void ops_one_size(shared *sh, const buffers *bu, tdm_group *g, int r, int
         RCHECK(sh, r, wrong == 0, "reduce_scatter op %d m=%lld: %lld wrong", op, (long long)m,
                (long long)wrong);
     }
+    /* reduce to a root that moves with the size: all_reduce's bits there; others keep theirs */
+    for (int op = TDM_SUM; op <= TDM_AVG; op++) {
+        int to = (int)((m + 1) % n);
+        tdm_tensor *t = fill_values(head(bu->f, m), r, salt + 6 + op);
+        RCHECK(sh, r, tdm_work_wait(tdm_reduce(g, t, to, (tdm_reduce_kind)op)) == TDM_OK,
+               "reduce: %s", tdm_last_error());
+        const float *pt = tdm_data_ptr(t);
+        wrong = 0;
+        for (int64_t i = 0; r != to && i < m; i++) wrong += pt[i] != value(r, i, salt + 6 + op);
+        if (r == to) wrong = count_wrong(t, n, salt + 6 + op, (tdm_reduce_kind)op, 0);
+        RCHECK(sh, r, wrong == 0, "reduce op %d m=%lld to %d, rank %d: %lld wrong", op,
+               (long long)m, to, r, (long long)wrong);
+    }
     RCHECK(sh, r, tdm_work_wait(tdm_barrier(g)) == TDM_OK, "barrier: %s", tdm_last_error());
 }
 

@@ -114,6 +114,19 @@ static void ops_one_size(int64_t m, int salt) {
         CHECK(wrong == 0, "reduce_scatter op %d m=%lld on rank %d: %lld wrong", op, (long long)m, R,
               (long long)wrong);
     }
+    /* reduce to a root that moves with the size: all_reduce's bits there; others keep theirs */
+    for (int op = TDM_SUM; op <= TDM_AVG; op++) {
+        int to = (int)((m + 1) % N);
+        tdm_tensor *t = filled(R, m, salt + 6 + op);
+        CHECK(tdm_work_wait(tdm_reduce(G, t, to, (tdm_reduce_kind)op)) == TDM_OK, "reduce: %s",
+              tdm_last_error());
+        const float *pt = tdm_data_ptr(t);
+        wrong = 0;
+        for (int64_t i = 0; R != to && i < m; i++) wrong += pt[i] != value(R, i, salt + 6 + op);
+        if (R == to) wrong = count_wrong(t, salt + 6 + op, (tdm_reduce_kind)op, 0);
+        CHECK(wrong == 0, "reduce op %d m=%lld to %d on rank %d: %lld wrong", op, (long long)m, to,
+              R, (long long)wrong);
+    }
     CHECK(tdm_work_wait(tdm_barrier(G)) == TDM_OK, "barrier: %s", tdm_last_error());
 }
 
@@ -297,6 +310,13 @@ static void two_level_ops(level_rank *a, int64_t m, int salt) {
         p = tdm_data_ptr(part);
         for (int64_t i = 0; i < m; i++)
             a->wrong += p[i] != two_level_reference(r * m + i, salt + 4 + op, (tdm_reduce_kind)op);
+        /* reduce to a root that moves with m (the others' values are not specified) */
+        int to = (int)((m + 2 + op) % n);
+        t = filled(r, m, salt + 6 + op);
+        if (tdm_work_wait(tdm_reduce(g, t, to, (tdm_reduce_kind)op))) goto fail;
+        p = tdm_data_ptr(t);
+        for (int64_t i = 0; r == to && i < m; i++)
+            a->wrong += p[i] != two_level_reference(i, salt + 6 + op, (tdm_reduce_kind)op);
     }
     int root = (int)((m + 1) % n);
     tdm_tensor *b = filled(r, m, salt + 2);

@@ -47,6 +47,10 @@ tdm_device tdm_group_memory(const tdm_group *g);
 
 /* In-place all-reduce of a contiguous f32 tensor (same shape on every rank). */
 tdm_work *tdm_all_reduce(tdm_group *g, tdm_tensor *t, tdm_reduce_kind op);
+/* In-place reduce of a contiguous f32 tensor (same shape on every rank) to root: root's t
+ * receives the rank-order reduction, the same bits an all-reduce gives, moving half its
+ * bytes; the other ranks' t are left unspecified (a backend may keep partial sums there). */
+tdm_work *tdm_reduce(tdm_group *g, tdm_tensor *t, int root, tdm_reduce_kind op);
 /* Copies root's t into every other rank's t. Any dtype, contiguous. */
 tdm_work *tdm_broadcast(tdm_group *g, tdm_tensor *t, int root);
 /* out [size * numel(in)] receives every rank's in, in rank order. */
@@ -192,13 +196,14 @@ int tdm_ddp_bucket_count(const tdm_ddp *d);
  * freed (ps->flat_grad becomes NULL and parameters' .grad are NULL outside tdm_ddp_backward);
  * during backward a bucket's gradient lives in a buffer taken from the allocator when its
  * first gradient arrives, which the parameters' .grad view, and is released once the bucket
- * is averaged over the group and its part of [lo, hi) added into the shard; backward waits
- * for a bucket's average before it launches the next but one. The peak gradient memory is thus the
+ * is averaged and its part of [lo, hi) added into the shard; backward waits for a bucket's
+ * average before it launches the next but one. The average is reduce-scattered: each piece of
+ * a bucket that lies in a rank's shard is reduced to that rank only (tdm_reduce, one per
+ * piece), half the bytes of DDP's all-reduce. The peak gradient memory is thus the
  * shard plus a few buckets (25 MiB each by default). tdm_optim_step and tdm_optim_zero_grad then
  * read and zero the shard; clip with tdm_ddp_clip_grad_norm. With one micro-batch per step the
- * weights are bit for bit DDP's (the same averages: each bucket is all-reduced as DDP does, which
- * moves twice a reduce-scatter's bytes; see docs/ARCHITECTURE.md). Accumulating micro-batches adds
- * their averages instead of averaging their sum: equal to float rounding, about
+ * weights are bit for bit DDP's (a reduce adds in the all-reduce's order). Accumulating
+ * micro-batches adds their averages instead of averaging their sum: equal to float rounding, about
  * (micro-batches + ranks) x 2^-24 of the summed magnitudes per element.
  *
  * TDM_SHARD_PARAMETERS (ZeRO stage 3, PyTorch FSDP's FULL_SHARD) also shards the parameters:

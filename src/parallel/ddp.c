@@ -6,7 +6,9 @@
  * usually finishes them), the first bucket capped at 1 MiB so communication starts early,
  * the rest at 25 MiB; all-reduces are launched in bucket order on every rank, since the
  * ranks must issue collectives in the same order. Reverse registration order is a contiguous
- * range of the flat buffer for every bucket, so a bucket is a view, never a copy. */
+ * range of the flat buffer for every bucket, so a bucket is a view, never a copy. Under ZeRO
+ * stage 2 and 3 a bucket is a buffer of its own while in flight, reduced piece by piece to
+ * the ranks whose shards hold them (a reduce-scatter of unequal pieces). */
 #include "parallel/fsdp.h"
 #include "parallel/group.h"
 
@@ -28,6 +30,10 @@ typedef struct {
     /* ZeRO stage 2: the bucket's gradient [hi - lo] while it is produced and reduced (the
      * parameters' .grad are views of it), NULL otherwise; caller-owned, from the allocator */
     tdm_tensor *buf;
+    /* ZeRO stage 2: instead of the all-reduce, one reduce of each piece of the bucket that
+     * lies in a rank's shard, to that rank: ranks owner0 .. owner0 + owners - 1 */
+    tdm_work **works;
+    int owner0, owners;
 } bucket;
 
 /* How many reduced buckets may be in flight at once under ZeRO stage 2 before backward waits
@@ -228,13 +234,44 @@ static int on_grad_needed(tdm_tensor *param, void *ctx) {
     return b->buf ? TDM_OK : bucket_take(s->ddp, b);
 }
 
-/* Waits for bucket k's all-reduce, adds its part of this rank's shard, [lo, hi) of the flat
+/* Rank r's shard of the flat buffer: tdm_optim_shard_range's range on that rank (zero.c). */
+static void shard_of(const tdm_ddp *d, int r, int64_t *lo, int64_t *hi) {
+    tdm_chunk_of(d->ps->total, sizeof(float), tdm_group_size(d->g), r, lo, hi);
+}
+
+/* Stage 2's reduces of bucket b's pieces, each to the rank whose shard holds it (the same
+ * order on every rank). A piece of the average lands on its owner only: a reduce moves half
+ * an all-reduce's bytes. */
+static int launch_reduces(tdm_ddp *d, bucket *b) {
+    for (int j = 0; j < b->owners; j++) {
+        int64_t lo, hi;
+        shard_of(d, b->owner0 + j, &lo, &hi);
+        int64_t a = lo > b->lo ? lo : b->lo, e = hi < b->hi ? hi : b->hi;
+        tdm_tensor piece = tdm_range_view(b->buf, a - b->lo, e - b->lo);
+        if (!(b->works[j] = tdm_reduce(d->g, &piece, b->owner0 + j, TDM_AVG)))
+            return tdm_last_status();
+    }
+    return TDM_OK;
+}
+
+/* Whether bucket b's reduces are done. */
+static bool reduces_done(const bucket *b) {
+    for (int j = 0; j < b->owners; j++)
+        if (b->works[j] && !tdm_work_done(b->works[j])) return false;
+    return true;
+}
+
+/* Waits for bucket k's reduces, adds its part of this rank's shard, [lo, hi) of the flat
  * buffer, into shard_grad (an accumulating window sums its micro-batches' averages there) and
  * releases the buffer. The first failure is kept in launch_error. */
 static void bucket_finish(tdm_ddp *d, int k) {
     bucket *b = &d->buckets[k];
-    int rc = b->work ? tdm_work_wait(b->work) : TDM_OK;
-    b->work = NULL;
+    int rc = TDM_OK;
+    for (int j = 0; j < b->owners; j++) {
+        int w = b->works[j] ? tdm_work_wait(b->works[j]) : TDM_OK;
+        b->works[j] = NULL;
+        if (!rc) rc = w;
+    }
     int64_t a = b->lo > d->lo ? b->lo : d->lo, e = b->hi < d->hi ? b->hi : d->hi;
     if (!rc && b->buf && a < e) {
         tdm_tensor src = tdm_range_view(b->buf, a - b->lo, e - b->lo);
@@ -249,8 +286,7 @@ static void bucket_finish(tdm_ddp *d, int k) {
  * STAGE2_IN_FLIGHT are in flight: the buffers beyond the shard stay a few buckets. */
 static void reclaim(tdm_ddp *d) {
     while (d->next_finish < d->next_launch) {
-        bucket *b = &d->buckets[d->next_finish];
-        bool done = !b->work || tdm_work_done(b->work);
+        bool done = reduces_done(&d->buckets[d->next_finish]);
         if (!done && d->next_launch - d->next_finish <= STAGE2_IN_FLIGHT) break;
         bucket_finish(d, d->next_finish++);
     }
@@ -264,14 +300,14 @@ static void reclaim(tdm_ddp *d) {
 static void launch_ready(tdm_ddp *d) {
     while (d->next_launch < d->n_buckets && d->buckets[d->next_launch].pending == 0) {
         bucket *b = &d->buckets[d->next_launch++];
-        tdm_tensor *t = &b->view;
+        int rc = TDM_OK;
         if (d->shard_grad) {
-            if (!b->buf && bucket_take(d, b) && !d->launch_error)
-                d->launch_error = tdm_last_status();
-            t = b->buf;
+            if (!b->buf && bucket_take(d, b)) rc = tdm_last_status();
+            if (!rc) rc = launch_reduces(d, b);
+        } else if (!(b->work = tdm_all_reduce(d->g, &b->view, TDM_AVG))) {
+            rc = tdm_last_status();
         }
-        b->work = t ? tdm_all_reduce(d->g, t, TDM_AVG) : NULL;
-        if (!b->work && !d->launch_error) d->launch_error = tdm_last_status();
+        if (rc && !d->launch_error) d->launch_error = rc;
     }
     if (d->shard_grad) reclaim(d);
 }
@@ -405,7 +441,10 @@ int tdm_ddp_bucket_count(const tdm_ddp *d) {
 
 void tdm_ddp_free(tdm_ddp *d) {
     if (!d) return;
-    for (int k = 0; d->buckets && k < d->n_buckets; k++) bucket_release(d, &d->buckets[k]);
+    for (int k = 0; d->buckets && k < d->n_buckets; k++) {
+        bucket_release(d, &d->buckets[k]);
+        free(d->buckets[k].works);
+    }
     if (d->ps)
         for (int i = 0; i < d->ps->n; i++) tdm_clear_grad_hooks(d->ps->params[i]);
     tdm_fsdp_free(d->fsdp);
@@ -426,15 +465,44 @@ static bool holds_params(const tdm_module *m) {
     return false;
 }
 
+/* Stage 2's plan of each bucket's reduces: the ranks whose shards it meets, in rank order.
+ * [lo, hi) is this rank's shard as its optimizer holds it, which the plan must agree with. */
+static int plan_reduces(tdm_ddp *d, int64_t lo, int64_t hi) {
+    int64_t mlo, mhi;
+    shard_of(d, tdm_group_rank(d->g), &mlo, &mhi);
+    if (mlo != lo || mhi != hi)
+        return tdm_raise(TDM_ERR_STATE,
+                         "ddp_set_shard: the optimizer's shard [%lld, %lld) is not this rank's "
+                         "[%lld, %lld) of the group",
+                         (long long)lo, (long long)hi, (long long)mlo, (long long)mhi);
+    for (int k = 0; k < d->n_buckets; k++) {
+        bucket *b = &d->buckets[k];
+        b->owner0 = -1, b->owners = 0;
+        for (int r = 0; r < tdm_group_size(d->g); r++) {
+            int64_t rlo, rhi;
+            shard_of(d, r, &rlo, &rhi);
+            if (rlo >= rhi || rhi <= b->lo || rlo >= b->hi) continue;
+            if (b->owner0 < 0) b->owner0 = r;
+            b->owners++;
+        }
+        free(b->works);
+        if (!(b->works = calloc((size_t)b->owners + 1, sizeof *b->works)))
+            return tdm_raise(TDM_ERR_NOMEM, "ddp_set_shard: out of memory");
+    }
+    return TDM_OK;
+}
+
 /* Stage 2 on this rank, once o is sharded to [lo, hi): the shard's gradient (carrying the
  * flat gradient's values there), the optimizer reading it, the parameters' gradients given
- * by bucket on demand, and the whole flat gradient freed. On failure nothing has changed. */
+ * by bucket on demand, the buckets' reduces planned, and the whole flat gradient freed. On
+ * failure nothing has changed (but for the plan, which is only used once sharded). */
 static int shard_gradients(tdm_ddp *d, tdm_optim *o) {
     int64_t lo, hi;
     tdm_optim_shard_range(o, &lo, &hi);
     tdm_tensor *g = tdm_tensor_alloc_owned(TDM_SHAPE(hi - lo), TDM_F32, d->ps->flat->device, NULL);
     tdm_tensor part = g ? tdm_range_view(d->ps->flat_grad, lo, hi) : (tdm_tensor){0};
     int rc = !g ? tdm_last_status() : tdm_copy_(g, &part);
+    if (!rc) rc = plan_reduces(d, lo, hi);
     if (!rc) rc = tdm_optim_use_grad(o, g, lo);
     for (int i = 0; !rc && i < d->ps->n; i++)
         rc = tdm_set_grad_source(d->ps->params[i], on_grad_needed, &d->slots[i]);

@@ -20,6 +20,8 @@ const char *tdm_coll_name(tdm_coll_kind k) {
         return "reduce_scatter";
     case TDM_COLL_BARRIER:
         return "barrier";
+    case TDM_COLL_REDUCE:
+        return "reduce";
     }
     return "?";
 }
@@ -189,6 +191,17 @@ tdm_work *tdm_all_reduce(tdm_group *g, tdm_tensor *t, tdm_reduce_kind op) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "all_reduce: NULL group");
     if (check_buffer(g, t, "all_reduce", "tensor", true) || check_op(op, "all_reduce")) return NULL;
     tdm_coll c = {TDM_COLL_ALL_REDUCE, op, 0, tdm_numel(t), 4, coll_ptr(t), NULL};
+    c.in = c.out;
+    return tdm_group_launch(g, c);
+}
+
+tdm_work *tdm_reduce(tdm_group *g, tdm_tensor *t, int root, tdm_reduce_kind op) {
+    if (!g) return tdm_raise_null(TDM_ERR_ARG, "reduce: NULL group");
+    if (check_buffer(g, t, "reduce", "tensor", true) || check_op(op, "reduce")) return NULL;
+    if (root < 0 || root >= g->size)
+        return tdm_raise_null(TDM_ERR_ARG, "reduce: root %d out of range for %d ranks", root,
+                              g->size);
+    tdm_coll c = {TDM_COLL_REDUCE, op, root, tdm_numel(t), 4, coll_ptr(t), NULL};
     c.in = c.out;
     return tdm_group_launch(g, c);
 }

@@ -23,13 +23,14 @@ typedef enum {
     TDM_COLL_ALL_GATHER,
     TDM_COLL_REDUCE_SCATTER,
     TDM_COLL_BARRIER,
+    TDM_COLL_REDUCE,
 } tdm_coll_kind;
 
 /* Name of a collective for messages ("all_reduce"). */
 const char *tdm_coll_name(tdm_coll_kind k);
 
 /* One collective as a backend sees it: raw memory, already checked on the calling rank.
- * all_reduce / broadcast: out is the tensor (in-place), in == out, count its elements.
+ * all_reduce / broadcast / reduce: out is the tensor (in-place), in == out, count its elements.
  * all_gather: in [count] -> out [size * count]. reduce_scatter: in [size * count] -> out
  * [count]. barrier: no memory. Reductions are f32 (elem 4); copies move count * elem bytes. */
 typedef struct {

@@ -72,6 +72,26 @@ static int all_reduce(hrank *h, float *buf, int64_t count, tdm_reduce_kind op, c
     return rc;
 }
 
+/* buf [count] f32 on root <- the sum (or mean) over every rank, the bits all_reduce gives:
+ * summed inside each process to its local rank 0, across to the root's process, then handed
+ * to the root inside it. Other ranks' buf may keep partial sums. */
+static int reduce(hrank *h, float *buf, int64_t count, tdm_reduce_kind op, int root, char *msg) {
+    tdm_hier_world *w = h->w;
+    int rp = root / w->nl, rl = root % w->nl;
+    if (w->np == 1) return sub(inner(h), coll(TDM_COLL_REDUCE, op, rl, count, 4, buf, buf), msg);
+    int rc = sub(inner(h), coll(TDM_COLL_REDUCE, TDM_SUM, 0, count, 4, buf, buf), msg);
+    if (!rc && h->local_rank == 0) {
+        rc = sub(w->outer, coll(TDM_COLL_REDUCE, TDM_SUM, rp, count, 4, buf, buf), msg);
+        if (!rc && op == TDM_AVG && w->p == rp) {
+            float n = (float)h->g.size;
+            for (int64_t i = 0; i < count; i++) buf[i] /= n;
+        }
+    }
+    if (!rc && w->p == rp && rl != 0)
+        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, 0, count, 4, buf, buf), msg);
+    return rc;
+}
+
 /* Root's buf to everyone: inside the root's process first, then across, then inside. */
 static int broadcast(hrank *h, void *buf, int64_t count, size_t elem, int root, char *msg) {
     tdm_hier_world *w = h->w;
@@ -152,6 +172,8 @@ static int run(hrank *h, const tdm_coll *c, char *msg) {
         return reduce_scatter(h, c, msg);
     case TDM_COLL_BARRIER:
         return barrier(h, msg);
+    case TDM_COLL_REDUCE:
+        return reduce(h, c->out, c->count, c->op, c->root, msg);
     }
     snprintf(msg, TDM_WORK_MSG, "unknown collective %d", (int)c->kind);
     return TDM_ERR_ARG;

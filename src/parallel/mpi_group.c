@@ -467,6 +467,33 @@ static int run_reduce_scatter(mworld *w, const tdm_coll *c, int64_t deadline) {
     return 0;
 }
 
+/* Every rank's buf to the root, which reduces them in rank order as run_all_reduce does (the
+ * same bits): each other rank sends its segment once, where an all-reduce sends it twice. */
+static int run_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
+    int n = w->g.size, r = w->g.rank, root = c->root;
+    float *buf = c->out;
+    bool first = true;
+    int64_t seg = (int64_t)(w->scratch_bytes / 4) / (n - 1);
+    const float *srcs[64];
+    for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
+        int64_t len = c->count - s0 < seg ? c->count - s0 : seg;
+        round_begin(w);
+        if (first) post_headers(w, c);
+        for (int k = 0; k < n; k++) {
+            if (r == root && k != r) post(w, false, slot(w, k, seg), len * 4, k, TAG_DATA);
+            if (r != root && k == root) post(w, true, buf + s0, len * 4, k, TAG_DATA);
+        }
+        if (finish_round(w, first, deadline)) return -1;
+        first = false;
+        if (r == root) {
+            for (int k = 0; k < n; k++) srcs[k] = k == r ? buf + s0 : slot(w, k, seg);
+            reduce_into(buf + s0, srcs, n, len, c->op == TDM_AVG);
+        }
+        if (len == 0) break;
+    }
+    return 0;
+}
+
 /* Broadcast (root sends to all) and all-gather (everyone sends to all) in byte segments. */
 static int run_copies(mworld *w, const tdm_coll *c, int64_t deadline) {
     int n = w->g.size, r = w->g.rank;
@@ -513,6 +540,9 @@ static int run(mworld *w, const tdm_coll *c, char *msg) {
                 break;
             case TDM_COLL_REDUCE_SCATTER:
                 rc = run_reduce_scatter(w, c, deadline);
+                break;
+            case TDM_COLL_REDUCE:
+                rc = run_reduce(w, c, deadline);
                 break;
             case TDM_COLL_BROADCAST:
             case TDM_COLL_ALL_GATHER:

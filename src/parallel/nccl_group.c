@@ -141,6 +141,9 @@ static ncclResult_t enqueue(nrank *r, const tdm_coll *c) {
     case TDM_COLL_ALL_REDUCE:
         return ncclAllReduce(c->out, c->out, (size_t)c->count, ncclFloat, red_op(c->op), r->comm,
                              r->stream);
+    case TDM_COLL_REDUCE:
+        return ncclReduce(c->out, c->out, (size_t)c->count, ncclFloat, red_op(c->op), c->root,
+                          r->comm, r->stream);
     case TDM_COLL_BROADCAST: /* any dtype: move bytes */
         return ncclBroadcast(c->out, c->out, bytes, ncclInt8, c->root, r->comm, r->stream);
     case TDM_COLL_ALL_GATHER:

@@ -172,10 +172,11 @@ static int world_barrier(trank *me) {
 
 /* ---- the data movement ---------------------------------------------------------------------- */
 
-/* Sums chunk r over every rank's buffer and writes it into every rank's buffer. */
-static int run_all_reduce(trank *me) {
+/* Sums chunk r over every rank's buffer and writes it into every rank's buffer (all-reduce),
+ * or into the root's only (reduce). */
+static int run_all_reduce(trank *me, bool to_root) {
     tdm_threads_world *w = me->w;
-    int n = w->n;
+    int n = w->n, root = me->slot.root;
     float **bufs = (float **)me->peer;
     for (int k = 0; k < n; k++) bufs[k] = (float *)w->ranks[k].slot.out;
     int64_t lo, hi;
@@ -186,7 +187,8 @@ static int run_all_reduce(trank *me) {
         if (has_failed(w)) return -1; /* stop touching peers' memory at once */
         int len = (int)(hi - off < RED_BLK ? hi - off : RED_BLK);
         tdm_reduce_ranks(acc, (const float *const *)bufs, n, off, len, avg);
-        for (int k = 0; k < n; k++) memcpy(bufs[k] + off, acc, (size_t)len * 4);
+        for (int k = to_root ? root : 0; k < (to_root ? root + 1 : n); k++)
+            memcpy(bufs[k] + off, acc, (size_t)len * 4);
     }
     return 0;
 }
@@ -278,7 +280,8 @@ static int check_slots(trank *me) {
 static int run(trank *me, const tdm_coll *c, char *msg) {
     tdm_threads_world *w = me->w;
     int rc = -1;
-    bool in_place = c->kind == TDM_COLL_ALL_REDUCE || c->kind == TDM_COLL_BROADCAST;
+    bool in_place = c->kind == TDM_COLL_ALL_REDUCE || c->kind == TDM_COLL_BROADCAST ||
+                    c->kind == TDM_COLL_REDUCE;
     if (w->n == 1 && (in_place || c->kind == TDM_COLL_BARRIER)) {
         rc = has_failed(w) ? -1 : 0; /* one rank: x / 1 is x, so there is nothing to do */
     } else if (!has_failed(w)) {
@@ -289,7 +292,8 @@ static int run(trank *me, const tdm_coll *c, char *msg) {
             if (!rc) {
                 switch (c->kind) {
                 case TDM_COLL_ALL_REDUCE:
-                    rc = run_all_reduce(me);
+                case TDM_COLL_REDUCE:
+                    rc = run_all_reduce(me, c->kind == TDM_COLL_REDUCE);
                     break;
                 case TDM_COLL_BROADCAST:
                     rc = run_broadcast(me);

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-enum coll_kind { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER };
+enum coll_kind { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, REDUCE };
 
 struct clique {
     int n, joined = 0, arrived = 0, left = 0;
@@ -68,6 +68,7 @@ static void compute(clique *c) {
     if (c->op == ncclAvg)
         for (float &v : sum) v /= (float)c->n;
     for (int r = 0; r < c->n; r++) {
+        if (c->kind == REDUCE && r != c->root) continue; /* the others' recv stay as they were */
         const float *part = sum.data() + (c->kind == REDUCE_SCATTER ? r * c->count : 0);
         memcpy(c->recv[r], part, c->count * sizeof(float));
     }
@@ -164,6 +165,11 @@ ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataT
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
     if (type != ncclFloat) return ncclInvalidArgument;
     return collective(comm, ALL_REDUCE, send, recv, count, type, op, 0);
+}
+ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
+                        ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
+    if (type != ncclFloat) return ncclInvalidArgument;
+    return collective(comm, REDUCE, send, recv, count, type, op, root);
 }
 ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type,
                            int root, ncclComm_t comm, cudaStream_t stream) {

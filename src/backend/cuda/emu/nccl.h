@@ -38,6 +38,8 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *err);
 const char *ncclGetErrorString(ncclResult_t r);
 ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream);
+ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
+                        ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type,
                            int root, ncclComm_t comm, cudaStream_t stream);
 ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t type,

@@ -655,24 +655,26 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_rng init = tdm_rng_make(5);
     tdm_module *m = tdm_gpt_new(&cfg, tdm_cpu(0), &init);
     if (c->recompute) tdm_model_set_recompute(m, true);
-    tdm_ddp_opts o = tdm_ddp_defaults();
-    o.bucket_cap_bytes = o.first_bucket_cap_bytes = 1024; /* buckets across units and shards */
-    tdm_ddp *d = tdm_ddp_new(m, ctx->group, &o);
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_adam_opts ao = tdm_adamw_defaults();
     ao.lr = 0.01f;
-    tdm_optim *opt = d ? tdm_adam_new(ps, &ao) : NULL;
+    tdm_optim *opt = tdm_adam_new(ps, &ao);
     tdm_module *units[8];
-    int n = tdm_model_units(m, units, 8);
-    if (!opt) rc = tdm_last_status();
-    if (!rc && c->stage3) rc = tdm_ddp_set_shard_units(d, units, n);
-    if (!rc) rc = tdm_ddp_set_shard(d, opt, c->stage3 ? TDM_SHARD_PARAMETERS : TDM_SHARD_GRADIENTS);
+    /* stage 3 through FSDP's constructor, stage 2 through DDP's calls */
+    tdm_fsdp_opts fo = tdm_fsdp_defaults();
+    fo.ddp.bucket_cap_bytes = fo.ddp.first_bucket_cap_bytes = 1024; /* across units, shards */
+    fo.units = units, fo.n_units = tdm_model_units(m, units, 8);
+    tdm_ddp *d = !opt        ? NULL
+                 : c->stage3 ? tdm_fsdp_wrap(m, ctx->group, opt, &fo)
+                             : tdm_ddp_new(m, ctx->group, &fo.ddp);
+    if (!d) rc = tdm_last_status();
+    if (!rc && !c->stage3) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_GRADIENTS);
     if (!rc) rc = gpt_steps(c, d, m, opt, r);
     c->params[r] = malloc(sizeof(float) * (size_t)ps->total);
     if (!rc) rc = tdm_ddp_gather_params(d);
     if (!rc) rc = tdm_to_host(ps->flat, c->params[r], sizeof(float) * (size_t)ps->total);
     if (!rc) rc = tdm_ddp_release_params(d);
-    if (r == 0) c->total = ps->total, c->units = n;
+    if (r == 0) c->total = ps->total, c->units = fo.n_units;
     tdm_optim_free(opt);
     tdm_ddp_free(d);
     tdm_module_free(m);
@@ -770,11 +772,16 @@ static int zero3_err_rank(tdm_rank_ctx *ctx, void *arg) {
     zero3_err_case *c = arg;
     int r = ctx->rank;
     tdm_module *m = make_mlp(1, HID);
-    tdm_ddp *d = tdm_ddp_new(m, ctx->group, NULL);
     tdm_optim *opt = make_adam_zero(tdm_module_parameters(m), NULL);
     tdm_module *units[3][2] = {{m->children[0], m->children[0]}, {m}, {m->children[1]}};
-    int rc = c->c < 3 ? tdm_ddp_set_shard_units(d, units[c->c], c->c ? 1 : 2) : TDM_OK;
-    if (!rc) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_PARAMETERS);
+    tdm_fsdp_opts fo = tdm_fsdp_defaults();
+    fo.units = units[0], fo.n_units = 2;
+    /* case 0 through FSDP's constructor, which fails as the calls it makes do */
+    tdm_ddp *d = c->c ? tdm_ddp_new(m, ctx->group, NULL) : tdm_fsdp_wrap(m, ctx->group, opt, &fo);
+    int rc = !c->c      ? (d ? TDM_OK : tdm_last_status())
+             : c->c < 3 ? tdm_ddp_set_shard_units(d, units[c->c], 1)
+                        : TDM_OK;
+    if (!rc && c->c) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_PARAMETERS);
     if (c->c < 3) note(c, r, 0, rc, "no error");
     if (c->c == 3) {
         char path[200];

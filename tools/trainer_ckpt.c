@@ -3,17 +3,27 @@
  * that shape the run, the processes and devices that wrote it, the run's identity), --resume
  * from the newest after checking it is this run's (on any processes and devices: the data
  * position is global, and the global batch is an option of the run), and the same check
- * across the processes under mpirun. A sharded DDP run writes a sharded checkpoint, each
- * process its own shard file (save_shards). */
+ * across the processes under mpirun. A sharded run writes a sharded checkpoint, each device
+ * of each process its own shard file (save_shards). */
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "trainer_state.h"
 
-/* Under MPI, every process's v[0..n) into all[rank * n + i], exactly: the doubles travel as
- * pairs of 32-bit words. */
+/* The processes of the run and this one's rank: MPI's, or 1 and 0. */
+static int procs_of(const trainer *tr) {
+    return tr->g ? tdm_group_size(tr->g) : 1;
+}
+
+static int rank_of(const trainer *tr) {
+    return tr->g ? tdm_group_rank(tr->g) : 0;
+}
+
+/* Every process's v[0..n) into all[rank * n + i], exactly: the doubles travel as pairs of
+ * 32-bit words. Without MPI, the one process's. */
 static int gather_over_processes(trainer *tr, const double *v, int n, double *all) {
+    if (!tr->g) return memcpy(all, v, sizeof(double) * (size_t)n), 0;
     int procs = tdm_group_size(tr->g);
     int32_t mine[2 * TOTALS_CAP];
     if (n > TOTALS_CAP)
@@ -47,13 +57,12 @@ int trainer_sum_over_processes(trainer *tr, double *v, int n) {
  * the epoch's totals come out bit for bit as the uninterrupted run's (a sum of sums, rounded
  * at other places, did not). Without MPI, the one process's. */
 static int rank_totals(trainer *tr, const double *tot, char **out) {
-    int procs = tr->g ? tdm_group_size(tr->g) : 1;
+    int procs = procs_of(tr);
     double *all = malloc(sizeof(double) * 3 * (size_t)procs);
     size_t cap = 80 * (size_t)procs + 1, len = 0;
     char *s = malloc(cap);
     int rc = all && s ? 0 : task_error("checkpoint: out of memory");
-    if (!rc && tr->g) rc = gather_over_processes(tr, tot, 3, all);
-    if (!rc && !tr->g) memcpy(all, tot, sizeof(double) * 3);
+    if (!rc) rc = gather_over_processes(tr, tot, 3, all);
     for (int r = 0; !rc && r < procs; r++)
         len += (size_t)snprintf(s + len, cap - len, "%a %lld %lld;", all[3 * r],
                                 (long long)all[3 * r + 1], (long long)all[3 * r + 2]);
@@ -61,19 +70,6 @@ static int rank_totals(trainer *tr, const double *tot, char **out) {
     if (rc) free(s), s = NULL;
     *out = s;
     return rc;
-}
-
-/* The optimizer state a checkpoint saves: without MPI (GPUs of one process) a sharded one's
- * whole copy, gathered from every rank (a collective: every replica takes part), in *whole
- * (caller frees); else *whole is NULL and tr->opt is saved as it is (a sharded run under
- * mpirun writes shard files: save_shards). 0 or EXIT_RUNTIME. */
-static int whole_optimizer(trainer *tr, tdm_optim **whole) {
-    *whole = NULL;
-    if (!tr->sharded || tr->g) return 0;
-    *whole = tr->dp ? tdm_dp_optim_gather(tr->dp) : tdm_optim_gather(tr->opt);
-    return *whole ? 0
-                  : task_error("checkpoint: gathering the sharded optimizer state: %s",
-                               tdm_last_error());
 }
 
 /* The replicas of this process: DataParallel's devices, or 1 (each writes a shard file). */
@@ -85,7 +81,7 @@ static int local_replicas(const trainer *tr) {
  * (its error already reported); the others name the first process that failed and its first
  * file. Every process returns the same: 0, or EXIT_RUNTIME when any failed. */
 static int all_succeeded(trainer *tr, bool failed, const char *what, int64_t step) {
-    int procs = tdm_group_size(tr->g), first = -1, n = 0, l = local_replicas(tr);
+    int procs = procs_of(tr), first = -1, n = 0, l = local_replicas(tr);
     double mine = failed, *all = malloc(sizeof(double) * (size_t)procs);
     if (!all || gather_over_processes(tr, &mine, 1, all)) return free(all), EXIT_RUNTIME;
     for (int r = procs - 1; r >= 0; r--)
@@ -110,7 +106,7 @@ static tdm_train_state replica_state(const trainer *tr, const tdm_train_state *s
 /* Every rank's range of the flat buffers into ranges (2 per rank: process p's replica l is
  * rank p * replicas + l, the two-level group's order). */
 static int shard_ranges(trainer *tr, const tdm_train_state *s, int64_t *ranges) {
-    int procs = tdm_group_size(tr->g), l = local_replicas(tr), rc = TDM_OK;
+    int procs = procs_of(tr), l = local_replicas(tr), rc = TDM_OK;
     double *mine = malloc(sizeof(double) * 2 * (size_t)l);
     double *all = malloc(sizeof(double) * 2 * (size_t)(procs * l));
     if (!mine || !all) rc = TDM_ERR_NOMEM;
@@ -128,7 +124,7 @@ static int shard_ranges(trainer *tr, const tdm_train_state *s, int64_t *ranges) 
 /* This process's shard files: one per replica. */
 static bool write_shards(trainer *tr, const tdm_train_state *s) {
     const char *dir = tr->o->checkpoint_dir;
-    int rank = tdm_group_rank(tr->g), l = local_replicas(tr), world = tdm_group_size(tr->g) * l;
+    int rank = rank_of(tr), l = local_replicas(tr), world = procs_of(tr) * l;
     const char *fail = getenv("TANDEM_TEST_FAIL_SHARD_RANK"); /* tests: one process fails */
     if (fail && atoi(fail) == rank) {
         task_error("checkpoint: injected failure writing this rank's shard");
@@ -144,13 +140,12 @@ static bool write_shards(trainer *tr, const tdm_train_state *s) {
     return false;
 }
 
-/* A sharded run's save under mpirun: each process writes the shard file of each of its
- * replicas; when all did, rank 0 the layout and training state, and renames the directory
- * into place. No process gathers the state. Every process takes part (collectives between
- * the steps). */
+/* A sharded run's save: each process writes the shard file of each of its replicas; when all
+ * did, rank 0 the layout and training state, and renames the directory into place. Nothing
+ * is gathered. Under mpirun every process takes part (collectives between the steps). */
 static int save_shards(trainer *tr, const tdm_train_state *s) {
     const char *dir = tr->o->checkpoint_dir;
-    int rank = tdm_group_rank(tr->g), world = tdm_group_size(tr->g) * local_replicas(tr);
+    int rank = rank_of(tr), world = procs_of(tr) * local_replicas(tr);
     int64_t *ranges = malloc(sizeof(int64_t) * 2 * (size_t)world);
     if (!ranges || shard_ranges(tr, s, ranges)) return free(ranges), EXIT_RUNTIME;
     bool failed = rank == 0 && tdm_checkpoint_shard_begin(dir, s) != TDM_OK;
@@ -170,28 +165,25 @@ static int save_shards(trainer *tr, const tdm_train_state *s) {
 
 /* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
  * the epoch's running totals (summed over the processes) so that a resumed epoch reports the
- * same loss and accuracy, and the task's own files of the model. A sharded run under mpirun
- * writes a sharded checkpoint (every replica its shard); a sharded one without MPI (GPUs)
- * gathers the state first, so the file is the one an unsharded run writes. */
+ * same loss and accuracy, and the task's own files of the model. A sharded run writes a
+ * sharded checkpoint (every replica its shard). */
 static int save_checkpoint(trainer *tr) {
     const train_opts *o = tr->o;
     double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
     char *ranks = NULL;
-    tdm_optim *whole = NULL;
     if (rank_totals(tr, tot, &ranks)) return EXIT_RUNTIME;
-    if ((tr->g && trainer_sum_over_processes(tr, tot, 3)) || whole_optimizer(tr, &whole))
-        return free(ranks), EXIT_RUNTIME;
+    if (tr->g && trainer_sum_over_processes(tr, tot, 3)) return free(ranks), EXIT_RUNTIME;
     tr->last_saved = tr->global_step;
-    bool shards = tr->sharded && tr->g;
+    bool shards = tr->sharded;
     if (tr->silent && !shards) /* rank 0 writes; every rank loads */
-        return free(ranks), tdm_optim_free(whole), 0;
+        return free(ranks), 0;
     char loss[64], correct[32], samples[32];
     snprintf(loss, sizeof loss, "%a", tot[0]);
     snprintf(correct, sizeof correct, "%lld", (long long)tot[1]);
     snprintf(samples, sizeof samples, "%lld", (long long)tot[2]);
     char id[ID_CAP], layout[32];
     if (train_identity(o, id, sizeof id))
-        return free(ranks), tdm_optim_free(whole), task_error("checkpoint: options too long");
+        return free(ranks), task_error("checkpoint: options too long");
     snprintf(layout, sizeof layout, "%dx%d", tr->g ? tdm_group_size(tr->g) : 1, o->n_devs);
     tdm_meta meta[7] = {{"epoch_loss_sum", loss},
                         {"epoch_correct", correct},
@@ -201,7 +193,7 @@ static int save_checkpoint(trainer *tr) {
                         {"run.layout", layout},
                         {"class_to_idx", tr->task->class_to_idx}};
     tdm_train_state s = {.model = tr->task->model,
-                         .optim = whole ? whole : tr->opt,
+                         .optim = tr->opt,
                          .loader = tr->train_l,
                          .rng = tdm_default_rng(),
                          .step = tr->global_step,
@@ -211,7 +203,6 @@ static int save_checkpoint(trainer *tr) {
     int rc =
         shards ? save_shards(tr, &s) : tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);
     free(ranks);
-    tdm_optim_free(whole);
     if (shards && rc) return rc; /* reported */
     if (rc != TDM_OK) return task_error("checkpoint: %s", tdm_last_error());
     return trainer_save_task(tr, o->checkpoint_dir);
@@ -229,16 +220,10 @@ static int params_whole(trainer *tr, bool whole) {
               : 0;
 }
 
-/* A DataParallel run that writes one file of the whole model (GPUs without MPI): under
- * --shard parameters every replica's units are gathered for it first. */
 int trainer_save_checkpoint(trainer *tr) {
     const train_opts *o = tr->o;
     if (!o->checkpoint_dir || tr->last_saved == tr->global_step) return 0;
-    bool gather = tr->dp && !(tr->sharded && tr->g);
-    int rc = gather ? params_whole(tr, true) : 0;
-    if (!rc) rc = save_checkpoint(tr);
-    int rc2 = gather ? params_whole(tr, false) : 0;
-    return rc ? rc : rc2;
+    return save_checkpoint(tr);
 }
 
 int trainer_save_task(trainer *tr, const char *dir) {

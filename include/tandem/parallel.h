@@ -253,6 +253,40 @@ int tdm_ddp_clip_grad_norm(tdm_ddp *d, float max_norm, float *total_norm);
 tdm_tensor *tdm_ddp_shard_grad(const tdm_ddp *d, int64_t *lo);
 void tdm_ddp_free(tdm_ddp *d);
 
+/* ---- FullyShardedDataParallel: the calls above in PyTorch FSDP's words -------------------- */
+
+/* PyTorch's FullyShardedDataParallel(module, process_group, sharding_strategy,
+ * auto_wrap_policy) is a DDP whose parameters, gradients and optimizer state are sharded:
+ *
+ *   tdm_optim *opt = tdm_adam_new(tdm_module_parameters(model), &adamw);  // before wrapping
+ *   tdm_module *blocks[64];
+ *   tdm_fsdp_opts fo = tdm_fsdp_defaults();
+ *   fo.units = blocks, fo.n_units = tdm_model_units(model, blocks, 64);   // auto_wrap_policy
+ *   tdm_ddp *fsdp = tdm_fsdp_wrap(model, group, opt, &fo);
+ *   ... tdm_ddp_forward, tdm_ddp_backward, tdm_ddp_clip_grad_norm, tdm_optim_step as with DDP;
+ *   tdm_ddp_gather_params / tdm_ddp_release_params around a save (summon_full_params).
+ *
+ * Unlike PyTorch, the optimizer comes first, over the whole model's parameters: wrapping
+ * shards its state in place (there is no separate flat-parameter module to build it over). */
+typedef struct {
+    tdm_shard_kind sharding_strategy; /* TDM_SHARD_PARAMETERS (FULL_SHARD, the default),
+                                       * TDM_SHARD_GRADIENTS (SHARD_GRAD_OP), TDM_SHARD_OPTIMIZER
+                                       * or TDM_SHARD_NONE (NO_SHARD) */
+    tdm_module *const *units;         /* auto_wrap_policy's modules, in forward order (copied);
+                                       * NULL: the model's children that hold parameters */
+    int n_units;
+    tdm_ddp_opts ddp; /* buckets (bucket_cap_mb), buffers, unused parameters */
+} tdm_fsdp_opts;
+
+tdm_fsdp_opts tdm_fsdp_defaults(void);
+/* tdm_ddp_new(model, g, &o->ddp), then tdm_ddp_set_shard_units and tdm_ddp_set_shard(opt,
+ * o->sharding_strategy): collectives, called by every rank with its replica and an optimizer
+ * over tdm_module_parameters(model). o NULL: the defaults. Returns the wrapper, owned by the
+ * caller (tdm_ddp_free; opt and model stay the caller's), or NULL and the error of the step
+ * that failed (the same on every rank: each step either fails everywhere or aborts the
+ * group). */
+tdm_ddp *tdm_fsdp_wrap(tdm_module *model, tdm_group *g, tdm_optim *opt, const tdm_fsdp_opts *o);
+
 /* ---- ZeRO stage 1: the optimizer's state sharded over a group ----------------------------- */
 
 /* PyTorch's ZeroRedundancyOptimizer (DeepSpeed's ZeRO stage 1). With DDP each rank keeps the

@@ -601,6 +601,23 @@ int tdm_ddp_set_shard_units(tdm_ddp *d, tdm_module *const *units, int n) {
     return TDM_OK;
 }
 
+tdm_fsdp_opts tdm_fsdp_defaults(void) {
+    return (tdm_fsdp_opts){.sharding_strategy = TDM_SHARD_PARAMETERS, .ddp = tdm_ddp_defaults()};
+}
+
+tdm_ddp *tdm_fsdp_wrap(tdm_module *model, tdm_group *g, tdm_optim *opt, const tdm_fsdp_opts *o) {
+    tdm_fsdp_opts def = tdm_fsdp_defaults();
+    if (!o) o = &def;
+    tdm_ddp *d = tdm_ddp_new(model, g, &o->ddp);
+    int rc = d ? TDM_OK : tdm_last_status();
+    if (!rc && o->units && (rc = tdm_ddp_set_shard_units(d, o->units, o->n_units)))
+        tdm_group_abort(g, tdm_last_error()); /* local: the others would wait in set_shard */
+    if (!rc) rc = tdm_ddp_set_shard(d, opt, o->sharding_strategy);
+    if (!rc) return d;
+    tdm_ddp_free(d);
+    return NULL;
+}
+
 int tdm_ddp_gather_params(tdm_ddp *d) {
     if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_gather_params: NULL ddp");
     return d->fsdp ? tdm_fsdp_summon(d->fsdp) : TDM_OK;

@@ -771,6 +771,21 @@ static void test_sharded(void) {
               "export of the sharded checkpoint: %s is not the whole one's (%s)", name,
               tdm_last_error());
     }
+    /* a range of the parameters read back from the shards; misuses named */
+    tdm_paramset *ps = tdm_module_parameters(a.m);
+    float got[8], *want = tdm_data_ptr(ps->flat);
+    CHECK(tdm_checkpoint_read_params(ck, ps, 3, 11, got) == TDM_OK &&
+              memcmp(got, want + 3, sizeof got) == 0,
+          "read_params [3, 11): %s", tdm_last_error());
+    CHECK_ERROR(tdm_checkpoint_read_params(ck, ps, 5, ps->total + 1, got) != TDM_OK,
+                "checkpoint_read_params: NULL argument or range [5,");
+    tdm_rng rng = tdm_rng_make(1);
+    tdm_gpt_config cfg = {.layers = 1, .heads = 1, .channels = 4, .context = 4, .vocab = 8};
+    tdm_module *gpt = tdm_gpt_new(&cfg, tdm_cpu(0), &rng);
+    snprintf(out, sizeof out, "%s/other.bin", tmpdir);
+    CHECK_ERROR(tdm_gpt_save_llmc_from(out, gpt, ck) != TDM_OK, "does not match the model");
+    CHECK(access(out, F_OK) != 0, "a failed llm.c save left %s", out);
+    tdm_module_free(gpt);
     run_steps(&a, 5);
     tdm_manual_seed(7);
     run_state b = run_new(true, 0);

@@ -736,8 +736,13 @@ static void test_mpi_run(const char *mpirun) {
     result_free(&two);
     result_free(&four);
     /* a GPT on text (bytes as tokens): the printed loss is the global batch's, the same in
-     * 1 process and in 2 processes of 2 devices */
-    char text[300];
+     * 1 process and in 2 processes of 2 devices; these shard the parameters (ZeRO stage 3),
+     * and rank 0's model.bin beside the checkpoint, read from the 4 shard files, is the --save
+     * file written from the model gathered at the end */
+    char text[300], ckdir[300], bin[340], saved[300];
+    snprintf(ckdir, sizeof ckdir, "%s/gpt-zero3", tmpdir);
+    snprintf(bin, sizeof bin, "%s/model.bin", ckdir);
+    snprintf(saved, sizeof saved, "%s/gpt-zero3.bin", tmpdir);
     snprintf(text, sizeof text, "%s/text.txt", tmpdir);
     FILE *f = fopen(text, "w");
     for (int i = 0; f && i < 200; i++) fprintf(f, "line %d of a small text to learn from\n", i);
@@ -750,19 +755,38 @@ static void test_mpi_run(const char *mpirun) {
         run((const char *const[]){tandem_path, gpt[0],  gpt[1],  gpt[2],  gpt[3],  gpt[4],  gpt[5],
                                   gpt[6],      gpt[7],  gpt[8],  gpt[9],  gpt[10], gpt[11], gpt[12],
                                   gpt[13],     gpt[14], gpt[15], gpt[16], gpt[17], gpt[18], NULL});
-    result g2 = run((const char *const[]){mpirun,      "--oversubscribe",
-                                          "-np",       "2",
-                                          tandem_path, gpt[0],
-                                          gpt[1],      gpt[2],
-                                          gpt[3],      gpt[4],
-                                          gpt[5],      gpt[6],
-                                          gpt[7],      gpt[8],
-                                          gpt[9],      gpt[10],
-                                          gpt[11],     gpt[12],
-                                          gpt[13],     gpt[14],
-                                          gpt[15],     gpt[16],
-                                          gpt[17],     gpt[18],
-                                          "--devices", "2",
+    result g2 = run((const char *const[]){mpirun,
+                                          "--oversubscribe",
+                                          "-np",
+                                          "2",
+                                          tandem_path,
+                                          gpt[0],
+                                          gpt[1],
+                                          gpt[2],
+                                          gpt[3],
+                                          gpt[4],
+                                          gpt[5],
+                                          gpt[6],
+                                          gpt[7],
+                                          gpt[8],
+                                          gpt[9],
+                                          gpt[10],
+                                          gpt[11],
+                                          gpt[12],
+                                          gpt[13],
+                                          gpt[14],
+                                          gpt[15],
+                                          gpt[16],
+                                          gpt[17],
+                                          gpt[18],
+                                          "--devices",
+                                          "2",
+                                          "--shard",
+                                          "parameters",
+                                          "--save",
+                                          saved,
+                                          "--checkpoint-dir",
+                                          ckdir,
                                           NULL});
     const char *p1 = strstr(g1.out, "step 6/6  loss "), *p2 = strstr(g2.out, "step 6/6  loss ");
     double a = p1 ? strtod(p1 + 15, NULL) : NAN, b = p2 ? strtod(p2 + 15, NULL) : NAN;
@@ -770,6 +794,12 @@ static void test_mpi_run(const char *mpirun) {
           "gpt loss after 6 steps: 1 process %.4f, 2 processes x 2 devices %.4f (exit %d, %d: "
           "%s)",
           a, b, g1.status, g2.status, g2.err);
+    size_t nb = 0, ns = 0;
+    char *fb = slurp_file(bin, &nb), *fs = slurp_file(saved, &ns);
+    CHECK(fb && fs && nb == ns && nb > 1024 && memcmp(fb, fs, nb) == 0,
+          "stage 3 under mpirun: %s (from the shards) and %s (gathered) differ or are missing", bin,
+          saved);
+    free(fb), free(fs);
     result_free(&g1);
     result_free(&g2);
     result bad = run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path,

@@ -298,6 +298,22 @@ static void test_recompute(void) {
         CHECK(same_file(path[2 * d], path[2 * d + 1]),
               "--devices %s: %s and %s (--recompute) differ", devices[d], path[2 * d],
               path[2 * d + 1]);
+    /* --shard parameters on the 2 devices: model.bin beside the last (sharded) checkpoint,
+     * written from its shard files, and --save, from the model gathered, are the unsharded
+     * run's bytes */
+    char dir[300], saved[300], bin[340], shard[400];
+    snprintf(dir, sizeof dir, "%s/zero3", tmpdir);
+    snprintf(saved, sizeof saved, "%s/zero3.bin", tmpdir);
+    snprintf(bin, sizeof bin, "%s/model.bin", dir);
+    snprintf(shard, sizeof shard, "%s/ckpt-0000000005/shard-00001-of-00002.safetensors", dir);
+    result *r = TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "2",
+                       "--channels", "16", "--context", "8", "--batch-size", "4", "--max-steps",
+                       "5", "--workers", "0", "--quiet", "--devices", "2", "--save", saved,
+                       "--shard", "parameters", "--checkpoint-dir", dir);
+    CHECK(r->status == 0 && access(shard, R_OK) == 0 && same_file(bin, path[2]) &&
+              same_file(saved, path[2]),
+          "--shard parameters: exit %d, no %s, or %s or %s differs from %s: %s", r->status, shard,
+          bin, saved, path[2], r->err);
 }
 
 static void test_errors(void) {

@@ -39,9 +39,11 @@ struct task {
     /* The optimizer over ps for the options o (a tdm_optim_factory: one per replica). */
     tdm_optim *(*optimizer)(tdm_paramset *ps, void *o);
     /* Writes the task's own files of the model (may be NULL): at each checkpoint into
-     * checkpoint_dir, and at the end (checkpoint_dir NULL) to --save. Returns 0 or
-     * EXIT_RUNTIME after printing the error. */
-    int (*save)(const task *t, const train_opts *o, const char *checkpoint_dir);
+     * checkpoint_dir, and at the end (checkpoint_dir NULL) to --save. With ckpt (a sharded
+     * checkpoint just written) the parameters are read from it, the model's being sharded
+     * (ZeRO stage 3); else from the model. Returns 0 or EXIT_RUNTIME after printing the
+     * error. */
+    int (*save)(const task *t, const train_opts *o, const char *checkpoint_dir, const char *ckpt);
     char model_desc[192];     /* "mlp", "gpt: 2 layers, 4 heads, ..." */
     char data_desc[320];      /* "60000 train, 10000 test samples" */
     char plot_title[96];      /* "mlp on fashion-mnist" */

@@ -79,7 +79,8 @@ static tdm_optim *gpt_optimizer(tdm_paramset *ps, void *arg) {
 }
 
 /* DIR/model.bin beside a checkpoint (for tandem sample), or --save at the end. */
-static int save_llmc(const task *t, const train_opts *o, const char *checkpoint_dir) {
+static int save_llmc(const task *t, const train_opts *o, const char *checkpoint_dir,
+                     const char *ckpt) {
     char path[4200];
     if (checkpoint_dir)
         snprintf(path, sizeof path, "%s/model.bin", checkpoint_dir);
@@ -87,7 +88,7 @@ static int save_llmc(const task *t, const train_opts *o, const char *checkpoint_
         snprintf(path, sizeof path, "%s", o->save_path);
     else
         return 0;
-    if (tdm_gpt_save_llmc(path, t->model))
+    if (ckpt ? tdm_gpt_save_llmc_from(path, t->model, ckpt) : tdm_gpt_save_llmc(path, t->model))
         return task_error("%s: %s", checkpoint_dir ? "checkpoint" : "--save", tdm_last_error());
     if (!checkpoint_dir && !o->quiet) printf("saved     %s (llm.c model file)\n", path);
     return 0;

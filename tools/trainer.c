@@ -819,7 +819,7 @@ static int run(trainer *tr) {
     write_config(tr);
     double t0 = progress_now();
     if ((rc = run_epochs(tr)) || (rc = trainer_save_checkpoint(tr))) return rc; /* the final one */
-    if ((rc = trainer_save_task(tr, NULL))) return rc;
+    if ((rc = trainer_save_task(tr, NULL, NULL))) return rc;
     progress_clear(&tr->prog);
     if (tr->stop_signal) { /* said even with --quiet: the run did not finish */
         if (!tr->silent)

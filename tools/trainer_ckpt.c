@@ -163,6 +163,12 @@ static int save_shards(trainer *tr, const tdm_train_state *s) {
     return rc;
 }
 
+/* Whether the parameters are sharded (--shard parameters): the replicas hold their shards. */
+static bool params_sharded(const trainer *tr) {
+    return (tr->dp && tdm_dp_shard(tr->dp) == TDM_SHARD_PARAMETERS) ||
+           (tr->ddp && tdm_ddp_shard(tr->ddp) == TDM_SHARD_PARAMETERS);
+}
+
 /* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
  * the epoch's running totals (summed over the processes) so that a resumed epoch reports the
  * same loss and accuracy, and the task's own files of the model. A sharded run writes a
@@ -205,16 +211,25 @@ static int save_checkpoint(trainer *tr) {
     free(ranks);
     if (shards && rc) return rc; /* reported */
     if (rc != TDM_OK) return task_error("checkpoint: %s", tdm_last_error());
-    return trainer_save_task(tr, o->checkpoint_dir);
+    /* under --shard parameters rank 0 reads the task's files from the shards just written,
+     * with no collective (every process decides alike) */
+    if (!params_sharded(tr)) return trainer_save_task(tr, o->checkpoint_dir, NULL);
+    if (tr->silent || !tr->task->save) return 0;
+    char ckpt[4300];
+    int64_t step = -1;
+    if (tdm_checkpoint_latest(o->checkpoint_dir, ckpt, sizeof ckpt, &step) <= 0 ||
+        step != tr->global_step)
+        return task_error("checkpoint: step %lld's is not the newest in %s",
+                          (long long)tr->global_step, o->checkpoint_dir);
+    return trainer_save_task(tr, o->checkpoint_dir, ckpt);
 }
 
 /* Under --shard parameters, every parameter whole (whole) or sharded again: collectives. */
 static int params_whole(trainer *tr, bool whole) {
     bool dp = tr->dp && tdm_dp_shard(tr->dp) == TDM_SHARD_PARAMETERS;
-    bool ddp = tr->ddp && tdm_ddp_shard(tr->ddp) == TDM_SHARD_PARAMETERS;
-    int rc = !dp && !ddp ? TDM_OK
-             : whole     ? (dp ? tdm_dp_gather_params(tr->dp) : tdm_ddp_gather_params(tr->ddp))
-                         : (dp ? tdm_dp_release_params(tr->dp) : tdm_ddp_release_params(tr->ddp));
+    int rc = !params_sharded(tr) ? TDM_OK
+             : whole ? (dp ? tdm_dp_gather_params(tr->dp) : tdm_ddp_gather_params(tr->ddp))
+                     : (dp ? tdm_dp_release_params(tr->dp) : tdm_ddp_release_params(tr->ddp));
     return rc ? task_error("%s the sharded parameters: %s", whole ? "gathering" : "resharding",
                            tdm_last_error())
               : 0;
@@ -226,11 +241,12 @@ int trainer_save_checkpoint(trainer *tr) {
     return save_checkpoint(tr);
 }
 
-int trainer_save_task(trainer *tr, const char *dir) {
+int trainer_save_task(trainer *tr, const char *dir, const char *ckpt) {
     if (!tr->task->save) return 0;
+    if (ckpt) return tr->silent ? 0 : tr->task->save(tr->task, tr->o, dir, ckpt);
     int rc = params_whole(tr, true);
     if (rc) return rc;
-    rc = tr->silent ? 0 : tr->task->save(tr->task, tr->o, dir);
+    rc = tr->silent ? 0 : tr->task->save(tr->task, tr->o, dir, NULL);
     int rc2 = params_whole(tr, false);
     return rc ? rc : rc2;
 }

@@ -71,9 +71,10 @@ int trainer_sum_over_processes(trainer *tr, double *v, int n);
  * the task's files of the model. 0 or EXIT_RUNTIME. */
 int trainer_save_checkpoint(trainer *tr);
 /* The task's own files of the model (tr->task->save into dir, NULL: the run's --save), on rank
- * 0; under --shard parameters every process first helps gather the whole model (a
- * collective). 0 or the exit status of the failure, reported. */
-int trainer_save_task(trainer *tr, const char *dir);
+ * 0: from sharded checkpoint ckpt when given (the parameters read from its shard files, so
+ * nobody gathers them), else from the model, which under --shard parameters every process
+ * first helps gather whole (a collective). 0 or the exit status of the failure, reported. */
+int trainer_save_task(trainer *tr, const char *dir, const char *ckpt);
 /* --checkpoint-dir becomes this run's: rank 0 checks it can be written, takes its lock (held
  * until the trainer ends) and refuses a fresh run into a directory holding checkpoints, or
  * with --overwrite deletes them; under mpirun every process stops when rank 0 does. 0,

@@ -79,9 +79,19 @@ int64_t tdm_gpt_llmc_numel(const tdm_gpt_config *cfg);
 int tdm_gpt_export_llmc(tdm_module *m, bool grads, float *out, int64_t n);
 /* Sets m's parameters from in, n floats in llm.c's order (n checked as above). */
 int tdm_gpt_import_llmc(tdm_module *m, const float *in, int64_t n);
+/* m's parameter tensors in llm.c's order (wte, wpe, each kind over the layers, lnf): writes at
+ * most cap into out (may be NULL) and returns how many there are, or a negative status when m
+ * is not a GPT. */
+int tdm_gpt_llmc_tensors(tdm_module *m, tdm_tensor **out, int cap);
 /* Writes m as an llm.c fp32 checkpoint (version 3), atomically (see io.h). TDM_ERR_ARG when m
  * is not a GPT, TDM_ERR_IO naming path when it cannot be written. */
 int tdm_gpt_save_llmc(const char *path, tdm_module *m);
+/* tdm_gpt_save_llmc with the parameters read from sharded checkpoint directory ckpt, which
+ * holds m's parameters (tdm_checkpoint_read_params), one tensor at a time: for a model whose
+ * parameters are sharded over ranks (ZeRO stage 3), written without gathering it. Needs
+ * memory for m's largest parameter only. Errors as tdm_gpt_save_llmc's, and
+ * tdm_checkpoint_read_params's naming the checkpoint. */
+int tdm_gpt_save_llmc_from(const char *path, tdm_module *m, const char *ckpt);
 /* Reads an llm.c fp32 checkpoint into a new GPT on dev (the caller frees it). Everything is
  * checked before the parameters are allocated: TDM_ERR_IO when path cannot be read;
  * TDM_ERR_FORMAT naming path and the cause for a wrong magic, an unsupported version (5 is

@@ -206,6 +206,14 @@ int tdm_checkpoint_shard_finish(const char *dir, const tdm_train_state *s, const
 void tdm_checkpoint_shard_abort(const char *dir, int64_t step);
 /* Whether checkpoint directory path is a sharded one (holds layout.safetensors). */
 bool tdm_checkpoint_is_sharded(const char *path);
+/* Elements [lo, hi) of the flat parameter buffer saved in sharded checkpoint ckpt, read into
+ * dst (f32 [hi - lo] in host memory) from the pieces of the shard files that cover them,
+ * after checking the checkpoint's parameters (names, offsets, shapes) against ps: for writers
+ * of other formats that stream a sharded model piece by piece instead of holding it whole
+ * (tdm_gpt_save_llmc_from). TDM_ERR_ARG for a range outside [0, ps->total); TDM_ERR_FORMAT /
+ * TDM_ERR_IO naming the file and the cause. */
+int tdm_checkpoint_read_params(const char *ckpt, const tdm_paramset *ps, int64_t lo, int64_t hi,
+                               float *dst);
 /* Writes checkpoint directory ckpt (sharded or not) whole: model_path (may be NULL) as
  * model.safetensors is written (PyTorch's names; load_state_dict takes it), and state_path
  * (may be NULL) as an unsharded run's train_state.safetensors, with the moments. The whole

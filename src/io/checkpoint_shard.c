@@ -359,6 +359,20 @@ static int layout_read_range(layout *l, const char *name, int64_t lo, int64_t hi
     return TDM_OK;
 }
 
+int tdm_checkpoint_read_params(const char *ckpt, const tdm_paramset *ps, int64_t lo, int64_t hi,
+                               float *dst) {
+    if (!ckpt || !ps || !dst || lo < 0 || lo > hi || hi > ps->total)
+        return tdm_raise(TDM_ERR_ARG, "checkpoint_read_params: NULL argument or range [%lld, %lld)",
+                         (long long)lo, (long long)hi);
+    layout l;
+    int rc = layout_read(ckpt, &l);
+    if (rc) return rc;
+    rc = layout_check(&l, ps, NULL);
+    if (!rc) rc = layout_read_range(&l, "params", lo, hi, dst);
+    layout_free(&l);
+    return rc;
+}
+
 /* ---- loading ------------------------------------------------------------------------------ */
 
 bool tdm_checkpoint_is_sharded(const char *path) {

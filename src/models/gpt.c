@@ -345,6 +345,16 @@ static int llmc_walk(tdm_module *m, float *buf, int64_t n, bool grads, bool impo
     return TDM_OK;
 }
 
+int tdm_gpt_llmc_tensors(tdm_module *m, tdm_tensor **out, int cap) {
+    const tdm_gpt_config *c = tdm_gpt_config_of(m);
+    if (!c) return tdm_raise(TDM_ERR_ARG, "gpt_llmc_tensors: not a GPT module");
+    int n = 0;
+    for (int kind = 0; kind < LLMC_KINDS; kind++)
+        for (int l = 0; l < (per_layer(kind) ? c->layers : 1); l++, n++)
+            if (out && n < cap) out[n] = llmc_tensor(m, kind, l);
+    return n;
+}
+
 int tdm_gpt_export_llmc(tdm_module *m, bool grads, float *out, int64_t n) {
     return llmc_walk(m, out, n, grads, false);
 }

@@ -44,6 +44,20 @@ static int write_all(int fd, const void *buf, size_t n, const char *path) {
     return TDM_OK;
 }
 
+/* The temporary file of path with c's header written, or -1 (raised); tmp its name. */
+static int open_with_header(const char *path, const tdm_gpt_config *c, char *tmp, size_t cap) {
+    uint8_t header[HEADER_BYTES] = {0};
+    int32_t fields[8] = {LLMC_MAGIC, LLMC_VERSION_FP32, c->context,  c->vocab,
+                         c->layers,  c->heads,          c->channels, c->padded_vocab};
+    for (int i = 0; i < 8; i++) put_le32(header + 4 * i, fields[i]);
+    int fd = tdm_io_temp_open(path, tmp, cap);
+    if (fd >= 0 && write_all(fd, header, sizeof header, path)) {
+        tdm_io_temp_commit(fd, tmp, path, TDM_ERR_IO); /* removes it; the write's error stays */
+        return -1;
+    }
+    return fd;
+}
+
 int tdm_gpt_save_llmc(const char *path, tdm_module *m) {
     const tdm_gpt_config *c = tdm_gpt_config_of(m);
     if (!path) return tdm_raise(TDM_ERR_ARG, "gpt_save_llmc: path is NULL");
@@ -52,24 +66,52 @@ int tdm_gpt_save_llmc(const char *path, tdm_module *m) {
     float *params = malloc(sizeof(float) * (size_t)n);
     if (!params) return tdm_raise(TDM_ERR_NOMEM, "gpt_save_llmc: %s: out of memory", path);
     int rc = tdm_gpt_export_llmc(m, false, params, n);
-    if (rc) {
-        free(params);
-        return rc;
-    }
-    uint8_t header[HEADER_BYTES] = {0};
-    int32_t fields[8] = {LLMC_MAGIC, LLMC_VERSION_FP32, c->context,  c->vocab,
-                         c->layers,  c->heads,          c->channels, c->padded_vocab};
-    for (int i = 0; i < 8; i++) put_le32(header + 4 * i, fields[i]);
     char tmp[4200];
-    int fd = tdm_io_temp_open(path, tmp, sizeof tmp);
+    int fd = rc ? -1 : open_with_header(path, c, tmp, sizeof tmp);
     if (fd < 0) {
         free(params);
-        return tdm_last_status();
+        return rc ? rc : tdm_last_status();
     }
-    rc = write_all(fd, header, sizeof header, path);
-    if (!rc) rc = write_all(fd, params, sizeof(float) * (size_t)n, path);
+    rc = write_all(fd, params, sizeof(float) * (size_t)n, path);
     free(params);
     return tdm_io_temp_commit(fd, tmp, path, rc);
+}
+
+/* The index of parameter t in ps, or -1. */
+static int param_index(const tdm_paramset *ps, const tdm_tensor *t) {
+    for (int i = 0; i < ps->n; i++)
+        if (ps->params[i] == t) return i;
+    return -1;
+}
+
+int tdm_gpt_save_llmc_from(const char *path, tdm_module *m, const char *ckpt) {
+    const tdm_gpt_config *c = tdm_gpt_config_of(m);
+    if (!path || !ckpt) return tdm_raise(TDM_ERR_ARG, "gpt_save_llmc: path or ckpt is NULL");
+    if (!c) return tdm_raise(TDM_ERR_ARG, "gpt_save_llmc: %s: the module is not a GPT", path);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    int n = tdm_gpt_llmc_tensors(m, NULL, 0);
+    tdm_tensor **ts = ps && n > 0 ? malloc(sizeof *ts * (size_t)n) : NULL;
+    if (!ts)
+        return ps ? tdm_raise(TDM_ERR_NOMEM, "gpt_save_llmc: out of memory") : tdm_last_status();
+    tdm_gpt_llmc_tensors(m, ts, n);
+    int64_t largest = 0;
+    for (int k = 0; k < n; k++) largest = tdm_numel(ts[k]) > largest ? tdm_numel(ts[k]) : largest;
+    float *buf = malloc(sizeof(float) * (size_t)largest);
+    char tmp[4200];
+    int fd = buf ? open_with_header(path, c, tmp, sizeof tmp) : -1;
+    int rc = !buf     ? tdm_raise(TDM_ERR_NOMEM, "gpt_save_llmc: out of memory")
+             : fd < 0 ? tdm_last_status()
+                      : TDM_OK;
+    for (int k = 0; !rc && k < n; k++) { /* in llm.c's order: the file is written front to back */
+        int i = param_index(ps, ts[k]);
+        int64_t at = i < 0 ? 0 : ps->offsets[i], len = tdm_numel(ts[k]);
+        rc = i < 0 ? tdm_raise(TDM_ERR_STATE, "gpt_save_llmc: a tensor is not a parameter")
+                   : tdm_checkpoint_read_params(ckpt, ps, at, at + len, buf);
+        if (!rc) rc = write_all(fd, buf, sizeof(float) * (size_t)len, path);
+    }
+    free(buf);
+    free(ts);
+    return fd < 0 ? rc : tdm_io_temp_commit(fd, tmp, path, rc);
 }
 
 /* The header's config, checked field by field (byte offsets name the culprit). */

@@ -913,11 +913,19 @@ static void test_data_parallel(void) {
                 for (int s = 0; s < STEPS; s++)
                     for (int a = 0; a < acc; a++) {
                         if (stage3 && s == 1 && a == 0) {
-                            /* only replica 0's optimizer steps until now: the others' learning
-                             * rates are taken from it */
-                            for (int r = 1; r < n; r++) tdm_optim_set_lr(tdm_dp_optim(dp, r), 0);
+                            /* replica 0's optimizer is the only one until then: the others
+                             * take its state and learning rate (set apart for a moment) */
+                            tdm_optim *o0 = tdm_dp_optim(dp, 0);
+                            float lr = tdm_optim_lr(o0);
+                            CHECK(!tdm_dp_optim(dp, 1), "replica 1 has an optimizer of its own");
+                            tdm_optim_set_lr(o0, 0.77f);
                             CHECK(tdm_dp_set_shard(dp, TDM_SHARD_PARAMETERS) == 0,
                                   "dp stage 3 on %d devices: %s", n, tdm_last_error());
+                            for (int r = 0; r < n; r++) {
+                                tdm_optim *o = tdm_dp_optim(dp, r);
+                                CHECK(o && tdm_optim_lr(o) == 0.77f, "replica %d's optimizer", r);
+                                tdm_optim_set_lr(o, lr);
+                            }
                         }
                         batch_of(s * 10 + a, x, y);
                         tdm_scope_begin();

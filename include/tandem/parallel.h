@@ -461,9 +461,10 @@ int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm);
 /* Replica r's module and optimizer (0 <= r < devices). When every device is a CPU device of
  * this process, replicas share memory and split the update instead: each averages the
  * gradients of its shard of the parameters and steps replica 0's optimizer there, then copies
- * the shard to the others (bit for bit the all-reduce's result). Replica 0's optimizer then
- * holds the whole state (save and restore that one); the others are not stepped (until
- * ZeRO stage 3, see tdm_dp_set_shard). Otherwise every replica's optimizer holds the whole
+ * the shard to the others (bit for bit the all-reduce's result). Replica 0's optimizer is
+ * then the only one and holds the whole state, once (save and restore that one):
+ * tdm_dp_optim is NULL for the others (until ZeRO stage 3 gives each its own, see
+ * tdm_dp_set_shard). Otherwise every replica's optimizer holds the whole
  * state, or, after tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER), its shard of it
  * (tdm_dp_optim_gather assembles the whole). */
 tdm_module *tdm_dp_replica(tdm_dp *dp, int r);

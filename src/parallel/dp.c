@@ -118,8 +118,10 @@ static int replica_init(replica *r) {
     if (!g) return tdm_last_status();
     if (r->rank > 0) tdm_pin_rank_thread(r->rank, dp->n);
     tdm_paramset *ps = r->ps = tdm_module_parameters(r->replica);
-    r->opt = ps ? dp->make_optim(ps, dp->optim_arg) : NULL;
-    if (!r->opt) {
+    /* sharing memory, replica 0's optimizer steps every shard: the others need none */
+    bool needs_optim = !(dp->sharded && r->rank > 0);
+    r->opt = ps && needs_optim ? dp->make_optim(ps, dp->optim_arg) : NULL;
+    if (!ps || (needs_optim && !r->opt)) {
         tdm_group_abort(g, tdm_last_error());
         return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
     }
@@ -206,7 +208,9 @@ static int replica_step(replica *r) {
     /* DDP averages over n replicas; weighting each by its share of the batch makes the
      * average the gradient of the whole batch's mean loss */
     tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
-    int rc = dp->zero ? tdm_optim_zero_grad(r->opt) : TDM_OK;
+    int rc = !dp->zero ? TDM_OK
+             : r->opt  ? tdm_optim_zero_grad(r->opt)
+                       : tdm_backend_for(dev)->fill(r->ps->flat_grad, 0.0);
     bool sync = dp->update && !dp->sharded; /* accumulating rounds keep gradients local */
     if (!dp->sharded) tdm_ddp_set_sync(r->ddp, sync);
     tdm_trace_begin(sync ? "backward (buckets all-reduced as they fill)" : "backward");
@@ -489,8 +493,7 @@ static int run_round(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn 
     int rc = run_task(dp, ROUND_STEP);
     dp->window = update || rc ? 0 : dp->window + 1; /* after a failure, start afresh */
     if (!rc && update && dp->sharded) { /* each replica took a shard of one step: count it once */
-        int64_t steps = tdm_optim_steps(dp->reps[0].opt) + 1;
-        for (int i = 0; i < dp->n; i++) tdm_optim_set_steps(dp->reps[i].opt, steps);
+        tdm_optim_set_steps(dp->reps[0].opt, tdm_optim_steps(dp->reps[0].opt) + 1);
     }
     if (loss) {
         double sum = 0;
@@ -561,8 +564,9 @@ int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm) {
 /* ZeRO stage 3 over CPU devices of one process leaves the shared-memory update (its point is
  * that no replica holds the whole model, where sharded_update reads every replica's whole
  * gradient and writes every replica's parameters): each replica's DDP then reduces over the
- * threads group and each optimizer steps its own shard. Until now only replica 0's optimizer
- * was stepped, so every other one first takes its state and learning rate. */
+ * threads group and each optimizer steps its own shard. Until now replica 0's optimizer was
+ * the only one, so every other replica gets one now, with its state, learning rate and step
+ * count (the replicas are idle: made on the caller's thread, as the clones were). */
 static int leave_shared_update(tdm_dp *dp) {
     tdm_optim *o0 = dp->reps[0].opt;
     const char *names[4];
@@ -570,15 +574,27 @@ static int leave_shared_update(tdm_dp *dp) {
     int k = tdm_optim_state(o0, names, state, 4), rc = tdm_scope_begin();
     if (rc) return rc;
     for (int r = 1; r < dp->n && !rc; r++) {
-        tdm_optim *o = dp->reps[r].opt;
+        tdm_optim *o = dp->make_optim(dp->reps[r].ps, dp->optim_arg);
+        if (!o) rc = tdm_last_status();
         for (int i = 0; i < k && !rc; i++) {
             tdm_tensor *there = tdm_to_device(state[i], dp->devices[r]);
             rc = there ? tdm_optim_state_load(o, names[i], there) : tdm_last_status();
         }
-        tdm_optim_set_lr(o, tdm_optim_lr(o0)); /* (run_round keeps every step count) */
+        if (!rc) {
+            tdm_optim_set_lr(o, tdm_optim_lr(o0));
+            tdm_optim_set_steps(o, tdm_optim_steps(o0));
+        }
+        if (rc)
+            tdm_optim_free(o);
+        else
+            dp->reps[r].opt = o;
     }
     tdm_scope_end(); /* the copies */
-    if (!rc) dp->sharded = false;
+    if (!rc) {
+        dp->sharded = false;
+        return TDM_OK;
+    }
+    for (int r = 1; r < dp->n; r++) tdm_optim_free(dp->reps[r].opt), dp->reps[r].opt = NULL;
     return rc;
 }
 

@@ -441,11 +441,16 @@ static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
     return 0;
 }
 
-static int run_reduce_scatter(mworld *w, const tdm_coll *c, int64_t deadline) {
+/* Reduce-scatter (rank k reduces chunk k of every rank's in into its out) and reduce (the
+ * root reduces every rank's buffer into its own), in segments of the scratch: each rank sends
+ * the pieces others reduce, and reduces the pieces it receives with its own in rank order, as
+ * run_all_reduce does (the same bits). A reduce sends each segment once, where an all-reduce
+ * sends it twice. */
+static int run_reduce_pieces(mworld *w, const tdm_coll *c, int64_t deadline) {
     int n = w->g.size, r = w->g.rank;
+    bool scatter = c->kind == TDM_COLL_REDUCE_SCATTER, first = true;
+    bool reducer = scatter || r == c->root;
     const float *in = c->in;
-    float *out = c->out;
-    bool avg = c->op == TDM_AVG, first = true;
     int64_t seg = (int64_t)(w->scratch_bytes / 4) / (n - 1);
     const float *srcs[64];
     for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
@@ -454,40 +459,17 @@ static int run_reduce_scatter(mworld *w, const tdm_coll *c, int64_t deadline) {
         if (first) post_headers(w, c);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
-            post(w, false, slot(w, k, seg), len * 4, k, TAG_DATA);
-            post(w, true, (void *)(in + (int64_t)k * c->count + s0), len * 4, k, TAG_DATA);
+            if (reducer) post(w, false, slot(w, k, seg), len * 4, k, TAG_DATA);
+            if (scatter || k == c->root)
+                post(w, true, (void *)(in + (scatter ? k * c->count : 0) + s0), len * 4, k,
+                     TAG_DATA);
         }
         if (finish_round(w, first, deadline)) return -1;
         first = false;
-        for (int k = 0; k < n; k++)
-            srcs[k] = k == r ? in + (int64_t)r * c->count + s0 : slot(w, k, seg);
-        reduce_into(out + s0, srcs, n, len, avg);
-        if (len == 0) break;
-    }
-    return 0;
-}
-
-/* Every rank's buf to the root, which reduces them in rank order as run_all_reduce does (the
- * same bits): each other rank sends its segment once, where an all-reduce sends it twice. */
-static int run_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
-    int n = w->g.size, r = w->g.rank, root = c->root;
-    float *buf = c->out;
-    bool first = true;
-    int64_t seg = (int64_t)(w->scratch_bytes / 4) / (n - 1);
-    const float *srcs[64];
-    for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
-        int64_t len = c->count - s0 < seg ? c->count - s0 : seg;
-        round_begin(w);
-        if (first) post_headers(w, c);
-        for (int k = 0; k < n; k++) {
-            if (r == root && k != r) post(w, false, slot(w, k, seg), len * 4, k, TAG_DATA);
-            if (r != root && k == root) post(w, true, buf + s0, len * 4, k, TAG_DATA);
-        }
-        if (finish_round(w, first, deadline)) return -1;
-        first = false;
-        if (r == root) {
-            for (int k = 0; k < n; k++) srcs[k] = k == r ? buf + s0 : slot(w, k, seg);
-            reduce_into(buf + s0, srcs, n, len, c->op == TDM_AVG);
+        if (reducer) {
+            for (int k = 0; k < n; k++)
+                srcs[k] = k == r ? in + (scatter ? r * c->count : 0) + s0 : slot(w, k, seg);
+            reduce_into((float *)c->out + s0, srcs, n, len, c->op == TDM_AVG);
         }
         if (len == 0) break;
     }
@@ -539,10 +521,8 @@ static int run(mworld *w, const tdm_coll *c, char *msg) {
                 rc = run_all_reduce(w, c, deadline);
                 break;
             case TDM_COLL_REDUCE_SCATTER:
-                rc = run_reduce_scatter(w, c, deadline);
-                break;
             case TDM_COLL_REDUCE:
-                rc = run_reduce(w, c, deadline);
+                rc = run_reduce_pieces(w, c, deadline);
                 break;
             case TDM_COLL_BROADCAST:
             case TDM_COLL_ALL_GATHER:

@@ -751,10 +751,6 @@ static void expect_zero_fault(zero_fault f, const char *want0, const char *want1
           c.rc[1], c.err[1], want1);
 }
 
-/* Sharding twice, a rank that cannot shard (every rank fails, none waits), a sharded state
- * saved as it is, loading a whole state of the wrong name or size, the ZeRO stages not
- * written yet, and DataParallel on one process's CPU devices (which holds the state once
- * already: the flag changes nothing). */
 /* Stage 3's misuses on 2 ranks, each failing alike on both with its cause: units that overlap,
  * the model itself or a layer without parameters as a unit (case 0, 1, 2: one spawn each,
  * since a failed sharding aborts the group); once sharded (case 3), units named too late, a
@@ -823,6 +819,10 @@ static void test_zero3_errors(void) {
     }
 }
 
+/* Sharding twice, a rank that cannot shard (every rank fails, none waits), a sharded state
+ * saved as it is, loading a whole state of the wrong name or size, an unknown kind, and
+ * DataParallel on one process's CPU devices under stages 1 and 2 (which hold the state once
+ * already: the flag changes nothing). */
 static void test_zero_errors(void) {
     expect_zero_fault(SHARD_TWICE, "optim_shard: the optimizer is sharded already",
                       "optim_shard: the optimizer is sharded already");

@@ -219,7 +219,11 @@ static void rows_of(int64_t *lo, int64_t *hi) {
 static const char *update_fault;
 
 static int update_fault_now(int s) {
-    if (!update_fault || s != 3 || R != 1) return TDM_OK;
+    if (!update_fault || s != 3) return TDM_OK;
+    /* every rank past its backward's last all-reduce first: a rank still waiting for it
+     * would meet rank 1's end there, not in the exchange (CI saw it under load) */
+    int rc = tdm_work_wait(tdm_barrier(G));
+    if (rc || R != 1) return rc;
     if (!strcmp(update_fault, "kill_shard")) raise(SIGKILL);
     tdm_group_abort(G, "its update failed");
     return tdm_raise(TDM_ERR_STATE, "its update failed");

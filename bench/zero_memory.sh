@@ -16,11 +16,15 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 out=$(mktemp -d)
 configs=${3:-"8|none| 8|gradients| 8|parameters| 8|parameters|--bucket-cap_4 8|none|--recompute
 8|parameters|--recompute_--bucket-cap_4 16|none| 16|parameters|--bucket-cap_4"}
+# A row "layers|shard|options" into $layers, $shard and $extra (the options, _ as spaces).
+parse() {
+    layers=${1%%|*}; rest=${1#*|}; shard=${rest%%|*}; extra=$(echo "${rest#*|}" | tr _ ' ')
+}
 for r in $(seq "$rounds"); do
     i=0
     for c in $configs; do
         i=$((i + 1))
-        layers=${c%%|*}; rest=${c#*|}; shard=${rest%%|*}; extra=$(echo "${rest#*|}" | tr _ ' ')
+        parse "$c"
         b=0
         for bin in $binaries; do
             b=$((b + 1))
@@ -38,7 +42,7 @@ printf '%-7s %-11s %-28s %10s %9s %11s%s\n' layers shard options "peak MiB" "tok
 i=0
 for c in $configs; do
     i=$((i + 1))
-    layers=${c%%|*}; rest=${c#*|}; shard=${rest%%|*}; extra=$(echo "${rest#*|}" | tr _ ' ')
+    parse "$c"
     b=0
     for bin in $binaries; do
         b=$((b + 1))

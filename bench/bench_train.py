@@ -11,10 +11,13 @@ Runs (batch 64 everywhere):
 each as
   tandem-1d    `tandem train` on one device (cpu:0), OPENBLAS_NUM_THREADS=1, 2 loader workers
   tandem-2d    the same on two devices (--devices cpu:0,cpu:1): data parallel, one core each
+  tandem-1dall one device with nothing set: its matrix products on every core (OpenMP's
+               default), what `--devices cpu:0` gives a user
   torch-1t     bench/torch_fmnist.py, 1 torch thread, OpenBLAS 1 thread
   torch-2t     bench/torch_fmnist.py, 2 torch threads, OpenBLAS 1 thread
 and prints every epoch's training time and accuracy, then a summary with the ratio of
-PyTorch's mean epoch time to Tandem's (> 1: Tandem is faster). With several rounds (each
+PyTorch's mean epoch time to Tandem's (> 1: Tandem is faster), and two devices' gain over
+each one-device run. With several rounds (each
 runs the four in turn, so a slow spell of a shared machine lands on all of them) a run's
 time is the median of its rounds' means. Epoch times are the training
 steps only (no evaluation) in both. PyTorch indexes a preloaded tensor (no DataLoader);
@@ -54,7 +57,7 @@ CONFIGS = [
 ]
 
 
-def run_tandem(c, devices):
+def run_tandem(c, devices, one_thread=True):
     with tempfile.TemporaryDirectory() as d:
         log = os.path.join(d, "log.jsonl")
         cmd = [args.tandem, "train", "--model", c["model"], "--optimizer", c["optimizer"],
@@ -65,11 +68,13 @@ def run_tandem(c, devices):
         if args.limit:
             cmd += ["--limit", str(args.limit)]
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        if not one_thread:
+            del env["OPENBLAS_NUM_THREADS"], env["OMP_NUM_THREADS"]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if p.returncode != 0:
             sys.exit(f"tandem failed ({p.returncode}): {p.stderr.strip()}")
         epochs = [json.loads(line) for line in open(log) if '"type":"epoch"' in line]
-    name = f"tandem-{len(devices.split(','))}d"
+    name = f"tandem-{len(devices.split(','))}d" + ("" if one_thread else "all")
     for e in epochs:
         print(f"  {name} {c['model']} epoch {e['epoch']}: {e['seconds']:.2f} s  "
               f"{e['img_s']:.0f} img/s  train loss {e['train_loss']:.4f}  "
@@ -110,7 +115,8 @@ for c in CONFIGS:
     print(desc, flush=True)
     runs = {}
     for _ in range(c["rounds"]):
-        ran = {"tandem-1d": run_tandem(c, "cpu:0"), "tandem-2d": run_tandem(c, "cpu:0,cpu:1")}
+        ran = {"tandem-1d": run_tandem(c, "cpu:0"), "tandem-2d": run_tandem(c, "cpu:0,cpu:1"),
+               "tandem-1dall": run_tandem(c, "cpu:0", one_thread=False)}
         if not args.no_torch:
             ran["torch-1t"] = run_torch(c, 1)
             ran["torch-2t"] = run_torch(c, 2)
@@ -122,10 +128,14 @@ for c in CONFIGS:
 
 print("\nsummary (epoch seconds, training steps only: mean (the median of the rounds' means) "
       "and best; speedup = the fastest PyTorch run's mean / this run's mean)")
-print(f"{'model':5} {'run':9} {'mean s':>7} {'best s':>7} {'test acc':>8} {'speedup':>7}")
+print(f"{'model':5} {'run':12} {'mean s':>7} {'best s':>7} {'test acc':>8} {'speedup':>7}")
 for model in dict.fromkeys(r[0] for r in rows):
     torch_means = [r[2] for r in rows if r[0] == model and r[1].startswith("torch")]
     ref = min(torch_means) if torch_means else float("nan")
     for m, name, mean, best, acc in rows:
         if m == model:
-            print(f"{m:5} {name:9} {mean:7.2f} {best:7.2f} {acc:8.4f} {ref / mean:7.2f}")
+            print(f"{m:5} {name:12} {mean:7.2f} {best:7.2f} {acc:8.4f} {ref / mean:7.2f}")
+    mean = {r[1]: r[2] for r in rows if r[0] == model}
+    print(f"{model:5} two devices over one: {mean['tandem-1d'] / mean['tandem-2d']:.2f}x one "
+          f"device on one core, {mean['tandem-1dall'] / mean['tandem-2d']:.2f}x one device "
+          "with every core")

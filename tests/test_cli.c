@@ -325,13 +325,15 @@ static void test_devices_run(void) {
           "--batch-per-device 32 on 2 devices: %.4f vs %.4f", lp, l1);
     result_free(&per);
     /* the header's note when a device's share of a step is small: the MLP's 32 rows per
-     * device, not its 256 (an 8x larger share), nor one device, nor --quiet */
+     * device, not its 256 (an 8x larger share), nor one device, nor --quiet; in one process
+     * it points to one device, whose products use every core */
     result small = TANDEM("train", "--limit", "640", "--model", "mlp", "--devices", "2");
     result big = TANDEM("train", "--limit", "640", "--model", "mlp", "--devices", "2",
                         "--batch-size", "512");
     result single = TANDEM("train", "--limit", "640", "--model", "mlp");
     CHECK(small.status == 0 && strstr(small.out, "\nnote      ") &&
-              strstr(small.out, "MFLOP of matrix products per device per step"),
+              strstr(small.out, "MFLOP of matrix products per device per step") &&
+              strstr(small.out, "one device (--devices cpu:0), which runs its products on every"),
           "2 devices x 32 rows: no note: %s", small.out);
     CHECK(big.status == 0 && !strstr(big.out, "\nnote ") && single.status == 0 &&
               !strstr(single.out, "\nnote ") && !strstr(three.out, "note "),

@@ -313,19 +313,25 @@ static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
 /* Data parallelism pays when each device's share of a step is large next to the ~0.1-0.2 ms
  * a step spends synchronising the devices (bench/RESULTS.md, bench_dp: the MLP, 32 MFLOP of
  * products per device per step, gains 1.2x on 2 devices; the CNN, several hundred, 1.95x). The
- * first step's products on this thread are device 0's share: below the threshold, say so. */
+ * first step's products on this thread are device 0's share: below the threshold, say so.
+ * Against one device the gain is smaller still where that device has the other cores for its
+ * products (tdm_gemm_threads_for_devices): on the MLP one device is as fast as two, or faster
+ * (bench/RESULTS.md, "Two CPU devices against one"). */
 #define SMALL_DEVICE_WORK_FLOPS 100e6
 
 static void note_small_work(trainer *tr, uint64_t flops) {
-    int procs = tr->g ? tdm_group_size(tr->g) : 1;
-    if (tr->pipe || tr->o->n_devs * procs < 2 || tr->dev.type != TDM_CPU || tr->o->quiet ||
+    int procs = tr->g ? tdm_group_size(tr->g) : 1, n = tr->o->n_devs * procs;
+    if (tr->pipe || n < 2 || tr->dev.type != TDM_CPU || tr->o->quiet ||
         (double)flops >= SMALL_DEVICE_WORK_FLOPS)
         return;
     progress_clear(&tr->prog);
     printf("note      %.0f MFLOP of matrix products per device per step: little next to the "
-           "devices' synchronisation; expect well under %dx (a larger --batch-size, or fewer "
-           "devices, does better)\n",
-           (double)flops / 1e6, tr->o->n_devs * procs);
+           "devices' synchronisation; expect well under %dx",
+           (double)flops / 1e6, n);
+    if (procs == 1) /* one device would run its products on every core */
+        printf(", and one device (--devices cpu:0), which runs its products on every core, may be "
+               "as fast or faster");
+    printf(" (a larger --batch-size, or fewer devices, does better)\n");
     fflush(stdout);
 }
 

@@ -18,7 +18,7 @@ each as
 and prints every epoch's training time and accuracy, then a summary with the ratio of
 PyTorch's mean epoch time to Tandem's (> 1: Tandem is faster), and two devices' gain over
 each one-device run. With several rounds (each
-runs the four in turn, so a slow spell of a shared machine lands on all of them) a run's
+runs them all in turn, so a slow spell of a shared machine lands on all of them) a run's
 time is the median of its rounds' means. Epoch times are the training
 steps only (no evaluation) in both. PyTorch indexes a preloaded tensor (no DataLoader);
 Tandem's DataLoader workers build batches on the side and their wait is reported.

@@ -99,14 +99,27 @@ static void max_plane_2x2(const float *x, float *y, int64_t *idx, const pool_geo
 
 TDM_AVX2_BEGIN
 
-/* Windows (2oh, 2ow .. 2ow + 14) at once: the even and odd columns of the two rows are the
- * windows' four pixels, compared in the scalar chain's order (ties keep the first). Returns
- * false, writing nothing, when a window holds NaN (the scalar scan then runs). */
-static inline bool max_windows8_2x2(const float *x, int64_t w, int64_t oh, int64_t ow, float *y,
-                                    int64_t *idx) {
+/* The first k (1..8) of eight lanes: a load or store mask (the sign bits). */
+static inline __m256i first_lanes(int k) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Windows (2oh, 2ow .. 2ow + 2(k - 1)) at once, k of them (1..8; fewer than eight where a row
+ * ends: the CNN's second pool has seven a row): the even and odd columns of the two rows are
+ * the windows' four pixels, compared in the scalar chain's order (ties keep the first).
+ * Returns false, writing nothing, when a window holds NaN (the scalar scan then runs). */
+static inline bool max_windows8_2x2(const float *x, int64_t w, int64_t oh, int64_t ow, int k,
+                                    float *y, int64_t *idx) {
     const float *r0 = x + 2 * oh * w + 2 * ow, *r1 = r0 + w;
-    __m256 p0 = _mm256_loadu_ps(r0), p1 = _mm256_loadu_ps(r0 + 8);
-    __m256 q0 = _mm256_loadu_ps(r1), q1 = _mm256_loadu_ps(r1 + 8);
+    __m256 p0, p1, q0, q1;
+    if (k == 8) {
+        p0 = _mm256_loadu_ps(r0), p1 = _mm256_loadu_ps(r0 + 8);
+        q0 = _mm256_loadu_ps(r1), q1 = _mm256_loadu_ps(r1 + 8);
+    } else { /* masked loads read no pixel past the row's 2k (lanes left out are 0: no NaN) */
+        __m256i m0 = first_lanes(2 * k), m1 = first_lanes(2 * k - 8);
+        p0 = _mm256_maskload_ps(r0, m0), p1 = _mm256_maskload_ps(r0 + 8, m1);
+        q0 = _mm256_maskload_ps(r1, m0), q1 = _mm256_maskload_ps(r1 + 8, m1);
+    }
     /* lanes 0, 2, 4, 6 of each, then the odd ones; permuted back to window order below */
     __m256 a = _mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(2, 0, 2, 0));
     __m256 b = _mm256_shuffle_ps(p0, p1, _MM_SHUFFLE(3, 1, 3, 1));
@@ -128,28 +141,37 @@ static inline bool max_windows8_2x2(const float *x, int64_t w, int64_t oh, int64
     __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     best = _mm256_permutevar8x32_ps(best, order);
     __m256i off = _mm256_permutevar8x32_epi32(_mm256_castps_si256(bi), order);
-    _mm256_storeu_ps(y, best);
     int64_t i0 = 2 * oh * w + 2 * ow;
     __m256i base = _mm256_setr_epi64x(i0, i0 + 2, i0 + 4, i0 + 6), step = _mm256_set1_epi64x(8);
-    __m256i lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(off));
-    __m256i hi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(off, 1));
-    _mm256_storeu_si256((__m256i *)idx, _mm256_add_epi64(base, lo));
-    _mm256_storeu_si256((__m256i *)(idx + 4), _mm256_add_epi64(_mm256_add_epi64(base, step), hi));
+    __m256i lo = _mm256_add_epi64(base, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(off)));
+    __m256i hi = _mm256_add_epi64(_mm256_add_epi64(base, step),
+                                  _mm256_cvtepi32_epi64(_mm256_extracti128_si256(off, 1)));
+    if (k == 8) {
+        _mm256_storeu_ps(y, best);
+        _mm256_storeu_si256((__m256i *)idx, lo);
+        _mm256_storeu_si256((__m256i *)(idx + 4), hi);
+    } else { /* int64 lanes take their mask from the int32 mask's lanes, widened */
+        __m256i m32 = first_lanes(k);
+        _mm256_maskstore_ps(y, m32, best);
+        _mm256_maskstore_epi64((long long *)idx, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(m32)),
+                               lo);
+        _mm256_maskstore_epi64((long long *)(idx + 4),
+                               _mm256_cvtepi32_epi64(_mm256_extracti128_si256(m32, 1)), hi);
+    }
     return true;
 }
 
-/* max_plane_2x2 eight windows at a time where a row has eight left (the Fashion-MNIST CNN's
- * first pool: 14 a row), the scalar chain for the rest and for windows holding NaN. */
+/* max_plane_2x2 eight windows at a time, the rest of a row (the CNN's first pool has 14 a
+ * row, its second 7) in one masked step; the scalar chain for windows holding NaN. */
 static void max_plane_2x2_256(const float *x, float *y, int64_t *idx, const pool_geom *g) {
     const int64_t ho = g->ho, wo = g->wo, w = g->w;
-    for (int64_t oh = 0; oh < ho; oh++) {
-        int64_t ow = 0;
-        for (; ow + 8 <= wo; ow += 8)
-            if (!max_windows8_2x2(x, w, oh, ow, y + oh * wo + ow, idx + oh * wo + ow))
-                for (int64_t k = ow; k < ow + 8; k++)
-                    max_window_2x2(x, w, oh, k, y + oh * wo + k, idx + oh * wo + k);
-        for (; ow < wo; ow++) max_window_2x2(x, w, oh, ow, y + oh * wo + ow, idx + oh * wo + ow);
-    }
+    for (int64_t oh = 0; oh < ho; oh++)
+        for (int64_t ow = 0; ow < wo; ow += 8) {
+            int k = wo - ow < 8 ? (int)(wo - ow) : 8;
+            if (!max_windows8_2x2(x, w, oh, ow, k, y + oh * wo + ow, idx + oh * wo + ow))
+                for (int64_t j = ow; j < ow + k; j++)
+                    max_window_2x2(x, w, oh, j, y + oh * wo + j, idx + oh * wo + j);
+        }
 }
 
 TDM_AVX2_END

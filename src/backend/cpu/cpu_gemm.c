@@ -26,6 +26,16 @@
 
 static _Thread_local uint64_t gemm_flops; /* tdm_gemm_flops */
 
+#ifdef TANDEM_GEMM_ONEDNN
+/* Products smaller than this run on the calling thread alone, whatever its OpenMP thread
+ * count (one device on every core: `--devices cpu:0`). ~25 us on one AVX-512 core: split over
+ * two, the fork and join and the halves' poorer blocking cost more than they save. The CNN's
+ * convolutions run over a thousand products under 1 MFLOP a step: one device on two cores
+ * took 1.25x as long as on one core (Intel Xeon, oneDNN 2.6.3), and as long with this
+ * threshold; the MLP's 4-26 MFLOP products still split, as fast as before. */
+#define GEMM_SPLIT_FLOPS 4e6
+#endif
+
 uint64_t tdm_gemm_flops(void) {
     return gemm_flops;
 }
@@ -36,7 +46,11 @@ void tdm_cpu_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alph
 #ifdef TANDEM_GEMM_ONEDNN
     /* row-major, as cblas with CblasRowMajor; fails only on bad dimensions, which the ops
      * have checked before a kernel runs */
+    int threads = omp_get_max_threads();
+    bool single = threads > 1 && 2.0 * (double)m * (double)n * (double)k < GEMM_SPLIT_FLOPS;
+    if (single) omp_set_num_threads(1);
     (void)dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    if (single) omp_set_num_threads(threads);
 #else
     cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
                 (int)m, (int)n, (int)k, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);

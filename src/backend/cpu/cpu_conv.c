@@ -168,6 +168,16 @@ static inline bool conv_args_ok(const tdm_tensor *x, const tdm_tensor *w, const 
            tdm_is_contiguous(w) && tdm_is_contiguous(y);
 }
 
+/* y [Cout, P] (one image) += bias [Cout] per row. Cloned: baseline code would add 4 lanes at a
+ * time, and this pass over the first layer's output was 1-2% of the CNN's step. */
+TDM_CPU_CLONES
+static void add_bias(float *y, const float *bias, const conv_geom *g) {
+    for (int64_t co = 0; co < g->cout; co++) {
+        float *d = y + co * g->p, b = bias[co];
+        for (int64_t q = 0; q < g->p; q++) d[q] += b;
+    }
+}
+
 /* y [N, Cout, Ho, Wo] = conv(x, w) + b: per image and chunk of output rows,
  * y[n][:, rows] (ld Ho*Wo) = w_g [Cout_g, K_g] @ col_g [K_g, rows*Wo] for each group. */
 int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b,
@@ -206,11 +216,7 @@ int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, cons
                               g.k_g, src + gi * g.k_g * ld, ld, 0.0f,
                               yn + gi * g.cout_g * g.p + oh0 * g.wo, g.p);
         }
-        if (bp) /* while y[n] is still in cache */
-            for (int64_t co = 0; co < g.cout; co++) {
-                float *d = yn + co * g.p, bias = bp[co];
-                for (int64_t q = 0; q < g.p; q++) d[q] += bias;
-            }
+        if (bp) add_bias(yn, bp, &g); /* while y[n] is still in cache */
     }
     tdm_scope_end();
     return TDM_OK;

@@ -251,20 +251,22 @@ TDM_AVX512_BEGIN
 
 /* gw [cout, k] (ld ldw) += dy [cout, cols] (ld ldy) @ col [k, cols]^T (ld ldc) for a few rows k
  * (the first layer: k = 9): OpenBLAS spends most of such a thin GEMM packing, so this runs it
- * as dot products, two output channels by nine rows of col at a time (18 accumulators). */
-static void gw_small_k(float *gw, int64_t ldw, const float *dy, int64_t ldy, const float *col,
-                       int64_t ldc, int64_t cout, int64_t k, int64_t cols) {
+ * as dot products, two output channels by nine rows of col at a time (18 accumulators). With
+ * gb, also gb [cout] += the row sums of dy (the bias gradient), in the same pass over dy. */
+static void gw_small_k(float *gw, int64_t ldw, float *gb, const float *dy, int64_t ldy,
+                       const float *col, int64_t ldc, int64_t cout, int64_t k, int64_t cols) {
     for (int64_t co = 0; co < cout; co += 2) {
         const float *d0 = dy + co * ldy, *d1 = co + 1 < cout ? d0 + ldy : d0;
         for (int64_t k0 = 0; k0 < k; k0 += 9) {
             const float *c[9]; /* rows past k repeat row k0; their sums are dropped */
             for (int j = 0; j < 9; j++) c[j] = col + (k0 + j < k ? k0 + j : k0) * ldc;
-            __m512 a0[9], a1[9];
+            __m512 a0[9], a1[9], s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
             for (int j = 0; j < 9; j++) a0[j] = a1[j] = _mm512_setzero_ps();
             for (int64_t q = 0; q < cols; q += 16) {
                 __mmask16 m =
                     cols - q >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - q)) - 1);
                 __m512 y0 = _mm512_maskz_loadu_ps(m, d0 + q), y1 = _mm512_maskz_loadu_ps(m, d1 + q);
+                s0 = _mm512_add_ps(s0, y0), s1 = _mm512_add_ps(s1, y1);
                 for (int j = 0; j < 9; j++) {
                     __m512 cv = _mm512_maskz_loadu_ps(m, c[j] + q);
                     a0[j] = _mm512_fmadd_ps(y0, cv, a0[j]);
@@ -275,15 +277,20 @@ static void gw_small_k(float *gw, int64_t ldw, const float *dy, int64_t ldy, con
                 gw[co * ldw + k0 + j] += _mm512_reduce_add_ps(a0[j]);
                 if (co + 1 < cout) gw[(co + 1) * ldw + k0 + j] += _mm512_reduce_add_ps(a1[j]);
             }
+            if (gb && k0 == 0) {
+                gb[co] += _mm512_reduce_add_ps(s0);
+                if (co + 1 < cout) gb[co + 1] += _mm512_reduce_add_ps(s1);
+            }
         }
     }
 }
 TDM_AVX512_END
 #else
 #define SMALL_K_MAX 0
-static void gw_small_k(float *gw, int64_t ldw, const float *dy, int64_t ldy, const float *col,
-                       int64_t ldc, int64_t cout, int64_t k, int64_t cols) {
-    (void)gw, (void)ldw, (void)dy, (void)ldy, (void)col, (void)ldc, (void)cout, (void)k, (void)cols;
+static void gw_small_k(float *gw, int64_t ldw, float *gb, const float *dy, int64_t ldy,
+                       const float *col, int64_t ldc, int64_t cout, int64_t k, int64_t cols) {
+    (void)gw, (void)ldw, (void)gb, (void)dy, (void)ldy, (void)col, (void)ldc, (void)cout, (void)k,
+        (void)cols;
 }
 #endif
 
@@ -317,7 +324,9 @@ int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, cons
     for (int64_t n = 0; n < g.n; n++) {
         const float *xn = xp + n * g.cin * g.h * g.w, *gyn = gyp + n * g.cout * g.p;
         float *gxn = gxp ? gxp + n * g.cin * g.h * g.w : NULL;
-        if (gbp) bias_grad(gbp, gyn, &g);
+        /* the thin weight gradient sums the bias gradient in its own pass over gy */
+        bool gb_in_gw = gbp && gwp && g.k_g <= SMALL_K_MAX;
+        if (gbp && !gb_in_gw) bias_grad(gbp, gyn, &g);
         for (int64_t oh0 = 0; oh0 < g.ho && (gwp || gxp); oh0 += rows) {
             int64_t oh1 = oh0 + rows < g.ho ? oh0 + rows : g.ho;
             int64_t cols = (oh1 - oh0) * g.wo;
@@ -328,7 +337,8 @@ int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, cons
                 if (!pointwise) im2col(xn, g.cin, &g, oh0, oh1, col, ld);
                 for (int64_t gi = 0; gi < g.groups; gi++)
                     if (g.k_g <= SMALL_K_MAX)
-                        gw_small_k(gwp + gi * g.cout_g * g.k_g, g.k_g, dy + gi * g.cout_g * g.p,
+                        gw_small_k(gwp + gi * g.cout_g * g.k_g, g.k_g,
+                                   gb_in_gw ? gbp + gi * g.cout_g : NULL, dy + gi * g.cout_g * g.p,
                                    g.p, src + gi * g.k_g * ld, ld, g.cout_g, g.k_g, cols);
                     else
                         tdm_cpu_sgemm(false, true, g.cout_g, g.k_g, cols, 1.0f,

@@ -50,6 +50,21 @@ static float sum_exp(const float *x, int64_t C, float shift) {
     return s;
 }
 
+/* y[c] = exp(x[c] - shift); returns their sum, added in sum_exp's order. */
+TDM_CPU_CLONES
+static float exp_into(float *y, const float *x, int64_t C, float shift) {
+    v8f acc = v8_set1(0), m = v8_set1(shift);
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8) {
+        v8f p = v8_exp(v8_load(x + c) - m);
+        v8_store(y + c, p);
+        acc += p;
+    }
+    float s = v8_hsum(acc);
+    for (; c < C; c++) s += y[c] = expf(x[c] - shift);
+    return s;
+}
+
 /* sum_c w[c] * x[c] */
 TDM_CPU_CLONES
 static float dot(const float *w, const float *x, int64_t C) {
@@ -136,17 +151,16 @@ int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, cons
         float g = f32_at(gloss, i), wt = w ? w[t] : 1.0f;
         float ge = g * eC;
         if (is_logits) {
-            /* gx[c] = g * (p[c] * sum_k coef[k] - e/C * w[c]) */
-            double lse, unused;
-            ce_row(xr, C, w, wtotal, true, false, &lse, &unused);
-            float total = g * (float)((1 - e) * wt + eC * wtotal), l = (float)lse;
-            v8f vt = v8_set1(total), vl = v8_set1(l), ve = v8_set1(ge);
+            /* gx[c] = g * (p[c] * sum_k coef[k] - e/C * w[c]), p[c] = exp(x[c] - max) / sum:
+             * the exponentials go into gr as they are summed, then gr is scaled in place (a
+             * row of 50,257 classes stays in L2), one exp an element instead of two */
+            float total = g * (float)((1 - e) * wt + eC * wtotal);
+            float sum = exp_into(gr, xr, C, simd_max(xr, C));
+            v8f vt = v8_set1(total / sum), ve = v8_set1(ge);
             int64_t c = 0;
-            for (; c + 8 <= C; c += 8) {
-                v8f p = v8_exp(v8_load(xr + c) - vl);
-                v8_store(gr + c, p * vt - (w ? ve * v8_load(w + c) : ve));
-            }
-            for (; c < C; c++) gr[c] = expf(xr[c] - l) * total - ge * (w ? w[c] : 1.0f);
+            for (; c + 8 <= C; c += 8)
+                v8_store(gr + c, v8_load(gr + c) * vt - (w ? ve * v8_load(w + c) : ve));
+            for (; c < C; c++) gr[c] = gr[c] * (total / sum) - ge * (w ? w[c] : 1.0f);
         } else {
             for (int64_t c = 0; c < C; c++) gr[c] = -ge * (w ? w[c] : 1.0f);
         }

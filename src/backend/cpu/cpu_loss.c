@@ -2,7 +2,8 @@
  *
  * Cross-entropy is fused: one row of logits is read twice (max, then exp-sum with the
  * smoothing sums in the same pass) and never materialised as log-probabilities, and the
- * backward recomputes the row's log-sum-exp instead of keeping an [N, C] softmax alive.
+ * backward recomputes the row's softmax instead of keeping an [N, C] one alive: the max, then
+ * the exponentials into the gradient row as they are summed, then the row scaled in place.
  *
  * With per-class weights w, target t and smoothing e, PyTorch's per-sample loss is
  *   loss = (1-e) * w[t] * (-logp[t]) + e/C * sum_c w[c] * (-logp[c])

@@ -42,7 +42,7 @@ static void bn_block_stats(const float *x, int64_t N, int64_t C, int64_t S, int6
     for (int j = 0; j < nb; j++) mean[j] /= m;
     for (int64_t n = 0; n < N; n++)
         for (int j = 0; j < nb; j++) {
-            var[j] += simd_sq_dev(x + (n * C + c0 + j) * S, S, (float)mean[j]);
+            var[j] += simd_sq_dev_f64(x + (n * C + c0 + j) * S, S, (float)mean[j]);
         }
     for (int j = 0; j < nb; j++) var[j] /= m;
 }
@@ -200,7 +200,7 @@ int tdm_cpu_batch_norm_stats(tdm_tensor *sum, const tdm_tensor *x, const tdm_ten
         for (int64_t n = 0; n < N; n++)
             for (int j = 0; j < nb; j++) {
                 const float *p = xp + (n * C + c0 + j) * S;
-                acc[j] += ctr ? simd_sq_dev(p, S, ctr[c0 + j]) : simd_sum(p, S);
+                acc[j] += ctr ? simd_sq_dev_f64(p, S, ctr[c0 + j]) : simd_sum(p, S);
             }
         for (int j = 0; j < nb; j++) out[c0 + j] = (float)acc[j];
     }

@@ -122,10 +122,10 @@ static inline float simd_sq_dev(const float *p, int64_t n, float mu) {
     return s;
 }
 
-/* sum of (p[i] - mu)^2, the squares added in double lanes: a channel whose values barely
- * differ loses most of its variance's digits to float sums (batch norm's statistics: a
- * ResNet's gradients through them came out 1,000x further from float64 PyTorch's than
- * float32 PyTorch's without FMA contraction, exact enough with it). */
+/* sum of (p[i] - mu)^2, the squares added in double lanes (batch norm's statistics): added
+ * in float without FMA contraction, as the sanitizer builds' baseline code does, a ResNet's
+ * train-mode gradients came out 1,000x further from float64 PyTorch's than float32
+ * PyTorch's (test_resnet). */
 typedef float v4f __attribute__((vector_size(16)));
 typedef double v4d __attribute__((vector_size(32)));
 static inline double simd_sq_dev_f64(const float *p, int64_t n, float mu) {

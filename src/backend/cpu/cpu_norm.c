@@ -263,7 +263,7 @@ int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const 
         const float *xr = xp + r * cols;
         float *yr = yp + r * cols;
         float m = (float)((double)simd_sum(xr, cols) / (double)cols);
-        double var = (double)simd_sq_dev(xr, cols, m) / (double)cols; /* biased, as PyTorch */
+        double var = simd_sq_dev_f64(xr, cols, m) / (double)cols; /* biased, as PyTorch */
         float inv = (float)(1.0 / sqrt(var + (double)eps));
         mp[r] = m;
         rp[r] = inv;

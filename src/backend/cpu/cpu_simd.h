@@ -109,19 +109,6 @@ static inline float simd_sum(const float *p, int64_t n) {
     return s;
 }
 
-/* sum of (p[i] - mu)^2 */
-static inline float simd_sq_dev(const float *p, int64_t n, float mu) {
-    v8f a = v8_set1(0), m = v8_set1(mu);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        v8f d = v8_load(p + i) - m;
-        a += d * d;
-    }
-    float s = v8_hsum(a);
-    for (; i < n; i++) s += (p[i] - mu) * (p[i] - mu);
-    return s;
-}
-
 /* sum of (p[i] - mu)^2, the squares added in double lanes (batch norm's statistics): added
  * in float without FMA contraction, as the sanitizer builds' baseline code does, a ResNet's
  * train-mode gradients came out 1,000x further from float64 PyTorch's than float32

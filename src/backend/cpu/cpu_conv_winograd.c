@@ -9,11 +9,11 @@
  *   input grad   the same, on gy padded by 2 - pad, with the filters flipped and transposed
  *   weight grad  dU[xi] [Cout, Cin] += (A dY A^T)[xi] [Cout, T] @ V[xi]^T, then gw = G^T dU G
  *
- * The transforms are vectorised along a tile row: a plane is first copied into a zero-padded
- * buffer P (the padding is then plain zeros and every load is in bounds), and lane l of a
- * 16-wide load at column 16k holds column 16k + l, so the even lanes are tiles 8k..8k+7. They
- * exist twice, for AVX-512 (one 16-lane vector) and for AVX2 (two 8-lane halves whose even
- * lanes are gathered into the 8 tiles); everything else (filter transforms, chunks, GEMMs) is
+ * The transforms are vectorised along a tile row: lane l of a 16-wide load at column 16k - pad
+ * holds that column + l, so the even lanes are tiles 8k..8k+7. The loads are masked: lanes
+ * outside the plane (the padding, the columns past a partial tile) read as zeros. The
+ * transforms exist twice, for AVX-512 (one 16-lane vector) and for AVX2 (two 8-lane halves whose
+ * even lanes are gathered into the 8 tiles); everything else (filter transforms, chunks, GEMMs) is
  * ISA-independent and reaches the transforms through a table picked once per call.
  * F(2x2, 3x3) is well conditioned (its transforms only add, subtract and halve): its error is
  * that of a reordered sum. Scratch (V, M: 16 (C1 + C2) floats per tile) is bounded by working
@@ -41,17 +41,23 @@ typedef struct {
     int64_t c2, h2, w2;         /* output planes */
     int64_t ty, tx, tt;         /* tile grid ceil(H2/2) x ceil(W2/2), tt = ty * tx */
     int64_t kc;                 /* 8-tile vectors per tile row, ceil(tx / 8) */
-    int64_t prow, pld;          /* padded plane: prow = 2 ty + 2 rows of pld floats */
 } wgeom;
 
 static wgeom wgeom_make(int64_t c1, int64_t h1, int64_t w1, int64_t ph, int64_t pw, int64_t c2,
                         int64_t h2, int64_t w2) {
-    wgeom g = {c1, h1, w1, ph, pw, c2, h2, w2, (h2 + 1) / 2, (w2 + 1) / 2, 0, 0, 0, 0};
+    wgeom g = {c1, h1, w1, ph, pw, c2, h2, w2, (h2 + 1) / 2, (w2 + 1) / 2, 0, 0};
     g.tt = g.ty * g.tx;
     g.kc = (g.tx + 7) / 8;
-    g.prow = 2 * g.ty + 2;
-    g.pld = 16 * g.kc + 16; /* loads reach column 16 (kc - 1) + 18 */
     return g;
+}
+
+/* Whether the 8-tile store at tile row ty, block k may write past the row's last tile: the lanes
+ * past it land on the first tiles of the next tile row, which the same call writes afterwards
+ * (ty is the outer loop). Only a plane's last row then needs a masked store: on the CNN's
+ * 14-wide planes (7 tiles) every store would be masked otherwise, and plain 8-float stores
+ * made its second layer's forward and backward 6% faster on AVX-512 (bench_conv). */
+static inline bool spill_ok(const wgeom *g, int64_t ty, int64_t k) {
+    return ty + 1 < g->ty && 8 * (k + 1) - g->tx <= g->tx;
 }
 
 static float *scratch(int64_t n, tdm_device dev) {
@@ -61,11 +67,9 @@ static float *scratch(int64_t n, tdm_device dev) {
 
 /* The transforms of one instruction set (the vectorised loops over a plane). */
 typedef struct {
-    void (*pad_plane)(const float *src, int64_t h, int64_t w, int64_t ph, int64_t pw, float *P,
-                      int64_t prow, int64_t pld);
-    void (*input_transform)(const float *P, const wgeom *g, float *v, int64_t xs);
+    void (*input_transform)(const float *x, const wgeom *g, float *v, int64_t xs);
     void (*output_transform)(const float *mm, int64_t xs, const wgeom *g, float bias, float *out);
-    void (*grad_transform)(const float *Q, const wgeom *g, float *v, int64_t xs);
+    void (*grad_transform)(const float *dy, const wgeom *g, float *v, int64_t xs);
 } wino_kernels;
 
 /* AVX-512 code, reached only where tdm_cpu_vector_bits() says 512 */
@@ -77,50 +81,53 @@ static inline __mmask16 tile_mask(int64_t tx, int64_t k) {
     return n >= 8 ? (__mmask16)0xFF : (__mmask16)((1u << n) - 1);
 }
 
-static inline __mmask16 col_mask(int64_t w, int64_t k) {
-    int64_t n = w - 16 * k;
-    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+/* Tiles 8k.. (v's lanes 0-7) to d: all eight where spill_ok, else the lanes of m. */
+static inline void store_tiles_512(float *d, __mmask16 m, __m512 v, bool spill) {
+    if (spill)
+        _mm256_storeu_ps(d, _mm512_castps512_ps256(v));
+    else
+        _mm512_mask_storeu_ps(d, m, v);
 }
 
-/* P (prow x pld, zeros outside the copy) row r, column c = src row r - ph, column c - pw. The
- * padding cells are never written, so P is zeroed once per kernel call. Rows are short (14
- * floats in the CNN): masked vector copies, not a memcpy call per row. */
-static void pad_plane_512(const float *src, int64_t h, int64_t w, int64_t ph, int64_t pw, float *P,
-                          int64_t prow, int64_t pld) {
-    int64_t r0 = ph > 0 ? ph : 0, r1 = h + ph < prow ? h + ph : prow;
-    int64_t c0 = pw > 0 ? pw : 0, c1 = w + pw < pld ? w + pw : pld;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *s = src + (r - ph) * w + (c0 - pw);
-        float *d = P + r * pld + c0;
-        for (int64_t c = 0; c < c1 - c0; c += 16) {
-            __mmask16 m = col_mask(c1 - c0 - c, 0);
-            _mm512_mask_storeu_ps(d + c, m, _mm512_maskz_loadu_ps(m, s + c));
-        }
-    }
+/* Lanes l of a 16-lane load at column s of a w-wide row that hold a pixel (0 <= s + l < w): the
+ * others read as zeros, which are the padding. */
+static inline __mmask16 row_mask(int64_t s, int64_t w) {
+    int64_t lo = s < 0 ? -s : 0, hi = w - s < 16 ? w - s : 16;
+    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
 }
 
-/* V[xi][t] (xi stride xs) = (B^T d B)[xi] for every tile t = ty * tx + tx of padded plane P. */
-static void input_transform_512(const float *P, const wgeom *g, float *v, int64_t xs) {
+/* V[xi][t] (xi stride xs) = (B^T d B)[xi] for every tile t = ty * tx + tx of the plane x [H1, W1],
+ * zero-padded by ph, pw. The patch rows are masked loads from x itself: a copy into a padded
+ * buffer first had every load wait for the masked stores before it (no store forwarding from
+ * them), a third of this function's time. */
+static void input_transform_512(const float *x, const wgeom *g, float *v, int64_t xs) {
     const __m512i even = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     for (int64_t ty = 0; ty < g->ty; ty++)
         for (int64_t k = 0; k < g->kc; k++) {
-            __m512 h[4][4]; /* h[i][j]: row i of the patch times B, lane = column 16k + l */
+            int64_t c = 16 * k - g->pw; /* column of lane 0 */
+            __mmask16 cm[4], m = tile_mask(g->tx, k);
+            bool spill = spill_ok(g, ty, k);
+            for (int j = 0; j < 4; j++) cm[j] = row_mask(c + j, g->w1);
+            __m512 h[4][4]; /* h[i][j]: row i of the patch times B, lane = column c + l */
             for (int i = 0; i < 4; i++) {
-                const float *r = P + (2 * ty + i) * g->pld + 16 * k;
-                __m512 a0 = _mm512_loadu_ps(r), a1 = _mm512_loadu_ps(r + 1);
-                __m512 a2 = _mm512_loadu_ps(r + 2), a3 = _mm512_loadu_ps(r + 3);
+                int64_t y = 2 * ty + i - g->ph;
+                bool in = y >= 0 && y < g->h1;
+                const float *r = x + (in ? y : 0) * g->w1 + c;
+                __m512 a0 = _mm512_maskz_loadu_ps(in ? cm[0] : 0, r);
+                __m512 a1 = _mm512_maskz_loadu_ps(in ? cm[1] : 0, r + 1);
+                __m512 a2 = _mm512_maskz_loadu_ps(in ? cm[2] : 0, r + 2);
+                __m512 a3 = _mm512_maskz_loadu_ps(in ? cm[3] : 0, r + 3);
                 h[i][0] = _mm512_sub_ps(a0, a2), h[i][1] = _mm512_add_ps(a1, a2);
                 h[i][2] = _mm512_sub_ps(a2, a1), h[i][3] = _mm512_sub_ps(a1, a3);
             }
-            __mmask16 m = tile_mask(g->tx, k);
             float *d = v + ty * g->tx + 8 * k;
             for (int j = 0; j < 4; j++) {
                 __m512 v0 = _mm512_sub_ps(h[0][j], h[2][j]), v1 = _mm512_add_ps(h[1][j], h[2][j]);
                 __m512 v2 = _mm512_sub_ps(h[2][j], h[1][j]), v3 = _mm512_sub_ps(h[1][j], h[3][j]);
-                _mm512_mask_storeu_ps(d + j * xs, m, _mm512_permutexvar_ps(even, v0));
-                _mm512_mask_storeu_ps(d + (4 + j) * xs, m, _mm512_permutexvar_ps(even, v1));
-                _mm512_mask_storeu_ps(d + (8 + j) * xs, m, _mm512_permutexvar_ps(even, v2));
-                _mm512_mask_storeu_ps(d + (12 + j) * xs, m, _mm512_permutexvar_ps(even, v3));
+                store_tiles_512(d + j * xs, m, _mm512_permutexvar_ps(even, v0), spill);
+                store_tiles_512(d + (4 + j) * xs, m, _mm512_permutexvar_ps(even, v1), spill);
+                store_tiles_512(d + (8 + j) * xs, m, _mm512_permutexvar_ps(even, v2), spill);
+                store_tiles_512(d + (12 + j) * xs, m, _mm512_permutexvar_ps(even, v3), spill);
             }
         }
 }
@@ -133,7 +140,7 @@ static void output_transform_512(const float *mm, int64_t xs, const wgeom *g, fl
     const __m512 b = _mm512_set1_ps(bias);
     for (int64_t ty = 0; ty < g->ty; ty++)
         for (int64_t k = 0; k < g->kc; k++) {
-            __mmask16 m = tile_mask(g->tx, k), cm = col_mask(g->w2, k);
+            __mmask16 m = tile_mask(g->tx, k), cm = row_mask(16 * k, g->w2);
             const float *s = mm + ty * g->tx + 8 * k;
             __m512 s0[4], s1[4]; /* A^T applied to the rows */
             for (int j = 0; j < 4; j++) {
@@ -156,28 +163,31 @@ static void output_transform_512(const float *mm, int64_t xs, const wgeom *g, fl
         }
 }
 
-/* dM[xi][t] = (A dY A^T)[xi], the gradient of the tile's M, from the output gradient dY padded
- * into Q (rows and columns past H2, W2 are zero, so partial tiles contribute nothing). */
-static void grad_transform_512(const float *Q, const wgeom *g, float *v, int64_t xs) {
+/* dM[xi][t] = (A dY A^T)[xi], the gradient of the tile's M, from the output gradient dY
+ * [H2, W2] (rows and columns past H2, W2 read as zeros, so partial tiles contribute nothing). */
+static void grad_transform_512(const float *dy, const wgeom *g, float *v, int64_t xs) {
     const __m512i even = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 13, 11, 9, 7, 5, 3, 1);
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t ty = 0; ty < g->ty; ty++)
         for (int64_t k = 0; k < g->kc; k++) {
+            __mmask16 cm = row_mask(16 * k, g->w2), m = tile_mask(g->tx, k);
+            bool spill = spill_ok(g, ty, k);
             __m512 e[2][4]; /* e[r][j]: row r of dY times A^T, lane = tile */
             for (int r = 0; r < 2; r++) {
-                __m512 a = _mm512_loadu_ps(Q + (2 * ty + r) * g->pld + 16 * k);
+                int64_t y = 2 * ty + r;
+                __m512 a = _mm512_maskz_loadu_ps(y < g->h2 ? cm : 0,
+                                                 dy + (y < g->h2 ? y : 0) * g->w2 + 16 * k);
                 __m512 d0 = _mm512_permutexvar_ps(even, a), d1 = _mm512_permutexvar_ps(odd, a);
                 e[r][0] = d0, e[r][1] = _mm512_add_ps(d0, d1);
                 e[r][2] = _mm512_sub_ps(d0, d1), e[r][3] = _mm512_sub_ps(zero, d1);
             }
-            __mmask16 m = tile_mask(g->tx, k);
             float *d = v + ty * g->tx + 8 * k;
             for (int j = 0; j < 4; j++) {
-                _mm512_mask_storeu_ps(d + j * xs, m, e[0][j]);
-                _mm512_mask_storeu_ps(d + (4 + j) * xs, m, _mm512_add_ps(e[0][j], e[1][j]));
-                _mm512_mask_storeu_ps(d + (8 + j) * xs, m, _mm512_sub_ps(e[0][j], e[1][j]));
-                _mm512_mask_storeu_ps(d + (12 + j) * xs, m, _mm512_sub_ps(zero, e[1][j]));
+                store_tiles_512(d + j * xs, m, e[0][j], spill);
+                store_tiles_512(d + (4 + j) * xs, m, _mm512_add_ps(e[0][j], e[1][j]), spill);
+                store_tiles_512(d + (8 + j) * xs, m, _mm512_sub_ps(e[0][j], e[1][j]), spill);
+                store_tiles_512(d + (12 + j) * xs, m, _mm512_sub_ps(zero, e[1][j]), spill);
             }
         }
 }
@@ -204,12 +214,10 @@ static inline void store_n(float *d, int64_t n, __m256i m, __m256 v) {
         _mm256_maskstore_ps(d, m, v);
 }
 
-/* store_n where the lanes past n may be written (spill_ok): they land on the first elements
- * of the next row of tiles (or of pixels), which the same call writes afterwards. Only a
- * plane's last row then needs the mask: on a 14-wide plane (7 tiles) every store would be
- * masked otherwise. spill_ok needs a next row, at least as long as the spill. */
-static inline void store_row(float *d, int64_t n, __m256i m, __m256 v, bool spill_ok) {
-    if (spill_ok)
+/* store_n where the lanes past n may be written (spill): they land on the first elements of
+ * the next row of tiles (spill_ok) or of pixels, which the same call writes afterwards. */
+static inline void store_row(float *d, int64_t n, __m256i m, __m256 v, bool spill) {
+    if (spill)
         _mm256_storeu_ps(d, v);
     else
         store_n(d, n, m, v);
@@ -226,33 +234,34 @@ static inline __m256 odds(__m256 a, __m256 b) {
     return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(t), _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
-static void pad_plane_256(const float *src, int64_t h, int64_t w, int64_t ph, int64_t pw, float *P,
-                          int64_t prow, int64_t pld) {
-    int64_t r0 = ph > 0 ? ph : 0, r1 = h + ph < prow ? h + ph : prow;
-    int64_t c0 = pw > 0 ? pw : 0, c1 = w + pw < pld ? w + pw : pld;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *s = src + (r - ph) * w + (c0 - pw);
-        float *d = P + r * pld + c0;
-        int64_t c = 0;
-        for (; c + 8 <= c1 - c0; c += 8) _mm256_storeu_ps(d + c, _mm256_loadu_ps(s + c));
-        if (c < c1 - c0) { /* the lanes past the row are zeros, stored in its right padding
-                            * (pld leaves 16 columns past the last tile's): no vmaskmovps */
-            __m256i m = lanes_256(c1 - c0 - c);
-            _mm256_storeu_ps(d + c, _mm256_maskload_ps(s + c, m));
-        }
-    }
+/* Lanes l of an 8-lane load at column s of a w-wide row that hold a pixel (0 <= s + l < w), for
+ * maskload: the others read as zeros, the padding (row_mask's twin). */
+static inline __m256i row_lanes_256(int64_t s, int64_t w) {
+    __m256i c =
+        _mm256_add_epi32(_mm256_set1_epi32((int32_t)s), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_and_si256(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(-1)),
+                            _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)w), c));
 }
 
-static void input_transform_256(const float *P, const wgeom *g, float *v, int64_t xs) {
+static void input_transform_256(const float *x, const wgeom *g, float *v, int64_t xs) {
+    const __m256i none = _mm256_setzero_si256();
     for (int64_t ty = 0; ty < g->ty; ty++)
         for (int64_t k = 0; k < g->kc; k++) {
+            int64_t c = 16 * k - g->pw, nt = g->tx - 8 * k;
+            __m256i cm[2][4], m = lanes_256(nt);
+            for (int hf = 0; hf < 2; hf++)
+                for (int j = 0; j < 4; j++) cm[hf][j] = row_lanes_256(c + 8 * hf + j, g->w1);
             __m256 o[2][16]; /* o[half][4i + j]: (B^T d B)[i][j], lane = column of the half */
             for (int hf = 0; hf < 2; hf++) {
                 __m256 h[4][4]; /* h[i][j]: row i of the patch times B */
                 for (int i = 0; i < 4; i++) {
-                    const float *r = P + (2 * ty + i) * g->pld + 16 * k + 8 * hf;
-                    __m256 a0 = _mm256_loadu_ps(r), a1 = _mm256_loadu_ps(r + 1);
-                    __m256 a2 = _mm256_loadu_ps(r + 2), a3 = _mm256_loadu_ps(r + 3);
+                    int64_t y = 2 * ty + i - g->ph;
+                    bool in = y >= 0 && y < g->h1;
+                    const float *r = x + (in ? y : 0) * g->w1 + c + 8 * hf;
+                    __m256 a0 = _mm256_maskload_ps(r, in ? cm[hf][0] : none);
+                    __m256 a1 = _mm256_maskload_ps(r + 1, in ? cm[hf][1] : none);
+                    __m256 a2 = _mm256_maskload_ps(r + 2, in ? cm[hf][2] : none);
+                    __m256 a3 = _mm256_maskload_ps(r + 3, in ? cm[hf][3] : none);
                     h[i][0] = _mm256_sub_ps(a0, a2), h[i][1] = _mm256_add_ps(a1, a2);
                     h[i][2] = _mm256_sub_ps(a2, a1), h[i][3] = _mm256_sub_ps(a1, a3);
                 }
@@ -263,10 +272,8 @@ static void input_transform_256(const float *P, const wgeom *g, float *v, int64_
                     o[hf][12 + j] = _mm256_sub_ps(h[1][j], h[3][j]);
                 }
             }
-            int64_t nt = g->tx - 8 * k;
-            __m256i m = lanes_256(nt);
             float *d = v + ty * g->tx + 8 * k;
-            bool spill = ty + 1 < g->ty && 8 - nt <= g->tx;
+            bool spill = spill_ok(g, ty, k);
             for (int xi = 0; xi < 16; xi++)
                 store_row(d + xi * xs, nt, m, evens(o[0][xi], o[1][xi]), spill);
         }
@@ -308,22 +315,27 @@ static void output_transform_256(const float *mm, int64_t xs, const wgeom *g, fl
         }
 }
 
-static void grad_transform_256(const float *Q, const wgeom *g, float *v, int64_t xs) {
+static void grad_transform_256(const float *dy, const wgeom *g, float *v, int64_t xs) {
     const __m256 zero = _mm256_setzero_ps();
+    const __m256i none = _mm256_setzero_si256();
     for (int64_t ty = 0; ty < g->ty; ty++)
         for (int64_t k = 0; k < g->kc; k++) {
+            int64_t nt = g->tx - 8 * k;
+            __m256i m = lanes_256(nt);
+            __m256i lo = row_lanes_256(16 * k, g->w2), hi = row_lanes_256(16 * k + 8, g->w2);
             __m256 e[2][4]; /* e[r][j]: row r of dY times A^T, lane = tile */
             for (int r = 0; r < 2; r++) {
-                const float *q = Q + (2 * ty + r) * g->pld + 16 * k;
-                __m256 a = _mm256_loadu_ps(q), c = _mm256_loadu_ps(q + 8);
+                int64_t y = 2 * ty + r;
+                bool in = y < g->h2;
+                const float *q = dy + (in ? y : 0) * g->w2 + 16 * k;
+                __m256 a = _mm256_maskload_ps(q, in ? lo : none);
+                __m256 c = _mm256_maskload_ps(q + 8, in ? hi : none);
                 __m256 d0 = evens(a, c), d1 = odds(a, c);
                 e[r][0] = d0, e[r][1] = _mm256_add_ps(d0, d1);
                 e[r][2] = _mm256_sub_ps(d0, d1), e[r][3] = _mm256_sub_ps(zero, d1);
             }
-            int64_t nt = g->tx - 8 * k;
-            __m256i m = lanes_256(nt);
             float *d = v + ty * g->tx + 8 * k;
-            bool spill = ty + 1 < g->ty && 8 - nt <= g->tx;
+            bool spill = spill_ok(g, ty, k);
             for (int j = 0; j < 4; j++) {
                 store_row(d + j * xs, nt, m, e[0][j], spill);
                 store_row(d + (4 + j) * xs, nt, m, _mm256_add_ps(e[0][j], e[1][j]), spill);
@@ -335,9 +347,9 @@ static void grad_transform_256(const float *Q, const wgeom *g, float *v, int64_t
 
 TDM_AVX2_END
 
-static const wino_kernels kernels_512 = {pad_plane_512, input_transform_512, output_transform_512,
+static const wino_kernels kernels_512 = {input_transform_512, output_transform_512,
                                          grad_transform_512};
-static const wino_kernels kernels_256 = {pad_plane_256, input_transform_256, output_transform_256,
+static const wino_kernels kernels_256 = {input_transform_256, output_transform_256,
                                          grad_transform_256};
 
 /* The transforms for this CPU (tdm_cpu_wino_applies has checked it has one of them). */
@@ -404,12 +416,11 @@ static int64_t xi_stride(int64_t c, int64_t ld) {
 
 /* V[xi][c][i * tt + t] for images [n0, n0 + cnt) of in [N, C1, H1, W1]. */
 static void transform_inputs(const wino_kernels *kt, const float *in, const wgeom *g, int64_t n0,
-                             int64_t cnt, float *P, float *v, int64_t ld) {
+                             int64_t cnt, float *v, int64_t ld) {
     for (int64_t i = 0; i < cnt; i++)
         for (int64_t c = 0; c < g->c1; c++) {
-            kt->pad_plane(in + ((n0 + i) * g->c1 + c) * g->h1 * g->w1, g->h1, g->w1, g->ph, g->pw,
-                          P, g->prow, g->pld);
-            kt->input_transform(P, g, v + c * ld + i * g->tt, xi_stride(g->c1, ld));
+            kt->input_transform(in + ((n0 + i) * g->c1 + c) * g->h1 * g->w1, g,
+                                v + c * ld + i * g->tt, xi_stride(g->c1, ld));
         }
 }
 
@@ -420,17 +431,15 @@ static int wino_correlate(const float *in, const wgeom *g, int64_t n, const floa
     const wino_kernels *kt = wino_kernels_for_cpu();
     int64_t nb = chunk_images(g, n), ld = chunk_ld(g, nb);
     if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
-    float *P = scratch(g->prow * g->pld, dev);
     int64_t vs = xi_stride(g->c1, ld), ms = xi_stride(g->c2, ld);
     float *V = scratch(16 * vs, dev), *M = scratch(16 * ms, dev);
-    if (!P || !V || !M) {
+    if (!V || !M) {
         tdm_scope_end();
         return tdm_last_status();
     }
-    memset(P, 0, (size_t)(g->prow * g->pld) * sizeof(float));
     for (int64_t n0 = 0; n0 < n; n0 += nb) {
         int64_t cnt = n - n0 < nb ? n - n0 : nb, t = cnt * g->tt;
-        transform_inputs(kt, in, g, n0, cnt, P, V, ld);
+        transform_inputs(kt, in, g, n0, cnt, V, ld);
         for (int xi = 0; xi < 16; xi++)
             tdm_cpu_sgemm(false, false, g->c2, t, g->c1, 1.0f, U + xi * g->c2 * g->c1, g->c1,
                           V + xi * vs, ld, 0.0f, M + xi * ms, ld);
@@ -490,22 +499,17 @@ static int wino_weight_grad(float *gw, const float *gy, const float *x, const co
     const wino_kernels *kt = wino_kernels_for_cpu();
     wgeom fg = forward_geom(g);
     int64_t nb = chunk_images(&fg, g->n), ld = chunk_ld(&fg, nb);
-    float *P = scratch(fg.prow * fg.pld, dev), *Q = scratch(fg.prow * fg.pld, dev);
     int64_t vs = xi_stride(g->cin, ld), ds = xi_stride(g->cout, ld);
     float *V = scratch(16 * vs, dev), *D = scratch(16 * ds, dev);
     float *dU = scratch(16 * g->cout * g->cin, dev); /* [16][Cout][Cin] */
-    if (!P || !Q || !V || !D || !dU) return tdm_last_status();
-    memset(P, 0, (size_t)(fg.prow * fg.pld) * sizeof(float));
-    memset(Q, 0, (size_t)(fg.prow * fg.pld) * sizeof(float));
+    if (!V || !D || !dU) return tdm_last_status();
     for (int64_t n0 = 0; n0 < g->n; n0 += nb) {
         int64_t cnt = g->n - n0 < nb ? g->n - n0 : nb, t = cnt * fg.tt;
-        transform_inputs(kt, x, &fg, n0, cnt, P, V, ld);
+        transform_inputs(kt, x, &fg, n0, cnt, V, ld);
         for (int64_t i = 0; i < cnt; i++)
-            for (int64_t c = 0; c < g->cout; c++) {
-                kt->pad_plane(gy + ((n0 + i) * g->cout + c) * g->p, g->ho, g->wo, 0, 0, Q, fg.prow,
-                              fg.pld);
-                kt->grad_transform(Q, &fg, D + c * ld + i * fg.tt, ds);
-            }
+            for (int64_t c = 0; c < g->cout; c++)
+                kt->grad_transform(gy + ((n0 + i) * g->cout + c) * g->p, &fg,
+                                   D + c * ld + i * fg.tt, ds);
         for (int xi = 0; xi < 16; xi++)
             tdm_cpu_sgemm(false, true, g->cout, g->cin, t, 1.0f, D + xi * ds, ld, V + xi * vs, ld,
                           n0 == 0 ? 0.0f : 1.0f, dU + xi * g->cout * g->cin, g->cin);

@@ -357,38 +357,73 @@ static const wino_kernels *wino_kernels_for_cpu(void) {
     return tdm_cpu_vector_bits() == 512 ? &kernels_512 : &kernels_256;
 }
 
-static const float G[4][3] = {{1, 0, 0}, {0.5f, 0.5f, 0.5f}, {0.5f, -0.5f, 0.5f}, {0, 0, 1}};
-
-/* u[xi * us] = (G f G^T)[xi] for one 3x3 filter f (row stride 3, or flipped: f[2-a][2-b]). */
-static void filter_transform(const float *f, bool flip, float *u, int64_t us) {
-    float t[4][3];
-    for (int i = 0; i < 4; i++)
-        for (int b = 0; b < 3; b++) {
-            float acc = 0;
-            for (int a = 0; a < 3; a++)
-                acc += G[i][a] * (flip ? f[(2 - a) * 3 + (2 - b)] : f[a * 3 + b]);
-            t[i][b] = acc;
+/* The filters' taps f9 [9][n], tap k of filter j at f9[k * n + j], so that the transforms below
+ * run over j in vectors (scalar per filter they were 2% of the CNN's step). Filter j is
+ * co * cin + ci of w [cout, cin, 3, 3], or (flip, the input gradient's) ci * cout + co rotated
+ * by 180 degrees. */
+static void filter_taps(const float *w, int64_t cout, int64_t cin, bool flip, float *f9) {
+    int64_t n = cout * cin;
+    for (int64_t co = 0; co < cout; co++)
+        for (int64_t ci = 0; ci < cin; ci++) {
+            const float *f = w + (co * cin + ci) * 9;
+            int64_t j = flip ? ci * cout + co : co * cin + ci;
+            for (int k = 0; k < 9; k++) f9[k * n + j] = f[flip ? 8 - k : k];
         }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++)
-            u[(i * 4 + j) * us] = t[i][0] * G[j][0] + t[i][1] * G[j][1] + t[i][2] * G[j][2];
 }
 
-/* f [3x3] = G^T dU G, the adjoint of filter_transform; dU[xi * us]. */
-static void filter_transform_adjoint(const float *du, int64_t us, float *f) {
-    float t[3][4]; /* G^T dU */
-    for (int a = 0; a < 3; a++)
-        for (int j = 0; j < 4; j++) {
-            float acc = 0;
-            for (int i = 0; i < 4; i++) acc += G[i][a] * du[(i * 4 + j) * us];
-            t[a][j] = acc;
-        }
-    for (int a = 0; a < 3; a++)
-        for (int b = 0; b < 3; b++) {
-            float acc = 0;
-            for (int j = 0; j < 4; j++) acc += t[a][j] * G[j][b];
-            f[a * 3 + b] = acc;
-        }
+/* (o0, o1, o2, o3) = G (a, b, c), G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1], for n filters at once
+ * (row vectors over the filters: GCC vectorises this form, not a loop over filters of 3x3
+ * matrices) */
+TDM_CPU_CLONES
+static void g_apply(const float *restrict a, const float *restrict b, const float *restrict c,
+                    int64_t n, float *restrict o0, float *restrict o1, float *restrict o2,
+                    float *restrict o3) {
+    for (int64_t j = 0; j < n; j++) {
+        o0[j] = a[j], o1[j] = 0.5f * (a[j] + b[j] + c[j]);
+        o2[j] = 0.5f * (a[j] - b[j] + c[j]), o3[j] = c[j];
+    }
+}
+
+/* (o0, o1, o2) = G^T (d0, d1, d2, d3), the adjoint of g_apply */
+TDM_CPU_CLONES
+static void g_adjoint(const float *restrict d0, const float *restrict d1, const float *restrict d2,
+                      const float *restrict d3, int64_t n, float *restrict o0, float *restrict o1,
+                      float *restrict o2) {
+    for (int64_t j = 0; j < n; j++) {
+        o0[j] = d0[j] + 0.5f * (d1[j] + d2[j]), o1[j] = 0.5f * (d1[j] - d2[j]);
+        o2[j] = 0.5f * (d1[j] + d2[j]) + d3[j];
+    }
+}
+
+/* u [16][n] = G f G^T for the n filters of f9 [9][n]; t [12][n] is scratch. */
+static void filters_transform(const float *f9, int64_t n, float *t, float *u) {
+    for (int b = 0; b < 3; b++) /* t[i][b] = (G f)[i][b] */
+        g_apply(f9 + b * n, f9 + (3 + b) * n, f9 + (6 + b) * n, n, t + b * n, t + (3 + b) * n,
+                t + (6 + b) * n, t + (9 + b) * n);
+    for (int i = 0; i < 4; i++) /* u[i][j] = (t G^T)[i][j] */
+        g_apply(t + 3 * i * n, t + (3 * i + 1) * n, t + (3 * i + 2) * n, n, u + 4 * i * n,
+                u + (4 * i + 1) * n, u + (4 * i + 2) * n, u + (4 * i + 3) * n);
+}
+
+/* f9 [9][n] = G^T du G, the adjoint of filters_transform, for du [16][n]; t [12][n] scratch. */
+static void filters_transform_adjoint(const float *du, int64_t n, float *t, float *f9) {
+    for (int c = 0; c < 4; c++) /* t[a][c] = (G^T du)[a][c] */
+        g_adjoint(du + c * n, du + (4 + c) * n, du + (8 + c) * n, du + (12 + c) * n, n, t + c * n,
+                  t + (4 + c) * n, t + (8 + c) * n);
+    for (int a = 0; a < 3; a++) /* f[a][b] = (t G)[a][b] */
+        g_adjoint(t + 4 * a * n, t + (4 * a + 1) * n, t + (4 * a + 2) * n, t + (4 * a + 3) * n, n,
+                  f9 + 3 * a * n, f9 + (3 * a + 1) * n, f9 + (3 * a + 2) * n);
+}
+
+/* U [16][n] for the filters w (as filter_taps takes them), in scratch of the current scope. */
+static float *filters_winograd(const float *w, int64_t cout, int64_t cin, bool flip,
+                               tdm_device dev) {
+    int64_t n = cout * cin;
+    float *f9 = scratch(9 * n, dev), *t = scratch(12 * n, dev), *u = scratch(16 * n, dev);
+    if (!f9 || !t || !u) return NULL;
+    filter_taps(w, cout, cin, flip, f9);
+    filters_transform(f9, n, t, u);
+    return u;
 }
 
 /* Images per chunk: V and M of the chunk fill about an L2. */
@@ -466,15 +501,11 @@ int tdm_cpu_wino_conv2d(float *y, const float *x, const float *w, const float *b
                         const conv_geom *g, tdm_device dev) {
     wgeom fg = forward_geom(g);
     if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
-    float *U = scratch(16 * g->cout * g->cin, dev); /* [16][Cout][Cin] */
+    float *U = filters_winograd(w, g->cout, g->cin, false, dev); /* [16][Cout][Cin] */
     if (!U) {
         tdm_scope_end();
         return tdm_last_status();
     }
-    for (int64_t co = 0; co < g->cout; co++)
-        for (int64_t ci = 0; ci < g->cin; ci++)
-            filter_transform(w + (co * g->cin + ci) * 9, false, U + co * g->cin + ci,
-                             g->cout * g->cin);
     int rc = wino_correlate(x, &fg, g->n, U, b, y, dev);
     tdm_scope_end();
     return rc;
@@ -484,12 +515,8 @@ int tdm_cpu_wino_conv2d(float *y, const float *x, const float *w, const float *b
 static int wino_input_grad(float *gx, const float *gy, const float *w, const conv_geom *g,
                            tdm_device dev) {
     wgeom bg = wgeom_make(g->cout, g->ho, g->wo, 2 - g->ph, 2 - g->pw, g->cin, g->h, g->w);
-    float *U = scratch(16 * g->cin * g->cout, dev); /* [16][Cin][Cout] */
+    float *U = filters_winograd(w, g->cout, g->cin, true, dev); /* [16][Cin][Cout] */
     if (!U) return tdm_last_status();
-    for (int64_t co = 0; co < g->cout; co++)
-        for (int64_t ci = 0; ci < g->cin; ci++)
-            filter_transform(w + (co * g->cin + ci) * 9, true, U + ci * g->cout + co,
-                             g->cin * g->cout);
     return wino_correlate(gy, &bg, g->n, U, NULL, gx, dev);
 }
 
@@ -501,8 +528,10 @@ static int wino_weight_grad(float *gw, const float *gy, const float *x, const co
     int64_t nb = chunk_images(&fg, g->n), ld = chunk_ld(&fg, nb);
     int64_t vs = xi_stride(g->cin, ld), ds = xi_stride(g->cout, ld);
     float *V = scratch(16 * vs, dev), *D = scratch(16 * ds, dev);
-    float *dU = scratch(16 * g->cout * g->cin, dev); /* [16][Cout][Cin] */
-    if (!V || !D || !dU) return tdm_last_status();
+    int64_t nf = g->cout * g->cin;
+    float *dU = scratch(16 * nf, dev); /* [16][Cout][Cin] */
+    float *tmp = scratch(12 * nf, dev), *f9 = scratch(9 * nf, dev);
+    if (!V || !D || !dU || !tmp || !f9) return tdm_last_status();
     for (int64_t n0 = 0; n0 < g->n; n0 += nb) {
         int64_t cnt = g->n - n0 < nb ? g->n - n0 : nb, t = cnt * fg.tt;
         transform_inputs(kt, x, &fg, n0, cnt, V, ld);
@@ -512,12 +541,11 @@ static int wino_weight_grad(float *gw, const float *gy, const float *x, const co
                                    D + c * ld + i * fg.tt, ds);
         for (int xi = 0; xi < 16; xi++)
             tdm_cpu_sgemm(false, true, g->cout, g->cin, t, 1.0f, D + xi * ds, ld, V + xi * vs, ld,
-                          n0 == 0 ? 0.0f : 1.0f, dU + xi * g->cout * g->cin, g->cin);
+                          n0 == 0 ? 0.0f : 1.0f, dU + xi * nf, g->cin);
     }
-    for (int64_t co = 0; co < g->cout; co++)
-        for (int64_t ci = 0; ci < g->cin; ci++)
-            filter_transform_adjoint(dU + co * g->cin + ci, g->cout * g->cin,
-                                     gw + (co * g->cin + ci) * 9);
+    filters_transform_adjoint(dU, nf, tmp, f9);
+    for (int64_t j = 0; j < nf; j++)
+        for (int k = 0; k < 9; k++) gw[j * 9 + k] = f9[k * nf + j];
     return TDM_OK;
 }
 

@@ -481,14 +481,14 @@ static void test_pool_fixtures(void) {
         }
         if (shape_ok && f->idx) { /* the index output of the kernel itself */
             tdm_tensor *yk = tdm_empty(ys, TDM_F32, tdm_cpu(0));
-            tdm_tensor *ik = tdm_empty(ys, TDM_I64, tdm_cpu(0));
+            tdm_tensor *ik = tdm_empty(ys, TDM_I32, tdm_cpu(0));
             tdm_pool2d_args a = {o.kernel_h, o.kernel_w,   o.stride_h,   o.stride_w,  o.pad_h,
                                  o.pad_w,    o.dilation_h, o.dilation_w, o.ceil_mode, false};
             CHECK(tdm_backend_for(tdm_cpu(0))->max_pool2d(yk, ik, x, &a) == 0, "%s",
                   tdm_last_error());
             int64_t n = tdm_numel(ik), bad = 0;
-            int64_t *got = malloc(sizeof(int64_t) * (size_t)n);
-            tdm_to_host(ik, got, sizeof(int64_t) * (size_t)n);
+            int32_t *got = malloc(sizeof(int32_t) * (size_t)n);
+            tdm_to_host(ik, got, sizeof(int32_t) * (size_t)n);
             for (int64_t j = 0; j < n; j++) bad += got[j] != f->idx[j];
             CHECK(bad == 0, "pool fixture %s: %lld indices differ from PyTorch's", f->name,
                   (long long)bad);
@@ -503,13 +503,13 @@ static void check_nan_pool(int k, int s, int p, const float *ey, const int64_t *
     tdm_scope_begin();
     tdm_tensor *x = tdm_from_data(TDM_SHAPE(1, 1, 4, 4), TDM_F32, tdm_cpu(0), pool_nan_x);
     tdm_shape ys = TDM_SHAPE(1, 1, n / 4 > 1 ? 4 : 2, n / 4 > 1 ? 4 : 2);
-    tdm_tensor *y = tdm_empty(ys, TDM_F32, tdm_cpu(0)), *ik = tdm_empty(ys, TDM_I64, tdm_cpu(0));
+    tdm_tensor *y = tdm_empty(ys, TDM_F32, tdm_cpu(0)), *ik = tdm_empty(ys, TDM_I32, tdm_cpu(0));
     tdm_pool2d_args a = {k, k, s, s, p, p, 1, 1, false, false};
     CHECK(tdm_backend_for(tdm_cpu(0))->max_pool2d(y, ik, x, &a) == 0, "%s", tdm_last_error());
     float gy[16];
-    int64_t gi[16];
+    int32_t gi[16];
     tdm_to_host(y, gy, sizeof(float) * (size_t)n);
-    tdm_to_host(ik, gi, sizeof(int64_t) * (size_t)n);
+    tdm_to_host(ik, gi, sizeof(int32_t) * (size_t)n);
     int bad = 0;
     for (int i = 0; i < n; i++)
         bad += gi[i] != eidx[i] || (isnan(ey[i]) ? !isnan(gy[i]) : gy[i] != ey[i]);
@@ -524,17 +524,17 @@ static void check_pool_2x2_row(int W) {
     enum { H = 6, HO = H / 2, P = 2 * 3, W_MAX = 40 };
     const int WO = W / 2;
     static float x[P * H * W_MAX], y[P * HO * W_MAX];
-    static int64_t idx[P * HO * W_MAX];
+    static int32_t idx[P * HO * W_MAX];
     for (int i = 0; i < P * H * W; i++) x[i] = (float)((i * 7919 + i / 5) % 7) - 3;
     x[5 * W + 9] = NAN, x[W + 20] = INFINITY, x[2 * H * W + 3] = -INFINITY, x[40] = NAN;
     tdm_scope_begin();
     tdm_tensor *xt = tdm_from_data(TDM_SHAPE(2, 3, H, W), TDM_F32, tdm_cpu(0), x);
     tdm_tensor *yt = tdm_empty(TDM_SHAPE(2, 3, HO, WO), TDM_F32, tdm_cpu(0));
-    tdm_tensor *it = tdm_empty(TDM_SHAPE(2, 3, HO, WO), TDM_I64, tdm_cpu(0));
+    tdm_tensor *it = tdm_empty(TDM_SHAPE(2, 3, HO, WO), TDM_I32, tdm_cpu(0));
     tdm_pool2d_args a = {2, 2, 2, 2, 0, 0, 1, 1, false, false};
     CHECK(tdm_backend_for(tdm_cpu(0))->max_pool2d(yt, it, xt, &a) == 0, "%s", tdm_last_error());
     tdm_to_host(yt, y, sizeof(float) * (size_t)(P * HO * WO));
-    tdm_to_host(it, idx, sizeof(int64_t) * (size_t)(P * HO * WO));
+    tdm_to_host(it, idx, sizeof(int32_t) * (size_t)(P * HO * WO));
     tdm_scope_end();
     int bad = 0;
     for (int p = 0; p < P; p++)
@@ -609,6 +609,11 @@ static void test_errors(void) {
     tdm_pool2d_opts adil = {.kernel_h = 2, .kernel_w = 2, .dilation_h = 2};
     CHECK_ERROR(!tdm_avg_pool2d(x, &adil), "avg_pool2d: dilation is for max pooling only");
     CHECK_ERROR(!tdm_max_pool2d(x, NULL), "max_pool2d: options is NULL");
+    /* the indices are int32: a plane of 2^31 pixels is refused (a view: nothing allocated) */
+    tdm_tensor *huge = tdm_expand(tdm_zeros(TDM_SHAPE(1, 1, 1, 1), TDM_F32, tdm_cpu(0)),
+                                  TDM_SHAPE(1, 1, 65536, 32768));
+    CHECK_ERROR(!tdm_max_pool2d(huge, &p), "max_pool2d: input [1, 1, 65536, 32768] has planes of "
+                                           "2^31 pixels or more");
 
     /* a NULL input keeps the first error */
     tdm_clear_error();

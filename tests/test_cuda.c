@@ -434,7 +434,7 @@ static void case_pool2d(run *r) {
         tdm_shape ys;
         const tdm_pool2d_args *a = pool_case(i, &ys);
         tdm_tensor *x = randn(r, TDM_SHAPE(3, 4, 11, 10), 0, 1), *gy = randn(r, ys, 0, 1);
-        tdm_tensor *y = like(r, gy), *gx = like(r, x), *idx = tdm_zeros(ys, TDM_I64, r->dev);
+        tdm_tensor *y = like(r, gy), *gx = like(r, x), *idx = tdm_zeros(ys, TDM_I32, r->dev);
         tdm_tensor *ya = like(r, gy), *gxa = like(r, x);
         variant(r, "case %d", i);
         KERNEL(r, max_pool2d, y, idx, x, a);

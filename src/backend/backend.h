@@ -137,7 +137,8 @@ typedef struct tdm_backend {
     /* Gradients for whichever of gx, gw, gb is non-NULL (overwritten, not accumulated). */
     int (*conv2d_backward)(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
                            const tdm_tensor *x, const tdm_tensor *w, const tdm_conv2d_args *args);
-    /* idx (i64, shape of y) receives the flat h*W+w index of each maximum in its plane. */
+    /* idx (i32, shape of y: half an i64's traffic, and the op refuses planes of 2^31 pixels)
+     * receives the flat h*W+w index of each maximum in its plane. */
     int (*max_pool2d)(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
                       const tdm_pool2d_args *args);
     int (*max_pool2d_backward)(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *idx);

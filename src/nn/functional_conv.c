@@ -176,6 +176,8 @@ static int pool_check(const char *op, const tdm_tensor *x, const tdm_pool2d_args
     if (!is_max && (a->dilation_h != 1 || a->dilation_w != 1))
         return tdm_raise(TDM_ERR_ARG, "%s: dilation is for max pooling only, got (%d, %d)", op,
                          a->dilation_h, a->dilation_w);
+    if (is_max && x->shape[2] * x->shape[3] > INT32_MAX) /* the indices are int32 */
+        return tdm_raise(TDM_ERR_SHAPE, "%s: input %s has planes of 2^31 pixels or more", op, sx);
     /* PyTorch: padding at most half the (dilated, for max) kernel, so no window is all pad */
     int64_t eh = is_max ? (int64_t)(a->kernel_h - 1) * a->dilation_h + 1 : a->kernel_h;
     int64_t ew = is_max ? (int64_t)(a->kernel_w - 1) * a->dilation_w + 1 : a->kernel_w;
@@ -197,7 +199,7 @@ static int pool_check(const char *op, const tdm_tensor *x, const tdm_pool2d_args
     return TDM_OK;
 }
 
-/* in: x; saved[0]: indices (i64, shape of y) */
+/* in: x; saved[0]: indices (i32, shape of y) */
 static int max_pool2d_backward(tdm_node *n, tdm_tensor *gy) {
     tdm_tensor *x = n->in[0];
     tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
@@ -225,7 +227,7 @@ static tdm_tensor *pool2d(const char *op, tdm_tensor *x, const tdm_pool2d_opts *
     tdm_shape ys = TDM_SHAPE(x->shape[0], x->shape[1], ho, wo);
     tdm_tensor *xc = tdm_contiguous(x);
     tdm_tensor *y = xc ? tdm_tensor_alloc(ys, TDM_F32, x->device) : NULL;
-    tdm_tensor *idx = y && is_max ? tdm_tensor_alloc(ys, TDM_I64, x->device) : NULL;
+    tdm_tensor *idx = y && is_max ? tdm_tensor_alloc(ys, TDM_I32, x->device) : NULL;
     bool ok = y && (!is_max || idx) &&
               (is_max ? be->max_pool2d(y, idx, xc, &a) : be->avg_pool2d(y, xc, &a)) == TDM_OK;
     bool record = ok && tdm_needs_record(1, &xc);

@@ -32,7 +32,7 @@ static inline bool planes_match(const tdm_tensor *a, const tdm_tensor *b) {
 /* One plane of max pooling. The first index of a window starts the search and NaN wins, as in
  * PyTorch, so the gradient goes where PyTorch sends it. */
 TDM_CPU_CLONES
-static void max_plane(const float *x, float *y, int64_t *idx, const pool_geom *g) {
+static void max_plane(const float *x, float *y, int32_t *idx, const pool_geom *g) {
     for (int64_t oh = 0; oh < g->ho; oh++) {
         int64_t h0 = oh * g->sh - g->ph;
         int64_t h1 = h0 + (g->kh - 1) * g->dh + 1;
@@ -50,7 +50,7 @@ static void max_plane(const float *x, float *y, int64_t *idx, const pool_geom *g
                 for (int64_t iw = w0; iw < w1; iw += g->dw) MAX_STEP(row[iw], ih * g->w + iw);
             }
             y[oh * g->wo + ow] = best;
-            idx[oh * g->wo + ow] = bi;
+            idx[oh * g->wo + ow] = (int32_t)bi; /* the op refused planes of 2^31 pixels */
         }
     }
 }
@@ -60,7 +60,7 @@ static void max_plane(const float *x, float *y, int64_t *idx, const pool_geom *g
  * exact scan runs too) take a compare-and-select chain the compiler turns into blends and
  * cmovs. */
 static inline void max_window_2x2(const float *x, int64_t w, int64_t oh, int64_t ow, float *y,
-                                  int64_t *idx) {
+                                  int32_t *idx) {
     const float *r0 = x + 2 * oh * w, *r1 = r0 + w;
     int64_t c = 2 * ow, i0 = 2 * oh * w + c, i1 = i0 + w;
     float a = r0[c], b = r0[c + 1], d = r1[c], e = r1[c + 1];
@@ -81,11 +81,11 @@ static inline void max_window_2x2(const float *x, int64_t w, int64_t oh, int64_t
         MAX_STEP(e, i1 + 1);
     }
     *y = best;
-    *idx = bi;
+    *idx = (int32_t)bi;
 }
 
 TDM_CPU_CLONES
-static void max_plane_2x2(const float *x, float *y, int64_t *idx, const pool_geom *g) {
+static void max_plane_2x2(const float *x, float *y, int32_t *idx, const pool_geom *g) {
     /* in locals: the stores through idx could alias *g, which would reload it every pixel
      * (2.5x slower where this function is not inlined) */
     const int64_t ho = g->ho, wo = g->wo, w = g->w;
@@ -109,7 +109,7 @@ static inline __m256i first_lanes(int k) {
  * the windows' four pixels, compared in the scalar chain's order (ties keep the first).
  * Returns false, writing nothing, when a window holds NaN (the scalar scan then runs). */
 static inline bool max_windows8_2x2(const float *x, int64_t w, int64_t oh, int64_t ow, int k,
-                                    float *y, int64_t *idx) {
+                                    float *y, int32_t *idx) {
     const float *r0 = x + 2 * oh * w + 2 * ow, *r1 = r0 + w;
     __m256 p0, p1, q0, q1;
     if (k == 8) {
@@ -141,29 +141,24 @@ static inline bool max_windows8_2x2(const float *x, int64_t w, int64_t oh, int64
     __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     best = _mm256_permutevar8x32_ps(best, order);
     __m256i off = _mm256_permutevar8x32_epi32(_mm256_castps_si256(bi), order);
-    int64_t i0 = 2 * oh * w + 2 * ow;
-    __m256i base = _mm256_setr_epi64x(i0, i0 + 2, i0 + 4, i0 + 6), step = _mm256_set1_epi64x(8);
-    __m256i lo = _mm256_add_epi64(base, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(off)));
-    __m256i hi = _mm256_add_epi64(_mm256_add_epi64(base, step),
-                                  _mm256_cvtepi32_epi64(_mm256_extracti128_si256(off, 1)));
+    int32_t i0 = (int32_t)(2 * oh * w + 2 * ow);
+    __m256i at =
+        _mm256_add_epi32(_mm256_set1_epi32(i0), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    at = _mm256_add_epi32(at, off);
     if (k == 8) {
         _mm256_storeu_ps(y, best);
-        _mm256_storeu_si256((__m256i *)idx, lo);
-        _mm256_storeu_si256((__m256i *)(idx + 4), hi);
-    } else { /* int64 lanes take their mask from the int32 mask's lanes, widened */
+        _mm256_storeu_si256((__m256i *)idx, at);
+    } else {
         __m256i m32 = first_lanes(k);
         _mm256_maskstore_ps(y, m32, best);
-        _mm256_maskstore_epi64((long long *)idx, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(m32)),
-                               lo);
-        _mm256_maskstore_epi64((long long *)(idx + 4),
-                               _mm256_cvtepi32_epi64(_mm256_extracti128_si256(m32, 1)), hi);
+        _mm256_maskstore_epi32(idx, m32, at);
     }
     return true;
 }
 
 /* max_plane_2x2 eight windows at a time, the rest of a row (the CNN's first pool has 14 a
  * row, its second 7) in one masked step; the scalar chain for windows holding NaN. */
-static void max_plane_2x2_256(const float *x, float *y, int64_t *idx, const pool_geom *g) {
+static void max_plane_2x2_256(const float *x, float *y, int32_t *idx, const pool_geom *g) {
     const int64_t ho = g->ho, wo = g->wo, w = g->w;
     for (int64_t oh = 0; oh < ho; oh++)
         for (int64_t ow = 0; ow < wo; ow += 8) {
@@ -179,17 +174,17 @@ TDM_AVX2_END
 
 int tdm_cpu_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
                        const tdm_pool2d_args *args) {
-    assert(planes_match(x, y) && planes_match(x, idx) && idx->dtype == TDM_I64);
+    assert(planes_match(x, y) && planes_match(x, idx) && idx->dtype == TDM_I32);
     pool_geom g = tdm_pool_geom(x, y, args);
     const float *xp = tdm_data_ptr(x);
     float *yp = tdm_data_ptr(y);
-    int64_t *ip = tdm_data_ptr(idx);
+    int32_t *ip = tdm_data_ptr(idx);
     bool fast = g.kh == 2 && g.kw == 2 && g.sh == 2 && g.sw == 2 && g.ph == 0 && g.pw == 0 &&
                 g.dh == 1 && g.dw == 1 && 2 * g.ho <= g.h && 2 * g.wo <= g.w;
     int64_t in_plane = g.h * g.w, out_plane = g.ho * g.wo;
-    void (*plane_2x2)(const float *, float *, int64_t *, const pool_geom *) = max_plane_2x2;
+    void (*plane_2x2)(const float *, float *, int32_t *, const pool_geom *) = max_plane_2x2;
 #ifdef TDM_HAVE_AVX512_CODE
-    if (tdm_cpu_vector_bits() >= 256 && g.w <= INT32_MAX / 2) plane_2x2 = max_plane_2x2_256;
+    if (tdm_cpu_vector_bits() >= 256) plane_2x2 = max_plane_2x2_256;
 #endif
     for (int64_t p = 0; p < g.planes; p++) {
         if (fast)
@@ -208,11 +203,11 @@ int tdm_cpu_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_
     int64_t in_plane = gx->shape[2] * gx->shape[3], out_plane = gy->shape[2] * gy->shape[3];
     float *gxp = tdm_data_ptr(gx);
     const float *gyp = tdm_data_ptr(gy);
-    const int64_t *ip = tdm_data_ptr(idx);
+    const int32_t *ip = tdm_data_ptr(idx);
     for (int64_t p = 0; p < planes; p++) {
         float *d = gxp + p * in_plane;
         const float *s = gyp + p * out_plane;
-        const int64_t *ix = ip + p * out_plane;
+        const int32_t *ix = ip + p * out_plane;
         /* zeroed a plane at a time, so the scatter finds it in L1: one pass over gx (the
          * first pool's is 6.4 MB a batch of 64), not two */
         memset(d, 0, (size_t)in_plane * sizeof(float));

@@ -285,7 +285,7 @@ extern "C" int tdm_cuda_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tens
 
 /* One output per thread; the scan order and NaN rule of the CPU's max_plane (a NaN always
  * replaces the best so far), so indices agree exactly. */
-__global__ void max_pool_kernel(float *y, int64_t *idx, const float *x, pool_geom g) {
+__global__ void max_pool_kernel(float *y, int32_t *idx, const float *x, pool_geom g) {
     CU_LOOP(e, g.planes * g.ho * g.wo) {
         int64_t ow = e % g.wo, oh = (e / g.wo) % g.ho, pl = e / (g.wo * g.ho);
         const float *xp = x + pl * g.h * g.w;
@@ -303,20 +303,20 @@ __global__ void max_pool_kernel(float *y, int64_t *idx, const float *x, pool_geo
                 if (v > best || v != v) best = v, bi = ih * g.w + iw;
             }
         y[e] = best;
-        idx[e] = bi;
+        idx[e] = (int32_t)bi;
     }
 }
 
 extern "C" int tdm_cuda_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
                                    const tdm_pool2d_args *args) {
-    assert(planes_match(x, y) && planes_match(x, idx) && idx->dtype == TDM_I64);
+    assert(planes_match(x, y) && planes_match(x, idx) && idx->dtype == TDM_I32);
     cu_device *d = cu_dev_of(x, "max_pool2d");
     if (!d) return tdm_last_status();
     pool_geom g = tdm_pool_geom(x, y, args);
     int64_t n = g.planes * g.ho * g.wo;
     if (n == 0) return TDM_OK;
     max_pool_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(
-        cu_f(y), (int64_t *)tdm_cuda_ptr(idx), cu_f(x), g);
+        cu_f(y), (int32_t *)tdm_cuda_ptr(idx), cu_f(x), g);
     return cu_check_launch("max_pool2d", x->device.index);
 }
 
@@ -333,12 +333,12 @@ __device__ __forceinline__ void out_range(int64_t i, int64_t s, int64_t p, int64
  * output order, exactly as the CPU loop does: overlapping windows can name one pixel several
  * times, and a fixed order keeps the sum deterministic without atomics. The kernel gets no
  * window geometry, so a thread per input pixel could not find its outputs cheaply. */
-__global__ void max_pool_bwd_kernel(float *gx, const float *gy, const int64_t *idx, int64_t planes,
+__global__ void max_pool_bwd_kernel(float *gx, const float *gy, const int32_t *idx, int64_t planes,
                                     int64_t in_plane, int64_t out_plane) {
     CU_LOOP(pl, planes) {
         float *d = gx + pl * in_plane;
         const float *s = gy + pl * out_plane;
-        const int64_t *ix = idx + pl * out_plane;
+        const int32_t *ix = idx + pl * out_plane;
         for (int64_t q = 0; q < out_plane; q++)
             if (ix[q] >= 0 && ix[q] < in_plane) d[ix[q]] += s[q]; /* our own indices: trusted */
     }
@@ -353,7 +353,7 @@ extern "C" int tdm_cuda_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy
     int64_t planes = gx->shape[0] * gx->shape[1];
     if (planes == 0 || tdm_numel(gy) == 0) return TDM_OK;
     max_pool_bwd_kernel<<<cu_blocks(planes), CU_THREADS, 0, d->compute>>>(
-        cu_f(gx), cu_f(gy), (const int64_t *)tdm_cuda_ptr(idx), planes, gx->shape[2] * gx->shape[3],
+        cu_f(gx), cu_f(gy), (const int32_t *)tdm_cuda_ptr(idx), planes, gx->shape[2] * gx->shape[3],
         gy->shape[2] * gy->shape[3]);
     return cu_check_launch("max_pool2d_backward", gx->device.index);
 }

@@ -6,8 +6,10 @@
  * kept apart, the channel sums are 16 GEMMs per chunk of images:
  *
  *   forward      M[xi] [C2, T] = U[xi] [C2, C1] @ V[xi] [C1, T]      (T = tiles in the chunk)
- *   input grad   the same, on gy padded by 2 - pad, with the filters flipped and transposed
- *   weight grad  dU[xi] [Cout, Cin] += (A dY A^T)[xi] [Cout, T] @ V[xi]^T, then gw = G^T dU G
+ *   weight grad  dU[xi] [Cout, Cin] += dM[xi] [Cout, T] @ V[xi]^T, then gw = G^T dU G
+ *   input grad   dV[xi] [Cin, T] = U[xi]^T @ dM[xi], then B dV B^T added at each tile's patch
+ *
+ * with dM = A dY A^T, the gradient of the tiles' M.
  *
  * The transforms are vectorised along a tile row: lane l of a 16-wide load at column 16k - pad
  * holds that column + l, so the even lanes are tiles 8k..8k+7. The loads are masked: lanes
@@ -70,6 +72,7 @@ typedef struct {
     void (*input_transform)(const float *x, const wgeom *g, float *v, int64_t xs);
     void (*output_transform)(const float *mm, int64_t xs, const wgeom *g, float bias, float *out);
     void (*grad_transform)(const float *dy, const wgeom *g, float *v, int64_t xs);
+    void (*input_adjoint)(const float *dv, int64_t xs, const wgeom *g, float *gx);
 } wino_kernels;
 
 /* AVX-512 code, reached only where tdm_cpu_vector_bits() says 512 */
@@ -190,6 +193,59 @@ static void grad_transform_512(const float *dy, const wgeom *g, float *v, int64_
                 store_tiles_512(d + (12 + j) * xs, m, _mm512_sub_ps(zero, e[1][j]), spill);
             }
         }
+}
+
+/* (x0, x1 - x2 + x3, x1 + x2 - x0, -x3): the transpose of input_transform's 1-D step (a0 - a2,
+ * a1 + a2, a2 - a1, a1 - a3), applied to rows and then to columns by input_adjoint. */
+static inline void bt_adjoint_512(__m512 x0, __m512 x1, __m512 x2, __m512 x3, __m512 *o) {
+    o[0] = x0, o[1] = _mm512_add_ps(_mm512_sub_ps(x1, x2), x3);
+    o[2] = _mm512_sub_ps(_mm512_add_ps(x1, x2), x0), o[3] = _mm512_sub_ps(_mm512_setzero_ps(), x3);
+}
+
+/* gx [H1, W1] = the adjoint of input_transform: every tile's B dV B^T, dV[xi][t] at
+ * dv + xi * xs + t, added at its patch, what falls on the padding dropped. Patches overlap by
+ * two columns and two rows: a block of 16 columns takes tiles 8k - 1 .. 8k + 7 (the one before
+ * adds to its first two columns), and the tile row before leaves its last two rows in
+ * registers, so every pixel is stored once and gx needs no zeroing. */
+static void input_adjoint_512(const float *dv, int64_t xs, const wgeom *g, float *gx) {
+    /* lane 2j <- a[j + 1] and 2j + 1 <- b[j + 1] (tile 8k + j), or a[j] and b[j] (the tile before)
+     */
+    const __m512i cur = _mm512_set_epi32(24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1);
+    const __m512i prev = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 zero = _mm512_setzero_ps();
+    const int64_t ty_n = g->ty, tx = g->tx, h = g->h1, w = g->w1, ph = g->ph;
+    for (int64_t k = 0; 16 * k - g->pw < w; k++) {
+        int64_t c = 16 * k - g->pw; /* the block's first column */
+        __mmask16 tm = row_mask(8 * k - 1, tx) & 0x1FF, cm = row_mask(c, w);
+        __m512 carry[2] = {zero, zero};
+        for (int64_t ty = 0; ty <= ty_n; ty++) {
+            __m512 r[4] = {zero, zero, zero, zero}; /* patch rows 0-3, summed over columns */
+            if (ty < ty_n) {
+                const float *s = dv + ty * tx + 8 * k - 1;
+                __m512 dh[4][4]; /* dh[i][j]: patch row i of dV B^T's column j */
+                for (int j = 0; j < 4; j++) {
+                    __m512 o[4];
+                    bt_adjoint_512(_mm512_maskz_loadu_ps(tm, s + j * xs),
+                                   _mm512_maskz_loadu_ps(tm, s + (4 + j) * xs),
+                                   _mm512_maskz_loadu_ps(tm, s + (8 + j) * xs),
+                                   _mm512_maskz_loadu_ps(tm, s + (12 + j) * xs), o);
+                    for (int i = 0; i < 4; i++) dh[i][j] = o[i];
+                }
+                for (int i = 0; i < 4; i++) {
+                    __m512 d[4]; /* the patch's row i, columns 0-3, lane = tile */
+                    bt_adjoint_512(dh[i][0], dh[i][1], dh[i][2], dh[i][3], d);
+                    r[i] = _mm512_add_ps(_mm512_permutex2var_ps(d[0], cur, d[1]),
+                                         _mm512_permutex2var_ps(d[2], prev, d[3]));
+                }
+            }
+            for (int i = 0; i < 2; i++) { /* rows 2ty - ph + i, with the last tile row's 2 + i */
+                int64_t y = 2 * ty - ph + i;
+                if (y >= 0 && y < h)
+                    _mm512_mask_storeu_ps(gx + y * w + c, cm, _mm512_add_ps(r[i], carry[i]));
+                carry[i] = r[2 + i];
+            }
+        }
+    }
 }
 
 TDM_AVX512_END
@@ -345,30 +401,79 @@ static void grad_transform_256(const float *dy, const wgeom *g, float *v, int64_
         }
 }
 
+static inline void bt_adjoint_256(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 *o) {
+    o[0] = x0, o[1] = _mm256_add_ps(_mm256_sub_ps(x1, x2), x3);
+    o[2] = _mm256_sub_ps(_mm256_add_ps(x1, x2), x0), o[3] = _mm256_sub_ps(_mm256_setzero_ps(), x3);
+}
+
+/* input_adjoint_512 in blocks of 8 columns: tiles 4k - 1 .. 4k + 3 in lanes 0-4 */
+static void input_adjoint_256(const float *dv, int64_t xs, const wgeom *g, float *gx) {
+    const __m256i cur = _mm256_setr_epi32(1, 1, 2, 2, 3, 3, 4, 4);
+    const __m256i prev = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    const __m256 zero = _mm256_setzero_ps();
+    const int64_t ty_n = g->ty, tx = g->tx, h = g->h1, w = g->w1, ph = g->ph;
+    for (int64_t k = 0; 8 * k - g->pw < w; k++) {
+        int64_t c = 8 * k - g->pw;
+        __m256i tm = _mm256_and_si256(row_lanes_256(4 * k - 1, tx), lanes_256(5));
+        __m256i cm = row_lanes_256(c, w);
+        bool full = c >= 0 && c + 8 <= w;
+        __m256 carry[2] = {zero, zero};
+        for (int64_t ty = 0; ty <= ty_n; ty++) {
+            __m256 r[4] = {zero, zero, zero, zero};
+            if (ty < ty_n) {
+                const float *s = dv + ty * tx + 4 * k - 1;
+                __m256 dh[4][4];
+                for (int j = 0; j < 4; j++) {
+                    __m256 o[4];
+                    bt_adjoint_256(_mm256_maskload_ps(s + j * xs, tm),
+                                   _mm256_maskload_ps(s + (4 + j) * xs, tm),
+                                   _mm256_maskload_ps(s + (8 + j) * xs, tm),
+                                   _mm256_maskload_ps(s + (12 + j) * xs, tm), o);
+                    for (int i = 0; i < 4; i++) dh[i][j] = o[i];
+                }
+                for (int i = 0; i < 4; i++) {
+                    __m256 d[4];
+                    bt_adjoint_256(dh[i][0], dh[i][1], dh[i][2], dh[i][3], d);
+                    __m256 a = _mm256_blend_ps(_mm256_permutevar8x32_ps(d[0], cur),
+                                               _mm256_permutevar8x32_ps(d[1], cur), 0xAA);
+                    __m256 b = _mm256_blend_ps(_mm256_permutevar8x32_ps(d[2], prev),
+                                               _mm256_permutevar8x32_ps(d[3], prev), 0xAA);
+                    r[i] = _mm256_add_ps(a, b);
+                }
+            }
+            for (int i = 0; i < 2; i++) {
+                int64_t y = 2 * ty - ph + i;
+                if (y >= 0 && y < h) {
+                    __m256 v = _mm256_add_ps(r[i], carry[i]);
+                    if (full)
+                        _mm256_storeu_ps(gx + y * w + c, v);
+                    else
+                        _mm256_maskstore_ps(gx + y * w + c, cm, v);
+                }
+                carry[i] = r[2 + i];
+            }
+        }
+    }
+}
+
 TDM_AVX2_END
 
 static const wino_kernels kernels_512 = {input_transform_512, output_transform_512,
-                                         grad_transform_512};
+                                         grad_transform_512, input_adjoint_512};
 static const wino_kernels kernels_256 = {input_transform_256, output_transform_256,
-                                         grad_transform_256};
+                                         grad_transform_256, input_adjoint_256};
 
 /* The transforms for this CPU (tdm_cpu_wino_applies has checked it has one of them). */
 static const wino_kernels *wino_kernels_for_cpu(void) {
     return tdm_cpu_vector_bits() == 512 ? &kernels_512 : &kernels_256;
 }
 
-/* The filters' taps f9 [9][n], tap k of filter j at f9[k * n + j], so that the transforms below
- * run over j in vectors (scalar per filter they were 2% of the CNN's step). Filter j is
- * co * cin + ci of w [cout, cin, 3, 3], or (flip, the input gradient's) ci * cout + co rotated
- * by 180 degrees. */
-static void filter_taps(const float *w, int64_t cout, int64_t cin, bool flip, float *f9) {
-    int64_t n = cout * cin;
-    for (int64_t co = 0; co < cout; co++)
-        for (int64_t ci = 0; ci < cin; ci++) {
-            const float *f = w + (co * cin + ci) * 9;
-            int64_t j = flip ? ci * cout + co : co * cin + ci;
-            for (int k = 0; k < 9; k++) f9[k * n + j] = f[flip ? 8 - k : k];
-        }
+/* The n filters' taps f9 [9][n] (tap k of filter j at f9[k * n + j]) from w [n, 3, 3], so that
+ * the transforms below run over j in vectors (scalar per filter they were 2% of the CNN's
+ * step). */
+static void filter_taps(const float *w, int64_t n, float *f9) {
+    for (int64_t j = 0; j < n; j++)
+        for (int k = 0; k < 9; k++) f9[k * n + j] = w[j * 9 + k];
 }
 
 /* (o0, o1, o2, o3) = G (a, b, c), G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1], for n filters at once
@@ -415,13 +520,11 @@ static void filters_transform_adjoint(const float *du, int64_t n, float *t, floa
                   f9 + 3 * a * n, f9 + (3 * a + 1) * n, f9 + (3 * a + 2) * n);
 }
 
-/* U [16][n] for the filters w (as filter_taps takes them), in scratch of the current scope. */
-static float *filters_winograd(const float *w, int64_t cout, int64_t cin, bool flip,
-                               tdm_device dev) {
-    int64_t n = cout * cin;
+/* U [16][n] for the n filters w [n, 3, 3], in scratch of the current scope. */
+static float *filters_winograd(const float *w, int64_t n, tdm_device dev) {
     float *f9 = scratch(9 * n, dev), *t = scratch(12 * n, dev), *u = scratch(16 * n, dev);
     if (!f9 || !t || !u) return NULL;
-    filter_taps(w, cout, cin, flip, f9);
+    filter_taps(w, n, f9);
     filters_transform(f9, n, t, u);
     return u;
 }
@@ -501,7 +604,7 @@ int tdm_cpu_wino_conv2d(float *y, const float *x, const float *w, const float *b
                         const conv_geom *g, tdm_device dev) {
     wgeom fg = forward_geom(g);
     if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
-    float *U = filters_winograd(w, g->cout, g->cin, false, dev); /* [16][Cout][Cin] */
+    float *U = filters_winograd(w, g->cout * g->cin, dev); /* [16][Cout][Cin] */
     if (!U) {
         tdm_scope_end();
         return tdm_last_status();
@@ -511,52 +614,61 @@ int tdm_cpu_wino_conv2d(float *y, const float *x, const float *w, const float *b
     return rc;
 }
 
-/* gx [N, Cin, H, W]: gy padded by 2 - pad, correlated with w flipped, as [Cin, Cout, 3, 3]. */
-static int wino_input_grad(float *gx, const float *gy, const float *w, const conv_geom *g,
-                           tdm_device dev) {
-    wgeom bg = wgeom_make(g->cout, g->ho, g->wo, 2 - g->ph, 2 - g->pw, g->cin, g->h, g->w);
-    float *U = filters_winograd(w, g->cout, g->cin, true, dev); /* [16][Cin][Cout] */
-    if (!U) return tdm_last_status();
-    return wino_correlate(gy, &bg, g->n, U, NULL, gx, dev);
-}
-
-/* gw [Cout, Cin, 3, 3] = G^T dU G with dU[xi] = sum over tiles of dM[xi] V[xi]^T. */
-static int wino_weight_grad(float *gw, const float *gy, const float *x, const conv_geom *g,
-                            tdm_device dev) {
+/* gw [Cout, Cin, 3, 3] and gx [N, Cin, H, W] (either may be NULL) from one pass over the chunks:
+ * D = A dY A^T of gy's tiles serves both. gw = G^T dU G with dU[xi] = sum over tiles of
+ * D[xi] V[xi]^T (V: x's tiles transformed, as in the forward); gx adds every tile's
+ * B dV B^T at its patch with dV[xi] = U[xi]^T D[xi] (U: the forward's filters), written into
+ * V's buffer once the dU products have read it. (Computing gx as a correlation of gy padded by
+ * 2 - pad with the flipped filters took a second transform of gy, of Cout planes, and an
+ * output transform: the CNN's second layer's backward 5.8 -> 5.0 ms a batch of 64 without.) */
+int tdm_cpu_wino_conv2d_backward(float *gx, float *gw, const float *gy, const float *x,
+                                 const float *w, const conv_geom *g, tdm_device dev) {
     const wino_kernels *kt = wino_kernels_for_cpu();
     wgeom fg = forward_geom(g);
-    int64_t nb = chunk_images(&fg, g->n), ld = chunk_ld(&fg, nb);
+    int64_t nb = chunk_images(&fg, g->n), ld = chunk_ld(&fg, nb), nf = g->cout * g->cin;
     int64_t vs = xi_stride(g->cin, ld), ds = xi_stride(g->cout, ld);
+    if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
     float *V = scratch(16 * vs, dev), *D = scratch(16 * ds, dev);
-    int64_t nf = g->cout * g->cin;
-    float *dU = scratch(16 * nf, dev); /* [16][Cout][Cin] */
-    float *tmp = scratch(12 * nf, dev), *f9 = scratch(9 * nf, dev);
-    if (!V || !D || !dU || !tmp || !f9) return tdm_last_status();
+    float *dU = gw ? scratch(16 * nf, dev) : NULL; /* [16][Cout][Cin] */
+    float *U = gx ? filters_winograd(w, nf, dev) : NULL;
+    if (!V || !D || (gw && !dU) || (gx && !U)) {
+        tdm_scope_end();
+        return tdm_last_status();
+    }
     for (int64_t n0 = 0; n0 < g->n; n0 += nb) {
         int64_t cnt = g->n - n0 < nb ? g->n - n0 : nb, t = cnt * fg.tt;
-        transform_inputs(kt, x, &fg, n0, cnt, V, ld);
         for (int64_t i = 0; i < cnt; i++)
             for (int64_t c = 0; c < g->cout; c++)
                 kt->grad_transform(gy + ((n0 + i) * g->cout + c) * g->p, &fg,
                                    D + c * ld + i * fg.tt, ds);
-        for (int xi = 0; xi < 16; xi++)
-            tdm_cpu_sgemm(false, true, g->cout, g->cin, t, 1.0f, D + xi * ds, ld, V + xi * vs, ld,
-                          n0 == 0 ? 0.0f : 1.0f, dU + xi * nf, g->cin);
+        if (gw) {
+            transform_inputs(kt, x, &fg, n0, cnt, V, ld);
+            for (int xi = 0; xi < 16; xi++)
+                tdm_cpu_sgemm(false, true, g->cout, g->cin, t, 1.0f, D + xi * ds, ld, V + xi * vs,
+                              ld, n0 == 0 ? 0.0f : 1.0f, dU + xi * nf, g->cin);
+        }
+        if (gx) {
+            for (int xi = 0; xi < 16; xi++) /* dV [Cin, t] = U[xi]^T [Cin, Cout] @ D[xi] */
+                tdm_cpu_sgemm(true, false, g->cin, t, g->cout, 1.0f, U + xi * nf, g->cin,
+                              D + xi * ds, ld, 0.0f, V + xi * vs, ld);
+            for (int64_t i = 0; i < cnt; i++)
+                for (int64_t c = 0; c < g->cin; c++)
+                    kt->input_adjoint(V + c * ld + i * fg.tt, vs, &fg,
+                                      gx + ((n0 + i) * g->cin + c) * g->h * g->w);
+        }
     }
-    filters_transform_adjoint(dU, nf, tmp, f9);
-    for (int64_t j = 0; j < nf; j++)
-        for (int k = 0; k < 9; k++) gw[j * 9 + k] = f9[k * nf + j];
-    return TDM_OK;
-}
-
-int tdm_cpu_wino_conv2d_backward(float *gx, float *gw, const float *gy, const float *x,
-                                 const float *w, const conv_geom *g, tdm_device dev) {
-    if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
-    int rc = TDM_OK;
-    if (gw) rc = wino_weight_grad(gw, gy, x, g, dev);
-    if (gx && rc == TDM_OK) rc = wino_input_grad(gx, gy, w, g, dev);
+    float *tmp = gw ? scratch(12 * nf, dev) : NULL, *f9 = gw ? scratch(9 * nf, dev) : NULL;
+    if (gw && (!tmp || !f9)) {
+        tdm_scope_end();
+        return tdm_last_status();
+    }
+    if (gw) {
+        filters_transform_adjoint(dU, nf, tmp, f9);
+        for (int64_t j = 0; j < nf; j++)
+            for (int k = 0; k < 9; k++) gw[j * 9 + k] = f9[k * nf + j];
+    }
     tdm_scope_end();
-    return rc;
+    return TDM_OK;
 }
 
 bool tdm_cpu_wino_applies(const conv_geom *g) {
@@ -564,8 +676,8 @@ bool tdm_cpu_wino_applies(const conv_geom *g) {
     if (g->kh != 3 || g->kw != 3 || g->sh != 1 || g->sw != 1 || g->dh != 1 || g->dw != 1 ||
         g->groups != 1)
         return false;
-    /* pad <= 2 keeps the input gradient a correlation with pad 2 - pad >= 0; few channels
-     * leave the transforms, not the GEMMs, as the cost (im2col is then as good) */
+    /* pad <= 2, the pads tested (a 3x3 window padded more sees only zeros at the border); few
+     * channels leave the transforms, not the GEMMs, as the cost (im2col is then as good) */
     if (g->ph > 2 || g->pw > 2 || g->cin < 8 || g->cout < 8 || g->ho < 1 || g->wo < 1) return false;
     return wino_fits(g);
 }

@@ -362,6 +362,17 @@ static void gradcheck_pool(const char *what, tdm_shape xs, pool_gc_ctx ctx, uint
 static void test_pool_gradcheck(void) {
     gradcheck_pool("max_pool2d k2", TDM_SHAPE(2, 3, 6, 7),
                    (pool_gc_ctx){{.kernel_h = 2, .kernel_w = 2}, true, false}, 1);
+    gradcheck_pool("max_pool2d k2, a row no window covers", TDM_SHAPE(1, 2, 7, 6),
+                   (pool_gc_ctx){{.kernel_h = 2, .kernel_w = 2}, true, false}, 4);
+    /* 8x8 -> 4x4 as a 2x2 pool would give, but the windows reach past their 2x2 blocks (the
+     * forward's 2x2 paths must not take it) */
+    gradcheck_pool(
+        "max_pool2d k3 s2 p1, a 2x2 pool's sizes", TDM_SHAPE(2, 2, 8, 8),
+        (pool_gc_ctx){
+            {.kernel_h = 3, .kernel_w = 3, .stride_h = 2, .stride_w = 2, .pad_h = 1, .pad_w = 1},
+            true,
+            false},
+        5);
     gradcheck_pool("max_pool2d k3 s2 p1 ceil", TDM_SHAPE(2, 2, 8, 7),
                    (pool_gc_ctx){{.kernel_h = 3,
                                   .kernel_w = 3,

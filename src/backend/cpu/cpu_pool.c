@@ -170,6 +170,87 @@ static void max_plane_2x2_256(const float *x, float *y, int32_t *idx, const pool
 }
 
 TDM_AVX2_END
+
+/* AVX-512: sixteen windows a step, the rows' even and odd columns gathered by one two-source
+ * permute each (the AVX2 step above takes eight, and a 14-window row in two steps). */
+TDM_AVX512_BEGIN
+
+/* Windows whose top row is (p0, p1) (32 columns: 2l, 2l + 1 are window l's) and bottom row
+ * (q0, q1), compared in the scalar chain's order: lanes m of the winners' values and plane
+ * offsets (base + 0, 1, w or w + 1), packed to the front, go to y and idx. Returns false,
+ * writing nothing, when a window holds NaN. */
+static inline bool max_windows16_2x2(__m512 p0, __m512 p1, __m512 q0, __m512 q1, __m512i base,
+                                     int32_t w, __mmask16 m, float *y, int32_t *idx) {
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+    __m512 a = _mm512_permutex2var_ps(p0, ev, p1), b = _mm512_permutex2var_ps(p0, od, p1);
+    __m512 d = _mm512_permutex2var_ps(q0, ev, q1), e = _mm512_permutex2var_ps(q0, od, q1);
+    __m512 sum = _mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(d, e));
+    if (_mm512_mask_cmp_ps_mask(m, sum, sum, _CMP_UNORD_Q)) return false;
+    __m512 best = a;
+    __m512i off = _mm512_setzero_si512();
+    __mmask16 k = _mm512_cmp_ps_mask(b, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, k, b),
+    off = _mm512_mask_mov_epi32(off, k, _mm512_set1_epi32(1));
+    k = _mm512_cmp_ps_mask(d, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, k, d),
+    off = _mm512_mask_mov_epi32(off, k, _mm512_set1_epi32(w));
+    k = _mm512_cmp_ps_mask(e, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, k, e);
+    off = _mm512_mask_mov_epi32(off, k, _mm512_set1_epi32(w + 1));
+    __mmask16 out = (__mmask16)((1u << __builtin_popcount(m)) - 1);
+    _mm512_mask_storeu_ps(y, out, _mm512_maskz_compress_ps(m, best));
+    _mm512_mask_storeu_epi32(idx, out, _mm512_maskz_compress_epi32(m, _mm512_add_epi32(base, off)));
+    return true;
+}
+
+/* max_plane_2x2 sixteen windows a step: a row's in steps of 16 (the CNN's first pool: 14 a
+ * row, one step), or two rows a step where a row has at most 8 (its second pool: 7); the
+ * scalar chain for a step holding NaN. */
+static void max_plane_2x2_512(const float *x, float *y, int32_t *idx, const pool_geom *g) {
+    const int64_t ho = g->ho, wo = g->wo, w = g->w;
+    const __m512 zero = _mm512_setzero_ps();
+    if (wo <= 8) { /* lanes 0-7: windows of row oh, 8-15: of row oh + 1 */
+        __mmask16 cols = (__mmask16)((1u << (2 * wo)) - 1), one = (__mmask16)((1u << wo) - 1);
+        __m512i at = _mm512_mask_add_epi32(
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14), 0xFF00,
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14),
+            _mm512_set1_epi32((int32_t)(2 * w)));
+        for (int64_t oh = 0; oh < ho; oh += 2) {
+            bool two = oh + 1 < ho;
+            const float *r = x + 2 * oh * w;
+            __m512 p0 = _mm512_maskz_loadu_ps(cols, r), q0 = _mm512_maskz_loadu_ps(cols, r + w);
+            __m512 p1 = two ? _mm512_maskz_loadu_ps(cols, r + 2 * w) : zero;
+            __m512 q1 = two ? _mm512_maskz_loadu_ps(cols, r + 3 * w) : zero;
+            __m512i base = _mm512_add_epi32(at, _mm512_set1_epi32((int32_t)(2 * oh * w)));
+            __mmask16 m = two ? (__mmask16)(one | one << 8) : one;
+            if (!max_windows16_2x2(p0, p1, q0, q1, base, (int32_t)w, m, y + oh * wo, idx + oh * wo))
+                for (int64_t i = oh; i < oh + 1 + two; i++)
+                    for (int64_t j = 0; j < wo; j++)
+                        max_window_2x2(x, w, i, j, y + i * wo + j, idx + i * wo + j);
+        }
+        return;
+    }
+    const __m512i at = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    for (int64_t oh = 0; oh < ho; oh++)
+        for (int64_t ow = 0; ow < wo; ow += 16) {
+            int64_t n = wo - ow < 16 ? wo - ow : 16; /* windows: 2n columns */
+            __mmask16 c0 = n >= 8 ? 0xFFFF : (__mmask16)((1u << (2 * n)) - 1);
+            __mmask16 c1 = n <= 8 ? 0 : (__mmask16)((1u << (2 * n - 16)) - 1);
+            const float *r = x + 2 * oh * w + 2 * ow;
+            __m512 p0 = _mm512_maskz_loadu_ps(c0, r), p1 = _mm512_maskz_loadu_ps(c1, r + 16);
+            __m512 q0 = _mm512_maskz_loadu_ps(c0, r + w),
+                   q1 = _mm512_maskz_loadu_ps(c1, r + w + 16);
+            __m512i base = _mm512_add_epi32(at, _mm512_set1_epi32((int32_t)(2 * oh * w + 2 * ow)));
+            __mmask16 m = (__mmask16)((1u << n) - 1);
+            if (!max_windows16_2x2(p0, p1, q0, q1, base, (int32_t)w, m, y + oh * wo + ow,
+                                   idx + oh * wo + ow))
+                for (int64_t j = ow; j < ow + n; j++)
+                    max_window_2x2(x, w, oh, j, y + oh * wo + j, idx + oh * wo + j);
+        }
+}
+
+TDM_AVX512_END
 #endif
 
 int tdm_cpu_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
@@ -185,6 +266,7 @@ int tdm_cpu_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
     void (*plane_2x2)(const float *, float *, int32_t *, const pool_geom *) = max_plane_2x2;
 #ifdef TDM_HAVE_AVX512_CODE
     if (tdm_cpu_vector_bits() >= 256) plane_2x2 = max_plane_2x2_256;
+    if (tdm_cpu_vector_bits() == 512) plane_2x2 = max_plane_2x2_512;
 #endif
     for (int64_t p = 0; p < g.planes; p++) {
         if (fast)

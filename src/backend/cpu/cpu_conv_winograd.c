@@ -208,8 +208,7 @@ static inline void bt_adjoint_512(__m512 x0, __m512 x1, __m512 x2, __m512 x3, __
  * adds to its first two columns), and the tile row before leaves its last two rows in
  * registers, so every pixel is stored once and gx needs no zeroing. */
 static void input_adjoint_512(const float *dv, int64_t xs, const wgeom *g, float *gx) {
-    /* lane 2j <- a[j + 1] and 2j + 1 <- b[j + 1] (tile 8k + j), or a[j] and b[j] (the tile before)
-     */
+    /* lanes 2j, 2j + 1 <- a[j + 1], b[j + 1] (tile 8k + j), or a[j], b[j] (the tile before) */
     const __m512i cur = _mm512_set_epi32(24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1);
     const __m512i prev = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 zero = _mm512_setzero_ps();
@@ -529,6 +528,16 @@ static float *filters_winograd(const float *w, int64_t n, tdm_device dev) {
     return u;
 }
 
+/* gw [n, 3, 3] = G^T dU G for the n filters' dU [16][n], with scratch of the current scope. */
+static int filters_from_winograd(const float *du, int64_t n, float *gw, tdm_device dev) {
+    float *t = scratch(12 * n, dev), *f9 = scratch(9 * n, dev);
+    if (!t || !f9) return tdm_last_status();
+    filters_transform_adjoint(du, n, t, f9);
+    for (int64_t j = 0; j < n; j++)
+        for (int k = 0; k < 9; k++) gw[j * 9 + k] = f9[k * n + j];
+    return TDM_OK;
+}
+
 /* Images per chunk: V and M of the chunk fill about an L2. */
 static int64_t chunk_images(const wgeom *g, int64_t n) {
     int64_t per = 16 * (g->c1 + g->c2) * g->tt;
@@ -657,18 +666,9 @@ int tdm_cpu_wino_conv2d_backward(float *gx, float *gw, const float *gy, const fl
                                       gx + ((n0 + i) * g->cin + c) * g->h * g->w);
         }
     }
-    float *tmp = gw ? scratch(12 * nf, dev) : NULL, *f9 = gw ? scratch(9 * nf, dev) : NULL;
-    if (gw && (!tmp || !f9)) {
-        tdm_scope_end();
-        return tdm_last_status();
-    }
-    if (gw) {
-        filters_transform_adjoint(dU, nf, tmp, f9);
-        for (int64_t j = 0; j < nf; j++)
-            for (int k = 0; k < 9; k++) gw[j * 9 + k] = f9[k * nf + j];
-    }
+    int rc = gw ? filters_from_winograd(dU, nf, gw, dev) : TDM_OK;
     tdm_scope_end();
-    return TDM_OK;
+    return rc;
 }
 
 bool tdm_cpu_wino_applies(const conv_geom *g) {

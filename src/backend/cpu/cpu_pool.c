@@ -190,10 +190,10 @@ static inline bool max_windows16_2x2(__m512 p0, __m512 p1, __m512 q0, __m512 q1,
     __m512 best = a;
     __m512i off = _mm512_setzero_si512();
     __mmask16 k = _mm512_cmp_ps_mask(b, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, k, b),
+    best = _mm512_mask_mov_ps(best, k, b);
     off = _mm512_mask_mov_epi32(off, k, _mm512_set1_epi32(1));
     k = _mm512_cmp_ps_mask(d, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, k, d),
+    best = _mm512_mask_mov_ps(best, k, d);
     off = _mm512_mask_mov_epi32(off, k, _mm512_set1_epi32(w));
     k = _mm512_cmp_ps_mask(e, best, _CMP_GT_OQ);
     best = _mm512_mask_mov_ps(best, k, e);
@@ -212,10 +212,9 @@ static void max_plane_2x2_512(const float *x, float *y, int32_t *idx, const pool
     const __m512 zero = _mm512_setzero_ps();
     if (wo <= 8) { /* lanes 0-7: windows of row oh, 8-15: of row oh + 1 */
         __mmask16 cols = (__mmask16)((1u << (2 * wo)) - 1), one = (__mmask16)((1u << wo) - 1);
-        __m512i at = _mm512_mask_add_epi32(
-            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14), 0xFF00,
-            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14),
-            _mm512_set1_epi32((int32_t)(2 * w)));
+        /* window l's first pixel: column 2l of row 0 (lanes 0-7) or of row 2 (lanes 8-15) */
+        const __m512i col = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+        __m512i at = _mm512_add_epi32(col, _mm512_maskz_set1_epi32(0xFF00, (int32_t)(2 * w)));
         for (int64_t oh = 0; oh < ho; oh += 2) {
             bool two = oh + 1 < ho;
             const float *r = x + 2 * oh * w;
@@ -239,8 +238,8 @@ static void max_plane_2x2_512(const float *x, float *y, int32_t *idx, const pool
             __mmask16 c1 = n <= 8 ? 0 : (__mmask16)((1u << (2 * n - 16)) - 1);
             const float *r = x + 2 * oh * w + 2 * ow;
             __m512 p0 = _mm512_maskz_loadu_ps(c0, r), p1 = _mm512_maskz_loadu_ps(c1, r + 16);
-            __m512 q0 = _mm512_maskz_loadu_ps(c0, r + w),
-                   q1 = _mm512_maskz_loadu_ps(c1, r + w + 16);
+            __m512 q0 = _mm512_maskz_loadu_ps(c0, r + w);
+            __m512 q1 = _mm512_maskz_loadu_ps(c1, r + w + 16);
             __m512i base = _mm512_add_epi32(at, _mm512_set1_epi32((int32_t)(2 * oh * w + 2 * ow)));
             __mmask16 m = (__mmask16)((1u << n) - 1);
             if (!max_windows16_2x2(p0, p1, q0, q1, base, (int32_t)w, m, y + oh * wo + ow,

@@ -214,11 +214,12 @@ static void test_conv_reference(const conv_cfg *c, int seed) {
 
 /* ---- the fast paths against per-image im2col, at the ResNets' shapes ---------------------- */
 
-/* Every path the CPU takes instead of per-image im2col + GEMM (Winograd on AVX2 and AVX-512)
- * at ResNet-18's layer shapes (a few images; the CIFAR planes 32..4, the ImageNet ones
- * 56..7), odd planes (partial tiles) and pads 0 and 2, against the same op with the fast
- * paths off: forward, dX, dW and db. Fewer channels than the real layers where the result
- * would not change which path runs (the test runs under ASan too). */
+/* Every path the CPU takes instead of per-image im2col + GEMM (Winograd on AVX2 and AVX-512,
+ * the direct convolution of one input channel on AVX-512) at ResNet-18's layer shapes (a few
+ * images; the CIFAR planes 32..4, the ImageNet ones 56..7), odd planes (partial tiles) and
+ * pads 0 and 2, against the same op with the fast paths off: forward, dX, dW and db. Fewer
+ * channels than the real layers where the result would not change which path runs (the test
+ * runs under ASan too). */
 static const conv_cfg resnet_cfgs[] = {
     {"cifar_layer1", 2, 64, 32, 32, 64, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
     {"cifar_layer2", 3, 128, 16, 16, 128, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
@@ -230,6 +231,13 @@ static const conv_cfg resnet_cfgs[] = {
     {"odd_3x5_pad0", 4, 16, 3, 5, 16, 3, 3, {0}, true},
     {"odd_9x7_pad2", 2, 16, 9, 7, 24, 3, 3, {.pad_h = 2, .pad_w = 2}, false},
     {"one_pixel", 6, 32, 1, 1, 32, 3, 3, {.pad_h = 1, .pad_w = 1}, false},
+    /* the direct convolution of one input channel (AVX-512): the Fashion-MNIST CNN's first
+     * layer, rows of three 16-column blocks, pads 0 and 2, channel counts that leave a
+     * partial block of eight */
+    {"direct_cnn_conv1", 3, 1, 28, 28, 32, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"direct_wide_odd", 2, 1, 5, 37, 13, 3, 3, {.pad_h = 1, .pad_w = 1}, true},
+    {"direct_pad0", 2, 1, 9, 7, 5, 3, 3, {0}, true},
+    {"direct_pad2_asym", 2, 1, 6, 19, 9, 3, 3, {.pad_h = 2}, false},
 };
 
 /* y, and the gradients of L = sum(y * gy), of one convolution; host copies the caller frees. */

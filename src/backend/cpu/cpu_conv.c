@@ -178,11 +178,7 @@ static void add_bias(float *y, const float *bias, const conv_geom *g) {
     }
 }
 
-/* y [N, Cout, Ho, Wo] = conv(x, w) + b: per image and chunk of output rows,
- * y[n][:, rows] (ld Ho*Wo) = w_g [Cout_g, K_g] @ col_g [K_g, rows*Wo] for each group. */
 #ifdef TDM_HAVE_AVX512_CODE
-#include <immintrin.h>
-
 /* Input channels up to which the direct convolution runs: a grey image's first layer, where it
  * was measured (the CNN's conv1 forward 0.61-0.62 -> 0.44-0.48 ms a batch of 64); the loop
  * takes more, an RGB stem is unmeasured. */
@@ -194,12 +190,6 @@ static bool direct_applies(const conv_geom *g) {
 }
 
 TDM_AVX512_BEGIN
-
-/* Lanes l of a 16-lane load at column s of a w-wide row that hold a pixel (0 <= s + l < w). */
-static inline __mmask16 pixel_lanes(int64_t s, int64_t w) {
-    int64_t lo = s < 0 ? -s : 0, hi = w - s < 16 ? w - s : 16;
-    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
-}
 
 /* a0..a7 += v * the tap t of output channels co0..co0 + 7 */
 #define FMA8(v, t)                                                                                 \
@@ -239,8 +229,9 @@ static void conv3x3_direct(float *y, const float *x, const float *w, const float
                     __m512 a2 = _mm512_set1_ps(bj[2]), a3 = _mm512_set1_ps(bj[3]);
                     __m512 a4 = _mm512_set1_ps(bj[4]), a5 = _mm512_set1_ps(bj[5]);
                     __m512 a6 = _mm512_set1_ps(bj[6]), a7 = _mm512_set1_ps(bj[7]);
-                    __mmask16 m0 = pixel_lanes(c - g->pw, wd), m1 = pixel_lanes(c + 1 - g->pw, wd);
-                    __mmask16 m2 = pixel_lanes(c + 2 - g->pw, wd);
+                    __mmask16 m0 = tdm_pixel_lanes(c - g->pw, wd),
+                              m1 = tdm_pixel_lanes(c + 1 - g->pw, wd);
+                    __mmask16 m2 = tdm_pixel_lanes(c + 2 - g->pw, wd);
                     for (int64_t ci = 0; ci < cin; ci++)
                         for (int dy = 0; dy < 3; dy++) {
                             int64_t iy = oy + dy - g->ph;
@@ -254,7 +245,7 @@ static void conv3x3_direct(float *y, const float *x, const float *w, const float
                             v = _mm512_maskz_loadu_ps(m2, r + 2);
                             FMA8(v, t + 2);
                         }
-                    __mmask16 om = pixel_lanes(0, wo - c);
+                    __mmask16 om = tdm_pixel_lanes(0, wo - c);
                     float *o = yc + oy * wo + c;
                     __m512 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
                     for (int j = 0; j < nc; j++) _mm512_mask_storeu_ps(o + j * p, om, acc[j]);
@@ -276,6 +267,8 @@ static void conv3x3_direct(float *y, const float *x, const float *w, const float
 }
 #endif
 
+/* y [N, Cout, Ho, Wo] = conv(x, w) + b: per image and chunk of output rows,
+ * y[n][:, rows] (ld Ho*Wo) = w_g [Cout_g, K_g] @ col_g [K_g, rows*Wo] for each group. */
 int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b,
                    const tdm_conv2d_args *args) {
     assert(conv_args_ok(x, w, y));

@@ -5,6 +5,19 @@
 
 #include "backend/conv_geom.h"
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_isa.h"
+
+#ifdef TDM_HAVE_AVX512_CODE
+#include <immintrin.h>
+TDM_AVX512_BEGIN
+/* Lanes l of a 16-lane load at column s of a w-wide row that hold a pixel (0 <= s + l < w):
+ * masked out, the others read as zeros, which are a convolution's padding. */
+static inline __mmask16 tdm_pixel_lanes(int64_t s, int64_t w) {
+    int64_t lo = s < 0 ? -s : 0, hi = w - s < 16 ? w - s : 16;
+    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+TDM_AVX512_END
+#endif
 
 /* Whether the Winograd path takes this convolution (and is compiled in). */
 bool tdm_cpu_wino_applies(const conv_geom *g);

@@ -27,8 +27,6 @@
 #include <string.h>
 
 #ifdef TDM_HAVE_AVX512_CODE
-#include <immintrin.h>
-
 /* floats of V and M together per chunk of images: well inside L2 (two images of the CNN's
  * second layer; measured: one to two images are fastest, five 5% and ten 40% slower) */
 #define WINO_CHUNK_FLOATS (192 * 1024)
@@ -92,13 +90,6 @@ static inline void store_tiles_512(float *d, __mmask16 m, __m512 v, bool spill) 
         _mm512_mask_storeu_ps(d, m, v);
 }
 
-/* Lanes l of a 16-lane load at column s of a w-wide row that hold a pixel (0 <= s + l < w): the
- * others read as zeros, which are the padding. */
-static inline __mmask16 row_mask(int64_t s, int64_t w) {
-    int64_t lo = s < 0 ? -s : 0, hi = w - s < 16 ? w - s : 16;
-    return hi <= lo ? 0 : (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
-}
-
 /* V[xi][t] (xi stride xs) = (B^T d B)[xi] for every tile t = ty * tx + tx of the plane x [H1, W1],
  * zero-padded by ph, pw. The patch rows are masked loads from x itself: a copy into a padded
  * buffer first had every load wait for the masked stores before it (no store forwarding from
@@ -110,7 +101,7 @@ static void input_transform_512(const float *x, const wgeom *g, float *v, int64_
             int64_t c = 16 * k - g->pw; /* column of lane 0 */
             __mmask16 cm[4], m = tile_mask(g->tx, k);
             bool spill = spill_ok(g, ty, k);
-            for (int j = 0; j < 4; j++) cm[j] = row_mask(c + j, g->w1);
+            for (int j = 0; j < 4; j++) cm[j] = tdm_pixel_lanes(c + j, g->w1);
             __m512 h[4][4]; /* h[i][j]: row i of the patch times B, lane = column c + l */
             for (int i = 0; i < 4; i++) {
                 int64_t y = 2 * ty + i - g->ph;
@@ -143,7 +134,7 @@ static void output_transform_512(const float *mm, int64_t xs, const wgeom *g, fl
     const __m512 b = _mm512_set1_ps(bias);
     for (int64_t ty = 0; ty < g->ty; ty++)
         for (int64_t k = 0; k < g->kc; k++) {
-            __mmask16 m = tile_mask(g->tx, k), cm = row_mask(16 * k, g->w2);
+            __mmask16 m = tile_mask(g->tx, k), cm = tdm_pixel_lanes(16 * k, g->w2);
             const float *s = mm + ty * g->tx + 8 * k;
             __m512 s0[4], s1[4]; /* A^T applied to the rows */
             for (int j = 0; j < 4; j++) {
@@ -174,7 +165,7 @@ static void grad_transform_512(const float *dy, const wgeom *g, float *v, int64_
     const __m512 zero = _mm512_setzero_ps();
     for (int64_t ty = 0; ty < g->ty; ty++)
         for (int64_t k = 0; k < g->kc; k++) {
-            __mmask16 cm = row_mask(16 * k, g->w2), m = tile_mask(g->tx, k);
+            __mmask16 cm = tdm_pixel_lanes(16 * k, g->w2), m = tile_mask(g->tx, k);
             bool spill = spill_ok(g, ty, k);
             __m512 e[2][4]; /* e[r][j]: row r of dY times A^T, lane = tile */
             for (int r = 0; r < 2; r++) {
@@ -215,7 +206,7 @@ static void input_adjoint_512(const float *dv, int64_t xs, const wgeom *g, float
     const int64_t ty_n = g->ty, tx = g->tx, h = g->h1, w = g->w1, ph = g->ph;
     for (int64_t k = 0; 16 * k - g->pw < w; k++) {
         int64_t c = 16 * k - g->pw; /* the block's first column */
-        __mmask16 tm = row_mask(8 * k - 1, tx) & 0x1FF, cm = row_mask(c, w);
+        __mmask16 tm = tdm_pixel_lanes(8 * k - 1, tx) & 0x1FF, cm = tdm_pixel_lanes(c, w);
         __m512 carry[2] = {zero, zero};
         for (int64_t ty = 0; ty <= ty_n; ty++) {
             __m512 r[4] = {zero, zero, zero, zero}; /* patch rows 0-3, summed over columns */
@@ -290,7 +281,7 @@ static inline __m256 odds(__m256 a, __m256 b) {
 }
 
 /* Lanes l of an 8-lane load at column s of a w-wide row that hold a pixel (0 <= s + l < w), for
- * maskload: the others read as zeros, the padding (row_mask's twin). */
+ * maskload: the others read as zeros, the padding (tdm_pixel_lanes' twin). */
 static inline __m256i row_lanes_256(int64_t s, int64_t w) {
     __m256i c =
         _mm256_add_epi32(_mm256_set1_epi32((int32_t)s), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

@@ -8,7 +8,9 @@
  * tensors in place (leading dimension Ho*Wo), so nothing is staged or transposed; per image
  * they are 64x196x288 for the CNN's second layer, where OpenBLAS runs close to its large-GEMM
  * speed (batching images into one wider GEMM measured no faster once the staging copies were
- * paid). A 1x1, stride-1, unpadded convolution skips im2col: the image is its own col.
+ * paid). A 1x1, stride-1, unpadded convolution skips im2col: the image is its own col. Two
+ * paths skip it altogether: Winograd (cpu_conv_winograd.c) for 3x3 layers with channels, and
+ * on AVX-512 a direct 3x3 convolution of one input channel (a grey image's first layer).
  *
  * Scratch memory comes from the device's caching allocator inside a scope of its own, so a
  * training step calls no malloc here, and nothing is static: several device threads may run
@@ -229,8 +231,8 @@ static void conv3x3_direct(float *y, const float *x, const float *w, const float
                     __m512 a2 = _mm512_set1_ps(bj[2]), a3 = _mm512_set1_ps(bj[3]);
                     __m512 a4 = _mm512_set1_ps(bj[4]), a5 = _mm512_set1_ps(bj[5]);
                     __m512 a6 = _mm512_set1_ps(bj[6]), a7 = _mm512_set1_ps(bj[7]);
-                    __mmask16 m0 = tdm_pixel_lanes(c - g->pw, wd),
-                              m1 = tdm_pixel_lanes(c + 1 - g->pw, wd);
+                    __mmask16 m0 = tdm_pixel_lanes(c - g->pw, wd); /* taps dx = 0, 1, 2 */
+                    __mmask16 m1 = tdm_pixel_lanes(c + 1 - g->pw, wd);
                     __mmask16 m2 = tdm_pixel_lanes(c + 2 - g->pw, wd);
                     for (int64_t ci = 0; ci < cin; ci++)
                         for (int dy = 0; dy < 3; dy++) {

@@ -4,6 +4,7 @@
  * that disagree) that end in errors instead of hangs, and device lists. */
 #include "check.h"
 #include "parallel/group.h"
+#include "parallel/lines.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -229,6 +230,86 @@ static void sleep_s(double s) {
     nanosleep(&t, NULL);
 }
 
+/* tdm_threads_barrier: no rank passes it before every rank reached it (the ranks count
+ * themselves in before, and check every count after); a rank with an all-reduce still queued
+ * (launched, not waited) gets the barrier after it, in order, and its sum is right. */
+static int direct_barriers(tdm_rank_ctx *ctx, void *arg) {
+    shared *sh = arg;
+    int r = ctx->rank, n = sh->n;
+    for (int round = 1; round <= 50; round++) {
+        if (r == round % n) sleep_s(0.001); /* a different rank arrives last each time */
+        atomic_fetch_add(&sh->flag, 1);
+        int rc = tdm_threads_barrier(ctx->group);
+        int seen = atomic_load(&sh->flag);
+        RCHECK(sh, r, rc == TDM_OK && seen >= round * n, "round %d: rc %d, %d arrivals of %d",
+               round, rc, seen, round * n);
+        if (tdm_threads_barrier(ctx->group)) return tdm_last_status(); /* nobody counts on */
+    }
+    tdm_tensor *t = tdm_full(TDM_SHAPE(1000), (double)(r + 1), TDM_F32, tdm_cpu(r));
+    tdm_work *w = tdm_all_reduce(ctx->group, t, TDM_SUM);
+    int rc = tdm_threads_barrier(ctx->group);
+    if (!rc) rc = tdm_work_wait(w);
+    float want = (float)(n * (n + 1) / 2);
+    RCHECK(sh, r, rc == TDM_OK && ((float *)tdm_data_ptr(t))[999] == want,
+           "all-reduce queued before a direct barrier: rc %d, %g (want %g)", rc,
+           (double)((float *)tdm_data_ptr(t))[999], (double)want);
+    tdm_tensor_free(t);
+    return rc;
+}
+
+static void test_direct_barrier(void) {
+    for (int n = 2; n <= 3; n++) {
+        shared sh = {.n = n};
+        int st = tdm_spawn(n, devs, direct_barriers, &sh);
+        CHECK(st == TDM_OK, "direct barriers on %d ranks: spawn returned %d: %s", n, st,
+              tdm_last_error());
+        report(&sh, n, "direct barrier");
+    }
+}
+
+/* tdm_lines_*: the plain loops' results (tdm_reduce_ranks' sums, bit for bit) at lengths
+ * around their blocks (64 floats) and their prefetch distance (512), from offsets inside a
+ * buffer, with one source also the destination. */
+static void test_lines(void) {
+    enum { MAX = 2100 };
+    static float a[MAX], b[MAX], c[MAX], dst[MAX], want[MAX];
+    const int64_t lens[] = {0, 1, 15, 16, 63, 64, 65, 511, 512, 513, 2000};
+    for (int i = 0; i < MAX; i++) {
+        a[i] = (float)i * 0.37f - 11.0f;
+        b[i] = 1.0f / (float)(i + 3);
+        c[i] = (float)(i % 17) * -0.61f;
+    }
+    for (size_t t = 0; t < sizeof lens / sizeof lens[0]; t++) {
+        int64_t len = lens[t], lo = 37, hi = lo + len;
+        const float *src[3] = {a, b, c};
+        memcpy(dst, c, sizeof dst);
+        tdm_lines_reduce(dst, src, 3, lo, hi);
+        memcpy(want, c, sizeof want);
+        if (len) tdm_reduce_ranks(want + lo, src, 3, lo, (int)len, true);
+        CHECK(memcmp(dst, want, sizeof dst) == 0, "lines_reduce of %lld floats", (long long)len);
+        memcpy(dst, b, sizeof dst); /* the destination is source 0 */
+        const float *into[2] = {dst, a}, *plain[2] = {b, a};
+        tdm_lines_reduce(dst, into, 2, lo, hi);
+        memcpy(want, b, sizeof want);
+        if (len) tdm_reduce_ranks(want + lo, plain, 2, lo, (int)len, true);
+        CHECK(memcmp(dst, want, sizeof dst) == 0, "lines_reduce into a source, %lld floats",
+              (long long)len);
+        memcpy(dst, c, sizeof dst);
+        tdm_lines_copy(dst + lo, a + 5, len);
+        bool ok = memcmp(dst + lo, a + 5, sizeof(float) * (size_t)len) == 0 &&
+                  memcmp(dst, c, sizeof(float) * (size_t)lo) == 0 &&
+                  memcmp(dst + hi, c + hi, sizeof(float) * (size_t)(MAX - hi)) == 0;
+        CHECK(ok, "lines_copy of %lld floats", (long long)len);
+        memcpy(dst, c, sizeof dst);
+        tdm_lines_zero(dst + lo, len);
+        tdm_lines_claim(dst + lo, len);
+        ok = memcmp(dst, c, sizeof(float) * (size_t)lo) == 0 &&
+             memcmp(dst + hi, c + hi, sizeof(float) * (size_t)(MAX - hi)) == 0;
+        for (int64_t i = lo; i < hi; i++) ok &= dst[i] == 0.0f;
+        CHECK(ok, "lines_zero and lines_claim of %lld floats", (long long)len);
+    }
+}
+
 /* Rank 1 fails while the others wait in an all-reduce: they fail too, naming rank 1. */
 static int rank_fails(tdm_rank_ctx *ctx, void *arg) {
     shared *sh = arg;
@@ -245,6 +326,9 @@ static int rank_fails(tdm_rank_ctx *ctx, void *arg) {
     int later = tdm_work_wait(tdm_barrier(ctx->group));
     RCHECK(sh, r, later == TDM_ERR_COMM && strstr(tdm_last_error(), "rank 1 failed: boom"),
            "later barrier: %d %s", later, tdm_last_error());
+    later = tdm_threads_barrier(ctx->group); /* the direct one too */
+    RCHECK(sh, r, later == TDM_ERR_COMM && strstr(tdm_last_error(), "rank 1 failed: boom"),
+           "later direct barrier: %d %s", later, tdm_last_error());
     tdm_tensor_free(t);
     return sh->status[r];
 }
@@ -391,6 +475,8 @@ int main(void) {
     test_devices();
     test_bad_arguments();
     test_all_ops();
+    test_direct_barrier();
+    test_lines();
     test_rank_error();
     test_timeout();
     test_mismatch();

@@ -14,6 +14,7 @@
  * caller's core to work instead of asleep; with as many devices as cores, every core then
  * runs exactly one replica. */
 #include "parallel/group.h"
+#include "parallel/lines.h"
 #include "parallel/sync.h"
 #include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
 #include "parallel/nccl_group.h"
@@ -137,7 +138,7 @@ static int clip_shard(replica *r, int64_t lo, int64_t hi) {
     tdm_dp *dp = r->dp;
     tdm_paramset *ps0 = dp->reps[0].ps;
     int rc = tdm_clip_sum_squares(ps0, lo, hi, &r->shard_ss);
-    if (!rc) rc = tdm_work_wait(tdm_barrier(rank_group(dp, r->rank)));
+    if (!rc) rc = tdm_threads_barrier(rank_group(dp, r->rank));
     if (rc) return rc;
     double ss = 0;
     for (int k = 0; k < dp->n; k++) ss += dp->reps[k].shard_ss;
@@ -156,29 +157,25 @@ static int clip_shard(replica *r, int64_t lo, int64_t hi) {
 static int sharded_update(replica *r) {
     tdm_dp *dp = r->dp;
     int n = dp->n;
-    int rc = tdm_work_wait(tdm_barrier(rank_group(dp, r->rank))); /* every gradient final */
+    int rc = tdm_threads_barrier(rank_group(dp, r->rank)); /* every gradient final */
     if (rc) return rc;
     int64_t lo, hi; /* the all-reduce's chunks, and ZeRO's shards (zero.c) */
     tdm_chunk_of(r->ps->total, sizeof(float), n, r->rank, &lo, &hi);
     const float *grads[TDM_MAX_DEVICES];
     for (int k = 0; k < n; k++) grads[k] = tdm_data_ptr(dp->reps[k].ps->flat_grad);
-    float *g0 = tdm_data_ptr(dp->reps[0].ps->flat_grad), acc[2048];
     tdm_trace_begin("reduce shard");
-    for (int64_t off = lo; off < hi; off += 2048) {
-        int len = (int)(hi - off < 2048 ? hi - off : 2048);
-        tdm_reduce_ranks(acc, grads, n, off, len, true);
-        memcpy(g0 + off, acc, sizeof(float) * (size_t)len);
-    }
+    tdm_lines_reduce(tdm_data_ptr(dp->reps[0].ps->flat_grad), grads, n, lo, hi);
     tdm_trace_end();
     if (dp->clip > 0 && (rc = clip_shard(r, lo, hi))) return rc;
     tdm_trace_begin("step shard");
+    if (r->rank > 0) /* replica 0 has read the shard in its forward: the lines are shared */
+        tdm_lines_claim((float *)tdm_data_ptr(dp->reps[0].ps->flat) + lo, hi - lo);
     rc = tdm_optim_step_range(dp->reps[0].opt, lo, hi);
     tdm_trace_end();
     tdm_trace_begin("copy shard");
     const float *p0 = tdm_data_ptr(dp->reps[0].ps->flat);
     for (int k = 1; !rc && k < n; k++)
-        memcpy((float *)tdm_data_ptr(dp->reps[k].ps->flat) + lo, p0 + lo,
-               sizeof(float) * (size_t)(hi - lo));
+        tdm_lines_copy((float *)tdm_data_ptr(dp->reps[k].ps->flat) + lo, p0 + lo, hi - lo);
     tdm_trace_end();
     return rc;
 }
@@ -208,9 +205,14 @@ static int replica_step(replica *r) {
     /* DDP averages over n replicas; weighting each by its share of the batch makes the
      * average the gradient of the whole batch's mean loss */
     tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
-    int rc = !dp->zero ? TDM_OK
-             : r->opt  ? tdm_optim_zero_grad(r->opt)
-                       : tdm_backend_for(dev)->fill(r->ps->flat_grad, 0.0);
+    int rc = TDM_OK;
+    if (dp->zero && dp->sharded) { /* half of it was read by another core in the last update */
+        tdm_trace_begin("zero gradients");
+        tdm_lines_zero(tdm_data_ptr(r->ps->flat_grad), r->ps->total);
+        tdm_trace_end();
+    } else if (dp->zero)
+        rc = r->opt ? tdm_optim_zero_grad(r->opt)
+                    : tdm_backend_for(dev)->fill(r->ps->flat_grad, 0.0);
     bool sync = dp->update && !dp->sharded; /* accumulating rounds keep gradients local */
     if (!dp->sharded) tdm_ddp_set_sync(r->ddp, sync);
     tdm_trace_begin(sync ? "backward (buckets all-reduced as they fill)" : "backward");

@@ -416,6 +416,23 @@ static int threads_launch(tdm_group *g, tdm_work *wk) {
     return TDM_OK;
 }
 
+int tdm_threads_barrier(tdm_group *g) {
+    trank *me = (trank *)g;
+    pthread_mutex_lock(&me->qlock);
+    bool idle = !me->head && !me->busy;
+    me->busy |= idle; /* the communication thread leaves the rank alone meanwhile */
+    pthread_mutex_unlock(&me->qlock);
+    if (!idle) return tdm_work_wait(tdm_barrier(g)); /* after what is queued, in order */
+    char msg[TDM_WORK_MSG];
+    tdm_trace_begin("barrier");
+    int rc = run(me, &(tdm_coll){.kind = TDM_COLL_BARRIER}, msg);
+    tdm_trace_end();
+    pthread_mutex_lock(&me->qlock);
+    release_locked(me);
+    pthread_mutex_unlock(&me->qlock);
+    return rc ? tdm_raise(rc, "%s", msg) : TDM_OK;
+}
+
 static const tdm_group_ops threads_ops = {
     .name = "threads",
     .launch = threads_launch,

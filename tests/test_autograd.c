@@ -1,6 +1,7 @@
 /* Autograd: the engine (accumulation, hooks, no-grad, errors) and gradient checks of the
  * shape ops and matmul. */
 #include "gradcheck.h"
+#include "autograd/tape.h" /* tdm_grad_mark_overwrite, tdm_grad_settle */
 
 #define CPU tdm_cpu(0)
 
@@ -192,8 +193,60 @@ static void test_shared_gradients(void) {
     tdm_tensor_free(x);
 }
 
+/* sum(linear(x) * gy) (bias_too) or sum((x @ w^T) * gy), whose backward writes the gradient of
+ * w through the GEMM's inplace target (the flat buffer) and of the bias through an add. */
+static int linear_backward_of(tdm_module *m, bool bias_too, uint64_t seed) {
+    tdm_rng r = tdm_rng_make(seed);
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_randn(TDM_SHAPE(5, 4), 0, 1, CPU, &r);
+    tdm_tensor *w = tdm_module_find(m, "weight");
+    tdm_tensor *y = bias_too ? tdm_module_forward(m, x) : tdm_matmul(x, tdm_transpose(w, 0, 1));
+    tdm_tensor *gy = tdm_randn(TDM_SHAPE(5, 3), 0, 1, CPU, &r);
+    int rc = tdm_backward(tdm_sum_all(tdm_mul(y, gy)));
+    tdm_scope_end();
+    return rc;
+}
+
+/* A gradient marked stale is replaced by the next backward, as if zeroed (the GEMM writes
+ * with beta 0, the bias's add becomes a copy); unmarked ones still accumulate; one the
+ * backward does not reach is zeroed by tdm_grad_settle, which leaves reached ones alone. */
+static void test_grad_overwrite(void) {
+    tdm_rng rng = tdm_rng_make(3);
+    tdm_module *m = tdm_linear_new(4, 3, true, CPU, &rng);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    if (!ps) return;
+    int64_t n = ps->total;
+    float fresh[15], now[15];
+    tdm_fill_(ps->flat_grad, 0.0);
+    CHECK(linear_backward_of(m, true, 9) == 0, "backward: %s", tdm_last_error());
+    memcpy(fresh, tdm_data_ptr(ps->flat_grad), sizeof(float) * (size_t)n);
+    tdm_fill_(ps->flat_grad, 7.0); /* stale values the marked backward must not add to */
+    for (int i = 0; i < ps->n; i++) tdm_grad_mark_overwrite(ps->params[i]);
+    CHECK(linear_backward_of(m, true, 9) == 0, "marked backward: %s", tdm_last_error());
+    for (int i = 0; i < ps->n; i++) CHECK(tdm_grad_settle(ps->params[i]) == 0, "settle");
+    memcpy(now, tdm_data_ptr(ps->flat_grad), sizeof(float) * (size_t)n);
+    CHECK(memcmp(now, fresh, sizeof(float) * (size_t)n) == 0,
+          "a marked gradient is not the fresh one (weight[0] %g, want %g; bias[0] %g, want %g)",
+          (double)now[0], (double)fresh[0], (double)now[12], (double)fresh[12]);
+    CHECK(linear_backward_of(m, true, 9) == 0, "unmarked backward: %s", tdm_last_error());
+    const float *g = tdm_data_ptr(ps->flat_grad);
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) bad += g[i] != fresh[i] + fresh[i];
+    CHECK(bad == 0, "an unmarked gradient does not accumulate: %d of %lld differ", bad,
+          (long long)n);
+    tdm_fill_(ps->flat_grad, 7.0);
+    for (int i = 0; i < ps->n; i++) tdm_grad_mark_overwrite(ps->params[i]);
+    CHECK(linear_backward_of(m, false, 9) == 0, "backward without the bias: %s", tdm_last_error());
+    for (int i = 0; i < ps->n; i++) CHECK(tdm_grad_settle(ps->params[i]) == 0, "settle");
+    CHECK(memcmp(g, fresh, sizeof(float) * 12) == 0 && g[12] == 0 && g[13] == 0 && g[14] == 0,
+          "settle: weight %g (want %g), bias %g %g %g (want zeros)", (double)g[0], (double)fresh[0],
+          (double)g[12], (double)g[13], (double)g[14]);
+    tdm_module_free(m);
+}
+
 int main(void) {
     test_gradchecks();
+    test_grad_overwrite();
     test_matmul_values();
     test_engine();
     test_shared_gradients();

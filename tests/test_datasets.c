@@ -3,6 +3,7 @@
  * directory) gives NULL and a message naming the file and where the problem is. */
 #define _GNU_SOURCE
 #include "check.h"
+#include "data/dataset_common.h" /* tdm_ds_bytes_to_unit */
 #include "testdir.h"
 
 #include <pthread.h>
@@ -555,8 +556,30 @@ static void test_concurrent(void) {
 }
 
 /* Removes the files of the temporary directory (one level of subdirectories). */
+/* Every byte value divided by 255 in f32, bit for bit, at every length that ends a vector
+ * step early (8 and 16 bytes a step) and from unaligned starts. */
+static void test_bytes_to_unit(void) {
+    uint8_t bytes[256 + 40];
+    float out[256 + 40];
+    for (int i = 0; i < (int)sizeof bytes; i++) bytes[i] = (uint8_t)(i * 7 + 3);
+    int bad = 0;
+    for (int start = 0; start < 3; start++)
+        for (int n = 0; n <= 256 + 37; n++) {
+            memset(out, 0xff, sizeof out);
+            tdm_ds_bytes_to_unit(out + start, bytes + start, n);
+            for (int i = 0; i < n; i++) {
+                volatile float want = (float)bytes[start + i] / 255.0f;
+                bad += out[start + i] != want;
+            }
+            bad += n + start < (int)(sizeof out / sizeof out[0]) &&
+                   out[start + n] == out[start + n]; /* past the end: untouched (NaN) */
+        }
+    CHECK(bad == 0, "bytes_to_unit: %d floats differ from the division by 255", bad);
+}
+
 int main(void) {
     if (tmpdir_make("test_datasets") != 0) return 1;
+    test_bytes_to_unit();
     test_idx_valid();
     test_idx_errors();
     test_fashion_crafted();

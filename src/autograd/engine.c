@@ -117,15 +117,31 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
         if (!t->grad) return tdm_last_status();
         return tdm_backend_for(t->device)->copy(t->grad, g);
     }
+    if (tdm_book(t)->grad_overwrite) {
+        tdm_book(t)->grad_overwrite = false;
+        return tdm_backend_for(t->device)->copy(t->grad, g);
+    }
     return add_into(t->grad, g);
 }
 
-tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t) {
+tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t, float *beta) {
     if (!t || !t->requires_grad || t->grad_fn) return NULL;
     /* a failing source is left to the tdm_grad_accumulate that follows, which reports it */
     if (!t->grad && take_source(t)) return NULL;
-    if (!t->grad) return NULL;
-    return tdm_is_contiguous(t->grad) && tdm_same_shape(t->grad, t) ? t->grad : NULL;
+    if (!t->grad || !tdm_is_contiguous(t->grad) || !tdm_same_shape(t->grad, t)) return NULL;
+    *beta = tdm_book(t)->grad_overwrite ? 0.0f : 1.0f;
+    tdm_book(t)->grad_overwrite = false;
+    return t->grad;
+}
+
+void tdm_grad_mark_overwrite(tdm_tensor *t) {
+    if (t && t->grad) tdm_book(t)->grad_overwrite = true;
+}
+
+int tdm_grad_settle(tdm_tensor *t) {
+    if (!t || !tdm_book(t)->grad_overwrite) return TDM_OK;
+    tdm_book(t)->grad_overwrite = false;
+    return tdm_backend_for(t->device)->fill(t->grad, 0.0);
 }
 
 int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g) {

@@ -56,8 +56,18 @@ static inline bool tdm_node_wants(const tdm_node *n, int i) {
 int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g);
 /* The leaf's own gradient buffer when a backward may add into it directly (t is a leaf with
  * a contiguous .grad of its shape, e.g. a parameter's view of the flat gradient), else NULL.
- * Kernels that can accumulate (a GEMM with beta 1) then skip a temporary and an add. */
-tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t);
+ * Kernels that can accumulate (a GEMM with beta 1) then skip a temporary and an add. *beta
+ * is what the kernel multiplies the buffer by: 1, or 0 when it is stale
+ * (tdm_grad_mark_overwrite), which the call then clears. */
+tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t, float *beta);
+/* The leaf t's .grad (if any) holds stale values: the next gradient accumulated into it
+ * replaces them instead of adding to them, as if it had been zeroed, without the pass that
+ * zeroes it. Whoever marks a leaf calls tdm_grad_settle after the backward, before anything
+ * reads the gradient. */
+void tdm_grad_mark_overwrite(tdm_tensor *t);
+/* Zeroes t's .grad if it is still marked stale (no gradient reached t) and clears the mark.
+ * TDM_OK or the fill's error. */
+int tdm_grad_settle(tdm_tensor *t);
 /* Where a leaf's .grad comes from when it has none: called as the first gradient of a
  * backward reaches the leaf (and for a leaf the tape read that no gradient reached, before
  * its gradient-ready hooks), it sets leaf->grad to a zeroed contiguous f32 tensor of the

@@ -19,6 +19,8 @@ void *tdm_raise_null(tdm_status status, const char *fmt, ...) __attribute__((for
 typedef struct {
     tdm_scope *owner;       /* NULL: owned by the caller */
     bool heap_header;       /* scope-owned, but the header was malloc'd */
+    bool grad_overwrite;    /* autograd: the leaf's .grad is stale: the next gradient replaces
+                             * it (tdm_grad_mark_overwrite) */
     tdm_tensor *next;       /* owner's list */
     tdm_tensor *ready_next; /* autograd: leaves whose gradient is final together */
     int32_t last_use;       /* autograd: first tape index that reads this leaf */

@@ -34,12 +34,11 @@ static const uint8_t *cifar_record(const tdm_dataset *ds, int64_t i) {
     return m->records + i * m->record;
 }
 
-/* x [3, 32, 32] = pixel / 255 (a f32 division, ToTensor's values bit for bit) */
-static void cifar_pixels(const tdm_dataset *ds, int64_t i, float *restrict out, int64_t *y) {
+/* x [3, 32, 32] = pixel / 255 (ToTensor's values bit for bit) */
+static void cifar_pixels(const tdm_dataset *ds, int64_t i, float *out, int64_t *y) {
     const cifar_impl *m = (const cifar_impl *)ds->impl;
     const uint8_t *rec = cifar_record(ds, i);
-    const uint8_t *restrict p = rec + m->pixels_at;
-    for (int j = 0; j < CIFAR_PIXELS; j++) out[j] = (float)p[j] / 255.0f;
+    tdm_ds_bytes_to_unit(out, rec + m->pixels_at, CIFAR_PIXELS);
     *y = rec[m->label_at];
 }
 

@@ -54,11 +54,12 @@ static int linear_backward(tdm_node *n, tdm_tensor *gout) {
     }
     if (tdm_node_wants(n, 1)) { /* dW [out, in] = dY^T [out, M] @ X [M, in] */
         /* a parameter's gradient (a view of the flat buffer) takes the GEMM's sum directly */
-        tdm_tensor *acc = tdm_grad_inplace_target(w);
+        float beta = 0.0f;
+        tdm_tensor *acc = tdm_grad_inplace_target(w, &beta);
         tdm_tensor *gw = acc ? acc : tdm_tensor_alloc(tdm_shape_of(w), TDM_F32, w->device);
         if (!gw) return tdm_last_status();
         tdm_tensor gw3 = as_matrix(gw, out, in), x3 = as_matrix(x, rows, in);
-        int rc = be->matmul(&gw3, &gy3, &x3, true, false, acc ? 1.0f : 0.0f);
+        int rc = be->matmul(&gw3, &gy3, &x3, true, false, beta);
         if (!rc && !acc) rc = tdm_grad_accumulate(w, gw);
         if (rc) return rc;
     }

@@ -21,6 +21,7 @@
 #include "tandem/trace.h"
 #include "autograd/tape.h"
 #include "optim/clip.h"
+#include "optim/shard.h" /* tdm_optim_step_range_from */
 
 #include <math.h>
 #include <pthread.h>
@@ -136,22 +137,22 @@ static int replica_init(replica *r) {
  * the same factor (the norm of the whole averaged gradient, as on one device). */
 static int clip_shard(replica *r, int64_t lo, int64_t hi) {
     tdm_dp *dp = r->dp;
-    tdm_paramset *ps0 = dp->reps[0].ps;
-    int rc = tdm_clip_sum_squares(ps0, lo, hi, &r->shard_ss);
+    int rc = tdm_clip_sum_squares(r->ps, lo, hi, &r->shard_ss);
     if (!rc) rc = tdm_threads_barrier(rank_group(dp, r->rank));
     if (rc) return rc;
     double ss = 0;
     for (int k = 0; k < dp->n; k++) ss += dp->reps[k].shard_ss;
-    return tdm_clip_scale(ps0, lo, hi, dp->clip, (float)sqrt(ss));
+    return tdm_clip_scale(r->ps, lo, hi, dp->clip, (float)sqrt(ss));
 }
 
 /* The update, split over the replicas when the devices share memory (CPU devices of one
  * process). Replica r takes shard r of the flat buffers: it averages every replica's
- * gradient there into replica 0's, steps replica 0's optimizer on the shard, and copies the
- * shard's new parameters into every other replica. Each element is then reduced once and
- * stepped once, where an all-reduce followed by n optimizer steps reduces it n times (once
- * per destination) and steps it n times: on the MLP that is most of a step's time outside
- * the GEMMs. The sums are the threads all-reduce's (rank order, then / n), so the result is
+ * gradient there into its own gradient (a core's own cache lines), steps replica 0's
+ * optimizer on the shard from it, and copies the shard's new parameters into every other
+ * replica (so the gradients of replica 0 outside its shard stay its own, unaveraged). Each element
+ * is then reduced once and stepped once, where an all-reduce followed by n optimizer steps reduces
+ * it n times (once per destination) and steps it n times: on the MLP that is most of a step's time
+ * outside the GEMMs. The sums are the threads all-reduce's (rank order, then / n), so the result is
  * bit for bit the unsharded one, and replica 0's optimizer keeps the whole state (what a
  * checkpoint saves). The other replicas' optimizers stay unused. */
 static int sharded_update(replica *r) {
@@ -164,19 +165,32 @@ static int sharded_update(replica *r) {
     const float *grads[TDM_MAX_DEVICES];
     for (int k = 0; k < n; k++) grads[k] = tdm_data_ptr(dp->reps[k].ps->flat_grad);
     tdm_trace_begin("reduce shard");
-    tdm_lines_reduce(tdm_data_ptr(dp->reps[0].ps->flat_grad), grads, n, lo, hi);
+    tdm_lines_reduce(tdm_data_ptr(r->ps->flat_grad), grads, n, lo, hi);
     tdm_trace_end();
     if (dp->clip > 0 && (rc = clip_shard(r, lo, hi))) return rc;
     tdm_trace_begin("step shard");
     if (r->rank > 0) /* replica 0 has read the shard in its forward: the lines are shared */
         tdm_lines_claim((float *)tdm_data_ptr(dp->reps[0].ps->flat) + lo, hi - lo);
-    rc = tdm_optim_step_range(dp->reps[0].opt, lo, hi);
+    rc = tdm_optim_step_range_from(dp->reps[0].opt, lo, hi, r->ps->flat_grad);
     tdm_trace_end();
     tdm_trace_begin("copy shard");
     const float *p0 = tdm_data_ptr(dp->reps[0].ps->flat);
     for (int k = 1; !rc && k < n; k++)
         tdm_lines_copy((float *)tdm_data_ptr(dp->reps[k].ps->flat) + lo, p0 + lo, hi - lo);
     tdm_trace_end();
+    return rc;
+}
+
+/* A window's gradients on CPU devices sharing memory are not zeroed before its first
+ * backward but marked stale: the backward's first write to each replaces it (a GEMM with beta
+ * 0, a copy). Zeroing the MLP's 0.94 MB, half of it lines the other core had read in the last
+ * update, took ~50 us of a ~430 us step. Then (even after a failed backward, rc) this zeroes
+ * what no gradient reached. */
+static int settle_grads(tdm_paramset *ps, int rc) {
+    for (int i = 0; i < ps->n; i++) {
+        int z = tdm_grad_settle(ps->params[i]);
+        rc = rc ? rc : z;
+    }
     return rc;
 }
 
@@ -205,19 +219,18 @@ static int replica_step(replica *r) {
     /* DDP averages over n replicas; weighting each by its share of the batch makes the
      * average the gradient of the whole batch's mean loss */
     tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
-    int rc = TDM_OK;
-    if (dp->zero && dp->sharded) { /* half of it was read by another core in the last update */
-        tdm_trace_begin("zero gradients");
-        tdm_lines_zero(tdm_data_ptr(r->ps->flat_grad), r->ps->total);
-        tdm_trace_end();
-    } else if (dp->zero)
-        rc = r->opt ? tdm_optim_zero_grad(r->opt)
-                    : tdm_backend_for(dev)->fill(r->ps->flat_grad, 0.0);
+    /* sharing memory, the gradients are marked stale instead of zeroed (see settle_grads) */
+    bool mark = dp->zero && dp->sharded;
+    for (int i = 0; mark && i < r->ps->n; i++) tdm_grad_mark_overwrite(r->ps->params[i]);
+    int rc = !dp->zero || mark ? TDM_OK
+             : r->opt          ? tdm_optim_zero_grad(r->opt)
+                               : tdm_backend_for(dev)->fill(r->ps->flat_grad, 0.0);
     bool sync = dp->update && !dp->sharded; /* accumulating rounds keep gradients local */
     if (!dp->sharded) tdm_ddp_set_sync(r->ddp, sync);
     tdm_trace_begin(sync ? "backward (buckets all-reduced as they fill)" : "backward");
     if (!rc) rc = scaled ? tdm_ddp_backward(r->ddp, scaled) : tdm_last_status();
     tdm_trace_end();
+    if (mark) rc = settle_grads(r->ps, rc);
     tdm_parallel_context_clear();
     if (dp->update) {
         tdm_trace_begin("optimizer");

@@ -46,15 +46,6 @@ void tdm_lines_copy(float *dst, const float *src, int64_t len) {
     memcpy(dst + off, src + off, sizeof(float) * (size_t)(len - off));
 }
 
-void tdm_lines_zero(float *p, int64_t len) {
-    int64_t off = 0;
-    for (; off + BLOCK <= len; off += BLOCK) {
-        for (int l = 0; l < BLOCK; l += 16) want(p, off + AHEAD + l, len, 1);
-        memset(p + off, 0, BLOCK * sizeof(float));
-    }
-    memset(p + off, 0, sizeof(float) * (size_t)(len - off));
-}
-
 void tdm_lines_claim(float *p, int64_t len) {
     for (int64_t off = 0; off < len; off += 16) want(p, off, len, 1);
 }

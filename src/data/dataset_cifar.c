@@ -9,6 +9,7 @@
  * test_batch.bin or test.bin, read in that order. The records stay in memory as bytes (150 MB
  * for either train split, a quarter of its floats); get() converts one to f32 / 255. */
 #include "data/dataset_common.h"
+#include "backend/cpu/cpu.h" /* tdm_cpu_mem_alloc */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -189,7 +190,7 @@ static int load_records(const cifar_files *f, int64_t record, int classes, cifar
                         int64_t *n) {
     int64_t total = 0;
     for (int k = 0; k < f->count; k++) total += f->bytes[k];
-    m->records = (uint8_t *)malloc((size_t)total);
+    m->records = (uint8_t *)tdm_cpu_mem_alloc(0, (size_t)total); /* huge pages: see IDX's */
     if (!m->records)
         return tdm_raise(TDM_ERR_NOMEM, OP ": cannot allocate %lld bytes", (long long)total);
     int64_t at = 0;

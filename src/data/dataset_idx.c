@@ -11,6 +11,7 @@
  * even then the buffer starts at no more than 8x the compressed size (1 MB at least) and
  * grows, up to the claim, only as decompression delivers bytes. */
 #include "data/dataset_common.h"
+#include "backend/cpu/cpu.h" /* tdm_cpu_mem_alloc */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -244,7 +245,11 @@ static uint8_t *read_payload(idx_reader *r, uint64_t bytes, const char *what) {
         uint64_t guess = r->fsize * 8 > GZ_INITIAL_CAP ? r->fsize * 8 : GZ_INITIAL_CAP;
         cap = guess < bytes ? guess : bytes;
     }
-    uint8_t *buf = (uint8_t *)malloc((size_t)cap);
+    /* 2 MiB aligned and on huge pages from 2 MiB up (the CPU backend's large blocks): a
+     * batch reads 64 images at random from tens of MB, and with 4 KiB pages every image
+     * missed the TLB (perf: the loader's prefetches stalled on the page walks). A batch of
+     * Fashion-MNIST in the trainer on cpu:0,cpu:1: 23 -> 16.5 us. */
+    uint8_t *buf = (uint8_t *)tdm_cpu_mem_alloc(0, (size_t)cap);
     uint64_t got = 0;
     if (!buf) goto nomem;
     for (;;) {

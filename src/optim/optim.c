@@ -164,17 +164,18 @@ static tdm_tensor flat_range(const tdm_tensor *flat, int64_t off, int64_t n) {
 /* Updates elements [lo, hi) of the flat buffers, within the state's [o->lo, o->hi): one
  * kernel call per run of consecutive parameters sharing a weight decay (one run when all
  * share it), each still one fused pass over its slice. Does not count the step. */
-/* grad holds flat elements [grad_lo, grad_lo + numel): ps->flat_grad (grad_lo 0), ZeRO
- * stage 2's shard (tdm_optim_use_grad), or tdm_optim_step_range_from's buffer. */
-static int step_slice(tdm_optim *o, int64_t lo, int64_t hi, const tdm_tensor *grad,
-                      int64_t grad_lo) {
+/* params and grad hold flat elements from params_lo and grad_lo on: ps->flat and
+ * ps->flat_grad (from 0), ZeRO's buffers (tdm_optim_use_params, tdm_optim_use_grad), or
+ * tdm_optim_step_range_on's. */
+static int step_slice(tdm_optim *o, int64_t lo, int64_t hi, const tdm_tensor *params,
+                      int64_t params_lo, const tdm_tensor *grad, int64_t grad_lo) {
     const tdm_paramset *ps = o->ps;
     for (int i = 0, j; i < ps->n; i = j) {
         for (j = i + 1; j < ps->n && (!o->wd || o->wd[j] == o->wd[i]);) j++;
         int64_t a = ps->offsets[i] > lo ? ps->offsets[i] : lo;
         int64_t b = ps->offsets[j] < hi ? ps->offsets[j] : hi;
         if (a >= b) continue;
-        tdm_tensor p = flat_range(o->params ? o->params : ps->flat, a - o->params_lo, b - a);
+        tdm_tensor p = flat_range(params, a - params_lo, b - a);
         tdm_tensor g = flat_range(grad, a - grad_lo, b - a);
         tdm_tensor st[3];
         for (int k = 0; k < 3; k++)
@@ -229,7 +230,8 @@ int tdm_optim_decay_matrices_only(tdm_optim *o, float wd) {
 
 int tdm_optim_step(tdm_optim *o) {
     if (!o) return tdm_raise(TDM_ERR_ARG, "optim_step: optimizer is NULL");
-    int rc = step_slice(o, o->lo, o->hi, o->grad ? o->grad : o->ps->flat_grad, o->grad_lo);
+    int rc = step_slice(o, o->lo, o->hi, o->params ? o->params : o->ps->flat, o->params_lo,
+                        o->grad ? o->grad : o->ps->flat_grad, o->grad_lo);
     /* sharded: the other ranks' ranges come from them (parallel/zero.c) */
     if (!rc && o->sharded) rc = o->shard.after_step(o, o->shard.ctx);
     if (!rc) o->steps++;
@@ -242,22 +244,29 @@ int tdm_optim_step_range(tdm_optim *o, int64_t lo, int64_t hi) {
         return tdm_raise(TDM_ERR_ARG, "optim_step_range: [%lld, %lld) is not within [%lld, %lld)%s",
                          (long long)lo, (long long)hi, (long long)o->lo, (long long)o->hi,
                          o->sharded ? ", the range of this rank's shard" : "");
-    return step_slice(o, lo, hi, o->grad ? o->grad : o->ps->flat_grad, o->grad_lo);
+    return step_slice(o, lo, hi, o->params ? o->params : o->ps->flat, o->params_lo,
+                      o->grad ? o->grad : o->ps->flat_grad, o->grad_lo);
 }
 
-int tdm_optim_step_range_from(tdm_optim *o, int64_t lo, int64_t hi, const tdm_tensor *flat_grad) {
-    if (!o || !flat_grad) return tdm_raise(TDM_ERR_ARG, "optim_step_range_from: NULL argument");
+int tdm_optim_step_range_on(tdm_optim *o, int64_t lo, int64_t hi, const tdm_tensor *flat,
+                            const tdm_tensor *flat_grad) {
+    if (!o || !flat || !flat_grad)
+        return tdm_raise(TDM_ERR_ARG, "optim_step_range_on: NULL argument");
     if (o->sharded || lo < 0 || lo > hi || hi > o->ps->total)
         return tdm_raise(TDM_ERR_ARG,
-                         "optim_step_range_from: [%lld, %lld) is not within [0, %lld) of an "
+                         "optim_step_range_on: [%lld, %lld) is not within [0, %lld) of an "
                          "unsharded optimizer",
                          (long long)lo, (long long)hi, (long long)o->ps->total);
-    if (tdm_numel(flat_grad) != o->ps->total || !tdm_is_contiguous(flat_grad))
-        return tdm_raise(TDM_ERR_SHAPE,
-                         "optim_step_range_from: the gradient has %lld elements, the parameters "
-                         "%lld",
-                         (long long)tdm_numel(flat_grad), (long long)o->ps->total);
-    return step_slice(o, lo, hi, flat_grad, 0);
+    for (int k = 0; k < 2; k++) {
+        const tdm_tensor *t = k ? flat_grad : flat;
+        if (tdm_numel(t) != o->ps->total || !tdm_is_contiguous(t))
+            return tdm_raise(TDM_ERR_SHAPE,
+                             "optim_step_range_on: the %s have %lld elements, the parameter set "
+                             "%lld",
+                             k ? "gradients" : "parameters", (long long)tdm_numel(t),
+                             (long long)o->ps->total);
+    }
+    return step_slice(o, lo, hi, flat, 0, flat_grad, 0);
 }
 
 int tdm_optim_zero_grad(tdm_optim *o) {

@@ -33,12 +33,13 @@ int tdm_optim_use_grad(tdm_optim *o, tdm_tensor *grad, int64_t lo);
  * must cover o's range (the caller keeps it alive as long as o steps), instead of ps->flat.
  * TDM_ERR_SHAPE when it does not cover the range. */
 int tdm_optim_use_params(tdm_optim *o, tdm_tensor *params, int64_t lo);
-/* tdm_optim_step_range with the gradient read from flat_grad, a contiguous buffer laid out as
- * ps->flat_grad (the whole of it), instead of ps->flat_grad: a data-parallel replica steps its
- * shard of replica 0's optimizer from the average it reduced into its own gradient. Does not
- * count the step. TDM_ERR_ARG for a range outside the parameters or a sharded optimizer,
- * TDM_ERR_SHAPE for a gradient of another size. */
-int tdm_optim_step_range_from(tdm_optim *o, int64_t lo, int64_t hi, const tdm_tensor *flat_grad);
+/* tdm_optim_step_range on other buffers than ps->flat and ps->flat_grad: flat and flat_grad,
+ * contiguous and laid out as those (the whole of them). A data-parallel replica steps its
+ * shard of its own parameters with replica 0's optimizer state, from the average it reduced
+ * into its own gradient. Does not count the step. TDM_ERR_ARG for a range outside the
+ * parameters or a sharded optimizer, TDM_ERR_SHAPE for a buffer of another size. */
+int tdm_optim_step_range_on(tdm_optim *o, int64_t lo, int64_t hi, const tdm_tensor *flat,
+                            const tdm_tensor *flat_grad);
 /* The parameters a step updates (ps->flat, or tdm_optim_use_params's), *lo their first
  * element. */
 tdm_tensor *tdm_optim_params(const tdm_optim *o, int64_t *lo);

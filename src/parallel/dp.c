@@ -21,7 +21,7 @@
 #include "tandem/trace.h"
 #include "autograd/tape.h"
 #include "optim/clip.h"
-#include "optim/shard.h" /* tdm_optim_step_range_from */
+#include "optim/shard.h" /* tdm_optim_step_range_on */
 
 #include <math.h>
 #include <pthread.h>
@@ -146,15 +146,18 @@ static int clip_shard(replica *r, int64_t lo, int64_t hi) {
 }
 
 /* The update, split over the replicas when the devices share memory (CPU devices of one
- * process). Replica r takes shard r of the flat buffers: it averages every replica's
- * gradient there into its own gradient (a core's own cache lines), steps replica 0's
- * optimizer on the shard from it, and copies the shard's new parameters into every other
- * replica (so the gradients of replica 0 outside its shard stay its own, unaveraged). Each element
- * is then reduced once and stepped once, where an all-reduce followed by n optimizer steps reduces
- * it n times (once per destination) and steps it n times: on the MLP that is most of a step's time
- * outside the GEMMs. The sums are the threads all-reduce's (rank order, then / n), so the result is
- * bit for bit the unsharded one, and replica 0's optimizer keeps the whole state (what a
- * checkpoint saves). The other replicas' optimizers stay unused. */
+ * process). Replica r takes shard r of the flat buffers: it averages every replica's gradient
+ * there into its own gradient, steps its own parameters there with replica 0's optimizer
+ * state, and copies them into every other replica. Each core then writes only lines of its
+ * own but for the copies, where core 1 stepped replica 0's shard (lines core 0 had read) and
+ * wrote replica 0's gradient; and replica 0's gradient outside its shard stays its own,
+ * unaveraged. Each element is reduced once and stepped once, where an all-reduce followed by
+ * n optimizer steps reduces it n times (once per destination) and steps it n times: on the
+ * MLP that is most of a step's time outside the GEMMs. The sums are the threads all-reduce's
+ * (rank order, then / n), so the result is bit for bit the unsharded one, and replica 0's
+ * optimizer keeps the whole state (what a checkpoint saves); the shard of its state that
+ * replica r steps is only ever touched by r's core. The other replicas' optimizers stay
+ * unused. */
 static int sharded_update(replica *r) {
     tdm_dp *dp = r->dp;
     int n = dp->n;
@@ -169,14 +172,13 @@ static int sharded_update(replica *r) {
     tdm_trace_end();
     if (dp->clip > 0 && (rc = clip_shard(r, lo, hi))) return rc;
     tdm_trace_begin("step shard");
-    if (r->rank > 0) /* replica 0 has read the shard in its forward: the lines are shared */
-        tdm_lines_claim((float *)tdm_data_ptr(dp->reps[0].ps->flat) + lo, hi - lo);
-    rc = tdm_optim_step_range_from(dp->reps[0].opt, lo, hi, r->ps->flat_grad);
+    rc = tdm_optim_step_range_on(dp->reps[0].opt, lo, hi, r->ps->flat, r->ps->flat_grad);
     tdm_trace_end();
     tdm_trace_begin("copy shard");
-    const float *p0 = tdm_data_ptr(dp->reps[0].ps->flat);
-    for (int k = 1; !rc && k < n; k++)
-        tdm_lines_copy((float *)tdm_data_ptr(dp->reps[k].ps->flat) + lo, p0 + lo, hi - lo);
+    const float *mine = (const float *)tdm_data_ptr(r->ps->flat) + lo;
+    for (int k = 0; !rc && k < n; k++)
+        if (k != r->rank)
+            tdm_lines_copy((float *)tdm_data_ptr(dp->reps[k].ps->flat) + lo, mine, hi - lo);
     tdm_trace_end();
     return rc;
 }

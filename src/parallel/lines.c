@@ -45,7 +45,3 @@ void tdm_lines_copy(float *dst, const float *src, int64_t len) {
     }
     memcpy(dst + off, src + off, sizeof(float) * (size_t)(len - off));
 }
-
-void tdm_lines_claim(float *p, int64_t len) {
-    for (int64_t off = 0; off < len; off += 16) want(p, off, len, 1);
-}

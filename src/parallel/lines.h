@@ -17,8 +17,5 @@
 void tdm_lines_reduce(float *dst, const float *const *src, int n, int64_t lo, int64_t hi);
 /* dst[0..len) = src[0..len); the buffers do not overlap. */
 void tdm_lines_copy(float *dst, const float *src, int64_t len);
-/* Asks for every line of p[0..len) in writable state and returns: ahead of a kernel that will
- * write them all (an optimizer's step), which then finds them in its cache. */
-void tdm_lines_claim(float *p, int64_t len);
 
 #endif

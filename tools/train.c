@@ -162,9 +162,11 @@ static const opt_spec specs[] = {
      "arithmetic, PyTorch's default. Each operation on a denormal takes a microcode assist: "
      "SGD's momentum of a parameter whose gradient stays 0 turns denormal after ~800 steps, "
      "and the MLP's epochs then take 1.6x as long."},
-    {"--workers", "N", OPT_INT, F(workers), 0, 64, "2",
+    {"--workers", "N", OPT_INT, F(workers), 0, 64, "2 or 0",
      "DataLoader worker threads building batches ahead of the training loop; 0 builds them "
-     "on the training thread."},
+     "on the training thread. The default is 2, or 0 where every core runs a device (--devices "
+     "with as many CPU devices as cores) and a batch only copies samples held in memory (no "
+     "image to decode, no --transform): a worker could then run only on a device's core."},
     {"--devices", "LIST", OPT_STR, F(devices), 0, 0, "cpu:0",
      "Devices to train on: a list (cpu:0,cpu:1 or cuda:0,cuda:1), cpu:all (one device per "
      "core), cuda:all (every GPU), cuda (the GPU of this process's local rank under mpirun or "
@@ -304,7 +306,7 @@ static train_opts opts_defaults(void) {
                         .shard = "none",
                         .epochs = 1,
                         .batch_size = 0, /* 64 unless --batch-per-device (check_opts) */
-                        .workers = 2,
+                        .workers = -1,   /* 2 or 0 (trainer.c, loader_workers) */
                         .limit = 0,
                         .step_size = 1,
                         .lr = NAN,

@@ -30,8 +30,23 @@ static int64_t count_correct(const int64_t *pred, const int64_t *label, int64_t 
 
 /* ---- setting up ------------------------------------------------------------------------- */
 
+/* --workers, or by default 2, or 0 where every core runs a device (data parallel on as many CPU
+ * devices as cores) and a batch only copies samples held in memory (no image to decode, no
+ * transform): a worker then runs only by preempting a device. The MLP on cpu:0,cpu:1 (2
+ * cores): 0.411 s an epoch with 2 workers, 0.401 with the training thread building each batch
+ * of 64 (16 us). */
+static int loader_workers(const trainer *tr) {
+    const train_opts *o = tr->o;
+    if (o->workers >= 0) return (int)o->workers;
+    bool cores_taken =
+        o->n_devs > 1 && o->devs[0].type == TDM_CPU && o->n_devs >= tdm_device_count(TDM_CPU);
+    bool copies = !tr->task->train_tf && !tr->task->train->ops->get_image;
+    return cores_taken && copies ? 0 : 2;
+}
+
 static int make_loaders(trainer *tr) {
     const train_opts *o = tr->o;
+    tr->workers = loader_workers(tr);
     tdm_loader_opts lo = tdm_loader_defaults(o->batch_size);
     if (tr->g) { /* DistributedSampler: rank r's rows of each global batch are r, r+N, ... */
         lo.rank = tdm_group_rank(tr->g);
@@ -40,7 +55,7 @@ static int make_loaders(trainer *tr) {
     }
     lo.shuffle = true;
     lo.seed = (uint64_t)o->seed;
-    lo.workers = (int)o->workers;
+    lo.workers = tr->workers;
     lo.drop_last = tr->task->drop_last;
     lo.transform = tr->task->train_tf;
     /* one GPU: batches built in pinned memory and uploaded ahead of the step that needs them
@@ -58,7 +73,7 @@ static int make_loaders(trainer *tr) {
                           (long long)tr->accum, (long long)batches);
     if (!tr->task->test) return 0;
     tdm_loader_opts eo = tdm_loader_defaults(EVAL_BATCH);
-    eo.workers = (int)o->workers;
+    eo.workers = tr->workers;
     eo.device = lo.device;
     eo.seed = lo.seed; /* a random step in the test transform draws the same every epoch */
     eo.transform = tr->task->test_tf;
@@ -310,13 +325,13 @@ static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
 
 /* ---- the chunk, the window and the epoch ------------------------------------------------- */
 
-/* Data parallelism pays when each device's share of a step is large next to the ~0.1-0.2 ms
- * a step spends synchronising the devices (bench/RESULTS.md, bench_dp: the MLP, 32 MFLOP of
- * products per device per step, gains 1.2x on 2 devices; the CNN, several hundred, 1.95x). The
- * first step's products on this thread are device 0's share: below the threshold, say so.
- * Against one device the gain is smaller still where that device has the other cores for its
- * products (tdm_gemm_threads_for_devices): on the MLP one device is as fast as two, or faster
- * (bench/RESULTS.md, "Two CPU devices against one"). */
+/* Data parallelism pays when each device's share of a step is large next to the ~0.1 ms a
+ * step spends synchronising the devices (bench/RESULTS.md, bench_dp: the MLP, 32 MFLOP of
+ * products per device per step, gains ~1.5x on 2 devices; the CNN, several hundred, 1.95x).
+ * The first step's products on this thread are device 0's share: below the threshold, say
+ * so. Against one device that has the other cores for its products
+ * (tdm_gemm_threads_for_devices) the gain is smaller still: the MLP's epoch on cpu:0,cpu:1
+ * ~1.3x cpu:0's (bench/RESULTS.md, "Two CPU devices against one"). */
 #define SMALL_DEVICE_WORK_FLOPS 100e6
 
 static void note_small_work(trainer *tr, uint64_t flops) {
@@ -326,12 +341,9 @@ static void note_small_work(trainer *tr, uint64_t flops) {
         return;
     progress_clear(&tr->prog);
     printf("note      %.0f MFLOP of matrix products per device per step: little next to the "
-           "devices' synchronisation; expect well under %dx",
+           "devices' synchronisation; expect well under %dx one device's speed (a larger "
+           "--batch-size does better)\n",
            (double)flops / 1e6, n);
-    if (procs == 1) /* one device would run its products on every core */
-        printf(", and one device (--devices cpu:0), which runs its products on every core, may be "
-               "as fast or faster");
-    printf(" (a larger --batch-size, or fewer devices, does better)\n");
     fflush(stdout);
 }
 
@@ -690,8 +702,11 @@ static void banner(const trainer *tr) {
     if (tr->dev.type == TDM_CPU) progress_print_compute(stdout);
     printf("data      %s: %s; batch %lld", o->data, tr->task->data_desc, (long long)o->batch_size);
     if (tr->accum > 1) printf(" x %lld accumulated", (long long)tr->accum);
-    printf(", %lld steps per epoch, %lld loader workers\n", (long long)tr->steps_per_epoch,
-           (long long)o->workers);
+    printf(", %lld steps per epoch, %d loader workers%s\n", (long long)tr->steps_per_epoch,
+           tr->workers,
+           tr->workers == 0 && o->workers < 0 ? " (every core runs a device: batches built "
+                                                "between steps)"
+                                              : "");
     if (tr->task->classes_desc[0]) printf("classes   %s\n", tr->task->classes_desc);
     if (tr->task->transform_desc[0]) printf("transform %s\n", tr->task->transform_desc);
     printf("optimizer %s\n", opt);
@@ -736,7 +751,7 @@ static void write_config(trainer *tr) {
              o->lr, o->momentum, o->weight_decay, o->clip, (long long)o->epochs,
              (long long)o->batch_size, (long long)tr->accum, (long long)tr->steps_per_epoch,
              (long long)tr->task->train->n, (long long)(tr->task->test ? tr->task->test->n : 0),
-             (long long)o->seed, (long long)o->workers, (long long)tr->ps->total, o->pct_start,
+             (long long)o->seed, (long long)tr->workers, (long long)tr->ps->total, o->pct_start,
              o->label_smoothing, o->nesterov ? "true" : "false", o->no_decay_1d ? "true" : "false",
              o->eval_flip ? "true" : "false", (long long)o->validation);
     sinks_config(&tr->out, f);

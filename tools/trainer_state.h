@@ -30,6 +30,7 @@ typedef struct trainer {
     sinks out;
     progress prog;
     int64_t accum, steps_per_epoch, global_step;
+    int workers; /* the loaders' workers: --workers, or its default (loader_workers) */
     /* checkpoints: the directory's lock (rank 0), the run's identity (empty: a run resumed
      * from a checkpoint written before identities), where a resumed run starts, and its
      * epoch's totals before it */

@@ -148,10 +148,10 @@ static int clip_shard(replica *r, int64_t lo, int64_t hi) {
 /* The update, split over the replicas when the devices share memory (CPU devices of one
  * process). Replica r takes shard r of the flat buffers: it averages every replica's gradient
  * there into its own gradient, steps its own parameters there with replica 0's optimizer
- * state, and copies them into every other replica. Each core then writes only lines of its
- * own but for the copies, where core 1 stepped replica 0's shard (lines core 0 had read) and
- * wrote replica 0's gradient; and replica 0's gradient outside its shard stays its own,
- * unaveraged. Each element is reduced once and stepped once, where an all-reduce followed by
+ * state, and copies them into every other replica. Each core so writes lines of its own but
+ * for the copies (core 1 stepping replica 0's shard, lines core 0 had read in its forward,
+ * took 45 us to core 0's 33 on the MLP); replica 0's gradient outside its shard stays its
+ * own, unaveraged. Each element is reduced once and stepped once, where an all-reduce followed by
  * n optimizer steps reduces it n times (once per destination) and steps it n times: on the
  * MLP that is most of a step's time outside the GEMMs. The sums are the threads all-reduce's
  * (rank order, then / n), so the result is bit for bit the unsharded one, and replica 0's

@@ -66,6 +66,18 @@ static void test_products(void) {
             check_gemm(t & 1, t & 2, shapes[s][0], shapes[s][1], shapes[s][2], -0.5f, 1.0f);
         }
     check_gemm(false, false, 9, 11, 10, 2.0f, 0.25f);
+    /* on one thread (a CPU device's), A @ B^T with 16 or 32 rows runs transposed into a
+     * scratch (cpu_gemm.c, swap_pays): the MLP's forward on a device's 32 rows, a wide one,
+     * beta 0, 1 and neither; and the rows next to them, which do not swap */
+    int threads = tdm_cpu_gemm_threads();
+    tdm_cpu_gemm_set_threads(1);
+    int swap[][3] = {{32, 256, 784}, {16, 70, 300}, {32, 1000, 256}, {24, 64, 256}, {33, 64, 256}};
+    for (size_t s = 0; s < sizeof swap / sizeof swap[0]; s++) {
+        check_gemm(false, true, swap[s][0], swap[s][1], swap[s][2], 1.0f, 0.0f);
+        check_gemm(false, true, swap[s][0], swap[s][1], swap[s][2], -0.5f, 1.0f);
+        check_gemm(false, true, swap[s][0], swap[s][1], swap[s][2], 2.0f, 0.25f);
+    }
+    tdm_cpu_gemm_set_threads(threads);
 }
 
 static void test_kernels_named(void) {

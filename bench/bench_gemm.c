@@ -34,14 +34,16 @@ typedef struct {
 } shape;
 
 /* c [m, n] = op(a) @ op(b) as the layers call it: Linear forward x @ W^T, its weight grad
- * g^T @ x, its input grad g @ W; conv as im2col per image w [Cout, K] @ col [K, P] */
+ * g^T @ x, its input grad g @ W; conv as im2col per image w [Cout, K] @ col [K, P]. ".dp":
+ * a data-parallel device's half of the batch of 64. */
 static const shape shapes[] = {
-    {"mlp.fc1.fwd", 64, 256, 784, false, true},    {"mlp.fc1.dW", 256, 784, 64, true, false},
-    {"mlp.fc1.dX", 64, 784, 256, false, false},    {"mlp.fc2.fwd", 64, 128, 256, false, true},
-    {"cnn.conv2.fwd", 64, 196, 288, false, false}, {"cnn.fc1.fwd", 64, 128, 3136, false, true},
-    {"cnn.fc1.dW", 128, 3136, 64, true, false},    {"gpt.qkv.fwd", 256, 384, 128, false, true},
-    {"gpt.fc.fwd", 256, 512, 128, false, true},    {"gpt.proj.dW", 128, 512, 256, true, false},
-    {"gpt.attn.qk", 64, 64, 32, false, true},      {"square.1024", 1024, 1024, 1024, false, false},
+    {"mlp.fc1.fwd", 64, 256, 784, false, true},     {"mlp.fc1.fwd.dp", 32, 256, 784, false, true},
+    {"cnn.fc1.fwd.dp", 32, 128, 3136, false, true}, {"mlp.fc1.dW", 256, 784, 64, true, false},
+    {"mlp.fc1.dX", 64, 784, 256, false, false},     {"mlp.fc2.fwd", 64, 128, 256, false, true},
+    {"cnn.conv2.fwd", 64, 196, 288, false, false},  {"cnn.fc1.fwd", 64, 128, 3136, false, true},
+    {"cnn.fc1.dW", 128, 3136, 64, true, false},     {"gpt.qkv.fwd", 256, 384, 128, false, true},
+    {"gpt.fc.fwd", 256, 512, 128, false, true},     {"gpt.proj.dW", 128, 512, 256, true, false},
+    {"gpt.attn.qk", 64, 64, 32, false, true},       {"square.1024", 1024, 1024, 1024, false, false},
 };
 #define N_SHAPES (int)(sizeof shapes / sizeof shapes[0])
 

@@ -1,8 +1,10 @@
 /* Optimizers, LR schedules and gradient clipping against PyTorch 1.13
  * (fixtures: tests/fixtures/gen_optim.py -> optim_fixtures.h). */
 #include <stdlib.h>
+#include <string.h>
 
 #include "check.h"
+#include "optim/shard.h" /* tdm_optim_step_range_on */
 #include "fixtures/optim_fixtures.h"
 #include "fixtures/sched_fixtures.h"
 
@@ -270,8 +272,48 @@ static void test_errors(void) {
     tdm_module_free(m);
 }
 
+/* tdm_optim_step_range_on (DataParallel's replicas each step their shard of their own
+ * parameters with replica 0's optimizer): two ranges stepped on other buffers give the
+ * optimizer's own whole step there, bit for bit, twice (Adam's state carried), and leave its
+ * own buffers alone; buffers of another size and ranges outside are refused. */
+static void test_step_range_on(void) {
+    tdm_module *ma = make_holder(), *mb = make_holder();
+    tdm_paramset *pa = tdm_module_parameters(ma), *pb = tdm_module_parameters(mb);
+    int64_t n = pa->total;
+    tdm_adam_opts o = tdm_adam_defaults();
+    o.weight_decay = 0.01f;
+    tdm_optim *a = tdm_adam_new(pa, &o), *b = tdm_adam_new(pb, &o);
+    float g[64], init[64];
+    for (int64_t i = 0; i < n; i++) g[i] = 0.01f * (float)(i - 17);
+    memcpy(init, tdm_data_ptr(pb->flat), sizeof(float) * (size_t)n);
+    tdm_tensor *p = tdm_from_data(TDM_SHAPE(n), TDM_F32, tdm_cpu(0), init);
+    tdm_tensor *gr = tdm_from_data(TDM_SHAPE(n), TDM_F32, tdm_cpu(0), g);
+    set_flat(pa->flat_grad, g);
+    tdm_fill_(pb->flat_grad, 5.0f); /* b's own gradient must not be read */
+    for (int step = 0; step < 2; step++) {
+        CHECK(tdm_optim_step(a) == 0, "step: %s", tdm_last_error());
+        CHECK(tdm_optim_step_range_on(b, 0, 20, p, gr) == 0 &&
+                  tdm_optim_step_range_on(b, 20, n, p, gr) == 0,
+              "step_range_on: %s", tdm_last_error());
+        tdm_optim_set_steps(b, tdm_optim_steps(b) + 1); /* a whole step, counted by the caller */
+        CHECK(memcmp(tdm_data_ptr(p), tdm_data_ptr(pa->flat), sizeof(float) * (size_t)n) == 0,
+              "step %d: the ranges stepped on other buffers differ from the whole step", step);
+    }
+    CHECK(memcmp(tdm_data_ptr(pb->flat), init, sizeof(float) * (size_t)n) == 0,
+          "step_range_on wrote the optimizer's own parameters");
+    tdm_tensor *short_g = tdm_zeros(TDM_SHAPE(n - 1), TDM_F32, tdm_cpu(0));
+    CHECK_ERROR(tdm_optim_step_range_on(b, 0, 5, p, short_g) == TDM_ERR_SHAPE,
+                "the gradients have 36 elements, the parameter set 37");
+    CHECK_ERROR(tdm_optim_step_range_on(b, 30, n + 1, p, gr) == TDM_ERR_ARG,
+                "[30, 38) is not within [0, 37)");
+    tdm_tensor_free(short_g), tdm_tensor_free(p), tdm_tensor_free(gr);
+    tdm_optim_free(a), tdm_optim_free(b);
+    tdm_module_free(ma), tdm_module_free(mb);
+}
+
 int main(void) {
     test_trajectories();
+    test_step_range_on();
     test_zero_grad_and_lr();
     test_schedules();
     test_onecycle_linear();

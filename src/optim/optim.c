@@ -163,10 +163,10 @@ static tdm_tensor flat_range(const tdm_tensor *flat, int64_t off, int64_t n) {
 
 /* Updates elements [lo, hi) of the flat buffers, within the state's [o->lo, o->hi): one
  * kernel call per run of consecutive parameters sharing a weight decay (one run when all
- * share it), each still one fused pass over its slice. Does not count the step. */
-/* params and grad hold flat elements from params_lo and grad_lo on: ps->flat and
- * ps->flat_grad (from 0), ZeRO's buffers (tdm_optim_use_params, tdm_optim_use_grad), or
- * tdm_optim_step_range_on's. */
+ * share it), each still one fused pass over its slice. params and grad hold flat elements
+ * from params_lo and grad_lo on: ps->flat and ps->flat_grad (from 0), ZeRO's buffers
+ * (tdm_optim_use_params, tdm_optim_use_grad: see step_own), or tdm_optim_step_range_on's.
+ * Does not count the step. */
 static int step_slice(tdm_optim *o, int64_t lo, int64_t hi, const tdm_tensor *params,
                       int64_t params_lo, const tdm_tensor *grad, int64_t grad_lo) {
     const tdm_paramset *ps = o->ps;
@@ -194,6 +194,12 @@ static int step_slice(tdm_optim *o, int64_t lo, int64_t hi, const tdm_tensor *pa
         if (rc) return rc;
     }
     return TDM_OK;
+}
+
+/* step_slice on the optimizer's own buffers. */
+static int step_own(tdm_optim *o, int64_t lo, int64_t hi) {
+    return step_slice(o, lo, hi, o->params ? o->params : o->ps->flat, o->params_lo,
+                      o->grad ? o->grad : o->ps->flat_grad, o->grad_lo);
 }
 
 int tdm_optim_set_weight_decays(tdm_optim *o, const float *wd) {
@@ -230,8 +236,7 @@ int tdm_optim_decay_matrices_only(tdm_optim *o, float wd) {
 
 int tdm_optim_step(tdm_optim *o) {
     if (!o) return tdm_raise(TDM_ERR_ARG, "optim_step: optimizer is NULL");
-    int rc = step_slice(o, o->lo, o->hi, o->params ? o->params : o->ps->flat, o->params_lo,
-                        o->grad ? o->grad : o->ps->flat_grad, o->grad_lo);
+    int rc = step_own(o, o->lo, o->hi);
     /* sharded: the other ranks' ranges come from them (parallel/zero.c) */
     if (!rc && o->sharded) rc = o->shard.after_step(o, o->shard.ctx);
     if (!rc) o->steps++;
@@ -244,8 +249,7 @@ int tdm_optim_step_range(tdm_optim *o, int64_t lo, int64_t hi) {
         return tdm_raise(TDM_ERR_ARG, "optim_step_range: [%lld, %lld) is not within [%lld, %lld)%s",
                          (long long)lo, (long long)hi, (long long)o->lo, (long long)o->hi,
                          o->sharded ? ", the range of this rank's shard" : "");
-    return step_slice(o, lo, hi, o->params ? o->params : o->ps->flat, o->params_lo,
-                      o->grad ? o->grad : o->ps->flat_grad, o->grad_lo);
+    return step_own(o, lo, hi);
 }
 
 int tdm_optim_step_range_on(tdm_optim *o, int64_t lo, int64_t hi, const tdm_tensor *flat,

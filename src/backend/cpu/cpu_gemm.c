@@ -46,9 +46,9 @@ uint64_t tdm_gemm_flops(void) {
  * share of a batch: the MLP's 32 rows of 784 against 256 x 784 weights) runs in oneDNN 2.6.3
  * at ~110 GFLOP/s on one core of the AVX-512 Xeon (family 6 model 207), the same product
  * transposed, B @ A^T, at 140-160: 1.06-1.6x for k >= 256, n >= 64 with 16 or 32 rows, but
- * 0.7-1.1x with 8, 24, 48 or 64. On one thread there it is computed into a scratch of the
- * calling thread and transposed into c (the MLP on cpu:0,cpu:1: 353 -> 325 us a step). Not
- * measured on AVX2 CPUs: they keep oneDNN's own. */
+ * 0.7-1.1x with 8, 24, 48 or 64. On one thread there it is computed transposed into a
+ * scratch and copied into c (the MLP on cpu:0,cpu:1: 353 -> 325 us a step). Not measured on
+ * AVX2 CPUs: they keep oneDNN's own. */
 static bool avx512;
 
 __attribute__((constructor)) static void avx512_init(void) {

@@ -19,7 +19,10 @@ static inline void want(const float *p, int64_t i, int64_t len, int write) {
         return;
     }
 #endif
-    __builtin_prefetch(q, write, 3);
+    if (write) /* a constant argument each (clang requires one) */
+        __builtin_prefetch(q, 1, 3);
+    else
+        __builtin_prefetch(q, 0, 3);
 }
 
 void tdm_lines_reduce(float *dst, const float *const *src, int n, int64_t lo, int64_t hi) {

@@ -1,7 +1,6 @@
 /* Autograd: the engine (accumulation, hooks, no-grad, errors) and gradient checks of the
  * shape ops and matmul. */
 #include "gradcheck.h"
-#include "autograd/tape.h" /* tdm_grad_mark_overwrite, tdm_grad_settle */
 
 #define CPU tdm_cpu(0)
 
@@ -207,9 +206,10 @@ static int linear_backward_of(tdm_module *m, bool bias_too, uint64_t seed) {
     return rc;
 }
 
-/* A gradient marked stale is replaced by the next backward, as if zeroed (the GEMM writes
- * with beta 0, the bias's add becomes a copy); unmarked ones still accumulate; one the
- * backward does not reach is zeroed by tdm_grad_settle, which leaves reached ones alone. */
+/* tdm_paramset_mark_grads_stale: a gradient marked stale is replaced by the next backward, as
+ * if zeroed (the GEMM writes with beta 0, the bias's add becomes a copy); unmarked ones still
+ * accumulate; one the backward does not reach is zeroed by tdm_paramset_settle_grads, which
+ * leaves reached ones alone. */
 static void test_grad_overwrite(void) {
     tdm_rng rng = tdm_rng_make(3);
     tdm_module *m = tdm_linear_new(4, 3, true, CPU, &rng);
@@ -221,9 +221,9 @@ static void test_grad_overwrite(void) {
     CHECK(linear_backward_of(m, true, 9) == 0, "backward: %s", tdm_last_error());
     memcpy(fresh, tdm_data_ptr(ps->flat_grad), sizeof(float) * (size_t)n);
     tdm_fill_(ps->flat_grad, 7.0); /* stale values the marked backward must not add to */
-    for (int i = 0; i < ps->n; i++) tdm_grad_mark_overwrite(ps->params[i]);
+    tdm_paramset_mark_grads_stale(ps);
     CHECK(linear_backward_of(m, true, 9) == 0, "marked backward: %s", tdm_last_error());
-    for (int i = 0; i < ps->n; i++) CHECK(tdm_grad_settle(ps->params[i]) == 0, "settle");
+    CHECK(tdm_paramset_settle_grads(ps) == 0, "settle: %s", tdm_last_error());
     memcpy(now, tdm_data_ptr(ps->flat_grad), sizeof(float) * (size_t)n);
     CHECK(memcmp(now, fresh, sizeof(float) * (size_t)n) == 0,
           "a marked gradient is not the fresh one (weight[0] %g, want %g; bias[0] %g, want %g)",
@@ -235,12 +235,14 @@ static void test_grad_overwrite(void) {
     CHECK(bad == 0, "an unmarked gradient does not accumulate: %d of %lld differ", bad,
           (long long)n);
     tdm_fill_(ps->flat_grad, 7.0);
-    for (int i = 0; i < ps->n; i++) tdm_grad_mark_overwrite(ps->params[i]);
+    tdm_paramset_mark_grads_stale(ps);
     CHECK(linear_backward_of(m, false, 9) == 0, "backward without the bias: %s", tdm_last_error());
-    for (int i = 0; i < ps->n; i++) CHECK(tdm_grad_settle(ps->params[i]) == 0, "settle");
+    CHECK(tdm_paramset_settle_grads(ps) == 0, "settle: %s", tdm_last_error());
     CHECK(memcmp(g, fresh, sizeof(float) * 12) == 0 && g[12] == 0 && g[13] == 0 && g[14] == 0,
           "settle: weight %g (want %g), bias %g %g %g (want zeros)", (double)g[0], (double)fresh[0],
           (double)g[12], (double)g[13], (double)g[14]);
+    tdm_paramset_mark_grads_stale(NULL);
+    CHECK(tdm_paramset_settle_grads(NULL) == TDM_OK, "settle of no set");
     tdm_module_free(m);
 }
 

@@ -204,6 +204,16 @@ int tdm_module_set_forward_hooks(tdm_module *m, tdm_forward_pre_hook pre, tdm_fo
  * with a flat gradient buffer beside it. Owned by m; later calls return the same set. All
  * parameters must be on one device. NULL and an error on failure. */
 tdm_paramset *tdm_module_parameters(tdm_module *m);
+/* A training loop's zero_grad without the pass that zeroes the flat gradient: every gradient
+ * of ps is marked stale, and the next backward's first gradient for a parameter replaces its
+ * values (a Linear's weight-gradient GEMM writes with beta 0) instead of adding to them.
+ * tdm_paramset_settle_grads, after that backward and before anything reads a gradient (the
+ * optimizer, clipping, a checkpoint), zeroes those no gradient reached. Zeroing the MLP's 0.94
+ * MB took 6% of its step on one core. Not with DDP, whose buckets read the gradients during
+ * the backward. NULL ps: nothing. */
+void tdm_paramset_mark_grads_stale(tdm_paramset *ps);
+/* See tdm_paramset_mark_grads_stale. TDM_OK, or the fill's error (the others still settled). */
+int tdm_paramset_settle_grads(tdm_paramset *ps);
 /* All buffers of the tree, named. Owned by m. */
 tdm_bufferset *tdm_module_buffers(tdm_module *m);
 /* The parameter or buffer with this full name, or NULL. */

@@ -376,6 +376,19 @@ tdm_paramset *tdm_module_parameters(tdm_module *m) {
     return m->paramset;
 }
 
+void tdm_paramset_mark_grads_stale(tdm_paramset *ps) {
+    for (int i = 0; ps && i < ps->n; i++) tdm_grad_mark_overwrite(ps->params[i]);
+}
+
+int tdm_paramset_settle_grads(tdm_paramset *ps) {
+    int rc = TDM_OK;
+    for (int i = 0; ps && i < ps->n; i++) {
+        int z = tdm_grad_settle(ps->params[i]);
+        rc = rc ? rc : z;
+    }
+    return rc;
+}
+
 tdm_bufferset *tdm_module_buffers(tdm_module *m) {
     if (!m) return tdm_raise_null(TDM_ERR_ARG, "module_buffers: module is NULL");
     if (m->bufferset) return m->bufferset;

@@ -341,8 +341,8 @@ static void test_devices_run(void) {
               strstr(small.out, all_cores ? ", 0 loader workers (every core runs a device"
                                           : ", 2 loader workers\n"),
           "default workers (%d cores): %s\n%s", tdm_device_count(TDM_CPU), single.out, small.out);
-    result one_worker = TANDEM("train", "--limit", "640", "--model", "mlp", "--devices", "2",
-                               "--workers", "1");
+    result one_worker =
+        TANDEM("train", "--limit", "640", "--model", "mlp", "--devices", "2", "--workers", "1");
     CHECK(one_worker.status == 0 && strstr(one_worker.out, ", 1 loader workers\n"),
           "--workers 1: %s", one_worker.out);
     result_free(&one_worker);

@@ -15,7 +15,8 @@ static void gemm_ref(bool ta, bool tb, int m, int n, int k, float alpha, const f
             for (int p = 0; p < k; p++)
                 s += (double)(ta ? a[p * lda + i] : a[i * lda + p]) *
                      (double)(tb ? b[j * ldb + p] : b[p * ldb + j]);
-            c[i * ldc + j] = alpha * s + beta * c[i * ldc + j];
+            /* beta 0: c is not read (BLAS's rule; a NaN there stays out) */
+            c[i * ldc + j] = beta == 0.0f ? alpha * s : alpha * s + beta * c[i * ldc + j];
         }
 }
 
@@ -24,6 +25,10 @@ static float frand(uint32_t *s) {
     *s = *s * 1664525u + 1013904223u;
     return (float)(*s >> 8) / (1 << 23) - 1.0f;
 }
+
+/* Whether check_gemm calls cpu_gemm_nt.c's kernel itself (A @ B^T only) rather than
+ * tdm_cpu_sgemm. */
+static bool direct_nt;
 
 static void check_gemm(bool ta, bool tb, int m, int n, int k, float alpha, float beta) {
     int pad = 3; /* leading dimensions longer than the rows: views into wider matrices */
@@ -36,13 +41,19 @@ static void check_gemm(bool ta, bool tb, int m, int n, int k, float alpha, float
     uint32_t seed = (uint32_t)(m * 7 + n * 3 + k + ta * 2 + tb);
     for (int i = 0; i < arows * lda; i++) a[i] = frand(&seed);
     for (int i = 0; i < brows * ldb; i++) b[i] = frand(&seed);
-    for (int i = 0; i < m * ldc; i++) ref[i] = c[i] = frand(&seed);
-    tdm_cpu_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    for (int i = 0; i < m * ldc; i++) /* beta 0: c must not be read */
+        ref[i] = c[i] = beta == 0.0f && i % ldc < n ? NAN : frand(&seed);
+    if (direct_nt)
+        CHECK(tdm_cpu_sgemm_nt(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc) == 0,
+              "sgemm_nt %dx%dx%d: not run on a CPU with AVX-512", m, n, k);
+    else
+        tdm_cpu_sgemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     gemm_ref(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, ref, ldc);
     double worst = 0, pad_moved = 0;
     for (int i = 0; i < m; i++)
         for (int j = 0; j < ldc; j++) {
             double d = fabs(c[i * ldc + j] - ref[i * ldc + j]);
+            if (isnan(d)) d = INFINITY; /* fmax would pass over a NaN */
             /* the padding is not part of c: it must be left as it was */
             if (j >= n)
                 pad_moved = fmax(pad_moved, d);
@@ -66,16 +77,31 @@ static void test_products(void) {
             check_gemm(t & 1, t & 2, shapes[s][0], shapes[s][1], shapes[s][2], -0.5f, 1.0f);
         }
     check_gemm(false, false, 9, 11, 10, 2.0f, 0.25f);
-    /* on one thread (a CPU device's), A @ B^T with 16 or 32 rows runs transposed into a
-     * scratch (cpu_gemm.c, swap_pays): the MLP's forward on a device's 32 rows, a wide one,
-     * beta 0, 1 and neither; and the rows next to them, which do not swap */
+    /* on one thread (a CPU device's) with AVX-512, A @ B^T with 16 to 64 rows, n >= 64 and
+     * k >= 256 runs in cpu_gemm_nt.c (cpu_gemm.c, nt_pays): the MLP's first layer on 64 and
+     * 32 rows; row counts that leave a part of a 16-lane vector, columns that leave a part of
+     * a tile and of a 16 x 16 transpose, depths that are not a multiple of 16; beta 0 (c
+     * NaN, not read), 1 and neither; and neighbours that stay with the library */
     int threads = tdm_cpu_gemm_threads();
     tdm_cpu_gemm_set_threads(1);
-    int swap[][3] = {{32, 256, 784}, {16, 70, 300}, {32, 1000, 256}, {24, 64, 256}, {33, 64, 256}};
-    for (size_t s = 0; s < sizeof swap / sizeof swap[0]; s++) {
-        check_gemm(false, true, swap[s][0], swap[s][1], swap[s][2], 1.0f, 0.0f);
-        check_gemm(false, true, swap[s][0], swap[s][1], swap[s][2], -0.5f, 1.0f);
-        check_gemm(false, true, swap[s][0], swap[s][1], swap[s][2], 2.0f, 0.25f);
+    int nt[][3] = {{64, 256, 784}, {32, 256, 784}, {16, 70, 300},   {17, 65, 257},
+                   {40, 64, 256},  {63, 100, 256}, {48, 1000, 256}, {8, 64, 256},
+                   {65, 64, 256},  {64, 63, 256},  {64, 64, 255}};
+    for (size_t s = 0; s < sizeof nt / sizeof nt[0]; s++) {
+        check_gemm(false, true, nt[s][0], nt[s][1], nt[s][2], 1.0f, 0.0f);
+        check_gemm(false, true, nt[s][0], nt[s][1], nt[s][2], -0.5f, 1.0f);
+        check_gemm(false, true, nt[s][0], nt[s][1], nt[s][2], 2.0f, 0.25f);
+    }
+    /* the kernel itself, where tdm_cpu_sgemm does not call it: more than 64 rows (chunks of
+     * 64), thin and shallow products, one row */
+    if (tdm_cpu_vector_bits() == 512) {
+        direct_nt = true;
+        int direct[][3] = {{100, 70, 33}, {130, 20, 17}, {1, 1, 1}, {5, 3, 2}, {64, 10, 128}};
+        for (size_t s = 0; s < sizeof direct / sizeof direct[0]; s++) {
+            check_gemm(false, true, direct[s][0], direct[s][1], direct[s][2], 1.0f, 0.0f);
+            check_gemm(false, true, direct[s][0], direct[s][1], direct[s][2], 0.5f, 0.25f);
+        }
+        direct_nt = false;
     }
     tdm_cpu_gemm_set_threads(threads);
 }
@@ -109,7 +135,12 @@ static void test_kernels_named(void) {
 }
 
 int main(void) {
+    /* the scratch of cpu_gemm_nt.c comes from the caching allocator, which serves CPU memory
+     * once the backend is up: as in a program, a tensor first */
+    tdm_tensor *first = tdm_zeros(TDM_SHAPE(1), TDM_F32, tdm_cpu(0));
+    CHECK(first != NULL, "a first tensor: %s", tdm_last_error());
     test_products();
     test_kernels_named();
+    tdm_tensor_free(first);
     return check_summary();
 }

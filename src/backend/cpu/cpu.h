@@ -33,6 +33,11 @@ int tdm_cpu_sum_squares(double *out, const tdm_tensor *x);
  * where ta/tb; lda, ldb, ldc are the row strides of a, b and c as stored */
 void tdm_cpu_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float *a,
                    int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
+/* cpu_gemm_nt.c: c [m, n] = alpha * a [m, k] @ b [n, k]^T + beta * c on the calling thread
+ * with AVX-512, b read in place (tdm_cpu_sgemm chooses it where measured faster). Nonzero,
+ * nothing done, without AVX-512 or when its scratch cannot be had. */
+int tdm_cpu_sgemm_nt(int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t lda,
+                     const float *b, int64_t ldb, float beta, float *c, int64_t ldc);
 /* Threads one GEMM call may use: with oneDNN (OpenMP) a setting of the calling thread, with
  * OpenBLAS of the process. */
 int tdm_cpu_gemm_threads(void);

@@ -11,7 +11,6 @@
  * alone (tdm_cpu_gemm_thread_single). oneDNN's OpenMP thread count is a per-thread setting;
  * OpenBLAS's is process-wide (tdm_gemm_threads_for_devices, parallel/spawn.c). */
 #include "backend/cpu/cpu.h"
-#include "core/core.h" /* tdm_storage_new: the swapped product's scratch */
 #include "tandem/tensor.h"
 
 #include <stdio.h>
@@ -42,44 +41,17 @@ uint64_t tdm_gemm_flops(void) {
 }
 
 #ifdef TANDEM_GEMM_ONEDNN
-/* A @ B^T with 16 or 32 rows of A (a linear layer's forward on a data-parallel device's
- * share of a batch: the MLP's 32 rows of 784 against 256 x 784 weights) runs in oneDNN 2.6.3
- * at ~110 GFLOP/s on one core of the AVX-512 Xeon (family 6 model 207), the same product
- * transposed, B @ A^T, at 140-160: 1.06-1.6x for k >= 256, n >= 64 with 16 or 32 rows, but
- * 0.7-1.1x with 8, 24, 48 or 64. On one thread there it is computed transposed into a
- * scratch and copied into c (the MLP on cpu:0,cpu:1: 353 -> 325 us a step). Not measured on
- * AVX2 CPUs: they keep oneDNN's own. */
-static bool avx512;
-
-__attribute__((constructor)) static void avx512_init(void) {
-    avx512 = tdm_cpu_vector_bits() == 512;
-}
-
-static bool swap_pays(bool ta, bool tb, int64_t m, int64_t n, int64_t k) {
-    return avx512 && !ta && tb && (m == 16 || m == 32) && n >= 64 && k >= 256;
-}
-
-/* c = alpha * (b @ a^T)^T + beta * c, the product into a scratch t [n, m] from the caching
- * allocator (a step in steady state calls no malloc: test_steady_state). Nonzero (nothing
- * done) when the scratch cannot be had. */
-static int swapped_sgemm(int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t lda,
-                         const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
-    tdm_storage *s = tdm_storage_new(sizeof(float) * (size_t)(m * n), tdm_cpu(0));
-    if (!s) {
-        tdm_clear_error();
-        return -1;
-    }
-    float *t = s->data;
-    (void)dnnl_sgemm('N', 'T', n, m, k, alpha, b, ldb, a, lda, 0.0f, t, m);
-    for (int64_t i = 0; i < m; i++) {
-        float *ci = c + i * ldc;
-        if (beta == 0.0f)
-            for (int64_t j = 0; j < n; j++) ci[j] = t[j * m + i];
-        else
-            for (int64_t j = 0; j < n; j++) ci[j] = t[j * m + i] + beta * ci[j];
-    }
-    tdm_storage_release(s);
-    return 0;
+/* A @ B^T with 16 to 64 rows of A, k >= 256 and n >= 64 (a linear layer's forward: the MLP's
+ * 64 rows of 784 against 256 x 784 weights, the CNN's 64 x 3136 against 128 x 3136, a
+ * data-parallel device's 32 rows) on one thread of an AVX-512 CPU runs in cpu_gemm_nt.c,
+ * which reads B in place: oneDNN 2.6.3 transposes all of B into its panels on every call. On
+ * the Xeon (family 6 model 207), B in cache: 1.03-1.17x oneDNN at those shapes (and as fast
+ * as oneDNN computing the product transposed, which 16 and 32 rows used to take); B just
+ * written by the optimizer, as in a step: 160 against 230 us for the MLP's first layer. With
+ * 8 rows, or k 128 (the MLP's last layer, the GPT's 256-row products) oneDNN is as fast or
+ * faster. AVX2 CPUs keep oneDNN's (not measured). */
+static bool nt_pays(bool ta, bool tb, int64_t m, int64_t n, int64_t k) {
+    return !ta && tb && m >= 16 && m <= 64 && n >= 64 && k >= 256;
 }
 #endif
 
@@ -92,8 +64,8 @@ void tdm_cpu_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alph
     int threads = omp_get_max_threads();
     bool single = threads > 1 && 2.0 * (double)m * (double)n * (double)k < GEMM_SPLIT_FLOPS;
     if (single) omp_set_num_threads(1);
-    if (!(threads == 1 || single) || !swap_pays(ta, tb, m, n, k) ||
-        swapped_sgemm(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+    if (!(threads == 1 || single) || !nt_pays(ta, tb, m, n, k) ||
+        tdm_cpu_sgemm_nt(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
         (void)dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c,
                          ldc);
     if (single) omp_set_num_threads(threads);

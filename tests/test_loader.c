@@ -715,10 +715,11 @@ static void test_scope_independent(void) {
 }
 
 /* Steady state: an epoch after the first allocates no tensor memory, and the batches come
- * from the same few preallocated buffers. */
-static void test_no_alloc_per_batch(void) {
+ * from the same few preallocated buffers: slots of the ring, and the view of a last, smaller
+ * batch. n samples of side x side floats in batches of 8 from 2 workers with prefetch 2. */
+static void check_steady(int64_t n, int64_t side, int want_slots) {
     test_impl impl;
-    tdm_dataset ds = make_ds(&impl, "steady", 203, TDM_SHAPE(1, 8, 8));
+    tdm_dataset ds = make_ds(&impl, "steady", n, TDM_SHAPE(1, side, side));
     tdm_loader_opts o = augmented(2, 2);
     tdm_loader *l = tdm_loader_new(&ds, &o);
     tdm_batch b;
@@ -741,9 +742,18 @@ static void test_no_alloc_per_batch(void) {
           "epochs allocated: sys_allocs %llu -> %llu, in use %zu -> %zu",
           (unsigned long long)s0.sys_allocs, (unsigned long long)s1.sys_allocs, s0.bytes_in_use,
           s1.bytes_in_use);
-    /* 4 slots (2 workers x prefetch 2), and the view of the last batch (batch 25, slot 1) */
-    CHECK(nseen == 5, "batches came from %d distinct tensors", nseen);
+    CHECK(nseen == want_slots + 1,
+          "%lldx%lld samples: batches came from %d distinct tensors, "
+          "not %d slots and the last batch's view",
+          (long long)side, (long long)side, nseen, want_slots);
     tdm_loader_free(l);
+}
+
+static void test_no_alloc_per_batch(void) {
+    /* batches of 2 KiB: a ring of 16 slots (loader.c, ring_slots: a worker woken less often) */
+    check_steady(203, 8, 16);
+    /* batches of 1.1 MiB: 3 would fit in 4 MiB, fewer than the 4 asked for (2 workers x 2) */
+    check_steady(61, 188, 4);
 }
 
 /* ---- transforms ----------------------------------------------------------------------------- */

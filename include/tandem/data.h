@@ -161,7 +161,8 @@ typedef struct {
     bool drop_last;       /* drop a last, smaller batch (and, with world_size > 1, one
                            * holding DistributedSampler's padding) */
     int workers;          /* 0: batches are built by the calling thread */
-    int prefetch;         /* batches built ahead per worker (default 2) */
+    int prefetch;         /* batches built ahead per worker (default 2); small batches get
+                           * more, up to 16 in all within 4 MiB (fewer wake-ups) */
     int rank, world_size; /* world_size > 1: PyTorch's DistributedSampler semantics */
     tdm_augment augment;  /* randomness from (seed, epoch, sample index) only */
     /* Applied to each sample before augment (NULL: none; borrowed, it must outlive the loader):

@@ -119,6 +119,10 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
+    /* the product's scratch (cpu_gemm_nt.c) comes from the caching allocator, which serves CPU
+     * memory once the backend is up: a tensor first, as in a program */
+    tdm_tensor *first = tdm_zeros(TDM_SHAPE(1), TDM_F32, tdm_cpu(0));
+    if (!first) return fprintf(stderr, "bench_gemm: %s\n", tdm_last_error()), 1;
     tdm_cpu_gemm_set_threads(1);
     printf("# bench_gemm: one thread; Tandem = %s; median of %d rounds\n",
            tdm_gemm_describe(desc, sizeof desc), rounds);
@@ -138,5 +142,6 @@ int main(int argc, char **argv) {
                    r[s][l][rounds / 2]);
         }
     free(a), free(b), free(c);
+    tdm_tensor_free(first);
     return 0;
 }

@@ -45,10 +45,10 @@ uint64_t tdm_gemm_flops(void) {
  * 64 rows of 784 against 256 x 784 weights, the CNN's 64 x 3136 against 128 x 3136, a
  * data-parallel device's 32 rows) on one thread of an AVX-512 CPU runs in cpu_gemm_nt.c,
  * which reads B in place: oneDNN 2.6.3 transposes all of B into its panels on every call. On
- * the Xeon (family 6 model 207), B in cache: 1.03-1.17x oneDNN at those shapes (and as fast
- * as oneDNN computing the product transposed, which 16 and 32 rows used to take); B just
- * written by the optimizer, as in a step: 160 against 230 us for the MLP's first layer. With
- * 8 rows, or k 128 (the MLP's last layer, the GPT's 256-row products) oneDNN is as fast or
+ * the Xeon (family 6 model 207), B in cache: 1.03-1.2x oneDNN at those shapes, and as fast
+ * at 32 rows as oneDNN computing the product transposed, which 16 and 32 rows used to take;
+ * in the MLP's training step on one core its first layer took 182 us instead of 205. With 8
+ * rows, or k 128 (the MLP's last layer, the GPT's 256-row products) oneDNN is as fast or
  * faster. AVX2 CPUs keep oneDNN's (not measured). */
 static bool nt_pays(bool ta, bool tb, int64_t m, int64_t n, int64_t k) {
     return !ta && tb && m >= 16 && m <= 64 && n >= 64 && k >= 256;

@@ -187,6 +187,29 @@ static void errors(void) {
               (r.status == 0 || strstr(r.err, "truncated.jpg") || strstr(r.err, "badcrc.png")),
           "--skip-bad-images: exit %d: %s %s", r.status, r.out, r.err);
     result_free(&r);
+    /* a training batch that fails to load stops the run (exit 1, nothing evaluated, no
+     * "done"), though val/ is good: the bad folder's truncated JPEG and bad-CRC PNG pass the
+     * header checks and fail in a loader worker */
+    snprintf(dir, sizeof dir, "%s/badtrain", tmpdir);
+    snprintf(sub, sizeof sub, "%s/val", dir);
+    CHECK(mkdir(dir, 0755) == 0 && mkdir(sub, 0755) == 0, "mkdir %s", sub);
+    DIR *classes = opendir(bad);
+    for (struct dirent *e; classes && (e = readdir(classes));) {
+        if (e->d_name[0] == '.') continue;
+        char from[700], to[700];
+        snprintf(from, sizeof from, "%s/test/%s", png, e->d_name);
+        snprintf(to, sizeof to, "%s/%s", sub, e->d_name);
+        CHECK(symlink(from, to) == 0, "symlink %s", to);
+    }
+    if (classes) closedir(classes);
+    snprintf(sub, sizeof sub, "%s/train", dir);
+    CHECK(symlink(bad, sub) == 0, "symlink %s", sub);
+    r = TANDEM("train", "--data", dir, "--model", "cnn", "--skip-bad-images", "--transform",
+               "CenterCrop(28)", "--eval-transform", "CenterCrop(28)", "--batch-size", "4");
+    CHECK(r.status == 1 && (strstr(r.err, "truncated.jpg") || strstr(r.err, "badcrc.png")) &&
+              !strstr(r.out, "done") && !strstr(r.out, "test acc"),
+          "a corrupt training image: exit %d: %s %s", r.status, r.out, r.err);
+    result_free(&r);
     r = TANDEM("train", "--data", png, "--model", "cnn", "--transform", "CenterCrop(28", "--quiet");
     CHECK(r.status == 2 && strstr(r.err, "--transform"), "bad transform text: exit %d: %s",
           r.status, r.err);

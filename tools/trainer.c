@@ -489,7 +489,12 @@ static int begin_epoch(trainer *tr, int epoch, int64_t skip) {
     return 0;
 }
 
-/* One step's batches; returns 1 when the epoch's data ran out first, 0 after a step. */
+/* train_step's "the epoch's data ran out before the step": apart from every exit status, so
+ * that a batch that fails to load (EXIT_RUNTIME, 1) is never taken for the end of the data */
+#define DATA_ENDED (-1)
+
+/* One step's batches: 0 after a step, DATA_ENDED when the epoch's data ran out first, or
+ * EXIT_RUNTIME after printing the error (a batch that failed to load, a failed step). */
 static int train_step(trainer *tr, bool first) {
     bool done = false;
     while (!done) {
@@ -498,7 +503,7 @@ static int train_step(trainer *tr, bool first) {
         int r = tdm_loader_next(tr->train_l, &b);
         tdm_trace_end();
         if (r < 0) return task_error("loading a training batch: %s", tdm_last_error());
-        if (r == 0) return 1;
+        if (r == 0) return DATA_ENDED;
         if (tr->micro == 0 && per_step(&tr->sched)) apply_lr(tr, tr->global_step);
         tr->lr_host[tr->chunk_steps] = tdm_optim_lr(tr->opt);
         uint64_t flops = tdm_gemm_flops();
@@ -522,8 +527,8 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
     int64_t step = skip;
     while (!tr->stopped && step < tr->steps_planned) {
         int rc = train_step(tr, step == skip && epoch == tr->start_epoch);
-        if (rc == 1) break;
-        if (rc) return EXIT_RUNTIME;
+        if (rc == DATA_ENDED) break;
+        if (rc) return rc;
         step++;
         bool synced = sync_due(tr, step);
         if (synced && sync_chunk(tr, epoch, step)) return EXIT_RUNTIME;

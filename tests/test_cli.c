@@ -725,11 +725,14 @@ static void test_mpi_run(const char *mpirun) {
     CHECK(four.status == 0 && fabs(l1 - l4) <= 2e-4,
           "train loss in 1 process %.4f, on 2 processes x 2 devices of 16 rows %.4f (exit %d: %s)",
           l1, l4, four.status, four.err);
-    /* processes started with different options stop before training, naming them; --shard
-     * may change on a resume (it changes no result) but not between processes */
+    /* processes started with different options stop before training, naming them; --shard,
+     * --lr and --max-steps may change on a resume but not between processes (another rate
+     * diverges silently, other step counts desynchronise the collectives) */
     const char *const odd_cases[][3] = {
         {"--momentum", "0.5", "different options: --momentum 0.9 on rank 0, 0.5 on rank 1"},
-        {"--shard", "optimizer", "different options: --shard none on rank 0, optimizer on rank 1"}};
+        {"--shard", "optimizer", "different options: --shard none on rank 0, optimizer on rank 1"},
+        {"--lr", "0.05", "different options: --lr 0.1 on rank 0, 0.05 on rank 1"},
+        {"--max-steps", "3", "different options: --max-steps 0 on rank 0, 3 on rank 1"}};
     for (size_t k = 0; k < sizeof odd_cases / sizeof odd_cases[0]; k++) {
         result odd = run((const char *const[]){mpirun,          "--oversubscribe",
                                                "-np",           "1",

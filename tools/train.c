@@ -563,12 +563,32 @@ int train_identity(const train_opts *o, char *buf, size_t cap) {
     return append_values(o, identity, sizeof identity / sizeof identity[0], buf, cap);
 }
 
-/* Options every process of a run must share that a resume may change: they change no result. */
-static const char *const process_only[] = {"--shard", "--bucket-cap"};
+/* The options that describe one process rather than the run: its outputs, its loader threads,
+ * how long it waits for the others. Every other option must be the same in every process of a
+ * run: one started with another --lr would diverge silently, one with another --max-steps or
+ * --print-every would desynchronise the collectives. Listing the exceptions, not the rules,
+ * makes a new option compared until someone decides otherwise. */
+static const char *const process_own[] = {"--recipe",       "--workers",     "--timeout",
+                                          "--log",          "--trace",       "--plot",
+                                          "--plot-compare", "--tensorboard", "--quiet"};
+
+static bool listed(const char *name, const char *const *names, size_t count) {
+    for (size_t i = 0; i < count; i++)
+        if (!strcmp(names[i], name)) return true;
+    return false;
+}
+
+/* Whether every process of a run must give option s the same value. */
+static bool shared_by_processes(const opt_spec *s) {
+    return !listed(s->name, process_own, sizeof process_own / sizeof process_own[0]);
+}
 
 int train_process_identity(const train_opts *o, char *buf, size_t cap) {
-    if (train_identity(o, buf, cap)) return -1;
-    return append_values(o, process_only, sizeof process_only / sizeof process_only[0], buf, cap);
+    buf[0] = '\0';
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
+        if (shared_by_processes(&specs[i]) && append_values(o, &specs[i].name, 1, buf, cap))
+            return -1;
+    return 0;
 }
 
 /* The value of option `name` in an identity string, into v (cap bytes); false when absent. */
@@ -586,10 +606,10 @@ static bool identity_value(const char *id, const char *name, char *v, size_t cap
 
 bool train_identity_diff(const char *a, const char *b, const char *a_name, const char *b_name,
                          char *out, size_t cap) {
-    size_t n = 0, n_id = sizeof identity / sizeof identity[0];
+    size_t n = 0;
     out[0] = '\0';
-    for (size_t i = 0; i < n_id + sizeof process_only / sizeof process_only[0]; i++) {
-        const char *name = i < n_id ? identity[i] : process_only[i - n_id];
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+        const char *name = specs[i].name; /* absent from both: not compared */
         char va[512] = "(unset)", vb[512] = "(unset)";
         identity_value(a, name, va, sizeof va);
         identity_value(b, name, vb, sizeof vb);

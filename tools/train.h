@@ -77,8 +77,9 @@ void train_synopsis(FILE *out);
 /* The options that shape the run's results (the same for --resume and for every process
  * under mpirun) as "--name=value;" pairs, into buf. 0, or -1 when cap is too small. */
 int train_identity(const train_opts *o, char *buf, size_t cap);
-/* train_identity and the options that every process must share but a resume may change
- * (--shard: sharding changes no result): what the processes of one run compare. */
+/* Every option that the processes of one run must share (all but those that describe one
+ * process: its outputs, --workers, --timeout, --quiet) as "--name=value;" pairs, into buf:
+ * what the processes compare before the first step. 0, or -1 when cap is too small. */
 int train_process_identity(const train_opts *o, char *buf, size_t cap);
 /* Whether identities a and b differ; if so, out (cap bytes) lists each option that does:
  * "--batch-size 64 <a_name>, 32 <b_name>; ...". */

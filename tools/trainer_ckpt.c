@@ -347,21 +347,26 @@ static int saved_layout(trainer *tr, const char *path, char *note, size_t note_c
  * process's with rank 0's, so all stop with one message. */
 int trainer_same_options_everywhere(trainer *tr) {
     int n = tdm_group_size(tr->g);
-    char mine[ID_CAP] = "";
-    if (train_process_identity(tr->o, mine, sizeof mine)) return task_error("options too long");
-    int32_t *all = calloc((size_t)n * ID_CAP, sizeof(int32_t)), one[ID_CAP] = {0};
-    for (int i = 0; mine[i]; i++) one[i] = (unsigned char)mine[i];
-    tdm_tensor *in = all ? tdm_from_data(TDM_SHAPE(ID_CAP), TDM_I32, tdm_cpu(0), one) : NULL;
-    tdm_tensor *out = in ? tdm_zeros(TDM_SHAPE((int64_t)n * ID_CAP), TDM_I32, tdm_cpu(0)) : NULL;
+    char mine[PROCESS_ID_CAP] = "";
+    if (train_process_identity(tr->o, mine, sizeof mine))
+        return task_error("the options' values are longer than %d bytes in all", PROCESS_ID_CAP);
+    /* rows 0 .. n-1 every rank's, row n this one's (characters as i32: no byte dtype) */
+    int32_t *all = calloc((size_t)(n + 1) * PROCESS_ID_CAP, sizeof(int32_t));
+    int32_t *one = all ? all + (size_t)n * PROCESS_ID_CAP : NULL;
+    for (int i = 0; one && mine[i]; i++) one[i] = (unsigned char)mine[i];
+    tdm_tensor *in =
+        all ? tdm_from_data(TDM_SHAPE(PROCESS_ID_CAP), TDM_I32, tdm_cpu(0), one) : NULL;
+    tdm_tensor *out =
+        in ? tdm_zeros(TDM_SHAPE((int64_t)n * PROCESS_ID_CAP), TDM_I32, tdm_cpu(0)) : NULL;
     int rc = out ? tdm_work_wait(tdm_all_gather(tr->g, out, in)) : tdm_last_status();
-    if (!rc) rc = tdm_to_host(out, all, sizeof(int32_t) * (size_t)n * ID_CAP);
+    if (!rc) rc = tdm_to_host(out, all, sizeof(int32_t) * (size_t)n * PROCESS_ID_CAP);
     tdm_tensor_free(in);
     tdm_tensor_free(out);
-    char first[ID_CAP], other[ID_CAP], diff[2048], a[32], b[32];
+    char first[PROCESS_ID_CAP], other[PROCESS_ID_CAP], diff[4096], a[32], b[32];
     for (int r = 0; !rc && r < n; r++) {
         char *id = r ? other : first;
-        for (int i = 0; i < ID_CAP; i++) id[i] = (char)all[(size_t)r * ID_CAP + i];
-        id[ID_CAP - 1] = '\0';
+        for (int i = 0; i < PROCESS_ID_CAP; i++) id[i] = (char)all[(size_t)r * PROCESS_ID_CAP + i];
+        id[PROCESS_ID_CAP - 1] = '\0';
         snprintf(a, sizeof a, "on rank 0"), snprintf(b, sizeof b, "on rank %d", r);
         if (r && train_identity_diff(first, other, a, b, diff, sizeof diff)) rc = 1;
     }

@@ -7,9 +7,10 @@
 #include "sink.h"
 #include "trainer.h"
 
-#define SYNC_STEPS 16
-#define EVAL_BATCH 1000
-#define ID_CAP     2048 /* bytes of train_identity's string */
+#define SYNC_STEPS     16
+#define EVAL_BATCH     1000
+#define ID_CAP         2048  /* bytes of train_identity's string */
+#define PROCESS_ID_CAP 16384 /* bytes of train_process_identity's string */
 /* values trainer_sum_over_processes sums at once: a chunk's step losses */
 #define TOTALS_CAP SYNC_STEPS
 

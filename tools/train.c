@@ -233,7 +233,9 @@ static const opt_spec specs[] = {
     {"--trace", "FILE.json", OPT_STR, F(trace_path), 0, 0, "none",
      "Write a Chrome trace (open it in Perfetto or chrome://tracing): one track per thread "
      "(the training loop, each device's compute, its communication, the loader's workers) "
-     "with the spans of forward, backward, optimizer, each all-reduce and waiting for data."},
+     "with the spans of forward, backward, optimizer, each all-reduce and waiting for data. "
+     "Written as the run goes: a run killed even with -9 leaves the spans up to its last "
+     "progress line."},
     {"--tensorboard", "DIR", OPT_STR, F(tensorboard_dir), 0, 0, "none",
      "Write TensorBoard event files into DIR (created if missing; open with tensorboard "
      "--logdir DIR): train/loss, train/lr and train/img_per_s (tok_per_s for gpt) per step, "
@@ -265,7 +267,10 @@ static const opt_spec specs[] = {
      "written (llm.c's format, for 'tandem sample'). DIR belongs to one run at a time: the run "
      "holds DIR/LOCK (released when it ends, however it ends), another run into DIR is refused "
      "naming the holder, and each checkpoint records its run's identity (kept by --resume). "
-     "A new run into a DIR holding checkpoints needs --resume or --overwrite."},
+     "A new run into a DIR holding checkpoints needs --resume or --overwrite. The lock holds "
+     "the directory, not its name: DIR deleted, moved or replaced during the run stops it at "
+     "its next checkpoint. What a save killed midway left in DIR is removed by the next run "
+     "that holds it."},
     {"--checkpoint-every", "N", OPT_INT, F(checkpoint_every), 0, 1e12, "0",
      "Also write a checkpoint every N optimizer steps (0: only the final one)."},
     {"--keep", "K", OPT_INT, F(keep), 0, 1e6, "3",
@@ -467,7 +472,9 @@ void train_help(FILE *out) {
                  "    1  a runtime error: unreadable data, a non-finite loss, a file that cannot "
                  "be written\n    2  a usage error: an unknown option, a missing or invalid "
                  "value;\n       a --checkpoint-dir in use by another run, or holding an "
-                 "earlier run's\n       checkpoints without --resume or --overwrite\n"
+                 "earlier run's\n       checkpoints without --resume or --overwrite; an output "
+                 "that is an input\n       (the same file, inside an input directory, or an "
+                 "output directory holding\n       an input) or two outputs in one file\n"
                  "    143, 130  stopped by SIGTERM or SIGINT (see SIGNALS)\n");
     fprintf(out, "\nEXAMPLES\n");
     fprintf(out, "    tandem train --model mlp --epochs 3\n");
@@ -847,6 +854,7 @@ static int check_paths(const train_opts *o) {
         {.option = "--save", .path = o->save_path, .output = true},
         {.option = "--tensorboard", .path = o->tensorboard_dir, .output = true, .dir = true},
         {.option = "--checkpoint-dir", .path = o->checkpoint_dir, .output = true, .dir = true}};
+    /* and one entry per FILE of --plot-compare, of which there are fewer than characters */
     int n = (int)(sizeof fixed / sizeof fixed[0]), cap = n + (list ? (int)strlen(list) : 0);
     path_use *u = malloc(sizeof *u * (size_t)cap);
     if (!u || (o->plot_compare && !list)) {
@@ -854,7 +862,7 @@ static int check_paths(const train_opts *o) {
         return task_error("checking the files given: out of memory");
     }
     memcpy(u, fixed, sizeof fixed);
-    char *save = NULL; /* each --plot-compare FILE is an input */
+    char *save = NULL;
     for (char *item = list ? strtok_r(list, ",", &save) : NULL; item && n < cap;
          item = strtok_r(NULL, ",", &save)) {
         sinks_compare_split(item);

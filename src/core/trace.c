@@ -97,19 +97,49 @@ static void out_put(const char *event, size_t n) {
     pthread_mutex_unlock(&out_lock);
 }
 
-/* s as the contents of a JSON string into out (cap bytes, cut at a character). */
-static void json_escape(char *out, size_t cap, const char *s) {
-    size_t n = 0;
-    for (; *s && n + 7 < cap; s++) {
+/* s as the contents of a JSON string at p, within cap bytes (cut at a character); returns the
+ * end. */
+static char *put_json_str(char *p, size_t cap, const char *s) {
+    char *end = p + cap;
+    for (; *s && end - p > 6; s++) {
         unsigned char c = (unsigned char)*s;
-        if (c < 0x20)
-            n += (size_t)snprintf(out + n, cap - n, "\\u%04x", c);
-        else {
-            if (c == '"' || c == '\\') out[n++] = '\\';
-            out[n++] = (char)c;
+        if (c < 0x20) {
+            p += snprintf(p, (size_t)(end - p), "\\u%04x", c);
+        } else {
+            if (c == '"' || c == '\\') *p++ = '\\';
+            *p++ = (char)c;
         }
     }
-    out[n] = '\0';
+    return p;
+}
+
+/* A span's numbers are written without printf, which takes a microsecond for two "%.3f" on a
+ * loaded machine: a span ends on the training's hot path, tens of times a step. */
+static char *put_text(char *p, const char *s) {
+    size_t n = strlen(s);
+    memcpy(p, s, n);
+    return p + n;
+}
+
+static char *put_u64(char *p, uint64_t v) {
+    char digits[20];
+    int n = 0;
+    do digits[n++] = (char)('0' + v % 10);
+    while (v /= 10);
+    while (n) *p++ = digits[--n];
+    return p;
+}
+
+/* v microseconds as "%.3f" would (values outside [0, 1e15], NaN included, as 0.000). */
+static char *put_us(char *p, double v) {
+    uint64_t ns = v >= 0 && v <= 1e15 ? (uint64_t)(v * 1000 + 0.5) : 0;
+    p = put_u64(p, ns / 1000);
+    *p++ = '.';
+    unsigned f = (unsigned)(ns % 1000);
+    *p++ = (char)('0' + f / 100);
+    *p++ = (char)('0' + f / 10 % 10);
+    *p++ = (char)('0' + f % 10);
+    return p;
 }
 
 /* Formats one event (printf-style, the text ending "},\n") and appends it. */
@@ -126,12 +156,23 @@ static void out_event(const char *fmt, ...) {
 /* Track t's name and place among the tracks (caller holds tr_lock, tracing is on). */
 static void out_track(int t) {
     char name[sizeof tr.track_names[0] * 6];
-    json_escape(name, sizeof name, tr.track_names[t]);
+    *put_json_str(name, sizeof name - 1, tr.track_names[t]) = '\0';
     out_event(
         "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":1,\"tid\":%d,\"args\":{\"name\":\"%s\"}},"
         "\n{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":1,\"tid\":%d,"
         "\"args\":{\"sort_index\":%d}},\n",
         t, name, t, t);
+}
+
+/* One complete event: at most 110 bytes and the name's (cut to fit EVENT_CAP). */
+static void out_span(const char *name, int track, double t0, double t1) {
+    char event[EVENT_CAP], *p = put_text(event, "{\"ph\":\"X\",\"pid\":1,\"tid\":");
+    p = put_us(put_text(put_u64(p, (uint64_t)track), ",\"ts\":"), t0);
+    p = put_us(put_text(p, ",\"dur\":"), t1 - t0);
+    p = put_text(p, ",\"name\":\"");
+    p = put_json_str(p, (size_t)(event + sizeof event - p) - 4, name ? name : "");
+    p = put_text(p, "\"},\n");
+    out_put(event, (size_t)(p - event));
 }
 
 /* ---- recording ------------------------------------------------------------------------ */
@@ -152,13 +193,7 @@ void tdm_trace_span(const char *name, double t0, double t1) {
     atomic_fetch_add(&tr.writers, 1);
     if (atomic_load(&tr.on)) { /* checked again: stop may have begun meanwhile */
         long long i = atomic_fetch_add_explicit(&tr.used, 1, memory_order_relaxed);
-        if (i < tr.capacity) {
-            char esc[EVENT_CAP / 2];
-            json_escape(esc, sizeof esc, name);
-            out_event("{\"ph\":\"X\",\"pid\":1,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
-                      "\"name\":\"%s\"},\n",
-                      track(), t0, t1 - t0, esc);
-        }
+        if (i < tr.capacity) out_span(name, track(), t0, t1);
     }
     atomic_fetch_sub(&tr.writers, 1);
 }

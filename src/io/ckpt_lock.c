@@ -20,14 +20,14 @@
  */
 #include "io/io_internal.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <dirent.h>
-#include <pthread.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>

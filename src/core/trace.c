@@ -4,11 +4,12 @@
  * and a killed process leaves every event written so far.
  *
  * The file is the trace event format's JSON array form ("[", then one event per line, each
- * followed by a comma), closed by "]" at tdm_trace_stop. The format's description lets the
- * array end without its "]", so that a process that dies mid-trace still leaves a trace; the
- * Chrome trace viewer's importer (catapult's trace_event_importer) drops a trailing comma and
- * adds the bracket, and Perfetto reads such a file too. The buffer is written only between
- * events, so a kill cuts no event in half (short of the kernel's write itself being cut). */
+ * followed by a comma), closed by "]" at tdm_trace_stop. The Trace Event Format document makes
+ * the array form's closing "]" optional, so that a process that dies mid-trace still leaves a
+ * trace: the Chrome trace viewer's importer (catapult's trace_event_importer) drops a trailing
+ * comma and adds the bracket before parsing, and Perfetto's JSON importer, which takes that
+ * viewer's format, accepts the same. The buffer is written only between events, so a kill
+ * cuts no event in half (short of the kernel cutting a write of the buffer itself). */
 #include "tandem/trace.h"
 
 #include "core/core.h"

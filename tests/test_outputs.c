@@ -184,6 +184,15 @@ static void outputs_on_checkpoints(void) {
     refused("export onto its checkpoint's file", ARGS("export", ckpt, out), want);
     CHECK(holds(w, wb, nw) && holds(state, sb, ns), "the checkpoint %s changed", ckpt);
     free(wb), free(sb);
+    /* what is not refused: a run's outputs beside its checkpoints, which it resumes */
+    char log[400];
+    snprintf(log, sizeof log, "%s/run.jsonl", dir);
+    rc = run(ARGS("train", "--data", data, "--max-steps", "3", "--checkpoint-dir", dir, "--resume",
+                  "--tensorboard", dir, "--log", log));
+    char *err = captured("stderr");
+    CHECK(rc == 0, "--tensorboard and --log in the --checkpoint-dir it resumes: exit %d, %s", rc,
+          err);
+    free(err);
 }
 
 /* --plot over a run it compares with, given as FILE=LABEL; two outputs in one file. */

@@ -70,7 +70,7 @@ static int against_input(const path_use *o, const resolved *ro, const path_use *
                  "%s '%s' is inside the %s directory '%s'; no output may be written among "
                  "the inputs",
                  o->option, o->path, i->option, i->path);
-    else if (o->dir && inside(ri, ro) && !(i->within && strcmp(i->within, o->option) == 0))
+    else if (o->dir && inside(ri, ro) && !i->may_be_held)
         snprintf(why, cap,
                  "%s '%s' holds the %s %s '%s'; an output directory may not hold an input",
                  o->option, o->path, i->option, kind, i->path);

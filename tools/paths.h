@@ -19,9 +19,9 @@ typedef struct {
     const char *path;   /* as given; NULL: the option was not given, the entry is skipped */
     bool output;
     bool dir; /* an output directory, whose files the run makes and deletes */
-    /* an input that lies inside this output option's directory by design (--resume's
-     * checkpoint inside --checkpoint-dir), or NULL */
-    const char *within;
+    /* an input that output directories may hold: --resume's checkpoint, inside
+     * --checkpoint-dir by design (and beside --tensorboard's files in a run's directory) */
+    bool may_be_held;
 } path_use;
 
 /* Checks uses[0, n) against each other. Returns 0, or -1 with why (cap bytes) saying which

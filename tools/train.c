@@ -847,7 +847,7 @@ static int check_paths(const train_opts *o) {
     path_use fixed[] = {
         {.option = "--data", .path = data_path(o)},
         {.option = "--init-from", .path = o->init_from},
-        {.option = "--resume", .path = ckpt[0] ? ckpt : NULL, .within = "--checkpoint-dir"},
+        {.option = "--resume", .path = ckpt[0] ? ckpt : NULL, .may_be_held = true},
         {.option = "--log", .path = o->log_path, .output = true},
         {.option = "--plot", .path = o->plot_path, .output = true},
         {.option = "--trace", .path = o->trace_path, .output = true},

@@ -1,5 +1,6 @@
 /* Tracing: spans from several threads land on their named tracks, nested spans lie inside
- * their parents, a full buffer drops and counts, and misuse gets clear errors. */
+ * their parents, spans past the capacity are dropped and counted, the file holds the spans
+ * flushed while the trace goes on, and misuse gets clear errors. */
 #include "check.h"
 #include "tandem/trace.h"
 
@@ -67,7 +68,7 @@ static void test_threads(const char *path) {
     tdm_trace_end();
     CHECK(tdm_trace_stop() == 0, "stop: %s", tdm_last_error());
     char *s = slurp(path);
-    CHECK(s && s[0] == '{', "trace file written");
+    CHECK(s && s[0] == '[' && strstr(s, "\n]\n"), "trace file written, the array closed");
     if (!s) return;
     CHECK(count(s, "\"ph\":\"X\"") == 63, "63 spans, found %d", count(s, "\"ph\":\"X\""));
     CHECK(strstr(s, "\"cpu:0 compute\"") && strstr(s, "\"cpu:2 compute\"") && strstr(s, "\"main\""),
@@ -96,13 +97,36 @@ static void test_capacity(const char *path) {
     free(s);
 }
 
+/* While tracing, a flush leaves in the file every span so far, each a whole line "{...},"
+ * after the opening "[": what a killed process leaves, and viewers read (trace.c). */
+static void test_streaming(const char *path) {
+    CHECK(tdm_trace_start(path, 0) == 0, "start: %s", tdm_last_error());
+    tdm_trace_name_thread("streamed");
+    for (int i = 0; i < 3; i++) tdm_trace_span("early", i, i + 1);
+    CHECK(tdm_trace_flush() == 0, "flush: %s", tdm_last_error());
+    char *s = slurp(path);
+    CHECK(s && count(s, "\"name\":\"early\"") == 3 && strstr(s, "\"streamed\""),
+          "the spans and the track's name are in the file before the end: %s", s ? s : "");
+    bool whole = s && strncmp(s, "[\n", 2) == 0;
+    for (char *line = s ? s + 2 : NULL; whole && *line; line = strchr(line, '\n') + 1) {
+        size_t n = strcspn(line, "\n");
+        whole = line[0] == '{' && n > 2 && !strncmp(line + n - 2, "},", 2) && line[n] == '\n';
+    }
+    CHECK(whole, "each event a whole line ending in a comma: %s", s ? s : "");
+    free(s);
+    CHECK(tdm_trace_stop() == 0, "stop: %s", tdm_last_error());
+    CHECK_ERROR(tdm_trace_flush() != 0, "not tracing");
+}
+
 static void test_errors(void) {
     CHECK_ERROR(tdm_trace_stop() != 0, "not tracing");
     CHECK(!tdm_trace_enabled(), "off by default");
     tdm_trace_begin("ignored"); /* no effect while off */
     tdm_trace_end();
-    CHECK(tdm_trace_start("/nonexistent-dir/t.json", 0) == 0, "start succeeds");
-    CHECK_ERROR(tdm_trace_stop() != 0, "cannot write /nonexistent-dir/t.json");
+    /* the file is made at the start, so that a bad path fails before the work it traces */
+    CHECK_ERROR(tdm_trace_start("/nonexistent-dir/t.json", 0) != 0,
+                "cannot write /nonexistent-dir/t.json: No such file or directory");
+    CHECK(!tdm_trace_enabled(), "still off");
 }
 
 int main(void) {
@@ -111,6 +135,7 @@ int main(void) {
     close(fd);
     test_threads(path);
     test_capacity(path);
+    test_streaming(path);
     test_errors();
     unlink(path);
     return check_summary();

@@ -4,8 +4,11 @@
  *
  * Every output is opened by sinks_open, before the first step, so a path that cannot be
  * written fails at once rather than after the training; the runs --plot-compare draws beside
- * this one are read then too. Step records are buffered; errors of
- * buffered writes surface at the next flush or at close, naming the file and errno. */
+ * this one are read then too (that no output is an input was checked before: paths.h).
+ * Records are buffered and written as the run goes (the log at each epoch and whenever its
+ * buffer fills, the trace at each progress line and the plot redrawn there), so a kill loses
+ * only the last of them; errors of buffered writes surface at the next flush or at close,
+ * naming the file and errno. */
 #ifndef TANDEM_TOOLS_SINK_H
 #define TANDEM_TOOLS_SINK_H
 
@@ -42,6 +45,10 @@ typedef struct {
     compare_set *compare; /* read by sinks_open, drawn by the plot, freed by sinks_close */
 } sinks;
 
+/* One FILE[=LABEL] item of --plot-compare split in place: item becomes the FILE, and the
+ * LABEL (pointing into item) is returned, or NULL when there is none. A FILE holding '=' is
+ * taken whole when it exists; otherwise the text after the last '=' is the label. */
+const char *sinks_compare_split(char *item);
 /* Opens every output the options name (none is fine), after reading --plot-compare's files.
  * Returns 0; EXIT_USAGE for --plot-compare without --plot or without test accuracy to compare;
  * or EXIT_RUNTIME after printing which file could not be read or opened and why. What was

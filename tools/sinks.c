@@ -67,16 +67,21 @@ static void compare_free(compare_set *c) {
     free(c);
 }
 
-/* One FILE[=LABEL] of the list into c. A FILE holding '=' is taken whole when it exists;
- * otherwise the text after the last '=' is the label. Returns 0 or an exit status. */
+const char *sinks_compare_split(char *item) {
+    char *eq = access(item, F_OK) == 0 ? NULL : strrchr(item, '=');
+    if (!eq) return NULL;
+    *eq = '\0';
+    return eq[1] ? eq + 1 : NULL;
+}
+
+/* One FILE[=LABEL] of the list into c. Returns 0 or an exit status. */
 static int compare_read_one(compare_set *c, char *item) {
     if (c->n == PLOT_MAX_COMPARE)
         return train_usage_error("--plot-compare: at most %d files (one colour each)",
                                  PLOT_MAX_COMPARE);
-    char *eq = access(item, F_OK) == 0 ? NULL : strrchr(item, '=');
-    if (eq) *eq = '\0';
+    const char *label = sinks_compare_split(item);
     const char *base = strrchr(item, '/') ? strrchr(item, '/') + 1 : item;
-    const char *label = eq && eq[1] ? eq + 1 : base;
+    if (!label) label = base;
     if (!*item) return train_usage_error("--plot-compare: an empty file name");
     char why[256];
     if (log_read_curve(item, &c->data[c->n], why, sizeof why) != 0)
@@ -245,7 +250,13 @@ static sink *tb_open(const char *dir, const sinks_info *info, const compare_set 
     return &t->base;
 }
 
-/* ---- --trace: the Chrome trace records itself; this starts and stops it ----------------- */
+/* ---- --trace: the Chrome trace records itself and streams to its file; this starts it,
+ * writes it out at each progress line (what a kill would lose) and stops it ------------- */
+
+static int trace_flush(sink *s) {
+    (void)s;
+    return tdm_trace_flush() != 0 ? -1 : 0;
+}
 
 static int trace_close(sink *s) {
     free(s);
@@ -256,7 +267,7 @@ static sink *trace_open(const char *path, const sinks_info *info, const compare_
     (void)info, (void)cmp;
     sink *s = calloc(1, sizeof *s);
     if (!s || tdm_trace_start(path, 0) != 0) return free(s), NULL;
-    *s = (sink){"trace", path, NULL, NULL, NULL, NULL, trace_close};
+    *s = (sink){"trace", path, NULL, NULL, NULL, trace_flush, trace_close};
     return s;
 }
 

@@ -4,12 +4,15 @@
 #include "train.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "paths.h"
+#include "sink.h"
 #include "task.h"
 #include "trainer.h"
 
@@ -230,7 +233,9 @@ static const opt_spec specs[] = {
     {"--trace", "FILE.json", OPT_STR, F(trace_path), 0, 0, "none",
      "Write a Chrome trace (open it in Perfetto or chrome://tracing): one track per thread "
      "(the training loop, each device's compute, its communication, the loader's workers) "
-     "with the spans of forward, backward, optimizer, each all-reduce and waiting for data."},
+     "with the spans of forward, backward, optimizer, each all-reduce and waiting for data. "
+     "Written as the run goes: a run killed even with -9 leaves the spans up to its last "
+     "progress line."},
     {"--tensorboard", "DIR", OPT_STR, F(tensorboard_dir), 0, 0, "none",
      "Write TensorBoard event files into DIR (created if missing; open with tensorboard "
      "--logdir DIR): train/loss, train/lr and train/img_per_s (tok_per_s for gpt) per step, "
@@ -262,7 +267,10 @@ static const opt_spec specs[] = {
      "written (llm.c's format, for 'tandem sample'). DIR belongs to one run at a time: the run "
      "holds DIR/LOCK (released when it ends, however it ends), another run into DIR is refused "
      "naming the holder, and each checkpoint records its run's identity (kept by --resume). "
-     "A new run into a DIR holding checkpoints needs --resume or --overwrite."},
+     "A new run into a DIR holding checkpoints needs --resume or --overwrite. The lock holds "
+     "the directory, not its name: DIR deleted, moved or replaced during the run stops it at "
+     "its next checkpoint. What a save killed midway left in DIR is removed by the next run "
+     "that holds it."},
     {"--checkpoint-every", "N", OPT_INT, F(checkpoint_every), 0, 1e12, "0",
      "Also write a checkpoint every N optimizer steps (0: only the final one)."},
     {"--keep", "K", OPT_INT, F(keep), 0, 1e6, "3",
@@ -464,7 +472,9 @@ void train_help(FILE *out) {
                  "    1  a runtime error: unreadable data, a non-finite loss, a file that cannot "
                  "be written\n    2  a usage error: an unknown option, a missing or invalid "
                  "value;\n       a --checkpoint-dir in use by another run, or holding an "
-                 "earlier run's\n       checkpoints without --resume or --overwrite\n"
+                 "earlier run's\n       checkpoints without --resume or --overwrite; an output "
+                 "that is an input\n       (the same file, inside an input directory, or an "
+                 "output directory holding\n       an input) or two outputs in one file\n"
                  "    143, 130  stopped by SIGTERM or SIGINT (see SIGNALS)\n");
     fprintf(out, "\nEXAMPLES\n");
     fprintf(out, "    tandem train --model mlp --epochs 3\n");
@@ -835,6 +845,55 @@ int train_parse_args(int argc, char **argv, train_opts *o) {
     return rc ? rc : check_opts(o);
 }
 
+/* ---- the files: no output may be an input (paths.h) ------------------------------------ */
+
+/* What --data reads: the directory of fashion-mnist, of cifar10:DIR, or the DIR or FILE. */
+static const char *data_path(const train_opts *o) {
+    if (strcmp(o->model, "gpt") == 0) return o->data;
+    if (strcmp(o->data, "fashion-mnist") == 0) return "/usr/share/datasets/fashion-mnist";
+    if (!strncmp(o->data, "cifar10:", 8) || !strncmp(o->data, "cifar100:", 9))
+        return strchr(o->data, ':') + 1;
+    return o->data;
+}
+
+/* Every file the options name, checked together before any work: an output that is an input
+ * would destroy it (a --log over the data set), and so would two outputs in one file.
+ * Returns 0 or EXIT_USAGE. */
+static int check_paths(const train_opts *o) {
+    char ckpt[4200] = "", *list = o->plot_compare ? strdup(o->plot_compare) : NULL;
+    if (o->resume && tdm_checkpoint_latest(o->checkpoint_dir, ckpt, sizeof ckpt, NULL) != 1)
+        ckpt[0] = '\0'; /* none yet (or unreadable: the resume says so) */
+    tdm_clear_error();
+    path_use fixed[] = {
+        {.option = "--data", .path = data_path(o)},
+        {.option = "--init-from", .path = o->init_from},
+        {.option = "--resume", .path = ckpt[0] ? ckpt : NULL, .may_be_held = true},
+        {.option = "--log", .path = o->log_path, .output = true},
+        {.option = "--plot", .path = o->plot_path, .output = true},
+        {.option = "--trace", .path = o->trace_path, .output = true},
+        {.option = "--save", .path = o->save_path, .output = true},
+        {.option = "--tensorboard", .path = o->tensorboard_dir, .output = true, .dir = true},
+        {.option = "--checkpoint-dir", .path = o->checkpoint_dir, .output = true, .dir = true}};
+    /* and one entry per FILE of --plot-compare, of which there are fewer than characters */
+    int n = (int)(sizeof fixed / sizeof fixed[0]), cap = n + (list ? (int)strlen(list) : 0);
+    path_use *u = malloc(sizeof *u * (size_t)cap);
+    if (!u || (o->plot_compare && !list)) {
+        free(u), free(list);
+        return task_error("checking the files given: out of memory");
+    }
+    memcpy(u, fixed, sizeof fixed);
+    char *save = NULL;
+    for (char *item = list ? strtok_r(list, ",", &save) : NULL; item && n < cap;
+         item = strtok_r(NULL, ",", &save)) {
+        sinks_compare_split(item);
+        u[n++] = (path_use){.option = "--plot-compare", .path = item};
+    }
+    char why[3 * PATH_MAX];
+    int rc = paths_check(u, n, why, sizeof why) ? train_usage_error("%s", why) : 0;
+    free(u), free(list);
+    return rc;
+}
+
 /* ---- the run ---------------------------------------------------------------------------- */
 
 /* Started by mpirun: this process is one rank of the world; the global batch is split over
@@ -865,7 +924,7 @@ int train_main(int argc, char **argv) {
         train_help(stdout);
         return EXIT_OK;
     }
-    if (rc) return rc;
+    if (rc || (rc = check_paths(&o))) return rc;
     /* before any thread starts: devices, loader workers and GEMM threads inherit it */
     tdm_set_flush_denormal(strcmp(o.denormals, "flush") == 0);
     tdm_group *procs = NULL;

@@ -239,6 +239,12 @@ typedef struct tdm_checkpoint_lock tdm_checkpoint_lock;
  * next; the file itself is never removed (removing it would let two processes lock two
  * different files). The lock is not passed on to programs the holder execs; a child made by
  * fork shares it until it execs or exits.
+ * Once it holds the lock it removes what saves interrupted by a kill left there (temporary
+ * .ckpt-<step>.tmp directories; a checkpoint moved aside as .ckpt-<step>.old goes back into
+ * place if its replacement is missing). The lock holds the directory, not its path: every
+ * later save of this process into the same path (as given here) first checks that the path
+ * still names that directory and its LOCK file, and fails with TDM_ERR_STATE naming dir
+ * if it was deleted, moved or replaced, rather than write where the lock does not hold.
  * Returns the lock, which the caller releases with tdm_checkpoint_unlock. NULL when it cannot
  * be taken: TDM_ERR_STATE "checkpoint directory '<dir>' is in use by <the holder's line>" when
  * another holder has it (another process, or another lock taken by this one); TDM_ERR_IO

@@ -2,10 +2,11 @@
  * and chrome://tracing show with one track per thread: each device's compute, its
  * communication, the loader, the training loop.
  *
- * Recording costs one branch while tracing is off. While on, spans go to a preallocated
- * buffer (no allocation per span); spans past its capacity are dropped and their count is
- * written in the file ("droppedSpans").
- * Span names must be string literals or otherwise outlive tdm_trace_stop.
+ * Recording costs one branch while tracing is off. While on, each span is formatted as it ends
+ * and streamed to the file through a fixed buffer (no allocation per span, memory bounded
+ * however long the run): a process killed mid-run leaves the events written so far, which
+ * the viewers read (the JSON array form, whose closing bracket may be missing). Spans past the
+ * capacity are dropped, and their count is written at the end ("droppedSpans").
  */
 #ifndef TANDEM_TRACE_H
 #define TANDEM_TRACE_H
@@ -17,11 +18,18 @@
 extern "C" {
 #endif
 
-/* Starts recording, to be written to path by tdm_trace_stop. capacity: spans kept (0: one
- * million). Returns 0, or a negative status if tracing is already on or memory is short. */
+/* Starts recording into the file at path, created or emptied now, so that a path that cannot
+ * be written fails here, before the work it would trace. capacity: spans written at most
+ * (0: one million). Returns 0, or a negative status: TDM_ERR_STATE if tracing is already on,
+ * TDM_ERR_IO naming the path and the cause if it cannot be opened for writing. */
 int tdm_trace_start(const char *path, int64_t capacity);
-/* Stops recording and writes the trace file. Returns 0 or a negative status naming the
- * path (the spans are discarded either way). */
+/* Writes the spans recorded so far to the file (they are otherwise written in blocks of
+ * 64 KiB), so that a kill loses none of them. Returns 0, or TDM_ERR_IO naming the path and
+ * the first write that failed (a full disk), or TDM_ERR_STATE when tracing is off. */
+int tdm_trace_flush(void);
+/* Stops recording, writes the spans not yet written and the end of the trace, and closes the
+ * file. Returns 0, or a negative status naming the path when a write failed, now or at an
+ * earlier flush (TDM_ERR_IO), or when tracing is off (TDM_ERR_STATE). */
 int tdm_trace_stop(void);
 bool tdm_trace_enabled(void);
 

@@ -409,7 +409,9 @@ int tdm_ckpt_prepare(const char *dir, const tdm_train_state *s, char *tmp, size_
     if (!dir || !s) return tdm_raise(TDM_ERR_ARG, "checkpoint_save: NULL directory or state");
     if (s->step < 0)
         return tdm_raise(TDM_ERR_ARG, "checkpoint_save: step %lld is negative", (long long)s->step);
-    int rc = tdm_io_mkdir_p(dir, "checkpoint");
+    /* before the mkdir, which would make a new directory under a path the lock no longer holds */
+    int rc = tdm_ckpt_lock_verify(dir);
+    if (!rc) rc = tdm_io_mkdir_p(dir, "checkpoint");
     if (rc) return rc;
     char final[4096];
     snprintf(tmp, cap, "%s/.ckpt-%010" PRId64 ".tmp", dir, s->step);

@@ -49,8 +49,14 @@ int tdm_ckpt_check_tensors(tdm_safetensors *f, const tdm_named_tensor *ts, int n
 int tdm_ckpt_read_tensors(tdm_safetensors *f, const tdm_named_tensor *ts, int n);
 /* Removes a checkpoint (or temporary) directory and its files: 0, or -1 with errno. */
 int tdm_ckpt_remove_dir(const char *path);
-/* Checks that checkpoint s->step may be written into dir (not another run's), and makes its
- * empty temporary directory dir/.ckpt-<step>.tmp, whose path goes into tmp (cap bytes). */
+/* When this process holds the lock of checkpoint directory dir (taken under the same path),
+ * checks that dir is still the directory locked, with its LOCK file: TDM_OK, or TDM_ERR_STATE
+ * naming dir and what became of it (deleted or moved, replaced). TDM_OK when no lock of this
+ * process was taken under that path. */
+int tdm_ckpt_lock_verify(const char *dir);
+/* Checks that checkpoint s->step may be written into dir (not another run's, still the
+ * directory this process locked: tdm_ckpt_lock_verify), and makes its empty temporary
+ * directory dir/.ckpt-<step>.tmp, whose path goes into tmp (cap bytes). */
 int tdm_ckpt_prepare(const char *dir, const tdm_train_state *s, char *tmp, size_t cap);
 /* Ends a save begun by tdm_ckpt_prepare: when rc is TDM_OK, flushes the temporary directory,
  * renames it into place (replacing this run's checkpoint of the step) and prunes to keep;

@@ -487,9 +487,10 @@ static int check_resumed(const trainer *tr, const char *path, int64_t epoch, int
     uint64_t loaded = tdm_default_rng()->seed;
     const char *file = "train_state.safetensors";
     if (batch % accum)
-        return task_error("--resume from '%s': %s: its data position, batch %lld of epoch %lld, "
-                          "is inside an optimizer step of --grad-accum %lld batches",
-                          path, file, (long long)batch, (long long)epoch, (long long)accum);
+        return task_error("--resume from '%s': %s: loader.global_sample %lld is batch %lld of "
+                          "epoch %lld, inside an optimizer step of --grad-accum %lld batches",
+                          path, file, (long long)tdm_loader_global_samples_done(tr->train_l),
+                          (long long)batch, (long long)epoch, (long long)accum);
     bool over = __builtin_mul_overflow(epoch, spe, &at) || at > INT64_MAX - batch / accum;
     if (over || step != at + batch / accum) {
         char is[48] = "past 2^63";

@@ -220,7 +220,8 @@ static int optim_views_make(tdm_optim *o, tdm_module *m, optim_views *v, bool lo
                 tdm_tensor_view(st[s], p->ndim, p->shape, strides, st[s]->offset + ps->offsets[i]);
             if (!name || !view) {
                 free(name);
-                return tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
+                return tdm_last_status() ? tdm_last_status()
+                                         : tdm_raise(TDM_ERR_NOMEM, "checkpoint: out of memory");
             }
             snprintf(name, len, "optim.%s.%s", ps->names[i], snames[s]);
             v->names[v->n] = name;

@@ -1,0 +1,251 @@
+/* Every field `tandem train --resume` and `tandem eval` read back from a checkpoint is checked
+ * before use: a short run's train_state.safetensors is rewritten through the library with one
+ * field altered, and the resume must stop with an error naming the file, the field and the
+ * value, leaving the checkpoint as it was. Weights holding NaN make `tandem eval` name the
+ * parameter.
+ *
+ *   test_ckpt_fields PATH_TO_TANDEM
+ *
+ * Needs Debian's dataset-fashion-mnist (skipped without it). */
+#include <sys/stat.h>
+
+#include "check.h"
+#include "io/io_internal.h"
+#include "testdir.h"
+
+static const char *tandem;
+
+/* tandem ARGS... with the output captured: the exit status. */
+#define TANDEM(...) wait_status(spawn_captured((const char *const[]){tandem, __VA_ARGS__, NULL}))
+/* A run of 19 steps an epoch (600 samples in batches of 32) */
+#define RUN_OPTS "--limit", "600", "--batch-size", "32", "--epochs", "2", "--quiet"
+
+/* The tensors of an opened file, loaded into the current scope, with its metadata. */
+typedef struct {
+    tdm_safetensors *f;
+    int n, n_meta;
+    tdm_named_tensor t[64];
+    tdm_meta meta[64];
+} contents;
+
+static int contents_read(const char *path, contents *c) {
+    memset(c, 0, sizeof *c);
+    if (!(c->f = tdm_safetensors_open(path))) return -1;
+    c->n = tdm_safetensors_count(c->f);
+    c->n_meta = tdm_safetensors_meta_count(c->f);
+    if (c->n > 64 || c->n_meta > 63) return -1;
+    for (int i = 0; i < c->n; i++) {
+        c->t[i].name = tdm_safetensors_name(c->f, i);
+        if (!(c->t[i].tensor = tdm_safetensors_load(c->f, c->t[i].name, tdm_cpu(0)))) return -1;
+    }
+    for (int i = 0; i < c->n_meta; i++)
+        tdm_safetensors_meta_at(c->f, i, &c->meta[i].key, &c->meta[i].value);
+    return 0;
+}
+
+/* Rewrites safetensors file path with metadata key set to value. 0 or -1. */
+static int set_meta(const char *path, const char *key, const char *value) {
+    contents c;
+    int rc = tdm_scope_begin() ? -1 : contents_read(path, &c);
+    int k = 0;
+    while (!rc && k < c.n_meta && strcmp(c.meta[k].key, key) != 0) k++;
+    if (!rc) c.meta[k] = (tdm_meta){key, value}; /* a new key when absent */
+    if (!rc) rc = tdm_safetensors_save(path, c.t, c.n, c.meta, k == c.n_meta ? k + 1 : c.n_meta);
+    tdm_safetensors_close(c.f);
+    tdm_scope_end();
+    if (rc) fprintf(stderr, "rewriting %s: %s\n", path, tdm_last_error());
+    return rc ? -1 : 0;
+}
+
+/* Writes src's tensors to dst with element 1 of tensor name made NaN. 0 or -1. */
+static int poison(const char *src, const char *dst, const char *name) {
+    contents c;
+    int rc = tdm_scope_begin() ? -1 : contents_read(src, &c);
+    for (int i = 0; !rc && i < c.n; i++) {
+        if (strcmp(c.t[i].name, name) != 0) continue;
+        tdm_tensor *t = (tdm_tensor *)c.t[i].tensor;
+        int64_t n = tdm_numel(t);
+        float *v = malloc(sizeof(float) * (size_t)n);
+        rc = v && n > 1 && !tdm_to_host(t, v, sizeof(float) * (size_t)n) ? 0 : -1;
+        if (!rc) v[1] = NAN;
+        if (!rc)
+            rc = (c.t[i].tensor = tdm_from_data(tdm_shape_of(t), TDM_F32, tdm_cpu(0), v)) ? 0 : -1;
+        free(v);
+    }
+    if (!rc) rc = tdm_safetensors_save(dst, c.t, c.n, c.meta, c.n_meta);
+    tdm_safetensors_close(c.f);
+    tdm_scope_end();
+    return rc ? -1 : 0;
+}
+
+/* Whether a file holds exactly the bytes of want (want_len of them). */
+static bool same_bytes(const char *path, const char *want, size_t want_len) {
+    size_t n = 0;
+    char *got = slurp_file(path, &n);
+    bool same = got && n == want_len && memcmp(got, want, n) == 0;
+    free(got);
+    return same;
+}
+
+/* The error line names the file, the field and the value, and ends with something. */
+static void check_message(const char *what, const char *err, const char *field, const char *value) {
+    CHECK(strstr(err, "train_state.safetensors"), "%s: names the file: %s", what, err);
+    CHECK(strstr(err, field), "%s: names %s: %s", what, field, err);
+    CHECK(strstr(err, value), "%s: names the value %s: %s", what, value, err);
+    size_t n = strlen(err);
+    CHECK(n > 2 && strcmp(err + n - 2, ":\n") != 0 && strcmp(err + n - 3, ": \n") != 0,
+          "%s: the message ends at a colon: %s", what, err);
+}
+
+typedef struct {
+    const char *field, *value;
+    int status; /* the exit status of the resume */
+} tamper;
+
+/* ckpt (of dir) with field set to value: --resume refuses it, naming the field and value,
+ * and leaves both files as they were. state: the untouched train_state (len bytes). */
+static void resume_refused(const char *dir, const char *ckpt, const tamper *t, const char *state,
+                           size_t len, const char *const *extra) {
+    char ts[400], model[400];
+    snprintf(ts, sizeof ts, "%s/train_state.safetensors", ckpt);
+    snprintf(model, sizeof model, "%s/model.safetensors", ckpt);
+    FILE *f = fopen(ts, "wb");
+    CHECK(f && fwrite(state, 1, len, f) == len, "restoring %s", ts);
+    if (f) fclose(f);
+    if (set_meta(ts, t->field, t->value)) {
+        CHECK(false, "tampering %s", t->field);
+        return;
+    }
+    size_t ts_len = 0, model_len = 0;
+    char *ts_bytes = slurp_file(ts, &ts_len), *model_bytes = slurp_file(model, &model_len);
+    int rc = TANDEM("train", RUN_OPTS, "--max-steps", "6", "--checkpoint-dir", dir, "--resume",
+                    extra[0], extra[1], extra[2]);
+    char *err = captured("stderr"), what[200];
+    snprintf(what, sizeof what, "%s = '%s'", t->field, t->value);
+    CHECK(rc == t->status, "%s: exit status %d, expected %d: %s", what, rc, t->status, err);
+    check_message(what, err, t->field, t->value);
+    CHECK(count_ckpts(dir) == 1, "%s: %d checkpoints after the refused resume", what,
+          count_ckpts(dir));
+    CHECK(same_bytes(ts, ts_bytes, ts_len) && same_bytes(model, model_bytes, model_len),
+          "%s: the checkpoint's files were changed", what);
+    free(err);
+    free(ts_bytes);
+    free(model_bytes);
+}
+
+/* A run stopped after 3 steps, each field of its train_state altered in turn. */
+static void tampered_fields(void) {
+    static const tamper cases[] = {
+        {"step", "-5", 1}, /* was taken: the next save went before the newest checkpoint */
+        {"step", "9223372036854775807", 1}, /* was taken: overflow after an epoch */
+        {"step", "4", 1},                   /* not the directory's step */
+        {"optim.steps", "-1", 1},           /* was ignored, the count left at 0 */
+        {"optim.steps", "2", 1},
+        {"optim.lr", "nan", 1},
+        {"optim.lr", "-0x1p-3", 1},
+        {"loader.epoch", "-1", 1},
+        {"loader.epoch", "1", 1},
+        {"loader.epoch", "4611686018427387904", 1},
+        {"loader.global_sample", "97", 1},
+        {"rng.seed", "5", 1},
+        {"user.epoch_rank_totals", "0x1p+3 97 96;", 1}, /* more correct than samples */
+        {"user.epoch_rank_totals", "nan 8 96;", 1},
+        {"user.epoch_rank_totals", "0x1p+3 8 9600;", 1},
+        {"user.run.layout", "0x0", 1},
+    };
+    char dir[300], ckpt[400], ts[500];
+    snprintf(dir, sizeof dir, "%s/fields", tmpdir);
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt-0000000003", dir);
+    snprintf(ts, sizeof ts, "%s/train_state.safetensors", ckpt);
+    int rc = TANDEM("train", RUN_OPTS, "--max-steps", "3", "--checkpoint-dir", dir);
+    CHECK(rc == 0, "training 3 steps: %d", rc);
+    size_t len = 0;
+    char *state = slurp_file(ts, &len);
+    if (rc || !state) return free(state);
+    const char *none[3] = {NULL, NULL, NULL};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        resume_refused(dir, ckpt, &cases[i], state, len, none);
+
+    /* a step the directory's name agrees with, that the data position does not */
+    char moved[400];
+    snprintf(moved, sizeof moved, "%s/ckpt-0000000022", dir);
+    CHECK(rename(ckpt, moved) == 0, "renaming %s", ckpt);
+    resume_refused(dir, moved, &(tamper){"step", "22", 1}, state, len, none);
+    CHECK(rename(moved, ckpt) == 0, "renaming %s back", moved);
+
+    /* the untouched checkpoint resumes */
+    FILE *f = fopen(ts, "wb");
+    CHECK(f && fwrite(state, 1, len, f) == len, "restoring %s", ts);
+    if (f) fclose(f);
+    rc = TANDEM("train", RUN_OPTS, "--max-steps", "6", "--checkpoint-dir", dir, "--resume");
+    char *err = captured("stderr");
+    CHECK(rc == 0, "resuming the untouched checkpoint: %d: %s", rc, err);
+    free(err);
+    free(state);
+}
+
+/* Under --grad-accum 2 a position inside an optimizer step is refused; a finished run
+ * continued with fewer --epochs is told how many to give. */
+static void position_and_epochs(void) {
+    char dir[300], ckpt[400], ts[500];
+    snprintf(dir, sizeof dir, "%s/accum", tmpdir);
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt-0000000003", dir);
+    snprintf(ts, sizeof ts, "%s/train_state.safetensors", ckpt);
+    int rc =
+        TANDEM("train", RUN_OPTS, "--max-steps", "3", "--grad-accum", "2", "--checkpoint-dir", dir);
+    CHECK(rc == 0, "training 3 steps of 2 batches: %d", rc);
+    size_t len = 0;
+    char *state = slurp_file(ts, &len);
+    const char *accum[3] = {"--grad-accum", "2", NULL};
+    if (!rc && state) /* batch 5: inside step 3 */
+        resume_refused(dir, ckpt, &(tamper){"loader.global_sample", "160", 1}, state, len, accum);
+    free(state);
+
+    snprintf(dir, sizeof dir, "%s/epochs", tmpdir);
+    rc = TANDEM("train", RUN_OPTS, "--checkpoint-dir", dir);
+    CHECK(rc == 0, "training 2 epochs: %d", rc);
+    rc = TANDEM("train", "--limit", "600", "--batch-size", "32", "--epochs", "1", "--quiet",
+                "--checkpoint-dir", dir, "--resume");
+    char *err = captured("stderr");
+    CHECK(rc == 2 && strstr(err, "--epochs 1") && strstr(err, "--epochs 2 or more"),
+          "a 2-epoch run resumed with --epochs 1: %d: %s", rc, err);
+    free(err);
+}
+
+/* tandem eval on weights holding a NaN names the parameter (it printed "evaluation: "). */
+static void eval_nan(void) {
+    char model[400], bad[400];
+    snprintf(model, sizeof model, "%s/epochs/ckpt-0000000038/model.safetensors", tmpdir);
+    snprintf(bad, sizeof bad, "%s/nan.safetensors", tmpdir);
+    CHECK(poison(model, bad, "3.bias") == 0, "writing %s: %s", bad, tdm_last_error());
+    int rc = TANDEM("eval", "--weights", bad, "--limit", "600");
+    char *err = captured("stderr");
+    CHECK(rc == 1, "eval of NaN weights: exit %d: %s", rc, err);
+    CHECK(strstr(err, "'3.bias'") && strstr(err, "nan") && strstr(err, bad),
+          "names the file, the parameter and the value: %s", err);
+    size_t n = strlen(err);
+    CHECK(n > 3 && strcmp(err + n - 3, ": \n") != 0, "ends at a colon: %s", err);
+    free(err);
+    rc = TANDEM("eval", "--weights", model, "--limit", "600");
+    err = captured("stderr");
+    CHECK(rc == 0, "eval of the good weights: %d: %s", rc, err);
+    free(err);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: test_ckpt_fields PATH_TO_TANDEM\n");
+        return 2;
+    }
+    tandem = argv[1];
+    if (access("/usr/share/datasets/fashion-mnist", R_OK) != 0) {
+        printf("skipped: dataset-fashion-mnist is not installed\n");
+        return 77;
+    }
+    if (tmpdir_make("ckpt_fields") != 0) return 1;
+    tampered_fields();
+    position_and_epochs();
+    eval_nan();
+    tmpdir_remove();
+    return check_summary();
+}

@@ -97,6 +97,20 @@ static void check_message(const char *what, const char *err, const char *field, 
           "%s: the message ends at a colon: %s", what, err);
 }
 
+/* Removes the checkpoints of dir other than keep (a name): what a resume that should have
+ * been refused wrote, so that the next case resumes from keep again. */
+static void remove_others(const char *dir, const char *keep) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    char cmd[800];
+    while (d && (e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, "ckpt-", 5) != 0 || strcmp(e->d_name, keep) == 0) continue;
+        snprintf(cmd, sizeof cmd, "rm -rf '%s/%s'", dir, e->d_name);
+        CHECK(system(cmd) == 0, "%s", cmd);
+    }
+    if (d) closedir(d);
+}
+
 typedef struct {
     const char *field, *value;
     int status; /* the exit status of the resume */
@@ -128,6 +142,7 @@ static void resume_refused(const char *dir, const char *ckpt, const tamper *t, c
           count_ckpts(dir));
     CHECK(same_bytes(ts, ts_bytes, ts_len) && same_bytes(model, model_bytes, model_len),
           "%s: the checkpoint's files were changed", what);
+    remove_others(dir, strrchr(ckpt, '/') + 1);
     free(err);
     free(ts_bytes);
     free(model_bytes);

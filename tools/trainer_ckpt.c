@@ -274,15 +274,17 @@ static int resume_sums(trainer *tr, const char *path, int64_t max) {
     char v[3][64] = {"0", "0", "0"}, all[200];
     double x[3] = {0};
     for (int i = 0; i < 3; i++) {
-        char *end = v[i];
-        if (tdm_checkpoint_meta(path, keys[i], v[i], sizeof v[i]) == 1) x[i] = strtod(v[i], &end);
-        if (end == v[i] || *end || (i && x[i] != floor(x[i])) || fabs(x[i]) > 0x1p62)
+        int got = tdm_checkpoint_meta(path, keys[i], v[i], sizeof v[i]);
+        char *end = NULL;
+        x[i] = got == 1 ? strtod(v[i], &end) : 0;
+        if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
+        if (got == 1 && (end == v[i] || *end || (i && x[i] != floor(x[i])) || fabs(x[i]) > 0x1p62))
             return task_error("--resume from '%s': train_state.safetensors: user.%s '%.40s' is "
-                              "not a number%s",
-                              path, keys[i], v[i], i ? " of samples" : "");
+                              "not %s",
+                              path, keys[i], v[i], i ? "a count" : "a number");
     }
     snprintf(all, sizeof all, "%s %s %s", v[0], v[1], v[2]);
-    return take_totals(tr, path, "epoch_loss_sum, epoch_correct, epoch_images", all, x[0],
+    return take_totals(tr, path, "epoch_loss_sum, user.epoch_correct, user.epoch_images", all, x[0],
                        (long long)x[1], (long long)x[2], max);
 }
 

@@ -59,25 +59,25 @@ static int set_meta(const char *path, const char *key, const char *value) {
     return rc ? -1 : 0;
 }
 
-/* Writes src's tensors to dst with element 1 of tensor name made NaN. 0 or -1. */
-static int poison(const char *src, const char *dst, const char *name) {
+/* Writes src's tensors to dst with element 1 of tensor name set to value. 0 or -1. */
+static int poison(const char *src, const char *dst, const char *name, float value) {
     contents c;
-    int rc = tdm_scope_begin() ? -1 : contents_read(src, &c);
+    int rc = tdm_scope_begin() ? -1 : contents_read(src, &c), found = 0;
     for (int i = 0; !rc && i < c.n; i++) {
         if (strcmp(c.t[i].name, name) != 0) continue;
         tdm_tensor *t = (tdm_tensor *)c.t[i].tensor;
         int64_t n = tdm_numel(t);
         float *v = malloc(sizeof(float) * (size_t)n);
         rc = v && n > 1 && !tdm_to_host(t, v, sizeof(float) * (size_t)n) ? 0 : -1;
-        if (!rc) v[1] = NAN;
+        if (!rc) v[1] = value, found = 1;
         if (!rc)
             rc = (c.t[i].tensor = tdm_from_data(tdm_shape_of(t), TDM_F32, tdm_cpu(0), v)) ? 0 : -1;
         free(v);
     }
-    if (!rc) rc = tdm_safetensors_save(dst, c.t, c.n, c.meta, c.n_meta);
+    if (!rc && found) rc = tdm_safetensors_save(dst, c.t, c.n, c.meta, c.n_meta);
     tdm_safetensors_close(c.f);
     tdm_scope_end();
-    return rc ? -1 : 0;
+    return rc || !found ? -1 : 0;
 }
 
 /* Whether a file holds exactly the bytes of want (want_len of them). */
@@ -90,8 +90,9 @@ static bool same_bytes(const char *path, const char *want, size_t want_len) {
 }
 
 /* The error line names the file, the field and the value, and ends with something. */
-static void check_message(const char *what, const char *err, const char *field, const char *value) {
-    CHECK(strstr(err, "train_state.safetensors"), "%s: names the file: %s", what, err);
+static void check_message(const char *what, const char *err, const char *file, const char *field,
+                          const char *value) {
+    CHECK(strstr(err, file), "%s: names the file %s: %s", what, file, err);
     CHECK(strstr(err, field), "%s: names %s: %s", what, field, err);
     CHECK(strstr(err, value), "%s: names the value %s: %s", what, value, err);
     CHECK(!strstr(err, "Sanitizer"), "%s: under a sanitizer: %s", what, err);
@@ -117,32 +118,78 @@ static void remove_others(const char *dir, const char *keep) {
 typedef struct {
     const char *field, *value;
     const char *field2, *value2; /* a second field changed first (NULL: none) */
+    /* NULL: field is metadata of train_state.safetensors; else field is a tensor of this file,
+     * whose element 1 becomes value */
+    const char *file;
 } tamper;
 #define ONE(field, value)                                                                          \
-    { field, value, NULL, NULL }
+    { field, value, NULL, NULL, NULL }
+#define TENSOR(file, name, value)                                                                  \
+    { name, value, NULL, NULL, file }
 
-/* ckpt (of dir) with field set to value: --resume refuses it, naming the field and value,
- * and leaves both files as they were. state: the untouched train_state (len bytes). */
-static void resume_refused(const char *dir, const char *ckpt, const tamper *t, const char *state,
-                           size_t len, const char *const *extra) {
+/* A checkpoint's two files as the run wrote them: each case starts from them. */
+typedef struct {
+    char *state, *model;
+    size_t state_len, model_len;
+} pristine;
+
+static int pristine_read(const char *ckpt, pristine *p) {
+    char f[400];
+    snprintf(f, sizeof f, "%s/train_state.safetensors", ckpt);
+    p->state = slurp_file(f, &p->state_len);
+    snprintf(f, sizeof f, "%s/model.safetensors", ckpt);
+    p->model = slurp_file(f, &p->model_len);
+    return p->state && p->model ? 0 : -1;
+}
+
+static bool write_bytes(const char *path, const char *bytes, size_t len) {
+    FILE *f = fopen(path, "wb");
+    bool ok = f && fwrite(bytes, 1, len, f) == len;
+    return f && fclose(f) == 0 && ok;
+}
+
+/* Writes the files of ckpt back as p holds them. 0 or -1. */
+static int restore(const char *ckpt, const pristine *p) {
     char ts[400], model[400];
     snprintf(ts, sizeof ts, "%s/train_state.safetensors", ckpt);
     snprintf(model, sizeof model, "%s/model.safetensors", ckpt);
-    FILE *f = fopen(ts, "wb");
-    CHECK(f && fwrite(state, 1, len, f) == len, "restoring %s", ts);
-    if (f) fclose(f);
-    if ((t->field2 && set_meta(ts, t->field2, t->value2)) || set_meta(ts, t->field, t->value)) {
+    return write_bytes(ts, p->state, p->state_len) && write_bytes(model, p->model, p->model_len)
+               ? 0
+               : -1;
+}
+
+/* Rewrites the files of ckpt from p as t says. 0 or -1. */
+static int apply(const char *ckpt, const tamper *t, const pristine *p) {
+    char ts[400], file[400];
+    snprintf(ts, sizeof ts, "%s/train_state.safetensors", ckpt);
+    if (restore(ckpt, p)) return -1;
+    if (t->file) {
+        snprintf(file, sizeof file, "%s/%s", ckpt, t->file);
+        return poison(file, file, t->field, strtof(t->value, NULL));
+    }
+    return (t->field2 && set_meta(ts, t->field2, t->value2)) || set_meta(ts, t->field, t->value);
+}
+
+/* ckpt (of dir) tampered as t says from p: --resume refuses it, naming the file, the field
+ * and the value, and leaves both files as they were. extra: options of the run (up to 4,
+ * NULL-terminated). */
+static void resume_refused(const char *dir, const char *ckpt, const tamper *t, const pristine *p,
+                           const char *const *extra) {
+    char ts[400], model[400];
+    snprintf(ts, sizeof ts, "%s/train_state.safetensors", ckpt);
+    snprintf(model, sizeof model, "%s/model.safetensors", ckpt);
+    if (apply(ckpt, t, p)) {
         CHECK(false, "tampering %s", t->field);
         return;
     }
     size_t ts_len = 0, model_len = 0;
     char *ts_bytes = slurp_file(ts, &ts_len), *model_bytes = slurp_file(model, &model_len);
     int rc = TANDEM("train", RUN_OPTS, "--max-steps", "6", "--checkpoint-dir", dir, "--resume",
-                    extra[0], extra[1], extra[2]);
+                    extra[0], extra[1], extra[2], extra[3], extra[4]);
     char *err = captured("stderr"), what[200];
     snprintf(what, sizeof what, "%s = '%s'", t->field, t->value);
     CHECK(rc == 1, "%s: exit status %d, expected 1: %s", what, rc, err);
-    check_message(what, err, t->field, t->value);
+    check_message(what, err, t->file ? t->file : "train_state.safetensors", t->field, t->value);
     CHECK(count_ckpts(dir) == 1, "%s: %d checkpoints after the refused resume", what,
           count_ckpts(dir));
     CHECK(same_bytes(ts, ts_bytes, ts_len) && same_bytes(model, model_bytes, model_len),
@@ -173,9 +220,12 @@ static void tampered_fields(void) {
         ONE("user.epoch_rank_totals", "0x1p+3 8 9600;"),
         ONE("user.run.layout", "0x0"),
         /* totals of another number of processes: the sums over them are read instead */
-        {"user.epoch_correct", "97", "user.epoch_rank_totals", "0x1p+2 4 48;0x1p+2 4 48;"},
-        {"user.epoch_images", "-1", "user.epoch_rank_totals", "0x1p+2 4 48;0x1p+2 4 48;"},
-        {"user.epoch_loss_sum", "x", "user.epoch_rank_totals", "0x1p+2 4 48;0x1p+2 4 48;"},
+        {"user.epoch_correct", "97", "user.epoch_rank_totals", "0x1p+2 4 48;0x1p+2 4 48;", NULL},
+        {"user.epoch_images", "-1", "user.epoch_rank_totals", "0x1p+2 4 48;0x1p+2 4 48;", NULL},
+        {"user.epoch_loss_sum", "x", "user.epoch_rank_totals", "0x1p+2 4 48;0x1p+2 4 48;", NULL},
+        TENSOR("train_state.safetensors", "optim.3.bias.momentum_buffer", "nan"),
+        TENSOR("train_state.safetensors", "optim.5.weight.momentum_buffer", "inf"),
+        TENSOR("model.safetensors", "1.bias", "nan"),
     };
     char dir[300], ckpt[400], ts[500];
     snprintf(dir, sizeof dir, "%s/fields", tmpdir);
@@ -183,18 +233,17 @@ static void tampered_fields(void) {
     snprintf(ts, sizeof ts, "%s/train_state.safetensors", ckpt);
     int rc = TANDEM("train", RUN_OPTS, "--max-steps", "3", "--checkpoint-dir", dir);
     CHECK(rc == 0, "training 3 steps: %d", rc);
-    size_t len = 0;
-    char *state = slurp_file(ts, &len);
-    if (rc || !state) return free(state);
-    const char *none[3] = {NULL, NULL, NULL};
+    pristine p = {0};
+    if (rc || pristine_read(ckpt, &p)) return free(p.state), free(p.model);
+    const char *none[1] = {NULL};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
-        resume_refused(dir, ckpt, &cases[i], state, len, none);
+        resume_refused(dir, ckpt, &cases[i], &p, none);
 
     /* a step the directory's name agrees with, that the data position does not */
     char moved[400];
     snprintf(moved, sizeof moved, "%s/ckpt-0000000022", dir);
     CHECK(rename(ckpt, moved) == 0, "renaming %s", ckpt);
-    resume_refused(dir, moved, &(tamper)ONE("step", "22"), state, len, none);
+    resume_refused(dir, moved, &(tamper)ONE("step", "22"), &p, none);
     CHECK(rename(moved, ckpt) == 0, "renaming %s back", moved);
 
     /* the untouched checkpoint resumes, and one without the totals of two processes */
@@ -202,9 +251,7 @@ static void tampered_fields(void) {
                                          "user.epoch_images", "user.epoch_rank_totals", NULL};
     for (int round = 0; round < 2; round++) {
         remove_others(dir, "ckpt-0000000003");
-        FILE *f = fopen(ts, "wb");
-        CHECK(f && fwrite(state, 1, len, f) == len, "restoring %s", ts);
-        if (f) fclose(f);
+        CHECK(restore(ckpt, &p) == 0, "restoring %s", ckpt);
         for (int i = 0; round == 1 && absent[i]; i++)
             CHECK(set_meta(ts, absent[i], NULL) == 0, "removing %s", absent[i]);
         rc = TANDEM("train", RUN_OPTS, "--max-steps", "6", "--checkpoint-dir", dir, "--resume");
@@ -212,25 +259,29 @@ static void tampered_fields(void) {
         CHECK(rc == 0, "resuming the untouched checkpoint (round %d): %d: %s", round, rc, err);
         free(err);
     }
-    free(state);
+    free(p.state), free(p.model);
 }
 
-/* Under --grad-accum 2 a position inside an optimizer step is refused; a finished run
- * continued with fewer --epochs is told how many to give. */
+/* Under --grad-accum 2 a position inside an optimizer step is refused, and Adam's negative
+ * second moment; a finished run continued with fewer --epochs is told how many to give. */
 static void position_and_epochs(void) {
-    char dir[300], ckpt[400], ts[500];
+    char dir[300], ckpt[400];
     snprintf(dir, sizeof dir, "%s/accum", tmpdir);
     snprintf(ckpt, sizeof ckpt, "%s/ckpt-0000000003", dir);
-    snprintf(ts, sizeof ts, "%s/train_state.safetensors", ckpt);
-    int rc =
-        TANDEM("train", RUN_OPTS, "--max-steps", "3", "--grad-accum", "2", "--checkpoint-dir", dir);
+    const char *opts[5] = {"--grad-accum", "2", "--optimizer", "adam", NULL};
+    int rc = TANDEM("train", RUN_OPTS, "--max-steps", "3", "--checkpoint-dir", dir, opts[0],
+                    opts[1], opts[2], opts[3]);
     CHECK(rc == 0, "training 3 steps of 2 batches: %d", rc);
-    size_t len = 0;
-    char *state = slurp_file(ts, &len);
-    const char *accum[3] = {"--grad-accum", "2", NULL};
-    if (!rc && state) /* batch 5: inside step 3 */
-        resume_refused(dir, ckpt, &(tamper)ONE("loader.global_sample", "160"), state, len, accum);
-    free(state);
+    pristine p = {0};
+    if (!rc && !pristine_read(ckpt, &p)) {
+        /* batch 5: inside step 3 */
+        resume_refused(dir, ckpt, &(tamper)ONE("loader.global_sample", "160"), &p, opts);
+        /* a second moment below 0 (its square root is taken) */
+        resume_refused(dir, ckpt,
+                       &(tamper)TENSOR("train_state.safetensors", "optim.3.bias.exp_avg_sq", "-1"),
+                       &p, opts);
+    }
+    free(p.state), free(p.model);
 
     snprintf(dir, sizeof dir, "%s/epochs", tmpdir);
     rc = TANDEM("train", RUN_OPTS, "--checkpoint-dir", dir);
@@ -248,7 +299,7 @@ static void eval_nan(void) {
     char model[400], bad[400];
     snprintf(model, sizeof model, "%s/epochs/ckpt-0000000038/model.safetensors", tmpdir);
     snprintf(bad, sizeof bad, "%s/nan.safetensors", tmpdir);
-    CHECK(poison(model, bad, "3.bias") == 0, "writing %s: %s", bad, tdm_last_error());
+    CHECK(poison(model, bad, "3.bias", NAN) == 0, "writing %s: %s", bad, tdm_last_error());
     int rc = TANDEM("eval", "--weights", bad, "--limit", "600");
     char *err = captured("stderr");
     CHECK(rc == 1 && !strstr(err, "Sanitizer"), "eval of NaN weights: exit %d: %s", rc, err);

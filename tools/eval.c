@@ -120,39 +120,6 @@ static int parse(int argc, char **argv, eval_opts *o) {
     return 0;
 }
 
-/* Weights holding a NaN or an infinity (a diverged run's) make every loss NaN: the first
- * such element of the parameters, or of the f32 buffers, named in an error. 0 or
- * EXIT_RUNTIME. */
-static int check_finite(tdm_module *m, const char *path) {
-    tdm_paramset *ps = tdm_module_parameters(m);
-    tdm_bufferset *bs = ps ? tdm_module_buffers(m) : NULL;
-    if (!bs) return fail("reading the weights of '%s': %s", path, tdm_last_error());
-    for (int i = 0; i < ps->n + bs->n; i++) {
-        bool param = i < ps->n;
-        const tdm_tensor *t = param ? ps->params[i] : bs->buffers[i - ps->n];
-        if (t->dtype != TDM_F32) continue;
-        int64_t n = tdm_numel(t), k = 0;
-        float *v = malloc(sizeof(float) * (size_t)(n ? n : 1));
-        if (!v || tdm_to_host(t, v, sizeof(float) * (size_t)n)) {
-            free(v);
-            return fail("reading the weights of '%s': %s", path,
-                        v ? tdm_last_error() : "out of memory");
-        }
-        while (k < n && isfinite(v[k])) k++;
-        float bad = k < n ? v[k] : 0;
-        free(v);
-        if (k == n) continue;
-        char what[400];
-        snprintf(what, sizeof what, "%s '%s' holds %g at element %lld of %lld",
-                 param ? "parameter" : "buffer", param ? ps->names[i] : bs->names[i - ps->n],
-                 (double)bad, (long long)k, (long long)n);
-        return fail("--weights '%s': %s; weights that are not finite (a diverged run's?) give "
-                    "no loss",
-                    path, what);
-    }
-    return 0;
-}
-
 /* Sum of the loss and count of correct predictions over the loader's epoch 0. 0, or -1 with
  * the reason in why (cap bytes). */
 static int run_eval(tdm_module *m, tdm_loader *l, double *loss_sum, int64_t *correct, int64_t *n,
@@ -180,7 +147,7 @@ static int run_eval(tdm_module *m, tdm_loader *l, double *loss_sum, int64_t *cor
             tdm_to_host(b.y, y, bytes)) {
             snprintf(why, cap, "%s", !p || !y ? "out of memory" : tdm_last_error());
             rc = -1;
-        } else if (isnan(loss)) { /* finite weights (check_finite), outputs that are not */
+        } else if (isnan(loss)) { /* finite weights (task_check_finite), outputs that are not */
             snprintf(why, cap,
                      "the loss of the test samples %lld to %lld is %g: the model's outputs are "
                      "not finite",
@@ -240,7 +207,7 @@ int eval_main(int argc, char **argv) {
                     ? tdm_checkpoint_load(path, &(tdm_train_state){.model = m})
                     : tdm_weights_load(path, m)) != TDM_OK) {
         rc = fail("--weights '%s': %s", o.weights, tdm_last_error());
-    } else if (!(rc = check_finite(m, path))) {
+    } else if (!(rc = task_check_finite(m, "--weights", path))) {
         double loss = 0;
         int64_t correct = 0, n = 0;
         char why[512];

@@ -518,6 +518,42 @@ static int check_resumed(const trainer *tr, const char *path, int64_t epoch, int
     return 0;
 }
 
+/* The optimizer state resumed (replica 0's; the replicas loaded the same file): finite, and
+ * the second moments, whose square root a step takes, >= 0. A sharded optimizer holds a
+ * shard each process would judge alone (and stop alone): not checked. 0 or EXIT_RUNTIME. */
+static int check_moments(const trainer *tr, const char *path) {
+    const char *names[4];
+    tdm_tensor *st[4];
+    int n = tr->sharded ? 0 : tdm_optim_state(tr->opt, names, st, 4);
+    for (int s = 0; s < n; s++) {
+        int64_t len = tdm_numel(st[s]), k = 0;
+        float *v = malloc(sizeof(float) * (size_t)(len ? len : 1));
+        if (!v || tdm_to_host(st[s], v, sizeof(float) * (size_t)len)) {
+            free(v);
+            return task_error("--resume from '%s': reading the optimizer state back: %s", path,
+                              v ? tdm_last_error() : "out of memory");
+        }
+        bool square = strstr(names[s], "exp_avg_sq") != NULL; /* and max_exp_avg_sq */
+        while (k < len && isfinite(v[k]) && (!square || v[k] >= 0)) k++;
+        float bad = k < len ? v[k] : 0;
+        free(v);
+        if (k == len) continue;
+        const tdm_paramset *ps = tr->ps;
+        int i = 0; /* the parameter of element k (the state is flat, in the paramset's order) */
+        while (len == ps->total && i + 1 < ps->n && ps->offsets[i + 1] <= k) i++;
+        char at[300];
+        if (len == ps->total)
+            snprintf(at, sizeof at, "optim.%s.%s holds %g at element %lld", ps->names[i], names[s],
+                     (double)bad, (long long)(k - ps->offsets[i]));
+        else
+            snprintf(at, sizeof at, "the optimizer's %s holds %g at element %lld", names[s],
+                     (double)bad, (long long)k);
+        return task_error("--resume from '%s': train_state.safetensors: %s (%s)", path, at,
+                          square ? "a second moment is finite and >= 0" : "not finite");
+    }
+    return 0;
+}
+
 /* --resume: restores every replica's weights and optimizer from the newest checkpoint, and
  * the data position, RNG, step count and run identity once. A run that starts from the
  * beginning draws a new identity. */
@@ -563,9 +599,14 @@ int trainer_resume(trainer *tr) {
     if (rc || rc2) return rc ? rc : rc2;
     int64_t epoch = 0, batch = 0;
     tdm_loader_position(tr->train_l, &epoch, &batch);
-    if ((rc = check_resumed(tr, path, epoch, batch, seed)) ||
-        (rc = resume_totals(tr, path, batch * tr->o->batch_size)))
-        return rc;
+    rc = check_resumed(tr, path, epoch, batch, seed);
+    if (!rc) rc = check_moments(tr, path);
+    char weights[4200]; /* a sharded checkpoint's weights are in its shard files */
+    snprintf(weights, sizeof weights, "%s%s", path, gather ? "/model.safetensors" : "");
+    if (!rc && !params_sharded(tr)) /* sharded: each process holds a part (see check_moments) */
+        rc = task_check_finite(tr->task->model, "--resume from", weights);
+    if (!rc) rc = resume_totals(tr, path, batch * tr->o->batch_size);
+    if (rc) return rc;
     tr->start_epoch = (int)epoch + 1;
     tr->resume_step = batch / tr->accum;
     tr->last_saved = tr->global_step;

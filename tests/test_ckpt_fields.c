@@ -171,8 +171,8 @@ static int apply(const char *ckpt, const tamper *t, const pristine *p) {
 }
 
 /* ckpt (of dir) tampered as t says from p: --resume refuses it, naming the file, the field
- * and the value, and leaves both files as they were. extra: options of the run (up to 4,
- * NULL-terminated). */
+ * and the value, and leaves both files as they were. extra: 5 entries, options of the run
+ * then NULLs. */
 static void resume_refused(const char *dir, const char *ckpt, const tamper *t, const pristine *p,
                            const char *const *extra) {
     char ts[400], model[400];
@@ -235,7 +235,7 @@ static void tampered_fields(void) {
     CHECK(rc == 0, "training 3 steps: %d", rc);
     pristine p = {0};
     if (rc || pristine_read(ckpt, &p)) return free(p.state), free(p.model);
-    const char *none[1] = {NULL};
+    const char *none[5] = {NULL};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         resume_refused(dir, ckpt, &cases[i], &p, none);
 

@@ -606,7 +606,10 @@ int trainer_resume(trainer *tr) {
     if (!rc && !params_sharded(tr)) /* sharded: each process holds a part (see check_moments) */
         rc = task_check_finite(tr->task->model, "--resume from", weights);
     if (!rc) rc = resume_totals(tr, path, batch * tr->o->batch_size);
-    if (rc) return rc;
+    /* each process read its own totals: every one stops when any refused them */
+    double failed = rc;
+    if (tr->g && trainer_sum_over_processes(tr, &failed, 1)) return EXIT_RUNTIME;
+    if (failed != 0) return rc ? rc : EXIT_RUNTIME;
     tr->start_epoch = (int)epoch + 1;
     tr->resume_step = batch / tr->accum;
     tr->last_saved = tr->global_step;

@@ -27,6 +27,12 @@ int task_error(const char *fmt, ...) {
     vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
     va_end(ap);
     n = (int)strlen(line);
+    /* "...: " with an empty tdm_last_error() after it: a failure that recorded no cause
+     * still says so rather than ending at the colon */
+    if (n >= 2 && line[n - 2] == ':' && line[n - 1] == ' ') {
+        snprintf(line + n, sizeof line - (size_t)n - 1, "(no cause was recorded)");
+        n = (int)strlen(line);
+    }
     line[n++] = '\n';
     if (write(STDERR_FILENO, line, (size_t)n) < 0) { /* nowhere left to say it */
     }

@@ -53,9 +53,9 @@ void eval_help(FILE *out) {
         "    tandem eval --model cnn --weights runs/cnn/ckpt-0000000938/model.safetensors\n");
 }
 
-static int usage(const char *fmt, const char *a) {
+static int usage(const char *fmt, const char *a, const char *b) {
     fprintf(stderr, "tandem eval: ");
-    fprintf(stderr, fmt, a);
+    fprintf(stderr, fmt, a, b);
     fprintf(stderr, " (see 'tandem eval --help')\n");
     return EXIT_USAGE;
 }
@@ -72,7 +72,9 @@ static int parse_int(const char *name, const char *v, int64_t lo, int64_t *out) 
     errno = 0;
     long long x = strtoll(v, &end, 10);
     if (end == v || *end || errno == ERANGE || x < lo)
-        return usage("%s: expected a positive integer", name);
+        return usage(lo == 1 ? "%s '%s': expected a positive integer"
+                             : "%s '%s': expected an integer of at least 8",
+                     name, v);
     *out = x;
     return 0;
 }
@@ -86,8 +88,8 @@ static int parse(int argc, char **argv, eval_opts *o) {
         bool known = !strcmp(a, "--weights") || !strcmp(a, "--model") || !strcmp(a, "--data") ||
                      !strcmp(a, "--limit") || !strcmp(a, "--batch-size") ||
                      !strcmp(a, "--image-size") || !strcmp(a, "--eval-transform");
-        if (!known) return usage("unknown option or argument '%s'", a);
-        if (!v || !*v) return usage("%s needs a value", a);
+        if (!known) return usage("unknown option or argument '%s'%s", a, "");
+        if (!v || !*v) return usage("%s needs a value%s", a, "");
         i++;
         int rc = 0;
         if (!strcmp(a, "--weights"))
@@ -106,7 +108,7 @@ static int parse(int argc, char **argv, eval_opts *o) {
             rc = parse_int(a, v, 1, &o->batch_size);
         if (rc) return rc;
     }
-    if (!o->weights) return usage("%s is required", "--weights FILE");
+    if (!o->weights) return usage("%s is required%s", "--weights FILE", "");
     bool ok = !strcmp(o->model, "resnet18") || !strcmp(o->model, "resnet34") ||
               !strcmp(o->model, "resnet50");
     for (const char *const *m = tdm_model_names; *m; m++) ok = ok || !strcmp(*m, o->model);
@@ -114,32 +116,44 @@ static int parse(int argc, char **argv, eval_opts *o) {
         return usage(
             "--model: unknown model '%s' (expected mlp, cnn, cnn-bn, resnet18, resnet34 or "
             "resnet50)",
-            o->model);
+            o->model, "");
     return 0;
 }
 
-/* Sum of the loss and count of correct predictions over the loader's epoch 0. */
-static int run_eval(tdm_module *m, tdm_loader *l, double *loss_sum, int64_t *correct, int64_t *n) {
+/* Sum of the loss and count of correct predictions over the loader's epoch 0. 0, or -1 with
+ * the reason in why (cap bytes). */
+static int run_eval(tdm_module *m, tdm_loader *l, double *loss_sum, int64_t *correct, int64_t *n,
+                    char *why, size_t cap) {
     tdm_ce_opts sum = tdm_ce_defaults();
     sum.reduction = TDM_REDUCE_SUM;
     tdm_module_train(m, false);
     bool prev = tdm_set_grad_enabled(false);
     int r, rc = tdm_loader_start_epoch(l, 0);
     tdm_batch b;
+    if (rc) snprintf(why, cap, "%s", tdm_last_error());
     while (!rc && (r = tdm_loader_next(l, &b)) != 0) {
         if (r < 0 || tdm_scope_begin()) {
+            snprintf(why, cap, "%s", tdm_last_error());
             rc = -1;
             break;
         }
         /* x [B, 1, 28, 28] -> logits [B, 10] */
         tdm_tensor *logits = tdm_module_forward(m, b.x), *pred = NULL;
-        float loss = tdm_item(tdm_cross_entropy(logits, b.y, &sum));
+        tdm_tensor *ce = logits ? tdm_cross_entropy(logits, b.y, &sum) : NULL;
+        float loss = ce ? tdm_item(ce) : NAN;
         int64_t *p = malloc(sizeof *p * (size_t)b.size), *y = malloc(sizeof *y * (size_t)b.size);
         size_t bytes = sizeof *p * (size_t)b.size;
-        rc = p && y && !isnan(loss) && tdm_max(logits, 1, false, &pred) &&
-                     !tdm_to_host(pred, p, bytes) && !tdm_to_host(b.y, y, bytes)
-                 ? 0
-                 : -1;
+        if (!p || !y || !ce || !tdm_max(logits, 1, false, &pred) || tdm_to_host(pred, p, bytes) ||
+            tdm_to_host(b.y, y, bytes)) {
+            snprintf(why, cap, "%s", !p || !y ? "out of memory" : tdm_last_error());
+            rc = -1;
+        } else if (isnan(loss)) { /* finite weights (task_check_finite), outputs that are not */
+            snprintf(why, cap,
+                     "the loss of the test samples %lld to %lld is %g: the model's outputs are "
+                     "not finite",
+                     (long long)*n, (long long)(*n + b.size - 1), (double)loss);
+            rc = -1;
+        }
         for (int64_t i = 0; !rc && i < b.size; i++) *correct += p[i] == y[i];
         *loss_sum += loss;
         *n += b.size;
@@ -188,16 +202,17 @@ int eval_main(int argc, char **argv) {
     tdm_loader *l = tdm_loader_new(t.test, &lo);
     rc = EXIT_OK;
     if (!l) {
-        rc = fail("%s%s", "setting up: ", tdm_last_error());
+        rc = fail("setting up the test data of --data '%s': %s", o.data, tdm_last_error());
     } else if ((tdm_checkpoint_is_sharded(path)
                     ? tdm_checkpoint_load(path, &(tdm_train_state){.model = m})
                     : tdm_weights_load(path, m)) != TDM_OK) {
-        rc = fail("%s%s", "", tdm_last_error());
-    } else {
+        rc = fail("--weights '%s': %s", o.weights, tdm_last_error());
+    } else if (!(rc = task_check_finite(m, "--weights", path))) {
         double loss = 0;
         int64_t correct = 0, n = 0;
-        if (run_eval(m, l, &loss, &correct, &n))
-            rc = fail("%s%s", "evaluation: ", tdm_last_error());
+        char why[512];
+        if (run_eval(m, l, &loss, &correct, &n, why, sizeof why))
+            rc = fail("evaluation of '%s': %s", path, why);
         else
             printf("test loss %.4f acc %5.2f%%  (%lld samples, %s, %s)\n", loss / (double)n,
                    100.0 * (double)correct / (double)n, (long long)n, o.model, path);

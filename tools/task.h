@@ -65,9 +65,11 @@ void task_free(task *t);
 /* The optimizer the options ask for (sgd, adam, adamw with PyTorch's defaults): the image
  * task's, and the base of the text task's. */
 tdm_optim *task_default_optimizer(tdm_paramset *ps, void *o);
-/* After --init-from: EXIT_RUNTIME naming the first parameter of m that holds a NaN or an
- * infinity (so a diverging run does not blame the learning rate), else 0. */
-int task_check_finite(tdm_module *m, const char *file);
+/* After loading weights from file (given with option, e.g. --init-from): EXIT_RUNTIME naming
+ * the first parameter or f32 buffer of m that holds a NaN or an infinity, the element and the
+ * value (so that a diverging run does not blame the learning rate, and an evaluation says
+ * why it has no loss), else 0. */
+int task_check_finite(tdm_module *m, const char *option, const char *file);
 /* Under mpirun, this process's rank (set when it joins), -1 otherwise. */
 extern int task_rank;
 /* The command in error messages: "tandem train" (the default) or "tandem eval". */

@@ -27,6 +27,12 @@ int task_error(const char *fmt, ...) {
     vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
     va_end(ap);
     n = (int)strlen(line);
+    /* "...: " with an empty tdm_last_error() after it: a failure that recorded no cause
+     * still says so rather than ending at the colon */
+    if (n >= 2 && line[n - 2] == ':' && line[n - 1] == ' ') {
+        snprintf(line + n, sizeof line - (size_t)n - 1, "(no cause was recorded)");
+        n = (int)strlen(line);
+    }
     line[n++] = '\n';
     if (write(STDERR_FILENO, line, (size_t)n) < 0) { /* nowhere left to say it */
     }
@@ -59,24 +65,45 @@ tdm_optim *task_default_optimizer(tdm_paramset *ps, void *arg) {
     return decay_matrices_only(w ? tdm_adamw_new(ps, &ao) : tdm_adam_new(ps, &ao), o);
 }
 
-int task_check_finite(tdm_module *m, const char *file) {
-    tdm_paramset *ps = tdm_module_parameters(m); /* flattens once; the trainer reuses it */
-    float *v = ps ? malloc(sizeof(float) * (size_t)ps->total) : NULL;
-    if (!v || tdm_to_host(ps->flat, v, sizeof(float) * (size_t)ps->total) != TDM_OK) {
+/* The first element of the n floats of t that is not finite, or n (-1 when t cannot be read,
+ * reported as reading what). Its value into *bad. */
+static int64_t first_nonfinite(const tdm_tensor *t, int64_t n, const char *what, float *bad) {
+    float *v = malloc(sizeof(float) * (size_t)(n ? n : 1));
+    if (!v || tdm_to_host(t, v, sizeof(float) * (size_t)n) != TDM_OK) {
+        task_error("%s: reading the weights back: %s", what,
+                   v ? tdm_last_error() : "out of memory");
         free(v);
-        return task_error("--init-from: reading the weights back: %s", tdm_last_error());
+        return -1;
     }
-    int bad = -1;
-    for (int i = 0; i < ps->n && bad < 0; i++) {
-        int64_t end = i + 1 < ps->n ? ps->offsets[i + 1] : ps->total;
-        for (int64_t j = ps->offsets[i]; j < end && bad < 0; j++)
-            if (!isfinite(v[j])) bad = i;
-    }
+    int64_t k = 0;
+    while (k < n && isfinite(v[k])) k++;
+    *bad = k < n ? v[k] : 0;
     free(v);
-    if (bad < 0) return 0;
-    return task_error("--init-from '%s': '%s' holds non-finite values (nan or inf): these "
-                      "weights cannot be trained from",
-                      file, ps->names[bad]);
+    return k;
+}
+
+int task_check_finite(tdm_module *m, const char *option, const char *file) {
+    char what[4200];
+    snprintf(what, sizeof what, "%s '%s'", option, file);
+    tdm_paramset *ps = tdm_module_parameters(m); /* flattens once; the trainer reuses it */
+    tdm_bufferset *bs = ps ? tdm_module_buffers(m) : NULL;
+    if (!bs) return task_error("%s: %s", what, tdm_last_error());
+    float bad = 0;
+    int64_t k = first_nonfinite(ps->flat, ps->total, what, &bad);
+    const char *kind = "parameter", *name = NULL;
+    for (int i = 0; k >= 0 && k < ps->total && !name; i++)
+        if (i + 1 == ps->n || ps->offsets[i + 1] > k) name = ps->names[i], k -= ps->offsets[i];
+    for (int i = 0; k >= 0 && !name && i < bs->n; i++) {
+        const tdm_tensor *t = bs->buffers[i];
+        if (t->dtype != TDM_F32) continue;
+        k = first_nonfinite(t, tdm_numel(t), what, &bad);
+        if (k >= 0 && k < tdm_numel(t)) kind = "buffer", name = bs->names[i];
+    }
+    if (k < 0) return EXIT_RUNTIME; /* reported */
+    if (!name) return 0;
+    return task_error("%s: %s '%s' holds non-finite values (%g at element %lld): weights that "
+                      "are not finite can be neither trained nor evaluated",
+                      what, kind, name, (double)bad, (long long)k);
 }
 
 void task_free(task *t) {
@@ -334,7 +361,7 @@ static int build_model(task *t, const train_opts *o, tdm_device dev, int64_t sid
     if (!t->model) return task_error("model %s: %s", o->model, tdm_last_error());
     if (o->init_from && tdm_weights_load(o->init_from, t->model) != TDM_OK)
         return task_error("--init-from: %s", tdm_last_error());
-    return o->init_from ? task_check_finite(t->model, o->init_from) : 0;
+    return o->init_from ? task_check_finite(t->model, "--init-from", o->init_from) : 0;
 }
 
 /* An image folder's classes as torchvision's class_to_idx, {"name": k, ...}, for the

@@ -35,7 +35,7 @@ static int build_gpt(task *t, const train_opts *o, tdm_device dev, tdm_gpt_confi
     if (o->init_from) {
         if (!(t->model = tdm_gpt_load_llmc(o->init_from, dev, cfg)))
             return task_error("--init-from: %s", tdm_last_error());
-        if (task_check_finite(t->model, o->init_from)) return EXIT_RUNTIME;
+        if (task_check_finite(t->model, "--init-from", o->init_from)) return EXIT_RUNTIME;
         if (o->context > cfg->context)
             return task_error("--context %lld is longer than the %d of '%s'", (long long)o->context,
                               cfg->context, o->init_from);

@@ -6,6 +6,7 @@
  * across the processes under mpirun. A sharded run writes a sharded checkpoint, each device
  * of each process its own shard file (save_shards). */
 #include <inttypes.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -251,37 +252,70 @@ int trainer_save_task(trainer *tr, const char *dir, const char *ckpt) {
     return rc ? rc : rc2;
 }
 
-/* The epoch's totals saved with a checkpoint: each process continues its own when the
- * checkpoint holds one per process of this run, so that the totals come out bit for bit;
- * otherwise (a checkpoint from before they were saved, or another number of processes, whose
- * shares of the epoch are other rows) rank 0 takes the sums over the saving processes and the
- * others start from 0: the epoch's sum over the processes, which the epoch line and the next
- * checkpoint show, is right again (rounded at other places than a run never resharded). */
-static void resume_totals(trainer *tr, const char *path) {
-    int rank = tr->g ? tdm_group_rank(tr->g) : 0, procs = tr->g ? tdm_group_size(tr->g) : 1;
-    char v[64], *all = malloc(80 * (size_t)procs + 1);
-    if (all && tdm_checkpoint_meta(path, "epoch_rank_totals", all, 80 * (size_t)procs + 1) == 1) {
-        int n = 0;
-        for (const char *p = all; (p = strchr(p, ';')) != NULL; p++) n++;
-        const char *mine = all;
-        for (int r = 0; r < rank && n == procs; r++) mine = strchr(mine, ';') + 1;
-        double loss;
-        long long correct, samples;
-        if (n == procs && sscanf(mine, "%la %lld %lld;", &loss, &correct, &samples) == 3) {
-            tr->resume_loss_sum = loss, tr->resume_correct = correct;
-            tr->resume_samples = samples;
-            free(all);
-            return;
-        }
+/* One process's epoch totals read back, checked (a cross-entropy sum is finite and >= 0,
+ * 0 <= correct <= samples <= max, the samples of the epoch's batches done) and kept. key and
+ * v: the metadata the values came from, for the message. 0 or EXIT_RUNTIME. */
+static int take_totals(trainer *tr, const char *path, const char *key, const char *v, double loss,
+                       long long correct, long long samples, int64_t max) {
+    if (!(isfinite(loss) && loss >= 0 && correct >= 0 && correct <= samples && samples <= max))
+        return task_error("--resume from '%s': train_state.safetensors: user.%s '%.100s' is not "
+                          "an epoch's totals (a finite loss sum >= 0, then 0 <= correct <= "
+                          "samples <= %lld, the samples of the batches done)",
+                          path, key, v, (long long)max);
+    tr->resume_loss_sum = loss, tr->resume_correct = correct, tr->resume_samples = samples;
+    return 0;
+}
+
+/* The epoch's totals of a checkpoint written before they were saved per process (or by
+ * another number of processes): rank 0 takes the sums, the others start from 0. Each entry
+ * is optional (older checkpoints); one present must be a number. */
+static int resume_sums(trainer *tr, const char *path, int64_t max) {
+    const char *keys[3] = {"epoch_loss_sum", "epoch_correct", "epoch_images"};
+    char v[3][64] = {"0", "0", "0"}, all[200];
+    double x[3] = {0};
+    for (int i = 0; i < 3; i++) {
+        int got = tdm_checkpoint_meta(path, keys[i], v[i], sizeof v[i]);
+        char *end = NULL;
+        x[i] = got == 1 ? strtod(v[i], &end) : 0;
+        if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
+        if (got == 1 && (end == v[i] || *end || (i && x[i] != floor(x[i])) || fabs(x[i]) > 0x1p62))
+            return task_error("--resume from '%s': train_state.safetensors: user.%s '%.40s' is "
+                              "not %s",
+                              path, keys[i], v[i], i ? "a count" : "a number");
     }
+    snprintf(all, sizeof all, "%s %s %s", v[0], v[1], v[2]);
+    return take_totals(tr, path, "epoch_loss_sum, user.epoch_correct, user.epoch_images", all, x[0],
+                       (long long)x[1], (long long)x[2], max);
+}
+
+/* The epoch's totals saved with a checkpoint, max being the samples of the epoch's batches
+ * done: each process continues its own when the checkpoint holds one per process of this
+ * run, so that the totals come out bit for bit; otherwise (a checkpoint from before they were
+ * saved, or another number of processes, whose shares of the epoch are other rows) rank 0
+ * takes the sums over the saving processes and the others start from 0: the epoch's sum over
+ * the processes, which the epoch line and the next checkpoint show, is right again (rounded
+ * at other places than a run never resharded). 0 or EXIT_RUNTIME (values that are no
+ * totals). */
+static int resume_totals(trainer *tr, const char *path, int64_t max) {
+    int rank = tr->g ? tdm_group_rank(tr->g) : 0, procs = tr->g ? tdm_group_size(tr->g) : 1;
+    char *all = malloc(80 * (size_t)procs + 1);
+    if (!all) return task_error("--resume: out of memory");
+    int n = 0, got = tdm_checkpoint_meta(path, "epoch_rank_totals", all, 80 * (size_t)procs + 1);
+    for (const char *p = all; got == 1 && (p = strchr(p, ';')) != NULL; p++) n++;
+    if (got != 1 || n != procs) {
+        free(all);
+        return rank == 0 ? resume_sums(tr, path, max) : 0;
+    }
+    const char *mine = all;
+    for (int r = 0; r < rank; r++) mine = strchr(mine, ';') + 1;
+    double loss = NAN;
+    long long correct = -1, samples = -1;
+    int end = 0;
+    sscanf(mine, "%la %lld %lld;%n", &loss, &correct, &samples, &end);
+    int rc = take_totals(tr, path, "epoch_rank_totals", end ? mine : all, end ? loss : NAN, correct,
+                         samples, max);
     free(all);
-    if (rank != 0) return;
-    if (tdm_checkpoint_meta(path, "epoch_loss_sum", v, sizeof v) == 1)
-        tr->resume_loss_sum = strtod(v, NULL);
-    if (tdm_checkpoint_meta(path, "epoch_correct", v, sizeof v) == 1)
-        tr->resume_correct = strtoll(v, NULL, 10);
-    if (tdm_checkpoint_meta(path, "epoch_images", v, sizeof v) == 1)
-        tr->resume_samples = strtoll(v, NULL, 10);
+    return rc;
 }
 
 /* Whether the checkpoint at path was written by a run of these options (those that shape its
@@ -328,7 +362,13 @@ static int saved_layout(trainer *tr, const char *path, char *note, size_t note_c
     note[0] = '\0';
     int got = tdm_checkpoint_meta(path, "run.layout", layout, sizeof layout);
     if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
-    if (got == 1 && sscanf(layout, "%dx%d", &p, &d) == 2) {
+    int end = 0;
+    if (got == 1 && (sscanf(layout, "%dx%d%n", &p, &d, &end) != 2 || layout[end] || p < 1 ||
+                     d < 1 || d > TDM_MAX_DEVICES))
+        return task_error("--resume from '%s': train_state.safetensors: user.run.layout '%s' is "
+                          "not processes x devices per process (e.g. 2x4)",
+                          path, layout);
+    if (got == 1) {
         if (p != procs || d != devs)
             snprintf(note, note_cap, "; saved on %d process%s x %d device%s, now %d x %d", p,
                      p == 1 ? "" : "es", d, d == 1 ? "" : "s", procs, devs);
@@ -441,6 +481,84 @@ int trainer_claim_checkpoint_dir(trainer *tr) {
     return (int)rc; /* every process stops with rank 0's status */
 }
 
+/* The resumed state checked against this run, after tdm_checkpoint_load checked each field
+ * alone: its epoch one of --epochs, its data position the start of an optimizer step, its step
+ * count the one that position gives (the epochs before it times the steps of one, and the
+ * steps of its own), one optimizer step per step, and the generator seeded as this process's
+ * (seed: the trainer never reseeds it). Other values were altered or are not this run's: the
+ * run stops before its first step, having written nothing. 0, EXIT_USAGE or EXIT_RUNTIME. */
+static int check_resumed(const trainer *tr, const char *path, int64_t epoch, int64_t batch,
+                         uint64_t seed) {
+    int64_t spe = tr->steps_per_epoch, accum = tr->accum, step = tr->global_step, at = -1;
+    int64_t optim = tdm_optim_steps(tr->opt);
+    uint64_t loaded = tdm_default_rng()->seed;
+    const char *file = "train_state.safetensors";
+    if (batch % accum)
+        return task_error("--resume from '%s': %s: loader.global_sample %lld is batch %lld of "
+                          "epoch %lld, inside an optimizer step of --grad-accum %lld batches",
+                          path, file, (long long)tdm_loader_global_samples_done(tr->train_l),
+                          (long long)batch, (long long)epoch, (long long)accum);
+    bool over = __builtin_mul_overflow(epoch, spe, &at) || at > INT64_MAX - batch / accum;
+    if (over || step != at + batch / accum) {
+        char is[48] = "past 2^63";
+        if (!over) snprintf(is, sizeof is, "%lld", (long long)(at + batch / accum));
+        return task_error("--resume from '%s': %s: step %lld, but its data position (loader.epoch "
+                          "%lld, step %lld of the %lld of an epoch) is step %s of the run",
+                          path, file, (long long)step, (long long)epoch, (long long)(batch / accum),
+                          (long long)spe, is);
+    }
+    if (optim != step)
+        return task_error("--resume from '%s': %s: optim.steps %lld, but the run took %lld steps "
+                          "(one optimizer step each)",
+                          path, file, (long long)optim, (long long)step);
+    if (loaded != seed)
+        return task_error("--resume from '%s': %s: rng.seed %llu, but the run's generator is "
+                          "seeded %llu",
+                          path, file, (unsigned long long)loaded, (unsigned long long)seed);
+    if (epoch >= tr->o->epochs) /* a finished run continued with fewer --epochs */
+        return train_usage_error("--resume from '%s': the checkpoint is in epoch %lld, past "
+                                 "--epochs %lld: give --epochs %lld or more to continue it",
+                                 path, (long long)epoch + 1, (long long)tr->o->epochs,
+                                 (long long)epoch + 1);
+    return 0;
+}
+
+/* The optimizer state resumed (replica 0's; the replicas loaded the same file): finite, and
+ * the second moments, whose square root a step takes, >= 0. A sharded optimizer holds a
+ * shard each process would judge alone (and stop alone): not checked. 0 or EXIT_RUNTIME. */
+static int check_moments(const trainer *tr, const char *path) {
+    const char *names[4];
+    tdm_tensor *st[4];
+    int n = tr->sharded ? 0 : tdm_optim_state(tr->opt, names, st, 4);
+    for (int s = 0; s < n; s++) {
+        int64_t len = tdm_numel(st[s]), k = 0;
+        float *v = malloc(sizeof(float) * (size_t)(len ? len : 1));
+        if (!v || tdm_to_host(st[s], v, sizeof(float) * (size_t)len)) {
+            free(v);
+            return task_error("--resume from '%s': reading the optimizer state back: %s", path,
+                              v ? tdm_last_error() : "out of memory");
+        }
+        bool square = strstr(names[s], "exp_avg_sq") != NULL; /* and max_exp_avg_sq */
+        while (k < len && isfinite(v[k]) && (!square || v[k] >= 0)) k++;
+        float bad = k < len ? v[k] : 0;
+        free(v);
+        if (k == len) continue;
+        const tdm_paramset *ps = tr->ps;
+        int i = 0; /* the parameter of element k (the state is flat, in the paramset's order) */
+        while (len == ps->total && i + 1 < ps->n && ps->offsets[i + 1] <= k) i++;
+        char at[300];
+        if (len == ps->total)
+            snprintf(at, sizeof at, "optim.%s.%s holds %g at element %lld", ps->names[i], names[s],
+                     (double)bad, (long long)(k - ps->offsets[i]));
+        else
+            snprintf(at, sizeof at, "the optimizer's %s holds %g at element %lld", names[s],
+                     (double)bad, (long long)k);
+        return task_error("--resume from '%s': train_state.safetensors: %s (%s)", path, at,
+                          square ? "a second moment is finite and >= 0" : "not finite");
+    }
+    return 0;
+}
+
 /* --resume: restores every replica's weights and optimizer from the newest checkpoint, and
  * the data position, RNG, step count and run identity once. A run that starts from the
  * beginning draws a new identity. */
@@ -473,6 +591,7 @@ int trainer_resume(trainer *tr) {
     bool gather = !tdm_checkpoint_is_sharded(path);
     if (gather && (rc = params_whole(tr, true))) return rc;
     int n = tr->dp ? tdm_dp_devices(tr->dp) : 1;
+    uint64_t seed = tdm_default_rng()->seed;
     for (int r = 0; r < n && !rc; r++) {
         tdm_train_state s = {.model = tr->dp ? tdm_dp_replica(tr->dp, r) : tr->task->model,
                              .optim = tr->dp ? tdm_dp_optim(tr->dp, r) : tr->opt};
@@ -485,10 +604,20 @@ int trainer_resume(trainer *tr) {
     if (rc || rc2) return rc ? rc : rc2;
     int64_t epoch = 0, batch = 0;
     tdm_loader_position(tr->train_l, &epoch, &batch);
+    rc = check_resumed(tr, path, epoch, batch, seed);
+    if (!rc) rc = check_moments(tr, path);
+    char weights[4200]; /* a sharded checkpoint's weights are in its shard files */
+    snprintf(weights, sizeof weights, "%s%s", path, gather ? "/model.safetensors" : "");
+    if (!rc && !params_sharded(tr)) /* sharded: each process holds a part (see check_moments) */
+        rc = task_check_finite(tr->task->model, "--resume from", weights);
+    if (!rc) rc = resume_totals(tr, path, batch * tr->o->batch_size);
+    /* each process read its own totals: every one stops when any refused them */
+    double failed = rc;
+    if (tr->g && trainer_sum_over_processes(tr, &failed, 1)) return EXIT_RUNTIME;
+    if (failed != 0) return rc ? rc : EXIT_RUNTIME;
     tr->start_epoch = (int)epoch + 1;
     tr->resume_step = batch / tr->accum;
     tr->last_saved = tr->global_step;
-    resume_totals(tr, path);
     if (!o->quiet)
         printf("resume    %s: epoch %d, step %lld of the epoch, %lld steps done%s\n", path,
                tr->start_epoch, (long long)tr->resume_step, (long long)tr->global_step, resharded);

@@ -87,7 +87,10 @@ int trainer_claim_checkpoint_dir(trainer *tr);
  * identity otherwise. The checkpoint may come from other processes and devices: the position
  * is the epoch's global samples, which this run's loader maps to its own batch (the global
  * batch is the same: --batch-size is one of the run's options), and the epoch's totals go to
- * rank 0 whole. 0, EXIT_RUNTIME or EXIT_USAGE. */
+ * rank 0 whole. What the checkpoint holds must agree with this run (check_resumed: the step
+ * with the data position and the optimizer's step count, the generator's seed, the epoch's
+ * totals with the samples done, the epoch within --epochs). 0, EXIT_RUNTIME (a checkpoint
+ * altered or not this run's, named with the field and value) or EXIT_USAGE. */
 int trainer_resume(trainer *tr);
 /* Under mpirun: refuses to train (EXIT_USAGE, naming each option and rank) when the processes
  * were started with different options. */

@@ -157,7 +157,11 @@ int tdm_checkpoint_latest(const char *dir, char *path, size_t cap, int64_t *step
  * the saved global position: tdm_loader_global_batch_at, so that a loader of another world
  * size or batch size with a global batch that divides the position resumes where the saving
  * ranks stopped), the generator,
- * and s->step. Everything is validated before anything is changed. A sharded optimizer
+ * and s->step. Everything is validated before anything is changed: the step and the
+ * optimizer's step count are integers >= 0, the step the one a directory named ckpt-<step>
+ * is named for (the name orders the checkpoints), the learning rate a finite float >= 0, the
+ * epoch >= 0 and the position a batch start of this loader's epoch; anything else is
+ * TDM_ERR_FORMAT naming the file, the field and its value. A sharded optimizer
  * (tdm_optim_shard) takes its shard of the saved state (tdm_optim_state_load: no
  * communication), whatever the number of ranks that saved it. A sharded checkpoint (below:
  * layout.safetensors) is read the same way, each caller reading only the pieces of the

@@ -71,8 +71,9 @@ void tdm_optim_set_lr(tdm_optim *o, float lr);
 /* Steps taken so far. */
 int64_t tdm_optim_steps(const tdm_optim *o);
 /* Sets the step count (restoring a checkpoint: it drives Adam's bias correction and SGD's
- * first-step momentum). */
-void tdm_optim_set_steps(tdm_optim *o, int64_t steps);
+ * first-step momentum). TDM_ERR_ARG for a NULL optimizer or a negative count, leaving the
+ * count as it was. */
+int tdm_optim_set_steps(tdm_optim *o, int64_t steps);
 /* "sgd", "adam" or "adamw". */
 const char *tdm_optim_kind(const tdm_optim *o);
 /* The optimizer's state buffers with PyTorch's state names: "momentum_buffer" (SGD with

@@ -30,7 +30,9 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -218,7 +220,8 @@ static int optim_views_make(tdm_optim *o, tdm_module *m, optim_views *v, bool lo
                 tdm_tensor_view(st[s], p->ndim, p->shape, strides, st[s]->offset + ps->offsets[i]);
             if (!name || !view) {
                 free(name);
-                return tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
+                return tdm_last_status() ? tdm_last_status()
+                                         : tdm_raise(TDM_ERR_NOMEM, "checkpoint: out of memory");
             }
             snprintf(name, len, "optim.%s.%s", ps->names[i], snames[s]);
             v->names[v->n] = name;
@@ -578,6 +581,9 @@ static int check_position(tdm_safetensors *f, const tdm_loader *loader, const ch
                                                                  : NULL;
     int64_t sample = -1;
     int rc = meta_i64(f, "loader.epoch", &p->epoch, true);
+    if (!rc && p->epoch < 0)
+        return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': loader.epoch %lld is negative", what,
+                         (long long)p->epoch);
     if (!rc && !key) rc = meta_i64(f, "loader.batch", &p->batch, true);
     if (!rc && key && !(rc = meta_i64(f, key, &sample, true))) {
         rc = global ? tdm_loader_global_batch_at(loader, sample, &p->batch)
@@ -585,22 +591,47 @@ static int check_position(tdm_safetensors *f, const tdm_loader *loader, const ch
         if (rc) {
             char why[320]; /* the message is rewritten: copied out first */
             snprintf(why, sizeof why, "%s", tdm_last_error());
-            return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': %s (another batch size?)", what,
-                             why);
+            return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': %s: %s (another batch size?)", what,
+                             key, why);
         }
     }
-    if (!rc && (p->epoch < 0 || p->batch < 0 || p->batch > tdm_loader_batches(loader)))
+    if (!rc && (p->batch < 0 || p->batch > tdm_loader_batches(loader)))
         return tdm_raise(TDM_ERR_FORMAT,
-                         "checkpoint '%s': loader position epoch %lld batch %lld does not fit "
-                         "this loader's %lld batches per epoch (another batch size or dataset?)",
-                         what, (long long)p->epoch, (long long)p->batch,
-                         (long long)tdm_loader_batches(loader));
+                         "checkpoint '%s': loader.batch %lld does not fit this loader's %lld "
+                         "batches per epoch (another batch size or dataset?)",
+                         what, (long long)p->batch, (long long)tdm_loader_batches(loader));
+    return rc;
+}
+
+/* The step a checkpoint directory's name gives ("ckpt-<digits>", by which
+ * tdm_checkpoint_latest orders them), or -1 for another name. */
+static int64_t dir_step(const char *path) {
+    char name[4096];
+    snprintf(name, sizeof name, "%s", path);
+    for (size_t n = strlen(name); n > 1 && name[n - 1] == '/'; n--) name[n - 1] = '\0';
+    const char *base = strrchr(name, '/');
+    return ckpt_step(base ? base + 1 : name);
+}
+
+/* The step, checked: a count of steps, and the one its directory is named for (a step
+ * other than the name's would make the next save and resume pick the wrong checkpoint). */
+static int check_step(tdm_safetensors *f, const char *path, const char *what, parsed_state *p) {
+    int rc = meta_i64(f, "step", &p->step, true);
+    int64_t named = dir_step(path);
+    if (!rc && p->step < 0)
+        return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': step %lld is negative", what,
+                         (long long)p->step);
+    if (!rc && named >= 0 && p->step != named)
+        return tdm_raise(TDM_ERR_FORMAT,
+                         "checkpoint '%s': step %lld, but its directory is named for step %lld "
+                         "(renamed, or the file altered?)",
+                         what, (long long)p->step, (long long)named);
     return rc;
 }
 
 /* Checks the state file against s and parses its numbers; changes nothing. */
-static int check_state(tdm_safetensors *f, const tdm_train_state *s, const optim_views *v,
-                       parsed_state *p) {
+static int check_state(tdm_safetensors *f, const char *path, const tdm_train_state *s,
+                       const optim_views *v, parsed_state *p) {
     char what[256];
     tdm_safetensors_what(f, what, sizeof what);
     const char *ver = tdm_safetensors_meta(f, "tandem.checkpoint");
@@ -608,7 +639,7 @@ static int check_state(tdm_safetensors *f, const tdm_train_state *s, const optim
         return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': format version %s%.20s%s, expected %s",
                          what, ver ? "'" : "(missing)", ver ? ver : "", ver ? "'" : "",
                          CKPT_VERSION);
-    int rc = meta_i64(f, "step", &p->step, true);
+    int rc = check_step(f, path, what, p);
     if (!rc && s->optim) {
         const char *kind = tdm_safetensors_meta(f, "optim.kind");
         if (!kind)
@@ -617,14 +648,20 @@ static int check_state(tdm_safetensors *f, const tdm_train_state *s, const optim
             return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': the optimizer was %.20s, now %s",
                              what, kind, tdm_optim_kind(s->optim));
         rc = meta_i64(f, "optim.steps", &p->optim_steps, true);
+        if (!rc && p->optim_steps < 0)
+            return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': optim.steps %lld is negative", what,
+                             (long long)p->optim_steps);
         const char *lr = tdm_safetensors_meta(f, "optim.lr");
         char *end = NULL;
         p->lr = lr ? strtod(lr, &end) : 0;
         if (!rc && (!lr || end == lr || *end))
+            return tdm_raise(TDM_ERR_FORMAT, "checkpoint '%s': metadata optim.lr is %s%.40s%s",
+                             what, lr ? "'" : "missing", lr ? lr : "", lr ? "', not a number" : "");
+        if (!rc && !(isfinite(p->lr) && p->lr >= 0 && p->lr <= FLT_MAX))
             return tdm_raise(TDM_ERR_FORMAT,
-                             "checkpoint '%s': metadata optim.lr is missing or "
-                             "not a number",
-                             what);
+                             "checkpoint '%s': optim.lr %s is not a learning rate (a finite "
+                             "float >= 0)",
+                             what, lr);
         for (int i = 0; !rc && i < v->n; i++) {
             int k = tdm_safetensors_find(f, v->t[i].name);
             rc = k < 0 ? tdm_raise(TDM_ERR_FORMAT,
@@ -653,8 +690,8 @@ static int apply_state(tdm_safetensors *f, tdm_train_state *s, const optim_views
         rc = tdm_ckpt_read_tensors(f, v->t, v->n);
         for (int k = 0; k < v->n_whole && !rc; k++) /* a sharded optimizer's part */
             rc = tdm_optim_state_load(s->optim, v->whole_names[k], v->whole[k]);
+        if (!rc) rc = tdm_optim_set_steps(s->optim, p->optim_steps);
         if (rc) return rc;
-        tdm_optim_set_steps(s->optim, p->optim_steps);
         tdm_optim_set_lr(s->optim, (float)p->lr);
     }
     if (s->loader && (rc = tdm_loader_start_epoch_at(s->loader, p->epoch, p->batch))) return rc;
@@ -691,7 +728,7 @@ int tdm_checkpoint_load(const char *path, tdm_train_state *s) {
     snprintf(f, sizeof f, "%s/train_state.safetensors", path);
     if (!rc) rc = (sf = tdm_safetensors_open(f)) ? TDM_OK : tdm_last_status();
     if (!rc && s->optim && !sharded) rc = optim_views_make(s->optim, s->model, &v, true);
-    if (!rc) rc = check_state(sf, s, &v, &p);
+    if (!rc) rc = check_state(sf, path, s, &v, &p);
     /* everything checked: now change things */
     if (!rc && sharded) rc = tdm_ckpt_shards_apply(&sh, s);
     if (!rc && s->model && !sharded) rc = tdm_ckpt_read_tensors(wf, ts, n);

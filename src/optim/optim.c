@@ -295,8 +295,15 @@ int64_t tdm_optim_steps(const tdm_optim *o) {
     return o ? o->steps : 0;
 }
 
-void tdm_optim_set_steps(tdm_optim *o, int64_t steps) {
-    if (o && steps >= 0) o->steps = steps;
+int tdm_optim_set_steps(tdm_optim *o, int64_t steps) {
+    if (!o) return tdm_raise(TDM_ERR_ARG, "optim_set_steps: NULL optimizer");
+    /* a count below 0 would be taken as 0 by a first step's test and move Adam's bias
+     * correction: refused, not ignored */
+    if (steps < 0)
+        return tdm_raise(TDM_ERR_ARG, "optim_set_steps: step count %lld is negative",
+                         (long long)steps);
+    o->steps = steps;
+    return TDM_OK;
 }
 
 const char *tdm_optim_kind(const tdm_optim *o) {

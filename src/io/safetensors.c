@@ -30,6 +30,14 @@
 
 /* The reference implementation's limit: a larger header is refused before reading it. */
 #define MAX_HEADER_BYTES (100u << 20)
+/* jansson's tree costs up to ~300 bytes a JSON value (an empty object; a tensor's entry is ~12
+ * values, ~2 KB), so a 100 MB header of tiny tensors or empty objects would take 2 to 10 GB to
+ * parse before any of it is checked. Values are counted first, without building anything, and a
+ * header of more than this many is refused: at most ~300 MB to parse. It is ~87,000 tensors
+ * (or ~500,000 metadata entries), far more than any file Tandem writes (GPT-2 XL's training
+ * state has 1,160 tensors; a llm.c-scale header is ~100 KB, ~10,000 values) or a published
+ * model's single file holds (a few thousand tensors). */
+#define MAX_HEADER_VALUES (1u << 20)
 
 /* ---- dtypes ------------------------------------------------------------------------------ */
 
@@ -258,7 +266,29 @@ static int check_tiling(tdm_safetensors *f) {
     return TDM_OK;
 }
 
+/* An upper bound on the JSON values of text[0..len) (each but the first follows a ',', ':', '['
+ * or '{' outside strings), counted without allocating; stops once past limit. */
+static size_t json_values_bound(const char *text, size_t len, size_t limit) {
+    size_t n = 1;
+    bool in_string = false;
+    for (size_t i = 0; i < len && n <= limit; i++) {
+        char c = text[i];
+        if (in_string && c == '\\')
+            i++; /* the escaped character */
+        else if (in_string)
+            in_string = c != '"';
+        else
+            in_string = c == '"', n += c == ',' || c == ':' || c == '[' || c == '{';
+    }
+    return n;
+}
+
 static int parse_header(tdm_safetensors *f, const char *text, size_t len) {
+    if (json_values_bound(text, len, MAX_HEADER_VALUES) > MAX_HEADER_VALUES)
+        return FMT_ERR(f,
+                       "safetensors '%s': the %zu-byte header holds more than %u JSON values "
+                       "(the limit: about 87,000 tensors)",
+                       f->what, len, MAX_HEADER_VALUES);
     json_error_t jerr;
     json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
     if (!root)

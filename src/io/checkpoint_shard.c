@@ -7,7 +7,9 @@
 #include "backend/backend.h"
 #include "optim/shard.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <limits.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -606,23 +608,83 @@ void tdm_ckpt_shards_free(tdm_ckpt_shards *sh) {
 
 /* ---- export: the whole model (and state) of a checkpoint ---------------------------------- */
 
+/* from (checked as a load would) copied to `to`, which is replaced only once the copy is
+ * whole (tdm_io_temp_open). */
 static int copy_file(const char *from, const char *to) {
-    tdm_safetensors *f = tdm_safetensors_open(from); /* checked, as a load would */
+    tdm_safetensors *f = tdm_safetensors_open(from);
     if (!f) return tdm_last_status();
     tdm_safetensors_close(f);
-    FILE *in = fopen(from, "rb"), *out = in ? fopen(to, "wb") : NULL;
-    char buf[1 << 16];
+    FILE *in = fopen(from, "rb");
+    if (!in) return tdm_raise(TDM_ERR_IO, "export: cannot read '%s': %s", from, strerror(errno));
+    char tmp[4400], buf[1 << 16];
+    int fd = tdm_io_temp_open(to, tmp, sizeof tmp), rc = fd < 0 ? tdm_last_status() : TDM_OK;
     size_t n;
-    int rc = out ? TDM_OK : -1;
-    while (!rc && (n = fread(buf, 1, sizeof buf, in)) > 0)
-        if (fwrite(buf, 1, n, out) != n) rc = -1;
-    if (!rc && ferror(in)) rc = -1;
-    if (out && fclose(out) != 0) rc = -1;
-    if (in) fclose(in);
-    if (rc) unlink(to);
-    return rc ? tdm_raise(TDM_ERR_IO, "export: cannot copy '%s' to '%s': %s", from, to,
-                          strerror(errno))
-              : TDM_OK;
+    while (!rc && (n = fread(buf, 1, sizeof buf, in)) > 0) rc = tdm_io_write_all(fd, buf, n, to);
+    if (!rc && ferror(in))
+        rc = tdm_raise(TDM_ERR_IO, "export: cannot read '%s': %s", from, strerror(errno));
+    fclose(in);
+    return fd < 0 ? rc : tdm_io_temp_commit(fd, tmp, to, rc);
+}
+
+/* path made absolute, its directory's symbolic links resolved (and the file's, when it exists),
+ * into out; false when its directory cannot be resolved (writing there will fail, saying why). */
+static bool path_resolved(const char *path, char *out, size_t cap) {
+    char dir[4096], real[PATH_MAX];
+    if (realpath(path, real)) return snprintf(out, cap, "%s", real) < (int)cap;
+    tdm_io_dirname(path, dir, sizeof dir);
+    const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    return realpath(dir, real) && snprintf(out, cap, "%s/%s", real, base) < (int)cap;
+}
+
+/* Whether a and b name one file: the same resolved path, or the same device and inode. */
+static bool same_file(const char *a, const char *b) {
+    char ra[PATH_MAX + 256], rb[PATH_MAX + 256];
+    struct stat sa, sb;
+    if (path_resolved(a, ra, sizeof ra) && path_resolved(b, rb, sizeof rb) && !strcmp(ra, rb))
+        return true;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
+}
+
+/* Refuses an output that would change the checkpoint it is made from: one inside the
+ * checkpoint directory, or one that is a file of it under another name (a hard link). */
+static int export_check_output(const char *ckpt, const char *out) {
+    char rc_dir[PATH_MAX], ro[PATH_MAX + 256];
+    if (!realpath(ckpt, rc_dir)) return TDM_OK; /* reading it fails, naming it */
+    size_t n = strlen(rc_dir);
+    if (path_resolved(out, ro, sizeof ro) && !strncmp(ro, rc_dir, n) &&
+        (ro[n] == '/' || !ro[n] || n == 1))
+        return tdm_raise(TDM_ERR_ARG,
+                         "export output '%s' is inside the checkpoint directory '%s' it is made "
+                         "from; write it elsewhere",
+                         out, ckpt);
+    struct stat so, sf;
+    if (stat(out, &so) != 0) return TDM_OK; /* a new file */
+    DIR *d = opendir(ckpt);
+    struct dirent *e;
+    int rc = TDM_OK;
+    while (!rc && d && (e = readdir(d)) != NULL) {
+        char f[4400];
+        snprintf(f, sizeof f, "%s/%s", ckpt, e->d_name);
+        if (stat(f, &sf) == 0 && S_ISREG(sf.st_mode) && sf.st_dev == so.st_dev &&
+            sf.st_ino == so.st_ino)
+            rc = tdm_raise(TDM_ERR_ARG,
+                           "export output '%s' is the checkpoint's file '%s' under another name (a "
+                           "hard link); write it elsewhere",
+                           out, f);
+    }
+    if (d) closedir(d);
+    return rc;
+}
+
+/* Both outputs checked before anything is read or written. */
+static int export_check_outputs(const char *ckpt, const char *model_path, const char *state_path) {
+    if (model_path && state_path && same_file(model_path, state_path))
+        return tdm_raise(TDM_ERR_ARG,
+                         "export outputs '%s' (the model) and '%s' (the state) are the same file",
+                         model_path, state_path);
+    int rc = model_path ? export_check_output(ckpt, model_path) : TDM_OK;
+    return rc || !state_path ? rc : export_check_output(ckpt, state_path);
 }
 
 /* Tensors [l->n] viewing each parameter in flat (a whole [total] buffer), named names[i]. */
@@ -709,16 +771,17 @@ static int export_state(layout *l, const char *path) {
 
 int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path) {
     if (!ckpt) return tdm_raise(TDM_ERR_ARG, "checkpoint_export: NULL checkpoint");
+    int rc = export_check_outputs(ckpt, model_path, state_path);
+    if (rc) return rc;
     char f[4200];
     if (!tdm_checkpoint_is_sharded(ckpt)) { /* already whole */
         snprintf(f, sizeof f, "%s/model.safetensors", ckpt);
-        int rc = model_path ? copy_file(f, model_path) : TDM_OK;
+        rc = model_path ? copy_file(f, model_path) : TDM_OK;
         snprintf(f, sizeof f, "%s/train_state.safetensors", ckpt);
         return rc || !state_path ? rc : copy_file(f, state_path);
     }
     layout l;
-    int rc = layout_read(ckpt, &l);
-    if (rc) return rc;
+    if ((rc = layout_read(ckpt, &l))) return rc;
     if (!(rc = tdm_scope_begin())) {
         if (model_path) rc = export_model(&l, model_path);
         if (!rc && state_path) rc = export_state(&l, state_path);

@@ -601,7 +601,7 @@ static char *build_header(const tdm_named_tensor *ts, int n, const tdm_meta *met
     return out;
 }
 
-static int write_all(int fd, const void *p, size_t n, const char *path) {
+int tdm_io_write_all(int fd, const void *p, size_t n, const char *path) {
     size_t done = 0;
     while (done < n) {
         ssize_t w = tdm_io_fault() ? -1 : write(fd, (const char *)p + done, n - done);
@@ -628,7 +628,7 @@ static int write_data(int fd, const tdm_named_tensor *ts, int n, const char *pat
         size_t b = (size_t)tdm_numel(ts[i].tensor) * tdm_dtype_size(ts[i].tensor->dtype);
         if (b == 0) continue;
         rc = tdm_to_host(ts[i].tensor, buf, b);
-        if (!rc) rc = write_all(fd, buf, b, path);
+        if (!rc) rc = tdm_io_write_all(fd, buf, b, path);
     }
     free(buf);
     return rc;
@@ -663,8 +663,8 @@ int tdm_safetensors_save(const char *path, const tdm_named_tensor *ts, int n, co
         free(sorted);
         return tdm_last_status();
     }
-    rc = write_all(fd, len8, 8, path);
-    if (!rc) rc = write_all(fd, header, hlen, path);
+    rc = tdm_io_write_all(fd, len8, 8, path);
+    if (!rc) rc = tdm_io_write_all(fd, header, hlen, path);
     if (!rc) rc = write_data(fd, ts, n, path);
     free(header);
     free(sorted);

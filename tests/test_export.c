@@ -128,8 +128,8 @@ static void layout_write(const char *orig, const char *key, const char *value) {
 }
 
 /* The MLP's layout (784-256-128-10, 235146 parameters in 6 tensors, 2 ranks), each case one
- * field changed: refused naming the field and the value, the checkpoint and an output already
- * there unchanged, no new output. */
+ * field changed: refused naming the field and the value, the checkpoint and the state output
+ * already there unchanged, the model output not written. */
 static void test_tampered_layouts(void) {
     static const struct {
         const char *key, *value, *want;
@@ -154,6 +154,8 @@ static void test_tampered_layouts(void) {
         {"total", "4611686018427387904", "total 4611686018427387904 is more elements than"},
         {"rank.1", "117584 235147", "rank.1 [117584, 235147) does not continue"},
         {"optim.states", "exp_avg,exp_avg_sq,a,b", "optim.states 'exp_avg,exp_avg_sq,a,b' is not"},
+        /* the model exports, the state does not: neither output is written */
+        {"optim.states", "exp_avg,nothing", "has no F32 [117584] tensor 'optim.nothing'"},
     };
     char layout[400], orig[300], out[300], keep[300];
     snprintf(layout, sizeof layout, "%s/layout.safetensors", sharded);

@@ -769,11 +769,10 @@ static int export_state(layout *l, const char *path) {
     return rc;
 }
 
-int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path) {
-    if (!ckpt) return tdm_raise(TDM_ERR_ARG, "checkpoint_export: NULL checkpoint");
-    int rc = export_check_outputs(ckpt, model_path, state_path);
-    if (rc) return rc;
+/* ckpt whole into model_path and state_path (either may be NULL). */
+static int export_whole(const char *ckpt, const char *model_path, const char *state_path) {
     char f[4200];
+    int rc;
     if (!tdm_checkpoint_is_sharded(ckpt)) { /* already whole */
         snprintf(f, sizeof f, "%s/model.safetensors", ckpt);
         rc = model_path ? copy_file(f, model_path) : TDM_OK;
@@ -789,4 +788,36 @@ int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *
     }
     layout_free(&l);
     return rc;
+}
+
+/* The outputs out[0..2) (NULL: none) each written under a temporary name beside it and
+ * renamed over it only once both are complete, so that a failure leaves both as they were. */
+static int export_staged(const char *ckpt, const char *const out[2]) {
+    char tmp[2][4400] = {"", ""}, dir[4096];
+    int rc = TDM_OK;
+    for (int k = 0; !rc && k < 2; k++) {
+        int fd = out[k] ? tdm_io_temp_open(out[k], tmp[k], sizeof tmp[k]) : -2;
+        if (fd == -1) tmp[k][0] = '\0', rc = tdm_last_status();
+        if (fd >= 0) close(fd);
+    }
+    if (!rc) rc = export_whole(ckpt, out[0] ? tmp[0] : NULL, out[1] ? tmp[1] : NULL);
+    for (int k = 0; !rc && k < 2; k++) {
+        if (!out[k]) continue;
+        if (rename(tmp[k], out[k]) != 0)
+            rc = tdm_raise(TDM_ERR_IO, "export: cannot rename '%s' to '%s': %s", tmp[k], out[k],
+                           strerror(errno));
+        else
+            tmp[k][0] = '\0';
+        tdm_io_dirname(out[k], dir, sizeof dir);
+        if (!rc) rc = tdm_io_fsync_dir(dir);
+    }
+    for (int k = 0; k < 2; k++)
+        if (tmp[k][0]) unlink(tmp[k]);
+    return rc;
+}
+
+int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path) {
+    if (!ckpt) return tdm_raise(TDM_ERR_ARG, "checkpoint_export: NULL checkpoint");
+    int rc = export_check_outputs(ckpt, model_path, state_path);
+    return rc ? rc : export_staged(ckpt, (const char *const[2]){model_path, state_path});
 }

@@ -9,8 +9,8 @@
 
 #include <dirent.h>
 #include <errno.h>
-#include <limits.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -253,7 +253,7 @@ static int layout_param(layout *l, int i, const char *key, const char *v) {
     l->ndim[i] = (int)nd;
     for (int d = 0; ok && d < l->ndim[i]; d++) ok = next_int(&p, &l->shape[i][d]);
     while (ok && *p == ' ') p++;
-    if (!ok || p == v || !*p || p[-1] != ' ')
+    if (!ok || !*p || p[-1] != ' ') /* a space, then the name */
         return bad_layout(l, key, "'%.200s' is not '<offset> <ndim> <dims> <name>'", v);
     int rc = param_check(l, i, key);
     if (!rc && !(l->names[i] = strdup(p)))
@@ -284,10 +284,10 @@ static int layout_alloc(layout *l) {
 
 /* The index i of key "<prefix><i>" (decimal, no sign, no leading zero), or -1. */
 static int64_t key_index(const char *key, const char *prefix) {
-    size_t p = strlen(prefix), digits = strspn(key + p, "0123456789");
-    if (strncmp(key, prefix, p) || !digits || digits > 9 || key[p + digits] ||
-        (key[p] == '0' && digits > 1))
-        return -1;
+    size_t p = strlen(prefix);
+    if (strncmp(key, prefix, p)) return -1;
+    size_t digits = strspn(key + p, "0123456789");
+    if (!digits || digits > 9 || key[p + digits] || (key[p] == '0' && digits > 1)) return -1;
     return strtoll(key + p, NULL, 10);
 }
 

@@ -12,7 +12,9 @@
  * (duplicate names and invalid UTF-8 are rejected), every dtype must be known, every shape
  * must agree with its byte range, and the byte ranges must tile the data exactly (no overlap,
  * no gap, nothing past the end). A violation is TDM_ERR_FORMAT with a message naming the file
- * and the tensor; no allocation is larger than the file justifies.
+ * and the tensor; no allocation is larger than the file justifies. A header is at most 100 MB
+ * (the reference implementation's limit) and 2^20 JSON values (about 87,000 tensors), counted
+ * before it is parsed, so that refusing one costs no more than reading it.
  *
  * Writing is atomic: the data goes to a temporary file in the same directory, which is
  * flushed to disk (fsync) and renamed over the destination, and the directory is flushed

@@ -4,9 +4,10 @@
  * "data_offsets" [begin, end) count from the first data byte. The header is parsed with
  * jansson (duplicate keys rejected, UTF-8 checked by the parser) and then every claim in it is
  * checked against the file before anything is allocated from it: a header length past the
- * end, a shape whose byte size overflows or disagrees with its offsets, ranges that overlap,
- * leave a gap or run past the data. The rules are those of the reference implementation
- * (huggingface/safetensors, `validate`): sorted by offsets, the ranges tile the data exactly.
+ * end or of too many JSON values to parse cheaply, a shape whose byte size overflows or disagrees
+ * with its offsets, ranges that overlap, leave a gap or run past the data. The rules are those of
+ * the reference implementation (huggingface/safetensors, `validate`): sorted by offsets, the ranges
+ * tile the data exactly.
  *
  * Tensor data is read on demand with pread (files) or memcpy (memory), into a host buffer of
  * the tensor's validated size, then handed to the destination's backend.

@@ -12,7 +12,9 @@
  * (duplicate names and invalid UTF-8 are rejected), every dtype must be known, every shape
  * must agree with its byte range, and the byte ranges must tile the data exactly (no overlap,
  * no gap, nothing past the end). A violation is TDM_ERR_FORMAT with a message naming the file
- * and the tensor; no allocation is larger than the file justifies.
+ * and the tensor; no allocation is larger than the file justifies. A header is at most 100 MB
+ * (the reference implementation's limit) and 2^20 JSON values (about 87,000 tensors), counted
+ * before it is parsed, so that refusing one costs no more than reading it.
  *
  * Writing is atomic: the data goes to a temporary file in the same directory, which is
  * flushed to disk (fsync) and renamed over the destination, and the directory is flushed
@@ -221,8 +223,14 @@ int tdm_checkpoint_read_params(const char *ckpt, const tdm_paramset *ps, int64_t
 /* Writes checkpoint directory ckpt (sharded or not) whole: model_path (may be NULL) as
  * model.safetensors is written (PyTorch's names; load_state_dict takes it), and state_path
  * (may be NULL) as an unsharded run's train_state.safetensors, with the moments. The whole
- * model is held in memory. TDM_ERR_IO / TDM_ERR_FORMAT naming the file and the cause (a
- * missing or truncated shard, a layout the shards do not fit). */
+ * model is held in memory. Each output is written to a temporary file beside it, and both are
+ * renamed over their paths only once both are complete: a failure leaves them as they were. A
+ * sharded checkpoint's layout is checked on its own first (every parameter inside the data,
+ * shapes that do not overflow, distinct nonempty names, the ranks' ranges tiling the data).
+ * Fails with TDM_ERR_ARG naming both paths, before anything is read or written, when an output
+ * lies inside ckpt, is one of its files under another name (a hard link), or both outputs are
+ * one file; with TDM_ERR_IO / TDM_ERR_FORMAT naming the file, the field and the cause (a
+ * missing or truncated shard, a layout field out of range). */
 int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path);
 
 /* ---- one run per checkpoint directory ---------------------------------------------------- */

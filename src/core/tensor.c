@@ -10,10 +10,10 @@
 /* ---- geometry ---------------------------------------------------------------------------- */
 
 void tdm_contiguous_strides(int ndim, const int64_t *shape, int64_t *strides) {
-    int64_t s = 1;
+    uint64_t s = 1; /* unsigned: a shape not yet checked wraps instead of overflowing */
     for (int i = ndim - 1; i >= 0; i--) {
-        strides[i] = s;
-        s *= shape[i];
+        strides[i] = (int64_t)s;
+        s *= (uint64_t)shape[i];
     }
 }
 
@@ -73,22 +73,32 @@ int tdm_check_same_device(const tdm_tensor *a, const tdm_tensor *b, const char *
 
 /* ---- construction ------------------------------------------------------------------------ */
 
-static int check_shape(tdm_shape shape, const char *op) {
+static int bad_shape(int ndim, const int64_t *d, const char *op, const char *why) {
+    tdm_shape shape = {ndim, {0}};
+    memcpy(shape.d, d, sizeof(int64_t) * (size_t)ndim);
     char buf[96];
-    if (shape.ndim < 0 || shape.ndim > TDM_MAX_DIMS)
-        return tdm_raise(TDM_ERR_SHAPE, "%s: %d dims (at most %d)", op, shape.ndim, TDM_MAX_DIMS);
+    return tdm_raise(TDM_ERR_SHAPE, "%s: invalid shape %s: %s", op, tdm_shape_str(shape, buf), why);
+}
+
+/* Refuses a shape that may come from untrusted numbers (a file's header, a layout): too many
+ * dims, a negative one, or more elements than an int64 counts in bytes (at 8 bytes each, so
+ * the byte count fits a size_t too). */
+static int check_shape(int ndim, const int64_t *d, const char *op) {
+    if (ndim < 0 || ndim > TDM_MAX_DIMS)
+        return tdm_raise(TDM_ERR_SHAPE, "%s: %d dims (at most %d)", op, ndim, TDM_MAX_DIMS);
     int64_t n = 1;
-    for (int i = 0; i < shape.ndim; i++) {
-        if (shape.d[i] < 0 || (shape.d[i] > 0 && n > INT64_MAX / 8 / shape.d[i]))
-            return tdm_raise(TDM_ERR_SHAPE, "%s: invalid shape %s", op, tdm_shape_str(shape, buf));
-        n *= shape.d[i];
+    for (int i = 0; i < ndim; i++) {
+        if (d[i] < 0) return bad_shape(ndim, d, op, "a dimension is negative");
+        if (d[i] > 0 && n > INT64_MAX / 8 / d[i])
+            return bad_shape(ndim, d, op, "its byte count overflows a 64-bit integer");
+        n *= d[i];
     }
     return 0;
 }
 
 tdm_tensor *tdm_tensor_alloc_owned(tdm_shape shape, tdm_dtype dt, tdm_device dev,
                                    tdm_scope *owner) {
-    if (check_shape(shape, "tensor")) return NULL;
+    if (check_shape(shape.ndim, shape.d, "tensor")) return NULL;
     tdm_storage *s = tdm_storage_new((size_t)tdm_shape_numel(shape) * tdm_dtype_size(dt), dev);
     if (!s) return NULL;
     tdm_tensor *t = tdm_tensor_header_owned(owner);
@@ -111,6 +121,7 @@ tdm_tensor *tdm_tensor_alloc(tdm_shape shape, tdm_dtype dt, tdm_device dev) {
 
 tdm_tensor *tdm_tensor_view(const tdm_tensor *base, int ndim, const int64_t *shape,
                             const int64_t *strides, int64_t offset) {
+    if (check_shape(ndim, shape, "tensor_view")) return NULL;
     tdm_tensor *t = tdm_tensor_header();
     if (!t) return NULL;
     t->dtype = base->dtype;

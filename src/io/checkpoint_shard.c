@@ -7,8 +7,11 @@
 #include "backend/backend.h"
 #include "optim/shard.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -188,34 +191,82 @@ static void layout_free(layout *l) {
     memset(l, 0, sizeof *l);
 }
 
-static int bad_layout(const layout *l, const char *key, const char *why) {
+static int bad_layout(const layout *l, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int bad_layout(const layout *l, const char *key, const char *fmt, ...) {
+    char why[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
     return tdm_raise(TDM_ERR_FORMAT, "sharded checkpoint '%s': %s %s", l->path, key, why);
+}
+
+/* The integer at *s (after any spaces) into *out, and *s past it; false when there is none or
+ * it does not fit an int64. */
+static bool next_int(const char **s, int64_t *out) {
+    char *end;
+    errno = 0;
+    *out = strtoll(*s, &end, 10);
+    bool ok = end != *s && errno != ERANGE;
+    *s = end;
+    return ok;
 }
 
 /* An integer of the layout's metadata. */
 static int layout_int(tdm_safetensors *f, const layout *l, const char *key, int64_t *out) {
     const char *v = tdm_safetensors_meta(f, key);
-    char *end;
     if (!v) return bad_layout(l, key, "is missing");
-    *out = strtoll(v, &end, 10);
-    return end == v || *end || *out < 0 ? bad_layout(l, key, "is not a count") : TDM_OK;
+    const char *p = v;
+    return !next_int(&p, out) || *p || *out < 0 ? bad_layout(l, key, "'%.40s' is not a count", v)
+                                                : TDM_OK;
 }
 
-/* "param.<i>": "<offset> <ndim> <d0> ... <name>". */
-static int layout_param(tdm_safetensors *f, layout *l, int i) {
-    char key[64];
-    snprintf(key, sizeof key, "param.%d", i);
-    const char *v = tdm_safetensors_meta(f, key);
-    int used = 0;
-    if (!v || sscanf(v, "%" SCNd64 " %d%n", &l->offsets[i], &l->ndim[i], &used) != 2 ||
-        l->ndim[i] < 0 || l->ndim[i] > TDM_MAX_DIMS)
-        return bad_layout(l, key, "is missing or not '<offset> <ndim> <dims> <name>'");
-    v += used;
-    for (int d = 0; d < l->ndim[i]; d++, v += used)
-        if (sscanf(v, " %" SCNd64 "%n", &l->shape[i][d], &used) != 1)
-            return bad_layout(l, key, "has too few dimensions");
-    while (*v == ' ') v++;
-    return (l->names[i] = strdup(v)) ? TDM_OK : tdm_raise(TDM_ERR_NOMEM, "out of memory");
+/* The checks of a parameter's geometry: its dims, their element count (int64, no overflow)
+ * and its elements [offset, offset + count) inside the flat buffer [0, total). */
+static int param_check(const layout *l, int i, const char *key) {
+    tdm_shape sh = {l->ndim[i], {0}};
+    memcpy(sh.d, l->shape[i], sizeof sh.d);
+    char str[96];
+    int64_t n = 1, off = l->offsets[i];
+    for (int d = 0; d < sh.ndim; d++) {
+        if (sh.d[d] < 0)
+            return bad_layout(l, key, "shape %s has a negative dimension", tdm_shape_str(sh, str));
+        if (sh.d[d] && n > INT64_MAX / sh.d[d])
+            return bad_layout(l, key, "shape %s has more elements than an int64 counts",
+                              tdm_shape_str(sh, str));
+        n *= sh.d[d];
+    }
+    if (off < 0 || off > l->total || n > l->total - off)
+        return bad_layout(l, key, "offset %lld + %lld elements is past total %lld", (long long)off,
+                          (long long)n, (long long)l->total);
+    return TDM_OK;
+}
+
+/* "param.<i>": "<offset> <ndim> <d0> ... <name>", a nonempty name. */
+static int layout_param(layout *l, int i, const char *key, const char *v) {
+    int64_t nd = -1;
+    const char *p = v;
+    bool ok = next_int(&p, &l->offsets[i]) && next_int(&p, &nd);
+    if (ok && (nd < 0 || nd > TDM_MAX_DIMS))
+        return bad_layout(l, key, "has %lld dims (0 to %d)", (long long)nd, TDM_MAX_DIMS);
+    l->ndim[i] = (int)nd;
+    for (int d = 0; ok && d < l->ndim[i]; d++) ok = next_int(&p, &l->shape[i][d]);
+    while (ok && *p == ' ') p++;
+    if (!ok || !*p || p[-1] != ' ') /* a space, then the name */
+        return bad_layout(l, key, "'%.200s' is not '<offset> <ndim> <dims> <name>'", v);
+    int rc = param_check(l, i, key);
+    if (!rc && !(l->names[i] = strdup(p)))
+        rc = tdm_raise(TDM_ERR_NOMEM, "sharded checkpoint: out of memory");
+    return rc;
+}
+
+/* "rank.<r>": "<lo> <hi>", the range of the flat buffer rank r saved. */
+static int layout_rank(layout *l, int r, const char *key, const char *v) {
+    const char *p = v;
+    if (!next_int(&p, &l->lo[r]) || !next_int(&p, &l->hi[r]) || *p || l->lo[r] < 0)
+        return bad_layout(l, key, "'%.100s' is not '<lo> <hi>'", v);
+    return TDM_OK;
 }
 
 static int layout_alloc(layout *l) {
@@ -227,53 +278,133 @@ static int layout_alloc(layout *l) {
     l->hi = calloc((size_t)l->world, sizeof *l->hi);
     l->files = calloc((size_t)l->world, sizeof *l->files);
     bool ok = l->names && l->offsets && l->ndim && l->shape && l->lo && l->hi && l->files;
+    for (int r = 0; ok && r < l->world; r++) l->lo[r] = -1; /* not read yet */
     return ok ? TDM_OK : tdm_raise(TDM_ERR_NOMEM, "sharded checkpoint: out of memory");
 }
 
-/* The ranks' ranges must tile [0, total) in rank order. */
-static int layout_ranges(tdm_safetensors *f, layout *l) {
-    for (int r = 0; r < l->world; r++) {
-        char key[32];
-        snprintf(key, sizeof key, "rank.%d", r);
-        const char *v = tdm_safetensors_meta(f, key);
-        if (!v || sscanf(v, "%" SCNd64 " %" SCNd64, &l->lo[r], &l->hi[r]) != 2)
-            return bad_layout(l, key, "is missing or not '<lo> <hi>'");
-        if (l->lo[r] != (r ? l->hi[r - 1] : 0) || l->hi[r] < l->lo[r] ||
-            (r == l->world - 1 && l->hi[r] != l->total))
-            return bad_layout(l, key, "does not continue the ranks' ranges over [0, total)");
+/* The index i of key "<prefix><i>" (decimal, no sign, no leading zero), or -1. */
+static int64_t key_index(const char *key, const char *prefix) {
+    size_t p = strlen(prefix);
+    if (strncmp(key, prefix, p)) return -1;
+    size_t digits = strspn(key + p, "0123456789");
+    if (!digits || digits > 9 || key[p + digits] || (key[p] == '0' && digits > 1)) return -1;
+    return strtoll(key + p, NULL, 10);
+}
+
+/* Every "param.<i>" and "rank.<r>" of the metadata, in one pass (the file's keys differ, so
+ * each is read once), then each of params and world of them is there. */
+static int layout_entries(tdm_safetensors *f, layout *l) {
+    int rc = TDM_OK;
+    for (int k = 0; !rc && k < tdm_safetensors_meta_count(f); k++) {
+        const char *key, *v;
+        tdm_safetensors_meta_at(f, k, &key, &v);
+        int64_t i = key_index(key, "param."), r = key_index(key, "rank.");
+        if (i >= l->n || r >= l->world)
+            rc =
+                bad_layout(l, key, "is beyond the layout's params %d and world %d", l->n, l->world);
+        else if (i >= 0)
+            rc = layout_param(l, (int)i, key, v);
+        else if (r >= 0)
+            rc = layout_rank(l, (int)r, key, v);
     }
+    char key[32] = "";
+    for (int i = 0; !rc && !*key && i < l->n; i++)
+        if (!l->names[i]) snprintf(key, sizeof key, "param.%d", i);
+    for (int r = 0; !rc && !*key && r < l->world; r++)
+        if (l->lo[r] < 0) snprintf(key, sizeof key, "rank.%d", r);
+    return rc || !*key ? rc : bad_layout(l, key, "is missing");
+}
+
+/* The ranks' ranges must tile [0, total) in rank order. */
+static int layout_ranges(layout *l) {
+    for (int r = 0; r < l->world; r++)
+        if (l->lo[r] != (r ? l->hi[r - 1] : 0) || l->hi[r] < l->lo[r] ||
+            (r == l->world - 1 && l->hi[r] != l->total)) {
+            char key[32];
+            snprintf(key, sizeof key, "rank.%d", r);
+            return bad_layout(l, key,
+                              "[%lld, %lld) does not continue the ranks' ranges over "
+                              "[0, total %lld)",
+                              (long long)l->lo[r], (long long)l->hi[r], (long long)l->total);
+        }
     return TDM_OK;
 }
 
+typedef struct {
+    const char *name;
+    int i;
+} named_index;
+
+static int by_name(const void *a, const void *b) {
+    const named_index *x = a, *y = b;
+    int c = strcmp(x->name, y->name);
+    return c ? c : x->i - y->i;
+}
+
+/* The parameters' names must differ: export writes them as the tensors' names. */
+static int layout_names_unique(const layout *l) {
+    named_index *s = malloc(sizeof *s * (size_t)(l->n ? l->n : 1));
+    if (!s) return tdm_raise(TDM_ERR_NOMEM, "sharded checkpoint: out of memory");
+    for (int i = 0; i < l->n; i++) s[i] = (named_index){l->names[i], i};
+    qsort(s, (size_t)l->n, sizeof *s, by_name);
+    int rc = TDM_OK;
+    for (int k = 1; !rc && k < l->n; k++)
+        if (!strcmp(s[k - 1].name, s[k].name)) {
+            char key[32];
+            snprintf(key, sizeof key, "param.%d", s[k].i);
+            rc = bad_layout(l, key, "names '%.200s' as param.%d does", s[k].name, s[k - 1].i);
+        }
+    free(s);
+    return rc;
+}
+
+/* "optim.kind", and "optim.states": up to MAX_STATE names, separated by commas. */
 static int layout_states(tdm_safetensors *f, layout *l) {
     const char *kind = tdm_safetensors_meta(f, "optim.kind");
     const char *st = tdm_safetensors_meta(f, "optim.states");
     if (!kind || !st) return bad_layout(l, "optim.kind or optim.states", "is missing");
     snprintf(l->kind, sizeof l->kind, "%s", kind);
-    for (const char *p = st; *p && l->n_states < MAX_STATE; l->n_states++) {
+    for (const char *p = st; *p; l->n_states++) {
         size_t len = strcspn(p, ",");
+        if (l->n_states == MAX_STATE || !len || len >= sizeof l->states[0] ||
+            (p[len] == ',' && !p[len + 1]))
+            return bad_layout(l, "optim.states",
+                              "'%.100s' is not up to %d names (of up to %d characters) "
+                              "separated by commas",
+                              st, MAX_STATE, (int)sizeof l->states[0] - 1);
         snprintf(l->states[l->n_states], sizeof l->states[0], "%.*s", (int)len, p);
         p += len + (p[len] == ',');
     }
     return TDM_OK;
 }
 
+/* The layout of checkpoint directory ckpt, checked on its own (export has no model to check
+ * it against): every count in range, every parameter's elements inside [0, total), the ranks'
+ * ranges tiling [0, total), the names nonempty and distinct. */
 static int layout_read(const char *ckpt, layout *l) {
     memset(l, 0, sizeof *l);
     snprintf(l->dir, sizeof l->dir, "%s", ckpt);
     snprintf(l->path, sizeof l->path, "%s/" LAYOUT, ckpt);
     tdm_safetensors *f = tdm_safetensors_open(l->path);
     if (!f) return tdm_last_status();
-    int64_t world = 0, n = 0;
+    int64_t world = 0, n = 0, entries = tdm_safetensors_meta_count(f);
     int rc = layout_int(f, l, "world", &world);
     if (!rc) rc = layout_int(f, l, "total", &l->total);
     if (!rc) rc = layout_int(f, l, "params", &n);
-    if (!rc && (world < 1 || world > 99999 || n > 1000000))
-        rc = bad_layout(l, "world or params", "is out of range");
-    l->world = (int)world, l->n = (int)n;
-    if (!rc) rc = layout_alloc(l);
-    for (int i = 0; !rc && i < l->n; i++) rc = layout_param(f, l, i);
-    if (!rc) rc = layout_ranges(f, l);
+    if (!rc && (world < 1 || world > 99999))
+        rc = bad_layout(l, "world", "%lld is out of range [1, 99999]", (long long)world);
+    if (!rc && n > entries - world) /* each has its entry: what is allocated, the file holds */
+        rc = bad_layout(l, "params", "%lld and world %lld are more than the layout's %lld entries",
+                        (long long)n, (long long)world, (long long)entries);
+    if (!rc && l->total > INT64_MAX / (int64_t)sizeof(float) - 1) /* export's whole buffer */
+        rc = bad_layout(l, "total", "%lld is more elements than memory holds", (long long)l->total);
+    if (!rc) {
+        l->world = (int)world, l->n = (int)n;
+        rc = layout_alloc(l);
+    }
+    if (!rc) rc = layout_entries(f, l);
+    if (!rc) rc = layout_ranges(l);
+    if (!rc) rc = layout_names_unique(l);
     if (!rc) rc = layout_states(f, l);
     tdm_safetensors_close(f);
     if (rc) layout_free(l);
@@ -333,27 +464,34 @@ static tdm_safetensors *layout_file(layout *l, int r) {
     return l->files[r] = f;
 }
 
-/* Elements [lo, hi) of tensor `name` ("params", "optim.<state>") of the whole flat buffer into
- * dst, from the pieces of the shard files that cover them. */
+/* Shard file r, holding rank r's range of tensor `name` ("params", "optim.<state>") as F32
+ * [hi - lo]; NULL and an error naming the file otherwise. */
+static tdm_safetensors *layout_piece(layout *l, int r, const char *name) {
+    tdm_safetensors *f = layout_file(l, r);
+    if (!f) return NULL;
+    int k = tdm_safetensors_find(f, name);
+    tdm_shape want = TDM_SHAPE(l->hi[r] - l->lo[r]), got = {0};
+    if (k >= 0) got = tdm_safetensors_shape(f, k);
+    if (k >= 0 && !strcmp(tdm_safetensors_dtype(f, k), "F32") && got.ndim == 1 &&
+        got.d[0] == want.d[0])
+        return f;
+    char what[256];
+    tdm_safetensors_what(f, what, sizeof what);
+    tdm_raise(TDM_ERR_FORMAT, "sharded checkpoint: shard file '%s' has no F32 [%lld] tensor '%s'",
+              what, (long long)want.d[0], name);
+    return NULL;
+}
+
+/* Elements [lo, hi) of tensor `name` of the whole flat buffer into dst, from the pieces of the
+ * shard files that cover them. */
 static int layout_read_range(layout *l, const char *name, int64_t lo, int64_t hi, float *dst) {
     for (int r = 0; r < l->world; r++) {
         int64_t a = lo > l->lo[r] ? lo : l->lo[r], b = hi < l->hi[r] ? hi : l->hi[r];
         if (a >= b) continue;
-        tdm_safetensors *f = layout_file(l, r);
-        if (!f) return tdm_last_status();
-        int k = tdm_safetensors_find(f, name);
-        tdm_shape want = TDM_SHAPE(l->hi[r] - l->lo[r]), got = {0};
-        if (k >= 0) got = tdm_safetensors_shape(f, k);
-        if (k < 0 || strcmp(tdm_safetensors_dtype(f, k), "F32") || got.ndim != 1 ||
-            got.d[0] != want.d[0]) {
-            char what[256];
-            tdm_safetensors_what(f, what, sizeof what);
-            return tdm_raise(TDM_ERR_FORMAT,
-                             "sharded checkpoint: shard file '%s' has no F32 [%lld] tensor '%s'",
-                             what, (long long)want.d[0], name);
-        }
-        int rc = tdm_safetensors_read_bytes(f, name, (uint64_t)(a - l->lo[r]) * sizeof(float),
-                                            (size_t)(b - a) * sizeof(float), dst + (a - lo));
+        tdm_safetensors *f = layout_piece(l, r, name);
+        int rc = f ? tdm_safetensors_read_bytes(f, name, (uint64_t)(a - l->lo[r]) * sizeof(float),
+                                                (size_t)(b - a) * sizeof(float), dst + (a - lo))
+                   : tdm_last_status();
         if (rc) return rc;
     }
     return TDM_OK;
@@ -470,23 +608,83 @@ void tdm_ckpt_shards_free(tdm_ckpt_shards *sh) {
 
 /* ---- export: the whole model (and state) of a checkpoint ---------------------------------- */
 
+/* from (checked as a load would) copied to `to`, which is replaced only once the copy is
+ * whole (tdm_io_temp_open). */
 static int copy_file(const char *from, const char *to) {
-    tdm_safetensors *f = tdm_safetensors_open(from); /* checked, as a load would */
+    tdm_safetensors *f = tdm_safetensors_open(from);
     if (!f) return tdm_last_status();
     tdm_safetensors_close(f);
-    FILE *in = fopen(from, "rb"), *out = in ? fopen(to, "wb") : NULL;
-    char buf[1 << 16];
+    FILE *in = fopen(from, "rb");
+    if (!in) return tdm_raise(TDM_ERR_IO, "export: cannot read '%s': %s", from, strerror(errno));
+    char tmp[4400], buf[1 << 16];
+    int fd = tdm_io_temp_open(to, tmp, sizeof tmp), rc = fd < 0 ? tdm_last_status() : TDM_OK;
     size_t n;
-    int rc = out ? TDM_OK : -1;
-    while (!rc && (n = fread(buf, 1, sizeof buf, in)) > 0)
-        if (fwrite(buf, 1, n, out) != n) rc = -1;
-    if (!rc && ferror(in)) rc = -1;
-    if (out && fclose(out) != 0) rc = -1;
-    if (in) fclose(in);
-    if (rc) unlink(to);
-    return rc ? tdm_raise(TDM_ERR_IO, "export: cannot copy '%s' to '%s': %s", from, to,
-                          strerror(errno))
-              : TDM_OK;
+    while (!rc && (n = fread(buf, 1, sizeof buf, in)) > 0) rc = tdm_io_write_all(fd, buf, n, to);
+    if (!rc && ferror(in))
+        rc = tdm_raise(TDM_ERR_IO, "export: cannot read '%s': %s", from, strerror(errno));
+    fclose(in);
+    return fd < 0 ? rc : tdm_io_temp_commit(fd, tmp, to, rc);
+}
+
+/* path made absolute, its directory's symbolic links resolved (and the file's, when it exists),
+ * into out; false when its directory cannot be resolved (writing there will fail, saying why). */
+static bool path_resolved(const char *path, char *out, size_t cap) {
+    char dir[4096], real[PATH_MAX];
+    if (realpath(path, real)) return snprintf(out, cap, "%s", real) < (int)cap;
+    tdm_io_dirname(path, dir, sizeof dir);
+    const char *base = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    return realpath(dir, real) && snprintf(out, cap, "%s/%s", real, base) < (int)cap;
+}
+
+/* Whether a and b name one file: the same resolved path, or the same device and inode. */
+static bool same_file(const char *a, const char *b) {
+    char ra[PATH_MAX + 256], rb[PATH_MAX + 256];
+    struct stat sa, sb;
+    if (path_resolved(a, ra, sizeof ra) && path_resolved(b, rb, sizeof rb) && !strcmp(ra, rb))
+        return true;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
+}
+
+/* Refuses an output that would change the checkpoint it is made from: one inside the
+ * checkpoint directory, or one that is a file of it under another name (a hard link). */
+static int export_check_output(const char *ckpt, const char *out) {
+    char rc_dir[PATH_MAX], ro[PATH_MAX + 256];
+    if (!realpath(ckpt, rc_dir)) return TDM_OK; /* reading it fails, naming it */
+    size_t n = strlen(rc_dir);
+    if (path_resolved(out, ro, sizeof ro) && !strncmp(ro, rc_dir, n) &&
+        (ro[n] == '/' || !ro[n] || n == 1))
+        return tdm_raise(TDM_ERR_ARG,
+                         "export output '%s' is inside the checkpoint directory '%s' it is made "
+                         "from; write it elsewhere",
+                         out, ckpt);
+    struct stat so, sf;
+    if (stat(out, &so) != 0) return TDM_OK; /* a new file */
+    DIR *d = opendir(ckpt);
+    struct dirent *e;
+    int rc = TDM_OK;
+    while (!rc && d && (e = readdir(d)) != NULL) {
+        char f[4400];
+        snprintf(f, sizeof f, "%s/%s", ckpt, e->d_name);
+        if (stat(f, &sf) == 0 && S_ISREG(sf.st_mode) && sf.st_dev == so.st_dev &&
+            sf.st_ino == so.st_ino)
+            rc = tdm_raise(TDM_ERR_ARG,
+                           "export output '%s' is the checkpoint's file '%s' under another name (a "
+                           "hard link); write it elsewhere",
+                           out, f);
+    }
+    if (d) closedir(d);
+    return rc;
+}
+
+/* Both outputs checked before anything is read or written. */
+static int export_check_outputs(const char *ckpt, const char *model_path, const char *state_path) {
+    if (model_path && state_path && same_file(model_path, state_path))
+        return tdm_raise(TDM_ERR_ARG,
+                         "export outputs '%s' (the model) and '%s' (the state) are the same file",
+                         model_path, state_path);
+    int rc = model_path ? export_check_output(ckpt, model_path) : TDM_OK;
+    return rc || !state_path ? rc : export_check_output(ckpt, state_path);
 }
 
 /* Tensors [l->n] viewing each parameter in flat (a whole [total] buffer), named names[i]. */
@@ -503,6 +701,9 @@ static int param_views(const layout *l, tdm_tensor *flat, char **names, tdm_name
 
 /* The whole flat buffer `name` as a tensor of the current scope. */
 static tdm_tensor *whole(layout *l, const char *name) {
+    /* the shard files checked first, so that the buffer is no larger than they justify */
+    for (int r = 0; r < l->world; r++)
+        if (l->hi[r] > l->lo[r] && !layout_piece(l, r, name)) return NULL;
     float *host = malloc(sizeof(float) * (size_t)(l->total + 1));
     if (!host) return tdm_raise(TDM_ERR_NOMEM, "export: out of memory"), NULL;
     int rc = layout_read_range(l, name, 0, l->total, host);
@@ -568,18 +769,18 @@ static int export_state(layout *l, const char *path) {
     return rc;
 }
 
-int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path) {
-    if (!ckpt) return tdm_raise(TDM_ERR_ARG, "checkpoint_export: NULL checkpoint");
+/* ckpt whole into model_path and state_path (either may be NULL). */
+static int export_whole(const char *ckpt, const char *model_path, const char *state_path) {
     char f[4200];
+    int rc;
     if (!tdm_checkpoint_is_sharded(ckpt)) { /* already whole */
         snprintf(f, sizeof f, "%s/model.safetensors", ckpt);
-        int rc = model_path ? copy_file(f, model_path) : TDM_OK;
+        rc = model_path ? copy_file(f, model_path) : TDM_OK;
         snprintf(f, sizeof f, "%s/train_state.safetensors", ckpt);
         return rc || !state_path ? rc : copy_file(f, state_path);
     }
     layout l;
-    int rc = layout_read(ckpt, &l);
-    if (rc) return rc;
+    if ((rc = layout_read(ckpt, &l))) return rc;
     if (!(rc = tdm_scope_begin())) {
         if (model_path) rc = export_model(&l, model_path);
         if (!rc && state_path) rc = export_state(&l, state_path);
@@ -587,4 +788,36 @@ int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *
     }
     layout_free(&l);
     return rc;
+}
+
+/* The outputs out[0..2) (NULL: none) each written under a temporary name beside it and
+ * renamed over it only once both are complete, so that a failure leaves both as they were. */
+static int export_staged(const char *ckpt, const char *const out[2]) {
+    char tmp[2][4400] = {"", ""}, dir[4096];
+    int rc = TDM_OK;
+    for (int k = 0; !rc && k < 2; k++) {
+        int fd = out[k] ? tdm_io_temp_open(out[k], tmp[k], sizeof tmp[k]) : -2;
+        if (fd == -1) tmp[k][0] = '\0', rc = tdm_last_status();
+        if (fd >= 0) close(fd);
+    }
+    if (!rc) rc = export_whole(ckpt, out[0] ? tmp[0] : NULL, out[1] ? tmp[1] : NULL);
+    for (int k = 0; !rc && k < 2; k++) {
+        if (!out[k]) continue;
+        if (rename(tmp[k], out[k]) != 0)
+            rc = tdm_raise(TDM_ERR_IO, "export: cannot rename '%s' to '%s': %s", tmp[k], out[k],
+                           strerror(errno));
+        else
+            tmp[k][0] = '\0';
+        tdm_io_dirname(out[k], dir, sizeof dir);
+        if (!rc) rc = tdm_io_fsync_dir(dir);
+    }
+    for (int k = 0; k < 2; k++)
+        if (tmp[k][0]) unlink(tmp[k]);
+    return rc;
+}
+
+int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path) {
+    if (!ckpt) return tdm_raise(TDM_ERR_ARG, "checkpoint_export: NULL checkpoint");
+    int rc = export_check_outputs(ckpt, model_path, state_path);
+    return rc ? rc : export_staged(ckpt, (const char *const[2]){model_path, state_path});
 }

@@ -13,6 +13,9 @@ int tdm_io_temp_open(const char *path, char *tmp, size_t cap);
  * renames it to path and flushes the directory; otherwise (or when any of that fails) removes
  * the temporary file. Closes fd. Returns rc or the new failure. */
 int tdm_io_temp_commit(int fd, const char *tmp, const char *path, int rc);
+/* Writes the n bytes at p to fd (the file being written as path), retrying short writes.
+ * TDM_OK, or TDM_ERR_IO naming path and the cause. An I/O step of tdm_io_fail_nth. */
+int tdm_io_write_all(int fd, const void *p, size_t n, const char *path);
 /* Flushes a directory's entries (renames, creations) to disk. */
 int tdm_io_fsync_dir(const char *dir);
 /* Creates directory dir and its missing parents (mkdir -p; an existing one is fine). Returns

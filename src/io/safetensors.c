@@ -4,9 +4,10 @@
  * "data_offsets" [begin, end) count from the first data byte. The header is parsed with
  * jansson (duplicate keys rejected, UTF-8 checked by the parser) and then every claim in it is
  * checked against the file before anything is allocated from it: a header length past the
- * end, a shape whose byte size overflows or disagrees with its offsets, ranges that overlap,
- * leave a gap or run past the data. The rules are those of the reference implementation
- * (huggingface/safetensors, `validate`): sorted by offsets, the ranges tile the data exactly.
+ * end or of too many JSON values to parse cheaply, a shape whose byte size overflows or disagrees
+ * with its offsets, ranges that overlap, leave a gap or run past the data. The rules are those of
+ * the reference implementation (huggingface/safetensors, `validate`): sorted by offsets, the ranges
+ * tile the data exactly.
  *
  * Tensor data is read on demand with pread (files) or memcpy (memory), into a host buffer of
  * the tensor's validated size, then handed to the destination's backend.
@@ -30,6 +31,14 @@
 
 /* The reference implementation's limit: a larger header is refused before reading it. */
 #define MAX_HEADER_BYTES (100u << 20)
+/* jansson's tree costs up to ~300 bytes a JSON value (an empty object; a tensor's entry is ~12
+ * values, ~2 KB), so a 100 MB header of tiny tensors or empty objects would take 2 to 10 GB to
+ * parse before any of it is checked. Values are counted first, without building anything, and a
+ * header of more than this many is refused: at most ~300 MB to parse. It is ~87,000 tensors
+ * (or ~500,000 metadata entries), far more than any file Tandem writes (GPT-2 XL's training
+ * state has 1,160 tensors; a llm.c-scale header is ~100 KB, ~10,000 values) or a published
+ * model's single file holds (a few thousand tensors). */
+#define MAX_HEADER_VALUES (1u << 20)
 
 /* ---- dtypes ------------------------------------------------------------------------------ */
 
@@ -258,7 +267,29 @@ static int check_tiling(tdm_safetensors *f) {
     return TDM_OK;
 }
 
+/* An upper bound on the JSON values of text[0..len) (each but the first follows a ',', ':', '['
+ * or '{' outside strings), counted without allocating; stops once past limit. */
+static size_t json_values_bound(const char *text, size_t len, size_t limit) {
+    size_t n = 1;
+    bool in_string = false;
+    for (size_t i = 0; i < len && n <= limit; i++) {
+        char c = text[i];
+        if (in_string && c == '\\')
+            i++; /* the escaped character */
+        else if (in_string)
+            in_string = c != '"';
+        else
+            in_string = c == '"', n += c == ',' || c == ':' || c == '[' || c == '{';
+    }
+    return n;
+}
+
 static int parse_header(tdm_safetensors *f, const char *text, size_t len) {
+    if (json_values_bound(text, len, MAX_HEADER_VALUES) > MAX_HEADER_VALUES)
+        return FMT_ERR(f,
+                       "safetensors '%s': the %zu-byte header holds more than %u JSON values "
+                       "(the limit: about 87,000 tensors)",
+                       f->what, len, MAX_HEADER_VALUES);
     json_error_t jerr;
     json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
@@ -571,7 +602,7 @@ static char *build_header(const tdm_named_tensor *ts, int n, const tdm_meta *met
     return out;
 }
 
-static int write_all(int fd, const void *p, size_t n, const char *path) {
+int tdm_io_write_all(int fd, const void *p, size_t n, const char *path) {
     size_t done = 0;
     while (done < n) {
         ssize_t w = tdm_io_fault() ? -1 : write(fd, (const char *)p + done, n - done);
@@ -598,7 +629,7 @@ static int write_data(int fd, const tdm_named_tensor *ts, int n, const char *pat
         size_t b = (size_t)tdm_numel(ts[i].tensor) * tdm_dtype_size(ts[i].tensor->dtype);
         if (b == 0) continue;
         rc = tdm_to_host(ts[i].tensor, buf, b);
-        if (!rc) rc = write_all(fd, buf, b, path);
+        if (!rc) rc = tdm_io_write_all(fd, buf, b, path);
     }
     free(buf);
     return rc;
@@ -633,8 +664,8 @@ int tdm_safetensors_save(const char *path, const tdm_named_tensor *ts, int n, co
         free(sorted);
         return tdm_last_status();
     }
-    rc = write_all(fd, len8, 8, path);
-    if (!rc) rc = write_all(fd, header, hlen, path);
+    rc = tdm_io_write_all(fd, len8, 8, path);
+    if (!rc) rc = tdm_io_write_all(fd, header, hlen, path);
     if (!rc) rc = write_data(fd, ts, n, path);
     free(header);
     free(sorted);

@@ -8,6 +8,7 @@ merges them in) and regressions: crashes found by fuzzing, kept under their own 
 Run: /usr/bin/python3 tests/fuzz/make_seeds.py (needs only the standard library).
 """
 import gzip
+import json
 import os
 import re
 import struct
@@ -264,6 +265,47 @@ image("png_part", grey8, part=(1, 1))
 image("jpeg_truncated", JPEG_RGB420_16X8[: len(JPEG_RGB420_16X8) * 3 // 4])
 image("jpeg_header_only", JPEG_GREY_8X8[:40])
 image("jpeg_corrupt_scan", JPEG_GREY_8X8[:-8] + b"\xff\x00\xff\xd0" + JPEG_GREY_8X8[-4:])
+
+# ---- a sharded checkpoint's layout.safetensors (fuzz_layout.c: its scratch checkpoint holds
+# "0.weight" [3, 3] and "0.bias" [3], 12 elements, in shard files of 1 and of 2 ranks) --------
+LAYOUT = {"tandem.sharded": "1", "world": "2", "total": "12", "params": "2",
+          "optim.kind": "adam", "optim.states": "exp_avg,exp_avg_sq",
+          "param.0": "0 2 3 3 0.weight", "param.1": "9 1 3 0.bias", "rank.0": "0 5",
+          "rank.1": "5 12"}
+
+
+def layout(name, changes=None, drop=()):
+    meta = {k: v for k, v in LAYOUT.items() if k not in drop}
+    meta.update(changes or {})
+    h = json.dumps({"__metadata__": meta}, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    write("layout", name, struct.pack("<Q", len(h)) + h)
+
+
+layout("valid_world2")
+layout("valid_world1", {"world": "1", "rank.0": "0 12"}, drop=("rank.1",))
+layout("valid_no_states", {"optim.states": ""})
+layout("valid_overlapping", {"param.1": "0 1 3 0.bias"})
+layout("offset_9e18", {"param.1": "9000000000000000000 1 3 0.bias"})
+layout("offset_1e8", {"param.1": "100000000 1 3 0.bias"})
+layout("offset_just_past", {"param.1": "10 1 3 0.bias"})
+layout("offset_negative", {"param.1": "-1 1 3 0.bias"})
+layout("offset_overflows", {"param.1": "99999999999999999999 1 3 0.bias"})
+layout("dims_2_32", {"param.0": "0 2 4294967296 4294967296 0.weight"})
+layout("ndim_9", {"param.0": "0 9 1 1 1 1 1 1 1 1 1 0.weight"})
+layout("dim_negative", {"param.0": "0 2 3 -3 0.weight"})
+layout("name_repeated", {"param.1": "9 1 3 0.weight"})
+layout("name_empty", {"param.1": "9 1 3 "})
+layout("name_reserved", {"param.1": "9 1 3 __metadata__"})
+layout("params_huge", {"params": "1000000"})
+layout("params_one_missing", {"params": "3"})
+layout("param_beyond", {"param.7": "0 1 1 x"})
+layout("total_huge", {"total": "4611686018427387904", "rank.1": "5 4611686018427387904"})
+layout("rank_gap", {"rank.1": "6 12"})
+layout("world_3", {"world": "3"})
+layout("states_missing_in_shards", {"optim.states": "exp_avg,nothing"})
+layout("states_too_many", {"optim.states": "a,b,c,d"})
+write("layout", "not_safetensors", b"garbage")
 
 names = sorted(set(re.findall(r'\{"(--[a-z0-9-]+)"', open(os.path.join(ROOT, "tools", "train.c")).read())))
 with open(os.path.join(HERE, "cli.dict"), "w") as f:

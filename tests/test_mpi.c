@@ -706,6 +706,29 @@ static void test_zero_two_level(void) {
 
 /* ---- fault cases (one mpirun each) -------------------------------------------------------- */
 
+/* Rank 2 all-gathers twice as many elements as ranks 0 and 1 (as a rank whose copy of the
+ * data differs would): every rank must fail naming the mismatch, then free its tensors and go
+ * on working (allocating over them, another collective, the abort the trainer makes) with no
+ * transfer of the failed collective still writing into them or past them. Ends the process
+ * with 1 and its error on stderr. */
+static int sizes_child(void) {
+    int64_t m = (R == 2 ? 2 : 1) * ((int64_t)1 << 17);
+    tdm_tensor *in = tdm_full(TDM_SHAPE(m), 2.0f, TDM_F32, tdm_cpu(0));
+    tdm_tensor *out = tdm_zeros(TDM_SHAPE(m * N), TDM_F32, tdm_cpu(0));
+    int rc = tdm_work_wait(tdm_all_gather(G, out, in));
+    fprintf(stderr, "test_mpi rank %d: %s\n", R, rc ? tdm_last_error() : "no error");
+    fflush(stderr);
+    tdm_tensor_free(out);
+    tdm_tensor_free(in);
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(m * N), TDM_F32, tdm_cpu(0));
+    CHECK(tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM)) == TDM_ERR_COMM, "rank %d: no error", R);
+    tdm_group_abort(G, "its collective failed");
+    nanosleep(&(struct timespec){1, 0}, NULL); /* what was in flight would land meanwhile */
+    tdm_tensor_free(t);
+    tdm_mpi_finalize();
+    return 1;
+}
+
 /* Trains with DDP; rank 1 misbehaves at step 3 as `what` says (the *_shard cases with the
  * optimizer sharded, between backward and the exchange of the shards). Ends the process: 0 if
  * all steps passed, 1 with "test_mpi rank R: error" on stderr otherwise. */
@@ -800,6 +823,10 @@ static void expect_job_fails(const char *mpirun, const char *what, double max_s,
         bool found = strstr(out, alt) || (bar && strstr(out, bar + 2));
         CHECK(found, "%s: no \"%s\" in the output:\n%s", what, want[i], out);
     }
+    /* a failure is no excuse for memory errors: ASan's and UBSan's reports, glibc's aborts */
+    const char *bad[] = {"ERROR: AddressSanitizer", "runtime error: ", "free(): ", "double free"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        CHECK(!strstr(out, bad[i]), "%s: \"%s\" in the output:\n%s", what, bad[i], out);
     printf("fault case %s: failed in %.2f s as expected\n", what, dt);
 }
 
@@ -850,6 +877,16 @@ static void test_faults(const char *mpirun) {
     expect_job_fails(mpirun, "mismatch", 15,
                      (const char *[]){"ranks disagree on the element count: ",
                                       "called all_reduce #1 (11 elements", NULL});
+    /* the same with 1 MiB messages over TCP (as between nodes), where Open MPI wrote a larger
+     * message than a rank expected past the end of its tensor: every rank names the mismatch,
+     * and (under ASan) nothing writes into or past a freed tensor */
+    setenv("OMPI_MCA_btl", "self,tcp", 1);
+    expect_job_fails(mpirun, "sizes", 15,
+                     (const char *[]){"rank 0: all_gather on rank 0: ranks disagree on the element",
+                                      "rank 1: all_gather on rank 1: ranks disagree on the element",
+                                      "rank 2: all_gather on rank 2: ranks disagree on the element",
+                                      "rank 2 called all_gather #1 (262144 elements", NULL});
+    unsetenv("OMPI_MCA_btl");
 }
 
 int main(int argc, char **argv) {
@@ -864,6 +901,7 @@ int main(int argc, char **argv) {
     }
     R = tdm_group_rank(G);
     N = tdm_group_size(G);
+    if (argc >= 3 && !strcmp(argv[1], "--fault") && !strcmp(argv[2], "sizes")) return sizes_child();
     if (argc >= 3 && !strcmp(argv[1], "--fault")) return fault_child(argv[2]);
     test_collectives();
     test_ddp();

@@ -12,7 +12,8 @@
  * naming the failing rank: a rank killed mid-epoch, a rank that hangs (timeout), a rank that
  * aborts, the same killed or aborting rank while the others exchange a sharded optimizer's
  * ranges or (stage 2) reduce gradient buckets, ranks built with different models, ranks that
- * call different collectives. */
+ * call different collectives or sizes (over TCP too, freeing their tensors after the error);
+ * no case may leave a sanitizer report. */
 #include "check.h"
 #include "core/core.h"
 #include "parallel/group.h"

@@ -22,9 +22,10 @@
  * cliff on this VM above 16 MiB: ../shared/baseline/README.md).
  *
  * Checks. Every collective starts with a 40-byte header from each rank to every other
- * (kind, op, root, count, element size, sequence number), posted together with the first
- * data messages so it costs no extra round trip: ranks that call different collectives,
- * sizes or roots get "ranks disagree on the ..." instead of corrupted memory.
+ * (kind, op, root, count, element size, sequence number), sent together with the first
+ * data messages so it costs no extra round trip; the first data receives are posted only once
+ * the headers agree (finish_round). Ranks that call different collectives, sizes or roots get
+ * "ranks disagree on the ..." instead of corrupted memory.
  *
  * Faults. The communicator returns errors (MPI_ERRORS_RETURN) and the communication thread
  * never blocks inside MPI: it polls nonblocking requests with MPI_Testsome up to the group's
@@ -33,7 +34,8 @@
  * and is sent to every other rank as a notice, which each rank's communication thread is
  * always listening for, so the others fail at once with the same message instead of timing
  * out in turn. A process that dies is usually also reported by mpirun itself, which then
- * ends the job ("mpirun noticed that process rank 1 ... exited on signal 9"). */
+ * ends the job ("mpirun noticed that process rank 1 ... exited on signal 9"). A collective
+ * that fails returns only once none of its requests can touch the caller's memory (drain). */
 #include "parallel/group.h"
 #include "parallel/sync.h"
 #include "tandem/trace.h"
@@ -259,8 +261,8 @@ static int missing_peer(const mworld *w) {
 /* After a failure: makes sure that none of reqs[0..n) can still move data into or out of
  * memory that its owner (the caller of the collective, or this world) may free next. Freeing
  * the requests (MPI_Request_free) is not enough: a receive that a message has already matched
- * cannot be cancelled and goes on writing into its buffer, which is how a mismatch between
- * ranks once ended in heap corruption. So the receives are cancelled (an unmatched one at
+ * cannot be cancelled and goes on writing into its buffer whenever this process next calls
+ * MPI, a send goes on reading its buffer. So the receives are cancelled (an unmatched one at
  * once), and every request is waited for, up to DRAIN_NS: in a mismatch or an abort the peers
  * are alive and drain their side meanwhile, so transfers under way complete. What is still
  * pending after that (a send that no peer will ever match, a transfer from a rank that died

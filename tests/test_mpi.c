@@ -18,6 +18,7 @@
 #include "core/core.h"
 #include "parallel/group.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -707,6 +708,39 @@ static void test_zero_two_level(void) {
 
 /* ---- fault cases (one mpirun each) -------------------------------------------------------- */
 
+/* Rank 0 gives up (tdm_group_abort) while rank 1 broadcasts 16 MiB to it over TCP, as soon as
+ * the first bytes are in: its broadcast must fail, and then nothing may write into its tensor
+ * any more (the caller may free it). Ends the process with 1, saying on stderr whether the
+ * tensor held still. */
+static int still_child(void) {
+    int64_t m = (int64_t)1 << 22;
+    tdm_tensor *t = tdm_full(TDM_SHAPE(m), R == 1 ? 2.0f : 1.0f, TDM_F32, tdm_cpu(0));
+    volatile const float *p = tdm_data_ptr(t);
+    tdm_work *wk = tdm_broadcast(G, t, 1);
+    if (R == 0) {
+        while (p[0] != 2.0f && !tdm_work_done(wk)) sched_yield(); /* a segment under way */
+        tdm_group_abort(G, "it gave up");
+    }
+    int rc = tdm_work_wait(wk);
+    fprintf(stderr, "test_mpi rank %d: %s\n", R, rc ? tdm_last_error() : "no error");
+    float *before = malloc((size_t)m * 4);
+    for (int64_t i = 0; i < m; i++) before[i] = p[i];
+    nanosleep(&(struct timespec){0, 500000000}, NULL); /* a transfer still under way lands */
+    int64_t changed = 0;
+    for (int64_t i = 0; i < m; i++) changed += p[i] != before[i];
+    if (changed)
+        fprintf(stderr, "rank %d: %lld elements changed after the error\n", R, (long long)changed);
+    else
+        fprintf(stderr, "rank %d: the tensor held still after the error\n", R);
+    fflush(stderr);
+    free(before);
+    tdm_tensor_free(t);
+    /* mpirun ends the job when the first process exits: rank 0 has the most to say */
+    if (R != 0) nanosleep(&(struct timespec){3, 0}, NULL);
+    tdm_mpi_finalize();
+    return 1;
+}
+
 /* Rank 2 all-gathers twice as many elements as ranks 0 and 1 (as a rank whose copy of the
  * data differs would): every rank must fail naming the mismatch, then free its tensors and go
  * on working (allocating over them, another collective, the abort the trainer makes) with no
@@ -724,7 +758,7 @@ static int sizes_child(void) {
     tdm_tensor *t = tdm_ones(TDM_SHAPE(m * N), TDM_F32, tdm_cpu(0));
     CHECK(tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM)) == TDM_ERR_COMM, "rank %d: no error", R);
     tdm_group_abort(G, "its collective failed");
-    nanosleep(&(struct timespec){1, 0}, NULL); /* what was in flight would land meanwhile */
+    nanosleep(&(struct timespec){2, 0}, NULL); /* what was in flight would land meanwhile */
     tdm_tensor_free(t);
     tdm_mpi_finalize();
     return 1;
@@ -887,6 +921,17 @@ static void test_faults(const char *mpirun) {
                                       "rank 1: all_gather on rank 1: ranks disagree on the element",
                                       "rank 2: all_gather on rank 2: ranks disagree on the element",
                                       "rank 2 called all_gather #1 (262144 elements", NULL});
+    /* a rank that gives up while a broadcast's data stream in over TCP (small fragments: a
+     * segment takes many of them): once its broadcast has failed nothing writes into its
+     * tensor; twice, since the abort may fall between two segments */
+    setenv("OMPI_MCA_btl_tcp_max_send_size", "8192", 1);
+    setenv("OMPI_MCA_btl_tcp_rdma_pipeline_frag_size", "8192", 1);
+    for (int i = 0; i < 2; i++)
+        expect_job_fails(mpirun, "still", 15,
+                         (const char *[]){"broadcast on rank 0: rank 0 failed: it gave up",
+                                          "rank 0: the tensor held still after the error", NULL});
+    unsetenv("OMPI_MCA_btl_tcp_rdma_pipeline_frag_size");
+    unsetenv("OMPI_MCA_btl_tcp_max_send_size");
     unsetenv("OMPI_MCA_btl");
 }
 
@@ -903,6 +948,7 @@ int main(int argc, char **argv) {
     R = tdm_group_rank(G);
     N = tdm_group_size(G);
     if (argc >= 3 && !strcmp(argv[1], "--fault") && !strcmp(argv[2], "sizes")) return sizes_child();
+    if (argc >= 3 && !strcmp(argv[1], "--fault") && !strcmp(argv[2], "still")) return still_child();
     if (argc >= 3 && !strcmp(argv[1], "--fault")) return fault_child(argv[2]);
     test_collectives();
     test_ddp();

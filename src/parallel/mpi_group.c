@@ -103,7 +103,7 @@ typedef struct {
     tdm_group g; /* first member: a tdm_group * is an mworld * */
     pthread_t thread;
     bool started;
-    /* launch queue, FIFO; also guards init_state, abort_req, abort_done and stop */
+    /* launch queue, FIFO; also guards init_state, the abort's three flags and stop */
     pthread_mutex_t qlock;
     pthread_cond_t qcond;
     tdm_work *head, *tail;
@@ -112,7 +112,7 @@ typedef struct {
     char init_msg[256];
     int *argc;
     char ***argv;
-    bool abort_req, abort_done;
+    bool abort_req, abort_taken, abort_done; /* asked, failed and told, returned (settle) */
     char abort_msg[FAIL_LEN];
     /* failure: fail_msg is written once, before failed is set (release) */
     atomic_int failed;
@@ -191,7 +191,8 @@ static bool poll_failure(mworld *w) {
         }
     }
     pthread_mutex_lock(&w->qlock);
-    bool req = w->abort_req && !w->abort_done;
+    bool req = w->abort_req && !w->abort_taken;
+    w->abort_taken = w->abort_req;
     pthread_mutex_unlock(&w->qlock);
     if (req) {
         fail(w, true, "rank %d failed: %s", w->g.rank, w->abort_msg);
@@ -203,12 +204,19 @@ static bool poll_failure(mworld *w) {
             if (all) break;
             nap_ns(100000);
         }
-        pthread_mutex_lock(&w->qlock);
-        w->abort_done = true;
-        pthread_cond_broadcast(&w->qcond);
-        pthread_mutex_unlock(&w->qlock);
     }
     return has_failed(w);
+}
+
+/* Comm thread, between two collectives, holding qlock: a tdm_group_abort taken in returns now
+ * that no request of this rank can touch a caller's tensor (the collective it interrupted has
+ * drained, those queued behind it fail before posting any), so a caller that gives up without
+ * waiting for its collectives (DDP when backward fails) may free their tensors. */
+static void settle_abort(mworld *w) {
+    if (w->abort_taken && !w->abort_done) {
+        w->abort_done = true;
+        pthread_cond_broadcast(&w->qcond);
+    }
 }
 
 static void mpi_abort(tdm_group *g, const char *message) {
@@ -648,11 +656,13 @@ static int setup(mworld *w) {
  * failure notices while idle. */
 static tdm_work *dequeue(mworld *w) {
     pthread_mutex_lock(&w->qlock);
+    settle_abort(w);
     while (!w->head && !w->stop) {
         if (w->abort_req && !w->abort_done) {
             pthread_mutex_unlock(&w->qlock);
             poll_failure(w);
             pthread_mutex_lock(&w->qlock);
+            settle_abort(w);
             continue;
         }
         struct timespec until;

@@ -110,6 +110,9 @@ static void threads_abort(tdm_group *g, const char *message) {
     pthread_mutex_lock(&w->lock);
     fail_locked(w, "rank %d failed: %s", g->rank, message);
     pthread_mutex_unlock(&w->lock);
+    /* as a failing collective does (run_work): a caller that gives up without waiting for
+     * its collectives may free their tensors once this returns */
+    while (atomic_load(&w->touching) > 0) sched_yield();
 }
 
 /* Once my wait at the barrier of generation gen ran out: fails the world naming the first

@@ -12,11 +12,13 @@
  * naming the failing rank: a rank killed mid-epoch, a rank that hangs (timeout), a rank that
  * aborts, the same killed or aborting rank while the others exchange a sharded optimizer's
  * ranges or (stage 2) reduce gradient buckets, ranks built with different models, ranks that
- * call different collectives. */
+ * call different collectives or sizes (over TCP too, freeing their tensors after the error);
+ * no case may leave a sanitizer report. */
 #include "check.h"
 #include "core/core.h"
 #include "parallel/group.h"
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -706,6 +708,70 @@ static void test_zero_two_level(void) {
 
 /* ---- fault cases (one mpirun each) -------------------------------------------------------- */
 
+/* Rank 0 gives up (tdm_group_abort) while rank 1 broadcasts 16 MiB to it over TCP, as soon as
+ * the first bytes are in, and then, as DDP does when its backward fails, leaves without
+ * waiting for the broadcast: from then on nothing may write into its tensor (its caller may
+ * free it). The others' broadcasts fail, and nothing writes into their tensors after that.
+ * Ends the process with 1, saying on stderr whether the tensor held still. */
+static int still_child(void) {
+    int64_t m = (int64_t)1 << 22;
+    tdm_tensor *t = tdm_full(TDM_SHAPE(m), R == 1 ? 2.0f : 1.0f, TDM_F32, tdm_cpu(0));
+    volatile const float *p = tdm_data_ptr(t);
+    tdm_work *wk = tdm_broadcast(G, t, 1);
+    int rc = TDM_OK;
+    if (R == 0) {
+        while (p[0] != 2.0f && !tdm_work_done(wk)) sched_yield(); /* a segment under way */
+        tdm_group_abort(G, "it gave up");
+    } else {
+        rc = tdm_work_wait(wk);
+        fprintf(stderr, "test_mpi rank %d: %s\n", R, rc ? tdm_last_error() : "no error");
+    }
+    float *before = malloc((size_t)m * 4);
+    for (int64_t i = 0; i < m; i++) before[i] = p[i];
+    nanosleep(&(struct timespec){0, 500000000}, NULL); /* a transfer still under way lands */
+    int64_t changed = 0;
+    for (int64_t i = 0; i < m; i++) changed += p[i] != before[i];
+    if (R == 0) {
+        rc = tdm_work_wait(wk);
+        fprintf(stderr, "test_mpi rank %d: %s\n", R, rc ? tdm_last_error() : "no error");
+    }
+    if (changed)
+        fprintf(stderr, "rank %d: %lld elements changed after the error\n", R, (long long)changed);
+    else
+        fprintf(stderr, "rank %d: the tensor held still after the error\n", R);
+    fflush(stderr);
+    free(before);
+    tdm_tensor_free(t);
+    /* mpirun ends the job when the first process exits: rank 0 has the most to say */
+    if (R != 0) nanosleep(&(struct timespec){3, 0}, NULL);
+    tdm_mpi_finalize();
+    return 1;
+}
+
+/* Rank 2 all-gathers twice as many elements as ranks 0 and 1 (as a rank whose copy of the
+ * data differs would): every rank must fail naming the mismatch, then free its tensors and go
+ * on working (allocating over them, another collective, the abort the trainer makes) with no
+ * transfer of the failed collective still writing into them or past them. Ends the process
+ * with 1 and its error on stderr. */
+static int sizes_child(void) {
+    int64_t m = (R == 2 ? 2 : 1) * ((int64_t)1 << 17);
+    tdm_tensor *in = tdm_full(TDM_SHAPE(m), 2.0f, TDM_F32, tdm_cpu(0));
+    tdm_tensor *out = tdm_zeros(TDM_SHAPE(m * N), TDM_F32, tdm_cpu(0));
+    int rc = tdm_work_wait(tdm_all_gather(G, out, in));
+    fprintf(stderr, "test_mpi rank %d: %s\n", R, rc ? tdm_last_error() : "no error");
+    fflush(stderr);
+    tdm_tensor_free(out);
+    tdm_tensor_free(in);
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(m * N), TDM_F32, tdm_cpu(0));
+    if (tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM)) != TDM_ERR_COMM)
+        fprintf(stderr, "rank %d: a collective after the failure passed\n", R);
+    tdm_group_abort(G, "its collective failed");
+    nanosleep(&(struct timespec){2, 0}, NULL); /* what was in flight would land meanwhile */
+    tdm_tensor_free(t);
+    tdm_mpi_finalize();
+    return 1;
+}
+
 /* Trains with DDP; rank 1 misbehaves at step 3 as `what` says (the *_shard cases with the
  * optimizer sharded, between backward and the exchange of the shards). Ends the process: 0 if
  * all steps passed, 1 with "test_mpi rank R: error" on stderr otherwise. */
@@ -800,6 +866,10 @@ static void expect_job_fails(const char *mpirun, const char *what, double max_s,
         bool found = strstr(out, alt) || (bar && strstr(out, bar + 2));
         CHECK(found, "%s: no \"%s\" in the output:\n%s", what, want[i], out);
     }
+    /* a failure is no excuse for memory errors: ASan's and UBSan's reports, glibc's aborts */
+    const char *bad[] = {"ERROR: AddressSanitizer", "runtime error: ", "free(): ", "double free"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        CHECK(!strstr(out, bad[i]), "%s: \"%s\" in the output:\n%s", what, bad[i], out);
     printf("fault case %s: failed in %.2f s as expected\n", what, dt);
 }
 
@@ -850,6 +920,27 @@ static void test_faults(const char *mpirun) {
     expect_job_fails(mpirun, "mismatch", 15,
                      (const char *[]){"ranks disagree on the element count: ",
                                       "called all_reduce #1 (11 elements", NULL});
+    /* the same with 1 MiB messages over TCP (as between nodes), where Open MPI wrote a larger
+     * message than a rank expected past the end of its tensor: every rank names the mismatch,
+     * and (under ASan) nothing writes into or past a freed tensor */
+    setenv("OMPI_MCA_btl", "self,tcp", 1);
+    expect_job_fails(mpirun, "sizes", 15,
+                     (const char *[]){"rank 0: all_gather on rank 0: ranks disagree on the element",
+                                      "rank 1: all_gather on rank 1: ranks disagree on the element",
+                                      "rank 2: all_gather on rank 2: ranks disagree on the element",
+                                      "rank 2 called all_gather #1 (262144 elements", NULL});
+    /* a rank that gives up while a broadcast's data stream in over TCP (small fragments: a
+     * segment takes many of them): once its broadcast has failed nothing writes into its
+     * tensor; twice, since the abort may fall between two segments */
+    setenv("OMPI_MCA_btl_tcp_max_send_size", "8192", 1);
+    setenv("OMPI_MCA_btl_tcp_rdma_pipeline_frag_size", "8192", 1);
+    for (int i = 0; i < 2; i++)
+        expect_job_fails(mpirun, "still", 15,
+                         (const char *[]){"broadcast on rank 0: rank 0 failed: it gave up",
+                                          "rank 0: the tensor held still after the error", NULL});
+    unsetenv("OMPI_MCA_btl_tcp_rdma_pipeline_frag_size");
+    unsetenv("OMPI_MCA_btl_tcp_max_send_size");
+    unsetenv("OMPI_MCA_btl");
 }
 
 int main(int argc, char **argv) {
@@ -864,6 +955,8 @@ int main(int argc, char **argv) {
     }
     R = tdm_group_rank(G);
     N = tdm_group_size(G);
+    if (argc >= 3 && !strcmp(argv[1], "--fault") && !strcmp(argv[2], "sizes")) return sizes_child();
+    if (argc >= 3 && !strcmp(argv[1], "--fault") && !strcmp(argv[2], "still")) return still_child();
     if (argc >= 3 && !strcmp(argv[1], "--fault")) return fault_child(argv[2]);
     test_collectives();
     test_ddp();

@@ -22,9 +22,10 @@
  * cliff on this VM above 16 MiB: ../shared/baseline/README.md).
  *
  * Checks. Every collective starts with a 40-byte header from each rank to every other
- * (kind, op, root, count, element size, sequence number), posted together with the first
- * data messages so it costs no extra round trip: ranks that call different collectives,
- * sizes or roots get "ranks disagree on the ..." instead of corrupted memory.
+ * (kind, op, root, count, element size, sequence number), sent together with the first
+ * data messages so it costs no extra round trip; the first data receives are posted only once
+ * the headers agree (finish_round). Ranks that call different collectives, sizes or roots get
+ * "ranks disagree on the ..." instead of corrupted memory.
  *
  * Faults. The communicator returns errors (MPI_ERRORS_RETURN) and the communication thread
  * never blocks inside MPI: it polls nonblocking requests with MPI_Testsome up to the group's
@@ -33,7 +34,8 @@
  * and is sent to every other rank as a notice, which each rank's communication thread is
  * always listening for, so the others fail at once with the same message instead of timing
  * out in turn. A process that dies is usually also reported by mpirun itself, which then
- * ends the job ("mpirun noticed that process rank 1 ... exited on signal 9"). */
+ * ends the job ("mpirun noticed that process rank 1 ... exited on signal 9"). A collective
+ * that fails returns only once none of its requests can touch the caller's memory (drain). */
 #include "parallel/group.h"
 #include "parallel/sync.h"
 #include "tandem/trace.h"
@@ -85,6 +87,8 @@ void tdm_mpi_finalize(void) {}
 #define NAP_MAX_NS        200000
 /* how often an idle communication thread listens for failure notices */
 #define IDLE_POLL_NS      5000000
+/* how long a failed round waits for its requests to finish or be cancelled (drain) */
+#define DRAIN_NS          1000000000
 
 enum { TAG_HDR = 101, TAG_DATA = 102, TAG_FAIL = 103 };
 
@@ -99,7 +103,7 @@ typedef struct {
     tdm_group g; /* first member: a tdm_group * is an mworld * */
     pthread_t thread;
     bool started;
-    /* launch queue, FIFO; also guards init_state, abort_req, abort_done and stop */
+    /* launch queue, FIFO; also guards init_state, the abort's three flags and stop */
     pthread_mutex_t qlock;
     pthread_cond_t qcond;
     tdm_work *head, *tail;
@@ -108,7 +112,7 @@ typedef struct {
     char init_msg[256];
     int *argc;
     char ***argv;
-    bool abort_req, abort_done;
+    bool abort_req, abort_taken, abort_done; /* asked, failed and told, returned (settle) */
     char abort_msg[FAIL_LEN];
     /* failure: fail_msg is written once, before failed is set (release) */
     atomic_int failed;
@@ -119,7 +123,9 @@ typedef struct {
     float *scratch; /* (size - 1) chunks of one segment */
     size_t scratch_bytes;
     header hdr_out, *hdr_in;
-    bool hdr_round; /* this round started with the headers */
+    bool hdr_round; /* this round started with the headers: its receives wait for them */
+    void **rbuf;    /* such a receive, posted by finish_round: buffer and bytes */
+    int64_t *rbytes;
     MPI_Request *reqs;
     int *req_peer; /* the rank each request talks to; negative for sends */
     int *req_idx;
@@ -128,9 +134,11 @@ typedef struct {
     MPI_Request fail_recv, *fail_sends;
     char fail_in[FAIL_LEN], fail_out[FAIL_LEN];
     bool notices_sent;
+    bool stuck; /* a request outlived a failure: no more MPI calls, nothing freed (drain) */
 } mworld;
 
 static mworld *world;  /* the one MPI world of this process */
+static mworld *kept;   /* a stuck world, finalized but kept alive on purpose (drain) */
 static bool finalized; /* MPI cannot be initialised again once finalised */
 static pthread_mutex_t world_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -175,7 +183,7 @@ static void fail(mworld *w, bool local, const char *fmt, ...) {
 /* Comm thread: takes in a peer's notice or this rank's tdm_group_abort. True once failed. */
 static bool poll_failure(mworld *w) {
     int got = 0;
-    if (w->fail_recv != MPI_REQUEST_NULL) {
+    if (w->fail_recv != MPI_REQUEST_NULL && !w->stuck) {
         MPI_Status st;
         if (MPI_Test(&w->fail_recv, &got, &st) == MPI_SUCCESS && got) {
             w->fail_in[FAIL_LEN - 1] = '\0';
@@ -183,24 +191,32 @@ static bool poll_failure(mworld *w) {
         }
     }
     pthread_mutex_lock(&w->qlock);
-    bool req = w->abort_req && !w->abort_done;
+    bool req = w->abort_req && !w->abort_taken;
+    w->abort_taken = w->abort_req;
     pthread_mutex_unlock(&w->qlock);
     if (req) {
         fail(w, true, "rank %d failed: %s", w->g.rank, w->abort_msg);
-        send_notices(w); /* also when a peer's failure came first: they may not all know */
+        if (!w->stuck) send_notices(w); /* also when a peer's failure came first */
         /* give the notices a moment to leave before the caller may exit the process */
-        for (int64_t until = tdm_now_ns() + 100000000; tdm_now_ns() < until;) {
+        for (int64_t until = tdm_now_ns() + 100000000; !w->stuck && tdm_now_ns() < until;) {
             int all = 0;
             MPI_Testall(w->g.size, w->fail_sends, &all, MPI_STATUSES_IGNORE);
             if (all) break;
             nap_ns(100000);
         }
-        pthread_mutex_lock(&w->qlock);
-        w->abort_done = true;
-        pthread_cond_broadcast(&w->qcond);
-        pthread_mutex_unlock(&w->qlock);
     }
     return has_failed(w);
+}
+
+/* Comm thread, between two collectives, holding qlock: a tdm_group_abort taken in returns now
+ * that no request of this rank can touch a caller's tensor (the collective it interrupted has
+ * drained, those queued behind it fail before posting any), so a caller that gives up without
+ * waiting for its collectives (DDP when backward fails) may free their tensors. */
+static void settle_abort(mworld *w) {
+    if (w->abort_taken && !w->abort_done) {
+        w->abort_done = true;
+        pthread_cond_broadcast(&w->qcond);
+    }
 }
 
 static void mpi_abort(tdm_group *g, const char *message) {
@@ -228,7 +244,11 @@ static void round_begin(mworld *w) {
 
 static void post(mworld *w, bool send, void *buf, int64_t bytes, int peer, int tag) {
     MPI_Request *r = &w->reqs[w->nreq];
-    if (send)
+    if (!send && w->hdr_round) { /* posted once the headers agree (finish_round) */
+        *r = MPI_REQUEST_NULL;
+        w->rbuf[w->nreq] = buf;
+        w->rbytes[w->nreq] = bytes;
+    } else if (send)
         MPI_Isend(buf, (int)bytes, MPI_BYTE, peer, tag, w->comm, r);
     else
         MPI_Irecv(buf, (int)bytes, MPI_BYTE, peer, tag, w->comm, r);
@@ -246,26 +266,55 @@ static int missing_peer(const mworld *w) {
     return send_peer;
 }
 
-static void cancel_round(mworld *w) {
-    for (int i = 0; i < w->nreq; i++) {
-        if (w->reqs[i] == MPI_REQUEST_NULL) continue;
-        if (w->req_peer[i] >= 0) MPI_Cancel(&w->reqs[i]);
-        MPI_Request_free(&w->reqs[i]);
+/* After a failure: makes sure that none of reqs[0..n) can still move data into or out of
+ * memory that its owner (the caller of the collective, or this world) may free next. Freeing
+ * the requests (MPI_Request_free) is not enough: a receive that a message has already matched
+ * cannot be cancelled and goes on writing into its buffer whenever this process next calls
+ * MPI, a send goes on reading its buffer. So the receives are cancelled (an unmatched one at
+ * once), and every request is waited for, up to DRAIN_NS: in a mismatch or an abort the peers
+ * are alive and drain their side meanwhile, so transfers under way complete. What is still
+ * pending after that (a send that no peer will ever match, a transfer from a rank that died
+ * or hangs) can move data only while this process calls MPI, since Open MPI's ob1 over shared
+ * memory and TCP has no progress thread ("OMPI progress: no" in ompi_info). The world is then
+ * stuck: its communication thread makes no MPI call again, and tdm_mpi_finalize keeps the
+ * world's own buffers (the headers, the scratch, the notices) alive instead of freeing them.
+ * The caller has cancelled the receives. True when every request has completed. */
+static bool drain(mworld *w, MPI_Request *reqs, int n) {
+    if (w->stuck) return false;
+    for (int64_t until = tdm_now_ns() + DRAIN_NS;;) {
+        int left = 0;
+        for (int i = 0; i < n; i++) {
+            if (reqs[i] == MPI_REQUEST_NULL) continue;
+            int done = 0;
+            MPI_Test(&reqs[i], &done, MPI_STATUS_IGNORE);
+            /* one that completed with an error (a truncation) is not freed by MPI_Test */
+            if (done && reqs[i] != MPI_REQUEST_NULL) MPI_Request_free(&reqs[i]);
+            left += reqs[i] != MPI_REQUEST_NULL;
+        }
+        if (!left) return true;
+        if (tdm_now_ns() > until) break;
+        nap_ns(100000);
     }
+    w->stuck = true;
+    return false;
 }
 
-static bool wait_headers(mworld *w);
-static int check_headers(mworld *w);
+/* A failed round: its receives cancelled, its requests drained or the world stuck (drain). */
+static void cancel_round(mworld *w) {
+    for (int i = 0; i < w->nreq; i++)
+        if (w->reqs[i] != MPI_REQUEST_NULL && w->req_peer[i] >= 0) MPI_Cancel(&w->reqs[i]);
+    drain(w, w->reqs, w->nreq);
+}
 
 /* Polls the round's requests until all complete, spinning briefly after each completion and
  * then napping (the comm thread shares the core with the rank's computation). 0, or -1 with
  * the world failed: a peer's notice, an abort, an MPI error or the deadline. */
-static int round_wait(mworld *w, int64_t deadline) {
-    int left = w->nreq;
+static int round_wait(mworld *w, int n, int64_t deadline) {
+    int left = n;
     int64_t last = tdm_now_ns(), nap = 1000;
     for (int spins = 0; left > 0; spins++) {
         int outcount = 0;
-        int rc = MPI_Testsome(w->nreq, w->reqs, &outcount, w->req_idx, w->stats);
+        int rc = MPI_Testsome(n, w->reqs, &outcount, w->req_idx, w->stats);
         if (rc != MPI_SUCCESS) {
             int peer = -1, code = rc;
             for (int i = 0; i < outcount; i++)
@@ -278,9 +327,7 @@ static int round_wait(mworld *w, int64_t deadline) {
             char es[MPI_MAX_ERROR_STRING];
             int len = 0;
             MPI_Error_string(code, es, &len);
-            /* a size mismatch truncates a message: say so when the headers are in */
-            if (!(w->hdr_round && wait_headers(w) && check_headers(w)))
-                fail(w, true, "MPI error with rank %d: %s", peer, es);
+            fail(w, true, "MPI error with rank %d: %s", peer, es);
             cancel_round(w);
             return -1;
         }
@@ -297,7 +344,7 @@ static int round_wait(mworld *w, int64_t deadline) {
                  * (the peer left a barrier, then aborted): the round is done, and the
                  * failure, sticky, fails the next collective (CI saw a barrier fail) */
                 int all = 0;
-                if (MPI_Testall(w->nreq, w->reqs, &all, MPI_STATUSES_IGNORE) == MPI_SUCCESS && all)
+                if (MPI_Testall(n, w->reqs, &all, MPI_STATUSES_IGNORE) == MPI_SUCCESS && all)
                     return 0;
                 cancel_round(w);
                 return -1;
@@ -324,26 +371,16 @@ static int round_wait(mworld *w, int64_t deadline) {
 
 /* ---- the collectives ---------------------------------------------------------------------- */
 
-/* Posts this collective's headers (call first in the first round of a collective). */
+/* Posts this collective's headers (call first in the first round of a collective): they are
+ * requests 0 .. 2(n-1) - 1 of the round, and the round's data receives wait for them. */
 static void post_headers(mworld *w, const tdm_coll *c) {
-    w->hdr_round = true; /* the headers are requests 0 .. 2(n-1) - 1 of this round */
     w->hdr_out = (header){c->kind, c->op, c->root, 0, c->count, (int64_t)c->elem, w->seq};
     for (int k = 0; k < w->g.size; k++) {
         if (k == w->g.rank) continue;
         post(w, false, &w->hdr_in[k], sizeof(header), k, TAG_HDR);
         post(w, true, &w->hdr_out, sizeof(header), k, TAG_HDR);
     }
-}
-
-/* After an MPI error in a round that began with the headers: gives them up to 0.2 s to
- * arrive (they may trail a truncated data message). True once all are in. */
-static bool wait_headers(mworld *w) {
-    int nh = 2 * (w->g.size - 1), all = 0;
-    for (int64_t until = tdm_now_ns() + 200000000; !all && tdm_now_ns() < until;) {
-        if (MPI_Testall(nh, w->reqs, &all, MPI_STATUSES_IGNORE) != MPI_SUCCESS) return false;
-        if (!all) sched_yield();
-    }
-    return all;
+    w->hdr_round = true;
 }
 
 /* After the first round: every peer called the same collective. 0, or -1 and failed. */
@@ -379,12 +416,25 @@ static int check_headers(mworld *w) {
     return 0;
 }
 
-/* Waits for a round; the first round of a collective also checks the headers, which take
- * precedence over an MPI error (a size mismatch shows up as a truncated message first). */
+/* Waits for a round. In a collective's first round the data receives are posted only once
+ * every peer's header agrees with this rank's: a peer that called another collective, size
+ * or root may send more than this rank expects, and Open MPI over TCP wrote such a message
+ * past the end of the receive's buffer, a tensor (under ASan: a heap-buffer-overflow in
+ * mca_btl_tcp_frag_recv). The data sends leave with the headers, so ranks that agree lose
+ * no round trip; a peer that disagrees never posts the receives they would match. */
 static int finish_round(mworld *w, bool first, int64_t deadline) {
-    int rc = round_wait(w, deadline);
-    if (first && !rc) rc = check_headers(w);
-    return rc;
+    if (first) {
+        if (round_wait(w, 2 * (w->g.size - 1), deadline)) return -1;
+        if (check_headers(w)) {
+            cancel_round(w); /* the data sends */
+            return -1;
+        }
+        for (int i = 2 * (w->g.size - 1); i < w->nreq; i++)
+            if (w->req_peer[i] >= 0)
+                MPI_Irecv(w->rbuf[i], (int)w->rbytes[i], MPI_BYTE, w->req_peer[i], TAG_DATA,
+                          w->comm, &w->reqs[i]);
+    }
+    return round_wait(w, w->nreq, deadline);
 }
 
 /* out[0..len) = rank-order reduction of srcs[k][0..len); out may be one of the sources. */
@@ -441,7 +491,7 @@ static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
             post(w, false, sb + klo, (khi - klo) * 4, k, TAG_DATA);
             post(w, true, sb + lo, (hi - lo) * 4, k, TAG_DATA);
         }
-        if (round_wait(w, deadline)) return -1;
+        if (round_wait(w, w->nreq, deadline)) return -1;
         if (len == 0) break;
     }
     return 0;
@@ -580,14 +630,16 @@ static int setup(mworld *w) {
     w->req_peer = calloc((size_t)cap, sizeof *w->req_peer);
     w->req_idx = calloc((size_t)cap, sizeof *w->req_idx);
     w->stats = calloc((size_t)cap, sizeof *w->stats);
+    w->rbuf = calloc((size_t)cap, sizeof *w->rbuf);
+    w->rbytes = calloc((size_t)cap, sizeof *w->rbytes);
     w->fail_sends = calloc((size_t)size, sizeof *w->fail_sends);
     w->req_cap = cap;
     /* scratch: (n - 1) chunks of one segment, allocated and touched once (huge pages where
      * the kernel gives them: first touches of fresh 4 KiB pages are slow on this VM) */
     w->scratch_bytes = size > 1 ? (size_t)SEG_BYTES : 64;
     w->scratch = aligned_alloc(2 << 20, (w->scratch_bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20));
-    if (!w->hdr_in || !w->reqs || !w->req_peer || !w->req_idx || !w->stats || !w->fail_sends ||
-        !w->scratch) {
+    if (!w->hdr_in || !w->reqs || !w->req_peer || !w->req_idx || !w->stats || !w->rbuf ||
+        !w->rbytes || !w->fail_sends || !w->scratch) {
         snprintf(w->init_msg, sizeof w->init_msg, "mpi_init: out of memory");
         return -1;
     }
@@ -604,11 +656,13 @@ static int setup(mworld *w) {
  * failure notices while idle. */
 static tdm_work *dequeue(mworld *w) {
     pthread_mutex_lock(&w->qlock);
+    settle_abort(w);
     while (!w->head && !w->stop) {
         if (w->abort_req && !w->abort_done) {
             pthread_mutex_unlock(&w->qlock);
             poll_failure(w);
             pthread_mutex_lock(&w->qlock);
+            settle_abort(w);
             continue;
         }
         struct timespec until;
@@ -638,15 +692,22 @@ static void teardown(mworld *w) {
         }
         MPI_Comm_free(&w->comm);
         MPI_Finalize();
+    } else {
+        /* after a failure a peer may be dead, and MPI_Finalize would wait for it forever: MPI
+         * is left as it is and the process is expected to exit with an error (mpirun then
+         * ends the job). The notices still in flight write into or read from this world. */
+        if (w->fail_recv != MPI_REQUEST_NULL && !w->stuck) MPI_Cancel(&w->fail_recv);
+        drain(w, &w->fail_recv, 1);
+        if (w->notices_sent) drain(w, w->fail_sends, w->g.size);
     }
-    /* after a failure a peer may be dead, and MPI_Finalize would wait for it forever: MPI is
-     * left as it is and the process is expected to exit with an error (mpirun then ends the
-     * job) */
+    if (w->stuck) return; /* kept, with its buffers: see drain */
     free(w->hdr_in);
     free(w->reqs);
     free(w->req_peer);
     free(w->req_idx);
     free(w->stats);
+    free(w->rbuf);
+    free(w->rbytes);
     free(w->fail_sends);
     free(w->scratch);
 }
@@ -778,7 +839,10 @@ void tdm_mpi_finalize(void) {
         pthread_mutex_unlock(&w->qlock);
         pthread_join(w->thread, NULL);
         tdm_group_destroy(&w->g);
-        world_free(w);
+        if (w->stuck)
+            kept = w; /* requests may still point into it: see drain */
+        else
+            world_free(w);
     }
     pthread_mutex_unlock(&world_lock);
 }

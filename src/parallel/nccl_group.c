@@ -70,8 +70,15 @@ static void fail_locked(nrank *r, const char *msg) {
     r->comm = NULL;
 }
 
-/* Finishes every pending collective with the failure. Caller holds lock. */
+/* Finishes every pending collective with the failure. Their kernels may still be on the
+ * communication stream (ncclCommAbort stops them without waiting for them), and a caller may
+ * free its tensor as soon as its collective has failed, the caching allocator then handing
+ * the block to work on the compute stream. So the compute stream is first ordered after the
+ * communication stream: nothing queued later touches the block before the failed collectives
+ * are off it. (A failure to order them means the device itself failed; its error stands.)
+ * Caller holds lock. */
 static void fail_pending_locked(nrank *r) {
+    if (r->count > 0) tdm_cuda_order_streams(r->dev, false);
     while (r->count > 0) {
         pending *p = &r->ring[r->head];
         tdm_work_finish(p->w, TDM_ERR_COMM, r->fail_msg);

@@ -30,6 +30,7 @@
 #include "tandem/trace.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -76,6 +77,7 @@ struct tdm_threads_world {
     atomic_uint arrived;
     tdm_wait_word gen;
     tdm_waitq q;
+    atomic_int touching; /* ranks in a collective's data movement (run_work) */
     /* failure: fail_msg is written once, under lock, before failed is set */
     pthread_mutex_t lock;
     tdm_wait_word failed;
@@ -98,8 +100,9 @@ static void fail_locked(tdm_threads_world *w, const char *fmt, ...) {
     tdm_waitq_wake(&w->q);
 }
 
+/* seq_cst, as run_work's count of the ranks at work: see there */
 static bool has_failed(tdm_threads_world *w) {
-    return atomic_load_explicit(&w->failed, memory_order_acquire) != 0;
+    return atomic_load(&w->failed) != 0;
 }
 
 static void threads_abort(tdm_group *g, const char *message) {
@@ -107,6 +110,9 @@ static void threads_abort(tdm_group *g, const char *message) {
     pthread_mutex_lock(&w->lock);
     fail_locked(w, "rank %d failed: %s", g->rank, message);
     pthread_mutex_unlock(&w->lock);
+    /* as a failing collective does (run_work): a caller that gives up without waiting for
+     * its collectives may free their tensors once this returns */
+    while (atomic_load(&w->touching) > 0) sched_yield();
 }
 
 /* Once my wait at the barrier of generation gen ran out: fails the world naming the first
@@ -276,6 +282,39 @@ static int check_slots(trank *me) {
     return 0;
 }
 
+/* The data movement of c, between the two barriers: rank me reads and writes its peers'
+ * tensors. A failure (a peer's abort, a timeout) lets each rank stop at its next block and
+ * return, and its caller may then free its tensor while a peer is still inside a block that
+ * writes into it. So the ranks at work are counted, and a rank that fails returns only once
+ * none is left: each block is short and checks the failure first. The count and the failure
+ * are both seq_cst: a rank that sees no failure after counting itself in is seen by the one
+ * that fails, which then waits for it. */
+static int run_work(trank *me, const tdm_coll *c) {
+    tdm_threads_world *w = me->w;
+    int rc = -1;
+    atomic_fetch_add(&w->touching, 1);
+    switch (c->kind) {
+    case TDM_COLL_ALL_REDUCE:
+    case TDM_COLL_REDUCE:
+        rc = run_all_reduce(me, c->kind == TDM_COLL_REDUCE);
+        break;
+    case TDM_COLL_BROADCAST:
+        rc = run_broadcast(me);
+        break;
+    case TDM_COLL_ALL_GATHER:
+        rc = run_all_gather(me);
+        break;
+    case TDM_COLL_REDUCE_SCATTER:
+        rc = run_reduce_scatter(me);
+        break;
+    case TDM_COLL_BARRIER:
+        rc = 0;
+        break;
+    }
+    atomic_fetch_sub(&w->touching, 1);
+    return rc;
+}
+
 /* Runs one collective on rank me. TDM_OK, or TDM_ERR_COMM with msg. */
 static int run(trank *me, const tdm_coll *c, char *msg) {
     tdm_threads_world *w = me->w;
@@ -289,29 +328,12 @@ static int run(trank *me, const tdm_coll *c, char *msg) {
         rc = world_barrier(me);
         if (!rc && c->kind != TDM_COLL_BARRIER) {
             rc = check_slots(me);
-            if (!rc) {
-                switch (c->kind) {
-                case TDM_COLL_ALL_REDUCE:
-                case TDM_COLL_REDUCE:
-                    rc = run_all_reduce(me, c->kind == TDM_COLL_REDUCE);
-                    break;
-                case TDM_COLL_BROADCAST:
-                    rc = run_broadcast(me);
-                    break;
-                case TDM_COLL_ALL_GATHER:
-                    rc = run_all_gather(me);
-                    break;
-                case TDM_COLL_REDUCE_SCATTER:
-                    rc = run_reduce_scatter(me);
-                    break;
-                case TDM_COLL_BARRIER:
-                    break;
-                }
-            }
+            if (!rc) rc = run_work(me, c);
             if (!rc) rc = world_barrier(me);
         }
     }
     if (!rc) return TDM_OK;
+    while (atomic_load(&w->touching) > 0) sched_yield(); /* see run_work */
     snprintf(msg, TDM_WORK_MSG, "%s on rank %d: %s", tdm_coll_name(c->kind), me->g.rank,
              w->fail_msg);
     return TDM_ERR_COMM;
@@ -460,6 +482,7 @@ tdm_threads_world *tdm_threads_world_new(int n, const tdm_device *devs) {
     atomic_init(&w->arrived, 0);
     atomic_init(&w->gen, 0);
     atomic_init(&w->failed, 0);
+    atomic_init(&w->touching, 0);
     pthread_mutex_init(&w->lock, NULL);
     tdm_waitq_init(&w->q);
     for (int r = 0; r < n; r++) {

@@ -307,6 +307,49 @@ layout("states_missing_in_shards", {"optim.states": "exp_avg,nothing"})
 layout("states_too_many", {"optim.states": "a,b,c,d"})
 write("layout", "not_safetensors", b"garbage")
 
+# ---- a checkpoint's train_state.safetensors (fuzz_train_state.c: its scratch checkpoint
+# ckpt-0000000003 holds Sequential(Linear(2, 2)) and is loaded with Adam and a loader of 8
+# samples in batches of 2); the tampered fields of issue 36 among the seeds ----------------
+STATE = {"tandem.checkpoint": "1", "step": "3", "optim.kind": "adam", "optim.steps": "3",
+         "optim.lr": "0x1.0624dep-10", "loader.epoch": "1", "loader.global_sample": "2",
+         "loader.sample": "2", "loader.batch": "1", "rng.seed": "1", "rng.offset": "14"}
+MOMENTS = [("0.weight", [2, 2]), ("0.bias", [2])]
+
+
+def train_state(name, changes=None, drop=(), values=None):
+    meta = {k: v for k, v in STATE.items() if k not in drop}
+    meta.update(changes or {})
+    header, data = {"__metadata__": meta}, b""
+    for state in ("exp_avg", "exp_avg_sq"):
+        for param, shape in MOMENTS:
+            n = shape[0] * (shape[1] if len(shape) > 1 else 1)
+            header[f"optim.{param}.{state}"] = {"dtype": "F32", "shape": shape,
+                                                "data_offsets": [len(data), len(data) + 4 * n]}
+            data += struct.pack(f"<{n}f", *((values or {}).get(f"{param}.{state}", [0.5] * n)))
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    write("train_state", name, struct.pack("<Q", len(h)) + h + data)
+
+
+train_state("valid")
+train_state("valid_epoch0", {"loader.epoch": "0", "loader.global_sample": "6"})
+train_state("step_negative", {"step": "-5"})
+train_state("step_max", {"step": "9223372036854775807"})
+train_state("step_not_dir", {"step": "4"})
+train_state("optim_steps_negative", {"optim.steps": "-1"})
+train_state("optim_steps_text", {"optim.steps": "3x"})
+train_state("lr_nan", {"optim.lr": "nan"})
+train_state("lr_negative", {"optim.lr": "-0.1"})
+train_state("epoch_negative", {"loader.epoch": "-1"})
+train_state("sample_not_batch_start", {"loader.global_sample": "3"})
+train_state("sample_negative", {"loader.global_sample": "-2"})
+train_state("sample_huge", {"loader.global_sample": "9223372036854775807"})
+train_state("legacy_position", {"loader.batch": "9"}, drop=("loader.global_sample",))
+train_state("seed_missing", drop=("rng.seed",))
+train_state("kind_sgd", {"optim.kind": "sgd"})
+train_state("moment_nan", values={"0.bias.exp_avg": [float("nan"), 0.0]})
+train_state("moment_sq_negative", values={"0.weight.exp_avg_sq": [0.5, -1.0, 0.5, 0.5]})
+
 names = sorted(set(re.findall(r'\{"(--[a-z0-9-]+)"', open(os.path.join(ROOT, "tools", "train.c")).read())))
 with open(os.path.join(HERE, "cli.dict"), "w") as f:
     f.write("# `tandem train`'s options (tools/train.c), for libFuzzer's -dict; "

@@ -1,6 +1,7 @@
 /* The memory estimate of `tandem train` (tools/estimate.c, issue 36): --dry-run's total per
  * device against the peak a short real run reports in its --log (peak_bytes), within 15%, for
- * the MLP, the CNN, a ResNet, a GPT and DataParallel over two CPU devices; a model too big for
+ * the MLP, the CNN, a ResNet, a GPT (with --recompute too), DataParallel over two CPU devices,
+ * ZeRO stage 3 and a two-stage pipeline; a model too big for
  * this machine refused before it is built, naming the figures and what would make it fit; and
  * buffers sized by the data, not by --batch-size alone.
  *
@@ -67,8 +68,7 @@ static void check_estimate(const char *what, const char *const *args) {
     char *out = captured("stdout"), *err = captured("stderr");
     double est[8] = {0}, peak[8] = {0};
     int ne = dry_run_totals(out, est, 8);
-    CHECK(rc == 0 && ne > 0, "%s: --dry-run exits %d with %d totals: %s%s", what, rc, ne, out,
-          err);
+    CHECK(rc == 0 && ne > 0, "%s: --dry-run exits %d with %d totals: %s%s", what, rc, ne, out, err);
     CHECK(!strstr(out, "epoch"), "%s: --dry-run trained: %s", what, out);
     free(out), free(err);
     char log[200];
@@ -92,19 +92,23 @@ static void test_models(const char *text) {
     check_estimate("mlp", (const char *const[]){"--model", "mlp", "--limit", "640", NULL});
     check_estimate("cnn", (const char *const[]){"--model", "cnn", "--batch-size", "128", "--limit",
                                                 "384", NULL});
-    check_estimate("resnet18 on fashion-mnist",
-                   (const char *const[]){"--model", "resnet18", "--batch-size", "16", "--limit",
-                                         "32", NULL});
+    check_estimate(
+        "resnet18 on fashion-mnist",
+        (const char *const[]){"--model", "resnet18", "--batch-size", "16", "--limit", "32", NULL});
     check_estimate("gpt", (const char *const[]){"--model", "gpt", "--data", text, "--layers", "2",
                                                 "--channels", "64", "--context", "32",
                                                 "--batch-size", "8", "--limit", "24", NULL});
     check_estimate("gpt --recompute",
                    (const char *const[]){"--model", "gpt", "--data", text, "--layers", "4",
-                                         "--channels", "64", "--context", "32", "--batch-size",
-                                         "8", "--limit", "24", "--recompute", NULL});
+                                         "--channels", "64", "--context", "32", "--batch-size", "8",
+                                         "--limit", "24", "--recompute", NULL});
     check_estimate("cnn on cpu:0,cpu:1",
                    (const char *const[]){"--model", "cnn", "--devices", "cpu:0,cpu:1",
                                          "--batch-size", "256", "--limit", "512", NULL});
+    check_estimate("cnn pipeline of 2 stages",
+                   (const char *const[]){"--model", "cnn", "--devices", "cpu:0,cpu:1",
+                                         "--model-split", "2", "--batch-size", "256", "--limit",
+                                         "512", NULL});
     check_estimate("gpt --shard parameters on 2 devices",
                    (const char *const[]){"--model", "gpt", "--data", text, "--devices",
                                          "cpu:0,cpu:1", "--shard", "parameters", "--batch-size",
@@ -123,16 +127,15 @@ static void test_too_big(const char *text) {
     lim.rlim_cur = 8ull << 30;
     if (old.rlim_max != RLIM_INFINITY && old.rlim_max < lim.rlim_cur) lim.rlim_cur = old.rlim_max;
     setrlimit(RLIMIT_AS, &lim); /* the child inherits it */
-    int rc = run_train((const char *const[]){"--model", "gpt", "--data", text, "--layers", "48",
-                                             "--channels", "12800", "--heads", "8", "--log", log,
-                                             NULL});
+    int rc =
+        run_train((const char *const[]){"--model", "gpt", "--data", text, "--layers", "48",
+                                        "--channels", "12800", "--heads", "8", "--log", log, NULL});
     setrlimit(RLIMIT_AS, &old);
     char *err = captured("stderr");
     CHECK(rc == 1, "too big: exit %d, stderr %s", rc, err);
-    static const char *const want[] = {"94383948800 parameters", "TiB", "address-space limit",
-                                       "nothing was built",      "--shard optimizer",
-                                       "--recompute",            "smaller --batch-size",
-                                       "more devices"};
+    static const char *const want[] = {
+        "94383948800 parameters", "TiB",         "address-space limit",  "nothing was built",
+        "--shard optimizer",      "--recompute", "smaller --batch-size", "more devices"};
     for (int i = 0; i < 8; i++)
         CHECK(strstr(err, want[i]) != NULL, "too big: no '%s' in: %s", want[i], err);
     struct stat st;
@@ -145,8 +148,8 @@ static void test_too_big(const char *text) {
 static void test_batch_beyond_data(void) {
     char log[200];
     snprintf(log, sizeof log, "%s/huge.jsonl", tmpdir);
-    int rc = run_train((const char *const[]){"--model", "mlp", "--batch-size", "1000000",
-                                             "--limit", "600", "--log", log, "--quiet", NULL});
+    int rc = run_train((const char *const[]){"--model", "mlp", "--batch-size", "1000000", "--limit",
+                                             "600", "--log", log, "--quiet", NULL});
     double peak[2] = {0};
     int np = log_peaks(log, peak, 2);
     CHECK(rc == 0 && np == 1, "batch beyond data: exit %d, %d peaks", rc, np);

@@ -22,6 +22,8 @@
 
 #include "trainer_state.h" /* SYNC_STEPS */
 
+#define MAX_LAYERS 64 /* the longest Sequential of a model here (resnets: 12) */
+
 /* ---- what one sample's forward makes ------------------------------------------------------ */
 
 typedef struct {
@@ -35,33 +37,51 @@ typedef struct {
     double factor;          /* activations and their gradients per forward float (above) */
     double head_factor;     /* the same for the logits (softmax, its gradient) */
     double fixed;           /* bytes of kernels' scratch that do not grow with the batch */
+    double fixed_per_param; /* ... and per parameter the device holds */
     bool in_unit;           /* counting inside a unit */
     double this_unit;       /* floats of the unit being counted */
-    int64_t this_unit_params;
+    /* the layers of the model's Sequential (a unit is one), where a pipeline cuts it: each
+     * one's parameters and forward floats */
+    int n_layers;
+    int64_t layer_params[MAX_LAYERS];
+    double layer_fwd[MAX_LAYERS];
+    int64_t mark; /* the parameters before the layer being counted */
 } model_count;
 
+/* A layer of the Sequential ends: its parameters are those counted since the last. */
+static void layer_end(model_count *m, double floats) {
+    if (m->n_layers < MAX_LAYERS) {
+        m->layer_params[m->n_layers] = m->params - m->mark;
+        m->layer_fwd[m->n_layers++] = floats;
+    }
+    m->mark = m->params;
+}
+
+/* An output of `floats` per sample: a layer of its own outside a unit. */
 static void out(model_count *m, double floats) {
-    if (m->in_unit)
+    if (m->in_unit) {
         m->this_unit += floats, m->unit_sum += floats;
-    else
-        m->fwd += floats;
+        return;
+    }
+    m->fwd += floats;
+    layer_end(m, floats);
 }
 
 static void unit_begin(model_count *m, double input) {
-    m->in_unit = true, m->this_unit = 0, m->this_unit_params = m->params;
+    m->in_unit = true, m->this_unit = 0;
     m->unit_inputs += input;
 }
 
 static void unit_end(model_count *m) {
     m->in_unit = false;
     if (m->this_unit > m->unit_max) m->unit_max = m->this_unit;
-    int64_t p = m->params - m->this_unit_params;
-    if (p > m->unit_params) m->unit_params = p;
+    if (m->params - m->mark > m->unit_params) m->unit_params = m->params - m->mark;
+    layer_end(m, m->this_unit);
 }
 
 /* A Conv2d k x k (padding k / 2) on [cin, *h, *w]: its output, and *h, *w become its size. */
-static void conv(model_count *m, int64_t cin, int64_t cout, int64_t k, int64_t stride,
-                 bool bias, int64_t *h, int64_t *w) {
+static void conv(model_count *m, int64_t cin, int64_t cout, int64_t k, int64_t stride, bool bias,
+                 int64_t *h, int64_t *w) {
     *h = (*h + 2 * (k / 2) - k) / stride + 1;
     *w = (*w + 2 * (k / 2) - k) / stride + 1;
     m->params += cout * cin * k * k + (bias ? cout : 0);
@@ -82,13 +102,14 @@ static void batch_norm(model_count *m, int64_t c, int64_t h, int64_t w) {
 static void count_small(model_count *m, const char *name) {
     int64_t h = 28, w = 28;
     if (strcmp(name, "mlp") == 0) {
-        linear(m, 784, 256), out(m, 256), linear(m, 256, 128), out(m, 128), linear(m, 128, 10);
+        out(m, 0), linear(m, 784, 256), out(m, 256), linear(m, 256, 128), out(m, 128);
+        linear(m, 128, 10);
         m->factor = 2.15;
     } else if (strcmp(name, "cnn") == 0) {
         conv(m, 1, 32, 3, 1, true, &h, &w), out(m, 32 * 28 * 28), out(m, 32 * 14 * 14);
         h = w = 14;
         conv(m, 32, 64, 3, 1, true, &h, &w), out(m, 64 * 14 * 14), out(m, 64 * 7 * 7);
-        linear(m, 3136, 128), out(m, 128), linear(m, 128, 10);
+        out(m, 0), linear(m, 3136, 128), out(m, 128), linear(m, 128, 10);
         m->factor = 1.65;
     } else { /* cnn-bn: conv, pool, batch norm, relu, twice */
         conv(m, 1, 16, 3, 1, false, &h, &w), out(m, 16 * 14 * 14);
@@ -96,15 +117,15 @@ static void count_small(model_count *m, const char *name) {
         h = w = 14;
         conv(m, 16, 32, 3, 1, false, &h, &w), out(m, 32 * 7 * 7);
         batch_norm(m, 32, 7, 7), out(m, 32 * 7 * 7);
-        linear(m, 1568, 256), out(m, 256), linear(m, 256, 10);
+        out(m, 0), linear(m, 1568, 256), out(m, 256), linear(m, 256, 10);
         m->factor = 2.45;
     }
     m->head = 10;
 }
 
 /* A ResNet block (src/models/resnet.c) from [*c, *h, *w]. */
-static void res_block(model_count *m, bool bottleneck, int64_t planes, int64_t stride,
-                      int64_t *c, int64_t *h, int64_t *w) {
+static void res_block(model_count *m, bool bottleneck, int64_t planes, int64_t stride, int64_t *c,
+                      int64_t *h, int64_t *w) {
     int64_t cin = *c, cout = bottleneck ? 4 * planes : planes, h0 = *h, w0 = *w;
     if (bottleneck) {
         conv(m, cin, planes, 1, 1, false, h, w), batch_norm(m, planes, *h, *w);
@@ -143,12 +164,12 @@ static void count_resnet(model_count *m, int depth, const tdm_shape *in, int64_t
             res_block(m, bottleneck, 64 << s, b == 0 && s > 0 ? 2 : 1, &c, &h, &w);
         unit_end(m);
     }
-    out(m, (double)c), linear(m, c, classes);
+    out(m, (double)c), out(m, 0), linear(m, c, classes); /* avgpool, flatten, fc */
     m->head = (double)classes;
     m->factor = 2.2;
     /* each convolution's backward makes its weight gradient before adding it into the flat
      * gradient, and it too lives until the step ends: the parameters once more */
-    m->fixed = 4.0 * (double)m->params;
+    m->fixed_per_param = 1;
 }
 
 /* A GPT (src/models/gpt.c) of g's sizes, per token of windows of T. */
@@ -182,38 +203,69 @@ static int optim_states(const train_opts *o) {
     return 2; /* adam, adamw: exp_avg, exp_avg_sq */
 }
 
-/* A step's activations on a device training `samples` samples (tokens for the GPT), of which
- * it holds the share `slice` of the model (a pipeline stage's). */
-static double activation_bytes(const model_count *m, const train_opts *o, double samples,
-                               double slice) {
+/* What one device holds of the model and of a step: all of it, or its pipeline stage's. */
+typedef struct {
+    double params;    /* parameters */
+    double fwd;       /* forward floats per sample (units as --recompute keeps them) */
+    double head;      /* logits per sample: the last stage's */
+    double input;     /* floats per sample a pipeline stage receives from the one before */
+    double in_flight; /* micro-batches whose forward is alive at once */
+    double rows;      /* samples per micro-batch (tokens, for the GPT) */
+} share;
+
+/* Device d's share: of a pipeline cut as tdm_pipe_split cuts it (stage s of replica r is
+ * device s * R + r), or of the whole model on `rows` samples. Under 1F1B stage s holds the
+ * forwards of up to K - s micro-batches (its warm-up), under GPipe all M. */
+static share share_of(const model_count *m, const train_opts *o, int d, double rows) {
     double units = o->recompute ? m->unit_inputs + m->unit_max : m->unit_sum;
-    double floats = m->factor * (m->fwd + units) * slice + m->head_factor * m->head;
-    return 4 * samples * floats + m->fixed;
+    share sh = {(double)m->params, m->fwd + units, m->head, 0, 1, rows};
+    int K = (int)o->model_split, R = o->n_devs / (K > 1 ? K : 1), first[TDM_PIPE_MAX_STAGES + 1];
+    if (K <= 1 || tdm_pipe_split_params(m->layer_params, m->n_layers, K, first)) return sh;
+    int st = d / R;
+    sh.params = sh.fwd = 0;
+    for (int i = first[st]; i < first[st + 1]; i++)
+        sh.params += (double)m->layer_params[i], sh.fwd += m->layer_fwd[i];
+    sh.head = st == K - 1 ? m->head : 0;
+    for (int i = first[st] - 1; i >= 0 && sh.input == 0; i--) /* a flatten is a view */
+        sh.input = m->layer_fwd[i];
+    bool gpipe = strcmp(o->pipe_schedule, "gpipe") == 0;
+    sh.in_flight = gpipe || o->micro_batches < K - st ? (double)o->micro_batches : K - st;
+    sh.rows = ceil(rows * R / (double)o->micro_batches) / R; /* rows: a replica's share */
+    return sh;
 }
 
-/* Parameters, gradients and optimizer state on each device of this process. */
-static void weights(estimate *e, const model_count *m, const train_opts *o, int procs) {
+/* A step's activations on a device of share sh: the forwards in flight, and the gradients of
+ * one (the factor's part beyond 1); the logits likewise; a stage's inputs in flight and the
+ * gradient it sends back; the kernels' fixed scratch. */
+static double activation_bytes(const model_count *m, const share *sh) {
+    double fwd = sh->fwd * (sh->in_flight + m->factor - 1);
+    double head = sh->head * (sh->in_flight + m->head_factor - 1);
+    double input = sh->input * (sh->in_flight + 1);
+    return 4 * sh->rows * (fwd + head + input) + m->fixed + 4 * m->fixed_per_param * sh->params;
+}
+
+/* Parameters, gradients and optimizer state on device d, holding sh, under ZeRO's --shard
+ * stages over the ranks (every device of every process). */
+static void weights(estimate_device *x, int d, const model_count *m, const share *sh,
+                    const train_opts *o, int procs) {
     int ranks = o->n_devs * procs, k = optim_states(o);
-    double P = (double)m->params, bucket = (double)(o->bucket_cap << 20);
+    double p = sh->params, bucket = (double)(o->bucket_cap << 20);
     bool stage3 = strcmp(o->shard, "parameters") == 0;
     bool stage2 = stage3 || strcmp(o->shard, "gradients") == 0;
     bool stage1 = stage2 || strcmp(o->shard, "optimizer") == 0;
     /* the CPU devices of one process update in shards already (DataParallel's shared-memory
-     * update); ZeRO 1 and 2 add nothing there, ZeRO 3 shards over every rank */
-    bool shared = procs == 1 && o->n_devs > 1 && o->devs[0].type == TDM_CPU && !stage3;
+     * update: the state is device 0's, each replica steps its part); ZeRO 1 and 2 add nothing
+     * there, ZeRO 3 shards over every rank */
+    bool shared =
+        procs == 1 && o->n_devs > 1 && o->devs[0].type == TDM_CPU && !stage3 && o->model_split <= 1;
     bool sharded = ranks > 1 && stage1 && !shared;
-    int stages = o->model_split > 1 ? (int)o->model_split : 1;
-    for (int d = 0; d < o->n_devs; d++) {
-        estimate_device *x = &e->dev[d];
-        double p = P / stages;
-        x->params = block(4 * p);
-        x->grads = block(4 * p);
-        x->optim = k * block(4 * p / (shared ? o->n_devs : 1));
-        if (sharded) x->optim = k * block(4 * p / ranks);
-        if (sharded && stage2) /* the shard, and buckets in flight: two, at most the model */
-            x->grads = block(4 * p / ranks) + block(fmin(2 * bucket, 4 * p));
-        if (sharded && stage3) x->params = block(4 * p / ranks) + block(8.0 * m->unit_params);
-    }
+    x->params = block(4 * p);
+    x->grads = block(4 * p);
+    x->optim = shared && d > 0 ? 0 : k * block(4 * p); /* shared: device 0's optimizer */
+    if (sharded) x->optim = k * block(4 * p / ranks);
+    if (sharded && stage2) /* the shard, and buckets in flight: two, at most the model */
+        x->grads = block(4 * p / ranks) + block(fmin(2 * bucket, 4 * p));
+    if (sharded && stage3) x->params = block(4 * p / ranks) + block(8.0 * m->unit_params);
 }
 
 /* The loaders' buffers and the trainer's step buffers (trainer.c, make_buffers): device 0's. */
@@ -241,28 +293,26 @@ int estimate_make(const train_opts *o, const task *t, int procs, const tdm_loade
         count_resnet(&m, atoi(o->model + 6), &t->input, t->train->num_classes);
     else
         count_small(&m, o->model);
-    *e = (estimate){.n_params = m.params, .n_devs = o->n_devs, .rough = o->model_split > 1};
-    weights(e, &m, o, procs);
+    *e = (estimate){.n_params = m.params, .n_devs = o->n_devs};
     int64_t data = 0;
     if (data_bytes(o, t, lo, eo, &data)) return EXIT_RUNTIME;
     /* the rows of a batch this process trains: the loader's (never more than the data) */
     int64_t rows = lo->batch_size, per_rank = (t->train->n + procs - 1) / procs;
     if (rows > per_rank) rows = per_rank;
-    int stages = o->model_split > 1 ? (int)o->model_split : 1, replicas = o->n_devs / stages;
-    /* a pipeline stage holds a slice of the model's activations for the micro-batches in
-     * flight: all of them under gpipe, up to one per stage under 1f1b */
-    double in_flight = o->micro_batches < stages || !strcmp(o->pipe_schedule, "gpipe")
-                           ? (double)o->micro_batches
-                           : (double)stages;
-    double micro = stages > 1 ? (double)rows / (double)o->micro_batches : (double)rows;
+    int replicas = o->n_devs / (o->model_split > 1 ? (int)o->model_split : 1);
     e->samples = (rows + replicas - 1) / replicas;
+    double per = gpt ? (double)t->units_per_sample : 1; /* the GPT's are counted per token */
     for (int d = 0; d < o->n_devs; d++) {
         estimate_device *x = &e->dev[d];
-        double samples = stages > 1 ? micro / replicas * in_flight : (double)e->samples;
-        if (d > 0 && stages == 1) samples = (double)(rows / replicas);
-        double per = gpt ? (double)t->units_per_sample : 1;
-        x->acts = (int64_t)activation_bytes(&m, o, samples * per, 1.0 / stages);
+        /* DataParallel: device 0 takes the rows left over by the split */
+        double mine = d == 0 ? (double)e->samples : (double)(rows / replicas);
+        share sh = share_of(&m, o, d, mine * per);
+        weights(x, d, &m, &sh, o, procs);
+        x->acts = (int64_t)activation_bytes(&m, &sh);
         x->data = d == 0 ? data : 0;
+        /* a pipeline's stages are clones: the model the trainer built stays on device 0,
+         * with its flat gradient (the one the checkpoints and the evaluation read) */
+        if (o->model_split > 1 && d == 0) x->params += 2 * block(4.0 * (double)m.params);
         x->total = x->params + x->grads + x->optim + x->acts + x->data;
     }
     return 0;
@@ -316,11 +366,10 @@ static double host_total(const estimate *e, const train_opts *o) {
 }
 
 void estimate_print(const estimate *e, const train_opts *o, FILE *out) {
-    static const char *const names[6] = {"parameters", "gradients", "optimizer", "activations",
-                                         "data", "total"};
-    fprintf(out, "estimate  %s: %lld parameters; batch of %lld samples on %s%s\n", o->model,
-            (long long)e->n_params, (long long)e->samples, o->devices,
-            e->rough ? " (pipeline stages taken as equal slices of the model)" : "");
+    static const char *const names[6] = {"parameters",  "gradients", "optimizer",
+                                         "activations", "data",      "total"};
+    fprintf(out, "estimate  %s: %lld parameters; %lld samples of a batch on %s\n", o->model,
+            (long long)e->n_params, (long long)e->samples, o->devices);
     for (int d = 0; d < e->n_devs; d++) {
         const estimate_device *x = &e->dev[d];
         int64_t v[6] = {x->params, x->grads, x->optim, x->acts, x->data, x->total};
@@ -351,11 +400,12 @@ static void suggest(const estimate *e, const train_opts *o, char *buf, size_t ca
     const char *stage = strcmp(o->shard, "none") == 0        ? "optimizer (ZeRO 1)"
                         : strcmp(o->shard, "optimizer") == 0 ? "gradients (ZeRO 2)"
                         : strcmp(o->shard, "gradients") == 0 ? "parameters (ZeRO 3)"
-                                                              : NULL;
+                                                             : NULL;
     char b[32];
     if (stage && o->model_split <= 1 && x->params + x->grads + x->optim > x->acts) {
         human((double)(x->params + x->grads + x->optim), b, sizeof b);
-        n += snprintf(buf + n, cap - (size_t)n, "--shard %s over more devices or processes "
+        n += snprintf(buf + n, cap - (size_t)n,
+                      "--shard %s over more devices or processes "
                       "(the weights, gradients and optimizer state take %s per device); ",
                       stage, b);
     }
@@ -363,10 +413,12 @@ static void suggest(const estimate *e, const train_opts *o, char *buf, size_t ca
     if (!o->recompute && (gpt || resnet))
         n += snprintf(buf + n, cap - (size_t)n, "--recompute (activations take %s); ", b);
     if (e->samples > 1)
-        n += snprintf(buf + n, cap - (size_t)n, "a smaller --batch-size than %lld (activations "
+        n += snprintf(buf + n, cap - (size_t)n,
+                      "a smaller --batch-size than %lld (activations "
                       "%s per device) with --grad-accum to keep the step; ",
                       (long long)o->batch_size, b);
-    snprintf(buf + n, cap - (size_t)n, "more devices (--devices, or processes under mpirun), "
+    snprintf(buf + n, cap - (size_t)n,
+             "more devices (--devices, or processes under mpirun), "
              "or a smaller model");
 }
 

@@ -18,10 +18,9 @@ typedef struct {
 } estimate_device;
 
 typedef struct {
-    int64_t n_params;   /* the model's parameters (elements) */
-    int64_t samples;    /* samples of a batch on device 0 (min(batch, data) split over devices) */
-    int n_devs;         /* devices of this process */
-    bool rough;         /* pipelines: stages taken as equal slices of the model */
+    int64_t n_params; /* the model's parameters (elements) */
+    int64_t samples;  /* samples of a batch on device 0 (min(batch, data) split over devices) */
+    int n_devs;       /* devices of this process */
     estimate_device dev[TDM_MAX_DEVICES];
 } estimate;
 

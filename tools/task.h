@@ -65,8 +65,8 @@ struct task {
 };
 
 /* Each fills t from the options: the data, and what the model will be (t->build makes it on
- * device dev). Return 0, or EXIT_RUNTIME / EXIT_USAGE after printing the error; task_free releases what
- * was made either way. */
+ * device dev). Return 0, or EXIT_RUNTIME / EXIT_USAGE after printing the error; task_free releases
+ * what was made either way. */
 int task_image_open(task *t, const train_opts *o, tdm_device dev);
 int task_text_open(task *t, const train_opts *o, tdm_device dev);
 void task_free(task *t);

@@ -418,7 +418,8 @@ int tdm_loader_memory(const tdm_dataset *ds, const tdm_loader_opts *o, int64_t *
     double x = (double)rows * (double)row * (double)tdm_dtype_size(ds->x_dtype);
     double y = (double)rows * (double)trow * (double)sizeof(int64_t);
     if (x + y > 9e18)
-        return tdm_raise(TDM_ERR_ARG, "loader_memory: a batch of %lld rows of dataset '%s' overflows",
+        return tdm_raise(TDM_ERR_ARG,
+                         "loader_memory: a batch of %lld rows of dataset '%s' overflows",
                          (long long)rows, ds->name);
     int slots = o->workers > 0 ? ring_slots(o, (size_t)x) : 1;
     *bytes = slots * (tdm_memory_block_bytes((int64_t)x) + tdm_memory_block_bytes((int64_t)y));

@@ -194,8 +194,16 @@ static void count_gpt(model_count *m, const tdm_gpt_config *g, int64_t T) {
 
 /* ---- per device ------------------------------------------------------------------------- */
 
+/* Figures past 100 PB are held there, so that a sum of a device's figures stays in int64. */
+#define MOST_BYTES 1e17
+
+static int64_t bytes_of(double bytes) {
+    return (int64_t)fmin(ceil(bytes), MOST_BYTES);
+}
+
+/* bytes as the allocator hands them out (one storage). */
 static int64_t block(double bytes) {
-    return bytes > 9e18 ? INT64_MAX / 4 : tdm_memory_block_bytes((int64_t)ceil(bytes));
+    return tdm_memory_block_bytes(bytes_of(bytes));
 }
 
 static int optim_states(const train_opts *o) {
@@ -308,7 +316,7 @@ int estimate_make(const train_opts *o, const task *t, int procs, const tdm_loade
         double mine = d == 0 ? (double)e->samples : (double)(rows / replicas);
         share sh = share_of(&m, o, d, mine * per);
         weights(x, d, &m, &sh, o, procs);
-        x->acts = (int64_t)activation_bytes(&m, &sh);
+        x->acts = bytes_of(activation_bytes(&m, &sh));
         x->data = d == 0 ? data : 0;
         /* a pipeline's stages are clones: the model the trainer built stays on device 0,
          * with its flat gradient (the one the checkpoints and the evaluation read) */
@@ -387,8 +395,10 @@ void estimate_print(const estimate *e, const train_opts *o, FILE *out) {
     human(host_total(e, o), need, sizeof need);
     human(limit, has, sizeof has);
     human(usable(limit), use, sizeof use);
-    fprintf(out, "memory    %s on this machine's CPU devices of %s: %s (%s less the margin)\n",
-            need, what, has, use);
+    fprintf(out,
+            "memory    %s in all on this process's CPU devices, of %s usable (%s: %s, less "
+            "a margin of a quarter)\n",
+            need, use, what, has);
 }
 
 /* The changes that shrink what e needs, into buf: the next --shard stage, --recompute, a

@@ -91,8 +91,8 @@ static int make_loaders(trainer *tr) {
 }
 
 /* Before the model is built: what the run needs per device, printed (--dry-run) or checked
- * against this machine's memory (estimate.h); then the model. */
-static int build_model(trainer *tr) {
+ * against this machine's memory (estimate.h). */
+static int estimate_memory(trainer *tr) {
     const train_opts *o = tr->o;
     tdm_loader_opts lo, eo;
     loader_opts(tr, &lo, &eo);
@@ -100,8 +100,7 @@ static int build_model(trainer *tr) {
     int rc = estimate_make(o, tr->task, tr->g ? tdm_group_size(tr->g) : 1, &lo,
                            tr->task->test ? &eo : NULL, &e);
     if (!rc && o->dry_run && !tr->silent) estimate_print(&e, o, stdout);
-    if (rc || o->dry_run || (rc = estimate_check(&e, o))) return rc;
-    return tr->task->build(tr->task, o);
+    return rc || o->dry_run ? rc : estimate_check(&e, o);
 }
 
 /* The devices: one, DataParallel (also one GPU per MPI process, whose NCCL group spans the
@@ -861,7 +860,9 @@ static int run(trainer *tr) {
     tr->last_saved = -1;
     tr->last.test_acc = NAN;
     if (tr->g && (rc = trainer_same_options_everywhere(tr))) return rc;
-    if ((rc = build_model(tr)) || o->dry_run) return rc;
+    /* the model is built before the checkpoint directory is claimed, so that weights that
+     * cannot be trained from (--init-from) are refused before --overwrite deletes anything */
+    if ((rc = estimate_memory(tr)) || o->dry_run || (rc = tr->task->build(tr->task, o))) return rc;
     /* before any work (and before the outputs, which another run may be writing): a directory
      * that cannot hold a checkpoint, or that another run uses, is found now */
     if ((rc = trainer_claim_checkpoint_dir(tr))) return rc;

@@ -122,37 +122,54 @@ static void test_models(const char *text) {
 #define AS_LIMIT true
 #endif
 
-/* A GPT of 94 billion parameters under an 8 GiB address-space limit: refused before it is
- * built (a build would fail on its first large allocation, naming no figure, or without the
- * limit grow into the OOM killer), with the figures and the options that shrink them; --log
- * is not even created. */
-static void test_too_big(const char *text) {
-    char log[200];
-    snprintf(log, sizeof log, "%s/big.jsonl", tmpdir);
+/* Runs tandem train with args under an 8 GiB address-space limit (the child inherits it);
+ * its exit status, and its stderr into *err (the caller frees it). */
+static int run_limited(const char *const *args, char **err) {
     struct rlimit old, lim;
     getrlimit(RLIMIT_AS, &old);
     lim = old;
     lim.rlim_cur = 8ull << 30;
     if (old.rlim_max != RLIM_INFINITY && old.rlim_max < lim.rlim_cur) lim.rlim_cur = old.rlim_max;
-    if (AS_LIMIT) setrlimit(RLIMIT_AS, &lim); /* the child inherits it */
-    int rc =
-        run_train((const char *const[]){"--model", "gpt", "--data", text, "--layers", "48",
-                                        "--channels", "12800", "--heads", "8", "--log", log, NULL});
+    if (AS_LIMIT) setrlimit(RLIMIT_AS, &lim);
+    int rc = run_train(args);
     setrlimit(RLIMIT_AS, &old);
-    char *err = captured("stderr");
+    *err = captured("stderr");
+    return rc;
+}
+
+/* Runs that cannot fit are refused before anything is built (a build would fail on its first
+ * large allocation naming no figure, or without a limit grow into the OOM killer), with the
+ * figures and the options that shrink them; --log is not even created. A GPT of 94 billion
+ * parameters: its weights; a ResNet-50 on 224-pixel images in batches of 60000: its
+ * activations, and the batch that would fit. */
+static void test_too_big(const char *text) {
+    char log[200], *err = NULL;
+    snprintf(log, sizeof log, "%s/big.jsonl", tmpdir);
+    int rc = run_limited((const char *const[]){"--model", "gpt", "--data", text, "--layers", "48",
+                                               "--channels", "12800", "--heads", "8", "--log", log,
+                                               NULL},
+                         &err);
     CHECK(rc == 1, "too big: exit %d, stderr %s", rc, err);
     static const char *const want[] = {"94383948800 parameters",
                                        "TiB",
                                        AS_LIMIT ? "address-space limit" : "this machine allows",
                                        "nothing was built",
                                        "--shard optimizer",
-                                       "--recompute",
+                                       "--recompute (activations",
                                        "smaller --batch-size",
                                        "more devices"};
     for (int i = 0; i < 8; i++)
         CHECK(strstr(err, want[i]) != NULL, "too big: no '%s' in: %s", want[i], err);
     struct stat st;
     CHECK(stat(log, &st) != 0, "too big: --log '%s' was created", log);
+    free(err);
+    rc = run_limited((const char *const[]){"--model", "resnet50", "--image-size", "224",
+                                           "--batch-size", "60000", "--log", log, NULL},
+                     &err);
+    CHECK(rc == 1 && strstr(err, "nothing was built") && strstr(err, "--recompute (activations") &&
+              strstr(err, "with --grad-accum") && strstr(err, "(the same 60000 samples a step)"),
+          "batch too big: exit %d, stderr %s", rc, err);
+    CHECK(stat(log, &st) != 0, "batch too big: --log '%s' was created", log);
     free(err);
 }
 

@@ -323,6 +323,12 @@ int estimate_make(const train_opts *o, const task *t, int procs, const tdm_loade
         if (o->model_split > 1 && d == 0) x->params += 2 * block(4.0 * (double)m.params);
         x->total = x->params + x->grads + x->optim + x->acts + x->data;
     }
+    if (m.unit_sum > 0) { /* device 0's activations with --recompute, for the suggestion */
+        train_opts r = *o;
+        r.recompute = true;
+        share sh = share_of(&m, &r, 0, (double)e->samples * per);
+        e->acts_recompute = bytes_of(activation_bytes(&m, &sh));
+    }
     return 0;
 }
 
@@ -401,35 +407,55 @@ void estimate_print(const estimate *e, const train_opts *o, FILE *out) {
             need, use, what, has);
 }
 
+/* The largest --batch-size whose activations and batch buffers, scaled from e's, fit in
+ * `room` bytes with the rest of what e needs on the CPU devices (0 when none does). */
+static int64_t batch_that_fits(const estimate *e, const train_opts *o, double room) {
+    double acts = 0;
+    for (int d = 0; d < e->n_devs; d++)
+        if (o->devs[d].type == TDM_CPU) acts += (double)(e->dev[d].acts + e->dev[d].data);
+    double rest = host_total(e, o) - acts;
+    if (acts <= 0 || room <= rest) return 0;
+    return (int64_t)floor((double)o->batch_size * (room - rest) / acts);
+}
+
 /* The changes that shrink what e needs, into buf: the next --shard stage, --recompute, a
- * smaller --batch-size, more devices. */
-static void suggest(const estimate *e, const train_opts *o, char *buf, size_t cap) {
+ * smaller --batch-size (the largest that fits, when one does), more devices. */
+static void suggest(const estimate *e, const train_opts *o, double room, char *buf, size_t cap) {
     const estimate_device *x = &e->dev[0];
     int n = 0;
-    bool gpt = strcmp(o->model, "gpt") == 0, resnet = strncmp(o->model, "resnet", 6) == 0;
     const char *stage = strcmp(o->shard, "none") == 0        ? "optimizer (ZeRO 1)"
                         : strcmp(o->shard, "optimizer") == 0 ? "gradients (ZeRO 2)"
                         : strcmp(o->shard, "gradients") == 0 ? "parameters (ZeRO 3)"
                                                              : NULL;
-    char b[32];
+    char b[32], r[32];
     if (stage && o->model_split <= 1 && x->params + x->grads + x->optim > x->acts) {
         human((double)(x->params + x->grads + x->optim), b, sizeof b);
         n += snprintf(buf + n, cap - (size_t)n,
-                      "--shard %s over more devices or processes "
-                      "(the weights, gradients and optimizer state take %s per device); ",
+                      "--shard %s over more devices or processes (the weights, gradients and "
+                      "optimizer state take %s per device); ",
                       stage, b);
     }
     human((double)x->acts, b, sizeof b);
-    if (!o->recompute && (gpt || resnet))
-        n += snprintf(buf + n, cap - (size_t)n, "--recompute (activations take %s); ", b);
-    if (e->samples > 1)
+    human((double)e->acts_recompute, r, sizeof r);
+    if (!o->recompute && e->acts_recompute > 0 && e->acts_recompute < x->acts)
+        n += snprintf(buf + n, cap - (size_t)n, "--recompute (activations %s instead of %s); ", r,
+                      b);
+    int64_t fits = batch_that_fits(e, o, room), B = o->batch_size,
+            k = fits > 0 ? (B + fits - 1) / fits : 0;
+    while (k > 0 && k <= B && B % k) k++; /* the fewest batches that make up the same step */
+    /* a valid pair: a batch for every device, and --grad-accum within its range */
+    if (fits < B && k > 0 && k <= B && B / k >= o->n_devs && k * o->grad_accum <= 4096 &&
+        o->model_split <= 1)
         n += snprintf(buf + n, cap - (size_t)n,
-                      "a smaller --batch-size than %lld (activations "
-                      "%s per device) with --grad-accum to keep the step; ",
+                      "--batch-size %lld with --grad-accum %lld (the same %lld samples a step); ",
+                      (long long)(B / k), (long long)(k * o->grad_accum),
+                      (long long)(B * o->grad_accum));
+    else if (e->samples > 1)
+        n += snprintf(buf + n, cap - (size_t)n,
+                      "a smaller --batch-size than %lld (activations %s on device 0); ",
                       (long long)o->batch_size, b);
     snprintf(buf + n, cap - (size_t)n,
-             "more devices (--devices, or processes under mpirun), "
-             "or a smaller model");
+             "more devices (--devices, or processes under mpirun), or a smaller model");
 }
 
 int estimate_check(const estimate *e, const train_opts *o) {
@@ -441,7 +467,7 @@ int estimate_check(const estimate *e, const train_opts *o) {
     human(need, n, sizeof n), human(limit, l, sizeof l), human(usable(limit), u, sizeof u);
     human((double)(x->params + x->grads + x->optim), p, sizeof p);
     human((double)x->acts, a, sizeof a);
-    suggest(e, o, fix, sizeof fix);
+    suggest(e, o, usable(limit), fix, sizeof fix);
     return task_error("--model %s (%lld parameters) with --batch-size %lld on --devices %s needs "
                       "about %s of memory (device 0: %s of weights, gradients and optimizer "
                       "state, %s of activations), more than the %s this machine allows (%s: "

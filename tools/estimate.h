@@ -21,6 +21,7 @@ typedef struct {
     int64_t n_params; /* the model's parameters (elements) */
     int64_t samples;  /* samples of a batch on device 0 (min(batch, data) split over devices) */
     int n_devs;       /* devices of this process */
+    int64_t acts_recompute; /* device 0's activations under --recompute (0: no units) */
     estimate_device dev[TDM_MAX_DEVICES];
 } estimate;
 

@@ -238,7 +238,7 @@ static share share_of(const model_count *m, const train_opts *o, int d, double r
         sh.input = m->layer_fwd[i];
     bool gpipe = strcmp(o->pipe_schedule, "gpipe") == 0;
     sh.in_flight = gpipe || o->micro_batches < K - st ? (double)o->micro_batches : K - st;
-    sh.rows = ceil(rows * R / (double)o->micro_batches) / R; /* rows: a replica's share */
+    sh.rows = ceil(rows / (double)o->micro_batches); /* rows: the replica's batch */
     return sh;
 }
 

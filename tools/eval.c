@@ -192,7 +192,7 @@ int eval_main(int argc, char **argv) {
                      .eval_transform = o.eval_transform};
     task t;
     task_program = "tandem eval";
-    if (task_image_open(&t, &to, tdm_cpu(0))) {
+    if (task_image_open(&t, &to, tdm_cpu(0)) || t.build(&t, &to)) {
         task_free(&t);
         return EXIT_RUNTIME;
     }

@@ -33,7 +33,16 @@ struct task {
     tdm_dataset *split_base;
     /* the loaders' transforms of each split's samples (transforms.h), or NULL */
     tdm_transform *train_tf, *test_tf;
-    tdm_module *model; /* on the first device, weights as the options ask */
+    /* The model, built by build (below) once the memory estimate (estimate.h) has passed:
+     * what it will be is known before, from input (a sample as the model takes it: [C, H, W]
+     * for an image, [T] tokens for text) and gpt (the text task's sizes). */
+    tdm_shape input;
+    tdm_gpt_config gpt;
+    /* Builds model on dev, weights as the options ask (the costly part: a GPT of 154 GB is
+     * minutes of work). Returns 0 or EXIT_RUNTIME after printing the error. */
+    int (*build)(task *t, const train_opts *o);
+    tdm_device dev;
+    tdm_module *model; /* on the first device, once built; NULL before */
     /* The mean loss of a batch's model output against its targets (a scalar), or NULL. */
     tdm_tensor *(*loss)(tdm_tensor *out, const tdm_tensor *target);
     /* The optimizer over ps for the options o (a tdm_optim_factory: one per replica). */
@@ -55,8 +64,8 @@ struct task {
     const char *loss_label;   /* the plot's loss axis; NULL: cross-entropy */
 };
 
-/* Each fills t from the options (data first or model first, as the task needs) on device
- * dev. Return 0, or EXIT_RUNTIME / EXIT_USAGE after printing the error; task_free releases
+/* Each fills t from the options: the data, and what the model will be (t->build makes it on
+ * device dev). Return 0, or EXIT_RUNTIME / EXIT_USAGE after printing the error; task_free releases
  * what was made either way. */
 int task_image_open(task *t, const train_opts *o, tdm_device dev);
 int task_text_open(task *t, const train_opts *o, tdm_device dev);

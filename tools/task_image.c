@@ -319,8 +319,8 @@ static int image_shape(const tdm_dataset *ds, const tdm_transform *tf, const cha
 }
 
 /* The images the model gets must be what it takes: 10 classes of 1x28x28 for mlp and cnn, and
- * the same shape from both splits; *side is their shorter side. */
-static int check_shapes(task *t, const train_opts *o, int64_t *side) {
+ * the same shape from both splits, which becomes t->input. */
+static int check_shapes(task *t, const train_opts *o) {
     tdm_shape a, b;
     char sa[96], sb[96];
     if (image_shape(t->train, t->train_tf, "--transform", &a) ||
@@ -336,15 +336,17 @@ static int check_shapes(task *t, const train_opts *o, int64_t *side) {
                           "classes of 1x28x28 (a resnet takes any)",
                           o->data, (long long)t->train->num_classes, sa, o->model);
     snprintf(t->image_desc, sizeof t->image_desc, "%s", sa);
-    *side = a.d[1] < a.d[2] ? a.d[1] : a.d[2];
+    t->input = a;
     return 0;
 }
 /* The model, from the seed or --init-from (weights made elsewhere, PyTorch included): a
  * ResNet has the data's classes, and the small-image stem for images whose shorter side
  * (after the transforms: what the model gets, whatever --image-size says) is 64 pixels or
  * less. */
-static int build_model(task *t, const train_opts *o, tdm_device dev, int64_t side) {
+static int build_model(task *t, const train_opts *o) {
     tdm_rng rng = tdm_rng_make((uint64_t)o->seed);
+    tdm_device dev = t->dev;
+    int64_t side = t->input.d[1] < t->input.d[2] ? t->input.d[1] : t->input.d[2];
     snprintf(t->model_desc, sizeof t->model_desc, "%s", o->model);
     if (is_resnet(o->model)) {
         tdm_resnet_opts ro = tdm_resnet_defaults(atoi(o->model + 6));
@@ -412,7 +414,9 @@ int task_image_open(task *t, const train_opts *o, tdm_device dev) {
                 .units_per_sample = 1,
                 .accuracy = true,
                 .loss = image_loss,
-                .optimizer = task_default_optimizer};
+                .optimizer = task_default_optimizer,
+                .build = build_model,
+                .dev = dev};
     image_label_smoothing = (float)o->label_smoothing;
     data_kind kind = DATA_IDX;
     int rc = load_images(t, o, &kind);
@@ -424,10 +428,8 @@ int task_image_open(task *t, const train_opts *o, tdm_device dev) {
                    : t->train             ? t->train->sample_shape.d[2]
                                           : 0;
     if (!rc) rc = make_transforms(t, o, kind, size);
-    int64_t side = 0;
-    if (!rc) rc = check_shapes(t, o, &side);
+    if (!rc) rc = check_shapes(t, o);
     if (!rc) rc = describe_classes(t);
-    if (!rc) rc = build_model(t, o, dev, side);
     snprintf(t->plot_title, sizeof t->plot_title, "%s on %s", o->model, o->data);
     int64_t skipped =
         t->train ? tdm_image_folder_skipped(t->train_base ? t->train_base : t->train) : 0;

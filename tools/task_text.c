@@ -30,12 +30,12 @@ static bool is_token_shard(const char *path) {
     return n == 4 && (magic == SHARD_MAGIC || magic == LLAMA3_SHARD_MAGIC);
 }
 
-/* The model: from an llm.c file, or new with the options' sizes. *cfg receives its config. */
-static int build_gpt(task *t, const train_opts *o, tdm_device dev, tdm_gpt_config *cfg) {
+/* The model's config: an llm.c file's header (its parameters are read by build_gpt), or the
+ * options' sizes. */
+static int gpt_config(const train_opts *o, tdm_gpt_config *cfg) {
     if (o->init_from) {
-        if (!(t->model = tdm_gpt_load_llmc(o->init_from, dev, cfg)))
+        if (tdm_gpt_llmc_config(o->init_from, cfg))
             return task_error("--init-from: %s", tdm_last_error());
-        if (task_check_finite(t->model, "--init-from", o->init_from)) return EXIT_RUNTIME;
         if (o->context > cfg->context)
             return task_error("--context %lld is longer than the %d of '%s'", (long long)o->context,
                               cfg->context, o->init_from);
@@ -49,8 +49,18 @@ static int build_gpt(task *t, const train_opts *o, tdm_device dev, tdm_gpt_confi
                             .context = (int)(o->context ? o->context : 64),
                             .vocab = (int)v,
                             .padded_vocab = (int)((v + 127) / 128 * 128)};
+    return 0;
+}
+
+/* The model of t->gpt: from the llm.c file, or new from the seed. */
+static int build_gpt(task *t, const train_opts *o) {
+    if (o->init_from) {
+        if (!(t->model = tdm_gpt_load_llmc(o->init_from, t->dev, NULL)))
+            return task_error("--init-from: %s", tdm_last_error());
+        return task_check_finite(t->model, "--init-from", o->init_from);
+    }
     tdm_rng rng = tdm_rng_make((uint64_t)o->seed);
-    if (!(t->model = tdm_gpt_new(cfg, dev, &rng)))
+    if (!(t->model = tdm_gpt_new(&t->gpt, t->dev, &rng)))
         return task_error("model gpt: %s", tdm_last_error());
     return 0;
 }
@@ -67,6 +77,7 @@ static int open_text(task *t, const train_opts *o, const tdm_gpt_config *cfg) {
                           o->data, cfg->vocab);
     if (o->limit > 0 && t->train->n > o->limit) t->train->n = o->limit;
     t->units_per_sample = T;
+    t->input = TDM_SHAPE(T);
     return 0;
 }
 
@@ -115,12 +126,14 @@ int task_text_open(task *t, const train_opts *o, tdm_device dev) {
                 .loss = tdm_gpt_loss,
                 .optimizer = gpt_optimizer,
                 .save = save_llmc,
-                .loss_label = "next-token cross-entropy"};
+                .loss_label = "next-token cross-entropy",
+                .build = build_gpt,
+                .dev = dev};
     if (o->save_path && check_save_path(o->save_path)) return EXIT_RUNTIME;
-    tdm_gpt_config c;
-    int rc = build_gpt(t, o, dev, &c);
-    if (!rc) rc = open_text(t, o, &c);
+    int rc = gpt_config(o, &t->gpt);
+    if (!rc) rc = open_text(t, o, &t->gpt);
     if (rc) return rc;
+    tdm_gpt_config c = t->gpt;
     snprintf(t->model_desc, sizeof t->model_desc,
              "gpt: %d layers, %d heads, %d channels, context %d, vocab %d (padded %d)", c.layers,
              c.heads, c.channels, c.context, c.vocab, c.padded_vocab);

@@ -62,6 +62,7 @@ typedef struct {
     tdm_device devs[TDM_MAX_DEVICES]; /* parsed from devices */
     int n_devs;
     const char *plot_compare; /* --plot-compare: other runs' logs, FILE[=LABEL],...; or NULL */
+    bool dry_run;             /* print the memory estimate and stop before building the model */
 } train_opts;
 
 /* Fills o from argv (argv[0] is "train") and checks the options together, printing a usage

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "estimate.h"
 #include "trainer_state.h"
 
 static int64_t count_correct(const int64_t *pred, const int64_t *label, int64_t n) {
@@ -44,23 +45,35 @@ static int loader_workers(const trainer *tr) {
     return cores_taken && copies ? 0 : 2;
 }
 
-static int make_loaders(trainer *tr) {
+/* The loaders' options: lo for the training split, eo for the test split (when there is one). */
+static void loader_opts(trainer *tr, tdm_loader_opts *lo, tdm_loader_opts *eo) {
     const train_opts *o = tr->o;
     tr->workers = loader_workers(tr);
-    tdm_loader_opts lo = tdm_loader_defaults(o->batch_size);
+    *lo = tdm_loader_defaults(o->batch_size);
     if (tr->g) { /* DistributedSampler: rank r's rows of each global batch are r, r+N, ... */
-        lo.rank = tdm_group_rank(tr->g);
-        lo.world_size = tdm_group_size(tr->g);
-        lo.batch_size = o->batch_size / lo.world_size;
+        lo->rank = tdm_group_rank(tr->g);
+        lo->world_size = tdm_group_size(tr->g);
+        lo->batch_size = o->batch_size / lo->world_size;
     }
-    lo.shuffle = true;
-    lo.seed = (uint64_t)o->seed;
-    lo.workers = tr->workers;
-    lo.drop_last = tr->task->drop_last;
-    lo.transform = tr->task->train_tf;
+    lo->shuffle = true;
+    lo->seed = (uint64_t)o->seed;
+    lo->workers = tr->workers;
+    lo->drop_last = tr->task->drop_last;
+    lo->transform = tr->task->train_tf;
     /* one GPU: batches built in pinned memory and uploaded ahead of the step that needs them
      * (several devices and pipelines split host batches) */
-    if (o->n_devs == 1 && o->model_split <= 1) lo.device = tr->dev;
+    if (o->n_devs == 1 && o->model_split <= 1) lo->device = tr->dev;
+    *eo = tdm_loader_defaults(EVAL_BATCH);
+    eo->workers = tr->workers;
+    eo->device = lo->device;
+    eo->seed = lo->seed; /* a random step in the test transform draws the same every epoch */
+    eo->transform = tr->task->test_tf;
+}
+
+static int make_loaders(trainer *tr) {
+    const train_opts *o = tr->o;
+    tdm_loader_opts lo, eo;
+    loader_opts(tr, &lo, &eo);
     if (!(tr->train_l = tdm_loader_new(tr->task->train, &lo)))
         return task_error("training loader: %s", tdm_last_error());
     int64_t batches = tdm_loader_batches(tr->train_l);
@@ -72,14 +85,22 @@ static int make_loaders(trainer *tr) {
         return task_error("--grad-accum %lld is more than the %lld batches of an epoch",
                           (long long)tr->accum, (long long)batches);
     if (!tr->task->test) return 0;
-    tdm_loader_opts eo = tdm_loader_defaults(EVAL_BATCH);
-    eo.workers = tr->workers;
-    eo.device = lo.device;
-    eo.seed = lo.seed; /* a random step in the test transform draws the same every epoch */
-    eo.transform = tr->task->test_tf;
     if (!(tr->test_l = tdm_loader_new(tr->task->test, &eo)))
         return task_error("test loader: %s", tdm_last_error());
     return 0;
+}
+
+/* Before the model is built: what the run needs per device, printed (--dry-run) or checked
+ * against this machine's memory (estimate.h). */
+static int estimate_memory(trainer *tr) {
+    const train_opts *o = tr->o;
+    tdm_loader_opts lo, eo;
+    loader_opts(tr, &lo, &eo);
+    estimate e;
+    int rc = estimate_make(o, tr->task, tr->g ? tdm_group_size(tr->g) : 1, &lo,
+                           tr->task->test ? &eo : NULL, &e);
+    if (!rc && o->dry_run && !tr->silent) estimate_print(&e, o, stdout);
+    return rc || o->dry_run ? rc : estimate_check(&e, o);
 }
 
 /* The devices: one, DataParallel (also one GPU per MPI process, whose NCCL group spans the
@@ -187,10 +208,15 @@ static int make_schedule(trainer *tr) {
     return 0;
 }
 
-/* Buffers reused by every step and every chunk: nothing is allocated per step. */
+/* Buffers reused by every step and every chunk: nothing is allocated per step. A chunk holds
+ * at most an epoch's samples and an evaluation batch at most the test set, so neither is sized
+ * by the options alone (--batch-size 1000000 over 600 samples). */
 static int make_buffers(trainer *tr) {
+    const task *t = tr->task;
     int64_t slots = SYNC_STEPS * tr->accum, rows = slots * tr->o->batch_size;
-    int64_t host = rows > EVAL_BATCH ? rows : EVAL_BATCH;
+    int64_t eval = t->test && t->test->n < EVAL_BATCH ? t->test->n : EVAL_BATCH;
+    if (rows > t->train->n) rows = t->train->n;
+    int64_t host = rows > eval ? rows : eval;
     tr->loss_buf = tdm_zeros(TDM_SHAPE(slots), TDM_F32, tr->dev);
     tr->pred_buf = tr->task->accuracy ? tdm_zeros(TDM_SHAPE(rows), TDM_I64, tr->dev) : NULL;
     tr->loss_host = malloc(sizeof(float) * (size_t)slots);
@@ -839,6 +865,9 @@ static int run(trainer *tr) {
     tr->last_saved = -1;
     tr->last.test_acc = NAN;
     if (tr->g && (rc = trainer_same_options_everywhere(tr))) return rc;
+    /* the model is built before the checkpoint directory is claimed, so that weights that
+     * cannot be trained from (--init-from) are refused before --overwrite deletes anything */
+    if ((rc = estimate_memory(tr)) || o->dry_run || (rc = tr->task->build(tr->task, o))) return rc;
     /* before any work (and before the outputs, which another run may be writing): a directory
      * that cannot hold a checkpoint, or that another run uses, is found now */
     if ((rc = trainer_claim_checkpoint_dir(tr))) return rc;

@@ -195,6 +195,12 @@ typedef struct {
 /* A loader over ds (which must outlive it). Worker threads start here and are kept across
  * epochs. NULL and an error for invalid options. */
 tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o);
+/* The bytes of device memory (or pinned host memory, for a GPU) a loader over ds with options
+ * o would hold in its batch buffers, at the caching allocator's size classes, into *bytes:
+ * its ring of slots, each one batch of x and y, or of every sample of the rank when a batch
+ * is larger than that. Makes nothing. Returns TDM_OK, or the error tdm_loader_new would give
+ * for these options. */
+int tdm_loader_memory(const tdm_dataset *ds, const tdm_loader_opts *o, int64_t *bytes);
 /* Starts epoch e (any order; restarting an epoch is allowed). */
 int tdm_loader_start_epoch(tdm_loader *l, int64_t epoch);
 /* Starts epoch e at batch `batch` (0 <= batch <= batches per epoch): the batches before it

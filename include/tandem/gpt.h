@@ -99,6 +99,10 @@ int tdm_gpt_save_llmc_from(const char *path, tdm_module *m, const char *ckpt);
  * offset), or a file whose size is not 1024 + 4 * parameters (truncated, or trailing bytes).
  * cfg (may be NULL) receives the header's config. */
 tdm_module *tdm_gpt_load_llmc(const char *path, tdm_device dev, tdm_gpt_config *cfg);
+/* The config of the llm.c model file at path into *cfg, its header and size checked as
+ * tdm_gpt_load_llmc checks them, without reading the parameters: what a model will need
+ * before it is loaded. TDM_OK, or the error tdm_gpt_load_llmc would give for the file. */
+int tdm_gpt_llmc_config(const char *path, tdm_gpt_config *cfg);
 
 #ifdef __cplusplus
 }

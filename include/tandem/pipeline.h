@@ -36,6 +36,10 @@ typedef enum {
  * stage s's first layer, first[k] == n (first has room for k + 1 entries). Returns TDM_OK, or
  * TDM_ERR_ARG when k < 1 or k > n ("3 stages for a Sequential of 2 layers"). */
 int tdm_pipe_split(const tdm_module *seq, int k, tdm_split_by by, int *first);
+/* The cut tdm_pipe_split makes by TDM_SPLIT_PARAMS for n layers whose parameter counts are
+ * params[0..n): what a pipeline's stages will hold, known before the model is built (a memory
+ * estimate). first as tdm_pipe_split's; same errors. */
+int tdm_pipe_split_params(const int64_t *params, int n, int k, int *first);
 
 /* ---- the pipeline -------------------------------------------------------------------------- */
 

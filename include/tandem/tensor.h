@@ -125,6 +125,10 @@ tdm_memory_stats tdm_memory_stats_get(tdm_device d);
  * The peak is the device's, not the caller's: a reset is seen by every reader (a pipeline
  * resets each stage's device at each of its steps). Out-of-range devices are ignored. */
 void tdm_memory_reset_peak(tdm_device d);
+/* The bytes a storage of nbytes takes in the caching allocator (its size class), as `allocated`
+ * counts them: what an estimate of a device's memory must add up. nbytes < 0 gives 0; a size
+ * beyond the largest class gives nbytes itself (the allocator refuses it). */
+int64_t tdm_memory_block_bytes(int64_t nbytes);
 /* Preemption: from now on SIGTERM and SIGINT are recorded instead of ending the process, so
  * a training loop can poll tdm_stop_requested between steps, save a checkpoint and return
  * (Slurm, Kubernetes and torchrun stop jobs with SIGTERM). Once one has arrived, both get

@@ -220,3 +220,9 @@ tdm_memory_stats tdm_memory_stats_get(tdm_device d) {
 void tdm_memory_reset_peak(tdm_device d) {
     tdm_alloc_reset_peak(d);
 }
+
+int64_t tdm_memory_block_bytes(int64_t nbytes) {
+    if (nbytes < 0) return 0;
+    size_t rounded;
+    return size_class((size_t)nbytes, &rounded) < N_CLASSES ? (int64_t)rounded : nbytes;
+}

@@ -61,6 +61,7 @@ struct tdm_loader {
     int64_t per_rank; /* samples this rank sees per epoch, DistributedSampler padding included */
     int64_t nbatches;
     int64_t tail;           /* size of a last smaller batch, 0 if none */
+    int64_t slot_rows;      /* rows a slot holds: batch_size, or per_rank when that is less */
     tdm_shape sample_shape; /* of a batch's row: the dataset's, or its transform's output */
     size_t x_row_bytes;
     int64_t y_row;    /* i64 elements per target */
@@ -338,7 +339,7 @@ static tdm_shape batch_shape(int64_t b, tdm_shape inner) {
 
 static int slot_init(tdm_loader *l, slot *s) {
     const tdm_dataset *ds = l->ds;
-    int64_t b = l->o.batch_size;
+    int64_t b = l->slot_rows;
     tdm_device dev = l->gpu ? l->o.device : tdm_cpu(0);
     s->x = tdm_tensor_alloc_owned(batch_shape(b, l->sample_shape), ds->x_dtype, dev, NULL);
     s->y = tdm_tensor_alloc_owned(batch_shape(b, ds->target_shape), TDM_I64, dev, NULL);
@@ -401,6 +402,30 @@ static int ring_slots(const tdm_loader_opts *o, size_t batch_bytes) {
     return small > asked ? small : asked;
 }
 
+/* A slot's rows: a batch, or every sample of the rank when there are fewer (a batch larger
+ * than the data holds them all, and no more: --batch-size 1000000 over 600 samples). */
+static int64_t slot_rows(const tdm_dataset *ds, const tdm_loader_opts *o) {
+    int64_t per_rank = tdm_sampler_count(ds->n, o->world_size);
+    return o->batch_size < per_rank ? o->batch_size : per_rank;
+}
+
+int tdm_loader_memory(const tdm_dataset *ds, const tdm_loader_opts *o, int64_t *bytes) {
+    tdm_shape shape;
+    if (!bytes) return tdm_raise(TDM_ERR_ARG, "loader_memory: NULL result");
+    if (check_opts(ds, o, &shape)) return tdm_last_status();
+    int64_t rows = slot_rows(ds, o), row = tdm_shape_numel(shape);
+    int64_t trow = tdm_shape_numel(ds->target_shape);
+    double x = (double)rows * (double)row * (double)tdm_dtype_size(ds->x_dtype);
+    double y = (double)rows * (double)trow * (double)sizeof(int64_t);
+    if (x + y > 9e18)
+        return tdm_raise(TDM_ERR_ARG,
+                         "loader_memory: a batch of %lld rows of dataset '%s' overflows",
+                         (long long)rows, ds->name);
+    int slots = o->workers > 0 ? ring_slots(o, (size_t)x) : 1;
+    *bytes = slots * (tdm_memory_block_bytes((int64_t)x) + tdm_memory_block_bytes((int64_t)y));
+    return TDM_OK;
+}
+
 tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o) {
     tdm_shape shape;
     if (check_opts(ds, o, &shape)) return NULL;
@@ -424,7 +449,8 @@ tdm_loader *tdm_loader_new(tdm_dataset *ds, const tdm_loader_opts *o) {
     l->sample_shape = shape;
     l->x_row_bytes = (size_t)row * tdm_dtype_size(ds->x_dtype);
     l->y_row = trow;
-    l->nslots = o->workers > 0 ? ring_slots(o, (size_t)b * l->x_row_bytes) : 1;
+    l->slot_rows = slot_rows(ds, o);
+    l->nslots = o->workers > 0 ? ring_slots(o, (size_t)l->slot_rows * l->x_row_bytes) : 1;
     l->indices = malloc((size_t)l->per_rank * sizeof *l->indices);
     l->scratch = o->world_size > 1 ? malloc((size_t)ds->n * sizeof *l->scratch) : NULL;
     l->slots = calloc((size_t)l->nslots, sizeof *l->slots);

@@ -209,6 +209,16 @@ static FILE *open_checked(const char *path, tdm_gpt_config *c, int64_t *n) {
     return f;
 }
 
+int tdm_gpt_llmc_config(const char *path, tdm_gpt_config *cfg) {
+    if (!path || !cfg)
+        return tdm_raise(TDM_ERR_ARG, "gpt_llmc_config: %s is NULL", path ? "cfg" : "path");
+    int64_t n = 0;
+    FILE *f = open_checked(path, cfg, &n);
+    if (!f) return tdm_last_status();
+    fclose(f);
+    return TDM_OK;
+}
+
 tdm_module *tdm_gpt_load_llmc(const char *path, tdm_device dev, tdm_gpt_config *cfg) {
     if (!path) return tdm_raise_null(TDM_ERR_ARG, "gpt_load_llmc: path is NULL");
     tdm_gpt_config c;

@@ -61,9 +61,24 @@ int tdm_pipe_split(const tdm_module *seq, int k, tdm_split_by by, int *first) {
     }
     int64_t *c = malloc(sizeof *c * (size_t)n);
     if (!c) return tdm_raise(TDM_ERR_NOMEM, "pipe_split: out of memory");
+    for (int i = 0; i < n; i++) c[i] = count_params(seq->children[i]);
+    int rc = tdm_pipe_split_params(c, n, k, first);
+    free(c);
+    return rc;
+}
+
+int tdm_pipe_split_params(const int64_t *params, int n, int k, int *first) {
+    if (!params || !first) return tdm_raise(TDM_ERR_ARG, "pipe_split: NULL counts or output");
+    if (k < 1 || k > n)
+        return tdm_raise(TDM_ERR_ARG,
+                         "pipe_split: %d stages for %d layers (need 1 to %d: every stage holds "
+                         "at least one layer)",
+                         k, n, n);
+    int64_t *c = malloc(sizeof *c * (size_t)n);
+    if (!c) return tdm_raise(TDM_ERR_NOMEM, "pipe_split: out of memory");
     /* ties go to the split whose largest stage has fewer layers: parameters first, then
      * layers, as one cost */
-    for (int i = 0; i < n; i++) c[i] = count_params(seq->children[i]) * (n + 1) + 1;
+    for (int i = 0; i < n; i++) c[i] = params[i] * (n + 1) + 1;
     int rc = split_min_max(c, n, k, first);
     free(c);
     return rc;

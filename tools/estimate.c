@@ -1,0 +1,478 @@
+/* The memory estimate of a training run (estimate.h).
+ *
+ * Parameters, gradients and optimizer state are exact: the model's parameter count from its
+ * architecture, one flat buffer each (tdm_module_parameters, the optimizer's state), at the
+ * allocator's size classes (tdm_memory_block_bytes). The loaders' buffers are exact too
+ * (tdm_loader_memory). Activations are counted, not measured: every tensor a sample's forward
+ * makes (model_count below), times a factor per model. The backward engine frees a step's
+ * tensors only when the step's scope ends (src/autograd/engine.c), so at the end of backward
+ * each forward output is alive with, for most, its gradient: about twice the forward. The
+ * factors are that ratio as measured on each model with this build (--log's peak_bytes, one
+ * CPU device): under 2 where ReLU passes its gradient on and the first layer needs none,
+ * over 2 where batch norm keeps its normalised input or a residual sum clones a gradient.
+ * tests/test_estimate.c holds them to the measured peak within 15%.
+ */
+#include "estimate.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "trainer_state.h" /* SYNC_STEPS */
+
+#define MAX_LAYERS 64 /* the longest Sequential of a model here (resnets: 12) */
+
+/* ---- what one sample's forward makes ------------------------------------------------------ */
+
+typedef struct {
+    int64_t params;         /* the model's parameters */
+    int64_t unit_params;    /* the largest unit's (a ZeRO-3 gather holds two at once) */
+    double fwd;             /* floats a sample's forward makes outside the units */
+    double unit_sum;        /* ... inside the units (a GPT's blocks, a ResNet's stages) */
+    double unit_max;        /* ... inside the largest unit */
+    double unit_inputs;     /* the units' inputs: what --recompute keeps of them */
+    double head;            /* floats of the loss's input (logits) */
+    double factor;          /* activations and their gradients per forward float (above) */
+    double head_factor;     /* the same for the logits (softmax, its gradient) */
+    double fixed;           /* bytes of kernels' scratch that do not grow with the batch */
+    double fixed_per_param; /* ... and per parameter the device holds */
+    bool in_unit;           /* counting inside a unit */
+    double this_unit;       /* floats of the unit being counted */
+    /* the layers of the model's Sequential (a unit is one), where a pipeline cuts it: each
+     * one's parameters and forward floats */
+    int n_layers;
+    int64_t layer_params[MAX_LAYERS];
+    double layer_fwd[MAX_LAYERS];
+    int64_t mark; /* the parameters before the layer being counted */
+} model_count;
+
+/* A layer of the Sequential ends: its parameters are those counted since the last. */
+static void layer_end(model_count *m, double floats) {
+    if (m->n_layers < MAX_LAYERS) {
+        m->layer_params[m->n_layers] = m->params - m->mark;
+        m->layer_fwd[m->n_layers++] = floats;
+    }
+    m->mark = m->params;
+}
+
+/* An output of `floats` per sample: a layer of its own outside a unit. */
+static void out(model_count *m, double floats) {
+    if (m->in_unit) {
+        m->this_unit += floats, m->unit_sum += floats;
+        return;
+    }
+    m->fwd += floats;
+    layer_end(m, floats);
+}
+
+static void unit_begin(model_count *m, double input) {
+    m->in_unit = true, m->this_unit = 0;
+    m->unit_inputs += input;
+}
+
+static void unit_end(model_count *m) {
+    m->in_unit = false;
+    if (m->this_unit > m->unit_max) m->unit_max = m->this_unit;
+    if (m->params - m->mark > m->unit_params) m->unit_params = m->params - m->mark;
+    layer_end(m, m->this_unit);
+}
+
+/* A Conv2d k x k (padding k / 2) on [cin, *h, *w]: its output, and *h, *w become its size. */
+static void conv(model_count *m, int64_t cin, int64_t cout, int64_t k, int64_t stride, bool bias,
+                 int64_t *h, int64_t *w) {
+    *h = (*h + 2 * (k / 2) - k) / stride + 1;
+    *w = (*w + 2 * (k / 2) - k) / stride + 1;
+    m->params += cout * cin * k * k + (bias ? cout : 0);
+    out(m, (double)(cout * *h * *w));
+}
+
+static void linear(model_count *m, int64_t in, int64_t outs) {
+    m->params += in * outs + outs;
+    out(m, (double)outs);
+}
+
+static void batch_norm(model_count *m, int64_t c, int64_t h, int64_t w) {
+    m->params += 2 * c;
+    out(m, (double)(c * h * w));
+}
+
+/* mlp, cnn, cnn-bn (src/models/zoo.c) on [1, 28, 28]. */
+static void count_small(model_count *m, const char *name) {
+    int64_t h = 28, w = 28;
+    if (strcmp(name, "mlp") == 0) {
+        out(m, 0), linear(m, 784, 256), out(m, 256), linear(m, 256, 128), out(m, 128);
+        linear(m, 128, 10);
+        m->factor = 2.15;
+    } else if (strcmp(name, "cnn") == 0) {
+        conv(m, 1, 32, 3, 1, true, &h, &w), out(m, 32 * 28 * 28), out(m, 32 * 14 * 14);
+        h = w = 14;
+        conv(m, 32, 64, 3, 1, true, &h, &w), out(m, 64 * 14 * 14), out(m, 64 * 7 * 7);
+        out(m, 0), linear(m, 3136, 128), out(m, 128), linear(m, 128, 10);
+        m->factor = 1.65;
+    } else { /* cnn-bn: conv, pool, batch norm, relu, twice */
+        conv(m, 1, 16, 3, 1, false, &h, &w), out(m, 16 * 14 * 14);
+        batch_norm(m, 16, 14, 14), out(m, 16 * 14 * 14);
+        h = w = 14;
+        conv(m, 16, 32, 3, 1, false, &h, &w), out(m, 32 * 7 * 7);
+        batch_norm(m, 32, 7, 7), out(m, 32 * 7 * 7);
+        out(m, 0), linear(m, 1568, 256), out(m, 256), linear(m, 256, 10);
+        m->factor = 2.45;
+    }
+    m->head = 10;
+}
+
+/* A ResNet block (src/models/resnet.c) from [*c, *h, *w]. */
+static void res_block(model_count *m, bool bottleneck, int64_t planes, int64_t stride, int64_t *c,
+                      int64_t *h, int64_t *w) {
+    int64_t cin = *c, cout = bottleneck ? 4 * planes : planes, h0 = *h, w0 = *w;
+    if (bottleneck) {
+        conv(m, cin, planes, 1, 1, false, h, w), batch_norm(m, planes, *h, *w);
+        out(m, (double)(planes * *h * *w));
+        conv(m, planes, planes, 3, stride, false, h, w), batch_norm(m, planes, *h, *w);
+        out(m, (double)(planes * *h * *w));
+        conv(m, planes, cout, 1, 1, false, h, w), batch_norm(m, cout, *h, *w);
+    } else {
+        conv(m, cin, planes, 3, stride, false, h, w), batch_norm(m, planes, *h, *w);
+        out(m, (double)(planes * *h * *w));
+        conv(m, planes, planes, 3, 1, false, h, w), batch_norm(m, planes, *h, *w);
+    }
+    if (stride != 1 || cin != cout) /* downsample: Conv2d 1x1 stride s, BatchNorm2d */
+        conv(m, cin, cout, 1, stride, false, &h0, &w0), batch_norm(m, cout, h0, w0);
+    out(m, (double)(2 * cout * *h * *w)); /* the sum and its ReLU */
+    *c = cout;
+}
+
+/* resnet18/34/50 on input [3, H, W] with `classes` outputs. */
+static void count_resnet(model_count *m, int depth, const tdm_shape *in, int64_t classes) {
+    static const int blocks[3][4] = {{2, 2, 2, 2}, {3, 4, 6, 3}, {3, 4, 6, 3}};
+    const int *nb = blocks[depth == 18 ? 0 : depth == 34 ? 1 : 2];
+    bool bottleneck = depth == 50;
+    int64_t c = in->d[0], h = in->d[1], w = in->d[2];
+    bool small = (h < w ? h : w) <= 64; /* the stem task_image.c asks for */
+    conv(m, c, 64, small ? 3 : 7, small ? 1 : 2, false, &h, &w);
+    batch_norm(m, 64, h, w), out(m, (double)(64 * h * w));
+    if (!small) { /* max-pool 3x3 stride 2 padding 1 */
+        h = (h - 1) / 2 + 1, w = (w - 1) / 2 + 1;
+        out(m, (double)(64 * h * w));
+    }
+    c = 64;
+    for (int s = 0; s < 4; s++) {
+        unit_begin(m, (double)(c * h * w));
+        for (int b = 0; b < nb[s]; b++)
+            res_block(m, bottleneck, 64 << s, b == 0 && s > 0 ? 2 : 1, &c, &h, &w);
+        unit_end(m);
+    }
+    out(m, (double)c), out(m, 0), linear(m, c, classes); /* avgpool, flatten, fc */
+    m->head = (double)classes;
+    m->factor = 2.2;
+    /* each convolution's backward makes its weight gradient before adding it into the flat
+     * gradient, and it too lives until the step ends: the parameters once more */
+    m->fixed_per_param = 1;
+}
+
+/* A GPT (src/models/gpt.c) of g's sizes, per token of windows of T. */
+static void count_gpt(model_count *m, const tdm_gpt_config *g, int64_t T) {
+    int64_t C = g->channels, H = g->heads;
+    m->params = tdm_gpt_llmc_numel(g);
+    out(m, (double)(3 * C)); /* wte and wpe rows, their sum */
+    for (int l = 0; l < g->layers; l++) {
+        unit_begin(m, (double)C);
+        /* ln_1, qkv, attention (and its log-sum-exp per head), c_proj, the sum; ln_2, c_fc,
+         * GELU, c_proj, the sum */
+        out(m, (double)(C + 3 * C + C + H + C + C)), out(m, (double)(C + 4 * C + 4 * C + C + C));
+        unit_end(m);
+    }
+    m->unit_params = 12 * C * C + 13 * C;
+    out(m, (double)C); /* ln_f */
+    m->head = g->padded_vocab;
+    m->factor = 1.95;
+    m->head_factor = 2.64;
+    m->fixed = 8.0 * (double)T * (double)T; /* attention's backward: two T x T, a head at a time */
+}
+
+/* ---- per device ------------------------------------------------------------------------- */
+
+/* Figures past 100 PB are held there, so that a sum of a device's figures stays in int64. */
+#define MOST_BYTES 1e17
+
+static int64_t bytes_of(double bytes) {
+    return (int64_t)fmin(ceil(bytes), MOST_BYTES);
+}
+
+/* bytes as the allocator hands them out (one storage). */
+static int64_t block(double bytes) {
+    return tdm_memory_block_bytes(bytes_of(bytes));
+}
+
+static int optim_states(const train_opts *o) {
+    if (strcmp(o->optimizer, "sgd") == 0) return o->momentum > 0 ? 1 : 0;
+    return 2; /* adam, adamw: exp_avg, exp_avg_sq */
+}
+
+/* What one device holds of the model and of a step: all of it, or its pipeline stage's. */
+typedef struct {
+    double params;    /* parameters */
+    double fwd;       /* forward floats per sample (units as --recompute keeps them) */
+    double head;      /* logits per sample: the last stage's */
+    double input;     /* floats per sample a pipeline stage receives from the one before */
+    double in_flight; /* micro-batches whose forward is alive at once */
+    double rows;      /* samples per micro-batch (tokens, for the GPT) */
+} share;
+
+/* Device d's share: of a pipeline cut as tdm_pipe_split cuts it (stage s of replica r is
+ * device s * R + r), or of the whole model on `rows` samples. Under 1F1B stage s holds the
+ * forwards of up to K - s micro-batches (its warm-up), under GPipe all M. */
+static share share_of(const model_count *m, const train_opts *o, int d, double rows) {
+    double units = o->recompute ? m->unit_inputs + m->unit_max : m->unit_sum;
+    share sh = {(double)m->params, m->fwd + units, m->head, 0, 1, rows};
+    int K = (int)o->model_split, R = o->n_devs / (K > 1 ? K : 1), first[TDM_PIPE_MAX_STAGES + 1];
+    if (K <= 1 || tdm_pipe_split_params(m->layer_params, m->n_layers, K, first)) return sh;
+    int st = d / R;
+    sh.params = sh.fwd = 0;
+    for (int i = first[st]; i < first[st + 1]; i++)
+        sh.params += (double)m->layer_params[i], sh.fwd += m->layer_fwd[i];
+    sh.head = st == K - 1 ? m->head : 0;
+    for (int i = first[st] - 1; i >= 0 && sh.input == 0; i--) /* a flatten is a view */
+        sh.input = m->layer_fwd[i];
+    bool gpipe = strcmp(o->pipe_schedule, "gpipe") == 0;
+    sh.in_flight = gpipe || o->micro_batches < K - st ? (double)o->micro_batches : K - st;
+    sh.rows = ceil(rows / (double)o->micro_batches); /* rows: the replica's batch */
+    return sh;
+}
+
+/* A step's activations on a device of share sh: the forwards in flight, and the gradients of
+ * one (the factor's part beyond 1); the logits likewise; a stage's inputs in flight and the
+ * gradient it sends back; the kernels' fixed scratch. */
+static double activation_bytes(const model_count *m, const share *sh) {
+    double fwd = sh->fwd * (sh->in_flight + m->factor - 1);
+    double head = sh->head * (sh->in_flight + m->head_factor - 1);
+    double input = sh->input * (sh->in_flight + 1);
+    return 4 * sh->rows * (fwd + head + input) + m->fixed + 4 * m->fixed_per_param * sh->params;
+}
+
+/* Parameters, gradients and optimizer state on device d, holding sh, under ZeRO's --shard
+ * stages over the ranks (every device of every process). */
+static void weights(estimate_device *x, int d, const model_count *m, const share *sh,
+                    const train_opts *o, int procs) {
+    int ranks = o->n_devs * procs, k = optim_states(o);
+    double p = sh->params, bucket = (double)(o->bucket_cap << 20);
+    bool stage3 = strcmp(o->shard, "parameters") == 0;
+    bool stage2 = stage3 || strcmp(o->shard, "gradients") == 0;
+    bool stage1 = stage2 || strcmp(o->shard, "optimizer") == 0;
+    /* the CPU devices of one process update in shards already (DataParallel's shared-memory
+     * update: the state is device 0's, each replica steps its part); ZeRO 1 and 2 add nothing
+     * there, ZeRO 3 shards over every rank */
+    bool shared =
+        procs == 1 && o->n_devs > 1 && o->devs[0].type == TDM_CPU && !stage3 && o->model_split <= 1;
+    bool sharded = ranks > 1 && stage1 && !shared;
+    x->params = block(4 * p);
+    x->grads = block(4 * p);
+    x->optim = shared && d > 0 ? 0 : k * block(4 * p); /* shared: device 0's optimizer */
+    if (sharded) x->optim = k * block(4 * p / ranks);
+    if (sharded && stage2) /* the shard, and buckets in flight: two, at most the model */
+        x->grads = block(4 * p / ranks) + block(fmin(2 * bucket, 4 * p));
+    if (sharded && stage3) x->params = block(4 * p / ranks) + block(8.0 * m->unit_params);
+}
+
+/* The loaders' buffers and the trainer's step buffers (trainer.c, make_buffers): device 0's. */
+static int data_bytes(const train_opts *o, const task *t, const tdm_loader_opts *lo,
+                      const tdm_loader_opts *eo, int64_t *bytes) {
+    int64_t train = 0, test = 0;
+    if (tdm_loader_memory(t->train, lo, &train))
+        return task_error("training loader: %s", tdm_last_error());
+    if (eo && tdm_loader_memory(t->test, eo, &test))
+        return task_error("test loader: %s", tdm_last_error());
+    int64_t rows = SYNC_STEPS * o->grad_accum * o->batch_size;
+    if (rows > t->train->n) rows = t->train->n;
+    *bytes = train + test + block(4.0 * SYNC_STEPS * (double)o->grad_accum) +
+             (t->accuracy ? block(8.0 * (double)rows) : 0);
+    return 0;
+}
+
+int estimate_make(const train_opts *o, const task *t, int procs, const tdm_loader_opts *lo,
+                  const tdm_loader_opts *eo, estimate *e) {
+    model_count m = {.head_factor = 2};
+    bool gpt = strcmp(o->model, "gpt") == 0;
+    if (gpt)
+        count_gpt(&m, &t->gpt, t->units_per_sample);
+    else if (strncmp(o->model, "resnet", 6) == 0)
+        count_resnet(&m, atoi(o->model + 6), &t->input, t->train->num_classes);
+    else
+        count_small(&m, o->model);
+    *e = (estimate){.n_params = m.params, .n_devs = o->n_devs};
+    int64_t data = 0;
+    if (data_bytes(o, t, lo, eo, &data)) return EXIT_RUNTIME;
+    /* the rows of a batch this process trains: the loader's (never more than the data) */
+    int64_t rows = lo->batch_size, per_rank = (t->train->n + procs - 1) / procs;
+    if (rows > per_rank) rows = per_rank;
+    int replicas = o->n_devs / (o->model_split > 1 ? (int)o->model_split : 1);
+    e->samples = (rows + replicas - 1) / replicas;
+    double per = gpt ? (double)t->units_per_sample : 1; /* the GPT's are counted per token */
+    for (int d = 0; d < o->n_devs; d++) {
+        estimate_device *x = &e->dev[d];
+        /* DataParallel: device 0 takes the rows left over by the split */
+        double mine = d == 0 ? (double)e->samples : (double)(rows / replicas);
+        share sh = share_of(&m, o, d, mine * per);
+        weights(x, d, &m, &sh, o, procs);
+        x->acts = bytes_of(activation_bytes(&m, &sh));
+        x->data = d == 0 ? data : 0;
+        /* a pipeline's stages are clones: the model the trainer built stays on device 0,
+         * with its flat gradient (the one the checkpoints and the evaluation read) */
+        if (o->model_split > 1 && d == 0) x->params += 2 * block(4.0 * (double)m.params);
+        x->total = x->params + x->grads + x->optim + x->acts + x->data;
+    }
+    if (m.unit_sum > 0) { /* device 0's activations with --recompute, for the suggestion */
+        train_opts r = *o;
+        r.recompute = true;
+        share sh = share_of(&m, &r, 0, (double)e->samples * per);
+        e->acts_recompute = bytes_of(activation_bytes(&m, &sh));
+    }
+    return 0;
+}
+
+/* ---- the machine's memory ----------------------------------------------------------------- */
+
+/* The bytes this process may use: physical memory, RLIMIT_AS and the cgroup's memory.max,
+ * whichever is least; *what names the one that binds. */
+static double memory_limit(const char **what) {
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    double limit = pages > 0 && page > 0 ? (double)pages * (double)page : INFINITY;
+    *what = "physical memory";
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        (double)rl.rlim_cur < limit)
+        limit = (double)rl.rlim_cur, *what = "the address-space limit (ulimit -v)";
+    FILE *f = fopen("/sys/fs/cgroup/memory.max", "r");
+    char buf[64] = "";
+    if (f && fgets(buf, sizeof buf, f) && strncmp(buf, "max", 3) != 0) {
+        double cg = strtod(buf, NULL);
+        if (cg > 0 && cg < limit) limit = cg, *what = "the cgroup's memory.max";
+    }
+    if (f) fclose(f);
+    return limit;
+}
+
+/* What the estimate leaves for everything it does not count: the binary, the threads'
+ * stacks and scope arenas, the GEMM library's buffers, the dataset in memory (Fashion-MNIST
+ * is 55 MB as floats), allocator classes not yet reused; and the estimate's own error
+ * (tests/test_estimate.c holds it within 15% of the measured peak). A quarter of the limit
+ * covers that error with room to spare; 512 MiB covers the fixed costs on a small machine. */
+static double usable(double limit) {
+    double margin = limit / 4 > 512.0 * (1 << 20) ? limit / 4 : 512.0 * (1 << 20);
+    return limit > margin ? limit - margin : 0;
+}
+
+static void human(double bytes, char *buf, size_t cap) {
+    const char *unit[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB"};
+    int u = 0;
+    while (bytes >= 1024 && u < 5) bytes /= 1024, u++;
+    snprintf(buf, cap, u ? "%.1f %s" : "%.0f %s", bytes, unit[u]);
+}
+
+/* The sum over this process's CPU devices: they share the machine's memory. */
+static double host_total(const estimate *e, const train_opts *o) {
+    double sum = 0;
+    for (int d = 0; d < e->n_devs; d++)
+        if (o->devs[d].type == TDM_CPU) sum += (double)e->dev[d].total;
+    return sum;
+}
+
+void estimate_print(const estimate *e, const train_opts *o, FILE *out) {
+    static const char *const names[6] = {"parameters",  "gradients", "optimizer",
+                                         "activations", "data",      "total"};
+    fprintf(out, "estimate  %s: %lld parameters; %lld samples of a batch on %s\n", o->model,
+            (long long)e->n_params, (long long)e->samples, o->devices);
+    for (int d = 0; d < e->n_devs; d++) {
+        const estimate_device *x = &e->dev[d];
+        int64_t v[6] = {x->params, x->grads, x->optim, x->acts, x->data, x->total};
+        char dev[16], b[32];
+        fprintf(out, "memory    %-6s", tdm_device_str(o->devs[d], dev));
+        for (int k = 0; k < 6; k++) {
+            human((double)v[k], b, sizeof b);
+            fprintf(out, "%s %s %s", k ? "," : "", names[k], b);
+        }
+        fprintf(out, "\n");
+    }
+    const char *what;
+    double limit = memory_limit(&what);
+    char need[32], has[32], use[32];
+    human(host_total(e, o), need, sizeof need);
+    human(limit, has, sizeof has);
+    human(usable(limit), use, sizeof use);
+    fprintf(out,
+            "memory    %s in all on this process's CPU devices, of %s usable (%s: %s, less "
+            "a margin of a quarter)\n",
+            need, use, what, has);
+}
+
+/* The largest --batch-size whose activations and batch buffers, scaled from e's, fit in
+ * `room` bytes with the rest of what e needs on the CPU devices (0 when none does). */
+static int64_t batch_that_fits(const estimate *e, const train_opts *o, double room) {
+    double acts = 0;
+    for (int d = 0; d < e->n_devs; d++)
+        if (o->devs[d].type == TDM_CPU) acts += (double)(e->dev[d].acts + e->dev[d].data);
+    double rest = host_total(e, o) - acts;
+    if (acts <= 0 || room <= rest) return 0;
+    return (int64_t)floor((double)o->batch_size * (room - rest) / acts);
+}
+
+/* The changes that shrink what e needs, into buf: the next --shard stage, --recompute, a
+ * smaller --batch-size (the largest that fits, when one does), more devices. */
+static void suggest(const estimate *e, const train_opts *o, double room, char *buf, size_t cap) {
+    const estimate_device *x = &e->dev[0];
+    int n = 0;
+    const char *stage = strcmp(o->shard, "none") == 0        ? "optimizer (ZeRO 1)"
+                        : strcmp(o->shard, "optimizer") == 0 ? "gradients (ZeRO 2)"
+                        : strcmp(o->shard, "gradients") == 0 ? "parameters (ZeRO 3)"
+                                                             : NULL;
+    char b[32], r[32];
+    if (stage && o->model_split <= 1 && x->params + x->grads + x->optim > x->acts) {
+        human((double)(x->params + x->grads + x->optim), b, sizeof b);
+        n += snprintf(buf + n, cap - (size_t)n,
+                      "--shard %s over more devices or processes (the weights, gradients and "
+                      "optimizer state take %s per device); ",
+                      stage, b);
+    }
+    human((double)x->acts, b, sizeof b);
+    human((double)e->acts_recompute, r, sizeof r);
+    if (!o->recompute && e->acts_recompute > 0 && e->acts_recompute < x->acts)
+        n += snprintf(buf + n, cap - (size_t)n, "--recompute (activations %s instead of %s); ", r,
+                      b);
+    int64_t fits = batch_that_fits(e, o, room), B = o->batch_size,
+            k = fits > 0 ? (B + fits - 1) / fits : 0;
+    while (k > 0 && k <= B && B % k) k++; /* the fewest batches that make up the same step */
+    /* a valid pair: a batch for every device, and --grad-accum within its range */
+    if (fits < B && k > 0 && k <= B && B / k >= o->n_devs && k * o->grad_accum <= 4096 &&
+        o->model_split <= 1)
+        n += snprintf(buf + n, cap - (size_t)n,
+                      "--batch-size %lld with --grad-accum %lld (the same %lld samples a step); ",
+                      (long long)(B / k), (long long)(k * o->grad_accum),
+                      (long long)(B * o->grad_accum));
+    else if (e->samples > 1)
+        n += snprintf(buf + n, cap - (size_t)n,
+                      "a smaller --batch-size than %lld (activations %s on device 0); ",
+                      (long long)o->batch_size, b);
+    snprintf(buf + n, cap - (size_t)n,
+             "more devices (--devices, or processes under mpirun), or a smaller model");
+}
+
+int estimate_check(const estimate *e, const train_opts *o) {
+    const char *what;
+    double limit = memory_limit(&what), need = host_total(e, o);
+    if (need <= usable(limit)) return 0;
+    char n[32], l[32], u[32], p[32], a[32], fix[1024];
+    const estimate_device *x = &e->dev[0];
+    human(need, n, sizeof n), human(limit, l, sizeof l), human(usable(limit), u, sizeof u);
+    human((double)(x->params + x->grads + x->optim), p, sizeof p);
+    human((double)x->acts, a, sizeof a);
+    suggest(e, o, usable(limit), fix, sizeof fix);
+    return task_error("--model %s (%lld parameters) with --batch-size %lld on --devices %s needs "
+                      "about %s of memory (device 0: %s of weights, gradients and optimizer "
+                      "state, %s of activations), more than the %s this machine allows (%s: "
+                      "%s, less a quarter kept for what the estimate leaves out); nothing was "
+                      "built. To fit, try: %s (tandem train --dry-run prints the estimate)",
+                      o->model, (long long)e->n_params, (long long)o->batch_size, o->devices, n, p,
+                      a, u, what, l, fix);
+}

@@ -298,9 +298,10 @@ static void lock_lost(bool replaced) {
     free(err);
 }
 
-/* A save killed midway leaves .ckpt-<step>.tmp, and one killed while replacing a checkpoint
- * leaves it moved aside as .ckpt-<step>.old: the next run holding the directory removes the
- * first and puts the second back (resuming from it). */
+/* A save killed midway leaves .ckpt-<step>.tmp (and a file written atomically beside the
+ * checkpoints, its .tmp-XXXXXX), and one killed while replacing a checkpoint leaves it moved
+ * aside as .ckpt-<step>.old: the next run holding the directory removes the first two and puts
+ * the last back (resuming from it). */
 static void leftovers_removed(void) {
     char dir[300], p[400], q[500];
     snprintf(dir, sizeof dir, "%s/leftovers", tmpdir);
@@ -308,6 +309,10 @@ static void leftovers_removed(void) {
     snprintf(p, sizeof p, "%s/.ckpt-0000000009.tmp", dir);
     snprintf(q, sizeof q, "%s/junk.safetensors", p);
     CHECK(rc == 0 && mkdir(p, 0755) == 0 && write_file(q, "x", 1), "making %s", p);
+    char temp[400], probe[400];
+    snprintf(temp, sizeof temp, "%s/model.bin.tmp-Ab12Cd", dir);
+    snprintf(probe, sizeof probe, "%s/.tandem-probe-12345", dir);
+    CHECK(write_file(temp, "x", 1) && write_file(probe, "", 0), "making %s", temp);
     snprintf(p, sizeof p, "%s/ckpt-0000000002", dir);
     snprintf(q, sizeof q, "%s/.ckpt-0000000002.old", dir);
     CHECK(rename(p, q) == 0, "moving %s aside", p);
@@ -318,6 +323,7 @@ static void leftovers_removed(void) {
     DIR *d = opendir(dir);
     for (struct dirent *e; d && (e = readdir(d)) != NULL;) left += !strncmp(e->d_name, ".ckpt-", 6);
     if (d) closedir(d);
+    CHECK(access(temp, F_OK) != 0 && access(probe, F_OK) != 0, "%s or %s left", temp, probe);
     CHECK(rc == 0 && left == 0 && access(p, F_OK) == 0 && strstr(out, "2 steps done"),
           "leftovers: exit %d, %d left, %s restored: %d, %s", rc, left, p, access(p, F_OK) == 0,
           out);

@@ -75,10 +75,20 @@ int tdm_ckpt_lock_verify(const char *dir) {
                      dir, changed);
 }
 
+/* Whether name is a temporary file of an atomic write (tdm_io_temp_open: "<file>.tmp-" and
+ * mkstemp's six characters, such as the model.bin a GPT writes beside its checkpoints) or of
+ * tdm_checkpoint_dir_check's probe. */
+static bool temp_file_name(const char *name) {
+    size_t n = strlen(name);
+    return (n > 11 && strncmp(name + n - 11, ".tmp-", 5) == 0) ||
+           strncmp(name, ".tandem-probe-", 14) == 0;
+}
+
 /* Removes what saves interrupted by a kill left in dir (its holder now): each temporary
- * .ckpt-<step>.tmp, and each .ckpt-<step>.old, a checkpoint moved aside to be replaced, which
- * goes back into place when its replacement never arrived. Best effort: a leftover that
- * cannot be removed costs disk space only, and the save of its step removes it again. */
+ * .ckpt-<step>.tmp, each temporary file of an atomic write, and each .ckpt-<step>.old, a
+ * checkpoint moved aside to be replaced, which goes back into place when its replacement
+ * never arrived. Best effort: a leftover that cannot be removed costs disk space only, and
+ * the save of its step removes it again. */
 static void remove_leftovers(const char *dir) {
     DIR *d = opendir(dir);
     struct dirent *e;
@@ -87,11 +97,15 @@ static void remove_leftovers(const char *dir) {
         size_t n = strlen(name);
         bool tmp = n > 10 && strcmp(name + n - 4, ".tmp") == 0;
         bool old = n > 10 && strcmp(name + n - 4, ".old") == 0;
-        if (strncmp(name, ".ckpt-", 6) != 0 || (!tmp && !old)) continue;
         char path[4200], final[4200];
         snprintf(path, sizeof path, "%s/%s", dir, name);
-        snprintf(final, sizeof final, "%s/%.*s", dir, (int)(n - 5), name + 1); /* ckpt-<step> */
         struct stat st;
+        if (temp_file_name(name) && lstat(path, &st) == 0 && S_ISREG(st.st_mode)) {
+            unlink(path);
+            continue;
+        }
+        if (strncmp(name, ".ckpt-", 6) != 0 || (!tmp && !old)) continue;
+        snprintf(final, sizeof final, "%s/%.*s", dir, (int)(n - 5), name + 1); /* ckpt-<step> */
         if (old && stat(final, &st) != 0 && errno == ENOENT && rename(path, final) == 0) continue;
         tdm_ckpt_remove_dir(path);
     }

@@ -245,10 +245,11 @@ static int load_images(task *t, const train_opts *o, data_kind *kind) {
     } else {
         const char *dir = strcmp(data, "fashion-mnist") == 0 ? NULL : data;
         struct stat st;
-        if (dir && stat(dir, &st) != 0)
-            return task_error("data directory '%s': %s", dir, strerror(errno));
+        if (dir && stat(dir, &st) != 0) return task_error("--data '%s': %s", dir, strerror(errno));
         if (dir && !S_ISDIR(st.st_mode))
-            return task_error("data directory '%s' is not a directory", dir);
+            return task_error("--data '%s' is not a directory: --model %s reads a directory "
+                              "(IDX files or image folders) or cifar10:DIR; a FILE is for gpt",
+                              dir, o->model);
         char train[4096];
         snprintf(train, sizeof train, "%s/train", dir ? dir : "");
         *kind = dir && is_dir(train) ? DATA_FOLDER : DATA_IDX;

@@ -54,6 +54,21 @@ static inline const char *fuzz_file_write(fuzz_file *f, const void *data, size_t
     return f->path;
 }
 
+/* A file's bytes (*len: their count), malloc'ed; aborts when it cannot be read (the harness's
+ * own files). */
+static inline char *fuzz_read_all(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) abort();
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc((size_t)n + 1);
+    if (!b || fread(b, 1, (size_t)n, f) != (size_t)n) abort();
+    fclose(f);
+    *len = (size_t)n;
+    return b;
+}
+
 #ifdef FUZZ_REPLAY_MAIN
 static int fuzz_replay_file(const char *path) {
     FILE *fp = fopen(path, "rb");

@@ -22,24 +22,11 @@ static char *bytes[MAX_FILES];
 static size_t lens[MAX_FILES];
 static int n_files;
 
-static char *read_all(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) abort();
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    if (!b || fread(b, 1, (size_t)n, f) != (size_t)n) abort();
-    fclose(f);
-    *len = (size_t)n;
-    return b;
-}
-
 static void save(const char *name, const tdm_named_tensor *ts, int n, const tdm_meta *meta,
                  int n_meta) {
     snprintf(files[n_files], sizeof files[0], "%s/%s", ckpt, name);
     if (tdm_safetensors_save(files[n_files], ts, n, meta, n_meta) != TDM_OK) abort();
-    bytes[n_files] = read_all(files[n_files], &lens[n_files]);
+    bytes[n_files] = fuzz_read_all(files[n_files], &lens[n_files]);
     n_files++;
 }
 
@@ -112,7 +99,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     for (int i = 0; i < n_files; i++) { /* the checkpoint as it was */
         size_t n;
-        char *now = read_all(files[i], &n);
+        char *now = fuzz_read_all(files[i], &n);
         if (n != lens[i] || memcmp(now, bytes[i], n)) abort();
         free(now);
     }

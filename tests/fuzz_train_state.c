@@ -26,19 +26,6 @@ static tdm_dataset *ds;
 static tdm_loader *loader;
 static tdm_rng rng;
 
-static char *read_all(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) abort();
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    if (!b || fread(b, 1, (size_t)n, f) != (size_t)n) abort();
-    fclose(f);
-    *len = (size_t)n;
-    return b;
-}
-
 static void remove_scratch(void) {
     unlink(model_file), unlink(state_file), rmdir(ckpt), rmdir(dir);
     free(model_bytes);
@@ -71,7 +58,7 @@ static void setup(void) {
     lo.workers = 0;
     loader = ds ? tdm_loader_new(ds, &lo) : NULL;
     if (!opt || !loader || tdm_weights_save(model_file, model, NULL, 0) != TDM_OK) abort();
-    model_bytes = read_all(model_file, &model_len);
+    model_bytes = fuzz_read_all(model_file, &model_len);
 }
 
 /* Whether the restored state is one a run could have saved at step 3. The moments' values
@@ -92,12 +79,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int64_t steps = tdm_optim_steps(opt);
     int rc = tdm_checkpoint_load(ckpt, &s);
     if (rc == TDM_OK && !restored_in_range(&s)) abort(); /* accepted out of range */
-    if (rc != TDM_OK &&
-        ((rc != TDM_ERR_FORMAT && rc != TDM_ERR_IO) || !*tdm_last_error() ||
-         tdm_optim_steps(opt) != steps))
+    if (rc != TDM_OK && ((rc != TDM_ERR_FORMAT && rc != TDM_ERR_IO) || !*tdm_last_error() ||
+                         tdm_optim_steps(opt) != steps))
         abort(); /* refused: saying why, with the optimizer as it was */
     size_t n;
-    char *now = read_all(model_file, &n);
+    char *now = fuzz_read_all(model_file, &n);
     if (n != model_len || memcmp(now, model_bytes, n)) abort();
     free(now);
     tdm_clear_error();

@@ -80,15 +80,6 @@ static int poison(const char *src, const char *dst, const char *name, float valu
     return rc || !found ? -1 : 0;
 }
 
-/* Whether a file holds exactly the bytes of want (want_len of them). */
-static bool same_bytes(const char *path, const char *want, size_t want_len) {
-    size_t n = 0;
-    char *got = slurp_file(path, &n);
-    bool same = got && n == want_len && memcmp(got, want, n) == 0;
-    free(got);
-    return same;
-}
-
 /* The error line names the file, the field and the value, and ends with something. */
 static void check_message(const char *what, const char *err, const char *file, const char *field,
                           const char *value) {
@@ -142,20 +133,13 @@ static int pristine_read(const char *ckpt, pristine *p) {
     return p->state && p->model ? 0 : -1;
 }
 
-static bool write_bytes(const char *path, const char *bytes, size_t len) {
-    FILE *f = fopen(path, "wb");
-    bool ok = f && fwrite(bytes, 1, len, f) == len;
-    return f && fclose(f) == 0 && ok;
-}
-
 /* Writes the files of ckpt back as p holds them. 0 or -1. */
 static int restore(const char *ckpt, const pristine *p) {
     char ts[400], model[400];
     snprintf(ts, sizeof ts, "%s/train_state.safetensors", ckpt);
     snprintf(model, sizeof model, "%s/model.safetensors", ckpt);
-    return write_bytes(ts, p->state, p->state_len) && write_bytes(model, p->model, p->model_len)
-               ? 0
-               : -1;
+    return file_write(ts, p->state, p->state_len) && file_write(model, p->model, p->model_len) ? 0
+                                                                                               : -1;
 }
 
 /* Rewrites the files of ckpt from p as t says. 0 or -1. */
@@ -192,7 +176,7 @@ static void resume_refused(const char *dir, const char *ckpt, const tamper *t, c
     check_message(what, err, t->file ? t->file : "train_state.safetensors", t->field, t->value);
     CHECK(count_ckpts(dir) == 1, "%s: %d checkpoints after the refused resume", what,
           count_ckpts(dir));
-    CHECK(same_bytes(ts, ts_bytes, ts_len) && same_bytes(model, model_bytes, model_len),
+    CHECK(file_holds(ts, ts_bytes, ts_len) && file_holds(model, model_bytes, model_len),
           "%s: the checkpoint's files were changed", what);
     remove_others(dir, strrchr(ckpt, '/') + 1);
     free(err);

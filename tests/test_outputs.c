@@ -29,21 +29,6 @@ static int run(const char *const *argv) {
     return wait_status(spawn_captured(argv));
 }
 
-static bool write_file(const char *path, const void *bytes, size_t n) {
-    FILE *f = fopen(path, "wb");
-    bool ok = f && fwrite(bytes, 1, n, f) == n;
-    return f && fclose(f) == 0 && ok;
-}
-
-/* Whether the file at path holds exactly bytes[0, n). */
-static bool holds(const char *path, const char *bytes, size_t n) {
-    size_t len = 0;
-    char *s = slurp_file(path, &len);
-    bool same = s && len == n && memcmp(s, bytes, n) == 0;
-    free(s);
-    return same;
-}
-
 /* The copy of the data set byte for byte, and nothing added beside it. */
 static bool data_intact(void) {
     bool ok = true;
@@ -53,7 +38,7 @@ static bool data_intact(void) {
         snprintf(copy, sizeof copy, "%s/%s", data, idx_files[i]);
         size_t n = 0;
         char *s = slurp_file(orig, &n);
-        ok = ok && s && holds(copy, s, n);
+        ok = ok && s && file_holds(copy, s, n);
         free(s);
     }
     DIR *d = opendir(data);
@@ -75,7 +60,7 @@ static bool copy_data(void) {
         snprintf(copy, sizeof copy, "%s/%s", data, idx_files[i]);
         size_t n = 0;
         char *s = slurp_file(orig, &n);
-        bool ok = s && write_file(copy, s, n);
+        bool ok = s && file_write(copy, s, n);
         free(s);
         if (!ok) return false;
     }
@@ -141,13 +126,13 @@ static void gpt_save_on_data(void) {
     char book[300], text[4096], want[1000];
     snprintf(book, sizeof book, "%s/book.txt", tmpdir);
     for (size_t i = 0; i < sizeof text; i++) text[i] = "the quick brown fox. "[i % 21];
-    CHECK(write_file(book, text, sizeof text), "writing %s", book);
+    CHECK(file_write(book, text, sizeof text), "writing %s", book);
     snprintf(want, sizeof want, "--save '%s' is the --data file '%s'", book, book);
     refused("--save over the gpt's --data",
             ARGS("train", "--model", "gpt", "--data", book, "--layers", "1", "--heads", "2",
                  "--channels", "32", "--context", "16", "--max-steps", "2", "--save", book),
             want);
-    CHECK(holds(book, text, sizeof text), "%s changed", book);
+    CHECK(file_holds(book, text, sizeof text), "%s changed", book);
 }
 
 /* Checkpoints and the weights and logs made from them. */
@@ -179,7 +164,7 @@ static void outputs_on_checkpoints(void) {
                  dir, "--overwrite"),
             want);
     /* export onto the checkpoint's own files: tdm_checkpoint_export refuses it (test_export) */
-    CHECK(holds(w, wb, nw) && holds(state, sb, ns), "the checkpoint %s changed", ckpt);
+    CHECK(file_holds(w, wb, nw) && file_holds(state, sb, ns), "the checkpoint %s changed", ckpt);
     free(wb), free(sb);
     /* what is not refused: a run's outputs beside its checkpoints, which it resumes */
     char log[400];
@@ -197,14 +182,14 @@ static void outputs_on_outputs(void) {
     char other[300], spec[400], want[1000], same[400];
     snprintf(other, sizeof other, "%s/other.jsonl", tmpdir);
     const char *line = "{\"type\":\"epoch\",\"epoch\":1,\"test_acc\":0.8,\"wall_s\":3}\n";
-    CHECK(write_file(other, line, strlen(line)), "writing %s", other);
+    CHECK(file_write(other, line, strlen(line)), "writing %s", other);
     snprintf(spec, sizeof spec, "%s=theirs", other);
     snprintf(want, sizeof want, "--plot '%s' is the --plot-compare file '%s'", other, other);
     refused(
         "--plot over a --plot-compare file",
         ARGS("train", "--data", data, "--max-steps", "2", "--plot", other, "--plot-compare", spec),
         want);
-    CHECK(holds(other, line, strlen(line)), "%s changed", other);
+    CHECK(file_holds(other, line, strlen(line)), "%s changed", other);
     snprintf(same, sizeof same, "%s/./other.jsonl", tmpdir);
     snprintf(want, sizeof want, "--log '%s' and --trace '%s' are the same file", other, same);
     refused("--log and --trace in one file",
@@ -308,11 +293,11 @@ static void leftovers_removed(void) {
     int rc = run(ARGS("train", "--data", data, "--max-steps", "2", "--checkpoint-dir", dir));
     snprintf(p, sizeof p, "%s/.ckpt-0000000009.tmp", dir);
     snprintf(q, sizeof q, "%s/junk.safetensors", p);
-    CHECK(rc == 0 && mkdir(p, 0755) == 0 && write_file(q, "x", 1), "making %s", p);
+    CHECK(rc == 0 && mkdir(p, 0755) == 0 && file_write(q, "x", 1), "making %s", p);
     char temp[400], probe[400];
     snprintf(temp, sizeof temp, "%s/model.bin.tmp-Ab12Cd", dir);
     snprintf(probe, sizeof probe, "%s/.tandem-probe-12345", dir);
-    CHECK(write_file(temp, "x", 1) && write_file(probe, "", 0), "making %s", temp);
+    CHECK(file_write(temp, "x", 1) && file_write(probe, "", 0), "making %s", temp);
     snprintf(p, sizeof p, "%s/ckpt-0000000002", dir);
     snprintf(q, sizeof q, "%s/.ckpt-0000000002.old", dir);
     CHECK(rename(p, q) == 0, "moving %s aside", p);

@@ -40,6 +40,22 @@ static inline char *slurp_file(const char *path, size_t *len) {
     return s;
 }
 
+/* Writes bytes[0, n) to path (replacing it); whether all of it was written. */
+static inline bool file_write(const char *path, const void *bytes, size_t n) {
+    FILE *f = fopen(path, "wb");
+    bool ok = f && fwrite(bytes, 1, n, f) == n;
+    return f && fclose(f) == 0 && ok;
+}
+
+/* Whether the file at path holds exactly bytes[0, n): an input a command must not change. */
+static inline bool file_holds(const char *path, const void *bytes, size_t n) {
+    size_t len = 0;
+    char *s = slurp_file(path, &len);
+    bool same = s && len == n && memcmp(s, bytes, n) == 0;
+    free(s);
+    return same;
+}
+
 /* The ckpt-* entries of a checkpoint directory. */
 static inline int count_ckpts(const char *dir) {
     DIR *d = opendir(dir);

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -53,10 +54,14 @@ void eval_help(FILE *out) {
         "    tandem eval --model cnn --weights runs/cnn/ckpt-0000000938/model.safetensors\n");
 }
 
-static int usage(const char *fmt, const char *a, const char *b) {
+static int usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int usage(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
     fprintf(stderr, "tandem eval: ");
-    fprintf(stderr, fmt, a, b);
+    vfprintf(stderr, fmt, ap);
     fprintf(stderr, " (see 'tandem eval --help')\n");
+    va_end(ap);
     return EXIT_USAGE;
 }
 
@@ -88,8 +93,8 @@ static int parse(int argc, char **argv, eval_opts *o) {
         bool known = !strcmp(a, "--weights") || !strcmp(a, "--model") || !strcmp(a, "--data") ||
                      !strcmp(a, "--limit") || !strcmp(a, "--batch-size") ||
                      !strcmp(a, "--image-size") || !strcmp(a, "--eval-transform");
-        if (!known) return usage("unknown option or argument '%s'%s", a, "");
-        if (!v || !*v) return usage("%s needs a value%s", a, "");
+        if (!known) return usage("unknown option or argument '%s'", a);
+        if (!v || !*v) return usage("%s needs a value", a);
         i++;
         int rc = 0;
         if (!strcmp(a, "--weights"))
@@ -108,7 +113,7 @@ static int parse(int argc, char **argv, eval_opts *o) {
             rc = parse_int(a, v, 1, &o->batch_size);
         if (rc) return rc;
     }
-    if (!o->weights) return usage("%s is required%s", "--weights FILE", "");
+    if (!o->weights) return usage("--weights FILE is required");
     bool ok = !strcmp(o->model, "resnet18") || !strcmp(o->model, "resnet34") ||
               !strcmp(o->model, "resnet50");
     for (const char *const *m = tdm_model_names; *m; m++) ok = ok || !strcmp(*m, o->model);
@@ -116,7 +121,7 @@ static int parse(int argc, char **argv, eval_opts *o) {
         return usage(
             "--model: unknown model '%s' (expected mlp, cnn, cnn-bn, resnet18, resnet34 or "
             "resnet50)",
-            o->model, "");
+            o->model);
     return 0;
 }
 

@@ -364,6 +364,15 @@ static double usable(double limit) {
     return limit > margin ? limit - margin : 0;
 }
 
+/* What a GPU's memory leaves for the estimate: the CUDA context, cuBLAS's workspaces and
+ * NCCL's buffers (about a GiB together) and the estimate's own error, whose activation factors
+ * were measured with the CPU's kernels: a tenth of the memory, at least 1 GiB. A GPU is taken
+ * as the run's alone, as PyTorch takes it. */
+static double gpu_usable(double total) {
+    double margin = total / 10 > 1024.0 * (1 << 20) ? total / 10 : 1024.0 * (1 << 20);
+    return total > margin ? total - margin : 0;
+}
+
 static void human(double bytes, char *buf, size_t cap) {
     const char *unit[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB"};
     int u = 0;
@@ -405,6 +414,17 @@ void estimate_print(const estimate *e, const train_opts *o, FILE *out) {
             "memory    %s in all on this process's CPU devices, of %s usable (%s: %s, less "
             "a margin of a quarter)\n",
             need, use, what, has);
+    for (int d = 0; d < e->n_devs; d++) { /* a GPU holds its share alone */
+        int64_t total = 0;
+        char dev[16];
+        if (o->devs[d].type != TDM_CUDA || tdm_device_memory_info(o->devs[d], &total, NULL))
+            continue;
+        human((double)e->dev[d].total, need, sizeof need);
+        human(gpu_usable((double)total), use, sizeof use);
+        human((double)total, has, sizeof has);
+        fprintf(out, "memory    %s on %s, of %s usable (its %s, less a tenth)\n", need,
+                tdm_device_str(o->devs[d], dev), use, has);
+    }
 }
 
 /* The largest --batch-size whose activations and batch buffers, scaled from e's, fit in
@@ -458,10 +478,33 @@ static void suggest(const estimate *e, const train_opts *o, double room, char *b
              "more devices (--devices, or processes under mpirun), or a smaller model");
 }
 
+/* 0, or EXIT_RUNTIME naming the first GPU of the run whose share exceeds its memory. */
+static int check_gpus(const estimate *e, const train_opts *o) {
+    for (int d = 0; d < e->n_devs; d++) {
+        int64_t total = 0;
+        char dev[16], n[32], l[32], u[32], fix[1024];
+        if (o->devs[d].type != TDM_CUDA) continue;
+        if (tdm_device_memory_info(o->devs[d], &total, NULL))
+            return task_error("--devices %s: %s", o->devices, tdm_last_error());
+        double room = gpu_usable((double)total);
+        if ((double)e->dev[d].total <= room) continue;
+        human((double)e->dev[d].total, n, sizeof n), human((double)total, l, sizeof l);
+        human(room, u, sizeof u);
+        suggest(e, o, room, fix, sizeof fix);
+        return task_error("--model %s (%lld parameters) with --batch-size %lld needs about %s on "
+                          "%s, more than the %s it allows (its memory: %s, less a tenth for the "
+                          "CUDA context, cuBLAS and NCCL); nothing was built. To fit, try: %s "
+                          "(tandem train --dry-run prints the estimate)",
+                          o->model, (long long)e->n_params, (long long)o->batch_size, n,
+                          tdm_device_str(o->devs[d], dev), u, l, fix);
+    }
+    return 0;
+}
+
 int estimate_check(const estimate *e, const train_opts *o) {
     const char *what;
     double limit = memory_limit(&what), need = host_total(e, o);
-    if (need <= usable(limit)) return 0;
+    if (need <= usable(limit)) return check_gpus(e, o);
     char n[32], l[32], u[32], p[32], a[32], fix[1024];
     const estimate_device *x = &e->dev[0];
     human(need, n, sizeof n), human(limit, l, sizeof l), human(usable(limit), u, sizeof u);

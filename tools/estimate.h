@@ -33,13 +33,14 @@ int estimate_make(const train_opts *o, const task *t, int procs, const tdm_loade
                   const tdm_loader_opts *eo, estimate *e);
 
 /* Prints e to out, one line per device and part ("memory    cpu:0  parameters 1.2 MiB ..."),
- * with this machine's memory limit. */
+ * with this machine's memory limit and each GPU's. */
 void estimate_print(const estimate *e, const train_opts *o, FILE *out);
 
 /* 0 when what e needs on the CPU devices of this process (they share this machine's memory)
  * fits under the memory the process may use (physical memory, RLIMIT_AS, the cgroup's
- * memory.max: the least), less a margin; else EXIT_RUNTIME after an error naming the figures
- * and what would make the run fit. */
+ * memory.max: the least), less a margin, and each GPU's share under that GPU's memory less a
+ * margin; else EXIT_RUNTIME after an error naming the device, the figures and what would make
+ * the run fit. */
 int estimate_check(const estimate *e, const train_opts *o);
 
 #endif

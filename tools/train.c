@@ -296,8 +296,8 @@ static const opt_spec specs[] = {
      "Print the memory the run needs on each device (parameters, gradients, optimizer state, "
      "a step's activations, the data's buffers) and stop, before the model is built; exit "
      "status 0. Without it a run that cannot fit in this machine's memory (physical memory, "
-     "ulimit -v, the cgroup's memory.max: the least, less a quarter) stops there with these "
-     "figures and what would make it fit."},
+     "ulimit -v, the cgroup's memory.max: the least, less a quarter) or in a GPU's (less a "
+     "tenth) stops there with these figures and what would make it fit."},
     {"--max-steps", "N", OPT_INT, F(max_steps), 1, 1e12, "none",
      "Stop after N optimizer steps in total, counted across resumes, as if interrupted there "
      "(writing a checkpoint when --checkpoint-dir is set), without evaluating."},

@@ -86,6 +86,11 @@ char *tdm_device_str(tdm_device d, char *buf);
  * bytes. TDM_OK, or TDM_ERR_DEVICE when d is not a GPU this process can use (the message
  * says why: no CUDA in this build, no GPU, fewer GPUs). */
 int tdm_device_describe(tdm_device d, char *buf, size_t cap);
+/* The memory of device d in bytes: *total its capacity, *avail what is free now (a GPU's, as
+ * cudaMemGetInfo says; a CPU device's, the machine's physical memory and what the kernel
+ * counts available). Either pointer may be NULL. TDM_OK, or TDM_ERR_DEVICE as
+ * tdm_device_describe. */
+int tdm_device_memory_info(tdm_device d, int64_t *total, int64_t *avail);
 /* The library behind CPU matrix products and the kernel set it runs on this CPU, for listings
  * and logs: "oneDNN 2.6.3, avx512_core" or "OpenBLAS 0.3.21, SkylakeX kernels". Writes at most
  * cap bytes into buf (always terminated) and returns buf. */

@@ -1,6 +1,8 @@
 /* Device -> backend table lookup. */
 #include "backend/backend.h"
 
+#include <unistd.h>
+
 #ifdef TANDEM_HAVE_CUDA
 #include "backend/cuda/cuda.h"
 #else
@@ -61,6 +63,26 @@ int tdm_device_describe(tdm_device d, char *buf, size_t cap) {
 #else
     return TDM_ERR_DEVICE; /* unreachable: tdm_backend_for refused */
 #endif
+}
+
+int tdm_device_memory_info(tdm_device d, int64_t *total, int64_t *avail) {
+    int64_t t = 0, a = 0;
+    if (d.type == TDM_CPU) {
+        long pages = sysconf(_SC_PHYS_PAGES), free_pages = sysconf(_SC_AVPHYS_PAGES);
+        long page = sysconf(_SC_PAGESIZE);
+        t = pages > 0 && page > 0 ? (int64_t)pages * page : 0;
+        a = free_pages > 0 && page > 0 ? (int64_t)free_pages * page : 0;
+    } else if (!tdm_backend_for(d)) {
+        return tdm_last_status();
+    } else {
+#ifdef TANDEM_HAVE_CUDA
+        int rc = tdm_cuda_memory(d.index, &t, &a);
+        if (rc) return rc;
+#endif
+    }
+    if (total) *total = t;
+    if (avail) *avail = a;
+    return TDM_OK;
 }
 
 const tdm_backend *tdm_backend_for(tdm_device dev) {

@@ -27,6 +27,8 @@ extern const tdm_backend tdm_cuda_backend;
 int tdm_cuda_device_count(void);
 /* "name, memory GiB, sm_XY" of GPU index into buf (tdm_device_describe). */
 int tdm_cuda_describe(int index, char *buf, size_t cap);
+/* GPU index's memory: *total and *avail (cudaMemGetInfo) in bytes (tdm_device_memory_info). */
+int tdm_cuda_memory(int index, int64_t *total, int64_t *avail);
 /* Why there is no GPU ("no CUDA driver", "no GPU found", ...) or "" when there is one. */
 const char *tdm_cuda_unavailable_reason(void);
 /* The compute (comm = false) or communication stream of GPU index, as a cudaStream_t,

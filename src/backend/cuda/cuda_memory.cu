@@ -52,6 +52,15 @@ extern "C" int tdm_cuda_describe(int index, char *buf, size_t cap) {
     return TDM_OK;
 }
 
+extern "C" int tdm_cuda_memory(int index, int64_t *total, int64_t *avail) {
+    size_t free_b = 0, total_b = 0;
+    if (!cu_dev(index, "memory") || cu_check(cudaMemGetInfo(&free_b, &total_b), "memory", index))
+        return tdm_last_status();
+    *total = (int64_t)total_b;
+    *avail = (int64_t)free_b;
+    return TDM_OK;
+}
+
 int cu_check(cudaError_t err, const char *what, int index) {
     if (err == cudaSuccess) return TDM_OK;
     cudaGetLastError(); /* a non-sticky error must not fail the next, unrelated launch */

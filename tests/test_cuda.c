@@ -224,10 +224,11 @@ static void case_random(run *r) {
 
 /* Every unary op (powers of three exponents) on a transposed view: the strided path. */
 static void case_unary(run *r) {
-    const char *names[] = {"neg",  "exp",  "log",     "sqrt",  "relu",  "gelu_tanh",
-                           "gelu", "tanh", "sigmoid", "add_s", "mul_s", "pow_s"};
+    const char *names[] = {"neg",  "exp",     "log",   "sqrt",  "relu",  "gelu_tanh", "gelu",
+                           "tanh", "sigmoid", "add_s", "mul_s", "pow_s", "softsign"};
+    _Static_assert(sizeof names / sizeof names[0] == TDM_UN_LAST + 1, "a name for every op");
     float pows[] = {2.0f, 3.0f, -1.5f};
-    for (int op = TDM_UN_NEG; op <= TDM_UN_POW_SCALAR; op++)
+    for (int op = TDM_UN_NEG; op <= TDM_UN_LAST; op++)
         for (int i = 0; i < (op == TDM_UN_POW_SCALAR ? 3 : 1); i++) {
             float s = op == TDM_UN_POW_SCALAR ? pows[i] : 0.7f;
             bool pos = op == TDM_UN_LOG || op == TDM_UN_SQRT || op == TDM_UN_POW_SCALAR;

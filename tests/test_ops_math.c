@@ -245,12 +245,13 @@ typedef enum {
     U_ADD_S,
     U_MUL_S,
     U_POW_S,
+    U_SOFTSIGN,
     U_COUNT
 } uop;
 
 static const char *const unary_names[U_COUNT] = {
-    "neg",      "exp",  "log",     "sqrt",       "relu",       "gelu_tanh",
-    "gelu_erf", "tanh", "sigmoid", "add_scalar", "mul_scalar", "pow_scalar"};
+    "neg",  "exp",     "log",        "sqrt",       "relu",       "gelu_tanh", "gelu_erf",
+    "tanh", "sigmoid", "add_scalar", "mul_scalar", "pow_scalar", "softsign"};
 
 static tdm_tensor *apply_unary(uop op, tdm_tensor *x, float s) {
     switch (op) {
@@ -278,6 +279,8 @@ static tdm_tensor *apply_unary(uop op, tdm_tensor *x, float s) {
         return tdm_mul_scalar(x, s);
     case U_POW_S:
         return tdm_pow_scalar(x, s);
+    case U_SOFTSIGN:
+        return tdm_softsign(x);
     default:
         return NULL;
     }
@@ -309,6 +312,8 @@ static double ref_unary(uop op, double v, double s) {
         return v * s;
     case U_POW_S:
         return pow(v, s);
+    case U_SOFTSIGN:
+        return v / (1 + fabs(v));
     default:
         return NAN;
     }
@@ -368,6 +373,23 @@ static void test_unary_forward(void) {
     CHECK(ev[0] == 0 && ev[1] == 0 && isinf(ev[2]) && isinf(ev[3]) && isnan(ev[4]) && ev[5] == 1,
           "exp edges: %g %g %g %g %g %g", ev[0], ev[1], ev[2], ev[3], ev[4], ev[5]);
     free(ev);
+    tdm_scope_end();
+}
+
+/* softsign at points whose values are exact fractions, worked out by hand: a check that does
+ * not share the formula with ref_unary above. */
+static void test_softsign_by_hand(void) {
+    tdm_scope_begin();
+    float xv[] = {-3, -1, -0.5f, 0, 0.25f, 1, 4};
+    float want[] = {-0.75f, -0.5f, -1.0f / 3, 0, 0.2f, 0.5f, 0.8f};
+    /* d/dx = 1 / (1 + |x|)^2, at the same points */
+    float dwant[] = {1.0f / 16, 0.25f, 4.0f / 9, 1, 0.64f, 0.25f, 0.04f};
+    tdm_tensor *x = tdm_from_data(TDM_SHAPE(7), TDM_F32, tdm_cpu(0), xv);
+    tdm_requires_grad_(x, true);
+    tdm_tensor *y = tdm_softsign(x);
+    if (y) check_tensor_close(y, want, 0, 1e-7, "softsign by hand");
+    CHECK(y && tdm_backward(tdm_sum_all(y)) == 0, "softsign backward: %s", tdm_last_error());
+    if (y) check_tensor_close(x->grad, dwant, 0, 1e-7, "softsign gradient by hand");
     tdm_scope_end();
 }
 
@@ -853,9 +875,10 @@ static void test_errors(void) {
               tdm_mul_scalar(NULL, 1) == NULL && tdm_pow_scalar(NULL, 2) == NULL &&
               tdm_neg(NULL) == NULL && tdm_log(NULL) == NULL && tdm_sqrt(NULL) == NULL &&
               tdm_gelu(NULL, true) == NULL && tdm_tanh(NULL) == NULL && tdm_sigmoid(NULL) == NULL &&
-              tdm_sum(NULL, 0, false) == NULL && tdm_mean(NULL, 0, true) == NULL &&
-              tdm_max(NULL, 0, false, &am) == NULL && am == NULL && tdm_mean_all(NULL) == NULL &&
-              tdm_softmax(NULL, 0) == NULL && tdm_log_softmax(NULL, -1) == NULL,
+              tdm_softsign(NULL) == NULL && tdm_sum(NULL, 0, false) == NULL &&
+              tdm_mean(NULL, 0, true) == NULL && tdm_max(NULL, 0, false, &am) == NULL &&
+              am == NULL && tdm_mean_all(NULL) == NULL && tdm_softmax(NULL, 0) == NULL &&
+              tdm_log_softmax(NULL, -1) == NULL,
           "every op returns NULL for NULL");
     tdm_clear_error();
 
@@ -870,6 +893,7 @@ int main(void) {
     test_mul_sum_by_hand();
     test_binary_forward();
     test_unary_forward();
+    test_softsign_by_hand();
     test_reductions_forward();
     test_softmax_forward();
     test_kernels();

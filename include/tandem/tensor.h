@@ -296,6 +296,9 @@ tdm_tensor *tdm_relu(tdm_tensor *a);
 tdm_tensor *tdm_gelu(tdm_tensor *a, bool tanh_approx); /* false: exact erf form */
 tdm_tensor *tdm_tanh(tdm_tensor *a);
 tdm_tensor *tdm_sigmoid(tdm_tensor *a);
+/* x / (1 + |x|), as torch.nn.functional.softsign; gradient 1 / (1 + |x|)^2. A new tensor on
+ * a's device (owned like any op's output); NULL if a is NULL or not f32. */
+tdm_tensor *tdm_softsign(tdm_tensor *a);
 
 /* Reductions. dim -1 counts from the end; keepdim keeps it with size 1. */
 tdm_tensor *tdm_sum(tdm_tensor *a, int dim, bool keepdim);

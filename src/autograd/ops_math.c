@@ -214,6 +214,10 @@ tdm_tensor *tdm_sigmoid(tdm_tensor *a) {
     return unary_op(TDM_UN_SIGMOID, "sigmoid", a, 0);
 }
 
+tdm_tensor *tdm_softsign(tdm_tensor *a) {
+    return unary_op(TDM_UN_SOFTSIGN, "softsign", a, 0);
+}
+
 /* ---- reductions ---------------------------------------------------------------------- */
 
 /* g [x's shape] = scale * gout broadcast back over the reduced dim d of x. gout has the

@@ -24,7 +24,11 @@ typedef enum {
     TDM_UN_ADD_SCALAR, /* x + s */
     TDM_UN_MUL_SCALAR, /* x * s */
     TDM_UN_POW_SCALAR, /* x ^ s */
+    TDM_UN_SOFTSIGN,   /* x / (1 + |x|) */
 } tdm_unary_op;
+/* The last unary op: the kernels refuse an op past it and test_cuda walks up to it, so a new
+ * op (appended to the enum) moves only this line (docs/HACKING.md, "A new element-wise op"). */
+#define TDM_UN_LAST TDM_UN_SOFTSIGN
 
 typedef enum { TDM_BIN_ADD, TDM_BIN_SUB, TDM_BIN_MUL, TDM_BIN_DIV } tdm_binary_op;
 

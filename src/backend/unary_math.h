@@ -22,6 +22,7 @@ static inline char tdm_unary_bwd_needs(tdm_unary_op op) {
     case TDM_UN_GELU_TANH:
     case TDM_UN_GELU_ERF:
     case TDM_UN_POW_SCALAR:
+    case TDM_UN_SOFTSIGN:
         return 'x';
     default:
         return 0;

@@ -87,11 +87,14 @@ static void unary_row(tdm_unary_op op, float *y, const float *x, int64_t sx, int
         else
             UNARY_ROW(powf(v, s));
         break;
+    case TDM_UN_SOFTSIGN:
+        UNARY_ROW(v / (1.0f + fabsf(v)));
+        break;
     }
 }
 
 static bool unary_op_valid(tdm_unary_op op) {
-    return op >= TDM_UN_NEG && op <= TDM_UN_POW_SCALAR;
+    return op >= TDM_UN_NEG && op <= TDM_UN_LAST;
 }
 
 int tdm_cpu_unary(tdm_unary_op op, tdm_tensor *y, const tdm_tensor *x, float s) {
@@ -231,6 +234,10 @@ static void unary_bwd_row(tdm_unary_op op, float *gx, const float *gy, int64_t s
         break;
     case TDM_UN_POW_SCALAR:
         BWD_X(g * pow_grad(v, s));
+        break;
+    case TDM_UN_SOFTSIGN:
+        /* from x, not y: 1 - |y| loses the small gradient's digits for large |x| */
+        BWD_X(g / ((1.0f + fabsf(v)) * (1.0f + fabsf(v))));
         break;
     }
 }

@@ -55,6 +55,8 @@ __device__ float unary_fwd(tdm_unary_op op, float v, float s) {
         if (s == 0.5f) return sqrtf(v);
         if (s == -1.0f) return 1.0f / v;
         return powf(v, s);
+    case TDM_UN_SOFTSIGN:
+        return v / (1.0f + fabsf(v));
     }
     return 0.0f;
 }
@@ -65,7 +67,7 @@ __global__ void unary_kernel(tdm_unary_op op, float *y, const float *x, cu_view 
 }
 
 extern "C" int tdm_cuda_unary(tdm_unary_op op, tdm_tensor *y, const tdm_tensor *x, float s) {
-    if (op < TDM_UN_NEG || op > TDM_UN_POW_SCALAR)
+    if (op < TDM_UN_NEG || op > TDM_UN_LAST)
         return tdm_raise(TDM_ERR_ARG, "cuda unary: unknown op %d", (int)op);
     int64_t n = tdm_numel(y);
     /* the op refused a tensor that is not f32 and allocated y contiguous like x */
@@ -114,6 +116,8 @@ __device__ float unary_grad(tdm_unary_op op, float g, float v, float o, float s)
         if (s == 2.0f) return g * 2.0f * v;
         if (s == 1.0f) return g;
         return g * s * powf(v, s - 1.0f);
+    case TDM_UN_SOFTSIGN:
+        return g / ((1.0f + fabsf(v)) * (1.0f + fabsf(v)));
     }
     return 0.0f;
 }
@@ -136,7 +140,7 @@ static bool walkable(const tdm_tensor *t, const tdm_tensor *gx) {
 
 extern "C" int tdm_cuda_unary_backward(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy,
                                        const tdm_tensor *x, const tdm_tensor *y, float s) {
-    if (op < TDM_UN_NEG || op > TDM_UN_POW_SCALAR)
+    if (op < TDM_UN_NEG || op > TDM_UN_LAST)
         return tdm_raise(TDM_ERR_ARG, "cuda unary_backward: unknown op %d", (int)op);
     char need = tdm_unary_bwd_needs(op);
     const tdm_tensor *saved = need == 'x' ? x : need == 'y' ? y : gy;

@@ -173,7 +173,7 @@ static int open_cifar(task *t, const char *spec) {
 }
 
 static int open_idx(task *t, const char *dir) {
-    const char *shown = dir ? dir : "/usr/share/datasets/fashion-mnist";
+    const char *shown = dir ? dir : TDM_FASHION_MNIST_DIR;
     if (!(t->train = tdm_fashion_mnist(dir, true)))
         return task_error("cannot load training data from '%s': %s", shown, tdm_last_error());
     if (!(t->test = tdm_fashion_mnist(dir, false)))

@@ -856,7 +856,7 @@ int train_parse_args(int argc, char **argv, train_opts *o) {
 /* What --data reads: the directory of fashion-mnist, of cifar10:DIR, or the DIR or FILE. */
 static const char *data_path(const train_opts *o) {
     if (strcmp(o->model, "gpt") == 0) return o->data;
-    if (strcmp(o->data, "fashion-mnist") == 0) return "/usr/share/datasets/fashion-mnist";
+    if (strcmp(o->data, "fashion-mnist") == 0) return TDM_FASHION_MNIST_DIR;
     if (!strncmp(o->data, "cifar10:", 8) || !strncmp(o->data, "cifar100:", 9))
         return strchr(o->data, ':') + 1;
     return o->data;

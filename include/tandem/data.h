@@ -74,8 +74,10 @@ struct tdm_dataset {
 /* IDX image and label files (MNIST, Fashion-MNIST), gzipped or raw (detected from the
  * content). Images become f32 [1, rows, cols] scaled to [0, 1]; labels i64. */
 tdm_dataset *tdm_idx_dataset_open(const char *images_path, const char *labels_path);
-/* Fashion-MNIST from dir (NULL: Debian's /usr/share/datasets/fashion-mnist), train or test
- * split ("train-*" or "t10k-*" files). */
+/* Where Debian's dataset-fashion-mnist puts the four files. */
+#define TDM_FASHION_MNIST_DIR "/usr/share/datasets/fashion-mnist"
+/* Fashion-MNIST from dir (NULL: TDM_FASHION_MNIST_DIR), train or test split ("train-*" or
+ * "t10k-*" files). */
 tdm_dataset *tdm_fashion_mnist(const char *dir, bool train);
 /* llm.c's token shards: a header of 256 little-endian int32 (magic 20240520, version 1,
  * token count), then u16 tokens. Sample i is the window tokens[i*T, i*T + T] (x) and the same

@@ -419,8 +419,6 @@ tdm_dataset *tdm_idx_dataset_open(const char *images_path, const char *labels_pa
 
 /* ---- Fashion-MNIST ------------------------------------------------------------------------ */
 
-#define FASHION_DIR "/usr/share/datasets/fashion-mnist"
-
 /* dir/stem.gz if it exists, else dir/stem (an unpacked copy). */
 static void fashion_path(char *out, size_t size, const char *dir, const char *stem) {
     snprintf(out, size, "%s/%s.gz", dir, stem);
@@ -428,7 +426,7 @@ static void fashion_path(char *out, size_t size, const char *dir, const char *st
 }
 
 tdm_dataset *tdm_fashion_mnist(const char *dir, bool train) {
-    if (!dir) dir = FASHION_DIR;
+    if (!dir) dir = TDM_FASHION_MNIST_DIR;
     const char *split = train ? "train" : "t10k";
     char img[4096], lab[4096], stem[64];
     snprintf(stem, sizeof stem, "%s-images-idx3-ubyte", split);

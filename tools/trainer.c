@@ -34,8 +34,9 @@ static int64_t count_correct(const int64_t *pred, const int64_t *label, int64_t 
 /* --workers, or by default 2, or 0 where every core runs a device (data parallel on as many CPU
  * devices as cores) and a batch only copies samples held in memory (no image to decode, no
  * transform): a worker then runs only by preempting a device. The MLP on cpu:0,cpu:1 (2
- * cores): 0.411 s an epoch with 2 workers, 0.401 with the training thread building each batch
- * of 64 (16 us). */
+ * cores) is faster with the training thread building each batch of 64 than with 2 workers
+ * (bench/RESULTS.md, "Issue 15: two CPU devices against one, the MLP again", "Figures behind the
+ * code"). */
 static int loader_workers(const trainer *tr) {
     const train_opts *o = tr->o;
     if (o->workers >= 0) return (int)o->workers;
@@ -356,13 +357,13 @@ static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
 
 /* ---- the chunk, the window and the epoch ------------------------------------------------- */
 
-/* Data parallelism pays when each device's share of a step is large next to the ~0.1 ms a
- * step spends synchronising the devices (bench/RESULTS.md, bench_dp: the MLP, 32 MFLOP of
- * products per device per step, gains ~1.5x on 2 devices; the CNN, several hundred, 1.95x).
- * The first step's products on this thread are device 0's share: below the threshold, say
- * so. Against one device that has the other cores for its products
- * (tdm_gemm_threads_for_devices) the gain is smaller still: the MLP's epoch on cpu:0,cpu:1
- * ~1.3x cpu:0's (bench/RESULTS.md, "Two CPU devices against one"). */
+/* Data parallelism pays when each device's share of a step is large next to what a step
+ * spends synchronising the devices (bench/RESULTS.md, "Figures behind the code"; "DataParallel step
+ * latency": the MLP, 32 MFLOP of products per device per step, gains less on 2 devices than the
+ * CNN, several hundred). The first step's products on this thread are device 0's share: below the
+ * threshold, say so. Against one device that has the other cores for its products
+ * (tdm_gemm_threads_for_devices) the gain is smaller still (bench/RESULTS.md, "Two CPU
+ * devices against one"). */
 #define SMALL_DEVICE_WORK_FLOPS 100e6
 
 static void note_small_work(trainer *tr, uint64_t flops) {

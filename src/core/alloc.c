@@ -1,6 +1,6 @@
 /* The caching allocator: one pool per device. Freed blocks are kept in size classes and
  * handed out again, so a training step in steady state never calls the system allocator
- * (and never pays this machine's ~11 us first-touch page faults again).
+ * (and never pays first-touch page faults again: bench/RESULTS.md, "Figures behind the code").
  *
  * Size classes: 256-byte granules up to 4 KiB, then four classes per power of two (at most
  * 25% waste). A block keeps its storage header, so a cache hit allocates nothing. */

@@ -2,10 +2,10 @@
  *
  * Why it matters: SGD's momentum buffer of a parameter whose gradient stays zero (a dead
  * ReLU unit) decays by 0.9 a step and is denormal after ~800 steps; every operation on a
- * denormal then takes a microcode assist, and the MLP's epoch took 1.6x as long from its
- * second epoch on (bench/RESULTS.md). MXCSR is per thread and a new thread starts with its
- * creator's, so setting it before devices, loader workers and GEMM threads start covers
- * them all. */
+ * denormal then takes a microcode assist, and the MLP's epochs took much longer from its
+ * second epoch on (bench/RESULTS.md, "Figures behind the code"). MXCSR is per thread and a new
+ * thread starts with its creator's, so setting it before devices, loader workers and GEMM threads
+ * start covers them all. */
 #include "tandem/tensor.h"
 
 #if defined(__x86_64__) || defined(__i386__)

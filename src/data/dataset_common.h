@@ -26,8 +26,8 @@ static inline int tdm_ds_check_index(const tdm_dataset *ds, int64_t i) {
 /* out[i] = p[i] / 255.0f for i < n: bit for bit ToTensor's f32 division, without dividing
  * on CPUs with FMA: q = p * RN(1/255), corrected once by the residual p - 255q (exact with
  * an FMA), is the correctly rounded quotient for every byte (test_datasets checks all 256),
- * where the product alone misses 126 of them. Fashion-MNIST's 64 images a batch took the
- * loader 22 us with SSE2 divisions. */
+ * where the product alone misses 126 of them. The divisions cost the loader more
+ * (bench/RESULTS.md, "Figures behind the code"). */
 void tdm_ds_bytes_to_unit(float *out, const uint8_t *p, int64_t n);
 
 /* Reads a whole regular file into a malloc'd buffer with a NUL after the last byte (*size

@@ -247,8 +247,8 @@ static uint8_t *read_payload(idx_reader *r, uint64_t bytes, const char *what) {
     }
     /* 2 MiB aligned and on huge pages from 2 MiB up (the CPU backend's large blocks): a
      * batch reads 64 images at random from tens of MB, and with 4 KiB pages every image
-     * missed the TLB (perf: the loader's prefetches stalled on the page walks). A batch of
-     * Fashion-MNIST in the trainer on cpu:0,cpu:1: 23 -> 16.5 us. */
+     * missed the TLB (perf: the loader's prefetches stalled on the page walks). Figures:
+     * bench/RESULTS.md, "Issue 15: two CPU devices against one, the MLP again". */
     uint8_t *buf = (uint8_t *)tdm_cpu_mem_alloc(0, (size_t)cap);
     uint64_t got = 0;
     if (!buf) goto nomem;

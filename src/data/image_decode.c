@@ -102,8 +102,9 @@ __attribute__((constructor)) static void byte_to_unit_init(void) {
 
 /* RGB bytes px [n, 3] -> r, g, b [n], 8 pixels a step: two overlapping 16-byte loads hold
  * 24 bytes, byte shuffles gather each channel, and vdivps divides by 255 exactly as the table
- * (IEEE division is correctly rounded). 2.3x the table's speed on a photo (Zen 3). Returns
- * how many pixels it did (a multiple of 8; the caller does the rest). */
+ * (IEEE division is correctly rounded). Faster than the table on a photo (Zen 3:
+ * bench/RESULTS.md, "Figures behind the code"). Returns how many pixels it did (a multiple of
+ * 8; the caller does the rest). */
 __attribute__((target("avx2"))) static int64_t rgb_planar_avx2(const unsigned char *px, int64_t n,
                                                                float *r, float *g, float *b) {
     const __m128i lo[3] = {

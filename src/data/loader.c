@@ -34,8 +34,8 @@
 #define MAX_SLOTS       4096
 #define BUILD_CANCELLED 1
 /* samples hinted ahead of the one being read: a batch of random IDX images read one after
- * the other waits on every cache miss (~22 us for 64 Fashion-MNIST images here); with the
- * next rows already requested, ~12 us */
+ * the other waits on every cache miss; with the next rows already requested, about half as
+ * long (bench/RESULTS.md, "Figures behind the code") */
 #define PREFETCH_AHEAD 4
 
 typedef enum { SLOT_FREE, SLOT_FILLING, SLOT_READY, SLOT_IN_USE } slot_state;
@@ -389,8 +389,9 @@ static int start_workers(tdm_loader *l) {
 /* Slots in the ring: workers * prefetch, or more for small batches. A woken worker builds every
  * free slot before it sleeps and is woken once half the ring is free (release_held), so the
  * depth sets how often the training thread pays a wake-up (a futex call and a cross-core
- * interrupt): the MLP's batches of 200 KB on one core, 4 slots, waited 10.6-14.5 us a step
- * for data, 3.0-3.8 us with 16 (`--trace`, the span "wait for data"). Small batches get up to
+ * interrupt): the MLP's batches of 200 KB on one core waited for data about a quarter as long
+ * with 16 slots as with 4 (`--trace`, the span "wait for data"; bench/RESULTS.md, "Issue 15:
+ * A @ B^T without packing B, the loader's ring"). Small batches get up to
  * RING_SLOTS_MAX slots within RING_BYTES; large ones keep the ring asked for. */
 #define RING_BYTES     (4u << 20)
 #define RING_SLOTS_MAX 16
@@ -583,8 +584,8 @@ static void release_held(tdm_loader *l) {
          * once half the ring is free (or all that is left of the epoch), not every step: a
          * wake-up is a syscall on the training thread and a context switch on a core a device
          * may need. One worker, not all: the others would preempt the training
-         * thread for nothing (~50 us a step on 2 cores). wait_ready wakes one too when the
-         * caller gets ahead of the builds. */
+         * thread for nothing (bench/RESULTS.md, "Figures behind the code"). wait_ready wakes one
+         * too when the caller gets ahead of the builds. */
         int64_t end =
             l->next_consume + l->nslots < l->nbatches ? l->next_consume + l->nslots : l->nbatches;
         int64_t ahead = end - l->next_build;

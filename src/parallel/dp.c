@@ -46,7 +46,8 @@ typedef enum {
 #define DONE_SPIN_NS 50000
 /* Nanoseconds a replica thread spins for the next step before it sleeps: the caller starts
  * the next step within microseconds of the last (one batch from the loader), and waking a
- * sleeping thread costs it 50-80 us of a ~500 us MLP step on the 2-core VM. Between epochs
+ * sleeping thread costs it a tenth or more of an MLP step on the 2-core VM (bench/RESULTS.md,
+ * "Figures behind the code"). Between epochs
  * (evaluation) the thread soon sleeps. */
 #define NEXT_SPIN_NS 200000
 
@@ -150,7 +151,8 @@ static int clip_shard(replica *r, int64_t lo, int64_t hi) {
  * there into its own gradient, steps its own parameters there with replica 0's optimizer
  * state, and copies them into every other replica. Each core so writes lines of its own but
  * for the copies (core 1 stepping replica 0's shard, lines core 0 had read in its forward,
- * took 45 us to core 0's 33 on the MLP); replica 0's gradient outside its shard stays its
+ * took longer than core 0 on the MLP: bench/RESULTS.md, "Issue 15: two CPU devices against
+ * one, the MLP again"); replica 0's gradient outside its shard stays its
  * own, unaveraged. Each element is reduced once and stepped once, where an all-reduce followed by
  * n optimizer steps reduces it n times (once per destination) and steps it n times: on the
  * MLP that is most of a step's time outside the GEMMs. The sums are the threads all-reduce's
@@ -210,7 +212,8 @@ static int replica_step(replica *r) {
     tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
     /* Sharing memory, a window's gradients are marked stale instead of zeroed, and what the
      * backward did not reach is zeroed after it: zeroing the MLP's 0.94 MB, half of it lines
-     * the other core had read in the update, took ~50 us of a ~430 us step. */
+     * the other core had read in the update, took a tenth of a step (bench/RESULTS.md,
+     * "Issue 15: two CPU devices against one, the MLP again"). */
     bool mark = dp->zero && dp->sharded;
     if (mark) tdm_paramset_mark_grads_stale(r->ps);
     int rc = !dp->zero || mark ? TDM_OK

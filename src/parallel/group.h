@@ -149,9 +149,10 @@ tdm_group *tdm_threads_world_group(tdm_threads_world *w, int rank);
 /* tdm_work_wait(tdm_barrier(g)) for a rank g of a threads world that waits at once: with no
  * collective of g's queued or running, the calling thread arrives at the world's barrier
  * itself. A launch would first hand the barrier to g's communication thread whenever a peer
- * already waits (threads_launch), a wake-up of a third thread that cost the shared-memory
- * update of DataParallel ~20 us a step on the 2-core VM, and as much again for the peer to
- * see the barrier pass. TDM_OK, or TDM_ERR_COMM once the world has failed. */
+ * already waits (threads_launch), a wake-up of a third thread that delayed the shared-memory
+ * update of DataParallel on the 2-core VM, and as long again for the peer to see the barrier
+ * pass (bench/RESULTS.md, "Issue 15: two CPU devices against one, the MLP again"). TDM_OK, or
+ * TDM_ERR_COMM once the world has failed. */
 int tdm_threads_barrier(tdm_group *g);
 /* Fails anything still pending ("group destroyed"), joins the communication threads and frees
  * the groups and their handles. Call once no rank uses the world any more. */

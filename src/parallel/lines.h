@@ -3,10 +3,11 @@
  * another core read.
  *
  * Left to the hardware, a core takes such lines one miss at a time. On the 2-core Xeon (family
- * 6 model 207) writing 0.47 MB that the other core had just read took 57 us (11 us for lines
- * of its own), 23 us with PREFETCHW 2 KiB ahead; reading 0.47 MB the other core had written,
- * 28 us, 22.5 us with PREFETCHT0 ahead. These loops ask for the lines that far ahead. The
- * results are those of the plain loops, bit for bit. */
+ * 6 model 207) writing lines that the other core had just read took five times as long as
+ * writing lines of its own, less than half that with PREFETCHW 2 KiB ahead; reading lines the
+ * other core had written was faster with PREFETCHT0 ahead too (bench/RESULTS.md, "Issue 15:
+ * two CPU devices against one, the MLP again"). These loops ask for the lines that far ahead.
+ * The results are those of the plain loops, bit for bit. */
 #ifndef TDM_PARALLEL_LINES_H
 #define TDM_PARALLEL_LINES_H
 

@@ -28,7 +28,7 @@
 #define MAX_WORKERS (TDM_PIPE_MAX_STAGES * TDM_PIPE_MAX_REPLICAS)
 /* Nanoseconds a stage spins for its neighbour's hand-off before it sleeps (when the workers
  * fit the cores): the hand-off usually comes within microseconds, sooner than a futex wake-up
- * on this VM (~50-100 us per micro-batch). */
+ * on this VM (bench/RESULTS.md, "Figures behind the code"). */
 #define HANDOFF_SPIN_NS 50000
 
 typedef struct {

@@ -5,8 +5,9 @@
 
 #include <errno.h>
 
-/* Spin rounds between two looks at the clock: a pause is ~40-140 cycles, a clock read ~20 ns,
- * so the budget is overrun by at most a few microseconds. */
+/* Spin rounds between two looks at the clock: a pause is ~40-140 cycles and a clock read
+ * costs a few pauses (bench/RESULTS.md, "Figures behind the code"), so the budget is overrun by at
+ * most a few microseconds. */
 #define CLOCK_EVERY 16
 
 void tdm_waitq_init(tdm_waitq *q) {

@@ -8,7 +8,7 @@
  * Waiting (tdm_wait_until): every wait between the threads of a process watches a word that
  * only grows (a generation, a count of arrivals, a ready flag) for a target value. A waiter
  * spins for a bounded time first, because on this VM a futex wake-up costs tens of
- * microseconds (50-80 us of a ~550 us DataParallel step) while the awaited thread is usually
+ * microseconds (bench/RESULTS.md, "Figures behind the code") while the awaited thread is usually
  * microseconds away; then it sleeps, optionally until a deadline that the caller turns into
  * an error naming who is missing. Spinning pays only while every spinning thread has a core of
  * its own (tdm_spin_budget): a spinner sharing a core with the thread it waits for steals that

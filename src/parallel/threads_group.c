@@ -39,10 +39,9 @@
 
 /* Nanoseconds a rank spins at a barrier before it sleeps, when ranks do not outnumber cores.
  * Bounded, with no sched_yield: unbounded spinning threads that shared a core with a pinned
- * device thread stalled DataParallel steps for whole 4 ms scheduler ticks on the 2-core VM.
- * There a sleeping rank took tens of microseconds to wake (4 KiB all-reduce: 45 us sleeping,
- * 10 us spinning); 50 us covers the usual skew between ranks (bench_dp MLP step on 2 devices:
- * 714 us without spinning, 660 us with 20 us, 629 us with 100 us). */
+ * device thread stalled DataParallel steps for whole scheduler ticks on the 2-core VM.
+ * There a sleeping rank took tens of microseconds to wake; 50 us covers the usual skew
+ * between ranks (the budgets measured: bench/RESULTS.md, "Figures behind the code"). */
 #define BARRIER_SPIN_NS 50000
 /* floats per reduction block: the accumulator (8 KiB) stays in L1 */
 #define RED_BLK 2048

@@ -182,8 +182,8 @@ static void add_bias(float *y, const float *bias, const conv_geom *g) {
 
 #ifdef TDM_HAVE_AVX512_CODE
 /* Input channels up to which the direct convolution runs: a grey image's first layer, where it
- * was measured (the CNN's conv1 forward 0.61-0.62 -> 0.44-0.48 ms a batch of 64); the loop
- * takes more, an RGB stem is unmeasured. */
+ * was measured (bench/RESULTS.md, "Issue 15's CNN: the Winograd backward and the pooling");
+ * the loop takes more, an RGB stem is unmeasured. */
 #define DIRECT_CIN_MAX 1
 
 static bool direct_applies(const conv_geom *g) {

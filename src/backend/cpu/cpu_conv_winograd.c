@@ -535,7 +535,8 @@ static int64_t chunk_images(const wgeom *g, int64_t n) {
     int64_t nb = WINO_CHUNK_FLOATS / (per > 0 ? per : 1);
     /* but at least WINO_MIN_TILES tiles: the deep layers' planes have few tiles (4 at 4x4, 16
      * at 7x7) and their 512-channel GEMMs would be [512, 8] @ ... (measured on AVX2 at
-     * ResNet-18's layer4: 1.3x -> 1.7-1.9x im2col's speed, forward and backward together) */
+     * ResNet-18's layer4, forward and backward together: bench/RESULTS.md, "Figures behind the
+     * code") */
     if (nb * g->tt < WINO_MIN_TILES) nb = (WINO_MIN_TILES + g->tt - 1) / g->tt;
     return nb < 1 ? 1 : nb > n ? n : nb;
 }
@@ -620,7 +621,8 @@ int tdm_cpu_wino_conv2d(float *y, const float *x, const float *w, const float *b
  * B dV B^T at its patch with dV[xi] = U[xi]^T D[xi] (U: the forward's filters), written into
  * V's buffer once the dU products have read it. (Computing gx as a correlation of gy padded by
  * 2 - pad with the flipped filters took a second transform of gy, of Cout planes, and an
- * output transform: the CNN's second layer's backward 5.8 -> 5.0 ms a batch of 64 without.) */
+ * output transform, slower on the CNN's second layer: bench/RESULTS.md, "Figures behind the code".)
+ */
 int tdm_cpu_wino_conv2d_backward(float *gx, float *gw, const float *gy, const float *x,
                                  const float *w, const conv_geom *g, tdm_device dev) {
     const wino_kernels *kt = wino_kernels_for_cpu();

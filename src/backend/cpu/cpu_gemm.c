@@ -3,9 +3,9 @@
  * oneDNN when the build found it (TANDEM_GEMM_ONEDNN): it JIT-compiles its kernels for the
  * instruction set cpuid reports, so a CPU newer than the library still gets its AVX-512 or
  * AVX2 code. OpenBLAS otherwise: it picks a kernel set from a table of CPU models fixed when
- * it was built, and on a model it does not know it falls back to generic SSE3 kernels 4-6x
- * slower; tdm_gemm_warning says so, with the fix. docs/ARCHITECTURE.md has the measurements
- * behind the choice.
+ * it was built, and on a model it does not know it falls back to generic SSE3 kernels, several
+ * times slower; tdm_gemm_warning says so, with the fix. bench/RESULTS.md has the measurements
+ * behind the choice ("GEMM at the models' shapes", "Figures behind the code").
  *
  * Threads: a CPU device is one thread pinned to one core, so its products run on that core
  * alone (tdm_cpu_gemm_thread_single). oneDNN's OpenMP thread count is a per-thread setting;
@@ -28,11 +28,12 @@ static _Thread_local uint64_t gemm_flops; /* tdm_gemm_flops */
 
 #ifdef TANDEM_GEMM_ONEDNN
 /* Products smaller than this run on the calling thread alone, whatever its OpenMP thread
- * count (one device on every core: `--devices cpu:0`). ~25 us on one AVX-512 core: split over
- * two, the fork and join and the halves' poorer blocking cost more than they save. The CNN's
- * convolutions run over a thousand products under 1 MFLOP a step: one device on two cores
- * took 1.25x as long as on one core (Intel Xeon, oneDNN 2.6.3), and as long with this
- * threshold; the MLP's 4-26 MFLOP products still split, as fast as before. */
+ * count (one device on every core: `--devices cpu:0`). Such a product is short on one AVX-512
+ * core: split over two, the fork and join and the halves' poorer blocking cost more than they
+ * save. The CNN's convolutions run over a thousand products under 1 MFLOP a step: one device
+ * on two cores took longer than on one core (Intel Xeon, oneDNN 2.6.3), and as long with this
+ * threshold; the MLP's 4-26 MFLOP products still split, as fast as before (bench/RESULTS.md,
+ * "Issue 15's figures on the Intel machine, and two fixes", "Figures behind the code"). */
 #define GEMM_SPLIT_FLOPS 4e6
 #endif
 
@@ -45,11 +46,11 @@ uint64_t tdm_gemm_flops(void) {
  * 64 rows of 784 against 256 x 784 weights, the CNN's 64 x 3136 against 128 x 3136, a
  * data-parallel device's 32 rows) on one thread of an AVX-512 CPU runs in cpu_gemm_nt.c,
  * which reads B in place: oneDNN 2.6.3 transposes all of B into its panels on every call. On
- * the Xeon (family 6 model 207), B in cache: 1.03-1.2x oneDNN at those shapes, and as fast
- * at 32 rows as oneDNN computing the product transposed, which 16 and 32 rows used to take;
- * in the MLP's training step on one core its first layer took 182 us instead of 205. With 8
- * rows, or k 128 (the MLP's last layer, the GPT's 256-row products) oneDNN is as fast or
- * faster. AVX2 CPUs keep oneDNN's (not measured). */
+ * the Xeon (family 6 model 207), B in cache: faster than oneDNN at those shapes, and as fast
+ * at 32 rows as oneDNN computing the product transposed, which 16 and 32 rows used to take,
+ * in the MLP's training step on one core too (bench/RESULTS.md, "Issue 15: A @ B^T without
+ * packing B, the loader's ring"). With 8 rows, or k 128 (the MLP's last layer, the GPT's
+ * 256-row products) oneDNN is as fast or faster. AVX2 CPUs keep oneDNN's (not measured). */
 static bool nt_pays(bool ta, bool tb, int64_t m, int64_t n, int64_t k) {
     return !ta && tb && m >= 16 && m <= 64 && n >= 64 && k >= 256;
 }

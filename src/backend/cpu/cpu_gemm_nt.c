@@ -3,10 +3,10 @@
  * Why: a linear layer's forward is this product with b its weights [out, in], and a GEMM
  * library packs b into its own panels on every call, which for b^T is a transposing copy of
  * the whole weight matrix. oneDNN 2.6.3 (and MKL) run the MLP's first layer, 64 x 256 x 784,
- * at ~135 GFLOP/s on one core of the Xeon (family 6 model 207) with b in cache, and at ~125
- * in a training step, where the optimizer has just pushed the weights out of L2; a @ b with
- * b [k, n] runs at 165-170. Here b is read once, in place, and the small side is transposed
- * instead:
+ * well below a @ b with b [k, n] on one core of the Xeon (family 6 model 207), with b in cache
+ * and more so in a training step, where the optimizer has just pushed the weights out of L2
+ * (bench/RESULTS.md, "Figures behind the code"). Here b is read once, in place, and the small side
+ * is transposed instead:
  *
  *   per chunk of up to 64 rows of a (vw = 16, 32, 48 or 64 lanes; lanes past m are zeros)
  *     at [k, vw] = the chunk of a transposed (16 x 16 register transposes)
@@ -15,9 +15,10 @@
  *     c chunk    = alpha * ct^T + beta * c   (transposed back 16 x 16)
  *
  * at (196 KiB for k 784) stays in L2; each line of b serves 16 steps of kk. The MLP's first
- * layer: 1.15-1.2x oneDNN with b in cache, 205 -> 182 us in its training step (the rest of
- * that is reading the batch, which the loader wrote on another core). cpu_gemm.c decides
- * when this runs (nt_pays). */
+ * layer runs faster than oneDNN's, with b in cache and in its training step (bench/RESULTS.md,
+ * "Issue 15: A @ B^T without packing B, the loader's ring"; the rest of its time is reading
+ * the batch, which the loader wrote on another core). cpu_gemm.c decides when this runs
+ * (nt_pays). */
 #include "backend/cpu/cpu.h"
 #include "backend/cpu/cpu_isa.h"
 #include "core/core.h" /* tdm_storage_new: at and ct come from the caching allocator */

@@ -11,7 +11,8 @@
 
 void *tdm_cpu_mem_alloc(int device_index, size_t nbytes) {
     /* Large blocks are 2 MiB aligned and asked for huge pages: first touch of 4 KiB pages
-     * costs ~11 us each on this kind of VM, 40x more than with huge pages. */
+     * costs far more on this kind of VM than with huge pages (bench/RESULTS.md, "Figures behind the
+     * code"). */
     size_t align = nbytes >= HUGE_THRESHOLD ? HUGE_THRESHOLD : 64;
     size_t size = (nbytes + align - 1) / align * align;
     void *p = aligned_alloc(align, size ? size : align);

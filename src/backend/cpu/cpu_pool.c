@@ -87,7 +87,8 @@ static inline void max_window_2x2(const float *x, int64_t w, int64_t oh, int64_t
 TDM_CPU_CLONES
 static void max_plane_2x2(const float *x, float *y, int32_t *idx, const pool_geom *g) {
     /* in locals: the stores through idx could alias *g, which would reload it every pixel
-     * (2.5x slower where this function is not inlined) */
+     * (much slower where this function is not inlined: bench/RESULTS.md, "Figures behind the code")
+     */
     const int64_t ho = g->ho, wo = g->wo, w = g->w;
     for (int64_t oh = 0; oh < ho; oh++)
         for (int64_t ow = 0; ow < wo; ow++)

@@ -11,10 +11,10 @@
  *             dv = P^T dy, dq = scale dS k, dk = scale dS^T q (cuBLAS)
  * The matrix products are most of the work and run at cuBLAS's speed: one block per row and
  * head with the dot products in each thread, the first version, took half of a GPT-2-small
- * step on an H200 (0.3x PyTorch's step). Half of each S is above the diagonal and wasted; a
- * fused kernel that skips it and keeps S out of memory is the next step. Every sum runs in a
- * fixed order (cuBLAS's kernels for given shapes, the block reductions' fixed trees): the
- * results are the same on every run. */
+ * step on an H200 (bench/RESULTS.md, "GPU check"). Half of each S is above the diagonal and
+ * wasted; a fused kernel that skips it and keeps S out of memory is the next step. Every sum
+ * runs in a fixed order (cuBLAS's kernels for given shapes, the block reductions' fixed
+ * trees): the results are the same on every run. */
 #include "backend/cuda/cuda_common.cuh"
 
 #include <assert.h>

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
+#include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
 #include "tandem/tandem.h"
 
 static int B = 4; /* --batch, torch_gpt.py's */

@@ -19,7 +19,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
+#include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
 #include "tandem/tandem.h"
 
 #define MAX_ROUNDS 100

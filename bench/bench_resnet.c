@@ -26,7 +26,7 @@
  * replica is new; for the others it costs nothing to be fair). */
 #include "tandem/tandem.h"
 
-#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads, tdm_gemm_describe */
+#include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
 
 #include <signal.h>
 #include <stdio.h>

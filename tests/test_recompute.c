@@ -6,7 +6,7 @@
  * statistics bit for bit (memcmp), on one device, under DataParallel (2 devices: replica
  * threads, synchronised batch norm) and under DDP over threads (gradient-ready hooks launch
  * the all-reduces). Dropout's masks are replayed; hooks fire once, after the last gradient. */
-#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
+#include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
 #include "check.h"
 
 /* ---- helpers ---------------------------------------------------------------------------- */

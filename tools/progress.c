@@ -3,7 +3,7 @@
  * when stdout is a file or a pipe, the trainer prints plain lines so logs stay readable. */
 #include "progress.h"
 
-#include "tandem/tensor.h"
+#include "tandem/runtime.h"
 
 #include <math.h>
 #include <stdlib.h>

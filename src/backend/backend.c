@@ -11,12 +11,6 @@ int tdm_cuda_device_count(void) {
 }
 #endif
 
-/* the lists of backend.h cover the struct: its name and one pointer per entry */
-#define TDM_COUNT_ENTRY(e) +1
-_Static_assert(sizeof(tdm_backend) == sizeof(void *) * (1 TDM_BACKEND_KERNELS(TDM_COUNT_ENTRY)
-                                                            TDM_BACKEND_UPLOADS(TDM_COUNT_ENTRY)),
-               "an entry of tdm_backend is missing from TDM_BACKEND_KERNELS or _UPLOADS");
-
 /* ---- device memory for core's caching allocator ----------------------------------------- */
 
 static void *device_alloc(tdm_device dev, size_t nbytes) {
@@ -40,13 +34,15 @@ __attribute__((constructor)) static void register_device_memory(void) {
 
 int tdm_backend_check(const tdm_backend *be, bool uploads) {
     if (!be) return tdm_raise(TDM_ERR_ARG, "backend_check: NULL backend");
-#define TDM_CHECK_ENTRY(e)                                                                         \
-    if (!be->e) return tdm_raise(TDM_ERR_STATE, "backend %s: no kernel for %s", be->name, #e);
-    TDM_BACKEND_KERNELS(TDM_CHECK_ENTRY)
-    if (uploads) {
-        TDM_BACKEND_UPLOADS(TDM_CHECK_ENTRY)
-    }
-#undef TDM_CHECK_ENTRY
+#define TDM_KERNEL(ret, entry, params)                                                             \
+    if (!be->entry)                                                                                \
+        return tdm_raise(TDM_ERR_STATE, "backend %s: no kernel for %s", be->name, #entry);
+#define TDM_UPLOAD(ret, entry, params)                                                             \
+    if (uploads && !be->entry)                                                                     \
+        return tdm_raise(TDM_ERR_STATE, "backend %s: no kernel for %s", be->name, #entry);
+#include "backend/kernels.def"
+#undef TDM_KERNEL
+#undef TDM_UPLOAD
     return TDM_OK;
 }
 

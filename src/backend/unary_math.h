@@ -9,7 +9,10 @@
 #define TDM_GELU_BETA  0.7978845608028654f
 #define TDM_GELU_KAPPA 0.044715f
 
-/* Which saved tensor an op's derivative reads: 'x' (the input), 'y' (the output) or 0. */
+/* Which saved tensor an op's derivative reads: 'x' (the input), 'y' (the output) or 0 (neither).
+ * Every op has its case and there is no default: a new op left out here is a -Wswitch warning
+ * (an error in scripts/test's builds), not a backward that silently reads the wrong tensor.
+ * '?' for a value outside the enum; the kernels refuse such an op before asking. */
 static inline char tdm_unary_bwd_needs(tdm_unary_op op) {
     switch (op) {
     case TDM_UN_EXP:
@@ -24,9 +27,12 @@ static inline char tdm_unary_bwd_needs(tdm_unary_op op) {
     case TDM_UN_POW_SCALAR:
     case TDM_UN_SOFTSIGN:
         return 'x';
-    default:
+    case TDM_UN_NEG:
+    case TDM_UN_ADD_SCALAR:
+    case TDM_UN_MUL_SCALAR:
         return 0;
     }
+    return '?';
 }
 
 #endif

@@ -3,6 +3,7 @@
 #ifndef TDM_CORE_H
 #define TDM_CORE_H
 
+#include "tandem/runtime.h"
 #include "tandem/tensor.h"
 
 /* ---- errors ----------------------------------------------------------------------------- */

@@ -9,7 +9,7 @@
  * test_batch.bin or test.bin, read in that order. The records stay in memory as bytes (150 MB
  * for either train split, a quarter of its floats); get() converts one to f32 / 255. */
 #include "data/dataset_common.h"
-#include "backend/cpu/cpu.h" /* tdm_cpu_mem_alloc */
+#include "backend/backend.h" /* tdm_cpu_mem_alloc */
 
 #include <errno.h>
 #include <fcntl.h>

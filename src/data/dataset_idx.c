@@ -11,7 +11,7 @@
  * even then the buffer starts at no more than 8x the compressed size (1 MB at least) and
  * grows, up to the claim, only as decompression delivers bytes. */
 #include "data/dataset_common.h"
-#include "backend/cpu/cpu.h" /* tdm_cpu_mem_alloc */
+#include "backend/backend.h" /* tdm_cpu_mem_alloc */
 
 #include <errno.h>
 #include <fcntl.h>

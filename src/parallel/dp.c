@@ -16,7 +16,7 @@
 #include "parallel/group.h"
 #include "parallel/lines.h"
 #include "parallel/sync.h"
-#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
+#include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
 #include "parallel/nccl_group.h"
 #include "tandem/trace.h"
 #include "autograd/tape.h"

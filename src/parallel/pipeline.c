@@ -15,7 +15,7 @@
 #include "parallel/group.h"
 #include "parallel/pipeline_split.h"
 #include "parallel/sync.h"
-#include "backend/cpu/cpu.h" /* tdm_cpu_gemm_set_threads */
+#include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
 #include "tandem/autograd.h"
 #include "tandem/pipeline.h"
 #include "tandem/trace.h"

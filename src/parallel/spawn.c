@@ -4,7 +4,7 @@
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT, pthread_setaffinity_np */
 #include "parallel/group.h"
 
-#include "backend/cpu/cpu.h" /* the GEMM's threads */
+#include "backend/backend.h" /* the GEMM's threads */
 
 #include <sched.h>
 #include <stdio.h>

@@ -1,4 +1,4 @@
-/* CPU kernels for batch norm, layer norm and dropout.
+/* CPU kernels for batch norm and layer norm.
  *
  * Statistics are summed in float lanes within one row or (n, c) plane and in double across
  * them: a batch-norm channel can sum millions of values, and pure float accumulation would
@@ -332,25 +332,5 @@ int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
     for (int64_t r = 0; r < rows; r++)
         layer_norm_row_backward(gxp ? gxp + r * cols : NULL, gwp, gbp, g + r * cols, xp + r * cols,
                                 w, cols, mp[r], rp[r]);
-    return TDM_OK;
-}
-
-/* ---- dropout ---- */
-
-TDM_CPU_CLONES
-int tdm_cpu_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, float p, uint64_t seed,
-                    uint64_t offset) {
-    int64_t n = tdm_numel(x);
-    const float *xp = cf(x);
-    float *yp = mf(y), *mp = mf(mask);
-    float keep = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f; /* p = 1 drops everything */
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t r[4];
-        /* element i owns counter offset + i: masks do not depend on how work is split */
-        tdm_philox(seed, offset + (uint64_t)i, 0, r);
-        float m = tdm_u32_to_unit(r[0]) >= p ? keep : 0.0f;
-        if (mp) mp[i] = m;
-        yp[i] = xp[i] * m;
-    }
     return TDM_OK;
 }

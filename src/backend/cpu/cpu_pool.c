@@ -12,7 +12,7 @@
 #include <math.h>
 #include <string.h>
 
-/* The contract: the op (nn/functional_conv.c) refused an input that is not 4-D and hands
+/* The contract: the op (nn/functional_pool.c) refused an input that is not 4-D and hands
  * contiguous [N, C, H, W] tensors of equal N and C. */
 static inline bool planes_match(const tdm_tensor *a, const tdm_tensor *b) {
     return a->ndim == 4 && b->ndim == 4 && a->shape[0] == b->shape[0] &&

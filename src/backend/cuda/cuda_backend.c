@@ -1,5 +1,5 @@
 /* The CUDA backend table: every kernel of backend.h for cuda:N devices, filled from the
- * entry lists of backend.h. */
+ * entries of kernels.def. */
 #include "backend/cuda/cuda.h"
 
 void *tdm_cuda_ptr(const tdm_tensor *t) {
@@ -11,7 +11,13 @@ void *tdm_cuda_storage_ptr(const tdm_storage *s) {
     return s ? s->data : NULL;
 }
 
-/* tdm_cuda_<entry> for every entry of backend.h's lists: a missing kernel fails the build */
-#define CUDA_ENTRY(e) .e = tdm_cuda_##e,
+/* tdm_cuda_<entry> for every entry of kernels.def, uploads included: a missing kernel fails
+ * the link */
 const tdm_backend tdm_cuda_backend = {
-    .name = "cuda", TDM_BACKEND_KERNELS(CUDA_ENTRY) TDM_BACKEND_UPLOADS(CUDA_ENTRY)};
+    .name = "cuda",
+#define TDM_KERNEL(ret, entry, params) .entry = tdm_cuda_##entry,
+#define TDM_UPLOAD                     TDM_KERNEL
+#include "backend/kernels.def"
+#undef TDM_KERNEL
+#undef TDM_UPLOAD
+};

@@ -57,6 +57,12 @@ __device__ __forceinline__ int64_t cu_index_at(const void *p, bool i64, int64_t 
 }
 /* Element i of such a tensor read back to the host (for an error message; waits). */
 int64_t cu_index_to_host(const tdm_tensor *idx, int64_t i);
+/* Checks the first k indices of idx (i32/i64) against [0, n) before a kernel writes anything
+ * (cuda_index.cu), skipping the value ignore where use_ignore (a cross-entropy's
+ * ignore_index). Waits for the compute stream: the error, naming op, the index, its position
+ * and dim, must reach the caller of this op. */
+int cu_check_indices(cu_device *d, const tdm_tensor *idx, int64_t k, int64_t n, int dim,
+                     const char *op, bool use_ignore, int64_t ignore);
 
 /* Threads for one block per row of n elements: a power of two (the block reductions halve),
  * small rows do not leave most of a 256-thread block idle. */
@@ -64,6 +70,15 @@ static inline int cu_row_threads(int64_t n) {
     int t = 32;
     while (t < CU_THREADS && t < n) t *= 2;
     return t;
+}
+
+/* t as [outer, n, inner] around dim (reductions, indexing). */
+static inline void cu_split_dim(const tdm_tensor *t, int dim, int64_t *outer, int64_t *n,
+                                int64_t *inner) {
+    *outer = *inner = 1;
+    for (int d = 0; d < dim; d++) *outer *= t->shape[d];
+    for (int d = dim + 1; d < t->ndim; d++) *inner *= t->shape[d];
+    *n = t->ndim ? t->shape[dim] : 1;
 }
 
 /* Grid for a grid-stride loop over n elements. */

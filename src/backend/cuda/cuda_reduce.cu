@@ -1,5 +1,5 @@
 /* CUDA reductions: sum/mean/max over one dim, sum_to (un-broadcasting), the max gradient,
- * (log-)softmax, the sum of squares, index_select/index_add and the fused cross-entropy.
+ * (log-)softmax and the sum of squares.
  *
  * Determinism: no float atomics. A long row is reduced by one block with a fixed tree
  * (cu_block_sum), otherwise one thread owns an output and adds in index order; sums
@@ -9,13 +9,6 @@
 
 #include <assert.h>
 #include <math.h>
-
-static void split_dim(const tdm_tensor *t, int dim, int64_t *outer, int64_t *n, int64_t *inner) {
-    *outer = *inner = 1;
-    for (int d = 0; d < dim; d++) *outer *= t->shape[d];
-    for (int d = dim + 1; d < t->ndim; d++) *inner *= t->shape[d];
-    *n = t->ndim ? t->shape[dim] : 1;
-}
 
 /* v beats best if larger, or if it is the first NaN (max propagates NaN, as PyTorch). */
 __device__ __forceinline__ bool max_beats(float v, float best) {
@@ -95,7 +88,7 @@ extern "C" int tdm_cuda_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor
            tdm_is_contiguous(y));
     assert(x->ndim == 0 || (dim >= 0 && dim < x->ndim));
     int64_t outer, n, inner;
-    split_dim(x, dim, &outer, &n, &inner);
+    cu_split_dim(x, dim, &outer, &n, &inner);
     assert(tdm_numel(y) == outer * inner);
     assert(op != TDM_RED_MAX || n > 0 || outer * inner == 0);
     assert(op != TDM_RED_MAX || !argmax ||
@@ -211,7 +204,7 @@ extern "C" int tdm_cuda_max_backward(tdm_tensor *gx, const tdm_tensor *gy, const
            tdm_is_contiguous(argmax));
     assert(gx->ndim == 0 || (dim >= 0 && dim < gx->ndim));
     int64_t outer, n, inner;
-    split_dim(gx, dim, &outer, &n, &inner);
+    cu_split_dim(gx, dim, &outer, &n, &inner);
     assert(tdm_numel(gy) == outer * inner && tdm_numel(argmax) == outer * inner);
     cu_device *d = cu_dev_of(gx, "max_backward");
     if (!d) return tdm_last_status();
@@ -338,244 +331,4 @@ extern "C" int tdm_cuda_sum_squares(double *out, const tdm_tensor *x) {
     if (!rc) rc = cu_check(cudaStreamSynchronize(d->compute), "sum_squares", x->device.index);
     tdm_storage_release(hold);
     return rc;
-}
-
-/* ---- index_select / index_add ------------------------------------------------------------ */
-
-/* Records the first position whose index is outside [0, n) (ignore: exempt value). */
-__global__ void check_index_kernel(unsigned long long *bad, const void *idx, bool i64,
-                                   int64_t stride, int64_t k, int64_t n, bool use_ignore,
-                                   int64_t ignore) {
-    CU_LOOP(i, k) {
-        int64_t v = cu_index_at(idx, i64, stride, i);
-        if (use_ignore && v == ignore) continue;
-        if (v < 0 || v >= n) atomicMin(bad, (unsigned long long)i);
-    }
-}
-
-/* Checks every index before anything is written (as the CPU does). Waits for the stream:
- * the error must reach the caller of this op, not a later one. The values live in device
- * memory, so unlike their dtype and shape (checked by the op) only the kernel can check
- * them: this check stays here. */
-static int check_indices(cu_device *d, const tdm_tensor *idx, int64_t k, int64_t n, int dim,
-                         const char *op, bool use_ignore, int64_t ignore) {
-    int index = idx->device.index;
-    assert(idx->dtype == TDM_I32 || idx->dtype == TDM_I64); /* the op refused other dtypes */
-    if (k == 0) return TDM_OK;
-    if (cu_bad_reset(d, index)) return tdm_last_status();
-    check_index_kernel<<<cu_blocks(k), CU_THREADS, 0, d->compute>>>(
-        d->bad_dev, tdm_cuda_ptr(idx), idx->dtype == TDM_I64, idx->ndim ? idx->strides[0] : 0, k, n,
-        use_ignore, ignore);
-    long long pos;
-    if (cu_check_launch(op, index) || cu_bad_read(d, index, &pos)) return tdm_last_status();
-    if (pos < 0) return TDM_OK;
-    long long v = (long long)cu_index_to_host(idx, pos);
-    if (use_ignore)
-        return tdm_raise(TDM_ERR_ARG,
-                         "%s: target %lld (sample %lld) is out of range for C = %lld classes", op,
-                         v, pos, (long long)n);
-    return tdm_raise(TDM_ERR_ARG,
-                     "%s: index %lld (position %lld) is out of range for dim %d of size %lld", op,
-                     v, pos, dim, (long long)n);
-}
-
-/* y [outer, k, inner] = x [outer, n, inner] picked by idx; es-byte elements. */
-template <typename T>
-__global__ void index_select_kernel(T *y, const T *x, const void *idx, bool i64, int64_t ist,
-                                    int64_t outer, int64_t k, int64_t n, int64_t inner) {
-    CU_LOOP(e, outer * k * inner) {
-        int64_t j = e % inner, i = (e / inner) % k, o = e / (inner * k);
-        y[e] = x[(o * n + cu_index_at(idx, i64, ist, i)) * inner + j];
-    }
-}
-
-extern "C" int tdm_cuda_index_select(tdm_tensor *y, const tdm_tensor *x, int dim,
-                                     const tdm_tensor *idx) {
-    assert(tdm_is_contiguous(x) && tdm_is_contiguous(y) && x->dtype == y->dtype); /* the op's */
-    int64_t outer, n, inner, k = tdm_numel(idx);
-    split_dim(x, dim, &outer, &n, &inner);
-    cu_device *d = cu_dev_of(x, "index_select");
-    if (!d) return tdm_last_status();
-    if (check_indices(d, idx, k, n, dim, "index_select", false, 0)) return tdm_last_status();
-    int64_t total = outer * k * inner;
-    if (total == 0) return TDM_OK;
-    bool i64 = idx->dtype == TDM_I64;
-    int64_t ist = idx->ndim ? idx->strides[0] : 0;
-    const void *ip = tdm_cuda_ptr(idx);
-    if (tdm_dtype_size(x->dtype) == 8)
-        index_select_kernel<int64_t><<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(
-            (int64_t *)tdm_cuda_ptr(y), (const int64_t *)tdm_cuda_ptr(x), ip, i64, ist, outer, k, n,
-            inner);
-    else
-        index_select_kernel<int32_t><<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(
-            (int32_t *)tdm_cuda_ptr(y), (const int32_t *)tdm_cuda_ptr(x), ip, i64, ist, outer, k, n,
-            inner);
-    return cu_check_launch("index_select", x->device.index);
-}
-
-/* One thread per (o, j) column adds gy's k rows in increasing i: a repeated index sums in
- * the same order on every run, with no atomics. */
-__global__ void index_add_kernel(float *gx, const float *gy, const void *idx, bool i64, int64_t ist,
-                                 int64_t outer, int64_t k, int64_t n, int64_t inner) {
-    CU_LOOP(e, outer * inner) {
-        int64_t o = e / inner, j = e % inner;
-        for (int64_t i = 0; i < k; i++)
-            gx[(o * n + cu_index_at(idx, i64, ist, i)) * inner + j] += gy[(o * k + i) * inner + j];
-    }
-}
-
-extern "C" int tdm_cuda_index_add(tdm_tensor *gx, int dim, const tdm_tensor *idx,
-                                  const tdm_tensor *gy) {
-    assert(tdm_is_contiguous(gx) && tdm_is_contiguous(gy) && gx->dtype == TDM_F32 &&
-           gy->dtype == TDM_F32); /* index_select's backward allocates them so */
-    int64_t outer, n, inner, k = tdm_numel(idx);
-    split_dim(gx, dim, &outer, &n, &inner);
-    cu_device *d = cu_dev_of(gx, "index_add");
-    if (!d) return tdm_last_status();
-    if (check_indices(d, idx, k, n, dim, "index_add", false, 0)) return tdm_last_status();
-    if (outer * inner == 0 || k == 0) return TDM_OK;
-    index_add_kernel<<<cu_blocks(outer * inner), CU_THREADS, 0, d->compute>>>(
-        cu_f(gx), cu_f(gy), tdm_cuda_ptr(idx), idx->dtype == TDM_I64,
-        idx->ndim ? idx->strides[0] : 0, outer, k, n, inner);
-    return cu_check_launch("index_add", gx->device.index);
-}
-
-/* ---- cross-entropy: one block per sample (formulas in cpu_loss.c) ------------------------ */
-
-typedef struct {
-    const float *x, *w;
-    const void *target;
-    bool t64;
-    int64_t tstride, N, C, ignore;
-    float e;
-    bool is_logits;
-} ce_args;
-
-/* The row's log-sum-exp (0 for log-probabilities) and, when smoothing, sum_c w[c]*(lse-x[c]);
- * every thread of the block gets them. */
-__device__ void ce_row(const ce_args &a, const float *xr, double *lse_out, double *smooth_out) {
-    __shared__ float shf[CU_THREADS];
-    __shared__ double shd[CU_THREADS];
-    double lse = 0;
-    if (a.is_logits) {
-        float m = -INFINITY;
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) m = cu_nanmax(m, xr[c]);
-        m = cu_block_max(m, shf);
-        double s = 0;
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) s += expf(xr[c] - m);
-        lse = m + log(cu_block_sum(s, shd));
-    }
-    double sm = 0;
-    if (a.e > 0) {
-        double sx = 0, wt = 0;
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
-            double w = a.w ? a.w[c] : 1.0;
-            sx += w * xr[c];
-            wt += w;
-        }
-        sx = cu_block_sum(sx, shd);
-        wt = cu_block_sum(wt, shd);
-        sm = lse * wt - sx;
-    }
-    *lse_out = lse;
-    *smooth_out = sm;
-}
-
-__global__ void ce_kernel(float *loss, float *wsum, ce_args a) {
-    int64_t i = blockIdx.x;
-    int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
-    if (t == a.ignore) { /* uniform across the block: no thread reaches a barrier below */
-        if (threadIdx.x == 0) {
-            loss[i] = 0;
-            if (wsum) wsum[i] = 0;
-        }
-        return;
-    }
-    const float *xr = a.x + i * a.C;
-    double lse, sm;
-    ce_row(a, xr, &lse, &sm);
-    if (threadIdx.x == 0) {
-        double wt = a.w ? a.w[t] : 1.0, e = a.e;
-        double l = (1 - e) * wt * (lse - xr[t]);
-        if (e > 0) l += e / (double)a.C * sm;
-        loss[i] = (float)l;
-        if (wsum) wsum[i] = (float)wt;
-    }
-}
-
-__global__ void ce_bwd_kernel(float *gx, const float *gloss, int64_t gstride, ce_args a) {
-    __shared__ double shd[CU_THREADS];
-    int64_t i = blockIdx.x;
-    int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
-    float *gr = gx + i * a.C;
-    if (t == a.ignore) {
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) gr[c] = 0;
-        return;
-    }
-    const float *xr = a.x + i * a.C;
-    float g = gloss[i * gstride], wt = a.w ? a.w[t] : 1.0f;
-    float eC = a.e / (float)a.C, ge = g * eC;
-    if (a.is_logits) {
-        double lse, unused;
-        ce_row(a, xr, &lse, &unused);
-        double wtot = 0;
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) wtot += a.w ? a.w[c] : 1.0;
-        wtot = cu_block_sum(wtot, shd);
-        float total = g * (float)((1 - a.e) * wt + eC * wtot), l = (float)lse;
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
-            float v = expf(xr[c] - l) * total - ge * (a.w ? a.w[c] : 1.0f);
-            gr[c] = c == t ? v - g * (1 - a.e) * wt : v;
-        }
-    } else {
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
-            float v = -ge * (a.w ? a.w[c] : 1.0f);
-            gr[c] = c == t ? v - g * (1 - a.e) * wt : v;
-        }
-    }
-}
-
-static int ce_prepare(ce_args *a, cu_device **d, const tdm_tensor *x, const tdm_tensor *target,
-                      const tdm_tensor *weight, int64_t ignore, float smoothing, bool is_logits,
-                      const char *op) {
-    /* the op (nn/loss.c) refused an input that is not f32 [N, C] and made x and weight
-     * contiguous */
-    assert(x->ndim == 2 && tdm_is_contiguous(x) && x->dtype == TDM_F32 &&
-           (!weight || tdm_is_contiguous(weight)));
-    a->x = cu_f(x);
-    a->w = cu_f(weight);
-    a->target = tdm_cuda_ptr(target);
-    a->t64 = target->dtype == TDM_I64;
-    a->tstride = target->ndim ? target->strides[0] : 0;
-    a->N = x->shape[0], a->C = x->shape[1], a->ignore = ignore;
-    a->e = smoothing, a->is_logits = is_logits;
-    if (!(*d = cu_dev_of(x, op))) return tdm_last_status();
-    if (a->N > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda %s: too many samples", op);
-    return check_indices(*d, target, a->N, a->C, 0, "cross_entropy", true, ignore);
-}
-
-extern "C" int tdm_cuda_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
-                                      const tdm_tensor *target, const tdm_tensor *weight,
-                                      int64_t ignore_index, float smoothing, bool is_logits) {
-    ce_args a;
-    cu_device *d = NULL;
-    if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits, "cross_entropy"))
-        return tdm_last_status();
-    if (a.N == 0) return TDM_OK;
-    ce_kernel<<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(cu_f(loss), cu_f(wsum), a);
-    return cu_check_launch("cross_entropy", x->device.index);
-}
-
-extern "C" int tdm_cuda_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss,
-                                               const tdm_tensor *x, const tdm_tensor *target,
-                                               const tdm_tensor *weight, int64_t ignore_index,
-                                               float smoothing, bool is_logits) {
-    ce_args a;
-    cu_device *d = NULL;
-    if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits,
-                   "cross_entropy_backward"))
-        return tdm_last_status();
-    if (a.N == 0) return TDM_OK;
-    ce_bwd_kernel<<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(
-        cu_f(gx), cu_f(gloss), gloss->ndim ? gloss->strides[0] : 0, a);
-    return cu_check_launch("cross_entropy_backward", x->device.index);
 }

@@ -1,0 +1,96 @@
+/* Tandem's runtime: what a program asks of the machine rather than of a tensor. The devices'
+ * descriptions and memory (the caching allocator's figures), the CPU matrix-product library,
+ * denormal flushing, and stopping on SIGTERM. Same error conventions as tensor.h: int
+ * functions return TDM_OK or a negative tdm_status with tdm_last_error() naming the cause.
+ */
+#ifndef TANDEM_RUNTIME_H
+#define TANDEM_RUNTIME_H
+
+#include "tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- devices ---------------------------------------------------------------------------- */
+
+/* Describes a GPU for listings ("NVIDIA H100 80GB HBM3, 79.2 GiB, sm_90") into buf of cap
+ * bytes. TDM_OK, or TDM_ERR_DEVICE when d is not a GPU this process can use (the message
+ * says why: no CUDA in this build, no GPU, fewer GPUs). */
+int tdm_device_describe(tdm_device d, char *buf, size_t cap);
+/* The memory of device d in bytes: *total its capacity, *avail what is free now (a GPU's, as
+ * cudaMemGetInfo says; a CPU device's, the machine's physical memory and what the kernel
+ * counts available). Either pointer may be NULL. TDM_OK, or TDM_ERR_DEVICE as
+ * tdm_device_describe. */
+int tdm_device_memory_info(tdm_device d, int64_t *total, int64_t *avail);
+
+/* ---- CPU matrix products and floating point -------------------------------------------- */
+
+/* The library behind CPU matrix products and the kernel set it runs on this CPU, for listings
+ * and logs: "oneDNN 2.6.3, avx512_core" or "OpenBLAS 0.3.21, SkylakeX kernels". Writes at most
+ * cap bytes into buf (always terminated) and returns buf. */
+char *tdm_gemm_describe(char *buf, size_t cap);
+/* Floating-point operations (2 m n k each) of the CPU matrix products the calling thread has
+ * run since it started: the bulk of a training step's work, for telling how much work a
+ * device gets (tandem train's data-parallel note). Never fails. */
+uint64_t tdm_gemm_flops(void);
+/* NULL when that library runs the fastest kernels this CPU allows; otherwise one line that
+ * says what it runs instead and how to fix it (stored per thread, valid until the next call). */
+const char *tdm_gemm_warning(void);
+/* Flushes denormal floats (below 1.18e-38) to zero in the calling thread's arithmetic, or
+ * stops (torch.set_flush_denormal). Threads it creates afterwards, the devices' among them,
+ * start with the same setting. Off by default, as in PyTorch; `tandem train` turns it on
+ * (--denormals): a denormal costs a microcode assist per operation. Returns false where the
+ * CPU has no such mode (then nothing changed). */
+bool tdm_set_flush_denormal(bool on);
+/* Whether the calling thread flushes denormals. */
+bool tdm_flush_denormal(void);
+
+/* ---- memory figures -------------------------------------------------------------------- */
+
+/* Memory of one device as Tandem's caching allocator sees it, in bytes, for this process
+ * (PyTorch's torch.cuda.memory_allocated, max_memory_allocated and memory_reserved). Every
+ * device, cpu:N included, has a pool of its own, so the figures are per logical device. */
+typedef struct {
+    /* held by live tensors on the device (parameters, gradients, optimizer state, batches,
+     * activations), each storage counted at its size class: 256-byte granules up to 4 KiB,
+     * then at most 25% above the request. Not counted: tensor headers and tape nodes (the
+     * threads' scope arenas), and the GEMM library's own workspace. */
+    int64_t allocated;
+    /* the most `allocated` has been since the process began or tdm_memory_reset_peak(d) */
+    int64_t peak_allocated;
+    /* allocated plus the freed blocks the pool keeps for reuse: what the process holds from
+     * the system (or the GPU) for this device */
+    int64_t reserved;
+} tdm_memory_stats;
+/* The device's figures now. Thread-safe (one lock per device); cheap enough for every step.
+ * A device outside cpu:0..63 and cuda:0..63: all zero, and TDM_ERR_DEVICE in tdm_last_error. */
+tdm_memory_stats tdm_memory_stats_get(tdm_device d);
+/* Starts a new peak: peak_allocated becomes allocated now (torch.cuda.reset_peak_memory_stats).
+ * The peak is the device's, not the caller's: a reset is seen by every reader (a pipeline
+ * resets each stage's device at each of its steps). Out-of-range devices are ignored. */
+void tdm_memory_reset_peak(tdm_device d);
+/* The bytes a storage of nbytes takes in the caching allocator (its size class), as `allocated`
+ * counts them: what an estimate of a device's memory must add up. nbytes < 0 gives 0; a size
+ * beyond the largest class gives nbytes itself (the allocator refuses it). */
+int64_t tdm_memory_block_bytes(int64_t nbytes);
+/* ---- stopping on a signal --------------------------------------------------------------- */
+
+/* Preemption: from now on SIGTERM and SIGINT are recorded instead of ending the process, so
+ * a training loop can poll tdm_stop_requested between steps, save a checkpoint and return
+ * (Slurm, Kubernetes and torchrun stop jobs with SIGTERM). Once one has arrived, both get
+ * their default action back: a second signal ends the process at once. Process-wide; call it
+ * once, early, from the main thread, which Linux hands such signals and which gets the
+ * handler's own stack (sigaltstack). TDM_ERR_IO when the handlers cannot be installed. */
+int tdm_stop_on_signals(void);
+/* The first SIGTERM or SIGINT recorded since tdm_stop_on_signals (or tdm_stop_request's
+ * signal), 0 when none: cheap enough to call every step. Never fails. */
+int tdm_stop_requested(void);
+/* Records a stop as if signal sig (SIGTERM when <= 0) had arrived: what another rank's stop
+ * becomes in this process, and what tests call. The first request wins. */
+void tdm_stop_request(int sig);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,106 @@
+/* CUDA indexing: index_select and its gradient index_add, and the check of user indices that
+ * they and the cross-entropy (cuda_loss.cu) run before writing anything.
+ *
+ * Determinism: in index_add one thread owns a column of gx and adds gy's rows in increasing
+ * i, as the CPU does: no float atomics. */
+#include "backend/cuda/cuda_common.cuh"
+
+#include <assert.h>
+
+/* Records the first position whose index is outside [0, n) (ignore: exempt value). */
+__global__ void check_index_kernel(unsigned long long *bad, const void *idx, bool i64,
+                                   int64_t stride, int64_t k, int64_t n, bool use_ignore,
+                                   int64_t ignore) {
+    CU_LOOP(i, k) {
+        int64_t v = cu_index_at(idx, i64, stride, i);
+        if (use_ignore && v == ignore) continue;
+        if (v < 0 || v >= n) atomicMin(bad, (unsigned long long)i);
+    }
+}
+
+/* Checks every index before anything is written (as the CPU does). Waits for the stream:
+ * the error must reach the caller of this op, not a later one. The values live in device
+ * memory, so unlike their dtype and shape (checked by the op) only the kernel can check
+ * them: this check stays here. */
+int cu_check_indices(cu_device *d, const tdm_tensor *idx, int64_t k, int64_t n, int dim,
+                     const char *op, bool use_ignore, int64_t ignore) {
+    int index = idx->device.index;
+    assert(idx->dtype == TDM_I32 || idx->dtype == TDM_I64); /* the op refused other dtypes */
+    if (k == 0) return TDM_OK;
+    if (cu_bad_reset(d, index)) return tdm_last_status();
+    check_index_kernel<<<cu_blocks(k), CU_THREADS, 0, d->compute>>>(
+        d->bad_dev, tdm_cuda_ptr(idx), idx->dtype == TDM_I64, idx->ndim ? idx->strides[0] : 0, k, n,
+        use_ignore, ignore);
+    long long pos;
+    if (cu_check_launch(op, index) || cu_bad_read(d, index, &pos)) return tdm_last_status();
+    if (pos < 0) return TDM_OK;
+    long long v = (long long)cu_index_to_host(idx, pos);
+    if (use_ignore)
+        return tdm_raise(TDM_ERR_ARG,
+                         "%s: target %lld (sample %lld) is out of range for C = %lld classes", op,
+                         v, pos, (long long)n);
+    return tdm_raise(TDM_ERR_ARG,
+                     "%s: index %lld (position %lld) is out of range for dim %d of size %lld", op,
+                     v, pos, dim, (long long)n);
+}
+
+/* y [outer, k, inner] = x [outer, n, inner] picked by idx; es-byte elements. */
+template <typename T>
+__global__ void index_select_kernel(T *y, const T *x, const void *idx, bool i64, int64_t ist,
+                                    int64_t outer, int64_t k, int64_t n, int64_t inner) {
+    CU_LOOP(e, outer * k * inner) {
+        int64_t j = e % inner, i = (e / inner) % k, o = e / (inner * k);
+        y[e] = x[(o * n + cu_index_at(idx, i64, ist, i)) * inner + j];
+    }
+}
+
+extern "C" int tdm_cuda_index_select(tdm_tensor *y, const tdm_tensor *x, int dim,
+                                     const tdm_tensor *idx) {
+    assert(tdm_is_contiguous(x) && tdm_is_contiguous(y) && x->dtype == y->dtype); /* the op's */
+    int64_t outer, n, inner, k = tdm_numel(idx);
+    cu_split_dim(x, dim, &outer, &n, &inner);
+    cu_device *d = cu_dev_of(x, "index_select");
+    if (!d) return tdm_last_status();
+    if (cu_check_indices(d, idx, k, n, dim, "index_select", false, 0)) return tdm_last_status();
+    int64_t total = outer * k * inner;
+    if (total == 0) return TDM_OK;
+    bool i64 = idx->dtype == TDM_I64;
+    int64_t ist = idx->ndim ? idx->strides[0] : 0;
+    const void *ip = tdm_cuda_ptr(idx);
+    if (tdm_dtype_size(x->dtype) == 8)
+        index_select_kernel<int64_t><<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(
+            (int64_t *)tdm_cuda_ptr(y), (const int64_t *)tdm_cuda_ptr(x), ip, i64, ist, outer, k, n,
+            inner);
+    else
+        index_select_kernel<int32_t><<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(
+            (int32_t *)tdm_cuda_ptr(y), (const int32_t *)tdm_cuda_ptr(x), ip, i64, ist, outer, k, n,
+            inner);
+    return cu_check_launch("index_select", x->device.index);
+}
+
+/* One thread per (o, j) column adds gy's k rows in increasing i: a repeated index sums in
+ * the same order on every run, with no atomics. */
+__global__ void index_add_kernel(float *gx, const float *gy, const void *idx, bool i64, int64_t ist,
+                                 int64_t outer, int64_t k, int64_t n, int64_t inner) {
+    CU_LOOP(e, outer * inner) {
+        int64_t o = e / inner, j = e % inner;
+        for (int64_t i = 0; i < k; i++)
+            gx[(o * n + cu_index_at(idx, i64, ist, i)) * inner + j] += gy[(o * k + i) * inner + j];
+    }
+}
+
+extern "C" int tdm_cuda_index_add(tdm_tensor *gx, int dim, const tdm_tensor *idx,
+                                  const tdm_tensor *gy) {
+    assert(tdm_is_contiguous(gx) && tdm_is_contiguous(gy) && gx->dtype == TDM_F32 &&
+           gy->dtype == TDM_F32); /* index_select's backward allocates them so */
+    int64_t outer, n, inner, k = tdm_numel(idx);
+    cu_split_dim(gx, dim, &outer, &n, &inner);
+    cu_device *d = cu_dev_of(gx, "index_add");
+    if (!d) return tdm_last_status();
+    if (cu_check_indices(d, idx, k, n, dim, "index_add", false, 0)) return tdm_last_status();
+    if (outer * inner == 0 || k == 0) return TDM_OK;
+    index_add_kernel<<<cu_blocks(outer * inner), CU_THREADS, 0, d->compute>>>(
+        cu_f(gx), cu_f(gy), tdm_cuda_ptr(idx), idx->dtype == TDM_I64,
+        idx->ndim ? idx->strides[0] : 0, outer, k, n, inner);
+    return cu_check_launch("index_add", gx->device.index);
+}

@@ -2,7 +2,7 @@
  * computes, and over which group. Thread-local because DataParallel runs every replica on
  * its own thread of one process, each with different rows.
  *
- * The layers that read it (batch norm, dropout: src/nn/functional_norm.c) sit below this
+ * The layers that read it (src/nn/functional_{norm,dropout}.c) sit below this
  * layer, so they see it as a batch split (nn/batch_split.h) whose operations this file
  * registers the first time a context is set; before that no thread has one. */
 #include "nn/batch_split.h"

@@ -48,26 +48,18 @@ static const opt_spec specs[] = {
      "test_batch.bin; train.bin and test.bin, fine labels). For gpt, FILE is an llm.c token "
      "shard (magic 20240520, u16 tokens) or any other file, whose bytes are the tokens "
      "(vocabulary 256): plain text trains with no tokenizer."},
-    {"--model", "mlp|cnn|cnn-bn|resnet18|resnet34|resnet50|gpt", OPT_STR, F(model), 0, 0, "mlp",
-     "The network, with PyTorch's parameter names. mlp: Flatten, Linear 784-256, ReLU, Linear "
-     "256-128, ReLU, Linear 128-10. cnn: Conv2d 1-32 3x3 pad 1, ReLU, MaxPool 2, Conv2d 32-64 "
-     "3x3 pad 1, ReLU, MaxPool 2, Flatten, Linear 3136-128, ReLU, Linear 128-10. cnn-bn: Conv2d "
-     "1-16 3x3 pad 1 without bias, MaxPool 2, BatchNorm2d, ReLU, Conv2d 16-32 likewise, MaxPool "
-     "2, BatchNorm2d, ReLU, Flatten, Linear 1568-256, ReLU, Linear 256-10 (--recipe "
-     "fmnist-fast's). The three take 1x28x28 images. resnet18, resnet34, resnet50: torchvision's "
-     "ResNets (state_dict names "
-     "such as layer1.0.conv1.weight), with as many outputs as the data has classes, on 3-channel "
-     "images (grey ones are copied to 3 channels); for images of at most 64 pixels the stem is "
-     "a 3x3 convolution without max-pool (the CIFAR variant). gpt: GPT-2 (nanoGPT's names) "
-     "sized by --layers, --heads, --channels and --context, trained with AdamW (weight decay on "
-     "matrices only) on --data FILE; see --save and 'tandem sample'."},
+    /* the names, the default and the text come from the registry (models.h): model_arg,
+     * model_help */
+    {"--model", "NAME", OPT_STR, F(model), 0, 0, "",
+     "The network, with PyTorch's parameter names."},
     {"--image-size", "S", OPT_INT, F(image_size), 8, 4096,
-     "28 for mlp and cnn; for a resnet the data's (28 Fashion-MNIST, 32 CIFAR), 224 for image "
-     "folders",
+     "the model's own for a model of fixed input (28); else the data's (28 Fashion-MNIST, 32 "
+     "CIFAR), 224 for image folders",
      "The side of the square images the model is trained on: the presets of --transform are "
      "sized by it."},
     {"--transform", "STEPS|PRESET", OPT_STR, F(transform), 0, 0,
-     "imagenet-train for image folders, cifar-train for CIFAR with a resnet, none otherwise",
+     "imagenet-train for image folders, cifar-train for CIFAR with a model sized by its data (a "
+     "ResNet), none otherwise",
      "The training images' transforms, torchvision's classes in order, comma-separated, e.g. "
      "'RandomResizedCrop(224),RandomHorizontalFlip(),Normalize(imagenet)' (Resize, CenterCrop, "
      "RandomResizedCrop, RandomCrop, RandomHorizontalFlip, ColorJitter, Grayscale, Normalize, "
@@ -79,7 +71,8 @@ static const opt_spec specs[] = {
      "a broken header) and say how many, instead of stopping with the first one's name. A "
      "file whose pixels are corrupt still stops the run, naming it."},
     {"--eval-transform", "STEPS|PRESET", OPT_STR, F(eval_transform), 0, 0,
-     "imagenet-eval for image folders, cifar-eval for CIFAR with a resnet, none otherwise",
+     "imagenet-eval for image folders, cifar-eval for CIFAR with a model sized by its data (a "
+     "ResNet), none otherwise",
      "The test images' transforms, as --transform."},
     {"--layers", "L", OPT_INT, F(layers), 1, 1024, "2", "gpt: transformer blocks."},
     {"--heads", "H", OPT_INT, F(heads), 1, 1024, "4",
@@ -94,11 +87,11 @@ static const opt_spec specs[] = {
      "train_gpt2.c and by 'tandem sample')."},
     {"--recompute", NULL, OPT_FLAG, F(recompute), 0, 0, "off",
      "Recomputation (torch.utils.checkpoint): each of the model's units runs without keeping "
-     "its activations, and again during backward: for gpt every transformer block, for a "
-     "resnet each stage (layer1 to layer4). Activation memory falls to about one unit's plus "
+     "its activations, and again during backward: for a GPT every transformer block, for a "
+     "ResNet each stage (layer1 to layer4). Activation memory falls to about one unit's plus "
      "each unit's input, for one more forward pass of compute; the weights are the same bit "
-     "for bit (batch norm's running statistics included). Not for mlp and cnn, which have no "
-     "such units."},
+     "for bit (batch norm's running statistics included). Not for the models that have no "
+     "such units (those of 1x28x28 images)."},
     {"--clip-grad", "N", OPT_NUM, F(clip), 0, 1e12, "0 (off)",
      "Clip the gradients' global 2-norm to N before each step (torch.nn.utils."
      "clip_grad_norm_; the averaged gradient's, with several devices or processes). Not with "
@@ -307,8 +300,8 @@ static const opt_spec specs[] = {
 
 static train_opts opts_defaults(void) {
     return (train_opts){.data = "fashion-mnist",
-                        .model = "mlp",
-                        .optimizer = NULL, /* sgd, or adamw for gpt */
+                        .model = tdm_model_at(0)->name, /* the registry's first */
+                        .optimizer = NULL,              /* sgd, or adamw for gpt */
                         .schedule = "constant",
                         .devices = "cpu:0",
                         .timeout = 30,
@@ -418,12 +411,36 @@ void train_recipe_str(const train_recipe *r, char *buf, size_t cap) {
     }
 }
 
+/* ---- --model: its names, default and text from the registry ----------------------------- */
+
+static bool is_model_spec(const opt_spec *s) {
+    return s->off == offsetof(train_opts, model);
+}
+
+/* s's metavariable: --model's names "mlp|cnn|...", else the table's. */
+static const char *spec_arg(const opt_spec *s, char *buf, size_t cap) {
+    return is_model_spec(s) ? tdm_model_list(-1, "|", buf, cap) : s->arg;
+}
+
+static const char *spec_default(const opt_spec *s) {
+    return is_model_spec(s) ? tdm_model_at(0)->name : s->deflt;
+}
+
+/* s's help: the table's, and for --model one sentence per row of the registry. */
+static void spec_help(const opt_spec *s, char *buf, size_t cap) {
+    size_t n = (size_t)snprintf(buf, cap, "%s", s->help);
+    for (int i = 0; is_model_spec(s) && i < tdm_model_count() && n < cap; i++) {
+        const tdm_model_info *r = tdm_model_at(i);
+        n += (size_t)snprintf(buf + n, cap - n, " %s (%s): %s", r->name, r->input, r->help);
+    }
+}
+
 void train_synopsis(FILE *out) {
     for (int i = 0; i < N_SPECS; i++) {
-        char left[64];
-        snprintf(left, sizeof left, "%s%s%s", specs[i].name, specs[i].arg ? " " : "",
-                 specs[i].arg ? specs[i].arg : "");
-        fprintf(out, "    %-34s default %s\n", left, specs[i].deflt);
+        char left[160], arg[128];
+        const char *a = spec_arg(&specs[i], arg, sizeof arg);
+        snprintf(left, sizeof left, "%s%s%s", specs[i].name, a ? " " : "", a ? a : "");
+        fprintf(out, "    %-34s default %s\n", left, spec_default(&specs[i]));
     }
 }
 
@@ -445,10 +462,12 @@ void train_help(FILE *out) {
         4);
     fprintf(out, "\nOPTIONS\n");
     for (int i = 0; i < N_SPECS; i++) {
-        fprintf(out, "    %s%s%s\n", specs[i].name, specs[i].arg ? " " : "",
-                specs[i].arg ? specs[i].arg : "");
-        char text[4096]; /* the longest help (--shard) is about 1.6 KB */
-        snprintf(text, sizeof text, "%s Default: %s.", specs[i].help, specs[i].deflt);
+        char arg[128], help[4096]; /* the longest help (--model, --shard) is about 2 KB */
+        const char *a = spec_arg(&specs[i], arg, sizeof arg);
+        fprintf(out, "    %s%s%s\n", specs[i].name, a ? " " : "", a ? a : "");
+        spec_help(&specs[i], help, sizeof help);
+        char text[4200];
+        snprintf(text, sizeof text, "%s Default: %s.", help, spec_default(&specs[i]));
         wrap(out, text, 8);
     }
     fprintf(out, "    -h, --help\n        Show this help and exit.\n");
@@ -664,26 +683,28 @@ static int check_shard(const train_opts *o) {
 }
 
 /* --pct-start, --label-smoothing, --nesterov and --no-decay-1d: where each applies. */
-static int check_training_extras(train_opts *o, bool sgd, bool gpt) {
+static int check_training_extras(train_opts *o, bool sgd, bool text) {
     bool onecycle = strcmp(o->schedule, "onecycle") == 0;
     if (!isnan(o->pct_start) && !onecycle)
         return train_usage_error("--pct-start applies to --schedule onecycle only");
     o->pct_start = onecycle ? (isnan(o->pct_start) ? 0.3 : o->pct_start) : 0;
-    if (o->label_smoothing > 0 && gpt)
-        return train_usage_error("--label-smoothing: the gpt's fused next-token loss "
-                                 "(tdm_gpt_loss) has no label smoothing; image models only");
+    if (o->label_smoothing > 0 && text)
+        return train_usage_error("--label-smoothing: the %s's fused next-token loss "
+                                 "(tdm_gpt_loss) has no label smoothing; image models only",
+                                 o->model);
     if (o->nesterov && (!sgd || !(o->momentum > 0)))
         return train_usage_error("--nesterov needs --optimizer sgd with --momentum > 0 (as "
                                  "PyTorch's SGD), not %s with momentum %g",
                                  o->optimizer, o->momentum);
-    if (o->eval_flip && gpt)
-        return train_usage_error("--eval-flip mirrors test images; --model gpt has none");
+    if (o->eval_flip && text)
+        return train_usage_error("--eval-flip mirrors test images; --model %s has none", o->model);
     if (o->plot_compare && !o->plot_path)
         return train_usage_error("--plot-compare draws other runs into the chart of --plot; "
                                  "give --plot FILE.svg too");
-    if (o->validation && gpt)
-        return train_usage_error("--validation holds out test images; --model gpt has no "
-                                 "test split");
+    if (o->validation && text)
+        return train_usage_error("--validation holds out test images; --model %s has no "
+                                 "test split",
+                                 o->model);
     if (o->no_decay_1d && !(o->weight_decay > 0))
         return train_usage_error("--no-decay-1d chooses where --weight-decay applies; it needs "
                                  "--weight-decay > 0");
@@ -695,29 +716,28 @@ static int check_opts(train_opts *o) {
     static const char *const optimizers[] = {"sgd", "adam", "adamw", NULL};
     static const char *const schedules[] = {"constant", "step",     "cosine",
                                             "linear",   "onecycle", NULL};
-    static const char *const resnets[] = {"resnet18", "resnet34", "resnet50", NULL};
-    bool gpt = strcmp(o->model, "gpt") == 0;
-    if (!gpt && !one_of(o->model, tdm_model_names) && !one_of(o->model, resnets))
-        return train_usage_error(
-            "--model: unknown model '%s' (expected mlp, cnn, cnn-bn, resnet18, "
-            "resnet34, resnet50 or gpt)",
-            o->model);
-    if (gpt && (o->image_size || o->transform || o->eval_transform))
+    const tdm_model_info *row = tdm_model_find(o->model);
+    if (!row) return train_usage_error("--model: %s", tdm_last_error());
+    bool text = row->task == TDM_TASK_TEXT; /* a language model and the text task */
+    char names[256];
+    if (text && (o->image_size || o->transform || o->eval_transform))
         return train_usage_error("--image-size, --transform and --eval-transform apply to image "
-                                 "models, not gpt");
-    if (!o->optimizer) o->optimizer = gpt ? "adamw" : "sgd";
-    if (gpt && strcmp(o->optimizer, "adamw") != 0)
+                                 "models, not %s",
+                                 o->model);
+    if (!o->optimizer) o->optimizer = text ? "adamw" : "sgd";
+    if (text && strcmp(o->optimizer, "adamw") != 0)
         return train_usage_error(
-            "--model gpt trains with adamw (weight decay on matrices only), not "
-            "%s",
+            "--model %s trains with adamw (weight decay on matrices only), not %s", o->model,
             o->optimizer);
-    if (gpt && !strcmp(o->data, "fashion-mnist"))
-        return train_usage_error("--model gpt needs --data FILE (text, or an llm.c token shard)");
-    if (!gpt && (o->layers || o->heads || o->channels || o->context || o->vocab || o->save_path))
+    if (text && !strcmp(o->data, "fashion-mnist"))
+        return train_usage_error("--model %s needs --data FILE (text, or an llm.c token shard)",
+                                 o->model);
+    if (!text && (o->layers || o->heads || o->channels || o->context || o->vocab || o->save_path))
         return train_usage_error(
             "--layers, --heads, --channels, --context, --vocab and --save apply "
-            "to --model gpt only");
-    if (o->recompute && !gpt && !one_of(o->model, resnets))
+            "to --model %s only",
+            tdm_model_list(TDM_TASK_TEXT, " or ", names, sizeof names));
+    if (o->recompute && !row->units)
         return train_usage_error("--recompute runs the GPT's blocks or a ResNet's stages again "
                                  "in backward; --model %s has no such units",
                                  o->model);
@@ -738,14 +758,14 @@ static int check_opts(train_opts *o) {
     if (!sgd && !isnan(o->momentum))
         return train_usage_error("--momentum applies to sgd only (adam and adamw use betas 0.9, "
                                  "0.999)");
-    if (isnan(o->lr)) o->lr = sgd ? 0.1 : gpt ? 3e-4 : 1e-3;
+    if (isnan(o->lr)) o->lr = sgd ? 0.1 : text ? 3e-4 : 1e-3;
     if (isnan(o->momentum)) o->momentum = sgd ? 0.9 : 0;
     if (o->warmup_steps > 0 && strcmp(o->schedule, "cosine") && strcmp(o->schedule, "linear"))
         return train_usage_error("--warmup-steps needs --schedule cosine or linear%s",
                                  strcmp(o->schedule, "onecycle") ? ""
                                                                  : " (onecycle rises over "
                                                                    "--pct-start of the steps)");
-    if (check_training_extras(o, sgd, gpt)) return EXIT_USAGE;
+    if (check_training_extras(o, sgd, text)) return EXIT_USAGE;
     if (!o->checkpoint_dir && (o->resume || o->overwrite || o->checkpoint_every > 0))
         return train_usage_error("%s needs --checkpoint-dir", o->resume ? "--resume"
                                                               : o->overwrite
@@ -773,10 +793,11 @@ static int check_opts(train_opts *o) {
         if (!one_of(o->pipe_schedule, pipes))
             return train_usage_error("--pipeline: unknown schedule '%s' (expected 1f1b or gpipe)",
                                      o->pipe_schedule);
-        if (gpt)
+        if (text)
             return train_usage_error(
-                "--model-split cuts a Sequential of layers into stages; the GPT's "
-                "blocks are not one");
+                "--model-split cuts a Sequential of layers into stages; the %s's "
+                "blocks are not one",
+                o->model);
         if (o->checkpoint_dir || o->grad_accum > 1 || o->clip > 0)
             return train_usage_error("--model-split does not work with %s yet",
                                      o->checkpoint_dir ? "--checkpoint-dir"
@@ -814,9 +835,11 @@ static int parse_list(int argc, const char *const *argv, int first, train_opts *
             continue;
         }
         const char *v = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
-        if (!v) return train_usage_error("%s needs a value (%s)", s->name, s->arg);
+        char arg[128];
+        if (!v) return train_usage_error("%s needs a value (%s)", s->name, spec_arg(s, arg, 128));
         if (!eq && strncmp(v, "--", 2) == 0)
-            return train_usage_error("%s needs a value (%s), got option '%s'", s->name, s->arg, v);
+            return train_usage_error("%s needs a value (%s), got option '%s'", s->name,
+                                     spec_arg(s, arg, 128), v);
         int rc = parse_value(s, v, o);
         if (rc) return rc;
     }
@@ -855,7 +878,7 @@ int train_parse_args(int argc, char **argv, train_opts *o) {
 
 /* What --data reads: the directory of fashion-mnist, of cifar10:DIR, or the DIR or FILE. */
 static const char *data_path(const train_opts *o) {
-    if (strcmp(o->model, "gpt") == 0) return o->data;
+    if (tdm_model_find(o->model)->task == TDM_TASK_TEXT) return o->data; /* checked: a row */
     if (strcmp(o->data, "fashion-mnist") == 0) return TDM_FASHION_MNIST_DIR;
     if (!strncmp(o->data, "cifar10:", 8) || !strncmp(o->data, "cifar100:", 9))
         return strchr(o->data, ':') + 1;
@@ -936,8 +959,7 @@ int train_main(int argc, char **argv) {
     tdm_group *procs = NULL;
     if (tdm_mpi_launched() && (rc = join_mpi(&o, &procs, &argc, &argv))) return rc;
     task t = {0}; /* task_free is safe on what a failed open leaves */
-    rc = strcmp(o.model, "gpt") == 0 ? task_text_open(&t, &o, o.devs[0])
-                                     : task_image_open(&t, &o, o.devs[0]);
+    rc = task_open(&t, &o, o.devs[0]);
     if (!rc) rc = trainer_run(&o, &t, procs);
     task_free(&t);
     bool clean = rc == 0 || rc > 128; /* finished, or stopped by a signal with a checkpoint */

@@ -2,7 +2,14 @@
  * parameters as the built model holds them (the memory estimate's count, layer by layer where
  * a pipeline cuts it), finds its units on the model and on a clone, trains a step, saves a
  * checkpoint that a fresh model of the row loads, and evaluates to the same outputs; and the
- * lookups fail naming what is wrong. A new row is covered without touching this file. */
+ * lookups fail naming what is wrong. Then the `tandem` command reads the table: its help
+ * lists every row, and `tandem train --dry-run` takes every row's name (the image models on
+ * Fashion-MNIST when Debian's copy is installed). A new row is covered without touching this
+ * file.
+ *
+ *   test_models PATH_TO_TANDEM */
+#include <sys/stat.h>
+
 #include "check.h"
 #include "testdir.h"
 
@@ -196,10 +203,89 @@ static void test_table(void) {
     CHECK_ERROR(tdm_model_new("nope", tdm_cpu(0), NULL) == NULL, "unknown model 'nope'");
 }
 
-int main(void) {
+/* Runs tandem with args (NULL-terminated); its exit status, its stdout and stderr into *out
+ * and *err (the caller frees them). */
+static int run(const char *tandem, const char *const *args, char **out, char **err) {
+    const char *argv[32] = {tandem};
+    int n = 1;
+    for (int i = 0; args[i] && n < 31; i++) argv[n++] = args[i];
+    argv[n] = NULL;
+    int rc = wait_status(spawn_captured(argv));
+    *out = captured("stdout"), *err = captured("stderr");
+    return rc;
+}
+
+/* s with every run of spaces and newlines made one space (help text is wrapped). */
+static char *squeeze(char *s) {
+    char *w = s;
+    for (const char *r = s; *r; r++)
+        if (!(*r == ' ' || *r == '\n') || (w > s && w[-1] != ' ')) *w++ = *r == '\n' ? ' ' : *r;
+    *w = '\0';
+    return s;
+}
+
+/* Every row in `tandem --help`, `tandem train --help` (with its help line's start) and, for
+ * an image model, `tandem eval --help`; an unknown --model names them all. */
+static void test_help(const char *tandem) {
+    char *top, *train, *ev, *err;
+    run(tandem, (const char *[]){"--help", NULL}, &top, &err), free(err);
+    run(tandem, (const char *[]){"train", "--help", NULL}, &train, &err), free(err);
+    run(tandem, (const char *[]){"eval", "--help", NULL}, &ev, &err), free(err);
+    for (int i = 0; i < tdm_model_count(); i++) {
+        const tdm_model_info *r = tdm_model_at(i);
+        char line[64], start[48];
+        snprintf(line, sizeof line, "\n    %s ", r->name);
+        snprintf(start, sizeof start, "%s (%s):", r->name, r->input);
+        CHECK(strstr(top, line), "tandem --help does not list %s", r->name);
+        CHECK(strstr(squeeze(train), start), "tandem train --help does not describe %s", r->name);
+        CHECK((strstr(ev, r->name) != NULL) == (r->task == TDM_TASK_IMAGE),
+              "tandem eval --help and %s", r->name);
+    }
+    free(top), free(train), free(ev);
+    char *out;
+    int rc = run(tandem, (const char *[]){"train", "--model", "resnet19", NULL}, &out, &err);
+    char all[512];
+    tdm_model_list(-1, ", ", all, sizeof all);
+    CHECK(rc == 2 && strstr(err, "'resnet19'") && strstr(err, all), "%d %s", rc, err);
+    free(out), free(err);
+}
+
+/* `tandem train --model NAME --dry-run` for every row: the options' checks and the task's
+ * choice come from the row, and the estimate is made from its count. */
+static void test_dry_runs(const char *tandem) {
+    struct stat st;
+    bool fmnist = stat(TDM_FASHION_MNIST_DIR, &st) == 0;
+    char text[128];
+    snprintf(text, sizeof text, "%s/book.txt", tmpdir);
+    const char *words = "the quick brown fox jumps over the lazy dog. ";
+    FILE *f = fopen(text, "w");
+    for (int i = 0; f && i < 64; i++) fputs(words, f);
+    if (f) fclose(f);
+    for (int i = 0; i < tdm_model_count(); i++) {
+        const tdm_model_info *r = tdm_model_at(i);
+        bool lm = r->task == TDM_TASK_TEXT;
+        if (!lm && !fmnist) continue;
+        char *out, *err, want[96];
+        int rc =
+            run(tandem,
+                (const char *[]){"train", "--model", r->name, "--data", lm ? text : "fashion-mnist",
+                                 "--limit", "64", "--dry-run", NULL},
+                &out, &err);
+        snprintf(want, sizeof want, "estimate  %s: ", r->name);
+        CHECK(rc == 0 && strstr(out, want), "--model %s --dry-run: %d %s", r->name, rc, err);
+        free(out), free(err);
+    }
+    if (!fmnist) printf("skipped the image models' dry runs: no %s\n", TDM_FASHION_MNIST_DIR);
+}
+
+int main(int argc, char **argv) {
     if (tmpdir_make("models")) return 1;
     test_table();
     for (int i = 0; i < tdm_model_count(); i++) test_row(tdm_model_at(i));
+    if (argc > 1) {
+        test_help(argv[1]);
+        test_dry_runs(argv[1]);
+    }
     tmpdir_remove();
     return check_summary();
 }

@@ -119,11 +119,11 @@ static int parse(int argc, char **argv, eval_opts *o) {
     if (!o->weights) return usage("--weights FILE is required");
     const tdm_model_info *row = tdm_model_find(o->model);
     char names[256];
-    /* the image models: a language model has no test split to evaluate on */
     if (!row || row->task != TDM_TASK_IMAGE)
-        return usage("--model: %s model '%s' (expected one of %s)",
-                     row ? "not an image" : "unknown", o->model,
-                     tdm_model_list(TDM_TASK_IMAGE, ", ", names, sizeof names));
+        return usage(row ? "--model %s: a language model, which has no test split to evaluate "
+                           "(expected one of %s)"
+                         : "--model: unknown model '%s' (expected one of %s)",
+                     o->model, tdm_model_list(TDM_TASK_IMAGE, ", ", names, sizeof names));
     return 0;
 }
 

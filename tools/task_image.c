@@ -242,7 +242,7 @@ static int split_validation(task *t, const train_opts *o) {
     return t->test ? 0 : task_error("--validation: %s", tdm_last_error());
 }
 
-/* The image models that take any input and classes, "resnet18, resnet34 or resnet50", into
+/* The image models that take any input and classes, "resnet18, resnet34, ...", into
  * buf (256 bytes); returns buf. */
 static const char *any_input_models(char *buf) {
     size_t n = 0;

@@ -45,7 +45,8 @@ static const opt_spec specs[] = {
      "torchvision's ImageFolder reads them: DIR/train and DIR/val (or DIR/test), each with one "
      "folder of JPEG and PNG files per class, the classes being the sorted folder names. "
      "cifar10:DIR and cifar100:DIR read CIFAR's binary files (data_batch_1.bin ... "
-     "test_batch.bin; train.bin and test.bin, fine labels). For gpt, FILE is an llm.c token "
+     "test_batch.bin; train.bin and test.bin, fine labels). For a language model, FILE is an "
+     "llm.c token "
      "shard (magic 20240520, u16 tokens) or any other file, whose bytes are the tokens "
      "(vocabulary 256): plain text trains with no tokenizer."},
     /* the names, the default and the text come from the registry (models.h): model_arg,
@@ -74,16 +75,18 @@ static const opt_spec specs[] = {
      "imagenet-eval for image folders, cifar-eval for CIFAR with a model sized by its data (a "
      "ResNet), none otherwise",
      "The test images' transforms, as --transform."},
-    {"--layers", "L", OPT_INT, F(layers), 1, 1024, "2", "gpt: transformer blocks."},
+    {"--layers", "L", OPT_INT, F(layers), 1, 1024, "2", "Language models: transformer blocks."},
     {"--heads", "H", OPT_INT, F(heads), 1, 1024, "4",
-     "gpt: attention heads (must divide --channels)."},
-    {"--channels", "C", OPT_INT, F(channels), 1, 65536, "128", "gpt: width of the model."},
+     "Language models: attention heads (must divide --channels)."},
+    {"--channels", "C", OPT_INT, F(channels), 1, 65536, "128",
+     "Language models: width of the model."},
     {"--context", "T", OPT_INT, F(context), 1, 1 << 20, "64 (the file's with --init-from)",
-     "gpt: tokens per training window (the longest sequence the model reads)."},
+     "Language models: tokens per training window (the longest sequence the model reads)."},
     {"--vocab", "V", OPT_INT, F(vocab), 1, 1 << 20, "256 for text, 50257 for token shards",
-     "gpt: vocabulary size (padded to a multiple of 128 in the embedding, as llm.c does)."},
+     "Language models: vocabulary size (padded to a multiple of 128 in the embedding, as "
+     "llm.c does)."},
     {"--save", "FILE", OPT_STR, F(save_path), 0, 0, "none",
-     "gpt: write the trained model as an llm.c fp32 model file (readable by llm.c's "
+     "Language models: write the trained model as an llm.c fp32 model file (readable by llm.c's "
      "train_gpt2.c and by 'tandem sample')."},
     {"--recompute", NULL, OPT_FLAG, F(recompute), 0, 0, "off",
      "Recomputation (torch.utils.checkpoint): each of the model's units runs without keeping "
@@ -111,7 +114,8 @@ static const opt_spec specs[] = {
      "Samples per device per step instead, as PyTorch's batch_size under DDP: the global "
      "batch is B x devices (x processes under mpirun; with --model-split K, B per replica of "
      "the K stages). Not with --batch-size."},
-    {"--optimizer", "sgd|adam|adamw", OPT_STR, F(optimizer), 0, 0, "sgd (adamw for gpt)",
+    {"--optimizer", "sgd|adam|adamw", OPT_STR, F(optimizer), 0, 0,
+     "sgd (adamw for a language model)",
      "Update rule, with PyTorch's formulas (torch.optim.SGD, Adam, AdamW; Adam's betas 0.9, "
      "0.999 and eps 1e-8)."},
     {"--lr", "LR", OPT_NUM, F(lr), 0, 1e6, "0.1 for sgd, 1e-3 for adam and adamw",
@@ -140,7 +144,7 @@ static const opt_spec specs[] = {
      "Nesterov momentum (PyTorch's SGD nesterov=True). sgd with --momentum > 0 only."},
     {"--no-decay-1d", NULL, OPT_FLAG, F(no_decay_1d), 0, 0, "off",
      "--weight-decay on parameters of 2 or more dims only: biases and norms' weights get 0 "
-     "(two parameter groups, as the gpt always does)."},
+     "(two parameter groups, as a language model always does)."},
     {"--eval-flip", NULL, OPT_FLAG, F(eval_flip), 0, 0, "off",
      "Evaluate on the mean of the model's logits for each test image and its left-right "
      "mirror (test-time augmentation). Image models only."},
@@ -203,7 +207,7 @@ static const opt_spec specs[] = {
      "by parameter count), each on its own device of --devices, which must list K devices, or "
      "K x R for R data-parallel replicas of every stage. Each batch flows through the stages "
      "in --micro-batches pieces, so the devices work at once; results match one device. Not "
-     "for gpt, whose blocks are not a Sequential to cut."},
+     "for a language model, whose blocks are not a Sequential to cut."},
     {"--micro-batches", "M", OPT_INT, F(micro_batches), 1, TDM_PIPE_MAX_MICRO, "4",
      "With --model-split: pieces each batch is cut into."},
     {"--pipeline", "1f1b|gpipe", OPT_STR, F(pipe_schedule), 0, 0, "1f1b",
@@ -214,12 +218,15 @@ static const opt_spec specs[] = {
      "with an error naming the rank it waited for (a process that crashed or hangs). Raise "
      "it when one process can work alone for long between steps."},
     {"--limit", "N", OPT_INT, F(limit), 1, 1e12, "all",
-     "Use only the first N training samples (windows of text, for gpt) and the first N/6 "
+     "Use only the first N training samples (windows of text, for a language model) and the first "
+     "N/6 "
      "test samples (at least 1): for quick runs and tests."},
     {"--log", "FILE", OPT_STR, F(log_path), 0, 0, "none",
      "Write one JSON object per line: a config line, a line per step (epoch, step, loss, lr, "
-     "img_s, or tok_s for gpt) and a line per epoch (train_loss; train_acc, test_loss and "
-     "test_acc, null for gpt; seconds, eval_seconds, wall_s (seconds since the process "
+     "img_s, or tok_s for a language model) and a line per epoch (train_loss; train_acc, test_loss "
+     "and "
+     "test_acc, null for a language model; seconds, eval_seconds, wall_s (seconds since the "
+     "process "
      "started, when the epoch's test accuracy is known), loader_wait_s, ...; and peak_bytes, "
      "each device's peak of tensor memory during the epoch's training, also printed on the "
      "epoch line)."},
@@ -231,13 +238,14 @@ static const opt_spec specs[] = {
      "progress line."},
     {"--tensorboard", "DIR", OPT_STR, F(tensorboard_dir), 0, 0, "none",
      "Write TensorBoard event files into DIR (created if missing; open with tensorboard "
-     "--logdir DIR): train/loss, train/lr and train/img_per_s (tok_per_s for gpt) per step, "
+     "--logdir DIR): train/loss, train/lr and train/img_per_s (tok_per_s for a language model) per "
+     "step, "
      "and epoch/train_loss, train_acc, test_loss, test_acc per epoch."},
     {"--plot", "FILE.svg", OPT_STR, F(plot_path), 0, 0, "none",
      "Draw loss and accuracy curves (train and test per epoch, train loss per step) and, in a "
      "third panel, test accuracy against the wall-clock seconds since the process started "
      "(with --plot-compare's runs) into an SVG file, rewritten at every progress line and "
-     "after every epoch (for gpt: the loss panel alone)."},
+     "after every epoch (for a language model: the loss panel alone)."},
     {"--plot-compare", "FILE[=LABEL],...", OPT_STR, F(plot_compare), 0, 0, "none",
      "With --plot: draw other runs in its wall-clock panel, each in its own colour and "
      "labelled LABEL (default: the file's name), this run being 'tandem'. Each FILE is a --log "
@@ -256,7 +264,7 @@ static const opt_spec specs[] = {
      "names, loadable with load_state_dict) and train_state.safetensors (optimizer moments, "
      "step counts, data position, RNG state). Each is written atomically, so a crash keeps "
      "the previous one. A final checkpoint is written when the run ends. With several "
-     "devices the (identical) replicas are saved once. For gpt, DIR/model.bin is also "
+     "devices the (identical) replicas are saved once. For a language model, DIR/model.bin is also "
      "written (llm.c's format, for 'tandem sample'). DIR belongs to one run at a time: the run "
      "holds DIR/LOCK (released when it ends, however it ends), another run into DIR is refused "
      "naming the holder, and each checkpoint records its run's identity (kept by --resume). "
@@ -283,7 +291,8 @@ static const opt_spec specs[] = {
     {"--init-from", "FILE", OPT_STR, F(init_from), 0, 0, "none",
      "Start from the weights in FILE.safetensors (e.g. a PyTorch state_dict of the same "
      "nn.Sequential, or a checkpoint's model.safetensors); every name, shape and dtype must "
-     "match. For gpt, FILE is an llm.c model file (its sizes replace --layers and the like). "
+     "match. For a language model, FILE is an llm.c model file (its sizes replace --layers and the "
+     "like). "
      "Ignored when --resume finds a checkpoint."},
     {"--dry-run", NULL, OPT_FLAG, F(dry_run), 0, 0, "off",
      "Print the memory the run needs on each device (parameters, gradients, optimizer state, "
@@ -301,7 +310,7 @@ static const opt_spec specs[] = {
 static train_opts opts_defaults(void) {
     return (train_opts){.data = "fashion-mnist",
                         .model = tdm_model_at(0)->name, /* the registry's first */
-                        .optimizer = NULL,              /* sgd, or adamw for gpt */
+                        .optimizer = NULL,              /* sgd, or adamw for a language model */
                         .schedule = "constant",
                         .devices = "cpu:0",
                         .timeout = 30,
@@ -417,7 +426,7 @@ static bool is_model_spec(const opt_spec *s) {
     return s->off == offsetof(train_opts, model);
 }
 
-/* s's metavariable: --model's names "mlp|cnn|...", else the table's. */
+/* s's metavariable: --model's names from the registry, else the table's. */
 static const char *spec_arg(const opt_spec *s, char *buf, size_t cap) {
     return is_model_spec(s) ? tdm_model_list(-1, "|", buf, cap) : s->arg;
 }
@@ -450,12 +459,13 @@ void train_help(FILE *out) {
     fprintf(out, "DESCRIPTION\n");
     wrap(
         out,
-        "Trains an image classifier (an MLP, a small CNN or a ResNet) with cross-entropy loss "
+        "Trains an image classifier (the models are listed under --model) with cross-entropy loss "
         "on Fashion-MNIST, CIFAR or folders of JPEG and PNG images. Each epoch visits the training "
         "set once in an order shuffled from (--seed, epoch), then evaluates on the test set in "
         "eval mode without gradients, and prints train loss and accuracy, test loss and "
         "accuracy, the epoch's training time, images per second and the time the loop waited "
-        "for the data loader. With --model gpt it trains a GPT-2 on --data FILE (text as bytes, "
+        "for the data loader. With a language model (a GPT-2) it trains on --data FILE (text as "
+        "bytes, "
         "or llm.c token shards) for --epochs passes or --max-steps steps, with no test split; "
         "--save writes the model in llm.c's format for 'tandem sample'. Both run the same "
         "loop: every option works for both, except where its text says otherwise.",

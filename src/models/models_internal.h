@@ -1,14 +1,10 @@
-/* What the model files share inside the models layer: the rows they register
- * (registry.c lists them) and the counting steps of their tdm_model_cost functions (cost.c). */
+/* What the model files share inside the models layer: the counting steps of their rows'
+ * tdm_model_cost functions (cost.c). Each file defines its rows as tdm_row_<name>, which
+ * registry.c declares and lists. */
 #ifndef TANDEM_MODELS_INTERNAL_H
 #define TANDEM_MODELS_INTERNAL_H
 
 #include "tandem/models.h"
-
-/* The rows, each defined beside its builder. */
-extern const tdm_model_info tdm_row_mlp, tdm_row_cnn, tdm_row_cnn_bn;
-extern const tdm_model_info tdm_row_resnet18, tdm_row_resnet34, tdm_row_resnet50;
-extern const tdm_model_info tdm_row_gpt;
 
 /* ---- counting a forward layer by layer (tdm_model_cost) --------------------------------------
  * A count walks the model's forward in order: each output outside a unit is a layer of the

@@ -1,5 +1,5 @@
 /* The model registry (include/tandem/models.h): one row per model, defined beside its builder.
- * A new model adds its row here, in the order `tandem --help` lists the models. */
+ * A new model adds its row to ROWS, in the order `tandem --help` lists the models. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,10 +7,14 @@
 #include "core/core.h"
 #include "models_internal.h"
 
-static const tdm_model_info *const rows[] = {
-    &tdm_row_mlp,      &tdm_row_cnn,      &tdm_row_cnn_bn, &tdm_row_resnet18,
-    &tdm_row_resnet34, &tdm_row_resnet50, &tdm_row_gpt,
-};
+/* The rows, each defined beside its builder as tdm_row_<name>: X(name) declares it and lists
+ * it in rows[]. */
+#define ROWS(X) X(mlp) X(cnn) X(cnn_bn) X(resnet18) X(resnet34) X(resnet50) X(gpt)
+
+#define DECLARE(name) extern const tdm_model_info tdm_row_##name;
+#define LIST(name)    &tdm_row_##name,
+ROWS(DECLARE)
+static const tdm_model_info *const rows[] = {ROWS(LIST)};
 #define N_ROWS (int)(sizeof rows / sizeof rows[0])
 
 int tdm_model_count(void) {

@@ -313,19 +313,24 @@ static void describe_row(const tdm_model_info *row, const tdm_model_opts *o, cha
              small_images(o) ? "; small-image stem: 3x3 conv, no max-pool" : "");
 }
 
-#define RESNET_HELP(depth)                                                                         \
-    "torchvision's ResNet-" #depth " (state_dict names such as layer1.0.conv1.weight), with as "   \
-    "many outputs as the data has classes, on 3-channel images (grey ones are copied to 3 "        \
-    "channels); for images of at most 64 pixels the stem is a 3x3 convolution without max-pool "   \
-    "(the CIFAR variant)."
-#define RESNET_ROW(nm, depth)                                                                      \
+#define RESNET18_HELP                                                                              \
+    "torchvision's ResNet-18 (state_dict names such as layer1.0.conv1.weight), with as many "      \
+    "outputs as the data has classes, on 3-channel images (grey ones are copied to 3 channels); "  \
+    "for images of at most 64 pixels the stem is a 3x3 convolution without max-pool (the CIFAR "   \
+    "variant)."
+#define RESNET_ROW(nm, depth, text)                                                                \
     {                                                                                              \
         .name = nm, .task = TDM_TASK_IMAGE, .input = "3xHxW images", .any_input = true,            \
         .defaults = {.input = TDM_SHAPE(3, 224, 224), .num_classes = 1000}, .variant = depth,      \
         .build = build_row, .units = stages, .count = count_row, .describe = describe_row,         \
-        .help = RESNET_HELP(depth)                                                                 \
+        .help = text                                                                               \
     }
 
-const tdm_model_info tdm_row_resnet18 = RESNET_ROW("resnet18", 18);
-const tdm_model_info tdm_row_resnet34 = RESNET_ROW("resnet34", 34);
-const tdm_model_info tdm_row_resnet50 = RESNET_ROW("resnet50", 50);
+const tdm_model_info tdm_row_resnet18 = RESNET_ROW("resnet18", 18, RESNET18_HELP);
+const tdm_model_info tdm_row_resnet34 = RESNET_ROW("resnet34", 34,
+                                                   "torchvision's ResNet-34: as the ResNet-18 "
+                                                   "above, with [3, 4, 6, 3] blocks.");
+const tdm_model_info tdm_row_resnet50 = RESNET_ROW("resnet50", 50,
+                                                   "torchvision's ResNet-50: as the ResNet-18 "
+                                                   "above, with [3, 4, 6, 3] Bottleneck blocks "
+                                                   "(4x wider outputs).");

@@ -79,6 +79,8 @@ static tdm_module *cnn_bn_layers(tdm_device dev, tdm_rng *rng) {
 
 /* ---- their rows ------------------------------------------------------------------------- */
 
+enum { MLP, CNN, CNN_BN }; /* their rows' variant */
+
 /* 0 when o asks for what these models take (784 pixels, at most 10 classes), else TDM_ERR_ARG
  * naming the sizes. */
 static int check_sizes(const tdm_model_info *row, const tdm_model_opts *o) {
@@ -92,8 +94,8 @@ static int check_sizes(const tdm_model_info *row, const tdm_model_opts *o) {
 static tdm_module *build_small(const tdm_model_info *row, const tdm_model_opts *o, tdm_device dev,
                                tdm_rng *rng) {
     if (check_sizes(row, o)) return NULL;
-    return row == &tdm_row_mlp   ? mlp_layers(dev, rng)
-           : row == &tdm_row_cnn ? cnn_layers(dev, rng)
+    return row->variant == MLP   ? mlp_layers(dev, rng)
+           : row->variant == CNN ? cnn_layers(dev, rng)
                                  : cnn_bn_layers(dev, rng);
 }
 
@@ -138,21 +140,21 @@ static int count_cnn_bn(const tdm_model_info *row, const tdm_model_opts *o, tdm_
     return TDM_OK;
 }
 
-#define SMALL_ROW(nm, counter, text)                                                               \
+#define SMALL_ROW(nm, which, counter, text)                                                        \
     {                                                                                              \
         .name = nm, .task = TDM_TASK_IMAGE, .input = "1x28x28 images",                             \
-        .defaults = {.input = TDM_SHAPE(1, 28, 28), .num_classes = 10}, .build = build_small,      \
-        .count = counter, .help = text                                                             \
+        .defaults = {.input = TDM_SHAPE(1, 28, 28), .num_classes = 10}, .variant = which,          \
+        .build = build_small, .count = counter, .help = text                                       \
     }
 
 const tdm_model_info tdm_row_mlp = SMALL_ROW(
-    "mlp", count_mlp, "Flatten, Linear 784-256, ReLU, Linear 256-128, ReLU, Linear 128-10.");
+    "mlp", MLP, count_mlp, "Flatten, Linear 784-256, ReLU, Linear 256-128, ReLU, Linear 128-10.");
 const tdm_model_info tdm_row_cnn = SMALL_ROW(
-    "cnn", count_cnn,
+    "cnn", CNN, count_cnn,
     "Conv2d 1-32 3x3 pad 1, ReLU, MaxPool 2, Conv2d 32-64 3x3 pad 1, ReLU, MaxPool 2, Flatten, "
     "Linear 3136-128, ReLU, Linear 128-10.");
 const tdm_model_info tdm_row_cnn_bn = SMALL_ROW(
-    "cnn-bn", count_cnn_bn,
+    "cnn-bn", CNN_BN, count_cnn_bn,
     "Conv2d 1-16 3x3 pad 1 without bias, MaxPool 2, BatchNorm2d, ReLU, Conv2d 16-32 likewise, "
     "MaxPool 2, BatchNorm2d, ReLU, Flatten, Linear 1568-256, ReLU, Linear 256-10 (--recipe "
     "fmnist-fast's).");

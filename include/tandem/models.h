@@ -135,7 +135,8 @@ tdm_module *tdm_model_build(const tdm_model_info *row, const tdm_model_opts *o, 
 /* row's cost for o's sizes (NULL: row->defaults) into *c, counted without building anything.
  * TDM_OK, or TDM_ERR_ARG for a NULL argument or sizes the builder would refuse. */
 int tdm_model_cost_of(const tdm_model_info *row, const tdm_model_opts *o, tdm_model_cost *c);
-/* row's one-line description of a model of o's sizes into buf (cap bytes); returns buf. */
+/* row's one-line description of a model of o's sizes (NULL: row->defaults) into buf (cap
+ * bytes): its describe, or its name; "(no model)" for a NULL row. Returns buf. */
 char *tdm_model_describe(const tdm_model_info *row, const tdm_model_opts *o, char *buf, size_t cap);
 
 /* A new model `name` at its row's default sizes on dev (tdm_model_build), weights drawn from

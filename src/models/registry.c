@@ -58,7 +58,9 @@ int tdm_model_cost_of(const tdm_model_info *row, const tdm_model_opts *o, tdm_mo
 
 char *tdm_model_describe(const tdm_model_info *row, const tdm_model_opts *o, char *buf,
                          size_t cap) {
-    if (row->describe)
+    if (!row)
+        snprintf(buf, cap, "(no model)");
+    else if (row->describe)
         row->describe(row, o ? o : &row->defaults, buf, cap);
     else
         snprintf(buf, cap, "%s", row->name);

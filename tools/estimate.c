@@ -10,7 +10,9 @@
  * factors are that ratio as measured on each model with this build (--log's peak_bytes, one
  * CPU device): under 2 where ReLU passes its gradient on and the first layer needs none,
  * over 2 where batch norm keeps its normalised input or a residual sum clones a gradient.
- * tests/test_estimate.c holds them to the measured peak within 15%.
+ * Each model's row of the registry counts its own (tdm_model_cost, beside its builder in
+ * src/models/), so this file knows no model. tests/test_estimate.c holds them to the measured
+ * peak within 15%.
  */
 #include "estimate.h"
 
@@ -22,175 +24,8 @@
 
 #include "trainer_state.h" /* SYNC_STEPS */
 
-#define MAX_LAYERS 64 /* the longest Sequential of a model here (resnets: 12) */
-
-/* ---- what one sample's forward makes ------------------------------------------------------ */
-
-typedef struct {
-    int64_t params;         /* the model's parameters */
-    int64_t unit_params;    /* the largest unit's (a ZeRO-3 gather holds two at once) */
-    double fwd;             /* floats a sample's forward makes outside the units */
-    double unit_sum;        /* ... inside the units (a GPT's blocks, a ResNet's stages) */
-    double unit_max;        /* ... inside the largest unit */
-    double unit_inputs;     /* the units' inputs: what --recompute keeps of them */
-    double head;            /* floats of the loss's input (logits) */
-    double factor;          /* activations and their gradients per forward float (above) */
-    double head_factor;     /* the same for the logits (softmax, its gradient) */
-    double fixed;           /* bytes of kernels' scratch that do not grow with the batch */
-    double fixed_per_param; /* ... and per parameter the device holds */
-    bool in_unit;           /* counting inside a unit */
-    double this_unit;       /* floats of the unit being counted */
-    /* the layers of the model's Sequential (a unit is one), where a pipeline cuts it: each
-     * one's parameters and forward floats */
-    int n_layers;
-    int64_t layer_params[MAX_LAYERS];
-    double layer_fwd[MAX_LAYERS];
-    int64_t mark; /* the parameters before the layer being counted */
-} model_count;
-
-/* A layer of the Sequential ends: its parameters are those counted since the last. */
-static void layer_end(model_count *m, double floats) {
-    if (m->n_layers < MAX_LAYERS) {
-        m->layer_params[m->n_layers] = m->params - m->mark;
-        m->layer_fwd[m->n_layers++] = floats;
-    }
-    m->mark = m->params;
-}
-
-/* An output of `floats` per sample: a layer of its own outside a unit. */
-static void out(model_count *m, double floats) {
-    if (m->in_unit) {
-        m->this_unit += floats, m->unit_sum += floats;
-        return;
-    }
-    m->fwd += floats;
-    layer_end(m, floats);
-}
-
-static void unit_begin(model_count *m, double input) {
-    m->in_unit = true, m->this_unit = 0;
-    m->unit_inputs += input;
-}
-
-static void unit_end(model_count *m) {
-    m->in_unit = false;
-    if (m->this_unit > m->unit_max) m->unit_max = m->this_unit;
-    if (m->params - m->mark > m->unit_params) m->unit_params = m->params - m->mark;
-    layer_end(m, m->this_unit);
-}
-
-/* A Conv2d k x k (padding k / 2) on [cin, *h, *w]: its output, and *h, *w become its size. */
-static void conv(model_count *m, int64_t cin, int64_t cout, int64_t k, int64_t stride, bool bias,
-                 int64_t *h, int64_t *w) {
-    *h = (*h + 2 * (k / 2) - k) / stride + 1;
-    *w = (*w + 2 * (k / 2) - k) / stride + 1;
-    m->params += cout * cin * k * k + (bias ? cout : 0);
-    out(m, (double)(cout * *h * *w));
-}
-
-static void linear(model_count *m, int64_t in, int64_t outs) {
-    m->params += in * outs + outs;
-    out(m, (double)outs);
-}
-
-static void batch_norm(model_count *m, int64_t c, int64_t h, int64_t w) {
-    m->params += 2 * c;
-    out(m, (double)(c * h * w));
-}
-
-/* mlp, cnn, cnn-bn (src/models/zoo.c) on [1, 28, 28]. */
-static void count_small(model_count *m, const char *name) {
-    int64_t h = 28, w = 28;
-    if (strcmp(name, "mlp") == 0) {
-        out(m, 0), linear(m, 784, 256), out(m, 256), linear(m, 256, 128), out(m, 128);
-        linear(m, 128, 10);
-        m->factor = 2.15;
-    } else if (strcmp(name, "cnn") == 0) {
-        conv(m, 1, 32, 3, 1, true, &h, &w), out(m, 32 * 28 * 28), out(m, 32 * 14 * 14);
-        h = w = 14;
-        conv(m, 32, 64, 3, 1, true, &h, &w), out(m, 64 * 14 * 14), out(m, 64 * 7 * 7);
-        out(m, 0), linear(m, 3136, 128), out(m, 128), linear(m, 128, 10);
-        m->factor = 1.65;
-    } else { /* cnn-bn: conv, pool, batch norm, relu, twice */
-        conv(m, 1, 16, 3, 1, false, &h, &w), out(m, 16 * 14 * 14);
-        batch_norm(m, 16, 14, 14), out(m, 16 * 14 * 14);
-        h = w = 14;
-        conv(m, 16, 32, 3, 1, false, &h, &w), out(m, 32 * 7 * 7);
-        batch_norm(m, 32, 7, 7), out(m, 32 * 7 * 7);
-        out(m, 0), linear(m, 1568, 256), out(m, 256), linear(m, 256, 10);
-        m->factor = 2.45;
-    }
-    m->head = 10;
-}
-
-/* A ResNet block (src/models/resnet.c) from [*c, *h, *w]. */
-static void res_block(model_count *m, bool bottleneck, int64_t planes, int64_t stride, int64_t *c,
-                      int64_t *h, int64_t *w) {
-    int64_t cin = *c, cout = bottleneck ? 4 * planes : planes, h0 = *h, w0 = *w;
-    if (bottleneck) {
-        conv(m, cin, planes, 1, 1, false, h, w), batch_norm(m, planes, *h, *w);
-        out(m, (double)(planes * *h * *w));
-        conv(m, planes, planes, 3, stride, false, h, w), batch_norm(m, planes, *h, *w);
-        out(m, (double)(planes * *h * *w));
-        conv(m, planes, cout, 1, 1, false, h, w), batch_norm(m, cout, *h, *w);
-    } else {
-        conv(m, cin, planes, 3, stride, false, h, w), batch_norm(m, planes, *h, *w);
-        out(m, (double)(planes * *h * *w));
-        conv(m, planes, planes, 3, 1, false, h, w), batch_norm(m, planes, *h, *w);
-    }
-    if (stride != 1 || cin != cout) /* downsample: Conv2d 1x1 stride s, BatchNorm2d */
-        conv(m, cin, cout, 1, stride, false, &h0, &w0), batch_norm(m, cout, h0, w0);
-    out(m, (double)(2 * cout * *h * *w)); /* the sum and its ReLU */
-    *c = cout;
-}
-
-/* resnet18/34/50 on input [3, H, W] with `classes` outputs. */
-static void count_resnet(model_count *m, int depth, const tdm_shape *in, int64_t classes) {
-    static const int blocks[3][4] = {{2, 2, 2, 2}, {3, 4, 6, 3}, {3, 4, 6, 3}};
-    const int *nb = blocks[depth == 18 ? 0 : depth == 34 ? 1 : 2];
-    bool bottleneck = depth == 50;
-    int64_t c = in->d[0], h = in->d[1], w = in->d[2];
-    bool small = (h < w ? h : w) <= 64; /* the stem task_image.c asks for */
-    conv(m, c, 64, small ? 3 : 7, small ? 1 : 2, false, &h, &w);
-    batch_norm(m, 64, h, w), out(m, (double)(64 * h * w));
-    if (!small) { /* max-pool 3x3 stride 2 padding 1 */
-        h = (h - 1) / 2 + 1, w = (w - 1) / 2 + 1;
-        out(m, (double)(64 * h * w));
-    }
-    c = 64;
-    for (int s = 0; s < 4; s++) {
-        unit_begin(m, (double)(c * h * w));
-        for (int b = 0; b < nb[s]; b++)
-            res_block(m, bottleneck, 64 << s, b == 0 && s > 0 ? 2 : 1, &c, &h, &w);
-        unit_end(m);
-    }
-    out(m, (double)c), out(m, 0), linear(m, c, classes); /* avgpool, flatten, fc */
-    m->head = (double)classes;
-    m->factor = 2.2;
-    /* each convolution's backward makes its weight gradient before adding it into the flat
-     * gradient, and it too lives until the step ends: the parameters once more */
-    m->fixed_per_param = 1;
-}
-
-/* A GPT (src/models/gpt.c) of g's sizes, per token of windows of T. */
-static void count_gpt(model_count *m, const tdm_gpt_config *g, int64_t T) {
-    int64_t C = g->channels, H = g->heads;
-    m->params = tdm_gpt_llmc_numel(g);
-    out(m, (double)(3 * C)); /* wte and wpe rows, their sum */
-    for (int l = 0; l < g->layers; l++) {
-        unit_begin(m, (double)C);
-        /* ln_1, qkv, attention (and its log-sum-exp per head), c_proj, the sum; ln_2, c_fc,
-         * GELU, c_proj, the sum */
-        out(m, (double)(C + 3 * C + C + H + C + C)), out(m, (double)(C + 4 * C + 4 * C + C + C));
-        unit_end(m);
-    }
-    m->unit_params = 12 * C * C + 13 * C;
-    out(m, (double)C); /* ln_f */
-    m->head = g->padded_vocab;
-    m->factor = 1.95;
-    m->head_factor = 2.64;
-    m->fixed = 8.0 * (double)T * (double)T; /* attention's backward: two T x T, a head at a time */
-}
+/* What one sample's forward makes: the model's row counts it (tdm_model_cost_of). */
+typedef tdm_model_cost model_count;
 
 /* ---- per device ------------------------------------------------------------------------- */
 
@@ -293,14 +128,9 @@ static int data_bytes(const train_opts *o, const task *t, const tdm_loader_opts 
 
 int estimate_make(const train_opts *o, const task *t, int procs, const tdm_loader_opts *lo,
                   const tdm_loader_opts *eo, estimate *e) {
-    model_count m = {.head_factor = 2};
-    bool gpt = strcmp(o->model, "gpt") == 0;
-    if (gpt)
-        count_gpt(&m, &t->gpt, t->units_per_sample);
-    else if (strncmp(o->model, "resnet", 6) == 0)
-        count_resnet(&m, atoi(o->model + 6), &t->input, t->train->num_classes);
-    else
-        count_small(&m, o->model);
+    model_count m;
+    if (tdm_model_cost_of(t->row, &t->sizes, &m))
+        return task_error("--model %s: %s", o->model, tdm_last_error());
     *e = (estimate){.n_params = m.params, .n_devs = o->n_devs};
     int64_t data = 0;
     if (data_bytes(o, t, lo, eo, &data)) return EXIT_RUNTIME;
@@ -309,7 +139,7 @@ int estimate_make(const train_opts *o, const task *t, int procs, const tdm_loade
     if (rows > per_rank) rows = per_rank;
     int replicas = o->n_devs / (o->model_split > 1 ? (int)o->model_split : 1);
     e->samples = (rows + replicas - 1) / replicas;
-    double per = gpt ? (double)t->units_per_sample : 1; /* the GPT's are counted per token */
+    double per = (double)m.positions; /* a GPT's are counted per token */
     for (int d = 0; d < o->n_devs; d++) {
         estimate_device *x = &e->dev[d];
         /* DataParallel: device 0 takes the rows left over by the split */

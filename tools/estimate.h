@@ -27,8 +27,9 @@ typedef struct {
 
 /* What the trainer will build for t (opened, its model not yet built) under options o, with
  * procs processes (1 without mpirun) and the loaders' options lo and eo (eo NULL without a
- * test split), into *e. Returns 0, or EXIT_RUNTIME after printing why the loaders' options
- * are invalid. Allocates nothing. */
+ * test split), into *e: the model's part counted by its row of the registry
+ * (tdm_model_cost_of on t->row and t->sizes). Returns 0, or EXIT_RUNTIME after printing why
+ * the loaders' options are invalid or the row refused the sizes. Allocates nothing. */
 int estimate_make(const train_opts *o, const task *t, int procs, const tdm_loader_opts *lo,
                   const tdm_loader_opts *eo, estimate *e);
 

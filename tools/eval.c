@@ -20,6 +20,8 @@ typedef struct {
 } eval_opts;
 
 void eval_help(FILE *out) {
+    char names[256];
+    tdm_model_list(TDM_TASK_IMAGE, "|", names, sizeof names);
     fprintf(
         out,
         "NAME\n    tandem eval - test loss and accuracy of saved weights\n\n"
@@ -34,8 +36,8 @@ void eval_help(FILE *out) {
         "        the shard files of a sharded run (--shard under mpirun), or\n"
         "        a run's --checkpoint-dir (its newest checkpoint).\n"
         "        Required.\n"
-        "    --model mlp|cnn|cnn-bn|resnet18|resnet34|resnet50\n"
-        "        The network the weights belong to (see tandem train --help). Default: mlp.\n"
+        "    --model %s\n"
+        "        The network the weights belong to (see tandem train --help). Default: %s.\n"
         "    --data fashion-mnist|DIR|cifar10:DIR|cifar100:DIR\n"
         "        As for tandem train; the test split is used. Default: fashion-mnist.\n"
         "    --image-size S, --eval-transform STEPS|PRESET\n"
@@ -51,7 +53,8 @@ void eval_help(FILE *out) {
         "usage error.\n\n"
         "EXAMPLES\n"
         "    tandem train --model cnn --checkpoint-dir runs/cnn\n"
-        "    tandem eval --model cnn --weights runs/cnn/ckpt-0000000938/model.safetensors\n");
+        "    tandem eval --model cnn --weights runs/cnn/ckpt-0000000938/model.safetensors\n",
+        names, tdm_model_at(0)->name);
 }
 
 static int usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -85,7 +88,7 @@ static int parse_int(const char *name, const char *v, int64_t lo, int64_t *out) 
 }
 
 static int parse(int argc, char **argv, eval_opts *o) {
-    *o = (eval_opts){.model = "mlp", .data = "fashion-mnist", .batch_size = 1000};
+    *o = (eval_opts){.model = tdm_model_at(0)->name, .data = "fashion-mnist", .batch_size = 1000};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) return -1;
@@ -114,14 +117,13 @@ static int parse(int argc, char **argv, eval_opts *o) {
         if (rc) return rc;
     }
     if (!o->weights) return usage("--weights FILE is required");
-    bool ok = !strcmp(o->model, "resnet18") || !strcmp(o->model, "resnet34") ||
-              !strcmp(o->model, "resnet50");
-    for (const char *const *m = tdm_model_names; *m; m++) ok = ok || !strcmp(*m, o->model);
-    if (!ok)
-        return usage(
-            "--model: unknown model '%s' (expected mlp, cnn, cnn-bn, resnet18, resnet34 or "
-            "resnet50)",
-            o->model);
+    const tdm_model_info *row = tdm_model_find(o->model);
+    char names[256];
+    if (!row || row->task != TDM_TASK_IMAGE)
+        return usage(row ? "--model %s: a language model, which has no test split to evaluate "
+                           "(expected one of %s)"
+                         : "--model: unknown model '%s' (expected one of %s)",
+                     o->model, tdm_model_list(TDM_TASK_IMAGE, ", ", names, sizeof names));
     return 0;
 }
 

@@ -17,23 +17,34 @@
 
 #define TANDEM_VERSION "0.1.0"
 
+/* The models of the registry (models.h), one line each. */
+static void models(FILE *out) {
+    for (int i = 0; i < tdm_model_count(); i++) {
+        const tdm_model_info *r = tdm_model_at(i);
+        fprintf(out, "    %-10s %s, on %s\n", r->name,
+                r->task == TDM_TASK_TEXT ? "language model" : "image classifier", r->input);
+    }
+}
+
 static void help(FILE *out) {
+    char images[256];
+    tdm_model_list(TDM_TASK_IMAGE, "|", images, sizeof images);
     fprintf(out,
             "NAME\n"
             "    tandem - train neural networks from the command line\n\n"
             "SYNOPSIS\n"
             "    tandem train [OPTION]...\n"
-            "    tandem eval --weights FILE [--model mlp|cnn|cnn-bn|resnet18|resnet34|resnet50] "
-            "[OPTION]...\n"
+            "    tandem eval --weights FILE [--model %s] [OPTION]...\n"
             "    tandem sample --model FILE [OPTION]...\n"
             "    tandem export CKPT_DIR OUT.safetensors [STATE_OUT.safetensors]\n"
             "    tandem devices\n"
             "    tandem help [COMMAND]\n"
             "    tandem --version\n\n"
             "COMMANDS\n"
-            "    train      Train an MLP or a CNN on Fashion-MNIST and report loss and accuracy\n"
-            "               per epoch, or a GPT (--model gpt) on a text file or llm.c token\n"
-            "               shards. 'tandem train --help' describes every option.\n"
+            "    train      Train an image classifier on Fashion-MNIST, CIFAR or image folders\n"
+            "               and report loss and accuracy per epoch, or a language model on a\n"
+            "               text file or llm.c token shards (MODELS below). 'tandem train\n"
+            "               --help' describes every option.\n"
             "    sample     Generate text with a trained GPT. 'tandem sample --help'.\n"
             "    eval       Test loss and accuracy of saved weights (a checkpoint's\n"
             "               model.safetensors, or PyTorch's). 'tandem eval --help' for options.\n"
@@ -43,7 +54,10 @@ static void help(FILE *out) {
             "               unsharded run writes them.\n"
             "    devices    List the devices training can use.\n"
             "    help       Show this help, or 'tandem help train' for one command.\n\n"
-            "TRAIN OPTIONS (defaults)\n");
+            "MODELS (--model; 'tandem train --help' describes each)\n",
+            images);
+    models(out);
+    fprintf(out, "\nTRAIN OPTIONS (defaults)\n");
     train_synopsis(out);
     fprintf(out, "\nEXIT STATUS\n"
                  "    0 success, 1 runtime error, 2 usage error.\n\n"

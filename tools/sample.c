@@ -26,11 +26,13 @@ typedef struct {
 } sample_opts;
 
 void sample_help(FILE *out) {
+    char lm[128]; /* the language models of the registry, whose llm.c files this reads */
+    tdm_model_list(TDM_TASK_TEXT, "|", lm, sizeof lm);
     fprintf(out,
             "NAME\n    tandem sample - generate text with a trained GPT\n\n"
             "SYNOPSIS\n    tandem sample --model FILE [OPTION]...\n\n"
             "OPTIONS\n"
-            "    --model FILE|DIR\n        An llm.c model file (tandem train --model gpt --save "
+            "    --model FILE|DIR\n        An llm.c model file (tandem train --model %s --save "
             "FILE, or llm.c's\n        gpt2_*.bin), or a --checkpoint-dir holding model.bin.\n"
             "    --prompt TEXT\n        The text to continue (its bytes are the first tokens). "
             "Default: a newline.\n"
@@ -43,8 +45,9 @@ void sample_help(FILE *out) {
             "Default: 0.\n"
             "    -h, --help\n        Show this help and exit.\n\n"
             "EXAMPLE\n"
-            "    tandem train --model gpt --data book.txt --save gpt.bin\n"
-            "    tandem sample --model gpt.bin --prompt 'Once upon' --tokens 200 --top-k 40\n");
+            "    tandem train --model %s --data book.txt --save gpt.bin\n"
+            "    tandem sample --model gpt.bin --prompt 'Once upon' --tokens 200 --top-k 40\n",
+            lm, lm);
 }
 
 static int usage(const char *fmt, const char *a, const char *b) {

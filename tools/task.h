@@ -3,11 +3,12 @@
  * schedules, clipping, accumulation, checkpoints, resume, logs, progress, MPI) and knows
  * nothing of images or text.
  *
- *   image (task_image.c): Fashion-MNIST/MNIST IDX files, CIFAR's files or image folders, the
- *     mlp, cnn or a ResNet of models.h, transforms, cross-entropy, accuracy, evaluation on the
- *     test split every epoch.
- *   text (task_text.c): a text file (bytes as tokens) or llm.c token shards, a GPT-2,
- *     next-token cross-entropy, no test split; the model is also written in llm.c's format.
+ *   image (task_image.c): Fashion-MNIST/MNIST IDX files, CIFAR's files or image folders, an
+ *     image model of the registry (models.h, TDM_TASK_IMAGE), transforms, cross-entropy,
+ *     accuracy, evaluation on the test split every epoch.
+ *   text (task_text.c): a text file (bytes as tokens) or llm.c token shards, a language model
+ *     of the registry (TDM_TASK_TEXT: a GPT-2), next-token cross-entropy, no test split; the
+ *     model is also written in llm.c's format.
  */
 #ifndef TANDEM_TOOLS_TASK_H
 #define TANDEM_TOOLS_TASK_H
@@ -34,10 +35,11 @@ struct task {
     /* the loaders' transforms of each split's samples (transforms.h), or NULL */
     tdm_transform *train_tf, *test_tf;
     /* The model, built by build (below) once the memory estimate (estimate.h) has passed:
-     * what it will be is known before, from input (a sample as the model takes it: [C, H, W]
-     * for an image, [T] tokens for text) and gpt (the text task's sizes). */
-    tdm_shape input;
-    tdm_gpt_config gpt;
+     * what it will be is known before, from its row of the registry (--model) and the sizes
+     * the options and the data give it (sizes.input: a sample as the model takes it, [C, H, W]
+     * for an image, [T] tokens for text). */
+    const tdm_model_info *row;
+    tdm_model_opts sizes;
     /* Builds model on dev, weights as the options ask (the costly part: a GPT of 154 GB is
      * minutes of work). Returns 0 or EXIT_RUNTIME after printing the error. */
     int (*build)(task *t, const train_opts *o);
@@ -53,7 +55,7 @@ struct task {
      * (ZeRO stage 3); else from the model. Returns 0 or EXIT_RUNTIME after printing the
      * error. */
     int (*save)(const task *t, const train_opts *o, const char *checkpoint_dir, const char *ckpt);
-    char model_desc[192];     /* "mlp", "gpt: 2 layers, 4 heads, ..." */
+    char model_desc[192];     /* tdm_model_describe's line */
     char data_desc[320];      /* "60000 train, 10000 test samples" */
     char plot_title[96];      /* "mlp on fashion-mnist" */
     char image_desc[96];      /* the images a batch holds: "[3, 32, 32]" */
@@ -65,10 +67,14 @@ struct task {
 };
 
 /* Each fills t from the options: the data, and what the model will be (t->build makes it on
- * device dev). Return 0, or EXIT_RUNTIME / EXIT_USAGE after printing the error; task_free releases
- * what was made either way. */
+ * device dev). o->model must name a row of the task's kind (check_opts has checked it). Return 0,
+ * or EXIT_RUNTIME / EXIT_USAGE after printing the error; task_free releases what was made either
+ * way. */
 int task_image_open(task *t, const train_opts *o, tdm_device dev);
 int task_text_open(task *t, const train_opts *o, tdm_device dev);
+/* The task of o->model's row (task_image_open or task_text_open), or EXIT_RUNTIME after an
+ * error naming an unknown model. */
+int task_open(task *t, const train_opts *o, tdm_device dev);
 void task_free(task *t);
 
 /* The optimizer the options ask for (sgd, adam, adamw with PyTorch's defaults): the image

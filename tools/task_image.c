@@ -1,6 +1,6 @@
 /* The image task: Fashion-MNIST (or MNIST) IDX files, CIFAR's binary files or image folders,
- * their transforms, the mlp, cnn or a ResNet of models.h, softmax cross-entropy, accuracy, and
- * an evaluation on the test split after every epoch. */
+ * their transforms, an image model of the registry (models.h), softmax cross-entropy,
+ * accuracy, and an evaluation on the test split after every epoch. */
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -119,8 +119,15 @@ void task_free(task *t) {
     *t = (task){0};
 }
 
-static bool is_resnet(const char *model) {
-    return strncmp(model, "resnet", 6) == 0;
+int task_open(task *t, const train_opts *o, tdm_device dev) {
+    const tdm_model_info *row = tdm_model_find(o->model);
+    if (!row) return task_error("--model: %s", tdm_last_error());
+    return row->task == TDM_TASK_TEXT ? task_text_open(t, o, dev) : task_image_open(t, o, dev);
+}
+
+/* The channels the model takes: its row's (3 for a ResNet, 1 for the 28x28 models). */
+static int64_t model_channels(const task *t) {
+    return t->row->defaults.input.d[0];
 }
 
 /* Where the images come from: IDX files, CIFAR's binary files, or image folders. */
@@ -142,7 +149,7 @@ static int open_folders(task *t, const char *dir, int channels, bool skip_bad) {
                           "images, one folder per class as in train)",
                           dir, dir, dir, train);
     /* decoded as the model takes them: 3 channels for a ResNet (torchvision's loader), 1 for
-     * the mlp and cnn (the grey PNGs of Fashion-MNIST give its exact pixels) */
+     * the 28x28 models (the grey PNGs of Fashion-MNIST give its exact pixels) */
     tdm_image_folder_opts fo = tdm_image_folder_defaults();
     fo.channels = channels;
     fo.skip_bad = skip_bad;
@@ -235,6 +242,19 @@ static int split_validation(task *t, const train_opts *o) {
     return t->test ? 0 : task_error("--validation: %s", tdm_last_error());
 }
 
+/* The image models that take any input and classes, "resnet18, resnet34, ...", into
+ * buf (256 bytes); returns buf. */
+static const char *any_input_models(char *buf) {
+    size_t n = 0;
+    buf[0] = '\0';
+    for (int i = 0, k = 0; i < tdm_model_count(); i++) {
+        const tdm_model_info *r = tdm_model_at(i);
+        if (r->task == TDM_TASK_IMAGE && r->any_input && n < 256)
+            n += (size_t)snprintf(buf + n, 256 - n, "%s%s", k++ ? ", " : "", r->name);
+    }
+    return buf;
+}
+
 /* Both splits, as --data names them. */
 static int load_images(task *t, const train_opts *o, data_kind *kind) {
     const char *data = o->data;
@@ -246,14 +266,16 @@ static int load_images(task *t, const train_opts *o, data_kind *kind) {
         const char *dir = strcmp(data, "fashion-mnist") == 0 ? NULL : data;
         struct stat st;
         if (dir && stat(dir, &st) != 0) return task_error("--data '%s': %s", dir, strerror(errno));
+        char text[256];
         if (dir && !S_ISDIR(st.st_mode))
             return task_error("--data '%s' is not a directory: --model %s reads a directory "
-                              "(IDX files or image folders) or cifar10:DIR; a FILE is for gpt",
-                              dir, o->model);
+                              "(IDX files or image folders) or cifar10:DIR; a FILE is for %s",
+                              dir, o->model,
+                              tdm_model_list(TDM_TASK_TEXT, " or ", text, sizeof text));
         char train[4096];
         snprintf(train, sizeof train, "%s/train", dir ? dir : "");
         *kind = dir && is_dir(train) ? DATA_FOLDER : DATA_IDX;
-        rc = *kind == DATA_FOLDER ? open_folders(t, dir, is_resnet(o->model) ? 3 : 1, o->skip_bad)
+        rc = *kind == DATA_FOLDER ? open_folders(t, dir, (int)model_channels(t), o->skip_bad)
                                   : open_idx(t, dir);
     }
     if (!rc) rc = apply_limit(t, o, *kind);
@@ -280,18 +302,19 @@ static int make_transform(const char *text, const char *what, const char *prefix
 }
 
 /* The training and test transforms: the options', or the data's defaults (torchvision's
- * ImageNet recipe for image folders, the CIFAR one for a ResNet on CIFAR, none otherwise),
+ * ImageNet recipe for image folders, the CIFAR one on CIFAR for a model sized by its data (a
+ * ResNet), none otherwise),
  * after a Grayscale step where the data's channels are not the model's (torchvision's
  * Grayscale(3) for grey images, and the reverse) and, for a default, a Resize where the
  * data's fixed size is not --image-size. */
 static int make_transforms(task *t, const train_opts *o, data_kind kind, int64_t size) {
-    bool cifar_resnet = kind == DATA_CIFAR && is_resnet(o->model);
+    bool cifar_resnet = kind == DATA_CIFAR && t->row->any_input;
     const char *train = o->transform, *eval = o->eval_transform;
     if (!train)
         train = kind == DATA_FOLDER ? "imagenet-train" : cifar_resnet ? "cifar-train" : NULL;
     if (!eval) eval = kind == DATA_FOLDER ? "imagenet-eval" : cifar_resnet ? "cifar-eval" : NULL;
     const tdm_shape *in = &t->train->sample_shape;
-    int64_t want_c = is_resnet(o->model) ? 3 : 1;
+    int64_t want_c = model_channels(t);
     char grey[64] = "", resize[64] = "", pre[2][160];
     if (in->d[0] != want_c)
         snprintf(grey, sizeof grey, "Grayscale(num_output_channels=%lld)", (long long)want_c);
@@ -319,8 +342,8 @@ static int image_shape(const tdm_dataset *ds, const tdm_transform *tf, const cha
     return 0;
 }
 
-/* The images the model gets must be what it takes: 10 classes of 1x28x28 for mlp and cnn, and
- * the same shape from both splits, which becomes t->input. */
+/* The images the model gets must be what it takes (its row's input and at most its classes,
+ * unless it takes any), and the same shape from both splits, which becomes t->sizes.input. */
 static int check_shapes(task *t, const train_opts *o) {
     tdm_shape a, b;
     char sa[96], sb[96];
@@ -332,36 +355,30 @@ static int check_shapes(task *t, const train_opts *o) {
         return task_error("the training images become %s but the test images %s: make "
                           "--transform and --eval-transform end at one size",
                           sa, sb);
-    if (!is_resnet(o->model) && (tdm_shape_numel(a) != 784 || t->train->num_classes > 10))
-        return task_error("--data '%s' gives %lld classes of images %s; --model %s expects 10 "
-                          "classes of 1x28x28 (a resnet takes any)",
-                          o->data, (long long)t->train->num_classes, sa, o->model);
+    const tdm_model_opts *d = &t->row->defaults;
+    if (!t->row->any_input && (tdm_shape_numel(a) != tdm_shape_numel(d->input) ||
+                               t->train->num_classes > d->num_classes)) {
+        char any[256];
+        return task_error("--data '%s' gives %lld classes of images %s; --model %s expects %lld "
+                          "classes of %s (these take any: %s)",
+                          o->data, (long long)t->train->num_classes, sa, o->model,
+                          (long long)d->num_classes, t->row->input, any_input_models(any));
+    }
     snprintf(t->image_desc, sizeof t->image_desc, "%s", sa);
-    t->input = a;
+    t->sizes.input = a;
+    /* a model sized by the data has its classes; the others keep theirs (10 outputs for
+     * fewer classes) */
+    t->sizes.num_classes = t->row->any_input ? t->train->num_classes : d->num_classes;
     return 0;
 }
-/* The model, from the seed or --init-from (weights made elsewhere, PyTorch included): a
- * ResNet has the data's classes, and the small-image stem for images whose shorter side
- * (after the transforms: what the model gets, whatever --image-size says) is 64 pixels or
- * less. */
+/* The model of t->sizes, from the seed or --init-from (weights made elsewhere, PyTorch
+ * included): a model sized by its data has the data's classes, and (a ResNet) the small-image
+ * stem for images whose shorter side (after the transforms: what the model gets, whatever
+ * --image-size says) is 64 pixels or less. */
 static int build_model(task *t, const train_opts *o) {
     tdm_rng rng = tdm_rng_make((uint64_t)o->seed);
-    tdm_device dev = t->dev;
-    int64_t side = t->input.d[1] < t->input.d[2] ? t->input.d[1] : t->input.d[2];
-    snprintf(t->model_desc, sizeof t->model_desc, "%s", o->model);
-    if (is_resnet(o->model)) {
-        tdm_resnet_opts ro = tdm_resnet_defaults(atoi(o->model + 6));
-        ro.num_classes = t->train->num_classes;
-        ro.in_channels = 3;
-        ro.small_input = side <= 64;
-        t->model = tdm_resnet_new(&ro, dev, &rng);
-        snprintf(t->model_desc, sizeof t->model_desc, "%s (%lld classes%s)", o->model,
-                 (long long)ro.num_classes,
-                 ro.small_input ? "; small-image stem: 3x3 conv, no max-pool" : "");
-    } else {
-        t->model = tdm_model_new(o->model, dev, &rng);
-    }
-    if (!t->model) return task_error("model %s: %s", o->model, tdm_last_error());
+    if (!(t->model = tdm_model_build(t->row, &t->sizes, t->dev, &rng)))
+        return task_error("model %s: %s", o->model, tdm_last_error());
     if (o->init_from && tdm_weights_load(o->init_from, t->model) != TDM_OK)
         return task_error("--init-from: %s", tdm_last_error());
     return o->init_from ? task_check_finite(t->model, "--init-from", o->init_from) : 0;
@@ -419,18 +436,23 @@ int task_image_open(task *t, const train_opts *o, tdm_device dev) {
                 .build = build_model,
                 .dev = dev};
     image_label_smoothing = (float)o->label_smoothing;
+    if (!(t->row = tdm_model_find(o->model)) || t->row->task != TDM_TASK_IMAGE)
+        return task_error("--model %s: %s", o->model,
+                          t->row ? "not an image model" : tdm_last_error());
+    t->sizes = t->row->defaults;
     data_kind kind = DATA_IDX;
     int rc = load_images(t, o, &kind);
-    /* the side of the model's images: asked, 28 for the mlp and cnn, the data's own, or 224
-     * (image folders) as torchvision's recipes */
-    int64_t size = o->image_size          ? o->image_size
-                   : !is_resnet(o->model) ? 28
-                   : kind == DATA_FOLDER  ? 224
-                   : t->train             ? t->train->sample_shape.d[2]
-                                          : 0;
+    /* the side of the model's images: asked, its own (28 for the 28x28 models), the data's
+     * own, or 224 (image folders) as torchvision's recipes */
+    int64_t size = o->image_size         ? o->image_size
+                   : !t->row->any_input  ? t->row->defaults.input.d[2]
+                   : kind == DATA_FOLDER ? 224
+                   : t->train            ? t->train->sample_shape.d[2]
+                                         : 0;
     if (!rc) rc = make_transforms(t, o, kind, size);
     if (!rc) rc = check_shapes(t, o);
     if (!rc) rc = describe_classes(t);
+    if (!rc) tdm_model_describe(t->row, &t->sizes, t->model_desc, sizeof t->model_desc);
     snprintf(t->plot_title, sizeof t->plot_title, "%s on %s", o->model, o->data);
     int64_t skipped =
         t->train ? tdm_image_folder_skipped(t->train_base ? t->train_base : t->train) : 0;

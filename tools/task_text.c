@@ -1,11 +1,12 @@
-/* The text task: a GPT-2 trained on next-token prediction.
+/* The text task: a language model of the registry (models.h, TDM_TASK_TEXT: a GPT-2) trained
+ * on next-token prediction.
  *
  * Data: an llm.c token shard (recognised by its magic) or any other file read as bytes
- * (vocabulary 256), cut into windows of context + 1 tokens. Model: tdm_gpt_new with GPT-2's
- * initialisation from the seed, or an llm.c model file (--init-from). Optimizer: AdamW with
- * weight decay on matrices only (tdm_gpt_adamw_new). The model is also written in llm.c's
- * format (--save, and DIR/model.bin beside each checkpoint), which `tandem sample` and
- * llm.c's train_gpt2.c read. There is no test split: the trainer evaluates nothing. */
+ * (vocabulary 256), cut into windows of context + 1 tokens. Model: the row's builder
+ * (tdm_gpt_new: GPT-2's initialisation from the seed), or an llm.c model file (--init-from).
+ * Optimizer: AdamW with weight decay on matrices only (tdm_gpt_adamw_new). The model is also
+ * written in llm.c's format (--save, and DIR/model.bin beside each checkpoint), which `tandem
+ * sample` and llm.c's train_gpt2.c read. There is no test split: the trainer evaluates nothing. */
 #include <errno.h>
 #include <libgen.h>
 #include <string.h>
@@ -31,8 +32,8 @@ static bool is_token_shard(const char *path) {
 }
 
 /* The model's config: an llm.c file's header (its parameters are read by build_gpt), or the
- * options' sizes. */
-static int gpt_config(const train_opts *o, tdm_gpt_config *cfg) {
+ * options' sizes, the row's defaults d where an option is not given. */
+static int gpt_config(const train_opts *o, const tdm_gpt_config *d, tdm_gpt_config *cfg) {
     if (o->init_from) {
         if (tdm_gpt_llmc_config(o->init_from, cfg))
             return task_error("--init-from: %s", tdm_last_error());
@@ -41,18 +42,18 @@ static int gpt_config(const train_opts *o, tdm_gpt_config *cfg) {
                               cfg->context, o->init_from);
         return 0;
     }
-    int64_t v = o->vocab ? o->vocab : is_token_shard(o->data) ? 50257 : 256;
+    int64_t v = o->vocab ? o->vocab : is_token_shard(o->data) ? 50257 : d->vocab;
     /* llm.c pads the vocabulary to a multiple of 128 (wte rows no token reads) */
-    *cfg = (tdm_gpt_config){.layers = (int)(o->layers ? o->layers : 2),
-                            .heads = (int)(o->heads ? o->heads : 4),
-                            .channels = (int)(o->channels ? o->channels : 128),
-                            .context = (int)(o->context ? o->context : 64),
+    *cfg = (tdm_gpt_config){.layers = (int)(o->layers ? o->layers : d->layers),
+                            .heads = (int)(o->heads ? o->heads : d->heads),
+                            .channels = (int)(o->channels ? o->channels : d->channels),
+                            .context = (int)(o->context ? o->context : d->context),
                             .vocab = (int)v,
                             .padded_vocab = (int)((v + 127) / 128 * 128)};
     return 0;
 }
 
-/* The model of t->gpt: from the llm.c file, or new from the seed. */
+/* The model of t->sizes: from the llm.c file, or new from the seed. */
 static int build_gpt(task *t, const train_opts *o) {
     if (o->init_from) {
         if (!(t->model = tdm_gpt_load_llmc(o->init_from, t->dev, NULL)))
@@ -60,8 +61,8 @@ static int build_gpt(task *t, const train_opts *o) {
         return task_check_finite(t->model, "--init-from", o->init_from);
     }
     tdm_rng rng = tdm_rng_make((uint64_t)o->seed);
-    if (!(t->model = tdm_gpt_new(&t->gpt, t->dev, &rng)))
-        return task_error("model gpt: %s", tdm_last_error());
+    if (!(t->model = tdm_model_build(t->row, &t->sizes, t->dev, &rng)))
+        return task_error("model %s: %s", o->model, tdm_last_error());
     return 0;
 }
 
@@ -77,7 +78,7 @@ static int open_text(task *t, const train_opts *o, const tdm_gpt_config *cfg) {
                           o->data, cfg->vocab);
     if (o->limit > 0 && t->train->n > o->limit) t->train->n = o->limit;
     t->units_per_sample = T;
-    t->input = TDM_SHAPE(T);
+    t->sizes.input = TDM_SHAPE(T);
     return 0;
 }
 
@@ -129,16 +130,17 @@ int task_text_open(task *t, const train_opts *o, tdm_device dev) {
                 .loss_label = "next-token cross-entropy",
                 .build = build_gpt,
                 .dev = dev};
+    if (!(t->row = tdm_model_find(o->model)) || t->row->task != TDM_TASK_TEXT)
+        return task_error("--model %s: %s", o->model,
+                          t->row ? "not a language model" : tdm_last_error());
     if (o->save_path && check_save_path(o->save_path)) return EXIT_RUNTIME;
-    int rc = gpt_config(o, &t->gpt);
-    if (!rc) rc = open_text(t, o, &t->gpt);
+    t->sizes = t->row->defaults;
+    int rc = gpt_config(o, &t->row->defaults.gpt, &t->sizes.gpt);
+    if (!rc) rc = open_text(t, o, &t->sizes.gpt);
     if (rc) return rc;
-    tdm_gpt_config c = t->gpt;
-    snprintf(t->model_desc, sizeof t->model_desc,
-             "gpt: %d layers, %d heads, %d channels, context %d, vocab %d (padded %d)", c.layers,
-             c.heads, c.channels, c.context, c.vocab, c.padded_vocab);
+    tdm_model_describe(t->row, &t->sizes, t->model_desc, sizeof t->model_desc);
     snprintf(t->data_desc, sizeof t->data_desc, "%lld windows of %lld tokens",
              (long long)t->train->n, (long long)t->units_per_sample);
-    snprintf(t->plot_title, sizeof t->plot_title, "gpt on %s", o->data);
+    snprintf(t->plot_title, sizeof t->plot_title, "%s on %s", o->model, o->data);
     return 0;
 }

@@ -45,29 +45,22 @@ static const opt_spec specs[] = {
      "torchvision's ImageFolder reads them: DIR/train and DIR/val (or DIR/test), each with one "
      "folder of JPEG and PNG files per class, the classes being the sorted folder names. "
      "cifar10:DIR and cifar100:DIR read CIFAR's binary files (data_batch_1.bin ... "
-     "test_batch.bin; train.bin and test.bin, fine labels). For gpt, FILE is an llm.c token "
+     "test_batch.bin; train.bin and test.bin, fine labels). For a language model, FILE is an "
+     "llm.c token "
      "shard (magic 20240520, u16 tokens) or any other file, whose bytes are the tokens "
      "(vocabulary 256): plain text trains with no tokenizer."},
-    {"--model", "mlp|cnn|cnn-bn|resnet18|resnet34|resnet50|gpt", OPT_STR, F(model), 0, 0, "mlp",
-     "The network, with PyTorch's parameter names. mlp: Flatten, Linear 784-256, ReLU, Linear "
-     "256-128, ReLU, Linear 128-10. cnn: Conv2d 1-32 3x3 pad 1, ReLU, MaxPool 2, Conv2d 32-64 "
-     "3x3 pad 1, ReLU, MaxPool 2, Flatten, Linear 3136-128, ReLU, Linear 128-10. cnn-bn: Conv2d "
-     "1-16 3x3 pad 1 without bias, MaxPool 2, BatchNorm2d, ReLU, Conv2d 16-32 likewise, MaxPool "
-     "2, BatchNorm2d, ReLU, Flatten, Linear 1568-256, ReLU, Linear 256-10 (--recipe "
-     "fmnist-fast's). The three take 1x28x28 images. resnet18, resnet34, resnet50: torchvision's "
-     "ResNets (state_dict names "
-     "such as layer1.0.conv1.weight), with as many outputs as the data has classes, on 3-channel "
-     "images (grey ones are copied to 3 channels); for images of at most 64 pixels the stem is "
-     "a 3x3 convolution without max-pool (the CIFAR variant). gpt: GPT-2 (nanoGPT's names) "
-     "sized by --layers, --heads, --channels and --context, trained with AdamW (weight decay on "
-     "matrices only) on --data FILE; see --save and 'tandem sample'."},
+    /* the names, the default and the text come from the registry (models.h): model_arg,
+     * model_help */
+    {"--model", "NAME", OPT_STR, F(model), 0, 0, "",
+     "The network, with PyTorch's parameter names."},
     {"--image-size", "S", OPT_INT, F(image_size), 8, 4096,
-     "28 for mlp and cnn; for a resnet the data's (28 Fashion-MNIST, 32 CIFAR), 224 for image "
-     "folders",
+     "the model's own for a model of fixed input (28); else the data's (28 Fashion-MNIST, 32 "
+     "CIFAR), 224 for image folders",
      "The side of the square images the model is trained on: the presets of --transform are "
      "sized by it."},
     {"--transform", "STEPS|PRESET", OPT_STR, F(transform), 0, 0,
-     "imagenet-train for image folders, cifar-train for CIFAR with a resnet, none otherwise",
+     "imagenet-train for image folders, cifar-train for CIFAR with a model sized by its data (a "
+     "ResNet), none otherwise",
      "The training images' transforms, torchvision's classes in order, comma-separated, e.g. "
      "'RandomResizedCrop(224),RandomHorizontalFlip(),Normalize(imagenet)' (Resize, CenterCrop, "
      "RandomResizedCrop, RandomCrop, RandomHorizontalFlip, ColorJitter, Grayscale, Normalize, "
@@ -79,26 +72,29 @@ static const opt_spec specs[] = {
      "a broken header) and say how many, instead of stopping with the first one's name. A "
      "file whose pixels are corrupt still stops the run, naming it."},
     {"--eval-transform", "STEPS|PRESET", OPT_STR, F(eval_transform), 0, 0,
-     "imagenet-eval for image folders, cifar-eval for CIFAR with a resnet, none otherwise",
+     "imagenet-eval for image folders, cifar-eval for CIFAR with a model sized by its data (a "
+     "ResNet), none otherwise",
      "The test images' transforms, as --transform."},
-    {"--layers", "L", OPT_INT, F(layers), 1, 1024, "2", "gpt: transformer blocks."},
+    {"--layers", "L", OPT_INT, F(layers), 1, 1024, "2", "Language models: transformer blocks."},
     {"--heads", "H", OPT_INT, F(heads), 1, 1024, "4",
-     "gpt: attention heads (must divide --channels)."},
-    {"--channels", "C", OPT_INT, F(channels), 1, 65536, "128", "gpt: width of the model."},
+     "Language models: attention heads (must divide --channels)."},
+    {"--channels", "C", OPT_INT, F(channels), 1, 65536, "128",
+     "Language models: width of the model."},
     {"--context", "T", OPT_INT, F(context), 1, 1 << 20, "64 (the file's with --init-from)",
-     "gpt: tokens per training window (the longest sequence the model reads)."},
+     "Language models: tokens per training window (the longest sequence the model reads)."},
     {"--vocab", "V", OPT_INT, F(vocab), 1, 1 << 20, "256 for text, 50257 for token shards",
-     "gpt: vocabulary size (padded to a multiple of 128 in the embedding, as llm.c does)."},
+     "Language models: vocabulary size (padded to a multiple of 128 in the embedding, as "
+     "llm.c does)."},
     {"--save", "FILE", OPT_STR, F(save_path), 0, 0, "none",
-     "gpt: write the trained model as an llm.c fp32 model file (readable by llm.c's "
+     "Language models: write the trained model as an llm.c fp32 model file (readable by llm.c's "
      "train_gpt2.c and by 'tandem sample')."},
     {"--recompute", NULL, OPT_FLAG, F(recompute), 0, 0, "off",
      "Recomputation (torch.utils.checkpoint): each of the model's units runs without keeping "
-     "its activations, and again during backward: for gpt every transformer block, for a "
-     "resnet each stage (layer1 to layer4). Activation memory falls to about one unit's plus "
+     "its activations, and again during backward: for a GPT every transformer block, for a "
+     "ResNet each stage (layer1 to layer4). Activation memory falls to about one unit's plus "
      "each unit's input, for one more forward pass of compute; the weights are the same bit "
-     "for bit (batch norm's running statistics included). Not for mlp and cnn, which have no "
-     "such units."},
+     "for bit (batch norm's running statistics included). Not for the models that have no "
+     "such units (those of 1x28x28 images)."},
     {"--clip-grad", "N", OPT_NUM, F(clip), 0, 1e12, "0 (off)",
      "Clip the gradients' global 2-norm to N before each step (torch.nn.utils."
      "clip_grad_norm_; the averaged gradient's, with several devices or processes). Not with "
@@ -118,7 +114,8 @@ static const opt_spec specs[] = {
      "Samples per device per step instead, as PyTorch's batch_size under DDP: the global "
      "batch is B x devices (x processes under mpirun; with --model-split K, B per replica of "
      "the K stages). Not with --batch-size."},
-    {"--optimizer", "sgd|adam|adamw", OPT_STR, F(optimizer), 0, 0, "sgd (adamw for gpt)",
+    {"--optimizer", "sgd|adam|adamw", OPT_STR, F(optimizer), 0, 0,
+     "sgd (adamw for a language model)",
      "Update rule, with PyTorch's formulas (torch.optim.SGD, Adam, AdamW; Adam's betas 0.9, "
      "0.999 and eps 1e-8)."},
     {"--lr", "LR", OPT_NUM, F(lr), 0, 1e6, "0.1 for sgd, 1e-3 for adam and adamw",
@@ -147,7 +144,7 @@ static const opt_spec specs[] = {
      "Nesterov momentum (PyTorch's SGD nesterov=True). sgd with --momentum > 0 only."},
     {"--no-decay-1d", NULL, OPT_FLAG, F(no_decay_1d), 0, 0, "off",
      "--weight-decay on parameters of 2 or more dims only: biases and norms' weights get 0 "
-     "(two parameter groups, as the gpt always does)."},
+     "(two parameter groups, as a language model always does)."},
     {"--eval-flip", NULL, OPT_FLAG, F(eval_flip), 0, 0, "off",
      "Evaluate on the mean of the model's logits for each test image and its left-right "
      "mirror (test-time augmentation). Image models only."},
@@ -210,7 +207,7 @@ static const opt_spec specs[] = {
      "by parameter count), each on its own device of --devices, which must list K devices, or "
      "K x R for R data-parallel replicas of every stage. Each batch flows through the stages "
      "in --micro-batches pieces, so the devices work at once; results match one device. Not "
-     "for gpt, whose blocks are not a Sequential to cut."},
+     "for a language model, whose blocks are not a Sequential to cut."},
     {"--micro-batches", "M", OPT_INT, F(micro_batches), 1, TDM_PIPE_MAX_MICRO, "4",
      "With --model-split: pieces each batch is cut into."},
     {"--pipeline", "1f1b|gpipe", OPT_STR, F(pipe_schedule), 0, 0, "1f1b",
@@ -221,12 +218,15 @@ static const opt_spec specs[] = {
      "with an error naming the rank it waited for (a process that crashed or hangs). Raise "
      "it when one process can work alone for long between steps."},
     {"--limit", "N", OPT_INT, F(limit), 1, 1e12, "all",
-     "Use only the first N training samples (windows of text, for gpt) and the first N/6 "
+     "Use only the first N training samples (windows of text, for a language model) and the first "
+     "N/6 "
      "test samples (at least 1): for quick runs and tests."},
     {"--log", "FILE", OPT_STR, F(log_path), 0, 0, "none",
      "Write one JSON object per line: a config line, a line per step (epoch, step, loss, lr, "
-     "img_s, or tok_s for gpt) and a line per epoch (train_loss; train_acc, test_loss and "
-     "test_acc, null for gpt; seconds, eval_seconds, wall_s (seconds since the process "
+     "img_s, or tok_s for a language model) and a line per epoch (train_loss; train_acc, test_loss "
+     "and "
+     "test_acc, null for a language model; seconds, eval_seconds, wall_s (seconds since the "
+     "process "
      "started, when the epoch's test accuracy is known), loader_wait_s, ...; and peak_bytes, "
      "each device's peak of tensor memory during the epoch's training, also printed on the "
      "epoch line)."},
@@ -238,13 +238,14 @@ static const opt_spec specs[] = {
      "progress line."},
     {"--tensorboard", "DIR", OPT_STR, F(tensorboard_dir), 0, 0, "none",
      "Write TensorBoard event files into DIR (created if missing; open with tensorboard "
-     "--logdir DIR): train/loss, train/lr and train/img_per_s (tok_per_s for gpt) per step, "
+     "--logdir DIR): train/loss, train/lr and train/img_per_s (tok_per_s for a language model) per "
+     "step, "
      "and epoch/train_loss, train_acc, test_loss, test_acc per epoch."},
     {"--plot", "FILE.svg", OPT_STR, F(plot_path), 0, 0, "none",
      "Draw loss and accuracy curves (train and test per epoch, train loss per step) and, in a "
      "third panel, test accuracy against the wall-clock seconds since the process started "
      "(with --plot-compare's runs) into an SVG file, rewritten at every progress line and "
-     "after every epoch (for gpt: the loss panel alone)."},
+     "after every epoch (for a language model: the loss panel alone)."},
     {"--plot-compare", "FILE[=LABEL],...", OPT_STR, F(plot_compare), 0, 0, "none",
      "With --plot: draw other runs in its wall-clock panel, each in its own colour and "
      "labelled LABEL (default: the file's name), this run being 'tandem'. Each FILE is a --log "
@@ -263,7 +264,7 @@ static const opt_spec specs[] = {
      "names, loadable with load_state_dict) and train_state.safetensors (optimizer moments, "
      "step counts, data position, RNG state). Each is written atomically, so a crash keeps "
      "the previous one. A final checkpoint is written when the run ends. With several "
-     "devices the (identical) replicas are saved once. For gpt, DIR/model.bin is also "
+     "devices the (identical) replicas are saved once. For a language model, DIR/model.bin is also "
      "written (llm.c's format, for 'tandem sample'). DIR belongs to one run at a time: the run "
      "holds DIR/LOCK (released when it ends, however it ends), another run into DIR is refused "
      "naming the holder, and each checkpoint records its run's identity (kept by --resume). "
@@ -290,7 +291,8 @@ static const opt_spec specs[] = {
     {"--init-from", "FILE", OPT_STR, F(init_from), 0, 0, "none",
      "Start from the weights in FILE.safetensors (e.g. a PyTorch state_dict of the same "
      "nn.Sequential, or a checkpoint's model.safetensors); every name, shape and dtype must "
-     "match. For gpt, FILE is an llm.c model file (its sizes replace --layers and the like). "
+     "match. For a language model, FILE is an llm.c model file (its sizes replace --layers and the "
+     "like). "
      "Ignored when --resume finds a checkpoint."},
     {"--dry-run", NULL, OPT_FLAG, F(dry_run), 0, 0, "off",
      "Print the memory the run needs on each device (parameters, gradients, optimizer state, "
@@ -307,8 +309,8 @@ static const opt_spec specs[] = {
 
 static train_opts opts_defaults(void) {
     return (train_opts){.data = "fashion-mnist",
-                        .model = "mlp",
-                        .optimizer = NULL, /* sgd, or adamw for gpt */
+                        .model = tdm_model_at(0)->name, /* the registry's first */
+                        .optimizer = NULL,              /* sgd, or adamw for a language model */
                         .schedule = "constant",
                         .devices = "cpu:0",
                         .timeout = 30,
@@ -418,12 +420,36 @@ void train_recipe_str(const train_recipe *r, char *buf, size_t cap) {
     }
 }
 
+/* ---- --model: its names, default and text from the registry ----------------------------- */
+
+static bool is_model_spec(const opt_spec *s) {
+    return s->off == offsetof(train_opts, model);
+}
+
+/* s's metavariable: --model's names from the registry, else the table's. */
+static const char *spec_arg(const opt_spec *s, char *buf, size_t cap) {
+    return is_model_spec(s) ? tdm_model_list(-1, "|", buf, cap) : s->arg;
+}
+
+static const char *spec_default(const opt_spec *s) {
+    return is_model_spec(s) ? tdm_model_at(0)->name : s->deflt;
+}
+
+/* s's help: the table's, and for --model one sentence per row of the registry. */
+static void spec_help(const opt_spec *s, char *buf, size_t cap) {
+    size_t n = (size_t)snprintf(buf, cap, "%s", s->help);
+    for (int i = 0; is_model_spec(s) && i < tdm_model_count() && n < cap; i++) {
+        const tdm_model_info *r = tdm_model_at(i);
+        n += (size_t)snprintf(buf + n, cap - n, " %s (%s): %s", r->name, r->input, r->help);
+    }
+}
+
 void train_synopsis(FILE *out) {
     for (int i = 0; i < N_SPECS; i++) {
-        char left[64];
-        snprintf(left, sizeof left, "%s%s%s", specs[i].name, specs[i].arg ? " " : "",
-                 specs[i].arg ? specs[i].arg : "");
-        fprintf(out, "    %-34s default %s\n", left, specs[i].deflt);
+        char left[160], arg[128];
+        const char *a = spec_arg(&specs[i], arg, sizeof arg);
+        snprintf(left, sizeof left, "%s%s%s", specs[i].name, a ? " " : "", a ? a : "");
+        fprintf(out, "    %-34s default %s\n", left, spec_default(&specs[i]));
     }
 }
 
@@ -433,22 +459,25 @@ void train_help(FILE *out) {
     fprintf(out, "DESCRIPTION\n");
     wrap(
         out,
-        "Trains an image classifier (an MLP, a small CNN or a ResNet) with cross-entropy loss "
+        "Trains an image classifier (the models are listed under --model) with cross-entropy loss "
         "on Fashion-MNIST, CIFAR or folders of JPEG and PNG images. Each epoch visits the training "
         "set once in an order shuffled from (--seed, epoch), then evaluates on the test set in "
         "eval mode without gradients, and prints train loss and accuracy, test loss and "
         "accuracy, the epoch's training time, images per second and the time the loop waited "
-        "for the data loader. With --model gpt it trains a GPT-2 on --data FILE (text as bytes, "
+        "for the data loader. With a language model (a GPT-2) it trains on --data FILE (text as "
+        "bytes, "
         "or llm.c token shards) for --epochs passes or --max-steps steps, with no test split; "
         "--save writes the model in llm.c's format for 'tandem sample'. Both run the same "
         "loop: every option works for both, except where its text says otherwise.",
         4);
     fprintf(out, "\nOPTIONS\n");
     for (int i = 0; i < N_SPECS; i++) {
-        fprintf(out, "    %s%s%s\n", specs[i].name, specs[i].arg ? " " : "",
-                specs[i].arg ? specs[i].arg : "");
-        char text[4096]; /* the longest help (--shard) is about 1.6 KB */
-        snprintf(text, sizeof text, "%s Default: %s.", specs[i].help, specs[i].deflt);
+        char arg[128], help[4096]; /* the longest help (--model, --shard) is about 2 KB */
+        const char *a = spec_arg(&specs[i], arg, sizeof arg);
+        fprintf(out, "    %s%s%s\n", specs[i].name, a ? " " : "", a ? a : "");
+        spec_help(&specs[i], help, sizeof help);
+        char text[4200];
+        snprintf(text, sizeof text, "%s Default: %s.", help, spec_default(&specs[i]));
         wrap(out, text, 8);
     }
     fprintf(out, "    -h, --help\n        Show this help and exit.\n");
@@ -664,26 +693,28 @@ static int check_shard(const train_opts *o) {
 }
 
 /* --pct-start, --label-smoothing, --nesterov and --no-decay-1d: where each applies. */
-static int check_training_extras(train_opts *o, bool sgd, bool gpt) {
+static int check_training_extras(train_opts *o, bool sgd, bool text) {
     bool onecycle = strcmp(o->schedule, "onecycle") == 0;
     if (!isnan(o->pct_start) && !onecycle)
         return train_usage_error("--pct-start applies to --schedule onecycle only");
     o->pct_start = onecycle ? (isnan(o->pct_start) ? 0.3 : o->pct_start) : 0;
-    if (o->label_smoothing > 0 && gpt)
-        return train_usage_error("--label-smoothing: the gpt's fused next-token loss "
-                                 "(tdm_gpt_loss) has no label smoothing; image models only");
+    if (o->label_smoothing > 0 && text)
+        return train_usage_error("--label-smoothing: the %s's fused next-token loss "
+                                 "(tdm_gpt_loss) has no label smoothing; image models only",
+                                 o->model);
     if (o->nesterov && (!sgd || !(o->momentum > 0)))
         return train_usage_error("--nesterov needs --optimizer sgd with --momentum > 0 (as "
                                  "PyTorch's SGD), not %s with momentum %g",
                                  o->optimizer, o->momentum);
-    if (o->eval_flip && gpt)
-        return train_usage_error("--eval-flip mirrors test images; --model gpt has none");
+    if (o->eval_flip && text)
+        return train_usage_error("--eval-flip mirrors test images; --model %s has none", o->model);
     if (o->plot_compare && !o->plot_path)
         return train_usage_error("--plot-compare draws other runs into the chart of --plot; "
                                  "give --plot FILE.svg too");
-    if (o->validation && gpt)
-        return train_usage_error("--validation holds out test images; --model gpt has no "
-                                 "test split");
+    if (o->validation && text)
+        return train_usage_error("--validation holds out test images; --model %s has no "
+                                 "test split",
+                                 o->model);
     if (o->no_decay_1d && !(o->weight_decay > 0))
         return train_usage_error("--no-decay-1d chooses where --weight-decay applies; it needs "
                                  "--weight-decay > 0");
@@ -695,29 +726,28 @@ static int check_opts(train_opts *o) {
     static const char *const optimizers[] = {"sgd", "adam", "adamw", NULL};
     static const char *const schedules[] = {"constant", "step",     "cosine",
                                             "linear",   "onecycle", NULL};
-    static const char *const resnets[] = {"resnet18", "resnet34", "resnet50", NULL};
-    bool gpt = strcmp(o->model, "gpt") == 0;
-    if (!gpt && !one_of(o->model, tdm_model_names) && !one_of(o->model, resnets))
-        return train_usage_error(
-            "--model: unknown model '%s' (expected mlp, cnn, cnn-bn, resnet18, "
-            "resnet34, resnet50 or gpt)",
-            o->model);
-    if (gpt && (o->image_size || o->transform || o->eval_transform))
+    const tdm_model_info *row = tdm_model_find(o->model);
+    if (!row) return train_usage_error("--model: %s", tdm_last_error());
+    bool text = row->task == TDM_TASK_TEXT; /* a language model and the text task */
+    char names[256];
+    if (text && (o->image_size || o->transform || o->eval_transform))
         return train_usage_error("--image-size, --transform and --eval-transform apply to image "
-                                 "models, not gpt");
-    if (!o->optimizer) o->optimizer = gpt ? "adamw" : "sgd";
-    if (gpt && strcmp(o->optimizer, "adamw") != 0)
+                                 "models, not %s",
+                                 o->model);
+    if (!o->optimizer) o->optimizer = text ? "adamw" : "sgd";
+    if (text && strcmp(o->optimizer, "adamw") != 0)
         return train_usage_error(
-            "--model gpt trains with adamw (weight decay on matrices only), not "
-            "%s",
+            "--model %s trains with adamw (weight decay on matrices only), not %s", o->model,
             o->optimizer);
-    if (gpt && !strcmp(o->data, "fashion-mnist"))
-        return train_usage_error("--model gpt needs --data FILE (text, or an llm.c token shard)");
-    if (!gpt && (o->layers || o->heads || o->channels || o->context || o->vocab || o->save_path))
+    if (text && !strcmp(o->data, "fashion-mnist"))
+        return train_usage_error("--model %s needs --data FILE (text, or an llm.c token shard)",
+                                 o->model);
+    if (!text && (o->layers || o->heads || o->channels || o->context || o->vocab || o->save_path))
         return train_usage_error(
             "--layers, --heads, --channels, --context, --vocab and --save apply "
-            "to --model gpt only");
-    if (o->recompute && !gpt && !one_of(o->model, resnets))
+            "to --model %s only",
+            tdm_model_list(TDM_TASK_TEXT, " or ", names, sizeof names));
+    if (o->recompute && !row->units)
         return train_usage_error("--recompute runs the GPT's blocks or a ResNet's stages again "
                                  "in backward; --model %s has no such units",
                                  o->model);
@@ -738,14 +768,14 @@ static int check_opts(train_opts *o) {
     if (!sgd && !isnan(o->momentum))
         return train_usage_error("--momentum applies to sgd only (adam and adamw use betas 0.9, "
                                  "0.999)");
-    if (isnan(o->lr)) o->lr = sgd ? 0.1 : gpt ? 3e-4 : 1e-3;
+    if (isnan(o->lr)) o->lr = sgd ? 0.1 : text ? 3e-4 : 1e-3;
     if (isnan(o->momentum)) o->momentum = sgd ? 0.9 : 0;
     if (o->warmup_steps > 0 && strcmp(o->schedule, "cosine") && strcmp(o->schedule, "linear"))
         return train_usage_error("--warmup-steps needs --schedule cosine or linear%s",
                                  strcmp(o->schedule, "onecycle") ? ""
                                                                  : " (onecycle rises over "
                                                                    "--pct-start of the steps)");
-    if (check_training_extras(o, sgd, gpt)) return EXIT_USAGE;
+    if (check_training_extras(o, sgd, text)) return EXIT_USAGE;
     if (!o->checkpoint_dir && (o->resume || o->overwrite || o->checkpoint_every > 0))
         return train_usage_error("%s needs --checkpoint-dir", o->resume ? "--resume"
                                                               : o->overwrite
@@ -773,10 +803,11 @@ static int check_opts(train_opts *o) {
         if (!one_of(o->pipe_schedule, pipes))
             return train_usage_error("--pipeline: unknown schedule '%s' (expected 1f1b or gpipe)",
                                      o->pipe_schedule);
-        if (gpt)
+        if (text)
             return train_usage_error(
-                "--model-split cuts a Sequential of layers into stages; the GPT's "
-                "blocks are not one");
+                "--model-split cuts a Sequential of layers into stages; the %s's "
+                "blocks are not one",
+                o->model);
         if (o->checkpoint_dir || o->grad_accum > 1 || o->clip > 0)
             return train_usage_error("--model-split does not work with %s yet",
                                      o->checkpoint_dir ? "--checkpoint-dir"
@@ -814,9 +845,11 @@ static int parse_list(int argc, const char *const *argv, int first, train_opts *
             continue;
         }
         const char *v = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
-        if (!v) return train_usage_error("%s needs a value (%s)", s->name, s->arg);
+        char arg[128];
+        if (!v) return train_usage_error("%s needs a value (%s)", s->name, spec_arg(s, arg, 128));
         if (!eq && strncmp(v, "--", 2) == 0)
-            return train_usage_error("%s needs a value (%s), got option '%s'", s->name, s->arg, v);
+            return train_usage_error("%s needs a value (%s), got option '%s'", s->name,
+                                     spec_arg(s, arg, 128), v);
         int rc = parse_value(s, v, o);
         if (rc) return rc;
     }
@@ -855,7 +888,7 @@ int train_parse_args(int argc, char **argv, train_opts *o) {
 
 /* What --data reads: the directory of fashion-mnist, of cifar10:DIR, or the DIR or FILE. */
 static const char *data_path(const train_opts *o) {
-    if (strcmp(o->model, "gpt") == 0) return o->data;
+    if (tdm_model_find(o->model)->task == TDM_TASK_TEXT) return o->data; /* checked: a row */
     if (strcmp(o->data, "fashion-mnist") == 0) return TDM_FASHION_MNIST_DIR;
     if (!strncmp(o->data, "cifar10:", 8) || !strncmp(o->data, "cifar100:", 9))
         return strchr(o->data, ':') + 1;
@@ -936,8 +969,7 @@ int train_main(int argc, char **argv) {
     tdm_group *procs = NULL;
     if (tdm_mpi_launched() && (rc = join_mpi(&o, &procs, &argc, &argv))) return rc;
     task t = {0}; /* task_free is safe on what a failed open leaves */
-    rc = strcmp(o.model, "gpt") == 0 ? task_text_open(&t, &o, o.devs[0])
-                                     : task_image_open(&t, &o, o.devs[0]);
+    rc = task_open(&t, &o, o.devs[0]);
     if (!rc) rc = trainer_run(&o, &t, procs);
     task_free(&t);
     bool clean = rc == 0 || rc > 128; /* finished, or stopped by a signal with a checkpoint */

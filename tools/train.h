@@ -48,7 +48,7 @@ typedef struct {
     int64_t image_size;
     const char *transform, *eval_transform;
     bool skip_bad; /* image folders: files that do not read are skipped and counted */
-    /* --model gpt */
+    /* language models (TDM_TASK_TEXT) */
     int64_t layers, heads, channels, context, vocab;
     const char *save_path;
     double timeout; /* seconds, under mpirun */

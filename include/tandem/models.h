@@ -31,12 +31,118 @@
 extern "C" {
 #endif
 
-/* The names tdm_model_new knows, NULL-terminated: "mlp", "cnn", "cnn-bn". */
-extern const char *const tdm_model_names[];
+/* ---- the model registry ----------------------------------------------------------------------
+ *
+ * Every model `tandem` trains is one row of one table (src/models/registry.c): its name, its
+ * task, the input it takes, its default sizes, its builder, its units, the count of what its
+ * forward makes (for memory estimates, before building it) and a help line. The trainer's
+ * help, option checks and task choice, `tandem eval` and `tandem sample` all read the table, so
+ * a new model is one file (its builder, units and count) and one row. Rows live as long as the
+ * program; callers never free them. */
 
-/* A new model `name` on dev, weights drawn from rng (NULL: the default generator). The caller
- * frees it with tdm_module_free. NULL and TDM_ERR_ARG naming the known models for an unknown
- * name; NULL and the failing layer's error when a layer cannot be made. */
+/* What a model computes, which decides its data, loss and metrics. */
+typedef enum {
+    TDM_TASK_IMAGE, /* image classification: x [N, C, H, W] -> logits [N, classes] */
+    TDM_TASK_TEXT,  /* language model: tokens [B, T] -> next-token logits [B, T, V] */
+} tdm_model_task;
+
+/* The sizes a builder takes (a row's defaults, changed by the caller where the data says
+ * otherwise). */
+typedef struct {
+    tdm_shape input;     /* one sample as the model takes it: [C, H, W] for images, [T] tokens */
+    int64_t num_classes; /* image classifiers' outputs */
+    tdm_gpt_config gpt;  /* language models' sizes (input's T <= gpt.context) */
+} tdm_model_opts;
+
+/* The longest Sequential a cost lists layer by layer (a ResNet's: 12). */
+#define TDM_MODEL_MAX_LAYERS 64
+
+/* What a model of given sizes holds and what one sample's forward makes, counted from its
+ * architecture without building it: the parameters exactly, the activations as floats. The
+ * floats are per sample, or per position of a sample (a token of the GPT's windows) where
+ * positions > 1. factor and head_factor turn the forward's floats into those alive at the end
+ * of backward: each forward output with, for most, its gradient, so about 2; they are
+ * measured per model (--log's peak_bytes on one CPU device), and tests/test_estimate.c holds
+ * the estimate made from them to the measured peak within 15%. */
+typedef struct {
+    int64_t params;         /* the model's parameters */
+    int64_t unit_params;    /* the largest unit's (a ZeRO-3 gather holds two at once) */
+    double fwd;             /* floats a sample's forward makes outside the units */
+    double unit_sum;        /* ... inside the units (a GPT's blocks, a ResNet's stages) */
+    double unit_max;        /* ... inside the largest unit */
+    double unit_inputs;     /* the units' inputs: what recomputation keeps of them */
+    double head;            /* floats of the loss's input (logits) */
+    double factor;          /* activations and their gradients per forward float (above) */
+    double head_factor;     /* the same for the logits (softmax, its gradient); default 2 */
+    double fixed;           /* bytes of kernels' scratch that do not grow with the batch */
+    double fixed_per_param; /* ... and per parameter the device holds */
+    int64_t positions;      /* what the floats are counted per: 1 (a sample) or T (a token) */
+    /* the layers of the model's Sequential (a unit is one), where a pipeline cuts it: each
+     * one's parameters and forward floats */
+    int n_layers;
+    int64_t layer_params[TDM_MODEL_MAX_LAYERS];
+    double layer_fwd[TDM_MODEL_MAX_LAYERS];
+    /* the count in progress (src/models/cost.h) */
+    bool in_unit;
+    double this_unit;
+    int64_t mark;
+} tdm_model_cost;
+
+typedef struct tdm_model_info tdm_model_info;
+
+/* One row of the registry. */
+struct tdm_model_info {
+    const char *name;    /* as --model takes it: "mlp", "resnet18", ... */
+    tdm_model_task task; /* its data, loss and metrics */
+    const char *input;   /* what it takes, in words, for help and errors: "1x28x28 images" */
+    /* Whether the input's size and the classes may be anything (the data's): false means
+     * the defaults' input (in elements) and at most their classes. */
+    bool any_input;
+    tdm_model_opts defaults; /* the sizes used where neither the options nor the data say */
+    int variant;             /* the builder's own choice among its rows (a ResNet's depth) */
+    /* A new model of o's sizes on dev, weights drawn from rng (NULL: the default generator);
+     * the caller frees it with tdm_module_free. NULL and TDM_ERR_ARG naming the size for
+     * sizes it cannot take, or the failing layer's error. */
+    tdm_module *(*build)(const tdm_model_info *row, const tdm_model_opts *o, tdm_device dev,
+                         tdm_rng *rng);
+    /* m's repeated units (see tdm_model_units) when m was built from this row, up to cap of
+     * them into units (borrowed from m); returns how many, 0 when m is not such a model.
+     * NULL for a model without units. */
+    int (*units)(tdm_module *m, tdm_module **units, int cap);
+    /* Adds what a model of o's sizes holds and makes to c (tdm_model_cost_of zeroes it).
+     * TDM_OK, or TDM_ERR_ARG for sizes the builder would refuse. */
+    int (*count)(const tdm_model_info *row, const tdm_model_opts *o, tdm_model_cost *c);
+    /* One line on the model of o's sizes into buf (cap bytes), for a run's banner: the name
+     * and what the data chose ("resnet18 (10 classes; small-image stem ...)"). NULL: the name. */
+    void (*describe)(const tdm_model_info *row, const tdm_model_opts *o, char *buf, size_t cap);
+    const char *help; /* its architecture in a sentence or two, for --help */
+};
+
+/* The number of rows, and row i of them (0 <= i < tdm_model_count(), else NULL), in the order
+ * help lists them. */
+int tdm_model_count(void);
+const tdm_model_info *tdm_model_at(int i);
+/* The row called name, or NULL and TDM_ERR_ARG naming name and every model registered. */
+const tdm_model_info *tdm_model_find(const char *name);
+/* The names of the rows of task (task < 0: every row) joined by sep into buf (cap bytes, cut
+ * short if too small): "mlp|cnn|gpt" with "|". Returns buf. */
+char *tdm_model_list(int task, const char *sep, char *buf, size_t cap);
+
+/* row's builder on o (NULL: row->defaults). NULL and TDM_ERR_ARG for a NULL row, else as
+ * the builder fails (see tdm_model_info). */
+tdm_module *tdm_model_build(const tdm_model_info *row, const tdm_model_opts *o, tdm_device dev,
+                            tdm_rng *rng);
+/* row's cost for o's sizes (NULL: row->defaults) into *c, counted without building anything.
+ * TDM_OK, or TDM_ERR_ARG for a NULL argument or sizes the builder would refuse. */
+int tdm_model_cost_of(const tdm_model_info *row, const tdm_model_opts *o, tdm_model_cost *c);
+/* row's one-line description of a model of o's sizes (NULL: row->defaults) into buf (cap
+ * bytes): its describe, or its name; "(no model)" for a NULL row. Returns buf. */
+char *tdm_model_describe(const tdm_model_info *row, const tdm_model_opts *o, char *buf, size_t cap);
+
+/* A new model `name` at its row's default sizes on dev (tdm_model_build), weights drawn from
+ * rng (NULL: the default generator). The caller frees it with tdm_module_free. NULL and
+ * TDM_ERR_ARG naming the known models for an unknown name; NULL and the builder's error
+ * otherwise. */
 tdm_module *tdm_model_new(const char *name, tdm_device dev, tdm_rng *rng);
 
 /* Recomputation (tdm_module_set_recompute) of a model's repeated units, which hold most of its
@@ -51,8 +157,10 @@ tdm_module *tdm_model_new(const char *name, tdm_device dev, tdm_rng *rng);
 int tdm_model_set_recompute(tdm_module *m, bool on);
 /* Those repeated units of m (a GPT's blocks, a ResNet's stages), the ones recomputation and
  * ZeRO stage 3 (tdm_ddp_set_shard_units) work by, in forward order: up to cap of them into
- * units (borrowed from m). Returns how many m has (0 for a model without such units: the mlp,
- * the cnn), or TDM_ERR_ARG for a NULL m. */
+ * units (borrowed from m), as the units function of the row m was built from gives them (a
+ * clone of a model counts as built from its row). Returns how many m has (0 for a model
+ * without such units: the mlp, the cnn, any module no row built), or TDM_ERR_ARG for a NULL
+ * m. */
 int tdm_model_units(tdm_module *m, tdm_module **units, int cap);
 
 /* ---- ResNet ------------------------------------------------------------------------------ */
@@ -94,8 +202,9 @@ tdm_resnet_opts tdm_resnet_defaults(int depth);
  * avgpool, flatten, fc; the flatten has no parameters, so the keys are torchvision's): a
  * pipeline cuts it into stages as any Sequential, tdm_module_clone copies it (DataParallel
  * replicas), and its batch norms synchronise under a parallel context as any other. NULL and
- * TDM_ERR_ARG for a depth other than 18, 34, 50, or sizes < 1. Not listed in tdm_model_names:
- * tdm_model_new takes no class or channel count, and a ResNet needs the dataset's. */
+ * TDM_ERR_ARG for a depth other than 18, 34, 50, or sizes < 1. The registry's rows resnet18,
+ * resnet34 and resnet50 build it with the data's classes and channels, and small_input for
+ * images of at most 64 pixels a side. */
 tdm_module *tdm_resnet_new(const tdm_resnet_opts *o, tdm_device dev, tdm_rng *rng);
 
 #ifdef __cplusplus

@@ -7,12 +7,14 @@
  * embedding's own tensor, read twice by the tape: its gradient is the sum of both uses.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "autograd/ops.h"
 #include "backend/backend.h"
 #include "tandem/autograd.h"
+#include "models_internal.h"
 #include "tandem/gpt.h"
 
 /* Child indices, in registration order (which is also the flat buffer's order). */
@@ -362,3 +364,77 @@ int tdm_gpt_export_llmc(tdm_module *m, bool grads, float *out, int64_t n) {
 int tdm_gpt_import_llmc(tdm_module *m, const float *in, int64_t n) {
     return llmc_walk(m, (float *)in, n, false, true);
 }
+
+/* ---- the row of the registry ------------------------------------------------------------------
+ */
+
+static tdm_module *build_row(const tdm_model_info *row, const tdm_model_opts *o, tdm_device dev,
+                             tdm_rng *rng) {
+    (void)row;
+    return tdm_gpt_new(&o->gpt, dev, rng);
+}
+
+/* The blocks transformer.h.<l> of a GPT (or of a clone of one), else 0. */
+static int blocks(tdm_module *m, tdm_module **units, int cap) {
+    if (!tdm_gpt_config_of(m)) return 0;
+    tdm_module *h = m->children[0]->children[TR_H];
+    for (int i = 0; i < h->n_children && i < cap; i++) units[i] = h->children[i];
+    return h->n_children;
+}
+
+/* Per token of windows of T (the input's, else the context): the counts of tdm_gpt_new's
+ * modules, each block one unit. */
+static int count_row(const tdm_model_info *row, const tdm_model_opts *o, tdm_model_cost *m) {
+    (void)row;
+    if (check_config(&o->gpt)) return TDM_ERR_ARG;
+    tdm_gpt_config g = o->gpt;
+    if (!g.padded_vocab) g.padded_vocab = g.vocab;
+    int64_t C = g.channels, H = g.heads, T = o->input.ndim == 1 ? o->input.d[0] : g.context;
+    m->params = tdm_gpt_llmc_numel(&g);
+    m->positions = T;
+    tdm_cost_out(m, (double)(3 * C)); /* wte and wpe rows, their sum */
+    for (int l = 0; l < g.layers; l++) {
+        tdm_cost_unit_begin(m, (double)C);
+        /* ln_1, qkv, attention (and its log-sum-exp per head), c_proj, the sum; ln_2, c_fc,
+         * GELU, c_proj, the sum */
+        tdm_cost_out(m, (double)(C + 3 * C + C + H + C + C));
+        tdm_cost_out(m, (double)(C + 4 * C + 4 * C + C + C));
+        tdm_cost_unit_end(m);
+    }
+    m->unit_params = 12 * C * C + 13 * C;
+    tdm_cost_out(m, (double)C); /* ln_f */
+    m->head = g.padded_vocab;
+    m->factor = 1.95;
+    m->head_factor = 2.64;
+    m->fixed = 8.0 * (double)T * (double)T; /* attention's backward: two T x T, a head at a time */
+    return TDM_OK;
+}
+
+static void describe_row(const tdm_model_info *row, const tdm_model_opts *o, char *buf,
+                         size_t cap) {
+    const tdm_gpt_config *c = &o->gpt;
+    snprintf(buf, cap, "%s: %d layers, %d heads, %d channels, context %d, vocab %d (padded %d)",
+             row->name, c->layers, c->heads, c->channels, c->context, c->vocab,
+             c->padded_vocab ? c->padded_vocab : c->vocab);
+}
+
+const tdm_model_info tdm_row_gpt = {
+    .name = "gpt",
+    .task = TDM_TASK_TEXT,
+    .input = "windows of T tokens",
+    .any_input = true,
+    .defaults = {.input = TDM_SHAPE(64),
+                 .gpt = {.layers = 2,
+                         .heads = 4,
+                         .channels = 128,
+                         .context = 64,
+                         .vocab = 256,
+                         .padded_vocab = 256}},
+    .build = build_row,
+    .units = blocks,
+    .count = count_row,
+    .describe = describe_row,
+    .help = "GPT-2 (nanoGPT's names) sized by --layers, --heads, --channels and --context, "
+            "trained with AdamW (weight decay on matrices only) on --data FILE; see --save and "
+            "'tandem sample'.",
+};

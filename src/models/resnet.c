@@ -7,11 +7,14 @@
  * (impl NULL: the strides live in the convolutions), so tdm_module_clone copies them as any layer,
  * and everything they compute is nn's ops, so they run on every backend and under DataParallel's
  * synchronised batch norm unchanged.
+ * Below the builder: the rows resnet18, resnet34 and resnet50 of the registry, their units
+ * (the stages) and their count.
  */
 #include <math.h>
+#include <stdio.h>
 
 #include "core/core.h"
-#include "tandem/models.h"
+#include "models_internal.h"
 
 /* ---- layers as torchvision makes them ------------------------------------------------------ */
 
@@ -200,3 +203,134 @@ tdm_module *tdm_resnet_new(const tdm_resnet_opts *o, tdm_device dev, tdm_rng *rn
      * that a pipeline can cut it into stages as any Sequential */
     return with_children(tdm_sequential_new(0, NULL), n, c);
 }
+
+/* ---- the rows of the registry -----------------------------------------------------------------
+ */
+
+/* The stem the rows ask for: the small-image one for images of at most 64 pixels a side (what
+ * the model gets, after the transforms). */
+static bool small_images(const tdm_model_opts *o) {
+    int64_t h = o->input.d[1], w = o->input.d[2];
+    return (h < w ? h : w) <= 64;
+}
+
+/* 0 when o's input is [C, H, W] with sizes >= 1 and there is a class, else TDM_ERR_ARG. */
+static int check_sizes(const tdm_model_info *row, const tdm_model_opts *o) {
+    char b[96];
+    bool ok = o->input.ndim == 3 && o->num_classes >= 1;
+    for (int i = 0; ok && i < 3; i++) ok = o->input.d[i] >= 1;
+    return ok ? TDM_OK
+              : tdm_raise(TDM_ERR_ARG, "model %s takes %s and at least 1 class, not %s of %lld",
+                          row->name, row->input, tdm_shape_str(o->input, b),
+                          (long long)o->num_classes);
+}
+
+static tdm_module *build_row(const tdm_model_info *row, const tdm_model_opts *o, tdm_device dev,
+                             tdm_rng *rng) {
+    if (check_sizes(row, o)) return NULL;
+    tdm_resnet_opts ro = tdm_resnet_defaults(row->variant);
+    ro.num_classes = o->num_classes;
+    ro.in_channels = (int)o->input.d[0];
+    ro.small_input = small_images(o);
+    return tdm_resnet_new(&ro, dev, rng);
+}
+
+/* A stage: layerN, a Sequential of blocks (known by their kinds, which clones keep). */
+static bool is_stage(const tdm_module *m) {
+    return m->n_children > 0 &&
+           (m->children[0]->ops == &basic_ops || m->children[0]->ops == &bottleneck_ops);
+}
+
+static int stages(tdm_module *m, tdm_module **units, int cap) {
+    int n = 0;
+    for (int i = 0; i < m->n_children; i++) {
+        if (!is_stage(m->children[i])) continue;
+        if (n < cap) units[n] = m->children[i];
+        n++;
+    }
+    return n;
+}
+
+/* A block (block_new) from [*c, *h, *w]. */
+static void count_block(tdm_model_cost *m, bool bottleneck, int64_t planes, int64_t stride,
+                        int64_t *c, int64_t *h, int64_t *w) {
+    int64_t cin = *c, cout = bottleneck ? 4 * planes : planes, h0 = *h, w0 = *w;
+    if (bottleneck) {
+        tdm_cost_conv(m, cin, planes, 1, 1, false, h, w), tdm_cost_batch_norm(m, planes, *h, *w);
+        tdm_cost_out(m, (double)(planes * *h * *w));
+        tdm_cost_conv(m, planes, planes, 3, stride, false, h, w);
+        tdm_cost_batch_norm(m, planes, *h, *w);
+        tdm_cost_out(m, (double)(planes * *h * *w));
+        tdm_cost_conv(m, planes, cout, 1, 1, false, h, w), tdm_cost_batch_norm(m, cout, *h, *w);
+    } else {
+        tdm_cost_conv(m, cin, planes, 3, stride, false, h, w);
+        tdm_cost_batch_norm(m, planes, *h, *w);
+        tdm_cost_out(m, (double)(planes * *h * *w));
+        tdm_cost_conv(m, planes, planes, 3, 1, false, h, w);
+        tdm_cost_batch_norm(m, planes, *h, *w);
+    }
+    if (stride != 1 || cin != cout) { /* downsample: Conv2d 1x1 stride s, BatchNorm2d */
+        tdm_cost_conv(m, cin, cout, 1, stride, false, &h0, &w0);
+        tdm_cost_batch_norm(m, cout, h0, w0);
+    }
+    tdm_cost_out(m, (double)(2 * cout * *h * *w)); /* the sum and its ReLU */
+    *c = cout;
+}
+
+/* The network as tdm_resnet_new builds it, child by child. */
+static int count_row(const tdm_model_info *row, const tdm_model_opts *o, tdm_model_cost *m) {
+    if (check_sizes(row, o)) return TDM_ERR_ARG;
+    static const int blocks[2][4] = {{2, 2, 2, 2}, {3, 4, 6, 3}};
+    const int *nb = blocks[row->variant != 18];
+    bool bottleneck = row->variant == 50, small = small_images(o);
+    int64_t c = o->input.d[0], h = o->input.d[1], w = o->input.d[2];
+    tdm_cost_conv(m, c, 64, small ? 3 : 7, small ? 1 : 2, false, &h, &w);
+    tdm_cost_batch_norm(m, 64, h, w), tdm_cost_out(m, (double)(64 * h * w));
+    if (!small) { /* max-pool 3x3 stride 2 padding 1 */
+        h = (h - 1) / 2 + 1, w = (w - 1) / 2 + 1;
+        tdm_cost_out(m, (double)(64 * h * w));
+    }
+    c = 64;
+    for (int s = 0; s < 4; s++) {
+        tdm_cost_unit_begin(m, (double)(c * h * w));
+        for (int b = 0; b < nb[s]; b++)
+            count_block(m, bottleneck, 64 << s, b == 0 && s > 0 ? 2 : 1, &c, &h, &w);
+        tdm_cost_unit_end(m);
+    }
+    /* avgpool, flatten, fc */
+    tdm_cost_out(m, (double)c), tdm_cost_out(m, 0), tdm_cost_linear(m, c, o->num_classes);
+    m->head = (double)o->num_classes;
+    m->factor = 2.2;
+    /* each convolution's backward makes its weight gradient before adding it into the flat
+     * gradient, and it too lives until the step ends: the parameters once more */
+    m->fixed_per_param = 1;
+    return TDM_OK;
+}
+
+static void describe_row(const tdm_model_info *row, const tdm_model_opts *o, char *buf,
+                         size_t cap) {
+    snprintf(buf, cap, "%s (%lld classes%s)", row->name, (long long)o->num_classes,
+             small_images(o) ? "; small-image stem: 3x3 conv, no max-pool" : "");
+}
+
+#define RESNET18_HELP                                                                              \
+    "torchvision's ResNet-18 (state_dict names such as layer1.0.conv1.weight), with as many "      \
+    "outputs as the data has classes, on 3-channel images (grey ones are copied to 3 channels); "  \
+    "for images of at most 64 pixels the stem is a 3x3 convolution without max-pool (the CIFAR "   \
+    "variant)."
+#define RESNET_ROW(nm, depth, text)                                                                \
+    {                                                                                              \
+        .name = nm, .task = TDM_TASK_IMAGE, .input = "3xHxW images", .any_input = true,            \
+        .defaults = {.input = TDM_SHAPE(3, 224, 224), .num_classes = 1000}, .variant = depth,      \
+        .build = build_row, .units = stages, .count = count_row, .describe = describe_row,         \
+        .help = text                                                                               \
+    }
+
+const tdm_model_info tdm_row_resnet18 = RESNET_ROW("resnet18", 18, RESNET18_HELP);
+const tdm_model_info tdm_row_resnet34 = RESNET_ROW("resnet34", 34,
+                                                   "torchvision's ResNet-34: as the ResNet-18 "
+                                                   "above, with [3, 4, 6, 3] blocks.");
+const tdm_model_info tdm_row_resnet50 = RESNET_ROW("resnet50", 50,
+                                                   "torchvision's ResNet-50: as the ResNet-18 "
+                                                   "above, with [3, 4, 6, 3] Bottleneck blocks "
+                                                   "(4x wider outputs).");

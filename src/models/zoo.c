@@ -1,13 +1,12 @@
-/* The small image models (include/tandem/models.h): each is PyTorch's nn.Sequential written
- * out layer by layer, so parameter names ("1.weight") and initialisation match PyTorch's. */
-#include "tandem/models.h"
-
+/* The small image models (include/tandem/models.h) and their rows of the registry: each is
+ * PyTorch's nn.Sequential written out layer by layer, so parameter names ("1.weight") and
+ * initialisation match PyTorch's; each takes [1, 28, 28] images and returns 10 logits. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "core/core.h"
-
-const char *const tdm_model_names[] = {"mlp", "cnn", "cnn-bn", NULL};
+#include "models_internal.h"
 
 /* Wraps n layers in a Sequential; if any layer failed, frees the others and returns NULL
  * (the failed layer's error stays in tdm_last_error). */
@@ -20,7 +19,7 @@ static tdm_module *sequential(int n, tdm_module **layers) {
     return tdm_sequential_new(n, layers);
 }
 
-static tdm_module *build_mlp(tdm_device dev, tdm_rng *rng) {
+static tdm_module *mlp_layers(tdm_device dev, tdm_rng *rng) {
     /* x [N, 1, 28, 28] -> [N, 784] -> [N, 256] -> [N, 128] -> [N, 10] */
     tdm_module *layers[6] = {
         tdm_flatten_new(1, -1), tdm_linear_new(784, 256, true, dev, rng),
@@ -30,7 +29,7 @@ static tdm_module *build_mlp(tdm_device dev, tdm_rng *rng) {
     return sequential(6, layers);
 }
 
-static tdm_module *build_cnn(tdm_device dev, tdm_rng *rng) {
+static tdm_module *cnn_layers(tdm_device dev, tdm_rng *rng) {
     /* x [N, 1, 28, 28] -> [N, 32, 28, 28] -> [N, 32, 14, 14] -> [N, 64, 14, 14]
      *   -> [N, 64, 7, 7] -> [N, 3136] -> [N, 128] -> [N, 10] */
     tdm_conv2d_opts same = {.pad_h = 1, .pad_w = 1};
@@ -55,7 +54,7 @@ static tdm_module *build_cnn(tdm_device dev, tdm_rng *rng) {
  * first gives batch norm and ReLU a quarter of the pixels; it trained as well or better than
  * the usual order), no convolution bias (batch norm removes it) and a 256-wide hidden layer.
  * 3.4x fewer multiply-adds than the cnn, and 92% test accuracy in 4 epochs. */
-static tdm_module *build_cnn_bn(tdm_device dev, tdm_rng *rng) {
+static tdm_module *cnn_bn_layers(tdm_device dev, tdm_rng *rng) {
     /* x [N, 1, 28, 28] -> conv [N, 16, 28, 28] -> pool [N, 16, 14, 14] -> conv [N, 32, 14, 14]
      *   -> pool [N, 32, 7, 7] -> [N, 1568] -> [N, 256] -> [N, 10] */
     const int64_t c1 = 16, c2 = 32;
@@ -78,50 +77,84 @@ static tdm_module *build_cnn_bn(tdm_device dev, tdm_rng *rng) {
     return sequential(12, layers);
 }
 
-tdm_module *tdm_model_new(const char *name, tdm_device dev, tdm_rng *rng) {
-    if (name && strcmp(name, "mlp") == 0) return build_mlp(dev, rng);
-    if (name && strcmp(name, "cnn") == 0) return build_cnn(dev, rng);
-    if (name && strcmp(name, "cnn-bn") == 0) return build_cnn_bn(dev, rng);
-    return tdm_raise_null(TDM_ERR_ARG, "unknown model '%s' (expected mlp, cnn or cnn-bn)",
-                          name ? name : "(null)");
+/* ---- their rows ------------------------------------------------------------------------- */
+
+enum { MLP, CNN, CNN_BN }; /* their rows' variant */
+
+/* 0 when o asks for what these models take (784 pixels, at most 10 classes), else TDM_ERR_ARG
+ * naming the sizes. */
+static int check_sizes(const tdm_model_info *row, const tdm_model_opts *o) {
+    char b[96];
+    if (tdm_shape_numel(o->input) == 784 && o->num_classes >= 1 && o->num_classes <= 10)
+        return TDM_OK;
+    return tdm_raise(TDM_ERR_ARG, "model %s takes %s of at most 10 classes, not %s of %lld",
+                     row->name, row->input, tdm_shape_str(o->input, b), (long long)o->num_classes);
 }
 
-/* ---- recomputation of a model's units ----------------------------------------------------- */
-
-/* m's child named name, or NULL (m may be NULL). */
-static tdm_module *child_named(const tdm_module *m, const char *name) {
-    for (int i = 0; m && i < m->n_children; i++)
-        if (strcmp(m->child_names[i], name) == 0) return m->children[i];
-    return NULL;
+static tdm_module *build_small(const tdm_model_info *row, const tdm_model_opts *o, tdm_device dev,
+                               tdm_rng *rng) {
+    if (check_sizes(row, o)) return NULL;
+    return row->variant == MLP   ? mlp_layers(dev, rng)
+           : row->variant == CNN ? cnn_layers(dev, rng)
+                                 : cnn_bn_layers(dev, rng);
 }
 
-int tdm_model_units(tdm_module *m, tdm_module **units, int cap) {
-    if (!m) return tdm_raise(TDM_ERR_ARG, "model_units: model is NULL");
-    tdm_module *h = tdm_gpt_config_of(m) ? child_named(child_named(m, "transformer"), "h") : NULL;
-    if (h) {
-        for (int i = 0; i < h->n_children && i < cap; i++) units[i] = h->children[i];
-        return h->n_children;
-    }
-    static const char *const stages[4] = {"layer1", "layer2", "layer3", "layer4"};
-    tdm_module *st[4];
-    int found = 0;
-    for (int i = 0; i < 4; i++) found += (st[i] = child_named(m, stages[i])) != NULL;
-    for (int i = 0; found == 4 && i < 4 && i < cap; i++) units[i] = st[i];
-    return found == 4 ? 4 : 0;
-}
-
-int tdm_model_set_recompute(tdm_module *m, bool on) {
-    if (!m) return tdm_raise(TDM_ERR_ARG, "model_set_recompute: model is NULL");
-    int n = tdm_model_units(m, NULL, 0);
-    tdm_module **units = n > 0 ? malloc(sizeof *units * (size_t)n) : NULL;
-    if (n > 0 && !units) return tdm_raise(TDM_ERR_NOMEM, "model_set_recompute: out of memory");
-    if (n > 0) tdm_model_units(m, units, n);
-    for (int i = 0; i < n; i++) tdm_module_set_recompute(units[i], on);
-    free(units);
-    if (n == 0)
-        return tdm_raise(TDM_ERR_ARG,
-                         "model_set_recompute: this %s has no units to recompute (a GPT's blocks "
-                         "and a ResNet's stages layer1..layer4 are)",
-                         m->ops->kind);
+/* Each out() is one layer of the Sequential above, in order. */
+static int count_mlp(const tdm_model_info *row, const tdm_model_opts *o, tdm_model_cost *c) {
+    if (check_sizes(row, o)) return TDM_ERR_ARG;
+    tdm_cost_out(c, 0), tdm_cost_linear(c, 784, 256), tdm_cost_out(c, 256);
+    tdm_cost_linear(c, 256, 128), tdm_cost_out(c, 128), tdm_cost_linear(c, 128, 10);
+    c->head = 10;
+    c->factor = 2.15;
     return TDM_OK;
 }
+
+static int count_cnn(const tdm_model_info *row, const tdm_model_opts *o, tdm_model_cost *c) {
+    if (check_sizes(row, o)) return TDM_ERR_ARG;
+    int64_t h = 28, w = 28;
+    tdm_cost_conv(c, 1, 32, 3, 1, true, &h, &w), tdm_cost_out(c, 32 * 28 * 28);
+    tdm_cost_out(c, 32 * 14 * 14);
+    h = w = 14;
+    tdm_cost_conv(c, 32, 64, 3, 1, true, &h, &w), tdm_cost_out(c, 64 * 14 * 14);
+    tdm_cost_out(c, 64 * 7 * 7);
+    tdm_cost_out(c, 0), tdm_cost_linear(c, 3136, 128), tdm_cost_out(c, 128);
+    tdm_cost_linear(c, 128, 10);
+    c->head = 10;
+    c->factor = 1.65;
+    return TDM_OK;
+}
+
+/* conv, pool, batch norm, relu, twice */
+static int count_cnn_bn(const tdm_model_info *row, const tdm_model_opts *o, tdm_model_cost *c) {
+    if (check_sizes(row, o)) return TDM_ERR_ARG;
+    int64_t h = 28, w = 28;
+    tdm_cost_conv(c, 1, 16, 3, 1, false, &h, &w), tdm_cost_out(c, 16 * 14 * 14);
+    tdm_cost_batch_norm(c, 16, 14, 14), tdm_cost_out(c, 16 * 14 * 14);
+    h = w = 14;
+    tdm_cost_conv(c, 16, 32, 3, 1, false, &h, &w), tdm_cost_out(c, 32 * 7 * 7);
+    tdm_cost_batch_norm(c, 32, 7, 7), tdm_cost_out(c, 32 * 7 * 7);
+    tdm_cost_out(c, 0), tdm_cost_linear(c, 1568, 256), tdm_cost_out(c, 256);
+    tdm_cost_linear(c, 256, 10);
+    c->head = 10;
+    c->factor = 2.45;
+    return TDM_OK;
+}
+
+#define SMALL_ROW(nm, which, counter, text)                                                        \
+    {                                                                                              \
+        .name = nm, .task = TDM_TASK_IMAGE, .input = "1x28x28 images",                             \
+        .defaults = {.input = TDM_SHAPE(1, 28, 28), .num_classes = 10}, .variant = which,          \
+        .build = build_small, .count = counter, .help = text                                       \
+    }
+
+const tdm_model_info tdm_row_mlp = SMALL_ROW(
+    "mlp", MLP, count_mlp, "Flatten, Linear 784-256, ReLU, Linear 256-128, ReLU, Linear 128-10.");
+const tdm_model_info tdm_row_cnn = SMALL_ROW(
+    "cnn", CNN, count_cnn,
+    "Conv2d 1-32 3x3 pad 1, ReLU, MaxPool 2, Conv2d 32-64 3x3 pad 1, ReLU, MaxPool 2, Flatten, "
+    "Linear 3136-128, ReLU, Linear 128-10.");
+const tdm_model_info tdm_row_cnn_bn = SMALL_ROW(
+    "cnn-bn", CNN_BN, count_cnn_bn,
+    "Conv2d 1-16 3x3 pad 1 without bias, MaxPool 2, BatchNorm2d, ReLU, Conv2d 16-32 likewise, "
+    "MaxPool 2, BatchNorm2d, ReLU, Flatten, Linear 1568-256, ReLU, Linear 256-10 (--recipe "
+    "fmnist-fast's).");

@@ -3,6 +3,7 @@
 #define TANDEM_TANDEM_H
 
 #include "tensor.h"
+#include "half.h"
 #include "autograd.h"
 #include "nn.h"
 #include "optim.h"

@@ -1,8 +1,9 @@
 /* The bf16 GEMM (src/backend/cpu/cpu_gemm_bf16.c) against tdm_cpu_sgemm of the same
  * bf16-rounded inputs, for every transpose, alpha and beta, fp32 and bf16 output, odd shapes
  * and padded leading dimensions; its primitive cache (bound, eviction, several threads at
- * once) and its errors. CTest runs it twice: as is (on this CPU oneDNN's avx512_core_bf16 or
- * AMX kernels) and with ONEDNN_MAX_CPU_ISA=AVX512_CORE (oneDNN's bf16 emulation).
+ * once) and its errors. CTest runs it three times: as is (oneDNN's avx512_core_bf16 or AMX
+ * kernels where the CPU has them), with ONEDNN_MAX_CPU_ISA=AVX512_CORE (oneDNN's bf16
+ * emulation) and with ONEDNN_MAX_CPU_ISA=AVX2 (see the end of this comment).
  *
  * The bound. Both sides sum the k products in fp32 (a bf16 x bf16 product is exact in fp32),
  * in different orders. Each result is within gamma_(k+2) ~ (k + 2) * 2^-24 of the exact
@@ -11,7 +12,8 @@
  * within twice that of each other: (2k + 8) * 2^-24 of it, the 8 covering the scale and the
  * sum. A bf16 output adds its own rounding, at most 2^-8 of the value (8 significant bits,
  * to nearest): 2^-8 * (|reference| + the bound above). An fp16 or bf16 accumulation would
- * exceed this by orders of magnitude at k >= 100. */
+ * exceed this by orders of magnitude at k >= 100. A third run, ONEDNN_MAX_CPU_ISA=AVX2, takes
+ * the fp32 fallback on oneDNN 2.6 (the test prints which implementation ran). */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -143,6 +145,9 @@ static void test_products(void) {
     printf("bf16 GEMM: %s\n", tdm_cpu_gemm_bf16_impl());
     const char *isa = getenv("ONEDNN_MAX_CPU_ISA");
     /* the emulation, not the bf16 instructions (where the CPU has AVX-512 to emulate on) */
+    if (isa && strcmp(isa, "AVX2") == 0)
+        CHECK(native == 0, "ONEDNN_MAX_CPU_ISA=AVX2: %d products ran bf16 or AMX kernels (last %s)",
+              native, tdm_cpu_gemm_bf16_impl());
     if (isa && strcmp(isa, "AVX512_CORE") == 0 && tdm_cpu_vector_bits() == 512)
         CHECK(strstr(tdm_cpu_gemm_bf16_impl(), "oneDNN") && native == 0,
               "ONEDNN_MAX_CPU_ISA=AVX512_CORE: %d products ran bf16 or AMX kernels (last %s)",

@@ -11,12 +11,14 @@
 #include "tandem/half.h"
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <string.h>
 
 #include "core/half_isa.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HALF_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -79,17 +81,36 @@ float tdm_f16_to_float(uint16_t h) {
 
 static _Atomic int level_cap = TDM_HALF_AVX512_BF16;
 
+#ifdef HALF_X86
+/* The XSAVE state components the OS enables (xgetbv 0), read only when cpuid says OSXSAVE. */
+static uint64_t xcr0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+/* From cpuid itself: GCC's __builtin_cpu_supports knows "f16c" and "avx512bf16", Clang 14's
+ * does not. */
+static tdm_half_level probe_level(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return TDM_HALF_SCALAR;
+    bool osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+    uint64_t xcr = osxsave ? xcr0() : 0;
+    if (!avx || !f16c || (xcr & 0x6) != 0x6) return TDM_HALF_SCALAR; /* SSE and AVX state */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return TDM_HALF_F16C;
+    bool avx512 = (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31)); /* F, BW, VL */
+    if (!avx512 || (xcr & 0xE0) != 0xE0 || a < 1) return TDM_HALF_F16C;     /* opmask, ZMM state */
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return TDM_HALF_F16C;
+    return (a & (1u << 5)) ? TDM_HALF_AVX512_BF16 : TDM_HALF_F16C; /* AVX512_BF16 */
+}
+#endif
+
 tdm_half_level tdm_half_level_supported(void) {
 #ifdef HALF_X86
     static _Atomic int found = -1;
     int f = atomic_load_explicit(&found, memory_order_relaxed);
     if (f < 0) {
-        __builtin_cpu_init();
-        f = TDM_HALF_SCALAR;
-        if (__builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx")) f = TDM_HALF_F16C;
-        if (f == TDM_HALF_F16C && __builtin_cpu_supports("avx512bf16") &&
-            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-            f = TDM_HALF_AVX512_BF16;
+        f = (int)probe_level();
         atomic_store_explicit(&found, f, memory_order_relaxed);
     }
     return (tdm_half_level)f;

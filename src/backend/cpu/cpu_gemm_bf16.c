@@ -52,13 +52,11 @@ static int gemm_via_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, flo
     int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
     float *af = widen(a, ar, ac, lda), *bf = widen(b, br, bc, ldb), *cf = NULL;
     int rc = TDM_OK;
-    if (c_bf16) {
-        cf = beta != 0 ? widen(c, m, n, ldc) : malloc((size_t)(m * n > 0 ? m * n : 1) * 4);
-    }
+    if (c_bf16) /* beta 0: C's old values are not read; zeros keep the copy defined */
+        cf = beta != 0 ? widen(c, m, n, ldc) : calloc((size_t)(m * n > 0 ? m * n : 1), 4);
     if (!af || !bf || (c_bf16 && !cf)) {
         rc = tdm_raise(TDM_ERR_NOMEM,
-                       "gemm_bf16: no memory for the fp32 copies (%lld x %lld x "
-                       "%lld)",
+                       "gemm_bf16: no memory for the fp32 copies (%lld x %lld x %lld)",
                        (long long)m, (long long)n, (long long)k);
         goto out;
     }

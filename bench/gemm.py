@@ -4,6 +4,10 @@ inside PyTorch, in interleaved rounds (C libraries, then PyTorch, three times); 
 Markdown table of the medians and Tandem's share of the fastest other library per shape.
 
     $VENV/bin/python bench/gemm.py build/bench_gemm
+
+Given build/bench_gemm_bf16 instead, the same in bf16 (issue 37): Tandem's bf16 GEMM (fp32 and
+bf16 results) and its fp32 one beside PyTorch's torch.mm on bf16 tensors (oneDNN or MKL inside
+PyTorch), the share taken against PyTorch's bf16.
 """
 import os
 import re
@@ -19,15 +23,20 @@ others = [f"OpenBLAS={lib}libopenblas.so.0",
           f"OpenBLAS-SkylakeX={lib}libopenblas.so.0@OPENBLAS_CORETYPE=SkylakeX",
           f"BLIS={lib}libblis.so.4"]
 others = [o for o in others if os.path.exists(o.split("=")[1].split("@")[0])]
+bf16 = "bf16" in os.path.basename(sys.argv[1])
+if bf16:  # the BLAS libraries have no bf16 GEMM
+    others = []
+torch_dtype, torch_name = ((torch.bfloat16, "PyTorch bf16") if bf16 else
+                           (torch.float32, "MKL (PyTorch)"))
 env = dict(os.environ, OPENBLAS_NUM_THREADS="1", BLIS_NUM_THREADS="1", OMP_NUM_THREADS="1")
 torch.set_num_threads(1)
 
 
 def torch_gflops(m, n, k, ta, tb):
-    a = torch.rand(k, m) if ta else torch.rand(m, k)
-    b = torch.rand(n, k) if tb else torch.rand(k, n)
+    a = torch.rand(k, m, dtype=torch_dtype) if ta else torch.rand(m, k, dtype=torch_dtype)
+    b = torch.rand(n, k, dtype=torch_dtype) if tb else torch.rand(k, n, dtype=torch_dtype)
     a, b = (a.t() if ta else a), (b.t() if tb else b)
-    c = torch.empty(m, n)
+    c = torch.empty(m, n, dtype=torch_dtype)
     torch.mm(a, b, out=c), torch.mm(a, b, out=c)
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < 0.05:
@@ -51,7 +60,7 @@ for rnd in range(3):
                 shapes.append((f[2], f[3]))
     for name, dims in shapes:
         m, n, k, ta, tb = re.match(r"(\d+)x(\d+)x(\d+)\((.)(.)\)", dims).groups()
-        results[(name, dims)].setdefault("MKL (PyTorch)", []).append(
+        results[(name, dims)].setdefault(torch_name, []).append(
             torch_gflops(int(m), int(n), int(k), ta == "T", tb == "T"))
 
 libs = list(next(iter(results.values())).keys())
@@ -63,7 +72,7 @@ print("|---" * (len(libs) + 2) + "|")
 shares = []
 for (name, dims), per in results.items():
     med = {l: statistics.median(v) for l, v in per.items()}
-    best = max(v for l, v in med.items() if l != "Tandem")
+    best = max(v for l, v in med.items() if not l.startswith("Tandem"))
     shares.append(med["Tandem"] / best)
     print(f"| {name} {dims} | " + " | ".join(f"{med[l]:.0f}" for l in libs) +
           f" | {med['Tandem'] / best:.0%} |")

@@ -4,6 +4,7 @@
 usage: $VENV/bin/python bench/torch_gpt.py [--dir /tmp/tandem_bench_gpt] [--steps 40] [--threads 1]
                                           [--device cpu|cuda] [--layers 2] [--channels 128]
                                           [--heads 4] [--context 64] [--batch 4]
+                                          [--autocast none|bf16|fp16]
 
 Config (../shared/baseline/README.md, section 6): 2 layers, 128 channels, 4 heads, context
 64, batch 4, vocabulary 256 (bytes), no dropout; AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8,
@@ -15,6 +16,10 @@ the same batches:
   model.bin    the initial weights as an llm.c fp32 checkpoint (GPT-2 init, seed 0)
   tokens.bin   the text as an llm.c token shard (magic 20240520, version 1, u16 tokens)
   torch.txt    one line per step: "step loss ms"
+--autocast bf16 (fp16) runs forward and loss under torch.autocast(device, dtype=torch.bfloat16
+(float16)), PyTorch's mixed precision for issue 37; the parameters, the optimizer and the
+initial weights written to model.bin stay fp32, so bench_gpt starts from the same weights. fp16
+on a GPU also scales the loss with torch.amp.GradScaler, as a user of fp16 must.
 Step time = forward + backward + optimizer step (batches are prepared before timing, on the
 device; loss.item() ends each step, as the Tandem trainer reads each step's loss).
 """
@@ -34,6 +39,8 @@ ap.add_argument("--channels", type=int, default=128)
 ap.add_argument("--heads", type=int, default=4)
 ap.add_argument("--context", type=int, default=64)
 ap.add_argument("--batch", type=int, default=4, help="bench_gpt --batch must be the same")
+ap.add_argument("--autocast", choices=["none", "bf16", "fp16"], default="none",
+                help="forward and loss under torch.autocast in this dtype")
 args = ap.parse_args()
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
 os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
@@ -131,20 +138,26 @@ batches = []
 for k in range(args.steps):
     chunk = data[k * B * T:(k + 1) * B * T + 1]
     batches.append((chunk[:-1].view(B, T).to(dev), chunk[1:].view(B, T).to(dev)))
+amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.autocast]
+# fp16's range needs loss scaling; bf16 has fp32's (GradScaler(enabled=False) just steps)
+scaler = torch.amp.GradScaler(dev.type, enabled=args.autocast == "fp16" and dev.type == "cuda")
 lines = []
 for step, (x, y) in enumerate(batches):
     t0 = time.perf_counter()
-    loss = model(x, y)
+    with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        loss = model(x, y)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
     lv = loss.item()
     ms = (time.perf_counter() - t0) * 1e3
     lines.append("%d %.9g %.4f\n" % (step, lv, ms))
 with open(os.path.join(args.dir, "torch.txt"), "w") as f:
     f.writelines(lines)
 ms = sorted(float(s.split()[2]) for s in lines[5:])
-print("torch %s on %s, %d thread(s), OPENBLAS_CORETYPE=%s: %d steps, median %.2f ms/step (steps 5-%d), "
-      "loss %s -> %s" % (torch.__version__, args.device, args.threads, os.environ.get("OPENBLAS_CORETYPE"),
+print("torch %s on %s, %d thread(s), autocast %s, OPENBLAS_CORETYPE=%s: %d steps, median %.2f ms/step (steps 5-%d), "
+      "loss %s -> %s" % (torch.__version__, args.device, args.threads, args.autocast,
+                         os.environ.get("OPENBLAS_CORETYPE"),
                          args.steps, ms[len(ms) // 2], args.steps - 1, lines[0].split()[1],
                          lines[-1].split()[1]))

@@ -151,6 +151,94 @@ void tdm_sched_apply(const tdm_sched *s, tdm_optim *o, int64_t t);
 int tdm_clip_grad_norm(tdm_paramset *ps, float max_norm, bool error_if_nonfinite,
                        float *total_norm);
 
+/* ---- loss scaling for fp16 training (torch.amp.GradScaler) ------------------------------ */
+
+/* A gradient scaler with torch.amp.GradScaler's behaviour, step for step: the loss is
+ * multiplied by the scale before backward so that small fp16 gradients do not flush to zero;
+ * before the optimizer steps, the gradients are multiplied by 1/scale and checked; a step
+ * whose gradients hold an inf or a NaN is skipped and the scale multiplied by
+ * backoff_factor; after growth_interval steps in a row without one, the scale is multiplied
+ * by growth_factor (kept only if finite). A training step is
+ *
+ *     loss = tdm_grad_scaler_scale(s, loss); tdm_backward(loss);
+ *     tdm_grad_scaler_unscale(s, o);     (optional: before clipping the true gradients)
+ *     tdm_grad_scaler_step(s, o, &stepped); tdm_grad_scaler_update(s);
+ *
+ * One scaler may serve several optimizers (up to TDM_GRAD_SCALER_MAX_OPTIMS between two
+ * updates), each unscaled and stepped once per update, as PyTorch's per-optimizer stages.
+ * The scaler reads the whole gradient an optimizer steps from: a ZeRO stage 2 optimizer
+ * (its gradient sharded over the ranks, found infs differing) is refused. */
+typedef struct tdm_grad_scaler tdm_grad_scaler;
+
+#define TDM_GRAD_SCALER_MAX_OPTIMS 8
+
+typedef struct {
+    float init_scale;        /* 65536 (2^16) */
+    double growth_factor;    /* 2.0; must be > 1 */
+    double backoff_factor;   /* 0.5; must be in (0, 1) */
+    int64_t growth_interval; /* 2000; must be >= 1 */
+    bool enabled;            /* false: scale returns the loss, step just steps (PyTorch's
+                                enabled=False) */
+} tdm_grad_scaler_opts;
+
+/* The state a checkpoint keeps: PyTorch's state_dict()["scale"] and ["_growth_tracker"]. */
+typedef struct {
+    float scale;
+    int32_t growth_tracker; /* successful steps since the last growth or backoff */
+} tdm_grad_scaler_state;
+
+/* PyTorch's defaults (above), enabled. */
+tdm_grad_scaler_opts tdm_grad_scaler_defaults(void);
+/* A new scaler, caller-owned (tdm_grad_scaler_free). NULL (defaults) or options the caller
+ * keeps. NULL and TDM_ERR_ARG naming the option for growth_factor <= 1, backoff_factor
+ * outside (0, 1), growth_interval < 1 or a non-finite or non-positive init_scale (PyTorch
+ * asserts the first two); TDM_ERR_NOMEM. */
+tdm_grad_scaler *tdm_grad_scaler_new(const tdm_grad_scaler_opts *o);
+/* loss * scale (an op recorded on the tape like tdm_mul_scalar: its backward multiplies the
+ * incoming gradient by the scale), a new tensor owned as any op's output. The first call
+ * fixes the scale at init_scale (or the loaded state's) as PyTorch's lazy init does.
+ * Disabled: returns loss itself. NULL and an error for a NULL scaler or loss. */
+tdm_tensor *tdm_grad_scaler_scale(tdm_grad_scaler *s, tdm_tensor *loss);
+/* Divides o's gradients in place by the scale (a multiplication by the float nearest
+ * 1/scale, as PyTorch) and records whether any of them, as they were before, was inf or
+ * NaN. Settles stale gradients first (tdm_paramset_settle_grads). Once per optimizer
+ * between updates: TDM_ERR_STATE when called again, or after tdm_grad_scaler_step, or before
+ * any tdm_grad_scaler_scale; TDM_ERR_STATE for a ZeRO stage 2 optimizer; TDM_ERR_ARG for
+ * NULLs or a ninth optimizer. Disabled: TDM_OK, nothing done. */
+int tdm_grad_scaler_unscale(tdm_grad_scaler *s, tdm_optim *o);
+/* Unscales o's gradients if tdm_grad_scaler_unscale has not, then calls tdm_optim_step(o)
+ * unless they held an inf or a NaN. *stepped (may be NULL) says which. TDM_ERR_STATE when
+ * called twice for o between updates or before any scale; the optimizer's or the unscale's
+ * error otherwise. Disabled: tdm_optim_step(o). */
+int tdm_grad_scaler_step(tdm_grad_scaler *s, tdm_optim *o, bool *stepped);
+/* Ends the iteration: the scale backs off if any optimizer stepped since the last update
+ * found an inf or NaN, else the growth tracker counts the step and the scale grows after
+ * growth_interval of them (PyTorch's _amp_update_scale_); every optimizer's stage is reset.
+ * TDM_ERR_STATE when no optimizer was unscaled or stepped since the last update ("no inf
+ * checks were recorded") or before any scale. Disabled: TDM_OK. */
+int tdm_grad_scaler_update(tdm_grad_scaler *s);
+/* update(new_scale) of PyTorch: sets the scale to new_scale (> 0, finite, else TDM_ERR_ARG),
+ * leaves the growth tracker alone and resets the optimizers' stages. TDM_ERR_STATE before
+ * any scale. */
+int tdm_grad_scaler_update_to(tdm_grad_scaler *s, float new_scale);
+/* The current scale (init_scale or the loaded state's before the first scale; 1 when
+ * disabled, as PyTorch's get_scale). NULL: NAN. */
+float tdm_grad_scaler_get_scale(const tdm_grad_scaler *s);
+/* Whether the last tdm_grad_scaler_step on o skipped the optimizer's step (false when o was
+ * not stepped since the last update). */
+bool tdm_grad_scaler_found_inf(const tdm_grad_scaler *s, const tdm_optim *o);
+/* The options s was made with (growth factor and the rest), to save next to the state. */
+tdm_grad_scaler_opts tdm_grad_scaler_options(const tdm_grad_scaler *s);
+/* The checkpoint state into *st: the scale and growth tracker as they are now (before the
+ * first scale: the initial ones, as PyTorch's state_dict). TDM_ERR_ARG for NULLs. */
+int tdm_grad_scaler_get_state(const tdm_grad_scaler *s, tdm_grad_scaler_state *st);
+/* Restores a checkpoint's state: scale (> 0; inf or NaN refused) and growth tracker (>= 0,
+ * below growth_interval), TDM_ERR_ARG naming the field otherwise, s unchanged. Allowed at
+ * any time, as PyTorch's load_state_dict; a disabled scaler ignores it (TDM_OK). */
+int tdm_grad_scaler_set_state(tdm_grad_scaler *s, const tdm_grad_scaler_state *st);
+/* Frees s (not the optimizers). NULL: nothing. */
+void tdm_grad_scaler_free(tdm_grad_scaler *s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,6 +4,7 @@
 
 #include "tensor.h"
 #include "runtime.h"
+#include "half.h"
 #include "autograd.h"
 #include "nn.h"
 #include "optim.h"

@@ -165,6 +165,7 @@ typedef struct {
     int64_t n;
     int bad[2];
     bool split[2];
+    int64_t gathered[2]; /* elements of the whole state tdm_strategy_optim_gather gave */
     tdm_strategy_memory mem[2];
 } ddp_case;
 
@@ -183,6 +184,10 @@ static int ddp_rank(tdm_rank_ctx *ctx, void *arg) {
     if (!rc) rc = tdm_strategy_set_shard(st, TDM_SHARD_GRADIENTS, NULL);
     c->split[r] = tdm_strategy_state_split(st) && tdm_strategy_shard(st) == TDM_SHARD_GRADIENTS;
     tdm_strategy_memory_get(st, &c->mem[r]);
+    tdm_optim *whole = rc ? NULL : tdm_strategy_optim_gather(st); /* a collective */
+    tdm_tensor *state[2];
+    if (whole && tdm_optim_state(whole, NULL, state, 2) == 1) c->gathered[r] = tdm_numel(state[0]);
+    tdm_optim_free(whole);
     tdm_strategy_free(st);
     tdm_module_free(m);
     return rc;
@@ -205,6 +210,8 @@ static void test_distributed(const float *want, int64_t n) {
         CHECK(c.mem[r].params == 4 * n, "rank %d: parameters stay whole below stage 3", r);
     }
     CHECK(c.mem[0].state + c.mem[1].state == 4 * n, "the shards cover the state once");
+    CHECK(c.gathered[0] == n && c.gathered[1] == n, "optim_gather: %lld and %lld elements of %lld",
+          (long long)c.gathered[0], (long long)c.gathered[1], (long long)n);
 }
 
 static void test_pipeline(const float *want, int64_t n) {
@@ -235,6 +242,7 @@ static void test_pipeline(const float *want, int64_t n) {
     CHECK(tdm_strategy_set_clip_grad_norm(st, 0) == 0, "0 is off, which a pipeline is");
     CHECK_ERROR(tdm_strategy_set_shard(st, TDM_SHARD_OPTIMIZER, NULL) != 0, "pipeline");
     CHECK(tdm_strategy_shard(st) == TDM_SHARD_NONE, "a refused shard changes nothing");
+    CHECK_ERROR(tdm_strategy_optim_gather(st) == NULL, "pipeline");
     tdm_strategy_free(st);
     tdm_module_free(m);
 }

@@ -61,13 +61,14 @@ tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
 /* ---- settings, between steps ------------------------------------------------------------- */
 
 /* The one sharding call of the library for every strategy (ZeRO stages, FSDP's sharding
- * strategies): shards over every data-parallel rank what kind names, as tdm_ddp_set_shard and
- * tdm_dp_set_shard describe, with stage 3's units taken from units_of on each replica (NULL:
- * each replica's children holding parameters). A collective over the processes; call it after
- * any restore of the optimizers' state and before tdm_strategy_step. TDM_SHARD_NONE, and any
- * kind on one device (nobody to share with), change nothing. TDM_ERR_ARG for a NULL st, an
- * unknown kind or a pipeline asked to shard ("a pipeline's stages step optimizers of their
- * own"); the wrapper's errors otherwise (a kind below the current one, failing units). */
+ * strategies): shards over every data-parallel rank what kind names, as tdm_ddp_set_shard
+ * describes for one rank (DataParallel runs it on every replica; src/parallel/dp_shard.h), with
+ * stage 3's units taken from units_of on each replica (NULL: each replica's children holding
+ * parameters). A collective over the processes; call it after any restore of the optimizers' state
+ * and before tdm_strategy_step. TDM_SHARD_NONE, and any kind on one device (nobody to share with),
+ * change nothing. TDM_ERR_ARG for a NULL st, an unknown kind or a pipeline asked to shard ("a
+ * pipeline's stages step optimizers of their own"); the wrapper's errors otherwise (a kind below
+ * the current one, failing units). */
 int tdm_strategy_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn units_of);
 /* The kind in effect: the last one set, TDM_SHARD_NONE before any and on one device. */
 tdm_shard_kind tdm_strategy_shard(const tdm_strategy *st);
@@ -125,6 +126,12 @@ int tdm_strategy_replicas(const tdm_strategy *st);
  * them all); both are NULL for r out of range. */
 tdm_module *tdm_strategy_replica(tdm_strategy *st, int r);
 tdm_optim *tdm_strategy_optim(tdm_strategy *st, int r);
+/* A whole, unsharded copy of replica 0's optimizer, its shards gathered from every rank
+ * (tdm_optim_gather, tdm_dp_optim_gather): the state a whole checkpoint saves. A collective over
+ * the processes when the state is split (every process calls it, between steps); a copy
+ * otherwise. Caller-owned (tdm_optim_free). NULL and an error on failure, and for a pipeline,
+ * whose stages' optimizers are not one. */
+tdm_optim *tdm_strategy_optim_gather(tdm_strategy *st);
 /* Under stage 3, every replica's parameters whole (to save or load the model) until
  * tdm_strategy_release_params shards them again, keeping what was loaded meanwhile.
  * Collectives over the processes; TDM_OK and nothing done otherwise. */

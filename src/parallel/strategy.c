@@ -100,6 +100,12 @@ tdm_optim *tdm_strategy_optim(tdm_strategy *st, int r) {
     return st && r >= 0 && r < st->replicas ? st->ops->optim(st, r) : NULL;
 }
 
+tdm_optim *tdm_strategy_optim_gather(tdm_strategy *st) {
+    if (!st) return tdm_raise_null(TDM_ERR_ARG, "strategy optim_gather: NULL strategy");
+    return st->ops->optim_gather ? st->ops->optim_gather(st)
+                                 : tdm_optim_gather(st->ops->optim(st, 0));
+}
+
 int tdm_strategy_gather_params(tdm_strategy *st) {
     if (!st) return tdm_raise(TDM_ERR_ARG, "strategy gather_params: NULL strategy");
     bool sharded = st->shard == TDM_SHARD_PARAMETERS && st->ops->gather_params;

@@ -32,6 +32,8 @@ typedef struct tdm_strategy_ops {
     /* Replica r's model and optimizer, 0 <= r < st->replicas. Required. */
     tdm_module *(*replica)(tdm_strategy *st, int r);
     tdm_optim *(*optim)(tdm_strategy *st, int r);
+    /* A whole copy of replica 0's optimizer. NULL: tdm_optim_gather of ops->optim(st, 0). */
+    tdm_optim *(*optim_gather)(tdm_strategy *st);
     /* Stage 3's parameters whole, or sharded again. NULL: never sharded by parameters. */
     int (*gather_params)(tdm_strategy *st);
     int (*release_params)(tdm_strategy *st);

@@ -3,6 +3,7 @@
 #include "parallel/strategy.h"
 
 #include "core/core.h"
+#include "parallel/dp_shard.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -57,6 +58,10 @@ static tdm_optim *dp_optim(tdm_strategy *st, int r) {
     return tdm_dp_optim(((data_parallel *)st)->dp, r);
 }
 
+static tdm_optim *dp_optim_gather(tdm_strategy *st) {
+    return tdm_dp_optim_gather(((data_parallel *)st)->dp);
+}
+
 static int dp_gather(tdm_strategy *st) {
     return tdm_dp_gather_params(((data_parallel *)st)->dp);
 }
@@ -84,6 +89,7 @@ static const tdm_strategy_ops data_parallel_ops = {
     .set_lr = dp_set_lr,
     .replica = dp_replica,
     .optim = dp_optim,
+    .optim_gather = dp_optim_gather,
     .gather_params = dp_gather,
     .release_params = dp_release,
     .describe = dp_describe,

@@ -56,6 +56,12 @@ static tdm_optim *pipe_optim(tdm_strategy *st, int r) {
     return o;
 }
 
+static tdm_optim *pipe_optim_gather(tdm_strategy *st) {
+    (void)st;
+    return tdm_raise_null(TDM_ERR_ARG, "strategy optim_gather: a pipeline's stages step "
+                                       "optimizers of their own, not one to gather");
+}
+
 static void pipe_describe(tdm_strategy *st, int64_t batch, char *buf, size_t cap) {
     (void)batch;
     pipeline *s = (pipeline *)st;
@@ -82,6 +88,7 @@ static const tdm_strategy_ops pipeline_ops = {
     .sync_model = pipe_sync_model,
     .replica = pipe_replica,
     .optim = pipe_optim,
+    .optim_gather = pipe_optim_gather,
     .describe = pipe_describe,
     .destroy = pipe_destroy,
 };

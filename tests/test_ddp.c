@@ -664,9 +664,8 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_fsdp_opts fo = tdm_fsdp_defaults();
     fo.ddp.bucket_cap_bytes = fo.ddp.first_bucket_cap_bytes = 1024; /* across units, shards */
     fo.units = units, fo.n_units = tdm_model_units(m, units, 8);
-    tdm_ddp *d = !opt        ? NULL
-                 : c->stage3 ? tdm_fsdp_wrap(m, ctx->group, opt, &fo)
-                             : tdm_ddp_new(m, ctx->group, &fo.ddp);
+    tdm_fsdp *f = opt && c->stage3 ? tdm_fsdp_wrap(m, ctx->group, opt, &fo) : NULL;
+    tdm_ddp *d = !opt ? NULL : c->stage3 ? tdm_fsdp_ddp(f) : tdm_ddp_new(m, ctx->group, &fo.ddp);
     if (!d) rc = tdm_last_status();
     if (!rc && !c->stage3) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_GRADIENTS);
     if (!rc) rc = gpt_steps(c, d, m, opt, r);
@@ -676,7 +675,10 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
     if (!rc) rc = tdm_ddp_release_params(d);
     if (r == 0) c->total = ps->total, c->units = fo.n_units;
     tdm_optim_free(opt);
-    tdm_ddp_free(d);
+    if (f)
+        tdm_fsdp_free(f); /* and its DDP */
+    else
+        tdm_ddp_free(d);
     tdm_module_free(m);
     return rc;
 }
@@ -773,7 +775,8 @@ static int zero3_err_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_fsdp_opts fo = tdm_fsdp_defaults();
     fo.units = units[0], fo.n_units = 2;
     /* case 0 through FSDP's constructor, which fails as the calls it makes do */
-    tdm_ddp *d = c->c ? tdm_ddp_new(m, ctx->group, NULL) : tdm_fsdp_wrap(m, ctx->group, opt, &fo);
+    tdm_fsdp *f = c->c ? NULL : tdm_fsdp_wrap(m, ctx->group, opt, &fo);
+    tdm_ddp *d = c->c ? tdm_ddp_new(m, ctx->group, NULL) : tdm_fsdp_ddp(f);
     int rc = !c->c      ? (d ? TDM_OK : tdm_last_status())
              : c->c < 3 ? tdm_ddp_set_shard_units(d, units[c->c], 1)
                         : TDM_OK;
@@ -791,7 +794,10 @@ static int zero3_err_rank(tdm_rank_ctx *ctx, void *arg) {
         note(c, r, 3, rc, "saved whole");
     }
     tdm_optim_free(opt);
-    tdm_ddp_free(d);
+    if (f)
+        tdm_fsdp_free(f); /* and its DDP */
+    else
+        tdm_ddp_free(d);
     tdm_module_free(m);
     return 0;
 }

@@ -262,9 +262,13 @@ void tdm_ddp_free(tdm_ddp *d);
  *   tdm_module *blocks[64];
  *   tdm_fsdp_opts fo = tdm_fsdp_defaults();
  *   fo.units = blocks, fo.n_units = tdm_model_units(model, blocks, 64);   // auto_wrap_policy
- *   tdm_ddp *fsdp = tdm_fsdp_wrap(model, group, opt, &fo);
- *   ... tdm_ddp_forward, tdm_ddp_backward, tdm_ddp_clip_grad_norm, tdm_optim_step as with DDP;
- *   tdm_ddp_gather_params / tdm_ddp_release_params around a save (summon_full_params).
+ *   tdm_fsdp *fsdp = tdm_fsdp_wrap(model, group, opt, &fo);
+ *   tdm_ddp *d = tdm_fsdp_ddp(fsdp);
+ *   ... tdm_ddp_forward(d, x), tdm_ddp_backward, tdm_ddp_clip_grad_norm, tdm_optim_step as with
+ *   DDP; tdm_ddp_gather_params / tdm_ddp_release_params around a save (summon_full_params);
+ *   tdm_fsdp_free(fsdp).
+ * A training loop that should not care which of these it runs uses a strategy instead
+ * (tdm_strategy_distributed, then tdm_strategy_set_shard: tandem/strategy.h).
  *
  * Unlike PyTorch, the optimizer comes first, over the whole model's parameters: wrapping
  * shards its state in place (there is no separate flat-parameter module to build it over). */
@@ -279,13 +283,21 @@ typedef struct {
 } tdm_fsdp_opts;
 
 tdm_fsdp_opts tdm_fsdp_defaults(void);
+typedef struct tdm_fsdp tdm_fsdp;
+
 /* tdm_ddp_new(model, g, &o->ddp), then tdm_ddp_set_shard_units and tdm_ddp_set_shard(opt,
  * o->sharding_strategy): collectives, called by every rank with its replica and an optimizer
  * over tdm_module_parameters(model). o NULL: the defaults. Returns the wrapper, owned by the
- * caller (tdm_ddp_free; opt and model stay the caller's), or NULL and the error of the step
+ * caller (tdm_fsdp_free; opt and model stay the caller's), or NULL and the error of the step
  * that failed (the same on every rank: each step either fails everywhere or aborts the
  * group). */
-tdm_ddp *tdm_fsdp_wrap(tdm_module *model, tdm_group *g, tdm_optim *opt, const tdm_fsdp_opts *o);
+tdm_fsdp *tdm_fsdp_wrap(tdm_module *model, tdm_group *g, tdm_optim *opt, const tdm_fsdp_opts *o);
+/* The DDP that f drives, sharded: the tdm_ddp_* calls train it (forward, backward, clipping,
+ * gather and release of the parameters). Owned by f; NULL for a NULL f. */
+tdm_ddp *tdm_fsdp_ddp(tdm_fsdp *f);
+/* Frees f and its DDP (tdm_ddp_gather_params first keeps the model whole); opt and the model
+ * stay the caller's. NULL is allowed. */
+void tdm_fsdp_free(tdm_fsdp *f);
 
 /* ---- ZeRO stage 1: the optimizer's state sharded over a group ----------------------------- */
 

@@ -70,7 +70,8 @@ tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
  * pipeline's stages step optimizers of their own"); the wrapper's errors otherwise (a kind below
  * the current one, failing units). */
 int tdm_strategy_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn units_of);
-/* The kind in effect: the last one set, TDM_SHARD_NONE before any and on one device. */
+/* The kind in effect: the last one set, TDM_SHARD_NONE before any, on one device and for a NULL
+ * st. */
 tdm_shard_kind tdm_strategy_shard(const tdm_strategy *st);
 /* Whether each rank holds only its shard of the optimizer state (and so writes a sharded
  * checkpoint): false without sharding, on one device, and for the CPU devices of one process
@@ -117,7 +118,7 @@ int tdm_strategy_sync_model(tdm_strategy *st);
 /* ---- state, for checkpoints --------------------------------------------------------------- */
 
 /* How many replicas this process holds (each saves and loads its own state): DataParallel's
- * devices, else 1. */
+ * devices, else 1; 0 for a NULL st. */
 int tdm_strategy_replicas(const tdm_strategy *st);
 /* Replica r's model and optimizer (0 <= r < replicas), owned by the strategy but for replica
  * 0's model, the caller's. A pipeline's: the caller's model (after tdm_strategy_sync_model) and
@@ -141,7 +142,7 @@ int tdm_strategy_release_params(tdm_strategy *st);
 /* ---- what it is ----------------------------------------------------------------------------- */
 
 /* The data-parallel ranks that share each batch: devices x processes (a pipeline: its
- * replicas). */
+ * replicas); 0 for a NULL st. */
 int tdm_strategy_ranks(const tdm_strategy *st);
 
 /* Bytes per rank against the unsharded whole, replica 0's: what sharding saves. */
@@ -150,7 +151,7 @@ typedef struct {
     int64_t params, params_whole; /* parameters kept between steps (their shard under stage 3) */
     int64_t grads, grads_whole;   /* gradients kept between steps (their shard under stage 2+) */
 } tdm_strategy_memory;
-/* Fills *m from replica 0's optimizer and parameters. */
+/* Fills *m from replica 0's optimizer and parameters (all zero for a NULL st). */
 void tdm_strategy_memory_get(tdm_strategy *st, tdm_strategy_memory *m);
 
 /* A phrase for a run's header line, what it does with batch rows per step: "data parallel, 16

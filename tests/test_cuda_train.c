@@ -140,8 +140,8 @@ static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, vo
     return tdm_cross_entropy(out, target, NULL);
 }
 
-static int dp_step(void *dp, tdm_tensor *x, tdm_tensor *t, float *loss) {
-    return tdm_dp_step(dp, x, t, ce_loss, NULL, loss);
+static int dp_step(void *st, tdm_tensor *x, tdm_tensor *t, float *loss) {
+    return tdm_strategy_step(st, x, t, ce_loss, NULL, loss);
 }
 
 static int pipe_step(void *pipe, tdm_tensor *x, tdm_tensor *t, float *loss) {
@@ -179,23 +179,24 @@ static void dp_against_cpu(int n, model md, bool adam, tdm_shard_kind shard) {
     tdm_module *mc = md.make(), *mg = tdm_module_clone(mc, G);
     tdm_module_train(mc, true);
     if (mg) tdm_module_train(mg, true); /* before the replicas are cloned from it */
-    tdm_dp *dp = mg ? tdm_dp_new(mg, gpus, n, make_optim, &adam) : NULL;
+    tdm_strategy *dp = mg ? tdm_strategy_data_parallel(mg, gpus, n, NULL, make_optim, &adam) : NULL;
     CHECK(dp, "%s: data_parallel: %s", what, tdm_last_error());
-    if (dp && shard) CHECK(tdm_dp_set_shard(dp, shard) == 0, "%s: %s", what, tdm_last_error());
+    if (dp && shard)
+        CHECK(tdm_strategy_set_shard(dp, shard, NULL) == 0, "%s: %s", what, tdm_last_error());
     int64_t np = tdm_module_parameters(mc)->total;
     float lc[STEPS], lg[STEPS], *pc = dp ? train(mc, md.xs, adam, lc) : NULL;
     float *p[2] = {malloc(sizeof(float) * (size_t)np), malloc(sizeof(float) * (size_t)np)};
     if (dp) {
         run_steps(what, dp_step, dp, md.xs, lg);
-        CHECK(tdm_dp_gather_params(dp) == 0, "%s: %s", what, tdm_last_error()); /* stage 3 */
+        CHECK(tdm_strategy_gather_params(dp) == 0, "%s: %s", what, tdm_last_error()); /* stage 3 */
         for (int r = 0; r < n; r++)
-            tdm_to_host(tdm_module_parameters(tdm_dp_replica(dp, r))->flat, p[r],
+            tdm_to_host(tdm_module_parameters(tdm_strategy_replica(dp, r))->flat, p[r],
                         sizeof(float) * (size_t)np);
         like_cpu(what, lg, lc, p[0], pc, np);
         if (n > 1)
             CHECK(!memcmp(p[0], p[1], sizeof(float) * (size_t)np), "%s: the replicas differ", what);
-        CHECK(tdm_dp_release_params(dp) == 0, "%s: %s", what, tdm_last_error());
-        tdm_optim *whole = shard ? tdm_dp_optim_gather(dp) : NULL;
+        CHECK(tdm_strategy_release_params(dp) == 0, "%s: %s", what, tdm_last_error());
+        tdm_optim *whole = shard ? tdm_strategy_optim_gather(dp) : NULL;
         tdm_tensor *st[3];
         CHECK(!shard || (whole && tdm_optim_state(whole, NULL, st, 3) > 0 &&
                          tdm_numel(st[0]) == np && tdm_device_equal(st[0]->device, G)),
@@ -203,7 +204,7 @@ static void dp_against_cpu(int n, model md, bool adam, tdm_shard_kind shard) {
         tdm_optim_free(whole);
     }
     free(pc), free(p[0]), free(p[1]);
-    tdm_dp_free(dp);
+    tdm_strategy_free(dp);
     tdm_module_free(mc), tdm_module_free(mg);
 }
 

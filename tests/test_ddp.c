@@ -664,9 +664,8 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_fsdp_opts fo = tdm_fsdp_defaults();
     fo.ddp.bucket_cap_bytes = fo.ddp.first_bucket_cap_bytes = 1024; /* across units, shards */
     fo.units = units, fo.n_units = tdm_model_units(m, units, 8);
-    tdm_ddp *d = !opt        ? NULL
-                 : c->stage3 ? tdm_fsdp_wrap(m, ctx->group, opt, &fo)
-                             : tdm_ddp_new(m, ctx->group, &fo.ddp);
+    tdm_fsdp *f = opt && c->stage3 ? tdm_fsdp_wrap(m, ctx->group, opt, &fo) : NULL;
+    tdm_ddp *d = !opt ? NULL : c->stage3 ? tdm_fsdp_ddp(f) : tdm_ddp_new(m, ctx->group, &fo.ddp);
     if (!d) rc = tdm_last_status();
     if (!rc && !c->stage3) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_GRADIENTS);
     if (!rc) rc = gpt_steps(c, d, m, opt, r);
@@ -676,7 +675,10 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
     if (!rc) rc = tdm_ddp_release_params(d);
     if (r == 0) c->total = ps->total, c->units = fo.n_units;
     tdm_optim_free(opt);
-    tdm_ddp_free(d);
+    if (f)
+        tdm_fsdp_free(f); /* and its DDP */
+    else
+        tdm_ddp_free(d);
     tdm_module_free(m);
     return rc;
 }
@@ -773,7 +775,8 @@ static int zero3_err_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_fsdp_opts fo = tdm_fsdp_defaults();
     fo.units = units[0], fo.n_units = 2;
     /* case 0 through FSDP's constructor, which fails as the calls it makes do */
-    tdm_ddp *d = c->c ? tdm_ddp_new(m, ctx->group, NULL) : tdm_fsdp_wrap(m, ctx->group, opt, &fo);
+    tdm_fsdp *f = c->c ? NULL : tdm_fsdp_wrap(m, ctx->group, opt, &fo);
+    tdm_ddp *d = c->c ? tdm_ddp_new(m, ctx->group, NULL) : tdm_fsdp_ddp(f);
     int rc = !c->c      ? (d ? TDM_OK : tdm_last_status())
              : c->c < 3 ? tdm_ddp_set_shard_units(d, units[c->c], 1)
                         : TDM_OK;
@@ -791,7 +794,10 @@ static int zero3_err_rank(tdm_rank_ctx *ctx, void *arg) {
         note(c, r, 3, rc, "saved whole");
     }
     tdm_optim_free(opt);
-    tdm_ddp_free(d);
+    if (f)
+        tdm_fsdp_free(f); /* and its DDP */
+    else
+        tdm_ddp_free(d);
     tdm_module_free(m);
     return 0;
 }
@@ -850,27 +856,29 @@ static void test_zero_errors(void) {
     tdm_tensor_free(small);
     tdm_optim_free(opt);
     tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
-    tdm_dp *dp = tdm_dp_new(m, devs, 2, make_adam_zero, NULL);
+    tdm_strategy *dp = tdm_strategy_data_parallel(m, devs, 2, NULL, make_adam_zero, NULL);
     CHECK(dp, "dp_new: %s", tdm_last_error());
     if (!dp) return;
-    CHECK_ERROR(tdm_dp_set_shard(dp, (tdm_shard_kind)7) != 0, "unknown kind 7");
-    CHECK(tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER) == 0 && tdm_dp_shard(dp) == TDM_SHARD_OPTIMIZER,
+    CHECK_ERROR(tdm_strategy_set_shard(dp, (tdm_shard_kind)7, NULL) != 0, "unknown kind 7");
+    CHECK(tdm_strategy_set_shard(dp, TDM_SHARD_OPTIMIZER, NULL) == 0 &&
+              tdm_strategy_shard(dp) == TDM_SHARD_OPTIMIZER,
           "one process's CPU devices accept --shard optimizer: %s", tdm_last_error());
     int64_t lo = -1, hi = -1;
-    tdm_optim_shard_range(tdm_dp_optim(dp, 0), &lo, &hi);
+    tdm_optim_shard_range(tdm_strategy_optim(dp, 0), &lo, &hi);
     CHECK(lo == 0 && hi == ps->total, "replica 0 keeps the whole state: [%lld, %lld)",
           (long long)lo, (long long)hi);
-    CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_NONE) != 0, "is sharded and stays so");
-    CHECK(tdm_dp_set_shard(dp, TDM_SHARD_GRADIENTS) == 0 && tdm_dp_shard(dp) == TDM_SHARD_GRADIENTS,
+    CHECK_ERROR(tdm_strategy_set_shard(dp, TDM_SHARD_NONE, NULL) != 0, "is sharded and stays so");
+    CHECK(tdm_strategy_set_shard(dp, TDM_SHARD_GRADIENTS, NULL) == 0 &&
+              tdm_strategy_shard(dp) == TDM_SHARD_GRADIENTS,
           "one process's CPU devices accept --shard gradients: %s", tdm_last_error());
-    CHECK_ERROR(tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER) != 0,
+    CHECK_ERROR(tdm_strategy_set_shard(dp, TDM_SHARD_OPTIMIZER, NULL) != 0,
                 "the gradients and optimizer state are sharded and stay so");
-    tdm_optim *copy = tdm_dp_optim_gather(dp);
+    tdm_optim *copy = tdm_strategy_optim_gather(dp);
     tdm_tensor *st[3];
     CHECK(copy && tdm_optim_state(copy, NULL, st, 3) == 3 && tdm_numel(st[2]) == ps->total,
           "dp_optim_gather: %s", tdm_last_error());
     tdm_optim_free(copy);
-    tdm_dp_free(dp);
+    tdm_strategy_free(dp);
     tdm_module_free(m);
 }
 
@@ -904,10 +912,11 @@ static void test_data_parallel(void) {
                 bool stage3 = run > 4;
                 tdm_module *m = make_mlp(1, HID);
                 tdm_device devs[4] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
-                tdm_dp *dp = tdm_dp_new(m, devs, n, makes[k], NULL);
+                tdm_strategy *dp = tdm_strategy_data_parallel(m, devs, n, NULL, makes[k], NULL);
                 CHECK(dp, "dp_new on %d devices: %s", n, tdm_last_error());
                 if (!dp) continue;
-                CHECK(tdm_dp_set_clip_grad_norm(dp, modes[md].clip) == 0, "%s", tdm_last_error());
+                CHECK(tdm_strategy_set_clip_grad_norm(dp, modes[md].clip) == 0, "%s",
+                      tdm_last_error());
                 float x[B * IN], loss = NAN;
                 int64_t y[B];
                 for (int s = 0; s < STEPS; s++)
@@ -915,14 +924,15 @@ static void test_data_parallel(void) {
                         if (stage3 && s == 1 && a == 0) {
                             /* replica 0's optimizer is the only one until then: the others
                              * take its state and learning rate (set apart for a moment) */
-                            tdm_optim *o0 = tdm_dp_optim(dp, 0);
+                            tdm_optim *o0 = tdm_strategy_optim(dp, 0);
                             float lr = tdm_optim_lr(o0);
-                            CHECK(!tdm_dp_optim(dp, 1), "replica 1 has an optimizer of its own");
+                            CHECK(!tdm_strategy_optim(dp, 1),
+                                  "replica 1 has an optimizer of its own");
                             tdm_optim_set_lr(o0, 0.77f);
-                            CHECK(tdm_dp_set_shard(dp, TDM_SHARD_PARAMETERS) == 0,
+                            CHECK(tdm_strategy_set_shard(dp, TDM_SHARD_PARAMETERS, NULL) == 0,
                                   "dp stage 3 on %d devices: %s", n, tdm_last_error());
                             for (int r = 0; r < n; r++) {
-                                tdm_optim *o = tdm_dp_optim(dp, r);
+                                tdm_optim *o = tdm_strategy_optim(dp, r);
                                 CHECK(o && tdm_optim_lr(o) == 0.77f, "replica %d's optimizer", r);
                                 tdm_optim_set_lr(o, lr);
                             }
@@ -931,15 +941,16 @@ static void test_data_parallel(void) {
                         tdm_scope_begin();
                         tdm_tensor *tx = tdm_from_data(TDM_SHAPE(B, IN), TDM_F32, tdm_cpu(0), x);
                         tdm_tensor *ty = tdm_from_data(TDM_SHAPE(B), TDM_I64, tdm_cpu(0), y);
-                        int rc = a + 1 < acc
-                                     ? tdm_dp_accumulate(dp, tx, ty, ce_loss_accum, &acc, &loss)
-                                     : tdm_dp_step(dp, tx, ty, ce_loss_accum, &acc, &loss);
+                        int rc =
+                            a + 1 < acc
+                                ? tdm_strategy_accumulate(dp, tx, ty, ce_loss_accum, &acc, &loss)
+                                : tdm_strategy_step(dp, tx, ty, ce_loss_accum, &acc, &loss);
                         tdm_scope_end();
                         CHECK(rc == 0 && isfinite(loss), "dp step: %s", tdm_last_error());
                     }
-                CHECK(tdm_dp_gather_params(dp) == 0, "%s", tdm_last_error());
+                CHECK(tdm_strategy_gather_params(dp) == 0, "%s", tdm_last_error());
                 for (int r = 0; r < n; r++) {
-                    tdm_paramset *ps = tdm_module_parameters(tdm_dp_replica(dp, r));
+                    tdm_paramset *ps = tdm_module_parameters(tdm_strategy_replica(dp, r));
                     float *p = malloc(sizeof(float) * (size_t)ps->total);
                     tdm_to_host(ps->flat, p, sizeof(float) * (size_t)ps->total);
                     CHECK(compare(p, want, ps->total, "dp") == 0,
@@ -948,8 +959,8 @@ static void test_data_parallel(void) {
                           k, acc, modes[md].clip, n, stage3 ? ", stage 3" : "", r);
                     free(p);
                 }
-                CHECK(tdm_dp_release_params(dp) == 0, "%s", tdm_last_error());
-                tdm_dp_free(dp);
+                CHECK(tdm_strategy_release_params(dp) == 0, "%s", tdm_last_error());
+                tdm_strategy_free(dp);
                 tdm_module_free(m);
             }
             free(want);

@@ -621,9 +621,9 @@ static int zero_dp(tdm_optim *(*make)(tdm_paramset *), tdm_shard_kind kind, int 
     const int64_t k = B / N; /* rows per process: equal shares */
     tdm_module *m = make_mlp(1 + (uint64_t)R, HID);
     tdm_device devs[L] = {tdm_cpu(0), tdm_cpu(1)};
-    tdm_dp *dp = tdm_dp_new_distributed(m, devs, L, G, dp_factory, (void *)make);
-    int rc = dp ? tdm_dp_set_clip_grad_norm(dp, ZERO_CLIP) : tdm_last_status();
-    if (!rc) rc = tdm_dp_set_shard(dp, kind);
+    tdm_strategy *dp = tdm_strategy_data_parallel(m, devs, L, G, dp_factory, (void *)make);
+    int rc = dp ? tdm_strategy_set_clip_grad_norm(dp, ZERO_CLIP) : tdm_last_status();
+    if (!rc) rc = tdm_strategy_set_shard(dp, kind, NULL);
     float x[B * IN];
     int64_t y[B];
     for (int s = 0; s < STEPS * micro && !rc; s++) {
@@ -632,23 +632,23 @@ static int zero_dp(tdm_optim *(*make)(tdm_paramset *), tdm_shard_kind kind, int 
         tdm_tensor *tx = tdm_from_data(TDM_SHAPE(k, IN), TDM_F32, tdm_cpu(0), x + R * k * IN);
         tdm_tensor *ty = tdm_from_data(TDM_SHAPE(k), TDM_I64, tdm_cpu(0), y + R * k);
         tdm_loss_fn fn = micro == 2 ? ce_loss_half : ce_loss;
-        rc = s % micro == micro - 1 ? tdm_dp_step(dp, tx, ty, fn, NULL, NULL)
-                                    : tdm_dp_accumulate(dp, tx, ty, fn, NULL, NULL);
+        rc = s % micro == micro - 1 ? tdm_strategy_step(dp, tx, ty, fn, NULL, NULL)
+                                    : tdm_strategy_accumulate(dp, tx, ty, fn, NULL, NULL);
         tdm_scope_end();
     }
-    tdm_optim *whole = rc ? NULL : tdm_dp_optim_gather(dp);
+    tdm_optim *whole = rc ? NULL : tdm_strategy_optim_gather(dp);
     if (!rc && !whole) rc = tdm_last_status();
-    if (!rc) rc = tdm_dp_gather_params(dp); /* stage 3: every replica whole again */
+    if (!rc) rc = tdm_strategy_gather_params(dp); /* stage 3: every replica whole again */
     for (int l = 0; l < L && !rc; l++) {
-        tdm_paramset *ps = tdm_module_parameters(tdm_dp_replica(dp, l));
+        tdm_paramset *ps = tdm_module_parameters(tdm_strategy_replica(dp, l));
         z[l].total = ps->total;
         z[l].params = malloc(sizeof(float) * (size_t)ps->total);
         tdm_to_host(ps->flat, z[l].params, sizeof(float) * (size_t)ps->total);
-        rc = zero_describe(tdm_dp_optim(dp, l), whole, &z[l]);
+        rc = zero_describe(tdm_strategy_optim(dp, l), whole, &z[l]);
     }
-    if (!rc) rc = tdm_dp_release_params(dp);
+    if (!rc) rc = tdm_strategy_release_params(dp);
     tdm_optim_free(whole);
-    tdm_dp_free(dp);
+    tdm_strategy_free(dp);
     tdm_module_free(m);
     return rc;
 }

@@ -104,9 +104,10 @@ static int estimate_memory(trainer *tr) {
     return rc || o->dry_run ? rc : estimate_check(&e, o);
 }
 
-/* The devices: one, DataParallel (also one GPU per MPI process, whose NCCL group spans the
- * processes), DDP (one CPU device per process) or a pipeline; and their optimizers. */
-static int make_devices(trainer *tr) {
+/* The strategy (tandem/strategy.h): a pipeline for --model-split, DataParallel for several
+ * devices (also one GPU per MPI process, whose NCCL group spans the processes), DDP for one CPU
+ * device per process under mpirun, else the one device; each makes its optimizers. */
+static int make_strategy(trainer *tr) {
     const train_opts *o = tr->o;
     task *t = tr->task;
     bool gpu_procs = tr->g && tr->dev.type == TDM_CUDA;
@@ -115,30 +116,31 @@ static int make_devices(trainer *tr) {
         return task_error("--recompute: %s", tdm_last_error());
     if (!(tr->ps = tdm_module_parameters(t->model)))
         return task_error("model %s: %s", o->model, tdm_last_error());
-    /* rank 0's initial weights go to every process */
-    tdm_ddp_opts dop = tdm_ddp_defaults();
-    dop.bucket_cap_bytes = o->bucket_cap << 20;
-    if (tr->g && o->n_devs == 1 && !gpu_procs && !(tr->ddp = tdm_ddp_new(t->model, tr->g, &dop)))
-        return task_error("ddp: %s", tdm_last_error());
+    const char *what = "optimizer";
     if (o->model_split > 1) {
         tdm_pipe_opts po = tdm_pipe_defaults((int)o->model_split, (int)o->micro_batches);
         po.schedule = strcmp(o->pipe_schedule, "gpipe") == 0 ? TDM_PIPE_GPIPE : TDM_PIPE_1F1B;
         po.replicas = o->n_devs / (int)o->model_split;
         po.devices = o->devices;
-        if (!(tr->pipe = tdm_pipe_new(t->model, &po, t->optimizer, (void *)o)))
-            return task_error("pipeline: %s", tdm_last_error());
-        /* the learning rate is read from a stage's optimizer (every stage has the same) */
-        for (int s = 0; s < tdm_pipe_stages(tr->pipe) && !tr->opt; s++)
-            tr->opt = tdm_pipe_stage_optim(tr->pipe, s, 0);
+        what = "pipeline";
+        tr->st = tdm_strategy_pipeline(t->model, &po, t->optimizer, (void *)o);
     } else if (o->n_devs > 1 || gpu_procs) {
-        tr->dp =
-            tdm_dp_new_distributed(t->model, o->devs, o->n_devs, tr->g, t->optimizer, (void *)o);
-        if (!tr->dp || tdm_dp_set_clip_grad_norm(tr->dp, (float)o->clip))
-            return task_error("data parallel: %s", tdm_last_error());
-        tr->opt = tdm_dp_optim(tr->dp, 0);
+        what = "data parallel";
+        tr->st = tdm_strategy_data_parallel(t->model, o->devs, o->n_devs, tr->g, t->optimizer,
+                                            (void *)o);
+    } else if (tr->g) { /* rank 0's initial weights go to every process */
+        tdm_ddp_opts dop = tdm_ddp_defaults();
+        dop.bucket_cap_bytes = o->bucket_cap << 20;
+        what = "ddp";
+        tr->st = tdm_strategy_distributed(t->model, tr->g, &dop, t->optimizer, (void *)o);
     } else {
-        tr->opt = t->optimizer(tr->ps, (void *)o);
+        tr->st = tdm_strategy_one_device(t->model, t->optimizer, (void *)o);
     }
+    if (!tr->st) return task_error("%s: %s", what, tdm_last_error());
+    if (tdm_strategy_set_clip_grad_norm(tr->st, (float)o->clip))
+        return task_error("--clip-grad: %s", tdm_last_error());
+    tr->opt = tdm_strategy_optim(tr->st, 0);
+    tr->loss_on_caller = tdm_strategy_loss_on_caller(tr->st);
     return tr->opt ? 0 : task_error("optimizer: %s", tdm_last_error());
 }
 
@@ -148,28 +150,14 @@ static int make_devices(trainer *tr) {
  * the whole optimizer state. The CPU devices of one process already hold the state once
  * (DataParallel's shared-memory update), except under stage 3, which shards it with the
  * parameters; one device alone has nobody to share it with. Stage 3's units are the model's blocks
- * or stages (tdm_model_units), else its layers (DDP's default: the children holding parameters). */
+ * or stages (tdm_model_units), else its layers (the children holding parameters). */
 static int shard_optimizer(trainer *tr) {
     if (strcmp(tr->o->shard, "none") == 0) return 0;
     tdm_shard_kind kind = strcmp(tr->o->shard, "parameters") == 0  ? TDM_SHARD_PARAMETERS
                           : strcmp(tr->o->shard, "gradients") == 0 ? TDM_SHARD_GRADIENTS
                                                                    : TDM_SHARD_OPTIMIZER;
-    bool shared_memory =
-        tr->dp && !tr->g && tr->dev.type == TDM_CPU && kind != TDM_SHARD_PARAMETERS;
-    if (kind == TDM_SHARD_PARAMETERS && tr->dp && tdm_dp_set_shard_units(tr->dp, tdm_model_units))
-        return task_error("--shard parameters: %s", tdm_last_error());
-    if (kind == TDM_SHARD_PARAMETERS && tr->ddp) {
-        tdm_module *units[256];
-        int n = tdm_model_units(tr->task->model, units, 256);
-        if (n > 256) return task_error("--shard parameters: the model has %d units, over 256", n);
-        if (n > 0 && tdm_ddp_set_shard_units(tr->ddp, units, n))
-            return task_error("--shard parameters: %s", tdm_last_error());
-    }
-    int rc = tr->dp    ? tdm_dp_set_shard(tr->dp, kind)
-             : tr->ddp ? tdm_ddp_set_shard(tr->ddp, tr->opt, kind)
-                       : TDM_OK;
-    if (rc) return task_error("--shard %s: %s", tr->o->shard, tdm_last_error());
-    tr->sharded = tr->ddp || (tr->dp && !shared_memory);
+    if (tdm_strategy_set_shard(tr->st, kind, tdm_model_units))
+        return task_error("--shard %s: %s", tr->o->shard, tdm_last_error());
     return 0;
 }
 
@@ -242,110 +230,55 @@ static bool per_step(const tdm_sched *s) {
            s->kind == TDM_SCHED_ONECYCLE;
 }
 
-/* The schedule's learning rate at `at` on every replica's optimizer. */
+/* The schedule's learning rate at `at` on every replica's (every stage's) optimizer. */
 static void apply_lr(trainer *tr, int64_t at) {
-    if (tr->pipe) {
-        tdm_pipe_set_lr(tr->pipe, tdm_sched_lr(&tr->sched, at));
-        return;
-    }
-    for (int r = 0; r < (tr->dp ? tdm_dp_devices(tr->dp) : 1); r++)
-        tdm_sched_apply(&tr->sched, tr->dp ? tdm_dp_optim(tr->dp, r) : tr->opt, at);
-}
-
-/* A replica's (or the last stage's) loss, a tdm_loss_fn: the task's mean loss divided by the
- * accumulation count; its predictions go straight to the host chunk at the replica's rows. */
-static tdm_tensor *replica_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
-    trainer *tr = arg;
-    tdm_tensor *loss = tr->task->loss(out, target), *pred = NULL;
-    if (loss && tr->accum > 1) loss = tdm_mul_scalar(loss, 1.0f / (float)tr->accum);
-    if (!loss || !tr->task->accuracy) return loss;
-    bool prev = tdm_set_grad_enabled(false);
-    int rc = tdm_max(out, 1, false, &pred) ? 0 : -1;
-    if (!rc)
-        rc = tdm_to_host(pred, tr->pred_host + tr->chunk_samples + row0,
-                         sizeof(int64_t) * (size_t)out->shape[0]);
-    tdm_set_grad_enabled(prev);
-    return rc ? NULL : loss;
-}
-
-/* A data-parallel or pipelined batch: the replicas (or the last stage) record the loss and
- * predictions on the host. */
-static int batch_on_host(trainer *tr, const tdm_batch *b, bool last) {
-    float loss = NAN;
-    int rc = tr->pipe ? tdm_pipe_step(tr->pipe, b->x, b->y, replica_loss, tr, &loss)
-             : last   ? tdm_dp_step(tr->dp, b->x, b->y, replica_loss, tr, &loss)
-                      : tdm_dp_accumulate(tr->dp, b->x, b->y, replica_loss, tr, &loss);
-    if (rc) return rc;
-    tr->loss_host[tr->chunk_steps * tr->accum + tr->micro] = loss * (float)tr->accum;
-    return 0;
+    tdm_strategy_set_lr(tr->st, tdm_sched_lr(&tr->sched, at));
 }
 
 /* Copies a batch's loss and predictions into the chunk's device buffers (no host read). */
-static int record_on_device(trainer *tr, tdm_tensor *out, tdm_tensor *loss, int64_t n) {
-    bool prev = tdm_set_grad_enabled(false);
+static int record_on_device(trainer *tr, tdm_tensor *out, tdm_tensor *loss) {
     int64_t k = tr->chunk_steps * tr->accum + tr->micro, off = tr->chunk_samples;
     int rc = tdm_copy_(tdm_slice(tr->loss_buf, 0, k, k + 1, 1), tdm_reshape(loss, TDM_SHAPE(1)));
     tdm_tensor *pred = NULL;
     if (!rc && tr->task->accuracy)
         rc = tdm_max(out, 1, false, &pred)
-                 ? tdm_copy_(tdm_slice(tr->pred_buf, 0, off, off + n, 1), pred)
+                 ? tdm_copy_(tdm_slice(tr->pred_buf, 0, off, off + out->shape[0], 1), pred)
                  : -1;
-    tdm_set_grad_enabled(prev);
     return rc;
 }
 
-/* A batch on the one device of this process: forward, backward (gradients add up over the
- * step's batches), and at the step's last batch clipping and the update. */
-static int batch_on_device(trainer *tr, const tdm_batch *b, bool last) {
-    if (tdm_scope_begin() != TDM_OK) return tdm_last_status();
-    tdm_tensor *x = b->x, *y = b->y;
-    if (!tdm_device_equal(x->device, tr->dev)) {
-        x = tdm_to_device(x, tr->dev);
-        y = tdm_to_device(y, tr->dev);
-    }
-    /* a CPU device without DDP marks the step's gradients stale rather than zeroing them
-     * (6% of the MLP's step on one core); a GPU's path was not measured: it zeroes */
-    bool mark = tr->micro == 0 && !tr->ddp && tr->dev.type == TDM_CPU;
-    if (mark) tdm_paramset_mark_grads_stale(tr->ps);
-    int rc = tr->micro == 0 && !mark ? tdm_optim_zero_grad(tr->opt) : TDM_OK;
-    /* DDP: batch norm over the global batch (SyncBatchNorm), as one device on it would. The
-     * sampler interleaves the ranks' rows, so dropout's masks, keyed by row, are not one
-     * device's: no trainer model has dropout */
-    int procs = tr->ddp ? tdm_group_size(tr->g) : 0;
-    if (!rc && tr->ddp)
-        rc = tdm_parallel_context_set(tr->g, tdm_group_rank(tr->g) * b->size, procs * b->size);
-    tdm_trace_begin("forward");
-    tdm_tensor *out = rc        ? NULL
-                      : tr->ddp ? tdm_ddp_forward(tr->ddp, x)
-                                : tdm_module_forward(tr->task->model, x);
-    tdm_tensor *loss = out ? tr->task->loss(out, y) : NULL;
+/* The step's loss, a tdm_loss_fn: the task's mean loss divided by the accumulation count. Its
+ * predictions (and, on this thread, its loss) are recorded: on this thread in the chunk's device
+ * buffers, read back every SYNC_STEPS steps; on the replicas' (or the last stage's) threads
+ * straight into the host chunk at their rows (the step returns the loss there). */
+static tdm_tensor *step_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    trainer *tr = arg;
+    tdm_tensor *loss = tr->task->loss(out, target), *pred = NULL;
     tdm_tensor *scaled =
         loss && tr->accum > 1 ? tdm_mul_scalar(loss, 1.0f / (float)tr->accum) : loss;
-    tdm_trace_end();
-    tdm_trace_begin("backward");
-    if (tr->ddp) tdm_ddp_set_sync(tr->ddp, last); /* other batches keep theirs (no_sync) */
-    rc = !scaled ? -1 : tr->ddp ? tdm_ddp_backward(tr->ddp, scaled) : tdm_backward(scaled);
-    if (mark && tdm_paramset_settle_grads(tr->ps)) rc = -1;
-    if (tr->ddp) tdm_parallel_context_clear();
-    tdm_trace_end();
-    tdm_trace_begin("optimizer");
-    if (!rc && last && tr->o->clip > 0) /* DDP: under --shard gradients, from the shards */
-        rc = (tr->ddp ? tdm_ddp_clip_grad_norm(tr->ddp, (float)tr->o->clip, NULL)
-                      : tdm_clip_grad_norm(tr->ps, (float)tr->o->clip, false, NULL))
-                 ? -1
-                 : 0;
-    if (!rc && last) rc = tdm_optim_step(tr->opt);
-    tdm_trace_end();
-    if (!rc) rc = record_on_device(tr, out, loss, b->size);
-    tdm_scope_end();
-    return rc;
+    if (!scaled || (!tr->task->accuracy && !tr->loss_on_caller)) return scaled;
+    bool prev = tdm_set_grad_enabled(false);
+    int rc;
+    if (tr->loss_on_caller)
+        rc = record_on_device(tr, out, loss);
+    else
+        rc = tdm_max(out, 1, false, &pred)
+                 ? tdm_to_host(pred, tr->pred_host + tr->chunk_samples + row0,
+                               sizeof(int64_t) * (size_t)out->shape[0])
+                 : -1;
+    tdm_set_grad_enabled(prev);
+    return rc ? NULL : scaled;
 }
 
-/* Feeds batch b to the current step; *done says whether it was the step's last. */
+/* Feeds batch b to the current step (the strategy's step at the step's last batch, else its
+ * accumulation); *done says whether it was the step's last. */
 static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
     bool last = tr->micro + 1 == tr->accum;
-    int rc = tr->dp || tr->pipe ? batch_on_host(tr, b, last) : batch_on_device(tr, b, last);
+    float loss = NAN, *host = tr->loss_on_caller ? NULL : &loss;
+    int rc = last ? tdm_strategy_step(tr->st, b->x, b->y, step_loss, tr, host)
+                  : tdm_strategy_accumulate(tr->st, b->x, b->y, step_loss, tr, host);
     if (rc) return task_error("training step: %s", tdm_last_error());
+    if (host) tr->loss_host[tr->chunk_steps * tr->accum + tr->micro] = loss * (float)tr->accum;
     if (tr->task->accuracy)
         memcpy(tr->label_host + tr->chunk_samples, b->y_host, sizeof(int64_t) * (size_t)b->size);
     tr->chunk_samples += b->size;
@@ -368,7 +301,7 @@ static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
 
 static void note_small_work(trainer *tr, uint64_t flops) {
     int procs = tr->g ? tdm_group_size(tr->g) : 1, n = tr->o->n_devs * procs;
-    if (tr->pipe || n < 2 || tr->dev.type != TDM_CPU || tr->o->quiet ||
+    if (tr->o->model_split > 1 || n < 2 || tr->dev.type != TDM_CPU || tr->o->quiet ||
         (double)flops >= SMALL_DEVICE_WORK_FLOPS)
         return;
     progress_clear(&tr->prog);
@@ -398,7 +331,7 @@ static int end_window(trainer *tr, int64_t step, double now) {
 static int sync_chunk(trainer *tr, int epoch, int64_t step) {
     int k = tr->chunk_steps;
     int64_t slots = k * tr->accum;
-    bool on_host = tr->dp || tr->pipe; /* the replicas or stages wrote them there */
+    bool on_host = !tr->loss_on_caller; /* the replicas or stages wrote them there */
     int rc = on_host || k == 0 ? TDM_OK : tdm_scope_begin();
     if (!rc && !on_host && k)
         rc = tdm_to_host(tdm_slice(tr->loss_buf, 0, 0, slots, 1), tr->loss_host,
@@ -586,8 +519,7 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
  * forward), else on the first one. In the caller's scope; NULL and an error on failure. */
 static tdm_tensor *model_forward(trainer *tr, tdm_tensor *x) {
     tdm_tensor *out = NULL;
-    if (!tr->dp) return tdm_module_forward(tr->task->model, x);
-    return tdm_dp_forward(tr->dp, x, &out) ? NULL : out;
+    return tdm_strategy_forward(tr->st, x, &out) ? NULL : out;
 }
 
 /* The model's test logits for images x [N, C, H, W]; with --eval-flip, the mean of the logits
@@ -610,9 +542,8 @@ static tdm_tensor *eval_logits(trainer *tr, tdm_tensor *x) {
 /* Test loss and accuracy in eval mode, without autograd. */
 static int evaluate(trainer *tr, epoch_stats *e) {
     double t0 = progress_now();
-    /* the stages' trained weights back into the model that evaluates */
-    if (tr->pipe && tdm_pipe_copy_to(tr->pipe, tr->task->model))
-        return task_error("pipeline: %s", tdm_last_error());
+    /* a pipeline's trained stages back into the model that evaluates */
+    if (tdm_strategy_sync_model(tr->st)) return task_error("pipeline: %s", tdm_last_error());
     if (tdm_loader_start_epoch(tr->test_l, 0) != TDM_OK)
         return task_error("test loader: %s", tdm_last_error());
     tdm_module_train(tr->task->model, false);
@@ -681,43 +612,33 @@ static void print_devices(const trainer *tr) {
     for (int i = 1; i < o->n_devs; i++) printf(",%s", tdm_device_str(o->devs[i], dev));
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
     if (procs > 1) printf(" in each of %d processes", procs);
-    if (tr->pipe) {
-        printf(" (%lld pipeline stages, layers", (long long)o->model_split);
-        for (int s = 0; s < tdm_pipe_stages(tr->pipe); s++)
-            printf(" %d-%d", tdm_pipe_stage_first_layer(tr->pipe, s),
-                   tdm_pipe_stage_first_layer(tr->pipe, s + 1) - 1);
-        printf(", %lld micro-batches, %s)", (long long)o->micro_batches, o->pipe_schedule);
-    } else if (o->n_devs * procs > 1) {
-        printf(" (data parallel, %lld samples per device per step)",
-               (long long)(o->batch_size / (o->n_devs * procs)));
-    }
+    char how[512];
+    tdm_strategy_describe(tr->st, o->batch_size, how, sizeof how);
+    if (how[0]) printf(" (%s)", how);
 }
 
 /* --shard's line: rank 0's (replica 0's) optimizer state against the whole state, and under
  * --shard gradients its gradient shard against the whole gradient. */
 static void print_sharding(const trainer *tr) {
     const train_opts *o = tr->o;
-    tdm_tensor *st[3];
-    int n = tdm_optim_state(tr->opt, NULL, st, 3), procs = tr->g ? tdm_group_size(tr->g) : 1;
-    int ranks = o->n_devs * procs;
-    int64_t mine = 0, whole = (int64_t)n * tr->ps->total * 4, lo, hi;
-    for (int k = 0; k < n; k++) mine += tdm_numel(st[k]) * 4;
+    tdm_strategy_memory m;
+    tdm_strategy_memory_get(tr->st, &m);
+    int ranks = o->n_devs * (tr->g ? tdm_group_size(tr->g) : 1);
     bool params = strcmp(o->shard, "parameters") == 0;
     bool grads = params || strcmp(o->shard, "gradients") == 0;
-    if (tr->sharded) {
-        printf("sharding  optimizer state %lld bytes per rank of %lld", (long long)mine,
-               (long long)whole);
-        tdm_optim_shard_range(tr->opt, &lo, &hi);
+    if (tdm_strategy_state_split(tr->st)) {
+        printf("sharding  optimizer state %lld bytes per rank of %lld", (long long)m.state,
+               (long long)m.state_whole);
         if (grads)
             printf(", gradients%s %lld bytes per rank of %lld", params ? " and parameters" : "",
-                   (long long)(hi - lo) * 4, (long long)tr->ps->total * 4);
+                   (long long)m.grads, (long long)m.grads_whole);
         printf(" (ZeRO stage %d over %d rank%s)\n",
                params  ? 3
                : grads ? 2
                        : 1,
                ranks, ranks == 1 ? "" : "s");
     } else {
-        printf("sharding  optimizer state %lld bytes, held once by %s\n", (long long)whole,
+        printf("sharding  optimizer state %lld bytes, held once by %s\n", (long long)m.state_whole,
                o->n_devs > 1 ? "this process for its devices (their update is split already)"
                              : "the one device: nothing to shard");
     }
@@ -872,7 +793,7 @@ static int run(trainer *tr) {
     /* before any work (and before the outputs, which another run may be writing): a directory
      * that cannot hold a checkpoint, or that another run uses, is found now */
     if ((rc = trainer_claim_checkpoint_dir(tr))) return rc;
-    if ((rc = make_loaders(tr)) || (rc = open_outputs(tr)) || (rc = make_devices(tr)) ||
+    if ((rc = make_loaders(tr)) || (rc = open_outputs(tr)) || (rc = make_strategy(tr)) ||
         (rc = make_schedule(tr)) || (rc = make_buffers(tr)) || (rc = shard_optimizer(tr)) ||
         (rc = trainer_resume(tr)))
         return rc;
@@ -907,13 +828,7 @@ static int run(trainer *tr) {
 static void trainer_free(trainer *tr) {
     tdm_loader_free(tr->train_l);
     tdm_loader_free(tr->test_l);
-    tdm_ddp_free(tr->ddp);
-    if (tr->dp)
-        tdm_dp_free(tr->dp); /* frees every replica's optimizer */
-    else if (tr->pipe)
-        tdm_pipe_free(tr->pipe); /* and every stage's */
-    else
-        tdm_optim_free(tr->opt);
+    tdm_strategy_free(tr->st); /* with every replica's (every stage's) optimizer */
     tdm_tensor_free(tr->loss_buf);
     tdm_tensor_free(tr->pred_buf);
     free(tr->loss_host);

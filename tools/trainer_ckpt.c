@@ -75,7 +75,7 @@ static int rank_totals(trainer *tr, const double *tot, char **out) {
 
 /* The replicas of this process: DataParallel's devices, or 1 (each writes a shard file). */
 static int local_replicas(const trainer *tr) {
-    return tr->dp ? tdm_dp_devices(tr->dp) : 1;
+    return tdm_strategy_replicas(tr->st);
 }
 
 /* After one step of a sharded save, whether every process did it: failed is this process's
@@ -100,7 +100,7 @@ static int all_succeeded(trainer *tr, bool failed, const char *what, int64_t ste
 /* The state of replica l of this process (its model and optimizer) in a copy of s. */
 static tdm_train_state replica_state(const trainer *tr, const tdm_train_state *s, int l) {
     tdm_train_state r = *s;
-    if (tr->dp) r.model = tdm_dp_replica(tr->dp, l), r.optim = tdm_dp_optim(tr->dp, l);
+    r.model = tdm_strategy_replica(tr->st, l), r.optim = tdm_strategy_optim(tr->st, l);
     return r;
 }
 
@@ -166,8 +166,7 @@ static int save_shards(trainer *tr, const tdm_train_state *s) {
 
 /* Whether the parameters are sharded (--shard parameters): the replicas hold their shards. */
 static bool params_sharded(const trainer *tr) {
-    return (tr->dp && tdm_dp_shard(tr->dp) == TDM_SHARD_PARAMETERS) ||
-           (tr->ddp && tdm_ddp_shard(tr->ddp) == TDM_SHARD_PARAMETERS);
+    return tdm_strategy_shard(tr->st) == TDM_SHARD_PARAMETERS;
 }
 
 /* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with
@@ -181,7 +180,7 @@ static int save_checkpoint(trainer *tr) {
     if (rank_totals(tr, tot, &ranks)) return EXIT_RUNTIME;
     if (tr->g && trainer_sum_over_processes(tr, tot, 3)) return free(ranks), EXIT_RUNTIME;
     tr->last_saved = tr->global_step;
-    bool shards = tr->sharded;
+    bool shards = tdm_strategy_state_split(tr->st);
     if (tr->silent && !shards) /* rank 0 writes; every rank loads */
         return free(ranks), 0;
     char loss[64], correct[32], samples[32];
@@ -227,10 +226,7 @@ static int save_checkpoint(trainer *tr) {
 
 /* Under --shard parameters, every parameter whole (whole) or sharded again: collectives. */
 static int params_whole(trainer *tr, bool whole) {
-    bool dp = tr->dp && tdm_dp_shard(tr->dp) == TDM_SHARD_PARAMETERS;
-    int rc = !params_sharded(tr) ? TDM_OK
-             : whole ? (dp ? tdm_dp_gather_params(tr->dp) : tdm_ddp_gather_params(tr->ddp))
-                     : (dp ? tdm_dp_release_params(tr->dp) : tdm_ddp_release_params(tr->ddp));
+    int rc = whole ? tdm_strategy_gather_params(tr->st) : tdm_strategy_release_params(tr->st);
     return rc ? task_error("%s the sharded parameters: %s", whole ? "gathering" : "resharding",
                            tdm_last_error())
               : 0;
@@ -529,7 +525,7 @@ static int check_resumed(const trainer *tr, const char *path, int64_t epoch, int
 static int check_moments(const trainer *tr, const char *path) {
     const char *names[4];
     tdm_tensor *st[4];
-    int n = tr->sharded ? 0 : tdm_optim_state(tr->opt, names, st, 4);
+    int n = tdm_strategy_state_split(tr->st) ? 0 : tdm_optim_state(tr->opt, names, st, 4);
     for (int s = 0; s < n; s++) {
         int64_t len = tdm_numel(st[s]), k = 0;
         float *v = malloc(sizeof(float) * (size_t)(len ? len : 1));
@@ -590,11 +586,11 @@ int trainer_resume(trainer *tr) {
      * --shard parameters a whole model file is read into the model gathered for it */
     bool gather = !tdm_checkpoint_is_sharded(path);
     if (gather && (rc = params_whole(tr, true))) return rc;
-    int n = tr->dp ? tdm_dp_devices(tr->dp) : 1;
+    int n = tdm_strategy_replicas(tr->st);
     uint64_t seed = tdm_default_rng()->seed;
     for (int r = 0; r < n && !rc; r++) {
-        tdm_train_state s = {.model = tr->dp ? tdm_dp_replica(tr->dp, r) : tr->task->model,
-                             .optim = tr->dp ? tdm_dp_optim(tr->dp, r) : tr->opt};
+        tdm_train_state s = {.model = tdm_strategy_replica(tr->st, r),
+                             .optim = tdm_strategy_optim(tr->st, r)};
         if (r == 0) s.loader = tr->train_l, s.rng = tdm_default_rng();
         if (tdm_checkpoint_load(path, &s) != TDM_OK)
             rc = task_error("--resume from '%s': %s", path, tdm_last_error());

@@ -22,11 +22,11 @@ typedef struct trainer {
     bool silent;  /* a rank other than 0: prints and writes nothing */
     tdm_loader *train_l, *test_l;
     tdm_paramset *ps;
-    tdm_optim *opt; /* with several devices: replica 0's (the others follow it) */
-    tdm_dp *dp;     /* several devices: the replicas and their threads */
-    tdm_pipe *pipe; /* --model-split: the stages (and their replicas) and their threads */
-    tdm_ddp *ddp;   /* one device per process under mpirun */
-    bool sharded;   /* --shard optimizer split the optimizer state over ranks (ZeRO stage 1) */
+    /* how the model trains: one device, data parallel, DDP under mpirun, a pipeline, and their
+     * sharded modes (tandem/strategy.h); it owns the optimizers */
+    tdm_strategy *st;
+    tdm_optim *opt;      /* replica 0's (the first stage's): its learning rate and step count */
+    bool loss_on_caller; /* the step's loss function runs on this thread, on tr->dev */
     tdm_sched sched;
     sinks out;
     progress prog;

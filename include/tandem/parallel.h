@@ -262,9 +262,13 @@ void tdm_ddp_free(tdm_ddp *d);
  *   tdm_module *blocks[64];
  *   tdm_fsdp_opts fo = tdm_fsdp_defaults();
  *   fo.units = blocks, fo.n_units = tdm_model_units(model, blocks, 64);   // auto_wrap_policy
- *   tdm_ddp *fsdp = tdm_fsdp_wrap(model, group, opt, &fo);
- *   ... tdm_ddp_forward, tdm_ddp_backward, tdm_ddp_clip_grad_norm, tdm_optim_step as with DDP;
- *   tdm_ddp_gather_params / tdm_ddp_release_params around a save (summon_full_params).
+ *   tdm_fsdp *fsdp = tdm_fsdp_wrap(model, group, opt, &fo);
+ *   tdm_ddp *d = tdm_fsdp_ddp(fsdp);
+ *   ... tdm_ddp_forward(d, x), tdm_ddp_backward, tdm_ddp_clip_grad_norm, tdm_optim_step as with
+ *   DDP; tdm_ddp_gather_params / tdm_ddp_release_params around a save (summon_full_params);
+ *   tdm_fsdp_free(fsdp).
+ * A training loop that should not care which of these it runs uses a strategy instead
+ * (tdm_strategy_distributed, then tdm_strategy_set_shard: tandem/strategy.h).
  *
  * Unlike PyTorch, the optimizer comes first, over the whole model's parameters: wrapping
  * shards its state in place (there is no separate flat-parameter module to build it over). */
@@ -279,13 +283,21 @@ typedef struct {
 } tdm_fsdp_opts;
 
 tdm_fsdp_opts tdm_fsdp_defaults(void);
+typedef struct tdm_fsdp tdm_fsdp;
+
 /* tdm_ddp_new(model, g, &o->ddp), then tdm_ddp_set_shard_units and tdm_ddp_set_shard(opt,
  * o->sharding_strategy): collectives, called by every rank with its replica and an optimizer
  * over tdm_module_parameters(model). o NULL: the defaults. Returns the wrapper, owned by the
- * caller (tdm_ddp_free; opt and model stay the caller's), or NULL and the error of the step
+ * caller (tdm_fsdp_free; opt and model stay the caller's), or NULL and the error of the step
  * that failed (the same on every rank: each step either fails everywhere or aborts the
  * group). */
-tdm_ddp *tdm_fsdp_wrap(tdm_module *model, tdm_group *g, tdm_optim *opt, const tdm_fsdp_opts *o);
+tdm_fsdp *tdm_fsdp_wrap(tdm_module *model, tdm_group *g, tdm_optim *opt, const tdm_fsdp_opts *o);
+/* The DDP that f drives, sharded: the tdm_ddp_* calls train it (forward, backward, clipping,
+ * gather and release of the parameters). Owned by f; NULL for a NULL f. */
+tdm_ddp *tdm_fsdp_ddp(tdm_fsdp *f);
+/* Frees f and its DDP (tdm_ddp_gather_params first keeps the model whole); opt and the model
+ * stay the caller's. NULL is allowed. */
+void tdm_fsdp_free(tdm_fsdp *f);
 
 /* ---- ZeRO stage 1: the optimizer's state sharded over a group ----------------------------- */
 
@@ -408,45 +420,15 @@ int tdm_dp_accumulate(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn
  * TDM_ERR_SHAPE for a 0-dim x, TDM_ERR_STATE when no scope is open, or a replica's error naming its
  * device; *out is then NULL. */
 int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out);
-/* Shards the replicas' state over every device of every process (tdm_dp_new_distributed's
- * global group, or the GPUs' NCCL group). With TDM_SHARD_OPTIMIZER each replica's optimizer
- * keeps its shard of the state (tdm_optim_shard over the replicas' group) and, after the
- * gradients are averaged and clipped as before, steps its shard and shares it: the results
- * are bit for bit the unsharded ones. TDM_SHARD_GRADIENTS (ZeRO stage 2) also keeps only
- * each replica's shard of the averaged gradient (tdm_ddp_set_shard on every replica's DDP):
- * clipping takes the global norm from the shards, tdm_dp_accumulate adds each micro-batch's
- * average into the shard (equal to the unsharded sum's average to float rounding; a step
- * without accumulation is bit for bit the unsharded one). A collective over the processes
- * (every process calls it, between steps); call it after restoring the optimizers' state,
- * if any (their values are kept). CPU devices of one process already hold the optimizer
- * state once (replica 0's, stepped in shards: see tdm_dp_optim) and reduce each shard of the
- * gradients once, reading every replica's whole gradient in shared memory, so there the call
- * records the kind and changes nothing. Asking again for the current kind
- * does nothing. TDM_SHARD_PARAMETERS (ZeRO stage 3) runs tdm_ddp_set_shard's on every
- * replica (over the threads group, the two-level group, or NCCL), with the units
- * tdm_dp_set_shard_units names; the parameters are then whole only between
- * tdm_dp_gather_params and tdm_dp_release_params. CPU devices of one process then leave their
- * shared-memory update: every replica's optimizer first takes replica 0's state and learning
- * rate, then keeps its shard, and gradients are averaged by DDP's buckets (the weights are
- * still bit for bit the unsharded ones without accumulation). Fails with TDM_ERR_ARG for a
- * NULL dp or an unknown kind; TDM_ERR_STATE for a kind below
- * the current one (a sharded state stays sharded: tdm_dp_optim_gather copies it whole); a
- * replica that cannot shard fails the call on every process (naming its device). */
-int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind);
 /* ZeRO stage 3's units of a replica, as tdm_model_units gives them: up to cap into units,
- * returning how many (0: the replica's children holding parameters) or a negative status. */
+ * returning how many (0: the replica's children holding parameters) or a negative status.
+ * What tdm_strategy_set_shard (tandem/strategy.h) takes to shard a DataParallel's or a DDP's
+ * parameters by unit. */
 typedef int (*tdm_units_fn)(tdm_module *replica, tdm_module **units, int cap);
-/* The units each replica shards its parameters by (tdm_ddp_set_shard_units, from units_of on
- * that replica), before tdm_dp_set_shard with TDM_SHARD_PARAMETERS; NULL: DDP's default.
- * TDM_ERR_STATE once the parameters are sharded. */
-int tdm_dp_set_shard_units(tdm_dp *dp, tdm_units_fn units_of);
-/* Under ZeRO stage 3, every replica's parameters whole (tdm_ddp_gather_params) until
- * tdm_dp_release_params: to save or load the model (tdm_dp_replica(dp, 0)) whole. Rounds on
- * every replica and collectives over the processes: every process calls them. No-ops
- * otherwise. */
-int tdm_dp_gather_params(tdm_dp *dp);
-int tdm_dp_release_params(tdm_dp *dp);
-tdm_shard_kind tdm_dp_shard(const tdm_dp *dp);
+/* DataParallel is sharded (ZeRO stages 1 to 3) through its strategy:
+ * tdm_strategy_data_parallel, then tdm_strategy_set_shard, tdm_strategy_gather_params and
+ * tdm_strategy_release_params, the one sharding API over every strategy (tandem/strategy.h;
+ * what each stage does to the replicas is said in src/parallel/dp_shard.h). */
 /* A whole, unsharded copy of the replicas' optimizer (replica 0's state and settings, the
  * shards gathered from every replica of every process: tdm_optim_gather), for a checkpoint.
  * A collective over the processes, between steps; every process gets one. Caller-owned
@@ -464,8 +446,8 @@ int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm);
  * the shard to the others (bit for bit the all-reduce's result). Replica 0's optimizer is
  * then the only one and holds the whole state, once (save and restore that one):
  * tdm_dp_optim is NULL for the others (until ZeRO stage 3 gives each its own, see
- * tdm_dp_set_shard). Otherwise every replica's optimizer holds the whole
- * state, or, after tdm_dp_set_shard(dp, TDM_SHARD_OPTIMIZER), its shard of it
+ * tdm_strategy_set_shard). Otherwise every replica's optimizer holds the whole
+ * state, or, sharded by TDM_SHARD_OPTIMIZER, its shard of it
  * (tdm_dp_optim_gather assembles the whole). */
 tdm_module *tdm_dp_replica(tdm_dp *dp, int r);
 tdm_optim *tdm_dp_optim(tdm_dp *dp, int r);

@@ -12,6 +12,7 @@
 #include "transforms.h"
 #include "parallel.h"
 #include "pipeline.h"
+#include "strategy.h"
 #include "io.h"
 #include "trace.h"
 #include "tensorboard.h"

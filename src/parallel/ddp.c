@@ -69,7 +69,7 @@ struct tdm_ddp {
      * parameters' sharding over them (fsdp.c), NULL before */
     tdm_module **units;
     int n_units;
-    tdm_fsdp *fsdp;
+    tdm_zero3 *fsdp;
 };
 
 tdm_ddp_opts tdm_ddp_defaults(void) {
@@ -394,10 +394,10 @@ static int finish_stage2(tdm_ddp *d, int rc) {
 int tdm_ddp_backward(tdm_ddp *d, tdm_tensor *loss) {
     if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_backward: NULL ddp");
     reset_buckets(d);
-    if (d->fsdp) tdm_fsdp_backward_begin(d->fsdp);
+    if (d->fsdp) tdm_zero3_backward_begin(d->fsdp);
     int rc = tdm_backward(loss);
     if (d->fsdp) {
-        int f = tdm_fsdp_backward_end(d->fsdp);
+        int f = tdm_zero3_backward_end(d->fsdp);
         if (!rc) rc = f;
     }
     if (!d->sync && !d->shard_grad) return rc;
@@ -447,7 +447,7 @@ void tdm_ddp_free(tdm_ddp *d) {
     }
     if (d->ps)
         for (int i = 0; i < d->ps->n; i++) tdm_clear_grad_hooks(d->ps->params[i]);
-    tdm_fsdp_free(d->fsdp);
+    tdm_zero3_free(d->fsdp);
     free(d->units);
     tdm_tensor_free(d->shard_grad);
     free(d->buckets);
@@ -526,7 +526,7 @@ static int shard_gradients(tdm_ddp *d, tdm_optim *o) {
  * children that hold parameters) and the parameters sharded over them. */
 static int shard_parameters(tdm_ddp *d, tdm_optim *o) {
     if (d->units) {
-        d->fsdp = tdm_fsdp_new(d->replica, d->ps, d->g, o, d->units, d->n_units);
+        d->fsdp = tdm_zero3_new(d->replica, d->ps, d->g, o, d->units, d->n_units);
         return d->fsdp ? TDM_OK : tdm_last_status();
     }
     tdm_module **kids = malloc(sizeof *kids * (size_t)(d->replica->n_children + 1));
@@ -535,7 +535,7 @@ static int shard_parameters(tdm_ddp *d, tdm_optim *o) {
     for (int c = 0; c < d->replica->n_children; c++) {
         if (holds_params(d->replica->children[c])) kids[n++] = d->replica->children[c];
     }
-    d->fsdp = tdm_fsdp_new(d->replica, d->ps, d->g, o, kids, n);
+    d->fsdp = tdm_zero3_new(d->replica, d->ps, d->g, o, kids, n);
     free(kids);
     return d->fsdp ? TDM_OK : tdm_last_status();
 }
@@ -605,27 +605,52 @@ tdm_fsdp_opts tdm_fsdp_defaults(void) {
     return (tdm_fsdp_opts){.sharding_strategy = TDM_SHARD_PARAMETERS, .ddp = tdm_ddp_defaults()};
 }
 
-tdm_ddp *tdm_fsdp_wrap(tdm_module *model, tdm_group *g, tdm_optim *opt, const tdm_fsdp_opts *o) {
+/* FSDP is a DDP sharded at its making: its own type says so in a program's declarations, and
+ * is where FSDP's own settings (a mixed-precision policy) will live. */
+struct tdm_fsdp {
+    tdm_ddp *ddp;
+};
+
+tdm_fsdp *tdm_fsdp_wrap(tdm_module *model, tdm_group *g, tdm_optim *opt, const tdm_fsdp_opts *o) {
     tdm_fsdp_opts def = tdm_fsdp_defaults();
     if (!o) o = &def;
+    tdm_fsdp *f = malloc(sizeof *f);
     tdm_ddp *d = tdm_ddp_new(model, g, &o->ddp);
     int rc = d ? TDM_OK : tdm_last_status();
+    if (!rc && !f) { /* local: the others would wait in set_shard */
+        rc = tdm_raise(TDM_ERR_NOMEM, "fsdp wrap: out of memory");
+        tdm_group_abort(g, tdm_last_error());
+    }
     if (!rc && o->units && (rc = tdm_ddp_set_shard_units(d, o->units, o->n_units)))
-        tdm_group_abort(g, tdm_last_error()); /* local: the others would wait in set_shard */
+        tdm_group_abort(g, tdm_last_error());
     if (!rc) rc = tdm_ddp_set_shard(d, opt, o->sharding_strategy);
-    if (!rc) return d;
+    if (!rc) {
+        f->ddp = d;
+        return f;
+    }
     tdm_ddp_free(d);
+    free(f);
     return NULL;
+}
+
+tdm_ddp *tdm_fsdp_ddp(tdm_fsdp *f) {
+    return f ? f->ddp : NULL;
+}
+
+void tdm_fsdp_free(tdm_fsdp *f) {
+    if (!f) return;
+    tdm_ddp_free(f->ddp);
+    free(f);
 }
 
 int tdm_ddp_gather_params(tdm_ddp *d) {
     if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_gather_params: NULL ddp");
-    return d->fsdp ? tdm_fsdp_summon(d->fsdp) : TDM_OK;
+    return d->fsdp ? tdm_zero3_summon(d->fsdp) : TDM_OK;
 }
 
 int tdm_ddp_release_params(tdm_ddp *d) {
     if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_release_params: NULL ddp");
-    return d->fsdp ? tdm_fsdp_reshard(d->fsdp) : TDM_OK;
+    return d->fsdp ? tdm_zero3_reshard(d->fsdp) : TDM_OK;
 }
 
 tdm_shard_kind tdm_ddp_shard(const tdm_ddp *d) {

@@ -22,6 +22,7 @@
 #include "autograd/tape.h"
 #include "optim/clip.h"
 #include "optim/shard.h" /* tdm_optim_step_range_on */
+#include "parallel/dp_shard.h"
 
 #include <math.h>
 #include <pthread.h>

@@ -38,7 +38,7 @@ typedef struct {
 } run;
 
 typedef struct unit {
-    struct tdm_fsdp *f;
+    struct tdm_zero3 *f;
     int index;     /* in f->units, or -1 for the root unit */
     tdm_module *m; /* NULL for the root unit */
     char name[96];
@@ -52,7 +52,7 @@ typedef struct unit {
     int n_works;
 } unit;
 
-struct tdm_fsdp {
+struct tdm_zero3 {
     tdm_module *root;
     tdm_paramset *ps;
     tdm_group *g;
@@ -63,10 +63,10 @@ struct tdm_fsdp {
     int n_units;
     int *unit_of; /* [ps->n]: each parameter's unit */
     bool summoned;
-    int error; /* first failure of a gather in a hook, since tdm_fsdp_backward_begin */
+    int error; /* first failure of a gather in a hook, since tdm_zero3_backward_begin */
 };
 
-static unit *root_unit(tdm_fsdp *f) {
+static unit *root_unit(tdm_zero3 *f) {
     return &f->units[f->n_units];
 }
 
@@ -83,7 +83,7 @@ static int gather_failed(unit *u, int rc) {
 /* Starts gathering u (memory from the allocator, this rank's part copied from its shard, one
  * broadcast per owner); nothing when u is not free. */
 static int gather_start(unit *u) {
-    tdm_fsdp *f = u->f;
+    tdm_zero3 *f = u->f;
     if (u->state != UNIT_FREE || !u->numel) return TDM_OK;
     int rc = tdm_storage_resize(u->buf->storage, sizeof(float) * (size_t)u->numel);
     if (rc) return gather_failed(u, rc);
@@ -136,7 +136,7 @@ static void unit_free(unit *u) {
 /* ---- the hooks ------------------------------------------------------------------------------ */
 
 static int root_pre(tdm_module *m, void *ctx) {
-    tdm_fsdp *f = ctx;
+    tdm_zero3 *f = ctx;
     if (f->summoned) return TDM_OK;
     int rc = gather_start(root_unit(f));
     if (!rc && f->n_units) rc = gather_start(&f->units[0]); /* overlaps the embeddings */
@@ -146,14 +146,14 @@ static int root_pre(tdm_module *m, void *ctx) {
 /* The root unit stays gathered for the backward (its parameters are read at both ends of
  * the forward); freed here only when no backward follows. */
 static tdm_tensor *root_post(tdm_module *m, tdm_tensor *out, void *ctx) {
-    tdm_fsdp *f = ctx;
+    tdm_zero3 *f = ctx;
     if (!f->summoned && !tdm_grad_enabled()) unit_free(root_unit(f));
     return out;
 }
 
 static int unit_pre(tdm_module *m, void *ctx) {
     unit *u = ctx;
-    tdm_fsdp *f = u->f;
+    tdm_zero3 *f = u->f;
     if (f->summoned) return TDM_OK;
     int rc = gather_start(u);
     if (!rc && u->index + 1 < f->n_units) rc = gather_start(&f->units[u->index + 1]);
@@ -164,7 +164,7 @@ static int unit_pre(tdm_module *m, void *ctx) {
  * the previous unit's gather started. */
 static int unit_backward(tdm_node *n, tdm_tensor *gout) {
     unit *u = n->ctx;
-    tdm_fsdp *f = u->f;
+    tdm_zero3 *f = u->f;
     int rc = TDM_OK;
     if (!f->summoned) {
         rc = gather_start(u);
@@ -192,12 +192,12 @@ static void on_grad_ready(tdm_tensor *param, void *ctx) {
     if (!u->f->summoned && --u->pending == 0) unit_free(u);
 }
 
-void tdm_fsdp_backward_begin(tdm_fsdp *f) {
+void tdm_zero3_backward_begin(tdm_zero3 *f) {
     for (int k = 0; k <= f->n_units; k++) f->units[k].pending = f->units[k].n_params;
     f->error = 0;
 }
 
-int tdm_fsdp_backward_end(tdm_fsdp *f) {
+int tdm_zero3_backward_end(tdm_zero3 *f) {
     if (!f->summoned)
         for (int k = 0; k <= f->n_units; k++) unit_free(&f->units[k]);
     return f->error;
@@ -206,7 +206,7 @@ int tdm_fsdp_backward_end(tdm_fsdp *f) {
 /* ---- building the units --------------------------------------------------------------------- */
 
 /* Marks the parameters of m's subtree as unit k's; an error when one is another unit's. */
-static int mark_subtree(tdm_fsdp *f, const tdm_module *m, int k) {
+static int mark_subtree(tdm_zero3 *f, const tdm_module *m, int k) {
     for (int j = 0; j < m->n_params; j++) {
         int i = 0;
         while (i < f->ps->n && f->ps->params[i] != m->params[j]) i++;
@@ -227,7 +227,7 @@ static int mark_subtree(tdm_fsdp *f, const tdm_module *m, int k) {
 
 /* Unit k's runs of consecutive parameters, its name and its buffer holding its parameters'
  * current values (copied from ps->flat). */
-static int unit_make(tdm_fsdp *f, int k, tdm_module *m) {
+static int unit_make(tdm_zero3 *f, int k, tdm_module *m) {
     unit *u = &f->units[k];
     tdm_paramset *ps = f->ps;
     *u = (unit){.f = f, .index = k < f->n_units ? k : -1, .m = m};
@@ -277,7 +277,7 @@ static void repoint(tdm_tensor *p, tdm_storage *s, int64_t off) {
 }
 
 /* Every parameter a view of its unit's buffer (to_units) or of ps->flat. */
-static void repoint_all(tdm_fsdp *f, bool to_units) {
+static void repoint_all(tdm_zero3 *f, bool to_units) {
     tdm_paramset *ps = f->ps;
     for (int i = 0; i < ps->n; i++) {
         unit *u = &f->units[f->unit_of[i]];
@@ -291,7 +291,7 @@ static void repoint_all(tdm_fsdp *f, bool to_units) {
     }
 }
 
-static void units_free(tdm_fsdp *f) {
+static void units_free(tdm_zero3 *f) {
     for (int k = 0; f->units && k <= f->n_units; k++) {
         free(f->units[k].runs);
         free(f->units[k].works);
@@ -304,7 +304,7 @@ static void units_free(tdm_fsdp *f) {
 }
 
 /* The hooks: forward around root and every unit, gradient-ready on every parameter. */
-static int hooks_set(tdm_fsdp *f, tdm_module *const *units) {
+static int hooks_set(tdm_zero3 *f, tdm_module *const *units) {
     int rc = tdm_module_set_forward_hooks(f->root, root_pre, root_post, f);
     for (int k = 0; k < f->n_units && !rc; k++)
         rc = tdm_module_set_forward_hooks(units[k], unit_pre, unit_post, &f->units[k]);
@@ -313,12 +313,12 @@ static int hooks_set(tdm_fsdp *f, tdm_module *const *units) {
     return rc;
 }
 
-tdm_fsdp *tdm_fsdp_new(tdm_module *root, tdm_paramset *ps, tdm_group *g, tdm_optim *o,
-                       tdm_module *const *units, int n) {
+tdm_zero3 *tdm_zero3_new(tdm_module *root, tdm_paramset *ps, tdm_group *g, tdm_optim *o,
+                         tdm_module *const *units, int n) {
     if (n < 0 || (n && !units)) return tdm_raise_null(TDM_ERR_ARG, "ddp_set_shard: %d units", n);
-    tdm_fsdp *f = calloc(1, sizeof *f);
+    tdm_zero3 *f = calloc(1, sizeof *f);
     if (!f) return tdm_raise_null(TDM_ERR_NOMEM, "ddp_set_shard: out of memory");
-    *f = (tdm_fsdp){.root = root, .ps = ps, .g = g, .rank = tdm_group_rank(g)};
+    *f = (tdm_zero3){.root = root, .ps = ps, .g = g, .rank = tdm_group_rank(g)};
     f->size = tdm_group_size(g);
     f->n_units = n;
     tdm_optim_shard_range(o, &f->lo, &f->hi);
@@ -344,7 +344,7 @@ tdm_fsdp *tdm_fsdp_new(tdm_module *root, tdm_paramset *ps, tdm_group *g, tdm_opt
     if (!rc) rc = tdm_optim_use_params(o, f->shard, f->lo);
     if (!rc) rc = hooks_set(f, units);
     if (rc) {
-        tdm_fsdp_free(f);
+        tdm_zero3_free(f);
         return NULL;
     }
     repoint_all(f, true);
@@ -355,7 +355,7 @@ tdm_fsdp *tdm_fsdp_new(tdm_module *root, tdm_paramset *ps, tdm_group *g, tdm_opt
 
 /* ---- the whole model, for checkpoints and exports ------------------------------------------ */
 
-int tdm_fsdp_summon(tdm_fsdp *f) {
+int tdm_zero3_summon(tdm_zero3 *f) {
     if (f->summoned) return TDM_OK;
     tdm_paramset *ps = f->ps;
     int rc = tdm_storage_resize(ps->flat->storage, sizeof(float) * (size_t)ps->total);
@@ -379,7 +379,7 @@ int tdm_fsdp_summon(tdm_fsdp *f) {
     return TDM_OK;
 }
 
-int tdm_fsdp_reshard(tdm_fsdp *f) {
+int tdm_zero3_reshard(tdm_zero3 *f) {
     if (!f->summoned) return TDM_OK;
     tdm_tensor mine = tdm_range_view(f->ps->flat, f->lo, f->hi);
     int rc = tdm_copy_(f->shard, &mine); /* a checkpoint loaded while whole takes effect */
@@ -389,11 +389,11 @@ int tdm_fsdp_reshard(tdm_fsdp *f) {
     return rc;
 }
 
-int tdm_fsdp_unit_count(const tdm_fsdp *f) {
+int tdm_zero3_unit_count(const tdm_zero3 *f) {
     return f ? f->n_units : 0;
 }
 
-void tdm_fsdp_free(tdm_fsdp *f) {
+void tdm_zero3_free(tdm_zero3 *f) {
     if (!f) return;
     tdm_module_set_forward_hooks(f->root, NULL, NULL, NULL);
     for (int k = 0; k < f->n_units; k++)

@@ -8,7 +8,7 @@
 #include "tandem/nn.h"
 #include "tandem/optim.h"
 
-typedef struct tdm_fsdp tdm_fsdp;
+typedef struct tdm_zero3 tdm_zero3;
 
 /* Shards root's parameters (ps, every rank holding them whole and equal) over g: this rank
  * keeps elements [lo, hi) of the flat buffer, o's shard, which o updates from now on
@@ -17,20 +17,20 @@ typedef struct tdm_fsdp tdm_fsdp;
  * ps->flat's is emptied. Forward hooks on root and the units gather and free them. Local (no
  * collective). NULL and an error (nothing changed) for overlapping or empty units, or out of
  * memory. */
-tdm_fsdp *tdm_fsdp_new(tdm_module *root, tdm_paramset *ps, tdm_group *g, tdm_optim *o,
-                       tdm_module *const *units, int n);
+tdm_zero3 *tdm_zero3_new(tdm_module *root, tdm_paramset *ps, tdm_group *g, tdm_optim *o,
+                         tdm_module *const *units, int n);
 /* Around one backward (tdm_ddp_backward): begin counts each unit's parameters whose
  * gradient is still to come; end frees whatever is still gathered and returns the first
  * failure of a gather since begin. */
-void tdm_fsdp_backward_begin(tdm_fsdp *f);
-int tdm_fsdp_backward_end(tdm_fsdp *f);
-/* Every parameter whole in ps->flat (params its views again), until tdm_fsdp_reshard, which
+void tdm_zero3_backward_begin(tdm_zero3 *f);
+int tdm_zero3_backward_end(tdm_zero3 *f);
+/* Every parameter whole in ps->flat (params its views again), until tdm_zero3_reshard, which
  * takes this rank's range of ps->flat back into its shard and frees the rest: FSDP's
  * summon_full_params. Collective. */
-int tdm_fsdp_summon(tdm_fsdp *f);
-int tdm_fsdp_reshard(tdm_fsdp *f);
-int tdm_fsdp_unit_count(const tdm_fsdp *f);
+int tdm_zero3_summon(tdm_zero3 *f);
+int tdm_zero3_reshard(tdm_zero3 *f);
+int tdm_zero3_unit_count(const tdm_zero3 *f);
 /* Removes the hooks; the parameters stay where they are (whole when summoned). */
-void tdm_fsdp_free(tdm_fsdp *f);
+void tdm_zero3_free(tdm_zero3 *f);
 
 #endif

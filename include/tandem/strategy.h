@@ -1,0 +1,169 @@
+/* Tandem parallel strategies: one handle for however a model is trained, one device, several
+ * devices of this process (DataParallel), one device per process (DDP), a pipeline, and the
+ * sharded modes of the data-parallel ones (ZeRO stages 1 to 3, FSDP), behind one set of calls.
+ *
+ * A training loop built on a strategy asks it for a step, an evaluation forward, the model and
+ * optimizer of each replica to save or load, and a description, and never which strategy it
+ * holds:
+ *
+ *   tdm_strategy *st = tdm_strategy_data_parallel(model, devs, n, NULL, make_optim, arg);
+ *   tdm_strategy_set_clip_grad_norm(st, 1.0f);
+ *   for (...) {
+ *       tdm_strategy_set_lr(st, tdm_sched_lr(&sched, step));
+ *       for (k = 0; k + 1 < accum; k++) tdm_strategy_accumulate(st, x[k], y[k], loss, arg, NULL);
+ *       tdm_strategy_step(st, x[k], y[k], loss, arg, &mean_loss);
+ *   }
+ *   tdm_strategy_free(st);
+ *
+ * Each strategy is one file, src/parallel/strategy_NAME.c, filling in the table of calls of
+ * src/parallel/strategy.h (docs/HACKING.md, "A new parallel strategy"). The lower-level
+ * objects (tdm_dp, tdm_ddp, tdm_pipe) stay available for programs that want their own loop.
+ *
+ * Errors follow tensor.h: NULL or a negative tdm_status, with tdm_last_error() naming the cause.
+ */
+#ifndef TANDEM_STRATEGY_H
+#define TANDEM_STRATEGY_H
+
+#include "parallel.h"
+#include "pipeline.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tdm_strategy tdm_strategy;
+
+/* ---- making one --------------------------------------------------------------------------- */
+
+/* Training on the device model is on, in this thread: the optimizer is make_optim over
+ * tdm_module_parameters(model). The model stays the caller's; the optimizer is the strategy's.
+ * NULL and an error when the factory fails. */
+tdm_strategy *tdm_strategy_one_device(tdm_module *model, tdm_optim_factory make_optim,
+                                      void *optim_arg);
+/* DataParallel over this process's n devices, joined with every other process of processes
+ * (NULL: this process alone): tdm_dp_new_distributed's arguments and rules (a collective over
+ * processes). model becomes replica 0 and stays the caller's. NULL and tdm_dp's error. */
+tdm_strategy *tdm_strategy_data_parallel(tdm_module *model, const tdm_device *devices, int n,
+                                         tdm_group *processes, tdm_optim_factory make_optim,
+                                         void *optim_arg);
+/* DDP: this process's model on its one device, gradients averaged over g (one rank per process,
+ * e.g. tdm_mpi_init's group) with o's buckets (NULL: tdm_ddp_defaults). A collective over g, as
+ * tdm_ddp_new is; g must outlive the strategy. model stays the caller's. NULL and the error of
+ * tdm_ddp_new or of the factory. */
+tdm_strategy *tdm_strategy_distributed(tdm_module *model, tdm_group *g, const tdm_ddp_opts *o,
+                                       tdm_optim_factory make_optim, void *optim_arg);
+/* A pipeline: tdm_pipe_new(model, o, make_optim, optim_arg). model stays the caller's and is
+ * where tdm_strategy_sync_model puts the trained weights. No accumulation (the micro-batches
+ * are the pipeline's), clipping or sharding. NULL and tdm_pipe_new's error. */
+tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
+                                    tdm_optim_factory make_optim, void *optim_arg);
+
+/* ---- settings, between steps ------------------------------------------------------------- */
+
+/* The one sharding call of the library for every strategy (ZeRO stages, FSDP's sharding
+ * strategies): shards over every data-parallel rank what kind names, as tdm_ddp_set_shard
+ * describes for one rank (DataParallel runs it on every replica; src/parallel/dp_shard.h), with
+ * stage 3's units taken from units_of on each replica (NULL: each replica's children holding
+ * parameters). A collective over the processes; call it after any restore of the optimizers' state
+ * and before tdm_strategy_step. TDM_SHARD_NONE, and any kind on one device (nobody to share with),
+ * change nothing. TDM_ERR_ARG for a NULL st, an unknown kind or a pipeline asked to shard ("a
+ * pipeline's stages step optimizers of their own"); the wrapper's errors otherwise (a kind below
+ * the current one, failing units). */
+int tdm_strategy_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn units_of);
+/* The kind in effect: the last one set, TDM_SHARD_NONE before any, on one device and for a NULL
+ * st. */
+tdm_shard_kind tdm_strategy_shard(const tdm_strategy *st);
+/* Whether each rank holds only its shard of the optimizer state (and so writes a sharded
+ * checkpoint): false without sharding, on one device, and for the CPU devices of one process
+ * below stage 3, whose shared-memory update holds the state once already. */
+bool tdm_strategy_state_split(const tdm_strategy *st);
+/* Clips the averaged gradient to a global 2-norm of max_norm before every update
+ * (clip_grad_norm_; from the shards under stage 2); 0 turns it off, the default. TDM_ERR_ARG
+ * for a negative or non-finite max_norm, or for a pipeline and max_norm > 0. */
+int tdm_strategy_set_clip_grad_norm(tdm_strategy *st, float max_norm);
+/* The learning rate of every replica's (every stage's) optimizer. NaN leaves it as it was. */
+void tdm_strategy_set_lr(tdm_strategy *st, float lr);
+
+/* ---- training and evaluation ------------------------------------------------------------- */
+
+/* One optimizer step, its last micro-batch being x [B, ...], target [B, ...] (the caller's
+ * tensors; with several devices on the host): forward, loss_fn(out, target_rows, row0, arg)
+ * giving the MEAN loss of rows [row0, row0 + b) of x, backward, the gradients added to those of
+ * the tdm_strategy_accumulate calls since the last step and averaged over the ranks, clipping
+ * (tdm_strategy_set_clip_grad_norm), and the optimizers' step. loss_fn runs on the caller's
+ * thread when tdm_strategy_loss_on_caller says so, else on the replicas' (or the last stage's)
+ * threads at once. *loss (may be NULL) receives the batch's mean loss; where the loss is on the
+ * caller's thread, reading it waits for the device: record it in loss_fn instead. Errors name
+ * the replica, stage or device that failed. */
+int tdm_strategy_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                      void *loss_arg, float *loss);
+/* Gradient accumulation (no_sync): forward and backward of one micro-batch, its gradients
+ * added to the step's, no exchange and no update; as tdm_strategy_step otherwise. loss_fn
+ * divides by the micro-batch count for a mean. TDM_ERR_STATE for a pipeline. */
+int tdm_strategy_accumulate(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target,
+                            tdm_loss_fn loss_fn, void *loss_arg, float *loss);
+/* Whether loss_fn runs on the caller's thread, its tensors on the first device (so it may
+ * record into the caller's device tensors), rather than on the replicas' threads. */
+bool tdm_strategy_loss_on_caller(const tdm_strategy *st);
+/* The trained model's output for x [B, ...] on the first device, in evaluation as the caller
+ * set the model's mode: split over the devices where there are several (tdm_dp_forward), else
+ * the model's forward. Without gradients if grad mode is off. *out is owned by the caller's
+ * open scope; NULL and an error on failure. Call tdm_strategy_sync_model first. */
+int tdm_strategy_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out);
+/* Brings the caller's model up to the trained weights where the strategy trains copies (a
+ * pipeline's stages are copied back; the others train the model itself). TDM_OK or the copy's
+ * error. */
+int tdm_strategy_sync_model(tdm_strategy *st);
+
+/* ---- state, for checkpoints --------------------------------------------------------------- */
+
+/* How many replicas this process holds (each saves and loads its own state): DataParallel's
+ * devices, else 1; 0 for a NULL st. */
+int tdm_strategy_replicas(const tdm_strategy *st);
+/* Replica r's model and optimizer (0 <= r < replicas), owned by the strategy but for replica
+ * 0's model, the caller's. A pipeline's: the caller's model (after tdm_strategy_sync_model) and
+ * the first stage's optimizer with parameters. tdm_strategy_optim is NULL for a replica that
+ * steps no optimizer of its own (CPU devices of one process below stage 3: replica 0's steps
+ * them all); both are NULL for r out of range. */
+tdm_module *tdm_strategy_replica(tdm_strategy *st, int r);
+tdm_optim *tdm_strategy_optim(tdm_strategy *st, int r);
+/* A whole, unsharded copy of replica 0's optimizer, its shards gathered from every rank
+ * (tdm_optim_gather, tdm_dp_optim_gather): the state a whole checkpoint saves. A collective over
+ * the processes when the state is split (every process calls it, between steps); a copy
+ * otherwise. Caller-owned (tdm_optim_free). NULL and an error on failure, and for a pipeline,
+ * whose stages' optimizers are not one. */
+tdm_optim *tdm_strategy_optim_gather(tdm_strategy *st);
+/* Under stage 3, every replica's parameters whole (to save or load the model) until
+ * tdm_strategy_release_params shards them again, keeping what was loaded meanwhile.
+ * Collectives over the processes; TDM_OK and nothing done otherwise. */
+int tdm_strategy_gather_params(tdm_strategy *st);
+int tdm_strategy_release_params(tdm_strategy *st);
+
+/* ---- what it is ----------------------------------------------------------------------------- */
+
+/* The data-parallel ranks that share each batch: devices x processes (a pipeline: its
+ * replicas); 0 for a NULL st. */
+int tdm_strategy_ranks(const tdm_strategy *st);
+
+/* Bytes per rank against the unsharded whole, replica 0's: what sharding saves. */
+typedef struct {
+    int64_t state, state_whole;   /* optimizer state */
+    int64_t params, params_whole; /* parameters kept between steps (their shard under stage 3) */
+    int64_t grads, grads_whole;   /* gradients kept between steps (their shard under stage 2+) */
+} tdm_strategy_memory;
+/* Fills *m from replica 0's optimizer and parameters (all zero for a NULL st). */
+void tdm_strategy_memory_get(tdm_strategy *st, tdm_strategy_memory *m);
+
+/* A phrase for a run's header line, what it does with batch rows per step: "data parallel, 16
+ * samples per device per step", "2 pipeline stages, layers 0-1 2-3, 4 micro-batches, 1f1b";
+ * empty for one device. Writes at most cap bytes, NUL-terminated; returns buf. */
+char *tdm_strategy_describe(tdm_strategy *st, int64_t batch, char *buf, size_t cap);
+
+/* Frees what the strategy made: its wrapper, threads, replicas and optimizers (not the caller's
+ * model nor the group). NULL is allowed. */
+void tdm_strategy_free(tdm_strategy *st);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,106 @@
+/* The pipeline strategy: the caller's Sequential cut into stages (tdm_pipe), every stage's
+ * threads running its schedule; the caller's model is evaluated once the stages' weights are
+ * copied back into it. */
+#include "parallel/strategy.h"
+
+#include "core/core.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+typedef struct {
+    tdm_strategy base;
+    tdm_pipe *pipe;
+    tdm_module *model;
+    int micro_batches;
+    tdm_pipe_schedule schedule;
+} pipeline;
+
+static int pipe_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                     void *loss_arg, bool first, bool last, float *loss) {
+    (void)first, (void)last; /* strategy.c refuses accumulation: every call is a whole step */
+    return tdm_pipe_step(((pipeline *)st)->pipe, x, target, loss_fn, loss_arg, loss);
+}
+
+static int pipe_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
+    *out = tdm_module_forward(((pipeline *)st)->model, x);
+    return *out ? TDM_OK : tdm_last_status();
+}
+
+static int pipe_set_clip(tdm_strategy *st) {
+    return st->clip > 0 ? tdm_raise(TDM_ERR_ARG, "strategy clip_grad_norm: a pipeline does not "
+                                                 "clip (its stages' norms are not joined)")
+                        : TDM_OK;
+}
+
+static void pipe_set_lr(tdm_strategy *st, float lr) {
+    tdm_pipe_set_lr(((pipeline *)st)->pipe, lr);
+}
+
+static int pipe_sync_model(tdm_strategy *st) {
+    pipeline *s = (pipeline *)st;
+    return tdm_pipe_copy_to(s->pipe, s->model);
+}
+
+static tdm_module *pipe_replica(tdm_strategy *st, int r) {
+    (void)r;
+    return ((pipeline *)st)->model;
+}
+
+/* The first stage's optimizer with parameters: every stage has the same settings. */
+static tdm_optim *pipe_optim(tdm_strategy *st, int r) {
+    (void)r;
+    tdm_pipe *p = ((pipeline *)st)->pipe;
+    tdm_optim *o = NULL;
+    for (int s = 0; s < tdm_pipe_stages(p) && !o; s++) o = tdm_pipe_stage_optim(p, s, 0);
+    return o;
+}
+
+static tdm_optim *pipe_optim_gather(tdm_strategy *st) {
+    (void)st;
+    return tdm_raise_null(TDM_ERR_ARG, "strategy optim_gather: a pipeline's stages step "
+                                       "optimizers of their own, not one to gather");
+}
+
+static void pipe_describe(tdm_strategy *st, int64_t batch, char *buf, size_t cap) {
+    (void)batch;
+    pipeline *s = (pipeline *)st;
+    int k = tdm_pipe_stages(s->pipe);
+    size_t n = (size_t)snprintf(buf, cap, "%d pipeline stages, layers", k);
+    for (int i = 0; i < k && n < cap; i++)
+        n += (size_t)snprintf(buf + n, cap - n, " %d-%d", tdm_pipe_stage_first_layer(s->pipe, i),
+                              tdm_pipe_stage_first_layer(s->pipe, i + 1) - 1);
+    if (n < cap)
+        snprintf(buf + n, cap - n, ", %d micro-batches, %s", s->micro_batches,
+                 s->schedule == TDM_PIPE_GPIPE ? "gpipe" : "1f1b");
+}
+
+static void pipe_destroy(tdm_strategy *st) {
+    tdm_pipe_free(((pipeline *)st)->pipe); /* with every stage's optimizer */
+    free(st);
+}
+
+static const tdm_strategy_ops pipeline_ops = {
+    .step = pipe_step,
+    .forward = pipe_forward,
+    .set_clip = pipe_set_clip,
+    .set_lr = pipe_set_lr,
+    .sync_model = pipe_sync_model,
+    .replica = pipe_replica,
+    .optim = pipe_optim,
+    .optim_gather = pipe_optim_gather,
+    .describe = pipe_describe,
+    .destroy = pipe_destroy,
+};
+
+tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
+                                    tdm_optim_factory make_optim, void *optim_arg) {
+    if (!o) return tdm_raise_null(TDM_ERR_ARG, "strategy pipeline: NULL options");
+    pipeline *s = calloc(1, sizeof *s);
+    if (!s) return tdm_raise_null(TDM_ERR_NOMEM, "strategy pipeline: out of memory");
+    if (!(s->pipe = tdm_pipe_new(model, o, make_optim, optim_arg))) return free(s), NULL;
+    s->model = model, s->micro_batches = o->micro_batches, s->schedule = o->schedule;
+    s->base = (tdm_strategy){
+        .ops = &pipeline_ops, .replicas = 1, .ranks = o->replicas > 0 ? o->replicas : 1};
+    return &s->base;
+}

@@ -1,0 +1,287 @@
+/* tdm_strategy: one device, DataParallel over two CPU devices, DDP over two ranks of a threads
+ * group and a pipeline of two stages, each driven only through tdm_strategy_* calls, end with
+ * the parameters of the same training written out by hand on one device (forward, backward,
+ * accumulation over two micro-batches, clipping, the optimizer's step). Then what the trainer
+ * reads from a strategy: where the loss runs, the description, the replicas' state, sharding
+ * (the state split, the memory figures) and the errors of calls a strategy refuses.
+ *
+ * Tolerance as test_pipeline.c's: the devices sum gradients in another order than one GEMM
+ * over the whole batch (float32 rounding over a few SGD steps with momentum), 1e-5 absolute +
+ * 1e-4 relative; a missed micro-batch, a lost clip or a wrong loss weight is 1e-3 and up. */
+#include "check.h"
+
+#define B     16 /* rows per micro-batch, even over 2 devices */
+#define IN    6
+#define HID   10
+#define OUT   4
+#define STEPS 3
+#define ACCUM 2
+#define CLIP  0.05f
+#define MAXP  512
+#define LR    0.5f
+
+/* Linear, BatchNorm1d, ReLU, Linear, Tanh, Linear: a Sequential a pipeline can cut, with a
+ * layer whose result depends on the whole batch (batch norm over the global batch is what the
+ * data-parallel strategies must give, and a pipeline of one micro-batch). */
+static tdm_module *make_model(uint64_t seed) {
+    tdm_rng r = tdm_rng_make(seed);
+    tdm_module *l[6] = {tdm_linear_new(IN, HID, true, tdm_cpu(0), &r),
+                        tdm_batch_norm1d_new(HID, 1e-5f, 0.1f, tdm_cpu(0)),
+                        tdm_relu_new(),
+                        tdm_linear_new(HID, HID, true, tdm_cpu(0), &r),
+                        tdm_tanh_new(),
+                        tdm_linear_new(HID, OUT, true, tdm_cpu(0), &r)};
+    return tdm_sequential_new(6, l);
+}
+
+static tdm_optim *make_sgd(tdm_paramset *ps, void *arg) {
+    (void)arg;
+    tdm_sgd_opts o = tdm_sgd_defaults(0.9f); /* every step sets LR */
+    o.momentum = 0.9f;
+    return tdm_sgd_new(ps, &o);
+}
+
+/* The mean cross-entropy of the rows, divided by the micro-batches of a step (arg: their
+ * count, NULL for 1). */
+static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    (void)row0;
+    tdm_tensor *l = tdm_cross_entropy(out, target, NULL);
+    int k = arg ? *(int *)arg : 1;
+    return l && k > 1 ? tdm_mul_scalar(l, 1.0f / (float)k) : l;
+}
+
+/* Micro-batch k of step s, rows [lo, hi) of it, in the caller's scope. */
+static void batch_of(int s, int k, int64_t lo, int64_t hi, tdm_tensor **x, tdm_tensor **y) {
+    tdm_rng r = tdm_rng_make(100 + (uint64_t)(s * 10 + k));
+    tdm_tensor *xa = tdm_randn(TDM_SHAPE(B, IN), 0, 1, tdm_cpu(0), &r);
+    int64_t t[B];
+    for (int64_t i = 0; i < B; i++) t[i] = (i * 7 + s + k) % OUT;
+    *x = tdm_contiguous(tdm_slice(xa, 0, lo, hi, 1));
+    *y = tdm_from_data(TDM_SHAPE(hi - lo), TDM_I64, tdm_cpu(0), t + lo);
+}
+
+static int64_t params_of(tdm_module *m, float *out) {
+    tdm_paramset *ps = tdm_module_parameters(m);
+    if (!ps || ps->total > MAXP || tdm_to_host(ps->flat, out, sizeof(float) * (size_t)ps->total))
+        return -1;
+    return ps->total;
+}
+
+static int compare(const float *got, const float *want, int64_t n, const char *what) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!(fabsf(got[i] - want[i]) <= 1e-5f + 1e-4f * fabsf(want[i]))) {
+            if (bad++ < 3)
+                fprintf(stderr, "  %s: parameter element %lld is %.9g, by hand %.9g\n", what,
+                        (long long)i, got[i], want[i]);
+        }
+    return bad;
+}
+
+/* The reference: micro-batches micro per step (each loss divided by micro), clipped at clip
+ * (0: off), on one device, written out. */
+static int64_t by_hand(int micro, float clip, float *want) {
+    tdm_module *m = make_model(1);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_optim *o = make_sgd(ps, NULL);
+    for (int s = 0; s < STEPS; s++) {
+        tdm_optim_set_lr(o, LR);
+        tdm_optim_zero_grad(o);
+        for (int k = 0; k < micro; k++) {
+            tdm_scope_begin();
+            tdm_tensor *x, *y;
+            batch_of(s, k, 0, B, &x, &y);
+            tdm_backward(ce_loss(tdm_module_forward(m, x), y, 0, &micro));
+            tdm_scope_end();
+        }
+        if (clip > 0) tdm_clip_grad_norm(ps, clip, false, NULL);
+        tdm_optim_step(o);
+    }
+    int64_t n = params_of(m, want);
+    tdm_optim_free(o);
+    tdm_module_free(m);
+    return n;
+}
+
+/* STEPS steps of ACCUM micro-batches (rows [lo, hi) of each) through st only. */
+static int train(tdm_strategy *st, int micro, int64_t lo, int64_t hi) {
+    int rc = TDM_OK;
+    for (int s = 0; s < STEPS && !rc; s++) {
+        tdm_strategy_set_lr(st, LR);
+        for (int k = 0; k < micro && !rc; k++) {
+            tdm_scope_begin();
+            tdm_tensor *x, *y;
+            batch_of(s, k, lo, hi, &x, &y);
+            rc = k + 1 < micro ? tdm_strategy_accumulate(st, x, y, ce_loss, &micro, NULL)
+                               : tdm_strategy_step(st, x, y, ce_loss, &micro, NULL);
+            tdm_scope_end();
+        }
+    }
+    return rc;
+}
+
+static void test_one_device_and_data_parallel(const float *want, int64_t n) {
+    float got[MAXP];
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    for (int which = 0; which < 2; which++) {
+        const char *name = which ? "data parallel" : "one device";
+        tdm_module *m = make_model(1);
+        tdm_strategy *st = which ? tdm_strategy_data_parallel(m, devs, 2, NULL, make_sgd, NULL)
+                                 : tdm_strategy_one_device(m, make_sgd, NULL);
+        CHECK(st != NULL, "%s: %s", name, tdm_last_error());
+        if (!st) continue;
+        CHECK(tdm_strategy_set_clip_grad_norm(st, CLIP) == 0, "%s", tdm_last_error());
+        CHECK(train(st, ACCUM, 0, B) == 0, "%s: %s", name, tdm_last_error());
+        CHECK(params_of(tdm_strategy_replica(st, 0), got) == n, "%s", name);
+        CHECK(compare(got, want, n, name) == 0, "%s: parameters off the hand-written loop", name);
+        CHECK(tdm_strategy_replicas(st) == 1 + which, "%s", name);
+        CHECK(tdm_strategy_ranks(st) == 1 + which, "%s", name);
+        CHECK(tdm_strategy_loss_on_caller(st) == !which, "%s", name);
+        CHECK(tdm_strategy_replica(st, 0) == m && tdm_strategy_replica(st, 2) == NULL, "%s", name);
+        /* the CPU devices of one process: replica 0's optimizer steps them all */
+        CHECK(tdm_strategy_optim(st, 0) != NULL && tdm_strategy_optim(st, 1) == NULL, "%s", name);
+        char d[128];
+        tdm_strategy_describe(st, B, d, sizeof d);
+        CHECK(strcmp(d, which ? "data parallel, 8 samples per device per step" : "") == 0,
+              "%s: '%s'", name, d);
+        /* evaluation: the trained model's output, split over the devices or not */
+        tdm_scope_begin();
+        tdm_tensor *x, *y, *out = NULL;
+        batch_of(9, 0, 0, B, &x, &y);
+        tdm_module_train(m, false);
+        CHECK(tdm_strategy_forward(st, x, &out) == 0 && out, "%s: %s", name, tdm_last_error());
+        tdm_tensor *ref = tdm_module_forward(m, x);
+        float a[B * OUT], b[B * OUT];
+        if (out && ref && !tdm_to_host(out, a, sizeof a) && !tdm_to_host(ref, b, sizeof b))
+            CHECK(compare(a, b, B * OUT, name) == 0, "%s: forward", name);
+        tdm_scope_end();
+        tdm_strategy_free(st);
+        tdm_module_free(m);
+    }
+}
+
+typedef struct {
+    const float *want;
+    int64_t n;
+    int bad[2];
+    bool split[2];
+    int64_t gathered[2]; /* elements of the whole state tdm_strategy_optim_gather gave */
+    tdm_strategy_memory mem[2];
+} ddp_case;
+
+/* Rank r of 2 trains its half of every micro-batch, then shards (ZeRO stage 2) and trains on. */
+static int ddp_rank(tdm_rank_ctx *ctx, void *arg) {
+    ddp_case *c = arg;
+    int r = ctx->rank;
+    tdm_module *m = make_model(1 + (uint64_t)r); /* rank 0's weights are broadcast */
+    tdm_strategy *st = tdm_strategy_distributed(m, ctx->group, NULL, make_sgd, NULL);
+    if (!st) return tdm_module_free(m), tdm_last_status();
+    int rc = tdm_strategy_set_clip_grad_norm(st, CLIP);
+    int64_t lo = r * B / 2, hi = lo + B / 2;
+    if (!rc) rc = train(st, ACCUM, lo, hi);
+    float got[MAXP];
+    if (!rc && params_of(m, got) == c->n) c->bad[r] = compare(got, c->want, c->n, "ddp");
+    if (!rc) rc = tdm_strategy_set_shard(st, TDM_SHARD_GRADIENTS, NULL);
+    c->split[r] = tdm_strategy_state_split(st) && tdm_strategy_shard(st) == TDM_SHARD_GRADIENTS;
+    tdm_strategy_memory_get(st, &c->mem[r]);
+    tdm_optim *whole = rc ? NULL : tdm_strategy_optim_gather(st); /* a collective */
+    tdm_tensor *state[2];
+    if (whole && tdm_optim_state(whole, NULL, state, 2) == 1) c->gathered[r] = tdm_numel(state[0]);
+    tdm_optim_free(whole);
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+    return rc;
+}
+
+static void test_distributed(const float *want, int64_t n) {
+    ddp_case c = {.want = want, .n = n, .bad = {-1, -1}};
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    CHECK(tdm_spawn(2, devs, ddp_rank, &c) == 0, "%s", tdm_last_error());
+    CHECK(c.bad[0] == 0 && c.bad[1] == 0, "ddp: %d and %d parameters off the hand-written loop",
+          c.bad[0], c.bad[1]);
+    CHECK(c.split[0] && c.split[1], "ddp: stage 2 not in effect");
+    /* SGD with momentum: one state buffer; each rank keeps about half of it and of the grads */
+    for (int r = 0; r < 2; r++) {
+        CHECK(c.mem[r].state_whole == 4 * n && c.mem[r].grads_whole == 4 * n, "rank %d", r);
+        CHECK(c.mem[r].state > 0 && c.mem[r].state < c.mem[r].state_whole, "rank %d: %lld", r,
+              (long long)c.mem[r].state);
+        CHECK(c.mem[r].grads == c.mem[r].state, "rank %d: grads %lld", r,
+              (long long)c.mem[r].grads);
+        CHECK(c.mem[r].params == 4 * n, "rank %d: parameters stay whole below stage 3", r);
+    }
+    CHECK(c.mem[0].state + c.mem[1].state == 4 * n, "the shards cover the state once");
+    CHECK(c.gathered[0] == n && c.gathered[1] == n, "optim_gather: %lld and %lld elements of %lld",
+          (long long)c.gathered[0], (long long)c.gathered[1], (long long)n);
+}
+
+static void test_pipeline(const float *want, int64_t n) {
+    tdm_module *m = make_model(1);
+    tdm_pipe_opts po = tdm_pipe_defaults(2, 1); /* batch norm sees the whole batch */
+    po.split_by = TDM_SPLIT_LAYERS;
+    tdm_strategy *st = tdm_strategy_pipeline(m, &po, make_sgd, NULL);
+    CHECK(st != NULL, "pipeline: %s", tdm_last_error());
+    if (!st) return tdm_module_free(m);
+    CHECK(!tdm_strategy_loss_on_caller(st), "the last stage's thread runs the loss");
+    CHECK(train(st, 1, 0, B) == 0, "pipeline: %s", tdm_last_error());
+    float got[MAXP];
+    CHECK(tdm_strategy_sync_model(st) == 0, "%s", tdm_last_error());
+    CHECK(params_of(m, got) == n && compare(got, want, n, "pipeline") == 0,
+          "pipeline: the model's parameters after sync_model are not the hand-written loop's");
+    char d[128];
+    tdm_strategy_describe(st, B, d, sizeof d);
+    CHECK(strcmp(d, "2 pipeline stages, layers 0-2 3-5, 1 micro-batches, 1f1b") == 0, "'%s'", d);
+    CHECK(tdm_strategy_optim(st, 0) != NULL && tdm_optim_lr(tdm_strategy_optim(st, 0)) == LR,
+          "the first stage's optimizer");
+    /* what a pipeline refuses, by name */
+    tdm_scope_begin();
+    tdm_tensor *x, *y;
+    batch_of(0, 0, 0, B, &x, &y);
+    CHECK_ERROR(tdm_strategy_accumulate(st, x, y, ce_loss, NULL, NULL) != 0, "pipeline");
+    tdm_scope_end();
+    CHECK_ERROR(tdm_strategy_set_clip_grad_norm(st, 1.0f) != 0, "pipeline");
+    CHECK(tdm_strategy_set_clip_grad_norm(st, 0) == 0, "0 is off, which a pipeline is");
+    CHECK_ERROR(tdm_strategy_set_shard(st, TDM_SHARD_OPTIMIZER, NULL) != 0, "pipeline");
+    CHECK(tdm_strategy_shard(st) == TDM_SHARD_NONE, "a refused shard changes nothing");
+    CHECK_ERROR(tdm_strategy_optim_gather(st) == NULL, "pipeline");
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+}
+
+static void test_one_device_settings(void) {
+    tdm_module *m = make_model(1);
+    tdm_strategy *st = tdm_strategy_one_device(m, make_sgd, NULL);
+    /* nobody to share with: any kind is accepted and nothing is sharded */
+    CHECK(tdm_strategy_set_shard(st, TDM_SHARD_PARAMETERS, NULL) == 0, "%s", tdm_last_error());
+    CHECK(tdm_strategy_shard(st) == TDM_SHARD_NONE && !tdm_strategy_state_split(st), "sharded");
+    CHECK(tdm_strategy_gather_params(st) == 0 && tdm_strategy_release_params(st) == 0, "no-ops");
+    tdm_strategy_memory mem;
+    tdm_strategy_memory_get(st, &mem);
+    int64_t whole = 4 * tdm_module_parameters(m)->total;
+    CHECK(mem.state == whole && mem.state_whole == whole && mem.grads == whole &&
+              mem.params == whole,
+          "one device holds everything whole");
+    tdm_strategy_set_lr(st, 0.25f);
+    CHECK(tdm_optim_lr(tdm_strategy_optim(st, 0)) == 0.25f, "set_lr");
+    tdm_strategy_set_lr(st, NAN);
+    CHECK(tdm_optim_lr(tdm_strategy_optim(st, 0)) == 0.25f, "NaN leaves the rate");
+    CHECK_ERROR(tdm_strategy_set_clip_grad_norm(st, -1.0f) != 0, "max_norm -1");
+    CHECK_ERROR(tdm_strategy_set_shard(st, (tdm_shard_kind)7, NULL) != 0, "unknown kind 7");
+    CHECK_ERROR(tdm_strategy_step(st, NULL, NULL, ce_loss, NULL, NULL) != 0, "NULL batch");
+    CHECK_ERROR(tdm_strategy_one_device(NULL, make_sgd, NULL) == NULL, "NULL model");
+    CHECK_ERROR(tdm_strategy_data_parallel(m, NULL, 2, NULL, make_sgd, NULL) == NULL,
+                "NULL devices");
+    tdm_strategy_free(st);
+    tdm_strategy_free(NULL);
+    tdm_module_free(m);
+}
+
+int main(void) {
+    float want[MAXP], want1[MAXP];
+    int64_t n = by_hand(ACCUM, CLIP, want), n1 = by_hand(1, 0, want1);
+    CHECK(n > 0 && n == n1, "the reference");
+    test_one_device_and_data_parallel(want, n);
+    test_distributed(want, n);
+    test_pipeline(want1, n1);
+    test_one_device_settings();
+    return check_summary();
+}

@@ -161,7 +161,7 @@ static const opt_spec specs[] = {
      "flush: floats below 1.2e-38 become 0 (torch.set_flush_denormal(True)); keep: IEEE "
      "arithmetic, PyTorch's default. Each operation on a denormal takes a microcode assist: "
      "SGD's momentum of a parameter whose gradient stays 0 turns denormal after ~800 steps, "
-     "and the MLP's epochs then take 1.6x as long."},
+     "and the MLP's epochs then slow down (bench/RESULTS.md measures by how much)."},
     {"--workers", "N", OPT_INT, F(workers), 0, 64, "2 or 0",
      "DataLoader worker threads building batches ahead of the training loop; 0 builds them "
      "on the training thread. The default is 2, or 0 where every core runs a device (--devices "

@@ -589,14 +589,14 @@ static int evaluate(trainer *tr, epoch_stats *e) {
 
 /* ---- the header, the epoch line, the run ----------------------------------------------- */
 
-static void describe_optimizer(const train_opts *o, char *buf, size_t cap) {
+static void describe_optimizer(const train_opts *o, const task *t, char *buf, size_t cap) {
     int n = snprintf(buf, cap, "%s lr %g", o->optimizer, o->lr);
     if (strcmp(o->optimizer, "sgd") == 0 && o->momentum > 0)
         n += snprintf(buf + n, cap - (size_t)n, " momentum %g%s", o->momentum,
                       o->nesterov ? " (nesterov)" : "");
     if (o->weight_decay > 0)
         n += snprintf(buf + n, cap - (size_t)n, " weight decay %g%s", o->weight_decay,
-                      strcmp(o->model, "gpt") == 0 || o->no_decay_1d ? " on matrices" : "");
+                      t->row->task == TDM_TASK_TEXT || o->no_decay_1d ? " on matrices" : "");
     if (strcmp(o->schedule, "constant") != 0)
         n += snprintf(buf + n, cap - (size_t)n, ", %s schedule", o->schedule);
     if (o->label_smoothing > 0)
@@ -647,7 +647,7 @@ static void print_sharding(const trainer *tr) {
 static void banner(const trainer *tr) {
     const train_opts *o = tr->o;
     char opt[256];
-    describe_optimizer(o, opt, sizeof opt);
+    describe_optimizer(o, tr->task, opt, sizeof opt);
     const train_recipe *r = o->recipe ? train_recipe_find(o->recipe) : NULL;
     if (r) {
         char args[1024];
@@ -750,7 +750,7 @@ static void print_epoch(const trainer *tr, const epoch_stats *e) {
 static int open_outputs(trainer *tr) {
     const train_opts *o = tr->o;
     char title[400], sub[320], opt[256];
-    describe_optimizer(o, opt, sizeof opt);
+    describe_optimizer(o, tr->task, opt, sizeof opt);
     snprintf(title, sizeof title, "%s: %s", tr->task->plot_title, opt);
     snprintf(sub, sizeof sub, "batch %lld, %lld train samples, seed %lld, %s",
              (long long)(o->batch_size * tr->accum), (long long)tr->task->train->n,

@@ -52,10 +52,15 @@ void tdm_clear_error(void);
 
 /* ---- dtypes and devices ----------------------------------------------------------------- */
 
-typedef enum { TDM_F32 = 0, TDM_I32 = 1, TDM_I64 = 2 } tdm_dtype;
+/* TDM_BF16 (bfloat16: fp32's exponent, 8 significant bits) and TDM_F16 (IEEE half) are the
+ * low precisions of mixed-precision training (docs/MIXED_PRECISION.md); their bits convert to
+ * and from fp32 as include/tandem/half.h says (round to nearest even, as PyTorch). */
+typedef enum { TDM_F32 = 0, TDM_I32 = 1, TDM_I64 = 2, TDM_BF16 = 3, TDM_F16 = 4 } tdm_dtype;
+/* Whether dt holds floating-point values (f32, bf16, f16). */
+bool tdm_dtype_is_float(tdm_dtype dt);
 
 size_t tdm_dtype_size(tdm_dtype dt);
-const char *tdm_dtype_name(tdm_dtype dt); /* "f32", "i32", "i64" */
+const char *tdm_dtype_name(tdm_dtype dt); /* "f32", "i32", "i64", "bf16", "f16" */
 
 typedef enum { TDM_CPU = 0, TDM_CUDA = 1 } tdm_device_type;
 

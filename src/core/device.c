@@ -6,7 +6,11 @@
 #include <string.h>
 
 size_t tdm_dtype_size(tdm_dtype dt) {
-    return dt == TDM_I64 ? 8 : 4;
+    return dt == TDM_I64 ? 8 : dt == TDM_BF16 || dt == TDM_F16 ? 2 : 4;
+}
+
+bool tdm_dtype_is_float(tdm_dtype dt) {
+    return dt == TDM_F32 || dt == TDM_BF16 || dt == TDM_F16;
 }
 
 const char *tdm_dtype_name(tdm_dtype dt) {
@@ -17,6 +21,10 @@ const char *tdm_dtype_name(tdm_dtype dt) {
         return "i32";
     case TDM_I64:
         return "i64";
+    case TDM_BF16:
+        return "bf16";
+    case TDM_F16:
+        return "f16";
     }
     return "?";
 }

@@ -1,6 +1,7 @@
 /* CPU memory kernels: raw blocks, host transfer, strided copy with dtype conversion, fill,
  * and Philox random fills. */
 #include "backend/cpu/cpu.h"
+#include "tandem/half.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -49,6 +50,10 @@ static inline double load(const void *base, tdm_dtype dt, int64_t i) {
         return ((const int32_t *)base)[i];
     case TDM_I64:
         return (double)((const int64_t *)base)[i];
+    case TDM_BF16:
+        return tdm_bf16_to_float(((const uint16_t *)base)[i]);
+    case TDM_F16:
+        return tdm_f16_to_float(((const uint16_t *)base)[i]);
     }
     return 0;
 }
@@ -63,6 +68,12 @@ static inline void store(void *base, tdm_dtype dt, int64_t i, double v) {
         break;
     case TDM_I64:
         ((int64_t *)base)[i] = (int64_t)v;
+        break;
+    case TDM_BF16: /* through a float, as PyTorch converts a double */
+        ((uint16_t *)base)[i] = tdm_bf16_from_float((float)v);
+        break;
+    case TDM_F16:
+        ((uint16_t *)base)[i] = tdm_f16_from_float((float)v);
         break;
     }
 }

@@ -114,6 +114,33 @@ static void test_torch_file(void) {
     tdm_module_free(m2);
 }
 
+/* The same state_dict saved by PyTorch in bf16 (Hugging Face's bf16 checkpoints) loads into
+ * the f32 model, each float widened exactly: the f32 file's values rounded to bf16. */
+static void test_torch_bf16_file(void) {
+    tdm_module *m = small_model(3, 1), *h = small_model(3, 2);
+    CHECK(tdm_weights_load(FIX "safetensors/torch_model.safetensors", m) == TDM_OK, "%s",
+          tdm_last_error());
+    CHECK(tdm_weights_load(FIX "safetensors/half_model.safetensors", h) == TDM_OK,
+          "loading PyTorch's bf16 state_dict into an f32 model: %s", tdm_last_error());
+    tdm_scope_begin();
+    tdm_paramset *pm = tdm_module_parameters(m), *ph = tdm_module_parameters(h);
+    tdm_tensor *rounded = tdm_cast(tdm_cast(pm->flat, TDM_BF16), TDM_F32);
+    CHECK(ph->flat->dtype == TDM_F32 && same_bits(rounded, ph->flat),
+          "the parameters are the f32 file's rounded to bf16");
+    CHECK(!same_bits(pm->flat, ph->flat), "and the rounding did change some");
+    tdm_bufferset *bm = tdm_module_buffers(m), *bh = tdm_module_buffers(h);
+    for (int i = 0; i < bm->n; i++) {
+        tdm_tensor *b = bm->buffers[i];
+        tdm_tensor *want = b->dtype == TDM_F32 ? tdm_cast(tdm_cast(b, TDM_BF16), TDM_F32) : b;
+        CHECK(same_bits(want, bh->buffers[i]), "buffer %d (%s)", i, tdm_dtype_name(b->dtype));
+    }
+    tdm_scope_end();
+    tdm_tensor *nbt = tdm_module_find(h, "1.num_batches_tracked");
+    CHECK(nbt && nbt->dtype == TDM_I64 && tdm_item(nbt) == 7, "the I64 buffer is as it was");
+    tdm_module_free(m);
+    tdm_module_free(h);
+}
+
 /* A model trained here, written here, checked by PyTorch when torch is installed. */
 static void test_torch_reads_ours(void) {
     tdm_module *m = small_model(3, 5);
@@ -179,7 +206,16 @@ static void test_dtypes(void) {
     CHECK(sc && sc->ndim == 0 && tdm_item(sc) == 2.5f, "a scalar");
     tdm_tensor *em = tdm_safetensors_load(f, "empty", tdm_cpu(0));
     CHECK(em && tdm_numel(em) == 0 && em->shape[1] == 4, "an empty tensor");
-    CHECK_ERROR(!tdm_safetensors_load(f, "f16", tdm_cpu(0)), "'f16' is F16");
+    /* PyTorch's F16 and BF16 ones (issue 37): Tandem's dtypes, the values exact */
+    tdm_tensor *h16 = tdm_safetensors_load(f, "f16", tdm_cpu(0));
+    tdm_tensor *b16 = tdm_safetensors_load(f, "bf16", tdm_cpu(0));
+    uint16_t hv[3] = {0}, bv[2] = {0};
+    CHECK(h16 && h16->dtype == TDM_F16 && !tdm_to_host(h16, hv, sizeof hv) && hv[0] == 0x3C00 &&
+              hv[2] == 0x3C00,
+          "f16 ones: %s", tdm_last_error());
+    CHECK(b16 && b16->dtype == TDM_BF16 && !tdm_to_host(b16, bv, sizeof bv) && bv[0] == 0x3F80 &&
+              bv[1] == 0x3F80,
+          "bf16 ones");
     CHECK_ERROR(!tdm_safetensors_load(f, "nope", tdm_cpu(0)), "no tensor named 'nope'");
     tdm_tensor *wrong = tdm_zeros(TDM_SHAPE(3, 2), TDM_F32, tdm_cpu(0));
     CHECK_ERROR(tdm_safetensors_read(f, "f32", wrong) == TDM_ERR_SHAPE,
@@ -816,6 +852,7 @@ static void test_sharded(void) {
 int main(void) {
     if (tmpdir_make("test_ckpt") != 0) return 1;
     test_torch_file();
+    test_torch_bf16_file();
     test_torch_reads_ours();
     test_dtypes();
     test_bad_files();

@@ -3,6 +3,7 @@
  * decay on matrices only), weight tying, cloning, llm.c's checkpoint files (round trip and
  * every malformed case), and byte-level text data. */
 #include "gradcheck.h"
+#include "tandem/half.h"
 #include "testdir.h"
 
 #include "core/core.h" /* tdm_alloc_stats_get */
@@ -382,6 +383,47 @@ static void test_llmc_round_trip(void) {
     tdm_module_free(m);
 }
 
+/* llm.c's bf16 file (version 5, written by gen_half_files.py with PyTorch's bf16 of the
+ * version 3 fixture's values) loads to the v3 values rounded to bf16, and Tandem writes the
+ * same file byte for byte from the v3 model. */
+#define LF_V5_PATH "tests/fixtures/llmc/tiny_gpt2_v5.bin"
+static void test_llmc_v5(void) {
+    tdm_gpt_config cfg = {0};
+    CHECK(tdm_gpt_llmc_config(LF_V5_PATH, &cfg) == TDM_OK && cfg.layers == LF_L &&
+              cfg.padded_vocab == LF_VP,
+          "v5 config: %s", tdm_last_error());
+    tdm_module *m5 = tdm_gpt_load_llmc(LF_V5_PATH, tdm_cpu(0), &cfg);
+    CHECK(m5 != NULL, "load %s: %s", LF_V5_PATH, tdm_last_error());
+    float *p = malloc(sizeof(float) * LF_N), *want = malloc(sizeof(float) * LF_N);
+    for (int i = 0; i < LF_N; i++) want[i] = tdm_bf16_to_float(tdm_bf16_from_float(lf_params[i]));
+    CHECK(m5 && tdm_gpt_export_llmc(m5, false, p, LF_N) == 0 &&
+              memcmp(p, want, sizeof(float) * LF_N) == 0,
+          "v5 weights are the v3 weights rounded to bf16");
+    CHECK(memcmp(want, lf_params, sizeof(float) * LF_N) != 0, "the rounding changed some");
+    tdm_module *m3 = tdm_gpt_load_llmc(LF_PATH, tdm_cpu(0), NULL);
+    char out[256];
+    snprintf(out, sizeof out, "%s/saved_v5.bin", tmpdir);
+    CHECK(m3 && tdm_gpt_save_llmc_as(out, m3, TDM_BF16) == TDM_OK, "save v5: %s", tdm_last_error());
+    unsigned char *a = NULL, *b = NULL;
+    size_t na = read_bytes(LF_V5_PATH, &a), nb = read_bytes(out, &b);
+    CHECK(na == 1024 + 2 * LF_N && na == nb && memcmp(a, b, na) == 0,
+          "the v5 file written (%zu bytes) is PyTorch's (%zu bytes)", nb, na);
+    snprintf(out, sizeof out, "%s/saved_f32.bin", tmpdir);
+    free(a);
+    free(b);
+    CHECK(m3 && tdm_gpt_save_llmc_as(out, m3, TDM_F32) == TDM_OK, "%s", tdm_last_error());
+    na = read_bytes(LF_PATH, &a), nb = read_bytes(out, &b);
+    CHECK(na == nb && memcmp(a, b, na) == 0, "TDM_F32 writes version 3");
+    CHECK_ERROR(tdm_gpt_save_llmc_as(out, m3, TDM_F16) == TDM_ERR_DTYPE,
+                "llm.c's files hold f32 (version 3) or bf16 (version 5), not f16");
+    free(a);
+    free(b);
+    free(p);
+    free(want);
+    tdm_module_free(m3);
+    tdm_module_free(m5);
+}
+
 /* Writes a copy of the fixture file with int32 field `field` set to v (or cut to size n when
  * field < 0) and checks that loading it fails with a message holding the path and want. */
 static void check_bad(const char *name, int field, int32_t v, long size, const char *want) {
@@ -407,8 +449,11 @@ static void check_bad(const char *name, int field, int32_t v, long size, const c
 static void test_llmc_errors(void) {
     long full = 1024 + 4L * LF_N;
     check_bad("magic.bin", 0, 20240520, -1, "wrong magic 20240520 at byte offset 0");
-    check_bad("bf16.bin", 1, 5, -1, "version 5 is llm.c's bf16 format");
+    /* version 5 holds 2 bytes a parameter: the f32 file labelled 5 has twice the bytes */
+    check_bad("bf16.bin", 1, 5, -1, "trailing bytes after the parameters");
+    check_bad("bf16_short.bin", 1, 5, -1, "(1920 parameters, bf16, version 5) needs 4864");
     check_bad("version.bin", 1, 2, -1, "unsupported version 2 at byte offset 4");
+    check_bad("version4.bin", 1, 4, -1, "unsupported version 4 at byte offset 4 (expected 3");
     check_bad("layers.bin", 4, 0, -1, "layers 0 at byte offset 16");
     check_bad("heads.bin", 5, 3, -1, "num_heads 3 (byte offset 20) does not divide channels 8");
     check_bad("padded.bin", 7, LF_V - 1, -1, "padded_vocab_size 9 (byte offset 28) is smaller");
@@ -485,6 +530,7 @@ int main(void) {
     test_tying_and_clone();
     test_steady_state_and_weights_file();
     test_llmc_round_trip();
+    test_llmc_v5();
     test_llmc_errors();
     test_text_dataset();
     test_weight_decay_groups();

@@ -36,7 +36,8 @@ static void help(FILE *out) {
             "    tandem train [OPTION]...\n"
             "    tandem eval --weights FILE [--model %s] [OPTION]...\n"
             "    tandem sample --model FILE [OPTION]...\n"
-            "    tandem export CKPT_DIR OUT.safetensors [STATE_OUT.safetensors]\n"
+            "    tandem export [--dtype f32|bf16|f16] CKPT_DIR OUT.safetensors "
+            "[STATE_OUT.safetensors]\n"
             "    tandem devices\n"
             "    tandem help [COMMAND]\n"
             "    tandem --version\n\n"
@@ -51,7 +52,9 @@ static void help(FILE *out) {
             "    export     Write a checkpoint's whole model (a sharded run's too) as one\n"
             "               model.safetensors (PyTorch: load_file + load_state_dict), and with\n"
             "               STATE_OUT its training state with the optimizer's moments, as an\n"
-            "               unsharded run writes them.\n"
+            "               unsharded run writes them. --dtype bf16 or f16 writes the model's\n"
+            "               float tensors in that dtype (rounded to nearest even, as PyTorch's\n"
+            "               .to()); the state stays f32. Default f32.\n"
             "    devices    List the devices training can use.\n"
             "    help       Show this help, or 'tandem help train' for one command.\n\n"
             "MODELS (--model; 'tandem train --help' describes each)\n",
@@ -69,13 +72,39 @@ static void help(FILE *out) {
                  "    tandem devices\n");
 }
 
-/* tandem export CKPT_DIR OUT [STATE_OUT]: a checkpoint (sharded or not) made whole. */
+/* tandem export [--dtype f32|bf16|f16] CKPT_DIR OUT [STATE_OUT]: a checkpoint (sharded or
+ * not) made whole, the model in the dtype asked (Hugging Face's files are often bf16). */
 static int export_main(int argc, char **argv) {
+    static const char usage[] = "usage: tandem export [--dtype f32|bf16|f16] CKPT_DIR "
+                                "OUT.safetensors [STATE_OUT.safetensors]\n";
+    tdm_dtype dt = TDM_F32;
+    const char *dtype = NULL;
+    if (argc > 1 && strncmp(argv[1], "--dtype", 7) == 0) {
+        if (argv[1][7] == '=')
+            dtype = argv[1] + 8, argc -= 1, argv += 1;
+        else if (argv[1][7] == '\0' && argc > 2)
+            dtype = argv[2], argc -= 2, argv += 2;
+        else if (argv[1][7] == '\0') {
+            fprintf(stderr, "tandem export: --dtype needs a value (f32, bf16 or f16)\n%s", usage);
+            return EXIT_USAGE;
+        }
+    }
+    if (dtype) {
+        if (strcmp(dtype, "bf16") == 0)
+            dt = TDM_BF16;
+        else if (strcmp(dtype, "f16") == 0)
+            dt = TDM_F16;
+        else if (strcmp(dtype, "f32") != 0) {
+            fprintf(stderr, "tandem export: --dtype '%s': expected f32, bf16 or f16\n%s", dtype,
+                    usage);
+            return EXIT_USAGE;
+        }
+    }
     if (argc < 3 || argc > 4 || argv[1][0] == '-') {
-        fprintf(stderr, "usage: tandem export CKPT_DIR OUT.safetensors [STATE_OUT.safetensors]\n");
+        fputs(usage, stderr);
         return EXIT_USAGE;
     }
-    if (tdm_checkpoint_export(argv[1], argv[2], argc > 3 ? argv[3] : NULL) != TDM_OK) {
+    if (tdm_checkpoint_export_as(argv[1], argv[2], argc > 3 ? argv[3] : NULL, dt) != TDM_OK) {
         fprintf(stderr, "tandem export: error: %s\n", tdm_last_error());
         return EXIT_RUNTIME;
     }

@@ -69,7 +69,8 @@ tdm_optim *tdm_gpt_adamw_new(tdm_paramset *ps, const tdm_adam_opts *o);
  * [L, C, 4C], fcprojb [L, C], lnfw [C], lnfb [C]. Its fp32 checkpoint (train_gpt2.c's
  * gpt2_build_from_checkpoint, version 3) is a header of 256 little-endian int32: magic
  * 20240326, version 3, maxT, V, L, NH, C, Vp, the rest 0; then that array as little-endian
- * f32, nothing after it. */
+ * f32, nothing after it. Its bf16 checkpoint (train_gpt2.cu's, version 5) is the same with
+ * version 5 and the array as little-endian bf16. */
 
 /* Number of floats in llm.c's array for cfg (0 for an invalid config, or one whose count
  * does not fit in 64 bits). */
@@ -86,17 +87,23 @@ int tdm_gpt_llmc_tensors(tdm_module *m, tdm_tensor **out, int cap);
 /* Writes m as an llm.c fp32 checkpoint (version 3), atomically (see io.h). TDM_ERR_ARG when m
  * is not a GPT, TDM_ERR_IO naming path when it cannot be written. */
 int tdm_gpt_save_llmc(const char *path, tdm_module *m);
+/* tdm_gpt_save_llmc in dtype dt: TDM_F32 writes version 3, TDM_BF16 llm.c's bf16 file
+ * (version 5, train_gpt2.cu's: the same header and order, each parameter rounded to bf16 to
+ * nearest even, as PyTorch's .to(torch.bfloat16)). TDM_ERR_DTYPE naming dt for any other
+ * dtype; otherwise errors as tdm_gpt_save_llmc's. */
+int tdm_gpt_save_llmc_as(const char *path, tdm_module *m, tdm_dtype dt);
 /* tdm_gpt_save_llmc with the parameters read from sharded checkpoint directory ckpt, which
  * holds m's parameters (tdm_checkpoint_read_params), one tensor at a time: for a model whose
  * parameters are sharded over ranks (ZeRO stage 3), written without gathering it. Needs
  * memory for m's largest parameter only. Errors as tdm_gpt_save_llmc's, and
  * tdm_checkpoint_read_params's naming the checkpoint. */
 int tdm_gpt_save_llmc_from(const char *path, tdm_module *m, const char *ckpt);
-/* Reads an llm.c fp32 checkpoint into a new GPT on dev (the caller frees it). Everything is
- * checked before the parameters are allocated: TDM_ERR_IO when path cannot be read;
- * TDM_ERR_FORMAT naming path and the cause for a wrong magic, an unsupported version (5 is
- * llm.c's bf16 format), a non-positive or inconsistent size in the header (with its byte
- * offset), or a file whose size is not 1024 + 4 * parameters (truncated, or trailing bytes).
+/* Reads an llm.c checkpoint, fp32 (version 3) or bf16 (version 5, widened exactly to the f32
+ * model), into a new GPT on dev (the caller frees it). Everything is checked before the
+ * parameters are allocated: TDM_ERR_IO when path cannot be read; TDM_ERR_FORMAT naming path
+ * and the cause for a wrong magic, a version other than 3 or 5, a non-positive or
+ * inconsistent size in the header (with its byte offset), or a file whose size is not 1024 +
+ * 4 (version 3) or 2 (version 5) bytes a parameter (truncated, or trailing bytes).
  * cfg (may be NULL) receives the header's config. */
 tdm_module *tdm_gpt_load_llmc(const char *path, tdm_device dev, tdm_gpt_config *cfg);
 /* The config of the llm.c model file at path into *cfg, its header and size checked as

@@ -37,7 +37,8 @@ extern "C" {
 /* ---- safetensors files ------------------------------------------------------------------- */
 
 /* One tensor to write: its name (any UTF-8 text except "__metadata__"; names must be
- * distinct) and its values (any device, any strides; f32, i32 or i64). */
+ * distinct) and its values (any device, any strides; f32, bf16, f16, i32 or i64, written as
+ * F32, BF16, F16, I32, I64). */
 typedef struct {
     const char *name;
     const tdm_tensor *tensor;
@@ -78,19 +79,23 @@ const char *tdm_safetensors_name(const tdm_safetensors *f, int i);
 /* The index of the tensor called name, or -1 (no error raised). */
 int tdm_safetensors_find(const tdm_safetensors *f, const char *name);
 /* The safetensors dtype string of tensor i ("F32", "BF16", "I64", ...), and its shape. The
- * file may hold dtypes Tandem does not compute in (F16, BF16, F64, U8, ...): they are valid
+ * file may hold dtypes Tandem does not compute in (F64, U8, F8_E4M3, ...): they are valid
  * here but tdm_safetensors_read refuses them. */
 const char *tdm_safetensors_dtype(const tdm_safetensors *f, int i);
 tdm_shape tdm_safetensors_shape(const tdm_safetensors *f, int i);
-/* The Tandem dtype of tensor i through *dt: TDM_OK for F32, I32 and I64, TDM_ERR_DTYPE
- * naming the file, the tensor and its dtype otherwise. */
+/* The Tandem dtype of tensor i through *dt: TDM_OK for F32, BF16, F16, I32 and I64,
+ * TDM_ERR_DTYPE naming the file, the tensor and its dtype otherwise. */
 int tdm_safetensors_tdm_dtype(const tdm_safetensors *f, int i, tdm_dtype *dt);
 /* The value of metadata key, or NULL when absent. Owned by f. */
 const char *tdm_safetensors_meta(const tdm_safetensors *f, const char *key);
 
-/* Reads tensor name into dst, which must have its shape and dtype (any device and strides):
- * TDM_ERR_ARG when the name is absent, TDM_ERR_SHAPE / TDM_ERR_DTYPE naming both sides when
- * they differ, TDM_ERR_IO when the file cannot be read. dst is unchanged on failure. */
+/* Reads tensor name into dst, which must have its shape and dtype (any device and strides);
+ * between float dtypes the values are converted, as Hugging Face's loaders convert a
+ * checkpoint to the model's dtype: a BF16 or F16 tensor into an f32 dst exactly, an F32 one
+ * into a bf16 or f16 dst rounded to nearest even (half.h). TDM_ERR_ARG when the name is
+ * absent, TDM_ERR_SHAPE / TDM_ERR_DTYPE naming both sides when the shapes differ or the
+ * dtypes differ and are not both float, TDM_ERR_NOMEM, TDM_ERR_IO when the file cannot be
+ * read. dst is unchanged on failure. */
 int tdm_safetensors_read(tdm_safetensors *f, const char *name, tdm_tensor *dst);
 /* Tensor name as a new tensor on dev (owned like any new tensor: by the open scope, or the
  * caller). NULL and an error as for tdm_safetensors_read. */
@@ -102,8 +107,10 @@ tdm_tensor *tdm_safetensors_load(tdm_safetensors *f, const char *name, tdm_devic
  * "features.0.running_mean") with metadata {"format": "pt"} plus meta, atomically, so
  * `model.load_state_dict(safetensors.torch.load_file(path))` restores them in PyTorch. */
 int tdm_weights_save(const char *path, tdm_module *m, const tdm_meta *meta, int n_meta);
-/* Loads every parameter and buffer of m from path. Strict: a name of m missing from the
- * file, a tensor of the file that m does not have, or a shape or dtype that differs is
+/* Loads every parameter and buffer of m from path, converting float tensors of another float
+ * dtype (a BF16 file into an f32 model) as tdm_safetensors_read does. Strict: a name of m
+ * missing from the file, a tensor of the file that m does not have, or a shape that differs
+ * or a dtype that differs and is not float on both sides is
  * TDM_ERR_FORMAT with a message listing each of them (missing, unexpected, different); m is
  * then left unchanged. Values go to m's device. */
 int tdm_weights_load(const char *path, tdm_module *m);
@@ -232,6 +239,13 @@ int tdm_checkpoint_read_params(const char *ckpt, const tdm_paramset *ps, int64_t
  * one file; with TDM_ERR_IO / TDM_ERR_FORMAT naming the file, the field and the cause (a
  * missing or truncated shard, a layout field out of range). */
 int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path);
+/* tdm_checkpoint_export with the model's f32 tensors written in dt (TDM_F32, TDM_BF16 or
+ * TDM_F16, rounded to nearest even as half.h; Hugging Face's convention for a model saved in
+ * bf16: integer buffers stay as they are), the state always in f32 (an optimizer's moments
+ * are not the model). TDM_ERR_DTYPE naming dt for another dtype; otherwise as
+ * tdm_checkpoint_export. */
+int tdm_checkpoint_export_as(const char *ckpt, const char *model_path, const char *state_path,
+                             tdm_dtype dt);
 
 /* ---- one run per checkpoint directory ---------------------------------------------------- */
 

@@ -58,7 +58,10 @@ void tdm_clear_error(void);
 typedef enum { TDM_F32 = 0, TDM_I32 = 1, TDM_I64 = 2, TDM_BF16 = 3, TDM_F16 = 4 } tdm_dtype;
 /* Whether dt holds floating-point values (f32, bf16, f16). */
 bool tdm_dtype_is_float(tdm_dtype dt);
+/* Whether dt is one of the enum's values (a number read from elsewhere may not be). */
+bool tdm_dtype_valid(tdm_dtype dt);
 
+/* Bytes of one element: 8 (i64), 4 (f32, i32), 2 (bf16, f16). */
 size_t tdm_dtype_size(tdm_dtype dt);
 const char *tdm_dtype_name(tdm_dtype dt); /* "f32", "i32", "i64", "bf16", "f16" */
 
@@ -177,9 +180,12 @@ tdm_tensor *tdm_ones(tdm_shape shape, tdm_dtype dt, tdm_device dev);
 tdm_tensor *tdm_full(tdm_shape shape, float value, tdm_dtype dt, tdm_device dev);
 /* [start, start+step, ...) below end (above, for a negative step), like torch.arange. */
 tdm_tensor *tdm_arange(double start, double end, double step, tdm_dtype dt, tdm_device dev);
-/* Copies numel * dtype_size bytes from host memory. */
+/* Copies numel * dtype_size bytes from host memory (bf16 and f16 as their raw uint16_t
+ * bits, half.h). */
 tdm_tensor *tdm_from_data(tdm_shape shape, tdm_dtype dt, tdm_device dev, const void *host);
-/* N(mean, std^2) and U[low, high) draws from rng (NULL: the default generator). */
+/* N(mean, std^2) and U[low, high) draws from rng (NULL: the default generator). The in-place
+ * forms below take any float dtype: a bf16 or f16 tensor receives the f32 draw of the same
+ * counters rounded once; an integer tensor is TDM_ERR_DTYPE. */
 tdm_tensor *tdm_randn(tdm_shape shape, float mean, float std, tdm_device dev, tdm_rng *rng);
 tdm_tensor *tdm_rand(tdm_shape shape, float low, float high, tdm_device dev, tdm_rng *rng);
 /* In-place fills of an existing tensor (no autograd). */
@@ -192,7 +198,8 @@ int tdm_copy_(tdm_tensor *dst, const tdm_tensor *src);
 /* Copies the elements, in row-major order, to host memory of at least numel*dtype_size
  * bytes. Returns TDM_OK or an error if nbytes is too small. */
 int tdm_to_host(const tdm_tensor *t, void *host, size_t nbytes);
-/* The value of a one-element tensor as a float (NAN and an error otherwise). */
+/* The value of a one-element tensor as a float (a bf16 or f16 value exactly; NAN and an
+ * error otherwise). */
 float tdm_item(const tdm_tensor *t);
 /* A copy of t on another device (differentiable). */
 tdm_tensor *tdm_to_device(tdm_tensor *t, tdm_device dev);
@@ -200,8 +207,18 @@ tdm_tensor *tdm_to_device(tdm_tensor *t, tdm_device dev);
 tdm_tensor *tdm_contiguous(tdm_tensor *t);
 /* A new tensor with the same values; no autograd history. */
 tdm_tensor *tdm_clone(const tdm_tensor *t);
-/* Converts dtype (not differentiable). */
+/* A new contiguous tensor of dtype dt holding t's values converted (always a copy, also when
+ * dt is t's dtype; owned like any new tensor). Floats to bf16 or f16 round to nearest even
+ * as half.h says (PyTorch's bits); integers to floats go through a float. Not differentiable:
+ * the result has no history. NULL when t is NULL; TDM_ERR_DTYPE naming dt when dt is not a
+ * dtype of the enum. */
 tdm_tensor *tdm_cast(const tdm_tensor *t, tdm_dtype dt);
+/* tdm_cast recorded on the tape, PyTorch's t.to(dtype): between float dtypes (f32, bf16,
+ * f16) the gradient flows back cast to t's dtype (the incoming gradient of a bf16 result is
+ * widened exactly to f32; of an f32 result, rounded to bf16). A result of an integer dtype,
+ * or from an integer t, has no history. Always a copy, as tdm_cast. NULL and errors as
+ * tdm_cast's. */
+tdm_tensor *tdm_to_dtype(tdm_tensor *t, tdm_dtype dt);
 
 /* ---- views (share storage; differentiable) ------------------------------------------------ */
 

@@ -306,6 +306,24 @@ tdm_tensor *tdm_to_device(tdm_tensor *x, tdm_device dev) {
     return y;
 }
 
+static int to_dtype_backward(tdm_node *n, tdm_tensor *gout) {
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_tensor *g = tdm_cast(gout, n->in[0]->dtype);
+    tdm_set_grad_enabled(prev);
+    return g ? tdm_grad_accumulate(n->in[0], g) : tdm_last_status();
+}
+
+tdm_tensor *tdm_to_dtype(tdm_tensor *x, tdm_dtype dt) {
+    if (!x) return NULL;
+    tdm_tensor *y = tdm_cast(x, dt);
+    if (!y) return NULL;
+    /* only a float result carries a gradient, as an integer .to() in PyTorch */
+    bool floats = tdm_dtype_is_float(x->dtype) && tdm_dtype_is_float(dt);
+    if (floats && tdm_needs_record(1, &x) && !tdm_record("to_dtype", to_dtype_backward, y, 1, &x))
+        return tdm_drop_fail(y);
+    return y;
+}
+
 /* ---- concat and split -------------------------------------------------------------------- */
 
 static int concat_backward(tdm_node *n, tdm_tensor *gout) {

@@ -2,6 +2,7 @@
  * fills, random draws, copies and host transfers. They are the backend layer's, above core
  * (which makes headers, views and storage), so that core never calls up into the table. */
 #include "backend/backend.h"
+#include "tandem/half.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -54,6 +55,10 @@ tdm_tensor *tdm_arange(double start, double end, double step, tdm_dtype dt, tdm_
             ((float *)h)[i] = (float)v;
         else if (dt == TDM_I32)
             ((int32_t *)h)[i] = (int32_t)v;
+        else if (dt == TDM_BF16) /* the float value rounded once, as torch.arange's */
+            ((uint16_t *)h)[i] = tdm_bf16_from_float((float)v);
+        else if (dt == TDM_F16)
+            ((uint16_t *)h)[i] = tdm_f16_from_float((float)v);
         else
             ((int64_t *)h)[i] = (int64_t)v;
     }
@@ -64,7 +69,9 @@ tdm_tensor *tdm_arange(double start, double end, double step, tdm_dtype dt, tdm_
 
 static int draw(tdm_tensor *t, int dist, float a, float b, tdm_rng *rng) {
     if (!t) return tdm_last_status();
-    if (tdm_check_f32(t, dist ? "normal_" : "uniform_")) return TDM_ERR_DTYPE;
+    if (!tdm_dtype_is_float(t->dtype))
+        return tdm_raise(TDM_ERR_DTYPE, "%s: expected a floating-point tensor, got %s",
+                         dist ? "normal_" : "uniform_", tdm_dtype_name(t->dtype));
     if (!rng) rng = tdm_default_rng();
     /* each element consumes one counter; round up so draws never overlap */
     uint64_t first = tdm_rng_take(rng, (uint64_t)tdm_numel(t) + 4);
@@ -125,6 +132,11 @@ float tdm_item(const tdm_tensor *t) {
         float v;
         return backend_of(t)->to_host(&v, t) ? NAN : v;
     }
+    if (t->dtype == TDM_BF16 || t->dtype == TDM_F16) {
+        uint16_t h;
+        if (backend_of(t)->to_host(&h, t)) return NAN;
+        return t->dtype == TDM_BF16 ? tdm_bf16_to_float(h) : tdm_f16_to_float(h);
+    }
     int64_t v64 = 0;
     int32_t v32 = 0;
     if (backend_of(t)->to_host(t->dtype == TDM_I64 ? (void *)&v64 : (void *)&v32, t)) return NAN;
@@ -139,6 +151,9 @@ tdm_tensor *tdm_clone(const tdm_tensor *t) {
 
 tdm_tensor *tdm_cast(const tdm_tensor *t, tdm_dtype dt) {
     if (!t) return NULL;
+    if (!tdm_dtype_valid(dt))
+        return tdm_raise_null(TDM_ERR_DTYPE, "cast: unknown dtype %d (from %s)", (int)dt,
+                              tdm_dtype_name(t->dtype));
     tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(t), dt, t->device);
     return c && backend_of(c)->copy(c, t) == 0 ? c : NULL;
 }

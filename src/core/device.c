@@ -9,6 +9,10 @@ size_t tdm_dtype_size(tdm_dtype dt) {
     return dt == TDM_I64 ? 8 : dt == TDM_BF16 || dt == TDM_F16 ? 2 : 4;
 }
 
+bool tdm_dtype_valid(tdm_dtype dt) {
+    return (unsigned)dt <= (unsigned)TDM_F16;
+}
+
 bool tdm_dtype_is_float(tdm_dtype dt) {
     return dt == TDM_F32 || dt == TDM_BF16 || dt == TDM_F16;
 }

@@ -99,6 +99,9 @@ static int check_shape(int ndim, const int64_t *d, const char *op) {
 tdm_tensor *tdm_tensor_alloc_owned(tdm_shape shape, tdm_dtype dt, tdm_device dev,
                                    tdm_scope *owner) {
     if (check_shape(shape.ndim, shape.d, "tensor")) return NULL;
+    if (!tdm_dtype_valid(dt))
+        return tdm_raise_null(TDM_ERR_DTYPE,
+                              "tensor: unknown dtype %d (f32, i32, i64, bf16 or f16)", (int)dt);
     tdm_storage *s = tdm_storage_new((size_t)tdm_shape_numel(shape) * tdm_dtype_size(dt), dev);
     if (!s) return NULL;
     tdm_tensor *t = tdm_tensor_header_owned(owner);

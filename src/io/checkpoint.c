@@ -109,10 +109,8 @@ int tdm_ckpt_check_tensors(tdm_safetensors *f, const tdm_named_tensor *ts, int n
         tdm_shape_str(tdm_safetensors_shape(f, k), a);
         snprintf(a + strlen(a), sizeof a - strlen(a), " %s", tdm_safetensors_dtype(f, k));
         tdm_shape_str(tdm_shape_of(ts[i].tensor), b);
-        snprintf(b + strlen(b), sizeof b - strlen(b), " %s",
-                 ts[i].tensor->dtype == TDM_F32   ? "F32"
-                 : ts[i].tensor->dtype == TDM_I32 ? "I32"
-                                                  : "I64");
+        const char *dn = tdm_safetensors_dtype_of(ts[i].tensor->dtype);
+        snprintf(b + strlen(b), sizeof b - strlen(b), " %s", dn ? dn : "?");
         append(diff, sizeof diff, &n_diff, "%s (file %s, model %s)", ts[i].name, a, b);
     }
     for (int k = 0; k < tdm_safetensors_count(f); k++) {

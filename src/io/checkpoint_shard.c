@@ -712,8 +712,42 @@ static tdm_tensor *whole(layout *l, const char *name) {
     return t;
 }
 
-/* model.safetensors as an unsharded run writes it: the parameters, then the buffers. */
-static int export_model(layout *l, const char *path) {
+/* The f32 tensors of ts[0..n) replaced by their casts to dt (new tensors of the current
+ * scope), as Hugging Face saves a model in another dtype: integer tensors (a batch norm's
+ * count) stay as they are. */
+static int cast_floats(tdm_named_tensor *ts, int n, tdm_dtype dt) {
+    for (int i = 0; i < n && dt != TDM_F32; i++) {
+        if (ts[i].tensor->dtype != TDM_F32) continue;
+        if (!(ts[i].tensor = tdm_cast(ts[i].tensor, dt))) return tdm_last_status();
+    }
+    return TDM_OK;
+}
+
+/* An unsharded checkpoint's model file src rewritten to path with its f32 tensors in dt, its
+ * metadata and names as they were. */
+static int export_model_file(const char *src, const char *path, tdm_dtype dt) {
+    tdm_safetensors *f = tdm_safetensors_open(src);
+    if (!f) return tdm_last_status();
+    int n = tdm_safetensors_count(f), nm = tdm_safetensors_meta_count(f), rc = TDM_OK;
+    tdm_named_tensor *ts = calloc((size_t)n + 1, sizeof *ts);
+    tdm_meta *meta = calloc((size_t)nm + 1, sizeof *meta);
+    if (!ts || !meta) rc = tdm_raise(TDM_ERR_NOMEM, "export: out of memory");
+    for (int i = 0; !rc && i < nm; i++) tdm_safetensors_meta_at(f, i, &meta[i].key, &meta[i].value);
+    for (int i = 0; !rc && i < n; i++) {
+        ts[i].name = tdm_safetensors_name(f, i);
+        ts[i].tensor = tdm_safetensors_load(f, ts[i].name, tdm_cpu(0));
+        if (!ts[i].tensor) rc = tdm_last_status();
+    }
+    if (!rc) rc = cast_floats(ts, n, dt);
+    if (!rc) rc = tdm_safetensors_save(path, ts, n, meta, nm);
+    free(ts), free(meta);
+    tdm_safetensors_close(f);
+    return rc;
+}
+
+/* model.safetensors as an unsharded run writes it: the parameters, then the buffers, the f32
+ * ones in dt. */
+static int export_model(layout *l, const char *path, tdm_dtype dt) {
     char f[4300];
     snprintf(f, sizeof f, "%s/" BUFFERS, l->dir);
     tdm_safetensors *bf = tdm_safetensors_open(f);
@@ -729,6 +763,7 @@ static int export_model(layout *l, const char *path) {
         ts[l->n + k] = (tdm_named_tensor){name, t};
     }
     tdm_meta pt = {"format", "pt"};
+    if (!rc) rc = cast_floats(ts, l->n + nb, dt);
     if (!rc) rc = tdm_safetensors_save(path, ts, l->n + nb, &pt, 1);
     free(ts);
     tdm_safetensors_close(bf);
@@ -769,20 +804,26 @@ static int export_state(layout *l, const char *path) {
     return rc;
 }
 
-/* ckpt whole into model_path and state_path (either may be NULL). */
-static int export_whole(const char *ckpt, const char *model_path, const char *state_path) {
+/* ckpt whole into model_path (its f32 tensors in dt) and state_path (either may be NULL). */
+static int export_whole(const char *ckpt, const char *model_path, const char *state_path,
+                        tdm_dtype dt) {
     char f[4200];
-    int rc;
+    int rc = TDM_OK;
     if (!tdm_checkpoint_is_sharded(ckpt)) { /* already whole */
         snprintf(f, sizeof f, "%s/model.safetensors", ckpt);
-        rc = model_path ? copy_file(f, model_path) : TDM_OK;
+        if (model_path && dt == TDM_F32)
+            rc = copy_file(f, model_path);
+        else if (model_path && !(rc = tdm_scope_begin())) {
+            rc = export_model_file(f, model_path, dt);
+            tdm_scope_end();
+        }
         snprintf(f, sizeof f, "%s/train_state.safetensors", ckpt);
         return rc || !state_path ? rc : copy_file(f, state_path);
     }
     layout l;
     if ((rc = layout_read(ckpt, &l))) return rc;
     if (!(rc = tdm_scope_begin())) {
-        if (model_path) rc = export_model(&l, model_path);
+        if (model_path) rc = export_model(&l, model_path, dt);
         if (!rc && state_path) rc = export_state(&l, state_path);
         tdm_scope_end();
     }
@@ -792,7 +833,7 @@ static int export_whole(const char *ckpt, const char *model_path, const char *st
 
 /* The outputs out[0..2) (NULL: none) each written under a temporary name beside it and
  * renamed over it only once both are complete, so that a failure leaves both as they were. */
-static int export_staged(const char *ckpt, const char *const out[2]) {
+static int export_staged(const char *ckpt, const char *const out[2], tdm_dtype dt) {
     char tmp[2][4400] = {"", ""}, dir[4096];
     int rc = TDM_OK;
     for (int k = 0; !rc && k < 2; k++) {
@@ -800,7 +841,7 @@ static int export_staged(const char *ckpt, const char *const out[2]) {
         if (fd == -1) tmp[k][0] = '\0', rc = tdm_last_status();
         if (fd >= 0) close(fd);
     }
-    if (!rc) rc = export_whole(ckpt, out[0] ? tmp[0] : NULL, out[1] ? tmp[1] : NULL);
+    if (!rc) rc = export_whole(ckpt, out[0] ? tmp[0] : NULL, out[1] ? tmp[1] : NULL, dt);
     for (int k = 0; !rc && k < 2; k++) {
         if (!out[k]) continue;
         if (rename(tmp[k], out[k]) != 0)
@@ -816,8 +857,18 @@ static int export_staged(const char *ckpt, const char *const out[2]) {
     return rc;
 }
 
-int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path) {
+int tdm_checkpoint_export_as(const char *ckpt, const char *model_path, const char *state_path,
+                             tdm_dtype dt) {
     if (!ckpt) return tdm_raise(TDM_ERR_ARG, "checkpoint_export: NULL checkpoint");
+    if (!tdm_dtype_valid(dt) || !tdm_dtype_is_float(dt))
+        return tdm_raise(TDM_ERR_DTYPE,
+                         "checkpoint_export: the model's dtype must be f32, bf16 "
+                         "or f16, not %s",
+                         tdm_dtype_valid(dt) ? tdm_dtype_name(dt) : "an unknown dtype");
     int rc = export_check_outputs(ckpt, model_path, state_path);
-    return rc ? rc : export_staged(ckpt, (const char *const[2]){model_path, state_path});
+    return rc ? rc : export_staged(ckpt, (const char *const[2]){model_path, state_path}, dt);
+}
+
+int tdm_checkpoint_export(const char *ckpt, const char *model_path, const char *state_path) {
+    return tdm_checkpoint_export_as(ckpt, model_path, state_path, TDM_F32);
 }

@@ -35,9 +35,12 @@ bool tdm_io_fault(void);
  * framing (tensorboard.c). tdm_crc32c("123456789", 9) is 0xE3069283. */
 uint32_t tdm_crc32c(const void *data, size_t n);
 
-/* Checks that tensor i of f can be read into dst (same shape and dtype); raises naming the
- * file and the tensor otherwise. */
+/* Checks that tensor i of f can be read into dst (same shape; same dtype, or both float
+ * dtypes, which tdm_safetensors_read converts); raises naming the file and the tensor
+ * otherwise. */
 int tdm_safetensors_check(const tdm_safetensors *f, int i, const tdm_tensor *dst);
+/* The safetensors name of a Tandem dtype ("F32", "BF16", ...), NULL for an invalid one. */
+const char *tdm_safetensors_dtype_of(tdm_dtype dt);
 /* The file name f was opened as, into buf. */
 int tdm_safetensors_what(const tdm_safetensors *f, char *buf, size_t cap);
 

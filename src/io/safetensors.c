@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "backend/backend.h"
+#include "tandem/half.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors data is little-endian; this reader copies it as is"
@@ -49,9 +50,10 @@ typedef struct {
 } st_dtype;
 
 static const st_dtype dtypes[] = {
-    {"F32", 4, TDM_F32}, {"I32", 4, TDM_I32}, {"I64", 8, TDM_I64}, {"BOOL", 1, -1}, {"U8", 1, -1},
-    {"I8", 1, -1},       {"F8_E5M2", 1, -1},  {"F8_E4M3", 1, -1},  {"I16", 2, -1},  {"U16", 2, -1},
-    {"F16", 2, -1},      {"BF16", 2, -1},     {"U32", 4, -1},      {"F64", 8, -1},  {"U64", 8, -1},
+    {"F32", 4, TDM_F32}, {"I32", 4, TDM_I32}, {"I64", 8, TDM_I64}, {"BOOL", 1, -1},
+    {"U8", 1, -1},       {"I8", 1, -1},       {"F8_E5M2", 1, -1},  {"F8_E4M3", 1, -1},
+    {"I16", 2, -1},      {"U16", 2, -1},      {"F16", 2, TDM_F16}, {"BF16", 2, TDM_BF16},
+    {"U32", 4, -1},      {"F64", 8, -1},      {"U64", 8, -1},
 };
 #define N_DTYPES (int)(sizeof dtypes / sizeof dtypes[0])
 
@@ -61,9 +63,12 @@ static int dtype_find(const char *s) {
     return -1;
 }
 
-static const char *st_name_of(tdm_dtype dt) {
-    return dt == TDM_F32 ? "F32" : dt == TDM_I32 ? "I32" : dt == TDM_I64 ? "I64" : NULL;
+const char *tdm_safetensors_dtype_of(tdm_dtype dt) {
+    for (int i = 0; i < N_DTYPES; i++)
+        if (dtypes[i].tdm >= 0 && dtypes[i].tdm == (int)dt) return dtypes[i].name;
+    return NULL;
 }
+#define st_name_of tdm_safetensors_dtype_of
 
 /* ---- the opened file ---------------------------------------------------------------------- */
 
@@ -439,7 +444,8 @@ int tdm_safetensors_tdm_dtype(const tdm_safetensors *f, int i, tdm_dtype *dt) {
     int t = dtypes[f->e[i].dtype].tdm;
     if (t < 0)
         return tdm_raise(TDM_ERR_DTYPE,
-                         "safetensors '%s': tensor '%.200s' is %s; Tandem reads F32, I32 and I64",
+                         "safetensors '%s': tensor '%.200s' is %s; Tandem reads F32, BF16, F16, "
+                         "I32 and I64",
                          f->what, f->e[i].name, dtypes[f->e[i].dtype].name);
     *dt = (tdm_dtype)t;
     return TDM_OK;
@@ -468,10 +474,33 @@ int tdm_safetensors_check(const tdm_safetensors *f, int i, const tdm_tensor *dst
         return tdm_raise(TDM_ERR_SHAPE,
                          "safetensors '%s': tensor '%.200s' has shape %s, expected %s", f->what,
                          f->e[i].name, tdm_shape_str(s, a), tdm_shape_str(tdm_shape_of(dst), b));
-    if (dt != dst->dtype)
+    if (dt != dst->dtype && !(tdm_dtype_is_float(dt) && tdm_dtype_is_float(dst->dtype)))
         return tdm_raise(TDM_ERR_DTYPE, "safetensors '%s': tensor '%.200s' is %s, expected %s",
                          f->what, f->e[i].name, dtypes[f->e[i].dtype].name,
                          st_name_of(dst->dtype) ? st_name_of(dst->dtype) : "?");
+    return TDM_OK;
+}
+
+/* Replaces *host, n bytes of `from` values, with a new buffer of the same values as `to` (two
+ * float dtypes), rounding to nearest even where `to` is narrower (half.h). */
+static int convert_host(void **host, tdm_dtype from, tdm_dtype to, size_t n, const char *what,
+                        const char *name) {
+    size_t count = n / tdm_dtype_size(from);
+    float *f32 = from == TDM_F32 ? *host : malloc(count * sizeof(float));
+    void *out = to == TDM_F32 ? (void *)f32 : malloc(count * tdm_dtype_size(to));
+    if (!f32 || !out) {
+        if (f32 != *host) free(f32);
+        return tdm_raise(TDM_ERR_NOMEM,
+                         "safetensors '%s': out of memory converting tensor '%.200s' to %s", what,
+                         name, tdm_dtype_name(to));
+    }
+    if (from == TDM_BF16) tdm_bf16_to_f32(f32, *host, count);
+    if (from == TDM_F16) tdm_f16_to_f32(f32, *host, count);
+    if (to == TDM_BF16) tdm_bf16_from_f32(out, f32, count);
+    if (to == TDM_F16) tdm_f16_from_f32(out, f32, count);
+    if (f32 != *host && f32 != out) free(f32);
+    if (out != *host) free(*host);
+    *host = out;
     return TDM_OK;
 }
 
@@ -494,6 +523,8 @@ int tdm_safetensors_read(tdm_safetensors *f, const char *name, tdm_tensor *dst) 
                          "bytes)",
                          f->what, name, n);
     rc = read_at(f, f->data_start + e->begin, host, n);
+    tdm_dtype from = (tdm_dtype)dtypes[e->dtype].tdm;
+    if (!rc && from != dst->dtype) rc = convert_host(&host, from, dst->dtype, n, f->what, name);
     if (!rc) rc = be->from_host(dst, host);
     free(host);
     return rc;
@@ -640,14 +671,15 @@ int tdm_safetensors_save(const char *path, const tdm_named_tensor *ts, int n, co
     if (!path) return tdm_raise(TDM_ERR_ARG, "safetensors_save: NULL path");
     int rc = check_inputs(ts, n, meta, n_meta, path);
     if (rc) return rc;
-    /* 8-byte dtypes first, then 4-byte ones (each group in the caller's order), as the
-     * reference writer does, so every tensor's data is aligned to its element size */
+    /* 8-byte dtypes first, then 4-byte, then 2-byte ones (each group in the caller's order),
+     * as the reference writer orders by alignment, so every tensor's data is aligned to its
+     * element size */
     tdm_named_tensor *sorted = malloc(sizeof *sorted * (size_t)(n ? n : 1));
     if (!sorted) return tdm_raise(TDM_ERR_NOMEM, "safetensors_save '%s': out of memory", path);
     int k = 0;
-    for (int pass = 0; pass < 2; pass++)
+    for (size_t size = 8; size >= 2; size /= 2)
         for (int i = 0; i < n; i++)
-            if ((tdm_dtype_size(ts[i].tensor->dtype) == 8) == (pass == 0)) sorted[k++] = ts[i];
+            if (tdm_dtype_size(ts[i].tensor->dtype) == size) sorted[k++] = ts[i];
     ts = sorted;
     size_t hlen = 0;
     char *header = build_header(ts, n, meta, n_meta, path, &hlen);

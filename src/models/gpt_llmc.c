@@ -1,10 +1,14 @@
-/* llm.c's fp32 model checkpoint (train_gpt2.c, version 3): 256 little-endian int32 of header
- * (magic 20240326, version 3, maxT, V, L, NH, C, Vp), then every parameter as little-endian
- * f32 in llm.c's order (tdm_gpt_export_llmc). The reader checks the header and the file size
- * before allocating anything, so a hostile header cannot make it allocate more than the file
- * holds. Hosts are assumed little-endian with IEEE floats, as llm.c itself assumes. */
+/* llm.c's model checkpoints (train_gpt2.py's write_model): 256 little-endian int32 of header
+ * (magic 20240326, version, maxT, V, L, NH, C, Vp), then every parameter in llm.c's order
+ * (tdm_gpt_export_llmc): version 3 as little-endian f32, version 5 (train_gpt2.cu's bf16
+ * file) as little-endian bf16, the same layout otherwise. A version 5 file is widened to the
+ * f32 model exactly; writing one rounds each parameter to nearest even (half.h, PyTorch's
+ * bits). The reader checks the header and the file size before allocating anything, so a
+ * hostile header cannot make it allocate more than the file holds. Hosts are assumed
+ * little-endian with IEEE floats, as llm.c itself assumes. */
 #include "io/io_internal.h"
 #include "tandem/gpt.h"
+#include "tandem/half.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -44,11 +48,13 @@ static int write_all(int fd, const void *buf, size_t n, const char *path) {
     return TDM_OK;
 }
 
-/* The temporary file of path with c's header written, or -1 (raised); tmp its name. */
-static int open_with_header(const char *path, const tdm_gpt_config *c, char *tmp, size_t cap) {
+/* The temporary file of path with c's header of `version` written, or -1 (raised); tmp its
+ * name. */
+static int open_with_header(const char *path, const tdm_gpt_config *c, int32_t version, char *tmp,
+                            size_t cap) {
     uint8_t header[HEADER_BYTES] = {0};
-    int32_t fields[8] = {LLMC_MAGIC, LLMC_VERSION_FP32, c->context,  c->vocab,
-                         c->layers,  c->heads,          c->channels, c->padded_vocab};
+    int32_t fields[8] = {LLMC_MAGIC, version,  c->context,  c->vocab,
+                         c->layers,  c->heads, c->channels, c->padded_vocab};
     for (int i = 0; i < 8; i++) put_le32(header + 4 * i, fields[i]);
     int fd = tdm_io_temp_open(path, tmp, cap);
     if (fd >= 0 && write_all(fd, header, sizeof header, path)) {
@@ -58,23 +64,40 @@ static int open_with_header(const char *path, const tdm_gpt_config *c, char *tmp
     return fd;
 }
 
-int tdm_gpt_save_llmc(const char *path, tdm_module *m) {
+int tdm_gpt_save_llmc_as(const char *path, tdm_module *m, tdm_dtype dt) {
     const tdm_gpt_config *c = tdm_gpt_config_of(m);
     if (!path) return tdm_raise(TDM_ERR_ARG, "gpt_save_llmc: path is NULL");
     if (!c) return tdm_raise(TDM_ERR_ARG, "gpt_save_llmc: %s: the module is not a GPT", path);
+    if (dt != TDM_F32 && dt != TDM_BF16)
+        return tdm_raise(TDM_ERR_DTYPE,
+                         "gpt_save_llmc: %s: llm.c's files hold f32 (version 3) or bf16 "
+                         "(version 5), not %s",
+                         path, tdm_dtype_valid(dt) ? tdm_dtype_name(dt) : "an unknown dtype");
     int64_t n = tdm_gpt_llmc_numel(c);
     float *params = malloc(sizeof(float) * (size_t)n);
     if (!params) return tdm_raise(TDM_ERR_NOMEM, "gpt_save_llmc: %s: out of memory", path);
     int rc = tdm_gpt_export_llmc(m, false, params, n);
+    uint16_t *half = !rc && dt == TDM_BF16 ? malloc(sizeof(uint16_t) * (size_t)n) : NULL;
+    if (!rc && dt == TDM_BF16 && !half)
+        rc = tdm_raise(TDM_ERR_NOMEM, "gpt_save_llmc: %s: out of memory", path);
+    if (half) tdm_bf16_from_f32(half, params, (size_t)n);
     char tmp[4200];
-    int fd = rc ? -1 : open_with_header(path, c, tmp, sizeof tmp);
+    int32_t version = dt == TDM_BF16 ? LLMC_VERSION_BF16 : LLMC_VERSION_FP32;
+    int fd = rc ? -1 : open_with_header(path, c, version, tmp, sizeof tmp);
     if (fd < 0) {
         free(params);
+        free(half);
         return rc ? rc : tdm_last_status();
     }
-    rc = write_all(fd, params, sizeof(float) * (size_t)n, path);
+    rc = half ? write_all(fd, half, sizeof(uint16_t) * (size_t)n, path)
+              : write_all(fd, params, sizeof(float) * (size_t)n, path);
     free(params);
+    free(half);
     return tdm_io_temp_commit(fd, tmp, path, rc);
+}
+
+int tdm_gpt_save_llmc(const char *path, tdm_module *m) {
+    return tdm_gpt_save_llmc_as(path, m, TDM_F32);
 }
 
 /* The index of parameter t in ps, or -1. */
@@ -98,7 +121,7 @@ int tdm_gpt_save_llmc_from(const char *path, tdm_module *m, const char *ckpt) {
     for (int k = 0; k < n; k++) largest = tdm_numel(ts[k]) > largest ? tdm_numel(ts[k]) : largest;
     float *buf = malloc(sizeof(float) * (size_t)largest);
     char tmp[4200];
-    int fd = buf ? open_with_header(path, c, tmp, sizeof tmp) : -1;
+    int fd = buf ? open_with_header(path, c, LLMC_VERSION_FP32, tmp, sizeof tmp) : -1;
     int rc = !buf     ? tdm_raise(TDM_ERR_NOMEM, "gpt_save_llmc: out of memory")
              : fd < 0 ? tdm_last_status()
                       : TDM_OK;
@@ -114,8 +137,9 @@ int tdm_gpt_save_llmc_from(const char *path, tdm_module *m, const char *ckpt) {
     return fd < 0 ? rc : tdm_io_temp_commit(fd, tmp, path, rc);
 }
 
-/* The header's config, checked field by field (byte offsets name the culprit). */
-static int parse_header(const char *path, const uint8_t *h, tdm_gpt_config *c) {
+/* The header's config and version (3 or 5), checked field by field (byte offsets name the
+ * culprit). */
+static int parse_header(const char *path, const uint8_t *h, tdm_gpt_config *c, int *version) {
     static const char *const names[8] = {"magic",  "version",   "max_seq_len", "vocab_size",
                                          "layers", "num_heads", "channels",    "padded_vocab_size"};
     int32_t f[8];
@@ -125,12 +149,12 @@ static int parse_header(const char *path, const uint8_t *h, tdm_gpt_config *c) {
                          "gpt_load_llmc: %s: wrong magic %d at byte offset 0 (an llm.c model "
                          "file starts with %d)",
                          path, f[0], LLMC_MAGIC);
-    if (f[1] != LLMC_VERSION_FP32)
+    if (f[1] != LLMC_VERSION_FP32 && f[1] != LLMC_VERSION_BF16)
         return tdm_raise(TDM_ERR_FORMAT,
                          "gpt_load_llmc: %s: unsupported version %d at byte offset 4 (expected "
-                         "%d, fp32%s)",
-                         path, f[1], LLMC_VERSION_FP32,
-                         f[1] == LLMC_VERSION_BF16 ? "; version 5 is llm.c's bf16 format" : "");
+                         "%d, fp32, or %d, bf16)",
+                         path, f[1], LLMC_VERSION_FP32, LLMC_VERSION_BF16);
+    *version = f[1];
     for (int i = 2; i < 8; i++)
         if (f[i] < 1 || f[i] > MAX_DIM)
             return tdm_raise(TDM_ERR_FORMAT,
@@ -164,8 +188,9 @@ static int read_exact(FILE *f, void *buf, size_t n, const char *path, long at) {
                      path, at + (long)n);
 }
 
-/* Opens path, checks header and size; returns the open file positioned at the parameters. */
-static FILE *open_checked(const char *path, tdm_gpt_config *c, int64_t *n) {
+/* Opens path, checks header and size; returns the open file positioned at the parameters, *n
+ * of them, each of *es bytes (4: f32, 2: bf16). */
+static FILE *open_checked(const char *path, tdm_gpt_config *c, int64_t *n, int *es) {
     FILE *f = fopen(path, "rb");
     if (!f)
         return tdm_raise_null(TDM_ERR_IO, "gpt_load_llmc: cannot open '%s': %s", path,
@@ -181,11 +206,13 @@ static FILE *open_checked(const char *path, tdm_gpt_config *c, int64_t *n) {
                        "%d",
                        path, (long long)st.st_size, HEADER_BYTES);
     if (!rc) rc = read_exact(f, h, sizeof h, path, 0);
-    if (!rc) rc = parse_header(path, h, c);
+    int version = 0;
+    if (!rc) rc = parse_header(path, h, c, &version);
     if (!rc) {
         *n = tdm_gpt_llmc_numel(c);
+        *es = version == LLMC_VERSION_BF16 ? 2 : 4;
         bool fits = *n >= 1 && *n <= (INT64_MAX - HEADER_BYTES) / 4;
-        long long want = fits ? HEADER_BYTES + 4LL * *n : 0;
+        long long want = fits ? HEADER_BYTES + (long long)*es * *n : 0;
         if (!fits)
             rc = tdm_raise(TDM_ERR_FORMAT,
                            "gpt_load_llmc: %s: the header's sizes (byte offsets 8..31: %d "
@@ -195,12 +222,14 @@ static FILE *open_checked(const char *path, tdm_gpt_config *c, int64_t *n) {
         else if (st.st_size != want)
             rc = tdm_raise(TDM_ERR_FORMAT,
                            "gpt_load_llmc: %s: %s: the file has %lld bytes, the header's model "
-                           "(%lld parameters) needs %lld",
+                           "(%lld parameters, %s) needs %lld",
                            path,
                            st.st_size < want ? "truncated"
                                              : "trailing bytes after the "
                                                "parameters",
-                           (long long)st.st_size, (long long)*n, want);
+                           (long long)st.st_size, (long long)*n,
+                           version == LLMC_VERSION_BF16 ? "bf16, version 5" : "f32, version 3",
+                           want);
     }
     if (rc) {
         fclose(f);
@@ -213,7 +242,8 @@ int tdm_gpt_llmc_config(const char *path, tdm_gpt_config *cfg) {
     if (!path || !cfg)
         return tdm_raise(TDM_ERR_ARG, "gpt_llmc_config: %s is NULL", path ? "cfg" : "path");
     int64_t n = 0;
-    FILE *f = open_checked(path, cfg, &n);
+    int es = 0;
+    FILE *f = open_checked(path, cfg, &n, &es);
     if (!f) return tdm_last_status();
     fclose(f);
     return TDM_OK;
@@ -223,12 +253,17 @@ tdm_module *tdm_gpt_load_llmc(const char *path, tdm_device dev, tdm_gpt_config *
     if (!path) return tdm_raise_null(TDM_ERR_ARG, "gpt_load_llmc: path is NULL");
     tdm_gpt_config c;
     int64_t n = 0;
-    FILE *f = open_checked(path, &c, &n);
+    int es = 0;
+    FILE *f = open_checked(path, &c, &n, &es);
     if (!f) return NULL;
     float *params = malloc(sizeof(float) * (size_t)n);
-    int rc = params ? read_exact(f, params, sizeof(float) * (size_t)n, path, HEADER_BYTES)
-                    : tdm_raise(TDM_ERR_NOMEM, "gpt_load_llmc: %s: out of memory", path);
+    uint16_t *half = es == 2 ? malloc(sizeof(uint16_t) * (size_t)n) : NULL;
+    void *raw = es == 2 ? (void *)half : (void *)params;
+    int rc = params && raw ? read_exact(f, raw, (size_t)es * (size_t)n, path, HEADER_BYTES)
+                           : tdm_raise(TDM_ERR_NOMEM, "gpt_load_llmc: %s: out of memory", path);
     fclose(f);
+    if (!rc && half) tdm_bf16_to_f32(params, half, (size_t)n); /* exact */
+    free(half);
     tdm_module *m = NULL;
     if (!rc) {
         tdm_rng rng = tdm_rng_make(0); /* the draws are overwritten by the file's values */

@@ -78,13 +78,34 @@ static inline void store(void *base, tdm_dtype dt, int64_t i, double v) {
     }
 }
 
+/* Converts n contiguous elements between f32 and bf16/f16 with half.h's vectorised arrays;
+ * false when the pair is not one of those four. */
+static bool convert_half(void *d, tdm_dtype dd, const void *s, tdm_dtype sd, size_t n) {
+    if (sd == TDM_F32 && dd == TDM_BF16)
+        tdm_bf16_from_f32(d, s, n);
+    else if (sd == TDM_F32 && dd == TDM_F16)
+        tdm_f16_from_f32(d, s, n);
+    else if (sd == TDM_BF16 && dd == TDM_F32)
+        tdm_bf16_to_f32(d, s, n);
+    else if (sd == TDM_F16 && dd == TDM_F32)
+        tdm_f16_to_f32(d, s, n);
+    else
+        return false;
+    return true;
+}
+
 int tdm_cpu_copy(tdm_tensor *dst, const tdm_tensor *src) {
     void *d = tdm_data_ptr(dst);
     const void *s = tdm_data_ptr(src);
-    if (dst->dtype == src->dtype && tdm_is_contiguous(dst) && tdm_is_contiguous(src)) {
+    bool contiguous = tdm_is_contiguous(dst) && tdm_is_contiguous(src);
+    if (dst->dtype == src->dtype && contiguous) {
         memmove(d, s, (size_t)tdm_numel(dst) * tdm_dtype_size(dst->dtype));
         return TDM_OK;
     }
+    /* the casts of mixed precision: one pass, no double round trip (src and dst are distinct
+     * tensors of different element sizes, so they cannot overlap as the conversions need) */
+    if (contiguous && convert_half(d, dst->dtype, s, src->dtype, (size_t)tdm_numel(dst)))
+        return TDM_OK;
     if (dst->dtype == TDM_F32 && src->dtype == TDM_F32 && tdm_is_contiguous(dst)) {
         float *o = d;
         const float *in = s;
@@ -160,18 +181,26 @@ int tdm_cpu_fill(tdm_tensor *dst, double value) {
             for (int64_t i = 0; i < n; i++) o[i] = v;
         return TDM_OK;
     }
+    if (tdm_is_contiguous(dst) && tdm_dtype_size(dst->dtype) == 2) { /* bf16, f16: one rounding */
+        float v = (float)value;
+        uint16_t h = dst->dtype == TDM_BF16 ? tdm_bf16_from_float(v) : tdm_f16_from_float(v),
+                 *o = d;
+        for (int64_t i = 0; i < n; i++) o[i] = h;
+        return TDM_OK;
+    }
     FOR_EACH_OFFSET(dst, off, store(d, dst->dtype, off, value));
     return TDM_OK;
 }
 
-/* Element i: uniform from word (i % 4) of Philox block i / 4; normal from Box-Muller on the
- * word pair (i % 2) of block i / 2. */
-int tdm_cpu_random(tdm_tensor *dst, int dist, float a, float b, uint64_t seed, uint64_t offset) {
-    float *d = tdm_data_ptr(dst);
+/* Element k of t's row-major order into d[offset of k] (t gives only the geometry): uniform
+ * from word (c % 4) of Philox block c / 4, normal from Box-Muller on the word pair (c % 2) of
+ * block c / 2, where c = offset + k. */
+static void philox_fill(float *d, const tdm_tensor *t, int dist, float a, float b, uint64_t seed,
+                        uint64_t offset) {
     uint32_t w[4];
     uint64_t block = UINT64_MAX;
     int64_t k = 0;
-    FOR_EACH_OFFSET(dst, off, {
+    FOR_EACH_OFFSET(t, off, {
         uint64_t c = offset + (uint64_t)k++;
         if (dist == 0) {
             if (c / 4 != block) tdm_philox(seed, block = c / 4, 0, w);
@@ -184,5 +213,27 @@ int tdm_cpu_random(tdm_tensor *dst, int dist, float a, float b, uint64_t seed, u
             d[off] = (float)(a + b * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
         }
     });
+}
+
+int tdm_cpu_random(tdm_tensor *dst, int dist, float a, float b, uint64_t seed, uint64_t offset) {
+    if (dst->dtype == TDM_F32) {
+        philox_fill(tdm_data_ptr(dst), dst, dist, a, b, seed, offset);
+        return TDM_OK;
+    }
+    /* bf16, f16: the f32 draw of the same counters, rounded once, as PyTorch draws a
+     * low-precision tensor through its float accumulate type */
+    int64_t n = tdm_numel(dst);
+    float *tmp = malloc((size_t)(n ? n : 1) * sizeof(float));
+    if (!tmp)
+        return tdm_raise(TDM_ERR_NOMEM, "random: out of memory for %lld floats", (long long)n);
+    tdm_tensor flat = *dst;
+    tdm_contiguous_strides(flat.ndim, flat.shape, flat.strides);
+    philox_fill(tmp, &flat, dist, a, b, seed, offset);
+    void *d = tdm_data_ptr(dst);
+    if (!tdm_is_contiguous(dst) || !convert_half(d, dst->dtype, tmp, TDM_F32, (size_t)n)) {
+        int64_t k = 0;
+        FOR_EACH_OFFSET(dst, off, store(d, dst->dtype, off, tmp[k++]));
+    }
+    free(tmp);
     return TDM_OK;
 }

@@ -263,6 +263,87 @@ static void test_exports(void) {
     free(a), free(b), free(err);
 }
 
+/* tandem export with dtype option opt (one argument, or two when val is not NULL) of ckpt into
+ * out (and state into state_out, may be NULL): the exit status, stderr into *err. */
+static int export_dtype_run(const char *opt, const char *val, const char *ckpt, const char *out,
+                            const char *state_out, char **err) {
+    const char *argv[8] = {tandem, "export", opt}, **a = argv + 3;
+    if (val) *a++ = val;
+    *a++ = ckpt, *a++ = out, *a++ = state_out, *a = NULL;
+    int rc = wait_status(spawn_captured(argv));
+    *err = captured("stderr");
+    return rc;
+}
+
+/* Whether the file at got holds the f32 file ref's tensors, the float ones as dt (rounded to
+ * nearest even: tdm_cast's bits, themselves PyTorch's, test_half_io) and the others as they
+ * are. */
+static bool holds_cast(const char *ref, const char *got, tdm_dtype dt, const char *dt_name) {
+    tdm_safetensors *r = tdm_safetensors_open(ref), *g = tdm_safetensors_open(got);
+    bool ok = r && g && tdm_safetensors_count(r) == tdm_safetensors_count(g) &&
+              tdm_safetensors_count(r) > 0;
+    tdm_scope_begin();
+    for (int i = 0; ok && i < tdm_safetensors_count(r); i++) {
+        const char *name = tdm_safetensors_name(r, i);
+        tdm_tensor *a = tdm_safetensors_load(r, name, tdm_cpu(0));
+        tdm_tensor *b = tdm_safetensors_load(g, name, tdm_cpu(0));
+        bool fl = a && a->dtype == TDM_F32;
+        tdm_tensor *want = fl ? tdm_cast(a, dt) : a;
+        int k = tdm_safetensors_find(g, name);
+        ok = want && b && b->dtype == want->dtype && tdm_numel(b) == tdm_numel(want) &&
+             (!fl || strcmp(tdm_safetensors_dtype(g, k), dt_name) == 0);
+        size_t n = ok ? (size_t)tdm_numel(b) * tdm_dtype_size(b->dtype) : 0;
+        char *x = malloc(n + 1), *y = malloc(n + 1);
+        ok = ok && !tdm_to_host(want, x, n) && !tdm_to_host(b, y, n) && !memcmp(x, y, n);
+        free(x), free(y);
+    }
+    tdm_scope_end();
+    tdm_safetensors_close(r), tdm_safetensors_close(g);
+    return ok;
+}
+
+/* --dtype bf16|f16: the model's float tensors rounded to that dtype, its integer ones and the
+ * training state as they were; a dtype it does not write is a usage error. */
+static void test_export_dtypes(void) {
+    char ref[300], out[300], state[300], ref_state[300];
+    snprintf(ref, sizeof ref, "%s/ref.safetensors", tmpdir);
+    snprintf(ref_state, sizeof ref_state, "%s/ref_state.safetensors", tmpdir);
+    snprintf(out, sizeof out, "%s/half.safetensors", tmpdir);
+    snprintf(state, sizeof state, "%s/half_state.safetensors", tmpdir);
+    const char *ckpts[2] = {sharded, whole};
+    for (int c = 0; c < 2; c++) {
+        char *err;
+        int rc = export_run(ckpts[c], ref, ref_state, &err);
+        CHECK(rc == 0, "f32 export of %s: exit %d, %s", ckpts[c], rc, err);
+        free(err);
+        rc = export_dtype_run("--dtype", "bf16", ckpts[c], out, state, &err);
+        CHECK(rc == 0 && holds_cast(ref, out, TDM_BF16, "BF16"),
+              "--dtype bf16 of %s: exit %d, %s, or not the f32 model rounded", ckpts[c], rc, err);
+        size_t na = 0, nb = 0;
+        char *a = slurp_file(ref_state, &na), *b = slurp_file(state, &nb);
+        CHECK(a && b && na == nb && !memcmp(a, b, na), "--dtype leaves the state f32");
+        free(a), free(b), free(err);
+        rc = export_dtype_run("--dtype=f16", NULL, ckpts[c], out, NULL, &err);
+        CHECK(rc == 0 && holds_cast(ref, out, TDM_F16, "F16"), "--dtype=f16 of %s: exit %d, %s",
+              ckpts[c], rc, err);
+        free(err);
+        rc = export_dtype_run("--dtype", "f32", ckpts[c], out, NULL, &err);
+        a = slurp_file(ref, &na), b = slurp_file(out, &nb);
+        CHECK(rc == 0 && a && b && na == nb && !memcmp(a, b, na), "--dtype f32 is the default");
+        free(a), free(b), free(err);
+    }
+    char *err;
+    int rc = export_dtype_run("--dtype", "f64", whole, out, NULL, &err);
+    CHECK(rc == 2 && strstr(err, "--dtype 'f64': expected f32, bf16 or f16"),
+          "--dtype f64: exit %d, %s", rc, err);
+    free(err);
+    const char *argv[] = {tandem, "export", "--dtype", NULL};
+    rc = wait_status(spawn_captured(argv));
+    err = captured("stderr");
+    CHECK(rc == 2 && strstr(err, "--dtype needs a value"), "--dtype alone: exit %d, %s", rc, err);
+    free(err);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: test_export PATH_TO_TANDEM\n");
@@ -280,6 +361,7 @@ int main(int argc, char **argv) {
         test_outputs();
         test_header_limit();
         test_exports();
+        test_export_dtypes();
     }
     tmpdir_remove();
     return check_summary();

@@ -110,7 +110,17 @@ def model(maxT, V, L, NH, C, Vp, magic=20240326, version=3, extra=0, params=None
 write("llmc", "valid_tiny", model(2, 3, 1, 1, 2, 4))
 write("llmc", "valid_two_heads", model(3, 5, 1, 2, 2, 5))
 write("llmc", "wrong_magic", model(2, 3, 1, 1, 2, 4, magic=20240520))
+def model_bf16(maxT, V, L, NH, C, Vp, extra=0):
+    """llm.c's bf16 file (version 5): the parameters as the top halves of exact floats."""
+    f32 = model(maxT, V, L, NH, C, Vp, version=5, extra=extra)
+    vals = struct.unpack("<%df" % ((len(f32) - 1024) // 4), f32[1024:])
+    return f32[:1024] + b"".join(struct.pack("<f", v)[2:] for v in vals)
+
+
+# an f32 body under version 5's header: twice the bytes version 5 needs
 write("llmc", "version_5_bf16", model(2, 3, 1, 1, 2, 4, version=5))
+write("llmc", "valid_v5_bf16", model_bf16(2, 3, 1, 1, 2, 4))
+write("llmc", "v5_trailing_byte", model_bf16(2, 3, 1, 1, 2, 4) + b"\0")
 write("llmc", "zero_layers", model(2, 3, 0, 1, 2, 4))
 write("llmc", "heads_do_not_divide", model(2, 3, 1, 3, 2, 4, params=100))
 write("llmc", "padded_below_vocab", model(2, 5, 1, 1, 2, 4))

@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 #include "backend/unary_math.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_iter.h"
@@ -98,6 +99,7 @@ static bool unary_op_valid(tdm_unary_op op) {
 }
 
 int tdm_cpu_unary(tdm_unary_op op, tdm_tensor *y, const tdm_tensor *x, float s) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x})) return tdm_cpu_lowp_unary(op, y, x, s);
     if (!unary_op_valid(op)) return tdm_raise(TDM_ERR_ARG, "cpu unary: unknown op %d", (int)op);
     /* the op refused a tensor that is not f32 and allocated y like x */
     assert(ew_all_f32(2, (const tdm_tensor *[]){y, x}) && tdm_numel(y) == tdm_numel(x));
@@ -246,6 +248,8 @@ static void unary_bwd_row(tdm_unary_op op, float *gx, const float *gy, int64_t s
  * NULL). */
 int tdm_cpu_unary_backward(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy,
                            const tdm_tensor *x, const tdm_tensor *y, float s) {
+    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){gx, gy, x, y}))
+        return tdm_cpu_lowp_unary_backward(op, gx, gy, x, y, s);
     if (!unary_op_valid(op))
         return tdm_raise(TDM_ERR_ARG, "cpu unary_backward: unknown op %d", (int)op);
     char need = tdm_unary_bwd_needs(op);
@@ -330,6 +334,8 @@ static void binary_row(tdm_binary_op op, float *y, const float *a, int64_t sa, c
 }
 
 int tdm_cpu_binary(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, const tdm_tensor *b) {
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){y, a, b}))
+        return tdm_cpu_lowp_binary(op, y, a, b);
     if (op < TDM_BIN_ADD || op > TDM_BIN_DIV)
         return tdm_raise(TDM_ERR_ARG, "cpu binary: unknown op %d", (int)op);
     /* the op refused operands that are not f32 or do not broadcast, and expanded them */
@@ -359,6 +365,7 @@ int tdm_cpu_binary(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, const t
 
 TDM_CPU_CLONES
 int tdm_cpu_axpy(tdm_tensor *y, float alpha, const tdm_tensor *x) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x})) return tdm_cpu_lowp_axpy(y, alpha, x);
     if (ew_check_f32("cpu axpy", 2, (const tdm_tensor *[]){y, x}) ||
         ew_check_numel("cpu axpy", y, x))
         return tdm_last_status();

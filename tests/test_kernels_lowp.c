@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_gemm_bf16.h"
 #include "check.h"
 #include "tandem/half.h"
 
@@ -358,6 +359,7 @@ static void test_matmul(void) {
                 free(bv);
                 tdm_scope_end();
             }
+    if (DT == TDM_BF16) printf("bf16 matmul ran: %s\n", tdm_cpu_gemm_bf16_impl());
 }
 
 /* ---- indexing --------------------------------------------------------------------------- */

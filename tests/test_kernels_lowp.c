@@ -172,16 +172,22 @@ static void test_unary(void) {
     for (int op = 0; op <= TDM_UN_LAST; op++) {
         bool pos = op == TDM_UN_LOG || op == TDM_UN_SQRT || op == TDM_UN_POW_SCALAR;
         float s = op == TDM_UN_POW_SCALAR ? 1.5f : 0.75f;
-        for (int strided = 0; strided < 2; strided++) {
+        /* 0: contiguous, 1: transposed, 2: a row longer than the element-wise kernels'
+         * chunk (cpu_elementwise.c's LP_CHUNK, 512), ending in a partial chunk */
+        for (int strided = 0; strided < 3; strided++) {
             tdm_scope_begin();
-            pair x = draw(TDM_SHAPE(7, 33), DT, pos ? 0.25f : -3.0f, 3.0f);
-            if (strided) { /* x^T: [33, 7] with strides [1, 33] */
+            tdm_shape xs = strided == 2 ? TDM_SHAPE(3, 1100) : TDM_SHAPE(7, 33);
+            pair x = draw(xs, DT, pos ? 0.25f : -3.0f, 3.0f);
+            if (strided == 1) { /* x^T: [33, 7] with strides [1, 33] */
                 int64_t sh[2] = {33, 7}, st[2] = {1, 33};
                 x.lo = view(x.lo, 2, sh, st);
                 x.f = view(x.f, 2, sh, st);
             }
             char what[64];
-            snprintf(what, sizeof what, "unary %s%s", unary_name(op), strided ? " strided" : "");
+            snprintf(what, sizeof what, "unary %s%s", unary_name(op),
+                     strided == 1 ? " strided"
+                     : strided    ? " long"
+                                  : "");
             pair y = output(tdm_shape_of(x.f), DT), y32 = output(tdm_shape_of(x.f), TDM_F32);
             RUN2(BE->unary(op, y.lo, x.lo, s), BE->unary(op, y.f, x.f, s));
             RUN2(BE->unary(op, y32.lo, x.lo, s), BE->unary(op, y32.f, x.f, s));
@@ -193,7 +199,9 @@ static void test_unary(void) {
             RUN2(BE->unary_backward(op, gx.lo, gy.lo, x.lo, yy.lo, s),
                  BE->unary_backward(op, gx.f, gy.f, x.f, yy.f, s));
             snprintf(what, sizeof what, "unary_backward %s%s", unary_name(op),
-                     strided ? " strided" : "");
+                     strided == 1 ? " strided"
+                     : strided    ? " long"
+                                  : "");
             expect(what, gx, NULL);
             tdm_scope_end();
         }
@@ -211,19 +219,22 @@ static void test_binary(void) {
                                   {DT, TDM_F32, DT}};
     for (int op = TDM_BIN_ADD; op <= TDM_BIN_DIV; op++)
         for (int m = 0; m < 5; m++)
-            for (int bc = 0; bc < 3; bc++) {
+            for (int bc = 0; bc < 6; bc++) { /* bc 3..5: the same, rows past one chunk */
                 tdm_scope_begin();
-                pair a = draw(TDM_SHAPE(6, 19), mixes[m][1], -3.0f, 3.0f);
+                const int64_t R = 6, L = bc < 3 ? 19 : 1111;
+                pair a = draw(TDM_SHAPE(R, L), mixes[m][1], -3.0f, 3.0f);
                 /* b is [6, 19], [19] expanded (row stride 0) or [6, 1] expanded (inner 0);
                  * kept away from 0 for the division */
-                tdm_shape bs = bc == 0 ? TDM_SHAPE(6, 19) : bc == 1 ? TDM_SHAPE(19) : TDM_SHAPE(6);
+                tdm_shape bs = bc % 3 == 0   ? TDM_SHAPE(R, L)
+                               : bc % 3 == 1 ? TDM_SHAPE(L)
+                                             : TDM_SHAPE(R);
                 pair b = draw(bs, mixes[m][2], 0.5f, 3.0f);
-                if (bc) {
-                    int64_t sh[2] = {6, 19}, st[2] = {bc == 1 ? 0 : 1, bc == 1 ? 1 : 0};
+                if (bc % 3) {
+                    int64_t sh[2] = {R, L}, st[2] = {bc % 3 == 1 ? 0 : 1, bc % 3 == 1 ? 1 : 0};
                     b.lo = view(b.lo, 2, sh, st);
                     b.f = view(b.f, 2, sh, st);
                 }
-                pair y = output(TDM_SHAPE(6, 19), mixes[m][0]);
+                pair y = output(TDM_SHAPE(R, L), mixes[m][0]);
                 RUN2(BE->binary(op, y.lo, a.lo, b.lo), BE->binary(op, y.f, a.f, b.f));
                 char what[64];
                 snprintf(what, sizeof what, "binary %d (y %s, a %s, b %s, broadcast %d)", op,
@@ -239,8 +250,8 @@ static void test_axpy(void) {
     const tdm_dtype mixes[][2] = {{DT, DT}, {TDM_F32, DT}, {DT, TDM_F32}};
     for (int m = 0; m < 3; m++) {
         tdm_scope_begin();
-        pair y = draw(TDM_SHAPE(5, 41), mixes[m][0], -2.0f, 2.0f);
-        pair x = draw(TDM_SHAPE(5, 41), mixes[m][1], -2.0f, 2.0f);
+        pair y = draw(TDM_SHAPE(5, 241), mixes[m][0], -2.0f, 2.0f); /* 1205: 3 chunks */
+        pair x = draw(TDM_SHAPE(5, 241), mixes[m][1], -2.0f, 2.0f);
         RUN2(BE->axpy(y.lo, 0.5f, x.lo), BE->axpy(y.f, 0.5f, x.f));
         expect("axpy", y, NULL);
         tdm_scope_end();
@@ -568,7 +579,7 @@ static void test_refusals(void) {
     tdm_tensor *m = tdm_zeros(TDM_SHAPE(8), TDM_F32, D), *v = tdm_zeros(TDM_SHAPE(8), TDM_F32, D);
     tdm_sgd_hparams sh = {.lr = 0.1f};
     tdm_adam_hparams ah = {.lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
-    char expect_msg[64];
+    char expect_msg[96];
     snprintf(expect_msg, sizeof expect_msg, "grad is %s", tdm_dtype_name(DT));
     CHECK_ERROR(BE->sgd_step(p, g, NULL, &sh, true) == TDM_ERR_DTYPE, expect_msg);
     CHECK_ERROR(BE->adam_step(p, g, m, v, NULL, &ah, 1) == TDM_ERR_DTYPE, expect_msg);
@@ -577,8 +588,9 @@ static void test_refusals(void) {
     /* a strided low-precision output (no kernel's contract has one) is refused, not mangled */
     tdm_tensor *y = tdm_zeros(TDM_SHAPE(4, 6), DT, D), *x = tdm_zeros(TDM_SHAPE(6, 4), DT, D);
     int64_t sh2[2] = {6, 4}, st2[2] = {1, 6};
-    CHECK_ERROR(BE->unary(TDM_UN_NEG, view(y, 2, sh2, st2), x, 0) == TDM_ERR_ARG,
-                "output [6, 4] must be contiguous");
+    snprintf(expect_msg, sizeof expect_msg, "cpu softmax: a %s output [6, 4] must be contiguous",
+             tdm_dtype_name(DT));
+    CHECK_ERROR(BE->softmax(view(y, 2, sh2, st2), x, false) == TDM_ERR_ARG, expect_msg);
     tdm_scope_end();
 }
 

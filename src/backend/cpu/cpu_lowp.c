@@ -131,37 +131,6 @@ static int lp_end(lp_call *c, int status) {
 /* The kernel's status, or the adapter's when a temporary failed (the kernel not run). */
 #define LP_RUN(c, call) lp_end(&(c), (c).status ? (c).status : (call))
 
-/* ---- element-wise ----------------------------------------------------------------------- */
-
-int tdm_cpu_lowp_unary(tdm_unary_op op, tdm_tensor *y, const tdm_tensor *x, float s) {
-    lp_call c = {.what = "cpu unary"};
-    tdm_tensor *wy = lp_out(&c, y);
-    const tdm_tensor *wx = lp_in(&c, x);
-    return LP_RUN(c, tdm_cpu_unary(op, wy, wx, s));
-}
-
-int tdm_cpu_lowp_unary_backward(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy,
-                                const tdm_tensor *x, const tdm_tensor *y, float s) {
-    lp_call c = {.what = "cpu unary_backward"};
-    tdm_tensor *wgx = lp_out(&c, gx);
-    const tdm_tensor *wgy = lp_in(&c, gy), *wx = lp_in(&c, x), *wy = lp_in(&c, y);
-    return LP_RUN(c, tdm_cpu_unary_backward(op, wgx, wgy, wx, wy, s));
-}
-
-int tdm_cpu_lowp_binary(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, const tdm_tensor *b) {
-    lp_call c = {.what = "cpu binary"};
-    tdm_tensor *wy = lp_out(&c, y);
-    const tdm_tensor *wa = lp_in(&c, a), *wb = lp_in(&c, b);
-    return LP_RUN(c, tdm_cpu_binary(op, wy, wa, wb));
-}
-
-int tdm_cpu_lowp_axpy(tdm_tensor *y, float alpha, const tdm_tensor *x) {
-    lp_call c = {.what = "cpu axpy"};
-    tdm_tensor *wy = lp_inout(&c, y);
-    const tdm_tensor *wx = lp_in(&c, x);
-    return LP_RUN(c, tdm_cpu_axpy(wy, alpha, wx));
-}
-
 /* ---- reductions ------------------------------------------------------------------------- */
 
 int tdm_cpu_lowp_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim,

@@ -74,29 +74,38 @@ static float *values(const tdm_tensor *t) {
 /* A tensor as the low-precision run sees it (lo, dtype as asked) and its f32 twin (f). */
 typedef struct {
     tdm_tensor *lo, *f;
+    bool guarded; /* followed in storage by GUARD elements no kernel may write */
 } pair;
+
+#define GUARD    64
+#define SENTINEL 1280.0f /* a value no kernel writes here, exact in bf16 and f16 */
 
 /* Values drawn in [a, b), rounded to dt: lo of dtype dt, f the same values in f32. */
 static pair draw(tdm_shape s, tdm_dtype dt, float a, float b) {
     int64_t n = tdm_shape_numel(s);
     float *v = malloc((size_t)(n ? n : 1) * sizeof *v);
     for (int64_t i = 0; i < n; i++) v[i] = round_to(uniform(a, b), dt);
-    pair p = {make(s, dt, v), make(s, TDM_F32, v)};
+    pair p = {make(s, dt, v), make(s, TDM_F32, v), false};
     free(v);
     return p;
 }
 
-/* An output: lo of dtype dt, f in f32, both filled with a value no kernel writes (so that an
- * element left unwritten shows). */
+/* An output: lo of dtype dt, f in f32, both filled with SENTINEL (so that an element left
+ * unwritten shows) and followed by GUARD more (so that a write past the end shows). */
 static pair output(tdm_shape s, tdm_dtype dt) {
-    pair p = {tdm_full(s, 1234.0f, dt, D), tdm_full(s, 1234.0f, TDM_F32, D)};
+    int64_t n = tdm_shape_numel(s), st[TDM_MAX_DIMS];
+    tdm_contiguous_strides(s.ndim, s.d, st);
+    tdm_tensor *bl = tdm_full(TDM_SHAPE(n + GUARD), SENTINEL, dt, D);
+    tdm_tensor *bf = tdm_full(TDM_SHAPE(n + GUARD), SENTINEL, TDM_F32, D);
+    pair p = {tdm_tensor_view(bl, s.ndim, s.d, st, 0), tdm_tensor_view(bf, s.ndim, s.d, st, 0),
+              true};
     return p;
 }
 
 /* The f32 twin of an existing low-precision tensor (its values exactly). */
 static pair twin(tdm_tensor *lo) {
     float *v = values(lo);
-    pair p = {lo, make(tdm_shape_of(lo), TDM_F32, v)};
+    pair p = {lo, make(tdm_shape_of(lo), TDM_F32, v), false};
     free(v);
     return p;
 }
@@ -134,6 +143,15 @@ static void expect(const char *what, pair p, const double *slack) {
           bad, (long long)n);
     free(g);
     free(r);
+    if (p.guarded) {
+        tdm_tensor *gv = tdm_tensor_view(p.lo, 1, (int64_t[]){GUARD}, (int64_t[]){1}, n);
+        float *gf = values(gv);
+        int spoilt = 0;
+        for (int i = 0; i < GUARD; i++) spoilt += gf[i] != SENTINEL;
+        CHECK(spoilt == 0, "%s in %s: %d elements past the output written", what,
+              tdm_dtype_name(DT), spoilt);
+        free(gf);
+    }
 }
 
 /* Two integer tensors equal element for element (indices). */
@@ -399,7 +417,7 @@ static void test_conv2d(void) {
         tdm_scope_begin();
         pair x = draw(TDM_SHAPE(2, 3, 9, 8), DT, -2.0f, 2.0f);
         pair w = draw(TDM_SHAPE(4, 3, 3, 3), DT, -1.0f, 1.0f);
-        pair b = bias ? draw(TDM_SHAPE(4), DT, -1.0f, 1.0f) : (pair){NULL, NULL};
+        pair b = bias ? draw(TDM_SHAPE(4), DT, -1.0f, 1.0f) : (pair){NULL, NULL, false};
         tdm_shape ys = TDM_SHAPE(2, 4, 9, 3);
         pair y = output(ys, DT), gy = draw(ys, DT, -1.0f, 1.0f);
         RUN2(BE->conv2d(y.lo, x.lo, w.lo, b.lo, &a), BE->conv2d(y.f, x.f, w.f, b.f, &a));
@@ -530,7 +548,7 @@ static void test_losses(void) {
         tdm_scope_begin();
         tdm_tensor *tg = i64(TDM_SHAPE(N), tv);
         pair x = draw(TDM_SHAPE(N, C), DT, -4.0f, 4.0f);
-        pair w = v ? draw(TDM_SHAPE(C), TDM_F32, 0.5f, 2.0f) : (pair){NULL, NULL};
+        pair w = v ? draw(TDM_SHAPE(C), TDM_F32, 0.5f, 2.0f) : (pair){NULL, NULL, false};
         pair loss = output(TDM_SHAPE(N), TDM_F32), ws = output(TDM_SHAPE(N), TDM_F32);
         float sm = v ? 0.1f : 0.0f;
         RUN2(BE->cross_entropy(loss.lo, ws.lo, x.lo, tg, w.lo, -100, sm, true),

@@ -612,6 +612,40 @@ static void test_refusals(void) {
     tdm_scope_end();
 }
 
+/* ---- every kernel has a case, or a reason to have none ---------------------------------- */
+
+/* The kernels the cases above run in bf16 and f16 (a word list). */
+static const char COVERED[] =
+    " unary unary_backward binary axpy reduce sum_to max_backward softmax softmax_backward"
+    " sum_squares matmul index_select index_add conv2d conv2d_backward max_pool2d"
+    " max_pool2d_backward avg_pool2d avg_pool2d_backward batch_norm batch_norm_backward"
+    " batch_norm_stats batch_norm_backward_reduce batch_norm_backward_elemt layer_norm"
+    " layer_norm_backward dropout cross_entropy cross_entropy_backward bce_logits"
+    " bce_logits_backward attention attention_backward ";
+/* The kernels with none: raw memory and host transfers move bytes of any dtype, copy, fill
+ * and random are cpu_memory.c's (the tensor core's tests), and the optimizers take fp32 only
+ * (test_refusals). */
+static const char EXEMPT[] =
+    " mem_alloc mem_free to_host from_host copy fill random sgd_step adam_step ";
+
+static const char *const KERNELS[] = {
+#define TDM_KERNEL(ret, entry, params) #entry,
+#define TDM_UPLOAD(ret, entry, params)
+#include "backend/kernels.def"
+#undef TDM_KERNEL
+#undef TDM_UPLOAD
+};
+
+/* A kernel added to kernels.def fails here until it has a case (or is exempt, with why). */
+static void test_every_kernel(void) {
+    for (size_t i = 0; i < sizeof KERNELS / sizeof KERNELS[0]; i++) {
+        char word[64];
+        snprintf(word, sizeof word, " %s ", KERNELS[i]);
+        CHECK(strstr(COVERED, word) || strstr(EXEMPT, word),
+              "kernel %s: no bf16/f16 case here, and not exempt", KERNELS[i]);
+    }
+}
+
 int main(void) {
     D = tdm_cpu(0);
     BE = tdm_backend_for(D);
@@ -636,5 +670,6 @@ int main(void) {
         test_attention();
         test_refusals();
     }
+    test_every_kernel();
     return check_summary();
 }

@@ -326,17 +326,25 @@ static void test_softmax(void) {
     }
 }
 
-/* The clipping norm's sum, of a strided gradient: the same double from the same values. */
+/* The clipping norm's sum, of a strided gradient (short rows, then rows past the kernel's
+ * conversion chunk) and of a long contiguous one (odd): the same double from the same
+ * values. */
 static void test_sum_squares(void) {
-    tdm_scope_begin();
-    pair x = draw(TDM_SHAPE(9, 14), DT, -3.0f, 3.0f);
-    int64_t sh[2] = {14, 9}, st[2] = {1, 14};
-    x.lo = view(x.lo, 2, sh, st);
-    x.f = view(x.f, 2, sh, st);
-    double s_lo = -1, s_f = -2;
-    RUN2(BE->sum_squares(&s_lo, x.lo), BE->sum_squares(&s_f, x.f));
-    CHECK(s_lo == s_f, "sum_squares in %s: %.17g, fp32 twin %.17g", tdm_dtype_name(DT), s_lo, s_f);
-    tdm_scope_end();
+    for (int strided = 0; strided < 3; strided++) {
+        tdm_scope_begin();
+        int64_t r = strided == 2 ? 601 : 9, c = strided == 2 ? 3 : 14; /* x^T: [c, r] */
+        pair x = draw(strided ? TDM_SHAPE(r, c) : TDM_SHAPE(3, 701), DT, -3.0f, 3.0f);
+        if (strided) {
+            int64_t sh[2] = {c, r}, st[2] = {1, c};
+            x.lo = view(x.lo, 2, sh, st);
+            x.f = view(x.f, 2, sh, st);
+        }
+        double s_lo = -1, s_f = -2;
+        RUN2(BE->sum_squares(&s_lo, x.lo), BE->sum_squares(&s_f, x.f));
+        CHECK(s_lo == s_f, "sum_squares in %s (strided %d): %.17g, fp32 twin %.17g",
+              tdm_dtype_name(DT), strided, s_lo, s_f);
+        tdm_scope_end();
+    }
 }
 
 /* ---- matrix products -------------------------------------------------------------------- */

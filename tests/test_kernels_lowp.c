@@ -397,6 +397,17 @@ static void test_matmul(void) {
                 tdm_scope_end();
             }
     if (DT == TDM_BF16) printf("bf16 matmul ran: %s\n", tdm_cpu_gemm_bf16_impl());
+    /* a low-precision operand with an f32 one (widened: the fp32 GEMM on the same values) */
+    for (int which = 0; which < 2; which++) {
+        tdm_scope_begin();
+        pair a = draw(TDM_SHAPE(1, n, k), which ? TDM_F32 : DT, -2.0f, 2.0f);
+        pair b = draw(TDM_SHAPE(1, k, m), which ? DT : TDM_F32, -2.0f, 2.0f);
+        pair c = output(TDM_SHAPE(1, n, m), which ? DT : TDM_F32);
+        RUN2(BE->matmul(c.lo, a.lo, b.lo, false, false, 0.0f),
+             BE->matmul(c.f, a.f, b.f, false, false, 0.0f));
+        expect(which ? "matmul f32 a, low b" : "matmul low a, f32 b", c, NULL);
+        tdm_scope_end();
+    }
 }
 
 /* ---- indexing --------------------------------------------------------------------------- */

@@ -11,9 +11,11 @@
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_iter.h"
 #include "backend/cpu/cpu_math.h"
+#include "tandem/half.h"
 
 #define EW_CHUNK 256
 
@@ -152,6 +154,8 @@ static void reduce_max(float *y, int64_t *am, const float *x, int64_t outer, int
 
 int tdm_cpu_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim,
                    tdm_tensor *argmax) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x}))
+        return tdm_cpu_lowp_reduce(op, y, x, dim, argmax);
     /* the op (autograd/ops_math.c) refused a tensor that is not f32, a dim out of range and
      * a max over an empty dim; it hands x contiguous and allocates y (and argmax) for it */
     assert(ew_all_f32(2, (const tdm_tensor *[]){y, x}) && tdm_is_contiguous(x) &&
@@ -181,6 +185,7 @@ int tdm_cpu_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim
 
 TDM_CPU_CLONES
 int tdm_cpu_sum_to(tdm_tensor *y, const tdm_tensor *x) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x})) return tdm_cpu_lowp_sum_to(y, x);
     if (ew_check_f32("cpu sum_to", 2, (const tdm_tensor *[]){y, x})) return tdm_last_status();
     if (!tdm_is_contiguous(x) || !tdm_is_contiguous(y))
         return tdm_raise(TDM_ERR_ARG, "cpu sum_to: x and y must be contiguous");
@@ -239,6 +244,8 @@ int tdm_cpu_sum_to(tdm_tensor *y, const tdm_tensor *x) {
 
 TDM_CPU_CLONES
 int tdm_cpu_max_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *argmax, int dim) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){gx, gy}))
+        return tdm_cpu_lowp_max_backward(gx, gy, argmax, dim);
     /* the forward op checked dim; its backward hands the forward's argmax and dense tensors */
     assert(ew_all_f32(2, (const tdm_tensor *[]){gx, gy}) && argmax->dtype == TDM_I64);
     assert(tdm_is_contiguous(gx) && tdm_is_contiguous(gy) && tdm_is_contiguous(argmax));
@@ -295,6 +302,8 @@ static void softmax_row(float *y, const float *x, int64_t n, bool is_log) {
 }
 
 int tdm_cpu_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x}))
+        return tdm_cpu_lowp_softmax(y, x, is_log);
     assert(softmax_args_ok(y, x, NULL));
     int64_t n = x->ndim ? x->shape[x->ndim - 1] : 1, numel = tdm_numel(x);
     if (numel == 0) return TDM_OK;
@@ -308,6 +317,8 @@ int tdm_cpu_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log) {
 TDM_CPU_CLONES
 int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *y,
                              bool is_log) {
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){gx, gy, y}))
+        return tdm_cpu_lowp_softmax_backward(gx, gy, y, is_log);
     assert(softmax_args_ok(gx, gy, y));
     int64_t n = gx->ndim ? gx->shape[gx->ndim - 1] : 1, numel = tdm_numel(gx);
     if (numel == 0) return TDM_OK;
@@ -332,30 +343,63 @@ int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_ten
 
 /* ---- sum of squares --------------------------------------------------------------------- */
 
-/* Accepts any strides (a parameter's gradient may be a view into the flat buffer). */
+/* *s0, *s1 += the squares of row[0..n) (stride sx), in pairs (i even into s0, i + 1 into
+ * s1) and an odd last element into s0: the order both paths below keep. */
+static inline void sum_squares_row(const float *row, int64_t sx, int64_t n, double *s0,
+                                   double *s1) {
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+        double a = row[i * sx], b = row[(i + 1) * sx];
+        *s0 += a * a;
+        *s1 += b * b;
+    }
+    for (; i < n; i++) {
+        double a = row[i * sx];
+        *s0 += a * a;
+    }
+}
+
+/* Elements of a bf16 or f16 row widened at a time (even, so that pairs stay the fp32 path's) */
+#define SQ_CHUNK 512
+
+/* Accepts any strides (a parameter's gradient may be a view into the flat buffer). A bf16 or
+ * f16 x is widened a chunk at a time into a stack buffer: the same double as the fp32 path
+ * gives for x's values, with no temporary tensor. */
 TDM_CPU_CLONES
 int tdm_cpu_sum_squares(double *out, const tdm_tensor *x) {
-    if (ew_check_f32("cpu sum_squares", 1, &x)) return tdm_last_status();
+    bool lowp = tdm_cpu_lowp_any(1, &x);
+    if (!lowp && ew_check_f32("cpu sum_squares", 1, &x)) return tdm_last_status();
     *out = 0;
     if (tdm_numel(x) == 0) return TDM_OK;
-    const float *xp = (const float *)tdm_data_ptr(x);
     int64_t off[EW_MAX_OPS], idx[TDM_MAX_DIMS];
     const int64_t *st[1] = {x->strides};
     ew_iter it;
     ew_init(&it, x->ndim, x->shape, 1, st);
     ew_begin(&it, idx, off);
     double s0 = 0, s1 = 0;
+    if (!lowp) {
+        const float *xp = (const float *)tdm_data_ptr(x);
+        for (int64_t r = 0; r < it.rows; r++, ew_next(&it, idx, off))
+            sum_squares_row(xp + off[0], it.inner[0], it.n, &s0, &s1);
+        *out = s0 + s1;
+        return TDM_OK;
+    }
+    const uint16_t *hp = (const uint16_t *)tdm_data_ptr(x);
+    float buf[SQ_CHUNK];
     for (int64_t r = 0; r < it.rows; r++, ew_next(&it, idx, off)) {
-        const float *row = xp + off[0];
-        int64_t sx = it.inner[0], i = 0;
-        for (; i + 2 <= it.n; i += 2) {
-            double a = row[i * sx], b = row[(i + 1) * sx];
-            s0 += a * a;
-            s1 += b * b;
-        }
-        for (; i < it.n; i++) {
-            double a = row[i * sx];
-            s0 += a * a;
+        int64_t sx = it.inner[0];
+        for (int64_t c = 0; c < it.n; c += SQ_CHUNK) {
+            int64_t len = it.n - c < SQ_CHUNK ? it.n - c : SQ_CHUNK;
+            const uint16_t *p = hp + off[0] + c * sx;
+            if (sx == 1 && x->dtype == TDM_BF16)
+                tdm_bf16_to_f32(buf, p, (size_t)len);
+            else if (sx == 1)
+                tdm_f16_to_f32(buf, p, (size_t)len);
+            else
+                for (int64_t i = 0; i < len; i++)
+                    buf[i] = x->dtype == TDM_BF16 ? tdm_bf16_to_float(p[i * sx])
+                                                  : tdm_f16_to_float(p[i * sx]);
+            sum_squares_row(buf, 1, len, &s0, &s1);
         }
     }
     *out = s0 + s1;

@@ -811,65 +811,77 @@ static void case_gpt(run *r) {
 
 static const row ROWS[] = {
     /* moving and filling values: exact */
-    {"to_host, from_host, mem_alloc, mem_free", case_to_host, EXACT, EXACT},
-    {"copy", case_copy, EXACT, EXACT},
-    {"fill", case_fill, EXACT, EXACT},
+    {"to_host, from_host, mem_alloc, mem_free", case_to_host, EXACT, EXACT, TDM_F32},
+    {"copy", case_copy, EXACT, EXACT, TDM_F32},
+    {"fill", case_fill, EXACT, EXACT, TDM_F32},
     /* Philox: the same 24-bit words. Uniform is a + (b - a) * u, rounded twice on the GPU and
      * maybe fused on the CPU (GCC contracts by default): one rounding, 1e-6 absolute */
-    {"random", case_random, {1e-6, 0}, EXACT},
+    {"random", case_random, {1e-6, 0}, EXACT, TDM_F32},
     /* libm functions differ by a few ulp between glibc, the CPU's own expf and CUDA: 1e-5
      * relative (+1e-6 where a result cancels to ~0) */
-    {"unary, unary_backward", case_unary, {1e-6, 1e-5}, {1e-6, 1e-5}},
-    {"binary", case_binary, EXACT, EXACT},    /* one IEEE operation per element on both sides */
-    {"axpy", case_axpy, {1e-7, 1e-6}, EXACT}, /* an FMA on the GPU: 1 ulp */
+    {"unary, unary_backward", case_unary, {1e-6, 1e-5}, {1e-6, 1e-5}, TDM_F32},
+    /* one IEEE operation per element on both sides */
+    {"binary", case_binary, EXACT, EXACT, TDM_F32},
+    {"axpy", case_axpy, {1e-7, 1e-6}, EXACT, TDM_F32}, /* an FMA on the GPU: 1 ulp */
     /* sums in double in another order: 1e-6 relative, 1e-5 absolute for sums of up to 5000
      * N(0,1) values that cancel; max and its backward are exact */
-    {"reduce, max_backward", case_reduce, {1e-5, 1e-6}, EXACT},
+    {"reduce, max_backward", case_reduce, {1e-5, 1e-6}, EXACT, TDM_F32},
     /* the GPU sums in double; the CPU adds [m, n] -> [1, n] row by row in float, whose error
      * grows like sqrt(m) * eps * |sum| (3.7e-4 seen for m = 8192): 1e-3 absolute */
-    {"sum_to", case_sum_to, {1e-3, 1e-5}, EXACT},
+    {"sum_to", case_sum_to, {1e-3, 1e-5}, EXACT, TDM_F32},
     /* expf differs by an ulp or two between the CPU's polynomial and CUDA: 1e-5 */
-    {"softmax, softmax_backward", case_softmax, {1e-6, 1e-5}, {1e-6, 1e-5}},
-    {"sum_squares", case_sum_squares, {0, 1e-12}, EXACT}, /* double sums of float squares */
+    {"softmax, softmax_backward", case_softmax, {1e-6, 1e-5}, {1e-6, 1e-5}, TDM_F32},
+    /* double sums of float squares */
+    {"sum_squares", case_sum_squares, {0, 1e-12}, EXACT, TDM_F32},
     /* FP32 GEMMs with k = 301 blocked differently: sums of ~17 in magnitude agree to ~1e-5
      * absolute; 1e-4 absolute + 1e-4 relative */
-    {"matmul", case_matmul, {1e-4, 1e-4}, EXACT},
-    {"index_select, index_add", case_index, EXACT, EXACT},
+    {"matmul", case_matmul, {1e-4, 1e-4}, EXACT, TDM_F32},
+    {"index_select, index_add", case_index, EXACT, EXACT, TDM_F32},
     /* FP32 GEMMs over up to K = 150 (forward) and N*P = 400 (weights) terms; the CPU sums
      * each plane of gb in float lanes: 1e-4 */
-    {"conv2d, conv2d_backward", case_conv2d, {1e-4, 1e-4}, {1e-4, 1e-4}},
+    {"conv2d, conv2d_backward", case_conv2d, {1e-4, 1e-4}, {1e-4, 1e-4}, TDM_F32},
     /* max pooling: the same scan, exact (average pooling keeps its own bound) */
-    {"max_pool2d, max_pool2d_backward, avg_pool2d, avg_pool2d_backward", case_pool2d, EXACT, EXACT},
+    {"max_pool2d, max_pool2d_backward, avg_pool2d, avg_pool2d_backward", case_pool2d, EXACT, EXACT,
+     TDM_F32},
     /* double statistics on both sides, summed in another order: 1e-5; the CPU sums the
      * backward's rows in float lanes, and gx cancels (mean-free): 1e-4 absolute */
-    {"batch_norm, batch_norm_backward", case_batch_norm, {1e-5, 1e-5}, {1e-4, 1e-4}},
+    {"batch_norm, batch_norm_backward", case_batch_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, TDM_F32},
     /* batch_norm's sums split around the all-reduces, in double (stats) and as the CPU's
      * float lanes (backward_reduce) */
     {"batch_norm_stats, batch_norm_backward_reduce, batch_norm_backward_elemt",
      case_sync_batch_norm,
      {1e-4, 1e-5},
-     {1e-4, 1e-4}},
+     {1e-4, 1e-4},
+     TDM_F32},
     /* row statistics in double vs float lanes: 1e-5; the CPU adds gw and gb in float over
      * rows, the GPU in double: 1e-4 */
-    {"layer_norm, layer_norm_backward", case_layer_norm, {1e-5, 1e-5}, {1e-4, 1e-4}},
-    {"dropout", case_dropout, EXACT, EXACT}, /* the same Philox counters: bit-identical */
+    {"layer_norm, layer_norm_backward", case_layer_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, TDM_F32},
+    {"dropout", case_dropout, EXACT, EXACT, TDM_F32}, /* the same Philox counters: bit-identical */
     /* the GPU sums each dot product and softmax in another order than BLAS */
-    {"attention, attention_backward", case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}},
+    {"attention, attention_backward", case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}, TDM_F32},
     /* log-sum-exp through different expf; expf and log1pf ulps: 1e-5 */
-    {"cross_entropy, cross_entropy_backward", case_cross_entropy, {1e-6, 1e-5}, {1e-6, 1e-5}},
-    {"bce_logits, bce_logits_backward", case_bce_logits, {1e-6, 1e-5}, {1e-6, 1e-5}},
-    {"sgd_step", case_sgd_step, {1e-6, 1e-6}, EXACT}, /* a few FMAs per element per step */
+    {"cross_entropy, cross_entropy_backward",
+     case_cross_entropy,
+     {1e-6, 1e-5},
+     {1e-6, 1e-5},
+     TDM_F32},
+    {"bce_logits, bce_logits_backward", case_bce_logits, {1e-6, 1e-5}, {1e-6, 1e-5}, TDM_F32},
+    {"sgd_step", case_sgd_step, {1e-6, 1e-6}, EXACT, TDM_F32}, /* a few FMAs per element per step */
     /* Adam divides by sqrt(v) + eps: ~1e-6 relative per step on the update */
-    {"adam_step", case_adam_step, {1e-6, 1e-5}, EXACT},
+    {"adam_step", case_adam_step, {1e-6, 1e-5}, EXACT, TDM_F32},
     /* the loss to 1e-5 relative; gradients through every kernel above: 1e-3 relative */
-    {"gpt-2 forward and backward", case_gpt, {0, 1e-5}, {1e-5, 1e-3}},
+    {"gpt-2 forward and backward", case_gpt, {0, 1e-5}, {1e-5, 1e-3}, TDM_F32},
     /* f32 <-> bf16, f16 conversions on both devices (half.h's rules): bit for bit */
-    {"copy, fill, random: f32 to bf16 and f16", case_half_copy, EXACT, EXACT},
+    {"copy, fill, random: f32 to bf16 and f16", case_half_copy, EXACT, EXACT, TDM_F32},
     /* The kernels a training step runs, in bf16 and in f16 on cuda:0 against the CPU's f32
      * kernels on the same rounded inputs: each with its f32 row's bounds, which widened() adds
      * one output rounding to for every output the GPU stored in bf16 or f16 (f32 outputs,
      * such as lse, statistics and losses, keep the f32 bound). */
-    HALF_ROWS(TDM_BF16, "bf16") HALF_ROWS(TDM_F16, "f16")};
+    /* clang-format off */
+    HALF_ROWS(TDM_BF16, "bf16")
+    HALF_ROWS(TDM_F16, "f16")
+    /* clang-format on */
+};
 
 /* ---- the driver -------------------------------------------------------------------------- */
 

@@ -18,6 +18,7 @@
 #pragma GCC optimize("O3")
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_math.h"
 
@@ -65,6 +66,8 @@ static float softmax_row(float *s, int64_t t, int64_t T) {
 }
 
 int tdm_cpu_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int n_head) {
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){y, lse, qkv}))
+        return tdm_cpu_lowp_attention(y, lse, qkv, n_head);
     att_dims d = att_dims_of(qkv, y, lse, n_head);
     const int64_t T = d.T, C = d.C, hs = d.hs;
     if (T == 0 || d.B == 0) return TDM_OK;
@@ -108,6 +111,8 @@ static void probs_and_dscores(float *P, float *G, const float *l, int64_t T) {
 
 int tdm_cpu_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
                                const tdm_tensor *lse, int n_head) {
+    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){dqkv, dy, qkv, lse}))
+        return tdm_cpu_lowp_attention_backward(dqkv, dy, qkv, lse, n_head);
     att_dims d = att_dims_of(qkv, dy, lse, n_head);
     assert(tdm_is_contiguous(dqkv) && tdm_numel(dqkv) == tdm_numel(qkv)); /* the op's alloc */
     const int64_t T = d.T, C = d.C, hs = d.hs, C3 = 3 * C;

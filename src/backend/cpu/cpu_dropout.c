@@ -2,11 +2,14 @@
  * as tdm_philox's and as cuda_dropout.cu's), so a mask does not depend on threading or on the
  * device. */
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 
 TDM_CPU_CLONES
 int tdm_cpu_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, float p, uint64_t seed,
                     uint64_t offset) {
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){y, mask, x}))
+        return tdm_cpu_lowp_dropout(y, mask, x, p, seed, offset);
     int64_t n = tdm_numel(x);
     const float *xp = (const float *)tdm_data_ptr(x);
     float *yp = (float *)tdm_data_ptr(y), *mp = mask ? (float *)tdm_data_ptr(mask) : NULL;

@@ -7,15 +7,66 @@
  * operand's row stride 0, and [N, C] * [N, 1] becomes N rows with an inner stride of 0. The
  * inner loops are specialised for unit and zero strides so that the compiler vectorises
  * them; the operator switch sits outside the element loop.
+ *
+ * bf16 and f16 operands (issue 37) take the same row functions: each row is cut into chunks
+ * of LP_CHUNK elements, a low-precision operand's chunk is widened into a stack buffer
+ * (half.h's vectorised conversions; a strided one gathered, a broadcast one a single
+ * element), the row function computes in fp32, and a low-precision output's chunk is rounded
+ * once on its way out. So every op keeps one formula, the buffers stay in L1, no temporary
+ * tensor is allocated (cpu_lowp.c's adapter would widen whole tensors), and f32 operands in
+ * a mix are read in place. The dtype test is made once per call; the fp32 path is as it was.
  */
 #include <assert.h>
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 #include "backend/unary_math.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_iter.h"
 #include "backend/cpu/cpu_math.h"
+#include "tandem/half.h"
+
+/* ---- bf16 and f16 rows ------------------------------------------------------------------ */
+
+/* Elements converted at a time: three buffers of them sit on the stack, in L1. */
+#define LP_CHUNK 512
+
+/* n elements of a row of a tensor's data (base: its first element, dtype dt) from element off
+ * with stride s, as floats: an f32 row in place, a bf16 or f16 one widened into buf (stride
+ * 1; a broadcast row, s == 0, as its one element). *so receives the stride to read it with. */
+static const float *lp_row_in(float *buf, const void *base, tdm_dtype dt, int64_t off, int64_t s,
+                              int64_t n, int64_t *so) {
+    if (dt == TDM_F32) {
+        *so = s;
+        return (const float *)base + off;
+    }
+    const uint16_t *p = (const uint16_t *)base + off;
+    *so = s == 0 ? 0 : 1;
+    if (s == 0 || s == 1) {
+        size_t m = s == 0 ? 1 : (size_t)n;
+        if (dt == TDM_BF16)
+            tdm_bf16_to_f32(buf, p, m);
+        else
+            tdm_f16_to_f32(buf, p, m);
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            buf[i] = dt == TDM_BF16 ? tdm_bf16_to_float(p[i * s]) : tdm_f16_to_float(p[i * s]);
+    }
+    return buf;
+}
+
+/* Where a row function writes the outputs from element off of a contiguous output: in place
+ * for f32, else buf, which lp_row_out_end rounds into the output (n elements). */
+static float *lp_row_out(float *buf, void *base, tdm_dtype dt, int64_t off) {
+    return dt == TDM_F32 ? (float *)base + off : buf;
+}
+static void lp_row_out_end(void *base, tdm_dtype dt, int64_t off, const float *buf, int64_t n) {
+    if (dt == TDM_BF16)
+        tdm_bf16_from_f32((uint16_t *)base + off, buf, (size_t)n);
+    else if (dt == TDM_F16)
+        tdm_f16_from_f32((uint16_t *)base + off, buf, (size_t)n);
+}
 
 /* ---- unary forward ---------------------------------------------------------------------- */
 
@@ -93,16 +144,43 @@ static void unary_row(tdm_unary_op op, float *y, const float *x, int64_t sx, int
     }
 }
 
+/* tdm_cpu_unary with a bf16 or f16 x or y: the strided path's walk, chunked. */
+static void unary_lowp(tdm_unary_op op, tdm_tensor *y, const tdm_tensor *x, float s) {
+    int64_t cs[TDM_MAX_DIMS], off[EW_MAX_OPS], idx[TDM_MAX_DIMS];
+    tdm_contiguous_strides(x->ndim, x->shape, cs);
+    const int64_t *st[2] = {cs, x->strides};
+    ew_iter it;
+    ew_init(&it, x->ndim, x->shape, 2, st);
+    ew_begin(&it, idx, off);
+    void *yb = tdm_data_ptr(y);
+    const void *xb = tdm_data_ptr(x);
+    float xbuf[LP_CHUNK], ybuf[LP_CHUNK];
+    for (int64_t r = 0; r < it.rows; r++, ew_next(&it, idx, off))
+        for (int64_t c = 0; c < it.n; c += LP_CHUNK) {
+            int64_t len = it.n - c < LP_CHUNK ? it.n - c : LP_CHUNK, sx;
+            const float *xr =
+                lp_row_in(xbuf, xb, x->dtype, off[1] + c * it.inner[1], it.inner[1], len, &sx);
+            float *yr = lp_row_out(ybuf, yb, y->dtype, off[0] + c);
+            unary_row(op, yr, xr, sx, len, s);
+            lp_row_out_end(yb, y->dtype, off[0] + c, yr, len);
+        }
+}
+
 static bool unary_op_valid(tdm_unary_op op) {
     return op >= TDM_UN_NEG && op <= TDM_UN_LAST;
 }
 
 int tdm_cpu_unary(tdm_unary_op op, tdm_tensor *y, const tdm_tensor *x, float s) {
     if (!unary_op_valid(op)) return tdm_raise(TDM_ERR_ARG, "cpu unary: unknown op %d", (int)op);
-    /* the op refused a tensor that is not f32 and allocated y like x */
-    assert(ew_all_f32(2, (const tdm_tensor *[]){y, x}) && tdm_numel(y) == tdm_numel(x));
+    /* the op refused a tensor that is not a float and allocated y with x's numel */
+    assert(tdm_dtype_is_float(y->dtype) && tdm_dtype_is_float(x->dtype) &&
+           tdm_numel(y) == tdm_numel(x));
     int64_t numel = tdm_numel(y);
     if (numel == 0) return TDM_OK;
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x})) {
+        unary_lowp(op, y, x, s);
+        return TDM_OK;
+    }
     float *yp = (float *)tdm_data_ptr(y);
     const float *xp = (const float *)tdm_data_ptr(x);
     if (tdm_is_contiguous(x)) {
@@ -242,6 +320,31 @@ static void unary_bwd_row(tdm_unary_op op, float *gx, const float *gy, int64_t s
     }
 }
 
+/* tdm_cpu_unary_backward with a bf16 or f16 operand: its walk (strides st over gx's shape),
+ * chunked; saved is x or y as need says, or NULL. */
+static void unary_bwd_lowp(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy,
+                           const tdm_tensor *saved, char need, const int64_t *const *st, float s) {
+    ew_iter it;
+    int64_t off[EW_MAX_OPS], idx[TDM_MAX_DIMS];
+    ew_init(&it, gx->ndim, gx->shape, 3, st);
+    ew_begin(&it, idx, off);
+    void *gxb = tdm_data_ptr(gx);
+    const void *gyb = tdm_data_ptr(gy), *sb = saved ? tdm_data_ptr(saved) : NULL;
+    float gbuf[LP_CHUNK], sbuf[LP_CHUNK], obuf[LP_CHUNK];
+    for (int64_t r = 0; r < it.rows; r++, ew_next(&it, idx, off))
+        for (int64_t c = 0; c < it.n; c += LP_CHUNK) {
+            int64_t len = it.n - c < LP_CHUNK ? it.n - c : LP_CHUNK, sg, ss = 0;
+            const float *g =
+                lp_row_in(gbuf, gyb, gy->dtype, off[1] + c * it.inner[1], it.inner[1], len, &sg);
+            const float *v = saved ? lp_row_in(sbuf, sb, saved->dtype, off[2] + c * it.inner[2],
+                                               it.inner[2], len, &ss)
+                                   : g;
+            float *o = lp_row_out(obuf, gxb, gx->dtype, off[0] + c);
+            unary_bwd_row(op, o, g, sg, need == 'x' ? v : g, ss, need == 'y' ? v : g, ss, len, s);
+            lp_row_out_end(gxb, gx->dtype, off[0] + c, o, len);
+        }
+}
+
 /* gx contiguous; gy, x, y any strides with gx's numel (the one the op does not need may be
  * NULL). */
 int tdm_cpu_unary_backward(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy,
@@ -253,14 +356,29 @@ int tdm_cpu_unary_backward(tdm_unary_op op, tdm_tensor *gx, const tdm_tensor *gy
     if (need && !saved)
         return tdm_raise(TDM_ERR_ARG, "cpu unary_backward: op %d needs its saved %c", (int)op,
                          need);
-    if (ew_check_f32("cpu unary_backward", 2, (const tdm_tensor *[]){gx, gy}) ||
+    /* f32 operands, or float ones of which one at least is bf16 or f16 */
+    bool lowp = tdm_cpu_lowp_any(3, (const tdm_tensor *[]){gx, gy, saved});
+    if ((lowp ? ew_check_float("cpu unary_backward", 2, (const tdm_tensor *[]){gx, gy})
+              : ew_check_f32("cpu unary_backward", 2, (const tdm_tensor *[]){gx, gy})) ||
         ew_check_numel("cpu unary_backward", gx, gy))
         return tdm_last_status();
-    if (saved && (ew_check_f32("cpu unary_backward", 1, &saved) ||
+    if (saved && ((lowp ? ew_check_float("cpu unary_backward", 1, &saved)
+                        : ew_check_f32("cpu unary_backward", 1, &saved)) ||
                   ew_check_numel("cpu unary_backward", gx, saved)))
         return tdm_last_status();
     int64_t numel = tdm_numel(gx);
     if (numel == 0) return TDM_OK;
+    if (lowp) {
+        int64_t cs[TDM_MAX_DIMS];
+        tdm_contiguous_strides(gx->ndim, gx->shape, cs);
+        const int64_t *st[3] = {cs, ew_strides_as(gy, gx, cs),
+                                saved ? ew_strides_as(saved, gx, cs) : cs};
+        if (!st[1] || !st[2])
+            return tdm_raise(TDM_ERR_SHAPE, "cpu unary_backward: a strided operand must have "
+                                            "gx's shape");
+        unary_bwd_lowp(op, gx, gy, saved, need, st, s);
+        return TDM_OK;
+    }
 
     float *gxp = (float *)tdm_data_ptr(gx);
     const float *gyp = (const float *)tdm_data_ptr(gy);
@@ -329,14 +447,43 @@ static void binary_row(tdm_binary_op op, float *y, const float *a, int64_t sa, c
     }
 }
 
+/* tdm_cpu_binary with a bf16 or f16 operand: the strided path's walk, chunked. */
+static void binary_lowp(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, const tdm_tensor *b) {
+    int64_t cs[TDM_MAX_DIMS], off[EW_MAX_OPS], idx[TDM_MAX_DIMS];
+    tdm_contiguous_strides(y->ndim, y->shape, cs);
+    const int64_t *st[3] = {cs, a->strides, b->strides};
+    ew_iter it;
+    ew_init(&it, y->ndim, y->shape, 3, st);
+    ew_begin(&it, idx, off);
+    void *yb = tdm_data_ptr(y);
+    const void *ab = tdm_data_ptr(a), *bb = tdm_data_ptr(b);
+    float abuf[LP_CHUNK], bbuf[LP_CHUNK], ybuf[LP_CHUNK];
+    for (int64_t r = 0; r < it.rows; r++, ew_next(&it, idx, off))
+        for (int64_t c = 0; c < it.n; c += LP_CHUNK) {
+            int64_t len = it.n - c < LP_CHUNK ? it.n - c : LP_CHUNK, sa, sb;
+            const float *ar =
+                lp_row_in(abuf, ab, a->dtype, off[1] + c * it.inner[1], it.inner[1], len, &sa);
+            const float *br =
+                lp_row_in(bbuf, bb, b->dtype, off[2] + c * it.inner[2], it.inner[2], len, &sb);
+            float *yr = lp_row_out(ybuf, yb, y->dtype, off[0] + c);
+            binary_row(op, yr, ar, sa, br, sb, len);
+            lp_row_out_end(yb, y->dtype, off[0] + c, yr, len);
+        }
+}
+
 int tdm_cpu_binary(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, const tdm_tensor *b) {
     if (op < TDM_BIN_ADD || op > TDM_BIN_DIV)
         return tdm_raise(TDM_ERR_ARG, "cpu binary: unknown op %d", (int)op);
-    /* the op refused operands that are not f32 or do not broadcast, and expanded them */
-    assert(ew_all_f32(3, (const tdm_tensor *[]){y, a, b}) && ew_same_shape(y, a) &&
-           ew_same_shape(y, b));
+    /* the op refused operands that are not floats or do not broadcast, and expanded them;
+     * their dtypes may differ (type promotion: the op chose y's) */
+    assert(tdm_dtype_is_float(y->dtype) && tdm_dtype_is_float(a->dtype) &&
+           tdm_dtype_is_float(b->dtype) && ew_same_shape(y, a) && ew_same_shape(y, b));
     int64_t numel = tdm_numel(y);
     if (numel == 0) return TDM_OK;
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){y, a, b})) {
+        binary_lowp(op, y, a, b);
+        return TDM_OK;
+    }
     float *yp = (float *)tdm_data_ptr(y);
     const float *ap = (const float *)tdm_data_ptr(a), *bp = (const float *)tdm_data_ptr(b);
     if (tdm_is_contiguous(a) && tdm_is_contiguous(b)) {
@@ -357,21 +504,39 @@ int tdm_cpu_binary(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, const t
 
 /* ---- axpy ------------------------------------------------------------------------------- */
 
+/* y[0..n) += alpha * x[0..n): the loop of both paths */
 TDM_CPU_CLONES
+static void axpy_row(float *y, float alpha, const float *x, int64_t n) {
+    if (alpha == 1.0f) {
+        for (int64_t i = 0; i < n; i++) y[i] += x[i];
+    } else {
+        for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+    }
+}
+
 int tdm_cpu_axpy(tdm_tensor *y, float alpha, const tdm_tensor *x) {
-    if (ew_check_f32("cpu axpy", 2, (const tdm_tensor *[]){y, x}) ||
+    bool lowp = tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x});
+    if ((lowp ? ew_check_float("cpu axpy", 2, (const tdm_tensor *[]){y, x})
+              : ew_check_f32("cpu axpy", 2, (const tdm_tensor *[]){y, x})) ||
         ew_check_numel("cpu axpy", y, x))
         return tdm_last_status();
     if (!tdm_is_contiguous(y) || !tdm_is_contiguous(x))
         return tdm_raise(TDM_ERR_ARG, "cpu axpy: y and x must be contiguous");
     int64_t n = tdm_numel(y);
     if (n == 0) return TDM_OK;
-    float *yp = (float *)tdm_data_ptr(y);
-    const float *xp = (const float *)tdm_data_ptr(x);
-    if (alpha == 1.0f) {
-        for (int64_t i = 0; i < n; i++) yp[i] += xp[i];
-    } else {
-        for (int64_t i = 0; i < n; i++) yp[i] += alpha * xp[i];
+    if (!lowp) {
+        axpy_row((float *)tdm_data_ptr(y), alpha, (const float *)tdm_data_ptr(x), n);
+        return TDM_OK;
+    }
+    /* a bf16 or f16 y is read, added to in fp32 and rounded once, a chunk at a time */
+    void *yb = tdm_data_ptr(y);
+    const void *xb = tdm_data_ptr(x);
+    float ybuf[LP_CHUNK], xbuf[LP_CHUNK];
+    for (int64_t c = 0; c < n; c += LP_CHUNK) {
+        int64_t len = n - c < LP_CHUNK ? n - c : LP_CHUNK, unit;
+        float *yr = (float *)lp_row_in(ybuf, yb, y->dtype, c, 1, len, &unit);
+        axpy_row(yr, alpha, lp_row_in(xbuf, xb, x->dtype, c, 1, len, &unit), len);
+        lp_row_out_end(yb, y->dtype, c, yr, len);
     }
     return TDM_OK;
 }

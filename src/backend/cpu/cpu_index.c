@@ -5,6 +5,7 @@
  * one memcpy per row.
  */
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 
 #include <string.h>
 
@@ -37,6 +38,9 @@ static int check_indices(const tdm_tensor *idx, int64_t k, int64_t n, int dim, c
 }
 
 int tdm_cpu_index_select(tdm_tensor *y, const tdm_tensor *x, int dim, const tdm_tensor *idx) {
+    /* a pick copies bytes, so any one dtype runs here; a conversion (bf16 x, f32 y) widens */
+    if (x->dtype != y->dtype && tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x}))
+        return tdm_cpu_lowp_index_select(y, x, dim, idx);
     int64_t outer, inner, n = x->ndim ? x->shape[dim] : 1, k = tdm_numel(idx);
     around_dim(x, dim, &outer, &inner);
     int rc = check_indices(idx, k, n, dim, "index_select");
@@ -52,6 +56,8 @@ int tdm_cpu_index_select(tdm_tensor *y, const tdm_tensor *x, int dim, const tdm_
 }
 
 int tdm_cpu_index_add(tdm_tensor *gx, int dim, const tdm_tensor *idx, const tdm_tensor *gy) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){gx, gy}))
+        return tdm_cpu_lowp_index_add(gx, dim, idx, gy);
     int64_t outer, inner, n = gx->ndim ? gx->shape[dim] : 1, k = tdm_numel(idx);
     around_dim(gx, dim, &outer, &inner);
     int rc = check_indices(idx, k, n, dim, "index_add");

@@ -111,6 +111,15 @@ static inline int ew_check_f32(const char *what, int n, const tdm_tensor *const 
     return TDM_OK;
 }
 
+/* Raises a dtype error naming the kernel unless every tensor holds floats (f32, bf16, f16). */
+static inline int ew_check_float(const char *what, int n, const tdm_tensor *const *ts) {
+    for (int i = 0; i < n; i++)
+        if (!tdm_dtype_is_float(ts[i]->dtype))
+            return tdm_raise(TDM_ERR_DTYPE, "%s: expected float tensors, got %s", what,
+                             tdm_dtype_name(ts[i]->dtype));
+    return TDM_OK;
+}
+
 static inline int ew_check_numel(const char *what, const tdm_tensor *a, const tdm_tensor *b) {
     if (tdm_numel(a) != tdm_numel(b)) {
         char sa[96], sb[96];

@@ -11,6 +11,7 @@
  * logits d loss / d x[c] = p[c] * sum_k coef[k] - coef[c].
  */
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_simd.h"
 
@@ -103,6 +104,9 @@ TDM_CPU_CLONES
 int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
                           const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
                           float smoothing, bool is_logits) {
+    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){loss, wsum, x, weight}))
+        return tdm_cpu_lowp_cross_entropy(loss, wsum, x, target, weight, ignore_index, smoothing,
+                                          is_logits);
     int64_t N = x->shape[0], C = x->shape[1];
     int rc = check_targets(target, N, C, ignore_index);
     if (rc) return rc;
@@ -133,6 +137,9 @@ TDM_CPU_CLONES
 int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x,
                                    const tdm_tensor *target, const tdm_tensor *weight,
                                    int64_t ignore_index, float smoothing, bool is_logits) {
+    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){gx, gloss, x, weight}))
+        return tdm_cpu_lowp_cross_entropy_backward(gx, gloss, x, target, weight, ignore_index,
+                                                   smoothing, is_logits);
     int64_t N = x->shape[0], C = x->shape[1];
     int rc = check_targets(target, N, C, ignore_index);
     if (rc) return rc;
@@ -173,6 +180,8 @@ int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, cons
 /* loss = max(x, 0) - x*y + log1p(exp(-|x|)): never exponentiates a positive number. */
 TDM_CPU_CLONES
 int tdm_cpu_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const tdm_tensor *y) {
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){loss, x, y}))
+        return tdm_cpu_lowp_bce_logits(loss, x, y);
     int64_t n = tdm_numel(x), i = 0;
     const float *xp = (const float *)tdm_data_ptr(x), *yp = (const float *)tdm_data_ptr(y);
     float *lp = (float *)tdm_data_ptr(loss);
@@ -192,6 +201,8 @@ int tdm_cpu_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const tdm_tensor *
 TDM_CPU_CLONES
 int tdm_cpu_bce_logits_backward(tdm_tensor *gx, const tdm_tensor *g, const tdm_tensor *x,
                                 const tdm_tensor *y) {
+    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){gx, g, x, y}))
+        return tdm_cpu_lowp_bce_logits_backward(gx, g, x, y);
     int64_t n = tdm_numel(x), i = 0;
     const float *xp = (const float *)tdm_data_ptr(x), *yp = (const float *)tdm_data_ptr(y);
     const float *gp = (const float *)tdm_data_ptr(g);

@@ -1,5 +1,9 @@
-/* Matrix products: one GEMM (cpu_gemm.c) per batch entry. */
+/* Matrix products: one GEMM (cpu_gemm.c) per batch entry; bf16 operands through the bf16 GEMM
+ * (cpu_gemm_bf16.c: fp32 accumulation, an f32 or bf16 C), other low-precision mixes through
+ * the widening adapter (cpu_lowp.c). */
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_gemm_bf16.h"
+#include "backend/cpu/cpu_lowp.h"
 
 /* Leading dimension of a [rows, cols] matrix view with unit stride in its last dim. */
 static int64_t lead(const tdm_tensor *t) {
@@ -7,8 +11,38 @@ static int64_t lead(const tdm_tensor *t) {
     return ld < t->shape[t->ndim - 1] ? t->shape[t->ndim - 1] : ld;
 }
 
+/* tdm_cpu_matmul with bf16 a and b, c f32 or bf16: the batch loop of the fp32 path, each
+ * product one bf16 GEMM, no widened copies (the speed of mixed precision). */
+static int matmul_bf16(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool ta, bool tb,
+                       float beta) {
+    int64_t batch = c->shape[0], n = c->shape[1], m = c->shape[2];
+    int64_t k = ta ? a->shape[1] : a->shape[2];
+    if (a->strides[2] != 1 || b->strides[2] != 1)
+        return tdm_raise(TDM_ERR_ARG, "cpu matmul: operands need unit stride in their last dim");
+    const uint16_t *pa = tdm_data_ptr(a), *pb = tdm_data_ptr(b);
+    if (batch == 0 || n == 0 || m == 0) return TDM_OK;
+    if (k == 0) /* as the fp32 path: the GEMM's checks refuse empty rows' leading dims */
+        return beta == 0.0f ? tdm_cpu_fill(c, 0.0) : TDM_OK;
+    bool c_bf16 = c->dtype == TDM_BF16;
+    char *pc = tdm_data_ptr(c);
+    size_t c_bytes = (size_t)(n * m) * tdm_dtype_size(c->dtype);
+    for (int64_t i = 0; i < batch; i++) {
+        int rc = tdm_cpu_gemm_bf16(ta, tb, n, m, k, 1.0f, pa + i * a->strides[0], lead(a),
+                                   pb + i * b->strides[0], lead(b), beta, pc + (size_t)i * c_bytes,
+                                   c_bf16, m);
+        if (rc) return rc;
+    }
+    return TDM_OK;
+}
+
 int tdm_cpu_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool ta, bool tb,
                    float beta) {
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){c, a, b})) {
+        if (a->dtype == TDM_BF16 && b->dtype == TDM_BF16 &&
+            (c->dtype == TDM_F32 || c->dtype == TDM_BF16))
+            return matmul_bf16(c, a, b, ta, tb, beta);
+        return tdm_cpu_lowp_matmul(c, a, b, ta, tb, beta);
+    }
     /* c [B, n, m]; a [B, n, k] or [B, k, n]; b [B, k, m] or [B, m, k] */
     int64_t batch = c->shape[0], n = c->shape[1], m = c->shape[2];
     int64_t k = ta ? a->shape[1] : a->shape[2];

@@ -7,6 +7,7 @@
  * (S = 1) is still read row by row instead of with stride C.
  */
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_simd.h"
 
@@ -62,6 +63,10 @@ int tdm_cpu_batch_norm(tdm_tensor *y, tdm_tensor *save_mean, tdm_tensor *save_in
                        const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias,
                        tdm_tensor *running_mean, tdm_tensor *running_var, bool training,
                        float momentum, float eps) {
+    if (tdm_cpu_lowp_any(8, (const tdm_tensor *[]){y, save_mean, save_invstd, x, weight, bias,
+                                                   running_mean, running_var}))
+        return tdm_cpu_lowp_batch_norm(y, save_mean, save_invstd, x, weight, bias, running_mean,
+                                       running_var, training, momentum, eps);
     int64_t N, C, S;
     bn_dims(x, &N, &C, &S);
     int64_t M = N * S;          /* values per channel */
@@ -148,6 +153,10 @@ int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                 const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
                                 const tdm_tensor *save_mean, const tdm_tensor *save_invstd,
                                 bool training) {
+    if (tdm_cpu_lowp_any(8,
+                         (const tdm_tensor *[]){gx, gw, gb, gy, x, weight, save_mean, save_invstd}))
+        return tdm_cpu_lowp_batch_norm_backward(gx, gw, gb, gy, x, weight, save_mean, save_invstd,
+                                                training);
     int64_t N, C, S;
     bn_dims(x, &N, &C, &S);
     double M = (double)N * (double)S;
@@ -189,6 +198,8 @@ int tdm_cpu_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
 
 TDM_CPU_CLONES
 int tdm_cpu_batch_norm_stats(tdm_tensor *sum, const tdm_tensor *x, const tdm_tensor *center) {
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){sum, x, center}))
+        return tdm_cpu_lowp_batch_norm_stats(sum, x, center);
     int64_t N, C, S;
     bn_dims(x, &N, &C, &S);
     const float *xp = cf(x), *ctr = cf(center);
@@ -211,6 +222,10 @@ TDM_CPU_CLONES
 int tdm_cpu_batch_norm_backward_reduce(tdm_tensor *sum_dy, tdm_tensor *sum_dy_xmu, tdm_tensor *gw,
                                        tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x,
                                        const tdm_tensor *mean, const tdm_tensor *invstd) {
+    if (tdm_cpu_lowp_any(8,
+                         (const tdm_tensor *[]){sum_dy, sum_dy_xmu, gw, gb, gy, x, mean, invstd}))
+        return tdm_cpu_lowp_batch_norm_backward_reduce(sum_dy, sum_dy_xmu, gw, gb, gy, x, mean,
+                                                       invstd);
     int64_t N, C, S;
     bn_dims(x, &N, &C, &S);
     const float *xp = cf(x), *g = cf(gy), *sm = cf(mean), *si = cf(invstd);
@@ -235,6 +250,10 @@ int tdm_cpu_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy, cons
                                       const tdm_tensor *weight, const tdm_tensor *mean,
                                       const tdm_tensor *invstd, const tdm_tensor *sum_dy,
                                       const tdm_tensor *sum_dy_xmu, double count) {
+    if (tdm_cpu_lowp_any(
+            8, (const tdm_tensor *[]){gx, gy, x, weight, mean, invstd, sum_dy, sum_dy_xmu}))
+        return tdm_cpu_lowp_batch_norm_backward_elemt(gx, gy, x, weight, mean, invstd, sum_dy,
+                                                      sum_dy_xmu, count);
     int64_t N, C, S;
     bn_dims(x, &N, &C, &S);
     const float *xp = cf(x), *g = cf(gy), *w = cf(weight), *sm = cf(mean), *si = cf(invstd),
@@ -256,6 +275,8 @@ int tdm_cpu_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy, cons
 TDM_CPU_CLONES
 int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,
                        const tdm_tensor *weight, const tdm_tensor *bias, float eps) {
+    if (tdm_cpu_lowp_any(6, (const tdm_tensor *[]){y, mean, rstd, x, weight, bias}))
+        return tdm_cpu_lowp_layer_norm(y, mean, rstd, x, weight, bias, eps);
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
     const float *xp = cf(x), *w = cf(weight), *b = cf(bias);
     float *yp = mf(y), *mp = mf(mean), *rp = mf(rstd);
@@ -324,6 +345,8 @@ TDM_CPU_CLONES
 int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                 const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
                                 const tdm_tensor *mean, const tdm_tensor *rstd) {
+    if (tdm_cpu_lowp_any(8, (const tdm_tensor *[]){gx, gw, gb, gy, x, weight, mean, rstd}))
+        return tdm_cpu_lowp_layer_norm_backward(gx, gw, gb, gy, x, weight, mean, rstd);
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
     const float *xp = cf(x), *g = cf(gy), *w = cf(weight), *mp = cf(mean), *rp = cf(rstd);
     float *gxp = mf(gx), *gwp = mf(gw), *gbp = mf(gb);

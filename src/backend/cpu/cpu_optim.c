@@ -27,6 +27,13 @@
 
 static int check_flat(const tdm_tensor *t, int64_t n, const char *op, const char *what) {
     if (!t) return tdm_raise(TDM_ERR_ARG, "%s: %s is NULL", op, what);
+    /* mixed precision keeps parameters, their gradients and the optimizer's state in fp32
+     * (docs/MIXED_PRECISION.md): a bf16 or f16 buffer here is a caller's mistake */
+    if (t->dtype == TDM_BF16 || t->dtype == TDM_F16)
+        return tdm_raise(TDM_ERR_DTYPE,
+                         "%s: %s is %s: the optimizers step fp32 parameters with fp32 gradients "
+                         "and state only (cast a low-precision gradient to f32 first)",
+                         op, what, tdm_dtype_name(t->dtype));
     if (t->dtype != TDM_F32 || !tdm_is_contiguous(t) || tdm_numel(t) != n)
         return tdm_raise(TDM_ERR_ARG,
                          "%s: %s must be a contiguous f32 buffer of %lld elements, got %s "

@@ -6,6 +6,7 @@
  */
 #include "backend/conv_geom.h"
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 
 #include <assert.h>
@@ -255,6 +256,8 @@ TDM_AVX512_END
 
 int tdm_cpu_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
                        const tdm_pool2d_args *args) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x}))
+        return tdm_cpu_lowp_max_pool2d(y, idx, x, args);
     assert(planes_match(x, y) && planes_match(x, idx) && idx->dtype == TDM_I32);
     pool_geom g = tdm_pool_geom(x, y, args);
     const float *xp = tdm_data_ptr(x);
@@ -280,6 +283,8 @@ int tdm_cpu_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
 /* gx (zeroed here) [N, C, H, W]: each gy element goes to the input its index names. */
 TDM_CPU_CLONES
 int tdm_cpu_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *idx) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){gx, gy}))
+        return tdm_cpu_lowp_max_pool2d_backward(gx, gy, idx);
     assert(planes_match(gx, gy) && planes_match(gx, idx));
     int64_t planes = gx->shape[0] * gx->shape[1];
     int64_t in_plane = gx->shape[2] * gx->shape[3], out_plane = gy->shape[2] * gy->shape[3];
@@ -325,6 +330,8 @@ static bool avg_window(const pool_geom *g, int64_t oh, int64_t ow, int64_t *h0, 
 
 TDM_CPU_CLONES
 int tdm_cpu_avg_pool2d(tdm_tensor *y, const tdm_tensor *x, const tdm_pool2d_args *args) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x}))
+        return tdm_cpu_lowp_avg_pool2d(y, x, args);
     assert(planes_match(x, y));
     pool_geom g = tdm_pool_geom(x, y, args);
     const float *xp = tdm_data_ptr(x);
@@ -351,6 +358,8 @@ int tdm_cpu_avg_pool2d(tdm_tensor *y, const tdm_tensor *x, const tdm_pool2d_args
 /* gx (zeroed here): each gy element spread evenly over its window. */
 TDM_CPU_CLONES
 int tdm_cpu_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_pool2d_args *args) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){gx, gy}))
+        return tdm_cpu_lowp_avg_pool2d_backward(gx, gy, args);
     assert(planes_match(gx, gy));
     pool_geom g = tdm_pool_geom(gx, gy, args);
     float *gxp = tdm_data_ptr(gx);

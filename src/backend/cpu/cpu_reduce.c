@@ -11,6 +11,7 @@
 #include <math.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_iter.h"
 #include "backend/cpu/cpu_math.h"
@@ -152,6 +153,8 @@ static void reduce_max(float *y, int64_t *am, const float *x, int64_t outer, int
 
 int tdm_cpu_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim,
                    tdm_tensor *argmax) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x}))
+        return tdm_cpu_lowp_reduce(op, y, x, dim, argmax);
     /* the op (autograd/ops_math.c) refused a tensor that is not f32, a dim out of range and
      * a max over an empty dim; it hands x contiguous and allocates y (and argmax) for it */
     assert(ew_all_f32(2, (const tdm_tensor *[]){y, x}) && tdm_is_contiguous(x) &&
@@ -181,6 +184,7 @@ int tdm_cpu_reduce(tdm_reduce_op op, tdm_tensor *y, const tdm_tensor *x, int dim
 
 TDM_CPU_CLONES
 int tdm_cpu_sum_to(tdm_tensor *y, const tdm_tensor *x) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x})) return tdm_cpu_lowp_sum_to(y, x);
     if (ew_check_f32("cpu sum_to", 2, (const tdm_tensor *[]){y, x})) return tdm_last_status();
     if (!tdm_is_contiguous(x) || !tdm_is_contiguous(y))
         return tdm_raise(TDM_ERR_ARG, "cpu sum_to: x and y must be contiguous");
@@ -239,6 +243,8 @@ int tdm_cpu_sum_to(tdm_tensor *y, const tdm_tensor *x) {
 
 TDM_CPU_CLONES
 int tdm_cpu_max_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *argmax, int dim) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){gx, gy}))
+        return tdm_cpu_lowp_max_backward(gx, gy, argmax, dim);
     /* the forward op checked dim; its backward hands the forward's argmax and dense tensors */
     assert(ew_all_f32(2, (const tdm_tensor *[]){gx, gy}) && argmax->dtype == TDM_I64);
     assert(tdm_is_contiguous(gx) && tdm_is_contiguous(gy) && tdm_is_contiguous(argmax));
@@ -295,6 +301,8 @@ static void softmax_row(float *y, const float *x, int64_t n, bool is_log) {
 }
 
 int tdm_cpu_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log) {
+    if (tdm_cpu_lowp_any(2, (const tdm_tensor *[]){y, x}))
+        return tdm_cpu_lowp_softmax(y, x, is_log);
     assert(softmax_args_ok(y, x, NULL));
     int64_t n = x->ndim ? x->shape[x->ndim - 1] : 1, numel = tdm_numel(x);
     if (numel == 0) return TDM_OK;
@@ -308,6 +316,8 @@ int tdm_cpu_softmax(tdm_tensor *y, const tdm_tensor *x, bool is_log) {
 TDM_CPU_CLONES
 int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *y,
                              bool is_log) {
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){gx, gy, y}))
+        return tdm_cpu_lowp_softmax_backward(gx, gy, y, is_log);
     assert(softmax_args_ok(gx, gy, y));
     int64_t n = gx->ndim ? gx->shape[gx->ndim - 1] : 1, numel = tdm_numel(gx);
     if (numel == 0) return TDM_OK;
@@ -335,6 +345,7 @@ int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_ten
 /* Accepts any strides (a parameter's gradient may be a view into the flat buffer). */
 TDM_CPU_CLONES
 int tdm_cpu_sum_squares(double *out, const tdm_tensor *x) {
+    if (tdm_cpu_lowp_any(1, (const tdm_tensor *[]){x})) return tdm_cpu_lowp_sum_squares(out, x);
     if (ew_check_f32("cpu sum_squares", 1, &x)) return tdm_last_status();
     *out = 0;
     if (tdm_numel(x) == 0) return TDM_OK;

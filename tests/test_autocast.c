@@ -20,7 +20,7 @@
  */
 #include <pthread.h>
 
-#include "autograd/tape.h"
+#include "autograd/ops.h"
 #include "check.h"
 #include "fixtures/autocast_fixtures.h"
 
@@ -259,6 +259,47 @@ static void test_nesting(void) {
     tdm_tensor_free(a);
 }
 
+/* ---- recomputation: the second run in the dtypes of the first ---- */
+
+static tdm_tensor *two_linears(void *arg, tdm_tensor *x) {
+    tdm_tensor **w = arg;
+    return tdm_gelu(tdm_linear(tdm_gelu(tdm_linear(x, w[0], NULL), false), w[0], NULL), false);
+}
+
+/* The gradients of sum(two_linears(x) * 1) made in a bf16 region, through tdm_recompute or
+ * directly, the backward after the region ended; into gw. Returns the output's dtype. */
+static tdm_dtype recompute_grads(bool recompute, const float *xv, const float *wv, float *gw) {
+    tdm_tensor *x = f32(TDM_SHAPE(4, 4), xv), *w = leaf(TDM_SHAPE(4, 4), wv);
+    tdm_scope_begin();
+    tdm_autocast_begin(TDM_BF16);
+    /* the function's casts are not cached (each use of w its own cast, as in tdm_recompute):
+     * the direct run does the same, so the roundings are the same */
+    bool cache = tdm_autocast_set_cache(false);
+    tdm_tensor *y = recompute ? tdm_recompute(two_linears, &w, x) : two_linears(&w, x);
+    tdm_autocast_set_cache(cache);
+    tdm_tensor *loss = tdm_sum_all(tdm_mul_scalar(y, 1.0f));
+    tdm_autocast_end();
+    tdm_dtype dt = y ? y->dtype : TDM_I32;
+    CHECK(loss && tdm_backward(loss) == TDM_OK, "backward: %s", tdm_last_error());
+    if (w->grad) tdm_to_host(w->grad, gw, 16 * sizeof(float));
+    tdm_scope_end();
+    tdm_tensor_free(x);
+    tdm_tensor_free(w);
+    return dt;
+}
+
+static void test_recompute(void) {
+    float xv[16], wv[16], g0[16] = {0}, g1[16] = {0};
+    for (int i = 0; i < 16; i++) {
+        xv[i] = (float)((i * 7) % 11 - 5) / 4.0f;
+        wv[i] = (float)((i * 5) % 13 - 6) / 8.0f;
+    }
+    CHECK(recompute_grads(false, xv, wv, g0) == TDM_BF16, "direct: bf16 output");
+    CHECK(recompute_grads(true, xv, wv, g1) == TDM_BF16, "recomputed: bf16 output");
+    /* the same kernels in the same dtypes: the same bits */
+    check_tensor_close(f32(TDM_SHAPE(16), g1), g0, 0, 0, "recomputed gradient = direct");
+}
+
 /* ---- per thread ---- */
 
 typedef struct {
@@ -426,6 +467,7 @@ int main(void) {
     test_cast_cache();
     test_nesting();
     test_threads();
+    test_recompute();
     test_follow_and_promote();
     test_backward_vs_fp32();
     return check_summary();

@@ -30,6 +30,7 @@ typedef struct {
     cast_entry *cache;
     int n, cap;
     int64_t casts;
+    bool cache_off;
 } autocast_state;
 
 static _Thread_local autocast_state ac;
@@ -60,6 +61,12 @@ int tdm_autocast_end(void) {
 
 tdm_dtype tdm_autocast_dtype(void) {
     return ac.depth ? ac.stack[ac.depth - 1] : TDM_F32;
+}
+
+bool tdm_autocast_set_cache(bool enabled) {
+    bool prev = !ac.cache_off;
+    ac.cache_off = !enabled;
+    return prev;
 }
 
 int64_t tdm_autocast_cast_count(void) {
@@ -112,7 +119,7 @@ tdm_tensor *tdm_autocast_arg(tdm_tensor *t, tdm_autocast_list list) {
     if (list == TDM_AC_F32_CUDA && t->device.type != TDM_CUDA) return t;
     if (t->dtype == want) return t;
     /* PyTorch caches the casts of fp32 leaves that require grad (the parameters) */
-    bool cacheable = list == TDM_AC_LOW && !t->grad_fn && tdm_needs_record(1, &t);
+    bool cacheable = list == TDM_AC_LOW && !ac.cache_off && !t->grad_fn && tdm_needs_record(1, &t);
     if (cacheable) {
         cast_entry *e = cache_find(t, want);
         if (e) return e->cast;

@@ -89,6 +89,10 @@ typedef enum {
  * parameter (a leaf requiring grad) cast while grad mode is on is cast once per outermost
  * region and the cast reused. NULL (and the cast's error) on failure; NULL for a NULL t. */
 tdm_tensor *tdm_autocast_arg(tdm_tensor *t, tdm_autocast_list list);
+/* Turns the cast cache on or off for this thread (on by default); returns the previous
+ * setting. tdm_recompute turns it off while its function runs, so that the function's casts
+ * are its own nodes reading the parameters in both runs, whatever was cached outside. */
+bool tdm_autocast_set_cache(bool enabled);
 
 /* For an op that casts under autocast: outside any step scope its casts would be the
  * caller's to free, so the op runs inside a scope of its own (TDM_RETURN_SCOPED) when a

@@ -64,8 +64,9 @@ typedef tdm_tensor *(*tdm_recompute_fn)(void *arg, tdm_tensor *x);
  * batch norm leaves its running statistics alone (see tdm_recomputing). So the gradients,
  * x's included, are those of calling fn directly, bit for bit: the same kernels in the same
  * order: the second run also runs in the autocast dtype of the first (autocast.h), with the
- * cast cache off in both runs, so each of fn's casts is its own node. Parameters' gradient-ready hooks (DDP's buckets) fire once each, when the node's
- * backward is done. Nests: fn may call tdm_recompute itself. Per thread, like the tape.
+ * cast cache off in both runs, so each of fn's casts is its own node. Parameters' gradient-ready
+ * hooks (DDP's buckets) fire once each, when the node's backward is done. Nests: fn may call
+ * tdm_recompute itself. Per thread, like the tape.
  *
  * fn must build the same graph every time it runs on x: the same ops on the same tensors,
  * with nothing it reads (through arg: parameters, other tensors, the parallel context)
@@ -103,12 +104,13 @@ tdm_tensor *tdm_device_recv(tdm_tensor *src, tdm_device dev, tdm_grad_sink sink,
 
 /* Backpropagates from out, a tensor recorded on this thread's tape at or after position
  * mark (tdm_tape_size() before its forward began), seeded with grad (out's shape, a float
- * dtype, cast to out's if another, on out's device; NULL means 1 for a one-element out). Walks only the nodes in [mark, out's
- * node], so the forwards of other micro-batches recorded on the same tape are left for their
- * own backward, in any order. Gradients accumulate into leaves' .grad as tdm_backward does;
- * gradient-ready hooks do not fire. grad is borrowed: keep it until this returns. Returns
- * TDM_OK, TDM_ERR_STATE if out has no history or was not recorded after mark on this thread,
- * TDM_ERR_SHAPE/DEVICE for a grad that does not match out, TDM_ERR_DTYPE for an integer one. */
+ * dtype, cast to out's if another, on out's device; NULL means 1 for a one-element out). Walks only
+ * the nodes in [mark, out's node], so the forwards of other micro-batches recorded on the same tape
+ * are left for their own backward, in any order. Gradients accumulate into leaves' .grad as
+ * tdm_backward does; gradient-ready hooks do not fire. grad is borrowed: keep it until this
+ * returns. Returns TDM_OK, TDM_ERR_STATE if out has no history or was not recorded after mark on
+ * this thread, TDM_ERR_SHAPE/DEVICE for a grad that does not match out, TDM_ERR_DTYPE for an
+ * integer one. */
 int tdm_backward_from(tdm_tensor *out, tdm_tensor *grad, int mark);
 
 /* Releases, now instead of at the end of the step scope, the memory of the tensors held by

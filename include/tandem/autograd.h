@@ -63,9 +63,10 @@ typedef tdm_tensor *(*tdm_recompute_fn)(void *arg, tdm_tensor *x);
  * inside fn, dropout's masks among them, is logged by the first run and replayed), and
  * batch norm leaves its running statistics alone (see tdm_recomputing). So the gradients,
  * x's included, are those of calling fn directly, bit for bit: the same kernels in the same
- * order: the second run also runs in the autocast dtype of the first (autocast.h), with the
- * cast cache off in both runs, so each of fn's casts is its own node. Parameters' gradient-ready
- * hooks (DDP's buckets) fire once each, when the node's backward is done. Nests: fn may call
+ * order. In an autocast region (autocast.h) the second run runs in the dtype the first ran
+ * in, and both run with the cast cache off, so each of fn's casts is a node of its own (the
+ * same as calling fn directly with the cache off). Parameters' gradient-ready hooks (DDP's
+ * buckets) fire once each, when the node's backward is done. Nests: fn may call
  * tdm_recompute itself. Per thread, like the tape.
  *
  * fn must build the same graph every time it runs on x: the same ops on the same tensors,

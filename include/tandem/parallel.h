@@ -163,6 +163,12 @@ typedef struct {
     int64_t first_bucket_cap_bytes; /* PyTorch's default 1 MiB */
     bool find_unused_parameters;    /* false: a parameter without a gradient is an error */
     bool broadcast_buffers;         /* true: rank 0's buffers are copied at each forward */
+    /* The dtype gradients travel in (PyTorch's comm hooks): TDM_F32 (the default) reduces the
+     * f32 gradients as they are; TDM_BF16 (bf16_compress_hook) rounds each bucket to bf16,
+     * reduces it in bf16 with the ranks' values summed in f32 in rank order and rounded once,
+     * and widens the average back into the f32 gradients: half the bytes on the wire. Any
+     * other dtype is an error of tdm_ddp_new naming it. */
+    tdm_dtype reduce_dtype;
 } tdm_ddp_opts;
 
 tdm_ddp_opts tdm_ddp_defaults(void);

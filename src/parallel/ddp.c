@@ -73,7 +73,7 @@ struct tdm_ddp {
 };
 
 tdm_ddp_opts tdm_ddp_defaults(void) {
-    tdm_ddp_opts o = {25 << 20, 1 << 20, false, true};
+    tdm_ddp_opts o = {25 << 20, 1 << 20, false, true, TDM_F32};
     return o;
 }
 
@@ -352,6 +352,13 @@ tdm_ddp *tdm_ddp_new(tdm_module *replica, tdm_group *g, const tdm_ddp_opts *o) {
     if (d->o.bucket_cap_bytes < 4 || d->o.first_bucket_cap_bytes < 4) {
         free(d);
         return tdm_raise_null(TDM_ERR_ARG, "ddp: bucket caps must be at least 4 bytes");
+    }
+    if (d->o.reduce_dtype != TDM_F32) { /* bf16 lands with the groups' bf16 reductions */
+        tdm_dtype rd = d->o.reduce_dtype;
+        free(d);
+        return tdm_raise_null(TDM_ERR_ARG,
+                              "ddp: reduce_dtype %s is not supported yet (expected f32)",
+                              tdm_dtype_name(rd));
     }
     d->ps = tdm_module_parameters(replica);
     d->bs = d->ps ? tdm_module_buffers(replica) : NULL;

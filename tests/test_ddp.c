@@ -161,6 +161,7 @@ typedef struct {
     float *local[4];   /* per rank: its own gradient of the batch (sync off) */
     float *reduced[4]; /* per rank: the gradient DDP reduced in bf16 */
     float *stage2[4];  /* per rank: its ZeRO stage 2 shard of the same, at shard_lo[r] */
+    float *stage3[4];  /* the same under ZeRO stage 3 (the parameters gathered per unit) */
     int64_t shard_lo[4], shard_n[4];
 } bf16_case;
 
@@ -204,6 +205,8 @@ static int bf16_rank(tdm_rank_ctx *ctx, void *arg) {
     if (!rc) rc = bf16_pass(d, m, opt, r, n, &c->reduced[r]);
     if (!rc) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_GRADIENTS);
     if (!rc) rc = bf16_pass(d, m, opt, r, n, &c->stage2[r]);
+    if (!rc) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_PARAMETERS);
+    if (!rc) rc = bf16_pass(d, m, opt, r, n, &c->stage3[r]);
     tdm_tensor *shard = tdm_ddp_shard_grad(d, &c->shard_lo[r]);
     c->shard_n[r] = shard ? tdm_numel(shard) : 0;
     tdm_optim_free(opt);
@@ -226,8 +229,8 @@ static int f16_rank(tdm_rank_ctx *ctx, void *arg) {
 
 /* reduce_dtype bf16 (PyTorch's bf16_compress_hook): every rank's gradient is the ranks' own
  * gradients rounded to bf16, summed in f32 in rank order, divided by the ranks and rounded
- * once, bit for bit, on every rank and in ZeRO stage 2's shards; and it lies within 2^-7 of the
- * mean magnitude of the ranks' gradients from the f32 reduction (two bf16 roundings of at most
+ * once, bit for bit, on every rank and in ZeRO stage 2's and 3's shards; and it lies within 2^-7 of
+ * the mean magnitude of the ranks' gradients from the f32 reduction (two bf16 roundings of at most
  * 2^-8 relative each, one of each gradient, one of the mean, plus f32's). */
 static void test_ddp_reduce_bf16(void) {
     const int64_t caps[2] = {64, 25 << 20};
@@ -254,6 +257,7 @@ static void test_ddp_reduce_bf16(void) {
                     int64_t j = i - c.shard_lo[r];
                     if (j >= 0 && j < c.shard_n[r]) {
                         off += memcmp(&c.stage2[r][j], &want, 4) != 0;
+                        off += memcmp(&c.stage3[r][j], &want, 4) != 0;
                         covered++;
                     }
                 }
@@ -267,7 +271,8 @@ static void test_ddp_reduce_bf16(void) {
                   (long long)c.total);
             CHECK(rc || rounded > c.total / 2, "only %lld of %lld elements differ from f32",
                   (long long)rounded, (long long)c.total);
-            for (int r = 0; r < n; r++) free(c.local[r]), free(c.reduced[r]), free(c.stage2[r]);
+            for (int r = 0; r < n; r++)
+                free(c.local[r]), free(c.reduced[r]), free(c.stage2[r]), free(c.stage3[r]);
         }
     char msg[256] = "";
     CHECK(tdm_spawn(1, devs, f16_rank, msg) == TDM_OK, "spawn: %s", tdm_last_error());

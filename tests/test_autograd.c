@@ -91,7 +91,8 @@ static void test_matmul_values(void) {
     CHECK(c && c->ndim == 3 && c->shape[2] == 4, "matmul output shape");
     check_tensor_close(c, want, 1e-5, 1e-5, "matmul values");
     CHECK_ERROR(tdm_matmul(a, a) == NULL, "inner dims differ: [3, 5, 7] @ [3, 5, 7]");
-    CHECK_ERROR(tdm_matmul(a, tdm_cast(b, TDM_I32)) == NULL, "expected an f32 tensor, got i32");
+    CHECK_ERROR(tdm_matmul(a, tdm_cast(b, TDM_I32)) == NULL,
+                "expected a float tensor (f32, bf16 or f16), got i32");
     CHECK_ERROR(tdm_bmm(b, b) == NULL, "bmm: expected [B, n, k]");
     tdm_scope_end();
 }
@@ -169,7 +170,7 @@ static void test_engine(void) {
     tdm_tensor_free(k);
     CHECK_ERROR(tdm_requires_grad_(tdm_scope_keep(NULL), true) != 0, "NULL tensor");
     tdm_tensor *iv = tdm_zeros(TDM_SHAPE(2), TDM_I64, CPU);
-    CHECK_ERROR(tdm_requires_grad_(iv, true) != 0, "only f32 tensors");
+    CHECK_ERROR(tdm_requires_grad_(iv, true) != 0, "only float tensors (f32, bf16, f16)");
     tdm_tensor_free(iv);
     tdm_tensor_free(w);
     tdm_tensor_free(v);

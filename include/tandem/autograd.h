@@ -14,10 +14,18 @@
 extern "C" {
 #endif
 
-/* Marks a leaf tensor as needing a gradient (f32 only). Returns TDM_OK or an error. */
+/* Marks a leaf tensor as needing a gradient. Returns TDM_OK, TDM_ERR_ARG for NULL,
+ * TDM_ERR_DTYPE for a tensor that is not f32, bf16 or f16, TDM_ERR_STATE for a non-leaf.
+ *
+ * Dtypes of gradients, as in PyTorch: a tensor's gradient has the tensor's dtype (a bf16
+ * leaf's .grad is bf16, an f32 parameter's f32 even when a bf16 op used it through a cast:
+ * tdm_to_dtype and autocast.h). Each op's backward computes in the dtypes its forward ran
+ * in, and a gradient reaching a tensor in another dtype (a bf16 + f32 add's, going to its
+ * bf16 input) is cast to the tensor's dtype once, before it is added. */
 int tdm_requires_grad_(tdm_tensor *t, bool requires_grad);
 
-/* Backpropagates from a one-element f32 tensor. Gradients add into each leaf's .grad
+/* Backpropagates from a one-element float tensor (seeded with 1 in its dtype). Gradients add
+ * into each leaf's .grad
  * (allocated, zero-filled, on first use with the leaf's owner), so several backward calls
  * accumulate. Nodes recorded before the previous backward on this thread are not walked
  * again. Fails with TDM_ERR_SHAPE for a loss with more than one element, TDM_ERR_STATE if
@@ -55,8 +63,11 @@ typedef tdm_tensor *(*tdm_recompute_fn)(void *arg, tdm_tensor *x);
  * inside fn, dropout's masks among them, is logged by the first run and replayed), and
  * batch norm leaves its running statistics alone (see tdm_recomputing). So the gradients,
  * x's included, are those of calling fn directly, bit for bit: the same kernels in the same
- * order. Parameters' gradient-ready hooks (DDP's buckets) fire once each, when the node's
- * backward is done. Nests: fn may call tdm_recompute itself. Per thread, like the tape.
+ * order. In an autocast region (autocast.h) the second run runs in the dtype the first ran
+ * in, and both run with the cast cache off, so each of fn's casts is a node of its own (the
+ * same as calling fn directly with the cache off). Parameters' gradient-ready hooks (DDP's
+ * buckets) fire once each, when the node's backward is done. Nests: fn may call
+ * tdm_recompute itself. Per thread, like the tape.
  *
  * fn must build the same graph every time it runs on x: the same ops on the same tensors,
  * with nothing it reads (through arg: parameters, other tensors, the parallel context)
@@ -93,13 +104,14 @@ typedef void (*tdm_grad_sink)(tdm_tensor *grad, void *arg);
 tdm_tensor *tdm_device_recv(tdm_tensor *src, tdm_device dev, tdm_grad_sink sink, void *arg);
 
 /* Backpropagates from out, a tensor recorded on this thread's tape at or after position
- * mark (tdm_tape_size() before its forward began), seeded with grad (out's shape, f32, on
- * out's device; NULL means 1 for a one-element out). Walks only the nodes in [mark, out's
- * node], so the forwards of other micro-batches recorded on the same tape are left for their
- * own backward, in any order. Gradients accumulate into leaves' .grad as tdm_backward does;
- * gradient-ready hooks do not fire. grad is borrowed: keep it until this returns. Returns
- * TDM_OK, TDM_ERR_STATE if out has no history or was not recorded after mark on this thread,
- * TDM_ERR_SHAPE/DTYPE/DEVICE for a grad that does not match out. */
+ * mark (tdm_tape_size() before its forward began), seeded with grad (out's shape, a float
+ * dtype, cast to out's if another, on out's device; NULL means 1 for a one-element out). Walks only
+ * the nodes in [mark, out's node], so the forwards of other micro-batches recorded on the same tape
+ * are left for their own backward, in any order. Gradients accumulate into leaves' .grad as
+ * tdm_backward does; gradient-ready hooks do not fire. grad is borrowed: keep it until this
+ * returns. Returns TDM_OK, TDM_ERR_STATE if out has no history or was not recorded after mark on
+ * this thread, TDM_ERR_SHAPE/DEVICE for a grad that does not match out, TDM_ERR_DTYPE for an
+ * integer one. */
 int tdm_backward_from(tdm_tensor *out, tdm_tensor *grad, int mark);
 
 /* Releases, now instead of at the end of the step scope, the memory of the tensors held by

@@ -15,7 +15,16 @@
 extern "C" {
 #endif
 
-/* ---- functional ops (differentiable) ----------------------------------------------------- */
+/* ---- functional ops (differentiable) -----------------------------------------------------
+ *
+ * Dtypes (docs/MIXED_PRECISION.md): every op takes f32, bf16 and f16 inputs. The products
+ * (tdm_linear, tdm_conv2d, tdm_causal_attention) take one dtype for all their float
+ * operands (TDM_ERR_DTYPE naming both otherwise) and give it; in an autocast region
+ * (autocast.h) they cast to the region's dtype first. Pooling, dropout and embedding give
+ * their input's dtype; the norms too, with weight and bias of any float dtype (f32 with a
+ * bf16 input is mixed precision's case) and their statistics (batch norm's running buffers
+ * included, which must be f32) in f32. The losses give their input's dtype; in a region
+ * they cast it to f32 first. Each computes in f32 inside and rounds its output once. */
 
 /* x [..., in] @ w[out, in]^T + b[out] (b may be NULL) -> [..., out] */
 tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b);

@@ -6,6 +6,7 @@
 #include "runtime.h"
 #include "half.h"
 #include "autograd.h"
+#include "autocast.h"
 #include "nn.h"
 #include "optim.h"
 #include "data.h"

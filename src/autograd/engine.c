@@ -42,10 +42,10 @@ bool tdm_grad_enabled(void) {
 
 int tdm_requires_grad_(tdm_tensor *t, bool requires_grad) {
     if (!t) return tdm_raise(TDM_ERR_ARG, "requires_grad_: NULL tensor");
-    if (requires_grad && t->dtype != TDM_F32)
+    if (requires_grad && !tdm_dtype_is_float(t->dtype))
         return tdm_raise(TDM_ERR_DTYPE,
-                         "requires_grad_: only f32 tensors can require gradients, "
-                         "got %s",
+                         "requires_grad_: only float tensors (f32, bf16, f16) can require "
+                         "gradients, got %s",
                          tdm_dtype_name(t->dtype));
     if (t->grad_fn)
         return tdm_raise(TDM_ERR_STATE, "requires_grad_: only leaf tensors can be changed");
@@ -86,6 +86,17 @@ static int add_into(tdm_tensor *acc, tdm_tensor *g) {
     return tdm_backend_for(acc->device)->axpy(acc, 1.0f, g);
 }
 
+/* g in t's dtype, PyTorch's rule that a gradient has its tensor's dtype: a backward that
+ * computed it in another (a bf16 + f32 add's gradient reaching the bf16 side) is cast here,
+ * once. Contiguous either way, as axpy and the borrowing below want it. */
+static tdm_tensor *grad_as(const tdm_tensor *t, tdm_tensor *g) {
+    if (g->dtype == t->dtype) return tdm_dense(g);
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_tensor *c = tdm_cast(g, t->dtype);
+    tdm_set_grad_enabled(prev);
+    return c;
+}
+
 int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     if (!t || !t->requires_grad) return TDM_OK;
     if (!g) return tdm_last_status() ? tdm_last_status() : TDM_ERR_STATE;
@@ -93,7 +104,7 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     if (!tdm_same_shape(t, g))
         return tdm_raise(TDM_ERR_SHAPE, "backward: gradient of shape %s for a tensor of shape %s",
                          tdm_shape_str(tdm_shape_of(g), a), tdm_shape_str(tdm_shape_of(t), b));
-    if (!(g = tdm_dense(g))) return tdm_last_status(); /* axpy wants it contiguous */
+    if (!(g = grad_as(t, g))) return tdm_last_status();
     tdm_node *n = t->grad_fn;
     if (n) {
         if (!n->gout) { /* borrow: the producer of g must not modify it afterwards */
@@ -113,7 +124,7 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     int rc = take_source(t);
     if (rc) return rc;
     if (!t->grad) {
-        t->grad = tdm_tensor_alloc_owned(tdm_shape_of(t), TDM_F32, t->device, tdm_book(t)->owner);
+        t->grad = tdm_tensor_alloc_owned(tdm_shape_of(t), t->dtype, t->device, tdm_book(t)->owner);
         if (!t->grad) return tdm_last_status();
         return tdm_backend_for(t->device)->copy(t->grad, g);
     }
@@ -149,7 +160,7 @@ int tdm_grad_accumulate_reduced(tdm_tensor *t, tdm_tensor *g) {
     if (!g) return tdm_last_status() ? tdm_last_status() : TDM_ERR_STATE;
     if (tdm_same_shape(t, g)) return tdm_grad_accumulate(t, g);
     /* sum over the broadcast dims: view t's shape left-padded with 1s to g's rank */
-    tdm_tensor *r = tdm_tensor_alloc(tdm_shape_of(t), TDM_F32, t->device);
+    tdm_tensor *r = tdm_tensor_alloc(tdm_shape_of(t), t->dtype, t->device);
     if (!r || !(g = tdm_dense(g))) return tdm_last_status();
     tdm_tensor rv = *r;
     int pad = g->ndim - t->ndim;
@@ -293,7 +304,7 @@ int tdm_backward(tdm_tensor *loss) {
         return tdm_raise(TDM_ERR_STATE, "backward: the loss's graph was already walked by a "
                                         "previous backward");
     tdm_tensor **heads = ready_lists(tape, start, li + 1);
-    tdm_tensor *seed = tdm_full(tdm_shape_of(loss), 1.0f, TDM_F32, loss->device);
+    tdm_tensor *seed = tdm_full(tdm_shape_of(loss), 1.0f, loss->dtype, loss->device);
     if (!heads || !seed) return tdm_last_status();
     seed_node(loss, seed, true);
     int rc = walk(li, start, heads);
@@ -316,11 +327,13 @@ static tdm_tensor *seed_for(tdm_tensor *out, tdm_tensor *grad) {
                                   "backward_from: a gradient is needed for an output of "
                                   "shape %s (only a one-element output defaults to 1)",
                                   tdm_shape_str(tdm_shape_of(out), a));
-        return tdm_full(tdm_shape_of(out), 1.0f, TDM_F32, out->device);
+        return tdm_full(tdm_shape_of(out), 1.0f, out->dtype, out->device);
     }
-    if (grad->dtype != TDM_F32)
-        return tdm_raise_null(TDM_ERR_DTYPE, "backward_from: gradient is %s, expected f32",
-                              tdm_dtype_name(grad->dtype));
+    if (!tdm_dtype_is_float(grad->dtype))
+        return tdm_raise_null(TDM_ERR_DTYPE,
+                              "backward_from: gradient is %s, expected a float dtype (f32, bf16 "
+                              "or f16; cast to the output's %s)",
+                              tdm_dtype_name(grad->dtype), tdm_dtype_name(out->dtype));
     if (!tdm_same_shape(grad, out))
         return tdm_raise_null(
             TDM_ERR_SHAPE, "backward_from: gradient of shape %s for an output of shape %s",
@@ -328,6 +341,8 @@ static tdm_tensor *seed_for(tdm_tensor *out, tdm_tensor *grad) {
     if (!tdm_device_equal(grad->device, out->device))
         return tdm_raise_null(TDM_ERR_DEVICE, "backward_from: gradient on %s for an output on %s",
                               tdm_device_str(grad->device, da), tdm_device_str(out->device, db));
+    /* a gradient has its tensor's dtype */
+    if (grad->dtype != out->dtype) return tdm_cast(grad, out->dtype);
     return tdm_contiguous(grad);
 }
 

@@ -48,3 +48,19 @@ int tdm_check_index(const tdm_tensor *idx, const tdm_tensor *src, const char *op
     }
     return TDM_OK;
 }
+
+int tdm_check_float(const tdm_tensor *t, const char *op) {
+    if (tdm_dtype_is_float(t->dtype)) return TDM_OK;
+    return tdm_raise(TDM_ERR_DTYPE, "%s: expected a float tensor (f32, bf16 or f16), got %s", op,
+                     tdm_dtype_name(t->dtype));
+}
+
+int tdm_check_same_dtype(const tdm_tensor *x, const tdm_tensor *a, const tdm_tensor *b,
+                         const char *op) {
+    const tdm_tensor *o = a && a->dtype != x->dtype ? a : b && b->dtype != x->dtype ? b : NULL;
+    if (!o) return TDM_OK;
+    return tdm_raise(TDM_ERR_DTYPE,
+                     "%s: operands of dtypes %s and %s (a product takes one dtype: cast one, "
+                     "or run it in an autocast region)",
+                     op, tdm_dtype_name(x->dtype), tdm_dtype_name(o->dtype));
+}

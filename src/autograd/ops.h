@@ -6,6 +6,7 @@
 #define TDM_OPS_H
 
 #include "autograd/tape.h"
+#include "tandem/autocast.h"
 
 /* ---- inputs and temporaries ------------------------------------------------------------- */
 
@@ -59,6 +60,47 @@ static inline const char *tdm_tensor_shape_str(const tdm_tensor *t, char *buf) {
 
 /* The broadcast shape of a and b into out; an error naming op and both shapes if none. */
 int tdm_broadcast_shapes(const tdm_tensor *a, const tdm_tensor *b, tdm_shape *out, const char *op);
+
+/* t must be a float tensor (f32, bf16 or f16): the dtypes ops compute on. Raises
+ * TDM_ERR_DTYPE naming op and t's dtype otherwise and returns nonzero. */
+int tdm_check_float(const tdm_tensor *t, const char *op);
+/* a and b (either may be NULL: not checked) must have x's dtype, for the products, which
+ * take one dtype (PyTorch's "expected both operands to have the same dtype"; autocast is
+ * what mixes an fp32 weight with a bf16 input). Raises TDM_ERR_DTYPE naming op otherwise. */
+int tdm_check_same_dtype(const tdm_tensor *x, const tdm_tensor *a, const tdm_tensor *b,
+                         const char *op);
+/* The dtype of a binary op's result, PyTorch's type promotion among floats: the common
+ * dtype when a and b agree, else f32 (bf16 + f32, f16 + f32 and bf16 + f16 all give f32). */
+static inline tdm_dtype tdm_promote(tdm_dtype a, tdm_dtype b) {
+    return a == b ? a : TDM_F32;
+}
+
+/* ---- autocast (autograd/autocast.c; include/tandem/autocast.h is the public side) -------- */
+
+/* Which of autocast's lists an op is on (docs/MIXED_PRECISION.md, "Tandem's lists"). */
+typedef enum {
+    TDM_AC_LOW,      /* runs in the region's dtype: products, convolution, attention */
+    TDM_AC_F32,      /* runs in fp32 on every device: the losses */
+    TDM_AC_F32_CUDA, /* runs in fp32 on CUDA devices, follows its input on the CPU */
+} tdm_autocast_list;
+/* The tensor an op of list `list` is to compute on in place of t: t itself outside a region,
+ * for a non-float t, or when t already has the dtype the list asks for; else t cast to it
+ * through tdm_to_dtype (recorded on the tape, so gradients flow back to t in t's dtype). A
+ * parameter (a leaf requiring grad) cast while grad mode is on is cast once per outermost
+ * region and the cast reused. NULL (and the cast's error) on failure; NULL for a NULL t. */
+tdm_tensor *tdm_autocast_arg(tdm_tensor *t, tdm_autocast_list list);
+/* Turns the cast cache on or off for this thread (on by default); returns the previous
+ * setting. tdm_recompute turns it off while its function runs, so that the function's casts
+ * are its own nodes reading the parameters in both runs, whatever was cached outside. */
+bool tdm_autocast_set_cache(bool enabled);
+
+/* For an op that casts under autocast: outside any step scope its casts would be the
+ * caller's to free, so the op runs inside a scope of its own (TDM_RETURN_SCOPED) when a
+ * region is on. Use as `TDM_AUTOCAST_SCOPED(tdm_op(a, b));` at the top of the op. */
+#define TDM_AUTOCAST_SCOPED(expr)                                                                  \
+    do {                                                                                           \
+        if (!tdm_current_scope() && tdm_autocast_dtype() != TDM_F32) TDM_RETURN_SCOPED(expr);      \
+    } while (0)
 
 /* idx must be i32/i64 and on src's device; raises naming op otherwise and returns nonzero. */
 int tdm_check_index(const tdm_tensor *idx, const tdm_tensor *src, const char *op);

@@ -6,7 +6,7 @@ static int index_select_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *src = n->in[0], *idx = n->saved[0];
     int dim = (int)n->arg.i[0];
     tdm_tensor *g = tdm_contiguous(gout);
-    tdm_tensor *gx = tdm_zeros(tdm_shape_of(src), TDM_F32, src->device);
+    tdm_tensor *gx = tdm_zeros(tdm_shape_of(src), src->dtype, src->device);
     if (!g || !gx) return tdm_last_status();
     int rc = tdm_backend_for(src->device)->index_add(gx, dim, idx, g);
     if (rc) return rc;
@@ -38,7 +38,7 @@ tdm_tensor *tdm_index_select(tdm_tensor *src, int dim, const tdm_tensor *index) 
         return NULL;
     }
     tdm_tensor *in[1] = {x};
-    if (x->dtype == TDM_F32 && tdm_needs_record(1, in)) {
+    if (tdm_dtype_is_float(x->dtype) && tdm_needs_record(1, in)) {
         tdm_tensor *keep = tdm_index_keep(index);
         if (!keep) return NULL;
         tdm_node *nd = tdm_record("index_select", index_select_backward, y, 1, in);

@@ -65,7 +65,7 @@ static int binary_into(tdm_binary_op op, tdm_tensor *y, const tdm_tensor *a, con
 /* A new tensor of gout's shape holding gout op other (other broadcast to it). */
 static tdm_tensor *binary_new(tdm_binary_op op, const tdm_tensor *x, const tdm_tensor *other,
                               tdm_shape s) {
-    tdm_tensor *g = tdm_tensor_alloc(s, TDM_F32, x->device);
+    tdm_tensor *g = tdm_tensor_alloc(s, tdm_promote(x->dtype, other->dtype), x->device);
     if (g && binary_into(op, g, x, other) != 0) return tdm_drop_fail(g);
     return g;
 }
@@ -78,7 +78,7 @@ static int add_backward(tdm_node *n, tdm_tensor *gout) {
 static int sub_backward(tdm_node *n, tdm_tensor *gout) {
     int rc = tdm_grad_accumulate_reduced(n->in[0], gout);
     if (rc || !tdm_node_wants(n, 1)) return rc;
-    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(gout), TDM_F32, gout->device);
+    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(gout), gout->dtype, gout->device);
     if (!g) return tdm_last_status();
     rc = tdm_backend_for(g->device)->unary(TDM_UN_NEG, g, gout, 0);
     return rc ? rc : tdm_grad_accumulate_reduced(n->in[1], g);
@@ -114,11 +114,11 @@ static int div_backward(tdm_node *n, tdm_tensor *gout) {
 static tdm_tensor *binary_op(tdm_binary_op op, const char *name, tdm_backward_fn bw, tdm_tensor *a,
                              tdm_tensor *b) {
     if (!a || !b) return tdm_null_input(name);
-    if (tdm_check_f32(a, name) || tdm_check_f32(b, name) || tdm_check_same_device(a, b, name))
+    if (tdm_check_float(a, name) || tdm_check_float(b, name) || tdm_check_same_device(a, b, name))
         return NULL;
     tdm_shape s;
     if (tdm_broadcast_shapes(a, b, &s, name)) return NULL;
-    tdm_tensor *y = tdm_tensor_alloc(s, TDM_F32, a->device);
+    tdm_tensor *y = tdm_tensor_alloc(s, tdm_promote(a->dtype, b->dtype), a->device);
     if (!y) return NULL;
     if (binary_into(op, y, a, b) != 0) return tdm_drop_fail(y);
     tdm_tensor *in[2] = {a, b};
@@ -148,17 +148,20 @@ tdm_tensor *tdm_div(tdm_tensor *a, tdm_tensor *b) {
  * y (out), whichever its derivative needs */
 static int unary_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *x = n->in[0];
-    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!g) return tdm_last_status();
     int rc = tdm_backend_for(x->device)->unary_backward((tdm_unary_op)n->arg2.i[0], g, gout, x,
                                                         n->out, n->arg.f[0]);
     return rc ? rc : tdm_grad_accumulate(x, g);
 }
 
-static tdm_tensor *unary_op(tdm_unary_op op, const char *name, tdm_tensor *a, float s) {
+/* list: the autocast list of the op (TDM_AC_F32_CUDA for exp, log, pow), or -1 for none */
+static tdm_tensor *unary_op(tdm_unary_op op, const char *name, tdm_tensor *a, float s, int list) {
     if (!a) return tdm_null_input(name);
-    if (tdm_check_f32(a, name)) return NULL;
-    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(a), TDM_F32, a->device);
+    if (tdm_check_float(a, name)) return NULL;
+    if (list >= 0) TDM_AUTOCAST_SCOPED(unary_op(op, name, a, s, list));
+    if (list >= 0 && !(a = tdm_autocast_arg(a, (tdm_autocast_list)list))) return NULL;
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(a), a->dtype, a->device);
     if (!y) return NULL;
     if (tdm_backend_for(a->device)->unary(op, y, a, s) != 0) return tdm_drop_fail(y);
     if (tdm_needs_record(1, &a)) {
@@ -171,51 +174,51 @@ static tdm_tensor *unary_op(tdm_unary_op op, const char *name, tdm_tensor *a, fl
 }
 
 tdm_tensor *tdm_add_scalar(tdm_tensor *a, float s) {
-    return unary_op(TDM_UN_ADD_SCALAR, "add_scalar", a, s);
+    return unary_op(TDM_UN_ADD_SCALAR, "add_scalar", a, s, -1);
 }
 
 tdm_tensor *tdm_mul_scalar(tdm_tensor *a, float s) {
-    return unary_op(TDM_UN_MUL_SCALAR, "mul_scalar", a, s);
+    return unary_op(TDM_UN_MUL_SCALAR, "mul_scalar", a, s, -1);
 }
 
 tdm_tensor *tdm_pow_scalar(tdm_tensor *a, float p) {
-    return unary_op(TDM_UN_POW_SCALAR, "pow_scalar", a, p);
+    return unary_op(TDM_UN_POW_SCALAR, "pow_scalar", a, p, TDM_AC_F32_CUDA);
 }
 
 tdm_tensor *tdm_neg(tdm_tensor *a) {
-    return unary_op(TDM_UN_NEG, "neg", a, 0);
+    return unary_op(TDM_UN_NEG, "neg", a, 0, -1);
 }
 
 tdm_tensor *tdm_exp(tdm_tensor *a) {
-    return unary_op(TDM_UN_EXP, "exp", a, 0);
+    return unary_op(TDM_UN_EXP, "exp", a, 0, TDM_AC_F32_CUDA);
 }
 
 tdm_tensor *tdm_log(tdm_tensor *a) {
-    return unary_op(TDM_UN_LOG, "log", a, 0);
+    return unary_op(TDM_UN_LOG, "log", a, 0, TDM_AC_F32_CUDA);
 }
 
 tdm_tensor *tdm_sqrt(tdm_tensor *a) {
-    return unary_op(TDM_UN_SQRT, "sqrt", a, 0);
+    return unary_op(TDM_UN_SQRT, "sqrt", a, 0, -1);
 }
 
 tdm_tensor *tdm_relu(tdm_tensor *a) {
-    return unary_op(TDM_UN_RELU, "relu", a, 0);
+    return unary_op(TDM_UN_RELU, "relu", a, 0, -1);
 }
 
 tdm_tensor *tdm_gelu(tdm_tensor *a, bool tanh_approx) {
-    return unary_op(tanh_approx ? TDM_UN_GELU_TANH : TDM_UN_GELU_ERF, "gelu", a, 0);
+    return unary_op(tanh_approx ? TDM_UN_GELU_TANH : TDM_UN_GELU_ERF, "gelu", a, 0, -1);
 }
 
 tdm_tensor *tdm_tanh(tdm_tensor *a) {
-    return unary_op(TDM_UN_TANH, "tanh", a, 0);
+    return unary_op(TDM_UN_TANH, "tanh", a, 0, -1);
 }
 
 tdm_tensor *tdm_sigmoid(tdm_tensor *a) {
-    return unary_op(TDM_UN_SIGMOID, "sigmoid", a, 0);
+    return unary_op(TDM_UN_SIGMOID, "sigmoid", a, 0, -1);
 }
 
 tdm_tensor *tdm_softsign(tdm_tensor *a) {
-    return unary_op(TDM_UN_SOFTSIGN, "softsign", a, 0);
+    return unary_op(TDM_UN_SOFTSIGN, "softsign", a, 0, -1);
 }
 
 /* ---- reductions ---------------------------------------------------------------------- */
@@ -234,7 +237,7 @@ static tdm_tensor *unreduce(const tdm_tensor *x, const tdm_tensor *gout, int d, 
         }
     }
     tdm_tensor gv = stack_view(gout, x->ndim, x->shape, st);
-    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (g && tdm_backend_for(x->device)->unary(TDM_UN_MUL_SCALAR, g, &gv, scale) != 0)
         return tdm_drop_fail(g);
     return g;
@@ -250,7 +253,7 @@ static int sum_backward(tdm_node *n, tdm_tensor *gout) {
     if (d < 0) { /* every element gets the one upstream value */
         int64_t zero[TDM_MAX_DIMS] = {0};
         tdm_tensor gv = stack_view(gout, x->ndim, x->shape, zero);
-        g = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+        g = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
         if (g && tdm_backend_for(x->device)->unary(TDM_UN_MUL_SCALAR, g, &gv, scale) != 0)
             g = tdm_drop_fail(g);
     } else {
@@ -261,7 +264,7 @@ static int sum_backward(tdm_node *n, tdm_tensor *gout) {
 
 static int max_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *x = n->in[0], *gy = tdm_dense(gout);
-    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!gy || !g) return tdm_last_status();
     int rc = tdm_backend_for(x->device)->max_backward(g, gy, n->saved[0], (int)n->arg.i[0]);
     tdm_drop_temp(gy, gout);
@@ -284,7 +287,9 @@ static tdm_tensor *reduce_op(tdm_reduce_op op, const char *name, tdm_tensor *a, 
                              bool keepdim, tdm_tensor **argmax) {
     if (argmax) *argmax = NULL;
     if (!a) return tdm_null_input(name);
-    if (tdm_check_f32(a, name)) return NULL;
+    if (tdm_check_float(a, name)) return NULL;
+    if (op == TDM_RED_SUM) TDM_AUTOCAST_SCOPED(reduce_op(op, name, a, dim, keepdim, argmax));
+    if (op == TDM_RED_SUM && !(a = tdm_autocast_arg(a, TDM_AC_F32_CUDA))) return NULL;
     int d = tdm_wrap_dim(dim, a->ndim, name);
     if (d < 0) return NULL;
     char b[96];
@@ -293,7 +298,7 @@ static tdm_tensor *reduce_op(tdm_reduce_op op, const char *name, tdm_tensor *a, 
                               tdm_tensor_shape_str(a, b));
     tdm_shape s = reduced_shape(a, d, keepdim);
     tdm_tensor *x = tdm_dense(a);
-    tdm_tensor *y = tdm_tensor_alloc(s, TDM_F32, a->device);
+    tdm_tensor *y = tdm_tensor_alloc(s, a->dtype, a->device);
     tdm_tensor *am = op == TDM_RED_MAX ? tdm_tensor_alloc(s, TDM_I64, a->device) : NULL;
     if (!x || !y || (op == TDM_RED_MAX && !am) ||
         tdm_backend_for(a->device)->reduce(op, y, x, d, am) != 0) {
@@ -334,9 +339,11 @@ tdm_tensor *tdm_max(tdm_tensor *a, int dim, bool keepdim, tdm_tensor **argmax) {
 /* Sum or mean of every element into a scalar: the kernel sees a as one flat row. */
 static tdm_tensor *reduce_all(tdm_reduce_op op, const char *name, tdm_tensor *a) {
     if (!a) return tdm_null_input(name);
-    if (tdm_check_f32(a, name)) return NULL;
+    if (tdm_check_float(a, name)) return NULL;
+    if (op == TDM_RED_SUM) TDM_AUTOCAST_SCOPED(reduce_all(op, name, a));
+    if (op == TDM_RED_SUM && !(a = tdm_autocast_arg(a, TDM_AC_F32_CUDA))) return NULL;
     tdm_tensor *x = tdm_dense(a);
-    tdm_tensor *y = tdm_tensor_alloc(TDM_SHAPE0, TDM_F32, a->device);
+    tdm_tensor *y = tdm_tensor_alloc(TDM_SHAPE0, a->dtype, a->device);
     if (!x || !y) {
         tdm_drop_temp(x, a);
         return tdm_drop_fail(y);
@@ -371,7 +378,7 @@ static tdm_tensor *to_last(const tdm_tensor *t, int d) {
     int last = t->ndim - 1;
     if (t->ndim == 0 || d == last) return tdm_dense(t);
     tdm_tensor v = swapped_view(t, d, last);
-    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(&v), TDM_F32, t->device);
+    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(&v), t->dtype, t->device);
     if (c && tdm_backend_for(t->device)->copy(c, &v) != 0) return tdm_drop_fail(c);
     return c;
 }
@@ -391,11 +398,11 @@ static int softmax_backward(tdm_node *n, tdm_tensor *gout) {
     const tdm_tensor *y = last ? n->out : n->saved[0];
     const tdm_backend *be = tdm_backend_for(x->device);
     tdm_tensor *gy = to_last(gout, d);
-    tdm_tensor *gt = tdm_tensor_alloc(tdm_shape_of(y), TDM_F32, x->device);
+    tdm_tensor *gt = tdm_tensor_alloc(tdm_shape_of(y), x->dtype, x->device);
     if (!gy || !gt || be->softmax_backward(gt, gy, y, is_log) != 0) return tdm_last_status();
     tdm_drop_temp(gy, gout);
     if (last) return tdm_grad_accumulate(x, gt);
-    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!g || from_last(g, gt, d) != 0) return tdm_last_status();
     tdm_drop_temp(gt, NULL);
     return tdm_grad_accumulate(x, g);
@@ -403,13 +410,15 @@ static int softmax_backward(tdm_node *n, tdm_tensor *gout) {
 
 static tdm_tensor *softmax_op(tdm_tensor *a, int dim, bool is_log, const char *name) {
     if (!a) return tdm_null_input(name);
-    if (tdm_check_f32(a, name)) return NULL;
+    if (tdm_check_float(a, name)) return NULL;
+    TDM_AUTOCAST_SCOPED(softmax_op(a, dim, is_log, name));
+    if (!(a = tdm_autocast_arg(a, TDM_AC_F32_CUDA))) return NULL;
     int d = tdm_wrap_dim(dim, a->ndim, name);
     if (d < 0) return NULL;
     bool last = a->ndim == 0 || d == a->ndim - 1;
     const tdm_backend *be = tdm_backend_for(a->device);
     tdm_tensor *x = to_last(a, d);
-    tdm_tensor *yt = x ? tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, a->device) : NULL;
+    tdm_tensor *yt = x ? tdm_tensor_alloc(tdm_shape_of(x), a->dtype, a->device) : NULL;
     if (!yt || be->softmax(yt, x, is_log) != 0) {
         tdm_drop_temp(x, a);
         return tdm_drop_fail(yt);
@@ -417,7 +426,7 @@ static tdm_tensor *softmax_op(tdm_tensor *a, int dim, bool is_log, const char *n
     tdm_drop_temp(x, a);
     tdm_tensor *y = yt;
     if (!last) {
-        y = tdm_tensor_alloc(tdm_shape_of(a), TDM_F32, a->device);
+        y = tdm_tensor_alloc(tdm_shape_of(a), a->dtype, a->device);
         if (!y || from_last(y, yt, d) != 0) {
             tdm_drop_temp(yt, NULL);
             return tdm_drop_fail(y);

@@ -34,7 +34,7 @@ static int matmul_backward(tdm_node *n, tdm_tensor *gout) {
         bool bcast = n->arg.i[side] != 0;
         /* dA [B, n, k] = g @ b^T; dB [B, k, m] = a^T @ g */
         tdm_shape gs = side == 0 ? TDM_SHAPE(B, rows, k) : TDM_SHAPE(B, k, m);
-        tdm_tensor *d = tdm_tensor_alloc(gs, TDM_F32, gout->device);
+        tdm_tensor *d = tdm_tensor_alloc(gs, n->in[side]->dtype, gout->device);
         if (!d) return tdm_last_status();
         int rc =
             side == 0 ? gemm(d, g3, b3, false, true, 0.0f) : gemm(d, a3, g3, true, false, 0.0f);
@@ -42,7 +42,7 @@ static int matmul_backward(tdm_node *n, tdm_tensor *gout) {
         tdm_tensor *x = n->in[side];
         if (bcast) { /* a broadcast operand: sum its gradient over the batch */
             int64_t s2[2] = {gs.d[1], gs.d[2]};
-            tdm_tensor *sum = tdm_tensor_alloc(TDM_SHAPE(1, s2[0], s2[1]), TDM_F32, gout->device);
+            tdm_tensor *sum = tdm_tensor_alloc(TDM_SHAPE(1, s2[0], s2[1]), d->dtype, gout->device);
             if (!sum || tdm_backend_for(gout->device)->sum_to(sum, d)) return tdm_last_status();
             d = sum;
         }
@@ -60,10 +60,15 @@ tdm_tensor *tdm_matmul(tdm_tensor *a, tdm_tensor *b) {
     if (!a || !b) return NULL;
     tdm_tensor *in[2] = {a, b};
     if (!tdm_current_scope() && !tdm_needs_record(2, in)) TDM_RETURN_SCOPED(tdm_matmul(a, b));
+    TDM_AUTOCAST_SCOPED(tdm_matmul(a, b));
     char sa[96], sb[96];
 #define SHAPES tdm_shape_str(tdm_shape_of(a), sa), tdm_shape_str(tdm_shape_of(b), sb)
-    if (tdm_check_f32(a, "matmul") || tdm_check_f32(b, "matmul") ||
+    if (tdm_check_float(a, "matmul") || tdm_check_float(b, "matmul") ||
         tdm_check_same_device(a, b, "matmul"))
+        return NULL;
+    if (!(in[0] = a = tdm_autocast_arg(a, TDM_AC_LOW)) ||
+        !(in[1] = b = tdm_autocast_arg(b, TDM_AC_LOW)) ||
+        tdm_check_same_dtype(a, b, NULL, "matmul"))
         return NULL;
     if (a->ndim == 0 || b->ndim == 0)
         return tdm_raise_null(TDM_ERR_SHAPE, "matmul: scalar operand (%s @ %s)", SHAPES);
@@ -104,7 +109,7 @@ tdm_tensor *tdm_matmul(tdm_tensor *a, tdm_tensor *b) {
     a3 = a3 ? as_batched(a3, batch, a_bc) : NULL;
     b3 = b3 ? as_batched(b3, batch, b_bc) : NULL;
     tdm_set_grad_enabled(prev);
-    tdm_tensor *c = tdm_tensor_alloc(out, TDM_F32, a->device);
+    tdm_tensor *c = tdm_tensor_alloc(out, a->dtype, a->device);
     tdm_tensor *c3 =
         c ? tdm_tensor_view(c, 3, (int64_t[]){batch, n, m}, (int64_t[]){n * m, m, 1}, 0) : NULL;
     if (!a3 || !b3 || !c3 || gemm(c3, a3, b3, false, false, 0.0f)) return NULL;

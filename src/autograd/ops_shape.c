@@ -188,7 +188,7 @@ tdm_tensor *tdm_transpose(tdm_tensor *x, int dim0, int dim1) {
 static int slice_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *x = n->in[0];
     const tdm_backend *be = tdm_backend_for(x->device);
-    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!gx || be->fill(gx, 0.0)) return tdm_last_status();
     int dim = (int)n->arg.i[0];
     int64_t start = n->arg.i[1], step = n->arg.i[2];
@@ -355,9 +355,12 @@ tdm_tensor *tdm_concat(tdm_tensor *const *ts, int n, int dim) {
     if (d < 0) return NULL;
     tdm_shape s = tdm_shape_of(t0);
     char a[96], b[96];
+    tdm_dtype dt = t0->dtype; /* floats promote to the widest, as torch.cat */
     for (int i = 1; i < n; i++) {
         const tdm_tensor *t = ts[i];
-        bool ok = t->ndim == t0->ndim && t->dtype == t0->dtype;
+        bool floats = tdm_dtype_is_float(t->dtype) && tdm_dtype_is_float(t0->dtype);
+        bool ok = t->ndim == t0->ndim && (t->dtype == t0->dtype || floats);
+        if (floats) dt = tdm_promote(dt, t->dtype);
         for (int k = 0; ok && k < t->ndim; k++) ok = k == d || t->shape[k] == t0->shape[k];
         if (!ok)
             return tdm_raise_null(TDM_ERR_SHAPE,
@@ -368,7 +371,7 @@ tdm_tensor *tdm_concat(tdm_tensor *const *ts, int n, int dim) {
         if (tdm_check_same_device(t0, t, "concat")) return NULL;
         s.d[d] += t->shape[d];
     }
-    tdm_tensor *y = tdm_tensor_alloc(s, t0->dtype, t0->device);
+    tdm_tensor *y = tdm_tensor_alloc(s, dt, t0->device);
     if (!y) return NULL;
     const tdm_backend *be = tdm_backend_for(y->device);
     int64_t at = 0;

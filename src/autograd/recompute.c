@@ -30,6 +30,7 @@ typedef struct {
     void *arg;
     uint64_t *draws; /* the first counter of each random draw of the first run */
     int n_draws;
+    tdm_dtype autocast; /* the autocast dtype the first run saw, restored for the second */
 } recompute_ctx;
 
 /* t becomes a tensor of src's geometry sharing its storage, without history: how a tensor
@@ -138,6 +139,10 @@ static int check_rerun(const tdm_node *n, const tdm_tensor *y, int mark, const t
 /* Runs fn again with the first run's draws and grad mode on; its nodes start at the tape's
  * current end. */
 static tdm_tensor *rerun(const recompute_ctx *c, tdm_tensor *x, tdm_rng_log *log) {
+    /* the ops run in the dtypes they ran in forward, whatever region backward runs in (a
+     * region begun with f32 is autocast off, as it was then) */
+    if (tdm_autocast_begin(c->autocast)) return NULL;
+    bool cache = tdm_autocast_set_cache(false);
     tdm_rng_log_push(log);
     bool grad = tdm_set_grad_enabled(true);
     recomputing++;
@@ -145,6 +150,8 @@ static tdm_tensor *rerun(const recompute_ctx *c, tdm_tensor *x, tdm_rng_log *log
     recomputing--;
     tdm_set_grad_enabled(grad);
     tdm_rng_log_pop(log);
+    tdm_autocast_set_cache(cache);
+    tdm_autocast_end();
     return y;
 }
 
@@ -180,7 +187,7 @@ static tdm_tensor *record(tdm_recompute_fn fn, void *arg, tdm_tensor *x, tdm_ten
     if (!c || !reads || !draws) return NULL;
     memcpy(reads, leaves->v, sizeof *reads * (size_t)leaves->n);
     memcpy(draws, log->offsets, sizeof *draws * (size_t)log->n);
-    *c = (recompute_ctx){fn, arg, draws, log->n};
+    *c = (recompute_ctx){fn, arg, draws, log->n, tdm_autocast_dtype()};
     tdm_node *n = tdm_record("recompute", recompute_backward, out, 1, &x);
     if (!n) return NULL;
     n->ctx = c;
@@ -213,7 +220,9 @@ tdm_tensor *tdm_recompute(tdm_recompute_fn fn, void *arg, tdm_tensor *x) {
     tdm_rng_log log = {.offsets = draws0, .cap = 8};
     leaf_list leaves = {leaves0, 0, 64, false};
     tdm_rng_log_push(&log);
+    bool cache = tdm_autocast_set_cache(false); /* the casts fn makes are its own, read again */
     tdm_tensor *y = fn(arg, x);
+    tdm_autocast_set_cache(cache);
     tdm_rng_log_pop(&log);
     bool recorded = y && y->grad_fn && y->grad_fn->index >= mark;
     bool inner_owned = y && tdm_book(y)->owner == inner;

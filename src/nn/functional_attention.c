@@ -15,7 +15,7 @@ static int attention_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *qkv = n->in[0];
     const tdm_backend *be = tdm_backend_for(qkv->device);
     tdm_tensor *gy = tdm_contiguous(gout);
-    tdm_tensor *gqkv = tdm_tensor_alloc(tdm_shape_of(qkv), TDM_F32, qkv->device);
+    tdm_tensor *gqkv = tdm_tensor_alloc(tdm_shape_of(qkv), qkv->dtype, qkv->device);
     if (!gy || !gqkv) return tdm_last_status();
     int rc = be->attention_backward(gqkv, gy, qkv, n->saved[0], (int)n->arg.i[0]);
     return rc ? rc : tdm_grad_accumulate(qkv, gqkv);
@@ -23,7 +23,7 @@ static int attention_backward(tdm_node *n, tdm_tensor *gout) {
 
 static int check_attention(const tdm_tensor *qkv, int n_head, const tdm_backend **be) {
     char b[96];
-    if (tdm_check_f32(qkv, "causal_attention")) return tdm_last_status();
+    if (tdm_check_float(qkv, "causal_attention")) return tdm_last_status();
     if (qkv->ndim != 3 || qkv->shape[2] % 3 != 0)
         return tdm_raise(TDM_ERR_SHAPE,
                          "causal_attention: qkv must be [B, T, 3C] (q, k, v side by side), got %s",
@@ -42,12 +42,16 @@ static int check_attention(const tdm_tensor *qkv, int n_head, const tdm_backend 
 
 tdm_tensor *tdm_causal_attention(tdm_tensor *qkv, int n_head) {
     if (!qkv) return tdm_null_input("causal_attention");
+    TDM_AUTOCAST_SCOPED(tdm_causal_attention(qkv, n_head));
+    if (tdm_check_float(qkv, "causal_attention") || !(qkv = tdm_autocast_arg(qkv, TDM_AC_LOW)))
+        return NULL;
     const tdm_backend *be = NULL;
     if (check_attention(qkv, n_head, &be)) return NULL;
     tdm_tensor *x = tdm_contiguous(qkv);
     if (!x) return NULL;
     int64_t B = x->shape[0], T = x->shape[1], C = x->shape[2] / 3;
-    tdm_tensor *y = tdm_tensor_alloc(TDM_SHAPE(B, T, C), TDM_F32, x->device);
+    tdm_tensor *y = tdm_tensor_alloc(TDM_SHAPE(B, T, C), x->dtype, x->device);
+    /* the log-sum-exp stays f32 in every dtype, as PyTorch's flash kernels keep it */
     tdm_tensor *lse = tdm_tensor_alloc(TDM_SHAPE(B, n_head, T), TDM_F32, x->device);
     if (!y || !lse || be->attention(y, lse, x, n_head)) {
         tdm_drop_temp(y, NULL);

@@ -43,8 +43,9 @@ static int conv_check(const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor
     char sx[96], sw[96], sb[96];
     tdm_shape_str(tdm_shape_of(x), sx);
     tdm_shape_str(tdm_shape_of(w), sw);
-    if (tdm_check_f32(x, op) || tdm_check_f32(w, op) || (b && tdm_check_f32(b, op)) ||
-        tdm_check_same_device(x, w, op) || (b && tdm_check_same_device(x, b, op)))
+    if (tdm_check_float(x, op) || tdm_check_float(w, op) || (b && tdm_check_float(b, op)) ||
+        tdm_check_same_device(x, w, op) || (b && tdm_check_same_device(x, b, op)) ||
+        tdm_check_same_dtype(x, w, b, op))
         return tdm_last_status();
     if (x->ndim != 4)
         return tdm_raise(TDM_ERR_SHAPE, "conv2d: input must be 4-D [N, C, H, W], got %s", sx);
@@ -87,11 +88,11 @@ static int conv2d_backward(tdm_node *n, tdm_tensor *gy) {
     tdm_tensor *x = n->in[0], *w = n->in[1], *b = n->in[2];
     const tdm_conv2d_args *a = n->ctx;
     tdm_tensor *gx = NULL, *gw = NULL, *gb = NULL;
-    if (tdm_node_wants(n, 0) && !(gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device)))
+    if (tdm_node_wants(n, 0) && !(gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device)))
         return tdm_last_status();
-    if (tdm_node_wants(n, 1) && !(gw = tdm_tensor_alloc(tdm_shape_of(w), TDM_F32, w->device)))
+    if (tdm_node_wants(n, 1) && !(gw = tdm_tensor_alloc(tdm_shape_of(w), w->dtype, w->device)))
         return tdm_last_status();
-    if (tdm_node_wants(n, 2) && !(gb = tdm_tensor_alloc(tdm_shape_of(b), TDM_F32, b->device)))
+    if (tdm_node_wants(n, 2) && !(gb = tdm_tensor_alloc(tdm_shape_of(b), b->dtype, b->device)))
         return tdm_last_status();
     int rc = tdm_backend_for(x->device)->conv2d_backward(gx, gw, gb, gy, x, w, a);
     if (rc) return rc;
@@ -103,6 +104,10 @@ static int conv2d_backward(tdm_node *n, tdm_tensor *gy) {
 
 tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_conv2d_opts *o) {
     if (!x || !w) return tdm_null_arg("conv2d", x ? "weight" : "input");
+    TDM_AUTOCAST_SCOPED(tdm_conv2d(x, w, b, o));
+    if (!(x = tdm_autocast_arg(x, TDM_AC_LOW)) || !(w = tdm_autocast_arg(w, TDM_AC_LOW)))
+        return NULL;
+    if (b && !(b = tdm_autocast_arg(b, TDM_AC_LOW))) return NULL;
     tdm_conv2d_args a = conv_args(o);
     int64_t ho = 0, wo = 0;
     if (conv_check(x, w, b, &a, &ho, &wo)) return NULL;
@@ -113,7 +118,7 @@ tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_co
     tdm_tensor *xc = tdm_contiguous(x), *wc = tdm_contiguous(w), *bc = b ? tdm_contiguous(b) : NULL;
     tdm_tensor *y = NULL;
     if (xc && wc && (!b || bc))
-        y = tdm_tensor_alloc(TDM_SHAPE(x->shape[0], w->shape[0], ho, wo), TDM_F32, x->device);
+        y = tdm_tensor_alloc(TDM_SHAPE(x->shape[0], w->shape[0], ho, wo), x->dtype, x->device);
     tdm_tensor *in[3] = {xc, wc, bc};
     bool ok = y && be->conv2d(y, xc, wc, bc, &a) == TDM_OK;
     bool record = ok && tdm_needs_record(3, in);

@@ -8,7 +8,7 @@
 /* in: x; saved: mask (0 or 1/(1-p)) */
 static int dropout_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *x = n->in[0], *mask = n->saved[0];
-    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!gx) return tdm_last_status();
     int rc = tdm_backend_for(x->device)->binary(TDM_BIN_MUL, gx, gout, mask);
     return rc ? rc : tdm_grad_accumulate(x, gx);
@@ -16,7 +16,7 @@ static int dropout_backward(tdm_node *n, tdm_tensor *gout) {
 
 tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
     if (!x) return tdm_null_input("dropout");
-    if (tdm_check_f32(x, "dropout")) return NULL;
+    if (tdm_check_float(x, "dropout")) return NULL;
     if (!(p >= 0.0f && p <= 1.0f))
         return tdm_raise_null(TDM_ERR_ARG, "dropout: p must be in [0, 1], got %g", (double)p);
     if (!training || p == 0.0f) return x;
@@ -25,7 +25,8 @@ tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
     if (!rng) rng = tdm_default_rng();
     tdm_tensor *xc = tdm_contiguous(x);
     if (!xc) return NULL;
-    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), x->dtype, x->device);
+    /* the mask stays f32 in every dtype: 1/(1-p) is rarely a bf16 value */
     tdm_tensor *mask = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
     if (!y || !mask) return NULL;
     uint64_t first = 0, used = (uint64_t)tdm_numel(xc); /* first: this rank's counter */

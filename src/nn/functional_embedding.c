@@ -7,7 +7,7 @@
 tdm_tensor *tdm_embedding(tdm_tensor *weight, const tdm_tensor *idx) {
     if (!weight || !idx) return tdm_null_input("embedding");
     char b1[96];
-    if (tdm_check_f32(weight, "embedding")) return NULL;
+    if (tdm_check_float(weight, "embedding")) return NULL;
     if (weight->ndim != 2)
         return tdm_raise_null(TDM_ERR_SHAPE, "embedding: weight must be [num, dim], got %s",
                               tdm_shape_str(tdm_shape_of(weight), b1));

@@ -33,7 +33,7 @@ static int64_t leading_rows(const tdm_tensor *x) {
 /* gout may arrive with any strides; the kernels below want it contiguous. */
 static tdm_tensor *contiguous_grad(tdm_tensor *g) {
     if (tdm_is_contiguous(g)) return g;
-    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(g), TDM_F32, g->device);
+    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(g), g->dtype, g->device);
     if (!c || tdm_backend_for(g->device)->copy(c, g)) return NULL;
     return c;
 }
@@ -46,7 +46,7 @@ static int linear_backward(tdm_node *n, tdm_tensor *gout) {
     if (!gy) return tdm_last_status();
     tdm_tensor gy3 = as_matrix(gy, rows, out);
     if (tdm_node_wants(n, 0)) { /* dX [M, in] = dY [M, out] @ W [out, in] */
-        tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+        tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
         if (!gx) return tdm_last_status();
         tdm_tensor gx3 = as_matrix(gx, rows, in), w3 = as_matrix(w, out, in);
         int rc = be->matmul(&gx3, &gy3, &w3, false, false, 0.0f);
@@ -56,7 +56,7 @@ static int linear_backward(tdm_node *n, tdm_tensor *gout) {
         /* a parameter's gradient (a view of the flat buffer) takes the GEMM's sum directly */
         float beta = 0.0f;
         tdm_tensor *acc = tdm_grad_inplace_target(w, &beta);
-        tdm_tensor *gw = acc ? acc : tdm_tensor_alloc(tdm_shape_of(w), TDM_F32, w->device);
+        tdm_tensor *gw = acc ? acc : tdm_tensor_alloc(tdm_shape_of(w), w->dtype, w->device);
         if (!gw) return tdm_last_status();
         tdm_tensor gw3 = as_matrix(gw, out, in), x3 = as_matrix(x, rows, in);
         int rc = be->matmul(&gw3, &gy3, &x3, true, false, beta);
@@ -64,7 +64,7 @@ static int linear_backward(tdm_node *n, tdm_tensor *gout) {
         if (rc) return rc;
     }
     if (tdm_node_wants(n, 2)) { /* db [out] = sum over rows of dY [M, out] */
-        tdm_tensor *gb = tdm_tensor_alloc(tdm_shape_of(b), TDM_F32, b->device);
+        tdm_tensor *gb = tdm_tensor_alloc(tdm_shape_of(b), b->dtype, b->device);
         if (!gb) return tdm_last_status();
         tdm_tensor gb2 = *gb, gy2 = *gy;
         gb2.ndim = 2, gb2.shape[0] = 1, gb2.shape[1] = out, gb2.strides[0] = out;
@@ -79,9 +79,9 @@ static int linear_backward(tdm_node *n, tdm_tensor *gout) {
 
 static int check_linear(const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b) {
     char sx[96], sw[96], sb[96];
-    if (tdm_check_f32(x, "linear") || tdm_check_f32(w, "linear") ||
-        (b && tdm_check_f32(b, "linear")) || tdm_check_same_device(x, w, "linear") ||
-        (b && tdm_check_same_device(x, b, "linear")))
+    if (tdm_check_float(x, "linear") || tdm_check_float(w, "linear") ||
+        (b && tdm_check_float(b, "linear")) || tdm_check_same_device(x, w, "linear") ||
+        (b && tdm_check_same_device(x, b, "linear")) || tdm_check_same_dtype(x, w, b, "linear"))
         return tdm_last_status();
     tdm_shape_str(tdm_shape_of(x), sx);
     tdm_shape_str(tdm_shape_of(w), sw);
@@ -99,6 +99,10 @@ static int check_linear(const tdm_tensor *x, const tdm_tensor *w, const tdm_tens
 
 tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
     if (!x || !w) return tdm_null_arg("linear", x ? "weight" : "input");
+    TDM_AUTOCAST_SCOPED(tdm_linear(x, w, b));
+    if (!(x = tdm_autocast_arg(x, TDM_AC_LOW)) || !(w = tdm_autocast_arg(w, TDM_AC_LOW)))
+        return NULL;
+    if (b && !(b = tdm_autocast_arg(b, TDM_AC_LOW))) return NULL;
     if (check_linear(x, w, b)) return NULL;
     /* The GEMM wants unit stride in the last dim and a plain row layout. */
     x = tdm_contiguous(x);
@@ -111,7 +115,7 @@ tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
     int64_t out = w->shape[0], in = w->shape[1], rows = leading_rows(x);
     tdm_shape ys = tdm_shape_of(x);
     ys.d[ys.ndim - 1] = out;
-    tdm_tensor *y = tdm_tensor_alloc(ys, TDM_F32, x->device);
+    tdm_tensor *y = tdm_tensor_alloc(ys, x->dtype, x->device);
     if (!y) return NULL;
     tdm_tensor y3 = as_matrix(y, rows, out), x3 = as_matrix(x, rows, in),
                w3 = as_matrix(w, out, in);

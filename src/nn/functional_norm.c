@@ -13,14 +13,16 @@ static tdm_tensor *opt_contiguous(tdm_tensor *t, bool *failed) {
     return c;
 }
 
-/* An optional per-channel/per-feature tensor must be f32 on dev with exactly shape s. */
+/* An optional per-channel/per-feature tensor must be a float tensor (any of the three,
+ * whatever x's: f32 affine parameters with a bf16 input is mixed precision's usual case) on
+ * x's device with exactly shape s. */
 static int check_param(const tdm_tensor *p, const char *what, tdm_shape s, const tdm_tensor *x,
                        const char *op) {
     if (!p) return TDM_OK;
     char b1[96], b2[96], b3[96];
-    if (p->dtype != TDM_F32)
-        return tdm_raise(TDM_ERR_DTYPE, "%s: %s must be f32, got %s", op, what,
-                         tdm_dtype_name(p->dtype));
+    if (!tdm_dtype_is_float(p->dtype))
+        return tdm_raise(TDM_ERR_DTYPE, "%s: %s must be a float tensor (f32, bf16 or f16), got %s",
+                         op, what, tdm_dtype_name(p->dtype));
     if (tdm_check_same_device(p, x, op)) return -1;
     tdm_shape ps = tdm_shape_of(p);
     bool same = ps.ndim == s.ndim;
@@ -35,7 +37,7 @@ static int check_param(const tdm_tensor *p, const char *what, tdm_shape s, const
 /* Allocates a gradient of t's shape if input i of the node wants one. */
 static tdm_tensor *grad_for(tdm_node *n, int i, bool *failed) {
     if (!tdm_node_wants(n, i)) return NULL;
-    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(n->in[i]), TDM_F32, n->in[i]->device);
+    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(n->in[i]), n->in[i]->dtype, n->in[i]->device);
     if (!g) *failed = true;
     return g;
 }
@@ -66,6 +68,9 @@ static int batch_norm_backward(tdm_node *n, tdm_tensor *gout) {
 static int check_running(const tdm_tensor *r, const char *what, tdm_shape cs, const tdm_tensor *x) {
     if (!r) return TDM_OK;
     if (check_param(r, what, cs, x, "batch_norm")) return -1;
+    if (r->dtype != TDM_F32) /* the statistics are kept in f32 whatever x's dtype */
+        return tdm_raise(TDM_ERR_DTYPE, "batch_norm: %s must be f32, got %s", what,
+                         tdm_dtype_name(r->dtype));
     if (!tdm_is_contiguous(r))
         return tdm_raise(TDM_ERR_ARG, "batch_norm: %s must be contiguous (it is updated in place)",
                          what);
@@ -176,7 +181,7 @@ static tdm_tensor *sync_batch_norm(const tdm_batch_split *sp, tdm_tensor *xc,
     tdm_tensor *mean = NULL, *var = NULL, *unbiased = NULL;
     double count = 0;
     if (sync_stats(sp, be, xc, &mean, &var, &unbiased, &count)) return NULL;
-    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, xc->device);
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), xc->dtype, xc->device);
     tdm_tensor *save_mean = tdm_tensor_alloc(tdm_shape_of(mean), TDM_F32, xc->device);
     tdm_tensor *invstd = tdm_tensor_alloc(tdm_shape_of(mean), TDM_F32, xc->device);
     /* the eval-mode kernel normalises with the statistics it is given: the global ones */
@@ -214,7 +219,7 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
         TDM_RETURN_SCOPED(
             tdm_batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps));
     char b[96];
-    if (tdm_check_f32(x, "batch_norm")) return NULL;
+    if (tdm_check_float(x, "batch_norm")) return NULL;
     if (x->ndim < 2)
         return tdm_raise_null(TDM_ERR_SHAPE,
                               "batch_norm: input must be [N, C] or [N, C, ...], "
@@ -247,7 +252,7 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
     /* a recomputation runs the forward a second time: the first one updated the statistics */
     if (training && tdm_recomputing()) running_mean = running_var = NULL;
     if (sync) return sync_batch_norm(sync, xc, running_mean, running_var, w, bb, momentum, eps);
-    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), x->dtype, x->device);
     tdm_tensor *mean = tdm_tensor_alloc(cs, TDM_F32, x->device);
     tdm_tensor *invstd = tdm_tensor_alloc(cs, TDM_F32, x->device);
     if (!y || !mean || !invstd) return NULL;
@@ -302,8 +307,14 @@ static int layer_norm_backward(tdm_node *n, tdm_tensor *gout) {
 tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
                            float eps) {
     if (!x) return tdm_null_input("layer_norm");
+    TDM_AUTOCAST_SCOPED(tdm_layer_norm(x, normalized_ndim, weight, bias, eps));
     char b[96];
-    if (tdm_check_f32(x, "layer_norm")) return NULL;
+    if (tdm_check_float(x, "layer_norm")) return NULL;
+    /* on autocast's fp32 list on CUDA devices only, as PyTorch's (the CPU's follows x) */
+    if (!(x = tdm_autocast_arg(x, TDM_AC_F32_CUDA)) ||
+        (weight && !(weight = tdm_autocast_arg(weight, TDM_AC_F32_CUDA))) ||
+        (bias && !(bias = tdm_autocast_arg(bias, TDM_AC_F32_CUDA))))
+        return NULL;
     if (normalized_ndim < 1 || normalized_ndim > x->ndim)
         return tdm_raise_null(TDM_ERR_ARG,
                               "layer_norm: normalized_ndim %d is not in [1, %d] for input %s",
@@ -326,7 +337,8 @@ tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weigh
     tdm_tensor *xc = tdm_contiguous(x);
     tdm_tensor *w = opt_contiguous(weight, &failed), *bb = opt_contiguous(bias, &failed);
     if (!xc || failed) return NULL;
-    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), TDM_F32, x->device);
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), x->dtype, x->device);
+    /* the statistics stay f32 in every dtype */
     tdm_tensor *mean = tdm_tensor_alloc(TDM_SHAPE(rows), TDM_F32, x->device);
     tdm_tensor *rstd = tdm_tensor_alloc(TDM_SHAPE(rows), TDM_F32, x->device);
     if (!y || !mean || !rstd) return NULL;

@@ -39,7 +39,7 @@ static int pool_check(const char *op, const tdm_tensor *x, const tdm_pool2d_args
                       int64_t *ho, int64_t *wo) {
     char sx[96];
     tdm_shape_str(tdm_shape_of(x), sx);
-    if (tdm_check_f32(x, op)) return tdm_last_status();
+    if (tdm_check_float(x, op)) return tdm_last_status();
     if (x->ndim != 4)
         return tdm_raise(TDM_ERR_SHAPE, "%s: input must be 4-D [N, C, H, W], got %s", op, sx);
     if (a->kernel_h < 1 || a->kernel_w < 1 || a->stride_h < 1 || a->stride_w < 1 || a->pad_h < 0 ||
@@ -78,7 +78,7 @@ static int pool_check(const char *op, const tdm_tensor *x, const tdm_pool2d_args
 /* in: x; saved[0]: indices (i32, shape of y) */
 static int max_pool2d_backward(tdm_node *n, tdm_tensor *gy) {
     tdm_tensor *x = n->in[0];
-    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!gx) return tdm_last_status();
     int rc = tdm_backend_for(x->device)->max_pool2d_backward(gx, gy, n->saved[0]);
     return rc ? rc : tdm_grad_accumulate(x, gx);
@@ -87,7 +87,7 @@ static int max_pool2d_backward(tdm_node *n, tdm_tensor *gy) {
 /* in: x; ctx: tdm_pool2d_args */
 static int avg_pool2d_backward(tdm_node *n, tdm_tensor *gy) {
     tdm_tensor *x = n->in[0];
-    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!gx) return tdm_last_status();
     int rc = tdm_backend_for(x->device)->avg_pool2d_backward(gx, gy, n->ctx);
     return rc ? rc : tdm_grad_accumulate(x, gx);
@@ -102,7 +102,7 @@ static tdm_tensor *pool2d(const char *op, tdm_tensor *x, const tdm_pool2d_opts *
     if (!be) return NULL;
     tdm_shape ys = TDM_SHAPE(x->shape[0], x->shape[1], ho, wo);
     tdm_tensor *xc = tdm_contiguous(x);
-    tdm_tensor *y = xc ? tdm_tensor_alloc(ys, TDM_F32, x->device) : NULL;
+    tdm_tensor *y = xc ? tdm_tensor_alloc(ys, x->dtype, x->device) : NULL;
     tdm_tensor *idx = y && is_max ? tdm_tensor_alloc(ys, TDM_I32, x->device) : NULL;
     bool ok = y && (!is_max || idx) &&
               (is_max ? be->max_pool2d(y, idx, xc, &a) : be->avg_pool2d(y, xc, &a)) == TDM_OK;
@@ -142,8 +142,20 @@ static float *bin_matrix(int64_t in, int64_t out) {
     return p;
 }
 
-/* y = Ph [oh, H] @ x [N, C, H, W] @ Pw^T [W, ow]: the bins of any size, as two products. */
+/* y = Ph [oh, H] @ x [N, C, H, W] @ Pw^T [W, ow]: the bins of any size, as two products,
+ * in f32 whatever x's dtype (a bin's weight such as 1/3 is no bf16 value; PyTorch's kernel
+ * computes in f32 too) with autocast off, the result in x's dtype. */
 static tdm_tensor *adaptive_by_matmul(tdm_tensor *x, int64_t oh, int64_t ow) {
+    if (x->dtype != TDM_F32) {
+        tdm_tensor *xf = tdm_to_dtype(x, TDM_F32), *y = xf ? adaptive_by_matmul(xf, oh, ow) : NULL;
+        return y ? tdm_to_dtype(y, x->dtype) : NULL;
+    }
+    if (tdm_autocast_dtype() != TDM_F32) {
+        if (tdm_autocast_begin(TDM_F32)) return NULL;
+        tdm_tensor *y = adaptive_by_matmul(x, oh, ow);
+        tdm_autocast_end();
+        return y;
+    }
     int64_t h = x->shape[2], w = x->shape[3];
     float *ph = bin_matrix(h, oh), *pw = bin_matrix(w, ow);
     tdm_tensor *y = NULL;
@@ -162,7 +174,7 @@ static tdm_tensor *adaptive_by_matmul(tdm_tensor *x, int64_t oh, int64_t ow) {
 tdm_tensor *tdm_adaptive_avg_pool2d(tdm_tensor *x, int64_t out_h, int64_t out_w) {
     if (!x) return tdm_null_input("adaptive_avg_pool2d");
     char sx[96];
-    if (tdm_check_f32(x, "adaptive_avg_pool2d")) return NULL;
+    if (tdm_check_float(x, "adaptive_avg_pool2d")) return NULL;
     if (x->ndim != 4)
         return tdm_raise_null(TDM_ERR_SHAPE,
                               "adaptive_avg_pool2d: input must be 4-D [N, C, H, W], got %s",

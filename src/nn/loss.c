@@ -35,7 +35,7 @@ static tdm_tensor *reduce(tdm_tensor *per, tdm_reduction r) {
 static int ce_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *x = n->in[0];
     tdm_tensor *g = tdm_contiguous(gout);
-    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!g || !gx) return tdm_last_status();
     int rc = tdm_backend_for(x->device)->cross_entropy_backward(
         gx, g, x, n->saved[0], n->saved[1], n->arg.i[0], n->arg2.f[0], n->arg2.f[1] != 0);
@@ -45,7 +45,7 @@ static int ce_backward(tdm_node *n, tdm_tensor *gout) {
 static int ce_check(const tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
                     const char *op) {
     char b1[96], b2[96];
-    if (tdm_check_f32(x, op)) return -1;
+    if (tdm_check_float(x, op)) return -1;
     if (x->ndim != 2)
         return tdm_raise(TDM_ERR_SHAPE, "%s: input must be [N, C], got %s", op,
                          tdm_shape_str(tdm_shape_of(x), b1));
@@ -90,8 +90,8 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
         if (!w) return NULL;
     }
     tdm_shape ns = TDM_SHAPE(x->shape[0]);
-    tdm_tensor *loss = tdm_tensor_alloc(ns, TDM_F32, x->device);
-    *wsum = tdm_tensor_alloc(ns, TDM_F32, x->device);
+    tdm_tensor *loss = tdm_tensor_alloc(ns, x->dtype, x->device);
+    *wsum = tdm_tensor_alloc(ns, TDM_F32, x->device); /* counts stay exact in f32 */
     if (!loss || !*wsum) return NULL;
     if (be->cross_entropy(loss, *wsum, xc, target, w, o->ignore_index, o->label_smoothing,
                           is_logits))
@@ -117,9 +117,11 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
 static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
                              bool is_logits, const char *op) {
     if (!x || !target) return tdm_null_input(op);
+    TDM_AUTOCAST_SCOPED(ce_common(x, target, o, is_logits, op));
     tdm_ce_opts defaults = tdm_ce_defaults();
     if (!o) o = &defaults;
     if (ce_check(x, target, o, op)) return NULL;
+    if (!(x = tdm_autocast_arg(x, TDM_AC_F32))) return NULL; /* a loss runs in f32 */
     if (!is_logits && o->label_smoothing != 0.0f)
         return tdm_raise_null(TDM_ERR_ARG,
                               "%s: label_smoothing must be 0 (got %g); use "
@@ -135,6 +137,11 @@ static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_
     /* sum of losses / sum of w[target] over the samples that count */
     tdm_tensor *num = tdm_sum_all(loss), *den = tdm_sum_all(wsum);
     tdm_tensor *out = tdm_div(num, den);
+    if (out && out->dtype != x->dtype) { /* a bf16 loss stays bf16, as PyTorch's */
+        tdm_tensor *f = out;
+        out = tdm_to_dtype(f, x->dtype);
+        tdm_drop_temp(f, NULL);
+    }
     tdm_drop_temp(num, NULL);
     tdm_drop_temp(den, NULL);
     tdm_drop_temp(loss, NULL);
@@ -152,10 +159,11 @@ tdm_tensor *tdm_nll_loss(tdm_tensor *logp, const tdm_tensor *target, const tdm_c
 
 /* ---- MSE and BCE ---- */
 
-/* input and target: f32, same device, same shape (no silent broadcasting of a target). */
+/* input and target: floats, same device, same shape (no silent broadcasting of a target). */
 static int check_pair(const tdm_tensor *a, const tdm_tensor *t, tdm_reduction r, const char *op) {
     char b1[96], b2[96];
-    if (tdm_check_f32(a, op) || tdm_check_f32(t, op) || tdm_check_same_device(a, t, op)) return -1;
+    if (tdm_check_float(a, op) || tdm_check_float(t, op) || tdm_check_same_device(a, t, op))
+        return -1;
     if (!tdm_same_shape(a, t))
         return tdm_raise(TDM_ERR_SHAPE, "%s: target %s does not match input %s", op,
                          tdm_shape_str(tdm_shape_of(t), b1), tdm_shape_str(tdm_shape_of(a), b2));
@@ -164,7 +172,11 @@ static int check_pair(const tdm_tensor *a, const tdm_tensor *t, tdm_reduction r,
 
 tdm_tensor *tdm_mse_loss(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
     if (!input || !target) return tdm_null_input("mse_loss");
+    TDM_AUTOCAST_SCOPED(tdm_mse_loss(input, target, r));
     if (check_pair(input, target, r, "mse_loss")) return NULL;
+    if (!(input = tdm_autocast_arg(input, TDM_AC_F32)) ||
+        !(target = tdm_autocast_arg(target, TDM_AC_F32)))
+        return NULL;
     tdm_tensor *d = tdm_sub(input, target);
     tdm_tensor *sq = tdm_mul(d, d);
     tdm_drop_temp(d, NULL);
@@ -178,14 +190,14 @@ static int bce_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *g = tdm_contiguous(gout);
     if (!g) return tdm_last_status();
     if (tdm_node_wants(n, 0)) {
-        tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+        tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
         if (!gx) return tdm_last_status();
         int rc = be->bce_logits_backward(gx, g, x, t);
         if (!rc) rc = tdm_grad_accumulate(x, gx);
         if (rc) return rc;
     }
     if (tdm_node_wants(n, 1)) { /* d loss / d target = -x */
-        tdm_tensor *gt = tdm_tensor_alloc(tdm_shape_of(t), TDM_F32, t->device);
+        tdm_tensor *gt = tdm_tensor_alloc(tdm_shape_of(t), t->dtype, t->device);
         if (!gt) return tdm_last_status();
         int rc = be->binary(TDM_BIN_MUL, gt, g, x);
         if (!rc) rc = be->unary(TDM_UN_NEG, gt, gt, 0.0f);
@@ -197,12 +209,16 @@ static int bce_backward(tdm_node *n, tdm_tensor *gout) {
 
 tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
     if (!input || !target) return tdm_null_input("bce_with_logits");
+    TDM_AUTOCAST_SCOPED(tdm_bce_with_logits(input, target, r));
     if (check_pair(input, target, r, "bce_with_logits")) return NULL;
+    if (!(input = tdm_autocast_arg(input, TDM_AC_F32)) ||
+        !(target = tdm_autocast_arg(target, TDM_AC_F32)))
+        return NULL;
     const tdm_backend *be = tdm_backend_for(input->device);
     if (!be) return NULL;
     tdm_tensor *x = tdm_contiguous(input), *t = tdm_contiguous(target);
     if (!x || !t) return NULL;
-    tdm_tensor *loss = tdm_tensor_alloc(tdm_shape_of(x), TDM_F32, x->device);
+    tdm_tensor *loss = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!loss || be->bce_logits(loss, x, t)) return NULL;
     tdm_tensor *in[2] = {x, t};
     if (tdm_needs_record(2, in) && !tdm_record("bce_with_logits", bce_backward, loss, 2, in))

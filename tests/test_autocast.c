@@ -256,6 +256,15 @@ static void test_nesting(void) {
     for (int i = 0; i < TDM_AUTOCAST_MAX_DEPTH; i++) tdm_autocast_end();
     CHECK(tdm_autocast_dtype() == TDM_F32, "all closed");
     tdm_scope_end();
+    /* no scope open: a result without history comes back, one with history fails as it
+     * does outside a region */
+    tdm_autocast_begin(TDM_BF16);
+    tdm_tensor *p = tdm_matmul(a, a);
+    CHECK(p && p->dtype == TDM_BF16 && !tdm_book(p)->owner, "no scope: a caller-owned bf16 result");
+    tdm_tensor_free(p);
+    tdm_requires_grad_(a, true);
+    CHECK_ERROR(tdm_matmul(a, a) == NULL, "needs an open step scope");
+    tdm_autocast_end();
     tdm_tensor_free(a);
 }
 

@@ -104,7 +104,8 @@ static int conv2d_backward(tdm_node *n, tdm_tensor *gy) {
 
 tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_conv2d_opts *o) {
     if (!x || !w) return tdm_null_arg("conv2d", x ? "weight" : "input");
-    TDM_AUTOCAST_SCOPED(tdm_conv2d(x, w, b, o));
+    tdm_tensor *in0[3] = {x, w, b};
+    TDM_AUTOCAST_SCOPED(3, in0, tdm_conv2d(x, w, b, o));
     if (!(x = tdm_autocast_arg(x, TDM_AC_LOW)) || !(w = tdm_autocast_arg(w, TDM_AC_LOW)))
         return NULL;
     if (b && !(b = tdm_autocast_arg(b, TDM_AC_LOW))) return NULL;

@@ -117,7 +117,7 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
 static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
                              bool is_logits, const char *op) {
     if (!x || !target) return tdm_null_input(op);
-    TDM_AUTOCAST_SCOPED(ce_common(x, target, o, is_logits, op));
+    TDM_AUTOCAST_SCOPED(1, &x, ce_common(x, target, o, is_logits, op));
     tdm_ce_opts defaults = tdm_ce_defaults();
     if (!o) o = &defaults;
     if (ce_check(x, target, o, op)) return NULL;
@@ -172,7 +172,8 @@ static int check_pair(const tdm_tensor *a, const tdm_tensor *t, tdm_reduction r,
 
 tdm_tensor *tdm_mse_loss(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
     if (!input || !target) return tdm_null_input("mse_loss");
-    TDM_AUTOCAST_SCOPED(tdm_mse_loss(input, target, r));
+    tdm_tensor *in0[2] = {input, target};
+    TDM_AUTOCAST_SCOPED(2, in0, tdm_mse_loss(input, target, r));
     if (check_pair(input, target, r, "mse_loss")) return NULL;
     if (!(input = tdm_autocast_arg(input, TDM_AC_F32)) ||
         !(target = tdm_autocast_arg(target, TDM_AC_F32)))
@@ -209,7 +210,8 @@ static int bce_backward(tdm_node *n, tdm_tensor *gout) {
 
 tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
     if (!input || !target) return tdm_null_input("bce_with_logits");
-    TDM_AUTOCAST_SCOPED(tdm_bce_with_logits(input, target, r));
+    tdm_tensor *in0[2] = {input, target};
+    TDM_AUTOCAST_SCOPED(2, in0, tdm_bce_with_logits(input, target, r));
     if (check_pair(input, target, r, "bce_with_logits")) return NULL;
     if (!(input = tdm_autocast_arg(input, TDM_AC_F32)) ||
         !(target = tdm_autocast_arg(target, TDM_AC_F32)))

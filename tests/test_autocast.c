@@ -227,8 +227,10 @@ static void test_cast_cache(void) {
 }
 
 static void test_nesting(void) {
-    float v[4] = {1, 2, 3, 4};
-    tdm_tensor *a = f32(TDM_SHAPE(2, 2), v);
+    float v[4] = {1, 2, 3, 4}, bv[2] = {0.5f, -1};
+    int64_t cv[2] = {1, 0};
+    tdm_tensor *a = f32(TDM_SHAPE(2, 2), v), *bias = f32(TDM_SHAPE(2), bv),
+               *c = i64(TDM_SHAPE(2), cv);
     tdm_scope_begin();
     CHECK(tdm_autocast_dtype() == TDM_F32, "outside: f32");
     tdm_autocast_begin(TDM_BF16);
@@ -259,13 +261,20 @@ static void test_nesting(void) {
     /* no scope open: a result without history comes back, one with history fails as it
      * does outside a region */
     tdm_autocast_begin(TDM_BF16);
-    tdm_tensor *p = tdm_matmul(a, a);
+    tdm_tensor *p = tdm_matmul(a, a), *q = tdm_linear(a, a, bias),
+               *r = tdm_cross_entropy(q, c, NULL);
     CHECK(p && p->dtype == TDM_BF16 && !tdm_book(p)->owner, "no scope: a caller-owned bf16 result");
+    CHECK(q && q->dtype == TDM_BF16 && !tdm_book(q)->owner, "no scope: linear's bf16 result");
+    CHECK(r && r->dtype == TDM_F32 && !tdm_book(r)->owner, "no scope: the loss in f32");
     tdm_tensor_free(p);
+    tdm_tensor_free(q);
+    tdm_tensor_free(r);
     tdm_requires_grad_(a, true);
     CHECK_ERROR(tdm_matmul(a, a) == NULL, "needs an open step scope");
     tdm_autocast_end();
     tdm_tensor_free(a);
+    tdm_tensor_free(bias);
+    tdm_tensor_free(c);
 }
 
 /* ---- recomputation: the second run in the dtypes of the first ---- */

@@ -315,7 +315,9 @@ static void test_recompute(void) {
     CHECK(recompute_grads(false, xv, wv, g0) == TDM_BF16, "direct: bf16 output");
     CHECK(recompute_grads(true, xv, wv, g1) == TDM_BF16, "recomputed: bf16 output");
     /* the same kernels in the same dtypes: the same bits */
-    check_tensor_close(f32(TDM_SHAPE(16), g1), g0, 0, 0, "recomputed gradient = direct");
+    tdm_tensor *t = f32(TDM_SHAPE(16), g1);
+    check_tensor_close(t, g0, 0, 0, "recomputed gradient = direct");
+    tdm_tensor_free(t);
 }
 
 /* ---- per thread ---- */

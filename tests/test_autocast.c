@@ -364,23 +364,29 @@ static tdm_tensor *as(tdm_dtype dt, tdm_shape s, const float *v) {
 }
 
 static void test_follow_and_promote(void) {
-    float v[6] = {0.5f, -1, 2, 0.25f, -3, 1.5f};
-    tdm_scope_begin();
+    float v[6] = {0.5f, -1, 2, 0.25f, -3, 1.5f}, lw[3] = {1, 0.5f, 2};
+    int64_t tv[2] = {2, 0};
     tdm_tensor *bf = as(TDM_BF16, TDM_SHAPE(2, 3), v), *hf = as(TDM_F16, TDM_SHAPE(2, 3), v),
-               *fp = f32(TDM_SHAPE(2, 3), v);
+               *fp = f32(TDM_SHAPE(2, 3), v), *w = leaf(TDM_SHAPE(3), lw),
+               *tg = i64(TDM_SHAPE(2), tv);
     tdm_requires_grad_(bf, true);
     tdm_requires_grad_(fp, true);
+    tdm_scope_begin();
     CHECK(tdm_add(bf, fp)->dtype == TDM_F32, "bf16 + f32 -> f32");
     CHECK(tdm_mul(bf, hf)->dtype == TDM_F32, "bf16 * f16 -> f32");
     CHECK(tdm_sub(bf, bf)->dtype == TDM_BF16, "bf16 - bf16 -> bf16");
     CHECK(tdm_relu(hf)->dtype == TDM_F16, "relu follows f16");
     CHECK(tdm_sum(bf, 1, false)->dtype == TDM_BF16, "sum follows bf16");
     CHECK(tdm_concat((tdm_tensor *[]){bf, fp}, 2, 0)->dtype == TDM_F32, "cat promotes");
-    float lw[3] = {1, 0.5f, 2};
-    tdm_tensor *w = leaf(TDM_SHAPE(3), lw);
     tdm_tensor *ln = tdm_layer_norm(bf, 1, w, NULL, 1e-5f);
     CHECK(ln && ln->dtype == TDM_BF16, "layer_norm of bf16 with f32 weight: bf16");
     CHECK_ERROR(tdm_linear(bf, fp, NULL) == NULL, "linear: operands of dtypes bf16 and f32");
+    tdm_tensor *ce = tdm_cross_entropy(hf, tg, NULL);
+    CHECK(ce && ce->dtype == TDM_F16, "cross_entropy of f16 logits outside a region: f16");
+    tdm_ce_opts none = tdm_ce_defaults();
+    none.reduction = TDM_REDUCE_NONE;
+    ce = tdm_cross_entropy(bf, tg, &none);
+    CHECK(ce && ce->dtype == TDM_BF16 && ce->ndim == 1, "per-sample bf16 losses");
     /* gradients have their tensor's dtype: bf16's through the f32 add, f32's through bf16 */
     tdm_tensor *loss = tdm_sum_all(tdm_add(tdm_mul(tdm_add(bf, fp), ln), fp));
     CHECK(loss && loss->dtype == TDM_F32, "loss f32");
@@ -393,6 +399,7 @@ static void test_follow_and_promote(void) {
     tdm_tensor_free(hf);
     tdm_tensor_free(fp);
     tdm_tensor_free(w);
+    tdm_tensor_free(tg);
 }
 
 /* ---- backward in bf16 against the fp32 twin ---- */

@@ -90,8 +90,9 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
         if (!w) return NULL;
     }
     tdm_shape ns = TDM_SHAPE(x->shape[0]);
-    tdm_tensor *loss = tdm_tensor_alloc(ns, x->dtype, x->device);
-    *wsum = tdm_tensor_alloc(ns, TDM_F32, x->device); /* counts stay exact in f32 */
+    /* f32 whatever x's dtype (the backends' contract): counts stay exact, the sums too */
+    tdm_tensor *loss = tdm_tensor_alloc(ns, TDM_F32, x->device);
+    *wsum = tdm_tensor_alloc(ns, TDM_F32, x->device);
     if (!loss || !*wsum) return NULL;
     if (be->cross_entropy(loss, *wsum, xc, target, w, o->ignore_index, o->label_smoothing,
                           is_logits))
@@ -130,22 +131,23 @@ static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_
     tdm_tensor *wsum = NULL;
     tdm_tensor *loss = ce_per_sample(x, target, o, is_logits, &wsum);
     if (!loss) return NULL;
+    tdm_tensor *out;
     if (o->reduction != TDM_REDUCE_MEAN) {
         tdm_drop_temp(wsum, NULL);
-        return reduce(loss, o->reduction);
+        out = reduce(loss, o->reduction);
+    } else { /* sum of losses / sum of w[target] over the samples that count */
+        tdm_tensor *num = tdm_sum_all(loss), *den = tdm_sum_all(wsum);
+        out = tdm_div(num, den);
+        tdm_drop_temp(num, NULL);
+        tdm_drop_temp(den, NULL);
+        tdm_drop_temp(loss, NULL);
+        tdm_drop_temp(wsum, NULL);
     }
-    /* sum of losses / sum of w[target] over the samples that count */
-    tdm_tensor *num = tdm_sum_all(loss), *den = tdm_sum_all(wsum);
-    tdm_tensor *out = tdm_div(num, den);
-    if (out && out->dtype != x->dtype) { /* a bf16 loss stays bf16, as PyTorch's */
-        tdm_tensor *f = out;
-        out = tdm_to_dtype(f, x->dtype);
-        tdm_drop_temp(f, NULL);
-    }
-    tdm_drop_temp(num, NULL);
-    tdm_drop_temp(den, NULL);
-    tdm_drop_temp(loss, NULL);
-    tdm_drop_temp(wsum, NULL);
+    if (!out || out->dtype == x->dtype) return out;
+    /* computed in f32, given in x's dtype as PyTorch's (a bf16 loss outside a region) */
+    tdm_tensor *f = out;
+    out = tdm_to_dtype(f, x->dtype);
+    tdm_drop_temp(f, NULL);
     return out;
 }
 

@@ -502,8 +502,8 @@ static void test_backward_vs_fp32(void) {
 /* On a CUDA device the fp32 list is longer (autocast.h) and conv2d runs in f32 for now
  * (docs/MIXED_PRECISION.md, difference 6). */
 static void test_cuda_lists(void) {
-    float v[24];
-    for (int i = 0; i < 24; i++) v[i] = (float)(i % 7 - 3) / 4.0f;
+    float v[36];
+    for (int i = 0; i < 36; i++) v[i] = (float)(i % 7 - 3) / 4.0f;
     tdm_tensor *x = on_dev(f32(TDM_SHAPE(4, 6), v)), *w = leaf(TDM_SHAPE(6, 6), v),
                *lw = leaf(TDM_SHAPE(6), v), *img = on_dev(f32(TDM_SHAPE(1, 1, 4, 6), v)),
                *k = leaf(TDM_SHAPE(1, 1, 2, 2), v);

@@ -243,6 +243,10 @@ tdm_tensor *tdm_squeeze(tdm_tensor *t, int dim);
 
 /* ---- math ops (differentiable; broadcasting like PyTorch) --------------------------------- */
 
+/* Each takes float tensors (f32, bf16, f16): the result has its input's dtype, the widest of
+ * two for the binary ops (bf16 with f16 gives f32), computed in f32 inside and rounded once;
+ * in an autocast region (autocast.h) the ops of its lists cast their inputs first. */
+
 tdm_tensor *tdm_add(tdm_tensor *a, tdm_tensor *b);
 tdm_tensor *tdm_sub(tdm_tensor *a, tdm_tensor *b);
 tdm_tensor *tdm_mul(tdm_tensor *a, tdm_tensor *b);
@@ -259,7 +263,7 @@ tdm_tensor *tdm_gelu(tdm_tensor *a, bool tanh_approx); /* false: exact erf form 
 tdm_tensor *tdm_tanh(tdm_tensor *a);
 tdm_tensor *tdm_sigmoid(tdm_tensor *a);
 /* x / (1 + |x|), as torch.nn.functional.softsign; gradient 1 / (1 + |x|)^2. A new tensor on
- * a's device (owned like any op's output); NULL if a is NULL or not f32. */
+ * a's device (owned like any op's output); NULL if a is NULL or not a float dtype. */
 tdm_tensor *tdm_softsign(tdm_tensor *a);
 
 /* Reductions. dim -1 counts from the end; keepdim keeps it with size 1. */

@@ -306,8 +306,9 @@ static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
 
 static void note_small_work(trainer *tr, uint64_t flops) {
     int procs = tr->g ? tdm_group_size(tr->g) : 1, n = tr->o->n_devs * procs;
+    /* tdm_gemm_flops counts the fp32 GEMM only: a bf16 run's products are not in it */
     if (tr->o->model_split > 1 || n < 2 || tr->dev.type != TDM_CPU || tr->o->quiet ||
-        (double)flops >= SMALL_DEVICE_WORK_FLOPS)
+        (double)flops >= SMALL_DEVICE_WORK_FLOPS || strcmp(tr->o->precision, "fp32") != 0)
         return;
     progress_clear(&tr->prog);
     printf("note      %.0f MFLOP of matrix products per device per step: little next to the "

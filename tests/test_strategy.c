@@ -390,6 +390,29 @@ static void test_bf16_one_device_and_data_parallel(const float *want, int64_t n)
     }
 }
 
+/* A pipeline of two stages in bf16: each stage's thread opens its region (the last stage's
+ * output, which the loss gets, is bf16), and it still learns what the bf16 loop does. */
+static void test_bf16_pipeline(const float *want, int64_t n) {
+    tdm_module *m = make_model(1);
+    tdm_pipe_opts po = tdm_pipe_defaults(2, 1);
+    po.split_by = TDM_SPLIT_LAYERS;
+    tdm_strategy *st = tdm_strategy_pipeline(m, &po, make_sgd, NULL);
+    CHECK(st && tdm_strategy_set_precision(st, TDM_BF16) == 0, "bf16 pipeline: %s",
+          tdm_last_error());
+    if (!st) return tdm_module_free(m);
+    amp_seen seen = {{-1, -1}, {-1, -1}, 0};
+    CHECK(train_amp(st, AMP_STEPS, &seen, 0, B) == 0, "bf16 pipeline: %s", tdm_last_error());
+    CHECK(seen.out_dtype[0] == TDM_BF16 && seen.region[0] == TDM_BF16,
+          "bf16 pipeline: the last stage gave %s, its loss in region %d",
+          seen.out_dtype[0] < 0 ? "nothing" : tdm_dtype_name(seen.out_dtype[0]), seen.region[0]);
+    float got[MAXP];
+    CHECK(tdm_strategy_sync_model(st) == 0 && params_of(m, got) == n, "%s", tdm_last_error());
+    float d = max_diff(got, want, n);
+    CHECK(d <= BF16_SPLIT_BOUND, "bf16 pipeline: parameters %g off the bf16 loop", d);
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+}
+
 typedef struct {
     const float *want;
     int64_t n;
@@ -575,6 +598,7 @@ int main(void) {
     CHECK(by_hand_bf16(AMP_STEPS, want_bf16) == n1, "the bf16 reference");
     test_bf16_one_device_and_data_parallel(want_bf16, n1);
     test_bf16_distributed(want_bf16, n1);
+    test_bf16_pipeline(want_bf16, n1);
     test_f16_one_device();
     test_f16_distributed();
     return check_summary();

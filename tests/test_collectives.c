@@ -34,7 +34,7 @@ typedef struct {
 static const int64_t sizes[] = {0, 1, 7, 1000, (1 << 20) + 3};
 #define N_SIZES ((int)(sizeof sizes / sizeof sizes[0]))
 
-#include "collective_ref.h"
+#include "collective_lowp.h"
 
 /* Writes rank r's inputs into t (a contiguous f32 tensor) and returns t. */
 static tdm_tensor *fill_values(tdm_tensor *t, int r, int salt) {
@@ -390,6 +390,84 @@ static void test_mismatch(void) {
     }
 }
 
+/* ---- bf16 and f16 ---------------------------------------------------------------------------- */
+
+typedef struct {
+    tdm_dtype dt;
+    lowp_result res[MAX_RANKS];
+} lowp_shared;
+
+static int rank_lowp(tdm_rank_ctx *ctx, void *arg) {
+    lowp_shared *sh = arg;
+    const int64_t ms[] = {0, 1, 7, 1000, (1 << 20) + 3};
+    for (int s = 0; s < 5; s++) {
+        tdm_scope_begin();
+        lowp_ops(ctx->group, tdm_cpu(ctx->rank), ctx->size, sh->dt, ms[s], 10 * s,
+                 &sh->res[ctx->rank]);
+        tdm_scope_end();
+    }
+    return 0;
+}
+
+/* Every collective in bf16 and f16 over 2 and 3 ranks: reductions equal to the ranks' values
+ * summed in f32 in rank order and rounded once, bit for bit on every rank. */
+static void test_lowp(void) {
+    for (int n = 2; n <= 3; n++)
+        for (int d = 0; d < 2; d++) {
+            lowp_shared sh = {.dt = d ? TDM_F16 : TDM_BF16};
+            CHECK(tdm_spawn(n, devs, rank_lowp, &sh) == TDM_OK, "spawn: %s", tdm_last_error());
+            for (int r = 0; r < n; r++) {
+                CHECK(!sh.res[r].err[0], "%d ranks, rank %d: %s", n, r, sh.res[r].err);
+                CHECK(sh.res[r].wrong == 0, "%s over %d ranks, rank %d: %lld elements wrong",
+                      tdm_dtype_name(sh.dt), n, r, (long long)sh.res[r].wrong);
+            }
+        }
+}
+
+/* Ranks that reduce the same count in different dtypes: rank 0 bf16, rank 1 f16 (the same
+ * size) or f32 (another size), by salt. */
+static int rank_dtype_mismatch(tdm_rank_ctx *ctx, void *arg) {
+    shared *sh = arg;
+    int r = ctx->rank;
+    tdm_dtype dt = r == 0 ? TDM_BF16 : atomic_load(&sh->flag) ? TDM_F32 : TDM_F16;
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(10), dt, tdm_cpu(r));
+    sh->status[r] = tdm_work_wait(tdm_all_reduce(ctx->group, t, TDM_SUM));
+    snprintf(sh->msg[r], sizeof sh->msg[r], "%s", tdm_last_error());
+    tdm_tensor_free(t);
+    return 0;
+}
+
+static void test_dtype_mismatch(void) {
+    const char *other[2] = {"f16)", "f32)"};
+    for (int k = 0; k < 2; k++) {
+        shared sh = {.n = 2};
+        atomic_store(&sh.flag, k);
+        CHECK(tdm_spawn(2, devs, rank_dtype_mismatch, &sh) == TDM_OK, "spawn: %s",
+              tdm_last_error());
+        for (int r = 0; r < 2; r++) {
+            CHECK(sh.status[r] == TDM_ERR_COMM, "rank %d status %d", r, sh.status[r]);
+            CHECK(strstr(sh.msg[r], "ranks disagree on the dtype: rank 0 called all_reduce (10 "
+                                    "elements, root 0, op 0, bf16)") &&
+                      strstr(sh.msg[r], other[k]),
+                  "rank %d message: %s", r, sh.msg[r]);
+        }
+    }
+    tdm_threads_world *w = tdm_threads_world_new(2, devs);
+    tdm_group *g = tdm_threads_world_group(w, 0);
+    tdm_scope_begin();
+    tdm_tensor *bf = tdm_zeros(TDM_SHAPE(4), TDM_BF16, tdm_cpu(0));
+    tdm_tensor *h8 = tdm_zeros(TDM_SHAPE(8), TDM_F16, tdm_cpu(0));
+    tdm_tensor *i64 = tdm_zeros(TDM_SHAPE(4), TDM_I64, tdm_cpu(0));
+    CHECK_ERROR(tdm_all_reduce(g, i64, TDM_SUM) == NULL,
+                "all_reduce: tensor must be f32, bf16 or f16, got i64 [4]");
+    CHECK_ERROR(tdm_reduce(g, i64, 0, TDM_SUM) == NULL, "reduce: tensor must be f32, bf16 or f16");
+    CHECK_ERROR(tdm_reduce_scatter(g, bf, h8, TDM_SUM) == NULL,
+                "reduce_scatter: out is bf16 but in is f16");
+    CHECK_ERROR(tdm_all_gather(g, h8, bf) == NULL, "all_gather: out is f16 but in is bf16");
+    tdm_scope_end();
+    tdm_threads_world_free(w);
+}
+
 /* Bad arguments fail on the calling rank before anything starts (no peer needed). */
 static void test_bad_arguments(void) {
     tdm_threads_world *w = tdm_threads_world_new(2, devs);
@@ -473,5 +551,7 @@ int main(void) {
     test_rank_error();
     test_timeout();
     test_mismatch();
+    test_lowp();
+    test_dtype_mismatch();
     return check_summary();
 }

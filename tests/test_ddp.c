@@ -18,6 +18,7 @@
 #include <stdlib.h>
 
 #include "ddp_common.h"
+#include "tandem/half.h"
 #include "testdir.h"
 
 static tdm_optim *make_sgd(tdm_paramset *ps, void *arg) {
@@ -151,6 +152,131 @@ static void test_ddp_equivalence(void) {
         }
         free(want);
     }
+}
+
+/* ---- reduce_dtype bf16 --------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t cap, total;
+    float *local[4];   /* per rank: its own gradient of the batch (sync off) */
+    float *reduced[4]; /* per rank: the gradient DDP reduced in bf16 */
+    float *stage2[4];  /* per rank: its ZeRO stage 2 shard of the same, at shard_lo[r] */
+    float *stage3[4];  /* the same under ZeRO stage 3 (the parameters gathered per unit) */
+    int64_t shard_lo[4], shard_n[4];
+} bf16_case;
+
+/* This rank's rows of batch 0 forward and backward through d, loss weighted as ddp_rank does;
+ * the gradient (whole, or the stage 2 shard) copied to *out. */
+static int bf16_pass(tdm_ddp *d, tdm_module *m, tdm_optim *opt, int r, int n, float **out) {
+    float x[B * IN];
+    int64_t y[B];
+    batch_of(0, x, y);
+    int64_t lo = r * (B / n) + (r < B % n ? r : B % n), hi = lo + B / n + (r < B % n);
+    tdm_optim_zero_grad(opt);
+    tdm_scope_begin();
+    tdm_tensor *xs = tdm_from_data(TDM_SHAPE(hi - lo, IN), TDM_F32, tdm_cpu(0), x + lo * IN);
+    tdm_tensor *ys = tdm_from_data(TDM_SHAPE(hi - lo), TDM_I64, tdm_cpu(0), y + lo);
+    tdm_tensor *l = tdm_cross_entropy(tdm_ddp_forward(d, xs), ys, NULL);
+    int rc = tdm_ddp_backward(d, tdm_mul_scalar(l, (float)((double)(hi - lo) * n / B)));
+    tdm_scope_end();
+    int64_t g0;
+    tdm_tensor *shard = tdm_ddp_shard_grad(d, &g0);
+    tdm_tensor *g = shard ? shard : tdm_module_parameters(m)->flat_grad;
+    *out = malloc(sizeof(float) * (size_t)tdm_numel(g));
+    if (!rc) rc = tdm_to_host(g, *out, sizeof(float) * (size_t)tdm_numel(g));
+    return rc;
+}
+
+static int bf16_rank(tdm_rank_ctx *ctx, void *arg) {
+    bf16_case *c = arg;
+    int n = ctx->size, r = ctx->rank;
+    tdm_module *m = make_mlp(1 + (uint64_t)r, HID);
+    tdm_ddp_opts o = tdm_ddp_defaults();
+    o.bucket_cap_bytes = o.first_bucket_cap_bytes = c->cap;
+    o.reduce_dtype = TDM_BF16;
+    tdm_ddp *d = tdm_ddp_new(m, ctx->group, &o);
+    if (!d) return tdm_last_status();
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_optim *opt = make_sgd(ps, NULL);
+    c->total = ps->total;
+    tdm_ddp_set_sync(d, false);
+    int rc = bf16_pass(d, m, opt, r, n, &c->local[r]);
+    tdm_ddp_set_sync(d, true);
+    if (!rc) rc = bf16_pass(d, m, opt, r, n, &c->reduced[r]);
+    if (!rc) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_GRADIENTS);
+    if (!rc) rc = bf16_pass(d, m, opt, r, n, &c->stage2[r]);
+    if (!rc) rc = tdm_ddp_set_shard(d, opt, TDM_SHARD_PARAMETERS);
+    if (!rc) rc = bf16_pass(d, m, opt, r, n, &c->stage3[r]);
+    tdm_tensor *shard = tdm_ddp_shard_grad(d, &c->shard_lo[r]);
+    c->shard_n[r] = shard ? tdm_numel(shard) : 0;
+    tdm_optim_free(opt);
+    tdm_ddp_free(d);
+    tdm_module_free(m);
+    return rc;
+}
+
+/* tdm_ddp_new's error for reduce_dtype f16, into arg (char [256]). */
+static int f16_rank(tdm_rank_ctx *ctx, void *arg) {
+    tdm_module *m = make_mlp(1, HID);
+    tdm_ddp_opts o = tdm_ddp_defaults();
+    o.reduce_dtype = TDM_F16;
+    tdm_ddp *d = tdm_ddp_new(m, ctx->group, &o);
+    snprintf(arg, 256, "%s", d ? "accepted" : tdm_last_error());
+    tdm_ddp_free(d);
+    tdm_module_free(m);
+    return 0;
+}
+
+/* reduce_dtype bf16 (PyTorch's bf16_compress_hook): every rank's gradient is the ranks' own
+ * gradients rounded to bf16, summed in f32 in rank order, divided by the ranks and rounded
+ * once, bit for bit, on every rank and in ZeRO stage 2's and 3's shards; and it lies within 2^-7 of
+ * the mean magnitude of the ranks' gradients from the f32 reduction (two bf16 roundings of at most
+ * 2^-8 relative each, one of each gradient, one of the mean, plus f32's). */
+static void test_ddp_reduce_bf16(void) {
+    const int64_t caps[2] = {64, 25 << 20};
+    tdm_device devs[3] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2)};
+    for (int n = 1; n <= 3; n++)
+        for (int k = 0; k < 2; k++) {
+            bf16_case c = {.cap = caps[k]};
+            int rc = tdm_spawn(n, devs, bf16_rank, &c);
+            CHECK(rc == 0, "ddp bf16 on %d ranks: %s", n, tdm_last_error());
+            int64_t off = 0, rounded = 0, covered = 0;
+            for (int64_t i = 0; !rc && i < c.total; i++) {
+                float sum = 0, f32 = 0, mag = 0;
+                for (int r = 0; r < n; r++) {
+                    float g = c.local[r][i];
+                    float gb = tdm_bf16_to_float(tdm_bf16_from_float(g));
+                    sum = r ? sum + gb : gb;
+                    f32 = r ? f32 + g : g;
+                    mag += fabsf(g);
+                }
+                float want = tdm_bf16_to_float(tdm_bf16_from_float(sum / (float)n));
+                f32 /= (float)n;
+                for (int r = 0; r < n; r++) {
+                    off += memcmp(&c.reduced[r][i], &want, 4) != 0;
+                    int64_t j = i - c.shard_lo[r];
+                    if (j >= 0 && j < c.shard_n[r]) {
+                        off += memcmp(&c.stage2[r][j], &want, 4) != 0;
+                        off += memcmp(&c.stage3[r][j], &want, 4) != 0;
+                        covered++;
+                    }
+                }
+                CHECK(fabsf(want - f32) <= 0x1p-7f * 1.0001f * mag / (float)n,
+                      "element %lld: bf16 reduce %.9g, f32 %.9g", (long long)i, want, f32);
+                rounded += want != f32;
+            }
+            CHECK(off == 0, "ddp bf16, %d ranks, buckets of %lld bytes: %lld elements off", n,
+                  (long long)caps[k], (long long)off);
+            CHECK(rc || covered == c.total, "stage 2 shards cover %lld of %lld", (long long)covered,
+                  (long long)c.total);
+            CHECK(rc || rounded > c.total / 2, "only %lld of %lld elements differ from f32",
+                  (long long)rounded, (long long)c.total);
+            for (int r = 0; r < n; r++)
+                free(c.local[r]), free(c.reduced[r]), free(c.stage2[r]), free(c.stage3[r]);
+        }
+    char msg[256] = "";
+    CHECK(tdm_spawn(1, devs, f16_rank, msg) == TDM_OK, "spawn: %s", tdm_last_error());
+    CHECK(strstr(msg, "ddp: reduce_dtype f16 (expected f32 or bf16)"), "f16: %s", msg);
 }
 
 /* ---- DDP errors --------------------------------------------------------------------------- */
@@ -1360,6 +1486,7 @@ static void test_dropout_rows(void) {
 int main(void) {
     if (tmpdir_make("test_ddp") != 0) return 1;
     test_ddp_equivalence();
+    test_ddp_reduce_bf16();
     test_ddp_errors();
     test_zero();
     test_zero2();

@@ -27,7 +27,7 @@
 static tdm_group *G;
 static int R, N;
 
-#include "collective_ref.h"
+#include "collective_lowp.h"
 
 static tdm_tensor *filled(int r, int64_t m, int salt) {
     tdm_tensor *t = tdm_empty(TDM_SHAPE(m), TDM_F32, tdm_cpu(0));
@@ -172,6 +172,23 @@ static void test_collectives(void) {
     CHECK(tdm_mpi_init(NULL, NULL) == G, "a second tdm_mpi_init returns the same group");
 }
 
+/* Every collective in bf16 and f16 across the processes (sizes past one scratch segment):
+ * reductions equal to the ranks' values summed in f32 in rank order and rounded once. */
+static void test_lowp_collectives(void) {
+    for (int d = 0; d < 2; d++) {
+        tdm_dtype dt = d ? TDM_F16 : TDM_BF16;
+        lowp_result res = {0};
+        for (int s = 0; s < N_SIZES && !res.err[0]; s++) {
+            tdm_scope_begin();
+            lowp_ops(G, tdm_cpu(0), N, dt, sizes[s], 10 * s, &res);
+            tdm_scope_end();
+        }
+        CHECK(!res.err[0], "%s", res.err);
+        CHECK(res.wrong == 0, "%s collectives: %lld elements wrong", tdm_dtype_name(dt),
+              (long long)res.wrong);
+    }
+}
+
 /* ---- DDP across processes (as tests/test_ddp.c does with threads) -------------------------- */
 
 #include "ddp_common.h"
@@ -298,6 +315,7 @@ typedef struct {
     tdm_group *g;
     int64_t wrong; /* elements that differ from the reference, over every collective */
     char err[256];
+    lowp_result lowp; /* the same in bf16 and f16 */
 } level_rank;
 
 /* Every collective of one rank of the two-level group on size m, counted into a->wrong. */
@@ -347,6 +365,8 @@ static void *two_level_main(void *arg) {
     for (int s = 0; s < 5 && !a->err[0]; s++) {
         tdm_scope_begin();
         two_level_ops(a, ms[s], 7 * s);
+        for (int d = 0; d < 2 && !a->lowp.err[0]; d++)
+            lowp_ops(a->g, tdm_cpu(0), L, d ? TDM_F16 : TDM_BF16, ms[s], 7 * s, &a->lowp);
         tdm_scope_end();
     }
     tdm_thread_release();
@@ -372,6 +392,9 @@ static void test_two_level_collectives(void) {
         CHECK(!a[l].err[0], "two-level collective on device %d of process %d: %s", l, R, a[l].err);
         CHECK(a[l].wrong == 0, "two-level collectives, device %d of process %d: %lld wrong", l, R,
               (long long)a[l].wrong);
+        CHECK(!a[l].lowp.err[0], "two-level, device %d of process %d: %s", l, R, a[l].lowp.err);
+        CHECK(a[l].lowp.wrong == 0, "two-level bf16/f16, device %d of process %d: %lld wrong", l, R,
+              (long long)a[l].lowp.wrong);
     }
     tdm_hier_world_free(hw);
     tdm_threads_world_free(tw);
@@ -785,6 +808,9 @@ static int fault_child(const char *what) {
     if (!strcmp(what, "mismatch")) {
         tdm_tensor *t = tdm_ones(TDM_SHAPE(10 + (R == 1)), TDM_F32, tdm_cpu(0));
         rc = tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM));
+    } else if (!strcmp(what, "dtype")) { /* the same count and element size, not dtype */
+        tdm_tensor *t = tdm_ones(TDM_SHAPE(10), R == 1 ? TDM_F16 : TDM_BF16, tdm_cpu(0));
+        rc = tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM));
     } else {
         tdm_module *m = make_mlp(1, !strcmp(what, "model") && R == 1 ? HID + 1 : HID);
         tdm_ddp *d = tdm_ddp_new(m, G, NULL);
@@ -920,6 +946,10 @@ static void test_faults(const char *mpirun) {
     expect_job_fails(mpirun, "mismatch", 15,
                      (const char *[]){"ranks disagree on the element count: ",
                                       "called all_reduce #1 (11 elements", NULL});
+    expect_job_fails(mpirun, "dtype", 15,
+                     (const char *[]){"ranks disagree on the dtype: ",
+                                      "called all_reduce #1 (10 elements, root 0, op 0, f16)",
+                                      NULL});
     /* the same with 1 MiB messages over TCP (as between nodes), where Open MPI wrote a larger
      * message than a rank expected past the end of its tensor: every rank names the mismatch,
      * and (under ASan) nothing writes into or past a freed tensor */
@@ -959,6 +989,7 @@ int main(int argc, char **argv) {
     if (argc >= 3 && !strcmp(argv[1], "--fault") && !strcmp(argv[2], "still")) return still_child();
     if (argc >= 3 && !strcmp(argv[1], "--fault")) return fault_child(argv[2]);
     test_collectives();
+    test_lowp_collectives();
     test_ddp();
     test_two_level_collectives();
     test_dp_two_level();

@@ -16,6 +16,7 @@
 #include "core/core.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <unistd.h>
 
 #define B     17 /* uneven over 2 replicas and 2..8 micro-batches */
@@ -277,6 +278,88 @@ static void test_recv(void) {
     tdm_tensor_free(x);
 }
 
+/* ---- activations in bf16 -------------------------------------------------------------------- */
+
+/* test_recv with a bf16 activation: it crosses as bf16 (the same bits), and its gradient comes
+ * back to the sender as bf16 too, for the sender's cast node to widen. */
+static void test_recv_bf16(void) {
+    float xv[4] = {1, -2, 0.5f, 4};
+    tdm_tensor *x = tdm_from_data(TDM_SHAPE(4), TDM_F32, tdm_cpu(0), xv);
+    tdm_requires_grad_(x, true);
+    tdm_scope_begin();
+    int mark = tdm_tape_size();
+    tdm_tensor *h = tdm_to_dtype(tdm_mul_scalar(x, 3), TDM_BF16);
+    tdm_tensor *g = NULL;
+    int mark1 = tdm_tape_size();
+    tdm_tensor *y = tdm_device_recv(h, tdm_cpu(1), keep_grad, &g);
+    CHECK(y && y->dtype == TDM_BF16 && tdm_device_equal(y->device, tdm_cpu(1)),
+          "recv keeps bf16: %s", y ? tdm_dtype_name(y->dtype) : tdm_last_error());
+    CHECK(y && !memcmp(tdm_data_ptr(y), tdm_data_ptr(h), 4 * 2), "recv moves the bf16 bits");
+    tdm_tensor *loss = tdm_sum_all(tdm_mul(tdm_to_dtype(y, TDM_F32), tdm_to_dtype(y, TDM_F32)));
+    CHECK(tdm_backward_from(loss, NULL, mark1) == 0, "%s", tdm_last_error());
+    CHECK(g && g->dtype == TDM_BF16 && tdm_device_equal(g->device, tdm_cpu(0)),
+          "the gradient comes back on cpu:0 in bf16: %s", g ? tdm_dtype_name(g->dtype) : "none");
+    CHECK(tdm_backward_from(h, g, mark) == 0, "%s", tdm_last_error());
+    float want[4]; /* exact: 3x and 6x are bf16 numbers */
+    for (int i = 0; i < 4; i++) want[i] = 18 * xv[i];
+    check_tensor_close(x->grad, want, 0, 0, "dL/dx through a bf16 device_recv");
+    tdm_tensor_free(g);
+    tdm_scope_end();
+    tdm_tensor_free(x);
+}
+
+static atomic_int casts_in, casts_in_bf16; /* ToF32's inputs, and those of them in bf16 */
+
+static tdm_tensor *to_bf16_forward(tdm_module *m, tdm_tensor *x) {
+    return tdm_to_dtype(x, TDM_BF16);
+}
+
+static tdm_tensor *to_f32_forward(tdm_module *m, tdm_tensor *x) {
+    atomic_fetch_add(&casts_in, 1);
+    if (x && x->dtype == TDM_BF16) atomic_fetch_add(&casts_in_bf16, 1);
+    return tdm_to_dtype(x, TDM_F32);
+}
+
+static const tdm_module_ops to_bf16_ops = {"ToBF16", to_bf16_forward, NULL};
+static const tdm_module_ops to_f32_ops = {"ToF32", to_f32_forward, NULL};
+
+/* Linear, ReLU, ToBF16 | ToF32, Linear: the activation between the stages is bf16. */
+static tdm_module *make_bf16_cut(uint64_t seed) {
+    tdm_rng r = tdm_rng_make(seed);
+    tdm_module *l[5] = {tdm_linear_new(IN, HID, true, tdm_cpu(0), &r), tdm_relu_new(),
+                        tdm_module_new(&to_bf16_ops, tdm_cpu(0), NULL),
+                        tdm_module_new(&to_f32_ops, tdm_cpu(0), NULL),
+                        tdm_linear_new(HID, OUT, true, tdm_cpu(0), &r)};
+    return tdm_sequential_new(5, l);
+}
+
+/* A pipeline whose stages exchange bf16 activations (as under autocast) trains as the unsplit
+ * model does: the next stage receives every micro-batch in bf16, and the parameters end as
+ * unsplit training's (the bf16 roundings are the same ones, row by row). */
+static void test_bf16_activations(void) {
+    float want[1024], got[1024];
+    tdm_module *ref = make_bf16_cut(1);
+    int64_t n = reference(ref, 1, want, 1024);
+    tdm_module_free(ref);
+    int map[5] = {0, 0, 0, 1, 1};
+    for (int sched = 0; sched < 2; sched++) {
+        tdm_module *m = make_bf16_cut(1);
+        tdm_pipe_opts o = tdm_pipe_defaults(0, 4);
+        o.layer_stage = map;
+        o.schedule = (tdm_pipe_schedule)sched;
+        atomic_store(&casts_in, 0);
+        atomic_store(&casts_in_bf16, 0);
+        int rc = train_pipe(m, &o, got, 1024, NULL);
+        CHECK(rc == 0, "bf16 activations: %s", tdm_last_error());
+        CHECK(rc || compare(got, want, n, "bf16 activations") == 0,
+              "bf16 activations: parameters differ from unsplit training");
+        CHECK(atomic_load(&casts_in) == STEPS * 4 && atomic_load(&casts_in_bf16) == STEPS * 4,
+              "stage 1 received %d micro-batches, %d of them in bf16 (want %d)",
+              atomic_load(&casts_in), atomic_load(&casts_in_bf16), STEPS * 4);
+        tdm_module_free(m);
+    }
+}
+
 /* ---- splitting and errors ------------------------------------------------------------------ */
 
 static void test_split(void) {
@@ -446,6 +529,8 @@ static void test_trace(void) {
 
 int main(void) {
     test_recv();
+    test_recv_bf16();
+    test_bf16_activations();
     test_split();
     test_errors();
     test_equivalence();

@@ -45,17 +45,27 @@ tdm_device tdm_group_device(const tdm_group *g);
  * error naming both devices. */
 tdm_device tdm_group_memory(const tdm_group *g);
 
-/* In-place all-reduce of a contiguous f32 tensor (same shape on every rank). */
+/* The reductions (all-reduce, reduce, reduce-scatter) take f32, bf16 or f16 tensors, the same
+ * dtype on every rank (ranks that disagree get "ranks disagree on the dtype", naming both);
+ * TDM_ERR_DTYPE for another dtype. bf16 and f16 move as 2-byte elements, half an f32's bytes,
+ * and are summed in f32: the ranks' values widened, added in rank order (the two-level group
+ * of tdm_dp_new_distributed: per process, then over processes), divided by the ranks for AVG,
+ * and rounded once, so every rank gets the same bits. NCCL sums them its own way (its
+ * rounding per step of its algorithm), the same on every rank. */
+
+/* In-place all-reduce of a contiguous f32, bf16 or f16 tensor (same shape on every rank). */
 tdm_work *tdm_all_reduce(tdm_group *g, tdm_tensor *t, tdm_reduce_kind op);
-/* In-place reduce of a contiguous f32 tensor (same shape on every rank) to root: root's t
- * receives the rank-order reduction, the same bits an all-reduce gives, moving half its
- * bytes; the other ranks' t are left unspecified (a backend may keep partial sums there). */
+/* In-place reduce of a contiguous f32, bf16 or f16 tensor (same shape on every rank) to root:
+ * root's t receives the rank-order reduction, the same bits an all-reduce gives, moving half
+ * its bytes; the other ranks' t are left unspecified (a backend may keep partial sums there). */
 tdm_work *tdm_reduce(tdm_group *g, tdm_tensor *t, int root, tdm_reduce_kind op);
 /* Copies root's t into every other rank's t. Any dtype, contiguous. */
 tdm_work *tdm_broadcast(tdm_group *g, tdm_tensor *t, int root);
-/* out [size * numel(in)] receives every rank's in, in rank order. */
+/* out [size * numel(in)] receives every rank's in, in rank order. Any dtype, the same for out
+ * and in. */
 tdm_work *tdm_all_gather(tdm_group *g, tdm_tensor *out, const tdm_tensor *in);
-/* in [size * n]: out [n] on rank r receives the reduction of chunk r over all ranks. */
+/* in [size * n]: out [n] on rank r receives the reduction of chunk r over all ranks; out and in
+ * of one dtype (f32, bf16 or f16). */
 tdm_work *tdm_reduce_scatter(tdm_group *g, tdm_tensor *out, const tdm_tensor *in,
                              tdm_reduce_kind op);
 tdm_work *tdm_barrier(tdm_group *g);
@@ -163,6 +173,14 @@ typedef struct {
     int64_t first_bucket_cap_bytes; /* PyTorch's default 1 MiB */
     bool find_unused_parameters;    /* false: a parameter without a gradient is an error */
     bool broadcast_buffers;         /* true: rank 0's buffers are copied at each forward */
+    /* The dtype gradients travel in (PyTorch's comm hooks): TDM_F32 (the default) reduces the
+     * f32 gradients as they are; TDM_BF16 (bf16_compress_hook) rounds each bucket to bf16,
+     * reduces it in bf16 (the ranks' values summed in f32 in rank order, divided by the ranks
+     * and rounded once: tdm_all_reduce) and widens the average back into the f32 gradients:
+     * half the bytes on the wire, and a bf16 buffer of the gradient's size held beside it
+     * (ZeRO stages 2 and 3 round each bucket into a buffer of its own instead, reduced to
+     * the shards' owners alike). Any other dtype is an error of tdm_ddp_new naming it. */
+    tdm_dtype reduce_dtype;
 } tdm_ddp_opts;
 
 tdm_ddp_opts tdm_ddp_defaults(void);

@@ -11,6 +11,10 @@
  *   micro-batch's activations (tdm_graph_release). tdm_to_device (tensor.h) is the
  *   differentiable copy for a graph that stays on one thread.
  *
+ * Activations cross between stages in their own dtype: a stage whose output is bf16 or f16
+ * (under autocast, or a cast of its own) sends 2-byte elements, and the gradient of that
+ * output comes back in the same dtype; the receiving stage's first op sees the low dtype.
+ *
  * Errors follow tensor.h: NULL or a negative tdm_status, with tdm_last_error() naming the
  * cause (stage, device, micro-batch, sizes).
  */

@@ -26,10 +26,12 @@ typedef struct {
     int first, n_params; /* parameters first .. first + n_params - 1 */
     int pending;         /* parameters whose gradient is not final yet this backward */
     tdm_tensor view;
+    tdm_tensor low; /* reduce_dtype bf16: the bucket's range of d->low, what is reduced */
     tdm_work *work;
     /* ZeRO stage 2: the bucket's gradient [hi - lo] while it is produced and reduced (the
      * parameters' .grad are views of it), NULL otherwise; caller-owned, from the allocator */
     tdm_tensor *buf;
+    tdm_tensor *lbuf; /* with reduce_dtype bf16: buf rounded, what the reduces move */
     /* ZeRO stage 2: instead of the all-reduce, one reduce of each piece of the bucket that
      * lies in a rank's shard, to that rank: ranks owner0 .. owner0 + owners - 1 */
     tdm_work **works;
@@ -59,6 +61,9 @@ struct tdm_ddp {
     param_slot *slots;
     bool sync;
     int launch_error; /* first failure to launch a collective during backward */
+    /* reduce_dtype bf16: the flat gradient rounded to bf16 [ps->total], each bucket reduced
+     * there and widened back into the flat gradient (caller-owned); NULL for f32 */
+    tdm_tensor *low;
     /* ZeRO stage 2 (tdm_ddp_set_shard): the averaged gradient of flat elements [lo, hi), this
      * rank's optimizer shard, is all this rank keeps ([hi - lo], caller-owned); NULL before */
     tdm_tensor *shard_grad;
@@ -73,7 +78,7 @@ struct tdm_ddp {
 };
 
 tdm_ddp_opts tdm_ddp_defaults(void) {
-    tdm_ddp_opts o = {25 << 20, 1 << 20, false, true};
+    tdm_ddp_opts o = {25 << 20, 1 << 20, false, true, TDM_F32};
     return o;
 }
 
@@ -169,9 +174,14 @@ static int make_buckets(tdm_ddp *d) {
         b->n_params++;
         d->slots[i] = (param_slot){d, d->n_buckets - 1, false};
     }
+    if (d->o.reduce_dtype == TDM_BF16) {
+        d->low = tdm_tensor_alloc_owned(TDM_SHAPE(ps->total), TDM_BF16, ps->flat->device, NULL);
+        if (!d->low) return tdm_last_status();
+    }
     for (int k = 0; k < d->n_buckets; k++) {
         bucket *bk = &d->buckets[k];
         bk->view = tdm_range_view(ps->flat_grad, bk->lo, bk->hi);
+        if (d->low) bk->low = tdm_range_view(d->low, bk->lo, bk->hi);
     }
     return TDM_OK;
 }
@@ -217,6 +227,8 @@ static int bucket_take(tdm_ddp *d, bucket *b) {
 
 /* Drops bucket b's buffer and the parameters' views of it (back to the allocator's cache). */
 static void bucket_release(tdm_ddp *d, bucket *b) {
+    tdm_tensor_free(b->lbuf);
+    b->lbuf = NULL;
     if (!b->buf) return;
     for (int i = b->first; i < b->first + b->n_params; i++) {
         tdm_tensor_free(d->ps->params[i]->grad);
@@ -243,11 +255,17 @@ static void shard_of(const tdm_ddp *d, int r, int64_t *lo, int64_t *hi) {
  * order on every rank). A piece of the average lands on its owner only: a reduce moves half
  * an all-reduce's bytes. */
 static int launch_reduces(tdm_ddp *d, bucket *b) {
+    if (d->o.reduce_dtype == TDM_BF16) { /* the pieces move rounded, as in launch_low */
+        b->lbuf = tdm_tensor_alloc_owned(tdm_shape_of(b->buf), TDM_BF16, b->buf->device, NULL);
+        if (!b->lbuf) return tdm_last_status();
+        int rc = tdm_backend_for(b->buf->device)->copy(b->lbuf, b->buf);
+        if (rc) return rc;
+    }
     for (int j = 0; j < b->owners; j++) {
         int64_t lo, hi;
         shard_of(d, b->owner0 + j, &lo, &hi);
         int64_t a = lo > b->lo ? lo : b->lo, e = hi < b->hi ? hi : b->hi;
-        tdm_tensor piece = tdm_range_view(b->buf, a - b->lo, e - b->lo);
+        tdm_tensor piece = tdm_range_view(b->lbuf ? b->lbuf : b->buf, a - b->lo, e - b->lo);
         if (!(b->works[j] = tdm_reduce(d->g, &piece, b->owner0 + j, TDM_AVG)))
             return tdm_last_status();
     }
@@ -276,7 +294,12 @@ static void bucket_finish(tdm_ddp *d, int k) {
     if (!rc && b->buf && a < e) {
         tdm_tensor src = tdm_range_view(b->buf, a - b->lo, e - b->lo);
         tdm_tensor dst = tdm_range_view(d->shard_grad, a - d->lo, e - d->lo);
-        rc = tdm_backend_for(dst.device)->axpy(&dst, 1.0f, &src);
+        const tdm_backend *be = tdm_backend_for(dst.device);
+        if (b->lbuf) { /* the reduced bf16 piece, widened */
+            tdm_tensor low = tdm_range_view(b->lbuf, a - b->lo, e - b->lo);
+            rc = be->copy(&src, &low);
+        }
+        if (!rc) rc = be->axpy(&dst, 1.0f, &src);
     }
     bucket_release(d, b);
     if (rc && !d->launch_error) d->launch_error = rc;
@@ -294,6 +317,25 @@ static void reclaim(tdm_ddp *d) {
 
 /* ---- launching ----------------------------------------------------------------------------- */
 
+/* PyTorch's bf16_compress_hook: bucket b's gradient rounded to bf16 and all-reduced (average)
+ * in bf16, which the groups sum in f32 in rank order and round once; bucket_widen takes the
+ * result back into the f32 gradient. Unlike the hook, the division by the ranks happens in
+ * f32 before that one rounding, not in bf16 before the sum. */
+static int launch_low(tdm_ddp *d, bucket *b) {
+    int rc = tdm_backend_for(b->view.device)->copy(&b->low, &b->view);
+    if (!rc && !(b->work = tdm_all_reduce(d->g, &b->low, TDM_AVG))) rc = tdm_last_status();
+    return rc;
+}
+
+/* Waits for bucket b's all-reduce and, with reduce_dtype bf16, widens its result into the f32
+ * gradient. */
+static int bucket_wait(tdm_ddp *d, bucket *b) {
+    int rc = b->work ? tdm_work_wait(b->work) : TDM_OK;
+    if (!rc && b->work && d->low) rc = tdm_backend_for(b->view.device)->copy(&b->view, &b->low);
+    b->work = NULL;
+    return rc;
+}
+
 /* Launches every ready bucket from the next one in order: ranks must agree on the order.
  * Under stage 2 a bucket whose parameters got no gradient (unused ones) is reduced as zeros,
  * as the flat gradient's slice would be. */
@@ -304,6 +346,8 @@ static void launch_ready(tdm_ddp *d) {
         if (d->shard_grad) {
             if (!b->buf && bucket_take(d, b)) rc = tdm_last_status();
             if (!rc) rc = launch_reduces(d, b);
+        } else if (d->low) {
+            rc = launch_low(d, b);
         } else if (!(b->work = tdm_all_reduce(d->g, &b->view, TDM_AVG))) {
             rc = tdm_last_status();
         }
@@ -352,6 +396,12 @@ tdm_ddp *tdm_ddp_new(tdm_module *replica, tdm_group *g, const tdm_ddp_opts *o) {
     if (d->o.bucket_cap_bytes < 4 || d->o.first_bucket_cap_bytes < 4) {
         free(d);
         return tdm_raise_null(TDM_ERR_ARG, "ddp: bucket caps must be at least 4 bytes");
+    }
+    if (d->o.reduce_dtype != TDM_F32 && d->o.reduce_dtype != TDM_BF16) {
+        tdm_dtype rd = d->o.reduce_dtype;
+        free(d);
+        return tdm_raise_null(TDM_ERR_ARG, "ddp: reduce_dtype %s (expected f32 or bf16)",
+                              tdm_dtype_name(rd));
     }
     d->ps = tdm_module_parameters(replica);
     d->bs = d->ps ? tdm_module_buffers(replica) : NULL;
@@ -424,8 +474,7 @@ int tdm_ddp_backward(tdm_ddp *d, tdm_tensor *loss) {
     }
     if (d->shard_grad) return finish_stage2(d, rc);
     for (int k = 0; k < d->n_buckets; k++) {
-        int w = d->buckets[k].work ? tdm_work_wait(d->buckets[k].work) : TDM_OK;
-        d->buckets[k].work = NULL;
+        int w = bucket_wait(d, &d->buckets[k]);
         if (!rc) rc = w;
     }
     return rc ? rc : d->launch_error;
@@ -450,6 +499,7 @@ void tdm_ddp_free(tdm_ddp *d) {
     tdm_zero3_free(d->fsdp);
     free(d->units);
     tdm_tensor_free(d->shard_grad);
+    tdm_tensor_free(d->low);
     free(d->buckets);
     free(d->slots);
     free(d);
@@ -515,9 +565,11 @@ static int shard_gradients(tdm_ddp *d, tdm_optim *o) {
         tdm_tensor_free(d->ps->params[i]->grad);
         d->ps->params[i]->grad = NULL;
     }
-    for (int k = 0; k < d->n_buckets; k++) d->buckets[k].view = (tdm_tensor){0};
+    for (int k = 0; k < d->n_buckets; k++) d->buckets[k].view = d->buckets[k].low = (tdm_tensor){0};
     tdm_tensor_free(d->ps->flat_grad);
     d->ps->flat_grad = NULL;
+    tdm_tensor_free(d->low); /* buckets round into buffers of their own from now on */
+    d->low = NULL;
     d->shard_grad = g, d->lo = lo, d->hi = hi;
     return TDM_OK;
 }

@@ -2,6 +2,8 @@
  * timeout. The backends (threads_group.c) only move memory and synchronise ranks. */
 #include "parallel/group.h"
 
+#include "tandem/half.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +77,37 @@ double tdm_group_timeout(const tdm_group *g) {
 
 void tdm_group_abort(tdm_group *g, const char *message) {
     if (g) g->ops->abort(g, message ? message : "aborted");
+}
+
+/* floats widened per step of tdm_reduce_ranks_half: two blocks on the stack, in L1 */
+#define HALF_BLK 512
+
+static void widen(float *dst, const uint16_t *src, int len, tdm_dtype dt) {
+    if (dt == TDM_BF16)
+        tdm_bf16_to_f32(dst, src, (size_t)len);
+    else
+        tdm_f16_to_f32(dst, src, (size_t)len);
+}
+
+void tdm_reduce_ranks_half(uint16_t *acc, const uint16_t *const *src, int n, int64_t off, int len,
+                           bool avg, tdm_dtype dt) {
+    float sum[HALF_BLK], next[HALF_BLK];
+    for (int b = 0; b < len; b += HALF_BLK) {
+        int l = len - b < HALF_BLK ? len - b : HALF_BLK;
+        widen(sum, src[0] + off + b, l, dt);
+        for (int k = 1; k < n; k++) {
+            widen(next, src[k] + off + b, l, dt);
+            for (int j = 0; j < l; j++) sum[j] += next[j]; /* rank order, as tdm_reduce_ranks */
+        }
+        if (avg) {
+            float fn = (float)n;
+            for (int j = 0; j < l; j++) sum[j] /= fn;
+        }
+        if (dt == TDM_BF16)
+            tdm_bf16_from_f32(acc + b, sum, (size_t)l);
+        else
+            tdm_f16_from_f32(acc + b, sum, (size_t)l);
+    }
 }
 
 /* ---- handles ---------------------------------------------------------------------------- */
@@ -160,12 +193,17 @@ static void *coll_ptr(const tdm_tensor *t) {
     return (char *)t->storage->data + t->offset * (int64_t)tdm_dtype_size(t->dtype);
 }
 
+/* Whether dt can be reduced: f32, or bf16 and f16 (summed in f32, tdm_reduce_ranks_half). */
+static bool reducible(tdm_dtype dt) {
+    return dt == TDM_F32 || dt == TDM_BF16 || dt == TDM_F16;
+}
+
 static int check_buffer(const tdm_group *g, const tdm_tensor *t, const char *op, const char *what,
-                        bool f32_only) {
+                        bool reduced) {
     if (!t) return tdm_raise(TDM_ERR_ARG, "%s: %s is NULL", op, what);
     char sb[96];
-    if (f32_only && t->dtype != TDM_F32)
-        return tdm_raise(TDM_ERR_DTYPE, "%s: %s must be f32, got %s %s", op, what,
+    if (reduced && !reducible(t->dtype))
+        return tdm_raise(TDM_ERR_DTYPE, "%s: %s must be f32, bf16 or f16, got %s %s", op, what,
                          tdm_dtype_name(t->dtype), tdm_shape_str(tdm_shape_of(t), sb));
     if (!tdm_is_contiguous(t))
         return tdm_raise(TDM_ERR_ARG, "%s: %s %s must be contiguous", op, what,
@@ -187,12 +225,29 @@ static int check_op(tdm_reduce_kind op, const char *name) {
     return TDM_OK;
 }
 
+static int check_same_dtype(const tdm_tensor *out, const tdm_tensor *in, const char *op) {
+    if (out->dtype == in->dtype) return TDM_OK;
+    return tdm_raise(TDM_ERR_DTYPE, "%s: out is %s but in is %s", op, tdm_dtype_name(out->dtype),
+                     tdm_dtype_name(in->dtype));
+}
+
+/* The collective of one in-place tensor t (all-reduce, reduce, broadcast). */
+static tdm_coll in_place(tdm_coll_kind kind, tdm_reduce_kind op, int root, tdm_tensor *t) {
+    void *p = coll_ptr(t);
+    return (tdm_coll){.kind = kind,
+                      .op = op,
+                      .root = root,
+                      .count = tdm_numel(t),
+                      .elem = tdm_dtype_size(t->dtype),
+                      .out = p,
+                      .in = p,
+                      .dtype = t->dtype};
+}
+
 tdm_work *tdm_all_reduce(tdm_group *g, tdm_tensor *t, tdm_reduce_kind op) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "all_reduce: NULL group");
     if (check_buffer(g, t, "all_reduce", "tensor", true) || check_op(op, "all_reduce")) return NULL;
-    tdm_coll c = {TDM_COLL_ALL_REDUCE, op, 0, tdm_numel(t), 4, coll_ptr(t), NULL};
-    c.in = c.out;
-    return tdm_group_launch(g, c);
+    return tdm_group_launch(g, in_place(TDM_COLL_ALL_REDUCE, op, 0, t));
 }
 
 tdm_work *tdm_reduce(tdm_group *g, tdm_tensor *t, int root, tdm_reduce_kind op) {
@@ -201,9 +256,7 @@ tdm_work *tdm_reduce(tdm_group *g, tdm_tensor *t, int root, tdm_reduce_kind op) 
     if (root < 0 || root >= g->size)
         return tdm_raise_null(TDM_ERR_ARG, "reduce: root %d out of range for %d ranks", root,
                               g->size);
-    tdm_coll c = {TDM_COLL_REDUCE, op, root, tdm_numel(t), 4, coll_ptr(t), NULL};
-    c.in = c.out;
-    return tdm_group_launch(g, c);
+    return tdm_group_launch(g, in_place(TDM_COLL_REDUCE, op, root, t));
 }
 
 tdm_work *tdm_broadcast(tdm_group *g, tdm_tensor *t, int root) {
@@ -212,28 +265,27 @@ tdm_work *tdm_broadcast(tdm_group *g, tdm_tensor *t, int root) {
     if (root < 0 || root >= g->size)
         return tdm_raise_null(TDM_ERR_ARG, "broadcast: root %d out of range for %d ranks", root,
                               g->size);
-    tdm_coll c = {TDM_COLL_BROADCAST,       TDM_SUM,     root, tdm_numel(t),
-                  tdm_dtype_size(t->dtype), coll_ptr(t), NULL};
-    c.in = c.out;
-    return tdm_group_launch(g, c);
+    return tdm_group_launch(g, in_place(TDM_COLL_BROADCAST, TDM_SUM, root, t));
 }
 
 tdm_work *tdm_all_gather(tdm_group *g, tdm_tensor *out, const tdm_tensor *in) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "all_gather: NULL group");
     if (check_buffer(g, out, "all_gather", "out", false) ||
-        check_buffer(g, in, "all_gather", "in", false))
+        check_buffer(g, in, "all_gather", "in", false) || check_same_dtype(out, in, "all_gather"))
         return NULL;
     char so[96], si[96];
-    if (out->dtype != in->dtype)
-        return tdm_raise_null(TDM_ERR_DTYPE, "all_gather: out is %s but in is %s",
-                              tdm_dtype_name(out->dtype), tdm_dtype_name(in->dtype));
     if (tdm_numel(out) != (int64_t)g->size * tdm_numel(in))
         return tdm_raise_null(
             TDM_ERR_SHAPE, "all_gather: out %s must hold %d x in %s = %lld elements",
             tdm_shape_str(tdm_shape_of(out), so), g->size, tdm_shape_str(tdm_shape_of(in), si),
             (long long)(g->size * tdm_numel(in)));
-    tdm_coll c = {TDM_COLL_ALL_GATHER,       TDM_SUM,       0,           tdm_numel(in),
-                  tdm_dtype_size(in->dtype), coll_ptr(out), coll_ptr(in)};
+    tdm_coll c = {.kind = TDM_COLL_ALL_GATHER,
+                  .op = TDM_SUM,
+                  .count = tdm_numel(in),
+                  .elem = tdm_dtype_size(in->dtype),
+                  .out = coll_ptr(out),
+                  .in = coll_ptr(in),
+                  .dtype = in->dtype};
     return tdm_group_launch(g, c);
 }
 
@@ -241,7 +293,8 @@ tdm_work *tdm_reduce_scatter(tdm_group *g, tdm_tensor *out, const tdm_tensor *in
                              tdm_reduce_kind op) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "reduce_scatter: NULL group");
     if (check_buffer(g, out, "reduce_scatter", "out", true) ||
-        check_buffer(g, in, "reduce_scatter", "in", true) || check_op(op, "reduce_scatter"))
+        check_buffer(g, in, "reduce_scatter", "in", true) ||
+        check_same_dtype(out, in, "reduce_scatter") || check_op(op, "reduce_scatter"))
         return NULL;
     char so[96], si[96];
     if (tdm_numel(in) != (int64_t)g->size * tdm_numel(out))
@@ -249,12 +302,18 @@ tdm_work *tdm_reduce_scatter(tdm_group *g, tdm_tensor *out, const tdm_tensor *in
             TDM_ERR_SHAPE, "reduce_scatter: in %s must hold %d x out %s = %lld elements",
             tdm_shape_str(tdm_shape_of(in), si), g->size, tdm_shape_str(tdm_shape_of(out), so),
             (long long)(g->size * tdm_numel(out)));
-    tdm_coll c = {TDM_COLL_REDUCE_SCATTER, op, 0, tdm_numel(out), 4, coll_ptr(out), coll_ptr(in)};
+    tdm_coll c = {.kind = TDM_COLL_REDUCE_SCATTER,
+                  .op = op,
+                  .count = tdm_numel(out),
+                  .elem = tdm_dtype_size(out->dtype),
+                  .out = coll_ptr(out),
+                  .in = coll_ptr(in),
+                  .dtype = out->dtype};
     return tdm_group_launch(g, c);
 }
 
 tdm_work *tdm_barrier(tdm_group *g) {
     if (!g) return tdm_raise_null(TDM_ERR_ARG, "barrier: NULL group");
-    tdm_coll c = {TDM_COLL_BARRIER, TDM_SUM, 0, 0, 1, NULL, NULL};
+    tdm_coll c = {.kind = TDM_COLL_BARRIER, .op = TDM_SUM, .elem = 1};
     return tdm_group_launch(g, c);
 }

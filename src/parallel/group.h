@@ -32,7 +32,9 @@ const char *tdm_coll_name(tdm_coll_kind k);
 /* One collective as a backend sees it: raw memory, already checked on the calling rank.
  * all_reduce / broadcast / reduce: out is the tensor (in-place), in == out, count its elements.
  * all_gather: in [count] -> out [size * count]. reduce_scatter: in [size * count] -> out
- * [count]. barrier: no memory. Reductions are f32 (elem 4); copies move count * elem bytes. */
+ * [count]. barrier: no memory. Reductions are f32 (elem 4), bf16 or f16 (elem 2, summed in f32:
+ * tdm_reduce_block); copies move count * elem bytes of any dtype. The ranks' dtypes must agree
+ * (a backend checks dtype as it checks count). */
 typedef struct {
     tdm_coll_kind kind;
     tdm_reduce_kind op;
@@ -41,6 +43,7 @@ typedef struct {
     size_t elem;
     void *out;
     const void *in;
+    tdm_dtype dtype;
 } tdm_coll;
 
 #define TDM_WORK_MSG 512
@@ -117,6 +120,25 @@ static inline void tdm_reduce_ranks(float *restrict acc, const float *const *src
         float fn = (float)n;
         for (int j = 0; j < len; j++) acc[j] /= fn;
     }
+}
+
+/* tdm_reduce_ranks for bf16 or f16 buffers (dt): acc[0..len) = the values of src[0..n) at
+ * [off, off + len) widened to f32, added in rank order in f32 (then divided by n for AVG) and
+ * rounded to dt once at the end. So a low-precision reduction is the f32 reduction of the
+ * ranks' rounded values rounded once: the same bits on every rank and every backend, and no
+ * rounding per step of the sum (which would lose a bf16 rank's low bits as the sum grows). */
+void tdm_reduce_ranks_half(uint16_t *acc, const uint16_t *const *src, int n, int64_t off, int len,
+                           bool avg, tdm_dtype dt);
+
+/* One block of a reduction in c's dtype: tdm_reduce_ranks (f32) or tdm_reduce_ranks_half into
+ * acc, which holds len elements of that dtype. The backends reduce every block through it, so
+ * the dtype is tested once per block, never per element. */
+static inline void tdm_reduce_block(void *acc, const void *const *src, int n, int64_t off, int len,
+                                    bool avg, tdm_dtype dt) {
+    if (dt == TDM_F32)
+        tdm_reduce_ranks(acc, (const float *const *)src, n, off, len, avg);
+    else
+        tdm_reduce_ranks_half(acc, (const uint16_t *const *)src, n, off, len, avg, dt);
 }
 
 /* ---- rank threads (spawn.c) -------------------------------------------------------------- */

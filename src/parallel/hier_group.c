@@ -9,9 +9,16 @@
  * every rank (though not bit-equal to a flat rank-order sum). Only local rank 0 talks to the
  * outer group, so its collectives are issued from one thread in one order.
  *
+ * bf16 and f16 reductions are widened to f32 on each rank, reduced as f32 above and rounded
+ * once at the end (run_half): the sum of the ranks' rounded values in this order, rounded
+ * once, as the flat backends give in theirs; the data then moves as f32 (twice the bytes of
+ * the flat backends' low-precision reductions).
+ *
  * Each rank runs its collectives on a thread of its own, in launch order, so DDP's bucket
  * all-reduces proceed while backward goes on, as with the flat backends. */
 #include "parallel/group.h"
+
+#include "tandem/half.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,9 +54,10 @@ static int sub(tdm_group *g, tdm_coll c, char *msg) {
     return rc;
 }
 
-static tdm_coll coll(tdm_coll_kind kind, tdm_reduce_kind op, int root, int64_t count, size_t elem,
+/* A collective of the inner or outer group (its reductions f32: run_half widens). */
+static tdm_coll coll(tdm_coll_kind kind, tdm_reduce_kind op, int root, int64_t count, tdm_dtype dt,
                      void *out, const void *in) {
-    return (tdm_coll){kind, op, root, count, elem, out, in};
+    return (tdm_coll){kind, op, root, count, tdm_dtype_size(dt), out, in, dt};
 }
 
 static tdm_group *inner(hrank *h) {
@@ -59,16 +67,18 @@ static tdm_group *inner(hrank *h) {
 /* buf [count] f32 on every rank of every process <- the sum (or mean) over all of them. */
 static int all_reduce(hrank *h, float *buf, int64_t count, tdm_reduce_kind op, char *msg) {
     tdm_hier_world *w = h->w;
-    if (w->np == 1) return sub(inner(h), coll(TDM_COLL_ALL_REDUCE, op, 0, count, 4, buf, buf), msg);
-    int rc = sub(inner(h), coll(TDM_COLL_ALL_REDUCE, TDM_SUM, 0, count, 4, buf, buf), msg);
+    if (w->np == 1)
+        return sub(inner(h), coll(TDM_COLL_ALL_REDUCE, op, 0, count, TDM_F32, buf, buf), msg);
+    int rc = sub(inner(h), coll(TDM_COLL_ALL_REDUCE, TDM_SUM, 0, count, TDM_F32, buf, buf), msg);
     if (!rc && h->local_rank == 0) {
-        rc = sub(w->outer, coll(TDM_COLL_ALL_REDUCE, TDM_SUM, 0, count, 4, buf, buf), msg);
+        rc = sub(w->outer, coll(TDM_COLL_ALL_REDUCE, TDM_SUM, 0, count, TDM_F32, buf, buf), msg);
         if (!rc && op == TDM_AVG) {
             float n = (float)h->g.size;
             for (int64_t i = 0; i < count; i++) buf[i] /= n;
         }
     }
-    if (!rc) rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, 0, count, 4, buf, buf), msg);
+    if (!rc)
+        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, 0, count, TDM_F32, buf, buf), msg);
     return rc;
 }
 
@@ -78,36 +88,38 @@ static int all_reduce(hrank *h, float *buf, int64_t count, tdm_reduce_kind op, c
 static int reduce(hrank *h, float *buf, int64_t count, tdm_reduce_kind op, int root, char *msg) {
     tdm_hier_world *w = h->w;
     int rp = root / w->nl, rl = root % w->nl;
-    if (w->np == 1) return sub(inner(h), coll(TDM_COLL_REDUCE, op, rl, count, 4, buf, buf), msg);
-    int rc = sub(inner(h), coll(TDM_COLL_REDUCE, TDM_SUM, 0, count, 4, buf, buf), msg);
+    if (w->np == 1)
+        return sub(inner(h), coll(TDM_COLL_REDUCE, op, rl, count, TDM_F32, buf, buf), msg);
+    int rc = sub(inner(h), coll(TDM_COLL_REDUCE, TDM_SUM, 0, count, TDM_F32, buf, buf), msg);
     if (!rc && h->local_rank == 0) {
-        rc = sub(w->outer, coll(TDM_COLL_REDUCE, TDM_SUM, rp, count, 4, buf, buf), msg);
+        rc = sub(w->outer, coll(TDM_COLL_REDUCE, TDM_SUM, rp, count, TDM_F32, buf, buf), msg);
         if (!rc && op == TDM_AVG && w->p == rp) {
             float n = (float)h->g.size;
             for (int64_t i = 0; i < count; i++) buf[i] /= n;
         }
     }
     if (!rc && w->p == rp && rl != 0)
-        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, 0, count, 4, buf, buf), msg);
+        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, 0, count, TDM_F32, buf, buf), msg);
     return rc;
 }
 
 /* Root's buf to everyone: inside the root's process first, then across, then inside. */
-static int broadcast(hrank *h, void *buf, int64_t count, size_t elem, int root, char *msg) {
+static int broadcast(hrank *h, void *buf, int64_t count, tdm_dtype dt, int root, char *msg) {
     tdm_hier_world *w = h->w;
     int rp = root / w->nl, rl = root % w->nl;
     int rc = TDM_OK;
     if (w->p == rp)
-        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, rl, count, elem, buf, buf), msg);
+        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, rl, count, dt, buf, buf), msg);
     if (!rc && h->local_rank == 0 && w->np > 1)
-        rc = sub(w->outer, coll(TDM_COLL_BROADCAST, TDM_SUM, rp, count, elem, buf, buf), msg);
+        rc = sub(w->outer, coll(TDM_COLL_BROADCAST, TDM_SUM, rp, count, dt, buf, buf), msg);
     if (!rc && w->p != rp)
-        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, 0, count, elem, buf, buf), msg);
+        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, 0, count, dt, buf, buf), msg);
     return rc;
 }
 
 static int barrier(hrank *h, char *msg) {
-    tdm_coll b = coll(TDM_COLL_BARRIER, TDM_SUM, 0, 0, 1, NULL, NULL);
+    tdm_coll b = coll(TDM_COLL_BARRIER, TDM_SUM, 0, 0, TDM_F32, NULL, NULL);
+    b.elem = 1; /* as tdm_barrier's: ranks compare their barriers' headers */
     int rc = sub(inner(h), b, msg);
     if (!rc && h->local_rank == 0 && h->w->np > 1) rc = sub(h->w->outer, b, msg);
     if (!rc) rc = sub(inner(h), b, msg);
@@ -133,7 +145,7 @@ static int all_gather(hrank *h, const tdm_coll *c, char *msg) {
     size_t piece = (size_t)c->count * c->elem, mine = piece * (size_t)w->nl;
     char *out = c->out, *local_part = out + mine * (size_t)w->p;
     int rc = sub(inner(h),
-                 coll(TDM_COLL_ALL_GATHER, TDM_SUM, 0, c->count, c->elem, local_part, c->in), msg);
+                 coll(TDM_COLL_ALL_GATHER, TDM_SUM, 0, c->count, c->dtype, local_part, c->in), msg);
     if (rc || w->np == 1) return rc;
     if (h->local_rank == 0) {
         /* the outer group's input may not alias its output */
@@ -141,11 +153,11 @@ static int all_gather(hrank *h, const tdm_coll *c, char *msg) {
         if (!tmp) return TDM_ERR_NOMEM;
         memcpy(tmp, local_part, mine);
         rc = sub(w->outer,
-                 coll(TDM_COLL_ALL_GATHER, TDM_SUM, 0, c->count * w->nl, c->elem, out, tmp), msg);
+                 coll(TDM_COLL_ALL_GATHER, TDM_SUM, 0, c->count * w->nl, c->dtype, out, tmp), msg);
     }
     int64_t total = c->count * (int64_t)h->g.size;
     if (!rc)
-        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, 0, total, c->elem, out, out), msg);
+        rc = sub(inner(h), coll(TDM_COLL_BROADCAST, TDM_SUM, 0, total, c->dtype, out, out), msg);
     return rc;
 }
 
@@ -160,12 +172,31 @@ static int reduce_scatter(hrank *h, const tdm_coll *c, char *msg) {
     return rc;
 }
 
+/* A bf16 or f16 all-reduce, reduce or reduce-scatter: c's input widened to f32 in the scratch,
+ * reduced there as f32 and rounded once into c's output. */
+static int run_half(hrank *h, const tdm_coll *c, char *msg) {
+    bool scatter = c->kind == TDM_COLL_REDUCE_SCATTER;
+    int64_t total = scatter ? c->count * (int64_t)h->g.size : c->count;
+    float *tmp = scratch(h, (size_t)total * 4, msg);
+    if (!tmp) return TDM_ERR_NOMEM;
+    bool bf = c->dtype == TDM_BF16;
+    (bf ? tdm_bf16_to_f32 : tdm_f16_to_f32)(tmp, c->in, (size_t)total);
+    int rc = c->kind == TDM_COLL_REDUCE ? reduce(h, tmp, total, c->op, c->root, msg)
+                                        : all_reduce(h, tmp, total, c->op, msg);
+    const float *mine = tmp + (scatter ? c->count * h->g.rank : 0);
+    if (!rc) (bf ? tdm_bf16_from_f32 : tdm_f16_from_f32)(c->out, mine, (size_t)c->count);
+    return rc;
+}
+
 static int run(hrank *h, const tdm_coll *c, char *msg) {
+    bool reduction = c->kind == TDM_COLL_ALL_REDUCE || c->kind == TDM_COLL_REDUCE ||
+                     c->kind == TDM_COLL_REDUCE_SCATTER;
+    if (reduction && c->dtype != TDM_F32) return run_half(h, c, msg);
     switch (c->kind) {
     case TDM_COLL_ALL_REDUCE:
         return all_reduce(h, c->out, c->count, c->op, msg);
     case TDM_COLL_BROADCAST:
-        return broadcast(h, c->out, c->count, c->elem, c->root, msg);
+        return broadcast(h, c->out, c->count, c->dtype, c->root, msg);
     case TDM_COLL_ALL_GATHER:
         return all_gather(h, c, msg);
     case TDM_COLL_REDUCE_SCATTER:

@@ -93,7 +93,7 @@ void tdm_mpi_finalize(void) {}
 enum { TAG_HDR = 101, TAG_DATA = 102, TAG_FAIL = 103 };
 
 typedef struct {
-    int32_t kind, op, root, pad;
+    int32_t kind, op, root, dtype;
     int64_t count, elem, seq;
 } header;
 
@@ -374,7 +374,7 @@ static int round_wait(mworld *w, int n, int64_t deadline) {
 /* Posts this collective's headers (call first in the first round of a collective): they are
  * requests 0 .. 2(n-1) - 1 of the round, and the round's data receives wait for them. */
 static void post_headers(mworld *w, const tdm_coll *c) {
-    w->hdr_out = (header){c->kind, c->op, c->root, 0, c->count, (int64_t)c->elem, w->seq};
+    w->hdr_out = (header){c->kind, c->op, c->root, c->dtype, c->count, (int64_t)c->elem, w->seq};
     for (int k = 0; k < w->g.size; k++) {
         if (k == w->g.rank) continue;
         post(w, false, &w->hdr_in[k], sizeof(header), k, TAG_HDR);
@@ -396,8 +396,8 @@ static int check_headers(mworld *w) {
             what = "collective";
         else if (h->count != me->count)
             what = "element count";
-        else if (h->elem != me->elem)
-            what = "dtype size";
+        else if (h->dtype != me->dtype || h->elem != me->elem)
+            what = "dtype";
         else if (h->op != me->op)
             what = "reduction";
         else if (h->root != me->root)
@@ -406,11 +406,12 @@ static int check_headers(mworld *w) {
         const header *a = k < w->g.rank ? h : me, *b = k < w->g.rank ? me : h;
         int ra = k < w->g.rank ? k : w->g.rank, rb = k < w->g.rank ? w->g.rank : k;
         fail(w, true,
-             "ranks disagree on the %s: rank %d called %s #%lld (%lld elements, root %d, op %d), "
-             "rank %d called %s #%lld (%lld elements, root %d, op %d)",
+             "ranks disagree on the %s: rank %d called %s #%lld (%lld elements, root %d, op %d, "
+             "%s), rank %d called %s #%lld (%lld elements, root %d, op %d, %s)",
              what, ra, tdm_coll_name((tdm_coll_kind)a->kind), (long long)a->seq,
-             (long long)a->count, a->root, a->op, rb, tdm_coll_name((tdm_coll_kind)b->kind),
-             (long long)b->seq, (long long)b->count, b->root, b->op);
+             (long long)a->count, a->root, a->op, tdm_dtype_name((tdm_dtype)a->dtype), rb,
+             tdm_coll_name((tdm_coll_kind)b->kind), (long long)b->seq, (long long)b->count, b->root,
+             b->op, tdm_dtype_name((tdm_dtype)b->dtype));
         return -1;
     }
     return 0;
@@ -437,59 +438,62 @@ static int finish_round(mworld *w, bool first, int64_t deadline) {
     return round_wait(w, w->nreq, deadline);
 }
 
-/* out[0..len) = rank-order reduction of srcs[k][0..len); out may be one of the sources. */
-static void reduce_into(float *out, const float **srcs, int n, int64_t len, bool avg) {
-    float acc[RED_BLK];
+/* out[0..len) = rank-order reduction of srcs[k][0..len) in c's dtype (bf16 and f16 summed in
+ * f32: tdm_reduce_block); out may be one of the sources. */
+static void reduce_into(const tdm_coll *c, void *out, const void **srcs, int n, int64_t len) {
+    float acc[RED_BLK]; /* RED_BLK elements of the dtype, at most 4 bytes each */
     for (int64_t off = 0; off < len; off += RED_BLK) {
         int l = (int)(len - off < RED_BLK ? len - off : RED_BLK);
-        tdm_reduce_ranks(acc, srcs, n, off, l, avg);
-        memcpy(out + off, acc, (size_t)l * 4);
+        tdm_reduce_block(acc, srcs, n, off, l, c->op == TDM_AVG, c->dtype);
+        memcpy((char *)out + off * (int64_t)c->elem, acc, (size_t)l * c->elem);
     }
 }
 
-/* Scratch slot of peer k (k != me) for one segment's chunk of at most `per` floats. */
-static float *slot(mworld *w, int k, int64_t per) {
+/* Scratch slot of peer k (k != me) for one segment's chunk of at most `per` elements. */
+static void *slot(mworld *w, int k, int64_t per, size_t elem) {
     int idx = k < w->g.rank ? k : k - 1;
-    return w->scratch + (size_t)idx * (size_t)per;
+    return (char *)w->scratch + (size_t)idx * (size_t)per * elem;
 }
 
+/* The all-reduce in c's dtype: bf16 and f16 travel as 2-byte elements (half an f32's bytes)
+ * and are summed in f32 by the chunk's owner, then rounded once. */
 static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
     int n = w->g.size, r = w->g.rank;
-    float *buf = c->out;
-    bool avg = c->op == TDM_AVG, first = true;
-    /* a segment's chunks fit the scratch: n chunks of per_max floats, n - 1 of them received */
-    int64_t per_max =
-        (int64_t)(w->scratch_bytes / 4) / (n - 1) / (TDM_CHUNK_ALIGN / 4) * (TDM_CHUNK_ALIGN / 4);
+    char *buf = c->out;
+    int64_t elem = (int64_t)c->elem, align = TDM_CHUNK_ALIGN / elem;
+    bool first = true;
+    /* a segment's chunks fit the scratch: n chunks of per_max elements, n - 1 of them received */
+    int64_t per_max = (int64_t)w->scratch_bytes / elem / (n - 1) / align * align;
     int64_t seg = per_max * n;
-    const float *srcs[64];
+    const void *srcs[64];
     for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
         int64_t len = c->count - s0 < seg ? c->count - s0 : seg;
-        float *sb = buf + s0;
+        char *sb = buf + s0 * elem;
         int64_t lo, hi, per;
-        tdm_chunk_of(len, 4, n, 0, &lo, &per); /* per = size of chunk 0: the largest */
+        tdm_chunk_of(len, c->elem, n, 0, &lo, &per); /* per = size of chunk 0: the largest */
         /* reduce-scatter: chunk k of my segment goes to rank k, chunk r comes from everyone */
         round_begin(w);
         if (first) post_headers(w, c);
-        tdm_chunk_of(len, 4, n, r, &lo, &hi);
+        tdm_chunk_of(len, c->elem, n, r, &lo, &hi);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
             int64_t klo, khi;
-            tdm_chunk_of(len, 4, n, k, &klo, &khi);
-            post(w, false, slot(w, k, per), (hi - lo) * 4, k, TAG_DATA);
-            post(w, true, sb + klo, (khi - klo) * 4, k, TAG_DATA);
+            tdm_chunk_of(len, c->elem, n, k, &klo, &khi);
+            post(w, false, slot(w, k, per, c->elem), (hi - lo) * elem, k, TAG_DATA);
+            post(w, true, sb + klo * elem, (khi - klo) * elem, k, TAG_DATA);
         }
         if (finish_round(w, first, deadline)) return -1;
         first = false;
-        for (int k = 0; k < n; k++) srcs[k] = k == r ? sb + lo : slot(w, k, per);
-        reduce_into(sb + lo, srcs, n, hi - lo, avg);
+        for (int k = 0; k < n; k++) srcs[k] = k == r ? sb + lo * elem : slot(w, k, per, c->elem);
+        reduce_into(c, sb + lo * elem, srcs, n, hi - lo);
         /* all-gather: my reduced chunk to everyone, theirs into place */
         round_begin(w);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
             int64_t klo, khi;
-            tdm_chunk_of(len, 4, n, k, &klo, &khi);
-            post(w, false, sb + klo, (khi - klo) * 4, k, TAG_DATA);
-            post(w, true, sb + lo, (hi - lo) * 4, k, TAG_DATA);
+            tdm_chunk_of(len, c->elem, n, k, &klo, &khi);
+            post(w, false, sb + klo * elem, (khi - klo) * elem, k, TAG_DATA);
+            post(w, true, sb + lo * elem, (hi - lo) * elem, k, TAG_DATA);
         }
         if (round_wait(w, w->nreq, deadline)) return -1;
         if (len == 0) break;
@@ -506,26 +510,28 @@ static int run_reduce_pieces(mworld *w, const tdm_coll *c, int64_t deadline) {
     int n = w->g.size, r = w->g.rank;
     bool scatter = c->kind == TDM_COLL_REDUCE_SCATTER, first = true;
     bool reducer = scatter || r == c->root;
-    const float *in = c->in;
-    int64_t seg = (int64_t)(w->scratch_bytes / 4) / (n - 1);
-    const float *srcs[64];
+    const char *in = c->in;
+    int64_t elem = (int64_t)c->elem;
+    int64_t seg = (int64_t)w->scratch_bytes / elem / (n - 1);
+    const void *srcs[64];
     for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
         int64_t len = c->count - s0 < seg ? c->count - s0 : seg;
         round_begin(w);
         if (first) post_headers(w, c);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
-            if (reducer) post(w, false, slot(w, k, seg), len * 4, k, TAG_DATA);
+            if (reducer) post(w, false, slot(w, k, seg, c->elem), len * elem, k, TAG_DATA);
             if (scatter || k == c->root)
-                post(w, true, (void *)(in + (scatter ? k * c->count : 0) + s0), len * 4, k,
-                     TAG_DATA);
+                post(w, true, (void *)(in + ((scatter ? k * c->count : 0) + s0) * elem), len * elem,
+                     k, TAG_DATA);
         }
         if (finish_round(w, first, deadline)) return -1;
         first = false;
         if (reducer) {
             for (int k = 0; k < n; k++)
-                srcs[k] = k == r ? in + (scatter ? r * c->count : 0) + s0 : slot(w, k, seg);
-            reduce_into((float *)c->out + s0, srcs, n, len, c->op == TDM_AVG);
+                srcs[k] = k == r ? in + ((scatter ? r * c->count : 0) + s0) * elem
+                                 : slot(w, k, seg, c->elem);
+            reduce_into(c, (char *)c->out + s0 * elem, srcs, n, len);
         }
         if (len == 0) break;
     }

@@ -141,23 +141,30 @@ static ncclRedOp_t red_op(tdm_reduce_kind k) {
     return k == TDM_AVG ? ncclAvg : ncclSum;
 }
 
+/* NCCL's type of a reduction in dtype dt. NCCL sums bf16 and f16 in f32 within each step of its
+ * own algorithm and rounds between steps, so its low-precision sums can differ from the CPU
+ * groups' (one rounding at the end) by a rounding per step; every rank still gets the same bits. */
+static ncclDataType_t nccl_type(tdm_dtype dt) {
+    return dt == TDM_BF16 ? ncclBfloat16 : dt == TDM_F16 ? ncclFloat16 : ncclFloat;
+}
+
 /* Queues one collective on the communication stream. */
 static ncclResult_t enqueue(nrank *r, const tdm_coll *c) {
     size_t bytes = (size_t)c->count * c->elem;
     switch (c->kind) {
     case TDM_COLL_ALL_REDUCE:
-        return ncclAllReduce(c->out, c->out, (size_t)c->count, ncclFloat, red_op(c->op), r->comm,
-                             r->stream);
+        return ncclAllReduce(c->out, c->out, (size_t)c->count, nccl_type(c->dtype), red_op(c->op),
+                             r->comm, r->stream);
     case TDM_COLL_REDUCE:
-        return ncclReduce(c->out, c->out, (size_t)c->count, ncclFloat, red_op(c->op), c->root,
-                          r->comm, r->stream);
+        return ncclReduce(c->out, c->out, (size_t)c->count, nccl_type(c->dtype), red_op(c->op),
+                          c->root, r->comm, r->stream);
     case TDM_COLL_BROADCAST: /* any dtype: move bytes */
         return ncclBroadcast(c->out, c->out, bytes, ncclInt8, c->root, r->comm, r->stream);
     case TDM_COLL_ALL_GATHER:
         return ncclAllGather(c->in, c->out, bytes, ncclInt8, r->comm, r->stream);
     case TDM_COLL_REDUCE_SCATTER:
-        return ncclReduceScatter(c->in, c->out, (size_t)c->count, ncclFloat, red_op(c->op), r->comm,
-                                 r->stream);
+        return ncclReduceScatter(c->in, c->out, (size_t)c->count, nccl_type(c->dtype),
+                                 red_op(c->op), r->comm, r->stream);
     case TDM_COLL_BARRIER:
         return ncclAllReduce(r->barrier_buf, r->barrier_buf, 1, ncclFloat, ncclSum, r->comm,
                              r->stream);

@@ -178,22 +178,23 @@ static int world_barrier(trank *me) {
 /* ---- the data movement ---------------------------------------------------------------------- */
 
 /* Sums chunk r over every rank's buffer and writes it into every rank's buffer (all-reduce),
- * or into the root's only (reduce). */
+ * or into the root's only (reduce). bf16 and f16 are summed in f32 (tdm_reduce_block). */
 static int run_all_reduce(trank *me, bool to_root) {
     tdm_threads_world *w = me->w;
     int n = w->n, root = me->slot.root;
-    float **bufs = (float **)me->peer;
-    for (int k = 0; k < n; k++) bufs[k] = (float *)w->ranks[k].slot.out;
+    size_t elem = me->slot.elem;
+    char **bufs = (char **)me->peer;
+    for (int k = 0; k < n; k++) bufs[k] = w->ranks[k].slot.out;
     int64_t lo, hi;
-    tdm_chunk_of(me->slot.count, 4, n, me->g.rank, &lo, &hi);
-    float acc[RED_BLK];
+    tdm_chunk_of(me->slot.count, elem, n, me->g.rank, &lo, &hi);
+    float acc[RED_BLK]; /* RED_BLK elements of the dtype, at most 4 bytes each */
     bool avg = me->slot.op == TDM_AVG;
     for (int64_t off = lo; off < hi; off += RED_BLK) {
         if (has_failed(w)) return -1; /* stop touching peers' memory at once */
         int len = (int)(hi - off < RED_BLK ? hi - off : RED_BLK);
-        tdm_reduce_ranks(acc, (const float *const *)bufs, n, off, len, avg);
+        tdm_reduce_block(acc, (const void *const *)bufs, n, off, len, avg, me->slot.dtype);
         for (int k = to_root ? root : 0; k < (to_root ? root + 1 : n); k++)
-            memcpy(bufs[k] + off, acc, (size_t)len * 4);
+            memcpy(bufs[k] + off * (int64_t)elem, acc, (size_t)len * elem);
     }
     return 0;
 }
@@ -203,16 +204,18 @@ static int run_reduce_scatter(trank *me) {
     tdm_threads_world *w = me->w;
     int n = w->n, r = me->g.rank;
     int64_t count = me->slot.count;
-    float **ins = (float **)me->peer;
-    for (int k = 0; k < n; k++) ins[k] = (float *)w->ranks[k].slot.in + (int64_t)r * count;
-    float *out = (float *)me->slot.out;
+    size_t elem = me->slot.elem;
+    const char **ins = (const char **)me->peer;
+    for (int k = 0; k < n; k++)
+        ins[k] = (const char *)w->ranks[k].slot.in + (int64_t)r * count * (int64_t)elem;
+    char *out = me->slot.out;
     float acc[RED_BLK];
     bool avg = me->slot.op == TDM_AVG;
     for (int64_t off = 0; off < count; off += RED_BLK) {
         if (has_failed(w)) return -1;
         int len = (int)(count - off < RED_BLK ? count - off : RED_BLK);
-        tdm_reduce_ranks(acc, (const float *const *)ins, n, off, len, avg);
-        memcpy(out + off, acc, (size_t)len * 4);
+        tdm_reduce_block(acc, (const void *const *)ins, n, off, len, avg, me->slot.dtype);
+        memcpy(out + off * (int64_t)elem, acc, (size_t)len * elem);
     }
     return 0;
 }
@@ -262,8 +265,8 @@ static int check_slots(trank *me) {
             what = "collective";
         else if (ck->count != c0->count)
             what = "element count";
-        else if (ck->elem != c0->elem)
-            what = "dtype size";
+        else if (ck->dtype != c0->dtype || ck->elem != c0->elem)
+            what = "dtype";
         else if (ck->op != c0->op)
             what = "reduction";
         else if (ck->root != c0->root)
@@ -271,10 +274,11 @@ static int check_slots(trank *me) {
         if (!what) continue;
         pthread_mutex_lock(&w->lock);
         fail_locked(w,
-                    "ranks disagree on the %s: rank 0 called %s (%lld elements, root %d, op %d), "
-                    "rank %d called %s (%lld elements, root %d, op %d)",
-                    what, tdm_coll_name(c0->kind), (long long)c0->count, c0->root, (int)c0->op, k,
-                    tdm_coll_name(ck->kind), (long long)ck->count, ck->root, (int)ck->op);
+                    "ranks disagree on the %s: rank 0 called %s (%lld elements, root %d, op %d, "
+                    "%s), rank %d called %s (%lld elements, root %d, op %d, %s)",
+                    what, tdm_coll_name(c0->kind), (long long)c0->count, c0->root, (int)c0->op,
+                    tdm_dtype_name(c0->dtype), k, tdm_coll_name(ck->kind), (long long)ck->count,
+                    ck->root, (int)ck->op, tdm_dtype_name(ck->dtype));
         pthread_mutex_unlock(&w->lock);
         return -1;
     }

@@ -3,6 +3,8 @@
  * one to arrive computes it for all (sums in rank order), and everyone leaves together. */
 #include "nccl.h"
 
+#include "tandem/half.h"
+
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -39,7 +41,7 @@ static std::map<std::string, clique *> registry; /* ncclCommInitRank's rendezvou
 static unsigned long long next_id;
 
 static size_t type_size(ncclDataType_t t) {
-    return t == ncclFloat ? 4 : 1;
+    return t == ncclFloat ? 4 : t == ncclFloat16 || t == ncclBfloat16 ? 2 : 1;
 }
 
 /* Runs the collective the ranks posted (called by the last to arrive, under c->mu). */
@@ -58,11 +60,15 @@ static void compute(clique *c) {
         for (int r = 0; r < c->n; r++) memcpy(c->recv[r], all.data(), all.size());
         return;
     }
-    /* float sums in rank order; reduce-scatter sums n x count and keeps each rank's part */
+    /* float sums in rank order; reduce-scatter sums n x count and keeps each rank's part.
+     * bf16 and f16 are widened and rounded once at the end, as the CPU groups reduce them */
     size_t total = c->kind == REDUCE_SCATTER ? c->count * c->n : c->count;
-    std::vector<float> sum(total, 0.0f);
+    std::vector<float> sum(total, 0.0f), wide(es == 2 ? total : 0);
     for (int r = 0; r < c->n; r++) {
         const float *s = (const float *)c->send[r];
+        if (c->type == ncclBfloat16) tdm_bf16_to_f32(wide.data(), (const uint16_t *)s, total);
+        if (c->type == ncclFloat16) tdm_f16_to_f32(wide.data(), (const uint16_t *)s, total);
+        if (es == 2) s = wide.data();
         for (size_t i = 0; i < total; i++) sum[i] += s[i];
     }
     if (c->op == ncclAvg)
@@ -70,7 +76,12 @@ static void compute(clique *c) {
     for (int r = 0; r < c->n; r++) {
         if (c->kind == REDUCE && r != c->root) continue; /* the others' recv stay as they were */
         const float *part = sum.data() + (c->kind == REDUCE_SCATTER ? r * c->count : 0);
-        memcpy(c->recv[r], part, c->count * sizeof(float));
+        if (c->type == ncclBfloat16)
+            tdm_bf16_from_f32((uint16_t *)c->recv[r], part, c->count);
+        else if (c->type == ncclFloat16)
+            tdm_f16_from_f32((uint16_t *)c->recv[r], part, c->count);
+        else
+            memcpy(c->recv[r], part, c->count * sizeof(float));
     }
 }
 
@@ -163,12 +174,14 @@ const char *ncclGetErrorString(ncclResult_t r) {
 }
 ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-    if (type != ncclFloat) return ncclInvalidArgument;
+    if (type != ncclFloat && type != ncclBfloat16 && type != ncclFloat16)
+        return ncclInvalidArgument;
     return collective(comm, ALL_REDUCE, send, recv, count, type, op, 0);
 }
 ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t type,
                         ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t stream) {
-    if (type != ncclFloat) return ncclInvalidArgument;
+    if (type != ncclFloat && type != ncclBfloat16 && type != ncclFloat16)
+        return ncclInvalidArgument;
     return collective(comm, REDUCE, send, recv, count, type, op, root);
 }
 ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t type,
@@ -181,7 +194,8 @@ ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataT
 }
 ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclDataType_t type,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
-    if (type != ncclFloat) return ncclInvalidArgument;
+    if (type != ncclFloat && type != ncclBfloat16 && type != ncclFloat16)
+        return ncclInvalidArgument;
     return collective(comm, REDUCE_SCATTER, send, recv, count, type, op, 0);
 }
 }

@@ -22,7 +22,7 @@ typedef enum {
     ncclRemoteError = 6,
     ncclInProgress = 7,
 } ncclResult_t;
-typedef enum { ncclInt8 = 0, ncclFloat = 7 } ncclDataType_t;
+typedef enum { ncclInt8 = 0, ncclFloat16 = 6, ncclFloat = 7, ncclBfloat16 = 9 } ncclDataType_t;
 typedef enum { ncclSum = 0, ncclAvg = 4 } ncclRedOp_t;
 typedef struct emu_nccl_comm *ncclComm_t;
 typedef struct {

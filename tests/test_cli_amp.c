@@ -162,6 +162,9 @@ static void test_errors(void) {
     r = TANDEM("train", "--model", "mlp", "--precision", "bf17");
     CHECK(r->status == 2 && strstr(r->err, "--precision: unknown precision 'bf17'"),
           "bf17: exit %d: %s", r->status, r->err);
+    r = TANDEM("train", "--model", "mlp", "--reduce-dtype", "bf16", "--devices", "cpu:0,cpu:1");
+    CHECK(r->status == 2 && strstr(r->err, "--reduce-dtype bf16 applies to DDP"),
+          "bf16 buckets on DataParallel: exit %d: %s", r->status, r->err);
     r = TANDEM("train", "--model", "mlp", "--reduce-dtype", "fp8");
     CHECK(r->status == 2 && strstr(r->err, "--reduce-dtype: unknown dtype 'fp8'"),
           "fp8: exit %d: %s", r->status, r->err);

@@ -208,7 +208,8 @@ static const opt_spec specs[] = {
     {"--reduce-dtype", "fp32|bf16", OPT_STR, F(reduce_dtype), 0, 0, "fp32",
      "The dtype DDP's gradient buckets travel in between devices and processes: fp32, or bf16 "
      "with the sum accumulated in fp32 (PyTorch's bf16_compress_hook: half the traffic, the "
-     "average rounded to bf16)."},
+     "average rounded to bf16). Under mpirun with one CPU device per process (DDP); several "
+     "devices per process, GPUs under mpirun and pipelines reduce in fp32."},
     {"--bucket-cap", "MB", OPT_INT, F(bucket_cap), 1, 1024, "25",
      "Under mpirun with one device per process (DDP): the gradient buckets' size in MiB "
      "(PyTorch's bucket_cap_mb), each averaged over the processes as soon as backward has "
@@ -754,12 +755,13 @@ static int check_precision(train_opts *o) {
     if (!one_of(o->reduce_dtype, reduce))
         return train_usage_error("--reduce-dtype: unknown dtype '%s' (expected fp32 or bf16)",
                                  o->reduce_dtype);
-    /* TODO(issue 37): pass it into tdm_ddp_opts.reduce_dtype once DDP has that field (branch
-     * wt-groups); until then bf16 buckets are refused rather than silently sent as fp32 */
-    if (strcmp(o->reduce_dtype, "fp32") != 0)
-        return train_usage_error("--reduce-dtype %s: DDP's buckets travel in fp32 only in this "
-                                 "build (bf16 buckets are not wired yet)",
-                                 o->reduce_dtype);
+    /* DataParallel's replicas make their DDP wrappers inside tdm_dp, with the defaults */
+    if (strcmp(o->reduce_dtype, "fp32") != 0 && (o->n_devs > 1 || o->model_split > 1))
+        return train_usage_error("--reduce-dtype %s applies to DDP (mpirun, one device per "
+                                 "process); %s reduce in fp32",
+                                 o->reduce_dtype,
+                                 o->model_split > 1 ? "a pipeline's replicas"
+                                                    : "several devices of one process");
     if (strcmp(canon, "fp16") != 0) return 0;
     for (int i = 0; i < o->n_devs; i++)
         if (o->devs[i].type == TDM_CPU)

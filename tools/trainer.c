@@ -131,12 +131,19 @@ static int make_strategy(trainer *tr) {
     } else if (tr->g) { /* rank 0's initial weights go to every process */
         tdm_ddp_opts dop = tdm_ddp_defaults();
         dop.bucket_cap_bytes = o->bucket_cap << 20;
+        dop.reduce_dtype = strcmp(o->reduce_dtype, "bf16") == 0 ? TDM_BF16 : TDM_F32;
         what = "ddp";
         tr->st = tdm_strategy_distributed(t->model, tr->g, &dop, t->optimizer, (void *)o);
     } else {
         tr->st = tdm_strategy_one_device(t->model, t->optimizer, (void *)o);
     }
     if (!tr->st) return task_error("%s: %s", what, tdm_last_error());
+    /* one device has nothing to reduce; GPUs under mpirun are DataParallel's replicas, whose
+     * DDP wrappers tdm_dp makes with the defaults */
+    if (strcmp(o->reduce_dtype, "fp32") != 0 && strcmp(what, "data parallel") == 0)
+        return task_error("--reduce-dtype %s applies to DDP (one CPU device per process); GPUs "
+                          "under mpirun reduce through DataParallel in fp32",
+                          o->reduce_dtype);
     if (tdm_strategy_set_clip_grad_norm(tr->st, (float)o->clip))
         return task_error("--clip-grad: %s", tdm_last_error());
     tdm_dtype dt = !strcmp(o->precision, "bf16")   ? TDM_BF16

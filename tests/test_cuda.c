@@ -13,8 +13,13 @@
  * Without the CUDA backend or without a GPU the test prints why and exits 77, which CTest
  * reports as skipped. (GPU throughput next to cuBLAS is bench/bench_cuda.c's.)
  *
- * A little over the ~800 lines a file is kept under: the builders keep every shape and variant
- * the hand-written comparisons had (about 430 lines); training on GPUs is already apart. */
+ * bf16 and f16 (issue 37): the rows of the kernels a training step runs again with the GPU's
+ * tensors in each low precision and the CPU's f32 kernels on the same values rounded to it
+ * (place, settle), compared within the f32 row's bound plus one output rounding (widened).
+ *
+ * Over the ~800 lines a file is kept under: the builders keep every shape and variant the
+ * hand-written comparisons had (about 430 lines), and the bf16 and f16 rows reuse them rather
+ * than repeat them (about 150 lines of helpers and rows); training on GPUs is already apart. */
 #include "check.h"
 
 #include "backend/backend.h"
@@ -28,6 +33,7 @@ int main(void) {
 #else
 
 #include "backend/cuda/cuda.h"
+#include "tandem/half.h"
 
 #include <ctype.h>
 #include <stdarg.h>
@@ -51,6 +57,9 @@ typedef struct {
     const char *name; /* the kernels it runs, named as in backend.h (see covered) */
     void (*build)(run *r);
     bound out, grad; /* for its outputs; for its gradients */
+    /* the floating dtype of the GPU's tensors (f32 unless said): a bf16 or f16 row runs the
+     * CPU's f32 kernels on the same inputs rounded to it (see place) */
+    tdm_dtype dt;
 } row;
 
 /* An output or a gradient, as doubles on the host. */
@@ -59,6 +68,7 @@ typedef struct {
     double *v;
     int64_t n;
     bound b;
+    tdm_dtype dt; /* bf16 or f16 where the GPU alone rounded them so (see widened) */
 } kept;
 
 /* A run of a row on one device: its builder draws inputs from rng (the same draws on every
@@ -68,6 +78,7 @@ struct run {
     const tdm_backend *be;
     tdm_device dev;
     const char *on; /* the device, for messages */
+    tdm_dtype dt;   /* the builder's float tensors: the row's dtype on cuda:0, f32 on cpu:0 */
     tdm_rng rng;
     char label[48]; /* the variant being built ("case 2"), prefixed to what is kept */
     kept *kept;
@@ -105,13 +116,30 @@ static void keep_values(run *r, const char *name, double *v, int64_t n, bound b)
     r->kept = realloc(r->kept, sizeof(kept) * (size_t)(r->n_kept + 1));
     kept *k = &r->kept[r->n_kept++];
     snprintf(k->name, sizeof k->name, "%s%s%s", r->label, r->label[0] ? " " : "", name);
-    k->v = v, k->n = n, k->b = b;
+    k->v = v, k->n = n, k->b = b, k->dt = TDM_F32;
+}
+
+static bool low(tdm_dtype dt) {
+    return dt == TDM_BF16 || dt == TDM_F16;
 }
 
 /* Keeps t's values as they are now (a later kernel may overwrite t). A strided t is read
- * through its backend's to_host; integers through i64. */
+ * through its backend's to_host; integers through i64; bf16 and f16 converted by half.h. */
 static void keep(run *r, const char *name, const tdm_tensor *t, bound b) {
     int64_t n = t ? tdm_numel(t) : 0;
+    if (t && low(t->dtype)) {
+        uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(n + 1));
+        double *v = calloc((size_t)(n + 1), sizeof(double));
+        ok(r, r->be->to_host(h, t), name);
+        for (int64_t i = 0; i < n; i++)
+            v[i] = t->dtype == TDM_BF16 ? tdm_bf16_to_float(h[i]) : tdm_f16_to_float(h[i]);
+        free(h);
+        keep_values(r, name, v, n, b);
+        /* rounded by the GPU alone in a bf16 or f16 row; by both alike in an f32 row's
+         * conversions (case_half_copy), which compare exactly */
+        r->kept[r->n_kept - 1].dt = r->row->dt == TDM_F32 ? TDM_F32 : t->dtype;
+        return;
+    }
     bool f32 = t && t->dtype == TDM_F32;
     const tdm_tensor *h = f32 || !t ? t : tdm_cast(t, TDM_I64);
     void *raw = malloc(sizeof(int64_t) * (size_t)(n + 1));
@@ -148,32 +176,82 @@ static void grad(run *r, const char *names, ...) {
     va_end(ap);
 }
 
-/* N(mean, sd^2) draws, on the run's device. */
+/* v rounded to dt (f32: itself) and back: a value the GPU's dt tensor holds exactly. */
+static float rounded(float v, tdm_dtype dt) {
+    return dt == TDM_BF16  ? tdm_bf16_to_float(tdm_bf16_from_float(v))
+           : dt == TDM_F16 ? tdm_f16_to_float(tdm_f16_from_float(v))
+                           : v;
+}
+
+/* Rounds a CPU f32 tensor's values to the row's dtype, in place (a no-op for f32 rows): the
+ * CPU's copy of a value that the GPU holds in that dtype, such as a forward's output that a
+ * backward reads. */
+static void settle(run *r, tdm_tensor *t) {
+    if (r->row->dt == TDM_F32 || t->device.type != TDM_CPU) return; /* a GPU's: in it already */
+    float *p = tdm_data_ptr(t);
+    for (int64_t i = 0; i < tdm_numel(t); i++) p[i] = rounded(p[i], r->row->dt);
+}
+
+/* A zeroed tensor of dtype dt on the run's device. */
+static tdm_tensor *zeros_of(run *r, tdm_shape s, tdm_dtype dt) {
+    tdm_tensor *t = tdm_tensor_alloc(s, dt, r->dev);
+    if (t) ok(r, r->be->fill(t, 0.0), "fill");
+    return t;
+}
+
+/* Host f32 values of x, rounded to the row's dtype, on the run's device in its dtype (f32
+ * ones when keep32). */
+static tdm_tensor *place(run *r, tdm_tensor *x, bool keep32) {
+    if (!keep32) settle(r, x);
+    if (keep32 || r->dt == TDM_F32) return tdm_to_device(x, r->dev);
+    int64_t n = tdm_numel(x);
+    const float *p = tdm_data_ptr(x);
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(n + 1));
+    for (int64_t i = 0; i < n; i++)
+        h[i] = r->dt == TDM_BF16 ? tdm_bf16_from_float(p[i]) : tdm_f16_from_float(p[i]);
+    tdm_tensor *t = tdm_tensor_alloc(tdm_shape_of(x), r->dt, r->dev);
+    if (t) ok(r, r->be->from_host(t, h), "from_host");
+    free(h);
+    return t;
+}
+
+/* N(mean, sd^2) draws, on the run's device in the run's dtype; randn32's stay f32 (weights,
+ * statistics and losses, which mixed precision keeps in f32). */
 static tdm_tensor *randn(run *r, tdm_shape s, float mean, float sd) {
-    return tdm_to_device(tdm_randn(s, mean, sd, tdm_cpu(0), &r->rng), r->dev);
+    return place(r, tdm_randn(s, mean, sd, tdm_cpu(0), &r->rng), false);
+}
+static tdm_tensor *randn32(run *r, tdm_shape s, float mean, float sd) {
+    return place(r, tdm_randn(s, mean, sd, tdm_cpu(0), &r->rng), true);
 }
 
 /* x^2 + 0.5 for x ~ N(0, 1): inputs that keep log, sqrt, powers and variances finite. */
-static tdm_tensor *positive(run *r, tdm_shape s) {
+static tdm_tensor *positive_of(run *r, tdm_shape s, bool keep32) {
     tdm_tensor *x = tdm_randn(s, 0, 1, tdm_cpu(0), &r->rng);
     float *p = tdm_data_ptr(x);
     for (int64_t i = 0; i < tdm_numel(x); i++) p[i] = p[i] * p[i] + 0.5f;
-    return tdm_to_device(x, r->dev);
+    return place(r, x, keep32);
+}
+static tdm_tensor *positive(run *r, tdm_shape s) {
+    return positive_of(r, s, false);
 }
 
-/* Host values (f32, or i64 to be stored as dt) on the run's device. */
+/* Host values (f32, in the run's dtype, or i64 to be stored as dt) on the run's device. */
 static tdm_tensor *from(run *r, tdm_shape s, tdm_dtype dt, const void *host) {
     tdm_tensor *t = tdm_from_data(s, dt == TDM_F32 ? TDM_F32 : TDM_I64, tdm_cpu(0), host);
+    if (dt == TDM_F32) return place(r, t, false);
     return tdm_to_device(dt == TDM_I32 ? tdm_cast(t, dt) : t, r->dev);
 }
 
-/* Outputs, written by the kernels (f32 unless said). */
+/* Outputs, written by the kernels: in the run's dtype (zeros32: f32); like t: t's dtype. */
 static tdm_tensor *zeros(run *r, tdm_shape s) {
-    return tdm_zeros(s, TDM_F32, r->dev);
+    return zeros_of(r, s, r->dt);
+}
+static tdm_tensor *zeros32(run *r, tdm_shape s) {
+    return zeros_of(r, s, TDM_F32);
 }
 
 static tdm_tensor *like(run *r, const tdm_tensor *t) {
-    return zeros(r, tdm_shape_of(t));
+    return zeros_of(r, tdm_shape_of(t), t->dtype);
 }
 
 /* A view of t with other geometry: a transpose, a broadcast (stride 0), every other column. */
@@ -220,6 +298,40 @@ static void case_random(run *r) {
     keep(r, "normal", g, (bound){1e-6, 1e-6});
 }
 
+/* f32 to bf16 and f16 and back (copy) at the roundings' edges: ties to even, the last finite
+ * values and past them, subnormals, signed zero, infinities, NaN; into a strided view; fill;
+ * uniform draws (the GPU's rounded in the kernel, the CPU's f32 draws copied). Both devices
+ * round with half.h's rules, so every bit agrees but the draws'. */
+static void case_half_copy(run *r) {
+    float v[64] = {1.0f,     1.00390625f, 1.01171875f, 1.0009765625f, 1.0029296875f,
+                   65504.0f, 65519.0f,    65520.0f,    3.3895e38f,    3.4e38f,
+                   6e-8f,    2.9e-8f,     3e-8f,       1e-40f,        -0.0f,
+                   INFINITY, -INFINITY,   NAN,         0.1f,          -2.5f};
+    for (int i = 20; i < 64; i++) v[i] = (float)(i - 40) * 37.3f + 0.013f * (float)i;
+    tdm_tensor *x = tdm_to_device(tdm_from_data(TDM_SHAPE(8, 8), TDM_F32, tdm_cpu(0), v), r->dev);
+    for (int k = 0; k < 2; k++) {
+        tdm_dtype dt = k ? TDM_F16 : TDM_BF16;
+        tdm_tensor *h = zeros_of(r, TDM_SHAPE(8, 8), dt), *back = zeros32(r, TDM_SHAPE(8, 8));
+        tdm_tensor *ht = zeros_of(r, TDM_SHAPE(8, 8), dt), *u = zeros_of(r, TDM_SHAPE(999), dt);
+        variant(r, "%s", tdm_dtype_name(dt));
+        KERNEL(r, copy, h, x);
+        KERNEL(r, copy, back, h);
+        KERNEL(r, copy, ht, transposed(h)); /* a strided same-dtype copy: the bits */
+        KERNEL(r, fill, view(ht, 2, (int64_t[]){8, 4}, (int64_t[]){8, 2}), 0.1);
+        if (r->be == GPU) {
+            KERNEL(r, random, u, 0, -2, 3, 42, 5);
+        } else {
+            tdm_tensor *uf = zeros32(r, TDM_SHAPE(999));
+            KERNEL(r, random, uf, 0, -2, 3, 42, 5);
+            KERNEL(r, copy, u, uf);
+        }
+        out(r, "rounded back transposed_filled", h, back, ht);
+        /* the f32 draws may differ by one rounding (random's row), which rounding to dt may
+         * turn into one ulp of dt: 2^-7 of the value in bf16, 2^-10 in f16 */
+        keep(r, "uniform", u, (bound){1e-6, k ? 0x1p-10 : 0x1p-7});
+    }
+}
+
 /* ---- element-wise ------------------------------------------------------------------------ */
 
 /* Every unary op (powers of three exponents) on a transposed view: the strided path. */
@@ -237,6 +349,7 @@ static void case_unary(run *r) {
             tdm_tensor *gy = randn(r, TDM_SHAPE(30, 40), 0, 1), *y = like(r, gy), *gx = like(r, gy);
             variant(r, "%s(s=%g)", names[op], s);
             KERNEL(r, unary, op, y, x, s);
+            settle(r, y); /* the backward reads the GPU's rounded y */
             KERNEL(r, unary_backward, op, gx, gy, x, y, s);
             out(r, "y", y);
             grad(r, "gx", gx);
@@ -256,6 +369,12 @@ static void case_binary(run *r) {
         KERNEL(r, binary, op, y, a, b);
         KERNEL(r, binary, op, y2, c, a);
         out(r, "row_broadcast column_broadcast", y, y2);
+        if (r->row->dt == TDM_F32) continue;
+        /* a low-precision a with an f32 operand into f32, as PyTorch promotes: one float
+         * operation on the same values on both sides */
+        tdm_tensor *f = randn32(r, TDM_SHAPE(17, 23), 3, 1), *yf = zeros32(r, TDM_SHAPE(17, 23));
+        KERNEL(r, binary, op, yf, a, f);
+        keep(r, "mixed_into_f32", yf, (bound)EXACT);
     }
 }
 
@@ -263,6 +382,10 @@ static void case_axpy(run *r) {
     tdm_tensor *y = randn(r, TDM_SHAPE(1000), 0, 1), *x = randn(r, TDM_SHAPE(1000), 0, 1);
     KERNEL(r, axpy, y, -0.3f, x);
     out(r, "y", y);
+    if (r->row->dt == TDM_F32) return;
+    tdm_tensor *yf = randn32(r, TDM_SHAPE(1000), 0, 1); /* a low x into an f32 gradient */
+    KERNEL(r, axpy, yf, -0.3f, x);
+    keep(r, "into_f32", yf, (bound){1e-7, 1e-6});
 }
 
 /* ---- reductions -------------------------------------------------------------------------- */
@@ -321,6 +444,7 @@ static void case_softmax(run *r) {
             tdm_tensor *y = like(r, x), *gx = like(r, x);
             variant(r, "%s shape %d", lg ? "log_softmax" : "softmax", si);
             KERNEL(r, softmax, y, x, lg);
+            settle(r, y);
             KERNEL(r, softmax_backward, gx, gy, y, lg);
             out(r, "y", y);
             grad(r, "gx", gx);
@@ -353,6 +477,10 @@ static void case_matmul(run *r) {
                 variant(r, "ta=%d tb=%d %s", ta, tb, bc ? "broadcast a, beta 1" : "beta 0");
                 KERNEL(r, matmul, c, a, b, ta, tb, bc ? 1.0f : 0.0f);
                 out(r, "c", c);
+                if (r->row->dt == TDM_F32 || bc) continue;
+                tdm_tensor *cf = zeros32(r, tdm_shape_of(c)); /* bf16 products kept in f32 */
+                KERNEL(r, matmul, cf, a, b, ta, tb, 0.0f);
+                keep(r, "c_f32", cf, (bound){1e-4, 1e-4});
             }
 }
 
@@ -372,6 +500,11 @@ static void case_index(run *r) {
         KERNEL(r, index_add, gx, 1, idx, y1);
         out(r, "dim_0 dim_1", y0, y1);
         grad(r, "index_add", gx);
+        if (r->row->dt != TDM_F32) { /* an embedding's f32 table, its gradient from a low gy */
+            tdm_tensor *gf = randn32(r, TDM_SHAPE(2, 10, 5), 0, 1);
+            KERNEL(r, index_add, gf, 1, idx, y1);
+            keep(r, "index_add_into_f32", gf, (bound)EXACT);
+        }
         fails(r, r->be->index_select(yb, x, 0, bi), "index 10 (position 2)");
         fails(r, r->be->index_add(x, 0, bi, yb), "index 10 (position 2)");
     }
@@ -462,8 +595,8 @@ typedef struct {
 static bn_inputs bn_draw(run *r, int si) {
     tdm_shape s = si ? TDM_SHAPE(64, 33) : TDM_SHAPE(16, 5, 7, 6);
     bn_inputs in = {.c = TDM_SHAPE(s.d[1])};
-    in.x = randn(r, s, 3, 1), in.gy = randn(r, s, 0, 1), in.w = randn(r, in.c, 1, 1);
-    in.mean = randn(r, in.c, 3, 0.1f), in.invstd = randn(r, in.c, 1, 0.1f);
+    in.x = randn(r, s, 3, 1), in.gy = randn(r, s, 0, 1), in.w = randn32(r, in.c, 1, 1);
+    in.mean = randn32(r, in.c, 3, 0.1f), in.invstd = randn32(r, in.c, 1, 0.1f);
     return in;
 }
 
@@ -471,8 +604,8 @@ static void case_batch_norm(run *r) {
     for (int si = 0; si < 2; si++)
         for (int training = 1; training >= 0; training--) {
             bn_inputs in = bn_draw(r, si);
-            tdm_tensor *b = randn(r, in.c, 0, 1), *rm = randn(r, in.c, 0, 1),
-                       *rv = positive(r, in.c);
+            tdm_tensor *b = randn32(r, in.c, 0, 1), *rm = randn32(r, in.c, 0, 1),
+                       *rv = positive_of(r, in.c, true);
             tdm_tensor *y = like(r, in.x), *gx = like(r, in.x), *gw = like(r, b), *gb = like(r, b);
             tdm_tensor *sm = like(r, b), *sv = like(r, b);
             variant(r, "%s shape %d", training ? "training" : "eval", si);
@@ -494,7 +627,7 @@ static void case_sync_batch_norm(run *r) {
         bn_inputs in = bn_draw(r, si);
         tdm_tensor *sum = like(r, in.w), *sq = like(r, in.w), *sdy = like(r, in.w);
         tdm_tensor *sdx = like(r, in.w), *gw = like(r, in.w), *gb = like(r, in.w);
-        tdm_tensor *sums_dy = randn(r, in.c, 0, 20), *sums_dy_xmu = randn(r, in.c, 0, 20);
+        tdm_tensor *sums_dy = randn32(r, in.c, 0, 20), *sums_dy_xmu = randn32(r, in.c, 0, 20);
         tdm_tensor *gx = like(r, in.x);
         double count = (double)(tdm_numel(in.x) / in.c.d[0]);
         variant(r, "shape %d", si);
@@ -517,9 +650,9 @@ static void case_layer_norm(run *r) {
     for (int i = 0; i < 3; i++) {
         int64_t rows = shapes[i][0], cols = shapes[i][1];
         tdm_shape s = TDM_SHAPE(rows, cols), c = TDM_SHAPE(cols);
-        tdm_tensor *x = randn(r, s, 2, 1), *gy = randn(r, s, 0, 1), *w = randn(r, c, 1, 1);
-        tdm_tensor *b = randn(r, c, 0, 1), *y = like(r, x), *gx = like(r, x);
-        tdm_tensor *gw = like(r, w), *gb = like(r, w), *m = zeros(r, TDM_SHAPE(rows));
+        tdm_tensor *x = randn(r, s, 2, 1), *gy = randn(r, s, 0, 1), *w = randn32(r, c, 1, 1);
+        tdm_tensor *b = randn32(r, c, 0, 1), *y = like(r, x), *gx = like(r, x);
+        tdm_tensor *gw = like(r, w), *gb = like(r, w), *m = zeros32(r, TDM_SHAPE(rows));
         tdm_tensor *rstd = like(r, m);
         variant(r, "%lld rows, %lld columns", (long long)rows, (long long)cols);
         KERNEL(r, layer_norm, y, m, rstd, x, w, b, 1e-5f);
@@ -548,7 +681,7 @@ static void case_attention(run *r) {
         int nh = (int)cases[i][3];
         tdm_tensor *qkv = randn(r, TDM_SHAPE(B, T, 3 * C), 0, 1), *dqkv = like(r, qkv);
         tdm_tensor *dy = randn(r, TDM_SHAPE(B, T, C), 0, 1), *y = like(r, dy);
-        tdm_tensor *lse = zeros(r, TDM_SHAPE(B, nh, T));
+        tdm_tensor *lse = zeros32(r, TDM_SHAPE(B, nh, T));
         variant(r, "B=%lld T=%lld C=%lld heads=%d", (long long)B, (long long)T, (long long)C, nh);
         KERNEL(r, attention, y, lse, qkv, nh);
         KERNEL(r, attention_backward, dqkv, dy, qkv, lse, nh);
@@ -568,13 +701,14 @@ static void case_cross_entropy(run *r) {
     for (int v = 0; v < 4; v++) {
         bool logits = v != 3;
         float smooth = v >= 2 ? 0.1f : 0.0f;
-        tdm_tensor *x = randn(r, TDM_SHAPE(N, C), 0, 1), *gl = randn(r, TDM_SHAPE(N), 1, 1);
-        tdm_tensor *w = v >= 1 ? randn(r, TDM_SHAPE(C), 2, 1) : NULL, *gx = like(r, x);
+        tdm_tensor *x = randn(r, TDM_SHAPE(N, C), 0, 1), *gl = randn32(r, TDM_SHAPE(N), 1, 1);
+        tdm_tensor *w = v >= 1 ? randn32(r, TDM_SHAPE(C), 2, 1) : NULL, *gx = like(r, x);
         tdm_tensor *tg = from(r, TDM_SHAPE(N), v & 1 ? TDM_I32 : TDM_I64, t);
         tdm_tensor *loss = like(r, gl), *ws = like(r, gl), *lp = like(r, x);
         variant(r, "variant %d", v);
         if (!logits) { /* log-probabilities (the CPU softmax is not in-place) */
             KERNEL(r, softmax, lp, x, true);
+            settle(r, lp);
             x = lp;
         }
         KERNEL(r, cross_entropy, loss, ws, x, tg, w, -100, smooth, logits);
@@ -585,7 +719,7 @@ static void case_cross_entropy(run *r) {
     }
     variant(r, "bad target");
     tdm_tensor *x = randn(r, TDM_SHAPE(3, C), 0, 1), *tg = from(r, TDM_SHAPE(3), TDM_I64, badt);
-    fails(r, r->be->cross_entropy(zeros(r, TDM_SHAPE(3)), NULL, x, tg, NULL, -100, 0, true),
+    fails(r, r->be->cross_entropy(zeros32(r, TDM_SHAPE(3)), NULL, x, tg, NULL, -100, 0, true),
           "target 12 (sample 1)");
 }
 
@@ -653,70 +787,124 @@ static void case_gpt(run *r) {
  * bound), grad() (gradients: its grad bound) or keep() (a bound of its own); then add a row
  * here: the kernels it runs as backend.h names them (a kernel no row names fails the
  * coverage check), the builder, and the bounds with a comment saying why they hold. */
+/* clang-format off */
+#define HALF_ROWS(dt, tag)                                                                         \
+    {"to_host, from_host in " tag, case_to_host, EXACT, EXACT, dt},                               \
+    {"unary, unary_backward in " tag, case_unary, {1e-6, 1e-5}, {1e-6, 1e-5}, dt},               \
+    {"binary (and into f32) in " tag, case_binary, EXACT, EXACT, dt},                             \
+    {"axpy (and into f32) in " tag, case_axpy, {1e-7, 1e-6}, EXACT, dt},                          \
+    {"reduce, max_backward in " tag, case_reduce, {1e-5, 1e-6}, EXACT, dt},                       \
+    {"sum_to in " tag, case_sum_to, {1e-3, 1e-5}, EXACT, dt},                                     \
+    {"softmax, softmax_backward in " tag, case_softmax, {1e-6, 1e-5}, {1e-6, 1e-5}, dt},          \
+    {"sum_squares of " tag, case_sum_squares, {0, 1e-12}, EXACT, dt},                             \
+    {"matmul (and into f32) in " tag, case_matmul, {1e-4, 1e-4}, EXACT, dt},                      \
+    {"index_select, index_add in " tag, case_index, EXACT, EXACT, dt},                            \
+    {"max_pool2d, avg_pool2d and backward in " tag, case_pool2d, EXACT, EXACT, dt},               \
+    {"batch_norm, batch_norm_backward in " tag, case_batch_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, dt}, \
+    {"sync batch_norm kernels in " tag, case_sync_batch_norm, {1e-4, 1e-5}, {1e-4, 1e-4}, dt},    \
+    {"layer_norm, layer_norm_backward in " tag, case_layer_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, dt}, \
+    {"dropout in " tag, case_dropout, EXACT, EXACT, dt},                                          \
+    {"attention, attention_backward in " tag, case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}, dt},    \
+    {"cross_entropy, cross_entropy_backward in " tag, case_cross_entropy, {1e-6, 1e-5},           \
+     {1e-6, 1e-5}, dt},
+/* clang-format on */
+
 static const row ROWS[] = {
     /* moving and filling values: exact */
-    {"to_host, from_host, mem_alloc, mem_free", case_to_host, EXACT, EXACT},
-    {"copy", case_copy, EXACT, EXACT},
-    {"fill", case_fill, EXACT, EXACT},
+    {"to_host, from_host, mem_alloc, mem_free", case_to_host, EXACT, EXACT, TDM_F32},
+    {"copy", case_copy, EXACT, EXACT, TDM_F32},
+    {"fill", case_fill, EXACT, EXACT, TDM_F32},
     /* Philox: the same 24-bit words. Uniform is a + (b - a) * u, rounded twice on the GPU and
      * maybe fused on the CPU (GCC contracts by default): one rounding, 1e-6 absolute */
-    {"random", case_random, {1e-6, 0}, EXACT},
+    {"random", case_random, {1e-6, 0}, EXACT, TDM_F32},
     /* libm functions differ by a few ulp between glibc, the CPU's own expf and CUDA: 1e-5
      * relative (+1e-6 where a result cancels to ~0) */
-    {"unary, unary_backward", case_unary, {1e-6, 1e-5}, {1e-6, 1e-5}},
-    {"binary", case_binary, EXACT, EXACT},    /* one IEEE operation per element on both sides */
-    {"axpy", case_axpy, {1e-7, 1e-6}, EXACT}, /* an FMA on the GPU: 1 ulp */
+    {"unary, unary_backward", case_unary, {1e-6, 1e-5}, {1e-6, 1e-5}, TDM_F32},
+    /* one IEEE operation per element on both sides */
+    {"binary", case_binary, EXACT, EXACT, TDM_F32},
+    {"axpy", case_axpy, {1e-7, 1e-6}, EXACT, TDM_F32}, /* an FMA on the GPU: 1 ulp */
     /* sums in double in another order: 1e-6 relative, 1e-5 absolute for sums of up to 5000
      * N(0,1) values that cancel; max and its backward are exact */
-    {"reduce, max_backward", case_reduce, {1e-5, 1e-6}, EXACT},
+    {"reduce, max_backward", case_reduce, {1e-5, 1e-6}, EXACT, TDM_F32},
     /* the GPU sums in double; the CPU adds [m, n] -> [1, n] row by row in float, whose error
      * grows like sqrt(m) * eps * |sum| (3.7e-4 seen for m = 8192): 1e-3 absolute */
-    {"sum_to", case_sum_to, {1e-3, 1e-5}, EXACT},
+    {"sum_to", case_sum_to, {1e-3, 1e-5}, EXACT, TDM_F32},
     /* expf differs by an ulp or two between the CPU's polynomial and CUDA: 1e-5 */
-    {"softmax, softmax_backward", case_softmax, {1e-6, 1e-5}, {1e-6, 1e-5}},
-    {"sum_squares", case_sum_squares, {0, 1e-12}, EXACT}, /* double sums of float squares */
+    {"softmax, softmax_backward", case_softmax, {1e-6, 1e-5}, {1e-6, 1e-5}, TDM_F32},
+    /* double sums of float squares */
+    {"sum_squares", case_sum_squares, {0, 1e-12}, EXACT, TDM_F32},
     /* FP32 GEMMs with k = 301 blocked differently: sums of ~17 in magnitude agree to ~1e-5
      * absolute; 1e-4 absolute + 1e-4 relative */
-    {"matmul", case_matmul, {1e-4, 1e-4}, EXACT},
-    {"index_select, index_add", case_index, EXACT, EXACT},
+    {"matmul", case_matmul, {1e-4, 1e-4}, EXACT, TDM_F32},
+    {"index_select, index_add", case_index, EXACT, EXACT, TDM_F32},
     /* FP32 GEMMs over up to K = 150 (forward) and N*P = 400 (weights) terms; the CPU sums
      * each plane of gb in float lanes: 1e-4 */
-    {"conv2d, conv2d_backward", case_conv2d, {1e-4, 1e-4}, {1e-4, 1e-4}},
+    {"conv2d, conv2d_backward", case_conv2d, {1e-4, 1e-4}, {1e-4, 1e-4}, TDM_F32},
     /* max pooling: the same scan, exact (average pooling keeps its own bound) */
-    {"max_pool2d, max_pool2d_backward, avg_pool2d, avg_pool2d_backward", case_pool2d, EXACT, EXACT},
+    {"max_pool2d, max_pool2d_backward, avg_pool2d, avg_pool2d_backward", case_pool2d, EXACT, EXACT,
+     TDM_F32},
     /* double statistics on both sides, summed in another order: 1e-5; the CPU sums the
      * backward's rows in float lanes, and gx cancels (mean-free): 1e-4 absolute */
-    {"batch_norm, batch_norm_backward", case_batch_norm, {1e-5, 1e-5}, {1e-4, 1e-4}},
+    {"batch_norm, batch_norm_backward", case_batch_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, TDM_F32},
     /* batch_norm's sums split around the all-reduces, in double (stats) and as the CPU's
      * float lanes (backward_reduce) */
     {"batch_norm_stats, batch_norm_backward_reduce, batch_norm_backward_elemt",
      case_sync_batch_norm,
      {1e-4, 1e-5},
-     {1e-4, 1e-4}},
+     {1e-4, 1e-4},
+     TDM_F32},
     /* row statistics in double vs float lanes: 1e-5; the CPU adds gw and gb in float over
      * rows, the GPU in double: 1e-4 */
-    {"layer_norm, layer_norm_backward", case_layer_norm, {1e-5, 1e-5}, {1e-4, 1e-4}},
-    {"dropout", case_dropout, EXACT, EXACT}, /* the same Philox counters: bit-identical */
+    {"layer_norm, layer_norm_backward", case_layer_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, TDM_F32},
+    {"dropout", case_dropout, EXACT, EXACT, TDM_F32}, /* the same Philox counters: bit-identical */
     /* the GPU sums each dot product and softmax in another order than BLAS */
-    {"attention, attention_backward", case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}},
+    {"attention, attention_backward", case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}, TDM_F32},
     /* log-sum-exp through different expf; expf and log1pf ulps: 1e-5 */
-    {"cross_entropy, cross_entropy_backward", case_cross_entropy, {1e-6, 1e-5}, {1e-6, 1e-5}},
-    {"bce_logits, bce_logits_backward", case_bce_logits, {1e-6, 1e-5}, {1e-6, 1e-5}},
-    {"sgd_step", case_sgd_step, {1e-6, 1e-6}, EXACT}, /* a few FMAs per element per step */
+    {"cross_entropy, cross_entropy_backward",
+     case_cross_entropy,
+     {1e-6, 1e-5},
+     {1e-6, 1e-5},
+     TDM_F32},
+    {"bce_logits, bce_logits_backward", case_bce_logits, {1e-6, 1e-5}, {1e-6, 1e-5}, TDM_F32},
+    {"sgd_step", case_sgd_step, {1e-6, 1e-6}, EXACT, TDM_F32}, /* a few FMAs per element per step */
     /* Adam divides by sqrt(v) + eps: ~1e-6 relative per step on the update */
-    {"adam_step", case_adam_step, {1e-6, 1e-5}, EXACT},
+    {"adam_step", case_adam_step, {1e-6, 1e-5}, EXACT, TDM_F32},
     /* the loss to 1e-5 relative; gradients through every kernel above: 1e-3 relative */
-    {"gpt-2 forward and backward", case_gpt, {0, 1e-5}, {1e-5, 1e-3}},
+    {"gpt-2 forward and backward", case_gpt, {0, 1e-5}, {1e-5, 1e-3}, TDM_F32},
+    /* f32 <-> bf16, f16 conversions on both devices (half.h's rules): bit for bit */
+    {"copy, fill, random: f32 to bf16 and f16", case_half_copy, EXACT, EXACT, TDM_F32},
+    /* The kernels a training step runs, in bf16 and in f16 on cuda:0 against the CPU's f32
+     * kernels on the same rounded inputs: each with its f32 row's bounds, which widened() adds
+     * one output rounding to for every output the GPU stored in bf16 or f16 (f32 outputs,
+     * such as lse, statistics and losses, keep the f32 bound). */
+    /* clang-format off */
+    HALF_ROWS(TDM_BF16, "bf16")
+    HALF_ROWS(TDM_F16, "f16")
+    /* clang-format on */
 };
 
 /* ---- the driver -------------------------------------------------------------------------- */
 
+/* The bound of an output the GPU stored in dt, where the CPU's f32 twin of the kernel is
+ * within b of the GPU's f32 arithmetic (both run on the same rounded inputs: see place): b,
+ * then one rounding to nearest of a value within b of the CPU's, which moves it by at most
+ * half an ulp: 2^-8 of it in bf16 (8 significant bits), 2^-11 in f16 (11 bits), or 2^-25
+ * absolute below f16's normal range. So |gpu - cpu| <= b.atol + b.rtol |cpu| + u (|cpu| (1 +
+ * b.rtol) + b.atol) + tiny. */
+static bound widened(bound b, tdm_dtype dt) {
+    if (dt != TDM_BF16 && dt != TDM_F16) return b;
+    double u = dt == TDM_BF16 ? 0x1p-8 : 0x1p-11, tiny = dt == TDM_BF16 ? 0 : 0x1p-25;
+    return (bound){b.atol * (1 + u) + tiny, b.rtol + u * (1 + b.rtol)};
+}
+
 /* Elements of g (cuda) outside the bound around c (cpu); the first few printed. */
 static int64_t differ(const char *row_name, const kept *c, const kept *g) {
     int64_t bad = c->n == g->n ? 0 : c->n;
+    bound bd = widened(c->b, g->dt);
     for (int64_t i = 0; i < c->n && c->n == g->n; i++) {
         double a = c->v[i], b = g->v[i];
-        if ((a != a && b != b) || fabs(b - a) <= c->b.atol + c->b.rtol * fabs(a)) continue;
+        if (a == b || (a != a && b != b) || fabs(b - a) <= bd.atol + bd.rtol * fabs(a))
+            continue; /* equal infinities, whose difference is NaN, are equal */
         if (bad++ < 4)
             fprintf(stderr, "  %s: %s: element %lld: cuda %.9g, cpu %.9g\n", row_name, c->name,
                     (long long)i, b, a);
@@ -727,9 +915,9 @@ static int64_t differ(const char *row_name, const kept *c, const kept *g) {
 /* Runs w on cpu:0 and twice on cuda:0, each from the same seed (so a row's inputs do not
  * depend on its place in the table), and compares what the runs kept. */
 static void run_row(const row *w) {
-    run runs[3] = {{.row = w, .be = CPU, .dev = tdm_cpu(0), .on = "cpu:0"},
-                   {.row = w, .be = GPU, .dev = G, .on = "cuda:0"},
-                   {.row = w, .be = GPU, .dev = G, .on = "cuda:0"}};
+    run runs[3] = {{.row = w, .be = CPU, .dev = tdm_cpu(0), .on = "cpu:0", .dt = TDM_F32},
+                   {.row = w, .be = GPU, .dev = G, .on = "cuda:0", .dt = w->dt},
+                   {.row = w, .be = GPU, .dev = G, .on = "cuda:0", .dt = w->dt}};
     for (int i = 0; i < 3; i++) {
         runs[i].rng = tdm_rng_make(1);
         tdm_scope_begin();
@@ -744,8 +932,9 @@ static void run_row(const row *w) {
     for (int k = 0; k < c->n_kept && k < g->n_kept && k < g2->n_kept; k++) {
         const kept *a = &c->kept[k], *b = &g->kept[k], *b2 = &g2->kept[k];
         int64_t bad = differ(w->name, a, b);
+        bound bd = widened(a->b, b->dt);
         CHECK(bad == 0, "%s: %s: %lld of %lld elements differ (atol %g, rtol %g)", w->name, a->name,
-              (long long)bad, (long long)a->n, a->b.atol, a->b.rtol);
+              (long long)bad, (long long)a->n, bd.atol, bd.rtol);
         if (!nondet && (b->n != b2->n || memcmp(b->v, b2->v, sizeof(double) * (size_t)b->n)))
             nondet = b->name;
     }
@@ -779,11 +968,22 @@ static const char *const KERNELS[] = {
 };
 
 /* Every kernel of kernels.def has a row (one added there without a row fails here),
- * and every row passes. */
+ * and every row passes. Prints a line per dtype of the GPU's tensors ("rows in bf16: 17 of 17
+ * passed"), which scripts/gpu-check reports. */
 static void test_kernels(void) {
     for (size_t i = 0; i < sizeof KERNELS / sizeof KERNELS[0]; i++)
         CHECK(covered(KERNELS[i]), "kernel %s: no row of the table runs it", KERNELS[i]);
-    for (size_t i = 0; i < sizeof ROWS / sizeof ROWS[0]; i++) run_row(&ROWS[i]);
+    const tdm_dtype dts[] = {TDM_F32, TDM_BF16, TDM_F16};
+    for (int k = 0; k < 3; k++) {
+        int rows = 0, passed = 0;
+        for (size_t i = 0; i < sizeof ROWS / sizeof ROWS[0]; i++) {
+            if (ROWS[i].dt != dts[k]) continue;
+            int failed = check_failed;
+            run_row(&ROWS[i]);
+            rows++, passed += check_failed == failed;
+        }
+        printf("rows in %s: %d of %d passed\n", tdm_dtype_name(dts[k]), passed, rows);
+    }
 }
 
 /* ---- bad conditions ---------------------------------------------------------------------- */
@@ -802,6 +1002,13 @@ static void test_errors(void) {
     }
     /* 2^40 floats = 4 TiB: no GPU holds it; the error names the device and the size */
     CHECK_ERROR(tdm_empty(TDM_SHAPE((int64_t)1 << 40), TDM_F32, G) == NULL, "out of memory");
+    /* mixed precision keeps f32 masters: an optimizer refuses a bf16 parameter, naming it */
+    tdm_tensor *p16 = tdm_tensor_alloc(TDM_SHAPE(4), TDM_BF16, G);
+    tdm_tensor *g32 = tdm_zeros(TDM_SHAPE(4), TDM_F32, G);
+    tdm_sgd_hparams h = {0.1f, 0, 0, 0, false, false};
+    CHECK_ERROR(GPU->sgd_step(p16, g32, NULL, &h, true) != TDM_OK, "p is bf16");
+    tdm_tensor_free(p16);
+    tdm_tensor_free(g32);
     tdm_tensor *one = tdm_ones(TDM_SHAPE(1), TDM_F32, G);
     CHECK(one && tdm_item(one) == 1.0f, "cuda:0 still works after an OOM: %s", tdm_last_error());
     tdm_tensor_free(one);

@@ -336,6 +336,28 @@ static void test_safetensors_round_trip(void) {
     tdm_scope_end();
 }
 
+/* Printing shows the stored values, summarised past 8. */
+static void test_format(void) {
+    tdm_scope_begin();
+    char buf[200];
+    tdm_tensor *h = tdm_full(TDM_SHAPE(2, 2), 1.0f / 3.0f, TDM_BF16, tdm_cpu(0));
+    CHECK(tdm_tensor_format(h, buf, sizeof buf) == TDM_OK &&
+              strcmp(buf, "tensor([0.333984, 0.333984, 0.333984, 0.333984], shape [2, 2], bf16, "
+                          "cpu:0)") == 0,
+          "bf16: %s", buf);
+    tdm_tensor *f = tdm_arange(0, 10, 1, TDM_F16, tdm_cpu(0));
+    CHECK(tdm_tensor_format(tdm_mul_scalar(tdm_cast(f, TDM_F32), 0.5f), buf, sizeof buf) == 0 &&
+              strcmp(buf, "tensor([0, 0.5, 1, 1.5, ..., 3, 3.5, 4, 4.5], shape [10], f32, "
+                          "cpu:0)") == 0,
+          "f32 summarised: %s", buf);
+    tdm_tensor *i = tdm_arange(-2, 1, 1, TDM_I64, tdm_cpu(0));
+    CHECK(tdm_tensor_format(i, buf, 20) == TDM_OK && strlen(buf) == 19 &&
+              strncmp(buf, "tensor([-2, -1, 0],", 19) == 0,
+          "i64, cut to fit: %s", buf);
+    CHECK_ERROR(tdm_tensor_format(NULL, buf, sizeof buf) == TDM_ERR_ARG, "NULL argument");
+    tdm_scope_end();
+}
+
 int main(void) {
     if (tmpdir_make("test_half_io") != 0) return 1;
     test_creation();
@@ -344,6 +366,7 @@ int main(void) {
     test_to_dtype_grad();
     test_safetensors_read();
     test_safetensors_round_trip();
+    test_format();
     tmpdir_remove();
     return check_summary();
 }

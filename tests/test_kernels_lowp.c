@@ -326,17 +326,25 @@ static void test_softmax(void) {
     }
 }
 
-/* The clipping norm's sum, of a strided gradient: the same double from the same values. */
+/* The clipping norm's sum, of a strided gradient (short rows, then rows past the kernel's
+ * conversion chunk) and of a long contiguous one (odd): the same double from the same
+ * values. */
 static void test_sum_squares(void) {
-    tdm_scope_begin();
-    pair x = draw(TDM_SHAPE(9, 14), DT, -3.0f, 3.0f);
-    int64_t sh[2] = {14, 9}, st[2] = {1, 14};
-    x.lo = view(x.lo, 2, sh, st);
-    x.f = view(x.f, 2, sh, st);
-    double s_lo = -1, s_f = -2;
-    RUN2(BE->sum_squares(&s_lo, x.lo), BE->sum_squares(&s_f, x.f));
-    CHECK(s_lo == s_f, "sum_squares in %s: %.17g, fp32 twin %.17g", tdm_dtype_name(DT), s_lo, s_f);
-    tdm_scope_end();
+    for (int strided = 0; strided < 3; strided++) {
+        tdm_scope_begin();
+        int64_t r = strided == 2 ? 601 : 9, c = strided == 2 ? 3 : 14; /* x^T: [c, r] */
+        pair x = draw(strided ? TDM_SHAPE(r, c) : TDM_SHAPE(3, 701), DT, -3.0f, 3.0f);
+        if (strided) {
+            int64_t sh[2] = {c, r}, st[2] = {1, c};
+            x.lo = view(x.lo, 2, sh, st);
+            x.f = view(x.f, 2, sh, st);
+        }
+        double s_lo = -1, s_f = -2;
+        RUN2(BE->sum_squares(&s_lo, x.lo), BE->sum_squares(&s_f, x.f));
+        CHECK(s_lo == s_f, "sum_squares in %s (strided %d): %.17g, fp32 twin %.17g",
+              tdm_dtype_name(DT), strided, s_lo, s_f);
+        tdm_scope_end();
+    }
 }
 
 /* ---- matrix products -------------------------------------------------------------------- */
@@ -389,6 +397,17 @@ static void test_matmul(void) {
                 tdm_scope_end();
             }
     if (DT == TDM_BF16) printf("bf16 matmul ran: %s\n", tdm_cpu_gemm_bf16_impl());
+    /* a low-precision operand with an f32 one (widened: the fp32 GEMM on the same values) */
+    for (int which = 0; which < 2; which++) {
+        tdm_scope_begin();
+        pair a = draw(TDM_SHAPE(1, n, k), which ? TDM_F32 : DT, -2.0f, 2.0f);
+        pair b = draw(TDM_SHAPE(1, k, m), which ? DT : TDM_F32, -2.0f, 2.0f);
+        pair c = output(TDM_SHAPE(1, n, m), which ? DT : TDM_F32);
+        RUN2(BE->matmul(c.lo, a.lo, b.lo, false, false, 0.0f),
+             BE->matmul(c.f, a.f, b.f, false, false, 0.0f));
+        expect(which ? "matmul f32 a, low b" : "matmul low a, f32 b", c, NULL);
+        tdm_scope_end();
+    }
 }
 
 /* ---- indexing --------------------------------------------------------------------------- */
@@ -612,6 +631,40 @@ static void test_refusals(void) {
     tdm_scope_end();
 }
 
+/* ---- every kernel has a case, or a reason to have none ---------------------------------- */
+
+/* The kernels the cases above run in bf16 and f16 (a word list). */
+static const char COVERED[] =
+    " unary unary_backward binary axpy reduce sum_to max_backward softmax softmax_backward"
+    " sum_squares matmul index_select index_add conv2d conv2d_backward max_pool2d"
+    " max_pool2d_backward avg_pool2d avg_pool2d_backward batch_norm batch_norm_backward"
+    " batch_norm_stats batch_norm_backward_reduce batch_norm_backward_elemt layer_norm"
+    " layer_norm_backward dropout cross_entropy cross_entropy_backward bce_logits"
+    " bce_logits_backward attention attention_backward ";
+/* The kernels with none: raw memory and host transfers move bytes of any dtype, copy, fill
+ * and random are cpu_memory.c's (the tensor core's tests), and the optimizers take fp32 only
+ * (test_refusals). */
+static const char EXEMPT[] =
+    " mem_alloc mem_free to_host from_host copy fill random sgd_step adam_step ";
+
+static const char *const KERNELS[] = {
+#define TDM_KERNEL(ret, entry, params) #entry,
+#define TDM_UPLOAD(ret, entry, params)
+#include "backend/kernels.def"
+#undef TDM_KERNEL
+#undef TDM_UPLOAD
+};
+
+/* A kernel added to kernels.def fails here until it has a case (or is exempt, with why). */
+static void test_every_kernel(void) {
+    for (size_t i = 0; i < sizeof KERNELS / sizeof KERNELS[0]; i++) {
+        char word[64];
+        snprintf(word, sizeof word, " %s ", KERNELS[i]);
+        CHECK(strstr(COVERED, word) || strstr(EXEMPT, word),
+              "kernel %s: no bf16/f16 case here, and not exempt", KERNELS[i]);
+    }
+}
+
 int main(void) {
     D = tdm_cpu(0);
     BE = tdm_backend_for(D);
@@ -636,5 +689,6 @@ int main(void) {
         test_attention();
         test_refusals();
     }
+    test_every_kernel();
     return check_summary();
 }

@@ -70,8 +70,10 @@ static tdm_module *bn_dropout(tdm_rng *r) {
     return tdm_sequential_new(6, l);
 }
 
-/* Runs warm-up steps, then counts allocations over measured steps. */
-static void check_model(const char *name, tdm_module *m, bool adam) {
+/* Runs warm-up steps, then counts allocations over measured steps; the forward and the loss
+ * in an autocast region of dtype ac unless it is TDM_F32 (the region and its cast cache are
+ * part of the step). */
+static void check_model(const char *name, tdm_module *m, bool adam, tdm_dtype ac) {
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_adam_opts ao = tdm_adam_defaults();
     tdm_sgd_opts so = tdm_sgd_defaults(0.01f);
@@ -95,7 +97,9 @@ static void check_model(const char *name, tdm_module *m, bool adam) {
             counting = true;
         }
         tdm_scope_begin();
+        if (ac != TDM_F32) failures += tdm_autocast_begin(ac) != TDM_OK;
         tdm_tensor *loss = tdm_cross_entropy(tdm_module_forward(m, x), y, NULL);
+        if (ac != TDM_F32) failures += tdm_autocast_end() != TDM_OK;
         failures += !loss || tdm_optim_zero_grad(opt) || tdm_backward(loss) || tdm_optim_step(opt);
         tdm_scope_end();
     }
@@ -118,8 +122,9 @@ static void check_model(const char *name, tdm_module *m, bool adam) {
 int main(void) {
     tdm_rng r = tdm_rng_make(1);
     dropout_rng = tdm_rng_make(2);
-    check_model("mlp, sgd momentum", mlp(&r), false);
-    check_model("cnn, adam", cnn(&r), true);
-    check_model("batch norm + gelu + dropout, adam", bn_dropout(&r), true);
+    check_model("mlp, sgd momentum", mlp(&r), false, TDM_F32);
+    check_model("cnn, adam", cnn(&r), true, TDM_F32);
+    check_model("batch norm + gelu + dropout, adam", bn_dropout(&r), true, TDM_F32);
+    check_model("cnn under bf16 autocast, adam", cnn(&r), true, TDM_BF16);
     return check_summary();
 }

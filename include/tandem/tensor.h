@@ -201,6 +201,12 @@ int tdm_to_host(const tdm_tensor *t, void *host, size_t nbytes);
 /* The value of a one-element tensor as a float (a bf16 or f16 value exactly; NAN and an
  * error otherwise). */
 float tdm_item(const tdm_tensor *t);
+/* Writes t's values into buf (cap bytes, cut to fit and always terminated) as
+ * "tensor([0.333984, 1, ...], shape [2, 5], bf16, cpu:0)": row-major order, floats with 6
+ * significant digits (a bf16 or f16 value widened exactly first), the first and last 4 of a
+ * tensor of more than 8. For debugging and messages; any device (the values are copied to
+ * the host). TDM_OK, TDM_ERR_ARG for a NULL argument, TDM_ERR_NOMEM. */
+int tdm_tensor_format(const tdm_tensor *t, char *buf, size_t cap);
 /* A copy of t on another device (differentiable). */
 tdm_tensor *tdm_to_device(tdm_tensor *t, tdm_device dev);
 /* A contiguous copy, or t itself if already contiguous. Differentiable. */

@@ -10,10 +10,13 @@
  * backward has walked: after a backward its gradient would no longer reach the parameter,
  * and after its step scope ends the tensor is gone (the scope truncates the tape with it).
  * So a lookup checks the node against the tape, and a stale entry is replaced.
+ *
+ * The cache is a fixed array in the thread's state, not heap memory: a region begun every
+ * step then costs the system allocator nothing (test_steady_state's rule) and a thread that
+ * ends leaves nothing behind. A region casting more parameters than it holds casts the rest
+ * each time they are used: correct, only slower.
  */
 #include "tandem/autocast.h"
-
-#include <stdlib.h>
 
 #include "autograd/ops.h"
 
@@ -24,11 +27,14 @@ typedef struct {
     int index;
 } cast_entry;
 
+/* The parameters a region caches: a GPT-2 small has 148 parameter tensors. */
+#define CACHE_MAX 512
+
 typedef struct {
     int depth;
     tdm_dtype stack[TDM_AUTOCAST_MAX_DEPTH];
-    cast_entry *cache;
-    int n, cap;
+    cast_entry cache[CACHE_MAX];
+    int n;
     int64_t casts;
     bool cache_off;
 } autocast_state;
@@ -51,11 +57,7 @@ int tdm_autocast_begin(tdm_dtype dt) {
 int tdm_autocast_end(void) {
     if (ac.depth == 0)
         return tdm_raise(TDM_ERR_STATE, "autocast_end: no autocast region is open on this thread");
-    if (--ac.depth == 0) {
-        free(ac.cache);
-        ac.cache = NULL;
-        ac.n = ac.cap = 0;
-    }
+    if (--ac.depth == 0) ac.n = 0;
     return TDM_OK;
 }
 
@@ -87,8 +89,8 @@ static cast_entry *cache_find(const tdm_tensor *src, tdm_dtype dt) {
     return NULL;
 }
 
-/* Remembers cast (made by a node on the tape) as src's cast. Best effort: without memory
- * the next op simply casts again. */
+/* Remembers cast (made by a node on the tape) as src's cast. Best effort: with the cache
+ * full, the next op simply casts again. */
 static void cache_put(const tdm_tensor *src, tdm_tensor *cast) {
     int start, end;
     tdm_node **tape = tdm_tape_nodes(&start, &end);
@@ -99,13 +101,7 @@ static void cache_put(const tdm_tensor *src, tdm_tensor *cast) {
         if (e->src == src && (!live || e->cast->dtype == cast->dtype)) slot = e;
     }
     if (!slot) {
-        if (ac.n == ac.cap) {
-            int cap = ac.cap ? 2 * ac.cap : 64;
-            cast_entry *c = realloc(ac.cache, (size_t)cap * sizeof *c);
-            if (!c) return;
-            ac.cache = c;
-            ac.cap = cap;
-        }
+        if (ac.n == CACHE_MAX) return;
         slot = &ac.cache[ac.n++];
     }
     *slot = (cast_entry){src, cast, cast->grad_fn, cast->grad_fn->index};

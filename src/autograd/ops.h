@@ -95,11 +95,14 @@ tdm_tensor *tdm_autocast_arg(tdm_tensor *t, tdm_autocast_list list);
 bool tdm_autocast_set_cache(bool enabled);
 
 /* For an op that casts under autocast: outside any step scope its casts would be the
- * caller's to free, so the op runs inside a scope of its own (TDM_RETURN_SCOPED) when a
- * region is on. Use as `TDM_AUTOCAST_SCOPED(tdm_op(a, b));` at the top of the op. */
-#define TDM_AUTOCAST_SCOPED(expr)                                                                  \
+ * caller's to free, so in a region the op runs inside a scope of its own
+ * (TDM_RETURN_SCOPED), unless it is to record history (n inputs in[]): that needs the
+ * caller's scope, and the cast fails for the lack of one as the op itself would. Use as
+ * `TDM_AUTOCAST_SCOPED(2, in, tdm_op(a, b));` at the top of the op. */
+#define TDM_AUTOCAST_SCOPED(n, in, expr)                                                           \
     do {                                                                                           \
-        if (!tdm_current_scope() && tdm_autocast_dtype() != TDM_F32) TDM_RETURN_SCOPED(expr);      \
+        if (!tdm_current_scope() && tdm_autocast_dtype() != TDM_F32 && !tdm_needs_record(n, in))   \
+            TDM_RETURN_SCOPED(expr);                                                               \
     } while (0)
 
 /* idx must be i32/i64 and on src's device; raises naming op otherwise and returns nonzero. */

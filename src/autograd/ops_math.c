@@ -159,7 +159,7 @@ static int unary_backward(tdm_node *n, tdm_tensor *gout) {
 static tdm_tensor *unary_op(tdm_unary_op op, const char *name, tdm_tensor *a, float s, int list) {
     if (!a) return tdm_null_input(name);
     if (tdm_check_float(a, name)) return NULL;
-    if (list >= 0) TDM_AUTOCAST_SCOPED(unary_op(op, name, a, s, list));
+    if (list >= 0) TDM_AUTOCAST_SCOPED(1, &a, unary_op(op, name, a, s, list));
     if (list >= 0 && !(a = tdm_autocast_arg(a, (tdm_autocast_list)list))) return NULL;
     tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(a), a->dtype, a->device);
     if (!y) return NULL;
@@ -288,7 +288,7 @@ static tdm_tensor *reduce_op(tdm_reduce_op op, const char *name, tdm_tensor *a, 
     if (argmax) *argmax = NULL;
     if (!a) return tdm_null_input(name);
     if (tdm_check_float(a, name)) return NULL;
-    if (op == TDM_RED_SUM) TDM_AUTOCAST_SCOPED(reduce_op(op, name, a, dim, keepdim, argmax));
+    if (op == TDM_RED_SUM) TDM_AUTOCAST_SCOPED(1, &a, reduce_op(op, name, a, dim, keepdim, argmax));
     if (op == TDM_RED_SUM && !(a = tdm_autocast_arg(a, TDM_AC_F32_CUDA))) return NULL;
     int d = tdm_wrap_dim(dim, a->ndim, name);
     if (d < 0) return NULL;
@@ -340,7 +340,7 @@ tdm_tensor *tdm_max(tdm_tensor *a, int dim, bool keepdim, tdm_tensor **argmax) {
 static tdm_tensor *reduce_all(tdm_reduce_op op, const char *name, tdm_tensor *a) {
     if (!a) return tdm_null_input(name);
     if (tdm_check_float(a, name)) return NULL;
-    if (op == TDM_RED_SUM) TDM_AUTOCAST_SCOPED(reduce_all(op, name, a));
+    if (op == TDM_RED_SUM) TDM_AUTOCAST_SCOPED(1, &a, reduce_all(op, name, a));
     if (op == TDM_RED_SUM && !(a = tdm_autocast_arg(a, TDM_AC_F32_CUDA))) return NULL;
     tdm_tensor *x = tdm_dense(a);
     tdm_tensor *y = tdm_tensor_alloc(TDM_SHAPE0, a->dtype, a->device);
@@ -411,7 +411,7 @@ static int softmax_backward(tdm_node *n, tdm_tensor *gout) {
 static tdm_tensor *softmax_op(tdm_tensor *a, int dim, bool is_log, const char *name) {
     if (!a) return tdm_null_input(name);
     if (tdm_check_float(a, name)) return NULL;
-    TDM_AUTOCAST_SCOPED(softmax_op(a, dim, is_log, name));
+    TDM_AUTOCAST_SCOPED(1, &a, softmax_op(a, dim, is_log, name));
     if (!(a = tdm_autocast_arg(a, TDM_AC_F32_CUDA))) return NULL;
     int d = tdm_wrap_dim(dim, a->ndim, name);
     if (d < 0) return NULL;

@@ -60,7 +60,6 @@ tdm_tensor *tdm_matmul(tdm_tensor *a, tdm_tensor *b) {
     if (!a || !b) return NULL;
     tdm_tensor *in[2] = {a, b};
     if (!tdm_current_scope() && !tdm_needs_record(2, in)) TDM_RETURN_SCOPED(tdm_matmul(a, b));
-    TDM_AUTOCAST_SCOPED(tdm_matmul(a, b));
     char sa[96], sb[96];
 #define SHAPES tdm_shape_str(tdm_shape_of(a), sa), tdm_shape_str(tdm_shape_of(b), sb)
     if (tdm_check_float(a, "matmul") || tdm_check_float(b, "matmul") ||

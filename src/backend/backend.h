@@ -3,8 +3,10 @@
  * Ops (src/autograd, src/nn, src/optim) validate shapes, allocate outputs and record the
  * tape; kernels only compute. Nothing outside src/backend reads or writes tensor memory.
  * Every kernel returns TDM_OK or a negative tdm_status after tdm_raise. Unless a kernel says
- * otherwise, its tensors are f32 and contiguous and outputs are preallocated by the caller
- * with the right shape; "accumulate" kernels add into their output instead of overwriting.
+ * otherwise, its float tensors are f32, bf16 or f16 in any mix (computed in fp32 inside, each
+ * low-precision output rounded once; the optimizers' kernels take f32 only), contiguous, and
+ * outputs are preallocated by the caller with the right shape; "accumulate" kernels add into
+ * their output instead of overwriting.
  */
 #ifndef TDM_BACKEND_H
 #define TDM_BACKEND_H

@@ -5,7 +5,9 @@
 #include "tandem/half.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static const tdm_backend *backend_of(const tdm_tensor *t) {
     return tdm_backend_for(t->device);
@@ -156,4 +158,44 @@ tdm_tensor *tdm_cast(const tdm_tensor *t, tdm_dtype dt) {
                               tdm_dtype_name(t->dtype));
     tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(t), dt, t->device);
     return c && backend_of(c)->copy(c, t) == 0 ? c : NULL;
+}
+
+/* Element i of host elements of float dtype dt as a float (bf16 and f16 widened exactly). */
+static float host_float(const void *h, tdm_dtype dt, int64_t i) {
+    if (dt == TDM_BF16) return tdm_bf16_to_float(((const uint16_t *)h)[i]);
+    if (dt == TDM_F16) return tdm_f16_to_float(((const uint16_t *)h)[i]);
+    return ((const float *)h)[i];
+}
+
+int tdm_tensor_format(const tdm_tensor *t, char *buf, size_t cap) {
+    if (!t || !buf || !cap) return tdm_raise(TDM_ERR_ARG, "tensor_format: NULL argument");
+    int64_t n = tdm_numel(t);
+    size_t bytes = (size_t)n * tdm_dtype_size(t->dtype);
+    void *h = malloc(bytes ? bytes : 1);
+    if (!h) return tdm_raise(TDM_ERR_NOMEM, "tensor_format: out of memory for %zu bytes", bytes);
+    int rc = backend_of(t)->to_host(h, t);
+    size_t at = 0;
+#define PUT(...)                                                                                   \
+    (at += (size_t)snprintf(at < cap ? buf + at : NULL, at < cap ? cap - at : 0, __VA_ARGS__))
+    PUT("tensor([");
+    for (int64_t i = 0; !rc && i < n; i++) {
+        if (n > 8 && i == 4) { /* a long tensor shows its two ends, as PyTorch summarises */
+            PUT(", ...");
+            i = n - 4;
+        }
+        const char *sep = i ? ", " : "";
+        if (tdm_dtype_is_float(t->dtype))
+            PUT("%s%.6g", sep, (double)host_float(h, t->dtype, i));
+        else
+            PUT("%s%lld", sep,
+                t->dtype == TDM_I64 ? (long long)((const int64_t *)h)[i]
+                                    : (long long)((const int32_t *)h)[i]);
+    }
+    char shape[96], dev[16];
+    PUT("], shape %s, %s, %s)", tdm_shape_str(tdm_shape_of(t), shape), tdm_dtype_name(t->dtype),
+        tdm_device_str(t->device, dev));
+#undef PUT
+    if (at >= cap) buf[cap - 1] = '\0';
+    free(h);
+    return rc;
 }

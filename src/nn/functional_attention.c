@@ -42,7 +42,7 @@ static int check_attention(const tdm_tensor *qkv, int n_head, const tdm_backend 
 
 tdm_tensor *tdm_causal_attention(tdm_tensor *qkv, int n_head) {
     if (!qkv) return tdm_null_input("causal_attention");
-    TDM_AUTOCAST_SCOPED(tdm_causal_attention(qkv, n_head));
+    TDM_AUTOCAST_SCOPED(1, &qkv, tdm_causal_attention(qkv, n_head));
     if (tdm_check_float(qkv, "causal_attention") || !(qkv = tdm_autocast_arg(qkv, TDM_AC_LOW)))
         return NULL;
     const tdm_backend *be = NULL;

@@ -104,10 +104,13 @@ static int conv2d_backward(tdm_node *n, tdm_tensor *gy) {
 
 tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_conv2d_opts *o) {
     if (!x || !w) return tdm_null_arg("conv2d", x ? "weight" : "input");
-    TDM_AUTOCAST_SCOPED(tdm_conv2d(x, w, b, o));
-    if (!(x = tdm_autocast_arg(x, TDM_AC_LOW)) || !(w = tdm_autocast_arg(w, TDM_AC_LOW)))
-        return NULL;
-    if (b && !(b = tdm_autocast_arg(b, TDM_AC_LOW))) return NULL;
+    tdm_tensor *in0[3] = {x, w, b};
+    TDM_AUTOCAST_SCOPED(3, in0, tdm_conv2d(x, w, b, o));
+    /* on the lower-precision list, but the CUDA backend's convolution is f32 only (cuda.h):
+     * there it runs in f32 until it has a bf16 one (docs/MIXED_PRECISION.md) */
+    tdm_autocast_list l = x->device.type == TDM_CUDA ? TDM_AC_F32_CUDA : TDM_AC_LOW;
+    if (!(x = tdm_autocast_arg(x, l)) || !(w = tdm_autocast_arg(w, l))) return NULL;
+    if (b && !(b = tdm_autocast_arg(b, l))) return NULL;
     tdm_conv2d_args a = conv_args(o);
     int64_t ho = 0, wo = 0;
     if (conv_check(x, w, b, &a, &ho, &wo)) return NULL;

@@ -99,7 +99,8 @@ static int check_linear(const tdm_tensor *x, const tdm_tensor *w, const tdm_tens
 
 tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
     if (!x || !w) return tdm_null_arg("linear", x ? "weight" : "input");
-    TDM_AUTOCAST_SCOPED(tdm_linear(x, w, b));
+    tdm_tensor *in0[3] = {x, w, b};
+    TDM_AUTOCAST_SCOPED(3, in0, tdm_linear(x, w, b));
     if (!(x = tdm_autocast_arg(x, TDM_AC_LOW)) || !(w = tdm_autocast_arg(w, TDM_AC_LOW)))
         return NULL;
     if (b && !(b = tdm_autocast_arg(b, TDM_AC_LOW))) return NULL;

@@ -307,7 +307,8 @@ static int layer_norm_backward(tdm_node *n, tdm_tensor *gout) {
 tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
                            float eps) {
     if (!x) return tdm_null_input("layer_norm");
-    TDM_AUTOCAST_SCOPED(tdm_layer_norm(x, normalized_ndim, weight, bias, eps));
+    tdm_tensor *in0[3] = {x, weight, bias};
+    TDM_AUTOCAST_SCOPED(3, in0, tdm_layer_norm(x, normalized_ndim, weight, bias, eps));
     char b[96];
     if (tdm_check_float(x, "layer_norm")) return NULL;
     /* on autocast's fp32 list on CUDA devices only, as PyTorch's (the CPU's follows x) */

@@ -90,8 +90,9 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
         if (!w) return NULL;
     }
     tdm_shape ns = TDM_SHAPE(x->shape[0]);
-    tdm_tensor *loss = tdm_tensor_alloc(ns, x->dtype, x->device);
-    *wsum = tdm_tensor_alloc(ns, TDM_F32, x->device); /* counts stay exact in f32 */
+    /* f32 whatever x's dtype (the backends' contract): counts stay exact, the sums too */
+    tdm_tensor *loss = tdm_tensor_alloc(ns, TDM_F32, x->device);
+    *wsum = tdm_tensor_alloc(ns, TDM_F32, x->device);
     if (!loss || !*wsum) return NULL;
     if (be->cross_entropy(loss, *wsum, xc, target, w, o->ignore_index, o->label_smoothing,
                           is_logits))
@@ -117,7 +118,7 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
 static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
                              bool is_logits, const char *op) {
     if (!x || !target) return tdm_null_input(op);
-    TDM_AUTOCAST_SCOPED(ce_common(x, target, o, is_logits, op));
+    TDM_AUTOCAST_SCOPED(1, &x, ce_common(x, target, o, is_logits, op));
     tdm_ce_opts defaults = tdm_ce_defaults();
     if (!o) o = &defaults;
     if (ce_check(x, target, o, op)) return NULL;
@@ -130,22 +131,23 @@ static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_
     tdm_tensor *wsum = NULL;
     tdm_tensor *loss = ce_per_sample(x, target, o, is_logits, &wsum);
     if (!loss) return NULL;
+    tdm_tensor *out;
     if (o->reduction != TDM_REDUCE_MEAN) {
         tdm_drop_temp(wsum, NULL);
-        return reduce(loss, o->reduction);
+        out = reduce(loss, o->reduction);
+    } else { /* sum of losses / sum of w[target] over the samples that count */
+        tdm_tensor *num = tdm_sum_all(loss), *den = tdm_sum_all(wsum);
+        out = tdm_div(num, den);
+        tdm_drop_temp(num, NULL);
+        tdm_drop_temp(den, NULL);
+        tdm_drop_temp(loss, NULL);
+        tdm_drop_temp(wsum, NULL);
     }
-    /* sum of losses / sum of w[target] over the samples that count */
-    tdm_tensor *num = tdm_sum_all(loss), *den = tdm_sum_all(wsum);
-    tdm_tensor *out = tdm_div(num, den);
-    if (out && out->dtype != x->dtype) { /* a bf16 loss stays bf16, as PyTorch's */
-        tdm_tensor *f = out;
-        out = tdm_to_dtype(f, x->dtype);
-        tdm_drop_temp(f, NULL);
-    }
-    tdm_drop_temp(num, NULL);
-    tdm_drop_temp(den, NULL);
-    tdm_drop_temp(loss, NULL);
-    tdm_drop_temp(wsum, NULL);
+    if (!out || out->dtype == x->dtype) return out;
+    /* computed in f32, given in x's dtype as PyTorch's (a bf16 loss outside a region) */
+    tdm_tensor *f = out;
+    out = tdm_to_dtype(f, x->dtype);
+    tdm_drop_temp(f, NULL);
     return out;
 }
 
@@ -172,7 +174,8 @@ static int check_pair(const tdm_tensor *a, const tdm_tensor *t, tdm_reduction r,
 
 tdm_tensor *tdm_mse_loss(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
     if (!input || !target) return tdm_null_input("mse_loss");
-    TDM_AUTOCAST_SCOPED(tdm_mse_loss(input, target, r));
+    tdm_tensor *in0[2] = {input, target};
+    TDM_AUTOCAST_SCOPED(2, in0, tdm_mse_loss(input, target, r));
     if (check_pair(input, target, r, "mse_loss")) return NULL;
     if (!(input = tdm_autocast_arg(input, TDM_AC_F32)) ||
         !(target = tdm_autocast_arg(target, TDM_AC_F32)))
@@ -209,7 +212,8 @@ static int bce_backward(tdm_node *n, tdm_tensor *gout) {
 
 tdm_tensor *tdm_bce_with_logits(tdm_tensor *input, tdm_tensor *target, tdm_reduction r) {
     if (!input || !target) return tdm_null_input("bce_with_logits");
-    TDM_AUTOCAST_SCOPED(tdm_bce_with_logits(input, target, r));
+    tdm_tensor *in0[2] = {input, target};
+    TDM_AUTOCAST_SCOPED(2, in0, tdm_bce_with_logits(input, target, r));
     if (check_pair(input, target, r, "bce_with_logits")) return NULL;
     if (!(input = tdm_autocast_arg(input, TDM_AC_F32)) ||
         !(target = tdm_autocast_arg(target, TDM_AC_F32)))

@@ -8,7 +8,8 @@
  * ranks must issue collectives in the same order. Reverse registration order is a contiguous
  * range of the flat buffer for every bucket, so a bucket is a view, never a copy. Under ZeRO
  * stage 2 and 3 a bucket is a buffer of its own while in flight, reduced piece by piece to
- * the ranks whose shards hold them (a reduce-scatter of unequal pieces). */
+ * the ranks whose shards hold them (a reduce-scatter of unequal pieces). With reduce_dtype
+ * bf16 a bucket is rounded to bf16 before it is reduced and widened back after (launch_low). */
 #include "parallel/fsdp.h"
 #include "parallel/group.h"
 
@@ -318,7 +319,7 @@ static void reclaim(tdm_ddp *d) {
 /* ---- launching ----------------------------------------------------------------------------- */
 
 /* PyTorch's bf16_compress_hook: bucket b's gradient rounded to bf16 and all-reduced (average)
- * in bf16, which the groups sum in f32 in rank order and round once; bucket_widen takes the
+ * in bf16, which the groups sum in f32 in rank order and round once; bucket_wait takes the
  * result back into the f32 gradient. Unlike the hook, the division by the ranks happens in
  * f32 before that one rounding, not in bf16 before the sum. */
 static int launch_low(tdm_ddp *d, bucket *b) {

@@ -171,12 +171,6 @@ int tdm_cpu_lowp_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const td
     return LP_RUN(c, tdm_cpu_softmax_backward(wgx, wgy, wy, log));
 }
 
-int tdm_cpu_lowp_sum_squares(double *out, const tdm_tensor *x) {
-    lp_call c = {.what = "cpu sum_squares"};
-    const tdm_tensor *wx = lp_in(&c, x);
-    return LP_RUN(c, tdm_cpu_sum_squares(out, wx));
-}
-
 /* ---- matrix products -------------------------------------------------------------------- */
 
 /* The combinations the bf16 GEMM does not take (f16, bf16 with f32); tdm_cpu_matmul runs

@@ -12,8 +12,8 @@
  * bf16 a + an f32 b into an f32 y is PyTorch's type promotion). The fp32 paths are unchanged
  * but for that one test. Native paths that skip the widening are the kernels' own, chosen in
  * the same place: matmul with bf16 operands through the bf16 GEMM (cpu_matmul.c), the
- * element-wise kernels a chunk at a time through L1 (cpu_elementwise.c), index_select of one
- * dtype as bytes (cpu_index.c).
+ * element-wise kernels and sum_squares a chunk at a time through L1 (cpu_elementwise.c,
+ * cpu_reduce.c), index_select of one dtype as bytes (cpu_index.c).
  *
  * The optimizers' kernels (sgd_step, adam_step) stay fp32 only and refuse other dtypes:
  * parameters, their gradients as the optimizer reads them, and its state stay fp32. The
@@ -33,11 +33,11 @@ static inline bool tdm_cpu_lowp_any(int n, const tdm_tensor *const *ts) {
 
 /* tdm_cpu_lowp_<entry>: the widening adapter of kernel <entry>, with its signature. Defined
  * (cpu_lowp.c) for every kernel that takes float tensors except the memory and optimizer
- * kernels and the element-wise ones (unary, unary_backward, binary, axpy: native, chunked, in
- * cpu_elementwise.c); declared for all from the one list so that a signature cannot drift.
- * Each returns the fp32 kernel's status, TDM_ERR_NOMEM naming the kernel when a temporary
- * cannot be had, or TDM_ERR_ARG for a low-precision output that is not contiguous (no
- * kernel's contract has one); on an error the caller's low-precision outputs are untouched. */
+ * kernels and the native ones (unary, unary_backward, binary, axpy: chunked, in
+ * cpu_elementwise.c; sum_squares in cpu_reduce.c); declared for all from the one list so that a
+ * signature cannot drift. Each returns the fp32 kernel's status, TDM_ERR_NOMEM naming the kernel
+ * when a temporary cannot be had, or TDM_ERR_ARG for a low-precision output that is not contiguous
+ * (no kernel's contract has one); on an error the caller's low-precision outputs are untouched. */
 #define TDM_KERNEL(ret, entry, params) ret tdm_cpu_lowp_##entry params;
 #define TDM_UPLOAD(ret, entry, params)
 #include "backend/kernels.def"

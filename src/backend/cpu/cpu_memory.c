@@ -125,12 +125,24 @@ int tdm_cpu_copy(tdm_tensor *dst, const tdm_tensor *src) {
         }
         return TDM_OK;
     }
-    /* general case: walk dst and src together via a row-major element index */
+    /* one side contiguous and the storages distinct: one walk of the other side, converting
+     * element by element, with no buffer (linear's broadcast bias under autocast comes here
+     * every step, and a step allocates nothing from the system) */
     int64_t n = tdm_numel(src);
     if (n == 0) return TDM_OK;
+    int64_t k = 0;
+    if (dst->storage != src->storage && tdm_is_contiguous(dst)) {
+        FOR_EACH_OFFSET(src, off, store(d, dst->dtype, k++, load(s, src->dtype, off)));
+        return TDM_OK;
+    }
+    if (dst->storage != src->storage && tdm_is_contiguous(src)) {
+        FOR_EACH_OFFSET(dst, off, store(d, dst->dtype, off, load(s, src->dtype, k++)));
+        return TDM_OK;
+    }
+    /* general case (both strided, or one storage): through a buffer, so an overlap reads
+     * every element before any is written */
     double *tmp = malloc((size_t)n * sizeof(double));
     if (!tmp) return tdm_raise(TDM_ERR_NOMEM, "copy: out of memory");
-    int64_t k = 0;
     FOR_EACH_OFFSET(src, off, tmp[k++] = load(s, src->dtype, off));
     k = 0;
     FOR_EACH_OFFSET(dst, off, store(d, dst->dtype, off, tmp[k++]));

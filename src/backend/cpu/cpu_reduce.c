@@ -15,6 +15,7 @@
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_iter.h"
 #include "backend/cpu/cpu_math.h"
+#include "tandem/half.h"
 
 #define EW_CHUNK 256
 
@@ -342,31 +343,63 @@ int tdm_cpu_softmax_backward(tdm_tensor *gx, const tdm_tensor *gy, const tdm_ten
 
 /* ---- sum of squares --------------------------------------------------------------------- */
 
-/* Accepts any strides (a parameter's gradient may be a view into the flat buffer). */
+/* *s0, *s1 += the squares of row[0..n) (stride sx), in pairs (i even into s0, i + 1 into
+ * s1) and an odd last element into s0: the order both paths below keep. */
+static inline void sum_squares_row(const float *row, int64_t sx, int64_t n, double *s0,
+                                   double *s1) {
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+        double a = row[i * sx], b = row[(i + 1) * sx];
+        *s0 += a * a;
+        *s1 += b * b;
+    }
+    for (; i < n; i++) {
+        double a = row[i * sx];
+        *s0 += a * a;
+    }
+}
+
+/* Elements of a bf16 or f16 row widened at a time (even, so that pairs stay the fp32 path's) */
+#define SQ_CHUNK 512
+
+/* Accepts any strides (a parameter's gradient may be a view into the flat buffer). A bf16 or
+ * f16 x is widened a chunk at a time into a stack buffer: the same double as the fp32 path
+ * gives for x's values, with no temporary tensor. */
 TDM_CPU_CLONES
 int tdm_cpu_sum_squares(double *out, const tdm_tensor *x) {
-    if (tdm_cpu_lowp_any(1, (const tdm_tensor *[]){x})) return tdm_cpu_lowp_sum_squares(out, x);
-    if (ew_check_f32("cpu sum_squares", 1, &x)) return tdm_last_status();
+    bool lowp = tdm_cpu_lowp_any(1, &x);
+    if (!lowp && ew_check_f32("cpu sum_squares", 1, &x)) return tdm_last_status();
     *out = 0;
     if (tdm_numel(x) == 0) return TDM_OK;
-    const float *xp = (const float *)tdm_data_ptr(x);
     int64_t off[EW_MAX_OPS], idx[TDM_MAX_DIMS];
     const int64_t *st[1] = {x->strides};
     ew_iter it;
     ew_init(&it, x->ndim, x->shape, 1, st);
     ew_begin(&it, idx, off);
     double s0 = 0, s1 = 0;
+    if (!lowp) {
+        const float *xp = (const float *)tdm_data_ptr(x);
+        for (int64_t r = 0; r < it.rows; r++, ew_next(&it, idx, off))
+            sum_squares_row(xp + off[0], it.inner[0], it.n, &s0, &s1);
+        *out = s0 + s1;
+        return TDM_OK;
+    }
+    const uint16_t *hp = (const uint16_t *)tdm_data_ptr(x);
+    float buf[SQ_CHUNK];
     for (int64_t r = 0; r < it.rows; r++, ew_next(&it, idx, off)) {
-        const float *row = xp + off[0];
-        int64_t sx = it.inner[0], i = 0;
-        for (; i + 2 <= it.n; i += 2) {
-            double a = row[i * sx], b = row[(i + 1) * sx];
-            s0 += a * a;
-            s1 += b * b;
-        }
-        for (; i < it.n; i++) {
-            double a = row[i * sx];
-            s0 += a * a;
+        int64_t sx = it.inner[0];
+        for (int64_t c = 0; c < it.n; c += SQ_CHUNK) {
+            int64_t len = it.n - c < SQ_CHUNK ? it.n - c : SQ_CHUNK;
+            const uint16_t *p = hp + off[0] + c * sx;
+            if (sx == 1 && x->dtype == TDM_BF16)
+                tdm_bf16_to_f32(buf, p, (size_t)len);
+            else if (sx == 1)
+                tdm_f16_to_f32(buf, p, (size_t)len);
+            else
+                for (int64_t i = 0; i < len; i++)
+                    buf[i] = x->dtype == TDM_BF16 ? tdm_bf16_to_float(p[i * sx])
+                                                  : tdm_f16_to_float(p[i * sx]);
+            sum_squares_row(buf, 1, len, &s0, &s1);
         }
     }
     *out = s0 + s1;

@@ -9,7 +9,14 @@
  * that our own forward kernels produced (argmax, max-pool indices) are trusted: an
  * out-of-range one is skipped, not reported. Nothing calls cudaDeviceSynchronize in a training
  * step. Memory blocks come from the caching allocator (src/core/alloc.c) and are reused in
- * compute-stream order, which is safe because every kernel of a device runs on that one stream. */
+ * compute-stream order, which is safe because every kernel of a device runs on that one stream.
+ *
+ * Dtypes (issue 37): the kernels a training step runs take f32, bf16 or f16 tensors, computing
+ * in f32 and rounding each output once (cuda_common.cuh, cu_ld/cu_to); one dtype per call for
+ * the data operands, except binary (any mix, into the caller's y), axpy and index_add (a low
+ * gradient into an f32 one) and matmul (bf16 or f16 products into f32 too, cublasGemmEx with
+ * fp32 compute). Weights, biases, statistics, lse and losses stay f32. conv2d, bce_logits and
+ * the optimizers are f32 only and refuse the rest with TDM_ERR_DTYPE naming it. */
 #ifndef TDM_CUDA_H
 #define TDM_CUDA_H
 

@@ -14,7 +14,12 @@
  * step on an H200 (bench/RESULTS.md, "GPU check"). Half of each S is above the diagonal and
  * wasted; a fused kernel that skips it and keeps S out of memory is the next step. Every sum
  * runs in a fixed order (cuBLAS's kernels for given shapes, the block reductions' fixed
- * trees): the results are the same on every run. */
+ * trees): the results are the same on every run.
+ *
+ * qkv, y, dy and dqkv may be bf16 or f16 (one dtype per call; lse stays f32, as in PyTorch's
+ * flash kernels): the heads are loaded into the f32 scratch as they are copied apart and
+ * rounded once as they are copied back, so everything between runs in f32. Products in the
+ * low precision on tensor cores would be faster; they are not done yet. */
 #include "backend/cuda/cuda_common.cuh"
 
 #include <assert.h>
@@ -30,17 +35,18 @@ typedef struct {
     float scale;
 } att_geom;
 
-/* dst [parts, B*nh, T, hs] <- src [B, T, parts*C] (split), or back (merge). */
-__global__ void att_heads_kernel(float *heads, float *rows, att_geom g, int parts, bool split) {
+/* dst [parts, B*nh, T, hs] <- src [B, T, parts*C] (split), or back (merge); rows of type T. */
+template <typename T>
+__global__ void att_heads_kernel(float *heads, T *rows, att_geom g, int parts, bool split) {
     const int64_t n = parts * g.B * g.T * g.C;
     CU_LOOP(i, n) {
         int64_t d = i % g.hs, r = i / g.hs, t = r % g.T, bh = r / g.T, h = bh % g.nh;
         int64_t b = (bh / g.nh) % g.B, p = bh / (g.nh * g.B);
-        float *row = rows + (b * g.T + t) * parts * g.C + p * g.C + h * g.hs + d;
+        T *row = rows + (b * g.T + t) * parts * g.C + p * g.C + h * g.hs + d;
         if (split)
-            heads[i] = *row;
+            heads[i] = cu_ld(*row);
         else
-            *row = heads[i];
+            *row = cu_to<T>(heads[i]);
     }
 }
 
@@ -93,11 +99,18 @@ static int att_gemm(cu_device *d, int index, bool ta, bool tb, int64_t m, int64_
     return cu_check_blas(st, what, index);
 }
 
-/* Copies the heads of rows [B, T, parts*C] to or from heads [parts, B*nh, T, hs]. */
-static int att_heads(cu_device *d, int index, float *heads, const float *rows, att_geom g,
+template <typename T>
+static void att_heads_launch(cu_device *d, float *heads, const tdm_tensor *rows, att_geom g,
+                             int parts, bool split) {
+    att_heads_kernel<T><<<cu_blocks(parts * g.B * g.T * g.C), CU_THREADS, 0, d->compute>>>(
+        heads, cu_p<T>(rows), g, parts, split);
+}
+
+/* Copies the heads of rows [B, T, parts*C] (f32, bf16 or f16) to or from f32 heads
+ * [parts, B*nh, T, hs]. */
+static int att_heads(cu_device *d, int index, float *heads, const tdm_tensor *rows, att_geom g,
                      int parts, bool split) {
-    att_heads_kernel<<<cu_blocks(parts * g.B * g.T * g.C), CU_THREADS, 0, d->compute>>>(
-        heads, (float *)rows, g, parts, split);
+    CU_DISPATCH(rows->dtype, att_heads_launch, d, heads, rows, g, parts, split);
     return cu_check_launch(split ? "attention (heads apart)" : "attention (heads together)", index);
 }
 
@@ -112,6 +125,12 @@ static int att_setup(const char *op, const tdm_tensor *qkv, const tdm_tensor *y,
     assert(tdm_is_contiguous(qkv) && tdm_is_contiguous(y) && tdm_is_contiguous(lse) &&
            tdm_numel(y) == B * T * C && tdm_numel(lse) == B * n_head * T);
     *g = att_geom{B, T, C, n_head, C / n_head, 1.0f / sqrtf((float)(C / n_head))};
+    if (!tdm_dtype_is_float(qkv->dtype) || y->dtype != qkv->dtype || lse->dtype != TDM_F32)
+        return tdm_raise(TDM_ERR_DTYPE,
+                         "%s: qkv %s and y (or dy) %s must be one of f32, bf16, "
+                         "f16, and lse f32 (got %s)",
+                         op, tdm_dtype_name(qkv->dtype), tdm_dtype_name(y->dtype),
+                         tdm_dtype_name(lse->dtype));
     if (T * T > INT32_MAX || B * n_head * T > INT32_MAX)
         return tdm_raise(TDM_ERR_SHAPE, "%s: context %lld with %lld heads exceeds cuBLAS's sizes",
                          op, (long long)T, (long long)(B * n_head));
@@ -138,7 +157,7 @@ extern "C" int tdm_cuda_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tens
     float *q = (float *)cu_scratch(idx, sizeof(float) * (size_t)(4 * BTC + n * T * T), &hold);
     if (!q) return tdm_last_status();
     float *k = q + BTC, *v = k + BTC, *yh = v + BTC, *S = yh + BTC;
-    rc = att_heads(d, idx, q, cu_f(qkv), g, 3, true);
+    rc = att_heads(d, idx, q, qkv, g, 3, true);
     for (int64_t h0 = 0; h0 < H && !rc; h0 += n) {
         const int64_t m = H - h0 < n ? H - h0 : n, off = h0 * T * hs;
         rc = att_gemm(d, idx, false, true, T, T, hs, g.scale, q + off, hs, T * hs, k + off, hs,
@@ -152,7 +171,7 @@ extern "C" int tdm_cuda_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tens
             rc = att_gemm(d, idx, false, false, T, hs, T, 1.0f, S, T, T * T, v + off, hs, T * hs,
                           yh + off, hs, T * hs, m, "attention (P v)");
     }
-    if (!rc) rc = att_heads(d, idx, yh, cu_f(y), g, 1, false);
+    if (!rc) rc = att_heads(d, idx, yh, y, g, 1, false);
     tdm_storage_release(hold); /* in stream order: the kernels above run first */
     return rc;
 }
@@ -164,6 +183,7 @@ extern "C" int tdm_cuda_attention_backward(tdm_tensor *dqkv, const tdm_tensor *d
     int rc = att_setup("cuda attention_backward", qkv, dy, lse, n_head, &g);
     if (rc) return rc > 0 ? TDM_OK : rc;
     assert(tdm_is_contiguous(dqkv) && tdm_numel(dqkv) == tdm_numel(qkv)); /* the op's alloc */
+    if (cu_check_float("attention_backward", true, {qkv, dqkv})) return tdm_last_status();
     int idx = qkv->device.index;
     cu_device *d = cu_dev_of(qkv, "attention_backward");
     if (!d) return tdm_last_status();
@@ -173,8 +193,8 @@ extern "C" int tdm_cuda_attention_backward(tdm_tensor *dqkv, const tdm_tensor *d
     if (!q) return tdm_last_status();
     float *k = q + BTC, *v = k + BTC, *gy = v + BTC, *dq = gy + BTC, *dk = dq + BTC, *dv = dk + BTC,
           *S = dv + BTC, *dP = S + n * T * T;
-    rc = att_heads(d, idx, q, cu_f(qkv), g, 3, true);
-    if (!rc) rc = att_heads(d, idx, gy, cu_f(dy), g, 1, true);
+    rc = att_heads(d, idx, q, qkv, g, 3, true);
+    if (!rc) rc = att_heads(d, idx, gy, dy, g, 1, true);
     for (int64_t h0 = 0; h0 < H && !rc; h0 += n) {
         const int64_t m = H - h0 < n ? H - h0 : n, off = h0 * T * hs, st = T * hs;
         rc = att_gemm(d, idx, false, true, T, T, hs, g.scale, q + off, hs, st, k + off, hs, st, S,
@@ -197,7 +217,7 @@ extern "C" int tdm_cuda_attention_backward(tdm_tensor *dqkv, const tdm_tensor *d
             rc = att_gemm(d, idx, true, false, T, hs, T, g.scale, dP, T, T * T, q + off, hs, st,
                           dk + off, hs, st, m, "attention_backward (dS^T q)");
     }
-    if (!rc) rc = att_heads(d, idx, dq, cu_f(dqkv), g, 3, false);
+    if (!rc) rc = att_heads(d, idx, dq, dqkv, g, 3, false);
     tdm_storage_release(hold); /* in stream order: the kernels above run first */
     return rc;
 }

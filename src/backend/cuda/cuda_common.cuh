@@ -8,6 +8,9 @@
 
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <initializer_list>
 #include <pthread.h>
 #include <stdint.h>
 
@@ -93,6 +96,66 @@ static inline float *cu_f(const tdm_tensor *t) {
     return t ? (float *)tdm_cuda_ptr(t) : NULL;
 }
 
+/* ---- element types: f32, bf16 (__nv_bfloat16), f16 (__half) ----------------------------
+ *
+ * Kernels that take floating-point tensors are templates over the element type: they load
+ * each element to float with cu_ld, compute in float, and round each output once with
+ * cu_to<T> (round to nearest even; for float both are the identity, so the f32
+ * instantiation is the code it was). The host picks the instantiation once per call from the
+ * tensor's dtype (CU_DISPATCH). */
+__device__ __forceinline__ float cu_ld(float v) {
+    return v;
+}
+__device__ __forceinline__ float cu_ld(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+__device__ __forceinline__ float cu_ld(__half v) {
+    return __half2float(v);
+}
+template <typename T> __device__ __forceinline__ T cu_to(float v);
+template <> __device__ __forceinline__ float cu_to<float>(float v) {
+    return v;
+}
+template <> __device__ __forceinline__ __nv_bfloat16 cu_to<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __half cu_to<__half>(float v) {
+    return __float2half_rn(v);
+}
+
+/* A tensor's elements as T (NULL for NULL); the caller dispatched on its dtype. */
+template <typename T> static inline T *cu_p(const tdm_tensor *t) {
+    return t ? (T *)tdm_cuda_ptr(t) : NULL;
+}
+
+/* fn<T>(args...) for T the element type of floating-point dtype dt (f32 for any other: the
+ * caller checked it with cu_check_float). */
+#define CU_DISPATCH(dt, fn, ...)                                                                   \
+    ((dt) == TDM_BF16  ? fn<__nv_bfloat16>(__VA_ARGS__)                                            \
+     : (dt) == TDM_F16 ? fn<__half>(__VA_ARGS__)                                                   \
+                       : fn<float>(__VA_ARGS__))
+
+/* TDM_ERR_DTYPE naming the kernel unless every non-NULL tensor of ts is f32, bf16 or f16 and,
+ * where same, all of the first one's dtype: cu_check_float("softmax", true, {y, x}). */
+static inline int cu_check_float(const char *op, bool same,
+                                 std::initializer_list<const tdm_tensor *> ts) {
+    const tdm_tensor *first = *ts.begin();
+    int i = 0;
+    for (const tdm_tensor *t : ts) {
+        if (t && (!tdm_dtype_is_float(t->dtype) || (same && first && t->dtype != first->dtype)))
+            return tdm_raise(TDM_ERR_DTYPE, "cuda %s: operand %d is %s, expected %s", op, i,
+                             tdm_dtype_name(t->dtype),
+                             same && first && tdm_dtype_is_float(first->dtype)
+                                 ? tdm_dtype_name(first->dtype)
+                                 : "f32, bf16 or f16");
+        i++;
+    }
+    return TDM_OK;
+}
+
+/* dst[i] = src[i] rounded to T: a low-precision output summed in an f32 copy, rounded once. */
+template <typename T> __global__ void cu_narrow_kernel(T *dst, const float *src, int64_t n);
+
 /* A tensor's geometry by value, for kernels that walk any strides: element i (row-major
  * over shape) lives at offset cu_offset(v, i). Contiguous tensors collapse to one dim so
  * the offset is i itself. */
@@ -129,6 +192,10 @@ __device__ __forceinline__ int64_t cu_offset(const cu_view &v, int64_t i) {
 #define CU_LOOP(i, n)                                                                              \
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                      \
          i += (int64_t)blockDim.x * gridDim.x)
+
+template <typename T> __global__ void cu_narrow_kernel(T *dst, const float *src, int64_t n) {
+    CU_LOOP(i, n) dst[i] = cu_to<T>(src[i]);
+}
 
 /* ---- block reductions (fixed tree order: deterministic for a given block size) ---------- */
 

@@ -2,7 +2,9 @@
  * they and the cross-entropy (cuda_loss.cu) run before writing anything.
  *
  * Determinism: in index_add one thread owns a column of gx and adds gy's rows in increasing
- * i, as the CPU does: no float atomics. */
+ * i, as the CPU does: no float atomics. index_select moves any dtype's bits; index_add takes
+ * gy in f32, bf16 or f16 and gx in gy's dtype or f32, summing in f32 (a low-precision gx
+ * through an f32 copy, so that each of its elements is rounded once). */
 #include "backend/cuda/cuda_common.cuh"
 
 #include <assert.h>
@@ -67,7 +69,11 @@ extern "C" int tdm_cuda_index_select(tdm_tensor *y, const tdm_tensor *x, int dim
     bool i64 = idx->dtype == TDM_I64;
     int64_t ist = idx->ndim ? idx->strides[0] : 0;
     const void *ip = tdm_cuda_ptr(idx);
-    if (tdm_dtype_size(x->dtype) == 8)
+    if (tdm_dtype_size(x->dtype) == 2) /* bf16, f16: the bits */
+        index_select_kernel<uint16_t><<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(
+            (uint16_t *)tdm_cuda_ptr(y), (const uint16_t *)tdm_cuda_ptr(x), ip, i64, ist, outer, k,
+            n, inner);
+    else if (tdm_dtype_size(x->dtype) == 8)
         index_select_kernel<int64_t><<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(
             (int64_t *)tdm_cuda_ptr(y), (const int64_t *)tdm_cuda_ptr(x), ip, i64, ist, outer, k, n,
             inner);
@@ -80,27 +86,56 @@ extern "C" int tdm_cuda_index_select(tdm_tensor *y, const tdm_tensor *x, int dim
 
 /* One thread per (o, j) column adds gy's k rows in increasing i: a repeated index sums in
  * the same order on every run, with no atomics. */
-__global__ void index_add_kernel(float *gx, const float *gy, const void *idx, bool i64, int64_t ist,
+template <typename T>
+__global__ void index_add_kernel(float *gx, const T *gy, const void *idx, bool i64, int64_t ist,
                                  int64_t outer, int64_t k, int64_t n, int64_t inner) {
     CU_LOOP(e, outer * inner) {
         int64_t o = e / inner, j = e % inner;
         for (int64_t i = 0; i < k; i++)
-            gx[(o * n + cu_index_at(idx, i64, ist, i)) * inner + j] += gy[(o * k + i) * inner + j];
+            gx[(o * n + cu_index_at(idx, i64, ist, i)) * inner + j] +=
+                cu_ld(gy[(o * k + i) * inner + j]);
     }
+}
+
+/* A low-precision gx into its f32 copy (cu_narrow_kernel takes it back). */
+template <typename T> __global__ void widen_kernel(float *dst, const T *src, int64_t n) {
+    CU_LOOP(i, n) dst[i] = cu_ld(src[i]);
+}
+
+template <typename T>
+static int index_add_launch(cu_device *d, tdm_tensor *gx, const tdm_tensor *idx,
+                            const tdm_tensor *gy, int64_t outer, int64_t k, int64_t n,
+                            int64_t inner) {
+    int index = gx->device.index;
+    int64_t nx = tdm_numel(gx);
+    tdm_storage *hold = NULL;
+    float *acc =
+        gx->dtype == TDM_F32 ? cu_f(gx) : (float *)cu_scratch(index, sizeof(float) * nx, &hold);
+    if (!acc) return tdm_last_status();
+    if (hold) widen_kernel<T><<<cu_blocks(nx), CU_THREADS, 0, d->compute>>>(acc, cu_p<T>(gx), nx);
+    index_add_kernel<T><<<cu_blocks(outer * inner), CU_THREADS, 0, d->compute>>>(
+        acc, cu_p<T>(gy), tdm_cuda_ptr(idx), idx->dtype == TDM_I64, idx->ndim ? idx->strides[0] : 0,
+        outer, k, n, inner);
+    if (hold)
+        cu_narrow_kernel<T><<<cu_blocks(nx), CU_THREADS, 0, d->compute>>>(cu_p<T>(gx), acc, nx);
+    int rc = cu_check_launch("index_add", index);
+    if (hold) tdm_storage_release(hold); /* in stream order: the kernels above run first */
+    return rc;
 }
 
 extern "C" int tdm_cuda_index_add(tdm_tensor *gx, int dim, const tdm_tensor *idx,
                                   const tdm_tensor *gy) {
-    assert(tdm_is_contiguous(gx) && tdm_is_contiguous(gy) && gx->dtype == TDM_F32 &&
-           gy->dtype == TDM_F32); /* index_select's backward allocates them so */
+    assert(tdm_is_contiguous(gx) && tdm_is_contiguous(gy)); /* index_select's backward's */
+    if (cu_check_float("index_add", false, {gx, gy})) return tdm_last_status();
+    if (gx->dtype != gy->dtype && gx->dtype != TDM_F32)
+        return tdm_raise(TDM_ERR_DTYPE, "cuda index_add: gy %s into gx %s (gx must be %s or f32)",
+                         tdm_dtype_name(gy->dtype), tdm_dtype_name(gx->dtype),
+                         tdm_dtype_name(gy->dtype));
     int64_t outer, n, inner, k = tdm_numel(idx);
     cu_split_dim(gx, dim, &outer, &n, &inner);
     cu_device *d = cu_dev_of(gx, "index_add");
     if (!d) return tdm_last_status();
     if (cu_check_indices(d, idx, k, n, dim, "index_add", false, 0)) return tdm_last_status();
     if (outer * inner == 0 || k == 0) return TDM_OK;
-    index_add_kernel<<<cu_blocks(outer * inner), CU_THREADS, 0, d->compute>>>(
-        cu_f(gx), cu_f(gy), tdm_cuda_ptr(idx), idx->dtype == TDM_I64,
-        idx->ndim ? idx->strides[0] : 0, outer, k, n, inner);
-    return cu_check_launch("index_add", gx->device.index);
+    return CU_DISPATCH(gy->dtype, index_add_launch, d, gx, idx, gy, outer, k, n, inner);
 }

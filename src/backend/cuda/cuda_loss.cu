@@ -2,7 +2,9 @@
  * logits, one thread per element (formulas in cpu_loss.c).
  *
  * Determinism: no float atomics; a sample's sums run in a fixed block tree and accumulate in
- * double, as in cuda_reduce.cu. */
+ * double, as in cuda_reduce.cu. Cross-entropy reads f32, bf16 or f16 logits (its gradient in
+ * their dtype, rounded once); the loss, the weights and the incoming gradient are f32.
+ * Binary cross-entropy stays f32 (autocast runs it in f32: docs/MIXED_PRECISION.md). */
 #include "backend/cuda/cuda_common.cuh"
 
 #include <assert.h>
@@ -26,7 +28,17 @@ __global__ void bce_bwd_kernel(float *gx, const float *g, const float *x, const 
     }
 }
 
+/* f32 only: autocast runs this loss in f32 (docs/MIXED_PRECISION.md). */
+static int bce_check(const char *op, std::initializer_list<const tdm_tensor *> ts) {
+    for (const tdm_tensor *t : ts)
+        if (t->dtype != TDM_F32)
+            return tdm_raise(TDM_ERR_DTYPE, "cuda %s: f32 tensors only, got %s", op,
+                             tdm_dtype_name(t->dtype));
+    return TDM_OK;
+}
+
 extern "C" int tdm_cuda_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const tdm_tensor *y) {
+    if (bce_check("bce_logits", {loss, x, y})) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "bce_logits");
     if (!d) return tdm_last_status();
     int64_t n = tdm_numel(x);
@@ -37,6 +49,7 @@ extern "C" int tdm_cuda_bce_logits(tdm_tensor *loss, const tdm_tensor *x, const 
 
 extern "C" int tdm_cuda_bce_logits_backward(tdm_tensor *gx, const tdm_tensor *g,
                                             const tdm_tensor *x, const tdm_tensor *y) {
+    if (bce_check("bce_logits_backward", {gx, g, x, y})) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "bce_logits_backward");
     if (!d) return tdm_last_status();
     int64_t n = tdm_numel(x);
@@ -48,27 +61,29 @@ extern "C" int tdm_cuda_bce_logits_backward(tdm_tensor *gx, const tdm_tensor *g,
 
 /* ---- cross-entropy: one block per sample (formulas in cpu_loss.c) ------------------------ */
 
-typedef struct {
-    const float *x, *w;
+template <typename T> struct ce_args {
+    const T *x;
+    const float *w;
     const void *target;
     bool t64;
     int64_t tstride, N, C, ignore;
     float e;
     bool is_logits;
-} ce_args;
+};
 
 /* The row's log-sum-exp (0 for log-probabilities) and, when smoothing, sum_c w[c]*(lse-x[c]);
  * every thread of the block gets them. */
-__device__ void ce_row(const ce_args &a, const float *xr, double *lse_out, double *smooth_out) {
+template <typename T>
+__device__ void ce_row(const ce_args<T> &a, const T *xr, double *lse_out, double *smooth_out) {
     __shared__ float shf[CU_THREADS];
     __shared__ double shd[CU_THREADS];
     double lse = 0;
     if (a.is_logits) {
         float m = -INFINITY;
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) m = cu_nanmax(m, xr[c]);
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) m = cu_nanmax(m, cu_ld(xr[c]));
         m = cu_block_max(m, shf);
         double s = 0;
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) s += expf(xr[c] - m);
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) s += expf(cu_ld(xr[c]) - m);
         lse = m + log(cu_block_sum(s, shd));
     }
     double sm = 0;
@@ -76,7 +91,7 @@ __device__ void ce_row(const ce_args &a, const float *xr, double *lse_out, doubl
         double sx = 0, wt = 0;
         for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
             double w = a.w ? a.w[c] : 1.0;
-            sx += w * xr[c];
+            sx += w * cu_ld(xr[c]);
             wt += w;
         }
         sx = cu_block_sum(sx, shd);
@@ -87,7 +102,7 @@ __device__ void ce_row(const ce_args &a, const float *xr, double *lse_out, doubl
     *smooth_out = sm;
 }
 
-__global__ void ce_kernel(float *loss, float *wsum, ce_args a) {
+template <typename T> __global__ void ce_kernel(float *loss, float *wsum, ce_args<T> a) {
     int64_t i = blockIdx.x;
     int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
     if (t == a.ignore) { /* uniform across the block: no thread reaches a barrier below */
@@ -97,28 +112,29 @@ __global__ void ce_kernel(float *loss, float *wsum, ce_args a) {
         }
         return;
     }
-    const float *xr = a.x + i * a.C;
+    const T *xr = a.x + i * a.C;
     double lse, sm;
     ce_row(a, xr, &lse, &sm);
     if (threadIdx.x == 0) {
         double wt = a.w ? a.w[t] : 1.0, e = a.e;
-        double l = (1 - e) * wt * (lse - xr[t]);
+        double l = (1 - e) * wt * (lse - cu_ld(xr[t]));
         if (e > 0) l += e / (double)a.C * sm;
         loss[i] = (float)l;
         if (wsum) wsum[i] = (float)wt;
     }
 }
 
-__global__ void ce_bwd_kernel(float *gx, const float *gloss, int64_t gstride, ce_args a) {
+template <typename T>
+__global__ void ce_bwd_kernel(T *gx, const float *gloss, int64_t gstride, ce_args<T> a) {
     __shared__ double shd[CU_THREADS];
     int64_t i = blockIdx.x;
     int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
-    float *gr = gx + i * a.C;
+    T *gr = gx + i * a.C;
     if (t == a.ignore) {
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) gr[c] = 0;
+        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) gr[c] = cu_to<T>(0.0f);
         return;
     }
-    const float *xr = a.x + i * a.C;
+    const T *xr = a.x + i * a.C;
     float g = gloss[i * gstride], wt = a.w ? a.w[t] : 1.0f;
     float eC = a.e / (float)a.C, ge = g * eC;
     if (a.is_logits) {
@@ -129,25 +145,25 @@ __global__ void ce_bwd_kernel(float *gx, const float *gloss, int64_t gstride, ce
         wtot = cu_block_sum(wtot, shd);
         float total = g * (float)((1 - a.e) * wt + eC * wtot), l = (float)lse;
         for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
-            float v = expf(xr[c] - l) * total - ge * (a.w ? a.w[c] : 1.0f);
-            gr[c] = c == t ? v - g * (1 - a.e) * wt : v;
+            float v = expf(cu_ld(xr[c]) - l) * total - ge * (a.w ? a.w[c] : 1.0f);
+            gr[c] = cu_to<T>(c == t ? v - g * (1 - a.e) * wt : v);
         }
     } else {
         for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
             float v = -ge * (a.w ? a.w[c] : 1.0f);
-            gr[c] = c == t ? v - g * (1 - a.e) * wt : v;
+            gr[c] = cu_to<T>(c == t ? v - g * (1 - a.e) * wt : v);
         }
     }
 }
 
-static int ce_prepare(ce_args *a, cu_device **d, const tdm_tensor *x, const tdm_tensor *target,
+template <typename T>
+static int ce_prepare(ce_args<T> *a, cu_device **d, const tdm_tensor *x, const tdm_tensor *target,
                       const tdm_tensor *weight, int64_t ignore, float smoothing, bool is_logits,
                       const char *op) {
-    /* the op (nn/loss.c) refused an input that is not f32 [N, C] and made x and weight
+    /* the op (nn/loss.c) refused an input that is not [N, C] and made x and weight
      * contiguous */
-    assert(x->ndim == 2 && tdm_is_contiguous(x) && x->dtype == TDM_F32 &&
-           (!weight || tdm_is_contiguous(weight)));
-    a->x = cu_f(x);
+    assert(x->ndim == 2 && tdm_is_contiguous(x) && (!weight || tdm_is_contiguous(weight)));
+    a->x = cu_p<T>(x);
     a->w = cu_f(weight);
     a->target = tdm_cuda_ptr(target);
     a->t64 = target->dtype == TDM_I64;
@@ -159,29 +175,60 @@ static int ce_prepare(ce_args *a, cu_device **d, const tdm_tensor *x, const tdm_
     return cu_check_indices(*d, target, a->N, a->C, 0, "cross_entropy", true, ignore);
 }
 
-extern "C" int tdm_cuda_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
-                                      const tdm_tensor *target, const tdm_tensor *weight,
-                                      int64_t ignore_index, float smoothing, bool is_logits) {
-    ce_args a;
+static int ce_check_f32(const char *op, const tdm_tensor *t) {
+    if (t && t->dtype != TDM_F32)
+        return tdm_raise(TDM_ERR_DTYPE,
+                         "cuda %s: the loss, weights and gradient must be f32, got %s", op,
+                         tdm_dtype_name(t->dtype));
+    return TDM_OK;
+}
+
+template <typename T>
+static int ce_launch(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
+                     const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
+                     float smoothing, bool is_logits) {
+    ce_args<T> a;
     cu_device *d = NULL;
     if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits, "cross_entropy"))
         return tdm_last_status();
     if (a.N == 0) return TDM_OK;
-    ce_kernel<<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(cu_f(loss), cu_f(wsum), a);
+    ce_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(cu_f(loss), cu_f(wsum), a);
     return cu_check_launch("cross_entropy", x->device.index);
+}
+
+template <typename T>
+static int ce_bwd_launch(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x,
+                         const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
+                         float smoothing, bool is_logits) {
+    ce_args<T> a;
+    cu_device *d = NULL;
+    if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits,
+                   "cross_entropy_backward"))
+        return tdm_last_status();
+    if (a.N == 0) return TDM_OK;
+    ce_bwd_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(
+        cu_p<T>(gx), cu_f(gloss), gloss->ndim ? gloss->strides[0] : 0, a);
+    return cu_check_launch("cross_entropy_backward", x->device.index);
+}
+
+extern "C" int tdm_cuda_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
+                                      const tdm_tensor *target, const tdm_tensor *weight,
+                                      int64_t ignore_index, float smoothing, bool is_logits) {
+    if (cu_check_float("cross_entropy", true, {x}) || ce_check_f32("cross_entropy", loss) ||
+        ce_check_f32("cross_entropy", wsum) || ce_check_f32("cross_entropy", weight))
+        return tdm_last_status();
+    return CU_DISPATCH(x->dtype, ce_launch, loss, wsum, x, target, weight, ignore_index, smoothing,
+                       is_logits);
 }
 
 extern "C" int tdm_cuda_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss,
                                                const tdm_tensor *x, const tdm_tensor *target,
                                                const tdm_tensor *weight, int64_t ignore_index,
                                                float smoothing, bool is_logits) {
-    ce_args a;
-    cu_device *d = NULL;
-    if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits,
-                   "cross_entropy_backward"))
+    if (cu_check_float("cross_entropy_backward", true, {x, gx}) ||
+        ce_check_f32("cross_entropy_backward", gloss) ||
+        ce_check_f32("cross_entropy_backward", weight))
         return tdm_last_status();
-    if (a.N == 0) return TDM_OK;
-    ce_bwd_kernel<<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(
-        cu_f(gx), cu_f(gloss), gloss->ndim ? gloss->strides[0] : 0, a);
-    return cu_check_launch("cross_entropy_backward", x->device.index);
+    return CU_DISPATCH(x->dtype, ce_bwd_launch, gx, gloss, x, target, weight, ignore_index,
+                       smoothing, is_logits);
 }

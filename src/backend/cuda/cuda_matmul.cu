@@ -1,4 +1,6 @@
-/* CUDA matrix products: batched row-major GEMMs on cuBLAS.
+/* CUDA matrix products: batched row-major GEMMs on cuBLAS: SGEMM in f32; bf16 or f16 operands
+ * through cublasGemmStridedBatchedEx with fp32 accumulation (CUBLAS_COMPUTE_32F), the
+ * product rounded once into c's dtype (a's, or f32).
  *
  * Row-major to column-major: cuBLAS sees a row-major [r, c] matrix with row stride ld as a
  * column-major [c, r] one with the same ld, so row-major C = A B is computed as the
@@ -22,6 +24,13 @@ extern "C" int tdm_cuda_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_ten
         return tdm_raise(TDM_ERR_SHAPE, "cuda matmul: expects 3-D operands, c contiguous");
     if (a->strides[2] != 1 || b->strides[2] != 1)
         return tdm_raise(TDM_ERR_ARG, "cuda matmul: operands need unit stride in their last dim");
+    /* a and b of one dtype; c of theirs or f32 (a bf16 product kept in f32) */
+    if (cu_check_float("matmul", true, {a, b}) || cu_check_float("matmul", false, {c}))
+        return tdm_last_status();
+    if (c->dtype != a->dtype && c->dtype != TDM_F32)
+        return tdm_raise(TDM_ERR_DTYPE, "cuda matmul: a %s product into %s (c must be %s or f32)",
+                         tdm_dtype_name(a->dtype), tdm_dtype_name(c->dtype),
+                         tdm_dtype_name(a->dtype));
     int64_t batch = c->shape[0], n = c->shape[1], m = c->shape[2];
     int64_t k = ta ? a->shape[1] : a->shape[2];
     cu_device *d = cu_dev_of(c, "matmul");
@@ -33,6 +42,16 @@ extern "C" int tdm_cuda_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_ten
         ldb > INT_MAX)
         return tdm_raise(TDM_ERR_SHAPE, "cuda matmul: a dimension exceeds cuBLAS's int range");
     const float one = 1.0f;
+    if (a->dtype != TDM_F32) {
+        cudaDataType t = a->dtype == TDM_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+        cudaDataType ct = c->dtype == TDM_F32 ? CUDA_R_32F : t;
+        cublasStatus_t st = cublasGemmStridedBatchedEx(
+            d->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m, (int)n,
+            (int)k, &one, tdm_cuda_ptr(b), t, (int)ldb, b->strides[0], tdm_cuda_ptr(a), t, (int)lda,
+            a->strides[0], &beta, tdm_cuda_ptr(c), ct, (int)m, n * m, (int)batch,
+            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        return cu_check_blas(st, "matmul (cublasGemmStridedBatchedEx)", c->device.index);
+    }
     cublasStatus_t st = cublasSgemmStridedBatched(
         d->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m, (int)n,
         (int)k, &one, cu_f(b), (int)ldb, b->strides[0], cu_f(a), (int)lda, a->strides[0], &beta,

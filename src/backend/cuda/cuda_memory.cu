@@ -219,26 +219,35 @@ int64_t cu_index_to_host(const tdm_tensor *idx, int64_t i) {
 __device__ __forceinline__ double cu_load(const void *p, tdm_dtype dt, int64_t i) {
     if (dt == TDM_F32) return ((const float *)p)[i];
     if (dt == TDM_I32) return ((const int32_t *)p)[i];
+    if (dt == TDM_BF16) return cu_ld(((const __nv_bfloat16 *)p)[i]);
+    if (dt == TDM_F16) return cu_ld(((const __half *)p)[i]);
     return (double)((const int64_t *)p)[i];
 }
 
+/* bf16 and f16 through a float, as the CPU's store (and PyTorch) converts a double. */
 __device__ __forceinline__ void cu_store(void *p, tdm_dtype dt, int64_t i, double v) {
     if (dt == TDM_F32)
         ((float *)p)[i] = (float)v;
     else if (dt == TDM_I32)
         ((int32_t *)p)[i] = (int32_t)v;
+    else if (dt == TDM_BF16)
+        ((__nv_bfloat16 *)p)[i] = cu_to<__nv_bfloat16>((float)v);
+    else if (dt == TDM_F16)
+        ((__half *)p)[i] = cu_to<__half>((float)v);
     else
         ((int64_t *)p)[i] = (int64_t)v;
 }
 
 /* dst[i] = src[i] for row-major i; a same-dtype copy moves the bits (i64 through double
- * would lose values above 2^53). */
+ * would lose values above 2^53); to bf16 or f16 rounds once (from f32) to nearest even. */
 __global__ void copy_kernel(void *dst, cu_view dv, tdm_dtype dt, const void *src, cu_view sv,
                             tdm_dtype st, int64_t n) {
     CU_LOOP(i, n) {
         int64_t o = cu_offset(dv, i), s = cu_offset(sv, i);
         if (dt == st && dt == TDM_I64)
             ((int64_t *)dst)[o] = ((const int64_t *)src)[s];
+        else if (dt == st && (dt == TDM_BF16 || dt == TDM_F16))
+            ((uint16_t *)dst)[o] = ((const uint16_t *)src)[s];
         else if (dt == st)
             ((int32_t *)dst)[o] = ((const int32_t *)src)[s]; /* f32 and i32: 4-byte words */
         else
@@ -424,7 +433,8 @@ extern "C" int tdm_cuda_fill(tdm_tensor *dst, double value) {
 /* Element k (row-major): uniform from word k % 4 of Philox block (offset + k) / 4 of stream
  * 0; normal by Box-Muller on word pair k % 2 of block (offset + k) / 2 of stream 1, in
  * double as on the CPU (see tdm_cpu_random). */
-__global__ void random_kernel(float *dst, cu_view v, int dist, float a, float b, uint64_t seed,
+template <typename T>
+__global__ void random_kernel(T *dst, cu_view v, int dist, float a, float b, uint64_t seed,
                               uint64_t offset, int64_t n) {
     CU_LOOP(k, n) {
         uint64_t c = offset + (uint64_t)k;
@@ -441,18 +451,24 @@ __global__ void random_kernel(float *dst, cu_view v, int dist, float a, float b,
             double u2 = (double)p[1] / 4294967296.0;
             r = (float)(a + b * sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
         }
-        dst[cu_offset(v, k)] = r;
+        dst[cu_offset(v, k)] = cu_to<T>(r); /* bf16, f16: the f32 draw rounded once */
     }
+}
+
+template <typename T>
+static void random_launch(cu_device *d, tdm_tensor *dst, int dist, float a, float b, uint64_t seed,
+                          uint64_t offset, int64_t n) {
+    random_kernel<T><<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_p<T>(dst), cu_view_of(dst),
+                                                                  dist, a, b, seed, offset, n);
 }
 
 extern "C" int tdm_cuda_random(tdm_tensor *dst, int dist, float a, float b, uint64_t seed,
                                uint64_t offset) {
     cu_device *d = cu_dev_of(dst, "random");
     if (!d) return tdm_last_status();
-    assert(dst->dtype == TDM_F32); /* uniform_ and normal_ refused other dtypes */
+    assert(tdm_dtype_is_float(dst->dtype)); /* uniform_ and normal_ refused other dtypes */
     int64_t n = tdm_numel(dst);
     if (n == 0) return TDM_OK;
-    random_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_f(dst), cu_view_of(dst), dist, a,
-                                                               b, seed, offset, n);
+    CU_DISPATCH(dst->dtype, random_launch, d, dst, dist, a, b, seed, offset, n);
     return cu_check_launch("random", dst->device.index);
 }

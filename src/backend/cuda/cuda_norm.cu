@@ -4,7 +4,11 @@
  * reducing in double with a fixed tree, then writes the channel's outputs: statistics and
  * normalisation in one launch, no scratch, no atomics. Layer norm: one block per row for
  * the row statistics and gx; the weight and bias gradients are column sums over rows, one
- * thread per column adding rows in order (deterministic, no atomics). */
+ * thread per column adding rows in order (deterministic, no atomics).
+ *
+ * x, y and their gradients may be f32, bf16 or f16 (one dtype per call); weights, biases,
+ * statistics, running buffers and their gradients stay f32, as PyTorch's mixed precision
+ * keeps them: sums in double as for f32, each low-precision output rounded once. */
 #include "backend/cuda/cuda_common.cuh"
 
 #include <assert.h>
@@ -24,26 +28,29 @@ __device__ __forceinline__ int64_t bn_at(int64_t e, int64_t c, int64_t C, int64_
     return ((e / S) * C + c) * S + e % S;
 }
 
-typedef struct {
-    float *y, *save_mean, *save_invstd, *running_mean, *running_var;
-    const float *x, *w, *b;
+template <typename T> struct bn_args {
+    T *y;
+    float *save_mean, *save_invstd, *running_mean, *running_var;
+    const T *x;
+    const float *w, *b;
     int64_t N, C, S;
     bool training;
     float momentum, eps;
-} bn_args;
+};
 
-__global__ void bn_fwd_kernel(bn_args a) {
+template <typename T> __global__ void bn_fwd_kernel(bn_args<T> a) {
     __shared__ double sh[CU_THREADS];
     int64_t c = blockIdx.x, M = a.N * a.S;
     double mean, var;
     if (a.training) { /* two passes, as the CPU: stable for large means */
         double s = 0;
-        for (int64_t e = threadIdx.x; e < M; e += blockDim.x) s += a.x[bn_at(e, c, a.C, a.S)];
+        for (int64_t e = threadIdx.x; e < M; e += blockDim.x)
+            s += cu_ld(a.x[bn_at(e, c, a.C, a.S)]);
         mean = cu_block_sum(s, sh) / (double)M;
         float mf = (float)mean;
         double q = 0;
         for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
-            float dv = a.x[bn_at(e, c, a.C, a.S)] - mf;
+            float dv = cu_ld(a.x[bn_at(e, c, a.C, a.S)]) - mf;
             q += (double)dv * dv;
         }
         var = cu_block_sum(q, sh) / (double)M;
@@ -66,8 +73,34 @@ __global__ void bn_fwd_kernel(bn_args a) {
     }
     for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
         int64_t o = bn_at(e, c, a.C, a.S);
-        a.y[o] = a.x[o] * scale + shift;
+        a.y[o] = cu_to<T>(cu_ld(a.x[o]) * scale + shift);
     }
+}
+
+template <typename T>
+static void bn_fwd_launch(cu_device *d, tdm_tensor *y, tdm_tensor *save_mean,
+                          tdm_tensor *save_invstd, const tdm_tensor *x, const tdm_tensor *weight,
+                          const tdm_tensor *bias, tdm_tensor *running_mean, tdm_tensor *running_var,
+                          bool training, float momentum, float eps) {
+    bn_args<T> a;
+    bn_dims(x, &a.N, &a.C, &a.S);
+    a.y = cu_p<T>(y), a.save_mean = cu_f(save_mean), a.save_invstd = cu_f(save_invstd);
+    a.running_mean = cu_f(running_mean), a.running_var = cu_f(running_var);
+    a.x = cu_p<T>(x), a.w = cu_f(weight), a.b = cu_f(bias);
+    a.training = training, a.momentum = momentum, a.eps = eps;
+    bn_fwd_kernel<T><<<(unsigned)a.C, cu_row_threads(a.N * a.S), 0, d->compute>>>(a);
+}
+
+/* x and its same-shaped companions of one floating dtype, the per-channel tensors f32. */
+static int bn_check(const char *op, std::initializer_list<const tdm_tensor *> like_x,
+                    std::initializer_list<const tdm_tensor *> per_channel) {
+    if (cu_check_float(op, true, like_x)) return tdm_last_status();
+    for (const tdm_tensor *t : per_channel)
+        if (t && t->dtype != TDM_F32)
+            return tdm_raise(TDM_ERR_DTYPE,
+                             "cuda %s: weights, biases and statistics must be f32, got %s", op,
+                             tdm_dtype_name(t->dtype));
+    return TDM_OK;
 }
 
 extern "C" int tdm_cuda_batch_norm(tdm_tensor *y, tdm_tensor *save_mean, tdm_tensor *save_invstd,
@@ -75,43 +108,47 @@ extern "C" int tdm_cuda_batch_norm(tdm_tensor *y, tdm_tensor *save_mean, tdm_ten
                                    const tdm_tensor *bias, tdm_tensor *running_mean,
                                    tdm_tensor *running_var, bool training, float momentum,
                                    float eps) {
-    bn_args a;
-    bn_dims(x, &a.N, &a.C, &a.S);
-    assert(!training || a.N * a.S > 1); /* the op refused fewer values (nn/functional_norm.c) */
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    assert(!training || N * S > 1); /* the op refused fewer values (nn/functional_norm.c) */
     assert(training || (running_mean && running_var)); /* and eval without running stats */
+    if (bn_check("batch_norm", {x, y},
+                 {save_mean, save_invstd, weight, bias, running_mean, running_var}))
+        return tdm_last_status();
     cu_device *d = cu_dev_of(x, "batch_norm");
     if (!d) return tdm_last_status();
-    if (a.C == 0 || a.C > INT32_MAX) return TDM_OK;
-    a.y = cu_f(y), a.save_mean = cu_f(save_mean), a.save_invstd = cu_f(save_invstd);
-    a.running_mean = cu_f(running_mean), a.running_var = cu_f(running_var);
-    a.x = cu_f(x), a.w = cu_f(weight), a.b = cu_f(bias);
-    a.training = training, a.momentum = momentum, a.eps = eps;
-    bn_fwd_kernel<<<(unsigned)a.C, cu_row_threads(a.N * a.S), 0, d->compute>>>(a);
+    if (C == 0 || C > INT32_MAX) return TDM_OK;
+    CU_DISPATCH(x->dtype, bn_fwd_launch, d, y, save_mean, save_invstd, x, weight, bias,
+                running_mean, running_var, training, momentum, eps);
     return cu_check_launch("batch_norm", x->device.index);
 }
 
 /* sum of g and of g * (x - mean[c]) over channel c, in double; every thread gets both. */
-__device__ void bn_grad_sums(const float *g, const float *x, float mu, int64_t c, int64_t C,
-                             int64_t S, int64_t M, double *sg, double *sgx) {
+template <typename T>
+__device__ void bn_grad_sums(const T *g, const T *x, float mu, int64_t c, int64_t C, int64_t S,
+                             int64_t M, double *sg, double *sgx) {
     __shared__ double sh[CU_THREADS];
     double s1 = 0, s2 = 0;
     for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
         int64_t o = bn_at(e, c, C, S);
-        s1 += g[o];
-        s2 += (double)g[o] * (x[o] - mu);
+        float gv = cu_ld(g[o]);
+        s1 += gv;
+        s2 += (double)gv * (cu_ld(x[o]) - mu);
     }
     *sg = cu_block_sum(s1, sh);
     *sgx = cu_block_sum(s2, sh);
 }
 
-typedef struct {
-    float *gx, *gw, *gb;
-    const float *gy, *x, *w, *mean, *invstd;
+template <typename T> struct bn_bwd_args {
+    T *gx;
+    float *gw, *gb;
+    const T *gy, *x;
+    const float *w, *mean, *invstd;
     int64_t N, C, S;
     bool training;
-} bn_bwd_args;
+};
 
-__global__ void bn_bwd_kernel(bn_bwd_args a) {
+template <typename T> __global__ void bn_bwd_kernel(bn_bwd_args<T> a) {
     int64_t c = blockIdx.x, M = a.N * a.S;
     float inv = a.invstd[c], mu = a.mean[c], scale = inv * (a.w ? a.w[c] : 1.0f);
     double sg = 0, sgx = 0;
@@ -126,36 +163,51 @@ __global__ void bn_bwd_kernel(bn_bwd_args a) {
     float mg = (float)(sg / (double)M), k = (float)(sgx / (double)M) * inv * inv;
     for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
         int64_t o = bn_at(e, c, a.C, a.S);
-        a.gx[o] = a.training ? (a.gy[o] - mg - (a.x[o] - mu) * k) * scale : a.gy[o] * scale;
+        float g = cu_ld(a.gy[o]);
+        a.gx[o] = cu_to<T>(a.training ? (g - mg - (cu_ld(a.x[o]) - mu) * k) * scale : g * scale);
     }
+}
+
+template <typename T>
+static void bn_bwd_launch(cu_device *d, tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                          const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
+                          const tdm_tensor *save_mean, const tdm_tensor *save_invstd,
+                          bool training) {
+    bn_bwd_args<T> a;
+    bn_dims(x, &a.N, &a.C, &a.S);
+    a.gx = cu_p<T>(gx), a.gw = cu_f(gw), a.gb = cu_f(gb);
+    a.gy = cu_p<T>(gy), a.x = cu_p<T>(x), a.w = cu_f(weight);
+    a.mean = cu_f(save_mean), a.invstd = cu_f(save_invstd), a.training = training;
+    bn_bwd_kernel<T><<<(unsigned)a.C, cu_row_threads(a.N * a.S), 0, d->compute>>>(a);
 }
 
 extern "C" int tdm_cuda_batch_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                             const tdm_tensor *gy, const tdm_tensor *x,
                                             const tdm_tensor *weight, const tdm_tensor *save_mean,
                                             const tdm_tensor *save_invstd, bool training) {
-    bn_bwd_args a;
-    bn_dims(x, &a.N, &a.C, &a.S);
+    int64_t N, C, S;
+    bn_dims(x, &N, &C, &S);
+    if (bn_check("batch_norm_backward", {x, gx, gy}, {gw, gb, weight, save_mean, save_invstd}))
+        return tdm_last_status();
     cu_device *d = cu_dev_of(x, "batch_norm_backward");
     if (!d) return tdm_last_status();
-    if (a.C == 0 || a.C > INT32_MAX) return TDM_OK;
-    a.gx = cu_f(gx), a.gw = cu_f(gw), a.gb = cu_f(gb);
-    a.gy = cu_f(gy), a.x = cu_f(x), a.w = cu_f(weight);
-    a.mean = cu_f(save_mean), a.invstd = cu_f(save_invstd), a.training = training;
-    bn_bwd_kernel<<<(unsigned)a.C, cu_row_threads(a.N * a.S), 0, d->compute>>>(a);
+    if (C == 0 || C > INT32_MAX) return TDM_OK;
+    CU_DISPATCH(x->dtype, bn_bwd_launch, d, gx, gw, gb, gy, x, weight, save_mean, save_invstd,
+                training);
     return cu_check_launch("batch_norm_backward", x->device.index);
 }
 
 /* ---- synchronised batch norm: this rank's share ------------------------------------------ */
 
-__global__ void bn_stats_kernel(float *sum, const float *x, const float *center, int64_t C,
-                                int64_t S, int64_t M) {
+template <typename T>
+__global__ void bn_stats_kernel(float *sum, const T *x, const float *center, int64_t C, int64_t S,
+                                int64_t M) {
     __shared__ double sh[CU_THREADS];
     int64_t c = blockIdx.x;
     float ctr = center ? center[c] : 0.0f;
     double s = 0;
     for (int64_t e = threadIdx.x; e < M; e += blockDim.x) {
-        float v = x[bn_at(e, c, C, S)];
+        float v = cu_ld(x[bn_at(e, c, C, S)]);
         if (center) {
             float dv = v - ctr;
             s += (double)dv * dv;
@@ -167,20 +219,28 @@ __global__ void bn_stats_kernel(float *sum, const float *x, const float *center,
     if (threadIdx.x == 0) sum[c] = (float)s;
 }
 
+template <typename T>
+static void bn_stats_launch(cu_device *d, tdm_tensor *sum, const tdm_tensor *x,
+                            const tdm_tensor *center, int64_t C, int64_t S, int64_t M) {
+    bn_stats_kernel<T><<<(unsigned)C, cu_row_threads(M), 0, d->compute>>>(cu_f(sum), cu_p<T>(x),
+                                                                          cu_f(center), C, S, M);
+}
+
 extern "C" int tdm_cuda_batch_norm_stats(tdm_tensor *sum, const tdm_tensor *x,
                                          const tdm_tensor *center) {
     int64_t N, C, S;
     bn_dims(x, &N, &C, &S);
+    if (bn_check("batch_norm_stats", {x}, {sum, center})) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "batch_norm_stats");
     if (!d) return tdm_last_status();
     if (C == 0 || C > INT32_MAX) return TDM_OK;
-    bn_stats_kernel<<<(unsigned)C, cu_row_threads(N * S), 0, d->compute>>>(
-        cu_f(sum), cu_f(x), cu_f(center), C, S, N * S);
+    CU_DISPATCH(x->dtype, bn_stats_launch, d, sum, x, center, C, S, N * S);
     return cu_check_launch("batch_norm_stats", x->device.index);
 }
 
-__global__ void bn_reduce_kernel(float *sdy, float *sdx, float *gw, float *gb, const float *g,
-                                 const float *x, const float *mean, const float *invstd, int64_t C,
+template <typename T>
+__global__ void bn_reduce_kernel(float *sdy, float *sdx, float *gw, float *gb, const T *g,
+                                 const T *x, const float *mean, const float *invstd, int64_t C,
                                  int64_t S, int64_t M) {
     int64_t c = blockIdx.x;
     double sg, sgx;
@@ -193,6 +253,16 @@ __global__ void bn_reduce_kernel(float *sdy, float *sdx, float *gw, float *gb, c
     }
 }
 
+template <typename T>
+static void bn_reduce_launch(cu_device *d, tdm_tensor *sum_dy, tdm_tensor *sum_dy_xmu,
+                             tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
+                             const tdm_tensor *x, const tdm_tensor *mean, const tdm_tensor *invstd,
+                             int64_t C, int64_t S, int64_t M) {
+    bn_reduce_kernel<T><<<(unsigned)C, cu_row_threads(M), 0, d->compute>>>(
+        cu_f(sum_dy), cu_f(sum_dy_xmu), cu_f(gw), cu_f(gb), cu_p<T>(gy), cu_p<T>(x), cu_f(mean),
+        cu_f(invstd), C, S, M);
+}
+
 extern "C" int tdm_cuda_batch_norm_backward_reduce(tdm_tensor *sum_dy, tdm_tensor *sum_dy_xmu,
                                                    tdm_tensor *gw, tdm_tensor *gb,
                                                    const tdm_tensor *gy, const tdm_tensor *x,
@@ -200,25 +270,39 @@ extern "C" int tdm_cuda_batch_norm_backward_reduce(tdm_tensor *sum_dy, tdm_tenso
                                                    const tdm_tensor *invstd) {
     int64_t N, C, S;
     bn_dims(x, &N, &C, &S);
+    if (bn_check("batch_norm_backward_reduce", {x, gy}, {sum_dy, sum_dy_xmu, gw, gb, mean, invstd}))
+        return tdm_last_status();
     cu_device *d = cu_dev_of(x, "batch_norm_backward_reduce");
     if (!d) return tdm_last_status();
     if (C == 0 || C > INT32_MAX) return TDM_OK;
-    bn_reduce_kernel<<<(unsigned)C, cu_row_threads(N * S), 0, d->compute>>>(
-        cu_f(sum_dy), cu_f(sum_dy_xmu), cu_f(gw), cu_f(gb), cu_f(gy), cu_f(x), cu_f(mean),
-        cu_f(invstd), C, S, N * S);
+    CU_DISPATCH(x->dtype, bn_reduce_launch, d, sum_dy, sum_dy_xmu, gw, gb, gy, x, mean, invstd, C,
+                S, N * S);
     return cu_check_launch("batch_norm_backward_reduce", x->device.index);
 }
 
-__global__ void bn_elemt_kernel(float *gx, const float *g, const float *x, const float *w,
-                                const float *mean, const float *invstd, const float *sdy,
-                                const float *sdx, double count, int64_t C, int64_t S, int64_t n) {
+template <typename T>
+__global__ void bn_elemt_kernel(T *gx, const T *g, const T *x, const float *w, const float *mean,
+                                const float *invstd, const float *sdy, const float *sdx,
+                                double count, int64_t C, int64_t S, int64_t n) {
     CU_LOOP(i, n) {
         int64_t c = (i / S) % C;
         float inv = invstd[c];
         float mg = (float)((double)sdy[c] / count);
         float k = (float)((double)sdx[c] / count) * inv * inv;
-        gx[i] = (g[i] - mg - (x[i] - mean[c]) * k) * (inv * (w ? w[c] : 1.0f));
+        gx[i] =
+            cu_to<T>((cu_ld(g[i]) - mg - (cu_ld(x[i]) - mean[c]) * k) * (inv * (w ? w[c] : 1.0f)));
     }
+}
+
+template <typename T>
+static void bn_elemt_launch(cu_device *d, tdm_tensor *gx, const tdm_tensor *gy, const tdm_tensor *x,
+                            const tdm_tensor *weight, const tdm_tensor *mean,
+                            const tdm_tensor *invstd, const tdm_tensor *sum_dy,
+                            const tdm_tensor *sum_dy_xmu, double count, int64_t C, int64_t S,
+                            int64_t n) {
+    bn_elemt_kernel<T><<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(
+        cu_p<T>(gx), cu_p<T>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean), cu_f(invstd), cu_f(sum_dy),
+        cu_f(sum_dy_xmu), count, C, S, n);
 }
 
 extern "C" int tdm_cuda_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy,
@@ -228,70 +312,82 @@ extern "C" int tdm_cuda_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tens
                                                   const tdm_tensor *sum_dy_xmu, double count) {
     int64_t N, C, S;
     bn_dims(x, &N, &C, &S);
+    if (bn_check("batch_norm_backward_elemt", {x, gx, gy},
+                 {weight, mean, invstd, sum_dy, sum_dy_xmu}))
+        return tdm_last_status();
     cu_device *d = cu_dev_of(x, "batch_norm_backward_elemt");
     if (!d) return tdm_last_status();
     int64_t n = tdm_numel(x);
     if (n == 0) return TDM_OK;
-    bn_elemt_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(
-        cu_f(gx), cu_f(gy), cu_f(x), cu_f(weight), cu_f(mean), cu_f(invstd), cu_f(sum_dy),
-        cu_f(sum_dy_xmu), count, C, S, n);
+    CU_DISPATCH(x->dtype, bn_elemt_launch, d, gx, gy, x, weight, mean, invstd, sum_dy, sum_dy_xmu,
+                count, C, S, n);
     return cu_check_launch("batch_norm_backward_elemt", x->device.index);
 }
 
 /* ---- layer norm: x [rows, cols] ---------------------------------------------------------- */
 
-__global__ void ln_fwd_kernel(float *y, float *mean, float *rstd, const float *x, const float *w,
+template <typename T>
+__global__ void ln_fwd_kernel(T *y, float *mean, float *rstd, const T *x, const float *w,
                               const float *b, int64_t cols, float eps) {
     __shared__ double sh[CU_THREADS];
     int64_t r = blockIdx.x;
-    const float *xr = x + r * cols;
-    float *yr = y + r * cols;
+    const T *xr = x + r * cols;
+    T *yr = y + r * cols;
     double s = 0;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += xr[c];
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += cu_ld(xr[c]);
     float m = (float)(cu_block_sum(s, sh) / (double)cols);
     double q = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        float dv = xr[c] - m;
+        float dv = cu_ld(xr[c]) - m;
         q += (double)dv * dv;
     }
     double var = cu_block_sum(q, sh) / (double)cols; /* biased, as PyTorch */
     float inv = (float)(1.0 / sqrt(var + (double)eps));
     if (threadIdx.x == 0) mean[r] = m, rstd[r] = inv;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-        yr[c] = (xr[c] - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f);
+        yr[c] = cu_to<T>((cu_ld(xr[c]) - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f));
+}
+
+template <typename T>
+static void ln_fwd_launch(cu_device *d, tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd,
+                          const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias,
+                          int64_t rows, int64_t cols, float eps) {
+    ln_fwd_kernel<T><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
+        cu_p<T>(y), cu_f(mean), cu_f(rstd), cu_p<T>(x), cu_f(weight), cu_f(bias), cols, eps);
 }
 
 extern "C" int tdm_cuda_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd,
                                    const tdm_tensor *x, const tdm_tensor *weight,
                                    const tdm_tensor *bias, float eps) {
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
+    if (bn_check("layer_norm", {x, y}, {mean, rstd, weight, bias})) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "layer_norm");
     if (!d) return tdm_last_status();
     if (rows == 0 || cols == 0) return TDM_OK;
     if (rows > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda layer_norm: too many rows");
-    ln_fwd_kernel<<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
-        cu_f(y), cu_f(mean), cu_f(rstd), cu_f(x), cu_f(weight), cu_f(bias), cols, eps);
+    CU_DISPATCH(x->dtype, ln_fwd_launch, d, y, mean, rstd, x, weight, bias, rows, cols, eps);
     return cu_check_launch("layer_norm", x->device.index);
 }
 
 /* gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with d = gy * w, one block per row. */
-__global__ void ln_bwd_kernel(float *gx, const float *g, const float *x, const float *w,
-                              const float *mean, const float *rstd, int64_t cols) {
+template <typename T>
+__global__ void ln_bwd_kernel(T *gx, const T *g, const T *x, const float *w, const float *mean,
+                              const float *rstd, int64_t cols) {
     __shared__ double sh[CU_THREADS];
     int64_t r = blockIdx.x;
-    const float *gr = g + r * cols, *xr = x + r * cols;
+    const T *gr = g + r * cols, *xr = x + r * cols;
     float m = mean[r], inv = rstd[r];
     double sd = 0, sdx = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        float h = (xr[c] - m) * inv, dv = gr[c] * (w ? w[c] : 1.0f);
+        float h = (cu_ld(xr[c]) - m) * inv, dv = cu_ld(gr[c]) * (w ? w[c] : 1.0f);
         sd += dv;
         sdx += (double)dv * h;
     }
     float md = (float)(cu_block_sum(sd, sh) / (double)cols);
     float mdx = (float)(cu_block_sum(sdx, sh) / (double)cols);
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
-        float h = (xr[c] - m) * inv, dv = gr[c] * (w ? w[c] : 1.0f);
-        gx[r * cols + c] = inv * (dv - md - h * mdx);
+        float h = (cu_ld(xr[c]) - m) * inv, dv = cu_ld(gr[c]) * (w ? w[c] : 1.0f);
+        gx[r * cols + c] = cu_to<T>(inv * (dv - md - h * mdx));
     }
 }
 
@@ -306,7 +402,8 @@ __global__ void ln_bwd_kernel(float *gx, const float *g, const float *x, const f
 #define LN_TY         8
 #define LN_MAX_CHUNKS 1024
 
-__global__ void ln_wb_partial_kernel(double *pw, double *pb, const float *g, const float *x,
+template <typename T>
+__global__ void ln_wb_partial_kernel(double *pw, double *pb, const T *g, const T *x,
                                      const float *mean, const float *rstd, int64_t rows,
                                      int64_t cols, int64_t chunk_rows, int64_t tiles) {
     __shared__ double sw[LN_TY][LN_TX], sb[LN_TY][LN_TX];
@@ -317,8 +414,8 @@ __global__ void ln_wb_partial_kernel(double *pw, double *pb, const float *g, con
     double w = 0, b = 0;
     if (c < cols)
         for (int64_t r = r0 + ty; r < r1; r += LN_TY) {
-            float gv = g[r * cols + c];
-            w += (double)gv * ((x[r * cols + c] - mean[r]) * rstd[r]);
+            float gv = cu_ld(g[r * cols + c]);
+            w += (double)gv * ((cu_ld(x[r * cols + c]) - mean[r]) * rstd[r]);
             b += gv;
         }
     sw[ty][tx] = w, sb[ty][tx] = b;
@@ -339,6 +436,7 @@ __global__ void ln_wb_sum_kernel(float *gw, float *gb, const double *pw, const d
     }
 }
 
+template <typename T>
 static int ln_wb(cu_device *d, int index, float *gw, float *gb, const tdm_tensor *gy,
                  const tdm_tensor *x, const tdm_tensor *mean, const tdm_tensor *rstd, int64_t rows,
                  int64_t cols) {
@@ -352,8 +450,8 @@ static int ln_wb(cu_device *d, int index, float *gw, float *gb, const tdm_tensor
     double *pw = (double *)cu_scratch(index, sizeof(double) * 2 * (size_t)(chunks * cols), &hold);
     if (!pw) return tdm_last_status();
     double *pb = pw + chunks * cols;
-    ln_wb_partial_kernel<<<(unsigned)(tiles * chunks), LN_TX * LN_TY, 0, d->compute>>>(
-        pw, pb, cu_f(gy), cu_f(x), cu_f(mean), cu_f(rstd), rows, cols, chunk_rows, tiles);
+    ln_wb_partial_kernel<T><<<(unsigned)(tiles * chunks), LN_TX * LN_TY, 0, d->compute>>>(
+        pw, pb, cu_p<T>(gy), cu_p<T>(x), cu_f(mean), cu_f(rstd), rows, cols, chunk_rows, tiles);
     int rc = cu_check_launch("layer_norm_backward (weight, bias: rows)", index);
     if (!rc) {
         ln_wb_sum_kernel<<<cu_blocks(cols), CU_THREADS, 0, d->compute>>>(gw, gb, pw, pb, chunks,
@@ -364,11 +462,27 @@ static int ln_wb(cu_device *d, int index, float *gw, float *gb, const tdm_tensor
     return rc;
 }
 
+template <typename T>
+static int ln_bwd_launch(cu_device *d, tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                         const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
+                         const tdm_tensor *mean, const tdm_tensor *rstd, int64_t rows,
+                         int64_t cols) {
+    if (gx)
+        ln_bwd_kernel<T><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
+            cu_p<T>(gx), cu_p<T>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean), cu_f(rstd), cols);
+    int rc = gx ? cu_check_launch("layer_norm_backward", x->device.index) : TDM_OK;
+    if (!rc && (gw || gb))
+        rc = ln_wb<T>(d, x->device.index, cu_f(gw), cu_f(gb), gy, x, mean, rstd, rows, cols);
+    return rc;
+}
+
 extern "C" int tdm_cuda_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                             const tdm_tensor *gy, const tdm_tensor *x,
                                             const tdm_tensor *weight, const tdm_tensor *mean,
                                             const tdm_tensor *rstd) {
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
+    if (bn_check("layer_norm_backward", {x, gx, gy}, {gw, gb, weight, mean, rstd}))
+        return tdm_last_status();
     cu_device *d = cu_dev_of(x, "layer_norm_backward");
     if (!d) return tdm_last_status();
     if (cols == 0) return TDM_OK;
@@ -378,11 +492,6 @@ extern "C" int tdm_cuda_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_
         return TDM_OK;
     }
     if (rows > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda layer_norm: too many rows");
-    if (gx)
-        ln_bwd_kernel<<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
-            cu_f(gx), cu_f(gy), cu_f(x), cu_f(weight), cu_f(mean), cu_f(rstd), cols);
-    int rc = gx ? cu_check_launch("layer_norm_backward", x->device.index) : TDM_OK;
-    if (!rc && (gw || gb))
-        rc = ln_wb(d, x->device.index, cu_f(gw), cu_f(gb), gy, x, mean, rstd, rows, cols);
-    return rc;
+    return CU_DISPATCH(x->dtype, ln_bwd_launch, d, gx, gw, gb, gy, x, weight, mean, rstd, rows,
+                       cols);
 }

@@ -6,6 +6,11 @@
 
 static int check_flat(const tdm_tensor *t, int64_t n, const char *op, const char *what) {
     if (!t) return tdm_raise(TDM_ERR_ARG, "%s: %s is NULL", op, what);
+    if (t->dtype != TDM_F32) /* mixed precision keeps f32 masters: docs/MIXED_PRECISION.md */
+        return tdm_raise(TDM_ERR_DTYPE,
+                         "%s: %s is %s: the optimizers step f32 parameters, gradients and state "
+                         "only (mixed precision keeps them f32)",
+                         op, what, tdm_dtype_name(t->dtype));
     if (t->dtype != TDM_F32 || !tdm_is_contiguous(t) || tdm_numel(t) != n ||
         t->device.type != TDM_CUDA)
         return tdm_raise(TDM_ERR_ARG,

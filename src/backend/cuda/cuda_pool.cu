@@ -16,10 +16,10 @@
 
 /* One output per thread; the scan order and NaN rule of the CPU's max_plane (a NaN always
  * replaces the best so far), so indices agree exactly. */
-__global__ void max_pool_kernel(float *y, int32_t *idx, const float *x, pool_geom g) {
+template <typename T> __global__ void max_pool_kernel(T *y, int32_t *idx, const T *x, pool_geom g) {
     CU_LOOP(e, g.planes * g.ho * g.wo) {
         int64_t ow = e % g.wo, oh = (e / g.wo) % g.ho, pl = e / (g.wo * g.ho);
-        const float *xp = x + pl * g.h * g.w;
+        const T *xp = x + pl * g.h * g.w;
         int64_t h0 = oh * g.sh - g.ph, h1 = h0 + (g.kh - 1) * g.dh + 1;
         if (h1 > g.h) h1 = g.h;
         while (h0 < 0) h0 += g.dh;
@@ -30,24 +30,31 @@ __global__ void max_pool_kernel(float *y, int32_t *idx, const float *x, pool_geo
         float best = -INFINITY;
         for (int64_t ih = h0; ih < h1; ih += g.dh)
             for (int64_t iw = w0; iw < w1; iw += g.dw) {
-                float v = xp[ih * g.w + iw];
+                float v = cu_ld(xp[ih * g.w + iw]);
                 if (v > best || v != v) best = v, bi = ih * g.w + iw;
             }
-        y[e] = best;
+        y[e] = cu_to<T>(best);
         idx[e] = (int32_t)bi;
     }
+}
+
+template <typename T>
+static void max_pool_launch(cu_device *d, tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
+                            pool_geom g, int64_t n) {
+    max_pool_kernel<T><<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(
+        cu_p<T>(y), (int32_t *)tdm_cuda_ptr(idx), cu_p<T>(x), g);
 }
 
 extern "C" int tdm_cuda_max_pool2d(tdm_tensor *y, tdm_tensor *idx, const tdm_tensor *x,
                                    const tdm_pool2d_args *args) {
     assert(planes_match(x, y) && planes_match(x, idx) && idx->dtype == TDM_I32);
+    if (cu_check_float("max_pool2d", true, {x, y})) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "max_pool2d");
     if (!d) return tdm_last_status();
     pool_geom g = tdm_pool_geom(x, y, args);
     int64_t n = g.planes * g.ho * g.wo;
     if (n == 0) return TDM_OK;
-    max_pool_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(
-        cu_f(y), (int32_t *)tdm_cuda_ptr(idx), cu_f(x), g);
+    CU_DISPATCH(x->dtype, max_pool_launch, d, y, idx, x, g, n);
     return cu_check_launch("max_pool2d", x->device.index);
 }
 
@@ -64,29 +71,53 @@ __device__ __forceinline__ void out_range(int64_t i, int64_t s, int64_t p, int64
  * output order, exactly as the CPU loop does: overlapping windows can name one pixel several
  * times, and a fixed order keeps the sum deterministic without atomics. The kernel gets no
  * window geometry, so a thread per input pixel could not find its outputs cheaply. */
-__global__ void max_pool_bwd_kernel(float *gx, const float *gy, const int32_t *idx, int64_t planes,
+template <typename T>
+__global__ void max_pool_bwd_kernel(float *gx, const T *gy, const int32_t *idx, int64_t planes,
                                     int64_t in_plane, int64_t out_plane) {
     CU_LOOP(pl, planes) {
         float *d = gx + pl * in_plane;
-        const float *s = gy + pl * out_plane;
+        const T *s = gy + pl * out_plane;
         const int32_t *ix = idx + pl * out_plane;
         for (int64_t q = 0; q < out_plane; q++)
-            if (ix[q] >= 0 && ix[q] < in_plane) d[ix[q]] += s[q]; /* our own indices: trusted */
+            if (ix[q] >= 0 && ix[q] < in_plane) d[ix[q]] += cu_ld(s[q]); /* our own: trusted */
     }
+}
+
+/* Overlapping windows add several gradients into one element: a bf16 or f16 gx sums them in
+ * an f32 copy and is rounded once at the end. */
+template <typename T>
+static int max_pool_bwd_launch(cu_device *d, tdm_tensor *gx, const tdm_tensor *gy,
+                               const tdm_tensor *idx, int64_t planes) {
+    int index = gx->device.index;
+    int64_t nx = tdm_numel(gx);
+    tdm_storage *hold = NULL;
+    float *acc =
+        gx->dtype == TDM_F32 ? cu_f(gx) : (float *)cu_scratch(index, sizeof(float) * nx, &hold);
+    if (!acc || cu_check(cudaMemsetAsync(acc, 0, sizeof(float) * nx, d->compute),
+                         "max_pool2d_backward", index)) {
+        if (hold) tdm_storage_release(hold);
+        return tdm_last_status();
+    }
+    max_pool_bwd_kernel<T><<<cu_blocks(planes), CU_THREADS, 0, d->compute>>>(
+        acc, cu_p<T>(gy), (const int32_t *)tdm_cuda_ptr(idx), planes, gx->shape[2] * gx->shape[3],
+        gy->shape[2] * gy->shape[3]);
+    if (hold)
+        cu_narrow_kernel<T><<<cu_blocks(nx), CU_THREADS, 0, d->compute>>>(cu_p<T>(gx), acc, nx);
+    int rc = cu_check_launch("max_pool2d_backward", index);
+    if (hold) tdm_storage_release(hold); /* in stream order: the kernels above run first */
+    return rc;
 }
 
 extern "C" int tdm_cuda_max_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy,
                                             const tdm_tensor *idx) {
     assert(planes_match(gx, gy) && planes_match(gx, idx));
+    if (cu_check_float("max_pool2d_backward", true, {gx, gy})) return tdm_last_status();
     cu_device *d = cu_dev_of(gx, "max_pool2d_backward");
     if (!d) return tdm_last_status();
     if (tdm_cuda_fill(gx, 0.0)) return tdm_last_status();
     int64_t planes = gx->shape[0] * gx->shape[1];
     if (planes == 0 || tdm_numel(gy) == 0) return TDM_OK;
-    max_pool_bwd_kernel<<<cu_blocks(planes), CU_THREADS, 0, d->compute>>>(
-        cu_f(gx), cu_f(gy), (const int32_t *)tdm_cuda_ptr(idx), planes, gx->shape[2] * gx->shape[3],
-        gy->shape[2] * gy->shape[3]);
-    return cu_check_launch("max_pool2d_backward", gx->device.index);
+    return CU_DISPATCH(gx->dtype, max_pool_bwd_launch, d, gx, gy, idx, planes);
 }
 
 /* The clipped window of output (oh, ow) and its divisor (cpu_pool.c avg_window). */
@@ -107,28 +138,28 @@ __device__ bool avg_window(const pool_geom &g, int64_t oh, int64_t ow, int64_t *
     return true;
 }
 
-__global__ void avg_pool_kernel(float *y, const float *x, pool_geom g) {
+template <typename T> __global__ void avg_pool_kernel(T *y, const T *x, pool_geom g) {
     CU_LOOP(e, g.planes * g.ho * g.wo) {
         int64_t ow = e % g.wo, oh = (e / g.wo) % g.ho, pl = e / (g.wo * g.ho);
-        const float *xp = x + pl * g.h * g.w;
+        const T *xp = x + pl * g.h * g.w;
         int64_t h0, h1, w0, w1;
         float inv, acc = 0.0f;
         if (avg_window(g, oh, ow, &h0, &h1, &w0, &w1, &inv)) {
             for (int64_t ih = h0; ih < h1; ih++)
-                for (int64_t iw = w0; iw < w1; iw++) acc += xp[ih * g.w + iw];
+                for (int64_t iw = w0; iw < w1; iw++) acc += cu_ld(xp[ih * g.w + iw]);
             acc *= inv;
         }
-        y[e] = acc;
+        y[e] = cu_to<T>(acc);
     }
 }
 
-__global__ void avg_pool_bwd_kernel(float *gx, const float *gy, pool_geom g) {
+template <typename T> __global__ void avg_pool_bwd_kernel(T *gx, const T *gy, pool_geom g) {
     CU_LOOP(e, g.planes * g.h * g.w) {
         int64_t q = e % (g.h * g.w), pl = e / (g.h * g.w);
         int64_t ih = q / g.w, iw = q % g.w, oh0, oh1, ow0, ow1;
         out_range(ih, g.sh, g.ph, g.kh, g.ho, &oh0, &oh1);
         out_range(iw, g.sw, g.pw, g.kw, g.wo, &ow0, &ow1);
-        const float *gp = gy + pl * g.ho * g.wo;
+        const T *gp = gy + pl * g.ho * g.wo;
         float s = 0.0f;
         for (int64_t oh = oh0; oh <= oh1; oh++)
             for (int64_t ow = ow0; ow <= ow1; ow++) {
@@ -136,32 +167,47 @@ __global__ void avg_pool_bwd_kernel(float *gx, const float *gy, pool_geom g) {
                 float inv;
                 if (avg_window(g, oh, ow, &h0, &h1, &w0, &w1, &inv) && ih >= h0 && ih < h1 &&
                     iw >= w0 && iw < w1)
-                    s += gp[oh * g.wo + ow] * inv;
+                    s += cu_ld(gp[oh * g.wo + ow]) * inv;
             }
-        gx[e] = s;
+        gx[e] = cu_to<T>(s);
     }
+}
+
+template <typename T>
+static void avg_pool_launch(cu_device *d, tdm_tensor *y, const tdm_tensor *x, pool_geom g,
+                            int64_t n) {
+    avg_pool_kernel<T><<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_p<T>(y), cu_p<T>(x), g);
+}
+
+template <typename T>
+static void avg_pool_bwd_launch(cu_device *d, tdm_tensor *gx, const tdm_tensor *gy, pool_geom g,
+                                int64_t n) {
+    avg_pool_bwd_kernel<T>
+        <<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_p<T>(gx), cu_p<T>(gy), g);
 }
 
 extern "C" int tdm_cuda_avg_pool2d(tdm_tensor *y, const tdm_tensor *x,
                                    const tdm_pool2d_args *args) {
     assert(planes_match(x, y));
+    if (cu_check_float("avg_pool2d", true, {x, y})) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "avg_pool2d");
     if (!d) return tdm_last_status();
     pool_geom g = tdm_pool_geom(x, y, args);
     int64_t n = g.planes * g.ho * g.wo;
     if (n == 0) return TDM_OK;
-    avg_pool_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_f(y), cu_f(x), g);
+    CU_DISPATCH(x->dtype, avg_pool_launch, d, y, x, g, n);
     return cu_check_launch("avg_pool2d", x->device.index);
 }
 
 extern "C" int tdm_cuda_avg_pool2d_backward(tdm_tensor *gx, const tdm_tensor *gy,
                                             const tdm_pool2d_args *args) {
     assert(planes_match(gx, gy));
+    if (cu_check_float("avg_pool2d_backward", true, {gx, gy})) return tdm_last_status();
     cu_device *d = cu_dev_of(gx, "avg_pool2d_backward");
     if (!d) return tdm_last_status();
     pool_geom g = tdm_pool_geom(gx, gy, args);
     int64_t n = g.planes * g.h * g.w;
     if (n == 0) return TDM_OK;
-    avg_pool_bwd_kernel<<<cu_blocks(n), CU_THREADS, 0, d->compute>>>(cu_f(gx), cu_f(gy), g);
+    CU_DISPATCH(gx->dtype, avg_pool_bwd_launch, d, gx, gy, g, n);
     return cu_check_launch("avg_pool2d_backward", gx->device.index);
 }

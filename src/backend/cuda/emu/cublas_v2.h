@@ -1,5 +1,7 @@
 /* Host emulation of the cuBLAS calls Tandem's CUDA backend makes (see cuda_runtime.h here):
- * column-major SGEMM by definition, summing in double. */
+ * column-major SGEMM by definition, summing in double; GemmEx's bf16 and fp16 operands with
+ * fp32 compute (CUBLAS_COMPUTE_32F), the product rounded once into C's type. The enums keep
+ * the real headers' values (library_types.h, cublas_api.h). */
 #ifndef TDM_EMU_CUBLAS_V2_H
 #define TDM_EMU_CUBLAS_V2_H
 
@@ -10,7 +12,14 @@ extern "C" {
 #endif
 
 typedef struct emu_blas *cublasHandle_t;
-typedef enum { CUBLAS_STATUS_SUCCESS = 0, CUBLAS_STATUS_INVALID_VALUE = 7 } cublasStatus_t;
+typedef enum {
+    CUBLAS_STATUS_SUCCESS = 0,
+    CUBLAS_STATUS_INVALID_VALUE = 7,
+    CUBLAS_STATUS_NOT_SUPPORTED = 15
+} cublasStatus_t;
+typedef enum { CUDA_R_32F = 0, CUDA_R_16F = 2, CUDA_R_16BF = 14 } cudaDataType;
+typedef enum { CUBLAS_COMPUTE_32F = 68 } cublasComputeType_t;
+typedef enum { CUBLAS_GEMM_DEFAULT = -1 } cublasGemmAlgo_t;
 typedef enum { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 } cublasOperation_t;
 typedef enum { CUBLAS_DEFAULT_MATH = 0 } cublasMath_t;
 
@@ -26,6 +35,16 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                          const float *alpha, const float *a, int lda, long long sa,
                                          const float *b, int ldb, long long sb, const float *beta,
                                          float *c, int ldc, long long sc, int batch);
+/* C = alpha op(A) op(B) + beta C with A and B of one type (f32, bf16 or f16) and C of that
+ * type or f32; alpha and beta are floats (CUBLAS_COMPUTE_32F). Other combinations:
+ * CUBLAS_STATUS_NOT_SUPPORTED, as cuBLAS answers. */
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
+                                          cublasOperation_t tb, int m, int n, int k,
+                                          const void *alpha, const void *a, cudaDataType at,
+                                          int lda, long long sa, const void *b, cudaDataType bt,
+                                          int ldb, long long sb, const void *beta, void *c,
+                                          cudaDataType ct, int ldc, long long sc, int batch,
+                                          cublasComputeType_t compute, cublasGemmAlgo_t algo);
 
 #ifdef __cplusplus
 }

@@ -12,6 +12,7 @@
  * CUDA. */
 #include "cuda_runtime.h"
 #include "cublas_v2.h"
+#include "tandem/half.h"
 
 #include <mutex>
 #include <set>
@@ -252,5 +253,63 @@ cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperati
                            const float *b, int ldb, const float *beta, float *c, int ldc) {
     return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc,
                                      0, 1);
+}
+
+/* Element i of a GemmEx operand of type t, as a float (exact for all three types). */
+static float ex_load(const void *p, cudaDataType t, long long i) {
+    if (t == CUDA_R_32F) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    return t == CUDA_R_16BF ? tdm_bf16_to_float(h) : tdm_f16_to_float(h);
+}
+
+static void ex_store(void *p, cudaDataType t, long long i, float v) {
+    if (t == CUDA_R_32F)
+        ((float *)p)[i] = v;
+    else
+        ((uint16_t *)p)[i] = t == CUDA_R_16BF ? tdm_bf16_from_float(v) : tdm_f16_from_float(v);
+}
+
+static bool ex_type(cudaDataType t) {
+    return t == CUDA_R_32F || t == CUDA_R_16BF || t == CUDA_R_16F;
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
+                                          cublasOperation_t tb, int m, int n, int k,
+                                          const void *alpha, const void *a, cudaDataType at,
+                                          int lda, long long sa, const void *b, cudaDataType bt,
+                                          int ldb, long long sb, const void *beta, void *c,
+                                          cudaDataType ct, int ldc, long long sc, int batch,
+                                          cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+    int arows = ta == CUBLAS_OP_N ? m : k, brows = tb == CUBLAS_OP_N ? k : n;
+    if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < (arows > 1 ? arows : 1) ||
+        ldb < (brows > 1 ? brows : 1) || ldc < (m > 1 ? m : 1)) {
+        fprintf(stderr, "emu cublas: invalid gemmEx m=%d n=%d k=%d lda=%d ldb=%d ldc=%d\n", m, n, k,
+                lda, ldb, ldc);
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    /* cuBLAS's table for CUBLAS_COMPUTE_32F: A and B alike, C alike or f32 */
+    if (compute != CUBLAS_COMPUTE_32F || at != bt || !ex_type(at) || !ex_type(ct) ||
+        (ct != at && ct != CUDA_R_32F)) {
+        fprintf(stderr, "emu cublas: gemmEx types A %d B %d C %d compute %d not supported\n",
+                (int)at, (int)bt, (int)ct, (int)compute);
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+    float al = *(const float *)alpha, be = *(const float *)beta;
+    for (int p = 0; p < batch; p++)
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                double s = 0;
+                for (int l = 0; l < k; l++) {
+                    long long ai =
+                        ta == CUBLAS_OP_N ? i + (long long)l * lda : l + (long long)i * lda;
+                    long long bi =
+                        tb == CUBLAS_OP_N ? l + (long long)j * ldb : j + (long long)l * ldb;
+                    s += (double)ex_load(a, at, p * sa + ai) * ex_load(b, bt, p * sb + bi);
+                }
+                long long ci = p * sc + i + (long long)j * ldc;
+                float r = (float)(al * s);
+                ex_store(c, ct, ci, be == 0.0f ? r : r + be * ex_load(c, ct, ci));
+            }
+    return CUBLAS_STATUS_SUCCESS;
 }
 }

@@ -26,7 +26,7 @@ def split_top(s):
 def transform(src):
     """src with every launch rewritten (the launch's argument list is matched by parens)."""
     out, pos = [], 0
-    for m in re.finditer(r"([A-Za-z_][A-Za-z_0-9]*(?:<[A-Za-z_0-9]+>)?)\s*<<<", src):
+    for m in re.finditer(r"([A-Za-z_][A-Za-z_0-9]*(?:<[A-Za-z_0-9, ]+>)?)\s*<<<", src):
         if m.start() < pos:
             continue
         end_cfg = src.index(">>>", m.end())

@@ -3,22 +3,35 @@
  * the parameters of the same training written out by hand on one device (forward, backward,
  * accumulation over two micro-batches, clipping, the optimizer's step). Then what the trainer
  * reads from a strategy: where the loss runs, the description, the replicas' state, sharding
- * (the state split, the memory figures) and the errors of calls a strategy refuses.
+ * (the state split, the memory figures) and the errors of calls a strategy refuses. Mixed
+ * precision: one device, DataParallel and DDP in bf16 (forward and loss in a bf16 region on
+ * every replica's thread) against a hand-written bf16 loop, within BF16_SPLIT_BOUND; fp16's
+ * loss scaler skipping an overflowing step, on one device and agreed by two DDP ranks.
  *
  * Tolerance as test_pipeline.c's: the devices sum gradients in another order than one GEMM
  * over the whole batch (float32 rounding over a few SGD steps with momentum), 1e-5 absolute +
  * 1e-4 relative; a missed micro-batch, a lost clip or a wrong loss weight is 1e-3 and up. */
 #include "check.h"
+#include "tandem/autocast.h"
 
-#define B     16 /* rows per micro-batch, even over 2 devices */
-#define IN    6
-#define HID   10
-#define OUT   4
-#define STEPS 3
-#define ACCUM 2
-#define CLIP  0.05f
-#define MAXP  512
-#define LR    0.5f
+#define B         16 /* rows per micro-batch, even over 2 devices */
+#define IN        64
+#define HID       64
+#define OUT       4
+#define STEPS     3
+#define ACCUM     2
+#define CLIP      0.05f
+#define MAXP      16384
+#define LR        0.5f
+#define AMP_STEPS STEPS
+#define AMP_LR    0.05f
+/* bf16 runs (AMP_STEPS steps at AMP_LR) on 2 devices or ranks against one: each half-batch's
+ * weight gradient leaves its bf16 product rounded (2^-9 relative) before the fp32 average, where
+ * one device rounds the whole sum once, so a gradient differs by up to ~2^-8 of its size and a
+ * parameter by AMP_LR x (1 + 1.9 + 2.71, momentum 0.9) x 2^-8 x |g| = 1.1e-3 |g| after 3 steps.
+ * Measured here: 5.7e-5. Replicas whose bf16 products raced (one oneDNN primitive run by two
+ * threads at once) were 1.2e-3 to 5.9e-3 off, so the bound is set between the two. */
+#define BF16_SPLIT_BOUND 4e-4f
 
 /* Linear, BatchNorm1d, ReLU, Linear, Tanh, Linear: a Sequential a pipeline can cut, with a
  * layer whose result depends on the whole batch (batch norm over the global batch is what the
@@ -275,6 +288,304 @@ static void test_one_device_settings(void) {
     tdm_module_free(m);
 }
 
+/* ---- bf16: every strategy runs each replica's forward and loss in an autocast region ---- */
+
+/* What the bf16 loss saw on the thread that ran it: its input's dtype (the last Linear's
+ * output: bf16 under autocast, f32 without) and the thread's autocast dtype, per replica
+ * (row0 0 or B / 2). */
+typedef struct {
+    _Atomic int out_dtype[2], region[2], calls;
+} amp_seen;
+
+static tdm_tensor *amp_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    amp_seen *seen = arg;
+    int r = row0 > 0;
+    if (out) seen->out_dtype[r] = (int)out->dtype;
+    seen->region[r] = (int)tdm_autocast_dtype();
+    seen->calls++;
+    return tdm_cross_entropy(out, target, NULL);
+}
+
+/* The reference: the one-device loop of by_hand(1, 0) with forward and loss inside a bf16
+ * region, backward outside. */
+static int64_t by_hand_bf16(int steps, float *want) {
+    tdm_module *m = make_model(1);
+    tdm_paramset *ps = tdm_module_parameters(m);
+    tdm_optim *o = make_sgd(ps, NULL);
+    for (int s = 0; s < steps; s++) {
+        tdm_optim_set_lr(o, AMP_LR);
+        tdm_optim_zero_grad(o);
+        tdm_scope_begin();
+        tdm_tensor *x, *y;
+        batch_of(s, 0, 0, B, &x, &y);
+        tdm_autocast_begin(TDM_BF16);
+        tdm_tensor *l = tdm_cross_entropy(tdm_module_forward(m, x), y, NULL);
+        tdm_autocast_end();
+        tdm_backward(l);
+        tdm_scope_end();
+        tdm_optim_step(o);
+    }
+    int64_t n = params_of(m, want);
+    tdm_optim_free(o);
+    tdm_module_free(m);
+    return n;
+}
+
+/* Largest |got - want| over n parameters. */
+static float max_diff(const float *got, const float *want, int64_t n) {
+    float d = 0;
+    for (int64_t i = 0; i < n; i++) d = fmaxf(d, fabsf(got[i] - want[i]));
+    return isnan(d) ? INFINITY : d;
+}
+
+static int train_amp(tdm_strategy *st, int steps, amp_seen *seen, int64_t lo, int64_t hi) {
+    int rc = TDM_OK;
+    for (int s = 0; s < steps && !rc; s++) {
+        tdm_strategy_set_lr(st, AMP_LR);
+        tdm_scope_begin();
+        tdm_tensor *x, *y;
+        batch_of(s, 0, lo, hi, &x, &y);
+        rc = tdm_strategy_step(st, x, y, amp_loss, seen, NULL);
+        tdm_scope_end();
+    }
+    return rc;
+}
+
+/* One device and DataParallel over 2 CPU devices in bf16 against by_hand_bf16. */
+static void test_bf16_one_device_and_data_parallel(const float *want, int64_t n) {
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    /* DataParallel three times: a race between the replicas' products shows in some runs */
+    for (int run = 0; run < 4; run++) {
+        int which = run > 0;
+        const char *name = which ? "bf16 data parallel" : "bf16 one device";
+        tdm_module *m = make_model(1);
+        tdm_strategy *st = which ? tdm_strategy_data_parallel(m, devs, 2, NULL, make_sgd, NULL)
+                                 : tdm_strategy_one_device(m, make_sgd, NULL);
+        CHECK(st && tdm_strategy_set_precision(st, TDM_BF16) == 0, "%s: %s", name,
+              tdm_last_error());
+        if (!st) continue;
+        CHECK(tdm_strategy_precision(st) == TDM_BF16 && !tdm_strategy_grad_scaler(st), "%s", name);
+        amp_seen seen = {{-1, -1}, {-1, -1}, 0};
+        CHECK(train_amp(st, AMP_STEPS, &seen, 0, B) == 0, "%s: %s", name, tdm_last_error());
+        for (int r = 0; r <= which; r++) {
+            CHECK(seen.out_dtype[r] == TDM_BF16, "%s: replica %d's forward gave %s", name, r,
+                  seen.out_dtype[r] < 0 ? "nothing" : tdm_dtype_name(seen.out_dtype[r]));
+            CHECK(seen.region[r] == TDM_BF16, "%s: replica %d's loss ran outside a region", name,
+                  r);
+        }
+        CHECK(tdm_autocast_dtype() == TDM_F32, "%s: a region left open on the caller", name);
+        float got[MAXP];
+        CHECK(params_of(m, got) == n, "%s", name);
+        float d = max_diff(got, want, n);
+        CHECK(d <= (which ? BF16_SPLIT_BOUND : 0), "%s: parameters %g off the hand-written loop",
+              name, d);
+        if (run < 2) fprintf(stderr, "  %s: parameters within %g of the bf16 loop\n", name, d);
+        CHECK(tdm_strategy_set_precision(st, TDM_F32) == 0, "%s: back to fp32", name);
+        seen.out_dtype[0] = -1;
+        CHECK(train_amp(st, AMP_STEPS, &seen, 0, B) == 0 && seen.out_dtype[0] == TDM_F32,
+              "%s: fp32 again after set_precision(TDM_F32)", name);
+        tdm_strategy_free(st);
+        CHECK(m->pre_hook == NULL && m->post_hook == NULL, "%s: hooks left on the model", name);
+        tdm_module_free(m);
+    }
+}
+
+/* A pipeline of two stages in bf16: each stage's thread opens its region (the last stage's
+ * output, which the loss gets, is bf16), and it still learns what the bf16 loop does. */
+static void test_bf16_pipeline(const float *want, int64_t n) {
+    tdm_module *m = make_model(1);
+    tdm_pipe_opts po = tdm_pipe_defaults(2, 1);
+    po.split_by = TDM_SPLIT_LAYERS;
+    tdm_strategy *st = tdm_strategy_pipeline(m, &po, make_sgd, NULL);
+    CHECK(st && tdm_strategy_set_precision(st, TDM_BF16) == 0, "bf16 pipeline: %s",
+          tdm_last_error());
+    if (!st) return tdm_module_free(m);
+    amp_seen seen = {{-1, -1}, {-1, -1}, 0};
+    CHECK(train_amp(st, AMP_STEPS, &seen, 0, B) == 0, "bf16 pipeline: %s", tdm_last_error());
+    CHECK(seen.out_dtype[0] == TDM_BF16 && seen.region[0] == TDM_BF16,
+          "bf16 pipeline: the last stage gave %s, its loss in region %d",
+          seen.out_dtype[0] < 0 ? "nothing" : tdm_dtype_name(seen.out_dtype[0]), seen.region[0]);
+    float got[MAXP];
+    CHECK(tdm_strategy_sync_model(st) == 0 && params_of(m, got) == n, "%s", tdm_last_error());
+    float d = max_diff(got, want, n);
+    CHECK(d <= BF16_SPLIT_BOUND, "bf16 pipeline: parameters %g off the bf16 loop", d);
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+}
+
+typedef struct {
+    const float *want;
+    int64_t n;
+    float diff[2];
+    amp_seen seen[2];
+} ddp_amp_case;
+
+/* Rank r of 2 trains its half of every batch in bf16 (DDP over a threads group). */
+static int ddp_bf16_rank(tdm_rank_ctx *ctx, void *arg) {
+    ddp_amp_case *c = arg;
+    int r = ctx->rank;
+    tdm_module *m = make_model(1 + (uint64_t)r); /* rank 0's weights are broadcast */
+    tdm_strategy *st = tdm_strategy_distributed(m, ctx->group, NULL, make_sgd, NULL);
+    if (!st) return tdm_module_free(m), tdm_last_status();
+    int rc = tdm_strategy_set_precision(st, TDM_BF16);
+    int64_t lo = r * B / 2, hi = lo + B / 2;
+    c->seen[r] = (amp_seen){{-1, -1}, {-1, -1}, 0};
+    if (!rc) rc = train_amp(st, AMP_STEPS, &c->seen[r], lo, hi);
+    float got[MAXP];
+    if (!rc && params_of(m, got) == c->n) c->diff[r] = max_diff(got, c->want, c->n);
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+    return rc;
+}
+
+static void test_bf16_distributed(const float *want, int64_t n) {
+    ddp_amp_case c = {.want = want, .n = n, .diff = {INFINITY, INFINITY}};
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    CHECK(tdm_spawn(2, devs, ddp_bf16_rank, &c) == 0, "%s", tdm_last_error());
+    for (int r = 0; r < 2; r++) {
+        /* each rank's rows start at row0 0 of its own batch */
+        CHECK(c.seen[r].out_dtype[0] == TDM_BF16 && c.seen[r].region[0] == TDM_BF16,
+              "bf16 ddp: rank %d's forward or loss ran outside a bf16 region", r);
+        CHECK(c.diff[r] <= BF16_SPLIT_BOUND, "bf16 ddp: rank %d's parameters %g off", r, c.diff[r]);
+    }
+    fprintf(stderr, "  bf16 ddp: parameters within %g and %g of the bf16 loop\n", c.diff[0],
+            c.diff[1]);
+}
+
+/* ---- fp16: the loss scaler in the step ------------------------------------------------- */
+
+/* Cross-entropy, multiplied by 1e30 on the rows of arg's rank (-1: none) at step arg's step:
+ * times the scale it overflows f32, so that rank's gradient is inf or NaN. */
+typedef struct {
+    int step, overflow_step, overflow_rank, rank;
+} f16_arg;
+
+static tdm_tensor *f16_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    (void)row0;
+    f16_arg *a = arg;
+    tdm_tensor *l = tdm_cross_entropy(out, target, NULL);
+    bool blow = a->step == a->overflow_step && a->rank == a->overflow_rank;
+    return l && blow ? tdm_mul_scalar(l, 1e30f) : l;
+}
+
+/* Steps 0..steps-1 on rows [lo, hi); skipped[s] says which the strategy skipped. */
+static int train_f16(tdm_strategy *st, f16_arg *a, int steps, int64_t lo, int64_t hi,
+                     bool *skipped) {
+    int rc = TDM_OK;
+    for (a->step = 0; a->step < steps && !rc; a->step++) {
+        tdm_strategy_set_lr(st, AMP_LR);
+        tdm_scope_begin();
+        tdm_tensor *x, *y;
+        batch_of(a->step, 0, lo, hi, &x, &y);
+        rc = tdm_strategy_step(st, x, y, f16_loss, a, NULL);
+        skipped[a->step] = tdm_strategy_step_skipped(st);
+        tdm_scope_end();
+    }
+    return rc;
+}
+
+/* One device in f16: step 1 overflows and is skipped (parameters unchanged, the scale halved),
+ * the others step; the scaler's state goes to a new strategy and back unchanged. */
+static void test_f16_one_device(void) {
+    tdm_module *m = make_model(1);
+    tdm_strategy *st = tdm_strategy_one_device(m, make_sgd, NULL);
+    CHECK(st && tdm_strategy_set_precision(st, TDM_F16) == 0, "f16: %s", tdm_last_error());
+    if (!st) return tdm_module_free(m);
+    tdm_grad_scaler *gs = tdm_strategy_grad_scaler(st);
+    CHECK(gs && tdm_grad_scaler_get_scale(gs) == 65536.0f, "f16: a scaler at 65536");
+    f16_arg a = {.overflow_step = 1, .overflow_rank = 0};
+    bool skipped[3] = {true, false, true};
+    float before[MAXP], after[MAXP];
+    int64_t n = params_of(m, before);
+    CHECK(train_f16(st, &a, 1, 0, B, skipped) == 0, "f16: %s", tdm_last_error());
+    params_of(m, before);
+    a.step = 1; /* the overflowing step alone, then one more */
+    tdm_scope_begin();
+    tdm_tensor *x, *y;
+    batch_of(1, 0, 0, B, &x, &y);
+    CHECK(tdm_strategy_step(st, x, y, f16_loss, &a, NULL) == 0, "f16: %s", tdm_last_error());
+    skipped[1] = tdm_strategy_step_skipped(st);
+    tdm_scope_end();
+    CHECK(params_of(m, after) == n && max_diff(after, before, n) == 0,
+          "f16: the overflowing step changed the parameters");
+    CHECK(!skipped[0] && skipped[1], "f16: skipped %d %d, expected 0 1", skipped[0], skipped[1]);
+    CHECK(tdm_grad_scaler_get_scale(gs) == 32768.0f, "f16: scale %g after the inf, not 32768",
+          tdm_grad_scaler_get_scale(gs));
+    a.overflow_step = -1;
+    CHECK(train_f16(st, &a, 2, 0, B, skipped) == 0 && !skipped[0] && !skipped[1], "f16: %s",
+          tdm_last_error());
+    tdm_grad_scaler_state s0, s1;
+    CHECK(tdm_grad_scaler_get_state(gs, &s0) == 0 && s0.scale == 32768.0f && s0.growth_tracker == 2,
+          "f16: state %g, %d; expected 32768, 2", s0.scale, s0.growth_tracker);
+    /* the state a checkpoint keeps, into another strategy */
+    tdm_module *m2 = make_model(2);
+    tdm_strategy *st2 = tdm_strategy_one_device(m2, make_sgd, NULL);
+    CHECK(st2 && tdm_strategy_set_precision(st2, TDM_F16) == 0, "%s", tdm_last_error());
+    tdm_grad_scaler *gs2 = tdm_strategy_grad_scaler(st2);
+    CHECK(gs2 && tdm_grad_scaler_set_state(gs2, &s0) == 0, "%s", tdm_last_error());
+    CHECK(tdm_grad_scaler_get_state(gs2, &s1) == 0 && s1.scale == s0.scale &&
+              s1.growth_tracker == s0.growth_tracker,
+          "f16: the scaler's state did not round-trip");
+    /* bf16 needs no scaler; f32 none either */
+    CHECK(tdm_strategy_set_precision(st2, TDM_BF16) == 0 && !tdm_strategy_grad_scaler(st2),
+          "bf16 keeps no scaler");
+    CHECK_ERROR(tdm_strategy_set_precision(st2, TDM_I64) != 0, "dtype i64 is not f32, bf16 or f16");
+    CHECK(tdm_strategy_precision(st2) == TDM_BF16, "a refused precision changes nothing");
+    tdm_strategy_free(st2);
+    tdm_module_free(m2);
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+    /* DataParallel and pipelines drive no scaler yet: refused by name */
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    m = make_model(1);
+    st = tdm_strategy_data_parallel(m, devs, 2, NULL, make_sgd, NULL);
+    CHECK_ERROR(st && tdm_strategy_set_precision(st, TDM_F16) != 0, "which DataParallel runs");
+    CHECK(tdm_strategy_precision(st) == TDM_F32, "a refused f16 leaves f32");
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+}
+
+typedef struct {
+    bool skipped[2][3];
+    float scale[2];
+    float params[2][MAXP];
+    int64_t n[2];
+} ddp_f16_case;
+
+/* Rank r of 2 in f16; rank 1 alone overflows at step 1. */
+static int ddp_f16_rank(tdm_rank_ctx *ctx, void *arg) {
+    ddp_f16_case *c = arg;
+    int r = ctx->rank;
+    tdm_module *m = make_model(1);
+    tdm_strategy *st = tdm_strategy_distributed(m, ctx->group, NULL, make_sgd, NULL);
+    if (!st) return tdm_module_free(m), tdm_last_status();
+    int rc = tdm_strategy_set_precision(st, TDM_F16);
+    f16_arg a = {.overflow_step = 1, .overflow_rank = 1, .rank = r};
+    int64_t lo = r * B / 2, hi = lo + B / 2;
+    if (!rc) rc = train_f16(st, &a, 3, lo, hi, c->skipped[r]);
+    c->scale[r] = tdm_grad_scaler_get_scale(tdm_strategy_grad_scaler(st));
+    c->n[r] = params_of(m, c->params[r]);
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+    return rc;
+}
+
+/* The inf of one rank reaches the other through the averaged gradient: both skip step 1, both
+ * back off, and their parameters stay equal. */
+static void test_f16_distributed(void) {
+    static ddp_f16_case c;
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    CHECK(tdm_spawn(2, devs, ddp_f16_rank, &c) == 0, "%s", tdm_last_error());
+    for (int r = 0; r < 2; r++) {
+        CHECK(!c.skipped[r][0] && c.skipped[r][1] && !c.skipped[r][2],
+              "f16 ddp: rank %d skipped %d %d %d, expected 0 1 0", r, c.skipped[r][0],
+              c.skipped[r][1], c.skipped[r][2]);
+        CHECK(c.scale[r] == 32768.0f, "f16 ddp: rank %d's scale %g", r, c.scale[r]);
+    }
+    CHECK(c.n[0] > 0 && c.n[0] == c.n[1] && max_diff(c.params[0], c.params[1], c.n[0]) == 0,
+          "f16 ddp: the ranks' parameters differ");
+}
+
 int main(void) {
     float want[MAXP], want1[MAXP];
     int64_t n = by_hand(ACCUM, CLIP, want), n1 = by_hand(1, 0, want1);
@@ -283,5 +594,12 @@ int main(void) {
     test_distributed(want, n);
     test_pipeline(want1, n1);
     test_one_device_settings();
+    float want_bf16[MAXP];
+    CHECK(by_hand_bf16(AMP_STEPS, want_bf16) == n1, "the bf16 reference");
+    test_bf16_one_device_and_data_parallel(want_bf16, n1);
+    test_bf16_distributed(want_bf16, n1);
+    test_bf16_pipeline(want_bf16, n1);
+    test_f16_one_device();
+    test_f16_distributed();
     return check_summary();
 }

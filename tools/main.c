@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "eval.h"
+#include "progress.h"
 #include "sample.h"
 #include "tandem/tandem.h"
 #include "train.h"
@@ -117,11 +118,14 @@ static int devices(void) {
     int n = tdm_device_count(TDM_CPU);
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     double gib = pages > 0 && page > 0 ? (double)pages * (double)page / (1 << 30) : 0;
-    char gemm[128], gpu[256];
+    char gemm[128], gpu[256], how[128], bf16[160];
     tdm_gemm_describe(gemm, sizeof gemm);
+    bool native = progress_bf16_native(how, sizeof how);
+    snprintf(bf16, sizeof bf16, "bf16 %s (%s)", native ? "native" : "emulated", how);
     printf("DEVICE   KIND  DETAILS\n");
     for (int i = 0; i < n; i++)
-        printf("cpu:%-4d cpu   core %d, shares %.1f GiB of memory, %s\n", i, i, gib, gemm);
+        printf("cpu:%-4d cpu   core %d, shares %.1f GiB of memory, %s, %s\n", i, i, gib, gemm,
+               bf16);
     int gpus = tdm_device_count(TDM_CUDA);
     for (int i = 0; i < gpus; i++)
         if (tdm_device_describe(tdm_cuda(i), gpu, sizeof gpu) == TDM_OK)

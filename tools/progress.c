@@ -8,8 +8,12 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 #define REDRAW_SECONDS 0.1
 #define BAR_WIDTH      24
@@ -126,6 +130,54 @@ void progress_clear(progress *p) {
     fprintf(p->out, "\r\033[K");
     fflush(p->out);
     p->drawn = false;
+}
+
+#if defined(__x86_64__)
+/* The XSAVE state the OS enables (xgetbv 0); cpuid 1 says OSXSAVE first. */
+static uint64_t xcr0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+#endif
+
+/* What cpuid says: bit 0 AVX512_BF16 (leaf 7.1 eax bit 5, with the ZMM and opmask state),
+ * bit 1 AMX-BF16 (leaf 7.0 edx bit 22, with the tile state). */
+static int bf16_cpuid(void) {
+    int found = 0;
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;
+    uint64_t xcr = xcr0();
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    unsigned max_sub = a;
+    if ((d & (1u << 22)) && (xcr & 0x60000) == 0x60000) found |= 2;
+    bool avx512 = (b & (1u << 16)) && (xcr & 0xE6) == 0xE6;
+    if (avx512 && max_sub >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)))
+        found |= 1;
+#endif
+    return found;
+}
+
+bool progress_bf16_native(char *how, size_t cap) {
+    int found = bf16_cpuid();
+    if (!found) {
+        snprintf(how, cap, "no AVX512_BF16 or AMX on this CPU");
+        return false;
+    }
+    /* oneDNN's own cap on the kernels it may pick: below avx512_core_bf16 it emulates */
+    const char *isa = getenv("ONEDNN_MAX_CPU_ISA");
+    if (!isa) isa = getenv("DNNL_MAX_CPU_ISA");
+    if (isa && *isa && strcasecmp(isa, "ALL") && strncasecmp(isa, "AVX512_CORE_BF16", 16) &&
+        strncasecmp(isa, "AVX512_CORE_AMX", 15)) {
+        snprintf(how, cap, "ONEDNN_MAX_CPU_ISA=%s masks this CPU's bf16 instructions", isa);
+        return false;
+    }
+    snprintf(how, cap, "%s",
+             found == 3   ? "AVX512_BF16 and AMX"
+             : found == 1 ? "AVX512_BF16"
+                          : "AMX");
+    return true;
 }
 
 void progress_print_compute(FILE *out) {

@@ -34,6 +34,10 @@ void progress_line(progress *p, int64_t step, double loss, double lr, double ms_
 /* The header's "compute" line: the CPU GEMM library and its kernel set; when that library
  * runs slower kernels than the CPU allows, a warning with the fix on stderr. */
 void progress_print_compute(FILE *out);
+/* Whether this CPU runs bf16 matrix products natively: cpuid reports AVX512_BF16 or AMX-BF16
+ * (with the OS's consent) and ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) does not mask them.
+ * how (cap bytes) gets what was found: "AVX512_BF16", "AVX512_BF16 and AMX", or why not. */
+bool progress_bf16_native(char *how, size_t cap);
 /* Clears the bar (a terminal) so the next line starts clean. */
 void progress_clear(progress *p);
 

@@ -196,6 +196,20 @@ static const opt_spec specs[] = {
      "On every kind of device and process; over the CPU devices of one process it replaces "
      "their shared-memory update, so each device holds its shard of the optimizer state too. "
      "Not with --model-split."},
+    {"--precision", "fp32|bf16|fp16", OPT_STR, F(precision), 0, 0, "fp32",
+     "Mixed precision (PyTorch's autocast, docs/MIXED_PRECISION.md): bf16 or fp16 runs the "
+     "matrix products, convolutions and attention of every forward in that dtype with fp32 "
+     "sums inside, and the losses in fp32; the weights, their gradients, the optimizer state and "
+     "the checkpoints stay fp32. fp16 also scales the loss (GradScaler: steps with an inf or NaN "
+     "gradient are skipped and the scale lowered) and needs one GPU: the CPU has no fp16 matrix "
+     "product here. Lightning's names are taken too: 32-true, bf16-mixed, 16-mixed. A run may "
+     "resume in another precision. The header line says whether this machine runs bf16 natively "
+     "(AVX512_BF16 or AMX) or emulates it (slower than fp32 there)."},
+    {"--reduce-dtype", "fp32|bf16", OPT_STR, F(reduce_dtype), 0, 0, "fp32",
+     "The dtype DDP's gradient buckets travel in between devices and processes: fp32, or bf16 "
+     "with the sum accumulated in fp32 (PyTorch's bf16_compress_hook: half the traffic, the "
+     "average rounded to bf16). Under mpirun with one CPU device per process (DDP); several "
+     "devices per process, GPUs under mpirun and pipelines reduce in fp32."},
     {"--bucket-cap", "MB", OPT_INT, F(bucket_cap), 1, 1024, "25",
      "Under mpirun with one device per process (DDP): the gradient buckets' size in MiB "
      "(PyTorch's bucket_cap_mb), each averaged over the processes as soon as backward has "
@@ -320,6 +334,8 @@ static train_opts opts_defaults(void) {
                         .pipe_schedule = "1f1b",
                         .denormals = "flush",
                         .shard = "none",
+                        .precision = "fp32",
+                        .reduce_dtype = "fp32",
                         .epochs = 1,
                         .batch_size = 0, /* 64 unless --batch-per-device (check_opts) */
                         .workers = -1,   /* 2 or 0 (trainer.c, loader_workers) */
@@ -721,6 +737,46 @@ static int check_training_extras(train_opts *o, bool sgd, bool text) {
     return 0;
 }
 
+/* --precision: Lightning's names made ours; fp16 only where a GPU runs the steps alone.
+ * --reduce-dtype: fp32 or bf16. */
+static int check_precision(train_opts *o) {
+    static const char *const names[][2] = {
+        {"fp32", "fp32"},       {"32-true", "fp32"}, {"32", "fp32"},       {"bf16", "bf16"},
+        {"bf16-mixed", "bf16"}, {"fp16", "fp16"},    {"16-mixed", "fp16"}, {"16", "fp16"}};
+    const char *canon = NULL;
+    for (size_t i = 0; i < sizeof names / sizeof names[0] && !canon; i++)
+        if (!strcmp(o->precision, names[i][0])) canon = names[i][1];
+    if (!canon)
+        return train_usage_error("--precision: unknown precision '%s' (expected fp32, bf16 or "
+                                 "fp16; or 32-true, bf16-mixed, 16-mixed)",
+                                 o->precision);
+    o->precision = canon;
+    static const char *const reduce[] = {"fp32", "bf16", NULL};
+    if (!one_of(o->reduce_dtype, reduce))
+        return train_usage_error("--reduce-dtype: unknown dtype '%s' (expected fp32 or bf16)",
+                                 o->reduce_dtype);
+    /* DataParallel's replicas make their DDP wrappers inside tdm_dp, with the defaults */
+    if (strcmp(o->reduce_dtype, "fp32") != 0 && (o->n_devs > 1 || o->model_split > 1))
+        return train_usage_error("--reduce-dtype %s applies to DDP (mpirun, one device per "
+                                 "process); %s reduce in fp32",
+                                 o->reduce_dtype,
+                                 o->model_split > 1 ? "a pipeline's replicas"
+                                                    : "several devices of one process");
+    if (strcmp(canon, "fp16") != 0) return 0;
+    for (int i = 0; i < o->n_devs; i++)
+        if (o->devs[i].type == TDM_CPU)
+            return train_usage_error(
+                "--precision fp16 needs a GPU: on a CPU device fp16 matrix products have no "
+                "kernel here (oneDNN 2.6.3 has none; docs/MIXED_PRECISION.md, \"Where Tandem "
+                "will differ\" 3); use --precision bf16");
+    if (o->n_devs > 1 || o->model_split > 1)
+        return train_usage_error("--precision fp16 trains on one device for now: the loss "
+                                 "scaler is not driven inside %s yet; use bf16",
+                                 o->model_split > 1 ? "a pipeline's stages"
+                                                    : "DataParallel's replicas");
+    return 0;
+}
+
 /* Checks choices and combinations once every option is known. */
 static int check_opts(train_opts *o) {
     static const char *const optimizers[] = {"sgd", "adam", "adamw", NULL};
@@ -798,6 +854,7 @@ static int check_opts(train_opts *o) {
     if (o->batch_size < o->n_devs)
         return train_usage_error("--batch-size %lld is smaller than the %d devices sharing it",
                                  (long long)o->batch_size, o->n_devs);
+    if (check_precision(o)) return EXIT_USAGE;
     if (o->model_split > 1) {
         static const char *const pipes[] = {"1f1b", "gpipe", NULL};
         if (!one_of(o->pipe_schedule, pipes))

@@ -56,6 +56,8 @@ typedef struct {
     const char *pipe_schedule;
     const char *denormals;            /* "flush" or "keep" */
     const char *shard;                /* "none" or "optimizer" (ZeRO stage 1) */
+    const char *precision;            /* "fp32", "bf16" or "fp16" once checked */
+    const char *reduce_dtype;         /* DDP's gradient exchange: "fp32" or "bf16" */
     int64_t bucket_cap;               /* DDP's gradient buckets, MiB */
     bool recompute;                   /* the GPT's blocks, a ResNet's stages */
     int64_t batch_per_device;         /* 0: --batch-size is the global batch */

@@ -131,14 +131,26 @@ static int make_strategy(trainer *tr) {
     } else if (tr->g) { /* rank 0's initial weights go to every process */
         tdm_ddp_opts dop = tdm_ddp_defaults();
         dop.bucket_cap_bytes = o->bucket_cap << 20;
+        dop.reduce_dtype = strcmp(o->reduce_dtype, "bf16") == 0 ? TDM_BF16 : TDM_F32;
         what = "ddp";
         tr->st = tdm_strategy_distributed(t->model, tr->g, &dop, t->optimizer, (void *)o);
     } else {
         tr->st = tdm_strategy_one_device(t->model, t->optimizer, (void *)o);
     }
     if (!tr->st) return task_error("%s: %s", what, tdm_last_error());
+    /* one device has nothing to reduce; GPUs under mpirun are DataParallel's replicas, whose
+     * DDP wrappers tdm_dp makes with the defaults */
+    if (strcmp(o->reduce_dtype, "fp32") != 0 && strcmp(what, "data parallel") == 0)
+        return task_error("--reduce-dtype %s applies to DDP (one CPU device per process); GPUs "
+                          "under mpirun reduce through DataParallel in fp32",
+                          o->reduce_dtype);
     if (tdm_strategy_set_clip_grad_norm(tr->st, (float)o->clip))
         return task_error("--clip-grad: %s", tdm_last_error());
+    tdm_dtype dt = !strcmp(o->precision, "bf16")   ? TDM_BF16
+                   : !strcmp(o->precision, "fp16") ? TDM_F16
+                                                   : TDM_F32;
+    if (tdm_strategy_set_precision(tr->st, dt))
+        return task_error("--precision %s: %s", o->precision, tdm_last_error());
     tr->opt = tdm_strategy_optim(tr->st, 0);
     tr->loss_on_caller = tdm_strategy_loss_on_caller(tr->st);
     return tr->opt ? 0 : task_error("optimizer: %s", tdm_last_error());
@@ -301,8 +313,9 @@ static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
 
 static void note_small_work(trainer *tr, uint64_t flops) {
     int procs = tr->g ? tdm_group_size(tr->g) : 1, n = tr->o->n_devs * procs;
+    /* tdm_gemm_flops counts the fp32 GEMM only: a bf16 run's products are not in it */
     if (tr->o->model_split > 1 || n < 2 || tr->dev.type != TDM_CPU || tr->o->quiet ||
-        (double)flops >= SMALL_DEVICE_WORK_FLOPS)
+        (double)flops >= SMALL_DEVICE_WORK_FLOPS || strcmp(tr->o->precision, "fp32") != 0)
         return;
     progress_clear(&tr->prog);
     printf("note      %.0f MFLOP of matrix products per device per step: little next to the "
@@ -644,6 +657,25 @@ static void print_sharding(const trainer *tr) {
     }
 }
 
+/* "precision bf16 (autocast, fp32 weights; native: AVX512_BF16)": the dtype of the forward's
+ * products, and on a CPU whether it has bf16 instructions; without them oneDNN emulates bf16,
+ * slower than fp32, which the line says once. */
+static void print_precision(const trainer *tr) {
+    const char *p = tr->o->precision;
+    if (!strcmp(p, "fp32")) {
+        printf("precision fp32\n");
+        return;
+    }
+    printf("precision %s (autocast, fp32 weights%s", p, !strcmp(p, "fp16") ? ", loss scaling" : "");
+    char how[128];
+    if (tr->dev.type != TDM_CPU)
+        printf(")\n");
+    else if (progress_bf16_native(how, sizeof how))
+        printf("; native: %s)\n", how);
+    else
+        printf("; emulated: %s, so bf16 runs slower than fp32 here)\n", how);
+}
+
 static void banner(const trainer *tr) {
     const train_opts *o = tr->o;
     char opt[256];
@@ -668,6 +700,7 @@ static void banner(const trainer *tr) {
     if (tr->task->classes_desc[0]) printf("classes   %s\n", tr->task->classes_desc);
     if (tr->task->transform_desc[0]) printf("transform %s\n", tr->task->transform_desc);
     printf("optimizer %s\n", opt);
+    print_precision(tr);
     if (strcmp(o->shard, "none") != 0) print_sharding(tr);
     fflush(stdout);
 }
@@ -699,6 +732,8 @@ static void write_config(trainer *tr) {
     json_str(f, sizeof f, "devices", o->devices);
     json_str(f, sizeof f, "denormals", o->denormals);
     json_str(f, sizeof f, "shard", o->shard);
+    json_str(f, sizeof f, "precision", o->precision);
+    json_str(f, sizeof f, "reduce_dtype", o->reduce_dtype);
     size_t n = strlen(f);
     snprintf(f + n, sizeof f - n,
              "\"lr\":%g,\"momentum\":%g,\"weight_decay\":%g,\"clip_grad\":%g,\"epochs\":%lld,"

@@ -5,6 +5,7 @@
  * position is global, and the global batch is an option of the run), and the same check
  * across the processes under mpirun. A sharded run writes a sharded checkpoint, each device
  * of each process its own shard file (save_shards). */
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdlib.h>
@@ -191,20 +192,32 @@ static int save_checkpoint(trainer *tr) {
     if (train_identity(o, id, sizeof id))
         return free(ranks), task_error("checkpoint: options too long");
     snprintf(layout, sizeof layout, "%dx%d", tr->g ? tdm_group_size(tr->g) : 1, o->n_devs);
-    tdm_meta meta[7] = {{"epoch_loss_sum", loss},
-                        {"epoch_correct", correct},
-                        {"epoch_images", samples},
-                        {"epoch_rank_totals", ranks},
-                        {"run.options", id},
-                        {"run.layout", layout},
-                        {"class_to_idx", tr->task->class_to_idx}};
+    char scale[64] = "", tracker[32] = "";
+    tdm_grad_scaler_state gs;
+    bool scaled = !tdm_grad_scaler_get_state(tdm_strategy_grad_scaler(tr->st), &gs);
+    if (scaled) snprintf(scale, sizeof scale, "%a", (double)gs.scale);
+    if (scaled) snprintf(tracker, sizeof tracker, "%d", (int)gs.growth_tracker);
+    /* the optional ones last, so that n_meta leaves out those a run has not */
+    tdm_meta meta[10] = {{"epoch_loss_sum", loss},
+                         {"epoch_correct", correct},
+                         {"epoch_images", samples},
+                         {"epoch_rank_totals", ranks},
+                         {"run.options", id},
+                         {"run.layout", layout},
+                         {"amp.precision", o->precision},
+                         {"class_to_idx", tr->task->class_to_idx},
+                         {"amp.scale", scale},
+                         {"amp.growth_tracker", tracker}};
+    int n_meta = tr->task->class_to_idx ? 8 : 7;
+    if (scaled && !tr->task->class_to_idx) meta[7] = meta[8], meta[8] = meta[9];
+    if (scaled) n_meta += 2;
     tdm_train_state s = {.model = tr->task->model,
                          .optim = tr->opt,
                          .loader = tr->train_l,
                          .rng = tdm_default_rng(),
                          .step = tr->global_step,
                          .meta = meta,
-                         .n_meta = tr->task->class_to_idx ? 7 : 6,
+                         .n_meta = n_meta,
                          .run_id = tr->run_id[0] ? tr->run_id : NULL};
     int rc =
         shards ? save_shards(tr, &s) : tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);
@@ -555,6 +568,47 @@ static int check_moments(const trainer *tr, const char *path) {
     return 0;
 }
 
+/* The fp16 loss scaler's state from the checkpoint, when it has one and this run scales:
+ * the scale finite and > 0, the growth tracker a whole number >= 0 (tdm_grad_scaler_set_state
+ * also holds it below the growth interval). 0 or EXIT_RUNTIME naming the field. */
+static int resume_scaler(trainer *tr, const char *path) {
+    tdm_grad_scaler *gs = tdm_strategy_grad_scaler(tr->st);
+    char scale[64], tracker[32];
+    int a = gs ? tdm_checkpoint_meta(path, "amp.scale", scale, sizeof scale) : 0;
+    int b = gs ? tdm_checkpoint_meta(path, "amp.growth_tracker", tracker, sizeof tracker) : 0;
+    if (a < 0 || b < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
+    if (a == 0 && b == 0) return 0; /* saved without a scaler: this run's starts afresh */
+    char *end1 = NULL, *end2 = NULL;
+    double v = a == 1 ? strtod(scale, &end1) : NAN;
+    long long t = b == 1 ? strtoll(tracker, &end2, 10) : -1;
+    bool scale_ok = a == 1 && end1 != scale && !*end1 && isfinite(v) && v > 0 && v <= FLT_MAX;
+    bool tracker_ok = b == 1 && end2 != tracker && !*end2 && t >= 0 && t <= INT32_MAX;
+    tdm_grad_scaler_state st = {(float)v, (int32_t)t};
+    if (!scale_ok || !tracker_ok || tdm_grad_scaler_set_state(gs, &st))
+        return task_error(
+            "--resume from '%s': the loss scaler's %s '%s' is not %s", path,
+            !scale_ok ? "amp.scale" : "amp.growth_tracker",
+            !scale_ok ? (a == 1 ? scale : "(missing)") : (b == 1 ? tracker : "(missing)"),
+            !scale_ok ? "a finite scale > 0" : "a whole number >= 0 below the growth interval");
+    return 0;
+}
+
+/* One line when the checkpoint was trained in another precision (none before precisions were
+ * recorded: those were fp32). The weights are fp32 masters either way. */
+static int note_precision(trainer *tr, const char *path) {
+    char saved[16] = "fp32";
+    int got = tdm_checkpoint_meta(path, "amp.precision", saved, sizeof saved);
+    if (got < 0) return task_error("--resume from '%s': %s", path, tdm_last_error());
+    if (strcmp(saved, "fp32") && strcmp(saved, "bf16") && strcmp(saved, "fp16"))
+        return task_error("--resume from '%s': amp.precision '%s' is not fp32, bf16 or fp16", path,
+                          saved);
+    if (strcmp(saved, tr->o->precision) != 0 && !tr->o->quiet && !tr->silent)
+        printf("precision the checkpoint was trained in %s, this run goes on in %s (its weights "
+               "are fp32 either way)\n",
+               saved, tr->o->precision);
+    return 0;
+}
+
 /* --resume: restores every replica's weights and optimizer from the newest checkpoint, and
  * the data position, RNG, step count and run identity once. A run that starts from the
  * beginning draws a new identity. */
@@ -607,6 +661,8 @@ int trainer_resume(trainer *tr) {
     if (!rc && !params_sharded(tr)) /* sharded: each process holds a part (see check_moments) */
         rc = task_check_finite(tr->task->model, "--resume from", weights);
     if (!rc) rc = resume_totals(tr, path, batch * tr->o->batch_size);
+    if (!rc) rc = resume_scaler(tr, path);
+    if (!rc) rc = note_precision(tr, path);
     /* each process read its own totals: every one stops when any refused them */
     double failed = rc;
     if (tr->g && trainer_sum_over_processes(tr, &failed, 1)) return EXIT_RUNTIME;

@@ -84,6 +84,30 @@ int tdm_strategy_set_clip_grad_norm(tdm_strategy *st, float max_norm);
 /* The learning rate of every replica's (every stage's) optimizer. NaN leaves it as it was. */
 void tdm_strategy_set_lr(tdm_strategy *st, float lr);
 
+/* Mixed precision (docs/MIXED_PRECISION.md): dt TDM_BF16 or TDM_F16 runs every forward a step
+ * runs (each replica's, each pipeline stage's, and tdm_strategy_forward's) and the loss
+ * function inside an autocast region of dt (tandem/autocast.h), opened on the thread that runs
+ * it: DataParallel's replica threads and a pipeline's stage threads open their own. Backward
+ * runs outside any region, each op's gradient in the dtype its forward ran; parameters,
+ * gradients, the gradient exchange and the optimizer stay f32. TDM_F32 turns it off (the
+ * default). The regions hook the forward modules (tdm_module_set_forward_hooks, around any
+ * hooks they had, FSDP's included); the strategy removes them when freed. TDM_F16 adds a
+ * gradient scaler (tdm_grad_scaler_defaults) in PyTorch's order: the loss scaled before
+ * backward, the averaged gradient unscaled before clipping, the step skipped and the scale
+ * backed off on an inf or NaN. Since every rank unscales the same averaged gradient, every
+ * rank skips the same steps. Between steps. TDM_ERR_ARG for a NULL st, or TDM_F16 on a
+ * DataParallel or pipeline strategy (their updates run on their own threads, where no scaler
+ * is driven yet); TDM_ERR_DTYPE for another dtype; TDM_ERR_NOMEM. */
+int tdm_strategy_set_precision(tdm_strategy *st, tdm_dtype dt);
+/* The dtype set: TDM_F32 before any, and for a NULL st. */
+tdm_dtype tdm_strategy_precision(const tdm_strategy *st);
+/* The fp16 gradient scaler, owned by the strategy (its state goes into checkpoints:
+ * tdm_grad_scaler_get_state / _set_state); NULL unless the precision is TDM_F16. */
+tdm_grad_scaler *tdm_strategy_grad_scaler(tdm_strategy *st);
+/* Whether the last tdm_strategy_step skipped the optimizers' step (fp16: an inf or NaN in the
+ * averaged gradient). False for a NULL st and without a scaler. */
+bool tdm_strategy_step_skipped(const tdm_strategy *st);
+
 /* ---- training and evaluation ------------------------------------------------------------- */
 
 /* One optimizer step, its last micro-batch being x [B, ...], target [B, ...] (the caller's

@@ -19,7 +19,8 @@ static int run_micro(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_lo
         return tdm_raise(TDM_ERR_STATE,
                          "strategy accumulate: a pipeline accumulates its micro-batches itself "
                          "(one tdm_strategy_step per batch)");
-    int rc = st->ops->step(st, x, target, loss_fn, loss_arg, st->micro == 0, last, loss);
+    st->user_loss = loss_fn, st->user_arg = loss_arg;
+    int rc = st->ops->step(st, x, target, tdm_strategy_amp_loss, st, st->micro == 0, last, loss);
     st->micro = last || rc ? 0 : st->micro + 1;
     return rc;
 }
@@ -61,7 +62,10 @@ int tdm_strategy_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn u
     if (!st->ops->set_shard)
         return tdm_raise(TDM_ERR_ARG, "strategy set_shard: a pipeline's stages step optimizers "
                                       "of their own, which are not sharded");
-    return st->ops->set_shard(st, kind, units_of);
+    int rc = st->ops->set_shard(st, kind, units_of);
+    /* FSDP hooks the root module: ours go around its new ones */
+    if (!rc && st->precision != TDM_F32) rc = tdm_strategy_amp_hooks(st, st->precision);
+    return rc;
 }
 
 tdm_shard_kind tdm_strategy_shard(const tdm_strategy *st) {
@@ -147,6 +151,40 @@ char *tdm_strategy_describe(tdm_strategy *st, int64_t batch, char *buf, size_t c
     return buf;
 }
 
+int tdm_strategy_set_precision(tdm_strategy *st, tdm_dtype dt) {
+    if (!st) return tdm_raise(TDM_ERR_ARG, "strategy set_precision: NULL strategy");
+    if (dt != TDM_F32 && dt != TDM_BF16 && dt != TDM_F16)
+        return tdm_raise(TDM_ERR_DTYPE, "strategy set_precision: dtype %s is not f32, bf16 or f16",
+                         tdm_dtype_name(dt));
+    if (dt == TDM_F16 && !st->loss_on_caller)
+        return tdm_raise(TDM_ERR_ARG,
+                         "strategy set_precision: f16 needs a loss scaler between backward and "
+                         "the update, which %s runs on its own threads: not supported yet (bf16 "
+                         "needs none)",
+                         st->accumulates ? "DataParallel" : "a pipeline");
+    if (dt == TDM_F16 && !st->scaler && !(st->scaler = tdm_grad_scaler_new(NULL)))
+        return tdm_last_status();
+    int rc = tdm_strategy_amp_hooks(st, dt);
+    if (rc) return rc;
+    if (dt != TDM_F16) tdm_grad_scaler_free(st->scaler), st->scaler = NULL;
+    st->precision = dt;
+    return TDM_OK;
+}
+
+tdm_dtype tdm_strategy_precision(const tdm_strategy *st) {
+    return st ? st->precision : TDM_F32;
+}
+
+tdm_grad_scaler *tdm_strategy_grad_scaler(tdm_strategy *st) {
+    return st ? st->scaler : NULL;
+}
+
+bool tdm_strategy_step_skipped(const tdm_strategy *st) {
+    return st && st->skipped;
+}
+
 void tdm_strategy_free(tdm_strategy *st) {
-    if (st) st->ops->destroy(st);
+    if (!st) return;
+    tdm_strategy_amp_free(st);
+    st->ops->destroy(st);
 }

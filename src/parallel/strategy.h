@@ -39,6 +39,10 @@ typedef struct tdm_strategy_ops {
     int (*release_params)(tdm_strategy *st);
     /* The header line's phrase (tdm_strategy_describe). NULL: none. */
     void (*describe)(tdm_strategy *st, int64_t batch, char *buf, size_t cap);
+    /* The i-th module whose forward a step runs, on whichever thread runs it (i from 0 until
+     * NULL): where mixed precision hooks its autocast region (strategy_amp.c). NULL: the
+     * replicas, tdm_strategy_replica(st, 0 .. replicas - 1). */
+    tdm_module *(*forward_module)(tdm_strategy *st, int i);
     /* Frees everything the constructor made, the struct included. Required. */
     void (*destroy)(tdm_strategy *st);
 } tdm_strategy_ops;
@@ -53,6 +57,31 @@ struct tdm_strategy {
     bool state_split;     /* set by ops->set_shard */
     float clip;           /* set by strategy.c */
     int micro;            /* micro-batches of the current step so far (strategy.c) */
+    /* Mixed precision (strategy_amp.c): the autocast dtype of every forward and loss, TDM_F32
+     * for none; the fp16 loss scaler (NULL otherwise), which the steps of one_device and
+     * distributed drive; the caller's loss function, which amp_loss wraps in a region. */
+    tdm_dtype precision;
+    tdm_grad_scaler *scaler;
+    bool skipped; /* the last step's update was skipped (an inf or NaN, fp16) */
+    tdm_loss_fn user_loss;
+    void *user_arg;
+    struct amp_hook *hooks; /* one per forward module while precision is not TDM_F32 */
+    int n_hooks;
 };
+
+/* ---- mixed precision, for strategy.c and the strategies' steps (strategy_amp.c) ---------- */
+
+/* Installs (dt not TDM_F32) or removes the autocast hooks on every forward module of st,
+ * chained after any hooks those modules had (FSDP's). TDM_OK or TDM_ERR_NOMEM. */
+int tdm_strategy_amp_hooks(tdm_strategy *st, tdm_dtype dt);
+/* The loss function the strategies' steps call in place of the caller's: st->user_loss inside
+ * an autocast region of st->precision on the calling thread; its arg is st. */
+tdm_tensor *tdm_strategy_amp_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg);
+/* The fp16 update of a step, PyTorch's order: unscale o's gradients (averaged already, so
+ * every rank finds the same inf), clip with clip_fn (NULL: none), step unless an inf or NaN was
+ * found, update the scale. Sets st->skipped. The first error. */
+int tdm_strategy_amp_update(tdm_strategy *st, tdm_optim *o, int (*clip_fn)(tdm_strategy *st));
+/* Removes the hooks and frees the scaler (tdm_strategy_free, before ops->destroy). */
+void tdm_strategy_amp_free(tdm_strategy *st);
 
 #endif

@@ -18,6 +18,12 @@ typedef struct {
     tdm_optim *opt;
 } distributed;
 
+/* Under stage 2 the norm comes from the shards. */
+static int ddp_clip(tdm_strategy *st) {
+    if (st->clip <= 0) return TDM_OK;
+    return tdm_ddp_clip_grad_norm(((distributed *)st)->ddp, st->clip, NULL) ? -1 : TDM_OK;
+}
+
 /* Batch norm over the global batch (SyncBatchNorm) through the parallel context: the rows of
  * rank r are taken as [r * b, (r + 1) * b) of the processes' batch. */
 static int ddp_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
@@ -32,14 +38,17 @@ static int ddp_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_los
     tdm_tensor *out = rc ? NULL : tdm_ddp_forward(s->ddp, x);
     tdm_tensor *l = out ? loss_fn(out, target, 0, loss_arg) : NULL;
     tdm_trace_end();
+    /* fp16: the backward starts from loss * scale (tdm_grad_scaler) */
+    tdm_tensor *root = l && st->scaler ? tdm_grad_scaler_scale(st->scaler, l) : l;
     tdm_trace_begin("backward");
     tdm_ddp_set_sync(s->ddp, last); /* the step's other micro-batches keep theirs (no_sync) */
-    rc = rc ? rc : !l ? -1 : tdm_ddp_backward(s->ddp, l);
+    rc = rc ? rc : !root ? -1 : tdm_ddp_backward(s->ddp, root);
     tdm_parallel_context_clear();
     tdm_trace_end();
-    tdm_trace_begin("optimizer"); /* under stage 2 the norm comes from the shards */
-    if (!rc && last && st->clip > 0 && tdm_ddp_clip_grad_norm(s->ddp, st->clip, NULL)) rc = -1;
-    if (!rc && last) rc = tdm_optim_step(s->opt);
+    tdm_trace_begin("optimizer"); /* the gradients are averaged: every rank sees one inf */
+    if (!rc && last && st->scaler) rc = tdm_strategy_amp_update(st, s->opt, ddp_clip);
+    if (!rc && last && !st->scaler) rc = ddp_clip(st);
+    if (!rc && last && !st->scaler) rc = tdm_optim_step(s->opt);
     tdm_trace_end();
     if (!rc && loss) *loss = tdm_item(l);
     tdm_scope_end();

@@ -14,6 +14,11 @@ typedef struct {
     tdm_device dev;
 } one_device;
 
+static int one_clip(tdm_strategy *st) {
+    if (st->clip <= 0) return TDM_OK;
+    return tdm_clip_grad_norm(((one_device *)st)->ps, st->clip, false, NULL) ? -1 : TDM_OK;
+}
+
 /* A CPU device marks the step's gradients stale rather than zeroing them (backward then writes
  * each one instead of adding into zeros; tdm_paramset_mark_grads_stale). A GPU zeroes them. */
 static int one_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
@@ -32,13 +37,16 @@ static int one_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_los
     tdm_tensor *out = rc ? NULL : tdm_module_forward(s->model, x);
     tdm_tensor *l = out ? loss_fn(out, target, 0, loss_arg) : NULL;
     tdm_trace_end();
+    /* fp16: the backward starts from loss * scale (tdm_grad_scaler) */
+    tdm_tensor *root = l && st->scaler ? tdm_grad_scaler_scale(st->scaler, l) : l;
     tdm_trace_begin("backward");
-    rc = rc ? rc : !l ? -1 : tdm_backward(l);
+    rc = rc ? rc : !root ? -1 : tdm_backward(root);
     if (mark && tdm_paramset_settle_grads(s->ps) && !rc) rc = -1;
     tdm_trace_end();
     tdm_trace_begin("optimizer");
-    if (!rc && last && st->clip > 0 && tdm_clip_grad_norm(s->ps, st->clip, false, NULL)) rc = -1;
-    if (!rc && last) rc = tdm_optim_step(s->opt);
+    if (!rc && last && st->scaler) rc = tdm_strategy_amp_update(st, s->opt, one_clip);
+    if (!rc && last && !st->scaler) rc = one_clip(st);
+    if (!rc && last && !st->scaler) rc = tdm_optim_step(s->opt);
     tdm_trace_end();
     if (!rc && loss) *loss = tdm_item(l);
     tdm_scope_end();

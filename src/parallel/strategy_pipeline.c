@@ -75,6 +75,15 @@ static void pipe_describe(tdm_strategy *st, int64_t batch, char *buf, size_t cap
                  s->schedule == TDM_PIPE_GPIPE ? "gpipe" : "1f1b");
 }
 
+/* Every stage of every replica runs its forward on a thread of its own; the caller's model
+ * runs the evaluation forward. */
+static tdm_module *pipe_forward_module(tdm_strategy *st, int i) {
+    pipeline *s = (pipeline *)st;
+    int stages = tdm_pipe_stages(s->pipe), n = stages * st->ranks;
+    if (i == n) return s->model;
+    return i < n ? tdm_pipe_stage_module(s->pipe, i % stages, i / stages) : NULL;
+}
+
 static void pipe_destroy(tdm_strategy *st) {
     tdm_pipe_free(((pipeline *)st)->pipe); /* with every stage's optimizer */
     free(st);
@@ -90,6 +99,7 @@ static const tdm_strategy_ops pipeline_ops = {
     .optim = pipe_optim,
     .optim_gather = pipe_optim_gather,
     .describe = pipe_describe,
+    .forward_module = pipe_forward_module,
     .destroy = pipe_destroy,
 };
 

@@ -181,8 +181,13 @@ static gemm_entry *lookup(const gemm_key *q, gemm_entry *own, dnnl_status_t *st)
         if (!e->used) {
             if (!empty) empty = e;
         } else if (key_eq(&e->key, q)) {
-            hit = e;
-            break;
+            /* oneDNN 2.6.3 runs one primitive on two threads at once wrongly (DataParallel's
+             * replicas, same shapes: their results raced), so a busy entry is not shared: the
+             * second thread gets an entry of its own for the key */
+            if (e->users == 0) {
+                hit = e;
+                break;
+            }
         } else if (e->users == 0 && (!lru || e->last_use < lru->last_use)) {
             lru = e;
         }

@@ -181,9 +181,11 @@ static gemm_entry *lookup(const gemm_key *q, gemm_entry *own, dnnl_status_t *st)
         if (!e->used) {
             if (!empty) empty = e;
         } else if (key_eq(&e->key, q)) {
-            /* oneDNN 2.6.3 runs one primitive on two threads at once wrongly (DataParallel's
-             * replicas, same shapes: their results raced), so a busy entry is not shared: the
-             * second thread gets an entry of its own for the key */
+            /* a busy entry is not shared: the second thread gets an entry of its own for the
+             * key. One primitive executed on two threads at once gave wrong products
+             * (DataParallel's replicas, same shapes): a primitive's library-managed scratchpad
+             * is its own, shared by concurrent executions unless oneDNN was built with
+             * DNNL_ENABLE_CONCURRENT_EXEC, which Debian's is not known to be */
             if (e->users == 0) {
                 hit = e;
                 break;

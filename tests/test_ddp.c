@@ -198,7 +198,7 @@ static int bf16_rank(tdm_rank_ctx *ctx, void *arg) {
     if (!d) return tdm_last_status();
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_optim *opt = make_sgd(ps, NULL);
-    c->total = ps->total;
+    if (r == 0) c->total = ps->total; /* one writer: the ranks run at once */
     tdm_ddp_set_sync(d, false);
     int rc = bf16_pass(d, m, opt, r, n, &c->local[r]);
     tdm_ddp_set_sync(d, true);

@@ -974,7 +974,11 @@ static void test_kernels(void) {
     for (size_t i = 0; i < sizeof KERNELS / sizeof KERNELS[0]; i++)
         CHECK(covered(KERNELS[i]), "kernel %s: no row of the table runs it", KERNELS[i]);
     const tdm_dtype dts[] = {TDM_F32, TDM_BF16, TDM_F16};
+    /* TDM_TEST_CUDA_DTYPES=f32 (or bf16,f16): those dtypes' rows only, so that the emulation
+     * (src/backend/cuda/emu/run) runs them in two processes at once; default every dtype */
+    const char *only = getenv("TDM_TEST_CUDA_DTYPES");
     for (int k = 0; k < 3; k++) {
+        if (only && !strstr(only, tdm_dtype_name(dts[k]))) continue;
         int rows = 0, passed = 0;
         for (size_t i = 0; i < sizeof ROWS / sizeof ROWS[0]; i++) {
             if (ROWS[i].dt != dts[k]) continue;

@@ -40,8 +40,8 @@
 /* Nanoseconds a rank spins at a barrier before it sleeps, when ranks do not outnumber cores.
  * Bounded, with no sched_yield: unbounded spinning threads that shared a core with a pinned
  * device thread stalled DataParallel steps for whole scheduler ticks on the 2-core VM.
- * There a sleeping rank took tens of microseconds to wake; 50 us covers the usual skew
- * between ranks (the budgets measured: bench/RESULTS.md, "Figures behind the code"). */
+ * The budget covers the usual skew between ranks, which is shorter than a sleeping rank's
+ * wake-up (both measured: bench/RESULTS.md, "Figures behind the code"). */
 #define BARRIER_SPIN_NS 50000
 /* floats per reduction block: the accumulator (8 KiB) stays in L1 */
 #define RED_BLK 2048

@@ -3,7 +3,11 @@
  * A launch runs its blocks one after another on the calling thread. The threads of a block
  * are coroutines (ucontext) run in rounds: each runs until its next __syncthreads or its
  * end, so a barrier holds exactly as on a GPU, and __shared__ arrays (statics) are shared by
- * the block. Streams and events are in order by construction; device memory is host memory,
+ * the block. Thread 0 runs first as a coroutine: when it ends without a barrier, no thread of
+ * the block may reach one (a barrier is every thread's or undefined), so the others run as
+ * plain calls, without the context switches (and ASan's clearing of each coroutine's stack)
+ * that most kernels, which have no barrier, do not need; one of them reaching a barrier after
+ * all is reported and aborts. Streams and events are in order by construction; device memory is host memory,
  * so AddressSanitizer sees a kernel's out-of-bounds access. Invalid launch configurations
  * (empty grid, more than 1024 threads, a block size that is not a power of two where the
  * reductions need one is the caller's check) fail as on a GPU, through cudaGetLastError.
@@ -29,12 +33,13 @@ static std::mutex emu_mu; /* launches (the globals above and below) and the pinn
 static std::set<const void *> pinned;
 
 #define MAX_BLOCK  1024
-#define STACK_SIZE (256 * 1024)
+#define STACK_SIZE (64 * 1024) /* deeper frames overflow into ASan's redzone, reported */
 
 static ucontext_t sched_ctx, thread_ctx[MAX_BLOCK];
 static char *stacks[MAX_BLOCK];
 static bool finished[MAX_BLOCK];
 static const std::function<void()> *body_now;
+static bool plain_calls; /* the block's threads after thread 0 run as calls: no barrier */
 
 static void trampoline(void) {
     (*body_now)();
@@ -42,10 +47,26 @@ static void trampoline(void) {
 }
 
 void __syncthreads(void) {
+    if (plain_calls) {
+        fprintf(stderr, "emu: thread %u of block %u reached __syncthreads, which thread 0 of its "
+                "block never did (undefined on a GPU)\n", threadIdx.x, blockIdx.x);
+        abort();
+    }
     swapcontext(&thread_ctx[threadIdx.x], &sched_ctx);
 }
 
 void *emu_dynamic_shared;
+
+/* Thread t's coroutine, at the start of the body. */
+static void start(int t) {
+    if (!stacks[t] && !(stacks[t] = (char *)malloc(STACK_SIZE))) abort();
+    getcontext(&thread_ctx[t]);
+    thread_ctx[t].uc_stack.ss_sp = stacks[t];
+    thread_ctx[t].uc_stack.ss_size = STACK_SIZE;
+    thread_ctx[t].uc_link = &sched_ctx;
+    makecontext(&thread_ctx[t], trampoline, 0);
+    finished[t] = false;
+}
 
 void emu_launch(long long grid, long long block, const std::function<void()> &body, size_t shmem) {
     if (grid < 1 || grid > 2147483647LL || block < 1 || block > MAX_BLOCK || shmem > 48 * 1024) {
@@ -62,20 +83,25 @@ void emu_launch(long long grid, long long block, const std::function<void()> &bo
     blockDim = {(unsigned)block, 1, 1};
     for (long long b = 0; b < grid; b++) {
         blockIdx = {(unsigned)b, 0, 0};
-        for (int t = 0; t < block; t++) {
-            if (!stacks[t] && !(stacks[t] = (char *)malloc(STACK_SIZE))) abort();
-            getcontext(&thread_ctx[t]);
-            thread_ctx[t].uc_stack.ss_sp = stacks[t];
-            thread_ctx[t].uc_stack.ss_size = STACK_SIZE;
-            thread_ctx[t].uc_link = &sched_ctx;
-            makecontext(&thread_ctx[t], trampoline, 0);
-            finished[t] = false;
+        start(0);
+        threadIdx = {0, 0, 0};
+        swapcontext(&sched_ctx, &thread_ctx[0]);
+        if (finished[0]) { /* no barrier in this block */
+            plain_calls = true;
+            for (int t = 1; t < block; t++) {
+                threadIdx = {(unsigned)t, 0, 0};
+                body();
+            }
+            plain_calls = false;
+            continue;
         }
-        for (bool any = true; any;) {
-            any = false;
-            for (int t = 0; t < block; t++) {
+        for (int t = 1; t < block; t++) start(t);
+        /* the first round from thread 1: thread 0 waits at its first barrier already */
+        for (int first = 1, any = 1; any; first = 0) {
+            any = 0;
+            for (int t = first; t < block; t++) {
                 if (finished[t]) continue;
-                any = true;
+                any = 1;
                 threadIdx = {(unsigned)t, 0, 0};
                 swapcontext(&sched_ctx, &thread_ctx[t]);
             }

@@ -7,8 +7,8 @@
  * the block may reach one (a barrier is every thread's or undefined), so the others run as
  * plain calls, without the context switches (and ASan's clearing of each coroutine's stack)
  * that most kernels, which have no barrier, do not need; one of them reaching a barrier after
- * all is reported and aborts. Streams and events are in order by construction; device memory is host memory,
- * so AddressSanitizer sees a kernel's out-of-bounds access. Invalid launch configurations
+ * all is reported and aborts. Streams and events are in order by construction; device memory
+ * is host memory, so AddressSanitizer sees a kernel's out-of-bounds access. Invalid launch configurations
  * (empty grid, more than 1024 threads, a block size that is not a power of two where the
  * reductions need one is the caller's check) fail as on a GPU, through cudaGetLastError.
  * Several host threads (DataParallel's replicas, one per emulated GPU) may launch: launches

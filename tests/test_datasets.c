@@ -252,8 +252,57 @@ static void test_idx_errors(void) {
 
 /* ---- Fashion-MNIST ------------------------------------------------------------------------ */
 
+/* tdm_fashion_mnist_first: the first images only, each as the whole file's; the labels all
+ * checked; what lies past the prefix unread (trailing data unnoticed), a truncation inside it
+ * an error. dir holds the four images of img (ni bytes) as its test split. */
+static void test_fashion_first(const char *dir, unsigned char *img, size_t ni,
+                               const unsigned char *lab, size_t nl) {
+    tdm_dataset *whole = tdm_fashion_mnist(dir, false);
+    int64_t counts[4][2] = {{2, 2}, {1, 1}, {0, 4}, {9, 4}}; /* asked, held */
+    for (int c = 0; c < 4; c++) {
+        tdm_dataset *ds = tdm_fashion_mnist_first(dir, false, counts[c][0]);
+        CHECK(ds && ds->n == counts[c][1] && ds->num_classes == 10, "first %lld: %lld samples (%s)",
+              (long long)counts[c][0], ds ? (long long)ds->n : -1LL, tdm_last_error());
+        for (int64_t i = 0; ds && whole && i < ds->n; i++) {
+            float a[28 * 28], b[28 * 28];
+            int64_t ya = -1, yb = -2;
+            CHECK(ds->ops->get(ds, i, a, &ya) == TDM_OK &&
+                      whole->ops->get(whole, i, b, &yb) == TDM_OK && ya == yb &&
+                      memcmp(a, b, sizeof a) == 0,
+                  "first %lld: sample %lld differs from the whole file's", (long long)counts[c][0],
+                  (long long)i);
+        }
+        if (ds)
+            CHECK_ERROR(ds->ops->get(ds, ds->n, (float[28 * 28]){0}, &(int64_t){0}) != 0,
+                        "out of range");
+        tdm_dataset_free(ds);
+    }
+    tdm_dataset_free(whole);
+    /* gzipped (a raw file's size is checked against its header without reading it): trailing
+     * bytes after the fourth image are seen by the whole read only */
+    img[ni] = 7;
+    write_gz(tmp_path("fm/t10k-images-idx3-ubyte.gz"), img, ni + 1);
+    tdm_dataset *ds = tdm_fashion_mnist_first(dir, false, 3);
+    CHECK(ds && ds->n == 3, "first 3 past trailing data (%s)", tdm_last_error());
+    tdm_dataset_free(ds);
+    CHECK_ERROR(!tdm_fashion_mnist(dir, false), "trailing data");
+    /* the data cut inside the third image: an error for a prefix that needs it, not for 2 */
+    write_gz(tmp_path("fm/t10k-images-idx3-ubyte.gz"), img, 16 + 2 * 28 * 28 + 100);
+    CHECK_ERROR(!tdm_fashion_mnist_first(dir, false, 3), "truncated");
+    ds = tdm_fashion_mnist_first(dir, false, 2);
+    CHECK(ds && ds->n == 2, "first 2 of a file cut in the third image (%s)", tdm_last_error());
+    tdm_dataset_free(ds);
+    /* a bad label past the prefix is still found: every label is read */
+    unsigned char bad[8 + 4];
+    memcpy(bad, lab, nl);
+    bad[8 + 3] = 10;
+    write_gz(tmp_path("fm/t10k-images-idx3-ubyte.gz"), img, ni);
+    write_gz(tmp_path("fm/t10k-labels-idx1-ubyte.gz"), bad, nl);
+    CHECK_ERROR(!tdm_fashion_mnist_first(dir, false, 1), "label 10 at byte offset 11");
+}
+
 static void test_fashion_crafted(void) {
-    unsigned char img[16 + 4 * 28 * 28], lab[8 + 4];
+    unsigned char img[16 + 4 * 28 * 28 + 1], lab[8 + 4]; /* a byte for trailing data */
     char dir[128];
     snprintf(dir, sizeof dir, "%s/fm", tmpdir);
     CHECK(mkdir(dir, 0700) == 0, "mkdir %s", dir);
@@ -273,6 +322,7 @@ static void test_fashion_crafted(void) {
           "crafted fashion test split (%s)", tdm_last_error());
     tdm_dataset_free(ds);
     CHECK_ERROR(!tdm_fashion_mnist(tmpdir, true), "cannot open");
+    test_fashion_first(dir, img, ni, lab, nl);
 }
 
 /* The raw bytes of a gzipped file, decompressed independently of the library. */

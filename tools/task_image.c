@@ -179,11 +179,17 @@ static int open_cifar(task *t, const char *spec) {
     return 0;
 }
 
-static int open_idx(task *t, const char *dir) {
+/* The test samples --limit N keeps: N/6, at least 1 (none is asked for where N <= 0). */
+static int64_t test_limit(int64_t limit) {
+    return limit <= 0 ? 0 : limit / 6 > 0 ? limit / 6 : 1;
+}
+
+/* --limit N: only the images it keeps are decoded (apply_limit's prefixes). */
+static int open_idx(task *t, const char *dir, int64_t limit) {
     const char *shown = dir ? dir : TDM_FASHION_MNIST_DIR;
-    if (!(t->train = tdm_fashion_mnist(dir, true)))
+    if (!(t->train = tdm_fashion_mnist_first(dir, true, limit)))
         return task_error("cannot load training data from '%s': %s", shown, tdm_last_error());
-    if (!(t->test = tdm_fashion_mnist(dir, false)))
+    if (!(t->test = tdm_fashion_mnist_first(dir, false, test_limit(limit))))
         return task_error("cannot load test data from '%s': %s", shown, tdm_last_error());
     return 0;
 }
@@ -205,7 +211,7 @@ static int keep_spread(tdm_dataset **ds, tdm_dataset **base, int64_t n) {
  * classes are mixed), evenly spaced ones of image folders. */
 static int apply_limit(task *t, const train_opts *o, data_kind kind) {
     if (o->limit <= 0) return 0;
-    int64_t test_n = o->limit / 6 > 0 ? o->limit / 6 : 1;
+    int64_t test_n = test_limit(o->limit);
     if (kind == DATA_FOLDER) {
         int rc = keep_spread(&t->train, &t->train_base, o->limit);
         return rc ? rc : keep_spread(&t->test, &t->test_base, test_n);
@@ -276,7 +282,7 @@ static int load_images(task *t, const train_opts *o, data_kind *kind) {
         snprintf(train, sizeof train, "%s/train", dir ? dir : "");
         *kind = dir && is_dir(train) ? DATA_FOLDER : DATA_IDX;
         rc = *kind == DATA_FOLDER ? open_folders(t, dir, (int)model_channels(t), o->skip_bad)
-                                  : open_idx(t, dir);
+                                  : open_idx(t, dir, o->limit);
     }
     if (!rc) rc = apply_limit(t, o, *kind);
     return rc ? rc : split_validation(t, o);

@@ -233,8 +233,8 @@ static const opt_spec specs[] = {
      "it when one process can work alone for long between steps."},
     {"--limit", "N", OPT_INT, F(limit), 1, 1e12, "all",
      "Use only the first N training samples (windows of text, for a language model) and the first "
-     "N/6 "
-     "test samples (at least 1): for quick runs and tests."},
+     "N/6 test samples (at least 1): for quick runs and tests. Of gzipped IDX files only those "
+     "images are decoded (the rest of the file is not read, nor checked)."},
     {"--log", "FILE", OPT_STR, F(log_path), 0, 0, "none",
      "Write one JSON object per line: a config line, a line per step (epoch, step, loss, lr, "
      "img_s, or tok_s for a language model) and a line per epoch (train_loss; train_acc, test_loss "

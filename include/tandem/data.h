@@ -79,6 +79,14 @@ tdm_dataset *tdm_idx_dataset_open(const char *images_path, const char *labels_pa
 /* Fashion-MNIST from dir (NULL: TDM_FASHION_MNIST_DIR), train or test split ("train-*" or
  * "t10k-*" files). */
 tdm_dataset *tdm_fashion_mnist(const char *dir, bool train);
+/* As tdm_fashion_mnist, with only the first max_samples images decoded (every one where
+ * max_samples <= 0 or exceeds the count): a quick run (tandem train --limit) starts without
+ * inflating the whole file. The dataset then holds that many samples. The headers and all
+ * the labels are read and checked as tdm_fashion_mnist does, and an unpacked file's size
+ * against its header; the data of a gzipped file past the first max_samples images is not
+ * read, so trailing data or a truncation there goes unnoticed. NULL with the error set on
+ * failure; the caller frees the dataset. */
+tdm_dataset *tdm_fashion_mnist_first(const char *dir, bool train, int64_t max_samples);
 /* llm.c's token shards: a header of 256 little-endian int32 (magic 20240520, version 1,
  * token count), then u16 tokens. Sample i is the window tokens[i*T, i*T + T] (x) and the same
  * shifted by one (y); vocab is the vocabulary size (tokens >= vocab are an error). */

@@ -236,14 +236,15 @@ static int check_claim(const idx_reader *r, uint64_t bytes, const char *what) {
     return TDM_OK;
 }
 
-/* Reads exactly `bytes` data bytes, then checks the data ends there. The buffer grows with
- * what decompression delivers, never beyond the (already checked) claim. */
-static uint8_t *read_payload(idx_reader *r, uint64_t bytes, const char *what) {
+/* Reads the first `want` of the `bytes` data bytes the header claims; when that is all of
+ * them, checks the data ends there. The buffer grows with what decompression delivers, never
+ * beyond the (already checked) claim. */
+static uint8_t *read_payload(idx_reader *r, uint64_t bytes, uint64_t want, const char *what) {
     uint64_t start = r->pos;
-    uint64_t cap = bytes;
+    uint64_t cap = want;
     if (r->gz && cap > GZ_INITIAL_CAP) {
         uint64_t guess = r->fsize * 8 > GZ_INITIAL_CAP ? r->fsize * 8 : GZ_INITIAL_CAP;
-        cap = guess < bytes ? guess : bytes;
+        cap = guess < want ? guess : want;
     }
     /* 2 MiB aligned and on huge pages from 2 MiB up (the CPU backend's large blocks): a
      * batch reads 64 images at random from tens of MB, and with 4 KiB pages every image
@@ -256,14 +257,14 @@ static uint8_t *read_payload(idx_reader *r, uint64_t bytes, const char *what) {
         int64_t k = reader_read(r, buf + got, cap - got);
         if (k < 0) goto fail;
         got += (uint64_t)k;
-        if (got < cap || cap == bytes) break; /* end of the data, or all of the claim */
-        uint64_t ncap = cap * 2 < bytes ? cap * 2 : bytes;
+        if (got < cap || cap == want) break; /* end of the data, or all that is wanted */
+        uint64_t ncap = cap * 2 < want ? cap * 2 : want;
         uint8_t *nbuf = (uint8_t *)realloc(buf, (size_t)ncap);
         if (!nbuf) goto nomem;
         buf = nbuf;
         cap = ncap;
     }
-    if (got < bytes) {
+    if (got < want) {
         tdm_raise(TDM_ERR_FORMAT,
                   OP ": %s: truncated: the header claims %llu bytes of %s from byte offset %llu, "
                      "but the data ends at byte offset %llu%s",
@@ -271,6 +272,7 @@ static uint8_t *read_payload(idx_reader *r, uint64_t bytes, const char *what) {
                   (unsigned long long)r->pos, where(r));
         goto fail;
     }
+    if (want < bytes) return buf; /* a prefix: what follows is not read */
     unsigned char extra;
     int64_t k = reader_read(r, &extra, 1);
     if (k < 0) goto fail;
@@ -349,9 +351,11 @@ static int check_labels(const char *path, const uint8_t *labels, int64_t n, int 
     return TDM_OK;
 }
 
-/* Reads both files; counts are compared before the (large) image payload is read. */
+/* Reads both files (of the images, the first max_n where 0 < max_n < the count); counts are
+ * compared before the (large) image payload is read. */
 static idx_impl *idx_load(const char *images_path, const char *labels_path, int max_classes,
-                          int64_t *n, uint32_t *rows, uint32_t *cols, int64_t *num_classes) {
+                          int64_t max_n, int64_t *n, uint32_t *rows, uint32_t *cols,
+                          int64_t *num_classes) {
     idx_reader li, ii;
     uint32_t ldims[1], idims[3];
     uint64_t lbytes = 0, ibytes = 0;
@@ -370,16 +374,16 @@ static idx_impl *idx_load(const char *images_path, const char *labels_path, int 
         goto fail;
     }
     if (check_claim(&li, lbytes, "labels") || check_claim(&ii, ibytes, "pixels")) goto fail;
-    m->labels = read_payload(&li, lbytes, "labels");
+    m->labels = read_payload(&li, lbytes, lbytes, "labels");
     if (!m->labels ||
         check_labels(labels_path, m->labels, (int64_t)lbytes, max_classes, num_classes))
         goto fail;
-    m->pixels = read_payload(&ii, ibytes, "pixels");
+    *n = max_n > 0 && max_n < idims[0] ? max_n : idims[0];
+    m->pixels = read_payload(&ii, ibytes, (uint64_t)*n * idims[1] * idims[2], "pixels");
     if (!m->pixels) goto fail;
     reader_close(&ii);
     reader_close(&li);
     m->pixels_per_image = (int64_t)idims[1] * idims[2];
-    *n = idims[0];
     *rows = idims[1];
     *cols = idims[2];
     return m;
@@ -393,12 +397,13 @@ fail_m:
 }
 
 static tdm_dataset *idx_open(const char *images_path, const char *labels_path, int max_classes,
-                             const char *name) {
+                             int64_t max_n, const char *name) {
     if (!images_path || !labels_path)
         return tdm_raise_null(TDM_ERR_ARG, OP ": images_path and labels_path must not be NULL");
     int64_t n = 0, num_classes = 0;
     uint32_t rows = 0, cols = 0;
-    idx_impl *m = idx_load(images_path, labels_path, max_classes, &n, &rows, &cols, &num_classes);
+    idx_impl *m =
+        idx_load(images_path, labels_path, max_classes, max_n, &n, &rows, &cols, &num_classes);
     if (!m) return NULL;
     tdm_dataset *ds = tdm_ds_new(&idx_ops, m, name ? name : tdm_ds_basename(images_path));
     if (!ds) {
@@ -414,7 +419,7 @@ static tdm_dataset *idx_open(const char *images_path, const char *labels_path, i
 }
 
 tdm_dataset *tdm_idx_dataset_open(const char *images_path, const char *labels_path) {
-    return idx_open(images_path, labels_path, 256, NULL);
+    return idx_open(images_path, labels_path, 256, 0, NULL);
 }
 
 /* ---- Fashion-MNIST ------------------------------------------------------------------------ */
@@ -426,6 +431,10 @@ static void fashion_path(char *out, size_t size, const char *dir, const char *st
 }
 
 tdm_dataset *tdm_fashion_mnist(const char *dir, bool train) {
+    return tdm_fashion_mnist_first(dir, train, 0);
+}
+
+tdm_dataset *tdm_fashion_mnist_first(const char *dir, bool train, int64_t max_samples) {
     if (!dir) dir = TDM_FASHION_MNIST_DIR;
     const char *split = train ? "train" : "t10k";
     char img[4096], lab[4096], stem[64];
@@ -433,7 +442,8 @@ tdm_dataset *tdm_fashion_mnist(const char *dir, bool train) {
     fashion_path(img, sizeof img, dir, stem);
     snprintf(stem, sizeof stem, "%s-labels-idx1-ubyte", split);
     fashion_path(lab, sizeof lab, dir, stem);
-    tdm_dataset *ds = idx_open(img, lab, 10, train ? "fashion-mnist/train" : "fashion-mnist/test");
+    tdm_dataset *ds =
+        idx_open(img, lab, 10, max_samples, train ? "fashion-mnist/train" : "fashion-mnist/test");
     if (ds) ds->num_classes = 10; /* the ten classes, whatever one split happens to hold */
     return ds;
 }

@@ -465,7 +465,7 @@ int tdm_safetensors_what(const tdm_safetensors *f, char *buf, size_t cap) {
 /* ---- reading tensors --------------------------------------------------------------------- */
 
 int tdm_safetensors_check(const tdm_safetensors *f, int i, const tdm_tensor *dst) {
-    tdm_dtype dt;
+    tdm_dtype dt = TDM_F32; /* set by tdm_safetensors_tdm_dtype (GCC cannot tell) */
     int rc = tdm_safetensors_tdm_dtype(f, i, &dt);
     if (rc) return rc;
     char a[96], b[96];
@@ -536,7 +536,7 @@ tdm_tensor *tdm_safetensors_load(tdm_safetensors *f, const char *name, tdm_devic
     if (i < 0)
         return tdm_raise_null(TDM_ERR_ARG, "safetensors '%s': no tensor named '%.200s'", f->what,
                               name);
-    tdm_dtype dt;
+    tdm_dtype dt = TDM_F32; /* set by tdm_safetensors_tdm_dtype (GCC cannot tell) */
     if (tdm_safetensors_tdm_dtype(f, i, &dt)) return NULL;
     tdm_tensor *t = tdm_empty(tdm_safetensors_shape(f, i), dt, dev);
     if (!t) return NULL;

@@ -106,23 +106,28 @@ int tdm_cpu_copy(tdm_tensor *dst, const tdm_tensor *src) {
      * tensors of different element sizes, so they cannot overlap as the conversions need) */
     if (contiguous && convert_half(d, dst->dtype, s, src->dtype, (size_t)tdm_numel(dst)))
         return TDM_OK;
-    if (dst->dtype == TDM_F32 && src->dtype == TDM_F32 && tdm_is_contiguous(dst)) {
-        float *o = d;
-        const float *in = s;
-        int64_t k = 0;
-        if (src->ndim >= 1 && src->strides[src->ndim - 1] == 1) {
-            /* rows of the innermost dim are contiguous: copy them whole */
-            int64_t row = src->shape[src->ndim - 1];
-            tdm_tensor outer = *src;
-            outer.ndim--;
-            if (row > 0)
-                FOR_EACH_OFFSET(&outer, off, {
-                    memcpy(o + k, in + off, (size_t)row * sizeof(float));
-                    k += row;
-                });
-        } else {
-            FOR_EACH_OFFSET(src, off, o[k++] = in[off]);
-        }
+    /* rows of src's innermost dim contiguous, dst contiguous: a row at a time, copied or
+     * converted whole (linear's bias broadcast over the rows, under autocast, every step). A
+     * conversion wants distinct storages; an f32 copy within one storage kept this path
+     * before the conversions came, and keeps it. */
+    bool same = dst->dtype == src->dtype;
+    if (tdm_is_contiguous(dst) && src->ndim >= 1 && src->strides[src->ndim - 1] == 1 &&
+        (dst->storage != src->storage || (same && dst->dtype == TDM_F32)) &&
+        (same || convert_half(NULL, dst->dtype, NULL, src->dtype, 0))) {
+        int64_t row = src->shape[src->ndim - 1], k = 0;
+        size_t des = tdm_dtype_size(dst->dtype), ses = tdm_dtype_size(src->dtype);
+        tdm_tensor outer = *src;
+        outer.ndim--;
+        if (row > 0 && tdm_numel(src) > 0)
+            FOR_EACH_OFFSET(&outer, off, {
+                char *o = (char *)d + k * (int64_t)des;
+                const char *in = (const char *)s + off * (int64_t)ses;
+                if (same)
+                    memcpy(o, in, (size_t)row * des);
+                else
+                    convert_half(o, dst->dtype, in, src->dtype, (size_t)row);
+                k += row;
+            });
         return TDM_OK;
     }
     /* one side contiguous and the storages distinct: one walk of the other side, converting

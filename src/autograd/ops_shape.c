@@ -307,6 +307,15 @@ tdm_tensor *tdm_to_device(tdm_tensor *x, tdm_device dev) {
 }
 
 static int to_dtype_backward(tdm_node *n, tdm_tensor *gout) {
+    /* a parameter's .grad (autocast casts every parameter it multiplies) takes the gradient
+     * converted (beta 0) or added in its own dtype (beta 1) in one pass, with no copy in the
+     * parameter's dtype between */
+    float beta = 0.0f;
+    tdm_tensor *acc = tdm_is_contiguous(gout) ? tdm_grad_inplace_target(n->in[0], &beta) : NULL;
+    if (acc) {
+        const tdm_backend *be = tdm_backend_for(acc->device);
+        return beta == 0.0f ? be->copy(acc, gout) : be->axpy(acc, 1.0f, gout);
+    }
     bool prev = tdm_set_grad_enabled(false);
     tdm_tensor *g = tdm_cast(gout, n->in[0]->dtype);
     tdm_set_grad_enabled(prev);

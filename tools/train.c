@@ -204,7 +204,8 @@ static const opt_spec specs[] = {
      "gradient are skipped and the scale lowered) and needs one GPU: the CPU has no fp16 matrix "
      "product here. Lightning's names are taken too: 32-true, bf16-mixed, 16-mixed. A run may "
      "resume in another precision. The header line says whether this machine runs bf16 natively "
-     "(AVX512_BF16 or AMX) or emulates it (slower than fp32 there)."},
+     "(AVX512_BF16 or AMX) or emulates it (its products then convert to fp32: no faster than "
+     "fp32)."},
     {"--reduce-dtype", "fp32|bf16", OPT_STR, F(reduce_dtype), 0, 0, "fp32",
      "The dtype DDP's gradient buckets travel in between devices and processes: fp32, or bf16 "
      "with the sum accumulated in fp32 (PyTorch's bf16_compress_hook: half the traffic, the "

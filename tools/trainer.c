@@ -658,8 +658,8 @@ static void print_sharding(const trainer *tr) {
 }
 
 /* "precision bf16 (autocast, fp32 weights; native: AVX512_BF16)": the dtype of the forward's
- * products, and on a CPU whether it has bf16 instructions; without them oneDNN emulates bf16,
- * slower than fp32, which the line says once. */
+ * products, and on a CPU whether it has bf16 instructions; without them the products convert
+ * to fp32 (cpu_gemm_bf16.c), and bf16 is a little slower than fp32, which the line says once. */
 static void print_precision(const trainer *tr) {
     const char *p = tr->o->precision;
     if (!strcmp(p, "fp32")) {
@@ -673,7 +673,9 @@ static void print_precision(const trainer *tr) {
     else if (progress_bf16_native(how, sizeof how))
         printf("; native: %s)\n", how);
     else
-        printf("; emulated: %s, so bf16 runs slower than fp32 here)\n", how);
+        printf("; emulated: %s: the products convert to fp32, so bf16 runs no faster than fp32 "
+               "here)\n",
+               how);
 }
 
 static void banner(const trainer *tr) {

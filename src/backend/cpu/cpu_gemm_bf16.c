@@ -13,8 +13,10 @@
  *   itself and frees it after).
  *
  * Where oneDNN offers no bf16 kernel (AVX2 CPUs: it refuses, or gives its reference loops,
- * which are orders of magnitude slower) the entry remembers that and the call converts A and
- * B to fp32 and runs tdm_cpu_sgemm: the same fp32 accumulation, another summation order. */
+ * which are orders of magnitude slower) or only its emulation of the bf16 instructions
+ * (AVX-512 without AVX512_BF16: slower than fp32), the entry remembers that and the call
+ * converts A and B to fp32 and runs tdm_cpu_sgemm: the same fp32 accumulation, another
+ * summation order. */
 #include "backend/cpu/cpu_gemm_bf16.h"
 
 #include <pthread.h>
@@ -38,29 +40,38 @@ const char *tdm_cpu_gemm_bf16_impl(void) {
 
 /* ---- the fp32 fallback ---- */
 
-/* rows x cols bf16 with row stride ld into a new dense fp32 matrix (row stride cols). */
-static float *widen(const uint16_t *x, int64_t rows, int64_t cols, int64_t ld) {
-    float *y = malloc((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof *y);
-    if (!y) return NULL;
-    for (int64_t r = 0; r < rows; r++) tdm_bf16_to_f32(y + r * cols, x + r * ld, (size_t)cols);
-    return y;
+/* rows x cols bf16 with row stride ld into a dense fp32 matrix (row stride cols) in a block
+ * of the CPU device's caching allocator (a step's products reuse the same blocks, with none
+ * of the page faults of fresh memory); NULL when out of memory. */
+static tdm_storage *widen(const uint16_t *x, int64_t rows, int64_t cols, int64_t ld) {
+    tdm_storage *s =
+        tdm_storage_new((size_t)(rows * cols > 0 ? rows * cols : 1) * sizeof(float), tdm_cpu(0));
+    if (!s) return NULL;
+    for (int64_t r = 0; r < rows; r++)
+        tdm_bf16_to_f32((float *)s->data + r * cols, x + r * ld, (size_t)cols);
+    return s;
 }
 
 static int gemm_via_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                           const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb,
                           float beta, void *c, bool c_bf16, int64_t ldc) {
     int64_t ar = ta ? k : m, ac = ta ? m : k, br = tb ? n : k, bc = tb ? k : n;
-    float *af = widen(a, ar, ac, lda), *bf = widen(b, br, bc, ldb), *cf = NULL;
+    tdm_storage *as = widen(a, ar, ac, lda), *bs = widen(b, br, bc, ldb), *cs = NULL;
     int rc = TDM_OK;
-    if (c_bf16) /* beta 0: C's old values are not read; zeros keep the copy defined */
-        cf = beta != 0 ? widen(c, m, n, ldc) : calloc((size_t)(m * n > 0 ? m * n : 1), 4);
-    if (!af || !bf || (c_bf16 && !cf)) {
+    if (c_bf16) { /* beta 0: C's old values are not read; zeros keep the copy defined */
+        cs = beta != 0 ? widen(c, m, n, ldc)
+                       : tdm_storage_new((size_t)(m * n > 0 ? m * n : 1) * 4, tdm_cpu(0));
+        if (cs && beta == 0) memset(cs->data, 0, (size_t)(m * n) * 4);
+    }
+    if (!as || !bs || (c_bf16 && !cs)) {
         rc = tdm_raise(TDM_ERR_NOMEM,
                        "gemm_bf16: no memory for the fp32 copies (%lld x %lld x %lld)",
                        (long long)m, (long long)n, (long long)k);
         goto out;
     }
+    const float *af = as->data, *bf = bs->data;
     if (c_bf16) {
+        float *cf = cs->data;
         tdm_cpu_sgemm(ta, tb, m, n, k, alpha, af, ac, bf, bc, beta, cf, n);
         for (int64_t r = 0; r < m; r++)
             tdm_bf16_from_f32((uint16_t *)c + r * ldc, cf + r * n, (size_t)n);
@@ -69,9 +80,9 @@ static int gemm_via_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, flo
     }
     snprintf(last_impl, sizeof last_impl, "fp32 sgemm");
 out:
-    free(af);
-    free(bf);
-    free(cf);
+    if (as) tdm_storage_release(as);
+    if (bs) tdm_storage_release(bs);
+    if (cs) tdm_storage_release(cs);
     return rc;
 }
 
@@ -100,12 +111,21 @@ static struct {
     uint64_t clock;
     dnnl_engine_t engine;
     dnnl_status_t engine_status;
+    /* oneDNN has the bf16 instructions to use (AVX512_BF16 or AMX). Without them its bf16
+     * matmul emulates them on AVX-512, slower than converting to fp32 and running the fp32
+     * GEMM (bench/RESULTS.md, "the bf16 step where the time goes"), so every entry falls
+     * back to that. */
+    bool native;
 } cache = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static pthread_once_t engine_once = PTHREAD_ONCE_INIT;
 
 static void make_engine(void) {
     cache.engine_status = dnnl_engine_create(&cache.engine, dnnl_cpu, 0);
+    /* the ISA oneDNN will use (the CPU's, or less under ONEDNN_MAX_CPU_ISA): the ISA values
+     * nest, each holding the bits of those below it */
+    dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
+    cache.native = (isa & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
 }
 
 static bool key_eq(const gemm_key *x, const gemm_key *y) {
@@ -132,7 +152,8 @@ static dnnl_status_t make_primitive(gemm_entry *e) {
     dnnl_post_ops_t po = NULL;
     dnnl_primitive_desc_t pd = NULL;
     e->prim = NULL;
-    e->fallback = false;
+    e->fallback = !cache.native;
+    if (e->fallback) return dnnl_success;
     dnnl_status_t st = md2(&a_md, q->m, q->k, q->ta ? 1 : q->lda, q->ta ? q->lda : 1, dnnl_bf16);
     if (st == dnnl_success)
         st = md2(&b_md, q->k, q->n, q->tb ? 1 : q->ldb, q->tb ? q->ldb : 1, dnnl_bf16);

@@ -2,8 +2,8 @@
  * bf16-rounded inputs, for every transpose, alpha and beta, fp32 and bf16 output, odd shapes
  * and padded leading dimensions; its primitive cache (bound, eviction, several threads at
  * once) and its errors. CTest runs it three times: as is (oneDNN's avx512_core_bf16 or AMX
- * kernels where the CPU has them), with ONEDNN_MAX_CPU_ISA=AVX512_CORE (oneDNN's bf16
- * emulation) and with ONEDNN_MAX_CPU_ISA=AVX2 (see the end of this comment).
+ * kernels where the CPU has them), and with ONEDNN_MAX_CPU_ISA=AVX512_CORE and =AVX2, where
+ * the bf16 instructions are missing and the GEMM converts to fp32 (the end of this comment).
  *
  * The bound. Both sides sum the k products in fp32 (a bf16 x bf16 product is exact in fp32),
  * in different orders. Each result is within gamma_(k+2) ~ (k + 2) * 2^-24 of the exact
@@ -12,8 +12,9 @@
  * within twice that of each other: (2k + 8) * 2^-24 of it, the 8 covering the scale and the
  * sum. A bf16 output adds its own rounding, at most 2^-8 of the value (8 significant bits,
  * to nearest): 2^-8 * (|reference| + the bound above). An fp16 or bf16 accumulation would
- * exceed this by orders of magnitude at k >= 100. A third run, ONEDNN_MAX_CPU_ISA=AVX2, takes
- * the fp32 fallback on oneDNN 2.6 (the test prints which implementation ran). */
+ * exceed this by orders of magnitude at k >= 100. Without the bf16 instructions the GEMM
+ * takes its fp32 path rather than oneDNN's emulation of them (the test prints which
+ * implementation ran, and checks it under the two ONEDNN_MAX_CPU_ISA runs). */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>

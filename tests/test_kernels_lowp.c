@@ -13,7 +13,7 @@
  * f16). The one native path that sums in another order, matmul through oneDNN's bf16 GEMM,
  * adds the reduction-order slack test_gemm_bf16 states: (2k + 8) 2^-24 of sum |a| |b|,
  * computed per element. Indices (argmax, max pooling's) must be equal. A second CTest entry
- * runs the whole file with ONEDNN_MAX_CPU_ISA=AVX512_CORE, oneDNN's bf16 emulation.
+ * runs the whole file with ONEDNN_MAX_CPU_ISA=AVX512_CORE, where the bf16 GEMM converts to fp32.
  */
 #include <stdint.h>
 

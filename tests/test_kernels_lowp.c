@@ -10,10 +10,11 @@
  * the low-precision output differs from its twin only by its own rounding to nearest: at
  * most 2^-8 of the value in bf16 (8 significant bits), 2^-11 in f16 (11), 0 for an output
  * the caller made f32; plus half the smallest subnormal where a value is that small (2^-25 in
- * f16). The one native path that sums in another order, matmul through oneDNN's bf16 GEMM,
- * adds the reduction-order slack test_gemm_bf16 states: (2k + 8) 2^-24 of sum |a| |b|,
- * computed per element. Indices (argmax, max pooling's) must be equal. A second CTest entry
- * runs the whole file with ONEDNN_MAX_CPU_ISA=AVX512_CORE, where the bf16 GEMM converts to fp32.
+ * f16). Matmul through the bf16 GEMM, which sums in another order, adds the reduction-order
+ * slack test_gemm_bf16 states: (2k + 8) 2^-24 of sum |a| |b|, computed per element; bf16
+ * attention, which also rounds its probabilities, has its own (attention_slack). Indices (argmax,
+ * max pooling's) must be equal. A second CTest entry runs the whole file with
+ * ONEDNN_MAX_CPU_ISA=AVX512_CORE, where the bf16 GEMM converts to fp32.
  */
 #include <stdint.h>
 

@@ -8,9 +8,10 @@
  * plain calls, without the context switches (and ASan's clearing of each coroutine's stack)
  * that most kernels, which have no barrier, do not need; one of them reaching a barrier after
  * all is reported and aborts. Streams and events are in order by construction; device memory
- * is host memory, so AddressSanitizer sees a kernel's out-of-bounds access. Invalid launch configurations
- * (empty grid, more than 1024 threads, a block size that is not a power of two where the
- * reductions need one is the caller's check) fail as on a GPU, through cudaGetLastError.
+ * is host memory, so AddressSanitizer sees a kernel's out-of-bounds access. Invalid launch
+ * configurations (empty grid, more than 1024 threads, a block size that is not a power of two
+ * where the reductions need one is the caller's check) fail as on a GPU, through
+ * cudaGetLastError.
  * Several host threads (DataParallel's replicas, one per emulated GPU) may launch: launches
  * then take turns (one lock), and the current device and last error are per thread, as in
  * CUDA. */
@@ -33,7 +34,9 @@ static std::mutex emu_mu; /* launches (the globals above and below) and the pinn
 static std::set<const void *> pinned;
 
 #define MAX_BLOCK  1024
-#define STACK_SIZE (64 * 1024) /* deeper frames overflow into ASan's redzone, reported */
+/* a coroutine's stack: the kernels' frames take a few KiB (ASan's redzones included); smaller
+ * stacks are less for ASan to clear at each switch */
+#define STACK_SIZE (64 * 1024)
 
 static ucontext_t sched_ctx, thread_ctx[MAX_BLOCK];
 static char *stacks[MAX_BLOCK];

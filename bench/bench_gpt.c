@@ -1,7 +1,10 @@
 /* bench_gpt: Tandem training the byte-level GPT of bench/torch_gpt.py, side by side with it.
  *
  *   $VENV/bin/python bench/torch_gpt.py --steps 40        # writes /tmp/tandem_bench_gpt/...
- *   build/bench_gpt [DIR] [--steps N] [--threads N] [--device D] [--batch B]
+ *   build/bench_gpt [DIR] [--steps N] [--threads N] [--device D] [--batch B] [--precision P]
+ *
+ * --precision bf16 (or fp16) runs the forward and the loss in an autocast region of that dtype,
+ * as torch_gpt.py --autocast bf16 does on its side (default fp32: no region).
  *
  * Starts from the same weights (DIR/model.bin, llm.c's format, written by the torch script)
  * and the same batches (DIR/tokens.bin, batch k = tokens [k*B*T, (k+1)*B*T + 1)), with the
@@ -18,7 +21,8 @@
 #include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
 #include "tandem/tandem.h"
 
-static int B = 4; /* --batch, torch_gpt.py's */
+static int B = 4;               /* --batch, torch_gpt.py's */
+static tdm_dtype amp = TDM_F32; /* --precision: the autocast region's dtype; f32 for none */
 #define MAX_STEPS 1000
 
 static double now_ms(void) {
@@ -70,7 +74,9 @@ static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int
     tdm_scope_begin();
     tdm_tensor *xt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, x);
     tdm_tensor *yt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, y);
+    if (amp != TDM_F32 && tdm_autocast_begin(amp)) return -1;
     tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(m, xt), yt);
+    if (amp != TDM_F32 && tdm_autocast_end()) l = NULL;
     int rc = l ? tdm_optim_zero_grad(opt) : -1;
     if (!rc) rc = tdm_backward(l);
     if (!rc) rc = tdm_optim_step(opt);
@@ -90,7 +96,14 @@ int main(int argc, char **argv) {
             threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
             B = atoi(argv[++i]) > 0 ? atoi(argv[i]) : 4;
-        else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
+        else if (!strcmp(argv[i], "--precision") && i + 1 < argc) {
+            const char *p = argv[++i];
+            if (strcmp(p, "fp32") && strcmp(p, "bf16") && strcmp(p, "fp16")) {
+                fprintf(stderr, "bench_gpt: --precision %s: expected fp32, bf16 or fp16\n", p);
+                return 1;
+            }
+            amp = !strcmp(p, "bf16") ? TDM_BF16 : !strcmp(p, "fp16") ? TDM_F16 : TDM_F32;
+        } else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
             if (tdm_device_parse(argv[++i], &dev)) return fail("--device");
         } else
             dir = argv[i];
@@ -135,9 +148,12 @@ int main(int argc, char **argv) {
     for (int k = 5; k < steps; k++) tmin = ms[k] < tmin ? ms[k] : tmin;
     for (int k = 5; k < nt; k++) pmin = tms[k] < pmin ? tms[k] : pmin;
     char dname[32];
-    printf("GPT L%d C%d NH%d T%d B%d V%d, %lld parameters, on %s, %d BLAS thread(s)\n", cfg.layers,
-           cfg.channels, cfg.heads, cfg.context, B, cfg.vocab, (long long)ps->total,
-           tdm_device_str(dev, dname), threads);
+    printf("GPT L%d C%d NH%d T%d B%d V%d, %lld parameters, on %s, %d BLAS thread(s), %s\n",
+           cfg.layers, cfg.channels, cfg.heads, cfg.context, B, cfg.vocab, (long long)ps->total,
+           tdm_device_str(dev, dname), threads,
+           amp == TDM_F32    ? "fp32"
+           : amp == TDM_BF16 ? "autocast bf16"
+                             : "autocast fp16");
     printf("tandem %.2f ms/step, torch %.2f ms/step (median of steps 5-%d): %.2fx; max |loss "
            "diff| %.2e over %d steps\n",
            tm, pm, steps - 1, pm / tm, maxdiff, nt < steps ? nt : steps);

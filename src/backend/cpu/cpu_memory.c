@@ -80,6 +80,12 @@ static inline void store(void *base, tdm_dtype dt, int64_t i, double v) {
 
 /* Converts n contiguous elements between f32 and bf16/f16 with half.h's vectorised arrays;
  * false when the pair is not one of those four. */
+/* f32 to or from bf16 or f16: the pairs convert_half converts. */
+static bool half_pair(tdm_dtype dd, tdm_dtype sd) {
+    return (sd == TDM_F32 && (dd == TDM_BF16 || dd == TDM_F16)) ||
+           (dd == TDM_F32 && (sd == TDM_BF16 || sd == TDM_F16));
+}
+
 static bool convert_half(void *d, tdm_dtype dd, const void *s, tdm_dtype sd, size_t n) {
     if (sd == TDM_F32 && dd == TDM_BF16)
         tdm_bf16_from_f32(d, s, n);
@@ -113,7 +119,7 @@ int tdm_cpu_copy(tdm_tensor *dst, const tdm_tensor *src) {
     bool same = dst->dtype == src->dtype;
     if (tdm_is_contiguous(dst) && src->ndim >= 1 && src->strides[src->ndim - 1] == 1 &&
         (dst->storage != src->storage || (same && dst->dtype == TDM_F32)) &&
-        (same || convert_half(NULL, dst->dtype, NULL, src->dtype, 0))) {
+        (same || half_pair(dst->dtype, src->dtype))) {
         int64_t row = src->shape[src->ndim - 1], k = 0;
         size_t des = tdm_dtype_size(dst->dtype), ses = tdm_dtype_size(src->dtype);
         tdm_tensor outer = *src;

@@ -20,6 +20,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_gemm_bf16.h"
+#include "attention_slack.h"
 #include "check.h"
 #include "tandem/half.h"
 
@@ -592,67 +593,6 @@ static void test_losses(void) {
     tdm_scope_end();
 }
 
-/* The slack of bf16 attention (its native path, cpu_attention.c), element by element, from
- * a reference in double on the f32 twin's values: P and dS are rounded to bf16 before their
- * products (2^-8 of each term), and the products sum in another order than sgemm's (eps, above
- * 4 (2 max(T, hs) + 8) 2^-24 here, of each term's magnitude, which also covers the scores'
- * own reordering as it moves P). sy [B, T, C], slse [B, nh, T], sg [B, T, 3C]. */
-static void attention_slack(const float *qkv, const float *dy, int64_t B, int64_t T, int64_t C,
-                            int64_t nh, double *sy, double *slse, double *sg) {
-    const int64_t hs = C / nh, C3 = 3 * C;
-    const double scale = 1.0 / sqrt((double)hs), u = 0x1p-8, eps = 1e-5;
-    double *P = malloc(sizeof(double) * (size_t)(T * T)),
-           *dP = malloc(sizeof(double) * (size_t)(T * T));
-    double *dot = malloc(sizeof(double) * (size_t)T);
-    for (int64_t i = 0; i < B * T * C3; i++) sg[i] = 0;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < nh; h++) {
-            const float *q = qkv + b * T * C3 + h * hs, *k = q + C, *v = q + 2 * C;
-            const float *g = dy + b * T * C + h * hs;
-            for (int64_t t = 0; t < T; t++) {
-                double mx = -INFINITY, sum = 0, worst = 0;
-                for (int64_t j = 0; j <= t; j++) {
-                    double sc = 0, mag = 0, dp = 0;
-                    for (int64_t i = 0; i < hs; i++) {
-                        sc += (double)q[t * C3 + i] * k[j * C3 + i];
-                        mag += fabs((double)q[t * C3 + i] * k[j * C3 + i]);
-                        dp += (double)g[t * C + i] * v[j * C3 + i];
-                    }
-                    P[t * T + j] = sc * scale, dP[t * T + j] = dp;
-                    mx = fmax(mx, sc * scale), worst = fmax(worst, mag * scale);
-                }
-                for (int64_t j = 0; j <= t; j++) sum += exp(P[t * T + j] - mx);
-                dot[t] = 0;
-                for (int64_t j = 0; j <= t; j++) {
-                    P[t * T + j] = exp(P[t * T + j] - mx) / sum;
-                    dot[t] += P[t * T + j] * dP[t * T + j];
-                }
-                double lse = mx + log(sum);
-                slse[(b * nh + h) * T + t] = (2 * hs + 8) * 0x1p-24 * worst + 0x1p-22 * fabs(lse);
-                for (int64_t c = 0; c < hs; c++) {
-                    double acc = 0;
-                    for (int64_t j = 0; j <= t; j++)
-                        acc += P[t * T + j] * fabs((double)v[j * C3 + c]);
-                    sy[b * T * C + t * C + h * hs + c] = (u + eps) * acc;
-                }
-            }
-            /* dS = P (dP - dot); its perturbation is within eps of P (|dP| + |dot|) */
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t j = 0; j <= t; j++) {
-                    double p = P[t * T + j], ds = fabs(p * (dP[t * T + j] - dot[t]));
-                    double dmag = p * (fabs(dP[t * T + j]) + fabs(dot[t]));
-                    for (int64_t c = 0; c < hs; c++) {
-                        double *gq = sg + b * T * C3 + h * hs + c;
-                        gq[t * C3] += scale * (u * ds + eps * dmag) * fabs((double)k[j * C3 + c]);
-                        gq[j * C3 + C] +=
-                            scale * (u * ds + eps * dmag) * fabs((double)q[t * C3 + c]);
-                        gq[j * C3 + 2 * C] += (u + eps) * p * fabs((double)g[t * C + c]);
-                    }
-                }
-        }
-    free(P), free(dP), free(dot);
-}
-
 /* qkv, y and dqkv low precision; the log-sum-exp f32 (docs/MIXED_PRECISION.md, difference 2).
  * In bf16 the native path rounds P and dS too (attention_slack); in f16 the widening
  * adapter runs the f32 kernel: one rounding of each output. */
@@ -668,7 +608,7 @@ static void test_attention(void) {
         sy = malloc(sizeof(double) * (size_t)(B * T * C));
         slse = malloc(sizeof(double) * (size_t)(B * nh * T));
         sg = malloc(sizeof(double) * (size_t)(B * T * 3 * C));
-        attention_slack(vq, vg, B, T, C, nh, sy, slse, sg);
+        attention_slack(vq, vg, B, T, C, nh, 0x1p-8, sy, slse, sg);
         free(vq), free(vg);
     }
     RUN2(BE->attention(y.lo, lse.lo, qkv.lo, nh), BE->attention(y.f, lse.f, qkv.f, nh));

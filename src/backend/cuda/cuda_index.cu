@@ -2,7 +2,8 @@
  * they and the cross-entropy (cuda_loss.cu) run before writing anything.
  *
  * Determinism: in index_add one thread owns a column of gx and adds gy's rows in increasing
- * i, as the CPU does: no float atomics. index_select moves any dtype's bits; index_add takes
+ * i, as the CPU does, or, for a long index, of a chunk of them (index_add_part_kernel): no
+ * float atomics. index_select moves any dtype's bits; index_add takes
  * gy in f32, bf16 or f16 and gx in gy's dtype or f32, summing in f32 (a low-precision gx
  * through an f32 copy, so that each of its elements is rounded once). */
 #include "backend/cuda/cuda_common.cuh"
@@ -97,6 +98,37 @@ __global__ void index_add_kernel(float *gx, const T *gy, const void *idx, bool i
     }
 }
 
+/* A long index (an embedding's backward over every token of a batch) in chunks of
+ * INDEX_ADD_ROWS, each chunk's sums into its own zeroed copy of gx (thread (c, o, j) owns column
+ * j of chunk c's), then each element of gx adds its chunks' in chunk order: a fixed order,
+ * and parallel over the chunks, where one thread a column looped over every row (2 ms a step
+ * for GPT-2 small's shape on an H100). At most INDEX_ADD_PART_BYTES of copies: a large table
+ * takes fewer, longer chunks. */
+#define INDEX_ADD_ROWS       256
+#define INDEX_ADD_PART_BYTES (64ll << 20)
+template <typename T>
+__global__ void index_add_part_kernel(float *part, const T *gy, const void *idx, bool i64,
+                                      int64_t ist, int64_t outer, int64_t k, int64_t n,
+                                      int64_t inner, int64_t chunks, int64_t rows) {
+    CU_LOOP(e, chunks * outer * inner) {
+        const int64_t c = e / (outer * inner), o = e / inner % outer, j = e % inner;
+        float *dst = part + c * outer * n * inner;
+        for (int64_t r = 0; r < n; r++) dst[(o * n + r) * inner + j] = 0.0f;
+        const int64_t end = (c + 1) * rows < k ? (c + 1) * rows : k;
+        for (int64_t i = c * rows; i < end; i++)
+            dst[(o * n + cu_index_at(idx, i64, ist, i)) * inner + j] +=
+                cu_ld(gy[(o * k + i) * inner + j]);
+    }
+}
+
+__global__ void index_add_fold_kernel(float *gx, const float *part, int64_t chunks, int64_t m) {
+    CU_LOOP(e, m) {
+        float s = gx[e];
+        for (int64_t c = 0; c < chunks; c++) s += part[c * m + e];
+        gx[e] = s;
+    }
+}
+
 /* A low-precision gx into its f32 copy (cu_narrow_kernel takes it back). */
 template <typename T> __global__ void widen_kernel(float *dst, const T *src, int64_t n) {
     CU_LOOP(i, n) dst[i] = cu_ld(src[i]);
@@ -113,9 +145,25 @@ static int index_add_launch(cu_device *d, tdm_tensor *gx, const tdm_tensor *idx,
         gx->dtype == TDM_F32 ? cu_f(gx) : (float *)cu_scratch(index, sizeof(float) * nx, &hold);
     if (!acc) return tdm_last_status();
     if (hold) widen_kernel<T><<<cu_blocks(nx), CU_THREADS, 0, d->compute>>>(acc, cu_p<T>(gx), nx);
-    index_add_kernel<T><<<cu_blocks(outer * inner), CU_THREADS, 0, d->compute>>>(
-        acc, cu_p<T>(gy), tdm_cuda_ptr(idx), idx->dtype == TDM_I64, idx->ndim ? idx->strides[0] : 0,
-        outer, k, n, inner);
+    const bool i64 = idx->dtype == TDM_I64;
+    const int64_t ist = idx->ndim ? idx->strides[0] : 0, most = INDEX_ADD_PART_BYTES / (4 * nx);
+    int64_t chunks = (k + INDEX_ADD_ROWS - 1) / INDEX_ADD_ROWS;
+    chunks = chunks > most ? most : chunks;
+    tdm_storage *phold = NULL;
+    float *part = NULL;
+    if (chunks > 1 &&
+        !(part = (float *)cu_scratch(index, sizeof(float) * (size_t)(chunks * nx), &phold)))
+        tdm_clear_error(); /* no memory for the copies: the one-pass kernel needs none */
+    if (part) {
+        const int64_t rows = (k + chunks - 1) / chunks;
+        index_add_part_kernel<T><<<cu_blocks(chunks * outer * inner), CU_THREADS, 0, d->compute>>>(
+            part, cu_p<T>(gy), tdm_cuda_ptr(idx), i64, ist, outer, k, n, inner, chunks, rows);
+        index_add_fold_kernel<<<cu_blocks(nx), CU_THREADS, 0, d->compute>>>(acc, part, chunks, nx);
+        tdm_storage_release(phold); /* in stream order: the kernels above run first */
+    } else {
+        index_add_kernel<T><<<cu_blocks(outer * inner), CU_THREADS, 0, d->compute>>>(
+            acc, cu_p<T>(gy), tdm_cuda_ptr(idx), i64, ist, outer, k, n, inner);
+    }
     if (hold)
         cu_narrow_kernel<T><<<cu_blocks(nx), CU_THREADS, 0, d->compute>>>(cu_p<T>(gx), acc, nx);
     int rc = cu_check_launch("index_add", index);

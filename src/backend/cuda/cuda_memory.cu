@@ -255,6 +255,47 @@ __global__ void copy_kernel(void *dst, cu_view dv, tdm_dtype dt, const void *src
     }
 }
 
+/* Four elements moved as one aligned word (16 bytes of f32, 8 of bf16 or f16). */
+template <typename E> struct alignas(4 * sizeof(E)) cu_vec4 { E v[4]; };
+
+/* dst[i] = src[i] rounded once to D, four at a time: the casts around autocast's products are
+ * contiguous, and the element-by-element copy_kernel moved them at a third of the memory's
+ * speed (bench/RESULTS.md, "GPU check ... mixed precision"). */
+template <typename D, typename S>
+__global__ void convert4_kernel(cu_vec4<D> *dst, const cu_vec4<S> *src, int64_t n4) {
+    CU_LOOP(i, n4) {
+        const cu_vec4<S> a = src[i];
+        cu_vec4<D> b;
+        for (int k = 0; k < 4; k++) b.v[k] = cu_to<D>(cu_ld(a.v[k]));
+        dst[i] = b;
+    }
+}
+
+template <typename D, typename S> __global__ void convert_kernel(D *dst, const S *src, int64_t n) {
+    CU_LOOP(i, n) dst[i] = cu_to<D>(cu_ld(src[i]));
+}
+
+/* A contiguous float-to-float conversion: whole words where both ends are aligned to them,
+ * the rest (a tail of under 4, or all of a misaligned view) one element a thread. */
+template <typename D> struct cu_convert {
+    template <typename S> static void run(cu_device *d, void *dst, const void *src, int64_t n) {
+        int64_t n4 = ((uintptr_t)dst % sizeof(cu_vec4<D>) || (uintptr_t)src % sizeof(cu_vec4<S>))
+                         ? 0
+                         : n / 4;
+        if (n4)
+            convert4_kernel<D, S><<<cu_blocks(n4), CU_THREADS, 0, d->compute>>>(
+                (cu_vec4<D> *)dst, (const cu_vec4<S> *)src, n4);
+        if (n > 4 * n4)
+            convert_kernel<D, S><<<cu_blocks(n - 4 * n4), CU_THREADS, 0, d->compute>>>(
+                (D *)dst + 4 * n4, (const S *)src + 4 * n4, n - 4 * n4);
+    }
+};
+
+template <typename D>
+static void convert_launch(cu_device *d, void *dst, const void *src, tdm_dtype st, int64_t n) {
+    CU_DISPATCH(st, cu_convert<D>::template run, d, dst, src, n);
+}
+
 /* Copies between any two CUDA tensors of one device (and equal numel). */
 static int strided_copy(cu_device *d, int index, void *dst, cu_view dv, tdm_dtype dt,
                         const void *src, cu_view sv, tdm_dtype st, int64_t n) {
@@ -292,6 +333,12 @@ extern "C" int tdm_cuda_copy(tdm_tensor *dst, const tdm_tensor *src) {
                                         (size_t)n * tdm_dtype_size(dst->dtype),
                                         cudaMemcpyDeviceToDevice, d->compute),
                         "copy", dst->device.index);
+    if (tdm_dtype_is_float(dst->dtype) && tdm_dtype_is_float(src->dtype) &&
+        tdm_is_contiguous(dst) && tdm_is_contiguous(src)) {
+        CU_DISPATCH(dst->dtype, convert_launch, d, tdm_cuda_ptr(dst), tdm_cuda_ptr(src), src->dtype,
+                    n);
+        return cu_check_launch("copy", dst->device.index);
+    }
     /* views of different shapes but equal numel walk their own shapes in row-major order */
     return strided_copy(d, dst->device.index, tdm_cuda_ptr(dst), cu_view_of(dst), dst->dtype,
                         tdm_cuda_ptr(src), cu_view_of(src), src->dtype, n);

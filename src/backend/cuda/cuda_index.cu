@@ -101,9 +101,9 @@ __global__ void index_add_kernel(float *gx, const T *gy, const void *idx, bool i
 /* A long index (an embedding's backward over every token of a batch) in chunks of
  * INDEX_ADD_ROWS, each chunk's sums into its own zeroed copy of gx (thread (c, o, j) owns column
  * j of chunk c's), then each element of gx adds its chunks' in chunk order: a fixed order,
- * and parallel over the chunks, where one thread a column looped over every row (2 ms a step
- * for GPT-2 small's shape on an H100). At most INDEX_ADD_PART_BYTES of copies: a large table
- * takes fewer, longer chunks. */
+ * and parallel over the chunks, where one thread a column looped over every row (bench/
+ * RESULTS.md, "GPU check ... mixed precision"). At most INDEX_ADD_PART_BYTES of copies: a
+ * large table takes fewer, longer chunks. */
 #define INDEX_ADD_ROWS       256
 #define INDEX_ADD_PART_BYTES (64ll << 20)
 template <typename T>

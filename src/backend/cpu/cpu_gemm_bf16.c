@@ -4,13 +4,7 @@
  * bf16 on avx512_core; its BLAS-like API has no bf16 GEMM, so the primitive is the way in. A
  * primitive is made for one shape, layout (strides from the transposes and leading
  * dimensions), alpha (oneDNN's output scale), beta (a sum post-op; none for beta 0, so that
- * C's old values are never read) and output dtype, and making one costs far more than a small
- * product, so they are cached:
- *
- *   TDM_GEMM_BF16_CACHE entries in one array under a mutex, looked up by key; an entry is
- *   pinned (users > 0) while a thread runs it outside the lock, and a new key evicts the
- *   least recently used unpinned entry (when all are pinned, the call makes a primitive for
- *   itself and frees it after).
+ * C's old values are never read) and output dtype, and cached by them (cpu_dnnl.h).
  *
  * Where oneDNN offers no bf16 kernel (AVX2 CPUs: it refuses, or gives its reference loops,
  * which are orders of magnitude slower) or only its emulation of the bf16 instructions
@@ -19,16 +13,15 @@
  * summation order. */
 #include "backend/cpu/cpu_gemm_bf16.h"
 
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend/cpu/cpu.h"
+#include "backend/cpu/cpu_dnnl.h"
 #include "tandem/half.h"
 
 #ifdef TANDEM_GEMM_ONEDNN
-#include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl_debug.h>
 #endif
 
@@ -87,7 +80,7 @@ out:
 }
 
 #ifdef TANDEM_GEMM_ONEDNN
-/* ---- oneDNN primitives and their cache ---- */
+/* ---- oneDNN primitives, cached by key (cpu_dnnl.h) ---- */
 
 typedef struct {
     bool ta, tb, c_bf16;
@@ -95,45 +88,9 @@ typedef struct {
     float alpha, beta;
 } gemm_key;
 
-typedef struct {
-    gemm_key key;
-    bool used;             /* the slot holds an entry */
-    bool fallback;         /* oneDNN has no bf16 kernel for this: convert and sgemm */
-    dnnl_primitive_t prim; /* NULL with fallback */
-    int users;             /* threads running prim now */
-    uint64_t last_use;     /* the cache's clock at the last lookup */
-    char impl[80];
-} gemm_entry;
-
-static struct {
-    pthread_mutex_t lock;
-    gemm_entry e[TDM_GEMM_BF16_CACHE];
-    uint64_t clock;
-    dnnl_engine_t engine;
-    dnnl_status_t engine_status;
-    /* oneDNN has the bf16 instructions to use (AVX512_BF16 or AMX). Without them its bf16
-     * matmul emulates them on AVX-512, slower than converting to fp32 and running the fp32
-     * GEMM (bench/RESULTS.md, "the bf16 step where the time goes"), so every entry falls
-     * back to that. */
-    bool native;
-} cache = {.lock = PTHREAD_MUTEX_INITIALIZER};
-
-static pthread_once_t engine_once = PTHREAD_ONCE_INIT;
-
-static void make_engine(void) {
-    cache.engine_status = dnnl_engine_create(&cache.engine, dnnl_cpu, 0);
-    /* the ISA oneDNN will use (the CPU's, or less under ONEDNN_MAX_CPU_ISA): the ISA values
-     * nest, each holding the bits of those below it */
-    dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
-    cache.native = (isa & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
-}
-
-static bool key_eq(const gemm_key *x, const gemm_key *y) {
-    return x->ta == y->ta && x->tb == y->tb && x->c_bf16 == y->c_bf16 && x->m == y->m &&
-           x->n == y->n && x->k == y->k && x->lda == y->lda && x->ldb == y->ldb &&
-           x->ldc == y->ldc && memcmp(&x->alpha, &y->alpha, sizeof x->alpha) == 0 &&
-           memcmp(&x->beta, &y->beta, sizeof x->beta) == 0;
-}
+_Static_assert(sizeof(gemm_key) <= TDM_DNNL_KEY_BYTES, "gemm_key fits a cache key");
+_Static_assert(TDM_GEMM_BF16_CACHE == TDM_DNNL_CACHE, "the header's count is the cache's");
+static tdm_dnnl_cache cache = TDM_DNNL_CACHE_INIT;
 
 /* A 2-D memory descriptor of rows x cols with the given strides. */
 static dnnl_status_t md2(dnnl_memory_desc_t *md, int64_t rows, int64_t cols, int64_t rs, int64_t cs,
@@ -142,42 +99,47 @@ static dnnl_status_t md2(dnnl_memory_desc_t *md, int64_t rows, int64_t cols, int
     return dnnl_memory_desc_init_by_strides(md, 2, dims, dt, strides);
 }
 
-/* e's primitive for its key, or e->fallback when oneDNN has no bf16 kernel for it. Returns
- * dnnl_success either way, or the status of a failure that is not "unimplemented". */
-static dnnl_status_t make_primitive(gemm_entry *e) {
-    const gemm_key *q = &e->key;
-    dnnl_memory_desc_t a_md, b_md, c_md;
+/* A, B and C's descriptors for key q: md[0..2] of an entry. */
+static dnnl_status_t gemm_mds(const gemm_key *q, dnnl_memory_desc_t *md) {
+    dnnl_status_t st = md2(&md[0], q->m, q->k, q->ta ? 1 : q->lda, q->ta ? q->lda : 1, dnnl_bf16);
+    if (st == dnnl_success)
+        st = md2(&md[1], q->k, q->n, q->tb ? 1 : q->ldb, q->tb ? q->ldb : 1, dnnl_bf16);
+    if (st == dnnl_success)
+        st = md2(&md[2], q->m, q->n, q->ldc, 1, q->c_bf16 ? dnnl_bf16 : dnnl_f32);
+    return st;
+}
+
+/* e's matmul for its key (prim[0]), or e->fallback when oneDNN has no bf16 kernel for it. */
+static dnnl_status_t make_gemm(tdm_dnnl_entry *e) {
+    gemm_key q;
+    memcpy(&q, e->key, sizeof q);
     dnnl_matmul_desc_t desc;
     dnnl_primitive_attr_t attr = NULL;
     dnnl_post_ops_t po = NULL;
     dnnl_primitive_desc_t pd = NULL;
-    e->prim = NULL;
-    e->fallback = !cache.native;
+    e->fallback = !tdm_dnnl_native();
     if (e->fallback) return dnnl_success;
-    dnnl_status_t st = md2(&a_md, q->m, q->k, q->ta ? 1 : q->lda, q->ta ? q->lda : 1, dnnl_bf16);
+    dnnl_status_t st = gemm_mds(&q, e->md), est;
+    dnnl_engine_t engine = tdm_dnnl_engine(&est);
+    if (st == dnnl_success) st = est;
     if (st == dnnl_success)
-        st = md2(&b_md, q->k, q->n, q->tb ? 1 : q->ldb, q->tb ? q->ldb : 1, dnnl_bf16);
-    if (st == dnnl_success)
-        st = md2(&c_md, q->m, q->n, q->ldc, 1, q->c_bf16 ? dnnl_bf16 : dnnl_f32);
-    if (st == dnnl_success) st = dnnl_matmul_desc_init(&desc, &a_md, &b_md, NULL, &c_md);
+        st = dnnl_matmul_desc_init(&desc, &e->md[0], &e->md[1], NULL, &e->md[2]);
     if (st == dnnl_success) st = dnnl_primitive_attr_create(&attr);
-    if (st == dnnl_success && q->alpha != 1.0f)
-        st = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &q->alpha);
-    if (st == dnnl_success && q->beta != 0.0f) {
+    if (st == dnnl_success && q.alpha != 1.0f)
+        st = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &q.alpha);
+    if (st == dnnl_success && q.beta != 0.0f) {
         st = dnnl_post_ops_create(&po);
-        if (st == dnnl_success) st = dnnl_post_ops_append_sum(po, q->beta);
+        if (st == dnnl_success) st = dnnl_post_ops_append_sum(po, q.beta);
         if (st == dnnl_success) st = dnnl_primitive_attr_set_post_ops(attr, po);
     }
-    if (st == dnnl_success) st = dnnl_primitive_desc_create(&pd, &desc, attr, cache.engine, NULL);
-    const char *impl = NULL;
-    if (st == dnnl_success)
-        st = dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, (void *)&impl);
-    if (st == dnnl_unimplemented || (st == dnnl_success && impl && strncmp(impl, "ref", 3) == 0)) {
+    if (st == dnnl_success) st = dnnl_primitive_desc_create(&pd, &desc, attr, engine, NULL);
+    const char *impl = st == dnnl_success ? tdm_dnnl_impl(pd) : "";
+    if (st == dnnl_unimplemented || (st == dnnl_success && tdm_dnnl_is_ref(impl))) {
         e->fallback = true;
         st = dnnl_success;
     } else if (st == dnnl_success) {
-        snprintf(e->impl, sizeof e->impl, "oneDNN %s", impl ? impl : "?");
-        st = dnnl_primitive_create(&e->prim, pd);
+        snprintf(e->impl, sizeof e->impl, "oneDNN %s", impl);
+        st = dnnl_primitive_create(&e->prim[0], pd);
     }
     if (pd) dnnl_primitive_desc_destroy(pd);
     if (po) dnnl_post_ops_destroy(po);
@@ -185,104 +147,27 @@ static dnnl_status_t make_primitive(gemm_entry *e) {
     return st;
 }
 
-static void drop(gemm_entry *e) {
-    if (e->prim) dnnl_primitive_destroy(e->prim);
-    memset(e, 0, sizeof *e);
-}
-
-/* The cached entry for q, pinned, or the slot a new one goes in (made under the lock: a
- * primitive is made once per key, and making one is rare). NULL when every slot is pinned:
- * then *own is filled for this call alone. */
-static gemm_entry *lookup(const gemm_key *q, gemm_entry *own, dnnl_status_t *st) {
-    *st = dnnl_success;
-    pthread_mutex_lock(&cache.lock);
-    gemm_entry *hit = NULL, *empty = NULL, *lru = NULL;
-    for (int i = 0; i < TDM_GEMM_BF16_CACHE; i++) {
-        gemm_entry *e = &cache.e[i];
-        if (!e->used) {
-            if (!empty) empty = e;
-        } else if (key_eq(&e->key, q)) {
-            /* a busy entry is not shared: the second thread gets an entry of its own for the
-             * key. One primitive executed on two threads at once gave wrong products
-             * (DataParallel's replicas, same shapes): a primitive's library-managed scratchpad
-             * is its own, shared by concurrent executions unless oneDNN was built with
-             * DNNL_ENABLE_CONCURRENT_EXEC, which Debian's is not known to be */
-            if (e->users == 0) {
-                hit = e;
-                break;
-            }
-        } else if (e->users == 0 && (!lru || e->last_use < lru->last_use)) {
-            lru = e;
-        }
-    }
-    gemm_entry *victim = empty ? empty : lru;
-    if (!hit && victim) {
-        drop(victim);
-        victim->key = *q;
-        *st = make_primitive(victim);
-        if (*st == dnnl_success) {
-            victim->used = true;
-            hit = victim;
-        } else {
-            drop(victim);
-        }
-    }
-    if (hit) {
-        hit->users++;
-        hit->last_use = ++cache.clock;
-    }
-    pthread_mutex_unlock(&cache.lock);
-    if (!hit && *st == dnnl_success) { /* every slot pinned */
-        memset(own, 0, sizeof *own);
-        own->key = *q;
-        *st = make_primitive(own);
-    }
-    return hit;
-}
-
-static void unpin(gemm_entry *e) {
-    pthread_mutex_lock(&cache.lock);
-    e->users--;
-    pthread_mutex_unlock(&cache.lock);
-}
-
 int tdm_cpu_gemm_bf16_cached(void) {
-    int n = 0;
-    pthread_mutex_lock(&cache.lock);
-    for (int i = 0; i < TDM_GEMM_BF16_CACHE; i++) n += cache.e[i].used;
-    pthread_mutex_unlock(&cache.lock);
-    return n;
+    return tdm_dnnl_cached(&cache);
 }
 
 void tdm_cpu_gemm_bf16_cache_clear(void) {
-    pthread_mutex_lock(&cache.lock);
-    for (int i = 0; i < TDM_GEMM_BF16_CACHE; i++)
-        if (cache.e[i].used && cache.e[i].users == 0) drop(&cache.e[i]);
-    pthread_mutex_unlock(&cache.lock);
+    tdm_dnnl_clear(&cache);
 }
 
-static dnnl_status_t run_primitive(const gemm_entry *e, const uint16_t *a, const uint16_t *b,
-                                   void *c) {
-    const gemm_key *q = &e->key;
-    dnnl_memory_desc_t a_md, b_md, c_md;
+static dnnl_status_t run_gemm(const tdm_dnnl_entry *e, const uint16_t *a, const uint16_t *b,
+                              void *c) {
     dnnl_memory_t am = NULL, bm = NULL, cm = NULL;
-    dnnl_stream_t s = NULL;
-    dnnl_status_t st = md2(&a_md, q->m, q->k, q->ta ? 1 : q->lda, q->ta ? q->lda : 1, dnnl_bf16);
-    if (st == dnnl_success)
-        st = md2(&b_md, q->k, q->n, q->tb ? 1 : q->ldb, q->tb ? q->ldb : 1, dnnl_bf16);
-    if (st == dnnl_success)
-        st = md2(&c_md, q->m, q->n, q->ldc, 1, q->c_bf16 ? dnnl_bf16 : dnnl_f32);
+    dnnl_status_t st;
+    dnnl_engine_t engine = tdm_dnnl_engine(&st);
     /* oneDNN takes the handles as void *; it only reads A and B */
-    if (st == dnnl_success) st = dnnl_memory_create(&am, &a_md, cache.engine, (void *)(uintptr_t)a);
-    if (st == dnnl_success) st = dnnl_memory_create(&bm, &b_md, cache.engine, (void *)(uintptr_t)b);
-    if (st == dnnl_success) st = dnnl_memory_create(&cm, &c_md, cache.engine, c);
-    if (st == dnnl_success) st = dnnl_stream_create(&s, cache.engine, dnnl_stream_default_flags);
+    if (st == dnnl_success) st = dnnl_memory_create(&am, &e->md[0], engine, (void *)(uintptr_t)a);
+    if (st == dnnl_success) st = dnnl_memory_create(&bm, &e->md[1], engine, (void *)(uintptr_t)b);
+    if (st == dnnl_success) st = dnnl_memory_create(&cm, &e->md[2], engine, c);
     if (st == dnnl_success) {
         dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}};
-        st = dnnl_primitive_execute(e->prim, s, 3, args);
-        if (st == dnnl_success) st = dnnl_stream_wait(s);
+        st = tdm_dnnl_run(e->prim[0], 3, args);
     }
-    if (s) dnnl_stream_destroy(s);
     if (am) dnnl_memory_destroy(am);
     if (bm) dnnl_memory_destroy(bm);
     if (cm) dnnl_memory_destroy(cm);
@@ -331,24 +216,20 @@ int tdm_cpu_gemm_bf16(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float a
         return TDM_OK;
     }
 #ifdef TANDEM_GEMM_ONEDNN
-    pthread_once(&engine_once, make_engine);
-    if (cache.engine_status != dnnl_success)
-        return tdm_raise(TDM_ERR_STATE, "gemm_bf16: oneDNN's CPU engine: %s",
-                         dnnl_status2str(cache.engine_status));
-    gemm_key q = {ta, tb, c_bf16, m, n, k, lda, ldb, ldc, alpha, beta};
-    gemm_entry own, *e;
     dnnl_status_t st;
-    e = lookup(&q, &own, &st);
-    gemm_entry *run = e ? e : &own;
-    if (st == dnnl_success && !run->fallback) {
-        st = run_primitive(run, a, b, c);
-        snprintf(last_impl, sizeof last_impl, "%s", run->impl);
+    if (!tdm_dnnl_engine(&st))
+        return tdm_raise(TDM_ERR_STATE, "gemm_bf16: oneDNN's CPU engine: %s", dnnl_status2str(st));
+    gemm_key q;
+    memset(&q, 0, sizeof q); /* padding too: keys compare byte for byte */
+    q.ta = ta, q.tb = tb, q.c_bf16 = c_bf16, q.m = m, q.n = n, q.k = k;
+    q.lda = lda, q.ldb = ldb, q.ldc = ldc, q.alpha = alpha, q.beta = beta;
+    tdm_dnnl_entry own, *e = tdm_dnnl_get(&cache, &q, sizeof q, make_gemm, &own, &st);
+    if (e && !e->fallback) {
+        st = run_gemm(e, a, b, c);
+        snprintf(last_impl, sizeof last_impl, "%s", e->impl);
     }
-    bool fallback = st == dnnl_success && run->fallback;
-    if (e)
-        unpin(e);
-    else
-        drop(&own);
+    bool fallback = e && e->fallback;
+    tdm_dnnl_done(&cache, e, &own);
     if (st != dnnl_success)
         return tdm_raise(TDM_ERR_STATE,
                          "gemm_bf16: oneDNN's matmul (m %lld, n %lld, k %lld, ta %d, tb %d, %s "

@@ -33,7 +33,7 @@ const char *tdm_cpu_gemm_bf16_impl(void);
  * transposes, leading dimensions, alpha, beta and output dtype, evicting the least recently
  * used one not running at the moment. */
 int tdm_cpu_gemm_bf16_cached(void);
-#define TDM_GEMM_BF16_CACHE 64
+#define TDM_GEMM_BF16_CACHE 64 /* TDM_DNNL_CACHE (cpu_dnnl.h) */
 
 /* Frees every cached primitive not running at the moment (tests, and the leak checkers). */
 void tdm_cpu_gemm_bf16_cache_clear(void);

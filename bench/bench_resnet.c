@@ -13,11 +13,13 @@
  * PyTorch's best / Tandem's best (above 1: Tandem faster).
  *
  *   build/bench_resnet [--figure both|imagenet|cifar] [--rounds 5] [--steps 2] [--quick]
- *                      [--configs dp,1dev,nchw,cl] [--depth 18]
+ *                      [--configs dp,1dev,nchw,cl] [--depth 18] [--precision fp32|bf16]
  *                      [--script bench/torch_resnet.py | -]   (- : Tandem only)
  *   --quick: one round of one step, without "tandem 1dev" (a smoke run, not a figure; the
  *   1dev configuration is 3x slower than dp and would take most of the time)
  *   --configs: the configurations to run, by the names below without "tandem "/"torch "
+ *   --precision bf16: forward and loss in a bf16 autocast region on both sides (Tandem's
+ *   DataParallel through tdm_strategy_set_precision, PyTorch's torch.autocast("cpu"))
  *
  * TANDEM_BENCH_PYTHON names the python with PyPI's torch and torchvision (bench/run sets it;
  * default: the venv of scripts/setup --bench). Step time = zero_grad + forward + loss +
@@ -68,8 +70,10 @@ static const figure figures[] = {{"imagenet", 32, 224, 1000, false}, {"cifar", 1
 
 typedef struct {
     int rounds, steps, depth;
-    const char *figure, *script, *configs;
+    const char *figure, *script, *configs, *precision;
 } bench_opts;
+
+static bool bf16; /* --precision bf16 */
 
 static void die(const char *what) {
     fprintf(stderr, "bench_resnet: %s: %s\n", what, tdm_last_error());
@@ -98,7 +102,9 @@ static double tandem_plain(tdm_module *m, tdm_optim *opt, tdm_tensor *x, tdm_ten
         double t0 = now_ms();
         tdm_optim_zero_grad(opt);
         tdm_scope_begin();
+        if (bf16 && tdm_autocast_begin(TDM_BF16)) die("autocast");
         tdm_tensor *loss = ce_loss(tdm_module_forward(m, x), y, 0, NULL);
+        if (bf16 && tdm_autocast_end()) die("autocast");
         if (!loss || tdm_backward(loss) || tdm_optim_step(opt) || !(tdm_item(loss) >= 0))
             die("plain step");
         tdm_scope_end();
@@ -113,15 +119,20 @@ static double tandem_plain(tdm_module *m, tdm_optim *opt, tdm_tensor *x, tdm_ten
 static double tandem_dp(tdm_module *m, tdm_tensor *x, tdm_tensor *y, int steps) {
     double t[MAX_STEPS];
     tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
-    tdm_dp *dp = tdm_dp_new(m, devs, 2, make_sgd, NULL);
-    if (!dp) die("tdm_dp_new");
+    /* bf16 through the strategy, which opens each replica's region on its thread */
+    tdm_strategy *st = bf16 ? tdm_strategy_data_parallel(m, devs, 2, NULL, make_sgd, NULL) : NULL;
+    tdm_dp *dp = bf16 ? NULL : tdm_dp_new(m, devs, 2, make_sgd, NULL);
+    if (!dp && !(st && !tdm_strategy_set_precision(st, TDM_BF16))) die("DataParallel");
     for (int s = 0; s < 1 + steps; s++) {
         float loss = -1;
         double t0 = now_ms();
-        if (tdm_dp_step(dp, x, y, ce_loss, NULL, &loss) || !(loss >= 0)) die("DataParallel step");
+        int rc = st ? tdm_strategy_step(st, x, y, ce_loss, NULL, &loss)
+                    : tdm_dp_step(dp, x, y, ce_loss, NULL, &loss);
+        if (rc || !(loss >= 0)) die("DataParallel step");
         if (s >= 1) t[s - 1] = now_ms() - t0;
     }
     tdm_dp_free(dp);
+    tdm_strategy_free(st);
     return median(t, steps);
 }
 
@@ -154,7 +165,8 @@ static bool torch_start(torch_proc *tp, const bench_opts *o, const figure *f) {
         close(in[0]), close(in[1]), close(out[0]), close(out[1]);
         execl(py, py, o->script, "--serve", "--threads", "2", "--warmup", "1", "--batch", batch,
               "--hw", hw, "--classes", classes, "--depth", depth, "--stem",
-              f->small_input ? "cifar" : "imagenet", (char *)NULL);
+              f->small_input ? "cifar" : "imagenet", "--autocast", bf16 ? "bf16" : "none",
+              (char *)NULL);
         _exit(127);
     }
     close(in[0]), close(out[1]);
@@ -218,9 +230,9 @@ static void run_figure(const bench_opts *o, const figure *f) {
         fprintf(stderr, "bench_resnet: %s did not start (TANDEM_BENCH_PYTHON?)\n", o->script);
         torch = false;
     }
-    printf("\n%s: resnet%d, batch %d of 3x%dx%d, %d classes, SGD momentum; 2 cores; ms per step "
-           "(median of %d per round)\n",
-           f->name, o->depth, f->batch, f->hw, f->hw, f->classes, o->steps);
+    printf("\n%s: resnet%d, batch %d of 3x%dx%d, %d classes, SGD momentum, %s; 2 cores; ms per "
+           "step (median of %d per round)\n",
+           f->name, o->depth, f->batch, f->hw, f->hw, f->classes, o->precision, o->steps);
     printf("%-6s", "round");
     for (int c = 0; c < CONFIGS; c++) printf(" %12s", config_names[c]);
     printf("\n");
@@ -255,7 +267,7 @@ static void run_figure(const bench_opts *o, const figure *f) {
 }
 
 static bench_opts parse(int argc, char **argv) {
-    bench_opts o = {5, 2, 18, "both", "bench/torch_resnet.py", "dp,1dev,nchw,cl"};
+    bench_opts o = {5, 2, 18, "both", "bench/torch_resnet.py", "dp,1dev,nchw,cl", "fp32"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
@@ -276,9 +288,16 @@ static bench_opts parse(int argc, char **argv) {
             o.configs = v;
         else if (!strcmp(a, "--script"))
             o.script = v;
+        else if (!strcmp(a, "--precision"))
+            o.precision = v;
     }
     if (o.steps < 1 || o.steps > MAX_STEPS) o.steps = 2;
     if (o.rounds < 1 || o.rounds > MAX_ROUNDS) o.rounds = 5;
+    if (strcmp(o.precision, "fp32") && strcmp(o.precision, "bf16")) {
+        fprintf(stderr, "bench_resnet: --precision %s: expected fp32 or bf16\n", o.precision);
+        exit(2);
+    }
+    bf16 = !strcmp(o.precision, "bf16");
     return o;
 }
 

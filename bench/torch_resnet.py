@@ -5,7 +5,7 @@ ResNets), trained with SGD (lr 0.05, momentum 0.9) on a fixed random batch, time
 
 usage: $VENV/bin/python bench/torch_resnet.py [--steps 5] [--warmup 2] [--batch 32] [--hw 32]
             [--classes 10] [--stem imagenet|cifar] [--threads 1] [--depth 18] [--channels-last]
-            [--serve]
+            [--serve] [--autocast none|bf16]
 
 Step time = zero_grad + forward + cross-entropy + backward + SGD step + loss.item(), the
 batch prepared before timing. Prints one line per step, "torch step <ms>", then
@@ -33,6 +33,8 @@ ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--depth", type=int, default=18)
 ap.add_argument("--channels-last", action="store_true")
 ap.add_argument("--serve", action="store_true")
+ap.add_argument("--autocast", choices=["none", "bf16"], default="none",
+                help="forward and loss under torch.autocast('cpu', dtype=torch.bfloat16)")
 args = ap.parse_args()
 if args.stem is None:  # the old command line: the CIFAR stem at 32x32
     args.stem = "cifar" if args.hw <= 64 else "imagenet"
@@ -65,7 +67,8 @@ def step(case):
     m, opt, x, y = case
     t0 = time.perf_counter()
     opt.zero_grad(set_to_none=False)
-    loss = F.cross_entropy(m(x), y)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+        loss = F.cross_entropy(m(x), y)
     loss.backward()
     opt.step()
     loss.item()

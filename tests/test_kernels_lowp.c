@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "backend/backend.h"
+#include "backend/cpu/cpu_conv_bf16.h"
 #include "backend/cpu/cpu_gemm_bf16.h"
 #include "attention_slack.h"
 #include "check.h"
@@ -432,26 +433,82 @@ static void test_index(void) {
 
 /* ---- convolution and pooling ------------------------------------------------------------ */
 
+/* |v| of an f32 tensor, as a new f32 tensor on D. */
+static tdm_tensor *absolute(const tdm_tensor *t) {
+    float *v = values(t);
+    for (int64_t i = 0; i < tdm_numel(t); i++) v[i] = fabsf(v[i]);
+    tdm_tensor *r = make(tdm_shape_of(t), TDM_F32, v);
+    free(v);
+    return r;
+}
+
+/* terms * 2^-24 * (2 k + 8) of each element of m (the f32 kernel on |inputs|: the sum of its
+ * terms' magnitudes), the slack of another summation order of k terms (as the bf16 GEMM's). */
+static double *order_slack(const tdm_tensor *m, int64_t k) {
+    float *v = values(m);
+    double *s = malloc(sizeof(double) * (size_t)(tdm_numel(m) + 1));
+    for (int64_t i = 0; i < tdm_numel(m); i++) s[i] = (2.0 * (double)k + 8) * 0x1p-24 * v[i];
+    free(v);
+    return s;
+}
+
+/* Convolution: in bf16 through oneDNN's bf16 kernels where this CPU has them
+ * (cpu_conv_bf16.c), else through f32 copies; either way against the f32 twin within one
+ * rounding of each output and another summation order (order_slack, from the f32 kernel on
+ * the inputs' magnitudes). Geometries: stride (1, 2) with padding (1, 0) (a last column no
+ * window reaches: oneDNN's right padding is negative), a padded 3x3, a 1x1 of stride 2 (a
+ * ResNet's shortcut, also a negative right padding) and 2 groups. */
 static void test_conv2d(void) {
-    tdm_conv2d_args a = {1, 2, 1, 0, 1, 1, 1}; /* stride (1, 2), pad (1, 0) */
-    for (int bias = 0; bias < 2; bias++) {
-        tdm_scope_begin();
-        pair x = draw(TDM_SHAPE(2, 3, 9, 8), DT, -2.0f, 2.0f);
-        pair w = draw(TDM_SHAPE(4, 3, 3, 3), DT, -1.0f, 1.0f);
-        pair b = bias ? draw(TDM_SHAPE(4), DT, -1.0f, 1.0f) : (pair){NULL, NULL, false};
-        tdm_shape ys = TDM_SHAPE(2, 4, 9, 3);
-        pair y = output(ys, DT), gy = draw(ys, DT, -1.0f, 1.0f);
-        RUN2(BE->conv2d(y.lo, x.lo, w.lo, b.lo, &a), BE->conv2d(y.f, x.f, w.f, b.f, &a));
-        expect("conv2d", y, NULL);
-        pair gx = output(tdm_shape_of(x.f), DT), gw = output(tdm_shape_of(w.f), TDM_F32);
-        pair gb = output(TDM_SHAPE(4), DT);
-        RUN2(BE->conv2d_backward(gx.lo, gw.lo, gb.lo, gy.lo, x.lo, w.lo, &a),
-             BE->conv2d_backward(gx.f, gw.f, gb.f, gy.f, x.f, w.f, &a));
-        expect("conv2d_backward gx", gx, NULL);
-        expect("conv2d_backward gw", gw, NULL);
-        expect("conv2d_backward gb", gb, NULL);
-        tdm_scope_end();
-    }
+    struct {
+        int64_t n, c, h, w, o, k;
+        tdm_conv2d_args a;
+    } cases[] = {{2, 3, 9, 8, 4, 3, {1, 2, 1, 0, 1, 1, 1}},
+                 {2, 8, 6, 6, 16, 3, {1, 1, 1, 1, 1, 1, 1}},
+                 {2, 8, 8, 8, 4, 1, {2, 2, 0, 0, 1, 1, 1}},
+                 {1, 8, 5, 7, 6, 3, {1, 1, 1, 1, 1, 1, 2}}};
+    bool native = !strncmp(tdm_cpu_gemm_bf16_impl(), "oneDNN", 6); /* test_matmul ran first */
+    for (int ci = 0; ci < 4; ci++)
+        for (int bias = 0; bias < 2; bias++) {
+            tdm_conv2d_args *a = &cases[ci].a;
+            int64_t n = cases[ci].n, c = cases[ci].c, o = cases[ci].o, k = cases[ci].k;
+            int64_t ho = (cases[ci].h + 2 * a->pad_h - k) / a->stride_h + 1;
+            int64_t wo = (cases[ci].w + 2 * a->pad_w - k) / a->stride_w + 1;
+            tdm_scope_begin();
+            pair x = draw(TDM_SHAPE(n, c, cases[ci].h, cases[ci].w), DT, -2.0f, 2.0f);
+            pair w = draw(TDM_SHAPE(o, c / a->groups, k, k), DT, -1.0f, 1.0f);
+            pair b = bias ? draw(TDM_SHAPE(o), DT, -1.0f, 1.0f) : (pair){NULL, NULL, false};
+            tdm_shape ys = TDM_SHAPE(n, o, ho, wo);
+            pair y = output(ys, DT), gy = draw(ys, DT, -1.0f, 1.0f);
+            tdm_tensor *ax = absolute(x.f), *aw = absolute(w.f), *ab = b.f ? absolute(b.f) : NULL;
+            tdm_tensor *agy = absolute(gy.f), *my = tdm_zeros(ys, TDM_F32, D);
+            tdm_tensor *mgx = tdm_zeros(tdm_shape_of(x.f), TDM_F32, D);
+            tdm_tensor *mgw = tdm_zeros(tdm_shape_of(w.f), TDM_F32, D);
+            tdm_tensor *mgb = tdm_zeros(TDM_SHAPE(o), TDM_F32, D);
+            CHECK(BE->conv2d(my, ax, aw, ab, a) == TDM_OK &&
+                      BE->conv2d_backward(mgx, mgw, mgb, agy, ax, aw, a) == TDM_OK,
+                  "conv2d on the magnitudes: %s", tdm_last_error());
+            RUN2(BE->conv2d(y.lo, x.lo, w.lo, b.lo, a), BE->conv2d(y.f, x.f, w.f, b.f, a));
+            const char *impl = tdm_cpu_conv2d_bf16_impl();
+            if (DT == TDM_BF16 && bias)
+                printf("bf16 conv2d case %d ran: %s\n", ci, impl[0] ? impl : "f32 copies");
+            /* every case is oneDNN's where it has bf16 kernels */
+            CHECK(!(native && DT == TDM_BF16) || !strncmp(impl, "oneDNN", 6),
+                  "conv2d case %d in bf16 with oneDNN's bf16 GEMM here ran '%s'", ci, impl);
+            double *sy = order_slack(my, c / a->groups * k * k + 1);
+            expect("conv2d", y, sy);
+            pair gx = output(tdm_shape_of(x.f), DT), gw = output(tdm_shape_of(w.f), TDM_F32);
+            pair gb = output(TDM_SHAPE(o), DT);
+            RUN2(BE->conv2d_backward(gx.lo, gw.lo, gb.lo, gy.lo, x.lo, w.lo, a),
+                 BE->conv2d_backward(gx.f, gw.f, gb.f, gy.f, x.f, w.f, a));
+            double *sx = order_slack(mgx, o / a->groups * k * k),
+                   *sw = order_slack(mgw, n * ho * wo);
+            double *sb = order_slack(mgb, n * ho * wo);
+            expect("conv2d_backward gx", gx, sx);
+            expect("conv2d_backward gw", gw, sw);
+            expect("conv2d_backward gb", gb, sb);
+            free(sy), free(sx), free(sw), free(sb);
+            tdm_scope_end();
+        }
 }
 
 static void test_pool2d(void) {

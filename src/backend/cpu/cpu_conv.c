@@ -11,12 +11,14 @@
  * paid). A 1x1, stride-1, unpadded convolution skips im2col: the image is its own col. Two
  * paths skip it altogether: Winograd (cpu_conv_winograd.c) for 3x3 layers with channels, and
  * on AVX-512 a direct 3x3 convolution of one input channel (a grey image's first layer).
+ * bf16 goes to oneDNN where it has bf16 kernels (cpu_conv_bf16.c), else through f32 copies.
  *
  * Scratch memory comes from the device's caching allocator inside a scope of its own, so a
  * training step calls no malloc here, and nothing is static: several device threads may run
  * these kernels at once.
  */
 #include "backend/cpu/cpu_conv.h"
+#include "backend/cpu/cpu_conv_bf16.h"
 #include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 
@@ -274,8 +276,10 @@ static void conv3x3_direct(float *y, const float *x, const float *w, const float
  * y[n][:, rows] (ld Ho*Wo) = w_g [Cout_g, K_g] @ col_g [K_g, rows*Wo] for each group. */
 int tdm_cpu_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b,
                    const tdm_conv2d_args *args) {
-    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){y, x, w, b}))
-        return tdm_cpu_lowp_conv2d(y, x, w, b, args);
+    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){y, x, w, b})) {
+        int rc = tdm_cpu_conv2d_bf16(y, x, w, b, args);
+        return rc == TDM_CPU_CONV_BF16_NOT_HERE ? tdm_cpu_lowp_conv2d(y, x, w, b, args) : rc;
+    }
     assert(conv_args_ok(x, w, y));
     conv_geom g = tdm_conv_geom(x, w, y->shape[2], y->shape[3], args);
     const float *xp = tdm_data_ptr(x), *wp = tdm_data_ptr(w);
@@ -395,8 +399,12 @@ static void gw_small_k(float *gw, int64_t ldw, float *gb, const float *dy, int64
  * gcol_g = w_g^T @ gy_g then col2im into gx[n], gb += row sums of gy. */
 int tdm_cpu_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
                             const tdm_tensor *x, const tdm_tensor *w, const tdm_conv2d_args *args) {
-    if (tdm_cpu_lowp_any(6, (const tdm_tensor *[]){gx, gw, gb, gy, x, w}))
-        return tdm_cpu_lowp_conv2d_backward(gx, gw, gb, gy, x, w, args);
+    if (tdm_cpu_lowp_any(6, (const tdm_tensor *[]){gx, gw, gb, gy, x, w})) {
+        int rc = tdm_cpu_conv2d_backward_bf16(gx, gw, gb, gy, x, w, args);
+        return rc == TDM_CPU_CONV_BF16_NOT_HERE
+                   ? tdm_cpu_lowp_conv2d_backward(gx, gw, gb, gy, x, w, args)
+                   : rc;
+    }
     assert(conv_args_ok(x, w, gy));
     conv_geom g = tdm_conv_geom(x, w, gy->shape[2], gy->shape[3], args);
     const float *xp = tdm_data_ptr(x), *wp = tdm_data_ptr(w), *gyp = tdm_data_ptr(gy);

@@ -20,7 +20,7 @@
 #include <stdint.h>
 
 #define TDM_DNNL_CACHE     64  /* entries a cache holds */
-#define TDM_DNNL_KEY_BYTES 160 /* the largest key */
+#define TDM_DNNL_KEY_BYTES 208 /* the largest key (the convolution's) */
 #define TDM_DNNL_PRIMS     4   /* primitives an entry may hold (a kernel and its reorders) */
 
 typedef struct {

@@ -4,7 +4,7 @@ so the same parameter names and default initialisation), optimizers and batch si
 
 usage: $VENV/bin/python bench/torch_fmnist.py --model mlp|cnn [--epochs N] [--batch 64]
            [--optimizer sgd|adam|adamw] [--lr LR] [--momentum M] [--threads T]
-           [--blas-threads T] [--seed S] [--limit N]
+           [--blas-threads T] [--seed S] [--limit N] [--autocast none|bf16]
 
 Data: the whole training set held as one tensor; each epoch a seeded randperm; batches are
 index slices (no DataLoader), the last partial batch included. Epoch time = the training loop
@@ -28,6 +28,8 @@ ap.add_argument("--threads", type=int, default=1, help="torch intra-op (OpenMP) 
 ap.add_argument("--blas-threads", type=int, default=1, help="OPENBLAS_NUM_THREADS")
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--limit", type=int, default=0, help="first N train and N/6 test samples")
+ap.add_argument("--autocast", choices=["none", "bf16"], default="none",
+                help="forward and loss under torch.autocast('cpu', dtype=torch.bfloat16)")
 args = ap.parse_args()
 
 # must happen before torch loads libgomp and libopenblas
@@ -79,8 +81,9 @@ for ep in range(args.epochs):
     for i in range(0, n, args.batch):
         idx = perm[i:i + args.batch]
         xb, yb = xtr[idx], ytr[idx]
-        out = model(xb)
-        loss = F.cross_entropy(out, yb)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            out = model(xb)
+            loss = F.cross_entropy(out, yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -93,6 +96,6 @@ for ep in range(args.epochs):
     print(f"torch {args.model} epoch {ep + 1}: {dt:.2f} s  {n / dt:.0f} img/s  "
           f"train loss {loss_sum / n:.4f}  test acc {test_acc:.4f}", flush=True)
 
-print("RESULT " + json.dumps(dict(model=args.model, optimizer=optimizer, lr=lr,
+print("RESULT " + json.dumps(dict(model=args.model, optimizer=optimizer, lr=lr, autocast=args.autocast,
                                   threads=args.threads, blas_threads=args.blas_threads,
                                   torch=torch.__version__, epochs=epochs)))

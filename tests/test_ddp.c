@@ -722,9 +722,13 @@ static void test_zero2_memory(void) {
 
 typedef struct {
     bool stage3, recompute;
-    float *params[3];  /* per rank: the parameters after the steps, gathered */
-    float eval_sum[3]; /* per rank: the sum of the logits of a forward without autograd */
-    int units;         /* rank 0's stage-3 units */
+    tdm_dtype amp;         /* forward and loss in an autocast region of this dtype (f32: none) */
+    tdm_dtype param_dtype; /* stage 3's gathers (tdm_ddp_opts.param_dtype) */
+    bool round_ref;        /* the reference of param_dtype bf16: forwards and backwards run with
+                            * the parameters rounded to bf16, the f32 masters put back after */
+    float *params[3];      /* per rank: the parameters after the steps, gathered */
+    float eval_sum[3];     /* per rank: the sum of the logits of a forward without autograd */
+    int units;             /* rank 0's stage-3 units */
     int64_t total;
 } gpt_case;
 
@@ -756,21 +760,57 @@ static int gpt_eval(tdm_module *m, int r, float *sum) {
     return rc;
 }
 
+/* t's values from host floats. */
+static int put(tdm_tensor *t, const float *v) {
+    tdm_tensor *h = tdm_from_data(tdm_shape_of(t), TDM_F32, tdm_cpu(0), v);
+    int rc = h ? tdm_copy_(t, h) : tdm_last_status();
+    tdm_tensor_free(h);
+    return rc;
+}
+
+/* round_ref: the whole model's parameters (ps->flat, stage 2's) rounded to bf16, the f32
+ * values kept in *saved (malloc'd); or, with *saved set, put back and freed. */
+static int gpt_round(tdm_paramset *ps, float **saved) {
+    size_t bytes = sizeof(float) * (size_t)ps->total;
+    if (*saved) {
+        int rc = put(ps->flat, *saved);
+        free(*saved);
+        *saved = NULL;
+        return rc;
+    }
+    float *v = *saved = malloc(bytes), *w = malloc(bytes);
+    int rc = tdm_to_host(ps->flat, v, bytes);
+    for (int64_t i = 0; i < ps->total; i++) w[i] = tdm_bf16_to_float(tdm_bf16_from_float(v[i]));
+    if (!rc) rc = put(ps->flat, w);
+    free(w);
+    return rc;
+}
+
 static int gpt_steps(gpt_case *c, tdm_ddp *d, tdm_module *m, tdm_optim *opt, int r) {
     int rc = 0;
+    float *saved = NULL;
+    tdm_paramset *ps = tdm_module_parameters(m);
     for (int s = 0; s < GPT_STEPS && !rc; s++) {
         int64_t x[GPT_B * GPT_T], y[GPT_B * GPT_T];
         gpt_batch(s, r, x, y);
         tdm_optim_zero_grad(opt);
+        if (c->round_ref) rc = gpt_round(ps, &saved);
         tdm_scope_begin();
         tdm_tensor *xs = tdm_from_data(TDM_SHAPE(GPT_B, GPT_T), TDM_I64, tdm_cpu(0), x);
         tdm_tensor *ys = tdm_from_data(TDM_SHAPE(GPT_B, GPT_T), TDM_I64, tdm_cpu(0), y);
-        rc = tdm_ddp_backward(d, tdm_gpt_loss(tdm_ddp_forward(d, xs), ys));
+        if (!rc && c->amp != TDM_F32) rc = tdm_autocast_begin(c->amp);
+        tdm_tensor *l = rc ? NULL : tdm_gpt_loss(tdm_ddp_forward(d, xs), ys);
+        if (!rc && c->amp != TDM_F32) rc = tdm_autocast_end();
+        if (!rc) rc = tdm_ddp_backward(d, l);
         tdm_scope_end();
+        if (c->round_ref && saved && gpt_round(ps, &saved) && !rc) rc = tdm_last_status();
         if (!rc) rc = tdm_ddp_clip_grad_norm(d, 0.5f, NULL);
         if (!rc) rc = tdm_optim_step(opt);
+        if (!rc && s == 0 && c->round_ref) rc = gpt_round(ps, &saved);
         if (!rc && s == 0) rc = gpt_eval(m, r, &c->eval_sum[r]);
+        if (!rc && s == 0 && c->round_ref) rc = gpt_round(ps, &saved);
     }
+    free(saved);
     return rc;
 }
 
@@ -789,6 +829,7 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
     /* stage 3 through FSDP's constructor, stage 2 through DDP's calls */
     tdm_fsdp_opts fo = tdm_fsdp_defaults();
     fo.ddp.bucket_cap_bytes = fo.ddp.first_bucket_cap_bytes = 1024; /* across units, shards */
+    fo.ddp.param_dtype = c->param_dtype;
     fo.units = units, fo.n_units = tdm_model_units(m, units, 8);
     tdm_fsdp *f = opt && c->stage3 ? tdm_fsdp_wrap(m, ctx->group, opt, &fo) : NULL;
     tdm_ddp *d = !opt ? NULL : c->stage3 ? tdm_fsdp_ddp(f) : tdm_ddp_new(m, ctx->group, &fo.ddp);
@@ -837,6 +878,30 @@ static void test_zero3_gpt(void) {
             gpt_same(&three, &two, n, rec ? "gpt, stage 3, recomputed" : "gpt, stage 3");
             for (int r = 0; r < 3; r++) free(two.params[r]), free(three.params[r]);
         }
+}
+
+/* Stage 3 gathering the parameters in bf16 (FSDP2's param_dtype), under bf16 autocast: every
+ * rank's forward and backward compute with the parameters rounded to bf16, the optimizer
+ * steps the f32 masters, so it ends bit for bit where stage 2 ends when each step rounds the
+ * whole model before its forward and puts the f32 values back before the update (its layer
+ * norms' and embeddings' weights included, which autocast alone leaves f32); and not where
+ * stage 3's f32 gathers end. */
+static void test_zero3_param_bf16(void) {
+    tdm_device devs[3] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2)};
+    for (int n = 2; n <= 3; n++) {
+        gpt_case ref = {.amp = TDM_BF16, .round_ref = true},
+                 low = {.stage3 = true, .amp = TDM_BF16, .param_dtype = TDM_BF16},
+                 f32 = {.stage3 = true, .amp = TDM_BF16};
+        CHECK(tdm_spawn(n, devs, gpt_rank, &ref) == 0, "reference: %s", tdm_last_error());
+        CHECK(tdm_spawn(n, devs, gpt_rank, &low) == 0, "bf16 gathers on %d ranks: %s", n,
+              tdm_last_error());
+        CHECK(tdm_spawn(n, devs, gpt_rank, &f32) == 0, "f32 gathers: %s", tdm_last_error());
+        gpt_same(&low, &ref, n, "gpt, stage 3 gathering bf16");
+        CHECK(low.params[0] && f32.params[0] &&
+                  memcmp(low.params[0], f32.params[0], sizeof(float) * (size_t)low.total) != 0,
+              "%d ranks: bf16 gathers end where f32 gathers do: nothing was rounded", n);
+        for (int r = 0; r < 3; r++) free(ref.params[r]), free(low.params[r]), free(f32.params[r]);
+    }
 }
 
 /* ---- ZeRO errors ---------------------------------------------------------------------------- */
@@ -1492,6 +1557,7 @@ int main(void) {
     test_zero2();
     test_zero2_memory();
     test_zero3_gpt();
+    test_zero3_param_bf16();
     test_zero3_errors();
     test_zero_errors();
     test_data_parallel();

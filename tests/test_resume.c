@@ -659,7 +659,7 @@ static void zero3_runs(const char *const np[4][5], const char *plain, const char
     char *out = captured("stdout");
     CHECK(rc == 0 &&
               strstr(out, "gradients and parameters 470336 bytes per rank of 940584 (ZeRO "
-                          "stage 3 over 2 ranks)") &&
+                          "stage 3 over 2 ranks; parameters gathered in f32)") &&
               same_ckpt(plain, sharded, 12),
           "--shard parameters: exit %d, no stage 3 line, or a checkpoint differs from "
           "unsharded: %s",
@@ -683,6 +683,17 @@ static void zero3_runs(const char *const np[4][5], const char *plain, const char
           rc, rc2, out);
     free(out);
     check_resharded("stage 3, 2 processes -> 3", plain, plain_log, half, log, 5);
+    /* in bf16, the gathers move bf16 (FSDP2's param_dtype; test_ddp checks the values) */
+    snprintf(half, sizeof half, "%s/zero3-bf16", tmpdir);
+    rc = wait_status(
+        start_with(np[2], ARGS(ZERO_RUN, "--grad-accum", "1", "--checkpoint-dir", half, "--shard",
+                               "parameters", "--precision", "bf16", "--max-steps", "2")));
+    out = captured("stdout");
+    CHECK(rc == 0 && strstr(out, "(ZeRO stage 3 over 2 ranks; parameters gathered in bf16, as "
+                                 "FSDP2's param_dtype)"),
+          "--shard parameters --precision bf16 under mpirun: exit %d, or no bf16 gathers: %s", rc,
+          out);
+    free(out);
 }
 
 /* --shard gradients (ZeRO stage 2) under mpirun -np 2, DDP (one device a process) and
@@ -736,7 +747,8 @@ static void zero2_runs(const char *const np[4][5]) {
             start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", "2",
                                  "--checkpoint-dir", stage3, "--shard", "parameters", "--resume")));
         out = captured("stdout");
-        CHECK(rc == 0 && rc3 == 0 && strstr(out, "(ZeRO stage 3 over 4 ranks)") &&
+        CHECK(rc == 0 && rc3 == 0 &&
+                  strstr(out, "(ZeRO stage 3 over 4 ranks; parameters gathered in f32)") &&
                   same_ckpt(plain, stage3, 12),
               "2 processes x 2 devices, --shard parameters stopped at step 5 and resumed: exit %d "
               "and %d, or the last checkpoint differs from the uninterrupted run's: %s",

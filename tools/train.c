@@ -193,6 +193,10 @@ static const opt_spec specs[] = {
      "and the rest of the model only while a unit (a GPT's block, a ResNet's stage, else a "
      "layer) computes, gathered just before its forward and its backward, the next unit's "
      "gather overlapping the current one's compute; the weights are stage 2's bit for bit. "
+     "With --precision bf16 under mpirun (DDP) the gathers move the parameters rounded to "
+     "bf16, FSDP2's param_dtype: half the bytes, every forward and backward computing with the "
+     "rounded values, the shards and checkpoints f32; over several devices of one process "
+     "they move f32. "
      "On every kind of device and process; over the CPU devices of one process it replaces "
      "their shared-memory update, so each device holds its shard of the optimizer state too. "
      "Not with --model-split."},

@@ -132,6 +132,9 @@ static int make_strategy(trainer *tr) {
         tdm_ddp_opts dop = tdm_ddp_defaults();
         dop.bucket_cap_bytes = o->bucket_cap << 20;
         dop.reduce_dtype = strcmp(o->reduce_dtype, "bf16") == 0 ? TDM_BF16 : TDM_F32;
+        /* Lightning's bf16-mixed on FSDP: the gathers move bf16 (FSDP2's param_dtype) */
+        tr->param_bf16 = !strcmp(o->shard, "parameters") && !strcmp(o->precision, "bf16");
+        dop.param_dtype = tr->param_bf16 ? TDM_BF16 : TDM_F32;
         what = "ddp";
         tr->st = tdm_strategy_distributed(t->model, tr->g, &dop, t->optimizer, (void *)o);
     } else {
@@ -631,7 +634,8 @@ static void print_devices(const trainer *tr) {
 }
 
 /* --shard's line: rank 0's (replica 0's) optimizer state against the whole state, and under
- * --shard gradients its gradient shard against the whole gradient. */
+ * --shard gradients its gradient shard against the whole gradient; under --shard parameters
+ * the dtype the gathers move. */
 static void print_sharding(const trainer *tr) {
     const train_opts *o = tr->o;
     tdm_strategy_memory m;
@@ -645,11 +649,15 @@ static void print_sharding(const trainer *tr) {
         if (grads)
             printf(", gradients%s %lld bytes per rank of %lld", params ? " and parameters" : "",
                    (long long)m.grads, (long long)m.grads_whole);
-        printf(" (ZeRO stage %d over %d rank%s)\n",
+        printf(" (ZeRO stage %d over %d rank%s",
                params  ? 3
                : grads ? 2
                        : 1,
                ranks, ranks == 1 ? "" : "s");
+        if (params)
+            printf(tr->param_bf16 ? "; parameters gathered in bf16, as FSDP2's param_dtype"
+                                  : "; parameters gathered in f32");
+        printf(")\n");
     } else {
         printf("sharding  optimizer state %lld bytes, held once by %s\n", (long long)m.state_whole,
                o->n_devs > 1 ? "this process for its devices (their update is split already)"

@@ -27,6 +27,7 @@ typedef struct trainer {
     tdm_strategy *st;
     tdm_optim *opt;      /* replica 0's (the first stage's): its learning rate and step count */
     bool loss_on_caller; /* the step's loss function runs on this thread, on tr->dev */
+    bool param_bf16;     /* ZeRO stage 3 under DDP gathers the parameters in bf16 */
     tdm_sched sched;
     sinks out;
     progress prog;

@@ -181,6 +181,14 @@ typedef struct {
      * (ZeRO stages 2 and 3 round each bucket into a buffer of its own instead, reduced to
      * the shards' owners alike). Any other dtype is an error of tdm_ddp_new naming it. */
     tdm_dtype reduce_dtype;
+    /* Under ZeRO stage 3 (TDM_SHARD_PARAMETERS), the dtype the units' gathers move the
+     * parameters in (FSDP2's MixedPrecisionPolicy.param_dtype): TDM_F32 (the default) as they
+     * are; TDM_BF16 rounded to bf16, half the bytes, every rank's forward and backward then
+     * computing with the rounded values (widened into the gathered f32 tensors, so ops that run
+     * in f32 read bf16-rounded weights, as FSDP2's bf16 parameters). The shards, the optimizer
+     * and tdm_ddp_gather_params stay exact f32. Ignored below stage 3; any other dtype is an
+     * error of tdm_ddp_new naming it. */
+    tdm_dtype param_dtype;
 } tdm_ddp_opts;
 
 tdm_ddp_opts tdm_ddp_defaults(void);

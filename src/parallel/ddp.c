@@ -79,7 +79,7 @@ struct tdm_ddp {
 };
 
 tdm_ddp_opts tdm_ddp_defaults(void) {
-    tdm_ddp_opts o = {25 << 20, 1 << 20, false, true, TDM_F32};
+    tdm_ddp_opts o = {25 << 20, 1 << 20, false, true, TDM_F32, TDM_F32};
     return o;
 }
 
@@ -404,6 +404,10 @@ tdm_ddp *tdm_ddp_new(tdm_module *replica, tdm_group *g, const tdm_ddp_opts *o) {
         return tdm_raise_null(TDM_ERR_ARG, "ddp: reduce_dtype %s (expected f32 or bf16)",
                               tdm_dtype_name(rd));
     }
+    if (tdm_zero3_set_param_dtype(NULL, d->o.param_dtype)) {
+        free(d);
+        return tdm_raise_null(TDM_ERR_ARG, "%s", tdm_last_error());
+    }
     d->ps = tdm_module_parameters(replica);
     d->bs = d->ps ? tdm_module_buffers(replica) : NULL;
     int rc = d->bs ? TDM_OK : tdm_last_status();
@@ -580,7 +584,7 @@ static int shard_gradients(tdm_ddp *d, tdm_optim *o) {
 static int shard_parameters(tdm_ddp *d, tdm_optim *o) {
     if (d->units) {
         d->fsdp = tdm_zero3_new(d->replica, d->ps, d->g, o, d->units, d->n_units);
-        return d->fsdp ? TDM_OK : tdm_last_status();
+        return d->fsdp ? tdm_zero3_set_param_dtype(d->fsdp, d->o.param_dtype) : tdm_last_status();
     }
     tdm_module **kids = malloc(sizeof *kids * (size_t)(d->replica->n_children + 1));
     if (!kids) return tdm_raise(TDM_ERR_NOMEM, "ddp_set_shard: out of memory");
@@ -590,7 +594,7 @@ static int shard_parameters(tdm_ddp *d, tdm_optim *o) {
     }
     d->fsdp = tdm_zero3_new(d->replica, d->ps, d->g, o, kids, n);
     free(kids);
-    return d->fsdp ? TDM_OK : tdm_last_status();
+    return d->fsdp ? tdm_zero3_set_param_dtype(d->fsdp, d->o.param_dtype) : tdm_last_status();
 }
 
 /* Why this rank cannot take kind with o (written into why), or TDM_OK. */

@@ -21,7 +21,14 @@
  * part from its shard: units are contiguous runs of the flat buffer, so a unit is mostly one
  * owner's, and no padding or copy out of a gathered buffer is needed. Collectives go in the
  * same order on every rank: forward and backward walk the units in the same order, and the
- * gathers are launched from the hooks, on the thread that launches DDP's reductions. */
+ * gathers are launched from the hooks, on the thread that launches DDP's reductions.
+ *
+ * With a param_dtype of bf16 (FSDP2's MixedPrecisionPolicy), the hooks' gathers move the
+ * parameters rounded to bf16 (each owner rounds its part into a bf16 buffer of the unit's,
+ * with memory only while gathering; every rank widens the whole gathered buffer back into the
+ * unit's f32 one): half the bytes, and every rank computes with the same rounded values in
+ * forward and backward, as FSDP2's bf16 parameters. The shards, the optimizer and a summoned
+ * model (checkpoints, exports) stay exact f32. */
 #include "parallel/fsdp.h"
 
 #include "autograd/tape.h"
@@ -45,8 +52,10 @@ typedef struct unit {
     run *runs;
     int n_runs, n_params;
     int64_t numel;
-    tdm_tensor *buf; /* [numel] on the unit's storage: memory only while gathered */
-    int pending;     /* this backward: parameters whose gradient is not final yet */
+    tdm_tensor *buf;    /* [numel] on the unit's storage: memory only while gathered */
+    tdm_tensor *low;    /* [numel] bf16 on a storage of its own: memory only while gathering */
+    tdm_dtype gathered; /* the dtype of the gather in flight or done (f32 or bf16) */
+    int pending;        /* this backward: parameters whose gradient is not final yet */
     unit_state state;
     tdm_work **works; /* [n_runs * size]: one gather's broadcasts */
     int n_works;
@@ -63,7 +72,8 @@ struct tdm_zero3 {
     int n_units;
     int *unit_of; /* [ps->n]: each parameter's unit */
     bool summoned;
-    int error; /* first failure of a gather in a hook, since tdm_zero3_backward_begin */
+    int error;             /* first failure of a gather in a hook, since tdm_zero3_backward_begin */
+    tdm_dtype param_dtype; /* the dtype the hooks' gathers move: f32, or bf16 (fsdp.h) */
 };
 
 static unit *root_unit(tdm_zero3 *f) {
@@ -80,14 +90,17 @@ static int gather_failed(unit *u, int rc) {
     return tdm_raise(rc, "%s", msg);
 }
 
-/* Starts gathering u (memory from the allocator, this rank's part copied from its shard, one
- * broadcast per owner); nothing when u is not free. */
-static int gather_start(unit *u) {
+/* Starts gathering u in dt (f32, or bf16 through u->low: memory from the allocator, this
+ * rank's part copied from its shard, one broadcast per owner); nothing when u is not free. */
+static int gather_start(unit *u, tdm_dtype dt) {
     tdm_zero3 *f = u->f;
     if (u->state != UNIT_FREE || !u->numel) return TDM_OK;
+    bool low = dt == TDM_BF16;
     int rc = tdm_storage_resize(u->buf->storage, sizeof(float) * (size_t)u->numel);
+    if (!rc && low) rc = tdm_storage_resize(u->low->storage, 2 * (size_t)u->numel);
     if (rc) return gather_failed(u, rc);
     u->state = UNIT_GATHERING;
+    u->gathered = low ? TDM_BF16 : TDM_F32;
     u->n_works = 0;
     for (int j = 0; j < u->n_runs && !rc; j++) {
         const run *ru = &u->runs[j];
@@ -96,7 +109,8 @@ static int gather_start(unit *u) {
             tdm_chunk_of(f->ps->total, sizeof(float), f->size, r, &rlo, &rhi);
             int64_t a = ru->lo > rlo ? ru->lo : rlo, e = ru->hi < rhi ? ru->hi : rhi;
             if (a >= e) continue;
-            tdm_tensor v = tdm_range_view(u->buf, ru->at + a - ru->lo, ru->at + e - ru->lo);
+            tdm_tensor v =
+                tdm_range_view(low ? u->low : u->buf, ru->at + a - ru->lo, ru->at + e - ru->lo);
             if (r == f->rank) {
                 tdm_tensor mine = tdm_range_view(f->shard, a - f->lo, e - f->lo);
                 rc = tdm_copy_(&v, &mine);
@@ -111,10 +125,11 @@ static int gather_start(unit *u) {
     return rc ? gather_failed(u, rc) : TDM_OK;
 }
 
-/* Waits for u's gather (started here when it was not). A failure to start was reported
- * already; the broadcasts it did launch are still waited for (they write into u). */
-static int gather_wait(unit *u) {
-    int started = gather_start(u), rc = TDM_OK;
+/* Waits for u's gather (started here in dt when it was not); a bf16 one is widened into the
+ * f32 buffer. A failure to start was reported already; the broadcasts it did launch are still
+ * waited for (they write into u). */
+static int gather_wait(unit *u, tdm_dtype dt) {
+    int started = gather_start(u, dt), rc = TDM_OK;
     if (u->state != UNIT_GATHERING) return started;
     for (int k = 0; k < u->n_works; k++) {
         int w = tdm_work_wait(u->works[k]);
@@ -122,13 +137,19 @@ static int gather_wait(unit *u) {
     }
     u->n_works = 0;
     u->state = UNIT_READY;
+    if (u->gathered == TDM_BF16) {
+        tdm_tensor all = tdm_range_view(u->buf, 0, u->numel),
+                   from = tdm_range_view(u->low, 0, u->numel);
+        if (!rc && !started) rc = tdm_copy_(&all, &from);
+        tdm_storage_resize(u->low->storage, 0);
+    }
     return started ? started : rc ? gather_failed(u, rc) : TDM_OK;
 }
 
 /* u's memory back to the allocator (after its gather is done: broadcasts write into it). */
 static void unit_free(unit *u) {
     if (u->state == UNIT_FREE || !u->buf) return;
-    if (u->state == UNIT_GATHERING) gather_wait(u);
+    if (u->state == UNIT_GATHERING) gather_wait(u, u->gathered);
     tdm_storage_resize(u->buf->storage, 0);
     u->state = UNIT_FREE;
 }
@@ -138,9 +159,10 @@ static void unit_free(unit *u) {
 static int root_pre(tdm_module *m, void *ctx) {
     tdm_zero3 *f = ctx;
     if (f->summoned) return TDM_OK;
-    int rc = gather_start(root_unit(f));
-    if (!rc && f->n_units) rc = gather_start(&f->units[0]); /* overlaps the embeddings */
-    return rc ? rc : gather_wait(root_unit(f));
+    int rc = gather_start(root_unit(f), f->param_dtype);
+    if (!rc && f->n_units)
+        rc = gather_start(&f->units[0], f->param_dtype); /* overlaps the embeddings */
+    return rc ? rc : gather_wait(root_unit(f), f->param_dtype);
 }
 
 /* The root unit stays gathered for the backward (its parameters are read at both ends of
@@ -155,9 +177,10 @@ static int unit_pre(tdm_module *m, void *ctx) {
     unit *u = ctx;
     tdm_zero3 *f = u->f;
     if (f->summoned) return TDM_OK;
-    int rc = gather_start(u);
-    if (!rc && u->index + 1 < f->n_units) rc = gather_start(&f->units[u->index + 1]);
-    return rc ? rc : gather_wait(u);
+    int rc = gather_start(u, f->param_dtype);
+    if (!rc && u->index + 1 < f->n_units)
+        rc = gather_start(&f->units[u->index + 1], f->param_dtype);
+    return rc ? rc : gather_wait(u, f->param_dtype);
 }
 
 /* Backward of a unit's identity node: the unit gathered again before its own nodes run,
@@ -167,9 +190,9 @@ static int unit_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_zero3 *f = u->f;
     int rc = TDM_OK;
     if (!f->summoned) {
-        rc = gather_start(u);
-        if (!rc && u->index > 0) rc = gather_start(&f->units[u->index - 1]);
-        if (!rc) rc = gather_wait(u);
+        rc = gather_start(u, f->param_dtype);
+        if (!rc && u->index > 0) rc = gather_start(&f->units[u->index - 1], f->param_dtype);
+        if (!rc) rc = gather_wait(u, f->param_dtype);
     }
     return rc ? rc : tdm_grad_accumulate(n->in[0], gout);
 }
@@ -256,7 +279,11 @@ static int unit_make(tdm_zero3 *f, int k, tdm_module *m) {
         return tdm_raise(TDM_ERR_NOMEM, "ddp_set_shard: out of memory");
     u->buf =
         tdm_tensor_alloc_owned(TDM_SHAPE(u->numel ? u->numel : 1), TDM_F32, ps->flat->device, NULL);
-    if (!u->buf) return tdm_last_status();
+    u->low = u->buf ? tdm_tensor_alloc_owned(TDM_SHAPE(u->numel ? u->numel : 1), TDM_BF16,
+                                             ps->flat->device, NULL)
+                    : NULL;
+    if (!u->buf || !u->low) return tdm_last_status();
+    tdm_storage_resize(u->low->storage, 0); /* memory only while gathering in bf16 */
     int rc = TDM_OK;
     for (int j = 0; j < u->n_runs && !rc; j++) {
         tdm_tensor dst =
@@ -296,6 +323,7 @@ static void units_free(tdm_zero3 *f) {
         free(f->units[k].runs);
         free(f->units[k].works);
         tdm_tensor_free(f->units[k].buf);
+        tdm_tensor_free(f->units[k].low);
     }
     free(f->units);
     free(f->unit_of);
@@ -361,7 +389,8 @@ int tdm_zero3_summon(tdm_zero3 *f) {
     int rc = tdm_storage_resize(ps->flat->storage, sizeof(float) * (size_t)ps->total);
     for (int k = 0; k <= f->n_units && !rc; k++) {
         unit *u = &f->units[k];
-        rc = gather_wait(u);
+        if (u->state != UNIT_FREE && u->gathered != TDM_F32) unit_free(u); /* exact values */
+        rc = gather_wait(u, TDM_F32);
         for (int j = 0; j < u->n_runs && !rc; j++) {
             tdm_tensor dst = tdm_range_view(ps->flat, u->runs[j].lo, u->runs[j].hi);
             tdm_tensor src = tdm_range_view(u->buf, u->runs[j].at,
@@ -387,6 +416,14 @@ int tdm_zero3_reshard(tdm_zero3 *f) {
     tdm_storage_resize(f->ps->flat->storage, 0);
     f->summoned = false;
     return rc;
+}
+
+int tdm_zero3_set_param_dtype(tdm_zero3 *f, tdm_dtype dt) {
+    if (dt != TDM_F32 && dt != TDM_BF16)
+        return tdm_raise(TDM_ERR_DTYPE, "ddp: param_dtype %s (expected f32 or bf16)",
+                         tdm_dtype_name(dt));
+    if (f) f->param_dtype = dt;
+    return TDM_OK;
 }
 
 int tdm_zero3_unit_count(const tdm_zero3 *f) {

@@ -158,6 +158,7 @@ static void test_ddp_equivalence(void) {
 
 typedef struct {
     int64_t cap, total;
+    bool set_after;    /* bf16 through tdm_ddp_set_reduce_dtype after an f32 DDP is made */
     float *local[4];   /* per rank: its own gradient of the batch (sync off) */
     float *reduced[4]; /* per rank: the gradient DDP reduced in bf16 */
     float *stage2[4];  /* per rank: its ZeRO stage 2 shard of the same, at shard_lo[r] */
@@ -193,9 +194,10 @@ static int bf16_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_module *m = make_mlp(1 + (uint64_t)r, HID);
     tdm_ddp_opts o = tdm_ddp_defaults();
     o.bucket_cap_bytes = o.first_bucket_cap_bytes = c->cap;
-    o.reduce_dtype = TDM_BF16;
+    o.reduce_dtype = c->set_after ? TDM_F32 : TDM_BF16;
     tdm_ddp *d = tdm_ddp_new(m, ctx->group, &o);
     if (!d) return tdm_last_status();
+    if (c->set_after && tdm_ddp_set_reduce_dtype(d, TDM_BF16)) return tdm_last_status();
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_optim *opt = make_sgd(ps, NULL);
     if (r == 0) c->total = ps->total; /* one writer: the ranks run at once */
@@ -236,8 +238,8 @@ static void test_ddp_reduce_bf16(void) {
     const int64_t caps[2] = {64, 25 << 20};
     tdm_device devs[3] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2)};
     for (int n = 1; n <= 3; n++)
-        for (int k = 0; k < 2; k++) {
-            bf16_case c = {.cap = caps[k]};
+        for (int k = 0; k < 3; k++) { /* the third: bf16 set after an f32 DDP was made */
+            bf16_case c = {.cap = caps[k % 2], .set_after = k == 2};
             int rc = tdm_spawn(n, devs, bf16_rank, &c);
             CHECK(rc == 0, "ddp bf16 on %d ranks: %s", n, tdm_last_error());
             int64_t off = 0, rounded = 0, covered = 0;
@@ -265,8 +267,8 @@ static void test_ddp_reduce_bf16(void) {
                       "element %lld: bf16 reduce %.9g, f32 %.9g", (long long)i, want, f32);
                 rounded += want != f32;
             }
-            CHECK(off == 0, "ddp bf16, %d ranks, buckets of %lld bytes: %lld elements off", n,
-                  (long long)caps[k], (long long)off);
+            CHECK(off == 0, "ddp bf16, %d ranks, buckets of %lld bytes%s: %lld elements off", n,
+                  (long long)caps[k % 2], c.set_after ? ", set after" : "", (long long)off);
             CHECK(rc || covered == c.total, "stage 2 shards cover %lld of %lld", (long long)covered,
                   (long long)c.total);
             CHECK(rc || rounded > c.total / 2, "only %lld of %lld elements differ from f32",
@@ -1169,6 +1171,59 @@ static void test_data_parallel(void) {
     tdm_module_free(m);
 }
 
+/* DataParallel's reduce_dtype: refused where its CPU devices share memory (naming why);
+ * under stage 3, where the replicas' DDPs reduce-scatter, bf16 moves their gradients rounded:
+ * the weights leave the f32 run's (not bit for bit) and stay near one device's. */
+static void test_data_parallel_reduce_bf16(void) {
+    float *want = reference(make_sgd, 1, 0);
+    float *got[2] = {NULL, NULL};
+    int64_t total = 0;
+    for (int low = 0; low < 2; low++) {
+        tdm_module *m = make_mlp(1, HID);
+        tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+        tdm_strategy *dp = tdm_strategy_data_parallel(m, devs, 2, NULL, make_sgd, NULL);
+        CHECK_ERROR(tdm_strategy_set_reduce_dtype(dp, TDM_BF16) != 0,
+                    "the CPU devices of one process average theirs in shared memory");
+        CHECK(tdm_strategy_set_reduce_dtype(dp, TDM_F32) == 0, "f32: %s", tdm_last_error());
+        CHECK(tdm_strategy_set_shard(dp, TDM_SHARD_PARAMETERS, NULL) == 0, "stage 3: %s",
+              tdm_last_error());
+        CHECK(tdm_strategy_set_reduce_dtype(dp, low ? TDM_BF16 : TDM_F32) == 0, "stage 3: %s",
+              tdm_last_error());
+        float x[B * IN], loss = NAN;
+        int64_t y[B];
+        int acc = 1;
+        for (int s = 0; s < STEPS; s++) {
+            batch_of(s * 10, x, y);
+            tdm_scope_begin();
+            tdm_tensor *tx = tdm_from_data(TDM_SHAPE(B, IN), TDM_F32, tdm_cpu(0), x);
+            tdm_tensor *ty = tdm_from_data(TDM_SHAPE(B), TDM_I64, tdm_cpu(0), y);
+            CHECK(tdm_strategy_step(dp, tx, ty, ce_loss_accum, &acc, &loss) == 0, "step: %s",
+                  tdm_last_error());
+            tdm_scope_end();
+        }
+        CHECK(tdm_strategy_gather_params(dp) == 0, "%s", tdm_last_error());
+        tdm_paramset *ps = tdm_module_parameters(tdm_strategy_replica(dp, 0));
+        total = ps->total;
+        got[low] = malloc(sizeof(float) * (size_t)total);
+        tdm_to_host(ps->flat, got[low], sizeof(float) * (size_t)total);
+        CHECK(tdm_strategy_release_params(dp) == 0, "%s", tdm_last_error());
+        tdm_strategy_free(dp);
+        tdm_module_free(m);
+    }
+    int64_t moved = 0;
+    double worst = 0;
+    for (int64_t i = 0; i < total; i++) {
+        moved += got[0][i] != got[1][i];
+        worst = fmax(worst, fabs((double)got[1][i] - want[i]));
+    }
+    CHECK(compare(got[0], want, total, "dp stage 3 f32") == 0, "f32 reduce: not one device's");
+    CHECK(moved > total / 4, "bf16 reduce moved %lld of %lld weights from the f32 run's",
+          (long long)moved, (long long)total);
+    /* SGD lr 0.1 for STEPS steps on gradients rounded to 2^-8 of their size (~1) */
+    CHECK(worst < 1e-2, "bf16 reduce: a weight %.3g from one device's", worst);
+    free(got[0]), free(got[1]), free(want);
+}
+
 /* ---- batch norm and dropout across devices ------------------------------------------------ */
 
 #define CH      2 /* CNN input [B, CH, HW, HW] */
@@ -1558,6 +1613,7 @@ int main(void) {
     test_zero2_memory();
     test_zero3_gpt();
     test_zero3_param_bf16();
+    test_data_parallel_reduce_bf16();
     test_zero3_errors();
     test_zero_errors();
     test_data_parallel();

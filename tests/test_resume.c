@@ -683,11 +683,12 @@ static void zero3_runs(const char *const np[4][5], const char *plain, const char
           rc, rc2, out);
     free(out);
     check_resharded("stage 3, 2 processes -> 3", plain, plain_log, half, log, 5);
-    /* in bf16, the gathers move bf16 (FSDP2's param_dtype; test_ddp checks the values) */
+    /* in bf16, the gathers move bf16 (FSDP2's param_dtype), and with --reduce-dtype bf16 the
+     * gradients too (test_ddp checks the values) */
     snprintf(half, sizeof half, "%s/zero3-bf16", tmpdir);
-    rc = wait_status(
-        start_with(np[2], ARGS(ZERO_RUN, "--grad-accum", "1", "--checkpoint-dir", half, "--shard",
-                               "parameters", "--precision", "bf16", "--max-steps", "2")));
+    rc = wait_status(start_with(np[2], ARGS(ZERO_RUN, "--grad-accum", "1", "--checkpoint-dir", half,
+                                            "--shard", "parameters", "--precision", "bf16",
+                                            "--reduce-dtype", "bf16", "--max-steps", "2")));
     out = captured("stdout");
     CHECK(rc == 0 && strstr(out, "(ZeRO stage 3 over 2 ranks; parameters gathered in bf16, as "
                                  "FSDP2's param_dtype)"),
@@ -754,6 +755,13 @@ static void zero2_runs(const char *const np[4][5]) {
               "and %d, or the last checkpoint differs from the uninterrupted run's: %s",
               rc, rc3, out);
         free(out);
+        /* DataParallel across processes averages in bf16 when asked (its replicas' DDPs) */
+        char low[300];
+        snprintf(low, sizeof low, "%s/dp-bf16", tmpdir);
+        int rc4 = wait_status(start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", "2",
+                                                   "--checkpoint-dir", low, "--quiet",
+                                                   "--reduce-dtype", "bf16", "--max-steps", "2")));
+        CHECK(rc4 == 0, "2 processes x 2 devices, --reduce-dtype bf16: exit %d", rc4);
     }
 }
 

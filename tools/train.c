@@ -213,8 +213,10 @@ static const opt_spec specs[] = {
     {"--reduce-dtype", "fp32|bf16", OPT_STR, F(reduce_dtype), 0, 0, "fp32",
      "The dtype DDP's gradient buckets travel in between devices and processes: fp32, or bf16 "
      "with the sum accumulated in fp32 (PyTorch's bf16_compress_hook: half the traffic, the "
-     "average rounded to bf16). Under mpirun with one CPU device per process (DDP); several "
-     "devices per process, GPUs under mpirun and pipelines reduce in fp32."},
+     "average rounded to bf16). Where gradients cross between processes or GPUs: under mpirun "
+     "(one device per process, or several), and between GPUs; the CPU devices of one process "
+     "average in shared memory (except under --shard parameters) and pipelines' replicas in "
+     "fp32: refused there."},
     {"--bucket-cap", "MB", OPT_INT, F(bucket_cap), 1, 1024, "25",
      "Under mpirun with one device per process (DDP): the gradient buckets' size in MiB "
      "(PyTorch's bucket_cap_mb), each averaged over the processes as soon as backward has "
@@ -760,13 +762,18 @@ static int check_precision(train_opts *o) {
     if (!one_of(o->reduce_dtype, reduce))
         return train_usage_error("--reduce-dtype: unknown dtype '%s' (expected fp32 or bf16)",
                                  o->reduce_dtype);
-    /* DataParallel's replicas make their DDP wrappers inside tdm_dp, with the defaults */
-    if (strcmp(o->reduce_dtype, "fp32") != 0 && (o->n_devs > 1 || o->model_split > 1))
-        return train_usage_error("--reduce-dtype %s applies to DDP (mpirun, one device per "
-                                 "process); %s reduce in fp32",
+    /* gradients cross a wire under mpirun and between GPUs; the CPU devices of one process
+     * average in shared memory (tdm_dp_set_reduce_dtype), a pipeline's replicas in f32 */
+    bool cpus = true;
+    for (int i = 0; i < o->n_devs; i++) cpus &= o->devs[i].type == TDM_CPU;
+    bool shared = o->n_devs > 1 && cpus && !tdm_mpi_launched() && strcmp(o->shard, "parameters");
+    if (strcmp(o->reduce_dtype, "fp32") != 0 && (shared || o->model_split > 1))
+        return train_usage_error("--reduce-dtype %s applies where gradients cross between "
+                                 "processes or GPUs; %s average in fp32",
                                  o->reduce_dtype,
                                  o->model_split > 1 ? "a pipeline's replicas"
-                                                    : "several devices of one process");
+                                                    : "the CPU devices of one process (shared "
+                                                      "memory)");
     if (strcmp(canon, "fp16") != 0) return 0;
     for (int i = 0; i < o->n_devs; i++)
         if (o->devs[i].type == TDM_CPU)

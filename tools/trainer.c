@@ -131,7 +131,6 @@ static int make_strategy(trainer *tr) {
     } else if (tr->g) { /* rank 0's initial weights go to every process */
         tdm_ddp_opts dop = tdm_ddp_defaults();
         dop.bucket_cap_bytes = o->bucket_cap << 20;
-        dop.reduce_dtype = strcmp(o->reduce_dtype, "bf16") == 0 ? TDM_BF16 : TDM_F32;
         /* Lightning's bf16-mixed on FSDP: the gathers move bf16 (FSDP2's param_dtype) */
         tr->param_bf16 = !strcmp(o->shard, "parameters") && !strcmp(o->precision, "bf16");
         dop.param_dtype = tr->param_bf16 ? TDM_BF16 : TDM_F32;
@@ -141,12 +140,6 @@ static int make_strategy(trainer *tr) {
         tr->st = tdm_strategy_one_device(t->model, t->optimizer, (void *)o);
     }
     if (!tr->st) return task_error("%s: %s", what, tdm_last_error());
-    /* one device has nothing to reduce; GPUs under mpirun are DataParallel's replicas, whose
-     * DDP wrappers tdm_dp makes with the defaults */
-    if (strcmp(o->reduce_dtype, "fp32") != 0 && strcmp(what, "data parallel") == 0)
-        return task_error("--reduce-dtype %s applies to DDP (one CPU device per process); GPUs "
-                          "under mpirun reduce through DataParallel in fp32",
-                          o->reduce_dtype);
     if (tdm_strategy_set_clip_grad_norm(tr->st, (float)o->clip))
         return task_error("--clip-grad: %s", tdm_last_error());
     tdm_dtype dt = !strcmp(o->precision, "bf16")   ? TDM_BF16
@@ -167,12 +160,17 @@ static int make_strategy(trainer *tr) {
  * parameters; one device alone has nobody to share it with. Stage 3's units are the model's blocks
  * or stages (tdm_model_units), else its layers (the children holding parameters). */
 static int shard_optimizer(trainer *tr) {
-    if (strcmp(tr->o->shard, "none") == 0) return 0;
-    tdm_shard_kind kind = strcmp(tr->o->shard, "parameters") == 0  ? TDM_SHARD_PARAMETERS
-                          : strcmp(tr->o->shard, "gradients") == 0 ? TDM_SHARD_GRADIENTS
-                                                                   : TDM_SHARD_OPTIMIZER;
-    if (tdm_strategy_set_shard(tr->st, kind, tdm_model_units))
-        return task_error("--shard %s: %s", tr->o->shard, tdm_last_error());
+    const train_opts *o = tr->o;
+    tdm_shard_kind kind = strcmp(o->shard, "parameters") == 0  ? TDM_SHARD_PARAMETERS
+                          : strcmp(o->shard, "gradients") == 0 ? TDM_SHARD_GRADIENTS
+                          : strcmp(o->shard, "optimizer") == 0 ? TDM_SHARD_OPTIMIZER
+                                                               : TDM_SHARD_NONE;
+    if (kind != TDM_SHARD_NONE && tdm_strategy_set_shard(tr->st, kind, tdm_model_units))
+        return task_error("--shard %s: %s", o->shard, tdm_last_error());
+    /* after the sharding: stage 3 takes DataParallel's CPU devices off their shared memory.
+     * DDP's, and DataParallel's across processes or GPUs; one device has nothing to reduce */
+    if (strcmp(o->reduce_dtype, "fp32") != 0 && tdm_strategy_set_reduce_dtype(tr->st, TDM_BF16))
+        return task_error("--reduce-dtype %s: %s", o->reduce_dtype, tdm_last_error());
     return 0;
 }
 

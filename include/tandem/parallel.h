@@ -254,6 +254,10 @@ int tdm_ddp_bucket_count(const tdm_ddp *d);
  * its shard aborts the group, so every rank fails. Asking again for the current kind does
  * nothing. */
 int tdm_ddp_set_shard(tdm_ddp *d, tdm_optim *o, tdm_shard_kind kind);
+/* tdm_ddp_opts.reduce_dtype from the next backward on (TDM_F32 or TDM_BF16; between steps):
+ * every rank must set the same. Local (no collective). TDM_ERR_ARG for a NULL d or another
+ * dtype; TDM_ERR_NOMEM for the bf16 copy of the gradient. */
+int tdm_ddp_set_reduce_dtype(tdm_ddp *d, tdm_dtype dt);
 tdm_shard_kind tdm_ddp_shard(const tdm_ddp *d);
 /* The units of ZeRO stage 3 (before tdm_ddp_set_shard with TDM_SHARD_PARAMETERS): n disjoint
  * modules of the replica, in the order its forward runs them (the prefetch follows it); d
@@ -466,6 +470,12 @@ tdm_optim *tdm_dp_optim_gather(tdm_dp *dp);
  * the norm is the whole gradient's, also when the update is split into shards. 0 turns it
  * off (the default). TDM_ERR_ARG for a negative or non-finite max_norm. */
 int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm);
+/* The dtype the replicas' gradients are averaged in (tdm_ddp_opts.reduce_dtype, on every
+ * replica's DDP), between steps: TDM_BF16 halves what crosses between processes or GPUs.
+ * TDM_ERR_ARG for a NULL dp, another dtype, or TDM_BF16 where every device is a CPU device of
+ * this process and no stage 3 sharding: those average in shared memory, where nothing
+ * crosses a wire and rounding would only lose precision. TDM_ERR_NOMEM naming the device. */
+int tdm_dp_set_reduce_dtype(tdm_dp *dp, tdm_dtype dt);
 /* Replica r's module and optimizer (0 <= r < devices). When every device is a CPU device of
  * this process, replicas share memory and split the update instead: each averages the
  * gradients of its shard of the parameters and steps replica 0's optimizer there, then copies

@@ -81,6 +81,13 @@ bool tdm_strategy_state_split(const tdm_strategy *st);
  * (clip_grad_norm_; from the shards under stage 2); 0 turns it off, the default. TDM_ERR_ARG
  * for a negative or non-finite max_norm, or for a pipeline and max_norm > 0. */
 int tdm_strategy_set_clip_grad_norm(tdm_strategy *st, float max_norm);
+/* The dtype the ranks' gradients are averaged in (tdm_ddp_opts.reduce_dtype: TDM_F32, the
+ * default, or TDM_BF16, PyTorch's bf16_compress_hook), between steps: DDP's, and every
+ * DataParallel replica's across processes or GPUs (tdm_dp_set_reduce_dtype: the CPU devices
+ * of one process average in shared memory and refuse bf16, naming why). One device averages
+ * nothing: accepted. TDM_ERR_ARG for a NULL st, another dtype, a pipeline (its replicas
+ * average in f32) or the refusal above; TDM_ERR_NOMEM. */
+int tdm_strategy_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt);
 /* The learning rate of every replica's (every stage's) optimizer. NaN leaves it as it was. */
 void tdm_strategy_set_lr(tdm_strategy *st, float lr);
 

@@ -187,6 +187,28 @@ static int make_buckets(tdm_ddp *d) {
     return TDM_OK;
 }
 
+int tdm_ddp_set_reduce_dtype(tdm_ddp *d, tdm_dtype dt) {
+    if (!d) return tdm_raise(TDM_ERR_ARG, "ddp set_reduce_dtype: NULL ddp");
+    if (dt != TDM_F32 && dt != TDM_BF16)
+        return tdm_raise(TDM_ERR_ARG, "ddp: reduce_dtype %s (expected f32 or bf16)",
+                         tdm_dtype_name(dt));
+    if (dt == d->o.reduce_dtype) return TDM_OK;
+    /* ZeRO stages 2 and 3 round each bucket into a buffer of its own as it launches */
+    if (!d->shard_grad && dt == TDM_BF16) {
+        tdm_paramset *ps = d->ps;
+        d->low = tdm_tensor_alloc_owned(TDM_SHAPE(ps->total), TDM_BF16, ps->flat->device, NULL);
+        if (!d->low) return tdm_last_status();
+        for (int k = 0; k < d->n_buckets; k++)
+            d->buckets[k].low = tdm_range_view(d->low, d->buckets[k].lo, d->buckets[k].hi);
+    } else if (!d->shard_grad) {
+        tdm_tensor_free(d->low);
+        d->low = NULL;
+        for (int k = 0; k < d->n_buckets; k++) d->buckets[k].low = (tdm_tensor){0};
+    }
+    d->o.reduce_dtype = dt;
+    return TDM_OK;
+}
+
 /* ---- ZeRO stage 2: bucket buffers that live while the bucket is in flight ---------------- */
 
 /* A caller-owned view of buf ([bucket]) at element off with p's shape: a parameter's .grad

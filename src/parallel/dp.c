@@ -40,6 +40,7 @@ typedef enum {
     ROUND_FORWARD,
     ROUND_GATHER_PARAMS,
     ROUND_RELEASE_PARAMS,
+    ROUND_REDUCE_DTYPE,
 } round_task;
 
 /* Nanoseconds the caller spins for the other replicas after its own: they finish within
@@ -78,6 +79,7 @@ struct tdm_dp {
     tdm_shard_kind shard;             /* what tdm_dp_set_shard asked for */
     round_task task;                  /* what the round being run does */
     tdm_shard_kind shard_to;          /* what a ROUND_SHARD asks of every replica */
+    tdm_dtype reduce_to;              /* what a ROUND_REDUCE_DTYPE asks of every replica */
     tdm_units_fn units_of;            /* ZeRO stage 3's units of a replica, or NULL */
     tdm_optim *gathered;              /* ROUND_GATHER's result, replica 0's */
     float clip;                       /* max gradient norm before each update, or 0 */
@@ -308,6 +310,7 @@ static int replica_round(replica *r) {
     if (dp->task == ROUND_SHARD) return replica_shard(r);
     if (dp->task == ROUND_GATHER_PARAMS) return tdm_ddp_gather_params(r->ddp);
     if (dp->task == ROUND_RELEASE_PARAMS) return tdm_ddp_release_params(r->ddp);
+    if (dp->task == ROUND_REDUCE_DTYPE) return tdm_ddp_set_reduce_dtype(r->ddp, dp->reduce_to);
     tdm_optim *whole = tdm_optim_gather(r->opt); /* every replica takes part; 0's is kept */
     if (r->rank == 0)
         dp->gathered = whole;
@@ -628,6 +631,21 @@ int tdm_dp_set_shard(tdm_dp *dp, tdm_shard_kind kind) {
     if (!rc && !dp->sharded) rc = run_task(dp, ROUND_SHARD);
     if (!rc) dp->shard = kind;
     return rc;
+}
+
+int tdm_dp_set_reduce_dtype(tdm_dp *dp, tdm_dtype dt) {
+    if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel set_reduce_dtype: NULL data parallel");
+    if (dt != TDM_F32 && dt != TDM_BF16)
+        return tdm_raise(TDM_ERR_ARG, "data_parallel: reduce_dtype %s (expected f32 or bf16)",
+                         tdm_dtype_name(dt));
+    if (dp->sharded && dt != TDM_F32)
+        return tdm_raise(TDM_ERR_ARG,
+                         "data_parallel: reduce_dtype %s applies to gradients that cross between "
+                         "processes or GPUs; the CPU devices of one process average theirs in "
+                         "shared memory, in f32",
+                         tdm_dtype_name(dt));
+    dp->reduce_to = dt;
+    return run_task(dp, ROUND_REDUCE_DTYPE); /* on each replica's thread: its device's memory */
 }
 
 int tdm_dp_set_shard_units(tdm_dp *dp, tdm_units_fn units_of) {

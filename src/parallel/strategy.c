@@ -88,6 +88,14 @@ int tdm_strategy_set_clip_grad_norm(tdm_strategy *st, float max_norm) {
     return rc;
 }
 
+int tdm_strategy_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt) {
+    if (!st) return tdm_raise(TDM_ERR_ARG, "strategy set_reduce_dtype: NULL strategy");
+    if (dt != TDM_F32 && dt != TDM_BF16)
+        return tdm_raise(TDM_ERR_ARG, "strategy set_reduce_dtype: %s (expected f32 or bf16)",
+                         tdm_dtype_name(dt));
+    return st->ops->set_reduce_dtype ? st->ops->set_reduce_dtype(st, dt) : TDM_OK;
+}
+
 void tdm_strategy_set_lr(tdm_strategy *st, float lr) {
     if (st && !isnan(lr)) st->ops->set_lr(st, lr);
 }

@@ -23,6 +23,9 @@ typedef struct tdm_strategy_ops {
      * and st->state_split. Called only for a kind other than st->shard. NULL: the strategy
      * cannot shard (an error). */
     int (*set_shard)(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn units_of);
+    /* The dtype gradients are averaged in (tdm_ddp_opts.reduce_dtype), already checked to be
+     * f32 or bf16. NULL: nothing is averaged (one device), so any dtype is accepted. */
+    int (*set_reduce_dtype)(tdm_strategy *st, tdm_dtype dt);
     /* The clipping norm changed to st->clip (already checked). NULL: read st->clip per step. */
     int (*set_clip)(tdm_strategy *st);
     /* Every replica's (stage's) learning rate. Required. */

@@ -40,6 +40,10 @@ static int dp_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn unit
     return rc;
 }
 
+static int dp_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt) {
+    return tdm_dp_set_reduce_dtype(((data_parallel *)st)->dp, dt);
+}
+
 static int dp_set_clip(tdm_strategy *st) {
     return tdm_dp_set_clip_grad_norm(((data_parallel *)st)->dp, st->clip);
 }
@@ -85,6 +89,7 @@ static const tdm_strategy_ops data_parallel_ops = {
     .step = dp_step,
     .forward = dp_forward,
     .set_shard = dp_set_shard,
+    .set_reduce_dtype = dp_set_reduce_dtype,
     .set_clip = dp_set_clip,
     .set_lr = dp_set_lr,
     .replica = dp_replica,

@@ -113,10 +113,15 @@ static void ddp_destroy(tdm_strategy *st) {
     free(s);
 }
 
+static int ddp_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt) {
+    return tdm_ddp_set_reduce_dtype(((distributed *)st)->ddp, dt);
+}
+
 static const tdm_strategy_ops distributed_ops = {
     .step = ddp_step,
     .forward = ddp_forward,
     .set_shard = ddp_set_shard,
+    .set_reduce_dtype = ddp_set_reduce_dtype,
     .set_lr = ddp_set_lr,
     .replica = ddp_replica,
     .optim = ddp_optim,

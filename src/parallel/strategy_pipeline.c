@@ -89,9 +89,20 @@ static void pipe_destroy(tdm_strategy *st) {
     free(st);
 }
 
+/* A pipeline's replicas average their stages' gradients in f32 (tdm_pipe makes their groups). */
+static int pipe_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt) {
+    (void)st;
+    if (dt == TDM_F32) return TDM_OK;
+    return tdm_raise(TDM_ERR_ARG,
+                     "strategy set_reduce_dtype: a pipeline's replicas average "
+                     "their gradients in f32; %s is not supported there",
+                     tdm_dtype_name(dt));
+}
+
 static const tdm_strategy_ops pipeline_ops = {
     .step = pipe_step,
     .forward = pipe_forward,
+    .set_reduce_dtype = pipe_set_reduce_dtype,
     .set_clip = pipe_set_clip,
     .set_lr = pipe_set_lr,
     .sync_model = pipe_sync_model,

@@ -193,6 +193,42 @@ static void test_shared_gradients(void) {
     tdm_tensor_free(x);
 }
 
+/* The engine gives a gradient's memory back once the nodes holding it have run: a chain of 16
+ * tanh of a 1 MiB tensor keeps 16 forward outputs (tanh saves its output) but, walking back,
+ * about two of its gradients at a time, where keeping them to the scope's end held all 16.
+ * Between the tanh, an add of 0 passes its gradient on unchanged (two nodes hold it in turn):
+ * not given back too early, the chain's gradient stays right (ASan poisons the blocks given
+ * back; test_shared_gradients' diamond too). */
+static void test_gradients_freed(void) {
+    const int64_t n = 256 * 1024, depth = 16; /* 1 MiB of floats */
+    tdm_tensor *x = gradcheck_input(TDM_SHAPE(n), 5);
+    tdm_scope_begin();
+    tdm_tensor *y = x;
+    for (int i = 0; i < depth; i++) y = tdm_tanh(tdm_add_scalar(y, 0.0f));
+    tdm_tensor *l = tdm_sum_all(y);
+    tdm_memory_stats before = tdm_memory_stats_get(CPU);
+    tdm_memory_reset_peak(CPU);
+    CHECK(tdm_backward(l) == 0, "backward: %s", tdm_last_error());
+    tdm_memory_stats after = tdm_memory_stats_get(CPU);
+    int64_t grown = after.peak_allocated - before.allocated, mib = 4 * n;
+    CHECK(grown < 6 * mib, "backward of %lld tanh grew the memory by %.1f MiB (at most 6 expected)",
+          (long long)depth, (double)grown / mib);
+    /* d/dx of tanh composed 16 times */
+    float *xv = malloc(sizeof(float) * (size_t)n), *gv = malloc(sizeof(float) * (size_t)n);
+    tdm_to_host(x, xv, sizeof(float) * (size_t)n);
+    tdm_to_host(x->grad, gv, sizeof(float) * (size_t)n);
+    int bad = 0;
+    for (int64_t i = 0; i < n; i += 997) {
+        double v = xv[i], d = 1;
+        for (int k = 0; k < depth; k++) v = tanh(v), d *= 1 - v * v;
+        bad += fabs(gv[i] - d) > 1e-5 + 1e-4 * fabs(d);
+    }
+    CHECK(bad == 0, "%d gradients of the chain wrong", bad);
+    free(xv), free(gv);
+    tdm_scope_end();
+    tdm_tensor_free(x);
+}
+
 /* sum(linear(x) * gy) (bias_too) or sum((x @ w^T) * gy), whose backward writes the gradient of
  * w through the GEMM's inplace target (the flat buffer) and of the bias through an add. */
 static int linear_backward_of(tdm_module *m, bool bias_too, uint64_t seed) {
@@ -253,5 +289,6 @@ int main(void) {
     test_matmul_values();
     test_engine();
     test_shared_gradients();
+    test_gradients_freed();
     return check_summary();
 }

@@ -4,12 +4,13 @@
  * architecture, one flat buffer each (tdm_module_parameters, the optimizer's state), at the
  * allocator's size classes (tdm_memory_block_bytes). The loaders' buffers are exact too
  * (tdm_loader_memory). Activations are counted, not measured: every tensor a sample's forward
- * makes (model_count below), times a factor per model. The backward engine frees a step's
- * tensors only when the step's scope ends (src/autograd/engine.c), so at the end of backward
- * each forward output is alive with, for most, its gradient: about twice the forward. The
- * factors are that ratio as measured on each model with this build (--log's peak_bytes, one
- * CPU device): under 2 where ReLU passes its gradient on and the first layer needs none,
- * over 2 where batch norm keeps its normalised input or a residual sum clones a gradient.
+ * makes (model_count below), times a factor per model. The forward's tensors live until the
+ * step's scope ends; the backward engine gives each gradient back once the nodes holding it
+ * have run (src/autograd/engine.c), though a backward's temporaries and the gradients added
+ * into another stay to the end: at the peak the forward is alive with a part of its gradients.
+ * The factors are that ratio as measured on each model with this build (--log's peak_bytes,
+ * one CPU device): 1.25 for the GPT, more where batch norm keeps its normalised input or a
+ * residual sum clones a gradient.
  * Each model's row of the registry counts its own (tdm_model_cost, beside its builder in
  * src/models/), so this file knows no model. tests/test_estimate.c holds them to the measured
  * peak within 15%.

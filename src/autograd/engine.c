@@ -97,6 +97,29 @@ static tdm_tensor *grad_as(const tdm_tensor *t, tdm_tensor *g) {
     return c;
 }
 
+/* ---- gradients freed once consumed ------------------------------------------------------------
+ *
+ * A node's incoming gradient (its gout) is needed until its backward has run. Each node that
+ * holds one on a storage counts on it (grad_holders: a gradient passed on unchanged, or a view
+ * of it, is held by the next node too); when a node has run, its gout's storage loses a holder,
+ * and one that has none left and was made during the walk (no caller's tensor: not a seed, not
+ * a leaf's .grad made before it) gives its memory back to the cache at once, where the step's
+ * scope would have kept it to the end. A backward function must not keep its gy, or a
+ * gradient it passed to tdm_grad_accumulate, beyond its call. */
+static void hold(tdm_tensor *g) {
+    if (g && g->storage) g->storage->grad_holders++;
+}
+
+static void unhold(tdm_tensor *g) {
+    if (g && g->storage) g->storage->grad_holders--;
+}
+
+static void consumed(tdm_tensor *g) {
+    tdm_storage *s = g ? g->storage : NULL;
+    if (!s || --s->grad_holders > 0 || !s->walk_born || !s->data) return;
+    tdm_storage_resize(s, 0);
+}
+
 int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     if (!t || !t->requires_grad) return TDM_OK;
     if (!g) return tdm_last_status() ? tdm_last_status() : TDM_ERR_STATE;
@@ -110,13 +133,16 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
         if (!n->gout) { /* borrow: the producer of g must not modify it afterwards */
             n->gout = g;
             n->gout_owned = false;
+            hold(g);
             return TDM_OK;
         }
         if (!n->gout_owned) {
             tdm_tensor *own = tdm_clone(n->gout);
             if (!own) return tdm_last_status();
+            unhold(n->gout); /* its producer may still read it: kept to the scope's end */
             n->gout = own;
             n->gout_owned = true;
+            hold(own);
         }
         return add_into(n->gout, g);
     }
@@ -262,8 +288,12 @@ static int walk(int top, int stop, tdm_tensor **heads) {
         int start, end;
         tdm_node *n = tdm_tape_nodes(&start, &end)[i];
         if (n->gout) {
-            rc = n->backward(n, n->gout);
-            n->gout = NULL; /* the step scope frees it; a node runs once */
+            tdm_tensor *g = n->gout;
+            bool prev = tdm_alloc_set_walk(true);
+            rc = n->backward(n, g);
+            tdm_alloc_set_walk(prev);
+            n->gout = NULL; /* a node runs once */
+            if (!rc) consumed(g); /* else the step scope frees it */
         }
         for (tdm_tensor *x = heads ? heads[i - stop] : NULL; x && rc == TDM_OK;
              x = tdm_book(x)->ready_next) {
@@ -281,6 +311,7 @@ static int walk(int top, int stop, tdm_tensor **heads) {
 static void seed_node(tdm_tensor *out, tdm_tensor *seed, bool owned) {
     out->grad_fn->gout = seed;
     out->grad_fn->gout_owned = owned;
+    hold(seed);
 }
 
 /* ---- entry points: the whole tape from a loss, or part of it from a pipeline stage's output */

@@ -4,7 +4,9 @@
  * An op's forward computes its output with backend kernels, then, if tdm_needs_record says
  * so, calls tdm_record to append a node holding its inputs, saved tensors and arguments.
  * The node's backward receives the gradient of the output (same shape) and hands each
- * input's gradient to tdm_grad_accumulate.
+ * input's gradient to tdm_grad_accumulate. Neither the gradient it received nor one it handed
+ * on may be kept beyond the call: the engine gives a gradient's memory back once the nodes
+ * holding it have run (engine.c).
  */
 #ifndef TDM_TAPE_H
 #define TDM_TAPE_H
@@ -52,7 +54,8 @@ static inline bool tdm_node_wants(const tdm_node *n, int i) {
     return n->in[i] && n->in[i]->requires_grad;
 }
 /* Adds g (shape of t) into t's gradient: a leaf's .grad or its producer node's gout. May
- * keep a reference to g instead of copying, so g must stay unmodified afterwards. */
+ * keep a reference to g instead of copying, so g must stay unmodified afterwards; once that
+ * node has run, g's memory may be given back (engine.c). */
 int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g);
 /* The leaf's own gradient buffer when a backward may add into it directly (t is a leaf with
  * a contiguous .grad of its shape, e.g. a parameter's view of the flat gradient), else NULL.

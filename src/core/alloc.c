@@ -11,6 +11,25 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Under AddressSanitizer a cached CPU block is poisoned until it is handed out again, so that
+ * a read of memory given back early (the backward engine frees gradients as they are
+ * consumed) is reported, not served from a reused block. */
+#if defined(__SANITIZE_ADDRESS__)
+#define TDM_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TDM_ASAN 1
+#endif
+#endif
+#ifdef TDM_ASAN
+#include <sanitizer/asan_interface.h>
+#define POISON(s, n)   ASAN_POISON_MEMORY_REGION((s), (n))
+#define UNPOISON(s, n) ASAN_UNPOISON_MEMORY_REGION((s), (n))
+#else
+#define POISON(s, n)   ((void)(s), (void)(n))
+#define UNPOISON(s, n) ((void)(s), (void)(n))
+#endif
+
 #define N_CLASSES 256
 
 typedef struct {
@@ -21,6 +40,7 @@ typedef struct {
 } pool;
 
 static pool pools[2][TDM_MAX_DEVICES];
+static _Thread_local bool walk_tag; /* tdm_alloc_set_walk */
 static pthread_once_t pools_once = PTHREAD_ONCE_INIT;
 static atomic_ullong extra_sys_allocs;
 static tdm_hook device_memory;
@@ -97,8 +117,18 @@ tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev) {
         b->s.nbytes = rounded;
         b->s.device = dev;
     }
+    else if (dev.type == TDM_CPU)
+        UNPOISON(b->s.data, b->s.nbytes);
     atomic_init(&b->s.refcount, 1);
+    b->s.walk_born = walk_tag;
+    b->s.grad_holders = 0;
     return &b->s;
+}
+
+bool tdm_alloc_set_walk(bool on) {
+    bool prev = walk_tag;
+    walk_tag = on;
+    return prev;
 }
 
 void tdm_storage_retain(tdm_storage *s) {
@@ -107,14 +137,18 @@ void tdm_storage_retain(tdm_storage *s) {
 
 void tdm_storage_release(tdm_storage *s) {
     if (!s || atomic_fetch_sub_explicit(&s->refcount, 1, memory_order_acq_rel) != 1) return;
-    if (!s->data) { /* emptied by tdm_storage_resize: only its header is left */
-        free((cached *)s);
+    pool *p = pool_of(s->device);
+    if (!s->data) { /* emptied by tdm_storage_resize: its header is kept for the next one */
+        pthread_mutex_lock(&p->lock);
+        ((cached *)s)->next = (cached *)p->spare;
+        p->spare = s;
+        pthread_mutex_unlock(&p->lock);
         return;
     }
-    pool *p = pool_of(s->device);
     size_t rounded;
     int c = size_class(s->nbytes, &rounded);
     cached *b = (cached *)s;
+    if (s->device.type == TDM_CPU) POISON(s->data, s->nbytes);
     pthread_mutex_lock(&p->lock);
     b->next = (cached *)p->free_list[c];
     p->free_list[c] = s;
@@ -181,6 +215,7 @@ void tdm_alloc_empty_cache(tdm_device dev) {
         cached *b = (cached *)p->free_list[c];
         while (b) {
             cached *next = b->next;
+            if (dev.type == TDM_CPU) UNPOISON(b->s.data, b->s.nbytes);
             mem->free(dev, b->s.data, b->s.nbytes);
             free(b);
             b = next;

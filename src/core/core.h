@@ -54,8 +54,17 @@ struct tdm_storage {
     size_t nbytes; /* capacity of the block */
     tdm_device device;
     atomic_int refcount;
+    /* The backward engine's (engine.c): made while a node's backward ran (tdm_alloc_set_walk),
+     * and how many nodes hold a gradient on it; such a storage's memory goes back to the
+     * cache when its last holder has run. One thread's walk touches these: plain fields. */
+    bool walk_born;
+    int grad_holders;
 };
 #endif
+
+/* Storages made on this thread from now on are marked made during a backward walk (on) or
+ * not; returns the previous setting. The engine's, around each node's backward. */
+bool tdm_alloc_set_walk(bool on);
 
 /* A block of at least nbytes on dev from the device's cache (malloc only on a miss).
  * Refcount starts at 1. NULL and TDM_ERR_NOMEM on failure. */

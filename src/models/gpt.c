@@ -404,8 +404,8 @@ static int count_row(const tdm_model_info *row, const tdm_model_opts *o, tdm_mod
     m->unit_params = 12 * C * C + 13 * C;
     tdm_cost_out(m, (double)C); /* ln_f */
     m->head = g.padded_vocab;
-    m->factor = 1.95;
-    m->head_factor = 2.64;
+    m->factor = 1.25;
+    m->head_factor = 1.70;
     m->fixed = 8.0 * (double)T * (double)T; /* attention's backward: two T x T, a head at a time */
     return TDM_OK;
 }

@@ -300,7 +300,7 @@ static int count_row(const tdm_model_info *row, const tdm_model_opts *o, tdm_mod
     /* avgpool, flatten, fc */
     tdm_cost_out(m, (double)c), tdm_cost_out(m, 0), tdm_cost_linear(m, c, o->num_classes);
     m->head = (double)o->num_classes;
-    m->factor = 2.2;
+    m->factor = 1.87;
     /* each convolution's backward makes its weight gradient before adding it into the flat
      * gradient, and it too lives until the step ends: the parameters once more */
     m->fixed_per_param = 1;

@@ -120,7 +120,7 @@ static int count_cnn(const tdm_model_info *row, const tdm_model_opts *o, tdm_mod
     tdm_cost_out(c, 0), tdm_cost_linear(c, 3136, 128), tdm_cost_out(c, 128);
     tdm_cost_linear(c, 128, 10);
     c->head = 10;
-    c->factor = 1.65;
+    c->factor = 1.31;
     return TDM_OK;
 }
 
@@ -136,7 +136,7 @@ static int count_cnn_bn(const tdm_model_info *row, const tdm_model_opts *o, tdm_
     tdm_cost_out(c, 0), tdm_cost_linear(c, 1568, 256), tdm_cost_out(c, 256);
     tdm_cost_linear(c, 256, 10);
     c->head = 10;
-    c->factor = 2.45;
+    c->factor = 1.84;
     return TDM_OK;
 }
 

@@ -292,7 +292,7 @@ static int walk(int top, int stop, tdm_tensor **heads) {
             bool prev = tdm_alloc_set_walk(true);
             rc = n->backward(n, g);
             tdm_alloc_set_walk(prev);
-            n->gout = NULL; /* a node runs once */
+            n->gout = NULL;       /* a node runs once */
             if (!rc) consumed(g); /* else the step scope frees it */
         }
         for (tdm_tensor *x = heads ? heads[i - stop] : NULL; x && rc == TDM_OK;

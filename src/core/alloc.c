@@ -116,8 +116,7 @@ tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev) {
         b->s.data = data;
         b->s.nbytes = rounded;
         b->s.device = dev;
-    }
-    else if (dev.type == TDM_CPU)
+    } else if (dev.type == TDM_CPU)
         UNPOISON(b->s.data, b->s.nbytes);
     atomic_init(&b->s.refcount, 1);
     b->s.walk_born = walk_tag;

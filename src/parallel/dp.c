@@ -31,8 +31,10 @@
 #include <string.h>
 #include <time.h>
 
-/* What a round does on every replica: a training step (or accumulation), or one of the
- * optimizers' collectives (tdm_dp_set_shard, tdm_dp_optim_gather). */
+/* What a round does on every replica: a training step (or accumulation), an evaluation
+ * forward, one of the optimizers' collectives (tdm_dp_set_shard, tdm_dp_optim_gather), stage
+ * 3's gather or release, or a change of the reduce dtype (on each replica's thread, since it
+ * allocates on its device). */
 typedef enum {
     ROUND_STEP,
     ROUND_SHARD,

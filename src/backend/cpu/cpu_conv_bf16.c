@@ -137,16 +137,11 @@ static dnnl_status_t make_conv(tdm_dnnl_entry *e) {
     dnnl_primitive_desc_t fwd = NULL, pd = NULL;
     if (st == dnnl_success && q.kind != FWD) st = conv_pd(&q, engine, NULL, &fwd);
     if (st == dnnl_success) st = conv_pd(&q, engine, fwd, &pd);
-    const char *impl = st == dnnl_success ? tdm_dnnl_impl(pd) : "";
-    if (st == dnnl_unimplemented || (st == dnnl_success && tdm_dnnl_is_ref(impl))) {
-        e->fallback = true;
-        st = dnnl_success;
-    } else if (st == dnnl_success) {
-        snprintf(e->impl, sizeof e->impl, "oneDNN %s", impl);
+    st = tdm_dnnl_take(e, st, pd);
+    if (st == dnnl_success && !e->fallback) {
         dnnl_memory_desc_t plain[3], b;
         for (int i = 0; i < 3; i++) e->md[i] = *chosen(pd, q.kind, i);
         st = plain_mds(&q, plain, &b);
-        if (st == dnnl_success) st = dnnl_primitive_create(&e->prim[0], pd);
         if (st == dnnl_success) st = reorder(engine, &plain[0], &e->md[0], &e->prim[1]);
         if (st == dnnl_success) st = reorder(engine, &plain[1], &e->md[1], &e->prim[2]);
         if (st == dnnl_success) st = reorder(engine, &e->md[2], &plain[2], &e->prim[3]);

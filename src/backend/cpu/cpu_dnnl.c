@@ -117,7 +117,8 @@ dnnl_status_t tdm_dnnl_run(dnnl_primitive_t p, int n, const dnnl_exec_arg_t *arg
     return st;
 }
 
-const char *tdm_dnnl_impl(const_dnnl_primitive_desc_t pd) {
+/* The implementation's name of a primitive descriptor, or "?". */
+static const char *impl_of(const_dnnl_primitive_desc_t pd) {
     const char *impl = NULL;
     if (dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, (void *)&impl) != dnnl_success ||
         !impl)
@@ -125,7 +126,14 @@ const char *tdm_dnnl_impl(const_dnnl_primitive_desc_t pd) {
     return impl;
 }
 
-bool tdm_dnnl_is_ref(const char *impl) {
-    return strncmp(impl, "ref", 3) == 0;
+dnnl_status_t tdm_dnnl_take(tdm_dnnl_entry *e, dnnl_status_t st, const_dnnl_primitive_desc_t pd) {
+    const char *impl = st == dnnl_success ? impl_of(pd) : "";
+    if (st == dnnl_unimplemented || (st == dnnl_success && strncmp(impl, "ref", 3) == 0)) {
+        e->fallback = true;
+        return dnnl_success;
+    }
+    if (st != dnnl_success) return st;
+    snprintf(e->impl, sizeof e->impl, "oneDNN %s", impl);
+    return dnnl_primitive_create(&e->prim[0], pd);
 }
 #endif

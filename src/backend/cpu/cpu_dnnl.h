@@ -67,10 +67,11 @@ void tdm_dnnl_clear(tdm_dnnl_cache *c);
 
 /* Runs p on a stream of the engine with n arguments and waits for it. */
 dnnl_status_t tdm_dnnl_run(dnnl_primitive_t p, int n, const dnnl_exec_arg_t *args);
-/* The implementation's name of a primitive descriptor ("jit_bf16:avx512_core_bf16"), or "?";
- * whether it is one of oneDNN's reference loops, orders of magnitude slower than any other. */
-const char *tdm_dnnl_impl(const_dnnl_primitive_desc_t pd);
-bool tdm_dnnl_is_ref(const char *impl);
+/* An entry's primitive from pd, made with status st: e->fallback where oneDNN has no kernel
+ * (st unimplemented) or only its reference loops (orders of magnitude slower than any other),
+ * else e->prim[0] and e->impl ("oneDNN jit_bf16:avx512_core_bf16"). Returns dnnl_success
+ * then, or st / the failure to make the primitive. */
+dnnl_status_t tdm_dnnl_take(tdm_dnnl_entry *e, dnnl_status_t st, const_dnnl_primitive_desc_t pd);
 #endif
 
 #endif

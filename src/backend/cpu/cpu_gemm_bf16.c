@@ -133,14 +133,7 @@ static dnnl_status_t make_gemm(tdm_dnnl_entry *e) {
         if (st == dnnl_success) st = dnnl_primitive_attr_set_post_ops(attr, po);
     }
     if (st == dnnl_success) st = dnnl_primitive_desc_create(&pd, &desc, attr, engine, NULL);
-    const char *impl = st == dnnl_success ? tdm_dnnl_impl(pd) : "";
-    if (st == dnnl_unimplemented || (st == dnnl_success && tdm_dnnl_is_ref(impl))) {
-        e->fallback = true;
-        st = dnnl_success;
-    } else if (st == dnnl_success) {
-        snprintf(e->impl, sizeof e->impl, "oneDNN %s", impl);
-        st = dnnl_primitive_create(&e->prim[0], pd);
-    }
+    st = tdm_dnnl_take(e, st, pd);
     if (pd) dnnl_primitive_desc_destroy(pd);
     if (po) dnnl_post_ops_destroy(po);
     if (attr) dnnl_primitive_attr_destroy(attr);

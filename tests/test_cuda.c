@@ -828,6 +828,7 @@ static void case_gpt(run *r) {
     {"sync batch_norm kernels in " tag, case_sync_batch_norm, {1e-4, 1e-5}, {1e-4, 1e-4}, dt},    \
     {"layer_norm, layer_norm_backward in " tag, case_layer_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, dt}, \
     {"dropout in " tag, case_dropout, EXACT, EXACT, dt},                                          \
+    {"conv2d, conv2d_backward in " tag, case_conv2d, {1e-4, 1e-4}, {1e-4, 1e-4}, dt},             \
     {"attention, attention_backward in " tag, case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}, dt},    \
     {"cross_entropy, cross_entropy_backward in " tag, case_cross_entropy, {1e-6, 1e-5},           \
      {1e-6, 1e-5}, dt},

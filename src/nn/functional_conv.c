@@ -106,9 +106,7 @@ tdm_tensor *tdm_conv2d(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, const tdm_co
     if (!x || !w) return tdm_null_arg("conv2d", x ? "weight" : "input");
     tdm_tensor *in0[3] = {x, w, b};
     TDM_AUTOCAST_SCOPED(3, in0, tdm_conv2d(x, w, b, o));
-    /* on the lower-precision list, but the CUDA backend's convolution is f32 only (cuda.h):
-     * there it runs in f32 until it has a bf16 one (docs/MIXED_PRECISION.md) */
-    tdm_autocast_list l = x->device.type == TDM_CUDA ? TDM_AC_F32_CUDA : TDM_AC_LOW;
+    tdm_autocast_list l = TDM_AC_LOW; /* PyTorch's lower-precision list, on both devices */
     if (!(x = tdm_autocast_arg(x, l)) || !(w = tdm_autocast_arg(w, l))) return NULL;
     if (b && !(b = tdm_autocast_arg(b, l))) return NULL;
     tdm_conv2d_args a = conv_args(o);

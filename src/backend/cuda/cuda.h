@@ -15,8 +15,9 @@
  * in f32 and rounding each output once (cuda_common.cuh, cu_ld/cu_to); one dtype per call for
  * the data operands, except binary (any mix, into the caller's y), axpy and index_add (a low
  * gradient into an f32 one) and matmul (bf16 or f16 products into f32 too, cublasGemmEx with
- * fp32 compute). Weights, biases, statistics, lse and losses stay f32. conv2d, bce_logits and
- * the optimizers are f32 only and refuse the rest with TDM_ERR_DTYPE naming it. */
+ * fp32 compute). Weights, biases, statistics, lse and losses stay f32 (conv2d's take the
+ * call's one dtype: autocast casts its bias too). bce_logits and the optimizers are f32 only
+ * and refuse the rest with TDM_ERR_DTYPE naming it. */
 #ifndef TDM_CUDA_H
 #define TDM_CUDA_H
 

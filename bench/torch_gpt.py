@@ -155,9 +155,10 @@ for step, (x, y) in enumerate(batches):
     lines.append("%d %.9g %.4f\n" % (step, lv, ms))
 with open(os.path.join(args.dir, "torch.txt"), "w") as f:
     f.writelines(lines)
-ms = sorted(float(s.split()[2]) for s in (lines[5:] or lines))  # steps 5 on, or all of a short run
-print("torch %s on %s, %d thread(s), autocast %s, OPENBLAS_CORETYPE=%s: %d steps, median %.2f ms/step (steps 5-%d), "
+first = 5 if len(lines) > 5 else 0  # the warm-up steps left out, but for a short run
+ms = sorted(float(s.split()[2]) for s in lines[first:])
+print("torch %s on %s, %d thread(s), autocast %s, OPENBLAS_CORETYPE=%s: %d steps, median %.2f ms/step (steps %d-%d), "
       "loss %s -> %s" % (torch.__version__, args.device, args.threads, args.autocast,
                          os.environ.get("OPENBLAS_CORETYPE"),
-                         args.steps, ms[len(ms) // 2], args.steps - 1, lines[0].split()[1],
+                         args.steps, ms[len(ms) // 2], first, args.steps - 1, lines[0].split()[1],
                          lines[-1].split()[1]))

@@ -217,13 +217,24 @@ static int bf16_rank(tdm_rank_ctx *ctx, void *arg) {
     return rc;
 }
 
-/* tdm_ddp_new's error for reduce_dtype f16, into arg (char [256]). */
+/* tdm_ddp_new's errors for reduce_dtype f16 and for param_dtype f16, into arg (char [2][256]),
+ * and tdm_ddp_set_reduce_dtype's for i64 into the third. */
 static int f16_rank(tdm_rank_ctx *ctx, void *arg) {
+    char(*msg)[256] = arg;
     tdm_module *m = make_mlp(1, HID);
-    tdm_ddp_opts o = tdm_ddp_defaults();
-    o.reduce_dtype = TDM_F16;
-    tdm_ddp *d = tdm_ddp_new(m, ctx->group, &o);
-    snprintf(arg, 256, "%s", d ? "accepted" : tdm_last_error());
+    for (int k = 0; k < 2; k++) {
+        tdm_ddp_opts o = tdm_ddp_defaults();
+        if (k)
+            o.param_dtype = TDM_F16;
+        else
+            o.reduce_dtype = TDM_F16;
+        tdm_ddp *d = tdm_ddp_new(m, ctx->group, &o);
+        snprintf(msg[k], 256, "%s", d ? "accepted" : tdm_last_error());
+        tdm_ddp_free(d);
+    }
+    tdm_ddp *d = tdm_ddp_new(m, ctx->group, NULL);
+    int rc = d ? tdm_ddp_set_reduce_dtype(d, TDM_I64) : -1;
+    snprintf(msg[2], 256, "%s", rc ? tdm_last_error() : "accepted");
     tdm_ddp_free(d);
     tdm_module_free(m);
     return 0;
@@ -276,9 +287,11 @@ static void test_ddp_reduce_bf16(void) {
             for (int r = 0; r < n; r++)
                 free(c.local[r]), free(c.reduced[r]), free(c.stage2[r]), free(c.stage3[r]);
         }
-    char msg[256] = "";
+    char msg[3][256] = {"", "", ""};
     CHECK(tdm_spawn(1, devs, f16_rank, msg) == TDM_OK, "spawn: %s", tdm_last_error());
-    CHECK(strstr(msg, "ddp: reduce_dtype f16 (expected f32 or bf16)"), "f16: %s", msg);
+    CHECK(strstr(msg[0], "ddp: reduce_dtype f16 (expected f32 or bf16)"), "f16: %s", msg[0]);
+    CHECK(strstr(msg[1], "ddp: param_dtype f16 (expected f32 or bf16)"), "param f16: %s", msg[1]);
+    CHECK(strstr(msg[2], "ddp: reduce_dtype i64 (expected f32 or bf16)"), "set i64: %s", msg[2]);
 }
 
 /* ---- DDP errors --------------------------------------------------------------------------- */

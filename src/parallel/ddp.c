@@ -426,9 +426,11 @@ tdm_ddp *tdm_ddp_new(tdm_module *replica, tdm_group *g, const tdm_ddp_opts *o) {
         return tdm_raise_null(TDM_ERR_ARG, "ddp: reduce_dtype %s (expected f32 or bf16)",
                               tdm_dtype_name(rd));
     }
-    if (tdm_zero3_set_param_dtype(NULL, d->o.param_dtype)) {
+    if (d->o.param_dtype != TDM_F32 && d->o.param_dtype != TDM_BF16) {
+        tdm_dtype pd = d->o.param_dtype;
         free(d);
-        return tdm_raise_null(TDM_ERR_ARG, "%s", tdm_last_error());
+        return tdm_raise_null(TDM_ERR_ARG, "ddp: param_dtype %s (expected f32 or bf16)",
+                              tdm_dtype_name(pd));
     }
     d->ps = tdm_module_parameters(replica);
     d->bs = d->ps ? tdm_module_buffers(replica) : NULL;

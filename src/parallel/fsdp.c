@@ -422,7 +422,7 @@ int tdm_zero3_set_param_dtype(tdm_zero3 *f, tdm_dtype dt) {
     if (dt != TDM_F32 && dt != TDM_BF16)
         return tdm_raise(TDM_ERR_DTYPE, "ddp: param_dtype %s (expected f32 or bf16)",
                          tdm_dtype_name(dt));
-    if (f) f->param_dtype = dt;
+    f->param_dtype = dt;
     return TDM_OK;
 }
 

@@ -32,7 +32,7 @@ int tdm_zero3_reshard(tdm_zero3 *f);
 int tdm_zero3_unit_count(const tdm_zero3 *f);
 /* The dtype the forward and backward gathers move the parameters in: TDM_F32 (the default),
  * or TDM_BF16 (rounded, as FSDP2's param_dtype; fsdp.c). Between steps. TDM_ERR_DTYPE for
- * another dtype (f NULL: only checks dt). */
+ * another dtype. */
 int tdm_zero3_set_param_dtype(tdm_zero3 *f, tdm_dtype dt);
 /* Removes the hooks; the parameters stay where they are (whole when summoned). */
 void tdm_zero3_free(tdm_zero3 *f);

@@ -9,11 +9,11 @@
  * pixel adds the columns that read it in a fixed order. A 1x1, stride-1, unpadded
  * convolution skips im2col: the image is its own col.
  *
- * bf16 and f16 (autocast's convolutions): x, w, b, y and their gradients in the one dtype;
- * col holds it too, so the products run on the tensor cores (cublasGemmStridedBatchedEx, f32
- * accumulation) into f32 scratch: y gets its bias and is rounded once, the weight gradient
- * sums its images and chunks in f32 and is rounded once, the input gradient is gathered from
- * f32 columns and rounded once, as the f32 kernels on the same values. */
+ * One code for f32, bf16 and f16 (autocast's convolutions), x, w, b, y and their gradients in
+ * one dtype: col holds it too, and the products (cublasGemmStridedBatchedEx, f32 accumulation;
+ * bf16 and f16 on the tensor cores) go into f32, which for f32 is the output itself and for
+ * the low dtypes scratch, rounded once after: y with its bias, the weight gradient summed over
+ * images and chunks, the input gradient gathered from its columns. */
 #include "backend/cuda/cuda_common.cuh"
 /* after cuda_common.cuh, which includes the C headers for nvcc */
 #include "backend/conv_geom.h"
@@ -65,10 +65,6 @@ __global__ void col2im_kernel(T *gx, const float *col, conv_geom g, int64_t n0, 
     }
 }
 
-__global__ void add_bias_kernel(float *y, const float *b, int64_t cout, int64_t p, int64_t n) {
-    CU_LOOP(e, n) y[e] += b[(e / p) % cout];
-}
-
 /* Images per chunk so that col stays within the budget (at least one). */
 static int64_t chunk_images(const conv_geom *g) {
     size_t per = (size_t)g->k * (size_t)g->p * sizeof(float);
@@ -92,25 +88,12 @@ static int check_conv(const char *op, const tdm_tensor *x, const tdm_tensor *w,
     return TDM_OK;
 }
 
-/* One strided-batched GEMM, named for errors. */
-static int gemm(cu_device *d, int index, cublasOperation_t ta, cublasOperation_t tb, int64_t m,
-                int64_t n, int64_t k, const float *a, int64_t lda, int64_t sa, const float *b,
-                int64_t ldb, int64_t sb, float *c, int64_t ldc, int64_t sc, int64_t batch,
-                const char *what) {
-    const float one = 1.0f, zero = 0.0f;
-    return cu_check_blas(cublasSgemmStridedBatched(d->blas, ta, tb, (int)m, (int)n, (int)k, &one, a,
-                                                   (int)lda, sa, b, (int)ldb, sb, &zero, c,
-                                                   (int)ldc, sc, (int)batch),
-                         what, index);
-}
-
-/* ---- bf16 and f16 ---------------------------------------------------------------------- */
-
-/* One strided-batched GEMM with operands of dtype t and an f32 product (f32 accumulation). */
-static int gemm_low(cu_device *d, int index, cudaDataType t, cublasOperation_t ta,
-                    cublasOperation_t tb, int64_t m, int64_t n, int64_t k, const void *a,
-                    int64_t lda, int64_t sa, const void *b, int64_t ldb, int64_t sb, float *c,
-                    int64_t ldc, int64_t sc, int64_t batch, const char *what) {
+/* One strided-batched GEMM of operands of dtype t into an f32 product (f32 accumulation; f32
+ * operands run cuBLAS's FP32 kernels, without TF32), named for errors. */
+static int gemm(cu_device *d, int index, cudaDataType t, cublasOperation_t ta, cublasOperation_t tb,
+                int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, int64_t sa,
+                const void *b, int64_t ldb, int64_t sb, float *c, int64_t ldc, int64_t sc,
+                int64_t batch, const char *what) {
     const float one = 1.0f, zero = 0.0f;
     return cu_check_blas(cublasGemmStridedBatchedEx(d->blas, ta, tb, (int)m, (int)n, (int)k, &one,
                                                     a, t, (int)lda, sa, b, t, (int)ldb, sb, &zero,
@@ -119,39 +102,48 @@ static int gemm_low(cu_device *d, int index, cudaDataType t, cublasOperation_t t
                          what, index);
 }
 
-/* y [n] = yf (+ b of its channel), rounded once. */
+/* y [n] = yf (+ b of its channel), rounded once; yf may be y itself (f32). */
 template <typename T>
 __global__ void bias_out_kernel(T *y, const float *yf, const T *b, int64_t cout, int64_t p,
                                 int64_t n) {
     CU_LOOP(e, n) y[e] = cu_to<T>(yf[e] + (b ? cu_ld(b[(e / p) % cout]) : 0.0f));
 }
 
+/* An f32 buffer that is the tensor's own memory for f32, else none (the caller's scratch). */
+template <typename T> static float *as_f32(const tdm_tensor *t, int64_t off) {
+    return t && t->dtype == TDM_F32 ? (float *)(void *)cu_p<T>(t) + off : NULL;
+}
+
+/* y = conv(x, w) + b in T: the products into y itself (f32) or f32 scratch, the bias added and
+ * the result rounded in one pass after them. */
 template <typename T>
-static int conv_low(cu_device *d, int index, const conv_geom &g, tdm_tensor *y, const tdm_tensor *x,
-                    const tdm_tensor *w, const tdm_tensor *b, cudaDataType t) {
-    bool pw = tdm_conv_is_pointwise(&g);
+static int conv_fwd(cu_device *d, int index, cudaDataType t, const conv_geom &g, tdm_tensor *y,
+                    const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b) {
+    bool pw = tdm_conv_is_pointwise(&g), f32 = y->dtype == TDM_F32;
     int64_t nbmax = chunk_images(&g);
     tdm_storage *hc = NULL, *hy = NULL;
     T *col = pw ? NULL : (T *)cu_scratch(index, (size_t)(nbmax * g.k * g.p) * sizeof(T), &hc);
-    float *yf = (float *)cu_scratch(index, (size_t)(nbmax * g.cout * g.p) * 4, &hy);
-    int rc = (!pw && !col) || !yf ? tdm_last_status() : TDM_OK;
+    float *yf = f32 ? NULL : (float *)cu_scratch(index, (size_t)(nbmax * g.cout * g.p) * 4, &hy);
+    int rc = (!pw && !col) || (!f32 && !yf) ? tdm_last_status() : TDM_OK;
     for (int64_t n0 = 0; n0 < g.n && !rc; n0 += nbmax) {
         int64_t nb = g.n - n0 < nbmax ? g.n - n0 : nbmax;
         const T *src = pw ? cu_p<T>(x) + n0 * g.k * g.p : col;
+        float *out = f32 ? as_f32<T>(y, n0 * g.cout * g.p) : yf;
         if (!pw) {
             im2col_kernel<<<cu_blocks(nb * g.k * g.p), CU_THREADS, 0, d->compute>>>(col, cu_p<T>(x),
                                                                                     g, n0, nb);
             if ((rc = cu_check_launch("conv2d im2col", index))) break;
         }
+        /* y_n,g [cout_g, P] = w_g [cout_g, K_g] @ col_n,g [K_g, P] */
         for (int64_t gi = 0; gi < g.groups && !rc; gi++)
-            rc = gemm_low(d, index, t, CUBLAS_OP_N, CUBLAS_OP_N, g.p, g.cout_g, g.k_g,
-                          src + gi * g.k_g * g.p, g.p, g.k * g.p,
-                          cu_p<T>(w) + gi * g.cout_g * g.k_g, g.k_g, 0, yf + gi * g.cout_g * g.p,
-                          g.p, g.cout * g.p, nb, "conv2d (cublasGemmStridedBatchedEx)");
-        if (rc) break;
+            rc = gemm(d, index, t, CUBLAS_OP_N, CUBLAS_OP_N, g.p, g.cout_g, g.k_g,
+                      src + gi * g.k_g * g.p, g.p, g.k * g.p, cu_p<T>(w) + gi * g.cout_g * g.k_g,
+                      g.k_g, 0, out + gi * g.cout_g * g.p, g.p, g.cout * g.p, nb,
+                      "conv2d (cublasGemmStridedBatchedEx)");
+        if (rc || (f32 && !b)) continue;
         int64_t len = nb * g.cout * g.p;
         bias_out_kernel<T><<<cu_blocks(len), CU_THREADS, 0, d->compute>>>(
-            cu_p<T>(y) + n0 * g.cout * g.p, yf, b ? cu_p<T>(b) : NULL, g.cout, g.p, len);
+            cu_p<T>(y) + n0 * g.cout * g.p, out, b ? cu_p<T>(b) : NULL, g.cout, g.p, len);
         rc = cu_check_launch("conv2d bias", index);
     }
     if (hc) tdm_storage_release(hc);
@@ -163,46 +155,15 @@ extern "C" int tdm_cuda_conv2d(tdm_tensor *y, const tdm_tensor *x, const tdm_ten
                                const tdm_tensor *b, const tdm_conv2d_args *args) {
     conv_geom g = tdm_conv_geom(x, w, y->shape[2], y->shape[3], args);
     if (check_conv("conv2d", x, w, &g)) return tdm_last_status();
+    if (cu_check_float("conv2d", true, {x, y, b})) return tdm_last_status();
     cu_device *d = cu_dev_of(x, "conv2d");
     if (!d) return tdm_last_status();
     int index = x->device.index;
     if (g.n == 0 || g.cout == 0 || g.p == 0) return TDM_OK;
     if (g.k_g == 0) return tdm_cuda_fill(y, 0.0);
-    if (x->dtype != TDM_F32) {
-        if (y->dtype != x->dtype || (b && b->dtype != x->dtype))
-            return tdm_raise(TDM_ERR_DTYPE, "cuda conv2d: y %s and b %s for x %s: one dtype",
-                             tdm_dtype_name(y->dtype), b ? tdm_dtype_name(b->dtype) : "none",
-                             tdm_dtype_name(x->dtype));
-        return x->dtype == TDM_BF16 ? conv_low<__nv_bfloat16>(d, index, g, y, x, w, b, CUDA_R_16BF)
-                                    : conv_low<__half>(d, index, g, y, x, w, b, CUDA_R_16F);
-    }
-    bool pw = tdm_conv_is_pointwise(&g);
-    int64_t nbmax = chunk_images(&g);
-    tdm_storage *hold = NULL;
-    float *col = pw ? NULL : (float *)cu_scratch(index, (size_t)(nbmax * g.k * g.p) * 4, &hold);
-    if (!pw && !col) return tdm_last_status();
-    int rc = TDM_OK;
-    for (int64_t n0 = 0; n0 < g.n && !rc; n0 += nbmax) {
-        int64_t nb = g.n - n0 < nbmax ? g.n - n0 : nbmax;
-        const float *src = pw ? cu_f(x) + n0 * g.k * g.p : col;
-        if (!pw) {
-            im2col_kernel<<<cu_blocks(nb * g.k * g.p), CU_THREADS, 0, d->compute>>>(col, cu_f(x), g,
-                                                                                    n0, nb);
-            if ((rc = cu_check_launch("conv2d im2col", index))) break;
-        }
-        /* y_n,g [cout_g, P] = w_g [cout_g, K_g] @ col_n,g [K_g, P] */
-        for (int64_t gi = 0; gi < g.groups && !rc; gi++)
-            rc = gemm(d, index, CUBLAS_OP_N, CUBLAS_OP_N, g.p, g.cout_g, g.k_g,
-                      src + gi * g.k_g * g.p, g.p, g.k * g.p, cu_f(w) + gi * g.cout_g * g.k_g,
-                      g.k_g, 0, cu_f(y) + n0 * g.cout * g.p + gi * g.cout_g * g.p, g.p,
-                      g.cout * g.p, nb, "conv2d (cublasSgemmStridedBatched)");
-    }
-    if (hold) tdm_storage_release(hold);
-    if (rc || !b) return rc;
-    int64_t total = g.n * g.cout * g.p;
-    add_bias_kernel<<<cu_blocks(total), CU_THREADS, 0, d->compute>>>(cu_f(y), cu_f(b), g.cout, g.p,
-                                                                     total);
-    return cu_check_launch("conv2d bias", index);
+    return x->dtype == TDM_BF16  ? conv_fwd<__nv_bfloat16>(d, index, CUDA_R_16BF, g, y, x, w, b)
+           : x->dtype == TDM_F16 ? conv_fwd<__half>(d, index, CUDA_R_16F, g, y, x, w, b)
+                                 : conv_fwd<float>(d, index, CUDA_R_32F, g, y, x, w, b);
 }
 
 /* gb[co] = sum over images and pixels of gy: one block per output channel. */
@@ -217,6 +178,13 @@ __global__ void bias_grad_kernel(T *gb, const T *gy, int64_t cout, int64_t p, in
     if (threadIdx.x == 0) gb[co] = cu_to<T>((float)s);
 }
 
+template <typename T>
+static void bias_grad_launch(cu_device *d, const conv_geom &g, tdm_tensor *gb,
+                             const tdm_tensor *gy) {
+    bias_grad_kernel<T><<<(unsigned)g.cout, cu_row_threads(g.n * g.p), 0, d->compute>>>(
+        cu_p<T>(gb), cu_p<T>(gy), g.cout, g.p, g.n);
+}
+
 /* gw [len] (+)= sum over nb per-image partials tmp [nb, len], images in order. */
 __global__ void sum_images_kernel(float *gw, const float *tmp, int64_t nb, int64_t len,
                                   bool accumulate) {
@@ -227,88 +195,56 @@ __global__ void sum_images_kernel(float *gw, const float *tmp, int64_t nb, int64
     }
 }
 
+/* Scratch of the backward: col (the im2col columns, in T), colf (the input gradient's columns,
+ * f32: col itself for f32), tmp (per-image weight gradients) and gwf (the weight gradient
+ * summed over chunks, f32: gw itself for f32). */
+template <typename T> struct bwd_bufs {
+    T *col;
+    float *colf, *tmp, *gwf;
+};
+
 /* The weight and input gradients of images [n0, n0 + nb). */
-static int conv_bwd_chunk(cu_device *d, int index, const conv_geom *g, int64_t n0, int64_t nb,
-                          tdm_tensor *gx, tdm_tensor *gw, const tdm_tensor *gy, const tdm_tensor *x,
-                          const tdm_tensor *w, float *col, float *tmp) {
-    bool pw = tdm_conv_is_pointwise(g);
-    const float *dy = cu_f(gy) + n0 * g->cout * g->p;
-    if (gw) {
-        const float *src = pw ? cu_f(x) + n0 * g->k * g->p : col;
+template <typename T>
+static int conv_bwd_chunk(cu_device *d, int index, cudaDataType t, const conv_geom *g, int64_t n0,
+                          int64_t nb, tdm_tensor *gx, bool want_gw, const tdm_tensor *gy,
+                          const tdm_tensor *x, const tdm_tensor *w, bwd_bufs<T> s) {
+    bool pw = tdm_conv_is_pointwise(g), f32 = gy->dtype == TDM_F32;
+    const T *dy = cu_p<T>(gy) + n0 * g->cout * g->p;
+    if (want_gw) {
+        const T *src = pw ? cu_p<T>(x) + n0 * g->k * g->p : s.col;
         if (!pw) {
-            im2col_kernel<<<cu_blocks(nb * g->k * g->p), CU_THREADS, 0, d->compute>>>(col, cu_f(x),
-                                                                                      *g, n0, nb);
+            im2col_kernel<<<cu_blocks(nb * g->k * g->p), CU_THREADS, 0, d->compute>>>(
+                s.col, cu_p<T>(x), *g, n0, nb);
             if (cu_check_launch("conv2d_backward im2col", index)) return tdm_last_status();
         }
         /* tmp_n [cout_g, K_g] (group gi's rows) = dy_n,g [cout_g, P] @ col_n,g^T [P, K_g] */
         for (int64_t gi = 0; gi < g->groups; gi++)
-            if (gemm(d, index, CUBLAS_OP_T, CUBLAS_OP_N, g->k_g, g->cout_g, g->p,
+            if (gemm(d, index, t, CUBLAS_OP_T, CUBLAS_OP_N, g->k_g, g->cout_g, g->p,
                      src + gi * g->k_g * g->p, g->p, g->k * g->p, dy + gi * g->cout_g * g->p, g->p,
-                     g->cout * g->p, tmp + gi * g->cout_g * g->k_g, g->k_g, g->cout * g->k_g, nb,
+                     g->cout * g->p, s.tmp + gi * g->cout_g * g->k_g, g->k_g, g->cout * g->k_g, nb,
                      "conv2d_backward weights"))
                 return tdm_last_status();
         int64_t len = g->cout * g->k_g;
-        sum_images_kernel<<<cu_blocks(len), CU_THREADS, 0, d->compute>>>(cu_f(gw), tmp, nb, len,
+        sum_images_kernel<<<cu_blocks(len), CU_THREADS, 0, d->compute>>>(s.gwf, s.tmp, nb, len,
                                                                          n0 > 0);
         if (cu_check_launch("conv2d_backward weight sum", index)) return tdm_last_status();
     }
     if (gx) {
-        /* col_n,g [K_g, P] = w_g^T [K_g, cout_g] @ dy_n,g [cout_g, P]; pointwise: into gx */
-        float *dst = pw ? cu_f(gx) + n0 * g->k * g->p : col;
+        /* col_n,g [K_g, P] = w_g^T [K_g, cout_g] @ dy_n,g [cout_g, P]; pointwise: gx's images
+         * (f32: into gx itself) */
+        float *dst = pw && f32 ? as_f32<T>(gx, n0 * g->k * g->p) : s.colf;
         for (int64_t gi = 0; gi < g->groups; gi++)
-            if (gemm(d, index, CUBLAS_OP_N, CUBLAS_OP_T, g->p, g->k_g, g->cout_g,
+            if (gemm(d, index, t, CUBLAS_OP_N, CUBLAS_OP_T, g->p, g->k_g, g->cout_g,
                      dy + gi * g->cout_g * g->p, g->p, g->cout * g->p,
-                     cu_f(w) + gi * g->cout_g * g->k_g, g->k_g, 0, dst + gi * g->k_g * g->p, g->p,
-                     g->k * g->p, nb, "conv2d_backward input"))
-                return tdm_last_status();
-        if (!pw) {
-            col2im_kernel<<<cu_blocks(nb * g->cin * g->h * g->w), CU_THREADS, 0, d->compute>>>(
-                cu_f(gx), col, *g, n0, nb);
-            if (cu_check_launch("conv2d_backward col2im", index)) return tdm_last_status();
-        }
-    }
-    return TDM_OK;
-}
-
-/* The low-precision backward of images [n0, n0 + nb): gwf (f32, summed over chunks) and gx. */
-template <typename T>
-static int conv_bwd_low_chunk(cu_device *d, int index, cudaDataType t, const conv_geom *g,
-                              int64_t n0, int64_t nb, tdm_tensor *gx, float *gwf,
-                              const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *w,
-                              T *col, float *colf, float *tmp) {
-    bool pw = tdm_conv_is_pointwise(g);
-    const T *dy = cu_p<T>(gy) + n0 * g->cout * g->p;
-    if (gwf) {
-        const T *src = pw ? cu_p<T>(x) + n0 * g->k * g->p : col;
-        if (!pw) {
-            im2col_kernel<<<cu_blocks(nb * g->k * g->p), CU_THREADS, 0, d->compute>>>(
-                col, cu_p<T>(x), *g, n0, nb);
-            if (cu_check_launch("conv2d_backward im2col", index)) return tdm_last_status();
-        }
-        for (int64_t gi = 0; gi < g->groups; gi++)
-            if (gemm_low(d, index, t, CUBLAS_OP_T, CUBLAS_OP_N, g->k_g, g->cout_g, g->p,
-                         src + gi * g->k_g * g->p, g->p, g->k * g->p, dy + gi * g->cout_g * g->p,
-                         g->p, g->cout * g->p, tmp + gi * g->cout_g * g->k_g, g->k_g,
-                         g->cout * g->k_g, nb, "conv2d_backward weights"))
-                return tdm_last_status();
-        int64_t len = g->cout * g->k_g;
-        sum_images_kernel<<<cu_blocks(len), CU_THREADS, 0, d->compute>>>(gwf, tmp, nb, len, n0 > 0);
-        if (cu_check_launch("conv2d_backward weight sum", index)) return tdm_last_status();
-    }
-    if (gx) {
-        /* colf_n,g [K_g, P] = w_g^T @ dy_n,g, in f32; pointwise: gx's images themselves */
-        for (int64_t gi = 0; gi < g->groups; gi++)
-            if (gemm_low(d, index, t, CUBLAS_OP_N, CUBLAS_OP_T, g->p, g->k_g, g->cout_g,
-                         dy + gi * g->cout_g * g->p, g->p, g->cout * g->p,
-                         cu_p<T>(w) + gi * g->cout_g * g->k_g, g->k_g, 0, colf + gi * g->k_g * g->p,
-                         g->p, g->k * g->p, nb, "conv2d_backward input"))
+                     cu_p<T>(w) + gi * g->cout_g * g->k_g, g->k_g, 0, dst + gi * g->k_g * g->p,
+                     g->p, g->k * g->p, nb, "conv2d_backward input"))
                 return tdm_last_status();
         int64_t len = nb * g->cin * g->h * g->w;
-        if (pw)
+        if (pw && !f32)
             cu_narrow_kernel<T><<<cu_blocks(len), CU_THREADS, 0, d->compute>>>(
-                cu_p<T>(gx) + n0 * g->k * g->p, colf, len);
-        else
-            col2im_kernel<<<cu_blocks(len), CU_THREADS, 0, d->compute>>>(cu_p<T>(gx), colf, *g, n0,
+                cu_p<T>(gx) + n0 * g->k * g->p, dst, len);
+        else if (!pw)
+            col2im_kernel<<<cu_blocks(len), CU_THREADS, 0, d->compute>>>(cu_p<T>(gx), dst, *g, n0,
                                                                          nb);
         if (cu_check_launch("conv2d_backward col2im", index)) return tdm_last_status();
     }
@@ -316,25 +252,30 @@ static int conv_bwd_low_chunk(cu_device *d, int index, cudaDataType t, const con
 }
 
 template <typename T>
-static int conv_bwd_low(cu_device *d, int index, cudaDataType t, const conv_geom &g, tdm_tensor *gx,
-                        tdm_tensor *gw, const tdm_tensor *gy, const tdm_tensor *x,
-                        const tdm_tensor *w) {
-    int64_t nbmax = chunk_images(&g), lw = g.cout * g.k_g;
-    bool pw = tdm_conv_is_pointwise(&g);
+static int conv_bwd(cu_device *d, int index, cudaDataType t, const conv_geom &g, tdm_tensor *gx,
+                    tdm_tensor *gw, const tdm_tensor *gy, const tdm_tensor *x,
+                    const tdm_tensor *w) {
+    int64_t nbmax = chunk_images(&g), lw = g.cout * g.k_g, cols = nbmax * g.k * g.p;
+    bool pw = tdm_conv_is_pointwise(&g), f32 = gy->dtype == TDM_F32;
     tdm_storage *h[4] = {NULL, NULL, NULL, NULL};
-    T *col =
-        !pw && gw ? (T *)cu_scratch(index, (size_t)(nbmax * g.k * g.p) * sizeof(T), &h[0]) : NULL;
-    float *colf = gx ? (float *)cu_scratch(index, (size_t)(nbmax * g.k * g.p) * 4, &h[1]) : NULL;
-    float *tmp = gw ? (float *)cu_scratch(index, (size_t)(nbmax * lw) * 4, &h[2]) : NULL;
-    float *gwf = gw ? (float *)cu_scratch(index, (size_t)lw * 4, &h[3]) : NULL;
-    int rc =
-        (!pw && gw && !col) || (gx && !colf) || (gw && (!tmp || !gwf)) ? tdm_last_status() : TDM_OK;
+    bwd_bufs<T> s = {NULL, NULL, NULL, as_f32<T>(gw, 0)};
+    bool need_col = !pw && (gw || (gx && f32)); /* f32: the input gradient's columns too */
+    if (need_col) s.col = (T *)cu_scratch(index, (size_t)cols * sizeof(T), &h[0]);
+    if (gx && !f32)
+        s.colf = (float *)cu_scratch(index, (size_t)cols * 4, &h[1]);
+    else if (gx && !pw)
+        s.colf = (float *)(void *)s.col;
+    if (gw) s.tmp = (float *)cu_scratch(index, (size_t)(nbmax * lw) * 4, &h[2]);
+    if (gw && !f32) s.gwf = (float *)cu_scratch(index, (size_t)lw * 4, &h[3]);
+    int rc = (need_col && !s.col) || (gx && !f32 && !s.colf) || (gw && (!s.tmp || !s.gwf))
+                 ? tdm_last_status()
+                 : TDM_OK;
     for (int64_t n0 = 0; n0 < g.n && !rc; n0 += nbmax) {
         int64_t nb = g.n - n0 < nbmax ? g.n - n0 : nbmax;
-        rc = conv_bwd_low_chunk<T>(d, index, t, &g, n0, nb, gx, gwf, gy, x, w, col, colf, tmp);
+        rc = conv_bwd_chunk<T>(d, index, t, &g, n0, nb, gx, gw != NULL, gy, x, w, s);
     }
-    if (!rc && gw) {
-        cu_narrow_kernel<T><<<cu_blocks(lw), CU_THREADS, 0, d->compute>>>(cu_p<T>(gw), gwf, lw);
+    if (!rc && gw && !f32) { /* the f32 sum rounded once */
+        cu_narrow_kernel<T><<<cu_blocks(lw), CU_THREADS, 0, d->compute>>>(cu_p<T>(gw), s.gwf, lw);
         rc = cu_check_launch("conv2d_backward weights", index);
     }
     for (int i = 0; i < 4; i++)
@@ -355,15 +296,7 @@ extern "C" int tdm_cuda_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tens
         if (g.n * g.p == 0 || g.cout > INT32_MAX) {
             if (tdm_cuda_fill(gb, 0.0)) return tdm_last_status();
         } else if (g.cout > 0) {
-            if (gy->dtype == TDM_BF16)
-                bias_grad_kernel<<<(unsigned)g.cout, cu_row_threads(g.n * g.p), 0, d->compute>>>(
-                    cu_p<__nv_bfloat16>(gb), cu_p<__nv_bfloat16>(gy), g.cout, g.p, g.n);
-            else if (gy->dtype == TDM_F16)
-                bias_grad_kernel<<<(unsigned)g.cout, cu_row_threads(g.n * g.p), 0, d->compute>>>(
-                    cu_p<__half>(gb), cu_p<__half>(gy), g.cout, g.p, g.n);
-            else
-                bias_grad_kernel<<<(unsigned)g.cout, cu_row_threads(g.n * g.p), 0, d->compute>>>(
-                    cu_f(gb), cu_f(gy), g.cout, g.p, g.n);
+            CU_DISPATCH(gy->dtype, bias_grad_launch, d, g, gb, gy);
             if (cu_check_launch("conv2d_backward bias", index)) return tdm_last_status();
         }
     }
@@ -373,26 +306,8 @@ extern "C" int tdm_cuda_conv2d_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tens
         return TDM_OK;
     }
     if (!gx && !gw) return TDM_OK;
-    if (x->dtype != TDM_F32)
-        return x->dtype == TDM_BF16
-                   ? conv_bwd_low<__nv_bfloat16>(d, index, CUDA_R_16BF, g, gx, gw, gy, x, w)
-                   : conv_bwd_low<__half>(d, index, CUDA_R_16F, g, gx, gw, gy, x, w);
-    int64_t nbmax = chunk_images(&g);
-    tdm_storage *hc = NULL, *ht = NULL;
-    float *col = NULL, *tmp = NULL;
-    if (!tdm_conv_is_pointwise(&g) &&
-        !(col = (float *)cu_scratch(index, (size_t)(nbmax * g.k * g.p) * 4, &hc)))
-        return tdm_last_status();
-    if (gw && !(tmp = (float *)cu_scratch(index, (size_t)(nbmax * g.cout * g.k_g) * 4, &ht))) {
-        if (hc) tdm_storage_release(hc);
-        return tdm_last_status();
-    }
-    int rc = TDM_OK;
-    for (int64_t n0 = 0; n0 < g.n && !rc; n0 += nbmax) {
-        int64_t nb = g.n - n0 < nbmax ? g.n - n0 : nbmax;
-        rc = conv_bwd_chunk(d, index, &g, n0, nb, gx, gw, gy, x, w, col, tmp);
-    }
-    if (hc) tdm_storage_release(hc);
-    if (ht) tdm_storage_release(ht);
-    return rc;
+    return x->dtype == TDM_BF16
+               ? conv_bwd<__nv_bfloat16>(d, index, CUDA_R_16BF, g, gx, gw, gy, x, w)
+           : x->dtype == TDM_F16 ? conv_bwd<__half>(d, index, CUDA_R_16F, g, gx, gw, gy, x, w)
+                                 : conv_bwd<float>(d, index, CUDA_R_32F, g, gx, gw, gy, x, w);
 }

@@ -156,6 +156,19 @@ static int check_same_params(tdm_ddp *d) {
 
 /* ---- buckets ------------------------------------------------------------------------------ */
 
+/* reduce_dtype bf16's copy of the flat gradient and each bucket's range of it (on), or none. */
+static int low_buffer(tdm_ddp *d, bool on) {
+    tdm_tensor_free(d->low);
+    d->low = NULL;
+    if (on && !(d->low = tdm_tensor_alloc_owned(TDM_SHAPE(d->ps->total), TDM_BF16,
+                                                d->ps->flat->device, NULL)))
+        return tdm_last_status();
+    for (int k = 0; k < d->n_buckets; k++)
+        d->buckets[k].low =
+            d->low ? tdm_range_view(d->low, d->buckets[k].lo, d->buckets[k].hi) : (tdm_tensor){0};
+    return TDM_OK;
+}
+
 static int make_buckets(tdm_ddp *d) {
     tdm_paramset *ps = d->ps;
     d->buckets = calloc((size_t)ps->n + 1, sizeof *d->buckets);
@@ -175,16 +188,9 @@ static int make_buckets(tdm_ddp *d) {
         b->n_params++;
         d->slots[i] = (param_slot){d, d->n_buckets - 1, false};
     }
-    if (d->o.reduce_dtype == TDM_BF16) {
-        d->low = tdm_tensor_alloc_owned(TDM_SHAPE(ps->total), TDM_BF16, ps->flat->device, NULL);
-        if (!d->low) return tdm_last_status();
-    }
-    for (int k = 0; k < d->n_buckets; k++) {
-        bucket *bk = &d->buckets[k];
-        bk->view = tdm_range_view(ps->flat_grad, bk->lo, bk->hi);
-        if (d->low) bk->low = tdm_range_view(d->low, bk->lo, bk->hi);
-    }
-    return TDM_OK;
+    for (int k = 0; k < d->n_buckets; k++)
+        d->buckets[k].view = tdm_range_view(ps->flat_grad, d->buckets[k].lo, d->buckets[k].hi);
+    return d->o.reduce_dtype == TDM_BF16 ? low_buffer(d, true) : TDM_OK;
 }
 
 int tdm_ddp_set_reduce_dtype(tdm_ddp *d, tdm_dtype dt) {
@@ -194,17 +200,8 @@ int tdm_ddp_set_reduce_dtype(tdm_ddp *d, tdm_dtype dt) {
                          tdm_dtype_name(dt));
     if (dt == d->o.reduce_dtype) return TDM_OK;
     /* ZeRO stages 2 and 3 round each bucket into a buffer of its own as it launches */
-    if (!d->shard_grad && dt == TDM_BF16) {
-        tdm_paramset *ps = d->ps;
-        d->low = tdm_tensor_alloc_owned(TDM_SHAPE(ps->total), TDM_BF16, ps->flat->device, NULL);
-        if (!d->low) return tdm_last_status();
-        for (int k = 0; k < d->n_buckets; k++)
-            d->buckets[k].low = tdm_range_view(d->low, d->buckets[k].lo, d->buckets[k].hi);
-    } else if (!d->shard_grad) {
-        tdm_tensor_free(d->low);
-        d->low = NULL;
-        for (int k = 0; k < d->n_buckets; k++) d->buckets[k].low = (tdm_tensor){0};
-    }
+    int rc = d->shard_grad ? TDM_OK : low_buffer(d, dt == TDM_BF16);
+    if (rc) return rc;
     d->o.reduce_dtype = dt;
     return TDM_OK;
 }

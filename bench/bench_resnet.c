@@ -119,19 +119,16 @@ static double tandem_plain(tdm_module *m, tdm_optim *opt, tdm_tensor *x, tdm_ten
 static double tandem_dp(tdm_module *m, tdm_tensor *x, tdm_tensor *y, int steps) {
     double t[MAX_STEPS];
     tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
-    /* bf16 through the strategy, which opens each replica's region on its thread */
-    tdm_strategy *st = bf16 ? tdm_strategy_data_parallel(m, devs, 2, NULL, make_sgd, NULL) : NULL;
-    tdm_dp *dp = bf16 ? NULL : tdm_dp_new(m, devs, 2, make_sgd, NULL);
-    if (!dp && !(st && !tdm_strategy_set_precision(st, TDM_BF16))) die("DataParallel");
+    /* the strategy, which in bf16 opens each replica's autocast region on its thread */
+    tdm_strategy *st = tdm_strategy_data_parallel(m, devs, 2, NULL, make_sgd, NULL);
+    if (!st || (bf16 && tdm_strategy_set_precision(st, TDM_BF16))) die("DataParallel");
     for (int s = 0; s < 1 + steps; s++) {
         float loss = -1;
         double t0 = now_ms();
-        int rc = st ? tdm_strategy_step(st, x, y, ce_loss, NULL, &loss)
-                    : tdm_dp_step(dp, x, y, ce_loss, NULL, &loss);
-        if (rc || !(loss >= 0)) die("DataParallel step");
+        if (tdm_strategy_step(st, x, y, ce_loss, NULL, &loss) || !(loss >= 0))
+            die("DataParallel step");
         if (s >= 1) t[s - 1] = now_ms() - t0;
     }
-    tdm_dp_free(dp);
     tdm_strategy_free(st);
     return median(t, steps);
 }

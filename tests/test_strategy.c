@@ -6,7 +6,8 @@
  * (the state split, the memory figures) and the errors of calls a strategy refuses. Mixed
  * precision: one device, DataParallel and DDP in bf16 (forward and loss in a bf16 region on
  * every replica's thread) against a hand-written bf16 loop, within BF16_SPLIT_BOUND; fp16's
- * loss scaler skipping an overflowing step, on one device and agreed by two DDP ranks.
+ * loss scaler skipping an overflowing step, on one device and agreed by two DDP ranks (every
+ * other strategy and ZeRO stage: test_scaler_parallel.c).
  *
  * Tolerance as test_pipeline.c's: the devices sum gradients in another order than one GEMM
  * over the whole batch (float32 rounding over a few SGD steps with momentum), 1e-5 absolute +
@@ -533,14 +534,6 @@ static void test_f16_one_device(void) {
     CHECK(tdm_strategy_precision(st2) == TDM_BF16, "a refused precision changes nothing");
     tdm_strategy_free(st2);
     tdm_module_free(m2);
-    tdm_strategy_free(st);
-    tdm_module_free(m);
-    /* DataParallel and pipelines drive no scaler yet: refused by name */
-    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
-    m = make_model(1);
-    st = tdm_strategy_data_parallel(m, devs, 2, NULL, make_sgd, NULL);
-    CHECK_ERROR(st && tdm_strategy_set_precision(st, TDM_F16) != 0, "which DataParallel runs");
-    CHECK(tdm_strategy_precision(st) == TDM_F32, "a refused f16 leaves f32");
     tdm_strategy_free(st);
     tdm_module_free(m);
 }

@@ -205,8 +205,9 @@ static const opt_spec specs[] = {
      "matrix products, convolutions and attention of every forward in that dtype with fp32 "
      "sums inside, and the losses in fp32; the weights, their gradients, the optimizer state and "
      "the checkpoints stay fp32. fp16 also scales the loss (GradScaler: steps with an inf or NaN "
-     "gradient are skipped and the scale lowered) and needs one GPU: the CPU has no fp16 matrix "
-     "product here. Lightning's names are taken too: 32-true, bf16-mixed, 16-mixed. A run may "
+     "gradient are skipped and the scale lowered, alike on every device, process and stage) and "
+     "needs GPUs: the CPU has no fp16 matrix product here. Lightning's names are taken too: "
+     "32-true, bf16-mixed, 16-mixed. A run may "
      "resume in another precision. The header line says whether this machine runs bf16 natively "
      "(AVX512_BF16 or AMX) or emulates it (its products then convert to fp32: no faster than "
      "fp32)."},
@@ -744,7 +745,7 @@ static int check_training_extras(train_opts *o, bool sgd, bool text) {
     return 0;
 }
 
-/* --precision: Lightning's names made ours; fp16 only where a GPU runs the steps alone.
+/* --precision: Lightning's names made ours; fp16 only on GPUs.
  * --reduce-dtype: fp32 or bf16. */
 static int check_precision(train_opts *o) {
     static const char *const names[][2] = {
@@ -781,11 +782,6 @@ static int check_precision(train_opts *o) {
                 "--precision fp16 needs a GPU: on a CPU device fp16 matrix products have no "
                 "kernel here (oneDNN 2.6.3 has none; docs/MIXED_PRECISION.md, \"Where Tandem "
                 "will differ\" 3); use --precision bf16");
-    if (o->n_devs > 1 || o->model_split > 1)
-        return train_usage_error("--precision fp16 trains on one device for now: the loss "
-                                 "scaler is not driven inside %s yet; use bf16",
-                                 o->model_split > 1 ? "a pipeline's stages"
-                                                    : "DataParallel's replicas");
     return 0;
 }
 

@@ -167,7 +167,8 @@ int tdm_clip_grad_norm(tdm_paramset *ps, float max_norm, bool error_if_nonfinite
  * One scaler may serve several optimizers (up to TDM_GRAD_SCALER_MAX_OPTIMS between two
  * updates), each unscaled and stepped once per update, as PyTorch's per-optimizer stages.
  * The scaler reads the whole gradient an optimizer steps from: a ZeRO stage 2 optimizer
- * (its gradient sharded over the ranks, found infs differing) is refused. */
+ * (its gradient sharded over the ranks, found infs differing) is refused here and unscaled
+ * with tdm_ddp_unscale (tandem/parallel.h), which agrees on infs over the ranks. */
 typedef struct tdm_grad_scaler tdm_grad_scaler;
 
 #define TDM_GRAD_SCALER_MAX_OPTIMS 8
@@ -203,7 +204,8 @@ tdm_tensor *tdm_grad_scaler_scale(tdm_grad_scaler *s, tdm_tensor *loss);
  * 1/scale, as PyTorch) and records whether any of them, as they were before, was inf or
  * NaN. Settles stale gradients first (tdm_paramset_settle_grads). Once per optimizer
  * between updates: TDM_ERR_STATE when called again, or after tdm_grad_scaler_step, or before
- * any tdm_grad_scaler_scale; TDM_ERR_STATE for a ZeRO stage 2 optimizer; TDM_ERR_ARG for
+ * any tdm_grad_scaler_scale; TDM_ERR_STATE for a ZeRO stage 2 optimizer (tdm_ddp_unscale
+ * unscales it); TDM_ERR_ARG for
  * NULLs or a ninth optimizer. Disabled: TDM_OK, nothing done. */
 int tdm_grad_scaler_unscale(tdm_grad_scaler *s, tdm_optim *o);
 /* Unscales o's gradients if tdm_grad_scaler_unscale has not, then calls tdm_optim_step(o)

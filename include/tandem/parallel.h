@@ -278,6 +278,20 @@ int tdm_ddp_release_params(tdm_ddp *d);
  * unsharded norm but for double rounding). *total_norm (may be NULL) receives the norm.
  * TDM_ERR_ARG for a NULL d or a negative max_norm; a failed exchange aborts the group. */
 int tdm_ddp_clip_grad_norm(tdm_ddp *d, float max_norm, float *total_norm);
+/* tdm_grad_scaler_unscale for a DDP replica's optimizer o (the one tdm_ddp_set_shard was
+ * given): without sharding exactly that call; under ZeRO stages 2 and 3, a collective (PyTorch's
+ * ShardedGradScaler): each rank unscales its shard of the averaged gradient, and whether any
+ * element of any shard was inf or NaN before that is agreed over the group (the shards' sums
+ * of squares in double, all-gathered), so every rank's tdm_grad_scaler_step then steps or
+ * skips alike and tdm_grad_scaler_update backs off alike. Once per update, as
+ * tdm_grad_scaler_unscale, and failing as it does; TDM_ERR_ARG for a NULL d; a failed
+ * exchange aborts the group. */
+int tdm_ddp_unscale(tdm_ddp *d, tdm_grad_scaler *s, tdm_optim *o);
+/* *ss = the sum of squares, in double, of the whole averaged gradient after tdm_ddp_backward:
+ * the replica's own, or under ZeRO stages 2 and 3 the shards' added in rank order (a
+ * collective, as tdm_ddp_clip_grad_norm's). It is finite exactly when every element is: the
+ * inf check of a loss scaler. TDM_ERR_ARG for NULLs; a failed exchange aborts the group. */
+int tdm_ddp_grad_sum_squares(tdm_ddp *d, double *ss);
 /* Under ZeRO stage 2, this rank's shard of the averaged gradient (f32 [hi - lo], owned by d)
  * and *lo its first flat element; NULL (and *lo 0) otherwise. */
 tdm_tensor *tdm_ddp_shard_grad(const tdm_ddp *d, int64_t *lo);
@@ -470,6 +484,17 @@ tdm_optim *tdm_dp_optim_gather(tdm_dp *dp);
  * the norm is the whole gradient's, also when the update is split into shards. 0 turns it
  * off (the default). TDM_ERR_ARG for a negative or non-finite max_norm. */
 int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm);
+/* fp16's loss scaling in every step (PyTorch's GradScaler over DDP; s stays the caller's and
+ * must outlive its use here; NULL turns it off): each replica's backward starts from its loss
+ * times the scale, the averaged gradient is unscaled before clipping, a step in which any
+ * element of it is inf or NaN updates no replica (the replicas agree on it, also over
+ * ZeRO's shards and processes), and the scale is updated once per tdm_dp_step
+ * (tdm_grad_scaler_update's rule). Accumulating rounds scale their losses alike.
+ * TDM_ERR_ARG for a NULL dp. */
+int tdm_dp_set_grad_scaler(tdm_dp *dp, tdm_grad_scaler *s);
+/* Whether the last tdm_dp_step skipped its update (fp16 found an inf or NaN); false without a
+ * scaler or for a NULL dp. */
+bool tdm_dp_step_skipped(const tdm_dp *dp);
 /* The dtype the replicas' gradients are averaged in (tdm_ddp_opts.reduce_dtype, on every
  * replica's DDP), between steps: TDM_BF16 halves what crosses between processes or GPUs.
  * TDM_ERR_ARG for a NULL dp, another dtype, or TDM_BF16 where every device is a CPU device of

@@ -122,6 +122,16 @@ int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model);
  * pipeline. NULL for an index out of range. Do not use them while a step runs. */
 tdm_module *tdm_pipe_stage_module(tdm_pipe *p, int s, int r);
 tdm_optim *tdm_pipe_stage_optim(tdm_pipe *p, int s, int r);
+/* fp16's loss scaling in every step (PyTorch's GradScaler over a pipeline; s stays the
+ * caller's and must outlive its use here; NULL turns it off): the last stage's losses are
+ * multiplied by the scale, every stage's gradient (summed over its replicas) is checked and
+ * unscaled, a step in which any stage's or replica's gradient holds an inf or NaN updates no
+ * stage, and the scale is updated once per tdm_pipe_step (tdm_grad_scaler_update's rule).
+ * TDM_ERR_ARG for a NULL p. */
+int tdm_pipe_set_grad_scaler(tdm_pipe *p, tdm_grad_scaler *s);
+/* Whether the last tdm_pipe_step skipped its update (fp16 found an inf or NaN); false without
+ * a scaler or for a NULL p. */
+bool tdm_pipe_step_skipped(const tdm_pipe *p);
 /* Sets the learning rate of every stage's optimizer (a schedule's tdm_sched_lr per step). */
 void tdm_pipe_set_lr(tdm_pipe *p, float lr);
 /* The index of stage s's first layer in the original Sequential (s == stages: its length). */

@@ -101,10 +101,11 @@ void tdm_strategy_set_lr(tdm_strategy *st, float lr);
  * hooks they had, FSDP's included); the strategy removes them when freed. TDM_F16 adds a
  * gradient scaler (tdm_grad_scaler_defaults) in PyTorch's order: the loss scaled before
  * backward, the averaged gradient unscaled before clipping, the step skipped and the scale
- * backed off on an inf or NaN. Since every rank unscales the same averaged gradient, every
- * rank skips the same steps. Between steps. TDM_ERR_ARG for a NULL st, or TDM_F16 on a
- * DataParallel or pipeline strategy (their updates run on their own threads, where no scaler
- * is driven yet); TDM_ERR_DTYPE for another dtype; TDM_ERR_NOMEM. */
+ * backed off on an inf or NaN. Every rank (each DataParallel replica, each process) checks
+ * the same averaged gradient, or under ZeRO's sharding its shard, and a pipeline's stages
+ * each their own, with the finding agreed over all of them, so every rank and stage skips the
+ * same steps (tdm_dp_set_grad_scaler, tdm_ddp_unscale, tdm_pipe_set_grad_scaler). Between
+ * steps. TDM_ERR_ARG for a NULL st; TDM_ERR_DTYPE for another dtype; TDM_ERR_NOMEM. */
 int tdm_strategy_set_precision(tdm_strategy *st, tdm_dtype dt);
 /* The dtype set: TDM_F32 before any, and for a NULL st. */
 tdm_dtype tdm_strategy_precision(const tdm_strategy *st);

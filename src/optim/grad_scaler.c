@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "backend/backend.h"
+#include "optim/scaler.h"
 #include "optim/shard.h"
 #include "tandem/autograd.h"
 
@@ -109,14 +110,19 @@ static optim_state *slot_of(tdm_grad_scaler *s, const tdm_optim *o, const char *
     return free_slot;
 }
 
+float tdm_grad_scaler_begin(tdm_grad_scaler *s) {
+    if (!s->opts.enabled) return 1.0f;
+    s->started = true;
+    return s->scale;
+}
+
 tdm_tensor *tdm_grad_scaler_scale(tdm_grad_scaler *s, tdm_tensor *loss) {
     if (!s || !loss) {
         tdm_raise(TDM_ERR_ARG, "grad_scaler_scale: %s is NULL", s ? "loss" : "scaler");
         return NULL;
     }
     if (!s->opts.enabled) return loss;
-    s->started = true;
-    return tdm_mul_scalar(loss, s->scale);
+    return tdm_mul_scalar(loss, tdm_grad_scaler_begin(s));
 }
 
 /* Whether any element of g is inf or NaN, into *found. */
@@ -131,31 +137,8 @@ static int has_non_finite(const tdm_tensor *g, bool *found) {
     return rc;
 }
 
-static int unscale_grads(tdm_grad_scaler *s, tdm_optim *o, optim_state *st) {
-    tdm_paramset *ps = tdm_optim_paramset(o);
-    int64_t lo;
-    tdm_tensor *g = tdm_optim_grad(o, &lo);
-    if (!ps || !g || g != ps->flat_grad)
-        return tdm_raise(TDM_ERR_STATE,
-                         "grad_scaler_unscale: the optimizer's gradient is sharded over the "
-                         "ranks (ZeRO stage 2): loss scaling needs the whole gradient");
-    int rc = tdm_paramset_settle_grads(ps);
-    if (rc) return rc;
-    bool found;
-    rc = has_non_finite(g, &found);
-    if (rc) return rc;
-    float inv_scale = (float)(1.0 / (double)s->scale);
-    /* PyTorch skips the multiplication by exactly 1: the values are the same either way */
-    if (inv_scale != 1.0f && tdm_numel(g) > 0) {
-        rc = tdm_backend_for(g->device)->unary(TDM_UN_MUL_SCALAR, g, g, inv_scale);
-        if (rc) return rc;
-    }
-    st->found_inf = found;
-    st->stage = STAGE_UNSCALED;
-    return TDM_OK;
-}
-
-int tdm_grad_scaler_unscale(tdm_grad_scaler *s, tdm_optim *o) {
+/* tdm_grad_scaler_unscale's preconditions on s and o (disabled: none). */
+static int check_unscale(tdm_grad_scaler *s, const tdm_optim *o) {
     if (s && !s->opts.enabled) return TDM_OK;
     int rc = check_started(s, "unscale");
     if (rc) return rc;
@@ -168,7 +151,51 @@ int tdm_grad_scaler_unscale(tdm_grad_scaler *s, tdm_optim *o) {
     if (st->stage == STAGE_STEPPED)
         return tdm_raise(TDM_ERR_STATE, "grad_scaler_unscale: called after tdm_grad_scaler_step "
                                         "(unscale before stepping, update after)");
-    return unscale_grads(s, o, st);
+    return TDM_OK;
+}
+
+int tdm_grad_scaler_unscale_of(const tdm_grad_scaler *s, tdm_tensor *g) {
+    float inv_scale = (float)(1.0 / (double)s->scale);
+    /* PyTorch skips the multiplication by exactly 1: the values are the same either way */
+    if (!s->opts.enabled || inv_scale == 1.0f || tdm_numel(g) == 0) return TDM_OK;
+    return tdm_backend_for(g->device)->unary(TDM_UN_MUL_SCALAR, g, g, inv_scale);
+}
+
+/* o's stage once its gradient was unscaled and checked (found_inf agreed where sharded). */
+static int record_unscaled(tdm_grad_scaler *s, const tdm_optim *o, bool found_inf, const char *op) {
+    optim_state *st = slot_of(s, o, op);
+    if (!st) return tdm_last_status();
+    st->found_inf = found_inf;
+    st->stage = STAGE_UNSCALED;
+    return TDM_OK;
+}
+
+static int unscale_grads(tdm_grad_scaler *s, tdm_optim *o) {
+    tdm_paramset *ps = tdm_optim_paramset(o);
+    int64_t lo;
+    tdm_tensor *g = tdm_optim_grad(o, &lo);
+    if (!ps || !g || g != ps->flat_grad)
+        return tdm_raise(TDM_ERR_STATE,
+                         "grad_scaler_unscale: the optimizer's gradient is sharded over the "
+                         "ranks (ZeRO stage 2): unscale it with tdm_ddp_unscale");
+    int rc = tdm_paramset_settle_grads(ps);
+    if (rc) return rc;
+    bool found;
+    rc = has_non_finite(g, &found);
+    if (!rc) rc = tdm_grad_scaler_unscale_of(s, g);
+    return rc ? rc : record_unscaled(s, o, found, "unscale");
+}
+
+int tdm_grad_scaler_unscale_found(tdm_grad_scaler *s, tdm_optim *o, tdm_tensor *g, bool found_inf) {
+    int rc = check_unscale(s, o);
+    if (!rc && s->opts.enabled) rc = tdm_grad_scaler_unscale_of(s, g);
+    if (!rc && s->opts.enabled) rc = record_unscaled(s, o, found_inf, "unscale");
+    return rc;
+}
+
+int tdm_grad_scaler_unscale(tdm_grad_scaler *s, tdm_optim *o) {
+    int rc = check_unscale(s, o);
+    return rc || !s->opts.enabled ? rc : unscale_grads(s, o);
 }
 
 int tdm_grad_scaler_step(tdm_grad_scaler *s, tdm_optim *o, bool *stepped) {
@@ -187,7 +214,7 @@ int tdm_grad_scaler_step(tdm_grad_scaler *s, tdm_optim *o, bool *stepped) {
     if (st->stage == STAGE_STEPPED)
         return tdm_raise(TDM_ERR_STATE, "grad_scaler_step: already called on this optimizer "
                                         "since the last tdm_grad_scaler_update");
-    if (st->stage == STAGE_READY && (rc = unscale_grads(s, o, st))) return rc;
+    if (st->stage == STAGE_READY && (rc = unscale_grads(s, o))) return rc;
     if (!st->found_inf) {
         rc = tdm_optim_step(o);
         if (rc) return rc;
@@ -215,6 +242,13 @@ int tdm_grad_scaler_update(tdm_grad_scaler *s) {
     if (!checked)
         return tdm_raise(TDM_ERR_STATE, "grad_scaler_update: no optimizer was unscaled or "
                                         "stepped since the last update (no inf checks recorded)");
+    return tdm_grad_scaler_update_found(s, found_inf);
+}
+
+int tdm_grad_scaler_update_found(tdm_grad_scaler *s, bool found_inf) {
+    if (s && !s->opts.enabled) return TDM_OK;
+    int rc = check_started(s, "update");
+    if (rc) return rc;
     if (found_inf) {
         s->scale = (float)((double)s->scale * s->opts.backoff_factor);
         s->tracker = 0;

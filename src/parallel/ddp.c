@@ -15,6 +15,7 @@
 
 #include "autograd/tape.h"
 #include "optim/clip.h"
+#include "optim/scaler.h"
 #include "optim/shard.h"
 
 #include <math.h>
@@ -735,29 +736,27 @@ tdm_shard_kind tdm_ddp_shard(const tdm_ddp *d) {
     return d ? d->shard : TDM_SHARD_NONE;
 }
 
-/* The global norm of the sharded gradient: each rank's sum of squares (a double, moved as
- * the 8 bytes of an i64: collectives copy bytes) all-gathered and added in rank order, so
- * every rank gets the same bits. */
-static int sharded_norm(tdm_ddp *d, double *norm) {
+/* The sum of squares of the whole sharded gradient: each rank's of its shard (a double, moved
+ * as the 8 bytes of an i64: collectives copy bytes) all-gathered and added in rank order, so
+ * every rank gets the same bits. A failed exchange aborts the group. */
+static int sharded_sum_squares(tdm_ddp *d, const char *op, double *total) {
     int n = tdm_group_size(d->g);
     double ss = 0, *sums = malloc(sizeof *sums * (size_t)n);
-    if (!sums) return tdm_raise(TDM_ERR_NOMEM, "ddp_clip_grad_norm: out of memory");
-    int rc = tdm_clip_sum_squares_of(d->shard_grad, &ss);
+    int rc = sums ? tdm_clip_sum_squares_of(d->shard_grad, &ss)
+                  : tdm_raise(TDM_ERR_NOMEM, "%s: out of memory", op);
     if (!rc) rc = tdm_scope_begin();
-    if (rc) {
-        free(sums);
-        return rc;
+    if (!rc) {
+        tdm_device mem = tdm_group_memory(d->g);
+        tdm_tensor *mine = tdm_from_data(TDM_SHAPE(1), TDM_I64, mem, &ss);
+        tdm_tensor *all = tdm_empty(TDM_SHAPE(n), TDM_I64, mem);
+        rc = mine && all ? tdm_work_wait(tdm_all_gather(d->g, all, mine)) : tdm_last_status();
+        if (!rc) rc = tdm_to_host(all, sums, sizeof *sums * (size_t)n);
+        tdm_scope_end();
     }
-    tdm_device mem = tdm_group_memory(d->g);
-    tdm_tensor *mine = tdm_from_data(TDM_SHAPE(1), TDM_I64, mem, &ss);
-    tdm_tensor *all = tdm_empty(TDM_SHAPE(n), TDM_I64, mem);
-    rc = mine && all ? tdm_work_wait(tdm_all_gather(d->g, all, mine)) : tdm_last_status();
-    if (!rc) rc = tdm_to_host(all, sums, sizeof *sums * (size_t)n);
-    tdm_scope_end();
-    double total = 0;
-    for (int r = 0; !rc && r < n; r++) total += sums[r];
+    *total = 0;
+    for (int r = 0; !rc && r < n; r++) *total += sums[r];
     free(sums);
-    *norm = sqrt(total);
+    if (rc) tdm_group_abort(d->g, tdm_last_error());
     return rc;
 }
 
@@ -766,14 +765,26 @@ int tdm_ddp_clip_grad_norm(tdm_ddp *d, float max_norm, float *total_norm) {
     if (!d->shard_grad) return tdm_clip_grad_norm(d->ps, max_norm, false, total_norm);
     if (!(max_norm >= 0))
         return tdm_raise(TDM_ERR_ARG, "ddp_clip_grad_norm: max_norm %g must be >= 0", max_norm);
-    double norm = 0;
-    int rc = sharded_norm(d, &norm);
-    if (rc) {
-        tdm_group_abort(d->g, tdm_last_error());
-        return rc;
-    }
-    if (total_norm) *total_norm = (float)norm;
-    return tdm_clip_scale_of(d->shard_grad, max_norm, (float)norm);
+    double ss = 0;
+    int rc = sharded_sum_squares(d, "ddp_clip_grad_norm", &ss);
+    if (rc) return rc;
+    float norm = (float)sqrt(ss);
+    if (total_norm) *total_norm = norm;
+    return tdm_clip_scale_of(d->shard_grad, max_norm, norm);
+}
+
+int tdm_ddp_grad_sum_squares(tdm_ddp *d, double *ss) {
+    if (!d || !ss) return tdm_raise(TDM_ERR_ARG, "ddp_grad_sum_squares: NULL %s", d ? "ss" : "ddp");
+    if (d->shard_grad) return sharded_sum_squares(d, "ddp_grad_sum_squares", ss);
+    return tdm_clip_sum_squares(d->ps, 0, d->ps->total, ss);
+}
+
+int tdm_ddp_unscale(tdm_ddp *d, tdm_grad_scaler *s, tdm_optim *o) {
+    if (!d) return tdm_raise(TDM_ERR_ARG, "ddp_unscale: NULL ddp");
+    if (!d->shard_grad) return tdm_grad_scaler_unscale(s, o);
+    double ss = 0; /* finite exactly when every element of every shard is (optim/scaler.h) */
+    int rc = sharded_sum_squares(d, "ddp_unscale", &ss);
+    return rc ? rc : tdm_grad_scaler_unscale_found(s, o, d->shard_grad, !isfinite(ss));
 }
 
 tdm_tensor *tdm_ddp_shard_grad(const tdm_ddp *d, int64_t *lo) {

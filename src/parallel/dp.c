@@ -21,6 +21,7 @@
 #include "tandem/trace.h"
 #include "autograd/tape.h"
 #include "optim/clip.h"
+#include "optim/scaler.h"
 #include "optim/shard.h" /* tdm_optim_step_range_on */
 #include "parallel/dp_shard.h"
 
@@ -66,6 +67,7 @@ typedef struct {
     float loss;      /* this round's mean loss over the replica's rows */
     tdm_tensor *out; /* a forward round's output for its rows, caller-owned until gathered */
     double shard_ss; /* sum of squares of the shard's averaged gradient (clipping) */
+    double inf_ss;   /* the same before unscaling (a loss scaler's inf check) */
     int rc;
     char err[512];
 } replica;
@@ -85,6 +87,9 @@ struct tdm_dp {
     tdm_units_fn units_of;            /* ZeRO stage 3's units of a replica, or NULL */
     tdm_optim *gathered;              /* ROUND_GATHER's result, replica 0's */
     float clip;                       /* max gradient norm before each update, or 0 */
+    tdm_grad_scaler *scaler;          /* fp16's loss scaler (the caller's), or NULL */
+    float loss_scale;                 /* the round's scale, taken from it by the caller */
+    bool skipped;                     /* the last update found an inf or NaN and did not step */
     int64_t window;                   /* micro-batches accumulated since the last update */
     int gemm_threads;                 /* restored at free */
     /* the caller runs replica 0 pinned to its core: unpinned, the scheduler pulled it onto
@@ -151,6 +156,22 @@ static int clip_shard(replica *r, int64_t lo, int64_t hi) {
     return tdm_clip_scale(r->ps, lo, hi, dp->clip, (float)sqrt(ss));
 }
 
+/* fp16 in a sharded update: replica r checks its shard of the averaged gradient, and after a
+ * barrier every replica adds all shards' sums in rank order (optim/scaler.h: finite exactly
+ * when every element is), so all find the same; then it unscales its shard. */
+static int unscale_shard(replica *r, int64_t lo, int64_t hi, bool *found_inf) {
+    tdm_dp *dp = r->dp;
+    int rc = tdm_clip_sum_squares(r->ps, lo, hi, &r->inf_ss);
+    if (!rc) rc = tdm_threads_barrier(rank_group(dp, r->rank));
+    if (rc) return rc;
+    double ss = 0;
+    for (int k = 0; k < dp->n; k++) ss += dp->reps[k].inf_ss;
+    *found_inf = !isfinite(ss);
+    if (r->rank == 0) dp->skipped = *found_inf;
+    tdm_tensor g = tdm_range_view(r->ps->flat_grad, lo, hi);
+    return *found_inf ? TDM_OK : tdm_grad_scaler_unscale_of(dp->scaler, &g);
+}
+
 /* The update, split over the replicas when the devices share memory (CPU devices of one
  * process). Replica r takes shard r of the flat buffers: it averages every replica's gradient
  * there into its own gradient, steps its own parameters there with replica 0's optimizer
@@ -177,6 +198,9 @@ static int sharded_update(replica *r) {
     tdm_trace_begin("reduce shard");
     tdm_lines_reduce(tdm_data_ptr(r->ps->flat_grad), grads, n, lo, hi);
     tdm_trace_end();
+    bool found_inf = false;
+    if (dp->scaler && (rc = unscale_shard(r, lo, hi, &found_inf))) return rc;
+    if (found_inf) return TDM_OK; /* every replica found it: none steps */
     if (dp->clip > 0 && (rc = clip_shard(r, lo, hi))) return rc;
     tdm_trace_begin("step shard");
     rc = tdm_optim_step_range_on(dp->reps[0].opt, lo, hi, r->ps->flat, r->ps->flat_grad);
@@ -193,9 +217,19 @@ static int sharded_update(replica *r) {
 /* The update of an unsharded replica: its gradient is the all-reduced average, the same bits
  * on every replica, so clipping gives every replica the same factor. */
 static int replica_update(replica *r) {
+    tdm_dp *dp = r->dp;
+    if (dp->scaler) { /* fp16: the same check on every replica (a collective under stage 2) */
+        double ss = 0;
+        int64_t lo;
+        tdm_tensor *shard = tdm_ddp_shard_grad(r->ddp, &lo);
+        int rc = tdm_ddp_grad_sum_squares(r->ddp, &ss);
+        if (!rc) rc = tdm_grad_scaler_unscale_of(dp->scaler, shard ? shard : r->ps->flat_grad);
+        if (rc) return rc;
+        if (r->rank == 0) dp->skipped = !isfinite(ss);
+        if (!isfinite(ss)) return TDM_OK;
+    }
     /* under ZeRO stage 2 the norm is taken from every replica's shard (a collective) */
-    if (r->dp->clip > 0 && tdm_ddp_clip_grad_norm(r->ddp, r->dp->clip, NULL))
-        return tdm_last_status();
+    if (dp->clip > 0 && tdm_ddp_clip_grad_norm(r->ddp, dp->clip, NULL)) return tdm_last_status();
     return tdm_optim_step(r->opt);
 }
 
@@ -213,8 +247,9 @@ static int replica_step(replica *r) {
     tdm_tensor *loss = dp->loss_fn(tdm_ddp_forward(r->ddp, xs), ys, lo, dp->loss_arg);
     tdm_trace_end();
     /* DDP averages over n replicas; weighting each by its share of the batch makes the
-     * average the gradient of the whole batch's mean loss */
-    tdm_tensor *scaled = tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b));
+     * average the gradient of the whole batch's mean loss; fp16 multiplies by the scale too */
+    tdm_tensor *scaled =
+        tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b * dp->loss_scale));
     /* Sharing memory, a window's gradients are marked stale instead of zeroed, and what the
      * backward did not reach is zeroed after it: zeroing the MLP's 0.94 MB, half of it lines
      * the other core had read in the update, took a tenth of a step (bench/RESULTS.md,
@@ -507,10 +542,13 @@ static int run_round(tdm_dp *dp, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn 
                          "that graph (or with grad off)",
                          op, end - start);
     dp->x = x, dp->y = target, dp->loss_fn = loss_fn, dp->loss_arg = loss_arg;
-    dp->update = update, dp->zero = dp->window == 0;
+    dp->update = update, dp->zero = dp->window == 0, dp->skipped = false;
+    dp->loss_scale = dp->scaler ? tdm_grad_scaler_begin(dp->scaler) : 1.0f;
     int rc = run_task(dp, ROUND_STEP);
     dp->window = update || rc ? 0 : dp->window + 1; /* after a failure, start afresh */
-    if (!rc && update && dp->sharded) { /* each replica took a shard of one step: count it once */
+    if (!rc && update && dp->scaler) rc = tdm_grad_scaler_update_found(dp->scaler, dp->skipped);
+    /* each replica took a shard of one step: count it once */
+    if (!rc && update && dp->sharded && !dp->skipped) {
         tdm_optim_set_steps(dp->reps[0].opt, tdm_optim_steps(dp->reps[0].opt) + 1);
     }
     if (loss) {
@@ -568,6 +606,17 @@ int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out) {
     }
     tdm_set_grad_enabled(prev);
     return rc;
+}
+
+int tdm_dp_set_grad_scaler(tdm_dp *dp, tdm_grad_scaler *s) {
+    if (!dp) return tdm_raise(TDM_ERR_ARG, "data_parallel set_grad_scaler: NULL data parallel");
+    dp->scaler = s;
+    dp->skipped = false;
+    return TDM_OK;
+}
+
+bool tdm_dp_step_skipped(const tdm_dp *dp) {
+    return dp && dp->skipped;
 }
 
 int tdm_dp_set_clip_grad_norm(tdm_dp *dp, float max_norm) {

@@ -16,6 +16,8 @@
 #include "parallel/pipeline_split.h"
 #include "parallel/sync.h"
 #include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
+#include "optim/clip.h"
+#include "optim/scaler.h"
 #include "tandem/autograd.h"
 #include "tandem/pipeline.h"
 #include "tandem/trace.h"
@@ -97,6 +99,13 @@ struct tdm_pipe {
     int64_t B;
     tdm_loss_fn loss_fn;
     void *loss_arg;
+    /* fp16 (tdm_pipe_set_grad_scaler): the caller's scaler, the step's scale, and the
+     * workers' inf check joined under mu (see agree_finite) */
+    tdm_grad_scaler *scaler;
+    float loss_scale;
+    double inf_ss;
+    int inf_checked;
+    bool skipped;
 };
 
 /* "F 3" / "B 3": trace span names must outlive the trace, so they are static. */
@@ -194,7 +203,7 @@ static tdm_tensor *loss_root(worker *w, micro *m, tdm_tensor *out, int64_t row0,
     if (!loss) return NULL;
     double share = (double)rows / (double)p->B;
     w->loss += (double)tdm_item(loss) * share;
-    return tdm_mul_scalar(loss, (float)share);
+    return tdm_mul_scalar(loss, (float)(share * p->loss_scale)); /* fp16: times the scale */
 }
 
 static tdm_tensor *stage_input(worker *w, micro *m, int k, int64_t row0, int64_t rows) {
@@ -304,6 +313,41 @@ static int sync_replicas(worker *w, bool buffers) {
     return rc;
 }
 
+/* fp16: whether every gradient of every stage and replica is finite. Each worker adds the sum
+ * of squares of its averaged gradient (before unscaling; optim/scaler.h) under mu and waits
+ * for all the others, so all agree and skip alike. The sum's order varies, its finiteness
+ * does not. An error when the pipeline failed meanwhile. */
+static int agree_finite(worker *w, bool *finite) {
+    struct tdm_pipe *p = w->p;
+    double ss = 0;
+    int rc = w->opt ? tdm_clip_sum_squares_of(w->mod->paramset->flat_grad, &ss) : TDM_OK;
+    if (rc) return rc;
+    pthread_mutex_lock(&p->mu);
+    p->inf_ss += ss;
+    if (++p->inf_checked == p->n_workers) pthread_cond_broadcast(&p->cv);
+    while (p->inf_checked < p->n_workers && !atomic_load(&p->failed))
+        pthread_cond_wait(&p->cv, &p->mu);
+    *finite = isfinite(p->inf_ss);
+    bool failed = atomic_load(&p->failed);
+    pthread_mutex_unlock(&p->mu);
+    return failed ? tdm_raise(TDM_ERR_STATE, "stopped: another stage failed") : TDM_OK;
+}
+
+/* The update of a worker's stage: fp16 unscales its gradient and steps only when every
+ * worker's gradients are finite. */
+static int stage_update(worker *w) {
+    bool finite = true;
+    int rc = w->p->scaler ? agree_finite(w, &finite) : TDM_OK;
+    if (!rc && w->opt && finite && w->p->scaler)
+        rc = tdm_grad_scaler_unscale_of(w->p->scaler, w->mod->paramset->flat_grad);
+    if (!rc && w->opt && finite) {
+        tdm_trace_begin("optimizer");
+        rc = tdm_optim_step(w->opt);
+        tdm_trace_end();
+    }
+    return rc;
+}
+
 static void step_begin(worker *w) {
     w->loss = 0;
     w->busy_us = 0;
@@ -324,11 +368,7 @@ static int worker_step(worker *w) {
     tdm_scope_begin();
     if (!rc) rc = run_schedule(w);
     if (!rc) rc = sync_replicas(w, false);
-    if (!rc && w->opt) {
-        tdm_trace_begin("optimizer");
-        rc = tdm_optim_step(w->opt);
-        tdm_trace_end();
-    }
+    if (!rc) rc = stage_update(w);
     w->peak_bytes = (int64_t)(tdm_alloc_stats_get(w->dev).peak_in_use - base);
     if (rc) fail(w, rc);
     pthread_mutex_lock(&p->mu);
@@ -409,6 +449,8 @@ static int run_round(struct tdm_pipe *p, bool start) {
                 atomic_store_explicit(&h->grad_ready, 0, memory_order_relaxed);
             }
         p->finished = p->out = 0;
+        p->inf_ss = 0, p->inf_checked = 0;
+        p->loss_scale = p->scaler ? tdm_grad_scaler_begin(p->scaler) : 1.0f;
         p->generation++;
         pthread_cond_broadcast(&p->go);
     }
@@ -593,6 +635,8 @@ int tdm_pipe_step(tdm_pipe *p, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn lo
     p->x = x, p->y = target, p->B = x->shape[0];
     p->loss_fn = loss_fn, p->loss_arg = loss_arg;
     int rc = run_round(p, true);
+    p->skipped = !rc && p->scaler && !isfinite(p->inf_ss);
+    if (!rc && p->scaler) rc = tdm_grad_scaler_update_found(p->scaler, p->skipped);
     if (!rc && loss) {
         double sum = 0;
         for (int r = 0; r < p->R; r++) sum += p->w[(p->S - 1) * p->R + r].loss;
@@ -657,6 +701,17 @@ tdm_module *tdm_pipe_stage_module(tdm_pipe *p, int s, int r) {
 tdm_optim *tdm_pipe_stage_optim(tdm_pipe *p, int s, int r) {
     worker *w = worker_at(p, s, r);
     return w ? w->opt : NULL;
+}
+
+int tdm_pipe_set_grad_scaler(tdm_pipe *p, tdm_grad_scaler *s) {
+    if (!p) return tdm_raise(TDM_ERR_ARG, "pipe_set_grad_scaler: NULL pipeline");
+    p->scaler = s;
+    p->skipped = false;
+    return TDM_OK;
+}
+
+bool tdm_pipe_step_skipped(const tdm_pipe *p) {
+    return p && p->skipped;
 }
 
 void tdm_pipe_set_lr(tdm_pipe *p, float lr) {

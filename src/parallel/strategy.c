@@ -164,15 +164,10 @@ int tdm_strategy_set_precision(tdm_strategy *st, tdm_dtype dt) {
     if (dt != TDM_F32 && dt != TDM_BF16 && dt != TDM_F16)
         return tdm_raise(TDM_ERR_DTYPE, "strategy set_precision: dtype %s is not f32, bf16 or f16",
                          tdm_dtype_name(dt));
-    if (dt == TDM_F16 && !st->loss_on_caller)
-        return tdm_raise(TDM_ERR_ARG,
-                         "strategy set_precision: f16 needs a loss scaler between backward and "
-                         "the update, which %s runs on its own threads: not supported yet (bf16 "
-                         "needs none)",
-                         st->accumulates ? "DataParallel" : "a pipeline");
     if (dt == TDM_F16 && !st->scaler && !(st->scaler = tdm_grad_scaler_new(NULL)))
         return tdm_last_status();
     int rc = tdm_strategy_amp_hooks(st, dt);
+    if (!rc && st->ops->set_scaler) rc = st->ops->set_scaler(st, dt == TDM_F16 ? st->scaler : NULL);
     if (rc) return rc;
     if (dt != TDM_F16) tdm_grad_scaler_free(st->scaler), st->scaler = NULL;
     st->precision = dt;

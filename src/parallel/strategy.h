@@ -40,6 +40,11 @@ typedef struct tdm_strategy_ops {
     /* Stage 3's parameters whole, or sharded again. NULL: never sharded by parameters. */
     int (*gather_params)(tdm_strategy *st);
     int (*release_params)(tdm_strategy *st);
+    /* fp16's loss scaler s (NULL: none), for a strategy whose own threads run the update: it
+     * scales the losses, agrees on infs, skips alike, updates s once per step and sets
+     * st->skipped. NULL: the step drives st->scaler itself on the caller's thread
+     * (loss_on_caller; tdm_strategy_amp_update). */
+    int (*set_scaler)(tdm_strategy *st, tdm_grad_scaler *s);
     /* The header line's phrase (tdm_strategy_describe). NULL: none. */
     void (*describe)(tdm_strategy *st, int64_t batch, char *buf, size_t cap);
     /* The i-th module whose forward a step runs, on whichever thread runs it (i from 0 until
@@ -62,7 +67,8 @@ struct tdm_strategy {
     int micro;            /* micro-batches of the current step so far (strategy.c) */
     /* Mixed precision (strategy_amp.c): the autocast dtype of every forward and loss, TDM_F32
      * for none; the fp16 loss scaler (NULL otherwise), which the steps of one_device and
-     * distributed drive; the caller's loss function, which amp_loss wraps in a region. */
+     * distributed drive, and ops->set_scaler hands to the others; the caller's loss function,
+     * which amp_loss wraps in a region. */
     tdm_dtype precision;
     tdm_grad_scaler *scaler;
     bool skipped; /* the last step's update was skipped (an inf or NaN, fp16) */
@@ -81,9 +87,11 @@ int tdm_strategy_amp_hooks(tdm_strategy *st, tdm_dtype dt);
  * an autocast region of st->precision on the calling thread; its arg is st. */
 tdm_tensor *tdm_strategy_amp_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg);
 /* The fp16 update of a step, PyTorch's order: unscale o's gradients (averaged already, so
- * every rank finds the same inf), clip with clip_fn (NULL: none), step unless an inf or NaN was
- * found, update the scale. Sets st->skipped. The first error. */
-int tdm_strategy_amp_update(tdm_strategy *st, tdm_optim *o, int (*clip_fn)(tdm_strategy *st));
+ * every rank finds the same inf; through ddp where there is one, which agrees on it over the
+ * shards of ZeRO stages 2 and 3), clip with clip_fn (NULL: none), step unless an inf or NaN
+ * was found, update the scale. Sets st->skipped. The first error. */
+int tdm_strategy_amp_update(tdm_strategy *st, tdm_optim *o, tdm_ddp *ddp,
+                            int (*clip_fn)(tdm_strategy *st));
 /* Removes the hooks and frees the scaler (tdm_strategy_free, before ops->destroy). */
 void tdm_strategy_amp_free(tdm_strategy *st);
 

@@ -85,11 +85,12 @@ tdm_tensor *tdm_strategy_amp_loss(tdm_tensor *out, tdm_tensor *target, int64_t r
     return l;
 }
 
-int tdm_strategy_amp_update(tdm_strategy *st, tdm_optim *o, int (*clip_fn)(tdm_strategy *st)) {
+int tdm_strategy_amp_update(tdm_strategy *st, tdm_optim *o, tdm_ddp *ddp,
+                            int (*clip_fn)(tdm_strategy *st)) {
     /* the gradients were averaged over the ranks before this (DDP's all-reduce): an inf or
      * NaN on any rank is one in the average on every rank (a sum with an inf or NaN in it is
      * not finite), so every rank skips the same steps and keeps the same scale */
-    int rc = tdm_grad_scaler_unscale(st->scaler, o);
+    int rc = ddp ? tdm_ddp_unscale(ddp, st->scaler, o) : tdm_grad_scaler_unscale(st->scaler, o);
     if (!rc && clip_fn) rc = clip_fn(st);
     bool stepped = false;
     if (!rc) rc = tdm_grad_scaler_step(st->scaler, o, &stepped);

@@ -19,8 +19,14 @@ static int dp_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss
                    void *loss_arg, bool first, bool last, float *loss) {
     (void)first; /* tdm_dp counts its micro-batches itself */
     tdm_dp *dp = ((data_parallel *)st)->dp;
-    return last ? tdm_dp_step(dp, x, target, loss_fn, loss_arg, loss)
-                : tdm_dp_accumulate(dp, x, target, loss_fn, loss_arg, loss);
+    if (!last) return tdm_dp_accumulate(dp, x, target, loss_fn, loss_arg, loss);
+    int rc = tdm_dp_step(dp, x, target, loss_fn, loss_arg, loss);
+    st->skipped = tdm_dp_step_skipped(dp);
+    return rc;
+}
+
+static int dp_set_scaler(tdm_strategy *st, tdm_grad_scaler *s) {
+    return tdm_dp_set_grad_scaler(((data_parallel *)st)->dp, s);
 }
 
 static int dp_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
@@ -91,6 +97,7 @@ static const tdm_strategy_ops data_parallel_ops = {
     .set_shard = dp_set_shard,
     .set_reduce_dtype = dp_set_reduce_dtype,
     .set_clip = dp_set_clip,
+    .set_scaler = dp_set_scaler,
     .set_lr = dp_set_lr,
     .replica = dp_replica,
     .optim = dp_optim,

@@ -46,7 +46,7 @@ static int ddp_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_los
     tdm_parallel_context_clear();
     tdm_trace_end();
     tdm_trace_begin("optimizer"); /* the gradients are averaged: every rank sees one inf */
-    if (!rc && last && st->scaler) rc = tdm_strategy_amp_update(st, s->opt, ddp_clip);
+    if (!rc && last && st->scaler) rc = tdm_strategy_amp_update(st, s->opt, s->ddp, ddp_clip);
     if (!rc && last && !st->scaler) rc = ddp_clip(st);
     if (!rc && last && !st->scaler) rc = tdm_optim_step(s->opt);
     tdm_trace_end();

@@ -44,7 +44,7 @@ static int one_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_los
     if (mark && tdm_paramset_settle_grads(s->ps) && !rc) rc = -1;
     tdm_trace_end();
     tdm_trace_begin("optimizer");
-    if (!rc && last && st->scaler) rc = tdm_strategy_amp_update(st, s->opt, one_clip);
+    if (!rc && last && st->scaler) rc = tdm_strategy_amp_update(st, s->opt, NULL, one_clip);
     if (!rc && last && !st->scaler) rc = one_clip(st);
     if (!rc && last && !st->scaler) rc = tdm_optim_step(s->opt);
     tdm_trace_end();

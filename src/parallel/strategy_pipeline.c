@@ -19,7 +19,14 @@ typedef struct {
 static int pipe_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
                      void *loss_arg, bool first, bool last, float *loss) {
     (void)first, (void)last; /* strategy.c refuses accumulation: every call is a whole step */
-    return tdm_pipe_step(((pipeline *)st)->pipe, x, target, loss_fn, loss_arg, loss);
+    tdm_pipe *p = ((pipeline *)st)->pipe;
+    int rc = tdm_pipe_step(p, x, target, loss_fn, loss_arg, loss);
+    st->skipped = tdm_pipe_step_skipped(p);
+    return rc;
+}
+
+static int pipe_set_scaler(tdm_strategy *st, tdm_grad_scaler *s) {
+    return tdm_pipe_set_grad_scaler(((pipeline *)st)->pipe, s);
 }
 
 static int pipe_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
@@ -104,6 +111,7 @@ static const tdm_strategy_ops pipeline_ops = {
     .forward = pipe_forward,
     .set_reduce_dtype = pipe_set_reduce_dtype,
     .set_clip = pipe_set_clip,
+    .set_scaler = pipe_set_scaler,
     .set_lr = pipe_set_lr,
     .sync_model = pipe_sync_model,
     .replica = pipe_replica,

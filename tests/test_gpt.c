@@ -75,6 +75,88 @@ static void test_attention_forward(void) {
     }
 }
 
+/* The gradient of sum(y * dy) with respect to qkv in double, from the definition: per (b, h),
+ * P the causal softmax, dV = P^T dY, dS = P * (dY V^T - rowsum(P * dY V^T)), dQ = dS K / sqrt(hs),
+ * dK = dS^T Q / sqrt(hs). */
+static void attention_grad_reference(const float *qkv, const float *dy, double *g, int B, int T,
+                                     int C, int nh) {
+    int hs = C / nh;
+    double sc = 1.0 / sqrt((double)hs);
+    double *P = malloc(sizeof(double) * (size_t)T * T),
+           *dS = malloc(sizeof(double) * (size_t)T * T);
+#define QKV(b, t, which, i) ((double)qkv[((size_t)(b)*T + (t)) * 3 * C + (which)*C + (i)])
+#define DY(b, t, i)         ((double)dy[((size_t)(b)*T + (t)) * C + (i)])
+#define G(b, t, which, i)   g[((size_t)(b)*T + (t)) * 3 * C + (which)*C + (i)]
+    for (size_t i = 0; i < (size_t)B * T * 3 * C; i++) g[i] = 0;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < nh; h++) {
+            int o = h * hs;
+            for (int t = 0; t < T; t++) {
+                double mx = -INFINITY, sum = 0, dot = 0;
+                for (int s = 0; s <= t; s++) {
+                    double d = 0;
+                    for (int i = 0; i < hs; i++) d += QKV(b, t, 0, o + i) * QKV(b, s, 1, o + i);
+                    P[t * T + s] = d * sc;
+                    mx = fmax(mx, P[t * T + s]);
+                }
+                for (int s = 0; s <= t; s++) sum += (P[t * T + s] = exp(P[t * T + s] - mx));
+                for (int s = 0; s <= t; s++) {
+                    double dp = 0;
+                    for (int i = 0; i < hs; i++) dp += DY(b, t, o + i) * QKV(b, s, 2, o + i);
+                    P[t * T + s] /= sum;
+                    dS[t * T + s] = dp;
+                    dot += P[t * T + s] * dp;
+                }
+                for (int s = 0; s <= t; s++) dS[t * T + s] = P[t * T + s] * (dS[t * T + s] - dot);
+            }
+            for (int t = 0; t < T; t++)
+                for (int s = 0; s <= t; s++)
+                    for (int i = 0; i < hs; i++) {
+                        G(b, s, 2, o + i) += P[t * T + s] * DY(b, t, o + i);
+                        G(b, t, 0, o + i) += sc * dS[t * T + s] * QKV(b, s, 1, o + i);
+                        G(b, s, 1, o + i) += sc * dS[t * T + s] * QKV(b, t, 0, o + i);
+                    }
+        }
+#undef QKV
+#undef DY
+#undef G
+    free(P), free(dS);
+}
+
+/* Long sequences, where the kernels multiply causal blocks only (4 row blocks from T 128 on,
+ * uneven where 4 does not divide T): y and the gradient of qkv against the definition. */
+static void test_attention_blocks(void) {
+    const att_case cases[] = {{2, 130, 2, 8}, {1, 257, 1, 16}, {1, 128, 4, 4}};
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        att_case c = cases[k];
+        int C = c.nh * c.hs;
+        size_t n = (size_t)c.B * c.T * 3 * C, ny = (size_t)c.B * c.T * C;
+        tdm_scope_begin();
+        tdm_rng r = tdm_rng_make(70 + k);
+        tdm_tensor *qkv = tdm_randn(TDM_SHAPE(c.B, c.T, 3 * C), 0, 1.5f, tdm_cpu(0), &r);
+        tdm_tensor *dy = tdm_randn(TDM_SHAPE(c.B, c.T, C), 0, 1, tdm_cpu(0), &r);
+        tdm_requires_grad_(qkv, true);
+        tdm_tensor *y = tdm_causal_attention(qkv, c.nh);
+        int rc = y ? tdm_backward(tdm_sum_all(tdm_mul(y, dy))) : -1;
+        char what[64];
+        snprintf(what, sizeof what, "attention blocks B%d T%d nh%d hs%d", c.B, c.T, c.nh, c.hs);
+        CHECK(rc == 0 && qkv->grad, "%s: %s", what, tdm_last_error());
+        float *hq = malloc(sizeof(float) * n), *hd = malloc(sizeof(float) * ny);
+        float *want = malloc(sizeof(float) * n);
+        double *ref = malloc(sizeof(double) * n);
+        tdm_to_host(qkv, hq, sizeof(float) * n);
+        tdm_to_host(dy, hd, sizeof(float) * ny);
+        attention_reference(hq, ref, c.B, c.T, C, c.nh);
+        for (size_t i = 0; i < ny; i++) want[i] = (float)ref[i];
+        if (y) check_tensor_close(y, want, 1e-5, 1e-4, what);
+        attention_grad_reference(hq, hd, ref, c.B, c.T, C, c.nh);
+        for (size_t i = 0; i < n; i++) want[i] = (float)ref[i];
+        if (!rc && qkv->grad) check_tensor_close(qkv->grad, want, 1e-4, 1e-3, what);
+        free(hq), free(hd), free(want), free(ref);
+        tdm_scope_end();
+    }
+}
+
 static tdm_tensor *attention_fn(tdm_tensor **in, void *ctx) {
     return tdm_causal_attention(in[0], *(int *)ctx);
 }
@@ -521,6 +603,7 @@ static void test_weight_decay_groups(void) {
 int main(void) {
     if (tmpdir_make("test_gpt") != 0) return 1;
     test_attention_forward();
+    test_attention_blocks();
     test_attention_gradcheck();
     test_attention_errors();
     test_block_gradcheck();

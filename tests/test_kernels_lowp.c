@@ -653,8 +653,8 @@ static void test_losses(void) {
 /* qkv, y and dqkv low precision; the log-sum-exp f32 (docs/MIXED_PRECISION.md, difference 2).
  * In bf16 the native path rounds P and dS too (attention_slack); in f16 the widening
  * adapter runs the f32 kernel: one rounding of each output. */
-static void test_attention(void) {
-    const int64_t B = 2, T = 9, C = 16, nh = 2;
+static void test_attention_at(int64_t T) {
+    const int64_t B = 2, C = 16, nh = 2;
     tdm_scope_begin();
     pair qkv = draw(TDM_SHAPE(B, T, 3 * C), DT, -1.5f, 1.5f), y = output(TDM_SHAPE(B, T, C), DT);
     pair lse = output(TDM_SHAPE(B, nh, T), TDM_F32);
@@ -676,6 +676,12 @@ static void test_attention(void) {
     expect("attention_backward", dqkv, sg);
     free(sy), free(slse), free(sg);
     tdm_scope_end();
+}
+
+/* T 130: the kernels' causal blocks (4, uneven) in both dtypes */
+static void test_attention(void) {
+    test_attention_at(9);
+    test_attention_at(130);
 }
 
 /* ---- what is refused -------------------------------------------------------------------- */

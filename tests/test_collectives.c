@@ -1,7 +1,8 @@
 /* Collectives of the threads group, launched with tdm_spawn: every op against a serial
  * reference computed here (sums in rank order in float, so results must match bit for bit),
  * asynchronous handles waited in and out of order, failures (a rank's error, a timeout, ranks
- * that disagree) that end in errors instead of hangs, and device lists. */
+ * that disagree, named with the sites tdm_collective_label gives) that end in errors instead of
+ * hangs, the flight recorder's file, and device lists. */
 #include "check.h"
 #include "parallel/group.h"
 #include "parallel/lines.h"
@@ -438,7 +439,7 @@ static int rank_dtype_mismatch(tdm_rank_ctx *ctx, void *arg) {
 }
 
 static void test_dtype_mismatch(void) {
-    const char *other[2] = {"f16)", "f32)"};
+    const char *other[2] = {"10 f16, sum)", "10 f32, sum)"};
     for (int k = 0; k < 2; k++) {
         shared sh = {.n = 2};
         atomic_store(&sh.flag, k);
@@ -446,8 +447,9 @@ static void test_dtype_mismatch(void) {
               tdm_last_error());
         for (int r = 0; r < 2; r++) {
             CHECK(sh.status[r] == TDM_ERR_COMM, "rank %d status %d", r, sh.status[r]);
-            CHECK(strstr(sh.msg[r], "ranks disagree on the dtype: rank 0 called all_reduce (10 "
-                                    "elements, root 0, op 0, bf16)") &&
+            CHECK(strstr(sh.msg[r], "ranks disagree on the dtype: rank 0 is in all_reduce #1 "
+                                    "(unnamed: 10 bf16, sum) while rank 1 is in all_reduce #1 "
+                                    "(unnamed: 10 ") &&
                       strstr(sh.msg[r], other[k]),
                   "rank %d message: %s", r, sh.msg[r]);
         }
@@ -541,6 +543,77 @@ static void test_devices(void) {
     CHECK_ERROR(tdm_devices_parse("", d, 8) < 0, "empty device list");
 }
 
+/* ---- fingerprints with sites, and the flight recorder ------------------------------------ */
+
+/* One collective that agrees, then rank 0 in a labelled all-reduce while rank 1 is in a
+ * labelled broadcast (flag 0), or both in all-reduces of the same size from different sites
+ * (flag 1); each rank then writes its flight recorder to dir/flight-R.jsonl. */
+static char flight_dir[64];
+
+static int rank_site_mismatch(tdm_rank_ctx *ctx, void *arg) {
+    shared *sh = arg;
+    int r = ctx->rank;
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(10), TDM_F32, tdm_cpu(r));
+    tdm_collective_label("warm-up");
+    int rc = tdm_work_wait(tdm_all_reduce(ctx->group, t, TDM_SUM));
+    if (r == 0 || atomic_load(&sh->flag)) {
+        tdm_collective_label("DDP bucket %d", 3 + r);
+        sh->status[r] = rc ? rc : tdm_work_wait(tdm_all_reduce(ctx->group, t, TDM_SUM));
+    } else {
+        tdm_collective_label("stage-3 gather of unit %d", 5);
+        sh->status[r] = rc ? rc : tdm_work_wait(tdm_broadcast(ctx->group, t, 0));
+    }
+    snprintf(sh->msg[r], sizeof sh->msg[r], "%s", tdm_last_error());
+    char path[128];
+    snprintf(path, sizeof path, "%s/flight-%d.jsonl", flight_dir, r);
+    if (tdm_group_dump_flight(ctx->group, path)) sh->bad[r]++;
+    tdm_tensor_free(t);
+    return 0;
+}
+
+static void test_site_mismatch(void) {
+    snprintf(flight_dir, sizeof flight_dir, "/tmp/tandem_flight_XXXXXX");
+    CHECK(mkdtemp(flight_dir), "mkdtemp");
+    const char *want[2] = {"ranks disagree on the collective: rank 0 is in all_reduce #2 (DDP "
+                           "bucket 3: 10 f32, sum) while rank 1 is in broadcast #2 (stage-3 "
+                           "gather of unit 5: 10 f32, root 0)",
+                           "ranks disagree on the caller: rank 0 is in all_reduce #2 (DDP bucket "
+                           "3: 10 f32, sum) while rank 1 is in all_reduce #2 (DDP bucket 4: 10 "
+                           "f32, sum)"};
+    for (int k = 0; k < 2; k++) {
+        shared sh = {.n = 2};
+        atomic_store(&sh.flag, k);
+        CHECK(tdm_spawn(2, devs, rank_site_mismatch, &sh) == TDM_OK, "spawn: %s", tdm_last_error());
+        for (int r = 0; r < 2; r++) {
+            CHECK(sh.status[r] == TDM_ERR_COMM && strstr(sh.msg[r], want[k]),
+                  "rank %d status %d, message: %s", r, sh.status[r], sh.msg[r]);
+            CHECK(sh.bad[r] == 0, "rank %d could not write its flight recorder: %s", r,
+                  tdm_last_error());
+        }
+    }
+    /* the last case's files: the rank's line with the failure, then both collectives */
+    char path[128];
+    snprintf(path, sizeof path, "%s/flight-1.jsonl", flight_dir);
+    FILE *f = fopen(path, "r");
+    char line[3][1024] = {{0}};
+    for (int i = 0; f && i < 3 && fgets(line[i], sizeof line[i], f); i++) {
+    }
+    if (f) fclose(f);
+    CHECK(strstr(line[0], "\"rank\":1,\"size\":2,\"backend\":\"threads\"") &&
+              strstr(line[0], "\"launched\":2") && strstr(line[0], "ranks disagree on the caller"),
+          "the rank's line: %s", line[0]);
+    CHECK(strstr(line[1], "\"seq\":1,\"op\":\"all_reduce\",\"site\":\"warm-up\"") &&
+              strstr(line[1], "\"state\":\"done\""),
+          "the first collective: %s", line[1]);
+    CHECK(strstr(line[2], "\"seq\":2,\"op\":\"all_reduce\",\"site\":\"DDP bucket 4\"") &&
+              strstr(line[2], "\"count\":10,\"dtype\":\"f32\"") &&
+              strstr(line[2], "\"state\":\"failed\""),
+          "the second: %s", line[2]);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", flight_dir);
+    if (check_failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", flight_dir);
+}
+
 int main(void) {
     for (int r = 0; r < MAX_RANKS; r++) devs[r] = tdm_cpu(r);
     test_devices();
@@ -553,5 +626,6 @@ int main(void) {
     test_mismatch();
     test_lowp();
     test_dtype_mismatch();
+    test_site_mismatch();
     return check_summary();
 }

@@ -839,6 +839,13 @@ static int fault_child(const char *what) {
                     break;
                 }
                 if (!strcmp(what, "hang")) sleep(60);
+                if (!strcmp(what, "extra")) { /* a read-back the others do not make */
+                    tdm_tensor *t = tdm_ones(TDM_SHAPE(1), TDM_F32, tdm_cpu(0));
+                    tdm_collective_label("the trainer's loss read-back");
+                    rc = tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM));
+                    tdm_tensor_free(t);
+                    if (rc) break;
+                }
                 if (!strcmp(what, "abort")) {
                     tdm_group_abort(G, "out of data");
                     rc = tdm_raise(TDM_ERR_STATE, "out of data");
@@ -945,11 +952,16 @@ static void test_faults(const char *mpirun) {
                                       NULL});
     expect_job_fails(mpirun, "mismatch", 15,
                      (const char *[]){"ranks disagree on the element count: ",
-                                      "called all_reduce #1 (11 elements", NULL});
+                                      "is in all_reduce #1 (unnamed: 11 f32, sum)", NULL});
+    /* rank 1 reads a loss back while the others start step 3's first bucket: the first
+     * collective that differs names both sides, sites included */
+    expect_job_fails(mpirun, "extra", 15,
+                     (const char *[]){"ranks disagree on the ",
+                                      "(the trainer's loss read-back: 1 f32, sum)",
+                                      "is in all_reduce #", "(DDP bucket 0: ", NULL});
     expect_job_fails(mpirun, "dtype", 15,
                      (const char *[]){"ranks disagree on the dtype: ",
-                                      "called all_reduce #1 (10 elements, root 0, op 0, f16)",
-                                      NULL});
+                                      "is in all_reduce #1 (unnamed: 10 f16, sum)", NULL});
     /* the same with 1 MiB messages over TCP (as between nodes), where Open MPI wrote a larger
      * message than a rank expected past the end of its tensor: every rank names the mismatch,
      * and (under ASan) nothing writes into or past a freed tensor */
@@ -958,7 +970,7 @@ static void test_faults(const char *mpirun) {
                      (const char *[]){"rank 0: all_gather on rank 0: ranks disagree on the element",
                                       "rank 1: all_gather on rank 1: ranks disagree on the element",
                                       "rank 2: all_gather on rank 2: ranks disagree on the element",
-                                      "rank 2 called all_gather #1 (262144 elements", NULL});
+                                      "rank 2 is in all_gather #1 (unnamed: 262144 ", NULL});
     /* a rank that gives up while a broadcast's data stream in over TCP (small fragments: a
      * segment takes many of them): once its broadcast has failed nothing writes into its
      * tensor; twice, since the abort may fall between two segments */

@@ -330,7 +330,7 @@ static void note_small_work(trainer *tr, uint64_t flops) {
  * flushed. Every process comes here at the same steps. */
 static int end_window(trainer *tr, int64_t step, double now) {
     double w[2] = {tr->win_loss, (double)tr->win_samples};
-    if (tr->g && trainer_sum_over_processes(tr, w, 2)) return EXIT_RUNTIME;
+    if (tr->g && trainer_sum_over_processes(tr, w, 2, "progress line's loss")) return EXIT_RUNTIME;
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
     double dt = now - tr->win_t0, n = (double)tr->win_steps;
     if (!tdm_stop_requested()) /* a stopping mpirun no longer reads: a write could block */
@@ -367,7 +367,8 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
     double local[SYNC_STEPS];
     memcpy(local, global, sizeof(double) * (size_t)k);
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
-    if (procs > 1 && k && trainer_sum_over_processes(tr, global, k)) return EXIT_RUNTIME;
+    if (procs > 1 && k && trainer_sum_over_processes(tr, global, k, "loss read-back"))
+        return EXIT_RUNTIME;
     for (int i = 0; i < k; i++) {
         int64_t s = step - k + i + 1;
         double loss = global[i] / procs;
@@ -409,7 +410,7 @@ static int stop_signal(trainer *tr, bool synced) {
     if (!tr->g) return sig;
     if (!synced) return 0;
     double any = sig;
-    if (trainer_sum_over_processes(tr, &any, 1)) return -1;
+    if (trainer_sum_over_processes(tr, &any, 1, "stop signals")) return -1;
     if (any > 0 && !sig) tdm_stop_request(SIGTERM), sig = tdm_stop_requested();
     return any > 0 ? sig : 0;
 }
@@ -512,7 +513,8 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
     /* the totals, and the samples trained here: a resumed epoch's speed is this process's */
     double tot[4] = {tr->loss_sum, (double)tr->correct, (double)tr->samples,
                      (double)(tr->samples - tr->samples_before)};
-    if (tr->g && !tr->stopped && trainer_sum_over_processes(tr, tot, 4)) return EXIT_RUNTIME;
+    if (tr->g && !tr->stopped && trainer_sum_over_processes(tr, tot, 4, "epoch's totals"))
+        return EXIT_RUNTIME;
     double secs = progress_now() - t0, n = tot[2], here = tot[3];
     *e = (epoch_stats){
         .epoch = epoch,
@@ -901,6 +903,7 @@ int trainer_run(const train_opts *o, task *t, tdm_group *procs) {
     /* stopped by a signal: mpirun ends every process once one exits non-zero, so none exits
      * before rank 0 has written its checkpoint and closed its files */
     fflush(stdout);
+    if (procs && rc > 128) tdm_collective_label("the trainer's last barrier before a stop");
     if (procs && rc > 128 && tdm_work_wait(tdm_barrier(procs)) != TDM_OK)
         rc = task_error("waiting for the other processes to stop: %s", tdm_last_error());
     trainer_free(&tr);

@@ -23,8 +23,10 @@ static int rank_of(const trainer *tr) {
 }
 
 /* Every process's v[0..n) into all[rank * n + i], exactly: the doubles travel as pairs of
- * 32-bit words. Without MPI, the one process's. */
-static int gather_over_processes(trainer *tr, const double *v, int n, double *all) {
+ * 32-bit words. Without MPI, the one process's. what names the collective (messages, the
+ * flight recorder). */
+static int gather_over_processes(trainer *tr, const double *v, int n, double *all,
+                                 const char *what) {
     if (!tr->g) return memcpy(all, v, sizeof(double) * (size_t)n), 0;
     int procs = tdm_group_size(tr->g);
     int32_t mine[2 * TOTALS_CAP];
@@ -33,6 +35,7 @@ static int gather_over_processes(trainer *tr, const double *v, int n, double *al
     memcpy(mine, v, sizeof(double) * (size_t)n);
     tdm_tensor *in = tdm_from_data(TDM_SHAPE(2 * n), TDM_I32, tdm_cpu(0), mine);
     tdm_tensor *out = in ? tdm_zeros(TDM_SHAPE(2 * n * procs), TDM_I32, tdm_cpu(0)) : NULL;
+    if (out) tdm_collective_label("the trainer's %s", what);
     int rc = out ? tdm_work_wait(tdm_all_gather(tr->g, out, in)) : tdm_last_status();
     if (!rc) rc = tdm_to_host(out, all, sizeof(double) * (size_t)n * (size_t)procs);
     tdm_tensor_free(in);
@@ -42,11 +45,11 @@ static int gather_over_processes(trainer *tr, const double *v, int n, double *al
 
 /* Under MPI, v[0..n) summed over the processes in rank order, in double: every process gets
  * the same bits, and a count stays exact (a float sum was not past 2^24). */
-int trainer_sum_over_processes(trainer *tr, double *v, int n) {
+int trainer_sum_over_processes(trainer *tr, double *v, int n, const char *what) {
     int procs = tdm_group_size(tr->g);
     double *all = malloc(sizeof(double) * (size_t)n * (size_t)procs);
     if (!all) return task_error("summing over the processes: out of memory");
-    int rc = gather_over_processes(tr, v, n, all);
+    int rc = gather_over_processes(tr, v, n, all, what);
     for (int i = 0; !rc && i < n; i++) {
         v[i] = 0;
         for (int r = 0; r < procs; r++) v[i] += all[r * n + i];
@@ -64,7 +67,7 @@ static int rank_totals(trainer *tr, const double *tot, char **out) {
     size_t cap = 80 * (size_t)procs + 1, len = 0;
     char *s = malloc(cap);
     int rc = all && s ? 0 : task_error("checkpoint: out of memory");
-    if (!rc) rc = gather_over_processes(tr, tot, 3, all);
+    if (!rc) rc = gather_over_processes(tr, tot, 3, all, "checkpoint's totals of each rank");
     for (int r = 0; !rc && r < procs; r++)
         len += (size_t)snprintf(s + len, cap - len, "%a %lld %lld;", all[3 * r],
                                 (long long)all[3 * r + 1], (long long)all[3 * r + 2]);
@@ -85,7 +88,7 @@ static int local_replicas(const trainer *tr) {
 static int all_succeeded(trainer *tr, bool failed, const char *what, int64_t step) {
     int procs = procs_of(tr), first = -1, n = 0, l = local_replicas(tr);
     double mine = failed, *all = malloc(sizeof(double) * (size_t)procs);
-    if (!all || gather_over_processes(tr, &mine, 1, all)) return free(all), EXIT_RUNTIME;
+    if (!all || gather_over_processes(tr, &mine, 1, all, what)) return free(all), EXIT_RUNTIME;
     for (int r = procs - 1; r >= 0; r--)
         if (all[r] != 0) first = r, n++;
     free(all);
@@ -117,7 +120,7 @@ static int shard_ranges(trainer *tr, const tdm_train_state *s, int64_t *ranges) 
         rc = tdm_optim_shard_range(replica_state(tr, s, k).optim, &lo, &hi);
         mine[2 * k] = (double)lo, mine[2 * k + 1] = (double)hi; /* exact below 2^53 */
     }
-    if (!rc) rc = gather_over_processes(tr, mine, 2 * l, all);
+    if (!rc) rc = gather_over_processes(tr, mine, 2 * l, all, "optimizer shards' ranges");
     for (int i = 0; !rc && i < 2 * procs * l; i++) ranges[i] = (int64_t)all[i];
     free(mine), free(all);
     return rc ? task_error("checkpoint: gathering the ranks' ranges failed") : 0;
@@ -179,7 +182,8 @@ static int save_checkpoint(trainer *tr) {
     double tot[3] = {tr->loss_sum, (double)tr->correct, (double)tr->samples};
     char *ranks = NULL;
     if (rank_totals(tr, tot, &ranks)) return EXIT_RUNTIME;
-    if (tr->g && trainer_sum_over_processes(tr, tot, 3)) return free(ranks), EXIT_RUNTIME;
+    if (tr->g && trainer_sum_over_processes(tr, tot, 3, "checkpoint's totals"))
+        return free(ranks), EXIT_RUNTIME;
     tr->last_saved = tr->global_step;
     bool shards = tdm_strategy_state_split(tr->st);
     if (tr->silent && !shards) /* rank 0 writes; every rank loads */
@@ -407,6 +411,7 @@ int trainer_same_options_everywhere(trainer *tr) {
         all ? tdm_from_data(TDM_SHAPE(PROCESS_ID_CAP), TDM_I32, tdm_cpu(0), one) : NULL;
     tdm_tensor *out =
         in ? tdm_zeros(TDM_SHAPE((int64_t)n * PROCESS_ID_CAP), TDM_I32, tdm_cpu(0)) : NULL;
+    if (out) tdm_collective_label("the trainer's options check");
     int rc = out ? tdm_work_wait(tdm_all_gather(tr->g, out, in)) : tdm_last_status();
     if (!rc) rc = tdm_to_host(out, all, sizeof(int32_t) * (size_t)n * PROCESS_ID_CAP);
     tdm_tensor_free(in);
@@ -486,7 +491,8 @@ static int claim(trainer *tr) {
 int trainer_claim_checkpoint_dir(trainer *tr) {
     if (!tr->o->checkpoint_dir) return 0;
     double rc = tr->silent ? 0 : claim(tr); /* rank 0 writes the checkpoints */
-    if (tr->g && trainer_sum_over_processes(tr, &rc, 1)) return EXIT_RUNTIME;
+    if (tr->g && trainer_sum_over_processes(tr, &rc, 1, "checkpoint directory's claim"))
+        return EXIT_RUNTIME;
     return (int)rc; /* every process stops with rank 0's status */
 }
 
@@ -665,7 +671,7 @@ int trainer_resume(trainer *tr) {
     if (!rc) rc = note_precision(tr, path);
     /* each process read its own totals: every one stops when any refused them */
     double failed = rc;
-    if (tr->g && trainer_sum_over_processes(tr, &failed, 1)) return EXIT_RUNTIME;
+    if (tr->g && trainer_sum_over_processes(tr, &failed, 1, "resume's check")) return EXIT_RUNTIME;
     if (failed != 0) return rc ? rc : EXIT_RUNTIME;
     tr->start_epoch = (int)epoch + 1;
     tr->resume_step = batch / tr->accum;

@@ -67,9 +67,10 @@ typedef struct trainer {
 } trainer;
 
 /* Under MPI, v[0..n) (n <= TOTALS_CAP) summed over the processes, in double and in rank order
- * (every process gets the same bits); every process calls it at the same steps. 0, or
- * EXIT_RUNTIME after printing the error. */
-int trainer_sum_over_processes(trainer *tr, double *v, int n);
+ * (every process gets the same bits); every process calls it at the same steps. what names the
+ * collective ("loss read-back": "the trainer's loss read-back" in a desync's message and the
+ * flight recorder). 0, or EXIT_RUNTIME after printing the error. */
+int trainer_sum_over_processes(trainer *tr, double *v, int n, const char *what);
 /* A checkpoint at the current step (rank 0 writes; every process takes part in the sums), and
  * the task's files of the model. 0 or EXIT_RUNTIME. */
 int trainer_save_checkpoint(trainer *tr);

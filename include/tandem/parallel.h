@@ -76,6 +76,23 @@ int tdm_work_wait(tdm_work *w);
 /* Marks this rank as failed with its message: every collective of the group, pending or
  * future, fails on every rank with "rank R failed: message". */
 void tdm_group_abort(tdm_group *g, const char *message);
+/* Names the next collective this thread starts, printf-style (at most 47 bytes are kept), e.g.
+ * "DDP bucket 3" or "the trainer's loss read-back". The name travels in the collective's
+ * fingerprint (its number on the group, the op, dtype, element count, root and this name), so
+ * a rank whose collective differs from its peers' stops with a message naming both sides
+ * ("rank 0 is in all_reduce #12 (DDP bucket 3: ...) while rank 1 is in broadcast #12
+ * (stage-3 gather of unit 5: ...)"), and the flight recorder keeps it. It labels one
+ * collective: the next tdm_all_reduce, tdm_broadcast, ... on this thread uses and clears it.
+ * NULL clears it. Unnamed collectives say "unnamed". */
+void tdm_collective_label(const char *fmt, ...);
+/* The flight recorder: every group keeps its last 256 collectives (number, op, name, dtype,
+ * element count, root, bytes, launch and end times on the wall clock, and whether each is
+ * running, done or failed) and the first failure's message. Writes them to path (created or
+ * replaced), one JSON object a line: the rank's (rank, size, backend, host, pid, time,
+ * launched, timeout, failure), then the collectives oldest first. `tandem doctor DIR` merges
+ * every rank's file. Safe while collectives run (a copy is taken under the group's lock).
+ * TDM_ERR_ARG for NULLs, TDM_ERR_IO naming the path. */
+int tdm_group_dump_flight(tdm_group *g, const char *path);
 /* Seconds a collective waits for the other ranks before failing (default 60). */
 void tdm_group_set_timeout(tdm_group *g, double seconds);
 

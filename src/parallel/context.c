@@ -17,6 +17,7 @@ static bool split_current(tdm_batch_split *out) {
 }
 
 static int split_sum(void *group, tdm_tensor *t) {
+    tdm_collective_label("batch norm statistics");
     return tdm_work_wait(tdm_all_reduce(group, t, TDM_SUM));
 }
 

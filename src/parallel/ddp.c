@@ -101,6 +101,7 @@ static int check_same_params(tdm_ddp *d) {
     tdm_paramset *ps = d->ps;
     int rank = tdm_group_rank(d->g);
     tdm_tensor *count = tdm_full(TDM_SHAPE(1), (float)ps->n, TDM_I64, tdm_group_memory(d->g));
+    tdm_collective_label("DDP's parameter count");
     int rc = tdm_work_wait(tdm_broadcast(d->g, count, 0));
     int64_t n0 = 0;
     if (!rc) tdm_to_host(count, &n0, sizeof n0);
@@ -121,6 +122,7 @@ static int check_same_params(tdm_ddp *d) {
         }
         tdm_tensor *t = tdm_from_data(TDM_SHAPE((int64_t)ps->n * SIG_PER_PARAM), TDM_I64,
                                       tdm_group_memory(d->g), sig);
+        tdm_collective_label("DDP's parameter shapes");
         rc = t ? tdm_work_wait(tdm_broadcast(d->g, t, 0)) : tdm_last_status();
         int64_t *sig0 = malloc(sizeof *sig0 * ((size_t)ps->n * SIG_PER_PARAM + 1));
         if (!rc && sig0) tdm_to_host(t, sig0, sizeof *sig0 * (size_t)ps->n * SIG_PER_PARAM);
@@ -152,6 +154,7 @@ static int check_same_params(tdm_ddp *d) {
         return tdm_raise(TDM_ERR_SHAPE, "%s", msg);
     }
     /* every rank learns whether some other rank differed */
+    tdm_collective_label("DDP's parameter check");
     return tdm_work_wait(tdm_barrier(d->g));
 }
 
@@ -287,6 +290,8 @@ static int launch_reduces(tdm_ddp *d, bucket *b) {
         shard_of(d, b->owner0 + j, &lo, &hi);
         int64_t a = lo > b->lo ? lo : b->lo, e = hi < b->hi ? hi : b->hi;
         tdm_tensor piece = tdm_range_view(b->lbuf ? b->lbuf : b->buf, a - b->lo, e - b->lo);
+        tdm_collective_label("DDP bucket %d, shard of rank %d", (int)(b - d->buckets),
+                             b->owner0 + j);
         if (!(b->works[j] = tdm_reduce(d->g, &piece, b->owner0 + j, TDM_AVG)))
             return tdm_last_status();
     }
@@ -344,6 +349,7 @@ static void reclaim(tdm_ddp *d) {
  * f32 before that one rounding, not in bf16 before the sum. */
 static int launch_low(tdm_ddp *d, bucket *b) {
     int rc = tdm_backend_for(b->view.device)->copy(&b->low, &b->view);
+    if (!rc) tdm_collective_label("DDP bucket %d", (int)(b - d->buckets));
     if (!rc && !(b->work = tdm_all_reduce(d->g, &b->low, TDM_AVG))) rc = tdm_last_status();
     return rc;
 }
@@ -369,8 +375,9 @@ static void launch_ready(tdm_ddp *d) {
             if (!rc) rc = launch_reduces(d, b);
         } else if (d->low) {
             rc = launch_low(d, b);
-        } else if (!(b->work = tdm_all_reduce(d->g, &b->view, TDM_AVG))) {
-            rc = tdm_last_status();
+        } else {
+            tdm_collective_label("DDP bucket %d", (int)(b - d->buckets));
+            if (!(b->work = tdm_all_reduce(d->g, &b->view, TDM_AVG))) rc = tdm_last_status();
         }
         if (rc && !d->launch_error) d->launch_error = rc;
     }
@@ -400,9 +407,12 @@ static void reset_buckets(tdm_ddp *d) {
 /* ---- the public API ----------------------------------------------------------------------- */
 
 static int broadcast_state(tdm_ddp *d, bool params) {
+    if (params) tdm_collective_label("DDP's parameters from rank 0");
     int rc = params ? tdm_work_wait(tdm_broadcast(d->g, d->ps->flat, 0)) : TDM_OK;
-    for (int i = 0; !rc && i < d->bs->n; i++)
+    for (int i = 0; !rc && i < d->bs->n; i++) {
+        tdm_collective_label("DDP's buffer %s from rank 0", d->bs->names[i]);
         rc = tdm_work_wait(tdm_broadcast(d->g, d->bs->buffers[i], 0));
+    }
     return rc;
 }
 
@@ -749,6 +759,7 @@ static int sharded_sum_squares(tdm_ddp *d, const char *op, double *total) {
         tdm_device mem = tdm_group_memory(d->g);
         tdm_tensor *mine = tdm_from_data(TDM_SHAPE(1), TDM_I64, mem, &ss);
         tdm_tensor *all = tdm_empty(TDM_SHAPE(n), TDM_I64, mem);
+        tdm_collective_label("%s's sum of squares", op);
         rc = mine && all ? tdm_work_wait(tdm_all_gather(d->g, all, mine)) : tdm_last_status();
         if (!rc) rc = tdm_to_host(all, sums, sizeof *sums * (size_t)n);
         tdm_scope_end();

@@ -115,6 +115,8 @@ static int gather_start(unit *u, tdm_dtype dt) {
                 tdm_tensor mine = tdm_range_view(f->shard, a - f->lo, e - f->lo);
                 rc = tdm_copy_(&v, &mine);
             }
+            if (!rc && f->size > 1)
+                tdm_collective_label("stage-3 gather of unit %d from rank %d", u->index, r);
             tdm_work *w = rc || f->size == 1 ? NULL : tdm_broadcast(f->g, &v, r);
             if (w)
                 u->works[u->n_works++] = w;

@@ -4,11 +4,20 @@
 
 #include "tandem/half.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define DEFAULT_TIMEOUT_S 60.0
+
+/* Seconds since the epoch: the flight recorder's clock, comparable between hosts. */
+static double wall_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
 
 const char *tdm_coll_name(tdm_coll_kind k) {
     switch (k) {
@@ -28,6 +37,23 @@ const char *tdm_coll_name(tdm_coll_kind k) {
     return "?";
 }
 
+void tdm_coll_describe(const tdm_coll *c, char *buf, size_t cap) {
+    char how[32] = "";
+    if (c->kind == TDM_COLL_ALL_REDUCE || c->kind == TDM_COLL_REDUCE_SCATTER)
+        snprintf(how, sizeof how, ", %s", c->op == TDM_AVG ? "avg" : "sum");
+    else if (c->kind == TDM_COLL_REDUCE)
+        snprintf(how, sizeof how, ", %s to root %d", c->op == TDM_AVG ? "avg" : "sum", c->root);
+    else if (c->kind == TDM_COLL_BROADCAST)
+        snprintf(how, sizeof how, ", root %d", c->root);
+    if (c->kind == TDM_COLL_BARRIER)
+        snprintf(buf, cap, "barrier #%lld (%s)", (long long)c->seq,
+                 c->site[0] ? c->site : "unnamed");
+    else
+        snprintf(buf, cap, "%s #%lld (%s: %lld %s%s)", tdm_coll_name(c->kind), (long long)c->seq,
+                 c->site[0] ? c->site : "unnamed", (long long)c->count, tdm_dtype_name(c->dtype),
+                 how);
+}
+
 void tdm_group_init(tdm_group *g, const tdm_group_ops *ops, int rank, int size, tdm_device dev) {
     g->ops = ops;
     g->rank = rank;
@@ -37,6 +63,9 @@ void tdm_group_init(tdm_group *g, const tdm_group_ops *ops, int rank, int size, 
     pthread_mutex_init(&g->lock, NULL);
     tdm_waitq_init(&g->done_q);
     g->free_works = g->all_works = NULL;
+    g->launched = 0;
+    memset(g->flight, 0, sizeof g->flight);
+    g->failure[0] = '\0';
 }
 
 void tdm_group_destroy(tdm_group *g) {
@@ -143,6 +172,15 @@ static void work_put(tdm_work *w) {
 
 void tdm_work_finish(tdm_work *w, int status, const char *msg) {
     tdm_group *g = w->group;
+    pthread_mutex_lock(&g->lock);
+    tdm_flight_entry *e = &g->flight[w->c.seq % TDM_FLIGHT_LEN];
+    if (e->c.seq == w->c.seq) {
+        e->t_end = wall_seconds();
+        e->state = status == TDM_OK ? TDM_FLIGHT_DONE : TDM_FLIGHT_FAILED;
+    }
+    if (status != TDM_OK && !g->failure[0] && msg)
+        snprintf(g->failure, sizeof g->failure, "%s", msg);
+    pthread_mutex_unlock(&g->lock);
     w->status = status;
     if (msg && msg[0])
         snprintf(w->msg, sizeof w->msg, "%s", msg);
@@ -177,11 +215,37 @@ bool tdm_work_done(const tdm_work *w) {
     return atomic_load(&w->done) != 0;
 }
 
+/* The label tdm_collective_label set for this thread's next collective ("" when none). */
+static _Thread_local char next_label[TDM_SITE_LEN];
+
+void tdm_collective_label(const char *fmt, ...) {
+    next_label[0] = '\0';
+    if (!fmt) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(next_label, sizeof next_label, fmt, ap);
+    va_end(ap);
+}
+
 tdm_work *tdm_group_launch(tdm_group *g, tdm_coll c) {
     tdm_work *w = work_get(g);
     if (!w) return NULL;
+    if (next_label[0]) { /* else the caller's (a two-level group passes its own on) */
+        memcpy(c.site, next_label, sizeof c.site);
+        next_label[0] = '\0';
+    }
+    pthread_mutex_lock(&g->lock);
+    c.seq = ++g->launched;
+    g->flight[c.seq % TDM_FLIGHT_LEN] =
+        (tdm_flight_entry){.c = c, .t_launch = wall_seconds(), .state = TDM_FLIGHT_RUNNING};
+    g->flight[c.seq % TDM_FLIGHT_LEN].c.out = NULL;
+    g->flight[c.seq % TDM_FLIGHT_LEN].c.in = NULL;
+    pthread_mutex_unlock(&g->lock);
     w->c = c;
     if (g->ops->launch(g, w) != TDM_OK) {
+        pthread_mutex_lock(&g->lock);
+        g->flight[c.seq % TDM_FLIGHT_LEN].state = TDM_FLIGHT_FAILED;
+        pthread_mutex_unlock(&g->lock);
         work_put(w);
         return NULL;
     }

@@ -35,6 +35,8 @@ const char *tdm_coll_name(tdm_coll_kind k);
  * [count]. barrier: no memory. Reductions are f32 (elem 4), bf16 or f16 (elem 2, summed in f32:
  * tdm_reduce_block); copies move count * elem bytes of any dtype. The ranks' dtypes must agree
  * (a backend checks dtype as it checks count). */
+#define TDM_SITE_LEN 48 /* a collective's site label, NUL included */
+
 typedef struct {
     tdm_coll_kind kind;
     tdm_reduce_kind op;
@@ -44,7 +46,27 @@ typedef struct {
     void *out;
     const void *in;
     tdm_dtype dtype;
+    /* set by tdm_group_launch: the rank's count of collectives on this group so far (1 for
+     * the first), and the caller's site (tdm_collective_label; "" when unnamed). Part of the
+     * fingerprint the ranks compare. */
+    int64_t seq;
+    char site[TDM_SITE_LEN];
 } tdm_coll;
+
+/* "all_reduce #12 (DDP bucket 3: 1024 f32, sum)" for messages: c's fingerprint. */
+void tdm_coll_describe(const tdm_coll *c, char *buf, size_t cap);
+
+/* The flight recorder: each group keeps its last TDM_FLIGHT_LEN collectives (fingerprint,
+ * bytes, launch and end times, state) for tdm_group_dump_flight. */
+#define TDM_FLIGHT_LEN 256
+
+typedef enum { TDM_FLIGHT_RUNNING = 0, TDM_FLIGHT_DONE, TDM_FLIGHT_FAILED } tdm_flight_state;
+
+typedef struct {
+    tdm_coll c;             /* out and in are not kept (dangling once done) */
+    double t_launch, t_end; /* seconds on CLOCK_REALTIME (comparable across hosts) */
+    tdm_flight_state state;
+} tdm_flight_entry;
 
 #define TDM_WORK_MSG 512
 
@@ -80,9 +102,12 @@ struct tdm_group {
     tdm_device device;
     _Atomic int64_t timeout_ns; /* read by the backend at each wait */
     /* handles: a free list (no malloc per collective in steady state) and their waiters */
-    pthread_mutex_t lock; /* the lists */
+    pthread_mutex_t lock; /* the lists, and the flight recorder */
     tdm_waitq done_q;
     tdm_work *free_works, *all_works;
+    int64_t launched;                        /* collectives launched: the last one's seq */
+    tdm_flight_entry flight[TDM_FLIGHT_LEN]; /* seq s at s % TDM_FLIGHT_LEN */
+    char failure[TDM_WORK_MSG];              /* the first failed collective's message */
 };
 
 /* Starts collective c on g without the public entry points' checks (the caller made them):

@@ -54,10 +54,23 @@ static int sub(tdm_group *g, tdm_coll c, char *msg) {
     return rc;
 }
 
-/* A collective of the inner or outer group (its reductions f32: run_half widens). */
+/* The site of the collective this rank's thread runs (run): its parts carry it. */
+static _Thread_local const char *running_site;
+
+/* A collective of the inner or outer group (its reductions f32: run_half widens), named as
+ * the collective it is a part of. */
 static tdm_coll coll(tdm_coll_kind kind, tdm_reduce_kind op, int root, int64_t count, tdm_dtype dt,
                      void *out, const void *in) {
-    return (tdm_coll){kind, op, root, count, tdm_dtype_size(dt), out, in, dt};
+    tdm_coll c = {.kind = kind,
+                  .op = op,
+                  .root = root,
+                  .count = count,
+                  .elem = tdm_dtype_size(dt),
+                  .out = out,
+                  .in = in,
+                  .dtype = dt};
+    if (running_site) snprintf(c.site, sizeof c.site, "%s", running_site);
+    return c;
 }
 
 static tdm_group *inner(hrank *h) {
@@ -189,6 +202,7 @@ static int run_half(hrank *h, const tdm_coll *c, char *msg) {
 }
 
 static int run(hrank *h, const tdm_coll *c, char *msg) {
+    running_site = c->site;
     bool reduction = c->kind == TDM_COLL_ALL_REDUCE || c->kind == TDM_COLL_REDUCE ||
                      c->kind == TDM_COLL_REDUCE_SCATTER;
     if (reduction && c->dtype != TDM_F32) return run_half(h, c, msg);

@@ -95,6 +95,7 @@ enum { TAG_HDR = 101, TAG_DATA = 102, TAG_FAIL = 103 };
 typedef struct {
     int32_t kind, op, root, dtype;
     int64_t count, elem, seq;
+    char site[TDM_SITE_LEN]; /* tdm_collective_label's name, NUL-terminated */
 } header;
 
 #define FAIL_LEN (TDM_WORK_MSG - 64) /* room for the "op on rank R: " prefix */
@@ -374,7 +375,9 @@ static int round_wait(mworld *w, int n, int64_t deadline) {
 /* Posts this collective's headers (call first in the first round of a collective): they are
  * requests 0 .. 2(n-1) - 1 of the round, and the round's data receives wait for them. */
 static void post_headers(mworld *w, const tdm_coll *c) {
-    w->hdr_out = (header){c->kind, c->op, c->root, c->dtype, c->count, (int64_t)c->elem, w->seq};
+    w->hdr_out =
+        (header){c->kind, c->op, c->root, c->dtype, c->count, (int64_t)c->elem, w->seq, ""};
+    memcpy(w->hdr_out.site, c->site, sizeof w->hdr_out.site);
     for (int k = 0; k < w->g.size; k++) {
         if (k == w->g.rank) continue;
         post(w, false, &w->hdr_in[k], sizeof(header), k, TAG_HDR);
@@ -383,7 +386,22 @@ static void post_headers(mworld *w, const tdm_coll *c) {
     w->hdr_round = true;
 }
 
-/* After the first round: every peer called the same collective. 0, or -1 and failed. */
+/* A peer's header as the collective it describes (tdm_coll_describe). */
+static tdm_coll coll_of(const header *h) {
+    tdm_coll c = {.kind = (tdm_coll_kind)h->kind,
+                  .op = (tdm_reduce_kind)h->op,
+                  .root = h->root,
+                  .count = h->count,
+                  .elem = (size_t)h->elem,
+                  .dtype = (tdm_dtype)h->dtype,
+                  .seq = h->seq};
+    memcpy(c.site, h->site, sizeof c.site);
+    c.site[sizeof c.site - 1] = '\0'; /* a peer's bytes: terminated whatever it sent */
+    return c;
+}
+
+/* After the first round: every peer called the same collective (its fingerprint: number,
+ * kind, size, dtype, reduction, root and site). 0, or -1 and failed naming both sides. */
 static int check_headers(mworld *w) {
     const header *me = &w->hdr_out;
     for (int k = 0; k < w->g.size; k++) {
@@ -402,16 +420,16 @@ static int check_headers(mworld *w) {
             what = "reduction";
         else if (h->root != me->root)
             what = "root";
+        else if (strncmp(h->site, me->site, sizeof me->site) != 0)
+            what = "caller";
         if (!what) continue;
-        const header *a = k < w->g.rank ? h : me, *b = k < w->g.rank ? me : h;
+        tdm_coll a = coll_of(k < w->g.rank ? h : me), b = coll_of(k < w->g.rank ? me : h);
         int ra = k < w->g.rank ? k : w->g.rank, rb = k < w->g.rank ? w->g.rank : k;
-        fail(w, true,
-             "ranks disagree on the %s: rank %d called %s #%lld (%lld elements, root %d, op %d, "
-             "%s), rank %d called %s #%lld (%lld elements, root %d, op %d, %s)",
-             what, ra, tdm_coll_name((tdm_coll_kind)a->kind), (long long)a->seq,
-             (long long)a->count, a->root, a->op, tdm_dtype_name((tdm_dtype)a->dtype), rb,
-             tdm_coll_name((tdm_coll_kind)b->kind), (long long)b->seq, (long long)b->count, b->root,
-             b->op, tdm_dtype_name((tdm_dtype)b->dtype));
+        char da[160], db[160];
+        tdm_coll_describe(&a, da, sizeof da);
+        tdm_coll_describe(&b, db, sizeof db);
+        fail(w, true, "ranks disagree on the %s: rank %d is in %s while rank %d is in %s", what, ra,
+             da, rb, db);
         return -1;
     }
     return 0;

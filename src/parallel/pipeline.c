@@ -303,12 +303,17 @@ static int sync_replicas(worker *w, bool buffers) {
     int rc = TDM_OK;
     if (!w->group) return rc;
     if (buffers) {
-        for (int i = 0; !rc && i < w->bs->n; i++)
+        for (int i = 0; !rc && i < w->bs->n; i++) {
+            tdm_collective_label("stage %d's buffer %d from replica 0", w->stage, i);
             rc = tdm_work_wait(tdm_broadcast(w->group, w->bs->buffers[i], 0));
+        }
         return rc;
     }
     tdm_trace_begin("all-reduce gradients");
-    if (w->opt) rc = tdm_work_wait(tdm_all_reduce(w->group, w->mod->paramset->flat_grad, TDM_SUM));
+    if (w->opt) {
+        tdm_collective_label("stage %d's gradients", w->stage);
+        rc = tdm_work_wait(tdm_all_reduce(w->group, w->mod->paramset->flat_grad, TDM_SUM));
+    }
     tdm_trace_end();
     return rc;
 }

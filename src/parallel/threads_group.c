@@ -254,7 +254,8 @@ static int run_all_gather(trank *me) {
     return copy_to_all(w, dst, (const char *)me->slot.in, 0, bytes);
 }
 
-/* Every rank must call the same collective with the same sizes: compares with rank 0's. */
+/* Every rank must call the same collective (its fingerprint: kind, size, dtype, reduction,
+ * root and site; the numbers agree by construction) as rank 0. */
 static int check_slots(trank *me) {
     tdm_threads_world *w = me->w;
     const tdm_coll *c0 = &w->ranks[0].slot;
@@ -271,14 +272,15 @@ static int check_slots(trank *me) {
             what = "reduction";
         else if (ck->root != c0->root)
             what = "root";
+        else if (strcmp(ck->site, c0->site) != 0)
+            what = "caller";
         if (!what) continue;
+        char d0[160], dk[160];
+        tdm_coll_describe(c0, d0, sizeof d0);
+        tdm_coll_describe(ck, dk, sizeof dk);
         pthread_mutex_lock(&w->lock);
-        fail_locked(w,
-                    "ranks disagree on the %s: rank 0 called %s (%lld elements, root %d, op %d, "
-                    "%s), rank %d called %s (%lld elements, root %d, op %d, %s)",
-                    what, tdm_coll_name(c0->kind), (long long)c0->count, c0->root, (int)c0->op,
-                    tdm_dtype_name(c0->dtype), k, tdm_coll_name(ck->kind), (long long)ck->count,
-                    ck->root, (int)ck->op, tdm_dtype_name(ck->dtype));
+        fail_locked(w, "ranks disagree on the %s: rank 0 is in %s while rank %d is in %s", what, d0,
+                    k, dk);
         pthread_mutex_unlock(&w->lock);
         return -1;
     }

@@ -48,6 +48,7 @@ static int share_ranges(zero *z, const tdm_tensor *flat, const char *what) {
         z->works[r] = NULL;
         if (lo == hi) continue;
         tdm_tensor v = tdm_range_view(flat, lo, hi);
+        tdm_collective_label("ZeRO parameters stepped by rank %d", r);
         if (!(z->works[r] = tdm_broadcast(z->g, &v, r))) rc = tdm_last_status();
     }
     for (int r = 0; r < launched; r++) {
@@ -117,6 +118,7 @@ static int agree(tdm_optim *o, tdm_group *g, int status, char *why, size_t cap) 
                        o ? tdm_optim_state(o, NULL, NULL, 3) : -1};
     if (tdm_scope_begin()) return tdm_last_status();
     tdm_tensor *sig = tdm_from_data(TDM_SHAPE(2), TDM_I64, tdm_group_memory(g), mine);
+    tdm_collective_label("optimizer shard: the optimizers' sizes");
     int rc = sig ? tdm_work_wait(tdm_broadcast(g, sig, 0)) : tdm_last_status();
     int64_t first[2] = {0, 0};
     if (!rc) rc = tdm_to_host(sig, first, sizeof first);
@@ -130,6 +132,7 @@ static int agree(tdm_optim *o, tdm_group *g, int status, char *why, size_t cap) 
     }
     float failed = why[0] ? 1.0f : 0.0f;
     tdm_tensor *count = rc ? NULL : tdm_full(TDM_SHAPE(1), failed, TDM_F32, tdm_group_memory(g));
+    if (!rc) tdm_collective_label("optimizer shard: failures");
     if (!rc) rc = count ? tdm_work_wait(tdm_all_reduce(g, count, TDM_SUM)) : tdm_last_status();
     float total_failed = 0;
     if (!rc) rc = tdm_to_host(count, &total_failed, sizeof total_failed);

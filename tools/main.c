@@ -4,12 +4,14 @@
  *   tandem eval --weights F    test loss and accuracy of saved weights (see eval.c)
  *   tandem sample --model F    text from a trained GPT (see sample.c)
  *   tandem devices             list the devices this machine and build offer
+ *   tandem doctor DIR          what a run's flight recorders say of a hang (see doctor.c)
  *   tandem help [COMMAND]      help on tandem or on one command
  */
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "doctor.h"
 #include "eval.h"
 #include "progress.h"
 #include "sample.h"
@@ -40,6 +42,7 @@ static void help(FILE *out) {
             "    tandem export [--dtype f32|bf16|f16] CKPT_DIR OUT.safetensors "
             "[STATE_OUT.safetensors]\n"
             "    tandem devices\n"
+            "    tandem doctor DIR\n"
             "    tandem help [COMMAND]\n"
             "    tandem --version\n\n"
             "COMMANDS\n"
@@ -57,6 +60,9 @@ static void help(FILE *out) {
             "               float tensors in that dtype (rounded to nearest even, as PyTorch's\n"
             "               .to()); the state stays f32. Default f32.\n"
             "    devices    List the devices training can use.\n"
+            "    doctor     Read the flight recorders a run under mpirun wrote (--debug-dir) and\n"
+            "               name the collective the processes disagree on, the one late and the\n"
+            "               last each completed. 'tandem doctor --help'.\n"
             "    help       Show this help, or 'tandem help train' for one command.\n\n"
             "MODELS (--model; 'tandem train --help' describes each)\n",
             images);
@@ -152,6 +158,7 @@ int main(int argc, char **argv) {
     if (strcmp(cmd, "eval") == 0) return eval_main(argc - 1, argv + 1);
     if (strcmp(cmd, "sample") == 0) return sample_main(argc - 1, argv + 1);
     if (strcmp(cmd, "export") == 0) return export_main(argc - 1, argv + 1);
+    if (strcmp(cmd, "doctor") == 0) return doctor_main(argc - 1, argv + 1);
     if (strcmp(cmd, "devices") == 0) {
         if (argc > 2) {
             fprintf(stderr, "tandem devices: unexpected argument '%s'\n", argv[2]);
@@ -172,9 +179,14 @@ int main(int argc, char **argv) {
             sample_help(stdout);
             return EXIT_OK;
         }
+        if (argc > 2 && strcmp(argv[2], "doctor") == 0) {
+            doctor_help(stdout);
+            return EXIT_OK;
+        }
         if (argc > 2 && strcmp(argv[2], "devices") != 0) {
             fprintf(stderr,
-                    "tandem help: unknown command '%s' (commands: train, eval, sample, devices)\n",
+                    "tandem help: unknown command '%s' (commands: train, eval, sample, devices, "
+                    "doctor)\n",
                     argv[2]);
             return EXIT_USAGE;
         }
@@ -186,7 +198,8 @@ int main(int argc, char **argv) {
         return EXIT_OK;
     }
     fprintf(stderr,
-            "tandem: unknown command '%s' (commands: train, eval, sample, devices, help; see "
+            "tandem: unknown command '%s' (commands: train, eval, sample, devices, doctor, help; "
+            "see "
             "'tandem --help')\n",
             cmd);
     return EXIT_USAGE;

@@ -239,6 +239,14 @@ static const opt_spec specs[] = {
      "Under mpirun: how long a process waits for the others at a collective before it stops "
      "with an error naming the rank it waited for (a process that crashed or hangs). Raise "
      "it when one process can work alone for long between steps."},
+    {"--debug-dir", "DIR", OPT_STR, F(debug_dir), 0, 0, "the checkpoint dir, else .",
+     "Under mpirun: where each process writes its flight recorder, flight-rank-R.jsonl (its last "
+     "256 collectives: what, where in the code, when, done or not), when its run fails and "
+     "whenever it gets SIGUSR1, SIGTERM or SIGINT, also when stuck in a collective. SIGUSR1 "
+     "(a launcher's early warning: srun --signal=USR1@120) then stops the run at its next step "
+     "with a checkpoint, as SIGTERM does. 'tandem doctor DIR' merges them and "
+     "names the first collective the processes disagree on, the one late and the last each "
+     "completed."},
     {"--limit", "N", OPT_INT, F(limit), 1, 1e12, "all",
      "Use only the first N training samples (windows of text, for a language model) and the first "
      "N/6 test samples (at least 1): for quick runs and tests. Of gzipped IDX files only those "
@@ -637,9 +645,9 @@ int train_identity(const train_opts *o, char *buf, size_t cap) {
  * run: one started with another --lr would diverge silently, one with another --max-steps or
  * --print-every would desynchronise the collectives. Listing the exceptions, not the rules,
  * makes a new option compared until someone decides otherwise. */
-static const char *const process_own[] = {"--recipe",       "--workers",     "--timeout",
-                                          "--log",          "--trace",       "--plot",
-                                          "--plot-compare", "--tensorboard", "--quiet"};
+static const char *const process_own[] = {
+    "--recipe", "--workers",      "--timeout",     "--log",   "--trace",
+    "--plot",   "--plot-compare", "--tensorboard", "--quiet", "--debug-dir"};
 
 static bool listed(const char *name, const char *const *names, size_t count) {
     for (size_t i = 0; i < count; i++)

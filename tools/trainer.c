@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "estimate.h"
+#include "trainer_debug.h"
 #include "trainer_state.h"
 
 static int64_t count_correct(const int64_t *pred, const int64_t *label, int64_t n) {
@@ -897,7 +898,12 @@ int trainer_run(const train_opts *o, task *t, tdm_group *procs) {
     /* a stopping mpirun closes its ranks' stdout: a line printed then must not end the process
      * before its checkpoint (a failed write is ignored; the checkpoint is what matters) */
     if (procs) signal(SIGPIPE, SIG_IGN);
-    int rc = tdm_stop_on_signals() ? task_error("%s", tdm_last_error()) : run(&tr);
+    trainer_debug dbg = {0};
+    int rc = tdm_stop_on_signals() ? task_error("%s", tdm_last_error())
+                                   : trainer_debug_start(&dbg, o, procs);
+    if (!rc) rc = run(&tr);
+    if (rc && rc < 128) trainer_debug_dump(&dbg, "the run failed");
+    trainer_debug_stop(&dbg);
     progress_clear(&tr.prog);
     rc = sinks_close(&tr.out, rc, o->quiet || tr.silent);
     /* stopped by a signal: mpirun ends every process once one exits non-zero, so none exits

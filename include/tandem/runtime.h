@@ -79,12 +79,19 @@ int64_t tdm_memory_block_bytes(int64_t nbytes);
 /* Preemption: from now on SIGTERM and SIGINT are recorded instead of ending the process, so
  * a training loop can poll tdm_stop_requested between steps, save a checkpoint and return
  * (Slurm, Kubernetes and torchrun stop jobs with SIGTERM). Once one has arrived, both get
- * their default action back: a second signal ends the process at once. Process-wide; call it
- * once, early, from the main thread, which Linux hands such signals and which gets the
- * handler's own stack (sigaltstack). TDM_ERR_IO when the handlers cannot be installed. */
+ * their default action back: a second signal ends the process at once. SIGUSR1, a
+ * launcher's early warning (`srun --signal=USR1@120`), is recorded as a stop as well, keeps
+ * its handler, and each one also wakes tdm_stop_wait_dump. Process-wide; call it once, early,
+ * from the main thread, which Linux hands such signals and which gets the handler's own stack
+ * (sigaltstack). TDM_ERR_IO when the handlers cannot be installed. */
 int tdm_stop_on_signals(void);
-/* The first SIGTERM or SIGINT recorded since tdm_stop_on_signals (or tdm_stop_request's
- * signal), 0 when none: cheap enough to call every step. Never fails. */
+/* Waits up to timeout_s seconds for a SIGTERM, SIGINT or SIGUSR1 since tdm_stop_on_signals;
+ * true when one came (one call per signal). For a thread that writes diagnostics at once (the
+ * trainer's flight recorder) while the others may be stuck in a collective. False at once
+ * before tdm_stop_on_signals. */
+bool tdm_stop_wait_dump(double timeout_s);
+/* The first SIGTERM, SIGINT or SIGUSR1 recorded since tdm_stop_on_signals (or
+ * tdm_stop_request's signal), 0 when none: cheap enough to call every step. Never fails. */
 int tdm_stop_requested(void);
 /* Records a stop as if signal sig (SIGTERM when <= 0) had arrived: what another rank's stop
  * becomes in this process, and what tests call. The first request wins. */

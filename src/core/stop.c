@@ -2,7 +2,11 @@
  * stop jobs with SIGTERM, a user with Ctrl-C). The handler only records the signal; the
  * training loop polls tdm_stop_requested between steps, finishes the step in flight, saves a
  * checkpoint and returns. A second signal gets the default action (the process ends at once),
- * as a user pressing Ctrl-C twice expects.
+ * as a user pressing Ctrl-C twice expects. SIGUSR1 is the early warning (`srun
+ * --signal=USR1@120`): recorded as a stop too, and it keeps its handler, so another SIGUSR1
+ * only asks again. Each of the three also asks for diagnostics (a semaphore a watcher thread
+ * waits on, tdm_stop_wait_dump): a process that mpirun stops because a peer died may be stuck
+ * in a collective and killed a second later.
  *
  * The handler runs on a stack of its own (sigaltstack, SA_ONSTACK): Linux writes a signal's
  * frame (~3 KiB with the vector registers) below the interrupted code's stack pointer, and
@@ -11,13 +15,18 @@
  * prev_size" instead of saving its checkpoint. The stack is the calling thread's (tandem
  * train's main thread): Linux hands a signal sent to the process to the main thread unless
  * that thread has another one pending. */
+#include <errno.h>
+#include <semaphore.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/core.h"
 
-static atomic_int stop_signal; /* the first SIGTERM or SIGINT received, 0 before */
+static atomic_int stop_signal; /* the first SIGTERM, SIGINT or SIGUSR1 received, 0 before */
+static sem_t dump_sem;         /* posted once per SIGUSR1 (sem_post is async-signal-safe) */
+static atomic_bool dump_ready; /* dump_sem initialised */
 
 /* The default action, made before any signal (the handler keeps no buffer on its stack,
  * which a sanitizer's fake stack would move to the heap). */
@@ -45,6 +54,8 @@ static int use_alt_stack(void) {
 static void on_stop_signal(int sig) {
     int none = 0;
     atomic_compare_exchange_strong(&stop_signal, &none, sig);
+    if (atomic_load(&dump_ready)) sem_post(&dump_sem);
+    if (sig == SIGUSR1) return;
     sigaction(SIGTERM, &default_action, NULL);
     sigaction(SIGINT, &default_action, NULL);
 }
@@ -62,9 +73,25 @@ int tdm_stop_on_signals(void) {
     sa.sa_flags = SA_ONSTACK;
     if (use_alt_stack() != 0)
         return tdm_raise(TDM_ERR_IO, "cannot handle SIGTERM and SIGINT: sigaltstack failed");
-    if (sigaction(SIGTERM, &sa, NULL) != 0 || sigaction(SIGINT, &sa, NULL) != 0)
-        return tdm_raise(TDM_ERR_IO, "cannot handle SIGTERM and SIGINT: sigaction failed");
+    if (!atomic_load(&dump_ready) && sem_init(&dump_sem, 0, 0) == 0) atomic_store(&dump_ready, 1);
+    if (sigaction(SIGTERM, &sa, NULL) != 0 || sigaction(SIGINT, &sa, NULL) != 0 ||
+        sigaction(SIGUSR1, &sa, NULL) != 0)
+        return tdm_raise(TDM_ERR_IO, "cannot handle SIGTERM, SIGINT and SIGUSR1: sigaction failed");
     return TDM_OK;
+}
+
+bool tdm_stop_wait_dump(double timeout_s) {
+    if (!atomic_load(&dump_ready)) return false;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    double s = timeout_s > 0 ? timeout_s : 0;
+    until.tv_sec += (time_t)s;
+    until.tv_nsec += (long)((s - (double)(time_t)s) * 1e9);
+    if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+    int rc;
+    while ((rc = sem_timedwait(&dump_sem, &until)) != 0 && errno == EINTR) {
+    }
+    return rc == 0;
 }
 
 int tdm_stop_requested(void) {

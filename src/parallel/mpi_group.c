@@ -188,7 +188,12 @@ static bool poll_failure(mworld *w) {
         MPI_Status st;
         if (MPI_Test(&w->fail_recv, &got, &st) == MPI_SUCCESS && got) {
             w->fail_in[FAIL_LEN - 1] = '\0';
-            fail(w, false, "%s", w->fail_in);
+            /* a peer's own finding ("timed out ... waiting for rank 1") is said as the
+             * peer's, not as this rank's; an abort's names its rank already */
+            if (strncmp(w->fail_in, "rank ", 5) == 0)
+                fail(w, false, "%s", w->fail_in);
+            else
+                fail(w, false, "rank %d stopped: %s", st.MPI_SOURCE, w->fail_in);
         }
     }
     pthread_mutex_lock(&w->qlock);

@@ -1,0 +1,271 @@
+/* The flight recorder and `tandem doctor` (issue 39): a desync between two ranks of a threads
+ * group, dumped by every rank, is named by the doctor with both sides; the doctor refuses a
+ * missing directory, one without files and a malformed file by name. With mpirun (the second
+ * argument): a process SIGSTOPped mid-run makes the others time out and dump, and the doctor
+ * names it as the late one; a killed process is named as the one without a file; SIGUSR1 makes
+ * every process dump and stop at the next step with a checkpoint.
+ *   test_doctor PATH_TO_TANDEM [MPIRUN] */
+#include "check.h"
+#include "testdir.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <stdatomic.h>
+#include <time.h>
+
+static const char *tandem;
+
+#define ARGS(...) ((const char *const[]){__VA_ARGS__, NULL})
+
+/* Runs `tandem doctor dir`: its exit status, stdout and stderr into *out (caller frees). */
+static int doctor(const char *dir, char **out) {
+    pid_t pid = spawn_captured(ARGS(tandem, "doctor", dir));
+    int rc = wait_status(pid);
+    char *o = captured("stdout"), *e = captured("stderr");
+    size_t n = strlen(o) + strlen(e) + 2;
+    *out = malloc(n);
+    snprintf(*out, n, "%s\n%s", o, e);
+    free(o), free(e);
+    return rc;
+}
+
+static void nap(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+/* ---- a desync in a threads group -------------------------------------------------------- */
+
+static char dump_dir[128];
+
+static int desync_rank(tdm_rank_ctx *ctx, void *arg) {
+    (void)arg;
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(16), TDM_F32, ctx->device);
+    for (int i = 0; i < 3; i++) { /* three that agree */
+        tdm_collective_label("warm-up %d", i);
+        tdm_work_wait(tdm_all_reduce(ctx->group, t, TDM_SUM));
+    }
+    if (ctx->rank == 0) {
+        tdm_collective_label("DDP bucket 3");
+        tdm_work_wait(tdm_all_reduce(ctx->group, t, TDM_AVG));
+    } else {
+        tdm_collective_label("stage-3 gather of unit 5");
+        tdm_work_wait(tdm_broadcast(ctx->group, t, 1));
+    }
+    char path[256];
+    snprintf(path, sizeof path, "%s/flight-rank-%d.jsonl", dump_dir, ctx->rank);
+    int rc = tdm_group_dump_flight(ctx->group, path);
+    tdm_tensor_free(t);
+    return rc;
+}
+
+static void test_desync(void) {
+    snprintf(dump_dir, sizeof dump_dir, "%s/desync", tmpdir);
+    mkdir(dump_dir, 0755);
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    CHECK(tdm_spawn(2, devs, desync_rank, NULL) == 0, "spawn: %s", tdm_last_error());
+    char *out;
+    int rc = doctor(dump_dir, &out);
+    CHECK(rc == 0 &&
+              strstr(out, "first divergence: rank 0 is in all_reduce #4 (DDP bucket 3: 16 f32, "
+                          "avg, root 0) while rank 1 is in broadcast #4 (stage-3 gather of unit 5: "
+                          "16 f32, sum, root 1)") &&
+              strstr(out, "rank 0 (") && strstr(out, "last completed all_reduce #3 (warm-up 2") &&
+              strstr(out, "failure: ") && strstr(out, "ranks disagree on the collective"),
+          "doctor on a desync: exit %d:\n%s", rc, out);
+    free(out);
+}
+
+/* ---- bad input ---------------------------------------------------------------------------- */
+
+static void test_bad_input(void) {
+    char *out, dir[256], path[300];
+    int rc = doctor("/nonexistent/tandem-doctor", &out);
+    CHECK(rc == 1 && strstr(out, "cannot open /nonexistent/tandem-doctor"), "missing: %d %s", rc,
+          out);
+    free(out);
+    snprintf(dir, sizeof dir, "%s/empty", tmpdir);
+    mkdir(dir, 0755);
+    rc = doctor(dir, &out);
+    CHECK(rc == 1 && strstr(out, "holds no flight-rank-R.jsonl"), "empty: %d %s", rc, out);
+    free(out);
+    snprintf(dir, sizeof dir, "%s/bad", tmpdir);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/flight-rank-0.jsonl", dir);
+    const char bad[] = "{\"flight\":1,\"rank\":0,\"size\":2,\"backend\":\"mpi\",\"host\":\"h\","
+                       "\"pid\":1,\"time\":1.0,\"launched\":1,\"timeout\":30.0,\"failure\":\"\"}\n"
+                       "{\"seq\":1,\"op\":\"all_reduce\"}\n";
+    file_write(path, bad, sizeof bad - 1);
+    rc = doctor(dir, &out);
+    CHECK(rc == 1 && strstr(out, "flight-rank-0.jsonl: line 2 is not a collective's record"),
+          "malformed: %d %s", rc, out);
+    free(out);
+    const char rank9[] = "{\"flight\":1,\"rank\":9,\"size\":2,\"pid\":1,\"time\":1.0,"
+                         "\"launched\":1,\"timeout\":30.0}\n";
+    file_write(path, rank9, sizeof rank9 - 1);
+    rc = doctor(dir, &out);
+    CHECK(rc == 1 && strstr(out, "line 1 is not a flight recorder's rank line"), "rank 9: %d %s",
+          rc, out);
+    free(out);
+    rc = doctor("--help", &out);
+    CHECK(rc == 0 && strstr(out, "usage: tandem doctor DIR"), "--help: %d %s", rc, out);
+    free(out);
+}
+
+/* ---- under mpirun -------------------------------------------------------------------------- */
+
+/* A /proc file's bytes (their size is not known ahead), with a '\0' after them, or NULL. */
+static char *read_proc(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 4096, n = 0;
+    char *s = malloc(cap + 1);
+    for (size_t got; s && (got = fread(s + n, 1, cap - n, f)) > 0;) {
+        n += got;
+        if (n == cap) {
+            char *t = realloc(s, 2 * cap + 1);
+            if (!t) free(s);
+            s = t, cap *= 2;
+        }
+    }
+    fclose(f);
+    if (s) s[n] = '\0';
+    *len = n;
+    return s;
+}
+
+/* The pid of rank `rank` of the job whose command line holds `mark`, or -1. */
+static pid_t rank_pid(const char *mark, int rank) {
+    DIR *d = opendir("/proc");
+    struct dirent *e;
+    pid_t found = -1;
+    char want[32];
+    snprintf(want, sizeof want, "OMPI_COMM_WORLD_RANK=%d", rank);
+    while (d && found < 0 && (e = readdir(d))) {
+        char path[300];
+        size_t n = 0;
+        snprintf(path, sizeof path, "/proc/%s/cmdline", e->d_name);
+        char *cmd = read_proc(path, &n);
+        bool ours = false;
+        for (size_t i = 0; cmd && i < n; i += strlen(cmd + i) + 1)
+            ours |= strstr(cmd + i, mark) != NULL;
+        ours &= cmd && strstr(cmd, "tandem") && !strstr(cmd, "mpirun");
+        free(cmd);
+        if (!ours) continue;
+        snprintf(path, sizeof path, "/proc/%s/environ", e->d_name);
+        char *env = read_proc(path, &n);
+        for (size_t i = 0; env && i < n; i += strlen(env + i) + 1)
+            if (!strcmp(env + i, want)) found = atoi(e->d_name);
+        free(env);
+    }
+    if (d) closedir(d);
+    return found;
+}
+
+/* Starts a long run of 2 processes writing to dir; the pid of mpirun, once rank 1 trains. */
+static pid_t start_job(const char *mpirun, const char *dir, const char *timeout) {
+    mkdir(dir, 0755);
+    char ckpt[300];
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
+    pid_t pid =
+        spawn_captured(ARGS(mpirun, "--oversubscribe", "-np", "2", tandem, "train", "--model",
+                            "mlp", "--epochs", "100", "--batch-size", "16", "--timeout", timeout,
+                            "--debug-dir", dir, "--checkpoint-dir", ckpt, "--print-every", "1"));
+    for (int i = 0; i < 600 && rank_pid(dir, 1) < 0; i++) nap(0.05);
+    nap(1.0); /* training */
+    return pid;
+}
+
+/* Waits up to 60 s for the job to end (its exit status); then kills what is left of it. */
+static int wait_job(pid_t job, const char *mark) {
+    for (int i = 0; i < 1200; i++) {
+        int st;
+        if (waitpid(job, &st, WNOHANG) == job) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        nap(0.05);
+    }
+    fprintf(stderr, "the job of %s did not end: killed\n", mark);
+    for (int r = 0; r < 2; r++)
+        if (rank_pid(mark, r) > 0) kill(rank_pid(mark, r), SIGKILL);
+    kill(job, SIGKILL);
+    return wait_status(job) < 0 ? -1 : -1;
+}
+
+static void test_stopped_rank(const char *mpirun) {
+    char dir[256], *out;
+    snprintf(dir, sizeof dir, "%s/stopped", tmpdir);
+    pid_t job = start_job(mpirun, dir, "2");
+    pid_t r1 = rank_pid(dir, 1);
+    CHECK(r1 > 0, "stopped: no rank 1 found");
+    if (r1 > 0) kill(r1, SIGSTOP);
+    nap(4.0); /* rank 0 times out after 2 s and writes its file */
+    if (r1 > 0) kill(r1, SIGCONT);
+    int rc = wait_job(job, dir);
+    char *err = captured("stderr");
+    CHECK(rc != 0 && strstr(err, "timed out after 2.0 s waiting for rank 1") &&
+              strstr(err, "rank 0: flight recorder (the run failed)"),
+          "stopped: mpirun exit %d:\n%s", rc, err);
+    free(err);
+    rc = doctor(dir, &out);
+    CHECK(rc == 0 && strstr(out, "late: rank 1, which rank 0 timed out waiting for in ") &&
+              strstr(out, "on rank 0: timed out after 2.0 s waiting for rank 1") &&
+              strstr(out, "on rank 1: rank 0 stopped: timed out after 2.0 s waiting for rank 1"),
+          "doctor, stopped rank: %d\n%s", rc, out);
+    free(out);
+}
+
+static void test_killed_rank(const char *mpirun) {
+    char dir[256], *out;
+    snprintf(dir, sizeof dir, "%s/killed", tmpdir);
+    pid_t job = start_job(mpirun, dir, "2");
+    pid_t r1 = rank_pid(dir, 1);
+    CHECK(r1 > 0, "killed: no rank 1 found");
+    if (r1 > 0) kill(r1, SIGKILL);
+    wait_job(job, dir);
+    int rc = doctor(dir, &out);
+    CHECK(rc == 0 && strstr(out, "flight recorders of 1 of 2 ranks") &&
+              strstr(out, "rank 1: no file (the process died, or never wrote one)") &&
+              strstr(out, "rank 0 ("),
+          "doctor, killed rank: %d\n%s", rc, out);
+    free(out);
+}
+
+static void test_sigusr1(const char *mpirun) {
+    char dir[256], *out;
+    snprintf(dir, sizeof dir, "%s/usr1", tmpdir);
+    pid_t job = start_job(mpirun, dir, "20");
+    pid_t r0 = rank_pid(dir, 0), r1 = rank_pid(dir, 1);
+    CHECK(r0 > 0 && r1 > 0, "usr1: ranks %d %d", (int)r0, (int)r1);
+    if (r0 > 0) kill(r0, SIGUSR1);
+    if (r1 > 0) kill(r1, SIGUSR1);
+    int rc = wait_job(job, dir);
+    char *err = captured("stderr"), *so = captured("stdout"), ckpt[300];
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt", dir);
+    CHECK(strstr(err, "rank 0: flight recorder (SIGUSR1)") &&
+              strstr(err, "rank 1: flight recorder (SIGUSR1)") &&
+              strstr(so, "stopped   by User defined signal 1") && count_ckpts(ckpt) == 1,
+          "usr1: mpirun exit %d, %d checkpoints:\n%s\n%s", rc, count_ckpts(ckpt), so, err);
+    free(err), free(so);
+    rc = doctor(dir, &out);
+    CHECK(rc == 0 && strstr(out, "flight recorders of 2 of 2 ranks") &&
+              strstr(out, "no divergence") && strstr(out, "no rank is behind"),
+          "doctor, SIGUSR1: %d\n%s", rc, out);
+    free(out);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2 && argc != 3) {
+        fprintf(stderr, "usage: test_doctor PATH_TO_TANDEM [MPIRUN]\n");
+        return 2;
+    }
+    tandem = argv[1];
+    if (tmpdir_make("doctor")) return 1;
+    test_desync();
+    test_bad_input();
+    if (argc == 3) {
+        test_stopped_rank(argv[2]);
+        test_killed_rank(argv[2]);
+        test_sigusr1(argv[2]);
+    }
+    tmpdir_remove();
+    return check_summary();
+}

@@ -135,6 +135,9 @@ static void test_usage_errors(void) {
     expect_usage("with --model-split each pipeline stage steps an optimizer of its own",
                  (const char *const[]){t, "train", "--shard", "optimizer", "--model-split", "2",
                                        "--devices", "2", NULL});
+    expect_usage("--check-replicas compares data-parallel replicas",
+                 (const char *const[]){t, "train", "--check-replicas", "5", "--model-split", "2",
+                                       "--devices", "2", NULL});
     expect_usage("no such units",
                  (const char *const[]){t, "train", "--model", "cnn", "--recompute", NULL});
     expect_usage("stray", (const char *const[]){t, "train", "stray", NULL});
@@ -304,8 +307,10 @@ static void test_devices_run(void) {
     char trace[300], log[300];
     snprintf(trace, sizeof trace, "%s/trace.json", tmpdir);
     snprintf(log, sizeof log, "%s/three.jsonl", tmpdir);
-    result three = TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet", "--devices",
-                          "cpu:0,cpu:1,cpu:2", "--trace", trace, "--log", log);
+    /* the replicas compared every step (--check-replicas): equal, the run unchanged */
+    result three =
+        TANDEM("train", "--limit", "1000", "--model", "mlp", "--quiet", "--devices",
+               "cpu:0,cpu:1,cpu:2", "--trace", trace, "--log", log, "--check-replicas", "1");
     CHECK(one.status == 0 && three.status == 0, "device runs: exit %d and %d: %s", one.status,
           three.status, three.err);
     double l1 = epoch_train_loss(one.out), l3 = epoch_train_loss(three.out);
@@ -700,7 +705,7 @@ static void test_mpi_run(const char *mpirun) {
     result one = TANDEM("train", "--limit", "1280", "--model", "mlp", "--quiet", "--log", log1);
     result two = run((const char *const[]){mpirun, "--oversubscribe", "-np", "2", tandem_path,
                                            "train", "--limit", "1280", "--model", "mlp", "--quiet",
-                                           "--log", log2, NULL});
+                                           "--log", log2, "--check-replicas", "3", NULL});
     CHECK(one.status == 0 && two.status == 0, "mpi run: exit %d and %d: %s", one.status, two.status,
           two.err);
     double l1 = epoch_train_loss(one.out), l2 = epoch_train_loss(two.out);

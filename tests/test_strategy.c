@@ -579,6 +579,68 @@ static void test_f16_distributed(void) {
           "f16 ddp: the ranks' parameters differ");
 }
 
+/* ---- replicas that agree --------------------------------------------------------------- */
+
+/* Flips the lowest bit of element 0 of parameter i of m (a CPU model). */
+static void flip_bit(tdm_module *m, int i) {
+    tdm_paramset *ps = tdm_module_parameters(m);
+    uint32_t *w = tdm_data_ptr(ps->params[i]);
+    w[0] ^= 1u;
+}
+
+typedef struct {
+    int rc[2];
+    char msg[2][512];
+} check_case;
+
+/* Rank r of 2 (DDP): a step, a check that passes, rank 1's first weight changed by one bit,
+ * a check that fails on both ranks. */
+static int check_rank(tdm_rank_ctx *ctx, void *arg) {
+    check_case *c = arg;
+    int r = ctx->rank;
+    tdm_module *m = make_model(1);
+    tdm_strategy *st = tdm_strategy_distributed(m, ctx->group, NULL, make_sgd, NULL);
+    int rc = st ? train(st, 1, r * B / 2, (r + 1) * B / 2) : tdm_last_status();
+    if (!rc) rc = tdm_strategy_check_replicas(st, ctx->group);
+    if (!rc && r == 1) flip_bit(m, 0);
+    c->rc[r] = rc ? rc : tdm_strategy_check_replicas(st, ctx->group);
+    snprintf(c->msg[r], sizeof c->msg[r], "%s", tdm_last_error());
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+    return 0;
+}
+
+/* tdm_strategy_check_replicas: equal replicas pass, one flipped bit is named (parameter,
+ * rank, device) in DataParallel and on both DDP ranks; a pipeline is refused. */
+static void test_check_replicas(void) {
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    tdm_module *m = make_model(1);
+    tdm_strategy *st = tdm_strategy_data_parallel(m, devs, 2, NULL, make_sgd, NULL);
+    CHECK(st && train(st, 1, 0, B) == 0 && tdm_strategy_check_replicas(st, NULL) == 0,
+          "data parallel, equal replicas: %s", tdm_last_error());
+    if (st) flip_bit(tdm_strategy_replica(st, 1), 7); /* the last Linear's bias */
+    CHECK_ERROR(st && tdm_strategy_check_replicas(st, NULL) == TDM_ERR_STATE,
+                "the replicas differ: parameter \"5.bias\" [4] of rank 1 (cpu:1) is not rank 0's "
+                "(1 of 8 parameters differ)");
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+    static check_case c;
+    CHECK(tdm_spawn(2, devs, check_rank, &c) == 0, "%s", tdm_last_error());
+    for (int r = 0; r < 2; r++)
+        CHECK(c.rc[r] == TDM_ERR_STATE &&
+                  strstr(c.msg[r], "parameter \"0.weight\" [64, 64] of rank 1 is not rank 0's (1 "
+                                   "of 8 parameters differ)"),
+              "ddp rank %d: %d %s", r, c.rc[r], c.msg[r]);
+    m = make_model(1);
+    tdm_pipe_opts po = tdm_pipe_defaults(2, 1);
+    po.split_by = TDM_SPLIT_LAYERS;
+    st = tdm_strategy_pipeline(m, &po, make_sgd, NULL);
+    CHECK_ERROR(st && tdm_strategy_check_replicas(st, NULL) == TDM_ERR_ARG,
+                "a pipeline's stages hold different parameters");
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+}
+
 int main(void) {
     float want[MAXP], want1[MAXP];
     int64_t n = by_hand(ACCUM, CLIP, want), n1 = by_hand(1, 0, want1);
@@ -594,5 +656,6 @@ int main(void) {
     test_bf16_pipeline(want_bf16, n1);
     test_f16_one_device();
     test_f16_distributed();
+    test_check_replicas();
     return check_summary();
 }

@@ -239,6 +239,14 @@ static const opt_spec specs[] = {
      "Under mpirun: how long a process waits for the others at a collective before it stops "
      "with an error naming the rank it waited for (a process that crashed or hangs). Raise "
      "it when one process can work alone for long between steps."},
+    {"--check-replicas", "N", OPT_INT, F(check_replicas), 0, 1e12, "0",
+     "Every N optimizer steps, compare every data-parallel replica's weights (each device's, "
+     "each process's) with the first's, tensor by tensor through a hash, and stop with an "
+     "error naming the first weight that differs and the rank that holds it: replicas start "
+     "equal and take one averaged update, so a difference is silent divergence (another "
+     "file under the same --data path on one machine, a non-deterministic kernel, a fault). "
+     "0: never. Costs one read of the weights and, under mpirun, one small all-gather. Not "
+     "with --model-split."},
     {"--debug-dir", "DIR", OPT_STR, F(debug_dir), 0, 0, "the checkpoint dir, else .",
      "Under mpirun: where each process writes its flight recorder, flight-rank-R.jsonl (its last "
      "256 collectives: what, where in the code, when, done or not), when its run fails and "
@@ -721,6 +729,9 @@ static int check_shard(const train_opts *o) {
                                  "data-parallel replicas; with --model-split each pipeline "
                                  "stage steps an optimizer of its own, which is not sharded yet",
                                  o->shard);
+    if (o->check_replicas > 0 && o->model_split > 1)
+        return train_usage_error("--check-replicas compares data-parallel replicas; with "
+                                 "--model-split the stages hold different weights");
     return 0;
 }
 

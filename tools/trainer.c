@@ -420,6 +420,10 @@ static int stop_signal(trainer *tr, bool synced) {
  * checkpoint. Reads the chunk back first so the saved epoch totals are complete. */
 static int after_step(trainer *tr, int epoch, int64_t step, bool synced) {
     const train_opts *o = tr->o;
+    if (o->check_replicas > 0 && tr->global_step % o->check_replicas == 0 &&
+        tdm_strategy_check_replicas(tr->st, tr->g))
+        return task_error("--check-replicas: after step %lld: %s", (long long)tr->global_step,
+                          tdm_last_error());
     int sig = stop_signal(tr, synced);
     if (sig < 0) return EXIT_RUNTIME;
     bool stop = sig || (o->max_steps > 0 && tr->global_step >= o->max_steps);

@@ -169,6 +169,17 @@ tdm_optim *tdm_strategy_optim_gather(tdm_strategy *st);
  * tdm_strategy_release_params shards them again, keeping what was loaded meanwhile.
  * Collectives over the processes; TDM_OK and nothing done otherwise. */
 int tdm_strategy_gather_params(tdm_strategy *st);
+/* Whether every data-parallel replica holds the same parameters, bit for bit, as they must
+ * (one broadcast at the start, one averaged update a step): each replica's parameters are
+ * hashed tensor by tensor, compared with replica 0's in this process and, when procs (the
+ * processes' group, or NULL) has several ranks, with rank 0's through one all-gather (a
+ * collective: every process calls it at the same step; under ZeRO stage 3 the parameters are
+ * gathered for it). TDM_OK, or TDM_ERR_STATE naming the first parameter that differs, the
+ * rank (and device) that holds it and how many differ, on every process alike; TDM_ERR_ARG
+ * for a NULL st or a pipeline (its stages hold different parameters). For `tandem train
+ * --check-replicas N`: silent divergence (other data under the same path on one machine, a
+ * non-deterministic kernel, a hardware fault) becomes an error. */
+int tdm_strategy_check_replicas(tdm_strategy *st, tdm_group *procs);
 int tdm_strategy_release_params(tdm_strategy *st);
 
 /* ---- what it is ----------------------------------------------------------------------------- */

@@ -247,7 +247,8 @@ static const opt_spec specs[] = {
      "file under the same --data path on one machine, a non-deterministic kernel, a fault). "
      "0: never. Costs one read of the weights and, under mpirun, one small all-gather. Not "
      "with --model-split."},
-    {"--debug-dir", "DIR", OPT_STR, F(debug_dir), 0, 0, "the checkpoint dir, else .",
+    {"--debug-dir", "DIR", OPT_STR, F(debug_dir), 0, 0,
+     "--checkpoint-dir, else /tmp/tandem-debug-JOB",
      "Under mpirun: where each process writes its flight recorder, flight-rank-R.jsonl (its last "
      "256 collectives: what, where in the code, when, done or not), when its run fails and "
      "whenever it gets SIGUSR1, SIGTERM or SIGINT, also when stuck in a collective. SIGUSR1 "

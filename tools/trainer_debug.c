@@ -3,6 +3,7 @@
 
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -34,7 +35,14 @@ static void *watch(void *arg) {
 int trainer_debug_start(trainer_debug *d, const train_opts *o, tdm_group *g) {
     memset(d, 0, sizeof *d);
     if (!g) return 0;
-    const char *dir = o->debug_dir ? o->debug_dir : o->checkpoint_dir ? o->checkpoint_dir : ".";
+    /* without a directory given: the checkpoints', else one a job under /tmp (the job's id
+     * from the launcher, so that every process of it writes into the same) */
+    char tmp[256];
+    const char *job = getenv("SLURM_JOB_ID") ? getenv("SLURM_JOB_ID") : getenv("PMIX_NAMESPACE");
+    snprintf(tmp, sizeof tmp, "/tmp/tandem-debug-%s", job ? job : "mpirun");
+    for (char *c = tmp + 5; *c; c++) *c = *c == '/' ? '_' : *c;
+    const char *dir = o->debug_dir ? o->debug_dir : o->checkpoint_dir ? o->checkpoint_dir : tmp;
+    if (dir == tmp) mkdir(tmp, 0755); /* EEXIST: another process's, or a last run's */
     struct stat st;
     if (o->debug_dir && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))) {
         fprintf(stderr, "tandem train: error: --debug-dir %s: not a directory\n", dir);

@@ -57,6 +57,13 @@ int log_epoch(run_log *l, const epoch_stats *e) {
     num(l->f, "img_s", e->img_s, ",");
     num(l->f, "loader_wait_s", e->loader_wait_s, ",");
     num(l->f, "lr", e->lr, ",");
+    for (int k = 0; k < 2 && e->n_ranks > 0; k++) {
+        const double *v = k ? e->rank_wait_s : e->rank_seconds;
+        fprintf(l->f, "\"%s\":[", k ? "rank_wait_s" : "rank_seconds");
+        for (int r = 0; r < e->n_ranks; r++) fprintf(l->f, "%s%.4f", r ? "," : "", v[r]);
+        fprintf(l->f, "],");
+    }
+    if (e->n_ranks > 0) fprintf(l->f, "\"straggler\":%d,", e->straggler);
     fprintf(l->f, "\"peak_bytes\":[");
     for (int d = 0; d < e->n_devices; d++)
         fprintf(l->f, "%s%lld", d ? "," : "", (long long)e->peak_bytes[d]);

@@ -32,6 +32,12 @@ typedef struct {
      * from the trainer, valid during the sinks_epoch call only (copies keep a stale pointer) */
     const int64_t *peak_bytes;
     int n_devices;
+    /* under mpirun, each process's training seconds and seconds waiting in collectives
+     * (n_ranks of each, borrowed as peak_bytes; 0 and NULL otherwise), and the process
+     * whose compute (the difference) is well above the median's, or -1 */
+    int n_ranks;
+    const double *rank_seconds, *rank_wait_s;
+    int straggler;
 } epoch_stats;
 
 typedef struct {

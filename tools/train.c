@@ -266,9 +266,12 @@ static const opt_spec specs[] = {
      "and "
      "test_acc, null for a language model; seconds, eval_seconds, wall_s (seconds since the "
      "process "
-     "started, when the epoch's test accuracy is known), loader_wait_s, ...; and peak_bytes, "
-     "each device's peak of tensor memory during the epoch's training, also printed on the "
-     "epoch line)."},
+     "started, when the epoch's test accuracy is known), loader_wait_s, ...; under mpirun "
+     "rank_seconds and rank_wait_s, each process's training seconds and seconds waiting in "
+     "collectives, and straggler, the process whose compute (the difference) is 20% above the "
+     "median's, or -1: the one the others wait for, also named on the epoch line; and "
+     "peak_bytes, each device's peak of tensor memory during the epoch's training, also "
+     "printed on the epoch line)."},
     {"--trace", "FILE.json", OPT_STR, F(trace_path), 0, 0, "none",
      "Write a Chrome trace (open it in Perfetto or chrome://tracing): one track per thread "
      "(the training loop, each device's compute, its communication, the loader's workers) "

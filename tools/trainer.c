@@ -445,6 +445,48 @@ static void note_peaks(trainer *tr, bool start) {
     }
 }
 
+/* How much more compute than the median a process needs to be named (stragglers): 20%, and at
+ * least STRAGGLER_S seconds an epoch, so that noise between equal processes is not named. */
+#define STRAGGLER_RATIO 1.2
+#define STRAGGLER_S     0.05
+
+static int by_value(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Under mpirun, each process's training seconds of the epoch and its seconds waiting in
+ * collectives into tr->rank_seconds and tr->rank_wait_s (one all-gather), and the process
+ * whose compute (seconds less waits) is well above the median's into *straggler (-1: none):
+ * the one the others wait for. */
+static int rank_times(trainer *tr, double secs, int *straggler) {
+    int procs = tdm_group_size(tr->g);
+    double mine[2] = {secs, tdm_collective_wait_seconds() - tr->coll_wait0};
+    double *all = malloc(sizeof *all * 2 * (size_t)procs), *work = malloc(sizeof *work * procs);
+    if (!tr->rank_seconds) tr->rank_seconds = calloc((size_t)procs, sizeof(double));
+    if (!tr->rank_wait_s) tr->rank_wait_s = calloc((size_t)procs, sizeof(double));
+    if (!all || !work || !tr->rank_seconds || !tr->rank_wait_s) {
+        free(all), free(work);
+        return task_error("the processes' times: out of memory");
+    }
+    int rc = trainer_gather_over_processes(tr, mine, 2, all, "epoch's times of each rank");
+    for (int r = 0; !rc && r < procs; r++) {
+        tr->rank_seconds[r] = all[2 * r], tr->rank_wait_s[r] = all[2 * r + 1];
+        work[r] = all[2 * r] - all[2 * r + 1];
+    }
+    *straggler = -1;
+    if (!rc) {
+        double most = -1;
+        for (int r = 0; r < procs; r++)
+            if (work[r] > most) most = work[r], *straggler = r;
+        qsort(work, (size_t)procs, sizeof *work, by_value);
+        double median = procs % 2 ? work[procs / 2] : 0.5 * (work[procs / 2 - 1] + work[procs / 2]);
+        if (!(most > STRAGGLER_RATIO * median && most - median > STRAGGLER_S)) *straggler = -1;
+    }
+    free(all), free(work);
+    return rc;
+}
+
 /* Starts epoch `epoch` (from 1), after `skip` of its steps done before a resume. */
 static int begin_epoch(trainer *tr, int epoch, int64_t skip) {
     const train_opts *o = tr->o;
@@ -504,6 +546,7 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
     tr->resume_step = 0;
     if (begin_epoch(tr, epoch, skip)) return EXIT_RUNTIME;
     double wait0 = tdm_loader_wait_seconds(tr->train_l), t0 = tr->t_last;
+    tr->coll_wait0 = tdm_collective_wait_seconds();
     int64_t step = skip;
     while (!tr->stopped && step < tr->steps_planned) {
         int rc = train_step(tr, step == skip && epoch == tr->start_epoch);
@@ -521,6 +564,8 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
     if (tr->g && !tr->stopped && trainer_sum_over_processes(tr, tot, 4, "epoch's totals"))
         return EXIT_RUNTIME;
     double secs = progress_now() - t0, n = tot[2], here = tot[3];
+    int straggler = -1;
+    if (tr->g && !tr->stopped && rank_times(tr, secs, &straggler)) return EXIT_RUNTIME;
     *e = (epoch_stats){
         .epoch = epoch,
         .train_loss = n ? tot[0] / n : NAN,
@@ -532,7 +577,11 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
         .loader_wait_s = tdm_loader_wait_seconds(tr->train_l) - wait0,
         .lr = tdm_optim_lr(tr->opt),
         .peak_bytes = tr->peak,
-        .n_devices = tr->o->n_devs};
+        .n_devices = tr->o->n_devs,
+        .n_ranks = tr->g && !tr->stopped ? tdm_group_size(tr->g) : 0,
+        .rank_seconds = tr->rank_seconds,
+        .rank_wait_s = tr->rank_wait_s,
+        .straggler = straggler};
     return 0;
 }
 
@@ -791,6 +840,15 @@ static void print_epoch(const trainer *tr, const epoch_stats *e) {
     printf("  %.0f %s/s  loader wait %.2f s", e->img_s, tr->task->unit, e->loader_wait_s);
     int devices = tr->o->n_devs * (tr->g ? tdm_group_size(tr->g) : 1);
     if (devices > 1) printf("  (%.0f %s/s per device)", e->img_s / devices, tr->task->unit);
+    if (e->n_ranks > 1) { /* the processes' waits in collectives, and who was waited for */
+        double lo = e->rank_wait_s[0], hi = lo;
+        for (int r = 1; r < e->n_ranks; r++)
+            lo = fmin(lo, e->rank_wait_s[r]), hi = fmax(hi, e->rank_wait_s[r]);
+        printf("  collectives %.2f-%.2f s", lo, hi);
+        if (e->straggler >= 0)
+            printf(" (rank %d computed %.2f s, the others waited for it)", e->straggler,
+                   e->rank_seconds[e->straggler] - e->rank_wait_s[e->straggler]);
+    }
     print_peaks(e);
     printf("\n");
     fflush(stdout);
@@ -876,6 +934,8 @@ static int run(trainer *tr) {
 }
 
 static void trainer_free(trainer *tr) {
+    free(tr->rank_seconds);
+    free(tr->rank_wait_s);
     tdm_loader_free(tr->train_l);
     tdm_loader_free(tr->test_l);
     tdm_strategy_free(tr->st); /* with every replica's (every stage's) optimizer */

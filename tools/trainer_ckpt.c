@@ -25,8 +25,8 @@ static int rank_of(const trainer *tr) {
 /* Every process's v[0..n) into all[rank * n + i], exactly: the doubles travel as pairs of
  * 32-bit words. Without MPI, the one process's. what names the collective (messages, the
  * flight recorder). */
-static int gather_over_processes(trainer *tr, const double *v, int n, double *all,
-                                 const char *what) {
+int trainer_gather_over_processes(trainer *tr, const double *v, int n, double *all,
+                                  const char *what) {
     if (!tr->g) return memcpy(all, v, sizeof(double) * (size_t)n), 0;
     int procs = tdm_group_size(tr->g);
     int32_t mine[2 * TOTALS_CAP];
@@ -49,7 +49,7 @@ int trainer_sum_over_processes(trainer *tr, double *v, int n, const char *what) 
     int procs = tdm_group_size(tr->g);
     double *all = malloc(sizeof(double) * (size_t)n * (size_t)procs);
     if (!all) return task_error("summing over the processes: out of memory");
-    int rc = gather_over_processes(tr, v, n, all, what);
+    int rc = trainer_gather_over_processes(tr, v, n, all, what);
     for (int i = 0; !rc && i < n; i++) {
         v[i] = 0;
         for (int r = 0; r < procs; r++) v[i] += all[r * n + i];
@@ -67,7 +67,8 @@ static int rank_totals(trainer *tr, const double *tot, char **out) {
     size_t cap = 80 * (size_t)procs + 1, len = 0;
     char *s = malloc(cap);
     int rc = all && s ? 0 : task_error("checkpoint: out of memory");
-    if (!rc) rc = gather_over_processes(tr, tot, 3, all, "checkpoint's totals of each rank");
+    if (!rc)
+        rc = trainer_gather_over_processes(tr, tot, 3, all, "checkpoint's totals of each rank");
     for (int r = 0; !rc && r < procs; r++)
         len += (size_t)snprintf(s + len, cap - len, "%a %lld %lld;", all[3 * r],
                                 (long long)all[3 * r + 1], (long long)all[3 * r + 2]);
@@ -88,7 +89,8 @@ static int local_replicas(const trainer *tr) {
 static int all_succeeded(trainer *tr, bool failed, const char *what, int64_t step) {
     int procs = procs_of(tr), first = -1, n = 0, l = local_replicas(tr);
     double mine = failed, *all = malloc(sizeof(double) * (size_t)procs);
-    if (!all || gather_over_processes(tr, &mine, 1, all, what)) return free(all), EXIT_RUNTIME;
+    if (!all || trainer_gather_over_processes(tr, &mine, 1, all, what))
+        return free(all), EXIT_RUNTIME;
     for (int r = procs - 1; r >= 0; r--)
         if (all[r] != 0) first = r, n++;
     free(all);
@@ -120,7 +122,7 @@ static int shard_ranges(trainer *tr, const tdm_train_state *s, int64_t *ranges) 
         rc = tdm_optim_shard_range(replica_state(tr, s, k).optim, &lo, &hi);
         mine[2 * k] = (double)lo, mine[2 * k + 1] = (double)hi; /* exact below 2^53 */
     }
-    if (!rc) rc = gather_over_processes(tr, mine, 2 * l, all, "optimizer shards' ranges");
+    if (!rc) rc = trainer_gather_over_processes(tr, mine, 2 * l, all, "optimizer shards' ranges");
     for (int i = 0; !rc && i < 2 * procs * l; i++) ranges[i] = (int64_t)all[i];
     free(mine), free(all);
     return rc ? task_error("checkpoint: gathering the ranks' ranges failed") : 0;

@@ -1,9 +1,9 @@
 /* The flight recorder of a run under mpirun (tdm_group_dump_flight on the processes' group):
  * each process writes DIR/flight-rank-R.jsonl, DIR being --debug-dir (default: the checkpoint
- * directory, else /tmp/tandem-debug-JOB, JOB the launcher's job id), when its run fails and whenever SIGUSR1, SIGTERM or
- * SIGINT arrives; a watcher thread waits for the signals, so a process stuck in a collective
- * (mpirun stops the others when one dies, and kills them a second later) still writes its
- * file. `tandem doctor DIR` merges the files. */
+ * directory, else /tmp/tandem-debug-JOB, JOB the launcher's job id), when its run fails and
+ * whenever SIGUSR1, SIGTERM or SIGINT arrives; a watcher thread waits for the signals, so a process
+ * stuck in a collective (mpirun stops the others when one dies, and kills them a second later)
+ * still writes its file. `tandem doctor DIR` merges the files. */
 #ifndef TANDEM_TOOLS_TRAINER_DEBUG_H
 #define TANDEM_TOOLS_TRAINER_DEBUG_H
 

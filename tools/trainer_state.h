@@ -63,7 +63,11 @@ typedef struct trainer {
     /* the allocator's peak of each device (o->devs) over the epoch's steps so far: read after
      * every step, since a pipeline resets its devices' peaks at each of its steps */
     int64_t peak[TDM_MAX_DEVICES];
-    epoch_stats last; /* the last finished epoch */
+    /* under mpirun, the last epoch's training seconds and seconds in collectives per process
+     * ([procs] each; NULL without MPI) */
+    double *rank_seconds, *rank_wait_s;
+    double coll_wait0; /* tdm_collective_wait_seconds at the epoch's start */
+    epoch_stats last;  /* the last finished epoch */
 } trainer;
 
 /* Under MPI, v[0..n) (n <= TOTALS_CAP) summed over the processes, in double and in rank order
@@ -71,6 +75,10 @@ typedef struct trainer {
  * collective ("loss read-back": "the trainer's loss read-back" in a desync's message and the
  * flight recorder). 0, or EXIT_RUNTIME after printing the error. */
 int trainer_sum_over_processes(trainer *tr, double *v, int n, const char *what);
+/* Every process's v[0..n) (n <= TOTALS_CAP) into all[rank * n + i], exactly; without MPI the
+ * one process's. what names the collective. 0, or EXIT_RUNTIME after printing the error. */
+int trainer_gather_over_processes(trainer *tr, const double *v, int n, double *all,
+                                  const char *what);
 /* A checkpoint at the current step (rank 0 writes; every process takes part in the sums), and
  * the task's files of the model. 0 or EXIT_RUNTIME. */
 int trainer_save_checkpoint(trainer *tr);

@@ -73,6 +73,11 @@ tdm_work *tdm_barrier(tdm_group *g);
  * message naming the rank that failed or the timeout; NULL gives the error that prevented
  * the collective from starting. */
 int tdm_work_wait(tdm_work *w);
+/* Seconds this process's threads have spent in tdm_work_wait on collectives that were not done
+ * yet (running them on the waiting thread included), summed over threads since the process
+ * started: a step's share of it is its time in communication rather than compute, and a
+ * process that waits much less than its peers is the one they wait for. */
+double tdm_collective_wait_seconds(void);
 /* Marks this rank as failed with its message: every collective of the group, pending or
  * future, fails on every rank with "rank R failed: message". */
 void tdm_group_abort(tdm_group *g, const char *message);

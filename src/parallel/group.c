@@ -190,19 +190,27 @@ void tdm_work_finish(tdm_work *w, int status, const char *msg) {
     tdm_waitq_wake(&g->done_q);
 }
 
+/* Nanoseconds this process's threads spent in tdm_work_wait on collectives not yet done. */
+static _Atomic int64_t waited_ns;
+
+double tdm_collective_wait_seconds(void) {
+    return (double)atomic_load_explicit(&waited_ns, memory_order_relaxed) * 1e-9;
+}
+
 int tdm_work_wait(tdm_work *w) {
     if (!w) {
         tdm_status s = tdm_last_status();
         return s != TDM_OK ? s : tdm_raise(TDM_ERR_ARG, "work_wait: NULL handle");
     }
     tdm_group *g = w->group;
-    if (g->ops->progress && !atomic_load_explicit(&w->done, memory_order_acquire))
-        g->ops->progress(g, w);
+    int64_t t0 = atomic_load_explicit(&w->done, memory_order_acquire) ? 0 : tdm_now_ns();
+    if (g->ops->progress && t0) g->ops->progress(g, w);
     /* No spinning and no timeout here. After progress the collective runs on another thread
      * (the rank's communication thread, MPI's or the GPU), which may need this core; the
      * backends spin where it pays (the threads barrier) and bound every wait of their own
      * (tdm_group_set_timeout). */
     tdm_wait_until(&g->done_q, &w->done, 1, (tdm_wait_opts){0});
+    if (t0) atomic_fetch_add_explicit(&waited_ns, tdm_now_ns() - t0, memory_order_relaxed);
     int status = w->status;
     if (status != TDM_OK) tdm_raise((tdm_status)status, "%s", w->msg);
     work_put(w);

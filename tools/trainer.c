@@ -5,8 +5,9 @@
  * them back only every SYNC_STEPS steps or at a progress line or the end of the epoch: one
  * transfer per 16 steps instead of two per step on a GPU; on the CPU it costs nothing either
  * way. A non-finite loss is therefore noticed up to SYNC_STEPS-1 steps late, but reported with
- * its exact epoch and step. With several devices (DataParallel) or a pipeline the replicas
- * write losses and predictions to the host themselves.
+ * its exact epoch and step. Under mpirun the chunks shrink to SYNC_SECONDS of steps, since the
+ * processes agree on a stop only there. With several devices (DataParallel) or a pipeline the
+ * replicas write losses and predictions to the host themselves.
  *
  * Gradient accumulation (--grad-accum K): an optimizer step takes K loader batches; each
  * batch's loss is divided by K so the gradients add up to their mean, devices and processes
@@ -224,6 +225,7 @@ static int make_buffers(trainer *tr) {
     tr->pred_buf = tr->task->accuracy ? tdm_zeros(TDM_SHAPE(rows), TDM_I64, tr->dev) : NULL;
     tr->loss_host = malloc(sizeof(float) * (size_t)slots);
     tr->time_host = malloc(sizeof(double) * SYNC_STEPS);
+    tr->chunk_cap = tr->g ? 1 : SYNC_STEPS; /* under mpirun the first chunk measures a step */
     tr->lr_host = malloc(sizeof(double) * SYNC_STEPS);
     tr->size_host = malloc(sizeof(int64_t) * SYNC_STEPS);
     tr->pred_host = malloc(sizeof(int64_t) * (size_t)host);
@@ -359,7 +361,7 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
     /* each step's loss over every process (the processes' shares are equal): what the sinks
      * record and the divergence check reads, the same on every process; the epoch's and the
      * window's sums stay this process's (they are summed over the processes at their end) */
-    double global[SYNC_STEPS];
+    double global[SYNC_STEPS + 1];
     for (int i = 0; i < k; i++) {
         global[i] = 0;
         for (int64_t m = 0; m < tr->accum; m++) global[i] += tr->loss_host[i * tr->accum + m];
@@ -368,8 +370,13 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
     double local[SYNC_STEPS];
     memcpy(local, global, sizeof(double) * (size_t)k);
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
-    if (procs > 1 && k && trainer_sum_over_processes(tr, global, k, "loss read-back"))
+    global[k] = k ? tr->time_host[k - 1] - tr->t_last : 0; /* the chunk's seconds */
+    if (procs > 1 && k && trainer_sum_over_processes(tr, global, k + 1, "loss read-back"))
         return EXIT_RUNTIME;
+    if (procs > 1 && k && global[k] > 0) { /* the same sum on every process: the same cap */
+        double steps = SYNC_SECONDS * k * procs / global[k];
+        tr->chunk_cap = steps >= SYNC_STEPS ? SYNC_STEPS : steps < 1 ? 1 : (int)steps;
+    }
     for (int i = 0; i < k; i++) {
         int64_t s = step - k + i + 1;
         double loss = global[i] / procs;
@@ -400,7 +407,7 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
 
 /* Whether to read back after this step: a full chunk or a window's end. */
 static bool sync_due(const trainer *tr, int64_t step) {
-    return tr->chunk_steps == SYNC_STEPS || step % tr->every == 0 || step >= tr->steps_planned;
+    return tr->chunk_steps >= tr->chunk_cap || step % tr->every == 0 || step >= tr->steps_planned;
 }
 
 /* The stop signal the run obeys after this step, or 0. One process looks after every step;

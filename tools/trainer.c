@@ -361,7 +361,7 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
     /* each step's loss over every process (the processes' shares are equal): what the sinks
      * record and the divergence check reads, the same on every process; the epoch's and the
      * window's sums stay this process's (they are summed over the processes at their end) */
-    double global[SYNC_STEPS + 1];
+    double global[SYNC_STEPS + 2];
     for (int i = 0; i < k; i++) {
         global[i] = 0;
         for (int64_t m = 0; m < tr->accum; m++) global[i] += tr->loss_host[i * tr->accum + m];
@@ -371,8 +371,10 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
     memcpy(local, global, sizeof(double) * (size_t)k);
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
     global[k] = k ? tr->time_host[k - 1] - tr->t_last : 0; /* the chunk's seconds */
-    if (procs > 1 && k && trainer_sum_over_processes(tr, global, k + 1, "loss read-back"))
+    global[k + 1] = tdm_stop_requested();                  /* and the stop signals: one exchange */
+    if (procs > 1 && k && trainer_sum_over_processes(tr, global, k + 2, "loss read-back"))
         return EXIT_RUNTIME;
+    tr->stop_agreed = procs > 1 && k && global[k + 1] > 0;
     if (procs > 1 && k && global[k] > 0) { /* the same sum on every process: the same cap */
         double steps = SYNC_SECONDS * k * procs / global[k];
         tr->chunk_cap = steps >= SYNC_STEPS ? SYNC_STEPS : steps < 1 ? 1 : (int)steps;
@@ -411,16 +413,15 @@ static bool sync_due(const trainer *tr, int64_t step) {
 }
 
 /* The stop signal the run obeys after this step, or 0. One process looks after every step;
- * under MPI the processes agree at the steps where they all read back (synced), so that
- * every one stops at the same step, also when the signal reached only some. */
+ * under MPI the processes agree at the steps where they all read back (synced: the read-back
+ * carried every process's signal), so that every one stops at the same step, also when the
+ * signal reached only some. */
 static int stop_signal(trainer *tr, bool synced) {
     int sig = tdm_stop_requested();
-    if (!tr->g) return sig;
-    if (!synced) return 0;
-    double any = sig;
-    if (trainer_sum_over_processes(tr, &any, 1, "stop signals")) return -1;
-    if (any > 0 && !sig) tdm_stop_request(SIGTERM), sig = tdm_stop_requested();
-    return any > 0 ? sig : 0;
+    if (!tr->g || tdm_group_size(tr->g) == 1) return sig;
+    if (!synced || !tr->stop_agreed) return 0;
+    if (!sig) tdm_stop_request(SIGTERM), sig = tdm_stop_requested();
+    return sig;
 }
 
 /* After a step: a periodic checkpoint, or a stop (--max-steps, or SIGTERM / SIGINT) with its

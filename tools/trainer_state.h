@@ -11,8 +11,9 @@
 #define EVAL_BATCH     1000
 #define ID_CAP         2048  /* bytes of train_identity's string */
 #define PROCESS_ID_CAP 16384 /* bytes of train_process_identity's string */
-/* values trainer_sum_over_processes sums at once: a chunk's step losses and its seconds */
-#define TOTALS_CAP (SYNC_STEPS + 1)
+/* values trainer_sum_over_processes sums at once: a chunk's step losses, its seconds and the
+ * processes' stop signals */
+#define TOTALS_CAP (SYNC_STEPS + 2)
 /* Under mpirun the processes agree on a stop only where they read back, so chunks are cut to
  * about this many seconds of steps (at least one step): a stop signal, SIGUSR1's early warning
  * included, is obeyed within that and the step in flight, not 16 slow steps later */
@@ -56,7 +57,8 @@ typedef struct trainer {
     int64_t *size_host;              /* [SYNC_STEPS] samples of each step */
     int64_t *pred_host, *label_host; /* [max(SYNC_STEPS * accum * B, EVAL_BATCH)] */
     int chunk_steps, micro;
-    int chunk_cap; /* steps a chunk holds: SYNC_STEPS, or fewer under mpirun (SYNC_SECONDS) */
+    int chunk_cap;    /* steps a chunk holds: SYNC_STEPS, or fewer under mpirun (SYNC_SECONDS) */
+    bool stop_agreed; /* under mpirun: some process had a stop signal at the last read-back */
     int64_t chunk_samples;
     double t_last; /* when the previous step ended */
     /* the epoch so far, and the window since the last progress line */

@@ -193,8 +193,8 @@ static void print_divergence(const rank_file *ranks, int size) {
 }
 
 /* The ranks the others timed out waiting for, from their own failure messages ("timed out
- * after 2.0 s waiting for rank 1"; one forwarded from a peer, "rank 0 stopped: ...", is
- * that peer's). True when any was named. */
+ * after ... waiting for rank 1"; one forwarded from a peer, "rank 0 stopped: ...", is that
+ * peer's). True when any was named. */
 static bool print_waited_for(const rank_file *ranks, int size) {
     bool any = false;
     for (int k = 0; k < size; k++) {

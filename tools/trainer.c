@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "estimate.h"
+#include "straggler.h"
 #include "trainer_debug.h"
 #include "trainer_state.h"
 
@@ -453,16 +454,6 @@ static void note_peaks(trainer *tr, bool start) {
     }
 }
 
-/* How much more compute than the median a process needs to be named (stragglers): 20%, and at
- * least STRAGGLER_S seconds an epoch, so that noise between equal processes is not named. */
-#define STRAGGLER_RATIO 1.2
-#define STRAGGLER_S     0.05
-
-static int by_value(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* Under mpirun, each process's training seconds of the epoch and its seconds waiting in
  * collectives into tr->rank_seconds and tr->rank_wait_s (one all-gather), and the process
  * whose compute (seconds less waits) is well above the median's into *straggler (-1: none):
@@ -470,28 +461,18 @@ static int by_value(const void *a, const void *b) {
 static int rank_times(trainer *tr, double secs, int *straggler) {
     int procs = tdm_group_size(tr->g);
     double mine[2] = {secs, tdm_collective_wait_seconds() - tr->coll_wait0};
-    double *all = malloc(sizeof *all * 2 * (size_t)procs), *work = malloc(sizeof *work * procs);
+    double *all = malloc(sizeof *all * 2 * (size_t)procs);
     if (!tr->rank_seconds) tr->rank_seconds = calloc((size_t)procs, sizeof(double));
     if (!tr->rank_wait_s) tr->rank_wait_s = calloc((size_t)procs, sizeof(double));
-    if (!all || !work || !tr->rank_seconds || !tr->rank_wait_s) {
-        free(all), free(work);
+    if (!all || !tr->rank_seconds || !tr->rank_wait_s) {
+        free(all);
         return task_error("the processes' times: out of memory");
     }
     int rc = trainer_gather_over_processes(tr, mine, 2, all, "epoch's times of each rank");
-    for (int r = 0; !rc && r < procs; r++) {
+    for (int r = 0; !rc && r < procs; r++)
         tr->rank_seconds[r] = all[2 * r], tr->rank_wait_s[r] = all[2 * r + 1];
-        work[r] = all[2 * r] - all[2 * r + 1];
-    }
-    *straggler = -1;
-    if (!rc) {
-        double most = -1;
-        for (int r = 0; r < procs; r++)
-            if (work[r] > most) most = work[r], *straggler = r;
-        qsort(work, (size_t)procs, sizeof *work, by_value);
-        double median = procs % 2 ? work[procs / 2] : 0.5 * (work[procs / 2 - 1] + work[procs / 2]);
-        if (!(most > STRAGGLER_RATIO * median && most - median > STRAGGLER_S)) *straggler = -1;
-    }
-    free(all), free(work);
+    *straggler = rc ? -1 : straggler_of(tr->rank_seconds, tr->rank_wait_s, procs);
+    free(all);
     return rc;
 }
 

@@ -226,7 +226,8 @@ static int make_buffers(trainer *tr) {
     tr->pred_buf = tr->task->accuracy ? tdm_zeros(TDM_SHAPE(rows), TDM_I64, tr->dev) : NULL;
     tr->loss_host = malloc(sizeof(float) * (size_t)slots);
     tr->time_host = malloc(sizeof(double) * SYNC_STEPS);
-    tr->chunk_cap = tr->g ? 1 : SYNC_STEPS; /* under mpirun the first chunk measures a step */
+    /* under mpirun the first chunk measures a step (SYNC_SECONDS) */
+    tr->chunk_cap = tr->g && tdm_group_size(tr->g) > 1 ? 1 : SYNC_STEPS;
     tr->lr_host = malloc(sizeof(double) * SYNC_STEPS);
     tr->size_host = malloc(sizeof(int64_t) * SYNC_STEPS);
     tr->pred_host = malloc(sizeof(int64_t) * (size_t)host);

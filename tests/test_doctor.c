@@ -141,7 +141,7 @@ static pid_t rank_pid(const char *mark, int rank) {
     DIR *d = opendir("/proc");
     struct dirent *e;
     pid_t found = -1;
-    char want[32];
+    char want[48];
     snprintf(want, sizeof want, "OMPI_COMM_WORLD_RANK=%d", rank);
     while (d && found < 0 && (e = readdir(d))) {
         char path[300];
@@ -173,8 +173,14 @@ static pid_t start_job(const char *mpirun, const char *dir, const char *timeout)
         spawn_captured(ARGS(mpirun, "--oversubscribe", "-np", "2", tandem, "train", "--model",
                             "mlp", "--epochs", "100", "--batch-size", "16", "--timeout", timeout,
                             "--debug-dir", dir, "--checkpoint-dir", ckpt, "--print-every", "1"));
-    for (int i = 0; i < 600 && rank_pid(dir, 1) < 0; i++) nap(0.05);
-    nap(1.0); /* training */
+    /* a step line: every process trains (and has its signal handlers, installed before) */
+    for (int i = 0; i < 1200; i++) {
+        char *out = captured("stdout");
+        bool training = strstr(out, " step ") != NULL;
+        free(out);
+        if (training || waitpid(pid, NULL, WNOHANG) == pid) break;
+        nap(0.05);
+    }
     return pid;
 }
 
@@ -182,7 +188,9 @@ static pid_t start_job(const char *mpirun, const char *dir, const char *timeout)
 static int wait_job(pid_t job, const char *mark) {
     for (int i = 0; i < 1200; i++) {
         int st;
-        if (waitpid(job, &st, WNOHANG) == job) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        pid_t got = waitpid(job, &st, WNOHANG);
+        if (got == job) return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        if (got < 0) return -1; /* reaped already: it ended before it trained */
         nap(0.05);
     }
     fprintf(stderr, "the job of %s did not end: killed\n", mark);

@@ -795,6 +795,47 @@ static int sizes_child(void) {
     return 1;
 }
 
+/* Each of L devices of this process all-reduces over the two-level group, process 1's under
+ * another site: the devices of a process agree, the processes do not. */
+typedef struct {
+    tdm_group *g;
+    int rc;
+    char err[512];
+} site_rank;
+
+static void *hier_site_main(void *arg) {
+    site_rank *a = arg;
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(10), TDM_F32, tdm_cpu(0));
+    if (R == 1)
+        tdm_collective_label("the trainer's loss read-back");
+    else
+        tdm_collective_label("DDP bucket 3");
+    a->rc = tdm_work_wait(tdm_all_reduce(a->g, t, TDM_SUM));
+    snprintf(a->err, sizeof a->err, "%s", tdm_last_error());
+    tdm_tensor_free(t);
+    tdm_thread_release();
+    return NULL;
+}
+
+static int hier_site(void) {
+    tdm_device devs[L] = {tdm_cpu(0), tdm_cpu(1)};
+    tdm_threads_world *tw = tdm_threads_world_new(L, devs);
+    tdm_hier_world *hw = tw ? tdm_hier_world_new(tw, L, G) : NULL;
+    if (!hw) return tdm_last_status();
+    site_rank a[L] = {{0}};
+    pthread_t th[L];
+    for (int l = 0; l < L; l++) a[l].g = tdm_hier_world_group(hw, l);
+    for (int l = 0; l < L; l++) pthread_create(&th[l], NULL, hier_site_main, &a[l]);
+    int rc = 0;
+    for (int l = 0; l < L; l++) {
+        pthread_join(th[l], NULL);
+        if (a[l].rc && !rc) rc = tdm_raise(a[l].rc, "%s", a[l].err);
+    }
+    tdm_hier_world_free(hw);
+    tdm_threads_world_free(tw);
+    return rc;
+}
+
 /* Trains with DDP; rank 1 misbehaves at step 3 as `what` says (the *_shard cases with the
  * optimizer sharded, between backward and the exchange of the shards). Ends the process: 0 if
  * all steps passed, 1 with "test_mpi rank R: error" on stderr otherwise. */
@@ -805,7 +846,9 @@ static int fault_child(const char *what) {
     if (strstr(what, "_shard")) update_fault = what;
     tdm_group_set_timeout(G, timeout_case ? 1.0 : 30.0);
     int rc = 0;
-    if (!strcmp(what, "mismatch")) {
+    if (!strcmp(what, "hier_site")) {
+        rc = hier_site();
+    } else if (!strcmp(what, "mismatch")) {
         tdm_tensor *t = tdm_ones(TDM_SHAPE(10 + (R == 1)), TDM_F32, tdm_cpu(0));
         rc = tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM));
     } else if (!strcmp(what, "dtype")) { /* the same count and element size, not dtype */
@@ -961,6 +1004,17 @@ static void test_faults(const char *mpirun) {
                      (const char *[]){"ranks disagree on the ",
                                       "(the trainer's loss read-back: 1 f32, sum)",
                                       "is in all_reduce #", "(DDP bucket 0: ", NULL});
+    /* the two-level group: its parts carry the site of the collective they make up, so the
+     * processes' sites are compared across MPI (process 1 differs) */
+    expect_job_fails(
+        mpirun, "hier_site", 15,
+        /* whichever rank finds it first names its pair (ranks 0 and 2 agree) */
+        (const char *[]){"ranks disagree on the caller: rank 0 is in all_reduce #1 (DDP "
+                         "bucket 3: 10 f32, sum) while rank 1 is in all_reduce #1 (the "
+                         "trainer's loss read-back: 10 f32, sum)||ranks disagree on the caller: "
+                         "rank 1 is in all_reduce #1 (the trainer's loss read-back: 10 f32, sum) "
+                         "while rank 2 is in all_reduce #1 (DDP bucket 3: 10 f32, sum)",
+                         NULL});
     expect_job_fails(mpirun, "dtype", 15,
                      (const char *[]){"ranks disagree on the dtype: ",
                                       "is in all_reduce #1 (unnamed: 10 f16, sum)", NULL});

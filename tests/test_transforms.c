@@ -534,6 +534,18 @@ static void test_output_shape(void) {
     check_shape_error("RandomCrop(32, padding=2)", TDM_SHAPE(3, 20, 20),
                       "crop 32x32 is larger than the image 20x20 padded by 2");
     check_shape_error("Normalize(imagenet)", TDM_SHAPE(4, 8, 8), "1 or 3 channels, not 4");
+    /* a short side of 38632 makes a 9x5 image's long side 69537: over the largest side */
+    check_shape_error("Resize(38632)", TDM_SHAPE(1, 9, 5),
+                      "transform step 0 (Resize): an image of 9x5 would become 69537x38632, a "
+                      "side over 65535");
+    check_shape("Resize(38632)", TDM_SHAPE(1, 20, 27), TDM_SHAPE(1, 38632, 52153));
+    /* the same check when the size is only known from the image (the fuzzer found it) */
+    tdm_transform *thin = tdm_transform_parse("Resize(38632),CenterCrop(8)", 0);
+    float px[9 * 5] = {0}, po[8 * 8];
+    tdm_image one = {.c = 1, .h = 9, .w = 5, .data = px};
+    CHECK_ERROR(thin && tdm_transform_apply(thin, &one, po, 0, 0, 0) == TDM_ERR_SHAPE,
+                "would become 69537x38632");
+    tdm_transform_free(thin);
     /* the same check when the size is only known from the image */
     tdm_transform *tf = tdm_transform_parse("RandomCrop(32, padding=2)", 0);
     float x[3 * 20 * 20] = {0}, out[3 * 32 * 32];

@@ -165,6 +165,15 @@ void tdm_tf_resize_size(const tdm_transform_step *s, int64_t h, int64_t w, int64
     *ow = w <= h ? s->size[0] : nl;
 }
 
+int tdm_tf_resize_check(int i, int64_t h, int64_t w, int64_t oh, int64_t ow) {
+    if (oh <= TDM_TRANSFORM_MAX_SIDE && ow <= TDM_TRANSFORM_MAX_SIDE) return TDM_OK;
+    return tdm_raise(TDM_ERR_SHAPE,
+                     "transform step %d (Resize): an image of %lldx%lld would become %lldx%lld, "
+                     "a side over %d",
+                     i, (long long)h, (long long)w, (long long)oh, (long long)ow,
+                     TDM_TRANSFORM_MAX_SIDE);
+}
+
 /* Python's int(round(k / 2.0)) for k >= 0: halves go to the even neighbour */
 static int64_t half_round_even(int64_t k) {
     int64_t q = k / 2;
@@ -187,8 +196,10 @@ static int step_shape(int i, const tdm_transform_step *s, int64_t d[3]) {
     bool known = d[1] > 0 && d[2] > 0;
     switch (s->kind) {
     case TDM_TF_RESIZE:
-        if (s->size[1] > 0 || known) tdm_tf_resize_size(s, d[1], d[2], &d[1], &d[2]);
-        return TDM_OK;
+        if (!(s->size[1] > 0 || known)) return TDM_OK;
+        int64_t h = d[1], w = d[2];
+        tdm_tf_resize_size(s, h, w, &d[1], &d[2]);
+        return tdm_tf_resize_check(i, h, w, d[1], d[2]);
     case TDM_TF_RANDOM_CROP:
         if (known && (d[1] + 2 * s->padding < s->size[0] || d[2] + 2 * s->padding < s->size[1]))
             return tdm_raise(TDM_ERR_SHAPE,

@@ -97,14 +97,17 @@ static bool resize_fuses(const tdm_transform_step *s, const tdm_transform_step *
 }
 
 /* Resize, and crop (NULL: none) the CenterCrop after it. */
-static int run_resize(tf_run *r, const tdm_transform_step *s, const tdm_transform_step *crop) {
+static int run_resize(tf_run *r, int i, const tdm_transform_step *s,
+                      const tdm_transform_step *crop) {
     int64_t oh, ow;
     tdm_tf_resize_size(s, r->h, r->w, &oh, &ow);
+    int st = tdm_tf_resize_check(i, r->h, r->w, oh, ow); /* the long side of a thin image */
+    if (st) return st;
     tdm_tf_box part = {0, 0, oh, ow};
     if (crop) part = tdm_tf_center_box(oh, ow, crop->size[0], crop->size[1]);
     float *d = run_dest(r, r->c, part.h, part.w);
     if (!d) return TDM_ERR_NOMEM;
-    int st =
+    st =
         tdm_tf_resample(r->data, r->c, r->h, r->w, (tdm_tf_box){0, 0, r->h, r->w}, oh, ow, part, d);
     if (st) {
         if (d != r->out) free(d);
@@ -189,7 +192,7 @@ static int run_step(tf_run *r, int i, const tdm_transform_step *s, const tdm_tra
     }
     switch (s->kind) {
     case TDM_TF_RESIZE:
-        return run_resize(r, s, next);
+        return run_resize(r, i, s, next);
     case TDM_TF_CENTER_CROP:
         return run_crop(r, tdm_tf_center_box(r->full_h, r->full_w, s->size[0], s->size[1]));
     case TDM_TF_RANDOM_RESIZED_CROP:

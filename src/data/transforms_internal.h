@@ -56,6 +56,10 @@ bool tdm_tf_erasing_params(tdm_tf_rng *r, int64_t H, int64_t W, const float scal
 /* Resize's output (h, w) for an image h x w: step size (short side, or (h, w)). */
 void tdm_tf_resize_size(const tdm_transform_step *s, int64_t h, int64_t w, int64_t *oh,
                         int64_t *ow);
+/* TDM_OK when a Resize (step i) of an image h x w to oh x ow keeps both sides within
+ * TDM_TRANSFORM_MAX_SIDE, else TDM_ERR_SHAPE naming the step and the sizes: a short side of
+ * thousands makes a thin image's long side larger still. */
+int tdm_tf_resize_check(int i, int64_t h, int64_t w, int64_t oh, int64_t ow);
 /* CenterCrop's box in an image h x w: negative top/left where the crop is larger (padding). */
 tdm_tf_box tdm_tf_center_box(int64_t h, int64_t w, int64_t ch, int64_t cw);
 

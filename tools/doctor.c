@@ -271,8 +271,9 @@ int doctor_main(int argc, char **argv) {
     }
     DIR *dir = opendir(argv[1]);
     if (!dir) return doctor_error("cannot open %s: %s", argv[1], strerror(errno));
-    static rank_file ranks[MAX_RANKS];
-    memset(ranks, 0, sizeof ranks);
+    /* a table for the most ranks a file may name: its pages are touched only for ranks read */
+    rank_file *ranks = calloc(MAX_RANKS, sizeof *ranks);
+    if (!ranks) return closedir(dir), doctor_error("out of memory%s%s", "", "");
     int size = 0, files = 0, rc = 0;
     struct dirent *de;
     while (!rc && (de = readdir(dir))) {
@@ -286,10 +287,10 @@ int doctor_main(int argc, char **argv) {
         files++;
     }
     closedir(dir);
-    if (rc) return rc;
-    if (!files)
-        return doctor_error("%s holds no flight-rank-R.jsonl (%s)", argv[1],
-                            "written by tandem train under mpirun on failure or SIGUSR1");
+    if (!rc && !files)
+        rc = doctor_error("%s holds no flight-rank-R.jsonl (%s)", argv[1],
+                          "written by tandem train under mpirun on failure or SIGUSR1");
+    if (rc) return free(ranks), rc;
     int first = 0;
     while (!ranks[first].present) first++;
     printf("flight recorders of %d of %d ranks (%s group, timeout %.1f s)\n", files, size,
@@ -297,6 +298,7 @@ int doctor_main(int argc, char **argv) {
     print_ranks(ranks, size);
     print_divergence(ranks, size);
     print_late(ranks, size);
+    free(ranks);
     return EXIT_OK;
 }
 

@@ -435,7 +435,6 @@ static int after_step(trainer *tr, int epoch, int64_t step, bool synced) {
         return task_error("--check-replicas: after step %lld: %s", (long long)tr->global_step,
                           tdm_last_error());
     int sig = stop_signal(tr, synced);
-    if (sig < 0) return EXIT_RUNTIME;
     bool stop = sig || (o->max_steps > 0 && tr->global_step >= o->max_steps);
     bool every = o->checkpoint_every > 0 && tr->global_step % o->checkpoint_every == 0;
     if (!stop && !every) return 0;

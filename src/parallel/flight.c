@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -50,9 +51,13 @@ int tdm_group_dump_flight(tdm_group *g, const char *path) {
     gethostname(host, sizeof host - 1);
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
+    tdm_flight_entry *ring = malloc(sizeof g->flight);
+    if (!ring) {
+        fclose(f);
+        return tdm_raise(TDM_ERR_NOMEM, "group_dump_flight: out of memory");
+    }
     pthread_mutex_lock(&g->lock); /* a copy of the ring, not written while the file is */
-    static _Thread_local tdm_flight_entry ring[TDM_FLIGHT_LEN];
-    memcpy(ring, g->flight, sizeof ring);
+    memcpy(ring, g->flight, sizeof g->flight);
     int64_t launched = g->launched;
     char failure[TDM_WORK_MSG];
     memcpy(failure, g->failure, sizeof failure);
@@ -70,6 +75,7 @@ int tdm_group_dump_flight(tdm_group *g, const char *path) {
         const tdm_flight_entry *e = &ring[s % TDM_FLIGHT_LEN];
         if (e->c.seq == s) put_entry(f, e);
     }
+    free(ring);
     bool bad = ferror(f) != 0;
     if (fclose(f) != 0 || bad)
         return tdm_raise(TDM_ERR_IO, "group_dump_flight: writing %s failed", path);

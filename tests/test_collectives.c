@@ -2,13 +2,15 @@
  * reference computed here (sums in rank order in float, so results must match bit for bit),
  * asynchronous handles waited in and out of order, failures (a rank's error, a timeout, ranks
  * that disagree, named with the sites tdm_collective_label gives) that end in errors instead of
- * hangs, the flight recorder's file, and device lists. */
+ * hangs, the flight recorder's file, and device lists; and the MPI transport's sizes, which
+ * tdm_mpi_tune_tcp sets only where the user did not. */
 #include "check.h"
 #include "parallel/group.h"
 #include "parallel/lines.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #define MAX_RANKS 4
@@ -614,6 +616,64 @@ static void test_site_mismatch(void) {
     if (check_failed == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", flight_dir);
 }
 
+/* A file at dir/name holding text. */
+static void put_file(const char *dir, const char *name, const char *text) {
+    char path[256];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    if (f) fputs(text, f), fclose(f);
+    CHECK(f != NULL, "cannot write %s", path);
+}
+
+static const char *eager(void) {
+    const char *v = getenv("OMPI_MCA_btl_tcp_eager_limit");
+    return v ? v : "(unset)";
+}
+
+/* tdm_mpi_tune_tcp: both sizes set where the user set neither, in the environment or in an MCA
+ * parameter file; neither where the user set one; a longer name or a comment is not the name. */
+static void test_mpi_tune(void) {
+    char dir[] = "/tmp/tandem_mpitune_XXXXXX", list[160], home[80];
+    if (!mkdtemp(dir)) {
+        CHECK(0, "mkdtemp %s", dir);
+        return;
+    }
+    const char *vars[] = {"OMPI_MCA_btl_tcp_eager_limit", "OMPI_MCA_btl_tcp_max_send_size"};
+    char *saved_home = getenv("HOME") ? strdup(getenv("HOME")) : NULL;
+    put_file(dir, "near.conf", "# btl_tcp_eager_limit = 5\nbtl_tcp_eager_limit_x = 9\n");
+    put_file(dir, "sets.conf", "  btl_tcp_max_send_size=8192\n");
+    snprintf(list, sizeof list, "%s/none.conf:%s/near.conf", dir, dir);
+    for (int i = 0; i < 2; i++) unsetenv(vars[i]);
+    setenv("OMPI_MCA_mca_base_param_files", list, 1);
+    CHECK(tdm_mpi_tune_tcp(1 << 20) == 2, "nothing set by the user: both set");
+    CHECK(!strcmp(eager(), "1052672"), "eager limit %s, expected 1 MiB + 4096", eager());
+    const char *frag = getenv(vars[1]);
+    CHECK(frag && !strcmp(frag, "1052672"), "largest fragment %s", frag ? frag : "(unset)");
+
+    unsetenv(vars[0]);
+    setenv(vars[1], "8192", 1); /* mpirun --mca btl_tcp_max_send_size 8192 */
+    CHECK(tdm_mpi_tune_tcp(1 << 20) == 0 && !strcmp(eager(), "(unset)"),
+          "one size set in the environment: the eager limit became %s", eager());
+    unsetenv(vars[1]);
+    snprintf(list, sizeof list, "%s/near.conf:%s/sets.conf", dir, dir);
+    setenv("OMPI_MCA_mca_base_param_files", list, 1);
+    CHECK(tdm_mpi_tune_tcp(1 << 20) == 0 && !strcmp(eager(), "(unset)"),
+          "one size set in a listed file: the eager limit became %s", eager());
+    /* without a list, the user's own file is one Open MPI reads */
+    unsetenv("OMPI_MCA_mca_base_param_files");
+    snprintf(home, sizeof home, "%s/.openmpi", dir);
+    CHECK(mkdir(home, 0700) == 0, "mkdir %s", home);
+    put_file(home, "mca-params.conf", "btl_tcp_eager_limit = 70000\n");
+    setenv("HOME", dir, 1);
+    CHECK(tdm_mpi_tune_tcp(1 << 20) == 0 && !strcmp(eager(), "(unset)"),
+          "the eager limit set in ~/.openmpi/mca-params.conf: it became %s", eager());
+    if (saved_home) setenv("HOME", saved_home, 1);
+    free(saved_home);
+    char cmd[96];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    CHECK(system(cmd) == 0, "%s", cmd);
+}
+
 int main(void) {
     for (int r = 0; r < MAX_RANKS; r++) devs[r] = tdm_cpu(r);
     test_devices();
@@ -627,5 +687,6 @@ int main(void) {
     test_lowp();
     test_dtype_mismatch();
     test_site_mismatch();
+    test_mpi_tune();
     return check_summary();
 }

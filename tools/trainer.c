@@ -334,13 +334,12 @@ static void note_small_work(trainer *tr, uint64_t flops) {
 /* A progress line's window ends: its mean loss (over every process) printed, the outputs
  * flushed. Every process comes here at the same steps. */
 static int end_window(trainer *tr, int64_t step, double now) {
-    double w[2] = {tr->win_loss, (double)tr->win_samples};
-    if (tr->g && trainer_sum_over_processes(tr, w, 2, "progress line's loss")) return EXIT_RUNTIME;
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
     double dt = now - tr->win_t0, n = (double)tr->win_steps;
     if (!tdm_stop_requested()) /* a stopping mpirun no longer reads: a write could block */
-        progress_line(&tr->prog, step, w[0] / procs / n, tdm_optim_lr(tr->opt), 1e3 * dt / n,
-                      dt > 0 ? w[1] * (double)tr->task->units_per_sample / dt : NAN, now);
+        progress_line(
+            &tr->prog, step, tr->win_loss / procs / n, tdm_optim_lr(tr->opt), 1e3 * dt / n,
+            dt > 0 ? (double)tr->win_samples * tr->task->units_per_sample / dt : NAN, now);
     tr->win_loss = 0, tr->win_steps = 0, tr->win_samples = 0, tr->win_t0 = now;
     return sinks_flush(&tr->out);
 }
@@ -360,25 +359,28 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
                          sizeof(int64_t) * (size_t)tr->chunk_samples);
     if (!on_host && k) tdm_scope_end();
     if (rc) return task_error("reading losses back: %s", tdm_last_error());
-    /* each step's loss over every process (the processes' shares are equal): what the sinks
-     * record and the divergence check reads, the same on every process; the epoch's and the
-     * window's sums stay this process's (they are summed over the processes at their end) */
-    double global[SYNC_STEPS + 2];
+    /* each step's loss and samples over every process (the processes' shares are equal): what
+     * the sinks record, the divergence check and the progress lines read, the same on every
+     * process; the epoch's sums stay this process's (summed over the processes at its end).
+     * One exchange a chunk: losses, samples, the chunk's seconds and the stop signals. */
+    double global[TOTALS_CAP];
     for (int i = 0; i < k; i++) {
         global[i] = 0;
         for (int64_t m = 0; m < tr->accum; m++) global[i] += tr->loss_host[i * tr->accum + m];
         global[i] /= (double)tr->accum;
+        global[k + i] = (double)tr->size_host[i];
     }
     double local[SYNC_STEPS];
     memcpy(local, global, sizeof(double) * (size_t)k);
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
-    global[k] = k ? tr->time_host[k - 1] - tr->t_last : 0; /* the chunk's seconds */
-    global[k + 1] = tdm_stop_requested();                  /* and the stop signals: one exchange */
-    if (procs > 1 && k && trainer_sum_over_processes(tr, global, k + 2, "loss read-back"))
+    double *seconds = &global[2 * k], *stops = &global[2 * k + 1];
+    *seconds = k ? tr->time_host[k - 1] - tr->t_last : 0;
+    *stops = tdm_stop_requested();
+    if (procs > 1 && k && trainer_sum_over_processes(tr, global, 2 * k + 2, "loss read-back"))
         return EXIT_RUNTIME;
-    tr->stop_agreed = procs > 1 && k && global[k + 1] > 0;
-    if (procs > 1 && k && global[k] > 0) { /* the same sum on every process: the same cap */
-        double steps = SYNC_SECONDS * k * procs / global[k];
+    tr->stop_agreed = procs > 1 && k && *stops > 0;
+    if (procs > 1 && k && *seconds > 0) { /* the same sum on every process: the same cap */
+        double steps = SYNC_SECONDS * k * procs / *seconds;
         tr->chunk_cap = steps >= SYNC_STEPS ? SYNC_STEPS : steps < 1 ? 1 : (int)steps;
     }
     for (int i = 0; i < k; i++) {
@@ -394,7 +396,7 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
         sinks_step(&tr->out, &(step_record){epoch, s, tr->global_step - k + i + 1, loss,
                                             tr->lr_host[i], dt > 0 ? units * procs / dt : NAN});
         tr->loss_sum += local[i] * (double)tr->size_host[i];
-        tr->win_loss += local[i], tr->win_steps++, tr->win_samples += tr->size_host[i];
+        tr->win_loss += global[i], tr->win_steps++, tr->win_samples += (int64_t)global[k + i];
         if ((s % tr->every == 0 || s == tr->steps_planned) && end_window(tr, s, tr->time_host[i]))
             return EXIT_RUNTIME;
     }
@@ -454,23 +456,29 @@ static void note_peaks(trainer *tr, bool start) {
     }
 }
 
-/* Under mpirun, each process's training seconds of the epoch and its seconds waiting in
- * collectives into tr->rank_seconds and tr->rank_wait_s (one all-gather), and the process
- * whose compute (seconds less waits) is well above the median's into *straggler (-1: none):
- * the one the others wait for. */
-static int rank_times(trainer *tr, double secs, int *straggler) {
+/* Under mpirun, at an epoch's end, in one all-gather: tot[0..4) summed over the processes in
+ * rank order, each process's training seconds of the epoch and its seconds waiting in
+ * collectives into tr->rank_seconds and tr->rank_wait_s, and the process whose compute
+ * (seconds less waits) is well above the median's into *straggler (-1: none): the one the
+ * others wait for. */
+static int epoch_over_processes(trainer *tr, double tot[4], double secs, int *straggler) {
     int procs = tdm_group_size(tr->g);
-    double mine[2] = {secs, tdm_collective_wait_seconds() - tr->coll_wait0};
-    double *all = malloc(sizeof *all * 2 * (size_t)procs);
+    double mine[6] = {tot[0], tot[1], tot[2],
+                      tot[3], secs,   tdm_collective_wait_seconds() - tr->coll_wait0};
+    double *all = malloc(sizeof *all * 6 * (size_t)procs);
     if (!tr->rank_seconds) tr->rank_seconds = calloc((size_t)procs, sizeof(double));
     if (!tr->rank_wait_s) tr->rank_wait_s = calloc((size_t)procs, sizeof(double));
     if (!all || !tr->rank_seconds || !tr->rank_wait_s) {
         free(all);
-        return task_error("the processes' times: out of memory");
+        return task_error("the processes' totals: out of memory");
     }
-    int rc = trainer_gather_over_processes(tr, mine, 2, all, "epoch's times of each rank");
+    int rc = trainer_gather_over_processes(tr, mine, 6, all, "epoch's totals and times");
+    for (int i = 0; !rc && i < 4; i++) {
+        tot[i] = 0;
+        for (int r = 0; r < procs; r++) tot[i] += all[6 * r + i];
+    }
     for (int r = 0; !rc && r < procs; r++)
-        tr->rank_seconds[r] = all[2 * r], tr->rank_wait_s[r] = all[2 * r + 1];
+        tr->rank_seconds[r] = all[6 * r + 4], tr->rank_wait_s[r] = all[6 * r + 5];
     *straggler = rc ? -1 : straggler_of(tr->rank_seconds, tr->rank_wait_s, procs);
     free(all);
     return rc;
@@ -550,11 +558,11 @@ static int train_epoch(trainer *tr, int epoch, epoch_stats *e) {
     /* the totals, and the samples trained here: a resumed epoch's speed is this process's */
     double tot[4] = {tr->loss_sum, (double)tr->correct, (double)tr->samples,
                      (double)(tr->samples - tr->samples_before)};
-    if (tr->g && !tr->stopped && trainer_sum_over_processes(tr, tot, 4, "epoch's totals"))
-        return EXIT_RUNTIME;
-    double secs = progress_now() - t0, n = tot[2], here = tot[3];
+    double secs = progress_now() - t0;
     int straggler = -1;
-    if (tr->g && !tr->stopped && rank_times(tr, secs, &straggler)) return EXIT_RUNTIME;
+    if (tr->g && !tr->stopped && epoch_over_processes(tr, tot, secs, &straggler))
+        return EXIT_RUNTIME;
+    double n = tot[2], here = tot[3];
     *e = (epoch_stats){
         .epoch = epoch,
         .train_loss = n ? tot[0] / n : NAN,

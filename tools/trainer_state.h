@@ -11,9 +11,9 @@
 #define EVAL_BATCH     1000
 #define ID_CAP         2048  /* bytes of train_identity's string */
 #define PROCESS_ID_CAP 16384 /* bytes of train_process_identity's string */
-/* values trainer_sum_over_processes sums at once: a chunk's step losses, its seconds and the
- * processes' stop signals */
-#define TOTALS_CAP (SYNC_STEPS + 2)
+/* values trainer_sum_over_processes sums at once: a chunk's step losses and samples, its
+ * seconds and the processes' stop signals */
+#define TOTALS_CAP (2 * SYNC_STEPS + 2)
 /* Under mpirun the processes agree on a stop only where they read back, so chunks are cut to
  * about this many seconds of steps (at least one step): a stop signal, SIGUSR1's early warning
  * included, is obeyed within that and the step in flight, not 16 slow steps later */
@@ -61,7 +61,8 @@ typedef struct trainer {
     bool stop_agreed; /* under mpirun: some process had a stop signal at the last read-back */
     int64_t chunk_samples;
     double t_last; /* when the previous step ended */
-    /* the epoch so far, and the window since the last progress line */
+    /* the epoch so far (this process's), and the window since the last progress line (every
+     * process's: win_loss sums each process's step losses) */
     double loss_sum; /* sum of each step's mean loss times its samples */
     int64_t correct, samples, steps_planned, every;
     int64_t samples_before; /* of samples: those a resumed epoch had before this process */

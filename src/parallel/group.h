@@ -205,6 +205,15 @@ int tdm_threads_barrier(tdm_group *g);
  * the groups and their handles. Call once no rank uses the world any more. */
 void tdm_threads_world_free(tdm_threads_world *w);
 
+/* ---- MPI ---------------------------------------------------------------------------------- */
+
+/* Sets Open MPI's TCP eager limit and largest fragment (OMPI_MCA_btl_tcp_eager_limit,
+ * OMPI_MCA_btl_tcp_max_send_size) just above max_message bytes, so that no message of that
+ * size waits a round trip for the receiver (mpi_tune.c), unless the user set either in the
+ * environment or an MCA parameter file. Call before MPI starts, with no other thread reading
+ * the environment. Returns how many variables it set (0 or 2). */
+int tdm_mpi_tune_tcp(int64_t max_message);
+
 /* ---- the two-level world: threads inside this process, processes outside --------------- */
 
 typedef struct tdm_hier_world tdm_hier_world;

@@ -19,7 +19,8 @@
  * The result is bit-identical on every rank, on every run, and to the threads backend.
  * Large tensors go in segments of SEG_BYTES, so the scratch buffer is small and allocated
  * once (Open MPI's own all-reduce maps a fresh temporary buffer per call, which falls off a
- * cliff on this VM above 16 MiB: ../shared/baseline/README.md).
+ * cliff on this VM above 16 MiB: ../shared/baseline/README.md), and no message is larger:
+ * tdm_mpi_tune_tcp (mpi_tune.c) lets each leave at once over TCP, one trip per round.
  *
  * Checks. Every collective starts with a 40-byte header from each rank to every other
  * (kind, op, root, count, element size, sequence number), sent together with the first
@@ -822,6 +823,7 @@ tdm_group *tdm_mpi_init(int *argc, char ***argv) {
         pthread_mutex_unlock(&world_lock);
         return tdm_raise_null(TDM_ERR_NOMEM, "mpi_init: out of memory");
     }
+    tdm_mpi_tune_tcp(SEG_BYTES); /* before MPI reads its parameters */
     w->g.ops = &mpi_ops;
     w->argc = argc;
     w->argv = argv;

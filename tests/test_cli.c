@@ -108,6 +108,10 @@ static void test_usage_errors(void) {
     expect_usage("--epochs", (const char *const[]){t, "train", "--epochs", "0", NULL});
     expect_usage("--lr", (const char *const[]){t, "train", "--lr", "-1", NULL});
     expect_usage("--denormals", (const char *const[]){t, "train", "--denormals", "fast", NULL});
+    expect_usage("--device-memory: '2X' is not a size",
+                 (const char *const[]){t, "train", "--device-memory", "2X", NULL});
+    expect_usage("--device-memory: '0.5' is not a size",
+                 (const char *const[]){t, "train", "--device-memory", "0.5", NULL});
     expect_usage("--batch-size", (const char *const[]){t, "train", "--batch-size", "1e", NULL});
     expect_usage("resnet", (const char *const[]){t, "train", "--model", "resnet", NULL});
     expect_usage("rmsprop", (const char *const[]){t, "train", "--optimizer", "rmsprop", NULL});
@@ -156,6 +160,16 @@ static void test_runtime_errors(void) {
     r = TANDEM("train", "--data", tmpdir, "--limit", "100");
     CHECK(r.status == 1, "empty data dir: exit %d (stderr %s)", r.status, r.err);
     CHECK(strstr(r.err, tmpdir) != NULL, "error should name %s: %s", tmpdir, r.err);
+    result_free(&r);
+
+    /* a device capped below what the MLP and its batches take, then above */
+    r = TANDEM("train", "--limit", "256", "--epochs", "1", "--device-memory", "2M");
+    CHECK(r.status == 1 && strstr(r.err, "cpu:0 is out of memory: tried to allocate") &&
+              strstr(r.err, "of its 2.00 MiB limit") && strstr(r.err, "--device-memory"),
+          "capped at 2M: exit %d, %s", r.status, r.err);
+    result_free(&r);
+    r = TANDEM("train", "--limit", "256", "--epochs", "1", "--quiet", "--device-memory", "64M");
+    CHECK(r.status == 0, "capped at 64M: exit %d, %s", r.status, r.err);
     result_free(&r);
 
     /* an unwritable log */

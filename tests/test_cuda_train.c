@@ -18,6 +18,8 @@ int main(void) {
 #include "backend/cuda/cuda.h"
 #include "parallel/nccl_group.h"
 
+#include <pthread.h>
+
 static tdm_device G; /* cuda:0 */
 
 static tdm_module *make_mlp(void) {
@@ -331,6 +333,67 @@ static void test_steady_state(void) {
     tdm_module_free(m);
 }
 
+/* One rank of a desync: an agreed all-reduce, then collective `kind` labelled `site`. */
+typedef struct {
+    tdm_group *g;
+    tdm_coll_kind kind;
+    const char *site;
+    int first, second; /* statuses */
+    char msg[512];
+} desync_rank;
+
+static void *desync_main(void *arg) {
+    desync_rank *d = arg;
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(8), TDM_F32, tdm_group_device(d->g));
+    tdm_collective_label("the agreed one");
+    d->first = t ? tdm_work_wait(tdm_all_reduce(d->g, t, TDM_SUM)) : -1;
+    tdm_collective_label("%s", d->site);
+    tdm_work *w = !t                               ? NULL
+                  : d->kind == TDM_COLL_ALL_REDUCE ? tdm_all_reduce(d->g, t, TDM_SUM)
+                                                   : tdm_broadcast(d->g, t, 0);
+    d->second = tdm_work_wait(w);
+    snprintf(d->msg, sizeof d->msg, "%s", tdm_last_error());
+    tdm_tensor_free(t);
+    return NULL;
+}
+
+/* Two GPUs of one NCCL world calling different collectives (a hang on real GPUs) or the same
+ * one from different sites (silently mixed tensors): both fail at once, each naming both
+ * sides, the GPU in the collective freed by the abort. */
+static void test_nccl_desync(void) {
+    if (!tdm_nccl_available() || tdm_cuda_device_count() < 2) {
+        printf("test_nccl_desync: skipped (needs NCCL and 2 GPUs)\n");
+        return;
+    }
+    struct {
+        tdm_coll_kind k1;
+        const char *site1, *expect;
+    } cases[] = {{TDM_COLL_BROADCAST, "bucket 0",
+                  "ranks disagree on the collective: rank 0 is in all_reduce #2 (bucket 0: 8 f32, "
+                  "sum) while rank 1 is in broadcast #2 (bucket 0: 8 f32, root 0)"},
+                 {TDM_COLL_ALL_REDUCE, "bucket 1",
+                  "ranks disagree on the caller: rank 0 is in all_reduce #2 (bucket 0: 8 f32, sum) "
+                  "while rank 1 is in all_reduce #2 (bucket 1: 8 f32, sum)"}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        tdm_device devs[2] = {tdm_cuda(0), tdm_cuda(1)};
+        tdm_group *g[2];
+        if (tdm_nccl_world_new(2, devs, g) != TDM_OK) {
+            CHECK(0, "nccl world: %s", tdm_last_error());
+            return;
+        }
+        desync_rank d[2] = {{g[0], TDM_COLL_ALL_REDUCE, "bucket 0", 0, 0, ""},
+                            {g[1], cases[c].k1, cases[c].site1, 0, 0, ""}};
+        pthread_t th[2];
+        for (int r = 0; r < 2; r++) pthread_create(&th[r], NULL, desync_main, &d[r]);
+        for (int r = 0; r < 2; r++) pthread_join(th[r], NULL);
+        for (int r = 0; r < 2; r++)
+            CHECK(d[r].first == TDM_OK && d[r].second == TDM_ERR_COMM &&
+                      strstr(d[r].msg, cases[c].expect),
+                  "case %zu, rank %d: %d, %d, %s", c, r, d[r].first, d[r].second, d[r].msg);
+        for (int r = 0; r < 2; r++) tdm_nccl_group_free(g[r]);
+    }
+}
+
 int main(void) {
     if (tdm_cuda_device_count() == 0) {
         printf("SKIP test_cuda_train: no GPU: %s\n", tdm_cuda_unavailable_reason());
@@ -340,6 +403,7 @@ int main(void) {
     test_training();
     test_data_parallel();
     test_pipeline();
+    test_nccl_desync();
     test_loader_upload();
     test_steady_state();
     return check_summary();

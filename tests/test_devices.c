@@ -1,5 +1,6 @@
 /* Ops across two devices fail with a message naming both; a tensor moved with
- * tdm_to_device joins the other device's ops and carries gradients back. */
+ * tdm_to_device joins the other device's ops and carries gradients back; a device's memory
+ * limit refuses what passes it, after giving its cache back, with PyTorch's kind of message. */
 #include "gradcheck.h"
 
 static void test_mixed_devices(void) {
@@ -40,8 +41,35 @@ static void test_to_device(void) {
     tdm_tensor_free(w);
 }
 
+/* tdm_device_set_memory_limit on cpu:7 (a pool no other test uses): 1 MiB. */
+static void test_memory_limit(void) {
+    tdm_device d = tdm_cpu(7);
+    CHECK(tdm_device_set_memory_limit(d, 1 << 20) == TDM_OK, "%s", tdm_last_error());
+    CHECK(tdm_memory_stats_get(d).limit == 1 << 20, "the limit is in the figures");
+    tdm_tensor *a = tdm_zeros(TDM_SHAPE(160 * 1024), TDM_F32, d); /* 640 KiB */
+    CHECK(a != NULL, "640 KiB under a 1 MiB limit: %s", tdm_last_error());
+    tdm_tensor *b = tdm_zeros(TDM_SHAPE(128 * 1024), TDM_F32, d); /* 512 KiB more */
+    CHECK_ERROR(b == NULL, "cpu:7 is out of memory: tried to allocate 512.00 KiB with 640.00 KiB "
+                           "of its 1.00 MiB limit in use by tensors (0 B of cached blocks");
+    tdm_tensor_free(a); /* its block stays cached: 640 KiB reserved */
+    CHECK(tdm_memory_stats_get(d).reserved == 640 << 10, "the freed block is cached");
+    b = tdm_zeros(TDM_SHAPE(192 * 1024), TDM_F32, d); /* 768 KiB: fits once the cache is gone */
+    CHECK(b != NULL, "the cache given back makes room: %s", tdm_last_error());
+    tdm_memory_stats m = tdm_memory_stats_get(d);
+    CHECK(m.allocated == 768 << 10 && m.reserved == 768 << 10, "allocated %lld, reserved %lld",
+          (long long)m.allocated, (long long)m.reserved);
+    tdm_tensor_free(b);
+    CHECK_ERROR(tdm_device_set_memory_limit(d, -1) != TDM_OK, "-1 bytes for cpu:7");
+    CHECK_ERROR(tdm_device_set_memory_limit(tdm_cpu(64), 1) != TDM_OK, "cpu:64 has no memory pool");
+    CHECK(tdm_device_set_memory_limit(d, 0) == TDM_OK, "no limit");
+    a = tdm_zeros(TDM_SHAPE(1 << 20), TDM_F32, d);
+    CHECK(a != NULL, "4 MiB without a limit: %s", tdm_last_error());
+    tdm_tensor_free(a);
+}
+
 int main(void) {
     test_mixed_devices();
     test_to_device();
+    test_memory_limit();
     return check_summary();
 }

@@ -3,6 +3,7 @@
  * process or, started by mpirun, as one rank of several. */
 #include "train.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -235,6 +236,13 @@ static const opt_spec specs[] = {
     {"--pipeline", "1f1b|gpipe", OPT_STR, F(pipe_schedule), 0, 0, "1f1b",
      "With --model-split: gpipe runs every forward, then every backward (all micro-batches' "
      "activations alive at once); 1f1b alternates them (at most K alive on a stage)."},
+    {"--device-memory", "SIZE", OPT_STR, F(device_memory), 0, 0, "no cap",
+     "Caps what Tandem's allocator holds on each device of --devices at SIZE (bytes, or with "
+     "K, M, G or T: powers of 1024, as Slurm's --mem; 4G, 512M, 1.5GiB), as a GPU's memory caps "
+     "it: a model or batch too large for such a device then stops with the out-of-memory "
+     "error a GPU of that size would give (the device, the request, what tensors hold, the "
+     "cap), first giving the cached blocks back as PyTorch does. On a GPU it caps below the "
+     "card's own memory."},
     {"--timeout", "SECONDS", OPT_NUM, F(timeout), 0.1, 1e6, "30",
      "Under mpirun: how long a process waits for the others at a collective before it stops "
      "with an error naming the rank it waited for (a process that crashed or hangs). Raise "
@@ -604,6 +612,27 @@ static const opt_spec *find_spec(const char *name, size_t len) {
     return NULL;
 }
 
+/* "4G", "512M", "1.5GiB", "4096": bytes into *out (K, M, G, T: powers of 1024; an "iB" or "B"
+ * after them changes nothing). 0, or -1 for anything else, a size below one byte or above
+ * 2^62. */
+static int parse_size(const char *s, int64_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    const char *units = "KMGT", *u = *end ? strchr(units, toupper((unsigned char)*end)) : NULL;
+    if (end == s || !isfinite(v) || (*end && (!u || !*u))) return -1;
+    if (u) {
+        v *= pow(1024, (double)(u - units + 1));
+        end++;
+        if (*end == 'i' || *end == 'I') end++;
+        if (*end == 'B' || *end == 'b') end++;
+    } else if (*end == 'B' || *end == 'b') {
+        end++;
+    }
+    if (*end || v < 1 || v > 4.6e18) return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
 /* ---- the run's identity: what a resume and every process must share ------------------------ */
 
 /* The options that shape the run's results. The others may differ on --resume (--epochs,
@@ -658,8 +687,8 @@ int train_identity(const train_opts *o, char *buf, size_t cap) {
  * --print-every would desynchronise the collectives. Listing the exceptions, not the rules,
  * makes a new option compared until someone decides otherwise. */
 static const char *const process_own[] = {
-    "--recipe", "--workers",      "--timeout",     "--log",   "--trace",
-    "--plot",   "--plot-compare", "--tensorboard", "--quiet", "--debug-dir"};
+    "--recipe",       "--workers",     "--timeout", "--log",       "--trace",        "--plot",
+    "--plot-compare", "--tensorboard", "--quiet",   "--debug-dir", "--device-memory"};
 
 static bool listed(const char *name, const char *const *names, size_t count) {
     for (size_t i = 0; i < count; i++)
@@ -871,6 +900,10 @@ static int check_opts(train_opts *o) {
     if (o->resume && o->overwrite)
         return train_usage_error("--resume continues the run in --checkpoint-dir and --overwrite "
                                  "deletes it: not both");
+    if (o->device_memory && parse_size(o->device_memory, &o->device_memory_bytes))
+        return train_usage_error("--device-memory: '%s' is not a size (bytes, or a number with "
+                                 "K, M, G or T: 4G, 512M, 1.5GiB)",
+                                 o->device_memory);
     o->n_devs = tdm_devices_parse(o->devices, o->devs, TDM_MAX_DEVICES);
     if (o->n_devs < 0) return train_usage_error("--devices: %s", tdm_last_error());
     if (o->n_devs == 0) return train_usage_error("--devices: no device in '%s'", o->devices);
@@ -1056,6 +1089,9 @@ int train_main(int argc, char **argv) {
     tdm_set_flush_denormal(strcmp(o.denormals, "flush") == 0);
     tdm_group *procs = NULL;
     if (tdm_mpi_launched() && (rc = join_mpi(&o, &procs, &argc, &argv))) return rc;
+    for (int i = 0; i < o.n_devs && o.device_memory_bytes; i++)
+        if (tdm_device_set_memory_limit(o.devs[i], o.device_memory_bytes))
+            return train_usage_error("--device-memory: %s", tdm_last_error());
     task t = {0}; /* task_free is safe on what a failed open leaves */
     rc = task_open(&t, &o, o.devs[0]);
     if (!rc) rc = trainer_run(&o, &t, procs);

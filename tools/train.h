@@ -51,9 +51,11 @@ typedef struct {
     /* language models (TDM_TASK_TEXT) */
     int64_t layers, heads, channels, context, vocab;
     const char *save_path;
-    double timeout;         /* seconds, under mpirun */
-    const char *debug_dir;  /* the flight recorder's files (trainer_debug.h), or NULL */
-    int64_t check_replicas; /* every N steps the replicas' weights compared; 0: never */
+    double timeout;              /* seconds, under mpirun */
+    const char *debug_dir;       /* the flight recorder's files (trainer_debug.h), or NULL */
+    const char *device_memory;   /* --device-memory as typed, or NULL */
+    int64_t device_memory_bytes; /* its bytes (0: no cap), set by the checks */
+    int64_t check_replicas;      /* every N steps the replicas' weights compared; 0: never */
     int64_t model_split, micro_batches;
     const char *pipe_schedule;
     const char *denormals;            /* "flush" or "keep" */

@@ -62,6 +62,8 @@ typedef struct {
     /* allocated plus the freed blocks the pool keeps for reuse: what the process holds from
      * the system (or the GPU) for this device */
     int64_t reserved;
+    /* tdm_device_set_memory_limit's cap on `reserved`; 0: none */
+    int64_t limit;
 } tdm_memory_stats;
 /* The device's figures now. Thread-safe (one lock per device); cheap enough for every step.
  * A device outside cpu:0..63 and cuda:0..63: all zero, and TDM_ERR_DEVICE in tdm_last_error. */
@@ -70,6 +72,15 @@ tdm_memory_stats tdm_memory_stats_get(tdm_device d);
  * The peak is the device's, not the caller's: a reset is seen by every reader (a pipeline
  * resets each stage's device at each of its steps). Out-of-range devices are ignored. */
 void tdm_memory_reset_peak(tdm_device d);
+/* Caps device d's pool at `bytes` held from the system (tensors' blocks plus the cached ones;
+ * 0: no cap, the default), as a GPU's memory caps it: a CPU device then runs out where a GPU
+ * of that size would (torch.cuda.set_per_process_memory_fraction, for any device). A new
+ * block that would pass the cap first makes the pool give its cached blocks back; if it still
+ * does not fit, the allocation fails with TDM_ERR_NOMEM and "cpu:1 is out of memory: tried to
+ * allocate 64.00 MiB with 3.95 GiB of its 4.00 GiB limit in use by tensors ...". Blocks already
+ * held are kept when the cap is lowered below them. TDM_ERR_DEVICE for a device outside
+ * cpu:0..63 and cuda:0..63, TDM_ERR_ARG for bytes < 0. */
+int tdm_device_set_memory_limit(tdm_device d, int64_t bytes);
 /* The bytes a storage of nbytes takes in the caching allocator (its size class), as `allocated`
  * counts them: what an estimate of a device's memory must add up. nbytes < 0 gives 0; a size
  * beyond the largest class gives nbytes itself (the allocator refuses it). */

@@ -8,6 +8,7 @@
 #include "core/hook.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -37,6 +38,7 @@ typedef struct {
     tdm_storage *free_list[N_CLASSES]; /* cached blocks, linked through cached.next */
     tdm_storage *spare; /* headers without a block (tdm_storage_resize), for the next one */
     tdm_alloc_stats stats;
+    size_t limit; /* tdm_device_set_memory_limit's cap on in use + cached; 0: none */
 } pool;
 
 static pool pools[2][TDM_MAX_DEVICES];
@@ -85,6 +87,53 @@ static int size_class(size_t n, size_t *rounded) {
     return 16 + (k - 12) * 4 + (int)(q - 1);
 }
 
+/* Gives every cached block of p back to the system. Caller holds p->lock. */
+static void empty_locked(pool *p, tdm_device dev) {
+    const tdm_device_memory *mem = memory();
+    for (int c = 0; c < N_CLASSES && mem; c++) {
+        cached *b = (cached *)p->free_list[c];
+        while (b) {
+            cached *next = b->next;
+            if (dev.type == TDM_CPU) UNPOISON(b->s.data, b->s.nbytes);
+            mem->free(dev, b->s.data, b->s.nbytes);
+            p->stats.bytes_cached -= b->s.nbytes;
+            free(b);
+            b = next;
+        }
+        p->free_list[c] = NULL;
+    }
+}
+
+/* "3.50 GiB" */
+static const char *bytes_str(double b, char *buf, size_t cap) {
+    const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int i = 0;
+    for (; b >= 1024 && i < 4; i++) b /= 1024;
+    snprintf(buf, cap, i ? "%.2f %s" : "%.0f %s", b, u[i]);
+    return buf;
+}
+
+/* Whether a new block of `rounded` bytes fits p's limit, once the cached blocks are given back
+ * if need be (PyTorch's allocator frees its cache and retries before it reports an OOM); if
+ * not, raises the out-of-memory error naming the device, the request, the use and the limit.
+ * Caller holds p->lock. */
+static bool within_limit(pool *p, tdm_device dev, size_t rounded) {
+    if (!p->limit || p->stats.bytes_in_use + p->stats.bytes_cached + rounded <= p->limit)
+        return true;
+    size_t freed = p->stats.bytes_cached;
+    empty_locked(p, dev);
+    if (p->stats.bytes_in_use + rounded <= p->limit) return true;
+    char d[16], a[24], u[24], l[24], f[24];
+    tdm_raise(TDM_ERR_NOMEM,
+              "%s is out of memory: tried to allocate %s with %s of its %s limit in use by "
+              "tensors (%s of cached blocks given back first); the limit is "
+              "tdm_device_set_memory_limit's (tandem train --device-memory)",
+              tdm_device_str(dev, d), bytes_str((double)rounded, a, sizeof a),
+              bytes_str((double)p->stats.bytes_in_use, u, sizeof u),
+              bytes_str((double)p->limit, l, sizeof l), bytes_str((double)freed, f, sizeof f));
+    return false;
+}
+
 tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev) {
     pool *p = pool_of(dev);
     if (!p) return tdm_raise_null(TDM_ERR_DEVICE, "alloc: device index %d out of range", dev.index);
@@ -97,6 +146,9 @@ tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev) {
     if (b) {
         p->free_list[c] = (tdm_storage *)b->next;
         p->stats.bytes_cached -= rounded;
+    } else if (!within_limit(p, dev, rounded)) {
+        pthread_mutex_unlock(&p->lock);
+        return NULL;
     }
     p->stats.bytes_in_use += rounded;
     if (p->stats.bytes_in_use > p->stats.peak_in_use) p->stats.peak_in_use = p->stats.bytes_in_use;
@@ -207,27 +259,30 @@ void tdm_alloc_reset_peak(tdm_device dev) {
 
 void tdm_alloc_empty_cache(tdm_device dev) {
     pool *p = pool_of(dev);
-    const tdm_device_memory *mem = memory();
-    if (!p || !mem) return;
+    if (!p) return;
     pthread_mutex_lock(&p->lock);
-    for (int c = 0; c < N_CLASSES; c++) {
-        cached *b = (cached *)p->free_list[c];
-        while (b) {
-            cached *next = b->next;
-            if (dev.type == TDM_CPU) UNPOISON(b->s.data, b->s.nbytes);
-            mem->free(dev, b->s.data, b->s.nbytes);
-            free(b);
-            b = next;
-        }
-        p->free_list[c] = NULL;
-    }
+    empty_locked(p, dev);
     while (p->spare) {
         cached *h = (cached *)p->spare;
         p->spare = (tdm_storage *)h->next;
         free(h);
     }
-    p->stats.bytes_cached = 0;
     pthread_mutex_unlock(&p->lock);
+}
+
+int tdm_device_set_memory_limit(tdm_device d, int64_t bytes) {
+    pool *p = pool_of(d);
+    char b[16];
+    if (!p)
+        return tdm_raise(TDM_ERR_DEVICE, "device_set_memory_limit: %s has no memory pool",
+                         tdm_device_str(d, b));
+    if (bytes < 0)
+        return tdm_raise(TDM_ERR_ARG, "device_set_memory_limit: %lld bytes for %s (0: no limit)",
+                         (long long)bytes, tdm_device_str(d, b));
+    pthread_mutex_lock(&p->lock);
+    p->limit = (size_t)bytes;
+    pthread_mutex_unlock(&p->lock);
+    return TDM_OK;
 }
 
 void tdm_alloc_count_sys(void) {
@@ -248,6 +303,10 @@ tdm_memory_stats tdm_memory_stats_get(tdm_device d) {
     m.allocated = (int64_t)s.bytes_in_use;
     m.peak_allocated = (int64_t)s.peak_in_use;
     m.reserved = (int64_t)(s.bytes_in_use + s.bytes_cached);
+    pool *p = pool_of(d);
+    pthread_mutex_lock(&p->lock);
+    m.limit = (int64_t)p->limit;
+    pthread_mutex_unlock(&p->lock);
     return m;
 }
 

@@ -54,6 +54,37 @@ void tdm_coll_describe(const tdm_coll *c, char *buf, size_t cap) {
                  how);
 }
 
+bool tdm_coll_disagree(int ra, const tdm_coll *a, int rb, const tdm_coll *b, char *msg,
+                       size_t cap) {
+    const char *what = NULL;
+    if (a->seq != b->seq)
+        what = "number of collectives called so far";
+    else if (a->kind != b->kind)
+        what = "collective";
+    else if (a->count != b->count)
+        what = "element count";
+    else if (a->dtype != b->dtype || a->elem != b->elem)
+        what = "dtype";
+    else if (a->op != b->op)
+        what = "reduction";
+    else if (a->root != b->root)
+        what = "root";
+    else if (strncmp(a->site, b->site, sizeof a->site) != 0)
+        what = "caller";
+    if (!what) return false;
+    if (ra > rb) { /* the lower rank first */
+        const tdm_coll *t = a;
+        int tr = ra;
+        a = b, ra = rb, b = t, rb = tr;
+    }
+    char da[160], db[160];
+    tdm_coll_describe(a, da, sizeof da);
+    tdm_coll_describe(b, db, sizeof db);
+    snprintf(msg, cap, "ranks disagree on the %s: rank %d is in %s while rank %d is in %s", what,
+             ra, da, rb, db);
+    return true;
+}
+
 void tdm_group_init(tdm_group *g, const tdm_group_ops *ops, int rank, int size, tdm_device dev) {
     g->ops = ops;
     g->rank = rank;

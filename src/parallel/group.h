@@ -55,6 +55,10 @@ typedef struct {
 
 /* "all_reduce #12 (DDP bucket 3: 1024 f32, sum)" for messages: c's fingerprint. */
 void tdm_coll_describe(const tdm_coll *c, char *buf, size_t cap);
+/* Whether rank ra's collective a and rank rb's b differ in their fingerprints (number, kind,
+ * size, dtype, reduction, root, site); if so msg holds "ranks disagree on the element count:
+ * rank 0 is in all_reduce #5 (...) while rank 1 is in ...", the lower rank first. */
+bool tdm_coll_disagree(int ra, const tdm_coll *a, int rb, const tdm_coll *b, char *msg, size_t cap);
 
 /* The flight recorder: each group keeps its last TDM_FLIGHT_LEN collectives (fingerprint,
  * bytes, launch and end times, state) for tdm_group_dump_flight. */

@@ -406,36 +406,16 @@ static tdm_coll coll_of(const header *h) {
     return c;
 }
 
-/* After the first round: every peer called the same collective (its fingerprint: number,
- * kind, size, dtype, reduction, root and site). 0, or -1 and failed naming both sides. */
+/* After the first round: every peer called the same collective (tdm_coll_disagree). 0, or -1
+ * and failed naming both sides. */
 static int check_headers(mworld *w) {
-    const header *me = &w->hdr_out;
+    tdm_coll me = coll_of(&w->hdr_out);
+    char msg[FAIL_LEN];
     for (int k = 0; k < w->g.size; k++) {
         if (k == w->g.rank) continue;
-        const header *h = &w->hdr_in[k];
-        const char *what = NULL;
-        if (h->seq != me->seq)
-            what = "number of collectives called so far";
-        else if (h->kind != me->kind)
-            what = "collective";
-        else if (h->count != me->count)
-            what = "element count";
-        else if (h->dtype != me->dtype || h->elem != me->elem)
-            what = "dtype";
-        else if (h->op != me->op)
-            what = "reduction";
-        else if (h->root != me->root)
-            what = "root";
-        else if (strncmp(h->site, me->site, sizeof me->site) != 0)
-            what = "caller";
-        if (!what) continue;
-        tdm_coll a = coll_of(k < w->g.rank ? h : me), b = coll_of(k < w->g.rank ? me : h);
-        int ra = k < w->g.rank ? k : w->g.rank, rb = k < w->g.rank ? w->g.rank : k;
-        char da[160], db[160];
-        tdm_coll_describe(&a, da, sizeof da);
-        tdm_coll_describe(&b, db, sizeof db);
-        fail(w, true, "ranks disagree on the %s: rank %d is in %s while rank %d is in %s", what, ra,
-             da, rb, db);
+        tdm_coll peer = coll_of(&w->hdr_in[k]);
+        if (!tdm_coll_disagree(w->g.rank, &me, k, &peer, msg, sizeof msg)) continue;
+        fail(w, true, "%s", msg);
         return -1;
     }
     return 0;

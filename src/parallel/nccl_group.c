@@ -5,7 +5,15 @@
  * in launch order: tdm_work_wait (through ops->progress) polls the oldest events until its
  * own has fired, finishing every handle on the way. A poll also reads NCCL's asynchronous
  * error state, and gives up after the group's timeout: the communicator is then aborted so
- * the GPU is not left spinning in a collective whose peer died. */
+ * the GPU is not left spinning in a collective whose peer died.
+ *
+ * Desyncs. NCCL itself does not compare the ranks' calls: a different size hangs the GPUs, an
+ * equal size with another tensor silently mixes them. The ranks of one tdm_nccl_world_new
+ * share this process's memory, so each launch compares its fingerprint with the collective of
+ * the same number in each peer's flight recorder (a side channel to NCCL: no GPU work, no
+ * message); the second of two ranks to launch finds a mismatch, posts it on the world's board,
+ * and every rank, in its launch or its wait, aborts its communicator (freeing a GPU left in
+ * the mismatched collective) and fails with the one message naming both sides. */
 #include "parallel/nccl_group.h"
 #include "parallel/sync.h"
 
@@ -44,8 +52,11 @@ typedef struct {
     cudaEvent_t ev;
 } pending;
 
+typedef struct nboard nboard;
+
 typedef struct nrank {
-    tdm_group g; /* first member: a tdm_group * is an nrank * */
+    tdm_group g;   /* first member: a tdm_group * is an nrank * */
+    nboard *board; /* the world's, for ranks made by tdm_nccl_world_new; else NULL */
     ncclComm_t comm;
     int dev;
     cudaStream_t stream; /* the device's communication stream (owned by the CUDA backend) */
@@ -59,6 +70,39 @@ typedef struct nrank {
 
 bool tdm_nccl_available(void) {
     return true;
+}
+
+/* The ranks of one tdm_nccl_world_new: their flight recorders are compared at each launch, and
+ * the first mismatch is posted here for all. Lock order: a rank's lock, the board's, a peer
+ * group's. Freed by the last rank freed. */
+struct nboard {
+    pthread_mutex_t lock; /* ranks[] (a freed rank leaves), msg */
+    atomic_int failed, refs;
+    char msg[TDM_WORK_MSG - 64];
+    int n;
+    nrank *ranks[];
+};
+
+/* Whether r's collective c disagrees with the same-numbered collective of a peer that has
+ * launched it (the board then holds the message). Caller holds r->lock. */
+static bool board_check(nrank *r, const tdm_coll *c) {
+    nboard *b = r->board;
+    char msg[sizeof b->msg];
+    pthread_mutex_lock(&b->lock);
+    for (int q = 0; q < b->n && !atomic_load(&b->failed); q++) {
+        if (q == r->g.rank || !b->ranks[q]) continue;
+        tdm_group *pg = &b->ranks[q]->g;
+        pthread_mutex_lock(&pg->lock);
+        tdm_coll peer = pg->flight[c->seq % TDM_FLIGHT_LEN].c;
+        bool launched = pg->launched >= c->seq && peer.seq == c->seq;
+        pthread_mutex_unlock(&pg->lock);
+        if (launched && tdm_coll_disagree(r->g.rank, c, q, &peer, msg, sizeof msg)) {
+            snprintf(b->msg, sizeof b->msg, "%s", msg);
+            atomic_store(&b->failed, 1);
+        }
+    }
+    pthread_mutex_unlock(&b->lock);
+    return atomic_load(&b->failed);
 }
 
 /* Marks the rank failed (first message wins) and aborts its communicator. Caller holds lock. */
@@ -93,6 +137,11 @@ static void wait_oldest_locked(nrank *r) {
     int64_t deadline = tdm_now_ns() + (int64_t)(tdm_group_timeout(&r->g) * 1e9);
     char msg[TDM_WORK_MSG - 64];
     for (;;) {
+        if (r->board && atomic_load(&r->board->failed)) { /* a desync, posted by a peer */
+            fail_locked(r, r->board->msg);
+            fail_pending_locked(r);
+            return;
+        }
         cudaError_t q = cudaEventQuery(p->ev);
         if (q == cudaSuccess) break;
         if (q != cudaErrorNotReady) {
@@ -187,13 +236,23 @@ static int nccl_launch(tdm_group *g, tdm_work *w) {
         return TDM_OK;
     }
     if (r->count == RING) wait_oldest_locked(r); /* bounded in flight */
+    if (r->board && !r->failed && board_check(r, c)) {
+        fail_locked(r, r->board->msg);
+        fail_pending_locked(r);
+    }
     int rc = TDM_OK;
     /* the collective reads what the compute stream wrote: order it after, with an event */
     if (!r->failed && tdm_cuda_order_streams(r->dev, true) != TDM_OK) rc = tdm_last_status();
     ncclResult_t nr = ncclSuccess;
-    if (!rc && !r->failed && (nr = enqueue(r, c)) != ncclSuccess)
+    if (!rc && !r->failed && (nr = enqueue(r, c)) != ncclSuccess) {
         rc = tdm_raise(TDM_ERR_COMM, "nccl %s on rank %d (cuda:%d): %s", tdm_coll_name(c->kind),
                        g->rank, r->dev, ncclGetErrorString(nr));
+        if (r->board && atomic_load(&r->board->failed)) { /* a peer's abort ended it */
+            fail_locked(r, r->board->msg);
+            fail_pending_locked(r);
+            rc = TDM_OK; /* w fails with the message below */
+        }
+    }
     pending *p = &r->ring[(r->head + r->count) % RING];
     if (!rc && !r->failed && cudaEventRecord(p->ev, r->stream) != cudaSuccess) {
         cudaGetLastError();
@@ -265,6 +324,15 @@ void tdm_nccl_group_free(tdm_group *g) {
     while (r->count > 0 && !r->failed) wait_oldest_locked(r);
     pthread_mutex_unlock(&r->lock);
     if (r->comm) ncclCommDestroy(r->comm);
+    if (r->board) {
+        pthread_mutex_lock(&r->board->lock);
+        r->board->ranks[r->g.rank] = NULL; /* no peer reads this rank's recorder any more */
+        pthread_mutex_unlock(&r->board->lock);
+        if (atomic_fetch_sub(&r->board->refs, 1) == 1) {
+            pthread_mutex_destroy(&r->board->lock);
+            free(r->board);
+        }
+    }
     for (int i = 0; i < RING; i++) cudaEventDestroy(r->ring[i].ev);
     cudaFree(r->barrier_buf);
     tdm_group_destroy(&r->g);
@@ -313,11 +381,21 @@ int tdm_nccl_world_new(int n, const tdm_device *devs, tdm_group **out) {
     ncclResult_t nr = ncclSuccess;
     if (!rc && (nr = ncclCommInitAll(comms, n, ids)) != ncclSuccess)
         rc = tdm_raise(TDM_ERR_COMM, "nccl world of %d GPUs: %s", n, ncclGetErrorString(nr));
+    nboard *b = rc ? NULL : calloc(1, sizeof *b + sizeof(nrank *) * (size_t)n);
+    if (!rc && !b) rc = tdm_raise(TDM_ERR_NOMEM, "nccl world: out of memory");
+    if (b) {
+        pthread_mutex_init(&b->lock, NULL);
+        atomic_init(&b->refs, n);
+        b->n = n;
+    }
     for (int i = 0; i < n; i++) {
         if (!rc) {
             ranks[i]->comm = comms[i];
+            ranks[i]->board = b;
+            b->ranks[i] = ranks[i];
             out[i] = &ranks[i]->g;
         } else if (ranks && ranks[i]) {
+            if (comms && comms[i]) ncclCommDestroy(comms[i]);
             tdm_nccl_group_free(&ranks[i]->g);
         }
     }

@@ -254,33 +254,16 @@ static int run_all_gather(trank *me) {
     return copy_to_all(w, dst, (const char *)me->slot.in, 0, bytes);
 }
 
-/* Every rank must call the same collective (its fingerprint: kind, size, dtype, reduction,
- * root and site; the numbers agree by construction) as rank 0. */
+/* Every rank must call the same collective as rank 0 (tdm_coll_disagree; the numbers agree
+ * by construction). */
 static int check_slots(trank *me) {
     tdm_threads_world *w = me->w;
-    const tdm_coll *c0 = &w->ranks[0].slot;
+    char msg[TDM_WORK_MSG - 64];
     for (int k = 1; k < w->n; k++) {
-        const tdm_coll *ck = &w->ranks[k].slot;
-        const char *what = NULL;
-        if (ck->kind != c0->kind)
-            what = "collective";
-        else if (ck->count != c0->count)
-            what = "element count";
-        else if (ck->dtype != c0->dtype || ck->elem != c0->elem)
-            what = "dtype";
-        else if (ck->op != c0->op)
-            what = "reduction";
-        else if (ck->root != c0->root)
-            what = "root";
-        else if (strcmp(ck->site, c0->site) != 0)
-            what = "caller";
-        if (!what) continue;
-        char d0[160], dk[160];
-        tdm_coll_describe(c0, d0, sizeof d0);
-        tdm_coll_describe(ck, dk, sizeof dk);
+        if (!tdm_coll_disagree(0, &w->ranks[0].slot, k, &w->ranks[k].slot, msg, sizeof msg))
+            continue;
         pthread_mutex_lock(&w->lock);
-        fail_locked(w, "ranks disagree on the %s: rank 0 is in %s while rank %d is in %s", what, d0,
-                    k, dk);
+        fail_locked(w, "%s", msg);
         pthread_mutex_unlock(&w->lock);
         return -1;
     }

@@ -28,6 +28,7 @@ struct clique {
     ncclRedOp_t op = ncclSum;
     int root = 0;
     bool mismatch = false;
+    bool aborted = false; /* ncclCommAbort by a rank: the others' collectives fail, now and later */
     explicit clique(int ranks) : n(ranks), send(ranks), recv(ranks) {}
 };
 
@@ -90,7 +91,8 @@ static ncclResult_t collective(ncclComm_t comm, coll_kind kind, const void *send
     if (!comm || !comm->c) return ncclInvalidArgument;
     clique *c = comm->c;
     std::unique_lock<std::mutex> lock(c->mu);
-    c->cv.wait(lock, [c] { return c->left == 0; }); /* the previous one is fully over */
+    c->cv.wait(lock, [c] { return c->left == 0 || c->aborted; }); /* the previous one is over */
+    if (c->aborted) return ncclInvalidUsage;
     if (c->arrived == 0) {
         c->kind = kind, c->count = count, c->type = type, c->op = op, c->root = root;
         c->mismatch = false;
@@ -104,7 +106,8 @@ static ncclResult_t collective(ncclComm_t comm, coll_kind kind, const void *send
         c->arrived = 0, c->left = c->n, c->generation++;
         c->cv.notify_all();
     } else {
-        c->cv.wait(lock, [c, gen] { return c->generation != gen; });
+        c->cv.wait(lock, [c, gen] { return c->generation != gen || c->aborted; });
+        if (c->generation == gen) return ncclInvalidUsage; /* aborted: a GPU kernel stopped */
     }
     bool bad = c->mismatch;
     if (--c->left == 0) c->cv.notify_all();
@@ -161,6 +164,11 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     return comm_free(comm);
 }
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
+    if (comm && comm->c) {
+        std::lock_guard<std::mutex> g(comm->c->mu);
+        comm->c->aborted = true;
+        comm->c->cv.notify_all();
+    }
     return comm_free(comm);
 }
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *err) {

@@ -836,6 +836,30 @@ static int hier_site(void) {
     return rc;
 }
 
+/* The side channel of a group that cannot compare fingerprints itself (NCCL across processes):
+ * G watches a group of this process alone standing in for it. Bucket 0 everywhere, an MPI
+ * read-back that must pass, then bucket 1 where rank 1 reduces bucket 2: the next read-back
+ * fails naming both sides. */
+static int watched_desync(void) {
+    tdm_device d0 = tdm_cpu(0);
+    tdm_threads_world *tw = tdm_threads_world_new(1, &d0);
+    tdm_group *local = tw ? tdm_threads_world_group(tw, 0) : NULL;
+    tdm_tensor *t = tdm_ones(TDM_SHAPE(4), TDM_F32, tdm_cpu(0));
+    if (!local || !t) return tdm_last_status();
+    tdm_group_watch(G, local);
+    int rc = 0;
+    for (int b = 0; b < 2 && !rc; b++) {
+        tdm_collective_label("DDP bucket %d", b == 1 && R == 1 ? 2 : b);
+        rc = tdm_work_wait(tdm_all_reduce(local, t, TDM_SUM));
+        tdm_collective_label("the trainer's loss read-back");
+        if (!rc) rc = tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM));
+    }
+    tdm_group_watch(G, NULL);
+    tdm_tensor_free(t);
+    tdm_threads_world_free(tw);
+    return rc;
+}
+
 /* Trains with DDP; rank 1 misbehaves at step 3 as `what` says (the *_shard cases with the
  * optimizer sharded, between backward and the exchange of the shards). Ends the process: 0 if
  * all steps passed, 1 with "test_mpi rank R: error" on stderr otherwise. */
@@ -848,6 +872,8 @@ static int fault_child(const char *what) {
     int rc = 0;
     if (!strcmp(what, "hier_site")) {
         rc = hier_site();
+    } else if (!strcmp(what, "watched")) {
+        rc = watched_desync();
     } else if (!strcmp(what, "mismatch")) {
         tdm_tensor *t = tdm_ones(TDM_SHAPE(10 + (R == 1)), TDM_F32, tdm_cpu(0));
         rc = tdm_work_wait(tdm_all_reduce(G, t, TDM_SUM));
@@ -995,6 +1021,16 @@ static void test_faults(const char *mpirun) {
                      (const char *[]){"ddp: parameter \"0.weight\" has shape [9, 6] on rank 1 "
                                       "but [8, 6] on rank 0",
                                       NULL});
+    expect_job_fails(
+        mpirun, "watched", 15,
+        (const char *[]){"ranks disagree on the collectives of the group this one watches, before "
+                         "all_reduce #",
+                         "rank 0 had launched 2 there, the last all_reduce #2 (DDP bucket 1: 4 "
+                         "f32, sum), while rank 1 had launched 2, the last all_reduce #2 (DDP "
+                         "bucket 2: 4 f32, sum)||rank 1 had launched 2 there, the last "
+                         "all_reduce #2 (DDP bucket 2: 4 f32, sum), while rank 2 had launched 2, "
+                         "the last all_reduce #2 (DDP bucket 1: 4 f32, sum)",
+                         NULL});
     expect_job_fails(mpirun, "mismatch", 15,
                      (const char *[]){"ranks disagree on the element count: ",
                                       "is in all_reduce #1 (unnamed: 11 f32, sum)", NULL});

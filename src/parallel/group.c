@@ -54,10 +54,10 @@ void tdm_coll_describe(const tdm_coll *c, char *buf, size_t cap) {
                  how);
 }
 
-bool tdm_coll_disagree(int ra, const tdm_coll *a, int rb, const tdm_coll *b, char *msg,
-                       size_t cap) {
+bool tdm_coll_disagree(int ra, const tdm_coll *a, int rb, const tdm_coll *b, bool numbers,
+                       char *msg, size_t cap) {
     const char *what = NULL;
-    if (a->seq != b->seq)
+    if (numbers && a->seq != b->seq)
         what = "number of collectives called so far";
     else if (a->kind != b->kind)
         what = "collective";
@@ -95,6 +95,8 @@ void tdm_group_init(tdm_group *g, const tdm_group_ops *ops, int rank, int size, 
     tdm_waitq_init(&g->done_q);
     g->free_works = g->all_works = NULL;
     g->launched = 0;
+    g->digest = 0;
+    g->watched = NULL;
     memset(g->flight, 0, sizeof g->flight);
     g->failure[0] = '\0';
 }
@@ -266,6 +268,43 @@ void tdm_collective_label(const char *fmt, ...) {
     va_end(ap);
 }
 
+uint64_t tdm_coll_digest(uint64_t digest, const tdm_coll *c) {
+    int64_t f[6] = {c->kind, c->op, c->root, c->dtype, c->count, (int64_t)c->elem};
+    const unsigned char *p = (const unsigned char *)f;
+    uint64_t h = digest ^ 0xcbf29ce484222325ull; /* FNV-1a over the fields, then the site */
+    for (size_t i = 0; i < sizeof f; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    for (const char *s = c->site; *s && s < c->site + sizeof c->site; s++)
+        h = (h ^ (unsigned char)*s) * 0x100000001b3ull;
+    return h;
+}
+
+void tdm_group_watch(tdm_group *g, tdm_group *watched) {
+    pthread_mutex_lock(&g->lock);
+    g->watched = watched;
+    pthread_mutex_unlock(&g->lock);
+}
+
+bool tdm_watch_disagree(int ra, const tdm_watch *a, int rb, const tdm_watch *b, const char *during,
+                        char *msg, size_t cap) {
+    if (a->launched == b->launched && a->digest == b->digest) return false;
+    if (ra > rb) {
+        const tdm_watch *t = a;
+        int tr = ra;
+        a = b, ra = rb, b = t, rb = tr;
+    }
+    char da[160] = "none", db[160] = "none";
+    if (a->launched) tdm_coll_describe(&a->last, da, sizeof da);
+    if (b->launched) tdm_coll_describe(&b->last, db, sizeof db);
+    bool same_last = a->launched == b->launched && !strcmp(da, db);
+    snprintf(msg, cap,
+             "ranks disagree on the collectives of the group this one watches, before %s: rank %d "
+             "had launched %lld there, the last %s, while rank %d had launched %lld, the last "
+             "%s%s",
+             during, ra, (long long)a->launched, da, rb, (long long)b->launched, db,
+             same_last ? " (an earlier one differs: see the ranks' flight recorders)" : "");
+    return true;
+}
+
 tdm_work *tdm_group_launch(tdm_group *g, tdm_coll c) {
     tdm_work *w = work_get(g);
     if (!w) return NULL;
@@ -274,7 +313,17 @@ tdm_work *tdm_group_launch(tdm_group *g, tdm_coll c) {
         next_label[0] = '\0';
     }
     pthread_mutex_lock(&g->lock);
+    w->watch = (tdm_watch){0};
+    if (g->watched) { /* lock order: a group, then the one it watches */
+        tdm_group *wg = g->watched;
+        pthread_mutex_lock(&wg->lock);
+        w->watch.launched = wg->launched;
+        w->watch.digest = wg->digest;
+        if (wg->launched) w->watch.last = wg->flight[wg->launched % TDM_FLIGHT_LEN].c;
+        pthread_mutex_unlock(&wg->lock);
+    }
     c.seq = ++g->launched;
+    g->digest = tdm_coll_digest(g->digest, &c);
     g->flight[c.seq % TDM_FLIGHT_LEN] =
         (tdm_flight_entry){.c = c, .t_launch = wall_seconds(), .state = TDM_FLIGHT_RUNNING};
     g->flight[c.seq % TDM_FLIGHT_LEN].c.out = NULL;

@@ -55,10 +55,12 @@ typedef struct {
 
 /* "all_reduce #12 (DDP bucket 3: 1024 f32, sum)" for messages: c's fingerprint. */
 void tdm_coll_describe(const tdm_coll *c, char *buf, size_t cap);
-/* Whether rank ra's collective a and rank rb's b differ in their fingerprints (number, kind,
- * size, dtype, reduction, root, site); if so msg holds "ranks disagree on the element count:
- * rank 0 is in all_reduce #5 (...) while rank 1 is in ...", the lower rank first. */
-bool tdm_coll_disagree(int ra, const tdm_coll *a, int rb, const tdm_coll *b, char *msg, size_t cap);
+/* Whether rank ra's collective a and rank rb's b differ in their fingerprints (kind, size,
+ * dtype, reduction, root, site, and with `numbers` their sequence numbers); if so msg holds
+ * "ranks disagree on the element count: rank 0 is in all_reduce #5 (...) while rank 1 is in
+ * ...", the lower rank first. */
+bool tdm_coll_disagree(int ra, const tdm_coll *a, int rb, const tdm_coll *b, bool numbers,
+                       char *msg, size_t cap);
 
 /* The flight recorder: each group keeps its last TDM_FLIGHT_LEN collectives (fingerprint,
  * bytes, launch and end times, state) for tdm_group_dump_flight. */
@@ -74,9 +76,18 @@ typedef struct {
 
 #define TDM_WORK_MSG 512
 
+/* Where a collective launched on a group that watches another (tdm_group_watch) found that
+ * one: what it vouches for, compared between the ranks by backends that can (MPI). */
+typedef struct {
+    int64_t launched; /* collectives launched on the watched group so far (0: none) */
+    uint64_t digest;  /* of their fingerprints, in launch order (tdm_coll_digest) */
+    tdm_coll last;    /* the last of them (seq == launched; out and in NULL) */
+} tdm_watch;
+
 struct tdm_work {
     tdm_group *group;
     tdm_coll c;
+    tdm_watch watch;    /* filled at launch where the group watches another */
     tdm_wait_word done; /* 1, set last by tdm_work_finish: its waiter may recycle it then */
     int status;
     char msg[TDM_WORK_MSG];
@@ -110,9 +121,26 @@ struct tdm_group {
     tdm_waitq done_q;
     tdm_work *free_works, *all_works;
     int64_t launched;                        /* collectives launched: the last one's seq */
+    uint64_t digest;                         /* of their fingerprints (tdm_coll_digest) */
+    tdm_group *watched;                      /* tdm_group_watch's, or NULL */
     tdm_flight_entry flight[TDM_FLIGHT_LEN]; /* seq s at s % TDM_FLIGHT_LEN */
     char failure[TDM_WORK_MSG];              /* the first failed collective's message */
 };
+
+/* Makes every collective launched on g from now on carry what `watched` (another group over
+ * the same ranks, e.g. the NCCL group whose id g broadcast) has launched so far, so that a
+ * backend that exchanges fingerprints (MPI) also names ranks whose collectives on `watched`
+ * differ: a side channel for a group that cannot check its own (NCCL), compared at g's next
+ * collective (the trainer's read-back). NULL stops it. One watched group per g. Call it from
+ * the thread that launches on both, or before they are used. */
+void tdm_group_watch(tdm_group *g, tdm_group *watched);
+/* digest, folded with the fingerprint of c (kind, reduction, root, dtype, size, site). */
+uint64_t tdm_coll_digest(uint64_t digest, const tdm_coll *c);
+/* Whether two ranks' watches differ; if so msg names both ("... rank 0 had launched 12, the
+ * last all_reduce #12 (...), while rank 1 had launched 12, the last ..."). `during` describes
+ * the collective that carried them. */
+bool tdm_watch_disagree(int ra, const tdm_watch *a, int rb, const tdm_watch *b, const char *during,
+                        char *msg, size_t cap);
 
 /* Starts collective c on g without the public entry points' checks (the caller made them):
  * how a backend built on other groups (hier_group.c) drives them. NULL and an error when it

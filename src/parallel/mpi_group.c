@@ -22,8 +22,9 @@
  * cliff on this VM above 16 MiB: ../shared/baseline/README.md), and no message is larger:
  * tdm_mpi_tune_tcp (mpi_tune.c) lets each leave at once over TCP, one trip per round.
  *
- * Checks. Every collective starts with a 40-byte header from each rank to every other
- * (kind, op, root, count, element size, sequence number), sent together with the first
+ * Checks. Every collective starts with a header from each rank to every other (kind, op,
+ * root, count, element size, sequence number, site; and what a watched group launched before
+ * it: tdm_group_watch, the NCCL group's side channel), sent together with the first
  * data messages so it costs no extra round trip; the first data receives are posted only once
  * the headers agree (finish_round). Ranks that call different collectives, sizes or roots get
  * "ranks disagree on the ..." instead of corrupted memory.
@@ -97,6 +98,13 @@ typedef struct {
     int32_t kind, op, root, dtype;
     int64_t count, elem, seq;
     char site[TDM_SITE_LEN]; /* tdm_collective_label's name, NUL-terminated */
+} fingerprint;
+
+typedef struct {
+    fingerprint c;
+    /* what the group this one watches had launched (tdm_group_watch; all zero: none) */
+    fingerprint watched_last; /* seq: how many */
+    uint64_t watched_digest;
 } header;
 
 #define FAIL_LEN (TDM_WORK_MSG - 64) /* room for the "op on rank R: " prefix */
@@ -124,6 +132,7 @@ typedef struct {
     int64_t seq;
     float *scratch; /* (size - 1) chunks of one segment */
     size_t scratch_bytes;
+    tdm_work *cur; /* the collective being run */
     header hdr_out, *hdr_in;
     bool hdr_round; /* this round started with the headers: its receives wait for them */
     void **rbuf;    /* such a receive, posted by finish_round: buffer and bytes */
@@ -380,10 +389,16 @@ static int round_wait(mworld *w, int n, int64_t deadline) {
 
 /* Posts this collective's headers (call first in the first round of a collective): they are
  * requests 0 .. 2(n-1) - 1 of the round, and the round's data receives wait for them. */
+static fingerprint fingerprint_of(const tdm_coll *c, int64_t seq) {
+    fingerprint f = {c->kind, c->op, c->root, c->dtype, c->count, (int64_t)c->elem, seq, ""};
+    memcpy(f.site, c->site, sizeof f.site);
+    return f;
+}
+
 static void post_headers(mworld *w, const tdm_coll *c) {
+    const tdm_watch *wt = &w->cur->watch;
     w->hdr_out =
-        (header){c->kind, c->op, c->root, c->dtype, c->count, (int64_t)c->elem, w->seq, ""};
-    memcpy(w->hdr_out.site, c->site, sizeof w->hdr_out.site);
+        (header){fingerprint_of(c, w->seq), fingerprint_of(&wt->last, wt->launched), wt->digest};
     for (int k = 0; k < w->g.size; k++) {
         if (k == w->g.rank) continue;
         post(w, false, &w->hdr_in[k], sizeof(header), k, TAG_HDR);
@@ -392,8 +407,8 @@ static void post_headers(mworld *w, const tdm_coll *c) {
     w->hdr_round = true;
 }
 
-/* A peer's header as the collective it describes (tdm_coll_describe). */
-static tdm_coll coll_of(const header *h) {
+/* A fingerprint as the collective it describes (tdm_coll_describe). */
+static tdm_coll coll_of(const fingerprint *h) {
     tdm_coll c = {.kind = (tdm_coll_kind)h->kind,
                   .op = (tdm_reduce_kind)h->op,
                   .root = h->root,
@@ -409,12 +424,21 @@ static tdm_coll coll_of(const header *h) {
 /* After the first round: every peer called the same collective (tdm_coll_disagree). 0, or -1
  * and failed naming both sides. */
 static int check_headers(mworld *w) {
-    tdm_coll me = coll_of(&w->hdr_out);
-    char msg[FAIL_LEN];
+    tdm_coll me = coll_of(&w->hdr_out.c);
+    char msg[FAIL_LEN], during[160];
     for (int k = 0; k < w->g.size; k++) {
         if (k == w->g.rank) continue;
-        tdm_coll peer = coll_of(&w->hdr_in[k]);
-        if (!tdm_coll_disagree(w->g.rank, &me, k, &peer, msg, sizeof msg)) continue;
+        const header *h = &w->hdr_in[k];
+        tdm_coll peer = coll_of(&h->c);
+        bool bad = tdm_coll_disagree(w->g.rank, &me, k, &peer, true, msg, sizeof msg);
+        if (!bad) { /* the same collective: then the same past on the watched group */
+            tdm_watch a = {w->hdr_out.watched_last.seq, w->hdr_out.watched_digest,
+                           coll_of(&w->hdr_out.watched_last)};
+            tdm_watch b = {h->watched_last.seq, h->watched_digest, coll_of(&h->watched_last)};
+            tdm_coll_describe(&me, during, sizeof during);
+            bad = tdm_watch_disagree(w->g.rank, &a, k, &b, during, msg, sizeof msg);
+        }
+        if (!bad) continue;
         fail(w, true, "%s", msg);
         return -1;
     }
@@ -736,6 +760,7 @@ static void *comm_main(void *arg) {
     for (tdm_work *wk; (wk = dequeue(w));) {
         msg[0] = '\0';
         tdm_trace_begin(tdm_coll_name(wk->c.kind));
+        w->cur = wk;
         int status = run(w, &wk->c, msg);
         tdm_trace_end();
         tdm_work_finish(wk, status, msg);

@@ -13,7 +13,10 @@
  * the same number in each peer's flight recorder (a side channel to NCCL: no GPU work, no
  * message); the second of two ranks to launch finds a mismatch, posts it on the world's board,
  * and every rank, in its launch or its wait, aborts its communicator (freeing a GPU left in
- * the mismatched collective) and fails with the one message naming both sides. */
+ * the mismatched collective) and fails with the one message naming both sides. Ranks in
+ * different processes (tdm_nccl_group_new) are compared through the parent group instead
+ * (tdm_group_watch): its next collective, the trainer's read-back, carries each rank's
+ * count and digest of NCCL launches and the last one, and fails naming both sides. */
 #include "parallel/nccl_group.h"
 #include "parallel/sync.h"
 
@@ -55,8 +58,9 @@ typedef struct {
 typedef struct nboard nboard;
 
 typedef struct nrank {
-    tdm_group g;   /* first member: a tdm_group * is an nrank * */
-    nboard *board; /* the world's, for ranks made by tdm_nccl_world_new; else NULL */
+    tdm_group g;       /* first member: a tdm_group * is an nrank * */
+    nboard *board;     /* the world's, for ranks made by tdm_nccl_world_new; else NULL */
+    tdm_group *parent; /* tdm_nccl_group_new's, which watches this group; else NULL */
     ncclComm_t comm;
     int dev;
     cudaStream_t stream; /* the device's communication stream (owned by the CUDA backend) */
@@ -96,7 +100,7 @@ static bool board_check(nrank *r, const tdm_coll *c) {
         tdm_coll peer = pg->flight[c->seq % TDM_FLIGHT_LEN].c;
         bool launched = pg->launched >= c->seq && peer.seq == c->seq;
         pthread_mutex_unlock(&pg->lock);
-        if (launched && tdm_coll_disagree(r->g.rank, c, q, &peer, msg, sizeof msg)) {
+        if (launched && tdm_coll_disagree(r->g.rank, c, q, &peer, false, msg, sizeof msg)) {
             snprintf(b->msg, sizeof b->msg, "%s", msg);
             atomic_store(&b->failed, 1);
         }
@@ -324,6 +328,7 @@ void tdm_nccl_group_free(tdm_group *g) {
     while (r->count > 0 && !r->failed) wait_oldest_locked(r);
     pthread_mutex_unlock(&r->lock);
     if (r->comm) ncclCommDestroy(r->comm);
+    if (r->parent) tdm_group_watch(r->parent, NULL);
     if (r->board) {
         pthread_mutex_lock(&r->board->lock);
         r->board->ranks[r->g.rank] = NULL; /* no peer reads this rank's recorder any more */
@@ -363,6 +368,8 @@ tdm_group *tdm_nccl_group_new(tdm_group *parent, tdm_device dev) {
         return tdm_raise_null(TDM_ERR_COMM, "nccl group: rank %d of %d on cuda:%d: %s", rank, size,
                               dev.index, ncclGetErrorString(nr));
     }
+    r->parent = parent; /* its collectives carry this group's fingerprints: the side channel */
+    tdm_group_watch(parent, &r->g);
     return &r->g;
 }
 

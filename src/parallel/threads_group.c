@@ -260,7 +260,7 @@ static int check_slots(trank *me) {
     tdm_threads_world *w = me->w;
     char msg[TDM_WORK_MSG - 64];
     for (int k = 1; k < w->n; k++) {
-        if (!tdm_coll_disagree(0, &w->ranks[0].slot, k, &w->ranks[k].slot, msg, sizeof msg))
+        if (!tdm_coll_disagree(0, &w->ranks[0].slot, k, &w->ranks[k].slot, false, msg, sizeof msg))
             continue;
         pthread_mutex_lock(&w->lock);
         fail_locked(w, "%s", msg);

@@ -539,6 +539,42 @@ int tdm_dp_devices(const tdm_dp *dp);
  * the optimizers. */
 void tdm_dp_free(tdm_dp *dp);
 
+/* ---- tensor parallelism: one layer split over the ranks of a group ------------------------ */
+
+/* Megatron-LM's layers (PyTorch's ColwiseParallel, RowwiseParallel): every rank of `tp` runs
+ * the same forward on the same input, each with its part of the layer's matrices. Called by
+ * every rank of tp (the collectives join them), from a thread with a step scope open for a
+ * backward, as any op. Each returns NULL and an error on a NULL argument, a shape that does
+ * not split over the ranks, or a failed collective (which fails the other ranks too). */
+
+/* Forward x itself (a view); backward, the gradient summed over the ranks: the input of a
+ * column-parallel layer, each rank's backward giving the gradient of its part only. */
+tdm_tensor *tdm_tp_copy(tdm_group *tp, tdm_tensor *x);
+/* Forward x summed over the ranks (a new tensor); backward, the gradient itself: the output of
+ * a row-parallel layer, each rank's partial product. */
+tdm_tensor *tdm_tp_reduce(tdm_group *tp, tdm_tensor *x);
+/* Forward every rank's x [..., k] joined along the last dim, rank order: [..., n k]; backward,
+ * this rank's slice of the gradient. */
+tdm_tensor *tdm_tp_gather(tdm_group *tp, tdm_tensor *x);
+/* Forward this rank's slice [r k, (r+1) k) of x's last dim (n k wide; a new tensor); backward,
+ * every rank's gradient joined: the input of a row-parallel layer that was whole. */
+tdm_tensor *tdm_tp_scatter(tdm_group *tp, tdm_tensor *x);
+
+/* A column-parallel Linear (in -> out, out a multiple of the ranks): rank r holds rows
+ * [r out/n, (r+1) out/n) of the weight [out, in] and of the bias, and computes that part of
+ * the output: [..., out/n], or the whole [..., out] with gather_output. A row-parallel Linear
+ * (in a multiple of the ranks) holds columns [r in/n, (r+1) in/n) of the weight and the whole
+ * bias; its input is [..., in/n] (input_is_parallel: a column-parallel layer's output) or the
+ * whole [..., in], and its output [..., out] is summed over the ranks. Both draw the whole
+ * layer from rng as tdm_linear_new does and keep their part: ranks given the same rng state
+ * hold the parts of the same one-device layer. The parameters are named "weight" and "bias"
+ * and hold the parts (shapes [out/n, in] and [out/n]; [out, in/n] and [out]). The layer keeps
+ * tp, which must outlive it; it cannot be cloned (tdm_module_clone fails). */
+tdm_module *tdm_column_linear_new(int64_t in, int64_t out, bool bias, bool gather_output,
+                                  tdm_group *tp, tdm_device dev, tdm_rng *rng);
+tdm_module *tdm_row_linear_new(int64_t in, int64_t out, bool bias, bool input_is_parallel,
+                               tdm_group *tp, tdm_device dev, tdm_rng *rng);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,8 +2,10 @@
  * forward and backward against its definition (exact: the sums are of values a float holds,
  * in rank order as the collectives add), and Megatron's MLP (a column-parallel Linear, ReLU, a
  * row-parallel Linear, after a Linear every rank holds) on 2 and 4 ranks against the one-device
- * MLP after steps of AdamW, with the hidden layer split and gathered. */
+ * MLP after steps of AdamW, with the hidden layer split and gathered, and on a dp 2 x tp 2 device
+ * mesh with DDP over its data-parallel groups. */
 #include "check.h"
+#include "tandem/gpt.h"
 
 #include <pthread.h>
 
@@ -125,12 +127,13 @@ static void test_ops(int n) {
 #define IN    8
 #define HID   16
 #define OUT   6
-#define BATCH 5
+#define BATCH 6 /* rows of the global batch: 3 for each of 2 data-parallel ranks */
 #define STEPS 5
 
 typedef struct {
     int n;
     bool gathered; /* the column-parallel layer gathers its output, the row-parallel scatters */
+    int dp_size;   /* > 1: a dp x tp mesh, DDP over dp */
     float ref_w0[IN * IN], ref_w1[HID * IN], ref_b1[HID], ref_w2[OUT * HID], ref_b2[OUT],
         ref_loss[STEPS];
     float dw[MAX_RANKS], dloss[MAX_RANKS]; /* each rank's largest difference from the reference */
@@ -143,20 +146,27 @@ static tdm_optim *adamw(tdm_module *m) {
     return tdm_adamw_new(tdm_module_parameters(m), &o);
 }
 
-/* STEPS steps of m on batches drawn from seed 11; each step's loss into loss[]. */
-static int train_mlp(tdm_module *m, float *loss) {
+/* STEPS steps of m on batches of BATCH rows drawn from seed 11; each step's loss (over the
+ * whole batch) into loss[]. With DDP over dp (NULL: none), this rank trains on its rows
+ * [lo, lo + BATCH / size) and the loss is the ranks' average. */
+static int train_mlp(tdm_module *m, tdm_ddp *d, tdm_group *dp, float *loss) {
     tdm_optim *opt = adamw(m);
     tdm_rng r = tdm_rng_make(11);
     int rc = opt ? 0 : tdm_last_status();
+    int64_t rows = dp ? BATCH / tdm_group_size(dp) : BATCH, lo = dp ? rows * tdm_group_rank(dp) : 0;
     for (int s = 0; s < STEPS && !rc; s++) {
         tdm_scope_begin();
         tdm_tensor *x = tdm_randn(TDM_SHAPE(BATCH, IN), 0, 1, tdm_cpu(0), &r);
         tdm_tensor *t = tdm_randn(TDM_SHAPE(BATCH, OUT), 0, 1, tdm_cpu(0), &r);
-        tdm_tensor *l = tdm_mse_loss(tdm_module_forward(m, x), t, TDM_REDUCE_MEAN);
+        x = tdm_slice(x, 0, lo, lo + rows, 1), t = tdm_slice(t, 0, lo, lo + rows, 1);
+        tdm_tensor *y = d ? tdm_ddp_forward(d, x) : tdm_module_forward(m, x);
+        tdm_tensor *l = tdm_mse_loss(y, t, TDM_REDUCE_MEAN);
         rc = l ? tdm_optim_zero_grad(opt) : tdm_last_status();
-        if (!rc) rc = tdm_backward(l);
+        if (!rc) rc = d ? tdm_ddp_backward(d, l) : tdm_backward(l);
         if (!rc) rc = tdm_optim_step(opt);
-        if (!rc) loss[s] = tdm_item(l);
+        tdm_tensor *avg = rc ? NULL : tdm_clone(l);
+        if (avg && dp) rc = tdm_work_wait(tdm_all_reduce(dp, avg, TDM_AVG));
+        if (!rc) loss[s] = avg ? tdm_item(avg) : NAN;
         tdm_scope_end();
     }
     tdm_optim_free(opt);
@@ -173,37 +183,53 @@ static float max_diff(const float *a, const float *b, int n) {
     return d;
 }
 
-static int mlp_rank(tdm_rank_ctx *ctx, void *arg) {
-    mlp_shared *sh = arg;
-    int r = ctx->rank, n = ctx->size, h = HID / n;
+/* This rank's MLP over tp, trained (with DDP over dp where dp is not NULL), compared with the
+ * one-device reference; t: its rank in tp. */
+static int mlp_parts(mlp_shared *sh, tdm_group *tp, tdm_group *dp, int r) {
+    int t = tdm_group_rank(tp), h = HID / tdm_group_size(tp);
     tdm_rng rng = tdm_rng_make(7);
     tdm_module *l0 = tdm_linear_new(IN, IN, false, tdm_cpu(0), &rng);
-    tdm_module *col =
-        tdm_column_linear_new(IN, HID, true, sh->gathered, ctx->group, tdm_cpu(0), &rng);
-    tdm_module *row =
-        tdm_row_linear_new(HID, OUT, true, !sh->gathered, ctx->group, tdm_cpu(0), &rng);
+    tdm_module *col = tdm_column_linear_new(IN, HID, true, sh->gathered, tp, tdm_cpu(0), &rng);
+    tdm_module *row = tdm_row_linear_new(HID, OUT, true, !sh->gathered, tp, tdm_cpu(0), &rng);
     tdm_module *m = l0 && col && row ? mlp(l0, col, row) : NULL;
+    if (!m) tdm_module_free(l0), tdm_module_free(col), tdm_module_free(row);
     float loss[STEPS], w0[IN * IN], w1[HID * IN], b1[HID], w2[OUT * HID], b2[OUT];
-    int rc = m ? train_mlp(m, loss) : tdm_last_status();
+    tdm_ddp *d = m && dp ? tdm_ddp_new(m, dp, NULL) : NULL;
+    int rc = !m || (dp && !d) ? tdm_last_status() : train_mlp(m, d, dp, loss);
+    tdm_ddp_free(d);
     if (!rc) rc = tdm_to_host(l0->params[0], w0, sizeof w0);
     if (!rc) rc = tdm_to_host(col->params[0], w1, sizeof(float) * (size_t)(h * IN));
     if (!rc) rc = tdm_to_host(col->params[1], b1, sizeof(float) * (size_t)h);
     if (!rc) rc = tdm_to_host(row->params[0], w2, sizeof(float) * (size_t)(OUT * h));
     if (!rc) rc = tdm_to_host(row->params[1], b2, sizeof b2);
     if (!rc) {
-        /* this rank's rows of the first weight and bias, columns of the second */
-        float d = fmaxf(max_diff(w1, sh->ref_w1 + r * h * IN, h * IN),
-                        max_diff(b1, sh->ref_b1 + r * h, h));
+        /* its rows of the first weight and bias, its columns of the second */
+        float dw = fmaxf(max_diff(w1, sh->ref_w1 + t * h * IN, h * IN),
+                         max_diff(b1, sh->ref_b1 + t * h, h));
         for (int o = 0; o < OUT; o++)
-            d = fmaxf(d, max_diff(w2 + o * h, sh->ref_w2 + o * HID + r * h, h));
-        d = fmaxf(d, max_diff(w0, sh->ref_w0, IN * IN));
-        sh->dw[r] = fmaxf(d, max_diff(b2, sh->ref_b2, OUT));
+            dw = fmaxf(dw, max_diff(w2 + o * h, sh->ref_w2 + o * HID + t * h, h));
+        dw = fmaxf(dw, max_diff(w0, sh->ref_w0, IN * IN));
+        sh->dw[r] = fmaxf(dw, max_diff(b2, sh->ref_b2, OUT));
         sh->dloss[r] = max_diff(loss, sh->ref_loss, STEPS);
     }
-    if (rc) snprintf(sh->msg[r], sizeof sh->msg[r], "%s", tdm_last_error());
-    sh->status[r] = rc;
-    if (!m) tdm_module_free(l0), tdm_module_free(col), tdm_module_free(row);
     tdm_module_free(m);
+    return rc;
+}
+
+static int mlp_rank(tdm_rank_ctx *ctx, void *arg) {
+    mlp_shared *sh = arg;
+    int rc;
+    if (sh->dp_size > 1) { /* dp x tp: the mesh's groups */
+        int sizes[2] = {sh->dp_size, ctx->size / sh->dp_size};
+        tdm_mesh *mesh = tdm_mesh_new(ctx->group, 2, sizes, (const char *[]){"dp", "tp"});
+        rc = mesh ? mlp_parts(sh, tdm_mesh_group(mesh, "tp"), tdm_mesh_group(mesh, "dp"), ctx->rank)
+                  : tdm_last_status();
+        tdm_mesh_free(mesh);
+    } else {
+        rc = mlp_parts(sh, ctx->group, NULL, ctx->rank);
+    }
+    if (rc) snprintf(sh->msg[ctx->rank], sizeof sh->msg[ctx->rank], "%s", tdm_last_error());
+    sh->status[ctx->rank] = rc;
     return rc;
 }
 
@@ -214,14 +240,14 @@ static int mlp_rank(tdm_rank_ctx *ctx, void *arg) {
  * wrong gradient (a missing all-reduce, a part of the wrong rank) moves it by ~lr: 1e-3. */
 #define MLP_BOUND 1e-6f
 
-static void test_mlp(int n, bool gathered) {
-    mlp_shared sh = {.n = n, .gathered = gathered};
+static void test_mlp(int n, bool gathered, int dp_size) {
+    mlp_shared sh = {.n = n, .gathered = gathered, .dp_size = dp_size};
     tdm_rng rng = tdm_rng_make(7);
     tdm_module *l0 = tdm_linear_new(IN, IN, false, tdm_cpu(0), &rng);
     tdm_module *l1 = tdm_linear_new(IN, HID, true, tdm_cpu(0), &rng);
     tdm_module *l2 = tdm_linear_new(HID, OUT, true, tdm_cpu(0), &rng);
     tdm_module *ref = mlp(l0, l1, l2);
-    int rc = train_mlp(ref, sh.ref_loss);
+    int rc = train_mlp(ref, NULL, NULL, sh.ref_loss);
     CHECK(rc == 0, "one device: %s", tdm_last_error());
     tdm_to_host(l0->params[0], sh.ref_w0, sizeof sh.ref_w0);
     tdm_to_host(l1->params[0], sh.ref_w1, sizeof sh.ref_w1);
@@ -234,12 +260,168 @@ static void test_mlp(int n, bool gathered) {
     CHECK(rc == TDM_OK, "MLP on %d ranks: %s", n, tdm_last_error());
     for (int r = 0; !rc && r < n; r++) {
         CHECK(sh.dw[r] <= MLP_BOUND && sh.dloss[r] <= MLP_BOUND,
-              "MLP%s on %d ranks, rank %d: weights off by %g, losses by %g (bound %g)",
-              gathered ? " (gathered)" : "", n, r, sh.dw[r], sh.dloss[r], MLP_BOUND);
-        printf("MLP%s, tensor-parallel over %d ranks, rank %d: weights within %.3g, losses "
-               "within %.3g of one device after %d AdamW steps\n",
-               gathered ? " (gathered)" : "", n, r, sh.dw[r], sh.dloss[r], STEPS);
+              "MLP%s on %d ranks (dp %d), rank %d: weights off by %g, losses by %g (bound %g)",
+              gathered ? " (gathered)" : "", n, dp_size, r, sh.dw[r], sh.dloss[r], MLP_BOUND);
+        printf("MLP%s, dp %d x tp %d, rank %d: weights within %.3g, losses within %.3g of one "
+               "device after %d AdamW steps\n",
+               gathered ? " (gathered)" : "", dp_size, n / dp_size, r, sh.dw[r], sh.dloss[r],
+               STEPS);
     }
+}
+
+/* ---- the GPT, split by tdm_gpt_parallelize ------------------------------------------------ */
+
+#define G_STEPS 3
+#define G_B     2
+#define G_T     8
+
+static const tdm_gpt_config GCFG = {
+    .layers = 2, .heads = 4, .channels = 32, .context = G_T, .vocab = 50, .padded_vocab = 64};
+
+typedef struct {
+    tdm_module *ref; /* the one-device GPT after G_STEPS */
+    float ref_loss[G_STEPS], dw[MAX_RANKS], dloss[MAX_RANKS];
+    char msg[MAX_RANKS][256];
+} gpt_shared;
+
+/* G_STEPS steps of AdamW on tokens from a fixed sequence; each step's loss into loss[]. */
+static int train_gpt(tdm_module *m, float *loss) {
+    tdm_adam_opts o = tdm_adamw_defaults();
+    tdm_optim *opt = tdm_gpt_adamw_new(tdm_module_parameters(m), &o);
+    int rc = opt ? 0 : tdm_last_status();
+    uint32_t lcg = 13;
+    for (int s = 0; s < G_STEPS && !rc; s++) {
+        int64_t tok[2][G_B * G_T];
+        for (int k = 0; k < 2; k++)
+            for (int i = 0; i < G_B * G_T; i++)
+                lcg = lcg * 1664525u + 1013904223u, tok[k][i] = (lcg >> 8) % GCFG.vocab;
+        tdm_scope_begin();
+        tdm_tensor *idx = i64(TDM_SHAPE(G_B, G_T), tok[0]), *tg = i64(TDM_SHAPE(G_B, G_T), tok[1]);
+        tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(m, idx), tg);
+        rc = l ? tdm_optim_zero_grad(opt) : tdm_last_status();
+        if (!rc) rc = tdm_backward(l);
+        if (!rc) rc = tdm_optim_step(opt);
+        if (!rc) loss[s] = tdm_item(l);
+        tdm_scope_end();
+    }
+    tdm_optim_free(opt);
+    return rc;
+}
+
+/* The largest difference between rank r's part `p` (named `name`, of n ranks) and the part of
+ * the reference's tensor `ref` that tdm_gpt_parallelize's plan gives it; written here from
+ * the plan, not from the library's slicing. */
+static float part_diff(const char *name, tdm_tensor *p, tdm_tensor *ref, int n, int r) {
+    int64_t rows = ref->shape[0], cols = ref->ndim > 1 ? ref->shape[1] : 1;
+    float *a = malloc(sizeof(float) * (size_t)tdm_numel(p)),
+          *b = malloc(sizeof(float) * (size_t)(rows * cols));
+    tdm_to_host(p, a, sizeof(float) * (size_t)tdm_numel(p));
+    tdm_to_host(ref, b, sizeof(float) * (size_t)(rows * cols));
+    bool qkv = strstr(name, "attn.c_attn."), fc = strstr(name, "mlp.c_fc.");
+    bool proj = strstr(name, "c_proj.weight");
+    int blocks = qkv ? 3 : 1;
+    int64_t pr = qkv || fc ? rows / n : rows, pc = proj ? cols / n : cols, bk = rows / blocks;
+    float d = tdm_numel(p) == pr * pc ? 0 : INFINITY;
+    for (int64_t i = 0; i < pr && d < INFINITY; i++) {
+        /* row i of the part: block i / (bk / n), its (i % (bk / n))-th row of rank r's share */
+        int64_t src = qkv || fc ? (i / (bk / n)) * bk + r * (bk / n) + i % (bk / n) : i;
+        for (int64_t j = 0; j < pc; j++)
+            d = fmaxf(d, fabsf(a[i * pc + j] - b[src * cols + (proj ? r * pc : 0) + j]));
+    }
+    free(a), free(b);
+    return d;
+}
+
+static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
+    gpt_shared *sh = arg;
+    int r = ctx->rank;
+    tdm_rng rng = tdm_rng_make(5);
+    tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
+    float loss[G_STEPS];
+    int rc = m ? tdm_gpt_parallelize(m, ctx->group) : tdm_last_status();
+    if (!rc) rc = train_gpt(m, loss);
+    if (!rc) {
+        tdm_paramset *ps = tdm_module_parameters(m), *ref = tdm_module_parameters(sh->ref);
+        for (int i = 0; i < ps->n; i++) { /* the same names, in the same order */
+            bool same = i < ref->n && !strcmp(ps->names[i], ref->names[i]);
+            sh->dw[r] = fmaxf(sh->dw[r], same ? part_diff(ps->names[i], ps->params[i],
+                                                          ref->params[i], ctx->size, r)
+                                              : INFINITY);
+        }
+        sh->dloss[r] = max_diff(loss, sh->ref_loss, G_STEPS);
+    }
+    if (rc) snprintf(sh->msg[r], sizeof sh->msg[r], "%s", tdm_last_error());
+    tdm_module_free(m);
+    return rc;
+}
+
+/* Bound: the heads are split whole, so attention computes the same sums, and only the two
+ * row-parallel projections of each block add partial products in another order: MLP_BOUND,
+ * except for the key bias (in c_attn.bias). Its true gradient is 0 (adding a constant to every
+ * key shifts all of a query's scores alike, which softmax ignores), so what backward gives it
+ * is rounding, ~1e-10, different in every order of summation, and AdamW scales it by
+ * lr / eps = 1e5 into updates of ~1e-5 a step: 3 steps, 3e-5 (measured: up to 5.7e-6). A
+ * missing or doubled reduction moves weights by ~lr, 1e-3. */
+#define GPT_BOUND 3e-5f
+static void test_gpt(void) {
+    gpt_shared sh = {0};
+    tdm_rng rng = tdm_rng_make(5);
+    sh.ref = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
+    CHECK(sh.ref && train_gpt(sh.ref, sh.ref_loss) == 0, "one device: %s", tdm_last_error());
+    tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+    for (int n = 2; sh.ref && n <= 4; n += 2) {
+        memset(sh.dw, 0, sizeof sh.dw);
+        int rc = tdm_spawn(n, devs, gpt_rank, &sh);
+        CHECK(rc == TDM_OK, "GPT over %d ranks: %s", n, tdm_last_error());
+        for (int r = 0; !rc && r < n; r++) {
+            CHECK(sh.dw[r] <= GPT_BOUND && sh.dloss[r] <= MLP_BOUND,
+                  "GPT over %d ranks, rank %d: weights off by %g, losses by %g", n, r, sh.dw[r],
+                  sh.dloss[r]);
+            printf("GPT (2 layers, 4 heads, 32 channels), tp %d, rank %d: weights within %.3g, "
+                   "losses within %.3g of one device after %d AdamW steps\n",
+                   n, r, sh.dw[r], sh.dloss[r], G_STEPS);
+        }
+    }
+    tdm_module_free(sh.ref);
+    /* refused: heads that do not split, a GPT already listed or split */
+    tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), NULL);
+    CHECK_ERROR(tdm_gpt_parallelize(m, NULL) != TDM_OK, "gpt_parallelize: NULL group");
+    CHECK_ERROR(tdm_gpt_parallelize(tdm_relu_new(), NULL) != TDM_OK, "not a GPT");
+    tdm_module_free(m);
+}
+
+/* ---- the mesh ----------------------------------------------------------------------------- */
+
+/* 4 ranks as dp 2 x tp 2: coordinates row-major, each group summing its own ranks only. */
+static int mesh_rank(tdm_rank_ctx *ctx, void *arg) {
+    int *wrong = arg, r = ctx->rank;
+    tdm_mesh *m = tdm_mesh_new(ctx->group, 2, (int[]){2, 2}, (const char *[]){"dp", "tp"});
+    if (!m) return tdm_last_status();
+    tdm_group *tp = tdm_mesh_group(m, "tp"), *dp = tdm_mesh_group(m, "dp");
+    wrong[r] += tdm_mesh_coord(m, "dp") != r / 2 || tdm_mesh_coord(m, "tp") != r % 2;
+    wrong[r] += tdm_mesh_size(m, "dp") != 2 || tdm_group_size(tp) != 2;
+    wrong[r] += tdm_group_rank(tp) != r % 2 || tdm_group_rank(dp) != r / 2;
+    float sums[2];
+    for (int k = 0; k < 2; k++) {
+        tdm_tensor *t = tdm_full(TDM_SHAPE(1), (float)r, TDM_F32, tdm_cpu(0));
+        wrong[r] += tdm_work_wait(tdm_all_reduce(k ? dp : tp, t, TDM_SUM)) != TDM_OK;
+        sums[k] = tdm_item(t);
+        tdm_tensor_free(t);
+    }
+    /* tp pairs {0, 1}, {2, 3}; dp pairs {0, 2}, {1, 3} */
+    wrong[r] += sums[0] != (float)(4 * (r / 2) + 1) || sums[1] != (float)(2 * (r % 2) + 2);
+    wrong[r] += tdm_mesh_group(m, "pp") != NULL || !strstr(tdm_last_error(), "(it has dp, tp)");
+    tdm_mesh_free(m);
+    wrong[r] += tdm_mesh_new(ctx->group, 2, (int[]){2, 3}, (const char *[]){"dp", "tp"}) != NULL ||
+                !strstr(tdm_last_error(), "the dimensions make 6 ranks, the group has 4");
+    return 0;
+}
+
+static void test_mesh(void) {
+    int wrong[4] = {0};
+    tdm_device devs[4] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+    CHECK(tdm_spawn(4, devs, mesh_rank, wrong) == TDM_OK, "%s", tdm_last_error());
+    for (int r = 0; r < 4; r++) CHECK(wrong[r] == 0, "mesh, rank %d: %d wrong", r, wrong[r]);
 }
 
 /* ---- bad arguments ------------------------------------------------------------------------ */
@@ -275,10 +457,13 @@ static void test_bad_arguments(void) {
 
 int main(void) {
     test_bad_arguments();
+    test_mesh();
     for (int n = 2; n <= MAX_RANKS; n++) test_ops(n);
     for (int gathered = 0; gathered < 2; gathered++) {
-        test_mlp(2, gathered);
-        test_mlp(4, gathered);
+        test_mlp(2, gathered, 1);
+        test_mlp(4, gathered, 1);
     }
+    test_mlp(4, false, 2); /* dp 2 x tp 2: DDP over the mesh's dp groups */
+    test_gpt();
     return check_summary();
 }

@@ -25,6 +25,7 @@
 
 #include "nn.h"
 #include "optim.h"
+#include "parallel.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -54,6 +55,19 @@ const tdm_gpt_config *tdm_gpt_config_of(const tdm_module *m);
 tdm_tensor *tdm_gpt_forward(tdm_module *m, const tdm_tensor *idx);
 /* Mean cross-entropy of logits [B, T, V] against targets [B, T] (i32/i64): a scalar. */
 tdm_tensor *tdm_gpt_loss(tdm_tensor *logits, const tdm_tensor *targets);
+
+/* Tensor parallelism (Megatron-LM's plan) over the ranks of tp: every rank builds the same
+ * whole GPT (the same config and rng state), then calls this on its copy, which then holds
+ * its part: each block's attention split by heads (c_attn column-parallel, each rank keeping
+ * the q, k and v rows of heads [r H/n, (r+1) H/n); c_proj row-parallel) and its MLP (c_fc
+ * column-parallel, c_proj row-parallel); the embeddings, the layer norms and the tied head
+ * stay whole on every rank. The ranks then compute the whole model's forward and backward
+ * together (tdm_column_linear_from's layers; every rank gets the same logits and loss), each
+ * stepping the optimizer of its own parameters. Call before tdm_module_parameters(m). The
+ * parameters keep their names (holding parts); a split GPT cannot be cloned or written to
+ * llm.c's files yet. TDM_ERR_ARG when the heads or 4 x channels do not split over the
+ * ranks, TDM_ERR_STATE when m is already listed or split. tp must outlive m. */
+int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp);
 
 /* AdamW over ps with o's hyper-parameters, except that weight decay applies only to
  * parameters of 2 or more dims (matrices and embeddings; not biases or LayerNorm), as llm.c

@@ -539,6 +539,31 @@ int tdm_dp_devices(const tdm_dp *dp);
  * the optimizers. */
 void tdm_dp_free(tdm_dp *dp);
 
+/* ---- the device mesh (PyTorch's init_device_mesh) ----------------------------------------- */
+
+typedef struct tdm_mesh tdm_mesh;
+
+#define TDM_MESH_MAX_DIMS 4
+#define TDM_MESH_NAME_LEN 16
+
+/* Lays the ranks of g out on ndim named dimensions of the given sizes (their product must be
+ * g's size), row-major as init_device_mesh does: the last dimension varies fastest, so with
+ * {"dp", "tp"} = {2, 2} ranks 0 and 1 are one tensor-parallel pair and ranks 0 and 2 one
+ * data-parallel pair. A collective over g: every rank calls it with the same arguments and
+ * gets its own mesh. For now g must be a threads group (tdm_spawn's: the devices of one
+ * process); over MPI it fails naming that. NULL and an error on bad sizes or names. */
+tdm_mesh *tdm_mesh_new(tdm_group *g, int ndim, const int *sizes, const char *const *names);
+/* The group of the ranks that differ from this one along `dim` only (mesh["tp"] in PyTorch):
+ * its rank in it is this rank's coordinate along dim. Owned by the mesh. NULL and an error
+ * naming the dimensions for an unknown name. */
+tdm_group *tdm_mesh_group(const tdm_mesh *m, const char *dim);
+/* This rank's coordinate along dim, and the dimension's size; -1 and an error as above. */
+int tdm_mesh_coord(const tdm_mesh *m, const char *dim);
+int tdm_mesh_size(const tdm_mesh *m, const char *dim);
+/* Frees this rank's mesh and its groups: a collective over the mesh's group (a barrier, so
+ * that no rank still uses a group another frees). NULL is ignored. */
+void tdm_mesh_free(tdm_mesh *m);
+
 /* ---- tensor parallelism: one layer split over the ranks of a group ------------------------ */
 
 /* Megatron-LM's layers (PyTorch's ColwiseParallel, RowwiseParallel): every rank of `tp` runs
@@ -574,6 +599,15 @@ tdm_module *tdm_column_linear_new(int64_t in, int64_t out, bool bias, bool gathe
                                   tdm_group *tp, tdm_device dev, tdm_rng *rng);
 tdm_module *tdm_row_linear_new(int64_t in, int64_t out, bool bias, bool input_is_parallel,
                                tdm_group *tp, tdm_device dev, tdm_rng *rng);
+/* The same layers made from this rank's part of an existing Linear (PyTorch's
+ * parallelize_module), which stays the caller's: a model built alike on every rank, then
+ * split. A column-parallel layer may see the output features as `blocks` equal blocks, each
+ * split over the ranks (3 for an attention's fused q, k, v projection, so that each rank gets
+ * the q, k and v of its heads); blocks > 1 leaves the output split. NULL and an error for a
+ * module that is not a Linear, or sizes that do not split. */
+tdm_module *tdm_column_linear_from(const tdm_module *linear, int blocks, bool gather_output,
+                                   tdm_group *tp);
+tdm_module *tdm_row_linear_from(const tdm_module *linear, bool input_is_parallel, tdm_group *tp);
 
 #ifdef __cplusplus
 }

@@ -16,6 +16,7 @@
 #include "tandem/autograd.h"
 #include "models_internal.h"
 #include "tandem/gpt.h"
+#include "tandem/parallel.h"
 
 /* Child indices, in registration order (which is also the flat buffer's order). */
 enum { TR_WTE, TR_WPE, TR_H, TR_LNF };               /* transformer.* */
@@ -255,6 +256,48 @@ tdm_module *tdm_gpt_new(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng)
         return NULL;
     }
     return m;
+}
+
+/* ---- tensor parallelism ------------------------------------------------------------------- */
+
+/* parent's child i becomes repl (the old one freed); the error of a NULL repl otherwise. */
+static int replace(tdm_module *parent, int i, tdm_module *repl) {
+    if (!repl) return tdm_last_status();
+    tdm_module_free(parent->children[i]);
+    parent->children[i] = repl;
+    return TDM_OK;
+}
+
+int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp) {
+    const tdm_gpt_config *c = tdm_gpt_config_of(m);
+    if (!c || !tp)
+        return tdm_raise(TDM_ERR_ARG, "gpt_parallelize: %s", c ? "NULL group" : "not a GPT");
+    if (m->paramset)
+        return tdm_raise(TDM_ERR_STATE, "gpt_parallelize: the GPT's parameters are already "
+                                        "listed (tdm_module_parameters): split it before");
+    int n = tdm_group_size(tp);
+    if (c->heads % n || (4 * (int64_t)c->channels) % n)
+        return tdm_raise(TDM_ERR_ARG, "gpt_parallelize: %d heads do not split over %d ranks",
+                         c->heads, n);
+    tdm_module *h = m->children[0]->children[TR_H];
+    int rc = TDM_OK;
+    for (int l = 0; l < h->n_children && !rc; l++) {
+        tdm_module *at = h->children[l]->children[BL_ATTN];
+        tdm_module *mlp = h->children[l]->children[BL_MLP];
+        if (strcmp(at->children[AT_C_ATTN]->ops->kind, "Linear") != 0)
+            return tdm_raise(TDM_ERR_STATE, "gpt_parallelize: block %d is already split", l);
+        /* q, k and v of this rank's heads; their outputs' columns of the projection */
+        rc = replace(at, AT_C_ATTN, tdm_column_linear_from(at->children[AT_C_ATTN], 3, false, tp));
+        if (!rc)
+            rc = replace(at, AT_C_PROJ, tdm_row_linear_from(at->children[AT_C_PROJ], true, tp));
+        if (!rc) *(int *)at->impl = c->heads / n;
+        if (!rc)
+            rc = replace(mlp, MLP_C_FC,
+                         tdm_column_linear_from(mlp->children[MLP_C_FC], 1, false, tp));
+        if (!rc)
+            rc = replace(mlp, MLP_C_PROJ, tdm_row_linear_from(mlp->children[MLP_C_PROJ], true, tp));
+    }
+    return rc;
 }
 
 /* ---- the optimizer ----------------------------------------------------------------------- */

@@ -24,6 +24,7 @@
 #include "tandem/parallel.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /* ---- the differentiable collectives ------------------------------------------------------- */
 
@@ -190,48 +191,80 @@ static const tdm_module_ops column_ops = {"ColumnParallelLinear", tp_linear_forw
                                           tp_linear_destroy};
 static const tdm_module_ops row_ops = {"RowParallelLinear", tp_linear_forward, tp_linear_destroy};
 
-/* Rows or columns [lo, hi) of p (dim 0 or 1) as a new tensor, no history. */
-static tdm_tensor *part_of(tdm_tensor *p, int dim, int64_t lo, int64_t hi) {
-    tdm_tensor *v = tdm_slice(p, dim, lo, hi, 1);
-    tdm_tensor *c = v ? tdm_clone(v) : NULL;
-    tdm_tensor_free(v);
+/* Rank r's part of p over n ranks as a new tensor, no history: along dim 1 (columns), or
+ * along dim 0 with the rows seen as `blocks` equal blocks each split over the ranks (q, k and v
+ * of a fused attention projection: 3 blocks), the parts of the blocks joined in order. */
+static tdm_tensor *part_of(tdm_tensor *p, int dim, int blocks, int n, int r) {
+    int64_t b = p->shape[dim] / blocks, k = b / n;
+    tdm_tensor *pieces[8] = {0}, *c = NULL;
+    int made = 0;
+    for (; made < blocks; made++) {
+        int64_t lo = made * b + r * k;
+        if (!(pieces[made] = tdm_slice(p, dim, lo, lo + k, 1))) break;
+    }
+    if (made == blocks) c = blocks == 1 ? tdm_clone(pieces[0]) : tdm_concat(pieces, blocks, dim);
+    for (int i = 0; i < made; i++) tdm_tensor_free(pieces[i]);
     return c;
 }
 
-/* The part of a whole Linear's weight (and bias) this rank keeps: rows or columns. */
-static tdm_module *tp_linear_new(int64_t in, int64_t out, bool bias, bool row, bool whole,
-                                 tdm_group *tp, tdm_device dev, tdm_rng *rng) {
-    const char *kind = row ? "row_linear_new" : "column_linear_new";
-    if (!tp) return tdm_raise_null(TDM_ERR_ARG, "%s: NULL group", kind);
+/* A tensor-parallel layer holding this rank's part of `linear`'s weight and bias. */
+static tdm_module *tp_linear_from(const char *kind, const tdm_module *linear, bool row, bool whole,
+                                  int blocks, tdm_group *tp) {
+    if (!linear || !tp)
+        return tdm_raise_null(TDM_ERR_ARG, "%s: NULL %s", kind, tp ? "layer" : "group");
+    if (strcmp(linear->ops->kind, "Linear") != 0 || linear->n_params < 1)
+        return tdm_raise_null(TDM_ERR_ARG, "%s: a %s is not a Linear", kind, linear->ops->kind);
+    if (blocks < 1 || blocks > 8 || (blocks > 1 && (row || whole)))
+        return tdm_raise_null(TDM_ERR_ARG,
+                              "%s: %d blocks (1 to 8, and only for a column-parallel "
+                              "layer whose output stays split)",
+                              kind, blocks);
+    tdm_tensor *w = linear->params[0], *bias = linear->n_params > 1 ? linear->params[1] : NULL;
     int n = tdm_group_size(tp), r = tdm_group_rank(tp);
-    int64_t split = row ? in : out, k = split / n;
-    if (split % n)
-        return tdm_raise_null(TDM_ERR_SHAPE, "%s: %s features %lld do not split over %d ranks",
-                              kind, row ? "input" : "output", (long long)split, n);
+    int64_t split = row ? w->shape[1] : w->shape[0];
+    if (split % ((int64_t)n * blocks))
+        return tdm_raise_null(TDM_ERR_SHAPE, "%s: %s features %lld do not split over %d ranks%s",
+                              kind, row ? "input" : "output", (long long)split, n,
+                              blocks > 1 ? " in each block" : "");
     tp_linear *l = malloc(sizeof *l);
-    tdm_module *full = l ? tdm_linear_new(in, out, bias, dev, rng) : NULL;
-    tdm_module *m = full ? tdm_module_new(row ? &row_ops : &column_ops, dev, l) : NULL;
+    tdm_module *m = l ? tdm_module_new(row ? &row_ops : &column_ops, linear->device, l) : NULL;
     if (!m) {
-        if (!l) tdm_raise(TDM_ERR_NOMEM, "%s: out of memory", kind);
         free(l);
-        tdm_module_free(full);
-        return NULL;
+        return l ? NULL : tdm_raise_null(TDM_ERR_NOMEM, "%s: out of memory", kind);
     }
     *l = (tp_linear){tp, row, whole};
     bool grad = tdm_set_grad_enabled(false);
-    /* weight [out, in]: a column-parallel rank keeps rows [r k, (r+1) k), a row-parallel one
-     * those columns; the bias follows the rows, or stays whole */
-    int rc = tdm_module_add_param(m, "weight", part_of(full->params[0], row, r * k, (r + 1) * k));
+    /* weight [out, in]: a column-parallel rank keeps its rows, a row-parallel one its
+     * columns; the bias follows the rows, or stays whole */
+    int rc = tdm_module_add_param(m, "weight", part_of(w, row, blocks, n, r));
     if (!rc && bias)
-        rc = tdm_module_add_param(m, "bias",
-                                  row ? tdm_clone(full->params[1])
-                                      : part_of(full->params[1], 0, r * k, (r + 1) * k));
+        rc =
+            tdm_module_add_param(m, "bias", row ? tdm_clone(bias) : part_of(bias, 0, blocks, n, r));
     tdm_set_grad_enabled(grad);
-    tdm_module_free(full);
     if (rc) {
         tdm_module_free(m);
         return NULL;
     }
+    return m;
+}
+
+tdm_module *tdm_column_linear_from(const tdm_module *linear, int blocks, bool gather_output,
+                                   tdm_group *tp) {
+    return tp_linear_from("column_linear_from", linear, false, gather_output, blocks, tp);
+}
+
+tdm_module *tdm_row_linear_from(const tdm_module *linear, bool input_is_parallel, tdm_group *tp) {
+    return tp_linear_from("row_linear_from", linear, true, !input_is_parallel, 1, tp);
+}
+
+/* A whole Linear drawn from rng, then this rank's part of it. */
+static tdm_module *tp_linear_new(int64_t in, int64_t out, bool bias, bool row, bool whole,
+                                 tdm_group *tp, tdm_device dev, tdm_rng *rng) {
+    const char *kind = row ? "row_linear_new" : "column_linear_new";
+    if (!tp) return tdm_raise_null(TDM_ERR_ARG, "%s: NULL group", kind);
+    tdm_module *full = tdm_linear_new(in, out, bias, dev, rng);
+    tdm_module *m = full ? tp_linear_from(kind, full, row, whole, 1, tp) : NULL;
+    tdm_module_free(full);
     return m;
 }
 

@@ -386,7 +386,9 @@ static void test_gpt(void) {
     /* refused: heads that do not split, a GPT already listed or split */
     tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), NULL);
     CHECK_ERROR(tdm_gpt_parallelize(m, NULL) != TDM_OK, "gpt_parallelize: NULL group");
-    CHECK_ERROR(tdm_gpt_parallelize(tdm_relu_new(), NULL) != TDM_OK, "not a GPT");
+    tdm_module *relu = tdm_relu_new();
+    CHECK_ERROR(tdm_gpt_parallelize(relu, NULL) != TDM_OK, "not a GPT");
+    tdm_module_free(relu);
     tdm_module_free(m);
 }
 

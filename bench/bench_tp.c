@@ -3,7 +3,8 @@
  * AdamW, the same global batch of B sequences three ways:
  *   one  one CPU device, the whole batch;
  *   dp   DDP over 2 CPU devices (threads group), B/2 sequences each;
- *   tp   tdm_gpt_parallelize over 2 CPU devices, each the whole batch with half of every block.
+ *   tp   tdm_gpt_parallelize over 2 CPU devices, each the whole batch with half of every block;
+ *   tpsp the same with sequence parallelism (each device half of the tokens between them).
  * Per device: the bytes held after a step (parameters, gradients, AdamW's two moments) and
  * the peak during one (the activations on top), from the device's allocator; and the median
  * step time. The cases run in interleaved rounds, so a change of load hits all alike.
@@ -20,14 +21,14 @@
 static const tdm_gpt_config CFG = {
     .layers = 12, .heads = 12, .channels = 768, .context = T, .vocab = 256};
 
-typedef enum { ONE, DP, TP } mode;
-static const char *const mode_names[] = {"one", "dp", "tp"};
+typedef enum { ONE, DP, TP, SP, MODES } mode;
+static const char *const mode_names[] = {"one", "dp", "tp", "tpsp"};
 
 typedef struct {
     mode m;
     int batch, steps;
-    double ms[64];                /* step times of this round, rank 0's */
-    int64_t held[2], peak[2];     /* per device */
+    double ms[64];            /* step times of this round, rank 0's */
+    int64_t held[2], peak[2]; /* per device */
     int status;
 } run;
 
@@ -53,6 +54,7 @@ static int train(run *rn, tdm_module *m, tdm_ddp *d, tdm_device dev, int rows, i
         tdm_tensor *l = tdm_gpt_loss(logits, idx);
         rc = l ? tdm_optim_zero_grad(opt) : -1;
         if (!rc) rc = d ? tdm_ddp_backward(d, l) : tdm_backward(l);
+        if (!rc) rc = tdm_gpt_sync_grads(m);
         if (!rc) rc = tdm_optim_step(opt);
         if (!rc) tdm_item(l); /* the step is done when its loss is read */
         tdm_scope_end();
@@ -71,12 +73,13 @@ static int rank_main(tdm_rank_ctx *ctx, void *arg) {
     tdm_module *m = tdm_gpt_new(&CFG, ctx->device, &rng);
     int rc = m ? 0 : -1;
     tdm_ddp *d = NULL;
-    if (!rc && rn->m == TP) rc = tdm_gpt_parallelize(m, ctx->group);
+    if (!rc && rn->m >= TP) rc = tdm_gpt_parallelize(m, ctx->group, rn->m == SP);
     if (!rc && rn->m == DP && !(d = tdm_ddp_new(m, ctx->group, NULL))) rc = -1;
     int rows = rn->m == DP ? rn->batch / ctx->size : rn->batch;
     if (!rc) rc = train(rn, m, d, ctx->device, rows, ctx->rank);
-    if (rc) fprintf(stderr, "bench_tp %s rank %d: %s\n", mode_names[rn->m], ctx->rank,
-                    tdm_last_error());
+    if (rc)
+        fprintf(stderr, "bench_tp %s rank %d: %s\n", mode_names[rn->m], ctx->rank,
+                tdm_last_error());
     tdm_ddp_free(d);
     tdm_module_free(m);
     return rc;
@@ -95,11 +98,11 @@ int main(int argc, char **argv) {
         return 2;
     }
     tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
-    double all[3][64 * 16];
-    int nall[3] = {0};
-    run last[3];
+    double all[MODES][64 * 16];
+    int nall[MODES] = {0};
+    run last[MODES];
     for (int r = 0; r < rounds; r++)
-        for (int k = 0; k < 3; k++) {
+        for (int k = 0; k < MODES; k++) {
             run rn = {.m = (mode)k, .batch = batch, .steps = steps};
             int rc = k == ONE ? rank_main(&(tdm_rank_ctx){0, 1, devs[0], NULL}, &rn)
                               : tdm_spawn(2, devs, rank_main, &rn);
@@ -112,18 +115,22 @@ int main(int argc, char **argv) {
            T, batch, rounds, steps);
     printf("%-4s %12s %14s %14s %12s\n", "mode", "step_ms", "held_MiB/dev", "peak_MiB/dev",
            "act_MiB/dev");
-    double med[3];
-    for (int k = 0; k < 3; k++) {
+    double med[MODES];
+    for (int k = 0; k < MODES; k++) {
         qsort(all[k], (size_t)nall[k], sizeof(double), cmp);
         med[k] = all[k][nall[k] / 2];
         int64_t held = last[k].held[0], peak = last[k].peak[0];
         printf("%-4s %12.0f %14.1f %14.1f %12.1f\n", mode_names[k], med[k], held / 1048576.0,
                peak / 1048576.0, (peak - held) / 1048576.0);
     }
-    printf("tp/dp held %.2fx, activations %.2fx; throughput tp/dp %.2fx, tp/one %.2fx\n",
-           (double)last[TP].held[0] / (double)last[DP].held[0],
-           (double)(last[TP].peak[0] - last[TP].held[0]) /
-               (double)(last[DP].peak[0] - last[DP].held[0]),
-           med[DP] / med[TP], med[ONE] / med[TP]);
+    for (int k = TP; k <= SP; k++)
+        printf("%s: held %.2fx dp's; activations %.2fx dp's, %.2fx one device's; throughput "
+               "%.2fx dp's, %.2fx one device's\n",
+               mode_names[k], (double)last[k].held[0] / (double)last[DP].held[0],
+               (double)(last[k].peak[0] - last[k].held[0]) /
+                   (double)(last[DP].peak[0] - last[DP].held[0]),
+               (double)(last[k].peak[0] - last[k].held[0]) /
+                   (double)(last[ONE].peak[0] - last[ONE].held[0]),
+               med[DP] / med[k], med[ONE] / med[k]);
     return 0;
 }

@@ -118,6 +118,73 @@ static void test_ops(int n) {
               wrong[k]);
 }
 
+/* The sequence-parallel collectives along dim 1 of [2, S, 3], S = 2 n (2 tokens a rank), each
+ * against its definition: shard (backward: join), gather with the gradients summed or each
+ * rank's own, reduce-scatter (backward: join). e is an element's index in the whole tensor. */
+#define SB 2
+#define SC 3
+static int seq_ops_rank(tdm_rank_ctx *ctx, void *arg) {
+    int *wrong = arg, r = ctx->rank, n = ctx->size, S = 2 * n, whole = SB * S * SC;
+    float v[SB * 2 * MAX_RANKS * SC], w[SB * 2 * MAX_RANKS * SC], got[SB * 2 * MAX_RANKS * SC];
+    float part[SB * 2 * SC];
+    for (int e = 0; e < whole; e++) v[e] = (float)e, w[e] = (float)e;
+    for (int e = 0; e < SB * 2 * SC; e++) part[e] = (float)(100 * r + e);
+    tdm_tensor *x[4] = {leaf(TDM_SHAPE(SB, S, SC), v), leaf(TDM_SHAPE(SB, 2, SC), part),
+                        leaf(TDM_SHAPE(SB, 2, SC), part), leaf(TDM_SHAPE(SB, S, SC), v)};
+    tdm_scope_begin();
+    for (int k = 0; k < 4; k++) {
+        tdm_tensor *y = k == 0  ? tdm_tp_seq_shard(ctx->group, x[0], 1)
+                        : k < 3 ? tdm_tp_seq_gather(ctx->group, x[k], 1, k == 1)
+                                : tdm_tp_seq_reduce_scatter(ctx->group, x[3], 1);
+        int64_t m = y ? tdm_numel(y) : 0;
+        float wy[SB * 2 * MAX_RANKS * SC]; /* shard, reduce-scatter: weights r + 1 */
+        for (int e = 0; e < m; e++) wy[e] = k == 0 || k == 3 ? (float)(r + 1) : w[e];
+        if (!y || tdm_to_host(y, got, sizeof(float) * (size_t)m) || backward_weighted(y, wy)) {
+            wrong[r] += 100;
+            continue;
+        }
+        for (int b = 0; b < SB; b++)
+            for (int t = 0; t < S; t++)
+                for (int c = 0; c < SC; c++) {
+                    int e = (b * S + t) * SC + c, q = t / 2, j = t % 2, pe = (b * 2 + j) * SC + c;
+                    if (k == 0 && q == r) wrong[r] += got[pe] != (float)e; /* its tokens */
+                    if (k == 1 || k == 2) wrong[r] += got[e] != (float)(100 * q + pe);
+                    /* reduce-scatter: x is v on every rank, so its part is n v */
+                    if (k == 3 && q == r) wrong[r] += got[pe] != (float)(n * e);
+                }
+    }
+    /* the gradients */
+    float g[SB * 2 * MAX_RANKS * SC];
+    for (int k = 0; k < 4; k++) {
+        int64_t m = tdm_numel(x[k]);
+        if (!x[k]->grad || tdm_to_host(x[k]->grad, g, sizeof(float) * (size_t)m)) {
+            wrong[r] += 100;
+            continue;
+        }
+        for (int e = 0; e < m; e++) {
+            int t = k == 0 || k == 3 ? (e / SC) % S : r * 2 + (e / SC) % 2,
+                b = e / SC / (k % 3 ? 2 : S);
+            int we = (b * S + t) * SC + e % SC; /* the element's index in the whole */
+            float want = k == 0 || k == 3 ? (float)(t / 2 + 1) /* joined: token t's owner's r + 1 */
+                         : k == 1         ? (float)(n * we)    /* every rank's e, summed */
+                                          : (float)we;                 /* its own part of e */
+            wrong[r] += g[e] != want;
+        }
+    }
+    tdm_scope_end();
+    for (int k = 0; k < 4; k++) tdm_tensor_free(x[k]);
+    return 0;
+}
+
+static void test_seq_ops(int n) {
+    int wrong[MAX_RANKS] = {0};
+    tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+    CHECK(tdm_spawn(n, devs, seq_ops_rank, wrong) == TDM_OK, "%s", tdm_last_error());
+    for (int r = 0; r < n; r++)
+        CHECK(wrong[r] == 0, "sequence-parallel ops on %d ranks, rank %d: %d values wrong", n, r,
+              wrong[r]);
+}
+
 /* ---- Megatron's MLP against one device ---------------------------------------------------- */
 
 /* A Linear every rank holds whole before the tensor-parallel pair, so that the pair's input
@@ -280,6 +347,8 @@ static const tdm_gpt_config GCFG = {
 
 typedef struct {
     tdm_module *ref; /* the one-device GPT after G_STEPS */
+    bool seq;        /* sequence parallelism too */
+    bool llmc_refused[MAX_RANKS];
     float ref_loss[G_STEPS], dw[MAX_RANKS], dloss[MAX_RANKS];
     char msg[MAX_RANKS][256];
 } gpt_shared;
@@ -300,6 +369,7 @@ static int train_gpt(tdm_module *m, float *loss) {
         tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(m, idx), tg);
         rc = l ? tdm_optim_zero_grad(opt) : tdm_last_status();
         if (!rc) rc = tdm_backward(l);
+        if (!rc) rc = tdm_gpt_sync_grads(m);
         if (!rc) rc = tdm_optim_step(opt);
         if (!rc) loss[s] = tdm_item(l);
         tdm_scope_end();
@@ -338,8 +408,11 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_rng rng = tdm_rng_make(5);
     tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
     float loss[G_STEPS];
-    int rc = m ? tdm_gpt_parallelize(m, ctx->group) : tdm_last_status();
+    int rc = m ? tdm_gpt_parallelize(m, ctx->group, sh->seq) : tdm_last_status();
     if (!rc) rc = train_gpt(m, loss);
+    float one;
+    sh->llmc_refused[r] = tdm_gpt_export_llmc(m, false, &one, 1) != TDM_OK &&
+                          strstr(tdm_last_error(), "a tensor-parallel GPT holds parts");
     if (!rc) {
         tdm_paramset *ps = tdm_module_parameters(m), *ref = tdm_module_parameters(sh->ref);
         for (int i = 0; i < ps->n; i++) { /* the same names, in the same order */
@@ -369,25 +442,29 @@ static void test_gpt(void) {
     sh.ref = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
     CHECK(sh.ref && train_gpt(sh.ref, sh.ref_loss) == 0, "one device: %s", tdm_last_error());
     tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
-    for (int n = 2; sh.ref && n <= 4; n += 2) {
+    for (int k = 0; sh.ref && k < 4; k++) {
+        int n = k % 2 ? 4 : 2;
+        sh.seq = k >= 2;
         memset(sh.dw, 0, sizeof sh.dw);
         int rc = tdm_spawn(n, devs, gpt_rank, &sh);
         CHECK(rc == TDM_OK, "GPT over %d ranks: %s", n, tdm_last_error());
         for (int r = 0; !rc && r < n; r++) {
+            CHECK(sh.llmc_refused[r], "a split GPT, rank %d: written in llm.c's layout", r);
             CHECK(sh.dw[r] <= GPT_BOUND && sh.dloss[r] <= MLP_BOUND,
-                  "GPT over %d ranks, rank %d: weights off by %g, losses by %g", n, r, sh.dw[r],
-                  sh.dloss[r]);
-            printf("GPT (2 layers, 4 heads, 32 channels), tp %d, rank %d: weights within %.3g, "
+                  "GPT over %d ranks%s, rank %d: weights off by %g, losses by %g", n,
+                  sh.seq ? " (sequence-parallel)" : "", r, sh.dw[r], sh.dloss[r]);
+            printf("GPT (2 layers, 4 heads, 32 channels), tp %d%s, rank %d: weights within %.3g, "
                    "losses within %.3g of one device after %d AdamW steps\n",
-                   n, r, sh.dw[r], sh.dloss[r], G_STEPS);
+                   n, sh.seq ? " with sequence parallelism" : "", r, sh.dw[r], sh.dloss[r],
+                   G_STEPS);
         }
     }
     tdm_module_free(sh.ref);
     /* refused: heads that do not split, a GPT already listed or split */
     tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), NULL);
-    CHECK_ERROR(tdm_gpt_parallelize(m, NULL) != TDM_OK, "gpt_parallelize: NULL group");
+    CHECK_ERROR(tdm_gpt_parallelize(m, NULL, false) != TDM_OK, "gpt_parallelize: NULL group");
     tdm_module *relu = tdm_relu_new();
-    CHECK_ERROR(tdm_gpt_parallelize(relu, NULL) != TDM_OK, "not a GPT");
+    CHECK_ERROR(tdm_gpt_parallelize(relu, NULL, false) != TDM_OK, "not a GPT");
     tdm_module_free(relu);
     tdm_module_free(m);
 }
@@ -460,7 +537,7 @@ static void test_bad_arguments(void) {
 int main(void) {
     test_bad_arguments();
     test_mesh();
-    for (int n = 2; n <= MAX_RANKS; n++) test_ops(n);
+    for (int n = 2; n <= MAX_RANKS; n++) test_ops(n), test_seq_ops(n);
     for (int gathered = 0; gathered < 2; gathered++) {
         test_mlp(2, gathered, 1);
         test_mlp(4, gathered, 1);

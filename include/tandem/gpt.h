@@ -67,7 +67,14 @@ tdm_tensor *tdm_gpt_loss(tdm_tensor *logits, const tdm_tensor *targets);
  * parameters keep their names (holding parts); a split GPT cannot be cloned or written to
  * llm.c's files yet. TDM_ERR_ARG when the heads or 4 x channels do not split over the
  * ranks, TDM_ERR_STATE when m is already listed or split. tp must outlive m. */
-int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp);
+int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, bool sequence_parallel);
+/* With sequence_parallel, each rank also keeps only its part [r T/n, (r+1) T/n) of the tokens
+ * between the split layers (the layer norms and residual adds work on 1/n of the activations;
+ * T must split over the ranks), and the gradients of the layer norms and of the row-parallel
+ * biases are then each rank's tokens' parts: call tdm_gpt_sync_grads(m) after each backward,
+ * before the optimizer step, to sum them over tp (a collective over tp; TDM_OK at once without
+ * sequence parallelism). */
+int tdm_gpt_sync_grads(tdm_module *m);
 
 /* AdamW over ps with o's hyper-parameters, except that weight decay applies only to
  * parameters of 2 or more dims (matrices and embeddings; not biases or LayerNorm), as llm.c

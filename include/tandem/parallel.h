@@ -585,6 +585,21 @@ tdm_tensor *tdm_tp_gather(tdm_group *tp, tdm_tensor *x);
  * every rank's gradient joined: the input of a row-parallel layer that was whole. */
 tdm_tensor *tdm_tp_scatter(tdm_group *tp, tdm_tensor *x);
 
+/* Sequence parallelism (Megatron-LM's second paper): between the tensor-parallel layers each
+ * rank holds only its part [r S/n, (r+1) S/n) of the tokens, along dim (e.g. 1 of [B, T, C]),
+ * so the layer norms, residual adds and dropout there work on 1/n of the activations.
+ * tdm_tp_seq_shard: forward this rank's part, backward every rank's gradient joined (for a
+ * tensor the ranks all computed, like the embeddings). tdm_tp_seq_gather: forward every rank's
+ * part joined; backward, with grad_parts, the ranks' gradients summed and each rank keeping
+ * its part (the input of a column-parallel layer, each rank's gradient a part of the sum),
+ * else this rank's part of the gradient (a consumer that every rank runs whole, like the LM
+ * head). tdm_tp_seq_reduce_scatter: forward the ranks' x summed, each keeping its part (a
+ * row-parallel layer's output), backward every rank's gradient joined. The dim must split
+ * over the ranks. */
+tdm_tensor *tdm_tp_seq_shard(tdm_group *tp, tdm_tensor *x, int dim);
+tdm_tensor *tdm_tp_seq_gather(tdm_group *tp, tdm_tensor *x, int dim, bool grad_parts);
+tdm_tensor *tdm_tp_seq_reduce_scatter(tdm_group *tp, tdm_tensor *x, int dim);
+
 /* A column-parallel Linear (in -> out, out a multiple of the ranks): rank r holds rows
  * [r out/n, (r+1) out/n) of the weight [out, in] and of the bias, and computes that part of
  * the output: [..., out/n], or the whole [..., out] with gather_output. A row-parallel Linear
@@ -608,6 +623,13 @@ tdm_module *tdm_row_linear_new(int64_t in, int64_t out, bool bias, bool input_is
 tdm_module *tdm_column_linear_from(const tdm_module *linear, int blocks, bool gather_output,
                                    tdm_group *tp);
 tdm_module *tdm_row_linear_from(const tdm_module *linear, bool input_is_parallel, tdm_group *tp);
+/* Sequence parallelism for such a layer (dim >= 0; -1 turns it off): a column-parallel layer
+ * then takes its input split along dim and gathers it (tdm_tp_seq_gather), a row-parallel one
+ * reduce-scatters its output along dim (tdm_tp_seq_reduce_scatter) and adds its bias to its
+ * part, so the bias's gradient, like a layer norm's between them, is this rank's tokens' only:
+ * sum it over the ranks before the optimizer step (tdm_gpt_sync_grads does for the GPT). Not
+ * for a layer whose output (column) or input (row) is whole. TDM_OK or TDM_ERR_ARG. */
+int tdm_tp_linear_set_sequence_dim(tdm_module *layer, int dim);
 
 #ifdef __cplusplus
 }

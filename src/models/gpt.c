@@ -24,6 +24,14 @@ enum { BL_LN1, BL_ATTN, BL_LN2, BL_MLP };            /* transformer.h.<l>.* */
 enum { AT_C_ATTN, AT_C_PROJ };                       /* attn.* */
 enum { MLP_C_FC, MLP_GELU, MLP_C_PROJ, MLP_N_KIDS }; /* mlp.* */
 
+/* The GPT module's settings: its config first (tdm_gpt_config_of), then tdm_gpt_parallelize's
+ * group and whether the tokens are split between the tensor-parallel layers. */
+typedef struct {
+    tdm_gpt_config c;
+    tdm_group *tp;
+    bool seq;
+} gpt_state;
+
 static void destroy_impl(tdm_module *m) {
     free(m->impl);
     m->impl = NULL;
@@ -67,7 +75,8 @@ static const tdm_module_ops gpt_ops = {"GPT", gpt_module_forward, destroy_impl};
 
 /* idx [B, T] -> logits [B, T, V] */
 static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
-    const tdm_gpt_config *c = m->impl;
+    const gpt_state *st = m->impl;
+    const tdm_gpt_config *c = &st->c;
     tdm_module *tr = m->children[0], *h = tr->children[TR_H];
     tdm_tensor *wte = tr->children[TR_WTE]->params[0], *wpe = tr->children[TR_WPE]->params[0];
     char b[96];
@@ -82,9 +91,12 @@ static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
     /* x [B, T, C] = wte[idx] + wpe[0..T) (broadcast over B) */
     tdm_tensor *pos = tdm_arange(0, (double)T, 1, TDM_I64, wte->device);
     tdm_tensor *x = tdm_add(tdm_embedding(wte, idx), tdm_embedding(wpe, pos));
+    /* sequence parallelism: each rank's tokens only between the tensor-parallel layers */
+    if (st->seq) x = tdm_tp_seq_shard(st->tp, x, 1);
     for (int l = 0; l < h->n_children && x; l++) x = tdm_module_forward(h->children[l], x);
     if (!x) return NULL;
     x = tdm_module_forward(tr->children[TR_LNF], x);
+    if (st->seq) x = tdm_tp_seq_gather(st->tp, x, 1, false); /* the head runs whole everywhere */
     /* the tied head: logits = x @ wte[:V]^T (a row view: the padding rows are never read).
      * Without padding the leaf itself is used, so its gradient GEMM accumulates straight into
      * the flat gradient buffer. */
@@ -248,7 +260,8 @@ tdm_module *tdm_gpt_new(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng)
     if (!c.padded_vocab) c.padded_vocab = c.vocab;
     if (!rng) rng = tdm_default_rng();
     bool prev = tdm_set_grad_enabled(false);
-    tdm_module *m = container(&gpt_ops, dev, &c, sizeof c);
+    gpt_state st = {c, NULL, false};
+    tdm_module *m = container(&gpt_ops, dev, &st, sizeof st);
     int rc = add(m, "transformer", transformer_new(&c, dev, rng));
     tdm_set_grad_enabled(prev);
     if (rc) {
@@ -268,7 +281,7 @@ static int replace(tdm_module *parent, int i, tdm_module *repl) {
     return TDM_OK;
 }
 
-int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp) {
+int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, bool sequence_parallel) {
     const tdm_gpt_config *c = tdm_gpt_config_of(m);
     if (!c || !tp)
         return tdm_raise(TDM_ERR_ARG, "gpt_parallelize: %s", c ? "NULL group" : "not a GPT");
@@ -296,7 +309,54 @@ int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp) {
                          tdm_column_linear_from(mlp->children[MLP_C_FC], 1, false, tp));
         if (!rc)
             rc = replace(mlp, MLP_C_PROJ, tdm_row_linear_from(mlp->children[MLP_C_PROJ], true, tp));
+        tdm_module *split[4] = {at->children[AT_C_ATTN], at->children[AT_C_PROJ],
+                                mlp->children[MLP_C_FC], mlp->children[MLP_C_PROJ]};
+        for (int k = 0; k < 4 && !rc && sequence_parallel; k++)
+            rc = tdm_tp_linear_set_sequence_dim(split[k], 1); /* [B, T, C]: T */
     }
+    gpt_state *st = m->impl;
+    if (!rc) st->tp = tp, st->seq = sequence_parallel;
+    return rc;
+}
+
+/* The parameters whose gradient is a sum over the tokens applied after a row-parallel layer's
+ * reduce-scatter: each rank's holds its tokens' part (the layer norms, the row biases). */
+static int sequence_params(tdm_module *m, tdm_tensor **out, int cap) {
+    tdm_module *tr = m->children[0], *h = tr->children[TR_H];
+    int n = 0;
+    for (int l = 0; l <= h->n_children; l++) {
+        tdm_module *b = l < h->n_children ? h->children[l] : NULL;
+        tdm_module *mods[4] = {b ? b->children[BL_LN1] : tr->children[TR_LNF],
+                               b ? b->children[BL_LN2] : NULL,
+                               b ? b->children[BL_ATTN]->children[AT_C_PROJ] : NULL,
+                               b ? b->children[BL_MLP]->children[MLP_C_PROJ] : NULL};
+        for (int k = 0; k < 4; k++) {
+            if (!mods[k]) continue;
+            for (int p = k < 2 ? 0 : 1; p < mods[k]->n_params && n < cap; p++)
+                out[n++] = mods[k]->params[p];
+        }
+    }
+    return n;
+}
+
+int tdm_gpt_sync_grads(tdm_module *m) {
+    const gpt_state *st = tdm_gpt_config_of(m) ? m->impl : NULL;
+    if (!st) return tdm_raise(TDM_ERR_ARG, "gpt_sync_grads: not a GPT");
+    if (!st->seq) return TDM_OK;
+    int cap = 6 * (st->c.layers + 1), n, rc = TDM_OK;
+    tdm_tensor **ps = malloc(sizeof *ps * (size_t)cap);
+    tdm_work **ws = malloc(sizeof *ws * (size_t)cap);
+    if (!ps || !ws) rc = tdm_raise(TDM_ERR_NOMEM, "gpt_sync_grads: out of memory");
+    n = rc ? 0 : sequence_params(m, ps, cap);
+    for (int i = 0; i < n; i++) { /* every reduction launched, then waited for */
+        tdm_collective_label("sequence-parallel gradient %d", i);
+        ws[i] = ps[i]->grad ? tdm_all_reduce(st->tp, ps[i]->grad, TDM_SUM) : NULL;
+    }
+    for (int i = 0; i < n; i++) {
+        int w = ws[i] ? tdm_work_wait(ws[i]) : TDM_OK;
+        if (!rc) rc = w;
+    }
+    free(ps), free(ws);
     return rc;
 }
 
@@ -368,6 +428,11 @@ static int llmc_walk(tdm_module *m, float *buf, int64_t n, bool grads, bool impo
     const tdm_gpt_config *c = tdm_gpt_config_of(m);
     const char *op = import ? "gpt_import_llmc" : "gpt_export_llmc";
     if (!c) return tdm_raise(TDM_ERR_ARG, "%s: not a GPT module", op);
+    if (((const gpt_state *)c)->tp)
+        return tdm_raise(TDM_ERR_STATE,
+                         "%s: a tensor-parallel GPT holds parts of its weights "
+                         "(tdm_gpt_parallelize); llm.c's layout needs them whole",
+                         op);
     if (!buf || n != tdm_gpt_llmc_numel(c))
         return tdm_raise(TDM_ERR_ARG, "%s: the buffer holds %lld floats, the model %lld", op,
                          (long long)n, (long long)tdm_gpt_llmc_numel(c));
@@ -393,6 +458,9 @@ static int llmc_walk(tdm_module *m, float *buf, int64_t n, bool grads, bool impo
 int tdm_gpt_llmc_tensors(tdm_module *m, tdm_tensor **out, int cap) {
     const tdm_gpt_config *c = tdm_gpt_config_of(m);
     if (!c) return tdm_raise(TDM_ERR_ARG, "gpt_llmc_tensors: not a GPT module");
+    if (((const gpt_state *)c)->tp)
+        return tdm_raise(TDM_ERR_STATE, "gpt_llmc_tensors: a tensor-parallel GPT holds parts of "
+                                        "its weights (tdm_gpt_parallelize)");
     int n = 0;
     for (int kind = 0; kind < LLMC_KINDS; kind++)
         for (int l = 0; l < (per_layer(kind) ? c->layers : 1); l++, n++)

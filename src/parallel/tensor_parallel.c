@@ -35,6 +35,19 @@ static tdm_tensor *scratch_copy(const tdm_tensor *t) {
     return c;
 }
 
+/* Gives a temporary of this op back now instead of at the scope's end: the collectives' copies
+ * are activations' size, and a step keeps every tensor of its scope until it ends. */
+static void release(tdm_tensor *t) {
+    if (t) tdm_tensor_free(tdm_book(t)->owner ? tdm_scope_keep(t) : t);
+}
+
+/* A contiguous copy of the view v, which is released. */
+static tdm_tensor *copy_view(tdm_tensor *v) {
+    tdm_tensor *c = v ? scratch_copy(v) : NULL;
+    release(v);
+    return c;
+}
+
 static int wait_for(tdm_work *w) {
     return w ? tdm_work_wait(w) : tdm_last_status();
 }
@@ -99,9 +112,11 @@ static tdm_tensor *gather_last(tdm_group *g, tdm_tensor *x) {
     tdm_tensor *all = in ? tdm_tensor_alloc(TDM_SHAPE(n, rows, k), x->dtype, x->device) : NULL;
     if (!all) return NULL;
     tdm_collective_label("tensor-parallel gather");
-    if (wait_for(tdm_all_gather(g, all, in))) return NULL;
+    int rc = wait_for(tdm_all_gather(g, all, in));
+    release(in);
     /* [n, rows, k] -> [rows, n, k] -> [..., n k] */
-    tdm_tensor *t = tdm_contiguous(tdm_transpose(all, 0, 1));
+    tdm_tensor *t = rc ? NULL : copy_view(tdm_transpose(all, 0, 1));
+    release(all);
     tdm_shape s = tdm_shape_of(x);
     s.d[d] = (int64_t)n * k;
     return t ? tdm_reshape(t, s) : NULL;
@@ -111,8 +126,7 @@ static tdm_tensor *gather_last(tdm_group *g, tdm_tensor *x) {
 static tdm_tensor *own_part(tdm_group *g, tdm_tensor *x) {
     int n = tdm_group_size(g), r = tdm_group_rank(g), d = x->ndim - 1;
     int64_t k = x->shape[d] / n;
-    tdm_tensor *v = tdm_slice(x, d, r * k, (r + 1) * k, 1);
-    return v ? scratch_copy(v) : NULL;
+    return copy_view(tdm_slice(x, d, r * k, (r + 1) * k, 1));
 }
 
 static int gather_backward(tdm_node *n, tdm_tensor *gout) {
@@ -161,23 +175,143 @@ tdm_tensor *tdm_tp_scatter(tdm_group *g, tdm_tensor *x) {
     return last_dim_op("tp_scatter", g, x, true);
 }
 
+/* ---- sequence parallelism: the same along a dimension of tokens ---------------------------- */
+
+/* x with dim d first, as a contiguous copy [S, ...] a collective can work in. */
+static tdm_tensor *to_front(tdm_tensor *x, int d) {
+    int perm[TDM_MAX_DIMS] = {d};
+    for (int i = 0, k = 1; i < x->ndim; i++)
+        if (i != d) perm[k++] = i;
+    return copy_view(tdm_permute(x, perm));
+}
+
+/* t [S, ...] (to_front's layout) back with its first dim at d, contiguous; t is released. */
+static tdm_tensor *from_front(tdm_tensor *t, int d) {
+    int perm[TDM_MAX_DIMS];
+    for (int i = 0; i < t->ndim; i++) perm[i] = i == d ? 0 : i < d ? i + 1 : i;
+    if (!d) return t;
+    tdm_tensor *c = copy_view(tdm_permute(t, perm));
+    release(t);
+    return c;
+}
+
+/* Every rank's x joined along d (rank order). */
+static tdm_tensor *gather_dim(tdm_group *g, tdm_tensor *x, int d) {
+    int n = tdm_group_size(g);
+    tdm_tensor *f = to_front(x, d);
+    if (!f) return NULL;
+    tdm_shape s = tdm_shape_of(f);
+    s.d[0] *= n;
+    tdm_tensor *all = tdm_tensor_alloc(s, x->dtype, x->device);
+    if (!all) return NULL;
+    tdm_collective_label("sequence-parallel gather");
+    int rc = wait_for(tdm_all_gather(g, all, f));
+    release(f);
+    if (rc) release(all);
+    return rc ? NULL : from_front(all, d);
+}
+
+/* x summed over the ranks, rank r keeping its part [r S/n, (r+1) S/n) of d. */
+static tdm_tensor *reduce_scatter_dim(tdm_group *g, tdm_tensor *x, int d) {
+    tdm_tensor *f = to_front(x, d);
+    if (!f) return NULL;
+    tdm_shape s = tdm_shape_of(f);
+    s.d[0] /= tdm_group_size(g);
+    tdm_tensor *part = tdm_tensor_alloc(s, x->dtype, x->device);
+    if (!part) return NULL;
+    tdm_collective_label("sequence-parallel reduce-scatter");
+    int rc = wait_for(tdm_reduce_scatter(g, part, f, TDM_SUM));
+    release(f);
+    if (rc) release(part);
+    return rc ? NULL : from_front(part, d);
+}
+
+/* Rank r's part [r S/n, (r+1) S/n) of x's dim d, a contiguous copy. */
+static tdm_tensor *shard_dim(tdm_group *g, tdm_tensor *x, int d) {
+    int64_t k = x->shape[d] / tdm_group_size(g), r = tdm_group_rank(g);
+    return copy_view(tdm_slice(x, d, r * k, (r + 1) * k, 1));
+}
+
+enum { SEQ_SHARD, SEQ_GATHER, SEQ_REDUCE_SCATTER };
+
+/* What op `kind` computes forward (backward runs its conjugate through seq_backward). */
+static tdm_tensor *seq_forward(int kind, tdm_group *g, tdm_tensor *x, int d) {
+    return kind == SEQ_SHARD    ? shard_dim(g, x, d)
+           : kind == SEQ_GATHER ? gather_dim(g, x, d)
+                                : reduce_scatter_dim(g, x, d);
+}
+
+/* shard <-> gather, reduce-scatter <-> gather; a gather's gradient is reduce-scattered when the
+ * ranks' gradients are parts of one (arg.i[2]), else each rank keeps its own shard of it. */
+static int seq_backward(tdm_node *n, tdm_tensor *gout) {
+    int kind = (int)n->arg.i[0], d = (int)n->arg.i[1];
+    bool parts = n->arg.i[2];
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_tensor *g = kind != SEQ_GATHER ? gather_dim(n->ctx, gout, d)
+                    : parts            ? reduce_scatter_dim(n->ctx, gout, d)
+                                       : shard_dim(n->ctx, gout, d);
+    tdm_set_grad_enabled(prev);
+    return g ? tdm_grad_accumulate(n->in[0], g) : tdm_last_status();
+}
+
+static tdm_tensor *seq_op(const char *name, int kind, tdm_group *g, tdm_tensor *x, int dim,
+                          bool parts) {
+    if (!check_group(name, g, x)) return NULL;
+    if (!tdm_current_scope()) TDM_RETURN_SCOPED(seq_op(name, kind, g, x, dim, parts));
+    int d = dim < 0 ? dim + x->ndim : dim, n = tdm_group_size(g);
+    char b[96];
+    if (d < 0 || d >= x->ndim)
+        return tdm_raise_null(TDM_ERR_SHAPE, "%s: dim %d of %s", name, dim,
+                              tdm_tensor_shape_str(x, b));
+    if (kind != SEQ_GATHER && x->shape[d] % n)
+        return tdm_raise_null(TDM_ERR_SHAPE, "%s: dim %d of %s does not split over %d ranks", name,
+                              dim, tdm_tensor_shape_str(x, b), n);
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_tensor *y = seq_forward(kind, g, x, d);
+    tdm_set_grad_enabled(prev);
+    if (!y || !tdm_needs_record(1, &x)) return y;
+    tdm_node *node = tdm_record(name, seq_backward, y, 1, &x);
+    if (!node) return NULL;
+    node->ctx = g;
+    node->arg.i[0] = kind, node->arg.i[1] = d, node->arg.i[2] = parts;
+    return y;
+}
+
+tdm_tensor *tdm_tp_seq_shard(tdm_group *tp, tdm_tensor *x, int dim) {
+    return seq_op("tp_seq_shard", SEQ_SHARD, tp, x, dim, false);
+}
+
+tdm_tensor *tdm_tp_seq_gather(tdm_group *tp, tdm_tensor *x, int dim, bool grad_parts) {
+    return seq_op("tp_seq_gather", SEQ_GATHER, tp, x, dim, grad_parts);
+}
+
+tdm_tensor *tdm_tp_seq_reduce_scatter(tdm_group *tp, tdm_tensor *x, int dim) {
+    return seq_op("tp_seq_reduce_scatter", SEQ_REDUCE_SCATTER, tp, x, dim, false);
+}
+
 /* ---- the layers --------------------------------------------------------------------------- */
 
 typedef struct {
     tdm_group *tp;
-    bool row;   /* row-parallel, else column-parallel */
-    bool whole; /* column: gather the output; row: the input is whole (scatter it first) */
+    bool row;    /* row-parallel, else column-parallel */
+    bool whole;  /* column: gather the output; row: the input is whole (scatter it first) */
+    int seq_dim; /* sequence parallelism: the token dim the input (column) or the output (row)
+                    is split along; -1: none */
 } tp_linear;
 
 static tdm_tensor *tp_linear_forward(tdm_module *m, tdm_tensor *x) {
     const tp_linear *l = m->impl;
     tdm_tensor *w = m->params[0], *b = m->n_params > 1 ? m->params[1] : NULL;
-    if (!l->row) {
-        tdm_tensor *y = tdm_linear(tdm_tp_copy(l->tp, x), w, b);
+    bool seq = l->seq_dim >= 0;
+    if (!l->row) { /* the whole input: gathered along the tokens, or the same on every rank */
+        tdm_tensor *in =
+            seq ? tdm_tp_seq_gather(l->tp, x, l->seq_dim, true) : tdm_tp_copy(l->tp, x);
+        tdm_tensor *y = tdm_linear(in, w, b);
         return l->whole ? tdm_tp_gather(l->tp, y) : y;
     }
     tdm_tensor *part = l->whole ? tdm_tp_scatter(l->tp, x) : x;
-    tdm_tensor *y = tdm_tp_reduce(l->tp, tdm_linear(part, w, NULL));
+    tdm_tensor *y = tdm_linear(part, w, NULL);
+    y = seq ? tdm_tp_seq_reduce_scatter(l->tp, y, l->seq_dim) : tdm_tp_reduce(l->tp, y);
     return b ? tdm_add(y, b) : y;
 }
 
@@ -232,7 +366,7 @@ static tdm_module *tp_linear_from(const char *kind, const tdm_module *linear, bo
         free(l);
         return l ? NULL : tdm_raise_null(TDM_ERR_NOMEM, "%s: out of memory", kind);
     }
-    *l = (tp_linear){tp, row, whole};
+    *l = (tp_linear){tp, row, whole, -1};
     bool grad = tdm_set_grad_enabled(false);
     /* weight [out, in]: a column-parallel rank keeps its rows, a row-parallel one its
      * columns; the bias follows the rows, or stays whole */
@@ -246,6 +380,20 @@ static tdm_module *tp_linear_from(const char *kind, const tdm_module *linear, bo
         return NULL;
     }
     return m;
+}
+
+int tdm_tp_linear_set_sequence_dim(tdm_module *layer, int dim) {
+    if (!layer || (layer->ops != &column_ops && layer->ops != &row_ops))
+        return tdm_raise(TDM_ERR_ARG,
+                         "tp_linear_set_sequence_dim: %s is not a tensor-parallel "
+                         "Linear",
+                         layer ? layer->ops->kind : "NULL");
+    tp_linear *l = layer->impl;
+    if (dim >= 0 && l->whole)
+        return tdm_raise(TDM_ERR_ARG, "tp_linear_set_sequence_dim: a %s whose %s is whole",
+                         layer->ops->kind, l->row ? "input" : "output");
+    l->seq_dim = dim < 0 ? -1 : dim;
+    return TDM_OK;
 }
 
 tdm_module *tdm_column_linear_from(const tdm_module *linear, int blocks, bool gather_output,

@@ -410,9 +410,6 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
     float loss[G_STEPS];
     int rc = m ? tdm_gpt_parallelize(m, ctx->group, sh->seq) : tdm_last_status();
     if (!rc) rc = train_gpt(m, loss);
-    float one;
-    sh->llmc_refused[r] = tdm_gpt_export_llmc(m, false, &one, 1) != TDM_OK &&
-                          strstr(tdm_last_error(), "a tensor-parallel GPT holds parts");
     if (!rc) {
         tdm_paramset *ps = tdm_module_parameters(m), *ref = tdm_module_parameters(sh->ref);
         for (int i = 0; i < ps->n; i++) { /* the same names, in the same order */
@@ -424,6 +421,9 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
         sh->dloss[r] = max_diff(loss, sh->ref_loss, G_STEPS);
     }
     if (rc) snprintf(sh->msg[r], sizeof sh->msg[r], "%s", tdm_last_error());
+    float one;
+    sh->llmc_refused[r] = m && tdm_gpt_export_llmc(m, false, &one, 1) != TDM_OK &&
+                          strstr(tdm_last_error(), "a tensor-parallel GPT holds parts");
     tdm_module_free(m);
     return rc;
 }

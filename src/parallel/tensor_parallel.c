@@ -19,6 +19,7 @@
  * keeps its part, so ranks given the same rng state hold the parts of the one-device layer
  * (the equivalence tests compare with it), and rng moves on as it would. */
 #include "autograd/ops.h"
+#include "backend/backend.h"
 #include "parallel/group.h"
 #include "tandem/nn.h"
 #include "tandem/parallel.h"
@@ -35,17 +36,16 @@ static tdm_tensor *scratch_copy(const tdm_tensor *t) {
     return c;
 }
 
-/* Gives a temporary of this op back now instead of at the scope's end: the collectives' copies
- * are activations' size, and a step keeps every tensor of its scope until it ends. */
+/* Gives the memory of a temporary this op allocated back now instead of at the scope's end
+ * (its header stays in the scope, empty): the collectives' copies are activations' size, and a
+ * step keeps every tensor of its scope until it ends. Never for a view of another's tensor. */
 static void release(tdm_tensor *t) {
-    if (t) tdm_tensor_free(tdm_book(t)->owner ? tdm_scope_keep(t) : t);
+    if (t && t->storage) tdm_storage_resize(t->storage, 0);
 }
 
-/* A contiguous copy of the view v, which is released. */
+/* A contiguous copy of the view v. */
 static tdm_tensor *copy_view(tdm_tensor *v) {
-    tdm_tensor *c = v ? scratch_copy(v) : NULL;
-    release(v);
-    return c;
+    return v ? scratch_copy(v) : NULL;
 }
 
 static int wait_for(tdm_work *w) {
@@ -289,6 +289,88 @@ tdm_tensor *tdm_tp_seq_reduce_scatter(tdm_group *tp, tdm_tensor *x, int dim) {
     return seq_op("tp_seq_reduce_scatter", SEQ_REDUCE_SCATTER, tp, x, dim, false);
 }
 
+/* ---- the column-parallel product under sequence parallelism ------------------------------- */
+
+/* Megatron-LM's: the input's tokens are gathered for the product and not kept; backward
+ * gathers them again for the weight's gradient. Saving the gathered input instead would hold
+ * the whole sequence's activations at every such layer, more than tensor parallelism without
+ * sequence parallelism keeps. x [..., S/n, ..., in] split along d, w [k, in], b [k] or NULL. */
+/* Contiguous t seen as one [rows, cols] matrix, [1, rows, cols] as the backend's matmul takes
+ * it (a header on the stack, no history). */
+static tdm_tensor matrix(const tdm_tensor *t, int64_t rows, int64_t cols) {
+    tdm_tensor m = *t;
+    m.ndim = 3, m.shape[0] = 1, m.shape[1] = rows, m.shape[2] = cols;
+    m.strides[0] = rows * cols, m.strides[1] = cols, m.strides[2] = 1;
+    m.requires_grad = false, m.grad = NULL, m.grad_fn = NULL;
+    return m;
+}
+
+static int seq_linear_backward(tdm_node *n, tdm_tensor *gout) {
+    tdm_group *g = n->ctx;
+    int d = (int)n->arg.i[0];
+    tdm_tensor *x = n->in[0], *w = n->in[1], *b = n->n_in > 2 ? n->in[2] : NULL;
+    int64_t k = w->shape[0], in = w->shape[1];
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_tensor *xf = gather_dim(g, x, d); /* [..., S, ..., in] */
+    int64_t rows = xf ? tdm_numel(xf) / in : 0;
+    tdm_tensor *g2 = xf ? tdm_reshape(gout, TDM_SHAPE(rows, k)) : NULL;
+    int rc = g2 ? TDM_OK : tdm_last_status();
+    if (!rc && tdm_node_wants(n, 1)) { /* dW [k, in] = g^T x, into the gradient buffer */
+        float beta = 0.0f;
+        tdm_tensor *acc = tdm_grad_inplace_target(w, &beta);
+        tdm_tensor *dw = acc ? acc : tdm_tensor_alloc(tdm_shape_of(w), w->dtype, w->device);
+        tdm_tensor *gd = dw ? tdm_dense(g2) : NULL;
+        if (gd) {
+            tdm_tensor dw2 = matrix(dw, k, in), g2m = matrix(gd, rows, k);
+            tdm_tensor x2 = matrix(xf, rows, in);
+            rc = tdm_backend_for(w->device)->matmul(&dw2, &g2m, &x2, true, false, beta);
+            if (!rc && !acc) rc = tdm_grad_accumulate(w, dw);
+        } else {
+            rc = tdm_last_status();
+        }
+    }
+    if (!rc && b && tdm_node_wants(n, 2)) {
+        tdm_tensor *db = tdm_sum(g2, 0, false);
+        rc = db ? tdm_grad_accumulate(b, db) : tdm_last_status();
+    }
+    release(xf);
+    if (!rc && tdm_node_wants(n, 0)) { /* dx: g W over the whole sequence, then each its part */
+        tdm_tensor *dx = tdm_matmul(g2, w);
+        tdm_shape s = tdm_shape_of(gout);
+        s.d[s.ndim - 1] = in;
+        tdm_tensor *full = dx ? tdm_reshape(dx, s) : NULL;
+        tdm_tensor *part = full ? reduce_scatter_dim(g, full, d) : NULL;
+        rc = part ? tdm_grad_accumulate(x, part) : tdm_last_status();
+        release(dx); /* full, its view, is not read again */
+    }
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+static tdm_tensor *seq_column_linear(tdm_group *g, tdm_tensor *x, tdm_tensor *w, tdm_tensor *b,
+                                     int d) {
+    if (!tdm_current_scope()) TDM_RETURN_SCOPED(seq_column_linear(g, x, w, b, d));
+    if (d >= x->ndim - 1) {
+        char s[96];
+        return tdm_raise_null(TDM_ERR_SHAPE,
+                              "column_linear: the sequence dim %d of %s is not before the "
+                              "features",
+                              d, tdm_tensor_shape_str(x, s));
+    }
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_tensor *xf = gather_dim(g, x, d);
+    tdm_tensor *y = xf ? tdm_linear(xf, w, b) : NULL;
+    release(xf);
+    tdm_set_grad_enabled(prev);
+    tdm_tensor *in[3] = {x, w, b};
+    if (!y || !tdm_needs_record(b ? 3 : 2, in)) return y;
+    tdm_node *n = tdm_record("tp_seq_column_linear", seq_linear_backward, y, b ? 3 : 2, in);
+    if (!n) return NULL;
+    n->ctx = g;
+    n->arg.i[0] = d;
+    return y;
+}
+
 /* ---- the layers --------------------------------------------------------------------------- */
 
 typedef struct {
@@ -304,6 +386,8 @@ static tdm_tensor *tp_linear_forward(tdm_module *m, tdm_tensor *x) {
     tdm_tensor *w = m->params[0], *b = m->n_params > 1 ? m->params[1] : NULL;
     bool seq = l->seq_dim >= 0;
     if (!l->row) { /* the whole input: gathered along the tokens, or the same on every rank */
+        if (seq && x && x->dtype == TDM_F32 && tdm_autocast_dtype() == TDM_F32)
+            return seq_column_linear(l->tp, x, w, b, l->seq_dim);
         tdm_tensor *in =
             seq ? tdm_tp_seq_gather(l->tp, x, l->seq_dim, true) : tdm_tp_copy(l->tp, x);
         tdm_tensor *y = tdm_linear(in, w, b);

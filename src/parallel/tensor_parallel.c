@@ -291,10 +291,6 @@ tdm_tensor *tdm_tp_seq_reduce_scatter(tdm_group *tp, tdm_tensor *x, int dim) {
 
 /* ---- the column-parallel product under sequence parallelism ------------------------------- */
 
-/* Megatron-LM's: the input's tokens are gathered for the product and not kept; backward
- * gathers them again for the weight's gradient. Saving the gathered input instead would hold
- * the whole sequence's activations at every such layer, more than tensor parallelism without
- * sequence parallelism keeps. x [..., S/n, ..., in] split along d, w [k, in], b [k] or NULL. */
 /* Contiguous t seen as one [rows, cols] matrix, [1, rows, cols] as the backend's matmul takes
  * it (a header on the stack, no history). */
 static tdm_tensor matrix(const tdm_tensor *t, int64_t rows, int64_t cols) {
@@ -305,6 +301,10 @@ static tdm_tensor matrix(const tdm_tensor *t, int64_t rows, int64_t cols) {
     return m;
 }
 
+/* Megatron-LM's: the input's tokens are gathered for the product and not kept; backward
+ * gathers them again for the weight's gradient. Saving the gathered input instead would hold
+ * the whole sequence's activations at every such layer, more than tensor parallelism without
+ * sequence parallelism keeps. x [..., S/n, ..., in] split along d, w [k, in], b [k] or NULL. */
 static int seq_linear_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_group *g = n->ctx;
     int d = (int)n->arg.i[0];

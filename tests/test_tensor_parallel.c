@@ -503,6 +503,37 @@ static void test_mesh(void) {
     for (int r = 0; r < 4; r++) CHECK(wrong[r] == 0, "mesh, rank %d: %d wrong", r, wrong[r]);
 }
 
+/* ---- a rank that fails inside a tensor-parallel layer ------------------------------------- */
+
+/* Rank 1 gives up before its row-parallel layer's reduction (as a rank whose data ran out
+ * would); rank 0, waiting in that reduction, fails naming it instead of hanging. */
+static int dies_rank(tdm_rank_ctx *ctx, void *arg) {
+    char(*msg)[256] = arg;
+    tdm_rng rng = tdm_rng_make(3);
+    tdm_module *row = tdm_row_linear_new(4, 2, true, true, ctx->group, tdm_cpu(0), &rng);
+    int rc = row ? 0 : tdm_last_status();
+    tdm_scope_begin();
+    if (!rc && ctx->rank == 1) {
+        tdm_group_abort(ctx->group, "its data ran out");
+        rc = TDM_ERR_STATE;
+    } else if (!rc) {
+        tdm_tensor *y = tdm_module_forward(row, tdm_ones(TDM_SHAPE(3, 2), TDM_F32, tdm_cpu(0)));
+        rc = y ? 0 : tdm_last_status();
+    }
+    snprintf(msg[ctx->rank], sizeof msg[ctx->rank], "%s", rc ? tdm_last_error() : "no error");
+    tdm_scope_end();
+    tdm_module_free(row);
+    return rc;
+}
+
+static void test_rank_dies(void) {
+    char msg[2][256] = {"", ""};
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    CHECK(tdm_spawn(2, devs, dies_rank, msg) != TDM_OK, "a rank failed, yet the spawn passed");
+    CHECK(strstr(msg[0], "all_reduce on rank 0: rank 1 failed: its data ran out") != NULL,
+          "rank 0 in the reduction: %s", msg[0]);
+}
+
 /* ---- bad arguments ------------------------------------------------------------------------ */
 
 static int bad_rank(tdm_rank_ctx *ctx, void *arg) {
@@ -537,6 +568,7 @@ static void test_bad_arguments(void) {
 int main(void) {
     test_bad_arguments();
     test_mesh();
+    test_rank_dies();
     for (int n = 2; n <= MAX_RANKS; n++) test_ops(n), test_seq_ops(n);
     for (int gathered = 0; gathered < 2; gathered++) {
         test_mlp(2, gathered, 1);

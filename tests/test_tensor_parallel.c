@@ -8,6 +8,7 @@
 #include "tandem/gpt.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 
 #define MAX_RANKS 4
 #define ROWS      3
@@ -349,6 +350,7 @@ typedef struct {
     tdm_module *ref; /* the one-device GPT after G_STEPS */
     bool seq;        /* sequence parallelism too */
     bool llmc_refused[MAX_RANKS];
+    float dwhole[MAX_RANKS]; /* tdm_tp_gather_whole's model against the reference */
     float ref_loss[G_STEPS], dw[MAX_RANKS], dloss[MAX_RANKS];
     char msg[MAX_RANKS][256];
 } gpt_shared;
@@ -420,6 +422,19 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
         }
         sh->dloss[r] = max_diff(loss, sh->ref_loss, G_STEPS);
     }
+    /* the parts made whole again, in a whole GPT of the same config: the reference's weights */
+    tdm_module *whole = rc ? NULL : tdm_gpt_new(&GCFG, tdm_cpu(0), NULL);
+    if (whole) rc = tdm_tp_gather_whole(m, whole);
+    if (!rc && whole) {
+        tdm_paramset *pw = tdm_module_parameters(whole), *ref = tdm_module_parameters(sh->ref);
+        float *a = malloc(sizeof(float) * (size_t)pw->total),
+              *b = malloc(sizeof(float) * (size_t)ref->total);
+        tdm_to_host(pw->flat, a, sizeof(float) * (size_t)pw->total);
+        tdm_to_host(ref->flat, b, sizeof(float) * (size_t)ref->total);
+        sh->dwhole[r] = pw->total == ref->total ? max_diff(a, b, (int)pw->total) : INFINITY;
+        free(a), free(b);
+    }
+    tdm_module_free(whole);
     if (rc) snprintf(sh->msg[r], sizeof sh->msg[r], "%s", tdm_last_error());
     float one;
     sh->llmc_refused[r] = m && tdm_gpt_export_llmc(m, false, &one, 1) != TDM_OK &&
@@ -446,10 +461,15 @@ static void test_gpt(void) {
         int n = k % 2 ? 4 : 2;
         sh.seq = k >= 2;
         memset(sh.dw, 0, sizeof sh.dw);
+        for (int r = 0; r < MAX_RANKS; r++) sh.dwhole[r] = INFINITY;
         int rc = tdm_spawn(n, devs, gpt_rank, &sh);
         CHECK(rc == TDM_OK, "GPT over %d ranks: %s", n, tdm_last_error());
         for (int r = 0; !rc && r < n; r++) {
             CHECK(sh.llmc_refused[r], "a split GPT, rank %d: written in llm.c's layout", r);
+            CHECK(sh.dwhole[r] <= GPT_BOUND,
+                  "GPT over %d ranks, rank %d: the parts made whole "
+                  "differ from one device's by %g",
+                  n, r, sh.dwhole[r]);
             CHECK(sh.dw[r] <= GPT_BOUND && sh.dloss[r] <= MLP_BOUND,
                   "GPT over %d ranks%s, rank %d: weights off by %g, losses by %g", n,
                   sh.seq ? " (sequence-parallel)" : "", r, sh.dw[r], sh.dloss[r]);

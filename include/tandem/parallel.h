@@ -630,6 +630,14 @@ tdm_module *tdm_row_linear_from(const tdm_module *linear, bool input_is_parallel
  * sum it over the ranks before the optimizer step (tdm_gpt_sync_grads does for the GPT). Not
  * for a layer whose output (column) or input (row) is whole. TDM_OK or TDM_ERR_ARG. */
 int tdm_tp_linear_set_sequence_dim(tdm_module *layer, int dim);
+/* Writes into `whole` the whole tensors the ranks' parts of `split` make: whole is a model of
+ * split's structure with the unsplit layers (the model every rank built before splitting it:
+ * tdm_gpt_parallelize), split a rank's model after. Every tensor-parallel layer's parts are
+ * gathered over its group (a collective: every rank calls it, with its own split and a whole
+ * model of its own; each gets the same whole weights), the other parameters copied. For
+ * checkpoints under the unsplit names and llm.c's files. TDM_OK, or TDM_ERR_ARG/SHAPE when the
+ * two models do not match, or a collective's error. */
+int tdm_tp_gather_whole(tdm_module *split, tdm_module *whole);
 
 #ifdef __cplusplus
 }

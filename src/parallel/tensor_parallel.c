@@ -379,6 +379,7 @@ typedef struct {
     bool whole;  /* column: gather the output; row: the input is whole (scatter it first) */
     int seq_dim; /* sequence parallelism: the token dim the input (column) or the output (row)
                     is split along; -1: none */
+    int blocks;  /* column: the output's blocks, each split over the ranks (q, k, v: 3) */
 } tp_linear;
 
 static tdm_tensor *tp_linear_forward(tdm_module *m, tdm_tensor *x) {
@@ -450,7 +451,7 @@ static tdm_module *tp_linear_from(const char *kind, const tdm_module *linear, bo
         free(l);
         return l ? NULL : tdm_raise_null(TDM_ERR_NOMEM, "%s: out of memory", kind);
     }
-    *l = (tp_linear){tp, row, whole, -1};
+    *l = (tp_linear){tp, row, whole, -1, blocks};
     bool grad = tdm_set_grad_enabled(false);
     /* weight [out, in]: a column-parallel rank keeps its rows, a row-parallel one its
      * columns; the bias follows the rows, or stays whole */
@@ -508,4 +509,74 @@ tdm_module *tdm_column_linear_new(int64_t in, int64_t out, bool bias, bool gathe
 tdm_module *tdm_row_linear_new(int64_t in, int64_t out, bool bias, bool input_is_parallel,
                                tdm_group *tp, tdm_device dev, tdm_rng *rng) {
     return tp_linear_new(in, out, bias, true, !input_is_parallel, tp, dev, rng);
+}
+
+/* ---- whole tensors from the ranks' parts ------------------------------------------------- */
+
+/* part's shape [p0, p1] (or [p0]) gathered over the ranks into whole's values: a row-parallel
+ * weight's columns (cols), else rows in `blocks` blocks each split over the ranks. */
+static int gather_param(tdm_group *g, tdm_tensor *part, tdm_tensor *whole, bool cols, int blocks) {
+    int n = tdm_group_size(g);
+    int64_t numel = tdm_numel(part), p1 = part->ndim > 1 ? part->shape[1] : 1;
+    int64_t p0 = part->shape[0], bk = p0 / blocks; /* rows of a block's part */
+    tdm_tensor *in = scratch_copy(part);
+    tdm_tensor *all =
+        in ? tdm_tensor_alloc(TDM_SHAPE((int64_t)n * numel), part->dtype, part->device) : NULL;
+    float *a = malloc(sizeof(float) * (size_t)(n * numel)),
+          *w = malloc(sizeof(float) * (size_t)(n * numel));
+    int rc = all && a && w ? TDM_OK : tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
+    if (!rc) tdm_collective_label("tensor-parallel parts made whole");
+    if (!rc) rc = wait_for(tdm_all_gather(g, all, in));
+    if (!rc) rc = tdm_to_host(all, a, sizeof(float) * (size_t)(n * numel));
+    for (int r = 0; !rc && r < n; r++)
+        for (int64_t i = 0; i < p0; i++)
+            for (int64_t j = 0; j < p1; j++) {
+                /* rank r's element (i, j) lands at row i, column r p1 + j (cols), or at row
+                 * (block i / bk) n bk + r bk + i % bk */
+                int64_t wi = cols ? i : (i / bk) * n * bk + r * bk + i % bk;
+                int64_t wj = cols ? r * p1 + j : j, wcols = cols ? n * p1 : p1;
+                w[wi * wcols + wj] = a[r * numel + i * p1 + j];
+            }
+    if (!rc) rc = tdm_backend_for(whole->device)->from_host(whole, w);
+    release(in);
+    release(all);
+    free(a), free(w);
+    return rc;
+}
+
+static int gather_module(tdm_module *split, tdm_module *whole) {
+    if (split->n_params != whole->n_params || split->n_children != whole->n_children)
+        return tdm_raise(TDM_ERR_ARG, "tp_gather_whole: a %s and a %s differ in their parts",
+                         split->ops->kind, whole->ops->kind);
+    bool tp = split->ops == &column_ops || split->ops == &row_ops;
+    const tp_linear *l = tp ? split->impl : NULL;
+    for (int i = 0; i < split->n_params; i++) {
+        tdm_tensor *p = split->params[i], *q = whole->params[i];
+        int64_t expect = tdm_numel(p) * (l && !(l->row && i == 1) ? tdm_group_size(l->tp) : 1);
+        if (tdm_numel(q) != expect || p->dtype != TDM_F32 || q->dtype != TDM_F32)
+            return tdm_raise(TDM_ERR_SHAPE,
+                             "tp_gather_whole: %s's %s holds %lld values, the whole "
+                             "%lld",
+                             whole->ops->kind, whole->param_names[i], (long long)tdm_numel(q),
+                             (long long)expect);
+        int rc = !l || (l->row && i == 1)
+                     ? tdm_copy_(q, p) /* whole on every rank */
+                     : gather_param(l->tp, p, q, l->row && i == 0, l->row ? 1 : l->blocks);
+        if (rc) return rc;
+    }
+    for (int c = 0; c < split->n_children; c++) {
+        int rc = gather_module(split->children[c], whole->children[c]);
+        if (rc) return rc;
+    }
+    return TDM_OK;
+}
+
+int tdm_tp_gather_whole(tdm_module *split, tdm_module *whole) {
+    if (!split || !whole) return tdm_raise(TDM_ERR_ARG, "tp_gather_whole: NULL model");
+    bool grad = tdm_set_grad_enabled(false);
+    tdm_scope_begin();
+    int rc = gather_module(split, whole);
+    tdm_scope_end();
+    tdm_set_grad_enabled(grad);
+    return rc;
 }

@@ -39,6 +39,12 @@ static int backward_weighted(tdm_tensor *y, const float *w) {
     return loss ? tdm_backward(loss) : tdm_last_status();
 }
 
+static float max_diff(const float *a, const float *b, int n) {
+    float d = 0;
+    for (int i = 0; i < n; i++) d = fmaxf(d, fabsf(a[i] - b[i]));
+    return d;
+}
+
 static int grad_to(tdm_tensor *x, float *out, size_t n) {
     return x->grad ? tdm_to_host(x->grad, out, sizeof(float) * n) : TDM_ERR_STATE;
 }
@@ -186,6 +192,95 @@ static void test_seq_ops(int n) {
               wrong[r]);
 }
 
+/* ---- vocabulary parallelism against the whole vocabulary on one device -------------------- */
+
+#define VM 5  /* rows of logits */
+#define VV 12 /* the vocabulary */
+#define VC 4  /* embedding channels */
+
+typedef struct {
+    float logits[VM * VV], ref_loss, ref_grad[VM * VV]; /* cross-entropy on one device */
+    float emb_w[VV * VC], ref_emb[2 * 3 * VC], ref_emb_grad[VV * VC];
+    int64_t target[VM], tokens[2 * 3];
+    float dloss[MAX_RANKS], dgrad[MAX_RANKS], demb[MAX_RANKS];
+} vocab_shared;
+
+/* the columns [r k, (r+1) k) of m [rows, VV] (or rows [r k, (r+1) k) of [VV, cols]) */
+static void part_cols(const float *m, int rows, int k, int r, float *out) {
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < k; j++) out[i * k + j] = m[i * VV + r * k + j];
+}
+
+static int vocab_rank(tdm_rank_ctx *ctx, void *arg) {
+    vocab_shared *sh = arg;
+    int r = ctx->rank, k = VV / ctx->size;
+    float lp[VM * VV], wp[VV * VC], g[VM * VV], y[2 * 3 * VC];
+    part_cols(sh->logits, VM, k, r, lp);
+    memcpy(wp, sh->emb_w + r * k * VC, sizeof(float) * (size_t)(k * VC));
+    tdm_tensor *l = leaf(TDM_SHAPE(VM, k), lp), *w = leaf(TDM_SHAPE(k, VC), wp);
+    int rc = l && w ? 0 : tdm_last_status();
+    tdm_scope_begin();
+    tdm_tensor *loss =
+        rc ? NULL : tdm_tp_cross_entropy(ctx->group, l, i64(TDM_SHAPE(VM), sh->target));
+    if (!rc) rc = loss ? tdm_backward(loss) : tdm_last_status();
+    if (!rc) rc = grad_to(l, g, VM * (size_t)k);
+    if (!rc) {
+        float want[VM * VV];
+        part_cols(sh->ref_grad, VM, k, r, want);
+        sh->dloss[r] = fabsf(tdm_item(loss) - sh->ref_loss);
+        sh->dgrad[r] = max_diff(g, want, VM * k);
+    }
+    /* the embedding: the loss weighs output element e by e */
+    tdm_tensor *e = rc ? NULL : tdm_tp_embedding(ctx->group, w, i64(TDM_SHAPE(2, 3), sh->tokens));
+    float we[2 * 3 * VC];
+    for (int i = 0; i < 2 * 3 * VC; i++) we[i] = (float)i;
+    if (!rc) rc = e ? tdm_to_host(e, y, sizeof y) : tdm_last_status();
+    if (!rc) rc = backward_weighted(e, we);
+    if (!rc) rc = grad_to(w, g, (size_t)(k * VC));
+    if (!rc)
+        sh->demb[r] = fmaxf(max_diff(y, sh->ref_emb, 2 * 3 * VC),
+                            max_diff(g, sh->ref_emb_grad + r * k * VC, k * VC));
+    tdm_scope_end();
+    tdm_tensor_free(l), tdm_tensor_free(w);
+    return rc;
+}
+
+/* Bound: the loss adds the ranks' sums of exponentials in another order than one device's
+ * row; a few float roundings of values ~1. The embedding is exact: each output row is one
+ * rank's row plus zeros. */
+static void test_vocab(int n) {
+    vocab_shared sh = {0};
+    tdm_rng rng = tdm_rng_make(21);
+    tdm_tensor *l = tdm_randn(TDM_SHAPE(VM, VV), 0, 2, tdm_cpu(0), &rng);
+    tdm_tensor *w = tdm_randn(TDM_SHAPE(VV, VC), 0, 1, tdm_cpu(0), &rng);
+    for (int i = 0; i < VM; i++) sh.target[i] = (i * 5 + 3) % VV;
+    for (int i = 0; i < 6; i++) sh.tokens[i] = (i * 7 + 1) % VV;
+    tdm_requires_grad_(l, true), tdm_requires_grad_(w, true);
+    tdm_scope_begin();
+    tdm_tensor *loss = tdm_cross_entropy(l, i64(TDM_SHAPE(VM), sh.target), NULL);
+    tdm_backward(loss);
+    sh.ref_loss = tdm_item(loss);
+    tdm_tensor *e = tdm_embedding(w, i64(TDM_SHAPE(2, 3), sh.tokens));
+    float we[2 * 3 * VC];
+    for (int i = 0; i < 2 * 3 * VC; i++) we[i] = (float)i;
+    tdm_to_host(e, sh.ref_emb, sizeof sh.ref_emb);
+    backward_weighted(e, we);
+    tdm_scope_end();
+    tdm_to_host(l, sh.logits, sizeof sh.logits),
+        tdm_to_host(l->grad, sh.ref_grad, sizeof sh.ref_grad);
+    tdm_to_host(w, sh.emb_w, sizeof sh.emb_w),
+        tdm_to_host(w->grad, sh.ref_emb_grad, sizeof sh.ref_emb_grad);
+    tdm_tensor_free(l), tdm_tensor_free(w);
+    tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+    int rc = tdm_spawn(n, devs, vocab_rank, &sh);
+    CHECK(rc == TDM_OK, "vocabulary over %d ranks: %s", n, tdm_last_error());
+    for (int r = 0; !rc && r < n; r++)
+        CHECK(sh.dloss[r] <= 1e-6f && sh.dgrad[r] <= 1e-6f && sh.demb[r] == 0,
+              "vocabulary over %d ranks, rank %d: loss off by %g, its gradient by %g, the "
+              "embedding by %g",
+              n, r, sh.dloss[r], sh.dgrad[r], sh.demb[r]);
+}
+
 /* ---- Megatron's MLP against one device ---------------------------------------------------- */
 
 /* A Linear every rank holds whole before the tensor-parallel pair, so that the pair's input
@@ -243,12 +338,6 @@ static int train_mlp(tdm_module *m, tdm_ddp *d, tdm_group *dp, float *loss) {
 
 static tdm_module *mlp(tdm_module *zeroth, tdm_module *first, tdm_module *second) {
     return tdm_sequential_new(4, (tdm_module *[]){zeroth, first, tdm_relu_new(), second});
-}
-
-static float max_diff(const float *a, const float *b, int n) {
-    float d = 0;
-    for (int i = 0; i < n; i++) d = fmaxf(d, fabsf(a[i] - b[i]));
-    return d;
 }
 
 /* This rank's MLP over tp, trained (with DDP over dp where dp is not NULL), compared with the
@@ -572,6 +661,17 @@ static int bad_rank(tdm_rank_ctx *ctx, void *arg) {
     if (!m || c) wrong[ctx->rank]++; /* a clone would share the group */
     tdm_module_free(c);
     tdm_module_free(m);
+    /* a target or token outside the whole vocabulary is named: 2 ranks of 3 logits, [0, 6); of
+     * 2 embedding rows, [0, 4) */
+    tdm_scope_begin();
+    tdm_tensor *l = tdm_zeros(TDM_SHAPE(2, 3), TDM_F32, tdm_cpu(0));
+    if (tdm_tp_cross_entropy(ctx->group, l, i64(TDM_SHAPE(2), (int64_t[]){1, 6})) ||
+        !strstr(tdm_last_error(), "index 6 of element 1 is outside [0, 6)"))
+        wrong[ctx->rank]++;
+    if (tdm_tp_embedding(ctx->group, l, i64(TDM_SHAPE(1), (int64_t[]){-1})) ||
+        !strstr(tdm_last_error(), "tp_embedding: index -1 of element 0 is outside [0, 4)"))
+        wrong[ctx->rank]++;
+    tdm_scope_end();
     return 0;
 }
 
@@ -589,7 +689,7 @@ int main(void) {
     test_bad_arguments();
     test_mesh();
     test_rank_dies();
-    for (int n = 2; n <= MAX_RANKS; n++) test_ops(n), test_seq_ops(n);
+    for (int n = 2; n <= MAX_RANKS; n++) test_ops(n), test_seq_ops(n), test_vocab(n);
     for (int gathered = 0; gathered < 2; gathered++) {
         test_mlp(2, gathered, 1);
         test_mlp(4, gathered, 1);

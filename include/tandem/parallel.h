@@ -630,6 +630,18 @@ tdm_module *tdm_row_linear_from(const tdm_module *linear, bool input_is_parallel
  * sum it over the ranks before the optimizer step (tdm_gpt_sync_grads does for the GPT). Not
  * for a layer whose output (column) or input (row) is whole. TDM_OK or TDM_ERR_ARG. */
 int tdm_tp_linear_set_sequence_dim(tdm_module *layer, int dim);
+/* Vocabulary parallelism (Megatron's VocabParallelEmbedding and parallel cross-entropy,
+ * PyTorch's loss_parallel): rank r holds rows [r k, (r+1) k) of an embedding weight [n k, C]
+ * (weight is its part [k, C]), and columns [r k, (r+1) k) of the logits. tdm_tp_embedding:
+ * idx's rows of the whole weight, [..., C], the same on every rank (each rank's rows summed);
+ * backward, each rank's part gets its tokens' gradients. tdm_tp_cross_entropy: the mean
+ * cross-entropy of logits [M, n k] against targets [M] (i32 or i64) from each rank's columns
+ * logits [M, k] without gathering them (a max, a sum of exponentials and the target's logit
+ * exchanged per row); the same scalar on every rank, the gradient of each part computed where
+ * it lives. An index or target outside [0, n k) is refused naming it. */
+tdm_tensor *tdm_tp_embedding(tdm_group *tp, tdm_tensor *weight, const tdm_tensor *idx);
+tdm_tensor *tdm_tp_cross_entropy(tdm_group *tp, tdm_tensor *logits, const tdm_tensor *target);
+
 /* Writes into `whole` the whole tensors the ranks' parts of `split` make: whole is a model of
  * split's structure with the unsplit layers (the model every rank built before splitting it:
  * tdm_gpt_parallelize), split a rank's model after. Every tensor-parallel layer's parts are

@@ -24,6 +24,7 @@
 #include "tandem/nn.h"
 #include "tandem/parallel.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -579,4 +580,108 @@ int tdm_tp_gather_whole(tdm_module *split, tdm_module *whole) {
     tdm_scope_end();
     tdm_set_grad_enabled(grad);
     return rc;
+}
+
+/* ---- vocabulary parallelism ----------------------------------------------------------------- */
+
+/* idx's values (i32 or i64, any device) as int64 on the host: a malloc'd array of numel. */
+static int64_t *indices_of(const tdm_tensor *idx) {
+    int64_t m = tdm_numel(idx);
+    int64_t *v = malloc(sizeof *v * (size_t)(m ? m : 1));
+    tdm_tensor *wide = idx->dtype == TDM_I64 ? NULL : tdm_cast(idx, TDM_I64);
+    int rc = v && (idx->dtype == TDM_I64 || wide) ? TDM_OK : tdm_last_status();
+    if (!rc) rc = tdm_to_host(wide ? wide : idx, v, sizeof *v * (size_t)m);
+    tdm_drop_temp(wide, NULL);
+    if (rc) free(v);
+    return rc ? NULL : v;
+}
+
+/* Where each of idx's values falls in rank r's block [r k, (r+1) k) of n k: its index inside
+ * (or 0) plus i row_stride for the i-th (its row's offset in a flattened matrix) in *local,
+ * and 1 or 0 in *mask, tensors on dev. TDM_ERR_ARG naming a value outside [0, n k). */
+static int local_indices(const char *op, const tdm_tensor *idx, int n, int r, int64_t k,
+                         int64_t row_stride, tdm_device dev, tdm_tensor **local,
+                         tdm_tensor **mask) {
+    int64_t m = tdm_numel(idx), *v = indices_of(idx);
+    float *f = v ? malloc(sizeof *f * (size_t)(m ? m : 1)) : NULL;
+    int rc = f ? TDM_OK : tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
+    for (int64_t i = 0; !rc && i < m; i++) {
+        if (v[i] < 0 || v[i] >= n * k) {
+            rc = tdm_raise(TDM_ERR_ARG,
+                           "%s: index %lld of element %lld is outside [0, %lld) (%d "
+                           "ranks of %lld)",
+                           op, (long long)v[i], (long long)i, (long long)(n * k), n, (long long)k);
+            break;
+        }
+        bool mine = v[i] >= r * k && v[i] < (r + 1) * k;
+        f[i] = mine ? 1.0f : 0.0f;
+        v[i] = i * row_stride + (mine ? v[i] - r * k : 0);
+    }
+    if (!rc) {
+        *local = tdm_from_data(tdm_shape_of(idx), TDM_I64, dev, v);
+        *mask = *local ? tdm_from_data(tdm_shape_of(idx), TDM_F32, dev, f) : NULL;
+        if (!*mask) rc = tdm_last_status();
+    }
+    free(v), free(f);
+    return rc;
+}
+
+tdm_tensor *tdm_tp_embedding(tdm_group *tp, tdm_tensor *weight, const tdm_tensor *idx) {
+    if (!check_group("tp_embedding", tp, weight)) return NULL;
+    if (!idx) return tdm_null_arg("tp_embedding", "idx");
+    if (!tdm_current_scope()) TDM_RETURN_SCOPED(tdm_tp_embedding(tp, weight, idx));
+    int n = tdm_group_size(tp), r = tdm_group_rank(tp);
+    tdm_tensor *local = NULL, *mask = NULL;
+    if (weight->ndim != 2)
+        return tdm_raise_null(TDM_ERR_SHAPE, "tp_embedding: the weight's part must be 2-D");
+    if (local_indices("tp_embedding", idx, n, r, weight->shape[0], 0, weight->device, &local,
+                      &mask))
+        return NULL;
+    /* rows of other ranks' tokens are zeroed, then every rank's rows summed */
+    tdm_shape s = tdm_shape_of(idx);
+    s.d[s.ndim++] = 1;
+    tdm_tensor *e = tdm_mul(tdm_embedding(weight, local), tdm_reshape(mask, s));
+    return e ? tdm_tp_reduce(tp, e) : NULL;
+}
+
+tdm_tensor *tdm_tp_cross_entropy(tdm_group *tp, tdm_tensor *logits, const tdm_tensor *target) {
+    if (!check_group("tp_cross_entropy", tp, logits)) return NULL;
+    if (!target) return tdm_null_arg("tp_cross_entropy", "target");
+    if (!tdm_current_scope()) TDM_RETURN_SCOPED(tdm_tp_cross_entropy(tp, logits, target));
+    char a[96], b[96];
+    if (logits->ndim != 2 || target->ndim != 1 || target->shape[0] != logits->shape[0])
+        return tdm_raise_null(TDM_ERR_SHAPE,
+                              "tp_cross_entropy: logits %s and targets %s must be [M, V/n] and [M]",
+                              tdm_tensor_shape_str(logits, a), tdm_tensor_shape_str(target, b));
+    int n = tdm_group_size(tp), r = tdm_group_rank(tp);
+    int64_t m = logits->shape[0], k = logits->shape[1];
+    /* every row's maximum over the whole vocabulary, a constant: it cancels in the loss and
+     * only keeps exp() in range */
+    bool grad = tdm_set_grad_enabled(false);
+    tdm_tensor *mx = tdm_max(logits, 1, false, NULL);
+    tdm_tensor *all =
+        mx ? tdm_tensor_alloc(TDM_SHAPE((int64_t)n * m), TDM_F32, logits->device) : NULL;
+    int rc = all ? wait_for(tdm_all_gather(tp, all, mx)) : tdm_last_status();
+    float *h = rc ? NULL : malloc(sizeof *h * (size_t)(n * m + m));
+    if (!rc && !h) rc = tdm_raise(TDM_ERR_NOMEM, "tp_cross_entropy: out of memory");
+    if (!rc) rc = tdm_to_host(all, h, sizeof *h * (size_t)(n * m));
+    for (int64_t i = 0; !rc && i < m; i++) {
+        h[n * m + i] = h[i];
+        for (int q = 1; q < n; q++) h[n * m + i] = fmaxf(h[n * m + i], h[q * m + i]);
+    }
+    tdm_tensor *shift =
+        rc ? NULL : tdm_from_data(TDM_SHAPE(m, 1), TDM_F32, logits->device, h + n * m);
+    free(h);
+    tdm_set_grad_enabled(grad);
+    tdm_tensor *local = NULL, *mask = NULL;
+    if (!shift ||
+        local_indices("tp_cross_entropy", target, n, r, k, k, logits->device, &local, &mask))
+        return NULL;
+    /* log sum over the vocabulary of exp(l - max), less the target's l - max */
+    tdm_tensor *z = tdm_sub(logits, shift);
+    tdm_tensor *sum = tdm_tp_reduce(tp, tdm_sum(tdm_exp(z), 1, false));
+    tdm_tensor *picked =
+        tdm_mul(tdm_index_select(tdm_reshape(z, TDM_SHAPE(m * k)), 0, local), mask);
+    tdm_tensor *zt = tdm_tp_reduce(tp, picked);
+    return tdm_mean_all(tdm_sub(tdm_log(sum), zt));
 }

@@ -512,7 +512,8 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
         sh->dloss[r] = max_diff(loss, sh->ref_loss, G_STEPS);
     }
     /* the parts made whole again, in a whole GPT of the same config: the reference's weights */
-    tdm_module *whole = rc ? NULL : tdm_gpt_new(&GCFG, tdm_cpu(0), NULL);
+    tdm_rng own = tdm_rng_make(99); /* not the shared default generator: ranks run at once */
+    tdm_module *whole = rc ? NULL : tdm_gpt_new(&GCFG, tdm_cpu(0), &own);
     if (whole) rc = tdm_tp_gather_whole(m, whole);
     if (!rc && whole) {
         tdm_paramset *pw = tdm_module_parameters(whole), *ref = tdm_module_parameters(sh->ref);

@@ -73,7 +73,8 @@ static int rank_main(tdm_rank_ctx *ctx, void *arg) {
     tdm_module *m = tdm_gpt_new(&CFG, ctx->device, &rng);
     int rc = m ? 0 : -1;
     tdm_ddp *d = NULL;
-    if (!rc && rn->m >= TP) rc = tdm_gpt_parallelize(m, ctx->group, rn->m == SP);
+    tdm_gpt_tp_plan plan = {rn->m == SP, false};
+    if (!rc && rn->m >= TP) rc = tdm_gpt_parallelize(m, ctx->group, &plan);
     if (!rc && rn->m == DP && !(d = tdm_ddp_new(m, ctx->group, NULL))) rc = -1;
     int rows = rn->m == DP ? rn->batch / ctx->size : rn->batch;
     if (!rc) rc = train(rn, m, d, ctx->device, rows, ctx->rank);

@@ -438,6 +438,7 @@ static const tdm_gpt_config GCFG = {
 typedef struct {
     tdm_module *ref; /* the one-device GPT after G_STEPS */
     bool seq;        /* sequence parallelism too */
+    bool vocab;      /* vocabulary parallelism too */
     bool llmc_refused[MAX_RANKS];
     float dwhole[MAX_RANKS]; /* tdm_tp_gather_whole's model against the reference */
     float ref_loss[G_STEPS], dw[MAX_RANKS], dloss[MAX_RANKS];
@@ -457,7 +458,7 @@ static int train_gpt(tdm_module *m, float *loss) {
                 lcg = lcg * 1664525u + 1013904223u, tok[k][i] = (lcg >> 8) % GCFG.vocab;
         tdm_scope_begin();
         tdm_tensor *idx = i64(TDM_SHAPE(G_B, G_T), tok[0]), *tg = i64(TDM_SHAPE(G_B, G_T), tok[1]);
-        tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(m, idx), tg);
+        tdm_tensor *l = tdm_gpt_loss_of(m, tdm_gpt_forward(m, idx), tg);
         rc = l ? tdm_optim_zero_grad(opt) : tdm_last_status();
         if (!rc) rc = tdm_backward(l);
         if (!rc) rc = tdm_gpt_sync_grads(m);
@@ -473,12 +474,14 @@ static int train_gpt(tdm_module *m, float *loss) {
  * the reference's tensor `ref` that tdm_gpt_parallelize's plan gives it; written here from
  * the plan, not from the library's slicing. */
 static float part_diff(const char *name, tdm_tensor *p, tdm_tensor *ref, int n, int r) {
+    /* (a vocabulary-parallel wte's rows are split as c_fc's) */
     int64_t rows = ref->shape[0], cols = ref->ndim > 1 ? ref->shape[1] : 1;
     float *a = malloc(sizeof(float) * (size_t)tdm_numel(p)),
           *b = malloc(sizeof(float) * (size_t)(rows * cols));
     tdm_to_host(p, a, sizeof(float) * (size_t)tdm_numel(p));
     tdm_to_host(ref, b, sizeof(float) * (size_t)(rows * cols));
     bool qkv = strstr(name, "attn.c_attn."), fc = strstr(name, "mlp.c_fc.");
+    fc = fc || (tdm_numel(p) < rows * cols && !strcmp(name, "transformer.wte.weight"));
     bool proj = strstr(name, "c_proj.weight");
     int blocks = qkv ? 3 : 1;
     int64_t pr = qkv || fc ? rows / n : rows, pc = proj ? cols / n : cols, bk = rows / blocks;
@@ -499,7 +502,8 @@ static int gpt_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_rng rng = tdm_rng_make(5);
     tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
     float loss[G_STEPS];
-    int rc = m ? tdm_gpt_parallelize(m, ctx->group, sh->seq) : tdm_last_status();
+    tdm_gpt_tp_plan plan = {sh->seq, sh->vocab};
+    int rc = m ? tdm_gpt_parallelize(m, ctx->group, &plan) : tdm_last_status();
     if (!rc) rc = train_gpt(m, loss);
     if (!rc) {
         tdm_paramset *ps = tdm_module_parameters(m), *ref = tdm_module_parameters(sh->ref);
@@ -547,9 +551,10 @@ static void test_gpt(void) {
     sh.ref = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
     CHECK(sh.ref && train_gpt(sh.ref, sh.ref_loss) == 0, "one device: %s", tdm_last_error());
     tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
-    for (int k = 0; sh.ref && k < 4; k++) {
+    /* tp 2 and 4; with sequence parallelism; with the vocabulary split; both */
+    for (int k = 0; sh.ref && k < 7; k++) {
         int n = k % 2 ? 4 : 2;
-        sh.seq = k >= 2;
+        sh.seq = k == 2 || k == 3 || k == 6, sh.vocab = k >= 4;
         memset(sh.dw, 0, sizeof sh.dw);
         for (int r = 0; r < MAX_RANKS; r++) sh.dwhole[r] = INFINITY;
         int rc = tdm_spawn(n, devs, gpt_rank, &sh);
@@ -561,20 +566,21 @@ static void test_gpt(void) {
                   "differ from one device's by %g",
                   n, r, sh.dwhole[r]);
             CHECK(sh.dw[r] <= GPT_BOUND && sh.dloss[r] <= MLP_BOUND,
-                  "GPT over %d ranks%s, rank %d: weights off by %g, losses by %g", n,
-                  sh.seq ? " (sequence-parallel)" : "", r, sh.dw[r], sh.dloss[r]);
-            printf("GPT (2 layers, 4 heads, 32 channels), tp %d%s, rank %d: weights within %.3g, "
-                   "losses within %.3g of one device after %d AdamW steps\n",
-                   n, sh.seq ? " with sequence parallelism" : "", r, sh.dw[r], sh.dloss[r],
-                   G_STEPS);
+                  "GPT over %d ranks%s%s, rank %d: weights off by %g, losses by %g", n,
+                  sh.seq ? " (sequence-parallel)" : "", sh.vocab ? " (vocabulary-parallel)" : "", r,
+                  sh.dw[r], sh.dloss[r]);
+            printf("GPT (2 layers, 4 heads, 32 channels), tp %d%s%s, rank %d: weights within "
+                   "%.3g, losses within %.3g of one device after %d AdamW steps\n",
+                   n, sh.seq ? ", sequence-parallel" : "", sh.vocab ? ", vocabulary-parallel" : "",
+                   r, sh.dw[r], sh.dloss[r], G_STEPS);
         }
     }
     tdm_module_free(sh.ref);
     /* refused: heads that do not split, a GPT already listed or split */
     tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), NULL);
-    CHECK_ERROR(tdm_gpt_parallelize(m, NULL, false) != TDM_OK, "gpt_parallelize: NULL group");
+    CHECK_ERROR(tdm_gpt_parallelize(m, NULL, NULL) != TDM_OK, "gpt_parallelize: NULL group");
     tdm_module *relu = tdm_relu_new();
-    CHECK_ERROR(tdm_gpt_parallelize(relu, NULL, false) != TDM_OK, "not a GPT");
+    CHECK_ERROR(tdm_gpt_parallelize(relu, NULL, NULL) != TDM_OK, "not a GPT");
     tdm_module_free(relu);
     tdm_module_free(m);
 }

@@ -67,7 +67,18 @@ tdm_tensor *tdm_gpt_loss(tdm_tensor *logits, const tdm_tensor *targets);
  * parameters keep their names (holding parts); a split GPT cannot be cloned or written to
  * llm.c's files yet. TDM_ERR_ARG when the heads or 4 x channels do not split over the
  * ranks, TDM_ERR_STATE when m is already listed or split. tp must outlive m. */
-int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, bool sequence_parallel);
+typedef struct {
+    bool sequence_parallel; /* below */
+    /* wte split by rows over the ranks (padded_vocab must split), the token lookup summed
+     * (tdm_tp_embedding) and the tied head giving each rank its columns of the logits, [B, T,
+     * Vp/n] (the padding's at -1e30), never gathered: the loss is then tdm_gpt_loss_of's */
+    bool vocab_parallel;
+} tdm_gpt_tp_plan;
+/* plan NULL: neither. */
+int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, const tdm_gpt_tp_plan *plan);
+/* The mean cross-entropy of m's logits against targets: tdm_gpt_loss, or for a GPT split with
+ * vocab_parallel tdm_tp_cross_entropy over the ranks' columns (the same scalar everywhere). */
+tdm_tensor *tdm_gpt_loss_of(tdm_module *m, tdm_tensor *logits, const tdm_tensor *targets);
 /* With sequence_parallel, each rank also keeps only its part [r T/n, (r+1) T/n) of the tokens
  * between the split layers (the layer norms and residual adds work on 1/n of the activations;
  * T must split over the ranks), and the gradients of the layer norms and of the row-parallel

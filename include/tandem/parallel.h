@@ -640,6 +640,9 @@ int tdm_tp_linear_set_sequence_dim(tdm_module *layer, int dim);
  * exchanged per row); the same scalar on every rank, the gradient of each part computed where
  * it lives. An index or target outside [0, n k) is refused naming it. */
 tdm_tensor *tdm_tp_embedding(tdm_group *tp, tdm_tensor *weight, const tdm_tensor *idx);
+/* A module holding this rank's rows of an existing Embedding's weight (the rows must split
+ * over the ranks), whose forward is tdm_tp_embedding. Cannot be cloned. NULL and an error. */
+tdm_module *tdm_vocab_embedding_from(const tdm_module *embedding, tdm_group *tp);
 tdm_tensor *tdm_tp_cross_entropy(tdm_group *tp, tdm_tensor *logits, const tdm_tensor *target);
 
 /* Writes into `whole` the whole tensors the ranks' parts of `split` make: whole is a model of

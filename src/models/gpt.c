@@ -29,7 +29,7 @@ enum { MLP_C_FC, MLP_GELU, MLP_C_PROJ, MLP_N_KIDS }; /* mlp.* */
 typedef struct {
     tdm_gpt_config c;
     tdm_group *tp;
-    bool seq;
+    bool seq, vocab; /* tdm_gpt_tp_plan's */
 } gpt_state;
 
 static void destroy_impl(tdm_module *m) {
@@ -73,6 +73,23 @@ static const tdm_module_ops dict_ops = {"ModuleDict", no_forward, NULL};
 static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx);
 static const tdm_module_ops gpt_ops = {"GPT", gpt_module_forward, destroy_impl};
 
+/* The tied head over this rank's rows [r Vp/n, (r+1) Vp/n) of wte: its columns of the logits,
+ * [B, T, Vp/n], the padding rows' (>= V) pushed to -1e30 so that no softmax counts them. x is
+ * every rank's whole (the sum of the parts' input gradients), or its tokens under sequence
+ * parallelism (gathered; the gradient reduce-scattered). */
+static tdm_tensor *vocab_head(const gpt_state *st, tdm_tensor *x, tdm_tensor *wte) {
+    int64_t k = wte->shape[0], lo = k * tdm_group_rank(st->tp);
+    x = st->seq ? tdm_tp_seq_gather(st->tp, x, 1, true) : tdm_tp_copy(st->tp, x);
+    tdm_tensor *logits = tdm_linear(x, wte, NULL);
+    if (lo + k <= st->c.vocab || !logits) return logits;
+    float *pad = malloc(sizeof *pad * (size_t)k);
+    if (!pad) return tdm_raise_null(TDM_ERR_NOMEM, "gpt: out of memory");
+    for (int64_t j = 0; j < k; j++) pad[j] = lo + j < st->c.vocab ? 0.0f : -1e30f;
+    tdm_tensor *mask = tdm_from_data(TDM_SHAPE(k), TDM_F32, wte->device, pad);
+    free(pad);
+    return mask ? tdm_add(logits, mask) : NULL;
+}
+
 /* idx [B, T] -> logits [B, T, V] */
 static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
     const gpt_state *st = m->impl;
@@ -90,12 +107,14 @@ static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
                               c->context);
     /* x [B, T, C] = wte[idx] + wpe[0..T) (broadcast over B) */
     tdm_tensor *pos = tdm_arange(0, (double)T, 1, TDM_I64, wte->device);
-    tdm_tensor *x = tdm_add(tdm_embedding(wte, idx), tdm_embedding(wpe, pos));
+    tdm_tensor *tok = st->vocab ? tdm_tp_embedding(st->tp, wte, idx) : tdm_embedding(wte, idx);
+    tdm_tensor *x = tdm_add(tok, tdm_embedding(wpe, pos));
     /* sequence parallelism: each rank's tokens only between the tensor-parallel layers */
     if (st->seq) x = tdm_tp_seq_shard(st->tp, x, 1);
     for (int l = 0; l < h->n_children && x; l++) x = tdm_module_forward(h->children[l], x);
     if (!x) return NULL;
     x = tdm_module_forward(tr->children[TR_LNF], x);
+    if (st->vocab) return vocab_head(st, x, wte);
     if (st->seq) x = tdm_tp_seq_gather(st->tp, x, 1, false); /* the head runs whole everywhere */
     /* the tied head: logits = x @ wte[:V]^T (a row view: the padding rows are never read).
      * Without padding the leaf itself is used, so its gradient GEMM accumulates straight into
@@ -126,6 +145,19 @@ tdm_tensor *tdm_gpt_loss(tdm_tensor *logits, const tdm_tensor *targets) {
     tdm_tensor *flat = tdm_reshape(logits, TDM_SHAPE(n, logits->shape[2]));
     tdm_tensor *tg = tdm_reshape((tdm_tensor *)targets, TDM_SHAPE(n));
     return tdm_cross_entropy(flat, tg, NULL);
+}
+
+tdm_tensor *tdm_gpt_loss_of(tdm_module *m, tdm_tensor *logits, const tdm_tensor *targets) {
+    const gpt_state *st = tdm_gpt_config_of(m) ? m->impl : NULL;
+    if (!st) return tdm_raise_null(TDM_ERR_ARG, "gpt_loss_of: not a GPT");
+    if (!st->vocab) return tdm_gpt_loss(logits, targets);
+    if (!logits || !targets) return tdm_null_input("gpt_loss_of");
+    if (logits->ndim != 3 || targets->ndim != 2)
+        return tdm_raise_null(TDM_ERR_SHAPE, "gpt_loss_of: logits must be [B, T, V/n], targets "
+                                             "[B, T]");
+    int64_t n = logits->shape[0] * logits->shape[1];
+    return tdm_tp_cross_entropy(st->tp, tdm_reshape(logits, TDM_SHAPE(n, logits->shape[2])),
+                                tdm_reshape((tdm_tensor *)targets, TDM_SHAPE(n)));
 }
 
 const tdm_gpt_config *tdm_gpt_config_of(const tdm_module *m) {
@@ -260,7 +292,7 @@ tdm_module *tdm_gpt_new(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng)
     if (!c.padded_vocab) c.padded_vocab = c.vocab;
     if (!rng) rng = tdm_default_rng();
     bool prev = tdm_set_grad_enabled(false);
-    gpt_state st = {c, NULL, false};
+    gpt_state st = {c, NULL, false, false};
     tdm_module *m = container(&gpt_ops, dev, &st, sizeof st);
     int rc = add(m, "transformer", transformer_new(&c, dev, rng));
     tdm_set_grad_enabled(prev);
@@ -281,8 +313,11 @@ static int replace(tdm_module *parent, int i, tdm_module *repl) {
     return TDM_OK;
 }
 
-int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, bool sequence_parallel) {
+int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, const tdm_gpt_tp_plan *plan) {
     const tdm_gpt_config *c = tdm_gpt_config_of(m);
+    tdm_gpt_tp_plan none = {false, false};
+    if (!plan) plan = &none;
+    bool sequence_parallel = plan->sequence_parallel;
     if (!c || !tp)
         return tdm_raise(TDM_ERR_ARG, "gpt_parallelize: %s", c ? "NULL group" : "not a GPT");
     if (m->paramset)
@@ -292,6 +327,11 @@ int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, bool sequence_parallel) {
     if (c->heads % n || (4 * (int64_t)c->channels) % n)
         return tdm_raise(TDM_ERR_ARG, "gpt_parallelize: %d heads do not split over %d ranks",
                          c->heads, n);
+    if (plan->vocab_parallel && c->padded_vocab % n)
+        return tdm_raise(TDM_ERR_ARG,
+                         "gpt_parallelize: the %d rows of wte (padded_vocab) do not "
+                         "split over %d ranks",
+                         c->padded_vocab, n);
     tdm_module *h = m->children[0]->children[TR_H];
     int rc = TDM_OK;
     for (int l = 0; l < h->n_children && !rc; l++) {
@@ -314,8 +354,11 @@ int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, bool sequence_parallel) {
         for (int k = 0; k < 4 && !rc && sequence_parallel; k++)
             rc = tdm_tp_linear_set_sequence_dim(split[k], 1); /* [B, T, C]: T */
     }
+    tdm_module *tr = m->children[0];
+    if (!rc && plan->vocab_parallel)
+        rc = replace(tr, TR_WTE, tdm_vocab_embedding_from(tr->children[TR_WTE], tp));
     gpt_state *st = m->impl;
-    if (!rc) st->tp = tp, st->seq = sequence_parallel;
+    if (!rc) st->tp = tp, st->seq = sequence_parallel, st->vocab = plan->vocab_parallel;
     return rc;
 }
 

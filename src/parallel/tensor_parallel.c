@@ -512,6 +512,37 @@ tdm_module *tdm_row_linear_new(int64_t in, int64_t out, bool bias, bool input_is
     return tp_linear_new(in, out, bias, true, !input_is_parallel, tp, dev, rng);
 }
 
+/* ---- the vocabulary-parallel embedding module ---------------------------------------------- */
+
+static tdm_tensor *vocab_forward(tdm_module *m, tdm_tensor *idx) {
+    return tdm_tp_embedding(m->impl, m->params[0], idx);
+}
+
+/* impl: the group (not owned); a copy would share it, so it cannot be cloned either */
+static const tdm_module_ops vocab_ops = {"VocabParallelEmbedding", vocab_forward, NULL};
+
+tdm_module *tdm_vocab_embedding_from(const tdm_module *embedding, tdm_group *tp) {
+    if (!embedding || !tp)
+        return tdm_raise_null(TDM_ERR_ARG, "vocab_embedding_from: NULL %s",
+                              tp ? "embedding" : "group");
+    tdm_tensor *w = embedding->n_params ? embedding->params[0] : NULL;
+    int n = tdm_group_size(tp), r = tdm_group_rank(tp);
+    if (!w || w->ndim != 2 || w->shape[0] % n)
+        return tdm_raise_null(TDM_ERR_SHAPE,
+                              "vocab_embedding_from: a %s whose rows do not split "
+                              "over %d ranks",
+                              embedding->ops->kind, n);
+    tdm_module *m = tdm_module_new(&vocab_ops, embedding->device, tp);
+    bool grad = tdm_set_grad_enabled(false);
+    int rc = m ? tdm_module_add_param(m, "weight", part_of(w, 0, 1, n, r)) : tdm_last_status();
+    tdm_set_grad_enabled(grad);
+    if (rc) {
+        tdm_module_free(m);
+        return NULL;
+    }
+    return m;
+}
+
 /* ---- whole tensors from the ranks' parts ------------------------------------------------- */
 
 /* part's shape [p0, p1] (or [p0]) gathered over the ranks into whole's values: a row-parallel
@@ -549,6 +580,13 @@ static int gather_module(tdm_module *split, tdm_module *whole) {
     if (split->n_params != whole->n_params || split->n_children != whole->n_children)
         return tdm_raise(TDM_ERR_ARG, "tp_gather_whole: a %s and a %s differ in their parts",
                          split->ops->kind, whole->ops->kind);
+    if (split->ops == &vocab_ops) { /* rows, as a column-parallel weight's */
+        tdm_tensor *p = split->params[0], *q = whole->n_params ? whole->params[0] : NULL;
+        if (!q || tdm_numel(q) != tdm_numel(p) * tdm_group_size(split->impl))
+            return tdm_raise(TDM_ERR_SHAPE, "tp_gather_whole: the %s does not match a %s",
+                             whole->ops->kind, split->ops->kind);
+        return gather_param(split->impl, p, q, false, 1);
+    }
     bool tp = split->ops == &column_ops || split->ops == &row_ops;
     const tp_linear *l = tp ? split->impl : NULL;
     for (int i = 0; i < split->n_params; i++) {

@@ -61,12 +61,14 @@ tdm_tensor *tdm_gpt_loss(tdm_tensor *logits, const tdm_tensor *targets);
  * its part: each block's attention split by heads (c_attn column-parallel, each rank keeping
  * the q, k and v rows of heads [r H/n, (r+1) H/n); c_proj row-parallel) and its MLP (c_fc
  * column-parallel, c_proj row-parallel); the embeddings, the layer norms and the tied head
- * stay whole on every rank. The ranks then compute the whole model's forward and backward
- * together (tdm_column_linear_from's layers; every rank gets the same logits and loss), each
- * stepping the optimizer of its own parameters. Call before tdm_module_parameters(m). The
- * parameters keep their names (holding parts); a split GPT cannot be cloned or written to
- * llm.c's files yet. TDM_ERR_ARG when the heads or 4 x channels do not split over the
- * ranks, TDM_ERR_STATE when m is already listed or split. tp must outlive m. */
+ * stay whole on every rank unless the plan splits them. The ranks then compute the whole
+ * model's forward and backward together (tdm_column_linear_from's layers; every rank gets the
+ * same loss, and the same logits unless vocab_parallel), each stepping the optimizer of its own
+ * parameters. Call before tdm_module_parameters(m). The parameters keep their names (holding
+ * parts; tdm_tp_gather_whole makes them whole); a split GPT cannot be cloned or written to
+ * llm.c's files. TDM_ERR_ARG when the heads, 4 x channels or (vocab_parallel) padded_vocab do
+ * not split over the ranks, TDM_ERR_STATE when m is already listed or split. tp must outlive
+ * m. */
 typedef struct {
     bool sequence_parallel; /* below */
     /* wte split by rows over the ranks (padded_vocab must split), the token lookup summed

@@ -59,6 +59,15 @@ static void test_memory_limit(void) {
     CHECK(m.allocated == 768 << 10 && m.reserved == 768 << 10, "allocated %lld, reserved %lld",
           (long long)m.allocated, (long long)m.reserved);
     tdm_tensor_free(b);
+    /* a model whose flat buffers do not fit: the optimizer made from its failed parameter set
+     * names the cause, not the NULL it was handed */
+    tdm_module *lin = tdm_linear_new(256, 400, true, d, NULL); /* 401 KiB, then 2 x 401 flat */
+    tdm_adam_opts o = tdm_adamw_defaults();
+    tdm_optim *opt = lin ? tdm_adamw_new(tdm_module_parameters(lin), &o) : NULL;
+    CHECK(lin != NULL, "the layer alone fits: %s", tdm_last_error());
+    CHECK_ERROR(opt == NULL, "cpu:7 is out of memory");
+    tdm_optim_free(opt);
+    tdm_module_free(lin);
     CHECK_ERROR(tdm_device_set_memory_limit(d, -1) != TDM_OK, "-1 bytes for cpu:7");
     CHECK_ERROR(tdm_device_set_memory_limit(tdm_cpu(64), 1) != TDM_OK, "cpu:64 has no memory pool");
     CHECK(tdm_device_set_memory_limit(d, 0) == TDM_OK, "no limit");

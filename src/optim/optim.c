@@ -73,6 +73,8 @@ static tdm_tensor *state_buffer(const tdm_paramset *ps, int64_t n) {
 }
 
 static int check_paramset(const tdm_paramset *ps, const char *op) {
+    /* tdm_module_parameters(m) failing (out of memory) hands NULL on: its error is the cause */
+    if (!ps && tdm_last_status() != TDM_OK) return tdm_last_status();
     if (!ps || !ps->flat || !ps->flat_grad)
         return tdm_raise(TDM_ERR_ARG, "%s: parameter set is NULL (see tdm_module_parameters)", op);
     return TDM_OK;

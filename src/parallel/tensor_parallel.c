@@ -396,8 +396,11 @@ static tdm_tensor *tp_linear_forward(tdm_module *m, tdm_tensor *x) {
         return l->whole ? tdm_tp_gather(l->tp, y) : y;
     }
     tdm_tensor *part = l->whole ? tdm_tp_scatter(l->tp, x) : x;
-    tdm_tensor *y = tdm_linear(part, w, NULL);
-    y = seq ? tdm_tp_seq_reduce_scatter(l->tp, y, l->seq_dim) : tdm_tp_reduce(l->tp, y);
+    tdm_tensor *p = tdm_linear(part, w, NULL);
+    tdm_tensor *y = seq ? tdm_tp_seq_reduce_scatter(l->tp, p, l->seq_dim) : tdm_tp_reduce(l->tp, p);
+    /* this rank's partial product [..., out] is read by no backward (the product's reads its
+     * inputs, the reduction's nothing): its memory goes back now, not at the step's end */
+    if (y && p) release(p);
     return b ? tdm_add(y, b) : y;
 }
 

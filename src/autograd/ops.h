@@ -51,6 +51,19 @@ tdm_tensor *tdm_dense(const tdm_tensor *t);
         return scoped_;                                                                            \
     } while (0)
 
+/* A 3-D view [1, rows, cols] of a contiguous tensor holding rows*cols elements: the batch
+ * form the backend's matmul takes. Lives on the stack: kernels only read the geometry. */
+static inline tdm_tensor tdm_as_matrix(const tdm_tensor *t, int64_t rows, int64_t cols) {
+    tdm_tensor v = *t;
+    v.ndim = 3;
+    v.shape[0] = 1, v.shape[1] = rows, v.shape[2] = cols;
+    v.strides[0] = rows * cols, v.strides[1] = cols, v.strides[2] = 1;
+    v.requires_grad = false;
+    v.grad = NULL;
+    v.grad_fn = NULL;
+    return v;
+}
+
 /* ---- checks ----------------------------------------------------------------------------- */
 
 /* t's shape as text in buf (96 bytes), for error messages. */

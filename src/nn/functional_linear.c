@@ -10,19 +10,6 @@
 #include "autograd/ops.h"
 #include "tandem/nn.h"
 
-/* A 3-D view [1, rows, cols] of a contiguous tensor holding rows*cols elements: the batch
- * form the backend's matmul takes. Lives on the stack: kernels only read the geometry. */
-static tdm_tensor as_matrix(const tdm_tensor *t, int64_t rows, int64_t cols) {
-    tdm_tensor v = *t;
-    v.ndim = 3;
-    v.shape[0] = 1, v.shape[1] = rows, v.shape[2] = cols;
-    v.strides[0] = rows * cols, v.strides[1] = cols, v.strides[2] = 1;
-    v.requires_grad = false;
-    v.grad = NULL;
-    v.grad_fn = NULL;
-    return v;
-}
-
 /* M: the product of x's leading dims (1 for a 1-D x). */
 static int64_t leading_rows(const tdm_tensor *x) {
     int64_t rows = 1;
@@ -44,11 +31,11 @@ static int linear_backward(tdm_node *n, tdm_tensor *gout) {
     int64_t out = w->shape[0], in = w->shape[1], rows = leading_rows(x);
     tdm_tensor *gy = contiguous_grad(gout);
     if (!gy) return tdm_last_status();
-    tdm_tensor gy3 = as_matrix(gy, rows, out);
+    tdm_tensor gy3 = tdm_as_matrix(gy, rows, out);
     if (tdm_node_wants(n, 0)) { /* dX [M, in] = dY [M, out] @ W [out, in] */
         tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
         if (!gx) return tdm_last_status();
-        tdm_tensor gx3 = as_matrix(gx, rows, in), w3 = as_matrix(w, out, in);
+        tdm_tensor gx3 = tdm_as_matrix(gx, rows, in), w3 = tdm_as_matrix(w, out, in);
         int rc = be->matmul(&gx3, &gy3, &w3, false, false, 0.0f);
         if (rc || (rc = tdm_grad_accumulate(x, gx))) return rc;
     }
@@ -58,7 +45,7 @@ static int linear_backward(tdm_node *n, tdm_tensor *gout) {
         tdm_tensor *acc = tdm_grad_inplace_target(w, &beta);
         tdm_tensor *gw = acc ? acc : tdm_tensor_alloc(tdm_shape_of(w), w->dtype, w->device);
         if (!gw) return tdm_last_status();
-        tdm_tensor gw3 = as_matrix(gw, out, in), x3 = as_matrix(x, rows, in);
+        tdm_tensor gw3 = tdm_as_matrix(gw, out, in), x3 = tdm_as_matrix(x, rows, in);
         int rc = be->matmul(&gw3, &gy3, &x3, true, false, beta);
         if (!rc && !acc) rc = tdm_grad_accumulate(w, gw);
         if (rc) return rc;
@@ -118,11 +105,11 @@ tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
     ys.d[ys.ndim - 1] = out;
     tdm_tensor *y = tdm_tensor_alloc(ys, x->dtype, x->device);
     if (!y) return NULL;
-    tdm_tensor y3 = as_matrix(y, rows, out), x3 = as_matrix(x, rows, in),
-               w3 = as_matrix(w, out, in);
+    tdm_tensor y3 = tdm_as_matrix(y, rows, out), x3 = tdm_as_matrix(x, rows, in),
+               w3 = tdm_as_matrix(w, out, in);
     float beta = 0.0f;
     if (b) { /* Y starts as b broadcast over the rows; the GEMM adds onto it. */
-        tdm_tensor y2 = as_matrix(y, rows, out), bb = *b;
+        tdm_tensor y2 = tdm_as_matrix(y, rows, out), bb = *b;
         bb.ndim = 2, bb.shape[0] = rows, bb.shape[1] = out, bb.strides[0] = 0;
         bb.strides[1] = 1;
         y2.ndim = 2, y2.shape[0] = rows, y2.shape[1] = out, y2.strides[0] = out;

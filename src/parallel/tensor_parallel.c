@@ -30,23 +30,11 @@
 
 /* ---- the differentiable collectives ------------------------------------------------------- */
 
-/* A contiguous copy of t, owned by the step scope, for a collective to work in. */
-static tdm_tensor *scratch_copy(const tdm_tensor *t) {
-    tdm_tensor *c = tdm_tensor_alloc(tdm_shape_of(t), t->dtype, t->device);
-    if (c && tdm_copy_(c, t) != TDM_OK) return tdm_drop_fail(c);
-    return c;
-}
-
 /* Gives the memory of a temporary this op allocated back now instead of at the scope's end
  * (its header stays in the scope, empty): the collectives' copies are activations' size, and a
  * step keeps every tensor of its scope until it ends. Never for a view of another's tensor. */
 static void release(tdm_tensor *t) {
     if (t && t->storage) tdm_storage_resize(t->storage, 0);
-}
-
-/* A contiguous copy of the view v. */
-static tdm_tensor *copy_view(tdm_tensor *v) {
-    return v ? scratch_copy(v) : NULL;
 }
 
 static int wait_for(tdm_work *w) {
@@ -55,7 +43,7 @@ static int wait_for(tdm_work *w) {
 
 static int copy_backward(tdm_node *n, tdm_tensor *gout) {
     if (!tdm_node_wants(n, 0)) return TDM_OK;
-    tdm_tensor *g = scratch_copy(gout);
+    tdm_tensor *g = tdm_clone(gout);
     if (!g) return tdm_last_status();
     tdm_collective_label("tensor-parallel copy's backward");
     int rc = wait_for(tdm_all_reduce(n->ctx, g, TDM_SUM));
@@ -94,7 +82,7 @@ static int reduce_backward(tdm_node *n, tdm_tensor *gout) {
 tdm_tensor *tdm_tp_reduce(tdm_group *g, tdm_tensor *x) {
     if (!check_group("tp_reduce", g, x)) return NULL;
     if (!tdm_current_scope()) TDM_RETURN_SCOPED(tdm_tp_reduce(g, x));
-    tdm_tensor *y = scratch_copy(x);
+    tdm_tensor *y = tdm_clone(x);
     if (!y) return NULL;
     tdm_collective_label("tensor-parallel reduce");
     if (wait_for(tdm_all_reduce(g, y, TDM_SUM))) return tdm_drop_fail(y);
@@ -109,14 +97,14 @@ tdm_tensor *tdm_tp_reduce(tdm_group *g, tdm_tensor *x) {
 static tdm_tensor *gather_last(tdm_group *g, tdm_tensor *x) {
     int n = tdm_group_size(g), d = x->ndim - 1;
     int64_t k = x->shape[d], rows = tdm_numel(x) / (k ? k : 1);
-    tdm_tensor *in = scratch_copy(x);
+    tdm_tensor *in = tdm_clone(x);
     tdm_tensor *all = in ? tdm_tensor_alloc(TDM_SHAPE(n, rows, k), x->dtype, x->device) : NULL;
     if (!all) return NULL;
     tdm_collective_label("tensor-parallel gather");
     int rc = wait_for(tdm_all_gather(g, all, in));
     release(in);
     /* [n, rows, k] -> [rows, n, k] -> [..., n k] */
-    tdm_tensor *t = rc ? NULL : copy_view(tdm_transpose(all, 0, 1));
+    tdm_tensor *t = rc ? NULL : tdm_clone(tdm_transpose(all, 0, 1));
     release(all);
     tdm_shape s = tdm_shape_of(x);
     s.d[d] = (int64_t)n * k;
@@ -127,7 +115,7 @@ static tdm_tensor *gather_last(tdm_group *g, tdm_tensor *x) {
 static tdm_tensor *own_part(tdm_group *g, tdm_tensor *x) {
     int n = tdm_group_size(g), r = tdm_group_rank(g), d = x->ndim - 1;
     int64_t k = x->shape[d] / n;
-    return copy_view(tdm_slice(x, d, r * k, (r + 1) * k, 1));
+    return tdm_clone(tdm_slice(x, d, r * k, (r + 1) * k, 1));
 }
 
 static int gather_backward(tdm_node *n, tdm_tensor *gout) {
@@ -183,7 +171,7 @@ static tdm_tensor *to_front(tdm_tensor *x, int d) {
     int perm[TDM_MAX_DIMS] = {d};
     for (int i = 0, k = 1; i < x->ndim; i++)
         if (i != d) perm[k++] = i;
-    return copy_view(tdm_permute(x, perm));
+    return tdm_clone(tdm_permute(x, perm));
 }
 
 /* t [S, ...] (to_front's layout) back with its first dim at d, contiguous; t is released. */
@@ -191,7 +179,7 @@ static tdm_tensor *from_front(tdm_tensor *t, int d) {
     int perm[TDM_MAX_DIMS];
     for (int i = 0; i < t->ndim; i++) perm[i] = i == d ? 0 : i < d ? i + 1 : i;
     if (!d) return t;
-    tdm_tensor *c = copy_view(tdm_permute(t, perm));
+    tdm_tensor *c = tdm_clone(tdm_permute(t, perm));
     release(t);
     return c;
 }
@@ -230,7 +218,7 @@ static tdm_tensor *reduce_scatter_dim(tdm_group *g, tdm_tensor *x, int d) {
 /* Rank r's part [r S/n, (r+1) S/n) of x's dim d, a contiguous copy. */
 static tdm_tensor *shard_dim(tdm_group *g, tdm_tensor *x, int d) {
     int64_t k = x->shape[d] / tdm_group_size(g), r = tdm_group_rank(g);
-    return copy_view(tdm_slice(x, d, r * k, (r + 1) * k, 1));
+    return tdm_clone(tdm_slice(x, d, r * k, (r + 1) * k, 1));
 }
 
 enum { SEQ_SHARD, SEQ_GATHER, SEQ_REDUCE_SCATTER };
@@ -292,16 +280,6 @@ tdm_tensor *tdm_tp_seq_reduce_scatter(tdm_group *tp, tdm_tensor *x, int dim) {
 
 /* ---- the column-parallel product under sequence parallelism ------------------------------- */
 
-/* Contiguous t seen as one [rows, cols] matrix, [1, rows, cols] as the backend's matmul takes
- * it (a header on the stack, no history). */
-static tdm_tensor matrix(const tdm_tensor *t, int64_t rows, int64_t cols) {
-    tdm_tensor m = *t;
-    m.ndim = 3, m.shape[0] = 1, m.shape[1] = rows, m.shape[2] = cols;
-    m.strides[0] = rows * cols, m.strides[1] = cols, m.strides[2] = 1;
-    m.requires_grad = false, m.grad = NULL, m.grad_fn = NULL;
-    return m;
-}
-
 /* Megatron-LM's: the input's tokens are gathered for the product and not kept; backward
  * gathers them again for the weight's gradient. Saving the gathered input instead would hold
  * the whole sequence's activations at every such layer, more than tensor parallelism without
@@ -322,8 +300,8 @@ static int seq_linear_backward(tdm_node *n, tdm_tensor *gout) {
         tdm_tensor *dw = acc ? acc : tdm_tensor_alloc(tdm_shape_of(w), w->dtype, w->device);
         tdm_tensor *gd = dw ? tdm_dense(g2) : NULL;
         if (gd) {
-            tdm_tensor dw2 = matrix(dw, k, in), g2m = matrix(gd, rows, k);
-            tdm_tensor x2 = matrix(xf, rows, in);
+            tdm_tensor dw2 = tdm_as_matrix(dw, k, in), g2m = tdm_as_matrix(gd, rows, k);
+            tdm_tensor x2 = tdm_as_matrix(xf, rows, in);
             rc = tdm_backend_for(w->device)->matmul(&dw2, &g2m, &x2, true, false, beta);
             if (!rc && !acc) rc = tdm_grad_accumulate(w, dw);
         } else {
@@ -554,7 +532,7 @@ static int gather_param(tdm_group *g, tdm_tensor *part, tdm_tensor *whole, bool 
     int n = tdm_group_size(g);
     int64_t numel = tdm_numel(part), p1 = part->ndim > 1 ? part->shape[1] : 1;
     int64_t p0 = part->shape[0], bk = p0 / blocks; /* rows of a block's part */
-    tdm_tensor *in = scratch_copy(part);
+    tdm_tensor *in = tdm_clone(part);
     tdm_tensor *all =
         in ? tdm_tensor_alloc(TDM_SHAPE((int64_t)n * numel), part->dtype, part->device) : NULL;
     float *a = malloc(sizeof(float) * (size_t)(n * numel)),

@@ -114,6 +114,47 @@ static void test_bad_input(void) {
     free(out);
 }
 
+/* Two files written at different moments (SIGUSR1 wakes each process's watcher apart): rank 1
+ * wrote at its 2nd collective, rank 0 at its 4th, having completed the 3rd all-gather, which
+ * rank 1 had to join. Rank 1 is not behind; with rank 0 still inside the 3rd it is. */
+static void write_rank(const char *dir, int rank, int launched, const char *last_state,
+                       double written) {
+    char path[300], text[2048];
+    snprintf(path, sizeof path, "%s/flight-rank-%d.jsonl", dir, rank);
+    int n = snprintf(text, sizeof text,
+                     "{\"flight\":1,\"rank\":%d,\"size\":2,\"backend\":\"mpi\",\"host\":\"h\","
+                     "\"pid\":%d,\"time\":%.2f,\"launched\":%d,\"timeout\":30.0}\n",
+                     rank, 10 + rank, written, launched);
+    for (int s = 1; s <= launched; s++)
+        n += snprintf(text + n, sizeof text - (size_t)n,
+                      "{\"seq\":%d,\"op\":\"all_gather\",\"site\":\"x\",\"count\":8,"
+                      "\"dtype\":\"i32\",\"reduce\":\"sum\",\"root\":0,\"launch\":%d.0,"
+                      "\"end\":%d.01,\"state\":\"%s\"}\n",
+                      s, s, s, s < launched ? "done" : last_state);
+    file_write(path, text, (size_t)n);
+}
+
+static void test_files_apart(void) {
+    char dir[256], *out;
+    snprintf(dir, sizeof dir, "%s/apart", tmpdir);
+    mkdir(dir, 0755);
+    write_rank(dir, 0, 4, "running", 4.05);
+    write_rank(dir, 1, 2, "running", 2.05);
+    int rc = doctor(dir, &out);
+    CHECK(rc == 0 &&
+              strstr(out, "rank 1's file is older than rank 0's: rank 0 completed "
+                          "collective #3") &&
+              strstr(out, "no rank is behind") && !strstr(out, "late:"),
+          "files apart: %d\n%s", rc, out);
+    free(out);
+    write_rank(dir, 0, 3, "running", 5.0); /* 2 s in #3, which rank 1 has not entered */
+    rc = doctor(dir, &out);
+    CHECK(rc == 0 && strstr(out, "late: rank 1 launched 2 collectives, rank 0 3") &&
+              !strstr(out, "is older"),
+          "rank behind: %d\n%s", rc, out);
+    free(out);
+}
+
 /* ---- under mpirun -------------------------------------------------------------------------- */
 
 /* A /proc file's bytes (their size is not known ahead), with a '\0' after them, or NULL. */
@@ -307,6 +348,7 @@ int main(int argc, char **argv) {
     if (tmpdir_make("doctor")) return 1;
     test_desync();
     test_bad_input();
+    test_files_apart();
     test_straggler_rule();
     if (argc == 3) {
         test_stopped_rank(argv[2]);

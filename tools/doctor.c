@@ -212,17 +212,40 @@ static bool print_waited_for(const rank_file *ranks, int size) {
     return any;
 }
 
-/* The ranks behind the others: the others launched a collective they have not, and wait. */
+/* The highest collective some rank completed that cannot complete before every rank entered
+ * it (a broadcast's root may finish alone), and that rank in *who; 0 when none. */
+static long long joined_by_all(const rank_file *ranks, int size, int *who) {
+    long long best = 0;
+    for (int k = 0; k < size; k++)
+        for (int i = 0; ranks[k].present && i < ranks[k].n; i++) {
+            const entry *e = &ranks[k].e[i];
+            if (e->seq > best && !strcmp(e->state, "done") && strcmp(e->op, "broadcast") != 0)
+                best = e->seq, *who = k;
+        }
+    return best;
+}
+
+/* The ranks behind the others: the others launched a collective they have not, and wait.
+ * Each process writes its file when its own watcher wakes (SIGUSR1 reaches them apart), so a
+ * rank that launched fewer is behind only if no rank has completed, with it, a collective past
+ * its count: then its file is merely older. */
 static void print_late(const rank_file *ranks, int size) {
     if (print_waited_for(ranks, size)) return;
     long long most = 0;
-    int ahead = -1;
+    int ahead = -1, finisher = -1;
     for (int k = 0; k < size; k++)
         if (ranks[k].present && ranks[k].launched > most) most = ranks[k].launched, ahead = k;
+    long long joined = joined_by_all(ranks, size, &finisher);
     bool any = false; /* one collective apart for less than LATE_S is ranks in step */
     for (int k = 0; k < size; k++) {
         const rank_file *r = &ranks[k];
         if (!r->present || r->launched >= most) continue;
+        if (r->launched < joined) {
+            printf("rank %d's file is older than rank %d's: rank %d completed collective #%lld, "
+                   "which rank %d had to enter\n",
+                   k, finisher, finisher, joined, k);
+            continue;
+        }
         const entry *waited = find(&ranks[ahead], r->launched + 1);
         double for_s = waited ? ranks[ahead].time - waited->launch : -1;
         if (waited && for_s <= LATE_S && most - r->launched == 1) continue;

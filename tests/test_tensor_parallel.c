@@ -6,6 +6,7 @@
  * mesh with DDP over its data-parallel groups. */
 #include "check.h"
 #include "tandem/gpt.h"
+#include "tandem/strategy.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -585,6 +586,182 @@ static void test_gpt(void) {
     tdm_module_free(m);
 }
 
+/* ---- the strategy: tdm_strategy_tensor_parallel against one device ------------------------ */
+
+#define S_B     4 /* global batch: 2 rows a data-parallel row at dp 2 */
+#define S_STEPS 3 /* the second accumulates 2 micro-batches */
+#define S_CLIP  0.5f
+
+static int split_gpt(tdm_module *m, tdm_group *tp, void *arg) {
+    return tdm_gpt_parallelize(m, tp, arg);
+}
+
+static int sync_gpt(tdm_module *m, void *arg) {
+    (void)arg;
+    return tdm_gpt_sync_grads(m);
+}
+
+static tdm_optim *gpt_adamw(tdm_paramset *ps, void *arg) {
+    (void)arg;
+    tdm_adam_opts o = tdm_adamw_defaults();
+    o.lr = 1e-3f;
+    return tdm_gpt_adamw_new(ps, &o);
+}
+
+/* The mean loss of the rows, divided by the micro-batches (*(int *)arg). */
+static tdm_tensor *gpt_loss_fn(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    (void)row0;
+    tdm_tensor *l = tdm_gpt_loss(out, target);
+    int k = *(int *)arg;
+    return k > 1 && l ? tdm_mul_scalar(l, 1.0f / (float)k) : l;
+}
+
+/* S_STEPS steps of st on tokens from a fixed sequence (the same for every strategy), each
+ * step's loss into loss[]. */
+static int strategy_steps(tdm_strategy *st, int first, int steps, float *loss) {
+    uint32_t lcg = 29;
+    int rc = TDM_OK;
+    for (int s = 0; s < first + steps && !rc; s++) {
+        int micro = s == 1 ? 2 : 1;
+        float sum = 0;
+        for (int k = 0; k < micro && !rc; k++) {
+            int64_t tok[2][S_B * G_T];
+            for (int j = 0; j < 2; j++)
+                for (int i = 0; i < S_B * G_T; i++)
+                    lcg = lcg * 1664525u + 1013904223u, tok[j][i] = (lcg >> 8) % GCFG.vocab;
+            if (s < first) continue; /* the same draws as a run from step 0 */
+            tdm_scope_begin();
+            tdm_tensor *x = i64(TDM_SHAPE(S_B, G_T), tok[0]), *y = i64(TDM_SHAPE(S_B, G_T), tok[1]);
+            float l = NAN;
+            rc = k + 1 < micro ? tdm_strategy_accumulate(st, x, y, gpt_loss_fn, &micro, &l)
+                               : tdm_strategy_step(st, x, y, gpt_loss_fn, &micro, &l);
+            sum += l;
+            tdm_scope_end();
+        }
+        if (s >= first) loss[s - first] = sum;
+    }
+    return rc;
+}
+
+static float flat_diff(tdm_tensor *a, tdm_tensor *b) {
+    int64_t n = tdm_numel(a);
+    if (n != tdm_numel(b)) return INFINITY;
+    float *x = malloc(sizeof(float) * (size_t)n), *y = malloc(sizeof(float) * (size_t)n);
+    tdm_to_host(a, x, sizeof(float) * (size_t)n);
+    tdm_to_host(b, y, sizeof(float) * (size_t)n);
+    float d = max_diff(x, y, (int)n);
+    free(x), free(y);
+    return d;
+}
+
+/* The largest difference between the state buffers of two optimizers over the same layout. */
+static float state_diff(tdm_optim *a, tdm_optim *b) {
+    const char *na[4], *nb[4];
+    tdm_tensor *ta[4], *tb[4];
+    int n = tdm_optim_state(a, na, ta, 4), m = tdm_optim_state(b, nb, tb, 4);
+    float d = n == m && n > 0 && tdm_optim_steps(a) == tdm_optim_steps(b) ? 0 : INFINITY;
+    for (int k = 0; k < n && k < m; k++) d = fmaxf(d, flat_diff(ta[k], tb[k]));
+    return d;
+}
+
+static tdm_strategy *tp_strategy(tdm_module *m, int n, int tp, tdm_gpt_tp_plan *plan) {
+    tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+    tdm_tp_strategy_opts o = {tp, split_gpt, sync_gpt, plan};
+    tdm_strategy *st = tdm_strategy_tensor_parallel(m, devs, n, &o, gpt_adamw, NULL);
+    if (st && tdm_strategy_set_clip_grad_norm(st, S_CLIP)) {
+        tdm_strategy_free(st);
+        return NULL;
+    }
+    return st;
+}
+
+/* dp 1 x tp 2 and dp 2 x tp 2 (sequence-parallel) against one device: every step's loss, the
+ * weights made whole and the optimizer state gathered; then that state handed to another
+ * layout (dp 2 x tp 2 -> tp 2, tp 2 -> dp 2 x tp 2: a resume) and one more step on both. */
+static void test_strategy(void) {
+    /* one device: after S_STEPS (ref), and one step more (later) */
+    tdm_rng rng = tdm_rng_make(5), rng2 = tdm_rng_make(5);
+    tdm_module *ref = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
+    tdm_module *later = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng2);
+    tdm_strategy *one = ref ? tdm_strategy_one_device(ref, gpt_adamw, NULL) : NULL;
+    tdm_strategy *one2 = later ? tdm_strategy_one_device(later, gpt_adamw, NULL) : NULL;
+    float ref_loss[S_STEPS], more[S_STEPS + 1], last_ref;
+    int rc = one && one2 ? tdm_strategy_set_clip_grad_norm(one, S_CLIP) : tdm_last_status();
+    if (!rc) rc = tdm_strategy_set_clip_grad_norm(one2, S_CLIP);
+    if (!rc) rc = strategy_steps(one, 0, S_STEPS, ref_loss);
+    if (!rc) rc = strategy_steps(one2, 0, S_STEPS + 1, more);
+    last_ref = more[S_STEPS];
+    CHECK(rc == TDM_OK, "one device: %s", tdm_last_error());
+    for (int k = 0; !rc && k < 2; k++) {
+        int n = k ? 4 : 2;
+        tdm_gpt_tp_plan plan = {true, false};
+        tdm_rng r2 = tdm_rng_make(5);
+        tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &r2);
+        tdm_strategy *st = m ? tp_strategy(m, n, 2, &plan) : NULL;
+        float loss[S_STEPS];
+        int got = st ? strategy_steps(st, 0, S_STEPS, loss) : tdm_last_status();
+        tdm_optim *whole = got ? NULL : tdm_strategy_optim_gather(st);
+        CHECK(whole != NULL, "dp %d x tp 2: %s", n / 2, tdm_last_error());
+        char how[128];
+        tdm_strategy_describe(st, S_B, how, sizeof how);
+        CHECK(strstr(how, n == 4 ? "mesh dp 2 x tp 2" : "mesh dp 1 x tp 2"), "describe: %s", how);
+        float dl = whole ? max_diff(loss, ref_loss, S_STEPS) : INFINITY;
+        float dw = whole
+                       ? flat_diff(tdm_module_parameters(m)->flat, tdm_module_parameters(ref)->flat)
+                       : INFINITY;
+        float ds = whole ? state_diff(whole, tdm_strategy_optim(one, 0)) : INFINITY;
+        CHECK(dl <= MLP_BOUND * 10 && dw <= GPT_BOUND && ds <= GPT_BOUND,
+              "dp %d x tp 2 against one device: losses off by %g, weights %g, state %g", n / 2, dl,
+              dw, ds);
+        printf("strategy dp %d x tp 2 (sequence-parallel, clip %g, a step of 2 micro-batches): "
+               "losses within %.3g, weights %.3g, optimizer state %.3g of one device after %d "
+               "steps\n",
+               n / 2, (double)S_CLIP, dl, dw, ds, S_STEPS);
+        /* the whole model and state handed to the other layout, on a model of other weights */
+        tdm_rng r3 = tdm_rng_make(77);
+        tdm_module *m2 = whole ? tdm_gpt_new(&GCFG, tdm_cpu(0), &r3) : NULL;
+        tdm_strategy *st2 = m2 ? tp_strategy(m2, 6 - n, 2, &plan) : NULL;
+        tdm_optim *o2 = st2 ? gpt_adamw(tdm_module_parameters(m2), NULL) : NULL;
+        const char *names[4];
+        tdm_tensor *state[4];
+        int ns = o2 ? tdm_optim_state(whole, names, state, 4) : 0;
+        got = o2 ? tdm_copy_(tdm_module_parameters(m2)->flat, tdm_module_parameters(m)->flat) : -1;
+        for (int i = 0; !got && i < ns; i++) got = tdm_optim_state_load(o2, names[i], state[i]);
+        if (!got) got = tdm_optim_set_steps(o2, tdm_optim_steps(whole));
+        if (!got) got = tdm_strategy_push_whole(st2, o2);
+        float next[1];
+        if (!got) got = strategy_steps(st2, S_STEPS, 1, next);
+        if (!got) got = tdm_strategy_sync_model(st2);
+        float dn =
+            got ? INFINITY
+                : flat_diff(tdm_module_parameters(m2)->flat, tdm_module_parameters(later)->flat);
+        CHECK(dn <= GPT_BOUND * 2 && fabsf(next[0] - last_ref) <= MLP_BOUND * 10,
+              "resumed on dp %d x tp 2: %s; weights off by %g after one more step", (6 - n) / 2,
+              got ? tdm_last_error() : "ran", dn);
+        printf("resumed from dp %d x tp 2 on dp %d x tp 2: weights within %.3g of one device "
+               "one step later\n",
+               n / 2, (6 - n) / 2, dn);
+        tdm_optim_free(o2);
+        tdm_strategy_free(st2);
+        tdm_module_free(m2);
+        tdm_optim_free(whole);
+        tdm_strategy_free(st);
+        tdm_module_free(m);
+    }
+    tdm_strategy_free(one), tdm_strategy_free(one2);
+    tdm_module_free(ref), tdm_module_free(later);
+    /* refused: devices that are not a multiple of tp, no plan */
+    tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), NULL);
+    tdm_device devs[3] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2)};
+    tdm_tp_strategy_opts o = {2, split_gpt, NULL, NULL};
+    CHECK(!tdm_strategy_tensor_parallel(m, devs, 3, &o, gpt_adamw, NULL) &&
+              strstr(tdm_last_error(), "3 devices are not a multiple of tp 2"),
+          "3 devices at tp 2: %s", tdm_last_error());
+    o.parallelize = NULL;
+    CHECK_ERROR(!tdm_strategy_tensor_parallel(m, devs, 2, &o, gpt_adamw, NULL), "parallelize");
+    tdm_module_free(m);
+}
+
 /* ---- the mesh ----------------------------------------------------------------------------- */
 
 /* 4 ranks as dp 2 x tp 2: coordinates row-major, each group summing its own ranks only. */
@@ -703,5 +880,6 @@ int main(void) {
     }
     test_mlp(4, false, 2); /* dp 2 x tp 2: DDP over the mesh's dp groups */
     test_gpt();
+    test_strategy();
     return check_summary();
 }

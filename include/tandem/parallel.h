@@ -648,11 +648,31 @@ tdm_tensor *tdm_tp_cross_entropy(tdm_group *tp, tdm_tensor *logits, const tdm_te
 /* Writes into `whole` the whole tensors the ranks' parts of `split` make: whole is a model of
  * split's structure with the unsplit layers (the model every rank built before splitting it:
  * tdm_gpt_parallelize), split a rank's model after. Every tensor-parallel layer's parts are
- * gathered over its group (a collective: every rank calls it, with its own split and a whole
- * model of its own; each gets the same whole weights), the other parameters copied. For
- * checkpoints under the unsplit names and llm.c's files. TDM_OK, or TDM_ERR_ARG/SHAPE when the
- * two models do not match, or a collective's error. */
+ * gathered over its group (a collective: every rank calls it), the other parameters copied.
+ * A rank may pass whole NULL to take part without writing (one whole model for a checkpoint,
+ * not one per rank); every rank that passes one gets the same whole weights. For checkpoints
+ * under the unsplit names and llm.c's files. TDM_OK, or TDM_ERR_ARG/SHAPE when the two models
+ * do not match, or a collective's error. */
 int tdm_tp_gather_whole(tdm_module *split, tdm_module *whole);
+/* The inverse, with no communication: each tensor-parallel layer of split takes its rank's
+ * part of the whole one in `whole` (a checkpoint read into an unsplit model), the other
+ * parameters a copy. Errors as tdm_tp_gather_whole's. */
+int tdm_tp_scatter_whole(tdm_module *split, tdm_module *whole);
+/* The same for an optimizer's state: so steps split's parameters (tdm_module_parameters(split),
+ * not sharded), wo the whole model's, of the same kind. Gather writes every state buffer
+ * (exp_avg, exp_avg_sq, momentum_buffer, ...) of wo from the ranks' parts and takes so's step
+ * count (a collective over the groups as tdm_tp_gather_whole; whole and wo NULL: take part
+ * only); scatter gives so its parts of wo's buffers and wo's step count. TDM_ERR_ARG for
+ * NULLs or optimizers of different kinds or buffers, TDM_ERR_STATE for a sharded so. */
+int tdm_tp_gather_state(tdm_module *split, tdm_optim *so, tdm_module *whole, tdm_optim *wo);
+int tdm_tp_scatter_state(tdm_module *split, tdm_optim *so, tdm_module *whole, tdm_optim *wo);
+/* clip_grad_norm_ for a split model: the norm is the whole model's (the squares of every
+ * part's gradient summed over the tensor-parallel group, a collective, and those of the
+ * parameters every rank holds whole counted once), and every rank scales its gradients by
+ * max_norm / (norm + 1e-6) when below 1, as tdm_clip_grad_norm does on one device. *total_norm
+ * (may be NULL) gets the norm. TDM_ERR_ARG for a NULL split, max_norm not > 0, or layers split
+ * over different groups. */
+int tdm_tp_clip_grad_norm(tdm_module *split, float max_norm, float *total_norm);
 
 #ifdef __cplusplus
 }

@@ -58,6 +58,38 @@ tdm_strategy *tdm_strategy_distributed(tdm_module *model, tdm_group *g, const td
 tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
                                     tdm_optim_factory make_optim, void *optim_arg);
 
+/* Tensor parallelism composed with data parallelism over this process's n devices, laid out
+ * as a mesh dp x tp (dp = n / tp; row-major as tdm_mesh_new: devices 0 .. tp-1 are one
+ * tensor-parallel group, devices 0, tp, 2 tp, ... one data-parallel group). Each device gets
+ * a clone of model (which must be on devices[0]) and runs it on a thread of its own, where
+ * o->parallelize splits it over its tp group (tdm_gpt_parallelize, or the caller's own plan with
+ * tdm_column_linear_from and the rest) before its optimizer is made over its parts. A step
+ * gives every rank of data-parallel row d the same rows of the batch (the batch split over dp
+ * rows as DataParallel splits it over devices), averages the gradients over each dp group
+ * (DDP), calls o->after_backward after the step's last backward, clips by the whole
+ * model's norm (tdm_tp_clip_grad_norm) and steps each rank's optimizer. loss_fn runs on the
+ * ranks' threads; every rank of a row gets the same loss. model stays the caller's and whole:
+ * tdm_strategy_sync_model gathers the trained weights into it, tdm_strategy_optim_gather
+ * also returns a whole optimizer over it, and after a checkpoint is read into them,
+ * tdm_strategy_push_whole hands both back to the ranks (a run may resume on another tp or
+ * dp). tdm_strategy_replica(st, 0) is model; tdm_strategy_optim(st, 0) is the first rank's
+ * optimizer of its parts (learning rate, step count). No sharding, no bf16 gradient
+ * averaging, no fp16 loss scaling yet (each refused naming it). NULL and an error naming the
+ * device and mesh coordinates of a rank that failed to set up. */
+typedef struct {
+    int tp; /* the tensor-parallel degree: n must be a multiple */
+    /* Splits replica, a whole clone of the model on its device, over tp, on the rank's thread
+     * (a collective over tp). TDM_OK or an error. */
+    int (*parallelize)(tdm_module *replica, tdm_group *tp, void *arg);
+    /* After a step's last backward, before clipping and the update (NULL: nothing), e.g.
+     * tdm_gpt_sync_grads under sequence parallelism. */
+    int (*after_backward)(tdm_module *replica, void *arg);
+    void *arg;
+} tdm_tp_strategy_opts;
+tdm_strategy *tdm_strategy_tensor_parallel(tdm_module *model, const tdm_device *devices, int n,
+                                           const tdm_tp_strategy_opts *o,
+                                           tdm_optim_factory make_optim, void *optim_arg);
+
 /* ---- settings, between steps ------------------------------------------------------------- */
 
 /* The one sharding call of the library for every strategy (ZeRO stages, FSDP's sharding
@@ -165,6 +197,17 @@ tdm_optim *tdm_strategy_optim(tdm_strategy *st, int r);
  * otherwise. Caller-owned (tdm_optim_free). NULL and an error on failure, and for a pipeline,
  * whose stages' optimizers are not one. */
 tdm_optim *tdm_strategy_optim_gather(tdm_strategy *st);
+/* Whether the ranks hold parts of the model (tensor parallelism): then a checkpoint is
+ * written from the caller's model and tdm_strategy_optim_gather's whole optimizer, and read
+ * back into the caller's model and an optimizer made over it, which tdm_strategy_push_whole
+ * hands to the ranks. False for a NULL st. */
+bool tdm_strategy_holds_parts(const tdm_strategy *st);
+/* The caller's model and whole (an optimizer over the caller's model of the kind the
+ * strategy's factory makes; NULL: the weights only) handed to the ranks holding their parts,
+ * each taking its part of every tensor, after a checkpoint was read into them. Between steps.
+ * TDM_OK at once for a strategy that trains the caller's model itself; TDM_ERR_ARG for a NULL
+ * st; a rank's error naming it. */
+int tdm_strategy_push_whole(tdm_strategy *st, tdm_optim *whole);
 /* Under stage 3, every replica's parameters whole (to save or load the model) until
  * tdm_strategy_release_params shards them again, keeping what was loaded meanwhile.
  * Collectives over the processes; TDM_OK and nothing done otherwise. */

@@ -118,6 +118,15 @@ tdm_optim *tdm_strategy_optim_gather(tdm_strategy *st) {
                                  : tdm_optim_gather(st->ops->optim(st, 0));
 }
 
+bool tdm_strategy_holds_parts(const tdm_strategy *st) {
+    return st && st->holds_parts;
+}
+
+int tdm_strategy_push_whole(tdm_strategy *st, tdm_optim *whole) {
+    if (!st) return tdm_raise(TDM_ERR_ARG, "strategy push_whole: NULL strategy");
+    return st->ops->push_whole ? st->ops->push_whole(st, whole) : TDM_OK;
+}
+
 int tdm_strategy_gather_params(tdm_strategy *st) {
     if (!st) return tdm_raise(TDM_ERR_ARG, "strategy gather_params: NULL strategy");
     bool sharded = st->shard == TDM_SHARD_PARAMETERS && st->ops->gather_params;

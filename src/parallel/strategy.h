@@ -37,6 +37,10 @@ typedef struct tdm_strategy_ops {
     tdm_optim *(*optim)(tdm_strategy *st, int r);
     /* A whole copy of replica 0's optimizer. NULL: tdm_optim_gather of ops->optim(st, 0). */
     tdm_optim *(*optim_gather)(tdm_strategy *st);
+    /* The caller's model and whole (an optimizer over the caller's model, or NULL), read from
+     * a checkpoint, handed to the ranks that hold their parts. NULL: the strategy trains the
+     * caller's model and tdm_strategy_optim's state themselves (nothing to hand over). */
+    int (*push_whole)(tdm_strategy *st, tdm_optim *whole);
     /* Stage 3's parameters whole, or sharded again. NULL: never sharded by parameters. */
     int (*gather_params)(tdm_strategy *st);
     int (*release_params)(tdm_strategy *st);
@@ -61,6 +65,7 @@ struct tdm_strategy {
     int ranks;            /* data-parallel ranks over every process (tdm_strategy_ranks) */
     bool loss_on_caller;  /* loss_fn runs on the caller's thread (tdm_strategy_loss_on_caller) */
     bool accumulates;     /* accepts tdm_strategy_accumulate */
+    bool holds_parts;     /* ranks hold parts of the model (tdm_strategy_holds_parts) */
     tdm_shard_kind shard; /* set by ops->set_shard */
     bool state_split;     /* set by ops->set_shard */
     float clip;           /* set by strategy.c */

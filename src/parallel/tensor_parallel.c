@@ -20,6 +20,7 @@
  * (the equivalence tests compare with it), and rng moves on as it would. */
 #include "autograd/ops.h"
 #include "backend/backend.h"
+#include "optim/clip.h"
 #include "parallel/group.h"
 #include "tandem/nn.h"
 #include "tandem/parallel.h"
@@ -524,10 +525,11 @@ tdm_module *tdm_vocab_embedding_from(const tdm_module *embedding, tdm_group *tp)
     return m;
 }
 
-/* ---- whole tensors from the ranks' parts ------------------------------------------------- */
+/* ---- whole tensors from the ranks' parts, and parts from whole tensors ------------------- */
 
 /* part's shape [p0, p1] (or [p0]) gathered over the ranks into whole's values: a row-parallel
- * weight's columns (cols), else rows in `blocks` blocks each split over the ranks. */
+ * weight's columns (cols), else rows in `blocks` blocks each split over the ranks. whole NULL:
+ * this rank only takes part in the collective. */
 static int gather_param(tdm_group *g, tdm_tensor *part, tdm_tensor *whole, bool cols, int blocks) {
     int n = tdm_group_size(g);
     int64_t numel = tdm_numel(part), p1 = part->ndim > 1 ? part->shape[1] : 1;
@@ -535,13 +537,15 @@ static int gather_param(tdm_group *g, tdm_tensor *part, tdm_tensor *whole, bool 
     tdm_tensor *in = tdm_clone(part);
     tdm_tensor *all =
         in ? tdm_tensor_alloc(TDM_SHAPE((int64_t)n * numel), part->dtype, part->device) : NULL;
-    float *a = malloc(sizeof(float) * (size_t)(n * numel)),
-          *w = malloc(sizeof(float) * (size_t)(n * numel));
-    int rc = all && a && w ? TDM_OK : tdm_last_status() ? tdm_last_status() : TDM_ERR_NOMEM;
+    float *a = whole ? malloc(sizeof(float) * (size_t)(n * numel)) : NULL,
+          *w = whole ? malloc(sizeof(float) * (size_t)(n * numel)) : NULL;
+    int rc = all && (!whole || (a && w)) ? TDM_OK
+             : tdm_last_status()         ? tdm_last_status()
+                                         : TDM_ERR_NOMEM;
     if (!rc) tdm_collective_label("tensor-parallel parts made whole");
     if (!rc) rc = wait_for(tdm_all_gather(g, all, in));
-    if (!rc) rc = tdm_to_host(all, a, sizeof(float) * (size_t)(n * numel));
-    for (int r = 0; !rc && r < n; r++)
+    if (!rc && whole) rc = tdm_to_host(all, a, sizeof(float) * (size_t)(n * numel));
+    for (int r = 0; !rc && whole && r < n; r++)
         for (int64_t i = 0; i < p0; i++)
             for (int64_t j = 0; j < p1; j++) {
                 /* rank r's element (i, j) lands at row i, column r p1 + j (cols), or at row
@@ -550,55 +554,205 @@ static int gather_param(tdm_group *g, tdm_tensor *part, tdm_tensor *whole, bool 
                 int64_t wj = cols ? r * p1 + j : j, wcols = cols ? n * p1 : p1;
                 w[wi * wcols + wj] = a[r * numel + i * p1 + j];
             }
-    if (!rc) rc = tdm_backend_for(whole->device)->from_host(whole, w);
+    if (!rc && whole) rc = tdm_backend_for(whole->device)->from_host(whole, w);
     release(in);
     release(all);
     free(a), free(w);
     return rc;
 }
 
-static int gather_module(tdm_module *split, tdm_module *whole) {
-    if (split->n_params != whole->n_params || split->n_children != whole->n_children)
-        return tdm_raise(TDM_ERR_ARG, "tp_gather_whole: a %s and a %s differ in their parts",
-                         split->ops->kind, whole->ops->kind);
-    if (split->ops == &vocab_ops) { /* rows, as a column-parallel weight's */
-        tdm_tensor *p = split->params[0], *q = whole->n_params ? whole->params[0] : NULL;
-        if (!q || tdm_numel(q) != tdm_numel(p) * tdm_group_size(split->impl))
-            return tdm_raise(TDM_ERR_SHAPE, "tp_gather_whole: the %s does not match a %s",
-                             whole->ops->kind, split->ops->kind);
-        return gather_param(split->impl, p, q, false, 1);
+/* One side of a walk: a model's parameters themselves (state NULL), or their elements of an
+ * optimizer's flat state buffer over the model's paramset (the parameter's offset in ps). */
+typedef struct {
+    const tdm_paramset *ps;
+    tdm_tensor *state;
+} side;
+
+/* p, or its elements of s's state buffer shaped as p (a view in the open scope). */
+static tdm_tensor *on_side(const side *s, tdm_tensor *p) {
+    if (!s || !s->state) return p;
+    int64_t off = p->offset - s->ps->flat->offset;
+    if (p->storage != s->ps->flat->storage || off < 0 || off + tdm_numel(p) > s->ps->total) {
+        tdm_raise(TDM_ERR_STATE, "tp state: a parameter outside its model's flat buffer");
+        return NULL;
     }
-    bool tp = split->ops == &column_ops || split->ops == &row_ops;
-    const tp_linear *l = tp ? split->impl : NULL;
+    return tdm_reshape(tdm_slice(s->state, 0, off, off + tdm_numel(p), 1), tdm_shape_of(p));
+}
+
+typedef struct {
+    bool gather; /* parts to whole (a collective), else whole to parts (local) */
+    side split, whole;
+} walk;
+
+/* How parameter i of split holds its part of the whole: *dim -1 whole on every rank, 0 its
+ * rows (in *blocks blocks), 1 its columns; the ranks' group in *g. */
+static void layout_of(const tdm_module *split, int i, int *dim, int *blocks, tdm_group **g) {
+    *dim = -1, *blocks = 1, *g = NULL;
+    if (split->ops == &vocab_ops) {
+        *dim = 0, *g = split->impl;
+    } else if (split->ops == &column_ops || split->ops == &row_ops) {
+        const tp_linear *l = split->impl;
+        *g = l->tp;
+        if (!l->row) *dim = 0, *blocks = l->blocks;
+        if (l->row && i == 0) *dim = 1;
+    }
+}
+
+/* Parameter i of split and of whole (whole NULL: a rank that only takes part) moved along w. */
+static int walk_param(const walk *w, tdm_module *split, tdm_module *whole, int i) {
+    int dim, blocks;
+    tdm_group *g;
+    layout_of(split, i, &dim, &blocks, &g);
+    tdm_tensor *p = split->params[i], *q = whole ? whole->params[i] : NULL;
+    int64_t expect = tdm_numel(p) * (dim >= 0 ? tdm_group_size(g) : 1);
+    if (q && (tdm_numel(q) != expect || p->dtype != TDM_F32 || q->dtype != TDM_F32))
+        return tdm_raise(TDM_ERR_SHAPE, "tp_%s_whole: %s's %s holds %lld values, the whole %lld",
+                         w->gather ? "gather" : "scatter", whole->ops->kind, whole->param_names[i],
+                         (long long)tdm_numel(q), (long long)expect);
+    tdm_tensor *ps = on_side(&w->split, p), *qs = q ? on_side(&w->whole, q) : NULL;
+    if (!ps || (q && !qs)) return tdm_last_status();
+    if (w->gather)
+        return dim < 0 ? (qs ? tdm_copy_(qs, ps) : TDM_OK)
+                       : gather_param(g, ps, qs, dim == 1, blocks);
+    tdm_tensor *mine =
+        dim < 0 ? qs : part_of(qs, dim, blocks, tdm_group_size(g), tdm_group_rank(g));
+    tdm_tensor *here = mine ? tdm_to_device(mine, ps->device) : NULL; /* a view where it is */
+    return here ? tdm_copy_(ps, here) : tdm_last_status();
+}
+
+static int walk_module(const walk *w, tdm_module *split, tdm_module *whole) {
+    const char *op = w->gather ? "tp_gather_whole" : "tp_scatter_whole";
+    if (whole && (split->n_params != whole->n_params || split->n_children != whole->n_children))
+        return tdm_raise(TDM_ERR_ARG, "%s: a %s and a %s differ in their parts", op,
+                         split->ops->kind, whole->ops->kind);
     for (int i = 0; i < split->n_params; i++) {
-        tdm_tensor *p = split->params[i], *q = whole->params[i];
-        int64_t expect = tdm_numel(p) * (l && !(l->row && i == 1) ? tdm_group_size(l->tp) : 1);
-        if (tdm_numel(q) != expect || p->dtype != TDM_F32 || q->dtype != TDM_F32)
-            return tdm_raise(TDM_ERR_SHAPE,
-                             "tp_gather_whole: %s's %s holds %lld values, the whole "
-                             "%lld",
-                             whole->ops->kind, whole->param_names[i], (long long)tdm_numel(q),
-                             (long long)expect);
-        int rc = !l || (l->row && i == 1)
-                     ? tdm_copy_(q, p) /* whole on every rank */
-                     : gather_param(l->tp, p, q, l->row && i == 0, l->row ? 1 : l->blocks);
+        int rc = walk_param(w, split, whole, i);
         if (rc) return rc;
     }
     for (int c = 0; c < split->n_children; c++) {
-        int rc = gather_module(split->children[c], whole->children[c]);
+        int rc = walk_module(w, split->children[c], whole ? whole->children[c] : NULL);
         if (rc) return rc;
     }
     return TDM_OK;
 }
 
-int tdm_tp_gather_whole(tdm_module *split, tdm_module *whole) {
-    if (!split || !whole) return tdm_raise(TDM_ERR_ARG, "tp_gather_whole: NULL model");
+static int run_walk(const walk *w, tdm_module *split, tdm_module *whole) {
     bool grad = tdm_set_grad_enabled(false);
     tdm_scope_begin();
-    int rc = gather_module(split, whole);
+    int rc = walk_module(w, split, whole);
     tdm_scope_end();
     tdm_set_grad_enabled(grad);
     return rc;
+}
+
+int tdm_tp_gather_whole(tdm_module *split, tdm_module *whole) {
+    if (!split) return tdm_raise(TDM_ERR_ARG, "tp_gather_whole: NULL split model");
+    return run_walk(&(walk){.gather = true}, split, whole);
+}
+
+int tdm_tp_scatter_whole(tdm_module *split, tdm_module *whole) {
+    if (!split || !whole) return tdm_raise(TDM_ERR_ARG, "tp_scatter_whole: NULL model");
+    return run_walk(&(walk){.gather = false}, split, whole);
+}
+
+/* Each state buffer of so with the same-named one of wo (wo NULL: gathering, this rank only
+ * takes part) moved along a walk of the two models; steps follow. */
+static int walk_state(bool gather, tdm_module *split, tdm_optim *so, tdm_module *whole,
+                      tdm_optim *wo) {
+    const char *op = gather ? "tp_gather_state" : "tp_scatter_state";
+    if (!split || !so || (!gather && (!whole || !wo)) || (!whole != !wo))
+        return tdm_raise(TDM_ERR_ARG, "%s: NULL model or optimizer", op);
+    const char *sn[4], *wn[4] = {0};
+    tdm_tensor *st[4], *wt[4] = {0};
+    int n = tdm_optim_state(so, sn, st, 4), m = wo ? tdm_optim_state(wo, wn, wt, 4) : n;
+    int64_t lo, hi;
+    if (tdm_optim_shard_range(so, &lo, &hi) || hi - lo != tdm_module_parameters(split)->total)
+        return tdm_raise(TDM_ERR_STATE, "%s: a sharded optimizer (gather its state first)", op);
+    if (wo && (m != n || strcmp(tdm_optim_kind(so), tdm_optim_kind(wo)) != 0))
+        return tdm_raise(TDM_ERR_ARG, "%s: a %s and a %s optimizer", op, tdm_optim_kind(so),
+                         tdm_optim_kind(wo));
+    int rc = TDM_OK;
+    for (int k = 0; k < n && !rc; k++) {
+        int j = 0;
+        while (wo && j < m && strcmp(wn[j], sn[k]) != 0) j++;
+        if (wo && j == m)
+            return tdm_raise(TDM_ERR_ARG, "%s: the whole optimizer has no %s", op, sn[k]);
+        walk w = {gather,
+                  {tdm_module_parameters(split), st[k]},
+                  {wo ? tdm_module_parameters(whole) : NULL, wo ? wt[j] : NULL}};
+        rc = run_walk(&w, split, whole);
+    }
+    if (!rc && wo)
+        rc = gather ? tdm_optim_set_steps(wo, tdm_optim_steps(so))
+                    : tdm_optim_set_steps(so, tdm_optim_steps(wo));
+    return rc;
+}
+
+int tdm_tp_gather_state(tdm_module *split, tdm_optim *so, tdm_module *whole, tdm_optim *wo) {
+    return walk_state(true, split, so, whole, wo);
+}
+
+int tdm_tp_scatter_state(tdm_module *split, tdm_optim *so, tdm_module *whole, tdm_optim *wo) {
+    return walk_state(false, split, so, whole, wo);
+}
+
+/* ---- the whole model's gradient norm ----------------------------------------------------- */
+
+/* Adds to ss[0] the squares of m's tree's gradients held whole on every rank and to ss[1]
+ * those of the parts, each parameter once (a tied weight is listed twice); *g becomes the
+ * parts' group. seen: the parameters counted so far. */
+static int sum_squares(tdm_module *m, const tdm_paramset *ps, const tdm_tensor **seen, int *n_seen,
+                       double ss[2], tdm_group **g) {
+    for (int i = 0; i < m->n_params; i++) {
+        tdm_tensor *p = m->params[i];
+        bool counted = false;
+        for (int k = 0; k < *n_seen && !counted; k++) counted = seen[k] == p;
+        if (counted || !p->grad) continue;
+        seen[(*n_seen)++] = p;
+        int dim, blocks;
+        tdm_group *pg;
+        layout_of(m, i, &dim, &blocks, &pg);
+        if (dim >= 0 && *g && pg != *g)
+            return tdm_raise(TDM_ERR_ARG, "tp_clip_grad_norm: the layers split over two groups");
+        if (dim >= 0) *g = pg;
+        int64_t off = p->offset - ps->flat->offset;
+        double part = 0;
+        int rc = tdm_clip_sum_squares(ps, off, off + tdm_numel(p), &part);
+        if (rc) return rc;
+        ss[dim >= 0] += part;
+    }
+    for (int c = 0; c < m->n_children; c++) {
+        int rc = sum_squares(m->children[c], ps, seen, n_seen, ss, g);
+        if (rc) return rc;
+    }
+    return TDM_OK;
+}
+
+int tdm_tp_clip_grad_norm(tdm_module *split, float max_norm, float *total_norm) {
+    tdm_paramset *ps = split ? tdm_module_parameters(split) : NULL;
+    if (!ps) return split ? tdm_last_status() : tdm_raise(TDM_ERR_ARG, "tp_clip_grad_norm: NULL");
+    if (!(max_norm > 0) || !isfinite(max_norm))
+        return tdm_raise(TDM_ERR_ARG, "tp_clip_grad_norm: max_norm %g must be > 0", max_norm);
+    const tdm_tensor **seen = malloc(sizeof *seen * (size_t)(ps->n ? ps->n : 1));
+    if (!seen) return tdm_raise(TDM_ERR_NOMEM, "tp_clip_grad_norm: out of memory");
+    double ss[2] = {0, 0};
+    int n_seen = 0;
+    tdm_group *g = NULL;
+    int rc = sum_squares(split, ps, seen, &n_seen, ss, &g);
+    free(seen);
+    if (!rc && g) { /* the parts' squares summed over the ranks, the same total on each */
+        tdm_scope_begin();
+        float v = (float)ss[1];
+        tdm_tensor *t = tdm_from_data(TDM_SHAPE(1), TDM_F32, split->device, &v);
+        tdm_collective_label("tensor-parallel gradient norm");
+        rc = t ? wait_for(tdm_all_reduce(g, t, TDM_SUM)) : tdm_last_status();
+        if (!rc) rc = tdm_to_host(t, &v, sizeof v);
+        ss[1] = v;
+        tdm_scope_end();
+    }
+    float norm = (float)sqrt(ss[0] + ss[1]);
+    if (total_norm) *total_norm = norm;
+    return rc ? rc : tdm_clip_scale(ps, 0, ps->total, max_norm, norm);
 }
 
 /* ---- vocabulary parallelism ----------------------------------------------------------------- */

@@ -1,0 +1,441 @@
+/* The tensor-parallel strategy: this process's devices laid out as a mesh dp x tp, each running
+ * a clone of the caller's model that the caller's plan split over its tp group, on a
+ * persistent thread of its own. A step gives every rank of dp row d the same rows of the batch
+ * (tdm_rows_of over dp); DDP over each dp group averages the gradients; every rank steps the
+ * optimizer of its own parts. The caller's model stays whole and idle: the ranks' parts are
+ * gathered into it for an evaluation's weights and checkpoints (sync_model, optim_gather), and
+ * scattered from it after a checkpoint was read into it (push_whole).
+ *
+ * Every rank's thread runs every round, the caller waiting on a condition variable: a GPT's
+ * step is long next to a wake-up, and tensor parallelism needs every rank of a group in every
+ * collective, the caller's thread included had it been rank 0. */
+#include "parallel/group.h"
+#include "parallel/sync.h"
+#include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
+#include "tandem/trace.h"
+#include "parallel/strategy.h"
+#include "core/core.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef enum { ROUND_INIT, ROUND_STEP, ROUND_FORWARD, ROUND_GATHER, ROUND_SCATTER } round_kind;
+
+typedef struct tp_rank {
+    struct tensor_parallel *s;
+    int rank, d, t; /* rank = d tp + t (the mesh's row-major order) */
+    pthread_t thread;
+    bool started;
+    tdm_module *replica; /* a whole clone until the init round splits it */
+    tdm_optim *opt;
+    tdm_ddp *ddp; /* over the dp group when dp > 1 */
+    tdm_mesh *mesh;
+    float loss;      /* the round's mean loss over the rank's rows */
+    tdm_tensor *out; /* a forward round's output (t == 0), kept until joined */
+    int rc;
+    char err[512];
+} tp_rank;
+
+typedef struct tensor_parallel {
+    tdm_strategy base;
+    tdm_module *model;
+    int n, tp, dp;
+    tdm_device devices[TDM_MAX_DEVICES];
+    tp_rank ranks[TDM_MAX_DEVICES];
+    tdm_threads_world *world;
+    tdm_tp_strategy_opts o;
+    tdm_optim_factory make_optim;
+    void *optim_arg;
+    int gemm_threads; /* restored at free */
+    /* the round: the caller writes the fields below and moves `generation` under mu; each rank
+     * writes its rc, err and loss and counts itself in `finished` under mu */
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    uint64_t generation;
+    int finished;
+    bool quit;
+    round_kind kind;
+    tdm_tensor *x, *y;
+    tdm_loss_fn loss_fn;
+    void *loss_arg;
+    bool first, last;     /* a step's first and last micro-batch */
+    bool training;        /* a forward round's mode: the caller's model's */
+    tdm_optim *whole_opt; /* ROUND_GATHER's and ROUND_SCATTER's whole optimizer, or NULL */
+} tensor_parallel;
+
+static tdm_group *world_group(tp_rank *r) {
+    return tdm_threads_world_group(r->s->world, r->rank);
+}
+
+/* The mesh, the split, the optimizer and DDP over dp: collectives over the ranks. */
+static int rank_init(tp_rank *r) {
+    tensor_parallel *s = r->s;
+    int sizes[2] = {s->dp, s->tp};
+    const char *const names[2] = {"dp", "tp"};
+    if (!(r->mesh = tdm_mesh_new(world_group(r), 2, sizes, names))) return tdm_last_status();
+    int rc = s->o.parallelize(r->replica, tdm_mesh_group(r->mesh, "tp"), s->o.arg);
+    tdm_paramset *ps = rc ? NULL : tdm_module_parameters(r->replica);
+    if (!rc && !ps) rc = tdm_last_status();
+    if (!rc && !(r->opt = s->make_optim(ps, s->optim_arg))) rc = tdm_last_status();
+    if (!rc && s->dp > 1 &&
+        !(r->ddp = tdm_ddp_new(r->replica, tdm_mesh_group(r->mesh, "dp"), NULL)))
+        rc = tdm_last_status();
+    return rc;
+}
+
+/* The update after the last micro-batch's backward: the plan's gradient fix-up (sequence
+ * parallelism's layer norms), clipping by the whole model's norm, the step. */
+static int rank_update(tp_rank *r) {
+    tensor_parallel *s = r->s;
+    int rc = s->o.after_backward ? s->o.after_backward(r->replica, s->o.arg) : TDM_OK;
+    if (!rc && s->base.clip > 0) rc = tdm_tp_clip_grad_norm(r->replica, s->base.clip, NULL);
+    return rc ? rc : tdm_optim_step(r->opt);
+}
+
+static int rank_step(tp_rank *r) {
+    tensor_parallel *s = r->s;
+    tdm_device dev = s->devices[r->rank];
+    int64_t b = s->x->shape[0], lo, hi;
+    tdm_rows_of(b, s->dp, r->d, &lo, &hi);
+    tdm_scope_begin();
+    tdm_tensor *xs = tdm_to_device(tdm_slice(s->x, 0, lo, hi, 1), dev);
+    tdm_tensor *ys = tdm_to_device(tdm_slice(s->y, 0, lo, hi, 1), dev);
+    tdm_tensor *out = !xs || !ys ? NULL
+                      : r->ddp   ? tdm_ddp_forward(r->ddp, xs)
+                                 : tdm_module_forward(r->replica, xs);
+    tdm_tensor *loss = out ? s->loss_fn(out, ys, lo, s->loss_arg) : NULL;
+    /* DDP averages over dp rows; each weighted by its share of the batch */
+    tdm_tensor *scaled =
+        loss ? tdm_mul_scalar(loss, (float)((double)(hi - lo) * s->dp / (double)b)) : NULL;
+    int rc = s->first ? tdm_optim_zero_grad(r->opt) : TDM_OK;
+    if (r->ddp) tdm_ddp_set_sync(r->ddp, s->last); /* accumulating rounds keep theirs local */
+    if (!rc)
+        rc = !scaled  ? tdm_last_status()
+             : r->ddp ? tdm_ddp_backward(r->ddp, scaled)
+                      : tdm_backward(scaled);
+    if (!rc && s->last) rc = rank_update(r);
+    r->loss = rc ? NAN : tdm_item(loss);
+    tdm_scope_end();
+    return rc;
+}
+
+/* Rank r's forward of its dp row's rows (every row runs the whole batch when it has fewer
+ * rows than dp has rows), without gradients, in the caller's model's mode; ranks t == 0 keep
+ * their output for the caller to join. */
+static int rank_forward(tp_rank *r) {
+    tensor_parallel *s = r->s;
+    int64_t lo = 0, hi = s->x->shape[0];
+    if (hi >= s->dp) tdm_rows_of(s->x->shape[0], s->dp, r->d, &lo, &hi);
+    bool prev = tdm_set_grad_enabled(false), was = r->replica->training;
+    tdm_module_train(r->replica, s->training);
+    tdm_scope_begin();
+    tdm_tensor *xs = tdm_to_device(tdm_slice(s->x, 0, lo, hi, 1), r->replica->device);
+    tdm_tensor *out = xs ? tdm_module_forward(r->replica, xs) : NULL;
+    int rc = out ? TDM_OK : tdm_last_status();
+    if (out && r->t == 0) r->out = tdm_scope_keep(out);
+    tdm_scope_end();
+    tdm_module_train(r->replica, was);
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+/* Parts to the caller's whole model and optimizer (rank 0 writes; the other ranks of dp row
+ * 0 take part in its collectives; the other rows hold the same parts), or whole to parts. */
+static int rank_whole(tp_rank *r, bool gather) {
+    tensor_parallel *s = r->s;
+    if (gather && r->d > 0) return TDM_OK;
+    tdm_module *whole = gather && r->rank > 0 ? NULL : s->model;
+    tdm_optim *wo = whole ? s->whole_opt : NULL;
+    int rc =
+        gather ? tdm_tp_gather_whole(r->replica, whole) : tdm_tp_scatter_whole(r->replica, whole);
+    if (!rc && (s->whole_opt || gather))
+        rc = gather ? (s->whole_opt ? tdm_tp_gather_state(r->replica, r->opt, whole, wo) : TDM_OK)
+                    : tdm_tp_scatter_state(r->replica, r->opt, whole, wo);
+    return rc;
+}
+
+static int rank_round(tp_rank *r) {
+    switch (r->s->kind) {
+    case ROUND_INIT:
+        return rank_init(r);
+    case ROUND_STEP:
+        return rank_step(r);
+    case ROUND_FORWARD:
+        return rank_forward(r);
+    case ROUND_GATHER:
+        return rank_whole(r, true);
+    case ROUND_SCATTER:
+        return rank_whole(r, false);
+    }
+    return TDM_ERR_STATE;
+}
+
+static void *rank_main(void *arg) {
+    tp_rank *r = arg;
+    tensor_parallel *s = r->s;
+    char track[48], dev[16];
+    snprintf(track, sizeof track, "%s compute", tdm_device_str(s->devices[r->rank], dev));
+    tdm_trace_name_thread(track);
+    tdm_pin_rank_thread(r->rank, s->n);
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        while (s->generation == seen && !s->quit) pthread_cond_wait(&s->go, &s->mu);
+        seen = s->generation;
+        bool quit = s->quit, failed = r->rc != 0;
+        pthread_mutex_unlock(&s->mu);
+        if (quit) break;
+        bool grad = tdm_set_grad_enabled(true);
+        int rc = failed ? r->rc : rank_round(r); /* a rank that failed to start stays failed */
+        tdm_set_grad_enabled(grad);
+        /* the others may wait for this rank at a collective: they fail now, not at timeout */
+        if (rc && !failed) tdm_group_abort(world_group(r), tdm_last_error());
+        pthread_mutex_lock(&s->mu);
+        if (rc && !failed) snprintf(r->err, sizeof r->err, "%s", tdm_last_error());
+        r->rc = rc;
+        if (++s->finished == s->n) pthread_cond_signal(&s->done);
+        pthread_mutex_unlock(&s->mu);
+    }
+    tdm_ddp_free(r->ddp);
+    tdm_optim_free(r->opt);
+    tdm_module_free(r->replica);
+    tdm_mesh_free(r->mesh);
+    tdm_thread_release(); /* the thread's arena and tape */
+    return NULL;
+}
+
+/* Runs one round of kind on every rank and waits for all; the first failure, naming its
+ * device and mesh coordinates. */
+static int run_round(tensor_parallel *s, round_kind kind) {
+    pthread_mutex_lock(&s->mu);
+    s->kind = kind, s->finished = 0, s->generation++;
+    pthread_cond_broadcast(&s->go);
+    while (s->finished < s->n) pthread_cond_wait(&s->done, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < s->n; i++) {
+        tp_rank *r = &s->ranks[i];
+        char dev[16];
+        if (r->rc)
+            return tdm_raise(r->rc, "tensor_parallel: %s (dp %d, tp %d): %s",
+                             tdm_device_str(s->devices[i], dev), r->d, r->t, r->err);
+    }
+    return TDM_OK;
+}
+
+/* ---- the strategy's entries ---------------------------------------------------------------- */
+
+static int tp_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
+                   void *loss_arg, bool first, bool last, float *loss) {
+    tensor_parallel *s = (tensor_parallel *)st;
+    char a[96];
+    if (x->ndim < 1 || target->ndim < 1 || x->shape[0] != target->shape[0] || x->shape[0] < s->dp)
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "tensor_parallel step: a batch %s (and its targets) cannot be split over "
+                         "%d data-parallel rows",
+                         tdm_shape_str(tdm_shape_of(x), a), s->dp);
+    s->x = x, s->y = target, s->loss_fn = loss_fn, s->loss_arg = loss_arg;
+    s->first = first, s->last = last;
+    int rc = run_round(s, ROUND_STEP);
+    if (loss) { /* every rank of a dp row has its row's loss: take t == 0's */
+        double sum = 0;
+        int64_t lo, hi;
+        for (int d = 0; d < s->dp; d++) {
+            tdm_rows_of(x->shape[0], s->dp, d, &lo, &hi);
+            sum += (double)s->ranks[d * s->tp].loss * (double)(hi - lo);
+        }
+        *loss = rc ? NAN : (float)(sum / (double)x->shape[0]);
+    }
+    return rc;
+}
+
+static int tp_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
+    tensor_parallel *s = (tensor_parallel *)st;
+    if (x->ndim < 1) return tdm_raise(TDM_ERR_SHAPE, "tensor_parallel forward: a 0-dim input");
+    s->x = x, s->training = s->model->training;
+    int rc = run_round(s, ROUND_FORWARD), rows = x->shape[0] < s->dp ? 1 : s->dp;
+    tdm_tensor *parts[TDM_MAX_DEVICES];
+    for (int d = 0; d < rows && !rc; d++)
+        if (!(parts[d] = tdm_to_device(s->ranks[d * s->tp].out, s->devices[0])))
+            rc = tdm_last_status();
+    if (!rc && !(*out = tdm_concat(parts, rows, 0))) rc = tdm_last_status();
+    for (int i = 0; i < s->n; i++) {
+        tdm_tensor_free(s->ranks[i].out);
+        s->ranks[i].out = NULL;
+    }
+    return rc;
+}
+
+static int tp_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt) {
+    (void)st;
+    if (dt == TDM_F32) return TDM_OK;
+    return tdm_raise(TDM_ERR_ARG, "strategy set_reduce_dtype: tensor parallelism's data-parallel "
+                                  "rows average in f32 in this process's shared memory");
+}
+
+static int tp_set_scaler(tdm_strategy *st, tdm_grad_scaler *sc) {
+    (void)st;
+    return sc ? tdm_raise(TDM_ERR_ARG, "strategy set_precision: fp16's loss scaling is not "
+                                       "written for tensor parallelism yet; use bf16")
+              : TDM_OK;
+}
+
+static void tp_set_lr(tdm_strategy *st, float lr) {
+    tensor_parallel *s = (tensor_parallel *)st;
+    for (int i = 0; i < s->n; i++) tdm_optim_set_lr(s->ranks[i].opt, lr);
+}
+
+static int tp_sync_model(tdm_strategy *st) {
+    tensor_parallel *s = (tensor_parallel *)st;
+    s->whole_opt = NULL;
+    return run_round(s, ROUND_GATHER);
+}
+
+static tdm_module *tp_replica(tdm_strategy *st, int r) {
+    (void)r;
+    return ((tensor_parallel *)st)->model;
+}
+
+/* Rank 0's optimizer: its learning rate and step count are every rank's. */
+static tdm_optim *tp_optim(tdm_strategy *st, int r) {
+    (void)r;
+    return ((tensor_parallel *)st)->ranks[0].opt;
+}
+
+/* The caller's model made whole, and a whole optimizer over it holding the gathered state. */
+static tdm_optim *tp_optim_gather(tdm_strategy *st) {
+    tensor_parallel *s = (tensor_parallel *)st;
+    tdm_paramset *ps = tdm_module_parameters(s->model);
+    tdm_optim *whole = ps ? s->make_optim(ps, s->optim_arg) : NULL;
+    if (!whole) return NULL;
+    tdm_optim_set_lr(whole, tdm_optim_lr(s->ranks[0].opt));
+    s->whole_opt = whole;
+    int rc = run_round(s, ROUND_GATHER);
+    s->whole_opt = NULL;
+    if (rc) tdm_optim_free(whole);
+    return rc ? NULL : whole;
+}
+
+static int tp_push_whole(tdm_strategy *st, tdm_optim *whole) {
+    tensor_parallel *s = (tensor_parallel *)st;
+    s->whole_opt = whole;
+    int rc = run_round(s, ROUND_SCATTER);
+    s->whole_opt = NULL;
+    return rc;
+}
+
+static void tp_describe(tdm_strategy *st, int64_t batch, char *buf, size_t cap) {
+    tensor_parallel *s = (tensor_parallel *)st;
+    snprintf(buf, cap, "mesh dp %d x tp %d, %lld samples per tensor-parallel group per step", s->dp,
+             s->tp, (long long)(batch / s->dp));
+}
+
+static tdm_module *tp_forward_module(tdm_strategy *st, int i) {
+    tensor_parallel *s = (tensor_parallel *)st;
+    return i < s->n ? s->ranks[i].replica : NULL;
+}
+
+static void tp_destroy(tdm_strategy *st) {
+    tensor_parallel *s = (tensor_parallel *)st;
+    pthread_mutex_lock(&s->mu);
+    s->quit = true;
+    pthread_cond_broadcast(&s->go);
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < s->n; i++) {
+        if (s->ranks[i].started)
+            pthread_join(s->ranks[i].thread, NULL);
+        else
+            tdm_module_free(s->ranks[i].replica);
+    }
+    tdm_threads_world_free(s->world);
+    tdm_cpu_gemm_set_threads(s->gemm_threads);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->go);
+    pthread_cond_destroy(&s->done);
+    free(s);
+}
+
+static const tdm_strategy_ops tensor_parallel_ops = {
+    .step = tp_step,
+    .forward = tp_forward,
+    .set_reduce_dtype = tp_set_reduce_dtype,
+    .set_scaler = tp_set_scaler,
+    .set_lr = tp_set_lr,
+    .sync_model = tp_sync_model,
+    .replica = tp_replica,
+    .optim = tp_optim,
+    .optim_gather = tp_optim_gather,
+    .push_whole = tp_push_whole,
+    .describe = tp_describe,
+    .forward_module = tp_forward_module,
+    .destroy = tp_destroy,
+};
+
+static int check_args(const tdm_module *model, const tdm_device *devices, int n,
+                      const tdm_tp_strategy_opts *o, tdm_optim_factory make_optim) {
+    char a[16], b[16];
+    if (!model || !devices || !o || !o->parallelize || !make_optim)
+        return tdm_raise(TDM_ERR_ARG, "strategy tensor_parallel: NULL model, devices, options, "
+                                      "parallelize or optimizer factory");
+    if (n < 1 || n > TDM_MAX_DEVICES || o->tp < 1 || n % o->tp)
+        return tdm_raise(TDM_ERR_ARG,
+                         "strategy tensor_parallel: %d devices are not a multiple of tp %d (at "
+                         "most %d devices)",
+                         n, o->tp, TDM_MAX_DEVICES);
+    if (!tdm_device_equal(model->device, devices[0]))
+        return tdm_raise(TDM_ERR_DEVICE,
+                         "strategy tensor_parallel: the model is on %s, "
+                         "devices[0] is %s",
+                         tdm_device_str(model->device, a), tdm_device_str(devices[0], b));
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < i; j++)
+            if (tdm_device_equal(devices[i], devices[j]))
+                return tdm_raise(TDM_ERR_DEVICE, "strategy tensor_parallel: device %s listed twice",
+                                 tdm_device_str(devices[i], a));
+    return TDM_OK;
+}
+
+tdm_strategy *tdm_strategy_tensor_parallel(tdm_module *model, const tdm_device *devices, int n,
+                                           const tdm_tp_strategy_opts *o,
+                                           tdm_optim_factory make_optim, void *optim_arg) {
+    if (check_args(model, devices, n, o, make_optim)) return NULL;
+    tensor_parallel *s = calloc(1, sizeof *s);
+    if (!s) return tdm_raise_null(TDM_ERR_NOMEM, "strategy tensor_parallel: out of memory");
+    s->model = model, s->n = n, s->tp = o->tp, s->dp = n / o->tp, s->o = *o;
+    s->make_optim = make_optim, s->optim_arg = optim_arg;
+    memcpy(s->devices, devices, sizeof *devices * (size_t)n);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->go, NULL);
+    pthread_cond_init(&s->done, NULL);
+    s->gemm_threads = tdm_gemm_threads_for_devices(n);
+    s->base = (tdm_strategy){.ops = &tensor_parallel_ops,
+                             .replicas = 1,
+                             .ranks = s->dp,
+                             .accumulates = true,
+                             .holds_parts = true};
+    int rc = (s->world = tdm_threads_world_new(n, devices)) ? TDM_OK : tdm_last_status();
+    /* the clones are made here, before any rank flattens or splits its own */
+    for (int i = 0; i < n && !rc; i++) {
+        s->ranks[i] = (tp_rank){.s = s, .rank = i, .d = i / s->tp, .t = i % s->tp};
+        if (!(s->ranks[i].replica = tdm_module_clone(model, devices[i]))) rc = tdm_last_status();
+    }
+    for (int i = 0; i < n && !rc; i++) {
+        if (pthread_create(&s->ranks[i].thread, NULL, rank_main, &s->ranks[i])) {
+            tdm_group_abort(tdm_threads_world_group(s->world, 0), "could not start a thread");
+            rc =
+                tdm_raise(TDM_ERR_NOMEM, "strategy tensor_parallel: could not start %d threads", n);
+            break;
+        }
+        s->ranks[i].started = true;
+    }
+    if (!rc) rc = run_round(s, ROUND_INIT);
+    if (rc) {
+        char msg[600];
+        snprintf(msg, sizeof msg, "%s", tdm_last_error());
+        tp_destroy(&s->base);
+        return tdm_raise_null(rc, "%s", msg);
+    }
+    return &s->base;
+}

@@ -700,6 +700,10 @@ static void test_strategy(void) {
         tdm_strategy *st = m ? tp_strategy(m, n, 2, &plan) : NULL;
         float loss[S_STEPS];
         int got = st ? strategy_steps(st, 0, S_STEPS, loss) : tdm_last_status();
+        /* the caller's model gave its values back at the first step: nothing to push yet */
+        CHECK(got || (tdm_strategy_push_whole(st, NULL) == TDM_ERR_STATE &&
+                      strstr(tdm_last_error(), "holds no weights since the last step")),
+              "push_whole after a step: %s", tdm_last_error());
         tdm_optim *whole = got ? NULL : tdm_strategy_optim_gather(st);
         CHECK(whole != NULL, "dp %d x tp 2: %s", n / 2, tdm_last_error());
         char how[128];

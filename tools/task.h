@@ -47,6 +47,10 @@ struct task {
     tdm_module *model; /* on the first device, once built; NULL before */
     /* The mean loss of a batch's model output against its targets (a scalar), or NULL. */
     tdm_tensor *(*loss)(tdm_tensor *out, const tdm_tensor *target);
+    /* --tensor-parallel's plan (tdm_tp_strategy_opts): splits a replica over tp, and fixes
+     * its gradients up after backward (may be NULL); parallelize NULL: the model has none. */
+    int (*parallelize)(tdm_module *replica, tdm_group *tp, void *arg);
+    int (*after_backward)(tdm_module *replica, void *arg);
     /* The optimizer over ps for the options o (a tdm_optim_factory: one per replica). */
     tdm_optim *(*optimizer)(tdm_paramset *ps, void *o);
     /* Writes the task's own files of the model (may be NULL): at each checkpoint into

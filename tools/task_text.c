@@ -90,6 +90,20 @@ static tdm_optim *gpt_optimizer(tdm_paramset *ps, void *arg) {
     return tdm_gpt_adamw_new(ps, &a);
 }
 
+/* --tensor-parallel: Megatron's plan for the GPT with sequence parallelism (the layer norms
+ * and residual adds on each device's tokens only), the vocabulary whole on every device (the
+ * trainer's loss and evaluation take whole logits). */
+static int split_gpt(tdm_module *replica, tdm_group *tp, void *arg) {
+    (void)arg;
+    tdm_gpt_tp_plan plan = {.sequence_parallel = true, .vocab_parallel = false};
+    return tdm_gpt_parallelize(replica, tp, &plan);
+}
+
+static int sync_gpt(tdm_module *replica, void *arg) {
+    (void)arg;
+    return tdm_gpt_sync_grads(replica);
+}
+
 /* DIR/model.bin beside a checkpoint (for tandem sample), or --save at the end. */
 static int save_llmc(const task *t, const train_opts *o, const char *checkpoint_dir,
                      const char *ckpt) {
@@ -127,6 +141,8 @@ int task_text_open(task *t, const train_opts *o, tdm_device dev) {
                 .loss = tdm_gpt_loss,
                 .optimizer = gpt_optimizer,
                 .save = save_llmc,
+                .parallelize = split_gpt,
+                .after_backward = sync_gpt,
                 .loss_label = "next-token cross-entropy",
                 .build = build_gpt,
                 .dev = dev};

@@ -236,6 +236,15 @@ static const opt_spec specs[] = {
     {"--pipeline", "1f1b|gpipe", OPT_STR, F(pipe_schedule), 0, 0, "1f1b",
      "With --model-split: gpipe runs every forward, then every backward (all micro-batches' "
      "activations alive at once); 1f1b alternates them (at most K alive on a stage)."},
+    {"--tensor-parallel", "N", OPT_INT, F(tensor_parallel), 1, TDM_MAX_DEVICES, "1 (none)",
+     "Tensor parallelism (Megatron-LM's; --tp N for short): every N devices of --devices split "
+     "each block of the GPT between them (attention by heads, the MLP's matrices by rows and "
+     "columns, the tokens between them by sequence), so each holds 1/N of its weights, "
+     "gradients and optimizer state and about 1/N of its activations; the devices, a multiple "
+     "of N, form a mesh dp x tp whose rows share each batch as data-parallel replicas. "
+     "Checkpoints hold the whole model and resume under another N or device count. GPT "
+     "models only; not under mpirun, nor with --model-split, --shard, --recompute or "
+     "--check-replicas yet."},
     {"--device-memory", "SIZE", OPT_STR, F(device_memory), 0, 0, "no cap",
      "Caps what Tandem's allocator holds on each device of --devices at SIZE (bytes, or with "
      "K, M, G or T: powers of 1024, as Slurm's --mem; 4G, 512M, 1.5GiB), as a GPU's memory caps "
@@ -365,6 +374,7 @@ static train_opts opts_defaults(void) {
                         .devices = "cpu:0",
                         .timeout = 30,
                         .model_split = 1,
+                        .tensor_parallel = 1,
                         .bucket_cap = 25,
                         .micro_batches = 4,
                         .pipe_schedule = "1f1b",
@@ -606,6 +616,7 @@ static int parse_value(const opt_spec *s, const char *v, train_opts *o) {
 }
 
 static const opt_spec *find_spec(const char *name, size_t len) {
+    if (len == 4 && strncmp(name, "--tp", 4) == 0) name = "--tensor-parallel", len = 17;
     for (int i = 0; i < N_SPECS; i++)
         if (strlen(specs[i].name) == len && strncmp(specs[i].name, name, len) == 0)
             return &specs[i];
@@ -837,6 +848,27 @@ static int check_precision(train_opts *o) {
     return 0;
 }
 
+/* --tensor-parallel N: a GPT over a multiple of N devices, and what it does not work with yet. */
+static int check_tensor_parallel(const train_opts *o, bool text) {
+    int64_t tp = o->tensor_parallel;
+    if (tp == 1) return 0;
+    if (!text)
+        return train_usage_error("--tensor-parallel splits a GPT's blocks; --model %s has no "
+                                 "tensor-parallel plan (use --model-split or data parallelism)",
+                                 o->model);
+    if (o->n_devs % tp)
+        return train_usage_error("--tensor-parallel %lld needs a multiple of %lld devices, "
+                                 "--devices gives %d",
+                                 (long long)tp, (long long)tp, o->n_devs);
+    const char *other = o->model_split > 1              ? "--model-split"
+                        : strcmp(o->shard, "none") != 0 ? "--shard"
+                        : o->recompute                  ? "--recompute"
+                        : o->check_replicas > 0         ? "--check-replicas"
+                                                        : NULL;
+    if (other) return train_usage_error("--tensor-parallel does not work with %s yet", other);
+    return 0;
+}
+
 /* Checks choices and combinations once every option is known. */
 static int check_opts(train_opts *o) {
     static const char *const optimizers[] = {"sgd", "adam", "adamw", NULL};
@@ -909,15 +941,18 @@ static int check_opts(train_opts *o) {
     if (o->n_devs == 0) return train_usage_error("--devices: no device in '%s'", o->devices);
     if (o->batch_per_device && o->batch_size)
         return train_usage_error("--batch-size (global) and --batch-per-device exclude each other");
+    if (check_tensor_parallel(o, text)) return EXIT_USAGE;
     int64_t replicas = o->model_split > 1 && o->n_devs % o->model_split == 0
                            ? o->n_devs / o->model_split
-                           : o->n_devs; /* a bad split is reported below */
+                           : o->n_devs / o->tensor_parallel; /* a bad split: reported below */
     o->batch_size = o->batch_per_device ? o->batch_per_device * replicas
                     : o->batch_size     ? o->batch_size
                                         : 64;
-    if (o->batch_size < o->n_devs)
-        return train_usage_error("--batch-size %lld is smaller than the %d devices sharing it",
-                                 (long long)o->batch_size, o->n_devs);
+    int64_t sharing = o->tensor_parallel > 1 ? replicas : o->n_devs;
+    if (o->batch_size < sharing)
+        return train_usage_error("--batch-size %lld is smaller than the %lld %s sharing it",
+                                 (long long)o->batch_size, (long long)sharing,
+                                 o->tensor_parallel > 1 ? "data-parallel rows" : "devices");
     if (check_precision(o)) return EXIT_USAGE;
     if (o->model_split > 1) {
         static const char *const pipes[] = {"1f1b", "gpipe", NULL};
@@ -1064,8 +1099,9 @@ static int join_mpi(train_opts *o, tdm_group **procs, int *argc, char ***argv) {
     task_rank = tdm_group_rank(*procs);
     tdm_group_set_timeout(*procs, o->timeout);
     if (o->batch_per_device) o->batch_size *= n;
-    if (o->model_split > 1)
-        return train_usage_error("--model-split does not work under mpirun yet");
+    if (o->model_split > 1 || o->tensor_parallel > 1)
+        return train_usage_error("%s does not work under mpirun yet",
+                                 o->model_split > 1 ? "--model-split" : "--tensor-parallel");
     if (o->batch_size % n)
         return train_usage_error("--batch-size %lld does not split evenly over %d processes",
                                  (long long)o->batch_size, n);

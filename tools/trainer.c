@@ -127,6 +127,19 @@ static int make_strategy(trainer *tr) {
         po.devices = o->devices;
         what = "pipeline";
         tr->st = tdm_strategy_pipeline(t->model, &po, t->optimizer, (void *)o);
+    } else if (o->tensor_parallel > 1) {
+        int64_t ctx = t->sizes.gpt.context; /* sequence parallelism splits every window */
+        if (ctx % o->tensor_parallel)
+            return task_error("--tensor-parallel %lld splits each window's tokens between the "
+                              "devices (sequence parallelism): --context %lld does not split "
+                              "into %lld",
+                              (long long)o->tensor_parallel, (long long)ctx,
+                              (long long)o->tensor_parallel);
+        tdm_tp_strategy_opts to = {(int)o->tensor_parallel, t->parallelize, t->after_backward,
+                                   NULL};
+        what = "--tensor-parallel";
+        tr->st = tdm_strategy_tensor_parallel(t->model, o->devs, o->n_devs, &to, t->optimizer,
+                                              (void *)o);
     } else if (o->n_devs > 1 || gpu_procs) {
         what = "data parallel";
         tr->st = tdm_strategy_data_parallel(t->model, o->devs, o->n_devs, tr->g, t->optimizer,
@@ -320,8 +333,10 @@ static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
 static void note_small_work(trainer *tr, uint64_t flops) {
     int procs = tr->g ? tdm_group_size(tr->g) : 1, n = tr->o->n_devs * procs;
     /* tdm_gemm_flops counts the fp32 GEMM only: a bf16 run's products are not in it */
-    if (tr->o->model_split > 1 || n < 2 || tr->dev.type != TDM_CPU || tr->o->quiet ||
-        (double)flops >= SMALL_DEVICE_WORK_FLOPS || strcmp(tr->o->precision, "fp32") != 0)
+    /* a pipeline's and tensor parallelism's products all run on the devices' own threads */
+    if (tr->o->model_split > 1 || tr->o->tensor_parallel > 1 || n < 2 || tr->dev.type != TDM_CPU ||
+        tr->o->quiet || (double)flops >= SMALL_DEVICE_WORK_FLOPS ||
+        strcmp(tr->o->precision, "fp32") != 0)
         return;
     progress_clear(&tr->prog);
     printf("note      %.0f MFLOP of matrix products per device per step: little next to the "
@@ -610,7 +625,8 @@ static tdm_tensor *eval_logits(trainer *tr, tdm_tensor *x) {
 static int evaluate(trainer *tr, epoch_stats *e) {
     double t0 = progress_now();
     /* a pipeline's trained stages back into the model that evaluates */
-    if (tdm_strategy_sync_model(tr->st)) return task_error("pipeline: %s", tdm_last_error());
+    if (tdm_strategy_sync_model(tr->st))
+        return task_error("evaluation: the trained weights: %s", tdm_last_error());
     if (tdm_loader_start_epoch(tr->test_l, 0) != TDM_OK)
         return task_error("test loader: %s", tdm_last_error());
     tdm_module_train(tr->task->model, false);

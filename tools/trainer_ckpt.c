@@ -225,8 +225,14 @@ static int save_checkpoint(trainer *tr) {
                          .meta = meta,
                          .n_meta = n_meta,
                          .run_id = tr->run_id[0] ? tr->run_id : NULL};
+    /* tensor parallelism: the parts made whole in the model and a whole optimizer */
+    tdm_optim *whole = tdm_strategy_holds_parts(tr->st) ? tdm_strategy_optim_gather(tr->st) : NULL;
+    if (tdm_strategy_holds_parts(tr->st) && !whole)
+        return free(ranks), task_error("checkpoint: gathering the parts: %s", tdm_last_error());
+    if (whole) s.optim = whole;
     int rc =
         shards ? save_shards(tr, &s) : tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);
+    tdm_optim_free(whole);
     free(ranks);
     if (shards && rc) return rc; /* reported */
     if (rc != TDM_OK) return task_error("checkpoint: %s", tdm_last_error());
@@ -260,6 +266,9 @@ int trainer_save_checkpoint(trainer *tr) {
 int trainer_save_task(trainer *tr, const char *dir, const char *ckpt) {
     if (!tr->task->save) return 0;
     if (ckpt) return tr->silent ? 0 : tr->task->save(tr->task, tr->o, dir, ckpt);
+    /* the end's: the trained weights into the model (a checkpoint's gathered them already) */
+    if (!dir && tdm_strategy_sync_model(tr->st))
+        return task_error("--save: gathering the trained weights: %s", tdm_last_error());
     int rc = params_whole(tr, true);
     if (rc) return rc;
     rc = tr->silent ? 0 : tr->task->save(tr->task, tr->o, dir, NULL);
@@ -650,14 +659,23 @@ int trainer_resume(trainer *tr) {
     if (gather && (rc = params_whole(tr, true))) return rc;
     int n = tdm_strategy_replicas(tr->st);
     uint64_t seed = tdm_default_rng()->seed;
+    /* tensor parallelism: the whole model and a whole optimizer, then each rank's parts */
+    tdm_optim *whole =
+        tdm_strategy_holds_parts(tr->st) ? tr->task->optimizer(tr->ps, (void *)o) : NULL;
+    if (tdm_strategy_holds_parts(tr->st) && !whole)
+        return task_error("--resume: a whole optimizer to read into: %s", tdm_last_error());
     for (int r = 0; r < n && !rc; r++) {
         tdm_train_state s = {.model = tdm_strategy_replica(tr->st, r),
-                             .optim = tdm_strategy_optim(tr->st, r)};
+                             .optim = whole ? whole : tdm_strategy_optim(tr->st, r)};
         if (r == 0) s.loader = tr->train_l, s.rng = tdm_default_rng();
         if (tdm_checkpoint_load(path, &s) != TDM_OK)
             rc = task_error("--resume from '%s': %s", path, tdm_last_error());
         if (r == 0) tr->global_step = s.step;
     }
+    if (!rc && whole && tdm_strategy_push_whole(tr->st, whole))
+        rc = task_error("--resume from '%s': handing the whole model to the parts: %s", path,
+                        tdm_last_error());
+    tdm_optim_free(whole);
     int rc2 = gather ? params_whole(tr, false) : 0;
     if (rc || rc2) return rc ? rc : rc2;
     int64_t epoch = 0, batch = 0;

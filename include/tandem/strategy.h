@@ -68,9 +68,12 @@ tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
  * rows as DataParallel splits it over devices), averages the gradients over each dp group
  * (DDP), calls o->after_backward after the step's last backward, clips by the whole
  * model's norm (tdm_tp_clip_grad_norm) and steps each rank's optimizer. loss_fn runs on the
- * ranks' threads; every rank of a row gets the same loss. model stays the caller's and whole:
- * tdm_strategy_sync_model gathers the trained weights into it, tdm_strategy_optim_gather
- * also returns a whole optimizer over it, and after a checkpoint is read into them,
+ * ranks' threads; every rank of a row gets the same loss. model stays the caller's and
+ * whole, but idle: so that its device holds no more than the parts, its gradients are given
+ * back here for good (do not run its backward while the strategy lives) and its values at
+ * each step; tdm_strategy_sync_model gathers the trained weights into it (they stay until the
+ * next step), tdm_strategy_optim_gather also returns a whole optimizer over it, and after a
+ * checkpoint is read into them (before the first step or after a sync),
  * tdm_strategy_push_whole hands both back to the ranks (a run may resume on another tp or
  * dp). tdm_strategy_replica(st, 0) is model; tdm_strategy_optim(st, 0) is the first rank's
  * optimizer of its parts (learning rate, step count). No sharding, no bf16 gradient
@@ -206,7 +209,8 @@ bool tdm_strategy_holds_parts(const tdm_strategy *st);
  * strategy's factory makes; NULL: the weights only) handed to the ranks holding their parts,
  * each taking its part of every tensor, after a checkpoint was read into them. Between steps.
  * TDM_OK at once for a strategy that trains the caller's model itself; TDM_ERR_ARG for a NULL
- * st; a rank's error naming it. */
+ * st; TDM_ERR_STATE when a step ran since the last tdm_strategy_sync_model (the model's
+ * values were given back, see tdm_strategy_tensor_parallel); a rank's error naming it. */
 int tdm_strategy_push_whole(tdm_strategy *st, tdm_optim *whole);
 /* Under stage 3, every replica's parameters whole (to save or load the model) until
  * tdm_strategy_release_params shards them again, keeping what was loaded meanwhile.

@@ -64,10 +64,47 @@ typedef struct tensor_parallel {
     bool first, last;     /* a step's first and last micro-batch */
     bool training;        /* a forward round's mode: the caller's model's */
     tdm_optim *whole_opt; /* ROUND_GATHER's and ROUND_SCATTER's whole optimizer, or NULL */
+    bool released;        /* the caller's model's values given back (whole_release) */
 } tensor_parallel;
+
+/* ---- the caller's whole model, held only while it is needed --------------------------------- */
+
+/* The whole model's gradients are given back for good once the ranks have their clones (it
+ * never runs backward), its values from each step until the next gather: the device that
+ * holds it and rank 0's parts then holds no more than the parts while they train. */
+static int whole_release(tensor_parallel *s, bool grads) {
+    tdm_paramset *ps = tdm_module_parameters(s->model);
+    if (!ps) return tdm_last_status();
+    if (grads) {
+        for (int i = 0; i < ps->n; i++) {
+            tdm_tensor_free(ps->params[i]->grad);
+            ps->params[i]->grad = NULL;
+        }
+        return tdm_storage_resize(ps->flat_grad->storage, 0);
+    }
+    s->released = true;
+    return tdm_storage_resize(ps->flat->storage, 0);
+}
+
+/* The whole model's values back (to be overwritten by a gather). */
+static int whole_hold(tensor_parallel *s) {
+    tdm_paramset *ps = tdm_module_parameters(s->model);
+    int rc = ps ? tdm_storage_resize(ps->flat->storage, sizeof(float) * (size_t)ps->total)
+                : tdm_last_status();
+    if (!rc) s->released = false;
+    return rc;
+}
 
 static tdm_group *world_group(tp_rank *r) {
     return tdm_threads_world_group(r->s->world, r->rank);
+}
+
+static void abort_groups(tp_rank *r, const char *why) {
+    char msg[600];
+    snprintf(msg, sizeof msg, "%s", why); /* aborting may raise over the error it came from */
+    tdm_group_abort(world_group(r), msg);
+    if (r->mesh) tdm_group_abort(tdm_mesh_group(r->mesh, "tp"), msg);
+    if (r->mesh) tdm_group_abort(tdm_mesh_group(r->mesh, "dp"), msg);
 }
 
 /* The mesh, the split, the optimizer and DDP over dp: collectives over the ranks. */
@@ -191,8 +228,9 @@ static void *rank_main(void *arg) {
         bool grad = tdm_set_grad_enabled(true);
         int rc = failed ? r->rc : rank_round(r); /* a rank that failed to start stays failed */
         tdm_set_grad_enabled(grad);
-        /* the others may wait for this rank at a collective: they fail now, not at timeout */
-        if (rc && !failed) tdm_group_abort(world_group(r), tdm_last_error());
+        /* the others may wait for this rank at a collective of any of its groups: they fail
+         * now, not at a timeout */
+        if (rc && !failed) abort_groups(r, tdm_last_error());
         pthread_mutex_lock(&s->mu);
         if (rc && !failed) snprintf(r->err, sizeof r->err, "%s", tdm_last_error());
         r->rc = rc;
@@ -238,7 +276,8 @@ static int tp_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss
                          tdm_shape_str(tdm_shape_of(x), a), s->dp);
     s->x = x, s->y = target, s->loss_fn = loss_fn, s->loss_arg = loss_arg;
     s->first = first, s->last = last;
-    int rc = run_round(s, ROUND_STEP);
+    int rc = whole_release(s, false);
+    if (!rc) rc = run_round(s, ROUND_STEP);
     if (loss) { /* every rank of a dp row has its row's loss: take t == 0's */
         double sum = 0;
         int64_t lo, hi;
@@ -290,7 +329,8 @@ static void tp_set_lr(tdm_strategy *st, float lr) {
 static int tp_sync_model(tdm_strategy *st) {
     tensor_parallel *s = (tensor_parallel *)st;
     s->whole_opt = NULL;
-    return run_round(s, ROUND_GATHER);
+    int rc = whole_hold(s);
+    return rc ? rc : run_round(s, ROUND_GATHER);
 }
 
 static tdm_module *tp_replica(tdm_strategy *st, int r) {
@@ -312,7 +352,8 @@ static tdm_optim *tp_optim_gather(tdm_strategy *st) {
     if (!whole) return NULL;
     tdm_optim_set_lr(whole, tdm_optim_lr(s->ranks[0].opt));
     s->whole_opt = whole;
-    int rc = run_round(s, ROUND_GATHER);
+    int rc = whole_hold(s);
+    if (!rc) rc = run_round(s, ROUND_GATHER);
     s->whole_opt = NULL;
     if (rc) tdm_optim_free(whole);
     return rc ? NULL : whole;
@@ -320,6 +361,10 @@ static tdm_optim *tp_optim_gather(tdm_strategy *st) {
 
 static int tp_push_whole(tdm_strategy *st, tdm_optim *whole) {
     tensor_parallel *s = (tensor_parallel *)st;
+    if (s->released)
+        return tdm_raise(TDM_ERR_STATE,
+                         "strategy push_whole: the caller's model holds no weights since the "
+                         "last step; tdm_strategy_sync_model before writing into it");
     s->whole_opt = whole;
     int rc = run_round(s, ROUND_SCATTER);
     s->whole_opt = NULL;
@@ -415,7 +460,9 @@ tdm_strategy *tdm_strategy_tensor_parallel(tdm_module *model, const tdm_device *
                              .ranks = s->dp,
                              .accumulates = true,
                              .holds_parts = true};
-    int rc = (s->world = tdm_threads_world_new(n, devices)) ? TDM_OK : tdm_last_status();
+    /* the whole model's gradients go before the clones come: one copy fewer at once */
+    int rc = whole_release(s, true);
+    if (!rc && !(s->world = tdm_threads_world_new(n, devices))) rc = tdm_last_status();
     /* the clones are made here, before any rank flattens or splits its own */
     for (int i = 0; i < n && !rc; i++) {
         s->ranks[i] = (tp_rank){.s = s, .rank = i, .d = i / s->tp, .t = i % s->tp};

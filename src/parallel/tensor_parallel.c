@@ -62,10 +62,9 @@ static tdm_tensor *record_alias(const char *name, tdm_backward_fn backward, tdm_
 }
 
 static bool check_group(const char *op, tdm_group *g, tdm_tensor *x) {
-    if (!g || !x) {
-        tdm_raise(TDM_ERR_ARG, "%s: NULL %s", op, g ? "input" : "group");
-        return false;
-    }
+    if (!g) tdm_raise(TDM_ERR_ARG, "%s: NULL group", op);
+    if (g && !x) tdm_null_input(op); /* a failed op before: its error stays the one told */
+    if (!g || !x) return false;
     return true;
 }
 

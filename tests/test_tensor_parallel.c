@@ -664,11 +664,14 @@ static float state_diff(tdm_optim *a, tdm_optim *b) {
     return d;
 }
 
-static tdm_strategy *tp_strategy(tdm_module *m, int n, int tp, tdm_gpt_tp_plan *plan) {
+/* n devices at tp 2, clipping at S_CLIP; the optimizer state sharded over dp (ZeRO stage 1)
+ * when `zero`. */
+static tdm_strategy *tp_strategy(tdm_module *m, int n, bool zero, tdm_gpt_tp_plan *plan) {
     tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
-    tdm_tp_strategy_opts o = {tp, split_gpt, sync_gpt, plan};
+    tdm_tp_strategy_opts o = {2, split_gpt, sync_gpt, plan};
     tdm_strategy *st = tdm_strategy_tensor_parallel(m, devs, n, &o, gpt_adamw, NULL);
-    if (st && tdm_strategy_set_clip_grad_norm(st, S_CLIP)) {
+    if (st && (tdm_strategy_set_clip_grad_norm(st, S_CLIP) ||
+               (zero && tdm_strategy_set_shard(st, TDM_SHARD_OPTIMIZER, NULL)))) {
         tdm_strategy_free(st);
         return NULL;
     }
@@ -692,12 +695,23 @@ static void test_strategy(void) {
     if (!rc) rc = strategy_steps(one2, 0, S_STEPS + 1, more);
     last_ref = more[S_STEPS];
     CHECK(rc == TDM_OK, "one device: %s", tdm_last_error());
-    for (int k = 0; !rc && k < 2; k++) {
+    /* dp 1 x tp 2 (resumed on dp 2 x tp 2 with ZeRO stage 1), dp 2 x tp 2 (resumed on tp 2),
+     * dp 2 x tp 2 with ZeRO stage 1 (resumed on tp 2) */
+    for (int k = 0; !rc && k < 3; k++) {
         int n = k ? 4 : 2;
+        bool zero = k == 2;
         tdm_gpt_tp_plan plan = {true, false};
         tdm_rng r2 = tdm_rng_make(5);
         tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &r2);
-        tdm_strategy *st = m ? tp_strategy(m, n, 2, &plan) : NULL;
+        tdm_strategy *st = m ? tp_strategy(m, n, zero, &plan) : NULL;
+        /* rank 0's parts are over half the model (the layer norms and embeddings are whole);
+         * their state sharded over dp 2 is under half */
+        int64_t lo = 0, hi = 0, half = m ? tdm_module_parameters(m)->total / 2 : 0;
+        if (st) tdm_optim_shard_range(tdm_strategy_optim(st, 0), &lo, &hi);
+        CHECK(st && (zero ? hi - lo < half : hi - lo > half) &&
+                  tdm_strategy_shard(st) == (zero ? TDM_SHARD_OPTIMIZER : TDM_SHARD_NONE),
+              "dp %d x tp 2: rank 0 holds the state of %lld elements (the model has %lld)", n / 2,
+              (long long)(hi - lo), (long long)(2 * half));
         float loss[S_STEPS];
         int got = st ? strategy_steps(st, 0, S_STEPS, loss) : tdm_last_status();
         /* the caller's model gave its values back at the first step: nothing to push yet */
@@ -715,16 +729,16 @@ static void test_strategy(void) {
                        : INFINITY;
         float ds = whole ? state_diff(whole, tdm_strategy_optim(one, 0)) : INFINITY;
         CHECK(dl <= MLP_BOUND * 10 && dw <= GPT_BOUND && ds <= GPT_BOUND,
-              "dp %d x tp 2 against one device: losses off by %g, weights %g, state %g", n / 2, dl,
-              dw, ds);
-        printf("strategy dp %d x tp 2 (sequence-parallel, clip %g, a step of 2 micro-batches): "
-               "losses within %.3g, weights %.3g, optimizer state %.3g of one device after %d "
-               "steps\n",
-               n / 2, (double)S_CLIP, dl, dw, ds, S_STEPS);
+              "dp %d x tp 2 (ZeRO %d) against one device: losses off by %g, weights %g, state %g",
+              n / 2, zero, dl, dw, ds);
+        printf("strategy dp %d x tp 2%s (sequence-parallel, clip %g, a step of 2 "
+               "micro-batches): losses within %.3g, weights %.3g, optimizer state %.3g of one "
+               "device after %d steps\n",
+               n / 2, zero ? " ZeRO-1" : "", (double)S_CLIP, dl, dw, ds, S_STEPS);
         /* the whole model and state handed to the other layout, on a model of other weights */
         tdm_rng r3 = tdm_rng_make(77);
         tdm_module *m2 = whole ? tdm_gpt_new(&GCFG, tdm_cpu(0), &r3) : NULL;
-        tdm_strategy *st2 = m2 ? tp_strategy(m2, 6 - n, 2, &plan) : NULL;
+        tdm_strategy *st2 = m2 ? tp_strategy(m2, 6 - n, k == 0, &plan) : NULL;
         tdm_optim *o2 = st2 ? gpt_adamw(tdm_module_parameters(m2), NULL) : NULL;
         const char *names[4];
         tdm_tensor *state[4];
@@ -742,9 +756,9 @@ static void test_strategy(void) {
         CHECK(dn <= GPT_BOUND * 2 && fabsf(next[0] - last_ref) <= MLP_BOUND * 10,
               "resumed on dp %d x tp 2: %s; weights off by %g after one more step", (6 - n) / 2,
               got ? tdm_last_error() : "ran", dn);
-        printf("resumed from dp %d x tp 2 on dp %d x tp 2: weights within %.3g of one device "
-               "one step later\n",
-               n / 2, (6 - n) / 2, dn);
+        printf("resumed from dp %d x tp 2%s on dp %d x tp 2%s: weights within %.3g of one "
+               "device one step later\n",
+               n / 2, zero ? " ZeRO-1" : "", (6 - n) / 2, k == 0 ? " ZeRO-1" : "", dn);
         tdm_optim_free(o2);
         tdm_strategy_free(st2);
         tdm_module_free(m2);

@@ -242,9 +242,10 @@ static const opt_spec specs[] = {
      "columns, the tokens between them by sequence), so each holds 1/N of its weights, "
      "gradients and optimizer state and about 1/N of its activations; the devices, a multiple "
      "of N, form a mesh dp x tp whose rows share each batch as data-parallel replicas. "
-     "Checkpoints hold the whole model and resume under another N or device count. GPT "
-     "models only; not under mpirun, nor with --model-split, --shard, --recompute or "
-     "--check-replicas yet."},
+     "With --shard optimizer each row's devices share their parts' optimizer state (ZeRO "
+     "stage 1). Checkpoints hold the whole model and resume under another N or device count. "
+     "GPT models only; not under mpirun, nor with --model-split, --shard gradients or "
+     "parameters, --recompute or --check-replicas yet."},
     {"--device-memory", "SIZE", OPT_STR, F(device_memory), 0, 0, "no cap",
      "Caps what Tandem's allocator holds on each device of --devices at SIZE (bytes, or with "
      "K, M, G or T: powers of 1024, as Slurm's --mem; 4G, 512M, 1.5GiB), as a GPU's memory caps "
@@ -860,12 +861,15 @@ static int check_tensor_parallel(const train_opts *o, bool text) {
         return train_usage_error("--tensor-parallel %lld needs a multiple of %lld devices, "
                                  "--devices gives %d",
                                  (long long)tp, (long long)tp, o->n_devs);
-    const char *other = o->model_split > 1              ? "--model-split"
-                        : strcmp(o->shard, "none") != 0 ? "--shard"
-                        : o->recompute                  ? "--recompute"
-                        : o->check_replicas > 0         ? "--check-replicas"
-                                                        : NULL;
+    const char *other = o->model_split > 1      ? "--model-split"
+                        : o->recompute          ? "--recompute"
+                        : o->check_replicas > 0 ? "--check-replicas"
+                                                : NULL;
     if (other) return train_usage_error("--tensor-parallel does not work with %s yet", other);
+    if (strcmp(o->shard, "none") != 0 && strcmp(o->shard, "optimizer") != 0)
+        return train_usage_error("--tensor-parallel shards only the optimizer state over its "
+                                 "data-parallel rows yet (--shard optimizer), not the %s",
+                                 o->shard);
     return 0;
 }
 

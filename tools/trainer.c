@@ -710,7 +710,14 @@ static void print_sharding(const trainer *tr) {
     int ranks = o->n_devs * (tr->g ? tdm_group_size(tr->g) : 1);
     bool params = strcmp(o->shard, "parameters") == 0;
     bool grads = params || strcmp(o->shard, "gradients") == 0;
-    if (tdm_strategy_state_split(tr->st)) {
+    if (o->tensor_parallel > 1) { /* each device its parts' state, or its shard of it */
+        int64_t rows = o->n_devs / o->tensor_parallel;
+        printf("sharding  optimizer state %lld bytes per device of %lld (its parts at tensor "
+               "parallel %lld; %s)\n",
+               (long long)m.state, (long long)m.state_whole, (long long)o->tensor_parallel,
+               rows > 1 ? "ZeRO stage 1 over the data-parallel rows"
+                        : "one data-parallel row: nobody to share them with");
+    } else if (tdm_strategy_state_split(tr->st)) {
         printf("sharding  optimizer state %lld bytes per rank of %lld", (long long)m.state,
                (long long)m.state_whole);
         if (grads)

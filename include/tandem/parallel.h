@@ -658,12 +658,14 @@ int tdm_tp_gather_whole(tdm_module *split, tdm_module *whole);
  * part of the whole one in `whole` (a checkpoint read into an unsplit model), the other
  * parameters a copy. Errors as tdm_tp_gather_whole's. */
 int tdm_tp_scatter_whole(tdm_module *split, tdm_module *whole);
-/* The same for an optimizer's state: so steps split's parameters (tdm_module_parameters(split),
- * not sharded), wo the whole model's, of the same kind. Gather writes every state buffer
+/* The same for an optimizer's state: so steps split's parameters (tdm_module_parameters(split)),
+ * wo the whole model's, of the same kind. Gather writes every state buffer
  * (exp_avg, exp_avg_sq, momentum_buffer, ...) of wo from the ranks' parts and takes so's step
  * count (a collective over the groups as tdm_tp_gather_whole; whole and wo NULL: take part
- * only); scatter gives so its parts of wo's buffers and wo's step count. TDM_ERR_ARG for
- * NULLs or optimizers of different kinds or buffers, TDM_ERR_STATE for a sharded so. */
+ * only); scatter gives so its parts of wo's buffers and wo's step count (a so sharded over
+ * data-parallel ranks, tdm_optim_shard, takes its range of them). TDM_ERR_ARG for NULLs or
+ * optimizers of different kinds or buffers, TDM_ERR_STATE for gathering from a sharded so
+ * (tdm_optim_gather it first). */
 int tdm_tp_gather_state(tdm_module *split, tdm_optim *so, tdm_module *whole, tdm_optim *wo);
 int tdm_tp_scatter_state(tdm_module *split, tdm_optim *so, tdm_module *whole, tdm_optim *wo);
 /* clip_grad_norm_ for a split model: the norm is the whole model's (the squares of every

@@ -76,8 +76,10 @@ tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
  * checkpoint is read into them (before the first step or after a sync),
  * tdm_strategy_push_whole hands both back to the ranks (a run may resume on another tp or
  * dp). tdm_strategy_replica(st, 0) is model; tdm_strategy_optim(st, 0) is the first rank's
- * optimizer of its parts (learning rate, step count). No sharding, no bf16 gradient
- * averaging, no fp16 loss scaling yet (each refused naming it). NULL and an error naming the
+ * optimizer of its parts (learning rate, step count). tdm_strategy_set_shard with
+ * TDM_SHARD_OPTIMIZER shards each rank's optimizer state over its dp group (ZeRO stage 1;
+ * nothing at dp 1); the other stages, bf16 gradient averaging and fp16 loss scaling are
+ * refused naming it. NULL and an error naming the
  * device and mesh coordinates of a rank that failed to set up. */
 typedef struct {
     int tp; /* the tensor-parallel degree: n must be a multiple */

@@ -22,7 +22,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef enum { ROUND_INIT, ROUND_STEP, ROUND_FORWARD, ROUND_GATHER, ROUND_SCATTER } round_kind;
+typedef enum {
+    ROUND_INIT,
+    ROUND_STEP,
+    ROUND_FORWARD,
+    ROUND_GATHER,
+    ROUND_SCATTER,
+    ROUND_SHARD
+} round_kind;
 
 typedef struct tp_rank {
     struct tensor_parallel *s;
@@ -183,14 +190,21 @@ static int rank_forward(tp_rank *r) {
  * 0 take part in its collectives; the other rows hold the same parts), or whole to parts. */
 static int rank_whole(tp_rank *r, bool gather) {
     tensor_parallel *s = r->s;
-    if (gather && r->d > 0) return TDM_OK;
-    tdm_module *whole = gather && r->rank > 0 ? NULL : s->model;
-    tdm_optim *wo = whole ? s->whole_opt : NULL;
-    int rc =
-        gather ? tdm_tp_gather_whole(r->replica, whole) : tdm_tp_scatter_whole(r->replica, whole);
-    if (!rc && (s->whole_opt || gather))
-        rc = gather ? (s->whole_opt ? tdm_tp_gather_state(r->replica, r->opt, whole, wo) : TDM_OK)
-                    : tdm_tp_scatter_state(r->replica, r->opt, whole, wo);
+    if (!gather) { /* each rank its part, of its shard under ZeRO (no communication) */
+        int rc = tdm_tp_scatter_whole(r->replica, s->model);
+        return rc || !s->whole_opt
+                   ? rc
+                   : tdm_tp_scatter_state(r->replica, r->opt, s->model, s->whole_opt);
+    }
+    /* ZeRO over dp: the parts' state whole first (a collective over the dp group) */
+    tdm_optim *parts =
+        s->whole_opt && s->base.shard != TDM_SHARD_NONE ? tdm_optim_gather(r->opt) : r->opt;
+    int rc = parts ? TDM_OK : tdm_last_status();
+    tdm_module *whole = r->rank > 0 ? NULL : s->model;
+    if (!rc && r->d == 0) rc = tdm_tp_gather_whole(r->replica, whole);
+    if (!rc && r->d == 0 && s->whole_opt)
+        rc = tdm_tp_gather_state(r->replica, parts, whole, whole ? s->whole_opt : NULL);
+    if (parts != r->opt) tdm_optim_free(parts);
     return rc;
 }
 
@@ -206,6 +220,8 @@ static int rank_round(tp_rank *r) {
         return rank_whole(r, true);
     case ROUND_SCATTER:
         return rank_whole(r, false);
+    case ROUND_SHARD:
+        return tdm_ddp_set_shard(r->ddp, r->opt, TDM_SHARD_OPTIMIZER);
     }
     return TDM_ERR_STATE;
 }
@@ -307,6 +323,22 @@ static int tp_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
     return rc;
 }
 
+/* ZeRO stage 1 over each dp group: every rank of a row holds its shard of its parts' state. */
+static int tp_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn units_of) {
+    (void)units_of;
+    tensor_parallel *s = (tensor_parallel *)st;
+    if (kind != TDM_SHARD_OPTIMIZER)
+        return tdm_raise(TDM_ERR_ARG,
+                         "strategy set_shard: with tensor parallelism only the optimizer "
+                         "state is sharded over the data-parallel rows yet (ZeRO stage 1), not "
+                         "the %s",
+                         kind == TDM_SHARD_GRADIENTS ? "gradients" : "parameters");
+    if (s->dp == 1) return TDM_OK; /* nobody to share with */
+    int rc = run_round(s, ROUND_SHARD);
+    if (!rc) st->shard = kind;
+    return rc;
+}
+
 static int tp_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt) {
     (void)st;
     if (dt == TDM_F32) return TDM_OK;
@@ -405,6 +437,7 @@ static void tp_destroy(tdm_strategy *st) {
 static const tdm_strategy_ops tensor_parallel_ops = {
     .step = tp_step,
     .forward = tp_forward,
+    .set_shard = tp_set_shard,
     .set_reduce_dtype = tp_set_reduce_dtype,
     .set_scaler = tp_set_scaler,
     .set_lr = tp_set_lr,

@@ -655,7 +655,8 @@ int tdm_tp_scatter_whole(tdm_module *split, tdm_module *whole) {
 }
 
 /* Each state buffer of so with the same-named one of wo (wo NULL: gathering, this rank only
- * takes part) moved along a walk of the two models; steps follow. */
+ * takes part) moved along a walk of the two models; steps follow. A sharded so (ZeRO over the
+ * data-parallel ranks) takes its range of its parts' whole buffers when scattering. */
 static int walk_state(bool gather, tdm_module *split, tdm_optim *so, tdm_module *whole,
                       tdm_optim *wo) {
     const char *op = gather ? "tp_gather_state" : "tp_scatter_state";
@@ -664,9 +665,10 @@ static int walk_state(bool gather, tdm_module *split, tdm_optim *so, tdm_module 
     const char *sn[4], *wn[4] = {0};
     tdm_tensor *st[4], *wt[4] = {0};
     int n = tdm_optim_state(so, sn, st, 4), m = wo ? tdm_optim_state(wo, wn, wt, 4) : n;
-    int64_t lo, hi;
-    if (tdm_optim_shard_range(so, &lo, &hi) || hi - lo != tdm_module_parameters(split)->total)
-        return tdm_raise(TDM_ERR_STATE, "%s: a sharded optimizer (gather its state first)", op);
+    int64_t lo, hi, total = tdm_module_parameters(split)->total;
+    bool sharded = tdm_optim_shard_range(so, &lo, &hi) == TDM_OK && hi - lo != total;
+    if (sharded && gather)
+        return tdm_raise(TDM_ERR_STATE, "%s: a sharded optimizer (tdm_optim_gather it first)", op);
     if (wo && (m != n || strcmp(tdm_optim_kind(so), tdm_optim_kind(wo)) != 0))
         return tdm_raise(TDM_ERR_ARG, "%s: a %s and a %s optimizer", op, tdm_optim_kind(so),
                          tdm_optim_kind(wo));
@@ -676,10 +678,13 @@ static int walk_state(bool gather, tdm_module *split, tdm_optim *so, tdm_module 
         while (wo && j < m && strcmp(wn[j], sn[k]) != 0) j++;
         if (wo && j == m)
             return tdm_raise(TDM_ERR_ARG, "%s: the whole optimizer has no %s", op, sn[k]);
+        tdm_tensor *mine = sharded ? tdm_zeros(TDM_SHAPE(total), TDM_F32, split->device) : st[k];
         walk w = {gather,
-                  {tdm_module_parameters(split), st[k]},
+                  {tdm_module_parameters(split), mine},
                   {wo ? tdm_module_parameters(whole) : NULL, wo ? wt[j] : NULL}};
-        rc = run_walk(&w, split, whole);
+        rc = mine ? run_walk(&w, split, whole) : tdm_last_status();
+        if (!rc && sharded) rc = tdm_optim_state_load(so, sn[k], mine);
+        if (sharded) tdm_tensor_free(mine);
     }
     if (!rc && wo)
         rc = gather ? tdm_optim_set_steps(wo, tdm_optim_steps(so))

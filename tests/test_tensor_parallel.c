@@ -608,10 +608,17 @@ static tdm_optim *gpt_adamw(tdm_paramset *ps, void *arg) {
     return tdm_gpt_adamw_new(ps, &o);
 }
 
-/* The mean loss of the rows, divided by the micro-batches (*(int *)arg). */
+static tdm_tensor *whole_gpt(tdm_module *m, tdm_tensor *out, void *arg) {
+    (void)arg;
+    return tdm_gpt_whole_logits(m, out);
+}
+
+/* The mean loss of the rows, divided by the micro-batches (*(int *)arg); from the rank's
+ * columns of the logits under vocabulary parallelism. */
 static tdm_tensor *gpt_loss_fn(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
     (void)row0;
-    tdm_tensor *l = tdm_gpt_loss(out, target);
+    tdm_module *part = tdm_strategy_loss_module();
+    tdm_tensor *l = part ? tdm_gpt_loss_of(part, out, target) : tdm_gpt_loss(out, target);
     int k = *(int *)arg;
     return k > 1 && l ? tdm_mul_scalar(l, 1.0f / (float)k) : l;
 }
@@ -668,7 +675,11 @@ static float state_diff(tdm_optim *a, tdm_optim *b) {
  * when `zero`. */
 static tdm_strategy *tp_strategy(tdm_module *m, int n, bool zero, tdm_gpt_tp_plan *plan) {
     tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
-    tdm_tp_strategy_opts o = {2, split_gpt, sync_gpt, plan};
+    tdm_tp_strategy_opts o = {.tp = 2,
+                              .parallelize = split_gpt,
+                              .after_backward = sync_gpt,
+                              .whole_output = whole_gpt,
+                              .arg = plan};
     tdm_strategy *st = tdm_strategy_tensor_parallel(m, devs, n, &o, gpt_adamw, NULL);
     if (st && (tdm_strategy_set_clip_grad_norm(st, S_CLIP) ||
                (zero && tdm_strategy_set_shard(st, TDM_SHARD_OPTIMIZER, NULL)))) {
@@ -700,7 +711,7 @@ static void test_strategy(void) {
     for (int k = 0; !rc && k < 3; k++) {
         int n = k ? 4 : 2;
         bool zero = k == 2;
-        tdm_gpt_tp_plan plan = {true, false};
+        tdm_gpt_tp_plan plan = {true, k == 1}; /* dp 2 x tp 2 with the vocabulary split too */
         tdm_rng r2 = tdm_rng_make(5);
         tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &r2);
         tdm_strategy *st = m ? tp_strategy(m, n, zero, &plan) : NULL;
@@ -731,10 +742,29 @@ static void test_strategy(void) {
         CHECK(dl <= MLP_BOUND * 10 && dw <= GPT_BOUND && ds <= GPT_BOUND,
               "dp %d x tp 2 (ZeRO %d) against one device: losses off by %g, weights %g, state %g",
               n / 2, zero, dl, dw, ds);
-        printf("strategy dp %d x tp 2%s (sequence-parallel, clip %g, a step of 2 "
+        printf("strategy dp %d x tp 2%s (sequence-parallel%s, clip %g, a step of 2 "
                "micro-batches): losses within %.3g, weights %.3g, optimizer state %.3g of one "
                "device after %d steps\n",
-               n / 2, zero ? " ZeRO-1" : "", (double)S_CLIP, dl, dw, ds, S_STEPS);
+               n / 2, zero ? " ZeRO-1" : "", k == 1 ? ", vocabulary-parallel" : "", (double)S_CLIP,
+               dl, dw, ds, S_STEPS);
+        /* the evaluation forward: whole logits [B, T, V] joined from the rows (the vocabulary's
+         * columns gathered first at k == 1), one device's within float rounding */
+        float dout = INFINITY;
+        if (whole) {
+            int64_t tok[S_B * G_T];
+            for (int i = 0; i < S_B * G_T; i++) tok[i] = (i * 7) % GCFG.vocab;
+            bool grad = tdm_set_grad_enabled(false);
+            tdm_scope_begin();
+            tdm_tensor *x = i64(TDM_SHAPE(S_B, G_T), tok), *out = NULL;
+            tdm_tensor *want = tdm_module_forward(ref, x);
+            if (tdm_strategy_forward(st, x, &out) == TDM_OK && want &&
+                tdm_numel(out) == (int64_t)S_B * G_T * GCFG.vocab)
+                dout = flat_diff(out, want);
+            tdm_scope_end();
+            tdm_set_grad_enabled(grad);
+        }
+        CHECK(dout <= 1e-4f, "dp %d x tp 2: the evaluation forward's logits off by %g (%s)", n / 2,
+              dout, tdm_last_error());
         /* the whole model and state handed to the other layout, on a model of other weights */
         tdm_rng r3 = tdm_rng_make(77);
         tdm_module *m2 = whole ? tdm_gpt_new(&GCFG, tdm_cpu(0), &r3) : NULL;
@@ -771,7 +801,7 @@ static void test_strategy(void) {
     /* refused: devices that are not a multiple of tp, no plan */
     tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), NULL);
     tdm_device devs[3] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2)};
-    tdm_tp_strategy_opts o = {2, split_gpt, NULL, NULL};
+    tdm_tp_strategy_opts o = {.tp = 2, .parallelize = split_gpt};
     CHECK(!tdm_strategy_tensor_parallel(m, devs, 3, &o, gpt_adamw, NULL) &&
               strstr(tdm_last_error(), "3 devices are not a multiple of tp 2"),
           "3 devices at tp 2: %s", tdm_last_error());

@@ -51,6 +51,9 @@ struct task {
      * its gradients up after backward (may be NULL); parallelize NULL: the model has none. */
     int (*parallelize)(tdm_module *replica, tdm_group *tp, void *arg);
     int (*after_backward)(tdm_module *replica, void *arg);
+    tdm_tensor *(*whole_output)(tdm_module *replica, tdm_tensor *out, void *arg); /* or NULL */
+    /* The loss from a split replica's output (tdm_strategy_loss_module), or NULL: loss. */
+    tdm_tensor *(*loss_of)(tdm_module *replica, tdm_tensor *out, const tdm_tensor *target);
     /* The optimizer over ps for the options o (a tdm_optim_factory: one per replica). */
     tdm_optim *(*optimizer)(tdm_paramset *ps, void *o);
     /* Writes the task's own files of the model (may be NULL): at each checkpoint into

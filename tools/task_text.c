@@ -91,12 +91,21 @@ static tdm_optim *gpt_optimizer(tdm_paramset *ps, void *arg) {
 }
 
 /* --tensor-parallel: Megatron's plan for the GPT with sequence parallelism (the layer norms
- * and residual adds on each device's tokens only), the vocabulary whole on every device (the
- * trainer's loss and evaluation take whole logits). */
+ * and residual adds on each device's tokens only) and, where the padded vocabulary splits over
+ * the devices, vocabulary parallelism (each device its rows of the embedding and its columns of
+ * the logits: the loss from the parts, tdm_gpt_loss_of; evaluation gathers them). */
 static int split_gpt(tdm_module *replica, tdm_group *tp, void *arg) {
     (void)arg;
-    tdm_gpt_tp_plan plan = {.sequence_parallel = true, .vocab_parallel = false};
+    const tdm_gpt_config *c = tdm_gpt_config_of(replica);
+    int vp = c ? (c->padded_vocab ? c->padded_vocab : c->vocab) : 0;
+    tdm_gpt_tp_plan plan = {.sequence_parallel = true,
+                            .vocab_parallel = vp % tdm_group_size(tp) == 0};
     return tdm_gpt_parallelize(replica, tp, &plan);
+}
+
+static tdm_tensor *whole_logits(tdm_module *replica, tdm_tensor *out, void *arg) {
+    (void)arg;
+    return tdm_gpt_whole_logits(replica, out);
 }
 
 static int sync_gpt(tdm_module *replica, void *arg) {
@@ -143,6 +152,8 @@ int task_text_open(task *t, const train_opts *o, tdm_device dev) {
                 .save = save_llmc,
                 .parallelize = split_gpt,
                 .after_backward = sync_gpt,
+                .whole_output = whole_logits,
+                .loss_of = tdm_gpt_loss_of,
                 .loss_label = "next-token cross-entropy",
                 .build = build_gpt,
                 .dev = dev};

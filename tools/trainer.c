@@ -136,7 +136,7 @@ static int make_strategy(trainer *tr) {
                               (long long)o->tensor_parallel, (long long)ctx,
                               (long long)o->tensor_parallel);
         tdm_tp_strategy_opts to = {(int)o->tensor_parallel, t->parallelize, t->after_backward,
-                                   NULL};
+                                   t->whole_output, NULL};
         what = "--tensor-parallel";
         tr->st = tdm_strategy_tensor_parallel(t->model, o->devs, o->n_devs, &to, t->optimizer,
                                               (void *)o);
@@ -284,7 +284,9 @@ static int record_on_device(trainer *tr, tdm_tensor *out, tdm_tensor *loss) {
  * straight into the host chunk at their rows (the step returns the loss there). */
 static tdm_tensor *step_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
     trainer *tr = arg;
-    tdm_tensor *loss = tr->task->loss(out, target), *pred = NULL;
+    tdm_module *part = tr->task->loss_of ? tdm_strategy_loss_module() : NULL; /* split model */
+    tdm_tensor *loss = part ? tr->task->loss_of(part, out, target) : tr->task->loss(out, target);
+    tdm_tensor *pred = NULL;
     tdm_tensor *scaled =
         loss && tr->accum > 1 ? tdm_mul_scalar(loss, 1.0f / (float)tr->accum) : loss;
     if (!scaled || (!tr->task->accuracy && !tr->loss_on_caller)) return scaled;

@@ -81,6 +81,12 @@ int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, const tdm_gpt_tp_plan *pla
 /* The mean cross-entropy of m's logits against targets: tdm_gpt_loss, or for a GPT split with
  * vocab_parallel tdm_tp_cross_entropy over the ranks' columns (the same scalar everywhere). */
 tdm_tensor *tdm_gpt_loss_of(tdm_module *m, tdm_tensor *logits, const tdm_tensor *targets);
+/* The whole logits [B, T, V] from m's: for a GPT split with vocab_parallel every rank's
+ * columns gathered and the padding cut off (a collective over tp: every rank calls it; the
+ * same tensor on each), else logits itself. For evaluation and sampling; training takes the
+ * loss from the parts (tdm_gpt_loss_of). NULL and an error for a module that is not a GPT or a
+ * failed gather. */
+tdm_tensor *tdm_gpt_whole_logits(tdm_module *m, tdm_tensor *logits);
 /* With sequence_parallel, each rank also keeps only its part [r T/n, (r+1) T/n) of the tokens
  * between the split layers (the layer norms and residual adds work on 1/n of the activations;
  * T must split over the ranks), and the gradients of the layer norms and of the row-parallel

@@ -58,6 +58,12 @@ tdm_strategy *tdm_strategy_distributed(tdm_module *model, tdm_group *g, const td
 tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
                                     tdm_optim_factory make_optim, void *optim_arg);
 
+/* Inside a loss_fn that tdm_strategy_tensor_parallel's step calls, the rank's split model
+ * whose output it got (its loss may need the model: tdm_gpt_loss_of over vocabulary-parallel
+ * logits, each rank's columns); NULL on any other thread or outside loss_fn, where the output
+ * is the whole model's. */
+tdm_module *tdm_strategy_loss_module(void);
+
 /* Tensor parallelism composed with data parallelism over this process's n devices, laid out
  * as a mesh dp x tp (dp = n / tp; row-major as tdm_mesh_new: devices 0 .. tp-1 are one
  * tensor-parallel group, devices 0, tp, 2 tp, ... one data-parallel group). Each device gets
@@ -89,6 +95,10 @@ typedef struct {
     /* After a step's last backward, before clipping and the update (NULL: nothing), e.g.
      * tdm_gpt_sync_grads under sequence parallelism. */
     int (*after_backward)(tdm_module *replica, void *arg);
+    /* The whole model's output from a rank's, in tdm_strategy_forward (a collective over tp:
+     * every rank of a row calls it), e.g. tdm_gpt_whole_logits under vocabulary parallelism;
+     * NULL: a rank's output is whole already. */
+    tdm_tensor *(*whole_output)(tdm_module *replica, tdm_tensor *out, void *arg);
     void *arg;
 } tdm_tp_strategy_opts;
 tdm_strategy *tdm_strategy_tensor_parallel(tdm_module *model, const tdm_device *devices, int n,

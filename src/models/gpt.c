@@ -147,6 +147,16 @@ tdm_tensor *tdm_gpt_loss(tdm_tensor *logits, const tdm_tensor *targets) {
     return tdm_cross_entropy(flat, tg, NULL);
 }
 
+tdm_tensor *tdm_gpt_whole_logits(tdm_module *m, tdm_tensor *logits) {
+    const gpt_state *st = tdm_gpt_config_of(m) ? m->impl : NULL;
+    if (!st) return tdm_raise_null(TDM_ERR_ARG, "gpt_whole_logits: not a GPT");
+    if (!logits) return tdm_null_input("gpt_whole_logits");
+    if (!st->vocab) return logits;
+    /* every rank's columns in rank order: [B, T, Vp], then the padding cut off */
+    tdm_tensor *all = tdm_tp_gather(st->tp, logits);
+    return all ? tdm_slice(all, all->ndim - 1, 0, st->c.vocab, 1) : NULL;
+}
+
 tdm_tensor *tdm_gpt_loss_of(tdm_module *m, tdm_tensor *logits, const tdm_tensor *targets) {
     const gpt_state *st = tdm_gpt_config_of(m) ? m->impl : NULL;
     if (!st) return tdm_raise_null(TDM_ERR_ARG, "gpt_loss_of: not a GPT");

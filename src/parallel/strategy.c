@@ -118,6 +118,16 @@ tdm_optim *tdm_strategy_optim_gather(tdm_strategy *st) {
                                  : tdm_optim_gather(st->ops->optim(st, 0));
 }
 
+static _Thread_local tdm_module *loss_module;
+
+tdm_module *tdm_strategy_loss_module(void) {
+    return loss_module;
+}
+
+void tdm_strategy_set_loss_module(tdm_module *m) {
+    loss_module = m;
+}
+
 bool tdm_strategy_holds_parts(const tdm_strategy *st) {
     return st && st->holds_parts;
 }

@@ -83,6 +83,9 @@ struct tdm_strategy {
     int n_hooks;
 };
 
+/* The module tdm_strategy_loss_module returns on this thread (NULL clears it). */
+void tdm_strategy_set_loss_module(tdm_module *m);
+
 /* ---- mixed precision, for strategy.c and the strategies' steps (strategy_amp.c) ---------- */
 
 /* Installs (dt not TDM_F32) or removes the autocast hooks on every forward module of st,

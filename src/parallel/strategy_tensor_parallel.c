@@ -150,7 +150,9 @@ static int rank_step(tp_rank *r) {
     tdm_tensor *out = !xs || !ys ? NULL
                       : r->ddp   ? tdm_ddp_forward(r->ddp, xs)
                                  : tdm_module_forward(r->replica, xs);
+    tdm_strategy_set_loss_module(r->replica);
     tdm_tensor *loss = out ? s->loss_fn(out, ys, lo, s->loss_arg) : NULL;
+    tdm_strategy_set_loss_module(NULL);
     /* DDP averages over dp rows; each weighted by its share of the batch */
     tdm_tensor *scaled =
         loss ? tdm_mul_scalar(loss, (float)((double)(hi - lo) * s->dp / (double)b)) : NULL;
@@ -178,6 +180,7 @@ static int rank_forward(tp_rank *r) {
     tdm_scope_begin();
     tdm_tensor *xs = tdm_to_device(tdm_slice(s->x, 0, lo, hi, 1), r->replica->device);
     tdm_tensor *out = xs ? tdm_module_forward(r->replica, xs) : NULL;
+    if (out && s->o.whole_output) out = s->o.whole_output(r->replica, out, s->o.arg);
     int rc = out ? TDM_OK : tdm_last_status();
     if (out && r->t == 0) r->out = tdm_scope_keep(out);
     tdm_scope_end();

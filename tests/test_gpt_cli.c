@@ -283,6 +283,14 @@ static void test_tensor_parallel(void) {
            "device -> dp 2 x tp 2 ZeRO-1), %.2g (dp 2 x tp 2 ZeRO-1 -> tp 2) of one device's "
            "after 12 steps\n",
            dw, dr[0], dr[1], dr[2]);
+    /* bf16 autocast on every rank's thread, the vocabulary-parallel loss in f32: one device's
+     * losses to bf16's rounding */
+    r = TP_RUN("6", "--precision", "bf16");
+    n = losses(r->out, ref, 4);
+    CHECK(r->status == 0 && n == 2, "bf16, one device: %s", r->err);
+    r = TP_RUN("6", "--precision", "bf16", "--devices", "2", "--tp", "2");
+    CHECK(r->status == 0 && losses(r->out, got, 4) == 2, "bf16 at tp 2: %s", r->err);
+    for (int i = 0; i < n; i++) CHECK_CLOSE(got[i], ref[i], 2e-2, 0);
     /* under a cap of 8 MiB a device, a GPT that needs ~10.4 on one trains with ~6.2 on two */
     r = TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "2", "--channels", "128",
                "--context", "32", "--batch-size", "4", "--max-steps", "2", "--workers", "0",

@@ -832,6 +832,8 @@ tdm_tensor *tdm_tp_cross_entropy(tdm_group *tp, tdm_tensor *logits, const tdm_te
                               tdm_tensor_shape_str(logits, a), tdm_tensor_shape_str(target, b));
     int n = tdm_group_size(tp), r = tdm_group_rank(tp);
     int64_t m = logits->shape[0], k = logits->shape[1];
+    /* in f32 whatever the logits' dtype, as autocast runs PyTorch's cross_entropy */
+    if (logits->dtype != TDM_F32 && !(logits = tdm_to_dtype(logits, TDM_F32))) return NULL;
     /* every row's maximum over the whole vocabulary, a constant: it cancels in the loss and
      * only keeps exp() in range */
     bool grad = tdm_set_grad_enabled(false);

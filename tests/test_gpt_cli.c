@@ -301,6 +301,15 @@ static void test_tensor_parallel(void) {
                "--context", "32", "--batch-size", "4", "--max-steps", "2", "--workers", "0",
                "--device-memory", "8M", "--devices", "2", "--tp", "2");
     CHECK(r->status == 0, "two capped devices at tp 2: %s", r->err);
+    /* and capped lower (~5.4 MB fit the whole model's build, ~6.2 MB the step), a rank runs out
+     * inside a step: the error is its allocation's, named with its device and mesh place (its
+     * peers, waiting in a collective, are stopped, not left to time out) */
+    r = TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "2", "--channels", "128",
+               "--context", "32", "--batch-size", "4", "--max-steps", "2", "--workers", "0",
+               "--device-memory", "5600K", "--devices", "2", "--tp", "2");
+    CHECK(r->status == 1 && strstr(r->err, "training step: tensor_parallel: cpu:") &&
+              strstr(r->err, "is out of memory") && !strstr(r->err, "NULL"),
+          "a rank out of memory in a step: %d %s", r->status, r->err);
     /* refused, naming why */
     const struct {
         const char *a, *b, *c, *d, *want;

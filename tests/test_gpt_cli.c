@@ -279,6 +279,19 @@ static void test_tensor_parallel(void) {
         dr[k] = model_diff(res1, one);
         CHECK(dr[k] <= 1e-5, "resume case %d: weights off by %g", k, dr[k]);
     }
+    /* tandem eval reads a tensor-parallel run's checkpoint as any other: case 1 ended on dp 2
+     * x tp 2, case 0 on one device, both at step 12 */
+    char dir0[320], dir1[320], l0[64] = "", l1[64] = "";
+    snprintf(dir0, sizeof dir0, "%s-0", d1), snprintf(dir1, sizeof dir1, "%s-1", d1);
+    for (int k = 0; k < 2; k++) {
+        r = TANDEM("eval", "--weights", k ? dir1 : dir0, "--model", "gpt", "--data", text_path,
+                   "--layers", "2", "--heads", "4", "--channels", "16", "--context", "8");
+        const char *at = strstr(r->out, "next-token loss ");
+        CHECK(r->status == 0 && at, "tandem eval of resume case %d: %s %s", k, r->out, r->err);
+        if (at) snprintf(k ? l1 : l0, 64, "%.22s", at);
+    }
+    CHECK(l0[0] && !strcmp(l0, l1), "tandem eval: '%s' (one device) against '%s' (dp 2 x tp 2)", l0,
+          l1);
     printf("tensor parallel: weights within %.2g (tp 2), %.2g (tp 2 -> one device), %.2g (one "
            "device -> dp 2 x tp 2 ZeRO-1), %.2g (dp 2 x tp 2 ZeRO-1 -> tp 2) of one device's "
            "after 12 steps\n",

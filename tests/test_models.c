@@ -224,8 +224,8 @@ static char *squeeze(char *s) {
     return s;
 }
 
-/* Every row in `tandem --help`, `tandem train --help` (with its help line's start) and, for
- * an image model, `tandem eval --help`; an unknown --model names them all. */
+/* Every row in `tandem --help`, `tandem train --help` (with its help line's start) and
+ * `tandem eval --help`; an unknown --model names them all. */
 static void test_help(const char *tandem) {
     char *top, *train, *ev, *err;
     run(tandem, (const char *[]){"--help", NULL}, &top, &err), free(err);
@@ -238,8 +238,7 @@ static void test_help(const char *tandem) {
         snprintf(start, sizeof start, "%s (%s):", r->name, r->input);
         CHECK(strstr(top, line), "tandem --help does not list %s", r->name);
         CHECK(strstr(squeeze(train), start), "tandem train --help does not describe %s", r->name);
-        CHECK((strstr(ev, r->name) != NULL) == (r->task == TDM_TASK_IMAGE),
-              "tandem eval --help and %s", r->name);
+        CHECK(strstr(ev, r->name) != NULL, "tandem eval --help does not list %s", r->name);
     }
     free(top), free(train), free(ev);
     char *out;

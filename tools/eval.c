@@ -1,6 +1,8 @@
 /* `tandem eval`: test loss and accuracy of saved weights (a .safetensors file written by
  * `tandem train --checkpoint-dir`, by tdm_weights_save, or by PyTorch for the same
- * nn.Sequential), on the test split of the data `tandem train` uses. */
+ * nn.Sequential), on the test split of the data `tandem train` uses; for a GPT, the
+ * next-token loss and accuracy over the windows of a text (a checkpoint of any data or tensor
+ * parallel layout: they are all written whole). */
 #include "eval.h"
 
 #include <errno.h>
@@ -17,17 +19,22 @@
 typedef struct {
     const char *weights, *model, *data, *eval_transform;
     int64_t limit, batch_size, image_size;
+    int64_t layers, heads, channels, context, vocab; /* a GPT's, as tandem train's */
+    bool batch_given;
 } eval_opts;
 
 void eval_help(FILE *out) {
-    char names[256];
+    char names[256], text[64];
     tdm_model_list(TDM_TASK_IMAGE, "|", names, sizeof names);
+    tdm_model_list(TDM_TASK_TEXT, "|", text, sizeof text);
     fprintf(
         out,
         "NAME\n    tandem eval - test loss and accuracy of saved weights\n\n"
         "SYNOPSIS\n    tandem eval --weights FILE [--model NAME] [--data fashion-mnist|DIR|...]\n"
         "                [--image-size S] [--eval-transform STEPS] [--limit N]\n"
-        "                [--batch-size B]\n\n"
+        "                [--batch-size B]\n"
+        "    tandem eval --weights FILE --model %s --data FILE [--layers N] [--heads N]\n"
+        "                [--channels N] [--context T] [--vocab V] [--limit N] [--batch-size B]\n\n"
         "OPTIONS\n"
         "    --weights FILE\n"
         "        A .safetensors file of the model's parameters under PyTorch's names (from\n"
@@ -36,25 +43,31 @@ void eval_help(FILE *out) {
         "        the shard files of a sharded run (--shard under mpirun), or\n"
         "        a run's --checkpoint-dir (its newest checkpoint).\n"
         "        Required.\n"
-        "    --model %s\n"
+        "    --model %s|%s\n"
         "        The network the weights belong to (see tandem train --help). Default: %s.\n"
+        "        For a GPT, --layers, --heads, --channels, --context and --vocab give its\n"
+        "        shape as they gave it to tandem train, and --data a text or token shard:\n"
+        "        the next-token loss and accuracy over its windows are printed (a\n"
+        "        checkpoint of a --tensor-parallel or data-parallel run is the whole model\n"
+        "        like any other).\n"
         "    --data fashion-mnist|DIR|cifar10:DIR|cifar100:DIR\n"
         "        As for tandem train; the test split is used. Default: fashion-mnist.\n"
         "    --image-size S, --eval-transform STEPS|PRESET\n"
         "        As for tandem train: the test images' size and transforms. Default: the\n"
         "        data's.\n"
         "    --limit N\n"
-        "        Use the first N/6 test samples (at least 1), as tandem train --limit N does.\n"
+        "        Use the first N/6 test samples (at least 1), as tandem train --limit N does\n"
+        "        (a GPT: the first N windows).\n"
         "        Default: all.\n"
         "    --batch-size B\n"
-        "        Samples per forward pass. Default: 1000.\n\n"
+        "        Samples (a GPT: windows) per forward pass. Default: 1000 (a GPT: 8).\n\n"
         "OUTPUT\n    One line: test loss, accuracy and the number of samples.\n\n"
         "EXIT STATUS\n    0 success, 1 runtime error (unreadable or mismatched weights), 2 "
         "usage error.\n\n"
         "EXAMPLES\n"
         "    tandem train --model cnn --checkpoint-dir runs/cnn\n"
         "    tandem eval --model cnn --weights runs/cnn/ckpt-0000000938/model.safetensors\n",
-        names, tdm_model_at(0)->name);
+        text, names, text, tdm_model_at(0)->name);
 }
 
 static int usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -93,9 +106,13 @@ static int parse(int argc, char **argv, eval_opts *o) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) return -1;
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        static const char *const gpt[] = {"--layers", "--heads", "--channels", "--context",
+                                          "--vocab"};
+        int g = 0;
+        while (g < 5 && strcmp(a, gpt[g]) != 0) g++;
         bool known = !strcmp(a, "--weights") || !strcmp(a, "--model") || !strcmp(a, "--data") ||
                      !strcmp(a, "--limit") || !strcmp(a, "--batch-size") ||
-                     !strcmp(a, "--image-size") || !strcmp(a, "--eval-transform");
+                     !strcmp(a, "--image-size") || !strcmp(a, "--eval-transform") || g < 5;
         if (!known) return usage("unknown option or argument '%s'", a);
         if (!v || !*v) return usage("%s needs a value", a);
         i++;
@@ -112,18 +129,29 @@ static int parse(int argc, char **argv, eval_opts *o) {
             rc = parse_int(a, v, 1, &o->limit);
         else if (!strcmp(a, "--image-size"))
             rc = parse_int(a, v, 8, &o->image_size);
+        else if (g < 5)
+            rc = parse_int(
+                a, v, 1,
+                (int64_t *[]){&o->layers, &o->heads, &o->channels, &o->context, &o->vocab}[g]);
         else
-            rc = parse_int(a, v, 1, &o->batch_size);
+            rc = parse_int(a, v, 1, &o->batch_size), o->batch_given = true;
         if (rc) return rc;
     }
     if (!o->weights) return usage("--weights FILE is required");
     const tdm_model_info *row = tdm_model_find(o->model);
     char names[256];
-    if (!row || row->task != TDM_TASK_IMAGE)
-        return usage(row ? "--model %s: a language model, which has no test split to evaluate "
-                           "(expected one of %s)"
-                         : "--model: unknown model '%s' (expected one of %s)",
-                     o->model, tdm_model_list(TDM_TASK_IMAGE, ", ", names, sizeof names));
+    if (!row)
+        return usage("--model: unknown model '%s' (expected one of %s)", o->model,
+                     tdm_model_list(-1, ", ", names, sizeof names));
+    bool text = row->task == TDM_TASK_TEXT,
+         shaped = o->layers || o->heads || o->channels || o->context || o->vocab;
+    if (!text && shaped)
+        return usage("--layers, --heads, --channels, --context and --vocab apply to --model %s",
+                     tdm_model_list(TDM_TASK_TEXT, " or ", names, sizeof names));
+    if (text && (o->image_size || o->eval_transform))
+        return usage("--image-size and --eval-transform apply to image models, not %s", o->model);
+    if (text && !strcmp(o->data, "fashion-mnist"))
+        return usage("--model %s needs --data FILE (a text, or an llm.c token shard)", o->model);
     return 0;
 }
 
@@ -144,14 +172,19 @@ static int run_eval(tdm_module *m, tdm_loader *l, double *loss_sum, int64_t *cor
             rc = -1;
             break;
         }
-        /* x [B, 1, 28, 28] -> logits [B, 10] */
-        tdm_tensor *logits = tdm_module_forward(m, b.x), *pred = NULL;
-        tdm_tensor *ce = logits ? tdm_cross_entropy(logits, b.y, &sum) : NULL;
+        /* images: x [B, 1, 28, 28] -> logits [B, 10]; a GPT's tokens: x [B, T] -> logits
+         * [B, T, V], scored as B T rows of V against the next tokens y [B, T] */
+        int64_t rows = tdm_numel(b.y);
+        tdm_tensor *out = tdm_module_forward(m, b.x), *pred = NULL;
+        tdm_tensor *logits =
+            out ? tdm_reshape(out, TDM_SHAPE(rows, out->shape[out->ndim - 1])) : NULL;
+        tdm_tensor *yr = tdm_reshape(b.y, TDM_SHAPE(rows));
+        tdm_tensor *ce = logits && yr ? tdm_cross_entropy(logits, yr, &sum) : NULL;
         float loss = ce ? tdm_item(ce) : NAN;
-        int64_t *p = malloc(sizeof *p * (size_t)b.size), *y = malloc(sizeof *y * (size_t)b.size);
-        size_t bytes = sizeof *p * (size_t)b.size;
+        int64_t *p = malloc(sizeof *p * (size_t)rows), *y = malloc(sizeof *y * (size_t)rows);
+        size_t bytes = sizeof *p * (size_t)rows;
         if (!p || !y || !ce || !tdm_max(logits, 1, false, &pred) || tdm_to_host(pred, p, bytes) ||
-            tdm_to_host(b.y, y, bytes)) {
+            tdm_to_host(yr, y, bytes)) {
             snprintf(why, cap, "%s", !p || !y ? "out of memory" : tdm_last_error());
             rc = -1;
         } else if (isnan(loss)) { /* finite weights (task_check_finite), outputs that are not */
@@ -161,9 +194,9 @@ static int run_eval(tdm_module *m, tdm_loader *l, double *loss_sum, int64_t *cor
                      (long long)*n, (long long)(*n + b.size - 1), (double)loss);
             rc = -1;
         }
-        for (int64_t i = 0; !rc && i < b.size; i++) *correct += p[i] == y[i];
+        for (int64_t i = 0; !rc && i < rows; i++) *correct += p[i] == y[i];
         *loss_sum += loss;
-        *n += b.size;
+        *n += rows;
         free(p);
         free(y);
         tdm_scope_end();
@@ -196,17 +229,25 @@ int eval_main(int argc, char **argv) {
                      .limit = o.limit,
                      .image_size = o.image_size,
                      .transform = NULL, /* the training split is opened, never read */
-                     .eval_transform = o.eval_transform};
+                     .eval_transform = o.eval_transform,
+                     .layers = o.layers,
+                     .heads = o.heads,
+                     .channels = o.channels,
+                     .context = o.context,
+                     .vocab = o.vocab};
     task t;
     task_program = "tandem eval";
-    if (task_image_open(&t, &to, tdm_cpu(0)) || t.build(&t, &to)) {
+    bool text = tdm_model_find(o.model)->task == TDM_TASK_TEXT;
+    if ((text ? task_text_open(&t, &to, tdm_cpu(0)) : task_image_open(&t, &to, tdm_cpu(0))) ||
+        t.build(&t, &to)) {
         task_free(&t);
         return EXIT_RUNTIME;
     }
     tdm_module *m = t.model;
-    tdm_loader_opts lo = tdm_loader_defaults(o.batch_size);
+    /* a GPT's windows of the text (it has no test split), a few at a time */
+    tdm_loader_opts lo = tdm_loader_defaults(text && !o.batch_given ? 8 : o.batch_size);
     lo.transform = t.test_tf;
-    tdm_loader *l = tdm_loader_new(t.test, &lo);
+    tdm_loader *l = tdm_loader_new(text ? t.train : t.test, &lo);
     rc = EXIT_OK;
     if (!l) {
         rc = fail("setting up the test data of --data '%s': %s", o.data, tdm_last_error());
@@ -221,8 +262,9 @@ int eval_main(int argc, char **argv) {
         if (run_eval(m, l, &loss, &correct, &n, why, sizeof why))
             rc = fail("evaluation of '%s': %s", path, why);
         else
-            printf("test loss %.4f acc %5.2f%%  (%lld samples, %s, %s)\n", loss / (double)n,
-                   100.0 * (double)correct / (double)n, (long long)n, o.model, path);
+            printf("%s loss %.4f acc %5.2f%%  (%lld %s, %s, %s)\n", text ? "next-token" : "test",
+                   loss / (double)n, 100.0 * (double)correct / (double)n, (long long)n,
+                   text ? "tokens" : "samples", o.model, path);
     }
     tdm_loader_free(l);
     task_free(&t);

@@ -861,6 +861,11 @@ static int check_tensor_parallel(const train_opts *o, bool text) {
         return train_usage_error("--tensor-parallel %lld needs a multiple of %lld devices, "
                                  "--devices gives %d",
                                  (long long)tp, (long long)tp, o->n_devs);
+    for (int i = 0; i < o->n_devs; i++)
+        if (o->devs[i].type != TDM_CPU)
+            return train_usage_error("--tensor-parallel runs on CPU devices for now: its GPU "
+                                     "collectives (NCCL groups per mesh dimension) are not "
+                                     "written yet");
     const char *other = o->model_split > 1      ? "--model-split"
                         : o->recompute          ? "--recompute"
                         : o->check_replicas > 0 ? "--check-replicas"

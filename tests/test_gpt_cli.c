@@ -314,7 +314,16 @@ static void test_tensor_parallel(void) {
                "--context", "32", "--batch-size", "4", "--max-steps", "2", "--workers", "0",
                "--device-memory", "8M", "--devices", "2", "--tp", "2");
     CHECK(r->status == 0, "two capped devices at tp 2: %s", r->err);
-    /* and capped lower (~5.4 MB fit the whole model's build, ~6.2 MB the step), a rank runs out
+    /* and writes checkpoints there: the whole model and optimizer are gathered on the host */
+    char capped[320];
+    snprintf(capped, sizeof capped, "%s-capped", d1);
+    r = TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "2", "--channels", "128",
+               "--context", "32", "--batch-size", "4", "--max-steps", "2", "--workers", "0",
+               "--device-memory", "8M", "--devices", "2", "--tp", "2", "--checkpoint-dir", capped,
+               "--checkpoint-every", "1");
+    CHECK(r->status == 0 && count_ckpts(capped) == 2, "checkpoints of capped devices: %d %s",
+          count_ckpts(capped), r->err);
+    /* and capped lower (~4 MB fit a rank's clone and split, ~6.1 MB the step), a rank runs out
      * inside a step: the error is its allocation's, named with its device and mesh place (its
      * peers, waiting in a collective, are stopped, not left to time out) */
     r = TANDEM("train", "--model", "gpt", "--data", text_path, "--layers", "2", "--channels", "128",

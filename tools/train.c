@@ -1122,6 +1122,19 @@ static int join_mpi(train_opts *o, tdm_group **procs, int *argc, char ***argv) {
     return 0;
 }
 
+/* Where --tensor-parallel keeps the whole model, which its devices train the parts of (and
+ * a checkpoint's whole optimizer): the first CPU device not in --devices, whose memory
+ * --device-memory does not cap, as a GPU run's would be the host's. */
+static tdm_device host_device(const train_opts *o) {
+    for (int k = 0; k < TDM_MAX_DEVICES; k++) {
+        bool used = false;
+        for (int i = 0; i < o->n_devs && !used; i++)
+            used = tdm_device_equal(o->devs[i], tdm_cpu(k));
+        if (!used) return tdm_cpu(k);
+    }
+    return o->devs[0];
+}
+
 int train_main(int argc, char **argv) {
     train_opts o;
     int rc = train_parse_args(argc, argv, &o);
@@ -1138,7 +1151,7 @@ int train_main(int argc, char **argv) {
         if (tdm_device_set_memory_limit(o.devs[i], o.device_memory_bytes))
             return train_usage_error("--device-memory: %s", tdm_last_error());
     task t = {0}; /* task_free is safe on what a failed open leaves */
-    rc = task_open(&t, &o, o.devs[0]);
+    rc = task_open(&t, &o, o.tensor_parallel > 1 ? host_device(&o) : o.devs[0]);
     if (!rc) rc = trainer_run(&o, &t, procs);
     task_free(&t);
     bool clean = rc == 0 || rc > 128; /* finished, or stopped by a signal with a checkpoint */

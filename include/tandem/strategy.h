@@ -67,7 +67,7 @@ tdm_module *tdm_strategy_loss_module(void);
 /* Tensor parallelism composed with data parallelism over this process's n devices, laid out
  * as a mesh dp x tp (dp = n / tp; row-major as tdm_mesh_new: devices 0 .. tp-1 are one
  * tensor-parallel group, devices 0, tp, 2 tp, ... one data-parallel group). Each device gets
- * a clone of model (which must be on devices[0]) and runs it on a thread of its own, where
+ * a clone of model and runs it on a thread of its own, where
  * o->parallelize splits it over its tp group (tdm_gpt_parallelize, or the caller's own plan with
  * tdm_column_linear_from and the rest) before its optimizer is made over its parts. A step
  * gives every rank of data-parallel row d the same rows of the batch (the batch split over dp
@@ -75,7 +75,9 @@ tdm_module *tdm_strategy_loss_module(void);
  * (DDP), calls o->after_backward after the step's last backward, clips by the whole
  * model's norm (tdm_tp_clip_grad_norm) and steps each rank's optimizer. loss_fn runs on the
  * ranks' threads; every rank of a row gets the same loss. model stays the caller's and
- * whole, but idle: so that its device holds no more than the parts, its gradients are given
+ * whole, on any device: the host's (a CPU device outside devices, where tandem train puts it)
+ * keeps the devices' memory for the parts, and a checkpoint's whole optimizer off them. It
+ * is idle: so that its device holds no more than it needs, its gradients are given
  * back here for good (do not run its backward while the strategy lives) and its values at
  * each step; tdm_strategy_sync_model gathers the trained weights into it (they stay until the
  * next step), tdm_strategy_optim_gather also returns a whole optimizer over it, and after a

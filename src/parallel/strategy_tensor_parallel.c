@@ -456,7 +456,7 @@ static const tdm_strategy_ops tensor_parallel_ops = {
 
 static int check_args(const tdm_module *model, const tdm_device *devices, int n,
                       const tdm_tp_strategy_opts *o, tdm_optim_factory make_optim) {
-    char a[16], b[16];
+    char a[16];
     if (!model || !devices || !o || !o->parallelize || !make_optim)
         return tdm_raise(TDM_ERR_ARG, "strategy tensor_parallel: NULL model, devices, options, "
                                       "parallelize or optimizer factory");
@@ -465,11 +465,6 @@ static int check_args(const tdm_module *model, const tdm_device *devices, int n,
                          "strategy tensor_parallel: %d devices are not a multiple of tp %d (at "
                          "most %d devices)",
                          n, o->tp, TDM_MAX_DEVICES);
-    if (!tdm_device_equal(model->device, devices[0]))
-        return tdm_raise(TDM_ERR_DEVICE,
-                         "strategy tensor_parallel: the model is on %s, "
-                         "devices[0] is %s",
-                         tdm_device_str(model->device, a), tdm_device_str(devices[0], b));
     for (int i = 0; i < n; i++)
         for (int j = 0; j < i; j++)
             if (tdm_device_equal(devices[i], devices[j]))

@@ -610,8 +610,8 @@ static int walk_param(const walk *w, tdm_module *split, tdm_module *whole, int i
                          (long long)tdm_numel(q), (long long)expect);
     tdm_tensor *ps = on_side(&w->split, p), *qs = q ? on_side(&w->whole, q) : NULL;
     if (!ps || (q && !qs)) return tdm_last_status();
-    if (w->gather)
-        return dim < 0 ? (qs ? tdm_copy_(qs, ps) : TDM_OK)
+    if (w->gather) /* (whole may be on another device: the host's) */
+        return dim < 0 ? (qs ? tdm_copy_(qs, tdm_to_device(ps, qs->device)) : TDM_OK)
                        : gather_param(g, ps, qs, dim == 1, blocks);
     tdm_tensor *mine =
         dim < 0 ? qs : part_of(qs, dim, blocks, tdm_group_size(g), tdm_group_rank(g));

@@ -244,8 +244,9 @@ static const opt_spec specs[] = {
      "of N, form a mesh dp x tp whose rows share each batch as data-parallel replicas. "
      "With --shard optimizer each row's devices share their parts' optimizer state (ZeRO "
      "stage 1). Checkpoints hold the whole model and resume under another N or device count. "
-     "GPT models only; not under mpirun, nor with --model-split, --shard gradients or "
-     "parameters, --recompute or --check-replicas yet."},
+     "With --recompute each device runs its blocks' forwards again in backward, collectives "
+     "included. GPT models only; not under mpirun, nor with --model-split, --shard gradients "
+     "or parameters, or --check-replicas yet."},
     {"--device-memory", "SIZE", OPT_STR, F(device_memory), 0, 0, "no cap",
      "Caps what Tandem's allocator holds on each device of --devices at SIZE (bytes, or with "
      "K, M, G or T: powers of 1024, as Slurm's --mem; 4G, 512M, 1.5GiB), as a GPU's memory caps "
@@ -867,7 +868,6 @@ static int check_tensor_parallel(const train_opts *o, bool text) {
                                      "collectives (NCCL groups per mesh dimension) are not "
                                      "written yet");
     const char *other = o->model_split > 1      ? "--model-split"
-                        : o->recompute          ? "--recompute"
                         : o->check_replicas > 0 ? "--check-replicas"
                                                 : NULL;
     if (other) return train_usage_error("--tensor-parallel does not work with %s yet", other);

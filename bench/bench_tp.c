@@ -54,7 +54,6 @@ static int train(run *rn, tdm_module *m, tdm_ddp *d, tdm_device dev, int rows, i
         tdm_tensor *l = tdm_gpt_loss(logits, idx);
         rc = l ? tdm_optim_zero_grad(opt) : -1;
         if (!rc) rc = d ? tdm_ddp_backward(d, l) : tdm_backward(l);
-        if (!rc) rc = tdm_gpt_sync_grads(m);
         if (!rc) rc = tdm_optim_step(opt);
         if (!rc) tdm_item(l); /* the step is done when its loss is read */
         tdm_scope_end();

@@ -44,7 +44,6 @@ static int try_rank(tdm_rank_ctx *ctx, void *arg) {
         tdm_tensor *l = idx ? tdm_gpt_loss_of(m, tdm_gpt_forward(m, idx), idx) : NULL;
         rc = l ? tdm_optim_zero_grad(opt) : tdm_last_status();
         if (!rc) rc = tdm_backward(l);
-        if (!rc) rc = tdm_gpt_sync_grads(m);
         if (!rc) rc = tdm_optim_step(opt);
         tdm_scope_end();
     }

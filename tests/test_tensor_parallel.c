@@ -462,7 +462,6 @@ static int train_gpt(tdm_module *m, float *loss) {
         tdm_tensor *l = tdm_gpt_loss_of(m, tdm_gpt_forward(m, idx), tg);
         rc = l ? tdm_optim_zero_grad(opt) : tdm_last_status();
         if (!rc) rc = tdm_backward(l);
-        if (!rc) rc = tdm_gpt_sync_grads(m);
         if (!rc) rc = tdm_optim_step(opt);
         if (!rc) loss[s] = tdm_item(l);
         tdm_scope_end();
@@ -596,11 +595,6 @@ static int split_gpt(tdm_module *m, tdm_group *tp, void *arg) {
     return tdm_gpt_parallelize(m, tp, arg);
 }
 
-static int sync_gpt(tdm_module *m, void *arg) {
-    (void)arg;
-    return tdm_gpt_sync_grads(m);
-}
-
 static tdm_optim *gpt_adamw(tdm_paramset *ps, void *arg) {
     (void)arg;
     tdm_adam_opts o = tdm_adamw_defaults();
@@ -675,11 +669,8 @@ static float state_diff(tdm_optim *a, tdm_optim *b) {
  * when `zero`. */
 static tdm_strategy *tp_strategy(tdm_module *m, int n, bool zero, tdm_gpt_tp_plan *plan) {
     tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
-    tdm_tp_strategy_opts o = {.tp = 2,
-                              .parallelize = split_gpt,
-                              .after_backward = sync_gpt,
-                              .whole_output = whole_gpt,
-                              .arg = plan};
+    tdm_tp_strategy_opts o = {
+        .tp = 2, .parallelize = split_gpt, .whole_output = whole_gpt, .arg = plan};
     tdm_strategy *st = tdm_strategy_tensor_parallel(m, devs, n, &o, gpt_adamw, NULL);
     if (st && (tdm_strategy_set_clip_grad_norm(st, S_CLIP) ||
                (zero && tdm_strategy_set_shard(st, TDM_SHARD_OPTIMIZER, NULL)))) {

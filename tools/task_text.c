@@ -108,11 +108,6 @@ static tdm_tensor *whole_logits(tdm_module *replica, tdm_tensor *out, void *arg)
     return tdm_gpt_whole_logits(replica, out);
 }
 
-static int sync_gpt(tdm_module *replica, void *arg) {
-    (void)arg;
-    return tdm_gpt_sync_grads(replica);
-}
-
 /* DIR/model.bin beside a checkpoint (for tandem sample), or --save at the end. */
 static int save_llmc(const task *t, const train_opts *o, const char *checkpoint_dir,
                      const char *ckpt) {
@@ -151,7 +146,6 @@ int task_text_open(task *t, const train_opts *o, tdm_device dev) {
                 .optimizer = gpt_optimizer,
                 .save = save_llmc,
                 .parallelize = split_gpt,
-                .after_backward = sync_gpt,
                 .whole_output = whole_logits,
                 .loss_of = tdm_gpt_loss_of,
                 .loss_label = "next-token cross-entropy",

@@ -70,7 +70,11 @@ tdm_tensor *tdm_gpt_loss(tdm_tensor *logits, const tdm_tensor *targets);
  * not split over the ranks, TDM_ERR_STATE when m is already listed or split. tp must outlive
  * m. */
 typedef struct {
-    bool sequence_parallel; /* below */
+    /* Each rank also keeps only its part [r T/n, (r+1) T/n) of the tokens between the split
+     * layers (the layer norms and residual adds work on 1/n of the activations; T must split
+     * over the ranks); the layer norms' and the row-parallel biases' gradients, each rank's
+     * tokens' part, are summed over tp in backward, so every rank ends with the whole ones. */
+    bool sequence_parallel;
     /* wte split by rows over the ranks (padded_vocab must split), the token lookup summed
      * (tdm_tp_embedding) and the tied head giving each rank its columns of the logits, [B, T,
      * Vp/n] (the padding's at -1e30), never gathered: the loss is then tdm_gpt_loss_of's */
@@ -87,13 +91,6 @@ tdm_tensor *tdm_gpt_loss_of(tdm_module *m, tdm_tensor *logits, const tdm_tensor 
  * loss from the parts (tdm_gpt_loss_of). NULL and an error for a module that is not a GPT or a
  * failed gather. */
 tdm_tensor *tdm_gpt_whole_logits(tdm_module *m, tdm_tensor *logits);
-/* With sequence_parallel, each rank also keeps only its part [r T/n, (r+1) T/n) of the tokens
- * between the split layers (the layer norms and residual adds work on 1/n of the activations;
- * T must split over the ranks), and the gradients of the layer norms and of the row-parallel
- * biases are then each rank's tokens' parts: call tdm_gpt_sync_grads(m) after each backward,
- * before the optimizer step, to sum them over tp (a collective over tp; TDM_OK at once without
- * sequence parallelism). */
-int tdm_gpt_sync_grads(tdm_module *m);
 
 /* AdamW over ps with o's hyper-parameters, except that weight decay applies only to
  * parameters of 2 or more dims (matrices and embeddings; not biases or LayerNorm), as llm.c

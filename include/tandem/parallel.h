@@ -626,9 +626,11 @@ tdm_module *tdm_row_linear_from(const tdm_module *linear, bool input_is_parallel
 /* Sequence parallelism for such a layer (dim >= 0; -1 turns it off): a column-parallel layer
  * then takes its input split along dim and gathers it (tdm_tp_seq_gather), a row-parallel one
  * reduce-scatters its output along dim (tdm_tp_seq_reduce_scatter) and adds its bias to its
- * part, so the bias's gradient, like a layer norm's between them, is this rank's tokens' only:
- * sum it over the ranks before the optimizer step (tdm_gpt_sync_grads does for the GPT). Not
- * for a layer whose output (column) or input (row) is whole. TDM_OK or TDM_ERR_ARG. */
+ * part through tdm_tp_copy, so the bias's gradient is summed over the ranks in backward. A
+ * layer norm between such layers sees each rank's tokens only: give it its weight and bias
+ * through tdm_tp_copy too (tdm_layer_norm(x, 1, tdm_tp_copy(tp, w), tdm_tp_copy(tp, b), eps),
+ * as tdm_gpt_parallelize does). Not for a layer whose output (column) or input (row) is
+ * whole. TDM_OK or TDM_ERR_ARG. */
 int tdm_tp_linear_set_sequence_dim(tdm_module *layer, int dim);
 /* Vocabulary parallelism (Megatron's VocabParallelEmbedding and parallel cross-entropy,
  * PyTorch's loss_parallel): rank r holds rows [r k, (r+1) k) of an embedding weight [n k, C]

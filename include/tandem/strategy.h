@@ -95,7 +95,7 @@ typedef struct {
      * (a collective over tp). TDM_OK or an error. */
     int (*parallelize)(tdm_module *replica, tdm_group *tp, void *arg);
     /* After a step's last backward, before clipping and the update (NULL: nothing), e.g.
-     * tdm_gpt_sync_grads under sequence parallelism. */
+     * a sum over tp of gradients the plan's layers leave partial. */
     int (*after_backward)(tdm_module *replica, void *arg);
     /* The whole model's output from a rank's, in tdm_strategy_forward (a collective over tp:
      * every rank of a row calls it), e.g. tdm_gpt_whole_logits under vocabulary parallelism;

@@ -315,6 +315,29 @@ tdm_module *tdm_gpt_new(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng)
 
 /* ---- tensor parallelism ------------------------------------------------------------------- */
 
+/* A layer norm between the split layers under sequence parallelism: it sees this rank's tokens
+ * only, so its weight and bias enter through tp_copy, which sums their gradients over the
+ * ranks in backward: each rank then holds the whole gradient, as without. impl: the group (not
+ * owned; a copy would share it, so it cannot be cloned). */
+static tdm_tensor *seq_norm_forward(tdm_module *m, tdm_tensor *x) {
+    tdm_group *tp = m->impl;
+    return tdm_layer_norm(x, 1, tdm_tp_copy(tp, m->params[0]), tdm_tp_copy(tp, m->params[1]),
+                          1e-5f);
+}
+
+static const tdm_module_ops seq_norm_ops = {"LayerNorm", seq_norm_forward, NULL};
+
+/* A sequence-parallel copy of layer norm ln (the GPT's: weight, bias, eps 1e-5). */
+static tdm_module *seq_norm_from(const tdm_module *ln, tdm_group *tp) {
+    tdm_module *m = tdm_module_new(&seq_norm_ops, ln->device, tp);
+    bool grad = tdm_set_grad_enabled(false);
+    int rc = m ? tdm_module_add_param(m, "weight", tdm_clone(ln->params[0])) : tdm_last_status();
+    if (!rc) rc = tdm_module_add_param(m, "bias", tdm_clone(ln->params[1]));
+    tdm_set_grad_enabled(grad);
+    if (rc) tdm_module_free(m);
+    return rc ? NULL : m;
+}
+
 /* parent's child i becomes repl (the old one freed); the error of a NULL repl otherwise. */
 static int replace(tdm_module *parent, int i, tdm_module *repl) {
     if (!repl) return tdm_last_status();
@@ -363,53 +386,16 @@ int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, const tdm_gpt_tp_plan *pla
                                 mlp->children[MLP_C_FC], mlp->children[MLP_C_PROJ]};
         for (int k = 0; k < 4 && !rc && sequence_parallel; k++)
             rc = tdm_tp_linear_set_sequence_dim(split[k], 1); /* [B, T, C]: T */
+        tdm_module *b = h->children[l];
+        for (int k = BL_LN1; k <= BL_LN2 && !rc && sequence_parallel; k += BL_LN2 - BL_LN1)
+            rc = replace(b, k, seq_norm_from(b->children[k], tp));
     }
     tdm_module *tr = m->children[0];
+    if (!rc && sequence_parallel) rc = replace(tr, TR_LNF, seq_norm_from(tr->children[TR_LNF], tp));
     if (!rc && plan->vocab_parallel)
         rc = replace(tr, TR_WTE, tdm_vocab_embedding_from(tr->children[TR_WTE], tp));
     gpt_state *st = m->impl;
     if (!rc) st->tp = tp, st->seq = sequence_parallel, st->vocab = plan->vocab_parallel;
-    return rc;
-}
-
-/* The parameters whose gradient is a sum over the tokens applied after a row-parallel layer's
- * reduce-scatter: each rank's holds its tokens' part (the layer norms, the row biases). */
-static int sequence_params(tdm_module *m, tdm_tensor **out, int cap) {
-    tdm_module *tr = m->children[0], *h = tr->children[TR_H];
-    int n = 0;
-    for (int l = 0; l <= h->n_children; l++) {
-        tdm_module *b = l < h->n_children ? h->children[l] : NULL;
-        tdm_module *mods[4] = {b ? b->children[BL_LN1] : tr->children[TR_LNF],
-                               b ? b->children[BL_LN2] : NULL,
-                               b ? b->children[BL_ATTN]->children[AT_C_PROJ] : NULL,
-                               b ? b->children[BL_MLP]->children[MLP_C_PROJ] : NULL};
-        for (int k = 0; k < 4; k++) {
-            if (!mods[k]) continue;
-            for (int p = k < 2 ? 0 : 1; p < mods[k]->n_params && n < cap; p++)
-                out[n++] = mods[k]->params[p];
-        }
-    }
-    return n;
-}
-
-int tdm_gpt_sync_grads(tdm_module *m) {
-    const gpt_state *st = tdm_gpt_config_of(m) ? m->impl : NULL;
-    if (!st) return tdm_raise(TDM_ERR_ARG, "gpt_sync_grads: not a GPT");
-    if (!st->seq) return TDM_OK;
-    int cap = 6 * (st->c.layers + 1), n, rc = TDM_OK;
-    tdm_tensor **ps = malloc(sizeof *ps * (size_t)cap);
-    tdm_work **ws = malloc(sizeof *ws * (size_t)cap);
-    if (!ps || !ws) rc = tdm_raise(TDM_ERR_NOMEM, "gpt_sync_grads: out of memory");
-    n = rc ? 0 : sequence_params(m, ps, cap);
-    for (int i = 0; i < n; i++) { /* every reduction launched, then waited for */
-        tdm_collective_label("sequence-parallel gradient %d", i);
-        ws[i] = ps[i]->grad ? tdm_all_reduce(st->tp, ps[i]->grad, TDM_SUM) : NULL;
-    }
-    for (int i = 0; i < n; i++) {
-        int w = ws[i] ? tdm_work_wait(ws[i]) : TDM_OK;
-        if (!rc) rc = w;
-    }
-    free(ps), free(ws);
     return rc;
 }
 

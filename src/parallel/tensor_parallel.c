@@ -379,7 +379,9 @@ static tdm_tensor *tp_linear_forward(tdm_module *m, tdm_tensor *x) {
     /* this rank's partial product [..., out] is read by no backward (the product's reads its
      * inputs, the reduction's nothing): its memory goes back now, not at the step's end */
     if (y && p) release(p);
-    return b ? tdm_add(y, b) : y;
+    /* under sequence parallelism the bias meets this rank's tokens only: its gradient is summed
+     * over the ranks in backward (tp_copy), so each holds the whole one, as without */
+    return b ? tdm_add(y, seq ? tdm_tp_copy(l->tp, b) : b) : y;
 }
 
 static void tp_linear_destroy(tdm_module *m) {

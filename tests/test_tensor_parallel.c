@@ -665,15 +665,16 @@ static float state_diff(tdm_optim *a, tdm_optim *b) {
     return d;
 }
 
-/* n devices at tp 2, clipping at S_CLIP; the optimizer state sharded over dp (ZeRO stage 1)
- * when `zero`. */
-static tdm_strategy *tp_strategy(tdm_module *m, int n, bool zero, tdm_gpt_tp_plan *plan) {
+/* n devices at tp 2, clipping at S_CLIP; sharded over dp when zero is 1 (the optimizer
+ * state, ZeRO stage 1) or 2 (the averaged gradient too). */
+static tdm_strategy *tp_strategy(tdm_module *m, int n, int zero, tdm_gpt_tp_plan *plan) {
     tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
     tdm_tp_strategy_opts o = {
         .tp = 2, .parallelize = split_gpt, .whole_output = whole_gpt, .arg = plan};
     tdm_strategy *st = tdm_strategy_tensor_parallel(m, devs, n, &o, gpt_adamw, NULL);
     if (st && (tdm_strategy_set_clip_grad_norm(st, S_CLIP) ||
-               (zero && tdm_strategy_set_shard(st, TDM_SHARD_OPTIMIZER, NULL)))) {
+               (zero && tdm_strategy_set_shard(
+                            st, zero == 2 ? TDM_SHARD_GRADIENTS : TDM_SHARD_OPTIMIZER, NULL)))) {
         tdm_strategy_free(st);
         return NULL;
     }
@@ -698,10 +699,9 @@ static void test_strategy(void) {
     last_ref = more[S_STEPS];
     CHECK(rc == TDM_OK, "one device: %s", tdm_last_error());
     /* dp 1 x tp 2 (resumed on dp 2 x tp 2 with ZeRO stage 1), dp 2 x tp 2 (resumed on tp 2),
-     * dp 2 x tp 2 with ZeRO stage 1 (resumed on tp 2) */
-    for (int k = 0; !rc && k < 3; k++) {
-        int n = k ? 4 : 2;
-        bool zero = k == 2;
+     * dp 2 x tp 2 with ZeRO stage 1, and 2 (each resumed on tp 2) */
+    for (int k = 0; !rc && k < 4; k++) {
+        int n = k ? 4 : 2, zero = k >= 2 ? k - 1 : 0;
         tdm_gpt_tp_plan plan = {true, k == 1}; /* dp 2 x tp 2 with the vocabulary split too */
         tdm_rng r2 = tdm_rng_make(5);
         tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &r2);
@@ -711,7 +711,9 @@ static void test_strategy(void) {
         int64_t lo = 0, hi = 0, half = m ? tdm_module_parameters(m)->total / 2 : 0;
         if (st) tdm_optim_shard_range(tdm_strategy_optim(st, 0), &lo, &hi);
         CHECK(st && (zero ? hi - lo < half : hi - lo > half) &&
-                  tdm_strategy_shard(st) == (zero ? TDM_SHARD_OPTIMIZER : TDM_SHARD_NONE),
+                  tdm_strategy_shard(st) == (zero == 2   ? TDM_SHARD_GRADIENTS
+                                             : zero == 1 ? TDM_SHARD_OPTIMIZER
+                                                         : TDM_SHARD_NONE),
               "dp %d x tp 2: rank 0 holds the state of %lld elements (the model has %lld)", n / 2,
               (long long)(hi - lo), (long long)(2 * half));
         float loss[S_STEPS];
@@ -736,8 +738,11 @@ static void test_strategy(void) {
         printf("strategy dp %d x tp 2%s (sequence-parallel%s, clip %g, a step of 2 "
                "micro-batches): losses within %.3g, weights %.3g, optimizer state %.3g of one "
                "device after %d steps\n",
-               n / 2, zero ? " ZeRO-1" : "", k == 1 ? ", vocabulary-parallel" : "", (double)S_CLIP,
-               dl, dw, ds, S_STEPS);
+               n / 2,
+               zero == 2 ? " ZeRO-2"
+               : zero    ? " ZeRO-1"
+                         : "",
+               k == 1 ? ", vocabulary-parallel" : "", (double)S_CLIP, dl, dw, ds, S_STEPS);
         /* the evaluation forward: whole logits [B, T, V] joined from the rows (the vocabulary's
          * columns gathered first at k == 1), one device's within float rounding */
         float dout = INFINITY;
@@ -779,7 +784,11 @@ static void test_strategy(void) {
               got ? tdm_last_error() : "ran", dn);
         printf("resumed from dp %d x tp 2%s on dp %d x tp 2%s: weights within %.3g of one "
                "device one step later\n",
-               n / 2, zero ? " ZeRO-1" : "", (6 - n) / 2, k == 0 ? " ZeRO-1" : "", dn);
+               n / 2,
+               zero == 2 ? " ZeRO-2"
+               : zero    ? " ZeRO-1"
+                         : "",
+               (6 - n) / 2, k == 0 ? " ZeRO-1" : "", dn);
         tdm_optim_free(o2);
         tdm_strategy_free(st2);
         tdm_module_free(m2);

@@ -717,8 +717,9 @@ static void print_sharding(const trainer *tr) {
         printf("sharding  optimizer state %lld bytes per device of %lld (its parts at tensor "
                "parallel %lld; %s)\n",
                (long long)m.state, (long long)m.state_whole, (long long)o->tensor_parallel,
-               rows > 1 ? "ZeRO stage 1 over the data-parallel rows"
-                        : "one data-parallel row: nobody to share them with");
+               rows < 2 ? "one data-parallel row: nobody to share them with"
+               : grads  ? "ZeRO stage 2 over the data-parallel rows, gradients too"
+                        : "ZeRO stage 1 over the data-parallel rows");
     } else if (tdm_strategy_state_split(tr->st)) {
         printf("sharding  optimizer state %lld bytes per rank of %lld", (long long)m.state,
                (long long)m.state_whole);

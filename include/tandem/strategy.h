@@ -86,7 +86,8 @@ tdm_module *tdm_strategy_loss_module(void);
  * dp). tdm_strategy_replica(st, 0) is model; tdm_strategy_optim(st, 0) is the first rank's
  * optimizer of its parts (learning rate, step count). tdm_strategy_set_shard with
  * TDM_SHARD_OPTIMIZER shards each rank's optimizer state over its dp group (ZeRO stage 1;
- * nothing at dp 1); the other stages, bf16 gradient averaging and fp16 loss scaling are
+ * nothing at dp 1), TDM_SHARD_GRADIENTS its averaged gradient too (stage 2; clipping then
+ * joins the shards' norms); stage 3, bf16 gradient averaging and fp16 loss scaling are
  * refused naming it. NULL and an error naming the
  * device and mesh coordinates of a rank that failed to set up. */
 typedef struct {

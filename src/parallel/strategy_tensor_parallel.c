@@ -68,10 +68,11 @@ typedef struct tensor_parallel {
     tdm_tensor *x, *y;
     tdm_loss_fn loss_fn;
     void *loss_arg;
-    bool first, last;     /* a step's first and last micro-batch */
-    bool training;        /* a forward round's mode: the caller's model's */
-    tdm_optim *whole_opt; /* ROUND_GATHER's and ROUND_SCATTER's whole optimizer, or NULL */
-    bool released;        /* the caller's model's values given back (whole_release) */
+    bool first, last;        /* a step's first and last micro-batch */
+    bool training;           /* a forward round's mode: the caller's model's */
+    tdm_optim *whole_opt;    /* ROUND_GATHER's and ROUND_SCATTER's whole optimizer, or NULL */
+    bool released;           /* the caller's model's values given back (whole_release) */
+    tdm_shard_kind shard_to; /* what a ROUND_SHARD asks of every rank's DDP */
 } tensor_parallel;
 
 /* ---- the caller's whole model, held only while it is needed --------------------------------- */
@@ -135,7 +136,9 @@ static int rank_init(tp_rank *r) {
 static int rank_update(tp_rank *r) {
     tensor_parallel *s = r->s;
     int rc = s->o.after_backward ? s->o.after_backward(r->replica, s->o.arg) : TDM_OK;
-    if (!rc && s->base.clip > 0) rc = tdm_tp_clip_grad_norm(r->replica, s->base.clip, NULL);
+    if (!rc && s->base.clip > 0)
+        rc = tdm_tp_clip_grad_norm(
+            r->replica, r->ddp, r->mesh ? tdm_mesh_group(r->mesh, "dp") : NULL, s->base.clip, NULL);
     return rc ? rc : tdm_optim_step(r->opt);
 }
 
@@ -224,7 +227,7 @@ static int rank_round(tp_rank *r) {
     case ROUND_SCATTER:
         return rank_whole(r, false);
     case ROUND_SHARD:
-        return tdm_ddp_set_shard(r->ddp, r->opt, TDM_SHARD_OPTIMIZER);
+        return tdm_ddp_set_shard(r->ddp, r->opt, r->s->shard_to);
     }
     return TDM_ERR_STATE;
 }
@@ -326,17 +329,17 @@ static int tp_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
     return rc;
 }
 
-/* ZeRO stage 1 over each dp group: every rank of a row holds its shard of its parts' state. */
+/* ZeRO stages 1 and 2 over each dp group: every rank of a row holds its shard of its parts'
+ * optimizer state, and under stage 2 of their averaged gradient. */
 static int tp_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn units_of) {
     (void)units_of;
     tensor_parallel *s = (tensor_parallel *)st;
-    if (kind != TDM_SHARD_OPTIMIZER)
-        return tdm_raise(TDM_ERR_ARG,
-                         "strategy set_shard: with tensor parallelism only the optimizer "
-                         "state is sharded over the data-parallel rows yet (ZeRO stage 1), not "
-                         "the %s",
-                         kind == TDM_SHARD_GRADIENTS ? "gradients" : "parameters");
+    if (kind == TDM_SHARD_PARAMETERS)
+        return tdm_raise(TDM_ERR_ARG, "strategy set_shard: with tensor parallelism the "
+                                      "parameters are not sharded over the data-parallel rows "
+                                      "yet (ZeRO stage 3); the optimizer state and gradients are");
     if (s->dp == 1) return TDM_OK; /* nobody to share with */
+    s->shard_to = kind;
     int rc = run_round(s, ROUND_SHARD);
     if (!rc) st->shard = kind;
     return rc;

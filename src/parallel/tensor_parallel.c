@@ -704,16 +704,37 @@ int tdm_tp_scatter_state(tdm_module *split, tdm_optim *so, tdm_module *whole, td
 
 /* ---- the whole model's gradient norm ----------------------------------------------------- */
 
+/* Where a split model's averaged gradient is: each parameter's .grad (views of ps's flat
+ * gradient), or under ZeRO stage 2 this rank's shard of the flat gradient, elements
+ * [lo, lo + numel(shard)). */
+typedef struct {
+    const tdm_paramset *ps;
+    tdm_tensor *shard;
+    int64_t lo;
+} grads;
+
+/* The squares of flat gradient elements [a, b) that this rank holds, into *ss. */
+static int squares_of(const grads *gr, int64_t a, int64_t b, double *ss) {
+    if (!gr->shard) return tdm_clip_sum_squares(gr->ps, a, b, ss);
+    int64_t lo = gr->lo, hi = lo + tdm_numel(gr->shard);
+    a = a > lo ? a : lo, b = b < hi ? b : hi;
+    if (a >= b) return (*ss = 0, TDM_OK);
+    tdm_tensor *v = tdm_slice(gr->shard, 0, a - lo, b - lo, 1);
+    int rc = v ? tdm_clip_sum_squares_of(v, ss) : tdm_last_status();
+    tdm_tensor_free(v);
+    return rc;
+}
+
 /* Adds to ss[0] the squares of m's tree's gradients held whole on every rank and to ss[1]
  * those of the parts, each parameter once (a tied weight is listed twice); *g becomes the
  * parts' group. seen: the parameters counted so far. */
-static int sum_squares(tdm_module *m, const tdm_paramset *ps, const tdm_tensor **seen, int *n_seen,
+static int sum_squares(tdm_module *m, const grads *gr, const tdm_tensor **seen, int *n_seen,
                        double ss[2], tdm_group **g) {
     for (int i = 0; i < m->n_params; i++) {
         tdm_tensor *p = m->params[i];
         bool counted = false;
         for (int k = 0; k < *n_seen && !counted; k++) counted = seen[k] == p;
-        if (counted || !p->grad) continue;
+        if (counted || (!gr->shard && !p->grad)) continue;
         seen[(*n_seen)++] = p;
         int dim, blocks;
         tdm_group *pg;
@@ -721,44 +742,58 @@ static int sum_squares(tdm_module *m, const tdm_paramset *ps, const tdm_tensor *
         if (dim >= 0 && *g && pg != *g)
             return tdm_raise(TDM_ERR_ARG, "tp_clip_grad_norm: the layers split over two groups");
         if (dim >= 0) *g = pg;
-        int64_t off = p->offset - ps->flat->offset;
+        int64_t off = p->offset - gr->ps->flat->offset;
         double part = 0;
-        int rc = tdm_clip_sum_squares(ps, off, off + tdm_numel(p), &part);
+        int rc = squares_of(gr, off, off + tdm_numel(p), &part);
         if (rc) return rc;
         ss[dim >= 0] += part;
     }
     for (int c = 0; c < m->n_children; c++) {
-        int rc = sum_squares(m->children[c], ps, seen, n_seen, ss, g);
+        int rc = sum_squares(m->children[c], gr, seen, n_seen, ss, g);
         if (rc) return rc;
     }
     return TDM_OK;
 }
 
-int tdm_tp_clip_grad_norm(tdm_module *split, float max_norm, float *total_norm) {
+/* v's n values summed over g (every rank the same sums, in rank order). */
+static int sum_over(tdm_group *g, tdm_device dev, double *v, int n, const char *what) {
+    float f[2] = {(float)v[0], n > 1 ? (float)v[1] : 0};
+    tdm_scope_begin();
+    tdm_tensor *t = tdm_from_data(TDM_SHAPE(n), TDM_F32, dev, f);
+    tdm_collective_label("%s", what);
+    int rc = t ? wait_for(tdm_all_reduce(g, t, TDM_SUM)) : tdm_last_status();
+    if (!rc) rc = tdm_to_host(t, f, sizeof(float) * (size_t)n);
+    tdm_scope_end();
+    for (int i = 0; !rc && i < n; i++) v[i] = f[i];
+    return rc;
+}
+
+int tdm_tp_clip_grad_norm(tdm_module *split, tdm_ddp *ddp, tdm_group *dp, float max_norm,
+                          float *total_norm) {
     tdm_paramset *ps = split ? tdm_module_parameters(split) : NULL;
     if (!ps) return split ? tdm_last_status() : tdm_raise(TDM_ERR_ARG, "tp_clip_grad_norm: NULL");
     if (!(max_norm > 0) || !isfinite(max_norm))
         return tdm_raise(TDM_ERR_ARG, "tp_clip_grad_norm: max_norm %g must be > 0", max_norm);
+    int64_t lo = 0;
+    grads gr = {ps, ddp ? tdm_ddp_shard_grad(ddp, &lo) : NULL, 0};
+    gr.lo = lo;
+    if (gr.shard && !dp)
+        return tdm_raise(TDM_ERR_ARG, "tp_clip_grad_norm: a sharded gradient needs its group");
     const tdm_tensor **seen = malloc(sizeof *seen * (size_t)(ps->n ? ps->n : 1));
     if (!seen) return tdm_raise(TDM_ERR_NOMEM, "tp_clip_grad_norm: out of memory");
     double ss[2] = {0, 0};
     int n_seen = 0;
     tdm_group *g = NULL;
-    int rc = sum_squares(split, ps, seen, &n_seen, ss, &g);
+    int rc = sum_squares(split, &gr, seen, &n_seen, ss, &g);
     free(seen);
-    if (!rc && g) { /* the parts' squares summed over the ranks, the same total on each */
-        tdm_scope_begin();
-        float v = (float)ss[1];
-        tdm_tensor *t = tdm_from_data(TDM_SHAPE(1), TDM_F32, split->device, &v);
-        tdm_collective_label("tensor-parallel gradient norm");
-        rc = t ? wait_for(tdm_all_reduce(g, t, TDM_SUM)) : tdm_last_status();
-        if (!rc) rc = tdm_to_host(t, &v, sizeof v);
-        ss[1] = v;
-        tdm_scope_end();
-    }
+    /* the shards' squares summed over dp, then the parts' over tp: the same total on each */
+    if (!rc && gr.shard) rc = sum_over(dp, split->device, ss, 2, "sharded gradient norm");
+    if (!rc && g) rc = sum_over(g, split->device, ss + 1, 1, "tensor-parallel gradient norm");
     float norm = (float)sqrt(ss[0] + ss[1]);
     if (total_norm) *total_norm = norm;
-    return rc ? rc : tdm_clip_scale(ps, 0, ps->total, max_norm, norm);
+    if (rc) return rc;
+    return gr.shard ? tdm_clip_scale_of(gr.shard, max_norm, norm)
+                    : tdm_clip_scale(ps, 0, ps->total, max_norm, norm);
 }
 
 /* ---- vocabulary parallelism ----------------------------------------------------------------- */

@@ -261,15 +261,15 @@ static void test_tensor_parallel(void) {
     double dwr = model_diff(tp, one);
     CHECK(dwr <= 1e-5, "tp 2 --recompute: weights off by %g after 12 steps", dwr);
     /* tp 2 stopped at step 6 resumed on one device; one device's on dp 2 x tp 2 with ZeRO
-     * stage 1 (each rank its range of its parts' state); dp 2 x tp 2 with ZeRO stage 2's on
-     * tp 2 (gathered) */
+     * stage 3 (FSDP with TP: each rank its range of its parts and their state); dp 2 x tp 2
+     * with ZeRO stage 2's on tp 2 (gathered) */
     const char *d3 = "--devices";
     double dr[3];
     const char *first[3][6] = {{d3, "2", "--tp", "2", NULL},
                                {d3, "1", NULL},
                                {d3, "4", "--tp", "2", "--shard", "gradients"}};
     const char *then[3][6] = {{d3, "1", NULL},
-                              {d3, "4", "--tp", "2", "--shard", "optimizer"},
+                              {d3, "4", "--tp", "2", "--shard", "parameters"},
                               {d3, "2", "--tp", "2", NULL}};
     for (int k = 0; k < 3; k++) {
         char dir[320];
@@ -300,7 +300,7 @@ static void test_tensor_parallel(void) {
     CHECK(l0[0] && !strcmp(l0, l1), "tandem eval: '%s' (one device) against '%s' (dp 2 x tp 2)", l0,
           l1);
     printf("tensor parallel: weights within %.2g (tp 2), %.2g (tp 2 -> one device), %.2g (one "
-           "device -> dp 2 x tp 2 ZeRO-1), %.2g (dp 2 x tp 2 ZeRO-2 -> tp 2) of one device's "
+           "device -> dp 2 x tp 2 ZeRO-3), %.2g (dp 2 x tp 2 ZeRO-2 -> tp 2) of one device's "
            "after 12 steps\n",
            dw, dr[0], dr[1], dr[2]);
     /* bf16 autocast on every rank's thread, the vocabulary-parallel loss in f32: one device's
@@ -344,7 +344,6 @@ static void test_tensor_parallel(void) {
         const char *a, *b, *c, *d, *want;
     } bad[] = {
         {"--tp", "3", "--devices", "2", "--tensor-parallel 3 needs a multiple of 3 devices"},
-        {"--tp", "2", "--shard", "parameters", "not the parameters yet"},
         {"--tp", "4", "--heads", "2", "heads"},
         {"--tp", "4", "--context", "6", "--context 6 does not split into 4"},
         {"--tp", "0", NULL, NULL, "--tensor-parallel"},

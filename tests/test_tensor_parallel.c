@@ -673,8 +673,7 @@ static tdm_strategy *tp_strategy(tdm_module *m, int n, int zero, tdm_gpt_tp_plan
         .tp = 2, .parallelize = split_gpt, .whole_output = whole_gpt, .arg = plan};
     tdm_strategy *st = tdm_strategy_tensor_parallel(m, devs, n, &o, gpt_adamw, NULL);
     if (st && (tdm_strategy_set_clip_grad_norm(st, S_CLIP) ||
-               (zero && tdm_strategy_set_shard(
-                            st, zero == 2 ? TDM_SHARD_GRADIENTS : TDM_SHARD_OPTIMIZER, NULL)))) {
+               (zero && tdm_strategy_set_shard(st, (tdm_shard_kind)zero, tdm_model_units)))) {
         tdm_strategy_free(st);
         return NULL;
     }
@@ -699,8 +698,8 @@ static void test_strategy(void) {
     last_ref = more[S_STEPS];
     CHECK(rc == TDM_OK, "one device: %s", tdm_last_error());
     /* dp 1 x tp 2 (resumed on dp 2 x tp 2 with ZeRO stage 1), dp 2 x tp 2 (resumed on tp 2),
-     * dp 2 x tp 2 with ZeRO stage 1, and 2 (each resumed on tp 2) */
-    for (int k = 0; !rc && k < 4; k++) {
+     * dp 2 x tp 2 with ZeRO stages 1, 2 and 3 (FSDP with TP; each resumed on tp 2) */
+    for (int k = 0; !rc && k < 5; k++) {
         int n = k ? 4 : 2, zero = k >= 2 ? k - 1 : 0;
         tdm_gpt_tp_plan plan = {true, k == 1}; /* dp 2 x tp 2 with the vocabulary split too */
         tdm_rng r2 = tdm_rng_make(5);
@@ -711,9 +710,7 @@ static void test_strategy(void) {
         int64_t lo = 0, hi = 0, half = m ? tdm_module_parameters(m)->total / 2 : 0;
         if (st) tdm_optim_shard_range(tdm_strategy_optim(st, 0), &lo, &hi);
         CHECK(st && (zero ? hi - lo < half : hi - lo > half) &&
-                  tdm_strategy_shard(st) == (zero == 2   ? TDM_SHARD_GRADIENTS
-                                             : zero == 1 ? TDM_SHARD_OPTIMIZER
-                                                         : TDM_SHARD_NONE),
+                  tdm_strategy_shard(st) == (tdm_shard_kind)zero,
               "dp %d x tp 2: rank 0 holds the state of %lld elements (the model has %lld)", n / 2,
               (long long)(hi - lo), (long long)(2 * half));
         float loss[S_STEPS];
@@ -738,10 +735,7 @@ static void test_strategy(void) {
         printf("strategy dp %d x tp 2%s (sequence-parallel%s, clip %g, a step of 2 "
                "micro-batches): losses within %.3g, weights %.3g, optimizer state %.3g of one "
                "device after %d steps\n",
-               n / 2,
-               zero == 2 ? " ZeRO-2"
-               : zero    ? " ZeRO-1"
-                         : "",
+               n / 2, zero ? (const char *[]){"", " ZeRO-1", " ZeRO-2", " ZeRO-3"}[zero] : "",
                k == 1 ? ", vocabulary-parallel" : "", (double)S_CLIP, dl, dw, ds, S_STEPS);
         /* the evaluation forward: whole logits [B, T, V] joined from the rows (the vocabulary's
          * columns gathered first at k == 1), one device's within float rounding */
@@ -784,10 +778,7 @@ static void test_strategy(void) {
               got ? tdm_last_error() : "ran", dn);
         printf("resumed from dp %d x tp 2%s on dp %d x tp 2%s: weights within %.3g of one "
                "device one step later\n",
-               n / 2,
-               zero == 2 ? " ZeRO-2"
-               : zero    ? " ZeRO-1"
-                         : "",
+               n / 2, zero ? (const char *[]){"", " ZeRO-1", " ZeRO-2", " ZeRO-3"}[zero] : "",
                (6 - n) / 2, k == 0 ? " ZeRO-1" : "", dn);
         tdm_optim_free(o2);
         tdm_strategy_free(st2);

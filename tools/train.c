@@ -242,12 +242,13 @@ static const opt_spec specs[] = {
      "columns, the tokens between them by sequence), so each holds 1/N of its weights, "
      "gradients and optimizer state and about 1/N of its activations; the devices, a multiple "
      "of N, form a mesh dp x tp whose rows share each batch as data-parallel replicas. "
-     "With --shard optimizer (gradients) each row's devices share their parts' optimizer "
-     "state (and averaged gradients: ZeRO stages 1 and 2). Checkpoints hold the whole model and "
+     "With --shard optimizer, gradients or parameters each row's devices share their parts' "
+     "optimizer state, averaged gradients and the parts themselves (ZeRO stages 1 to 3, "
+     "torchtitan's FSDP with TP). Checkpoints hold the whole model and "
      "resume under another N or device count. "
      "With --recompute each device runs its blocks' forwards again in backward, collectives "
-     "included. GPT models only; not under mpirun, nor with --model-split, --shard "
-     "parameters or --check-replicas yet."},
+     "included. GPT models only; not under mpirun, nor with --model-split or "
+     "--check-replicas yet."},
     {"--device-memory", "SIZE", OPT_STR, F(device_memory), 0, 0, "no cap",
      "Caps what Tandem's allocator holds on each device of --devices at SIZE (bytes, or with "
      "K, M, G or T: powers of 1024, as Slurm's --mem; 4G, 512M, 1.5GiB), as a GPU's memory caps "
@@ -872,10 +873,6 @@ static int check_tensor_parallel(const train_opts *o, bool text) {
                         : o->check_replicas > 0 ? "--check-replicas"
                                                 : NULL;
     if (other) return train_usage_error("--tensor-parallel does not work with %s yet", other);
-    if (strcmp(o->shard, "parameters") == 0)
-        return train_usage_error("--tensor-parallel shards the optimizer state and gradients "
-                                 "over its data-parallel rows (--shard optimizer or gradients), "
-                                 "not the parameters yet");
     return 0;
 }
 

@@ -718,6 +718,7 @@ static void print_sharding(const trainer *tr) {
                "parallel %lld; %s)\n",
                (long long)m.state, (long long)m.state_whole, (long long)o->tensor_parallel,
                rows < 2 ? "one data-parallel row: nobody to share them with"
+               : params ? "ZeRO stage 3 over the data-parallel rows, gradients and parts too"
                : grads  ? "ZeRO stage 2 over the data-parallel rows, gradients too"
                         : "ZeRO stage 1 over the data-parallel rows");
     } else if (tdm_strategy_state_split(tr->st)) {

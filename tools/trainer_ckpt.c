@@ -170,9 +170,10 @@ static int save_shards(trainer *tr, const tdm_train_state *s) {
     return rc;
 }
 
-/* Whether the parameters are sharded (--shard parameters): the replicas hold their shards. */
+/* Whether the parameters are sharded (--shard parameters): the replicas hold their shards
+ * (with tensor parallelism the checkpoint is gathered whole all the same). */
 static bool params_sharded(const trainer *tr) {
-    return tdm_strategy_shard(tr->st) == TDM_SHARD_PARAMETERS;
+    return tdm_strategy_shard(tr->st) == TDM_SHARD_PARAMETERS && !tdm_strategy_holds_parts(tr->st);
 }
 
 /* Writes a checkpoint of replica 0 (the replicas are identical) at the current step, with

@@ -87,8 +87,9 @@ tdm_module *tdm_strategy_loss_module(void);
  * optimizer of its parts (learning rate, step count). tdm_strategy_set_shard with
  * TDM_SHARD_OPTIMIZER shards each rank's optimizer state over its dp group (ZeRO stage 1;
  * nothing at dp 1), TDM_SHARD_GRADIENTS its averaged gradient too (stage 2; clipping then
- * joins the shards' norms); stage 3, bf16 gradient averaging and fp16 loss scaling are
- * refused naming it. NULL and an error naming the
+ * joins the shards' norms), TDM_SHARD_PARAMETERS its parts too (stage 3, by the units
+ * units_of gives on each rank's split model: FSDP with TP); bf16 gradient averaging and fp16
+ * loss scaling are refused naming it. NULL and an error naming the
  * device and mesh coordinates of a rank that failed to set up. */
 typedef struct {
     int tp; /* the tensor-parallel degree: n must be a multiple */

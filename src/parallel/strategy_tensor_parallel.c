@@ -73,6 +73,7 @@ typedef struct tensor_parallel {
     tdm_optim *whole_opt;    /* ROUND_GATHER's and ROUND_SCATTER's whole optimizer, or NULL */
     bool released;           /* the caller's model's values given back (whole_release) */
     tdm_shard_kind shard_to; /* what a ROUND_SHARD asks of every rank's DDP */
+    tdm_units_fn units_of;   /* ZeRO stage 3's units of a rank's split model, or NULL */
 } tensor_parallel;
 
 /* ---- the caller's whole model, held only while it is needed --------------------------------- */
@@ -192,16 +193,19 @@ static int rank_forward(tp_rank *r) {
     return rc;
 }
 
-/* Parts to the caller's whole model and optimizer (rank 0 writes; the other ranks of dp row
- * 0 take part in its collectives; the other rows hold the same parts), or whole to parts. */
-static int rank_whole(tp_rank *r, bool gather) {
+/* Each rank its part of the caller's whole model (and of whole_opt's state, of its shard
+ * under ZeRO): no communication. */
+static int rank_scatter(tp_rank *r) {
     tensor_parallel *s = r->s;
-    if (!gather) { /* each rank its part, of its shard under ZeRO (no communication) */
-        int rc = tdm_tp_scatter_whole(r->replica, s->model);
-        return rc || !s->whole_opt
-                   ? rc
-                   : tdm_tp_scatter_state(r->replica, r->opt, s->model, s->whole_opt);
-    }
+    int rc = tdm_tp_scatter_whole(r->replica, s->model);
+    return rc || !s->whole_opt ? rc
+                               : tdm_tp_scatter_state(r->replica, r->opt, s->model, s->whole_opt);
+}
+
+/* The parts into the caller's whole model and whole_opt: rank 0 writes, the other ranks of
+ * dp row 0 take part in its collectives (the other rows hold the same parts). */
+static int rank_gather(tp_rank *r) {
+    tensor_parallel *s = r->s;
     /* ZeRO over dp: the parts' state whole first (a collective over the dp group) */
     tdm_optim *parts =
         s->whole_opt && s->base.shard != TDM_SHARD_NONE ? tdm_optim_gather(r->opt) : r->opt;
@@ -212,6 +216,32 @@ static int rank_whole(tp_rank *r, bool gather) {
         rc = tdm_tp_gather_state(r->replica, parts, whole, whole ? s->whole_opt : NULL);
     if (parts != r->opt) tdm_optim_free(parts);
     return rc;
+}
+
+/* Parts to whole (gather) or whole to parts; under ZeRO stage 3 the parts are made whole for
+ * it (collectives over dp) and sharded again after, a scatter's values kept. */
+static int rank_whole(tp_rank *r, bool gather) {
+    bool params = r->s->base.shard == TDM_SHARD_PARAMETERS;
+    int rc = params ? tdm_ddp_gather_params(r->ddp) : TDM_OK;
+    if (!rc) rc = gather ? rank_gather(r) : rank_scatter(r);
+    int back = params ? tdm_ddp_release_params(r->ddp) : TDM_OK;
+    return rc ? rc : back;
+}
+
+/* This rank's DDP over dp sharding what s->shard_to names; for stage 3 its units first (the
+ * caller's units_of on the rank's split model: a GPT's blocks). */
+static int rank_shard(tp_rank *r) {
+    tensor_parallel *s = r->s;
+    if (s->shard_to == TDM_SHARD_PARAMETERS && s->units_of) {
+        int n = s->units_of(r->replica, NULL, 0);
+        tdm_module **units = n > 0 ? malloc(sizeof *units * (size_t)n) : NULL;
+        if (n > 0 && !units) return tdm_raise(TDM_ERR_NOMEM, "tensor_parallel: out of memory");
+        if (n > 0) s->units_of(r->replica, units, n);
+        int rc = n < 0 ? n : n > 0 ? tdm_ddp_set_shard_units(r->ddp, units, n) : TDM_OK;
+        free(units);
+        if (rc) return rc;
+    }
+    return tdm_ddp_set_shard(r->ddp, r->opt, s->shard_to);
 }
 
 static int rank_round(tp_rank *r) {
@@ -227,7 +257,7 @@ static int rank_round(tp_rank *r) {
     case ROUND_SCATTER:
         return rank_whole(r, false);
     case ROUND_SHARD:
-        return tdm_ddp_set_shard(r->ddp, r->opt, r->s->shard_to);
+        return rank_shard(r);
     }
     return TDM_ERR_STATE;
 }
@@ -329,17 +359,13 @@ static int tp_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
     return rc;
 }
 
-/* ZeRO stages 1 and 2 over each dp group: every rank of a row holds its shard of its parts'
- * optimizer state, and under stage 2 of their averaged gradient. */
+/* ZeRO stages 1 to 3 over each dp group: every rank of a row holds its shard of its parts'
+ * optimizer state, under stage 2 of their averaged gradient, under stage 3 of the parts
+ * themselves (gathered by units around their forward and backward: FSDP with TP). */
 static int tp_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn units_of) {
-    (void)units_of;
     tensor_parallel *s = (tensor_parallel *)st;
-    if (kind == TDM_SHARD_PARAMETERS)
-        return tdm_raise(TDM_ERR_ARG, "strategy set_shard: with tensor parallelism the "
-                                      "parameters are not sharded over the data-parallel rows "
-                                      "yet (ZeRO stage 3); the optimizer state and gradients are");
     if (s->dp == 1) return TDM_OK; /* nobody to share with */
-    s->shard_to = kind;
+    s->shard_to = kind, s->units_of = units_of;
     int rc = run_round(s, ROUND_SHARD);
     if (!rc) st->shard = kind;
     return rc;

@@ -713,6 +713,14 @@ typedef struct {
     int64_t lo;
 } grads;
 
+/* p's first element in ps's flat buffers, from the list (under ZeRO stage 3 a parameter's
+ * storage is its unit's, not the flat buffer's); -1 for one not listed. */
+static int64_t flat_offset(const tdm_paramset *ps, const tdm_tensor *p) {
+    for (int i = 0; i < ps->n; i++)
+        if (ps->params[i] == p) return ps->offsets[i];
+    return -1;
+}
+
 /* The squares of flat gradient elements [a, b) that this rank holds, into *ss. */
 static int squares_of(const grads *gr, int64_t a, int64_t b, double *ss) {
     if (!gr->shard) return tdm_clip_sum_squares(gr->ps, a, b, ss);
@@ -742,7 +750,8 @@ static int sum_squares(tdm_module *m, const grads *gr, const tdm_tensor **seen, 
         if (dim >= 0 && *g && pg != *g)
             return tdm_raise(TDM_ERR_ARG, "tp_clip_grad_norm: the layers split over two groups");
         if (dim >= 0) *g = pg;
-        int64_t off = p->offset - gr->ps->flat->offset;
+        int64_t off = flat_offset(gr->ps, p);
+        if (off < 0) return tdm_raise(TDM_ERR_STATE, "tp_clip_grad_norm: a parameter not listed");
         double part = 0;
         int rc = squares_of(gr, off, off + tdm_numel(p), &part);
         if (rc) return rc;

@@ -254,6 +254,9 @@ static void test_tensor_parallel(void) {
     for (int i = 0; i < n; i++) CHECK_CLOSE(got[i], ref[i], 1e-4, 0);
     double dw = model_diff(tp, one);
     CHECK(dw <= 1e-5, "tp 2: weights off by %g after 12 steps", dw);
+    /* the data-parallel rows' parts compared every 2 steps (--check-replicas): equal */
+    r = TP_RUN("4", "--devices", "4", "--tp", "2", "--check-replicas", "2");
+    CHECK(r->status == 0, "dp 2 x tp 2 --check-replicas 2: %s", r->err);
     /* with each block's forward run again in backward (its collectives too, on every rank) */
     r = TP_RUN("12", "--devices", "2", "--tp", "2", "--recompute", "--save", tp);
     CHECK(r->status == 0 && losses(r->out, got, 4) == 4, "tp 2 --recompute: %s", r->err);

@@ -247,8 +247,7 @@ static const opt_spec specs[] = {
      "torchtitan's FSDP with TP). Checkpoints hold the whole model and "
      "resume under another N or device count. "
      "With --recompute each device runs its blocks' forwards again in backward, collectives "
-     "included. GPT models only; not under mpirun, nor with --model-split or "
-     "--check-replicas yet."},
+     "included. GPT models only; not under mpirun, nor with --model-split yet."},
     {"--device-memory", "SIZE", OPT_STR, F(device_memory), 0, 0, "no cap",
      "Caps what Tandem's allocator holds on each device of --devices at SIZE (bytes, or with "
      "K, M, G or T: powers of 1024, as Slurm's --mem; 4G, 512M, 1.5GiB), as a GPU's memory caps "
@@ -869,10 +868,8 @@ static int check_tensor_parallel(const train_opts *o, bool text) {
             return train_usage_error("--tensor-parallel runs on CPU devices for now: its GPU "
                                      "collectives (NCCL groups per mesh dimension) are not "
                                      "written yet");
-    const char *other = o->model_split > 1      ? "--model-split"
-                        : o->check_replicas > 0 ? "--check-replicas"
-                                                : NULL;
-    if (other) return train_usage_error("--tensor-parallel does not work with %s yet", other);
+    if (o->model_split > 1)
+        return train_usage_error("--tensor-parallel does not work with --model-split yet");
     return 0;
 }
 

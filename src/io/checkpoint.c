@@ -627,6 +627,15 @@ static int check_step(tdm_safetensors *f, const char *path, const char *what, pa
     return rc;
 }
 
+/* A state tensor of the file whose shape or dtype does not fit the optimizer's: a bad file
+ * (TDM_ERR_FORMAT), with tdm_safetensors_check's message naming both sides. */
+static int check_state_tensor(tdm_safetensors *f, int k, const tdm_tensor *t) {
+    if (tdm_safetensors_check(f, k, t) == TDM_OK) return TDM_OK;
+    char msg[600];
+    snprintf(msg, sizeof msg, "%s", tdm_last_error());
+    return tdm_raise(TDM_ERR_FORMAT, "%s", msg);
+}
+
 /* Checks the state file against s and parses its numbers; changes nothing. */
 static int check_state(tdm_safetensors *f, const char *path, const tdm_train_state *s,
                        const optim_views *v, parsed_state *p) {
@@ -667,7 +676,7 @@ static int check_state(tdm_safetensors *f, const char *path, const tdm_train_sta
                                    "missing (was the optimizer built with other "
                                    "options, e.g. momentum or amsgrad?)",
                                    what, v->t[i].name)
-                       : tdm_safetensors_check(f, k, v->t[i].tensor);
+                       : check_state_tensor(f, k, v->t[i].tensor);
         }
         if (!rc && tdm_safetensors_count(f) != v->n)
             return tdm_raise(TDM_ERR_FORMAT,

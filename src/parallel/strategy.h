@@ -49,6 +49,9 @@ typedef struct tdm_strategy_ops {
      * st->skipped. NULL: the step drives st->scaler itself on the caller's thread
      * (loss_on_caller; tdm_strategy_amp_update). */
     int (*set_scaler)(tdm_strategy *st, tdm_grad_scaler *s);
+    /* tdm_strategy_check_replicas for a strategy whose replicas are not
+     * tdm_strategy_replica's (tensor parallelism's ranks). NULL: the generic check. */
+    int (*check_replicas)(tdm_strategy *st, tdm_group *procs);
     /* The header line's phrase (tdm_strategy_describe). NULL: none. */
     void (*describe)(tdm_strategy *st, int64_t batch, char *buf, size_t cap);
     /* The i-th module whose forward a step runs, on whichever thread runs it (i from 0 until
@@ -82,6 +85,10 @@ struct tdm_strategy {
     struct amp_hook *hooks; /* one per forward module while precision is not TDM_F32 */
     int n_hooks;
 };
+
+/* 64 bits of contiguous t's bytes (FNV-1a; a device tensor is copied to the host): equal
+ * tensors hash equal, a flipped bit changes the hash (strategy_check.c). */
+int tdm_strategy_hash_tensor(const tdm_tensor *t, uint64_t *h);
 
 /* The module tdm_strategy_loss_module returns on this thread (NULL clears it). */
 void tdm_strategy_set_loss_module(tdm_module *m);

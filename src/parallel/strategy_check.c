@@ -11,9 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* 64 bits of t's bytes (FNV-1a over 8-byte words, then the tail): equal tensors hash equal,
- * and a flipped bit changes the hash. t contiguous; a device tensor is copied to the host. */
-static int hash_tensor(const tdm_tensor *t, uint64_t *h) {
+/* FNV-1a over 8-byte words, then the tail (parallel/strategy.h). */
+int tdm_strategy_hash_tensor(const tdm_tensor *t, uint64_t *h) {
     size_t n = (size_t)tdm_numel(t) * tdm_dtype_size(t->dtype);
     const unsigned char *p = tdm_data_ptr(t);
     unsigned char *copy = NULL;
@@ -45,7 +44,7 @@ static int hash_replica(tdm_strategy *st, int r, uint64_t *h, int n) {
         return tdm_raise(TDM_ERR_STATE,
                          "check_replicas: replica %d has %d parameters, replica 0 %d", r, ps->n, n);
     int rc = TDM_OK;
-    for (int i = 0; i < n && !rc; i++) rc = hash_tensor(ps->params[i], &h[i]);
+    for (int i = 0; i < n && !rc; i++) rc = tdm_strategy_hash_tensor(ps->params[i], &h[i]);
     return rc;
 }
 
@@ -95,6 +94,7 @@ static int check_processes(tdm_group *procs, tdm_paramset *ps, const uint64_t *m
 
 int tdm_strategy_check_replicas(tdm_strategy *st, tdm_group *procs) {
     if (!st) return tdm_raise(TDM_ERR_ARG, "check_replicas: NULL strategy");
+    if (st->ops->check_replicas) return st->ops->check_replicas(st, procs);
     if (st->ops->forward_module)
         return tdm_raise(TDM_ERR_ARG, "check_replicas: a pipeline's stages hold different "
                                       "parameters; its replicas are not checked");

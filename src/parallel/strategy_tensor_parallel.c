@@ -23,6 +23,7 @@
 #include <string.h>
 
 typedef enum {
+    ROUND_HASH,
     ROUND_INIT,
     ROUND_STEP,
     ROUND_FORWARD,
@@ -41,6 +42,7 @@ typedef struct tp_rank {
     tdm_ddp *ddp; /* over the dp group when dp > 1 */
     tdm_mesh *mesh;
     float loss;      /* the round's mean loss over the rank's rows */
+    uint64_t *hash;  /* a ROUND_HASH's hashes of the rank's parameters, or NULL */
     tdm_tensor *out; /* a forward round's output (t == 0), kept until joined */
     int rc;
     char err[512];
@@ -244,8 +246,26 @@ static int rank_shard(tp_rank *r) {
     return tdm_ddp_set_shard(r->ddp, r->opt, s->shard_to);
 }
 
+/* The hashes of this rank's parameters (its parts), for tp_check_replicas; under ZeRO stage 3
+ * made whole for it (collectives over dp). */
+static int rank_hash(tp_rank *r) {
+    tdm_paramset *ps = tdm_module_parameters(r->replica);
+    free(r->hash);
+    r->hash = ps ? malloc(sizeof *r->hash * (size_t)(ps->n ? ps->n : 1)) : NULL;
+    if (!r->hash)
+        return ps ? tdm_raise(TDM_ERR_NOMEM, "check_replicas: out of memory") : tdm_last_status();
+    bool params = r->s->base.shard == TDM_SHARD_PARAMETERS;
+    int rc = params ? tdm_ddp_gather_params(r->ddp) : TDM_OK;
+    for (int i = 0; i < ps->n && !rc; i++)
+        rc = tdm_strategy_hash_tensor(ps->params[i], &r->hash[i]);
+    int back = params ? tdm_ddp_release_params(r->ddp) : TDM_OK;
+    return rc ? rc : back;
+}
+
 static int rank_round(tp_rank *r) {
     switch (r->s->kind) {
+    case ROUND_HASH:
+        return rank_hash(r);
     case ROUND_INIT:
         return rank_init(r);
     case ROUND_STEP:
@@ -289,6 +309,7 @@ static void *rank_main(void *arg) {
         if (++s->finished == s->n) pthread_cond_signal(&s->done);
         pthread_mutex_unlock(&s->mu);
     }
+    free(r->hash);
     tdm_ddp_free(r->ddp);
     tdm_optim_free(r->opt);
     tdm_module_free(r->replica);
@@ -435,6 +456,31 @@ static int tp_push_whole(tdm_strategy *st, tdm_optim *whole) {
     return rc;
 }
 
+/* Every rank's parts against those of the rank of dp row 0 in its tp column, which they
+ * must equal bit for bit (one initial split of one model, one averaged update a step). */
+static int tp_check_replicas(tdm_strategy *st, tdm_group *procs) {
+    (void)procs; /* one process (refused under MPI) */
+    tensor_parallel *s = (tensor_parallel *)st;
+    int rc = run_round(s, ROUND_HASH);
+    for (int i = s->tp; i < s->n && !rc; i++) {
+        tp_rank *r = &s->ranks[i], *first = &s->ranks[r->t];
+        tdm_paramset *ps = tdm_module_parameters(r->replica);
+        int count = 0, k = -1;
+        for (int j = 0; j < ps->n; j++)
+            if (r->hash[j] != first->hash[j]) k = k < 0 ? j : k, count++;
+        char dev[16], sb[96];
+        if (k >= 0)
+            rc = tdm_raise(TDM_ERR_STATE,
+                           "the replicas differ: parameter \"%s\" %s of rank %d (%s, dp %d, tp "
+                           "%d) is not dp row 0's (%d of %d parameters differ); the data-parallel "
+                           "rows start equal and take one averaged update, so one computed "
+                           "something else (a non-deterministic kernel, a fault)",
+                           ps->names[k], tdm_shape_str(tdm_shape_of(ps->params[k]), sb), i,
+                           tdm_device_str(s->devices[i], dev), r->d, r->t, count, ps->n);
+    }
+    return rc;
+}
+
 static void tp_describe(tdm_strategy *st, int64_t batch, char *buf, size_t cap) {
     tensor_parallel *s = (tensor_parallel *)st;
     snprintf(buf, cap, "mesh dp %d x tp %d, %lld samples per tensor-parallel group per step", s->dp,
@@ -478,6 +524,7 @@ static const tdm_strategy_ops tensor_parallel_ops = {
     .optim = tp_optim,
     .optim_gather = tp_optim_gather,
     .push_whole = tp_push_whole,
+    .check_replicas = tp_check_replicas,
     .describe = tp_describe,
     .forward_module = tp_forward_module,
     .destroy = tp_destroy,

@@ -674,8 +674,8 @@ int tdm_tp_scatter_state(tdm_module *split, tdm_optim *so, tdm_module *whole, td
  * part's gradient summed over the tensor-parallel group, a collective, and those of the
  * parameters every rank holds whole counted once), and every rank scales its gradients by
  * max_norm / (norm + 1e-6) when below 1, as tdm_clip_grad_norm does on one device. ddp (may
- * be NULL) is the split model's DDP over dp, its data-parallel group: under ZeRO stage 2 the
- * rank holds only its shard of the averaged gradient (tdm_ddp_shard_grad), whose squares are
+ * be NULL) is the split model's DDP over dp, its data-parallel group: under ZeRO stages 2 and
+ * 3 the rank holds only its shard of the averaged gradient (tdm_ddp_shard_grad), whose squares are
  * summed over dp first (a collective over dp too) and which is what is scaled. *total_norm (may
  * be NULL) gets the norm. TDM_ERR_ARG for a NULL split, max_norm not > 0, layers split over
  * different groups, or a sharded ddp without dp. */

@@ -239,8 +239,10 @@ int tdm_strategy_gather_params(tdm_strategy *st);
  * collective: every process calls it at the same step; under ZeRO stage 3 the parameters are
  * gathered for it). TDM_OK, or TDM_ERR_STATE naming the first parameter that differs, the
  * rank (and device) that holds it and how many differ, on every process alike; TDM_ERR_ARG
- * for a NULL st or a pipeline (its stages hold different parameters). For `tandem train
- * --check-replicas N`: silent divergence (other data under the same path on one machine, a
+ * for a NULL st or a pipeline (its stages hold different parameters). Under tensor
+ * parallelism each rank's parts are compared with those of dp row 0's rank in its tp column
+ * (one process: procs is not used), the rank named with its device and mesh place. For
+ * `tandem train --check-replicas N`: silent divergence (other data under the same path on one machine, a
  * non-deterministic kernel, a hardware fault) becomes an error. */
 int tdm_strategy_check_replicas(tdm_strategy *st, tdm_group *procs);
 int tdm_strategy_release_params(tdm_strategy *st);

@@ -242,8 +242,8 @@ int tdm_strategy_gather_params(tdm_strategy *st);
  * for a NULL st or a pipeline (its stages hold different parameters). Under tensor
  * parallelism each rank's parts are compared with those of dp row 0's rank in its tp column
  * (one process: procs is not used), the rank named with its device and mesh place. For
- * `tandem train --check-replicas N`: silent divergence (other data under the same path on one machine, a
- * non-deterministic kernel, a hardware fault) becomes an error. */
+ * `tandem train --check-replicas N`: silent divergence (other data under the same path on one
+ * machine, a non-deterministic kernel, a hardware fault) becomes an error. */
 int tdm_strategy_check_replicas(tdm_strategy *st, tdm_group *procs);
 int tdm_strategy_release_params(tdm_strategy *st);
 

@@ -44,14 +44,14 @@ struct task {
      * minutes of work). Returns 0 or EXIT_RUNTIME after printing the error. */
     int (*build)(task *t, const train_opts *o);
     tdm_device dev;
-    tdm_module *model; /* on the first device, once built; NULL before */
+    tdm_module *model; /* on dev once built (the first device's, or under --tensor-parallel a CPU
+                        * device outside --devices: the host's); NULL before */
     /* The mean loss of a batch's model output against its targets (a scalar), or NULL. */
     tdm_tensor *(*loss)(tdm_tensor *out, const tdm_tensor *target);
-    /* --tensor-parallel's plan (tdm_tp_strategy_opts): splits a replica over tp, and fixes
-     * its gradients up after backward (may be NULL); parallelize NULL: the model has none. */
+    /* --tensor-parallel's plan (tdm_tp_strategy_opts): splits a replica over tp (NULL: the
+     * model has none), and makes a split replica's output whole (NULL: it is). */
     int (*parallelize)(tdm_module *replica, tdm_group *tp, void *arg);
-    int (*after_backward)(tdm_module *replica, void *arg);
-    tdm_tensor *(*whole_output)(tdm_module *replica, tdm_tensor *out, void *arg); /* or NULL */
+    tdm_tensor *(*whole_output)(tdm_module *replica, tdm_tensor *out, void *arg);
     /* The loss from a split replica's output (tdm_strategy_loss_module), or NULL: loss. */
     tdm_tensor *(*loss_of)(tdm_module *replica, tdm_tensor *out, const tdm_tensor *target);
     /* The optimizer over ps for the options o (a tdm_optim_factory: one per replica). */

@@ -135,8 +135,9 @@ static int make_strategy(trainer *tr) {
                               "into %lld",
                               (long long)o->tensor_parallel, (long long)ctx,
                               (long long)o->tensor_parallel);
-        tdm_tp_strategy_opts to = {(int)o->tensor_parallel, t->parallelize, t->after_backward,
-                                   t->whole_output, NULL};
+        tdm_tp_strategy_opts to = {.tp = (int)o->tensor_parallel,
+                                   .parallelize = t->parallelize,
+                                   .whole_output = t->whole_output};
         what = "--tensor-parallel";
         tr->st = tdm_strategy_tensor_parallel(t->model, o->devs, o->n_devs, &to, t->optimizer,
                                               (void *)o);

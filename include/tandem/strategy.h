@@ -72,7 +72,7 @@ tdm_module *tdm_strategy_loss_module(void);
  * tdm_column_linear_from and the rest) before its optimizer is made over its parts. A step
  * gives every rank of data-parallel row d the same rows of the batch (the batch split over dp
  * rows as DataParallel splits it over devices), averages the gradients over each dp group
- * (DDP), calls o->after_backward after the step's last backward, clips by the whole
+ * (DDP) in the step's last backward, clips by the whole
  * model's norm (tdm_tp_clip_grad_norm) and steps each rank's optimizer. loss_fn runs on the
  * ranks' threads; every rank of a row gets the same loss. model stays the caller's and
  * whole, on any device: the host's (a CPU device outside devices, where tandem train puts it)
@@ -96,9 +96,6 @@ typedef struct {
     /* Splits replica, a whole clone of the model on its device, over tp, on the rank's thread
      * (a collective over tp). TDM_OK or an error. */
     int (*parallelize)(tdm_module *replica, tdm_group *tp, void *arg);
-    /* After a step's last backward, before clipping and the update (NULL: nothing), e.g.
-     * a sum over tp of gradients the plan's layers leave partial. */
-    int (*after_backward)(tdm_module *replica, void *arg);
     /* The whole model's output from a rank's, in tdm_strategy_forward (a collective over tp:
      * every rank of a row calls it), e.g. tdm_gpt_whole_logits under vocabulary parallelism;
      * NULL: a rank's output is whole already. */

@@ -134,12 +134,12 @@ static int rank_init(tp_rank *r) {
     return rc;
 }
 
-/* The update after the last micro-batch's backward: the plan's gradient fix-up (sequence
- * parallelism's layer norms), clipping by the whole model's norm, the step. */
+/* The update after the last micro-batch's backward: clipping by the whole model's norm, the
+ * step. */
 static int rank_update(tp_rank *r) {
     tensor_parallel *s = r->s;
-    int rc = s->o.after_backward ? s->o.after_backward(r->replica, s->o.arg) : TDM_OK;
-    if (!rc && s->base.clip > 0)
+    int rc = TDM_OK;
+    if (s->base.clip > 0)
         rc = tdm_tp_clip_grad_norm(
             r->replica, r->ddp, r->mesh ? tdm_mesh_group(r->mesh, "dp") : NULL, s->base.clip, NULL);
     return rc ? rc : tdm_optim_step(r->opt);

@@ -174,6 +174,69 @@ static void test_collectives(void) {
 
 /* Every collective in bf16 and f16 across the processes (sizes past one scratch segment):
  * reductions equal to the ranks' values summed in f32 in rank order and rounded once. */
+/* ---- sub-groups (a mesh's dimensions over MPI) ---------------------------------------------- */
+
+/* The world's ranks in reverse (group rank k is world rank N - 1 - k), and the pair {N - 1, 0}
+ * (every other rank making a group of itself alone, as a mesh's other groups are made at
+ * once): collectives on each, bit for bit against sums in the group's rank order, with a
+ * world all-reduce in flight between a pair's collectives (the one communication thread runs
+ * both groups' in launch order, under their own tags). */
+static void test_subgroups(void) {
+    int rev[64], pair[2] = {N - 1, 0}, alone = R;
+    for (int k = 0; k < N; k++) rev[k] = N - 1 - k;
+    tdm_group *g = tdm_mpi_subgroup(G, N, rev);
+    bool in_pair = R == 0 || R == N - 1;
+    tdm_group *p = in_pair ? tdm_mpi_subgroup(G, 2, pair) : tdm_mpi_subgroup(G, 1, &alone);
+    CHECK(g && p, "mpi_subgroup: %s", tdm_last_error());
+    if (!g || !p) return;
+    CHECK(tdm_group_rank(g) == N - 1 - R && tdm_group_size(g) == N, "reversed: rank %d of %d",
+          tdm_group_rank(g), tdm_group_size(g));
+    const int64_t ms[] = {1, 4097, (1 << 18) + 5};
+    for (int j = 0; j < 3; j++) {
+        int64_t m = ms[j], wrong = 0;
+        tdm_tensor *t = filled(R, m, 40 + j), *w = filled(R, m, 50 + j);
+        tdm_tensor *q = filled(R, m, 60 + j);
+        tdm_work *wq = tdm_all_reduce(p, q, TDM_SUM);
+        tdm_work *ww = tdm_all_reduce(G, w, TDM_SUM); /* the world's, between the pair's */
+        CHECK(tdm_work_wait(tdm_all_reduce(g, t, TDM_SUM)) == TDM_OK && tdm_work_wait(wq) == 0 &&
+                  tdm_work_wait(ww) == TDM_OK,
+              "sub-group all_reduce of %lld: %s", (long long)m, tdm_last_error());
+        const float *pt = tdm_data_ptr(t), *pq = tdm_data_ptr(q);
+        for (int64_t i = 0; i < m; i++) {
+            float ref = value(N - 1, i, 40 + j) + value(N - 2, i, 40 + j);
+            for (int k = N - 3; k >= 0; k--) ref += value(k, i, 40 + j);
+            float pref =
+                in_pair ? value(N - 1, i, 60 + j) + value(0, i, 60 + j) : value(R, i, 60 + j);
+            wrong += pt[i] != ref || pq[i] != pref;
+        }
+        wrong += count_wrong(w, 50 + j, TDM_SUM, 0);
+        /* all-gather in the group's order; broadcast from group rank 0 (world rank N - 1) */
+        tdm_tensor *all = tdm_zeros(TDM_SHAPE(N * m), TDM_F32, tdm_cpu(0));
+        CHECK(tdm_work_wait(tdm_all_gather(g, all, q)) == TDM_OK &&
+                  tdm_work_wait(tdm_broadcast(g, t, 0)) == TDM_OK,
+              "sub-group all_gather, broadcast: %s", tdm_last_error());
+        const float *pa = tdm_data_ptr(all);
+        for (int k = 0; k < N; k++) {
+            int wr = N - 1 - k; /* its q: the pair's sum, or its own value */
+            bool pr = wr == 0 || wr == N - 1;
+            for (int64_t i = 0; i < m; i++) {
+                float ref =
+                    pr ? value(N - 1, i, 60 + j) + value(0, i, 60 + j) : value(wr, i, 60 + j);
+                wrong += pa[k * m + i] != ref;
+            }
+        }
+        CHECK(wrong == 0, "sub-groups, %lld elements, rank %d: %lld wrong", (long long)m, R,
+              (long long)wrong);
+        tdm_tensor_free(t), tdm_tensor_free(w), tdm_tensor_free(q), tdm_tensor_free(all);
+    }
+    /* bad members */
+    CHECK_ERROR(tdm_mpi_subgroup(G, 2, (int[]){0, 0}) == NULL, "rank 0 listed twice");
+    CHECK_ERROR(tdm_mpi_subgroup(G, 1, (int[]){N}) == NULL, "rank");
+    CHECK(tdm_work_wait(tdm_barrier(G)) == TDM_OK, "barrier: %s", tdm_last_error());
+    tdm_mpi_subgroup_free(g);
+    tdm_mpi_subgroup_free(p);
+}
+
 static void test_lowp_collectives(void) {
     for (int d = 0; d < 2; d++) {
         tdm_dtype dt = d ? TDM_F16 : TDM_BF16;
@@ -872,6 +935,23 @@ static int fault_child(const char *what) {
     int rc = 0;
     if (!strcmp(what, "hier_site")) {
         rc = hier_site();
+    } else if (!strcmp(what, "tp_abort")) {
+        /* a mesh's pair {2, 0} (rank 1 alone): rank 2 gives up before the pair's reduction (a
+         * tensor-parallel layer's); rank 0, in it, and rank 1, at the world's barrier, stop at
+         * once naming it */
+        int pair[2] = {2, 0}, alone = 1;
+        tdm_group *tp = R == 1 ? tdm_mpi_subgroup(G, 1, &alone) : tdm_mpi_subgroup(G, 2, pair);
+        tdm_tensor *t = tdm_ones(TDM_SHAPE(10), TDM_F32, tdm_cpu(0));
+        if (!tp) {
+            rc = tdm_last_status();
+        } else if (R == 2) {
+            tdm_group_abort(tp, "its layer failed");
+            rc = tdm_raise(TDM_ERR_STATE, "its layer failed");
+        } else {
+            rc = tdm_work_wait(R == 0 ? tdm_all_reduce(tp, t, TDM_SUM) : tdm_barrier(G));
+        }
+        tdm_tensor_free(t);
+        tdm_mpi_subgroup_free(tp);
     } else if (!strcmp(what, "watched")) {
         rc = watched_desync();
     } else if (!strcmp(what, "mismatch")) {
@@ -993,6 +1073,12 @@ static void test_faults(const char *mpirun) {
                      (const char *[]){"on rank 0: rank 1 failed: out of data||"
                                       "on rank 2: rank 1 failed: out of data",
                                       NULL});
+    /* the same inside a sub-group's collective (a mesh's tensor-parallel pair): the rank
+     * waiting in it and the one outside it, at a barrier of the world */
+    expect_job_fails(mpirun, "tp_abort", 15,
+                     (const char *[]){"all_reduce on rank 0: rank 2 failed: its layer failed||"
+                                      "barrier on rank 1: rank 2 failed: its layer failed",
+                                      NULL});
     /* the same two while the others exchange the sharded optimizer's ranges (ZeRO stage 1):
      * they wait for rank 1's range, which never comes */
     expect_job_fails(mpirun, "kill_shard", 20,
@@ -1104,6 +1190,7 @@ int main(int argc, char **argv) {
     if (argc >= 3 && !strcmp(argv[1], "--fault") && !strcmp(argv[2], "still")) return still_child();
     if (argc >= 3 && !strcmp(argv[1], "--fault")) return fault_child(argv[2]);
     test_collectives();
+    test_subgroups();
     test_lowp_collectives();
     test_ddp();
     test_two_level_collectives();

@@ -951,7 +951,66 @@ static void test_bad_arguments(void) {
     CHECK(wrong[0] == 0 && wrong[1] == 0, "bad sizes or a clone: %d, %d wrong", wrong[0], wrong[1]);
 }
 
-int main(void) {
+/* ---- across processes: `mpirun -np 4 test_tensor_parallel --mpi` --------------------------- */
+
+/* One device a process, the mesh's groups MPI sub-groups: the mesh's coordinates and sums; the
+ * MLP at dp 2 x tp 2 (DDP over dp) and the GPT at tp 2 with the sequence and the vocabulary
+ * split (each dp row training the whole batch), against one device within the threads'
+ * bounds. */
+static void test_across_processes(tdm_group *world) {
+    int r = tdm_group_rank(world), wrong[4] = {0};
+    tdm_rank_ctx ctx = {.rank = r, .size = 4, .device = tdm_cpu(0), .group = world};
+    CHECK(mesh_rank(&ctx, wrong) == 0 && wrong[r] == 0, "mesh over MPI, rank %d: %d wrong (%s)", r,
+          wrong[r], tdm_last_error());
+    mlp_shared ms = {.n = 4, .dp_size = 2};
+    tdm_rng rng = tdm_rng_make(7);
+    tdm_module *l0 = tdm_linear_new(IN, IN, false, tdm_cpu(0), &rng);
+    tdm_module *l1 = tdm_linear_new(IN, HID, true, tdm_cpu(0), &rng);
+    tdm_module *l2 = tdm_linear_new(HID, OUT, true, tdm_cpu(0), &rng);
+    tdm_module *ref = mlp(l0, l1, l2);
+    CHECK(train_mlp(ref, NULL, NULL, ms.ref_loss) == 0, "one device: %s", tdm_last_error());
+    tdm_to_host(l0->params[0], ms.ref_w0, sizeof ms.ref_w0);
+    tdm_to_host(l1->params[0], ms.ref_w1, sizeof ms.ref_w1);
+    tdm_to_host(l1->params[1], ms.ref_b1, sizeof ms.ref_b1);
+    tdm_to_host(l2->params[0], ms.ref_w2, sizeof ms.ref_w2);
+    tdm_to_host(l2->params[1], ms.ref_b2, sizeof ms.ref_b2);
+    tdm_module_free(ref);
+    CHECK(mlp_rank(&ctx, &ms) == 0, "MLP over MPI, rank %d: %s", r, ms.msg[r]);
+    CHECK(ms.dw[r] <= MLP_BOUND && ms.dloss[r] <= MLP_BOUND,
+          "MLP dp 2 x tp 2 over MPI, rank %d: weights off by %g, losses by %g", r, ms.dw[r],
+          ms.dloss[r]);
+    printf("MLP, dp 2 x tp 2 over MPI, rank %d: weights within %.3g, losses within %.3g\n", r,
+           ms.dw[r], ms.dloss[r]);
+    /* the GPT over each dp row's tp pair */
+    gpt_shared gs = {.seq = true, .vocab = true};
+    rng = tdm_rng_make(5);
+    gs.ref = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
+    CHECK(gs.ref && train_gpt(gs.ref, gs.ref_loss) == 0, "one device: %s", tdm_last_error());
+    tdm_mesh *mesh = tdm_mesh_new(world, 2, (int[]){2, 2}, (const char *[]){"dp", "tp"});
+    tdm_group *tp = mesh ? tdm_mesh_group(mesh, "tp") : NULL;
+    int t = tp ? tdm_group_rank(tp) : 0;
+    tdm_rank_ctx tctx = {.rank = t, .size = 2, .device = tdm_cpu(0), .group = tp};
+    CHECK(tp && gpt_rank(&tctx, &gs) == 0, "GPT over MPI, rank %d: %s", r,
+          tp ? gs.msg[t] : tdm_last_error());
+    CHECK(gs.dw[t] <= GPT_BOUND && gs.dloss[t] <= MLP_BOUND && gs.dwhole[t] <= GPT_BOUND,
+          "GPT tp 2 over MPI, rank %d: weights off by %g, losses by %g, gathered by %g", r,
+          gs.dw[t], gs.dloss[t], gs.dwhole[t]);
+    printf("GPT, tp 2 over MPI (sequence- and vocabulary-parallel), rank %d: weights within %.3g, "
+           "losses within %.3g of one device\n",
+           r, gs.dw[t], gs.dloss[t]);
+    tdm_mesh_free(mesh);
+    tdm_module_free(gs.ref);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--mpi")) {
+        tdm_group *world = tdm_mpi_init(&argc, &argv);
+        CHECK(world && tdm_group_size(world) == 4, "--mpi runs under mpirun -np 4: %s",
+              world ? "another size" : tdm_last_error());
+        if (world && tdm_group_size(world) == 4) test_across_processes(world);
+        if (world) tdm_mpi_finalize();
+        return check_summary();
+    }
     test_bad_arguments();
     test_mesh();
     test_rank_dies();

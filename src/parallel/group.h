@@ -246,6 +246,17 @@ void tdm_threads_world_free(tdm_threads_world *w);
  * the environment. Returns how many variables it set (0 or 2). */
 int tdm_mpi_tune_tcp(int64_t max_message);
 
+/* A group of n of the ranks of g, an MPI group (tdm_mpi_init's, or one made here): ranks[k] is
+ * g's rank that is the new group's rank k; the caller must be one of them. Its collectives run
+ * on the world's communication thread among the others' (mpi_group.c says why that cannot
+ * deadlock), under tags of its own; a failure or an abort in any group fails them all.
+ * Every process makes its groups in the same order (tdm_mesh_new does): the k-th group made
+ * in each process gets the same tags. The timeout is g's at the time. NULL and an error for
+ * bad ranks, a group that is not MPI's, or a build without MPI. */
+tdm_group *tdm_mpi_subgroup(tdm_group *g, int n, const int *ranks);
+/* Frees a group tdm_mpi_subgroup made, once no collective of it is pending. NULL is ignored. */
+void tdm_mpi_subgroup_free(tdm_group *sub);
+
 /* ---- the two-level world: threads inside this process, processes outside --------------- */
 
 typedef struct tdm_hier_world tdm_hier_world;

@@ -2,11 +2,12 @@
  * dimensions, each rank given the group of the ranks that differ from it along one dimension
  * only (its tensor-parallel peers, its data-parallel peers).
  *
- * The groups of a dimension are threads worlds of their own, made by each group's first rank
- * (coordinate 0 along the dimension), who hands its world to the others through an all-gather
- * of pointers over the parent: the ranks of a threads group share this process's memory. A
- * mesh over processes (MPI, or threads within MPI) needs sub-communicators: refused for now,
- * with the reason. */
+ * Over a threads group the groups of a dimension are threads worlds of their own, made by each
+ * group's first rank (coordinate 0 along the dimension), who hands its world to the others
+ * through an all-gather of pointers over the parent: the ranks of a threads group share this
+ * process's memory. Over MPI (one rank a process) they are MPI sub-groups
+ * (tdm_mpi_subgroup), every process making its own in the same order. Threads within MPI
+ * (the two-level group) are refused with the reason. */
 #include "parallel/group.h"
 
 #include <stdio.h>
@@ -20,6 +21,7 @@ struct tdm_mesh {
     char names[TDM_MESH_MAX_DIMS][TDM_MESH_NAME_LEN];
     tdm_group *sub[TDM_MESH_MAX_DIMS];
     tdm_threads_world *own[TDM_MESH_MAX_DIMS]; /* the worlds this rank made (coordinate 0) */
+    bool mpi;                                  /* sub are MPI sub-groups, this rank's to free */
 };
 
 /* Every rank's v[0..n) (int32) into all[rank * n + i]: an all-gather over g. */
@@ -55,11 +57,11 @@ static int check_dims(tdm_group *g, int ndim, const int *sizes, const char *cons
     if (n != tdm_group_size(g))
         return tdm_raise(TDM_ERR_ARG, "mesh_new: the dimensions make %lld ranks, the group has %d",
                          (long long)n, tdm_group_size(g));
-    if (strcmp(g->ops->name, "threads") != 0)
+    if (strcmp(g->ops->name, "threads") != 0 && strcmp(g->ops->name, "mpi") != 0)
         return tdm_raise(TDM_ERR_STATE,
-                         "mesh_new: a mesh over a %s group is not supported yet (its groups "
-                         "would need MPI sub-communicators); use the devices of one process "
-                         "(tdm_spawn's threads group)",
+                         "mesh_new: a mesh over a %s group is not supported yet; use the devices "
+                         "of one process (tdm_spawn's threads group) or one device a process "
+                         "(tdm_mpi_init's group)",
                          g->ops->name);
     return TDM_OK;
 }
@@ -69,6 +71,12 @@ static int make_sub(tdm_mesh *m, int d, const tdm_device *devs) {
     int n = tdm_group_size(m->g), stride = 1;
     for (int e = d + 1; e < m->ndim; e++) stride *= m->sizes[e];
     int base = tdm_group_rank(m->g) - m->coord[d] * stride; /* its member of coordinate 0 */
+    if (m->mpi) {
+        int ranks[TDM_MAX_DEVICES];
+        for (int k = 0; k < m->sizes[d]; k++) ranks[k] = base + k * stride;
+        m->sub[d] = tdm_mpi_subgroup(m->g, m->sizes[d], ranks);
+        return m->sub[d] ? TDM_OK : tdm_last_status();
+    }
     if (m->coord[d] == 0) {
         tdm_device sub[TDM_MAX_DEVICES];
         for (int k = 0; k < m->sizes[d]; k++) sub[k] = devs[base + k * stride];
@@ -103,7 +111,7 @@ tdm_mesh *tdm_mesh_new(tdm_group *g, int ndim, const int *sizes, const char *con
         free(m), free(devs);
         return tdm_raise_null(TDM_ERR_NOMEM, "mesh_new: out of memory");
     }
-    m->g = g, m->ndim = ndim;
+    m->g = g, m->ndim = ndim, m->mpi = !strcmp(g->ops->name, "mpi");
     for (int d = ndim - 1, rest = r; d >= 0; d--) { /* row-major: the last dim varies fastest */
         m->sizes[d] = sizes[d];
         m->coord[d] = rest % sizes[d], rest /= sizes[d];
@@ -155,6 +163,9 @@ void tdm_mesh_free(tdm_mesh *m) {
     /* every rank done with every group before their makers free them */
     tdm_collective_label("the device mesh's end");
     tdm_work_wait(tdm_barrier(m->g));
-    for (int d = 0; d < m->ndim; d++) tdm_threads_world_free(m->own[d]);
+    for (int d = 0; d < m->ndim; d++) {
+        tdm_threads_world_free(m->own[d]);
+        if (m->mpi) tdm_mpi_subgroup_free(m->sub[d]);
+    }
     free(m);
 }

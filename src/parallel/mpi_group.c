@@ -68,6 +68,15 @@ tdm_group *tdm_mpi_init(int *argc, char ***argv) {
 
 void tdm_mpi_finalize(void) {}
 
+tdm_group *tdm_mpi_subgroup(tdm_group *g, int n, const int *ranks) {
+    (void)g, (void)n, (void)ranks;
+    return tdm_raise_null(TDM_ERR_STATE, "mpi_subgroup: this build of Tandem has no MPI");
+}
+
+void tdm_mpi_subgroup_free(tdm_group *sub) {
+    (void)sub;
+}
+
 #else
 
 #include <errno.h>
@@ -109,8 +118,32 @@ typedef struct {
 
 #define FAIL_LEN (TDM_WORK_MSG - 64) /* room for the "op on rank R: " prefix */
 
-typedef struct {
-    tdm_group g; /* first member: a tdm_group * is an mworld * */
+/* the first tags of the sub-groups: two each (headers, data) */
+#define TAG_SUB  200
+
+struct mworld;
+
+/* One group's view of the MPI world: the world itself, or a sub-group of its processes
+ * (tdm_mpi_subgroup: a mesh's dimension). Every group's collectives run on the world's one
+ * communication thread, in launch order, over the world's communicator under tags of their
+ * own: a sub-group needs no communicator of its own, whose making (MPI_Comm_split) would be a
+ * collective over every process on that thread. Run one after another, the collectives of
+ * several groups cannot wait for each other in a cycle as long as every process launches
+ * them in the same order, as ranks running the same program do (tensor parallelism's
+ * collectives between DDP's buckets). */
+typedef struct mcomm {
+    tdm_group g; /* first member: a tdm_group * is an mcomm * */
+    struct mworld *w;
+    int tag_hdr, tag_data;
+    int *peers; /* peers[k]: the world rank of the group's rank k; NULL for the world */
+    /* ---- owned by the communication thread ---- */
+    int64_t seq;
+    header *hdr_in; /* a header from each rank of the group */
+} mcomm;
+
+typedef struct mworld {
+    mcomm c;       /* first member: the world's group */
+    int subgroups; /* made so far (tags TAG_SUB + 2 i, + 1) */
     pthread_t thread;
     bool started;
     /* launch queue, FIFO; also guards init_state, the abort's three flags and stop */
@@ -129,11 +162,10 @@ typedef struct {
     char fail_msg[FAIL_LEN];
     /* ---- owned by the communication thread ---- */
     MPI_Comm comm;
-    int64_t seq;
     float *scratch; /* (size - 1) chunks of one segment */
     size_t scratch_bytes;
     tdm_work *cur; /* the collective being run */
-    header hdr_out, *hdr_in;
+    header hdr_out;
     bool hdr_round; /* this round started with the headers: its receives wait for them */
     void **rbuf;    /* such a receive, posted by finish_round: buffer and bytes */
     int64_t *rbytes;
@@ -172,9 +204,9 @@ static void send_notices(mworld *w) {
     if (w->notices_sent) return;
     w->notices_sent = true;
     snprintf(w->fail_out, sizeof w->fail_out, "%s", w->fail_msg);
-    for (int k = 0; k < w->g.size; k++) {
+    for (int k = 0; k < w->c.g.size; k++) {
         w->fail_sends[k] = MPI_REQUEST_NULL;
-        if (k != w->g.rank)
+        if (k != w->c.g.rank)
             MPI_Isend(w->fail_out, FAIL_LEN, MPI_CHAR, k, TAG_FAIL, w->comm, &w->fail_sends[k]);
     }
 }
@@ -211,12 +243,12 @@ static bool poll_failure(mworld *w) {
     w->abort_taken = w->abort_req;
     pthread_mutex_unlock(&w->qlock);
     if (req) {
-        fail(w, true, "rank %d failed: %s", w->g.rank, w->abort_msg);
+        fail(w, true, "rank %d failed: %s", w->c.g.rank, w->abort_msg);
         if (!w->stuck) send_notices(w); /* also when a peer's failure came first */
         /* give the notices a moment to leave before the caller may exit the process */
         for (int64_t until = tdm_now_ns() + 100000000; !w->stuck && tdm_now_ns() < until;) {
             int all = 0;
-            MPI_Testall(w->g.size, w->fail_sends, &all, MPI_STATUSES_IGNORE);
+            MPI_Testall(w->c.g.size, w->fail_sends, &all, MPI_STATUSES_IGNORE);
             if (all) break;
             nap_ns(100000);
         }
@@ -235,8 +267,9 @@ static void settle_abort(mworld *w) {
     }
 }
 
+/* Any group's abort fails the process's world: its groups share the one thread and failure. */
 static void mpi_abort(tdm_group *g, const char *message) {
-    mworld *w = (mworld *)g;
+    mworld *w = ((mcomm *)g)->w;
     struct timespec until;
     clock_gettime(CLOCK_MONOTONIC, &until);
     until.tv_sec += 2; /* bounded: never hang the failing rank */
@@ -258,7 +291,11 @@ static void round_begin(mworld *w) {
     w->hdr_round = false;
 }
 
-static void post(mworld *w, bool send, void *buf, int64_t bytes, int peer, int tag) {
+/* A send to or receive from rank k of m's group, under m's tag for TAG_HDR or TAG_DATA. */
+static void post(mcomm *m, bool send, void *buf, int64_t bytes, int k, int tag) {
+    mworld *w = m->w;
+    int peer = m->peers ? m->peers[k] : k;
+    tag = tag == TAG_HDR ? m->tag_hdr : m->tag_data;
     MPI_Request *r = &w->reqs[w->nreq];
     if (!send && w->hdr_round) { /* posted once the headers agree (finish_round) */
         *r = MPI_REQUEST_NULL;
@@ -271,7 +308,7 @@ static void post(mworld *w, bool send, void *buf, int64_t bytes, int peer, int t
     w->req_peer[w->nreq++] = send ? -1 - peer : peer;
 }
 
-/* The first rank a still-pending receive (else send) of this round waits for. */
+/* The first rank (of the world) a still-pending receive (else send) of this round waits for. */
 static int missing_peer(const mworld *w) {
     int send_peer = -1;
     for (int i = 0; i < w->nreq; i++) {
@@ -325,7 +362,8 @@ static void cancel_round(mworld *w) {
 /* Polls the round's requests until all complete, spinning briefly after each completion and
  * then napping (the comm thread shares the core with the rank's computation). 0, or -1 with
  * the world failed: a peer's notice, an abort, an MPI error or the deadline. */
-static int round_wait(mworld *w, int n, int64_t deadline) {
+static int round_wait(mcomm *m, int n, int64_t deadline) {
+    mworld *w = m->w;
     int left = n;
     int64_t last = tdm_now_ns(), nap = 1000;
     for (int spins = 0; left > 0; spins++) {
@@ -367,7 +405,7 @@ static int round_wait(mworld *w, int n, int64_t deadline) {
             }
             int64_t t = tdm_now_ns();
             if (t > deadline) {
-                double s = tdm_group_timeout(&w->g);
+                double s = tdm_group_timeout(&m->g);
                 char secs[32];
                 snprintf(secs, sizeof secs, s >= 0.1 ? "%.1f" : "%.3g", s);
                 fail(w, true, "timed out after %s s waiting for rank %d", secs, missing_peer(w));
@@ -395,14 +433,15 @@ static fingerprint fingerprint_of(const tdm_coll *c, int64_t seq) {
     return f;
 }
 
-static void post_headers(mworld *w, const tdm_coll *c) {
+static void post_headers(mcomm *m, const tdm_coll *c) {
+    mworld *w = m->w;
     const tdm_watch *wt = &w->cur->watch;
     w->hdr_out =
-        (header){fingerprint_of(c, w->seq), fingerprint_of(&wt->last, wt->launched), wt->digest};
-    for (int k = 0; k < w->g.size; k++) {
-        if (k == w->g.rank) continue;
-        post(w, false, &w->hdr_in[k], sizeof(header), k, TAG_HDR);
-        post(w, true, &w->hdr_out, sizeof(header), k, TAG_HDR);
+        (header){fingerprint_of(c, m->seq), fingerprint_of(&wt->last, wt->launched), wt->digest};
+    for (int k = 0; k < m->g.size; k++) {
+        if (k == m->g.rank) continue;
+        post(m, false, &m->hdr_in[k], sizeof(header), k, TAG_HDR);
+        post(m, true, &w->hdr_out, sizeof(header), k, TAG_HDR);
     }
     w->hdr_round = true;
 }
@@ -421,22 +460,29 @@ static tdm_coll coll_of(const fingerprint *h) {
     return c;
 }
 
+/* The world rank of rank k of m's group. */
+static int world_rank(const mcomm *m, int k) {
+    return m->peers ? m->peers[k] : k;
+}
+
 /* After the first round: every peer called the same collective (tdm_coll_disagree). 0, or -1
- * and failed naming both sides. */
-static int check_headers(mworld *w) {
+ * and failed naming both sides by their world ranks. */
+static int check_headers(mcomm *m) {
+    mworld *w = m->w;
     tdm_coll me = coll_of(&w->hdr_out.c);
     char msg[FAIL_LEN], during[160];
-    for (int k = 0; k < w->g.size; k++) {
-        if (k == w->g.rank) continue;
-        const header *h = &w->hdr_in[k];
+    int r = world_rank(m, m->g.rank);
+    for (int k = 0; k < m->g.size; k++) {
+        if (k == m->g.rank) continue;
+        const header *h = &m->hdr_in[k];
         tdm_coll peer = coll_of(&h->c);
-        bool bad = tdm_coll_disagree(w->g.rank, &me, k, &peer, true, msg, sizeof msg);
+        bool bad = tdm_coll_disagree(r, &me, world_rank(m, k), &peer, true, msg, sizeof msg);
         if (!bad) { /* the same collective: then the same past on the watched group */
             tdm_watch a = {w->hdr_out.watched_last.seq, w->hdr_out.watched_digest,
                            coll_of(&w->hdr_out.watched_last)};
             tdm_watch b = {h->watched_last.seq, h->watched_digest, coll_of(&h->watched_last)};
             tdm_coll_describe(&me, during, sizeof during);
-            bad = tdm_watch_disagree(w->g.rank, &a, k, &b, during, msg, sizeof msg);
+            bad = tdm_watch_disagree(r, &a, world_rank(m, k), &b, during, msg, sizeof msg);
         }
         if (!bad) continue;
         fail(w, true, "%s", msg);
@@ -451,19 +497,20 @@ static int check_headers(mworld *w) {
  * past the end of the receive's buffer, a tensor (under ASan: a heap-buffer-overflow in
  * mca_btl_tcp_frag_recv). The data sends leave with the headers, so ranks that agree lose
  * no round trip; a peer that disagrees never posts the receives they would match. */
-static int finish_round(mworld *w, bool first, int64_t deadline) {
+static int finish_round(mcomm *m, bool first, int64_t deadline) {
+    mworld *w = m->w;
     if (first) {
-        if (round_wait(w, 2 * (w->g.size - 1), deadline)) return -1;
-        if (check_headers(w)) {
+        if (round_wait(m, 2 * (m->g.size - 1), deadline)) return -1;
+        if (check_headers(m)) {
             cancel_round(w); /* the data sends */
             return -1;
         }
-        for (int i = 2 * (w->g.size - 1); i < w->nreq; i++)
-            if (w->req_peer[i] >= 0)
-                MPI_Irecv(w->rbuf[i], (int)w->rbytes[i], MPI_BYTE, w->req_peer[i], TAG_DATA,
+        for (int i = 2 * (m->g.size - 1); i < w->nreq; i++)
+            if (w->req_peer[i] >= 0) /* a world rank */
+                MPI_Irecv(w->rbuf[i], (int)w->rbytes[i], MPI_BYTE, w->req_peer[i], m->tag_data,
                           w->comm, &w->reqs[i]);
     }
-    return round_wait(w, w->nreq, deadline);
+    return round_wait(m, w->nreq, deadline);
 }
 
 /* out[0..len) = rank-order reduction of srcs[k][0..len) in c's dtype (bf16 and f16 summed in
@@ -478,15 +525,16 @@ static void reduce_into(const tdm_coll *c, void *out, const void **srcs, int n, 
 }
 
 /* Scratch slot of peer k (k != me) for one segment's chunk of at most `per` elements. */
-static void *slot(mworld *w, int k, int64_t per, size_t elem) {
-    int idx = k < w->g.rank ? k : k - 1;
-    return (char *)w->scratch + (size_t)idx * (size_t)per * elem;
+static void *slot(mcomm *m, int k, int64_t per, size_t elem) {
+    int idx = k < m->g.rank ? k : k - 1;
+    return (char *)m->w->scratch + (size_t)idx * (size_t)per * elem;
 }
 
 /* The all-reduce in c's dtype: bf16 and f16 travel as 2-byte elements (half an f32's bytes)
  * and are summed in f32 by the chunk's owner, then rounded once. */
-static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
-    int n = w->g.size, r = w->g.rank;
+static int run_all_reduce(mcomm *m, const tdm_coll *c, int64_t deadline) {
+    mworld *w = m->w;
+    int n = m->g.size, r = m->g.rank;
     char *buf = c->out;
     int64_t elem = (int64_t)c->elem, align = TDM_CHUNK_ALIGN / elem;
     bool first = true;
@@ -501,18 +549,18 @@ static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
         tdm_chunk_of(len, c->elem, n, 0, &lo, &per); /* per = size of chunk 0: the largest */
         /* reduce-scatter: chunk k of my segment goes to rank k, chunk r comes from everyone */
         round_begin(w);
-        if (first) post_headers(w, c);
+        if (first) post_headers(m, c);
         tdm_chunk_of(len, c->elem, n, r, &lo, &hi);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
             int64_t klo, khi;
             tdm_chunk_of(len, c->elem, n, k, &klo, &khi);
-            post(w, false, slot(w, k, per, c->elem), (hi - lo) * elem, k, TAG_DATA);
-            post(w, true, sb + klo * elem, (khi - klo) * elem, k, TAG_DATA);
+            post(m, false, slot(m, k, per, c->elem), (hi - lo) * elem, k, TAG_DATA);
+            post(m, true, sb + klo * elem, (khi - klo) * elem, k, TAG_DATA);
         }
-        if (finish_round(w, first, deadline)) return -1;
+        if (finish_round(m, first, deadline)) return -1;
         first = false;
-        for (int k = 0; k < n; k++) srcs[k] = k == r ? sb + lo * elem : slot(w, k, per, c->elem);
+        for (int k = 0; k < n; k++) srcs[k] = k == r ? sb + lo * elem : slot(m, k, per, c->elem);
         reduce_into(c, sb + lo * elem, srcs, n, hi - lo);
         /* all-gather: my reduced chunk to everyone, theirs into place */
         round_begin(w);
@@ -520,10 +568,10 @@ static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
             if (k == r) continue;
             int64_t klo, khi;
             tdm_chunk_of(len, c->elem, n, k, &klo, &khi);
-            post(w, false, sb + klo * elem, (khi - klo) * elem, k, TAG_DATA);
-            post(w, true, sb + lo * elem, (hi - lo) * elem, k, TAG_DATA);
+            post(m, false, sb + klo * elem, (khi - klo) * elem, k, TAG_DATA);
+            post(m, true, sb + lo * elem, (hi - lo) * elem, k, TAG_DATA);
         }
-        if (round_wait(w, w->nreq, deadline)) return -1;
+        if (round_wait(m, w->nreq, deadline)) return -1;
         if (len == 0) break;
     }
     return 0;
@@ -534,8 +582,9 @@ static int run_all_reduce(mworld *w, const tdm_coll *c, int64_t deadline) {
  * the pieces others reduce, and reduces the pieces it receives with its own in rank order, as
  * run_all_reduce does (the same bits). A reduce sends each segment once, where an all-reduce
  * sends it twice. */
-static int run_reduce_pieces(mworld *w, const tdm_coll *c, int64_t deadline) {
-    int n = w->g.size, r = w->g.rank;
+static int run_reduce_pieces(mcomm *m, const tdm_coll *c, int64_t deadline) {
+    mworld *w = m->w;
+    int n = m->g.size, r = m->g.rank;
     bool scatter = c->kind == TDM_COLL_REDUCE_SCATTER, first = true;
     bool reducer = scatter || r == c->root;
     const char *in = c->in;
@@ -545,20 +594,20 @@ static int run_reduce_pieces(mworld *w, const tdm_coll *c, int64_t deadline) {
     for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
         int64_t len = c->count - s0 < seg ? c->count - s0 : seg;
         round_begin(w);
-        if (first) post_headers(w, c);
+        if (first) post_headers(m, c);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
-            if (reducer) post(w, false, slot(w, k, seg, c->elem), len * elem, k, TAG_DATA);
+            if (reducer) post(m, false, slot(m, k, seg, c->elem), len * elem, k, TAG_DATA);
             if (scatter || k == c->root)
-                post(w, true, (void *)(in + ((scatter ? k * c->count : 0) + s0) * elem), len * elem,
+                post(m, true, (void *)(in + ((scatter ? k * c->count : 0) + s0) * elem), len * elem,
                      k, TAG_DATA);
         }
-        if (finish_round(w, first, deadline)) return -1;
+        if (finish_round(m, first, deadline)) return -1;
         first = false;
         if (reducer) {
             for (int k = 0; k < n; k++)
                 srcs[k] = k == r ? in + ((scatter ? r * c->count : 0) + s0) * elem
-                                 : slot(w, k, seg, c->elem);
+                                 : slot(m, k, seg, c->elem);
             reduce_into(c, (char *)c->out + s0 * elem, srcs, n, len);
         }
         if (len == 0) break;
@@ -567,27 +616,28 @@ static int run_reduce_pieces(mworld *w, const tdm_coll *c, int64_t deadline) {
 }
 
 /* Broadcast (root sends to all) and all-gather (everyone sends to all) in byte segments. */
-static int run_copies(mworld *w, const tdm_coll *c, int64_t deadline) {
-    int n = w->g.size, r = w->g.rank;
+static int run_copies(mcomm *m, const tdm_coll *c, int64_t deadline) {
+    mworld *w = m->w;
+    int n = m->g.size, r = m->g.rank;
     bool gather = c->kind == TDM_COLL_ALL_GATHER, first = true;
     int64_t bytes = c->count * (int64_t)c->elem;
     if (gather && bytes) memcpy((char *)c->out + r * bytes, c->in, (size_t)bytes);
     for (int64_t s0 = 0; s0 < bytes || first; s0 += SEG_BYTES) {
         int64_t len = bytes - s0 < SEG_BYTES ? bytes - s0 : SEG_BYTES;
         round_begin(w);
-        if (first) post_headers(w, c);
+        if (first) post_headers(m, c);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
             if (gather) {
-                post(w, false, (char *)c->out + k * bytes + s0, len, k, TAG_DATA);
-                post(w, true, (char *)c->in + s0, len, k, TAG_DATA);
+                post(m, false, (char *)c->out + k * bytes + s0, len, k, TAG_DATA);
+                post(m, true, (char *)c->in + s0, len, k, TAG_DATA);
             } else if (r == c->root) {
-                post(w, true, (char *)c->out + s0, len, k, TAG_DATA);
+                post(m, true, (char *)c->out + s0, len, k, TAG_DATA);
             } else if (k == c->root) {
-                post(w, false, (char *)c->out + s0, len, k, TAG_DATA);
+                post(m, false, (char *)c->out + s0, len, k, TAG_DATA);
             }
         }
-        if (finish_round(w, first, deadline)) return -1;
+        if (finish_round(m, first, deadline)) return -1;
         first = false;
         if (len == 0) break;
     }
@@ -595,12 +645,13 @@ static int run_copies(mworld *w, const tdm_coll *c, int64_t deadline) {
 }
 
 /* Runs one collective. TDM_OK, or TDM_ERR_COMM with msg. */
-static int run(mworld *w, const tdm_coll *c, char *msg) {
+static int run(mcomm *m, const tdm_coll *c, char *msg) {
+    mworld *w = m->w;
     int rc = -1;
     if (!poll_failure(w)) {
-        int64_t deadline = tdm_now_ns() + atomic_load(&w->g.timeout_ns);
-        w->seq++;
-        if (w->g.size == 1) {
+        int64_t deadline = tdm_now_ns() + atomic_load(&m->g.timeout_ns);
+        m->seq++;
+        if (m->g.size == 1) {
             rc = 0;
             if (c->kind == TDM_COLL_ALL_GATHER || c->kind == TDM_COLL_REDUCE_SCATTER)
                 memmove(c->out, c->in, (size_t)c->count * c->elem);
@@ -608,27 +659,27 @@ static int run(mworld *w, const tdm_coll *c, char *msg) {
         } else {
             switch (c->kind) {
             case TDM_COLL_ALL_REDUCE:
-                rc = run_all_reduce(w, c, deadline);
+                rc = run_all_reduce(m, c, deadline);
                 break;
             case TDM_COLL_REDUCE_SCATTER:
             case TDM_COLL_REDUCE:
-                rc = run_reduce_pieces(w, c, deadline);
+                rc = run_reduce_pieces(m, c, deadline);
                 break;
             case TDM_COLL_BROADCAST:
             case TDM_COLL_ALL_GATHER:
-                rc = run_copies(w, c, deadline);
+                rc = run_copies(m, c, deadline);
                 break;
             case TDM_COLL_BARRIER: /* the header exchange is the barrier */
                 round_begin(w);
-                post_headers(w, c);
-                rc = finish_round(w, true, deadline);
+                post_headers(m, c);
+                rc = finish_round(m, true, deadline);
                 break;
             }
         }
     }
     if (!rc) return TDM_OK;
-    snprintf(msg, TDM_WORK_MSG, "%s on rank %d: %s", tdm_coll_name(c->kind), w->g.rank,
-             w->fail_msg);
+    snprintf(msg, TDM_WORK_MSG, "%s on rank %d: %s", tdm_coll_name(c->kind),
+             world_rank(m, m->g.rank), w->fail_msg);
     return TDM_ERR_COMM;
 }
 
@@ -656,10 +707,10 @@ static int setup(mworld *w) {
                  "mpi_init: %d ranks; this backend handles at most 64", size);
         return -1;
     }
-    tdm_group_init(&w->g, w->g.ops, rank, size, tdm_cpu(0));
-    tdm_group_set_timeout(&w->g, DEFAULT_TIMEOUT_S);
+    tdm_group_init(&w->c.g, w->c.g.ops, rank, size, tdm_cpu(0));
+    tdm_group_set_timeout(&w->c.g, DEFAULT_TIMEOUT_S);
     int cap = 4 * size + 4;
-    w->hdr_in = calloc((size_t)size, sizeof *w->hdr_in);
+    w->c.hdr_in = calloc((size_t)size, sizeof *w->c.hdr_in);
     w->reqs = calloc((size_t)cap, sizeof *w->reqs);
     w->req_peer = calloc((size_t)cap, sizeof *w->req_peer);
     w->req_idx = calloc((size_t)cap, sizeof *w->req_idx);
@@ -672,7 +723,7 @@ static int setup(mworld *w) {
      * the kernel gives them: first touches of fresh 4 KiB pages are slow on this VM) */
     w->scratch_bytes = size > 1 ? (size_t)SEG_BYTES : 64;
     w->scratch = aligned_alloc(2 << 20, (w->scratch_bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20));
-    if (!w->hdr_in || !w->reqs || !w->req_peer || !w->req_idx || !w->stats || !w->rbuf ||
+    if (!w->c.hdr_in || !w->reqs || !w->req_peer || !w->req_idx || !w->stats || !w->rbuf ||
         !w->rbytes || !w->fail_sends || !w->scratch) {
         snprintf(w->init_msg, sizeof w->init_msg, "mpi_init: out of memory");
         return -1;
@@ -732,10 +783,10 @@ static void teardown(mworld *w) {
          * ends the job). The notices still in flight write into or read from this world. */
         if (w->fail_recv != MPI_REQUEST_NULL && !w->stuck) MPI_Cancel(&w->fail_recv);
         drain(w, &w->fail_recv, 1);
-        if (w->notices_sent) drain(w, w->fail_sends, w->g.size);
+        if (w->notices_sent) drain(w, w->fail_sends, w->c.g.size);
     }
     if (w->stuck) return; /* kept, with its buffers: see drain */
-    free(w->hdr_in);
+    free(w->c.hdr_in);
     free(w->reqs);
     free(w->req_peer);
     free(w->req_idx);
@@ -761,7 +812,7 @@ static void *comm_main(void *arg) {
         msg[0] = '\0';
         tdm_trace_begin(tdm_coll_name(wk->c.kind));
         w->cur = wk;
-        int status = run(w, &wk->c, msg);
+        int status = run((mcomm *)wk->group, &wk->c, msg);
         tdm_trace_end();
         tdm_work_finish(wk, status, msg);
     }
@@ -770,7 +821,7 @@ static void *comm_main(void *arg) {
 }
 
 static int mpi_launch(tdm_group *g, tdm_work *wk) {
-    mworld *w = (mworld *)g;
+    mworld *w = ((mcomm *)g)->w;
     pthread_mutex_lock(&w->qlock);
     if (w->stop) {
         pthread_mutex_unlock(&w->qlock);
@@ -809,7 +860,7 @@ tdm_group *tdm_mpi_init(int *argc, char ***argv) {
     pthread_mutex_lock(&world_lock);
     if (world) {
         pthread_mutex_unlock(&world_lock);
-        return &world->g;
+        return &world->c.g;
     }
     if (finalized) {
         pthread_mutex_unlock(&world_lock);
@@ -829,7 +880,9 @@ tdm_group *tdm_mpi_init(int *argc, char ***argv) {
         return tdm_raise_null(TDM_ERR_NOMEM, "mpi_init: out of memory");
     }
     tdm_mpi_tune_tcp(SEG_BYTES); /* before MPI reads its parameters */
-    w->g.ops = &mpi_ops;
+    w->c.g.ops = &mpi_ops;
+    w->c.w = w;
+    w->c.tag_hdr = TAG_HDR, w->c.tag_data = TAG_DATA;
     w->argc = argc;
     w->argv = argv;
     atomic_init(&w->failed, 0);
@@ -860,7 +913,68 @@ tdm_group *tdm_mpi_init(int *argc, char ***argv) {
     w->started = true;
     world = w;
     pthread_mutex_unlock(&world_lock);
-    return &w->g;
+    return &w->c.g;
+}
+
+static int check_members(const tdm_group *g, int n, const int *ranks, int *me) {
+    if (!g || !ranks) return tdm_raise(TDM_ERR_ARG, "mpi_subgroup: NULL group or ranks");
+    if (g->ops != &mpi_ops)
+        return tdm_raise(TDM_ERR_ARG, "mpi_subgroup: a %s group is not an MPI group", g->ops->name);
+    if (n < 1 || n > g->size)
+        return tdm_raise(TDM_ERR_ARG, "mpi_subgroup: %d ranks of a group of %d", n, g->size);
+    *me = -1;
+    for (int k = 0; k < n; k++) {
+        if (ranks[k] < 0 || ranks[k] >= g->size)
+            return tdm_raise(TDM_ERR_ARG, "mpi_subgroup: rank %d of a group of %d", ranks[k],
+                             g->size);
+        for (int j = 0; j < k; j++)
+            if (ranks[j] == ranks[k])
+                return tdm_raise(TDM_ERR_ARG, "mpi_subgroup: rank %d listed twice", ranks[k]);
+        if (ranks[k] == g->rank) *me = k;
+    }
+    if (*me < 0)
+        return tdm_raise(TDM_ERR_ARG, "mpi_subgroup: rank %d is not one of the group's", g->rank);
+    return TDM_OK;
+}
+
+tdm_group *tdm_mpi_subgroup(tdm_group *g, int n, const int *ranks) {
+    int me = -1;
+    if (check_members(g, n, ranks, &me)) return NULL;
+    mcomm *parent = (mcomm *)g;
+    mworld *w = parent->w;
+    pthread_mutex_lock(&w->qlock);
+    int id = w->subgroups++;
+    pthread_mutex_unlock(&w->qlock);
+    if (TAG_SUB + 2 * id + 1 > 32767) /* the least MPI_TAG_UB the standard allows */
+        return tdm_raise_null(TDM_ERR_ARG, "mpi_subgroup: more than %d groups made",
+                              (32767 - TAG_SUB) / 2);
+    mcomm *m = calloc(1, sizeof *m);
+    int *peers = m ? malloc(sizeof *peers * (size_t)n) : NULL;
+    header *hdr = peers ? calloc((size_t)n, sizeof *hdr) : NULL;
+    if (!hdr) {
+        free(m), free(peers);
+        return tdm_raise_null(TDM_ERR_NOMEM, "mpi_subgroup: out of memory");
+    }
+    for (int k = 0; k < n; k++) peers[k] = world_rank(parent, ranks[k]);
+    *m = (mcomm){.w = w,
+                 .tag_hdr = TAG_SUB + 2 * id,
+                 .tag_data = TAG_SUB + 2 * id + 1,
+                 .peers = peers,
+                 .hdr_in = hdr};
+    tdm_group_init(&m->g, &mpi_ops, me, n, g->device);
+    atomic_store(&m->g.timeout_ns, atomic_load(&g->timeout_ns));
+    return &m->g;
+}
+
+void tdm_mpi_subgroup_free(tdm_group *sub) {
+    if (!sub) return;
+    mcomm *m = (mcomm *)sub;
+    tdm_group_destroy(&m->g);
+    /* after a failure a receive of a header may outlive its round (drain): kept, as the
+     * world's own buffers are */
+    if (!has_failed(m->w)) free(m->hdr_in);
+    free(m->peers);
+    free(m);
 }
 
 void tdm_mpi_finalize(void) {
@@ -874,7 +988,7 @@ void tdm_mpi_finalize(void) {
         pthread_cond_broadcast(&w->qcond);
         pthread_mutex_unlock(&w->qlock);
         pthread_join(w->thread, NULL);
-        tdm_group_destroy(&w->g);
+        tdm_group_destroy(&w->c.g);
         if (w->stuck)
             kept = w; /* requests may still point into it: see drain */
         else

@@ -21,11 +21,13 @@ static void slurp(const char *path, char *buf, size_t cap) {
 
 /* Runs tandem with argv (NULL-terminated, argv[0] ignored), capturing stdout and stderr; the
  * result stays valid until the next run. */
+static char tandem_mpirun[4096]; /* set: run() starts mpirun, whose arguments argv holds */
+
 static result *run(const char **argv) {
     static result r;
     free(r.out);
     free(r.err);
-    argv[0] = tandem;
+    argv[0] = tandem_mpirun[0] ? tandem_mpirun : tandem;
     r.status = wait_status(spawn_captured(argv));
     r.out = captured("stdout");
     r.err = captured("stderr");
@@ -358,7 +360,6 @@ static void test_tensor_parallel(void) {
     }
     r = TANDEM("train", "--model", "mlp", "--tp", "2", "--devices", "2");
     CHECK(r->status == 2 && strstr(r->err, "no tensor-parallel plan"), "mlp at tp 2: %s", r->err);
-#undef TP_RUN
 }
 
 static void test_sample(void) {
@@ -499,6 +500,84 @@ static void test_errors(void) {
     CHECK(r->status == 0 && strstr(r->out, "--channels") && strstr(r->out, "--save"), "help");
 }
 
+/* --tensor-parallel under mpirun (the processes form the mesh): tp 2 on 2 processes and dp 2 x
+ * tp 2 with ZeRO stage 3 on 4 learn what one device does, loss for loss, weights within the
+ * threads' bound; the dp 2 x tp 2 run's checkpoint resumes on tp 2; what does not fit is
+ * refused naming the option. */
+static void test_tensor_parallel_mpi(const char *mpirun) {
+    char one[300], tp[300], ck[300];
+    snprintf(one, sizeof one, "%s/mpi-one.bin", tmpdir);
+    snprintf(tp, sizeof tp, "%s/mpi-tp.bin", tmpdir);
+    snprintf(ck, sizeof ck, "%s/mpi-ck", tmpdir);
+#define MPI_TP(np, steps, ...)                                                                     \
+    run((const char *[]){"",                                                                       \
+                         "--oversubscribe",                                                        \
+                         "-np",                                                                    \
+                         np,                                                                       \
+                         tandem,                                                                   \
+                         "train",                                                                  \
+                         "--model",                                                                \
+                         "gpt",                                                                    \
+                         "--data",                                                                 \
+                         text_path,                                                                \
+                         "--layers",                                                               \
+                         "2",                                                                      \
+                         "--heads",                                                                \
+                         "4",                                                                      \
+                         "--channels",                                                             \
+                         "16",                                                                     \
+                         "--context",                                                              \
+                         "8",                                                                      \
+                         "--batch-size",                                                           \
+                         "4",                                                                      \
+                         "--max-steps",                                                            \
+                         steps,                                                                    \
+                         "--workers",                                                              \
+                         "0",                                                                      \
+                         "--print-every",                                                          \
+                         "3",                                                                      \
+                         "--seed",                                                                 \
+                         "3",                                                                      \
+                         "--clip-grad",                                                            \
+                         "1",                                                                      \
+                         __VA_ARGS__,                                                              \
+                         NULL})
+    double ref[4], got[4];
+    result *r = TP_RUN("12", "--save", one);
+    CHECK(r->status == 0 && losses(r->out, ref, 4) == 4, "one device: %s", r->err);
+    snprintf(tandem_mpirun, sizeof tandem_mpirun, "%s", mpirun); /* run() starts mpirun now */
+    r = MPI_TP("2", "12", "--tp", "2", "--save", tp);
+    int n = losses(r->out, got, 4);
+    CHECK(r->status == 0 && n == 4 && strstr(r->out, "mesh dp 1 x tp 2 over the processes"),
+          "mpirun -np 2 --tp 2: %s %s", r->out, r->err);
+    for (int i = 0; i < n; i++) CHECK_CLOSE(got[i], ref[i], 1e-4, 0);
+    double dw = model_diff(tp, one);
+    CHECK(dw <= 1e-5, "mpirun -np 2 --tp 2: weights off by %g after 12 steps", dw);
+    /* dp 2 x tp 2 with ZeRO stage 3 stopped at step 6, resumed on tp 2 */
+    r = MPI_TP("4", "6", "--tp", "2", "--shard", "parameters", "--checkpoint-dir", ck);
+    n = losses(r->out, got, 2);
+    CHECK(r->status == 0 && n == 2 && strstr(r->out, "mesh dp 2 x tp 2 over the processes") &&
+              strstr(r->out, "ZeRO stage 3 over the data-parallel rows"),
+          "mpirun -np 4 --tp 2 --shard parameters: %s %s", r->out, r->err);
+    for (int i = 0; i < n; i++) CHECK_CLOSE(got[i], ref[i], 1e-4, 0);
+    r = MPI_TP("2", "12", "--tp", "2", "--checkpoint-dir", ck, "--resume", "--save", tp);
+    n = losses(r->out, got, 4);
+    CHECK(r->status == 0 && n == 2 && strstr(r->out, "saved on 4 processes x 1 device, now 2 x 1"),
+          "resumed on mpirun -np 2 --tp 2: %s %s", r->out, r->err);
+    for (int i = 0; i < n; i++) CHECK_CLOSE(got[i], ref[2 + i], 1e-4, 0);
+    dw = model_diff(tp, one);
+    CHECK(dw <= 1e-5, "dp 2 x tp 2 resumed on tp 2: weights off by %g after 12 steps", dw);
+    /* refused */
+    r = MPI_TP("3", "2", "--tp", "2");
+    CHECK(r->status == 2 && strstr(r->err, "--tensor-parallel 2 needs a multiple of 2 processes, "
+                                           "mpirun started 3"),
+          "-np 3 --tp 2: exit %d: %s", r->status, r->err);
+    r = MPI_TP("2", "2", "--tp", "2", "--devices", "2");
+    CHECK(r->status == 2 && strstr(r->err, "takes one device a process"),
+          "--devices 2 under mpirun: exit %d: %s", r->status, r->err);
+    tandem_mpirun[0] = '\0';
+}
+
 int main(int argc, char **argv) {
     ssize_t n = readlink("/proc/self/exe", tandem, sizeof tandem - 16);
     if (n <= 0 || tmpdir_make("test_gpt_cli") != 0) {
@@ -510,6 +589,11 @@ int main(int argc, char **argv) {
     if (argc > 1) snprintf(tandem, sizeof tandem, "%s", argv[1]);
     CHECK(access(tandem, X_OK) == 0, "no tandem binary at %s", tandem);
     write_text();
+    if (argc == 4 && !strcmp(argv[2], "--mpirun")) { /* its own CTest entry */
+        test_tensor_parallel_mpi(argv[3]);
+        tmpdir_remove();
+        return check_summary();
+    }
     test_train_and_save();
     test_two_devices();
     test_grad_accum();

@@ -247,7 +247,9 @@ static const opt_spec specs[] = {
      "torchtitan's FSDP with TP). Checkpoints hold the whole model and "
      "resume under another N or device count. "
      "With --recompute each device runs its blocks' forwards again in backward, collectives "
-     "included. GPT models only; not under mpirun, nor with --model-split yet."},
+     "included. Under mpirun the processes form the mesh instead (one device each, -np a "
+     "multiple of N; rank r is dp r / N, tp r % N). GPT models only; not with --model-split "
+     "yet."},
     {"--device-memory", "SIZE", OPT_STR, F(device_memory), 0, 0, "no cap",
      "Caps what Tandem's allocator holds on each device of --devices at SIZE (bytes, or with "
      "K, M, G or T: powers of 1024, as Slurm's --mem; 4G, 512M, 1.5GiB), as a GPU's memory caps "
@@ -859,7 +861,11 @@ static int check_tensor_parallel(const train_opts *o, bool text) {
         return train_usage_error("--tensor-parallel splits a GPT's blocks; --model %s has no "
                                  "tensor-parallel plan (use --model-split or data parallelism)",
                                  o->model);
-    if (o->n_devs % tp)
+    if (tdm_mpi_launched() && o->n_devs != 1) /* the processes make the mesh (join_mpi) */
+        return train_usage_error("--tensor-parallel under mpirun takes one device a process, "
+                                 "each process a rank of the mesh; --devices gives %d",
+                                 o->n_devs);
+    if (!tdm_mpi_launched() && o->n_devs % tp)
         return train_usage_error("--tensor-parallel %lld needs a multiple of %lld devices, "
                                  "--devices gives %d",
                                  (long long)tp, (long long)tp, o->n_devs);
@@ -946,13 +952,16 @@ static int check_opts(train_opts *o) {
     if (o->batch_per_device && o->batch_size)
         return train_usage_error("--batch-size (global) and --batch-per-device exclude each other");
     if (check_tensor_parallel(o, text)) return EXIT_USAGE;
-    int64_t replicas = o->model_split > 1 && o->n_devs % o->model_split == 0
-                           ? o->n_devs / o->model_split
-                           : o->n_devs / o->tensor_parallel; /* a bad split: reported below */
+    /* under mpirun a tensor-parallel process is part of a row; join_mpi counts the rows */
+    bool tp_procs = o->tensor_parallel > 1 && tdm_mpi_launched();
+    int64_t replicas =
+        o->model_split > 1 && o->n_devs % o->model_split == 0 ? o->n_devs / o->model_split
+        : tp_procs                                            ? 1
+                   : o->n_devs / o->tensor_parallel; /* a bad split: reported below */
     o->batch_size = o->batch_per_device ? o->batch_per_device * replicas
                     : o->batch_size     ? o->batch_size
                                         : 64;
-    int64_t sharing = o->tensor_parallel > 1 ? replicas : o->n_devs;
+    int64_t sharing = o->tensor_parallel > 1 ? replicas : o->n_devs; /* under mpirun: join_mpi */
     if (o->batch_size < sharing)
         return train_usage_error("--batch-size %lld is smaller than the %lld %s sharing it",
                                  (long long)o->batch_size, (long long)sharing,
@@ -1102,13 +1111,23 @@ static int join_mpi(train_opts *o, tdm_group **procs, int *argc, char ***argv) {
     int n = tdm_group_size(*procs);
     task_rank = tdm_group_rank(*procs);
     tdm_group_set_timeout(*procs, o->timeout);
-    if (o->batch_per_device) o->batch_size *= n;
-    if (o->model_split > 1 || o->tensor_parallel > 1)
-        return train_usage_error("%s does not work under mpirun yet",
-                                 o->model_split > 1 ? "--model-split" : "--tensor-parallel");
-    if (o->batch_size % n)
-        return train_usage_error("--batch-size %lld does not split evenly over %d processes",
-                                 (long long)o->batch_size, n);
+    if (o->model_split > 1)
+        return train_usage_error("--model-split does not work under mpirun yet");
+    int tp = (int)o->tensor_parallel;
+    if (n % tp)
+        return train_usage_error("--tensor-parallel %d needs a multiple of %d processes, mpirun "
+                                 "started %d",
+                                 tp, tp, n);
+    if (tp > 1 && o->check_replicas > 0)
+        return train_usage_error("--check-replicas does not compare tensor-parallel processes "
+                                 "yet (the devices of one process: without mpirun)");
+    int rows = n / tp; /* the data-parallel rows: a tensor-parallel group's processes are one */
+    if (o->batch_per_device) o->batch_size *= rows;
+    if (o->batch_size % rows)
+        return train_usage_error("--batch-size %lld does not split evenly over %d %s",
+                                 (long long)o->batch_size, rows,
+                                 tp > 1 ? "data-parallel rows of processes" : "processes");
+    if (tp > 1) n = rows;
     if (o->batch_size / n < o->n_devs)
         return train_usage_error("--batch-size %lld gives each of %d processes fewer rows than "
                                  "its %d devices",

@@ -55,8 +55,10 @@ static void loader_opts(trainer *tr, tdm_loader_opts *lo, tdm_loader_opts *eo) {
     tr->workers = loader_workers(tr);
     *lo = tdm_loader_defaults(o->batch_size);
     if (tr->g) { /* DistributedSampler: rank r's rows of each global batch are r, r+N, ... */
-        lo->rank = tdm_group_rank(tr->g);
-        lo->world_size = tdm_group_size(tr->g);
+        /* --tensor-parallel T: the processes of a tensor-parallel group share one dp row's */
+        int tp = (int)o->tensor_parallel;
+        lo->rank = tdm_group_rank(tr->g) / tp;
+        lo->world_size = tdm_group_size(tr->g) / tp;
         lo->batch_size = o->batch_size / lo->world_size;
     }
     lo->shuffle = true;
@@ -139,6 +141,7 @@ static int make_strategy(trainer *tr) {
                                    .parallelize = t->parallelize,
                                    .whole_output = t->whole_output};
         what = "--tensor-parallel";
+        to.procs = tr->g; /* under mpirun: one rank of the mesh a process */
         tr->st = tdm_strategy_tensor_parallel(t->model, o->devs, o->n_devs, &to, t->optimizer,
                                               (void *)o);
     } else if (o->n_devs > 1 || gpu_procs) {
@@ -386,7 +389,7 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
         global[i] = 0;
         for (int64_t m = 0; m < tr->accum; m++) global[i] += tr->loss_host[i * tr->accum + m];
         global[i] /= (double)tr->accum;
-        global[k + i] = (double)tr->size_host[i];
+        global[k + i] = tr->counts ? (double)tr->size_host[i] : 0;
     }
     double local[SYNC_STEPS];
     memcpy(local, global, sizeof(double) * (size_t)k);
@@ -410,17 +413,17 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
                               isnan(loss) ? "nan" : "infinite", epoch, (long long)s,
                               tr->lr_host[i]);
         double dt = tr->time_host[i] - (i ? tr->time_host[i - 1] : tr->t_last);
-        double units = (double)(tr->size_host[i] * tr->task->units_per_sample);
+        double units = global[k + i] * (double)tr->task->units_per_sample; /* every process's */
         sinks_step(&tr->out, &(step_record){epoch, s, tr->global_step - k + i + 1, loss,
-                                            tr->lr_host[i], dt > 0 ? units * procs / dt : NAN});
-        tr->loss_sum += local[i] * (double)tr->size_host[i];
+                                            tr->lr_host[i], dt > 0 ? units / dt : NAN});
+        if (tr->counts) tr->loss_sum += local[i] * (double)tr->size_host[i];
         tr->win_loss += global[i], tr->win_steps++, tr->win_samples += (int64_t)global[k + i];
         if ((s % tr->every == 0 || s == tr->steps_planned) && end_window(tr, s, tr->time_host[i]))
             return EXIT_RUNTIME;
     }
-    if (tr->task->accuracy)
+    if (tr->task->accuracy && tr->counts)
         tr->correct += count_correct(tr->pred_host, tr->label_host, tr->chunk_samples);
-    tr->samples += tr->chunk_samples;
+    if (tr->counts) tr->samples += tr->chunk_samples;
     if (k) tr->t_last = tr->time_host[k - 1];
     tr->chunk_steps = 0;
     tr->chunk_samples = 0;
@@ -714,7 +717,7 @@ static void print_sharding(const trainer *tr) {
     bool params = strcmp(o->shard, "parameters") == 0;
     bool grads = params || strcmp(o->shard, "gradients") == 0;
     if (o->tensor_parallel > 1) { /* each device its parts' state, or its shard of it */
-        int64_t rows = o->n_devs / o->tensor_parallel;
+        int64_t rows = ranks / o->tensor_parallel; /* of devices, or of processes */
         printf("sharding  optimizer state %lld bytes per device of %lld (its parts at tensor "
                "parallel %lld; %s)\n",
                (long long)m.state, (long long)m.state_whole, (long long)o->tensor_parallel,
@@ -978,6 +981,7 @@ static void trainer_free(trainer *tr) {
 int trainer_run(const train_opts *o, task *t, tdm_group *procs) {
     trainer tr = {.o = o, .task = t, .dev = o->devs[0], .g = procs, .accum = o->grad_accum};
     tr.silent = procs && tdm_group_rank(procs) != 0;
+    tr.counts = !procs || tdm_group_rank(procs) % o->tensor_parallel == 0;
     progress_init(&tr.prog, stdout, o->quiet || tr.silent, t->unit);
     /* mpirun hands its ranks a pty of its own whatever the job's output is (mostly a batch
      * job's log file): plain lines there */

@@ -189,15 +189,20 @@ static int save_checkpoint(trainer *tr) {
         return free(ranks), EXIT_RUNTIME;
     tr->last_saved = tr->global_step;
     bool shards = tdm_strategy_state_split(tr->st);
+    /* tensor parallelism: the parts made whole in the model and a whole optimizer (every
+     * process takes part; process 0's are whole) */
+    tdm_optim *whole = tdm_strategy_holds_parts(tr->st) ? tdm_strategy_optim_gather(tr->st) : NULL;
+    if (tdm_strategy_holds_parts(tr->st) && !whole)
+        return free(ranks), task_error("checkpoint: gathering the parts: %s", tdm_last_error());
     if (tr->silent && !shards) /* rank 0 writes; every rank loads */
-        return free(ranks), 0;
+        return tdm_optim_free(whole), free(ranks), 0;
     char loss[64], correct[32], samples[32];
     snprintf(loss, sizeof loss, "%a", tot[0]);
     snprintf(correct, sizeof correct, "%lld", (long long)tot[1]);
     snprintf(samples, sizeof samples, "%lld", (long long)tot[2]);
     char id[ID_CAP], layout[32];
     if (train_identity(o, id, sizeof id))
-        return free(ranks), task_error("checkpoint: options too long");
+        return tdm_optim_free(whole), free(ranks), task_error("checkpoint: options too long");
     snprintf(layout, sizeof layout, "%dx%d", tr->g ? tdm_group_size(tr->g) : 1, o->n_devs);
     char scale[64] = "", tracker[32] = "";
     tdm_grad_scaler_state gs;
@@ -226,10 +231,6 @@ static int save_checkpoint(trainer *tr) {
                          .meta = meta,
                          .n_meta = n_meta,
                          .run_id = tr->run_id[0] ? tr->run_id : NULL};
-    /* tensor parallelism: the parts made whole in the model and a whole optimizer */
-    tdm_optim *whole = tdm_strategy_holds_parts(tr->st) ? tdm_strategy_optim_gather(tr->st) : NULL;
-    if (tdm_strategy_holds_parts(tr->st) && !whole)
-        return free(ranks), task_error("checkpoint: gathering the parts: %s", tdm_last_error());
     if (whole) s.optim = whole;
     int rc =
         shards ? save_shards(tr, &s) : tdm_checkpoint_save(o->checkpoint_dir, &s, (int)o->keep);

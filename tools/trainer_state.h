@@ -32,7 +32,11 @@ typedef struct trainer {
     tdm_strategy *st;
     tdm_optim *opt;      /* replica 0's (the first stage's): its learning rate and step count */
     bool loss_on_caller; /* the step's loss function runs on this thread, on tr->dev */
-    bool param_bf16;     /* ZeRO stage 3 under DDP gathers the parameters in bf16 */
+    /* under mpirun with --tensor-parallel T the T processes of a tensor-parallel group train
+     * the same rows: only the first of them counts them (samples, correct, loss sums) in the
+     * totals summed over the processes; the others' stay 0 */
+    bool counts;
+    bool param_bf16; /* ZeRO stage 3 under DDP gathers the parameters in bf16 */
     tdm_sched sched;
     sinks out;
     progress prog;

@@ -8,7 +8,10 @@
  *
  * Every rank's thread runs every round, the caller waiting on a condition variable: a GPT's
  * step is long next to a wake-up, and tensor parallelism needs every rank of a group in every
- * collective, the caller's thread included had it been rank 0. */
+ * collective, the caller's thread included had it been rank 0.
+ *
+ * Across processes (o.procs) this process holds one rank of the mesh, on one such thread; its
+ * batch is its dp row's already, so it splits nothing (rows == 1). */
 #include "parallel/group.h"
 #include "parallel/sync.h"
 #include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
@@ -35,6 +38,7 @@ typedef enum {
 typedef struct tp_rank {
     struct tensor_parallel *s;
     int rank, d, t; /* rank = d tp + t (the mesh's row-major order) */
+    int row;        /* its part of the batch: d, or 0 across processes */
     pthread_t thread;
     bool started;
     tdm_module *replica; /* a whole clone until the init round splits it */
@@ -51,7 +55,8 @@ typedef struct tp_rank {
 typedef struct tensor_parallel {
     tdm_strategy base;
     tdm_module *model;
-    int n, tp, dp;
+    int n, tp, dp; /* n: the ranks this process holds */
+    int rows;      /* the parts a step's batch splits into here: dp, or 1 across processes */
     tdm_device devices[TDM_MAX_DEVICES];
     tp_rank ranks[TDM_MAX_DEVICES];
     tdm_threads_world *world;
@@ -107,7 +112,7 @@ static int whole_hold(tensor_parallel *s) {
 }
 
 static tdm_group *world_group(tp_rank *r) {
-    return tdm_threads_world_group(r->s->world, r->rank);
+    return r->s->o.procs ? r->s->o.procs : tdm_threads_world_group(r->s->world, r->rank);
 }
 
 static void abort_groups(tp_rank *r, const char *why) {
@@ -149,7 +154,7 @@ static int rank_step(tp_rank *r) {
     tensor_parallel *s = r->s;
     tdm_device dev = s->devices[r->rank];
     int64_t b = s->x->shape[0], lo, hi;
-    tdm_rows_of(b, s->dp, r->d, &lo, &hi);
+    tdm_rows_of(b, s->rows, r->row, &lo, &hi);
     tdm_scope_begin();
     tdm_tensor *xs = tdm_to_device(tdm_slice(s->x, 0, lo, hi, 1), dev);
     tdm_tensor *ys = tdm_to_device(tdm_slice(s->y, 0, lo, hi, 1), dev);
@@ -159,9 +164,10 @@ static int rank_step(tp_rank *r) {
     tdm_strategy_set_loss_module(r->replica);
     tdm_tensor *loss = out ? s->loss_fn(out, ys, lo, s->loss_arg) : NULL;
     tdm_strategy_set_loss_module(NULL);
-    /* DDP averages over dp rows; each weighted by its share of the batch */
+    /* DDP averages over dp rows; each weighted by its share of the batch (across processes
+     * the rows' batches are equal) */
     tdm_tensor *scaled =
-        loss ? tdm_mul_scalar(loss, (float)((double)(hi - lo) * s->dp / (double)b)) : NULL;
+        loss ? tdm_mul_scalar(loss, (float)((double)(hi - lo) * s->rows / (double)b)) : NULL;
     int rc = s->first ? tdm_optim_zero_grad(r->opt) : TDM_OK;
     if (r->ddp) tdm_ddp_set_sync(r->ddp, s->last); /* accumulating rounds keep theirs local */
     if (!rc)
@@ -176,11 +182,11 @@ static int rank_step(tp_rank *r) {
 
 /* Rank r's forward of its dp row's rows (every row runs the whole batch when it has fewer
  * rows than dp has rows), without gradients, in the caller's model's mode; ranks t == 0 keep
- * their output for the caller to join. */
+ * their output for the caller to join (across processes every rank keeps its own). */
 static int rank_forward(tp_rank *r) {
     tensor_parallel *s = r->s;
     int64_t lo = 0, hi = s->x->shape[0];
-    if (hi >= s->dp) tdm_rows_of(s->x->shape[0], s->dp, r->d, &lo, &hi);
+    if (hi >= s->rows) tdm_rows_of(s->x->shape[0], s->rows, r->row, &lo, &hi);
     bool prev = tdm_set_grad_enabled(false), was = r->replica->training;
     tdm_module_train(r->replica, s->training);
     tdm_scope_begin();
@@ -188,7 +194,7 @@ static int rank_forward(tp_rank *r) {
     tdm_tensor *out = xs ? tdm_module_forward(r->replica, xs) : NULL;
     if (out && s->o.whole_output) out = s->o.whole_output(r->replica, out, s->o.arg);
     int rc = out ? TDM_OK : tdm_last_status();
-    if (out && r->t == 0) r->out = tdm_scope_keep(out);
+    if (out && (r->t == 0 || s->o.procs)) r->out = tdm_scope_keep(out);
     tdm_scope_end();
     tdm_module_train(r->replica, was);
     tdm_set_grad_enabled(prev);
@@ -288,7 +294,7 @@ static void *rank_main(void *arg) {
     char track[48], dev[16];
     snprintf(track, sizeof track, "%s compute", tdm_device_str(s->devices[r->rank], dev));
     tdm_trace_name_thread(track);
-    tdm_pin_rank_thread(r->rank, s->n);
+    if (!s->o.procs) tdm_pin_rank_thread(r->rank, s->n); /* mpirun places processes */
     uint64_t seen = 0;
     for (;;) {
         pthread_mutex_lock(&s->mu);
@@ -328,10 +334,11 @@ static int run_round(tensor_parallel *s, round_kind kind) {
     pthread_mutex_unlock(&s->mu);
     for (int i = 0; i < s->n; i++) {
         tp_rank *r = &s->ranks[i];
-        char dev[16];
+        char dev[16], proc[32] = "";
+        if (s->o.procs) snprintf(proc, sizeof proc, "process %d, ", r->rank);
         if (r->rc)
-            return tdm_raise(r->rc, "tensor_parallel: %s (dp %d, tp %d): %s",
-                             tdm_device_str(s->devices[i], dev), r->d, r->t, r->err);
+            return tdm_raise(r->rc, "tensor_parallel: %s (%sdp %d, tp %d): %s",
+                             tdm_device_str(s->devices[i], dev), proc, r->d, r->t, r->err);
     }
     return TDM_OK;
 }
@@ -342,20 +349,20 @@ static int tp_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss
                    void *loss_arg, bool first, bool last, float *loss) {
     tensor_parallel *s = (tensor_parallel *)st;
     char a[96];
-    if (x->ndim < 1 || target->ndim < 1 || x->shape[0] != target->shape[0] || x->shape[0] < s->dp)
+    if (x->ndim < 1 || target->ndim < 1 || x->shape[0] != target->shape[0] || x->shape[0] < s->rows)
         return tdm_raise(TDM_ERR_SHAPE,
                          "tensor_parallel step: a batch %s (and its targets) cannot be split over "
                          "%d data-parallel rows",
-                         tdm_shape_str(tdm_shape_of(x), a), s->dp);
+                         tdm_shape_str(tdm_shape_of(x), a), s->rows);
     s->x = x, s->y = target, s->loss_fn = loss_fn, s->loss_arg = loss_arg;
     s->first = first, s->last = last;
     int rc = whole_release(s, false);
     if (!rc) rc = run_round(s, ROUND_STEP);
-    if (loss) { /* every rank of a dp row has its row's loss: take t == 0's */
+    if (loss) { /* every rank of a dp row has its row's loss: take t == 0's (or this one's) */
         double sum = 0;
         int64_t lo, hi;
-        for (int d = 0; d < s->dp; d++) {
-            tdm_rows_of(x->shape[0], s->dp, d, &lo, &hi);
+        for (int d = 0; d < s->rows; d++) {
+            tdm_rows_of(x->shape[0], s->rows, d, &lo, &hi);
             sum += (double)s->ranks[d * s->tp].loss * (double)(hi - lo);
         }
         *loss = rc ? NAN : (float)(sum / (double)x->shape[0]);
@@ -367,7 +374,7 @@ static int tp_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
     tensor_parallel *s = (tensor_parallel *)st;
     if (x->ndim < 1) return tdm_raise(TDM_ERR_SHAPE, "tensor_parallel forward: a 0-dim input");
     s->x = x, s->training = s->model->training;
-    int rc = run_round(s, ROUND_FORWARD), rows = x->shape[0] < s->dp ? 1 : s->dp;
+    int rc = run_round(s, ROUND_FORWARD), rows = x->shape[0] < s->rows ? 1 : s->rows;
     tdm_tensor *parts[TDM_MAX_DEVICES];
     for (int d = 0; d < rows && !rc; d++)
         if (!(parts[d] = tdm_to_device(s->ranks[d * s->tp].out, s->devices[0])))
@@ -459,8 +466,11 @@ static int tp_push_whole(tdm_strategy *st, tdm_optim *whole) {
 /* Every rank's parts against those of the rank of dp row 0 in its tp column, which they
  * must equal bit for bit (one initial split of one model, one averaged update a step). */
 static int tp_check_replicas(tdm_strategy *st, tdm_group *procs) {
-    (void)procs; /* one process (refused under MPI) */
+    (void)procs;
     tensor_parallel *s = (tensor_parallel *)st;
+    if (s->o.procs)
+        return tdm_raise(TDM_ERR_STATE, "check_replicas: tensor parallelism across processes "
+                                        "compares no replicas yet");
     int rc = run_round(s, ROUND_HASH);
     for (int i = s->tp; i < s->n && !rc; i++) {
         tp_rank *r = &s->ranks[i], *first = &s->ranks[r->t];
@@ -483,8 +493,8 @@ static int tp_check_replicas(tdm_strategy *st, tdm_group *procs) {
 
 static void tp_describe(tdm_strategy *st, int64_t batch, char *buf, size_t cap) {
     tensor_parallel *s = (tensor_parallel *)st;
-    snprintf(buf, cap, "mesh dp %d x tp %d, %lld samples per tensor-parallel group per step", s->dp,
-             s->tp, (long long)(batch / s->dp));
+    snprintf(buf, cap, "mesh dp %d x tp %d%s, %lld samples per tensor-parallel group per step",
+             s->dp, s->tp, s->o.procs ? " over the processes" : "", (long long)(batch / s->dp));
 }
 
 static tdm_module *tp_forward_module(tdm_strategy *st, int i) {
@@ -536,7 +546,12 @@ static int check_args(const tdm_module *model, const tdm_device *devices, int n,
     if (!model || !devices || !o || !o->parallelize || !make_optim)
         return tdm_raise(TDM_ERR_ARG, "strategy tensor_parallel: NULL model, devices, options, "
                                       "parallelize or optimizer factory");
-    if (n < 1 || n > TDM_MAX_DEVICES || o->tp < 1 || n % o->tp)
+    if (o->procs && (n != 1 || o->tp < 1 || tdm_group_size(o->procs) % o->tp))
+        return tdm_raise(TDM_ERR_ARG,
+                         "strategy tensor_parallel: across processes, one device a process (not "
+                         "%d) and processes a multiple of tp %d (not %d)",
+                         n, o->tp, tdm_group_size(o->procs));
+    if (!o->procs && (n < 1 || n > TDM_MAX_DEVICES || o->tp < 1 || n % o->tp))
         return tdm_raise(TDM_ERR_ARG,
                          "strategy tensor_parallel: %d devices are not a multiple of tp %d (at "
                          "most %d devices)",
@@ -555,7 +570,9 @@ tdm_strategy *tdm_strategy_tensor_parallel(tdm_module *model, const tdm_device *
     if (check_args(model, devices, n, o, make_optim)) return NULL;
     tensor_parallel *s = calloc(1, sizeof *s);
     if (!s) return tdm_raise_null(TDM_ERR_NOMEM, "strategy tensor_parallel: out of memory");
-    s->model = model, s->n = n, s->tp = o->tp, s->dp = n / o->tp, s->o = *o;
+    int world = o->procs ? tdm_group_size(o->procs) : n;
+    s->model = model, s->n = n, s->tp = o->tp, s->dp = world / o->tp, s->o = *o;
+    s->rows = o->procs ? 1 : s->dp;
     s->make_optim = make_optim, s->optim_arg = optim_arg;
     memcpy(s->devices, devices, sizeof *devices * (size_t)n);
     pthread_mutex_init(&s->mu, NULL);
@@ -569,15 +586,17 @@ tdm_strategy *tdm_strategy_tensor_parallel(tdm_module *model, const tdm_device *
                              .holds_parts = true};
     /* the whole model's gradients go before the clones come: one copy fewer at once */
     int rc = whole_release(s, true);
-    if (!rc && !(s->world = tdm_threads_world_new(n, devices))) rc = tdm_last_status();
+    if (!rc && !o->procs && !(s->world = tdm_threads_world_new(n, devices))) rc = tdm_last_status();
     /* the clones are made here, before any rank flattens or splits its own */
     for (int i = 0; i < n && !rc; i++) {
-        s->ranks[i] = (tp_rank){.s = s, .rank = i, .d = i / s->tp, .t = i % s->tp};
+        int g = o->procs ? tdm_group_rank(o->procs) : i; /* its rank in the mesh */
+        s->ranks[i] = (tp_rank){.s = s, .rank = g, .d = g / s->tp, .t = g % s->tp};
+        s->ranks[i].row = o->procs ? 0 : s->ranks[i].d;
         if (!(s->ranks[i].replica = tdm_module_clone(model, devices[i]))) rc = tdm_last_status();
     }
     for (int i = 0; i < n && !rc; i++) {
         if (pthread_create(&s->ranks[i].thread, NULL, rank_main, &s->ranks[i])) {
-            tdm_group_abort(tdm_threads_world_group(s->world, 0), "could not start a thread");
+            tdm_group_abort(world_group(&s->ranks[0]), "could not start a thread");
             rc =
                 tdm_raise(TDM_ERR_NOMEM, "strategy tensor_parallel: could not start %d threads", n);
             break;

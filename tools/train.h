@@ -57,7 +57,8 @@ typedef struct {
     int64_t device_memory_bytes; /* its bytes (0: no cap), set by the checks */
     int64_t check_replicas;      /* every N steps the replicas' weights compared; 0: never */
     int64_t model_split, micro_batches;
-    int64_t tensor_parallel; /* the tp of a dp x tp mesh over --devices; 1: none */
+    /* the tp of a dp x tp mesh over --devices (under mpirun: the processes); 1: none */
+    int64_t tensor_parallel;
     const char *pipe_schedule;
     const char *denormals;            /* "flush" or "keep" */
     const char *shard;                /* "none" or "optimizer" (ZeRO stage 1) */

@@ -5,6 +5,7 @@
  * MLP after steps of AdamW, with the hidden layer split and gathered, and on a dp 2 x tp 2 device
  * mesh with DDP over its data-parallel groups. */
 #include "check.h"
+#include "parallel/group.h" /* a mesh group's backend, for the GPU case */
 #include "tandem/gpt.h"
 #include "tandem/strategy.h"
 
@@ -667,8 +668,11 @@ static float state_diff(tdm_optim *a, tdm_optim *b) {
 
 /* n devices at tp 2, clipping at S_CLIP; sharded over dp when zero is 1 (the optimizer
  * state, ZeRO stage 1) or 2 (the averaged gradient too). */
+static tdm_device_type strategy_on = TDM_CPU; /* --gpu: the strategy's devices are GPUs */
+
 static tdm_strategy *tp_strategy(tdm_module *m, int n, int zero, tdm_gpt_tp_plan *plan) {
-    tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
+    tdm_device devs[MAX_RANKS];
+    for (int i = 0; i < MAX_RANKS; i++) devs[i] = (tdm_device){strategy_on, i};
     tdm_tp_strategy_opts o = {
         .tp = 2, .parallelize = split_gpt, .whole_output = whole_gpt, .arg = plan};
     tdm_strategy *st = tdm_strategy_tensor_parallel(m, devs, n, &o, gpt_adamw, NULL);
@@ -682,8 +686,9 @@ static tdm_strategy *tp_strategy(tdm_module *m, int n, int zero, tdm_gpt_tp_plan
 
 /* dp 1 x tp 2 and dp 2 x tp 2 (sequence-parallel) against one device: every step's loss, the
  * weights made whole and the optimizer state gathered; then that state handed to another
- * layout (dp 2 x tp 2 -> tp 2, tp 2 -> dp 2 x tp 2: a resume) and one more step on both. */
-static void test_strategy(void) {
+ * layout (dp 2 x tp 2 -> tp 2, tp 2 -> dp 2 x tp 2: a resume) and one more step on both.
+ * Cases ks[0 .. nk) of the five below. */
+static void test_strategy(const int *ks, int nk) {
     /* one device: after S_STEPS (ref), and one step more (later) */
     tdm_rng rng = tdm_rng_make(5), rng2 = tdm_rng_make(5);
     tdm_module *ref = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
@@ -699,8 +704,8 @@ static void test_strategy(void) {
     CHECK(rc == TDM_OK, "one device: %s", tdm_last_error());
     /* dp 1 x tp 2 (resumed on dp 2 x tp 2 with ZeRO stage 1), dp 2 x tp 2 (resumed on tp 2),
      * dp 2 x tp 2 with ZeRO stages 1, 2 and 3 (FSDP with TP; each resumed on tp 2) */
-    for (int k = 0; !rc && k < 5; k++) {
-        int n = k ? 4 : 2, zero = k >= 2 ? k - 1 : 0;
+    for (int c = 0; !rc && c < nk; c++) {
+        int k = ks[c], n = k ? 4 : 2, zero = k >= 2 ? k - 1 : 0;
         tdm_gpt_tp_plan plan = {true, k == 1}; /* dp 2 x tp 2 with the vocabulary split too */
         tdm_rng r2 = tdm_rng_make(5);
         tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &r2);
@@ -951,6 +956,27 @@ static void test_bad_arguments(void) {
     CHECK(wrong[0] == 0 && wrong[1] == 0, "bad sizes or a clone: %d, %d wrong", wrong[0], wrong[1]);
 }
 
+/* ---- on GPUs: `test_tensor_parallel --gpu` -------------------------------------------------- */
+
+/* A mesh of GPU ranks hands out NCCL groups (collectives on the GPUs' memory; on the emulation
+ * a threads group would seem to work as well, its memory being the host's). */
+static int gpu_mesh_rank(tdm_rank_ctx *ctx, void *arg) {
+    int *wrong = arg;
+    tdm_mesh *m = tdm_mesh_new(ctx->group, 2, (int[]){2, 2}, (const char *[]){"dp", "tp"});
+    if (!m) return tdm_last_status();
+    for (int d = 0; d < 2; d++)
+        wrong[ctx->rank] += strcmp(tdm_mesh_group(m, d ? "tp" : "dp")->ops->name, "nccl") != 0;
+    tdm_mesh_free(m);
+    return 0;
+}
+
+static void test_gpu_mesh(void) {
+    int wrong[4] = {0};
+    tdm_device devs[4] = {tdm_cuda(0), tdm_cuda(1), tdm_cuda(2), tdm_cuda(3)};
+    CHECK(tdm_spawn(4, devs, gpu_mesh_rank, wrong) == TDM_OK, "%s", tdm_last_error());
+    for (int r = 0; r < 4; r++) CHECK(wrong[r] == 0, "GPU mesh, rank %d: not NCCL groups", r);
+}
+
 /* ---- across processes: `mpirun -np 4 test_tensor_parallel --mpi` --------------------------- */
 
 /* One device a process, the mesh's groups MPI sub-groups: the mesh's coordinates and sums; the
@@ -1003,6 +1029,19 @@ static void test_across_processes(tdm_group *world) {
 }
 
 int main(int argc, char **argv) {
+    if (argc > 1 && !strcmp(argv[1], "--gpu")) { /* the emulation's run, scripts/gpu-check */
+        int gpus = tdm_device_count(TDM_CUDA);
+        if (gpus < 4) {
+            printf("test_tensor_parallel --gpu: skipped, %d GPUs (it needs 4)\n", gpus);
+            return 77;
+        }
+        /* over the mesh's NCCL groups: dp 2 x tp 2 with the vocabulary split (resumed on tp 2
+         * with ZeRO stage 1), and with ZeRO stage 3 (resumed on tp 2) */
+        test_gpu_mesh();
+        strategy_on = TDM_CUDA;
+        test_strategy((const int[]){1, 4}, 2);
+        return check_summary();
+    }
     if (argc > 1 && !strcmp(argv[1], "--mpi")) {
         tdm_group *world = tdm_mpi_init(&argc, &argv);
         CHECK(world && tdm_group_size(world) == 4, "--mpi runs under mpirun -np 4: %s",
@@ -1021,7 +1060,7 @@ int main(int argc, char **argv) {
     }
     test_mlp(4, false, 2); /* dp 2 x tp 2: DDP over the mesh's dp groups */
     test_gpt();
-    test_strategy();
+    test_strategy((const int[]){0, 1, 2, 3, 4}, 5);
     test_check_replicas();
     return check_summary();
 }

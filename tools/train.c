@@ -869,11 +869,11 @@ static int check_tensor_parallel(const train_opts *o, bool text) {
         return train_usage_error("--tensor-parallel %lld needs a multiple of %lld devices, "
                                  "--devices gives %d",
                                  (long long)tp, (long long)tp, o->n_devs);
-    for (int i = 0; i < o->n_devs; i++)
+    for (int i = 0; i < o->n_devs && tdm_mpi_launched(); i++)
         if (o->devs[i].type != TDM_CPU)
-            return train_usage_error("--tensor-parallel runs on CPU devices for now: its GPU "
-                                     "collectives (NCCL groups per mesh dimension) are not "
-                                     "written yet");
+            return train_usage_error("--tensor-parallel under mpirun runs on CPU devices for now: "
+                                     "the mesh's NCCL groups across processes are not written "
+                                     "yet (the GPUs of one process: without mpirun)");
     if (o->model_split > 1)
         return train_usage_error("--tensor-parallel does not work with --model-split yet");
     return 0;

@@ -7,8 +7,11 @@
  * through an all-gather of pointers over the parent: the ranks of a threads group share this
  * process's memory. Over MPI (one rank a process) they are MPI sub-groups
  * (tdm_mpi_subgroup), every process making its own in the same order. Threads within MPI
- * (the two-level group) are refused with the reason. */
+ * (the two-level group) are refused with the reason. Ranks on GPUs get, over each dimension's
+ * group, an NCCL group of their GPUs (tdm_nccl_group_new): the groups the mesh hands out then
+ * run their collectives on the GPUs' memory, as a GPU rank's tensors need. */
 #include "parallel/group.h"
+#include "parallel/nccl_group.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +23,7 @@ struct tdm_mesh {
     int sizes[TDM_MESH_MAX_DIMS], coord[TDM_MESH_MAX_DIMS];
     char names[TDM_MESH_MAX_DIMS][TDM_MESH_NAME_LEN];
     tdm_group *sub[TDM_MESH_MAX_DIMS];
+    tdm_group *nccl[TDM_MESH_MAX_DIMS];        /* over sub, on a GPU rank; what mesh_group gives */
     tdm_threads_world *own[TDM_MESH_MAX_DIMS]; /* the worlds this rank made (coordinate 0) */
     bool mpi;                                  /* sub are MPI sub-groups, this rank's to free */
 };
@@ -123,6 +127,8 @@ tdm_mesh *tdm_mesh_new(tdm_group *g, int ndim, const int *sizes, const char *con
     for (int k = 0; k < n; k++)
         all[k] = (tdm_device){(tdm_device_type)devs[2 * k], devs[2 * k + 1]};
     for (int d = 0; d < ndim && !rc; d++) rc = make_sub(m, d, all);
+    for (int d = 0; d < ndim && !rc && dev.type == TDM_CUDA; d++)
+        if (!(m->nccl[d] = tdm_nccl_group_new(m->sub[d], dev))) rc = tdm_last_status();
     free(devs);
     if (rc) {
         tdm_mesh_free(m);
@@ -145,7 +151,7 @@ static int dim_of(const tdm_mesh *m, const char *dim, const char *op) {
 
 tdm_group *tdm_mesh_group(const tdm_mesh *m, const char *dim) {
     int d = dim_of(m, dim, "mesh_group");
-    return d < 0 ? NULL : m->sub[d];
+    return d < 0 ? NULL : m->nccl[d] ? m->nccl[d] : m->sub[d];
 }
 
 int tdm_mesh_coord(const tdm_mesh *m, const char *dim) {
@@ -163,6 +169,11 @@ void tdm_mesh_free(tdm_mesh *m) {
     /* every rank done with every group before their makers free them */
     tdm_collective_label("the device mesh's end");
     tdm_work_wait(tdm_barrier(m->g));
+    if (m->nccl[0]) { /* a GPU rank's: gone on every rank before the groups under them */
+        for (int d = 0; d < m->ndim; d++) tdm_nccl_group_free(m->nccl[d]);
+        tdm_collective_label("the device mesh's NCCL groups' end");
+        tdm_work_wait(tdm_barrier(m->g));
+    }
     for (int d = 0; d < m->ndim; d++) {
         tdm_threads_world_free(m->own[d]);
         if (m->mpi) tdm_mpi_subgroup_free(m->sub[d]);

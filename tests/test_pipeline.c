@@ -14,6 +14,7 @@
  * wrong loss weight causes (1e-3 and up). */
 #include "check.h"
 #include "core/core.h"
+#include "tandem/gpt.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -527,7 +528,145 @@ static void test_trace(void) {
     CHECK(fabs(tdm_pipe_ideal_bubble(2, 4) - 0.2) < 1e-12, "ideal bubble");
 }
 
+/* ---- the GPT (tdm_gpt_pipeline_model) ------------------------------------------------------ */
+
+static const tdm_gpt_config GPT_CFG = {
+    .layers = 3, .heads = 2, .channels = 16, .context = 8, .vocab = 40, .padded_vocab = 48};
+#define GPT_B 4
+
+static tdm_optim *gpt_adamw(tdm_paramset *ps, void *arg) {
+    (void)arg;
+    tdm_adam_opts o = tdm_adamw_defaults();
+    o.lr = 1e-3f;
+    return tdm_gpt_adamw_new(ps, &o);
+}
+
+static tdm_tensor *gpt_loss_fn(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    (void)row0, (void)arg;
+    return tdm_gpt_loss(out, target);
+}
+
+/* Step s's tokens and targets [GPT_B, T] (in the caller's scope). */
+static void gpt_batch(int s, tdm_tensor **x, tdm_tensor **y) {
+    int64_t tok[2][GPT_B * 8];
+    uint32_t lcg = 7u + 1000u * (uint32_t)s;
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < GPT_B * 8; i++)
+            lcg = lcg * 1664525u + 1013904223u, tok[k][i] = (lcg >> 8) % GPT_CFG.vocab;
+    *x = tdm_from_data(TDM_SHAPE(GPT_B, 8), TDM_I64, tdm_cpu(0), tok[0]);
+    *y = tdm_from_data(TDM_SHAPE(GPT_B, 8), TDM_I64, tdm_cpu(0), tok[1]);
+}
+
+static float flat_max_diff(tdm_module *a, tdm_module *b) {
+    tdm_paramset *pa = tdm_module_parameters(a), *pb = tdm_module_parameters(b);
+    if (!pa || !pb || pa->total != pb->total) return INFINITY;
+    float *x = malloc(sizeof(float) * (size_t)pa->total),
+          *y = malloc(sizeof(float) * (size_t)pa->total);
+    tdm_to_host(pa->flat, x, sizeof(float) * (size_t)pa->total);
+    tdm_to_host(pb->flat, y, sizeof(float) * (size_t)pb->total);
+    float d = 0;
+    for (int64_t i = 0; i < pa->total; i++) d = fmaxf(d, fabsf(x[i] - y[i]));
+    free(x), free(y);
+    return d;
+}
+
+/* Whether the stage modules' copies of wte (the embeddings' and the head's) are equal. */
+static bool ties_equal(tdm_pipe *p, int stages, int replica) {
+    tdm_module *first = tdm_pipe_stage_module(p, 0, replica);
+    tdm_module *last = tdm_pipe_stage_module(p, stages - 1, replica);
+    tdm_tensor *a = first->children[0]->children[0]->params[0];
+    tdm_tensor *b = last->children[last->n_children - 1]->children[1]->params[0];
+    int64_t n = tdm_numel(a);
+    float *x = malloc(sizeof(float) * (size_t)n), *y = malloc(sizeof(float) * (size_t)n);
+    bool same = tdm_numel(b) == n && !tdm_to_host(a, x, sizeof(float) * (size_t)n) &&
+                !tdm_to_host(b, y, sizeof(float) * (size_t)n) &&
+                !memcmp(x, y, sizeof(float) * (size_t)n);
+    free(x), free(y);
+    return same;
+}
+
+/* Bound: micro-batches sum their gradients in another order than the whole batch's GEMMs, and
+ * AdamW's normalised updates turn gradients that are rounding (the key bias's, whose true
+ * value is 0) into steps of ~lr: tests/test_tensor_parallel.c derives 3e-5 for 3 steps. A
+ * missing tie (the head's gradient never reaching the embeddings) moves wte by ~lr, 1e-3. */
+#define GPT_PIPE_BOUND 3e-5f
+
+/* The GPT cut into its pipeline model: 1 stage (both copies of wte in it), 2 and 3 stages,
+ * and 2 stages x 2 replicas, 2 micro-batches, against the GPT on one device after STEPS steps
+ * of AdamW: every loss, the weights written back (tdm_gpt_from_pipeline_model), the two
+ * copies of wte equal bit for bit. */
+static void test_gpt(void) {
+    tdm_rng rng = tdm_rng_make(3);
+    tdm_module *ref = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &rng);
+    tdm_optim *opt = gpt_adamw(tdm_module_parameters(ref), NULL);
+    float ref_loss[STEPS];
+    for (int s = 0; s < STEPS; s++) {
+        tdm_scope_begin();
+        tdm_tensor *x, *y;
+        gpt_batch(s, &x, &y);
+        tdm_tensor *l = tdm_gpt_loss(tdm_module_forward(ref, x), y);
+        CHECK(l && !tdm_optim_zero_grad(opt) && !tdm_backward(l) && !tdm_optim_step(opt),
+              "one device: %s", tdm_last_error());
+        ref_loss[s] = l ? tdm_item(l) : NAN;
+        tdm_scope_end();
+    }
+    const int stages[4] = {1, 2, 3, 2}, replicas[4] = {1, 1, 1, 2};
+    for (int c = 0; c < 4; c++) {
+        tdm_rng r2 = tdm_rng_make(3);
+        tdm_module *gpt = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &r2);
+        tdm_pipe_tie tie;
+        tdm_module *seq = tdm_gpt_pipeline_model(gpt, &tie);
+        tdm_pipe_opts o = tdm_pipe_defaults(stages[c], 2);
+        o.replicas = replicas[c], o.ties = &tie, o.n_ties = 1, o.split_by = TDM_SPLIT_LAYERS;
+        tdm_pipe *p = seq ? tdm_pipe_new(seq, &o, gpt_adamw, NULL) : NULL;
+        CHECK(p != NULL, "GPT pipeline of %d stages: %s", stages[c], tdm_last_error());
+        float dl = 0;
+        for (int s = 0; p && s < STEPS; s++) {
+            tdm_scope_begin();
+            tdm_tensor *x, *y;
+            gpt_batch(s, &x, &y);
+            float l = NAN;
+            CHECK(tdm_pipe_step(p, x, y, gpt_loss_fn, NULL, &l) == TDM_OK, "step: %s",
+                  tdm_last_error());
+            dl = fmaxf(dl, fabsf(l - ref_loss[s]));
+            tdm_scope_end();
+        }
+        bool tied = p && ties_equal(p, stages[c], replicas[c] - 1);
+        int rc = p ? tdm_pipe_copy_to(p, seq) : -1;
+        if (!rc) rc = tdm_gpt_from_pipeline_model(gpt, seq);
+        float dw = rc ? INFINITY : flat_max_diff(gpt, ref);
+        CHECK(!rc && tied && dw <= GPT_PIPE_BOUND && dl <= 1e-5f,
+              "GPT, %d stages x %d replicas: %s; weights off by %g, losses by %g, wte's copies "
+              "%s",
+              stages[c], replicas[c], rc ? tdm_last_error() : "ran", dw, dl,
+              tied ? "equal" : "differ");
+        printf("GPT (3 layers) in %d stages x %d replicas, 2 micro-batches: weights within %.3g, "
+               "losses within %.3g of one device after %d AdamW steps; wte's two copies equal\n",
+               stages[c], replicas[c], dw, dl, STEPS);
+        tdm_pipe_free(p);
+        tdm_module_free(seq);
+        tdm_module_free(gpt);
+    }
+    /* a tie that names no parameter, or two of different shapes */
+    tdm_rng r3 = tdm_rng_make(3);
+    tdm_module *gpt = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &r3);
+    tdm_pipe_tie tie;
+    tdm_module *seq = tdm_gpt_pipeline_model(gpt, &tie);
+    tdm_pipe_opts o = tdm_pipe_defaults(2, 1);
+    o.ties = &(tdm_pipe_tie){0, "wte.weight", 4, "wpe.weight"}, o.n_ties = 1;
+    CHECK_ERROR(tdm_pipe_new(seq, &o, gpt_adamw, NULL) == NULL,
+                "layer 4 (GPTHead) has no parameter wpe.weight");
+    o.ties = &(tdm_pipe_tie){0, "wte.weight", 0, "wpe.weight"};
+    CHECK_ERROR(tdm_pipe_new(seq, &o, gpt_adamw, NULL) == NULL, "are not two copies of one shape");
+    CHECK_ERROR(tdm_gpt_pipeline_model(seq, &tie) == NULL, "not a GPT");
+    tdm_module_free(seq);
+    tdm_module_free(gpt);
+    tdm_optim_free(opt);
+    tdm_module_free(ref);
+}
+
 int main(void) {
+    test_gpt();
     test_recv();
     test_recv_bf16();
     test_bf16_activations();

@@ -26,6 +26,7 @@
 #include "nn.h"
 #include "optim.h"
 #include "parallel.h"
+#include "pipeline.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -91,6 +92,20 @@ tdm_tensor *tdm_gpt_loss_of(tdm_module *m, tdm_tensor *logits, const tdm_tensor 
  * loss from the parts (tdm_gpt_loss_of). NULL and an error for a module that is not a GPT or a
  * failed gather. */
 tdm_tensor *tdm_gpt_whole_logits(tdm_module *m, tdm_tensor *logits);
+
+/* The GPT as a Sequential of L + 2 layers a pipeline can cut into stages (tdm_pipe_new,
+ * tdm_strategy_pipeline_view): its embeddings (wte, wpe: tokens [B, T] in, [B, T, C] out), its
+ * L blocks, and its head (ln_f, and a copy of wte: the tied LM head, [B, T, V] out), copies of
+ * gpt's layers on its device that compute its logits bit for bit. *tie receives the tie of
+ * the two copies of wte (layer 0's wte.weight, layer L + 1's), to hand to tdm_pipe_opts.ties:
+ * the pipeline then sums their gradients and they stay equal. The caller frees the result.
+ * NULL and TDM_ERR_ARG for a module that is not a GPT, an error from cloning a layer (a GPT
+ * split by tdm_gpt_parallelize cannot be). */
+tdm_module *tdm_gpt_pipeline_model(const tdm_module *gpt, tdm_pipe_tie *tie);
+/* gpt's parameters from seq, a Sequential tdm_gpt_pipeline_model made from it (or from a GPT of
+ * the same config): the embeddings' copy of wte, wpe, the blocks, ln_f. TDM_ERR_ARG for
+ * modules that do not match, TDM_ERR_SHAPE naming a layer of another shape. */
+int tdm_gpt_from_pipeline_model(tdm_module *gpt, const tdm_module *seq);
 
 /* AdamW over ps with o's hyper-parameters, except that weight decay applies only to
  * parameters of 2 or more dims (matrices and embeddings; not biases or LayerNorm), as llm.c

@@ -50,6 +50,20 @@ int tdm_pipe_split_params(const int64_t *params, int n, int k, int *first);
 #define TDM_PIPE_MAX_STAGES   16
 #define TDM_PIPE_MAX_REPLICAS 16
 #define TDM_PIPE_MAX_MICRO    64
+#define TDM_PIPE_MAX_TIES     4
+
+/* Two layers' copies of one weight (a language model's token embedding, which its head reads
+ * again: Megatron-LM's tied embeddings across stages): parameter param_a of layer layer_a
+ * and param_b of layer_b (names within the layer, "wte.weight"), of one shape. After each
+ * step's backward the two gradients are summed into both copies (the sum is made by layer_a's
+ * stage and copied to layer_b's), so both take the same update and stay equal bit for bit,
+ * as one tensor read twice would be. The two copies must start equal. */
+typedef struct {
+    int layer_a;
+    const char *param_a;
+    int layer_b;
+    const char *param_b;
+} tdm_pipe_tie;
 
 typedef enum {
     TDM_PIPE_GPIPE = 0, /* all forwards, then all backwards (last micro-batch first):
@@ -72,6 +86,8 @@ typedef struct {
      * devices[layer_stage[i] * replicas + r]. NULL: an even split by split_by. */
     const int *layer_stage;
     tdm_split_by split_by;
+    const tdm_pipe_tie *ties; /* n_ties (at most TDM_PIPE_MAX_TIES) tied copies, or NULL */
+    int n_ties;
 } tdm_pipe_opts;
 
 /* K stages, M micro-batches, 1F1B, one replica, devices cpu:0.., split by parameters. */
@@ -85,7 +101,8 @@ typedef struct tdm_pipe tdm_pipe;
  * with make_optim(ps, optim_arg) (a stage without parameters gets none). NULL and an error
  * naming the cause: not a Sequential, more stages than layers, a bad or repeated device, a
  * device count that is not stages x replicas, a layer that cannot be cloned, a bad map, a
- * failing factory. */
+ * failing factory, a tie naming a layer or parameter that is not there or copies of two
+ * shapes. */
 tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_factory make_optim,
                        void *optim_arg);
 

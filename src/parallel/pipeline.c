@@ -11,7 +11,12 @@
  *
  * A failing stage marks the pipeline failed and aborts its replica group: every other thread
  * stops at its next wait or collective, and a failed thread keeps its tensors until every
- * thread has stopped, since the neighbours may still be copying them. */
+ * thread has stopped, since the neighbours may still be copying them.
+ *
+ * Tied copies of one weight (tdm_pipe_tie: a GPT's token embedding on the first stage and its
+ * head's copy on the last) get the sum of their gradients after the schedule, before the
+ * replicas average theirs: the a side's stage adds the b side's gradient into its own and
+ * the b side copies the sum back, each waiting on the b side's flags. */
 #include "parallel/group.h"
 #include "parallel/pipeline_split.h"
 #include "parallel/sync.h"
@@ -66,6 +71,11 @@ typedef struct worker {
     handoff ho[TDM_PIPE_MAX_MICRO];
     micro mb[TDM_PIPE_MAX_MICRO];
     double loss; /* last stage: the replica's share of the batch's mean loss */
+    /* tie t's copies in this stage (NULL: another stage's), and its flags where this worker
+     * holds the b side: its gradient is ready, the sum is made, the sum is copied */
+    tdm_tensor *tie_a[TDM_PIPE_MAX_TIES], *tie_b[TDM_PIPE_MAX_TIES];
+    tdm_wait_word tie_ready[TDM_PIPE_MAX_TIES], tie_summed[TDM_PIPE_MAX_TIES],
+        tie_copied[TDM_PIPE_MAX_TIES];
     int rc;
     /* statistics of the last step */
     double busy_us, t_first, t_last;
@@ -77,6 +87,9 @@ struct tdm_pipe {
     int S, M, R;
     tdm_pipe_schedule sched;
     int first[TDM_PIPE_MAX_STAGES + 1];
+    int n_ties;
+    int tie_layer[TDM_PIPE_MAX_TIES][2];     /* sides a and b */
+    char tie_name[TDM_PIPE_MAX_TIES][2][96]; /* the parameters' names in their layers */
     int n_workers;
     worker w[MAX_WORKERS];
     tdm_threads_world *worlds[TDM_PIPE_MAX_STAGES];
@@ -318,6 +331,79 @@ static int sync_replicas(worker *w, bool buffers) {
     return rc;
 }
 
+/* ---- tied copies ------------------------------------------------------------------------- */
+
+static int stage_of_layer(const struct tdm_pipe *p, int layer) {
+    int s = 0;
+    while (s + 1 < p->S && p->first[s + 1] <= layer) s++;
+    return s;
+}
+
+/* dst := dst + src (src on any device), in place. */
+static int add_into(tdm_tensor *dst, tdm_tensor *src) {
+    tdm_scope_begin();
+    tdm_tensor *s = tdm_add(dst, tdm_to_device(src, dst->device));
+    int rc = s ? tdm_copy_(dst, s) : tdm_last_status();
+    tdm_scope_end();
+    return rc;
+}
+
+static int copy_into(tdm_tensor *dst, tdm_tensor *src) {
+    tdm_scope_begin();
+    int rc = tdm_copy_(dst, tdm_to_device(src, dst->device));
+    tdm_scope_end();
+    return rc;
+}
+
+/* Every tie this worker holds a side of: the gradients summed into both copies. */
+static int sum_ties(worker *w) {
+    struct tdm_pipe *p = w->p;
+    int rc = TDM_OK;
+    for (int t = 0; t < p->n_ties && !rc; t++) {
+        tdm_tensor *a = w->tie_a[t], *b = w->tie_b[t];
+        worker *wa = &p->w[stage_of_layer(p, p->tie_layer[t][0]) * p->R + w->replica];
+        worker *wb = &p->w[stage_of_layer(p, p->tie_layer[t][1]) * p->R + w->replica];
+        if (a && b) { /* both in this stage */
+            rc = add_into(a->grad, b->grad);
+            if (!rc) rc = copy_into(b->grad, a->grad);
+        } else if (b) {
+            publish(p, &w->tie_ready[t]);
+            rc = wait_flag(w, &w->tie_summed[t]);
+            if (!rc) rc = copy_into(b->grad, wa->tie_a[t]->grad);
+            if (!rc) publish(p, &w->tie_copied[t]);
+        } else if (a) {
+            rc = wait_flag(w, &wb->tie_ready[t]);
+            if (!rc) rc = add_into(a->grad, wb->tie_b[t]->grad);
+            if (!rc) publish(p, &wb->tie_summed[t]);
+            if (!rc) rc = wait_flag(w, &wb->tie_copied[t]); /* before the replicas' all-reduce */
+        }
+    }
+    return rc;
+}
+
+/* This worker's copies of the ties, found in its stage's parameters by their names. */
+static int find_ties(worker *w, const tdm_paramset *ps) {
+    struct tdm_pipe *p = w->p;
+    for (int t = 0; t < p->n_ties; t++)
+        for (int side = 0; side < 2; side++) {
+            int layer = p->tie_layer[t][side];
+            if (layer < p->first[w->stage] || layer >= p->first[w->stage + 1]) continue;
+            char name[128];
+            snprintf(name, sizeof name, "%d.%s", layer - p->first[w->stage], p->tie_name[t][side]);
+            tdm_tensor *found = NULL;
+            for (int i = 0; i < ps->n && !found; i++)
+                if (!strcmp(ps->names[i], name)) found = ps->params[i];
+            if (!found)
+                return tdm_raise(TDM_ERR_STATE, "pipeline: tie %d: no parameter %s in stage %d", t,
+                                 name, w->stage);
+            if (side)
+                w->tie_b[t] = found;
+            else
+                w->tie_a[t] = found;
+        }
+    return TDM_OK;
+}
+
 /* fp16: whether every gradient of every stage and replica is finite. Each worker adds the sum
  * of squares of its averaged gradient (before unscaling; optim/scaler.h) under mu and waits
  * for all the others, so all agree and skip alike. The sum's order varies, its finiteness
@@ -372,6 +458,7 @@ static int worker_step(worker *w) {
     if (!rc && w->opt) rc = tdm_optim_zero_grad(w->opt);
     tdm_scope_begin();
     if (!rc) rc = run_schedule(w);
+    if (!rc) rc = sum_ties(w);
     if (!rc) rc = sync_replicas(w, false);
     if (!rc) rc = stage_update(w);
     w->peak_bytes = (int64_t)(tdm_alloc_stats_get(w->dev).peak_in_use - base);
@@ -414,6 +501,7 @@ static int worker_init(worker *w) {
     if (!w->bs) return tdm_last_status();
     if (ps->total > 0 && !(w->opt = p->make_optim(ps, p->optim_arg)))
         return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
+    if (find_ties(w, ps)) return tdm_last_status();
     return collect_snaps(w, w->mod);
 }
 
@@ -453,6 +541,12 @@ static int run_round(struct tdm_pipe *p, bool start) {
                 atomic_store_explicit(&h->act_ready, 0, memory_order_relaxed);
                 atomic_store_explicit(&h->grad_ready, 0, memory_order_relaxed);
             }
+        for (int i = 0; i < p->n_workers; i++)
+            for (int t = 0; t < p->n_ties; t++) {
+                atomic_store_explicit(&p->w[i].tie_ready[t], 0, memory_order_relaxed);
+                atomic_store_explicit(&p->w[i].tie_summed[t], 0, memory_order_relaxed);
+                atomic_store_explicit(&p->w[i].tie_copied[t], 0, memory_order_relaxed);
+            }
         p->finished = p->out = 0;
         p->inf_ss = 0, p->inf_checked = 0;
         p->loss_scale = p->scaler ? tdm_grad_scaler_begin(p->scaler) : 1.0f;
@@ -470,7 +564,11 @@ static int run_round(struct tdm_pipe *p, bool start) {
 /* ---- construction ------------------------------------------------------------------------- */
 
 tdm_pipe_opts tdm_pipe_defaults(int stages, int micro_batches) {
-    tdm_pipe_opts o = {stages, micro_batches, TDM_PIPE_1F1B, 1, NULL, NULL, TDM_SPLIT_PARAMS};
+    tdm_pipe_opts o = {.stages = stages,
+                       .micro_batches = micro_batches,
+                       .schedule = TDM_PIPE_1F1B,
+                       .replicas = 1,
+                       .split_by = TDM_SPLIT_PARAMS};
     return o;
 }
 
@@ -497,6 +595,45 @@ static int check_opts(const tdm_module *model, const tdm_pipe_opts *o, int *S, i
         return tdm_raise(TDM_ERR_ARG, "pipeline: %d replicas (1 to %d)", *R, TDM_PIPE_MAX_REPLICAS);
     if (o->schedule != TDM_PIPE_GPIPE && o->schedule != TDM_PIPE_1F1B)
         return tdm_raise(TDM_ERR_ARG, "pipeline: unknown schedule %d", (int)o->schedule);
+    return TDM_OK;
+}
+
+/* Parameter `name` ("wte.weight") of m's tree, or NULL. */
+static const tdm_tensor *param_named(const tdm_module *m, const char *name) {
+    for (int i = 0; i < m->n_params; i++)
+        if (!strcmp(m->param_names[i], name)) return m->params[i];
+    const char *dot = strchr(name, '.');
+    for (int c = 0; dot && c < m->n_children; c++)
+        if (strlen(m->child_names[c]) == (size_t)(dot - name) &&
+            !strncmp(m->child_names[c], name, (size_t)(dot - name)))
+            return param_named(m->children[c], dot + 1);
+    return NULL;
+}
+
+/* The ties name layers of model, parameters of those layers, of one shape. */
+static int check_ties(const tdm_module *model, const tdm_pipe_opts *o) {
+    if (o->n_ties < 0 || o->n_ties > TDM_PIPE_MAX_TIES || (o->n_ties && !o->ties))
+        return tdm_raise(TDM_ERR_ARG, "pipeline: %d ties (0 to %d, and a list)", o->n_ties,
+                         TDM_PIPE_MAX_TIES);
+    for (int t = 0; t < o->n_ties; t++) {
+        const tdm_pipe_tie *e = &o->ties[t];
+        const tdm_tensor *side[2] = {NULL, NULL};
+        for (int k = 0; k < 2; k++) {
+            int layer = k ? e->layer_b : e->layer_a;
+            const char *name = k ? e->param_b : e->param_a;
+            if (layer < 0 || layer >= model->n_children || !name || strlen(name) >= 96)
+                return tdm_raise(TDM_ERR_ARG, "pipeline: tie %d names layer %d of %d", t, layer,
+                                 model->n_children);
+            if (!(side[k] = param_named(model->children[layer], name)))
+                return tdm_raise(TDM_ERR_ARG, "pipeline: tie %d: layer %d (%s) has no parameter %s",
+                                 t, layer, model->children[layer]->ops->kind, name);
+        }
+        if (e->layer_a == e->layer_b || !tdm_same_shape(side[0], side[1]))
+            return tdm_raise(TDM_ERR_ARG,
+                             "pipeline: tie %d: layer %d's %s and layer %d's %s are not two "
+                             "copies of one shape",
+                             t, e->layer_a, e->param_a, e->layer_b, e->param_b);
+    }
     return TDM_OK;
 }
 
@@ -583,7 +720,7 @@ tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_fact
     if (!make_optim) return tdm_raise_null(TDM_ERR_ARG, "pipeline: NULL optimizer factory");
     int first[TDM_PIPE_MAX_STAGES + 2];
     int rc = tdm_pipe_stage_bounds(model, o, &S, first);
-    if (rc || pipe_devices(o, S, R, devs)) return NULL;
+    if (rc || pipe_devices(o, S, R, devs) || check_ties(model, o)) return NULL;
     struct tdm_pipe *p = calloc(1, sizeof *p);
     if (!p) return tdm_raise_null(TDM_ERR_NOMEM, "pipeline: out of memory");
     *p = (struct tdm_pipe){.S = S,
@@ -593,6 +730,12 @@ tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_fact
                            .make_optim = make_optim,
                            .optim_arg = optim_arg};
     memcpy(p->first, first, sizeof(int) * (size_t)(S + 1));
+    p->n_ties = o->n_ties;
+    for (int t = 0; t < o->n_ties; t++) {
+        p->tie_layer[t][0] = o->ties[t].layer_a, p->tie_layer[t][1] = o->ties[t].layer_b;
+        snprintf(p->tie_name[t][0], sizeof p->tie_name[t][0], "%s", o->ties[t].param_a);
+        snprintf(p->tie_name[t][1], sizeof p->tie_name[t][1], "%s", o->ties[t].param_b);
+    }
     pthread_once(&names_once, names_init);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);

@@ -1,0 +1,132 @@
+/* The GPT as a Sequential a pipeline can cut (tdm_gpt_pipeline_model): [embeddings, block 0,
+ * ..., block L-1, head], copies of the GPT's layers. The head reads the token embedding again
+ * (the tied LM head), so it holds a copy of wte of its own, tied to the embeddings' by a
+ * tdm_pipe_tie: on different stages each copy gets the sum of both gradients (Megatron-LM's
+ * tied embeddings across pipeline stages). Every op is the GPT's own forward's, in its order,
+ * so the Sequential computes the GPT's logits bit for bit. */
+#include "core/core.h"
+#include "tandem/autograd.h"
+#include "tandem/gpt.h"
+#include "tandem/pipeline.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* m's child called name, or NULL. */
+static tdm_module *child(const tdm_module *m, const char *name) {
+    for (int c = 0; m && c < m->n_children; c++)
+        if (!strcmp(m->child_names[c], name)) return m->children[c];
+    return NULL;
+}
+
+/* idx [B, T] -> x [B, T, C] = wte[idx] + wpe[0..T): the GPT's first lines. impl: its config. */
+static tdm_tensor *embed_forward(tdm_module *m, tdm_tensor *idx) {
+    const tdm_gpt_config *c = m->impl;
+    char b[96];
+    if (idx->ndim != 2 || idx->shape[1] < 1 || idx->shape[1] > c->context)
+        return tdm_raise_null(TDM_ERR_SHAPE,
+                              "gpt embeddings: tokens must be [B, T] with T in "
+                              "[1, %d] (context), got %s",
+                              c->context, tdm_shape_str(tdm_shape_of(idx), b));
+    tdm_tensor *wte = m->children[0]->params[0], *wpe = m->children[1]->params[0];
+    tdm_tensor *pos = tdm_arange(0, (double)idx->shape[1], 1, TDM_I64, wte->device);
+    return tdm_add(tdm_embedding(wte, idx), tdm_embedding(wpe, pos));
+}
+
+/* x [B, T, C] -> logits [B, T, V] = ln_f(x) @ wte[:V]^T, on the head's copy of wte. */
+static tdm_tensor *head_forward(tdm_module *m, tdm_tensor *x) {
+    const tdm_gpt_config *c = m->impl;
+    tdm_tensor *wte = m->children[1]->params[0];
+    x = tdm_module_forward(m->children[0], x);
+    tdm_tensor *head = c->vocab == c->padded_vocab ? wte : tdm_slice(wte, 0, 0, c->vocab, 1);
+    return x ? tdm_linear(x, head, NULL) : NULL;
+}
+
+static void free_impl(tdm_module *m) {
+    free(m->impl);
+    m->impl = NULL;
+}
+
+static const tdm_module_ops embed_ops = {"GPTEmbeddings", embed_forward, free_impl};
+static const tdm_module_ops head_ops = {"GPTHead", head_forward, free_impl};
+
+/* A module of ops holding a copy of c and clones of kids[0..n) under names. */
+static tdm_module *layer(const tdm_module_ops *ops, const tdm_gpt_config *c, tdm_device dev,
+                         tdm_module *const *kids, const char *const *names, int n) {
+    tdm_gpt_config *impl = malloc(sizeof *impl);
+    tdm_module *m = impl ? tdm_module_new(ops, dev, impl) : NULL;
+    if (!m) {
+        free(impl);
+        return impl ? NULL : tdm_raise_null(TDM_ERR_NOMEM, "gpt_pipeline_model: out of memory");
+    }
+    *impl = *c;
+    m->impl_size = sizeof *impl;
+    for (int i = 0; i < n; i++) {
+        tdm_module *k = tdm_module_clone(kids[i], dev);
+        if (!k || tdm_module_add(m, names[i], k)) {
+            tdm_module_free(k);
+            tdm_module_free(m);
+            return NULL;
+        }
+    }
+    return m;
+}
+
+tdm_module *tdm_gpt_pipeline_model(const tdm_module *gpt, tdm_pipe_tie *tie) {
+    const tdm_gpt_config *c = tdm_gpt_config_of(gpt);
+    tdm_module *tr = c ? child(gpt, "transformer") : NULL, *h = child(tr, "h");
+    tdm_module *wte = child(tr, "wte"), *wpe = child(tr, "wpe"), *ln_f = child(tr, "ln_f");
+    if (!c || !h || !wte || !wpe || !ln_f || !tie)
+        return tdm_raise_null(TDM_ERR_ARG, "gpt_pipeline_model: %s",
+                              tie ? "not a GPT" : "NULL tie");
+    int n = h->n_children + 2;
+    tdm_module **kids = calloc((size_t)n, sizeof *kids);
+    if (!kids) return tdm_raise_null(TDM_ERR_NOMEM, "gpt_pipeline_model: out of memory");
+    bool prev = tdm_set_grad_enabled(false);
+    kids[0] = layer(&embed_ops, c, gpt->device, (tdm_module *[]){wte, wpe},
+                    (const char *[]){"wte", "wpe"}, 2);
+    for (int l = 0; l < h->n_children && kids[l]; l++)
+        kids[l + 1] = tdm_module_clone(h->children[l], gpt->device);
+    if (kids[n - 2])
+        kids[n - 1] = layer(&head_ops, c, gpt->device, (tdm_module *[]){ln_f, wte},
+                            (const char *[]){"ln_f", "wte"}, 2);
+    tdm_set_grad_enabled(prev);
+    tdm_module *seq = kids[n - 1] ? tdm_sequential_new(n, kids) : NULL;
+    if (!seq)
+        for (int i = 0; i < n; i++) tdm_module_free(kids[i]);
+    free(kids);
+    if (seq) *tie = (tdm_pipe_tie){0, "wte.weight", n - 1, "wte.weight"};
+    return seq;
+}
+
+/* dst's parameters from src's, in order (the same tree). */
+static int copy_params(tdm_module *dst, const tdm_module *src) {
+    if (dst->n_params != src->n_params || dst->n_children != src->n_children)
+        return tdm_raise(TDM_ERR_SHAPE, "gpt_from_pipeline_model: a %s where the GPT has a %s",
+                         src->ops->kind, dst->ops->kind);
+    int rc = TDM_OK;
+    for (int i = 0; i < dst->n_params && !rc; i++) {
+        tdm_scope_begin();
+        rc = tdm_copy_(dst->params[i], tdm_to_device(src->params[i], dst->params[i]->device));
+        tdm_scope_end();
+    }
+    for (int k = 0; k < dst->n_children && !rc; k++)
+        rc = copy_params(dst->children[k], src->children[k]);
+    return rc;
+}
+
+int tdm_gpt_from_pipeline_model(tdm_module *gpt, const tdm_module *seq) {
+    tdm_module *tr = tdm_gpt_config_of(gpt) ? child(gpt, "transformer") : NULL, *h = child(tr, "h");
+    if (!h || !seq || seq->n_children != h->n_children + 2 ||
+        strcmp(seq->children[0]->ops->kind, "GPTEmbeddings") != 0)
+        return tdm_raise(TDM_ERR_ARG, "gpt_from_pipeline_model: not a GPT and its pipeline model");
+    bool prev = tdm_set_grad_enabled(false);
+    const tdm_module *emb = seq->children[0], *head = seq->children[seq->n_children - 1];
+    int rc = copy_params(child(tr, "wte"), emb->children[0]);
+    if (!rc) rc = copy_params(child(tr, "wpe"), emb->children[1]);
+    for (int l = 0; l < h->n_children && !rc; l++)
+        rc = copy_params(h->children[l], seq->children[l + 1]);
+    if (!rc) rc = copy_params(child(tr, "ln_f"), head->children[0]);
+    tdm_set_grad_enabled(prev);
+    return rc;
+}

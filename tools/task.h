@@ -52,6 +52,11 @@ struct task {
      * model has none), and makes a split replica's output whole (NULL: it is). */
     int (*parallelize)(tdm_module *replica, tdm_group *tp, void *arg);
     tdm_tensor *(*whole_output)(tdm_module *replica, tdm_tensor *out, void *arg);
+    /* --model-split for a model that is not a Sequential: a Sequential of copies of its layers
+     * and its ties (tdm_gpt_pipeline_model), and the weights back from it; NULL: the model
+     * is cut as it is. */
+    tdm_module *(*pipeline_model)(const tdm_module *model, tdm_pipe_tie *tie);
+    int (*from_pipeline_model)(tdm_module *model, const tdm_module *view);
     /* The loss from a split replica's output (tdm_strategy_loss_module), or NULL: loss. */
     tdm_tensor *(*loss_of)(tdm_module *replica, tdm_tensor *out, const tdm_tensor *target);
     /* The optimizer over ps for the options o (a tdm_optim_factory: one per replica). */

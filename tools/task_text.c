@@ -147,6 +147,8 @@ int task_text_open(task *t, const train_opts *o, tdm_device dev) {
                 .save = save_llmc,
                 .parallelize = split_gpt,
                 .whole_output = whole_logits,
+                .pipeline_model = tdm_gpt_pipeline_model,
+                .from_pipeline_model = tdm_gpt_from_pipeline_model,
                 .loss_of = tdm_gpt_loss_of,
                 .loss_label = "next-token cross-entropy",
                 .build = build_gpt,

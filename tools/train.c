@@ -229,8 +229,10 @@ static const opt_spec specs[] = {
      "Model parallelism: cut the model into K pipeline stages of consecutive layers (balanced "
      "by parameter count), each on its own device of --devices, which must list K devices, or "
      "K x R for R data-parallel replicas of every stage. Each batch flows through the stages "
-     "in --micro-batches pieces, so the devices work at once; results match one device. Not "
-     "for a language model, whose blocks are not a Sequential to cut."},
+     "in --micro-batches pieces, so the devices work at once; results match one device. A GPT "
+     "is cut as its embeddings, blocks and head, the head's copy of the token embedding "
+     "tied to the first stage's (their gradients summed: Megatron-LM's tied embeddings). Not "
+     "with --checkpoint-dir, --clip-grad or --grad-accum yet."},
     {"--micro-batches", "M", OPT_INT, F(micro_batches), 1, TDM_PIPE_MAX_MICRO, "4",
      "With --model-split: pieces each batch is cut into."},
     {"--pipeline", "1f1b|gpipe", OPT_STR, F(pipe_schedule), 0, 0, "1f1b",
@@ -972,11 +974,6 @@ static int check_opts(train_opts *o) {
         if (!one_of(o->pipe_schedule, pipes))
             return train_usage_error("--pipeline: unknown schedule '%s' (expected 1f1b or gpipe)",
                                      o->pipe_schedule);
-        if (text)
-            return train_usage_error(
-                "--model-split cuts a Sequential of layers into stages; the %s's "
-                "blocks are not one",
-                o->model);
         if (o->checkpoint_dir || o->grad_accum > 1 || o->clip > 0)
             return train_usage_error("--model-split does not work with %s yet",
                                      o->checkpoint_dir ? "--checkpoint-dir"

@@ -128,7 +128,12 @@ static int make_strategy(trainer *tr) {
         po.replicas = o->n_devs / (int)o->model_split;
         po.devices = o->devices;
         what = "pipeline";
-        tr->st = tdm_strategy_pipeline(t->model, &po, t->optimizer, (void *)o);
+        tdm_pipe_tie tie; /* a GPT: its embeddings' and head's copies of wte */
+        tdm_module *view = t->pipeline_model ? t->pipeline_model(t->model, &tie) : NULL;
+        if (t->pipeline_model && !view) return task_error("pipeline: %s", tdm_last_error());
+        po.ties = view ? &tie : NULL, po.n_ties = view ? 1 : 0;
+        tr->st = tdm_strategy_pipeline_view(t->model, view, t->from_pipeline_model, &po,
+                                            t->optimizer, (void *)o);
     } else if (o->tensor_parallel > 1) {
         int64_t ctx = t->sizes.gpt.context; /* sequence parallelism splits every window */
         if (ctx % o->tensor_parallel)

@@ -57,6 +57,15 @@ tdm_strategy *tdm_strategy_distributed(tdm_module *model, tdm_group *g, const td
  * are the pipeline's), clipping or sharding. NULL and tdm_pipe_new's error. */
 tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
                                     tdm_optim_factory make_optim, void *optim_arg);
+/* A pipeline of a model that is not a Sequential itself: view is a Sequential of copies of its
+ * layers (tdm_gpt_pipeline_model, with o->ties naming its tied copies), which the stages are
+ * cut from; tdm_strategy_sync_model writes the trained weights into view and then into model
+ * through to_model(model, view) (tdm_gpt_from_pipeline_model), and model runs the
+ * evaluation. The strategy owns view from the call on (freed with it, or at once on an error). */
+tdm_strategy *tdm_strategy_pipeline_view(tdm_module *model, tdm_module *view,
+                                         int (*to_model)(tdm_module *model, const tdm_module *view),
+                                         const tdm_pipe_opts *o, tdm_optim_factory make_optim,
+                                         void *optim_arg);
 
 /* Inside a loss_fn that tdm_strategy_tensor_parallel's step calls, the rank's split model
  * whose output it got (its loss may need the model: tdm_gpt_loss_of over vocabulary-parallel

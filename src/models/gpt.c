@@ -540,10 +540,13 @@ static int count_row(const tdm_model_info *row, const tdm_model_opts *o, tdm_mod
     tdm_gpt_config g = o->gpt;
     if (!g.padded_vocab) g.padded_vocab = g.vocab;
     int64_t C = g.channels, H = g.heads, T = o->input.ndim == 1 ? o->input.d[0] : g.context;
-    m->params = tdm_gpt_llmc_numel(&g);
+    /* the layers of its pipeline model (tdm_gpt_pipeline_model): the embeddings, the blocks,
+     * the head, each with its parameters */
     m->positions = T;
+    m->params += (int64_t)g.padded_vocab * C + (int64_t)g.context * C;
     tdm_cost_out(m, (double)(3 * C)); /* wte and wpe rows, their sum */
     for (int l = 0; l < g.layers; l++) {
+        m->params += 12 * C * C + 13 * C;
         tdm_cost_unit_begin(m, (double)C);
         /* ln_1, qkv, attention (and its log-sum-exp per head), c_proj, the sum; ln_2, c_fc,
          * GELU, c_proj, the sum */
@@ -551,8 +554,11 @@ static int count_row(const tdm_model_info *row, const tdm_model_opts *o, tdm_mod
         tdm_cost_out(m, (double)(C + 4 * C + 4 * C + C + C));
         tdm_cost_unit_end(m);
     }
-    m->unit_params = 12 * C * C + 13 * C;
-    tdm_cost_out(m, (double)C); /* ln_f */
+    /* ln_f, and the head's copy of wte that a pipeline's last stage holds: counted in that
+     * layer, not in the model, which holds wte once */
+    m->params += 2 * C + (int64_t)g.padded_vocab * C;
+    tdm_cost_out(m, (double)C);
+    m->params -= (int64_t)g.padded_vocab * C;
     m->head = g.padded_vocab;
     m->factor = 1.25;
     m->head_factor = 1.70;

@@ -12,6 +12,8 @@ typedef struct {
     tdm_strategy base;
     tdm_pipe *pipe;
     tdm_module *model;
+    tdm_module *view; /* the Sequential the stages were cut from, or NULL: model is */
+    int (*to_model)(tdm_module *model, const tdm_module *view);
     int micro_batches;
     tdm_pipe_schedule schedule;
 } pipeline;
@@ -46,7 +48,8 @@ static void pipe_set_lr(tdm_strategy *st, float lr) {
 
 static int pipe_sync_model(tdm_strategy *st) {
     pipeline *s = (pipeline *)st;
-    return tdm_pipe_copy_to(s->pipe, s->model);
+    int rc = tdm_pipe_copy_to(s->pipe, s->view ? s->view : s->model);
+    return rc || !s->view ? rc : s->to_model(s->model, s->view);
 }
 
 static tdm_module *pipe_replica(tdm_strategy *st, int r) {
@@ -93,6 +96,7 @@ static tdm_module *pipe_forward_module(tdm_strategy *st, int i) {
 
 static void pipe_destroy(tdm_strategy *st) {
     tdm_pipe_free(((pipeline *)st)->pipe); /* with every stage's optimizer */
+    tdm_module_free(((pipeline *)st)->view);
     free(st);
 }
 
@@ -122,14 +126,31 @@ static const tdm_strategy_ops pipeline_ops = {
     .destroy = pipe_destroy,
 };
 
-tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
-                                    tdm_optim_factory make_optim, void *optim_arg) {
-    if (!o) return tdm_raise_null(TDM_ERR_ARG, "strategy pipeline: NULL options");
+tdm_strategy *tdm_strategy_pipeline_view(tdm_module *model, tdm_module *view,
+                                         int (*to_model)(tdm_module *model, const tdm_module *view),
+                                         const tdm_pipe_opts *o, tdm_optim_factory make_optim,
+                                         void *optim_arg) {
+    if (!o || !model || (view && !to_model)) {
+        tdm_module_free(view);
+        return tdm_raise_null(TDM_ERR_ARG, "strategy pipeline: NULL options, model or to_model");
+    }
     pipeline *s = calloc(1, sizeof *s);
-    if (!s) return tdm_raise_null(TDM_ERR_NOMEM, "strategy pipeline: out of memory");
-    if (!(s->pipe = tdm_pipe_new(model, o, make_optim, optim_arg))) return free(s), NULL;
-    s->model = model, s->micro_batches = o->micro_batches, s->schedule = o->schedule;
+    if (!s) {
+        tdm_module_free(view);
+        return tdm_raise_null(TDM_ERR_NOMEM, "strategy pipeline: out of memory");
+    }
+    if (!(s->pipe = tdm_pipe_new(view ? view : model, o, make_optim, optim_arg))) {
+        tdm_module_free(view);
+        return free(s), NULL;
+    }
+    s->model = model, s->view = view, s->to_model = to_model;
+    s->micro_batches = o->micro_batches, s->schedule = o->schedule;
     s->base = (tdm_strategy){
         .ops = &pipeline_ops, .replicas = 1, .ranks = o->replicas > 0 ? o->replicas : 1};
     return &s->base;
+}
+
+tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
+                                    tdm_optim_factory make_optim, void *optim_arg) {
+    return tdm_strategy_pipeline_view(model, NULL, NULL, o, make_optim, optim_arg);
 }

@@ -498,9 +498,11 @@ static void test_errors(void) {
 }
 
 /* --model-split: the GPT cut into pipeline stages (its embeddings, blocks and head; the head's
- * copy of wte tied to the embeddings'): 2 stages, 3 stages and 2 stages x 2 replicas, each
- * with 2 micro-batches, learn what one device does, loss for loss, weights within 1e-5 after
- * 12 steps (the micro-batches sum in another order); the header names the stages. */
+ * copy of wte tied to the embeddings'): 2 stages, 3 stages and 2 stages x 2 replicas, and
+ * with --tensor-parallel 2 in each stage (3-D: 2 stages x tp 2 on 4 devices, and 2 replicas of
+ * that on 8), each with 2 micro-batches, learn what one device does, loss for loss, weights
+ * within 1e-5 after 12 steps (the micro-batches sum in another order); the header names the
+ * layout. */
 static void test_pipeline(void) {
     char one[300], pp[300];
     snprintf(one, sizeof one, "%s/pp-one.bin", tmpdir);
@@ -512,23 +514,30 @@ static void test_pipeline(void) {
     double ref[4], got[4];
     result *r = PP_RUN("--save", one);
     CHECK(r->status == 0 && losses(r->out, ref, 4) == 4, "one device: %s", r->err);
-    const char *devs[3] = {"2", "3", "4"}, *stages[3] = {"2", "3", "2"};
+    const char *devs[5] = {"2", "3", "4", "4", "8"}, *stages[5] = {"2", "3", "2", "2", "2"};
+    const char *tps[5] = {"1", "1", "1", "2", "2"};
     /* cut by parameters: the embeddings (wte, wpe) and the head (its wte) weigh a block and a
      * quarter each */
-    const char *header[3] = {"2 pipeline stages, layers 0-1 2-4, 2 micro-batches",
+    const char *header[5] = {"2 pipeline stages, layers 0-1 2-4, 2 micro-batches, 1f1b)",
                              "3 pipeline stages, layers 0-0 1-2 3-4, 2 micro-batches",
-                             "2 pipeline stages, layers 0-1 2-4, 2 micro-batches"};
-    for (int k = 0; k < 3; k++) {
-        r = PP_RUN("--devices", devs[k], "--model-split", stages[k], "--micro-batches", "2",
-                   "--save", pp);
+                             "layers 0-1 2-4, 2 micro-batches, 1f1b, 2 replicas)",
+                             "layers 0-1 2-4, 2 micro-batches, 1f1b, each stage over tp 2)",
+                             "1f1b, each stage over tp 2, 2 replicas)"};
+    for (int k = 0; k < 5; k++) {
+        r = PP_RUN("--devices", devs[k], "--model-split", stages[k], "--micro-batches", "2", "--tp",
+                   tps[k], "--save", pp);
         int n = losses(r->out, got, 4);
         CHECK(r->status == 0 && n == 4 && strstr(r->out, header[k]),
-              "--model-split %s on %s: %s %s", stages[k], devs[k], r->out, r->err);
+              "--model-split %s --tp %s on %s: %s %s", stages[k], tps[k], devs[k], r->out, r->err);
         for (int i = 0; i < n; i++) CHECK_CLOSE(got[i], ref[i], 1e-4, 0);
         double dw = model_diff(pp, one);
         CHECK(dw <= 1e-5, "--model-split %s on %s devices: weights off by %g after 12 steps",
               stages[k], devs[k], dw);
     }
+    r = PP_RUN("--devices", "6", "--model-split", "2", "--tp", "2");
+    CHECK(r->status == 2 && strstr(r->err, "--tensor-parallel 2 with --model-split needs a "
+                                           "multiple of 4 devices, --devices gives 6"),
+          "6 devices at pp 2 x tp 2: %d %s", r->status, r->err);
 #undef PP_RUN
 }
 

@@ -591,10 +591,16 @@ static bool ties_equal(tdm_pipe *p, int stages, int replica) {
  * missing tie (the head's gradient never reaching the embeddings) moves wte by ~lr, 1e-3. */
 #define GPT_PIPE_BOUND 3e-5f
 
+static int split_stage(tdm_module *stage, tdm_group *tp, void *arg) {
+    (void)arg;
+    return tdm_gpt_parallelize_stage(stage, tp);
+}
+
 /* The GPT cut into its pipeline model: 1 stage (both copies of wte in it), 2 and 3 stages,
- * and 2 stages x 2 replicas, 2 micro-batches, against the GPT on one device after STEPS steps
- * of AdamW: every loss, the weights written back (tdm_gpt_from_pipeline_model), the two
- * copies of wte equal bit for bit. */
+ * 2 stages x 2 replicas, and with tensor parallelism in the stages (3-D: 2 stages x tp 2, and
+ * 2 stages x 2 replicas x tp 2 on 8 devices), 2 micro-batches, against the GPT on one device
+ * after STEPS steps of AdamW: every loss, the weights written back (gathered whole under TP,
+ * then tdm_gpt_from_pipeline_model), the two copies of wte equal bit for bit. */
 static void test_gpt(void) {
     tdm_rng rng = tdm_rng_make(3);
     tdm_module *ref = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &rng);
@@ -610,14 +616,16 @@ static void test_gpt(void) {
         ref_loss[s] = l ? tdm_item(l) : NAN;
         tdm_scope_end();
     }
-    const int stages[4] = {1, 2, 3, 2}, replicas[4] = {1, 1, 1, 2};
-    for (int c = 0; c < 4; c++) {
+    const int stages[6] = {1, 2, 3, 2, 2, 2}, replicas[6] = {1, 1, 1, 2, 1, 2};
+    const int tps[6] = {1, 1, 1, 1, 2, 2};
+    for (int c = 0; c < 6; c++) {
         tdm_rng r2 = tdm_rng_make(3);
         tdm_module *gpt = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &r2);
         tdm_pipe_tie tie;
         tdm_module *seq = tdm_gpt_pipeline_model(gpt, &tie);
         tdm_pipe_opts o = tdm_pipe_defaults(stages[c], 2);
         o.replicas = replicas[c], o.ties = &tie, o.n_ties = 1, o.split_by = TDM_SPLIT_LAYERS;
+        o.tp = tps[c], o.parallelize = split_stage;
         tdm_pipe *p = seq ? tdm_pipe_new(seq, &o, gpt_adamw, NULL) : NULL;
         CHECK(p != NULL, "GPT pipeline of %d stages: %s", stages[c], tdm_last_error());
         float dl = 0;
@@ -632,17 +640,25 @@ static void test_gpt(void) {
             tdm_scope_end();
         }
         bool tied = p && ties_equal(p, stages[c], replicas[c] - 1);
+        /* under TP a rank's stages hold its parts: fewer parameters than the whole layers */
+        int64_t held = 0, whole = seq ? tdm_module_parameters(seq)->total : 0;
+        for (int st = 0; p && st < stages[c]; st++)
+            held += tdm_module_parameters(tdm_pipe_stage_module(p, st, 0))->total;
+        CHECK(tps[c] > 1 ? held < whole : held == whole,
+              "%d stages x tp %d: rank 0's stages hold %lld parameters of the layers' %lld",
+              stages[c], tps[c], (long long)held, (long long)whole);
         int rc = p ? tdm_pipe_copy_to(p, seq) : -1;
         if (!rc) rc = tdm_gpt_from_pipeline_model(gpt, seq);
         float dw = rc ? INFINITY : flat_max_diff(gpt, ref);
         CHECK(!rc && tied && dw <= GPT_PIPE_BOUND && dl <= 1e-5f,
-              "GPT, %d stages x %d replicas: %s; weights off by %g, losses by %g, wte's copies "
-              "%s",
-              stages[c], replicas[c], rc ? tdm_last_error() : "ran", dw, dl,
+              "GPT, %d stages x %d replicas x tp %d: %s; weights off by %g, losses by %g, wte's "
+              "copies %s",
+              stages[c], replicas[c], tps[c], rc ? tdm_last_error() : "ran", dw, dl,
               tied ? "equal" : "differ");
-        printf("GPT (3 layers) in %d stages x %d replicas, 2 micro-batches: weights within %.3g, "
-               "losses within %.3g of one device after %d AdamW steps; wte's two copies equal\n",
-               stages[c], replicas[c], dw, dl, STEPS);
+        printf("GPT (3 layers) in %d stages x %d replicas x tp %d, 2 micro-batches: weights "
+               "within %.3g, losses within %.3g of one device after %d AdamW steps; wte's two "
+               "copies equal\n",
+               stages[c], replicas[c], tps[c], dw, dl, STEPS);
         tdm_pipe_free(p);
         tdm_module_free(seq);
         tdm_module_free(gpt);

@@ -138,7 +138,9 @@ int estimate_make(const train_opts *o, const task *t, int procs, const tdm_loade
     /* the rows of a batch this process trains: the loader's (never more than the data) */
     int64_t rows = lo->batch_size, per_rank = (t->train->n + procs - 1) / procs;
     if (rows > per_rank) rows = per_rank;
-    int replicas = o->n_devs / (o->model_split > 1 ? (int)o->model_split : 1);
+    /* a pipeline's replicas (each stage of one on --tensor-parallel devices, all its rows) */
+    int replicas =
+        o->n_devs / (o->model_split > 1 ? (int)(o->model_split * o->tensor_parallel) : 1);
     e->samples = (rows + replicas - 1) / replicas;
     double per = (double)m.positions; /* a GPT's are counted per token */
     for (int d = 0; d < o->n_devs; d++) {

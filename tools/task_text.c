@@ -103,6 +103,11 @@ static int split_gpt(tdm_module *replica, tdm_group *tp, void *arg) {
     return tdm_gpt_parallelize(replica, tp, &plan);
 }
 
+static int split_stage(tdm_module *stage, tdm_group *tp, void *arg) {
+    (void)arg;
+    return tdm_gpt_parallelize_stage(stage, tp);
+}
+
 static tdm_tensor *whole_logits(tdm_module *replica, tdm_tensor *out, void *arg) {
     (void)arg;
     return tdm_gpt_whole_logits(replica, out);
@@ -148,6 +153,7 @@ int task_text_open(task *t, const train_opts *o, tdm_device dev) {
                 .parallelize = split_gpt,
                 .whole_output = whole_logits,
                 .pipeline_model = tdm_gpt_pipeline_model,
+                .parallelize_stage = split_stage,
                 .from_pipeline_model = tdm_gpt_from_pipeline_model,
                 .loss_of = tdm_gpt_loss_of,
                 .loss_label = "next-token cross-entropy",

@@ -250,8 +250,9 @@ static const opt_spec specs[] = {
      "resume under another N or device count. "
      "With --recompute each device runs its blocks' forwards again in backward, collectives "
      "included. Under mpirun the processes form the mesh instead (one device each, -np a "
-     "multiple of N; rank r is dp r / N, tp r % N). GPT models only; not with --model-split "
-     "yet."},
+     "multiple of N; rank r is dp r / N, tp r % N). With --model-split K every stage of the "
+     "pipeline is split over N devices (3-D parallelism: --devices K x N x replicas; its "
+     "blocks only, no sequence or vocabulary split). GPT models only."},
     {"--device-memory", "SIZE", OPT_STR, F(device_memory), 0, 0, "no cap",
      "Caps what Tandem's allocator holds on each device of --devices at SIZE (bytes, or with "
      "K, M, G or T: powers of 1024, as Slurm's --mem; 4G, 512M, 1.5GiB), as a GPU's memory caps "
@@ -867,17 +868,20 @@ static int check_tensor_parallel(const train_opts *o, bool text) {
         return train_usage_error("--tensor-parallel under mpirun takes one device a process, "
                                  "each process a rank of the mesh; --devices gives %d",
                                  o->n_devs);
-    if (!tdm_mpi_launched() && o->n_devs % tp)
-        return train_usage_error("--tensor-parallel %lld needs a multiple of %lld devices, "
+    int64_t k = o->model_split; /* 3-D: every stage of every replica on tp devices */
+    if (!tdm_mpi_launched() && o->n_devs % (tp * k))
+        return train_usage_error("--tensor-parallel %lld%s needs a multiple of %lld devices, "
                                  "--devices gives %d",
-                                 (long long)tp, (long long)tp, o->n_devs);
+                                 (long long)tp, k > 1 ? " with --model-split" : "",
+                                 (long long)(tp * k), o->n_devs);
     for (int i = 0; i < o->n_devs && tdm_mpi_launched(); i++)
         if (o->devs[i].type != TDM_CPU)
             return train_usage_error("--tensor-parallel under mpirun runs on CPU devices for now: "
                                      "the mesh's NCCL groups across processes are not written "
                                      "yet (the GPUs of one process: without mpirun)");
-    if (o->model_split > 1)
-        return train_usage_error("--tensor-parallel does not work with --model-split yet");
+    if (k > 1 && tdm_mpi_launched())
+        return train_usage_error("--tensor-parallel with --model-split does not work under "
+                                 "mpirun yet");
     return 0;
 }
 
@@ -956,10 +960,11 @@ static int check_opts(train_opts *o) {
     if (check_tensor_parallel(o, text)) return EXIT_USAGE;
     /* under mpirun a tensor-parallel process is part of a row; join_mpi counts the rows */
     bool tp_procs = o->tensor_parallel > 1 && tdm_mpi_launched();
-    int64_t replicas =
-        o->model_split > 1 && o->n_devs % o->model_split == 0 ? o->n_devs / o->model_split
-        : tp_procs                                            ? 1
-                   : o->n_devs / o->tensor_parallel; /* a bad split: reported below */
+    int64_t stage_devs = o->model_split * o->tensor_parallel; /* a replica's devices */
+    int64_t replicas = o->model_split > 1 && o->n_devs % stage_devs == 0 ? o->n_devs / stage_devs
+                       : tp_procs
+                           ? 1
+                           : o->n_devs / o->tensor_parallel; /* a bad split: reported below */
     o->batch_size = o->batch_per_device ? o->batch_per_device * replicas
                     : o->batch_size     ? o->batch_size
                                         : 64;
@@ -984,12 +989,11 @@ static int check_opts(train_opts *o) {
                 "--model-split %lld needs a multiple of %lld devices, --devices "
                 "gives %d",
                 (long long)o->model_split, (long long)o->model_split, o->n_devs);
-        if (o->micro_batches * (o->n_devs / o->model_split) > o->batch_size)
+        if (o->micro_batches * replicas > o->batch_size)
             return train_usage_error(
                 "--batch-size %lld is too small for %lld micro-batches on each of "
                 "%lld replicas",
-                (long long)o->batch_size, (long long)o->micro_batches,
-                (long long)(o->n_devs / o->model_split));
+                (long long)o->batch_size, (long long)o->micro_batches, (long long)replicas);
     }
     return 0;
 }

@@ -125,7 +125,9 @@ static int make_strategy(trainer *tr) {
     if (o->model_split > 1) {
         tdm_pipe_opts po = tdm_pipe_defaults((int)o->model_split, (int)o->micro_batches);
         po.schedule = strcmp(o->pipe_schedule, "gpipe") == 0 ? TDM_PIPE_GPIPE : TDM_PIPE_1F1B;
-        po.replicas = o->n_devs / (int)o->model_split;
+        po.tp = (int)o->tensor_parallel; /* 3-D: each stage split over tp devices */
+        po.parallelize = t->parallelize_stage;
+        po.replicas = o->n_devs / (int)(o->model_split * o->tensor_parallel);
         po.devices = o->devices;
         what = "pipeline";
         tdm_pipe_tie tie; /* a GPT: its embeddings' and head's copies of wte */

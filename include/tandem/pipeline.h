@@ -88,6 +88,15 @@ typedef struct {
     tdm_split_by split_by;
     const tdm_pipe_tie *ties; /* n_ties (at most TDM_PIPE_MAX_TIES) tied copies, or NULL */
     int n_ties;
+    /* Tensor parallelism inside each stage (3-D parallelism, 0 or 1: none): every (stage,
+     * replica) runs on tp devices, devices[(s * replicas + r) * tp + t] its rank t, each with a
+     * clone of the stage that parallelize(stage, group, parallelize_arg) splits over their
+     * group (tdm_gpt_parallelize_stage) on its own thread before its optimizer is made. The
+     * ranks of a stage hand activations to the same rank of the next; every rank of the last
+     * stage computes the loss; replicas average over the ranks of the same stage and t. */
+    int tp;
+    int (*parallelize)(tdm_module *stage, tdm_group *tp, void *arg);
+    void *parallelize_arg;
 } tdm_pipe_opts;
 
 /* K stages, M micro-batches, 1F1B, one replica, devices cpu:0.., split by parameters. */
@@ -130,14 +139,22 @@ int tdm_pipe_step(tdm_pipe *p, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn lo
                   void *loss_arg, float *loss);
 
 /* Copies the trained parameters and buffers (replica 0's) back into model, the Sequential
- * the pipeline was built from (or one with the same layers), e.g. to evaluate or save it.
- * Returns TDM_OK or TDM_ERR_SHAPE naming the first layer that does not match. */
+ * the pipeline was built from (or one with the same layers), e.g. to evaluate or save it;
+ * under tensor parallelism the stages' parts gathered whole (tdm_tp_gather_whole, on the
+ * stages' threads). Returns TDM_OK or TDM_ERR_SHAPE naming the first layer that does not
+ * match. */
 int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model);
 
 /* Stage s of replica r: its Sequential (children named "0", "1", ... locally, on the
  * stage's device) and its optimizer (NULL for a stage without parameters); owned by the
- * pipeline. NULL for an index out of range. Do not use them while a step runs. */
+ * pipeline. Under tensor parallelism, tensor-parallel rank 0's (its parts). NULL for an index
+ * out of range. Do not use them while a step runs. */
 tdm_module *tdm_pipe_stage_module(tdm_pipe *p, int s, int r);
+/* Tensor-parallel rank t's module of stage s of replica r (t == 0: tdm_pipe_stage_module's);
+ * NULL out of range. */
+tdm_module *tdm_pipe_rank_module(tdm_pipe *p, int s, int r, int t);
+/* The tensor-parallel ranks of each (stage, replica): tdm_pipe_opts.tp, or 1. */
+int tdm_pipe_tp(const tdm_pipe *p);
 tdm_optim *tdm_pipe_stage_optim(tdm_pipe *p, int s, int r);
 /* fp16's loss scaling in every step (PyTorch's GradScaler over a pipeline; s stays the
  * caller's and must outlive its use here; NULL turns it off): the last stage's losses are

@@ -346,6 +346,52 @@ static int replace(tdm_module *parent, int i, tdm_module *repl) {
     return TDM_OK;
 }
 
+/* Block b (block l of a GPT with `heads` heads) split over tp: attention by heads, the MLP
+ * column then row; with seq, sequence-parallel (its layers and layer norms). */
+static int split_block(tdm_module *b, int l, int heads, bool seq, tdm_group *tp) {
+    tdm_module *at = b->children[BL_ATTN], *mlp = b->children[BL_MLP];
+    if (strcmp(at->children[AT_C_ATTN]->ops->kind, "Linear") != 0)
+        return tdm_raise(TDM_ERR_STATE, "gpt_parallelize: block %d is already split", l);
+    /* q, k and v of this rank's heads; their outputs' columns of the projection */
+    int rc = replace(at, AT_C_ATTN, tdm_column_linear_from(at->children[AT_C_ATTN], 3, false, tp));
+    if (!rc) rc = replace(at, AT_C_PROJ, tdm_row_linear_from(at->children[AT_C_PROJ], true, tp));
+    if (!rc) *(int *)at->impl = heads / tdm_group_size(tp);
+    if (!rc)
+        rc = replace(mlp, MLP_C_FC, tdm_column_linear_from(mlp->children[MLP_C_FC], 1, false, tp));
+    if (!rc)
+        rc = replace(mlp, MLP_C_PROJ, tdm_row_linear_from(mlp->children[MLP_C_PROJ], true, tp));
+    tdm_module *split[4] = {at->children[AT_C_ATTN], at->children[AT_C_PROJ],
+                            mlp->children[MLP_C_FC], mlp->children[MLP_C_PROJ]};
+    for (int k = 0; k < 4 && !rc && seq; k++)
+        rc = tdm_tp_linear_set_sequence_dim(split[k], 1); /* [B, T, C]: T */
+    for (int k = BL_LN1; k <= BL_LN2 && !rc && seq; k += BL_LN2 - BL_LN1)
+        rc = replace(b, k, seq_norm_from(b->children[k], tp));
+    return rc;
+}
+
+int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp) {
+    if (!stage || !tp || strcmp(stage->ops->kind, "Sequential") != 0)
+        return tdm_raise(TDM_ERR_ARG, "gpt_parallelize_stage: %s",
+                         tp ? "not a Sequential of a GPT's layers" : "NULL group");
+    if (stage->paramset)
+        return tdm_raise(TDM_ERR_STATE, "gpt_parallelize_stage: the stage's parameters are "
+                                        "already listed (tdm_module_parameters): split it before");
+    int rc = TDM_OK;
+    for (int i = 0; i < stage->n_children && !rc; i++) {
+        tdm_module *b = stage->children[i];
+        if (strcmp(b->ops->kind, "Block") != 0) continue; /* the embeddings, the head: whole */
+        int heads = *(const int *)b->children[BL_ATTN]->impl, n = tdm_group_size(tp);
+        int64_t C = b->children[BL_LN1]->params[0]->shape[0];
+        if (heads % n || (4 * C) % n)
+            return tdm_raise(TDM_ERR_ARG,
+                             "gpt_parallelize_stage: %d heads do not split over %d "
+                             "ranks",
+                             heads, n);
+        rc = split_block(b, i, heads, false, tp);
+    }
+    return rc;
+}
+
 int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, const tdm_gpt_tp_plan *plan) {
     const tdm_gpt_config *c = tdm_gpt_config_of(m);
     tdm_gpt_tp_plan none = {false, false};
@@ -367,29 +413,8 @@ int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, const tdm_gpt_tp_plan *pla
                          c->padded_vocab, n);
     tdm_module *h = m->children[0]->children[TR_H];
     int rc = TDM_OK;
-    for (int l = 0; l < h->n_children && !rc; l++) {
-        tdm_module *at = h->children[l]->children[BL_ATTN];
-        tdm_module *mlp = h->children[l]->children[BL_MLP];
-        if (strcmp(at->children[AT_C_ATTN]->ops->kind, "Linear") != 0)
-            return tdm_raise(TDM_ERR_STATE, "gpt_parallelize: block %d is already split", l);
-        /* q, k and v of this rank's heads; their outputs' columns of the projection */
-        rc = replace(at, AT_C_ATTN, tdm_column_linear_from(at->children[AT_C_ATTN], 3, false, tp));
-        if (!rc)
-            rc = replace(at, AT_C_PROJ, tdm_row_linear_from(at->children[AT_C_PROJ], true, tp));
-        if (!rc) *(int *)at->impl = c->heads / n;
-        if (!rc)
-            rc = replace(mlp, MLP_C_FC,
-                         tdm_column_linear_from(mlp->children[MLP_C_FC], 1, false, tp));
-        if (!rc)
-            rc = replace(mlp, MLP_C_PROJ, tdm_row_linear_from(mlp->children[MLP_C_PROJ], true, tp));
-        tdm_module *split[4] = {at->children[AT_C_ATTN], at->children[AT_C_PROJ],
-                                mlp->children[MLP_C_FC], mlp->children[MLP_C_PROJ]};
-        for (int k = 0; k < 4 && !rc && sequence_parallel; k++)
-            rc = tdm_tp_linear_set_sequence_dim(split[k], 1); /* [B, T, C]: T */
-        tdm_module *b = h->children[l];
-        for (int k = BL_LN1; k <= BL_LN2 && !rc && sequence_parallel; k += BL_LN2 - BL_LN1)
-            rc = replace(b, k, seq_norm_from(b->children[k], tp));
-    }
+    for (int l = 0; l < h->n_children && !rc; l++)
+        rc = split_block(h->children[l], l, c->heads, sequence_parallel, tp);
     tdm_module *tr = m->children[0];
     if (!rc && sequence_parallel) rc = replace(tr, TR_LNF, seq_norm_from(tr->children[TR_LNF], tp));
     if (!rc && plan->vocab_parallel)

@@ -1,5 +1,8 @@
-/* Pipelines: a Sequential cut into stages, one persistent pinned thread per (stage, replica),
- * the batch cut into micro-batches that flow through the stages at once.
+/* Pipelines: a Sequential cut into stages, one persistent pinned thread per (stage, replica,
+ * tensor-parallel rank), the batch cut into micro-batches that flow through the stages at once.
+ * With tensor parallelism (tdm_pipe_opts.tp) each (stage, replica) is tp threads, each with
+ * its clone of the stage split over their group; rank t of a stage exchanges activations with
+ * rank t of its neighbours only, so the schedule is the same on every rank.
  *
  * Each thread owns its stage's clone of the layers, its flat parameters and its optimizer,
  * and records its micro-batches' forwards on its own tape. Activations cross to the next
@@ -58,13 +61,14 @@ typedef struct {
 
 typedef struct worker {
     struct tdm_pipe *p;
-    int stage, replica, idx;
+    int stage, replica, t, idx; /* idx = (stage * R + replica) * T + t */
     tdm_device dev;
     pthread_t thread;
     bool started;
     tdm_module *mod;
     tdm_optim *opt;
-    tdm_group *group; /* this stage's replicas, NULL with one replica */
+    tdm_group *group;    /* this stage's replicas (of rank t), NULL with one replica */
+    tdm_group *tp_group; /* this (stage, replica)'s tensor-parallel ranks, NULL without */
     tdm_bufferset *bs;
     impl_snap *snaps;
     int n_snaps;
@@ -83,8 +87,14 @@ typedef struct worker {
     int64_t peak_bytes;
 } worker;
 
+typedef enum { ROUND_INIT, ROUND_STEP, ROUND_GATHER } round_kind;
+
 struct tdm_pipe {
-    int S, M, R;
+    int S, M, R, T; /* stages, micro-batches, replicas, tensor-parallel ranks */
+    round_kind round;
+    tdm_module *gather_into; /* ROUND_GATHER's whole model */
+    int (*parallelize)(tdm_module *stage, tdm_group *tp, void *arg);
+    void *parallelize_arg;
     tdm_pipe_schedule sched;
     int first[TDM_PIPE_MAX_STAGES + 1];
     int n_ties;
@@ -92,7 +102,8 @@ struct tdm_pipe {
     char tie_name[TDM_PIPE_MAX_TIES][2][96]; /* the parameters' names in their layers */
     int n_workers;
     worker w[MAX_WORKERS];
-    tdm_threads_world *worlds[TDM_PIPE_MAX_STAGES];
+    tdm_threads_world *rep_worlds[MAX_WORKERS]; /* (s, t)'s replicas: index s * T + t */
+    tdm_threads_world *tp_worlds[MAX_WORKERS];  /* (s, r)'s ranks: index s * R + r */
     tdm_optim_factory make_optim;
     void *optim_arg;
     int gemm_threads;
@@ -120,6 +131,11 @@ struct tdm_pipe {
     int inf_checked;
     bool skipped;
 };
+
+/* The worker of stage s, replica r, tensor-parallel rank t. */
+static worker *at(struct tdm_pipe *p, int s, int r, int t) {
+    return &p->w[(s * p->R + r) * p->T + t];
+}
 
 /* "F 3" / "B 3": trace span names must outlive the trace, so they are static. */
 static char span_names[2][TDM_PIPE_MAX_MICRO][8];
@@ -158,7 +174,10 @@ static int fail(worker *w, int rc) {
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
     tdm_waitq_wake(&p->handoffs);
-    if (w->group) tdm_group_abort(w->group, tdm_last_error()); /* peers in a collective */
+    char why[512]; /* peers in a collective: an abort may raise over the error */
+    snprintf(why, sizeof why, "%s", tdm_last_error());
+    if (w->group) tdm_group_abort(w->group, why);
+    if (w->tp_group) tdm_group_abort(w->tp_group, why);
     return rc ? rc : TDM_ERR_STATE;
 }
 
@@ -221,7 +240,7 @@ static tdm_tensor *loss_root(worker *w, micro *m, tdm_tensor *out, int64_t row0,
 
 static tdm_tensor *stage_input(worker *w, micro *m, int k, int64_t row0, int64_t rows) {
     if (w->stage == 0) return m->input = rows_on(w->p->x, row0, rows, w->dev);
-    handoff *h = &w->p->w[w->idx - w->p->R].ho[k]; /* the previous stage, same replica */
+    handoff *h = &at(w->p, w->stage - 1, w->replica, w->t)->ho[k]; /* the previous stage's */
     return tdm_device_recv(h->act, w->dev, grad_sink, h);
 }
 
@@ -230,7 +249,7 @@ static int run_forward(worker *w, int k) {
     micro *m = &w->mb[k];
     int64_t row0, rows;
     micro_rows(p, w->replica, k, &row0, &rows);
-    if (w->stage > 0 && wait_flag(w, &p->w[w->idx - p->R].ho[k].act_ready))
+    if (w->stage > 0 && wait_flag(w, &at(p, w->stage - 1, w->replica, w->t)->ho[k].act_ready))
         return tdm_last_status();
     double t0 = tdm_trace_now();
     restore_impls(w); /* every micro-batch starts from the step's layer state */
@@ -361,8 +380,8 @@ static int sum_ties(worker *w) {
     int rc = TDM_OK;
     for (int t = 0; t < p->n_ties && !rc; t++) {
         tdm_tensor *a = w->tie_a[t], *b = w->tie_b[t];
-        worker *wa = &p->w[stage_of_layer(p, p->tie_layer[t][0]) * p->R + w->replica];
-        worker *wb = &p->w[stage_of_layer(p, p->tie_layer[t][1]) * p->R + w->replica];
+        worker *wa = at(p, stage_of_layer(p, p->tie_layer[t][0]), w->replica, w->t);
+        worker *wb = at(p, stage_of_layer(p, p->tie_layer[t][1]), w->replica, w->t);
         if (a && b) { /* both in this stage */
             rc = add_into(a->grad, b->grad);
             if (!rc) rc = copy_into(b->grad, a->grad);
@@ -496,6 +515,9 @@ static int worker_init(worker *w) {
              tdm_device_str(w->dev, dev));
     tdm_trace_name_thread(name);
     tdm_pin_rank_thread(w->idx, p->n_workers);
+    /* the stage split over its tensor-parallel ranks (a collective: they all run this) */
+    if (w->tp_group && p->parallelize(w->mod, w->tp_group, p->parallelize_arg))
+        return tdm_last_status();
     tdm_paramset *ps = tdm_module_parameters(w->mod);
     w->bs = ps ? tdm_module_buffers(w->mod) : NULL;
     if (!w->bs) return tdm_last_status();
@@ -503,6 +525,17 @@ static int worker_init(worker *w) {
         return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
     if (find_ties(w, ps)) return tdm_last_status();
     return collect_snaps(w, w->mod);
+}
+
+/* Replica 0's parts of its stage made whole in p->gather_into's layers (rank 0 writes). */
+static int worker_gather(worker *w) {
+    struct tdm_pipe *p = w->p;
+    int rc = TDM_OK;
+    for (int i = p->first[w->stage]; i < p->first[w->stage + 1] && !rc && w->replica == 0; i++)
+        rc = tdm_tp_gather_whole(w->mod->children[i - p->first[w->stage]],
+                                 w->t == 0 ? p->gather_into->children[i] : NULL);
+    if (rc) fail(w, rc);
+    return rc;
 }
 
 static void *worker_main(void *arg) {
@@ -520,7 +553,7 @@ static void *worker_main(void *arg) {
         bool quit = p->quit;
         pthread_mutex_unlock(&p->mu);
         if (quit) break;
-        rc = worker_step(w);
+        rc = p->round == ROUND_GATHER ? worker_gather(w) : worker_step(w);
     }
     tdm_optim_free(w->opt);
     w->opt = NULL;
@@ -528,10 +561,16 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-/* Starts a round (init or step) on every worker and waits for all of them. */
-static int run_round(struct tdm_pipe *p, bool start) {
+/* Starts a round on every worker (a step or a gather; the init's starts with the threads) and
+ * waits for all of them. */
+static int run_round(struct tdm_pipe *p, round_kind kind) {
     pthread_mutex_lock(&p->mu);
-    if (start) {
+    p->round = kind;
+    if (kind == ROUND_GATHER) {
+        p->finished = p->out = 0;
+        p->generation++;
+        pthread_cond_broadcast(&p->go);
+    } else if (kind == ROUND_STEP) {
         /* the slots are cleared while every worker is idle: a stage that starts early must
          * not find its neighbour's flags of the last step */
         for (int i = 0; i < p->n_workers; i++)
@@ -637,9 +676,9 @@ static int check_ties(const tdm_module *model, const tdm_pipe_opts *o) {
     return TDM_OK;
 }
 
-/* The S*R devices: parsed from the list, or cpu:0 .. cpu:S*R-1. */
-static int pipe_devices(const tdm_pipe_opts *o, int S, int R, tdm_device *devs) {
-    int want = S * R;
+/* The S*R*T devices: parsed from the list, or cpu:0 .. cpu:S*R*T-1. */
+static int pipe_devices(const tdm_pipe_opts *o, int S, int R, int T, tdm_device *devs) {
+    int want = S * R * T;
     if (!o->devices) {
         if (want > TDM_MAX_DEVICES)
             return tdm_raise(TDM_ERR_ARG, "pipeline: %d devices needed, at most %d", want,
@@ -656,8 +695,8 @@ static int pipe_devices(const tdm_pipe_opts *o, int S, int R, tdm_device *devs) 
     if (n != want)
         return tdm_raise(TDM_ERR_DEVICE,
                          "pipeline: devices \"%s\" lists %d devices, %d stages x %d replicas "
-                         "need %d",
-                         o->devices, n, S, R, want);
+                         "x %d tensor-parallel ranks need %d",
+                         o->devices, n, S, R, T, want);
     return TDM_OK;
 }
 
@@ -678,26 +717,42 @@ static tdm_module *clone_stage(const tdm_module *model, int lo, int hi, tdm_devi
     return tdm_sequential_new(n, kids);
 }
 
-static int build_workers(struct tdm_pipe *p, const tdm_module *model, const tdm_device *devs) {
-    p->n_workers = p->S * p->R;
+/* The threads worlds of the replicas of each (stage, rank) and of the ranks of each (stage,
+ * replica). */
+static int make_worlds(struct tdm_pipe *p, const tdm_device *devs) {
+    tdm_device d[TDM_MAX_DEVICES];
     for (int s = 0; s < p->S; s++) {
-        if (p->R > 1 && !(p->worlds[s] = tdm_threads_world_new(p->R, devs + s * p->R)))
-            return tdm_last_status();
-        for (int r = 0; r < p->R; r++) {
-            int i = s * p->R + r;
-            worker *w = &p->w[i];
-            *w = (worker){.p = p, .stage = s, .replica = r, .idx = i, .dev = devs[i]};
-            w->group = p->R > 1 ? tdm_threads_world_group(p->worlds[s], r) : NULL;
-            w->mod = clone_stage(model, p->first[s], p->first[s + 1], devs[i]);
-            if (!w->mod) {
-                char d[16], why[512];
-                snprintf(why, sizeof why, "%s", tdm_last_error());
-                return tdm_raise(tdm_last_status(), "pipeline: stage %d on %s: %s", s,
-                                 tdm_device_str(devs[i], d), why);
-            }
+        for (int t = 0; t < p->T && p->R > 1; t++) {
+            for (int r = 0; r < p->R; r++) d[r] = devs[(s * p->R + r) * p->T + t];
+            if (!(p->rep_worlds[s * p->T + t] = tdm_threads_world_new(p->R, d)))
+                return tdm_last_status();
         }
+        for (int r = 0; r < p->R && p->T > 1; r++)
+            if (!(p->tp_worlds[s * p->R + r] =
+                      tdm_threads_world_new(p->T, devs + (s * p->R + r) * p->T)))
+                return tdm_last_status();
     }
     return TDM_OK;
+}
+
+static int build_workers(struct tdm_pipe *p, const tdm_module *model, const tdm_device *devs) {
+    p->n_workers = p->S * p->R * p->T;
+    int rc = make_worlds(p, devs);
+    for (int i = 0; i < p->n_workers && !rc; i++) {
+        int s = i / (p->R * p->T), r = i / p->T % p->R, t = i % p->T;
+        worker *w = &p->w[i];
+        *w = (worker){.p = p, .stage = s, .replica = r, .t = t, .idx = i, .dev = devs[i]};
+        if (p->R > 1) w->group = tdm_threads_world_group(p->rep_worlds[s * p->T + t], r);
+        if (p->T > 1) w->tp_group = tdm_threads_world_group(p->tp_worlds[s * p->R + r], t);
+        w->mod = clone_stage(model, p->first[s], p->first[s + 1], devs[i]);
+        if (!w->mod) {
+            char d[16], why[512];
+            snprintf(why, sizeof why, "%s", tdm_last_error());
+            return tdm_raise(tdm_last_status(), "pipeline: stage %d on %s: %s", s,
+                             tdm_device_str(devs[i], d), why);
+        }
+    }
+    return rc;
 }
 
 static int start_threads(struct tdm_pipe *p) {
@@ -709,23 +764,36 @@ static int start_threads(struct tdm_pipe *p) {
                              p->w[i].stage);
         p->w[i].started = true;
     }
-    return run_round(p, false); /* each worker's init ends with a finished round */
+    return run_round(p, ROUND_INIT); /* each worker's init ends with a finished round */
 }
 
 tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_factory make_optim,
                        void *optim_arg) {
-    int S = 0, R = 0;
+    int S = 0, R = 0, T = o && o->tp > 1 ? o->tp : 1;
     tdm_device devs[TDM_MAX_DEVICES];
     if (check_opts(model, o, &S, &R)) return NULL;
+    if (T > 1 && !o->parallelize)
+        return tdm_raise_null(TDM_ERR_ARG,
+                              "pipeline: tensor parallelism %d without a "
+                              "parallelize function",
+                              T);
     if (!make_optim) return tdm_raise_null(TDM_ERR_ARG, "pipeline: NULL optimizer factory");
     int first[TDM_PIPE_MAX_STAGES + 2];
     int rc = tdm_pipe_stage_bounds(model, o, &S, first);
-    if (rc || pipe_devices(o, S, R, devs) || check_ties(model, o)) return NULL;
+    if (!rc && S * R * T > MAX_WORKERS)
+        rc = tdm_raise(TDM_ERR_ARG,
+                       "pipeline: %d stages x %d replicas x %d tensor-parallel ranks: "
+                       "more than %d threads",
+                       S, R, T, MAX_WORKERS);
+    if (rc || pipe_devices(o, S, R, T, devs) || check_ties(model, o)) return NULL;
     struct tdm_pipe *p = calloc(1, sizeof *p);
     if (!p) return tdm_raise_null(TDM_ERR_NOMEM, "pipeline: out of memory");
     *p = (struct tdm_pipe){.S = S,
                            .M = o->micro_batches,
                            .R = R,
+                           .T = T,
+                           .parallelize = o->parallelize,
+                           .parallelize_arg = o->parallelize_arg,
                            .sched = o->schedule,
                            .make_optim = make_optim,
                            .optim_arg = optim_arg};
@@ -782,12 +850,12 @@ int tdm_pipe_step(tdm_pipe *p, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn lo
     if (check_batch(p, x, target)) return tdm_last_status();
     p->x = x, p->y = target, p->B = x->shape[0];
     p->loss_fn = loss_fn, p->loss_arg = loss_arg;
-    int rc = run_round(p, true);
+    int rc = run_round(p, ROUND_STEP);
     p->skipped = !rc && p->scaler && !isfinite(p->inf_ss);
     if (!rc && p->scaler) rc = tdm_grad_scaler_update_found(p->scaler, p->skipped);
     if (!rc && loss) {
         double sum = 0;
-        for (int r = 0; r < p->R; r++) sum += p->w[(p->S - 1) * p->R + r].loss;
+        for (int r = 0; r < p->R; r++) sum += at(p, p->S - 1, r, 0)->loss;
         *loss = (float)sum;
     }
     return rc;
@@ -828,17 +896,32 @@ int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model) {
     if (model->n_children != p->first[p->S])
         return tdm_raise(TDM_ERR_SHAPE, "pipe_copy_to: the model has %d layers, the pipeline %d",
                          model->n_children, p->first[p->S]);
+    if (p->T > 1) { /* the parts made whole on the stages' threads */
+        p->gather_into = model;
+        int rc = run_round(p, ROUND_GATHER);
+        p->gather_into = NULL;
+        return rc;
+    }
     bool prev = tdm_set_grad_enabled(false);
     int rc = TDM_OK;
     for (int s = 0; s < p->S && !rc; s++)
         for (int i = p->first[s]; i < p->first[s + 1] && !rc; i++)
-            rc = copy_layer(model->children[i], p->w[s * p->R].mod->children[i - p->first[s]], i);
+            rc = copy_layer(model->children[i], at(p, s, 0, 0)->mod->children[i - p->first[s]], i);
     tdm_set_grad_enabled(prev);
     return rc;
 }
 
 static worker *worker_at(const tdm_pipe *p, int s, int r) {
-    return p && s >= 0 && s < p->S && r >= 0 && r < p->R ? (worker *)&p->w[s * p->R + r] : NULL;
+    return p && s >= 0 && s < p->S && r >= 0 && r < p->R ? at((tdm_pipe *)p, s, r, 0) : NULL;
+}
+
+tdm_module *tdm_pipe_rank_module(tdm_pipe *p, int s, int r, int t) {
+    worker *w = worker_at(p, s, r);
+    return w && t >= 0 && t < p->T ? at(p, s, r, t)->mod : NULL;
+}
+
+int tdm_pipe_tp(const tdm_pipe *p) {
+    return p ? p->T : 0;
 }
 
 tdm_module *tdm_pipe_stage_module(tdm_pipe *p, int s, int r) {
@@ -885,7 +968,7 @@ void tdm_pipe_get_stats(const tdm_pipe *p, tdm_pipe_stats *st) {
         if (w->t_first < t0) t0 = w->t_first;
         if (w->t_last > t1) t1 = w->t_last;
         busy += w->busy_us;
-        if (w->replica) continue;
+        if (w->replica || w->t) continue; /* replica 0's rank 0 */
         st->busy_us[w->stage] = w->busy_us;
         st->max_in_flight[w->stage] = w->max_in_flight;
         st->peak_bytes[w->stage] = w->peak_bytes;
@@ -909,7 +992,10 @@ void tdm_pipe_free(tdm_pipe *p) {
         free(w->snaps);
         tdm_module_free(w->mod);
     }
-    for (int s = 0; s < p->S; s++) tdm_threads_world_free(p->worlds[s]);
+    for (int i = 0; i < MAX_WORKERS; i++) {
+        tdm_threads_world_free(p->rep_worlds[i]);
+        tdm_threads_world_free(p->tp_worlds[i]);
+    }
     pthread_cond_destroy(&p->cv);
     pthread_cond_destroy(&p->go);
     pthread_cond_destroy(&p->done);

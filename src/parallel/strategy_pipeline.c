@@ -14,7 +14,7 @@ typedef struct {
     tdm_module *model;
     tdm_module *view; /* the Sequential the stages were cut from, or NULL: model is */
     int (*to_model)(tdm_module *model, const tdm_module *view);
-    int micro_batches;
+    int micro_batches, tp;
     tdm_pipe_schedule schedule;
 } pipeline;
 
@@ -81,17 +81,20 @@ static void pipe_describe(tdm_strategy *st, int64_t batch, char *buf, size_t cap
         n += (size_t)snprintf(buf + n, cap - n, " %d-%d", tdm_pipe_stage_first_layer(s->pipe, i),
                               tdm_pipe_stage_first_layer(s->pipe, i + 1) - 1);
     if (n < cap)
-        snprintf(buf + n, cap - n, ", %d micro-batches, %s", s->micro_batches,
-                 s->schedule == TDM_PIPE_GPIPE ? "gpipe" : "1f1b");
+        n += (size_t)snprintf(buf + n, cap - n, ", %d micro-batches, %s", s->micro_batches,
+                              s->schedule == TDM_PIPE_GPIPE ? "gpipe" : "1f1b");
+    if (n < cap && s->tp > 1)
+        n += (size_t)snprintf(buf + n, cap - n, ", each stage over tp %d", s->tp);
+    if (n < cap && st->ranks > 1) snprintf(buf + n, cap - n, ", %d replicas", st->ranks);
 }
 
-/* Every stage of every replica runs its forward on a thread of its own; the caller's model
- * runs the evaluation forward. */
+/* Every stage of every replica (every tensor-parallel rank of it) runs its forward on a thread
+ * of its own; the caller's model runs the evaluation forward. */
 static tdm_module *pipe_forward_module(tdm_strategy *st, int i) {
     pipeline *s = (pipeline *)st;
-    int stages = tdm_pipe_stages(s->pipe), n = stages * st->ranks;
+    int stages = tdm_pipe_stages(s->pipe), tp = tdm_pipe_tp(s->pipe), n = stages * st->ranks * tp;
     if (i == n) return s->model;
-    return i < n ? tdm_pipe_stage_module(s->pipe, i % stages, i / stages) : NULL;
+    return i < n ? tdm_pipe_rank_module(s->pipe, i / tp % stages, i / tp / stages, i % tp) : NULL;
 }
 
 static void pipe_destroy(tdm_strategy *st) {
@@ -144,7 +147,7 @@ tdm_strategy *tdm_strategy_pipeline_view(tdm_module *model, tdm_module *view,
         return free(s), NULL;
     }
     s->model = model, s->view = view, s->to_model = to_model;
-    s->micro_batches = o->micro_batches, s->schedule = o->schedule;
+    s->micro_batches = o->micro_batches, s->schedule = o->schedule, s->tp = o->tp;
     s->base = (tdm_strategy){
         .ops = &pipeline_ops, .replicas = 1, .ranks = o->replicas > 0 ? o->replicas : 1};
     return &s->base;

@@ -980,8 +980,8 @@ static void test_gpu_mesh(void) {
 /* ---- across processes: `mpirun -np 4 test_tensor_parallel --mpi` --------------------------- */
 
 /* One device a process, the mesh's groups MPI sub-groups: the mesh's coordinates and sums; the
- * MLP at dp 2 x tp 2 (DDP over dp) and the GPT at tp 2 with the sequence and the vocabulary
- * split (each dp row training the whole batch), against one device within the threads'
+ * MLP at dp 2 x tp 2 (DDP over dp) and the GPT at tp 2 (each dp row training the whole batch)
+ * and tp 4 with the sequence and the vocabulary split, against one device within the threads'
  * bounds. */
 static void test_across_processes(tdm_group *world) {
     int r = tdm_group_rank(world), wrong[4] = {0};
@@ -1025,6 +1025,17 @@ static void test_across_processes(tdm_group *world) {
            "losses within %.3g of one device\n",
            r, gs.dw[t], gs.dloss[t]);
     tdm_mesh_free(mesh);
+    /* and over all four processes: tp 4 */
+    memset(gs.dw, 0, sizeof gs.dw), memset(gs.dloss, 0, sizeof gs.dloss);
+    for (int k = 0; k < MAX_RANKS; k++) gs.dwhole[k] = INFINITY;
+    tdm_rank_ctx all = {.rank = r, .size = 4, .device = tdm_cpu(0), .group = world};
+    CHECK(gpt_rank(&all, &gs) == 0, "GPT tp 4 over MPI, rank %d: %s", r, gs.msg[r]);
+    CHECK(gs.dw[r] <= GPT_BOUND && gs.dloss[r] <= MLP_BOUND && gs.dwhole[r] <= GPT_BOUND,
+          "GPT tp 4 over MPI, rank %d: weights off by %g, losses by %g, gathered by %g", r,
+          gs.dw[r], gs.dloss[r], gs.dwhole[r]);
+    printf("GPT, tp 4 over MPI (sequence- and vocabulary-parallel), rank %d: weights within %.3g, "
+           "losses within %.3g of one device\n",
+           r, gs.dw[r], gs.dloss[r]);
     tdm_module_free(gs.ref);
 }
 

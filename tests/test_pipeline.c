@@ -681,8 +681,78 @@ static void test_gpt(void) {
     tdm_module_free(ref);
 }
 
+/* --clip with the GPT's pipeline model: SGD (whose update is the gradient itself, where
+ * Adam's would normalise a clip's factor away) clipped at GPT_CLIP, in 1 stage (the tie inside
+ * it), 2 stages (the tie across them) and 2 stages x 2 replicas x tp 2, against one device
+ * clipping its whole gradient. The norm must count the tie's copy once and a tensor-parallel
+ * stage's whole parameters once. */
+#define GPT_CLIP 0.05f
+
+static tdm_optim *gpt_sgd(tdm_paramset *ps, void *arg) {
+    (void)arg;
+    tdm_sgd_opts o = tdm_sgd_defaults(0.5f);
+    return tdm_sgd_new(ps, &o);
+}
+
+static void test_gpt_clip(void) {
+    tdm_rng rng = tdm_rng_make(4);
+    tdm_module *ref = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &rng);
+    tdm_paramset *rps = tdm_module_parameters(ref);
+    tdm_optim *opt = gpt_sgd(rps, NULL);
+    float norm0 = 0;
+    for (int s = 0; s < STEPS; s++) {
+        tdm_scope_begin();
+        tdm_tensor *x, *y;
+        gpt_batch(s, &x, &y);
+        tdm_tensor *l = tdm_gpt_loss(tdm_module_forward(ref, x), y);
+        float norm = 0;
+        CHECK(l && !tdm_optim_zero_grad(opt) && !tdm_backward(l) &&
+                  !tdm_clip_grad_norm(rps, GPT_CLIP, false, &norm) && !tdm_optim_step(opt),
+              "one device: %s", tdm_last_error());
+        if (s == 0) norm0 = norm;
+        tdm_scope_end();
+    }
+    CHECK(norm0 > 4 * GPT_CLIP, "the clip is not active: the first norm is %g", norm0);
+    const int stages[3] = {1, 2, 2}, replicas[3] = {1, 1, 2}, tps[3] = {1, 1, 2};
+    for (int c = 0; c < 3; c++) {
+        tdm_rng r2 = tdm_rng_make(4);
+        tdm_module *gpt = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &r2);
+        tdm_pipe_tie tie;
+        tdm_module *seq = tdm_gpt_pipeline_model(gpt, &tie);
+        tdm_pipe_opts o = tdm_pipe_defaults(stages[c], 2);
+        o.replicas = replicas[c], o.ties = &tie, o.n_ties = 1, o.split_by = TDM_SPLIT_LAYERS;
+        o.tp = tps[c], o.parallelize = split_stage;
+        tdm_pipe *p = seq ? tdm_pipe_new(seq, &o, gpt_sgd, NULL) : NULL;
+        int rc = p ? tdm_pipe_set_clip_grad_norm(p, GPT_CLIP) : -1;
+        for (int s = 0; !rc && s < STEPS; s++) {
+            tdm_scope_begin();
+            tdm_tensor *x, *y;
+            gpt_batch(s, &x, &y);
+            rc = tdm_pipe_step(p, x, y, gpt_loss_fn, NULL, NULL);
+            tdm_scope_end();
+        }
+        if (!rc) rc = tdm_pipe_copy_to(p, seq);
+        if (!rc) rc = tdm_gpt_from_pipeline_model(gpt, seq);
+        float dw = rc ? INFINITY : flat_max_diff(gpt, ref);
+        CHECK(!rc && dw <= 1e-6f,
+              "clipped GPT, %d stages x %d replicas x tp %d: %s; weights off "
+              "by %g",
+              stages[c], replicas[c], tps[c], rc ? tdm_last_error() : "ran", dw);
+        printf("GPT clipped at %g (first norm %.3g), %d stages x %d replicas x tp %d, SGD: "
+               "weights within %.3g of one device after %d steps\n",
+               (double)GPT_CLIP, (double)norm0, stages[c], replicas[c], tps[c], dw, STEPS);
+        tdm_pipe_free(p);
+        tdm_module_free(seq);
+        tdm_module_free(gpt);
+    }
+    CHECK_ERROR(tdm_pipe_set_clip_grad_norm(NULL, 1.0f) != 0, "NULL");
+    tdm_optim_free(opt);
+    tdm_module_free(ref);
+}
+
 int main(void) {
     test_gpt();
+    test_gpt_clip();
     test_recv();
     test_recv_bf16();
     test_bf16_activations();

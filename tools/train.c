@@ -98,8 +98,8 @@ static const opt_spec specs[] = {
      "such units (those of 1x28x28 images)."},
     {"--clip-grad", "N", OPT_NUM, F(clip), 0, 1e12, "0 (off)",
      "Clip the gradients' global 2-norm to N before each step (torch.nn.utils."
-     "clip_grad_norm_; the averaged gradient's, with several devices or processes). Not with "
-     "--model-split."},
+     "clip_grad_norm_; the averaged gradient's, with several devices or processes; with "
+     "--model-split the whole model's, joined over the stages)."},
     {"--grad-accum", "N", OPT_INT, F(grad_accum), 1, 4096, "1",
      "Gradient accumulation, one optimizer step per N batches: the gradients of N batches of "
      "--batch-size add up (each loss divided by N; devices and processes exchange them once, "
@@ -232,7 +232,7 @@ static const opt_spec specs[] = {
      "in --micro-batches pieces, so the devices work at once; results match one device. A GPT "
      "is cut as its embeddings, blocks and head, the head's copy of the token embedding "
      "tied to the first stage's (their gradients summed: Megatron-LM's tied embeddings). Not "
-     "with --checkpoint-dir, --clip-grad or --grad-accum yet."},
+     "with --checkpoint-dir or --grad-accum yet."},
     {"--micro-batches", "M", OPT_INT, F(micro_batches), 1, TDM_PIPE_MAX_MICRO, "4",
      "With --model-split: pieces each batch is cut into."},
     {"--pipeline", "1f1b|gpipe", OPT_STR, F(pipe_schedule), 0, 0, "1f1b",
@@ -979,11 +979,11 @@ static int check_opts(train_opts *o) {
         if (!one_of(o->pipe_schedule, pipes))
             return train_usage_error("--pipeline: unknown schedule '%s' (expected 1f1b or gpipe)",
                                      o->pipe_schedule);
-        if (o->checkpoint_dir || o->grad_accum > 1 || o->clip > 0)
+        if (o->checkpoint_dir || o->grad_accum > 1)
             return train_usage_error("--model-split does not work with %s yet",
-                                     o->checkpoint_dir ? "--checkpoint-dir"
-                                     : o->clip > 0     ? "--clip-grad"
-                                                   : "--grad-accum (--micro-batches accumulate)");
+                                     o->checkpoint_dir
+                                         ? "--checkpoint-dir"
+                                         : "--grad-accum (--micro-batches accumulate)");
         if (o->n_devs % o->model_split)
             return train_usage_error(
                 "--model-split %lld needs a multiple of %lld devices, --devices "

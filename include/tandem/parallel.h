@@ -681,6 +681,12 @@ int tdm_tp_scatter_state(tdm_module *split, tdm_optim *so, tdm_module *whole, td
  * summed over dp first (a collective over dp too) and which is what is scaled. *total_norm (may
  * be NULL) gets the norm. TDM_ERR_ARG for a NULL split, max_norm not > 0, layers split over
  * different groups, or a sharded ddp without dp. */
+/* The squares of m's gradients without any collective, for a caller that joins a norm over
+ * more than one group (a pipeline's stages): *whole gets those of the parameters held whole
+ * (the same on every rank of a split model), *parts those of this rank's parts of split
+ * parameters (to be summed over the tensor-parallel group), each parameter once. m may hold no
+ * split layer (then *parts is 0). TDM_ERR_ARG for NULLs. */
+int tdm_tp_grad_squares(tdm_module *m, double *whole, double *parts);
 int tdm_tp_clip_grad_norm(tdm_module *split, tdm_ddp *ddp, tdm_group *dp, float max_norm,
                           float *total_norm);
 

@@ -166,6 +166,13 @@ int tdm_pipe_set_grad_scaler(tdm_pipe *p, tdm_grad_scaler *s);
 /* Whether the last tdm_pipe_step skipped its update (fp16 found an inf or NaN); false without
  * a scaler or for a NULL p. */
 bool tdm_pipe_step_skipped(const tdm_pipe *p);
+/* clip_grad_norm_ in every step (0: off, the default): after the replicas have averaged their
+ * gradients (and fp16's have been unscaled), the whole model's gradient norm is joined over
+ * the stages (each tied weight and, under tensor parallelism, each whole parameter counted
+ * once, every part's squares summed), and every stage scales its gradients by max_norm /
+ * (norm + 1e-6) when below 1, as one device's tdm_clip_grad_norm does. TDM_ERR_ARG for a NULL
+ * p or a max_norm that is negative or not finite. */
+int tdm_pipe_set_clip_grad_norm(tdm_pipe *p, float max_norm);
 /* Sets the learning rate of every stage's optimizer (a schedule's tdm_sched_lr per step). */
 void tdm_pipe_set_lr(tdm_pipe *p, float lr);
 /* The index of stage s's first layer in the original Sequential (s == stages: its length). */

@@ -54,7 +54,8 @@ tdm_strategy *tdm_strategy_distributed(tdm_module *model, tdm_group *g, const td
                                        tdm_optim_factory make_optim, void *optim_arg);
 /* A pipeline: tdm_pipe_new(model, o, make_optim, optim_arg). model stays the caller's and is
  * where tdm_strategy_sync_model puts the trained weights. No accumulation (the micro-batches
- * are the pipeline's), clipping or sharding. NULL and tdm_pipe_new's error. */
+ * are the pipeline's) or sharding; clipping joins the stages' norms
+ * (tdm_pipe_set_clip_grad_norm). NULL and tdm_pipe_new's error. */
 tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
                                     tdm_optim_factory make_optim, void *optim_arg);
 /* A pipeline of a model that is not a Sequential itself: view is a Sequential of copies of its

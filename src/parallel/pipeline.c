@@ -130,6 +130,10 @@ struct tdm_pipe {
     double inf_ss;
     int inf_checked;
     bool skipped;
+    /* clipping (tdm_pipe_set_clip_grad_norm): the squares joined under mu as inf_ss is */
+    float clip;
+    double clip_ss;
+    int clip_joined;
 };
 
 /* The worker of stage s, replica r, tensor-parallel rank t. */
@@ -443,13 +447,51 @@ static int agree_finite(worker *w, bool *finite) {
     return failed ? tdm_raise(TDM_ERR_STATE, "stopped: another stage failed") : TDM_OK;
 }
 
+/* This worker's share of the squares of the whole model's gradient: replica 0's (the others
+ * hold the same average), less the b side of a tie (its a side counts it), whole parameters
+ * on tensor-parallel rank 0 only, every rank's parts. */
+static int clip_share(worker *w, double *ss) {
+    *ss = 0;
+    if (w->replica || !w->opt) return TDM_OK;
+    double whole = 0, parts = 0;
+    int rc = tdm_tp_grad_squares(w->mod, &whole, &parts);
+    for (int t = 0; t < w->p->n_ties && !rc; t++) {
+        double tied = 0;
+        if (w->tie_b[t]) rc = tdm_clip_sum_squares_of(w->tie_b[t]->grad, &tied);
+        whole -= tied;
+    }
+    *ss = parts + (w->t == 0 ? whole : 0);
+    return rc;
+}
+
+/* --clip: every worker's share joined under mu (every worker comes, one whose step is skipped
+ * with nothing), then its gradient scaled by the whole norm's factor. */
+static int clip_grads(worker *w, bool finite) {
+    struct tdm_pipe *p = w->p;
+    double ss = 0;
+    int rc = finite ? clip_share(w, &ss) : TDM_OK;
+    if (rc) return rc;
+    pthread_mutex_lock(&p->mu);
+    p->clip_ss += ss;
+    if (++p->clip_joined == p->n_workers) pthread_cond_broadcast(&p->cv);
+    while (p->clip_joined < p->n_workers && !atomic_load(&p->failed))
+        pthread_cond_wait(&p->cv, &p->mu);
+    float norm = (float)sqrt(p->clip_ss);
+    bool failed = atomic_load(&p->failed);
+    pthread_mutex_unlock(&p->mu);
+    if (failed) return tdm_raise(TDM_ERR_STATE, "stopped: another stage failed");
+    tdm_paramset *ps = w->opt ? w->mod->paramset : NULL;
+    return ps && finite ? tdm_clip_scale(ps, 0, ps->total, p->clip, norm) : TDM_OK;
+}
+
 /* The update of a worker's stage: fp16 unscales its gradient and steps only when every
- * worker's gradients are finite. */
+ * worker's gradients are finite; clipping comes between. */
 static int stage_update(worker *w) {
     bool finite = true;
     int rc = w->p->scaler ? agree_finite(w, &finite) : TDM_OK;
     if (!rc && w->opt && finite && w->p->scaler)
         rc = tdm_grad_scaler_unscale_of(w->p->scaler, w->mod->paramset->flat_grad);
+    if (!rc && w->p->clip > 0) rc = clip_grads(w, finite);
     if (!rc && w->opt && finite) {
         tdm_trace_begin("optimizer");
         rc = tdm_optim_step(w->opt);
@@ -588,6 +630,7 @@ static int run_round(struct tdm_pipe *p, round_kind kind) {
             }
         p->finished = p->out = 0;
         p->inf_ss = 0, p->inf_checked = 0;
+        p->clip_ss = 0, p->clip_joined = 0;
         p->loss_scale = p->scaler ? tdm_grad_scaler_begin(p->scaler) : 1.0f;
         p->generation++;
         pthread_cond_broadcast(&p->go);
@@ -943,6 +986,13 @@ int tdm_pipe_set_grad_scaler(tdm_pipe *p, tdm_grad_scaler *s) {
 
 bool tdm_pipe_step_skipped(const tdm_pipe *p) {
     return p && p->skipped;
+}
+
+int tdm_pipe_set_clip_grad_norm(tdm_pipe *p, float max_norm) {
+    if (!p || !(max_norm >= 0) || !isfinite(max_norm))
+        return tdm_raise(TDM_ERR_ARG, "pipe_set_clip_grad_norm: %s", p ? "a bad max_norm" : "NULL");
+    p->clip = max_norm;
+    return TDM_OK;
 }
 
 void tdm_pipe_set_lr(tdm_pipe *p, float lr) {

@@ -37,9 +37,7 @@ static int pipe_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
 }
 
 static int pipe_set_clip(tdm_strategy *st) {
-    return st->clip > 0 ? tdm_raise(TDM_ERR_ARG, "strategy clip_grad_norm: a pipeline does not "
-                                                 "clip (its stages' norms are not joined)")
-                        : TDM_OK;
+    return tdm_pipe_set_clip_grad_norm(((pipeline *)st)->pipe, st->clip > 0 ? st->clip : 0);
 }
 
 static void pipe_set_lr(tdm_strategy *st, float lr) {

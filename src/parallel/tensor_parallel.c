@@ -764,6 +764,23 @@ static int sum_squares(tdm_module *m, const grads *gr, const tdm_tensor **seen, 
     return TDM_OK;
 }
 
+int tdm_tp_grad_squares(tdm_module *m, double *whole, double *parts) {
+    tdm_paramset *ps = m && whole && parts ? tdm_module_parameters(m) : NULL;
+    if (!ps)
+        return m && whole && parts ? tdm_last_status()
+                                   : tdm_raise(TDM_ERR_ARG, "tp_grad_squares: NULL argument");
+    const tdm_tensor **seen = malloc(sizeof *seen * (size_t)(ps->n ? ps->n : 1));
+    if (!seen) return tdm_raise(TDM_ERR_NOMEM, "tp_grad_squares: out of memory");
+    grads gr = {ps, NULL, 0};
+    double ss[2] = {0, 0};
+    int n_seen = 0;
+    tdm_group *g = NULL;
+    int rc = sum_squares(m, &gr, seen, &n_seen, ss, &g);
+    free(seen);
+    *whole = ss[0], *parts = ss[1];
+    return rc;
+}
+
 /* v's n values summed over g (every rank the same sums, in rank order). */
 static int sum_over(tdm_group *g, tdm_device dev, double *v, int n, const char *what) {
     float f[2] = {(float)v[0], n > 1 ? (float)v[1] : 0};

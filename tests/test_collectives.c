@@ -7,6 +7,7 @@
 #include "check.h"
 #include "parallel/group.h"
 #include "parallel/lines.h"
+#include "backend/backend.h" /* the GEMM's threads */
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -674,8 +675,31 @@ static void test_mpi_tune(void) {
     CHECK(system(cmd) == 0, "%s", cmd);
 }
 
+/* tdm_mpi_share_cores: a rank sharing its machine with another gets half its cores (at least
+ * one, at most its affinity's) for the GEMM, in OMP_NUM_THREADS and the calling thread; nothing
+ * when alone, or when the user set OMP_NUM_THREADS. The thread's count is restored after. */
+static void test_share_cores(void) {
+    int before = tdm_cpu_gemm_threads(), cores = tdm_device_count(TDM_CPU);
+    unsetenv("OMP_NUM_THREADS");
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1", 1);
+    CHECK(tdm_mpi_share_cores() == 0 && !getenv("OMP_NUM_THREADS"), "alone: nothing set");
+    setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+    int want = cores / 2 > 0 ? cores / 2 : 1, got = tdm_mpi_share_cores();
+    const char *v = getenv("OMP_NUM_THREADS");
+    CHECK(got >= 1 && got <= want && v && atoi(v) == got && tdm_cpu_gemm_threads() == got,
+          "two ranks on %d cores: %d threads (OMP_NUM_THREADS %s, the thread's %d)", cores, got,
+          v ? v : "unset", tdm_cpu_gemm_threads());
+    setenv("OMP_NUM_THREADS", "7", 1); /* the user's */
+    CHECK(tdm_mpi_share_cores() == 0 && !strcmp(getenv("OMP_NUM_THREADS"), "7"),
+          "OMP_NUM_THREADS given: left as it is");
+    unsetenv("OMP_NUM_THREADS");
+    unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    tdm_cpu_gemm_set_threads(before);
+}
+
 int main(void) {
     for (int r = 0; r < MAX_RANKS; r++) devs[r] = tdm_cpu(r);
+    test_share_cores();
     test_devices();
     test_bad_arguments();
     test_all_ops();

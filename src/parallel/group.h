@@ -245,6 +245,16 @@ void tdm_threads_world_free(tdm_threads_world *w);
  * environment or an MCA parameter file. Call before MPI starts, with no other thread reading
  * the environment. Returns how many variables it set (0 or 2). */
 int tdm_mpi_tune_tcp(int64_t max_message);
+/* The GEMM's threads for a process that shares its machine with other ranks (the launcher's
+ * local size, OMPI_COMM_WORLD_LOCAL_SIZE and the like): its share of the cores, at most those
+ * its affinity allows, at least 1, as torchrun sets OMP_NUM_THREADS; without it each rank's
+ * GEMM runs a thread per core and the ranks' threads fight for the cores (bench/RESULTS.md,
+ * "Issue 40: tensor parallelism across processes"). Sets OMP_NUM_THREADS, and the calling
+ * thread's count (a thread started later takes the default of the OpenMP runtime, which may
+ * have read the environment before: give it the caller's); does nothing when the user set
+ * OMP_NUM_THREADS or the rank is alone on its machine. Call before MPI starts, from the thread
+ * that will compute. Returns the threads set, or 0. */
+int tdm_mpi_share_cores(void);
 
 /* A group of n of the ranks of g, an MPI group (tdm_mpi_init's, or one made here): ranks[k] is
  * g's rank that is the new group's rank k; the caller must be one of them. Its collectives run

@@ -880,6 +880,7 @@ tdm_group *tdm_mpi_init(int *argc, char ***argv) {
         return tdm_raise_null(TDM_ERR_NOMEM, "mpi_init: out of memory");
     }
     tdm_mpi_tune_tcp(SEG_BYTES); /* before MPI reads its parameters */
+    tdm_mpi_share_cores();       /* before OpenMP reads its threads */
     w->c.g.ops = &mpi_ops;
     w->c.w = w;
     w->c.tag_hdr = TAG_HDR, w->c.tag_data = TAG_DATA;

@@ -1,4 +1,8 @@
-/* Open MPI's TCP transport sized for Tandem's messages, unless the user sized it (issue 39).
+/* What a process started by an MPI launcher sets before MPI starts: Open MPI's TCP transport
+ * sized for Tandem's messages, and the GEMM's threads sized to this process's share of the
+ * machine's cores, each unless the user chose (issue 39, issue 40).
+ *
+ * The transport (issue 39).
  *
  * Over TCP, Open MPI sends a message above its eager limit (64 KiB) by rendezvous: a first
  * fragment, then the rest only once the receiver has answered, so a 1 MiB message costs at
@@ -11,9 +15,13 @@
  * The user's choice wins: where either is set in the environment (mpirun --mca and -x set
  * OMPI_MCA_*) or in one of the MCA parameter files Open MPI reads, neither is touched. Other
  * MPIs ignore these variables. */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include "parallel/group.h"
+#include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
 
 #include <ctype.h>
+#include <sched.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,4 +81,35 @@ int tdm_mpi_tune_tcp(int64_t max_message) {
         set += setenv(var, value, 1) == 0;
     }
     return set;
+}
+
+/* ---- the cores of a machine shared by its ranks -------------------------------------------- */
+
+/* How many ranks the launcher started on this machine (Open MPI, MPICH's Hydra, Slurm), or 0. */
+static int local_ranks(void) {
+    const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"};
+    for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v) return atoi(v); /* Slurm's "2(x3)" reads as 2 */
+    }
+    return 0;
+}
+
+int tdm_mpi_share_cores(void) {
+    int local = local_ranks();
+    if (getenv("OMP_NUM_THREADS") || local <= 1) return 0; /* the user's, or nobody to share with */
+    cpu_set_t set;
+    long machine = sysconf(_SC_NPROCESSORS_ONLN);
+    int mine = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : (int)machine;
+    int share = machine > 0 ? (int)(machine / local) : 1;
+    int n = mine < share ? mine : share;
+    if (n < 1) n = 1;
+    char v[16];
+    snprintf(v, sizeof v, "%d", n);
+    /* an OpenMP that starts later (LLVM's) reads it for every thread; GNU's read the
+     * environment as it loaded, so the calling thread's count is set, and the threads Tandem
+     * starts for this process's rank take the caller's (strategy_tensor_parallel.c) */
+    setenv("OMP_NUM_THREADS", v, 0);
+    tdm_cpu_gemm_set_threads(n);
+    return n;
 }

@@ -294,7 +294,10 @@ static void *rank_main(void *arg) {
     char track[48], dev[16];
     snprintf(track, sizeof track, "%s compute", tdm_device_str(s->devices[r->rank], dev));
     tdm_trace_name_thread(track);
-    if (!s->o.procs) tdm_pin_rank_thread(r->rank, s->n); /* mpirun places processes */
+    if (s->o.procs) /* mpirun places the processes; the GEMM keeps the caller's share */
+        tdm_cpu_gemm_set_threads(s->gemm_threads);
+    else
+        tdm_pin_rank_thread(r->rank, s->n);
     uint64_t seen = 0;
     for (;;) {
         pthread_mutex_lock(&s->mu);

@@ -16,15 +16,11 @@
  * stops at its next wait or collective, and a failed thread keeps its tensors until every
  * thread has stopped, since the neighbours may still be copying them.
  *
- * Tied copies of one weight (tdm_pipe_tie: a GPT's token embedding on the first stage and its
- * head's copy on the last) get the sum of their gradients after the schedule, before the
- * replicas average theirs: the a side's stage adds the b side's gradient into its own and
- * the b side copies the sum back, each waiting on the b side's flags. */
-#include "parallel/group.h"
+ * After the schedule, before the replicas average their gradients, the stages agree on what
+ * spans them (pipeline_sync.c): tied copies' gradients, fp16's finiteness, clipping's norm. */
+#include "parallel/pipeline_internal.h"
 #include "parallel/pipeline_split.h"
-#include "parallel/sync.h"
 #include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
-#include "optim/clip.h"
 #include "optim/scaler.h"
 #include "tandem/autograd.h"
 #include "tandem/pipeline.h"
@@ -35,111 +31,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_WORKERS (TDM_PIPE_MAX_STAGES * TDM_PIPE_MAX_REPLICAS)
 /* Nanoseconds a stage spins for its neighbour's hand-off before it sleeps (when the workers
  * fit the cores): the hand-off usually comes within microseconds, sooner than a futex wake-up
  * on this VM (bench/RESULTS.md, "Figures behind the code"). */
 #define HANDOFF_SPIN_NS 50000
-
-typedef struct {
-    struct tdm_pipe *p;
-    tdm_tensor *act;  /* the stage's output for the next stage (owned by the sender's scope) */
-    tdm_tensor *grad; /* its gradient from the next stage (caller-owned, on the sender) */
-    tdm_wait_word act_ready, grad_ready; /* 1 once the pointer above is published */
-} handoff;
-
-typedef struct {
-    int mark, end;              /* the forward's tape range */
-    tdm_tensor *root;           /* where its backward starts: the output or the scaled loss */
-    tdm_tensor *input, *target; /* rows taken from the caller's tensors */
-} micro;
-
-typedef struct {
-    tdm_module *m;
-    void *saved; /* the layer's settings at the step's start (dropout's generator) */
-} impl_snap;
-
-typedef struct worker {
-    struct tdm_pipe *p;
-    int stage, replica, t, idx; /* idx = (stage * R + replica) * T + t */
-    tdm_device dev;
-    pthread_t thread;
-    bool started;
-    tdm_module *mod;
-    tdm_optim *opt;
-    tdm_group *group;    /* this stage's replicas (of rank t), NULL with one replica */
-    tdm_group *tp_group; /* this (stage, replica)'s tensor-parallel ranks, NULL without */
-    tdm_bufferset *bs;
-    impl_snap *snaps;
-    int n_snaps;
-    handoff ho[TDM_PIPE_MAX_MICRO];
-    micro mb[TDM_PIPE_MAX_MICRO];
-    double loss; /* last stage: the replica's share of the batch's mean loss */
-    /* tie t's copies in this stage (NULL: another stage's), and its flags where this worker
-     * holds the b side: its gradient is ready, the sum is made, the sum is copied */
-    tdm_tensor *tie_a[TDM_PIPE_MAX_TIES], *tie_b[TDM_PIPE_MAX_TIES];
-    tdm_wait_word tie_ready[TDM_PIPE_MAX_TIES], tie_summed[TDM_PIPE_MAX_TIES],
-        tie_copied[TDM_PIPE_MAX_TIES];
-    int rc;
-    /* statistics of the last step */
-    double busy_us, t_first, t_last;
-    int in_flight, max_in_flight;
-    int64_t peak_bytes;
-} worker;
-
-typedef enum { ROUND_INIT, ROUND_STEP, ROUND_GATHER } round_kind;
-
-struct tdm_pipe {
-    int S, M, R, T; /* stages, micro-batches, replicas, tensor-parallel ranks */
-    round_kind round;
-    tdm_module *gather_into; /* ROUND_GATHER's whole model */
-    int (*parallelize)(tdm_module *stage, tdm_group *tp, void *arg);
-    void *parallelize_arg;
-    tdm_pipe_schedule sched;
-    int first[TDM_PIPE_MAX_STAGES + 1];
-    int n_ties;
-    int tie_layer[TDM_PIPE_MAX_TIES][2];     /* sides a and b */
-    char tie_name[TDM_PIPE_MAX_TIES][2][96]; /* the parameters' names in their layers */
-    int n_workers;
-    worker w[MAX_WORKERS];
-    tdm_threads_world *rep_worlds[MAX_WORKERS]; /* (s, t)'s replicas: index s * T + t */
-    tdm_threads_world *tp_worlds[MAX_WORKERS];  /* (s, r)'s ranks: index s * R + r */
-    tdm_optim_factory make_optim;
-    void *optim_arg;
-    int gemm_threads;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;   /* a worker stopped its step (after a failure) */
-    pthread_cond_t go;   /* a new round */
-    pthread_cond_t done; /* a worker finished its round */
-    uint64_t generation;
-    int finished, out;
-    bool quit, broken;
-    tdm_wait_word failed; /* set once, under mu, after err */
-    tdm_waitq handoffs;   /* where stages wait for hand-offs (and see failures) */
-    int64_t spin_ns;      /* HANDOFF_SPIN_NS, or 0 when workers outnumber cores */
-    char err[768];
-    /* the step being run */
-    tdm_tensor *x, *y;
-    int64_t B;
-    tdm_loss_fn loss_fn;
-    void *loss_arg;
-    /* fp16 (tdm_pipe_set_grad_scaler): the caller's scaler, the step's scale, and the
-     * workers' inf check joined under mu (see agree_finite) */
-    tdm_grad_scaler *scaler;
-    float loss_scale;
-    double inf_ss;
-    int inf_checked;
-    bool skipped;
-    /* clipping (tdm_pipe_set_clip_grad_norm): the squares joined under mu as inf_ss is */
-    float clip;
-    double clip_ss;
-    int clip_joined;
-};
-
-/* The worker of stage s, replica r, tensor-parallel rank t. */
-static worker *at(struct tdm_pipe *p, int s, int r, int t) {
-    return &p->w[(s * p->R + r) * p->T + t];
-}
 
 /* "F 3" / "B 3": trace span names must outlive the trace, so they are static. */
 static char span_names[2][TDM_PIPE_MAX_MICRO][8];
@@ -166,7 +61,7 @@ static void micro_rows(const struct tdm_pipe *p, int r, int k, int64_t *row0, in
 /* ---- failures and waits ------------------------------------------------------------------- */
 
 /* Records this worker's error as the pipeline's first (if it is) and wakes every waiter. */
-static int fail(worker *w, int rc) {
+int tdm_pipe_fail(worker *w, int rc) {
     struct tdm_pipe *p = w->p;
     char dev[16];
     pthread_mutex_lock(&p->mu);
@@ -187,7 +82,7 @@ static int fail(worker *w, int rc) {
 
 /* Waits until *flag is set (the pointer published before it is then visible); an error when
  * the pipeline failed meanwhile, even if the flag came too. */
-static int wait_flag(worker *w, const tdm_wait_word *flag) {
+int tdm_pipe_wait(worker *w, const tdm_wait_word *flag) {
     struct tdm_pipe *p = w->p;
     tdm_wait_until(&p->handoffs, flag, 1,
                    (tdm_wait_opts){.spin_ns = p->spin_ns, .stop = &p->failed});
@@ -195,7 +90,7 @@ static int wait_flag(worker *w, const tdm_wait_word *flag) {
     return TDM_OK;
 }
 
-static void publish(struct tdm_pipe *p, tdm_wait_word *flag) {
+void tdm_pipe_publish(struct tdm_pipe *p, tdm_wait_word *flag) {
     atomic_store(flag, 1);
     tdm_waitq_wake(&p->handoffs);
 }
@@ -204,7 +99,7 @@ static void publish(struct tdm_pipe *p, tdm_wait_word *flag) {
 static void grad_sink(tdm_tensor *grad, void *arg) {
     handoff *h = arg;
     h->grad = grad;
-    publish(h->p, &h->grad_ready);
+    tdm_pipe_publish(h->p, &h->grad_ready);
 }
 
 /* ---- one micro-batch ---------------------------------------------------------------------- */
@@ -253,7 +148,7 @@ static int run_forward(worker *w, int k) {
     micro *m = &w->mb[k];
     int64_t row0, rows;
     micro_rows(p, w->replica, k, &row0, &rows);
-    if (w->stage > 0 && wait_flag(w, &at(p, w->stage - 1, w->replica, w->t)->ho[k].act_ready))
+    if (w->stage > 0 && tdm_pipe_wait(w, &at(p, w->stage - 1, w->replica, w->t)->ho[k].act_ready))
         return tdm_last_status();
     double t0 = tdm_trace_now();
     restore_impls(w); /* every micro-batch starts from the step's layer state */
@@ -267,7 +162,7 @@ static int run_forward(worker *w, int k) {
     if (!m->root) return tdm_last_status();
     if (!last) {
         w->ho[k].act = out;
-        publish(p, &w->ho[k].act_ready);
+        tdm_pipe_publish(p, &w->ho[k].act_ready);
     }
     double t1 = tdm_trace_now();
     tdm_trace_span(span_names[0][k], t0, t1);
@@ -282,7 +177,7 @@ static int run_backward(worker *w, int k) {
     micro *m = &w->mb[k];
     /* an output without history (parameter-free layers on raw input) gets no gradient */
     bool wants = w->stage < p->S - 1 && m->root->requires_grad;
-    if (wants && wait_flag(w, &w->ho[k].grad_ready)) return tdm_last_status();
+    if (wants && tdm_pipe_wait(w, &w->ho[k].grad_ready)) return tdm_last_status();
     tdm_tensor *g = wants ? w->ho[k].grad : NULL;
     w->ho[k].grad = NULL;
     double t0 = tdm_trace_now();
@@ -354,144 +249,14 @@ static int sync_replicas(worker *w, bool buffers) {
     return rc;
 }
 
-/* ---- tied copies ------------------------------------------------------------------------- */
-
-static int stage_of_layer(const struct tdm_pipe *p, int layer) {
-    int s = 0;
-    while (s + 1 < p->S && p->first[s + 1] <= layer) s++;
-    return s;
-}
-
-/* dst := dst + src (src on any device), in place. */
-static int add_into(tdm_tensor *dst, tdm_tensor *src) {
-    tdm_scope_begin();
-    tdm_tensor *s = tdm_add(dst, tdm_to_device(src, dst->device));
-    int rc = s ? tdm_copy_(dst, s) : tdm_last_status();
-    tdm_scope_end();
-    return rc;
-}
-
-static int copy_into(tdm_tensor *dst, tdm_tensor *src) {
-    tdm_scope_begin();
-    int rc = tdm_copy_(dst, tdm_to_device(src, dst->device));
-    tdm_scope_end();
-    return rc;
-}
-
-/* Every tie this worker holds a side of: the gradients summed into both copies. */
-static int sum_ties(worker *w) {
-    struct tdm_pipe *p = w->p;
-    int rc = TDM_OK;
-    for (int t = 0; t < p->n_ties && !rc; t++) {
-        tdm_tensor *a = w->tie_a[t], *b = w->tie_b[t];
-        worker *wa = at(p, stage_of_layer(p, p->tie_layer[t][0]), w->replica, w->t);
-        worker *wb = at(p, stage_of_layer(p, p->tie_layer[t][1]), w->replica, w->t);
-        if (a && b) { /* both in this stage */
-            rc = add_into(a->grad, b->grad);
-            if (!rc) rc = copy_into(b->grad, a->grad);
-        } else if (b) {
-            publish(p, &w->tie_ready[t]);
-            rc = wait_flag(w, &w->tie_summed[t]);
-            if (!rc) rc = copy_into(b->grad, wa->tie_a[t]->grad);
-            if (!rc) publish(p, &w->tie_copied[t]);
-        } else if (a) {
-            rc = wait_flag(w, &wb->tie_ready[t]);
-            if (!rc) rc = add_into(a->grad, wb->tie_b[t]->grad);
-            if (!rc) publish(p, &wb->tie_summed[t]);
-            if (!rc) rc = wait_flag(w, &wb->tie_copied[t]); /* before the replicas' all-reduce */
-        }
-    }
-    return rc;
-}
-
-/* This worker's copies of the ties, found in its stage's parameters by their names. */
-static int find_ties(worker *w, const tdm_paramset *ps) {
-    struct tdm_pipe *p = w->p;
-    for (int t = 0; t < p->n_ties; t++)
-        for (int side = 0; side < 2; side++) {
-            int layer = p->tie_layer[t][side];
-            if (layer < p->first[w->stage] || layer >= p->first[w->stage + 1]) continue;
-            char name[128];
-            snprintf(name, sizeof name, "%d.%s", layer - p->first[w->stage], p->tie_name[t][side]);
-            tdm_tensor *found = NULL;
-            for (int i = 0; i < ps->n && !found; i++)
-                if (!strcmp(ps->names[i], name)) found = ps->params[i];
-            if (!found)
-                return tdm_raise(TDM_ERR_STATE, "pipeline: tie %d: no parameter %s in stage %d", t,
-                                 name, w->stage);
-            if (side)
-                w->tie_b[t] = found;
-            else
-                w->tie_a[t] = found;
-        }
-    return TDM_OK;
-}
-
-/* fp16: whether every gradient of every stage and replica is finite. Each worker adds the sum
- * of squares of its averaged gradient (before unscaling; optim/scaler.h) under mu and waits
- * for all the others, so all agree and skip alike. The sum's order varies, its finiteness
- * does not. An error when the pipeline failed meanwhile. */
-static int agree_finite(worker *w, bool *finite) {
-    struct tdm_pipe *p = w->p;
-    double ss = 0;
-    int rc = w->opt ? tdm_clip_sum_squares_of(w->mod->paramset->flat_grad, &ss) : TDM_OK;
-    if (rc) return rc;
-    pthread_mutex_lock(&p->mu);
-    p->inf_ss += ss;
-    if (++p->inf_checked == p->n_workers) pthread_cond_broadcast(&p->cv);
-    while (p->inf_checked < p->n_workers && !atomic_load(&p->failed))
-        pthread_cond_wait(&p->cv, &p->mu);
-    *finite = isfinite(p->inf_ss);
-    bool failed = atomic_load(&p->failed);
-    pthread_mutex_unlock(&p->mu);
-    return failed ? tdm_raise(TDM_ERR_STATE, "stopped: another stage failed") : TDM_OK;
-}
-
-/* This worker's share of the squares of the whole model's gradient: replica 0's (the others
- * hold the same average), less the b side of a tie (its a side counts it), whole parameters
- * on tensor-parallel rank 0 only, every rank's parts. */
-static int clip_share(worker *w, double *ss) {
-    *ss = 0;
-    if (w->replica || !w->opt) return TDM_OK;
-    double whole = 0, parts = 0;
-    int rc = tdm_tp_grad_squares(w->mod, &whole, &parts);
-    for (int t = 0; t < w->p->n_ties && !rc; t++) {
-        double tied = 0;
-        if (w->tie_b[t]) rc = tdm_clip_sum_squares_of(w->tie_b[t]->grad, &tied);
-        whole -= tied;
-    }
-    *ss = parts + (w->t == 0 ? whole : 0);
-    return rc;
-}
-
-/* --clip: every worker's share joined under mu (every worker comes, one whose step is skipped
- * with nothing), then its gradient scaled by the whole norm's factor. */
-static int clip_grads(worker *w, bool finite) {
-    struct tdm_pipe *p = w->p;
-    double ss = 0;
-    int rc = finite ? clip_share(w, &ss) : TDM_OK;
-    if (rc) return rc;
-    pthread_mutex_lock(&p->mu);
-    p->clip_ss += ss;
-    if (++p->clip_joined == p->n_workers) pthread_cond_broadcast(&p->cv);
-    while (p->clip_joined < p->n_workers && !atomic_load(&p->failed))
-        pthread_cond_wait(&p->cv, &p->mu);
-    float norm = (float)sqrt(p->clip_ss);
-    bool failed = atomic_load(&p->failed);
-    pthread_mutex_unlock(&p->mu);
-    if (failed) return tdm_raise(TDM_ERR_STATE, "stopped: another stage failed");
-    tdm_paramset *ps = w->opt ? w->mod->paramset : NULL;
-    return ps && finite ? tdm_clip_scale(ps, 0, ps->total, p->clip, norm) : TDM_OK;
-}
-
 /* The update of a worker's stage: fp16 unscales its gradient and steps only when every
  * worker's gradients are finite; clipping comes between. */
 static int stage_update(worker *w) {
     bool finite = true;
-    int rc = w->p->scaler ? agree_finite(w, &finite) : TDM_OK;
+    int rc = w->p->scaler ? tdm_pipe_agree_finite(w, &finite) : TDM_OK;
     if (!rc && w->opt && finite && w->p->scaler)
         rc = tdm_grad_scaler_unscale_of(w->p->scaler, w->mod->paramset->flat_grad);
-    if (!rc && w->p->clip > 0) rc = clip_grads(w, finite);
+    if (!rc && w->p->clip > 0) rc = tdm_pipe_clip(w, finite);
     if (!rc && w->opt && finite) {
         tdm_trace_begin("optimizer");
         rc = tdm_optim_step(w->opt);
@@ -519,11 +284,11 @@ static int worker_step(worker *w) {
     if (!rc && w->opt) rc = tdm_optim_zero_grad(w->opt);
     tdm_scope_begin();
     if (!rc) rc = run_schedule(w);
-    if (!rc) rc = sum_ties(w);
+    if (!rc) rc = tdm_pipe_sum_ties(w);
     if (!rc) rc = sync_replicas(w, false);
     if (!rc) rc = stage_update(w);
     w->peak_bytes = (int64_t)(tdm_alloc_stats_get(w->dev).peak_in_use - base);
-    if (rc) fail(w, rc);
+    if (rc) tdm_pipe_fail(w, rc);
     pthread_mutex_lock(&p->mu);
     p->out++;
     pthread_cond_broadcast(&p->cv);
@@ -565,7 +330,7 @@ static int worker_init(worker *w) {
     if (!w->bs) return tdm_last_status();
     if (ps->total > 0 && !(w->opt = p->make_optim(ps, p->optim_arg)))
         return tdm_last_status() ? tdm_last_status() : TDM_ERR_ARG;
-    if (find_ties(w, ps)) return tdm_last_status();
+    if (tdm_pipe_find_ties(w, ps)) return tdm_last_status();
     return collect_snaps(w, w->mod);
 }
 
@@ -576,7 +341,7 @@ static int worker_gather(worker *w) {
     for (int i = p->first[w->stage]; i < p->first[w->stage + 1] && !rc && w->replica == 0; i++)
         rc = tdm_tp_gather_whole(w->mod->children[i - p->first[w->stage]],
                                  w->t == 0 ? p->gather_into->children[i] : NULL);
-    if (rc) fail(w, rc);
+    if (rc) tdm_pipe_fail(w, rc);
     return rc;
 }
 
@@ -584,7 +349,7 @@ static void *worker_main(void *arg) {
     worker *w = arg;
     struct tdm_pipe *p = w->p;
     int rc = worker_init(w);
-    if (rc) fail(w, rc);
+    if (rc) tdm_pipe_fail(w, rc);
     uint64_t seen = 0;
     for (;;) {
         pthread_mutex_lock(&p->mu);
@@ -677,45 +442,6 @@ static int check_opts(const tdm_module *model, const tdm_pipe_opts *o, int *S, i
         return tdm_raise(TDM_ERR_ARG, "pipeline: %d replicas (1 to %d)", *R, TDM_PIPE_MAX_REPLICAS);
     if (o->schedule != TDM_PIPE_GPIPE && o->schedule != TDM_PIPE_1F1B)
         return tdm_raise(TDM_ERR_ARG, "pipeline: unknown schedule %d", (int)o->schedule);
-    return TDM_OK;
-}
-
-/* Parameter `name` ("wte.weight") of m's tree, or NULL. */
-static const tdm_tensor *param_named(const tdm_module *m, const char *name) {
-    for (int i = 0; i < m->n_params; i++)
-        if (!strcmp(m->param_names[i], name)) return m->params[i];
-    const char *dot = strchr(name, '.');
-    for (int c = 0; dot && c < m->n_children; c++)
-        if (strlen(m->child_names[c]) == (size_t)(dot - name) &&
-            !strncmp(m->child_names[c], name, (size_t)(dot - name)))
-            return param_named(m->children[c], dot + 1);
-    return NULL;
-}
-
-/* The ties name layers of model, parameters of those layers, of one shape. */
-static int check_ties(const tdm_module *model, const tdm_pipe_opts *o) {
-    if (o->n_ties < 0 || o->n_ties > TDM_PIPE_MAX_TIES || (o->n_ties && !o->ties))
-        return tdm_raise(TDM_ERR_ARG, "pipeline: %d ties (0 to %d, and a list)", o->n_ties,
-                         TDM_PIPE_MAX_TIES);
-    for (int t = 0; t < o->n_ties; t++) {
-        const tdm_pipe_tie *e = &o->ties[t];
-        const tdm_tensor *side[2] = {NULL, NULL};
-        for (int k = 0; k < 2; k++) {
-            int layer = k ? e->layer_b : e->layer_a;
-            const char *name = k ? e->param_b : e->param_a;
-            if (layer < 0 || layer >= model->n_children || !name || strlen(name) >= 96)
-                return tdm_raise(TDM_ERR_ARG, "pipeline: tie %d names layer %d of %d", t, layer,
-                                 model->n_children);
-            if (!(side[k] = param_named(model->children[layer], name)))
-                return tdm_raise(TDM_ERR_ARG, "pipeline: tie %d: layer %d (%s) has no parameter %s",
-                                 t, layer, model->children[layer]->ops->kind, name);
-        }
-        if (e->layer_a == e->layer_b || !tdm_same_shape(side[0], side[1]))
-            return tdm_raise(TDM_ERR_ARG,
-                             "pipeline: tie %d: layer %d's %s and layer %d's %s are not two "
-                             "copies of one shape",
-                             t, e->layer_a, e->param_a, e->layer_b, e->param_b);
-    }
     return TDM_OK;
 }
 
@@ -828,7 +554,7 @@ tdm_pipe *tdm_pipe_new(tdm_module *model, const tdm_pipe_opts *o, tdm_optim_fact
                        "pipeline: %d stages x %d replicas x %d tensor-parallel ranks: "
                        "more than %d threads",
                        S, R, T, MAX_WORKERS);
-    if (rc || pipe_devices(o, S, R, T, devs) || check_ties(model, o)) return NULL;
+    if (rc || pipe_devices(o, S, R, T, devs) || tdm_pipe_check_ties(model, o)) return NULL;
     struct tdm_pipe *p = calloc(1, sizeof *p);
     if (!p) return tdm_raise_null(TDM_ERR_NOMEM, "pipeline: out of memory");
     *p = (struct tdm_pipe){.S = S,

@@ -592,13 +592,15 @@ static bool ties_equal(tdm_pipe *p, int stages, int replica) {
 #define GPT_PIPE_BOUND 3e-5f
 
 static int split_stage(tdm_module *stage, tdm_group *tp, void *arg) {
-    (void)arg;
-    return tdm_gpt_parallelize_stage(stage, tp);
+    return tdm_gpt_parallelize_stage(stage, tp, arg); /* arg: the plan, or NULL */
 }
+
+static tdm_gpt_tp_plan sequence_split = {.sequence_parallel = true};
 
 /* The GPT cut into its pipeline model: 1 stage (both copies of wte in it), 2 and 3 stages,
  * 2 stages x 2 replicas, and with tensor parallelism in the stages (3-D: 2 stages x tp 2, and
- * 2 stages x 2 replicas x tp 2 on 8 devices), 2 micro-batches, against the GPT on one device
+ * 2 stages x 2 replicas x tp 2 on 8 devices with the sequence split too, the stages handing
+ * on each rank's tokens), 2 micro-batches, against the GPT on one device
  * after STEPS steps of AdamW: every loss, the weights written back (gathered whole under TP,
  * then tdm_gpt_from_pipeline_model), the two copies of wte equal bit for bit. */
 static void test_gpt(void) {
@@ -626,6 +628,7 @@ static void test_gpt(void) {
         tdm_pipe_opts o = tdm_pipe_defaults(stages[c], 2);
         o.replicas = replicas[c], o.ties = &tie, o.n_ties = 1, o.split_by = TDM_SPLIT_LAYERS;
         o.tp = tps[c], o.parallelize = split_stage;
+        o.parallelize_arg = c == 5 ? &sequence_split : NULL;
         tdm_pipe *p = seq ? tdm_pipe_new(seq, &o, gpt_adamw, NULL) : NULL;
         CHECK(p != NULL, "GPT pipeline of %d stages: %s", stages[c], tdm_last_error());
         float dl = 0;
@@ -655,10 +658,10 @@ static void test_gpt(void) {
               "copies %s",
               stages[c], replicas[c], tps[c], rc ? tdm_last_error() : "ran", dw, dl,
               tied ? "equal" : "differ");
-        printf("GPT (3 layers) in %d stages x %d replicas x tp %d, 2 micro-batches: weights "
+        printf("GPT (3 layers) in %d stages x %d replicas x tp %d%s, 2 micro-batches: weights "
                "within %.3g, losses within %.3g of one device after %d AdamW steps; wte's two "
                "copies equal\n",
-               stages[c], replicas[c], tps[c], dw, dl, STEPS);
+               stages[c], replicas[c], tps[c], c == 5 ? " (sequence-parallel)" : "", dw, dl, STEPS);
         tdm_pipe_free(p);
         tdm_module_free(seq);
         tdm_module_free(gpt);
@@ -681,9 +684,54 @@ static void test_gpt(void) {
     tdm_module_free(ref);
 }
 
+/* A first stage (the embeddings and a block) split with the sequence split hands on each
+ * rank's half of the tokens, [B, T/2, C]; without it, all of them. */
+static int stage_rank(tdm_rank_ctx *ctx, void *arg) {
+    int64_t *tokens = arg;
+    tdm_rng rng = tdm_rng_make(3);
+    tdm_module *gpt = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &rng);
+    tdm_pipe_tie tie;
+    tdm_module *seq = gpt ? tdm_gpt_pipeline_model(gpt, &tie) : NULL;
+    int rc = seq ? TDM_OK : tdm_last_status();
+    for (int k = 0; k < 2 && !rc; k++) {
+        tdm_module *kids[2] = {tdm_module_clone(seq->children[0], tdm_cpu(0)),
+                               tdm_module_clone(seq->children[1], tdm_cpu(0))};
+        tdm_module *stage = tdm_sequential_new(2, kids);
+        rc = stage ? tdm_gpt_parallelize_stage(stage, ctx->group, k ? &sequence_split : NULL)
+                   : tdm_last_status();
+        tdm_scope_begin();
+        tdm_tensor *x, *y;
+        gpt_batch(0, &x, &y);
+        tdm_tensor *out = rc ? NULL : tdm_module_forward(stage, x);
+        if (!rc && !out) rc = tdm_last_status();
+        if (out) tokens[2 * ctx->rank + k] = out->shape[1];
+        tdm_scope_end();
+        tdm_module_free(stage);
+    }
+    tdm_gpt_tp_plan vocab = {.vocab_parallel = true};
+    if (!rc && (tdm_gpt_parallelize_stage(seq, ctx->group, &vocab) == TDM_OK ||
+                !strstr(tdm_last_error(), "vocabulary parallelism inside a pipeline stage")))
+        rc = tdm_raise(TDM_ERR_STATE, "vocabulary parallelism in a stage was not refused");
+    tdm_module_free(seq);
+    tdm_module_free(gpt);
+    return rc;
+}
+
+static void test_gpt_stage_split(void) {
+    int64_t tokens[4] = {0};
+    tdm_device devs[2] = {tdm_cpu(0), tdm_cpu(1)};
+    CHECK(tdm_spawn(2, devs, stage_rank, tokens) == TDM_OK, "%s", tdm_last_error());
+    for (int r = 0; r < 2; r++)
+        CHECK(tokens[2 * r] == 8 && tokens[2 * r + 1] == 4,
+              "rank %d's first stage hands on %lld tokens, %lld with the sequence split", r,
+              (long long)tokens[2 * r], (long long)tokens[2 * r + 1]);
+    CHECK_ERROR(tdm_gpt_parallelize_stage(NULL, NULL, NULL) != 0, "NULL group");
+}
+
 /* --clip with the GPT's pipeline model: SGD (whose update is the gradient itself, where
  * Adam's would normalise a clip's factor away) clipped at GPT_CLIP, in 1 stage (the tie inside
- * it), 2 stages (the tie across them) and 2 stages x 2 replicas x tp 2, against one device
+ * it), 2 stages (the tie across them) and 2 stages x 2 replicas x tp 2 (sequence-parallel: the
+ * head's ln_f sees each rank's tokens), against one device
  * clipping its whole gradient. The norm must count the tie's copy once and a tensor-parallel
  * stage's whole parameters once. */
 #define GPT_CLIP 0.05f
@@ -721,7 +769,7 @@ static void test_gpt_clip(void) {
         tdm_module *seq = tdm_gpt_pipeline_model(gpt, &tie);
         tdm_pipe_opts o = tdm_pipe_defaults(stages[c], 2);
         o.replicas = replicas[c], o.ties = &tie, o.n_ties = 1, o.split_by = TDM_SPLIT_LAYERS;
-        o.tp = tps[c], o.parallelize = split_stage;
+        o.tp = tps[c], o.parallelize = split_stage, o.parallelize_arg = &sequence_split;
         tdm_pipe *p = seq ? tdm_pipe_new(seq, &o, gpt_sgd, NULL) : NULL;
         int rc = p ? tdm_pipe_set_clip_grad_norm(p, GPT_CLIP) : -1;
         for (int s = 0; !rc && s < STEPS; s++) {
@@ -752,6 +800,7 @@ static void test_gpt_clip(void) {
 
 int main(void) {
     test_gpt();
+    test_gpt_stage_split();
     test_gpt_clip();
     test_recv();
     test_recv_bf16();

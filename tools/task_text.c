@@ -103,9 +103,12 @@ static int split_gpt(tdm_module *replica, tdm_group *tp, void *arg) {
     return tdm_gpt_parallelize(replica, tp, &plan);
 }
 
+/* A pipeline stage's blocks over the devices of its tensor-parallel group, the tokens split
+ * between them (sequence parallelism; the vocabulary stays whole inside stages). */
 static int split_stage(tdm_module *stage, tdm_group *tp, void *arg) {
     (void)arg;
-    return tdm_gpt_parallelize_stage(stage, tp);
+    tdm_gpt_tp_plan plan = {.sequence_parallel = true};
+    return tdm_gpt_parallelize_stage(stage, tp, &plan);
 }
 
 static tdm_tensor *whole_logits(tdm_module *replica, tdm_tensor *out, void *arg) {

@@ -122,6 +122,13 @@ static int make_strategy(trainer *tr) {
     if (!(tr->ps = tdm_module_parameters(t->model)))
         return task_error("model %s: %s", o->model, tdm_last_error());
     const char *what = "optimizer";
+    int64_t ctx = t->sizes.gpt.context; /* sequence parallelism splits every window */
+    if (o->tensor_parallel > 1 && ctx % o->tensor_parallel)
+        return task_error("--tensor-parallel %lld splits each window's tokens between the "
+                          "devices (sequence parallelism): --context %lld does not split "
+                          "into %lld",
+                          (long long)o->tensor_parallel, (long long)ctx,
+                          (long long)o->tensor_parallel);
     if (o->model_split > 1) {
         tdm_pipe_opts po = tdm_pipe_defaults((int)o->model_split, (int)o->micro_batches);
         po.schedule = strcmp(o->pipe_schedule, "gpipe") == 0 ? TDM_PIPE_GPIPE : TDM_PIPE_1F1B;
@@ -137,13 +144,6 @@ static int make_strategy(trainer *tr) {
         tr->st = tdm_strategy_pipeline_view(t->model, view, t->from_pipeline_model, &po,
                                             t->optimizer, (void *)o);
     } else if (o->tensor_parallel > 1) {
-        int64_t ctx = t->sizes.gpt.context; /* sequence parallelism splits every window */
-        if (ctx % o->tensor_parallel)
-            return task_error("--tensor-parallel %lld splits each window's tokens between the "
-                              "devices (sequence parallelism): --context %lld does not split "
-                              "into %lld",
-                              (long long)o->tensor_parallel, (long long)ctx,
-                              (long long)o->tensor_parallel);
         tdm_tp_strategy_opts to = {.tp = (int)o->tensor_parallel,
                                    .parallelize = t->parallelize,
                                    .whole_output = t->whole_output};

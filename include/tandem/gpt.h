@@ -105,10 +105,13 @@ tdm_module *tdm_gpt_pipeline_model(const tdm_module *gpt, tdm_pipe_tie *tie);
 /* Tensor parallelism inside a pipeline stage (3-D parallelism: tdm_pipe_opts.tp): splits the
  * blocks of stage, a Sequential of layers of tdm_gpt_pipeline_model's (a pipeline's stage
  * module), over tp as tdm_gpt_parallelize splits a GPT's (attention by heads, the MLP column
- * then row; no sequence or vocabulary split), the embeddings and the head staying whole on
- * every rank. A collective over tp; call before tdm_module_parameters(stage). TDM_ERR_ARG for
- * heads that do not split or not a Sequential, TDM_ERR_STATE for one already listed or split. */
-int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp);
+ * then row), the embeddings and the head staying whole on every rank. With
+ * plan->sequence_parallel (plan may be NULL: none) each rank also keeps its part of the
+ * tokens between the split layers, the stages handing those parts on (each window's T must
+ * split over the ranks); vocab_parallel is refused (not written inside stages). A collective
+ * over tp; call before tdm_module_parameters(stage). TDM_ERR_ARG for heads that do not split,
+ * not a Sequential or vocab_parallel, TDM_ERR_STATE for one already listed or split. */
+int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp, const tdm_gpt_tp_plan *plan);
 /* gpt's parameters from seq, a Sequential tdm_gpt_pipeline_model made from it (or from a GPT of
  * the same config): the embeddings' copy of wte, wpe, the blocks, ln_f. TDM_ERR_ARG for
  * modules that do not match, TDM_ERR_SHAPE naming a layer of another shape. */

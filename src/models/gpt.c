@@ -369,17 +369,25 @@ static int split_block(tdm_module *b, int l, int heads, bool seq, tdm_group *tp)
     return rc;
 }
 
-int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp) {
+int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp, const tdm_gpt_tp_plan *plan) {
     if (!stage || !tp || strcmp(stage->ops->kind, "Sequential") != 0)
         return tdm_raise(TDM_ERR_ARG, "gpt_parallelize_stage: %s",
                          tp ? "not a Sequential of a GPT's layers" : "NULL group");
+    bool seq = plan && plan->sequence_parallel;
+    if (plan && plan->vocab_parallel)
+        return tdm_raise(TDM_ERR_ARG, "gpt_parallelize_stage: vocabulary parallelism inside a "
+                                      "pipeline stage is not written yet");
     if (stage->paramset)
         return tdm_raise(TDM_ERR_STATE, "gpt_parallelize_stage: the stage's parameters are "
                                         "already listed (tdm_module_parameters): split it before");
     int rc = TDM_OK;
     for (int i = 0; i < stage->n_children && !rc; i++) {
         tdm_module *b = stage->children[i];
-        if (strcmp(b->ops->kind, "Block") != 0) continue; /* the embeddings, the head: whole */
+        /* the embeddings and the head stay whole; with the sequence split, the embeddings
+         * hand on this rank's tokens and the head's ln_f sees them */
+        int end = seq ? tdm_gpt_end_set_sequence(b, tp) : 0;
+        if (end == 2) rc = replace(b, 0, seq_norm_from(b->children[0], tp));
+        if (strcmp(b->ops->kind, "Block") != 0) continue;
         int heads = *(const int *)b->children[BL_ATTN]->impl, n = tdm_group_size(tp);
         int64_t C = b->children[BL_LN1]->params[0]->shape[0];
         if (heads % n || (4 * C) % n)
@@ -387,7 +395,7 @@ int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp) {
                              "gpt_parallelize_stage: %d heads do not split over %d "
                              "ranks",
                              heads, n);
-        rc = split_block(b, i, heads, false, tp);
+        rc = split_block(b, i, heads, seq, tp);
     }
     return rc;
 }

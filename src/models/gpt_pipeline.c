@@ -3,8 +3,11 @@
  * (the tied LM head), so it holds a copy of wte of its own, tied to the embeddings' by a
  * tdm_pipe_tie: on different stages each copy gets the sum of both gradients (Megatron-LM's
  * tied embeddings across pipeline stages). Every op is the GPT's own forward's, in its order,
- * so the Sequential computes the GPT's logits bit for bit. */
+ * so the Sequential computes the GPT's logits bit for bit. Under tensor parallelism with the
+ * sequence split (tdm_gpt_parallelize_stage) the embeddings hand on each rank's tokens and the
+ * head gathers them after ln_f, as the GPT's own forward does. */
 #include "core/core.h"
+#include "models_internal.h"
 #include "tandem/autograd.h"
 #include "tandem/gpt.h"
 #include "tandem/pipeline.h"
@@ -19,9 +22,18 @@ static tdm_module *child(const tdm_module *m, const char *name) {
     return NULL;
 }
 
-/* idx [B, T] -> x [B, T, C] = wte[idx] + wpe[0..T): the GPT's first lines. impl: its config. */
+/* The embeddings' and the head's settings: the GPT's config; with the sequence split, the
+ * tensor-parallel group (set after the stage is cloned, never copied by a clone). */
+typedef struct {
+    tdm_gpt_config c;
+    tdm_group *tp; /* NULL: no sequence split */
+} end_state;
+
+/* idx [B, T] -> x [B, T, C] = wte[idx] + wpe[0..T): the GPT's first lines; with the sequence
+ * split, this rank's tokens of it [B, T/n, C]. */
 static tdm_tensor *embed_forward(tdm_module *m, tdm_tensor *idx) {
-    const tdm_gpt_config *c = m->impl;
+    const end_state *st = m->impl;
+    const tdm_gpt_config *c = &st->c;
     char b[96];
     if (idx->ndim != 2 || idx->shape[1] < 1 || idx->shape[1] > c->context)
         return tdm_raise_null(TDM_ERR_SHAPE,
@@ -30,14 +42,18 @@ static tdm_tensor *embed_forward(tdm_module *m, tdm_tensor *idx) {
                               c->context, tdm_shape_str(tdm_shape_of(idx), b));
     tdm_tensor *wte = m->children[0]->params[0], *wpe = m->children[1]->params[0];
     tdm_tensor *pos = tdm_arange(0, (double)idx->shape[1], 1, TDM_I64, wte->device);
-    return tdm_add(tdm_embedding(wte, idx), tdm_embedding(wpe, pos));
+    tdm_tensor *x = tdm_add(tdm_embedding(wte, idx), tdm_embedding(wpe, pos));
+    return st->tp ? tdm_tp_seq_shard(st->tp, x, 1) : x;
 }
 
-/* x [B, T, C] -> logits [B, T, V] = ln_f(x) @ wte[:V]^T, on the head's copy of wte. */
+/* x [B, T, C] -> logits [B, T, V] = ln_f(x) @ wte[:V]^T, on the head's copy of wte; with the
+ * sequence split, x is this rank's tokens, gathered after ln_f. */
 static tdm_tensor *head_forward(tdm_module *m, tdm_tensor *x) {
-    const tdm_gpt_config *c = m->impl;
+    const end_state *st = m->impl;
+    const tdm_gpt_config *c = &st->c;
     tdm_tensor *wte = m->children[1]->params[0];
     x = tdm_module_forward(m->children[0], x);
+    if (x && st->tp) x = tdm_tp_seq_gather(st->tp, x, 1, false);
     tdm_tensor *head = c->vocab == c->padded_vocab ? wte : tdm_slice(wte, 0, 0, c->vocab, 1);
     return x ? tdm_linear(x, head, NULL) : NULL;
 }
@@ -53,13 +69,13 @@ static const tdm_module_ops head_ops = {"GPTHead", head_forward, free_impl};
 /* A module of ops holding a copy of c and clones of kids[0..n) under names. */
 static tdm_module *layer(const tdm_module_ops *ops, const tdm_gpt_config *c, tdm_device dev,
                          tdm_module *const *kids, const char *const *names, int n) {
-    tdm_gpt_config *impl = malloc(sizeof *impl);
+    end_state *impl = malloc(sizeof *impl);
     tdm_module *m = impl ? tdm_module_new(ops, dev, impl) : NULL;
     if (!m) {
         free(impl);
         return impl ? NULL : tdm_raise_null(TDM_ERR_NOMEM, "gpt_pipeline_model: out of memory");
     }
-    *impl = *c;
+    *impl = (end_state){*c, NULL};
     m->impl_size = sizeof *impl;
     for (int i = 0; i < n; i++) {
         tdm_module *k = tdm_module_clone(kids[i], dev);
@@ -97,6 +113,12 @@ tdm_module *tdm_gpt_pipeline_model(const tdm_module *gpt, tdm_pipe_tie *tie) {
     free(kids);
     if (seq) *tie = (tdm_pipe_tie){0, "wte.weight", n - 1, "wte.weight"};
     return seq;
+}
+
+int tdm_gpt_end_set_sequence(tdm_module *layer, tdm_group *tp) {
+    if (layer->ops != &embed_ops && layer->ops != &head_ops) return 0;
+    ((end_state *)layer->impl)->tp = tp;
+    return layer->ops == &embed_ops ? 1 : 2;
 }
 
 /* dst's parameters from src's, in order (the same tree). */

@@ -25,4 +25,10 @@ void tdm_cost_linear(tdm_model_cost *c, int64_t in, int64_t out);
 /* A BatchNorm2d of ch channels on [ch, h, w]. */
 void tdm_cost_batch_norm(tdm_model_cost *c, int64_t ch, int64_t h, int64_t w);
 
+/* ---- the GPT's pipeline model (gpt_pipeline.c) ---------------------------------------------- */
+
+/* Sets the sequence split over tp of layer, tdm_gpt_pipeline_model's embeddings (1 returned)
+ * or head (2; its ln_f is the caller's to make sequence-parallel); 0 for any other layer. */
+int tdm_gpt_end_set_sequence(tdm_module *layer, tdm_group *tp);
+
 #endif

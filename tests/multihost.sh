@@ -75,12 +75,16 @@ EOF
 chmod +x "$work/rsh"
 printf "%s slots=1\n" "$net.2" "$net.3" "$net.4" >"$work/hosts"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# one GEMM thread a rank on every host and on one machine alike: a GEMM's sums follow its
+# threads, and a rank takes its share of its machine's cores (tdm_mpi_share_cores: every core
+# alone on a host, 1 of 2 beside another) unless OMP_NUM_THREADS says otherwise
+export OMP_NUM_THREADS=1
 hosts() { # ranks, command...: over hosts 1..ranks, from host 0; NET=$slow: the slow network
   local np=$1 on=${NET:-$net}
   shift
   ip netns exec "$(ns 0)" "$mpirun" --hostfile "$work/hosts" -np "$np" \
     --mca plm_rsh_agent "$work/rsh" --mca btl self,tcp --mca btl_tcp_if_include "$on.0/24" \
-    --mca oob_tcp_if_include "$on.0/24" "$@"
+    --mca oob_tcp_if_include "$on.0/24" -x OMP_NUM_THREADS "$@"
 }
 fail=0
 bad() { echo "multihost: FAIL: $*"; fail=1; keep=1; }
@@ -108,7 +112,7 @@ if [ -n "${BENCH:-}" ]; then # the latency figures: 10 ms one-way, Tandem's TCP 
 fi
 run=(train --model mlp --limit 2048 --epochs 1 --batch-size 96 --quiet) # 96: over 2 and 3
 for np in 2 3; do
-  "$mpirun" --oversubscribe -np $np "$tandem" "${run[@]}" --checkpoint-dir "$work/one$np" \
+  "$mpirun" --oversubscribe -x OMP_NUM_THREADS -np $np "$tandem" "${run[@]}" --checkpoint-dir "$work/one$np" \
     >"$work/one$np.out" 2>&1 || bad "one machine, $np processes: $(tail -3 "$work/one$np.out")"
   hosts $np "$tandem" "${run[@]}" --checkpoint-dir "$work/hosts$np" >"$work/hosts$np.out" 2>&1 ||
     bad "$np hosts: $(tail -5 "$work/hosts$np.out")"

@@ -30,11 +30,21 @@ typedef struct {
     tdm_gpt_config c;
     tdm_group *tp;
     bool seq, vocab; /* tdm_gpt_tp_plan's */
+    /* vocabulary-parallel: what this rank adds to its columns of the logits, 0 or -1e30 where
+     * a column is padding (made once by tdm_gpt_parallelize; NULL: no padding here). A split
+     * GPT is never cloned, so no copy of the settings shares it. */
+    tdm_tensor *pad;
 } gpt_state;
 
 static void destroy_impl(tdm_module *m) {
     free(m->impl);
     m->impl = NULL;
+}
+
+static void destroy_gpt(tdm_module *m) {
+    gpt_state *st = m->impl;
+    if (st) tdm_tensor_free(st->pad);
+    destroy_impl(m);
 }
 
 /* ---- forwards ---------------------------------------------------------------------------- */
@@ -71,23 +81,31 @@ static const tdm_module_ops block_ops = {"Block", block_forward, NULL};
 static const tdm_module_ops dict_ops = {"ModuleDict", no_forward, NULL};
 
 static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx);
-static const tdm_module_ops gpt_ops = {"GPT", gpt_module_forward, destroy_impl};
+static const tdm_module_ops gpt_ops = {"GPT", gpt_module_forward, destroy_gpt};
 
 /* The tied head over this rank's rows [r Vp/n, (r+1) Vp/n) of wte: its columns of the logits,
  * [B, T, Vp/n], the padding rows' (>= V) pushed to -1e30 so that no softmax counts them. x is
  * every rank's whole (the sum of the parts' input gradients), or its tokens under sequence
  * parallelism (gathered; the gradient reduce-scattered). */
 static tdm_tensor *vocab_head(const gpt_state *st, tdm_tensor *x, tdm_tensor *wte) {
-    int64_t k = wte->shape[0], lo = k * tdm_group_rank(st->tp);
     x = st->seq ? tdm_tp_seq_gather(st->tp, x, 1, true) : tdm_tp_copy(st->tp, x);
     tdm_tensor *logits = tdm_linear(x, wte, NULL);
-    if (lo + k <= st->c.vocab || !logits) return logits;
+    return st->pad && logits ? tdm_add(logits, st->pad) : logits;
+}
+
+/* The padding mask of this rank's k rows of wte [lo, lo + k), or NULL (and *rc 0) where none is
+ * padding; outside any step's scope. */
+static tdm_tensor *padding_mask(const tdm_gpt_config *c, int64_t k, int64_t lo, tdm_device dev,
+                                int *rc) {
+    *rc = TDM_OK;
+    if (lo + k <= c->vocab) return NULL;
     float *pad = malloc(sizeof *pad * (size_t)k);
-    if (!pad) return tdm_raise_null(TDM_ERR_NOMEM, "gpt: out of memory");
-    for (int64_t j = 0; j < k; j++) pad[j] = lo + j < st->c.vocab ? 0.0f : -1e30f;
-    tdm_tensor *mask = tdm_from_data(TDM_SHAPE(k), TDM_F32, wte->device, pad);
+    if (!pad) return *rc = tdm_raise(TDM_ERR_NOMEM, "gpt_parallelize: out of memory"), NULL;
+    for (int64_t j = 0; j < k; j++) pad[j] = lo + j < c->vocab ? 0.0f : -1e30f;
+    tdm_tensor *mask = tdm_from_data(TDM_SHAPE(k), TDM_F32, dev, pad);
     free(pad);
-    return mask ? tdm_add(logits, mask) : NULL;
+    if (!mask) *rc = tdm_last_status();
+    return mask ? tdm_scope_keep(mask) : NULL;
 }
 
 /* idx [B, T] -> logits [B, T, V] */
@@ -302,7 +320,7 @@ tdm_module *tdm_gpt_new(const tdm_gpt_config *cfg, tdm_device dev, tdm_rng *rng)
     if (!c.padded_vocab) c.padded_vocab = c.vocab;
     if (!rng) rng = tdm_default_rng();
     bool prev = tdm_set_grad_enabled(false);
-    gpt_state st = {c, NULL, false, false};
+    gpt_state st = {c, NULL, false, false, NULL};
     tdm_module *m = container(&gpt_ops, dev, &st, sizeof st);
     int rc = add(m, "transformer", transformer_new(&c, dev, rng));
     tdm_set_grad_enabled(prev);
@@ -428,6 +446,10 @@ int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, const tdm_gpt_tp_plan *pla
     if (!rc && plan->vocab_parallel)
         rc = replace(tr, TR_WTE, tdm_vocab_embedding_from(tr->children[TR_WTE], tp));
     gpt_state *st = m->impl;
+    if (!rc && plan->vocab_parallel) {
+        int64_t k = c->padded_vocab / n;
+        st->pad = padding_mask(c, k, k * tdm_group_rank(tp), m->device, &rc);
+    }
     if (!rc) st->tp = tp, st->seq = sequence_parallel, st->vocab = plan->vocab_parallel;
     return rc;
 }

@@ -258,8 +258,12 @@ int tdm_mpi_share_cores(void);
 
 /* A group of n of the ranks of g, an MPI group (tdm_mpi_init's, or one made here): ranks[k] is
  * g's rank that is the new group's rank k; the caller must be one of them. Its collectives run
- * on the world's communication thread among the others' (mpi_group.c says why that cannot
- * deadlock), under tags of its own; a failure or an abort in any group fails them all.
+ * on the world's communication thread among the others', one at a time, under tags of its
+ * own; a failure or an abort in any group fails them all. Every process must launch its
+ * groups' collectives in one order, so from one thread: threads of a process launching on
+ * different groups at once could order them differently on two processes, each then waiting
+ * in the collective the other has not reached (a two-level mesh, whose data-parallel groups
+ * are driven by each device's thread, hung so; mpi_group.c).
  * Every process makes its groups in the same order (tdm_mesh_new does): the k-th group made
  * in each process gets the same tags. The timeout is g's at the time. NULL and an error for
  * bad ranks, a group that is not MPI's, or a build without MPI. */

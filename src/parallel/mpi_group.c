@@ -129,8 +129,13 @@ struct mworld;
  * own: a sub-group needs no communicator of its own, whose making (MPI_Comm_split) would be a
  * collective over every process on that thread. Run one after another, the collectives of
  * several groups cannot wait for each other in a cycle as long as every process launches
- * them in the same order, as ranks running the same program do (tensor parallelism's
- * collectives between DDP's buckets). */
+ * them in the same order, as one thread of ranks running the same program does (tensor
+ * parallelism's collectives between DDP's buckets). Several threads of a process launching
+ * on different groups break that: process 0 may queue group B's collective before A's while
+ * process 1 queues A's first, and each runs the one the other has not reached, until the
+ * timeout (a two-level mesh's data-parallel groups, one per device thread, did). Running them
+ * needs collectives that progress side by side on the thread (each a state machine over its
+ * rounds), or MPI_THREAD_MULTIPLE with a thread per group. */
 typedef struct mcomm {
     tdm_group g; /* first member: a tdm_group * is an mcomm * */
     struct mworld *w;

@@ -541,9 +541,12 @@ static tdm_optim *gpt_adamw(tdm_paramset *ps, void *arg) {
     return tdm_gpt_adamw_new(ps, &o);
 }
 
+/* From the last stage's module: under the vocabulary split the logits are this rank's
+ * columns (tdm_gpt_loss_of over the stage). */
 static tdm_tensor *gpt_loss_fn(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
     (void)row0, (void)arg;
-    return tdm_gpt_loss(out, target);
+    tdm_module *stage = tdm_strategy_loss_module();
+    return stage ? tdm_gpt_loss_of(stage, out, target) : tdm_gpt_loss(out, target);
 }
 
 /* Step s's tokens and targets [GPT_B, T] (in the caller's scope). */
@@ -596,6 +599,7 @@ static int split_stage(tdm_module *stage, tdm_group *tp, void *arg) {
 }
 
 static tdm_gpt_tp_plan sequence_split = {.sequence_parallel = true};
+static tdm_gpt_tp_plan both_split = {.sequence_parallel = true, .vocab_parallel = true};
 
 /* The GPT cut into its pipeline model: 1 stage (both copies of wte in it), 2 and 3 stages,
  * 2 stages x 2 replicas, and with tensor parallelism in the stages (3-D: 2 stages x tp 2, and
@@ -618,9 +622,9 @@ static void test_gpt(void) {
         ref_loss[s] = l ? tdm_item(l) : NAN;
         tdm_scope_end();
     }
-    const int stages[6] = {1, 2, 3, 2, 2, 2}, replicas[6] = {1, 1, 1, 2, 1, 2};
-    const int tps[6] = {1, 1, 1, 1, 2, 2};
-    for (int c = 0; c < 6; c++) {
+    const int stages[7] = {1, 2, 3, 2, 2, 2, 2}, replicas[7] = {1, 1, 1, 2, 1, 2, 1};
+    const int tps[7] = {1, 1, 1, 1, 2, 2, 2};
+    for (int c = 0; c < 7; c++) {
         tdm_rng r2 = tdm_rng_make(3);
         tdm_module *gpt = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &r2);
         tdm_pipe_tie tie;
@@ -628,7 +632,7 @@ static void test_gpt(void) {
         tdm_pipe_opts o = tdm_pipe_defaults(stages[c], 2);
         o.replicas = replicas[c], o.ties = &tie, o.n_ties = 1, o.split_by = TDM_SPLIT_LAYERS;
         o.tp = tps[c], o.parallelize = split_stage;
-        o.parallelize_arg = c == 5 ? &sequence_split : NULL;
+        o.parallelize_arg = c == 5 ? &sequence_split : c == 6 ? &both_split : NULL;
         tdm_pipe *p = seq ? tdm_pipe_new(seq, &o, gpt_adamw, NULL) : NULL;
         CHECK(p != NULL, "GPT pipeline of %d stages: %s", stages[c], tdm_last_error());
         float dl = 0;
@@ -661,7 +665,11 @@ static void test_gpt(void) {
         printf("GPT (3 layers) in %d stages x %d replicas x tp %d%s, 2 micro-batches: weights "
                "within %.3g, losses within %.3g of one device after %d AdamW steps; wte's two "
                "copies equal\n",
-               stages[c], replicas[c], tps[c], c == 5 ? " (sequence-parallel)" : "", dw, dl, STEPS);
+               stages[c], replicas[c], tps[c],
+               c == 5   ? " (sequence-parallel)"
+               : c == 6 ? " (sequence- and vocabulary-parallel)"
+                        : "",
+               dw, dl, STEPS);
         tdm_pipe_free(p);
         tdm_module_free(seq);
         tdm_module_free(gpt);
@@ -708,10 +716,6 @@ static int stage_rank(tdm_rank_ctx *ctx, void *arg) {
         tdm_scope_end();
         tdm_module_free(stage);
     }
-    tdm_gpt_tp_plan vocab = {.vocab_parallel = true};
-    if (!rc && (tdm_gpt_parallelize_stage(seq, ctx->group, &vocab) == TDM_OK ||
-                !strstr(tdm_last_error(), "vocabulary parallelism inside a pipeline stage")))
-        rc = tdm_raise(TDM_ERR_STATE, "vocabulary parallelism in a stage was not refused");
     tdm_module_free(seq);
     tdm_module_free(gpt);
     return rc;

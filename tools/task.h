@@ -56,7 +56,8 @@ struct task {
      * and its ties (tdm_gpt_pipeline_model), and the weights back from it; NULL: the model
      * is cut as it is. */
     tdm_module *(*pipeline_model)(const tdm_module *model, tdm_pipe_tie *tie);
-    /* --model-split with --tensor-parallel: splits a stage of it over tp (tdm_pipe_opts) */
+    /* --model-split with --tensor-parallel: splits a stage of it over tp (tdm_pipe_opts; arg:
+     * the whole model) */
     int (*parallelize_stage)(tdm_module *stage, tdm_group *tp, void *arg);
     int (*from_pipeline_model)(tdm_module *model, const tdm_module *view);
     /* The loss from a split replica's output (tdm_strategy_loss_module), or NULL: loss. */

@@ -104,10 +104,13 @@ static int split_gpt(tdm_module *replica, tdm_group *tp, void *arg) {
 }
 
 /* A pipeline stage's blocks over the devices of its tensor-parallel group, the tokens split
- * between them (sequence parallelism; the vocabulary stays whole inside stages). */
+ * between them and, where the padded vocabulary splits, the ends' wte copies by rows (the last
+ * stage's loss from its columns: tdm_gpt_loss_of). arg: the whole GPT the stages came from. */
 static int split_stage(tdm_module *stage, tdm_group *tp, void *arg) {
-    (void)arg;
-    tdm_gpt_tp_plan plan = {.sequence_parallel = true};
+    const tdm_gpt_config *c = tdm_gpt_config_of(arg);
+    int vp = c ? (c->padded_vocab ? c->padded_vocab : c->vocab) : 0;
+    tdm_gpt_tp_plan plan = {.sequence_parallel = true,
+                            .vocab_parallel = vp % tdm_group_size(tp) == 0};
     return tdm_gpt_parallelize_stage(stage, tp, &plan);
 }
 

@@ -252,7 +252,8 @@ static const opt_spec specs[] = {
      "included. Under mpirun the processes form the mesh instead (one device each, -np a "
      "multiple of N; rank r is dp r / N, tp r % N). With --model-split K every stage of the "
      "pipeline is split over N devices (3-D parallelism: --devices K x N x replicas; its "
-     "blocks, and the tokens between them, the vocabulary kept whole). GPT models only."},
+     "blocks, the tokens between them and the vocabulary, as without stages). GPT models "
+     "only."},
     {"--device-memory", "SIZE", OPT_STR, F(device_memory), 0, 0, "no cap",
      "Caps what Tandem's allocator holds on each device of --devices at SIZE (bytes, or with "
      "K, M, G or T: powers of 1024, as Slurm's --mem; 4G, 512M, 1.5GiB), as a GPU's memory caps "

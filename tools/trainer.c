@@ -133,7 +133,7 @@ static int make_strategy(trainer *tr) {
         tdm_pipe_opts po = tdm_pipe_defaults((int)o->model_split, (int)o->micro_batches);
         po.schedule = strcmp(o->pipe_schedule, "gpipe") == 0 ? TDM_PIPE_GPIPE : TDM_PIPE_1F1B;
         po.tp = (int)o->tensor_parallel; /* 3-D: each stage split over tp devices */
-        po.parallelize = t->parallelize_stage;
+        po.parallelize = t->parallelize_stage, po.parallelize_arg = t->model;
         po.replicas = o->n_devs / (int)(o->model_split * o->tensor_parallel);
         po.devices = o->devices;
         what = "pipeline";

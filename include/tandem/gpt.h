@@ -83,8 +83,9 @@ typedef struct {
 } tdm_gpt_tp_plan;
 /* plan NULL: neither. */
 int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, const tdm_gpt_tp_plan *plan);
-/* The mean cross-entropy of m's logits against targets: tdm_gpt_loss, or for a GPT split with
- * vocab_parallel tdm_tp_cross_entropy over the ranks' columns (the same scalar everywhere). */
+/* The mean cross-entropy of m's logits against targets: tdm_gpt_loss, or for a GPT (or a
+ * pipeline's last stage of one, tdm_gpt_parallelize_stage's) split with vocab_parallel
+ * tdm_tp_cross_entropy over the ranks' columns (the same scalar everywhere). */
 tdm_tensor *tdm_gpt_loss_of(tdm_module *m, tdm_tensor *logits, const tdm_tensor *targets);
 /* The whole logits [B, T, V] from m's: for a GPT split with vocab_parallel every rank's
  * columns gathered and the padding cut off (a collective over tp: every rank calls it; the
@@ -108,9 +109,11 @@ tdm_module *tdm_gpt_pipeline_model(const tdm_module *gpt, tdm_pipe_tie *tie);
  * then row), the embeddings and the head staying whole on every rank. With
  * plan->sequence_parallel (plan may be NULL: none) each rank also keeps its part of the
  * tokens between the split layers, the stages handing those parts on (each window's T must
- * split over the ranks); vocab_parallel is refused (not written inside stages). A collective
- * over tp; call before tdm_module_parameters(stage). TDM_ERR_ARG for heads that do not split,
- * not a Sequential or vocab_parallel, TDM_ERR_STATE for one already listed or split. */
+ * split over the ranks); with vocab_parallel the embeddings' wte and the head's copy are split
+ * by rows, the last stage giving each rank its columns of the logits (its loss:
+ * tdm_gpt_loss_of(stage, ...)). A collective over tp; call before
+ * tdm_module_parameters(stage). TDM_ERR_ARG for heads or padded_vocab that do not split, or not
+ * a Sequential, TDM_ERR_STATE for one already listed or split. */
 int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp, const tdm_gpt_tp_plan *plan);
 /* gpt's parameters from seq, a Sequential tdm_gpt_pipeline_model made from it (or from a GPT of
  * the same config): the embeddings' copy of wte, wpe, the blocks, ln_f. TDM_ERR_ARG for

@@ -70,8 +70,8 @@ tdm_strategy *tdm_strategy_pipeline_view(tdm_module *model, tdm_module *view,
 
 /* Inside a loss_fn that tdm_strategy_tensor_parallel's step calls, the rank's split model
  * whose output it got (its loss may need the model: tdm_gpt_loss_of over vocabulary-parallel
- * logits, each rank's columns); NULL on any other thread or outside loss_fn, where the output
- * is the whole model's. */
+ * logits, each rank's columns); inside a pipeline's (tdm_pipe_step's), the last stage's module;
+ * NULL on any other thread or outside loss_fn, where the output is the whole model's. */
 tdm_module *tdm_strategy_loss_module(void);
 
 /* Tensor parallelism composed with data parallelism over this process's n devices, laid out

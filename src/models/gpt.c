@@ -177,14 +177,16 @@ tdm_tensor *tdm_gpt_whole_logits(tdm_module *m, tdm_tensor *logits) {
 
 tdm_tensor *tdm_gpt_loss_of(tdm_module *m, tdm_tensor *logits, const tdm_tensor *targets) {
     const gpt_state *st = tdm_gpt_config_of(m) ? m->impl : NULL;
-    if (!st) return tdm_raise_null(TDM_ERR_ARG, "gpt_loss_of: not a GPT");
-    if (!st->vocab) return tdm_gpt_loss(logits, targets);
+    bool stage = false; /* or a pipeline's last stage (tdm_gpt_parallelize_stage) */
+    tdm_group *vg = st ? st->tp : tdm_gpt_stage_vocab_group(m, &stage);
+    if (!st && !stage) return tdm_raise_null(TDM_ERR_ARG, "gpt_loss_of: not a GPT");
+    if (st ? !st->vocab : !vg) return tdm_gpt_loss(logits, targets);
     if (!logits || !targets) return tdm_null_input("gpt_loss_of");
     if (logits->ndim != 3 || targets->ndim != 2)
         return tdm_raise_null(TDM_ERR_SHAPE, "gpt_loss_of: logits must be [B, T, V/n], targets "
                                              "[B, T]");
     int64_t n = logits->shape[0] * logits->shape[1];
-    return tdm_tp_cross_entropy(st->tp, tdm_reshape(logits, TDM_SHAPE(n, logits->shape[2])),
+    return tdm_tp_cross_entropy(vg, tdm_reshape(logits, TDM_SHAPE(n, logits->shape[2])),
                                 tdm_reshape((tdm_tensor *)targets, TDM_SHAPE(n)));
 }
 
@@ -391,10 +393,7 @@ int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp, const tdm_gpt_tp
     if (!stage || !tp || strcmp(stage->ops->kind, "Sequential") != 0)
         return tdm_raise(TDM_ERR_ARG, "gpt_parallelize_stage: %s",
                          tp ? "not a Sequential of a GPT's layers" : "NULL group");
-    bool seq = plan && plan->sequence_parallel;
-    if (plan && plan->vocab_parallel)
-        return tdm_raise(TDM_ERR_ARG, "gpt_parallelize_stage: vocabulary parallelism inside a "
-                                      "pipeline stage is not written yet");
+    bool seq = plan && plan->sequence_parallel, vocab = plan && plan->vocab_parallel;
     if (stage->paramset)
         return tdm_raise(TDM_ERR_STATE, "gpt_parallelize_stage: the stage's parameters are "
                                         "already listed (tdm_module_parameters): split it before");
@@ -403,8 +402,9 @@ int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp, const tdm_gpt_tp
         tdm_module *b = stage->children[i];
         /* the embeddings and the head stay whole; with the sequence split, the embeddings
          * hand on this rank's tokens and the head's ln_f sees them */
-        int end = seq ? tdm_gpt_end_set_sequence(b, tp) : 0;
-        if (end == 2) rc = replace(b, 0, seq_norm_from(b->children[0], tp));
+        int end = seq || vocab ? tdm_gpt_end_split(b, tp, seq, vocab) : 0;
+        if (end < 0) rc = end;
+        if (end == 2 && seq) rc = replace(b, 0, seq_norm_from(b->children[0], tp));
         if (strcmp(b->ops->kind, "Block") != 0) continue;
         int heads = *(const int *)b->children[BL_ATTN]->impl, n = tdm_group_size(tp);
         int64_t C = b->children[BL_LN1]->params[0]->shape[0];

@@ -26,7 +26,9 @@ static tdm_module *child(const tdm_module *m, const char *name) {
  * tensor-parallel group (set after the stage is cloned, never copied by a clone). */
 typedef struct {
     tdm_gpt_config c;
-    tdm_group *tp; /* NULL: no sequence split */
+    tdm_group *tp;   /* NULL: whole */
+    bool seq, vocab; /* the tokens, the vocabulary split over tp (tdm_gpt_tp_plan's) */
+    tdm_tensor *pad; /* the head's, vocabulary-split: 0 or -1e30 for its logits' columns */
 } end_state;
 
 /* idx [B, T] -> x [B, T, C] = wte[idx] + wpe[0..T): the GPT's first lines; with the sequence
@@ -42,23 +44,33 @@ static tdm_tensor *embed_forward(tdm_module *m, tdm_tensor *idx) {
                               c->context, tdm_shape_str(tdm_shape_of(idx), b));
     tdm_tensor *wte = m->children[0]->params[0], *wpe = m->children[1]->params[0];
     tdm_tensor *pos = tdm_arange(0, (double)idx->shape[1], 1, TDM_I64, wte->device);
-    tdm_tensor *x = tdm_add(tdm_embedding(wte, idx), tdm_embedding(wpe, pos));
-    return st->tp ? tdm_tp_seq_shard(st->tp, x, 1) : x;
+    tdm_tensor *tok = st->vocab ? tdm_tp_embedding(st->tp, wte, idx) : tdm_embedding(wte, idx);
+    tdm_tensor *x = tdm_add(tok, tdm_embedding(wpe, pos));
+    return st->seq ? tdm_tp_seq_shard(st->tp, x, 1) : x;
 }
 
 /* x [B, T, C] -> logits [B, T, V] = ln_f(x) @ wte[:V]^T, on the head's copy of wte; with the
- * sequence split, x is this rank's tokens, gathered after ln_f. */
+ * sequence split, x is this rank's tokens, gathered after ln_f; with the vocabulary split,
+ * this rank's columns of the logits [B, T, Vp/n] (its rows of wte, the padding's at -1e30), as
+ * the GPT's own vocabulary-parallel head gives. */
 static tdm_tensor *head_forward(tdm_module *m, tdm_tensor *x) {
     const end_state *st = m->impl;
     const tdm_gpt_config *c = &st->c;
     tdm_tensor *wte = m->children[1]->params[0];
     x = tdm_module_forward(m->children[0], x);
-    if (x && st->tp) x = tdm_tp_seq_gather(st->tp, x, 1, false);
+    if (x && st->vocab) {
+        x = st->seq ? tdm_tp_seq_gather(st->tp, x, 1, true) : tdm_tp_copy(st->tp, x);
+        tdm_tensor *logits = tdm_linear(x, wte, NULL);
+        return st->pad && logits ? tdm_add(logits, st->pad) : logits;
+    }
+    if (x && st->seq) x = tdm_tp_seq_gather(st->tp, x, 1, false);
     tdm_tensor *head = c->vocab == c->padded_vocab ? wte : tdm_slice(wte, 0, 0, c->vocab, 1);
     return x ? tdm_linear(x, head, NULL) : NULL;
 }
 
 static void free_impl(tdm_module *m) {
+    end_state *st = m->impl;
+    if (st) tdm_tensor_free(st->pad); /* a split stage's: never cloned */
     free(m->impl);
     m->impl = NULL;
 }
@@ -75,7 +87,7 @@ static tdm_module *layer(const tdm_module_ops *ops, const tdm_gpt_config *c, tdm
         free(impl);
         return impl ? NULL : tdm_raise_null(TDM_ERR_NOMEM, "gpt_pipeline_model: out of memory");
     }
-    *impl = (end_state){*c, NULL};
+    *impl = (end_state){*c, NULL, false, false, NULL};
     m->impl_size = sizeof *impl;
     for (int i = 0; i < n; i++) {
         tdm_module *k = tdm_module_clone(kids[i], dev);
@@ -115,10 +127,44 @@ tdm_module *tdm_gpt_pipeline_model(const tdm_module *gpt, tdm_pipe_tie *tie) {
     return seq;
 }
 
-int tdm_gpt_end_set_sequence(tdm_module *layer, tdm_group *tp) {
+/* The padding mask of rows [lo, lo + k) of wte, or NULL (*rc 0) where none is padding. */
+static tdm_tensor *padding_mask(const tdm_gpt_config *c, int64_t k, int64_t lo, tdm_device dev,
+                                int *rc) {
+    *rc = TDM_OK;
+    if (lo + k <= c->vocab) return NULL;
+    float *pad = malloc(sizeof *pad * (size_t)k);
+    if (!pad) return *rc = tdm_raise(TDM_ERR_NOMEM, "gpt_parallelize_stage: out of memory"), NULL;
+    for (int64_t j = 0; j < k; j++) pad[j] = lo + j < c->vocab ? 0.0f : -1e30f;
+    tdm_tensor *mask = tdm_from_data(TDM_SHAPE(k), TDM_F32, dev, pad);
+    free(pad);
+    if (!mask) *rc = tdm_last_status();
+    return mask ? tdm_scope_keep(mask) : NULL;
+}
+
+int tdm_gpt_end_split(tdm_module *layer, tdm_group *tp, bool seq, bool vocab) {
     if (layer->ops != &embed_ops && layer->ops != &head_ops) return 0;
-    ((end_state *)layer->impl)->tp = tp;
-    return layer->ops == &embed_ops ? 1 : 2;
+    end_state *st = layer->impl;
+    bool head = layer->ops == &head_ops;
+    int rc = TDM_OK;
+    if (vocab) { /* its wte (a copy, for the head) split by rows as the GPT's */
+        tdm_module *w = tdm_vocab_embedding_from(layer->children[head], tp);
+        if (!w) return tdm_last_status();
+        tdm_module_free(layer->children[head]);
+        layer->children[head] = w;
+        int64_t k = w->params[0]->shape[0];
+        if (head) st->pad = padding_mask(&st->c, k, k * tdm_group_rank(tp), layer->device, &rc);
+    }
+    if (rc) return rc;
+    st->tp = seq || vocab ? tp : NULL, st->seq = seq, st->vocab = vocab;
+    return head ? 2 : 1;
+}
+
+tdm_group *tdm_gpt_stage_vocab_group(const tdm_module *stage, bool *ends) {
+    const tdm_module *last =
+        stage && stage->n_children ? stage->children[stage->n_children - 1] : NULL;
+    *ends = last && last->ops == &head_ops;
+    return *ends && ((const end_state *)last->impl)->vocab ? ((const end_state *)last->impl)->tp
+                                                           : NULL;
 }
 
 /* dst's parameters from src's, in order (the same tree). */

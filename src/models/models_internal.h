@@ -27,8 +27,12 @@ void tdm_cost_batch_norm(tdm_model_cost *c, int64_t ch, int64_t h, int64_t w);
 
 /* ---- the GPT's pipeline model (gpt_pipeline.c) ---------------------------------------------- */
 
-/* Sets the sequence split over tp of layer, tdm_gpt_pipeline_model's embeddings (1 returned)
- * or head (2; its ln_f is the caller's to make sequence-parallel); 0 for any other layer. */
-int tdm_gpt_end_set_sequence(tdm_module *layer, tdm_group *tp);
+/* Splits layer, tdm_gpt_pipeline_model's embeddings (1 returned) or head (2; its ln_f is the
+ * caller's to make sequence-parallel), over tp: the tokens it hands on or takes (seq), its wte
+ * by rows (vocab); 0 for any other layer, or an error (negative). */
+int tdm_gpt_end_split(tdm_module *layer, tdm_group *tp, bool seq, bool vocab);
+/* Whether stage (a pipeline's stage module) ends with the GPT's head (*ends), and the group its
+ * vocabulary is split over, or NULL. */
+tdm_group *tdm_gpt_stage_vocab_group(const tdm_module *stage, bool *ends);
 
 #endif

@@ -20,7 +20,8 @@
  * spans them (pipeline_sync.c): tied copies' gradients, fp16's finiteness, clipping's norm. */
 #include "parallel/pipeline_internal.h"
 #include "parallel/pipeline_split.h"
-#include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
+#include "parallel/strategy.h" /* tdm_strategy_set_loss_module */
+#include "backend/backend.h"   /* tdm_cpu_gemm_set_threads */
 #include "optim/scaler.h"
 #include "tandem/autograd.h"
 #include "tandem/pipeline.h"
@@ -130,7 +131,10 @@ static void restore_impls(worker *w) {
 static tdm_tensor *loss_root(worker *w, micro *m, tdm_tensor *out, int64_t row0, int64_t rows) {
     struct tdm_pipe *p = w->p;
     m->target = rows_on(p->y, row0, rows, w->dev);
+    /* the loss may need the stage (vocabulary-split logits: tdm_strategy_loss_module) */
+    tdm_strategy_set_loss_module(w->mod);
     tdm_tensor *loss = m->target ? p->loss_fn(out, m->target, row0, p->loss_arg) : NULL;
+    tdm_strategy_set_loss_module(NULL);
     if (!loss) return NULL;
     double share = (double)rows / (double)p->B;
     w->loss += (double)tdm_item(loss) * share;

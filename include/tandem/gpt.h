@@ -112,8 +112,9 @@ tdm_module *tdm_gpt_pipeline_model(const tdm_module *gpt, tdm_pipe_tie *tie);
  * split over the ranks); with vocab_parallel the embeddings' wte and the head's copy are split
  * by rows, the last stage giving each rank its columns of the logits (its loss:
  * tdm_gpt_loss_of(stage, ...)). A collective over tp; call before
- * tdm_module_parameters(stage). TDM_ERR_ARG for heads or padded_vocab that do not split, or not
- * a Sequential, TDM_ERR_STATE for one already listed or split. */
+ * tdm_module_parameters(stage). TDM_ERR_ARG for heads that do not split or not a Sequential,
+ * TDM_ERR_SHAPE for a padded_vocab that does not (vocab_parallel), TDM_ERR_STATE for a stage
+ * already listed or split. */
 int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp, const tdm_gpt_tp_plan *plan);
 /* gpt's parameters from seq, a Sequential tdm_gpt_pipeline_model made from it (or from a GPT of
  * the same config): the embeddings' copy of wte, wpe, the blocks, ln_f. TDM_ERR_ARG for

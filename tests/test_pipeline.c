@@ -601,6 +601,21 @@ static int split_stage(tdm_module *stage, tdm_group *tp, void *arg) {
 static tdm_gpt_tp_plan sequence_split = {.sequence_parallel = true};
 static tdm_gpt_tp_plan both_split = {.sequence_parallel = true, .vocab_parallel = true};
 
+/* A GPT of GPT_CFG drawn from seed (*gpt) and its pipeline model (*seq), cut by layers into
+ * stages x replicas, each stage over tp ranks split by plan (NULL: blocks only), 2
+ * micro-batches, optimizers from make: the pipeline, or NULL and an error. */
+static tdm_pipe *gpt_pipe(uint64_t seed, int stages, int replicas, int tp, tdm_gpt_tp_plan *plan,
+                          tdm_optim_factory make, tdm_module **gpt, tdm_module **seq) {
+    tdm_rng rng = tdm_rng_make(seed);
+    static tdm_pipe_tie tie; /* read by tdm_pipe_new only */
+    *gpt = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &rng);
+    *seq = *gpt ? tdm_gpt_pipeline_model(*gpt, &tie) : NULL;
+    tdm_pipe_opts o = tdm_pipe_defaults(stages, 2);
+    o.replicas = replicas, o.ties = &tie, o.n_ties = 1, o.split_by = TDM_SPLIT_LAYERS;
+    o.tp = tp, o.parallelize = split_stage, o.parallelize_arg = plan;
+    return *seq ? tdm_pipe_new(*seq, &o, make, NULL) : NULL;
+}
+
 /* The GPT cut into its pipeline model: 1 stage (both copies of wte in it), 2 and 3 stages,
  * 2 stages x 2 replicas, and with tensor parallelism in the stages (3-D: 2 stages x tp 2, and
  * 2 stages x 2 replicas x tp 2 on 8 devices with the sequence split too, the stages handing
@@ -625,15 +640,9 @@ static void test_gpt(void) {
     const int stages[7] = {1, 2, 3, 2, 2, 2, 2}, replicas[7] = {1, 1, 1, 2, 1, 2, 1};
     const int tps[7] = {1, 1, 1, 1, 2, 2, 2};
     for (int c = 0; c < 7; c++) {
-        tdm_rng r2 = tdm_rng_make(3);
-        tdm_module *gpt = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &r2);
-        tdm_pipe_tie tie;
-        tdm_module *seq = tdm_gpt_pipeline_model(gpt, &tie);
-        tdm_pipe_opts o = tdm_pipe_defaults(stages[c], 2);
-        o.replicas = replicas[c], o.ties = &tie, o.n_ties = 1, o.split_by = TDM_SPLIT_LAYERS;
-        o.tp = tps[c], o.parallelize = split_stage;
-        o.parallelize_arg = c == 5 ? &sequence_split : c == 6 ? &both_split : NULL;
-        tdm_pipe *p = seq ? tdm_pipe_new(seq, &o, gpt_adamw, NULL) : NULL;
+        tdm_module *gpt, *seq;
+        tdm_gpt_tp_plan *plan = c == 5 ? &sequence_split : c == 6 ? &both_split : NULL;
+        tdm_pipe *p = gpt_pipe(3, stages[c], replicas[c], tps[c], plan, gpt_adamw, &gpt, &seq);
         CHECK(p != NULL, "GPT pipeline of %d stages: %s", stages[c], tdm_last_error());
         float dl = 0;
         for (int s = 0; p && s < STEPS; s++) {
@@ -767,14 +776,9 @@ static void test_gpt_clip(void) {
     CHECK(norm0 > 4 * GPT_CLIP, "the clip is not active: the first norm is %g", norm0);
     const int stages[3] = {1, 2, 2}, replicas[3] = {1, 1, 2}, tps[3] = {1, 1, 2};
     for (int c = 0; c < 3; c++) {
-        tdm_rng r2 = tdm_rng_make(4);
-        tdm_module *gpt = tdm_gpt_new(&GPT_CFG, tdm_cpu(0), &r2);
-        tdm_pipe_tie tie;
-        tdm_module *seq = tdm_gpt_pipeline_model(gpt, &tie);
-        tdm_pipe_opts o = tdm_pipe_defaults(stages[c], 2);
-        o.replicas = replicas[c], o.ties = &tie, o.n_ties = 1, o.split_by = TDM_SPLIT_LAYERS;
-        o.tp = tps[c], o.parallelize = split_stage, o.parallelize_arg = &sequence_split;
-        tdm_pipe *p = seq ? tdm_pipe_new(seq, &o, gpt_sgd, NULL) : NULL;
+        tdm_module *gpt, *seq;
+        tdm_pipe *p =
+            gpt_pipe(4, stages[c], replicas[c], tps[c], &sequence_split, gpt_sgd, &gpt, &seq);
         int rc = p ? tdm_pipe_set_clip_grad_norm(p, GPT_CLIP) : -1;
         for (int s = 0; !rc && s < STEPS; s++) {
             tdm_scope_begin();

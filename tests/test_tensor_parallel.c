@@ -399,21 +399,27 @@ static int mlp_rank(tdm_rank_ctx *ctx, void *arg) {
  * wrong gradient (a missing all-reduce, a part of the wrong rank) moves it by ~lr: 1e-3. */
 #define MLP_BOUND 1e-6f
 
-static void test_mlp(int n, bool gathered, int dp_size) {
-    mlp_shared sh = {.n = n, .gathered = gathered, .dp_size = dp_size};
+/* The one-device MLP trained, its losses and weights into sh's references. */
+static int mlp_reference(mlp_shared *sh) {
     tdm_rng rng = tdm_rng_make(7);
     tdm_module *l0 = tdm_linear_new(IN, IN, false, tdm_cpu(0), &rng);
     tdm_module *l1 = tdm_linear_new(IN, HID, true, tdm_cpu(0), &rng);
     tdm_module *l2 = tdm_linear_new(HID, OUT, true, tdm_cpu(0), &rng);
     tdm_module *ref = mlp(l0, l1, l2);
-    int rc = train_mlp(ref, NULL, NULL, sh.ref_loss);
-    CHECK(rc == 0, "one device: %s", tdm_last_error());
-    tdm_to_host(l0->params[0], sh.ref_w0, sizeof sh.ref_w0);
-    tdm_to_host(l1->params[0], sh.ref_w1, sizeof sh.ref_w1);
-    tdm_to_host(l1->params[1], sh.ref_b1, sizeof sh.ref_b1);
-    tdm_to_host(l2->params[0], sh.ref_w2, sizeof sh.ref_w2);
-    tdm_to_host(l2->params[1], sh.ref_b2, sizeof sh.ref_b2);
+    int rc = train_mlp(ref, NULL, NULL, sh->ref_loss);
+    if (!rc) rc = tdm_to_host(l0->params[0], sh->ref_w0, sizeof sh->ref_w0);
+    if (!rc) rc = tdm_to_host(l1->params[0], sh->ref_w1, sizeof sh->ref_w1);
+    if (!rc) rc = tdm_to_host(l1->params[1], sh->ref_b1, sizeof sh->ref_b1);
+    if (!rc) rc = tdm_to_host(l2->params[0], sh->ref_w2, sizeof sh->ref_w2);
+    if (!rc) rc = tdm_to_host(l2->params[1], sh->ref_b2, sizeof sh->ref_b2);
     tdm_module_free(ref);
+    return rc;
+}
+
+static void test_mlp(int n, bool gathered, int dp_size) {
+    mlp_shared sh = {.n = n, .gathered = gathered, .dp_size = dp_size};
+    int rc = mlp_reference(&sh);
+    CHECK(rc == 0, "one device: %s", tdm_last_error());
     tdm_device devs[MAX_RANKS] = {tdm_cpu(0), tdm_cpu(1), tdm_cpu(2), tdm_cpu(3)};
     rc = tdm_spawn(n, devs, mlp_rank, &sh);
     CHECK(rc == TDM_OK, "MLP on %d ranks: %s", n, tdm_last_error());
@@ -979,6 +985,22 @@ static void test_gpu_mesh(void) {
 
 /* ---- across processes: `mpirun -np 4 test_tensor_parallel --mpi` --------------------------- */
 
+/* The GPT split over tp (an MPI group; r: this process's rank in the world) trained and compared
+ * with gs's one-device reference within the threads' bounds. */
+static void gpt_over(tdm_group *tp, int r, gpt_shared *gs) {
+    int t = tdm_group_rank(tp), n = tdm_group_size(tp);
+    memset(gs->dw, 0, sizeof gs->dw), memset(gs->dloss, 0, sizeof gs->dloss);
+    for (int k = 0; k < MAX_RANKS; k++) gs->dwhole[k] = INFINITY;
+    tdm_rank_ctx ctx = {.rank = t, .size = n, .device = tdm_cpu(0), .group = tp};
+    CHECK(gpt_rank(&ctx, gs) == 0, "GPT tp %d over MPI, rank %d: %s", n, r, gs->msg[t]);
+    CHECK(gs->dw[t] <= GPT_BOUND && gs->dloss[t] <= MLP_BOUND && gs->dwhole[t] <= GPT_BOUND,
+          "GPT tp %d over MPI, rank %d: weights off by %g, losses by %g, gathered by %g", n, r,
+          gs->dw[t], gs->dloss[t], gs->dwhole[t]);
+    printf("GPT, tp %d over MPI (sequence- and vocabulary-parallel), rank %d: weights within "
+           "%.3g, losses within %.3g of one device\n",
+           n, r, gs->dw[t], gs->dloss[t]);
+}
+
 /* One device a process, the mesh's groups MPI sub-groups: the mesh's coordinates and sums; the
  * MLP at dp 2 x tp 2 (DDP over dp) and the GPT at tp 2 (each dp row training the whole batch)
  * and tp 4 with the sequence and the vocabulary split, against one device within the threads'
@@ -989,18 +1011,7 @@ static void test_across_processes(tdm_group *world) {
     CHECK(mesh_rank(&ctx, wrong) == 0 && wrong[r] == 0, "mesh over MPI, rank %d: %d wrong (%s)", r,
           wrong[r], tdm_last_error());
     mlp_shared ms = {.n = 4, .dp_size = 2};
-    tdm_rng rng = tdm_rng_make(7);
-    tdm_module *l0 = tdm_linear_new(IN, IN, false, tdm_cpu(0), &rng);
-    tdm_module *l1 = tdm_linear_new(IN, HID, true, tdm_cpu(0), &rng);
-    tdm_module *l2 = tdm_linear_new(HID, OUT, true, tdm_cpu(0), &rng);
-    tdm_module *ref = mlp(l0, l1, l2);
-    CHECK(train_mlp(ref, NULL, NULL, ms.ref_loss) == 0, "one device: %s", tdm_last_error());
-    tdm_to_host(l0->params[0], ms.ref_w0, sizeof ms.ref_w0);
-    tdm_to_host(l1->params[0], ms.ref_w1, sizeof ms.ref_w1);
-    tdm_to_host(l1->params[1], ms.ref_b1, sizeof ms.ref_b1);
-    tdm_to_host(l2->params[0], ms.ref_w2, sizeof ms.ref_w2);
-    tdm_to_host(l2->params[1], ms.ref_b2, sizeof ms.ref_b2);
-    tdm_module_free(ref);
+    CHECK(mlp_reference(&ms) == 0, "one device: %s", tdm_last_error());
     CHECK(mlp_rank(&ctx, &ms) == 0, "MLP over MPI, rank %d: %s", r, ms.msg[r]);
     CHECK(ms.dw[r] <= MLP_BOUND && ms.dloss[r] <= MLP_BOUND,
           "MLP dp 2 x tp 2 over MPI, rank %d: weights off by %g, losses by %g", r, ms.dw[r],
@@ -1009,33 +1020,14 @@ static void test_across_processes(tdm_group *world) {
            ms.dw[r], ms.dloss[r]);
     /* the GPT over each dp row's tp pair */
     gpt_shared gs = {.seq = true, .vocab = true};
-    rng = tdm_rng_make(5);
+    tdm_rng rng = tdm_rng_make(5);
     gs.ref = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
     CHECK(gs.ref && train_gpt(gs.ref, gs.ref_loss) == 0, "one device: %s", tdm_last_error());
     tdm_mesh *mesh = tdm_mesh_new(world, 2, (int[]){2, 2}, (const char *[]){"dp", "tp"});
-    tdm_group *tp = mesh ? tdm_mesh_group(mesh, "tp") : NULL;
-    int t = tp ? tdm_group_rank(tp) : 0;
-    tdm_rank_ctx tctx = {.rank = t, .size = 2, .device = tdm_cpu(0), .group = tp};
-    CHECK(tp && gpt_rank(&tctx, &gs) == 0, "GPT over MPI, rank %d: %s", r,
-          tp ? gs.msg[t] : tdm_last_error());
-    CHECK(gs.dw[t] <= GPT_BOUND && gs.dloss[t] <= MLP_BOUND && gs.dwhole[t] <= GPT_BOUND,
-          "GPT tp 2 over MPI, rank %d: weights off by %g, losses by %g, gathered by %g", r,
-          gs.dw[t], gs.dloss[t], gs.dwhole[t]);
-    printf("GPT, tp 2 over MPI (sequence- and vocabulary-parallel), rank %d: weights within %.3g, "
-           "losses within %.3g of one device\n",
-           r, gs.dw[t], gs.dloss[t]);
+    CHECK(mesh != NULL, "mesh over MPI: %s", tdm_last_error());
+    if (mesh) gpt_over(tdm_mesh_group(mesh, "tp"), r, &gs);
     tdm_mesh_free(mesh);
-    /* and over all four processes: tp 4 */
-    memset(gs.dw, 0, sizeof gs.dw), memset(gs.dloss, 0, sizeof gs.dloss);
-    for (int k = 0; k < MAX_RANKS; k++) gs.dwhole[k] = INFINITY;
-    tdm_rank_ctx all = {.rank = r, .size = 4, .device = tdm_cpu(0), .group = world};
-    CHECK(gpt_rank(&all, &gs) == 0, "GPT tp 4 over MPI, rank %d: %s", r, gs.msg[r]);
-    CHECK(gs.dw[r] <= GPT_BOUND && gs.dloss[r] <= MLP_BOUND && gs.dwhole[r] <= GPT_BOUND,
-          "GPT tp 4 over MPI, rank %d: weights off by %g, losses by %g, gathered by %g", r,
-          gs.dw[r], gs.dloss[r], gs.dwhole[r]);
-    printf("GPT, tp 4 over MPI (sequence- and vocabulary-parallel), rank %d: weights within %.3g, "
-           "losses within %.3g of one device\n",
-           r, gs.dw[r], gs.dloss[r]);
+    gpt_over(world, r, &gs); /* and over all four processes: tp 4 */
     tdm_module_free(gs.ref);
 }
 

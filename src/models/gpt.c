@@ -93,14 +93,12 @@ static tdm_tensor *vocab_head(const gpt_state *st, tdm_tensor *x, tdm_tensor *wt
     return st->pad && logits ? tdm_add(logits, st->pad) : logits;
 }
 
-/* The padding mask of this rank's k rows of wte [lo, lo + k), or NULL (and *rc 0) where none is
- * padding; outside any step's scope. */
-static tdm_tensor *padding_mask(const tdm_gpt_config *c, int64_t k, int64_t lo, tdm_device dev,
-                                int *rc) {
+tdm_tensor *tdm_gpt_padding_mask(const tdm_gpt_config *c, int64_t k, int64_t lo, tdm_device dev,
+                                 int *rc) {
     *rc = TDM_OK;
     if (lo + k <= c->vocab) return NULL;
     float *pad = malloc(sizeof *pad * (size_t)k);
-    if (!pad) return *rc = tdm_raise(TDM_ERR_NOMEM, "gpt_parallelize: out of memory"), NULL;
+    if (!pad) return *rc = tdm_raise(TDM_ERR_NOMEM, "gpt: out of memory"), NULL;
     for (int64_t j = 0; j < k; j++) pad[j] = lo + j < c->vocab ? 0.0f : -1e30f;
     tdm_tensor *mask = tdm_from_data(TDM_SHAPE(k), TDM_F32, dev, pad);
     free(pad);
@@ -448,7 +446,7 @@ int tdm_gpt_parallelize(tdm_module *m, tdm_group *tp, const tdm_gpt_tp_plan *pla
     gpt_state *st = m->impl;
     if (!rc && plan->vocab_parallel) {
         int64_t k = c->padded_vocab / n;
-        st->pad = padding_mask(c, k, k * tdm_group_rank(tp), m->device, &rc);
+        st->pad = tdm_gpt_padding_mask(c, k, k * tdm_group_rank(tp), m->device, &rc);
     }
     if (!rc) st->tp = tp, st->seq = sequence_parallel, st->vocab = plan->vocab_parallel;
     return rc;

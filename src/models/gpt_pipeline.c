@@ -127,20 +127,6 @@ tdm_module *tdm_gpt_pipeline_model(const tdm_module *gpt, tdm_pipe_tie *tie) {
     return seq;
 }
 
-/* The padding mask of rows [lo, lo + k) of wte, or NULL (*rc 0) where none is padding. */
-static tdm_tensor *padding_mask(const tdm_gpt_config *c, int64_t k, int64_t lo, tdm_device dev,
-                                int *rc) {
-    *rc = TDM_OK;
-    if (lo + k <= c->vocab) return NULL;
-    float *pad = malloc(sizeof *pad * (size_t)k);
-    if (!pad) return *rc = tdm_raise(TDM_ERR_NOMEM, "gpt_parallelize_stage: out of memory"), NULL;
-    for (int64_t j = 0; j < k; j++) pad[j] = lo + j < c->vocab ? 0.0f : -1e30f;
-    tdm_tensor *mask = tdm_from_data(TDM_SHAPE(k), TDM_F32, dev, pad);
-    free(pad);
-    if (!mask) *rc = tdm_last_status();
-    return mask ? tdm_scope_keep(mask) : NULL;
-}
-
 int tdm_gpt_end_split(tdm_module *layer, tdm_group *tp, bool seq, bool vocab) {
     if (layer->ops != &embed_ops && layer->ops != &head_ops) return 0;
     end_state *st = layer->impl;
@@ -152,7 +138,8 @@ int tdm_gpt_end_split(tdm_module *layer, tdm_group *tp, bool seq, bool vocab) {
         tdm_module_free(layer->children[head]);
         layer->children[head] = w;
         int64_t k = w->params[0]->shape[0];
-        if (head) st->pad = padding_mask(&st->c, k, k * tdm_group_rank(tp), layer->device, &rc);
+        if (head)
+            st->pad = tdm_gpt_padding_mask(&st->c, k, k * tdm_group_rank(tp), layer->device, &rc);
     }
     if (rc) return rc;
     st->tp = seq || vocab ? tp : NULL, st->seq = seq, st->vocab = vocab;

@@ -27,6 +27,12 @@ void tdm_cost_batch_norm(tdm_model_cost *c, int64_t ch, int64_t h, int64_t w);
 
 /* ---- the GPT's pipeline model (gpt_pipeline.c) ---------------------------------------------- */
 
+/* What a vocabulary-split head adds to its columns of the logits, those of rows [lo, lo + k)
+ * of wte: 0, or -1e30 where a row is padding (>= c->vocab); NULL (*rc 0) where none is. Kept
+ * out of any step's scope: the caller frees it (gpt.c). */
+tdm_tensor *tdm_gpt_padding_mask(const tdm_gpt_config *c, int64_t k, int64_t lo, tdm_device dev,
+                                 int *rc);
+
 /* Splits layer, tdm_gpt_pipeline_model's embeddings (1 returned) or head (2; its ln_f is the
  * caller's to make sequence-parallel), over tp: the tokens it hands on or takes (seq), its wte
  * by rows (vocab); 0 for any other layer, or an error (negative). */

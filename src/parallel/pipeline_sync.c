@@ -122,24 +122,29 @@ int tdm_pipe_find_ties(worker *w, const tdm_paramset *ps) {
     return TDM_OK;
 }
 
-/* fp16: whether every gradient of every stage and replica is finite. Each worker adds the sum
- * of squares of its averaged gradient (before unscaling; optim/scaler.h) under mu and waits
- * for all the others, so all agree and skip alike. The sum's order varies, its finiteness
- * does not. An error when the pipeline failed meanwhile. */
-int tdm_pipe_agree_finite(worker *w, bool *finite) {
-    struct tdm_pipe *p = w->p;
-    double ss = 0;
-    int rc = w->opt ? tdm_clip_sum_squares_of(w->mod->paramset->flat_grad, &ss) : TDM_OK;
-    if (rc) return rc;
+/* mine added to *sum under mu, counted in *joined, once every worker has: *total the sum (the
+ * same on every worker). An error when the pipeline failed meanwhile. */
+static int join_sum(struct tdm_pipe *p, double mine, double *sum, int *joined, double *total) {
     pthread_mutex_lock(&p->mu);
-    p->inf_ss += ss;
-    if (++p->inf_checked == p->n_workers) pthread_cond_broadcast(&p->cv);
-    while (p->inf_checked < p->n_workers && !atomic_load(&p->failed))
-        pthread_cond_wait(&p->cv, &p->mu);
-    *finite = isfinite(p->inf_ss);
+    *sum += mine;
+    if (++*joined == p->n_workers) pthread_cond_broadcast(&p->cv);
+    while (*joined < p->n_workers && !atomic_load(&p->failed)) pthread_cond_wait(&p->cv, &p->mu);
+    *total = *sum;
     bool failed = atomic_load(&p->failed);
     pthread_mutex_unlock(&p->mu);
     return failed ? tdm_raise(TDM_ERR_STATE, "stopped: another stage failed") : TDM_OK;
+}
+
+/* fp16: whether every gradient of every stage and replica is finite. Each worker adds the sum
+ * of squares of its averaged gradient (before unscaling; optim/scaler.h) and waits for all the
+ * others, so all agree and skip alike. The sum's order varies, its finiteness does not. */
+int tdm_pipe_agree_finite(worker *w, bool *finite) {
+    struct tdm_pipe *p = w->p;
+    double ss = 0, total = 0;
+    int rc = w->opt ? tdm_clip_sum_squares_of(w->mod->paramset->flat_grad, &ss) : TDM_OK;
+    if (!rc) rc = join_sum(p, ss, &p->inf_ss, &p->inf_checked, &total);
+    *finite = isfinite(total);
+    return rc;
 }
 
 /* This worker's share of the squares of the whole model's gradient: replica 0's (the others
@@ -163,18 +168,10 @@ static int clip_share(worker *w, double *ss) {
  * with nothing), then its gradient scaled by the whole norm's factor. */
 int tdm_pipe_clip(worker *w, bool finite) {
     struct tdm_pipe *p = w->p;
-    double ss = 0;
+    double ss = 0, total = 0;
     int rc = finite ? clip_share(w, &ss) : TDM_OK;
+    if (!rc) rc = join_sum(p, ss, &p->clip_ss, &p->clip_joined, &total);
     if (rc) return rc;
-    pthread_mutex_lock(&p->mu);
-    p->clip_ss += ss;
-    if (++p->clip_joined == p->n_workers) pthread_cond_broadcast(&p->cv);
-    while (p->clip_joined < p->n_workers && !atomic_load(&p->failed))
-        pthread_cond_wait(&p->cv, &p->mu);
-    float norm = (float)sqrt(p->clip_ss);
-    bool failed = atomic_load(&p->failed);
-    pthread_mutex_unlock(&p->mu);
-    if (failed) return tdm_raise(TDM_ERR_STATE, "stopped: another stage failed");
     tdm_paramset *ps = w->opt ? w->mod->paramset : NULL;
-    return ps && finite ? tdm_clip_scale(ps, 0, ps->total, p->clip, norm) : TDM_OK;
+    return ps && finite ? tdm_clip_scale(ps, 0, ps->total, p->clip, (float)sqrt(total)) : TDM_OK;
 }

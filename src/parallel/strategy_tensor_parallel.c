@@ -39,6 +39,7 @@ typedef struct tp_rank {
     struct tensor_parallel *s;
     int rank, d, t; /* rank = d tp + t (the mesh's row-major order) */
     int row;        /* its part of the batch: d, or 0 across processes */
+    tdm_device dev; /* its device (across processes rank is not an index of devices) */
     pthread_t thread;
     bool started;
     tdm_module *replica; /* a whole clone until the init round splits it */
@@ -152,7 +153,7 @@ static int rank_update(tp_rank *r) {
 
 static int rank_step(tp_rank *r) {
     tensor_parallel *s = r->s;
-    tdm_device dev = s->devices[r->rank];
+    tdm_device dev = r->dev;
     int64_t b = s->x->shape[0], lo, hi;
     tdm_rows_of(b, s->rows, r->row, &lo, &hi);
     tdm_scope_begin();
@@ -292,7 +293,7 @@ static void *rank_main(void *arg) {
     tp_rank *r = arg;
     tensor_parallel *s = r->s;
     char track[48], dev[16];
-    snprintf(track, sizeof track, "%s compute", tdm_device_str(s->devices[r->rank], dev));
+    snprintf(track, sizeof track, "%s compute", tdm_device_str(r->dev, dev));
     tdm_trace_name_thread(track);
     if (s->o.procs) /* mpirun places the processes; the GEMM keeps the caller's share */
         tdm_cpu_gemm_set_threads(s->gemm_threads);
@@ -594,7 +595,7 @@ tdm_strategy *tdm_strategy_tensor_parallel(tdm_module *model, const tdm_device *
     for (int i = 0; i < n && !rc; i++) {
         int g = o->procs ? tdm_group_rank(o->procs) : i; /* its rank in the mesh */
         s->ranks[i] = (tp_rank){.s = s, .rank = g, .d = g / s->tp, .t = g % s->tp};
-        s->ranks[i].row = o->procs ? 0 : s->ranks[i].d;
+        s->ranks[i].row = o->procs ? 0 : s->ranks[i].d, s->ranks[i].dev = devices[i];
         if (!(s->ranks[i].replica = tdm_module_clone(model, devices[i]))) rc = tdm_last_status();
     }
     for (int i = 0; i < n && !rc; i++) {

@@ -268,7 +268,8 @@ int tdm_mpi_share_cores(void);
  * in each process gets the same tags. The timeout is g's at the time. NULL and an error for
  * bad ranks, a group that is not MPI's, or a build without MPI. */
 tdm_group *tdm_mpi_subgroup(tdm_group *g, int n, const int *ranks);
-/* Frees a group tdm_mpi_subgroup made, once no collective of it is pending. NULL is ignored. */
+/* Frees a group tdm_mpi_subgroup made, once no collective of it is pending and before
+ * tdm_mpi_finalize. NULL is ignored. */
 void tdm_mpi_subgroup_free(tdm_group *sub);
 
 /* ---- the two-level world: threads inside this process, processes outside --------------- */

@@ -491,6 +491,10 @@ int tdm_dp_forward(tdm_dp *dp, tdm_tensor *x, tdm_tensor **out);
  * What tdm_strategy_set_shard (tandem/strategy.h) takes to shard a DataParallel's or a DDP's
  * parameters by unit. */
 typedef int (*tdm_units_fn)(tdm_module *replica, tdm_module **units, int cap);
+/* tdm_ddp_set_shard_units with the units units_of finds in m, the model d wraps (counted, then
+ * listed); none found leaves d's units as they are. TDM_OK, units_of's negative status, or
+ * tdm_ddp_set_shard_units' errors. */
+int tdm_ddp_set_shard_units_of(tdm_ddp *d, tdm_module *m, tdm_units_fn units_of);
 /* DataParallel is sharded (ZeRO stages 1 to 3) through its strategy:
  * tdm_strategy_data_parallel, then tdm_strategy_set_shard, tdm_strategy_gather_params and
  * tdm_strategy_release_params, the one sharding API over every strategy (tandem/strategy.h;

@@ -690,6 +690,18 @@ int tdm_ddp_set_shard_units(tdm_ddp *d, tdm_module *const *units, int n) {
     return TDM_OK;
 }
 
+int tdm_ddp_set_shard_units_of(tdm_ddp *d, tdm_module *m, tdm_units_fn units_of) {
+    if (!units_of || !m) return tdm_raise(TDM_ERR_ARG, "ddp_set_shard_units_of: NULL argument");
+    int n = units_of(m, NULL, 0);
+    if (n <= 0) return n;
+    tdm_module **units = malloc(sizeof *units * (size_t)n);
+    if (!units) return tdm_raise(TDM_ERR_NOMEM, "ddp_set_shard_units_of: out of memory");
+    units_of(m, units, n);
+    int rc = tdm_ddp_set_shard_units(d, units, n);
+    free(units);
+    return rc;
+}
+
 tdm_fsdp_opts tdm_fsdp_defaults(void) {
     return (tdm_fsdp_opts){.sharding_strategy = TDM_SHARD_PARAMETERS, .ddp = tdm_ddp_defaults()};
 }

@@ -325,13 +325,7 @@ static int replica_forward(replica *r) {
 static int replica_shard(replica *r) {
     tdm_dp *dp = r->dp;
     if (dp->shard_to == TDM_SHARD_PARAMETERS && dp->units_of) {
-        int n = dp->units_of(r->replica, NULL, 0);
-        tdm_module **units = n > 0 ? malloc(sizeof *units * (size_t)n) : NULL;
-        if (n > 0 && !units)
-            return tdm_raise(TDM_ERR_NOMEM, "data_parallel set_shard: out of memory");
-        if (n > 0) dp->units_of(r->replica, units, n);
-        int rc = n < 0 ? n : n > 0 ? tdm_ddp_set_shard_units(r->ddp, units, n) : TDM_OK;
-        free(units);
+        int rc = tdm_ddp_set_shard_units_of(r->ddp, r->replica, dp->units_of);
         if (rc) return rc;
     }
     return tdm_ddp_set_shard(r->ddp, r->opt, dp->shard_to);

@@ -8,8 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define MAX_UNITS 256
-
 typedef struct {
     tdm_strategy base;
     tdm_module *model;
@@ -63,16 +61,11 @@ static int ddp_forward(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out) {
 
 static int ddp_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn units_of) {
     distributed *s = (distributed *)st;
-    if (kind == TDM_SHARD_PARAMETERS && units_of) {
-        tdm_module *units[MAX_UNITS];
-        int n = units_of(s->model, units, MAX_UNITS);
-        if (n > MAX_UNITS)
-            return tdm_raise(TDM_ERR_ARG, "strategy set_shard: the model has %d units, over %d", n,
-                             MAX_UNITS);
-        if (n < 0) return n;
-        if (n > 0 && tdm_ddp_set_shard_units(s->ddp, units, n)) return tdm_last_status();
-    }
-    int rc = tdm_ddp_set_shard(s->ddp, s->opt, kind);
+    int rc = kind == TDM_SHARD_PARAMETERS && units_of
+                 ? tdm_ddp_set_shard_units_of(s->ddp, s->model, units_of)
+                 : TDM_OK;
+    if (rc) return rc;
+    rc = tdm_ddp_set_shard(s->ddp, s->opt, kind);
     if (!rc) st->shard = kind;
     if (!rc) st->state_split = true;
     return rc;

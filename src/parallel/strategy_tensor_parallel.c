@@ -242,12 +242,7 @@ static int rank_whole(tp_rank *r, bool gather) {
 static int rank_shard(tp_rank *r) {
     tensor_parallel *s = r->s;
     if (s->shard_to == TDM_SHARD_PARAMETERS && s->units_of) {
-        int n = s->units_of(r->replica, NULL, 0);
-        tdm_module **units = n > 0 ? malloc(sizeof *units * (size_t)n) : NULL;
-        if (n > 0 && !units) return tdm_raise(TDM_ERR_NOMEM, "tensor_parallel: out of memory");
-        if (n > 0) s->units_of(r->replica, units, n);
-        int rc = n < 0 ? n : n > 0 ? tdm_ddp_set_shard_units(r->ddp, units, n) : TDM_OK;
-        free(units);
+        int rc = tdm_ddp_set_shard_units_of(r->ddp, r->replica, s->units_of);
         if (rc) return rc;
     }
     return tdm_ddp_set_shard(r->ddp, r->opt, s->shard_to);

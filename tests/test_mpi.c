@@ -432,6 +432,14 @@ static void *two_level_main(void *arg) {
             lowp_ops(a->g, tdm_cpu(0), L, d ? TDM_F16 : TDM_BF16, ms[s], 7 * s, &a->lowp);
         tdm_scope_end();
     }
+    /* a mesh whose tp groups would hold 2 devices of one process and 1 of another (3 x 2
+     * ranks, tp 3) is refused on every rank before any collective (none hangs) */
+    if (N == 3 && !a->err[0]) {
+        tdm_mesh *m = tdm_mesh_new(a->g, 2, (int[]){2, 3}, (const char *[]){"dp", "tp"});
+        if (m || !strstr(tdm_last_error(), "groups of \"tp\" would hold different numbers"))
+            snprintf(a->err, sizeof a->err, "uneven mesh: %s", m ? "made" : tdm_last_error());
+        tdm_mesh_free(m);
+    }
     tdm_thread_release();
     return NULL;
 }

@@ -989,8 +989,8 @@ static void test_gpu_mesh(void) {
  * with gs's one-device reference within the threads' bounds. */
 static void gpt_over(tdm_group *tp, int r, gpt_shared *gs) {
     int t = tdm_group_rank(tp), n = tdm_group_size(tp);
-    memset(gs->dw, 0, sizeof gs->dw), memset(gs->dloss, 0, sizeof gs->dloss);
-    for (int k = 0; k < MAX_RANKS; k++) gs->dwhole[k] = INFINITY;
+    /* this rank's entries only: a process's other device threads run beside it */
+    gs->dw[t] = 0, gs->dloss[t] = 0, gs->dwhole[t] = INFINITY;
     tdm_rank_ctx ctx = {.rank = t, .size = n, .device = tdm_cpu(0), .group = tp};
     CHECK(gpt_rank(&ctx, gs) == 0, "GPT tp %d over MPI, rank %d: %s", n, r, gs->msg[t]);
     CHECK(gs->dw[t] <= GPT_BOUND && gs->dloss[t] <= MLP_BOUND && gs->dwhole[t] <= GPT_BOUND,
@@ -1031,6 +1031,98 @@ static void test_across_processes(tdm_group *world) {
     tdm_module_free(gs.ref);
 }
 
+/* ---- two devices a process: `mpirun -np 2 test_tensor_parallel --mpi` ---------------------- */
+
+typedef struct {
+    tdm_group *g; /* this device's group of the two-level world */
+    int *wrong;   /* [4], by global rank */
+    mlp_shared *ms;
+    gpt_shared *gs;
+    /* what the thread found, checked by the main thread (CHECK is not thread-safe) */
+    char err[256];
+    float gpt[2][3]; /* the GPT at tp 2, tp 4: weights, losses, gathered weights off by */
+} level_arg;
+
+/* The GPT split over the tp groups of a mesh {dp, tp} over the two-level group: ranks of one
+ * process (tp 2 inside each, dp across) or of both (tp 4: each tp group two-level itself). */
+static int gpt_over_mesh(level_arg *a, int dp, int tp, float *found) {
+    tdm_mesh *mesh = tdm_mesh_new(a->g, 2, (int[]){dp, tp}, (const char *[]){"dp", "tp"});
+    if (!mesh) return tdm_last_status();
+    tdm_group *g = tdm_mesh_group(mesh, "tp");
+    int t = tdm_group_rank(g); /* this rank's entries only: the other device thread runs beside */
+    gpt_shared *gs = a->gs;
+    gs->dw[t] = 0, gs->dloss[t] = 0, gs->dwhole[t] = INFINITY;
+    tdm_rank_ctx ctx = {.rank = t, .size = tp, .device = tdm_cpu(0), .group = g};
+    int rc = gpt_rank(&ctx, gs);
+    if (rc) snprintf(a->err, sizeof a->err, "GPT tp %d: %s", tp, gs->msg[t]);
+    found[0] = gs->dw[t], found[1] = gs->dloss[t], found[2] = gs->dwhole[t];
+    tdm_mesh_free(mesh);
+    return rc;
+}
+
+static void *level_main(void *arg) {
+    level_arg *a = arg;
+    int r = tdm_group_rank(a->g);
+    tdm_rank_ctx ctx = {.rank = r, .size = 4, .device = tdm_cpu(0), .group = a->g};
+    /* dp groups across the processes, one per device thread, launched side by side */
+    if (mesh_rank(&ctx, a->wrong))
+        snprintf(a->err, sizeof a->err, "mesh: %s", tdm_last_error());
+    else if (mlp_rank(&ctx, a->ms))
+        snprintf(a->err, sizeof a->err, "MLP: %s", a->ms->msg[r]);
+    else if (!gpt_over_mesh(a, 2, 2, a->gpt[0]) && !gpt_over_mesh(a, 1, 4, a->gpt[1])) {
+    } else if (!a->err[0])
+        snprintf(a->err, sizeof a->err, "GPT: %s", tdm_last_error());
+    tdm_thread_release();
+    return NULL;
+}
+
+/* Two CPU devices a process (the two-level group): the mesh's coordinates and sums with its
+ * dp groups across the processes (MPI sub-groups driven by both device threads at once), the
+ * MLP at dp 2 x tp 2 with DDP over them, and the GPT at tp 2 inside each process and at tp 4
+ * across both (a two-level group per tp group), against one device within the threads'
+ * bounds. A layout whose groups split unevenly over the processes is refused. */
+static void test_two_level(tdm_group *world) {
+    enum { L = 2 };
+    int p = tdm_group_rank(world), wrong[4] = {0};
+    tdm_device devs[L] = {tdm_cpu(0), tdm_cpu(1)};
+    tdm_threads_world *tw = tdm_threads_world_new(L, devs);
+    tdm_hier_world *hw = tw ? tdm_hier_world_new(tw, L, world) : NULL;
+    CHECK(hw, "two-level world: %s", tdm_last_error());
+    mlp_shared ms = {.n = 4, .dp_size = 2};
+    gpt_shared gs = {.seq = true, .vocab = true};
+    tdm_rng rng = tdm_rng_make(5);
+    gs.ref = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
+    CHECK(gs.ref && train_gpt(gs.ref, gs.ref_loss) == 0 && mlp_reference(&ms) == 0,
+          "one device: %s", tdm_last_error());
+    level_arg a[L];
+    pthread_t th[L];
+    for (int l = 0; hw && l < L; l++) {
+        a[l] = (level_arg){.g = tdm_hier_world_group(hw, l), .wrong = wrong, .ms = &ms, .gs = &gs};
+        pthread_create(&th[l], NULL, level_main, &a[l]);
+    }
+    for (int l = 0; hw && l < L; l++) {
+        pthread_join(th[l], NULL);
+        int r = p * L + l;
+        CHECK(!a[l].err[0] && wrong[r] == 0, "two devices a process, rank %d: %s (%d wrong)", r,
+              a[l].err, wrong[r]);
+        CHECK(ms.dw[r] <= MLP_BOUND && ms.dloss[r] <= MLP_BOUND,
+              "MLP dp 2 x tp 2, two devices a process, rank %d: weights off by %g, losses by %g", r,
+              ms.dw[r], ms.dloss[r]);
+        for (int k = 0; k < 2; k++)
+            CHECK(a[l].gpt[k][0] <= GPT_BOUND && a[l].gpt[k][1] <= MLP_BOUND &&
+                      a[l].gpt[k][2] <= GPT_BOUND,
+                  "GPT tp %d, two devices a process, rank %d: weights off by %g, losses by %g, "
+                  "gathered by %g",
+                  2 << k, r, a[l].gpt[k][0], a[l].gpt[k][1], a[l].gpt[k][2]);
+        printf("two devices a process, rank %d: MLP dp 2 x tp 2 weights within %.3g; GPT tp 2 "
+               "within %.3g, tp 4 within %.3g of one device\n",
+               r, ms.dw[r], a[l].gpt[0][0], a[l].gpt[1][0]);
+    }
+    tdm_hier_world_free(hw);
+    tdm_threads_world_free(tw);
+    tdm_module_free(gs.ref);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && !strcmp(argv[1], "--gpu")) { /* the emulation's run, scripts/gpu-check */
         int gpus = tdm_device_count(TDM_CUDA);
@@ -1047,9 +1139,13 @@ int main(int argc, char **argv) {
     }
     if (argc > 1 && !strcmp(argv[1], "--mpi")) {
         tdm_group *world = tdm_mpi_init(&argc, &argv);
-        CHECK(world && tdm_group_size(world) == 4, "--mpi runs under mpirun -np 4: %s",
+        int np = world ? tdm_group_size(world) : 0;
+        CHECK(np == 2 || np == 4,
+              "--mpi runs under mpirun -np 4 (one device a process) or 2 "
+              "(two): %s",
               world ? "another size" : tdm_last_error());
-        if (world && tdm_group_size(world) == 4) test_across_processes(world);
+        if (np == 4) test_across_processes(world);
+        if (np == 2) test_two_level(world);
         if (world) tdm_mpi_finalize();
         return check_summary();
     }

@@ -554,10 +554,14 @@ typedef struct tdm_mesh tdm_mesh;
  * g's size), row-major as init_device_mesh does: the last dimension varies fastest, so with
  * {"dp", "tp"} = {2, 2} ranks 0 and 1 are one tensor-parallel pair and ranks 0 and 2 one
  * data-parallel pair. A collective over g: every rank calls it with the same arguments and
- * gets its own mesh. g is a threads group (tdm_spawn's: the devices of one process) or an MPI
- * group (tdm_mpi_init's: one device a process, every process calling it in the same order
- * as its other meshes, since their groups' messages are told apart by the order they were
- * made in); a two-level group fails naming that. NULL and an error on bad sizes or names. */
+ * gets its own mesh. g is a threads group (tdm_spawn's: the devices of one process), an MPI
+ * group (tdm_mpi_init's: one device a process) or a two-level group (several devices a
+ * process under mpirun, as DataParallel across processes makes); across processes every
+ * process makes its meshes in the same order, since their groups' messages are told apart by
+ * the order they were made in. Across processes each dimension's groups must hold as many
+ * ranks in each of their processes (dp x tp = 2 x 2 over 2 processes of 2 devices: tp inside
+ * each, dp across; 2 x 3 over 3 processes of 2: refused). GPUs in several processes are
+ * refused (no NCCL groups across processes yet). NULL and an error on bad sizes or names. */
 tdm_mesh *tdm_mesh_new(tdm_group *g, int ndim, const int *sizes, const char *const *names);
 /* The group of the ranks that differ from this one along `dim` only (mesh["tp"] in PyTorch):
  * its rank in it is this rank's coordinate along dim. Owned by the mesh. NULL and an error

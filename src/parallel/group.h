@@ -257,17 +257,20 @@ int tdm_mpi_tune_tcp(int64_t max_message);
 int tdm_mpi_share_cores(void);
 
 /* A group of n of the ranks of g, an MPI group (tdm_mpi_init's, or one made here): ranks[k] is
- * g's rank that is the new group's rank k; the caller must be one of them. Its collectives run
- * on the world's communication thread among the others', one at a time, under tags of its
- * own; a failure or an abort in any group fails them all. Every process must launch its
- * groups' collectives in one order, so from one thread: threads of a process launching on
- * different groups at once could order them differently on two processes, each then waiting
- * in the collective the other has not reached (a two-level mesh, whose data-parallel groups
- * are driven by each device's thread, hung so; mpi_group.c).
- * Every process makes its groups in the same order (tdm_mesh_new does): the k-th group made
- * in each process gets the same tags. The timeout is g's at the time. NULL and an error for
- * bad ranks, a group that is not MPI's, or a build without MPI. */
+ * g's rank that is the new group's rank k; the caller must be one of them. It runs its
+ * collectives on a communication thread of its own, in launch order, under tags of its own,
+ * side by side with the other groups' (threads of a process may launch on different groups in
+ * any order); a failure or an abort in any group fails them all. Every process makes its
+ * groups in the same order (tdm_mesh_new does): the k-th group made in each process gets the
+ * same tags. The timeout is g's at the time. NULL and an error for bad ranks, a group that is
+ * not MPI's, or a build without MPI. */
 tdm_group *tdm_mpi_subgroup(tdm_group *g, int n, const int *ranks);
+/* Reserves count group ids (tags) of g's world, the next in this process's order, for
+ * tdm_mpi_subgroup_with_id; the first, or -1 and an error when they run out. */
+int tdm_mpi_subgroup_ids(tdm_group *g, int count);
+/* tdm_mpi_subgroup with the tags of a reserved id: the processes that share the group name the
+ * same id (from their own reservations, made in the same order), whichever thread makes it. */
+tdm_group *tdm_mpi_subgroup_with_id(tdm_group *g, int n, const int *ranks, int id);
 /* Frees a group tdm_mpi_subgroup made, once no collective of it is pending and before
  * tdm_mpi_finalize. NULL is ignored. */
 void tdm_mpi_subgroup_free(tdm_group *sub);
@@ -283,6 +286,10 @@ typedef struct tdm_hier_world tdm_hier_world;
  * start. */
 tdm_hier_world *tdm_hier_world_new(tdm_threads_world *local, int local_size, tdm_group *processes);
 tdm_group *tdm_hier_world_group(tdm_hier_world *w, int local_rank);
+/* When g is a group of a two-level world: its rank's group in this process's threads world
+ * (*local), the devices a process (*local_size) and the outer group (*processes); true. False
+ * for any other group. */
+bool tdm_hier_group_parts(tdm_group *g, tdm_group **local, int *local_size, tdm_group **processes);
 /* Fails what is still queued, joins the threads, frees the groups. */
 void tdm_hier_world_free(tdm_hier_world *w);
 

@@ -323,6 +323,15 @@ tdm_group *tdm_hier_world_group(tdm_hier_world *w, int local_rank) {
     return &w->ranks[local_rank].g;
 }
 
+bool tdm_hier_group_parts(tdm_group *g, tdm_group **local, int *local_size, tdm_group **processes) {
+    if (!g || g->ops != &hier_ops) return false;
+    hrank *h = (hrank *)g;
+    *local = inner(h);
+    *local_size = h->w->nl;
+    *processes = h->w->outer;
+    return true;
+}
+
 void tdm_hier_world_free(tdm_hier_world *w) {
     if (!w) return;
     for (int l = 0; l < w->nl; l++) {

@@ -1,13 +1,14 @@
 /* The MPI backend: one rank per process, launched by mpirun or a scheduler (srun).
  *
- * Threading. One communication thread per process owns MPI: it calls MPI_Init_thread with
- * MPI_THREAD_FUNNELED (it is the "main" thread in MPI's sense, since it initialises MPI), runs
- * every collective in launch order, and finalises MPI. The caller's threads only queue work
- * and wait on handles, exactly as with the threads backend, so DDP's bucket all-reduces
- * overlap backward. We do not use MPI_THREAD_MULTIPLE: Debian's Open MPI 4.1 offers it
- * (ompi_info: "MPI_THREAD_MULTIPLE: yes"), but it turns on locking inside every MPI call
- * and a single owner thread needs none of it; one thread also keeps the failure handling
- * (below) in one place.
+ * Threading. Each group (the world, and each sub-group: tdm_mpi_subgroup) has a communication
+ * thread that runs its collectives in launch order; the caller's threads only queue work and
+ * wait on handles, exactly as with the threads backend, so DDP's bucket all-reduces overlap
+ * backward. The world's thread initialises and finalises MPI. The threads take turns in MPI
+ * (a mutex around every call: MPI_THREAD_SERIALIZED) and never block inside it, so the
+ * collectives of different groups progress side by side whatever order each process launches
+ * them in. We do not ask for MPI_THREAD_MULTIPLE: Debian's Open MPI 4.1 offers it
+ * (ompi_info: "MPI_THREAD_MULTIPLE: yes"), but it turns on locking inside every MPI call where
+ * one uncontended mutex around our few calls does. One failure (below) is shared by them all.
  *
  * Determinism. MPI_Allreduce's summation order depends on the algorithm Open MPI picks for
  * the size and rank count (ring, recursive doubling, Rabenseifner), and some algorithms sum
@@ -73,6 +74,16 @@ tdm_group *tdm_mpi_subgroup(tdm_group *g, int n, const int *ranks) {
     return tdm_raise_null(TDM_ERR_STATE, "mpi_subgroup: this build of Tandem has no MPI");
 }
 
+int tdm_mpi_subgroup_ids(tdm_group *g, int count) {
+    (void)g, (void)count;
+    return tdm_raise(TDM_ERR_STATE, "mpi_subgroup: this build of Tandem has no MPI"), -1;
+}
+
+tdm_group *tdm_mpi_subgroup_with_id(tdm_group *g, int n, const int *ranks, int id) {
+    (void)g, (void)n, (void)ranks, (void)id;
+    return tdm_raise_null(TDM_ERR_STATE, "mpi_subgroup: this build of Tandem has no MPI");
+}
+
 void tdm_mpi_subgroup_free(tdm_group *sub) {
     (void)sub;
 }
@@ -116,73 +127,77 @@ typedef struct {
     uint64_t watched_digest;
 } header;
 
-#define FAIL_LEN (TDM_WORK_MSG - 64) /* room for the "op on rank R: " prefix */
+#define FAIL_LEN      (TDM_WORK_MSG - 64) /* room for the "op on rank R: " prefix */
 
 /* the first tags of the sub-groups: two each (headers, data) */
-#define TAG_SUB  200
+#define TAG_SUB       200
 
 struct mworld;
 
-/* One group's view of the MPI world: the world itself, or a sub-group of its processes
- * (tdm_mpi_subgroup: a mesh's dimension). Every group's collectives run on the world's one
- * communication thread, in launch order, over the world's communicator under tags of their
- * own: a sub-group needs no communicator of its own, whose making (MPI_Comm_split) would be a
- * collective over every process on that thread. Run one after another, the collectives of
- * several groups cannot wait for each other in a cycle as long as every process launches
- * them in the same order, as one thread of ranks running the same program does (tensor
- * parallelism's collectives between DDP's buckets). Several threads of a process launching
- * on different groups break that: process 0 may queue group B's collective before A's while
- * process 1 queues A's first, and each runs the one the other has not reached, until the
- * timeout (a two-level mesh's data-parallel groups, one per device thread, did). Running them
- * needs collectives that progress side by side on the thread (each a state machine over its
- * rounds), or MPI_THREAD_MULTIPLE with a thread per group. */
-typedef struct mcomm {
-    tdm_group g; /* first member: a tdm_group * is an mcomm * */
-    struct mworld *w;
-    int tag_hdr, tag_data;
-    int *peers; /* peers[k]: the world rank of the group's rank k; NULL for the world */
-    /* ---- owned by the communication thread ---- */
-    int64_t seq;
-    header *hdr_in; /* a header from each rank of the group */
-} mcomm;
-
-typedef struct mworld {
-    mcomm c;       /* first member: the world's group */
-    int subgroups; /* made so far (tags TAG_SUB + 2 i, + 1) */
-    pthread_t thread;
-    bool started;
-    /* launch queue, FIFO; also guards init_state, the abort's three flags and stop */
-    pthread_mutex_t qlock;
-    pthread_cond_t qcond;
-    tdm_work *head, *tail;
-    bool stop;
-    int init_state; /* 0 starting, 1 ready, -1 failed (init_msg) */
-    char init_msg[256];
-    int *argc;
-    char ***argv;
-    bool abort_req, abort_taken, abort_done; /* asked, failed and told, returned (settle) */
-    char abort_msg[FAIL_LEN];
-    /* failure: fail_msg is written once, before failed is set (release) */
-    atomic_int failed;
-    char fail_msg[FAIL_LEN];
-    /* ---- owned by the communication thread ---- */
-    MPI_Comm comm;
-    float *scratch; /* (size - 1) chunks of one segment */
-    size_t scratch_bytes;
+/* The state of one round of a collective: its requests and where its deferred receives go. */
+typedef struct {
     tdm_work *cur; /* the collective being run */
     header hdr_out;
     bool hdr_round; /* this round started with the headers: its receives wait for them */
     void **rbuf;    /* such a receive, posted by finish_round: buffer and bytes */
     int64_t *rbytes;
     MPI_Request *reqs;
-    int *req_peer; /* the rank each request talks to; negative for sends */
+    int *req_peer; /* the world rank each request talks to; -1 - rank for sends */
     int *req_idx;
     MPI_Status *stats;
     int nreq, req_cap;
+    float *scratch; /* (size - 1) chunks of one segment */
+    size_t scratch_bytes;
+} mround;
+
+/* One group's view of the MPI world: the world itself, or a sub-group of its processes
+ * (tdm_mpi_subgroup: a mesh's dimension), over the world's communicator under tags of its
+ * own (a sub-group needs no communicator of its own, whose making, MPI_Comm_split, would be
+ * a collective over every process). Each group runs its collectives in launch order on a
+ * communication thread of its own, so the collectives of different groups progress side by
+ * side: threads of a process may launch on different groups in any order (a two-level mesh's
+ * data-parallel groups, one per device thread), where one thread running them one after
+ * another would wait in the collective a peer process has not reached. The threads take
+ * turns in MPI (w->mpi_mu: MPI_THREAD_SERIALIZED); none ever blocks inside it. */
+typedef struct mcomm {
+    tdm_group g; /* first member: a tdm_group * is an mcomm * */
+    struct mworld *w;
+    int tag_hdr, tag_data;
+    int *peers; /* peers[k]: the world rank of the group's rank k; NULL for the world */
+    pthread_t thread;
+    bool started;
+    /* launch queue, FIFO, under the world's qlock */
+    tdm_work *head, *tail;
+    bool stop;
+    /* ---- owned by the group's communication thread ---- */
+    int64_t seq;
+    header *hdr_in; /* a header from each rank of the group */
+    mround rd;
+} mcomm;
+
+typedef struct mworld {
+    mcomm c;       /* first member: the world's group; its thread owns MPI's start and end */
+    int subgroups; /* made so far (tags TAG_SUB + 2 i, + 1) */
+    /* guards the queues, init_state, the abort's three flags and busy; qcond: any change */
+    pthread_mutex_t qlock;
+    pthread_cond_t qcond;
+    int busy;       /* groups in the middle of a collective */
+    int init_state; /* 0 starting, 1 ready, -1 failed (init_msg) */
+    char init_msg[256];
+    int *argc;
+    char ***argv;
+    bool abort_req, abort_taken, abort_done; /* asked, failed and told, returned (settle) */
+    char abort_msg[FAIL_LEN];
+    pthread_mutex_t mpi_mu;  /* held around every MPI call after setup */
+    pthread_mutex_t fail_mu; /* the first failure's message and its notices */
+    /* failure: fail_msg is written once, before failed is set (release) */
+    atomic_int failed;
+    char fail_msg[FAIL_LEN];
+    MPI_Comm comm;
     MPI_Request fail_recv, *fail_sends;
     char fail_in[FAIL_LEN], fail_out[FAIL_LEN];
     bool notices_sent;
-    bool stuck; /* a request outlived a failure: no more MPI calls, nothing freed (drain) */
+    atomic_bool stuck; /* a request outlived a failure: no more MPI calls, nothing freed */
 } mworld;
 
 static mworld *world;  /* the one MPI world of this process */
@@ -203,45 +218,67 @@ static bool has_failed(mworld *w) {
     return atomic_load_explicit(&w->failed, memory_order_acquire) != 0;
 }
 
-/* Comm thread: tells every other rank, once, so they fail now rather than at their timeout.
- * The notices are small (eager) messages: they leave even if the peer never receives them. */
+static void mpi_lock(mworld *w) {
+    pthread_mutex_lock(&w->mpi_mu);
+}
+
+static void mpi_unlock(mworld *w) {
+    pthread_mutex_unlock(&w->mpi_mu);
+}
+
+static bool is_stuck(mworld *w) {
+    return atomic_load(&w->stuck);
+}
+
+/* Holding fail_mu: tells every other rank, once, so they fail now rather than at their
+ * timeout. The notices are small (eager) messages: they leave even if the peer never receives
+ * them. */
 static void send_notices(mworld *w) {
-    if (w->notices_sent) return;
+    if (w->notices_sent || is_stuck(w)) return;
     w->notices_sent = true;
     snprintf(w->fail_out, sizeof w->fail_out, "%s", w->fail_msg);
+    mpi_lock(w);
     for (int k = 0; k < w->c.g.size; k++) {
         w->fail_sends[k] = MPI_REQUEST_NULL;
         if (k != w->c.g.rank)
             MPI_Isend(w->fail_out, FAIL_LEN, MPI_CHAR, k, TAG_FAIL, w->comm, &w->fail_sends[k]);
     }
+    mpi_unlock(w);
 }
 
-/* Comm thread: records the first failure; a local one (not a peer's notice) is sent on. */
+/* Records the first failure (any group's thread); a local one (not a peer's notice) is sent
+ * on. Not called holding mpi_mu. */
 static void fail(mworld *w, bool local, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void fail(mworld *w, bool local, const char *fmt, ...) {
-    if (has_failed(w)) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(w->fail_msg, sizeof w->fail_msg, fmt, ap);
-    va_end(ap);
-    atomic_store_explicit(&w->failed, 1, memory_order_release);
-    if (local) send_notices(w);
+    pthread_mutex_lock(&w->fail_mu);
+    if (!has_failed(w)) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(w->fail_msg, sizeof w->fail_msg, fmt, ap);
+        va_end(ap);
+        atomic_store_explicit(&w->failed, 1, memory_order_release);
+        if (local) send_notices(w);
+    }
+    pthread_mutex_unlock(&w->fail_mu);
 }
 
-/* Comm thread: takes in a peer's notice or this rank's tdm_group_abort. True once failed. */
+/* Takes in a peer's notice or this rank's tdm_group_abort (any group's thread). True once
+ * failed. */
 static bool poll_failure(mworld *w) {
     int got = 0;
-    if (w->fail_recv != MPI_REQUEST_NULL && !w->stuck) {
-        MPI_Status st;
-        if (MPI_Test(&w->fail_recv, &got, &st) == MPI_SUCCESS && got) {
-            w->fail_in[FAIL_LEN - 1] = '\0';
-            /* a peer's own finding ("timed out ... waiting for rank 1") is said as the
-             * peer's, not as this rank's; an abort's names its rank already */
-            if (strncmp(w->fail_in, "rank ", 5) == 0)
-                fail(w, false, "%s", w->fail_in);
-            else
-                fail(w, false, "rank %d stopped: %s", st.MPI_SOURCE, w->fail_in);
-        }
+    MPI_Status st;
+    mpi_lock(w);
+    if (w->fail_recv != MPI_REQUEST_NULL && !is_stuck(w))
+        if (MPI_Test(&w->fail_recv, &got, &st) != MPI_SUCCESS) got = 0;
+    mpi_unlock(w);
+    if (got) {
+        w->fail_in[FAIL_LEN - 1] = '\0';
+        /* a peer's own finding ("timed out ... waiting for rank 1") is said as the peer's,
+         * not as this rank's; an abort's names its rank already */
+        if (strncmp(w->fail_in, "rank ", 5) == 0)
+            fail(w, false, "%s", w->fail_in);
+        else
+            fail(w, false, "rank %d stopped: %s", st.MPI_SOURCE, w->fail_in);
     }
     pthread_mutex_lock(&w->qlock);
     bool req = w->abort_req && !w->abort_taken;
@@ -249,11 +286,15 @@ static bool poll_failure(mworld *w) {
     pthread_mutex_unlock(&w->qlock);
     if (req) {
         fail(w, true, "rank %d failed: %s", w->c.g.rank, w->abort_msg);
-        if (!w->stuck) send_notices(w); /* also when a peer's failure came first */
+        pthread_mutex_lock(&w->fail_mu);
+        send_notices(w); /* also when a peer's failure came first */
+        pthread_mutex_unlock(&w->fail_mu);
         /* give the notices a moment to leave before the caller may exit the process */
-        for (int64_t until = tdm_now_ns() + 100000000; !w->stuck && tdm_now_ns() < until;) {
+        for (int64_t until = tdm_now_ns() + 100000000; !is_stuck(w) && tdm_now_ns() < until;) {
             int all = 0;
+            mpi_lock(w);
             MPI_Testall(w->c.g.size, w->fail_sends, &all, MPI_STATUSES_IGNORE);
+            mpi_unlock(w);
             if (all) break;
             nap_ns(100000);
         }
@@ -261,18 +302,19 @@ static bool poll_failure(mworld *w) {
     return has_failed(w);
 }
 
-/* Comm thread, between two collectives, holding qlock: a tdm_group_abort taken in returns now
- * that no request of this rank can touch a caller's tensor (the collective it interrupted has
- * drained, those queued behind it fail before posting any), so a caller that gives up without
- * waiting for its collectives (DDP when backward fails) may free their tensors. */
+/* Holding qlock: a tdm_group_abort taken in returns once no group is in the middle of a
+ * collective, so no request of this rank can touch a caller's tensor (the collectives it
+ * interrupted have drained, those queued behind them fail before posting any), and a caller
+ * that gives up without waiting for its collectives (DDP when backward fails) may free their
+ * tensors. */
 static void settle_abort(mworld *w) {
-    if (w->abort_taken && !w->abort_done) {
+    if (w->abort_taken && !w->abort_done && w->busy == 0) {
         w->abort_done = true;
         pthread_cond_broadcast(&w->qcond);
     }
 }
 
-/* Any group's abort fails the process's world: its groups share the one thread and failure. */
+/* Any group's abort fails the process's world: its groups share one failure. */
 static void mpi_abort(tdm_group *g, const char *message) {
     mworld *w = ((mcomm *)g)->w;
     struct timespec until;
@@ -284,42 +326,47 @@ static void mpi_abort(tdm_group *g, const char *message) {
         w->abort_req = true;
         pthread_cond_broadcast(&w->qcond);
     }
-    while (!w->abort_done && !w->stop)
+    while (!w->abort_done && !w->c.stop)
         if (pthread_cond_timedwait(&w->qcond, &w->qlock, &until) == ETIMEDOUT) break;
     pthread_mutex_unlock(&w->qlock);
 }
 
 /* ---- requests of one round ---------------------------------------------------------------- */
 
-static void round_begin(mworld *w) {
-    w->nreq = 0;
-    w->hdr_round = false;
+static void round_begin(mcomm *m) {
+    m->rd.nreq = 0;
+    m->rd.hdr_round = false;
 }
 
 /* A send to or receive from rank k of m's group, under m's tag for TAG_HDR or TAG_DATA. */
 static void post(mcomm *m, bool send, void *buf, int64_t bytes, int k, int tag) {
     mworld *w = m->w;
+    mround *rd = &m->rd;
     int peer = m->peers ? m->peers[k] : k;
     tag = tag == TAG_HDR ? m->tag_hdr : m->tag_data;
-    MPI_Request *r = &w->reqs[w->nreq];
-    if (!send && w->hdr_round) { /* posted once the headers agree (finish_round) */
+    MPI_Request *r = &rd->reqs[rd->nreq];
+    if (!send && rd->hdr_round) { /* posted once the headers agree (finish_round) */
         *r = MPI_REQUEST_NULL;
-        w->rbuf[w->nreq] = buf;
-        w->rbytes[w->nreq] = bytes;
-    } else if (send)
-        MPI_Isend(buf, (int)bytes, MPI_BYTE, peer, tag, w->comm, r);
-    else
-        MPI_Irecv(buf, (int)bytes, MPI_BYTE, peer, tag, w->comm, r);
-    w->req_peer[w->nreq++] = send ? -1 - peer : peer;
+        rd->rbuf[rd->nreq] = buf;
+        rd->rbytes[rd->nreq] = bytes;
+    } else {
+        mpi_lock(w);
+        if (send)
+            MPI_Isend(buf, (int)bytes, MPI_BYTE, peer, tag, w->comm, r);
+        else
+            MPI_Irecv(buf, (int)bytes, MPI_BYTE, peer, tag, w->comm, r);
+        mpi_unlock(w);
+    }
+    rd->req_peer[rd->nreq++] = send ? -1 - peer : peer;
 }
 
 /* The first rank (of the world) a still-pending receive (else send) of this round waits for. */
-static int missing_peer(const mworld *w) {
+static int missing_peer(const mround *rd) {
     int send_peer = -1;
-    for (int i = 0; i < w->nreq; i++) {
-        if (w->reqs[i] == MPI_REQUEST_NULL) continue;
-        if (w->req_peer[i] >= 0) return w->req_peer[i];
-        if (send_peer < 0) send_peer = -1 - w->req_peer[i];
+    for (int i = 0; i < rd->nreq; i++) {
+        if (rd->reqs[i] == MPI_REQUEST_NULL) continue;
+        if (rd->req_peer[i] >= 0) return rd->req_peer[i];
+        if (send_peer < 0) send_peer = -1 - rd->req_peer[i];
     }
     return send_peer;
 }
@@ -338,9 +385,10 @@ static int missing_peer(const mworld *w) {
  * world's own buffers (the headers, the scratch, the notices) alive instead of freeing them.
  * The caller has cancelled the receives. True when every request has completed. */
 static bool drain(mworld *w, MPI_Request *reqs, int n) {
-    if (w->stuck) return false;
+    if (is_stuck(w)) return false;
     for (int64_t until = tdm_now_ns() + DRAIN_NS;;) {
         int left = 0;
+        mpi_lock(w);
         for (int i = 0; i < n; i++) {
             if (reqs[i] == MPI_REQUEST_NULL) continue;
             int done = 0;
@@ -349,19 +397,24 @@ static bool drain(mworld *w, MPI_Request *reqs, int n) {
             if (done && reqs[i] != MPI_REQUEST_NULL) MPI_Request_free(&reqs[i]);
             left += reqs[i] != MPI_REQUEST_NULL;
         }
+        mpi_unlock(w);
         if (!left) return true;
         if (tdm_now_ns() > until) break;
         nap_ns(100000);
     }
-    w->stuck = true;
+    atomic_store(&w->stuck, true);
     return false;
 }
 
 /* A failed round: its receives cancelled, its requests drained or the world stuck (drain). */
-static void cancel_round(mworld *w) {
-    for (int i = 0; i < w->nreq; i++)
-        if (w->reqs[i] != MPI_REQUEST_NULL && w->req_peer[i] >= 0) MPI_Cancel(&w->reqs[i]);
-    drain(w, w->reqs, w->nreq);
+static void cancel_round(mcomm *m) {
+    mround *rd = &m->rd;
+    mpi_lock(m->w);
+    for (int i = 0; i < rd->nreq; i++)
+        if (rd->reqs[i] != MPI_REQUEST_NULL && rd->req_peer[i] >= 0 && !is_stuck(m->w))
+            MPI_Cancel(&rd->reqs[i]);
+    mpi_unlock(m->w);
+    drain(m->w, rd->reqs, rd->nreq);
 }
 
 /* Polls the round's requests until all complete, spinning briefly after each completion and
@@ -369,25 +422,29 @@ static void cancel_round(mworld *w) {
  * the world failed: a peer's notice, an abort, an MPI error or the deadline. */
 static int round_wait(mcomm *m, int n, int64_t deadline) {
     mworld *w = m->w;
+    mround *rd = &m->rd;
     int left = n;
     int64_t last = tdm_now_ns(), nap = 1000;
     for (int spins = 0; left > 0; spins++) {
         int outcount = 0;
-        int rc = MPI_Testsome(n, w->reqs, &outcount, w->req_idx, w->stats);
+        mpi_lock(w);
+        int rc = MPI_Testsome(n, rd->reqs, &outcount, rd->req_idx, rd->stats);
+        int peer = -1, code = rc, len = 0;
+        char es[MPI_MAX_ERROR_STRING];
         if (rc != MPI_SUCCESS) {
-            int peer = -1, code = rc;
             for (int i = 0; i < outcount; i++)
-                if (w->stats[i].MPI_ERROR != MPI_SUCCESS) {
-                    peer = w->req_peer[w->req_idx[i]];
+                if (rd->stats[i].MPI_ERROR != MPI_SUCCESS) {
+                    peer = rd->req_peer[rd->req_idx[i]];
                     peer = peer < 0 ? -1 - peer : peer;
-                    code = w->stats[i].MPI_ERROR;
+                    code = rd->stats[i].MPI_ERROR;
                     break;
                 }
-            char es[MPI_MAX_ERROR_STRING];
-            int len = 0;
             MPI_Error_string(code, es, &len);
+        }
+        mpi_unlock(w);
+        if (rc != MPI_SUCCESS) {
             fail(w, true, "MPI error with rank %d: %s", peer, es);
-            cancel_round(w);
+            cancel_round(m);
             return -1;
         }
         if (outcount != MPI_UNDEFINED && outcount > 0) {
@@ -403,9 +460,11 @@ static int round_wait(mcomm *m, int n, int64_t deadline) {
                  * (the peer left a barrier, then aborted): the round is done, and the
                  * failure, sticky, fails the next collective (CI saw a barrier fail) */
                 int all = 0;
-                if (MPI_Testall(n, w->reqs, &all, MPI_STATUSES_IGNORE) == MPI_SUCCESS && all)
-                    return 0;
-                cancel_round(w);
+                mpi_lock(w);
+                if (!is_stuck(w) && MPI_Testall(n, rd->reqs, &all, MPI_STATUSES_IGNORE)) all = 0;
+                mpi_unlock(w);
+                if (all) return 0;
+                cancel_round(m);
                 return -1;
             }
             int64_t t = tdm_now_ns();
@@ -413,8 +472,8 @@ static int round_wait(mcomm *m, int n, int64_t deadline) {
                 double s = tdm_group_timeout(&m->g);
                 char secs[32];
                 snprintf(secs, sizeof secs, s >= 0.1 ? "%.1f" : "%.3g", s);
-                fail(w, true, "timed out after %s s waiting for rank %d", secs, missing_peer(w));
-                cancel_round(w);
+                fail(w, true, "timed out after %s s waiting for rank %d", secs, missing_peer(rd));
+                cancel_round(m);
                 return -1;
             }
             if (t - last > SPIN_NS) {
@@ -439,16 +498,16 @@ static fingerprint fingerprint_of(const tdm_coll *c, int64_t seq) {
 }
 
 static void post_headers(mcomm *m, const tdm_coll *c) {
-    mworld *w = m->w;
-    const tdm_watch *wt = &w->cur->watch;
-    w->hdr_out =
+    mround *rd = &m->rd;
+    const tdm_watch *wt = &rd->cur->watch;
+    rd->hdr_out =
         (header){fingerprint_of(c, m->seq), fingerprint_of(&wt->last, wt->launched), wt->digest};
     for (int k = 0; k < m->g.size; k++) {
         if (k == m->g.rank) continue;
         post(m, false, &m->hdr_in[k], sizeof(header), k, TAG_HDR);
-        post(m, true, &w->hdr_out, sizeof(header), k, TAG_HDR);
+        post(m, true, &rd->hdr_out, sizeof(header), k, TAG_HDR);
     }
-    w->hdr_round = true;
+    rd->hdr_round = true;
 }
 
 /* A fingerprint as the collective it describes (tdm_coll_describe). */
@@ -474,7 +533,7 @@ static int world_rank(const mcomm *m, int k) {
  * and failed naming both sides by their world ranks. */
 static int check_headers(mcomm *m) {
     mworld *w = m->w;
-    tdm_coll me = coll_of(&w->hdr_out.c);
+    tdm_coll me = coll_of(&m->rd.hdr_out.c);
     char msg[FAIL_LEN], during[160];
     int r = world_rank(m, m->g.rank);
     for (int k = 0; k < m->g.size; k++) {
@@ -483,8 +542,8 @@ static int check_headers(mcomm *m) {
         tdm_coll peer = coll_of(&h->c);
         bool bad = tdm_coll_disagree(r, &me, world_rank(m, k), &peer, true, msg, sizeof msg);
         if (!bad) { /* the same collective: then the same past on the watched group */
-            tdm_watch a = {w->hdr_out.watched_last.seq, w->hdr_out.watched_digest,
-                           coll_of(&w->hdr_out.watched_last)};
+            tdm_watch a = {m->rd.hdr_out.watched_last.seq, m->rd.hdr_out.watched_digest,
+                           coll_of(&m->rd.hdr_out.watched_last)};
             tdm_watch b = {h->watched_last.seq, h->watched_digest, coll_of(&h->watched_last)};
             tdm_coll_describe(&me, during, sizeof during);
             bad = tdm_watch_disagree(r, &a, world_rank(m, k), &b, during, msg, sizeof msg);
@@ -504,18 +563,21 @@ static int check_headers(mcomm *m) {
  * no round trip; a peer that disagrees never posts the receives they would match. */
 static int finish_round(mcomm *m, bool first, int64_t deadline) {
     mworld *w = m->w;
+    mround *rd = &m->rd;
     if (first) {
         if (round_wait(m, 2 * (m->g.size - 1), deadline)) return -1;
         if (check_headers(m)) {
-            cancel_round(w); /* the data sends */
+            cancel_round(m); /* the data sends */
             return -1;
         }
-        for (int i = 2 * (m->g.size - 1); i < w->nreq; i++)
-            if (w->req_peer[i] >= 0) /* a world rank */
-                MPI_Irecv(w->rbuf[i], (int)w->rbytes[i], MPI_BYTE, w->req_peer[i], m->tag_data,
-                          w->comm, &w->reqs[i]);
+        mpi_lock(w);
+        for (int i = 2 * (m->g.size - 1); i < rd->nreq; i++)
+            if (rd->req_peer[i] >= 0) /* a world rank */
+                MPI_Irecv(rd->rbuf[i], (int)rd->rbytes[i], MPI_BYTE, rd->req_peer[i], m->tag_data,
+                          w->comm, &rd->reqs[i]);
+        mpi_unlock(w);
     }
-    return round_wait(m, w->nreq, deadline);
+    return round_wait(m, rd->nreq, deadline);
 }
 
 /* out[0..len) = rank-order reduction of srcs[k][0..len) in c's dtype (bf16 and f16 summed in
@@ -532,19 +594,18 @@ static void reduce_into(const tdm_coll *c, void *out, const void **srcs, int n, 
 /* Scratch slot of peer k (k != me) for one segment's chunk of at most `per` elements. */
 static void *slot(mcomm *m, int k, int64_t per, size_t elem) {
     int idx = k < m->g.rank ? k : k - 1;
-    return (char *)m->w->scratch + (size_t)idx * (size_t)per * elem;
+    return (char *)m->rd.scratch + (size_t)idx * (size_t)per * elem;
 }
 
 /* The all-reduce in c's dtype: bf16 and f16 travel as 2-byte elements (half an f32's bytes)
  * and are summed in f32 by the chunk's owner, then rounded once. */
 static int run_all_reduce(mcomm *m, const tdm_coll *c, int64_t deadline) {
-    mworld *w = m->w;
     int n = m->g.size, r = m->g.rank;
     char *buf = c->out;
     int64_t elem = (int64_t)c->elem, align = TDM_CHUNK_ALIGN / elem;
     bool first = true;
     /* a segment's chunks fit the scratch: n chunks of per_max elements, n - 1 of them received */
-    int64_t per_max = (int64_t)w->scratch_bytes / elem / (n - 1) / align * align;
+    int64_t per_max = (int64_t)m->rd.scratch_bytes / elem / (n - 1) / align * align;
     int64_t seg = per_max * n;
     const void *srcs[64];
     for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
@@ -553,7 +614,7 @@ static int run_all_reduce(mcomm *m, const tdm_coll *c, int64_t deadline) {
         int64_t lo, hi, per;
         tdm_chunk_of(len, c->elem, n, 0, &lo, &per); /* per = size of chunk 0: the largest */
         /* reduce-scatter: chunk k of my segment goes to rank k, chunk r comes from everyone */
-        round_begin(w);
+        round_begin(m);
         if (first) post_headers(m, c);
         tdm_chunk_of(len, c->elem, n, r, &lo, &hi);
         for (int k = 0; k < n; k++) {
@@ -568,7 +629,7 @@ static int run_all_reduce(mcomm *m, const tdm_coll *c, int64_t deadline) {
         for (int k = 0; k < n; k++) srcs[k] = k == r ? sb + lo * elem : slot(m, k, per, c->elem);
         reduce_into(c, sb + lo * elem, srcs, n, hi - lo);
         /* all-gather: my reduced chunk to everyone, theirs into place */
-        round_begin(w);
+        round_begin(m);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
             int64_t klo, khi;
@@ -576,7 +637,7 @@ static int run_all_reduce(mcomm *m, const tdm_coll *c, int64_t deadline) {
             post(m, false, sb + klo * elem, (khi - klo) * elem, k, TAG_DATA);
             post(m, true, sb + lo * elem, (hi - lo) * elem, k, TAG_DATA);
         }
-        if (round_wait(m, w->nreq, deadline)) return -1;
+        if (round_wait(m, m->rd.nreq, deadline)) return -1;
         if (len == 0) break;
     }
     return 0;
@@ -588,17 +649,16 @@ static int run_all_reduce(mcomm *m, const tdm_coll *c, int64_t deadline) {
  * run_all_reduce does (the same bits). A reduce sends each segment once, where an all-reduce
  * sends it twice. */
 static int run_reduce_pieces(mcomm *m, const tdm_coll *c, int64_t deadline) {
-    mworld *w = m->w;
     int n = m->g.size, r = m->g.rank;
     bool scatter = c->kind == TDM_COLL_REDUCE_SCATTER, first = true;
     bool reducer = scatter || r == c->root;
     const char *in = c->in;
     int64_t elem = (int64_t)c->elem;
-    int64_t seg = (int64_t)w->scratch_bytes / elem / (n - 1);
+    int64_t seg = (int64_t)m->rd.scratch_bytes / elem / (n - 1);
     const void *srcs[64];
     for (int64_t s0 = 0; s0 < c->count || first; s0 += seg) {
         int64_t len = c->count - s0 < seg ? c->count - s0 : seg;
-        round_begin(w);
+        round_begin(m);
         if (first) post_headers(m, c);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
@@ -622,14 +682,13 @@ static int run_reduce_pieces(mcomm *m, const tdm_coll *c, int64_t deadline) {
 
 /* Broadcast (root sends to all) and all-gather (everyone sends to all) in byte segments. */
 static int run_copies(mcomm *m, const tdm_coll *c, int64_t deadline) {
-    mworld *w = m->w;
     int n = m->g.size, r = m->g.rank;
     bool gather = c->kind == TDM_COLL_ALL_GATHER, first = true;
     int64_t bytes = c->count * (int64_t)c->elem;
     if (gather && bytes) memcpy((char *)c->out + r * bytes, c->in, (size_t)bytes);
     for (int64_t s0 = 0; s0 < bytes || first; s0 += SEG_BYTES) {
         int64_t len = bytes - s0 < SEG_BYTES ? bytes - s0 : SEG_BYTES;
-        round_begin(w);
+        round_begin(m);
         if (first) post_headers(m, c);
         for (int k = 0; k < n; k++) {
             if (k == r) continue;
@@ -675,7 +734,7 @@ static int run(mcomm *m, const tdm_coll *c, char *msg) {
                 rc = run_copies(m, c, deadline);
                 break;
             case TDM_COLL_BARRIER: /* the header exchange is the barrier */
-                round_begin(w);
+                round_begin(m);
                 post_headers(m, c);
                 rc = finish_round(m, true, deadline);
                 break;
@@ -688,17 +747,51 @@ static int run(mcomm *m, const tdm_coll *c, char *msg) {
     return TDM_ERR_COMM;
 }
 
-/* ---- the communication thread ------------------------------------------------------------- */
+/* ---- the communication threads ----------------------------------------------------------- */
+
+/* m's round buffers for a group of n ranks: requests, and the scratch of one segment's (n - 1)
+ * received chunks, allocated and touched once (huge pages where the kernel gives them: first
+ * touches of fresh 4 KiB pages are slow on this VM). */
+static int round_alloc(mround *rd, int n) {
+    int cap = 4 * n + 4;
+    rd->reqs = calloc((size_t)cap, sizeof *rd->reqs);
+    rd->req_peer = calloc((size_t)cap, sizeof *rd->req_peer);
+    rd->req_idx = calloc((size_t)cap, sizeof *rd->req_idx);
+    rd->stats = calloc((size_t)cap, sizeof *rd->stats);
+    rd->rbuf = calloc((size_t)cap, sizeof *rd->rbuf);
+    rd->rbytes = calloc((size_t)cap, sizeof *rd->rbytes);
+    rd->req_cap = cap;
+    rd->scratch_bytes = n > 1 ? (size_t)SEG_BYTES : 64;
+    size_t huge = 2 << 20;
+    rd->scratch = aligned_alloc(huge, (rd->scratch_bytes + huge - 1) / huge * huge);
+    if (!rd->reqs || !rd->req_peer || !rd->req_idx || !rd->stats || !rd->rbuf || !rd->rbytes ||
+        !rd->scratch)
+        return -1;
+    madvise(rd->scratch, rd->scratch_bytes, MADV_HUGEPAGE);
+    memset(rd->scratch, 0, rd->scratch_bytes);
+    return 0;
+}
+
+static void round_free(mround *rd) {
+    free(rd->reqs);
+    free(rd->req_peer);
+    free(rd->req_idx);
+    free(rd->stats);
+    free(rd->rbuf);
+    free(rd->rbytes);
+    free(rd->scratch);
+}
 
 static int setup(mworld *w) {
     int provided = 0;
-    if (MPI_Init_thread(w->argc, w->argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+    if (MPI_Init_thread(w->argc, w->argv, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS) {
         snprintf(w->init_msg, sizeof w->init_msg, "mpi_init: MPI_Init_thread failed");
         return -1;
     }
-    if (provided < MPI_THREAD_FUNNELED) {
+    if (provided < MPI_THREAD_SERIALIZED) {
         snprintf(w->init_msg, sizeof w->init_msg,
-                 "mpi_init: this MPI provides thread level %d, Tandem needs MPI_THREAD_FUNNELED",
+                 "mpi_init: this MPI provides thread level %d, Tandem needs "
+                 "MPI_THREAD_SERIALIZED",
                  provided);
         return -1;
     }
@@ -714,27 +807,12 @@ static int setup(mworld *w) {
     }
     tdm_group_init(&w->c.g, w->c.g.ops, rank, size, tdm_cpu(0));
     tdm_group_set_timeout(&w->c.g, DEFAULT_TIMEOUT_S);
-    int cap = 4 * size + 4;
     w->c.hdr_in = calloc((size_t)size, sizeof *w->c.hdr_in);
-    w->reqs = calloc((size_t)cap, sizeof *w->reqs);
-    w->req_peer = calloc((size_t)cap, sizeof *w->req_peer);
-    w->req_idx = calloc((size_t)cap, sizeof *w->req_idx);
-    w->stats = calloc((size_t)cap, sizeof *w->stats);
-    w->rbuf = calloc((size_t)cap, sizeof *w->rbuf);
-    w->rbytes = calloc((size_t)cap, sizeof *w->rbytes);
     w->fail_sends = calloc((size_t)size, sizeof *w->fail_sends);
-    w->req_cap = cap;
-    /* scratch: (n - 1) chunks of one segment, allocated and touched once (huge pages where
-     * the kernel gives them: first touches of fresh 4 KiB pages are slow on this VM) */
-    w->scratch_bytes = size > 1 ? (size_t)SEG_BYTES : 64;
-    w->scratch = aligned_alloc(2 << 20, (w->scratch_bytes + (2 << 20) - 1) / (2 << 20) * (2 << 20));
-    if (!w->c.hdr_in || !w->reqs || !w->req_peer || !w->req_idx || !w->stats || !w->rbuf ||
-        !w->rbytes || !w->fail_sends || !w->scratch) {
+    if (!w->c.hdr_in || !w->fail_sends || round_alloc(&w->c.rd, size)) {
         snprintf(w->init_msg, sizeof w->init_msg, "mpi_init: out of memory");
         return -1;
     }
-    madvise(w->scratch, w->scratch_bytes, MADV_HUGEPAGE);
-    memset(w->scratch, 0, w->scratch_bytes);
     for (int k = 0; k < size; k++) w->fail_sends[k] = MPI_REQUEST_NULL;
     w->fail_recv = MPI_REQUEST_NULL;
     if (size > 1)
@@ -742,13 +820,15 @@ static int setup(mworld *w) {
     return 0;
 }
 
-/* The next queued collective, or NULL once asked to stop and the queue is empty. Listens for
- * failure notices while idle. */
-static tdm_work *dequeue(mworld *w) {
+/* m's next queued collective (counted busy), or NULL once asked to stop and the queue is
+ * empty. The world's thread listens for failure notices while idle, for every group. */
+static tdm_work *dequeue(mcomm *m) {
+    mworld *w = m->w;
+    bool listen = m == &w->c;
     pthread_mutex_lock(&w->qlock);
     settle_abort(w);
-    while (!w->head && !w->stop) {
-        if (w->abort_req && !w->abort_done) {
+    while (!m->head && !m->stop) {
+        if (listen && w->abort_req && !w->abort_done) {
             pthread_mutex_unlock(&w->qlock);
             poll_failure(w);
             pthread_mutex_lock(&w->qlock);
@@ -759,19 +839,36 @@ static tdm_work *dequeue(mworld *w) {
         clock_gettime(CLOCK_MONOTONIC, &until);
         until.tv_nsec += IDLE_POLL_NS;
         if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
-        if (pthread_cond_timedwait(&w->qcond, &w->qlock, &until) == ETIMEDOUT) {
+        if (pthread_cond_timedwait(&w->qcond, &w->qlock, &until) == ETIMEDOUT && listen) {
             pthread_mutex_unlock(&w->qlock);
             poll_failure(w);
             pthread_mutex_lock(&w->qlock);
         }
     }
-    tdm_work *wk = w->head;
+    tdm_work *wk = m->head;
     if (wk) {
-        w->head = wk->next;
-        if (!w->head) w->tail = NULL;
+        m->head = wk->next;
+        if (!m->head) m->tail = NULL;
+        w->busy++;
     }
     pthread_mutex_unlock(&w->qlock);
     return wk;
+}
+
+/* Runs m's collectives until m is stopped. */
+static void serve(mcomm *m) {
+    char msg[TDM_WORK_MSG];
+    for (tdm_work *wk; (wk = dequeue(m));) {
+        msg[0] = '\0';
+        tdm_trace_begin(tdm_coll_name(wk->c.kind));
+        m->rd.cur = wk;
+        int status = run(m, &wk->c, msg);
+        tdm_trace_end();
+        pthread_mutex_lock(&m->w->qlock);
+        m->w->busy--;
+        pthread_mutex_unlock(&m->w->qlock);
+        tdm_work_finish(wk, status, msg);
+    }
 }
 
 static void teardown(mworld *w) {
@@ -786,23 +883,17 @@ static void teardown(mworld *w) {
         /* after a failure a peer may be dead, and MPI_Finalize would wait for it forever: MPI
          * is left as it is and the process is expected to exit with an error (mpirun then
          * ends the job). The notices still in flight write into or read from this world. */
-        if (w->fail_recv != MPI_REQUEST_NULL && !w->stuck) MPI_Cancel(&w->fail_recv);
+        if (w->fail_recv != MPI_REQUEST_NULL && !is_stuck(w)) MPI_Cancel(&w->fail_recv);
         drain(w, &w->fail_recv, 1);
         if (w->notices_sent) drain(w, w->fail_sends, w->c.g.size);
     }
-    if (w->stuck) return; /* kept, with its buffers: see drain */
+    if (is_stuck(w)) return; /* kept, with its buffers: see drain */
     free(w->c.hdr_in);
-    free(w->reqs);
-    free(w->req_peer);
-    free(w->req_idx);
-    free(w->stats);
-    free(w->rbuf);
-    free(w->rbytes);
     free(w->fail_sends);
-    free(w->scratch);
+    round_free(&w->c.rd);
 }
 
-static void *comm_main(void *arg) {
+static void *world_main(void *arg) {
     mworld *w = arg;
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); /* naps of microseconds, not 50 us */
     int ok = setup(w) == 0;
@@ -811,33 +902,34 @@ static void *comm_main(void *arg) {
     pthread_cond_broadcast(&w->qcond);
     pthread_mutex_unlock(&w->qlock);
     if (!ok) return NULL;
-    char msg[TDM_WORK_MSG];
     tdm_trace_name_thread("MPI communication");
-    for (tdm_work *wk; (wk = dequeue(w));) {
-        msg[0] = '\0';
-        tdm_trace_begin(tdm_coll_name(wk->c.kind));
-        w->cur = wk;
-        int status = run((mcomm *)wk->group, &wk->c, msg);
-        tdm_trace_end();
-        tdm_work_finish(wk, status, msg);
-    }
+    serve(&w->c);
     teardown(w);
     return NULL;
 }
 
+static void *sub_main(void *arg) {
+    mcomm *m = arg;
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    tdm_trace_name_thread("MPI sub-group communication");
+    serve(m);
+    return NULL;
+}
+
 static int mpi_launch(tdm_group *g, tdm_work *wk) {
-    mworld *w = ((mcomm *)g)->w;
+    mcomm *m = (mcomm *)g;
+    mworld *w = m->w;
     pthread_mutex_lock(&w->qlock);
-    if (w->stop) {
+    if (m->stop || w->c.stop) {
         pthread_mutex_unlock(&w->qlock);
         return tdm_raise(TDM_ERR_STATE, "%s: the MPI group was finalized",
                          tdm_coll_name(wk->c.kind));
     }
-    if (w->tail)
-        w->tail->next = wk;
+    if (m->tail)
+        m->tail->next = wk;
     else
-        w->head = wk;
-    w->tail = wk;
+        m->head = wk;
+    m->tail = wk;
     pthread_cond_broadcast(&w->qcond);
     pthread_mutex_unlock(&w->qlock);
     return TDM_OK;
@@ -858,6 +950,8 @@ bool tdm_mpi_available(void) {
 static void world_free(mworld *w) {
     pthread_cond_destroy(&w->qcond);
     pthread_mutex_destroy(&w->qlock);
+    pthread_mutex_destroy(&w->mpi_mu);
+    pthread_mutex_destroy(&w->fail_mu);
     free(w);
 }
 
@@ -892,13 +986,16 @@ tdm_group *tdm_mpi_init(int *argc, char ***argv) {
     w->argc = argc;
     w->argv = argv;
     atomic_init(&w->failed, 0);
+    atomic_init(&w->stuck, false);
     pthread_mutex_init(&w->qlock, NULL);
+    pthread_mutex_init(&w->mpi_mu, NULL);
+    pthread_mutex_init(&w->fail_mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&w->qcond, &ca);
     pthread_condattr_destroy(&ca);
-    int e = pthread_create(&w->thread, NULL, comm_main, w);
+    int e = pthread_create(&w->c.thread, NULL, world_main, w);
     if (e) {
         world_free(w);
         pthread_mutex_unlock(&world_lock);
@@ -909,14 +1006,14 @@ tdm_group *tdm_mpi_init(int *argc, char ***argv) {
     while (w->init_state == 0) pthread_cond_wait(&w->qcond, &w->qlock);
     pthread_mutex_unlock(&w->qlock);
     if (w->init_state < 0) {
-        pthread_join(w->thread, NULL);
+        pthread_join(w->c.thread, NULL);
         char msg[256];
         snprintf(msg, sizeof msg, "%s", w->init_msg);
         world_free(w);
         pthread_mutex_unlock(&world_lock);
         return tdm_raise_null(TDM_ERR_COMM, "%s", msg);
     }
-    w->started = true;
+    w->c.started = true;
     world = w;
     pthread_mutex_unlock(&world_lock);
     return &w->c.g;
@@ -943,44 +1040,84 @@ static int check_members(const tdm_group *g, int n, const int *ranks, int *me) {
     return TDM_OK;
 }
 
+static void sub_free(mcomm *m) {
+    /* after a failure a request of its last round may outlive it (drain): kept, as the
+     * world's own buffers are */
+    if (!has_failed(m->w)) {
+        free(m->hdr_in);
+        round_free(&m->rd);
+    }
+    free(m->peers);
+    free(m);
+}
+
+/* the most ids the tags allow: TAG_SUB + 2 id + 1 <= 32767, the least MPI_TAG_UB there is */
+#define MAX_SUBGROUPS ((32767 - TAG_SUB) / 2)
+
+int tdm_mpi_subgroup_ids(tdm_group *g, int count) {
+    if (!g || g->ops != &mpi_ops || count < 0)
+        return tdm_raise(TDM_ERR_ARG, "mpi_subgroup: %s", g ? "not an MPI group" : "NULL group"),
+               -1;
+    mworld *w = ((mcomm *)g)->w;
+    pthread_mutex_lock(&w->qlock);
+    int id = w->subgroups;
+    bool ok = count <= MAX_SUBGROUPS - id;
+    if (ok) w->subgroups += count;
+    pthread_mutex_unlock(&w->qlock);
+    if (!ok) return tdm_raise(TDM_ERR_ARG, "mpi_subgroup: more than %d groups", MAX_SUBGROUPS), -1;
+    return id;
+}
+
 tdm_group *tdm_mpi_subgroup(tdm_group *g, int n, const int *ranks) {
+    int me = -1;
+    if (check_members(g, n, ranks, &me)) return NULL;
+    int id = tdm_mpi_subgroup_ids(g, 1);
+    return id < 0 ? NULL : tdm_mpi_subgroup_with_id(g, n, ranks, id);
+}
+
+tdm_group *tdm_mpi_subgroup_with_id(tdm_group *g, int n, const int *ranks, int id) {
     int me = -1;
     if (check_members(g, n, ranks, &me)) return NULL;
     mcomm *parent = (mcomm *)g;
     mworld *w = parent->w;
-    pthread_mutex_lock(&w->qlock);
-    int id = w->subgroups++;
-    pthread_mutex_unlock(&w->qlock);
-    if (TAG_SUB + 2 * id + 1 > 32767) /* the least MPI_TAG_UB the standard allows */
-        return tdm_raise_null(TDM_ERR_ARG, "mpi_subgroup: more than %d groups made",
-                              (32767 - TAG_SUB) / 2);
+    if (id < 0 || id >= MAX_SUBGROUPS)
+        return tdm_raise_null(TDM_ERR_ARG, "mpi_subgroup: group id %d (0 to %d)", id,
+                              MAX_SUBGROUPS - 1);
     mcomm *m = calloc(1, sizeof *m);
-    int *peers = m ? malloc(sizeof *peers * (size_t)n) : NULL;
-    header *hdr = peers ? calloc((size_t)n, sizeof *hdr) : NULL;
-    if (!hdr) {
-        free(m), free(peers);
-        return tdm_raise_null(TDM_ERR_NOMEM, "mpi_subgroup: out of memory");
-    }
-    for (int k = 0; k < n; k++) peers[k] = world_rank(parent, ranks[k]);
+    if (!m) return tdm_raise_null(TDM_ERR_NOMEM, "mpi_subgroup: out of memory");
     *m = (mcomm){.w = w,
                  .tag_hdr = TAG_SUB + 2 * id,
                  .tag_data = TAG_SUB + 2 * id + 1,
-                 .peers = peers,
-                 .hdr_in = hdr};
+                 .peers = malloc(sizeof *m->peers * (size_t)n),
+                 .hdr_in = calloc((size_t)n, sizeof *m->hdr_in)};
+    if (!m->peers || !m->hdr_in || round_alloc(&m->rd, n)) {
+        sub_free(m);
+        return tdm_raise_null(TDM_ERR_NOMEM, "mpi_subgroup: out of memory");
+    }
+    for (int k = 0; k < n; k++) m->peers[k] = world_rank(parent, ranks[k]);
     tdm_group_init(&m->g, &mpi_ops, me, n, g->device);
     atomic_store(&m->g.timeout_ns, atomic_load(&g->timeout_ns));
+    int e = pthread_create(&m->thread, NULL, sub_main, m);
+    if (e) {
+        tdm_group_destroy(&m->g);
+        sub_free(m);
+        return tdm_raise_null(
+            TDM_ERR_NOMEM, "mpi_subgroup: cannot start its communication thread (%s)", strerror(e));
+    }
+    m->started = true;
     return &m->g;
 }
 
 void tdm_mpi_subgroup_free(tdm_group *sub) {
     if (!sub) return;
     mcomm *m = (mcomm *)sub;
+    pthread_mutex_lock(&m->w->qlock);
+    m->stop = true;
+    pthread_cond_broadcast(&m->w->qcond);
+    pthread_mutex_unlock(&m->w->qlock);
+    if (m->started) pthread_join(m->thread, NULL);
     tdm_group_destroy(&m->g);
-    /* after a failure a receive of a header may outlive its round (drain): kept, as the
-     * world's own buffers are */
-    if (!has_failed(m->w)) free(m->hdr_in);
-    free(m->peers);
-    free(m);
+    sub_free(m);
 }
 
 void tdm_mpi_finalize(void) {
@@ -990,10 +1127,10 @@ void tdm_mpi_finalize(void) {
     if (w) {
         finalized = true;
         pthread_mutex_lock(&w->qlock);
-        w->stop = true;
+        w->c.stop = true;
         pthread_cond_broadcast(&w->qcond);
         pthread_mutex_unlock(&w->qlock);
-        pthread_join(w->thread, NULL);
+        pthread_join(w->c.thread, NULL);
         tdm_group_destroy(&w->c.g);
         if (w->stuck)
             kept = w; /* requests may still point into it: see drain */

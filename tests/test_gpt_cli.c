@@ -540,10 +540,10 @@ static void test_pipeline(void) {
 #undef PP_RUN
 }
 
-/* --tensor-parallel under mpirun (the processes form the mesh): tp 2 on 2 processes and dp 2 x
- * tp 2 with ZeRO stage 3 on 4 learn what one device does, loss for loss, weights within the
- * threads' bound; the dp 2 x tp 2 run's checkpoint resumes on tp 2; what does not fit is
- * refused naming the option. */
+/* --tensor-parallel under mpirun (the processes' devices form the mesh): tp 2 on 2 processes,
+ * dp 2 x tp 2 with ZeRO stage 3 on 4, and on 2 processes of 2 devices dp 2 x tp 2 and tp 4
+ * learn what one device does, loss for loss, weights within the threads' bound; the dp 2 x
+ * tp 2 run's checkpoint resumes on tp 2; what does not fit is refused naming the option. */
 static void test_tensor_parallel_mpi(const char *mpirun) {
     char one[300], tp[300], ck[300];
     snprintf(one, sizeof one, "%s/mpi-one.bin", tmpdir);
@@ -607,14 +607,27 @@ static void test_tensor_parallel_mpi(const char *mpirun) {
     for (int i = 0; i < n; i++) CHECK_CLOSE(got[i], ref[2 + i], 1e-4, 0);
     dw = model_diff(tp, one);
     CHECK(dw <= 1e-5, "dp 2 x tp 2 resumed on tp 2: weights off by %g after 12 steps", dw);
+    /* two devices a process: dp 2 x tp 2 (tp inside each) and tp 4 (across both) */
+    const char *layouts[2][2] = {{"2", "mesh dp 2 x tp 2 over the processes"},
+                                 {"4", "mesh dp 1 x tp 4 over the processes"}};
+    for (int k = 0; k < 2; k++) {
+        r = MPI_TP("2", "12", "--tp", layouts[k][0], "--devices", "cpu:0,cpu:1", "--save", tp);
+        n = losses(r->out, got, 4);
+        CHECK(r->status == 0 && n == 4 && strstr(r->out, layouts[k][1]),
+              "mpirun -np 2 --devices cpu:0,cpu:1 --tp %s: %s %s", layouts[k][0], r->out, r->err);
+        for (int i = 0; i < n; i++) CHECK_CLOSE(got[i], ref[i], 1e-4, 0);
+        dw = model_diff(tp, one);
+        CHECK(dw <= 1e-5, "two devices a process, tp %s: weights off by %g after 12 steps",
+              layouts[k][0], dw);
+    }
     /* refused */
     r = MPI_TP("3", "2", "--tp", "2");
-    CHECK(r->status == 2 && strstr(r->err, "--tensor-parallel 2 needs a multiple of 2 processes, "
-                                           "mpirun started 3"),
+    CHECK(r->status == 2 && strstr(r->err, "--tensor-parallel 2 needs devices a multiple of 2, "
+                                           "mpirun started 3 processes of 1"),
           "-np 3 --tp 2: exit %d: %s", r->status, r->err);
-    r = MPI_TP("2", "2", "--tp", "2", "--devices", "2");
-    CHECK(r->status == 2 && strstr(r->err, "takes one device a process"),
-          "--devices 2 under mpirun: exit %d: %s", r->status, r->err);
+    r = MPI_TP("2", "2", "--tp", "2", "--devices", "3");
+    CHECK(r->status == 2 && strstr(r->err, "a multiple or a divisor of 2 devices a process"),
+          "--devices 3 under mpirun: exit %d: %s", r->status, r->err);
     tandem_mpirun[0] = '\0';
 }
 

@@ -865,10 +865,11 @@ static int check_tensor_parallel(const train_opts *o, bool text) {
         return train_usage_error("--tensor-parallel splits a GPT's blocks; --model %s has no "
                                  "tensor-parallel plan (use --model-split or data parallelism)",
                                  o->model);
-    if (tdm_mpi_launched() && o->n_devs != 1) /* the processes make the mesh (join_mpi) */
-        return train_usage_error("--tensor-parallel under mpirun takes one device a process, "
-                                 "each process a rank of the mesh; --devices gives %d",
-                                 o->n_devs);
+    if (tdm_mpi_launched() && o->n_devs % tp && tp % o->n_devs) /* the mesh: join_mpi */
+        return train_usage_error("--tensor-parallel %lld under mpirun: each process holds whole "
+                                 "tensor-parallel groups or a part of one, so --devices a "
+                                 "multiple or a divisor of %lld devices a process (it gives %d)",
+                                 (long long)tp, (long long)tp, o->n_devs);
     int64_t k = o->model_split; /* 3-D: every stage of every replica on tp devices */
     if (!tdm_mpi_launched() && o->n_devs % (tp * k))
         return train_usage_error("--tensor-parallel %lld%s needs a multiple of %lld devices, "
@@ -963,8 +964,8 @@ static int check_opts(train_opts *o) {
     bool tp_procs = o->tensor_parallel > 1 && tdm_mpi_launched();
     int64_t stage_devs = o->model_split * o->tensor_parallel; /* a replica's devices */
     int64_t replicas = o->model_split > 1 && o->n_devs % stage_devs == 0 ? o->n_devs / stage_devs
-                       : tp_procs
-                           ? 1
+                       : tp_procs && o->n_devs < o->tensor_parallel
+                           ? 1                               /* a part of a row */
                            : o->n_devs / o->tensor_parallel; /* a bad split: reported below */
     o->batch_size = o->batch_per_device ? o->batch_per_device * replicas
                     : o->batch_size     ? o->batch_size
@@ -1116,21 +1117,22 @@ static int join_mpi(train_opts *o, tdm_group **procs, int *argc, char ***argv) {
     if (o->model_split > 1)
         return train_usage_error("--model-split does not work under mpirun yet");
     int tp = (int)o->tensor_parallel;
-    if (n % tp)
-        return train_usage_error("--tensor-parallel %d needs a multiple of %d processes, mpirun "
-                                 "started %d",
-                                 tp, tp, n);
+    if ((int64_t)n * o->n_devs % tp)
+        return train_usage_error("--tensor-parallel %d needs devices a multiple of %d, mpirun "
+                                 "started %d process%s of %d",
+                                 tp, tp, n, n == 1 ? "" : "es", o->n_devs);
     if (tp > 1 && o->check_replicas > 0)
         return train_usage_error("--check-replicas does not compare tensor-parallel processes "
                                  "yet (the devices of one process: without mpirun)");
-    int rows = n / tp; /* the data-parallel rows: a tensor-parallel group's processes are one */
-    if (o->batch_per_device) o->batch_size *= rows;
+    /* the rows the batch splits into: processes, or with tensor parallelism the mesh's
+     * data-parallel rows (a tensor-parallel group's devices are one) */
+    int rows = tp > 1 ? n * o->n_devs / tp : n;
+    if (o->batch_per_device) o->batch_size *= n / train_procs_per_row(o);
     if (o->batch_size % rows)
         return train_usage_error("--batch-size %lld does not split evenly over %d %s",
                                  (long long)o->batch_size, rows,
-                                 tp > 1 ? "data-parallel rows of processes" : "processes");
-    if (tp > 1) n = rows;
-    if (o->batch_size / n < o->n_devs)
+                                 tp > 1 ? "data-parallel rows" : "processes");
+    if (tp == 1 && o->batch_size / n < o->n_devs)
         return train_usage_error("--batch-size %lld gives each of %d processes fewer rows than "
                                  "its %d devices",
                                  (long long)o->batch_size, n, o->n_devs);

@@ -97,4 +97,13 @@ bool train_identity_diff(const char *a, const char *b, const char *a_name, const
 /* Prints "tandem train: <message> (see 'tandem train --help')" and returns EXIT_USAGE. */
 int train_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* Under mpirun with --tensor-parallel: how many processes share one data-parallel row (the
+ * processes of a tensor-parallel group wider than a process's devices), else 1 (each process
+ * holds whole groups: its own rows). The loader then gives process p the rows of batch share
+ * p / this of procs / this, and only the first of them counts the rows in the run's totals. */
+static inline int train_procs_per_row(const train_opts *o) {
+    int tp = (int)o->tensor_parallel, l = o->n_devs;
+    return l % tp == 0 ? 1 : tp / l;
+}
+
 #endif

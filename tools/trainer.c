@@ -55,10 +55,10 @@ static void loader_opts(trainer *tr, tdm_loader_opts *lo, tdm_loader_opts *eo) {
     tr->workers = loader_workers(tr);
     *lo = tdm_loader_defaults(o->batch_size);
     if (tr->g) { /* DistributedSampler: rank r's rows of each global batch are r, r+N, ... */
-        /* --tensor-parallel T: the processes of a tensor-parallel group share one dp row's */
-        int tp = (int)o->tensor_parallel;
-        lo->rank = tdm_group_rank(tr->g) / tp;
-        lo->world_size = tdm_group_size(tr->g) / tp;
+        /* --tensor-parallel: the processes of a tensor-parallel group share one dp row's */
+        int share = train_procs_per_row(o);
+        lo->rank = tdm_group_rank(tr->g) / share;
+        lo->world_size = tdm_group_size(tr->g) / share;
         lo->batch_size = o->batch_size / lo->world_size;
     }
     lo->shuffle = true;
@@ -148,7 +148,7 @@ static int make_strategy(trainer *tr) {
                                    .parallelize = t->parallelize,
                                    .whole_output = t->whole_output};
         what = "--tensor-parallel";
-        to.procs = tr->g; /* under mpirun: one rank of the mesh a process */
+        to.procs = tr->g; /* under mpirun: the processes' devices are the mesh's ranks */
         tr->st = tdm_strategy_tensor_parallel(t->model, o->devs, o->n_devs, &to, t->optimizer,
                                               (void *)o);
     } else if (o->n_devs > 1 || gpu_procs) {
@@ -988,7 +988,7 @@ static void trainer_free(trainer *tr) {
 int trainer_run(const train_opts *o, task *t, tdm_group *procs) {
     trainer tr = {.o = o, .task = t, .dev = o->devs[0], .g = procs, .accum = o->grad_accum};
     tr.silent = procs && tdm_group_rank(procs) != 0;
-    tr.counts = !procs || tdm_group_rank(procs) % o->tensor_parallel == 0;
+    tr.counts = !procs || tdm_group_rank(procs) % train_procs_per_row(o) == 0;
     progress_init(&tr.prog, stdout, o->quiet || tr.silent, t->unit);
     /* mpirun hands its ranks a pty of its own whatever the job's output is (mostly a batch
      * job's log file): plain lines there */

@@ -102,15 +102,17 @@ tdm_module *tdm_strategy_loss_module(void);
  * loss scaling are refused naming it. NULL and an error naming the
  * device and mesh coordinates of a rank that failed to set up.
  *
- * Across processes (o->procs, tdm_mpi_init's group, one device a process: n == 1): process p
- * is rank p of the mesh, its groups MPI sub-groups. A step's batch is then this process's dp
- * row's (every process of a tp group gives the same rows, the loss is the row's);
+ * Across processes (o->procs, tdm_mpi_init's group): device i of process p is rank p n + i of
+ * the mesh (n a multiple of tp, each process holding whole tp groups, or a divisor of it), its
+ * groups MPI sub-groups, or with n > 1 groups of the two-level world over this process's
+ * devices and the processes. A step's batch is then this process's dp rows' (n / tp of them;
+ * every process of a tp group spanning processes gives the same rows, the loss is the row's);
  * tdm_strategy_forward runs each process's input through its row and returns the whole output on
  * every process; the gathers write the whole model and optimizer on process 0 only (the
  * others take part), and push_whole takes every process's part from its own whole model (each
  * read the checkpoint). Every process calls every entry, in the same order. */
 typedef struct {
-    int tp;           /* the tensor-parallel degree: n (or procs's size) must be a multiple */
+    int tp;           /* the tensor-parallel degree: n (or procs's size x n) a multiple of it */
     tdm_group *procs; /* NULL: this process's devices; else its processes (see above) */
     /* Splits replica, a whole clone of the model on its device, over tp, on the rank's thread
      * (a collective over tp). TDM_OK or an error. */

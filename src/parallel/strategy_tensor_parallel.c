@@ -10,8 +10,10 @@
  * step is long next to a wake-up, and tensor parallelism needs every rank of a group in every
  * collective, the caller's thread included had it been rank 0.
  *
- * Across processes (o.procs) this process holds one rank of the mesh, on one such thread; its
- * batch is its dp row's already, so it splits nothing (rows == 1). */
+ * Across processes (o.procs) this process holds n ranks of the mesh (global rank = process * n
+ * + i), their groups two-level when n > 1 (tdm_hier_world over this process's threads and the
+ * processes). Its batch is its own dp rows' already: n / tp rows when a process holds whole tp
+ * groups, else (tp groups across processes) the one row its tp group shares (rows == 1). */
 #include "parallel/group.h"
 #include "parallel/sync.h"
 #include "backend/backend.h" /* tdm_cpu_gemm_set_threads */
@@ -57,10 +59,11 @@ typedef struct tensor_parallel {
     tdm_strategy base;
     tdm_module *model;
     int n, tp, dp; /* n: the ranks this process holds */
-    int rows;      /* the parts a step's batch splits into here: dp, or 1 across processes */
+    int rows;      /* the dp rows this process holds: a step's batch splits into as many */
     tdm_device devices[TDM_MAX_DEVICES];
     tp_rank ranks[TDM_MAX_DEVICES];
     tdm_threads_world *world;
+    tdm_hier_world *hier; /* across processes with n > 1: the ranks' two-level group */
     tdm_tp_strategy_opts o;
     tdm_optim_factory make_optim;
     void *optim_arg;
@@ -112,8 +115,13 @@ static int whole_hold(tensor_parallel *s) {
     return rc;
 }
 
+/* The group of every rank of the mesh, from rank r's place in it. */
 static tdm_group *world_group(tp_rank *r) {
-    return r->s->o.procs ? r->s->o.procs : tdm_threads_world_group(r->s->world, r->rank);
+    tensor_parallel *s = r->s;
+    int i = (int)(r - s->ranks);
+    return s->hier      ? tdm_hier_world_group(s->hier, i)
+           : s->o.procs ? s->o.procs
+                        : tdm_threads_world_group(s->world, i);
 }
 
 static void abort_groups(tp_rank *r, const char *why) {
@@ -290,8 +298,8 @@ static void *rank_main(void *arg) {
     char track[48], dev[16];
     snprintf(track, sizeof track, "%s compute", tdm_device_str(r->dev, dev));
     tdm_trace_name_thread(track);
-    if (s->o.procs) /* mpirun places the processes; the GEMM keeps the caller's share */
-        tdm_cpu_gemm_set_threads(s->gemm_threads);
+    if (s->o.procs) /* mpirun places the processes; the GEMM takes its share of the caller's */
+        tdm_cpu_gemm_set_threads(s->gemm_threads / s->n > 1 ? s->gemm_threads / s->n : 1);
     else
         tdm_pin_rank_thread(r->rank, s->n);
     uint64_t seen = 0;
@@ -334,7 +342,7 @@ static int run_round(tensor_parallel *s, round_kind kind) {
     for (int i = 0; i < s->n; i++) {
         tp_rank *r = &s->ranks[i];
         char dev[16], proc[32] = "";
-        if (s->o.procs) snprintf(proc, sizeof proc, "process %d, ", r->rank);
+        if (s->o.procs) snprintf(proc, sizeof proc, "process %d, ", r->rank / s->n);
         if (r->rc)
             return tdm_raise(r->rc, "tensor_parallel: %s (%sdp %d, tp %d): %s",
                              tdm_device_str(s->devices[i], dev), proc, r->d, r->t, r->err);
@@ -513,6 +521,7 @@ static void tp_destroy(tdm_strategy *st) {
         else
             tdm_module_free(s->ranks[i].replica);
     }
+    tdm_hier_world_free(s->hier);
     tdm_threads_world_free(s->world);
     tdm_cpu_gemm_set_threads(s->gemm_threads);
     pthread_mutex_destroy(&s->mu);
@@ -545,10 +554,12 @@ static int check_args(const tdm_module *model, const tdm_device *devices, int n,
     if (!model || !devices || !o || !o->parallelize || !make_optim)
         return tdm_raise(TDM_ERR_ARG, "strategy tensor_parallel: NULL model, devices, options, "
                                       "parallelize or optimizer factory");
-    if (o->procs && (n != 1 || o->tp < 1 || tdm_group_size(o->procs) % o->tp))
+    if (o->procs && (n < 1 || n > TDM_MAX_DEVICES || o->tp < 1 || (n % o->tp && o->tp % n) ||
+                     (int64_t)tdm_group_size(o->procs) * n % o->tp))
         return tdm_raise(TDM_ERR_ARG,
-                         "strategy tensor_parallel: across processes, one device a process (not "
-                         "%d) and processes a multiple of tp %d (not %d)",
+                         "strategy tensor_parallel: across processes, %d devices a process must "
+                         "hold whole tp groups of %d or a part of one (a multiple or a divisor "
+                         "of it), and %d processes of them ranks a multiple of it",
                          n, o->tp, tdm_group_size(o->procs));
     if (!o->procs && (n < 1 || n > TDM_MAX_DEVICES || o->tp < 1 || n % o->tp))
         return tdm_raise(TDM_ERR_ARG,
@@ -569,9 +580,10 @@ tdm_strategy *tdm_strategy_tensor_parallel(tdm_module *model, const tdm_device *
     if (check_args(model, devices, n, o, make_optim)) return NULL;
     tensor_parallel *s = calloc(1, sizeof *s);
     if (!s) return tdm_raise_null(TDM_ERR_NOMEM, "strategy tensor_parallel: out of memory");
-    int world = o->procs ? tdm_group_size(o->procs) : n;
+    int world = o->procs ? tdm_group_size(o->procs) * n : n;
+    int p = o->procs ? tdm_group_rank(o->procs) : 0;
     s->model = model, s->n = n, s->tp = o->tp, s->dp = world / o->tp, s->o = *o;
-    s->rows = o->procs ? 1 : s->dp;
+    s->rows = n % o->tp ? 1 : n / o->tp; /* the dp rows this process holds */
     s->make_optim = make_optim, s->optim_arg = optim_arg;
     memcpy(s->devices, devices, sizeof *devices * (size_t)n);
     pthread_mutex_init(&s->mu, NULL);
@@ -585,12 +597,15 @@ tdm_strategy *tdm_strategy_tensor_parallel(tdm_module *model, const tdm_device *
                              .holds_parts = true};
     /* the whole model's gradients go before the clones come: one copy fewer at once */
     int rc = whole_release(s, true);
-    if (!rc && !o->procs && !(s->world = tdm_threads_world_new(n, devices))) rc = tdm_last_status();
+    if (!rc && (!o->procs || n > 1) && !(s->world = tdm_threads_world_new(n, devices)))
+        rc = tdm_last_status();
+    if (!rc && o->procs && n > 1 && !(s->hier = tdm_hier_world_new(s->world, n, o->procs)))
+        rc = tdm_last_status();
     /* the clones are made here, before any rank flattens or splits its own */
     for (int i = 0; i < n && !rc; i++) {
-        int g = o->procs ? tdm_group_rank(o->procs) : i; /* its rank in the mesh */
+        int g = p * n + i; /* its rank in the mesh */
         s->ranks[i] = (tp_rank){.s = s, .rank = g, .d = g / s->tp, .t = g % s->tp};
-        s->ranks[i].row = o->procs ? 0 : s->ranks[i].d, s->ranks[i].dev = devices[i];
+        s->ranks[i].row = s->rows > 1 ? i / s->tp : 0, s->ranks[i].dev = devices[i];
         if (!(s->ranks[i].replica = tdm_module_clone(model, devices[i]))) rc = tdm_last_status();
     }
     for (int i = 0; i < n && !rc; i++) {

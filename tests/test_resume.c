@@ -67,16 +67,20 @@ static bool same_ckpt(const char *a, const char *b, int64_t step);
 /* A run of 12 steps against the same run stopped after 6 and resumed: the same checkpoint,
  * byte for byte, and tandem eval of it gives the run's last test result. The stopped run
  * shards with --shard `shard` (stage 3 over one process's CPU devices writes one shard file a
- * device, which tandem export makes the unsharded run's files, bit for bit). */
-static void exact_resume(const char *model, const char *devices, bool adam, const char *shard) {
+ * device, which tandem export makes the unsharded run's files, bit for bit). Both cut the
+ * model into `split` pipeline stages (the stages' weights and optimizer state gathered whole
+ * into the checkpoint and handed back on resume). */
+static void exact_resume(const char *model, const char *devices, bool adam, const char *shard,
+                         const char *split) {
     char a[300], b[300], fa[400];
-    snprintf(a, sizeof a, "%s/%s-%s-full", tmpdir, model, devices);
-    snprintf(b, sizeof b, "%s/%s-%s-split", tmpdir, model, devices);
+    snprintf(a, sizeof a, "%s/%s-%s-%s-full", tmpdir, model, devices, split);
+    snprintf(b, sizeof b, "%s/%s-%s-%s-split", tmpdir, model, devices, split);
     const char *opt = adam ? "adam" : "sgd", *sched = adam ? "cosine" : "constant";
     /* 12 steps (4 per epoch); checkpoints at 4, 8 and 12, of which 2 are kept */
     int rc =
         run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
-                 sched, COMMON, "--checkpoint-dir", a, "--checkpoint-every", "4", "--keep", "2"));
+                 sched, COMMON, "--checkpoint-dir", a, "--checkpoint-every", "4", "--keep", "2",
+                 "--model-split", split));
     char *err = captured("stderr");
     CHECK(rc == 0, "%s on %s: the full run failed (%d): %s", model, devices, rc, err);
     free(err);
@@ -86,11 +90,12 @@ static void exact_resume(const char *model, const char *devices, bool adam, cons
     CHECK(count_ckpts(a) == 2, "--keep 2 leaves 2 checkpoints, found %d", count_ckpts(a));
     /* stopped after 6 steps, in the middle of epoch 2, then resumed (other worker count) */
     rc = run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
-                  sched, COMMON, "--checkpoint-dir", b, "--max-steps", "6", "--shard", shard));
+                  sched, COMMON, "--checkpoint-dir", b, "--max-steps", "6", "--shard", shard,
+                  "--model-split", split));
     CHECK(rc == 0, "%s on %s: the first half failed (%d)", model, devices, rc);
     rc = run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
                   sched, COMMON, "--checkpoint-dir", b, "--resume", "--workers", "0", "--shard",
-                  shard));
+                  shard, "--model-split", split));
     err = captured("stderr");
     CHECK(rc == 0, "%s on %s, --shard %s: the resumed half failed (%d): %s", model, devices, shard,
           rc, err);
@@ -125,7 +130,7 @@ static void exact_resume(const char *model, const char *devices, bool adam, cons
 
 static void init_from(void) {
     char w[400];
-    snprintf(w, sizeof w, "%s/mlp-cpu:0-full/ckpt-0000000012/model.safetensors", tmpdir);
+    snprintf(w, sizeof w, "%s/mlp-cpu:0-1-full/ckpt-0000000012/model.safetensors", tmpdir);
     CHECK(run(ARGS("train", "--model", "mlp", COMMON, "--epochs", "1", "--init-from", w)) == 0,
           "--init-from a checkpoint's weights");
     CHECK(run(ARGS("train", "--model", "cnn", COMMON, "--init-from", w)) == 1,
@@ -195,13 +200,6 @@ static void checked_resume(void) {
               strstr(err, "--seed 0 in the checkpoint, 3 now") &&
               strstr(err, "--batch-size is the global batch"),
           "resume with other options: %d %s", rc, err);
-    free(err);
-    /* a pipeline writes no checkpoints, so none resumes as one */
-    rc = run(ARGS("train", COMMON, "--checkpoint-dir", dir, "--resume", "--devices", "2",
-                  "--model-split", "2"));
-    err = captured("stderr");
-    CHECK(rc == 2 && strstr(err, "--model-split does not work with --checkpoint-dir"),
-          "resume as a pipeline: %d %s", rc, err);
     free(err);
     rc = run(
         ARGS("train", COMMON, "--checkpoint-dir", dir, "--resume", "--lr", "0.05", "--log", log));
@@ -1051,10 +1049,11 @@ int main(int argc, char **argv) {
         one_run_per_dir();
     }
     if (strcmp(part, "--signals") != 0) {
-        exact_resume("mlp", "cpu:0", false, "none");
-        exact_resume("mlp", "cpu:0,cpu:1", false, "parameters");
-        exact_resume("cnn", "cpu:0", true, "none");
-        exact_resume("cnn", "cpu:0,cpu:1", true, "none");
+        exact_resume("mlp", "cpu:0", false, "none", "1");
+        exact_resume("mlp", "cpu:0,cpu:1", false, "parameters", "1");
+        exact_resume("mlp", "cpu:0,cpu:1", true, "none", "2"); /* a pipeline */
+        exact_resume("cnn", "cpu:0", true, "none", "1");
+        exact_resume("cnn", "cpu:0,cpu:1", true, "none", "1");
         init_from();
         checked_resume();
         kill_during_checkpoint();

@@ -256,7 +256,27 @@ static void test_pipeline(const float *want, int64_t n) {
     CHECK(tdm_strategy_set_clip_grad_norm(st, 0) == 0, "0 is off: %s", tdm_last_error());
     CHECK_ERROR(tdm_strategy_set_shard(st, TDM_SHARD_OPTIMIZER, NULL) != 0, "pipeline");
     CHECK(tdm_strategy_shard(st) == TDM_SHARD_NONE, "a refused shard changes nothing");
-    CHECK_ERROR(tdm_strategy_optim_gather(st) == NULL, "pipeline");
+    /* a checkpoint's way: the stages' weights and momentum whole (optim_gather), handed to a
+     * pipeline of another model (push_whole, the model given m's values first), which then
+     * trains as this one does, bit for bit */
+    tdm_optim *whole = tdm_strategy_optim_gather(st);
+    CHECK(whole && tdm_optim_steps(whole) == STEPS, "optim_gather: %s", tdm_last_error());
+    tdm_module *m2 = make_model(2);
+    tdm_strategy *st2 = tdm_strategy_pipeline(m2, &po, make_sgd, NULL);
+    tdm_paramset *ps = tdm_module_parameters(m), *ps2 = tdm_module_parameters(m2);
+    tdm_bufferset *bs = tdm_module_buffers(m), *bs2 = tdm_module_buffers(m2);
+    int rc = st2 && whole ? tdm_copy_(ps2->flat, ps->flat) : TDM_ERR_STATE;
+    for (int i = 0; i < bs->n && !rc; i++) rc = tdm_copy_(bs2->buffers[i], bs->buffers[i]);
+    CHECK(!rc && tdm_strategy_push_whole(st2, whole) == 0, "push_whole: %s", tdm_last_error());
+    CHECK(train(st, 1, 0, B) == 0 && train(st2, 1, 0, B) == 0, "%s", tdm_last_error());
+    float got2[MAXP];
+    CHECK(tdm_strategy_sync_model(st) == 0 && tdm_strategy_sync_model(st2) == 0, "sync");
+    CHECK(params_of(m, got) == n && params_of(m2, got2) == n &&
+              memcmp(got, got2, sizeof(float) * (size_t)n) == 0,
+          "a pipeline given another's weights and state trains otherwise");
+    tdm_optim_free(whole);
+    tdm_strategy_free(st2);
+    tdm_module_free(m2);
     tdm_strategy_free(st);
     tdm_module_free(m);
 }

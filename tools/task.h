@@ -60,6 +60,7 @@ struct task {
      * the whole model) */
     int (*parallelize_stage)(tdm_module *stage, tdm_group *tp, void *arg);
     int (*from_pipeline_model)(tdm_module *model, const tdm_module *view);
+    int (*to_pipeline_model)(tdm_module *view, const tdm_module *model);
     /* The loss from a split replica's output (tdm_strategy_loss_module), or NULL: loss. */
     tdm_tensor *(*loss_of)(tdm_module *replica, tdm_tensor *out, const tdm_tensor *target);
     /* The optimizer over ps for the options o (a tdm_optim_factory: one per replica). */

@@ -161,6 +161,7 @@ int task_text_open(task *t, const train_opts *o, tdm_device dev) {
                 .pipeline_model = tdm_gpt_pipeline_model,
                 .parallelize_stage = split_stage,
                 .from_pipeline_model = tdm_gpt_from_pipeline_model,
+                .to_pipeline_model = tdm_gpt_to_pipeline_model,
                 .loss_of = tdm_gpt_loss_of,
                 .loss_label = "next-token cross-entropy",
                 .build = build_gpt,

@@ -231,8 +231,10 @@ static const opt_spec specs[] = {
      "K x R for R data-parallel replicas of every stage. Each batch flows through the stages "
      "in --micro-batches pieces, so the devices work at once; results match one device. A GPT "
      "is cut as its embeddings, blocks and head, the head's copy of the token embedding "
-     "tied to the first stage's (their gradients summed: Megatron-LM's tied embeddings). Not "
-     "with --checkpoint-dir or --grad-accum yet."},
+     "tied to the first stage's (their gradients summed: Megatron-LM's tied embeddings). "
+     "Checkpoints hold the whole model and optimizer, so a run resumes on another split or "
+     "none (not yet with --tensor-parallel too). Not with --grad-accum: raise "
+     "--micro-batches."},
     {"--micro-batches", "M", OPT_INT, F(micro_batches), 1, TDM_PIPE_MAX_MICRO, "4",
      "With --model-split: pieces each batch is cut into."},
     {"--pipeline", "1f1b|gpipe", OPT_STR, F(pipe_schedule), 0, 0, "1f1b",
@@ -656,17 +658,16 @@ static int parse_size(const char *s, int64_t *out) {
 /* ---- the run's identity: what a resume and every process must share ------------------------ */
 
 /* The options that shape the run's results. The others may differ on --resume (--epochs,
- * --max-steps, --lr, --devices, --workers, the outputs and the checkpoint cadence) and between
- * the processes of one run only where they describe the process itself. */
+ * --max-steps, --lr, the layout: --devices, --tensor-parallel, --model-split, --micro-batches
+ * and --pipeline; --workers, the outputs and the checkpoint cadence) and between the processes
+ * of one run only where they describe the process itself. */
 static const char *const identity[] = {
-    "--data",         "--model",          "--layers",       "--heads",
-    "--channels",     "--context",        "--vocab",        "--batch-size",
-    "--grad-accum",   "--clip-grad",      "--optimizer",    "--momentum",
-    "--weight-decay", "--schedule",       "--warmup-steps", "--step-size",
-    "--gamma",        "--seed",           "--denormals",    "--limit",
-    "--model-split",  "--micro-batches",  "--pipeline",     "--image-size",
-    "--transform",    "--eval-transform", "--pct-start",    "--label-smoothing",
-    "--nesterov",     "--no-decay-1d",    "--eval-flip",    "--validation"};
+    "--data",       "--model",       "--layers",         "--heads",      "--channels",
+    "--context",    "--vocab",       "--batch-size",     "--grad-accum", "--clip-grad",
+    "--optimizer",  "--momentum",    "--weight-decay",   "--schedule",   "--warmup-steps",
+    "--step-size",  "--gamma",       "--seed",           "--denormals",  "--limit",
+    "--image-size", "--transform",   "--eval-transform", "--pct-start",  "--label-smoothing",
+    "--nesterov",   "--no-decay-1d", "--eval-flip",      "--validation"};
 
 /* One option's value as the options hold it after check_opts, into buf. */
 static void format_value(const train_opts *o, const opt_spec *s, char *buf, size_t cap) {
@@ -747,14 +748,15 @@ bool train_identity_diff(const char *a, const char *b, const char *a_name, const
     size_t n = 0;
     out[0] = '\0';
     for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
-        const char *name = specs[i].name; /* absent from both: not compared */
-        char va[512] = "(unset)", vb[512] = "(unset)";
+        const char *name = specs[i].name;
+        char va[512] = "(unset)", vb[512];
+        /* b is this run's: what it does not hold is not compared (an option a checkpoint
+         * recorded before it left the identity: the pipeline's layout) */
+        if (!identity_value(b, name, vb, sizeof vb)) continue;
         identity_value(a, name, va, sizeof va);
-        identity_value(b, name, vb, sizeof vb);
         /* an option newer than a checkpoint, at its default there */
-        bool unset_a = !strcmp(va, "(unset)"), unset_b = !strcmp(vb, "(unset)");
-        if ((unset_a && (!strcmp(vb, "none") || !strcmp(vb, "0") || !strcmp(vb, "off"))) ||
-            (unset_b && (!strcmp(va, "none") || !strcmp(va, "0") || !strcmp(va, "off"))))
+        if (!strcmp(va, "(unset)") &&
+            (!strcmp(vb, "none") || !strcmp(vb, "0") || !strcmp(vb, "off")))
             continue;
         if (strcmp(va, vb) == 0) continue;
         int k = snprintf(out + n, cap - n, "%s%s %s %s, %s %s", n ? "; " : "", name, va, a_name, vb,
@@ -981,11 +983,13 @@ static int check_opts(train_opts *o) {
         if (!one_of(o->pipe_schedule, pipes))
             return train_usage_error("--pipeline: unknown schedule '%s' (expected 1f1b or gpipe)",
                                      o->pipe_schedule);
-        if (o->checkpoint_dir || o->grad_accum > 1)
-            return train_usage_error("--model-split does not work with %s yet",
-                                     o->checkpoint_dir
-                                         ? "--checkpoint-dir"
-                                         : "--grad-accum (--micro-batches accumulate)");
+        if (o->grad_accum > 1)
+            return train_usage_error("--model-split does not work with --grad-accum (its "
+                                     "--micro-batches accumulate: raise those)");
+        if (o->checkpoint_dir && o->tensor_parallel > 1)
+            return train_usage_error("--checkpoint-dir does not work with --model-split and "
+                                     "--tensor-parallel together yet (the stages' parts are not "
+                                     "gathered into one optimizer)");
         if (o->n_devs % o->model_split)
             return train_usage_error(
                 "--model-split %lld needs a multiple of %lld devices, --devices "

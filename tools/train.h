@@ -90,8 +90,8 @@ int train_identity(const train_opts *o, char *buf, size_t cap);
  * process: its outputs, --workers, --timeout, --quiet) as "--name=value;" pairs, into buf:
  * what the processes compare before the first step. 0, or -1 when cap is too small. */
 int train_process_identity(const train_opts *o, char *buf, size_t cap);
-/* Whether identities a and b differ; if so, out (cap bytes) lists each option that does:
- * "--batch-size 64 <a_name>, 32 <b_name>; ...". */
+/* Whether identities a and b differ in an option that b (this run's) holds; if so, out (cap
+ * bytes) lists each option that does: "--batch-size 64 <a_name>, 32 <b_name>; ...". */
 bool train_identity_diff(const char *a, const char *b, const char *a_name, const char *b_name,
                          char *out, size_t cap);
 /* Prints "tandem train: <message> (see 'tandem train --help')" and returns EXIT_USAGE. */

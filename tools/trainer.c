@@ -141,8 +141,8 @@ static int make_strategy(trainer *tr) {
         tdm_module *view = t->pipeline_model ? t->pipeline_model(t->model, &tie) : NULL;
         if (t->pipeline_model && !view) return task_error("pipeline: %s", tdm_last_error());
         po.ties = view ? &tie : NULL, po.n_ties = view ? 1 : 0;
-        tr->st = tdm_strategy_pipeline_view(t->model, view, t->from_pipeline_model, &po,
-                                            t->optimizer, (void *)o);
+        tr->st = tdm_strategy_pipeline_view(t->model, view, t->from_pipeline_model,
+                                            t->to_pipeline_model, &po, t->optimizer, (void *)o);
     } else if (o->tensor_parallel > 1) {
         tdm_tp_strategy_opts to = {.tp = (int)o->tensor_parallel,
                                    .parallelize = t->parallelize,

@@ -120,6 +120,9 @@ int tdm_gpt_parallelize_stage(tdm_module *stage, tdm_group *tp, const tdm_gpt_tp
  * the same config): the embeddings' copy of wte, wpe, the blocks, ln_f. TDM_ERR_ARG for
  * modules that do not match, TDM_ERR_SHAPE naming a layer of another shape. */
 int tdm_gpt_from_pipeline_model(tdm_module *gpt, const tdm_module *seq);
+/* The reverse: seq's parameters (both copies of wte) from gpt's, e.g. a checkpoint read into
+ * gpt handed to a pipeline (tdm_strategy_pipeline_view). Same errors. */
+int tdm_gpt_to_pipeline_model(tdm_module *seq, const tdm_module *gpt);
 
 /* AdamW over ps with o's hyper-parameters, except that weight decay applies only to
  * parameters of 2 or more dims (matrices and embeddings; not biases or LayerNorm), as llm.c

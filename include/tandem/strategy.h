@@ -55,16 +55,23 @@ tdm_strategy *tdm_strategy_distributed(tdm_module *model, tdm_group *g, const td
 /* A pipeline: tdm_pipe_new(model, o, make_optim, optim_arg). model stays the caller's and is
  * where tdm_strategy_sync_model puts the trained weights. No accumulation (the micro-batches
  * are the pipeline's) or sharding; clipping joins the stages' norms
- * (tdm_pipe_set_clip_grad_norm). NULL and tdm_pipe_new's error. */
+ * (tdm_pipe_set_clip_grad_norm). The stages hold the model in parts (holds_parts):
+ * tdm_strategy_optim_gather gives a whole optimizer over model (the stages' weights in model),
+ * tdm_strategy_push_whole hands model and a whole optimizer back to every stage (a checkpoint
+ * and its resume; stages split over tensor-parallel ranks refuse both, naming it). NULL and
+ * tdm_pipe_new's error. */
 tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
                                     tdm_optim_factory make_optim, void *optim_arg);
 /* A pipeline of a model that is not a Sequential itself: view is a Sequential of copies of its
  * layers (tdm_gpt_pipeline_model, with o->ties naming its tied copies), which the stages are
  * cut from; tdm_strategy_sync_model writes the trained weights into view and then into model
  * through to_model(model, view) (tdm_gpt_from_pipeline_model), and model runs the
- * evaluation. The strategy owns view from the call on (freed with it, or at once on an error). */
+ * evaluation; to_view(view, model) (tdm_gpt_to_pipeline_model) is the reverse, for a resume.
+ * Both copy parameter values only: optimizer state crosses through them too. The strategy
+ * owns view from the call on (freed with it, or at once on an error). */
 tdm_strategy *tdm_strategy_pipeline_view(tdm_module *model, tdm_module *view,
                                          int (*to_model)(tdm_module *model, const tdm_module *view),
+                                         int (*to_view)(tdm_module *view, const tdm_module *model),
                                          const tdm_pipe_opts *o, tdm_optim_factory make_optim,
                                          void *optim_arg);
 

@@ -157,7 +157,7 @@ tdm_group *tdm_gpt_stage_vocab_group(const tdm_module *stage, bool *ends) {
 /* dst's parameters from src's, in order (the same tree). */
 static int copy_params(tdm_module *dst, const tdm_module *src) {
     if (dst->n_params != src->n_params || dst->n_children != src->n_children)
-        return tdm_raise(TDM_ERR_SHAPE, "gpt_from_pipeline_model: a %s where the GPT has a %s",
+        return tdm_raise(TDM_ERR_SHAPE, "gpt pipeline model: a %s where the other has a %s",
                          src->ops->kind, dst->ops->kind);
     int rc = TDM_OK;
     for (int i = 0; i < dst->n_params && !rc; i++) {
@@ -182,6 +182,23 @@ int tdm_gpt_from_pipeline_model(tdm_module *gpt, const tdm_module *seq) {
     for (int l = 0; l < h->n_children && !rc; l++)
         rc = copy_params(h->children[l], seq->children[l + 1]);
     if (!rc) rc = copy_params(child(tr, "ln_f"), head->children[0]);
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+int tdm_gpt_to_pipeline_model(tdm_module *seq, const tdm_module *gpt) {
+    tdm_module *tr = tdm_gpt_config_of(gpt) ? child(gpt, "transformer") : NULL, *h = child(tr, "h");
+    if (!h || !seq || seq->n_children != h->n_children + 2 ||
+        strcmp(seq->children[0]->ops->kind, "GPTEmbeddings") != 0)
+        return tdm_raise(TDM_ERR_ARG, "gpt_to_pipeline_model: not a GPT and its pipeline model");
+    bool prev = tdm_set_grad_enabled(false);
+    tdm_module *emb = seq->children[0], *head = seq->children[seq->n_children - 1];
+    int rc = copy_params(emb->children[0], child(tr, "wte"));
+    if (!rc) rc = copy_params(emb->children[1], child(tr, "wpe"));
+    for (int l = 0; l < h->n_children && !rc; l++)
+        rc = copy_params(seq->children[l + 1], h->children[l]);
+    if (!rc) rc = copy_params(head->children[0], child(tr, "ln_f"));
+    if (!rc) rc = copy_params(head->children[1], child(tr, "wte")); /* the tied copy */
     tdm_set_grad_enabled(prev);
     return rc;
 }

@@ -636,51 +636,10 @@ int tdm_pipe_step(tdm_pipe *p, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn lo
 
 /* ---- results ------------------------------------------------------------------------------ */
 
-/* Copies src's parameters and buffers (a stage's clone) into dst (the original layer). */
-static int copy_layer(tdm_module *dst, const tdm_module *src, int layer) {
-    if (dst->n_params != src->n_params || dst->n_buffers != src->n_buffers ||
-        dst->n_children != src->n_children)
-        return tdm_raise(TDM_ERR_SHAPE,
-                         "pipe_copy_to: layer %d (%s) differs from the "
-                         "pipeline's %s",
-                         layer, dst->ops->kind, src->ops->kind);
-    int rc = TDM_OK;
-    for (int i = 0; !rc && i < dst->n_params + dst->n_buffers; i++) {
-        tdm_tensor *d = i < dst->n_params ? dst->params[i] : dst->buffers[i - dst->n_params];
-        tdm_tensor *s = i < src->n_params ? src->params[i] : src->buffers[i - src->n_params];
-        char a[96], b[96];
-        if (!tdm_same_shape(d, s))
-            return tdm_raise(TDM_ERR_SHAPE,
-                             "pipe_copy_to: layer %d has a tensor %s, the "
-                             "pipeline's is %s",
-                             layer, tdm_shape_str(tdm_shape_of(d), a),
-                             tdm_shape_str(tdm_shape_of(s), b));
-        tdm_scope_begin();
-        rc = tdm_copy_(d, tdm_to_device(s, d->device));
-        tdm_scope_end();
-    }
-    for (int c = 0; !rc && c < dst->n_children; c++)
-        rc = copy_layer(dst->children[c], src->children[c], layer);
-    return rc;
-}
-
-int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model) {
-    if (!p || !model) return tdm_raise(TDM_ERR_ARG, "pipe_copy_to: NULL argument");
-    if (model->n_children != p->first[p->S])
-        return tdm_raise(TDM_ERR_SHAPE, "pipe_copy_to: the model has %d layers, the pipeline %d",
-                         model->n_children, p->first[p->S]);
-    if (p->T > 1) { /* the parts made whole on the stages' threads */
-        p->gather_into = model;
-        int rc = run_round(p, ROUND_GATHER);
-        p->gather_into = NULL;
-        return rc;
-    }
-    bool prev = tdm_set_grad_enabled(false);
-    int rc = TDM_OK;
-    for (int s = 0; s < p->S && !rc; s++)
-        for (int i = p->first[s]; i < p->first[s + 1] && !rc; i++)
-            rc = copy_layer(model->children[i], at(p, s, 0, 0)->mod->children[i - p->first[s]], i);
-    tdm_set_grad_enabled(prev);
+int tdm_pipe_gather(struct tdm_pipe *p, tdm_module *model) {
+    p->gather_into = model;
+    int rc = run_round(p, ROUND_GATHER);
+    p->gather_into = NULL;
     return rc;
 }
 

@@ -1,6 +1,7 @@
 /* The pipeline's private parts (pipeline.c runs the stages, pipeline_sync.c makes them agree
- * after backward): a worker per (stage, replica, tensor-parallel rank), the hand-off slots
- * between neighbours, and the pipeline itself. Not installed. */
+ * after backward, pipeline_state.c moves their weights and state to and from a whole model): a
+ * worker per (stage, replica, tensor-parallel rank), the hand-off slots between neighbours, and the
+ * pipeline itself. Not installed. */
 #ifndef TDM_PARALLEL_PIPELINE_INTERNAL_H
 #define TDM_PARALLEL_PIPELINE_INTERNAL_H
 
@@ -114,6 +115,9 @@ static inline worker *at(struct tdm_pipe *p, int s, int r, int t) {
 
 /* Records w's error as the pipeline's first (if it is), wakes every waiter and aborts w's
  * groups; returns rc (TDM_ERR_STATE for 0). */
+/* Replica 0's stages' parts made whole in model's layers, on the stages' threads (pipeline.c;
+ * tensor parallelism's half of tdm_pipe_copy_to). */
+int tdm_pipe_gather(struct tdm_pipe *p, tdm_module *model);
 int tdm_pipe_fail(worker *w, int rc);
 /* Waits until *flag is set; an error when the pipeline failed meanwhile. */
 int tdm_pipe_wait(worker *w, const tdm_wait_word *flag);

@@ -1,12 +1,16 @@
 /* The pipeline strategy: the caller's Sequential cut into stages (tdm_pipe), every stage's
  * threads running its schedule; the caller's model is evaluated once the stages' weights are
- * copied back into it. */
+ * copied back into it. A checkpoint takes the stages' weights and optimizer state whole
+ * (optim_gather) and a resume hands them back (push_whole); through a view (a GPT's
+ * Sequential of copies) each state buffer crosses between the view's order and the model's
+ * with the view's own copy functions, its values standing in for the weights. */
 #include "parallel/strategy.h"
 
 #include "core/core.h"
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     tdm_strategy base;
@@ -14,6 +18,9 @@ typedef struct {
     tdm_module *model;
     tdm_module *view; /* the Sequential the stages were cut from, or NULL: model is */
     int (*to_model)(tdm_module *model, const tdm_module *view);
+    int (*to_view)(tdm_module *view, const tdm_module *model);
+    tdm_optim_factory make_optim;
+    void *optim_arg;
     int micro_batches, tp;
     tdm_pipe_schedule schedule;
 } pipeline;
@@ -64,10 +71,69 @@ static tdm_optim *pipe_optim(tdm_strategy *st, int r) {
     return o;
 }
 
+/* Each state buffer of from (over the view's parameters, or the model's) into the same-named
+ * one of to (over the other's), carried by the view's copy functions: loaded into the values of
+ * from's module, copied across, read from the other's. Both modules' values are left holding
+ * the last buffer: the caller puts the weights back. */
+static int through_view(pipeline *s, tdm_optim *from, tdm_optim *to, bool to_model) {
+    tdm_paramset *vps = tdm_module_parameters(s->view), *mps = tdm_module_parameters(s->model);
+    if (!vps || !mps) return tdm_last_status();
+    tdm_paramset *src = to_model ? vps : mps, *dst = to_model ? mps : vps;
+    const char *fn[4], *tn[4];
+    tdm_tensor *ft[4], *tt[4];
+    int n = tdm_optim_state(from, fn, ft, 4), m = tdm_optim_state(to, tn, tt, 4), rc = TDM_OK;
+    for (int k = 0; k < n && !rc; k++) {
+        int j = 0;
+        while (j < m && strcmp(tn[j], fn[k]) != 0) j++;
+        if (j == m) return tdm_raise(TDM_ERR_ARG, "pipeline: the optimizer has no %s", fn[k]);
+        bool prev = tdm_set_grad_enabled(false);
+        tdm_scope_begin();
+        rc = tdm_copy_(src->flat, tdm_to_device(ft[k], src->flat->device));
+        if (!rc) rc = to_model ? s->to_model(s->model, s->view) : s->to_view(s->view, s->model);
+        if (!rc) rc = tdm_copy_(tt[j], tdm_to_device(dst->flat, tt[j]->device));
+        tdm_scope_end();
+        tdm_set_grad_enabled(prev);
+    }
+    return rc ? rc : tdm_optim_set_steps(to, tdm_optim_steps(from));
+}
+
+/* A whole optimizer over the caller's model holding the stages' state (replica 0's), the
+ * model holding their weights. */
 static tdm_optim *pipe_optim_gather(tdm_strategy *st) {
-    (void)st;
-    return tdm_raise_null(TDM_ERR_ARG, "strategy optim_gather: a pipeline's stages step "
-                                       "optimizers of their own, not one to gather");
+    pipeline *s = (pipeline *)st;
+    tdm_module *seq = s->view ? s->view : s->model;
+    tdm_paramset *sps = tdm_module_parameters(seq), *mps = tdm_module_parameters(s->model);
+    tdm_optim *whole = sps ? s->make_optim(sps, s->optim_arg) : NULL;
+    tdm_optim *out = whole && s->view ? s->make_optim(mps, s->optim_arg) : whole;
+    int rc = out ? tdm_pipe_state_to(s->pipe, seq, whole) : tdm_last_status();
+    if (!rc && s->view) rc = through_view(s, whole, out, true);
+    if (!rc) rc = pipe_sync_model(st); /* the weights, over what the view carried */
+    if (out != whole) tdm_optim_free(whole);
+    if (!rc) tdm_optim_set_lr(out, tdm_optim_lr(pipe_optim(st, 0)));
+    if (rc) tdm_optim_free(out);
+    return rc ? NULL : out;
+}
+
+/* The caller's model and whole (over it: a checkpoint's) into every stage of every replica. */
+static int pipe_push_whole(tdm_strategy *st, tdm_optim *whole) {
+    pipeline *s = (pipeline *)st;
+    if (!s->view) {
+        int rc = tdm_pipe_state_from(s->pipe, s->model, whole);
+        return rc ? rc : tdm_pipe_copy_from(s->pipe, s->model);
+    }
+    tdm_paramset *vps = tdm_module_parameters(s->view), *mps = tdm_module_parameters(s->model);
+    tdm_optim *vo = vps && mps ? s->make_optim(vps, s->optim_arg) : NULL;
+    tdm_tensor *kept = vo ? tdm_clone(mps->flat) : NULL; /* the weights, while state passes */
+    int rc = kept ? through_view(s, whole, vo, false) : tdm_last_status();
+    bool prev = tdm_set_grad_enabled(false);
+    int back = kept ? tdm_copy_(mps->flat, kept) : TDM_OK;
+    tdm_set_grad_enabled(prev);
+    if (!rc) rc = back ? back : s->to_view(s->view, s->model);
+    if (!rc) rc = tdm_pipe_state_from(s->pipe, s->view, vo);
+    if (!rc) rc = tdm_pipe_copy_from(s->pipe, s->view);
+    tdm_tensor_free(kept);
+    tdm_optim_free(vo);
+    return rc;
 }
 
 static void pipe_describe(tdm_strategy *st, int64_t batch, char *buf, size_t cap) {
@@ -122,6 +188,7 @@ static const tdm_strategy_ops pipeline_ops = {
     .replica = pipe_replica,
     .optim = pipe_optim,
     .optim_gather = pipe_optim_gather,
+    .push_whole = pipe_push_whole,
     .describe = pipe_describe,
     .forward_module = pipe_forward_module,
     .destroy = pipe_destroy,
@@ -129,11 +196,13 @@ static const tdm_strategy_ops pipeline_ops = {
 
 tdm_strategy *tdm_strategy_pipeline_view(tdm_module *model, tdm_module *view,
                                          int (*to_model)(tdm_module *model, const tdm_module *view),
+                                         int (*to_view)(tdm_module *view, const tdm_module *model),
                                          const tdm_pipe_opts *o, tdm_optim_factory make_optim,
                                          void *optim_arg) {
-    if (!o || !model || (view && !to_model)) {
+    if (!o || !model || (view && (!to_model || !to_view))) {
         tdm_module_free(view);
-        return tdm_raise_null(TDM_ERR_ARG, "strategy pipeline: NULL options, model or to_model");
+        return tdm_raise_null(TDM_ERR_ARG,
+                              "strategy pipeline: NULL options, model, to_model or to_view");
     }
     pipeline *s = calloc(1, sizeof *s);
     if (!s) {
@@ -144,14 +213,18 @@ tdm_strategy *tdm_strategy_pipeline_view(tdm_module *model, tdm_module *view,
         tdm_module_free(view);
         return free(s), NULL;
     }
-    s->model = model, s->view = view, s->to_model = to_model;
+    s->model = model, s->view = view, s->to_model = to_model, s->to_view = to_view;
+    s->make_optim = make_optim, s->optim_arg = optim_arg;
     s->micro_batches = o->micro_batches, s->schedule = o->schedule, s->tp = o->tp;
-    s->base = (tdm_strategy){
-        .ops = &pipeline_ops, .replicas = 1, .ranks = o->replicas > 0 ? o->replicas : 1};
+    /* the stages hold the model in parts: checkpoints gather them (optim_gather) */
+    s->base = (tdm_strategy){.ops = &pipeline_ops,
+                             .replicas = 1,
+                             .ranks = o->replicas > 0 ? o->replicas : 1,
+                             .holds_parts = true};
     return &s->base;
 }
 
 tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
                                     tdm_optim_factory make_optim, void *optim_arg) {
-    return tdm_strategy_pipeline_view(model, NULL, NULL, o, make_optim, optim_arg);
+    return tdm_strategy_pipeline_view(model, NULL, NULL, NULL, o, make_optim, optim_arg);
 }

@@ -1,0 +1,142 @@
+/* A pipeline's whole state against one model: the stages' weights into it (tdm_pipe_copy_to)
+ * and from it (tdm_pipe_copy_from), their optimizers' state into one whole optimizer over it
+ * and back (tdm_pipe_state_to, tdm_pipe_state_from), which is what a checkpoint holds. A
+ * stage's parameters are its layers', in the model's order, so its flat buffers are one slice
+ * of the whole model's: state moves slice by slice, with no per-tensor bookkeeping. */
+#include "parallel/group.h" /* tdm_range_view */
+#include "parallel/pipeline_internal.h"
+
+#include <stdio.h>
+#include <string.h>
+
+/* Copies src's parameters and buffers into dst (a stage's clone and the original layer, either
+ * way; op names the call in errors). */
+static int copy_layer(tdm_module *dst, const tdm_module *src, int layer, const char *op) {
+    if (dst->n_params != src->n_params || dst->n_buffers != src->n_buffers ||
+        dst->n_children != src->n_children)
+        return tdm_raise(TDM_ERR_SHAPE, "%s: layer %d (%s) differs from the pipeline's %s", op,
+                         layer, dst->ops->kind, src->ops->kind);
+    int rc = TDM_OK;
+    for (int i = 0; !rc && i < dst->n_params + dst->n_buffers; i++) {
+        tdm_tensor *d = i < dst->n_params ? dst->params[i] : dst->buffers[i - dst->n_params];
+        tdm_tensor *s = i < src->n_params ? src->params[i] : src->buffers[i - src->n_params];
+        char a[96], b[96];
+        if (!tdm_same_shape(d, s))
+            return tdm_raise(TDM_ERR_SHAPE, "%s: layer %d has a tensor %s, the pipeline's is %s",
+                             op, layer, tdm_shape_str(tdm_shape_of(d), a),
+                             tdm_shape_str(tdm_shape_of(s), b));
+        tdm_scope_begin();
+        rc = tdm_copy_(d, tdm_to_device(s, d->device));
+        tdm_scope_end();
+    }
+    for (int c = 0; !rc && c < dst->n_children; c++)
+        rc = copy_layer(dst->children[c], src->children[c], layer, op);
+    return rc;
+}
+
+int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model) {
+    if (!p || !model) return tdm_raise(TDM_ERR_ARG, "pipe_copy_to: NULL argument");
+    if (model->n_children != p->first[p->S])
+        return tdm_raise(TDM_ERR_SHAPE, "pipe_copy_to: the model has %d layers, the pipeline %d",
+                         model->n_children, p->first[p->S]);
+    if (p->T > 1) { /* the parts made whole on the stages' threads */
+        return tdm_pipe_gather(p, model);
+    }
+    bool prev = tdm_set_grad_enabled(false);
+    int rc = TDM_OK;
+    for (int s = 0; s < p->S && !rc; s++)
+        for (int i = p->first[s]; i < p->first[s + 1] && !rc; i++)
+            rc = copy_layer(model->children[i], at(p, s, 0, 0)->mod->children[i - p->first[s]], i,
+                            "pipe_copy_to");
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+int tdm_pipe_copy_from(tdm_pipe *p, const tdm_module *model) {
+    if (!p || !model) return tdm_raise(TDM_ERR_ARG, "pipe_copy_from: NULL argument");
+    if (model->n_children != p->first[p->S])
+        return tdm_raise(TDM_ERR_SHAPE, "pipe_copy_from: the model has %d layers, the pipeline %d",
+                         model->n_children, p->first[p->S]);
+    if (p->T > 1)
+        return tdm_raise(TDM_ERR_STATE, "pipe_copy_from: stages split over tensor-parallel ranks "
+                                        "take no whole weights yet");
+    bool prev = tdm_set_grad_enabled(false);
+    int rc = TDM_OK;
+    for (int s = 0; s < p->S && !rc; s++)
+        for (int r = 0; r < p->R && !rc; r++)
+            for (int i = p->first[s]; i < p->first[s + 1] && !rc; i++)
+                rc = copy_layer(at(p, s, r, 0)->mod->children[i - p->first[s]], model->children[i],
+                                i, "pipe_copy_from");
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+/* Stage s's parameters are elements [off[s], off[s + 1]) of the model's flat buffer. */
+static int stage_offsets(tdm_pipe *p, const tdm_paramset *whole, int64_t *off, const char *op) {
+    off[0] = 0;
+    for (int s = 0; s < p->S; s++) {
+        tdm_paramset *ps = tdm_module_parameters(at(p, s, 0, 0)->mod);
+        if (!ps) return tdm_last_status();
+        off[s + 1] = off[s] + ps->total;
+    }
+    if (off[p->S] != whole->total)
+        return tdm_raise(TDM_ERR_SHAPE, "%s: the stages hold %lld parameters, the model %lld", op,
+                         (long long)off[p->S], (long long)whole->total);
+    return TDM_OK;
+}
+
+/* Stage optimizer so's state into (to_whole) or from its slice [lo, hi) of whole's. */
+static int move_stage_state(tdm_optim *so, tdm_optim *whole, int64_t lo, int64_t hi, bool to_whole,
+                            const char *op) {
+    const char *sn[4], *wn[4];
+    tdm_tensor *st[4], *wt[4];
+    int n = tdm_optim_state(so, sn, st, 4), m = tdm_optim_state(whole, wn, wt, 4);
+    if (n != m || strcmp(tdm_optim_kind(so), tdm_optim_kind(whole)) != 0)
+        return tdm_raise(TDM_ERR_ARG, "%s: a stage's %s and a whole %s optimizer", op,
+                         tdm_optim_kind(so), tdm_optim_kind(whole));
+    int rc = TDM_OK;
+    for (int k = 0; k < n && !rc; k++) {
+        int j = 0;
+        while (j < m && strcmp(wn[j], sn[k]) != 0) j++;
+        if (j == m) return tdm_raise(TDM_ERR_ARG, "%s: the whole optimizer has no %s", op, sn[k]);
+        tdm_tensor v = tdm_range_view(wt[j], lo, hi);
+        tdm_scope_begin();
+        rc = to_whole ? tdm_copy_(&v, tdm_to_device(st[k], v.device))
+                      : tdm_copy_(st[k], tdm_to_device(&v, st[k]->device));
+        tdm_scope_end();
+    }
+    if (!rc)
+        rc = to_whole ? tdm_optim_set_steps(whole, tdm_optim_steps(so))
+                      : tdm_optim_set_steps(so, tdm_optim_steps(whole));
+    return rc;
+}
+
+/* Every stage's optimizer state (replica 0's, or into every replica's) to or from whole's. */
+static int move_state(tdm_pipe *p, tdm_module *model, tdm_optim *whole, bool to_whole) {
+    const char *op = to_whole ? "pipe_state_to" : "pipe_state_from";
+    if (!p || !model || !whole) return tdm_raise(TDM_ERR_ARG, "%s: NULL argument", op);
+    if (p->T > 1)
+        return tdm_raise(TDM_ERR_STATE,
+                         "%s: stages split over tensor-parallel ranks are not "
+                         "gathered into one optimizer yet",
+                         op);
+    tdm_paramset *ps = tdm_module_parameters(model);
+    int64_t off[TDM_MAX_DEVICES + 1];
+    int rc = ps ? stage_offsets(p, ps, off, op) : tdm_last_status();
+    bool prev = tdm_set_grad_enabled(false);
+    for (int s = 0; s < p->S && !rc; s++)
+        for (int r = 0; r < (to_whole ? 1 : p->R) && !rc; r++) {
+            tdm_optim *so = at(p, s, r, 0)->opt;
+            if (so) rc = move_stage_state(so, whole, off[s], off[s + 1], to_whole, op);
+        }
+    tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+int tdm_pipe_state_to(tdm_pipe *p, tdm_module *model, tdm_optim *whole) {
+    return move_state(p, model, whole, true);
+}
+
+int tdm_pipe_state_from(tdm_pipe *p, tdm_module *model, tdm_optim *whole) {
+    return move_state(p, model, whole, false);
+}

@@ -77,10 +77,9 @@ static void exact_resume(const char *model, const char *devices, bool adam, cons
     snprintf(b, sizeof b, "%s/%s-%s-%s-split", tmpdir, model, devices, split);
     const char *opt = adam ? "adam" : "sgd", *sched = adam ? "cosine" : "constant";
     /* 12 steps (4 per epoch); checkpoints at 4, 8 and 12, of which 2 are kept */
-    int rc =
-        run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt, "--schedule",
-                 sched, COMMON, "--checkpoint-dir", a, "--checkpoint-every", "4", "--keep", "2",
-                 "--model-split", split));
+    int rc = run(ARGS("train", "--model", model, "--devices", devices, "--optimizer", opt,
+                      "--schedule", sched, COMMON, "--checkpoint-dir", a, "--checkpoint-every", "4",
+                      "--keep", "2", "--model-split", split));
     char *err = captured("stderr");
     CHECK(rc == 0, "%s on %s: the full run failed (%d): %s", model, devices, rc, err);
     free(err);

@@ -233,8 +233,7 @@ static const opt_spec specs[] = {
      "is cut as its embeddings, blocks and head, the head's copy of the token embedding "
      "tied to the first stage's (their gradients summed: Megatron-LM's tied embeddings). "
      "Checkpoints hold the whole model and optimizer, so a run resumes on another split or "
-     "none (not yet with --tensor-parallel too). Not with --grad-accum: raise "
-     "--micro-batches."},
+     "none. Not with --grad-accum: raise --micro-batches."},
     {"--micro-batches", "M", OPT_INT, F(micro_batches), 1, TDM_PIPE_MAX_MICRO, "4",
      "With --model-split: pieces each batch is cut into."},
     {"--pipeline", "1f1b|gpipe", OPT_STR, F(pipe_schedule), 0, 0, "1f1b",
@@ -986,10 +985,6 @@ static int check_opts(train_opts *o) {
         if (o->grad_accum > 1)
             return train_usage_error("--model-split does not work with --grad-accum (its "
                                      "--micro-batches accumulate: raise those)");
-        if (o->checkpoint_dir && o->tensor_parallel > 1)
-            return train_usage_error("--checkpoint-dir does not work with --model-split and "
-                                     "--tensor-parallel together yet (the stages' parts are not "
-                                     "gathered into one optimizer)");
         if (o->n_devs % o->model_split)
             return train_usage_error(
                 "--model-split %lld needs a multiple of %lld devices, --devices "

@@ -126,7 +126,7 @@ bool tdm_mpi_available(void);
 bool tdm_mpi_launched(void);
 /* Initialises MPI and returns the group of every process of the job (MPI_COMM_WORLD): rank
  * and size from MPI, device cpu:0 of this process. The collectives are those above, with the
- * same guarantees: asynchronous (a communication thread owns all MPI calls, so bucket
+ * same guarantees: asynchronous (communication threads make every MPI call, so bucket
  * all-reduces overlap backward), reductions in rank order (bit-identical on every rank and
  * to the threads backend), ranks that disagree on a collective get an error. Faults: a rank
  * that fails (tdm_group_abort) makes every rank's collectives fail with "rank R failed: ...";
@@ -137,7 +137,8 @@ bool tdm_mpi_launched(void);
  * MPI, when the process was not started by mpirun/srun (see tdm_mpi_launched), or when MPI
  * cannot start. The group is freed by tdm_mpi_finalize; never tdm_spawn it. */
 tdm_group *tdm_mpi_init(int *argc, char ***argv);
-/* Finishes the queued collectives, stops the communication thread and finalises MPI. After
+/* Finishes the queued collectives, stops the communication threads and finalises MPI (free
+ * any sub-groups first). After
  * a failure MPI is not finalised (a dead peer would make MPI_Finalize wait forever): the
  * process should then exit with a nonzero status, and mpirun ends the job. MPI cannot be
  * initialised again in this process. Does nothing without tdm_mpi_init. */

@@ -145,15 +145,17 @@ int tdm_pipe_step(tdm_pipe *p, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn lo
  * match. */
 int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model);
 /* The reverse, e.g. after a checkpoint was read into model: every stage of every replica
- * takes its layers' parameters and buffers from model. TDM_ERR_SHAPE as above, TDM_ERR_STATE
- * for stages split over tensor-parallel ranks (not written yet). */
+ * takes its layers' parameters and buffers from model (under tensor parallelism each rank its
+ * parts, through a whole copy of the stage). TDM_ERR_SHAPE as above. */
 int tdm_pipe_copy_from(tdm_pipe *p, const tdm_module *model);
 /* The stages' optimizer state (replica 0's: the replicas step alike) into whole, an optimizer
  * of the same kind over model's parameters (model as tdm_pipe_copy_to's; its flat buffer holds
  * the stages' parameters one stage after another), and its step count: what a checkpoint of
  * the pipeline saves. tdm_pipe_state_from is the reverse, into every replica's stages (a
- * resume). TDM_ERR_ARG for another kind of optimizer, TDM_ERR_SHAPE when the parameters do not
- * add up, TDM_ERR_STATE for stages split over tensor-parallel ranks (not written yet). */
+ * resume). Under tensor parallelism the ranks' parts go through a whole copy of each stage and
+ * an optimizer over it (tdm_tp_gather_state, a collective on the stages' threads;
+ * tdm_tp_scatter_state). TDM_ERR_ARG for another kind of optimizer, TDM_ERR_SHAPE when the
+ * parameters do not add up. */
 int tdm_pipe_state_to(tdm_pipe *p, tdm_module *model, tdm_optim *whole);
 int tdm_pipe_state_from(tdm_pipe *p, tdm_module *model, tdm_optim *whole);
 

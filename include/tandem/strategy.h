@@ -58,8 +58,8 @@ tdm_strategy *tdm_strategy_distributed(tdm_module *model, tdm_group *g, const td
  * (tdm_pipe_set_clip_grad_norm). The stages hold the model in parts (holds_parts):
  * tdm_strategy_optim_gather gives a whole optimizer over model (the stages' weights in model),
  * tdm_strategy_push_whole hands model and a whole optimizer back to every stage (a checkpoint
- * and its resume; stages split over tensor-parallel ranks refuse both, naming it). NULL and
- * tdm_pipe_new's error. */
+ * and its resume; stages split over tensor-parallel ranks too). NULL and tdm_pipe_new's
+ * error. */
 tdm_strategy *tdm_strategy_pipeline(tdm_module *model, const tdm_pipe_opts *o,
                                     tdm_optim_factory make_optim, void *optim_arg);
 /* A pipeline of a model that is not a Sequential itself: view is a Sequential of copies of its

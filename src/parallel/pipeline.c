@@ -364,7 +364,9 @@ static void *worker_main(void *arg) {
         bool quit = p->quit;
         pthread_mutex_unlock(&p->mu);
         if (quit) break;
-        rc = p->round == ROUND_GATHER ? worker_gather(w) : worker_step(w);
+        rc = p->round == ROUND_GATHER  ? worker_gather(w)
+             : p->round == ROUND_STATE ? tdm_pipe_worker_state(w)
+                                       : worker_step(w);
     }
     tdm_optim_free(w->opt);
     w->opt = NULL;
@@ -377,7 +379,7 @@ static void *worker_main(void *arg) {
 static int run_round(struct tdm_pipe *p, round_kind kind) {
     pthread_mutex_lock(&p->mu);
     p->round = kind;
-    if (kind == ROUND_GATHER) {
+    if (kind == ROUND_GATHER || kind == ROUND_STATE) {
         p->finished = p->out = 0;
         p->generation++;
         pthread_cond_broadcast(&p->go);
@@ -635,6 +637,10 @@ int tdm_pipe_step(tdm_pipe *p, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn lo
 }
 
 /* ---- results ------------------------------------------------------------------------------ */
+
+int tdm_pipe_state_round(struct tdm_pipe *p) {
+    return run_round(p, ROUND_STATE);
+}
 
 int tdm_pipe_gather(struct tdm_pipe *p, tdm_module *model) {
     p->gather_into = model;

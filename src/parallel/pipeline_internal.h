@@ -59,12 +59,19 @@ typedef struct worker {
     int64_t peak_bytes;
 } worker;
 
-typedef enum { ROUND_INIT, ROUND_STEP, ROUND_GATHER } round_kind;
+typedef enum { ROUND_INIT, ROUND_STEP, ROUND_GATHER, ROUND_STATE } round_kind;
+
+/* What a ROUND_STATE moves between the tensor-parallel stages and whole copies of them. */
+typedef enum { STATE_GATHER, STATE_SCATTER_WEIGHTS, STATE_SCATTER } state_move;
 
 struct tdm_pipe {
     int S, M, R, T; /* stages, micro-batches, replicas, tensor-parallel ranks */
     round_kind round;
     tdm_module *gather_into; /* ROUND_GATHER's whole model */
+    /* ROUND_STATE's: each stage whole (a Sequential of its layers) and an optimizer over it */
+    state_move move;
+    tdm_module *whole_stage[TDM_PIPE_MAX_STAGES];
+    tdm_optim *whole_opt[TDM_PIPE_MAX_STAGES];
     int (*parallelize)(tdm_module *stage, tdm_group *tp, void *arg);
     void *parallelize_arg;
     tdm_pipe_schedule sched;
@@ -118,6 +125,10 @@ static inline worker *at(struct tdm_pipe *p, int s, int r, int t) {
 /* Replica 0's stages' parts made whole in model's layers, on the stages' threads (pipeline.c;
  * tensor parallelism's half of tdm_pipe_copy_to). */
 int tdm_pipe_gather(struct tdm_pipe *p, tdm_module *model);
+/* Runs a ROUND_STATE of p->move on every worker (pipeline.c), each in
+ * tdm_pipe_worker_state (pipeline_state.c). */
+int tdm_pipe_state_round(struct tdm_pipe *p);
+int tdm_pipe_worker_state(worker *w);
 int tdm_pipe_fail(worker *w, int rc);
 /* Waits until *flag is set; an error when the pipeline failed meanwhile. */
 int tdm_pipe_wait(worker *w, const tdm_wait_word *flag);

@@ -7,6 +7,7 @@
 #include "parallel/pipeline_internal.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Copies src's parameters and buffers into dst (a stage's clone and the original layer, either
@@ -52,14 +53,14 @@ int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model) {
     return rc;
 }
 
+static int split_stages(tdm_pipe *p, tdm_module *model, tdm_optim *whole, state_move move);
+
 int tdm_pipe_copy_from(tdm_pipe *p, const tdm_module *model) {
     if (!p || !model) return tdm_raise(TDM_ERR_ARG, "pipe_copy_from: NULL argument");
     if (model->n_children != p->first[p->S])
         return tdm_raise(TDM_ERR_SHAPE, "pipe_copy_from: the model has %d layers, the pipeline %d",
                          model->n_children, p->first[p->S]);
-    if (p->T > 1)
-        return tdm_raise(TDM_ERR_STATE, "pipe_copy_from: stages split over tensor-parallel ranks "
-                                        "take no whole weights yet");
+    if (p->T > 1) return split_stages(p, (tdm_module *)model, NULL, STATE_SCATTER_WEIGHTS);
     bool prev = tdm_set_grad_enabled(false);
     int rc = TDM_OK;
     for (int s = 0; s < p->S && !rc; s++)
@@ -111,17 +112,15 @@ static int move_stage_state(tdm_optim *so, tdm_optim *whole, int64_t lo, int64_t
     return rc;
 }
 
-/* Every stage's optimizer state (replica 0's, or into every replica's) to or from whole's. */
+/* Every stage's optimizer state (replica 0's, or into every replica's) to or from whole's;
+ * stages split over tensor-parallel ranks through whole copies of them (split_stages). */
 static int move_state(tdm_pipe *p, tdm_module *model, tdm_optim *whole, bool to_whole) {
     const char *op = to_whole ? "pipe_state_to" : "pipe_state_from";
     if (!p || !model || !whole) return tdm_raise(TDM_ERR_ARG, "%s: NULL argument", op);
-    if (p->T > 1)
-        return tdm_raise(TDM_ERR_STATE,
-                         "%s: stages split over tensor-parallel ranks are not "
-                         "gathered into one optimizer yet",
-                         op);
+    if (p->T > 1) return split_stages(p, model, whole, to_whole ? STATE_GATHER : STATE_SCATTER);
+
     tdm_paramset *ps = tdm_module_parameters(model);
-    int64_t off[TDM_MAX_DEVICES + 1];
+    int64_t off[TDM_PIPE_MAX_STAGES + 1];
     int rc = ps ? stage_offsets(p, ps, off, op) : tdm_last_status();
     bool prev = tdm_set_grad_enabled(false);
     for (int s = 0; s < p->S && !rc; s++)
@@ -130,6 +129,84 @@ static int move_state(tdm_pipe *p, tdm_module *model, tdm_optim *whole, bool to_
             if (so) rc = move_stage_state(so, whole, off[s], off[s + 1], to_whole, op);
         }
     tdm_set_grad_enabled(prev);
+    return rc;
+}
+
+/* ---- stages split over tensor-parallel ranks (3-D) ---------------------------------------- */
+
+/* Stage s of model whole: a Sequential of copies of its layers, on the model's device. */
+static tdm_module *whole_stage(tdm_pipe *p, const tdm_module *model, int s) {
+    int n = p->first[s + 1] - p->first[s];
+    tdm_module **kids = calloc((size_t)n, sizeof *kids);
+    if (!kids) return tdm_raise_null(TDM_ERR_NOMEM, "pipeline: out of memory");
+    for (int i = 0; i < n; i++)
+        if (!(kids[i] = tdm_module_clone(model->children[p->first[s] + i], model->device))) {
+            while (i--) tdm_module_free(kids[i]);
+            free(kids);
+            return NULL;
+        }
+    tdm_module *seq = tdm_sequential_new(n, kids);
+    free(kids);
+    return seq;
+}
+
+/* Moves weights or state between the ranks' parts and model (and whole, an optimizer over
+ * it) through a whole copy of each stage: gathering, the ranks make the copy's state whole on
+ * their threads (a collective over each stage's ranks), then it is read into whole's slice;
+ * scattering, the copy takes model's layers (and whole's slice) and every rank of every
+ * replica takes its part of it. */
+static int split_stages(tdm_pipe *p, tdm_module *model, tdm_optim *whole, state_move move) {
+    const char *op = move == STATE_GATHER            ? "pipe_state_to"
+                     : move == STATE_SCATTER_WEIGHTS ? "pipe_copy_from"
+                                                     : "pipe_state_from";
+    tdm_paramset *ps = tdm_module_parameters(model);
+    int64_t off[TDM_PIPE_MAX_STAGES + 1] = {0};
+    int rc = ps ? TDM_OK : tdm_last_status();
+    for (int s = 0; s < p->S && !rc; s++) {
+        tdm_paramset *sp = (p->whole_stage[s] = whole_stage(p, model, s))
+                               ? tdm_module_parameters(p->whole_stage[s])
+                               : NULL;
+        if (!sp) rc = tdm_last_status();
+        off[s + 1] = off[s] + (sp ? sp->total : 0);
+        if (!rc && whole && sp->total && !(p->whole_opt[s] = p->make_optim(sp, p->optim_arg)))
+            rc = tdm_last_status();
+    }
+    if (!rc && off[p->S] != ps->total)
+        rc = tdm_raise(TDM_ERR_SHAPE, "%s: the stages hold %lld parameters, the model %lld", op,
+                       (long long)off[p->S], (long long)ps->total);
+    bool prev = tdm_set_grad_enabled(false);
+    for (int s = 0; s < p->S && !rc && move == STATE_SCATTER; s++)
+        if (p->whole_opt[s])
+            rc = move_stage_state(p->whole_opt[s], whole, off[s], off[s + 1], false, op);
+    p->move = move;
+    if (!rc) rc = tdm_pipe_state_round(p);
+    for (int s = 0; s < p->S && !rc && move == STATE_GATHER; s++)
+        if (p->whole_opt[s])
+            rc = move_stage_state(p->whole_opt[s], whole, off[s], off[s + 1], true, op);
+    tdm_set_grad_enabled(prev);
+    for (int s = 0; s < p->S; s++) {
+        tdm_optim_free(p->whole_opt[s]);
+        tdm_module_free(p->whole_stage[s]);
+        p->whole_opt[s] = NULL, p->whole_stage[s] = NULL;
+    }
+    return rc;
+}
+
+/* A worker's part of split_stages' round: replica 0's ranks gather their stage's state into
+ * its whole copy (rank 0's), or every rank of every replica takes its part of the copy's
+ * weights or state. */
+int tdm_pipe_worker_state(worker *w) {
+    tdm_pipe *p = w->p;
+    tdm_module *whole = p->whole_stage[w->stage];
+    tdm_optim *wo = p->whole_opt[w->stage];
+    int rc = TDM_OK;
+    if (p->move == STATE_GATHER && w->replica == 0 && w->opt)
+        rc = tdm_tp_gather_state(w->mod, w->opt, w->t == 0 ? whole : NULL, w->t == 0 ? wo : NULL);
+    else if (p->move == STATE_SCATTER_WEIGHTS)
+        rc = tdm_tp_scatter_whole(w->mod, whole);
+    else if (p->move == STATE_SCATTER && w->opt)
+        rc = tdm_tp_scatter_state(w->mod, w->opt, whole, wo);
+    if (rc) tdm_pipe_fail(w, rc);
     return rc;
 }
 

@@ -855,6 +855,53 @@ static void test_check_replicas(void) {
     }
 }
 
+/* Across processes: the loss of the process whose rank is flip_process flips a bit of its
+ * part's first parameter. */
+static int flip_process = -1, my_process = -1;
+
+static tdm_tensor *flip_on_process(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    tdm_module *part = tdm_strategy_loss_module();
+    if (part && my_process == flip_process) {
+        uint32_t *w = tdm_data_ptr(tdm_module_parameters(part)->params[0]);
+        w[0] ^= 1u;
+    }
+    return gpt_loss_fn(out, target, row0, arg);
+}
+
+/* tdm_strategy_check_replicas over dp 2 x tp 2 across 4 processes: equal rows pass; a bit
+ * flipped on process 2 is named, with its place, by every process (each then stops alike). */
+static void check_replicas_across(tdm_group *world) {
+    my_process = tdm_group_rank(world), flip_process = 2;
+    tdm_gpt_tp_plan plan = {true, false};
+    tdm_rng rng = tdm_rng_make(5);
+    tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
+    tdm_tp_strategy_opts o = {
+        .tp = 2, .procs = world, .parallelize = split_gpt, .whole_output = whole_gpt, .arg = &plan};
+    tdm_device dev = tdm_cpu(0);
+    tdm_strategy *st = m ? tdm_strategy_tensor_parallel(m, &dev, 1, &o, gpt_adamw, NULL) : NULL;
+    float l[1];
+    int rc = st ? strategy_steps(st, 0, 1, l) : tdm_last_status();
+    if (!rc) rc = tdm_strategy_check_replicas(st, world);
+    CHECK(rc == TDM_OK, "process %d, equal rows: %s", my_process, tdm_last_error());
+    int64_t tok[S_B * G_T];
+    for (int i = 0; i < S_B * G_T; i++) tok[i] = (i * 5) % GCFG.vocab;
+    int one = 1;
+    tdm_scope_begin();
+    tdm_tensor *x = i64(TDM_SHAPE(S_B, G_T), tok);
+    if (!rc) rc = tdm_strategy_step(st, x, x, flip_on_process, &one, l);
+    tdm_scope_end();
+    int checked = rc ? rc : tdm_strategy_check_replicas(st, world);
+    CHECK(!rc && checked == TDM_ERR_STATE &&
+              strstr(tdm_last_error(), "parameter \"transformer.wte.weight\" [64, 32] of rank 2 "
+                                       "(process 2, cpu:0, dp 1, tp 0) is not dp row 0's"),
+          "process %d, a bit flipped on process 2: step %d, check %d: %s", my_process, rc, checked,
+          tdm_last_error());
+    printf("check_replicas across processes, process %d: %s\n", my_process,
+           checked ? "named rank 2" : "missed it");
+    tdm_strategy_free(st);
+    tdm_module_free(m);
+}
+
 /* ---- the mesh ----------------------------------------------------------------------------- */
 
 /* 4 ranks as dp 2 x tp 2: coordinates row-major, each group summing its own ranks only. */
@@ -1029,6 +1076,7 @@ static void test_across_processes(tdm_group *world) {
     tdm_mesh_free(mesh);
     gpt_over(world, r, &gs); /* and over all four processes: tp 4 */
     tdm_module_free(gs.ref);
+    check_replicas_across(world);
 }
 
 /* ---- two devices a process: `mpirun -np 2 test_tensor_parallel --mpi` ---------------------- */

@@ -1120,9 +1120,6 @@ static int join_mpi(train_opts *o, tdm_group **procs, int *argc, char ***argv) {
         return train_usage_error("--tensor-parallel %d needs devices a multiple of %d, mpirun "
                                  "started %d process%s of %d",
                                  tp, tp, n, n == 1 ? "" : "es", o->n_devs);
-    if (tp > 1 && o->check_replicas > 0)
-        return train_usage_error("--check-replicas does not compare tensor-parallel processes "
-                                 "yet (the devices of one process: without mpirun)");
     /* the rows the batch splits into: processes, or with tensor parallelism the mesh's
      * data-parallel rows (a tensor-parallel group's devices are one) */
     int rows = tp > 1 ? n * o->n_devs / tp : n;

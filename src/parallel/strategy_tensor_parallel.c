@@ -50,6 +50,7 @@ typedef struct tp_rank {
     tdm_mesh *mesh;
     float loss;      /* the round's mean loss over the rank's rows */
     uint64_t *hash;  /* a ROUND_HASH's hashes of the rank's parameters, or NULL */
+    float *found;    /* and what it found on every rank of the mesh: FOUND floats each */
     tdm_tensor *out; /* a forward round's output (t == 0), kept until joined */
     int rc;
     char err[512];
@@ -256,20 +257,73 @@ static int rank_shard(tp_rank *r) {
     return tdm_ddp_set_shard(r->ddp, r->opt, s->shard_to);
 }
 
-/* The hashes of this rank's parameters (its parts), for tp_check_replicas; under ZeRO stage 3
- * made whole for it (collectives over dp). */
+/* What ROUND_HASH finds on a rank: how many of its parameters differ from dp row 0's rank in
+ * its tp column, the first of them, its device (type, index). */
+enum { FOUND = 4 };
+
+/* Every rank's v[0..n) (floats on the rank's device) summed over the whole mesh: over tp, then
+ * dp (the mesh's groups, NCCL's on GPUs). */
+static int mesh_sum(tp_rank *r, float *v, int n) {
+    tdm_tensor *t = tdm_from_data(TDM_SHAPE(n), TDM_F32, r->dev, v);
+    int rc = t ? TDM_OK : tdm_last_status();
+    tdm_collective_label("check_replicas: what each rank found");
+    if (!rc) rc = tdm_work_wait(tdm_all_reduce(tdm_mesh_group(r->mesh, "tp"), t, TDM_SUM));
+    tdm_collective_label("check_replicas: what each rank found");
+    if (!rc && r->s->dp > 1)
+        rc = tdm_work_wait(tdm_all_reduce(tdm_mesh_group(r->mesh, "dp"), t, TDM_SUM));
+    if (!rc) rc = tdm_to_host(t, v, sizeof(float) * (size_t)n);
+    tdm_tensor_free(t);
+    return rc;
+}
+
+/* This rank's hashes against those of dp row 0's rank in its tp column, through an
+ * all-gather over dp (as 32-bit halves); *count differ, the first at *first. */
+static int compare_row0(tp_rank *r, int n, int *count, int *first) {
+    int dp = r->s->dp;
+    int32_t *mine = malloc(sizeof(int32_t) * 2 * (size_t)n);
+    if (!mine) return tdm_raise(TDM_ERR_NOMEM, "check_replicas: out of memory");
+    for (int i = 0; i < n; i++)
+        mine[2 * i] = (int32_t)(uint32_t)r->hash[i], mine[2 * i + 1] = (int32_t)(r->hash[i] >> 32);
+    tdm_tensor *in = tdm_from_data(TDM_SHAPE(2 * n), TDM_I32, r->dev, mine);
+    tdm_tensor *out = in ? tdm_zeros(TDM_SHAPE((int64_t)2 * n * dp), TDM_I32, r->dev) : NULL;
+    int rc = out ? TDM_OK : tdm_last_status();
+    tdm_collective_label("check_replicas: the parameters' hashes");
+    if (!rc) rc = tdm_work_wait(tdm_all_gather(tdm_mesh_group(r->mesh, "dp"), out, in));
+    int32_t *all = rc ? NULL : malloc(sizeof(int32_t) * 2 * (size_t)n * (size_t)dp);
+    if (!rc && !all) rc = tdm_raise(TDM_ERR_NOMEM, "check_replicas: out of memory");
+    if (!rc) rc = tdm_to_host(out, all, sizeof(int32_t) * 2 * (size_t)n * (size_t)dp);
+    *count = 0, *first = -1;
+    for (int i = 0; i < n && !rc; i++)
+        if (all[2 * i] != mine[2 * i] || all[2 * i + 1] != mine[2 * i + 1])
+            *first = *first < 0 ? i : *first, ++*count;
+    free(all), free(mine);
+    tdm_tensor_free(in), tdm_tensor_free(out);
+    return rc;
+}
+
+/* The hashes of this rank's parameters (its parts), under ZeRO stage 3 made whole for it
+ * (collectives over dp), compared with dp row 0's; then what every rank of the mesh found,
+ * into r->found (every rank learns the same, in this process and the others). */
 static int rank_hash(tp_rank *r) {
+    tensor_parallel *s = r->s;
     tdm_paramset *ps = tdm_module_parameters(r->replica);
-    free(r->hash);
+    int world = s->dp * s->tp;
+    free(r->hash), free(r->found);
     r->hash = ps ? malloc(sizeof *r->hash * (size_t)(ps->n ? ps->n : 1)) : NULL;
-    if (!r->hash)
+    r->found = r->hash ? calloc((size_t)world * FOUND, sizeof *r->found) : NULL;
+    if (!r->found)
         return ps ? tdm_raise(TDM_ERR_NOMEM, "check_replicas: out of memory") : tdm_last_status();
-    bool params = r->s->base.shard == TDM_SHARD_PARAMETERS;
+    bool params = s->base.shard == TDM_SHARD_PARAMETERS;
     int rc = params ? tdm_ddp_gather_params(r->ddp) : TDM_OK;
     for (int i = 0; i < ps->n && !rc; i++)
         rc = tdm_strategy_hash_tensor(ps->params[i], &r->hash[i]);
     int back = params ? tdm_ddp_release_params(r->ddp) : TDM_OK;
-    return rc ? rc : back;
+    rc = rc ? rc : back;
+    int count = 0, first = -1;
+    if (!rc && s->dp > 1) rc = compare_row0(r, ps->n, &count, &first);
+    float *f = r->found + (size_t)r->rank * FOUND;
+    f[0] = (float)count, f[1] = (float)first, f[2] = (float)r->dev.type, f[3] = (float)r->dev.index;
+    return rc ? rc : mesh_sum(r, r->found, world * FOUND);
 }
 
 static int rank_round(tp_rank *r) {
@@ -322,7 +376,7 @@ static void *rank_main(void *arg) {
         if (++s->finished == s->n) pthread_cond_signal(&s->done);
         pthread_mutex_unlock(&s->mu);
     }
-    free(r->hash);
+    free(r->hash), free(r->found);
     tdm_ddp_free(r->ddp);
     tdm_optim_free(r->opt);
     tdm_module_free(r->replica);
@@ -471,29 +525,29 @@ static int tp_push_whole(tdm_strategy *st, tdm_optim *whole) {
 }
 
 /* Every rank's parts against those of the rank of dp row 0 in its tp column, which they
- * must equal bit for bit (one initial split of one model, one averaged update a step). */
+ * must equal bit for bit (one initial split of one model, one averaged update a step); across
+ * processes too, every process reaching the same verdict. */
 static int tp_check_replicas(tdm_strategy *st, tdm_group *procs) {
-    (void)procs;
+    (void)procs; /* the mesh spans them */
     tensor_parallel *s = (tensor_parallel *)st;
-    if (s->o.procs)
-        return tdm_raise(TDM_ERR_STATE, "check_replicas: tensor parallelism across processes "
-                                        "compares no replicas yet");
     int rc = run_round(s, ROUND_HASH);
-    for (int i = s->tp; i < s->n && !rc; i++) {
-        tp_rank *r = &s->ranks[i], *first = &s->ranks[r->t];
-        tdm_paramset *ps = tdm_module_parameters(r->replica);
-        int count = 0, k = -1;
-        for (int j = 0; j < ps->n; j++)
-            if (r->hash[j] != first->hash[j]) k = k < 0 ? j : k, count++;
-        char dev[16], sb[96];
-        if (k >= 0)
-            rc = tdm_raise(TDM_ERR_STATE,
-                           "the replicas differ: parameter \"%s\" %s of rank %d (%s, dp %d, tp "
-                           "%d) is not dp row 0's (%d of %d parameters differ); the data-parallel "
-                           "rows start equal and take one averaged update, so one computed "
-                           "something else (a non-deterministic kernel, a fault)",
-                           ps->names[k], tdm_shape_str(tdm_shape_of(ps->params[k]), sb), i,
-                           tdm_device_str(s->devices[i], dev), r->d, r->t, count, ps->n);
+    const float *found = s->ranks[0].found;
+    for (int g = 0; g < s->dp * s->tp && !rc; g++) {
+        const float *f = found + (size_t)g * FOUND;
+        if (f[0] == 0) continue;
+        tdm_paramset *ps = tdm_module_parameters(s->ranks[0].replica);
+        int k = (int)f[1];
+        char dev[16], sb[96], proc[32] = "";
+        tdm_device_str((tdm_device){(tdm_device_type)f[2], (int)f[3]}, dev);
+        if (s->o.procs) snprintf(proc, sizeof proc, "process %d, ", g / s->n);
+        rc = tdm_raise(TDM_ERR_STATE,
+                       "the replicas differ: parameter \"%s\" %s of rank %d (%s%s, dp %d, tp "
+                       "%d) is not dp row 0's (%d of %d parameters differ); the data-parallel "
+                       "rows start equal and take one averaged update, so one computed "
+                       "something else (a non-deterministic kernel, a fault)",
+                       k >= 0 && k < ps->n ? ps->names[k] : "?",
+                       k >= 0 && k < ps->n ? tdm_shape_str(tdm_shape_of(ps->params[k]), sb) : "", g,
+                       proc, dev, g / s->tp, g % s->tp, (int)f[0], ps->n);
     }
     return rc;
 }

@@ -250,8 +250,9 @@ static const opt_spec specs[] = {
      "torchtitan's FSDP with TP). Checkpoints hold the whole model and "
      "resume under another N or device count. "
      "With --recompute each device runs its blocks' forwards again in backward, collectives "
-     "included. Under mpirun the processes form the mesh instead (one device each, -np a "
-     "multiple of N; rank r is dp r / N, tp r % N). With --model-split K every stage of the "
+     "included. Under mpirun the processes' devices form the mesh (L --devices a process, a "
+     "multiple or a divisor of N; device i of process p is rank r = p L + i: dp r / N, tp r "
+     "% N). With --model-split K every stage of the "
      "pipeline is split over N devices (3-D parallelism: --devices K x N x replicas; its "
      "blocks, the tokens between them and the vocabulary, as without stages). GPT models "
      "only."},

@@ -538,21 +538,28 @@ static void test_pipeline(void) {
                                            "multiple of 4 devices, --devices gives 6"),
           "6 devices at pp 2 x tp 2: %d %s", r->status, r->err);
     /* checkpoints: a pipeline stopped at step 6 resumed as itself, 3-D (stages over tp 2) on
-     * one device, one device's as 3-D with 2 replicas: the stages' weights and AdamW moments
-     * whole in the checkpoint (the moments dropped move the weights by 2e-3; the plain
-     * pipeline's other ways and replicas: test_strategy, test_resume) */
-    const char *stop[3][6] = {{"2", "2", "1", "2", "2", "1"},
-                              {"4", "2", "2", "1", "1", "1"},  /* 3-D: 2 stages x tp 2 */
-                              {"1", "1", "1", "8", "2", "2"}}; /* 2 x 2 replicas x tp 2 */
-    for (int k = 0; k < 3; k++) {
+     * one device, one device's as 3-D with 2 replicas, 2 replicas sharing each stage's
+     * moments (ZeRO stage 1) as 3-D replicas sharing theirs: the stages' weights and AdamW
+     * moments whole in
+     * the checkpoint (the moments dropped move the weights by 2e-3; the plain pipeline's other
+     * ways and replicas: test_strategy, test_resume) */
+    const char *stop[4][8] = {
+        {"2", "2", "1", "2", "2", "1", "none", "none"},
+        {"4", "2", "2", "1", "1", "1", "none", "none"},            /* 3-D: 2 stages x tp 2 */
+        {"1", "1", "1", "8", "2", "2", "none", "none"},            /* 2 x 2 replicas x tp 2 */
+        {"4", "2", "1", "8", "2", "2", "optimizer", "optimizer"}}; /* ZeRO-1 over replicas */
+    for (int k = 0; k < 4; k++) {
         char dir[320];
         snprintf(dir, sizeof dir, "%s/pp-ck-%d", tmpdir, k);
         const char *const *c = stop[k];
         r = PP_RUN("--devices", c[0], "--model-split", c[1], "--tp", c[2], "--micro-batches", "2",
-                   "--checkpoint-dir", dir, "--max-steps", "6");
-        CHECK(r->status == 0, "pipeline checkpoint case %d, first half: %s", k, r->err);
+                   "--checkpoint-dir", dir, "--max-steps", "6", "--shard", c[6]);
+        CHECK(r->status == 0 &&
+                  (strcmp(c[6], "optimizer") ||
+                   strstr(r->out, "each pipeline stage's over its 2 replicas (ZeRO stage 1")),
+              "pipeline checkpoint case %d, first half: %s %s", k, r->out, r->err);
         r = PP_RUN("--devices", c[3], "--model-split", c[4], "--tp", c[5], "--micro-batches", "2",
-                   "--checkpoint-dir", dir, "--resume", "--save", pp);
+                   "--checkpoint-dir", dir, "--resume", "--save", pp, "--shard", c[7]);
         int n = losses(r->out, got, 4);
         CHECK(r->status == 0 && n == 2 && strstr(r->out, "step 6"),
               "pipeline checkpoint case %d: %s %s", k, r->out, r->err);

@@ -254,8 +254,10 @@ static void test_pipeline(const float *want, int64_t n) {
     tdm_scope_end();
     CHECK(tdm_strategy_set_clip_grad_norm(st, 1.0f) == 0, "a pipeline clips: %s", tdm_last_error());
     CHECK(tdm_strategy_set_clip_grad_norm(st, 0) == 0, "0 is off: %s", tdm_last_error());
-    CHECK_ERROR(tdm_strategy_set_shard(st, TDM_SHARD_OPTIMIZER, NULL) != 0, "pipeline");
-    CHECK(tdm_strategy_shard(st) == TDM_SHARD_NONE, "a refused shard changes nothing");
+    /* one replica: nobody to share its state with */
+    CHECK(tdm_strategy_set_shard(st, TDM_SHARD_OPTIMIZER, NULL) == 0 &&
+              tdm_strategy_shard(st) == TDM_SHARD_NONE,
+          "one replica shards nothing: %s", tdm_last_error());
     /* a checkpoint's way: the stages' weights and momentum whole (optim_gather), handed to a
      * pipeline of another model (push_whole, the model given m's values first), which then
      * trains as this one does, bit for bit */
@@ -279,6 +281,65 @@ static void test_pipeline(const float *want, int64_t n) {
     tdm_module_free(m2);
     tdm_strategy_free(st);
     tdm_module_free(m);
+}
+
+/* m's parameters and buffers into m2 (a model of the same layers). */
+static int copy_model(tdm_module *m2, tdm_module *m) {
+    tdm_paramset *ps = tdm_module_parameters(m), *ps2 = tdm_module_parameters(m2);
+    tdm_bufferset *bs = tdm_module_buffers(m), *bs2 = tdm_module_buffers(m2);
+    int rc = tdm_copy_(ps2->flat, ps->flat);
+    for (int i = 0; i < bs->n && !rc; i++) rc = tdm_copy_(bs2->buffers[i], bs->buffers[i]);
+    return rc;
+}
+
+/* ZeRO stage 1 over a pipeline's replicas (2 stages x 2 replicas, each stage's momentum
+ * shared by its two replicas) trains as the unsharded pipeline does, bit for bit; its state
+ * gathered whole (a checkpoint's) and handed to an unsharded pipeline, and the unsharded one's
+ * to a sharded pipeline, each then steps as the one it came from. */
+static void test_pipeline_sharded(int64_t n) {
+    tdm_pipe_opts po = tdm_pipe_defaults(2, 1);
+    po.split_by = TDM_SPLIT_LAYERS, po.replicas = 2;
+    tdm_module *m[2];
+    tdm_strategy *st[2];
+    float got[2][MAXP];
+    for (int k = 0; k < 2; k++) {
+        m[k] = make_model(1);
+        st[k] = tdm_strategy_pipeline(m[k], &po, make_sgd, NULL);
+        CHECK(st[k] && (!k || (tdm_strategy_set_shard(st[k], TDM_SHARD_OPTIMIZER, NULL) == 0 &&
+                               tdm_strategy_shard(st[k]) == TDM_SHARD_OPTIMIZER)),
+              "pipeline of 2 replicas, sharded %d: %s", k, tdm_last_error());
+        if (!st[k]) return;
+        CHECK(train(st[k], 1, 0, B) == 0 && tdm_strategy_sync_model(st[k]) == 0, "%s",
+              tdm_last_error());
+        CHECK(params_of(m[k], got[k]) == n, "parameters");
+    }
+    CHECK(memcmp(got[0], got[1], sizeof(float) * (size_t)n) == 0,
+          "ZeRO stage 1 over the replicas trains otherwise than the unsharded pipeline");
+    tdm_tensor *mom[2];
+    for (int k = 0; k < 2; k++) tdm_optim_state(tdm_strategy_optim(st[k], 0), NULL, &mom[k], 1);
+    CHECK(tdm_numel(mom[1]) < tdm_numel(mom[0]), "the first stage's momentum: %lld of %lld",
+          (long long)tdm_numel(mom[1]), (long long)tdm_numel(mom[0]));
+    CHECK_ERROR(tdm_strategy_set_shard(st[1], TDM_SHARD_GRADIENTS, NULL) != 0, "stay whole");
+    /* each one's state whole into a pipeline of the other kind, which then steps as it does */
+    for (int k = 0; k < 2; k++) {
+        tdm_optim *whole = tdm_strategy_optim_gather(st[k]);
+        tdm_module *m2 = make_model(2);
+        tdm_strategy *st2 = tdm_strategy_pipeline(m2, &po, make_sgd, NULL);
+        int rc = whole && st2 ? copy_model(m2, m[k]) : TDM_ERR_STATE;
+        if (!rc && !k) rc = tdm_strategy_set_shard(st2, TDM_SHARD_OPTIMIZER, NULL);
+        if (!rc) rc = tdm_strategy_push_whole(st2, whole);
+        if (!rc) rc = train(st[k], 1, 0, B) || train(st2, 1, 0, B);
+        if (!rc) rc = tdm_strategy_sync_model(st[k]) || tdm_strategy_sync_model(st2);
+        float again[MAXP];
+        CHECK(!rc && params_of(m[k], got[k]) == n && params_of(m2, again) == n &&
+                  memcmp(got[k], again, sizeof(float) * (size_t)n) == 0,
+              "sharded %d: the state handed to a pipeline %ssharded trains otherwise (%s)", k,
+              k ? "un" : "", tdm_last_error());
+        tdm_optim_free(whole);
+        tdm_strategy_free(st2);
+        tdm_module_free(m2);
+    }
+    for (int k = 0; k < 2; k++) tdm_strategy_free(st[k]), tdm_module_free(m[k]);
 }
 
 static void test_one_device_settings(void) {
@@ -668,6 +729,7 @@ int main(void) {
     test_one_device_and_data_parallel(want, n);
     test_distributed(want, n);
     test_pipeline(want1, n1);
+    test_pipeline_sharded(n1);
     test_one_device_settings();
     float want_bf16[MAXP];
     CHECK(by_hand_bf16(AMP_STEPS, want_bf16) == n1, "the bf16 reference");

@@ -200,7 +200,8 @@ static const opt_spec specs[] = {
      "they move f32. "
      "On every kind of device and process; over the CPU devices of one process it replaces "
      "their shared-memory update, so each device holds its shard of the optimizer state too. "
-     "Not with --model-split."},
+     "With --model-split, optimizer only: the replicas of each pipeline stage share its "
+     "state."},
     {"--precision", "fp32|bf16|fp16", OPT_STR, F(precision), 0, 0, "fp32",
      "Mixed precision (PyTorch's autocast, docs/MIXED_PRECISION.md): bf16 or fp16 runs the "
      "matrix products, convolutions and attention of every forward in that dtype with fp32 "
@@ -779,10 +780,10 @@ static int check_shard(const train_opts *o) {
         return train_usage_error(
             "--shard: unknown kind '%s' (expected none, optimizer, gradients or parameters)",
             o->shard);
-    if (strcmp(o->shard, "none") != 0 && o->model_split > 1)
-        return train_usage_error("--shard %s shares one optimizer's state among "
-                                 "data-parallel replicas; with --model-split each pipeline "
-                                 "stage steps an optimizer of its own, which is not sharded yet",
+    if (strcmp(o->shard, "none") != 0 && strcmp(o->shard, "optimizer") != 0 && o->model_split > 1)
+        return train_usage_error("--shard %s with --model-split: a pipeline's replicas share "
+                                 "their stages' optimizer state (--shard optimizer, ZeRO stage "
+                                 "1); their gradients and weights are not sharded yet",
                                  o->shard);
     if (o->check_replicas > 0 && o->model_split > 1)
         return train_usage_error("--check-replicas compares data-parallel replicas; with "

@@ -723,7 +723,15 @@ static void print_sharding(const trainer *tr) {
     int ranks = o->n_devs * (tr->g ? tdm_group_size(tr->g) : 1);
     bool params = strcmp(o->shard, "parameters") == 0;
     bool grads = params || strcmp(o->shard, "gradients") == 0;
-    if (o->tensor_parallel > 1) { /* each device its parts' state, or its shard of it */
+    if (o->model_split > 1) { /* each stage's optimizer over its replicas */
+        int64_t replicas = o->n_devs / (o->model_split * o->tensor_parallel);
+        printf("sharding  optimizer state: each pipeline stage's over its %lld replica%s (",
+               (long long)replicas, replicas == 1 ? "" : "s");
+        if (replicas > 1)
+            printf("ZeRO stage 1: each device about 1/%lld of its stage's)\n", (long long)replicas);
+        else
+            printf("one replica: nobody to share it with)\n");
+    } else if (o->tensor_parallel > 1) { /* each device its parts' state, or its shard of it */
         int64_t rows = ranks / o->tensor_parallel; /* of devices, or of processes */
         printf("sharding  optimizer state %lld bytes per device of %lld (its parts at tensor "
                "parallel %lld; %s)\n",

@@ -157,6 +157,14 @@ int tdm_pipe_copy_from(tdm_pipe *p, const tdm_module *model);
  * tdm_tp_scatter_state). TDM_ERR_ARG for another kind of optimizer, TDM_ERR_SHAPE when the
  * parameters do not add up. */
 int tdm_pipe_state_to(tdm_pipe *p, tdm_module *model, tdm_optim *whole);
+/* ZeRO stage 1 over the replicas: the R replicas of each stage (of each tensor-parallel rank)
+ * share its optimizer's state (tdm_optim_shard over their group), each holding about 1/R of
+ * it and updating that range of the stage's parameters, which it then broadcasts; the
+ * gradients and the parameters stay whole, and every step gives what the unsharded pipeline
+ * gives, bit for bit. tdm_pipe_state_to and _from gather and scatter the shards. Between
+ * steps; nothing to do with one replica. TDM_OK, or tdm_optim_shard's error (the replicas'
+ * memory must be shared: CPU devices). */
+int tdm_pipe_shard_optimizer(tdm_pipe *p);
 int tdm_pipe_state_from(tdm_pipe *p, tdm_module *model, tdm_optim *whole);
 
 /* Stage s of replica r: its Sequential (children named "0", "1", ... locally, on the

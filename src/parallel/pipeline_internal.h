@@ -62,7 +62,7 @@ typedef struct worker {
 typedef enum { ROUND_INIT, ROUND_STEP, ROUND_GATHER, ROUND_STATE } round_kind;
 
 /* What a ROUND_STATE moves between the tensor-parallel stages and whole copies of them. */
-typedef enum { STATE_GATHER, STATE_SCATTER_WEIGHTS, STATE_SCATTER } state_move;
+typedef enum { STATE_GATHER, STATE_SCATTER_WEIGHTS, STATE_SCATTER, STATE_SHARD } state_move;
 
 struct tdm_pipe {
     int S, M, R, T; /* stages, micro-batches, replicas, tensor-parallel ranks */
@@ -70,6 +70,7 @@ struct tdm_pipe {
     tdm_module *gather_into; /* ROUND_GATHER's whole model */
     /* ROUND_STATE's: each stage whole (a Sequential of its layers) and an optimizer over it */
     state_move move;
+    bool sharded; /* each stage's replicas share its optimizer state (ZeRO stage 1) */
     tdm_module *whole_stage[TDM_PIPE_MAX_STAGES];
     tdm_optim *whole_opt[TDM_PIPE_MAX_STAGES];
     int (*parallelize)(tdm_module *stage, tdm_group *tp, void *arg);

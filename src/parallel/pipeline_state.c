@@ -117,7 +117,8 @@ static int move_stage_state(tdm_optim *so, tdm_optim *whole, int64_t lo, int64_t
 static int move_state(tdm_pipe *p, tdm_module *model, tdm_optim *whole, bool to_whole) {
     const char *op = to_whole ? "pipe_state_to" : "pipe_state_from";
     if (!p || !model || !whole) return tdm_raise(TDM_ERR_ARG, "%s: NULL argument", op);
-    if (p->T > 1) return split_stages(p, model, whole, to_whole ? STATE_GATHER : STATE_SCATTER);
+    if (p->T > 1 || p->sharded)
+        return split_stages(p, model, whole, to_whole ? STATE_GATHER : STATE_SCATTER);
 
     tdm_paramset *ps = tdm_module_parameters(model);
     int64_t off[TDM_PIPE_MAX_STAGES + 1];
@@ -192,21 +193,37 @@ static int split_stages(tdm_pipe *p, tdm_module *model, tdm_optim *whole, state_
     return rc;
 }
 
-/* A worker's part of split_stages' round: replica 0's ranks gather their stage's state into
- * its whole copy (rank 0's), or every rank of every replica takes its part of the copy's
- * weights or state. */
+/* A worker's part of a round of the stages' state: replica 0's ranks gather their stage's
+ * state into its whole copy (rank 0's; a sharded optimizer made whole first, a collective over
+ * the replicas), or every rank of every replica takes its part of the copy's weights or state
+ * (a sharded optimizer its range), or shards its optimizer over its replicas. */
 int tdm_pipe_worker_state(worker *w) {
     tdm_pipe *p = w->p;
     tdm_module *whole = p->whole_stage[w->stage];
     tdm_optim *wo = p->whole_opt[w->stage];
     int rc = TDM_OK;
-    if (p->move == STATE_GATHER && w->replica == 0 && w->opt)
-        rc = tdm_tp_gather_state(w->mod, w->opt, w->t == 0 ? whole : NULL, w->t == 0 ? wo : NULL);
+    if (p->move == STATE_GATHER && w->opt) {
+        tdm_optim *so = p->sharded && w->group ? tdm_optim_gather(w->opt) : w->opt;
+        if (!so) rc = tdm_last_status();
+        if (!rc && w->replica == 0)
+            rc = tdm_tp_gather_state(w->mod, so, w->t == 0 ? whole : NULL, w->t == 0 ? wo : NULL);
+        if (so != w->opt) tdm_optim_free(so);
+    } else if (p->move == STATE_SHARD && w->opt && w->group)
+        rc = tdm_optim_shard(w->opt, w->group);
     else if (p->move == STATE_SCATTER_WEIGHTS)
         rc = tdm_tp_scatter_whole(w->mod, whole);
     else if (p->move == STATE_SCATTER && w->opt)
         rc = tdm_tp_scatter_state(w->mod, w->opt, whole, wo);
     if (rc) tdm_pipe_fail(w, rc);
+    return rc;
+}
+
+int tdm_pipe_shard_optimizer(tdm_pipe *p) {
+    if (!p) return tdm_raise(TDM_ERR_ARG, "pipe_shard_optimizer: NULL pipeline");
+    if (p->sharded || p->R == 1) return TDM_OK;
+    p->move = STATE_SHARD;
+    int rc = tdm_pipe_state_round(p);
+    if (!rc) p->sharded = true;
     return rc;
 }
 

@@ -167,6 +167,21 @@ static void pipe_destroy(tdm_strategy *st) {
     free(st);
 }
 
+/* ZeRO stage 1 over each stage's replicas; the gradients and weights are not sharded. */
+static int pipe_set_shard(tdm_strategy *st, tdm_shard_kind kind, tdm_units_fn units_of) {
+    (void)units_of;
+    if (st->ranks == 1) return TDM_OK; /* nobody to share with: nothing is sharded */
+    if (kind != TDM_SHARD_OPTIMIZER)
+        return tdm_raise(TDM_ERR_ARG,
+                         "strategy set_shard: a pipeline's replicas share their stages' "
+                         "optimizer state (ZeRO stage 1) and nothing more: %s",
+                         kind == TDM_SHARD_NONE ? "a sharding is not undone"
+                                                : "their gradients and weights stay whole");
+    int rc = tdm_pipe_shard_optimizer(((pipeline *)st)->pipe);
+    if (!rc) st->shard = kind;
+    return rc;
+}
+
 /* A pipeline's replicas average their stages' gradients in f32 (tdm_pipe makes their groups). */
 static int pipe_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt) {
     (void)st;
@@ -181,6 +196,7 @@ static const tdm_strategy_ops pipeline_ops = {
     .step = pipe_step,
     .forward = pipe_forward,
     .set_reduce_dtype = pipe_set_reduce_dtype,
+    .set_shard = pipe_set_shard,
     .set_clip = pipe_set_clip,
     .set_scaler = pipe_set_scaler,
     .set_lr = pipe_set_lr,

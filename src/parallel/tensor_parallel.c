@@ -667,7 +667,8 @@ static int walk_state(bool gather, tdm_module *split, tdm_optim *so, tdm_module 
     const char *sn[4], *wn[4] = {0};
     tdm_tensor *st[4], *wt[4] = {0};
     int n = tdm_optim_state(so, sn, st, 4), m = wo ? tdm_optim_state(wo, wn, wt, 4) : n;
-    int64_t lo, hi, total = tdm_module_parameters(split)->total;
+    tdm_paramset *sps = tdm_module_parameters(split);
+    int64_t lo, hi, total = sps->total;
     bool sharded = tdm_optim_shard_range(so, &lo, &hi) == TDM_OK && hi - lo != total;
     if (sharded && gather)
         return tdm_raise(TDM_ERR_STATE, "%s: a sharded optimizer (tdm_optim_gather it first)", op);
@@ -680,10 +681,12 @@ static int walk_state(bool gather, tdm_module *split, tdm_optim *so, tdm_module 
         while (wo && j < m && strcmp(wn[j], sn[k]) != 0) j++;
         if (wo && j == m)
             return tdm_raise(TDM_ERR_ARG, "%s: the whole optimizer has no %s", op, sn[k]);
-        tdm_tensor *mine = sharded ? tdm_zeros(TDM_SHAPE(total), TDM_F32, split->device) : st[k];
-        walk w = {gather,
-                  {tdm_module_parameters(split), mine},
-                  {wo ? tdm_module_parameters(whole) : NULL, wo ? wt[j] : NULL}};
+        /* on the parameters' device (a pipeline stage's Sequential says cpu:0 wherever its
+         * layers are) */
+        tdm_tensor *mine =
+            sharded ? tdm_zeros(TDM_SHAPE(total), TDM_F32, sps->flat->device) : st[k];
+        walk w = {
+            gather, {sps, mine}, {wo ? tdm_module_parameters(whole) : NULL, wo ? wt[j] : NULL}};
         rc = mine ? run_walk(&w, split, whole) : tdm_last_status();
         if (!rc && sharded) rc = tdm_optim_state_load(so, sn[k], mine);
         if (sharded) tdm_tensor_free(mine);

@@ -133,11 +133,9 @@ static void test_usage_errors(void) {
                                        "--micro-batches", "8", "--batch-size", "4", NULL});
     expect_usage("--shard: unknown kind 'all'",
                  (const char *const[]){t, "train", "--shard", "all", NULL});
-    expect_usage("--shard gradients shares one optimizer's state among data-parallel replicas",
+    expect_usage("--shard gradients with --model-split: a pipeline's replicas share their "
+                 "stages' optimizer state (--shard optimizer, ZeRO stage 1)",
                  (const char *const[]){t, "train", "--shard", "gradients", "--model-split", "2",
-                                       "--devices", "2", NULL});
-    expect_usage("with --model-split each pipeline stage steps an optimizer of its own",
-                 (const char *const[]){t, "train", "--shard", "optimizer", "--model-split", "2",
                                        "--devices", "2", NULL});
     expect_usage("--check-replicas compares data-parallel replicas",
                  (const char *const[]){t, "train", "--check-replicas", "5", "--model-split", "2",

@@ -823,6 +823,23 @@ static tdm_tensor *flipping_loss(tdm_tensor *out, tdm_tensor *target, int64_t ro
     return gpt_loss_fn(out, target, row0, arg);
 }
 
+/* A step and tdm_strategy_check_replicas (its status returned: the rows equal), then a step
+ * whose loss is flip and the check again (*checked: its status, or the step's failure). */
+static int check_flipped(tdm_strategy *st, tdm_group *procs, tdm_loss_fn flip, int *checked) {
+    float l[1];
+    int rc = strategy_steps(st, 0, 1, l);
+    if (!rc) rc = tdm_strategy_check_replicas(st, procs);
+    int64_t tok[S_B * G_T];
+    for (int i = 0; i < S_B * G_T; i++) tok[i] = (i * 5) % GCFG.vocab;
+    int one = 1;
+    tdm_scope_begin();
+    tdm_tensor *x = i64(TDM_SHAPE(S_B, G_T), tok);
+    int stepped = rc ? rc : tdm_strategy_step(st, x, x, flip, &one, l);
+    tdm_scope_end();
+    *checked = stepped ? stepped : tdm_strategy_check_replicas(st, procs);
+    return rc;
+}
+
 /* tdm_strategy_check_replicas over a dp 2 x tp 2 mesh: equal rows pass (also under ZeRO stage
  * 3, the parts gathered for it), a flipped bit in row 1 is named with the rank's place. */
 static void test_check_replicas(void) {
@@ -831,20 +848,10 @@ static void test_check_replicas(void) {
         tdm_rng rng = tdm_rng_make(5);
         tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
         tdm_strategy *st = m ? tp_strategy(m, 4, zero, &plan) : NULL;
-        float l[1];
-        int rc = st ? strategy_steps(st, 0, 1, l) : tdm_last_status();
-        if (!rc) rc = tdm_strategy_check_replicas(st, NULL);
+        int checked, rc = st ? check_flipped(st, NULL, flipping_loss, &checked) : tdm_last_status();
         CHECK(rc == TDM_OK, "ZeRO %d, equal rows: %s", zero, tdm_last_error());
-        int64_t tok[S_B * G_T];
-        for (int i = 0; i < S_B * G_T; i++) tok[i] = (i * 5) % GCFG.vocab;
-        int one = 1;
-        tdm_scope_begin();
-        tdm_tensor *x = i64(TDM_SHAPE(S_B, G_T), tok);
-        if (!rc) rc = tdm_strategy_step(st, x, x, flipping_loss, &one, l);
-        tdm_scope_end();
         /* (under stage 3 the flip lands in a unit's gathered copy, which the update replaces:
          * only the equal case is checked there) */
-        int checked = rc ? rc : tdm_strategy_check_replicas(st, NULL);
         CHECK(zero == 3 ||
                   (!rc && checked == TDM_ERR_STATE &&
                    strstr(tdm_last_error(), "parameter \"transformer.wte.weight\" [64, 32] of "
@@ -879,18 +886,8 @@ static void check_replicas_across(tdm_group *world) {
         .tp = 2, .procs = world, .parallelize = split_gpt, .whole_output = whole_gpt, .arg = &plan};
     tdm_device dev = tdm_cpu(0);
     tdm_strategy *st = m ? tdm_strategy_tensor_parallel(m, &dev, 1, &o, gpt_adamw, NULL) : NULL;
-    float l[1];
-    int rc = st ? strategy_steps(st, 0, 1, l) : tdm_last_status();
-    if (!rc) rc = tdm_strategy_check_replicas(st, world);
+    int checked, rc = st ? check_flipped(st, world, flip_on_process, &checked) : tdm_last_status();
     CHECK(rc == TDM_OK, "process %d, equal rows: %s", my_process, tdm_last_error());
-    int64_t tok[S_B * G_T];
-    for (int i = 0; i < S_B * G_T; i++) tok[i] = (i * 5) % GCFG.vocab;
-    int one = 1;
-    tdm_scope_begin();
-    tdm_tensor *x = i64(TDM_SHAPE(S_B, G_T), tok);
-    if (!rc) rc = tdm_strategy_step(st, x, x, flip_on_process, &one, l);
-    tdm_scope_end();
-    int checked = rc ? rc : tdm_strategy_check_replicas(st, world);
     CHECK(!rc && checked == TDM_ERR_STATE &&
               strstr(tdm_last_error(), "parameter \"transformer.wte.weight\" [64, 32] of rank 2 "
                                        "(process 2, cpu:0, dp 1, tp 0) is not dp row 0's"),

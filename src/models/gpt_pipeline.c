@@ -170,35 +170,35 @@ static int copy_params(tdm_module *dst, const tdm_module *src) {
     return rc;
 }
 
-int tdm_gpt_from_pipeline_model(tdm_module *gpt, const tdm_module *seq) {
+/* One layer of the GPT (g) and of its Sequential (q) made equal: q from g when to_seq. */
+static int copy_way(tdm_module *g, tdm_module *q, bool to_seq) {
+    return to_seq ? copy_params(q, g) : copy_params(g, q);
+}
+
+/* The parameters of gpt and seq, tdm_gpt_pipeline_model's Sequential of it, made equal: seq's
+ * (both copies of wte) from gpt's when to_seq, else gpt's from seq's (wte from the
+ * embeddings' copy). */
+static int copy_gpt(tdm_module *gpt, tdm_module *seq, bool to_seq, const char *op) {
     tdm_module *tr = tdm_gpt_config_of(gpt) ? child(gpt, "transformer") : NULL, *h = child(tr, "h");
     if (!h || !seq || seq->n_children != h->n_children + 2 ||
         strcmp(seq->children[0]->ops->kind, "GPTEmbeddings") != 0)
-        return tdm_raise(TDM_ERR_ARG, "gpt_from_pipeline_model: not a GPT and its pipeline model");
+        return tdm_raise(TDM_ERR_ARG, "%s: not a GPT and its pipeline model", op);
     bool prev = tdm_set_grad_enabled(false);
-    const tdm_module *emb = seq->children[0], *head = seq->children[seq->n_children - 1];
-    int rc = copy_params(child(tr, "wte"), emb->children[0]);
-    if (!rc) rc = copy_params(child(tr, "wpe"), emb->children[1]);
+    tdm_module *emb = seq->children[0], *head = seq->children[seq->n_children - 1];
+    int rc = copy_way(child(tr, "wte"), emb->children[0], to_seq);
+    if (!rc) rc = copy_way(child(tr, "wpe"), emb->children[1], to_seq);
     for (int l = 0; l < h->n_children && !rc; l++)
-        rc = copy_params(h->children[l], seq->children[l + 1]);
-    if (!rc) rc = copy_params(child(tr, "ln_f"), head->children[0]);
+        rc = copy_way(h->children[l], seq->children[l + 1], to_seq);
+    if (!rc) rc = copy_way(child(tr, "ln_f"), head->children[0], to_seq);
+    if (!rc && to_seq) rc = copy_params(head->children[1], child(tr, "wte")); /* the tied copy */
     tdm_set_grad_enabled(prev);
     return rc;
 }
 
+int tdm_gpt_from_pipeline_model(tdm_module *gpt, const tdm_module *seq) {
+    return copy_gpt(gpt, (tdm_module *)seq, false, "gpt_from_pipeline_model");
+}
+
 int tdm_gpt_to_pipeline_model(tdm_module *seq, const tdm_module *gpt) {
-    tdm_module *tr = tdm_gpt_config_of(gpt) ? child(gpt, "transformer") : NULL, *h = child(tr, "h");
-    if (!h || !seq || seq->n_children != h->n_children + 2 ||
-        strcmp(seq->children[0]->ops->kind, "GPTEmbeddings") != 0)
-        return tdm_raise(TDM_ERR_ARG, "gpt_to_pipeline_model: not a GPT and its pipeline model");
-    bool prev = tdm_set_grad_enabled(false);
-    tdm_module *emb = seq->children[0], *head = seq->children[seq->n_children - 1];
-    int rc = copy_params(emb->children[0], child(tr, "wte"));
-    if (!rc) rc = copy_params(emb->children[1], child(tr, "wpe"));
-    for (int l = 0; l < h->n_children && !rc; l++)
-        rc = copy_params(seq->children[l + 1], h->children[l]);
-    if (!rc) rc = copy_params(head->children[0], child(tr, "ln_f"));
-    if (!rc) rc = copy_params(head->children[1], child(tr, "wte")); /* the tied copy */
-    tdm_set_grad_enabled(prev);
-    return rc;
+    return copy_gpt((tdm_module *)gpt, seq, true, "gpt_to_pipeline_model");
 }

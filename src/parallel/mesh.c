@@ -129,12 +129,16 @@ static int make_sub(tdm_mesh *m, int d, const tdm_device *devs) {
     int r = tdm_group_rank(m->g), L = m->local_size, n = m->sizes[d], base, stride;
     dim_layout(m, d, r, &base, &stride);
     int c = per_process(m, d, base, stride, L), np = n / c, k0 = m->coord[d] / c * c;
-    int maker = base + k0 * stride, gi = base / (stride * n) * stride + base % stride;
+    /* the group's id: this dimension's first (after the earlier dimensions' groups) + its
+     * index among them (its outer coordinates, then its offset within a stride) */
+    int id = m->id0 + base / (stride * n) * stride + base % stride;
+    for (int e = 0; e < d; e++) id += tdm_group_size(m->g) / m->sizes[e];
+    int maker = base + k0 * stride;
     bool spans = np > 1, mine = r == maker;
     if (mine && spans) { /* the group's processes, as ranks of m->processes */
         int procs[TDM_MAX_DEVICES];
         for (int q = 0; q < np; q++) procs[q] = (base + q * c * stride) / L;
-        m->own_mpi[d] = tdm_mpi_subgroup_with_id(m->processes, np, procs, m->id0 + gi);
+        m->own_mpi[d] = tdm_mpi_subgroup_with_id(m->processes, np, procs, id);
     }
     if (mine && c > 1 && (!spans || m->own_mpi[d])) {
         tdm_device sub[TDM_MAX_DEVICES];

@@ -40,9 +40,7 @@ int tdm_pipe_copy_to(tdm_pipe *p, tdm_module *model) {
     if (model->n_children != p->first[p->S])
         return tdm_raise(TDM_ERR_SHAPE, "pipe_copy_to: the model has %d layers, the pipeline %d",
                          model->n_children, p->first[p->S]);
-    if (p->T > 1) { /* the parts made whole on the stages' threads */
-        return tdm_pipe_gather(p, model);
-    }
+    if (p->T > 1) return tdm_pipe_gather(p, model); /* the parts made whole on their threads */
     bool prev = tdm_set_grad_enabled(false);
     int rc = TDM_OK;
     for (int s = 0; s < p->S && !rc; s++)

@@ -109,7 +109,8 @@ static tdm_optim *pipe_optim_gather(tdm_strategy *st) {
     if (!rc && s->view) rc = through_view(s, whole, out, true);
     if (!rc) rc = pipe_sync_model(st); /* the weights, over what the view carried */
     if (out != whole) tdm_optim_free(whole);
-    if (!rc) tdm_optim_set_lr(out, tdm_optim_lr(pipe_optim(st, 0)));
+    tdm_optim *first = pipe_optim(st, 0); /* NULL: no stage has parameters */
+    if (!rc && first) tdm_optim_set_lr(out, tdm_optim_lr(first));
     if (rc) tdm_optim_free(out);
     return rc ? NULL : out;
 }

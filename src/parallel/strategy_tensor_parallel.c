@@ -49,7 +49,6 @@ typedef struct tp_rank {
     tdm_ddp *ddp; /* over the dp group when dp > 1 */
     tdm_mesh *mesh;
     float loss;      /* the round's mean loss over the rank's rows */
-    uint64_t *hash;  /* a ROUND_HASH's hashes of the rank's parameters, or NULL */
     float *found;    /* and what it found on every rank of the mesh: FOUND floats each */
     tdm_tensor *out; /* a forward round's output (t == 0), kept until joined */
     int rc;
@@ -276,14 +275,14 @@ static int mesh_sum(tp_rank *r, float *v, int n) {
     return rc;
 }
 
-/* This rank's hashes against those of dp row 0's rank in its tp column, through an
+/* This rank's hashes hash[0..n) against those of dp row 0's rank in its tp column, through an
  * all-gather over dp (as 32-bit halves); *count differ, the first at *first. */
-static int compare_row0(tp_rank *r, int n, int *count, int *first) {
+static int compare_row0(tp_rank *r, const uint64_t *hash, int n, int *count, int *first) {
     int dp = r->s->dp;
     int32_t *mine = malloc(sizeof(int32_t) * 2 * (size_t)n);
     if (!mine) return tdm_raise(TDM_ERR_NOMEM, "check_replicas: out of memory");
     for (int i = 0; i < n; i++)
-        mine[2 * i] = (int32_t)(uint32_t)r->hash[i], mine[2 * i + 1] = (int32_t)(r->hash[i] >> 32);
+        mine[2 * i] = (int32_t)(uint32_t)hash[i], mine[2 * i + 1] = (int32_t)(hash[i] >> 32);
     tdm_tensor *in = tdm_from_data(TDM_SHAPE(2 * n), TDM_I32, r->dev, mine);
     tdm_tensor *out = in ? tdm_zeros(TDM_SHAPE((int64_t)2 * n * dp), TDM_I32, r->dev) : NULL;
     int rc = out ? TDM_OK : tdm_last_status();
@@ -308,19 +307,21 @@ static int rank_hash(tp_rank *r) {
     tensor_parallel *s = r->s;
     tdm_paramset *ps = tdm_module_parameters(r->replica);
     int world = s->dp * s->tp;
-    free(r->hash), free(r->found);
-    r->hash = ps ? malloc(sizeof *r->hash * (size_t)(ps->n ? ps->n : 1)) : NULL;
-    r->found = r->hash ? calloc((size_t)world * FOUND, sizeof *r->found) : NULL;
-    if (!r->found)
+    free(r->found);
+    uint64_t *hash = ps ? malloc(sizeof *hash * (size_t)(ps->n ? ps->n : 1)) : NULL;
+    r->found = hash ? calloc((size_t)world * FOUND, sizeof *r->found) : NULL;
+    if (!r->found) {
+        free(hash);
         return ps ? tdm_raise(TDM_ERR_NOMEM, "check_replicas: out of memory") : tdm_last_status();
+    }
     bool params = s->base.shard == TDM_SHARD_PARAMETERS;
     int rc = params ? tdm_ddp_gather_params(r->ddp) : TDM_OK;
-    for (int i = 0; i < ps->n && !rc; i++)
-        rc = tdm_strategy_hash_tensor(ps->params[i], &r->hash[i]);
+    for (int i = 0; i < ps->n && !rc; i++) rc = tdm_strategy_hash_tensor(ps->params[i], &hash[i]);
     int back = params ? tdm_ddp_release_params(r->ddp) : TDM_OK;
     rc = rc ? rc : back;
     int count = 0, first = -1;
-    if (!rc && s->dp > 1) rc = compare_row0(r, ps->n, &count, &first);
+    if (!rc && s->dp > 1) rc = compare_row0(r, hash, ps->n, &count, &first);
+    free(hash);
     float *f = r->found + (size_t)r->rank * FOUND;
     f[0] = (float)count, f[1] = (float)first, f[2] = (float)r->dev.type, f[3] = (float)r->dev.index;
     return rc ? rc : mesh_sum(r, r->found, world * FOUND);
@@ -376,7 +377,7 @@ static void *rank_main(void *arg) {
         if (++s->finished == s->n) pthread_cond_signal(&s->done);
         pthread_mutex_unlock(&s->mu);
     }
-    free(r->hash), free(r->found);
+    free(r->found);
     tdm_ddp_free(r->ddp);
     tdm_optim_free(r->opt);
     tdm_module_free(r->replica);

@@ -812,13 +812,15 @@ static void test_strategy(const int *ks, int nk) {
     tdm_module_free(m);
 }
 
-/* A step's loss that also flips the lowest bit of the first weight of the ranks of dp row 1
- * (their parts of wte), once: the rows' replicas then differ. */
+/* A step's loss that also flips a bit of the first weight of the ranks of dp row 1 (their parts
+ * of wte), once: the rows' replicas then differ. Bit 16 of the mantissa, not the lowest: the
+ * step's update follows the flip, and a weight much smaller than its update can round a
+ * 1-ulp difference away (it did on an AVX2 CPU under TSan). */
 static tdm_tensor *flipping_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
     tdm_module *part = tdm_strategy_loss_module();
     if (part && row0 > 0) {
         uint32_t *w = tdm_data_ptr(tdm_module_parameters(part)->params[0]);
-        w[0] ^= 1u;
+        w[0] ^= 1u << 16;
     }
     return gpt_loss_fn(out, target, row0, arg);
 }
@@ -870,7 +872,7 @@ static tdm_tensor *flip_on_process(tdm_tensor *out, tdm_tensor *target, int64_t 
     tdm_module *part = tdm_strategy_loss_module();
     if (part && my_process == flip_process) {
         uint32_t *w = tdm_data_ptr(tdm_module_parameters(part)->params[0]);
-        w[0] ^= 1u;
+        w[0] ^= 1u << 16;
     }
     return gpt_loss_fn(out, target, row0, arg);
 }

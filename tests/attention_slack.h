@@ -4,6 +4,7 @@
 #define TDM_ATTENTION_SLACK_H
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -12,17 +13,19 @@
  * do, element by element, from a reference in double on the f32 twin's values: u (2^-8 for
  * bf16, 2^-11 for f16) of each term P and dS enter, and the products sum in another order
  * than sgemm's (eps, at least 4 (2 max(T, hs) + 8) 2^-24, of each term's magnitude, which also
- * covers the scores' own reordering as it moves P). qkv [B, T, 3C] and dy [B, T, C] f32;
- * fills sy [B, T, C], slse [B, nh, T], sg [B, T, 3C]. */
+ * covers the scores' own reordering as it moves P). Where d_from_y, the backward's row sums
+ * D = sum P dP come from the rounded output as rowsum(dy y), as the GPU's fused kernels take
+ * them (cuda_flash.cu, FlashAttention-2's way): u of each term dy y more. qkv [B, T, 3C] and
+ * dy [B, T, C] f32; fills sy [B, T, C], slse [B, nh, T], sg [B, T, 3C]. */
 static inline void attention_slack(const float *qkv, const float *dy, int64_t B, int64_t T,
-                                   int64_t C, int64_t nh, double u, double *sy, double *slse,
-                                   double *sg) {
+                                   int64_t C, int64_t nh, double u, bool d_from_y, double *sy,
+                                   double *slse, double *sg) {
     const int64_t hs = C / nh, C3 = 3 * C;
     const double scale = 1.0 / sqrt((double)hs);
     const double eps = fmax(1e-5, 4 * (2 * (double)(T > hs ? T : hs) + 8) * 0x1p-24);
     double *P = malloc(sizeof(double) * (size_t)(T * T)),
            *dP = malloc(sizeof(double) * (size_t)(T * T));
-    double *dot = malloc(sizeof(double) * (size_t)T);
+    double *dot = malloc(sizeof(double) * (size_t)T), *ddot = malloc(sizeof(double) * (size_t)T);
     for (int64_t i = 0; i < B * T * C3; i++) sg[i] = 0;
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < nh; h++) {
@@ -48,11 +51,13 @@ static inline void attention_slack(const float *qkv, const float *dy, int64_t B,
                 }
                 double lse = mx + log(sum);
                 slse[(b * nh + h) * T + t] = (2 * hs + 8) * 0x1p-24 * worst + 0x1p-22 * fabs(lse);
+                ddot[t] = 0;
                 for (int64_t c = 0; c < hs; c++) {
-                    double acc = 0;
+                    double acc = 0; /* >= |y_tc| */
                     for (int64_t j = 0; j <= t; j++)
                         acc += P[t * T + j] * fabs((double)v[j * C3 + c]);
                     sy[b * T * C + t * C + h * hs + c] = (u + eps) * acc;
+                    if (d_from_y) ddot[t] += u * fabs((double)g[t * C + c]) * acc;
                 }
             }
             /* dS = P (dP - dot); its perturbation is within eps of P (|dP| + |dot|) */
@@ -60,16 +65,16 @@ static inline void attention_slack(const float *qkv, const float *dy, int64_t B,
                 for (int64_t j = 0; j <= t; j++) {
                     double p = P[t * T + j], ds = fabs(p * (dP[t * T + j] - dot[t]));
                     double dmag = p * (fabs(dP[t * T + j]) + fabs(dot[t]));
+                    double err = u * ds + eps * dmag + p * ddot[t];
                     for (int64_t c = 0; c < hs; c++) {
                         double *gq = sg + b * T * C3 + h * hs + c;
-                        gq[t * C3] += scale * (u * ds + eps * dmag) * fabs((double)k[j * C3 + c]);
-                        gq[j * C3 + C] +=
-                            scale * (u * ds + eps * dmag) * fabs((double)q[t * C3 + c]);
+                        gq[t * C3] += scale * err * fabs((double)k[j * C3 + c]);
+                        gq[j * C3 + C] += scale * err * fabs((double)q[t * C3 + c]);
                         gq[j * C3 + 2 * C] += (u + eps) * p * fabs((double)g[t * C + c]);
                     }
                 }
         }
-    free(P), free(dP), free(dot);
+    free(P), free(dP), free(dot), free(ddot);
 }
 
 #endif

@@ -684,10 +684,11 @@ static void case_dropout(run *r) {
 
 /* Causal attention: rows shorter and longer (260) than a row kernel's 256 threads, a head size
  * of 3, one head, one token, several batch rows of several heads (more heads than rows and
- * fewer: cuBLAS's batches run over the longer). Sizes are kept small: the CPU emulation runs
- * every GPU thread. In bf16 and f16 the GPU rounds P and dS to the dtype before their products
- * (cuda_attention.cu), which the CPU's f32 kernel does not: y and dqkv get attention_slack's
- * bound for that, element by element, on top of the row's. */
+ * fewer: cuBLAS's batches run over the longer); the last case's heads of 16 run the fused
+ * kernels (cuda_flash.cu; test_cuda_flash compares them with the unfused at more sizes). Sizes are
+ * kept small: the CPU emulation runs every GPU thread. In bf16 and f16 the GPU rounds P and dS to
+ * the dtype before their products (cuda_attention.cu), which the CPU's f32 kernel does not: y and
+ * dqkv get attention_slack's bound for that, element by element, on top of the row's. */
 static void case_attention(run *r) {
     int64_t cases[5][4] = {
         {2, 9, 8, 2}, {1, 260, 8, 1}, {3, 5, 6, 2}, {1, 1, 4, 1}, {3, 40, 48, 3}};
@@ -699,15 +700,17 @@ static void case_attention(run *r) {
         tdm_tensor *lse = zeros32(r, TDM_SHAPE(B, nh, T));
         variant(r, "B=%lld T=%lld C=%lld heads=%d", (long long)B, (long long)T, (long long)C, nh);
         KERNEL(r, attention, y, lse, qkv, nh);
-        KERNEL(r, attention_backward, dqkv, dy, qkv, lse, nh);
+        KERNEL(r, attention_backward, dqkv, dy, qkv, y, lse, nh);
         out(r, "y lse", y, lse);
         grad(r, "dqkv", dqkv);
         if (low(r->row->dt) && r->dev.type == TDM_CPU) { /* the reference's run: f32 on the host */
             double *sy = malloc(sizeof(double) * (size_t)(B * T * C));
             double *slse = malloc(sizeof(double) * (size_t)(B * nh * T));
             double *sg = malloc(sizeof(double) * (size_t)(B * T * 3 * C));
+            /* heads of a multiple of 16 run the fused kernels, whose D comes from y */
             attention_slack(tdm_data_ptr(qkv), tdm_data_ptr(dy), B, T, C, nh,
-                            r->row->dt == TDM_BF16 ? 0x1p-8 : 0x1p-11, sy, slse, sg);
+                            r->row->dt == TDM_BF16 ? 0x1p-8 : 0x1p-11, (C / nh) % 16 == 0, sy, slse,
+                            sg);
             r->kept[r->n_kept - 3].slack = sy, r->kept[r->n_kept - 1].slack = sg;
             free(slse); /* lse is f32 on both sides, from the same f32 scores */
         }

@@ -665,14 +665,14 @@ static void test_attention_at(int64_t T) {
         sy = malloc(sizeof(double) * (size_t)(B * T * C));
         slse = malloc(sizeof(double) * (size_t)(B * nh * T));
         sg = malloc(sizeof(double) * (size_t)(B * T * 3 * C));
-        attention_slack(vq, vg, B, T, C, nh, 0x1p-8, sy, slse, sg);
+        attention_slack(vq, vg, B, T, C, nh, 0x1p-8, false, sy, slse, sg);
         free(vq), free(vg);
     }
     RUN2(BE->attention(y.lo, lse.lo, qkv.lo, nh), BE->attention(y.f, lse.f, qkv.f, nh));
     expect("attention y", y, sy);
     expect("attention lse", lse, slse);
-    RUN2(BE->attention_backward(dqkv.lo, dy.lo, qkv.lo, lse.lo, nh),
-         BE->attention_backward(dqkv.f, dy.f, qkv.f, lse.f, nh));
+    RUN2(BE->attention_backward(dqkv.lo, dy.lo, qkv.lo, y.lo, lse.lo, nh),
+         BE->attention_backward(dqkv.f, dy.f, qkv.f, y.f, lse.f, nh));
     expect("attention_backward", dqkv, sg);
     free(sy), free(slse), free(sg);
     tdm_scope_end();

@@ -10,14 +10,14 @@
 
 #include "autograd/ops.h"
 
-/* in: qkv; saved: lse; arg.i[0]: heads */
+/* in: qkv; out: y; saved: lse; arg.i[0]: heads */
 static int attention_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *qkv = n->in[0];
     const tdm_backend *be = tdm_backend_for(qkv->device);
     tdm_tensor *gy = tdm_contiguous(gout);
     tdm_tensor *gqkv = tdm_tensor_alloc(tdm_shape_of(qkv), qkv->dtype, qkv->device);
     if (!gy || !gqkv) return tdm_last_status();
-    int rc = be->attention_backward(gqkv, gy, qkv, n->saved[0], (int)n->arg.i[0]);
+    int rc = be->attention_backward(gqkv, gy, qkv, n->out, n->saved[0], (int)n->arg.i[0]);
     return rc ? rc : tdm_grad_accumulate(qkv, gqkv);
 }
 

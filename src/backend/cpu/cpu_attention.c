@@ -233,12 +233,13 @@ static int attention_backward_bf16(tdm_tensor *dqkv, const tdm_tensor *dy, const
 }
 
 int tdm_cpu_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
-                               const tdm_tensor *lse, int n_head) {
+                               const tdm_tensor *y, const tdm_tensor *lse, int n_head) {
+    (void)y; /* D comes from the probabilities computed here (probs_and_dscores) */
     if (dqkv->dtype == TDM_BF16 && dy->dtype == TDM_BF16 && qkv->dtype == TDM_BF16 &&
         lse->dtype == TDM_F32)
         return attention_backward_bf16(dqkv, dy, qkv, lse, n_head);
     if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){dqkv, dy, qkv, lse}))
-        return tdm_cpu_lowp_attention_backward(dqkv, dy, qkv, lse, n_head);
+        return tdm_cpu_lowp_attention_backward(dqkv, dy, qkv, y, lse, n_head);
     att_dims d = att_dims_of(qkv, dy, lse, n_head);
     assert(tdm_is_contiguous(dqkv) && tdm_numel(dqkv) == tdm_numel(qkv)); /* the op's alloc */
     const int64_t T = d.T, C = d.C, hs = d.hs, C3 = 3 * C;

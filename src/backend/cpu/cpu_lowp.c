@@ -378,9 +378,9 @@ int tdm_cpu_lowp_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv
 }
 
 int tdm_cpu_lowp_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
-                                    const tdm_tensor *lse, int n_head) {
+                                    const tdm_tensor *y, const tdm_tensor *lse, int n_head) {
     lp_call c = {.what = "cpu attention_backward"};
     tdm_tensor *wd = lp_out(&c, dqkv);
     const tdm_tensor *wdy = lp_in(&c, dy), *wq = lp_in(&c, qkv), *wl = lp_in(&c, lse);
-    return LP_RUN(c, tdm_cpu_attention_backward(wd, wdy, wq, wl, n_head));
+    return LP_RUN(c, tdm_cpu_attention_backward(wd, wdy, wq, y, wl, n_head)); /* y unread */
 }

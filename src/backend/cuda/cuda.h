@@ -59,6 +59,21 @@ void *tdm_cuda_storage_ptr(const tdm_storage *s);
  * cuda_<area>.cu its section names. The uploads: pinned_alloc is cudaHostAlloc (portable to
  * every GPU: the loader's batch buffers, copied from asynchronously); upload_async,
  * fence_wait and fence_free run on the GPU's upload stream, ordered with events. */
+/* ---- cuda_flash.cu: fused causal attention, for the heads it fits ------------------------ */
+
+/* Whether tdm_cuda_flash_attention(_backward) takes qkv [B, T, 3C] in n_head heads (a head
+ * size a multiple of 16 up to 128, the blocks' shared memory within the GPU's) and is
+ * enabled; cuda_attention.cu's unfused kernels take the rest. */
+bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head);
+/* The contracts of attention and attention_backward (kernels.def); the caller checked the
+ * geometry and dtypes and that the heads fit. The backward reads y, the forward's output. */
+int tdm_cuda_flash_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv, int n_head);
+int tdm_cuda_flash_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
+                                      const tdm_tensor *y, const tdm_tensor *lse, int n_head);
+/* Sends every head to the unfused path (off) or the ones that fit to the fused one (on, the
+ * default): tests compare the two. Not thread-safe against calls in flight. */
+void tdm_cuda_flash_enable(bool on);
+
 #define TDM_KERNEL(ret, entry, params) ret tdm_cuda_##entry params;
 #define TDM_UPLOAD                     TDM_KERNEL
 #include "backend/kernels.def"

@@ -15,8 +15,9 @@
  * them, as PyTorch's flash kernels round their probabilities and the CPU's bf16 path does
  * (cpu_attention.c): the f32 copies of the heads and the f32 products on the CUDA cores that
  * this replaced took 62% of a bf16 GPT-2-small step (bench/RESULTS.md, "GPU check ... mixed
- * precision"). lse stays f32. Half of each S is above the diagonal and wasted; a fused kernel
- * that skips it and keeps S out of memory is the next step. Every sum runs in a fixed order
+ * precision"). lse stays f32. Half of each S is above the diagonal and wasted: heads that fit
+ * the fused kernels (cuda_flash.cu: a head size a multiple of 16, up to 128) go there instead,
+ * which skip it and keep S out of memory; this path takes the rest. Every sum runs in a fixed order
  * (cuBLAS's kernels for given shapes, the block reductions' fixed trees): the results are
  * the same on every run. */
 #include "backend/cuda/cuda_common.cuh"
@@ -181,6 +182,7 @@ extern "C" int tdm_cuda_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tens
     att_geom g;
     int rc = att_setup("cuda attention", qkv, y, lse, n_head, &g);
     if (rc) return rc > 0 ? TDM_OK : rc;
+    if (tdm_cuda_flash_fits(qkv, n_head)) return tdm_cuda_flash_attention(y, lse, qkv, n_head);
     int idx = qkv->device.index;
     cu_device *d = cu_dev_of(qkv, "attention");
     if (!d) return tdm_last_status();
@@ -217,13 +219,17 @@ extern "C" int tdm_cuda_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tens
 }
 
 extern "C" int tdm_cuda_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy,
-                                           const tdm_tensor *qkv, const tdm_tensor *lse,
-                                           int n_head) {
+                                           const tdm_tensor *qkv, const tdm_tensor *y,
+                                           const tdm_tensor *lse, int n_head) {
     att_geom g;
     int rc = att_setup("cuda attention_backward", qkv, dy, lse, n_head, &g);
     if (rc) return rc > 0 ? TDM_OK : rc;
     assert(tdm_is_contiguous(dqkv) && tdm_numel(dqkv) == tdm_numel(qkv)); /* the op's alloc */
-    if (cu_check_float("attention_backward", true, {qkv, dqkv})) return tdm_last_status();
+    if (cu_check_float("attention_backward", true, {qkv, dqkv, y})) return tdm_last_status();
+    if (tdm_cuda_flash_fits(qkv, n_head)) {
+        assert(tdm_is_contiguous(y) && tdm_numel(y) == tdm_numel(dy)); /* the forward's output */
+        return tdm_cuda_flash_attention_backward(dqkv, dy, qkv, y, lse, n_head);
+    }
     int idx = qkv->device.index;
     cu_device *d = cu_dev_of(qkv, "attention_backward");
     if (!d) return tdm_last_status();

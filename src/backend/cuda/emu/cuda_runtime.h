@@ -19,6 +19,8 @@ typedef enum {
     cudaErrorInvalidValue = 1,
     cudaErrorNotReady = 600,
 } cudaError_t;
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 typedef struct emu_stream *cudaStream_t;
 typedef struct emu_event *cudaEvent_t;
 enum cudaMemcpyKind {
@@ -69,6 +71,9 @@ cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKin
                             cudaStream_t st);
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st);
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p);
+/* sm_90's 227 KiB a block may opt in to */
+cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int device);
+cudaError_t emu_func_set_attribute(const void *kernel, enum cudaFuncAttribute a, int value);
 
 #ifdef __cplusplus
 }
@@ -85,12 +90,17 @@ extern dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __host__
 #define __forceinline__ inline
 #define __shared__      static /* one block runs at a time on one thread */
+#define __align__(n)    alignas(n)
 void __syncthreads(void);
 /* Runs body for every thread of every block; shmem bytes of dynamic shared memory (extern
- * __shared__, at emu_dynamic_shared) are allocated for the launch, exactly sized, so that
- * AddressSanitizer sees an access past them. */
+ * __shared__, at emu_dynamic_shared, 128-byte aligned) are allocated for the launch, exactly
+ * sized, so that AddressSanitizer sees an access past them. Over 48 KiB, kernel (the launched
+ * function) must have been given as much with cudaFuncSetAttribute, as on a GPU. */
 void emu_launch(long long grid, long long block, const std::function<void()> &body,
-                size_t shmem = 0);
+                size_t shmem = 0, const void *kernel = 0);
+template <typename T> cudaError_t cudaFuncSetAttribute(T *kernel, cudaFuncAttribute a, int value) {
+    return emu_func_set_attribute((const void *)kernel, a, value);
+}
 extern void *emu_dynamic_shared;
 
 template <typename T> cudaError_t cudaMalloc(T **p, size_t n) {

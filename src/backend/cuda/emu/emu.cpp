@@ -19,6 +19,7 @@
 #include "cublas_v2.h"
 #include "tandem/half.h"
 
+#include <map>
 #include <mutex>
 #include <set>
 #include <stdio.h>
@@ -32,6 +33,9 @@ static thread_local cudaError_t last_error = cudaSuccess;
 static thread_local int current_device = 0;
 static std::mutex emu_mu; /* launches (the globals above and below) and the pinned set */
 static std::set<const void *> pinned;
+static std::map<const void *, int> smem_allowed; /* cudaFuncSetAttribute's, per kernel */
+#define SMEM_DEFAULT (48 * 1024)
+#define SMEM_OPTIN   (227 * 1024) /* sm_90's */
 
 #define MAX_BLOCK  1024
 /* a coroutine's stack: the kernels' frames take a few KiB (ASan's redzones included); smaller
@@ -71,16 +75,20 @@ static void start(int t) {
     finished[t] = false;
 }
 
-void emu_launch(long long grid, long long block, const std::function<void()> &body, size_t shmem) {
-    if (grid < 1 || grid > 2147483647LL || block < 1 || block > MAX_BLOCK || shmem > 48 * 1024) {
-        fprintf(stderr, "emu: invalid launch configuration <<<%lld, %lld, %zu>>>\n", grid, block,
-                shmem);
+void emu_launch(long long grid, long long block, const std::function<void()> &body, size_t shmem,
+                const void *kernel) {
+    std::lock_guard<std::mutex> turn(emu_mu);
+    size_t allowed = SMEM_DEFAULT;
+    if (kernel && smem_allowed.count(kernel)) allowed = (size_t)smem_allowed[kernel];
+    if (grid < 1 || grid > 2147483647LL || block < 1 || block > MAX_BLOCK || shmem > allowed) {
+        fprintf(stderr, "emu: invalid launch configuration <<<%lld, %lld, %zu>>>%s\n", grid, block,
+                shmem, shmem > allowed ? " (more shared memory than cudaFuncSetAttribute gave)" : "");
         last_error = cudaErrorInvalidValue;
         return;
     }
-    std::lock_guard<std::mutex> turn(emu_mu);
     free(emu_dynamic_shared);
-    emu_dynamic_shared = shmem ? malloc(shmem) : NULL;
+    emu_dynamic_shared = NULL;
+    if (shmem && posix_memalign(&emu_dynamic_shared, 128, shmem)) abort();
     body_now = &body;
     gridDim = {(unsigned)grid, 1, 1};
     blockDim = {(unsigned)block, 1, 1};
@@ -218,6 +226,19 @@ cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKin
 }
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) {
     memset(d, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int device) {
+    *v = a == cudaDevAttrMaxSharedMemoryPerBlockOptin ? SMEM_OPTIN : 0;
+    return cudaSuccess;
+}
+cudaError_t emu_func_set_attribute(const void *kernel, enum cudaFuncAttribute a, int value) {
+    if (a != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || value > SMEM_OPTIN) {
+        last_error = cudaErrorInvalidValue;
+        return cudaErrorInvalidValue;
+    }
+    std::lock_guard<std::mutex> g(emu_mu);
+    smem_allowed[kernel] = value;
     return cudaSuccess;
 }
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p) {

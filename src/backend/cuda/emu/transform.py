@@ -1,5 +1,6 @@
 """Rewrites CUDA launches `k<<<grid, block, shmem, stream>>>(args)` of a .cu file into
-`emu_launch(grid, block, [&]() { k(args); }, shmem)` for the host emulation (see emu.cpp),
+`emu_launch(grid, block, [&]() { k(args); }, shmem, &k)` for the host emulation (see emu.cpp;
+&k only with dynamic shared memory),
 and `extern __shared__ T name[];` (the launch's dynamic shared memory) into a pointer to the
 block the emulation allocates for that launch."""
 import re
@@ -42,10 +43,13 @@ def transform(src):
         args = src[i + 1:j]
         out.append(src[pos:m.start()])
         shmem = cfg[2] if len(cfg) > 2 else "0"
-        out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), [&]() {{ {m.group(1)}({args}); }}, (size_t)({shmem}))")
+        # the kernel, for the shared memory cudaFuncSetAttribute gave it (a launch with dynamic
+        # shared memory names its template arguments; others may leave them deduced)
+        kernel = "nullptr" if shmem == "0" else f"(const void *)&{m.group(1)}"
+        out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), [&]() {{ {m.group(1)}({args}); }}, (size_t)({shmem}), {kernel})")
         pos = j + 1
     out.append(src[pos:])
-    return re.sub(r"extern\s+__shared__\s+([A-Za-z_0-9]+)\s+([A-Za-z_0-9]+)\s*\[\s*\]\s*;",
+    return re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_0-9]+)\s+([A-Za-z_0-9]+)\s*\[\s*\]\s*;",
                   r"\1 *\2 = (\1 *)emu_dynamic_shared;", "".join(out))
 
 

@@ -1,0 +1,404 @@
+/* Fused causal attention: FlashAttention-2's tiling and online softmax, forward and backward,
+ * for the heads that fit (cuda_attention.cu sends the rest to its unfused path).
+ *
+ * No T x T scores reach memory and the tiles above the diagonal are never computed: a block
+ * takes FA_BR query rows of one head and walks the key tiles up to its diagonal, keeping its
+ * tile of scores, its running row maxima and sums and its output rows in shared memory. The
+ * products run on the tensor cores in bf16 and f16 (WMMA, 16 x 16 x 16 with f32 accumulation)
+ * and on the CUDA cores in f32 (no TF32, as PyTorch's default); every softmax sum is f32, and
+ * P and dS are rounded to the dtype for the products that take them, as the unfused path and
+ * PyTorch's flash kernels round them.
+ *
+ *   forward   per key tile j <= i: S = scale Q K_j^T; m' = max(m, rowmax S);
+ *             P = exp(S - m'); l = l exp(m - m') + rowsum P; O = O exp(m - m') + P V_j;
+ *             at the end y = O / l and lse = m + log l
+ *   backward  D = rowsum(dy * y) first (one thread a row); then per key tile j, over query
+ *             tiles i >= j: P = exp(scale Q_i K_j^T - lse), dP = dy_i V_j^T,
+ *             dS = P (dP - D), dV_j += P^T dy_i, dK_j += scale dS^T Q_i; and in a second
+ *             kernel per query tile i, over key tiles j <= i: dQ_i += scale dS K_j
+ * FlashAttention-2 adds dQ up with atomics from the first kernel; a second kernel that
+ * computes S and dP again costs two products of the seven but keeps every sum in a fixed
+ * order, so a run gives the same bits every time, as the rest of the backend does. */
+#include "backend/cuda/cuda_common.cuh"
+
+#include <assert.h>
+#include <math.h>
+#include <mma.h>
+
+#define FA_BR      64  /* query rows a block */
+#define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
+#define FA_THREADS 128 /* four warps; in a product, warp w takes every fourth 16 x 16 tile */
+#define FA_PAD     8   /* elements after each row of Q, K, V, dy in shared memory (banks) */
+
+typedef struct {
+    int64_t B, T, C, nh, hs;
+    float scale;
+    int ld; /* elements a row of the Q, K, V and dy tiles take in shared memory */
+} fa_geom;
+
+/* ---- tile products ------------------------------------------------------------------------ */
+
+template <bool T> struct fa_layout { typedef nvcuda::wmma::row_major type; };
+template <> struct fa_layout<true> { typedef nvcuda::wmma::col_major type; };
+
+/* c [M, N] (f32, row-major, ldc) = op(a) op(b) (+ c where acc), from shared memory, by the
+ * whole block: op(a) [M, K] is a (row-major, lda) or, where TA, the transpose of a [K, M];
+ * op(b) [K, N] likewise. M, N and K are multiples of 16. The caller synchronises after. */
+template <typename E, bool TA, bool TB>
+__device__ void fa_mm(float *c, int ldc, const E *a, int lda, const E *b, int ldb, int M, int N,
+                      int K, bool acc) {
+    if constexpr (sizeof(E) == 4) { /* f32: the CUDA cores */
+        for (int e = threadIdx.x; e < M * N; e += FA_THREADS) {
+            const int r = e / N, col = e % N;
+            float s = acc ? c[r * ldc + col] : 0.0f;
+            for (int k = 0; k < K; k++)
+                s += (TA ? a[k * lda + r] : a[r * lda + k]) *
+                     (TB ? b[col * ldb + k] : b[k * ldb + col]);
+            c[r * ldc + col] = s;
+        }
+    } else { /* bf16, f16: the tensor cores */
+        using namespace nvcuda;
+        const int tn = N / 16, tiles = M / 16 * tn;
+        for (int t = threadIdx.x / 32; t < tiles; t += FA_THREADS / 32) {
+            const int tm = t / tn, tc = t % tn;
+            float *ct = c + tm * 16 * ldc + tc * 16;
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> f;
+            if (acc)
+                wmma::load_matrix_sync(f, ct, ldc, wmma::mem_row_major);
+            else
+                wmma::fill_fragment(f, 0.0f);
+            for (int k = 0; k < K; k += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, E, typename fa_layout<TA>::type> fa;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, E, typename fa_layout<TB>::type> fb;
+                wmma::load_matrix_sync(fa, TA ? a + k * lda + tm * 16 : a + tm * 16 * lda + k, lda);
+                wmma::load_matrix_sync(fb, TB ? b + tc * 16 * ldb + k : b + k * ldb + tc * 16, ldb);
+                wmma::mma_sync(f, fa, fb, f);
+            }
+            wmma::store_matrix_sync(ct, f, ldc, wmma::mem_row_major);
+        }
+    }
+}
+
+/* ---- shared memory ------------------------------------------------------------------------ */
+
+/* Carves a block's shared memory into aligned regions (WMMA wants 32-byte aligned tiles). */
+typedef struct {
+    char *base;
+    size_t used;
+} fa_carve;
+
+__host__ __device__ inline size_t fa_round(size_t n) {
+    return (n + 127) & ~(size_t)127;
+}
+template <typename X> __device__ inline X *fa_take(fa_carve *c, size_t n) {
+    X *p = (X *)(c->base + c->used);
+    c->used += fa_round(n * sizeof(X));
+    return p;
+}
+
+/* Bytes each kernel carves below (the same order and sizes). */
+static size_t fa_smem_fwd(int64_t hs, int ld, size_t es) {
+    return 3 * fa_round(FA_BR * ld * es) + fa_round(FA_BR * FA_BC * 4) +
+           fa_round(FA_BR * FA_BC * es) + fa_round(FA_BR * hs * 4) + 2 * fa_round(FA_BR * 4) +
+           2 * fa_round(FA_THREADS * 4);
+}
+static size_t fa_smem_dkv(int64_t hs, int ld, size_t es) {
+    return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
+           2 * fa_round(FA_BR * FA_BC * es) + 2 * fa_round(FA_BC * hs * 4) +
+           2 * fa_round(FA_BR * 4);
+}
+static size_t fa_smem_dq(int64_t hs, int ld, size_t es) {
+    return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
+           fa_round(FA_BR * FA_BC * es) + fa_round(FA_BR * hs * 4) + 2 * fa_round(FA_BR * 4);
+}
+
+/* rows [r0, r0 + FA_BR) of one head's q (part 0), k (1) or v (2) in qkv (or of dy, y: part 0
+ * with a row of C) into tile [FA_BR, ld]; rows past T as zeros */
+template <typename E>
+__device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, fa_geom g) {
+    for (int e = threadIdx.x; e < FA_BR * g.hs; e += FA_THREADS) {
+        const int r = e / (int)g.hs, d = e % (int)g.hs;
+        tile[r * g.ld + d] = r0 + r < g.T ? src[(r0 + r) * row_len + d] : cu_to<E>(0.0f);
+    }
+}
+
+/* ---- forward ------------------------------------------------------------------------------ */
+
+/* One block: query tile i of head h of batch row b, the last tiles (the most work) first. */
+template <typename E> __global__ void fa_fwd_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
+    extern __shared__ __align__(128) char fa_smem[];
+    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
+    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
+    const int hs = (int)g.hs, tid = threadIdx.x;
+    fa_carve cv = {fa_smem, 0};
+    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *K = fa_take<E>(&cv, FA_BR * g.ld);
+    E *V = fa_take<E>(&cv, FA_BR * g.ld);
+    float *S = fa_take<float>(&cv, FA_BR * FA_BC);
+    E *P = fa_take<E>(&cv, FA_BR * FA_BC);
+    float *O = fa_take<float>(&cv, FA_BR * hs), *m = fa_take<float>(&cv, FA_BR);
+    float *l = fa_take<float>(&cv, FA_BR), *rmax = fa_take<float>(&cv, FA_THREADS);
+    float *rsum = fa_take<float>(&cv, FA_THREADS);
+    const E *head = qkv + b * g.T * 3 * g.C + h * g.hs;
+    fa_load(Q, head, 3 * g.C, q0, g);
+    for (int e = tid; e < FA_BR * hs; e += FA_THREADS) O[e] = 0.0f;
+    if (tid < FA_BR) m[tid] = -INFINITY, l[tid] = 0.0f;
+    /* two threads a row of the tile, each half its keys and half its output columns */
+    const int r = tid / 2, half = tid % 2, cw = FA_BC / 2, ow = hs / 2;
+    for (int64_t j = 0; j <= i; j++) {
+        const int64_t k0 = j * FA_BC;
+        __syncthreads(); /* the last tile's products are done with K, V and P */
+        fa_load(K, head + g.C, 3 * g.C, k0, g);
+        fa_load(V, head + 2 * g.C, 3 * g.C, k0, g);
+        __syncthreads();
+        fa_mm<E, false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
+        __syncthreads();
+        const int64_t q = q0 + r;
+        float mx = -INFINITY;
+        for (int c = half * cw; c < half * cw + cw; c++) {
+            const int64_t k = k0 + c;
+            float s = k <= q && k < g.T ? S[r * FA_BC + c] * g.scale : -INFINITY;
+            S[r * FA_BC + c] = s, mx = fmaxf(mx, s);
+        }
+        rmax[tid] = mx;
+        __syncthreads();
+        const float m_old = m[r], m_new = fmaxf(m_old, fmaxf(rmax[2 * r], rmax[2 * r + 1]));
+        const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+        float sum = 0.0f;
+        for (int c = half * cw; c < half * cw + cw; c++) {
+            float s = S[r * FA_BC + c], p = s == -INFINITY ? 0.0f : expf(s - m_new);
+            P[r * FA_BC + c] = cu_to<E>(p), sum += p;
+        }
+        for (int d = half * ow; d < half * ow + ow; d++) O[r * hs + d] *= alpha;
+        rsum[tid] = sum;
+        __syncthreads(); /* every thread has read m[r] */
+        if (half == 0) m[r] = m_new, l[r] = l[r] * alpha + rsum[2 * r] + rsum[2 * r + 1];
+        fa_mm<E, false, false>(O, hs, P, FA_BC, V, g.ld, FA_BR, hs, FA_BC, true);
+    }
+    __syncthreads();
+    E *yh = y + b * g.T * g.C + h * g.hs;
+    for (int e = tid; e < FA_BR * hs; e += FA_THREADS) {
+        const int rr = e / hs, d = e % hs;
+        if (q0 + rr < g.T) yh[(q0 + rr) * g.C + d] = cu_to<E>(O[e] / l[rr]);
+    }
+    if (tid < FA_BR && q0 + tid < g.T) lse[bh * g.T + q0 + tid] = m[tid] + logf(l[tid]);
+}
+
+/* ---- backward ----------------------------------------------------------------------------- */
+
+/* D [B, nh, T] = rowsum(dy * y) over each head's columns: one thread a row. */
+template <typename E>
+__global__ void fa_delta_kernel(float *D, const E *dy, const E *y, fa_geom g) {
+    CU_LOOP(row, g.B * g.nh * g.T) {
+        const int64_t t = row % g.T, bh = row / g.T, b = bh / g.nh, h = bh % g.nh;
+        const int64_t off = (b * g.T + t) * g.C + h * g.hs;
+        float s = 0.0f;
+        for (int64_t d = 0; d < g.hs; d++) s += cu_ld(dy[off + d]) * cu_ld(y[off + d]);
+        D[row] = s;
+    }
+}
+
+/* Query tile i's rows' lse and D into shared memory (rows past T: lse +inf, so that P is 0). */
+__device__ inline void fa_load_rows(float *lse_s, float *D_s, const float *lse, const float *D,
+                                    int64_t q0, fa_geom g) {
+    if (threadIdx.x < FA_BR) {
+        const int64_t q = q0 + threadIdx.x;
+        lse_s[threadIdx.x] = q < g.T ? lse[q] : INFINITY;
+        D_s[threadIdx.x] = q < g.T ? D[q] : 0.0f;
+    }
+}
+
+/* P = exp(scale S - lse) on and below the diagonal (0 elsewhere) and dS = P (dP - D), of query
+ * tile q0 against key tile k0, by the block; P into Pt where non-NULL. */
+template <typename E>
+__device__ void fa_dscores(E *Pt, E *dSt, const float *S, const float *dP, const float *lse_s,
+                           const float *D_s, int64_t q0, int64_t k0, fa_geom g) {
+    for (int e = threadIdx.x; e < FA_BR * FA_BC; e += FA_THREADS) {
+        const int r = e / FA_BC, c = e % FA_BC;
+        const int64_t q = q0 + r, k = k0 + c;
+        const float p = k <= q && q < g.T ? expf(S[e] * g.scale - lse_s[r]) : 0.0f;
+        if (Pt) Pt[e] = cu_to<E>(p);
+        dSt[e] = cu_to<E>(p * (dP[e] - D_s[r]));
+    }
+}
+
+/* One block: key tile j of a head, over the query tiles from its diagonal on: dK and dV. */
+template <typename E>
+__global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
+                              fa_geom g) {
+    extern __shared__ __align__(128) char fa_smem[];
+    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, j = blockIdx.x % nt, bh = blockIdx.x / nt;
+    const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * FA_BC;
+    const int hs = (int)g.hs;
+    fa_carve cv = {fa_smem, 0};
+    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
+    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *dO = fa_take<E>(&cv, FA_BR * g.ld);
+    float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
+    E *P = fa_take<E>(&cv, FA_BR * FA_BC), *dS = fa_take<E>(&cv, FA_BR * FA_BC);
+    float *dK = fa_take<float>(&cv, FA_BC * hs), *dV = fa_take<float>(&cv, FA_BC * hs);
+    float *lse_s = fa_take<float>(&cv, FA_BR), *D_s = fa_take<float>(&cv, FA_BR);
+    const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
+    const E *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
+    fa_load(K, head + g.C, row3, k0, g);
+    fa_load(V, head + 2 * g.C, row3, k0, g);
+    for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) dK[e] = dV[e] = 0.0f;
+    for (int64_t i = j; i < nt; i++) {
+        const int64_t q0 = i * FA_BR;
+        __syncthreads(); /* the last tile's products are done with Q, dO, P and dS */
+        fa_load(Q, head, row3, q0, g);
+        fa_load(dO, dyh, g.C, q0, g);
+        fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
+        __syncthreads();
+        fa_mm<E, false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
+        fa_mm<E, false, true>(dP, FA_BC, dO, g.ld, V, g.ld, FA_BR, FA_BC, hs, false);
+        __syncthreads();
+        fa_dscores(P, dS, S, dP, lse_s, D_s, q0, k0, g);
+        __syncthreads();
+        fa_mm<E, true, false>(dV, hs, P, FA_BC, dO, g.ld, FA_BC, hs, FA_BR, true);
+        fa_mm<E, true, false>(dK, hs, dS, FA_BC, Q, g.ld, FA_BC, hs, FA_BR, true);
+    }
+    __syncthreads();
+    E *gh = dqkv + off;
+    for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) {
+        const int r = e / hs, d = e % hs;
+        if (k0 + r >= g.T) continue;
+        gh[(k0 + r) * row3 + g.C + d] = cu_to<E>(dK[e] * g.scale);
+        gh[(k0 + r) * row3 + 2 * g.C + d] = cu_to<E>(dV[e]);
+    }
+}
+
+/* One block: query tile i of a head, over the key tiles up to its diagonal: dQ. */
+template <typename E>
+__global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
+                             fa_geom g) {
+    extern __shared__ __align__(128) char fa_smem[];
+    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
+    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
+    const int hs = (int)g.hs;
+    fa_carve cv = {fa_smem, 0};
+    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *dO = fa_take<E>(&cv, FA_BR * g.ld);
+    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
+    float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
+    E *dS = fa_take<E>(&cv, FA_BR * FA_BC);
+    float *dQ = fa_take<float>(&cv, FA_BR * hs), *lse_s = fa_take<float>(&cv, FA_BR);
+    float *D_s = fa_take<float>(&cv, FA_BR);
+    const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
+    const E *head = qkv + off;
+    fa_load(Q, head, row3, q0, g);
+    fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
+    fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
+    for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) dQ[e] = 0.0f;
+    for (int64_t j = 0; j <= i; j++) {
+        const int64_t k0 = j * FA_BC;
+        __syncthreads(); /* the last tile's product is done with K and dS */
+        fa_load(K, head + g.C, row3, k0, g);
+        fa_load(V, head + 2 * g.C, row3, k0, g);
+        __syncthreads();
+        fa_mm<E, false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
+        fa_mm<E, false, true>(dP, FA_BC, dO, g.ld, V, g.ld, FA_BR, FA_BC, hs, false);
+        __syncthreads();
+        fa_dscores<E>(NULL, dS, S, dP, lse_s, D_s, q0, k0, g);
+        __syncthreads();
+        fa_mm<E, false, false>(dQ, hs, dS, FA_BC, K, g.ld, FA_BR, hs, FA_BC, true);
+    }
+    __syncthreads();
+    E *gh = dqkv + off;
+    for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) {
+        const int r = e / hs, d = e % hs;
+        if (q0 + r < g.T) gh[(q0 + r) * row3 + d] = cu_to<E>(dQ[e] * g.scale);
+    }
+}
+
+/* ---- host --------------------------------------------------------------------------------- */
+
+static fa_geom fa_geom_of(const tdm_tensor *qkv, int n_head) {
+    const int64_t B = qkv->shape[0], T = qkv->shape[1], C = qkv->shape[2] / 3, hs = C / n_head;
+    return fa_geom{B, T, C, n_head, hs, 1.0f / sqrtf((float)hs), (int)hs + FA_PAD};
+}
+
+/* The most shared memory a block of this device may take (the opt-in limit). */
+static int fa_smem_limit(int index) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, index) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return v;
+}
+
+static bool fa_enabled = true;
+
+extern "C" void tdm_cuda_flash_enable(bool on) {
+    __atomic_store_n(&fa_enabled, on, __ATOMIC_RELAXED);
+}
+
+extern "C" bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head) {
+    if (!__atomic_load_n(&fa_enabled, __ATOMIC_RELAXED)) return false;
+    const fa_geom g = fa_geom_of(qkv, n_head);
+    const size_t es = tdm_dtype_size(qkv->dtype);
+    /* the backward's blocks take the most */
+    return g.hs % 16 == 0 && g.hs <= 128 && g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR) <= INT32_MAX &&
+           fa_smem_dkv(g.hs, g.ld, es) <= (size_t)fa_smem_limit(qkv->device.index);
+}
+
+/* Launches kernel k with smem bytes of shared memory (over the 48 KiB a launch gets unasked). */
+template <typename K> static int fa_launch_check(K *k, size_t smem, const char *what, int idx) {
+    return cu_check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                    what, idx);
+}
+
+template <typename E>
+static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv,
+                      fa_geom g) {
+    const size_t smem = fa_smem_fwd(g.hs, g.ld, sizeof(E));
+    if (fa_launch_check(fa_fwd_kernel<E>, smem, "flash attention", idx)) return tdm_last_status();
+    const int64_t blocks = g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR);
+    fa_fwd_kernel<E><<<(unsigned)blocks, FA_THREADS, smem, d->compute>>>(cu_p<E>(qkv), cu_p<E>(y),
+                                                                         cu_f(lse), g);
+    return cu_check_launch("flash attention", idx);
+}
+
+template <typename E>
+static int fa_backward(cu_device *d, int idx, tdm_tensor *dqkv, const tdm_tensor *dy,
+                       const tdm_tensor *qkv, const tdm_tensor *y, const tdm_tensor *lse,
+                       fa_geom g) {
+    tdm_storage *hold;
+    float *D = (float *)cu_scratch(idx, (size_t)(g.B * g.nh * g.T) * 4, &hold);
+    if (!D) return tdm_last_status();
+    E *gq = cu_p<E>(dqkv);
+    const E *gy = cu_p<E>(dy), *x = cu_p<E>(qkv);
+    fa_delta_kernel<E>
+        <<<cu_blocks(g.B * g.nh * g.T), CU_THREADS, 0, d->compute>>>(D, gy, cu_p<E>(y), g);
+    int rc = cu_check_launch("flash attention_backward (D)", idx);
+    const size_t s_kv = fa_smem_dkv(g.hs, g.ld, sizeof(E)), s_q = fa_smem_dq(g.hs, g.ld, sizeof(E));
+    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
+    if (!rc) rc = fa_launch_check(fa_dkv_kernel<E>, s_kv, "flash attention_backward", idx);
+    if (!rc) {
+        fa_dkv_kernel<E><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, cu_f(lse), D, g);
+        rc = cu_check_launch("flash attention_backward (dk, dv)", idx);
+    }
+    if (!rc) rc = fa_launch_check(fa_dq_kernel<E>, s_q, "flash attention_backward", idx);
+    if (!rc) {
+        fa_dq_kernel<E><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, cu_f(lse), D, g);
+        rc = cu_check_launch("flash attention_backward (dq)", idx);
+    }
+    tdm_storage_release(hold); /* in stream order: the kernels above run first */
+    return rc;
+}
+
+/* The callers (cuda_attention.cu) checked the geometry and dtypes and that the heads fit. */
+extern "C" int tdm_cuda_flash_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv,
+                                        int n_head) {
+    cu_device *d = cu_dev_of(qkv, "flash attention");
+    if (!d) return tdm_last_status();
+    return CU_DISPATCH(qkv->dtype, fa_forward, d, qkv->device.index, y, lse, qkv,
+                       fa_geom_of(qkv, n_head));
+}
+
+extern "C" int tdm_cuda_flash_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy,
+                                                 const tdm_tensor *qkv, const tdm_tensor *y,
+                                                 const tdm_tensor *lse, int n_head) {
+    cu_device *d = cu_dev_of(qkv, "flash attention_backward");
+    if (!d) return tdm_last_status();
+    return CU_DISPATCH(qkv->dtype, fa_backward, d, qkv->device.index, dqkv, dy, qkv, y, lse,
+                       fa_geom_of(qkv, n_head));
+}

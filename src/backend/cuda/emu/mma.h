@@ -1,0 +1,129 @@
+/* Host emulation of the part of CUDA's mma.h (WMMA: a warp's 16 x 16 x 16 tensor-core
+ * products) that Tandem's kernels use.
+ *
+ * On a GPU a fragment is spread over the warp's 32 threads, each holding some of its elements
+ * in an order CUDA leaves unspecified, and every load, store and product is a collective of
+ * the warp. Here each thread holds the whole tile and does the whole operation itself, and the
+ * warp's last thread alone stores it: the emulation runs a block's threads one after another
+ * between barriers, so a tile that each thread loaded, added to and stored back would be added
+ * to 32 times; with the last storing, every thread of the warp has loaded it first, as the
+ * warp does at once on a GPU. A kernel that is correct on a GPU (one whose threads read a
+ * stored tile only after a barrier, and which touches a fragment's elements only uniformly, as
+ * `x[i] *= s` over all of num_elements) gets the same results here. Products are exact (bf16 and f16 products are exact in f32) and summed in f32
+ * in k order; a tensor core sums in an order of its own, so results agree to f32 rounding. */
+#ifndef TDM_EMU_MMA_H
+#define TDM_EMU_MMA_H
+
+#include "cuda_bf16.h"
+#include "cuda_fp16.h"
+#include "cuda_runtime.h"
+
+#ifdef __cplusplus
+#include <stdio.h>
+#include <stdlib.h>
+#include <type_traits>
+
+namespace nvcuda {
+namespace wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+static inline float emu_f(float v) {
+    return v;
+}
+static inline float emu_f(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+static inline float emu_f(__half v) {
+    return __half2float(v);
+}
+
+/* WMMA's rules for a tile in memory: 256-bit aligned, rows (or columns) a multiple of 16 bytes
+ * apart; a GPU's result is undefined otherwise, here it aborts. */
+static inline void emu_check(const void *p, unsigned ldm, size_t elem) {
+    if ((size_t)p % 32 || ldm * elem % 16) {
+        fprintf(stderr, "emu wmma: a tile at %p with ldm %u (elements of %zu bytes) breaks WMMA's "
+                "alignment rules\n", p, ldm, elem);
+        abort();
+    }
+}
+
+/* rows x cols of each use: A is m x k, B is k x n, the accumulator m x n */
+template <typename Use, int M, int N, int K> struct emu_dims;
+template <int M, int N, int K> struct emu_dims<matrix_a, M, N, K> {
+    enum { rows = M, cols = K };
+};
+template <int M, int N, int K> struct emu_dims<matrix_b, M, N, K> {
+    enum { rows = K, cols = N };
+};
+template <int M, int N, int K> struct emu_dims<accumulator, M, N, K> {
+    enum { rows = M, cols = N };
+};
+
+/* The whole tile, row-major, as float (bf16 and f16 values are exact in it). */
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
+    enum { rows = emu_dims<Use, M, N, K>::rows, cols = emu_dims<Use, M, N, K>::cols };
+    enum { num_elements = rows * cols };
+    float x[num_elements];
+};
+
+template <typename Use, int M, int N, int K, typename T, typename L>
+static inline void fill_fragment(fragment<Use, M, N, K, T, L> &f, float v) {
+    for (int i = 0; i < f.num_elements; i++) f.x[i] = v;
+}
+
+/* A or B from memory in the fragment's layout (ldm elements between rows, or columns). */
+template <typename Use, int M, int N, int K, typename T, typename L, typename E>
+static inline void load_matrix_sync(fragment<Use, M, N, K, T, L> &f, const E *p, unsigned ldm) {
+    const bool row = std::is_same<L, row_major>::value;
+    emu_check(p, ldm, sizeof(E));
+    for (int r = 0; r < f.rows; r++)
+        for (int c = 0; c < f.cols; c++)
+            f.x[r * f.cols + c] = emu_f(row ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r]);
+}
+
+/* The accumulator from or to memory in the layout given. */
+template <int M, int N, int K>
+static inline void load_matrix_sync(fragment<accumulator, M, N, K, float> &f, const float *p,
+                                    unsigned ldm, layout_t l) {
+    emu_check(p, ldm, 4);
+    for (int r = 0; r < M; r++)
+        for (int c = 0; c < N; c++)
+            f.x[r * N + c] = l == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
+}
+template <int M, int N, int K>
+static inline void store_matrix_sync(float *p, const fragment<accumulator, M, N, K, float> &f,
+                                     unsigned ldm, layout_t l) {
+    emu_check(p, ldm, 4);
+    if (threadIdx.x % 32 != 31 && threadIdx.x != blockDim.x - 1) return; /* see the top */
+    for (int r = 0; r < M; r++)
+        for (int c = 0; c < N; c++)
+            (l == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r]) = f.x[r * N + c];
+}
+
+/* d = a b + c (d may be c). */
+template <int M, int N, int K, typename T, typename LA, typename LB>
+static inline void mma_sync(fragment<accumulator, M, N, K, float> &d,
+                            const fragment<matrix_a, M, N, K, T, LA> &a,
+                            const fragment<matrix_b, M, N, K, T, LB> &b,
+                            const fragment<accumulator, M, N, K, float> &c) {
+    float out[M * N];
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            float s = c.x[i * N + j];
+            for (int l = 0; l < K; l++) s += a.x[i * K + l] * b.x[l * N + j];
+            out[i * N + j] = s;
+        }
+    for (int i = 0; i < M * N; i++) d.x[i] = out[i];
+}
+
+} // namespace wmma
+} // namespace nvcuda
+#endif
+
+#endif

@@ -1,0 +1,191 @@
+/* The fused causal attention (cuda_flash.cu) against the unfused one (cuda_attention.cu) on
+ * the same GPU, in f32, bf16 and f16: y, lse and dqkv at sizes with partial tiles (T not a
+ * multiple of the 64-row tile), one tile, several, one head and several, head sizes 16 to
+ * 128; each fused run twice, bit for bit (every sum in a fixed order); which heads it takes
+ * (a head size that is not a multiple of 16, or whose backward blocks need more shared memory
+ * than the GPU has, goes to the unfused path). The kernels against the CPU's are test_cuda's
+ * attention rows, which run the fused kernel where it fits.
+ *
+ * The bound: in f32 both paths sum the same products in other orders (1e-5 of the
+ * magnitudes); in bf16 and f16 both round P and dS to the dtype (at other points: the fused
+ * one's P is not yet divided by the row's sum) and y, so the two differ by up to twice
+ * attention_slack's bound on each against exact arithmetic, plus a rounding of the output.
+ *
+ * Without the CUDA backend or a GPU: skipped (77). */
+#include "attention_slack.h"
+#include "check.h"
+
+#ifndef TANDEM_HAVE_CUDA
+int main(void) {
+    printf("SKIP test_cuda_flash: built without the CUDA backend\n");
+    return 77;
+}
+#else
+#include "backend/backend.h"
+#include "backend/cuda/cuda.h"
+#include "tandem/half.h"
+
+static const tdm_backend *GPU;
+
+/* A GPU tensor of dtype dt holding v (f32 values, rounded to dt). */
+static tdm_tensor *on_gpu(tdm_shape s, tdm_dtype dt, const float *v) {
+    tdm_tensor *h = tdm_from_data(s, TDM_F32, tdm_cpu(0), v);
+    tdm_tensor *c = h ? tdm_cast(h, dt) : NULL;
+    return c ? tdm_to_device(c, tdm_cuda(0)) : NULL;
+}
+
+/* t's values as f32 on the host (malloc'd), or NULL with the error set. */
+static float *values(const tdm_tensor *t) {
+    tdm_tensor *f = t ? tdm_cast(t, TDM_F32) : NULL;
+    tdm_tensor *h = f ? tdm_to_device(f, tdm_cpu(0)) : NULL;
+    float *v = h ? malloc(sizeof(float) * (size_t)tdm_numel(h)) : NULL;
+    if (v) memcpy(v, tdm_data_ptr(h), sizeof(float) * (size_t)tdm_numel(h));
+    return v;
+}
+
+/* n standard normal draws rounded to dt (so that the CPU's f32 reference holds the GPU's
+ * values), malloc'd; in an open scope. */
+static float *draws(int64_t n, tdm_dtype dt, tdm_rng *rng) {
+    tdm_tensor *t = tdm_randn(TDM_SHAPE(n), 0.0f, 1.0f, tdm_cpu(0), rng);
+    float *v = t ? malloc(sizeof(float) * (size_t)n) : NULL;
+    for (int64_t i = 0; v && i < n; i++) {
+        float x = ((const float *)tdm_data_ptr(t))[i];
+        v[i] = dt == TDM_BF16  ? tdm_bf16_to_float(tdm_bf16_from_float(x))
+               : dt == TDM_F16 ? tdm_f16_to_float(tdm_f16_from_float(x))
+                               : x;
+    }
+    return v;
+}
+
+typedef struct {
+    float *y, *lse, *g;
+} result;
+
+/* y, lse and dqkv of attention over qkv with upstream gradient dy, fused or not. */
+static int attend(const tdm_tensor *qkv, const tdm_tensor *dy, int nh, bool fused, result *r) {
+    tdm_cuda_flash_enable(fused);
+    int64_t B = qkv->shape[0], T = qkv->shape[1];
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(dy), dy->dtype, dy->device);
+    tdm_tensor *lse = tdm_tensor_alloc(TDM_SHAPE(B, nh, T), TDM_F32, dy->device);
+    tdm_tensor *g = tdm_tensor_alloc(tdm_shape_of(qkv), qkv->dtype, qkv->device);
+    int rc = y && lse && g ? GPU->attention(y, lse, qkv, nh) : tdm_last_status();
+    if (!rc) rc = GPU->attention_backward(g, dy, qkv, y, lse, nh);
+    tdm_cuda_flash_enable(true);
+    r->y = rc ? NULL : values(y), r->lse = rc ? NULL : values(lse), r->g = rc ? NULL : values(g);
+    return rc ? rc : r->y && r->lse && r->g ? TDM_OK : tdm_last_status();
+}
+
+static void result_free(result *r) {
+    free(r->y), free(r->lse), free(r->g);
+}
+
+/* The largest |a - b| over n, and whether every one is within atol + rtol |b| + slack. */
+static bool within(const float *a, const float *b, const double *slack, int64_t n, double atol,
+                   double rtol, double *worst) {
+    bool good = true;
+    *worst = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (d > *worst) *worst = d;
+        if (!(d <= atol + rtol * fabs(b[i]) + (slack ? 2 * slack[i] : 0))) good = false;
+    }
+    return good;
+}
+
+/* One size in one dtype: fused against unfused, and the fused run twice bit for bit. */
+static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt) {
+    const char *dn = tdm_dtype_name(dt);
+    tdm_rng rng = tdm_rng_make((uint64_t)(B * 1000 + T * 10 + nh));
+    int64_t nq = B * T * 3 * C, ny = B * T * C;
+    tdm_scope_begin();
+    float *q = draws(nq, dt, &rng), *gy = draws(ny, dt, &rng);
+    tdm_tensor *qkv = on_gpu(TDM_SHAPE(B, T, 3 * C), dt, q),
+               *dy = on_gpu(TDM_SHAPE(B, T, C), dt, gy);
+    CHECK(tdm_cuda_flash_fits(qkv, nh),
+          "B=%lld T=%lld C=%lld heads %d %s: the fused kernel "
+          "does not take it",
+          (long long)B, (long long)T, (long long)C, nh, dn);
+    result f = {0}, f2 = {0}, u = {0};
+    int rc = attend(qkv, dy, nh, true, &f);
+    if (!rc) rc = attend(qkv, dy, nh, true, &f2);
+    if (!rc) rc = attend(qkv, dy, nh, false, &u);
+    CHECK(rc == TDM_OK, "%s: %s", dn, tdm_last_error());
+    if (!rc) {
+        double *sy = NULL, *sl = NULL, *sg = NULL;
+        double atol = 1e-5, rtol = dt == TDM_F32 ? 1e-5 : dt == TDM_BF16 ? 0x1p-7 : 0x1p-10;
+        if (dt != TDM_F32) {
+            sy = malloc(sizeof(double) * (size_t)ny),
+            sl = malloc(sizeof(double) * (size_t)(B * nh * T));
+            sg = malloc(sizeof(double) * (size_t)nq);
+            attention_slack(q, gy, B, T, C, nh, dt == TDM_BF16 ? 0x1p-8 : 0x1p-11, true, sy, sl,
+                            sg);
+        }
+        double wy, wl, wg;
+        bool oy = within(f.y, u.y, sy, ny, atol, rtol, &wy);
+        bool ol = within(f.lse, u.lse, NULL, B * nh * T, 1e-5, 1e-5, &wl);
+        bool og = within(f.g, u.g, sg, nq, atol, rtol, &wg);
+        CHECK(oy && ol && og,
+              "B=%lld T=%lld C=%lld heads %d %s: fused against unfused: y %.3g "
+              "lse %.3g dqkv %.3g apart, over the bound",
+              (long long)B, (long long)T, (long long)C, nh, dn, wy, wl, wg);
+        CHECK(!memcmp(f.y, f2.y, sizeof(float) * (size_t)ny) &&
+                  !memcmp(f.g, f2.g, sizeof(float) * (size_t)nq),
+              "%s: two fused runs differ", dn);
+        printf("fused attention B=%lld T=%lld C=%lld heads %d %s: y within %.3g, lse %.3g, dqkv "
+               "%.3g of the unfused\n",
+               (long long)B, (long long)T, (long long)C, nh, dn, wy, wl, wg);
+        free(sy), free(sl), free(sg);
+    }
+    result_free(&f), result_free(&f2), result_free(&u);
+    tdm_scope_end();
+    free(q), free(gy);
+}
+
+/* Which heads the fused kernels take. */
+static void test_fits(void) {
+    tdm_scope_begin();
+    struct {
+        int64_t C;
+        int nh;
+        tdm_dtype dt;
+        bool fits;
+    } cases[] = {
+        {48, 2, TDM_F32, false},   /* a head of 24 */
+        {256, 2, TDM_BF16, true},  /* 128 */
+        {256, 2, TDM_F32, false},  /* 128 in f32: the backward's tiles outgrow shared memory */
+        {320, 2, TDM_BF16, false}, /* 160 */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        tdm_tensor *qkv = tdm_zeros(TDM_SHAPE(1, 4, 3 * cases[i].C), cases[i].dt, tdm_cuda(0));
+        CHECK(qkv && tdm_cuda_flash_fits(qkv, cases[i].nh) == cases[i].fits,
+              "a head of %lld in %s: fits %d expected", (long long)(cases[i].C / cases[i].nh),
+              tdm_dtype_name(cases[i].dt), cases[i].fits);
+    }
+    tdm_tensor *qkv = tdm_zeros(TDM_SHAPE(1, 4, 96), TDM_F32, tdm_cuda(0));
+    tdm_cuda_flash_enable(false);
+    CHECK(qkv && !tdm_cuda_flash_fits(qkv, 2), "disabled, the fused kernel still takes heads");
+    tdm_cuda_flash_enable(true);
+    CHECK(qkv && tdm_cuda_flash_fits(qkv, 2), "a head of 16 in f32 not taken");
+    tdm_scope_end();
+}
+
+int main(void) {
+    if (tdm_cuda_device_count() == 0) {
+        printf("SKIP test_cuda_flash: no GPU: %s\n", tdm_cuda_unavailable_reason());
+        return 77;
+    }
+    if (!(GPU = tdm_backend_for(tdm_cuda(0)))) {
+        fprintf(stderr, "test_cuda_flash: %s\n", tdm_last_error());
+        return 1;
+    }
+    test_fits();
+    const tdm_dtype dts[] = {TDM_F32, TDM_BF16, TDM_F16};
+    for (int d = 0; d < 3; d++) {
+        test_size(1, 70, 32, 1, dts[d]);  /* one head, a partial second tile */
+        test_size(2, 64, 32, 2, dts[d]);  /* one whole tile, heads of 16 */
+        test_size(1, 130, 64, 2, dts[d]); /* three tiles, the last of 2 rows */
+        if (dts[d] != TDM_F32) test_size(1, 9, 128, 1, dts[d]); /* a head of 128 (see test_fits) */
+    }
+    return check_summary();
+}
+#endif

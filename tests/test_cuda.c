@@ -1022,6 +1022,46 @@ static void test_kernels(void) {
 
 /* ---- bad conditions ---------------------------------------------------------------------- */
 
+/* tdm_set_allow_tf32: an f32 product then rounds its inputs to TF32 (10 mantissa bits): within
+ * 2^-10 of the magnitudes of the exact product, and not the f32 product any more; off again,
+ * the f32 product bit for bit. */
+static void test_tf32(void) {
+    enum { N = 16, K = 96, M = 24 };
+    tdm_rng rng = tdm_rng_make(41);
+    tdm_scope_begin();
+    tdm_tensor *a = tdm_randn(TDM_SHAPE(1, N, K), 0, 1, tdm_cpu(0), &rng);
+    tdm_tensor *b = tdm_randn(TDM_SHAPE(1, K, M), 0, 1, tdm_cpu(0), &rng);
+    tdm_tensor *ga = tdm_to_device(a, G), *gb = tdm_to_device(b, G);
+    tdm_tensor *c[3];
+    for (int i = 0; i < 3; i++) { /* f32, TF32, f32 */
+        tdm_set_allow_tf32(i == 1);
+        c[i] = tdm_zeros(TDM_SHAPE(1, N, M), TDM_F32, G);
+        CHECK(c[i] && GPU->matmul(c[i], ga, gb, false, false, 0.0f) == TDM_OK, "matmul %d: %s", i,
+              tdm_last_error());
+        c[i] = tdm_to_device(c[i], tdm_cpu(0));
+    }
+    tdm_set_allow_tf32(false);
+    const float *pa = tdm_data_ptr(a), *pb = tdm_data_ptr(b);
+    int far = 0, moved = 0, back = 0;
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < M; j++) {
+            double s = 0, mag = 0;
+            for (int k = 0; k < K; k++)
+                s += (double)pa[i * K + k] * pb[k * M + j],
+                    mag += fabs(pa[i * K + k] * pb[k * M + j]);
+            float t = ((float *)tdm_data_ptr(c[1]))[i * M + j];
+            float f = ((float *)tdm_data_ptr(c[0]))[i * M + j];
+            far += fabs(t - s) > 0x1p-10 * mag;
+            moved += t != f;
+            back += f != ((float *)tdm_data_ptr(c[2]))[i * M + j];
+        }
+    CHECK(far == 0 && moved > N * M / 2 && back == 0,
+          "TF32: %d products beyond 2^-10 of their magnitude, %d of %d differ from f32's, %d "
+          "differ after turning it off",
+          far, moved, N * M, back);
+    tdm_scope_end();
+}
+
 static void test_errors(void) {
     int n = tdm_cuda_device_count();
     char desc[256];
@@ -1063,6 +1103,7 @@ int main(void) {
     /* the table is full: every kernel, and the loader's uploads (a GPU is not host memory) */
     CHECK(tdm_backend_check(GPU, true) == TDM_OK, "cuda table: %s", tdm_last_error());
     test_kernels();
+    test_tf32();
     test_errors();
     return check_summary();
 }

@@ -1,7 +1,7 @@
 /* The fused causal attention (cuda_flash.cu) against the unfused one (cuda_attention.cu) on
  * the same GPU, in f32, bf16 and f16: y, lse and dqkv at sizes with partial tiles (T not a
  * multiple of the 64-row tile), one tile, several, one head and several, head sizes 16 to
- * 128; each fused run twice, bit for bit (every sum in a fixed order); which heads it takes
+ * 128; a fused run twice, bit for bit (every sum in a fixed order); which heads it takes
  * (a head size that is not a multiple of 16, or whose backward blocks need more shared memory
  * than the GPU has, goes to the unfused path). The kernels against the CPU's are test_cuda's
  * attention rows, which run the fused kernel where it fits.
@@ -92,8 +92,9 @@ static bool within(const float *a, const float *b, const double *slack, int64_t 
     return good;
 }
 
-/* One size in one dtype: fused against unfused, and the fused run twice bit for bit. */
-static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt) {
+/* One size in one dtype: fused against unfused, and where twice, the fused run twice bit for
+ * bit. */
+static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt, bool twice) {
     const char *dn = tdm_dtype_name(dt);
     tdm_rng rng = tdm_rng_make((uint64_t)(B * 1000 + T * 10 + nh));
     int64_t nq = B * T * 3 * C, ny = B * T * C;
@@ -107,7 +108,7 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt) {
           (long long)B, (long long)T, (long long)C, nh, dn);
     result f = {0}, f2 = {0}, u = {0};
     int rc = attend(qkv, dy, nh, true, &f);
-    if (!rc) rc = attend(qkv, dy, nh, true, &f2);
+    if (!rc && twice) rc = attend(qkv, dy, nh, true, &f2);
     if (!rc) rc = attend(qkv, dy, nh, false, &u);
     CHECK(rc == TDM_OK, "%s: %s", dn, tdm_last_error());
     if (!rc) {
@@ -128,8 +129,8 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt) {
               "B=%lld T=%lld C=%lld heads %d %s: fused against unfused: y %.3g "
               "lse %.3g dqkv %.3g apart, over the bound",
               (long long)B, (long long)T, (long long)C, nh, dn, wy, wl, wg);
-        CHECK(!memcmp(f.y, f2.y, sizeof(float) * (size_t)ny) &&
-                  !memcmp(f.g, f2.g, sizeof(float) * (size_t)nq),
+        CHECK(!twice || (!memcmp(f.y, f2.y, sizeof(float) * (size_t)ny) &&
+                         !memcmp(f.g, f2.g, sizeof(float) * (size_t)nq)),
               "%s: two fused runs differ", dn);
         printf("fused attention B=%lld T=%lld C=%lld heads %d %s: y within %.3g, lse %.3g, dqkv "
                "%.3g of the unfused\n",
@@ -181,10 +182,10 @@ int main(void) {
     test_fits();
     const tdm_dtype dts[] = {TDM_F32, TDM_BF16, TDM_F16};
     for (int d = 0; d < 3; d++) {
-        test_size(1, 70, 32, 1, dts[d]);  /* one head, a partial second tile */
-        test_size(2, 64, 32, 2, dts[d]);  /* one whole tile, heads of 16 */
-        test_size(1, 130, 64, 2, dts[d]); /* three tiles, the last of 2 rows */
-        if (dts[d] != TDM_F32) test_size(1, 9, 128, 1, dts[d]); /* a head of 128 (see test_fits) */
+        test_size(1, 70, 32, 1, dts[d], false); /* one head, a partial second tile */
+        test_size(2, 64, 32, 2, dts[d], false); /* one whole tile, heads of 16 */
+        test_size(1, 130, 64, 2, dts[d], true); /* three tiles, the last of 2 rows */
+        if (dts[d] != TDM_F32) test_size(1, 9, 128, 1, dts[d], false); /* a head of 128 */
     }
     return check_summary();
 }

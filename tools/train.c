@@ -213,6 +213,11 @@ static const opt_spec specs[] = {
      "resume in another precision. The header line says whether this machine runs bf16 natively "
      "(AVX512_BF16 or AMX) or emulates it (its products then convert to fp32: no faster than "
      "fp32)."},
+    {"--allow-tf32", NULL, OPT_FLAG, F(allow_tf32), 0, 0, "off",
+     "GPUs' fp32 matrix products in TF32 on the tensor cores (torch.backends.cuda.matmul."
+     "allow_tf32 = True): inputs rounded to 10 mantissa bits, several times fp32's speed on an "
+     "Ampere or later GPU, results within about 1e-3 of fp32's. Matmul only (attention and "
+     "convolutions stay fp32); no effect on CPU devices or on --precision bf16's products."},
     {"--reduce-dtype", "fp32|bf16", OPT_STR, F(reduce_dtype), 0, 0, "fp32",
      "The dtype DDP's gradient buckets travel in between devices and processes: fp32, or bf16 "
      "with the sum accumulated in fp32 (PyTorch's bf16_compress_hook: half the traffic, the "
@@ -1161,6 +1166,7 @@ int train_main(int argc, char **argv) {
     if (rc || (rc = check_paths(&o))) return rc;
     /* before any thread starts: devices, loader workers and GEMM threads inherit it */
     tdm_set_flush_denormal(strcmp(o.denormals, "flush") == 0);
+    tdm_set_allow_tf32(o.allow_tf32);
     tdm_group *procs = NULL;
     if (tdm_mpi_launched() && (rc = join_mpi(&o, &procs, &argc, &argv))) return rc;
     for (int i = 0; i < o.n_devs && o.device_memory_bytes; i++)

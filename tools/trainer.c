@@ -847,13 +847,14 @@ static void write_config(trainer *tr) {
              "\"batch_size\":%lld,\"grad_accum\":%lld,\"steps_per_epoch\":%lld,"
              "\"train_samples\":%lld,\"test_samples\":%lld,\"seed\":%lld,\"workers\":%lld,"
              "\"parameters\":%lld,\"pct_start\":%g,\"label_smoothing\":%g,\"nesterov\":%s,"
-             "\"no_decay_1d\":%s,\"eval_flip\":%s,\"validation\":%lld",
+             "\"no_decay_1d\":%s,\"eval_flip\":%s,\"validation\":%lld,\"allow_tf32\":%s",
              o->lr, o->momentum, o->weight_decay, o->clip, (long long)o->epochs,
              (long long)o->batch_size, (long long)tr->accum, (long long)tr->steps_per_epoch,
              (long long)tr->task->train->n, (long long)(tr->task->test ? tr->task->test->n : 0),
              (long long)o->seed, (long long)tr->workers, (long long)tr->ps->total, o->pct_start,
              o->label_smoothing, o->nesterov ? "true" : "false", o->no_decay_1d ? "true" : "false",
-             o->eval_flip ? "true" : "false", (long long)o->validation);
+             o->eval_flip ? "true" : "false", (long long)o->validation,
+             o->allow_tf32 ? "true" : "false");
     sinks_config(&tr->out, f);
 }
 

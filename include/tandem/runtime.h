@@ -1,6 +1,6 @@
 /* Tandem's runtime: what a program asks of the machine rather than of a tensor. The devices'
  * descriptions and memory (the caching allocator's figures), the CPU matrix-product library,
- * denormal flushing, and stopping on SIGTERM. Same error conventions as tensor.h: int
+ * denormal flushing, TF32 on GPUs, and stopping on SIGTERM. Same error conventions as tensor.h: int
  * functions return TDM_OK or a negative tdm_status with tdm_last_error() naming the cause.
  */
 #ifndef TANDEM_RUNTIME_H
@@ -45,6 +45,15 @@ const char *tdm_gemm_warning(void);
 bool tdm_set_flush_denormal(bool on);
 /* Whether the calling thread flushes denormals. */
 bool tdm_flush_denormal(void);
+/* Lets f32 matrix products on GPUs run in TF32 (torch.backends.cuda.matmul.allow_tf32 = on):
+ * each input rounded to 10 mantissa bits, the product on the tensor cores with f32
+ * accumulation, several times f32's speed on an Ampere or later GPU. Off by default, as in
+ * PyTorch; process-wide, read at each product (set it between steps, not during one). Only
+ * matmul's f32 products change: attention, convolutions and every CPU device keep f32.
+ * tandem train: --allow-tf32. */
+void tdm_set_allow_tf32(bool on);
+/* Whether f32 matrix products on GPUs may run in TF32. */
+bool tdm_allow_tf32(void);
 
 /* ---- memory figures -------------------------------------------------------------------- */
 

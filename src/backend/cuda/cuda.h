@@ -71,7 +71,8 @@ int tdm_cuda_flash_attention(tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *q
 int tdm_cuda_flash_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, const tdm_tensor *qkv,
                                       const tdm_tensor *y, const tdm_tensor *lse, int n_head);
 /* Sends every head to the unfused path (off) or the ones that fit to the fused one (on, the
- * default): tests compare the two. Not thread-safe against calls in flight. */
+ * default; TANDEM_FLASH_ATTENTION=0 in the environment starts it off): tests and
+ * scripts/gpu-check compare the two. Not to be called with attention kernels in flight. */
 void tdm_cuda_flash_enable(bool on);
 
 #define TDM_KERNEL(ret, entry, params) ret tdm_cuda_##entry params;

@@ -24,6 +24,8 @@
 #include <assert.h>
 #include <math.h>
 #include <mma.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define FA_BR      64  /* query rows a block */
 #define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
@@ -325,13 +327,23 @@ static int fa_smem_limit(int index) {
     return v;
 }
 
+/* TANDEM_FLASH_ATTENTION=0 in the environment starts it off (for measuring one path against
+ * the other: scripts/gpu-check) */
 static bool fa_enabled = true;
+static pthread_once_t fa_env_once = PTHREAD_ONCE_INIT;
+
+static void fa_read_env(void) {
+    const char *e = getenv("TANDEM_FLASH_ATTENTION");
+    if (e && !strcmp(e, "0")) __atomic_store_n(&fa_enabled, false, __ATOMIC_RELAXED);
+}
 
 extern "C" void tdm_cuda_flash_enable(bool on) {
+    pthread_once(&fa_env_once, fa_read_env);
     __atomic_store_n(&fa_enabled, on, __ATOMIC_RELAXED);
 }
 
 extern "C" bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head) {
+    pthread_once(&fa_env_once, fa_read_env);
     if (!__atomic_load_n(&fa_enabled, __ATOMIC_RELAXED)) return false;
     const fa_geom g = fa_geom_of(qkv, n_head);
     const size_t es = tdm_dtype_size(qkv->dtype);

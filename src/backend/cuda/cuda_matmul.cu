@@ -1,11 +1,13 @@
-/* CUDA matrix products: batched row-major GEMMs on cuBLAS: SGEMM in f32; bf16 or f16 operands
- * through cublasGemmStridedBatchedEx with fp32 accumulation (CUBLAS_COMPUTE_32F), the
+/* CUDA matrix products: batched row-major GEMMs on cuBLAS: SGEMM in f32 (in TF32 on the
+ * tensor cores, CUBLAS_COMPUTE_32F_FAST_TF32, where tdm_allow_tf32 says so); bf16 or f16
+ * operands through cublasGemmStridedBatchedEx with fp32 accumulation (CUBLAS_COMPUTE_32F), the
  * product rounded once into c's dtype (a's, or f32).
  *
  * Row-major to column-major: cuBLAS sees a row-major [r, c] matrix with row stride ld as a
  * column-major [c, r] one with the same ld, so row-major C = A B is computed as the
  * column-major C^T = B^T A^T: operands swap places and the transposes stay as they are. */
 #include "backend/cuda/cuda_common.cuh"
+#include "tandem/runtime.h" /* tdm_allow_tf32 */
 
 #include <limits.h>
 
@@ -42,14 +44,17 @@ extern "C" int tdm_cuda_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_ten
         ldb > INT_MAX)
         return tdm_raise(TDM_ERR_SHAPE, "cuda matmul: a dimension exceeds cuBLAS's int range");
     const float one = 1.0f;
-    if (a->dtype != TDM_F32) {
-        cudaDataType t = a->dtype == TDM_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const bool tf32 = a->dtype == TDM_F32 && tdm_allow_tf32();
+    if (a->dtype != TDM_F32 || tf32) {
+        cudaDataType t = a->dtype == TDM_BF16  ? CUDA_R_16BF
+                         : a->dtype == TDM_F16 ? CUDA_R_16F
+                                               : CUDA_R_32F;
         cudaDataType ct = c->dtype == TDM_F32 ? CUDA_R_32F : t;
         cublasStatus_t st = cublasGemmStridedBatchedEx(
             d->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m, (int)n,
             (int)k, &one, tdm_cuda_ptr(b), t, (int)ldb, b->strides[0], tdm_cuda_ptr(a), t, (int)lda,
             a->strides[0], &beta, tdm_cuda_ptr(c), ct, (int)m, n * m, (int)batch,
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+            tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         return cu_check_blas(st, "matmul (cublasGemmStridedBatchedEx)", c->device.index);
     }
     cublasStatus_t st = cublasSgemmStridedBatched(

@@ -18,7 +18,7 @@ typedef enum {
     CUBLAS_STATUS_NOT_SUPPORTED = 15
 } cublasStatus_t;
 typedef enum { CUDA_R_32F = 0, CUDA_R_16F = 2, CUDA_R_16BF = 14 } cudaDataType;
-typedef enum { CUBLAS_COMPUTE_32F = 68 } cublasComputeType_t;
+typedef enum { CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_32F_FAST_TF32 = 77 } cublasComputeType_t;
 typedef enum { CUBLAS_GEMM_DEFAULT = -1 } cublasGemmAlgo_t;
 typedef enum { CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 } cublasOperation_t;
 typedef enum { CUBLAS_DEFAULT_MATH = 0 } cublasMath_t;
@@ -36,7 +36,9 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                          const float *b, int ldb, long long sb, const float *beta,
                                          float *c, int ldc, long long sc, int batch);
 /* C = alpha op(A) op(B) + beta C with A and B of one type (f32, bf16 or f16) and C of that
- * type or f32; alpha and beta are floats (CUBLAS_COMPUTE_32F). Other combinations:
+ * type or f32; alpha and beta are floats (CUBLAS_COMPUTE_32F). CUBLAS_COMPUTE_32F_FAST_TF32
+ * with all three f32: each element of A and B rounded to TF32 (10 mantissa bits, to nearest,
+ * ties away from zero, as the tensor cores' conversion) first. Other combinations:
  * CUBLAS_STATUS_NOT_SUPPORTED, as cuBLAS answers. */
 cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta,
                                           cublasOperation_t tb, int m, int n, int k,

@@ -38,9 +38,10 @@ static std::map<const void *, int> smem_allowed; /* cudaFuncSetAttribute's, per 
 #define SMEM_OPTIN   (227 * 1024) /* sm_90's */
 
 #define MAX_BLOCK  1024
-/* a coroutine's stack: the kernels' frames take a few KiB (ASan's redzones included); smaller
- * stacks are less for ASan to clear at each switch */
-#define STACK_SIZE (64 * 1024)
+/* a coroutine's stack: the kernels' frames take a few KiB (ASan's redzones included; a WMMA
+ * fragment here is its whole tile, 1 KiB); ASan clears a stack's shadow at each switch to it,
+ * the most of the emulation's time in kernels with barriers: the smaller the better */
+#define STACK_SIZE (32 * 1024)
 
 static ucontext_t sched_ctx, thread_ctx[MAX_BLOCK];
 static char *stacks[MAX_BLOCK];
@@ -319,6 +320,16 @@ static void ex_store(void *p, cudaDataType t, long long i, float v) {
         ((uint16_t *)p)[i] = t == CUDA_R_16BF ? tdm_bf16_from_float(v) : tdm_f16_from_float(v);
 }
 
+/* v rounded to TF32: 13 of f32's 23 mantissa bits dropped, to nearest, ties away from zero
+ * (infinities and NaN as they are). */
+static float tf32(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
 static bool ex_type(cudaDataType t) {
     return t == CUDA_R_32F || t == CUDA_R_16BF || t == CUDA_R_16F;
 }
@@ -338,8 +349,9 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
         return CUBLAS_STATUS_INVALID_VALUE;
     }
     /* cuBLAS's table for CUBLAS_COMPUTE_32F: A and B alike, C alike or f32 */
-    if (compute != CUBLAS_COMPUTE_32F || at != bt || !ex_type(at) || !ex_type(ct) ||
-        (ct != at && ct != CUDA_R_32F)) {
+    const bool fast = compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+    if ((compute != CUBLAS_COMPUTE_32F && !fast) || at != bt || !ex_type(at) || !ex_type(ct) ||
+        (ct != at && ct != CUDA_R_32F) || (fast && at != CUDA_R_32F)) {
         fprintf(stderr, "emu cublas: gemmEx types A %d B %d C %d compute %d not supported\n",
                 (int)at, (int)bt, (int)ct, (int)compute);
         return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -354,7 +366,8 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
                         ta == CUBLAS_OP_N ? i + (long long)l * lda : l + (long long)i * lda;
                     long long bi =
                         tb == CUBLAS_OP_N ? l + (long long)j * ldb : j + (long long)l * ldb;
-                    s += (double)ex_load(a, at, p * sa + ai) * ex_load(b, bt, p * sb + bi);
+                    float x = ex_load(a, at, p * sa + ai), y = ex_load(b, bt, p * sb + bi);
+                    s += fast ? (double)tf32(x) * tf32(y) : (double)x * y;
                 }
                 long long ci = p * sc + i + (long long)j * ldc;
                 float r = (float)(al * s);

@@ -3,13 +3,13 @@
  *
  * On a GPU a fragment is spread over the warp's 32 threads, each holding some of its elements
  * in an order CUDA leaves unspecified, and every load, store and product is a collective of
- * the warp. Here each thread holds the whole tile and does the whole operation itself, and the
- * warp's last thread alone stores it: the emulation runs a block's threads one after another
+ * the warp. Here the warp's last thread holds the whole tile and does the whole of each
+ * operation; the others skip them (the emulation runs a block's threads one after another
  * between barriers, so a tile that each thread loaded, added to and stored back would be added
- * to 32 times; with the last storing, every thread of the warp has loaded it first, as the
- * warp does at once on a GPU. A kernel that is correct on a GPU (one whose threads read a
- * stored tile only after a barrier, and which touches a fragment's elements only uniformly, as
- * `x[i] *= s` over all of num_elements) gets the same results here. Products are exact (bf16 and f16 products are exact in f32) and summed in f32
+ * to 32 times; the last thread runs after the others, as the warp's collective store is after
+ * its loads). A kernel that is correct on a GPU (one whose threads read a stored tile only
+ * after a barrier, and which touches a fragment's elements only uniformly, as `x[i] *= s`
+ * over all of num_elements) gets the same results here. Products are exact (bf16 and f16 products are exact in f32) and summed in f32
  * in k order; a tensor core sums in an order of its own, so results agree to f32 rounding. */
 #ifndef TDM_EMU_MMA_H
 #define TDM_EMU_MMA_H
@@ -53,6 +53,11 @@ static inline void emu_check(const void *p, unsigned ldm, size_t elem) {
     }
 }
 
+/* Whether this thread does the warp's WMMA operations (see the top). */
+static inline bool emu_lane_works(void) {
+    return threadIdx.x % 32 == 31 || threadIdx.x == blockDim.x - 1;
+}
+
 /* rows x cols of each use: A is m x k, B is k x n, the accumulator m x n */
 template <typename Use, int M, int N, int K> struct emu_dims;
 template <int M, int N, int K> struct emu_dims<matrix_a, M, N, K> {
@@ -82,6 +87,7 @@ template <typename Use, int M, int N, int K, typename T, typename L, typename E>
 static inline void load_matrix_sync(fragment<Use, M, N, K, T, L> &f, const E *p, unsigned ldm) {
     const bool row = std::is_same<L, row_major>::value;
     emu_check(p, ldm, sizeof(E));
+    if (!emu_lane_works()) return;
     for (int r = 0; r < f.rows; r++)
         for (int c = 0; c < f.cols; c++)
             f.x[r * f.cols + c] = emu_f(row ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r]);
@@ -92,6 +98,7 @@ template <int M, int N, int K>
 static inline void load_matrix_sync(fragment<accumulator, M, N, K, float> &f, const float *p,
                                     unsigned ldm, layout_t l) {
     emu_check(p, ldm, 4);
+    if (!emu_lane_works()) return;
     for (int r = 0; r < M; r++)
         for (int c = 0; c < N; c++)
             f.x[r * N + c] = l == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r];
@@ -100,7 +107,7 @@ template <int M, int N, int K>
 static inline void store_matrix_sync(float *p, const fragment<accumulator, M, N, K, float> &f,
                                      unsigned ldm, layout_t l) {
     emu_check(p, ldm, 4);
-    if (threadIdx.x % 32 != 31 && threadIdx.x != blockDim.x - 1) return; /* see the top */
+    if (!emu_lane_works()) return;
     for (int r = 0; r < M; r++)
         for (int c = 0; c < N; c++)
             (l == mem_row_major ? p[(size_t)r * ldm + c] : p[(size_t)c * ldm + r]) = f.x[r * N + c];
@@ -112,6 +119,7 @@ static inline void mma_sync(fragment<accumulator, M, N, K, float> &d,
                             const fragment<matrix_a, M, N, K, T, LA> &a,
                             const fragment<matrix_b, M, N, K, T, LB> &b,
                             const fragment<accumulator, M, N, K, float> &c) {
+    if (!emu_lane_works()) return;
     float out[M * N];
     for (int i = 0; i < M; i++)
         for (int j = 0; j < N; j++) {

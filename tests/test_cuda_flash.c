@@ -185,6 +185,8 @@ int main(void) {
         test_size(1, 70, 32, 1, dts[d], false); /* one head, a partial second tile */
         test_size(2, 64, 32, 2, dts[d], false); /* one whole tile, heads of 16 */
         test_size(1, 130, 64, 2, dts[d], true); /* three tiles, the last of 2 rows */
+        test_size(1, 33, 96, 2, dts[d], false); /* heads of 48 */
+        test_size(1, 20, 96, 1, dts[d], false); /* a head of 96 */
         if (dts[d] != TDM_F32) test_size(1, 9, 128, 1, dts[d], false); /* a head of 128 */
     }
     return check_summary();

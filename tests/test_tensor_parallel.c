@@ -850,7 +850,8 @@ static void test_check_replicas(void) {
         tdm_rng rng = tdm_rng_make(5);
         tdm_module *m = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng);
         tdm_strategy *st = m ? tp_strategy(m, 4, zero, &plan) : NULL;
-        int checked, rc = st ? check_flipped(st, NULL, flipping_loss, &checked) : tdm_last_status();
+        int checked = 0,
+            rc = st ? check_flipped(st, NULL, flipping_loss, &checked) : tdm_last_status();
         CHECK(rc == TDM_OK, "ZeRO %d, equal rows: %s", zero, tdm_last_error());
         /* (under stage 3 the flip lands in a unit's gathered copy, which the update replaces:
          * only the equal case is checked there) */
@@ -888,7 +889,8 @@ static void check_replicas_across(tdm_group *world) {
         .tp = 2, .procs = world, .parallelize = split_gpt, .whole_output = whole_gpt, .arg = &plan};
     tdm_device dev = tdm_cpu(0);
     tdm_strategy *st = m ? tdm_strategy_tensor_parallel(m, &dev, 1, &o, gpt_adamw, NULL) : NULL;
-    int checked, rc = st ? check_flipped(st, world, flip_on_process, &checked) : tdm_last_status();
+    int checked = 0,
+        rc = st ? check_flipped(st, world, flip_on_process, &checked) : tdm_last_status();
     CHECK(rc == TDM_OK, "process %d, equal rows: %s", my_process, tdm_last_error());
     CHECK(!rc && checked == TDM_ERR_STATE &&
               strstr(tdm_last_error(), "parameter \"transformer.wte.weight\" [64, 32] of rank 2 "

@@ -43,20 +43,68 @@ typedef struct {
 template <bool T> struct fa_layout { typedef nvcuda::wmma::row_major type; };
 template <> struct fa_layout<true> { typedef nvcuda::wmma::col_major type; };
 
+/* f32 on the CUDA cores: thread t takes rows [4 (t / 8), + 4) and columns [NC (t % 8), + NC)
+ * of c [64, 8 NC], its 4 x NC sums in registers over k (fa_mm's contract). */
+template <int NC, bool TA, bool TB>
+__device__ void fa_mm_f32(float *c, int ldc, const float *a, int lda, const float *b, int ldb,
+                          int K, bool acc) {
+    const int r0 = threadIdx.x / 8 * 4, c0 = threadIdx.x % 8 * NC;
+    float s[4][NC];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < NC; j++) s[i][j] = acc ? c[(r0 + i) * ldc + c0 + j] : 0.0f;
+    for (int k = 0; k < K; k++) {
+        float av[4], bv[NC];
+#pragma unroll
+        for (int i = 0; i < 4; i++) av[i] = TA ? a[k * lda + r0 + i] : a[(r0 + i) * lda + k];
+#pragma unroll
+        for (int j = 0; j < NC; j++) bv[j] = TB ? b[(c0 + j) * ldb + k] : b[k * ldb + c0 + j];
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < NC; j++) s[i][j] += av[i] * bv[j];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < NC; j++) c[(r0 + i) * ldc + c0 + j] = s[i][j];
+}
+
 /* c [M, N] (f32, row-major, ldc) = op(a) op(b) (+ c where acc), from shared memory, by the
  * whole block: op(a) [M, K] is a (row-major, lda) or, where TA, the transpose of a [K, M];
- * op(b) [K, N] likewise. M, N and K are multiples of 16. The caller synchronises after. */
+ * op(b) [K, N] likewise. M is 64; N and K are multiples of 16 (N at most 128). The caller
+ * synchronises after. */
 template <typename E, bool TA, bool TB>
 __device__ void fa_mm(float *c, int ldc, const E *a, int lda, const E *b, int ldb, int M, int N,
                       int K, bool acc) {
-    if constexpr (sizeof(E) == 4) { /* f32: the CUDA cores */
-        for (int e = threadIdx.x; e < M * N; e += FA_THREADS) {
-            const int r = e / N, col = e % N;
-            float s = acc ? c[r * ldc + col] : 0.0f;
-            for (int k = 0; k < K; k++)
-                s += (TA ? a[k * lda + r] : a[r * lda + k]) *
-                     (TB ? b[col * ldb + k] : b[k * ldb + col]);
-            c[r * ldc + col] = s;
+    if constexpr (sizeof(E) == 4) { /* f32: the CUDA cores, a register tile a thread */
+        const float *af = (const float *)a, *bf = (const float *)b;
+        switch (N / 8) {
+        case 2:
+            fa_mm_f32<2, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
+            break;
+        case 4:
+            fa_mm_f32<4, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
+            break;
+        case 6:
+            fa_mm_f32<6, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
+            break;
+        case 8:
+            fa_mm_f32<8, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
+            break;
+        case 10:
+            fa_mm_f32<10, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
+            break;
+        case 12:
+            fa_mm_f32<12, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
+            break;
+        case 14:
+            fa_mm_f32<14, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
+            break;
+        default:
+            fa_mm_f32<16, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
+            break;
         }
     } else { /* bf16, f16: the tensor cores */
         using namespace nvcuda;

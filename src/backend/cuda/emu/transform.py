@@ -2,7 +2,7 @@
 `emu_launch(grid, block, [&]() { k(args); }, shmem, &k)` for the host emulation (see emu.cpp;
 &k only with dynamic shared memory),
 and `extern __shared__ T name[];` (the launch's dynamic shared memory) into a pointer to the
-block the emulation allocates for that launch."""
+block the emulation allocates for that launch; nvcc's `#pragma unroll` lines go."""
 import re
 import sys
 
@@ -49,8 +49,9 @@ def transform(src):
         out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), [&]() {{ {m.group(1)}({args}); }}, (size_t)({shmem}), {kernel})")
         pos = j + 1
     out.append(src[pos:])
+    out = re.sub(r"^[ \t]*#pragma unroll.*$", "", "".join(out), flags=re.M)  # nvcc's, not g++'s
     return re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_0-9]+)\s+([A-Za-z_0-9]+)\s*\[\s*\]\s*;",
-                  r"\1 *\2 = (\1 *)emu_dynamic_shared;", "".join(out))
+                  r"\1 *\2 = (\1 *)emu_dynamic_shared;", out)
 
 
 sys.stdout.write(transform(open(sys.argv[1]).read()))

@@ -1,5 +1,7 @@
 /* bench_cuda: GPU throughput for scripts/gpu-check: an n x n x n FP32 SGEMM through Tandem's
- * CUDA backend next to cuBLAS called directly, on cuda:0.
+ * CUDA backend next to cuBLAS called directly, and the causal attention of GPT-2 small's shape
+ * (batch 8, context 1024, 12 heads of 64) forward and backward, fused (cuda_flash.cu) and
+ * unfused (cuda_attention.cu), in f32 and bf16, on cuda:0.
  *
  *   bench_cuda        (exits 77 without a GPU or without the CUDA backend) */
 #include <stdio.h>
@@ -64,6 +66,46 @@ static void bench_matmul(int64_t n) {
     tdm_tensor_free(a), tdm_tensor_free(b), tdm_tensor_free(c);
 }
 
+/* Milliseconds of attention and of attention_backward at GPT-2 small's shape in dtype dt,
+ * fused or not, and their rate over the causal products' FLOPs (2 B H T^2 hs forward, the
+ * half of QK^T and PV at or below the diagonal; 2.5 times that backward, FlashAttention's
+ * count: the dQ kernel's recomputed products are not counted). */
+static void bench_attention(tdm_dtype dt, bool fused) {
+    const int64_t B = 8, T = 1024, C = 768, H = 12;
+    tdm_tensor *q32 = tdm_randn(TDM_SHAPE(B, T, 3 * C), 0, 1, G, NULL);
+    tdm_tensor *d32 = tdm_randn(TDM_SHAPE(B, T, C), 0, 1, G, NULL);
+    tdm_tensor *qkv = tdm_cast(q32, dt), *dy = tdm_cast(d32, dt);
+    tdm_tensor *y = tdm_tensor_alloc(TDM_SHAPE(B, T, C), dt, G);
+    tdm_tensor *g = tdm_tensor_alloc(TDM_SHAPE(B, T, 3 * C), dt, G);
+    tdm_tensor *lse = tdm_tensor_alloc(TDM_SHAPE(B, H, T), TDM_F32, G);
+    const int reps = 10;
+    double t0, tf = 0, tb = 0;
+    tdm_cuda_flash_enable(fused);
+    int rc = qkv && dy && y && g && lse ? GPU->attention(y, lse, qkv, (int)H) : -1; /* warm-up */
+    if (!rc) rc = GPU->attention_backward(g, dy, qkv, y, lse, (int)H);
+    tdm_cuda_synchronize(0);
+    t0 = now_s();
+    for (int i = 0; i < reps && !rc; i++) rc = GPU->attention(y, lse, qkv, (int)H);
+    tdm_cuda_synchronize(0);
+    tf = (now_s() - t0) / reps;
+    t0 = now_s();
+    for (int i = 0; i < reps && !rc; i++) rc = GPU->attention_backward(g, dy, qkv, y, lse, (int)H);
+    tdm_cuda_synchronize(0);
+    tb = (now_s() - t0) / reps;
+    tdm_cuda_flash_enable(true);
+    const double f = 2.0 * (double)(B * H) * (double)(T * T) * (double)(C / H);
+    if (rc)
+        printf("attention %s %s: %s\n", tdm_dtype_name(dt), fused ? "fused" : "unfused",
+               tdm_last_error());
+    else
+        printf("attention B8 T1024 H12 hs64 %s %s: forward %.2f ms (%.1f TFLOP/s), backward "
+               "%.2f ms (%.1f TFLOP/s)\n",
+               tdm_dtype_name(dt), fused ? "fused" : "unfused", tf * 1e3, f / tf * 1e-12, tb * 1e3,
+               2.5 * f / tb * 1e-12);
+    tdm_tensor_free(q32), tdm_tensor_free(d32), tdm_tensor_free(qkv), tdm_tensor_free(dy);
+    tdm_tensor_free(y), tdm_tensor_free(g), tdm_tensor_free(lse);
+}
+
 int main(void) {
     if (tdm_cuda_device_count() == 0) {
         printf("bench_cuda: no GPU: %s\n", tdm_cuda_unavailable_reason());
@@ -79,6 +121,10 @@ int main(void) {
         printf("device: %s, %.0f GiB\n", prop.name, (double)prop.totalGlobalMem / (1 << 30));
     bench_matmul(1024);
     bench_matmul(4096);
+    for (int fused = 1; fused >= 0; fused--) {
+        bench_attention(TDM_BF16, fused);
+        bench_attention(TDM_F32, fused);
+    }
     return 0;
 }
 #endif

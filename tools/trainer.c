@@ -372,6 +372,19 @@ static int end_window(trainer *tr, int64_t step, double now) {
     return sinks_flush(&tr->out);
 }
 
+/* A process's stop signal as a count that a sum over procs processes keeps apart: SIGUSR1 1,
+ * SIGINT procs + 1, SIGTERM and any other (procs + 1)^2, none 0. */
+static double stop_code(int sig, int procs) {
+    const double p1 = procs + 1.0;
+    return sig == 0 ? 0 : sig == SIGUSR1 ? 1 : sig == SIGINT ? p1 : p1 * p1;
+}
+
+/* The most urgent signal in such a sum (SIGTERM, then SIGINT, then SIGUSR1), or 0. */
+static int stop_decode(double sum, int procs) {
+    const double p1 = procs + 1.0;
+    return sum >= p1 * p1 ? SIGTERM : sum >= p1 ? SIGINT : sum >= 1 ? SIGUSR1 : 0;
+}
+
 /* Reads the chunk's losses and predictions back, checks them, records each step, and updates
  * the epoch's totals, the windows and the progress display. step: steps done this epoch. */
 static int sync_chunk(trainer *tr, int epoch, int64_t step) {
@@ -403,10 +416,10 @@ static int sync_chunk(trainer *tr, int epoch, int64_t step) {
     int procs = tr->g ? tdm_group_size(tr->g) : 1;
     double *seconds = &global[2 * k], *stops = &global[2 * k + 1];
     *seconds = k ? tr->time_host[k - 1] - tr->t_last : 0;
-    *stops = tdm_stop_requested();
+    *stops = stop_code(tdm_stop_requested(), procs);
     if (procs > 1 && k && trainer_sum_over_processes(tr, global, 2 * k + 2, "loss read-back"))
         return EXIT_RUNTIME;
-    tr->stop_agreed = procs > 1 && k && *stops > 0;
+    tr->stop_agreed = procs > 1 && k ? stop_decode(*stops, procs) : 0;
     if (procs > 1 && k && *seconds > 0) { /* the same sum on every process: the same cap */
         double steps = SYNC_SECONDS * k * procs / *seconds;
         tr->chunk_cap = steps >= SYNC_STEPS ? SYNC_STEPS : steps < 1 ? 1 : (int)steps;
@@ -447,12 +460,13 @@ static bool sync_due(const trainer *tr, int64_t step) {
 /* The stop signal the run obeys after this step, or 0. One process looks after every step;
  * under MPI the processes agree at the steps where they all read back (synced: the read-back
  * carried every process's signal), so that every one stops at the same step, also when the
- * signal reached only some. */
+ * signal reached only some; those take the signal the others had (the most urgent of them),
+ * so that every process names the same one, also when its own copy arrives late. */
 static int stop_signal(trainer *tr, bool synced) {
     int sig = tdm_stop_requested();
     if (!tr->g || tdm_group_size(tr->g) == 1) return sig;
     if (!synced || !tr->stop_agreed) return 0;
-    if (!sig) tdm_stop_request(SIGTERM), sig = tdm_stop_requested();
+    if (!sig) tdm_stop_request(tr->stop_agreed), sig = tdm_stop_requested();
     return sig;
 }
 

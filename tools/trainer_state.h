@@ -61,8 +61,8 @@ typedef struct trainer {
     int64_t *size_host;              /* [SYNC_STEPS] samples of each step */
     int64_t *pred_host, *label_host; /* [max(SYNC_STEPS * accum * B, EVAL_BATCH)] */
     int chunk_steps, micro;
-    int chunk_cap;    /* steps a chunk holds: SYNC_STEPS, or fewer under mpirun (SYNC_SECONDS) */
-    bool stop_agreed; /* under mpirun: some process had a stop signal at the last read-back */
+    int chunk_cap;   /* steps a chunk holds: SYNC_STEPS, or fewer under mpirun (SYNC_SECONDS) */
+    int stop_agreed; /* under mpirun: the stop signal some process had at the last read-back */
     int64_t chunk_samples;
     double t_last; /* when the previous step ended */
     /* the epoch so far (this process's), and the window since the last progress line (every

@@ -3,7 +3,8 @@
  * missing directory, one without files and a malformed file by name. With mpirun (the second
  * argument): a process SIGSTOPped mid-run makes the others time out and dump, and the doctor
  * names it as the late one; a killed process is named as the one without a file; SIGUSR1 makes
- * every process dump and stop at the next step with a checkpoint; the epoch line and the log
+ * every process dump and stop at the next step with a checkpoint (sent to one process, every
+ * process stops by it and exits 128 + SIGUSR1); the epoch line and the log
  * give each process's times (the straggler rule itself on given figures: no timing here).
  *   test_doctor PATH_TO_TANDEM [MPIRUN] */
 #include "check.h"
@@ -302,6 +303,22 @@ static void test_sigusr1(const char *mpirun) {
     free(out);
 }
 
+/* SIGUSR1 to rank 0 alone: rank 1 stops at the same step because rank 0 had the signal, and
+ * takes that signal (not SIGTERM): every process exits 128 + SIGUSR1, and so does mpirun. */
+static void test_sigusr1_one(const char *mpirun) {
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s/usr1-one", tmpdir);
+    pid_t job = start_job(mpirun, dir, "20");
+    pid_t r0 = rank_pid(dir, 0);
+    CHECK(r0 > 0, "usr1 to rank 0: no rank 0 found");
+    if (r0 > 0) kill(r0, SIGUSR1);
+    int rc = wait_job(job, dir);
+    char *err = captured("stderr");
+    CHECK(rc == 128 + SIGUSR1 && !strstr(err, "SIGTERM"),
+          "usr1 to rank 0 alone: mpirun exit %d (expected %d):\n%s", rc, 128 + SIGUSR1, err);
+    free(err);
+}
+
 /* straggler_of: the process with the most compute is named when it is 20% and 0.05 s over the
  * median's, not otherwise. */
 static void test_straggler_rule(void) {
@@ -354,6 +371,7 @@ int main(int argc, char **argv) {
         test_stopped_rank(argv[2]);
         test_killed_rank(argv[2]);
         test_sigusr1(argv[2]);
+        test_sigusr1_one(argv[2]);
         test_rank_times(argv[2]);
     }
     tmpdir_remove();

@@ -715,16 +715,16 @@ static void zero2_runs(const char *const np[4][5]) {
         int rc2 =
             wait_status(start_with(np2, ARGS(ZERO_RUN, "--grad-accum", "1", "--devices", dv,
                                              "--checkpoint-dir", sharded, "--shard", "gradients")));
-        char *out = captured("stdout");
+        char *out = captured("stdout"), *err = captured("stderr");
         snprintf(want, sizeof want,
                  "gradients %d bytes per rank of 940584 (ZeRO stage 2 over %d "
                  "ranks)",
                  devs == 1 ? 470336 : 235200, 2 * devs);
         CHECK(rc == 0 && rc2 == 0 && strstr(out, want) && same_ckpt(plain, sharded, 12),
               "%d process x %d devices, --shard gradients: exit %d and %d, no \"%s\", or a "
-              "checkpoint differs from unsharded: %s",
-              2, devs, rc, rc2, want, out);
-        free(out);
+              "checkpoint differs from unsharded: %s\n%s",
+              2, devs, rc, rc2, want, out, err);
+        free(out), free(err);
         rc = wait_status(start_with(np2, ARGS(ZERO_RUN, "--devices", dv, "--checkpoint-dir", accum,
                                               "--quiet", "--shard", "gradients")));
         CHECK(rc == 0, "2 processes x %d devices, --shard gradients --grad-accum 2: exit %d", devs,

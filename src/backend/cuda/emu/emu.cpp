@@ -37,7 +37,7 @@ static std::map<const void *, int> smem_allowed; /* cudaFuncSetAttribute's, per 
 #define SMEM_DEFAULT (48 * 1024)
 #define SMEM_OPTIN   (227 * 1024) /* sm_90's */
 
-#define MAX_BLOCK  1024
+#define MAX_BLOCK 1024
 /* a coroutine's stack: the kernels' frames take a few KiB (ASan's redzones included; a WMMA
  * fragment here is its whole tile, 1 KiB); ASan clears a stack's shadow at each switch to it,
  * the most of the emulation's time in kernels with barriers: the smaller the better */
@@ -56,8 +56,10 @@ static void trampoline(void) {
 
 void __syncthreads(void) {
     if (plain_calls) {
-        fprintf(stderr, "emu: thread %u of block %u reached __syncthreads, which thread 0 of its "
-                "block never did (undefined on a GPU)\n", threadIdx.x, blockIdx.x);
+        fprintf(stderr,
+                "emu: thread %u of block %u reached __syncthreads, which thread 0 of its "
+                "block never did (undefined on a GPU)\n",
+                threadIdx.x, blockIdx.x);
         abort();
     }
     swapcontext(&thread_ctx[threadIdx.x], &sched_ctx);
@@ -83,7 +85,8 @@ void emu_launch(long long grid, long long block, const std::function<void()> &bo
     if (kernel && smem_allowed.count(kernel)) allowed = (size_t)smem_allowed[kernel];
     if (grid < 1 || grid > 2147483647LL || block < 1 || block > MAX_BLOCK || shmem > allowed) {
         fprintf(stderr, "emu: invalid launch configuration <<<%lld, %lld, %zu>>>%s\n", grid, block,
-                shmem, shmem > allowed ? " (more shared memory than cudaFuncSetAttribute gave)" : "");
+                shmem,
+                shmem > allowed ? " (more shared memory than cudaFuncSetAttribute gave)" : "");
         last_error = cudaErrorInvalidValue;
         return;
     }

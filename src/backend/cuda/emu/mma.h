@@ -9,8 +9,9 @@
  * to 32 times; the last thread runs after the others, as the warp's collective store is after
  * its loads). A kernel that is correct on a GPU (one whose threads read a stored tile only
  * after a barrier, and which touches a fragment's elements only uniformly, as `x[i] *= s`
- * over all of num_elements) gets the same results here. Products are exact (bf16 and f16 products are exact in f32) and summed in f32
- * in k order; a tensor core sums in an order of its own, so results agree to f32 rounding. */
+ * over all of num_elements) gets the same results here. Products are exact (bf16 and f16 products
+ * are exact in f32) and summed in f32 in k order; a tensor core sums in an order of its own, so
+ * results agree to f32 rounding. */
 #ifndef TDM_EMU_MMA_H
 #define TDM_EMU_MMA_H
 
@@ -47,8 +48,10 @@ static inline float emu_f(__half v) {
  * apart; a GPU's result is undefined otherwise, here it aborts. */
 static inline void emu_check(const void *p, unsigned ldm, size_t elem) {
     if ((size_t)p % 32 || ldm * elem % 16) {
-        fprintf(stderr, "emu wmma: a tile at %p with ldm %u (elements of %zu bytes) breaks WMMA's "
-                "alignment rules\n", p, ldm, elem);
+        fprintf(stderr,
+                "emu wmma: a tile at %p with ldm %u (elements of %zu bytes) breaks WMMA's "
+                "alignment rules\n",
+                p, ldm, elem);
         abort();
     }
 }

@@ -291,6 +291,21 @@ static void case_fill(run *r) {
     out(r, "every_other_column", z);
 }
 
+/* a count kept on the device: 2^40 + 2 after two steps (beyond f32's 24 bits: exact in i64),
+ * compared as the f32 of its distance from 2^40 */
+static void case_count_up(run *r) {
+    tdm_tensor *n = zeros_of(r, TDM_SHAPE0, TDM_I64), *f = zeros32(r, TDM_SHAPE0);
+    KERNEL(r, fill, n, 1099511627776.0);
+    KERNEL(r, count_up, n);
+    KERNEL(r, count_up, n);
+    int64_t got = 0;
+    ok(r, r->be->to_host(&got, n), "to_host");
+    float d = (float)(got - 1099511627776LL);
+    ok(r, r->be->from_host(f, &d), "from_host");
+    out(r, "count", f);
+    fails(r, r->be->count_up(f), "a count is one i64 element");
+}
+
 static void case_random(run *r) {
     tdm_tensor *u = zeros(r, TDM_SHAPE(1001)), *g = zeros(r, TDM_SHAPE(999));
     KERNEL(r, random, u, 0, -2, 3, 42, 5);
@@ -842,6 +857,7 @@ static const row ROWS[] = {
     {"to_host, from_host, mem_alloc, mem_free", case_to_host, EXACT, EXACT, TDM_F32},
     {"copy", case_copy, EXACT, EXACT, TDM_F32},
     {"fill", case_fill, EXACT, EXACT, TDM_F32},
+    {"count_up", case_count_up, EXACT, EXACT, TDM_F32},
     /* Philox: the same 24-bit words. Uniform is a + (b - a) * u, rounded twice on the GPU and
      * maybe fused on the CPU (GCC contracts by default): one rounding, 1e-6 absolute */
     {"random", case_random, {1e-6, 0}, EXACT, TDM_F32},

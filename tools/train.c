@@ -218,6 +218,13 @@ static const opt_spec specs[] = {
      "allow_tf32 = True): inputs rounded to 10 mantissa bits, several times fp32's speed on an "
      "Ampere or later GPU, results within about 1e-3 of fp32's. Matmul only (attention and "
      "convolutions stay fp32); no effect on CPU devices or on --precision bf16's products."},
+    {"--cuda-graphs", NULL, OPT_FLAG, F(cuda_graphs), 0, 0, "off",
+     "Records the step (forward, loss, backward) on one GPU in a CUDA graph after two eager "
+     "steps and replays it for every later step of the same batch shape: one launch instead of "
+     "hundreds (PyTorch's torch.cuda.graphs). The gradient clipping and the optimizer's update "
+     "run after each replay, so schedules work; the losses are the eager run's bit for bit. One "
+     "GPU per process (--devices cuda:N), without --grad-accum or --precision fp16 (refused). A "
+     "model with dropout cannot be recorded: the run says why once and steps eagerly."},
     {"--reduce-dtype", "fp32|bf16", OPT_STR, F(reduce_dtype), 0, 0, "fp32",
      "The dtype DDP's gradient buckets travel in between devices and processes: fp32, or bf16 "
      "with the sum accumulated in fp32 (PyTorch's bf16_compress_hook: half the traffic, the "
@@ -822,6 +829,10 @@ static int check_training_extras(train_opts *o, bool sgd, bool text) {
     if (o->no_decay_1d && !(o->weight_decay > 0))
         return train_usage_error("--no-decay-1d chooses where --weight-decay applies; it needs "
                                  "--weight-decay > 0");
+    if (o->cuda_graphs && o->grad_accum > 1)
+        return train_usage_error("--cuda-graphs records a step of one batch; not with "
+                                 "--grad-accum %lld",
+                                 (long long)o->grad_accum);
     return 0;
 }
 
@@ -862,6 +873,21 @@ static int check_precision(train_opts *o) {
                 "--precision fp16 needs a GPU: on a CPU device fp16 matrix products have no "
                 "kernel here (oneDNN 2.6.3 has none; docs/MIXED_PRECISION.md, \"Where Tandem "
                 "will differ\" 3); use --precision bf16");
+    return 0;
+}
+
+/* --cuda-graphs: one GPU of one process, and a step it can record (tdm_strategy_set_graphs). */
+static int check_cuda_graphs(const train_opts *o) {
+    if (!o->cuda_graphs) return 0;
+    char d[16];
+    if (o->n_devs != 1 || o->devs[0].type != TDM_CUDA || tdm_mpi_launched())
+        return train_usage_error("--cuda-graphs records one GPU's step: give --devices cuda:N "
+                                 "(one GPU, one process; not %s%s)",
+                                 o->n_devs > 1 ? "several devices" : tdm_device_str(o->devs[0], d),
+                                 tdm_mpi_launched() ? " under mpirun" : "");
+    if (!strcmp(o->precision, "fp16"))
+        return train_usage_error("--cuda-graphs with --precision fp16: the loss scale changes "
+                                 "between steps, a recorded step would keep one; use bf16");
     return 0;
 }
 
@@ -983,7 +1009,7 @@ static int check_opts(train_opts *o) {
         return train_usage_error("--batch-size %lld is smaller than the %lld %s sharing it",
                                  (long long)o->batch_size, (long long)sharing,
                                  o->tensor_parallel > 1 ? "data-parallel rows" : "devices");
-    if (check_precision(o)) return EXIT_USAGE;
+    if (check_precision(o) || check_cuda_graphs(o)) return EXIT_USAGE;
     if (o->model_split > 1) {
         static const char *const pipes[] = {"1f1b", "gpipe", NULL};
         if (!one_of(o->pipe_schedule, pipes))

@@ -66,6 +66,7 @@ typedef struct {
     const char *reduce_dtype;         /* DDP's gradient exchange: "fp32" or "bf16" */
     int64_t bucket_cap;               /* DDP's gradient buckets, MiB */
     bool allow_tf32;                  /* --allow-tf32: GPUs' f32 products in TF32 */
+    bool cuda_graphs;                 /* --cuda-graphs: the step replayed from a CUDA graph */
     bool recompute;                   /* the GPT's blocks, a ResNet's stages */
     int64_t batch_per_device;         /* 0: --batch-size is the global batch */
     tdm_device devs[TDM_MAX_DEVICES]; /* parsed from devices */

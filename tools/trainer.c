@@ -174,6 +174,9 @@ static int make_strategy(trainer *tr) {
                                                    : TDM_F32;
     if (tdm_strategy_set_precision(tr->st, dt))
         return task_error("--precision %s: %s", o->precision, tdm_last_error());
+    /* two eager steps first: the optimizer's state made, the allocator's cache filled */
+    if (o->cuda_graphs && tdm_strategy_set_graphs(tr->st, 2))
+        return task_error("--cuda-graphs: %s", tdm_last_error());
     tr->opt = tdm_strategy_optim(tr->st, 0);
     tr->loss_on_caller = tdm_strategy_loss_on_caller(tr->st);
     return tr->opt ? 0 : task_error("optimizer: %s", tdm_last_error());
@@ -256,6 +259,13 @@ static int make_buffers(trainer *tr) {
     tr->size_host = malloc(sizeof(int64_t) * SYNC_STEPS);
     tr->pred_host = malloc(sizeof(int64_t) * (size_t)host);
     tr->label_host = malloc(sizeof(int64_t) * (size_t)host);
+    if (tr->o->cuda_graphs) {
+        tr->graph_loss = tdm_zeros(TDM_SHAPE(1), TDM_F32, tr->dev);
+        tr->graph_pred =
+            tr->task->accuracy ? tdm_zeros(TDM_SHAPE(tr->o->batch_size), TDM_I64, tr->dev) : NULL;
+        if (!tr->graph_loss || (tr->task->accuracy && !tr->graph_pred))
+            return task_error("step buffers: %s", tdm_last_error());
+    }
     if (!tr->loss_buf || (tr->task->accuracy && !tr->pred_buf))
         return task_error("step buffers: %s", tdm_last_error());
     if (!tr->loss_host || !tr->time_host || !tr->lr_host || !tr->size_host || !tr->pred_host ||
@@ -277,15 +287,39 @@ static void apply_lr(trainer *tr, int64_t at) {
     tdm_strategy_set_lr(tr->st, tdm_sched_lr(&tr->sched, at));
 }
 
-/* Copies a batch's loss and predictions into the chunk's device buffers (no host read). */
+/* Where the current batch's loss [1] and predictions [n] go on the device: the chunk's slots,
+ * or under --cuda-graphs the step's fixed places (graph_slots copies them over). */
+static tdm_tensor *loss_slot(trainer *tr) {
+    int64_t k = tr->chunk_steps * tr->accum + tr->micro;
+    return tr->graph_loss ? tr->graph_loss : tdm_slice(tr->loss_buf, 0, k, k + 1, 1);
+}
+static tdm_tensor *pred_slot(trainer *tr, int64_t n) {
+    int64_t off = tr->graph_pred ? 0 : tr->chunk_samples;
+    return tdm_slice(tr->graph_pred ? tr->graph_pred : tr->pred_buf, 0, off, off + n, 1);
+}
+
+/* Copies a batch's loss and predictions into their device buffers (no host read). */
 static int record_on_device(trainer *tr, tdm_tensor *out, tdm_tensor *loss) {
-    int64_t k = tr->chunk_steps * tr->accum + tr->micro, off = tr->chunk_samples;
-    int rc = tdm_copy_(tdm_slice(tr->loss_buf, 0, k, k + 1, 1), tdm_reshape(loss, TDM_SHAPE(1)));
+    int rc = tdm_copy_(loss_slot(tr), tdm_reshape(loss, TDM_SHAPE(1)));
     tdm_tensor *pred = NULL;
     if (!rc && tr->task->accuracy)
-        rc = tdm_max(out, 1, false, &pred)
-                 ? tdm_copy_(tdm_slice(tr->pred_buf, 0, off, off + out->shape[0], 1), pred)
-                 : -1;
+        rc = tdm_max(out, 1, false, &pred) ? tdm_copy_(pred_slot(tr, out->shape[0]), pred) : -1;
+    return rc;
+}
+
+/* --cuda-graphs: the step's loss and n predictions from their fixed places into the chunk's
+ * slots; the recording's failure, if any, said once. */
+static int graph_slots(trainer *tr, int64_t n) {
+    const char *why = NULL;
+    tdm_strategy_graph_replays(tr->st, &why);
+    if (why && !tr->graph_noted)
+        fprintf(stderr, "tandem train: --cuda-graphs: %s; the steps run eagerly\n", why);
+    tr->graph_noted |= why != NULL;
+    int64_t k = tr->chunk_steps * tr->accum + tr->micro, off = tr->chunk_samples;
+    int rc = tdm_copy_(tdm_slice(tr->loss_buf, 0, k, k + 1, 1), tr->graph_loss);
+    if (!rc && tr->graph_pred)
+        rc = tdm_copy_(tdm_slice(tr->pred_buf, 0, off, off + n, 1),
+                       tdm_slice(tr->graph_pred, 0, 0, n, 1));
     return rc;
 }
 
@@ -321,6 +355,11 @@ static int train_batch(trainer *tr, const tdm_batch *b, bool *done) {
     float loss = NAN, *host = tr->loss_on_caller ? NULL : &loss;
     int rc = last ? tdm_strategy_step(tr->st, b->x, b->y, step_loss, tr, host)
                   : tdm_strategy_accumulate(tr->st, b->x, b->y, step_loss, tr, host);
+    if (!rc && tr->graph_loss && !host) {
+        tdm_scope_begin();
+        rc = graph_slots(tr, b->size);
+        tdm_scope_end();
+    }
     if (rc) return task_error("training step: %s", tdm_last_error());
     if (host) tr->loss_host[tr->chunk_steps * tr->accum + tr->micro] = loss * (float)tr->accum;
     if (tr->task->accuracy)
@@ -861,14 +900,15 @@ static void write_config(trainer *tr) {
              "\"batch_size\":%lld,\"grad_accum\":%lld,\"steps_per_epoch\":%lld,"
              "\"train_samples\":%lld,\"test_samples\":%lld,\"seed\":%lld,\"workers\":%lld,"
              "\"parameters\":%lld,\"pct_start\":%g,\"label_smoothing\":%g,\"nesterov\":%s,"
-             "\"no_decay_1d\":%s,\"eval_flip\":%s,\"validation\":%lld,\"allow_tf32\":%s",
+             "\"no_decay_1d\":%s,\"eval_flip\":%s,\"validation\":%lld,\"allow_tf32\":%s,"
+             "\"cuda_graphs\":%s",
              o->lr, o->momentum, o->weight_decay, o->clip, (long long)o->epochs,
              (long long)o->batch_size, (long long)tr->accum, (long long)tr->steps_per_epoch,
              (long long)tr->task->train->n, (long long)(tr->task->test ? tr->task->test->n : 0),
              (long long)o->seed, (long long)tr->workers, (long long)tr->ps->total, o->pct_start,
              o->label_smoothing, o->nesterov ? "true" : "false", o->no_decay_1d ? "true" : "false",
              o->eval_flip ? "true" : "false", (long long)o->validation,
-             o->allow_tf32 ? "true" : "false");
+             o->allow_tf32 ? "true" : "false", o->cuda_graphs ? "true" : "false");
     sinks_config(&tr->out, f);
 }
 
@@ -969,6 +1009,9 @@ static int run(trainer *tr) {
     if ((rc = run_epochs(tr)) || (rc = trainer_save_checkpoint(tr))) return rc; /* the final one */
     if ((rc = trainer_save_task(tr, NULL, NULL))) return rc;
     progress_clear(&tr->prog);
+    if (o->cuda_graphs && !tr->silent) /* said even with --quiet: did the graph run? */
+        printf("cuda graphs: %lld of %lld steps replayed\n",
+               (long long)tdm_strategy_graph_replays(tr->st, NULL), (long long)tr->global_step);
     if (tr->stop_signal) { /* said even with --quiet: the run did not finish */
         if (!tr->silent)
             printf("stopped   by %s after %lld steps%s%s\n", strsignal(tr->stop_signal),
@@ -999,6 +1042,8 @@ static void trainer_free(trainer *tr) {
     tdm_strategy_free(tr->st); /* with every replica's (every stage's) optimizer */
     tdm_tensor_free(tr->loss_buf);
     tdm_tensor_free(tr->pred_buf);
+    tdm_tensor_free(tr->graph_loss);
+    tdm_tensor_free(tr->graph_pred);
     free(tr->loss_host);
     free(tr->time_host);
     free(tr->lr_host);

@@ -54,8 +54,12 @@ typedef struct trainer {
     bool stopped;    /* --max-steps reached, or a stop signal */
     int stop_signal; /* SIGTERM or SIGINT that stopped the run (every process agrees), or 0 */
     /* device-side records of the current chunk of steps, and their host copies */
-    tdm_tensor *loss_buf;            /* [SYNC_STEPS * accum] f32: each batch's mean loss */
-    tdm_tensor *pred_buf;            /* [SYNC_STEPS * accum * B] i64 */
+    tdm_tensor *loss_buf; /* [SYNC_STEPS * accum] f32: each batch's mean loss */
+    tdm_tensor *pred_buf; /* [SYNC_STEPS * accum * B] i64 */
+    /* --cuda-graphs: a step's loss [1] and predictions [B], at fixed places (a replayed step
+     * writes where the recorded one did), copied into the chunk's slots after each step */
+    tdm_tensor *graph_loss, *graph_pred;
+    bool graph_noted;                /* the recording's failure printed */
     float *loss_host;                /* [SYNC_STEPS * accum] */
     double *time_host, *lr_host;     /* [SYNC_STEPS] */
     int64_t *size_host;              /* [SYNC_STEPS] samples of each step */

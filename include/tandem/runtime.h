@@ -1,7 +1,8 @@
 /* Tandem's runtime: what a program asks of the machine rather than of a tensor. The devices'
  * descriptions and memory (the caching allocator's figures), the CPU matrix-product library,
- * denormal flushing, TF32 on GPUs, and stopping on SIGTERM. Same error conventions as tensor.h: int
- * functions return TDM_OK or a negative tdm_status with tdm_last_error() naming the cause.
+ * denormal flushing, TF32 and CUDA graphs on GPUs, and stopping on SIGTERM. Same error conventions
+ * as tensor.h: int functions return TDM_OK or a negative tdm_status with tdm_last_error() naming
+ * the cause.
  */
 #ifndef TANDEM_RUNTIME_H
 #define TANDEM_RUNTIME_H
@@ -54,6 +55,31 @@ bool tdm_flush_denormal(void);
 void tdm_set_allow_tf32(bool on);
 /* Whether f32 matrix products on GPUs may run in TF32. */
 bool tdm_allow_tf32(void);
+
+/* ---- CUDA graphs ------------------------------------------------------------------------ */
+
+/* A GPU's work recorded once and launched again as one CUDA graph (PyTorch's
+ * torch.cuda.CUDAGraph): a training step of hundreds of kernels costs one launch. */
+typedef struct tdm_graph tdm_graph;
+/* Calls fn(arg) on this thread once, recording the work it queues on GPU dev, without running
+ * it: tdm_graph_replay runs it. A replay reads and writes the very tensors the recording did:
+ * refill its inputs in place between replays (tdm_copy_), keep the tensors it writes that you
+ * read (a loss) alive, and read them after a replay. The blocks the recording allocated or
+ * freed on dev are the graph's until tdm_graph_free, never handed to other work. Shapes, every
+ * kernel's arguments (a learning rate passed by value) and the tensors' addresses are fixed.
+ * Returns the graph (the caller's: tdm_graph_free), or NULL and an error: TDM_ERR_DEVICE
+ * when dev is not a GPU; fn's own error; TDM_ERR_STATE for work that cannot be recorded,
+ * named with the reason ("dropout on cuda:0 cannot be recorded in a CUDA graph: each replay
+ * would drop the same elements"; so are random fills, reads back to the host such as
+ * tdm_item, copies from host memory, and gradient clipping's sum). Nothing recorded has run. */
+tdm_graph *tdm_graph_capture(tdm_device dev, int (*fn)(void *arg), void *arg);
+/* Queues the recorded work once more on its GPU, then checks the user indices the recording
+ * checked (an embedding's, a cross-entropy's targets), waiting for the GPU when there are any.
+ * TDM_OK; TDM_ERR_ARG naming an out-of-range index as the op would; TDM_ERR_DEVICE. */
+int tdm_graph_replay(tdm_graph *g);
+/* Waits for g's GPU, then frees g and gives its blocks back to the device's cache (a block
+ * still held by a tensor goes back when that is freed). NULL is ignored. */
+void tdm_graph_free(tdm_graph *g);
 
 /* ---- memory figures -------------------------------------------------------------------- */
 

@@ -166,6 +166,24 @@ int tdm_strategy_set_clip_grad_norm(tdm_strategy *st, float max_norm);
 int tdm_strategy_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt);
 /* The learning rate of every replica's (every stage's) optimizer. NaN leaves it as it was. */
 void tdm_strategy_set_lr(tdm_strategy *st, float lr);
+/* CUDA graphs (tdm_graph_capture, runtime.h) for the steady-state step: after `warmup` eager
+ * steps (>= 1: the first steps make the optimizer's state and fill the allocator's cache), the
+ * next step's zeroing of the gradients, forward, loss and backward are recorded once and
+ * replayed for every later step whose batch has the recorded shapes and dtypes (another batch,
+ * a last partial one, runs eagerly); the gradient clipping and the optimizer's update run
+ * eagerly after the replay, so that a learning rate or step count that changes between steps
+ * is read each step. The loss function runs once, at the recording: what it writes on the
+ * device is written again, at the same place, by each replay (nothing it does on the host is
+ * repeated). A replay gives the eager step's results bit for bit. Steps of several micro-batches
+ * (tdm_strategy_accumulate) and fp16 steps (their loss scale changes) run eagerly. When the
+ * recording fails (dropout in the model, a read back to the host in the loss), that step and
+ * every later one run eagerly and tdm_strategy_graph_replays says why.
+ * TDM_ERR_ARG for warmup < 1; TDM_ERR_DEVICE when the model is not on a GPU; TDM_ERR_STATE for a
+ * strategy over several devices or processes (one GPU only, for now). */
+int tdm_strategy_set_graphs(tdm_strategy *st, int warmup);
+/* The steps replayed from a graph so far; *why (may be NULL) is set to the reason the recording
+ * failed, or NULL while graphs are on or were never asked for. */
+int64_t tdm_strategy_graph_replays(const tdm_strategy *st, const char **why);
 
 /* Mixed precision (docs/MIXED_PRECISION.md): dt TDM_BF16 or TDM_F16 runs every forward a step
  * runs (each replica's, each pipeline stage's, and tdm_strategy_forward's) and the loss

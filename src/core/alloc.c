@@ -42,7 +42,18 @@ typedef struct {
 } pool;
 
 static pool pools[2][TDM_MAX_DEVICES];
-static _Thread_local bool walk_tag; /* tdm_alloc_set_walk */
+
+/* A graph's blocks (core.h, tdm_alloc_capture_begin). live: its blocks held by storages now
+ * (the free ones are in free_list); closed: its graph freed, the last live block frees it. Under
+ * the lock of dev's pool. */
+struct tdm_graph_pool {
+    tdm_device dev;
+    tdm_storage *free_list[N_CLASSES];
+    size_t live;
+    bool closed;
+};
+static _Thread_local tdm_graph_pool *capturing; /* this thread's capture, or NULL */
+static _Thread_local bool walk_tag;             /* tdm_alloc_set_walk */
 static pthread_once_t pools_once = PTHREAD_ONCE_INIT;
 static atomic_ullong extra_sys_allocs;
 static tdm_hook device_memory;
@@ -141,10 +152,12 @@ tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev) {
     int c = size_class(nbytes, &rounded);
     if (c >= N_CLASSES)
         return tdm_raise_null(TDM_ERR_NOMEM, "alloc: %zu bytes is too large", nbytes);
+    tdm_graph_pool *gp = capturing && tdm_device_equal(capturing->dev, dev) ? capturing : NULL;
     pthread_mutex_lock(&p->lock);
-    cached *b = (cached *)p->free_list[c];
+    cached *b = gp ? (cached *)gp->free_list[c] : NULL; /* the capture's own first */
+    if (b) gp->free_list[c] = (tdm_storage *)b->next;
+    if (!b && (b = (cached *)p->free_list[c])) p->free_list[c] = (tdm_storage *)b->next;
     if (b) {
-        p->free_list[c] = (tdm_storage *)b->next;
         p->stats.bytes_cached -= rounded;
     } else if (!within_limit(p, dev, rounded)) {
         pthread_mutex_unlock(&p->lock);
@@ -153,6 +166,7 @@ tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev) {
     p->stats.bytes_in_use += rounded;
     if (p->stats.bytes_in_use > p->stats.peak_in_use) p->stats.peak_in_use = p->stats.bytes_in_use;
     if (!b) p->stats.sys_allocs++;
+    if (gp) gp->live++;
     pthread_mutex_unlock(&p->lock);
     if (!b) {
         const tdm_device_memory *mem = memory();
@@ -162,6 +176,7 @@ tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev) {
             free(b);
             pthread_mutex_lock(&p->lock);
             p->stats.bytes_in_use -= rounded;
+            if (gp) gp->live--;
             pthread_mutex_unlock(&p->lock);
             return tdm_raise_null(TDM_ERR_NOMEM, "alloc: out of memory for %zu bytes", rounded);
         }
@@ -173,6 +188,7 @@ tdm_storage *tdm_storage_new(size_t nbytes, tdm_device dev) {
     atomic_init(&b->s.refcount, 1);
     b->s.walk_born = walk_tag;
     b->s.grad_holders = 0;
+    b->s.graph_pool = gp;
     return &b->s;
 }
 
@@ -201,11 +217,60 @@ void tdm_storage_release(tdm_storage *s) {
     cached *b = (cached *)s;
     if (s->device.type == TDM_CPU) POISON(s->data, s->nbytes);
     pthread_mutex_lock(&p->lock);
-    b->next = (cached *)p->free_list[c];
-    p->free_list[c] = s;
+    tdm_graph_pool *gp = s->graph_pool, *done = NULL;
+    if (!gp && capturing && tdm_device_equal(capturing->dev, s->device))
+        gp = s->graph_pool = capturing, gp->live++; /* the capture may have used it: the graph's */
+    if (gp && gp->closed) { /* its graph is gone: the block is everyone's again */
+        s->graph_pool = NULL;
+        if (--gp->live == 0) done = gp;
+        gp = NULL;
+    }
+    tdm_storage **list = gp ? gp->free_list : p->free_list;
+    b->next = (cached *)list[c];
+    list[c] = s;
+    if (gp) gp->live--;
     p->stats.bytes_in_use -= rounded;
     p->stats.bytes_cached += rounded;
     pthread_mutex_unlock(&p->lock);
+    free(done);
+}
+
+int tdm_alloc_capture_begin(tdm_device dev) {
+    char d[16];
+    if (!pool_of(dev))
+        return tdm_raise(TDM_ERR_DEVICE, "graph capture: device %s has no memory pool",
+                         tdm_device_str(dev, d));
+    if (capturing)
+        return tdm_raise(TDM_ERR_STATE, "graph capture on %s: this thread captures already",
+                         tdm_device_str(dev, d));
+    if (!(capturing = calloc(1, sizeof *capturing)))
+        return tdm_raise(TDM_ERR_NOMEM, "graph capture: out of memory");
+    capturing->dev = dev;
+    return TDM_OK;
+}
+
+tdm_graph_pool *tdm_alloc_capture_end(void) {
+    tdm_graph_pool *gp = capturing;
+    capturing = NULL;
+    return gp;
+}
+
+void tdm_alloc_graph_pool_free(tdm_graph_pool *gp) {
+    if (!gp) return;
+    pool *p = pool_of(gp->dev);
+    pthread_mutex_lock(&p->lock);
+    for (int c = 0; c < N_CLASSES; c++)
+        while (gp->free_list[c]) {
+            cached *b = (cached *)gp->free_list[c];
+            gp->free_list[c] = (tdm_storage *)b->next;
+            b->s.graph_pool = NULL;
+            b->next = (cached *)p->free_list[c];
+            p->free_list[c] = &b->s;
+        }
+    gp->closed = true;
+    bool done = gp->live == 0;
+    pthread_mutex_unlock(&p->lock);
+    if (done) free(gp);
 }
 
 /* Resizing moves blocks between headers: a storage keeps its header (tensors point at it)
@@ -216,7 +281,7 @@ int tdm_storage_resize(tdm_storage *s, size_t nbytes) {
     if (nbytes) { /* an empty s takes a block; the block's header becomes a spare */
         cached *b = (cached *)tdm_storage_new(nbytes, s->device);
         if (!b) return tdm_last_status();
-        s->data = b->s.data, s->nbytes = b->s.nbytes;
+        s->data = b->s.data, s->nbytes = b->s.nbytes, s->graph_pool = b->s.graph_pool;
         pool *p = pool_of(s->device);
         pthread_mutex_lock(&p->lock);
         b->next = (cached *)p->spare;
@@ -232,8 +297,9 @@ int tdm_storage_resize(tdm_storage *s, size_t nbytes) {
     if (!h && !(h = malloc(sizeof *h)))
         return tdm_raise(TDM_ERR_NOMEM, "storage_resize: out of memory for a block header");
     h->s.data = s->data, h->s.nbytes = s->nbytes, h->s.device = s->device;
+    h->s.graph_pool = s->graph_pool;
     atomic_init(&h->s.refcount, 1);
-    s->data = NULL, s->nbytes = 0;
+    s->data = NULL, s->nbytes = 0, s->graph_pool = NULL;
     tdm_storage_release(&h->s); /* the block, now h's, back to the cache */
     return TDM_OK;
 }

@@ -59,6 +59,9 @@ struct tdm_storage {
      * cache when its last holder has run. One thread's walk touches these: plain fields. */
     bool walk_born;
     int grad_holders;
+    /* the CUDA graph whose block this is (tdm_alloc_capture_begin), or NULL: its block goes
+     * back to that graph's pool, never to the cache other work draws from */
+    struct tdm_graph_pool *graph_pool;
 };
 #endif
 
@@ -92,6 +95,21 @@ void tdm_alloc_reset_peak(tdm_device dev);
 void tdm_alloc_empty_cache(tdm_device dev);
 /* Counts a system allocation made outside the pools (arenas) in the statistics. */
 void tdm_alloc_count_sys(void);
+
+/* A CUDA graph's private pool (PyTorch's graph pool). A replay writes into the blocks the
+ * captured work used, so from tdm_alloc_capture_begin(dev) to tdm_alloc_capture_end every
+ * block this thread takes or gives back on dev becomes the graph's: the graph's blocks freed
+ * are handed out again only to the capture (in capture order, as a replay reuses them), and
+ * after it to no one, until tdm_alloc_graph_pool_free gives them back to dev's cache (blocks
+ * still held then go back when released). Other threads and devices are not affected.
+ * capture_begin: TDM_ERR_STATE while this thread captures already, TDM_ERR_NOMEM. */
+typedef struct tdm_graph_pool tdm_graph_pool;
+int tdm_alloc_capture_begin(tdm_device dev);
+/* Ends this thread's capture: the pool, owned by the caller (NULL when none was begun). */
+tdm_graph_pool *tdm_alloc_capture_end(void);
+/* Gives the pool's free blocks back to its device's cache; the caller has waited for the
+ * work that used them. NULL is ignored. */
+void tdm_alloc_graph_pool_free(tdm_graph_pool *gp);
 
 /* Raw device memory under the pools: a block on a miss, returned by tdm_alloc_empty_cache.
  * It comes from the device's backend, whose kernels allocate through these pools and so sit

@@ -181,15 +181,12 @@ typedef struct {
     int min_ndim, max_ndim;
 } batch_norm_impl;
 
-/* num_batches_tracked += 1; returns the new count (0 on failure). Read back from the buffer
- * rather than kept on the host, so a loaded checkpoint's count carries on. */
-static int64_t bump_batches(tdm_tensor *nbt) {
-    int64_t n = 0;
-    if (tdm_to_host(nbt, &n, sizeof n)) return 0;
-    n++;
+/* num_batches_tracked += 1 on its device (no read back: a GPU's step keeps going, and can be
+ * recorded in a CUDA graph). Kept in the buffer, not on the host, so that a loaded
+ * checkpoint's count carries on. TDM_OK or an error. */
+static int bump_batches(tdm_tensor *nbt) {
     const tdm_backend *be = tdm_backend_for(nbt->device);
-    if (!be || be->fill(nbt, (double)n)) return 0; /* double: exact beyond 2^24 */
-    return n;
+    return be ? be->count_up(nbt) : tdm_last_status();
 }
 
 static tdm_tensor *batch_norm_forward(tdm_module *m, tdm_tensor *x) {
@@ -202,8 +199,10 @@ static tdm_tensor *batch_norm_forward(tdm_module *m, tdm_tensor *x) {
     }
     float momentum = bn->momentum;
     if (m->training && !tdm_recomputing()) { /* counted once, by the first forward */
-        int64_t n = bump_batches(m->buffers[2]);
-        if (!n) return NULL;
+        int64_t n = 0;
+        if (bump_batches(m->buffers[2])) return NULL;
+        /* a cumulative average (momentum NAN) needs the count on the host */
+        if (isnan(momentum) && tdm_to_host(m->buffers[2], &n, sizeof n)) return NULL;
         if (isnan(momentum)) momentum = 1.0f / (float)n;
     }
     return tdm_batch_norm(x, m->buffers[0], m->buffers[1], m->params[0], m->params[1], m->training,

@@ -96,6 +96,23 @@ int tdm_strategy_set_reduce_dtype(tdm_strategy *st, tdm_dtype dt) {
     return st->ops->set_reduce_dtype ? st->ops->set_reduce_dtype(st, dt) : TDM_OK;
 }
 
+int tdm_strategy_set_graphs(tdm_strategy *st, int warmup) {
+    if (!st) return tdm_raise(TDM_ERR_ARG, "strategy set_graphs: NULL strategy");
+    if (warmup < 1)
+        return tdm_raise(TDM_ERR_ARG, "strategy set_graphs: %d warm-up steps (at least 1)", warmup);
+    if (!st->ops->set_graphs)
+        return tdm_raise(TDM_ERR_STATE,
+                         "strategy set_graphs: CUDA graphs record one GPU's step, not a step over "
+                         "%d devices or processes (not yet)",
+                         st->ranks > st->replicas ? st->ranks : st->replicas);
+    return st->ops->set_graphs(st, warmup);
+}
+
+int64_t tdm_strategy_graph_replays(const tdm_strategy *st, const char **why) {
+    if (why) *why = NULL;
+    return st && st->ops->graph_replays ? st->ops->graph_replays(st, why) : 0;
+}
+
 void tdm_strategy_set_lr(tdm_strategy *st, float lr) {
     if (st && !isnan(lr)) st->ops->set_lr(st, lr);
 }

@@ -18,6 +18,11 @@ typedef struct tdm_strategy_ops {
                 void *loss_arg, bool first, bool last, float *loss);
     /* Evaluation forward of x into *out (caller's scope). Required. */
     int (*forward)(tdm_strategy *st, tdm_tensor *x, tdm_tensor **out);
+    /* CUDA graphs after warmup eager steps (tdm_strategy_set_graphs; checked >= 1); NULL: the
+     * strategy records none. */
+    int (*set_graphs)(tdm_strategy *st, int warmup);
+    /* The steps replayed so far, *why the recording's failure (tdm_strategy_graph_replays). */
+    int64_t (*graph_replays)(const tdm_strategy *st, const char **why);
     /* The shard kind over the ranks, units_of for stage 3 (may be NULL); on success sets
      * st->shard to the kind in effect (left TDM_SHARD_NONE where there is nothing to share)
      * and st->state_split. Called only for a kind other than st->shard. NULL: the strategy

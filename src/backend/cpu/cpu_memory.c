@@ -193,6 +193,13 @@ int tdm_cpu_from_host(tdm_tensor *t, const void *host) {
     return TDM_OK;
 }
 
+int tdm_cpu_count_up(tdm_tensor *n) {
+    if (n->dtype != TDM_I64 || tdm_numel(n) != 1)
+        return tdm_raise(TDM_ERR_ARG, "count_up: a count is one i64 element");
+    ++*(int64_t *)tdm_data_ptr(n);
+    return TDM_OK;
+}
+
 int tdm_cpu_fill(tdm_tensor *dst, double value) {
     void *d = tdm_data_ptr(dst);
     int64_t n = tdm_numel(dst);

@@ -32,7 +32,31 @@ typedef struct {
     cublasHandle_t blas;
     unsigned long long *bad_dev;  /* first bad position (atomicMin; all ones: none) */
     unsigned long long *bad_host; /* pinned copy read after a stream sync */
+    void *blas_workspace;         /* cuBLAS's (cublasSetWorkspace): a captured product's */
+    struct cu_graph *capture;     /* the graph being recorded on compute, or NULL */
 } cu_device;
+
+/* An index check recorded in a graph, run again on each launch (cu_check_indices). */
+typedef struct {
+    const char *op;
+    const void *idx;
+    bool i64, use_ignore;
+    int64_t stride, n;
+    int dim;
+} cu_graph_check;
+
+#define CU_GRAPH_CHECKS 64
+/* A recorded step (cuda_graph.cu): the executable graph and its index checks, each with its
+ * own bad-position word (a launch reads them all at once). */
+typedef struct cu_graph {
+    cudaGraphExec_t exec;
+    unsigned long long *bad_dev, *bad_host; /* CU_GRAPH_CHECKS words; bad_host pinned */
+    cu_graph_check checks[CU_GRAPH_CHECKS];
+    int n_checks;
+} cu_graph;
+/* Raises TDM_ERR_STATE: op, on d (index), cannot be recorded in a graph (why: what a replay
+ * would get wrong). */
+int cu_not_capturable(int index, const char *op, const char *why);
 
 /* The state of GPU index, current on this thread. NULL and an error naming what for. */
 cu_device *cu_dev(int index, const char *what);
@@ -60,10 +84,16 @@ __device__ __forceinline__ int64_t cu_index_at(const void *p, bool i64, int64_t 
 }
 /* Element i of such a tensor read back to the host (for an error message; waits). */
 int64_t cu_index_to_host(const tdm_tensor *idx, int64_t i);
+/* Element i of the index array at p (i32 or i64, stride elements apart), read back. */
+int64_t cu_index_value(const void *p, bool i64, int64_t stride, int64_t i);
+/* The error of index v at position pos out of [0, n) in op (use_ignore: a cross-entropy's
+ * target): TDM_ERR_ARG. */
+int cu_index_error(const char *op, long long v, long long pos, int dim, int64_t n, bool use_ignore);
 /* Checks the first k indices of idx (i32/i64) against [0, n) before a kernel writes anything
  * (cuda_index.cu), skipping the value ignore where use_ignore (a cross-entropy's
  * ignore_index). Waits for the compute stream: the error, naming op, the index, its position
- * and dim, must reach the caller of this op. */
+ * and dim, must reach the caller of this op. While d records a graph the check is recorded
+ * with it and read on each launch (graph_launch) instead. */
 int cu_check_indices(cu_device *d, const tdm_tensor *idx, int64_t k, int64_t n, int dim,
                      const char *op, bool use_ignore, int64_t ignore);
 

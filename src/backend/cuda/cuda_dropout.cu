@@ -39,6 +39,9 @@ extern "C" int tdm_cuda_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tenso
                          tdm_dtype_name(mask->dtype), tdm_dtype_name(x->dtype));
     cu_device *d = cu_dev_of(y, "dropout");
     if (!d) return tdm_last_status();
+    if (d->capture)
+        return cu_not_capturable(y->device.index, "dropout",
+                                 "each replay would drop the same elements");
     int64_t n = tdm_numel(x);
     if (n == 0) return TDM_OK;
     float keep = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f; /* p = 1 drops everything */

@@ -30,14 +30,33 @@ int cu_check_indices(cu_device *d, const tdm_tensor *idx, int64_t k, int64_t n, 
     int index = idx->device.index;
     assert(idx->dtype == TDM_I32 || idx->dtype == TDM_I64); /* the op refused other dtypes */
     if (k == 0) return TDM_OK;
-    if (cu_bad_reset(d, index)) return tdm_last_status();
+    bool i64 = idx->dtype == TDM_I64;
+    int64_t stride = idx->ndim ? idx->strides[0] : 0;
+    cu_graph *g = d->capture;
+    if (g && g->n_checks == CU_GRAPH_CHECKS)
+        return tdm_raise(TDM_ERR_STATE, "%s on cuda:%d: more than %d index checks in one graph", op,
+                         index, CU_GRAPH_CHECKS);
+    /* recording: the check gets its own word, read when the graph is launched */
+    unsigned long long *bad = g ? g->bad_dev + g->n_checks : d->bad_dev;
+    if (cu_check(cudaMemsetAsync(bad, 0xff, sizeof *bad, d->compute), "resetting the index flag",
+                 index))
+        return tdm_last_status();
     check_index_kernel<<<cu_blocks(k), CU_THREADS, 0, d->compute>>>(
-        d->bad_dev, tdm_cuda_ptr(idx), idx->dtype == TDM_I64, idx->ndim ? idx->strides[0] : 0, k, n,
-        use_ignore, ignore);
+        bad, tdm_cuda_ptr(idx), i64, stride, k, n, use_ignore, ignore);
+    if (cu_check_launch(op, index)) return tdm_last_status();
+    if (g) {
+        g->checks[g->n_checks++] =
+            (cu_graph_check){op, tdm_cuda_ptr(idx), i64, use_ignore, stride, n, dim};
+        return TDM_OK;
+    }
     long long pos;
-    if (cu_check_launch(op, index) || cu_bad_read(d, index, &pos)) return tdm_last_status();
+    if (cu_bad_read(d, index, &pos)) return tdm_last_status();
     if (pos < 0) return TDM_OK;
-    long long v = (long long)cu_index_to_host(idx, pos);
+    return cu_index_error(op, (long long)cu_index_to_host(idx, pos), pos, dim, n, use_ignore);
+}
+
+int cu_index_error(const char *op, long long v, long long pos, int dim, int64_t n,
+                   bool use_ignore) {
     if (use_ignore)
         return tdm_raise(TDM_ERR_ARG,
                          "%s: target %lld (sample %lld) is out of range for C = %lld classes", op,

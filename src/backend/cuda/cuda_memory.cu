@@ -9,7 +9,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#define MAX_GPUS 64 /* the allocator's pools per device type (src/core/alloc.c MAX_POOLS) */
+#define MAX_GPUS          64 /* the allocator's pools per device type (src/core/alloc.c MAX_POOLS) */
+#define CU_BLAS_WORKSPACE ((size_t)32 << 20)
 
 static cu_device devices[MAX_GPUS];
 static bool device_ready[MAX_GPUS];
@@ -91,8 +92,15 @@ static int device_init(cu_device *d, int index) {
         cu_check(cudaMallocHost(&d->bad_host, sizeof *d->bad_host), "allocating a pinned flag",
                  index))
         return tdm_last_status();
-    if (cu_check_blas(cublasCreate(&d->blas), "creating the cuBLAS handle", index) ||
-        cu_check_blas(cublasSetStream(d->blas, d->compute), "binding cuBLAS to its stream", index))
+    /* a workspace of cuBLAS's own, so that a product recorded in a graph allocates nothing
+     * (32 MiB: what cuBLAS advises on sm_90) */
+    if (cu_check(cudaMalloc(&d->blas_workspace, CU_BLAS_WORKSPACE), "allocating cuBLAS's workspace",
+                 index) ||
+        cu_check_blas(cublasCreate(&d->blas), "creating the cuBLAS handle", index) ||
+        cu_check_blas(cublasSetStream(d->blas, d->compute), "binding cuBLAS to its stream",
+                      index) ||
+        cu_check_blas(cublasSetWorkspace(d->blas, d->blas_workspace, CU_BLAS_WORKSPACE),
+                      "giving cuBLAS its workspace", index))
         return tdm_last_status();
     /* plain FP32 GEMMs (no TF32), as PyTorch does by default: results comparable to the CPU */
     return cu_check_blas(cublasSetMathMode(d->blas, CUBLAS_DEFAULT_MATH), "setting FP32 math",
@@ -203,15 +211,19 @@ int cu_bad_read(cu_device *d, int index, long long *pos) {
     return TDM_OK;
 }
 
-int64_t cu_index_to_host(const tdm_tensor *idx, int64_t i) {
-    int64_t st = idx->ndim ? idx->strides[0] : 0, v64 = 0;
+int64_t cu_index_value(const void *idx, bool i64, int64_t stride, int64_t i) {
+    int64_t v64 = 0;
     int32_t v32 = 0;
-    bool i64 = idx->dtype == TDM_I64;
-    const char *p = (const char *)tdm_cuda_ptr(idx) + i * st * (i64 ? 8 : 4);
+    const char *p = (const char *)idx + i * stride * (i64 ? 8 : 4);
     if (cudaMemcpy(i64 ? (void *)&v64 : (void *)&v32, p, i64 ? 8 : 4, cudaMemcpyDeviceToHost) !=
         cudaSuccess)
         cudaGetLastError();
     return i64 ? v64 : v32;
+}
+
+int64_t cu_index_to_host(const tdm_tensor *idx, int64_t i) {
+    return cu_index_value(tdm_cuda_ptr(idx), idx->dtype == TDM_I64, idx->ndim ? idx->strides[0] : 0,
+                          i);
 }
 
 /* ---- copies, fills ----------------------------------------------------------------------- */
@@ -358,6 +370,9 @@ static bool is_pinned(const void *host) {
 extern "C" int tdm_cuda_to_host(void *host, const tdm_tensor *t) {
     cu_device *d = cu_dev_of(t, "to_host");
     if (!d) return tdm_last_status();
+    if (d->capture)
+        return cu_not_capturable(t->device.index, "a read back to the host (tdm_item, tdm_to_host)",
+                                 "it waits for work the graph has only recorded");
     int index = t->device.index;
     int64_t n = tdm_numel(t);
     size_t bytes = (size_t)n * tdm_dtype_size(t->dtype);
@@ -384,6 +399,10 @@ extern "C" int tdm_cuda_to_host(void *host, const tdm_tensor *t) {
 extern "C" int tdm_cuda_from_host(tdm_tensor *t, const void *host) {
     cu_device *d = cu_dev_of(t, "from_host");
     if (!d) return tdm_last_status();
+    if (d->capture)
+        return cu_not_capturable(
+            t->device.index, "a copy from host memory",
+            "a replay would copy the host's bytes of the recording, not of its own step");
     int index = t->device.index;
     int64_t n = tdm_numel(t);
     size_t bytes = (size_t)n * tdm_dtype_size(t->dtype);
@@ -463,6 +482,19 @@ __global__ void fill_kernel(void *dst, cu_view v, tdm_dtype dt, double value, in
     CU_LOOP(i, n) cu_store(dst, dt, cu_offset(v, i), value);
 }
 
+__global__ void count_up_kernel(int64_t *n) {
+    if (threadIdx.x == 0) ++*n;
+}
+
+extern "C" int tdm_cuda_count_up(tdm_tensor *n) {
+    if (n->dtype != TDM_I64 || tdm_numel(n) != 1)
+        return tdm_raise(TDM_ERR_ARG, "cuda count_up: a count is one i64 element");
+    cu_device *d = cu_dev_of(n, "count_up");
+    if (!d) return tdm_last_status();
+    count_up_kernel<<<1, 32, 0, d->compute>>>((int64_t *)tdm_cuda_ptr(n));
+    return cu_check_launch("count_up", n->device.index);
+}
+
 extern "C" int tdm_cuda_fill(tdm_tensor *dst, double value) {
     cu_device *d = cu_dev_of(dst, "fill");
     if (!d) return tdm_last_status();
@@ -513,6 +545,9 @@ extern "C" int tdm_cuda_random(tdm_tensor *dst, int dist, float a, float b, uint
                                uint64_t offset) {
     cu_device *d = cu_dev_of(dst, "random");
     if (!d) return tdm_last_status();
+    if (d->capture)
+        return cu_not_capturable(dst->device.index, "a random fill",
+                                 "each replay would draw the same numbers");
     assert(tdm_dtype_is_float(dst->dtype)); /* uniform_ and normal_ refused other dtypes */
     int64_t n = tdm_numel(dst);
     if (n == 0) return TDM_OK;

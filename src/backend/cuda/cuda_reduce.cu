@@ -431,6 +431,9 @@ extern "C" int tdm_cuda_sum_squares(double *out, const tdm_tensor *x) {
     *out = 0;
     cu_device *d = cu_dev_of(x, "sum_squares");
     if (!d) return tdm_last_status();
+    if (d->capture)
+        return cu_not_capturable(x->device.index, "sum_squares (gradient clipping)",
+                                 "it reads the sum back to the host");
     int64_t n = tdm_numel(x);
     if (n == 0) return TDM_OK;
     tdm_storage *hold;

@@ -18,11 +18,25 @@ typedef enum {
     cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidValue = 1,
     cudaErrorNotReady = 600,
+    cudaErrorStreamCaptureUnsupported = 900,
+    cudaErrorStreamCaptureInvalidated = 901,
 } cudaError_t;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
 typedef struct emu_stream *cudaStream_t;
 typedef struct emu_event *cudaEvent_t;
+typedef struct emu_graph *cudaGraph_t;
+typedef struct emu_graph *cudaGraphExec_t;
+enum cudaStreamCaptureMode {
+    cudaStreamCaptureModeGlobal = 0,
+    cudaStreamCaptureModeThreadLocal = 1,
+    cudaStreamCaptureModeRelaxed = 2
+};
+enum cudaStreamCaptureStatus {
+    cudaStreamCaptureStatusNone = 0,
+    cudaStreamCaptureStatusActive = 1,
+    cudaStreamCaptureStatusInvalidated = 2
+};
 enum cudaMemcpyKind {
     cudaMemcpyHostToDevice = 1,
     cudaMemcpyDeviceToHost = 2,
@@ -74,6 +88,21 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
 /* sm_90's 227 KiB a block may opt in to */
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int device);
 cudaError_t emu_func_set_attribute(const void *kernel, enum cudaFuncAttribute a, int value);
+/* Stream capture: from cudaStreamBeginCapture to cudaStreamEndCapture the calling thread's
+ * work on that stream (launches, async copies and fills, cuBLAS calls on a handle bound to
+ * it) is recorded, not run; cudaGraphLaunch runs the record in order. As on a GPU, waiting
+ * for the capturing stream, or an async copy from pageable host memory on it, fails with
+ * cudaErrorStreamCaptureUnsupported and invalidates the capture (cudaStreamEndCapture then
+ * fails with cudaErrorStreamCaptureInvalidated); stricter than a GPU, so is a synchronous
+ * cudaMemcpy from the capturing thread (on a GPU it would run at once, outside the graph,
+ * reading what the recorded work has not written). */
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, enum cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g);
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *status);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, unsigned long long flags);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e);
+cudaError_t cudaGraphDestroy(cudaGraph_t g);
 
 #ifdef __cplusplus
 }
@@ -95,9 +124,15 @@ void __syncthreads(void);
 /* Runs body for every thread of every block; shmem bytes of dynamic shared memory (extern
  * __shared__, at emu_dynamic_shared, 128-byte aligned) are allocated for the launch, exactly
  * sized, so that AddressSanitizer sees an access past them. Over 48 KiB, kernel (the launched
- * function) must have been given as much with cudaFuncSetAttribute, as on a GPU. */
+ * function) must have been given as much with cudaFuncSetAttribute, as on a GPU. A launch on
+ * a stream this thread is capturing is recorded instead (body keeps copies of the arguments). */
 void emu_launch(long long grid, long long block, const std::function<void()> &body,
-                size_t shmem = 0, const void *kernel = 0);
+                size_t shmem = 0, const void *kernel = 0, cudaStream_t stream = 0);
+/* A launch's body: kernel (a generic lambda calling it) on the arguments as they are now,
+ * copied (a launch evaluates its arguments once; a recorded one keeps their values). */
+template <typename F, typename... A> std::function<void()> emu_bind(F kernel, A... args) {
+    return [=]() { kernel(args...); };
+}
 template <typename T> cudaError_t cudaFuncSetAttribute(T *kernel, cudaFuncAttribute a, int value) {
     return emu_func_set_attribute((const void *)kernel, a, value);
 }

@@ -14,7 +14,8 @@
  * cudaGetLastError.
  * Several host threads (DataParallel's replicas, one per emulated GPU) may launch: launches
  * then take turns (one lock), and the current device and last error are per thread, as in
- * CUDA. */
+ * CUDA. Stream capture (cudaStreamBeginCapture ... cudaGraphLaunch) records the capturing
+ * thread's work on the captured stream as closures and runs them in order on launch. */
 #include "cuda_runtime.h"
 #include "cublas_v2.h"
 #include "tandem/half.h"
@@ -22,6 +23,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <vector>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,8 +80,43 @@ static void start(int t) {
     finished[t] = false;
 }
 
+/* ---- stream capture: a graph is the work recorded, in order ----------------------------- */
+
+struct emu_graph {
+    std::vector<std::function<void()>> ops;
+};
+static thread_local emu_graph *capture; /* what this thread records, or NULL */
+static thread_local cudaStream_t capture_stream;
+static thread_local bool capture_invalid;
+
+/* Whether op, queued on s, was recorded (s is the stream this thread captures) rather than
+ * left to run now. */
+static bool recorded(cudaStream_t s, const std::function<void()> &op) {
+    if (!capture || s != capture_stream) return false;
+    capture->ops.push_back(op);
+    return true;
+}
+
+/* A call that cannot be captured: it fails and so will the capture, as on a GPU. */
+static cudaError_t not_capturable(void) {
+    capture_invalid = true;
+    last_error = cudaErrorStreamCaptureUnsupported;
+    return cudaErrorStreamCaptureUnsupported;
+}
+
+static bool is_pinned(const void *p) {
+    std::lock_guard<std::mutex> g(emu_mu);
+    return pinned.count(p) > 0;
+}
+
 void emu_launch(long long grid, long long block, const std::function<void()> &body, size_t shmem,
-                const void *kernel) {
+                const void *kernel, cudaStream_t stream) {
+    if (capture && stream == capture_stream) {
+        std::function<void()> copy = body;
+        capture->ops.push_back(
+            [=]() { emu_launch(grid, block, copy, shmem, kernel, (cudaStream_t)0); });
+        return;
+    }
     std::lock_guard<std::mutex> turn(emu_mu);
     size_t allowed = SMEM_DEFAULT;
     if (kernel && smem_allowed.count(kernel)) allowed = (size_t)smem_allowed[kernel];
@@ -162,10 +199,10 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-    return cudaSuccess;
+    return capture && s == capture_stream ? not_capturable() : cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void) {
-    return cudaSuccess;
+    return capture ? not_capturable() : cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
     *e = (cudaEvent_t)malloc(1);
@@ -220,16 +257,58 @@ cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total_b) {
     return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void *d, const void *s, size_t n, enum cudaMemcpyKind k) {
+    if (capture) return not_capturable(); /* stricter than a GPU: see cuda_runtime.h */
     memmove(d, s, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind k,
                             cudaStream_t st) {
-    memmove(d, s, n);
+    if (capture && st == capture_stream &&
+        ((k == cudaMemcpyHostToDevice && !is_pinned(s)) ||
+         (k == cudaMemcpyDeviceToHost && !is_pinned(d))))
+        return not_capturable(); /* a graph's copy with the host is from pinned memory */
+    if (!recorded(st, [=]() { memmove(d, s, n); })) memmove(d, s, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) {
-    memset(d, v, n);
+    if (!recorded(st, [=]() { memset(d, v, n); })) memset(d, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, enum cudaStreamCaptureMode mode) {
+    if (capture) return last_error = cudaErrorInvalidValue;
+    capture = new emu_graph;
+    capture_stream = s;
+    capture_invalid = false;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g) {
+    if (!capture || s != capture_stream) return last_error = cudaErrorInvalidValue;
+    *g = capture_invalid ? NULL : capture;
+    if (capture_invalid) delete capture;
+    capture = NULL;
+    return *g ? cudaSuccess : (last_error = cudaErrorStreamCaptureInvalidated);
+}
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *status) {
+    *status = !capture || s != capture_stream ? cudaStreamCaptureStatusNone
+              : capture_invalid               ? cudaStreamCaptureStatusInvalidated
+                                              : cudaStreamCaptureStatusActive;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *e, cudaGraph_t g, unsigned long long flags) {
+    *e = new emu_graph(*g);
+    return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t e, cudaStream_t s) {
+    if (capture && s == capture_stream) return not_capturable(); /* not needed here */
+    for (auto &op : e->ops) op();
+    return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t e) {
+    delete e;
+    return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t g) {
+    delete g;
     return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int device) {
@@ -253,15 +332,23 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
 
 /* ---- cuBLAS ------------------------------------------------------------------------------ */
 
+struct emu_blas {
+    cudaStream_t stream; /* cublasSetStream's: a capture of it records the products */
+};
+
 cublasStatus_t cublasCreate(cublasHandle_t *h) {
-    *h = (cublasHandle_t)malloc(1);
+    *h = new emu_blas{};
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasDestroy(cublasHandle_t h) {
-    free(h);
+    delete h;
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
+    h->stream = s;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasSetWorkspace(cublasHandle_t h, void *workspace, size_t bytes) {
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t m) {
@@ -281,24 +368,27 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                 lda, ldb, ldc);
         return CUBLAS_STATUS_INVALID_VALUE;
     }
-    for (int p = 0; p < batch; p++) {
-        const float *A = a + p * sa, *B = b + p * sb;
-        float *C = c + p * sc;
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < m; i++) {
-                double s = 0;
-                for (int l = 0; l < k; l++) {
-                    float av =
-                        ta == CUBLAS_OP_N ? A[i + (long long)l * lda] : A[l + (long long)i * lda];
-                    float bv =
-                        tb == CUBLAS_OP_N ? B[l + (long long)j * ldb] : B[j + (long long)l * ldb];
-                    s += (double)av * bv;
+    const float al = *alpha, be = *beta; /* read at the call, as cuBLAS's host pointers are */
+    auto run = [=]() {
+        for (int p = 0; p < batch; p++) {
+            const float *A = a + p * sa, *B = b + p * sb;
+            float *C = c + p * sc;
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) {
+                    double s = 0;
+                    for (int l = 0; l < k; l++) {
+                        float av = ta == CUBLAS_OP_N ? A[i + (long long)l * lda]
+                                                     : A[l + (long long)i * lda];
+                        float bv = tb == CUBLAS_OP_N ? B[l + (long long)j * ldb]
+                                                     : B[j + (long long)l * ldb];
+                        s += (double)av * bv;
+                    }
+                    float r = (float)(al * s);
+                    C[i + (long long)j * ldc] = be == 0.0f ? r : r + be * C[i + (long long)j * ldc];
                 }
-                float r = (float)(*alpha * s);
-                C[i + (long long)j * ldc] =
-                    *beta == 0.0f ? r : r + *beta * C[i + (long long)j * ldc];
-            }
-    }
+        }
+    };
+    if (!recorded(h->stream, run)) run();
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -359,23 +449,26 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
                 (int)at, (int)bt, (int)ct, (int)compute);
         return CUBLAS_STATUS_NOT_SUPPORTED;
     }
-    float al = *(const float *)alpha, be = *(const float *)beta;
-    for (int p = 0; p < batch; p++)
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < m; i++) {
-                double s = 0;
-                for (int l = 0; l < k; l++) {
-                    long long ai =
-                        ta == CUBLAS_OP_N ? i + (long long)l * lda : l + (long long)i * lda;
-                    long long bi =
-                        tb == CUBLAS_OP_N ? l + (long long)j * ldb : j + (long long)l * ldb;
-                    float x = ex_load(a, at, p * sa + ai), y = ex_load(b, bt, p * sb + bi);
-                    s += fast ? (double)tf32(x) * tf32(y) : (double)x * y;
+    const float al = *(const float *)alpha, be = *(const float *)beta;
+    auto run = [=]() {
+        for (int p = 0; p < batch; p++)
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) {
+                    double s = 0;
+                    for (int l = 0; l < k; l++) {
+                        long long ai =
+                            ta == CUBLAS_OP_N ? i + (long long)l * lda : l + (long long)i * lda;
+                        long long bi =
+                            tb == CUBLAS_OP_N ? l + (long long)j * ldb : j + (long long)l * ldb;
+                        float x = ex_load(a, at, p * sa + ai), y = ex_load(b, bt, p * sb + bi);
+                        s += fast ? (double)tf32(x) * tf32(y) : (double)x * y;
+                    }
+                    long long ci = p * sc + i + (long long)j * ldc;
+                    float r = (float)(al * s);
+                    ex_store(c, ct, ci, be == 0.0f ? r : r + be * ex_load(c, ct, ci));
                 }
-                long long ci = p * sc + i + (long long)j * ldc;
-                float r = (float)(al * s);
-                ex_store(c, ct, ci, be == 0.0f ? r : r + be * ex_load(c, ct, ci));
-            }
+    };
+    if (!recorded(h->stream, run)) run();
     return CUBLAS_STATUS_SUCCESS;
 }
 }

@@ -1,6 +1,7 @@
 """Rewrites CUDA launches `k<<<grid, block, shmem, stream>>>(args)` of a .cu file into
-`emu_launch(grid, block, [&]() { k(args); }, shmem, &k)` for the host emulation (see emu.cpp;
-&k only with dynamic shared memory),
+`emu_launch(grid, block, emu_bind([](auto... a) { k(a...); }, args), shmem, &k, stream)` for the
+host emulation (see emu.cpp; &k only with dynamic shared memory; the arguments evaluated at the
+launch and kept by value, as a GPU's launch and a recorded one in a CUDA graph keep them),
 and `extern __shared__ T name[];` (the launch's dynamic shared memory) into a pointer to the
 block the emulation allocates for that launch; nvcc's `#pragma unroll` lines go."""
 import re
@@ -46,7 +47,9 @@ def transform(src):
         # the kernel, for the shared memory cudaFuncSetAttribute gave it (a launch with dynamic
         # shared memory names its template arguments; others may leave them deduced)
         kernel = "nullptr" if shmem == "0" else f"(const void *)&{m.group(1)}"
-        out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), [&]() {{ {m.group(1)}({args}); }}, (size_t)({shmem}), {kernel})")
+        stream = cfg[3] if len(cfg) > 3 else "0"
+        bound = ", " + args if args.strip() else ""
+        out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), emu_bind([](auto... a) {{ {m.group(1)}(a...); }}{bound}), (size_t)({shmem}), {kernel}, {stream})")
         pos = j + 1
     out.append(src[pos:])
     out = re.sub(r"^[ \t]*#pragma unroll.*$", "", "".join(out), flags=re.M)  # nvcc's, not g++'s

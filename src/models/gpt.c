@@ -121,10 +121,10 @@ static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
         return tdm_raise_null(TDM_ERR_SHAPE,
                               "gpt: sequence length %lld is not in [1, %d] (context)", (long long)T,
                               c->context);
-    /* x [B, T, C] = wte[idx] + wpe[0..T) (broadcast over B) */
-    tdm_tensor *pos = tdm_arange(0, (double)T, 1, TDM_I64, wte->device);
+    /* x [B, T, C] = wte[idx] + wpe[0..T) (broadcast over B): the positions' rows as a slice,
+     * not an embedding of arange(T), which a GPU would copy from the host every step */
     tdm_tensor *tok = st->vocab ? tdm_tp_embedding(st->tp, wte, idx) : tdm_embedding(wte, idx);
-    tdm_tensor *x = tdm_add(tok, tdm_embedding(wpe, pos));
+    tdm_tensor *x = tdm_add(tok, tdm_slice(wpe, 0, 0, T, 1));
     /* sequence parallelism: each rank's tokens only between the tensor-parallel layers */
     if (st->seq) x = tdm_tp_seq_shard(st->tp, x, 1);
     for (int l = 0; l < h->n_children && x; l++) x = tdm_module_forward(h->children[l], x);

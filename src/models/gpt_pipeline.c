@@ -43,9 +43,9 @@ static tdm_tensor *embed_forward(tdm_module *m, tdm_tensor *idx) {
                               "[1, %d] (context), got %s",
                               c->context, tdm_shape_str(tdm_shape_of(idx), b));
     tdm_tensor *wte = m->children[0]->params[0], *wpe = m->children[1]->params[0];
-    tdm_tensor *pos = tdm_arange(0, (double)idx->shape[1], 1, TDM_I64, wte->device);
+    /* wpe's first T rows (gpt.c's forward) */
     tdm_tensor *tok = st->vocab ? tdm_tp_embedding(st->tp, wte, idx) : tdm_embedding(wte, idx);
-    tdm_tensor *x = tdm_add(tok, tdm_embedding(wpe, pos));
+    tdm_tensor *x = tdm_add(tok, tdm_slice(wpe, 0, 0, idx->shape[1], 1));
     return st->seq ? tdm_tp_seq_shard(st->tp, x, 1) : x;
 }
 

@@ -502,6 +502,21 @@ static void case_matmul(run *r) {
             }
 }
 
+/* nn's linear with a bias (a GPU's cuBLASLt epilogue) and without, at odd sizes; a row view of
+ * x (an offset that is not 256-byte aligned: cuBLASLt told the alignment it may assume). */
+static void case_linear(run *r) {
+    int64_t M = 37, n_out = 29, in = 301;
+    tdm_tensor *x = randn(r, TDM_SHAPE(1, M + 1, in), 0, 1),
+               *w = randn(r, TDM_SHAPE(1, n_out, in), 0, 1);
+    tdm_tensor *b = randn(r, TDM_SHAPE(n_out), 0, 1), *y = zeros(r, TDM_SHAPE(1, M, n_out));
+    tdm_tensor *y0 = zeros(r, TDM_SHAPE(1, M, n_out));
+    tdm_tensor *xv = tdm_tensor_view(x, 3, (int64_t[]){1, M, in}, (int64_t[]){M * in, in, 1},
+                                     x->offset + in); /* rows 1..M */
+    KERNEL(r, linear, y, xv, w, b);
+    KERNEL(r, linear, y0, xv, w, NULL);
+    out(r, "y y_no_bias", y, y0);
+}
+
 /* Along dims 0 and 1, i32 and i64 indices with repeats (index_add sums them in order: exact);
  * an index out of range is an error naming it and its position. */
 static void case_index(run *r) {
@@ -840,6 +855,7 @@ static void case_gpt(run *r) {
     {"softmax, softmax_backward in " tag, case_softmax, {1e-6, 1e-5}, {1e-6, 1e-5}, dt},          \
     {"sum_squares of " tag, case_sum_squares, {0, 1e-12}, EXACT, dt},                             \
     {"matmul (and into f32) in " tag, case_matmul, {1e-4, 1e-4}, EXACT, dt},                      \
+    {"linear in " tag, case_linear, {1e-4, 1e-4}, EXACT, dt},                                      \
     {"index_select, index_add in " tag, case_index, EXACT, EXACT, dt},                            \
     {"max_pool2d, avg_pool2d and backward in " tag, case_pool2d, EXACT, EXACT, dt},               \
     {"batch_norm, batch_norm_backward in " tag, case_batch_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, dt}, \
@@ -880,6 +896,7 @@ static const row ROWS[] = {
     /* FP32 GEMMs with k = 301 blocked differently: sums of ~17 in magnitude agree to ~1e-5
      * absolute; 1e-4 absolute + 1e-4 relative */
     {"matmul", case_matmul, {1e-4, 1e-4}, EXACT, TDM_F32},
+    {"linear", case_linear, {1e-4, 1e-4}, EXACT, TDM_F32},
     {"index_select, index_add", case_index, EXACT, EXACT, TDM_F32},
     /* FP32 GEMMs over up to K = 150 (forward) and N*P = 400 (weights) terms; the CPU sums
      * each plane of gb in float lanes: 1e-4 */

@@ -1,8 +1,9 @@
-/* tdm_linear: y = x @ w^T + b as one tape node with the bias fused into the GEMM.
+/* tdm_linear: y = x @ w^T + b as one tape node with the bias fused into the GEMM (the backend's
+ * linear kernel: cuBLASLt's bias epilogue on a GPU).
  *
  * x [..., in] is seen as a matrix X [M, in] (M = product of the leading dims), so every
  * product is one BLAS call whatever the rank of x:
- *   forward   Y [M, out]  = b (broadcast rows) + X @ W^T        (matmul with beta = 1)
+ *   forward   Y [M, out]  = b (broadcast rows) + X @ W^T        (the backend's linear)
  *   backward  dX [M, in]  = dY @ W
  *             dW [out, in] = dY^T @ X
  *             db [out]     = column sums of dY
@@ -107,17 +108,7 @@ tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
     if (!y) return NULL;
     tdm_tensor y3 = tdm_as_matrix(y, rows, out), x3 = tdm_as_matrix(x, rows, in),
                w3 = tdm_as_matrix(w, out, in);
-    float beta = 0.0f;
-    if (b) { /* Y starts as b broadcast over the rows; the GEMM adds onto it. */
-        tdm_tensor y2 = tdm_as_matrix(y, rows, out), bb = *b;
-        bb.ndim = 2, bb.shape[0] = rows, bb.shape[1] = out, bb.strides[0] = 0;
-        bb.strides[1] = 1;
-        y2.ndim = 2, y2.shape[0] = rows, y2.shape[1] = out, y2.strides[0] = out;
-        y2.strides[1] = 1;
-        if (be->copy(&y2, &bb)) return NULL;
-        beta = 1.0f;
-    }
-    if (be->matmul(&y3, &x3, &w3, false, true, beta)) return NULL;
+    if (be->linear(&y3, &x3, &w3, b)) return NULL;
     tdm_tensor *in3[3] = {x, w, b};
     if (tdm_needs_record(3, in3) && !tdm_record("linear", linear_backward, y, 3, in3))
         return tdm_drop_fail(y);

@@ -35,6 +35,18 @@ static int matmul_bf16(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, 
     return TDM_OK;
 }
 
+int tdm_cpu_linear(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b) {
+    if (b) { /* y starts as b broadcast over the rows; the GEMM adds onto it */
+        tdm_tensor bb = *b;
+        bb.ndim = 3;
+        bb.shape[0] = 1, bb.shape[1] = y->shape[1], bb.shape[2] = y->shape[2];
+        bb.strides[0] = bb.strides[1] = 0, bb.strides[2] = 1;
+        int rc = tdm_cpu_copy(y, &bb);
+        if (rc) return rc;
+    }
+    return tdm_cpu_matmul(y, x, w, false, true, b ? 1.0f : 0.0f);
+}
+
 int tdm_cpu_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool ta, bool tb,
                    float beta) {
     if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){c, a, b})) {

@@ -7,6 +7,7 @@
 #define TDM_CUDA_COMMON_CUH
 
 #include <cuda_runtime.h>
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -21,6 +22,8 @@ extern "C" {
 
 /* Threads per block of the element-wise kernels, and per row of the row kernels. */
 #define CU_THREADS 256
+/* Bytes of cuBLAS's workspace (cu_device.blas_workspace): what cuBLAS advises on sm_90 */
+#define CU_BLAS_WORKSPACE ((size_t)32 << 20)
 
 /* One device's state: its streams, cuBLAS handle, and a pinned word through which kernels
  * report the first bad user index (-1: none). */
@@ -30,9 +33,10 @@ typedef struct {
     cudaEvent_t order;          /* reused by tdm_cuda_order_streams (recorded, then waited on) */
     pthread_mutex_t order_lock; /* makes that record + wait one step for concurrent callers */
     cublasHandle_t blas;
+    cublasLtHandle_t lt;          /* cuBLASLt's, for the bias epilogue (tdm_cuda_linear) */
     unsigned long long *bad_dev;  /* first bad position (atomicMin; all ones: none) */
     unsigned long long *bad_host; /* pinned copy read after a stream sync */
-    void *blas_workspace;         /* cuBLAS's (cublasSetWorkspace): a captured product's */
+    void *blas_workspace;         /* cuBLAS's and cuBLASLt's: a captured product's too */
     struct cu_graph *capture;     /* the graph being recorded on compute, or NULL */
 } cu_device;
 

@@ -5,7 +5,8 @@
  *
  * Row-major to column-major: cuBLAS sees a row-major [r, c] matrix with row stride ld as a
  * column-major [c, r] one with the same ld, so row-major C = A B is computed as the
- * column-major C^T = B^T A^T: operands swap places and the transposes stay as they are. */
+ * column-major C^T = B^T A^T: operands swap places and the transposes stay as they are.
+ * nn's linear runs on cuBLASLt, whose epilogue adds the bias as y is written. */
 #include "backend/cuda/cuda_common.cuh"
 #include "tandem/runtime.h" /* tdm_allow_tf32 */
 
@@ -62,4 +63,100 @@ extern "C" int tdm_cuda_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_ten
         (int)k, &one, cu_f(b), (int)ldb, b->strides[0], cu_f(a), (int)lda, a->strides[0], &beta,
         cu_f(c), (int)m, n * m, (int)batch);
     return cu_check_blas(st, "matmul (cublasSgemmStridedBatched)", c->device.index);
+}
+
+/* ---- linear: the bias in cuBLASLt's epilogue ---------------------------------------------- */
+
+static cudaDataType blas_type(tdm_dtype dt) {
+    return dt == TDM_BF16 ? CUDA_R_16BF : dt == TDM_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+/* The largest power of two up to 256 dividing p's address: the alignment cuBLASLt may assume. */
+static uint32_t align_of(const void *p) {
+    uint32_t a = 256;
+    while (a > 1 && (uintptr_t)p % a) a /= 2;
+    return a;
+}
+
+/* y = x w^T + b by cublasLtMatmul with CUBLASLT_EPILOGUE_BIAS. Column-major, y's [M, out] rows
+ * are D [out, M] = op_T(w seen as [in, out]) X^T [in, M]: the bias runs along D's rows.
+ * CUBLAS_STATUS_NOT_SUPPORTED, nothing queued, where cuBLASLt has no algorithm for it. */
+static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, const tdm_tensor *x,
+                                const tdm_tensor *w, const tdm_tensor *b) {
+    uint64_t M = (uint64_t)y->shape[1], out = (uint64_t)y->shape[2], in = (uint64_t)x->shape[2];
+    cudaDataType t = blas_type(y->dtype);
+    bool tf32 = y->dtype == TDM_F32 && tdm_allow_tf32();
+    void *pw = tdm_cuda_ptr(w), *px = tdm_cuda_ptr(x), *py = tdm_cuda_ptr(y);
+    const void *bias = tdm_cuda_ptr(b);
+    cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
+    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    uint64_t ws = CU_BLAS_WORKSPACE;
+    uint32_t al[4] = {align_of(pw), align_of(px), align_of(py), align_of(py)};
+    cublasLtMatmulDesc_t op = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t heur;
+    int found = 0;
+    cublasStatus_t st = cublasLtMatmulDescCreate(
+        &op, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof T);
+    if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof N);
+    if (!st)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
+    if (!st)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                            sizeof bias);
+    if (!st) st = cublasLtMatrixLayoutCreate(&la, t, in, out, (int64_t)in);
+    if (!st) st = cublasLtMatrixLayoutCreate(&lb, t, in, M, (int64_t)in);
+    if (!st) st = cublasLtMatrixLayoutCreate(&ld, t, out, M, (int64_t)out);
+    if (!st) st = cublasLtMatmulPreferenceCreate(&pref);
+    if (!st)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                  &ws, sizeof ws);
+    const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4 && !st; i++)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &al[i], sizeof al[i]);
+    if (!st) st = cublasLtMatmulAlgoGetHeuristic(d->lt, op, la, lb, ld, ld, pref, 1, &heur, &found);
+    if (!st && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
+    const float one = 1.0f, zero = 0.0f;
+    if (!st)
+        st = cublasLtMatmul(d->lt, op, &one, pw, la, px, lb, &zero, py, ld, py, ld, &heur.algo,
+                            d->blas_workspace, CU_BLAS_WORKSPACE, d->compute);
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+    return st;
+}
+
+extern "C" int tdm_cuda_linear(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w,
+                               const tdm_tensor *b) {
+    if (!b) return tdm_cuda_matmul(y, x, w, false, true, 0.0f);
+    if (cu_check_float("linear", true, {y, x, w, b})) return tdm_last_status();
+    if (y->ndim != 3 || x->ndim != 3 || w->ndim != 3 || b->ndim != 1 || !tdm_is_contiguous(y) ||
+        !tdm_is_contiguous(x) || !tdm_is_contiguous(w) || !tdm_is_contiguous(b) ||
+        y->shape[0] != 1 || x->shape[0] != 1 || w->shape[0] != 1 || x->shape[1] != y->shape[1] ||
+        w->shape[1] != y->shape[2] || w->shape[2] != x->shape[2] || b->shape[0] != y->shape[2])
+        return tdm_raise(TDM_ERR_SHAPE, "cuda linear: expects contiguous y [1, M, out], x [1, M, "
+                                        "in], w [1, out, in] and b [out]");
+    cu_device *d = cu_dev_of(y, "linear");
+    if (!d) return tdm_last_status();
+    int64_t M = y->shape[1], out = y->shape[2], in = x->shape[2];
+    if (M == 0 || out == 0) return TDM_OK;
+    if (in > 0 && M <= INT_MAX && out <= INT_MAX && in <= INT_MAX) {
+        cublasStatus_t st = linear_lt(d, y, x, w, b);
+        if (st == CUBLAS_STATUS_SUCCESS) return TDM_OK;
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED)
+            return cu_check_blas(st, "linear (cublasLtMatmul)", y->device.index);
+    }
+    /* no algorithm with the epilogue: y preloaded with b, the GEMM adding onto it */
+    tdm_tensor bb = *b;
+    bb.ndim = 3;
+    bb.shape[0] = 1, bb.shape[1] = M, bb.shape[2] = out;
+    bb.strides[0] = bb.strides[1] = 0, bb.strides[2] = 1;
+    int rc = tdm_cuda_copy(y, &bb);
+    return rc ? rc : tdm_cuda_matmul(y, x, w, false, true, 1.0f);
 }

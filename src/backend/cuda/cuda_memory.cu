@@ -9,8 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#define MAX_GPUS          64 /* the allocator's pools per device type (src/core/alloc.c MAX_POOLS) */
-#define CU_BLAS_WORKSPACE ((size_t)32 << 20)
+#define MAX_GPUS 64 /* the allocator's pools per device type (src/core/alloc.c MAX_POOLS) */
 
 static cu_device devices[MAX_GPUS];
 static bool device_ready[MAX_GPUS];
@@ -92,15 +91,15 @@ static int device_init(cu_device *d, int index) {
         cu_check(cudaMallocHost(&d->bad_host, sizeof *d->bad_host), "allocating a pinned flag",
                  index))
         return tdm_last_status();
-    /* a workspace of cuBLAS's own, so that a product recorded in a graph allocates nothing
-     * (32 MiB: what cuBLAS advises on sm_90) */
+    /* a workspace of cuBLAS's own, so that a product recorded in a graph allocates nothing */
     if (cu_check(cudaMalloc(&d->blas_workspace, CU_BLAS_WORKSPACE), "allocating cuBLAS's workspace",
                  index) ||
         cu_check_blas(cublasCreate(&d->blas), "creating the cuBLAS handle", index) ||
         cu_check_blas(cublasSetStream(d->blas, d->compute), "binding cuBLAS to its stream",
                       index) ||
         cu_check_blas(cublasSetWorkspace(d->blas, d->blas_workspace, CU_BLAS_WORKSPACE),
-                      "giving cuBLAS its workspace", index))
+                      "giving cuBLAS its workspace", index) ||
+        cu_check_blas(cublasLtCreate(&d->lt), "creating the cuBLASLt handle", index))
         return tdm_last_status();
     /* plain FP32 GEMMs (no TF32), as PyTorch does by default: results comparable to the CPU */
     return cu_check_blas(cublasSetMathMode(d->blas, CUBLAS_DEFAULT_MATH), "setting FP32 math",

@@ -18,6 +18,7 @@
  * thread's work on the captured stream as closures and runs them in order on launch. */
 #include "cuda_runtime.h"
 #include "cublas_v2.h"
+#include "cublasLt.h"
 #include "tandem/half.h"
 
 #include <map>
@@ -469,6 +470,166 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
                 }
     };
     if (!recorded(h->stream, run)) run();
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+/* ---- cuBLASLt ---------------------------------------------------------------------------- */
+
+struct emu_lt {
+    int unused;
+};
+struct emu_lt_desc {
+    cublasComputeType_t compute;
+    cublasOperation_t ta, tb;
+    int epilogue;
+    const void *bias;
+};
+struct emu_lt_layout {
+    cudaDataType type;
+    uint64_t rows, cols;
+    int64_t ld;
+};
+struct emu_lt_pref {
+    size_t workspace;
+};
+
+cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
+    *h = new emu_lt{};
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
+    delete h;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t compute,
+                                        cudaDataType_t scale) {
+    if (scale != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+    *d = new emu_lt_desc{compute, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL};
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
+    delete d;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
+                                              cublasLtMatmulDescAttributes_t a, const void *buf,
+                                              size_t size) {
+    switch (a) {
+    case CUBLASLT_MATMUL_DESC_TRANSA:
+    case CUBLASLT_MATMUL_DESC_TRANSB:
+        if (size != sizeof(int32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+        (a == CUBLASLT_MATMUL_DESC_TRANSA ? d->ta : d->tb) = *(const cublasOperation_t *)buf;
+        return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE:
+        if (size != sizeof(uint32_t)) return CUBLAS_STATUS_INVALID_VALUE;
+        d->epilogue = (int)*(const uint32_t *)buf;
+        return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
+        if (size != sizeof(void *)) return CUBLAS_STATUS_INVALID_VALUE;
+        d->bias = *(const void *const *)buf;
+        return CUBLAS_STATUS_SUCCESS;
+    default:
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    }
+}
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cudaDataType type,
+                                          uint64_t rows, uint64_t cols, int64_t ld) {
+    if (ld < (int64_t)(rows > 1 ? rows : 1)) return CUBLAS_STATUS_INVALID_VALUE;
+    *l = new emu_lt_layout{type, rows, cols, ld};
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
+    delete l;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
+    *p = new emu_lt_pref{0};
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+    delete p;
+    return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t a,
+                                                    const void *buf, size_t size) {
+    if (a == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES && size == sizeof(uint64_t)) {
+        p->workspace = (size_t)(*(const uint64_t *)buf);
+        return CUBLAS_STATUS_SUCCESS;
+    }
+    /* the alignments the algorithm may assume: a power of two, at most 256 */
+    uint32_t align = size == sizeof(uint32_t) ? *(const uint32_t *)buf : 0;
+    bool ok = a >= CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES &&
+              a <= CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES && align && align <= 256 &&
+              !(align & (align - 1));
+    return ok ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_INVALID_VALUE;
+}
+
+/* Whether cublasLtMatmul runs this product: one type throughout, the shapes agreeing, an
+ * epilogue of none or a bias with its vector. */
+static bool lt_runs(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                    cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d) {
+    const bool fast = op->compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+    uint64_t m = op->ta == CUBLAS_OP_N ? a->rows : a->cols,
+             k = op->ta == CUBLAS_OP_N ? a->cols : a->rows;
+    uint64_t kb = op->tb == CUBLAS_OP_N ? b->rows : b->cols,
+             n = op->tb == CUBLAS_OP_N ? b->cols : b->rows;
+    return (op->compute == CUBLAS_COMPUTE_32F || fast) && ex_type(a->type) && b->type == a->type &&
+           c->type == a->type && d->type == a->type && (!fast || a->type == CUDA_R_32F) &&
+           k == kb && d->rows == m && d->cols == n && c->rows == m && c->cols == n &&
+           c->ld == d->ld &&
+           (op->epilogue == CUBLASLT_EPILOGUE_DEFAULT ||
+            (op->epilogue == CUBLASLT_EPILOGUE_BIAS && op->bias));
+}
+
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t op,
+                                              cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                              cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
+                                              cublasLtMatmulPreference_t pref, int requested,
+                                              cublasLtMatmulHeuristicResult_t results[],
+                                              int *count) {
+    if (requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
+    *count = 0;
+    if (!lt_runs(op, a, b, c, d)) return CUBLAS_STATUS_NOT_SUPPORTED;
+    memset(&results[0], 0, sizeof results[0]);
+    results[0].state = CUBLAS_STATUS_SUCCESS;
+    results[0].wavesCount = 1.0f;
+    *count = 1;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const void *alpha,
+                              const void *A, cublasLtMatrixLayout_t a, const void *B,
+                              cublasLtMatrixLayout_t b, const void *beta, const void *C,
+                              cublasLtMatrixLayout_t c, void *D, cublasLtMatrixLayout_t d,
+                              const cublasLtMatmulAlgo_t *algo, void *workspace,
+                              size_t workspace_bytes, cudaStream_t stream) {
+    if (!algo || !lt_runs(op, a, b, c, d)) return CUBLAS_STATUS_NOT_SUPPORTED;
+    const float al = *(const float *)alpha, be = *(const float *)beta;
+    const bool fast = op->compute == CUBLAS_COMPUTE_32F_FAST_TF32;
+    const bool ta = op->ta != CUBLAS_OP_N, tb = op->tb != CUBLAS_OP_N;
+    const long long m = (long long)d->rows, n = (long long)d->cols;
+    const long long k = (long long)(ta ? a->rows : a->cols), lda = a->ld, ldb = b->ld;
+    const long long ldc = c->ld, ldd = d->ld;
+    const cudaDataType t = d->type;
+    const void *bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS ? op->bias : NULL;
+    auto run = [=]() {
+        for (long long j = 0; j < n; j++)
+            for (long long i = 0; i < m; i++) {
+                double s = 0;
+                for (long long l = 0; l < k; l++) {
+                    float x = ex_load(A, t, ta ? l + i * lda : i + l * lda);
+                    float y = ex_load(B, t, tb ? j + l * ldb : l + j * ldb);
+                    s += fast ? (double)tf32(x) * tf32(y) : (double)x * y;
+                }
+                /* alpha AB + beta C + bias in f32 (the epilogue's), then D's type */
+                float r = (float)(al * s);
+                if (be != 0.0f) r += be * ex_load(C, t, i + j * ldc);
+                if (bias) r += ex_load(bias, t, i);
+                ex_store(D, t, i + j * ldd, r);
+            }
+    };
+    if (!recorded(stream, run)) run();
     return CUBLAS_STATUS_SUCCESS;
 }
 }

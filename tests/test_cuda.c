@@ -517,6 +517,34 @@ static void case_linear(run *r) {
     out(r, "y y_no_bias", y, y0);
 }
 
+/* nn's linear_gelu: 32 outputs (a GPU's cuBLASLt epilogue: the GELU's input stored with a
+ * leading dimension of a multiple of 8, the GELU taken of the f32 sum, as the CPU's f32
+ * reference) and 29 (linear, then the unary GELU of pre as rounded to the row's dtype: y is
+ * checked on the GPU against that GELU of the GPU's pre, bit for bit, and pre against the CPU's).
+ */
+static void case_linear_gelu(run *r) {
+    for (int i = 0; i < 2; i++) {
+        int64_t M = 37, n_out = i ? 29 : 32, in = 301;
+        tdm_tensor *x = randn(r, TDM_SHAPE(1, M, in), 0, 1);
+        tdm_tensor *w = randn(r, TDM_SHAPE(1, n_out, in), 0, 0.1f);
+        tdm_tensor *b = randn(r, TDM_SHAPE(n_out), 0, 1), *y = zeros(r, TDM_SHAPE(1, M, n_out));
+        tdm_tensor *pre = zeros(r, TDM_SHAPE(1, M, n_out)), *g = zeros(r, TDM_SHAPE(1, M, n_out));
+        variant(r, "%lld outputs", (long long)n_out);
+        KERNEL(r, linear_gelu, y, pre, x, w, b);
+        out(r, "pre", pre);
+        if (!i) {
+            out(r, "y", y);
+            continue;
+        }
+        KERNEL(r, unary, TDM_UN_GELU_TANH, g, pre, 0.0f);
+        size_t nb = (size_t)(M * n_out) * tdm_dtype_size(y->dtype);
+        void *hy = malloc(nb), *hg = malloc(nb);
+        CHECK(hy && hg && !tdm_to_host(y, hy, nb) && !tdm_to_host(g, hg, nb) && !memcmp(hy, hg, nb),
+              "%s on %s: 29 outputs: y is not the unary GELU of pre", r->row->name, r->on);
+        free(hy), free(hg);
+    }
+}
+
 /* Along dims 0 and 1, i32 and i64 indices with repeats (index_add sums them in order: exact);
  * an index out of range is an error naming it and its position. */
 static void case_index(run *r) {
@@ -856,6 +884,7 @@ static void case_gpt(run *r) {
     {"sum_squares of " tag, case_sum_squares, {0, 1e-12}, EXACT, dt},                             \
     {"matmul (and into f32) in " tag, case_matmul, {1e-4, 1e-4}, EXACT, dt},                      \
     {"linear in " tag, case_linear, {1e-4, 1e-4}, EXACT, dt},                                      \
+    {"linear_gelu in " tag, case_linear_gelu, {1e-4, 1e-4}, EXACT, dt},                            \
     {"index_select, index_add in " tag, case_index, EXACT, EXACT, dt},                            \
     {"max_pool2d, avg_pool2d and backward in " tag, case_pool2d, EXACT, EXACT, dt},               \
     {"batch_norm, batch_norm_backward in " tag, case_batch_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, dt}, \
@@ -897,6 +926,7 @@ static const row ROWS[] = {
      * absolute; 1e-4 absolute + 1e-4 relative */
     {"matmul", case_matmul, {1e-4, 1e-4}, EXACT, TDM_F32},
     {"linear", case_linear, {1e-4, 1e-4}, EXACT, TDM_F32},
+    {"linear_gelu", case_linear_gelu, {1e-4, 1e-4}, EXACT, TDM_F32},
     {"index_select, index_add", case_index, EXACT, EXACT, TDM_F32},
     /* FP32 GEMMs over up to K = 150 (forward) and N*P = 400 (weights) terms; the CPU sums
      * each plane of gb in float lanes: 1e-4 */

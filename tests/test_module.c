@@ -202,6 +202,52 @@ static void test_linear_grad(void) {
     for (int i = 0; i < 7; i++) tdm_tensor_free(all[i]);
 }
 
+static tdm_tensor *fn_linear_gelu(tdm_tensor **in, void *ctx) {
+    (void)ctx;
+    return tdm_linear_gelu(in[0], in[1], in[2]);
+}
+static tdm_tensor *fn_linear_then_gelu(tdm_tensor **in, void *ctx) {
+    (void)ctx;
+    return tdm_gelu(tdm_linear(in[0], in[1], in[2]), true);
+}
+
+/* Forward and gradients of x, w and b through fn (the caller's scope). */
+static tdm_tensor *linear_gelu_run(gradcheck_fn fn, tdm_tensor **in, tdm_tensor **g) {
+    for (int i = 0; i < 3; i++) tdm_zero_grad(in[i]);
+    tdm_tensor *y = fn(in, NULL);
+    int rc = y ? tdm_backward(tdm_sum_all(tdm_mul(y, y))) : -1;
+    for (int i = 0; i < 3; i++) g[i] = rc ? NULL : tdm_clone(in[i]->grad);
+    return y;
+}
+
+/* tdm_linear_gelu: gradcheck; on the CPU the bits of tdm_linear then tanh tdm_gelu (the same
+ * kernels), forward and gradients; a NULL bias refused. */
+static void test_linear_gelu(void) {
+    tdm_tensor *x = gradcheck_input(TDM_SHAPE(2, 3, 4), 20),
+               *w = gradcheck_input(TDM_SHAPE(5, 4), 21), *b = gradcheck_input(TDM_SHAPE(5), 22);
+    tdm_tensor *in[3] = {x, w, b};
+    gradcheck("linear_gelu", fn_linear_gelu, 3, in, NULL, 1e-2, 1e-3, 1e-2);
+    tdm_scope_begin();
+    tdm_tensor *g1[3], *g2[3];
+    tdm_tensor *y1 = linear_gelu_run(fn_linear_gelu, in, g1);
+    tdm_tensor *y2 = linear_gelu_run(fn_linear_then_gelu, in, g2);
+    float a[30], c[30]; /* y [2, 3, 5] */
+    CHECK(y1 && y2 && !tdm_to_host(y1, a, sizeof a) && !tdm_to_host(y2, c, sizeof c) &&
+              !memcmp(a, c, sizeof a),
+          "linear_gelu's forward differs from linear then gelu on the CPU");
+    for (int i = 0; i < 3; i++) {
+        float ga[40], gb[40];
+        size_t nb = sizeof(float) * (size_t)tdm_numel(in[i]);
+        CHECK(g1[i] && g2[i] && !tdm_to_host(g1[i], ga, nb) && !tdm_to_host(g2[i], gb, nb) &&
+                  !memcmp(ga, gb, nb),
+              "linear_gelu's gradient %d differs from linear then gelu's on the CPU", i);
+    }
+    CHECK(!tdm_linear_gelu(x, w, NULL) && strstr(tdm_last_error(), "bias"),
+          "linear_gelu without a bias: %s", tdm_last_error());
+    tdm_scope_end();
+    for (int i = 0; i < 3; i++) tdm_tensor_free(in[i]);
+}
+
 /* Sequential runs ReLU -> MaxPool2d as MaxPool2d -> ReLU (sequential_forward): outputs and
  * input gradients must be bit for bit those of the literal order, with negative windows,
  * zeros and ties in the input, for plain, padded and ceil-mode pooling. */
@@ -493,6 +539,7 @@ int main(void) {
     test_flat_buffer();
     test_linear_forward();
     test_linear_grad();
+    test_linear_gelu();
     test_relu_pool_order();
     test_train_eval();
     test_batch_norm_cumulative();

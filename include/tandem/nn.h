@@ -28,6 +28,11 @@ extern "C" {
 
 /* x [..., in] @ w[out, in]^T + b[out] (b may be NULL) -> [..., out] */
 tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b);
+/* tdm_gelu(tdm_linear(x, w, b), true) as one op (a transformer MLP's first half): on a GPU one
+ * cuBLASLt product whose epilogue adds b and applies the tanh-GELU as it writes (the GELU of the
+ * f32 sum, PyTorch's addmm with a GELU epilogue), its input kept for backward; on the CPU the
+ * same kernels as the two ops, bit for bit. b is required (NULL: an error). */
+tdm_tensor *tdm_linear_gelu(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b);
 
 typedef struct {
     int stride_h, stride_w; /* 0 means 1 */

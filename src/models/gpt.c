@@ -56,10 +56,25 @@ static tdm_tensor *attn_forward(tdm_module *m, tdm_tensor *x) {
     return tdm_module_forward(m->children[AT_C_PROJ], tdm_causal_attention(qkv, heads));
 }
 
+/* Whether c_fc and the GELU can run as one op (tdm_linear_gelu: on a GPU the GELU in the
+ * product's epilogue): c_fc a plain Linear with a bias (not tensor-parallel's), the GELU the
+ * tanh one this file makes, neither with hooks or recomputation of its own. */
+static bool fuses_gelu(const tdm_module *fc, const tdm_module *gelu) {
+    const tdm_module *k[2] = {fc, gelu};
+    for (int i = 0; i < 2; i++)
+        if (k[i]->pre_hook || k[i]->post_hook || k[i]->recompute) return false;
+    return !strcmp(fc->ops->kind, "Linear") && fc->n_params == 2 &&
+           !strcmp(gelu->ops->kind, "GELU") && gelu->impl && *(const bool *)gelu->impl;
+}
+
 /* x [B, T, C] -> [B, T, 4C] -> GELU -> [B, T, C] */
 static tdm_tensor *mlp_forward(tdm_module *m, tdm_tensor *x) {
-    for (int i = 0; i < MLP_N_KIDS && x; i++) x = tdm_module_forward(m->children[i], x);
-    return x;
+    tdm_module *fc = m->children[MLP_C_FC], *gelu = m->children[MLP_GELU];
+    if (fuses_gelu(fc, gelu))
+        x = tdm_linear_gelu(x, fc->params[0], fc->params[1]);
+    else
+        x = tdm_module_forward(gelu, tdm_module_forward(fc, x));
+    return x ? tdm_module_forward(m->children[MLP_C_PROJ], x) : NULL;
 }
 
 /* Pre-LayerNorm residual block: x + attn(ln_1(x)), then + mlp(ln_2(.)). */

@@ -1,5 +1,6 @@
 /* tdm_linear: y = x @ w^T + b as one tape node with the bias fused into the GEMM (the backend's
- * linear kernel: cuBLASLt's bias epilogue on a GPU).
+ * linear kernel: cuBLASLt's bias epilogue on a GPU); tdm_linear_gelu: GELU(x @ w^T + b), the GELU
+ * in the same GEMM's epilogue on a GPU, its input kept for backward.
  *
  * x [..., in] is seen as a matrix X [M, in] (M = product of the leading dims), so every
  * product is one BLAS call whatever the rank of x:
@@ -26,12 +27,11 @@ static tdm_tensor *contiguous_grad(tdm_tensor *g) {
     return c;
 }
 
-static int linear_backward(tdm_node *n, tdm_tensor *gout) {
+/* The linear's gradients from gy, the gradient of its output (contiguous). */
+static int linear_grads(tdm_node *n, tdm_tensor *gy) {
     tdm_tensor *x = n->in[0], *w = n->in[1], *b = n->in[2];
     const tdm_backend *be = tdm_backend_for(x->device);
     int64_t out = w->shape[0], in = w->shape[1], rows = leading_rows(x);
-    tdm_tensor *gy = contiguous_grad(gout);
-    if (!gy) return tdm_last_status();
     tdm_tensor gy3 = tdm_as_matrix(gy, rows, out);
     if (tdm_node_wants(n, 0)) { /* dX [M, in] = dY [M, out] @ W [out, in] */
         tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
@@ -65,6 +65,21 @@ static int linear_backward(tdm_node *n, tdm_tensor *gout) {
     return TDM_OK;
 }
 
+static int linear_backward(tdm_node *n, tdm_tensor *gout) {
+    tdm_tensor *gy = contiguous_grad(gout);
+    return gy ? linear_grads(n, gy) : tdm_last_status();
+}
+
+/* linear_gelu: the GELU's gradient from its saved input pre, then the linear's. */
+static int linear_gelu_backward(tdm_node *n, tdm_tensor *gout) {
+    tdm_tensor *pre = n->saved[0], *gy = contiguous_grad(gout);
+    tdm_tensor *gpre = gy ? tdm_tensor_alloc(tdm_shape_of(pre), pre->dtype, pre->device) : NULL;
+    if (!gpre) return tdm_last_status();
+    int rc =
+        tdm_backend_for(pre->device)->unary_backward(TDM_UN_GELU_TANH, gpre, gy, pre, n->out, 0.0f);
+    return rc ? rc : linear_grads(n, gpre);
+}
+
 static int check_linear(const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b) {
     char sx[96], sw[96], sb[96];
     if (tdm_check_float(x, "linear") || tdm_check_float(w, "linear") ||
@@ -85,6 +100,25 @@ static int check_linear(const tdm_tensor *x, const tdm_tensor *w, const tdm_tens
     return TDM_OK;
 }
 
+/* The GEMM wants unit stride in the last dim and a plain row layout: x, w, b made so (in
+ * the caller's scope). TDM_OK or an error. */
+static int linear_operands(tdm_tensor **x, tdm_tensor **w, tdm_tensor **b) {
+    if (check_linear(*x, *w, *b)) return tdm_last_status();
+    *x = tdm_contiguous(*x);
+    *w = tdm_contiguous(*w);
+    tdm_tensor *bc = *b ? tdm_contiguous(*b) : NULL;
+    if (!*x || !*w || (*b && !bc)) return tdm_last_status();
+    *b = bc;
+    return TDM_OK;
+}
+
+/* A tensor of x's shape with its last dim out (linear's output). */
+static tdm_tensor *linear_out(const tdm_tensor *x, int64_t out) {
+    tdm_shape ys = tdm_shape_of(x);
+    ys.d[ys.ndim - 1] = out;
+    return tdm_tensor_alloc(ys, x->dtype, x->device);
+}
+
 tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
     if (!x || !w) return tdm_null_arg("linear", x ? "weight" : "input");
     tdm_tensor *in0[3] = {x, w, b};
@@ -92,19 +126,11 @@ tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
     if (!(x = tdm_autocast_arg(x, TDM_AC_LOW)) || !(w = tdm_autocast_arg(w, TDM_AC_LOW)))
         return NULL;
     if (b && !(b = tdm_autocast_arg(b, TDM_AC_LOW))) return NULL;
-    if (check_linear(x, w, b)) return NULL;
-    /* The GEMM wants unit stride in the last dim and a plain row layout. */
-    x = tdm_contiguous(x);
-    w = tdm_contiguous(w);
-    tdm_tensor *bc = b ? tdm_contiguous(b) : NULL;
-    if (!x || !w || (b && !bc)) return NULL;
-    b = bc;
+    if (linear_operands(&x, &w, &b)) return NULL;
     const tdm_backend *be = tdm_backend_for(x->device);
     if (!be) return NULL;
     int64_t out = w->shape[0], in = w->shape[1], rows = leading_rows(x);
-    tdm_shape ys = tdm_shape_of(x);
-    ys.d[ys.ndim - 1] = out;
-    tdm_tensor *y = tdm_tensor_alloc(ys, x->dtype, x->device);
+    tdm_tensor *y = linear_out(x, out);
     if (!y) return NULL;
     tdm_tensor y3 = tdm_as_matrix(y, rows, out), x3 = tdm_as_matrix(x, rows, in),
                w3 = tdm_as_matrix(w, out, in);
@@ -112,5 +138,29 @@ tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
     tdm_tensor *in3[3] = {x, w, b};
     if (tdm_needs_record(3, in3) && !tdm_record("linear", linear_backward, y, 3, in3))
         return tdm_drop_fail(y);
+    return y;
+}
+
+tdm_tensor *tdm_linear_gelu(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
+    if (!x || !w || !b) return tdm_null_arg("linear_gelu", !x ? "input" : !w ? "weight" : "bias");
+    tdm_tensor *in0[3] = {x, w, b};
+    TDM_AUTOCAST_SCOPED(3, in0, tdm_linear_gelu(x, w, b));
+    if (!(x = tdm_autocast_arg(x, TDM_AC_LOW)) || !(w = tdm_autocast_arg(w, TDM_AC_LOW)) ||
+        !(b = tdm_autocast_arg(b, TDM_AC_LOW)) || linear_operands(&x, &w, &b))
+        return NULL;
+    const tdm_backend *be = tdm_backend_for(x->device);
+    if (!be) return NULL;
+    int64_t out = w->shape[0], in = w->shape[1], rows = leading_rows(x);
+    tdm_tensor *y = linear_out(x, out), *pre = y ? linear_out(x, out) : NULL;
+    if (!pre) return y ? tdm_drop_fail(y) : NULL;
+    tdm_tensor y3 = tdm_as_matrix(y, rows, out), p3 = tdm_as_matrix(pre, rows, out),
+               x3 = tdm_as_matrix(x, rows, in), w3 = tdm_as_matrix(w, out, in);
+    if (be->linear_gelu(&y3, &p3, &x3, &w3, b)) return tdm_drop_fail(pre), tdm_drop_fail(y);
+    tdm_tensor *in3[3] = {x, w, b};
+    if (tdm_needs_record(3, in3)) {
+        tdm_node *n = tdm_record("linear_gelu", linear_gelu_backward, y, 3, in3);
+        if (!n) return tdm_drop_fail(y);
+        n->saved[0] = pre;
+    }
     return y;
 }

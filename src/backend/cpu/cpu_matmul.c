@@ -47,6 +47,12 @@ int tdm_cpu_linear(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w, cons
     return tdm_cpu_matmul(y, x, w, false, true, b ? 1.0f : 0.0f);
 }
 
+int tdm_cpu_linear_gelu(tdm_tensor *y, tdm_tensor *pre, const tdm_tensor *x, const tdm_tensor *w,
+                        const tdm_tensor *b) {
+    int rc = tdm_cpu_linear(pre, x, w, b);
+    return rc ? rc : tdm_cpu_unary(TDM_UN_GELU_TANH, y, pre, 0.0f);
+}
+
 int tdm_cpu_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool ta, bool tb,
                    float beta) {
     if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){c, a, b})) {

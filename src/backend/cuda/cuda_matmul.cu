@@ -78,10 +78,11 @@ static uint32_t align_of(const void *p) {
     return a;
 }
 
-/* y = x w^T + b by cublasLtMatmul with CUBLASLT_EPILOGUE_BIAS. Column-major, y's [M, out] rows
- * are D [out, M] = op_T(w seen as [in, out]) X^T [in, M]: the bias runs along D's rows.
+/* y = x w^T + b by cublasLtMatmul with CUBLASLT_EPILOGUE_BIAS, or with pre (not NULL) y =
+ * GELU(pre), pre = x w^T + b by CUBLASLT_EPILOGUE_GELU_AUX_BIAS. Column-major, y's [M, out]
+ * rows are D [out, M] = op_T(w seen as [in, out]) X^T [in, M]: the bias runs along D's rows.
  * CUBLAS_STATUS_NOT_SUPPORTED, nothing queued, where cuBLASLt has no algorithm for it. */
-static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, const tdm_tensor *x,
+static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, tdm_tensor *pre, const tdm_tensor *x,
                                 const tdm_tensor *w, const tdm_tensor *b) {
     uint64_t M = (uint64_t)y->shape[1], out = (uint64_t)y->shape[2], in = (uint64_t)x->shape[2];
     cudaDataType t = blas_type(y->dtype);
@@ -89,7 +90,9 @@ static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, const tdm_tensor *x
     void *pw = tdm_cuda_ptr(w), *px = tdm_cuda_ptr(x), *py = tdm_cuda_ptr(y);
     const void *bias = tdm_cuda_ptr(b);
     cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
-    cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    cublasLtEpilogue_t epi = pre ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS;
+    void *aux = pre ? tdm_cuda_ptr(pre) : NULL;
+    int64_t aux_ld = (int64_t)out; /* cuBLASLt's rule: a multiple of 8 (the caller's check) */
     uint64_t ws = CU_BLAS_WORKSPACE;
     uint32_t al[4] = {align_of(pw), align_of(px), align_of(py), align_of(py)};
     cublasLtMatmulDesc_t op = NULL;
@@ -106,6 +109,12 @@ static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, const tdm_tensor *x
     if (!st)
         st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                             sizeof bias);
+    if (!st && aux)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
+                                            sizeof aux);
+    if (!st && aux)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
+                                            sizeof aux_ld);
     if (!st) st = cublasLtMatrixLayoutCreate(&la, t, in, out, (int64_t)in);
     if (!st) st = cublasLtMatrixLayoutCreate(&lb, t, in, M, (int64_t)in);
     if (!st) st = cublasLtMatrixLayoutCreate(&ld, t, out, M, (int64_t)out);
@@ -132,26 +141,59 @@ static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, const tdm_tensor *x
     return st;
 }
 
-extern "C" int tdm_cuda_linear(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w,
-                               const tdm_tensor *b) {
-    if (!b) return tdm_cuda_matmul(y, x, w, false, true, 0.0f);
-    if (cu_check_float("linear", true, {y, x, w, b})) return tdm_last_status();
+/* The operands of linear (and linear_gelu's pre), checked: TDM_OK or an error naming op. */
+static int linear_check(const char *op, const tdm_tensor *y, const tdm_tensor *x,
+                        const tdm_tensor *w, const tdm_tensor *b) {
+    if (cu_check_float(op, true, {y, x, w, b})) return tdm_last_status();
     if (y->ndim != 3 || x->ndim != 3 || w->ndim != 3 || b->ndim != 1 || !tdm_is_contiguous(y) ||
         !tdm_is_contiguous(x) || !tdm_is_contiguous(w) || !tdm_is_contiguous(b) ||
         y->shape[0] != 1 || x->shape[0] != 1 || w->shape[0] != 1 || x->shape[1] != y->shape[1] ||
         w->shape[1] != y->shape[2] || w->shape[2] != x->shape[2] || b->shape[0] != y->shape[2])
-        return tdm_raise(TDM_ERR_SHAPE, "cuda linear: expects contiguous y [1, M, out], x [1, M, "
-                                        "in], w [1, out, in] and b [out]");
+        return tdm_raise(TDM_ERR_SHAPE,
+                         "cuda %s: expects contiguous y [1, M, out], x [1, M, in], "
+                         "w [1, out, in] and b [out]",
+                         op);
+    return TDM_OK;
+}
+
+/* linear_lt where it runs: TDM_OK, TDM_ERR_STATE (silently: not done, nothing queued), or an
+ * error of cuBLASLt's. */
+static int linear_lt_run(cu_device *d, tdm_tensor *y, tdm_tensor *pre, const tdm_tensor *x,
+                         const tdm_tensor *w, const tdm_tensor *b) {
+    int64_t M = y->shape[1], out = y->shape[2], in = x->shape[2];
+    if (in == 0 || M > INT_MAX || out > INT_MAX || in > INT_MAX) return TDM_ERR_STATE;
+    cublasStatus_t st = linear_lt(d, y, pre, x, w, b);
+    if (st == CUBLAS_STATUS_SUCCESS) return TDM_OK;
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED) return TDM_ERR_STATE;
+    return cu_check_blas(st, pre ? "linear_gelu (cublasLtMatmul)" : "linear (cublasLtMatmul)",
+                         y->device.index);
+}
+
+extern "C" int tdm_cuda_linear_gelu(tdm_tensor *y, tdm_tensor *pre, const tdm_tensor *x,
+                                    const tdm_tensor *w, const tdm_tensor *b) {
+    if (linear_check("linear_gelu", pre, x, w, b) || linear_check("linear_gelu", y, x, w, b))
+        return tdm_last_status();
+    cu_device *d = cu_dev_of(y, "linear_gelu");
+    if (!d) return tdm_last_status();
+    if (y->shape[1] == 0 || y->shape[2] == 0) return TDM_OK;
+    if (y->shape[2] % 8 == 0) { /* the GELU's input's leading dimension: cuBLASLt's rule */
+        int rc = linear_lt_run(d, y, pre, x, w, b);
+        if (rc != TDM_ERR_STATE) return rc;
+    }
+    int rc = tdm_cuda_linear(pre, x, w, b);
+    return rc ? rc : tdm_cuda_unary(TDM_UN_GELU_TANH, y, pre, 0.0f);
+}
+
+extern "C" int tdm_cuda_linear(tdm_tensor *y, const tdm_tensor *x, const tdm_tensor *w,
+                               const tdm_tensor *b) {
+    if (!b) return tdm_cuda_matmul(y, x, w, false, true, 0.0f);
+    if (linear_check("linear", y, x, w, b)) return tdm_last_status();
     cu_device *d = cu_dev_of(y, "linear");
     if (!d) return tdm_last_status();
-    int64_t M = y->shape[1], out = y->shape[2], in = x->shape[2];
+    int64_t M = y->shape[1], out = y->shape[2];
     if (M == 0 || out == 0) return TDM_OK;
-    if (in > 0 && M <= INT_MAX && out <= INT_MAX && in <= INT_MAX) {
-        cublasStatus_t st = linear_lt(d, y, x, w, b);
-        if (st == CUBLAS_STATUS_SUCCESS) return TDM_OK;
-        if (st != CUBLAS_STATUS_NOT_SUPPORTED)
-            return cu_check_blas(st, "linear (cublasLtMatmul)", y->device.index);
-    }
+    int lt = linear_lt_run(d, y, NULL, x, w, b);
+    if (lt != TDM_ERR_STATE) return lt;
     /* no algorithm with the epilogue: y preloaded with b, the GEMM adding onto it */
     tdm_tensor bb = *b;
     bb.ndim = 3;

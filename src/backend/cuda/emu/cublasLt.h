@@ -1,6 +1,7 @@
 /* Host emulation of the cuBLASLt calls Tandem's CUDA backend makes (see cuda_runtime.h here):
  * one column-major product D = alpha op(A) op(B) (+ beta C, + the bias epilogue's vector
- * broadcast over D's columns), summing in double, the epilogue in f32, then D's type; A, B, C, D
+ * broadcast over D's columns; GELU_AUX_BIAS: that sum stored in the aux matrix, D its tanh-GELU,
+ * as cuBLASLt's), summing in double, the epilogue in f32, then D's type; A, B, C, D
  * of one type (f32, bf16 or f16), compute CUBLAS_COMPUTE_32F (or _FAST_TF32 with f32), no
  * batches. Layouts, attributes and the heuristic are checked as cuBLASLt checks them, as far
  * as Tandem's calls go; anything else is CUBLAS_STATUS_NOT_SUPPORTED. The enums keep the real
@@ -34,9 +35,15 @@ typedef enum {
     CUBLASLT_MATMUL_DESC_TRANSB = 4,
     CUBLASLT_MATMUL_DESC_EPILOGUE = 7,
     CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8,
+    CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER = 11,
+    CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD = 12,
     CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE = 26
 } cublasLtMatmulDescAttributes_t;
-typedef enum { CUBLASLT_EPILOGUE_DEFAULT = 1, CUBLASLT_EPILOGUE_BIAS = 4 } cublasLtEpilogue_t;
+typedef enum {
+    CUBLASLT_EPILOGUE_DEFAULT = 1,
+    CUBLASLT_EPILOGUE_BIAS = 4,
+    CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
+} cublasLtEpilogue_t;
 typedef enum {
     CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1,
     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES = 5,

@@ -483,6 +483,8 @@ struct emu_lt_desc {
     cublasOperation_t ta, tb;
     int epilogue;
     const void *bias;
+    void *aux; /* GELU_AUX_BIAS's: the GELU's input, aux_ld apart */
+    int64_t aux_ld;
 };
 struct emu_lt_layout {
     cudaDataType type;
@@ -504,7 +506,8 @@ cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
 cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t compute,
                                         cudaDataType_t scale) {
     if (scale != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
-    *d = new emu_lt_desc{compute, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL};
+    *d = new emu_lt_desc{compute, CUBLAS_OP_N, CUBLAS_OP_N, CUBLASLT_EPILOGUE_DEFAULT, NULL, NULL,
+                         0};
     return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
@@ -527,6 +530,14 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d,
     case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
         if (size != sizeof(void *)) return CUBLAS_STATUS_INVALID_VALUE;
         d->bias = *(const void *const *)buf;
+        return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER:
+        if (size != sizeof(void *)) return CUBLAS_STATUS_INVALID_VALUE;
+        d->aux = *(void *const *)buf;
+        return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD:
+        if (size != sizeof(int64_t)) return CUBLAS_STATUS_INVALID_VALUE;
+        d->aux_ld = *(const int64_t *)buf;
         return CUBLAS_STATUS_SUCCESS;
     default:
         return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -566,7 +577,7 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
 }
 
 /* Whether cublasLtMatmul runs this product: one type throughout, the shapes agreeing, an
- * epilogue of none or a bias with its vector. */
+ * epilogue of none, a bias with its vector, or a bias and GELU with the GELU's input stored. */
 static bool lt_runs(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                     cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d) {
     const bool fast = op->compute == CUBLAS_COMPUTE_32F_FAST_TF32;
@@ -579,7 +590,10 @@ static bool lt_runs(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtM
            k == kb && d->rows == m && d->cols == n && c->rows == m && c->cols == n &&
            c->ld == d->ld &&
            (op->epilogue == CUBLASLT_EPILOGUE_DEFAULT ||
-            (op->epilogue == CUBLASLT_EPILOGUE_BIAS && op->bias));
+            (op->epilogue == CUBLASLT_EPILOGUE_BIAS && op->bias) ||
+            /* the GELU's input: ld a multiple of 8, at least D's rows */
+            (op->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS && op->bias && op->aux &&
+             op->aux_ld % 8 == 0 && op->aux_ld >= (int64_t)m));
 }
 
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t op,
@@ -612,7 +626,9 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
     const long long k = (long long)(ta ? a->rows : a->cols), lda = a->ld, ldb = b->ld;
     const long long ldc = c->ld, ldd = d->ld;
     const cudaDataType t = d->type;
-    const void *bias = op->epilogue == CUBLASLT_EPILOGUE_BIAS ? op->bias : NULL;
+    const void *bias = op->epilogue != CUBLASLT_EPILOGUE_DEFAULT ? op->bias : NULL;
+    void *aux = op->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ? op->aux : NULL;
+    const long long aux_ld = op->aux_ld;
     auto run = [=]() {
         for (long long j = 0; j < n; j++)
             for (long long i = 0; i < m; i++) {
@@ -626,6 +642,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
                 float r = (float)(al * s);
                 if (be != 0.0f) r += be * ex_load(C, t, i + j * ldc);
                 if (bias) r += ex_load(bias, t, i);
+                if (aux) { /* tanh-GELU of the f32 sum, its input kept in aux */
+                    ex_store(aux, t, i + j * aux_ld, r);
+                    r = 0.5f * r * (1.0f + tanhf(0.7978845608f * (r + 0.044715f * r * r * r)));
+                }
                 ex_store(D, t, i + j * ldd, r);
             }
     };

@@ -2,9 +2,13 @@
  *
  *   $VENV/bin/python bench/torch_gpt.py --steps 40        # writes /tmp/tandem_bench_gpt/...
  *   build/bench_gpt [DIR] [--steps N] [--threads N] [--device D] [--batch B] [--precision P]
+ *                   [--cuda-graphs]
  *
  * --precision bf16 (or fp16) runs the forward and the loss in an autocast region of that dtype,
  * as torch_gpt.py --autocast bf16 does on its side (default fp32: no region).
+ * --cuda-graphs steps through the one-device strategy with tdm_strategy_set_graphs (the
+ * trainer's --cuda-graphs): from the third step the zeroing, forward, loss and backward are
+ * replayed from a CUDA graph (fp32 or bf16; one GPU).
  *
  * Starts from the same weights (DIR/model.bin, llm.c's format, written by the torch script)
  * and the same batches (DIR/tokens.bin, batch k = tokens [k*B*T, (k+1)*B*T + 1)), with the
@@ -23,6 +27,7 @@
 
 static int B = 4;               /* --batch, torch_gpt.py's */
 static tdm_dtype amp = TDM_F32; /* --precision: the autocast region's dtype; f32 for none */
+static tdm_strategy *graphs;    /* --cuda-graphs: the one-device strategy stepping */
 #define MAX_STEPS 1000
 
 static double now_ms(void) {
@@ -63,6 +68,15 @@ static int fail(const char *what) {
     return 1;
 }
 
+static tdm_tensor *gpt_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    (void)row0, (void)arg;
+    return tdm_gpt_loss(out, target);
+}
+
+static tdm_optim *make_adamw(tdm_paramset *ps, void *arg) {
+    return tdm_gpt_adamw_new(ps, arg);
+}
+
 /* One training step on batch k on device dev (the model's), its tokens read into x [2, B, T]
  * (inputs, then targets); *loss receives its loss, read back to the host as the trainer reads
  * it, so the step has ended on the device too. */
@@ -74,6 +88,11 @@ static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int
     tdm_scope_begin();
     tdm_tensor *xt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, x);
     tdm_tensor *yt = tdm_from_data(TDM_SHAPE(B, T), TDM_I64, dev, y);
+    if (graphs) { /* the strategy's step: the autocast region is its (set_precision) */
+        int rc = xt && yt ? tdm_strategy_step(graphs, xt, yt, gpt_loss, NULL, loss) : -1;
+        tdm_scope_end();
+        return rc;
+    }
     if (amp != TDM_F32 && tdm_autocast_begin(amp)) return -1;
     tdm_tensor *l = tdm_gpt_loss(tdm_gpt_forward(m, xt), yt);
     if (amp != TDM_F32 && tdm_autocast_end()) l = NULL;
@@ -88,6 +107,7 @@ static int train_step(tdm_module *m, tdm_optim *opt, tdm_dataset *ds, int k, int
 int main(int argc, char **argv) {
     const char *dir = "/tmp/tandem_bench_gpt";
     int steps = 40, threads = 1;
+    bool cuda_graphs = false;
     tdm_device dev = tdm_cpu(0);
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--steps") && i + 1 < argc)
@@ -103,6 +123,8 @@ int main(int argc, char **argv) {
                 return 1;
             }
             amp = !strcmp(p, "bf16") ? TDM_BF16 : !strcmp(p, "fp16") ? TDM_F16 : TDM_F32;
+        } else if (!strcmp(argv[i], "--cuda-graphs")) {
+            cuda_graphs = true;
         } else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
             if (tdm_device_parse(argv[++i], &dev)) return fail("--device");
         } else
@@ -122,7 +144,17 @@ int main(int argc, char **argv) {
     tdm_paramset *ps = tdm_module_parameters(m);
     tdm_adam_opts ao = tdm_adamw_defaults();
     ao.lr = 1e-4f, ao.weight_decay = 0.1f;
-    tdm_optim *opt = ps ? tdm_gpt_adamw_new(ps, &ao) : NULL;
+    tdm_optim *opt = NULL;
+    if (cuda_graphs) { /* two eager steps, then replays */
+        if (amp == TDM_F16) return fprintf(stderr, "bench_gpt: --cuda-graphs: fp32 or bf16\n"), 1;
+        graphs = ps ? tdm_strategy_one_device(m, make_adamw, &ao) : NULL;
+        if (!graphs || tdm_strategy_set_precision(graphs, amp) ||
+            tdm_strategy_set_graphs(graphs, 2))
+            return fail("--cuda-graphs");
+        opt = tdm_strategy_optim(graphs, 0);
+    } else {
+        opt = ps ? tdm_gpt_adamw_new(ps, &ao) : NULL;
+    }
     if (!opt) return fail("optimizer");
     static float loss[MAX_STEPS], tloss[MAX_STEPS];
     static double ms[MAX_STEPS], tms[MAX_STEPS];
@@ -160,7 +192,15 @@ int main(int argc, char **argv) {
     printf("fastest step: tandem %.2f ms, torch %.2f ms (%.2fx; the least disturbed by other "
            "load)\n",
            tmin, pmin, pmin / tmin);
-    tdm_optim_free(opt);
+    if (graphs) {
+        const char *why = NULL;
+        int64_t r = tdm_strategy_graph_replays(graphs, &why);
+        printf("cuda graphs: %lld of %d steps replayed%s%s\n", (long long)r, steps, why ? ": " : "",
+               why ? why : "");
+        tdm_strategy_free(graphs); /* with its optimizer */
+    } else {
+        tdm_optim_free(opt);
+    }
     tdm_dataset_free(ds);
     tdm_module_free(m);
     return 0;

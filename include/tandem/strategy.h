@@ -177,12 +177,14 @@ void tdm_strategy_set_lr(tdm_strategy *st, float lr);
  * repeated). A replay gives the eager step's results bit for bit. Steps of several micro-batches
  * (tdm_strategy_accumulate) and fp16 steps (their loss scale changes) run eagerly. When the
  * recording fails (dropout in the model, a read back to the host in the loss), that step and
- * every later one run eagerly and tdm_strategy_graph_replays says why.
+ * every later one run eagerly and tdm_strategy_graph_replays says why (what the failed recording
+ * did on the host stays done: the random numbers a dropout drew are spent).
  * TDM_ERR_ARG for warmup < 1; TDM_ERR_DEVICE when the model is not on a GPU; TDM_ERR_STATE for a
  * strategy over several devices or processes (one GPU only, for now). */
 int tdm_strategy_set_graphs(tdm_strategy *st, int warmup);
 /* The steps replayed from a graph so far; *why (may be NULL) is set to the reason the recording
- * failed, or NULL while graphs are on or were never asked for. */
+ * failed (the strategy's, valid until it is freed), or NULL while graphs are on or were never
+ * asked for. */
 int64_t tdm_strategy_graph_replays(const tdm_strategy *st, const char **why);
 
 /* Mixed precision (docs/MIXED_PRECISION.md): dt TDM_BF16 or TDM_F16 runs every forward a step

@@ -18,6 +18,7 @@ int main(void) {
 #else
 
 #include "backend/cuda/cuda.h"
+#include "cuda_models.h"
 
 static tdm_device G; /* cuda:0 */
 
@@ -100,26 +101,12 @@ static void test_capture(void) {
 
 /* ---- training steps replayed ------------------------------------------------------------ */
 
-static tdm_module *make_mlp(bool dropout) {
+/* cuda_models.h's MLP without its dropout, which no graph can record */
+static tdm_module *make_plain_mlp(void) {
     tdm_rng r = tdm_rng_make(1);
-    tdm_module *l[4] = {tdm_linear_new(20, 64, true, tdm_cpu(0), &r), tdm_relu_new(),
-                        tdm_linear_new(64, 5, true, tdm_cpu(0), &r),
-                        dropout ? tdm_dropout_new(0.2f, &r) : NULL};
-    return tdm_sequential_new(dropout ? 4 : 3, l);
-}
-
-static tdm_module *make_cnn(bool dropout) {
-    (void)dropout;
-    tdm_rng r = tdm_rng_make(2);
-    tdm_conv2d_opts c = {.pad_h = 1, .pad_w = 1};
-    tdm_pool2d_opts p = {.kernel_h = 2, .kernel_w = 2};
-    tdm_module *l[6] = {tdm_conv2d_new(1, 8, 3, 3, &c, false, tdm_cpu(0), &r),
-                        tdm_batch_norm2d_new(8, 1e-5f, 0.1f, tdm_cpu(0)),
-                        tdm_relu_new(),
-                        tdm_max_pool2d_new(&p),
-                        tdm_flatten_new(1, -1),
-                        tdm_linear_new(8 * 6 * 6, 5, true, tdm_cpu(0), &r)};
-    return tdm_sequential_new(6, l);
+    tdm_module *l[3] = {tdm_linear_new(20, 64, true, tdm_cpu(0), &r), tdm_relu_new(),
+                        tdm_linear_new(64, 5, true, tdm_cpu(0), &r)};
+    return tdm_sequential_new(3, l);
 }
 
 static tdm_optim *make_adamw(tdm_paramset *ps, void *arg) {
@@ -135,13 +122,13 @@ static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, vo
 #define STEPS 7
 #define SHORT 4 /* this step's batch is smaller: it runs eagerly between replays */
 
-/* STEPS steps of make(dropout) on cuda:0 through the one-device strategy, with graphs after
+/* STEPS steps of make() on cuda:0 through the one-device strategy, with graphs after
  * warmup eager steps (0: none), the learning rate changed each step and gradients clipped;
  * losses and the final parameters (host, caller frees) written out; *replays, *why the
  * strategy's. */
-static float *run(tdm_module *(*make)(bool), tdm_shape xs, bool dropout, int warmup, float *losses,
+static float *run(tdm_module *(*make)(void), tdm_shape xs, int warmup, float *losses,
                   int64_t *replays, const char **why) {
-    tdm_module *mc = make(dropout), *m = tdm_module_clone(mc, G);
+    tdm_module *mc = make(), *m = tdm_module_clone(mc, G);
     tdm_module_free(mc);
     tdm_module_train(m, true);
     tdm_strategy *st = tdm_strategy_one_device(m, make_adamw, NULL);
@@ -176,17 +163,17 @@ static float *run(tdm_module *(*make)(bool), tdm_shape xs, bool dropout, int war
 static void test_steps(void) {
     struct {
         const char *name;
-        tdm_module *(*make)(bool);
+        tdm_module *(*make)(void);
         tdm_shape xs;
-    } models[2] = {{"mlp", make_mlp, TDM_SHAPE(32, 20)},
+    } models[2] = {{"mlp", make_plain_mlp, TDM_SHAPE(32, 20)},
                    {"cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12)}};
     for (int i = 0; i < 2; i++) {
         float le[STEPS], lg[STEPS];
         int64_t re, rg, n;
         const char *why;
-        float *pe = run(models[i].make, models[i].xs, false, 0, le, &re, &why);
-        float *pg = run(models[i].make, models[i].xs, false, 2, lg, &rg, &why);
-        tdm_module *m = models[i].make(false);
+        float *pe = run(models[i].make, models[i].xs, 0, le, &re, &why);
+        float *pg = run(models[i].make, models[i].xs, 2, lg, &rg, &why);
+        tdm_module *m = models[i].make();
         n = tdm_module_parameters(m)->total;
         tdm_module_free(m);
         /* steps 0 and 1 eager, 2 recorded and replayed, SHORT eager, the rest replayed */
@@ -205,14 +192,14 @@ static void test_steps(void) {
     float l[STEPS];
     int64_t r;
     const char *why;
-    float *p = run(make_mlp, TDM_SHAPE(32, 20), true, 1, l, &r, &why);
+    float *p = run(make_mlp, TDM_SHAPE(32, 20), 1, l, &r, &why);
     CHECK(p && r == 0 && why && strstr(why, "dropout on cuda:0 cannot be recorded"),
           "dropout: %lld replays, %s", (long long)r, why ? why : "no reason");
     free(p);
 }
 
 static void test_refused(void) {
-    tdm_module *mc = make_mlp(false);
+    tdm_module *mc = make_plain_mlp();
     tdm_strategy *st = tdm_strategy_one_device(mc, make_adamw, NULL);
     CHECK(st && tdm_strategy_set_graphs(st, 2) == TDM_ERR_DEVICE &&
               strstr(tdm_last_error(), "on cpu:0"),

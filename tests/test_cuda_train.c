@@ -17,30 +17,11 @@ int main(void) {
 
 #include "backend/cuda/cuda.h"
 #include "parallel/nccl_group.h"
+#include "cuda_models.h"
 
 #include <pthread.h>
 
 static tdm_device G; /* cuda:0 */
-
-static tdm_module *make_mlp(void) {
-    tdm_rng r = tdm_rng_make(1);
-    tdm_module *l[4] = {tdm_linear_new(20, 64, true, tdm_cpu(0), &r), tdm_relu_new(),
-                        tdm_dropout_new(0.2f, &r), tdm_linear_new(64, 5, true, tdm_cpu(0), &r)};
-    return tdm_sequential_new(4, l);
-}
-
-static tdm_module *make_cnn(void) {
-    tdm_rng r = tdm_rng_make(2);
-    tdm_conv2d_opts c = {.pad_h = 1, .pad_w = 1};
-    tdm_pool2d_opts p = {.kernel_h = 2, .kernel_w = 2};
-    tdm_module *l[6] = {tdm_conv2d_new(1, 8, 3, 3, &c, false, tdm_cpu(0), &r),
-                        tdm_batch_norm2d_new(8, 1e-5f, 0.1f, tdm_cpu(0)),
-                        tdm_relu_new(),
-                        tdm_max_pool2d_new(&p),
-                        tdm_flatten_new(1, -1),
-                        tdm_linear_new(8 * 6 * 6, 5, true, tdm_cpu(0), &r)};
-    return tdm_sequential_new(6, l);
-}
 
 static tdm_optim *make_optim(tdm_paramset *ps, void *adam) {
     return *(bool *)adam

@@ -178,6 +178,19 @@ static void grad(run *r, const char *names, ...) {
     va_end(ap);
 }
 
+/* A kernel that rounds an intermediate to the row's dtype before its last operation, as the
+ * two kernels it stands for round it (their bits): the last value kept gets half an ulp of
+ * scale[i] of slack (scale: the CPU's values of that intermediate's effect; NULL: the kept
+ * value itself) on top of the row's bound, which allows one rounding. */
+static void slack_rounding(run *r, const double *scale) {
+    if (r->be != CPU || !low(r->row->dt)) return;
+    kept *k = &r->kept[r->n_kept - 1];
+    double u = r->row->dt == TDM_BF16 ? 0x1p-8 : 0x1p-11,
+           tiny = r->row->dt == TDM_F16 ? 0x1p-25 : 0;
+    k->slack = malloc(sizeof(double) * (size_t)(k->n + 1));
+    for (int64_t i = 0; i < k->n; i++) k->slack[i] = u * fabs(scale ? scale[i] : k->v[i]) + tiny;
+}
+
 /* v rounded to dt (f32: itself) and back: a value the GPU's dt tensor holds exactly. */
 static float rounded(float v, tdm_dtype dt) {
     return dt == TDM_BF16  ? tdm_bf16_to_float(tdm_bf16_from_float(v))
@@ -545,6 +558,32 @@ static void case_linear_gelu(run *r) {
     }
 }
 
+/* gpre = (gy @ w) * GELU'(pre): with 32 inputs through cuBLASLt's DGELU epilogue (the GELU'
+ * of the f32 sums; the CPU rounds the product first), with 29 (no aux of a multiple of 8)
+ * through the fallback, which must be the GPU's own matmul then unary_backward, bit for bit. */
+static void case_linear_dgelu(run *r) {
+    for (int i = 0; i < 2; i++) {
+        int64_t M = 37, mid = i ? 29 : 32, n_out = 301;
+        tdm_tensor *gy = randn(r, TDM_SHAPE(1, M, n_out), 0, 1);
+        tdm_tensor *w = randn(r, TDM_SHAPE(1, n_out, mid), 0, 0.1f);
+        tdm_tensor *pre = randn(r, TDM_SHAPE(1, M, mid), 0, 2);
+        tdm_tensor *gpre = zeros(r, TDM_SHAPE(1, M, mid)), *g = zeros(r, TDM_SHAPE(1, M, mid));
+        variant(r, "%lld inputs", (long long)mid);
+        KERNEL(r, linear_dgelu, gpre, gy, w, pre);
+        grad(r, "gpre", gpre);
+        if (!i) continue;
+        slack_rounding(r, NULL); /* the fallback rounds gy @ w before GELU' */
+        KERNEL(r, matmul, g, gy, w, false, false, 0.0f);
+        KERNEL(r, unary_backward, TDM_UN_GELU_TANH, g, g, pre, NULL, 0.0f);
+        size_t nb = (size_t)(M * mid) * tdm_dtype_size(g->dtype);
+        void *ha = malloc(nb), *hb = malloc(nb);
+        CHECK(ha && hb && !tdm_to_host(gpre, ha, nb) && !tdm_to_host(g, hb, nb) &&
+                  !memcmp(ha, hb, nb),
+              "%s on %s: 29 inputs: gpre is not matmul then unary_backward", r->row->name, r->on);
+        free(ha), free(hb);
+    }
+}
+
 /* Along dims 0 and 1, i32 and i64 indices with repeats (index_add sums them in order: exact);
  * an index out of range is an error naming it and its position. */
 static void case_index(run *r) {
@@ -723,13 +762,16 @@ static void case_layer_norm(run *r) {
         tdm_tensor *x = randn(r, s, 2, 1), *gy = randn(r, s, 0, 1), *w = randn32(r, c, 1, 1);
         tdm_tensor *b = randn32(r, c, 0, 1), *y = like(r, x), *gx = like(r, x);
         tdm_tensor *gw = like(r, w), *gb = like(r, w), *m = zeros32(r, TDM_SHAPE(rows));
-        tdm_tensor *rstd = like(r, m);
+        tdm_tensor *rstd = like(r, m), *gres = randn(r, s, 0, 1), *gx2 = like(r, x);
         variant(r, "%lld rows, %lld columns", (long long)rows, (long long)cols);
         KERNEL(r, layer_norm, y, m, rstd, x, w, b, 1e-5f);
-        KERNEL(r, layer_norm_backward, gx, gw, gb, gy, x, w, m, rstd);
+        KERNEL(r, layer_norm_backward, gx, gw, gb, gy, x, w, m, rstd, NULL);
+        /* a residual stream's other gradient added as gx is written */
+        KERNEL(r, layer_norm_backward, gx2, NULL, NULL, gy, x, w, m, rstd, gres);
         out(r, "y", y);
-        grad(r, "gx gw gb", gx, gw, gb);
-        keep(r, "mean", m, (bound){1e-6, 1e-5}); /* double vs float lanes: closer than y */
+        grad(r, "gx gw gb gx+gres", gx, gw, gb, gx2);
+        slack_rounding(r, r->kept[r->n_kept - 4].v); /* gx rounded before gres joins it */
+        keep(r, "mean", m, (bound){1e-6, 1e-5});     /* double vs float lanes: closer than y */
         keep(r, "rstd", rstd, (bound){1e-6, 1e-5});
     }
 }
@@ -885,6 +927,7 @@ static void case_gpt(run *r) {
     {"matmul (and into f32) in " tag, case_matmul, {1e-4, 1e-4}, EXACT, dt},                      \
     {"linear in " tag, case_linear, {1e-4, 1e-4}, EXACT, dt},                                      \
     {"linear_gelu in " tag, case_linear_gelu, {1e-4, 1e-4}, EXACT, dt},                            \
+    {"linear_dgelu in " tag, case_linear_dgelu, EXACT, {1e-4, 1e-4}, dt},                          \
     {"index_select, index_add in " tag, case_index, EXACT, EXACT, dt},                            \
     {"max_pool2d, avg_pool2d and backward in " tag, case_pool2d, EXACT, EXACT, dt},               \
     {"batch_norm, batch_norm_backward in " tag, case_batch_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, dt}, \
@@ -927,6 +970,7 @@ static const row ROWS[] = {
     {"matmul", case_matmul, {1e-4, 1e-4}, EXACT, TDM_F32},
     {"linear", case_linear, {1e-4, 1e-4}, EXACT, TDM_F32},
     {"linear_gelu", case_linear_gelu, {1e-4, 1e-4}, EXACT, TDM_F32},
+    {"linear_dgelu", case_linear_dgelu, EXACT, {1e-4, 1e-4}, TDM_F32},
     {"index_select, index_add", case_index, EXACT, EXACT, TDM_F32},
     /* FP32 GEMMs over up to K = 150 (forward) and N*P = 400 (weights) terms; the CPU sums
      * each plane of gb in float lanes: 1e-4 */

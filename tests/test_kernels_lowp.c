@@ -598,11 +598,20 @@ static void test_layer_norm(void) {
     expect("layer_norm rstd", rstd, NULL);
     pair gy = draw(xs, DT, -1.0f, 1.0f), gx = output(xs, DT);
     pair gw = output(cs, TDM_F32), gb = output(cs, TDM_F32);
-    RUN2(BE->layer_norm_backward(gx.lo, gw.lo, gb.lo, gy.lo, x.lo, w.lo, mean.lo, rstd.lo),
-         BE->layer_norm_backward(gx.f, gw.f, gb.f, gy.f, x.f, w.f, mean.f, rstd.f));
+    RUN2(BE->layer_norm_backward(gx.lo, gw.lo, gb.lo, gy.lo, x.lo, w.lo, mean.lo, rstd.lo, NULL),
+         BE->layer_norm_backward(gx.f, gw.f, gb.f, gy.f, x.f, w.f, mean.f, rstd.f, NULL));
     expect("layer_norm_backward gx", gx, NULL);
     expect("layer_norm_backward gw", gw, NULL);
     expect("layer_norm_backward gb", gb, NULL);
+    /* gres added: gx rounded once before the add, so one more rounding of gx's size */
+    pair gres = draw(xs, DT, -1.0f, 1.0f), gx2 = output(xs, DT);
+    RUN2(BE->layer_norm_backward(gx2.lo, NULL, NULL, gy.lo, x.lo, w.lo, mean.lo, rstd.lo, gres.lo),
+         BE->layer_norm_backward(gx2.f, NULL, NULL, gy.f, x.f, w.f, mean.f, rstd.f, gres.f));
+    float *g0 = values(gx.f);
+    double slack[6 * 48];
+    for (int i = 0; i < 6 * 48; i++) slack[i] = unit(DT) * fabs((double)g0[i]) + tiny(DT);
+    free(g0);
+    expect("layer_norm_backward gx + gres", gx2, slack);
     tdm_scope_end();
 }
 
@@ -720,10 +729,11 @@ static const char COVERED[] =
     " bce_logits_backward attention attention_backward ";
 /* The kernels with none: raw memory and host transfers move bytes of any dtype, copy, fill
  * and random are cpu_memory.c's (the tensor core's tests), count_up counts in i64 only, linear
- * is copy and matmul and linear_gelu linear and unary (their cases; tdm_linear's in
- * test_autocast), and the optimizers take fp32 only (test_refusals). */
+ * is copy and matmul, linear_gelu linear and unary, linear_dgelu matmul and unary_backward
+ * (their cases; tdm_linear's in test_autocast), and the optimizers take fp32 only
+ * (test_refusals). */
 static const char EXEMPT[] = " mem_alloc mem_free to_host from_host copy fill count_up random "
-                             "linear linear_gelu sgd_step adam_step ";
+                             "linear linear_gelu linear_dgelu sgd_step adam_step ";
 
 static const char *const KERNELS[] = {
 #define TDM_KERNEL(ret, entry, params) #entry,

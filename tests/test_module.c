@@ -211,13 +211,69 @@ static tdm_tensor *fn_linear_then_gelu(tdm_tensor **in, void *ctx) {
     return tdm_gelu(tdm_linear(in[0], in[1], in[2]), true);
 }
 
-/* Forward and gradients of x, w and b through fn (the caller's scope). */
-static tdm_tensor *linear_gelu_run(gradcheck_fn fn, tdm_tensor **in, tdm_tensor **g) {
-    for (int i = 0; i < 3; i++) tdm_zero_grad(in[i]);
+static tdm_tensor *fn_linear_gelu_linear(tdm_tensor **in, void *ctx) {
+    (void)ctx;
+    return tdm_linear_gelu_linear(in[0], in[1], in[2], in[3], in[4]);
+}
+static tdm_tensor *fn_linear_gelu_then_linear(tdm_tensor **in, void *ctx) {
+    (void)ctx;
+    return tdm_linear(tdm_linear_gelu(in[0], in[1], in[2]), in[3], in[4]);
+}
+static tdm_tensor *fn_linear_gelu_linear_no_b2(tdm_tensor **in, void *ctx) {
+    (void)ctx;
+    return tdm_linear_gelu_linear(in[0], in[1], in[2], in[3], NULL);
+}
+
+/* Forward and gradients of the n inputs through fn (the caller's scope). */
+static tdm_tensor *grads_run(gradcheck_fn fn, int n, tdm_tensor **in, tdm_tensor **g) {
+    for (int i = 0; i < n; i++) tdm_zero_grad(in[i]);
     tdm_tensor *y = fn(in, NULL);
     int rc = y ? tdm_backward(tdm_sum_all(tdm_mul(y, y))) : -1;
-    for (int i = 0; i < 3; i++) g[i] = rc ? NULL : tdm_clone(in[i]->grad);
+    for (int i = 0; i < n; i++) g[i] = rc ? NULL : tdm_clone(in[i]->grad);
     return y;
+}
+
+/* fn and ref's outputs and gradients of the n inputs the same bits. */
+static void check_same_run(const char *what, gradcheck_fn fn, gradcheck_fn ref, int n,
+                           tdm_tensor **in) {
+    tdm_tensor *g1[5], *g2[5];
+    tdm_tensor *y1 = grads_run(fn, n, in, g1), *y2 = grads_run(ref, n, in, g2);
+    CHECK(y1 && y2 && tdm_numel(y1) == tdm_numel(y2) &&
+              !memcmp(tdm_data_ptr(y1), tdm_data_ptr(y2), sizeof(float) * (size_t)tdm_numel(y1)),
+          "%s: the forward differs on the CPU", what);
+    for (int i = 0; i < n; i++)
+        CHECK(g1[i] && g2[i] &&
+                  !memcmp(tdm_data_ptr(g1[i]), tdm_data_ptr(g2[i]),
+                          sizeof(float) * (size_t)tdm_numel(in[i])),
+              "%s: gradient %d differs on the CPU", what, i);
+}
+
+/* tdm_linear_gelu_linear: gradchecks (with and without the second bias, the first's input not
+ * needing a gradient); on the CPU the bits of tdm_linear_gelu then tdm_linear; operands that
+ * do not chain refused naming them. */
+static void test_linear_gelu_linear(void) {
+    tdm_tensor *in[5] = {gradcheck_input(TDM_SHAPE(2, 3, 4), 23),
+                         gradcheck_input(TDM_SHAPE(8, 4), 24), gradcheck_input(TDM_SHAPE(8), 25),
+                         gradcheck_input(TDM_SHAPE(5, 8), 26), gradcheck_input(TDM_SHAPE(5), 27)};
+    gradcheck("linear_gelu_linear", fn_linear_gelu_linear, 5, in, NULL, 1e-2, 1e-3, 1e-2);
+    gradcheck("linear_gelu_linear without b2", fn_linear_gelu_linear_no_b2, 4, in, NULL, 1e-2, 1e-3,
+              1e-2);
+    tdm_scope_begin();
+    check_same_run("linear_gelu_linear against linear_gelu then linear", fn_linear_gelu_linear,
+                   fn_linear_gelu_then_linear, 5, in);
+    tdm_requires_grad_(in[0], false); /* the weights' gradients alone */
+    check_same_run("linear_gelu_linear, x without a gradient", fn_linear_gelu_linear,
+                   fn_linear_gelu_then_linear, 5, in);
+    tdm_tensor *w_bad = tdm_zeros(TDM_SHAPE(5, 7), TDM_F32, tdm_cpu(0));
+    CHECK(!tdm_linear_gelu_linear(in[0], in[1], in[2], w_bad, in[4]) &&
+              strstr(tdm_last_error(), "in_features 7"),
+          "linear_gelu_linear with a second weight of 7 inputs for 8: %s", tdm_last_error());
+    tdm_clear_error(); /* a NULL operand keeps an earlier error, which may have made it */
+    CHECK(!tdm_linear_gelu_linear(in[0], in[1], NULL, in[3], in[4]) &&
+              strstr(tdm_last_error(), "first bias is NULL"),
+          "linear_gelu_linear without its first bias: %s", tdm_last_error());
+    tdm_scope_end();
+    for (int i = 0; i < 5; i++) tdm_tensor_free(in[i]);
 }
 
 /* tdm_linear_gelu: gradcheck; on the CPU the bits of tdm_linear then tanh tdm_gelu (the same
@@ -228,20 +284,8 @@ static void test_linear_gelu(void) {
     tdm_tensor *in[3] = {x, w, b};
     gradcheck("linear_gelu", fn_linear_gelu, 3, in, NULL, 1e-2, 1e-3, 1e-2);
     tdm_scope_begin();
-    tdm_tensor *g1[3], *g2[3];
-    tdm_tensor *y1 = linear_gelu_run(fn_linear_gelu, in, g1);
-    tdm_tensor *y2 = linear_gelu_run(fn_linear_then_gelu, in, g2);
-    float a[30], c[30]; /* y [2, 3, 5] */
-    CHECK(y1 && y2 && !tdm_to_host(y1, a, sizeof a) && !tdm_to_host(y2, c, sizeof c) &&
-              !memcmp(a, c, sizeof a),
-          "linear_gelu's forward differs from linear then gelu on the CPU");
-    for (int i = 0; i < 3; i++) {
-        float ga[40], gb[40];
-        size_t nb = sizeof(float) * (size_t)tdm_numel(in[i]);
-        CHECK(g1[i] && g2[i] && !tdm_to_host(g1[i], ga, nb) && !tdm_to_host(g2[i], gb, nb) &&
-                  !memcmp(ga, gb, nb),
-              "linear_gelu's gradient %d differs from linear then gelu's on the CPU", i);
-    }
+    check_same_run("linear_gelu against linear then gelu", fn_linear_gelu, fn_linear_then_gelu, 3,
+                   in);
     CHECK(!tdm_linear_gelu(x, w, NULL) && strstr(tdm_last_error(), "bias"),
           "linear_gelu without a bias: %s", tdm_last_error());
     tdm_scope_end();
@@ -540,6 +584,7 @@ int main(void) {
     test_linear_forward();
     test_linear_grad();
     test_linear_gelu();
+    test_linear_gelu_linear();
     test_relu_pool_order();
     test_train_eval();
     test_batch_norm_cumulative();

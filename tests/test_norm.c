@@ -178,6 +178,53 @@ static void test_layer_norm_gradcheck(void) {
     for (int i = 0; i < 3; i++) tdm_tensor_free(in[i]);
 }
 
+/* x + layer_norm(x): the add's gradient reaches x before the norm's backward runs, which adds
+ * it to the gradient it writes (the kernel's gres) */
+static tdm_tensor *ln_residual_fn(tdm_tensor **in, void *p) {
+    (void)p;
+    return tdm_add(in[0], tdm_layer_norm(in[0], 1, in[1], in[2], 1e-5f));
+}
+
+/* That gradient against the add it replaces, bit for bit: u + the norm's gradient alone, for
+ * sum(u * (x + layer_norm(x))). In f32 and bf16 (the kernel's widened path), with and without
+ * the affine parameters. */
+static void test_layer_norm_residual(void) {
+    tdm_tensor *in[3] = {gradcheck_input(TDM_SHAPE(5, 8), 57), gradcheck_input(TDM_SHAPE(8), 58),
+                         gradcheck_input(TDM_SHAPE(8), 59)};
+    gradcheck("x + layer_norm(x)", ln_residual_fn, 3, in, NULL, 1e-2, 2e-3, 1e-2);
+    for (int i = 0; i < 3; i++) tdm_tensor_free(in[i]);
+    const tdm_dtype dts[2] = {TDM_F32, TDM_BF16};
+    for (int k = 0; k < 4; k++) {
+        tdm_dtype dt = dts[k / 2];
+        bool affine = k % 2;
+        tdm_scope_begin();
+        tdm_rng r = tdm_rng_make(71);
+        tdm_tensor *v = tdm_randn(TDM_SHAPE(6, 20), 0, 1, tdm_cpu(0), &r);
+        tdm_tensor *u = tdm_cast(tdm_randn(TDM_SHAPE(6, 20), 0, 1, tdm_cpu(0), &r), dt);
+        tdm_tensor *w = affine ? tdm_randn(TDM_SHAPE(20), 1, 0.5f, tdm_cpu(0), &r) : NULL;
+        tdm_tensor *b = affine ? tdm_randn(TDM_SHAPE(20), 0, 0.5f, tdm_cpu(0), &r) : NULL;
+        if (w && dt != TDM_F32) w = tdm_cast(w, dt), b = tdm_cast(b, dt);
+        tdm_tensor *alone = tdm_cast(v, dt), *fused = tdm_cast(v, dt);
+        tdm_requires_grad_(alone, true);
+        tdm_requires_grad_(fused, true);
+        int rc = tdm_backward(tdm_sum_all(tdm_mul(tdm_layer_norm(alone, 1, w, b, 1e-5f), u)));
+        rc = rc ? rc
+                : tdm_backward(
+                      tdm_sum_all(tdm_mul(ln_residual_fn((tdm_tensor *[]){fused, w, b}, NULL), u)));
+        CHECK(rc == TDM_OK && alone->grad && fused->grad, "x + layer_norm(x) in %s: %s",
+              tdm_dtype_name(dt), tdm_last_error());
+        if (rc == TDM_OK && alone->grad && fused->grad) {
+            tdm_tensor *want = tdm_add(u, alone->grad);
+            CHECK(want && !memcmp(tdm_data_ptr(want), tdm_data_ptr(fused->grad),
+                                  tdm_numel(want) * tdm_dtype_size(dt)),
+                  "x + layer_norm(x) in %s%s: x's gradient is not u + the norm's alone, bit for "
+                  "bit",
+                  tdm_dtype_name(dt), affine ? ", affine" : "");
+        }
+        tdm_scope_end();
+    }
+}
+
 /* The rng is re-made inside the fn so that every finite-difference evaluation draws the same
  * mask as the analytic pass. */
 static tdm_tensor *dropout_fn(tdm_tensor **in, void *p) {
@@ -386,6 +433,7 @@ int main(void) {
     test_layer_norm_fixtures();
     test_batch_norm_gradcheck();
     test_layer_norm_gradcheck();
+    test_layer_norm_residual();
     test_dropout_gradcheck();
     test_index_gradcheck();
     test_index_values();

@@ -33,6 +33,15 @@ tdm_tensor *tdm_linear(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b);
  * f32 sum, PyTorch's addmm with a GELU epilogue), its input kept for backward; on the CPU the
  * same kernels as the two ops, bit for bit. b is required (NULL: an error). */
 tdm_tensor *tdm_linear_gelu(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b);
+/* tdm_linear(tdm_linear_gelu(x, w1, b1), w2, b2) as one op (a transformer's MLP, c_fc, GELU and
+ * c_proj): the same forward, and in backward on a GPU the gradient of the GELU's input in one
+ * cuBLASLt product (dY W2 with GELU' applied as it is written: its DGELU epilogue, the
+ * product not rounded on its own), where the two ops write dY W2 and read it back; on the CPU
+ * the same kernels as the two ops, bit for bit. b1 is required, b2 may be NULL; x, w1, w2
+ * must chain ([..., in], [mid, in], [out, mid]). Returns [..., out], or NULL with the error
+ * naming the operand. */
+tdm_tensor *tdm_linear_gelu_linear(tdm_tensor *x, tdm_tensor *w1, tdm_tensor *b1, tdm_tensor *w2,
+                                   tdm_tensor *b2);
 
 typedef struct {
     int stride_h, stride_w; /* 0 means 1 */

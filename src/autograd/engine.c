@@ -136,13 +136,16 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
             hold(g);
             return TDM_OK;
         }
-        if (!n->gout_owned) {
-            tdm_tensor *own = tdm_clone(n->gout);
-            if (!own) return tdm_last_status();
+        if (!n->gout_owned) { /* the sum into a new tensor: one pass, where a copy then += took two
+                               */
+            tdm_tensor *own = tdm_tensor_alloc(tdm_shape_of(t), t->dtype, t->device);
+            if (!own || tdm_backend_for(t->device)->binary(TDM_BIN_ADD, own, n->gout, g))
+                return tdm_last_status();
             unhold(n->gout); /* its producer may still read it: kept to the scope's end */
             n->gout = own;
             n->gout_owned = true;
             hold(own);
+            return TDM_OK;
         }
         return add_into(n->gout, g);
     }
@@ -159,6 +162,22 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
         return tdm_backend_for(t->device)->copy(t->grad, g);
     }
     return add_into(t->grad, g);
+}
+
+tdm_tensor *tdm_grad_pending(tdm_tensor *t) {
+    if (!t || !t->requires_grad || !t->grad_fn) return NULL;
+    tdm_tensor *g = t->grad_fn->gout;
+    return g && g->dtype == t->dtype && tdm_is_contiguous(g) && tdm_same_shape(g, t) ? g : NULL;
+}
+
+int tdm_grad_replace(tdm_tensor *t, tdm_tensor *g) {
+    if (!tdm_grad_pending(t)) return tdm_raise(TDM_ERR_STATE, "backward: no pending gradient");
+    tdm_node *n = t->grad_fn;
+    unhold(n->gout); /* a borrowed one's producer may still read it: kept to the scope's end */
+    n->gout = g;
+    n->gout_owned = true; /* made for t alone: a later gradient adds into it in place */
+    hold(g);
+    return TDM_OK;
 }
 
 tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t, float *beta) {

@@ -14,7 +14,7 @@
 #include "tandem/autograd.h"
 #include "backend/backend.h"
 
-#define TDM_NODE_MAX_IN    4
+#define TDM_NODE_MAX_IN    5
 #define TDM_NODE_MAX_SAVED 6
 
 typedef int (*tdm_backward_fn)(tdm_node *n, tdm_tensor *gout);
@@ -57,6 +57,16 @@ static inline bool tdm_node_wants(const tdm_node *n, int i) {
  * keep a reference to g instead of copying, so g must stay unmodified afterwards; once that
  * node has run, g's memory may be given back (engine.c). */
 int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g);
+/* The gradient t's other consumers have given it so far, when t is an op's output (not a
+ * leaf) and one has: dense, of t's shape and dtype; else NULL. A backward whose kernel can add
+ * it to the gradient it computes for t (one pass where the kernel's output and an add took
+ * two: a pre-norm residual stream's layer norm) hands the sum to tdm_grad_replace instead of
+ * tdm_grad_accumulate. The pending gradient must not be modified. */
+tdm_tensor *tdm_grad_pending(tdm_tensor *t);
+/* Makes g (t's shape and dtype: tdm_grad_pending(t) plus the caller's contribution, made for
+ * t alone) t's gradient so far, in place of the pending one; a later gradient is added into g
+ * in place. TDM_OK, or TDM_ERR_STATE when t has no pending gradient. */
+int tdm_grad_replace(tdm_tensor *t, tdm_tensor *g);
 /* The leaf's own gradient buffer when a backward may add into it directly (t is a leaf with
  * a contiguous .grad of its shape, e.g. a parameter's view of the flat gradient), else NULL.
  * Kernels that can accumulate (a GEMM with beta 1) then skip a temporary and an add. *beta

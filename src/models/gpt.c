@@ -56,25 +56,32 @@ static tdm_tensor *attn_forward(tdm_module *m, tdm_tensor *x) {
     return tdm_module_forward(m->children[AT_C_PROJ], tdm_causal_attention(qkv, heads));
 }
 
+/* A module this file's MLP may run inside a fused op rather than through its forward: no hooks
+ * or recomputation of its own. */
+static bool plain(const tdm_module *k) {
+    return !k->pre_hook && !k->post_hook && !k->recompute;
+}
+
 /* Whether c_fc and the GELU can run as one op (tdm_linear_gelu: on a GPU the GELU in the
  * product's epilogue): c_fc a plain Linear with a bias (not tensor-parallel's), the GELU the
- * tanh one this file makes, neither with hooks or recomputation of its own. */
+ * tanh one this file makes. */
 static bool fuses_gelu(const tdm_module *fc, const tdm_module *gelu) {
-    const tdm_module *k[2] = {fc, gelu};
-    for (int i = 0; i < 2; i++)
-        if (k[i]->pre_hook || k[i]->post_hook || k[i]->recompute) return false;
-    return !strcmp(fc->ops->kind, "Linear") && fc->n_params == 2 &&
+    return plain(fc) && plain(gelu) && !strcmp(fc->ops->kind, "Linear") && fc->n_params == 2 &&
            !strcmp(gelu->ops->kind, "GELU") && gelu->impl && *(const bool *)gelu->impl;
 }
 
-/* x [B, T, C] -> [B, T, 4C] -> GELU -> [B, T, C] */
+/* x [B, T, C] -> [B, T, 4C] -> GELU -> [B, T, C]; with c_proj a plain Linear too, the whole MLP
+ * as one op (tdm_linear_gelu_linear: on a GPU GELU's gradient in c_proj's backward product) */
 static tdm_tensor *mlp_forward(tdm_module *m, tdm_tensor *x) {
     tdm_module *fc = m->children[MLP_C_FC], *gelu = m->children[MLP_GELU];
-    if (fuses_gelu(fc, gelu))
-        x = tdm_linear_gelu(x, fc->params[0], fc->params[1]);
-    else
-        x = tdm_module_forward(gelu, tdm_module_forward(fc, x));
-    return x ? tdm_module_forward(m->children[MLP_C_PROJ], x) : NULL;
+    tdm_module *proj = m->children[MLP_C_PROJ];
+    if (!fuses_gelu(fc, gelu))
+        return tdm_module_forward(proj, tdm_module_forward(gelu, tdm_module_forward(fc, x)));
+    if (plain(proj) && !strcmp(proj->ops->kind, "Linear"))
+        return tdm_linear_gelu_linear(x, fc->params[0], fc->params[1], proj->params[0],
+                                      proj->n_params > 1 ? proj->params[1] : NULL);
+    x = tdm_linear_gelu(x, fc->params[0], fc->params[1]);
+    return x ? tdm_module_forward(proj, x) : NULL;
 }
 
 /* Pre-LayerNorm residual block: x + attn(ln_1(x)), then + mlp(ln_2(.)). */

@@ -27,20 +27,21 @@ static tdm_tensor *contiguous_grad(tdm_tensor *g) {
     return c;
 }
 
-/* The linear's gradients from gy, the gradient of its output (contiguous). */
-static int linear_grads(tdm_node *n, tdm_tensor *gy) {
-    tdm_tensor *x = n->in[0], *w = n->in[1], *b = n->in[2];
+/* The gradients of linear(x, w, b) from gy, its output's (contiguous), for those wanted
+ * (want[0..2]: x, w, b). */
+static int linear_grads_of(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, tdm_tensor *gy,
+                           const bool want[3]) {
     const tdm_backend *be = tdm_backend_for(x->device);
     int64_t out = w->shape[0], in = w->shape[1], rows = leading_rows(x);
     tdm_tensor gy3 = tdm_as_matrix(gy, rows, out);
-    if (tdm_node_wants(n, 0)) { /* dX [M, in] = dY [M, out] @ W [out, in] */
+    if (want[0]) { /* dX [M, in] = dY [M, out] @ W [out, in] */
         tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
         if (!gx) return tdm_last_status();
         tdm_tensor gx3 = tdm_as_matrix(gx, rows, in), w3 = tdm_as_matrix(w, out, in);
         int rc = be->matmul(&gx3, &gy3, &w3, false, false, 0.0f);
         if (rc || (rc = tdm_grad_accumulate(x, gx))) return rc;
     }
-    if (tdm_node_wants(n, 1)) { /* dW [out, in] = dY^T [out, M] @ X [M, in] */
+    if (want[1]) { /* dW [out, in] = dY^T [out, M] @ X [M, in] */
         /* a parameter's gradient (a view of the flat buffer) takes the GEMM's sum directly */
         float beta = 0.0f;
         tdm_tensor *acc = tdm_grad_inplace_target(w, &beta);
@@ -51,7 +52,7 @@ static int linear_grads(tdm_node *n, tdm_tensor *gy) {
         if (!rc && !acc) rc = tdm_grad_accumulate(w, gw);
         if (rc) return rc;
     }
-    if (tdm_node_wants(n, 2)) { /* db [out] = sum over rows of dY [M, out] */
+    if (want[2]) { /* db [out] = sum over rows of dY [M, out] */
         tdm_tensor *gb = tdm_tensor_alloc(tdm_shape_of(b), b->dtype, b->device);
         if (!gb) return tdm_last_status();
         tdm_tensor gb2 = *gb, gy2 = *gy;
@@ -63,6 +64,12 @@ static int linear_grads(tdm_node *n, tdm_tensor *gy) {
         if (rc || (rc = tdm_grad_accumulate(b, gb))) return rc;
     }
     return TDM_OK;
+}
+
+/* The gradients of node n's linear (in: x, w, b) from gy. */
+static int linear_grads(tdm_node *n, tdm_tensor *gy) {
+    const bool want[3] = {tdm_node_wants(n, 0), tdm_node_wants(n, 1), tdm_node_wants(n, 2)};
+    return linear_grads_of(n->in[0], n->in[1], n->in[2], gy, want);
 }
 
 static int linear_backward(tdm_node *n, tdm_tensor *gout) {
@@ -78,6 +85,25 @@ static int linear_gelu_backward(tdm_node *n, tdm_tensor *gout) {
     int rc =
         tdm_backend_for(pre->device)->unary_backward(TDM_UN_GELU_TANH, gpre, gy, pre, n->out, 0.0f);
     return rc ? rc : linear_grads(n, gpre);
+}
+
+/* linear_gelu_linear (in: x, w1, b1, w2, b2; saved: pre, h): the second linear's weight and
+ * bias gradients, then the gradient of the GELU's input through it in one kernel (the product
+ * dY W2 with GELU' applied as it is written), then the first linear's. */
+static int linear_gelu_linear_backward(tdm_node *n, tdm_tensor *gout) {
+    tdm_tensor *gy = contiguous_grad(gout), *pre = n->saved[0], *w2 = n->in[3];
+    if (!gy) return tdm_last_status();
+    const bool want2[3] = {false, tdm_node_wants(n, 3), tdm_node_wants(n, 4)};
+    const bool want1[3] = {tdm_node_wants(n, 0), tdm_node_wants(n, 1), tdm_node_wants(n, 2)};
+    int rc = linear_grads_of(n->saved[1], w2, n->in[4], gy, want2);
+    if (rc || !(want1[0] || want1[1] || want1[2])) return rc;
+    int64_t rows = leading_rows(pre), mid = w2->shape[1], out = w2->shape[0];
+    tdm_tensor *gpre = tdm_tensor_alloc(tdm_shape_of(pre), pre->dtype, pre->device);
+    if (!gpre) return tdm_last_status();
+    tdm_tensor g3 = tdm_as_matrix(gpre, rows, mid), gy3 = tdm_as_matrix(gy, rows, out),
+               w3 = tdm_as_matrix(w2, out, mid), p3 = tdm_as_matrix(pre, rows, mid);
+    rc = tdm_backend_for(pre->device)->linear_dgelu(&g3, &gy3, &w3, &p3);
+    return rc ? rc : linear_grads_of(n->in[0], n->in[1], n->in[2], gpre, want1);
 }
 
 static int check_linear(const tdm_tensor *x, const tdm_tensor *w, const tdm_tensor *b) {
@@ -161,6 +187,45 @@ tdm_tensor *tdm_linear_gelu(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b) {
         tdm_node *n = tdm_record("linear_gelu", linear_gelu_backward, y, 3, in3);
         if (!n) return tdm_drop_fail(y);
         n->saved[0] = pre;
+    }
+    return y;
+}
+
+tdm_tensor *tdm_linear_gelu_linear(tdm_tensor *x, tdm_tensor *w1, tdm_tensor *b1, tdm_tensor *w2,
+                                   tdm_tensor *b2) {
+    if (!x || !w1 || !b1 || !w2)
+        return tdm_null_arg("linear_gelu_linear", !x    ? "input"
+                                                  : !w1 ? "first weight"
+                                                  : !b1 ? "first bias"
+                                                        : "second weight");
+    /* its temporaries (pre, h) are a scope's */
+    if (!tdm_current_scope()) TDM_RETURN_SCOPED(tdm_linear_gelu_linear(x, w1, b1, w2, b2));
+    tdm_tensor *in0[5] = {x, w1, b1, w2, b2};
+    TDM_AUTOCAST_SCOPED(5, in0, tdm_linear_gelu_linear(x, w1, b1, w2, b2));
+    if (!(x = tdm_autocast_arg(x, TDM_AC_LOW)) || !(w1 = tdm_autocast_arg(w1, TDM_AC_LOW)) ||
+        !(b1 = tdm_autocast_arg(b1, TDM_AC_LOW)) || !(w2 = tdm_autocast_arg(w2, TDM_AC_LOW)) ||
+        (b2 && !(b2 = tdm_autocast_arg(b2, TDM_AC_LOW))) || linear_operands(&x, &w1, &b1))
+        return NULL;
+    const tdm_backend *be = tdm_backend_for(x->device);
+    if (!be) return NULL;
+    int64_t mid = w1->shape[0], in = w1->shape[1], rows = leading_rows(x);
+    /* h, the second linear's input, made first so that its operands are checked before any
+     * work */
+    tdm_tensor *h = linear_out(x, mid), *pre = h ? linear_out(x, mid) : NULL;
+    if (!pre || linear_operands(&h, &w2, &b2)) return NULL;
+    int64_t out = w2->shape[0];
+    tdm_tensor *y = linear_out(x, out);
+    if (!y) return NULL;
+    tdm_tensor h3 = tdm_as_matrix(h, rows, mid), p3 = tdm_as_matrix(pre, rows, mid),
+               x3 = tdm_as_matrix(x, rows, in), w13 = tdm_as_matrix(w1, mid, in),
+               y3 = tdm_as_matrix(y, rows, out), w23 = tdm_as_matrix(w2, out, mid);
+    if (be->linear_gelu(&h3, &p3, &x3, &w13, b1) || be->linear(&y3, &h3, &w23, b2)) return NULL;
+    tdm_tensor *in5[5] = {x, w1, b1, w2, b2};
+    if (tdm_needs_record(5, in5)) {
+        tdm_node *n = tdm_record("linear_gelu_linear", linear_gelu_linear_backward, y, 5, in5);
+        if (!n) return NULL;
+        n->saved[0] = pre;
+        n->saved[1] = h;
     }
     return y;
 }

@@ -289,19 +289,25 @@ static tdm_tensor *view1d(tdm_tensor *t) {
     return tdm_tensor_view(t, 1, shape, strides, t->offset);
 }
 
-/* in: x, weight, bias; saved: mean, rstd */
+/* in: x, weight, bias; saved: mean, rstd. In a pre-norm residual stream x's other consumer
+ * (the next residual add) has given x its gradient already: the kernel adds it to gx as it
+ * writes gx (gres), which then replaces it, one pass where gx and an add took two. */
 static int layer_norm_backward(tdm_node *n, tdm_tensor *gout) {
     bool failed = false;
     tdm_tensor *gy = tdm_contiguous(gout);
     tdm_tensor *g[3] = {grad_for(n, 0, &failed), grad_for(n, 1, &failed), grad_for(n, 2, &failed)};
     if (!gy || failed) return tdm_last_status();
     tdm_tensor *x = n->in[0], *mean = n->saved[0];
+    tdm_tensor *gres = g[0] ? tdm_grad_pending(x) : NULL;
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
     int rc = tdm_backend_for(x->device)->layer_norm_backward(
         g[0] ? view2d(g[0], rows, cols) : NULL, g[1] ? view1d(g[1]) : NULL,
         g[2] ? view1d(g[2]) : NULL, view2d(gy, rows, cols), view2d(x, rows, cols),
-        n->in[1] ? view1d(n->in[1]) : NULL, mean, n->saved[1]);
-    return rc ? rc : accumulate_all(n, g, 3);
+        n->in[1] ? view1d(n->in[1]) : NULL, mean, n->saved[1],
+        gres ? view2d(gres, rows, cols) : NULL);
+    if (rc || (gres && (rc = tdm_grad_replace(x, g[0])))) return rc;
+    if (gres) g[0] = NULL;
+    return accumulate_all(n, g, 3);
 }
 
 tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,

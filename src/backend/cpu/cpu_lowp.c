@@ -316,12 +316,14 @@ int tdm_cpu_lowp_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, c
 int tdm_cpu_lowp_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                      const tdm_tensor *gy, const tdm_tensor *x,
                                      const tdm_tensor *weight, const tdm_tensor *mean,
-                                     const tdm_tensor *rstd) {
+                                     const tdm_tensor *rstd, const tdm_tensor *gres) {
     lp_call c = {.what = "cpu layer_norm_backward"};
     tdm_tensor *wgx = lp_out(&c, gx), *wgw = lp_out(&c, gw), *wgb = lp_out(&c, gb);
     const tdm_tensor *wgy = lp_in(&c, gy), *wx = lp_in(&c, x), *ww = lp_in(&c, weight);
     const tdm_tensor *wm = lp_in(&c, mean), *wr = lp_in(&c, rstd);
-    return LP_RUN(c, tdm_cpu_layer_norm_backward(wgx, wgw, wgb, wgy, wx, ww, wm, wr));
+    /* gres joins gx once gx is rounded to its dtype, as the contract's add would */
+    int rc = LP_RUN(c, tdm_cpu_layer_norm_backward(wgx, wgw, wgb, wgy, wx, ww, wm, wr, NULL));
+    return rc || !gres ? rc : tdm_cpu_axpy(gx, 1.0f, gres);
 }
 
 /* ---- dropout, losses, attention --------------------------------------------------------- */

@@ -53,6 +53,13 @@ int tdm_cpu_linear_gelu(tdm_tensor *y, tdm_tensor *pre, const tdm_tensor *x, con
     return rc ? rc : tdm_cpu_unary(TDM_UN_GELU_TANH, y, pre, 0.0f);
 }
 
+/* unary_backward reads each element's gy before writing its gx: in place is safe */
+int tdm_cpu_linear_dgelu(tdm_tensor *gpre, const tdm_tensor *gy, const tdm_tensor *w,
+                         const tdm_tensor *pre) {
+    int rc = tdm_cpu_matmul(gpre, gy, w, false, false, 0.0f);
+    return rc ? rc : tdm_cpu_unary_backward(TDM_UN_GELU_TANH, gpre, gpre, pre, NULL, 0.0f);
+}
+
 int tdm_cpu_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_tensor *b, bool ta, bool tb,
                    float beta) {
     if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){c, a, b})) {

@@ -304,10 +304,12 @@ int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const 
 }
 
 /* One row of the layer-norm backward: gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with
- * d = gy * w; gw += gy * xhat and gb += gy. */
+ * d = gy * w, plus gres's row when given (added after, as an add kernel would: no multiply-add
+ * across the two); gw += gy * xhat and gb += gy. */
 TDM_CPU_CLONES
 static void layer_norm_row_backward(float *gx, float *gw, float *gb, const float *g, const float *x,
-                                    const float *w, int64_t n, float m, float inv) {
+                                    const float *w, const float *gres, int64_t n, float m,
+                                    float inv) {
     v8f vm = v8_set1(m), vi = v8_set1(inv), one = v8_set1(1);
     v8f ad = v8_set1(0), adx = v8_set1(0);
     int64_t c = 0;
@@ -339,21 +341,29 @@ static void layer_norm_row_backward(float *gx, float *gw, float *gb, const float
         float h = (x[c] - m) * inv, d = g[c] * (w ? w[c] : 1.0f);
         gx[c] = inv * (d - md - h * mdx);
     }
+    if (gres)
+        for (c = 0; c < n; c++) gx[c] = gres[c] + gx[c];
 }
 
 TDM_CPU_CLONES
 int tdm_cpu_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                 const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
-                                const tdm_tensor *mean, const tdm_tensor *rstd) {
-    if (tdm_cpu_lowp_any(8, (const tdm_tensor *[]){gx, gw, gb, gy, x, weight, mean, rstd}))
-        return tdm_cpu_lowp_layer_norm_backward(gx, gw, gb, gy, x, weight, mean, rstd);
+                                const tdm_tensor *mean, const tdm_tensor *rstd,
+                                const tdm_tensor *gres) {
+    if (gres && (!gx || gres == gx || tdm_numel(gres) != tdm_numel(x) || !tdm_is_contiguous(gres) ||
+                 gres->dtype != gx->dtype))
+        return tdm_raise(TDM_ERR_ARG, "cpu layer_norm_backward: gres must be contiguous, of x's "
+                                      "size and gx's dtype, with a gx other than it");
+    if (tdm_cpu_lowp_any(9, (const tdm_tensor *[]){gx, gw, gb, gy, x, weight, mean, rstd, gres}))
+        return tdm_cpu_lowp_layer_norm_backward(gx, gw, gb, gy, x, weight, mean, rstd, gres);
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
     const float *xp = cf(x), *g = cf(gy), *w = cf(weight), *mp = cf(mean), *rp = cf(rstd);
+    const float *gr = cf(gres);
     float *gxp = mf(gx), *gwp = mf(gw), *gbp = mf(gb);
     if (gwp) memset(gwp, 0, sizeof(float) * (size_t)cols);
     if (gbp) memset(gbp, 0, sizeof(float) * (size_t)cols);
     for (int64_t r = 0; r < rows; r++)
         layer_norm_row_backward(gxp ? gxp + r * cols : NULL, gwp, gbp, g + r * cols, xp + r * cols,
-                                w, cols, mp[r], rp[r]);
+                                w, gr ? gr + r * cols : NULL, cols, mp[r], rp[r]);
     return TDM_OK;
 }

@@ -78,23 +78,29 @@ static uint32_t align_of(const void *p) {
     return a;
 }
 
-/* y = x w^T + b by cublasLtMatmul with CUBLASLT_EPILOGUE_BIAS, or with pre (not NULL) y =
- * GELU(pre), pre = x w^T + b by CUBLASLT_EPILOGUE_GELU_AUX_BIAS. Column-major, y's [M, out]
- * rows are D [out, M] = op_T(w seen as [in, out]) X^T [in, M]: the bias runs along D's rows.
- * CUBLAS_STATUS_NOT_SUPPORTED, nothing queued, where cuBLASLt has no algorithm for it. */
-static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, tdm_tensor *pre, const tdm_tensor *x,
-                                const tdm_tensor *w, const tdm_tensor *b) {
-    uint64_t M = (uint64_t)y->shape[1], out = (uint64_t)y->shape[2], in = (uint64_t)x->shape[2];
-    cudaDataType t = blas_type(y->dtype);
-    bool tf32 = y->dtype == TDM_F32 && tdm_allow_tf32();
-    void *pw = tdm_cuda_ptr(w), *px = tdm_cuda_ptr(x), *py = tdm_cuda_ptr(y);
-    const void *bias = tdm_cuda_ptr(b);
-    cublasOperation_t T = CUBLAS_OP_T, N = CUBLAS_OP_N;
-    cublasLtEpilogue_t epi = pre ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS;
-    void *aux = pre ? tdm_cuda_ptr(pre) : NULL;
-    int64_t aux_ld = (int64_t)out; /* cuBLASLt's rule: a multiple of 8 (the caller's check) */
+/* One cuBLASLt product, column-major: D [m, n] (ldd) = op(A) B [k, n] (ldb), where op(A) is A
+ * [m, k] (lda) or, with ta, the transpose of A [k, m]; every matrix of the one type t, the sums
+ * f32 (TF32 where asked); then the epilogue: BIAS adds bias [m] along D's rows, GELU_AUX_BIAS
+ * also stores that sum in aux [m, n] (aux_ld) and writes its tanh-GELU, DGELU multiplies the
+ * product by GELU' of aux, the GELU's input. */
+typedef struct {
+    bool ta;
+    uint64_t m, n, k;
+    const void *a, *b;
+    void *d;
+    int64_t lda, ldb, ldd;
+    cublasLtEpilogue_t epi;
+    const void *bias;
+    void *aux;
+    int64_t aux_ld; /* cuBLASLt's rule: a multiple of 8 (the caller's check) */
+} lt_gemm;
+
+/* g on d's compute stream: CUBLAS_STATUS_NOT_SUPPORTED, nothing queued, where cuBLASLt has no
+ * algorithm for it. */
+static cublasStatus_t lt_run(cu_device *d, cudaDataType t, bool tf32, const lt_gemm *g) {
+    cublasOperation_t ta = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N, N = CUBLAS_OP_N;
     uint64_t ws = CU_BLAS_WORKSPACE;
-    uint32_t al[4] = {align_of(pw), align_of(px), align_of(py), align_of(py)};
+    uint32_t al[4] = {align_of(g->a), align_of(g->b), align_of(g->d), align_of(g->d)};
     cublasLtMatmulDesc_t op = NULL;
     cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
     cublasLtMatmulPreference_t pref = NULL;
@@ -102,22 +108,24 @@ static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, tdm_tensor *pre, co
     int found = 0;
     cublasStatus_t st = cublasLtMatmulDescCreate(
         &op, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F);
-    if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &T, sizeof T);
+    if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
     if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof N);
     if (!st)
-        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g->epi,
+                                            sizeof g->epi);
+    if (!st && g->bias)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g->bias,
+                                            sizeof g->bias);
+    if (!st && g->aux)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g->aux,
+                                            sizeof g->aux);
+    if (!st && g->aux)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &g->aux_ld,
+                                            sizeof g->aux_ld);
     if (!st)
-        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
-                                            sizeof bias);
-    if (!st && aux)
-        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux,
-                                            sizeof aux);
-    if (!st && aux)
-        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld,
-                                            sizeof aux_ld);
-    if (!st) st = cublasLtMatrixLayoutCreate(&la, t, in, out, (int64_t)in);
-    if (!st) st = cublasLtMatrixLayoutCreate(&lb, t, in, M, (int64_t)in);
-    if (!st) st = cublasLtMatrixLayoutCreate(&ld, t, out, M, (int64_t)out);
+        st = cublasLtMatrixLayoutCreate(&la, t, g->ta ? g->k : g->m, g->ta ? g->m : g->k, g->lda);
+    if (!st) st = cublasLtMatrixLayoutCreate(&lb, t, g->k, g->n, g->ldb);
+    if (!st) st = cublasLtMatrixLayoutCreate(&ld, t, g->m, g->n, g->ldd);
     if (!st) st = cublasLtMatmulPreferenceCreate(&pref);
     if (!st)
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -131,14 +139,30 @@ static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, tdm_tensor *pre, co
     if (!st && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
     const float one = 1.0f, zero = 0.0f;
     if (!st)
-        st = cublasLtMatmul(d->lt, op, &one, pw, la, px, lb, &zero, py, ld, py, ld, &heur.algo,
-                            d->blas_workspace, CU_BLAS_WORKSPACE, d->compute);
+        st = cublasLtMatmul(d->lt, op, &one, g->a, la, g->b, lb, &zero, g->d, ld, g->d, ld,
+                            &heur.algo, d->blas_workspace, CU_BLAS_WORKSPACE, d->compute);
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (ld) cublasLtMatrixLayoutDestroy(ld);
     if (lb) cublasLtMatrixLayoutDestroy(lb);
     if (la) cublasLtMatrixLayoutDestroy(la);
     if (op) cublasLtMatmulDescDestroy(op);
     return st;
+}
+
+/* y = x w^T + b with CUBLASLT_EPILOGUE_BIAS, or with pre (not NULL) y = GELU(pre), pre = x w^T
+ * + b with GELU_AUX_BIAS. y's [M, out] rows are D [out, M] = (w seen as [in, out])^T X^T
+ * [in, M]: the bias runs along D's rows. */
+static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, tdm_tensor *pre, const tdm_tensor *x,
+                                const tdm_tensor *w, const tdm_tensor *b) {
+    uint64_t M = (uint64_t)y->shape[1], out = (uint64_t)y->shape[2], in = (uint64_t)x->shape[2];
+    lt_gemm g = {};
+    g.ta = true, g.m = out, g.n = M, g.k = in;
+    g.a = tdm_cuda_ptr(w), g.b = tdm_cuda_ptr(x), g.d = tdm_cuda_ptr(y);
+    g.lda = g.ldb = (int64_t)in, g.ldd = (int64_t)out;
+    g.epi = pre ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS;
+    g.bias = tdm_cuda_ptr(b);
+    g.aux = pre ? tdm_cuda_ptr(pre) : NULL, g.aux_ld = (int64_t)out;
+    return lt_run(d, blas_type(y->dtype), y->dtype == TDM_F32 && tdm_allow_tf32(), &g);
 }
 
 /* The operands of linear (and linear_gelu's pre), checked: TDM_OK or an error naming op. */
@@ -201,4 +225,38 @@ extern "C" int tdm_cuda_linear(tdm_tensor *y, const tdm_tensor *x, const tdm_ten
     bb.strides[0] = bb.strides[1] = 0, bb.strides[2] = 1;
     int rc = tdm_cuda_copy(y, &bb);
     return rc ? rc : tdm_cuda_matmul(y, x, w, false, true, 1.0f);
+}
+
+/* gpre [M, in] = (gy [M, out] @ w [out, in]) * GELU'(pre): column-major, D [in, M] = (w seen as
+ * [in, out]) (gy seen as [out, M]), the DGELU epilogue reading pre as D's aux. */
+extern "C" int tdm_cuda_linear_dgelu(tdm_tensor *gpre, const tdm_tensor *gy, const tdm_tensor *w,
+                                     const tdm_tensor *pre) {
+    if (cu_check_float("linear_dgelu", true, {gpre, gy, w, pre})) return tdm_last_status();
+    if (gpre->ndim != 3 || gy->ndim != 3 || w->ndim != 3 || pre->ndim != 3 ||
+        !tdm_is_contiguous(gpre) || !tdm_is_contiguous(gy) || !tdm_is_contiguous(w) ||
+        !tdm_is_contiguous(pre) || gpre->shape[0] != 1 || gy->shape[0] != 1 || w->shape[0] != 1 ||
+        gy->shape[1] != gpre->shape[1] || w->shape[1] != gy->shape[2] ||
+        w->shape[2] != gpre->shape[2] || !tdm_same_shape(pre, gpre))
+        return tdm_raise(TDM_ERR_SHAPE, "cuda linear_dgelu: expects contiguous gpre and pre "
+                                        "[1, M, in], gy [1, M, out] and w [1, out, in]");
+    cu_device *d = cu_dev_of(gpre, "linear_dgelu");
+    if (!d) return tdm_last_status();
+    const int64_t M = gpre->shape[1], in = gpre->shape[2], out = gy->shape[2];
+    if (M == 0 || in == 0) return TDM_OK;
+    if (out > 0 && in % 8 == 0 && M <= INT_MAX && in <= INT_MAX && out <= INT_MAX) {
+        lt_gemm g = {};
+        g.ta = false, g.m = (uint64_t)in, g.n = (uint64_t)M, g.k = (uint64_t)out;
+        g.a = tdm_cuda_ptr(w), g.b = tdm_cuda_ptr(gy), g.d = tdm_cuda_ptr(gpre);
+        g.lda = g.ldd = in, g.ldb = out;
+        g.epi = CUBLASLT_EPILOGUE_DGELU;
+        g.aux = tdm_cuda_ptr(pre), g.aux_ld = in;
+        cublasStatus_t st =
+            lt_run(d, blas_type(gpre->dtype), gpre->dtype == TDM_F32 && tdm_allow_tf32(), &g);
+        if (st == CUBLAS_STATUS_SUCCESS) return TDM_OK;
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED)
+            return cu_check_blas(st, "linear_dgelu (cublasLtMatmul)", gpre->device.index);
+    }
+    /* unary_backward reads each element's gy before writing its gx: in place is safe */
+    int rc = tdm_cuda_matmul(gpre, gy, w, false, false, 0.0f);
+    return rc ? rc : tdm_cuda_unary_backward(TDM_UN_GELU_TANH, gpre, gpre, pre, NULL, 0.0f);
 }

@@ -369,10 +369,11 @@ extern "C" int tdm_cuda_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *
     return cu_check_launch("layer_norm", x->device.index);
 }
 
-/* gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with d = gy * w, one block per row. */
+/* gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with d = gy * w, one block per row; with
+ * gres, gres + that (rounded first: an add kernel's bits; __fadd_rn: no multiply-add). */
 template <typename T>
 __global__ void ln_bwd_kernel(T *gx, const T *g, const T *x, const float *w, const float *mean,
-                              const float *rstd, int64_t cols) {
+                              const float *rstd, const T *gres, int64_t cols) {
     __shared__ double sh[CU_THREADS];
     int64_t r = blockIdx.x;
     const T *gr = g + r * cols, *xr = x + r * cols;
@@ -387,7 +388,8 @@ __global__ void ln_bwd_kernel(T *gx, const T *g, const T *x, const float *w, con
     float mdx = (float)(cu_block_sum(sdx, sh) / (double)cols);
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
         float h = (cu_ld(xr[c]) - m) * inv, dv = cu_ld(gr[c]) * (w ? w[c] : 1.0f);
-        gx[r * cols + c] = cu_to<T>(inv * (dv - md - h * mdx));
+        T v = cu_to<T>(inv * (dv - md - h * mdx));
+        gx[r * cols + c] = gres ? cu_to<T>(__fadd_rn(cu_ld(gres[r * cols + c]), cu_ld(v))) : v;
     }
 }
 
@@ -465,11 +467,12 @@ static int ln_wb(cu_device *d, int index, float *gw, float *gb, const tdm_tensor
 template <typename T>
 static int ln_bwd_launch(cu_device *d, tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                          const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
-                         const tdm_tensor *mean, const tdm_tensor *rstd, int64_t rows,
-                         int64_t cols) {
+                         const tdm_tensor *mean, const tdm_tensor *rstd, const tdm_tensor *gres,
+                         int64_t rows, int64_t cols) {
     if (gx)
         ln_bwd_kernel<T><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
-            cu_p<T>(gx), cu_p<T>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean), cu_f(rstd), cols);
+            cu_p<T>(gx), cu_p<T>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean), cu_f(rstd),
+            gres ? cu_p<T>(gres) : NULL, cols);
     int rc = gx ? cu_check_launch("layer_norm_backward", x->device.index) : TDM_OK;
     if (!rc && (gw || gb))
         rc = ln_wb<T>(d, x->device.index, cu_f(gw), cu_f(gb), gy, x, mean, rstd, rows, cols);
@@ -479,10 +482,13 @@ static int ln_bwd_launch(cu_device *d, tdm_tensor *gx, tdm_tensor *gw, tdm_tenso
 extern "C" int tdm_cuda_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                                             const tdm_tensor *gy, const tdm_tensor *x,
                                             const tdm_tensor *weight, const tdm_tensor *mean,
-                                            const tdm_tensor *rstd) {
+                                            const tdm_tensor *rstd, const tdm_tensor *gres) {
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
-    if (bn_check("layer_norm_backward", {x, gx, gy}, {gw, gb, weight, mean, rstd}))
+    if (bn_check("layer_norm_backward", {x, gx, gy, gres}, {gw, gb, weight, mean, rstd}))
         return tdm_last_status();
+    if (gres && (!gx || gres == gx || tdm_numel(gres) != tdm_numel(x) || !tdm_is_contiguous(gres)))
+        return tdm_raise(TDM_ERR_ARG, "cuda layer_norm_backward: gres must be contiguous, of x's "
+                                      "size, with a gx other than it");
     cu_device *d = cu_dev_of(x, "layer_norm_backward");
     if (!d) return tdm_last_status();
     if (cols == 0) return TDM_OK;
@@ -492,6 +498,6 @@ extern "C" int tdm_cuda_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_
         return TDM_OK;
     }
     if (rows > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda layer_norm: too many rows");
-    return CU_DISPATCH(x->dtype, ln_bwd_launch, d, gx, gw, gb, gy, x, weight, mean, rstd, rows,
-                       cols);
+    return CU_DISPATCH(x->dtype, ln_bwd_launch, d, gx, gw, gb, gy, x, weight, mean, rstd, gres,
+                       rows, cols);
 }

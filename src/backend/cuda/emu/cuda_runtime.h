@@ -125,9 +125,11 @@ void __syncthreads(void);
  * __shared__, at emu_dynamic_shared, 128-byte aligned) are allocated for the launch, exactly
  * sized, so that AddressSanitizer sees an access past them. Over 48 KiB, kernel (the launched
  * function) must have been given as much with cudaFuncSetAttribute, as on a GPU. A launch on
- * a stream this thread is capturing is recorded instead (body keeps copies of the arguments). */
+ * a stream this thread is capturing is recorded instead (body keeps copies of the arguments).
+ * name: the kernel's, for EMU_CENSUS (emu.cpp). */
 void emu_launch(long long grid, long long block, const std::function<void()> &body,
-                size_t shmem = 0, const void *kernel = 0, cudaStream_t stream = 0);
+                size_t shmem = 0, const void *kernel = 0, cudaStream_t stream = 0,
+                const char *name = 0);
 /* A launch's body: kernel (a generic lambda calling it) on the arguments as they are now,
  * copied (a launch evaluates its arguments once; a recorded one keeps their values). */
 template <typename F, typename... A> std::function<void()> emu_bind(F kernel, A... args) {
@@ -155,9 +157,10 @@ static inline float __int_as_float(int i) {
     __builtin_memcpy(&f, &i, 4);
     return f;
 }
+/* never contracted with a product that made an operand (a GPU's rule): the operands rounded */
 static inline float __fadd_rn(float a, float b) {
-    volatile float r = a + b;
-    return r;
+    volatile float x = a, y = b;
+    return x + y;
 }
 static inline float __fmul_rn(float a, float b) {
     volatile float r = a * b;

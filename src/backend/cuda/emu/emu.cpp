@@ -24,6 +24,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <string>
 #include <vector>
 #include <stdio.h>
 #include <stdlib.h>
@@ -105,17 +106,49 @@ static cudaError_t not_capturable(void) {
     return cudaErrorStreamCaptureUnsupported;
 }
 
+/* ---- EMU_CENSUS=FILE: what the GPU was asked to do, written to FILE at exit ----------------
+ * Per kernel (by its name in the launch), cuBLAS entry and copy: the calls made and, for a
+ * kernel, the threads launched; for a product, its multiply-adds; for a copy or a fill, its
+ * bytes. Counted when the work runs (a graph's recorded work at each replay). Which kernels a
+ * step launches, and how often, is the same on a GPU: a way to see what a change removed. */
+struct census_row {
+    long long calls;
+    double amount;
+};
+static std::map<std::string, census_row> *census;
+static std::mutex census_mu;
+
+static void census_write(void) {
+    FILE *f = fopen(getenv("EMU_CENSUS"), "w");
+    if (!f) return;
+    for (auto &r : *census) fprintf(f, "%lld\t%.0f\t%s\n", r.second.calls, r.second.amount, r.first.c_str());
+    fclose(f);
+}
+
+static void census_add(const char *name, double amount) {
+    static bool on = getenv("EMU_CENSUS") != NULL;
+    if (!on || !name) return;
+    std::lock_guard<std::mutex> g(census_mu);
+    if (!census) {
+        census = new std::map<std::string, census_row>;
+        atexit(census_write);
+    }
+    census_row &r = (*census)[name];
+    r.calls++;
+    r.amount += amount;
+}
+
 static bool is_pinned(const void *p) {
     std::lock_guard<std::mutex> g(emu_mu);
     return pinned.count(p) > 0;
 }
 
 void emu_launch(long long grid, long long block, const std::function<void()> &body, size_t shmem,
-                const void *kernel, cudaStream_t stream) {
+                const void *kernel, cudaStream_t stream, const char *name) {
     if (capture && stream == capture_stream) {
         std::function<void()> copy = body;
         capture->ops.push_back(
-            [=]() { emu_launch(grid, block, copy, shmem, kernel, (cudaStream_t)0); });
+            [=]() { emu_launch(grid, block, copy, shmem, kernel, (cudaStream_t)0, name); });
         return;
     }
     std::lock_guard<std::mutex> turn(emu_mu);
@@ -128,6 +161,7 @@ void emu_launch(long long grid, long long block, const std::function<void()> &bo
         last_error = cudaErrorInvalidValue;
         return;
     }
+    census_add(name, (double)grid * block);
     free(emu_dynamic_shared);
     emu_dynamic_shared = NULL;
     if (shmem && posix_memalign(&emu_dynamic_shared, 128, shmem)) abort();
@@ -268,11 +302,21 @@ cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKin
         ((k == cudaMemcpyHostToDevice && !is_pinned(s)) ||
          (k == cudaMemcpyDeviceToHost && !is_pinned(d))))
         return not_capturable(); /* a graph's copy with the host is from pinned memory */
-    if (!recorded(st, [=]() { memmove(d, s, n); })) memmove(d, s, n);
+    auto run = [=]() {
+        census_add(k == cudaMemcpyDeviceToDevice ? "cudaMemcpyAsync device to device"
+                                                 : "cudaMemcpyAsync with the host",
+                   (double)n);
+        memmove(d, s, n);
+    };
+    if (!recorded(st, run)) run();
     return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) {
-    if (!recorded(st, [=]() { memset(d, v, n); })) memset(d, v, n);
+    auto run = [=]() {
+        census_add("cudaMemsetAsync", (double)n);
+        memset(d, v, n);
+    };
+    if (!recorded(st, run)) run();
     return cudaSuccess;
 }
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, enum cudaStreamCaptureMode mode) {
@@ -371,6 +415,7 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
     }
     const float al = *alpha, be = *beta; /* read at the call, as cuBLAS's host pointers are */
     auto run = [=]() {
+        census_add("cublasSgemm(StridedBatched)", (double)m * n * k * batch);
         for (int p = 0; p < batch; p++) {
             const float *A = a + p * sa, *B = b + p * sb;
             float *C = c + p * sc;
@@ -452,6 +497,7 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
     }
     const float al = *(const float *)alpha, be = *(const float *)beta;
     auto run = [=]() {
+        census_add("cublasGemmStridedBatchedEx", (double)m * n * k * batch);
         for (int p = 0; p < batch; p++)
             for (int j = 0; j < n; j++)
                 for (int i = 0; i < m; i++) {
@@ -593,7 +639,9 @@ static bool lt_runs(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtM
             (op->epilogue == CUBLASLT_EPILOGUE_BIAS && op->bias) ||
             /* the GELU's input: ld a multiple of 8, at least D's rows */
             (op->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS && op->bias && op->aux &&
-             op->aux_ld % 8 == 0 && op->aux_ld >= (int64_t)m));
+             op->aux_ld % 8 == 0 && op->aux_ld >= (int64_t)m) ||
+            (op->epilogue == CUBLASLT_EPILOGUE_DGELU && op->aux && op->aux_ld % 8 == 0 &&
+             op->aux_ld >= (int64_t)m));
 }
 
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t op,
@@ -626,10 +674,16 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
     const long long k = (long long)(ta ? a->rows : a->cols), lda = a->ld, ldb = b->ld;
     const long long ldc = c->ld, ldd = d->ld;
     const cudaDataType t = d->type;
-    const void *bias = op->epilogue != CUBLASLT_EPILOGUE_DEFAULT ? op->bias : NULL;
-    void *aux = op->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ? op->aux : NULL;
+    const bool dgelu = op->epilogue == CUBLASLT_EPILOGUE_DGELU;
+    const void *bias = op->epilogue != CUBLASLT_EPILOGUE_DEFAULT && !dgelu ? op->bias : NULL;
+    void *aux = op->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || dgelu ? op->aux : NULL;
     const long long aux_ld = op->aux_ld;
+    const char *what = dgelu  ? "cublasLtMatmul, DGELU"
+                       : aux  ? "cublasLtMatmul, GELU_AUX_BIAS"
+                       : bias ? "cublasLtMatmul, BIAS"
+                              : "cublasLtMatmul";
     auto run = [=]() {
+        census_add(what, (double)m * n * k);
         for (long long j = 0; j < n; j++)
             for (long long i = 0; i < m; i++) {
                 double s = 0;
@@ -642,7 +696,12 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
                 float r = (float)(al * s);
                 if (be != 0.0f) r += be * ex_load(C, t, i + j * ldc);
                 if (bias) r += ex_load(bias, t, i);
-                if (aux) { /* tanh-GELU of the f32 sum, its input kept in aux */
+                if (dgelu) { /* the f32 sum times GELU' of the GELU's input */
+                    float v = ex_load(aux, t, i + j * aux_ld), v2 = v * v;
+                    float th = tanhf(0.7978845608f * (v + 0.044715f * v2 * v));
+                    r *= 0.5f * (1.0f + th) +
+                         0.5f * v * (1.0f - th * th) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * v2);
+                } else if (aux) { /* tanh-GELU of the f32 sum, its input kept in aux */
                     ex_store(aux, t, i + j * aux_ld, r);
                     r = 0.5f * r * (1.0f + tanhf(0.7978845608f * (r + 0.044715f * r * r * r)));
                 }

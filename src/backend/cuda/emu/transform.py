@@ -1,5 +1,5 @@
 """Rewrites CUDA launches `k<<<grid, block, shmem, stream>>>(args)` of a .cu file into
-`emu_launch(grid, block, emu_bind([](auto... a) { k(a...); }, args), shmem, &k, stream)` for the
+`emu_launch(grid, block, emu_bind([](auto... a) { k(a...); }, args), shmem, &k, stream, "k")` for the
 host emulation (see emu.cpp; &k only with dynamic shared memory; the arguments evaluated at the
 launch and kept by value, as a GPU's launch and a recorded one in a CUDA graph keep them),
 and `extern __shared__ T name[];` (the launch's dynamic shared memory) into a pointer to the
@@ -49,7 +49,7 @@ def transform(src):
         kernel = "nullptr" if shmem == "0" else f"(const void *)&{m.group(1)}"
         stream = cfg[3] if len(cfg) > 3 else "0"
         bound = ", " + args if args.strip() else ""
-        out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), emu_bind([](auto... a) {{ {m.group(1)}(a...); }}{bound}), (size_t)({shmem}), {kernel}, {stream})")
+        out.append(f"emu_launch((long long)({cfg[0]}), (long long)({cfg[1]}), emu_bind([](auto... a) {{ {m.group(1)}(a...); }}{bound}), (size_t)({shmem}), {kernel}, {stream}, \"{m.group(1)}\")")
         pos = j + 1
     out.append(src[pos:])
     out = re.sub(r"^[ \t]*#pragma unroll.*$", "", "".join(out), flags=re.M)  # nvcc's, not g++'s

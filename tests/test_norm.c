@@ -178,20 +178,21 @@ static void test_layer_norm_gradcheck(void) {
     for (int i = 0; i < 3; i++) tdm_tensor_free(in[i]);
 }
 
-/* x + layer_norm(x): the add's gradient reaches x before the norm's backward runs, which adds
- * it to the gradient it writes (the kernel's gres) */
+/* h + layer_norm(h) for h = s x, an op's output as a residual stream is (a leaf's gradient goes
+ * to its .grad): the add's gradient reaches h before the norm's backward runs, which adds it
+ * to the gradient it writes (the kernel's gres). s: *(float *)p, 2 where NULL. */
 static tdm_tensor *ln_residual_fn(tdm_tensor **in, void *p) {
-    (void)p;
-    return tdm_add(in[0], tdm_layer_norm(in[0], 1, in[1], in[2], 1e-5f));
+    tdm_tensor *h = tdm_mul_scalar(in[0], p ? *(float *)p : 2.0f);
+    return tdm_add(h, tdm_layer_norm(h, 1, in[1], in[2], 1e-5f));
 }
 
 /* That gradient against the add it replaces, bit for bit: u + the norm's gradient alone, for
- * sum(u * (x + layer_norm(x))). In f32 and bf16 (the kernel's widened path), with and without
- * the affine parameters. */
+ * sum(u * (h + layer_norm(h))), h = 1 x. In f32 and bf16 (the kernel's widened path), with
+ * and without the affine parameters. */
 static void test_layer_norm_residual(void) {
     tdm_tensor *in[3] = {gradcheck_input(TDM_SHAPE(5, 8), 57), gradcheck_input(TDM_SHAPE(8), 58),
                          gradcheck_input(TDM_SHAPE(8), 59)};
-    gradcheck("x + layer_norm(x)", ln_residual_fn, 3, in, NULL, 1e-2, 2e-3, 1e-2);
+    gradcheck("h + layer_norm(h)", ln_residual_fn, 3, in, NULL, 1e-2, 2e-3, 1e-2);
     for (int i = 0; i < 3; i++) tdm_tensor_free(in[i]);
     const tdm_dtype dts[2] = {TDM_F32, TDM_BF16};
     for (int k = 0; k < 4; k++) {
@@ -207,17 +208,18 @@ static void test_layer_norm_residual(void) {
         tdm_tensor *alone = tdm_cast(v, dt), *fused = tdm_cast(v, dt);
         tdm_requires_grad_(alone, true);
         tdm_requires_grad_(fused, true);
-        int rc = tdm_backward(tdm_sum_all(tdm_mul(tdm_layer_norm(alone, 1, w, b, 1e-5f), u)));
-        rc = rc ? rc
-                : tdm_backward(
-                      tdm_sum_all(tdm_mul(ln_residual_fn((tdm_tensor *[]){fused, w, b}, NULL), u)));
-        CHECK(rc == TDM_OK && alone->grad && fused->grad, "x + layer_norm(x) in %s: %s",
+        float one = 1.0f;
+        tdm_tensor *h = tdm_mul_scalar(alone, one);
+        int rc = tdm_backward(tdm_sum_all(tdm_mul(tdm_layer_norm(h, 1, w, b, 1e-5f), u)));
+        tdm_tensor *z = ln_residual_fn((tdm_tensor *[]){fused, w, b}, &one);
+        rc = rc ? rc : tdm_backward(tdm_sum_all(tdm_mul(z, u)));
+        CHECK(rc == TDM_OK && alone->grad && fused->grad, "h + layer_norm(h) in %s: %s",
               tdm_dtype_name(dt), tdm_last_error());
         if (rc == TDM_OK && alone->grad && fused->grad) {
             tdm_tensor *want = tdm_add(u, alone->grad);
             CHECK(want && !memcmp(tdm_data_ptr(want), tdm_data_ptr(fused->grad),
                                   tdm_numel(want) * tdm_dtype_size(dt)),
-                  "x + layer_norm(x) in %s%s: x's gradient is not u + the norm's alone, bit for "
+                  "h + layer_norm(h) in %s%s: x's gradient is not u + the norm's alone, bit for "
                   "bit",
                   tdm_dtype_name(dt), affine ? ", affine" : "");
         }

@@ -444,6 +444,14 @@ static int layout_check(const layout *l, const tdm_paramset *ps, tdm_optim *o) {
                             l->path, l->kind, l->n_states, tdm_optim_kind(o), ns);
 }
 
+/* Whether s is the decimal v, all of it. */
+static bool is_decimal(const char *s, int64_t v) {
+    char *end;
+    errno = 0;
+    long long got = s && *s ? strtoll(s, &end, 10) : 0;
+    return s && *s && !errno && !*end && got == v;
+}
+
 /* Shard file r, opened once and checked against the layout. */
 static tdm_safetensors *layout_file(layout *l, int r) {
     if (l->files[r]) return l->files[r];
@@ -452,13 +460,14 @@ static tdm_safetensors *layout_file(layout *l, int r) {
     tdm_safetensors *f = tdm_safetensors_open(path);
     if (!f) return NULL;
     const char *lo = tdm_safetensors_meta(f, "shard.lo"), *hi = tdm_safetensors_meta(f, "shard.hi");
-    if (!lo || !hi || strtoll(lo, NULL, 10) != l->lo[r] || strtoll(hi, NULL, 10) != l->hi[r]) {
-        tdm_safetensors_close(f);
+    if (!is_decimal(lo, l->lo[r]) || !is_decimal(hi, l->hi[r])) {
+        /* the message first: lo and hi are the file's, freed with it */
         tdm_raise(TDM_ERR_FORMAT,
-                  "sharded checkpoint: shard file '%s' holds range [%s, %s), the layout '%s' "
-                  "says [%lld, %lld)",
+                  "sharded checkpoint: shard file '%s' holds range [%.40s, %.40s), the layout "
+                  "'%s' says [%lld, %lld)",
                   path, lo ? lo : "?", hi ? hi : "?", l->path, (long long)l->lo[r],
                   (long long)l->hi[r]);
+        tdm_safetensors_close(f);
         return NULL;
     }
     return l->files[r] = f;

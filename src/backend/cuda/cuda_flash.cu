@@ -129,6 +129,49 @@ __device__ void fa_mm(float *c, int ldc, const E *a, int lda, const E *b, int ld
     }
 }
 
+/* A [64, 16 HT] f32 sum kept across a loop in the warps' accumulator fragments rather than in
+ * shared memory (bf16 and f16, heads of up to 64): warp w holds its tiles w, w + 4, ... (HT of
+ * the 4 x HT), so no load and store of the sum per product and HT KiB less shared memory a
+ * block. Its elements are only added to (WMMA leaves their places in the warp unspecified). */
+template <int HT> struct fa_acc {
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> f[HT];
+};
+
+template <int HT> __device__ void fa_acc_zero(fa_acc<HT> &c) {
+#pragma unroll
+    for (int u = 0; u < HT; u++) nvcuda::wmma::fill_fragment(c.f[u], 0.0f);
+}
+
+/* c += op(a) b: op(a) [64, K] is a (row-major, lda) or, where TA, the transpose of a [K, 64];
+ * b [K, 16 HT] row-major (ldb); K a multiple of 16. By the whole block, from shared memory. */
+template <typename E, bool TA, int HT>
+__device__ void fa_acc_mm(fa_acc<HT> &c, const E *a, int lda, const E *b, int ldb, int K) {
+    using namespace nvcuda;
+    const int w = threadIdx.x / 32;
+#pragma unroll
+    for (int u = 0; u < HT; u++) {
+        const int t = w + 4 * u, tm = t / HT, tc = t % HT;
+        for (int k = 0; k < K; k += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, E, typename fa_layout<TA>::type> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::row_major> fb;
+            wmma::load_matrix_sync(fa, TA ? a + k * lda + tm * 16 : a + tm * 16 * lda + k, lda);
+            wmma::load_matrix_sync(fb, b + k * ldb + tc * 16, ldb);
+            wmma::mma_sync(c.f[u], fa, fb, c.f[u]);
+        }
+    }
+}
+
+/* c into out [64, 16 HT] (f32, row-major, ld 16 HT); the caller synchronises after. */
+template <int HT> __device__ void fa_acc_store(float *out, const fa_acc<HT> &c) {
+    const int w = threadIdx.x / 32;
+#pragma unroll
+    for (int u = 0; u < HT; u++) {
+        const int t = w + 4 * u, tm = t / HT, tc = t % HT;
+        nvcuda::wmma::store_matrix_sync(out + tm * 16 * 16 * HT + tc * 16, c.f[u], 16 * HT,
+                                        nvcuda::wmma::mem_row_major);
+    }
+}
+
 /* ---- shared memory ------------------------------------------------------------------------ */
 
 /* Carves a block's shared memory into aligned regions (WMMA wants 32-byte aligned tiles). */
@@ -152,14 +195,20 @@ static size_t fa_smem_fwd(int64_t hs, int ld, size_t es) {
            fa_round(FA_BR * FA_BC * es) + fa_round(FA_BR * hs * 4) + 2 * fa_round(FA_BR * 4) +
            2 * fa_round(FA_THREADS * 4);
 }
+/* Heads whose backward keeps its sums in fragments (fa_acc): HT = hs / 16, or 0 (in shared
+ * memory: f32, and heads over 64, whose fragments would take too many registers). */
+static int fa_frag_tiles(int64_t hs, size_t es) {
+    return es == 2 && hs <= 64 ? (int)(hs / 16) : 0;
+}
 static size_t fa_smem_dkv(int64_t hs, int ld, size_t es) {
     return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
-           2 * fa_round(FA_BR * FA_BC * es) + 2 * fa_round(FA_BC * hs * 4) +
-           2 * fa_round(FA_BR * 4);
+           2 * fa_round(FA_BR * FA_BC * es) +
+           (fa_frag_tiles(hs, es) ? 0 : 2 * fa_round(FA_BC * hs * 4)) + 2 * fa_round(FA_BR * 4);
 }
 static size_t fa_smem_dq(int64_t hs, int ld, size_t es) {
     return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
-           fa_round(FA_BR * FA_BC * es) + fa_round(FA_BR * hs * 4) + 2 * fa_round(FA_BR * 4);
+           fa_round(FA_BR * FA_BC * es) + (fa_frag_tiles(hs, es) ? 0 : fa_round(FA_BR * hs * 4)) +
+           2 * fa_round(FA_BR * 4);
 }
 
 /* rows [r0, r0 + FA_BR) of one head's q (part 0), k (1) or v (2) in qkv (or of dy, y: part 0
@@ -271,8 +320,9 @@ __device__ void fa_dscores(E *Pt, E *dSt, const float *S, const float *dP, const
     }
 }
 
-/* One block: key tile j of a head, over the query tiles from its diagonal on: dK and dV. */
-template <typename E>
+/* One block: key tile j of a head, over the query tiles from its diagonal on: dK and dV, their
+ * sums in fragments where HT (fa_frag_tiles) is not 0, else in shared memory. */
+template <typename E, int HT>
 __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
                               fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
@@ -284,13 +334,19 @@ __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *l
     E *Q = fa_take<E>(&cv, FA_BR * g.ld), *dO = fa_take<E>(&cv, FA_BR * g.ld);
     float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
     E *P = fa_take<E>(&cv, FA_BR * FA_BC), *dS = fa_take<E>(&cv, FA_BR * FA_BC);
-    float *dK = fa_take<float>(&cv, FA_BC * hs), *dV = fa_take<float>(&cv, FA_BC * hs);
+    /* in shared memory; with fragments, S and dP take them at the end (hs <= FA_BC) */
+    float *dK = HT ? dP : fa_take<float>(&cv, FA_BC * hs);
+    float *dV = HT ? S : fa_take<float>(&cv, FA_BC * hs);
     float *lse_s = fa_take<float>(&cv, FA_BR), *D_s = fa_take<float>(&cv, FA_BR);
+    fa_acc<HT ? HT : 1> dK_f, dV_f;
     const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
     const E *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
     fa_load(K, head + g.C, row3, k0, g);
     fa_load(V, head + 2 * g.C, row3, k0, g);
-    for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) dK[e] = dV[e] = 0.0f;
+    if constexpr (HT > 0)
+        fa_acc_zero(dK_f), fa_acc_zero(dV_f);
+    else
+        for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) dK[e] = dV[e] = 0.0f;
     for (int64_t i = j; i < nt; i++) {
         const int64_t q0 = i * FA_BR;
         __syncthreads(); /* the last tile's products are done with Q, dO, P and dS */
@@ -303,10 +359,19 @@ __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *l
         __syncthreads();
         fa_dscores(P, dS, S, dP, lse_s, D_s, q0, k0, g);
         __syncthreads();
-        fa_mm<E, true, false>(dV, hs, P, FA_BC, dO, g.ld, FA_BC, hs, FA_BR, true);
-        fa_mm<E, true, false>(dK, hs, dS, FA_BC, Q, g.ld, FA_BC, hs, FA_BR, true);
+        if constexpr (HT > 0) {
+            fa_acc_mm<E, true, HT>(dV_f, P, FA_BC, dO, g.ld, FA_BR);
+            fa_acc_mm<E, true, HT>(dK_f, dS, FA_BC, Q, g.ld, FA_BR);
+        } else {
+            fa_mm<E, true, false>(dV, hs, P, FA_BC, dO, g.ld, FA_BC, hs, FA_BR, true);
+            fa_mm<E, true, false>(dK, hs, dS, FA_BC, Q, g.ld, FA_BC, hs, FA_BR, true);
+        }
     }
-    __syncthreads();
+    __syncthreads(); /* every product is done with S and dP */
+    if constexpr (HT > 0) {
+        fa_acc_store(dV, dV_f), fa_acc_store(dK, dK_f);
+        __syncthreads();
+    }
     E *gh = dqkv + off;
     for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) {
         const int r = e / hs, d = e % hs;
@@ -316,8 +381,9 @@ __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *l
     }
 }
 
-/* One block: query tile i of a head, over the key tiles up to its diagonal: dQ. */
-template <typename E>
+/* One block: query tile i of a head, over the key tiles up to its diagonal: dQ, its sum in
+ * fragments where HT is not 0 (as fa_dkv_kernel). */
+template <typename E, int HT>
 __global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
                              fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
@@ -329,14 +395,18 @@ __global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *ls
     E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
     float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
     E *dS = fa_take<E>(&cv, FA_BR * FA_BC);
-    float *dQ = fa_take<float>(&cv, FA_BR * hs), *lse_s = fa_take<float>(&cv, FA_BR);
+    float *dQ = HT ? S : fa_take<float>(&cv, FA_BR * hs), *lse_s = fa_take<float>(&cv, FA_BR);
     float *D_s = fa_take<float>(&cv, FA_BR);
+    fa_acc<HT ? HT : 1> dQ_f;
     const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
     const E *head = qkv + off;
     fa_load(Q, head, row3, q0, g);
     fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
     fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
-    for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) dQ[e] = 0.0f;
+    if constexpr (HT > 0)
+        fa_acc_zero(dQ_f);
+    else
+        for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) dQ[e] = 0.0f;
     for (int64_t j = 0; j <= i; j++) {
         const int64_t k0 = j * FA_BC;
         __syncthreads(); /* the last tile's product is done with K and dS */
@@ -348,9 +418,16 @@ __global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *ls
         __syncthreads();
         fa_dscores<E>(NULL, dS, S, dP, lse_s, D_s, q0, k0, g);
         __syncthreads();
-        fa_mm<E, false, false>(dQ, hs, dS, FA_BC, K, g.ld, FA_BR, hs, FA_BC, true);
+        if constexpr (HT > 0)
+            fa_acc_mm<E, false, HT>(dQ_f, dS, FA_BC, K, g.ld, FA_BC);
+        else
+            fa_mm<E, false, false>(dQ, hs, dS, FA_BC, K, g.ld, FA_BR, hs, FA_BC, true);
     }
-    __syncthreads();
+    __syncthreads(); /* every product is done with S */
+    if constexpr (HT > 0) {
+        fa_acc_store(dQ, dQ_f);
+        __syncthreads();
+    }
     E *gh = dqkv + off;
     for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) {
         const int r = e / hs, d = e % hs;
@@ -417,6 +494,30 @@ static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, con
     return cu_check_launch("flash attention", idx);
 }
 
+/* The backward's two kernels, their sums in HT fragments a warp (0: in shared memory). */
+template <typename E, int HT>
+static int fa_backward_kernels(cu_device *d, int idx, E *gq, const E *gy, const E *x,
+                               const float *lse, const float *D, fa_geom g) {
+    if constexpr (HT > 0 && sizeof(E) == 4) { /* unreachable: fa_frag_tiles says 0 for f32 */
+        return tdm_raise(TDM_ERR_STATE, "flash attention_backward: no fragments in f32");
+    } else {
+        const size_t s_kv = fa_smem_dkv(g.hs, g.ld, sizeof(E));
+        const size_t s_q = fa_smem_dq(g.hs, g.ld, sizeof(E));
+        const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
+        int rc = fa_launch_check(fa_dkv_kernel<E, HT>, s_kv, "flash attention_backward", idx);
+        if (!rc) {
+            fa_dkv_kernel<E, HT><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
+            rc = cu_check_launch("flash attention_backward (dk, dv)", idx);
+        }
+        if (!rc) rc = fa_launch_check(fa_dq_kernel<E, HT>, s_q, "flash attention_backward", idx);
+        if (!rc) {
+            fa_dq_kernel<E, HT><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
+            rc = cu_check_launch("flash attention_backward (dq)", idx);
+        }
+        return rc;
+    }
+}
+
 template <typename E>
 static int fa_backward(cu_device *d, int idx, tdm_tensor *dqkv, const tdm_tensor *dy,
                        const tdm_tensor *qkv, const tdm_tensor *y, const tdm_tensor *lse,
@@ -429,17 +530,23 @@ static int fa_backward(cu_device *d, int idx, tdm_tensor *dqkv, const tdm_tensor
     fa_delta_kernel<E>
         <<<cu_blocks(g.B * g.nh * g.T), CU_THREADS, 0, d->compute>>>(D, gy, cu_p<E>(y), g);
     int rc = cu_check_launch("flash attention_backward (D)", idx);
-    const size_t s_kv = fa_smem_dkv(g.hs, g.ld, sizeof(E)), s_q = fa_smem_dq(g.hs, g.ld, sizeof(E));
-    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
-    if (!rc) rc = fa_launch_check(fa_dkv_kernel<E>, s_kv, "flash attention_backward", idx);
     if (!rc) {
-        fa_dkv_kernel<E><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, cu_f(lse), D, g);
-        rc = cu_check_launch("flash attention_backward (dk, dv)", idx);
-    }
-    if (!rc) rc = fa_launch_check(fa_dq_kernel<E>, s_q, "flash attention_backward", idx);
-    if (!rc) {
-        fa_dq_kernel<E><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, cu_f(lse), D, g);
-        rc = cu_check_launch("flash attention_backward (dq)", idx);
+        switch (fa_frag_tiles(g.hs, sizeof(E))) {
+        case 1:
+            rc = fa_backward_kernels<E, 1>(d, idx, gq, gy, x, cu_f(lse), D, g);
+            break;
+        case 2:
+            rc = fa_backward_kernels<E, 2>(d, idx, gq, gy, x, cu_f(lse), D, g);
+            break;
+        case 3:
+            rc = fa_backward_kernels<E, 3>(d, idx, gq, gy, x, cu_f(lse), D, g);
+            break;
+        case 4:
+            rc = fa_backward_kernels<E, 4>(d, idx, gq, gy, x, cu_f(lse), D, g);
+            break;
+        default:
+            rc = fa_backward_kernels<E, 0>(d, idx, gq, gy, x, cu_f(lse), D, g);
+        }
     }
     tdm_storage_release(hold); /* in stream order: the kernels above run first */
     return rc;

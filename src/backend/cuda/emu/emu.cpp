@@ -121,7 +121,8 @@ static std::mutex census_mu;
 static void census_write(void) {
     FILE *f = fopen(getenv("EMU_CENSUS"), "w");
     if (!f) return;
-    for (auto &r : *census) fprintf(f, "%lld\t%.0f\t%s\n", r.second.calls, r.second.amount, r.first.c_str());
+    for (auto &r : *census)
+        fprintf(f, "%lld\t%.0f\t%s\n", r.second.calls, r.second.amount, r.first.c_str());
     fclose(f);
 }
 
@@ -700,7 +701,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
                     float v = ex_load(aux, t, i + j * aux_ld), v2 = v * v;
                     float th = tanhf(0.7978845608f * (v + 0.044715f * v2 * v));
                     r *= 0.5f * (1.0f + th) +
-                         0.5f * v * (1.0f - th * th) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * v2);
+                         0.5f * v * (1.0f - th * th) * 0.7978845608f *
+                             (1.0f + 3.0f * 0.044715f * v2);
                 } else if (aux) { /* tanh-GELU of the f32 sum, its input kept in aux */
                     ex_store(aux, t, i + j * aux_ld, r);
                     r = 0.5f * r * (1.0f + tanhf(0.7978845608f * (r + 0.044715f * r * r * r)));

@@ -126,8 +126,11 @@ static int64_t one_graph_replays(const tdm_strategy *st, const char **why) {
 
 /* ---- the step ---------------------------------------------------------------------------- */
 
-/* A CPU device marks the step's gradients stale rather than zeroing them (backward then writes
- * each one instead of adding into zeros; tdm_paramset_mark_grads_stale). A GPU zeroes them. */
+/* The step's gradients are marked stale rather than zeroed (backward then writes each one
+ * instead of adding into zeros; tdm_paramset_mark_grads_stale): on a GPU too, where it saves a
+ * pass over the flat gradient and a read of its zeros per parameter (under autocast each bf16
+ * weight gradient is converted into its .grad rather than added). A recorded step zeroes them:
+ * the marks are the host's, which a replay would not see. */
 static int one_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_loss_fn loss_fn,
                     void *loss_arg, bool first, bool last, float *loss) {
     one_device *s = (one_device *)st;
@@ -139,10 +142,8 @@ static int one_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_los
         x = tdm_to_device(x, s->dev);
         target = tdm_to_device(target, s->dev);
     }
-    bool mark = first && s->dev.type == TDM_CPU;
-    if (mark) tdm_paramset_mark_grads_stale(s->ps);
-    int rc = first && !mark ? tdm_optim_zero_grad(s->opt) : TDM_OK;
-    if (!rc && (!x || !target)) rc = tdm_last_status();
+    if (first) tdm_paramset_mark_grads_stale(s->ps);
+    int rc = !x || !target ? tdm_last_status() : TDM_OK;
     tdm_trace_begin("forward");
     tdm_tensor *out = rc ? NULL : tdm_module_forward(s->model, x);
     tdm_tensor *l = out ? loss_fn(out, target, 0, loss_arg) : NULL;
@@ -151,7 +152,7 @@ static int one_step(tdm_strategy *st, tdm_tensor *x, tdm_tensor *target, tdm_los
     tdm_tensor *root = l && st->scaler ? tdm_grad_scaler_scale(st->scaler, l) : l;
     tdm_trace_begin("backward");
     rc = rc ? rc : !root ? -1 : tdm_backward(root);
-    if (mark && tdm_paramset_settle_grads(s->ps) && !rc) rc = -1;
+    if (first && tdm_paramset_settle_grads(s->ps) && !rc) rc = -1;
     tdm_trace_end();
     tdm_trace_begin("optimizer");
     if (!rc && last && st->scaler) rc = tdm_strategy_amp_update(st, s->opt, NULL, one_clip);

@@ -136,8 +136,8 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
             hold(g);
             return TDM_OK;
         }
-        if (!n->gout_owned) { /* the sum into a new tensor: one pass, where a copy then += took two
-                               */
+        if (!n->gout_owned) {
+            /* the sum into a new tensor: one pass, where a copy and an add took two */
             tdm_tensor *own = tdm_tensor_alloc(tdm_shape_of(t), t->dtype, t->device);
             if (!own || tdm_backend_for(t->device)->binary(TDM_BIN_ADD, own, n->gout, g))
                 return tdm_last_status();
@@ -173,7 +173,7 @@ tdm_tensor *tdm_grad_pending(tdm_tensor *t) {
 int tdm_grad_replace(tdm_tensor *t, tdm_tensor *g) {
     if (!tdm_grad_pending(t)) return tdm_raise(TDM_ERR_STATE, "backward: no pending gradient");
     tdm_node *n = t->grad_fn;
-    unhold(n->gout); /* a borrowed one's producer may still read it: kept to the scope's end */
+    consumed(n->gout); /* read by the caller's kernel, queued in stream order: freed if done */
     n->gout = g;
     n->gout_owned = true; /* made for t alone: a later gradient adds into it in place */
     hold(g);

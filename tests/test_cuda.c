@@ -771,7 +771,16 @@ static void case_layer_norm(run *r) {
         out(r, "y", y);
         grad(r, "gx gw gb gx+gres", gx, gw, gb, gx2);
         slack_rounding(r, r->kept[r->n_kept - 4].v); /* gx rounded before gres joins it */
-        keep(r, "mean", m, (bound){1e-6, 1e-5});     /* double vs float lanes: closer than y */
+        if (r->row->dt != TDM_F32) continue;
+        /* an f32 x normalised into bf16 (tdm_layer_norm_to), its gradient from a bf16 gy: each
+         * side rounds its own f32 value once (an ulp apart at most: 2^-7 of it) */
+        tdm_tensor *y16 = zeros_of(r, s, TDM_BF16), *gy16 = zeros_of(r, s, TDM_BF16);
+        KERNEL(r, copy, gy16, gy);
+        KERNEL(r, layer_norm, y16, m, rstd, x, w, b, 1e-5f);
+        KERNEL(r, layer_norm_backward, gx2, gw, gb, gy16, x, w, m, rstd, gres);
+        keep(r, "y_bf16", y16, (bound){1e-5, 0x1p-7});
+        grad(r, "gx_from_bf16 gw_from_bf16 gb_from_bf16", gx2, gw, gb);
+        keep(r, "mean", m, (bound){1e-6, 1e-5}); /* double vs float lanes: closer than y */
         keep(r, "rstd", rstd, (bound){1e-6, 1e-5});
     }
 }

@@ -227,6 +227,56 @@ static void test_layer_norm_residual(void) {
     }
 }
 
+/* tdm_layer_norm_to against tdm_to_dtype(tdm_layer_norm(...)), bit for bit: the output in bf16
+ * and f16 from an f32 x, and the gradients of x, the weight and the bias from a gradient in
+ * that dtype; a dtype that is not a float refused naming it. */
+static void test_layer_norm_to(void) {
+    const tdm_dtype dts[2] = {TDM_BF16, TDM_F16};
+    for (int k = 0; k < 2; k++) {
+        tdm_scope_begin();
+        tdm_rng r = tdm_rng_make(81);
+        tdm_tensor *v = tdm_randn(TDM_SHAPE(2, 5, 24), 0.5f, 2, tdm_cpu(0), &r);
+        tdm_tensor *u = tdm_cast(tdm_randn(TDM_SHAPE(2, 5, 24), 0, 1, tdm_cpu(0), &r), dts[k]);
+        tdm_tensor *in[2][3];
+        for (int j = 0; j < 2; j++) {
+            in[j][0] = tdm_cast(v, TDM_F32);
+            tdm_rng rw = tdm_rng_make(82);
+            in[j][1] = tdm_randn(TDM_SHAPE(24), 1, 0.5f, tdm_cpu(0), &rw);
+            in[j][2] = tdm_randn(TDM_SHAPE(24), 0, 0.5f, tdm_cpu(0), &rw);
+            for (int i = 0; i < 3; i++) tdm_requires_grad_(in[j][i], true);
+        }
+        /* each forward and its backward in turn: a backward stops where an earlier one walked */
+        tdm_tensor *y[2];
+        bool ok = true;
+        for (int j = 0; ok && j < 2; j++) {
+            y[j] = j ? tdm_to_dtype(tdm_layer_norm(in[1][0], 1, in[1][1], in[1][2], 1e-5f), dts[k])
+                     : tdm_layer_norm_to(in[0][0], 1, in[0][1], in[0][2], 1e-5f, dts[k]);
+            ok = y[j] && y[j]->dtype == dts[k] &&
+                 tdm_backward(tdm_sum_all(tdm_to_dtype(tdm_mul(y[j], u), TDM_F32))) == TDM_OK;
+        }
+        CHECK(ok, "layer_norm_to %s: %s", tdm_dtype_name(dts[k]), tdm_last_error());
+        if (ok) {
+            CHECK(in[0][0] != in[1][0] && in[0][0]->grad != in[1][0]->grad,
+                  "layer_norm_to: the two runs share a leaf");
+            CHECK(!memcmp(tdm_data_ptr(y[0]), tdm_data_ptr(y[1]), 2 * 5 * 24 * 2),
+                  "layer_norm_to %s: the output is not the norm's cast, bit for bit",
+                  tdm_dtype_name(dts[k]));
+            for (int i = 0; i < 3; i++)
+                CHECK(in[0][i]->grad && in[1][i]->grad &&
+                          !memcmp(tdm_data_ptr(in[0][i]->grad), tdm_data_ptr(in[1][i]->grad),
+                                  sizeof(float) * (size_t)tdm_numel(in[0][i])),
+                      "layer_norm_to %s: gradient %d is not the two ops', bit for bit",
+                      tdm_dtype_name(dts[k]), i);
+        }
+        tdm_scope_end(); /* the leaves and their gradients with it */
+    }
+    tdm_tensor *x = tdm_zeros(TDM_SHAPE(2, 3), TDM_F32, tdm_cpu(0));
+    CHECK(!tdm_layer_norm_to(x, 1, NULL, NULL, 1e-5f, TDM_I32) &&
+              strstr(tdm_last_error(), "dtype i32 is not a float dtype"),
+          "layer_norm_to into i32: %s", tdm_last_error());
+    tdm_tensor_free(x);
+}
+
 /* The rng is re-made inside the fn so that every finite-difference evaluation draws the same
  * mask as the analytic pass. */
 static tdm_tensor *dropout_fn(tdm_tensor **in, void *p) {
@@ -436,6 +486,7 @@ int main(void) {
     test_batch_norm_gradcheck();
     test_layer_norm_gradcheck();
     test_layer_norm_residual();
+    test_layer_norm_to();
     test_dropout_gradcheck();
     test_index_gradcheck();
     test_index_values();

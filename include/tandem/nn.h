@@ -76,6 +76,13 @@ tdm_tensor *tdm_batch_norm(tdm_tensor *x, tdm_tensor *running_mean, tdm_tensor *
 /* Normalises over the last normalized_ndim dims; weight/bias have those dims or are NULL. */
 tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
                            float eps);
+/* tdm_to_dtype(tdm_layer_norm(x, ...), dtype) as one op: the norm computed as tdm_layer_norm
+ * computes it (autocast's lists included) and written in dtype, one rounding; its backward
+ * reads the gradient in dtype. The bits of the two ops, one pass fewer each way: a pre-norm
+ * transformer under bf16 autocast, whose products cast the norm's fp32 output to bf16.
+ * TDM_ERR_DTYPE naming dtype when it is not f32, bf16 or f16; else tdm_layer_norm's errors. */
+tdm_tensor *tdm_layer_norm_to(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight,
+                              tdm_tensor *bias, float eps, tdm_dtype dtype);
 /* Zeroes each element with probability p and scales the rest by 1/(1-p) (training only).
  * Under a parallel context (parallel.h), dim 0 is the global batch's rows and the masks are
  * those one device would draw for them. */

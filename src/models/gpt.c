@@ -84,12 +84,29 @@ static tdm_tensor *mlp_forward(tdm_module *m, tdm_tensor *x) {
     return x ? tdm_module_forward(proj, x) : NULL;
 }
 
+/* ln(x) for a product that casts it: under autocast in bf16 or f16, where ln is a plain
+ * LayerNorm and next (plain too) hands it to first, a plain Linear (both NULL: the tied head's
+ * product), the norm writes that dtype itself (tdm_layer_norm_to: the bits of the norm and
+ * then the product's cast, one pass fewer each way); else ln's forward. Not where the input
+ * crosses ranks first (tensor parallelism), whose collectives would then run in bf16. */
+static tdm_tensor *norm_for(tdm_module *ln, const tdm_module *next, const tdm_module *first,
+                            tdm_tensor *x) {
+    tdm_dtype low = tdm_autocast_dtype();
+    if (!x || low == TDM_F32 || !plain(ln) || strcmp(ln->ops->kind, "LayerNorm") ||
+        (next && (!plain(next) || !plain(first) || strcmp(first->ops->kind, "Linear"))))
+        return tdm_module_forward(ln, x);
+    return tdm_layer_norm_to(x, 1, ln->n_params ? ln->params[0] : NULL,
+                             ln->n_params ? ln->params[1] : NULL, *(const float *)ln->impl, low);
+}
+
 /* Pre-LayerNorm residual block: x + attn(ln_1(x)), then + mlp(ln_2(.)). */
 static tdm_tensor *block_forward(tdm_module *m, tdm_tensor *x) {
-    tdm_module **k = m->children;
-    x = tdm_add(x, tdm_module_forward(k[BL_ATTN], tdm_module_forward(k[BL_LN1], x)));
+    tdm_module **k = m->children, *attn = k[BL_ATTN], *mlp = k[BL_MLP];
+    x = tdm_add(x,
+                tdm_module_forward(attn, norm_for(k[BL_LN1], attn, attn->children[AT_C_ATTN], x)));
     if (!x) return NULL;
-    return tdm_add(x, tdm_module_forward(k[BL_MLP], tdm_module_forward(k[BL_LN2], x)));
+    return tdm_add(x,
+                   tdm_module_forward(mlp, norm_for(k[BL_LN2], mlp, mlp->children[MLP_C_FC], x)));
 }
 
 static tdm_tensor *no_forward(tdm_module *m, tdm_tensor *x) {
@@ -151,7 +168,9 @@ static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
     if (st->seq) x = tdm_tp_seq_shard(st->tp, x, 1);
     for (int l = 0; l < h->n_children && x; l++) x = tdm_module_forward(h->children[l], x);
     if (!x) return NULL;
-    x = tdm_module_forward(tr->children[TR_LNF], x);
+    /* the tied head below is a product of the rank's whole x */
+    tdm_module *lnf = tr->children[TR_LNF];
+    x = st->vocab || st->seq ? tdm_module_forward(lnf, x) : norm_for(lnf, NULL, NULL, x);
     if (st->vocab) return vocab_head(st, x, wte);
     if (st->seq) x = tdm_tp_seq_gather(st->tp, x, 1, false); /* the head runs whole everywhere */
     /* the tied head: logits = x @ wte[:V]^T (a row view: the padding rows are never read).

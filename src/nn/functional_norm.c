@@ -310,11 +310,12 @@ static int layer_norm_backward(tdm_node *n, tdm_tensor *gout) {
     return accumulate_all(n, g, 3);
 }
 
-tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
-                           float eps) {
+/* tdm_layer_norm with its output in x's dtype (keep; as autocast made x) or in out */
+static tdm_tensor *layer_norm_as(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight,
+                                 tdm_tensor *bias, float eps, bool keep, tdm_dtype out) {
     if (!x) return tdm_null_input("layer_norm");
     tdm_tensor *in0[3] = {x, weight, bias};
-    TDM_AUTOCAST_SCOPED(3, in0, tdm_layer_norm(x, normalized_ndim, weight, bias, eps));
+    TDM_AUTOCAST_SCOPED(3, in0, layer_norm_as(x, normalized_ndim, weight, bias, eps, keep, out));
     char b[96];
     if (tdm_check_float(x, "layer_norm")) return NULL;
     /* on autocast's fp32 list on CUDA devices only, as PyTorch's (the CPU's follows x) */
@@ -344,7 +345,7 @@ tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weigh
     tdm_tensor *xc = tdm_contiguous(x);
     tdm_tensor *w = opt_contiguous(weight, &failed), *bb = opt_contiguous(bias, &failed);
     if (!xc || failed) return NULL;
-    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), x->dtype, x->device);
+    tdm_tensor *y = tdm_tensor_alloc(tdm_shape_of(xc), keep ? x->dtype : out, x->device);
     /* the statistics stay f32 in every dtype */
     tdm_tensor *mean = tdm_tensor_alloc(TDM_SHAPE(rows), TDM_F32, x->device);
     tdm_tensor *rstd = tdm_tensor_alloc(TDM_SHAPE(rows), TDM_F32, x->device);
@@ -371,4 +372,17 @@ tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weigh
     tdm_drop_temp(w, weight);
     tdm_drop_temp(bb, bias);
     return y;
+}
+
+tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
+                           float eps) {
+    return layer_norm_as(x, normalized_ndim, weight, bias, eps, true, TDM_F32);
+}
+
+tdm_tensor *tdm_layer_norm_to(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight,
+                              tdm_tensor *bias, float eps, tdm_dtype dtype) {
+    if (!tdm_dtype_is_float(dtype))
+        return tdm_raise_null(TDM_ERR_DTYPE, "layer_norm_to: dtype %s is not a float dtype",
+                              tdm_dtype_name(dtype));
+    return layer_norm_as(x, normalized_ndim, weight, bias, eps, false, dtype);
 }

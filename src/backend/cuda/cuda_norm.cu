@@ -325,14 +325,16 @@ extern "C" int tdm_cuda_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tens
 }
 
 /* ---- layer norm: x [rows, cols] ---------------------------------------------------------- */
+/* y (forward) and gy (backward) may have another dtype than x, gx and gres: a norm whose output
+ * the next product takes in bf16 writes it so (tdm_layer_norm_to), its one rounding */
 
-template <typename T>
-__global__ void ln_fwd_kernel(T *y, float *mean, float *rstd, const T *x, const float *w,
+template <typename TX, typename TY>
+__global__ void ln_fwd_kernel(TY *y, float *mean, float *rstd, const TX *x, const float *w,
                               const float *b, int64_t cols, float eps) {
     __shared__ double sh[CU_THREADS];
     int64_t r = blockIdx.x;
-    const T *xr = x + r * cols;
-    T *yr = y + r * cols;
+    const TX *xr = x + r * cols;
+    TY *yr = y + r * cols;
     double s = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += cu_ld(xr[c]);
     float m = (float)(cu_block_sum(s, sh) / (double)cols);
@@ -345,38 +347,52 @@ __global__ void ln_fwd_kernel(T *y, float *mean, float *rstd, const T *x, const 
     float inv = (float)(1.0 / sqrt(var + (double)eps));
     if (threadIdx.x == 0) mean[r] = m, rstd[r] = inv;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-        yr[c] = cu_to<T>((cu_ld(xr[c]) - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f));
+        yr[c] = cu_to<TY>((cu_ld(xr[c]) - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f));
 }
 
-template <typename T>
+template <typename TX, typename TY>
 static void ln_fwd_launch(cu_device *d, tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd,
                           const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias,
                           int64_t rows, int64_t cols, float eps) {
-    ln_fwd_kernel<T><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
-        cu_p<T>(y), cu_f(mean), cu_f(rstd), cu_p<T>(x), cu_f(weight), cu_f(bias), cols, eps);
+    ln_fwd_kernel<TX, TY><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
+        cu_p<TY>(y), cu_f(mean), cu_f(rstd), cu_p<TX>(x), cu_f(weight), cu_f(bias), cols, eps);
+}
+/* x's dtype chosen (CU_DISPATCH), then y's */
+template <typename TX>
+static void ln_fwd_pick_y(cu_device *d, tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd,
+                          const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias,
+                          int64_t rows, int64_t cols, float eps) {
+    y->dtype == TDM_BF16
+        ? ln_fwd_launch<TX, __nv_bfloat16>(d, y, mean, rstd, x, weight, bias, rows, cols, eps)
+    : y->dtype == TDM_F16
+        ? ln_fwd_launch<TX, __half>(d, y, mean, rstd, x, weight, bias, rows, cols, eps)
+        : ln_fwd_launch<TX, float>(d, y, mean, rstd, x, weight, bias, rows, cols, eps);
 }
 
 extern "C" int tdm_cuda_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd,
                                    const tdm_tensor *x, const tdm_tensor *weight,
                                    const tdm_tensor *bias, float eps) {
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
-    if (bn_check("layer_norm", {x, y}, {mean, rstd, weight, bias})) return tdm_last_status();
+    if (bn_check("layer_norm", {x}, {mean, rstd, weight, bias}) ||
+        cu_check_float("layer_norm", false, {y}))
+        return tdm_last_status();
     cu_device *d = cu_dev_of(x, "layer_norm");
     if (!d) return tdm_last_status();
     if (rows == 0 || cols == 0) return TDM_OK;
     if (rows > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda layer_norm: too many rows");
-    CU_DISPATCH(x->dtype, ln_fwd_launch, d, y, mean, rstd, x, weight, bias, rows, cols, eps);
+    CU_DISPATCH(x->dtype, ln_fwd_pick_y, d, y, mean, rstd, x, weight, bias, rows, cols, eps);
     return cu_check_launch("layer_norm", x->device.index);
 }
 
 /* gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with d = gy * w, one block per row; with
  * gres, gres + that (rounded first: an add kernel's bits; __fadd_rn: no multiply-add). */
-template <typename T>
-__global__ void ln_bwd_kernel(T *gx, const T *g, const T *x, const float *w, const float *mean,
+template <typename T, typename TG>
+__global__ void ln_bwd_kernel(T *gx, const TG *g, const T *x, const float *w, const float *mean,
                               const float *rstd, const T *gres, int64_t cols) {
     __shared__ double sh[CU_THREADS];
     int64_t r = blockIdx.x;
-    const T *gr = g + r * cols, *xr = x + r * cols;
+    const TG *gr = g + r * cols;
+    const T *xr = x + r * cols;
     float m = mean[r], inv = rstd[r];
     double sd = 0, sdx = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -404,8 +420,8 @@ __global__ void ln_bwd_kernel(T *gx, const T *g, const T *x, const float *w, con
 #define LN_TY         8
 #define LN_MAX_CHUNKS 1024
 
-template <typename T>
-__global__ void ln_wb_partial_kernel(double *pw, double *pb, const T *g, const T *x,
+template <typename T, typename TG>
+__global__ void ln_wb_partial_kernel(double *pw, double *pb, const TG *g, const T *x,
                                      const float *mean, const float *rstd, int64_t rows,
                                      int64_t cols, int64_t chunk_rows, int64_t tiles) {
     __shared__ double sw[LN_TY][LN_TX], sb[LN_TY][LN_TX];
@@ -438,7 +454,7 @@ __global__ void ln_wb_sum_kernel(float *gw, float *gb, const double *pw, const d
     }
 }
 
-template <typename T>
+template <typename T, typename TG>
 static int ln_wb(cu_device *d, int index, float *gw, float *gb, const tdm_tensor *gy,
                  const tdm_tensor *x, const tdm_tensor *mean, const tdm_tensor *rstd, int64_t rows,
                  int64_t cols) {
@@ -452,8 +468,8 @@ static int ln_wb(cu_device *d, int index, float *gw, float *gb, const tdm_tensor
     double *pw = (double *)cu_scratch(index, sizeof(double) * 2 * (size_t)(chunks * cols), &hold);
     if (!pw) return tdm_last_status();
     double *pb = pw + chunks * cols;
-    ln_wb_partial_kernel<T><<<(unsigned)(tiles * chunks), LN_TX * LN_TY, 0, d->compute>>>(
-        pw, pb, cu_p<T>(gy), cu_p<T>(x), cu_f(mean), cu_f(rstd), rows, cols, chunk_rows, tiles);
+    ln_wb_partial_kernel<T, TG><<<(unsigned)(tiles * chunks), LN_TX * LN_TY, 0, d->compute>>>(
+        pw, pb, cu_p<TG>(gy), cu_p<T>(x), cu_f(mean), cu_f(rstd), rows, cols, chunk_rows, tiles);
     int rc = cu_check_launch("layer_norm_backward (weight, bias: rows)", index);
     if (!rc) {
         ln_wb_sum_kernel<<<cu_blocks(cols), CU_THREADS, 0, d->compute>>>(gw, gb, pw, pb, chunks,
@@ -464,19 +480,34 @@ static int ln_wb(cu_device *d, int index, float *gw, float *gb, const tdm_tensor
     return rc;
 }
 
-template <typename T>
+template <typename T, typename TG>
 static int ln_bwd_launch(cu_device *d, tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
                          const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
                          const tdm_tensor *mean, const tdm_tensor *rstd, const tdm_tensor *gres,
                          int64_t rows, int64_t cols) {
     if (gx)
-        ln_bwd_kernel<T><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
-            cu_p<T>(gx), cu_p<T>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean), cu_f(rstd),
+        ln_bwd_kernel<T, TG><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
+            cu_p<T>(gx), cu_p<TG>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean), cu_f(rstd),
             gres ? cu_p<T>(gres) : NULL, cols);
     int rc = gx ? cu_check_launch("layer_norm_backward", x->device.index) : TDM_OK;
     if (!rc && (gw || gb))
-        rc = ln_wb<T>(d, x->device.index, cu_f(gw), cu_f(gb), gy, x, mean, rstd, rows, cols);
+        rc = ln_wb<T, TG>(d, x->device.index, cu_f(gw), cu_f(gb), gy, x, mean, rstd, rows, cols);
     return rc;
+}
+/* x's dtype chosen (CU_DISPATCH), then gy's */
+template <typename T>
+static int ln_bwd_pick_g(cu_device *d, tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
+                         const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
+                         const tdm_tensor *mean, const tdm_tensor *rstd, const tdm_tensor *gres,
+                         int64_t rows, int64_t cols) {
+    return gy->dtype == TDM_BF16
+               ? ln_bwd_launch<T, __nv_bfloat16>(d, gx, gw, gb, gy, x, weight, mean, rstd, gres,
+                                                 rows, cols)
+           : gy->dtype == TDM_F16
+               ? ln_bwd_launch<T, __half>(d, gx, gw, gb, gy, x, weight, mean, rstd, gres, rows,
+                                          cols)
+               : ln_bwd_launch<T, float>(d, gx, gw, gb, gy, x, weight, mean, rstd, gres, rows,
+                                         cols);
 }
 
 extern "C" int tdm_cuda_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,
@@ -484,7 +515,8 @@ extern "C" int tdm_cuda_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_
                                             const tdm_tensor *weight, const tdm_tensor *mean,
                                             const tdm_tensor *rstd, const tdm_tensor *gres) {
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
-    if (bn_check("layer_norm_backward", {x, gx, gy, gres}, {gw, gb, weight, mean, rstd}))
+    if (bn_check("layer_norm_backward", {x, gx, gres}, {gw, gb, weight, mean, rstd}) ||
+        cu_check_float("layer_norm_backward", false, {gy}))
         return tdm_last_status();
     if (gres && (!gx || gres == gx || tdm_numel(gres) != tdm_numel(x) || !tdm_is_contiguous(gres)))
         return tdm_raise(TDM_ERR_ARG, "cuda layer_norm_backward: gres must be contiguous, of x's "
@@ -498,6 +530,6 @@ extern "C" int tdm_cuda_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_
         return TDM_OK;
     }
     if (rows > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda layer_norm: too many rows");
-    return CU_DISPATCH(x->dtype, ln_bwd_launch, d, gx, gw, gb, gy, x, weight, mean, rstd, gres,
+    return CU_DISPATCH(x->dtype, ln_bwd_pick_g, d, gx, gw, gb, gy, x, weight, mean, rstd, gres,
                        rows, cols);
 }

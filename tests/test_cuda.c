@@ -787,7 +787,7 @@ static void case_layer_norm(run *r) {
 
 static void case_dropout(run *r) {
     tdm_tensor *x = randn(r, TDM_SHAPE(3, 1001), 0, 1), *y = like(r, x), *mask = like(r, x);
-    KERNEL(r, dropout, y, mask, x, 0.3f, 7, 12345);
+    KERNEL(r, dropout, y, mask, x, 0.3f, 7, 12345, NULL);
     out(r, "mask y", mask, y);
 }
 

@@ -1,10 +1,11 @@
 /* CUDA graphs (tdm_graph_capture, tdm_strategy_set_graphs) on a GPU: a recording runs
  * nothing until replayed; a replayed training step gives the eager step's losses and
  * parameters bit for bit (with a learning rate that changes each step, a batch of another
- * shape between replays, batch norm's running statistics); the blocks a recording used are
- * never handed to other work; a replay checks the indices the recording checked; what cannot
- * be recorded (dropout, a read back to the host) is refused naming why, and the strategy then
- * steps eagerly; CPU devices and strategies over several devices are refused.
+ * shape between replays, batch norm's running statistics, dropout's masks); the blocks a
+ * recording used are never handed to other work; a replay checks the indices the recording
+ * checked; what cannot be recorded (a read back to the host, dropout inside a recomputed
+ * module) is refused naming why, and the strategy then steps eagerly, as a run without graphs
+ * would; CPU devices and strategies over several devices are refused.
  *
  * Without the CUDA backend or a GPU the test prints why and exits 77 (CTest: skipped). The
  * CUDA emulation runs it (src/backend/cuda/emu/run). */
@@ -101,7 +102,7 @@ static void test_capture(void) {
 
 /* ---- training steps replayed ------------------------------------------------------------ */
 
-/* cuda_models.h's MLP without its dropout, which no graph can record */
+/* cuda_models.h's MLP without its dropout */
 static tdm_module *make_plain_mlp(void) {
     tdm_rng r = tdm_rng_make(1);
     tdm_module *l[3] = {tdm_linear_new(20, 64, true, tdm_cpu(0), &r), tdm_relu_new(),
@@ -160,14 +161,23 @@ static float *run(tdm_module *(*make)(void), tdm_shape xs, int warmup, float *lo
     return p;
 }
 
+/* cuda_models.h's MLP, its dropout recomputed in backward (its masks from the first run's
+ * log, which a graph cannot replay) */
+static tdm_module *make_recomputed_mlp(void) {
+    tdm_module *m = make_mlp();
+    if (m && tdm_module_set_recompute(m, true)) tdm_module_free(m), m = NULL;
+    return m;
+}
+
 static void test_steps(void) {
     struct {
         const char *name;
         tdm_module *(*make)(void);
         tdm_shape xs;
-    } models[2] = {{"mlp", make_plain_mlp, TDM_SHAPE(32, 20)},
-                   {"cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12)}};
-    for (int i = 0; i < 2; i++) {
+    } models[3] = {{"mlp", make_plain_mlp, TDM_SHAPE(32, 20)},
+                   {"cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12)},
+                   {"mlp with dropout", make_mlp, TDM_SHAPE(32, 20)}};
+    for (int i = 0; i < 3; i++) {
         float le[STEPS], lg[STEPS];
         int64_t re, rg, n;
         const char *why;
@@ -188,14 +198,20 @@ static void test_steps(void) {
               "%s: the parameters after replayed steps differ from eager's", models[i].name);
         free(pe), free(pg);
     }
-    /* dropout cannot be recorded: said, and every step runs eagerly */
-    float l[STEPS];
-    int64_t r;
+    /* dropout in a recomputed module cannot be recorded: said, and every step runs eagerly,
+     * with the masks of a run without graphs (the refused recording gave its draws back) */
+    float le[STEPS], lg[STEPS];
+    int64_t re, rg;
     const char *why;
-    float *p = run(make_mlp, TDM_SHAPE(32, 20), 1, l, &r, &why);
-    CHECK(p && r == 0 && why && strstr(why, "dropout on cuda:0 cannot be recorded"),
-          "dropout: %lld replays, %s", (long long)r, why ? why : "no reason");
-    free(p);
+    float *pe = run(make_recomputed_mlp, TDM_SHAPE(32, 20), 0, le, &re, &why);
+    float *pg = run(make_recomputed_mlp, TDM_SHAPE(32, 20), 1, lg, &rg, &why);
+    CHECK(pg && rg == 0 && why && strstr(why, "random draw in a recomputed function"),
+          "dropout recomputed: %lld replays, %s", (long long)rg, why ? why : "no reason");
+    CHECK(pe && pg && !memcmp(le, lg, sizeof le) &&
+              !memcmp(pe, pg, sizeof(float) * (size_t)(20 * 64 + 64 + 64 * 5 + 5)),
+          "dropout recomputed: the eager steps after the refusal differ from a run without "
+          "graphs");
+    free(pe), free(pg);
 }
 
 static void test_refused(void) {

@@ -621,7 +621,8 @@ static void test_dropout(void) {
     tdm_scope_begin();
     pair x = draw(TDM_SHAPE(8, 25), DT, -2.0f, 2.0f), y = output(TDM_SHAPE(8, 25), DT);
     pair mask = output(TDM_SHAPE(8, 25), DT);
-    RUN2(BE->dropout(y.lo, mask.lo, x.lo, 0.3f, 7, 11), BE->dropout(y.f, mask.f, x.f, 0.3f, 7, 11));
+    RUN2(BE->dropout(y.lo, mask.lo, x.lo, 0.3f, 7, 11, NULL),
+         BE->dropout(y.f, mask.f, x.f, 0.3f, 7, 11, NULL));
     expect("dropout y", y, NULL);
     expect("dropout mask", mask, NULL);
     tdm_scope_end();

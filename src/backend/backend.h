@@ -84,6 +84,16 @@ int tdm_backend_check(const tdm_backend *be, bool uploads);
  * build supports; NULL with an error otherwise). */
 const tdm_backend *tdm_backend_for(tdm_device dev);
 
+/* For a random draw about to be queued on dev by the calling thread (dropout's: used counters
+ * taken from rng, its own from first on): while the thread records a CUDA graph on dev
+ * (tdm_graph_capture), *at is the pair of device words (seed, offset) the recorded kernel must
+ * read, which each replay sets from rng as the eager step's draw would take them; otherwise
+ * *at is NULL. Call it before taking the counters. TDM_OK, or TDM_ERR_STATE when the draw
+ * cannot be recorded (inside a recomputed function, whose counters its first run logged; more
+ * draws than a graph holds), which fails the recording. */
+int tdm_graph_draw(tdm_device dev, tdm_rng *rng, uint64_t used, uint64_t first,
+                   const uint64_t **at);
+
 /* GPUs this process can use: 0 without a GPU or in a build without the CUDA backend. */
 int tdm_cuda_device_count(void);
 

@@ -147,6 +147,8 @@ typedef struct tdm_rng_log {
 void tdm_rng_log_push(tdm_rng_log *log);
 /* Puts log's parent back in force; log must be the one in force. */
 void tdm_rng_log_pop(tdm_rng_log *log);
+/* Whether a log is in force on the calling thread (a recomputed function, or its first run). */
+bool tdm_rng_logging(void);
 
 /* ---- tensors ---------------------------------------------------------------------------- */
 

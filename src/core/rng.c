@@ -103,3 +103,7 @@ void tdm_rng_log_push(tdm_rng_log *log) {
 void tdm_rng_log_pop(tdm_rng_log *log) {
     rng_log = log->parent;
 }
+
+bool tdm_rng_logging(void) {
+    return rng_log != NULL;
+}

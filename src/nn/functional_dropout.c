@@ -47,10 +47,13 @@ tdm_tensor *tdm_dropout(tdm_tensor *x, float p, bool training, tdm_rng *rng) {
         first = (uint64_t)(pc->row0 * row_numel);
         used = (uint64_t)(pc->global_rows * row_numel);
     }
+    /* recorded in a CUDA graph: the kernel reads the counters each replay sets */
+    const uint64_t *at;
+    if (tdm_graph_draw(x->device, rng, used, first, &at)) return NULL;
     /* the next draw starts after this one's counters, so masks never repeat; a recomputation
      * (tdm_recompute) gets this draw's counters again instead */
     uint64_t start = tdm_rng_take(rng, used) + first;
-    if (be->dropout(y, mask, xc, p, rng->seed, start)) return NULL;
+    if (be->dropout(y, mask, xc, p, rng->seed, start, at)) return NULL;
     tdm_tensor *in[1] = {xc};
     if (tdm_needs_record(1, in)) {
         tdm_node *n = tdm_record("dropout", dropout_backward, y, 1, in);

@@ -7,9 +7,10 @@
 
 TDM_CPU_CLONES
 int tdm_cpu_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, float p, uint64_t seed,
-                    uint64_t offset) {
+                    uint64_t offset, const uint64_t *at) {
+    if (at) seed = at[0], offset = at[1]; /* the CPU's device memory is the host's */
     if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){y, mask, x}))
-        return tdm_cpu_lowp_dropout(y, mask, x, p, seed, offset);
+        return tdm_cpu_lowp_dropout(y, mask, x, p, seed, offset, NULL);
     int64_t n = tdm_numel(x);
     const float *xp = (const float *)tdm_data_ptr(x);
     float *yp = (float *)tdm_data_ptr(y), *mp = mask ? (float *)tdm_data_ptr(mask) : NULL;

@@ -329,11 +329,11 @@ int tdm_cpu_lowp_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor 
 /* ---- dropout, losses, attention --------------------------------------------------------- */
 
 int tdm_cpu_lowp_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, float p,
-                         uint64_t seed, uint64_t offset) {
+                         uint64_t seed, uint64_t offset, const uint64_t *at) {
     lp_call c = {.what = "cpu dropout"};
     tdm_tensor *wy = lp_out(&c, y), *wm = lp_out(&c, mask);
     const tdm_tensor *wx = lp_in(&c, x);
-    return LP_RUN(c, tdm_cpu_dropout(wy, wm, wx, p, seed, offset));
+    return LP_RUN(c, tdm_cpu_dropout(wy, wm, wx, p, seed, offset, at));
 }
 
 int tdm_cpu_lowp_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,

@@ -50,13 +50,18 @@ typedef struct {
 } cu_graph_check;
 
 #define CU_GRAPH_CHECKS 64
-/* A recorded step (cuda_graph.cu): the executable graph and its index checks, each with its
- * own bad-position word (a launch reads them all at once). */
+#define CU_GRAPH_DRAWS  64
+/* A recorded step (cuda_graph.cu): the executable graph, its index checks, each with its own
+ * bad-position word (a launch reads them all at once), and its random draws' (seed, offset)
+ * words, which a launch sets first. */
 typedef struct cu_graph {
     cudaGraphExec_t exec;
     unsigned long long *bad_dev, *bad_host; /* CU_GRAPH_CHECKS words; bad_host pinned */
     cu_graph_check checks[CU_GRAPH_CHECKS];
     int n_checks;
+    uint64_t *draw_dev, *draw_host; /* CU_GRAPH_DRAWS pairs; draw_host pinned */
+    cudaEvent_t draws_copied;       /* the last launch's copy out of draw_host is done */
+    int n_draws;
 } cu_graph;
 /* Raises TDM_ERR_STATE: op, on d (index), cannot be recorded in a graph (why: what a replay
  * would get wrong). */

@@ -530,6 +530,23 @@ static void case_linear(run *r) {
     out(r, "y y_no_bias", y, y0);
 }
 
+/* A linear's weight and bias gradients (on a GPU the bias's in cuBLASLt's BGRADB epilogue):
+ * gw written (beta 0) and added to (beta 1), with gb and without (the plain product); gy's
+ * columns summed over M = 301 rows. */
+static void case_linear_wgrad(run *r) {
+    int64_t M = 301, n_out = 29, in = 40;
+    tdm_tensor *gy = randn(r, TDM_SHAPE(1, M, n_out), 0, 1),
+               *x = randn(r, TDM_SHAPE(1, M, in), 0, 1);
+    tdm_tensor *gw = zeros(r, TDM_SHAPE(1, n_out, in)), *gb = zeros(r, TDM_SHAPE(n_out));
+    tdm_tensor *acc = randn(r, TDM_SHAPE(1, n_out, in), 0, 1),
+               *gw0 = zeros(r, TDM_SHAPE(1, n_out, in));
+    tdm_tensor *gb1 = zeros(r, TDM_SHAPE(n_out));
+    KERNEL(r, linear_wgrad, gw, gb, gy, x, 0.0f);
+    KERNEL(r, linear_wgrad, acc, gb1, gy, x, 1.0f);
+    KERNEL(r, linear_wgrad, gw0, NULL, gy, x, 0.0f);
+    grad(r, "gw gb gw_added gb_again gw_alone", gw, gb, acc, gb1, gw0);
+}
+
 /* nn's linear_gelu: 32 outputs (a GPU's cuBLASLt epilogue: the GELU's input stored with a
  * leading dimension of a multiple of 8, the GELU taken of the f32 sum, as the CPU's f32
  * reference) and 29 (linear, then the unary GELU of pre as rounded to the row's dtype: y is
@@ -936,6 +953,7 @@ static void case_gpt(run *r) {
     {"matmul (and into f32) in " tag, case_matmul, {1e-4, 1e-4}, EXACT, dt},                      \
     {"linear in " tag, case_linear, {1e-4, 1e-4}, EXACT, dt},                                      \
     {"linear_gelu in " tag, case_linear_gelu, {1e-4, 1e-4}, EXACT, dt},                            \
+    {"linear_wgrad in " tag, case_linear_wgrad, EXACT, {1e-4, 1e-4}, dt},                          \
     {"linear_dgelu in " tag, case_linear_dgelu, EXACT, {1e-4, 1e-4}, dt},                          \
     {"index_select, index_add in " tag, case_index, EXACT, EXACT, dt},                            \
     {"max_pool2d, avg_pool2d and backward in " tag, case_pool2d, EXACT, EXACT, dt},               \
@@ -980,6 +998,8 @@ static const row ROWS[] = {
     {"linear", case_linear, {1e-4, 1e-4}, EXACT, TDM_F32},
     {"linear_gelu", case_linear_gelu, {1e-4, 1e-4}, EXACT, TDM_F32},
     {"linear_dgelu", case_linear_dgelu, EXACT, {1e-4, 1e-4}, TDM_F32},
+    /* sums of 301 N(0, 1) products (or terms) in other orders */
+    {"linear_wgrad", case_linear_wgrad, EXACT, {1e-4, 1e-4}, TDM_F32},
     {"index_select, index_add", case_index, EXACT, EXACT, TDM_F32},
     /* FP32 GEMMs over up to K = 150 (forward) and N*P = 400 (weights) terms; the CPU sums
      * each plane of gb in float lanes: 1e-4 */

@@ -730,11 +730,11 @@ static const char COVERED[] =
     " bce_logits_backward attention attention_backward ";
 /* The kernels with none: raw memory and host transfers move bytes of any dtype, copy, fill
  * and random are cpu_memory.c's (the tensor core's tests), count_up counts in i64 only, linear
- * is copy and matmul, linear_gelu linear and unary, linear_dgelu matmul and unary_backward
- * (their cases; tdm_linear's in test_autocast), and the optimizers take fp32 only
- * (test_refusals). */
+ * is copy and matmul, linear_gelu linear and unary, linear_dgelu matmul and unary_backward,
+ * linear_wgrad matmul and sum_to (their cases; tdm_linear's in test_autocast), and the
+ * optimizers take fp32 only (test_refusals). */
 static const char EXEMPT[] = " mem_alloc mem_free to_host from_host copy fill count_up random "
-                             "linear linear_gelu linear_dgelu sgd_step adam_step ";
+                             "linear linear_gelu linear_dgelu linear_wgrad sgd_step adam_step ";
 
 static const char *const KERNELS[] = {
 #define TDM_KERNEL(ret, entry, params) #entry,

@@ -53,6 +53,19 @@ int tdm_cpu_linear_gelu(tdm_tensor *y, tdm_tensor *pre, const tdm_tensor *x, con
     return rc ? rc : tdm_cpu_unary(TDM_UN_GELU_TANH, y, pre, 0.0f);
 }
 
+/* gb from sum_to of gy seen as [M, out] into [1, out] */
+int tdm_cpu_linear_wgrad(tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x,
+                         float beta) {
+    int rc = tdm_cpu_matmul(gw, gy, x, true, false, beta);
+    if (rc || !gb) return rc;
+    tdm_tensor gb2 = *gb, gy2 = *gy;
+    int64_t rows = gy->shape[1], out = gy->shape[2];
+    gb2.ndim = 2, gb2.shape[0] = 1, gb2.shape[1] = out, gb2.strides[0] = out, gb2.strides[1] = 1;
+    gy2.ndim = 2, gy2.shape[0] = rows, gy2.shape[1] = out, gy2.strides[0] = out;
+    gy2.strides[1] = 1;
+    return tdm_cpu_sum_to(&gb2, &gy2);
+}
+
 /* unary_backward reads each element's gy before writing its gx: in place is safe */
 int tdm_cpu_linear_dgelu(tdm_tensor *gpre, const tdm_tensor *gy, const tdm_tensor *w,
                          const tdm_tensor *pre) {

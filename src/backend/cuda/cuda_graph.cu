@@ -38,7 +38,8 @@ extern "C" int tdm_cuda_graph_begin(int index) {
     if (cu_check(cudaMalloc(&g->bad_dev, words), "allocating a graph's index flags", index) ||
         cu_check(cudaMallocHost(&g->bad_host, words), "allocating a graph's pinned flags", index) ||
         cu_check(cudaMalloc(&g->draw_dev, draws), "allocating a graph's draw words", index) ||
-        cu_check(cudaMallocHost(&g->draw_host, draws), "allocating a graph's pinned draws", index) ||
+        cu_check(cudaMallocHost(&g->draw_host, draws), "allocating a graph's pinned draws",
+                 index) ||
         cu_check(cudaEventCreateWithFlags(&g->draws_copied, cudaEventDisableTiming),
                  "creating a graph's event", index) ||
         cu_check(cudaStreamBeginCapture(d->compute, cudaStreamCaptureModeRelaxed),

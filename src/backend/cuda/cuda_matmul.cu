@@ -78,13 +78,15 @@ static uint32_t align_of(const void *p) {
     return a;
 }
 
-/* One cuBLASLt product, column-major: D [m, n] (ldd) = op(A) B [k, n] (ldb), where op(A) is A
- * [m, k] (lda) or, with ta, the transpose of A [k, m]; every matrix of the one type t, the sums
- * f32 (TF32 where asked); then the epilogue: BIAS adds bias [m] along D's rows, GELU_AUX_BIAS
- * also stores that sum in aux [m, n] (aux_ld) and writes its tanh-GELU, DGELU multiplies the
- * product by GELU' of aux, the GELU's input. */
+/* One cuBLASLt product, column-major: D [m, n] (ldd) = op(A) op(B) + beta D, where op(A) is A
+ * [m, k] (lda) or, with ta, the transpose of A [k, m], and op(B) likewise B [k, n] (ldb) or the
+ * transpose of B [n, k]; every matrix of the one type t, the sums f32 (TF32 where asked); then
+ * the epilogue: BIAS adds bias [m] along D's rows, GELU_AUX_BIAS also stores that sum in aux
+ * [m, n] (aux_ld) and writes its tanh-GELU, DGELU multiplies the product by GELU' of aux, the
+ * GELU's input, BGRADB writes op(B)'s column sums over k into bias [n]. */
 typedef struct {
-    bool ta;
+    bool ta, tb;
+    float beta;
     uint64_t m, n, k;
     const void *a, *b;
     void *d;
@@ -98,7 +100,8 @@ typedef struct {
 /* g on d's compute stream: CUBLAS_STATUS_NOT_SUPPORTED, nothing queued, where cuBLASLt has no
  * algorithm for it. */
 static cublasStatus_t lt_run(cu_device *d, cudaDataType t, bool tf32, const lt_gemm *g) {
-    cublasOperation_t ta = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N, N = CUBLAS_OP_N;
+    cublasOperation_t ta = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t tb = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
     uint64_t ws = CU_BLAS_WORKSPACE;
     uint32_t al[4] = {align_of(g->a), align_of(g->b), align_of(g->d), align_of(g->d)};
     cublasLtMatmulDesc_t op = NULL;
@@ -109,7 +112,7 @@ static cublasStatus_t lt_run(cu_device *d, cudaDataType t, bool tf32, const lt_g
     cublasStatus_t st = cublasLtMatmulDescCreate(
         &op, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F);
     if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
-    if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &N, sizeof N);
+    if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
     if (!st)
         st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g->epi,
                                             sizeof g->epi);
@@ -124,7 +127,8 @@ static cublasStatus_t lt_run(cu_device *d, cudaDataType t, bool tf32, const lt_g
                                             sizeof g->aux_ld);
     if (!st)
         st = cublasLtMatrixLayoutCreate(&la, t, g->ta ? g->k : g->m, g->ta ? g->m : g->k, g->lda);
-    if (!st) st = cublasLtMatrixLayoutCreate(&lb, t, g->k, g->n, g->ldb);
+    if (!st)
+        st = cublasLtMatrixLayoutCreate(&lb, t, g->tb ? g->n : g->k, g->tb ? g->k : g->n, g->ldb);
     if (!st) st = cublasLtMatrixLayoutCreate(&ld, t, g->m, g->n, g->ldd);
     if (!st) st = cublasLtMatmulPreferenceCreate(&pref);
     if (!st)
@@ -137,9 +141,9 @@ static cublasStatus_t lt_run(cu_device *d, cudaDataType t, bool tf32, const lt_g
         st = cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &al[i], sizeof al[i]);
     if (!st) st = cublasLtMatmulAlgoGetHeuristic(d->lt, op, la, lb, ld, ld, pref, 1, &heur, &found);
     if (!st && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
-    const float one = 1.0f, zero = 0.0f;
+    const float one = 1.0f;
     if (!st)
-        st = cublasLtMatmul(d->lt, op, &one, g->a, la, g->b, lb, &zero, g->d, ld, g->d, ld,
+        st = cublasLtMatmul(d->lt, op, &one, g->a, la, g->b, lb, &g->beta, g->d, ld, g->d, ld,
                             &heur.algo, d->blas_workspace, CU_BLAS_WORKSPACE, d->compute);
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (ld) cublasLtMatrixLayoutDestroy(ld);
@@ -259,4 +263,42 @@ extern "C" int tdm_cuda_linear_dgelu(tdm_tensor *gpre, const tdm_tensor *gy, con
     /* unary_backward reads each element's gy before writing its gx: in place is safe */
     int rc = tdm_cuda_matmul(gpre, gy, w, false, false, 0.0f);
     return rc ? rc : tdm_cuda_unary_backward(TDM_UN_GELU_TANH, gpre, gpre, pre, NULL, 0.0f);
+}
+
+/* gw [out, in] = beta gw + gy^T x, gb = gy's column sums: column-major, D [in, out] = (x seen
+ * as [in, M]) (gy seen as [out, M])^T + beta D, the BGRADB epilogue summing op(B) = gy [M, out]
+ * over k = M into gb. */
+extern "C" int tdm_cuda_linear_wgrad(tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
+                                     const tdm_tensor *x, float beta) {
+    if (cu_check_float("linear_wgrad", true, {gw, gb, gy, x})) return tdm_last_status();
+    if (gw->ndim != 3 || gy->ndim != 3 || x->ndim != 3 || !tdm_is_contiguous(gw) ||
+        !tdm_is_contiguous(gy) || !tdm_is_contiguous(x) || gw->shape[0] != 1 ||
+        gy->shape[0] != 1 || x->shape[0] != 1 || gy->shape[1] != x->shape[1] ||
+        gw->shape[1] != gy->shape[2] || gw->shape[2] != x->shape[2] ||
+        (gb && (gb->ndim != 1 || !tdm_is_contiguous(gb) || gb->shape[0] != gy->shape[2])))
+        return tdm_raise(TDM_ERR_SHAPE, "cuda linear_wgrad: expects contiguous gw [1, out, in], "
+                                        "gb [out], gy [1, M, out] and x [1, M, in]");
+    cu_device *d = cu_dev_of(gw, "linear_wgrad");
+    if (!d) return tdm_last_status();
+    const int64_t M = gy->shape[1], out = gy->shape[2], in = x->shape[2];
+    if (gb && M > 0 && out > 0 && in > 0 && M <= INT_MAX && out <= INT_MAX && in <= INT_MAX) {
+        lt_gemm g = {};
+        g.ta = false, g.tb = true, g.beta = beta;
+        g.m = (uint64_t)in, g.n = (uint64_t)out, g.k = (uint64_t)M;
+        g.a = tdm_cuda_ptr(x), g.b = tdm_cuda_ptr(gy), g.d = tdm_cuda_ptr(gw);
+        g.lda = g.ldd = in, g.ldb = out;
+        g.epi = CUBLASLT_EPILOGUE_BGRADB;
+        g.bias = tdm_cuda_ptr(gb);
+        cublasStatus_t st =
+            lt_run(d, blas_type(gw->dtype), gw->dtype == TDM_F32 && tdm_allow_tf32(), &g);
+        if (st == CUBLAS_STATUS_SUCCESS) return TDM_OK;
+        if (st != CUBLAS_STATUS_NOT_SUPPORTED)
+            return cu_check_blas(st, "linear_wgrad (cublasLtMatmul)", gw->device.index);
+    }
+    int rc = tdm_cuda_matmul(gw, gy, x, true, false, beta);
+    if (rc || !gb) return rc;
+    tdm_tensor gb2 = *gb, gy2 = *gy;
+    gb2.ndim = 2, gb2.shape[0] = 1, gb2.shape[1] = out, gb2.strides[0] = out, gb2.strides[1] = 1;
+    gy2.ndim = 2, gy2.shape[0] = M, gy2.shape[1] = out, gy2.strides[0] = out, gy2.strides[1] = 1;
+    return tdm_cuda_sum_to(&gb2, &gy2);
 }

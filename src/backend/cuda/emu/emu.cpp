@@ -642,7 +642,8 @@ static bool lt_runs(cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a, cublasLtM
             (op->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS && op->bias && op->aux &&
              op->aux_ld % 8 == 0 && op->aux_ld >= (int64_t)m) ||
             (op->epilogue == CUBLASLT_EPILOGUE_DGELU && op->aux && op->aux_ld % 8 == 0 &&
-             op->aux_ld >= (int64_t)m));
+             op->aux_ld >= (int64_t)m) ||
+            (op->epilogue == CUBLASLT_EPILOGUE_BGRADB && op->bias));
 }
 
 cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmulDesc_t op,
@@ -676,10 +677,13 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
     const long long ldc = c->ld, ldd = d->ld;
     const cudaDataType t = d->type;
     const bool dgelu = op->epilogue == CUBLASLT_EPILOGUE_DGELU;
-    const void *bias = op->epilogue != CUBLASLT_EPILOGUE_DEFAULT && !dgelu ? op->bias : NULL;
+    void *bgrad = op->epilogue == CUBLASLT_EPILOGUE_BGRADB ? (void *)op->bias : NULL;
+    const void *bias =
+        op->epilogue != CUBLASLT_EPILOGUE_DEFAULT && !dgelu && !bgrad ? op->bias : NULL;
     void *aux = op->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || dgelu ? op->aux : NULL;
     const long long aux_ld = op->aux_ld;
-    const char *what = dgelu  ? "cublasLtMatmul, DGELU"
+    const char *what = bgrad  ? "cublasLtMatmul, BGRADB"
+                       : dgelu ? "cublasLtMatmul, DGELU"
                        : aux  ? "cublasLtMatmul, GELU_AUX_BIAS"
                        : bias ? "cublasLtMatmul, BIAS"
                               : "cublasLtMatmul";
@@ -709,6 +713,11 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
                 }
                 ex_store(D, t, i + j * ldd, r);
             }
+        for (long long j = 0; bgrad && j < n; j++) { /* op(B)'s column j summed over k */
+            double s = 0;
+            for (long long l = 0; l < k; l++) s += ex_load(B, t, tb ? j + l * ldb : l + j * ldb);
+            ex_store(bgrad, t, j, (float)s);
+        }
     };
     if (!recorded(stream, run)) run();
     return CUBLAS_STATUS_SUCCESS;

@@ -66,12 +66,15 @@ typedef struct tdm_graph tdm_graph;
  * refill its inputs in place between replays (tdm_copy_), keep the tensors it writes that you
  * read (a loss) alive, and read them after a replay. The blocks the recording allocated or
  * freed on dev are the graph's until tdm_graph_free, never handed to other work. Shapes, every
- * kernel's arguments (a learning rate passed by value) and the tensors' addresses are fixed.
- * Returns the graph (the caller's: tdm_graph_free), or NULL and an error: TDM_ERR_DEVICE
- * when dev is not a GPU; fn's own error; TDM_ERR_STATE for work that cannot be recorded,
- * named with the reason ("dropout on cuda:0 cannot be recorded in a CUDA graph: each replay
- * would drop the same elements"; so are random fills, reads back to the host such as
- * tdm_item, copies from host memory, and gradient clipping's sum). Nothing recorded has run. */
+ * kernel's arguments (a learning rate passed by value) and the tensors' addresses are fixed,
+ * but for dropout's random draws: each replay takes their counters from the tdm_rng each was
+ * given, in the recorded order, as the eager calls would (so the generators must outlive the
+ * graph), and the recording gives back the counters it took. Returns the graph (the caller's:
+ * tdm_graph_free), or NULL and an error: TDM_ERR_DEVICE when dev is not a GPU; fn's own error;
+ * TDM_ERR_STATE for work that cannot be recorded, named with the reason ("a random fill on
+ * cuda:0 cannot be recorded in a CUDA graph: ..."; so are dropout inside a recomputed
+ * function, reads back to the host such as tdm_item, copies from host memory, and gradient
+ * clipping's sum). Nothing recorded has run. */
 tdm_graph *tdm_graph_capture(tdm_device dev, int (*fn)(void *arg), void *arg);
 /* Queues the recorded work once more on its GPU, then checks the user indices the recording
  * checked (an embedding's, a cross-entropy's targets), waiting for the GPU when there are any.

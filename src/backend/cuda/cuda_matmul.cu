@@ -6,11 +6,15 @@
  * Row-major to column-major: cuBLAS sees a row-major [r, c] matrix with row stride ld as a
  * column-major [c, r] one with the same ld, so row-major C = A B is computed as the
  * column-major C^T = B^T A^T: operands swap places and the transposes stay as they are.
- * nn's linear runs on cuBLASLt, whose epilogue adds the bias as y is written. */
+ * nn's linear runs on cuBLASLt, whose epilogues add the bias as y is written, apply the GPT
+ * MLP's GELU and its gradient, and sum the bias's gradient. */
 #include "backend/cuda/cuda_common.cuh"
 #include "tandem/runtime.h" /* tdm_allow_tf32 */
 
 #include <limits.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* ---- matmul ------------------------------------------------------------------------------ */
 
@@ -97,9 +101,22 @@ typedef struct {
     int64_t aux_ld; /* cuBLASLt's rule: a multiple of 8 (the caller's check) */
 } lt_gemm;
 
+/* TANDEM_CUBLASLT_EPILOGUES=0 in the environment turns the epilogues off: every caller of
+ * lt_run takes its fallback (the plain products and separate kernels), for measuring one path
+ * against the other (scripts/gpu-check). */
+static bool lt_epilogues = true;
+static pthread_once_t lt_env_once = PTHREAD_ONCE_INIT;
+
+static void lt_read_env(void) {
+    const char *e = getenv("TANDEM_CUBLASLT_EPILOGUES");
+    if (e && !strcmp(e, "0")) lt_epilogues = false;
+}
+
 /* g on d's compute stream: CUBLAS_STATUS_NOT_SUPPORTED, nothing queued, where cuBLASLt has no
- * algorithm for it. */
+ * algorithm for it (or the epilogues are turned off). */
 static cublasStatus_t lt_run(cu_device *d, cudaDataType t, bool tf32, const lt_gemm *g) {
+    pthread_once(&lt_env_once, lt_read_env);
+    if (!lt_epilogues) return CUBLAS_STATUS_NOT_SUPPORTED;
     cublasOperation_t ta = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasOperation_t tb = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
     uint64_t ws = CU_BLAS_WORKSPACE;

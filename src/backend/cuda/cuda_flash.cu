@@ -211,10 +211,28 @@ static size_t fa_smem_dq(int64_t hs, int ld, size_t es) {
            2 * fa_round(FA_BR * 4);
 }
 
+/* 16 bytes moved as one (a 128-bit load and store on a GPU) */
+struct __align__(16) fa_vec {
+    uint32_t w[4];
+};
+
 /* rows [r0, r0 + FA_BR) of one head's q (part 0), k (1) or v (2) in qkv (or of dy, y: part 0
- * with a row of C) into tile [FA_BR, ld]; rows past T as zeros */
+ * with a row of C) into tile [FA_BR, ld]; rows past T as zeros. 16 bytes a thread at a time
+ * where the rows allow it (a head's row is a multiple of 16 bytes; src and row_len keep that
+ * alignment: the tile's rows, ld apart, always do), else an element at a time. */
 template <typename E>
 __device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, fa_geom g) {
+    constexpr int per = sizeof(fa_vec) / sizeof(E);
+    if ((uintptr_t)src % sizeof(fa_vec) == 0 && row_len % per == 0) {
+        const int vecs = (int)g.hs / per; /* a row's */
+        for (int e = threadIdx.x; e < FA_BR * vecs; e += FA_THREADS) {
+            const int r = e / vecs, c = e % vecs;
+            fa_vec v = {};
+            if (r0 + r < g.T) v = *(const fa_vec *)(src + (r0 + r) * row_len + c * per);
+            *(fa_vec *)(tile + r * g.ld + c * per) = v;
+        }
+        return;
+    }
     for (int e = threadIdx.x; e < FA_BR * g.hs; e += FA_THREADS) {
         const int r = e / (int)g.hs, d = e % (int)g.hs;
         tile[r * g.ld + d] = r0 + r < g.T ? src[(r0 + r) * row_len + d] : cu_to<E>(0.0f);

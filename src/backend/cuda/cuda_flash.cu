@@ -302,15 +302,41 @@ template <typename E> __global__ void fa_fwd_kernel(const E *qkv, E *y, float *l
 
 /* ---- backward ----------------------------------------------------------------------------- */
 
-/* D [B, nh, T] = rowsum(dy * y) over each head's columns: one thread a row. */
+/* D [B, nh, T] = rowsum(dy * y) over each head's columns: a row's hs / per adjacent threads
+ * take 16 bytes (per elements) each, one load of dy's and one of y's where both are 16-byte
+ * aligned (vec; else the same elements one by one), and the row's first thread adds their
+ * sums in thread order: a fixed order, and a warp reads whole rows. */
 template <typename E>
-__global__ void fa_delta_kernel(float *D, const E *dy, const E *y, fa_geom g) {
-    CU_LOOP(row, g.B * g.nh * g.T) {
-        const int64_t t = row % g.T, bh = row / g.T, b = bh / g.nh, h = bh % g.nh;
-        const int64_t off = (b * g.T + t) * g.C + h * g.hs;
+__global__ void fa_delta_kernel(float *D, const E *dy, const E *y, fa_geom g, bool vec) {
+    __shared__ float part[CU_THREADS];
+    constexpr int per = sizeof(fa_vec) / sizeof(E);
+    const int tpr = (int)g.hs / per, rows = CU_THREADS / tpr; /* threads a row, rows a block */
+    const int lr = threadIdx.x / tpr, c = threadIdx.x % tpr;
+    const int64_t n = g.B * g.nh * g.T;
+    for (int64_t r0 = (int64_t)blockIdx.x * rows; r0 < n; r0 += (int64_t)gridDim.x * rows) {
+        const int64_t row = r0 + lr;
+        const bool mine = lr < rows && row < n;
         float s = 0.0f;
-        for (int64_t d = 0; d < g.hs; d++) s += cu_ld(dy[off + d]) * cu_ld(y[off + d]);
-        D[row] = s;
+        if (mine) {
+            const int64_t t = row % g.T, bh = row / g.T, b = bh / g.nh, h = bh % g.nh;
+            const int64_t off = (b * g.T + t) * g.C + h * g.hs + c * per;
+            E a[per], w[per];
+            if (vec) {
+                *(fa_vec *)a = *(const fa_vec *)(dy + off);
+                *(fa_vec *)w = *(const fa_vec *)(y + off);
+            } else {
+                for (int k = 0; k < per; k++) a[k] = dy[off + k], w[k] = y[off + k];
+            }
+            for (int k = 0; k < per; k++) s += cu_ld(a[k]) * cu_ld(w[k]);
+        }
+        part[threadIdx.x] = s;
+        __syncthreads();
+        if (mine && c == 0) {
+            float d = 0.0f;
+            for (int j = 0; j < tpr; j++) d += part[lr * tpr + j];
+            D[row] = d;
+        }
+        __syncthreads(); /* part is rewritten next round */
     }
 }
 
@@ -545,8 +571,11 @@ static int fa_backward(cu_device *d, int idx, tdm_tensor *dqkv, const tdm_tensor
     if (!D) return tdm_last_status();
     E *gq = cu_p<E>(dqkv);
     const E *gy = cu_p<E>(dy), *x = cu_p<E>(qkv);
-    fa_delta_kernel<E>
-        <<<cu_blocks(g.B * g.nh * g.T), CU_THREADS, 0, d->compute>>>(D, gy, cu_p<E>(y), g);
+    const bool vec = (uintptr_t)gy % sizeof(fa_vec) == 0 &&
+                     (uintptr_t)cu_p<E>(y) % sizeof(fa_vec) == 0; /* rows keep it: fa_load */
+    const int64_t rows = CU_THREADS / (g.hs / (int64_t)(sizeof(fa_vec) / sizeof(E)));
+    fa_delta_kernel<E><<<cu_blocks((g.B * g.nh * g.T + rows - 1) / rows * CU_THREADS), CU_THREADS,
+                         0, d->compute>>>(D, gy, cu_p<E>(y), g, vec);
     int rc = cu_check_launch("flash attention_backward (D)", idx);
     if (!rc) {
         switch (fa_frag_tiles(g.hs, sizeof(E))) {

@@ -224,8 +224,7 @@ static const opt_spec specs[] = {
      "hundreds (PyTorch's torch.cuda.graphs). The gradient clipping and the optimizer's update "
      "run after each replay, so schedules work; the losses are the eager run's bit for bit. One "
      "GPU per process (--devices cuda:N), without --grad-accum or --precision fp16 (refused). "
-     "Dropout's masks are the eager run's too; a step that cannot be recorded (dropout in a "
-     "--recompute'd model) makes the run say why once and step eagerly."},
+     "A step that cannot be recorded makes the run say why once and step eagerly."},
     {"--reduce-dtype", "fp32|bf16", OPT_STR, F(reduce_dtype), 0, 0, "fp32",
      "The dtype DDP's gradient buckets travel in between devices and processes: fp32, or bf16 "
      "with the sum accumulated in fp32 (PyTorch's bf16_compress_hook: half the traffic, the "

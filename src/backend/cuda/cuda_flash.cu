@@ -320,10 +320,11 @@ __global__ void fa_delta_kernel(float *D, const E *dy, const E *y, fa_geom g, bo
         if (mine) {
             const int64_t t = row % g.T, bh = row / g.T, b = bh / g.nh, h = bh % g.nh;
             const int64_t off = (b * g.T + t) * g.C + h * g.hs + c * per;
-            E a[per], w[per];
+            fa_vec va, vw; /* 16-byte aligned, as the vector loads need */
+            E *a = (E *)&va, *w = (E *)&vw;
             if (vec) {
-                *(fa_vec *)a = *(const fa_vec *)(dy + off);
-                *(fa_vec *)w = *(const fa_vec *)(y + off);
+                va = *(const fa_vec *)(dy + off);
+                vw = *(const fa_vec *)(y + off);
             } else {
                 for (int k = 0; k < per; k++) a[k] = dy[off + k], w[k] = y[off + k];
             }

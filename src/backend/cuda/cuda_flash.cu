@@ -131,8 +131,8 @@ __device__ void fa_mm(float *c, int ldc, const E *a, int lda, const E *b, int ld
 
 /* A [64, 16 HT] f32 sum kept across a loop in the warps' accumulator fragments rather than in
  * shared memory (bf16 and f16, heads of up to 64): warp w holds its tiles w, w + 4, ... (HT of
- * the 4 x HT), so no load and store of the sum per product and HT KiB less shared memory a
- * block. Its elements are only added to (WMMA leaves their places in the warp unspecified). */
+ * the 4 x HT), so no load and store of the sum per product, and its 4 HT KiB of shared memory
+ * freed. Its elements are only added to (WMMA leaves their places in the warp unspecified). */
 template <int HT> struct fa_acc {
     nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> f[HT];
 };

@@ -31,6 +31,10 @@
 #define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
 #define FA_THREADS 128 /* four warps; in a product, warp w takes every fourth 16 x 16 tile */
 #define FA_PAD     8   /* elements after each row of Q, K, V, dy in shared memory (banks) */
+/* The forward's S and O rows take 4 floats more, P's 8 elements: rows 64 floats apart would
+ * put a column of every row in one bank, and its softmax reads a column of 16 rows at once */
+#define FA_SLD (FA_BC + 4)
+#define FA_PLD (FA_BC + 8)
 
 typedef struct {
     int64_t B, T, C, nh, hs;
@@ -191,9 +195,9 @@ template <typename X> __device__ inline X *fa_take(fa_carve *c, size_t n) {
 
 /* Bytes each kernel carves below (the same order and sizes). */
 static size_t fa_smem_fwd(int64_t hs, int ld, size_t es) {
-    return 3 * fa_round(FA_BR * ld * es) + fa_round(FA_BR * FA_BC * 4) +
-           fa_round(FA_BR * FA_BC * es) + fa_round(FA_BR * hs * 4) + 2 * fa_round(FA_BR * 4) +
-           2 * fa_round(FA_THREADS * 4);
+    return 3 * fa_round(FA_BR * ld * es) + fa_round(FA_BR * FA_SLD * 4) +
+           fa_round(FA_BR * FA_PLD * es) + fa_round(FA_BR * (hs + 4) * 4) +
+           2 * fa_round(FA_BR * 4) + 2 * fa_round(FA_THREADS * 4);
 }
 /* Heads whose backward keeps its sums in fragments (fa_acc): HT = hs / 16, or 0 (in shared
  * memory: f32, and heads over 64, whose fragments would take too many registers). */
@@ -246,56 +250,57 @@ template <typename E> __global__ void fa_fwd_kernel(const E *qkv, E *y, float *l
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
     const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
-    const int hs = (int)g.hs, tid = threadIdx.x;
+    const int hs = (int)g.hs, old = hs + 4, tid = threadIdx.x; /* old: O's row in floats */
     fa_carve cv = {fa_smem, 0};
     E *Q = fa_take<E>(&cv, FA_BR * g.ld), *K = fa_take<E>(&cv, FA_BR * g.ld);
     E *V = fa_take<E>(&cv, FA_BR * g.ld);
-    float *S = fa_take<float>(&cv, FA_BR * FA_BC);
-    E *P = fa_take<E>(&cv, FA_BR * FA_BC);
-    float *O = fa_take<float>(&cv, FA_BR * hs), *m = fa_take<float>(&cv, FA_BR);
+    float *S = fa_take<float>(&cv, FA_BR * FA_SLD);
+    E *P = fa_take<E>(&cv, FA_BR * FA_PLD);
+    float *O = fa_take<float>(&cv, FA_BR * old), *m = fa_take<float>(&cv, FA_BR);
     float *l = fa_take<float>(&cv, FA_BR), *rmax = fa_take<float>(&cv, FA_THREADS);
     float *rsum = fa_take<float>(&cv, FA_THREADS);
     const E *head = qkv + b * g.T * 3 * g.C + h * g.hs;
     fa_load(Q, head, 3 * g.C, q0, g);
-    for (int e = tid; e < FA_BR * hs; e += FA_THREADS) O[e] = 0.0f;
+    for (int e = tid; e < FA_BR * old; e += FA_THREADS) O[e] = 0.0f;
     if (tid < FA_BR) m[tid] = -INFINITY, l[tid] = 0.0f;
-    /* two threads a row of the tile, each half its keys and half its output columns */
-    const int r = tid / 2, half = tid % 2, cw = FA_BC / 2, ow = hs / 2;
+    /* two threads a row of the tile, each every other key and output column (with the padded
+     * rows, a warp's 16 rows fall in distinct banks but for pairs) */
+    const int r = tid / 2, half = tid % 2;
     for (int64_t j = 0; j <= i; j++) {
         const int64_t k0 = j * FA_BC;
         __syncthreads(); /* the last tile's products are done with K, V and P */
         fa_load(K, head + g.C, 3 * g.C, k0, g);
         fa_load(V, head + 2 * g.C, 3 * g.C, k0, g);
         __syncthreads();
-        fa_mm<E, false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
+        fa_mm<E, false, true>(S, FA_SLD, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
         __syncthreads();
         const int64_t q = q0 + r;
         float mx = -INFINITY;
-        for (int c = half * cw; c < half * cw + cw; c++) {
+        for (int c = half; c < FA_BC; c += 2) {
             const int64_t k = k0 + c;
-            float s = k <= q && k < g.T ? S[r * FA_BC + c] * g.scale : -INFINITY;
-            S[r * FA_BC + c] = s, mx = fmaxf(mx, s);
+            float s = k <= q && k < g.T ? S[r * FA_SLD + c] * g.scale : -INFINITY;
+            S[r * FA_SLD + c] = s, mx = fmaxf(mx, s);
         }
         rmax[tid] = mx;
         __syncthreads();
         const float m_old = m[r], m_new = fmaxf(m_old, fmaxf(rmax[2 * r], rmax[2 * r + 1]));
         const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
         float sum = 0.0f;
-        for (int c = half * cw; c < half * cw + cw; c++) {
-            float s = S[r * FA_BC + c], p = s == -INFINITY ? 0.0f : expf(s - m_new);
-            P[r * FA_BC + c] = cu_to<E>(p), sum += p;
+        for (int c = half; c < FA_BC; c += 2) {
+            float s = S[r * FA_SLD + c], p = s == -INFINITY ? 0.0f : expf(s - m_new);
+            P[r * FA_PLD + c] = cu_to<E>(p), sum += p;
         }
-        for (int d = half * ow; d < half * ow + ow; d++) O[r * hs + d] *= alpha;
+        for (int d = half; d < hs; d += 2) O[r * old + d] *= alpha;
         rsum[tid] = sum;
         __syncthreads(); /* every thread has read m[r] */
         if (half == 0) m[r] = m_new, l[r] = l[r] * alpha + rsum[2 * r] + rsum[2 * r + 1];
-        fa_mm<E, false, false>(O, hs, P, FA_BC, V, g.ld, FA_BR, hs, FA_BC, true);
+        fa_mm<E, false, false>(O, old, P, FA_PLD, V, g.ld, FA_BR, hs, FA_BC, true);
     }
     __syncthreads();
     E *yh = y + b * g.T * g.C + h * g.hs;
     for (int e = tid; e < FA_BR * hs; e += FA_THREADS) {
         const int rr = e / hs, d = e % hs;
-        if (q0 + rr < g.T) yh[(q0 + rr) * g.C + d] = cu_to<E>(O[e] / l[rr]);
+        if (q0 + rr < g.T) yh[(q0 + rr) * g.C + d] = cu_to<E>(O[rr * old + d] / l[rr]);
     }
     if (tid < FA_BR && q0 + tid < g.T) lse[bh * g.T + q0 + tid] = m[tid] + logf(l[tid]);
 }

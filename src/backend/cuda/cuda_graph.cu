@@ -84,16 +84,16 @@ extern "C" int tdm_cuda_graph_end(int index, void **graph) {
  * last launch's copy has finished reading (its event). */
 static int set_draws(cu_device *d, int index, cu_graph *g, const uint64_t *draws, int n) {
     if (n != g->n_draws)
-        return tdm_raise(TDM_ERR_ARG, "graph launch on cuda:%d: %d draws given, %d recorded",
-                         index, n, g->n_draws);
+        return tdm_raise(TDM_ERR_ARG, "graph launch on cuda:%d: %d draws given, %d recorded", index,
+                         n, g->n_draws);
     if (n == 0) return TDM_OK;
     size_t bytes = 2 * (size_t)n * sizeof(uint64_t);
     if (cu_check(cudaEventSynchronize(g->draws_copied), "waiting for a graph's draws", index))
         return tdm_last_status();
     memcpy(g->draw_host, draws, bytes);
-    if (cu_check(cudaMemcpyAsync(g->draw_dev, g->draw_host, bytes, cudaMemcpyHostToDevice,
-                                 d->compute),
-                 "setting a graph's draws", index) ||
+    if (cu_check(
+            cudaMemcpyAsync(g->draw_dev, g->draw_host, bytes, cudaMemcpyHostToDevice, d->compute),
+            "setting a graph's draws", index) ||
         cu_check(cudaEventRecord(g->draws_copied, d->compute), "recording a graph's event", index))
         return tdm_last_status();
     return TDM_OK;

@@ -289,9 +289,9 @@ extern "C" int tdm_cuda_linear_wgrad(tdm_tensor *gw, tdm_tensor *gb, const tdm_t
                                      const tdm_tensor *x, float beta) {
     if (cu_check_float("linear_wgrad", true, {gw, gb, gy, x})) return tdm_last_status();
     if (gw->ndim != 3 || gy->ndim != 3 || x->ndim != 3 || !tdm_is_contiguous(gw) ||
-        !tdm_is_contiguous(gy) || !tdm_is_contiguous(x) || gw->shape[0] != 1 ||
-        gy->shape[0] != 1 || x->shape[0] != 1 || gy->shape[1] != x->shape[1] ||
-        gw->shape[1] != gy->shape[2] || gw->shape[2] != x->shape[2] ||
+        !tdm_is_contiguous(gy) || !tdm_is_contiguous(x) || gw->shape[0] != 1 || gy->shape[0] != 1 ||
+        x->shape[0] != 1 || gy->shape[1] != x->shape[1] || gw->shape[1] != gy->shape[2] ||
+        gw->shape[2] != x->shape[2] ||
         (gb && (gb->ndim != 1 || !tdm_is_contiguous(gb) || gb->shape[0] != gy->shape[2])))
         return tdm_raise(TDM_ERR_SHAPE, "cuda linear_wgrad: expects contiguous gw [1, out, in], "
                                         "gb [out], gy [1, M, out] and x [1, M, in]");

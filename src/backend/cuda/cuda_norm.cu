@@ -500,14 +500,12 @@ static int ln_bwd_pick_g(cu_device *d, tdm_tensor *gx, tdm_tensor *gw, tdm_tenso
                          const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
                          const tdm_tensor *mean, const tdm_tensor *rstd, const tdm_tensor *gres,
                          int64_t rows, int64_t cols) {
-    return gy->dtype == TDM_BF16
-               ? ln_bwd_launch<T, __nv_bfloat16>(d, gx, gw, gb, gy, x, weight, mean, rstd, gres,
-                                                 rows, cols)
-           : gy->dtype == TDM_F16
-               ? ln_bwd_launch<T, __half>(d, gx, gw, gb, gy, x, weight, mean, rstd, gres, rows,
-                                          cols)
-               : ln_bwd_launch<T, float>(d, gx, gw, gb, gy, x, weight, mean, rstd, gres, rows,
-                                         cols);
+    return gy->dtype == TDM_BF16  ? ln_bwd_launch<T, __nv_bfloat16>(d, gx, gw, gb, gy, x, weight,
+                                                                   mean, rstd, gres, rows, cols)
+           : gy->dtype == TDM_F16 ? ln_bwd_launch<T, __half>(d, gx, gw, gb, gy, x, weight, mean,
+                                                             rstd, gres, rows, cols)
+                                  : ln_bwd_launch<T, float>(d, gx, gw, gb, gy, x, weight, mean,
+                                                            rstd, gres, rows, cols);
 }
 
 extern "C" int tdm_cuda_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,

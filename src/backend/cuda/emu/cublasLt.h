@@ -2,11 +2,11 @@
  * one column-major product D = alpha op(A) op(B) (+ beta C, + the bias epilogue's vector
  * broadcast over D's columns; GELU_AUX_BIAS: that sum stored in the aux matrix, D its tanh-GELU,
  * as cuBLASLt's; DGELU: the sum times GELU' of the aux matrix, the GELU's input; BGRADB: op(B)'s
- * column sums over k into the bias vector), summing in double, the epilogue in f32, then D's type; A, B, C, D
- * of one type (f32, bf16 or f16), compute CUBLAS_COMPUTE_32F (or _FAST_TF32 with f32), no
- * batches. Layouts, attributes and the heuristic are checked as cuBLASLt checks them, as far
- * as Tandem's calls go; anything else is CUBLAS_STATUS_NOT_SUPPORTED. The enums keep the real
- * header's values (cublasLt.h). */
+ * column sums over k into the bias vector), summing in double, the epilogue in f32, then D's type;
+ * A, B, C, D of one type (f32, bf16 or f16), compute CUBLAS_COMPUTE_32F (or _FAST_TF32 with f32),
+ * no batches. Layouts, attributes and the heuristic are checked as cuBLASLt checks them, as far as
+ * Tandem's calls go; anything else is CUBLAS_STATUS_NOT_SUPPORTED. The enums keep the real header's
+ * values (cublasLt.h). */
 #ifndef TDM_EMU_CUBLASLT_H
 #define TDM_EMU_CUBLASLT_H
 

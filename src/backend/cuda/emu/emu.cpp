@@ -682,11 +682,11 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
         op->epilogue != CUBLASLT_EPILOGUE_DEFAULT && !dgelu && !bgrad ? op->bias : NULL;
     void *aux = op->epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || dgelu ? op->aux : NULL;
     const long long aux_ld = op->aux_ld;
-    const char *what = bgrad  ? "cublasLtMatmul, BGRADB"
+    const char *what = bgrad   ? "cublasLtMatmul, BGRADB"
                        : dgelu ? "cublasLtMatmul, DGELU"
-                       : aux  ? "cublasLtMatmul, GELU_AUX_BIAS"
-                       : bias ? "cublasLtMatmul, BIAS"
-                              : "cublasLtMatmul";
+                       : aux   ? "cublasLtMatmul, GELU_AUX_BIAS"
+                       : bias  ? "cublasLtMatmul, BIAS"
+                               : "cublasLtMatmul";
     auto run = [=]() {
         census_add(what, (double)m * n * k);
         for (long long j = 0; j < n; j++)
@@ -704,9 +704,8 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
                 if (dgelu) { /* the f32 sum times GELU' of the GELU's input */
                     float v = ex_load(aux, t, i + j * aux_ld), v2 = v * v;
                     float th = tanhf(0.7978845608f * (v + 0.044715f * v2 * v));
-                    r *= 0.5f * (1.0f + th) +
-                         0.5f * v * (1.0f - th * th) * 0.7978845608f *
-                             (1.0f + 3.0f * 0.044715f * v2);
+                    r *= 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * 0.7978845608f *
+                                                  (1.0f + 3.0f * 0.044715f * v2);
                 } else if (aux) { /* tanh-GELU of the f32 sum, its input kept in aux */
                     ex_store(aux, t, i + j * aux_ld, r);
                     r = 0.5f * r * (1.0f + tanhf(0.7978845608f * (r + 0.044715f * r * r * r)));

@@ -531,8 +531,8 @@ static void case_linear(run *r) {
 }
 
 /* A linear's weight and bias gradients (on a GPU the bias's in cuBLASLt's BGRADB epilogue):
- * gw written (beta 0) and added to (beta 1), with gb and without (the plain product); gy's
- * columns summed over M = 301 rows. */
+ * gw written (beta 0) and added to (beta 1), with gb and without (the plain product), and gb
+ * alone (the column sums without a product); gy's columns summed over M = 301 rows. */
 static void case_linear_wgrad(run *r) {
     int64_t M = 301, n_out = 29, in = 40;
     tdm_tensor *gy = randn(r, TDM_SHAPE(1, M, n_out), 0, 1),
@@ -540,11 +540,12 @@ static void case_linear_wgrad(run *r) {
     tdm_tensor *gw = zeros(r, TDM_SHAPE(1, n_out, in)), *gb = zeros(r, TDM_SHAPE(n_out));
     tdm_tensor *acc = randn(r, TDM_SHAPE(1, n_out, in), 0, 1),
                *gw0 = zeros(r, TDM_SHAPE(1, n_out, in));
-    tdm_tensor *gb1 = zeros(r, TDM_SHAPE(n_out));
+    tdm_tensor *gb1 = zeros(r, TDM_SHAPE(n_out)), *gb0 = zeros(r, TDM_SHAPE(n_out));
     KERNEL(r, linear_wgrad, gw, gb, gy, x, 0.0f);
     KERNEL(r, linear_wgrad, acc, gb1, gy, x, 1.0f);
     KERNEL(r, linear_wgrad, gw0, NULL, gy, x, 0.0f);
-    grad(r, "gw gb gw_added gb_again gw_alone", gw, gb, acc, gb1, gw0);
+    KERNEL(r, linear_wgrad, NULL, gb0, gy, x, 0.0f);
+    grad(r, "gw gb gw_added gb_again gw_alone gb_alone", gw, gb, acc, gb1, gw0, gb0);
 }
 
 /* nn's linear_gelu: 32 outputs (a GPU's cuBLASLt epilogue: the GELU's input stored with a

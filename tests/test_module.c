@@ -194,10 +194,13 @@ static void test_linear_grad(void) {
                *wt = gradcheck_input(TDM_SHAPE(4, 5), 16);
     gradcheck("linear transposed views", fn_linear_t, 3, (tdm_tensor *[]){xt, wt, b}, NULL, 1e-2,
               1e-3, 1e-2);
-    /* only the weight needs a gradient */
+    /* only the weight and bias need gradients */
     tdm_requires_grad_(x, false);
     gradcheck("linear weight only", fn_linear, 3, (tdm_tensor *[]){x, w, b}, NULL, 1e-2, 1e-3,
               1e-2);
+    /* and only the bias (the kernel's bias-only path) */
+    tdm_requires_grad_(w, false);
+    gradcheck("linear bias only", fn_linear, 3, (tdm_tensor *[]){x, w, b}, NULL, 1e-2, 1e-3, 1e-2);
     tdm_tensor *all[] = {x, w, b, x3, x1, xt, wt};
     for (int i = 0; i < 7; i++) tdm_tensor_free(all[i]);
 }

@@ -41,30 +41,20 @@ static int linear_grads_of(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, tdm_tens
         int rc = be->matmul(&gx3, &gy3, &w3, false, false, 0.0f);
         if (rc || (rc = tdm_grad_accumulate(x, gx))) return rc;
     }
+    if (!want[1] && !want[2]) return TDM_OK;
+    /* dW [out, in] = dY^T [out, M] @ X [M, in]; db [out] = dY's column sums: one kernel */
     tdm_tensor *gb = want[2] ? tdm_tensor_alloc(tdm_shape_of(b), b->dtype, b->device) : NULL;
     if (want[2] && !gb) return tdm_last_status();
-    if (want[1]) { /* dW [out, in] = dY^T [out, M] @ X [M, in]; db [out] = dY's column sums */
-        /* a parameter's gradient (a view of the flat buffer) takes the GEMM's sum directly */
-        float beta = 0.0f;
-        tdm_tensor *acc = tdm_grad_inplace_target(w, &beta);
-        tdm_tensor *gw = acc ? acc : tdm_tensor_alloc(tdm_shape_of(w), w->dtype, w->device);
-        if (!gw) return tdm_last_status();
-        tdm_tensor gw3 = tdm_as_matrix(gw, out, in), x3 = tdm_as_matrix(x, rows, in);
-        int rc = be->linear_wgrad(&gw3, gb, &gy3, &x3, beta);
-        if (!rc && !acc) rc = tdm_grad_accumulate(w, gw);
-        if (!rc && gb) rc = tdm_grad_accumulate(b, gb);
-        return rc;
-    }
-    if (want[2]) { /* db alone */
-        tdm_tensor gb2 = *gb, gy2 = *gy;
-        gb2.ndim = 2, gb2.shape[0] = 1, gb2.shape[1] = out, gb2.strides[0] = out;
-        gb2.strides[1] = 1;
-        gy2.ndim = 2, gy2.shape[0] = rows, gy2.shape[1] = out, gy2.strides[0] = out;
-        gy2.strides[1] = 1;
-        int rc = be->sum_to(&gb2, &gy2);
-        if (rc || (rc = tdm_grad_accumulate(b, gb))) return rc;
-    }
-    return TDM_OK;
+    /* a parameter's gradient (a view of the flat buffer) takes the GEMM's sum directly */
+    float beta = 0.0f;
+    tdm_tensor *acc = want[1] ? tdm_grad_inplace_target(w, &beta) : NULL;
+    tdm_tensor *gw = !want[1] || acc ? acc : tdm_tensor_alloc(tdm_shape_of(w), w->dtype, w->device);
+    if (want[1] && !gw) return tdm_last_status();
+    tdm_tensor gw3 = gw ? tdm_as_matrix(gw, out, in) : *w, x3 = tdm_as_matrix(x, rows, in);
+    int rc = be->linear_wgrad(gw ? &gw3 : NULL, gb, &gy3, &x3, beta);
+    if (!rc && gw && !acc) rc = tdm_grad_accumulate(w, gw);
+    if (!rc && gb) rc = tdm_grad_accumulate(b, gb);
+    return rc;
 }
 
 /* The gradients of node n's linear (in: x, w, b) from gy. */

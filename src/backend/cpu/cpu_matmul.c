@@ -56,7 +56,7 @@ int tdm_cpu_linear_gelu(tdm_tensor *y, tdm_tensor *pre, const tdm_tensor *x, con
 /* gb from sum_to of gy seen as [M, out] into [1, out] */
 int tdm_cpu_linear_wgrad(tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy, const tdm_tensor *x,
                          float beta) {
-    int rc = tdm_cpu_matmul(gw, gy, x, true, false, beta);
+    int rc = gw ? tdm_cpu_matmul(gw, gy, x, true, false, beta) : TDM_OK;
     if (rc || !gb) return rc;
     tdm_tensor gb2 = *gb, gy2 = *gy;
     int64_t rows = gy->shape[1], out = gy->shape[2];

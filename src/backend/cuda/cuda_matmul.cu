@@ -287,18 +287,19 @@ extern "C" int tdm_cuda_linear_dgelu(tdm_tensor *gpre, const tdm_tensor *gy, con
  * over k = M into gb. */
 extern "C" int tdm_cuda_linear_wgrad(tdm_tensor *gw, tdm_tensor *gb, const tdm_tensor *gy,
                                      const tdm_tensor *x, float beta) {
-    if (cu_check_float("linear_wgrad", true, {gw, gb, gy, x})) return tdm_last_status();
-    if (gw->ndim != 3 || gy->ndim != 3 || x->ndim != 3 || !tdm_is_contiguous(gw) ||
-        !tdm_is_contiguous(gy) || !tdm_is_contiguous(x) || gw->shape[0] != 1 || gy->shape[0] != 1 ||
-        x->shape[0] != 1 || gy->shape[1] != x->shape[1] || gw->shape[1] != gy->shape[2] ||
-        gw->shape[2] != x->shape[2] ||
+    if (cu_check_float("linear_wgrad", true, {gy, x, gw, gb})) return tdm_last_status();
+    if ((!gw && !gb) || gy->ndim != 3 || x->ndim != 3 || !tdm_is_contiguous(gy) ||
+        !tdm_is_contiguous(x) || gy->shape[0] != 1 || x->shape[0] != 1 ||
+        gy->shape[1] != x->shape[1] ||
+        (gw && (gw->ndim != 3 || !tdm_is_contiguous(gw) || gw->shape[0] != 1 ||
+                gw->shape[1] != gy->shape[2] || gw->shape[2] != x->shape[2])) ||
         (gb && (gb->ndim != 1 || !tdm_is_contiguous(gb) || gb->shape[0] != gy->shape[2])))
         return tdm_raise(TDM_ERR_SHAPE, "cuda linear_wgrad: expects contiguous gw [1, out, in], "
-                                        "gb [out], gy [1, M, out] and x [1, M, in]");
-    cu_device *d = cu_dev_of(gw, "linear_wgrad");
+                                        "gb [out] (one at least), gy [1, M, out] and x [1, M, in]");
+    cu_device *d = cu_dev_of(gy, "linear_wgrad");
     if (!d) return tdm_last_status();
     const int64_t M = gy->shape[1], out = gy->shape[2], in = x->shape[2];
-    if (gb && M > 0 && out > 0 && in > 0 && M <= INT_MAX && out <= INT_MAX && in <= INT_MAX) {
+    if (gw && gb && M > 0 && out > 0 && in > 0 && M <= INT_MAX && out <= INT_MAX && in <= INT_MAX) {
         lt_gemm g = {};
         g.ta = false, g.tb = true, g.beta = beta;
         g.m = (uint64_t)in, g.n = (uint64_t)out, g.k = (uint64_t)M;
@@ -312,7 +313,7 @@ extern "C" int tdm_cuda_linear_wgrad(tdm_tensor *gw, tdm_tensor *gb, const tdm_t
         if (st != CUBLAS_STATUS_NOT_SUPPORTED)
             return cu_check_blas(st, "linear_wgrad (cublasLtMatmul)", gw->device.index);
     }
-    int rc = tdm_cuda_matmul(gw, gy, x, true, false, beta);
+    int rc = gw ? tdm_cuda_matmul(gw, gy, x, true, false, beta) : TDM_OK;
     if (rc || !gb) return rc;
     tdm_tensor gb2 = *gb, gy2 = *gy;
     gb2.ndim = 2, gb2.shape[0] = 1, gb2.shape[1] = out, gb2.strides[0] = out, gb2.strides[1] = 1;

@@ -499,8 +499,58 @@ static void test_backward_vs_fp32(void) {
     }
 }
 
-/* On a CUDA device the fp32 list is longer (autocast.h) and conv2d runs in f32 for now
- * (docs/MIXED_PRECISION.md, difference 6). */
+/* a and b (same shape and dtype, any device) hold the same bits. */
+static bool same_bits(tdm_tensor *a, tdm_tensor *b) {
+    if (!a || !b || a->dtype != b->dtype || tdm_numel(a) != tdm_numel(b)) return false;
+    tdm_tensor *ca = tdm_to_device(a, CPU), *cb = tdm_to_device(b, CPU);
+    bool same =
+        ca && cb &&
+        !memcmp(tdm_data_ptr(ca), tdm_data_ptr(cb), tdm_numel(a) * tdm_dtype_size(a->dtype));
+    if (ca != a) tdm_tensor_free(ca);
+    if (cb != b) tdm_tensor_free(cb);
+    return same;
+}
+
+/* Cross-entropy in a region reads bf16/f16 logits as they are (no f32 copy on the tape): the
+ * loss and the logits' gradient must be the bits of PyTorch's way, the logits cast to f32 and
+ * the f32 gradient cast back; with class weights, smoothing and an ignored sample so every
+ * term of the kernels is in play. */
+static void test_loss_reads_lowp(tdm_dtype dt) {
+    enum { N = 5, C = 7 };
+    float v[N * C], cw[C];
+    for (int i = 0; i < N * C; i++) v[i] = (float)((i * 37) % 23 - 11) / 3.0f;
+    for (int c = 0; c < C; c++) cw[c] = 0.5f + 0.25f * (float)c;
+    int64_t tv[N] = {3, -100, 0, 6, 2};
+    tdm_tensor *xa = on_dev(as(dt, TDM_SHAPE(N, C), v)), *xb = on_dev(as(dt, TDM_SHAPE(N, C), v)),
+               *w = on_dev(f32(TDM_SHAPE(C), cw)), *tg = on_dev(i64(TDM_SHAPE(N), tv));
+    tdm_requires_grad_(xa, true);
+    tdm_requires_grad_(xb, true);
+    tdm_ce_opts o = tdm_ce_defaults();
+    o.weight = w;
+    o.label_smoothing = 0.1f;
+    const char *dn = tdm_dtype_name(dt);
+    tdm_scope_begin();
+    tdm_autocast_begin(dt);
+    int64_t c0 = tdm_autocast_cast_count();
+    tdm_tensor *la = tdm_cross_entropy(xa, tg, &o);
+    CHECK(tdm_autocast_cast_count() == c0 && casts_on_tape(xa) == 0,
+          "%s cross_entropy in a region made an f32 copy of the logits", dn);
+    tdm_autocast_end();
+    CHECK(la && la->dtype == TDM_F32, "%s logits in a region: the loss in f32 (%s)", dn,
+          tdm_last_error());
+    CHECK(tdm_backward(la) == TDM_OK, "backward: %s", tdm_last_error());
+    /* the reference after the first backward: a backward stops where an earlier one walked */
+    tdm_tensor *lb = tdm_cross_entropy(tdm_to_dtype(xb, TDM_F32), tg, &o);
+    CHECK(tdm_backward(lb) == TDM_OK, "backward: %s", tdm_last_error());
+    CHECK(same_bits(la, lb), "%s: the loss differs from the cast's", dn);
+    CHECK(xa->grad && xa->grad->dtype == dt, "%s logits get a %s .grad", dn, dn);
+    CHECK(same_bits(xa->grad, xb->grad), "%s: the logits' gradient differs from the cast's", dn);
+    tdm_scope_end();
+    free_all((tdm_tensor *[]){xa, xb, w, tg}, 4);
+}
+
+/* On a CUDA device the fp32 list is longer (autocast.h); conv2d is on the lower-precision list
+ * there as on the CPU. */
 static void test_cuda_lists(void) {
     float v[36];
     for (int i = 0; i < 36; i++) v[i] = (float)(i % 7 - 3) / 4.0f;
@@ -526,7 +576,7 @@ static void test_cuda_lists(void) {
         {"sum_all", tdm_sum_all(h), TDM_F32},
         {"mean (follows)", tdm_mean(h, 1, false), TDM_BF16},
         {"relu (follows)", tdm_relu(h), TDM_BF16},
-        {"conv2d (f32 for now)", tdm_conv2d(img, k, NULL, NULL), TDM_F32},
+        {"conv2d", tdm_conv2d(img, k, NULL, NULL), TDM_BF16},
     };
     for (size_t i = 0; i < sizeof rows / sizeof *rows; i++)
         CHECK(rows[i].t && rows[i].t->dtype == rows[i].want, "cuda %s: %s, expected %s (%s)",
@@ -552,8 +602,12 @@ int main(void) {
     test_recompute();
     test_follow_and_promote();
     test_backward_vs_fp32();
+    test_loss_reads_lowp(TDM_BF16);
+    test_loss_reads_lowp(TDM_F16);
     if (tdm_device_count(TDM_CUDA) > 0) {
         DEV = tdm_cuda(0);
+        test_loss_reads_lowp(TDM_BF16);
+        test_loss_reads_lowp(TDM_F16);
         test_mlp_chain();
         test_attention_chain();
         test_cuda_lists();

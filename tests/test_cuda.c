@@ -858,22 +858,27 @@ static void case_cross_entropy(run *r) {
         tdm_tensor *x = randn(r, TDM_SHAPE(N, C), 0, 1), *gl = randn32(r, TDM_SHAPE(N), 1, 1);
         tdm_tensor *w = v >= 1 ? randn32(r, TDM_SHAPE(C), 2, 1) : NULL, *gx = like(r, x);
         tdm_tensor *tg = from(r, TDM_SHAPE(N), v & 1 ? TDM_I32 : TDM_I64, t);
-        tdm_tensor *loss = like(r, gl), *ws = like(r, gl), *lp = like(r, x);
+        tdm_tensor *loss = like(r, gl), *ws = like(r, gl), *lp = like(r, x), *lse = like(r, gl);
+        tdm_tensor *gx2 = like(r, x);
         variant(r, "variant %d", v);
         if (!logits) { /* log-probabilities (the CPU softmax is not in-place) */
             KERNEL(r, softmax, lp, x, true);
             settle(r, lp);
             x = lp;
         }
-        KERNEL(r, cross_entropy, loss, ws, x, tg, w, -100, smooth, logits);
-        KERNEL(r, cross_entropy_backward, gx, gl, x, tg, w, -100, smooth, logits);
+        KERNEL(r, cross_entropy, loss, ws, logits ? lse : NULL, x, tg, w, -100, smooth, logits);
+        /* from the forward's log-sum-exps, and recomputing them */
+        KERNEL(r, cross_entropy_backward, gx, gl, x, logits ? lse : NULL, tg, w, -100, smooth,
+               logits);
+        KERNEL(r, cross_entropy_backward, gx2, gl, x, NULL, tg, w, -100, smooth, logits);
         out(r, "loss", loss);
         grad(r, "gx", gx);
+        grad(r, "gx-recomputed-lse", gx2);
         keep(r, "wsum", ws, (bound)EXACT);
     }
     variant(r, "bad target");
     tdm_tensor *x = randn(r, TDM_SHAPE(3, C), 0, 1), *tg = from(r, TDM_SHAPE(3), TDM_I64, badt);
-    fails(r, r->be->cross_entropy(zeros32(r, TDM_SHAPE(3)), NULL, x, tg, NULL, -100, 0, true),
+    fails(r, r->be->cross_entropy(zeros32(r, TDM_SHAPE(3)), NULL, NULL, x, tg, NULL, -100, 0, true),
           "target 12 (sample 1)");
 }
 

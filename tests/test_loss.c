@@ -2,6 +2,7 @@
  * of every loss and option (with non-contiguous inputs), numerical stability and errors. */
 #include "fixtures/losses_fixtures.h"
 #include "gradcheck.h"
+#include "backend/backend.h"
 #include "core/core.h"
 
 /* L = sum(out * U) (U = 1 for a scalar loss), run backward. */
@@ -221,6 +222,44 @@ static void test_stability(void) {
     tdm_scope_end();
 }
 
+/* The backward kernel from the forward's log-sum-exps (the op's path: a row read once) and
+ * recomputing them (the kernel alone) agree to rounding, rows wider than a vector and not a
+ * multiple of one, with weights and smoothing; an lse one larger must scale the probabilities
+ * by 1/e, so a kernel that ignored it fails. */
+static void test_backward_from_lse(void) {
+    enum { N = 6, C = 1003 };
+    tdm_scope_begin();
+    tdm_rng r = tdm_rng_make(5);
+    tdm_tensor *x = tdm_randn(TDM_SHAPE(N, C), 0, 3, tdm_cpu(0), &r);
+    tdm_tensor *w = tdm_rand(TDM_SHAPE(C), 0.5f, 2, tdm_cpu(0), &r);
+    tdm_tensor *gl = tdm_rand(TDM_SHAPE(N), 0.5f, 1, tdm_cpu(0), &r);
+    int64_t tv[N] = {0, 1002, -100, 17, 500, 8};
+    tdm_tensor *tg = i64(TDM_SHAPE(N), tv), *loss = tdm_zeros(TDM_SHAPE(N), TDM_F32, tdm_cpu(0));
+    tdm_tensor *lse = tdm_zeros(TDM_SHAPE(N), TDM_F32, tdm_cpu(0));
+    tdm_tensor *ga = tdm_zeros(TDM_SHAPE(N, C), TDM_F32, tdm_cpu(0));
+    tdm_tensor *gb = tdm_zeros(TDM_SHAPE(N, C), TDM_F32, tdm_cpu(0));
+    const tdm_backend *be = tdm_backend_for(tdm_cpu(0));
+    CHECK(!be->cross_entropy(loss, NULL, lse, x, tg, w, -100, 0.1f, true) &&
+              !be->cross_entropy_backward(ga, gl, x, lse, tg, w, -100, 0.1f, true) &&
+              !be->cross_entropy_backward(gb, gl, x, NULL, tg, w, -100, 0.1f, true),
+          "cross_entropy kernels: %s", tdm_last_error());
+    const float *a = tdm_data_ptr(ga), *b = tdm_data_ptr(gb), *l = tdm_data_ptr(lse);
+    const float *xv = tdm_data_ptr(x);
+    double worst = 0;
+    for (int i = 0; i < N * C; i++) worst = fmax(worst, fabs(a[i] - b[i]));
+    CHECK(worst <= 1e-6, "gradient from lse vs recomputed: %g apart", worst);
+    /* lse is the row's log-sum-exp */
+    double s = 0;
+    for (int c = 0; c < C; c++) s += exp(xv[C + c]);
+    CHECK_CLOSE(l[1], log(s), 1e-5, 1e-6);
+    for (int i = 0; i < N; i++) ((float *)tdm_data_ptr(lse))[i] += 1.0f;
+    be->cross_entropy_backward(ga, gl, x, lse, tg, w, -100, 0.1f, true);
+    worst = 0;
+    for (int i = 0; i < N * C; i++) worst = fmax(worst, fabs(a[i] - b[i]));
+    CHECK(worst > 1e-3, "the backward ignored the lse it was given");
+    tdm_scope_end();
+}
+
 /* No scope open: losses return caller-owned results and free their temporaries. */
 static void test_no_scope(void) {
     int64_t tv[2] = {1, 0};
@@ -284,6 +323,7 @@ int main(void) {
     test_ce_gradcheck();
     test_pair_gradcheck();
     test_stability();
+    test_backward_from_lse();
     test_no_scope();
     test_errors();
     return check_summary();

@@ -107,12 +107,17 @@ static void cache_put(const tdm_tensor *src, tdm_tensor *cast) {
     *slot = (cast_entry){src, cast, cast->grad_fn, cast->grad_fn->index};
 }
 
-tdm_tensor *tdm_autocast_arg(tdm_tensor *t, tdm_autocast_list list) {
-    if (!t || ac.depth == 0 || !tdm_dtype_is_float(t->dtype)) return t;
+tdm_dtype tdm_autocast_want(const tdm_tensor *t, tdm_autocast_list list) {
+    if (ac.depth == 0 || !tdm_dtype_is_float(t->dtype)) return t->dtype;
     tdm_dtype region = ac.stack[ac.depth - 1];
-    if (region == TDM_F32) return t; /* a disabled region */
-    tdm_dtype want = list == TDM_AC_LOW ? region : TDM_F32;
-    if (list == TDM_AC_F32_CUDA && t->device.type != TDM_CUDA) return t;
+    if (region == TDM_F32) return t->dtype; /* a disabled region */
+    if (list == TDM_AC_F32_CUDA && t->device.type != TDM_CUDA) return t->dtype;
+    return list == TDM_AC_LOW ? region : TDM_F32;
+}
+
+tdm_tensor *tdm_autocast_arg(tdm_tensor *t, tdm_autocast_list list) {
+    if (!t) return t;
+    tdm_dtype want = tdm_autocast_want(t, list);
     if (t->dtype == want) return t;
     /* PyTorch caches the casts of fp32 leaves that require grad (the parameters) */
     bool cacheable = list == TDM_AC_LOW && !ac.cache_off && !t->grad_fn && tdm_needs_record(1, &t);

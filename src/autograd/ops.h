@@ -102,6 +102,9 @@ typedef enum {
  * parameter (a leaf requiring grad) cast while grad mode is on is cast once per outermost
  * region and the cast reused. NULL (and the cast's error) on failure; NULL for a NULL t. */
 tdm_tensor *tdm_autocast_arg(tdm_tensor *t, tdm_autocast_list list);
+/* The dtype tdm_autocast_arg(t, list) would give t (t's own where it would not cast), for an
+ * op whose kernel reads t's dtype and computes in the one autocast asks for without a copy. */
+tdm_dtype tdm_autocast_want(const tdm_tensor *t, tdm_autocast_list list);
 /* Turns the cast cache on or off for this thread (on by default); returns the previous
  * setting. tdm_recompute turns it off while its function runs, so that the function's casts
  * are its own nodes reading the parameters in both runs, whatever was cached outside. */

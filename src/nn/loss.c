@@ -30,15 +30,16 @@ static tdm_tensor *reduce(tdm_tensor *per, tdm_reduction r) {
 
 /* ---- cross-entropy and NLL ---- */
 
-/* in: x [N, C] contiguous; saved: target, weight; arg.i[0] ignore_index;
- * arg2.f[0] smoothing, arg2.f[1] is_logits */
+/* in: x [N, C] contiguous; saved: target, weight, the rows' log-sum-exps [N] (logits only);
+ * arg.i[0] ignore_index; arg2.f[0] smoothing, arg2.f[1] is_logits */
 static int ce_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *x = n->in[0];
     tdm_tensor *g = tdm_contiguous(gout);
     tdm_tensor *gx = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
     if (!g || !gx) return tdm_last_status();
-    int rc = tdm_backend_for(x->device)->cross_entropy_backward(
-        gx, g, x, n->saved[0], n->saved[1], n->arg.i[0], n->arg2.f[0], n->arg2.f[1] != 0);
+    int rc = tdm_backend_for(x->device)->cross_entropy_backward(gx, g, x, n->saved[2], n->saved[0],
+                                                                n->saved[1], n->arg.i[0],
+                                                                n->arg2.f[0], n->arg2.f[1] != 0);
     return rc ? rc : tdm_grad_accumulate(x, gx);
 }
 
@@ -93,12 +94,15 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
     /* f32 whatever x's dtype (the backends' contract): counts stay exact, the sums too */
     tdm_tensor *loss = tdm_tensor_alloc(ns, TDM_F32, x->device);
     *wsum = tdm_tensor_alloc(ns, TDM_F32, x->device);
-    if (!loss || !*wsum) return NULL;
-    if (be->cross_entropy(loss, *wsum, xc, target, w, o->ignore_index, o->label_smoothing,
+    tdm_tensor *in[1] = {xc};
+    bool record = tdm_needs_record(1, in);
+    /* the rows' log-sum-exps, N floats, spare the backward its own pass for them */
+    tdm_tensor *lse = record && is_logits ? tdm_tensor_alloc(ns, TDM_F32, x->device) : NULL;
+    if (!loss || !*wsum || (record && is_logits && !lse)) return NULL;
+    if (be->cross_entropy(loss, *wsum, lse, xc, target, w, o->ignore_index, o->label_smoothing,
                           is_logits))
         return NULL;
-    tdm_tensor *in[1] = {xc};
-    if (tdm_needs_record(1, in)) {
+    if (record) {
         tdm_tensor *tk = tdm_index_keep(target), *wk = w ? tdm_index_keep(w) : NULL;
         if (!tk || (w && !wk)) return NULL;
         tdm_node *n =
@@ -106,6 +110,7 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
         if (!n) return tdm_drop_fail(loss);
         n->saved[0] = tk;
         n->saved[1] = wk;
+        n->saved[2] = lse;
         n->arg.i[0] = o->ignore_index;
         n->arg2.f[0] = o->label_smoothing;
         n->arg2.f[1] = is_logits ? 1.0f : 0.0f;
@@ -122,7 +127,10 @@ static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_
     tdm_ce_opts defaults = tdm_ce_defaults();
     if (!o) o = &defaults;
     if (ce_check(x, target, o, op)) return NULL;
-    if (!(x = tdm_autocast_arg(x, TDM_AC_F32))) return NULL; /* a loss runs in f32 */
+    /* Autocast runs the loss in f32, but the kernels read bf16 or f16 logits as they are: they
+     * widen each element exactly and round the gradient once into x's dtype, the bits of the
+     * cast and its backward without an f32 copy of the [N, C] logits and of their gradient. */
+    tdm_dtype out_dt = tdm_autocast_want(x, TDM_AC_F32);
     if (!is_logits && o->label_smoothing != 0.0f)
         return tdm_raise_null(TDM_ERR_ARG,
                               "%s: label_smoothing must be 0 (got %g); use "
@@ -143,10 +151,10 @@ static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_
         tdm_drop_temp(loss, NULL);
         tdm_drop_temp(wsum, NULL);
     }
-    if (!out || out->dtype == x->dtype) return out;
+    if (!out || out->dtype == out_dt) return out;
     /* computed in f32, given in x's dtype as PyTorch's (a bf16 loss outside a region) */
     tdm_tensor *f = out;
-    out = tdm_to_dtype(f, x->dtype);
+    out = tdm_to_dtype(f, out_dt);
     tdm_drop_temp(f, NULL);
     return out;
 }

@@ -1,9 +1,11 @@
 /* CPU kernels for cross-entropy and binary cross-entropy on logits.
  *
  * Cross-entropy is fused: one row of logits is read twice (max, then exp-sum with the
- * smoothing sums in the same pass) and never materialised as log-probabilities, and the
- * backward recomputes the row's softmax instead of keeping an [N, C] one alive: the max, then
- * the exponentials into the gradient row as they are summed, then the row scaled in place.
+ * smoothing sums in the same pass) and never materialised as log-probabilities; the forward
+ * keeps each row's log-sum-exp, so the backward writes a row of the gradient in one pass over
+ * the logits, exp(x[c] - lse) being the probability, instead of keeping an [N, C] softmax
+ * alive. Without the forward's lse (a caller of the kernel alone) it recomputes it: the max,
+ * then the exponentials into the gradient row as they are summed, then the row scaled.
  *
  * With per-class weights w, target t and smoothing e, PyTorch's per-sample loss is
  *   loss = (1-e) * w[t] * (-logp[t]) + e/C * sum_c w[c] * (-logp[c])
@@ -100,19 +102,44 @@ static double weight_total(const float *w, int64_t C) {
     return s;
 }
 
+/* gr[c] = exp(x[c] - lse) * total - ge * w[c]: one pass over the row. */
 TDM_CPU_CLONES
-int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
+static void grad_row(float *gr, const float *xr, int64_t C, float lse, float total, float ge,
+                     const float *w) {
+    v8f vl = v8_set1(lse), vt = v8_set1(total), ve = v8_set1(ge);
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8)
+        v8_store(gr + c, v8_exp(v8_load(xr + c) - vl) * vt - (w ? ve * v8_load(w + c) : ve));
+    for (; c < C; c++) gr[c] = expf(xr[c] - lse) * total - ge * (w ? w[c] : 1.0f);
+}
+
+/* grad_row without the row's lse: the exponentials go into gr as they are summed, then gr is
+ * scaled in place (a row of 50,257 classes stays in L2), one exp an element instead of two. */
+TDM_CPU_CLONES
+static void grad_row_recompute(float *gr, const float *xr, int64_t C, float total, float ge,
+                               const float *w) {
+    float sum = exp_into(gr, xr, C, simd_max(xr, C));
+    v8f vt = v8_set1(total / sum), ve = v8_set1(ge);
+    int64_t c = 0;
+    for (; c + 8 <= C; c += 8)
+        v8_store(gr + c, v8_load(gr + c) * vt - (w ? ve * v8_load(w + c) : ve));
+    for (; c < C; c++) gr[c] = gr[c] * (total / sum) - ge * (w ? w[c] : 1.0f);
+}
+
+TDM_CPU_CLONES
+int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse, const tdm_tensor *x,
                           const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
                           float smoothing, bool is_logits) {
-    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){loss, wsum, x, weight}))
-        return tdm_cpu_lowp_cross_entropy(loss, wsum, x, target, weight, ignore_index, smoothing,
-                                          is_logits);
+    if (tdm_cpu_lowp_any(5, (const tdm_tensor *[]){loss, wsum, lse, x, weight}))
+        return tdm_cpu_lowp_cross_entropy(loss, wsum, lse, x, target, weight, ignore_index,
+                                          smoothing, is_logits);
     int64_t N = x->shape[0], C = x->shape[1];
     int rc = check_targets(target, N, C, ignore_index);
     if (rc) return rc;
     const float *xp = (const float *)tdm_data_ptr(x);
     const float *w = weight ? (const float *)tdm_data_ptr(weight) : NULL;
     float *lp = (float *)tdm_data_ptr(loss), *wp = wsum ? (float *)tdm_data_ptr(wsum) : NULL;
+    float *sp = lse && is_logits ? (float *)tdm_data_ptr(lse) : NULL;
     double e = smoothing, wtotal = weight_total(w, C);
     for (int64_t i = 0; i < N; i++) {
         int64_t t = target_at(target, i);
@@ -122,10 +149,11 @@ int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *
             continue;
         }
         const float *xr = xp + i * C;
-        double lse, sm;
-        ce_row(xr, C, w, wtotal, is_logits, e > 0, &lse, &sm);
+        double row_lse, sm;
+        ce_row(xr, C, w, wtotal, is_logits, e > 0, &row_lse, &sm);
+        if (sp) sp[i] = (float)row_lse;
         double wt = w ? w[t] : 1.0;
-        double l = (1 - e) * wt * (lse - xr[t]);
+        double l = (1 - e) * wt * (row_lse - xr[t]);
         if (e > 0) l += e / (double)C * sm;
         lp[i] = (float)l;
         if (wp) wp[i] = (float)wt;
@@ -135,10 +163,11 @@ int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *
 
 TDM_CPU_CLONES
 int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x,
-                                   const tdm_tensor *target, const tdm_tensor *weight,
-                                   int64_t ignore_index, float smoothing, bool is_logits) {
-    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){gx, gloss, x, weight}))
-        return tdm_cpu_lowp_cross_entropy_backward(gx, gloss, x, target, weight, ignore_index,
+                                   const tdm_tensor *lse, const tdm_tensor *target,
+                                   const tdm_tensor *weight, int64_t ignore_index, float smoothing,
+                                   bool is_logits) {
+    if (tdm_cpu_lowp_any(5, (const tdm_tensor *[]){gx, gloss, x, lse, weight}))
+        return tdm_cpu_lowp_cross_entropy_backward(gx, gloss, x, lse, target, weight, ignore_index,
                                                    smoothing, is_logits);
     int64_t N = x->shape[0], C = x->shape[1];
     int rc = check_targets(target, N, C, ignore_index);
@@ -159,16 +188,12 @@ int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, cons
         float g = f32_at(gloss, i), wt = w ? w[t] : 1.0f;
         float ge = g * eC;
         if (is_logits) {
-            /* gx[c] = g * (p[c] * sum_k coef[k] - e/C * w[c]), p[c] = exp(x[c] - max) / sum:
-             * the exponentials go into gr as they are summed, then gr is scaled in place (a
-             * row of 50,257 classes stays in L2), one exp an element instead of two */
+            /* gx[c] = g * (p[c] * sum_k coef[k] - e/C * w[c]), p[c] = exp(x[c] - lse) */
             float total = g * (float)((1 - e) * wt + eC * wtotal);
-            float sum = exp_into(gr, xr, C, simd_max(xr, C));
-            v8f vt = v8_set1(total / sum), ve = v8_set1(ge);
-            int64_t c = 0;
-            for (; c + 8 <= C; c += 8)
-                v8_store(gr + c, v8_load(gr + c) * vt - (w ? ve * v8_load(w + c) : ve));
-            for (; c < C; c++) gr[c] = gr[c] * (total / sum) - ge * (w ? w[c] : 1.0f);
+            if (lse)
+                grad_row(gr, xr, C, f32_at(lse, i), total, ge, w);
+            else
+                grad_row_recompute(gr, xr, C, total, ge, w);
         } else {
             for (int64_t c = 0; c < C; c++) gr[c] = -ge * (w ? w[c] : 1.0f);
         }

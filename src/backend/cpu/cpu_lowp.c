@@ -336,24 +336,26 @@ int tdm_cpu_lowp_dropout(tdm_tensor *y, tdm_tensor *mask, const tdm_tensor *x, f
     return LP_RUN(c, tdm_cpu_dropout(wy, wm, wx, p, seed, offset, at));
 }
 
-int tdm_cpu_lowp_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
-                               const tdm_tensor *target, const tdm_tensor *weight,
-                               int64_t ignore_index, float smoothing, bool is_logits) {
+int tdm_cpu_lowp_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse,
+                               const tdm_tensor *x, const tdm_tensor *target,
+                               const tdm_tensor *weight, int64_t ignore_index, float smoothing,
+                               bool is_logits) {
     lp_call c = {.what = "cpu cross_entropy"};
-    tdm_tensor *wl = lp_out(&c, loss), *ws = lp_out(&c, wsum);
+    tdm_tensor *wl = lp_out(&c, loss), *ws = lp_out(&c, wsum), *wls = lp_out(&c, lse);
     const tdm_tensor *wx = lp_in(&c, x), *ww = lp_in(&c, weight);
     return LP_RUN(
-        c, tdm_cpu_cross_entropy(wl, ws, wx, target, ww, ignore_index, smoothing, is_logits));
+        c, tdm_cpu_cross_entropy(wl, ws, wls, wx, target, ww, ignore_index, smoothing, is_logits));
 }
 
 int tdm_cpu_lowp_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss,
-                                        const tdm_tensor *x, const tdm_tensor *target,
-                                        const tdm_tensor *weight, int64_t ignore_index,
-                                        float smoothing, bool is_logits) {
+                                        const tdm_tensor *x, const tdm_tensor *lse,
+                                        const tdm_tensor *target, const tdm_tensor *weight,
+                                        int64_t ignore_index, float smoothing, bool is_logits) {
     lp_call c = {.what = "cpu cross_entropy_backward"};
     tdm_tensor *wgx = lp_out(&c, gx);
-    const tdm_tensor *wgl = lp_in(&c, gloss), *wx = lp_in(&c, x), *ww = lp_in(&c, weight);
-    return LP_RUN(c, tdm_cpu_cross_entropy_backward(wgx, wgl, wx, target, ww, ignore_index,
+    const tdm_tensor *wgl = lp_in(&c, gloss), *wx = lp_in(&c, x), *wls = lp_in(&c, lse),
+                     *ww = lp_in(&c, weight);
+    return LP_RUN(c, tdm_cpu_cross_entropy_backward(wgx, wgl, wx, wls, target, ww, ignore_index,
                                                     smoothing, is_logits));
 }
 

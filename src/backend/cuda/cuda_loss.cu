@@ -102,7 +102,8 @@ __device__ void ce_row(const ce_args<T> &a, const T *xr, double *lse_out, double
     *smooth_out = sm;
 }
 
-template <typename T> __global__ void ce_kernel(float *loss, float *wsum, ce_args<T> a) {
+template <typename T>
+__global__ void ce_kernel(float *loss, float *wsum, float *lse_out, ce_args<T> a) {
     int64_t i = blockIdx.x;
     int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
     if (t == a.ignore) { /* uniform across the block: no thread reaches a barrier below */
@@ -121,11 +122,14 @@ template <typename T> __global__ void ce_kernel(float *loss, float *wsum, ce_arg
         if (e > 0) l += e / (double)a.C * sm;
         loss[i] = (float)l;
         if (wsum) wsum[i] = (float)wt;
+        if (lse_out && a.is_logits) lse_out[i] = (float)lse;
     }
 }
 
+/* lse_in: the forward's log-sum-exps (a row then read once), or NULL (recomputed). */
 template <typename T>
-__global__ void ce_bwd_kernel(T *gx, const float *gloss, int64_t gstride, ce_args<T> a) {
+__global__ void ce_bwd_kernel(T *gx, const float *gloss, int64_t gstride, const float *lse_in,
+                              ce_args<T> a) {
     __shared__ double shd[CU_THREADS];
     int64_t i = blockIdx.x;
     int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
@@ -138,12 +142,21 @@ __global__ void ce_bwd_kernel(T *gx, const float *gloss, int64_t gstride, ce_arg
     float g = gloss[i * gstride], wt = a.w ? a.w[t] : 1.0f;
     float eC = a.e / (float)a.C, ge = g * eC;
     if (a.is_logits) {
-        double lse, unused;
-        ce_row(a, xr, &lse, &unused);
-        double wtot = 0;
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) wtot += a.w ? a.w[c] : 1.0;
-        wtot = cu_block_sum(wtot, shd);
-        float total = g * (float)((1 - a.e) * wt + eC * wtot), l = (float)lse;
+        float l;
+        if (lse_in) { /* uniform across the block, as the barriers in ce_row need */
+            l = lse_in[i];
+        } else {
+            double lse, unused;
+            ce_row(a, xr, &lse, &unused);
+            l = (float)lse;
+        }
+        double wtot = (double)a.C;
+        if (a.w) {
+            wtot = 0;
+            for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) wtot += a.w[c];
+            wtot = cu_block_sum(wtot, shd);
+        }
+        float total = g * (float)((1 - a.e) * wt + eC * wtot);
         for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) {
             float v = expf(cu_ld(xr[c]) - l) * total - ge * (a.w ? a.w[c] : 1.0f);
             gr[c] = cu_to<T>(c == t ? v - g * (1 - a.e) * wt : v);
@@ -184,7 +197,7 @@ static int ce_check_f32(const char *op, const tdm_tensor *t) {
 }
 
 template <typename T>
-static int ce_launch(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
+static int ce_launch(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse, const tdm_tensor *x,
                      const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
                      float smoothing, bool is_logits) {
     ce_args<T> a;
@@ -192,14 +205,15 @@ static int ce_launch(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
     if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits, "cross_entropy"))
         return tdm_last_status();
     if (a.N == 0) return TDM_OK;
-    ce_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(cu_f(loss), cu_f(wsum), a);
+    ce_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(cu_f(loss), cu_f(wsum),
+                                                                        cu_f(lse), a);
     return cu_check_launch("cross_entropy", x->device.index);
 }
 
 template <typename T>
 static int ce_bwd_launch(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x,
-                         const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
-                         float smoothing, bool is_logits) {
+                         const tdm_tensor *lse, const tdm_tensor *target, const tdm_tensor *weight,
+                         int64_t ignore_index, float smoothing, bool is_logits) {
     ce_args<T> a;
     cu_device *d = NULL;
     if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits,
@@ -207,28 +221,32 @@ static int ce_bwd_launch(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tens
         return tdm_last_status();
     if (a.N == 0) return TDM_OK;
     ce_bwd_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(
-        cu_p<T>(gx), cu_f(gloss), gloss->ndim ? gloss->strides[0] : 0, a);
+        cu_p<T>(gx), cu_f(gloss), gloss->ndim ? gloss->strides[0] : 0, cu_f(lse), a);
     return cu_check_launch("cross_entropy_backward", x->device.index);
 }
 
-extern "C" int tdm_cuda_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, const tdm_tensor *x,
-                                      const tdm_tensor *target, const tdm_tensor *weight,
-                                      int64_t ignore_index, float smoothing, bool is_logits) {
+extern "C" int tdm_cuda_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse,
+                                      const tdm_tensor *x, const tdm_tensor *target,
+                                      const tdm_tensor *weight, int64_t ignore_index,
+                                      float smoothing, bool is_logits) {
     if (cu_check_float("cross_entropy", true, {x}) || ce_check_f32("cross_entropy", loss) ||
-        ce_check_f32("cross_entropy", wsum) || ce_check_f32("cross_entropy", weight))
+        ce_check_f32("cross_entropy", wsum) || ce_check_f32("cross_entropy", lse) ||
+        ce_check_f32("cross_entropy", weight))
         return tdm_last_status();
-    return CU_DISPATCH(x->dtype, ce_launch, loss, wsum, x, target, weight, ignore_index, smoothing,
-                       is_logits);
+    return CU_DISPATCH(x->dtype, ce_launch, loss, wsum, lse, x, target, weight, ignore_index,
+                       smoothing, is_logits);
 }
 
 extern "C" int tdm_cuda_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss,
-                                               const tdm_tensor *x, const tdm_tensor *target,
-                                               const tdm_tensor *weight, int64_t ignore_index,
-                                               float smoothing, bool is_logits) {
+                                               const tdm_tensor *x, const tdm_tensor *lse,
+                                               const tdm_tensor *target, const tdm_tensor *weight,
+                                               int64_t ignore_index, float smoothing,
+                                               bool is_logits) {
     if (cu_check_float("cross_entropy_backward", true, {x, gx}) ||
         ce_check_f32("cross_entropy_backward", gloss) ||
+        ce_check_f32("cross_entropy_backward", lse) ||
         ce_check_f32("cross_entropy_backward", weight))
         return tdm_last_status();
-    return CU_DISPATCH(x->dtype, ce_bwd_launch, gx, gloss, x, target, weight, ignore_index,
+    return CU_DISPATCH(x->dtype, ce_bwd_launch, gx, gloss, x, lse, target, weight, ignore_index,
                        smoothing, is_logits);
 }

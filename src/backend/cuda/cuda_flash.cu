@@ -2,12 +2,14 @@
  * for the heads that fit (cuda_attention.cu sends the rest to its unfused path).
  *
  * No T x T scores reach memory and the tiles above the diagonal are never computed: a block
- * takes FA_BR query rows of one head and walks the key tiles up to its diagonal, keeping its
- * tile of scores, its running row maxima and sums and its output rows in shared memory. The
- * products run on the tensor cores in bf16 and f16 (WMMA, 16 x 16 x 16 with f32 accumulation)
- * and on the CUDA cores in f32 (no TF32, as PyTorch's default); every softmax sum is f32, and
- * P and dS are rounded to the dtype for the products that take them, as the unfused path and
- * PyTorch's flash kernels round them.
+ * takes FA_BR query rows of one head and walks the key tiles up to its diagonal. The bf16 and
+ * f16 forward (fa_fwd_mma_kernel) splits the rows over its warps and keeps the scores, the
+ * running row maxima and sums and the output rows in registers, its products on the tensor
+ * cores through mma.sync (whose fragment layouts are documented); the f32 forward and the
+ * backward keep those tiles in shared memory, their products on the tensor cores in bf16 and
+ * f16 through WMMA (16 x 16 x 16 with f32 accumulation) and on the CUDA cores in f32 (no TF32,
+ * as PyTorch's default). Every softmax sum is f32, and P and dS are rounded to the dtype for
+ * the products that take them, as the unfused path and PyTorch's flash kernels round them.
  *
  *   forward   per key tile j <= i: S = scale Q K_j^T; m' = max(m, rowmax S);
  *             P = exp(S - m'); l = l exp(m - m') + rowsum P; O = O exp(m - m') + P V_j;
@@ -26,6 +28,7 @@
 #include <mma.h>
 #include <stdlib.h>
 #include <string.h>
+#include <type_traits>
 
 #define FA_BR      64  /* query rows a block */
 #define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
@@ -245,8 +248,10 @@ __device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, fa_g
 
 /* ---- forward ------------------------------------------------------------------------------ */
 
-/* One block: query tile i of head h of batch row b, the last tiles (the most work) first. */
-template <typename E> __global__ void fa_fwd_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
+/* f32 (bf16 and f16 take fa_fwd_mma_kernel). One block: query tile i of head h of batch row b,
+ * the last tiles (the most work) first. */
+__global__ void fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g) {
+    typedef float E;
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
     const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
@@ -303,6 +308,147 @@ template <typename E> __global__ void fa_fwd_kernel(const E *qkv, E *y, float *l
         if (q0 + rr < g.T) yh[(q0 + rr) * g.C + d] = cu_to<E>(O[rr * old + d] / l[rr]);
     }
     if (tid < FA_BR && q0 + tid < g.T) lse[bh * g.T + q0 + tid] = m[tid] + logf(l[tid]);
+}
+
+/* ---- forward in bf16 and f16: mma.sync, the softmax in registers ------------------------- */
+
+/* PTX's m16n8k16 product, d += A B, with the fragment layouts the PTX ISA gives (g = lane / 4,
+ * t = lane % 4): A [16, 16] row-major, register r the pair (row g + 8 (r & 1), columns
+ * 2t + 8 (r >> 1), + 1); B [16, 8] column-major, register r the pair (rows 2t + 8r, + 1;
+ * column g); d[i] at (row g + 8 (i >> 1), column 2t + (i & 1)). Unlike WMMA's, these layouts
+ * are documented, so a thread knows which rows its sums belong to and the softmax runs on
+ * them in registers. The emulation (emu/mma.h) gathers the warp's registers to do the same. */
+template <typename E>
+__device__ __forceinline__ void fa_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+#ifdef TDM_EMU_MMA_H
+    emu_mma_m16n8k16<E>(d, a, b0, b1);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+    __trap(); /* unreachable: tdm_cuda_flash_fits declines bf16 and f16 before sm_80 */
+#else
+    if constexpr (std::is_same<E, __nv_bfloat16>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+/* Two adjacent elements of a shared-memory tile as one register (p even: 4-byte aligned). */
+template <typename E> __device__ __forceinline__ uint32_t fa_u32(const E *p) {
+    return *(const uint32_t *)p;
+}
+/* Two elements at any places as one register, the first in the low half. */
+template <typename E> __device__ __forceinline__ uint32_t fa_pair(E lo, E hi) {
+    uint16_t l, h;
+    memcpy(&l, &lo, 2);
+    memcpy(&h, &hi, 2);
+    return (uint32_t)l | (uint32_t)h << 16;
+}
+
+/* One block: query tile i of head h of batch row b (the last tiles first), as fa_fwd_kernel,
+ * with FlashAttention-2's split of the work: warp w owns query rows [16w, 16w + 16) of the
+ * 64 and does all of their work, so no barrier but K and V's loads a tile. Q's fragments stay
+ * in registers (HT = hs / 16 of them), and so do S, P and O: a thread holds rows g and g + 8
+ * of its warp's 16 (two columns of every 8), its quad (the 4 lanes of one g) the rest of those
+ * rows: a row's maximum over a tile takes two shuffles, its sum only one pair at the end (each
+ * lane keeps its part of l, rescaled with the row). P becomes the next product's A operand in
+ * place (the accumulator's layout of two 8-key tiles is A's of one 16-key tile). Only K and V
+ * pass through shared memory: 3 tiles of 64 x (hs + 8), against fa_fwd_kernel's S, P and O. */
+template <typename E, int HT>
+__global__ void fa_fwd_mma_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
+    extern __shared__ __align__(128) char fa_smem[];
+    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
+    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, gr = lane / 4, tq = lane % 4;
+    fa_carve cv = {fa_smem, 0};
+    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *K = fa_take<E>(&cv, FA_BR * g.ld);
+    E *V = fa_take<E>(&cv, FA_BR * g.ld);
+    const E *head = qkv + b * g.T * 3 * g.C + h * g.hs;
+    fa_load(Q, head, 3 * g.C, q0, g);
+    __syncthreads();
+    uint32_t qa[HT][4];
+    const E *qr = Q + (w * 16 + gr) * g.ld + 2 * tq;
+#pragma unroll
+    for (int kk = 0; kk < HT; kk++) {
+        qa[kk][0] = fa_u32(qr + kk * 16), qa[kk][1] = fa_u32(qr + 8 * g.ld + kk * 16);
+        qa[kk][2] = fa_u32(qr + kk * 16 + 8), qa[kk][3] = fa_u32(qr + 8 * g.ld + kk * 16 + 8);
+    }
+    const int64_t row[2] = {q0 + w * 16 + gr, q0 + w * 16 + gr + 8};
+    float o[2 * HT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int64_t j = 0; j <= i; j++) {
+        const int64_t k0 = j * FA_BC;
+        __syncthreads(); /* every warp is done with the last tile's K and V */
+        fa_load(K, head + g.C, 3 * g.C, k0, g);
+        fa_load(V, head + 2 * g.C, 3 * g.C, k0, g);
+        __syncthreads();
+        float s[FA_BC / 8][4] = {}; /* S = Q K^T: 8 tiles of 8 keys */
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; n++) {
+            const E *kr = K + (n * 8 + gr) * g.ld + 2 * tq;
+#pragma unroll
+            for (int kk = 0; kk < HT; kk++)
+                fa_mma<E>(s[n], qa[kk], fa_u32(kr + kk * 16), fa_u32(kr + kk * 16 + 8));
+        }
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int64_t k = k0 + n * 8 + 2 * tq + (e & 1);
+                const float v = k <= row[e >> 1] && k < g.T ? s[n][e] * g.scale : -INFINITY;
+                s[n][e] = v, mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) { /* key 0 of the tile is at or below every row's diagonal
+                                       * (rows past T included): the maximum is finite */
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m[r], mx[r]);
+            alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+            m[r] = m_new, l[r] *= alpha[r];
+        }
+        uint32_t pa[FA_BC / 16][4]; /* P in the dtype, as the product's A: 4 tiles of 16 keys */
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; n++) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                p[e] = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e >> 1]);
+                l[e >> 1] += p[e];
+            }
+            pa[n / 2][2 * (n % 2)] = fa_pair(cu_to<E>(p[0]), cu_to<E>(p[1]));
+            pa[n / 2][2 * (n % 2) + 1] = fa_pair(cu_to<E>(p[2]), cu_to<E>(p[3]));
+        }
+#pragma unroll
+        for (int d = 0; d < 2 * HT; d++) { /* O = O alpha + P V: 2 HT tiles of 8 columns */
+            o[d][0] *= alpha[0], o[d][1] *= alpha[0], o[d][2] *= alpha[1], o[d][3] *= alpha[1];
+            const E *vc = V + 2 * tq * g.ld + d * 8 + gr; /* B (key, column): V's rows */
+#pragma unroll
+            for (int kk = 0; kk < FA_BC / 16; kk++) {
+                const E *v = vc + kk * 16 * g.ld;
+                fa_mma<E>(o[d], pa[kk], fa_pair(v[0], v[g.ld]), fa_pair(v[8 * g.ld], v[9 * g.ld]));
+            }
+        }
+    }
+    E *yh = y + b * g.T * g.C + h * g.hs;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        if (row[r] >= g.T) continue;
+        E *yr = yh + row[r] * g.C + 2 * tq;
+#pragma unroll
+        for (int d = 0; d < 2 * HT; d++)
+            yr[d * 8] = cu_to<E>(o[d][2 * r] / l[r]),
+                   yr[d * 8 + 1] = cu_to<E>(o[d][2 * r + 1] / l[r]);
+        if (tq == 0) lse[bh * g.T + row[r]] = m[r] + logf(l[r]);
+    }
 }
 
 /* ---- backward ----------------------------------------------------------------------------- */
@@ -502,6 +648,16 @@ static int fa_smem_limit(int index) {
     return v;
 }
 
+/* The device's compute capability's major number (0 when it cannot be read). */
+static int fa_cc_major(int index) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return v;
+}
+
 /* TANDEM_FLASH_ATTENTION=0 in the environment starts it off (for measuring one path against
  * the other: scripts/gpu-check) */
 static bool fa_enabled = true;
@@ -523,7 +679,9 @@ extern "C" bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head) {
     const fa_geom g = fa_geom_of(qkv, n_head);
     const size_t es = tdm_dtype_size(qkv->dtype);
     /* the backward's blocks take the most */
+    /* bf16 and f16 products take sm_80's tensor-core instructions */
     return g.hs % 16 == 0 && g.hs <= 128 && g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR) <= INT32_MAX &&
+           (es == 4 || fa_cc_major(qkv->device.index) >= 8) &&
            fa_smem_dkv(g.hs, g.ld, es) <= (size_t)fa_smem_limit(qkv->device.index);
 }
 
@@ -533,15 +691,47 @@ template <typename K> static int fa_launch_check(K *k, size_t smem, const char *
                     what, idx);
 }
 
+/* bf16 and f16: the mma.sync kernel for heads of 16 HT. */
+template <typename E, int HT>
+static int fa_forward_mma(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse,
+                          const tdm_tensor *qkv, fa_geom g, unsigned blocks) {
+    const size_t smem = 3 * fa_round(FA_BR * g.ld * sizeof(E));
+    if (fa_launch_check(fa_fwd_mma_kernel<E, HT>, smem, "flash attention", idx))
+        return tdm_last_status();
+    fa_fwd_mma_kernel<E, HT>
+        <<<blocks, FA_THREADS, smem, d->compute>>>(cu_p<E>(qkv), cu_p<E>(y), cu_f(lse), g);
+    return cu_check_launch("flash attention", idx);
+}
+
 template <typename E>
 static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv,
                       fa_geom g) {
-    const size_t smem = fa_smem_fwd(g.hs, g.ld, sizeof(E));
-    if (fa_launch_check(fa_fwd_kernel<E>, smem, "flash attention", idx)) return tdm_last_status();
-    const int64_t blocks = g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR);
-    fa_fwd_kernel<E><<<(unsigned)blocks, FA_THREADS, smem, d->compute>>>(cu_p<E>(qkv), cu_p<E>(y),
-                                                                         cu_f(lse), g);
-    return cu_check_launch("flash attention", idx);
+    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
+    if constexpr (sizeof(E) == 2) {
+        switch (g.hs / 16) { /* tdm_cuda_flash_fits: hs a multiple of 16 up to 128 */
+        case 1:
+            return fa_forward_mma<E, 1>(d, idx, y, lse, qkv, g, blocks);
+        case 2:
+            return fa_forward_mma<E, 2>(d, idx, y, lse, qkv, g, blocks);
+        case 3:
+            return fa_forward_mma<E, 3>(d, idx, y, lse, qkv, g, blocks);
+        case 4:
+            return fa_forward_mma<E, 4>(d, idx, y, lse, qkv, g, blocks);
+        case 5:
+            return fa_forward_mma<E, 5>(d, idx, y, lse, qkv, g, blocks);
+        case 6:
+            return fa_forward_mma<E, 6>(d, idx, y, lse, qkv, g, blocks);
+        case 7:
+            return fa_forward_mma<E, 7>(d, idx, y, lse, qkv, g, blocks);
+        default:
+            return fa_forward_mma<E, 8>(d, idx, y, lse, qkv, g, blocks);
+        }
+    } else {
+        const size_t smem = fa_smem_fwd(g.hs, g.ld, sizeof(E));
+        if (fa_launch_check(fa_fwd_kernel, smem, "flash attention", idx)) return tdm_last_status();
+        fa_fwd_kernel<<<blocks, FA_THREADS, smem, d->compute>>>(cu_f(qkv), cu_f(y), cu_f(lse), g);
+        return cu_check_launch("flash attention", idx);
+    }
 }
 
 /* The backward's two kernels, their sums in HT fragments a warp (0: in shared memory). */

@@ -22,7 +22,10 @@ typedef enum {
     cudaErrorStreamCaptureInvalidated = 901,
 } cudaError_t;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
-enum cudaDeviceAttr { cudaDevAttrMaxSharedMemoryPerBlockOptin = 97 };
+enum cudaDeviceAttr {
+    cudaDevAttrComputeCapabilityMajor = 75,
+    cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
+};
 typedef struct emu_stream *cudaStream_t;
 typedef struct emu_event *cudaEvent_t;
 typedef struct emu_graph *cudaGraph_t;
@@ -121,6 +124,20 @@ extern dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __shared__      static /* one block runs at a time on one thread */
 #define __align__(n)    alignas(n)
 void __syncthreads(void);
+/* A warp's collective (emu.cpp): this thread's n words (n <= 8) in, every lane's out, as
+ * all[lane * n + i], valid until this thread's next barrier or collective. A barrier of the block
+ * underneath (the emulation's threads run one after another), so every thread of the block
+ * must take part, as in Tandem's kernels that use one. */
+const uint32_t *emu_warp_exchange(const uint32_t *words, int n);
+/* __shfl_xor_sync of a float over the whole warp (mask and width as CUDA's; all 32 lanes). */
+static inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width = 32) {
+    (void)mask, (void)width;
+    uint32_t u;
+    __builtin_memcpy(&u, &v, 4);
+    const uint32_t *all = emu_warp_exchange(&u, 1);
+    __builtin_memcpy(&v, &all[(threadIdx.x % 32) ^ (unsigned)lane_mask], 4);
+    return v;
+}
 /* Runs body for every thread of every block; shmem bytes of dynamic shared memory (extern
  * __shared__, at emu_dynamic_shared, 128-byte aligned) are allocated for the launch, exactly
  * sized, so that AddressSanitizer sees an access past them. Over 48 KiB, kernel (the launched

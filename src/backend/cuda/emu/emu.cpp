@@ -71,6 +71,26 @@ void __syncthreads(void) {
 
 void *emu_dynamic_shared;
 
+/* Warp collectives: a thread puts its words in one of two buffers, by the parity of its
+ * collectives so far, and waits at a barrier; every thread of the block has put its words when
+ * the barrier lets the first one on. A thread reads the buffer before its next collective,
+ * which writes the other one, so one barrier a collective is enough. */
+#define XCHG_WORDS 8
+static uint32_t xchg[2][MAX_BLOCK][XCHG_WORDS];
+static unsigned xchg_count[MAX_BLOCK];
+
+const uint32_t *emu_warp_exchange(const uint32_t *words, int n) {
+    const unsigned t = threadIdx.x, buf = xchg_count[t]++ % 2;
+    if (n > XCHG_WORDS) abort();
+    for (int i = 0; i < n; i++) xchg[buf][t][i] = words[i];
+    __syncthreads();
+    static thread_local uint32_t all[32 * XCHG_WORDS];
+    const unsigned base = t - t % 32;
+    for (unsigned l = 0; l < 32; l++)
+        for (int i = 0; i < n; i++) all[l * n + i] = base + l < blockDim.x ? xchg[buf][base + l][i] : 0;
+    return all;
+}
+
 /* Thread t's coroutine, at the start of the body. */
 static void start(int t) {
     if (!stacks[t] && !(stacks[t] = (char *)malloc(STACK_SIZE))) abort();
@@ -80,6 +100,7 @@ static void start(int t) {
     thread_ctx[t].uc_link = &sched_ctx;
     makecontext(&thread_ctx[t], trampoline, 0);
     finished[t] = false;
+    xchg_count[t] = 0;
 }
 
 /* ---- stream capture: a graph is the work recorded, in order ----------------------------- */
@@ -358,7 +379,9 @@ cudaError_t cudaGraphDestroy(cudaGraph_t g) {
     return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int device) {
-    *v = a == cudaDevAttrMaxSharedMemoryPerBlockOptin ? SMEM_OPTIN : 0;
+    *v = a == cudaDevAttrMaxSharedMemoryPerBlockOptin ? SMEM_OPTIN
+         : a == cudaDevAttrComputeCapabilityMajor     ? 9 /* sm_90, as SMEM_OPTIN */
+                                                      : 0;
     return cudaSuccess;
 }
 cudaError_t emu_func_set_attribute(const void *kernel, enum cudaFuncAttribute a, int value) {

@@ -135,6 +135,46 @@ static inline void mma_sync(fragment<accumulator, M, N, K, float> &d,
 
 } // namespace wmma
 } // namespace nvcuda
+
+/* PTX's mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 with d as C and D:
+ * d += A B for A 16 x 16 (row-major), B 16 x 8 (column-major), each lane holding the elements
+ * the PTX ISA's fragment layouts give it (g = lane / 4, t = lane % 4): A's register r the pair
+ * (row g + 8 (r & 1), columns 2t + 8 (r >> 1) and one more), B's register r the pair (rows
+ * 2t + 8r and one more, column g), d[i] (row g + 8 (i >> 1), column 2t + (i & 1)); a pair's
+ * first element in the low 16 bits. The warp's registers are gathered with one collective
+ * (emu_warp_exchange: every thread of the block must call it alike), so a kernel that put an
+ * element in the wrong register gets a wrong product here as on a GPU. Summed in f32 in k
+ * order (a tensor core's order is its own: results agree to f32 rounding). */
+template <typename E>
+static inline void emu_mma_m16n8k16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+    const uint32_t *all = emu_warp_exchange(mine, 6);
+    float A[16][16], B[16][8];
+    for (int lane = 0; lane < 32; lane++) {
+        const int g = lane / 4, t = lane % 4;
+        for (int r = 0; r < 6; r++) {
+            const uint32_t w = all[lane * 6 + r];
+            E lo, hi;
+            const uint16_t l16 = (uint16_t)w, h16 = (uint16_t)(w >> 16);
+            __builtin_memcpy(&lo, &l16, 2);
+            __builtin_memcpy(&hi, &h16, 2);
+            if (r < 4) {
+                const int row = g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
+                A[row][col] = nvcuda::wmma::emu_f(lo), A[row][col + 1] = nvcuda::wmma::emu_f(hi);
+            } else {
+                const int k = 2 * t + 8 * (r - 4);
+                B[k][g] = nvcuda::wmma::emu_f(lo), B[k + 1][g] = nvcuda::wmma::emu_f(hi);
+            }
+        }
+    }
+    const int g = (int)(threadIdx.x % 32) / 4, t = (int)(threadIdx.x % 4);
+    for (int i = 0; i < 4; i++) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        float s = d[i];
+        for (int k = 0; k < 16; k++) s += A[row][k] * B[k][col];
+        d[i] = s;
+    }
+}
 #endif
 
 #endif

@@ -136,49 +136,6 @@ __device__ void fa_mm(float *c, int ldc, const E *a, int lda, const E *b, int ld
     }
 }
 
-/* A [64, 16 HT] f32 sum kept across a loop in the warps' accumulator fragments rather than in
- * shared memory (bf16 and f16, heads of up to 64): warp w holds its tiles w, w + 4, ... (HT of
- * the 4 x HT), so no load and store of the sum per product, and its 4 HT KiB of shared memory
- * freed. Its elements are only added to (WMMA leaves their places in the warp unspecified). */
-template <int HT> struct fa_acc {
-    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> f[HT];
-};
-
-template <int HT> __device__ void fa_acc_zero(fa_acc<HT> &c) {
-#pragma unroll
-    for (int u = 0; u < HT; u++) nvcuda::wmma::fill_fragment(c.f[u], 0.0f);
-}
-
-/* c += op(a) b: op(a) [64, K] is a (row-major, lda) or, where TA, the transpose of a [K, 64];
- * b [K, 16 HT] row-major (ldb); K a multiple of 16. By the whole block, from shared memory. */
-template <typename E, bool TA, int HT>
-__device__ void fa_acc_mm(fa_acc<HT> &c, const E *a, int lda, const E *b, int ldb, int K) {
-    using namespace nvcuda;
-    const int w = threadIdx.x / 32;
-#pragma unroll
-    for (int u = 0; u < HT; u++) {
-        const int t = w + 4 * u, tm = t / HT, tc = t % HT;
-        for (int k = 0; k < K; k += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, E, typename fa_layout<TA>::type> fa;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::row_major> fb;
-            wmma::load_matrix_sync(fa, TA ? a + k * lda + tm * 16 : a + tm * 16 * lda + k, lda);
-            wmma::load_matrix_sync(fb, b + k * ldb + tc * 16, ldb);
-            wmma::mma_sync(c.f[u], fa, fb, c.f[u]);
-        }
-    }
-}
-
-/* c into out [64, 16 HT] (f32, row-major, ld 16 HT); the caller synchronises after. */
-template <int HT> __device__ void fa_acc_store(float *out, const fa_acc<HT> &c) {
-    const int w = threadIdx.x / 32;
-#pragma unroll
-    for (int u = 0; u < HT; u++) {
-        const int t = w + 4 * u, tm = t / HT, tc = t % HT;
-        nvcuda::wmma::store_matrix_sync(out + tm * 16 * 16 * HT + tc * 16, c.f[u], 16 * HT,
-                                        nvcuda::wmma::mem_row_major);
-    }
-}
-
 /* ---- shared memory ------------------------------------------------------------------------ */
 
 /* Carves a block's shared memory into aligned regions (WMMA wants 32-byte aligned tiles). */
@@ -202,20 +159,22 @@ static size_t fa_smem_fwd(int64_t hs, int ld, size_t es) {
            fa_round(FA_BR * FA_PLD * es) + fa_round(FA_BR * (hs + 4) * 4) +
            2 * fa_round(FA_BR * 4) + 2 * fa_round(FA_THREADS * 4);
 }
-/* Heads whose backward keeps its sums in fragments (fa_acc): HT = hs / 16, or 0 (in shared
- * memory: f32, and heads over 64, whose fragments would take too many registers). */
+/* Heads whose backward runs on mma.sync with its sums in registers (fa_dkv_mma_kernel): HT =
+ * hs / 16, or 0 (the WMMA or f32 kernels, sums in shared memory: f32, and heads over 64, whose
+ * registers would not hold S^T, dP^T, dK and dV). */
 static int fa_frag_tiles(int64_t hs, size_t es) {
     return es == 2 && hs <= 64 ? (int)(hs / 16) : 0;
 }
 static size_t fa_smem_dkv(int64_t hs, int ld, size_t es) {
+    if (fa_frag_tiles(hs, es)) return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * 4);
     return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
-           2 * fa_round(FA_BR * FA_BC * es) +
-           (fa_frag_tiles(hs, es) ? 0 : 2 * fa_round(FA_BC * hs * 4)) + 2 * fa_round(FA_BR * 4);
+           2 * fa_round(FA_BR * FA_BC * es) + 2 * fa_round(FA_BC * hs * 4) +
+           2 * fa_round(FA_BR * 4);
 }
 static size_t fa_smem_dq(int64_t hs, int ld, size_t es) {
+    if (fa_frag_tiles(hs, es)) return 2 * fa_round(FA_BR * ld * es);
     return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
-           fa_round(FA_BR * FA_BC * es) + (fa_frag_tiles(hs, es) ? 0 : fa_round(FA_BR * hs * 4)) +
-           2 * fa_round(FA_BR * 4);
+           fa_round(FA_BR * FA_BC * es) + fa_round(FA_BR * hs * 4) + 2 * fa_round(FA_BR * 4);
 }
 
 /* 16 bytes moved as one (a 128-bit load and store on a GPU) */
@@ -517,8 +476,8 @@ __device__ void fa_dscores(E *Pt, E *dSt, const float *S, const float *dP, const
 }
 
 /* One block: key tile j of a head, over the query tiles from its diagonal on: dK and dV, their
- * sums in fragments where HT (fa_frag_tiles) is not 0, else in shared memory. */
-template <typename E, int HT>
+ * sums in shared memory (f32, and bf16 and f16 heads over 64: fa_frag_tiles). */
+template <typename E>
 __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
                               fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
@@ -530,19 +489,13 @@ __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *l
     E *Q = fa_take<E>(&cv, FA_BR * g.ld), *dO = fa_take<E>(&cv, FA_BR * g.ld);
     float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
     E *P = fa_take<E>(&cv, FA_BR * FA_BC), *dS = fa_take<E>(&cv, FA_BR * FA_BC);
-    /* in shared memory; with fragments, S and dP take them at the end (hs <= FA_BC) */
-    float *dK = HT ? dP : fa_take<float>(&cv, FA_BC * hs);
-    float *dV = HT ? S : fa_take<float>(&cv, FA_BC * hs);
+    float *dK = fa_take<float>(&cv, FA_BC * hs), *dV = fa_take<float>(&cv, FA_BC * hs);
     float *lse_s = fa_take<float>(&cv, FA_BR), *D_s = fa_take<float>(&cv, FA_BR);
-    fa_acc<HT ? HT : 1> dK_f, dV_f;
     const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
     const E *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
     fa_load(K, head + g.C, row3, k0, g);
     fa_load(V, head + 2 * g.C, row3, k0, g);
-    if constexpr (HT > 0)
-        fa_acc_zero(dK_f), fa_acc_zero(dV_f);
-    else
-        for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) dK[e] = dV[e] = 0.0f;
+    for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) dK[e] = dV[e] = 0.0f;
     for (int64_t i = j; i < nt; i++) {
         const int64_t q0 = i * FA_BR;
         __syncthreads(); /* the last tile's products are done with Q, dO, P and dS */
@@ -555,19 +508,10 @@ __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *l
         __syncthreads();
         fa_dscores(P, dS, S, dP, lse_s, D_s, q0, k0, g);
         __syncthreads();
-        if constexpr (HT > 0) {
-            fa_acc_mm<E, true, HT>(dV_f, P, FA_BC, dO, g.ld, FA_BR);
-            fa_acc_mm<E, true, HT>(dK_f, dS, FA_BC, Q, g.ld, FA_BR);
-        } else {
-            fa_mm<E, true, false>(dV, hs, P, FA_BC, dO, g.ld, FA_BC, hs, FA_BR, true);
-            fa_mm<E, true, false>(dK, hs, dS, FA_BC, Q, g.ld, FA_BC, hs, FA_BR, true);
-        }
+        fa_mm<E, true, false>(dV, hs, P, FA_BC, dO, g.ld, FA_BC, hs, FA_BR, true);
+        fa_mm<E, true, false>(dK, hs, dS, FA_BC, Q, g.ld, FA_BC, hs, FA_BR, true);
     }
-    __syncthreads(); /* every product is done with S and dP */
-    if constexpr (HT > 0) {
-        fa_acc_store(dV, dV_f), fa_acc_store(dK, dK_f);
-        __syncthreads();
-    }
+    __syncthreads(); /* every product is done with dK and dV */
     E *gh = dqkv + off;
     for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) {
         const int r = e / hs, d = e % hs;
@@ -578,8 +522,8 @@ __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *l
 }
 
 /* One block: query tile i of a head, over the key tiles up to its diagonal: dQ, its sum in
- * fragments where HT is not 0 (as fa_dkv_kernel). */
-template <typename E, int HT>
+ * shared memory (as fa_dkv_kernel). */
+template <typename E>
 __global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
                              fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
@@ -591,18 +535,14 @@ __global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *ls
     E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
     float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
     E *dS = fa_take<E>(&cv, FA_BR * FA_BC);
-    float *dQ = HT ? S : fa_take<float>(&cv, FA_BR * hs), *lse_s = fa_take<float>(&cv, FA_BR);
+    float *dQ = fa_take<float>(&cv, FA_BR * hs), *lse_s = fa_take<float>(&cv, FA_BR);
     float *D_s = fa_take<float>(&cv, FA_BR);
-    fa_acc<HT ? HT : 1> dQ_f;
     const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
     const E *head = qkv + off;
     fa_load(Q, head, row3, q0, g);
     fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
     fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
-    if constexpr (HT > 0)
-        fa_acc_zero(dQ_f);
-    else
-        for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) dQ[e] = 0.0f;
+    for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) dQ[e] = 0.0f;
     for (int64_t j = 0; j <= i; j++) {
         const int64_t k0 = j * FA_BC;
         __syncthreads(); /* the last tile's product is done with K and dS */
@@ -614,21 +554,190 @@ __global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *ls
         __syncthreads();
         fa_dscores<E>(NULL, dS, S, dP, lse_s, D_s, q0, k0, g);
         __syncthreads();
-        if constexpr (HT > 0)
-            fa_acc_mm<E, false, HT>(dQ_f, dS, FA_BC, K, g.ld, FA_BC);
-        else
-            fa_mm<E, false, false>(dQ, hs, dS, FA_BC, K, g.ld, FA_BR, hs, FA_BC, true);
+        fa_mm<E, false, false>(dQ, hs, dS, FA_BC, K, g.ld, FA_BR, hs, FA_BC, true);
     }
-    __syncthreads(); /* every product is done with S */
-    if constexpr (HT > 0) {
-        fa_acc_store(dQ, dQ_f);
-        __syncthreads();
-    }
+    __syncthreads(); /* every product is done with dQ */
     E *gh = dqkv + off;
     for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) {
         const int r = e / hs, d = e % hs;
         if (q0 + r < g.T) gh[(q0 + r) * row3 + d] = cu_to<E>(dQ[e] * g.scale);
     }
+}
+
+/* ---- backward in bf16 and f16, heads up to 64: mma.sync, the scores in registers ----------- */
+
+/* A [16, 16 HT] strip of rows r0.. of a shared-memory tile as HT A fragments (fa_mma). */
+template <typename E, int HT>
+__device__ __forceinline__ void fa_frag_a(uint32_t a[HT][4], const E *tile, int r0, int ld) {
+    const int lane = threadIdx.x % 32;
+    const E *p = tile + (r0 + lane / 4) * ld + 2 * (lane % 4);
+#pragma unroll
+    for (int kk = 0; kk < HT; kk++) {
+        a[kk][0] = fa_u32(p + kk * 16), a[kk][1] = fa_u32(p + 8 * ld + kk * 16);
+        a[kk][2] = fa_u32(p + kk * 16 + 8), a[kk][3] = fa_u32(p + 8 * ld + kk * 16 + 8);
+    }
+}
+
+/* c [16, 64] = a b^T: a the warp's strip (HT A fragments), b the 64 rows of a shared-memory tile
+ * (row n of b is column n of the product). */
+template <typename E, int HT>
+__device__ __forceinline__ void fa_mm_rows(float c[FA_BC / 8][4], const uint32_t a[HT][4],
+                                           const E *b, int ld) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < FA_BC / 8; n++) {
+        c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+        const E *br = b + (n * 8 + lane / 4) * ld + 2 * (lane % 4);
+#pragma unroll
+        for (int kk = 0; kk < HT; kk++)
+            fa_mma<E>(c[n], a[kk], fa_u32(br + kk * 16), fa_u32(br + kk * 16 + 8));
+    }
+}
+
+/* c [16, 16 HT] += a b: a [16, 64] as a product's accumulators (rounded to E: its layout of two
+ * 8-column tiles is A's of one 16-column tile), b [64, 16 HT] a shared-memory tile. */
+template <typename E, int HT>
+__device__ __forceinline__ void fa_mm_acc(float c[2 * HT][4], const float a[FA_BC / 8][4],
+                                          const E *b, int ld) {
+    const int lane = threadIdx.x % 32;
+    uint32_t pa[FA_BC / 16][4];
+#pragma unroll
+    for (int n = 0; n < FA_BC / 8; n++) {
+        pa[n / 2][2 * (n % 2)] = fa_pair(cu_to<E>(a[n][0]), cu_to<E>(a[n][1]));
+        pa[n / 2][2 * (n % 2) + 1] = fa_pair(cu_to<E>(a[n][2]), cu_to<E>(a[n][3]));
+    }
+#pragma unroll
+    for (int d = 0; d < 2 * HT; d++) {
+        const E *bc = b + 2 * (lane % 4) * ld + d * 8 + lane / 4;
+#pragma unroll
+        for (int kk = 0; kk < FA_BC / 16; kk++) {
+            const E *v = bc + kk * 16 * ld;
+            fa_mma<E>(c[d], pa[kk], fa_pair(v[0], v[ld]), fa_pair(v[8 * ld], v[9 * ld]));
+        }
+    }
+}
+
+/* The warp's rows of a [*, 16 HT] result (rows r0 + g and + 8 of its strip) times scale into
+ * out (row stride rs; rows from `first`, those at or past T left out). */
+template <typename E, int HT>
+__device__ __forceinline__ void fa_store_rows(E *out, int64_t rs, const float c[2 * HT][4],
+                                              int64_t first, float scale, int64_t T) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t row = first + lane / 4 + 8 * r;
+        if (row >= T) continue;
+        E *o = out + row * rs + 2 * (lane % 4);
+#pragma unroll
+        for (int d = 0; d < 2 * HT; d++)
+            o[d * 8] = cu_to<E>(c[d][2 * r] * scale),
+                  o[d * 8 + 1] = cu_to<E>(c[d][2 * r + 1] * scale);
+    }
+}
+
+/* One block: key tile j of a head, over the query tiles from its diagonal on, as fa_dkv_kernel;
+ * warp w owns keys [16w, 16w + 16) and keeps S^T, dP^T, dS^T, P^T and its dK and dV rows in
+ * registers: S^T = K Q^T and dP^T = V dy^T for its keys against the 64 queries, then
+ * dV += P^T dy and dK += dS^T Q. Only Q, dy and their rows' lse and D pass through shared
+ * memory, loaded once a query tile by the block. */
+template <typename E, int HT>
+__global__ void fa_dkv_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse,
+                                  const float *D, fa_geom g) {
+    extern __shared__ __align__(128) char fa_smem[];
+    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, j = blockIdx.x % nt, bh = blockIdx.x / nt;
+    const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * FA_BC;
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    fa_carve cv = {fa_smem, 0};
+    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
+    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *dO = fa_take<E>(&cv, FA_BR * g.ld);
+    float *lse_s = fa_take<float>(&cv, FA_BR), *D_s = fa_take<float>(&cv, FA_BR);
+    const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
+    const E *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
+    fa_load(K, head + g.C, row3, k0, g);
+    fa_load(V, head + 2 * g.C, row3, k0, g);
+    float dK[2 * HT][4] = {}, dV[2 * HT][4] = {};
+    const int64_t key[2] = {k0 + w * 16 + lane / 4, k0 + w * 16 + lane / 4 + 8};
+    for (int64_t i = j; i < nt; i++) {
+        const int64_t q0 = i * FA_BR;
+        __syncthreads(); /* every warp is done with the last tile's Q, dy, lse and D */
+        fa_load(Q, head, row3, q0, g);
+        fa_load(dO, dyh, g.C, q0, g);
+        fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
+        __syncthreads();
+        float s[FA_BC / 8][4], dp[FA_BC / 8][4];
+        {
+            uint32_t a[HT][4];
+            fa_frag_a<E, HT>(a, K, w * 16, g.ld);
+            fa_mm_rows<E, HT>(s, a, Q, g.ld);
+            fa_frag_a<E, HT>(a, V, w * 16, g.ld);
+            fa_mm_rows<E, HT>(dp, a, dO, g.ld);
+        }
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) { /* P^T and dS^T: key row e >> 1, query column */
+                const int c = n * 8 + 2 * tq + (e & 1);
+                const int64_t q = q0 + c;
+                const float p =
+                    key[e >> 1] <= q && q < g.T ? expf(s[n][e] * g.scale - lse_s[c]) : 0.0f;
+                s[n][e] = p, dp[n][e] = p * (dp[n][e] - D_s[c]);
+            }
+        fa_mm_acc<E, HT>(dV, s, dO, g.ld);
+        fa_mm_acc<E, HT>(dK, dp, Q, g.ld);
+    }
+    E *gh = dqkv + off;
+    fa_store_rows<E, HT>(gh + g.C, row3, dK, k0 + w * 16, g.scale, g.T);
+    fa_store_rows<E, HT>(gh + 2 * g.C, row3, dV, k0 + w * 16, 1.0f, g.T);
+}
+
+/* One block: query tile i of a head, over the key tiles up to its diagonal, as fa_dq_kernel;
+ * warp w owns queries [16w, 16w + 16): its Q and dy rows as fragments, their lse and D in
+ * registers, S, dP and dS in registers, dQ += dS K. Only K and V pass through shared memory. */
+template <typename E, int HT>
+__global__ void fa_dq_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse,
+                                 const float *D, fa_geom g) {
+    extern __shared__ __align__(128) char fa_smem[];
+    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
+    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    fa_carve cv = {fa_smem, 0};
+    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
+    const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
+    const E *head = qkv + off;
+    fa_load(K, head, row3, q0, g); /* Q and dy, through the K and V tiles */
+    fa_load(V, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
+    __syncthreads();
+    uint32_t qa[HT][4], da[HT][4];
+    fa_frag_a<E, HT>(qa, K, w * 16, g.ld);
+    fa_frag_a<E, HT>(da, V, w * 16, g.ld);
+    const int64_t q[2] = {q0 + w * 16 + lane / 4, q0 + w * 16 + lane / 4 + 8};
+    float lse_r[2], D_r[2], dQ[2 * HT][4] = {};
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lse_r[r] = q[r] < g.T ? lse[bh * g.T + q[r]] : 0.0f;
+        D_r[r] = q[r] < g.T ? D[bh * g.T + q[r]] : 0.0f;
+    }
+    for (int64_t j = 0; j <= i; j++) {
+        const int64_t k0 = j * FA_BC;
+        __syncthreads(); /* every warp is done with the last tile's K and V (or Q and dy) */
+        fa_load(K, head + g.C, row3, k0, g);
+        fa_load(V, head + 2 * g.C, row3, k0, g);
+        __syncthreads();
+        float s[FA_BC / 8][4], dp[FA_BC / 8][4];
+        fa_mm_rows<E, HT>(s, qa, K, g.ld);
+        fa_mm_rows<E, HT>(dp, da, V, g.ld);
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) { /* dS: query row e >> 1, key column */
+                const int64_t k = k0 + n * 8 + 2 * tq + (e & 1), qr = q[e >> 1];
+                const float p =
+                    k <= qr && qr < g.T ? expf(s[n][e] * g.scale - lse_r[e >> 1]) : 0.0f;
+                dp[n][e] = p * (dp[n][e] - D_r[e >> 1]);
+            }
+        fa_mm_acc<E, HT>(dQ, dp, K, g.ld);
+    }
+    fa_store_rows<E, HT>(dqkv + off, row3, dQ, q0 + w * 16, g.scale, g.T);
 }
 
 /* ---- host --------------------------------------------------------------------------------- */
@@ -734,28 +843,29 @@ static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, con
     }
 }
 
-/* The backward's two kernels, their sums in HT fragments a warp (0: in shared memory). */
+/* The backward's two kernels: on mma.sync for bf16 and f16 heads of 16 HT (HT > 0), else the
+ * shared-memory ones. */
 template <typename E, int HT>
 static int fa_backward_kernels(cu_device *d, int idx, E *gq, const E *gy, const E *x,
                                const float *lse, const float *D, fa_geom g) {
-    if constexpr (HT > 0 && sizeof(E) == 4) { /* unreachable: fa_frag_tiles says 0 for f32 */
-        return tdm_raise(TDM_ERR_STATE, "flash attention_backward: no fragments in f32");
+    const size_t s_kv = fa_smem_dkv(g.hs, g.ld, sizeof(E)), s_q = fa_smem_dq(g.hs, g.ld, sizeof(E));
+    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
+    const char *what = "flash attention_backward";
+    int rc;
+    if constexpr (HT > 0 && sizeof(E) == 2) {
+        if ((rc = fa_launch_check(fa_dkv_mma_kernel<E, HT>, s_kv, what, idx))) return rc;
+        fa_dkv_mma_kernel<E, HT><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
+        if ((rc = cu_check_launch("flash attention_backward (dk, dv)", idx))) return rc;
+        if ((rc = fa_launch_check(fa_dq_mma_kernel<E, HT>, s_q, what, idx))) return rc;
+        fa_dq_mma_kernel<E, HT><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
     } else {
-        const size_t s_kv = fa_smem_dkv(g.hs, g.ld, sizeof(E));
-        const size_t s_q = fa_smem_dq(g.hs, g.ld, sizeof(E));
-        const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
-        int rc = fa_launch_check(fa_dkv_kernel<E, HT>, s_kv, "flash attention_backward", idx);
-        if (!rc) {
-            fa_dkv_kernel<E, HT><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
-            rc = cu_check_launch("flash attention_backward (dk, dv)", idx);
-        }
-        if (!rc) rc = fa_launch_check(fa_dq_kernel<E, HT>, s_q, "flash attention_backward", idx);
-        if (!rc) {
-            fa_dq_kernel<E, HT><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
-            rc = cu_check_launch("flash attention_backward (dq)", idx);
-        }
-        return rc;
+        if ((rc = fa_launch_check(fa_dkv_kernel<E>, s_kv, what, idx))) return rc;
+        fa_dkv_kernel<E><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
+        if ((rc = cu_check_launch("flash attention_backward (dk, dv)", idx))) return rc;
+        if ((rc = fa_launch_check(fa_dq_kernel<E>, s_q, what, idx))) return rc;
+        fa_dq_kernel<E><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
     }
+    return cu_check_launch("flash attention_backward (dq)", idx);
 }
 
 template <typename E>

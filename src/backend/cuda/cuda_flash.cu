@@ -14,7 +14,7 @@
  *   forward   per key tile j <= i: S = scale Q K_j^T; m' = max(m, rowmax S);
  *             P = exp(S - m'); l = l exp(m - m') + rowsum P; O = O exp(m - m') + P V_j;
  *             at the end y = O / l and lse = m + log l
- *   backward  D = rowsum(dy * y) first (one thread a row); then per key tile j, over query
+ *   backward  D = rowsum(dy * y) first; then per key tile j, over query
  *             tiles i >= j: P = exp(scale Q_i K_j^T - lse), dP = dy_i V_j^T,
  *             dS = P (dP - D), dV_j += P^T dy_i, dK_j += scale dS^T Q_i; and in a second
  *             kernel per query tile i, over key tiles j <= i: dQ_i += scale dS K_j

@@ -38,6 +38,11 @@
  * put a column of every row in one bank, and its softmax reads a column of 16 rows at once */
 #define FA_SLD (FA_BC + 4)
 #define FA_PLD (FA_BC + 8)
+/* The mma.sync kernels take exponentials base 2 (one multiply-add and the GPU's exp2 a score,
+ * as FlashAttention-2): the scores scaled by scale log2(e), their maxima in those units, lse
+ * (natural) converted on the way in and out. */
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2   0.6931471805599453f
 
 typedef struct {
     int64_t B, T, C, nh, hs;
@@ -324,6 +329,7 @@ __global__ void fa_fwd_mma_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
     const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, gr = lane / 4, tq = lane % 4;
+    const float sl = g.scale * FA_LOG2E;
     fa_carve cv = {fa_smem, 0};
     E *Q = fa_take<E>(&cv, FA_BR * g.ld), *K = fa_take<E>(&cv, FA_BR * g.ld);
     E *V = fa_take<E>(&cv, FA_BR * g.ld);
@@ -359,7 +365,7 @@ __global__ void fa_fwd_mma_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int64_t k = k0 + n * 8 + 2 * tq + (e & 1);
-                const float v = k <= row[e >> 1] && k < g.T ? s[n][e] * g.scale : -INFINITY;
+                const float v = k <= row[e >> 1] && k < g.T ? s[n][e] * sl : -INFINITY;
                 s[n][e] = v, mx[e >> 1] = fmaxf(mx[e >> 1], v);
             }
         float alpha[2];
@@ -369,7 +375,7 @@ __global__ void fa_fwd_mma_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
             const float m_new = fmaxf(m[r], mx[r]);
-            alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new);
+            alpha[r] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - m_new);
             m[r] = m_new, l[r] *= alpha[r];
         }
         uint32_t pa[FA_BC / 16][4]; /* P in the dtype, as the product's A: 4 tiles of 16 keys */
@@ -378,7 +384,7 @@ __global__ void fa_fwd_mma_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                p[e] = s[n][e] == -INFINITY ? 0.0f : expf(s[n][e] - m[e >> 1]);
+                p[e] = s[n][e] == -INFINITY ? 0.0f : exp2f(s[n][e] - m[e >> 1]);
                 l[e >> 1] += p[e];
             }
             pa[n / 2][2 * (n % 2)] = fa_pair(cu_to<E>(p[0]), cu_to<E>(p[1]));
@@ -406,7 +412,7 @@ __global__ void fa_fwd_mma_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
         for (int d = 0; d < 2 * HT; d++)
             yr[d * 8] = cu_to<E>(o[d][2 * r] / l[r]),
                    yr[d * 8 + 1] = cu_to<E>(o[d][2 * r + 1] / l[r]);
-        if (tq == 0) lse[bh * g.T + row[r]] = m[r] + logf(l[r]);
+        if (tq == 0) lse[bh * g.T + row[r]] = m[r] * FA_LN2 + logf(l[r]);
     }
 }
 
@@ -647,6 +653,7 @@ __global__ void fa_dkv_mma_kernel(E *dqkv, const E *dy, const E *qkv, const floa
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, j = blockIdx.x % nt, bh = blockIdx.x / nt;
     const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * FA_BC;
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    const float sl = g.scale * FA_LOG2E;
     fa_carve cv = {fa_smem, 0};
     E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
     E *Q = fa_take<E>(&cv, FA_BR * g.ld), *dO = fa_take<E>(&cv, FA_BR * g.ld);
@@ -679,7 +686,7 @@ __global__ void fa_dkv_mma_kernel(E *dqkv, const E *dy, const E *qkv, const floa
                 const int c = n * 8 + 2 * tq + (e & 1);
                 const int64_t q = q0 + c;
                 const float p =
-                    key[e >> 1] <= q && q < g.T ? expf(s[n][e] * g.scale - lse_s[c]) : 0.0f;
+                    key[e >> 1] <= q && q < g.T ? exp2f(s[n][e] * sl - lse_s[c] * FA_LOG2E) : 0.0f;
                 s[n][e] = p, dp[n][e] = p * (dp[n][e] - D_s[c]);
             }
         fa_mm_acc<E, HT>(dV, s, dO, g.ld);
@@ -700,6 +707,7 @@ __global__ void fa_dq_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
     const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    const float sl = g.scale * FA_LOG2E;
     fa_carve cv = {fa_smem, 0};
     E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
     const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
@@ -714,7 +722,7 @@ __global__ void fa_dq_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float
     float lse_r[2], D_r[2], dQ[2 * HT][4] = {};
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        lse_r[r] = q[r] < g.T ? lse[bh * g.T + q[r]] : 0.0f;
+        lse_r[r] = q[r] < g.T ? lse[bh * g.T + q[r]] * FA_LOG2E : 0.0f; /* base 2 */
         D_r[r] = q[r] < g.T ? D[bh * g.T + q[r]] : 0.0f;
     }
     for (int64_t j = 0; j <= i; j++) {
@@ -731,8 +739,7 @@ __global__ void fa_dq_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float
 #pragma unroll
             for (int e = 0; e < 4; e++) { /* dS: query row e >> 1, key column */
                 const int64_t k = k0 + n * 8 + 2 * tq + (e & 1), qr = q[e >> 1];
-                const float p =
-                    k <= qr && qr < g.T ? expf(s[n][e] * g.scale - lse_r[e >> 1]) : 0.0f;
+                const float p = k <= qr && qr < g.T ? exp2f(s[n][e] * sl - lse_r[e >> 1]) : 0.0f;
                 dp[n][e] = p * (dp[n][e] - D_r[e >> 1]);
             }
         fa_mm_acc<E, HT>(dQ, dp, K, g.ld);

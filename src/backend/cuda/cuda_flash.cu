@@ -2,14 +2,14 @@
  * for the heads that fit (cuda_attention.cu sends the rest to its unfused path).
  *
  * No T x T scores reach memory and the tiles above the diagonal are never computed: a block
- * takes FA_BR query rows of one head and walks the key tiles up to its diagonal. The bf16 and
- * f16 forward (fa_fwd_mma_kernel) splits the rows over its warps and keeps the scores, the
- * running row maxima and sums and the output rows in registers, its products on the tensor
- * cores through mma.sync (whose fragment layouts are documented); the f32 forward and the
- * backward keep those tiles in shared memory, their products on the tensor cores in bf16 and
- * f16 through WMMA (16 x 16 x 16 with f32 accumulation) and on the CUDA cores in f32 (no TF32,
- * as PyTorch's default). Every softmax sum is f32, and P and dS are rounded to the dtype for
- * the products that take them, as the unfused path and PyTorch's flash kernels round them.
+ * takes FA_BR query rows of one head and walks the key tiles up to its diagonal. bf16 and f16
+ * run on mma.sync with the scores and sums in registers (cuda_flash_mma.cu: the forward, and
+ * the backward of heads up to 64). This file holds the dispatch and the kernels that keep their
+ * tiles of scores, row statistics and sums in shared memory: f32 (products on the CUDA cores,
+ * no TF32, as PyTorch's default) and the backward of bf16 and f16 heads over 64 (products
+ * through WMMA, 16 x 16 x 16 with f32 accumulation). Every softmax sum is f32, and P and dS
+ * are rounded to the dtype for the products that take them, as the unfused path and PyTorch's
+ * flash kernels round them.
  *
  *   forward   per key tile j <= i: S = scale Q K_j^T; m' = max(m, rowmax S);
  *             P = exp(S - m'); l = l exp(m - m') + rowsum P; O = O exp(m - m') + P V_j;
@@ -21,34 +21,18 @@
  * FlashAttention-2 adds dQ up with atomics from the first kernel; a second kernel that
  * computes S and dP again costs two products of the seven but keeps every sum in a fixed
  * order, so a run gives the same bits every time, as the rest of the backend does. */
-#include "backend/cuda/cuda_common.cuh"
+#include "backend/cuda/cuda_flash.cuh"
 
 #include <assert.h>
 #include <math.h>
 #include <mma.h>
 #include <stdlib.h>
 #include <string.h>
-#include <type_traits>
 
-#define FA_BR      64  /* query rows a block */
-#define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
-#define FA_THREADS 128 /* four warps; in a product, warp w takes every fourth 16 x 16 tile */
-#define FA_PAD     8   /* elements after each row of Q, K, V, dy in shared memory (banks) */
-/* The forward's S and O rows take 4 floats more, P's 8 elements: rows 64 floats apart would
- * put a column of every row in one bank, and its softmax reads a column of 16 rows at once */
+/* The f32 forward's S and O rows take 4 floats more, P's 8 elements: rows 64 floats apart
+ * would put a column of every row in one bank, and its softmax reads a column of 16 rows */
 #define FA_SLD (FA_BC + 4)
 #define FA_PLD (FA_BC + 8)
-/* The mma.sync kernels take exponentials base 2 (one multiply-add and the GPU's exp2 a score,
- * as FlashAttention-2): the scores scaled by scale log2(e), their maxima in those units, lse
- * (natural) converted on the way in and out. */
-#define FA_LOG2E 1.4426950408889634f
-#define FA_LN2   0.6931471805599453f
-
-typedef struct {
-    int64_t B, T, C, nh, hs;
-    float scale;
-    int ld; /* elements a row of the Q, K, V and dy tiles take in shared memory */
-} fa_geom;
 
 /* ---- tile products ------------------------------------------------------------------------ */
 
@@ -143,76 +127,31 @@ __device__ void fa_mm(float *c, int ldc, const E *a, int lda, const E *b, int ld
 
 /* ---- shared memory ------------------------------------------------------------------------ */
 
-/* Carves a block's shared memory into aligned regions (WMMA wants 32-byte aligned tiles). */
-typedef struct {
-    char *base;
-    size_t used;
-} fa_carve;
-
-__host__ __device__ inline size_t fa_round(size_t n) {
-    return (n + 127) & ~(size_t)127;
-}
-template <typename X> __device__ inline X *fa_take(fa_carve *c, size_t n) {
-    X *p = (X *)(c->base + c->used);
-    c->used += fa_round(n * sizeof(X));
-    return p;
-}
-
 /* Bytes each kernel carves below (the same order and sizes). */
 static size_t fa_smem_fwd(int64_t hs, int ld, size_t es) {
     return 3 * fa_round(FA_BR * ld * es) + fa_round(FA_BR * FA_SLD * 4) +
            fa_round(FA_BR * FA_PLD * es) + fa_round(FA_BR * (hs + 4) * 4) +
            2 * fa_round(FA_BR * 4) + 2 * fa_round(FA_THREADS * 4);
 }
-/* Heads whose backward runs on mma.sync with its sums in registers (fa_dkv_mma_kernel): HT =
- * hs / 16, or 0 (the WMMA or f32 kernels, sums in shared memory: f32, and heads over 64, whose
- * registers would not hold S^T, dP^T, dK and dV). */
-static int fa_frag_tiles(int64_t hs, size_t es) {
-    return es == 2 && hs <= 64 ? (int)(hs / 16) : 0;
+/* Whether a backward runs on mma.sync (cuda_flash_mma.cu): bf16 and f16 heads up to 64; wider
+ * ones would not keep S^T, dP^T, dK and dV in registers, and f32 has no such product. */
+static bool fa_backward_mma(int64_t hs, size_t es) {
+    return es == 2 && hs <= 64;
 }
 static size_t fa_smem_dkv(int64_t hs, int ld, size_t es) {
-    if (fa_frag_tiles(hs, es)) return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * 4);
+    if (fa_backward_mma(hs, es)) return fa_mma_smem_dkv(ld, es);
     return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
            2 * fa_round(FA_BR * FA_BC * es) + 2 * fa_round(FA_BC * hs * 4) +
            2 * fa_round(FA_BR * 4);
 }
 static size_t fa_smem_dq(int64_t hs, int ld, size_t es) {
-    if (fa_frag_tiles(hs, es)) return 2 * fa_round(FA_BR * ld * es);
     return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
            fa_round(FA_BR * FA_BC * es) + fa_round(FA_BR * hs * 4) + 2 * fa_round(FA_BR * 4);
 }
 
-/* 16 bytes moved as one (a 128-bit load and store on a GPU) */
-struct __align__(16) fa_vec {
-    uint32_t w[4];
-};
-
-/* rows [r0, r0 + FA_BR) of one head's q (part 0), k (1) or v (2) in qkv (or of dy, y: part 0
- * with a row of C) into tile [FA_BR, ld]; rows past T as zeros. 16 bytes a thread at a time
- * where the rows allow it (a head's row is a multiple of 16 bytes; src and row_len keep that
- * alignment: the tile's rows, ld apart, always do), else an element at a time. */
-template <typename E>
-__device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, fa_geom g) {
-    constexpr int per = sizeof(fa_vec) / sizeof(E);
-    if ((uintptr_t)src % sizeof(fa_vec) == 0 && row_len % per == 0) {
-        const int vecs = (int)g.hs / per; /* a row's */
-        for (int e = threadIdx.x; e < FA_BR * vecs; e += FA_THREADS) {
-            const int r = e / vecs, c = e % vecs;
-            fa_vec v = {};
-            if (r0 + r < g.T) v = *(const fa_vec *)(src + (r0 + r) * row_len + c * per);
-            *(fa_vec *)(tile + r * g.ld + c * per) = v;
-        }
-        return;
-    }
-    for (int e = threadIdx.x; e < FA_BR * g.hs; e += FA_THREADS) {
-        const int r = e / (int)g.hs, d = e % (int)g.hs;
-        tile[r * g.ld + d] = r0 + r < g.T ? src[(r0 + r) * row_len + d] : cu_to<E>(0.0f);
-    }
-}
-
 /* ---- forward ------------------------------------------------------------------------------ */
 
-/* f32 (bf16 and f16 take fa_fwd_mma_kernel). One block: query tile i of head h of batch row b,
+/* f32 (bf16 and f16: cuda_flash_mma.cu). One block: query tile i of head h of batch row b,
  * the last tiles (the most work) first. */
 __global__ void fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g) {
     typedef float E;
@@ -274,148 +213,6 @@ __global__ void fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g)
     if (tid < FA_BR && q0 + tid < g.T) lse[bh * g.T + q0 + tid] = m[tid] + logf(l[tid]);
 }
 
-/* ---- forward in bf16 and f16: mma.sync, the softmax in registers ------------------------- */
-
-/* PTX's m16n8k16 product, d += A B, with the fragment layouts the PTX ISA gives (g = lane / 4,
- * t = lane % 4): A [16, 16] row-major, register r the pair (row g + 8 (r & 1), columns
- * 2t + 8 (r >> 1), + 1); B [16, 8] column-major, register r the pair (rows 2t + 8r, + 1;
- * column g); d[i] at (row g + 8 (i >> 1), column 2t + (i & 1)). Unlike WMMA's, these layouts
- * are documented, so a thread knows which rows its sums belong to and the softmax runs on
- * them in registers. The emulation (emu/mma.h) gathers the warp's registers to do the same. */
-template <typename E>
-__device__ __forceinline__ void fa_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-#ifdef TDM_EMU_MMA_H
-    emu_mma_m16n8k16<E>(d, a, b0, b1);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-    __trap(); /* unreachable: tdm_cuda_flash_fits declines bf16 and f16 before sm_80 */
-#else
-    if constexpr (std::is_same<E, __nv_bfloat16>::value)
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-/* Two adjacent elements of a shared-memory tile as one register (p even: 4-byte aligned). */
-template <typename E> __device__ __forceinline__ uint32_t fa_u32(const E *p) {
-    return *(const uint32_t *)p;
-}
-/* Two elements at any places as one register, the first in the low half. */
-template <typename E> __device__ __forceinline__ uint32_t fa_pair(E lo, E hi) {
-    uint16_t l, h;
-    memcpy(&l, &lo, 2);
-    memcpy(&h, &hi, 2);
-    return (uint32_t)l | (uint32_t)h << 16;
-}
-
-/* One block: query tile i of head h of batch row b (the last tiles first), as fa_fwd_kernel,
- * with FlashAttention-2's split of the work: warp w owns query rows [16w, 16w + 16) of the
- * 64 and does all of their work, so no barrier but K and V's loads a tile. Q's fragments stay
- * in registers (HT = hs / 16 of them), and so do S, P and O: a thread holds rows g and g + 8
- * of its warp's 16 (two columns of every 8), its quad (the 4 lanes of one g) the rest of those
- * rows: a row's maximum over a tile takes two shuffles, its sum only one pair at the end (each
- * lane keeps its part of l, rescaled with the row). P becomes the next product's A operand in
- * place (the accumulator's layout of two 8-key tiles is A's of one 16-key tile). Only K and V
- * pass through shared memory: 3 tiles of 64 x (hs + 8), against fa_fwd_kernel's S, P and O. */
-template <typename E, int HT>
-__global__ void fa_fwd_mma_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
-    extern __shared__ __align__(128) char fa_smem[];
-    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
-    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
-    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, gr = lane / 4, tq = lane % 4;
-    const float sl = g.scale * FA_LOG2E;
-    fa_carve cv = {fa_smem, 0};
-    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *K = fa_take<E>(&cv, FA_BR * g.ld);
-    E *V = fa_take<E>(&cv, FA_BR * g.ld);
-    const E *head = qkv + b * g.T * 3 * g.C + h * g.hs;
-    fa_load(Q, head, 3 * g.C, q0, g);
-    __syncthreads();
-    uint32_t qa[HT][4];
-    const E *qr = Q + (w * 16 + gr) * g.ld + 2 * tq;
-#pragma unroll
-    for (int kk = 0; kk < HT; kk++) {
-        qa[kk][0] = fa_u32(qr + kk * 16), qa[kk][1] = fa_u32(qr + 8 * g.ld + kk * 16);
-        qa[kk][2] = fa_u32(qr + kk * 16 + 8), qa[kk][3] = fa_u32(qr + 8 * g.ld + kk * 16 + 8);
-    }
-    const int64_t row[2] = {q0 + w * 16 + gr, q0 + w * 16 + gr + 8};
-    float o[2 * HT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    for (int64_t j = 0; j <= i; j++) {
-        const int64_t k0 = j * FA_BC;
-        __syncthreads(); /* every warp is done with the last tile's K and V */
-        fa_load(K, head + g.C, 3 * g.C, k0, g);
-        fa_load(V, head + 2 * g.C, 3 * g.C, k0, g);
-        __syncthreads();
-        float s[FA_BC / 8][4] = {}; /* S = Q K^T: 8 tiles of 8 keys */
-#pragma unroll
-        for (int n = 0; n < FA_BC / 8; n++) {
-            const E *kr = K + (n * 8 + gr) * g.ld + 2 * tq;
-#pragma unroll
-            for (int kk = 0; kk < HT; kk++)
-                fa_mma<E>(s[n], qa[kk], fa_u32(kr + kk * 16), fa_u32(kr + kk * 16 + 8));
-        }
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < FA_BC / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int64_t k = k0 + n * 8 + 2 * tq + (e & 1);
-                const float v = k <= row[e >> 1] && k < g.T ? s[n][e] * sl : -INFINITY;
-                s[n][e] = v, mx[e >> 1] = fmaxf(mx[e >> 1], v);
-            }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) { /* key 0 of the tile is at or below every row's diagonal
-                                       * (rows past T included): the maximum is finite */
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m[r], mx[r]);
-            alpha[r] = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - m_new);
-            m[r] = m_new, l[r] *= alpha[r];
-        }
-        uint32_t pa[FA_BC / 16][4]; /* P in the dtype, as the product's A: 4 tiles of 16 keys */
-#pragma unroll
-        for (int n = 0; n < FA_BC / 8; n++) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                p[e] = s[n][e] == -INFINITY ? 0.0f : exp2f(s[n][e] - m[e >> 1]);
-                l[e >> 1] += p[e];
-            }
-            pa[n / 2][2 * (n % 2)] = fa_pair(cu_to<E>(p[0]), cu_to<E>(p[1]));
-            pa[n / 2][2 * (n % 2) + 1] = fa_pair(cu_to<E>(p[2]), cu_to<E>(p[3]));
-        }
-#pragma unroll
-        for (int d = 0; d < 2 * HT; d++) { /* O = O alpha + P V: 2 HT tiles of 8 columns */
-            o[d][0] *= alpha[0], o[d][1] *= alpha[0], o[d][2] *= alpha[1], o[d][3] *= alpha[1];
-            const E *vc = V + 2 * tq * g.ld + d * 8 + gr; /* B (key, column): V's rows */
-#pragma unroll
-            for (int kk = 0; kk < FA_BC / 16; kk++) {
-                const E *v = vc + kk * 16 * g.ld;
-                fa_mma<E>(o[d], pa[kk], fa_pair(v[0], v[g.ld]), fa_pair(v[8 * g.ld], v[9 * g.ld]));
-            }
-        }
-    }
-    E *yh = y + b * g.T * g.C + h * g.hs;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        if (row[r] >= g.T) continue;
-        E *yr = yh + row[r] * g.C + 2 * tq;
-#pragma unroll
-        for (int d = 0; d < 2 * HT; d++)
-            yr[d * 8] = cu_to<E>(o[d][2 * r] / l[r]),
-                   yr[d * 8 + 1] = cu_to<E>(o[d][2 * r + 1] / l[r]);
-        if (tq == 0) lse[bh * g.T + row[r]] = m[r] * FA_LN2 + logf(l[r]);
-    }
-}
-
 /* ---- backward ----------------------------------------------------------------------------- */
 
 /* D [B, nh, T] = rowsum(dy * y) over each head's columns: a row's hs / per adjacent threads
@@ -457,16 +254,6 @@ __global__ void fa_delta_kernel(float *D, const E *dy, const E *y, fa_geom g, bo
     }
 }
 
-/* Query tile i's rows' lse and D into shared memory (rows past T: lse +inf, so that P is 0). */
-__device__ inline void fa_load_rows(float *lse_s, float *D_s, const float *lse, const float *D,
-                                    int64_t q0, fa_geom g) {
-    if (threadIdx.x < FA_BR) {
-        const int64_t q = q0 + threadIdx.x;
-        lse_s[threadIdx.x] = q < g.T ? lse[q] : INFINITY;
-        D_s[threadIdx.x] = q < g.T ? D[q] : 0.0f;
-    }
-}
-
 /* P = exp(scale S - lse) on and below the diagonal (0 elsewhere) and dS = P (dP - D), of query
  * tile q0 against key tile k0, by the block; P into Pt where non-NULL. */
 template <typename E>
@@ -482,7 +269,7 @@ __device__ void fa_dscores(E *Pt, E *dSt, const float *S, const float *dP, const
 }
 
 /* One block: key tile j of a head, over the query tiles from its diagonal on: dK and dV, their
- * sums in shared memory (f32, and bf16 and f16 heads over 64: fa_frag_tiles). */
+ * sums in shared memory (f32, and bf16 and f16 heads over 64: fa_backward_mma). */
 template <typename E>
 __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
                               fa_geom g) {
@@ -570,183 +357,6 @@ __global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *ls
     }
 }
 
-/* ---- backward in bf16 and f16, heads up to 64: mma.sync, the scores in registers ----------- */
-
-/* A [16, 16 HT] strip of rows r0.. of a shared-memory tile as HT A fragments (fa_mma). */
-template <typename E, int HT>
-__device__ __forceinline__ void fa_frag_a(uint32_t a[HT][4], const E *tile, int r0, int ld) {
-    const int lane = threadIdx.x % 32;
-    const E *p = tile + (r0 + lane / 4) * ld + 2 * (lane % 4);
-#pragma unroll
-    for (int kk = 0; kk < HT; kk++) {
-        a[kk][0] = fa_u32(p + kk * 16), a[kk][1] = fa_u32(p + 8 * ld + kk * 16);
-        a[kk][2] = fa_u32(p + kk * 16 + 8), a[kk][3] = fa_u32(p + 8 * ld + kk * 16 + 8);
-    }
-}
-
-/* c [16, 64] = a b^T: a the warp's strip (HT A fragments), b the 64 rows of a shared-memory tile
- * (row n of b is column n of the product). */
-template <typename E, int HT>
-__device__ __forceinline__ void fa_mm_rows(float c[FA_BC / 8][4], const uint32_t a[HT][4],
-                                           const E *b, int ld) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int n = 0; n < FA_BC / 8; n++) {
-        c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
-        const E *br = b + (n * 8 + lane / 4) * ld + 2 * (lane % 4);
-#pragma unroll
-        for (int kk = 0; kk < HT; kk++)
-            fa_mma<E>(c[n], a[kk], fa_u32(br + kk * 16), fa_u32(br + kk * 16 + 8));
-    }
-}
-
-/* c [16, 16 HT] += a b: a [16, 64] as a product's accumulators (rounded to E: its layout of two
- * 8-column tiles is A's of one 16-column tile), b [64, 16 HT] a shared-memory tile. */
-template <typename E, int HT>
-__device__ __forceinline__ void fa_mm_acc(float c[2 * HT][4], const float a[FA_BC / 8][4],
-                                          const E *b, int ld) {
-    const int lane = threadIdx.x % 32;
-    uint32_t pa[FA_BC / 16][4];
-#pragma unroll
-    for (int n = 0; n < FA_BC / 8; n++) {
-        pa[n / 2][2 * (n % 2)] = fa_pair(cu_to<E>(a[n][0]), cu_to<E>(a[n][1]));
-        pa[n / 2][2 * (n % 2) + 1] = fa_pair(cu_to<E>(a[n][2]), cu_to<E>(a[n][3]));
-    }
-#pragma unroll
-    for (int d = 0; d < 2 * HT; d++) {
-        const E *bc = b + 2 * (lane % 4) * ld + d * 8 + lane / 4;
-#pragma unroll
-        for (int kk = 0; kk < FA_BC / 16; kk++) {
-            const E *v = bc + kk * 16 * ld;
-            fa_mma<E>(c[d], pa[kk], fa_pair(v[0], v[ld]), fa_pair(v[8 * ld], v[9 * ld]));
-        }
-    }
-}
-
-/* The warp's rows of a [*, 16 HT] result (rows r0 + g and + 8 of its strip) times scale into
- * out (row stride rs; rows from `first`, those at or past T left out). */
-template <typename E, int HT>
-__device__ __forceinline__ void fa_store_rows(E *out, int64_t rs, const float c[2 * HT][4],
-                                              int64_t first, float scale, int64_t T) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int64_t row = first + lane / 4 + 8 * r;
-        if (row >= T) continue;
-        E *o = out + row * rs + 2 * (lane % 4);
-#pragma unroll
-        for (int d = 0; d < 2 * HT; d++)
-            o[d * 8] = cu_to<E>(c[d][2 * r] * scale),
-                  o[d * 8 + 1] = cu_to<E>(c[d][2 * r + 1] * scale);
-    }
-}
-
-/* One block: key tile j of a head, over the query tiles from its diagonal on, as fa_dkv_kernel;
- * warp w owns keys [16w, 16w + 16) and keeps S^T, dP^T, dS^T, P^T and its dK and dV rows in
- * registers: S^T = K Q^T and dP^T = V dy^T for its keys against the 64 queries, then
- * dV += P^T dy and dK += dS^T Q. Only Q, dy and their rows' lse and D pass through shared
- * memory, loaded once a query tile by the block. */
-template <typename E, int HT>
-__global__ void fa_dkv_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse,
-                                  const float *D, fa_geom g) {
-    extern __shared__ __align__(128) char fa_smem[];
-    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, j = blockIdx.x % nt, bh = blockIdx.x / nt;
-    const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * FA_BC;
-    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
-    const float sl = g.scale * FA_LOG2E;
-    fa_carve cv = {fa_smem, 0};
-    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
-    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *dO = fa_take<E>(&cv, FA_BR * g.ld);
-    float *lse_s = fa_take<float>(&cv, FA_BR), *D_s = fa_take<float>(&cv, FA_BR);
-    const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
-    const E *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
-    fa_load(K, head + g.C, row3, k0, g);
-    fa_load(V, head + 2 * g.C, row3, k0, g);
-    float dK[2 * HT][4] = {}, dV[2 * HT][4] = {};
-    const int64_t key[2] = {k0 + w * 16 + lane / 4, k0 + w * 16 + lane / 4 + 8};
-    for (int64_t i = j; i < nt; i++) {
-        const int64_t q0 = i * FA_BR;
-        __syncthreads(); /* every warp is done with the last tile's Q, dy, lse and D */
-        fa_load(Q, head, row3, q0, g);
-        fa_load(dO, dyh, g.C, q0, g);
-        fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
-        __syncthreads();
-        float s[FA_BC / 8][4], dp[FA_BC / 8][4];
-        {
-            uint32_t a[HT][4];
-            fa_frag_a<E, HT>(a, K, w * 16, g.ld);
-            fa_mm_rows<E, HT>(s, a, Q, g.ld);
-            fa_frag_a<E, HT>(a, V, w * 16, g.ld);
-            fa_mm_rows<E, HT>(dp, a, dO, g.ld);
-        }
-#pragma unroll
-        for (int n = 0; n < FA_BC / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) { /* P^T and dS^T: key row e >> 1, query column */
-                const int c = n * 8 + 2 * tq + (e & 1);
-                const int64_t q = q0 + c;
-                const float p =
-                    key[e >> 1] <= q && q < g.T ? exp2f(s[n][e] * sl - lse_s[c] * FA_LOG2E) : 0.0f;
-                s[n][e] = p, dp[n][e] = p * (dp[n][e] - D_s[c]);
-            }
-        fa_mm_acc<E, HT>(dV, s, dO, g.ld);
-        fa_mm_acc<E, HT>(dK, dp, Q, g.ld);
-    }
-    E *gh = dqkv + off;
-    fa_store_rows<E, HT>(gh + g.C, row3, dK, k0 + w * 16, g.scale, g.T);
-    fa_store_rows<E, HT>(gh + 2 * g.C, row3, dV, k0 + w * 16, 1.0f, g.T);
-}
-
-/* One block: query tile i of a head, over the key tiles up to its diagonal, as fa_dq_kernel;
- * warp w owns queries [16w, 16w + 16): its Q and dy rows as fragments, their lse and D in
- * registers, S, dP and dS in registers, dQ += dS K. Only K and V pass through shared memory. */
-template <typename E, int HT>
-__global__ void fa_dq_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse,
-                                 const float *D, fa_geom g) {
-    extern __shared__ __align__(128) char fa_smem[];
-    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
-    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
-    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
-    const float sl = g.scale * FA_LOG2E;
-    fa_carve cv = {fa_smem, 0};
-    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
-    const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
-    const E *head = qkv + off;
-    fa_load(K, head, row3, q0, g); /* Q and dy, through the K and V tiles */
-    fa_load(V, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
-    __syncthreads();
-    uint32_t qa[HT][4], da[HT][4];
-    fa_frag_a<E, HT>(qa, K, w * 16, g.ld);
-    fa_frag_a<E, HT>(da, V, w * 16, g.ld);
-    const int64_t q[2] = {q0 + w * 16 + lane / 4, q0 + w * 16 + lane / 4 + 8};
-    float lse_r[2], D_r[2], dQ[2 * HT][4] = {};
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        lse_r[r] = q[r] < g.T ? lse[bh * g.T + q[r]] * FA_LOG2E : 0.0f; /* base 2 */
-        D_r[r] = q[r] < g.T ? D[bh * g.T + q[r]] : 0.0f;
-    }
-    for (int64_t j = 0; j <= i; j++) {
-        const int64_t k0 = j * FA_BC;
-        __syncthreads(); /* every warp is done with the last tile's K and V (or Q and dy) */
-        fa_load(K, head + g.C, row3, k0, g);
-        fa_load(V, head + 2 * g.C, row3, k0, g);
-        __syncthreads();
-        float s[FA_BC / 8][4], dp[FA_BC / 8][4];
-        fa_mm_rows<E, HT>(s, qa, K, g.ld);
-        fa_mm_rows<E, HT>(dp, da, V, g.ld);
-#pragma unroll
-        for (int n = 0; n < FA_BC / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) { /* dS: query row e >> 1, key column */
-                const int64_t k = k0 + n * 8 + 2 * tq + (e & 1), qr = q[e >> 1];
-                const float p = k <= qr && qr < g.T ? exp2f(s[n][e] * sl - lse_r[e >> 1]) : 0.0f;
-                dp[n][e] = p * (dp[n][e] - D_r[e >> 1]);
-            }
-        fa_mm_acc<E, HT>(dQ, dp, K, g.ld);
-    }
-    fa_store_rows<E, HT>(dqkv + off, row3, dQ, q0 + w * 16, g.scale, g.T);
-}
-
 /* ---- host --------------------------------------------------------------------------------- */
 
 static fa_geom fa_geom_of(const tdm_tensor *qkv, int n_head) {
@@ -807,71 +417,32 @@ template <typename K> static int fa_launch_check(K *k, size_t smem, const char *
                     what, idx);
 }
 
-/* bf16 and f16: the mma.sync kernel for heads of 16 HT. */
-template <typename E, int HT>
-static int fa_forward_mma(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse,
-                          const tdm_tensor *qkv, fa_geom g, unsigned blocks) {
-    const size_t smem = 3 * fa_round(FA_BR * g.ld * sizeof(E));
-    if (fa_launch_check(fa_fwd_mma_kernel<E, HT>, smem, "flash attention", idx))
-        return tdm_last_status();
-    fa_fwd_mma_kernel<E, HT>
-        <<<blocks, FA_THREADS, smem, d->compute>>>(cu_p<E>(qkv), cu_p<E>(y), cu_f(lse), g);
-    return cu_check_launch("flash attention", idx);
-}
-
 template <typename E>
 static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv,
                       fa_geom g) {
-    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
     if constexpr (sizeof(E) == 2) {
-        switch (g.hs / 16) { /* tdm_cuda_flash_fits: hs a multiple of 16 up to 128 */
-        case 1:
-            return fa_forward_mma<E, 1>(d, idx, y, lse, qkv, g, blocks);
-        case 2:
-            return fa_forward_mma<E, 2>(d, idx, y, lse, qkv, g, blocks);
-        case 3:
-            return fa_forward_mma<E, 3>(d, idx, y, lse, qkv, g, blocks);
-        case 4:
-            return fa_forward_mma<E, 4>(d, idx, y, lse, qkv, g, blocks);
-        case 5:
-            return fa_forward_mma<E, 5>(d, idx, y, lse, qkv, g, blocks);
-        case 6:
-            return fa_forward_mma<E, 6>(d, idx, y, lse, qkv, g, blocks);
-        case 7:
-            return fa_forward_mma<E, 7>(d, idx, y, lse, qkv, g, blocks);
-        default:
-            return fa_forward_mma<E, 8>(d, idx, y, lse, qkv, g, blocks);
-        }
+        return fa_mma_forward<E>(d, idx, cu_p<E>(y), cu_f(lse), cu_p<E>(qkv), g);
     } else {
         const size_t smem = fa_smem_fwd(g.hs, g.ld, sizeof(E));
+        const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
         if (fa_launch_check(fa_fwd_kernel, smem, "flash attention", idx)) return tdm_last_status();
         fa_fwd_kernel<<<blocks, FA_THREADS, smem, d->compute>>>(cu_f(qkv), cu_f(y), cu_f(lse), g);
         return cu_check_launch("flash attention", idx);
     }
 }
 
-/* The backward's two kernels: on mma.sync for bf16 and f16 heads of 16 HT (HT > 0), else the
- * shared-memory ones. */
-template <typename E, int HT>
-static int fa_backward_kernels(cu_device *d, int idx, E *gq, const E *gy, const E *x,
-                               const float *lse, const float *D, fa_geom g) {
+/* The backward's two kernels with their sums in shared memory. */
+template <typename E>
+static int fa_backward_smem(cu_device *d, int idx, E *gq, const E *gy, const E *x, const float *lse,
+                            const float *D, fa_geom g) {
     const size_t s_kv = fa_smem_dkv(g.hs, g.ld, sizeof(E)), s_q = fa_smem_dq(g.hs, g.ld, sizeof(E));
     const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
     const char *what = "flash attention_backward";
-    int rc;
-    if constexpr (HT > 0 && sizeof(E) == 2) {
-        if ((rc = fa_launch_check(fa_dkv_mma_kernel<E, HT>, s_kv, what, idx))) return rc;
-        fa_dkv_mma_kernel<E, HT><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
-        if ((rc = cu_check_launch("flash attention_backward (dk, dv)", idx))) return rc;
-        if ((rc = fa_launch_check(fa_dq_mma_kernel<E, HT>, s_q, what, idx))) return rc;
-        fa_dq_mma_kernel<E, HT><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
-    } else {
-        if ((rc = fa_launch_check(fa_dkv_kernel<E>, s_kv, what, idx))) return rc;
-        fa_dkv_kernel<E><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
-        if ((rc = cu_check_launch("flash attention_backward (dk, dv)", idx))) return rc;
-        if ((rc = fa_launch_check(fa_dq_kernel<E>, s_q, what, idx))) return rc;
-        fa_dq_kernel<E><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
-    }
+    if (fa_launch_check(fa_dkv_kernel<E>, s_kv, what, idx)) return tdm_last_status();
+    fa_dkv_kernel<E><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
+    if (cu_check_launch("flash attention_backward (dk, dv)", idx)) return tdm_last_status();
+    if (fa_launch_check(fa_dq_kernel<E>, s_q, what, idx)) return tdm_last_status();
+    fa_dq_kernel<E><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
     return cu_check_launch("flash attention_backward (dq)", idx);
 }
 
@@ -891,22 +462,13 @@ static int fa_backward(cu_device *d, int idx, tdm_tensor *dqkv, const tdm_tensor
                          0, d->compute>>>(D, gy, cu_p<E>(y), g, vec);
     int rc = cu_check_launch("flash attention_backward (D)", idx);
     if (!rc) {
-        switch (fa_frag_tiles(g.hs, sizeof(E))) {
-        case 1:
-            rc = fa_backward_kernels<E, 1>(d, idx, gq, gy, x, cu_f(lse), D, g);
-            break;
-        case 2:
-            rc = fa_backward_kernels<E, 2>(d, idx, gq, gy, x, cu_f(lse), D, g);
-            break;
-        case 3:
-            rc = fa_backward_kernels<E, 3>(d, idx, gq, gy, x, cu_f(lse), D, g);
-            break;
-        case 4:
-            rc = fa_backward_kernels<E, 4>(d, idx, gq, gy, x, cu_f(lse), D, g);
-            break;
-        default:
-            rc = fa_backward_kernels<E, 0>(d, idx, gq, gy, x, cu_f(lse), D, g);
-        }
+        if constexpr (sizeof(E) == 2)
+            if (fa_backward_mma(g.hs, sizeof(E)))
+                rc = fa_mma_backward<E>(d, idx, gq, gy, x, cu_f(lse), D, g);
+            else
+                rc = fa_backward_smem<E>(d, idx, gq, gy, x, cu_f(lse), D, g);
+        else
+            rc = fa_backward_smem<E>(d, idx, gq, gy, x, cu_f(lse), D, g);
     }
     tdm_storage_release(hold); /* in stream order: the kernels above run first */
     return rc;

@@ -123,6 +123,7 @@ extern dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __forceinline__ inline
 #define __shared__      static /* one block runs at a time on one thread */
 #define __align__(n)    alignas(n)
+#define __launch_bounds__(...)
 void __syncthreads(void);
 /* A warp's collective (emu.cpp): this thread's n words (n <= 8) in, every lane's out, as
  * all[lane * n + i], valid until this thread's next barrier or collective. A barrier of the block

@@ -175,6 +175,30 @@ static inline void emu_mma_m16n8k16(float d[4], const uint32_t a[4], uint32_t b0
         d[i] = s;
     }
 }
-#endif
 
+/* PTX's ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives the address of row l % 8
+ * of matrix l / 8 (8 elements of 2 bytes, 16-byte aligned: aborts otherwise, as WMMA's rules
+ * here); register i of lane l gets matrix i's pair (row l / 4, columns 2 (l % 4), + 1), or with
+ * trans its pair (rows 2 (l % 4), + 1; column l / 4). One collective, as emu_mma_m16n8k16. */
+static inline void emu_ldmatrix_x4(uint32_t r[4], const void *row, bool trans) {
+    if ((uintptr_t)row % 16) {
+        fprintf(stderr, "emu ldmatrix: a row at %p is not 16-byte aligned\n", row);
+        abort();
+    }
+    const uint64_t a = (uint64_t)(uintptr_t)row;
+    const uint32_t mine[2] = {(uint32_t)a, (uint32_t)(a >> 32)};
+    const uint32_t *all = emu_warp_exchange(mine, 2);
+    const int l = (int)(threadIdx.x % 32);
+    for (int i = 0; i < 4; i++) {
+        uint16_t e[2];
+        for (int k = 0; k < 2; k++) {
+            const int rr = trans ? 2 * (l % 4) + k : l / 4, cc = trans ? l / 4 : 2 * (l % 4) + k;
+            const int src = i * 8 + rr;
+            const uint64_t p = (uint64_t)all[src * 2] | (uint64_t)all[src * 2 + 1] << 32;
+            e[k] = ((const uint16_t *)(uintptr_t)p)[cc];
+        }
+        r[i] = (uint32_t)e[0] | (uint32_t)e[1] << 16;
+    }
+}
+#endif
 #endif

@@ -1,0 +1,92 @@
+/* What the fused attention's two files share (not installed): the tiling, the shared-memory
+ * carving and tile loads, and the entry points of the bf16/f16 kernels on mma.sync
+ * (cuda_flash_mma.cu) that cuda_flash.cu dispatches to. */
+#ifndef TDM_CUDA_FLASH_CUH
+#define TDM_CUDA_FLASH_CUH
+
+#include "backend/cuda/cuda_common.cuh"
+
+#define FA_BR      64  /* query rows a block */
+#define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
+#define FA_THREADS 128 /* four warps */
+#define FA_PAD     8   /* elements after each row of Q, K, V, dy in shared memory (banks) */
+
+typedef struct {
+    int64_t B, T, C, nh, hs;
+    float scale;
+    int ld; /* elements a row of the Q, K, V and dy tiles take in shared memory */
+} fa_geom;
+
+/* ---- shared memory ------------------------------------------------------------------------ */
+
+/* Carves a block's shared memory into aligned regions (WMMA wants 32-byte aligned tiles,
+ * ldmatrix 16-byte aligned rows). */
+typedef struct {
+    char *base;
+    size_t used;
+} fa_carve;
+
+__host__ __device__ inline size_t fa_round(size_t n) {
+    return (n + 127) & ~(size_t)127;
+}
+template <typename X> __device__ inline X *fa_take(fa_carve *c, size_t n) {
+    X *p = (X *)(c->base + c->used);
+    c->used += fa_round(n * sizeof(X));
+    return p;
+}
+
+/* 16 bytes moved as one (a 128-bit load and store on a GPU) */
+struct __align__(16) fa_vec {
+    uint32_t w[4];
+};
+
+/* rows [r0, r0 + FA_BR) of one head's q (part 0), k (1) or v (2) in qkv (or of dy, y: part 0
+ * with a row of C) into tile [FA_BR, ld]; rows past T as zeros. 16 bytes a thread at a time
+ * where the rows allow it (a head's row is a multiple of 16 bytes; src and row_len keep that
+ * alignment: the tile's rows, ld apart, always do), else an element at a time. */
+template <typename E>
+__device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, fa_geom g) {
+    constexpr int per = sizeof(fa_vec) / sizeof(E);
+    if ((uintptr_t)src % sizeof(fa_vec) == 0 && row_len % per == 0) {
+        const int vecs = (int)g.hs / per; /* a row's */
+        for (int e = threadIdx.x; e < FA_BR * vecs; e += FA_THREADS) {
+            const int r = e / vecs, c = e % vecs;
+            fa_vec v = {};
+            if (r0 + r < g.T) v = *(const fa_vec *)(src + (r0 + r) * row_len + c * per);
+            *(fa_vec *)(tile + r * g.ld + c * per) = v;
+        }
+        return;
+    }
+    for (int e = threadIdx.x; e < FA_BR * g.hs; e += FA_THREADS) {
+        const int r = e / (int)g.hs, d = e % (int)g.hs;
+        tile[r * g.ld + d] = r0 + r < g.T ? src[(r0 + r) * row_len + d] : cu_to<E>(0.0f);
+    }
+}
+
+/* Query tile q0's rows' lse and D into shared memory (rows past T: lse +inf, so that P is 0). */
+__device__ inline void fa_load_rows(float *lse_s, float *D_s, const float *lse, const float *D,
+                                    int64_t q0, fa_geom g) {
+    if (threadIdx.x < FA_BR) {
+        const int64_t q = q0 + threadIdx.x;
+        lse_s[threadIdx.x] = q < g.T ? lse[q] : INFINITY;
+        D_s[threadIdx.x] = q < g.T ? D[q] : 0.0f;
+    }
+}
+
+/* ---- the bf16 and f16 kernels on mma.sync (cuda_flash_mma.cu; sm_80 on) -------------------- */
+
+/* Shared memory the mma.sync kernels take (cudaFuncSetAttribute's limit must allow it). */
+size_t fa_mma_smem_fwd(int ld, size_t es);
+size_t fa_mma_smem_dkv(int ld, size_t es);
+size_t fa_mma_smem_dq(int ld, size_t es);
+
+/* y [B, T, C] and lse [B, nh, T] from qkv, heads of 16 to 128 (a multiple of 16), on d's compute
+ * stream (index idx, for errors). Returns 0 or the launch's error, raised. */
+template <typename E>
+int fa_mma_forward(cu_device *d, int idx, E *y, float *lse, const E *qkv, fa_geom g);
+/* dqkv (every element written) from dy, qkv, lse and D = rowsum(dy * y), heads of 16 to 64. */
+template <typename E>
+int fa_mma_backward(cu_device *d, int idx, E *dqkv, const E *dy, const E *qkv, const float *lse,
+                    const float *D, fa_geom g);
+
+#endif

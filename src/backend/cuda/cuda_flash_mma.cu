@@ -1,0 +1,552 @@
+/* The fused attention in bf16 and f16 on mma.sync (sm_80 on): FlashAttention-2's kernels, the
+ * scores and sums in registers (cuda_flash.cu dispatches here and holds the f32 and the wider
+ * heads' kernels, whose tiles live in shared memory).
+ *
+ * PTX's m16n8k16 product has documented fragment layouts (WMMA's are not), so a thread knows
+ * which rows and columns its accumulators hold: with g = lane / 4 and t = lane % 4, A [16, 16]
+ * row-major gives register r the pair (row g + 8 (r & 1), columns 2t + 8 (r >> 1), + 1); B
+ * [16, 8] column-major register r the pair (rows 2t + 8r, + 1; column g); the accumulator d[i]
+ * sits at (row g + 8 (i >> 1), column 2t + (i & 1)); a pair's first element in the low half.
+ * So each warp owns 16 rows of the block's 64 and does all of their work: the softmax, the
+ * masks and the rescales run on registers, a row's maximum takes two shuffles in its quad (the
+ * 4 lanes of one g), and an accumulator tile pair becomes the next product's A operand in
+ * place (two 8-column tiles are one 16-column A tile). Tiles come from shared memory through
+ * ldmatrix (.trans for the operands whose rows are the product's k), and the next tile of K and
+ * V (or Q and dy) loads with cp.async while the warps work on this one: one barrier a tile.
+ * Exponentials are base 2 (one multiply-add and exp2 a score, as FlashAttention-2): scores
+ * scaled by scale log2(e), maxima in those units, lse (natural) converted in and out. Only the
+ * diagonal tile (and a last, partial one) needs the causal and length masks.
+ *
+ *   forward   warp rows of query tile i, key tiles j <= i: S, m, P, l, O as cuda_flash.cu
+ *   dK, dV    warp rows of key tile j, query tiles i >= j: S^T = K Q^T, dP^T = V dy^T,
+ *             P^T, dS^T = P^T (dP^T - D), dV += P^T dy, dK += dS^T Q
+ *   dQ        warp rows of query tile i, key tiles j <= i: S, dP, dS, dQ += dS K
+ * The emulation (emu/mma.h) runs mma.sync, ldmatrix and the shuffles as collectives of the
+ * block (emu_warp_exchange), so every thread of a block reaches each of them. */
+#include "backend/cuda/cuda_flash.cuh"
+
+#include <math.h>
+#include <mma.h>
+#include <string.h>
+#include <type_traits>
+
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2   0.6931471805599453f
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800 && !defined(TDM_EMU_MMA_H)
+#define FA_NO_MMA 1 /* tdm_cuda_flash_fits declines bf16 and f16 before sm_80 */
+#endif
+
+/* ---- the warp's instructions ------------------------------------------------------------- */
+
+/* d += A B, m16n8k16, f32 accumulation (the layouts at the top). */
+template <typename E>
+__device__ __forceinline__ void fa_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+#if defined(TDM_EMU_MMA_H)
+    emu_mma_m16n8k16<E>(d, a, b0, b1);
+#elif defined(FA_NO_MMA)
+    __trap();
+#else
+    if constexpr (std::is_same<E, __nv_bfloat16>::value)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+/* Four 8 x 8 tiles of 2-byte elements from shared memory: lane l gives row l % 8 of tile l / 8
+ * (16-byte aligned); register i gets tile i's pair (row g, columns 2t, + 1), or with TRANS its
+ * pair (rows 2t, + 1; column g): an A or B register of fa_mma either way. */
+template <bool TRANS> __device__ __forceinline__ void fa_ldsm(uint32_t r[4], const void *row) {
+#if defined(TDM_EMU_MMA_H)
+    emu_ldmatrix_x4(r, row, TRANS);
+#elif defined(FA_NO_MMA)
+    __trap();
+#else
+    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    if constexpr (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a)
+                     : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a)
+                     : "memory");
+#endif
+}
+
+/* bytes (16, or 0 for zeros) from global src to shared dst, 16-byte aligned, without waiting:
+ * fa_wait_loads waits for this thread's. The emulation copies at once. */
+__device__ __forceinline__ void fa_cp16(void *dst, const void *src, int bytes) {
+#if defined(TDM_EMU_MMA_H) || defined(FA_NO_MMA)
+    if (bytes)
+        memcpy(dst, src, 16);
+    else
+        memset(dst, 0, 16);
+#else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                     (unsigned)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(bytes)
+                 : "memory");
+#endif
+}
+/* As fa_cp16 for 4 bytes (4-byte aligned). */
+__device__ __forceinline__ void fa_cp4(void *dst, const void *src, int bytes) {
+#if defined(TDM_EMU_MMA_H) || defined(FA_NO_MMA)
+    if (bytes)
+        memcpy(dst, src, 4);
+    else
+        memset(dst, 0, 4);
+#else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(
+                     (unsigned)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(bytes)
+                 : "memory");
+#endif
+}
+/* Marks the loads issued so far as one group (issued after a barrier, waited for before the
+ * next one). */
+__device__ __forceinline__ void fa_commit_loads(void) {
+#if !defined(TDM_EMU_MMA_H) && !defined(FA_NO_MMA)
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fa_wait_loads(void) {
+#if !defined(TDM_EMU_MMA_H) && !defined(FA_NO_MMA)
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+/* Two floats rounded to E as one register, lo in the low half. */
+template <typename E> __device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
+#if defined(TDM_EMU_MMA_H)
+    E l = cu_to<E>(lo), h = cu_to<E>(hi);
+    uint16_t a, b;
+    memcpy(&a, &l, 2);
+    memcpy(&b, &h, 2);
+    return (uint32_t)a | (uint32_t)b << 16;
+#else
+    uint32_t u;
+    if constexpr (std::is_same<E, __nv_bfloat16>::value) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        memcpy(&u, &v, 4);
+    } else {
+        __half2 v = __floats2half2_rn(lo, hi);
+        memcpy(&u, &v, 4);
+    }
+    return u;
+#endif
+}
+
+/* ---- tiles ---------------------------------------------------------------------------------- */
+
+/* As fa_load (cuda_flash.cuh), but without waiting where the rows allow 16-byte copies. */
+template <typename E>
+__device__ void fa_load_async(E *tile, const E *src, int64_t row_len, int64_t r0, fa_geom g) {
+    constexpr int per = sizeof(fa_vec) / sizeof(E);
+    if ((uintptr_t)src % sizeof(fa_vec) || row_len % per) {
+        fa_load(tile, src, row_len, r0, g);
+        return;
+    }
+    const int vecs = (int)g.hs / per;
+    for (int e = threadIdx.x; e < FA_BR * vecs; e += FA_THREADS) {
+        const int r = e / vecs, c = e % vecs;
+        const bool in = r0 + r < g.T;
+        fa_cp16(tile + r * g.ld + c * per, in ? src + (r0 + r) * row_len + c * per : src,
+                in ? 16 : 0);
+    }
+}
+
+/* The A fragments of rows [r0, r0 + 16) of a tile, 16 HT columns. */
+template <typename E, int HT>
+__device__ __forceinline__ void fa_frag_a(uint32_t a[HT][4], const E *tile, int r0, int ld) {
+    const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
+#pragma unroll
+    for (int kk = 0; kk < HT; kk++)
+        fa_ldsm<false>(a[kk], tile + (r0 + (m & 1) * 8 + r) * ld + kk * 16 + (m >> 1) * 8);
+}
+
+/* c [16, 64] = a b^T: a the warp's rows (HT A fragments), b 64 rows of a tile (row n of b is
+ * column n of c). */
+template <typename E, int HT>
+__device__ __forceinline__ void fa_mm_rows(float c[FA_BC / 8][4], const uint32_t a[HT][4],
+                                           const E *b, int ld) {
+    const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
+#pragma unroll
+    for (int n = 0; n < FA_BC / 8; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < FA_BC / 8; n += 2)
+#pragma unroll
+        for (int kk = 0; kk < HT; kk++) {
+            uint32_t bb[4]; /* columns n and n + 1's B registers */
+            fa_ldsm<false>(bb, b + ((n + (m >> 1)) * 8 + r) * ld + kk * 16 + (m & 1) * 8);
+            fa_mma<E>(c[n], a[kk], bb[0], bb[1]);
+            fa_mma<E>(c[n + 1], a[kk], bb[2], bb[3]);
+        }
+}
+
+/* c [16, 16 HT] += a b: a [16, 64] as accumulators (rounded to E into A fragments in place),
+ * b [64, 16 HT] a tile. */
+template <typename E, int HT>
+__device__ __forceinline__ void fa_mm_acc(float c[2 * HT][4], const float a[FA_BC / 8][4],
+                                          const E *b, int ld) {
+    const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
+    uint32_t pa[FA_BC / 16][4];
+#pragma unroll
+    for (int n = 0; n < FA_BC / 8; n++) {
+        pa[n / 2][2 * (n % 2)] = fa_pack<E>(a[n][0], a[n][1]);
+        pa[n / 2][2 * (n % 2) + 1] = fa_pack<E>(a[n][2], a[n][3]);
+    }
+#pragma unroll
+    for (int d = 0; d < 2 * HT; d += 2)
+#pragma unroll
+        for (int kk = 0; kk < FA_BC / 16; kk++) {
+            uint32_t bb[4]; /* columns d and d + 1's B registers, b's rows their k */
+            fa_ldsm<true>(bb, b + (kk * 16 + (m & 1) * 8 + r) * ld + (d + (m >> 1)) * 8);
+            fa_mma<E>(c[d], pa[kk], bb[0], bb[1]);
+            fa_mma<E>(c[d + 1], pa[kk], bb[2], bb[3]);
+        }
+}
+
+/* The warp's rows of a [16, 16 HT] result times scale into out (row stride rs), the warp's first
+ * row being `first`; rows at or past T left out. */
+template <typename E, int HT>
+__device__ __forceinline__ void fa_store_rows(E *out, int64_t rs, const float c[2 * HT][4],
+                                              int64_t first, float scale, int64_t T) {
+    const int lane = threadIdx.x % 32;
+    const bool pairs = (uintptr_t)out % 4 == 0 && rs % 2 == 0; /* 4-byte stores */
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int64_t row = first + lane / 4 + 8 * r;
+        if (row >= T) continue;
+        E *o = out + row * rs + 2 * (lane % 4);
+#pragma unroll
+        for (int d = 0; d < 2 * HT; d++) {
+            const float lo = c[d][2 * r] * scale, hi = c[d][2 * r + 1] * scale;
+            if (pairs) {
+                *(uint32_t *)(o + d * 8) = fa_pack<E>(lo, hi);
+            } else {
+                o[d * 8] = cu_to<E>(lo);
+                o[d * 8 + 1] = cu_to<E>(hi);
+            }
+        }
+    }
+}
+
+/* ---- forward ------------------------------------------------------------------------------ */
+
+/* One block: query tile i of head h of batch row b, the last tiles (the most work) first. */
+template <typename E, int HT>
+__global__ void __launch_bounds__(FA_THREADS)
+    fa_fwd_mma_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
+    extern __shared__ __align__(128) char fa_smem[];
+    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
+    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    const float sl = g.scale * FA_LOG2E;
+    fa_carve cv = {fa_smem, 0};
+    /* K and V twice: tile j + 1 loads into one pair while the warps work on the other */
+    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *K0 = fa_take<E>(&cv, FA_BR * g.ld);
+    E *V0 = fa_take<E>(&cv, FA_BR * g.ld), *K1 = fa_take<E>(&cv, FA_BR * g.ld);
+    E *V1 = fa_take<E>(&cv, FA_BR * g.ld);
+    const int64_t rl = 3 * g.C;
+    const E *head = qkv + b * g.T * rl + h * g.hs;
+    fa_load(Q, head, rl, q0, g);
+    fa_load_async(K0, head + g.C, rl, 0, g);
+    fa_load_async(V0, head + 2 * g.C, rl, 0, g);
+    fa_commit_loads();
+    __syncthreads();
+    uint32_t qa[HT][4];
+    fa_frag_a<E, HT>(qa, Q, w * 16, g.ld);
+    const int64_t row[2] = {q0 + w * 16 + lane / 4, q0 + w * 16 + lane / 4 + 8};
+    float o[2 * HT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    for (int64_t j = 0; j <= i; j++) {
+        const int64_t k0 = j * FA_BC;
+        fa_wait_loads();
+        __syncthreads();        /* tile j is in; every warp is done with tile j - 1's buffers */
+        const bool odd = j & 1; /* tile j in K1 and V1 */
+        if (j < i) {
+            fa_load_async(odd ? K0 : K1, head + g.C, rl, k0 + FA_BC, g);
+            fa_load_async(odd ? V0 : V1, head + 2 * g.C, rl, k0 + FA_BC, g);
+            fa_commit_loads();
+        }
+        float s[FA_BC / 8][4];
+        fa_mm_rows<E, HT>(s, qa, odd ? K1 : K0, g.ld);
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float v = s[n][e] * sl;
+                if (j == i) { /* the diagonal tile, the only one with keys past a row or T */
+                    const int64_t k = k0 + n * 8 + 2 * tq + (e & 1);
+                    if (k > row[e >> 1] || k >= g.T) v = -INFINITY;
+                }
+                s[n][e] = v, mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) { /* key 0 of the tile is at or below every row's diagonal
+                                       * (rows past T included): the maximum is finite */
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m[r], mx[r]);
+            alpha[r] = exp2f(m[r] - m_new); /* 0 at the first tile: m is -inf */
+            m[r] = m_new, l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) { /* P (masked scores give 0); l sums it unrounded */
+                s[n][e] = exp2f(s[n][e] - m[e >> 1]);
+                l[e >> 1] += s[n][e];
+            }
+#pragma unroll
+        for (int d = 0; d < 2 * HT; d++)
+            o[d][0] *= alpha[0], o[d][1] *= alpha[0], o[d][2] *= alpha[1], o[d][3] *= alpha[1];
+        fa_mm_acc<E, HT>(o, s, odd ? V1 : V0, g.ld);
+    }
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        inv[r] = 1.0f / l[r];
+        if (tq == 0 && row[r] < g.T) lse[bh * g.T + row[r]] = m[r] * FA_LN2 + logf(l[r]);
+    }
+#pragma unroll
+    for (int d = 0; d < 2 * HT; d++)
+        o[d][0] *= inv[0], o[d][1] *= inv[0], o[d][2] *= inv[1], o[d][3] *= inv[1];
+    fa_store_rows<E, HT>(y + b * g.T * g.C + h * g.hs, g.C, o, q0 + w * 16, 1.0f, g.T);
+}
+
+/* ---- backward ----------------------------------------------------------------------------- */
+
+/* One block: key tile j of a head, over the query tiles from its diagonal on; warp w owns keys
+ * [16w, 16w + 16): dK and dV. */
+template <typename E, int HT>
+__global__ void __launch_bounds__(FA_THREADS)
+    fa_dkv_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
+                      fa_geom g) {
+    extern __shared__ __align__(128) char fa_smem[];
+    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, j = blockIdx.x % nt, bh = blockIdx.x / nt;
+    const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * FA_BC;
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    const float sl = g.scale * FA_LOG2E;
+    fa_carve cv = {fa_smem, 0};
+    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
+    /* Q, dy and the rows' lse and D twice: tile i + 1 loads into one set while the warps work
+     * on the other (set u at base u) */
+    E *Q0 = fa_take<E>(&cv, FA_BR * g.ld), *dO0 = fa_take<E>(&cv, FA_BR * g.ld);
+    float *lse0 = fa_take<float>(&cv, FA_BR), *D0 = fa_take<float>(&cv, FA_BR);
+    const size_t set = cv.used - ((char *)Q0 - fa_smem); /* bytes a set takes */
+    auto at = [&](auto *p, int u) { return (decltype(p))((char *)p + u * set); };
+    const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs;
+    const E *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
+    const float *lh = lse + bh * g.T, *Dh = D + bh * g.T;
+    /* query tile i into buffer u: Q, dy, and its rows' lse and D (0 past T: masked below) */
+    auto load = [&](int64_t i, int u) {
+        fa_load_async(at(Q0, u), head, rl, i * FA_BR, g);
+        fa_load_async(at(dO0, u), dyh, g.C, i * FA_BR, g);
+        if (threadIdx.x < FA_BR) {
+            const int64_t q = i * FA_BR + threadIdx.x;
+            fa_cp4(at(lse0, u) + threadIdx.x, q < g.T ? lh + q : lh, q < g.T ? 4 : 0);
+            fa_cp4(at(D0, u) + threadIdx.x, q < g.T ? Dh + q : Dh, q < g.T ? 4 : 0);
+        }
+        fa_commit_loads();
+    };
+    fa_load(K, head + g.C, rl, k0, g);
+    fa_load(V, head + 2 * g.C, rl, k0, g);
+    load(j, 0);
+    float dK[2 * HT][4] = {}, dV[2 * HT][4] = {};
+    const int64_t key[2] = {k0 + w * 16 + lane / 4, k0 + w * 16 + lane / 4 + 8};
+    for (int64_t i = j; i < nt; i++) {
+        const int64_t q0 = i * FA_BR;
+        const int u = (int)((i - j) & 1);
+        fa_wait_loads();
+        __syncthreads(); /* tile i is in; every warp is done with tile i - 1's buffers */
+        if (i + 1 < nt) load(i + 1, u ^ 1);
+        const E *Q = at(Q0, u), *dO = at(dO0, u);
+        const float *lse_s = at(lse0, u), *D_s = at(D0, u);
+        float s[FA_BC / 8][4], dp[FA_BC / 8][4];
+        {
+            uint32_t a[HT][4];
+            fa_frag_a<E, HT>(a, K, w * 16, g.ld);
+            fa_mm_rows<E, HT>(s, a, Q, g.ld);
+            fa_frag_a<E, HT>(a, V, w * 16, g.ld);
+            fa_mm_rows<E, HT>(dp, a, dO, g.ld);
+        }
+        /* the diagonal tile, and a last one with queries past T, take the masks */
+        const bool edge = i == j || q0 + FA_BR > g.T;
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) { /* P^T and dS^T: key row e >> 1, query column c */
+                const int c = n * 8 + 2 * tq + (e & 1);
+                const int64_t q = q0 + c;
+                float p = exp2f(s[n][e] * sl - lse_s[c] * FA_LOG2E);
+                if (edge && (key[e >> 1] > q || q >= g.T)) p = 0.0f;
+                s[n][e] = p, dp[n][e] = p * (dp[n][e] - D_s[c]);
+            }
+        fa_mm_acc<E, HT>(dV, s, dO, g.ld);
+        fa_mm_acc<E, HT>(dK, dp, Q, g.ld);
+    }
+    E *gh = dqkv + off;
+    fa_store_rows<E, HT>(gh + g.C, rl, dK, k0 + w * 16, g.scale, g.T);
+    fa_store_rows<E, HT>(gh + 2 * g.C, rl, dV, k0 + w * 16, 1.0f, g.T);
+}
+
+/* One block: query tile i of a head, over the key tiles up to its diagonal; warp w owns queries
+ * [16w, 16w + 16): dQ. */
+template <typename E, int HT>
+__global__ void __launch_bounds__(FA_THREADS)
+    fa_dq_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
+                     fa_geom g) {
+    extern __shared__ __align__(128) char fa_smem[];
+    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
+    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    const float sl = g.scale * FA_LOG2E;
+    fa_carve cv = {fa_smem, 0};
+    /* K and V twice: tile j + 1 loads into one pair while the warps work on the other */
+    E *K0 = fa_take<E>(&cv, FA_BR * g.ld), *V0 = fa_take<E>(&cv, FA_BR * g.ld);
+    E *K1 = fa_take<E>(&cv, FA_BR * g.ld), *V1 = fa_take<E>(&cv, FA_BR * g.ld);
+    const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs;
+    const E *head = qkv + off;
+    fa_load(K1, head, rl, q0, g); /* Q and dy, through the second pair */
+    fa_load(V1, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
+    fa_load_async(K0, head + g.C, rl, 0, g);
+    fa_load_async(V0, head + 2 * g.C, rl, 0, g);
+    fa_commit_loads();
+    __syncthreads();
+    uint32_t qa[HT][4], da[HT][4];
+    fa_frag_a<E, HT>(qa, K1, w * 16, g.ld);
+    fa_frag_a<E, HT>(da, V1, w * 16, g.ld);
+    const int64_t q[2] = {q0 + w * 16 + lane / 4, q0 + w * 16 + lane / 4 + 8};
+    float lse_r[2], D_r[2], dQ[2 * HT][4] = {};
+#pragma unroll
+    for (int r = 0; r < 2; r++) { /* rows past T: lse +inf, so P is 0 */
+        lse_r[r] = q[r] < g.T ? lse[bh * g.T + q[r]] * FA_LOG2E : INFINITY;
+        D_r[r] = q[r] < g.T ? D[bh * g.T + q[r]] : 0.0f;
+    }
+    for (int64_t j = 0; j <= i; j++) {
+        const int64_t k0 = j * FA_BC;
+        fa_wait_loads();
+        __syncthreads(); /* tile j is in; every warp is done with tile j - 1's (or Q and dy) */
+        const bool odd = j & 1; /* tile j in K1 and V1 */
+        if (j < i) {
+            fa_load_async(odd ? K0 : K1, head + g.C, rl, k0 + FA_BC, g);
+            fa_load_async(odd ? V0 : V1, head + 2 * g.C, rl, k0 + FA_BC, g);
+            fa_commit_loads();
+        }
+        const E *K = odd ? K1 : K0;
+        float s[FA_BC / 8][4], dp[FA_BC / 8][4];
+        fa_mm_rows<E, HT>(s, qa, K, g.ld);
+        fa_mm_rows<E, HT>(dp, da, odd ? V1 : V0, g.ld);
+#pragma unroll
+        for (int n = 0; n < FA_BC / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) { /* dS: query row e >> 1, key column */
+                float p = exp2f(s[n][e] * sl - lse_r[e >> 1]);
+                if (j == i && k0 + n * 8 + 2 * tq + (e & 1) > q[e >> 1]) p = 0.0f;
+                dp[n][e] = p * (dp[n][e] - D_r[e >> 1]);
+            }
+        fa_mm_acc<E, HT>(dQ, dp, K, g.ld);
+    }
+    fa_store_rows<E, HT>(dqkv + off, rl, dQ, q0 + w * 16, g.scale, g.T);
+}
+
+/* ---- host --------------------------------------------------------------------------------- */
+
+size_t fa_mma_smem_fwd(int ld, size_t es) {
+    return 5 * fa_round(FA_BR * ld * es);
+}
+size_t fa_mma_smem_dkv(int ld, size_t es) { /* K, V and two sets of Q, dy, lse, D */
+    return 6 * fa_round(FA_BR * ld * es) + 4 * fa_round(FA_BR * 4);
+}
+size_t fa_mma_smem_dq(int ld, size_t es) {
+    return 4 * fa_round(FA_BR * ld * es);
+}
+
+/* Launches kernel k with smem bytes of shared memory (over the 48 KiB a launch gets unasked). */
+template <typename K> static int fa_allow(K *k, size_t smem, const char *what, int idx) {
+    return cu_check(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                    what, idx);
+}
+
+template <typename E, int HT>
+static int fa_forward_ht(cu_device *d, int idx, E *y, float *lse, const E *qkv, fa_geom g) {
+    const size_t smem = fa_mma_smem_fwd(g.ld, sizeof(E));
+    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
+    if (fa_allow(fa_fwd_mma_kernel<E, HT>, smem, "flash attention", idx)) return tdm_last_status();
+    fa_fwd_mma_kernel<E, HT><<<blocks, FA_THREADS, smem, d->compute>>>(qkv, y, lse, g);
+    return cu_check_launch("flash attention", idx);
+}
+
+template <typename E>
+int fa_mma_forward(cu_device *d, int idx, E *y, float *lse, const E *qkv, fa_geom g) {
+    switch (g.hs / 16) {
+    case 1:
+        return fa_forward_ht<E, 1>(d, idx, y, lse, qkv, g);
+    case 2:
+        return fa_forward_ht<E, 2>(d, idx, y, lse, qkv, g);
+    case 3:
+        return fa_forward_ht<E, 3>(d, idx, y, lse, qkv, g);
+    case 4:
+        return fa_forward_ht<E, 4>(d, idx, y, lse, qkv, g);
+    case 5:
+        return fa_forward_ht<E, 5>(d, idx, y, lse, qkv, g);
+    case 6:
+        return fa_forward_ht<E, 6>(d, idx, y, lse, qkv, g);
+    case 7:
+        return fa_forward_ht<E, 7>(d, idx, y, lse, qkv, g);
+    default:
+        return fa_forward_ht<E, 8>(d, idx, y, lse, qkv, g);
+    }
+}
+
+template <typename E, int HT>
+static int fa_backward_ht(cu_device *d, int idx, E *gq, const E *gy, const E *x, const float *lse,
+                          const float *D, fa_geom g) {
+    const size_t s_kv = fa_mma_smem_dkv(g.ld, sizeof(E)), s_q = fa_mma_smem_dq(g.ld, sizeof(E));
+    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
+    const char *what = "flash attention_backward";
+    if (fa_allow(fa_dkv_mma_kernel<E, HT>, s_kv, what, idx)) return tdm_last_status();
+    fa_dkv_mma_kernel<E, HT><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
+    if (cu_check_launch("flash attention_backward (dk, dv)", idx)) return tdm_last_status();
+    if (fa_allow(fa_dq_mma_kernel<E, HT>, s_q, what, idx)) return tdm_last_status();
+    fa_dq_mma_kernel<E, HT><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
+    return cu_check_launch("flash attention_backward (dq)", idx);
+}
+
+template <typename E>
+int fa_mma_backward(cu_device *d, int idx, E *dqkv, const E *dy, const E *qkv, const float *lse,
+                    const float *D, fa_geom g) {
+    switch (g.hs / 16) { /* heads up to 64: S^T, dP^T, dK and dV fit in registers */
+    case 1:
+        return fa_backward_ht<E, 1>(d, idx, dqkv, dy, qkv, lse, D, g);
+    case 2:
+        return fa_backward_ht<E, 2>(d, idx, dqkv, dy, qkv, lse, D, g);
+    case 3:
+        return fa_backward_ht<E, 3>(d, idx, dqkv, dy, qkv, lse, D, g);
+    default:
+        return fa_backward_ht<E, 4>(d, idx, dqkv, dy, qkv, lse, D, g);
+    }
+}
+
+template int fa_mma_forward<__nv_bfloat16>(cu_device *, int, __nv_bfloat16 *, float *,
+                                           const __nv_bfloat16 *, fa_geom);
+template int fa_mma_forward<__half>(cu_device *, int, __half *, float *, const __half *, fa_geom);
+template int fa_mma_backward<__nv_bfloat16>(cu_device *, int, __nv_bfloat16 *,
+                                            const __nv_bfloat16 *, const __nv_bfloat16 *,
+                                            const float *, const float *, fa_geom);
+template int fa_mma_backward<__half>(cu_device *, int, __half *, const __half *, const __half *,
+                                     const float *, const float *, fa_geom);

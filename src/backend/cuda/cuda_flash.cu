@@ -3,13 +3,12 @@
  *
  * No T x T scores reach memory and the tiles above the diagonal are never computed: a block
  * takes FA_BR query rows of one head and walks the key tiles up to its diagonal. bf16 and f16
- * run on mma.sync with the scores and sums in registers (cuda_flash_mma.cu: the forward, and
- * the backward of heads up to 64). This file holds the dispatch and the kernels that keep their
- * tiles of scores, row statistics and sums in shared memory: f32 (products on the CUDA cores,
- * no TF32, as PyTorch's default) and the backward of bf16 and f16 heads over 64 (products
- * through WMMA, 16 x 16 x 16 with f32 accumulation). Every softmax sum is f32, and P and dS
- * are rounded to the dtype for the products that take them, as the unfused path and PyTorch's
- * flash kernels round them.
+ * run on the tensor cores through mma.sync with the scores and sums in registers
+ * (cuda_flash_mma.cu). This file holds the dispatch, D = rowsum(dy * y) for every dtype and
+ * the f32 kernels, which keep their tiles of scores, row statistics and sums in shared memory
+ * (products on the CUDA cores in a register tile a thread; no TF32, as PyTorch's default).
+ * Every softmax sum is f32, and P and dS are rounded to the dtype for the products that take
+ * them, as the unfused path and PyTorch's flash kernels round them.
  *
  *   forward   per key tile j <= i: S = scale Q K_j^T; m' = max(m, rowmax S);
  *             P = exp(S - m'); l = l exp(m - m') + rowsum P; O = O exp(m - m') + P V_j;
@@ -25,7 +24,6 @@
 
 #include <assert.h>
 #include <math.h>
-#include <mma.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -35,9 +33,6 @@
 #define FA_PLD (FA_BC + 8)
 
 /* ---- tile products ------------------------------------------------------------------------ */
-
-template <bool T> struct fa_layout { typedef nvcuda::wmma::row_major type; };
-template <> struct fa_layout<true> { typedef nvcuda::wmma::col_major type; };
 
 /* f32 on the CUDA cores: thread t takes rows [4 (t / 8), + 4) and columns [NC (t % 8), + NC)
  * of c [64, 8 NC], its 4 x NC sums in registers over k (fa_mm's contract). */
@@ -68,60 +63,37 @@ __device__ void fa_mm_f32(float *c, int ldc, const float *a, int lda, const floa
 }
 
 /* c [M, N] (f32, row-major, ldc) = op(a) op(b) (+ c where acc), from shared memory, by the
- * whole block: op(a) [M, K] is a (row-major, lda) or, where TA, the transpose of a [K, M];
- * op(b) [K, N] likewise. M is 64; N and K are multiples of 16 (N at most 128). The caller
- * synchronises after. */
-template <typename E, bool TA, bool TB>
-__device__ void fa_mm(float *c, int ldc, const E *a, int lda, const E *b, int ldb, int M, int N,
-                      int K, bool acc) {
-    if constexpr (sizeof(E) == 4) { /* f32: the CUDA cores, a register tile a thread */
-        const float *af = (const float *)a, *bf = (const float *)b;
-        switch (N / 8) {
-        case 2:
-            fa_mm_f32<2, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
-            break;
-        case 4:
-            fa_mm_f32<4, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
-            break;
-        case 6:
-            fa_mm_f32<6, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
-            break;
-        case 8:
-            fa_mm_f32<8, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
-            break;
-        case 10:
-            fa_mm_f32<10, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
-            break;
-        case 12:
-            fa_mm_f32<12, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
-            break;
-        case 14:
-            fa_mm_f32<14, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
-            break;
-        default:
-            fa_mm_f32<16, TA, TB>(c, ldc, af, lda, bf, ldb, K, acc);
-            break;
-        }
-    } else { /* bf16, f16: the tensor cores */
-        using namespace nvcuda;
-        const int tn = N / 16, tiles = M / 16 * tn;
-        for (int t = threadIdx.x / 32; t < tiles; t += FA_THREADS / 32) {
-            const int tm = t / tn, tc = t % tn;
-            float *ct = c + tm * 16 * ldc + tc * 16;
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> f;
-            if (acc)
-                wmma::load_matrix_sync(f, ct, ldc, wmma::mem_row_major);
-            else
-                wmma::fill_fragment(f, 0.0f);
-            for (int k = 0; k < K; k += 16) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, E, typename fa_layout<TA>::type> fa;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, E, typename fa_layout<TB>::type> fb;
-                wmma::load_matrix_sync(fa, TA ? a + k * lda + tm * 16 : a + tm * 16 * lda + k, lda);
-                wmma::load_matrix_sync(fb, TB ? b + tc * 16 * ldb + k : b + k * ldb + tc * 16, ldb);
-                wmma::mma_sync(f, fa, fb, f);
-            }
-            wmma::store_matrix_sync(ct, f, ldc, wmma::mem_row_major);
-        }
+ * whole block on the CUDA cores, a register tile a thread: op(a) [M, K] is a (row-major, lda)
+ * or, where TA, the transpose of a [K, M]; op(b) [K, N] likewise. M is 64; N and K are
+ * multiples of 16 (N at most 128). The caller synchronises after. */
+template <bool TA, bool TB>
+__device__ void fa_mm(float *c, int ldc, const float *a, int lda, const float *b, int ldb, int M,
+                      int N, int K, bool acc) {
+    switch (N / 8) {
+    case 2:
+        fa_mm_f32<2, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
+        break;
+    case 4:
+        fa_mm_f32<4, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
+        break;
+    case 6:
+        fa_mm_f32<6, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
+        break;
+    case 8:
+        fa_mm_f32<8, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
+        break;
+    case 10:
+        fa_mm_f32<10, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
+        break;
+    case 12:
+        fa_mm_f32<12, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
+        break;
+    case 14:
+        fa_mm_f32<14, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
+        break;
+    default:
+        fa_mm_f32<16, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
+        break;
     }
 }
 
@@ -133,18 +105,16 @@ static size_t fa_smem_fwd(int64_t hs, int ld, size_t es) {
            fa_round(FA_BR * FA_PLD * es) + fa_round(FA_BR * (hs + 4) * 4) +
            2 * fa_round(FA_BR * 4) + 2 * fa_round(FA_THREADS * 4);
 }
-/* Whether a backward runs on mma.sync (cuda_flash_mma.cu): bf16 and f16 heads up to 64; wider
- * ones would not keep S^T, dP^T, dK and dV in registers, and f32 has no such product. */
-static bool fa_backward_mma(int64_t hs, size_t es) {
-    return es == 2 && hs <= 64;
-}
+/* The backward's shared memory: the mma.sync kernels' in bf16 and f16 (cuda_flash_mma.cu),
+ * the kernels below in f32. */
 static size_t fa_smem_dkv(int64_t hs, int ld, size_t es) {
-    if (fa_backward_mma(hs, es)) return fa_mma_smem_dkv(ld, es);
+    if (es == 2) return fa_mma_smem_dkv(ld, es);
     return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
            2 * fa_round(FA_BR * FA_BC * es) + 2 * fa_round(FA_BC * hs * 4) +
            2 * fa_round(FA_BR * 4);
 }
 static size_t fa_smem_dq(int64_t hs, int ld, size_t es) {
+    if (es == 2) return fa_mma_smem_dq(ld, es);
     return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
            fa_round(FA_BR * FA_BC * es) + fa_round(FA_BR * hs * 4) + 2 * fa_round(FA_BR * 4);
 }
@@ -180,7 +150,7 @@ __global__ void fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g)
         fa_load(K, head + g.C, 3 * g.C, k0, g);
         fa_load(V, head + 2 * g.C, 3 * g.C, k0, g);
         __syncthreads();
-        fa_mm<E, false, true>(S, FA_SLD, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
+        fa_mm<false, true>(S, FA_SLD, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
         __syncthreads();
         const int64_t q = q0 + r;
         float mx = -INFINITY;
@@ -202,7 +172,7 @@ __global__ void fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g)
         rsum[tid] = sum;
         __syncthreads(); /* every thread has read m[r] */
         if (half == 0) m[r] = m_new, l[r] = l[r] * alpha + rsum[2 * r] + rsum[2 * r + 1];
-        fa_mm<E, false, false>(O, old, P, FA_PLD, V, g.ld, FA_BR, hs, FA_BC, true);
+        fa_mm<false, false>(O, old, P, FA_PLD, V, g.ld, FA_BR, hs, FA_BC, true);
     }
     __syncthreads();
     E *yh = y + b * g.T * g.C + h * g.hs;
@@ -256,23 +226,23 @@ __global__ void fa_delta_kernel(float *D, const E *dy, const E *y, fa_geom g, bo
 
 /* P = exp(scale S - lse) on and below the diagonal (0 elsewhere) and dS = P (dP - D), of query
  * tile q0 against key tile k0, by the block; P into Pt where non-NULL. */
-template <typename E>
-__device__ void fa_dscores(E *Pt, E *dSt, const float *S, const float *dP, const float *lse_s,
-                           const float *D_s, int64_t q0, int64_t k0, fa_geom g) {
+__device__ void fa_dscores(float *Pt, float *dSt, const float *S, const float *dP,
+                           const float *lse_s, const float *D_s, int64_t q0, int64_t k0,
+                           fa_geom g) {
     for (int e = threadIdx.x; e < FA_BR * FA_BC; e += FA_THREADS) {
         const int r = e / FA_BC, c = e % FA_BC;
         const int64_t q = q0 + r, k = k0 + c;
         const float p = k <= q && q < g.T ? expf(S[e] * g.scale - lse_s[r]) : 0.0f;
-        if (Pt) Pt[e] = cu_to<E>(p);
-        dSt[e] = cu_to<E>(p * (dP[e] - D_s[r]));
+        if (Pt) Pt[e] = p;
+        dSt[e] = p * (dP[e] - D_s[r]);
     }
 }
 
 /* One block: key tile j of a head, over the query tiles from its diagonal on: dK and dV, their
- * sums in shared memory (f32, and bf16 and f16 heads over 64: fa_backward_mma). */
-template <typename E>
-__global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
-                              fa_geom g) {
+ * sums in shared memory (f32; bf16 and f16: cuda_flash_mma.cu). */
+__global__ void fa_dkv_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse,
+                              const float *D, fa_geom g) {
+    typedef float E;
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, j = blockIdx.x % nt, bh = blockIdx.x / nt;
     const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * FA_BC;
@@ -296,13 +266,13 @@ __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *l
         fa_load(dO, dyh, g.C, q0, g);
         fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
         __syncthreads();
-        fa_mm<E, false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
-        fa_mm<E, false, true>(dP, FA_BC, dO, g.ld, V, g.ld, FA_BR, FA_BC, hs, false);
+        fa_mm<false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
+        fa_mm<false, true>(dP, FA_BC, dO, g.ld, V, g.ld, FA_BR, FA_BC, hs, false);
         __syncthreads();
         fa_dscores(P, dS, S, dP, lse_s, D_s, q0, k0, g);
         __syncthreads();
-        fa_mm<E, true, false>(dV, hs, P, FA_BC, dO, g.ld, FA_BC, hs, FA_BR, true);
-        fa_mm<E, true, false>(dK, hs, dS, FA_BC, Q, g.ld, FA_BC, hs, FA_BR, true);
+        fa_mm<true, false>(dV, hs, P, FA_BC, dO, g.ld, FA_BC, hs, FA_BR, true);
+        fa_mm<true, false>(dK, hs, dS, FA_BC, Q, g.ld, FA_BC, hs, FA_BR, true);
     }
     __syncthreads(); /* every product is done with dK and dV */
     E *gh = dqkv + off;
@@ -316,9 +286,9 @@ __global__ void fa_dkv_kernel(E *dqkv, const E *dy, const E *qkv, const float *l
 
 /* One block: query tile i of a head, over the key tiles up to its diagonal: dQ, its sum in
  * shared memory (as fa_dkv_kernel). */
-template <typename E>
-__global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
-                             fa_geom g) {
+__global__ void fa_dq_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse,
+                             const float *D, fa_geom g) {
+    typedef float E;
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
     const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
@@ -342,12 +312,12 @@ __global__ void fa_dq_kernel(E *dqkv, const E *dy, const E *qkv, const float *ls
         fa_load(K, head + g.C, row3, k0, g);
         fa_load(V, head + 2 * g.C, row3, k0, g);
         __syncthreads();
-        fa_mm<E, false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
-        fa_mm<E, false, true>(dP, FA_BC, dO, g.ld, V, g.ld, FA_BR, FA_BC, hs, false);
+        fa_mm<false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
+        fa_mm<false, true>(dP, FA_BC, dO, g.ld, V, g.ld, FA_BR, FA_BC, hs, false);
         __syncthreads();
-        fa_dscores<E>(NULL, dS, S, dP, lse_s, D_s, q0, k0, g);
+        fa_dscores(NULL, dS, S, dP, lse_s, D_s, q0, k0, g);
         __syncthreads();
-        fa_mm<E, false, false>(dQ, hs, dS, FA_BC, K, g.ld, FA_BR, hs, FA_BC, true);
+        fa_mm<false, false>(dQ, hs, dS, FA_BC, K, g.ld, FA_BR, hs, FA_BC, true);
     }
     __syncthreads(); /* every product is done with dQ */
     E *gh = dqkv + off;
@@ -431,18 +401,17 @@ static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, con
     }
 }
 
-/* The backward's two kernels with their sums in shared memory. */
-template <typename E>
-static int fa_backward_smem(cu_device *d, int idx, E *gq, const E *gy, const E *x, const float *lse,
-                            const float *D, fa_geom g) {
-    const size_t s_kv = fa_smem_dkv(g.hs, g.ld, sizeof(E)), s_q = fa_smem_dq(g.hs, g.ld, sizeof(E));
+/* The f32 backward's two kernels, their sums in shared memory. */
+static int fa_backward_f32(cu_device *d, int idx, float *gq, const float *gy, const float *x,
+                           const float *lse, const float *D, fa_geom g) {
+    const size_t s_kv = fa_smem_dkv(g.hs, g.ld, 4), s_q = fa_smem_dq(g.hs, g.ld, 4);
     const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
     const char *what = "flash attention_backward";
-    if (fa_launch_check(fa_dkv_kernel<E>, s_kv, what, idx)) return tdm_last_status();
-    fa_dkv_kernel<E><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
+    if (fa_launch_check(fa_dkv_kernel, s_kv, what, idx)) return tdm_last_status();
+    fa_dkv_kernel<<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
     if (cu_check_launch("flash attention_backward (dk, dv)", idx)) return tdm_last_status();
-    if (fa_launch_check(fa_dq_kernel<E>, s_q, what, idx)) return tdm_last_status();
-    fa_dq_kernel<E><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
+    if (fa_launch_check(fa_dq_kernel, s_q, what, idx)) return tdm_last_status();
+    fa_dq_kernel<<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
     return cu_check_launch("flash attention_backward (dq)", idx);
 }
 
@@ -463,12 +432,9 @@ static int fa_backward(cu_device *d, int idx, tdm_tensor *dqkv, const tdm_tensor
     int rc = cu_check_launch("flash attention_backward (D)", idx);
     if (!rc) {
         if constexpr (sizeof(E) == 2)
-            if (fa_backward_mma(g.hs, sizeof(E)))
-                rc = fa_mma_backward<E>(d, idx, gq, gy, x, cu_f(lse), D, g);
-            else
-                rc = fa_backward_smem<E>(d, idx, gq, gy, x, cu_f(lse), D, g);
+            rc = fa_mma_backward<E>(d, idx, gq, gy, x, cu_f(lse), D, g);
         else
-            rc = fa_backward_smem<E>(d, idx, gq, gy, x, cu_f(lse), D, g);
+            rc = fa_backward_f32(d, idx, gq, gy, x, cu_f(lse), D, g);
     }
     tdm_storage_release(hold); /* in stream order: the kernels above run first */
     return rc;

@@ -21,19 +21,21 @@
  *   dK, dV    warp rows of key tile j, query tiles i >= j: S^T = K Q^T, dP^T = V dy^T,
  *             P^T, dS^T = P^T (dP^T - D), dV += P^T dy, dK += dS^T Q
  *   dQ        warp rows of query tile i, key tiles j <= i: S, dP, dS, dQ += dS K
- * The emulation (emu/mma.h) runs mma.sync, ldmatrix and the shuffles as collectives of the
+ * The emulation (emu/emu_mma.h) runs mma.sync, ldmatrix and the shuffles as collectives of the
  * block (emu_warp_exchange), so every thread of a block reaches each of them. */
 #include "backend/cuda/cuda_flash.cuh"
 
 #include <math.h>
-#include <mma.h>
 #include <string.h>
 #include <type_traits>
+#ifdef TDM_CUDA_EMU
+#include "emu_mma.h"
+#endif
 
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2   0.6931471805599453f
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800 && !defined(TDM_EMU_MMA_H)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800 && !defined(TDM_CUDA_EMU)
 #define FA_NO_MMA 1 /* tdm_cuda_flash_fits declines bf16 and f16 before sm_80 */
 #endif
 
@@ -42,7 +44,7 @@
 /* d += A B, m16n8k16, f32 accumulation (the layouts at the top). */
 template <typename E>
 __device__ __forceinline__ void fa_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-#if defined(TDM_EMU_MMA_H)
+#if defined(TDM_CUDA_EMU)
     emu_mma_m16n8k16<E>(d, a, b0, b1);
 #elif defined(FA_NO_MMA)
     __trap();
@@ -64,7 +66,7 @@ __device__ __forceinline__ void fa_mma(float d[4], const uint32_t a[4], uint32_t
  * (16-byte aligned); register i gets tile i's pair (row g, columns 2t, + 1), or with TRANS its
  * pair (rows 2t, + 1; column g): an A or B register of fa_mma either way. */
 template <bool TRANS> __device__ __forceinline__ void fa_ldsm(uint32_t r[4], const void *row) {
-#if defined(TDM_EMU_MMA_H)
+#if defined(TDM_CUDA_EMU)
     emu_ldmatrix_x4(r, row, TRANS);
 #elif defined(FA_NO_MMA)
     __trap();
@@ -86,7 +88,7 @@ template <bool TRANS> __device__ __forceinline__ void fa_ldsm(uint32_t r[4], con
 /* bytes (16, or 0 for zeros) from global src to shared dst, 16-byte aligned, without waiting:
  * fa_wait_loads waits for this thread's. The emulation copies at once. */
 __device__ __forceinline__ void fa_cp16(void *dst, const void *src, int bytes) {
-#if defined(TDM_EMU_MMA_H) || defined(FA_NO_MMA)
+#if defined(TDM_CUDA_EMU) || defined(FA_NO_MMA)
     if (bytes)
         memcpy(dst, src, 16);
     else
@@ -100,7 +102,7 @@ __device__ __forceinline__ void fa_cp16(void *dst, const void *src, int bytes) {
 }
 /* As fa_cp16 for 4 bytes (4-byte aligned). */
 __device__ __forceinline__ void fa_cp4(void *dst, const void *src, int bytes) {
-#if defined(TDM_EMU_MMA_H) || defined(FA_NO_MMA)
+#if defined(TDM_CUDA_EMU) || defined(FA_NO_MMA)
     if (bytes)
         memcpy(dst, src, 4);
     else
@@ -115,19 +117,19 @@ __device__ __forceinline__ void fa_cp4(void *dst, const void *src, int bytes) {
 /* Marks the loads issued so far as one group (issued after a barrier, waited for before the
  * next one). */
 __device__ __forceinline__ void fa_commit_loads(void) {
-#if !defined(TDM_EMU_MMA_H) && !defined(FA_NO_MMA)
+#if !defined(TDM_CUDA_EMU) && !defined(FA_NO_MMA)
     asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void fa_wait_loads(void) {
-#if !defined(TDM_EMU_MMA_H) && !defined(FA_NO_MMA)
+#if !defined(TDM_CUDA_EMU) && !defined(FA_NO_MMA)
     asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
 
 /* Two floats rounded to E as one register, lo in the low half. */
 template <typename E> __device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
-#if defined(TDM_EMU_MMA_H)
+#if defined(TDM_CUDA_EMU)
     E l = cu_to<E>(lo), h = cu_to<E>(hi);
     uint16_t a, b;
     memcpy(&a, &l, 2);
@@ -174,16 +176,16 @@ __device__ __forceinline__ void fa_frag_a(uint32_t a[HT][4], const E *tile, int 
         fa_ldsm<false>(a[kk], tile + (r0 + (m & 1) * 8 + r) * ld + kk * 16 + (m >> 1) * 8);
 }
 
-/* c [16, 64] = a b^T: a the warp's rows (HT A fragments), b 64 rows of a tile (row n of b is
- * column n of c). */
-template <typename E, int HT>
-__device__ __forceinline__ void fa_mm_rows(float c[FA_BC / 8][4], const uint32_t a[HT][4],
-                                           const E *b, int ld) {
+/* c [16, 8 NB] = a b^T: a the warp's rows (HT A fragments), b 8 NB rows of a tile (row n of b
+ * is column n of c). */
+template <typename E, int HT, int NB>
+__device__ __forceinline__ void fa_mm_rows(float c[NB][4], const uint32_t a[HT][4], const E *b,
+                                           int ld) {
     const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
 #pragma unroll
-    for (int n = 0; n < FA_BC / 8; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+    for (int n = 0; n < NB; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
 #pragma unroll
-    for (int n = 0; n < FA_BC / 8; n += 2)
+    for (int n = 0; n < NB; n += 2)
 #pragma unroll
         for (int kk = 0; kk < HT; kk++) {
             uint32_t bb[4]; /* columns n and n + 1's B registers */
@@ -193,22 +195,22 @@ __device__ __forceinline__ void fa_mm_rows(float c[FA_BC / 8][4], const uint32_t
         }
 }
 
-/* c [16, 16 HT] += a b: a [16, 64] as accumulators (rounded to E into A fragments in place),
- * b [64, 16 HT] a tile. */
-template <typename E, int HT>
-__device__ __forceinline__ void fa_mm_acc(float c[2 * HT][4], const float a[FA_BC / 8][4],
-                                          const E *b, int ld) {
+/* c [16, 16 HT] += a b: a [16, 8 NB] as accumulators (rounded to E into A fragments in place),
+ * b [8 NB, 16 HT] rows of a tile. */
+template <typename E, int HT, int NB>
+__device__ __forceinline__ void fa_mm_acc(float c[2 * HT][4], const float a[NB][4], const E *b,
+                                          int ld) {
     const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
-    uint32_t pa[FA_BC / 16][4];
+    uint32_t pa[NB / 2][4];
 #pragma unroll
-    for (int n = 0; n < FA_BC / 8; n++) {
+    for (int n = 0; n < NB; n++) {
         pa[n / 2][2 * (n % 2)] = fa_pack<E>(a[n][0], a[n][1]);
         pa[n / 2][2 * (n % 2) + 1] = fa_pack<E>(a[n][2], a[n][3]);
     }
 #pragma unroll
     for (int d = 0; d < 2 * HT; d += 2)
 #pragma unroll
-        for (int kk = 0; kk < FA_BC / 16; kk++) {
+        for (int kk = 0; kk < NB / 2; kk++) {
             uint32_t bb[4]; /* columns d and d + 1's B registers, b's rows their k */
             fa_ldsm<true>(bb, b + (kk * 16 + (m & 1) * 8 + r) * ld + (d + (m >> 1)) * 8);
             fa_mma<E>(c[d], pa[kk], bb[0], bb[1]);
@@ -279,7 +281,7 @@ __global__ void __launch_bounds__(FA_THREADS)
             fa_commit_loads();
         }
         float s[FA_BC / 8][4];
-        fa_mm_rows<E, HT>(s, qa, odd ? K1 : K0, g.ld);
+        fa_mm_rows<E, HT, FA_BC / 8>(s, qa, odd ? K1 : K0, g.ld);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < FA_BC / 8; n++)
@@ -312,7 +314,7 @@ __global__ void __launch_bounds__(FA_THREADS)
 #pragma unroll
         for (int d = 0; d < 2 * HT; d++)
             o[d][0] *= alpha[0], o[d][1] *= alpha[0], o[d][2] *= alpha[1], o[d][3] *= alpha[1];
-        fa_mm_acc<E, HT>(o, s, odd ? V1 : V0, g.ld);
+        fa_mm_acc<E, HT, FA_BC / 8>(o, s, odd ? V1 : V0, g.ld);
     }
     float inv[2];
 #pragma unroll
@@ -376,28 +378,32 @@ __global__ void __launch_bounds__(FA_THREADS)
         if (i + 1 < nt) load(i + 1, u ^ 1);
         const E *Q = at(Q0, u), *dO = at(dO0, u);
         const float *lse_s = at(lse0, u), *D_s = at(D0, u);
-        float s[FA_BC / 8][4], dp[FA_BC / 8][4];
-        {
-            uint32_t a[HT][4];
-            fa_frag_a<E, HT>(a, K, w * 16, g.ld);
-            fa_mm_rows<E, HT>(s, a, Q, g.ld);
-            fa_frag_a<E, HT>(a, V, w * 16, g.ld);
-            fa_mm_rows<E, HT>(dp, a, dO, g.ld);
-        }
         /* the diagonal tile, and a last one with queries past T, take the masks */
         const bool edge = i == j || q0 + FA_BR > g.T;
-#pragma unroll
-        for (int n = 0; n < FA_BC / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) { /* P^T and dS^T: key row e >> 1, query column c */
-                const int c = n * 8 + 2 * tq + (e & 1);
-                const int64_t q = q0 + c;
-                float p = exp2f(s[n][e] * sl - lse_s[c] * FA_LOG2E);
-                if (edge && (key[e >> 1] > q || q >= g.T)) p = 0.0f;
-                s[n][e] = p, dp[n][e] = p * (dp[n][e] - D_s[c]);
+#pragma unroll 1
+        for (int half = 0; half < 2; half++) { /* 32 queries at a time: half the registers */
+            const int c0 = half * (FA_BC / 2);
+            float s[FA_BC / 16][4], dp[FA_BC / 16][4];
+            {
+                uint32_t a[HT][4];
+                fa_frag_a<E, HT>(a, K, w * 16, g.ld);
+                fa_mm_rows<E, HT, FA_BC / 16>(s, a, Q + c0 * g.ld, g.ld);
+                fa_frag_a<E, HT>(a, V, w * 16, g.ld);
+                fa_mm_rows<E, HT, FA_BC / 16>(dp, a, dO + c0 * g.ld, g.ld);
             }
-        fa_mm_acc<E, HT>(dV, s, dO, g.ld);
-        fa_mm_acc<E, HT>(dK, dp, Q, g.ld);
+#pragma unroll
+            for (int n = 0; n < FA_BC / 16; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) { /* P^T and dS^T: key row e >> 1, query column c */
+                    const int c = c0 + n * 8 + 2 * tq + (e & 1);
+                    const int64_t q = q0 + c;
+                    float p = exp2f(s[n][e] * sl - lse_s[c] * FA_LOG2E);
+                    if (edge && (key[e >> 1] > q || q >= g.T)) p = 0.0f;
+                    s[n][e] = p, dp[n][e] = p * (dp[n][e] - D_s[c]);
+                }
+            fa_mm_acc<E, HT, FA_BC / 16>(dV, s, dO + c0 * g.ld, g.ld);
+            fa_mm_acc<E, HT, FA_BC / 16>(dK, dp, Q + c0 * g.ld, g.ld);
+        }
     }
     E *gh = dqkv + off;
     fa_store_rows<E, HT>(gh + g.C, rl, dK, k0 + w * 16, g.scale, g.T);
@@ -447,19 +453,23 @@ __global__ void __launch_bounds__(FA_THREADS)
             fa_load_async(odd ? V0 : V1, head + 2 * g.C, rl, k0 + FA_BC, g);
             fa_commit_loads();
         }
-        const E *K = odd ? K1 : K0;
-        float s[FA_BC / 8][4], dp[FA_BC / 8][4];
-        fa_mm_rows<E, HT>(s, qa, K, g.ld);
-        fa_mm_rows<E, HT>(dp, da, odd ? V1 : V0, g.ld);
+        const E *K = odd ? K1 : K0, *V = odd ? V1 : V0;
+#pragma unroll 1
+        for (int half = 0; half < 2; half++) { /* 32 keys at a time: half the registers */
+            const int c0 = half * (FA_BC / 2);
+            float s[FA_BC / 16][4], dp[FA_BC / 16][4];
+            fa_mm_rows<E, HT, FA_BC / 16>(s, qa, K + c0 * g.ld, g.ld);
+            fa_mm_rows<E, HT, FA_BC / 16>(dp, da, V + c0 * g.ld, g.ld);
 #pragma unroll
-        for (int n = 0; n < FA_BC / 8; n++)
+            for (int n = 0; n < FA_BC / 16; n++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) { /* dS: query row e >> 1, key column */
-                float p = exp2f(s[n][e] * sl - lse_r[e >> 1]);
-                if (j == i && k0 + n * 8 + 2 * tq + (e & 1) > q[e >> 1]) p = 0.0f;
-                dp[n][e] = p * (dp[n][e] - D_r[e >> 1]);
-            }
-        fa_mm_acc<E, HT>(dQ, dp, K, g.ld);
+                for (int e = 0; e < 4; e++) { /* dS: query row e >> 1, key column */
+                    float p = exp2f(s[n][e] * sl - lse_r[e >> 1]);
+                    if (j == i && k0 + c0 + n * 8 + 2 * tq + (e & 1) > q[e >> 1]) p = 0.0f;
+                    dp[n][e] = p * (dp[n][e] - D_r[e >> 1]);
+                }
+            fa_mm_acc<E, HT, FA_BC / 16>(dQ, dp, K + c0 * g.ld, g.ld);
+        }
     }
     fa_store_rows<E, HT>(dqkv + off, rl, dQ, q0 + w * 16, g.scale, g.T);
 }
@@ -530,15 +540,23 @@ static int fa_backward_ht(cu_device *d, int idx, E *gq, const E *gy, const E *x,
 template <typename E>
 int fa_mma_backward(cu_device *d, int idx, E *dqkv, const E *dy, const E *qkv, const float *lse,
                     const float *D, fa_geom g) {
-    switch (g.hs / 16) { /* heads up to 64: S^T, dP^T, dK and dV fit in registers */
+    switch (g.hs / 16) {
     case 1:
         return fa_backward_ht<E, 1>(d, idx, dqkv, dy, qkv, lse, D, g);
     case 2:
         return fa_backward_ht<E, 2>(d, idx, dqkv, dy, qkv, lse, D, g);
     case 3:
         return fa_backward_ht<E, 3>(d, idx, dqkv, dy, qkv, lse, D, g);
-    default:
+    case 4:
         return fa_backward_ht<E, 4>(d, idx, dqkv, dy, qkv, lse, D, g);
+    case 5:
+        return fa_backward_ht<E, 5>(d, idx, dqkv, dy, qkv, lse, D, g);
+    case 6:
+        return fa_backward_ht<E, 6>(d, idx, dqkv, dy, qkv, lse, D, g);
+    case 7:
+        return fa_backward_ht<E, 7>(d, idx, dqkv, dy, qkv, lse, D, g);
+    default:
+        return fa_backward_ht<E, 8>(d, idx, dqkv, dy, qkv, lse, D, g);
     }
 }
 

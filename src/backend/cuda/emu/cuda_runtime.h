@@ -4,6 +4,8 @@
  * what the backend calls, with the same semantics on one in-order "stream". */
 #ifndef TDM_EMU_CUDA_RUNTIME_H
 #define TDM_EMU_CUDA_RUNTIME_H
+/* Kernel files test it where a GPU instruction has no C++ form (inline PTX: emu_mma.h) */
+#define TDM_CUDA_EMU 1
 
 #include <math.h>
 #include <stddef.h>

@@ -1,0 +1,96 @@
+/* Host emulation of the tensor-core instructions Tandem's kernels issue through inline PTX
+ * (cuda_flash_mma.cu): mma.sync m16n8k16 and ldmatrix, and the shuffle they go with
+ * (cuda_runtime.h). On a GPU these are collectives of a warp, each lane holding its part of a
+ * tile in registers; here the emulation runs a block's threads one after another between
+ * barriers, so each collective gathers the warp's registers through emu_warp_exchange (a barrier
+ * of the block: every thread of the block must reach it, as in the flash kernels) and each lane
+ * then computes its own part, in the layouts the PTX ISA documents. A kernel that put an
+ * element in the wrong register gets a wrong result here as on a GPU. A kernel file includes
+ * this where TDM_CUDA_EMU is defined (the emulation's cuda_runtime.h defines it) and calls these
+ * in place of its PTX. */
+#ifndef TDM_EMU_MMA_H
+#define TDM_EMU_MMA_H
+
+#include "cuda_bf16.h"
+#include "cuda_fp16.h"
+#include "cuda_runtime.h"
+
+#ifdef __cplusplus
+#include <stdio.h>
+#include <stdlib.h>
+#include <type_traits>
+
+/* An element as float (bf16 and f16 values are exact in it). */
+static inline float emu_mma_f(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+static inline float emu_mma_f(__half v) {
+    return __half2float(v);
+}
+
+/* PTX's mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 with d as C and D:
+ * d += A B for A 16 x 16 (row-major), B 16 x 8 (column-major), each lane holding the elements
+ * the PTX ISA's fragment layouts give it (g = lane / 4, t = lane % 4): A's register r the pair
+ * (row g + 8 (r & 1), columns 2t + 8 (r >> 1) and one more), B's register r the pair (rows
+ * 2t + 8r and one more, column g), d[i] (row g + 8 (i >> 1), column 2t + (i & 1)); a pair's
+ * first element in the low 16 bits. The warp's registers are gathered with one collective
+ * (emu_warp_exchange: every thread of the block must call it alike), so a kernel that put an
+ * element in the wrong register gets a wrong product here as on a GPU. Summed in f32 in k
+ * order (a tensor core's order is its own: results agree to f32 rounding). */
+template <typename E>
+static inline void emu_mma_m16n8k16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+    const uint32_t *all = emu_warp_exchange(mine, 6);
+    float A[16][16], B[16][8];
+    for (int lane = 0; lane < 32; lane++) {
+        const int g = lane / 4, t = lane % 4;
+        for (int r = 0; r < 6; r++) {
+            const uint32_t w = all[lane * 6 + r];
+            E lo, hi;
+            const uint16_t l16 = (uint16_t)w, h16 = (uint16_t)(w >> 16);
+            __builtin_memcpy(&lo, &l16, 2);
+            __builtin_memcpy(&hi, &h16, 2);
+            if (r < 4) {
+                const int row = g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
+                A[row][col] = emu_mma_f(lo), A[row][col + 1] = emu_mma_f(hi);
+            } else {
+                const int k = 2 * t + 8 * (r - 4);
+                B[k][g] = emu_mma_f(lo), B[k + 1][g] = emu_mma_f(hi);
+            }
+        }
+    }
+    const int g = (int)(threadIdx.x % 32) / 4, t = (int)(threadIdx.x % 4);
+    for (int i = 0; i < 4; i++) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        float s = d[i];
+        for (int k = 0; k < 16; k++) s += A[row][k] * B[k][col];
+        d[i] = s;
+    }
+}
+
+/* PTX's ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives the address of row l % 8
+ * of matrix l / 8 (8 elements of 2 bytes, 16-byte aligned: aborts otherwise, as WMMA's rules
+ * here); register i of lane l gets matrix i's pair (row l / 4, columns 2 (l % 4), + 1), or with
+ * trans its pair (rows 2 (l % 4), + 1; column l / 4). One collective, as emu_mma_m16n8k16. */
+static inline void emu_ldmatrix_x4(uint32_t r[4], const void *row, bool trans) {
+    if ((uintptr_t)row % 16) {
+        fprintf(stderr, "emu ldmatrix: a row at %p is not 16-byte aligned\n", row);
+        abort();
+    }
+    const uint64_t a = (uint64_t)(uintptr_t)row;
+    const uint32_t mine[2] = {(uint32_t)a, (uint32_t)(a >> 32)};
+    const uint32_t *all = emu_warp_exchange(mine, 2);
+    const int l = (int)(threadIdx.x % 32);
+    for (int i = 0; i < 4; i++) {
+        uint16_t e[2];
+        for (int k = 0; k < 2; k++) {
+            const int rr = trans ? 2 * (l % 4) + k : l / 4, cc = trans ? l / 4 : 2 * (l % 4) + k;
+            const int src = i * 8 + rr;
+            const uint64_t p = (uint64_t)all[src * 2] | (uint64_t)all[src * 2 + 1] << 32;
+            e[k] = ((const uint16_t *)(uintptr_t)p)[cc];
+        }
+        r[i] = (uint32_t)e[0] | (uint32_t)e[1] << 16;
+    }
+}
+#endif
+#endif

@@ -87,7 +87,8 @@ const uint32_t *emu_warp_exchange(const uint32_t *words, int n) {
     static thread_local uint32_t all[32 * XCHG_WORDS];
     const unsigned base = t - t % 32;
     for (unsigned l = 0; l < 32; l++)
-        for (int i = 0; i < n; i++) all[l * n + i] = base + l < blockDim.x ? xchg[buf][base + l][i] : 0;
+        for (int i = 0; i < n; i++)
+            all[l * n + i] = base + l < blockDim.x ? xchg[buf][base + l][i] : 0;
     return all;
 }
 

@@ -124,20 +124,19 @@ static size_t fa_smem_dq(int64_t hs, int ld, size_t es) {
 /* f32 (bf16 and f16: cuda_flash_mma.cu). One block: query tile i of head h of batch row b,
  * the last tiles (the most work) first. */
 __global__ void fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g) {
-    typedef float E;
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
     const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
     const int hs = (int)g.hs, old = hs + 4, tid = threadIdx.x; /* old: O's row in floats */
     fa_carve cv = {fa_smem, 0};
-    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *K = fa_take<E>(&cv, FA_BR * g.ld);
-    E *V = fa_take<E>(&cv, FA_BR * g.ld);
+    float *Q = fa_take<float>(&cv, FA_BR * g.ld), *K = fa_take<float>(&cv, FA_BR * g.ld);
+    float *V = fa_take<float>(&cv, FA_BR * g.ld);
     float *S = fa_take<float>(&cv, FA_BR * FA_SLD);
-    E *P = fa_take<E>(&cv, FA_BR * FA_PLD);
+    float *P = fa_take<float>(&cv, FA_BR * FA_PLD);
     float *O = fa_take<float>(&cv, FA_BR * old), *m = fa_take<float>(&cv, FA_BR);
     float *l = fa_take<float>(&cv, FA_BR), *rmax = fa_take<float>(&cv, FA_THREADS);
     float *rsum = fa_take<float>(&cv, FA_THREADS);
-    const E *head = qkv + b * g.T * 3 * g.C + h * g.hs;
+    const float *head = qkv + b * g.T * 3 * g.C + h * g.hs;
     fa_load(Q, head, 3 * g.C, q0, g);
     for (int e = tid; e < FA_BR * old; e += FA_THREADS) O[e] = 0.0f;
     if (tid < FA_BR) m[tid] = -INFINITY, l[tid] = 0.0f;
@@ -166,7 +165,7 @@ __global__ void fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g)
         float sum = 0.0f;
         for (int c = half; c < FA_BC; c += 2) {
             float s = S[r * FA_SLD + c], p = s == -INFINITY ? 0.0f : expf(s - m_new);
-            P[r * FA_PLD + c] = cu_to<E>(p), sum += p;
+            P[r * FA_PLD + c] = p, sum += p;
         }
         for (int d = half; d < hs; d += 2) O[r * old + d] *= alpha;
         rsum[tid] = sum;
@@ -175,10 +174,10 @@ __global__ void fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g)
         fa_mm<false, false>(O, old, P, FA_PLD, V, g.ld, FA_BR, hs, FA_BC, true);
     }
     __syncthreads();
-    E *yh = y + b * g.T * g.C + h * g.hs;
+    float *yh = y + b * g.T * g.C + h * g.hs;
     for (int e = tid; e < FA_BR * hs; e += FA_THREADS) {
         const int rr = e / hs, d = e % hs;
-        if (q0 + rr < g.T) yh[(q0 + rr) * g.C + d] = cu_to<E>(O[rr * old + d] / l[rr]);
+        if (q0 + rr < g.T) yh[(q0 + rr) * g.C + d] = O[rr * old + d] / l[rr];
     }
     if (tid < FA_BR && q0 + tid < g.T) lse[bh * g.T + q0 + tid] = m[tid] + logf(l[tid]);
 }
@@ -242,20 +241,19 @@ __device__ void fa_dscores(float *Pt, float *dSt, const float *S, const float *d
  * sums in shared memory (f32; bf16 and f16: cuda_flash_mma.cu). */
 __global__ void fa_dkv_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse,
                               const float *D, fa_geom g) {
-    typedef float E;
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, j = blockIdx.x % nt, bh = blockIdx.x / nt;
     const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * FA_BC;
     const int hs = (int)g.hs;
     fa_carve cv = {fa_smem, 0};
-    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
-    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *dO = fa_take<E>(&cv, FA_BR * g.ld);
+    float *K = fa_take<float>(&cv, FA_BR * g.ld), *V = fa_take<float>(&cv, FA_BR * g.ld);
+    float *Q = fa_take<float>(&cv, FA_BR * g.ld), *dO = fa_take<float>(&cv, FA_BR * g.ld);
     float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
-    E *P = fa_take<E>(&cv, FA_BR * FA_BC), *dS = fa_take<E>(&cv, FA_BR * FA_BC);
+    float *P = fa_take<float>(&cv, FA_BR * FA_BC), *dS = fa_take<float>(&cv, FA_BR * FA_BC);
     float *dK = fa_take<float>(&cv, FA_BC * hs), *dV = fa_take<float>(&cv, FA_BC * hs);
     float *lse_s = fa_take<float>(&cv, FA_BR), *D_s = fa_take<float>(&cv, FA_BR);
     const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
-    const E *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
+    const float *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
     fa_load(K, head + g.C, row3, k0, g);
     fa_load(V, head + 2 * g.C, row3, k0, g);
     for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) dK[e] = dV[e] = 0.0f;
@@ -275,12 +273,12 @@ __global__ void fa_dkv_kernel(float *dqkv, const float *dy, const float *qkv, co
         fa_mm<true, false>(dK, hs, dS, FA_BC, Q, g.ld, FA_BC, hs, FA_BR, true);
     }
     __syncthreads(); /* every product is done with dK and dV */
-    E *gh = dqkv + off;
+    float *gh = dqkv + off;
     for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) {
         const int r = e / hs, d = e % hs;
         if (k0 + r >= g.T) continue;
-        gh[(k0 + r) * row3 + g.C + d] = cu_to<E>(dK[e] * g.scale);
-        gh[(k0 + r) * row3 + 2 * g.C + d] = cu_to<E>(dV[e]);
+        gh[(k0 + r) * row3 + g.C + d] = dK[e] * g.scale;
+        gh[(k0 + r) * row3 + 2 * g.C + d] = dV[e];
     }
 }
 
@@ -288,20 +286,19 @@ __global__ void fa_dkv_kernel(float *dqkv, const float *dy, const float *qkv, co
  * shared memory (as fa_dkv_kernel). */
 __global__ void fa_dq_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse,
                              const float *D, fa_geom g) {
-    typedef float E;
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
     const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
     const int hs = (int)g.hs;
     fa_carve cv = {fa_smem, 0};
-    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *dO = fa_take<E>(&cv, FA_BR * g.ld);
-    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
+    float *Q = fa_take<float>(&cv, FA_BR * g.ld), *dO = fa_take<float>(&cv, FA_BR * g.ld);
+    float *K = fa_take<float>(&cv, FA_BR * g.ld), *V = fa_take<float>(&cv, FA_BR * g.ld);
     float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
-    E *dS = fa_take<E>(&cv, FA_BR * FA_BC);
+    float *dS = fa_take<float>(&cv, FA_BR * FA_BC);
     float *dQ = fa_take<float>(&cv, FA_BR * hs), *lse_s = fa_take<float>(&cv, FA_BR);
     float *D_s = fa_take<float>(&cv, FA_BR);
     const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
-    const E *head = qkv + off;
+    const float *head = qkv + off;
     fa_load(Q, head, row3, q0, g);
     fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
     fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
@@ -320,10 +317,10 @@ __global__ void fa_dq_kernel(float *dqkv, const float *dy, const float *qkv, con
         fa_mm<false, false>(dQ, hs, dS, FA_BC, K, g.ld, FA_BR, hs, FA_BC, true);
     }
     __syncthreads(); /* every product is done with dQ */
-    E *gh = dqkv + off;
+    float *gh = dqkv + off;
     for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) {
         const int r = e / hs, d = e % hs;
-        if (q0 + r < g.T) gh[(q0 + r) * row3 + d] = cu_to<E>(dQ[e] * g.scale);
+        if (q0 + r < g.T) gh[(q0 + r) * row3 + d] = dQ[e] * g.scale;
     }
 }
 

@@ -1,6 +1,6 @@
 /* The fused attention in bf16 and f16 on mma.sync (sm_80 on): FlashAttention-2's kernels, the
- * scores and sums in registers (cuda_flash.cu dispatches here and holds the f32 and the wider
- * heads' kernels, whose tiles live in shared memory).
+ * scores and sums in registers, for heads of 16 to 128 (cuda_flash.cu dispatches here and holds
+ * the f32 kernels, whose tiles live in shared memory).
  *
  * PTX's m16n8k16 product has documented fragment layouts (WMMA's are not), so a thread knows
  * which rows and columns its accumulators hold: with g = lane / 4 and t = lane % 4, A [16, 16]

@@ -16,6 +16,7 @@
 #include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_simd.h"
+#include "tandem/half.h"
 
 /* Element i of a 1-D integer or float tensor with any stride (stride 0: a broadcast). */
 static inline int64_t target_at(const tdm_tensor *t, int64_t i) {
@@ -95,6 +96,38 @@ static void ce_row(const float *x, int64_t C, const float *w, double wtotal, boo
     *smooth_out = lse * wtotal - sx; /* sum_c w[c] * (lse - x[c]) */
 }
 
+/* bf16 and f16 logits are read a row at a time: widened into buf, computed on in f32, their
+ * gradient row narrowed once from f32. The bits of the f32 kernel on f32 copies, without an
+ * [N, C] f32 copy of the logits and of their gradient (the widening adapter, cpu_lowp.c, would
+ * make both: 1.6 GB each at GPT-2's vocabulary and 8,192 tokens). */
+static bool rows_lowp(const tdm_tensor *t) {
+    return t->dtype == TDM_BF16 || t->dtype == TDM_F16;
+}
+static const float *row_in(const tdm_tensor *x, int64_t i, int64_t C, float *buf) {
+    if (!rows_lowp(x)) return (const float *)tdm_data_ptr(x) + i * C;
+    const uint16_t *r = (const uint16_t *)tdm_data_ptr(x) + i * C;
+    if (x->dtype == TDM_BF16)
+        tdm_bf16_to_f32(buf, r, (size_t)C);
+    else
+        tdm_f16_to_f32(buf, r, (size_t)C);
+    return buf;
+}
+static void row_out(tdm_tensor *gx, int64_t i, int64_t C, const float *row) {
+    uint16_t *r = (uint16_t *)tdm_data_ptr(gx) + i * C;
+    if (gx->dtype == TDM_BF16)
+        tdm_bf16_from_f32(r, row, (size_t)C);
+    else
+        tdm_f16_from_f32(r, row, (size_t)C);
+}
+/* A row's scratch where t is bf16/f16, from the device's cache (*hold, released with
+ * tdm_storage_release); NULL with nothing held where t is f32. */
+static float *row_buf(const tdm_tensor *t, int64_t C, tdm_storage **hold) {
+    *hold = NULL;
+    if (!rows_lowp(t)) return NULL;
+    *hold = tdm_storage_new(sizeof(float) * (size_t)(C ? C : 1), t->device);
+    return *hold ? (float *)(*hold)->data : NULL;
+}
+
 static double weight_total(const float *w, int64_t C) {
     if (!w) return (double)C;
     double s = 0;
@@ -130,13 +163,15 @@ TDM_CPU_CLONES
 int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse, const tdm_tensor *x,
                           const tdm_tensor *target, const tdm_tensor *weight, int64_t ignore_index,
                           float smoothing, bool is_logits) {
-    if (tdm_cpu_lowp_any(5, (const tdm_tensor *[]){loss, wsum, lse, x, weight}))
+    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){loss, wsum, lse, weight}))
         return tdm_cpu_lowp_cross_entropy(loss, wsum, lse, x, target, weight, ignore_index,
                                           smoothing, is_logits);
     int64_t N = x->shape[0], C = x->shape[1];
     int rc = check_targets(target, N, C, ignore_index);
     if (rc) return rc;
-    const float *xp = (const float *)tdm_data_ptr(x);
+    tdm_storage *xhold;
+    float *xbuf = row_buf(x, C, &xhold);
+    if (rows_lowp(x) && !xbuf) return tdm_last_status();
     const float *w = weight ? (const float *)tdm_data_ptr(weight) : NULL;
     float *lp = (float *)tdm_data_ptr(loss), *wp = wsum ? (float *)tdm_data_ptr(wsum) : NULL;
     float *sp = lse && is_logits ? (float *)tdm_data_ptr(lse) : NULL;
@@ -148,7 +183,7 @@ int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse, c
             if (wp) wp[i] = 0;
             continue;
         }
-        const float *xr = xp + i * C;
+        const float *xr = row_in(x, i, C, xbuf);
         double row_lse, sm;
         ce_row(xr, C, w, wtotal, is_logits, e > 0, &row_lse, &sm);
         if (sp) sp[i] = (float)row_lse;
@@ -158,6 +193,7 @@ int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse, c
         lp[i] = (float)l;
         if (wp) wp[i] = (float)wt;
     }
+    tdm_storage_release(xhold);
     return TDM_OK;
 }
 
@@ -166,25 +202,32 @@ int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, cons
                                    const tdm_tensor *lse, const tdm_tensor *target,
                                    const tdm_tensor *weight, int64_t ignore_index, float smoothing,
                                    bool is_logits) {
-    if (tdm_cpu_lowp_any(5, (const tdm_tensor *[]){gx, gloss, x, lse, weight}))
+    /* x and gx in one dtype (the kernel's contract) read and written a row at a time */
+    if (tdm_cpu_lowp_any(3, (const tdm_tensor *[]){gloss, lse, weight}) || gx->dtype != x->dtype)
         return tdm_cpu_lowp_cross_entropy_backward(gx, gloss, x, lse, target, weight, ignore_index,
                                                    smoothing, is_logits);
     int64_t N = x->shape[0], C = x->shape[1];
     int rc = check_targets(target, N, C, ignore_index);
     if (rc) return rc;
-    const float *xp = (const float *)tdm_data_ptr(x);
+    tdm_storage *xhold, *ghold;
+    float *xbuf = row_buf(x, C, &xhold), *gbuf = row_buf(gx, C, &ghold);
+    if (rows_lowp(x) && (!xbuf || !gbuf)) {
+        tdm_storage_release(xhold);
+        tdm_storage_release(ghold);
+        return tdm_last_status();
+    }
     const float *w = weight ? (const float *)tdm_data_ptr(weight) : NULL;
-    float *gp = (float *)tdm_data_ptr(gx);
     float e = smoothing, eC = smoothing / (float)C;
     double wtotal = weight_total(w, C);
     for (int64_t i = 0; i < N; i++) {
         int64_t t = target_at(target, i);
-        float *gr = gp + i * C;
+        float *gr = gbuf ? gbuf : (float *)tdm_data_ptr(gx) + i * C;
         if (t == ignore_index) {
             for (int64_t c = 0; c < C; c++) gr[c] = 0;
+            if (gbuf) row_out(gx, i, C, gr);
             continue;
         }
-        const float *xr = xp + i * C;
+        const float *xr = row_in(x, i, C, xbuf);
         float g = f32_at(gloss, i), wt = w ? w[t] : 1.0f;
         float ge = g * eC;
         if (is_logits) {
@@ -198,7 +241,10 @@ int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, cons
             for (int64_t c = 0; c < C; c++) gr[c] = -ge * (w ? w[c] : 1.0f);
         }
         gr[t] -= g * (1 - e) * wt;
+        if (gbuf) row_out(gx, i, C, gr);
     }
+    tdm_storage_release(xhold);
+    tdm_storage_release(ghold);
     return TDM_OK;
 }
 

@@ -6,6 +6,7 @@
  * the logits, exp(x[c] - lse) being the probability, instead of keeping an [N, C] softmax
  * alive. Without the forward's lse (a caller of the kernel alone) it recomputes it: the max,
  * then the exponentials into the gradient row as they are summed, then the row scaled.
+ * bf16 and f16 logits go the same way a row at a time (row_in, row_out below).
  *
  * With per-class weights w, target t and smoothing e, PyTorch's per-sample loss is
  *   loss = (1-e) * w[t] * (-logp[t]) + e/C * sum_c w[c] * (-logp[c])

@@ -17,7 +17,6 @@
 #include "backend/cpu/cpu_lowp.h"
 #include "backend/cpu/cpu_isa.h"
 #include "backend/cpu/cpu_simd.h"
-#include "tandem/half.h"
 
 /* Element i of a 1-D integer or float tensor with any stride (stride 0: a broadcast). */
 static inline int64_t target_at(const tdm_tensor *t, int64_t i) {
@@ -102,23 +101,15 @@ static void ce_row(const float *x, int64_t C, const float *w, double wtotal, boo
  * [N, C] f32 copy of the logits and of their gradient (the widening adapter, cpu_lowp.c, would
  * make both: 1.6 GB each at GPT-2's vocabulary and 8,192 tokens). */
 static bool rows_lowp(const tdm_tensor *t) {
-    return t->dtype == TDM_BF16 || t->dtype == TDM_F16;
+    return tdm_cpu_lowp_any(1, &t);
 }
 static const float *row_in(const tdm_tensor *x, int64_t i, int64_t C, float *buf) {
     if (!rows_lowp(x)) return (const float *)tdm_data_ptr(x) + i * C;
-    const uint16_t *r = (const uint16_t *)tdm_data_ptr(x) + i * C;
-    if (x->dtype == TDM_BF16)
-        tdm_bf16_to_f32(buf, r, (size_t)C);
-    else
-        tdm_f16_to_f32(buf, r, (size_t)C);
+    tdm_cpu_lowp_widen(buf, (const uint16_t *)tdm_data_ptr(x) + i * C, C, x->dtype);
     return buf;
 }
 static void row_out(tdm_tensor *gx, int64_t i, int64_t C, const float *row) {
-    uint16_t *r = (uint16_t *)tdm_data_ptr(gx) + i * C;
-    if (gx->dtype == TDM_BF16)
-        tdm_bf16_from_f32(r, row, (size_t)C);
-    else
-        tdm_f16_from_f32(r, row, (size_t)C);
+    tdm_cpu_lowp_narrow((uint16_t *)tdm_data_ptr(gx) + i * C, row, C, gx->dtype);
 }
 /* A row's scratch where t is bf16/f16, from the device's cache (*hold, released with
  * tdm_storage_release); NULL with nothing held where t is f32. */

@@ -45,20 +45,6 @@ static bool is_lowp(const tdm_tensor *t) {
     return t && (t->dtype == TDM_BF16 || t->dtype == TDM_F16);
 }
 
-/* n 16-bit values of dtype dt to floats, and back (rounded to nearest even). */
-static void widen(float *dst, const uint16_t *src, int64_t n, tdm_dtype dt) {
-    if (dt == TDM_BF16)
-        tdm_bf16_to_f32(dst, src, (size_t)n);
-    else
-        tdm_f16_to_f32(dst, src, (size_t)n);
-}
-static void narrow(uint16_t *dst, const float *src, int64_t n, tdm_dtype dt) {
-    if (dt == TDM_BF16)
-        tdm_bf16_from_f32(dst, src, (size_t)n);
-    else
-        tdm_f16_from_f32(dst, src, (size_t)n);
-}
-
 /* Registers t and returns the tensor the fp32 kernel is to see: t itself unless it is bf16
  * or f16, else its fp32 twin (converted from t's values unless the kernel only writes it). */
 static tdm_tensor *lp_arg_add(lp_call *c, const tdm_tensor *t, lp_mode mode) {
@@ -101,7 +87,7 @@ static tdm_tensor *lp_arg_add(lp_call *c, const tdm_tensor *t, lp_mode mode) {
     a->wide.device = t->device;
     a->wide.storage = buf;
     if (mode != LP_OUT && span)
-        widen(buf->data, (const uint16_t *)tdm_data_ptr(t) + lo, span, t->dtype);
+        tdm_cpu_lowp_widen(buf->data, (const uint16_t *)tdm_data_ptr(t) + lo, span, t->dtype);
     c->n++;
     return &a->wide;
 }
@@ -122,7 +108,8 @@ static int lp_end(lp_call *c, int status) {
     for (int i = 0; i < c->n; i++) {
         const lp_arg *a = &c->a[i];
         if (status == TDM_OK && a->mode != LP_IN)
-            narrow(tdm_data_ptr(a->orig), tdm_data_ptr(&a->wide), a->span, a->orig->dtype);
+            tdm_cpu_lowp_narrow(tdm_data_ptr(a->orig), tdm_data_ptr(&a->wide), a->span,
+                                a->orig->dtype);
         tdm_storage_release(c->a[i].buf);
     }
     return status;

@@ -23,12 +23,28 @@
 #define TDM_CPU_LOWP_H
 
 #include "backend/backend.h"
+#include "tandem/half.h"
 
 /* Whether any of the n tensors (NULL entries skipped) is bf16 or f16. */
 static inline bool tdm_cpu_lowp_any(int n, const tdm_tensor *const *ts) {
     for (int i = 0; i < n; i++)
         if (ts[i] && (ts[i]->dtype == TDM_BF16 || ts[i]->dtype == TDM_F16)) return true;
     return false;
+}
+
+/* n 16-bit values of dtype dt (bf16 or f16) to floats, exactly, and back (rounded to nearest
+ * even): for a kernel that reads or writes a low-precision row at a time. */
+static inline void tdm_cpu_lowp_widen(float *dst, const uint16_t *src, int64_t n, tdm_dtype dt) {
+    if (dt == TDM_BF16)
+        tdm_bf16_to_f32(dst, src, (size_t)n);
+    else
+        tdm_f16_to_f32(dst, src, (size_t)n);
+}
+static inline void tdm_cpu_lowp_narrow(uint16_t *dst, const float *src, int64_t n, tdm_dtype dt) {
+    if (dt == TDM_BF16)
+        tdm_bf16_from_f32(dst, src, (size_t)n);
+    else
+        tdm_f16_from_f32(dst, src, (size_t)n);
 }
 
 /* tdm_cpu_lowp_<entry>: the widening adapter of kernel <entry>, with its signature. Defined

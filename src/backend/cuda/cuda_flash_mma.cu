@@ -85,33 +85,22 @@ template <bool TRANS> __device__ __forceinline__ void fa_ldsm(uint32_t r[4], con
 #endif
 }
 
-/* bytes (16, or 0 for zeros) from global src to shared dst, 16-byte aligned, without waiting:
- * fa_wait_loads waits for this thread's. The emulation copies at once. */
-__device__ __forceinline__ void fa_cp16(void *dst, const void *src, int bytes) {
+/* N bytes (N 4 or 16; bytes N, or 0 for zeros) from global src to shared dst, N-byte aligned,
+ * without waiting: fa_wait_loads waits for this thread's. The emulation copies at once. */
+template <int N> __device__ __forceinline__ void fa_cp(void *dst, const void *src, int bytes) {
 #if defined(TDM_CUDA_EMU) || defined(FA_NO_MMA)
     if (bytes)
-        memcpy(dst, src, 16);
+        memcpy(dst, src, N);
     else
-        memset(dst, 0, 16);
+        memset(dst, 0, N);
 #else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
-                     (unsigned)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(bytes)
-                 : "memory");
-#endif
-}
-/* As fa_cp16 for 4 bytes (4-byte aligned). */
-__device__ __forceinline__ void fa_cp4(void *dst, const void *src, int bytes) {
-#if defined(TDM_CUDA_EMU) || defined(FA_NO_MMA)
-    if (bytes)
-        memcpy(dst, src, 4);
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    if constexpr (N == 16) /* past L1, as the tiles are read once a block */
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes)
+                     : "memory");
     else
-        memset(dst, 0, 4);
-#else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(
-                     (unsigned)__cvta_generic_to_shared(dst)),
-                 "l"(src), "r"(bytes)
-                 : "memory");
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(bytes)
+                     : "memory");
 #endif
 }
 /* Marks the loads issued so far as one group (issued after a barrier, waited for before the
@@ -162,8 +151,8 @@ __device__ void fa_load_async(E *tile, const E *src, int64_t row_len, int64_t r0
     for (int e = threadIdx.x; e < FA_BR * vecs; e += FA_THREADS) {
         const int r = e / vecs, c = e % vecs;
         const bool in = r0 + r < g.T;
-        fa_cp16(tile + r * g.ld + c * per, in ? src + (r0 + r) * row_len + c * per : src,
-                in ? 16 : 0);
+        fa_cp<16>(tile + r * g.ld + c * per, in ? src + (r0 + r) * row_len + c * per : src,
+                  in ? 16 : 0);
     }
 }
 
@@ -360,8 +349,8 @@ __global__ void __launch_bounds__(FA_THREADS)
         fa_load_async(at(dO0, u), dyh, g.C, i * FA_BR, g);
         if (threadIdx.x < FA_BR) {
             const int64_t q = i * FA_BR + threadIdx.x;
-            fa_cp4(at(lse0, u) + threadIdx.x, q < g.T ? lh + q : lh, q < g.T ? 4 : 0);
-            fa_cp4(at(D0, u) + threadIdx.x, q < g.T ? Dh + q : Dh, q < g.T ? 4 : 0);
+            fa_cp<4>(at(lse0, u) + threadIdx.x, q < g.T ? lh + q : lh, q < g.T ? 4 : 0);
+            fa_cp<4>(at(D0, u) + threadIdx.x, q < g.T ? Dh + q : Dh, q < g.T ? 4 : 0);
         }
         fa_commit_loads();
     };

@@ -127,10 +127,12 @@ extern dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __align__(n)    alignas(n)
 #define __launch_bounds__(...)
 void __syncthreads(void);
-/* A warp's collective (emu.cpp): this thread's n words (n <= 8) in, every lane's out, as
- * all[lane * n + i], valid until this thread's next barrier or collective. A barrier of the block
- * underneath (the emulation's threads run one after another), so every thread of the block
- * must take part, as in Tandem's kernels that use one. */
+/* A warp's collective (emu.cpp): this thread's n words (n <= EMU_XCHG_WORDS) in, every lane's
+ * out, as all[lane * EMU_XCHG_WORDS + i], valid until this thread's next collective. A barrier
+ * of the block underneath (the emulation's threads run one after another), so every thread of
+ * the block must take part, as in Tandem's kernels that use one, and the block is whole warps
+ * (aborts otherwise). */
+#define EMU_XCHG_WORDS 8
 const uint32_t *emu_warp_exchange(const uint32_t *words, int n);
 /* __shfl_xor_sync of a float over the whole warp (mask and width as CUDA's; all 32 lanes). */
 static inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width = 32) {
@@ -138,7 +140,7 @@ static inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int w
     uint32_t u;
     __builtin_memcpy(&u, &v, 4);
     const uint32_t *all = emu_warp_exchange(&u, 1);
-    __builtin_memcpy(&v, &all[(threadIdx.x % 32) ^ (unsigned)lane_mask], 4);
+    __builtin_memcpy(&v, &all[((threadIdx.x % 32) ^ (unsigned)lane_mask) * EMU_XCHG_WORDS], 4);
     return v;
 }
 /* Runs body for every thread of every block; shmem bytes of dynamic shared memory (extern

@@ -1,13 +1,12 @@
 /* The host emulation behind cuda_runtime.h and cublas_v2.h in this directory.
  *
  * A launch runs its blocks one after another on the calling thread. The threads of a block
- * are coroutines (ucontext) run in rounds: each runs until its next __syncthreads or its
- * end, so a barrier holds exactly as on a GPU, and __shared__ arrays (statics) are shared by
- * the block. Thread 0 runs first as a coroutine: when it ends without a barrier, no thread of
- * the block may reach one (a barrier is every thread's or undefined), so the others run as
- * plain calls, without the context switches (and ASan's clearing of each coroutine's stack)
- * that most kernels, which have no barrier, do not need; one of them reaching a barrier after
- * all is reported and aborts. Streams and events are in order by construction; device memory
+ * are coroutines run in rounds: each runs until its next __syncthreads or its end, so a
+ * barrier holds exactly as on a GPU, and __shared__ arrays (statics) are shared by the block.
+ * Thread 0 runs first as a coroutine: when it ends without a barrier, no thread of the block
+ * may reach one (a barrier is every thread's or undefined), so the others run as plain calls,
+ * without the context switches that most kernels, which have no barrier, do not need; one of
+ * them reaching a barrier after all is reported and aborts. Streams and events are in order by construction; device memory
  * is host memory, so AddressSanitizer sees a kernel's out-of-bounds access. Invalid launch
  * configurations (empty grid, more than 1024 threads, a block size that is not a power of two
  * where the reductions need one is the caller's check) fail as on a GPU, through
@@ -29,7 +28,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <ucontext.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 dim3 threadIdx, blockIdx, blockDim, gridDim;
 
@@ -42,20 +45,75 @@ static std::map<const void *, int> smem_allowed; /* cudaFuncSetAttribute's, per 
 #define SMEM_OPTIN   (227 * 1024) /* sm_90's */
 
 #define MAX_BLOCK 1024
-/* a coroutine's stack: the kernels' frames take a few KiB (ASan's redzones included; a WMMA
- * fragment here is its whole tile, 1 KiB); ASan clears a stack's shadow at each switch to it,
- * the most of the emulation's time in kernels with barriers: the smaller the better */
+/* a coroutine's stack: the kernels' frames take a few KiB, ASan's redzones included */
 #define STACK_SIZE (32 * 1024)
 
-static ucontext_t sched_ctx, thread_ctx[MAX_BLOCK];
+/* ---- coroutines ---------------------------------------------------------------------------
+ * emu_switch saves the registers a call preserves (the x86-64 System V ABI's callee-saved ones)
+ * on the stack it leaves and the stack pointer in *save, and returns on the other stack to
+ * where that one called emu_switch: both sides are in a call, so that is all their state.
+ * (ucontext's swapcontext also saves and restores the signal mask, a system call a switch, and
+ * ASan's interceptor of it clears the shadow of the whole stack it enters: most of a barrier's
+ * cost here, bench/RESULTS.md.) AddressSanitizer is told of each switch
+ * (__sanitizer_start_switch_fiber), so that it knows which stack a frame is on. */
+#if !defined(__x86_64__)
+#error "the emulation's coroutine switch (emu_switch) is written for x86-64"
+#endif
+extern "C" void emu_switch(void **save, void *to);
+asm(".text\n"
+    ".globl emu_switch\n"
+    ".hidden emu_switch\n"
+    ".type emu_switch, @function\n"
+    "emu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size emu_switch, .-emu_switch\n");
+
+static void *sched_sp, *thread_sp[MAX_BLOCK];
 static char *stacks[MAX_BLOCK];
 static bool finished[MAX_BLOCK];
 static const std::function<void()> *body_now;
 static bool plain_calls; /* the block's threads after thread 0 run as calls: no barrier */
+static const void *sched_bottom; /* the scheduler's stack, as ASan gave it at the last switch */
+static size_t sched_size;
 
-static void trampoline(void) {
+#if defined(__SANITIZE_ADDRESS__)
+#define SWITCH_START(fake, bottom, size) __sanitizer_start_switch_fiber(fake, bottom, size)
+#define SWITCH_END(fake, bottom, size)   __sanitizer_finish_switch_fiber(fake, bottom, size)
+#else
+#define SWITCH_START(fake, bottom, size) ((void)(fake), (void)(bottom), (void)(size))
+#define SWITCH_END(fake, bottom, size)   ((void)(fake), (void)(bottom), (void)(size))
+#endif
+
+/* The scheduler runs thread t until its next barrier or its end. */
+static void resume(int t) {
+    void *fake = NULL;
+    SWITCH_START(&fake, stacks[t], STACK_SIZE);
+    emu_switch(&sched_sp, thread_sp[t]);
+    SWITCH_END(fake, NULL, NULL);
+}
+
+/* Thread t gives the scheduler back its turn, to run on from here at its next. */
+static void yield(int t) {
+    void *fake = NULL;
+    SWITCH_START(&fake, sched_bottom, sched_size);
+    emu_switch(&thread_sp[t], sched_sp);
+    SWITCH_END(fake, &sched_bottom, &sched_size);
+}
+
+/* A coroutine's first frame: the kernel's body, then back to the scheduler for good. It never
+ * returns, so it has no local whose address is taken: ASan's poison around such a local would
+ * stay on the stack that the next block's thread t starts on. */
+static void coroutine(void) {
+    SWITCH_END(NULL, &sched_bottom, &sched_size);
     (*body_now)();
-    finished[threadIdx.x] = true; /* uc_link returns to the scheduler */
+    finished[threadIdx.x] = true;
+    SWITCH_START(NULL, sched_bottom, sched_size); /* NULL: this stack's frames are done */
+    emu_switch(&thread_sp[threadIdx.x], sched_sp);
+    abort(); /* a finished coroutine is not resumed */
 }
 
 void __syncthreads(void) {
@@ -66,7 +124,7 @@ void __syncthreads(void) {
                 threadIdx.x, blockIdx.x);
         abort();
     }
-    swapcontext(&thread_ctx[threadIdx.x], &sched_ctx);
+    yield((int)threadIdx.x);
 }
 
 void *emu_dynamic_shared;
@@ -74,32 +132,35 @@ void *emu_dynamic_shared;
 /* Warp collectives: a thread puts its words in one of two buffers, by the parity of its
  * collectives so far, and waits at a barrier; every thread of the block has put its words when
  * the barrier lets the first one on. A thread reads the buffer before its next collective,
- * which writes the other one, so one barrier a collective is enough. */
-#define XCHG_WORDS 8
-static uint32_t xchg[2][MAX_BLOCK][XCHG_WORDS];
+ * which writes the other one, so one barrier a collective is enough, and the buffer itself is
+ * what the threads read (no copy). */
+static uint32_t xchg[2][MAX_BLOCK][EMU_XCHG_WORDS];
 static unsigned xchg_count[MAX_BLOCK];
 
 const uint32_t *emu_warp_exchange(const uint32_t *words, int n) {
-    const unsigned t = threadIdx.x, buf = xchg_count[t]++ % 2;
-    if (n > XCHG_WORDS) abort();
+    const unsigned t = threadIdx.x, buf = xchg_count[t]++ % 2, base = t - t % 32;
+    if (n > EMU_XCHG_WORDS || base + 32 > blockDim.x) {
+        fprintf(stderr, "emu: a warp collective of %d words in a block of %u threads (at most %d "
+                "words, whole warps)\n", n, blockDim.x, EMU_XCHG_WORDS);
+        abort();
+    }
     for (int i = 0; i < n; i++) xchg[buf][t][i] = words[i];
     __syncthreads();
-    static thread_local uint32_t all[32 * XCHG_WORDS];
-    const unsigned base = t - t % 32;
-    for (unsigned l = 0; l < 32; l++)
-        for (int i = 0; i < n; i++)
-            all[l * n + i] = base + l < blockDim.x ? xchg[buf][base + l][i] : 0;
-    return all;
+    return xchg[buf][base];
 }
 
-/* Thread t's coroutine, at the start of the body. */
+/* Thread t's coroutine, at the start of the body: a stack whose first switch to it returns
+ * into coroutine() as if called (the ABI's alignment: 8 past a multiple of 16 at its entry),
+ * the six registers emu_switch restores zero. */
 static void start(int t) {
-    if (!stacks[t] && !(stacks[t] = (char *)malloc(STACK_SIZE))) abort();
-    getcontext(&thread_ctx[t]);
-    thread_ctx[t].uc_stack.ss_sp = stacks[t];
-    thread_ctx[t].uc_stack.ss_size = STACK_SIZE;
-    thread_ctx[t].uc_link = &sched_ctx;
-    makecontext(&thread_ctx[t], trampoline, 0);
+    if (!stacks[t] && posix_memalign((void **)&stacks[t], 16, STACK_SIZE)) abort();
+    void **sp = (void **)(stacks[t] + STACK_SIZE) - 8;
+#if defined(__SANITIZE_ADDRESS__)
+    __asan_unpoison_memory_region(sp, 8 * sizeof(void *));
+#endif
+    memset(sp, 0, 8 * sizeof(void *));
+    sp[6] = (void *)coroutine;
+    thread_sp[t] = sp;
     finished[t] = false;
     xchg_count[t] = 0;
 }
@@ -195,7 +256,7 @@ void emu_launch(long long grid, long long block, const std::function<void()> &bo
         blockIdx = {(unsigned)b, 0, 0};
         start(0);
         threadIdx = {0, 0, 0};
-        swapcontext(&sched_ctx, &thread_ctx[0]);
+        resume(0);
         if (finished[0]) { /* no barrier in this block */
             plain_calls = true;
             for (int t = 1; t < block; t++) {
@@ -213,7 +274,7 @@ void emu_launch(long long grid, long long block, const std::function<void()> &bo
                 if (finished[t]) continue;
                 any = 1;
                 threadIdx = {(unsigned)t, 0, 0};
-                swapcontext(&sched_ctx, &thread_ctx[t]);
+                resume(t);
             }
         }
     }
@@ -426,50 +487,6 @@ cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t m) {
 }
 
 /* C = alpha op(A) op(B) + beta C, column-major, with cuBLAS's argument checks. */
-cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
-                                         cublasOperation_t tb, int m, int n, int k,
-                                         const float *alpha, const float *a, int lda, long long sa,
-                                         const float *b, int ldb, long long sb, const float *beta,
-                                         float *c, int ldc, long long sc, int batch) {
-    int arows = ta == CUBLAS_OP_N ? m : k, brows = tb == CUBLAS_OP_N ? k : n;
-    if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < (arows > 1 ? arows : 1) ||
-        ldb < (brows > 1 ? brows : 1) || ldc < (m > 1 ? m : 1)) {
-        fprintf(stderr, "emu cublas: invalid gemm m=%d n=%d k=%d lda=%d ldb=%d ldc=%d\n", m, n, k,
-                lda, ldb, ldc);
-        return CUBLAS_STATUS_INVALID_VALUE;
-    }
-    const float al = *alpha, be = *beta; /* read at the call, as cuBLAS's host pointers are */
-    auto run = [=]() {
-        census_add("cublasSgemm(StridedBatched)", (double)m * n * k * batch);
-        for (int p = 0; p < batch; p++) {
-            const float *A = a + p * sa, *B = b + p * sb;
-            float *C = c + p * sc;
-            for (int j = 0; j < n; j++)
-                for (int i = 0; i < m; i++) {
-                    double s = 0;
-                    for (int l = 0; l < k; l++) {
-                        float av = ta == CUBLAS_OP_N ? A[i + (long long)l * lda]
-                                                     : A[l + (long long)i * lda];
-                        float bv = tb == CUBLAS_OP_N ? B[l + (long long)j * ldb]
-                                                     : B[j + (long long)l * ldb];
-                        s += (double)av * bv;
-                    }
-                    float r = (float)(al * s);
-                    C[i + (long long)j * ldc] = be == 0.0f ? r : r + be * C[i + (long long)j * ldc];
-                }
-        }
-    };
-    if (!recorded(h->stream, run)) run();
-    return CUBLAS_STATUS_SUCCESS;
-}
-
-cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
-                           int n, int k, const float *alpha, const float *a, int lda,
-                           const float *b, int ldb, const float *beta, float *c, int ldc) {
-    return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc,
-                                     0, 1);
-}
-
 /* Element i of a GemmEx operand of type t, as a float (exact for all three types). */
 static float ex_load(const void *p, cudaDataType t, long long i) {
     if (t == CUDA_R_32F) return ((const float *)p)[i];
@@ -492,6 +509,77 @@ static float tf32(float v) {
     if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
     memcpy(&v, &u, 4);
     return v;
+}
+
+/* op(X)'s rows as floats (TF32-rounded where tf), row r's k elements contiguous: element (r, l)
+ * of op(X) at p[r rs + l ls]. */
+static std::vector<float> ex_panel(const void *p, cudaDataType t, long long rows, long long k,
+                                   long long rs, long long ls, bool tf) {
+    std::vector<float> v((size_t)(rows * k));
+    for (long long r = 0; r < rows; r++)
+        for (long long l = 0; l < k; l++) {
+            const float x = ex_load(p, t, r * rs + l * ls);
+            v[(size_t)(r * k + l)] = tf ? tf32(x) : x;
+        }
+    return v;
+}
+
+/* s[i + j m] = the sum over l of op(A)(i, l) op(B)(l, j) in double, in l order, for A and B
+ * column-major (cuBLAS's), op the transpose where ta or tb; the operands' elements as floats,
+ * TF32-rounded where tf. Both read into contiguous rows first: the same sums as reading them in
+ * place, without a conversion and two strided loads a multiply-add. */
+static std::vector<double> ex_products(const void *A, const void *B, cudaDataType t, long long m,
+                                       long long n, long long k, bool ta, long long lda, bool tb,
+                                       long long ldb, bool tf) {
+    const std::vector<float> a = ex_panel(A, t, m, k, ta ? lda : 1, ta ? 1 : lda, tf);
+    const std::vector<float> b = ex_panel(B, t, n, k, tb ? 1 : ldb, tb ? ldb : 1, tf);
+    std::vector<double> s((size_t)(m * n));
+    for (long long j = 0; j < n; j++)
+        for (long long i = 0; i < m; i++) {
+            const float *x = &a[(size_t)(i * k)], *y = &b[(size_t)(j * k)];
+            double acc = 0;
+            for (long long l = 0; l < k; l++) acc += (double)x[l] * y[l];
+            s[(size_t)(i + j * m)] = acc;
+        }
+    return s;
+}
+
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
+                                         cublasOperation_t tb, int m, int n, int k,
+                                         const float *alpha, const float *a, int lda, long long sa,
+                                         const float *b, int ldb, long long sb, const float *beta,
+                                         float *c, int ldc, long long sc, int batch) {
+    int arows = ta == CUBLAS_OP_N ? m : k, brows = tb == CUBLAS_OP_N ? k : n;
+    if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < (arows > 1 ? arows : 1) ||
+        ldb < (brows > 1 ? brows : 1) || ldc < (m > 1 ? m : 1)) {
+        fprintf(stderr, "emu cublas: invalid gemm m=%d n=%d k=%d lda=%d ldb=%d ldc=%d\n", m, n, k,
+                lda, ldb, ldc);
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    const float al = *alpha, be = *beta; /* read at the call, as cuBLAS's host pointers are */
+    auto run = [=]() {
+        census_add("cublasSgemm(StridedBatched)", (double)m * n * k * batch);
+        for (int p = 0; p < batch; p++) {
+            const std::vector<double> s = ex_products(a + p * sa, b + p * sb, CUDA_R_32F, m, n, k,
+                                                      ta != CUBLAS_OP_N, lda, tb != CUBLAS_OP_N,
+                                                      ldb, false);
+            float *C = c + p * sc;
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) {
+                    float r = (float)(al * s[i + (size_t)j * m]);
+                    C[i + (long long)j * ldc] = be == 0.0f ? r : r + be * C[i + (long long)j * ldc];
+                }
+        }
+    };
+    if (!recorded(h->stream, run)) run();
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                           int n, int k, const float *alpha, const float *a, int lda,
+                           const float *b, int ldb, const float *beta, float *c, int ldc) {
+    return cublasSgemmStridedBatched(h, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc,
+                                     0, 1);
 }
 
 static bool ex_type(cudaDataType t) {
@@ -523,22 +611,19 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta
     const float al = *(const float *)alpha, be = *(const float *)beta;
     auto run = [=]() {
         census_add("cublasGemmStridedBatchedEx", (double)m * n * k * batch);
-        for (int p = 0; p < batch; p++)
+        const size_t es = at == CUDA_R_32F ? 4 : 2, cs = ct == CUDA_R_32F ? 4 : 2;
+        for (int p = 0; p < batch; p++) {
+            const std::vector<double> s =
+                ex_products((const char *)a + p * sa * es, (const char *)b + p * sb * es, at, m,
+                            n, k, ta != CUBLAS_OP_N, lda, tb != CUBLAS_OP_N, ldb, fast);
+            void *C = (char *)c + p * sc * cs;
             for (int j = 0; j < n; j++)
                 for (int i = 0; i < m; i++) {
-                    double s = 0;
-                    for (int l = 0; l < k; l++) {
-                        long long ai =
-                            ta == CUBLAS_OP_N ? i + (long long)l * lda : l + (long long)i * lda;
-                        long long bi =
-                            tb == CUBLAS_OP_N ? l + (long long)j * ldb : j + (long long)l * ldb;
-                        float x = ex_load(a, at, p * sa + ai), y = ex_load(b, bt, p * sb + bi);
-                        s += fast ? (double)tf32(x) * tf32(y) : (double)x * y;
-                    }
-                    long long ci = p * sc + i + (long long)j * ldc;
-                    float r = (float)(al * s);
-                    ex_store(c, ct, ci, be == 0.0f ? r : r + be * ex_load(c, ct, ci));
+                    const long long ci = i + (long long)j * ldc;
+                    const float r = (float)(al * s[i + (size_t)j * m]);
+                    ex_store(C, ct, ci, be == 0.0f ? r : r + be * ex_load(C, ct, ci));
                 }
+        }
     };
     if (!recorded(h->stream, run)) run();
     return CUBLAS_STATUS_SUCCESS;
@@ -713,16 +798,11 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t op, const
                                : "cublasLtMatmul";
     auto run = [=]() {
         census_add(what, (double)m * n * k);
+        const std::vector<double> s = ex_products(A, B, t, m, n, k, ta, lda, tb, ldb, fast);
         for (long long j = 0; j < n; j++)
             for (long long i = 0; i < m; i++) {
-                double s = 0;
-                for (long long l = 0; l < k; l++) {
-                    float x = ex_load(A, t, ta ? l + i * lda : i + l * lda);
-                    float y = ex_load(B, t, tb ? j + l * ldb : l + j * ldb);
-                    s += fast ? (double)tf32(x) * tf32(y) : (double)x * y;
-                }
                 /* alpha AB + beta C + bias in f32 (the epilogue's), then D's type */
-                float r = (float)(al * s);
+                float r = (float)(al * s[(size_t)(i + j * m)]);
                 if (be != 0.0f) r += be * ex_load(C, t, i + j * ldc);
                 if (bias) r += ex_load(bias, t, i);
                 if (dgelu) { /* the f32 sum times GELU' of the GELU's input */

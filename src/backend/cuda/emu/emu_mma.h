@@ -18,14 +18,24 @@
 #ifdef __cplusplus
 #include <stdio.h>
 #include <stdlib.h>
-#include <type_traits>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
-/* An element as float (bf16 and f16 values are exact in it). */
-static inline float emu_mma_f(__nv_bfloat16 v) {
-    return __bfloat162float(v);
+/* The element in a register's low (hi false) or high 16 bits, as float (bf16 and f16 values
+ * are exact in it); inline, as the emulated products convert every element they read. */
+static inline float emu_mma_f(__nv_bfloat16, uint32_t w, bool hi) {
+    const uint32_t u = (hi ? w >> 16 : w & 0xffff) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
 }
-static inline float emu_mma_f(__half v) {
-    return __half2float(v);
+static inline float emu_mma_f(__half, uint32_t w, bool hi) {
+#if defined(__F16C__)
+    return _cvtsh_ss((unsigned short)(hi ? w >> 16 : w));
+#else
+    return tdm_f16_to_float((uint16_t)(hi ? w >> 16 : w));
+#endif
 }
 
 /* PTX's mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 with d as C and D:
@@ -35,35 +45,35 @@ static inline float emu_mma_f(__half v) {
  * 2t + 8r and one more, column g), d[i] (row g + 8 (i >> 1), column 2t + (i & 1)); a pair's
  * first element in the low 16 bits. The warp's registers are gathered with one collective
  * (emu_warp_exchange: every thread of the block must call it alike), so a kernel that put an
- * element in the wrong register gets a wrong product here as on a GPU. Summed in f32 in k
- * order (a tensor core's order is its own: results agree to f32 rounding). */
+ * element in the wrong register gets a wrong product here as on a GPU; each lane then reads
+ * the rows of A (g, g + 8: lanes 4g to 4g + 3) and columns of B (2t, 2t + 1: lanes 8t to 8t + 7)
+ * its d needs. Summed in f32 in k order (a tensor core's order is its own: results agree to f32
+ * rounding). */
 template <typename E>
 static inline void emu_mma_m16n8k16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
     const uint32_t *all = emu_warp_exchange(mine, 6);
-    float A[16][16], B[16][8];
-    for (int lane = 0; lane < 32; lane++) {
-        const int g = lane / 4, t = lane % 4;
-        for (int r = 0; r < 6; r++) {
-            const uint32_t w = all[lane * 6 + r];
-            E lo, hi;
-            const uint16_t l16 = (uint16_t)w, h16 = (uint16_t)(w >> 16);
-            __builtin_memcpy(&lo, &l16, 2);
-            __builtin_memcpy(&hi, &h16, 2);
-            if (r < 4) {
-                const int row = g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
-                A[row][col] = emu_mma_f(lo), A[row][col + 1] = emu_mma_f(hi);
-            } else {
-                const int k = 2 * t + 8 * (r - 4);
-                B[k][g] = emu_mma_f(lo), B[k + 1][g] = emu_mma_f(hi);
+    const int g = (int)(threadIdx.x % 32) / 4, t = (int)(threadIdx.x % 4);
+    float A[2][16], B[2][16]; /* rows g and g + 8 of A; columns 2t and 2t + 1 of B */
+    for (int tl = 0; tl < 4; tl++) {
+        const uint32_t *la = all + (4 * g + tl) * EMU_XCHG_WORDS;
+        for (int r = 0; r < 4; r++) {
+            const int col = 2 * tl + 8 * (r >> 1);
+            A[r & 1][col] = emu_mma_f(E(), la[r], false);
+            A[r & 1][col + 1] = emu_mma_f(E(), la[r], true);
+        }
+        for (int j = 0; j < 2; j++) {
+            const uint32_t *lb = all + (4 * (2 * t + j) + tl) * EMU_XCHG_WORDS;
+            for (int r = 0; r < 2; r++) {
+                const int k = 2 * tl + 8 * r;
+                B[j][k] = emu_mma_f(E(), lb[4 + r], false);
+                B[j][k + 1] = emu_mma_f(E(), lb[4 + r], true);
             }
         }
     }
-    const int g = (int)(threadIdx.x % 32) / 4, t = (int)(threadIdx.x % 4);
     for (int i = 0; i < 4; i++) {
-        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
         float s = d[i];
-        for (int k = 0; k < 16; k++) s += A[row][k] * B[k][col];
+        for (int k = 0; k < 16; k++) s += A[i >> 1][k] * B[i & 1][k];
         d[i] = s;
     }
 }
@@ -86,7 +96,8 @@ static inline void emu_ldmatrix_x4(uint32_t r[4], const void *row, bool trans) {
         for (int k = 0; k < 2; k++) {
             const int rr = trans ? 2 * (l % 4) + k : l / 4, cc = trans ? l / 4 : 2 * (l % 4) + k;
             const int src = i * 8 + rr;
-            const uint64_t p = (uint64_t)all[src * 2] | (uint64_t)all[src * 2 + 1] << 32;
+            const uint32_t *w = all + src * EMU_XCHG_WORDS;
+            const uint64_t p = (uint64_t)w[0] | (uint64_t)w[1] << 32;
             e[k] = ((const uint16_t *)(uintptr_t)p)[cc];
         }
         r[i] = (uint32_t)e[0] | (uint32_t)e[1] << 16;

@@ -701,7 +701,7 @@ static void test_strategy(const int *ks, int nk) {
     tdm_module *later = tdm_gpt_new(&GCFG, tdm_cpu(0), &rng2);
     tdm_strategy *one = ref ? tdm_strategy_one_device(ref, gpt_adamw, NULL) : NULL;
     tdm_strategy *one2 = later ? tdm_strategy_one_device(later, gpt_adamw, NULL) : NULL;
-    float ref_loss[S_STEPS], more[S_STEPS + 1], last_ref;
+    float ref_loss[S_STEPS] = {0}, more[S_STEPS + 1] = {0}, last_ref;
     int rc = one && one2 ? tdm_strategy_set_clip_grad_norm(one, S_CLIP) : tdm_last_status();
     if (!rc) rc = tdm_strategy_set_clip_grad_norm(one2, S_CLIP);
     if (!rc) rc = strategy_steps(one, 0, S_STEPS, ref_loss);

@@ -2,12 +2,14 @@
  * for the heads that fit (cuda_attention.cu sends the rest to its unfused path).
  *
  * No T x T scores reach memory and the tiles above the diagonal are never computed: a block
- * takes FA_BR query rows of one head and walks the key tiles up to its diagonal. bf16 and f16
- * run on the tensor cores through mma.sync with the scores and sums in registers
- * (cuda_flash_mma.cu). This file holds the dispatch, D = rowsum(dy * y) for every dtype and
- * the f32 kernels, which keep their tiles of scores, row statistics and sums in shared memory
- * (products on the CUDA cores in a register tile a thread; no TF32, as PyTorch's default).
- * Every softmax sum is f32, and P and dS are rounded to the dtype for the products that take
+ * takes FA_BR query rows of one head and walks the key tiles up to its diagonal, each of its
+ * four warps owning 16 of the rows and all of their work. bf16 and f16 run on the tensor cores
+ * through mma.sync (cuda_flash_mma.cu). This file holds the dispatch, D = rowsum(dy * y) for
+ * every dtype and the f32 kernels, whose products run on the CUDA cores (no TF32, as PyTorch's
+ * default): the scores, the row statistics and the sums sit in registers, a tile of P (or dS)
+ * goes through the warp's own rows of shared memory to become the next product's operand, and
+ * every shared-memory read of the products is conflict-free (fa32_dot, fa32_acc). Every softmax
+ * sum is f32, and in bf16 and f16 P and dS are rounded to the dtype for the products that take
  * them, as the unfused path and PyTorch's flash kernels round them.
  *
  *   forward   per key tile j <= i: S = scale Q K_j^T; m' = max(m, rowmax S);
@@ -19,167 +21,216 @@
  *             kernel per query tile i, over key tiles j <= i: dQ_i += scale dS K_j
  * FlashAttention-2 adds dQ up with atomics from the first kernel; a second kernel that
  * computes S and dP again costs two products of the seven but keeps every sum in a fixed
- * order, so a run gives the same bits every time, as the rest of the backend does. */
+ * order, so a run gives the same bits every time, as the rest of the backend does.
+ * Exponentials are base 2 (scores scaled by scale log2(e), lse converted in and out). */
 #include "backend/cuda/cuda_flash.cuh"
 
 #include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <type_traits>
 
-/* The f32 forward's S and O rows take 4 floats more, P's 8 elements: rows 64 floats apart
- * would put a column of every row in one bank, and its softmax reads a column of 16 rows */
-#define FA_SLD (FA_BC + 4)
-#define FA_PLD (FA_BC + 8)
+/* ---- the f32 products: the CUDA cores, a register tile a thread ----------------------------
+ * Warp w owns rows [16w, 16w + 16) of the block's 64; lane 8 tr + tc holds rows tr + 4i (i < 4)
+ * of them. The Q, K, V and dy tiles' rows are hs + 4 floats apart (4 more than a multiple of
+ * 8): 4 consecutive rows' float4 at one k (A's rows, one i) or 8 rows' (B's, one j) then fall in
+ * distinct banks. P and dS rows are 8 more than a multiple of 32 apart (FA_PLD32, FA_PLD32_HALF):
+ * the warp's stores of 4 rows of 8 consecutive columns and its float4 loads of 4 rows at one k
+ * fall in distinct banks too. */
+#define FA_PLD32      (FA_BC + 8)
+#define FA_PLD32_HALF (FA_BC / 2 + 8)
 
-/* ---- tile products ------------------------------------------------------------------------ */
-
-/* f32 on the CUDA cores: thread t takes rows [4 (t / 8), + 4) and columns [NC (t % 8), + NC)
- * of c [64, 8 NC], its 4 x NC sums in registers over k (fa_mm's contract). */
-template <int NC, bool TA, bool TB>
-__device__ void fa_mm_f32(float *c, int ldc, const float *a, int lda, const float *b, int ldb,
-                          int K, bool acc) {
-    const int r0 = threadIdx.x / 8 * 4, c0 = threadIdx.x % 8 * NC;
-    float s[4][NC];
+/* c[i][j] = sum over k < K of a[(tr + 4i) ld + k] b[(tc + 8j) ld + k] (K a multiple of 4): a at
+ * the warp's first row, b at the first of 8 NJ rows (column tc + 8j of c is row tc + 8j of b). */
+template <int NJ>
+__device__ __forceinline__ void fa32_dot(float c[4][NJ], const float *a, const float *b, int ld,
+                                         int K) {
+    const int lane = threadIdx.x % 32, tr = lane / 8, tc = lane % 8;
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
-        for (int j = 0; j < NC; j++) s[i][j] = acc ? c[(r0 + i) * ldc + c0 + j] : 0.0f;
-    for (int k = 0; k < K; k++) {
-        float av[4], bv[NC];
+        for (int j = 0; j < NJ; j++) c[i][j] = 0.0f;
+    for (int k = 0; k < K; k += 4) {
+        float4 av[4], bv[NJ];
 #pragma unroll
-        for (int i = 0; i < 4; i++) av[i] = TA ? a[k * lda + r0 + i] : a[(r0 + i) * lda + k];
+        for (int i = 0; i < 4; i++) av[i] = *(const float4 *)(a + (tr + 4 * i) * ld + k);
 #pragma unroll
-        for (int j = 0; j < NC; j++) bv[j] = TB ? b[(c0 + j) * ldb + k] : b[k * ldb + c0 + j];
+        for (int j = 0; j < NJ; j++) bv[j] = *(const float4 *)(b + (tc + 8 * j) * ld + k);
 #pragma unroll
         for (int i = 0; i < 4; i++)
 #pragma unroll
-            for (int j = 0; j < NC; j++) s[i][j] += av[i] * bv[j];
+            for (int j = 0; j < NJ; j++) {
+                float v = c[i][j];
+                v = fmaf(av[i].x, bv[j].x, v);
+                v = fmaf(av[i].y, bv[j].y, v);
+                v = fmaf(av[i].z, bv[j].z, v);
+                c[i][j] = fmaf(av[i].w, bv[j].w, v);
+            }
     }
+}
+
+/* Element e (0 to 3, known when unrolled) of v. */
+__device__ __forceinline__ float fa32_at(float4 v, int e) {
+    return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
+
+/* c[i][2n + e] += sum over k < K of p[(tr + 4i) ldp + k] b[k ld + 2tc + 16n + e] (n < NC / 2,
+ * e < 2; K a multiple of 4): p at the warp's first row of P or dS, b at the first of K rows of a
+ * tile (the product's k), whose columns a thread reads in pairs. */
+template <int NC>
+__device__ __forceinline__ void fa32_acc(float c[4][NC], const float *p, int ldp, const float *b,
+                                         int ld, int K) {
+    const int lane = threadIdx.x % 32, tr = lane / 8, tc = lane % 8;
+    for (int k = 0; k < K; k += 4) {
+        float4 pv[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) pv[i] = *(const float4 *)(p + (tr + 4 * i) * ldp + k);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float *br = b + (k + e) * ld + 2 * tc;
+#pragma unroll
+            for (int n = 0; n < NC / 2; n++) {
+                const float2 bv = *(const float2 *)(br + 16 * n);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    c[i][2 * n] = fmaf(fa32_at(pv[i], e), bv.x, c[i][2 * n]);
+                    c[i][2 * n + 1] = fmaf(fa32_at(pv[i], e), bv.y, c[i][2 * n + 1]);
+                }
+            }
+        }
+    }
+}
+
+/* The thread's elements of c [16, 8 NJ] (rows tr + 4i, columns tc + 8j) into the warp's rows of a
+ * P or dS tile at p (row stride ldp). */
+template <int NJ>
+__device__ __forceinline__ void fa32_put(float *p, int ldp, const float c[4][NJ]) {
+    const int lane = threadIdx.x % 32, tr = lane / 8, tc = lane % 8;
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
-        for (int j = 0; j < NC; j++) c[(r0 + i) * ldc + c0 + j] = s[i][j];
+        for (int j = 0; j < NJ; j++) p[(tr + 4 * i) * ldp + tc + 8 * j] = c[i][j];
 }
 
-/* c [M, N] (f32, row-major, ldc) = op(a) op(b) (+ c where acc), from shared memory, by the
- * whole block on the CUDA cores, a register tile a thread: op(a) [M, K] is a (row-major, lda)
- * or, where TA, the transpose of a [K, M]; op(b) [K, N] likewise. M is 64; N and K are
- * multiples of 16 (N at most 128). The caller synchronises after. */
-template <bool TA, bool TB>
-__device__ void fa_mm(float *c, int ldc, const float *a, int lda, const float *b, int ldb, int M,
-                      int N, int K, bool acc) {
-    switch (N / 8) {
-    case 2:
-        fa_mm_f32<2, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
-        break;
-    case 4:
-        fa_mm_f32<4, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
-        break;
-    case 6:
-        fa_mm_f32<6, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
-        break;
-    case 8:
-        fa_mm_f32<8, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
-        break;
-    case 10:
-        fa_mm_f32<10, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
-        break;
-    case 12:
-        fa_mm_f32<12, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
-        break;
-    case 14:
-        fa_mm_f32<14, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
-        break;
-    default:
-        fa_mm_f32<16, TA, TB>(c, ldc, a, lda, b, ldb, K, acc);
-        break;
+/* The thread's elements of c [16, 8 NC] (fa32_acc's layout) times scale into out (row stride
+ * rs), the warp's first row being `first`; rows at or past T left out. */
+template <int NC>
+__device__ __forceinline__ void fa32_store(float *out, int64_t rs, const float c[4][NC],
+                                           int64_t first, float scale, int64_t T) {
+    const int lane = threadIdx.x % 32, tr = lane / 8, tc = lane % 8;
+    const bool pairs = (uintptr_t)out % 8 == 0 && rs % 2 == 0; /* 8-byte stores */
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t row = first + tr + 4 * i;
+        if (row >= T) continue;
+        float *o = out + row * rs + 2 * tc;
+#pragma unroll
+        for (int n = 0; n < NC / 2; n++) {
+            const float lo = c[i][2 * n] * scale, hi = c[i][2 * n + 1] * scale;
+            if (pairs) {
+                *(float2 *)(o + 16 * n) = make_float2(lo, hi);
+            } else {
+                o[16 * n] = lo;
+                o[16 * n + 1] = hi;
+            }
+        }
     }
 }
 
 /* ---- shared memory ------------------------------------------------------------------------ */
 
-/* Bytes each kernel carves below (the same order and sizes). */
-static size_t fa_smem_fwd(int64_t hs, int ld, size_t es) {
-    return 3 * fa_round(FA_BR * ld * es) + fa_round(FA_BR * FA_SLD * 4) +
-           fa_round(FA_BR * FA_PLD * es) + fa_round(FA_BR * (hs + 4) * 4) +
-           2 * fa_round(FA_BR * 4) + 2 * fa_round(FA_THREADS * 4);
+/* Bytes each kernel carves below (the same order and sizes): the f32 kernels' here, the
+ * mma.sync kernels' in bf16 and f16 (cuda_flash_mma.cu). */
+static size_t fa_smem_fwd(int ld, size_t es) {
+    if (es == 2) return fa_mma_smem_fwd(ld, es);
+    return 3 * fa_round(FA_BR * ld * 4) + fa_round(FA_BR * FA_PLD32 * 4);
 }
-/* The backward's shared memory: the mma.sync kernels' in bf16 and f16 (cuda_flash_mma.cu),
- * the kernels below in f32. */
-static size_t fa_smem_dkv(int64_t hs, int ld, size_t es) {
+static size_t fa_smem_dkv(int ld, size_t es) {
     if (es == 2) return fa_mma_smem_dkv(ld, es);
-    return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
-           2 * fa_round(FA_BR * FA_BC * es) + 2 * fa_round(FA_BC * hs * 4) +
-           2 * fa_round(FA_BR * 4);
+    return 4 * fa_round(FA_BR * ld * 4) + 2 * fa_round(FA_BR * 4) +
+           2 * fa_round(FA_BR * FA_PLD32_HALF * 4);
 }
-static size_t fa_smem_dq(int64_t hs, int ld, size_t es) {
+static size_t fa_smem_dq(int ld, size_t es) {
     if (es == 2) return fa_mma_smem_dq(ld, es);
-    return 4 * fa_round(FA_BR * ld * es) + 2 * fa_round(FA_BR * FA_BC * 4) +
-           fa_round(FA_BR * FA_BC * es) + fa_round(FA_BR * hs * 4) + 2 * fa_round(FA_BR * 4);
+    return 4 * fa_round(FA_BR * ld * 4) + fa_round(FA_BR * FA_PLD32 * 4);
 }
 
 /* ---- forward ------------------------------------------------------------------------------ */
 
-/* f32 (bf16 and f16: cuda_flash_mma.cu). One block: query tile i of head h of batch row b,
- * the last tiles (the most work) first. */
-__global__ void fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g) {
+/* f32, heads of 8 NC. One block: query tile i of head h of batch row b, the last tiles (the
+ * most work) first. */
+template <int NC>
+__global__ void __launch_bounds__(FA_THREADS)
+    fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
     const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
-    const int hs = (int)g.hs, old = hs + 4, tid = threadIdx.x; /* old: O's row in floats */
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tr = lane / 8, tc = lane % 8;
+    const float sl = g.scale * FA_LOG2E;
     fa_carve cv = {fa_smem, 0};
     float *Q = fa_take<float>(&cv, FA_BR * g.ld), *K = fa_take<float>(&cv, FA_BR * g.ld);
     float *V = fa_take<float>(&cv, FA_BR * g.ld);
-    float *S = fa_take<float>(&cv, FA_BR * FA_SLD);
-    float *P = fa_take<float>(&cv, FA_BR * FA_PLD);
-    float *O = fa_take<float>(&cv, FA_BR * old), *m = fa_take<float>(&cv, FA_BR);
-    float *l = fa_take<float>(&cv, FA_BR), *rmax = fa_take<float>(&cv, FA_THREADS);
-    float *rsum = fa_take<float>(&cv, FA_THREADS);
-    const float *head = qkv + b * g.T * 3 * g.C + h * g.hs;
-    fa_load(Q, head, 3 * g.C, q0, g);
-    for (int e = tid; e < FA_BR * old; e += FA_THREADS) O[e] = 0.0f;
-    if (tid < FA_BR) m[tid] = -INFINITY, l[tid] = 0.0f;
-    /* two threads a row of the tile, each every other key and output column (with the padded
-     * rows, a warp's 16 rows fall in distinct banks but for pairs) */
-    const int r = tid / 2, half = tid % 2;
+    float *P = fa_take<float>(&cv, FA_BR * FA_PLD32) + w * 16 * FA_PLD32; /* the warp's rows */
+    const int64_t rl = 3 * g.C;
+    const float *head = qkv + b * g.T * rl + h * g.hs, *Qw = Q + w * 16 * g.ld;
+    fa_load(Q, head, rl, q0, g);
+    int64_t row[4];
+    float o[4][NC] = {}, m[4], l[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) row[r] = q0 + w * 16 + tr + 4 * r, m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t j = 0; j <= i; j++) {
         const int64_t k0 = j * FA_BC;
-        __syncthreads(); /* the last tile's products are done with K, V and P */
-        fa_load(K, head + g.C, 3 * g.C, k0, g);
-        fa_load(V, head + 2 * g.C, 3 * g.C, k0, g);
+        __syncthreads(); /* every warp is done with the last tile's K and V */
+        fa_load(K, head + g.C, rl, k0, g);
+        fa_load(V, head + 2 * g.C, rl, k0, g);
         __syncthreads();
-        fa_mm<false, true>(S, FA_SLD, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
-        __syncthreads();
-        const int64_t q = q0 + r;
-        float mx = -INFINITY;
-        for (int c = half; c < FA_BC; c += 2) {
-            const int64_t k = k0 + c;
-            float s = k <= q && k < g.T ? S[r * FA_SLD + c] * g.scale : -INFINITY;
-            S[r * FA_SLD + c] = s, mx = fmaxf(mx, s);
+        float s[4][FA_BC / 8], mx[4];
+        fa32_dot<FA_BC / 8>(s, Qw, K, g.ld, (int)g.hs);
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            mx[r] = -INFINITY;
+#pragma unroll
+            for (int c = 0; c < FA_BC / 8; c++) {
+                float v = s[r][c] * sl;
+                const int64_t k = k0 + tc + 8 * c; /* the diagonal tile has keys past a row or T */
+                if (j == i && (k > row[r] || k >= g.T)) v = -INFINITY;
+                s[r][c] = v, mx[r] = fmaxf(mx[r], v);
+            }
         }
-        rmax[tid] = mx;
-        __syncthreads();
-        const float m_old = m[r], m_new = fmaxf(m_old, fmaxf(rmax[2 * r], rmax[2 * r + 1]));
-        const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
-        float sum = 0.0f;
-        for (int c = half; c < FA_BC; c += 2) {
-            float s = S[r * FA_SLD + c], p = s == -INFINITY ? 0.0f : expf(s - m_new);
-            P[r * FA_PLD + c] = p, sum += p;
+        float alpha[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) { /* key 0 of the tile is at or below every row's diagonal
+                                       * (rows past T included): the maximum is finite */
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));
+            const float m_new = fmaxf(m[r], mx[r]);
+            alpha[r] = exp2f(m[r] - m_new); /* 0 at the first tile: m is -inf */
+            m[r] = m_new, l[r] *= alpha[r];
+#pragma unroll
+            for (int c = 0; c < FA_BC / 8; c++) { /* P (masked scores give 0) */
+                s[r][c] = exp2f(s[r][c] - m_new);
+                l[r] += s[r][c];
+            }
+#pragma unroll
+            for (int d = 0; d < NC; d++) o[r][d] *= alpha[r];
         }
-        for (int d = half; d < hs; d += 2) O[r * old + d] *= alpha;
-        rsum[tid] = sum;
-        __syncthreads(); /* every thread has read m[r] */
-        if (half == 0) m[r] = m_new, l[r] = l[r] * alpha + rsum[2 * r] + rsum[2 * r + 1];
-        fa_mm<false, false>(O, old, P, FA_PLD, V, g.ld, FA_BR, hs, FA_BC, true);
+        fa32_put<FA_BC / 8>(P, FA_PLD32, s);
+        __syncwarp(); /* the warp's P is in (the next tile's is written after a barrier) */
+        fa32_acc<NC>(o, P, FA_PLD32, V, g.ld, FA_BC);
     }
-    __syncthreads();
-    float *yh = y + b * g.T * g.C + h * g.hs;
-    for (int e = tid; e < FA_BR * hs; e += FA_THREADS) {
-        const int rr = e / hs, d = e % hs;
-        if (q0 + rr < g.T) yh[(q0 + rr) * g.C + d] = O[rr * old + d] / l[rr];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 4);
+        if (tc == 0 && row[r] < g.T) lse[bh * g.T + row[r]] = m[r] * FA_LN2 + logf(l[r]);
+        const float inv = 1.0f / l[r];
+#pragma unroll
+        for (int d = 0; d < NC; d++) o[r][d] *= inv;
     }
-    if (tid < FA_BR && q0 + tid < g.T) lse[bh * g.T + q0 + tid] = m[tid] + logf(l[tid]);
+    fa32_store<NC>(y + b * g.T * g.C + h * g.hs, g.C, o, q0 + w * 16, 1.0f, g.T);
 }
 
 /* ---- backward ----------------------------------------------------------------------------- */
@@ -223,112 +274,130 @@ __global__ void fa_delta_kernel(float *D, const E *dy, const E *y, fa_geom g, bo
     }
 }
 
-/* P = exp(scale S - lse) on and below the diagonal (0 elsewhere) and dS = P (dP - D), of query
- * tile q0 against key tile k0, by the block; P into Pt where non-NULL. */
-__device__ void fa_dscores(float *Pt, float *dSt, const float *S, const float *dP,
-                           const float *lse_s, const float *D_s, int64_t q0, int64_t k0,
-                           fa_geom g) {
-    for (int e = threadIdx.x; e < FA_BR * FA_BC; e += FA_THREADS) {
-        const int r = e / FA_BC, c = e % FA_BC;
-        const int64_t q = q0 + r, k = k0 + c;
-        const float p = k <= q && q < g.T ? expf(S[e] * g.scale - lse_s[r]) : 0.0f;
-        if (Pt) Pt[e] = p;
-        dSt[e] = p * (dP[e] - D_s[r]);
-    }
-}
-
-/* One block: key tile j of a head, over the query tiles from its diagonal on: dK and dV, their
- * sums in shared memory (f32; bf16 and f16: cuda_flash_mma.cu). */
-__global__ void fa_dkv_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse,
-                              const float *D, fa_geom g) {
+/* f32. One block: key tile j of a head, over the query tiles from its diagonal on, 32 queries
+ * at a time; warp w owns keys [16w, 16w + 16): dK and dV in registers. */
+template <int NC>
+__global__ void __launch_bounds__(FA_THREADS)
+    fa_dkv_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse, const float *D,
+                  fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, j = blockIdx.x % nt, bh = blockIdx.x / nt;
     const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * FA_BC;
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tr = lane / 8, tc = lane % 8;
     const int hs = (int)g.hs;
+    const float sl = g.scale * FA_LOG2E;
     fa_carve cv = {fa_smem, 0};
     float *K = fa_take<float>(&cv, FA_BR * g.ld), *V = fa_take<float>(&cv, FA_BR * g.ld);
     float *Q = fa_take<float>(&cv, FA_BR * g.ld), *dO = fa_take<float>(&cv, FA_BR * g.ld);
-    float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
-    float *P = fa_take<float>(&cv, FA_BR * FA_BC), *dS = fa_take<float>(&cv, FA_BR * FA_BC);
-    float *dK = fa_take<float>(&cv, FA_BC * hs), *dV = fa_take<float>(&cv, FA_BC * hs);
     float *lse_s = fa_take<float>(&cv, FA_BR), *D_s = fa_take<float>(&cv, FA_BR);
-    const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
+    float *P = fa_take<float>(&cv, FA_BR * FA_PLD32_HALF) + w * 16 * FA_PLD32_HALF;
+    float *dS = fa_take<float>(&cv, FA_BR * FA_PLD32_HALF) + w * 16 * FA_PLD32_HALF;
+    const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs;
     const float *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
-    fa_load(K, head + g.C, row3, k0, g);
-    fa_load(V, head + 2 * g.C, row3, k0, g);
-    for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) dK[e] = dV[e] = 0.0f;
+    const float *Kw = K + w * 16 * g.ld, *Vw = V + w * 16 * g.ld;
+    fa_load(K, head + g.C, rl, k0, g);
+    fa_load(V, head + 2 * g.C, rl, k0, g);
+    int64_t key[4];
+    float dK[4][NC] = {}, dV[4][NC] = {};
+#pragma unroll
+    for (int r = 0; r < 4; r++) key[r] = k0 + w * 16 + tr + 4 * r;
     for (int64_t i = j; i < nt; i++) {
         const int64_t q0 = i * FA_BR;
-        __syncthreads(); /* the last tile's products are done with Q, dO, P and dS */
-        fa_load(Q, head, row3, q0, g);
+        __syncthreads(); /* every warp is done with the last tile's Q and dy */
+        fa_load(Q, head, rl, q0, g);
         fa_load(dO, dyh, g.C, q0, g);
         fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
         __syncthreads();
-        fa_mm<false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
-        fa_mm<false, true>(dP, FA_BC, dO, g.ld, V, g.ld, FA_BR, FA_BC, hs, false);
-        __syncthreads();
-        fa_dscores(P, dS, S, dP, lse_s, D_s, q0, k0, g);
-        __syncthreads();
-        fa_mm<true, false>(dV, hs, P, FA_BC, dO, g.ld, FA_BC, hs, FA_BR, true);
-        fa_mm<true, false>(dK, hs, dS, FA_BC, Q, g.ld, FA_BC, hs, FA_BR, true);
+        /* the diagonal tile, and a last one with queries past T, take the masks */
+        const bool edge = i == j || q0 + FA_BR > g.T;
+#pragma unroll 1
+        for (int c0 = 0; c0 < FA_BC; c0 += FA_BC / 2) {
+            float s[4][FA_BC / 16], dp[4][FA_BC / 16]; /* P^T and dS^T: key rows, query columns */
+            fa32_dot<FA_BC / 16>(s, Kw, Q + c0 * g.ld, g.ld, hs);
+            fa32_dot<FA_BC / 16>(dp, Vw, dO + c0 * g.ld, g.ld, hs);
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int c = 0; c < FA_BC / 16; c++) {
+                    const int qc = c0 + tc + 8 * c;
+                    const int64_t q = q0 + qc;
+                    float p = exp2f(s[r][c] * sl - lse_s[qc] * FA_LOG2E);
+                    if (edge && (key[r] > q || q >= g.T)) p = 0.0f;
+                    s[r][c] = p, dp[r][c] = p * (dp[r][c] - D_s[qc]);
+                }
+            fa32_put<FA_BC / 16>(P, FA_PLD32_HALF, s);
+            fa32_put<FA_BC / 16>(dS, FA_PLD32_HALF, dp);
+            __syncwarp(); /* the warp's P^T and dS^T are in */
+            fa32_acc<NC>(dV, P, FA_PLD32_HALF, dO + c0 * g.ld, g.ld, FA_BC / 2);
+            fa32_acc<NC>(dK, dS, FA_PLD32_HALF, Q + c0 * g.ld, g.ld, FA_BC / 2);
+            __syncwarp(); /* every lane is done with them before the next half's */
+        }
     }
-    __syncthreads(); /* every product is done with dK and dV */
     float *gh = dqkv + off;
-    for (int e = threadIdx.x; e < FA_BC * hs; e += FA_THREADS) {
-        const int r = e / hs, d = e % hs;
-        if (k0 + r >= g.T) continue;
-        gh[(k0 + r) * row3 + g.C + d] = dK[e] * g.scale;
-        gh[(k0 + r) * row3 + 2 * g.C + d] = dV[e];
-    }
+    fa32_store<NC>(gh + g.C, rl, dK, k0 + w * 16, g.scale, g.T);
+    fa32_store<NC>(gh + 2 * g.C, rl, dV, k0 + w * 16, 1.0f, g.T);
 }
 
-/* One block: query tile i of a head, over the key tiles up to its diagonal: dQ, its sum in
- * shared memory (as fa_dkv_kernel). */
-__global__ void fa_dq_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse,
-                             const float *D, fa_geom g) {
+/* f32. One block: query tile i of a head, over the key tiles up to its diagonal; warp w owns
+ * queries [16w, 16w + 16): dQ in registers. */
+template <int NC>
+__global__ void __launch_bounds__(FA_THREADS)
+    fa_dq_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse, const float *D,
+                 fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
     const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
     const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tr = lane / 8, tc = lane % 8;
     const int hs = (int)g.hs;
+    const float sl = g.scale * FA_LOG2E;
     fa_carve cv = {fa_smem, 0};
     float *Q = fa_take<float>(&cv, FA_BR * g.ld), *dO = fa_take<float>(&cv, FA_BR * g.ld);
     float *K = fa_take<float>(&cv, FA_BR * g.ld), *V = fa_take<float>(&cv, FA_BR * g.ld);
-    float *S = fa_take<float>(&cv, FA_BR * FA_BC), *dP = fa_take<float>(&cv, FA_BR * FA_BC);
-    float *dS = fa_take<float>(&cv, FA_BR * FA_BC);
-    float *dQ = fa_take<float>(&cv, FA_BR * hs), *lse_s = fa_take<float>(&cv, FA_BR);
-    float *D_s = fa_take<float>(&cv, FA_BR);
-    const int64_t row3 = 3 * g.C, off = b * g.T * row3 + h * g.hs;
-    const float *head = qkv + off;
-    fa_load(Q, head, row3, q0, g);
+    float *dS = fa_take<float>(&cv, FA_BR * FA_PLD32) + w * 16 * FA_PLD32;
+    const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs;
+    const float *head = qkv + off, *Qw = Q + w * 16 * g.ld, *dOw = dO + w * 16 * g.ld;
+    fa_load(Q, head, rl, q0, g);
     fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
-    fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
-    for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) dQ[e] = 0.0f;
+    int64_t q[4];
+    float lse_r[4], D_r[4], dQ[4][NC] = {};
+#pragma unroll
+    for (int r = 0; r < 4; r++) { /* rows past T: lse +inf, so P is 0 */
+        q[r] = q0 + w * 16 + tr + 4 * r;
+        lse_r[r] = q[r] < g.T ? lse[bh * g.T + q[r]] * FA_LOG2E : INFINITY;
+        D_r[r] = q[r] < g.T ? D[bh * g.T + q[r]] : 0.0f;
+    }
     for (int64_t j = 0; j <= i; j++) {
         const int64_t k0 = j * FA_BC;
-        __syncthreads(); /* the last tile's product is done with K and dS */
-        fa_load(K, head + g.C, row3, k0, g);
-        fa_load(V, head + 2 * g.C, row3, k0, g);
+        __syncthreads(); /* every warp is done with the last tile's K */
+        fa_load(K, head + g.C, rl, k0, g);
+        fa_load(V, head + 2 * g.C, rl, k0, g);
         __syncthreads();
-        fa_mm<false, true>(S, FA_BC, Q, g.ld, K, g.ld, FA_BR, FA_BC, hs, false);
-        fa_mm<false, true>(dP, FA_BC, dO, g.ld, V, g.ld, FA_BR, FA_BC, hs, false);
-        __syncthreads();
-        fa_dscores(NULL, dS, S, dP, lse_s, D_s, q0, k0, g);
-        __syncthreads();
-        fa_mm<false, false>(dQ, hs, dS, FA_BC, K, g.ld, FA_BR, hs, FA_BC, true);
+        float s[4][FA_BC / 8], dp[4][FA_BC / 8];
+        fa32_dot<FA_BC / 8>(s, Qw, K, g.ld, hs);
+        fa32_dot<FA_BC / 8>(dp, dOw, V, g.ld, hs);
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < FA_BC / 8; c++) { /* dS: query row r, key column */
+                float p = exp2f(s[r][c] * sl - lse_r[r]);
+                if (j == i && k0 + tc + 8 * c > q[r]) p = 0.0f;
+                dp[r][c] = p * (dp[r][c] - D_r[r]);
+            }
+        fa32_put<FA_BC / 8>(dS, FA_PLD32, dp);
+        __syncwarp(); /* the warp's dS is in (the next tile's is written after a barrier) */
+        fa32_acc<NC>(dQ, dS, FA_PLD32, K, g.ld, FA_BC);
     }
-    __syncthreads(); /* every product is done with dQ */
-    float *gh = dqkv + off;
-    for (int e = threadIdx.x; e < FA_BR * hs; e += FA_THREADS) {
-        const int r = e / hs, d = e % hs;
-        if (q0 + r < g.T) gh[(q0 + r) * row3 + d] = dQ[e] * g.scale;
-    }
+    fa32_store<NC>(dqkv + off, rl, dQ, q0 + w * 16, g.scale, g.T);
 }
 
 /* ---- host --------------------------------------------------------------------------------- */
 
+/* The geometry; tiles' rows ld elements apart: bf16 and f16 rows 16 bytes past a multiple of
+ * 16 elements (ldmatrix's aligned rows), f32 rows 4 floats more than the head (banks: above). */
 static fa_geom fa_geom_of(const tdm_tensor *qkv, int n_head) {
     const int64_t B = qkv->shape[0], T = qkv->shape[1], C = qkv->shape[2] / 3, hs = C / n_head;
-    return fa_geom{B, T, C, n_head, hs, 1.0f / sqrtf((float)hs), (int)hs + FA_PAD};
+    const int ld = (int)hs + (qkv->dtype == TDM_F32 ? 4 : FA_PAD);
+    return fa_geom{B, T, C, n_head, hs, 1.0f / sqrtf((float)hs), ld};
 }
 
 /* The most shared memory a block of this device may take (the opt-in limit). */
@@ -375,7 +444,7 @@ extern "C" bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head) {
     /* bf16 and f16 products take sm_80's tensor-core instructions */
     return g.hs % 16 == 0 && g.hs <= 128 && g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR) <= INT32_MAX &&
            (es == 4 || fa_cc_major(qkv->device.index) >= 8) &&
-           fa_smem_dkv(g.hs, g.ld, es) <= (size_t)fa_smem_limit(qkv->device.index);
+           fa_smem_dkv(g.ld, es) <= (size_t)fa_smem_limit(qkv->device.index);
 }
 
 /* Launches kernel k with smem bytes of shared memory (over the 48 KiB a launch gets unasked). */
@@ -384,32 +453,63 @@ template <typename K> static int fa_launch_check(K *k, size_t smem, const char *
                     what, idx);
 }
 
+/* f(std::integral_constant<int, NC>) for the f32 kernels' columns a thread, NC = hs / 8 (heads
+ * of 16 to 128, a multiple of 16: tdm_cuda_flash_fits). */
+template <typename F> static int fa32_by_head(int64_t hs, F f) {
+    switch (hs / 16) {
+    case 1:
+        return f(std::integral_constant<int, 2>());
+    case 2:
+        return f(std::integral_constant<int, 4>());
+    case 3:
+        return f(std::integral_constant<int, 6>());
+    case 4:
+        return f(std::integral_constant<int, 8>());
+    case 5:
+        return f(std::integral_constant<int, 10>());
+    case 6:
+        return f(std::integral_constant<int, 12>());
+    case 7:
+        return f(std::integral_constant<int, 14>());
+    default:
+        return f(std::integral_constant<int, 16>());
+    }
+}
+
 template <typename E>
 static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv,
                       fa_geom g) {
     if constexpr (sizeof(E) == 2) {
         return fa_mma_forward<E>(d, idx, cu_p<E>(y), cu_f(lse), cu_p<E>(qkv), g);
     } else {
-        const size_t smem = fa_smem_fwd(g.hs, g.ld, sizeof(E));
+        const size_t smem = fa_smem_fwd(g.ld, 4);
         const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
-        if (fa_launch_check(fa_fwd_kernel, smem, "flash attention", idx)) return tdm_last_status();
-        fa_fwd_kernel<<<blocks, FA_THREADS, smem, d->compute>>>(cu_f(qkv), cu_f(y), cu_f(lse), g);
-        return cu_check_launch("flash attention", idx);
+        return fa32_by_head(g.hs, [&](auto nc) -> int {
+            constexpr int NC = decltype(nc)::value;
+            if (fa_launch_check(fa_fwd_kernel<NC>, smem, "flash attention", idx))
+                return tdm_last_status();
+            fa_fwd_kernel<NC>
+                <<<blocks, FA_THREADS, smem, d->compute>>>(cu_f(qkv), cu_f(y), cu_f(lse), g);
+            return cu_check_launch("flash attention", idx);
+        });
     }
 }
 
-/* The f32 backward's two kernels, their sums in shared memory. */
+/* The f32 backward's two kernels. */
 static int fa_backward_f32(cu_device *d, int idx, float *gq, const float *gy, const float *x,
                            const float *lse, const float *D, fa_geom g) {
-    const size_t s_kv = fa_smem_dkv(g.hs, g.ld, 4), s_q = fa_smem_dq(g.hs, g.ld, 4);
+    const size_t s_kv = fa_smem_dkv(g.ld, 4), s_q = fa_smem_dq(g.ld, 4);
     const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
     const char *what = "flash attention_backward";
-    if (fa_launch_check(fa_dkv_kernel, s_kv, what, idx)) return tdm_last_status();
-    fa_dkv_kernel<<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
-    if (cu_check_launch("flash attention_backward (dk, dv)", idx)) return tdm_last_status();
-    if (fa_launch_check(fa_dq_kernel, s_q, what, idx)) return tdm_last_status();
-    fa_dq_kernel<<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
-    return cu_check_launch("flash attention_backward (dq)", idx);
+    return fa32_by_head(g.hs, [&](auto nc) -> int {
+        constexpr int NC = decltype(nc)::value;
+        if (fa_launch_check(fa_dkv_kernel<NC>, s_kv, what, idx)) return tdm_last_status();
+        fa_dkv_kernel<NC><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
+        if (cu_check_launch("flash attention_backward (dk, dv)", idx)) return tdm_last_status();
+        if (fa_launch_check(fa_dq_kernel<NC>, s_q, what, idx)) return tdm_last_status();
+        fa_dq_kernel<NC><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
+        return cu_check_launch("flash attention_backward (dq)", idx);
+    });
 }
 
 template <typename E>

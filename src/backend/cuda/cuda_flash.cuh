@@ -9,7 +9,9 @@
 #define FA_BR      64  /* query rows a block */
 #define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
 #define FA_THREADS 128 /* four warps */
-#define FA_PAD     8   /* elements after each row of Q, K, V, dy in shared memory (banks) */
+#define FA_PAD     8   /* bf16/f16 elements after each row of Q, K, V, dy in shared memory */
+#define FA_LOG2E   1.4426950408889634f /* the kernels' exponentials are base 2 */
+#define FA_LN2     0.6931471805599453f
 
 typedef struct {
     int64_t B, T, C, nh, hs;

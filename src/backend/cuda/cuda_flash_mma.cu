@@ -32,9 +32,6 @@
 #include "emu_mma.h"
 #endif
 
-#define FA_LOG2E 1.4426950408889634f
-#define FA_LN2   0.6931471805599453f
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800 && !defined(TDM_CUDA_EMU)
 #define FA_NO_MMA 1 /* tdm_cuda_flash_fits declines bf16 and f16 before sm_80 */
 #endif

@@ -127,6 +127,17 @@ extern dim3 threadIdx, blockIdx, blockDim, gridDim;
 #define __align__(n)    alignas(n)
 #define __launch_bounds__(...)
 void __syncthreads(void);
+/* The vector types the f32 kernels load in one instruction (aligned as on a GPU, where a
+ * misaligned one faults; AddressSanitizer does not check alignment, UBSan does). */
+struct alignas(8) float2 {
+    float x, y;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static inline float2 make_float2(float x, float y) {
+    return float2{x, y};
+}
 /* A warp's collective (emu.cpp): this thread's n words (n <= EMU_XCHG_WORDS) in, every lane's
  * out, as all[lane * EMU_XCHG_WORDS + i], valid until this thread's next collective. A barrier
  * of the block underneath (the emulation's threads run one after another), so every thread of
@@ -134,6 +145,12 @@ void __syncthreads(void);
  * (aborts otherwise). */
 #define EMU_XCHG_WORDS 8
 const uint32_t *emu_warp_exchange(const uint32_t *words, int n);
+/* __syncwarp: the warp's lanes' shared-memory writes seen by all of them after it. A barrier of
+ * the block here, as the collectives below: every thread of the block must reach it. */
+static inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    (void)mask;
+    __syncthreads();
+}
 /* __shfl_xor_sync of a float over the whole warp (mask and width as CUDA's; all 32 lanes). */
 static inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width = 32) {
     (void)mask, (void)width;

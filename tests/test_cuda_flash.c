@@ -3,8 +3,9 @@
  * multiple of the 64-row tile), one tile, several, one head and several, head sizes 16 to
  * 128; a fused run twice, bit for bit (every sum in a fixed order); which heads it takes
  * (a head size that is not a multiple of 16, or whose backward blocks need more shared memory
- * than the GPU has, goes to the unfused path). The kernels against the CPU's are test_cuda's
- * attention rows, which run the fused kernel where it fits.
+ * than the GPU has, goes to the unfused path; and with --before-sm80, on a GPU the caller knows
+ * to be older than sm_80, bf16 and f16 of every head). The kernels against the CPU's are
+ * test_cuda's attention rows, which run the fused kernel where it fits.
  *
  * The bound: in f32 both paths sum the same products in other orders (1e-5 of the
  * magnitudes); in bf16 and f16 both round P and dS to the dtype (at other points: the fused
@@ -24,6 +25,8 @@ int main(void) {
 #include "backend/backend.h"
 #include "backend/cuda/cuda.h"
 #include "tandem/half.h"
+
+#include <string.h>
 
 static const tdm_backend *GPU;
 
@@ -170,7 +173,22 @@ static void test_fits(void) {
     tdm_scope_end();
 }
 
-int main(void) {
+/* On a GPU before sm_80 (the caller says so: the emulation's EMU_CC_MAJOR=7), bf16 and f16 have
+ * no mma.sync: no head of theirs is taken (their unfused path runs), f32's still are. */
+static void test_before_sm80(void) {
+    tdm_scope_begin();
+    const tdm_dtype dts[] = {TDM_F32, TDM_BF16, TDM_F16};
+    for (int d = 0; d < 3; d++)
+        for (int64_t hs = 16; hs <= 128; hs += 16) {
+            tdm_tensor *qkv = tdm_zeros(TDM_SHAPE(1, 4, 3 * 2 * hs), dts[d], tdm_cuda(0));
+            bool fits = qkv && tdm_cuda_flash_fits(qkv, 2);
+            CHECK(fits == (dts[d] == TDM_F32), "before sm_80, a head of %lld in %s: fits %d",
+                  (long long)hs, tdm_dtype_name(dts[d]), fits);
+        }
+    tdm_scope_end();
+}
+
+int main(int argc, char **argv) {
     if (tdm_cuda_device_count() == 0) {
         printf("SKIP test_cuda_flash: no GPU: %s\n", tdm_cuda_unavailable_reason());
         return 77;
@@ -178,6 +196,10 @@ int main(void) {
     if (!(GPU = tdm_backend_for(tdm_cuda(0)))) {
         fprintf(stderr, "test_cuda_flash: %s\n", tdm_last_error());
         return 1;
+    }
+    if (argc > 1 && !strcmp(argv[1], "--before-sm80")) {
+        test_before_sm80();
+        return check_summary();
     }
     test_fits();
     const tdm_dtype dts[] = {TDM_F32, TDM_BF16, TDM_F16};

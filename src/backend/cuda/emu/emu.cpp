@@ -440,9 +440,11 @@ cudaError_t cudaGraphDestroy(cudaGraph_t g) {
     delete g;
     return cudaSuccess;
 }
+/* sm_90 (as SMEM_OPTIN), or EMU_CC_MAJOR's major number: an older GPU's choices, for a test */
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int device) {
+    const char *cc = getenv("EMU_CC_MAJOR");
     *v = a == cudaDevAttrMaxSharedMemoryPerBlockOptin ? SMEM_OPTIN
-         : a == cudaDevAttrComputeCapabilityMajor     ? 9 /* sm_90, as SMEM_OPTIN */
+         : a == cudaDevAttrComputeCapabilityMajor     ? (cc ? atoi(cc) : 9)
                                                       : 0;
     return cudaSuccess;
 }

@@ -1231,6 +1231,12 @@ static void test_errors(void) {
 }
 
 int main(void) {
+    /* cuBLAS and cuBLASLt, which a GPU's first use loads (not linked): found and complete where
+     * the build found them, GPU or not */
+    if (tdm_cuda_blas_load()) {
+        fprintf(stderr, "FAIL test_cuda: %s\n", tdm_last_error());
+        return 1;
+    }
     if (tdm_cuda_device_count() == 0) {
         printf("SKIP test_cuda: no GPU: %s\n", tdm_cuda_unavailable_reason());
         return 77;

@@ -34,6 +34,9 @@ extern const tdm_backend tdm_cuda_backend;
 
 /* GPUs the CUDA runtime sees (0 without a driver or a GPU; never an error). Cached. */
 int tdm_cuda_device_count(void);
+/* Loads cuBLAS and cuBLASLt (cuda_blas.cu; a device's first start does it): 0, or
+ * TDM_ERR_DEVICE naming the library or function missing. Needs no GPU. */
+int tdm_cuda_blas_load(void);
 /* "name, memory GiB, sm_XY" of GPU index into buf (tdm_device_describe). */
 int tdm_cuda_describe(int index, char *buf, size_t cap);
 /* GPU index's memory: *total and *avail (cudaMemGetInfo) in bytes (tdm_device_memory_info). */

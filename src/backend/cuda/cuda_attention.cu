@@ -93,7 +93,7 @@ typedef struct {
 static int att_gemm(cu_device *d, int index, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                     float alpha, att_mat a, att_mat b, att_mat c, int64_t batch, const char *what) {
     const float zero = 0.0f;
-    cublasStatus_t st = cublasGemmStridedBatchedEx(
+    cublasStatus_t st = cu_blas.cublasGemmStridedBatchedEx(
         d->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n, (int)m,
         (int)k, &alpha, b.p, b.type, (int)b.ld, b.stride, a.p, a.type, (int)a.ld, a.stride, &zero,
         c.p, c.type, (int)c.ld, c.stride, (int)batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);

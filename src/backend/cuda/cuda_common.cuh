@@ -77,6 +77,42 @@ static inline cu_device *cu_dev_of(const tdm_tensor *t, const char *what) {
 int cu_check(cudaError_t err, const char *what, int index);
 int cu_check_launch(const char *what, int index);
 int cu_check_blas(cublasStatus_t st, const char *what, int index);
+
+/* The cuBLAS and cuBLASLt functions the backend calls, through cu_blas (cuda_blas.cu: loaded on
+ * a device's first start, so that a program that never uses a GPU never loads them). */
+#define CU_BLAS_FUNCTIONS(X)                                                                       \
+    X(cublasCreate)                                                                                \
+    X(cublasSetStream)                                                                             \
+    X(cublasSetWorkspace)                                                                          \
+    X(cublasSetMathMode)                                                                           \
+    X(cublasSgemmStridedBatched)                                                                   \
+    X(cublasLtCreate)                                                                              \
+    X(cublasLtMatmul)                                                                              \
+    X(cublasLtMatmulAlgoGetHeuristic)                                                              \
+    X(cublasLtMatmulDescCreate)                                                                    \
+    X(cublasLtMatmulDescDestroy)                                                                   \
+    X(cublasLtMatmulDescSetAttribute)                                                              \
+    X(cublasLtMatmulPreferenceCreate)                                                              \
+    X(cublasLtMatmulPreferenceDestroy)                                                             \
+    X(cublasLtMatmulPreferenceSetAttribute)                                                        \
+    X(cublasLtMatrixLayoutCreate)                                                                  \
+    X(cublasLtMatrixLayoutDestroy)
+/* and cublasGemmStridedBatchedEx, whose C++ overload (a cudaDataType compute type) leaves
+ * decltype no single function: the C one's type */
+typedef cublasStatus_t (*cu_gemm_ex_fn)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int,
+                                        int, int, const void *, const void *, cudaDataType, int,
+                                        long long, const void *, cudaDataType, int, long long,
+                                        const void *, void *, cudaDataType, int, long long, int,
+                                        cublasComputeType_t, cublasGemmAlgo_t);
+#define CU_BLAS_FIELD(f) decltype(&::f) f; /* ::f: the function, before the field hides it */
+typedef struct {
+    CU_BLAS_FUNCTIONS(CU_BLAS_FIELD)
+    cu_gemm_ex_fn cublasGemmStridedBatchedEx;
+} cu_blas_api;
+extern cu_blas_api cu_blas;
+/* Fills cu_blas once (later calls give the first's result): 0, or TDM_ERR_DEVICE naming the
+ * library or function that could not be found. */
+int cu_blas_load(void);
 /* Device scratch of nbytes from the caching allocator, in compute-stream order: released
  * right after the kernels that use it are queued (later kernels of the same stream reuse it
  * only after those have run). NULL and an error on failure. */

@@ -95,10 +95,10 @@ static int gemm(cu_device *d, int index, cudaDataType t, cublasOperation_t ta, c
                 const void *b, int64_t ldb, int64_t sb, float *c, int64_t ldc, int64_t sc,
                 int64_t batch, const char *what) {
     const float one = 1.0f, zero = 0.0f;
-    return cu_check_blas(cublasGemmStridedBatchedEx(d->blas, ta, tb, (int)m, (int)n, (int)k, &one,
-                                                    a, t, (int)lda, sa, b, t, (int)ldb, sb, &zero,
-                                                    c, CUDA_R_32F, (int)ldc, sc, (int)batch,
-                                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+    return cu_check_blas(cu_blas.cublasGemmStridedBatchedEx(
+                             d->blas, ta, tb, (int)m, (int)n, (int)k, &one, a, t, (int)lda, sa, b,
+                             t, (int)ldb, sb, &zero, c, CUDA_R_32F, (int)ldc, sc, (int)batch,
+                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                          what, index);
 }
 

@@ -55,14 +55,14 @@ extern "C" int tdm_cuda_matmul(tdm_tensor *c, const tdm_tensor *a, const tdm_ten
                          : a->dtype == TDM_F16 ? CUDA_R_16F
                                                : CUDA_R_32F;
         cudaDataType ct = c->dtype == TDM_F32 ? CUDA_R_32F : t;
-        cublasStatus_t st = cublasGemmStridedBatchedEx(
+        cublasStatus_t st = cu_blas.cublasGemmStridedBatchedEx(
             d->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m, (int)n,
             (int)k, &one, tdm_cuda_ptr(b), t, (int)ldb, b->strides[0], tdm_cuda_ptr(a), t, (int)lda,
             a->strides[0], &beta, tdm_cuda_ptr(c), ct, (int)m, n * m, (int)batch,
             tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         return cu_check_blas(st, "matmul (cublasGemmStridedBatchedEx)", c->device.index);
     }
-    cublasStatus_t st = cublasSgemmStridedBatched(
+    cublasStatus_t st = cu_blas.cublasSgemmStridedBatched(
         d->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)m, (int)n,
         (int)k, &one, cu_f(b), (int)ldb, b->strides[0], cu_f(a), (int)lda, a->strides[0], &beta,
         cu_f(c), (int)m, n * m, (int)batch);
@@ -126,47 +126,57 @@ static cublasStatus_t lt_run(cu_device *d, cudaDataType t, bool tf32, const lt_g
     cublasLtMatmulPreference_t pref = NULL;
     cublasLtMatmulHeuristicResult_t heur;
     int found = 0;
-    cublasStatus_t st = cublasLtMatmulDescCreate(
+    cublasStatus_t st = cu_blas.cublasLtMatmulDescCreate(
         &op, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F);
-    if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
-    if (!st) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
     if (!st)
-        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g->epi,
-                                            sizeof g->epi);
+        st =
+            cu_blas.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+    if (!st)
+        st =
+            cu_blas.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    if (!st)
+        st = cu_blas.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &g->epi,
+                                                    sizeof g->epi);
     if (!st && g->bias)
-        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g->bias,
-                                            sizeof g->bias);
+        st = cu_blas.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g->bias,
+                                                    sizeof g->bias);
     if (!st && g->aux)
-        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g->aux,
-                                            sizeof g->aux);
+        st = cu_blas.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                    &g->aux, sizeof g->aux);
     if (!st && g->aux)
-        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &g->aux_ld,
-                                            sizeof g->aux_ld);
+        st = cu_blas.cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                                    &g->aux_ld, sizeof g->aux_ld);
     if (!st)
-        st = cublasLtMatrixLayoutCreate(&la, t, g->ta ? g->k : g->m, g->ta ? g->m : g->k, g->lda);
+        st = cu_blas.cublasLtMatrixLayoutCreate(&la, t, g->ta ? g->k : g->m, g->ta ? g->m : g->k,
+                                                g->lda);
     if (!st)
-        st = cublasLtMatrixLayoutCreate(&lb, t, g->tb ? g->n : g->k, g->tb ? g->k : g->n, g->ldb);
-    if (!st) st = cublasLtMatrixLayoutCreate(&ld, t, g->m, g->n, g->ldd);
-    if (!st) st = cublasLtMatmulPreferenceCreate(&pref);
+        st = cu_blas.cublasLtMatrixLayoutCreate(&lb, t, g->tb ? g->n : g->k, g->tb ? g->k : g->n,
+                                                g->ldb);
+    if (!st) st = cu_blas.cublasLtMatrixLayoutCreate(&ld, t, g->m, g->n, g->ldd);
+    if (!st) st = cu_blas.cublasLtMatmulPreferenceCreate(&pref);
     if (!st)
-        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                  &ws, sizeof ws);
+        st = cu_blas.cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
     const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (int i = 0; i < 4 && !st; i++)
-        st = cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &al[i], sizeof al[i]);
-    if (!st) st = cublasLtMatmulAlgoGetHeuristic(d->lt, op, la, lb, ld, ld, pref, 1, &heur, &found);
+        st =
+            cu_blas.cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &al[i], sizeof al[i]);
+    if (!st)
+        st = cu_blas.cublasLtMatmulAlgoGetHeuristic(d->lt, op, la, lb, ld, ld, pref, 1, &heur,
+                                                    &found);
     if (!st && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
     const float one = 1.0f;
     if (!st)
-        st = cublasLtMatmul(d->lt, op, &one, g->a, la, g->b, lb, &g->beta, g->d, ld, g->d, ld,
-                            &heur.algo, d->blas_workspace, CU_BLAS_WORKSPACE, d->compute);
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (ld) cublasLtMatrixLayoutDestroy(ld);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (op) cublasLtMatmulDescDestroy(op);
+        st = cu_blas.cublasLtMatmul(d->lt, op, &one, g->a, la, g->b, lb, &g->beta, g->d, ld, g->d,
+                                    ld, &heur.algo, d->blas_workspace, CU_BLAS_WORKSPACE,
+                                    d->compute);
+    if (pref) cu_blas.cublasLtMatmulPreferenceDestroy(pref);
+    if (ld) cu_blas.cublasLtMatrixLayoutDestroy(ld);
+    if (lb) cu_blas.cublasLtMatrixLayoutDestroy(lb);
+    if (la) cu_blas.cublasLtMatrixLayoutDestroy(la);
+    if (op) cu_blas.cublasLtMatmulDescDestroy(op);
     return st;
 }
 

@@ -92,18 +92,19 @@ static int device_init(cu_device *d, int index) {
                  index))
         return tdm_last_status();
     /* a workspace of cuBLAS's own, so that a product recorded in a graph allocates nothing */
-    if (cu_check(cudaMalloc(&d->blas_workspace, CU_BLAS_WORKSPACE), "allocating cuBLAS's workspace",
+    if (cu_blas_load() ||
+        cu_check(cudaMalloc(&d->blas_workspace, CU_BLAS_WORKSPACE), "allocating cuBLAS's workspace",
                  index) ||
-        cu_check_blas(cublasCreate(&d->blas), "creating the cuBLAS handle", index) ||
-        cu_check_blas(cublasSetStream(d->blas, d->compute), "binding cuBLAS to its stream",
+        cu_check_blas(cu_blas.cublasCreate(&d->blas), "creating the cuBLAS handle", index) ||
+        cu_check_blas(cu_blas.cublasSetStream(d->blas, d->compute), "binding cuBLAS to its stream",
                       index) ||
-        cu_check_blas(cublasSetWorkspace(d->blas, d->blas_workspace, CU_BLAS_WORKSPACE),
+        cu_check_blas(cu_blas.cublasSetWorkspace(d->blas, d->blas_workspace, CU_BLAS_WORKSPACE),
                       "giving cuBLAS its workspace", index) ||
-        cu_check_blas(cublasLtCreate(&d->lt), "creating the cuBLASLt handle", index))
+        cu_check_blas(cu_blas.cublasLtCreate(&d->lt), "creating the cuBLASLt handle", index))
         return tdm_last_status();
     /* plain FP32 GEMMs (no TF32), as PyTorch does by default: results comparable to the CPU */
-    return cu_check_blas(cublasSetMathMode(d->blas, CUBLAS_DEFAULT_MATH), "setting FP32 math",
-                         index);
+    return cu_check_blas(cu_blas.cublasSetMathMode(d->blas, CUBLAS_DEFAULT_MATH),
+                         "setting FP32 math", index);
 }
 
 cu_device *cu_dev(int index, const char *what) {

@@ -901,22 +901,17 @@ tdm_tensor *tdm_tp_cross_entropy(tdm_group *tp, tdm_tensor *logits, const tdm_te
     /* in f32 whatever the logits' dtype, as autocast runs PyTorch's cross_entropy */
     if (logits->dtype != TDM_F32 && !(logits = tdm_to_dtype(logits, TDM_F32))) return NULL;
     /* every row's maximum over the whole vocabulary, a constant: it cancels in the loss and
-     * only keeps exp() in range */
+     * only keeps exp() in range; the ranks' maxima gathered and their maximum taken on the
+     * device (no wait for the host) */
     bool grad = tdm_set_grad_enabled(false);
     tdm_tensor *mx = tdm_max(logits, 1, false, NULL);
     tdm_tensor *all =
         mx ? tdm_tensor_alloc(TDM_SHAPE((int64_t)n * m), TDM_F32, logits->device) : NULL;
     int rc = all ? wait_for(tdm_all_gather(tp, all, mx)) : tdm_last_status();
-    float *h = rc ? NULL : malloc(sizeof *h * (size_t)(n * m + m));
-    if (!rc && !h) rc = tdm_raise(TDM_ERR_NOMEM, "tp_cross_entropy: out of memory");
-    if (!rc) rc = tdm_to_host(all, h, sizeof *h * (size_t)(n * m));
-    for (int64_t i = 0; !rc && i < m; i++) {
-        h[n * m + i] = h[i];
-        for (int q = 1; q < n; q++) h[n * m + i] = fmaxf(h[n * m + i], h[q * m + i]);
-    }
     tdm_tensor *shift =
-        rc ? NULL : tdm_from_data(TDM_SHAPE(m, 1), TDM_F32, logits->device, h + n * m);
-    free(h);
+        rc ? NULL
+           : tdm_reshape(tdm_max(tdm_reshape(all, TDM_SHAPE(n, m)), 0, false, NULL),
+                         TDM_SHAPE(m, 1));
     tdm_set_grad_enabled(grad);
     tdm_tensor *local = NULL, *mask = NULL;
     if (!shift ||

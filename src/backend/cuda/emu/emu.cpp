@@ -6,8 +6,9 @@
  * Thread 0 runs first as a coroutine: when it ends without a barrier, no thread of the block
  * may reach one (a barrier is every thread's or undefined), so the others run as plain calls,
  * without the context switches that most kernels, which have no barrier, do not need; one of
- * them reaching a barrier after all is reported and aborts. Streams and events are in order by construction; device memory
- * is host memory, so AddressSanitizer sees a kernel's out-of-bounds access. Invalid launch
+ * them reaching a barrier after all is reported and aborts. Streams and events are in order by
+ * construction; device memory is host memory, so AddressSanitizer sees a kernel's
+ * out-of-bounds access. Invalid launch
  * configurations (empty grid, more than 1024 threads, a block size that is not a power of two
  * where the reductions need one is the caller's check) fail as on a GPU, through
  * cudaGetLastError.
@@ -488,7 +489,6 @@ cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t m) {
     return CUBLAS_STATUS_SUCCESS;
 }
 
-/* C = alpha op(A) op(B) + beta C, column-major, with cuBLAS's argument checks. */
 /* Element i of a GemmEx operand of type t, as a float (exact for all three types). */
 static float ex_load(const void *p, cudaDataType t, long long i) {
     if (t == CUDA_R_32F) return ((const float *)p)[i];
@@ -546,6 +546,7 @@ static std::vector<double> ex_products(const void *A, const void *B, cudaDataTyp
     return s;
 }
 
+/* C = alpha op(A) op(B) + beta C, column-major, with cuBLAS's argument checks. */
 cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                          cublasOperation_t tb, int m, int n, int k,
                                          const float *alpha, const float *a, int lda, long long sa,

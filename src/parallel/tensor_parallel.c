@@ -908,10 +908,9 @@ tdm_tensor *tdm_tp_cross_entropy(tdm_group *tp, tdm_tensor *logits, const tdm_te
     tdm_tensor *all =
         mx ? tdm_tensor_alloc(TDM_SHAPE((int64_t)n * m), TDM_F32, logits->device) : NULL;
     int rc = all ? wait_for(tdm_all_gather(tp, all, mx)) : tdm_last_status();
-    tdm_tensor *shift =
-        rc ? NULL
-           : tdm_reshape(tdm_max(tdm_reshape(all, TDM_SHAPE(n, m)), 0, false, NULL),
-                         TDM_SHAPE(m, 1));
+    tdm_tensor *shift = rc ? NULL
+                           : tdm_reshape(tdm_max(tdm_reshape(all, TDM_SHAPE(n, m)), 0, false, NULL),
+                                         TDM_SHAPE(m, 1));
     tdm_set_grad_enabled(grad);
     tdm_tensor *local = NULL, *mask = NULL;
     if (!shift ||

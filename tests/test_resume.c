@@ -15,6 +15,7 @@
  *
  * Needs Debian's dataset-fashion-mnist (skipped without it). */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -225,16 +226,22 @@ static pid_t start_with(const char *const *launcher, const char *const *args) {
 }
 
 /* Waits (up to 60 s) until the captured stdout shows a step line: the trainer is training. */
-static bool wait_for_steps(pid_t pid) {
+/* Waits (up to a minute) for pid's captured output (`which`, in tmpdir: "stdout") to hold
+ * `what`; false if pid ends first or it never does. */
+static bool wait_for_output(pid_t pid, const char *which, const char *what) {
     for (int i = 0; i < 12000; i++) {
-        char *out = captured("stdout");
-        bool started = strstr(out, "  step ") != NULL;
+        char *out = captured(which);
+        bool seen = strstr(out, what) != NULL;
         free(out);
-        if (started || waitpid(pid, NULL, WNOHANG) == pid) return started;
+        if (seen || waitpid(pid, NULL, WNOHANG) == pid) return seen;
         struct timespec ts = {0, 5000000};
         nanosleep(&ts, NULL);
     }
     return false;
+}
+
+static bool wait_for_steps(pid_t pid) {
+    return wait_for_output(pid, "stdout", "  step ");
 }
 
 /* SIGTERM at a moment drawn from the seed, once the run is training: it stops with a
@@ -935,6 +942,11 @@ static void one_run_per_dir(void) {
     snprintf(other, sizeof other, "%s/other", tmpdir);
     pid_t a = start_with(NULL, ARGS(LONG_RUN(dir)));
     CHECK(wait_for_steps(a), "the first run trains");
+    /* its output kept apart: each run below captures into tmpdir/stdout anew */
+    char out_path[300], first_path[300];
+    snprintf(out_path, sizeof out_path, "%s/stdout", tmpdir);
+    snprintf(first_path, sizeof first_path, "%s/stdout.first", tmpdir);
+    CHECK(rename(out_path, first_path) == 0, "keeping the first run's output: %s", strerror(errno));
     snprintf(expect, sizeof expect,
              "checkpoint directory '%s' is in use by tandem train pid %d on host ", dir, (int)a);
     /* (--max-steps: should one get in, it ends soon) */
@@ -949,6 +961,9 @@ static void one_run_per_dir(void) {
         free(err);
         free(out);
     }
+    /* past its first checkpoint (step 20), so that its stop saves a second: the refused runs
+     * above may all be done before it gets there */
+    CHECK(wait_for_output(a, "stdout.first", "  step 21/"), "the first run reaches step 21");
     kill(a, SIGTERM);
     int rc = wait_status(a), n = 0;
     CHECK(rc == 143 && one_run(dir, id, sizeof id, &n) && n == 2,

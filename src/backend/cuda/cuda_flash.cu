@@ -25,7 +25,6 @@
  * Exponentials are base 2 (scores scaled by scale log2(e), lse converted in and out). */
 #include "backend/cuda/cuda_flash.cuh"
 
-#include <assert.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,6 +1,7 @@
 /* Times the ops a training step spends its time in, for bench/run to set beside PyTorch:
- * matmul (also against the GEMM it calls, cpu_gemm.c, on the same buffers) and cross-entropy
- * forward+backward. Prints "BENCH <name> <ms per iteration>" lines. */
+ * matmul (also against the GEMM it calls, cpu_gemm.c, on the same buffers), cross-entropy
+ * forward+backward, and a pre-norm block's residual add and layer norm (one op; also as the
+ * two, tdm_add then tdm_layer_norm). Prints "BENCH <name> <ms per iteration>" lines. */
 #include <stdio.h>
 #include <time.h>
 
@@ -66,6 +67,31 @@ static void bench_cross_entropy(int n, int classes) {
     tdm_tensor_free(x), tdm_tensor_free(u), tdm_tensor_free(y);
 }
 
+/* s = x + r and layer_norm(s) over rows x cols, forward: tdm_add_layer_norm, and the two ops
+ * it stands for (PyTorch's side is the two) */
+static void bench_add_layer_norm(int rows, int cols) {
+    char name[64];
+    tdm_rng g = tdm_rng_make(3);
+    tdm_tensor *x = tdm_randn(TDM_SHAPE(rows, cols), 0, 1, tdm_cpu(0), &g);
+    tdm_tensor *r = tdm_randn(TDM_SHAPE(rows, cols), 0, 1, tdm_cpu(0), &g);
+    tdm_tensor *w = tdm_randn(TDM_SHAPE(cols), 1, 0.1f, tdm_cpu(0), &g);
+    tdm_tensor *b = tdm_randn(TDM_SHAPE(cols), 0, 0.1f, tdm_cpu(0), &g);
+    snprintf(name, sizeof name, "add_layer_norm_%dx%d", rows, cols);
+    TIME_IT(name, {
+        tdm_scope_begin();
+        tdm_tensor *s;
+        tdm_add_layer_norm(x, r, &s, 1, w, b, 1e-5f);
+        tdm_scope_end();
+    });
+    snprintf(name, sizeof name, "add_then_layer_norm_%dx%d", rows, cols);
+    TIME_IT(name, {
+        tdm_scope_begin();
+        tdm_layer_norm(tdm_add(x, r), 1, w, b, 1e-5f);
+        tdm_scope_end();
+    });
+    tdm_tensor_free(x), tdm_tensor_free(r), tdm_tensor_free(w), tdm_tensor_free(b);
+}
+
 int main(void) {
     bench_matmul(64, 784, 256);
     bench_matmul(256, 256, 256);
@@ -74,5 +100,7 @@ int main(void) {
     bench_cross_entropy(64, 10);
     bench_cross_entropy(1024, 1000);
     bench_cross_entropy(256, 50257);
+    bench_add_layer_norm(2048, 768);
+    bench_add_layer_norm(8192, 768);
     return 0;
 }

@@ -42,8 +42,22 @@ def cross_entropy(n, c):
     time_it(f"cross_entropy_fwd_bwd_{n}x{c}", step)
 
 
+def add_layer_norm(rows, cols):
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(rows, cols, generator=g), torch.randn(rows, cols, generator=g)
+    w, b = 1 + 0.1 * torch.randn(cols, generator=g), 0.1 * torch.randn(cols, generator=g)
+
+    def step():
+        s = x + r
+        return s, F.layer_norm(s, (cols,), w, b)
+
+    time_it(f"add_layer_norm_{rows}x{cols}", step)
+
+
 if __name__ == "__main__":
     for s in [(64, 784, 256), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024)]:
         matmul(*s)
     for s in [(64, 10), (1024, 1000), (256, 50257)]:
         cross_entropy(*s)
+    for s in [(2048, 768), (8192, 768)]:
+        add_layer_norm(*s)

@@ -782,19 +782,40 @@ static void case_layer_norm(run *r) {
         tdm_tensor *gw = like(r, w), *gb = like(r, w), *m = zeros32(r, TDM_SHAPE(rows));
         tdm_tensor *rstd = like(r, m), *gres = randn(r, s, 0, 1), *gx2 = like(r, x);
         variant(r, "%lld rows, %lld columns", (long long)rows, (long long)cols);
-        KERNEL(r, layer_norm, y, m, rstd, x, w, b, 1e-5f);
+        KERNEL(r, layer_norm, y, m, rstd, x, w, b, 1e-5f, NULL, NULL);
         KERNEL(r, layer_norm_backward, gx, gw, gb, gy, x, w, m, rstd, NULL);
         /* a residual stream's other gradient added as gx is written */
         KERNEL(r, layer_norm_backward, gx2, NULL, NULL, gy, x, w, m, rstd, gres);
         out(r, "y", y);
         grad(r, "gx gw gb gx+gres", gx, gw, gb, gx2);
         slack_rounding(r, r->kept[r->n_kept - 4].v); /* gx rounded before gres joins it */
+        /* the residual add before the norm, its sum written beside it (gres stands for the
+         * branch's output); the statistics are the sum's */
+        tdm_tensor *sum = like(r, x), *ys = like(r, x), *ms = like(r, m), *rs = like(r, m);
+        if (r->be == CPU && low(r->row->dt)) { /* the GPU's sum is rounded to the row's dtype
+                                                * before the norm reads it, as an add's is */
+            tdm_tensor *h = zeros_of(r, s, r->row->dt);
+            KERNEL(r, binary, TDM_BIN_ADD, sum, x, gres);
+            KERNEL(r, copy, h, sum);
+            KERNEL(r, copy, sum, h);
+            KERNEL(r, layer_norm, ys, ms, rs, sum, w, b, 1e-5f, NULL, NULL);
+        } else {
+            KERNEL(r, layer_norm, ys, ms, rs, x, w, b, 1e-5f, gres, sum);
+        }
+        out(r, "x+res norm(x+res)", sum, ys);
+        keep(r, "mean(x+res)", ms, (bound){1e-6, 1e-5});
+        keep(r, "rstd(x+res)", rs, (bound){1e-6, 1e-5});
         if (r->row->dt != TDM_F32) continue;
+        /* a bf16 branch's output beside the f32 stream (autocast's c_proj) */
+        tdm_tensor *res16 = zeros_of(r, s, TDM_BF16);
+        KERNEL(r, copy, res16, gres);
+        KERNEL(r, layer_norm, ys, ms, rs, x, w, b, 1e-5f, res16, sum);
+        out(r, "x+res_bf16 norm(x+res_bf16)", sum, ys);
         /* an f32 x normalised into bf16 (tdm_layer_norm_to), its gradient from a bf16 gy: each
          * side rounds its own f32 value once (an ulp apart at most: 2^-7 of it) */
         tdm_tensor *y16 = zeros_of(r, s, TDM_BF16), *gy16 = zeros_of(r, s, TDM_BF16);
         KERNEL(r, copy, gy16, gy);
-        KERNEL(r, layer_norm, y16, m, rstd, x, w, b, 1e-5f);
+        KERNEL(r, layer_norm, y16, m, rstd, x, w, b, 1e-5f, NULL, NULL);
         KERNEL(r, layer_norm_backward, gx2, gw, gb, gy16, x, w, m, rstd, gres);
         keep(r, "y_bf16", y16, (bound){1e-5, 0x1p-7});
         grad(r, "gx_from_bf16 gw_from_bf16 gb_from_bf16", gx2, gw, gb);

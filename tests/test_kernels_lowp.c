@@ -592,8 +592,8 @@ static void test_layer_norm(void) {
     pair x = draw(xs, DT, -2.0f, 3.0f), w = draw(cs, TDM_F32, 0.5f, 1.5f);
     pair b = draw(cs, TDM_F32, -0.5f, 0.5f), y = output(xs, DT);
     pair mean = output(rs, TDM_F32), rstd = output(rs, TDM_F32);
-    RUN2(BE->layer_norm(y.lo, mean.lo, rstd.lo, x.lo, w.lo, b.lo, 1e-5f),
-         BE->layer_norm(y.f, mean.f, rstd.f, x.f, w.f, b.f, 1e-5f));
+    RUN2(BE->layer_norm(y.lo, mean.lo, rstd.lo, x.lo, w.lo, b.lo, 1e-5f, NULL, NULL),
+         BE->layer_norm(y.f, mean.f, rstd.f, x.f, w.f, b.f, 1e-5f, NULL, NULL));
     expect("layer_norm y", y, NULL);
     expect("layer_norm rstd", rstd, NULL);
     pair gy = draw(xs, DT, -1.0f, 1.0f), gx = output(xs, DT);

@@ -227,6 +227,117 @@ static void test_layer_norm_residual(void) {
     }
 }
 
+/* A pre-norm block's two uses of the stream: y = layer_norm(x + r) and s = x + r, s read again
+ * by a later add (whose gradient reaches s first: the norm's backward folds it in) */
+static tdm_tensor *add_ln_fn(tdm_tensor **in, void *p) {
+    (void)p;
+    tdm_tensor *s = NULL, *y = tdm_add_layer_norm(in[0], in[1], &s, 1, in[2], in[3], 1e-5f);
+    return y ? tdm_add(s, tdm_mul_scalar(y, 1.5f)) : NULL;
+}
+
+/* What one run of tdm_add_layer_norm (or tdm_add and the norm) gives, as bytes: s, y and the
+ * gradients of x, r, w and b from sum(f32(s) u + f32(y) v). */
+typedef struct {
+    tdm_tensor *t[6];
+} aln_out;
+
+typedef struct {
+    tdm_dtype x, r, to; /* to: the norm's dtype (_to), or x's where keep */
+    bool keep, affine;
+    int r_kind; /* 0: r of x's shape; 1: broadcast [20]; 2: a transposed (strided) view */
+} aln_case;
+
+static bool aln_run(const aln_case *c, bool fused, aln_out *o) {
+    tdm_rng g = tdm_rng_make(91);
+    tdm_device cpu = tdm_cpu(0);
+    tdm_tensor *x = tdm_cast(tdm_randn(TDM_SHAPE(6, 20), 0.5f, 2, cpu, &g), c->x);
+    tdm_tensor *r = tdm_cast(c->r_kind == 1   ? tdm_randn(TDM_SHAPE(20), 0, 1, cpu, &g)
+                             : c->r_kind == 2 ? tdm_randn(TDM_SHAPE(20, 6), 0, 1, cpu, &g)
+                                              : tdm_randn(TDM_SHAPE(6, 20), 0, 1, cpu, &g),
+                             c->r);
+    tdm_tensor *w = tdm_randn(TDM_SHAPE(20), 1, 0.5f, cpu, &g);
+    tdm_tensor *b = tdm_randn(TDM_SHAPE(20), 0, 0.5f, cpu, &g);
+    tdm_tensor *u = tdm_randn(TDM_SHAPE(6, 20), 0, 1, cpu, &g);
+    tdm_tensor *v = tdm_randn(TDM_SHAPE(6, 20), 0, 1, cpu, &g);
+    tdm_tensor *leaves[4] = {x, r, w, b};
+    for (int i = 0; i < 4; i++) tdm_requires_grad_(leaves[i], true);
+    tdm_tensor *rv = c->r_kind == 2 ? tdm_transpose(r, 0, 1) : r;
+    tdm_tensor *wa = c->affine ? w : NULL, *ba = c->affine ? b : NULL, *s = NULL, *y;
+    if (fused)
+        y = c->keep ? tdm_add_layer_norm(x, rv, &s, 1, wa, ba, 1e-5f)
+                    : tdm_add_layer_norm_to(x, rv, &s, 1, wa, ba, 1e-5f, c->to);
+    else
+        s = tdm_add(x, rv), y = c->keep ? tdm_layer_norm(s, 1, wa, ba, 1e-5f)
+                                        : tdm_layer_norm_to(s, 1, wa, ba, 1e-5f, c->to);
+    if (!y || !s) return false;
+    tdm_tensor *l = tdm_add(tdm_sum_all(tdm_mul(tdm_to_dtype(s, TDM_F32), u)),
+                            tdm_sum_all(tdm_mul(tdm_to_dtype(y, TDM_F32), v)));
+    if (!l || tdm_backward(l)) return false;
+    o->t[0] = s, o->t[1] = y;
+    for (int i = 0; i < 4; i++) o->t[2 + i] = leaves[i]->grad;
+    return true;
+}
+
+/* tdm_add_layer_norm(_to) against tdm_add and then the norm, bit for bit: s, y and every
+ * gradient, where one kernel runs (r of x's shape in x's dtype, or bf16/f16 beside f32 x; the
+ * norm in the stream's dtype or bf16) and where the two ops run (r broadcast or strided, a
+ * sum in another dtype than x's); and its gradients against finite differences. */
+static void test_add_layer_norm(void) {
+    tdm_tensor *in[4] = {gradcheck_input(TDM_SHAPE(5, 8), 61), gradcheck_input(TDM_SHAPE(5, 8), 62),
+                         gradcheck_input(TDM_SHAPE(8), 63), gradcheck_input(TDM_SHAPE(8), 64)};
+    gradcheck("add_layer_norm", add_ln_fn, 4, in, NULL, 1e-2, 2e-3, 1e-2);
+    for (int i = 0; i < 4; i++) tdm_tensor_free(in[i]);
+    const aln_case cases[] = {
+        {TDM_F32, TDM_F32, TDM_F32, true, true, 0},    {TDM_F32, TDM_F32, TDM_F32, true, false, 0},
+        {TDM_F32, TDM_BF16, TDM_F32, true, true, 0},   {TDM_F32, TDM_F16, TDM_F32, true, true, 0},
+        {TDM_BF16, TDM_BF16, TDM_F32, true, true, 0},  {TDM_F16, TDM_F16, TDM_F32, true, false, 0},
+        {TDM_F32, TDM_BF16, TDM_BF16, false, true, 0}, {TDM_F32, TDM_F32, TDM_F16, false, true, 0},
+        {TDM_F32, TDM_F32, TDM_F32, true, true, 1},    {TDM_F32, TDM_F32, TDM_F32, true, true, 2},
+        {TDM_BF16, TDM_F32, TDM_F32, true, true, 0},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        const aln_case *c = &cases[k];
+        char what[96];
+        snprintf(what, sizeof what, "add_layer_norm%s x %s, r %s%s%s%s", c->keep ? "" : "_to",
+                 tdm_dtype_name(c->x), tdm_dtype_name(c->r),
+                 c->r_kind == 1   ? " [20]"
+                 : c->r_kind == 2 ? " strided"
+                                  : "",
+                 c->keep ? "" : " to ", c->keep ? "" : tdm_dtype_name(c->to));
+        tdm_scope_begin();
+        aln_out o[2];
+        bool ok = aln_run(c, true, &o[0]) && aln_run(c, false, &o[1]);
+        CHECK(ok, "%s: %s", what, tdm_last_error());
+        static const char *names[6] = {
+            "s", "y", "x's gradient", "r's gradient", "w's gradient", "b's gradient"};
+        for (int i = 0; ok && i < 6; i++) {
+            const tdm_tensor *a = o[0].t[i], *e = o[1].t[i];
+            if (!c->affine && i >= 4) {
+                CHECK(!a && !e, "%s: %s without affine parameters", what, names[i]);
+                continue;
+            }
+            CHECK(a && e && a->dtype == e->dtype && tdm_same_shape(a, e) &&
+                      !memcmp(tdm_data_ptr(a), tdm_data_ptr(e),
+                              (size_t)tdm_numel(e) * tdm_dtype_size(e->dtype)),
+                  "%s: %s is not the two ops', bit for bit", what, names[i]);
+        }
+        tdm_scope_end();
+    }
+    /* outside a scope the two ops run; s and y are the caller's */
+    tdm_tensor *x = tdm_ones(TDM_SHAPE(2, 3), TDM_F32, tdm_cpu(0)), *s = NULL;
+    tdm_tensor *y = tdm_add_layer_norm(x, x, &s, 1, NULL, NULL, 1e-5f);
+    CHECK(y && s && !tdm_book(y)->owner && !tdm_book(s)->owner,
+          "add_layer_norm without a scope: %s", tdm_last_error());
+    float two[6] = {2, 2, 2, 2, 2, 2}, zero[6] = {0};
+    if (y && s) {
+        check_tensor_close(s, two, 0, 0, "add_layer_norm's sum without a scope");
+        check_tensor_close(y, zero, 0, 0, "add_layer_norm without a scope");
+    }
+    tdm_tensor_free(y);
+    tdm_tensor_free(s);
+    tdm_tensor_free(x);
+}
+
 /* tdm_layer_norm_to against tdm_to_dtype(tdm_layer_norm(...)), bit for bit: the output in bf16
  * and f16 from an f32 x, and the gradients of x, the weight and the bias from a gradient in
  * that dtype; a dtype that is not a float refused naming it. */
@@ -462,6 +573,15 @@ static void test_errors(void) {
     CHECK_ERROR(!tdm_layer_norm(x, 0, NULL, NULL, 1e-5f), "normalized_ndim 0 is not in [1, 2]");
     CHECK_ERROR(!tdm_layer_norm(x, 1, c5, NULL, 1e-5f),
                 "layer_norm: weight has shape [5], expected [3]");
+    tdm_tensor *sum = c3;
+    CHECK_ERROR(!tdm_add_layer_norm(x, x, NULL, 1, NULL, NULL, 1e-5f),
+                "add_layer_norm: sum is NULL");
+    CHECK_ERROR(!tdm_add_layer_norm(x, NULL, &sum, 1, NULL, NULL, 1e-5f) && !sum, "add_layer_norm");
+    CHECK_ERROR(!tdm_add_layer_norm(x, c5, &sum, 1, NULL, NULL, 1e-5f) && !sum, "add");
+    CHECK_ERROR(!tdm_add_layer_norm(x, x, &sum, 1, c5, NULL, 1e-5f) && !sum,
+                "layer_norm: weight has shape [5], expected [3]");
+    CHECK_ERROR(!tdm_add_layer_norm_to(x, x, &sum, 1, NULL, NULL, 1e-5f, TDM_I32) && !sum,
+                "add_layer_norm_to: dtype i32 is not a float dtype");
     CHECK_ERROR(!tdm_dropout(x, 1.5f, true, NULL), "dropout: p must be in [0, 1], got 1.5");
     int64_t bad[2] = {1, 7};
     CHECK_ERROR(!tdm_index_select(x, 0, i64(TDM_SHAPE(2), bad)),
@@ -487,6 +607,7 @@ int main(void) {
     test_layer_norm_gradcheck();
     test_layer_norm_residual();
     test_layer_norm_to();
+    test_add_layer_norm();
     test_dropout_gradcheck();
     test_index_gradcheck();
     test_index_values();

@@ -83,6 +83,18 @@ tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weigh
  * TDM_ERR_DTYPE naming dtype when it is not f32, bf16 or f16; else tdm_layer_norm's errors. */
 tdm_tensor *tdm_layer_norm_to(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight,
                               tdm_tensor *bias, float eps, tdm_dtype dtype);
+/* A pre-norm residual stream's step: *sum = x + r as tdm_add makes it, and returns the layer
+ * norm of *sum as tdm_layer_norm makes it (tdm_add_layer_norm_to: as tdm_layer_norm_to, in
+ * dtype), with the two ops' values, bits and gradients. Where r has x's shape, both are contiguous,
+ * the sum has x's dtype and autocast does not cast it for the norm, and a scope is open (a training
+ * step's), one kernel writes both, reading the stream once for the two. *sum is the caller's as the
+ * result is (the scope's, or freed with tdm_tensor_free outside one); NULL with the result on
+ * failure. Fails as tdm_add and tdm_layer_norm(_to) do; TDM_ERR_ARG when sum is NULL. */
+tdm_tensor *tdm_add_layer_norm(tdm_tensor *x, tdm_tensor *r, tdm_tensor **sum, int normalized_ndim,
+                               tdm_tensor *weight, tdm_tensor *bias, float eps);
+tdm_tensor *tdm_add_layer_norm_to(tdm_tensor *x, tdm_tensor *r, tdm_tensor **sum,
+                                  int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
+                                  float eps, tdm_dtype dtype);
 /* Zeroes each element with probability p and scales the rest by 1/(1-p) (training only).
  * Under a parallel context (parallel.h), dim 0 is the global batch's rows and the masks are
  * those one device would draw for them. */

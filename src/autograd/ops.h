@@ -88,6 +88,10 @@ static inline tdm_dtype tdm_promote(tdm_dtype a, tdm_dtype b) {
     return a == b ? a : TDM_F32;
 }
 
+/* Records y = a + b (tdm_add's node, a and b broadcasting to y) for a kernel that computed
+ * the sum beside something else (a layer norm of it). tdm_record's result and failures. */
+tdm_node *tdm_record_add(tdm_tensor *y, tdm_tensor *a, tdm_tensor *b);
+
 /* ---- autocast (autograd/autocast.c; include/tandem/autocast.h is the public side) -------- */
 
 /* Which of autocast's lists an op is on (docs/MIXED_PRECISION.md, "Tandem's lists"). */

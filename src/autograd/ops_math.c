@@ -130,6 +130,11 @@ tdm_tensor *tdm_add(tdm_tensor *a, tdm_tensor *b) {
     return binary_op(TDM_BIN_ADD, "add", add_backward, a, b);
 }
 
+tdm_node *tdm_record_add(tdm_tensor *y, tdm_tensor *a, tdm_tensor *b) {
+    tdm_tensor *in[2] = {a, b};
+    return tdm_record("add", add_backward, y, 2, in);
+}
+
 tdm_tensor *tdm_sub(tdm_tensor *a, tdm_tensor *b) {
     return binary_op(TDM_BIN_SUB, "sub", sub_backward, a, b);
 }

@@ -84,29 +84,39 @@ static tdm_tensor *mlp_forward(tdm_module *m, tdm_tensor *x) {
     return x ? tdm_module_forward(proj, x) : NULL;
 }
 
-/* ln(x) for a product that casts it: under autocast in bf16 or f16, where ln is a plain
- * LayerNorm and next (plain too) hands it to first, a plain Linear (both NULL: the tied head's
- * product), the norm writes that dtype itself (tdm_layer_norm_to: the bits of the norm and
- * then the product's cast, one pass fewer each way); else ln's forward. Not where the input
- * crosses ranks first (tensor parallelism), whose collectives would then run in bf16. */
+static const tdm_module_ops seq_norm_ops; /* tensor parallelism's layer norm, below */
+
+/* ln(x) for a product that casts it, or with r, ln(x + r) and the sum in *sum (the residual
+ * add before the norm, one kernel where ln is a plain LayerNorm: tdm_add_layer_norm). Under
+ * autocast in bf16 or f16, where ln is a plain LayerNorm and next (plain too) hands it to
+ * first, a plain Linear (both NULL: the tied head's product), the norm writes that dtype
+ * itself (tdm_layer_norm_to: the bits of the norm and then the product's cast, one pass fewer
+ * each way); else ln's forward. Not where the input crosses ranks first (tensor parallelism),
+ * whose collectives would then run in bf16. */
 static tdm_tensor *norm_for(tdm_module *ln, const tdm_module *next, const tdm_module *first,
-                            tdm_tensor *x) {
+                            tdm_tensor *x, tdm_tensor *r, tdm_tensor **sum) {
+    const bool layer = plain(ln) && ln->ops != &seq_norm_ops && !strcmp(ln->ops->kind, "LayerNorm");
+    if (r && !layer) x = *sum = tdm_add(x, r), r = NULL;
+    if (!x || !layer) return tdm_module_forward(ln, x);
     tdm_dtype low = tdm_autocast_dtype();
-    if (!x || low == TDM_F32 || !plain(ln) || strcmp(ln->ops->kind, "LayerNorm") ||
+    tdm_tensor *w = ln->n_params ? ln->params[0] : NULL, *b = ln->n_params ? ln->params[1] : NULL;
+    const float eps = *(const float *)ln->impl;
+    if (low == TDM_F32 ||
         (next && (!plain(next) || !plain(first) || strcmp(first->ops->kind, "Linear"))))
-        return tdm_module_forward(ln, x);
-    return tdm_layer_norm_to(x, 1, ln->n_params ? ln->params[0] : NULL,
-                             ln->n_params ? ln->params[1] : NULL, *(const float *)ln->impl, low);
+        return r ? tdm_add_layer_norm(x, r, sum, 1, w, b, eps) : tdm_module_forward(ln, x);
+    return r ? tdm_add_layer_norm_to(x, r, sum, 1, w, b, eps, low)
+             : tdm_layer_norm_to(x, 1, w, b, eps, low);
 }
 
-/* Pre-LayerNorm residual block: x + attn(ln_1(x)), then + mlp(ln_2(.)). */
+/* Pre-LayerNorm residual block: x + attn(ln_1(x)), then + mlp(ln_2(.)); the first add and
+ * ln_2 one kernel. */
 static tdm_tensor *block_forward(tdm_module *m, tdm_tensor *x) {
     tdm_module **k = m->children, *attn = k[BL_ATTN], *mlp = k[BL_MLP];
-    x = tdm_add(x,
-                tdm_module_forward(attn, norm_for(k[BL_LN1], attn, attn->children[AT_C_ATTN], x)));
-    if (!x) return NULL;
-    return tdm_add(x,
-                   tdm_module_forward(mlp, norm_for(k[BL_LN2], mlp, mlp->children[MLP_C_FC], x)));
+    tdm_tensor *a = tdm_module_forward(
+        attn, norm_for(k[BL_LN1], attn, attn->children[AT_C_ATTN], x, NULL, NULL));
+    if (!a) return NULL;
+    tdm_tensor *h = norm_for(k[BL_LN2], mlp, mlp->children[MLP_C_FC], x, a, &x);
+    return h ? tdm_add(x, tdm_module_forward(mlp, h)) : NULL;
 }
 
 static tdm_tensor *no_forward(tdm_module *m, tdm_tensor *x) {
@@ -170,7 +180,8 @@ static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
     if (!x) return NULL;
     /* the tied head below is a product of the rank's whole x */
     tdm_module *lnf = tr->children[TR_LNF];
-    x = st->vocab || st->seq ? tdm_module_forward(lnf, x) : norm_for(lnf, NULL, NULL, x);
+    x = st->vocab || st->seq ? tdm_module_forward(lnf, x)
+                             : norm_for(lnf, NULL, NULL, x, NULL, NULL);
     if (st->vocab) return vocab_head(st, x, wte);
     if (st->seq) x = tdm_tp_seq_gather(st->tp, x, 1, false); /* the head runs whole everywhere */
     /* the tied head: logits = x @ wte[:V]^T (a row view: the padding rows are never read).

@@ -310,12 +310,16 @@ static int layer_norm_backward(tdm_node *n, tdm_tensor *gout) {
     return accumulate_all(n, g, 3);
 }
 
-/* tdm_layer_norm with its output in x's dtype (keep; as autocast made x) or in out */
-static tdm_tensor *layer_norm_as(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight,
-                                 tdm_tensor *bias, float eps, bool keep, tdm_dtype out) {
+/* tdm_layer_norm with its output in x's dtype (keep; as autocast made x) or in out. With res
+ * (where add_fuses(x, res)): of s = x + res, one kernel writing s and the norm, s in *sum. */
+static tdm_tensor *layer_norm_as(tdm_tensor *x, tdm_tensor *res, tdm_tensor **sum,
+                                 int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
+                                 float eps, bool keep, tdm_dtype out) {
     if (!x) return tdm_null_input("layer_norm");
     tdm_tensor *in0[3] = {x, weight, bias};
-    TDM_AUTOCAST_SCOPED(3, in0, layer_norm_as(x, normalized_ndim, weight, bias, eps, keep, out));
+    if (!res)
+        TDM_AUTOCAST_SCOPED(
+            3, in0, layer_norm_as(x, NULL, NULL, normalized_ndim, weight, bias, eps, keep, out));
     char b[96];
     if (tdm_check_float(x, "layer_norm")) return NULL;
     /* on autocast's fp32 list on CUDA devices only, as PyTorch's (the CPU's follows x) */
@@ -349,16 +353,22 @@ static tdm_tensor *layer_norm_as(tdm_tensor *x, int normalized_ndim, tdm_tensor 
     /* the statistics stay f32 in every dtype */
     tdm_tensor *mean = tdm_tensor_alloc(TDM_SHAPE(rows), TDM_F32, x->device);
     tdm_tensor *rstd = tdm_tensor_alloc(TDM_SHAPE(rows), TDM_F32, x->device);
-    if (!y || !mean || !rstd) return NULL;
+    tdm_tensor *s = res ? tdm_tensor_alloc(tdm_shape_of(xc), x->dtype, x->device) : NULL;
+    if (!y || !mean || !rstd || (res && !s)) return NULL; /* a scope holds them (add_fuses) */
     tdm_tensor *y2 = view2d(y, rows, cols), *x2 = view2d(xc, rows, cols);
     tdm_tensor *w1 = w ? view1d(w) : NULL, *b1 = bb ? view1d(bb) : NULL;
-    if (!y2 || !x2 || (w && !w1) || (bb && !b1)) return NULL;
-    if (be->layer_norm(y2, mean, rstd, x2, w1, b1, eps)) return NULL;
+    tdm_tensor *r2 = res ? view2d(res, rows, cols) : NULL, *s2 = s ? view2d(s, rows, cols) : NULL;
+    if (!y2 || !x2 || (w && !w1) || (bb && !b1) || (res && (!r2 || !s2))) return NULL;
+    if (be->layer_norm(y2, mean, rstd, x2, w1, b1, eps, r2, s2)) return NULL;
     tdm_drop_temp(y2, NULL);
     tdm_drop_temp(x2, NULL);
     tdm_drop_temp(w1, NULL);
     tdm_drop_temp(b1, NULL);
-    tdm_tensor *in[3] = {xc, w, bb};
+    tdm_drop_temp(r2, NULL);
+    tdm_drop_temp(s2, NULL);
+    tdm_tensor *ins[2] = {xc, res};
+    if (s && tdm_needs_record(2, ins) && !tdm_record_add(s, xc, res)) return NULL;
+    tdm_tensor *in[3] = {s ? s : xc, w, bb};
     if (tdm_needs_record(3, in)) {
         tdm_node *n = tdm_record("layer_norm", layer_norm_backward, y, 3, in);
         if (!n) return tdm_drop_fail(y);
@@ -371,12 +381,40 @@ static tdm_tensor *layer_norm_as(tdm_tensor *x, int normalized_ndim, tdm_tensor 
     tdm_drop_temp(xc, x);
     tdm_drop_temp(w, weight);
     tdm_drop_temp(bb, bias);
+    if (sum) *sum = s;
+    return y;
+}
+
+/* Whether x + res and its norm can be one kernel with the bits of tdm_add and then the norm:
+ * res of x's shape, both contiguous, the sum in x's dtype (res x's, or bf16/f16 beside f32 x)
+ * and not cast by autocast for the norm; in a scope, which holds every tensor the op makes
+ * (the failure paths' and an autocast cast's). Elsewhere the two ops run. */
+static bool add_fuses(const tdm_tensor *x, const tdm_tensor *res) {
+    return tdm_current_scope() && tdm_dtype_is_float(x->dtype) && tdm_dtype_is_float(res->dtype) &&
+           (res->dtype == x->dtype || x->dtype == TDM_F32) &&
+           tdm_device_equal(x->device, res->device) && tdm_same_shape(x, res) &&
+           tdm_is_contiguous(x) && tdm_is_contiguous(res) &&
+           tdm_autocast_want(x, TDM_AC_F32_CUDA) == x->dtype;
+}
+
+static tdm_tensor *add_layer_norm_as(tdm_tensor *x, tdm_tensor *res, tdm_tensor **sum,
+                                     int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
+                                     float eps, bool keep, tdm_dtype out) {
+    if (!sum) return tdm_raise_null(TDM_ERR_ARG, "add_layer_norm: sum is NULL");
+    *sum = NULL;
+    if (!x || !res) return tdm_null_input("add_layer_norm");
+    if (add_fuses(x, res))
+        return layer_norm_as(x, res, sum, normalized_ndim, weight, bias, eps, keep, out);
+    tdm_tensor *s = tdm_add(x, res);
+    tdm_tensor *y = layer_norm_as(s, NULL, NULL, normalized_ndim, weight, bias, eps, keep, out);
+    if (!y) return s ? tdm_drop_fail(s) : NULL;
+    *sum = s;
     return y;
 }
 
 tdm_tensor *tdm_layer_norm(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
                            float eps) {
-    return layer_norm_as(x, normalized_ndim, weight, bias, eps, true, TDM_F32);
+    return layer_norm_as(x, NULL, NULL, normalized_ndim, weight, bias, eps, true, TDM_F32);
 }
 
 tdm_tensor *tdm_layer_norm_to(tdm_tensor *x, int normalized_ndim, tdm_tensor *weight,
@@ -384,5 +422,20 @@ tdm_tensor *tdm_layer_norm_to(tdm_tensor *x, int normalized_ndim, tdm_tensor *we
     if (!tdm_dtype_is_float(dtype))
         return tdm_raise_null(TDM_ERR_DTYPE, "layer_norm_to: dtype %s is not a float dtype",
                               tdm_dtype_name(dtype));
-    return layer_norm_as(x, normalized_ndim, weight, bias, eps, false, dtype);
+    return layer_norm_as(x, NULL, NULL, normalized_ndim, weight, bias, eps, false, dtype);
+}
+
+tdm_tensor *tdm_add_layer_norm(tdm_tensor *x, tdm_tensor *r, tdm_tensor **sum, int normalized_ndim,
+                               tdm_tensor *weight, tdm_tensor *bias, float eps) {
+    return add_layer_norm_as(x, r, sum, normalized_ndim, weight, bias, eps, true, TDM_F32);
+}
+
+tdm_tensor *tdm_add_layer_norm_to(tdm_tensor *x, tdm_tensor *r, tdm_tensor **sum,
+                                  int normalized_ndim, tdm_tensor *weight, tdm_tensor *bias,
+                                  float eps, tdm_dtype dtype) {
+    if (sum) *sum = NULL;
+    if (!tdm_dtype_is_float(dtype))
+        return tdm_raise_null(TDM_ERR_DTYPE, "add_layer_norm_to: dtype %s is not a float dtype",
+                              tdm_dtype_name(dtype));
+    return add_layer_norm_as(x, r, sum, normalized_ndim, weight, bias, eps, false, dtype);
 }

@@ -292,12 +292,15 @@ int tdm_cpu_lowp_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy,
     return LP_RUN(c, tdm_cpu_batch_norm_backward_elemt(wgx, wgy, wx, ww, wm, wi, wsd, wsdx, count));
 }
 
+/* res and sum pass as they are: tdm_cpu_layer_norm sends a bf16/f16 sum to an add first, and
+ * its f32 rows widen a bf16/f16 res a row at a time */
 int tdm_cpu_lowp_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,
-                            const tdm_tensor *weight, const tdm_tensor *bias, float eps) {
+                            const tdm_tensor *weight, const tdm_tensor *bias, float eps,
+                            const tdm_tensor *res, tdm_tensor *sum) {
     lp_call c = {.what = "cpu layer_norm"};
     tdm_tensor *wy = lp_out(&c, y), *wm = lp_out(&c, mean), *wr = lp_out(&c, rstd);
     const tdm_tensor *wx = lp_in(&c, x), *ww = lp_in(&c, weight), *wb = lp_in(&c, bias);
-    return LP_RUN(c, tdm_cpu_layer_norm(wy, wm, wr, wx, ww, wb, eps));
+    return LP_RUN(c, tdm_cpu_layer_norm(wy, wm, wr, wx, ww, wb, eps, res, sum));
 }
 
 int tdm_cpu_lowp_layer_norm_backward(tdm_tensor *gx, tdm_tensor *gw, tdm_tensor *gb,

@@ -272,18 +272,59 @@ int tdm_cpu_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tensor *gy, cons
 
 /* ---- layer norm: rows of x [rows, cols]; rows = numel(mean) ---- */
 
+/* s = x + res over a row of n elements, returning simd_sum(s) with simd_sum's order (the bits of
+ * an add kernel and then the norm's first pass, in one pass): res f32, or bf16/f16 widened into
+ * s first (exactly; the f32 sum is the same either way round) */
+static inline float residual_row_add(float *s, const float *x, const tdm_tensor *res, int64_t at,
+                                     int64_t n) {
+    const float *r = s;
+    if (res->dtype == TDM_F32)
+        r = cf(res) + at;
+    else
+        tdm_cpu_lowp_widen(s, (const uint16_t *)tdm_data_ptr(res) + at, n, res->dtype);
+    v8f a0 = v8_set1(0), a1 = v8_set1(0);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v8f u = v8_load(x + i) + v8_load(r + i), v = v8_load(x + i + 8) + v8_load(r + i + 8);
+        v8_store(s + i, u);
+        v8_store(s + i + 8, v);
+        a0 += u;
+        a1 += v;
+    }
+    for (; i + 8 <= n; i += 8) {
+        v8f u = v8_load(x + i) + v8_load(r + i);
+        v8_store(s + i, u);
+        a0 += u;
+    }
+    float sum = v8_hsum(a0 + a1);
+    for (; i < n; i++) sum += (s[i] = x[i] + r[i]);
+    return sum;
+}
+
 TDM_CPU_CLONES
 int tdm_cpu_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd, const tdm_tensor *x,
-                       const tdm_tensor *weight, const tdm_tensor *bias, float eps) {
+                       const tdm_tensor *weight, const tdm_tensor *bias, float eps,
+                       const tdm_tensor *res, tdm_tensor *sum) {
+    if (res && x->dtype != TDM_F32) { /* the sum rounded to bf16/f16 first, then its norm */
+        int rc = tdm_cpu_binary(TDM_BIN_ADD, sum, x, res);
+        return rc ? rc : tdm_cpu_layer_norm(y, mean, rstd, sum, weight, bias, eps, NULL, NULL);
+    }
     if (tdm_cpu_lowp_any(6, (const tdm_tensor *[]){y, mean, rstd, x, weight, bias}))
-        return tdm_cpu_lowp_layer_norm(y, mean, rstd, x, weight, bias, eps);
+        return tdm_cpu_lowp_layer_norm(y, mean, rstd, x, weight, bias, eps, res, sum);
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
     const float *xp = cf(x), *w = cf(weight), *b = cf(bias);
-    float *yp = mf(y), *mp = mf(mean), *rp = mf(rstd);
+    float *yp = mf(y), *mp = mf(mean), *rp = mf(rstd), *sp = res ? mf(sum) : NULL;
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = xp + r * cols;
         float *yr = yp + r * cols;
-        float m = (float)((double)simd_sum(xr, cols) / (double)cols);
+        float total;
+        if (sp) { /* the row's sum, normalised while it is in cache */
+            total = residual_row_add(sp + r * cols, xr, res, r * cols, cols);
+            xr = sp + r * cols;
+        } else {
+            total = simd_sum(xr, cols);
+        }
+        float m = (float)((double)total / (double)cols);
         double var = simd_sq_dev_f64(xr, cols, m) / (double)cols; /* biased, as PyTorch */
         float inv = (float)(1.0 / sqrt(var + (double)eps));
         mp[r] = m;

@@ -14,6 +14,7 @@
 #include <assert.h>
 
 #include <math.h>
+#include <type_traits>
 
 /* x [N, C, S]: N = shape[0], C = shape[1], S = every further dim (1 for [N, C]). */
 static void bn_dims(const tdm_tensor *x, int64_t *n, int64_t *c, int64_t *s) {
@@ -328,15 +329,29 @@ extern "C" int tdm_cuda_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tens
 /* y (forward) and gy (backward) may have another dtype than x, gx and gres: a norm whose output
  * the next product takes in bf16 writes it so (tdm_layer_norm_to), its one rounding */
 
-template <typename TX, typename TY>
+/* One block a row. With res, the row is x + res rounded to x's dtype (the add kernel's bits),
+ * written to sum as the first pass reads it; the later passes read sum, each thread only the
+ * elements it wrote. */
+template <typename TX, typename TY, typename TR>
 __global__ void ln_fwd_kernel(TY *y, float *mean, float *rstd, const TX *x, const float *w,
-                              const float *b, int64_t cols, float eps) {
+                              const float *b, const TR *res, TX *sum, int64_t cols, float eps) {
     __shared__ double sh[CU_THREADS];
     int64_t r = blockIdx.x;
     const TX *xr = x + r * cols;
     TY *yr = y + r * cols;
     double s = 0;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += cu_ld(xr[c]);
+    if (res) {
+        const TR *rr = res + r * cols;
+        TX *sr = sum + r * cols;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            const TX v = cu_to<TX>(cu_ld(xr[c]) + cu_ld(rr[c]));
+            sr[c] = v;
+            s += cu_ld(v);
+        }
+        xr = sr;
+    } else {
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += cu_ld(xr[c]);
+    }
     float m = (float)(cu_block_sum(s, sh) / (double)cols);
     double q = 0;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
@@ -350,37 +365,55 @@ __global__ void ln_fwd_kernel(TY *y, float *mean, float *rstd, const TX *x, cons
         yr[c] = cu_to<TY>((cu_ld(xr[c]) - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f));
 }
 
-template <typename TX, typename TY>
-static void ln_fwd_launch(cu_device *d, tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd,
-                          const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias,
-                          int64_t rows, int64_t cols, float eps) {
-    ln_fwd_kernel<TX, TY><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
-        cu_p<TY>(y), cu_f(mean), cu_f(rstd), cu_p<TX>(x), cu_f(weight), cu_f(bias), cols, eps);
+/* the arguments of tdm_cuda_layer_norm, as the dtypes are picked */
+struct ln_fwd_args {
+    tdm_tensor *y, *mean, *rstd, *sum;
+    const tdm_tensor *x, *weight, *bias, *res;
+    int64_t rows, cols;
+    float eps;
+};
+
+template <typename TX, typename TY, typename TR>
+static void ln_fwd_launch(cu_device *d, const ln_fwd_args &a) {
+    ln_fwd_kernel<TX, TY, TR><<<(unsigned)a.rows, cu_row_threads(a.cols), 0, d->compute>>>(
+        cu_p<TY>(a.y), cu_f(a.mean), cu_f(a.rstd), cu_p<TX>(a.x), cu_f(a.weight), cu_f(a.bias),
+        a.res ? cu_p<TR>(a.res) : nullptr, a.res ? cu_p<TX>(a.sum) : nullptr, a.cols, a.eps);
 }
-/* x's dtype chosen (CU_DISPATCH), then y's */
-template <typename TX>
-static void ln_fwd_pick_y(cu_device *d, tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd,
-                          const tdm_tensor *x, const tdm_tensor *weight, const tdm_tensor *bias,
-                          int64_t rows, int64_t cols, float eps) {
-    y->dtype == TDM_BF16
-        ? ln_fwd_launch<TX, __nv_bfloat16>(d, y, mean, rstd, x, weight, bias, rows, cols, eps)
-    : y->dtype == TDM_F16
-        ? ln_fwd_launch<TX, __half>(d, y, mean, rstd, x, weight, bias, rows, cols, eps)
-        : ln_fwd_launch<TX, float>(d, y, mean, rstd, x, weight, bias, rows, cols, eps);
+/* x's dtype chosen (CU_DISPATCH), then y's, then res's: x's own, or bf16/f16 beside f32 x */
+template <typename TX, typename TY> static void ln_fwd_pick_res(cu_device *d, const ln_fwd_args &a) {
+    const tdm_dtype rt = a.res ? a.res->dtype : a.x->dtype;
+    if (std::is_same<TX, float>::value && rt == TDM_BF16)
+        ln_fwd_launch<TX, TY, __nv_bfloat16>(d, a);
+    else if (std::is_same<TX, float>::value && rt == TDM_F16)
+        ln_fwd_launch<TX, TY, __half>(d, a);
+    else
+        ln_fwd_launch<TX, TY, TX>(d, a);
+}
+template <typename TX> static void ln_fwd_pick_y(cu_device *d, const ln_fwd_args &a) {
+    a.y->dtype == TDM_BF16  ? ln_fwd_pick_res<TX, __nv_bfloat16>(d, a)
+    : a.y->dtype == TDM_F16 ? ln_fwd_pick_res<TX, __half>(d, a)
+                            : ln_fwd_pick_res<TX, float>(d, a);
 }
 
 extern "C" int tdm_cuda_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *rstd,
                                    const tdm_tensor *x, const tdm_tensor *weight,
-                                   const tdm_tensor *bias, float eps) {
+                                   const tdm_tensor *bias, float eps, const tdm_tensor *res,
+                                   tdm_tensor *sum) {
     int64_t rows = tdm_numel(mean), cols = rows ? tdm_numel(x) / rows : 0;
-    if (bn_check("layer_norm", {x}, {mean, rstd, weight, bias}) ||
-        cu_check_float("layer_norm", false, {y}))
+    if (bn_check("layer_norm", {x, sum}, {mean, rstd, weight, bias}) ||
+        cu_check_float("layer_norm", false, {y, res}))
         return tdm_last_status();
+    if (res && (!sum || (res->dtype != x->dtype && x->dtype != TDM_F32)))
+        return tdm_raise(TDM_ERR_DTYPE,
+                         "cuda layer_norm: a %s residual beside %s x (it must be x's dtype, or "
+                         "bf16/f16 beside f32), or no sum for it",
+                         tdm_dtype_name(res->dtype), tdm_dtype_name(x->dtype));
     cu_device *d = cu_dev_of(x, "layer_norm");
     if (!d) return tdm_last_status();
     if (rows == 0 || cols == 0) return TDM_OK;
     if (rows > INT32_MAX) return tdm_raise(TDM_ERR_SHAPE, "cuda layer_norm: too many rows");
-    CU_DISPATCH(x->dtype, ln_fwd_pick_y, d, y, mean, rstd, x, weight, bias, rows, cols, eps);
+    const ln_fwd_args a = {y, mean, rstd, sum, x, weight, bias, res, rows, cols, eps};
+    CU_DISPATCH(x->dtype, ln_fwd_pick_y, d, a);
     return cu_check_launch("layer_norm", x->device.index);
 }
 

@@ -108,15 +108,25 @@ static tdm_tensor *norm_for(tdm_module *ln, const tdm_module *next, const tdm_mo
              : tdm_layer_norm_to(x, 1, w, b, eps, low);
 }
 
-/* Pre-LayerNorm residual block: x + attn(ln_1(x)), then + mlp(ln_2(.)); the first add and
- * ln_2 one kernel. */
-static tdm_tensor *block_forward(tdm_module *m, tdm_tensor *x) {
+/* Pre-LayerNorm residual block from the stream x and the last block's MLP output *pend (NULL:
+ * none) not yet added to it: s = x + *pend, s2 = s + attn(ln_1(s)), *pend = mlp(ln_2(s2)),
+ * returning s2. Each add runs in the norm after it (norm_for); the last block's goes to ln_f. */
+static tdm_tensor *block_chain(tdm_module *m, tdm_tensor *x, tdm_tensor **pend) {
     tdm_module **k = m->children, *attn = k[BL_ATTN], *mlp = k[BL_MLP];
-    tdm_tensor *a = tdm_module_forward(
-        attn, norm_for(k[BL_LN1], attn, attn->children[AT_C_ATTN], x, NULL, NULL));
-    if (!a) return NULL;
-    tdm_tensor *h = norm_for(k[BL_LN2], mlp, mlp->children[MLP_C_FC], x, a, &x);
-    return h ? tdm_add(x, tdm_module_forward(mlp, h)) : NULL;
+    tdm_tensor *r = *pend;
+    *pend = NULL;
+    tdm_tensor *h = norm_for(k[BL_LN1], attn, attn->children[AT_C_ATTN], x, r, &x);
+    tdm_tensor *a = h ? tdm_module_forward(attn, h) : NULL;
+    h = a ? norm_for(k[BL_LN2], mlp, mlp->children[MLP_C_FC], x, a, &x) : NULL;
+    *pend = h ? tdm_module_forward(mlp, h) : NULL;
+    return *pend ? x : NULL;
+}
+
+/* x + attn(ln_1(x)), then + mlp(ln_2(.)) */
+static tdm_tensor *block_forward(tdm_module *m, tdm_tensor *x) {
+    tdm_tensor *pend = NULL;
+    x = block_chain(m, x, &pend);
+    return x ? tdm_add(x, pend) : NULL;
 }
 
 static tdm_tensor *no_forward(tdm_module *m, tdm_tensor *x) {
@@ -176,12 +186,25 @@ static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
     tdm_tensor *x = tdm_add(tok, tdm_slice(wpe, 0, 0, T, 1));
     /* sequence parallelism: each rank's tokens only between the tensor-parallel layers */
     if (st->seq) x = tdm_tp_seq_shard(st->tp, x, 1);
-    for (int l = 0; l < h->n_children && x; l++) x = tdm_module_forward(h->children[l], x);
+    /* a block run as its forward would (plain: no hooks, no recomputation) hands its last add
+     * to the next block's ln_1, or ln_f's, to run in the norm's kernel (pend) */
+    tdm_tensor *pend = NULL;
+    for (int l = 0; l < h->n_children && x; l++) {
+        tdm_module *blk = h->children[l];
+        if (blk->ops == &block_ops && plain(blk)) {
+            x = block_chain(blk, x, &pend);
+            continue;
+        }
+        if (pend) x = tdm_add(x, pend), pend = NULL;
+        x = tdm_module_forward(blk, x);
+    }
     if (!x) return NULL;
     /* the tied head below is a product of the rank's whole x */
     tdm_module *lnf = tr->children[TR_LNF];
-    x = st->vocab || st->seq ? tdm_module_forward(lnf, x)
-                             : norm_for(lnf, NULL, NULL, x, NULL, NULL);
+    if (st->vocab || st->seq)
+        x = tdm_module_forward(lnf, pend ? tdm_add(x, pend) : x);
+    else
+        x = norm_for(lnf, NULL, NULL, x, pend, &x);
     if (st->vocab) return vocab_head(st, x, wte);
     if (st->seq) x = tdm_tp_seq_gather(st->tp, x, 1, false); /* the head runs whole everywhere */
     /* the tied head: logits = x @ wte[:V]^T (a row view: the padding rows are never read).

@@ -190,6 +190,14 @@ tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t, float *beta) {
     return t->grad;
 }
 
+tdm_tensor *tdm_grad_overwrite_target(tdm_tensor *t) {
+    if (!t || !t->requires_grad || t->grad_fn || !t->grad || !tdm_book(t)->grad_overwrite ||
+        t->grad->dtype != t->dtype)
+        return NULL;
+    float beta;
+    return tdm_grad_inplace_target(t, &beta); /* beta 0: the mark was set */
+}
+
 void tdm_grad_mark_overwrite(tdm_tensor *t) {
     if (t && t->grad) tdm_book(t)->grad_overwrite = true;
 }

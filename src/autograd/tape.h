@@ -73,6 +73,11 @@ int tdm_grad_replace(tdm_tensor *t, tdm_tensor *g);
  * is what the kernel multiplies the buffer by: 1, or 0 when it is stale
  * (tdm_grad_mark_overwrite), which the call then clears. */
 tdm_tensor *tdm_grad_inplace_target(tdm_tensor *t, float *beta);
+/* The leaf t's own .grad when it holds stale values (tdm_grad_mark_overwrite) and is a
+ * contiguous tensor of t's shape and dtype, for a kernel that writes t's whole gradient there
+ * (nothing to accumulate after: the mark is cleared, so the kernel must write it); else NULL,
+ * and nothing changes. */
+tdm_tensor *tdm_grad_overwrite_target(tdm_tensor *t);
 /* The leaf t's .grad (if any) holds stale values: the next gradient accumulated into it
  * replaces them instead of adding to them, as if it had been zeroed, without the pass that
  * zeroes it. Whoever marks a leaf calls tdm_grad_settle after the backward, before anything

@@ -42,8 +42,10 @@ static int linear_grads_of(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, tdm_tens
         if (rc || (rc = tdm_grad_accumulate(x, gx))) return rc;
     }
     if (!want[1] && !want[2]) return TDM_OK;
-    /* dW [out, in] = dY^T [out, M] @ X [M, in]; db [out] = dY's column sums: one kernel */
-    tdm_tensor *gb = want[2] ? tdm_tensor_alloc(tdm_shape_of(b), b->dtype, b->device) : NULL;
+    /* dW [out, in] = dY^T [out, M] @ X [M, in]; db [out] = dY's column sums: one kernel; db
+     * into the bias's own .grad where that is stale (nothing to copy after) */
+    tdm_tensor *gbo = want[2] ? tdm_grad_overwrite_target(b) : NULL;
+    tdm_tensor *gb = !want[2] || gbo ? gbo : tdm_tensor_alloc(tdm_shape_of(b), b->dtype, b->device);
     if (want[2] && !gb) return tdm_last_status();
     /* a parameter's gradient (a view of the flat buffer) takes the GEMM's sum directly */
     float beta = 0.0f;
@@ -53,7 +55,7 @@ static int linear_grads_of(tdm_tensor *x, tdm_tensor *w, tdm_tensor *b, tdm_tens
     tdm_tensor gw3 = gw ? tdm_as_matrix(gw, out, in) : *w, x3 = tdm_as_matrix(x, rows, in);
     int rc = be->linear_wgrad(gw ? &gw3 : NULL, gb, &gy3, &x3, beta);
     if (!rc && gw && !acc) rc = tdm_grad_accumulate(w, gw);
-    if (!rc && gb) rc = tdm_grad_accumulate(b, gb);
+    if (!rc && gb && !gbo) rc = tdm_grad_accumulate(b, gb);
     return rc;
 }
 

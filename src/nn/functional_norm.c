@@ -42,9 +42,18 @@ static tdm_tensor *grad_for(tdm_node *n, int i, bool *failed) {
     return g;
 }
 
+/* Input i's gradient for a kernel that writes it whole: a parameter's stale .grad itself
+ * (tdm_grad_overwrite_target: no copy into it after), else grad_for's new tensor. */
+static tdm_tensor *grad_whole(tdm_node *n, int i, bool *failed) {
+    if (!tdm_node_wants(n, i)) return NULL;
+    tdm_tensor *g = tdm_grad_overwrite_target(n->in[i]);
+    return g ? g : grad_for(n, i, failed);
+}
+
+/* Accumulates each g[i] into input i, but for a leaf's own .grad (grad_whole's, written). */
 static int accumulate_all(tdm_node *n, tdm_tensor *const *g, int k) {
     for (int i = 0; i < k; i++)
-        if (g[i]) {
+        if (g[i] && g[i] != n->in[i]->grad) {
             int rc = tdm_grad_accumulate(n->in[i], g[i]);
             if (rc) return rc;
         }
@@ -57,7 +66,8 @@ static int accumulate_all(tdm_node *n, tdm_tensor *const *g, int k) {
 static int batch_norm_backward(tdm_node *n, tdm_tensor *gout) {
     bool failed = false;
     tdm_tensor *gy = tdm_contiguous(gout);
-    tdm_tensor *g[3] = {grad_for(n, 0, &failed), grad_for(n, 1, &failed), grad_for(n, 2, &failed)};
+    tdm_tensor *g[3] = {grad_for(n, 0, &failed), grad_whole(n, 1, &failed),
+                        grad_whole(n, 2, &failed)};
     if (!gy || failed) return tdm_last_status();
     tdm_tensor *x = n->in[0];
     int rc = tdm_backend_for(x->device)->batch_norm_backward(
@@ -107,7 +117,8 @@ static int sync_batch_norm_backward(tdm_node *n, tdm_tensor *gout) {
     const sync_bn_ctx *sc = n->ctx;
     bool failed = false;
     tdm_tensor *gy = tdm_contiguous(gout);
-    tdm_tensor *g[3] = {grad_for(n, 0, &failed), grad_for(n, 1, &failed), grad_for(n, 2, &failed)};
+    tdm_tensor *g[3] = {grad_for(n, 0, &failed), grad_whole(n, 1, &failed),
+                        grad_whole(n, 2, &failed)};
     tdm_tensor *x = n->in[0];
     int64_t c = x->shape[1];
     tdm_tensor *buf = tdm_tensor_alloc(TDM_SHAPE(2 * c), TDM_F32, x->device);
@@ -295,7 +306,8 @@ static tdm_tensor *view1d(tdm_tensor *t) {
 static int layer_norm_backward(tdm_node *n, tdm_tensor *gout) {
     bool failed = false;
     tdm_tensor *gy = tdm_contiguous(gout);
-    tdm_tensor *g[3] = {grad_for(n, 0, &failed), grad_for(n, 1, &failed), grad_for(n, 2, &failed)};
+    tdm_tensor *g[3] = {grad_for(n, 0, &failed), grad_whole(n, 1, &failed),
+                        grad_whole(n, 2, &failed)};
     if (!gy || failed) return tdm_last_status();
     tdm_tensor *x = n->in[0], *mean = n->saved[0];
     tdm_tensor *gres = g[0] ? tdm_grad_pending(x) : NULL;

@@ -201,10 +201,11 @@ static tdm_tensor *gpt_module_forward(tdm_module *m, tdm_tensor *idx) {
     if (!x) return NULL;
     /* the tied head below is a product of the rank's whole x */
     tdm_module *lnf = tr->children[TR_LNF];
+    tdm_tensor *sum; /* the stream's last sum: the head reads only its norm */
     if (st->vocab || st->seq)
         x = tdm_module_forward(lnf, pend ? tdm_add(x, pend) : x);
     else
-        x = norm_for(lnf, NULL, NULL, x, pend, &x);
+        x = norm_for(lnf, NULL, NULL, x, pend, &sum);
     if (st->vocab) return vocab_head(st, x, wte);
     if (st->seq) x = tdm_tp_seq_gather(st->tp, x, 1, false); /* the head runs whole everywhere */
     /* the tied head: logits = x @ wte[:V]^T (a row view: the padding rows are never read).

@@ -770,11 +770,12 @@ static void case_sync_batch_norm(run *r) {
 }
 
 /* Rows x columns: the weight and bias gradients sum over rows in chunks of 128 and columns in
- * tiles of 32 (140 rows: two chunks, the last partial; 40 columns: a partial tile). Sizes are
- * kept small: the CPU emulation runs every GPU thread. */
+ * tiles of 32 (140 rows: two chunks, the last partial; 40 columns: a partial tile); the forward
+ * takes a warp a row, eight rows a block (37 rows: a last block of five), and a block a row past
+ * 4096 columns (4500). Sizes are kept small: the CPU emulation runs every GPU thread. */
 static void case_layer_norm(run *r) {
-    int64_t shapes[3][2] = {{37, 64}, {37, 1500}, {140, 40}};
-    for (int i = 0; i < 3; i++) {
+    int64_t shapes[4][2] = {{37, 64}, {37, 1500}, {140, 40}, {3, 4500}};
+    for (int i = 0; i < 4; i++) {
         int64_t rows = shapes[i][0], cols = shapes[i][1];
         tdm_shape s = TDM_SHAPE(rows, cols), c = TDM_SHAPE(cols);
         tdm_tensor *x = randn(r, s, 2, 1), *gy = randn(r, s, 0, 1), *w = randn32(r, c, 1, 1);

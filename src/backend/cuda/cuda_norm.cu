@@ -329,39 +329,60 @@ extern "C" int tdm_cuda_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tens
 /* y (forward) and gy (backward) may have another dtype than x, gx and gres: a norm whose output
  * the next product takes in bf16 writes it so (tdm_layer_norm_to), its one rounding */
 
-/* One block a row. With res, the row is x + res rounded to x's dtype (the add kernel's bits),
- * written to sum as the first pass reads it; the later passes read sum, each thread only the
- * elements it wrote. */
-template <typename TX, typename TY, typename TR>
+/* Rows of up to LN_WARP_COLS columns take a warp each (eight rows a block, no barrier: the
+ * row's sums by shuffles), wider ones a block each (the sums through shared memory). */
+#define LN_WARP_COLS 4096
+#define LN_WARP_ROWS 8
+
+/* The sum of v over the threads of a row: a warp's lanes by an xor butterfly, every lane
+ * getting the same bits (each pair is added in both orders, and addition commutes), or the
+ * block's (cu_block_sum). Every thread of the block calls it: the emulation's shuffle is a
+ * barrier of the block. */
+template <bool WARP> __device__ __forceinline__ double ln_row_sum(double v, double *sh) {
+    if constexpr (WARP) {
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        return v;
+    } else {
+        return cu_block_sum(v, sh);
+    }
+}
+
+/* With res, the row is x + res rounded to x's dtype (the add kernel's bits), written to sum as
+ * the first pass reads it; the later passes read sum, each thread only the elements it wrote.
+ * A warp past the last row (WARP) takes part in the shuffles and touches no memory. */
+template <typename TX, typename TY, typename TR, bool WARP>
 __global__ void ln_fwd_kernel(TY *y, float *mean, float *rstd, const TX *x, const float *w,
-                              const float *b, const TR *res, TX *sum, int64_t cols, float eps) {
-    __shared__ double sh[CU_THREADS];
-    int64_t r = blockIdx.x;
-    const TX *xr = x + r * cols;
-    TY *yr = y + r * cols;
+                              const float *b, const TR *res, TX *sum, int64_t rows, int64_t cols,
+                              float eps) {
+    __shared__ double sh[WARP ? 1 : CU_THREADS];
+    const int64_t r = WARP ? blockIdx.x * (int64_t)LN_WARP_ROWS + threadIdx.x / 32 : blockIdx.x;
+    const int t = WARP ? threadIdx.x % 32 : threadIdx.x, nt = WARP ? 32 : blockDim.x;
+    const int64_t n = r < rows ? cols : 0, row = n ? r : 0; /* n: the elements this thread has */
+    const TX *xr = x + row * cols;
+    TY *yr = y + row * cols;
     double s = 0;
     if (res) {
-        const TR *rr = res + r * cols;
-        TX *sr = sum + r * cols;
-        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+        const TR *rr = res + row * cols;
+        TX *sr = sum + row * cols;
+        for (int64_t c = t; c < n; c += nt) {
             const TX v = cu_to<TX>(cu_ld(xr[c]) + cu_ld(rr[c]));
             sr[c] = v;
             s += cu_ld(v);
         }
         xr = sr;
     } else {
-        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += cu_ld(xr[c]);
+        for (int64_t c = t; c < n; c += nt) s += cu_ld(xr[c]);
     }
-    float m = (float)(cu_block_sum(s, sh) / (double)cols);
+    float m = (float)(ln_row_sum<WARP>(s, sh) / (double)cols);
     double q = 0;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    for (int64_t c = t; c < n; c += nt) {
         float dv = cu_ld(xr[c]) - m;
         q += (double)dv * dv;
     }
-    double var = cu_block_sum(q, sh) / (double)cols; /* biased, as PyTorch */
+    double var = ln_row_sum<WARP>(q, sh) / (double)cols; /* biased, as PyTorch */
     float inv = (float)(1.0 / sqrt(var + (double)eps));
-    if (threadIdx.x == 0) mean[r] = m, rstd[r] = inv;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    if (t == 0 && n) mean[r] = m, rstd[r] = inv;
+    for (int64_t c = t; c < n; c += nt)
         yr[c] = cu_to<TY>((cu_ld(xr[c]) - m) * inv * (w ? w[c] : 1.0f) + (b ? b[c] : 0.0f));
 }
 
@@ -375,19 +396,26 @@ struct ln_fwd_args {
 
 template <typename TX, typename TY, typename TR>
 static void ln_fwd_launch(cu_device *d, const ln_fwd_args &a) {
-    ln_fwd_kernel<TX, TY, TR><<<(unsigned)a.rows, cu_row_threads(a.cols), 0, d->compute>>>(
-        cu_p<TY>(a.y), cu_f(a.mean), cu_f(a.rstd), cu_p<TX>(a.x), cu_f(a.weight), cu_f(a.bias),
-        a.res ? cu_p<TR>(a.res) : nullptr, a.res ? cu_p<TX>(a.sum) : nullptr, a.cols, a.eps);
+    const TR *res = a.res ? cu_p<TR>(a.res) : nullptr;
+    TX *sum = a.res ? cu_p<TX>(a.sum) : nullptr;
+    if (a.cols <= LN_WARP_COLS)
+        ln_fwd_kernel<TX, TY, TR, true>
+            <<<(unsigned)((a.rows + LN_WARP_ROWS - 1) / LN_WARP_ROWS), 32 * LN_WARP_ROWS, 0,
+               d->compute>>>(cu_p<TY>(a.y), cu_f(a.mean), cu_f(a.rstd), cu_p<TX>(a.x),
+                             cu_f(a.weight), cu_f(a.bias), res, sum, a.rows, a.cols, a.eps);
+    else
+        ln_fwd_kernel<TX, TY, TR, false><<<(unsigned)a.rows, cu_row_threads(a.cols), 0, d->compute>>>(
+            cu_p<TY>(a.y), cu_f(a.mean), cu_f(a.rstd), cu_p<TX>(a.x), cu_f(a.weight), cu_f(a.bias),
+            res, sum, a.rows, a.cols, a.eps);
 }
 /* x's dtype chosen (CU_DISPATCH), then y's, then res's: x's own, or bf16/f16 beside f32 x */
 template <typename TX, typename TY> static void ln_fwd_pick_res(cu_device *d, const ln_fwd_args &a) {
     const tdm_dtype rt = a.res ? a.res->dtype : a.x->dtype;
-    if (std::is_same<TX, float>::value && rt == TDM_BF16)
-        ln_fwd_launch<TX, TY, __nv_bfloat16>(d, a);
-    else if (std::is_same<TX, float>::value && rt == TDM_F16)
-        ln_fwd_launch<TX, TY, __half>(d, a);
-    else
-        ln_fwd_launch<TX, TY, TX>(d, a);
+    if constexpr (std::is_same<TX, float>::value) { /* only f32 x takes another res dtype */
+        if (rt == TDM_BF16) return ln_fwd_launch<TX, TY, __nv_bfloat16>(d, a);
+        if (rt == TDM_F16) return ln_fwd_launch<TX, TY, __half>(d, a);
+    }
+    ln_fwd_launch<TX, TY, TX>(d, a);
 }
 template <typename TX> static void ln_fwd_pick_y(cu_device *d, const ln_fwd_args &a) {
     a.y->dtype == TDM_BF16  ? ln_fwd_pick_res<TX, __nv_bfloat16>(d, a)
@@ -417,28 +445,31 @@ extern "C" int tdm_cuda_layer_norm(tdm_tensor *y, tdm_tensor *mean, tdm_tensor *
     return cu_check_launch("layer_norm", x->device.index);
 }
 
-/* gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with d = gy * w, one block per row; with
- * gres, gres + that (rounded first: an add kernel's bits; __fadd_rn: no multiply-add). */
-template <typename T, typename TG>
+/* gx = rstd * (d - mean(d) - xhat * mean(d * xhat)) with d = gy * w, a row a warp or a block
+ * (as the forward); with gres, gres + that (rounded first: an add kernel's bits; __fadd_rn: no
+ * multiply-add). */
+template <typename T, typename TG, bool WARP>
 __global__ void ln_bwd_kernel(T *gx, const TG *g, const T *x, const float *w, const float *mean,
-                              const float *rstd, const T *gres, int64_t cols) {
-    __shared__ double sh[CU_THREADS];
-    int64_t r = blockIdx.x;
-    const TG *gr = g + r * cols;
-    const T *xr = x + r * cols;
-    float m = mean[r], inv = rstd[r];
+                              const float *rstd, const T *gres, int64_t rows, int64_t cols) {
+    __shared__ double sh[WARP ? 1 : CU_THREADS];
+    const int64_t r = WARP ? blockIdx.x * (int64_t)LN_WARP_ROWS + threadIdx.x / 32 : blockIdx.x;
+    const int t = WARP ? threadIdx.x % 32 : threadIdx.x, nt = WARP ? 32 : blockDim.x;
+    const int64_t n = r < rows ? cols : 0, row = n ? r : 0; /* n: the elements this thread has */
+    const TG *gr = g + row * cols;
+    const T *xr = x + row * cols;
+    const float m = mean[row], inv = rstd[row];
     double sd = 0, sdx = 0;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    for (int64_t c = t; c < n; c += nt) {
         float h = (cu_ld(xr[c]) - m) * inv, dv = cu_ld(gr[c]) * (w ? w[c] : 1.0f);
         sd += dv;
         sdx += (double)dv * h;
     }
-    float md = (float)(cu_block_sum(sd, sh) / (double)cols);
-    float mdx = (float)(cu_block_sum(sdx, sh) / (double)cols);
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    float md = (float)(ln_row_sum<WARP>(sd, sh) / (double)cols);
+    float mdx = (float)(ln_row_sum<WARP>(sdx, sh) / (double)cols);
+    for (int64_t c = t; c < n; c += nt) {
         float h = (cu_ld(xr[c]) - m) * inv, dv = cu_ld(gr[c]) * (w ? w[c] : 1.0f);
         T v = cu_to<T>(inv * (dv - md - h * mdx));
-        gx[r * cols + c] = gres ? cu_to<T>(__fadd_rn(cu_ld(gres[r * cols + c]), cu_ld(v))) : v;
+        gx[row * cols + c] = gres ? cu_to<T>(__fadd_rn(cu_ld(gres[row * cols + c]), cu_ld(v))) : v;
     }
 }
 
@@ -518,10 +549,16 @@ static int ln_bwd_launch(cu_device *d, tdm_tensor *gx, tdm_tensor *gw, tdm_tenso
                          const tdm_tensor *gy, const tdm_tensor *x, const tdm_tensor *weight,
                          const tdm_tensor *mean, const tdm_tensor *rstd, const tdm_tensor *gres,
                          int64_t rows, int64_t cols) {
-    if (gx)
-        ln_bwd_kernel<T, TG><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
-            cu_p<T>(gx), cu_p<TG>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean), cu_f(rstd),
-            gres ? cu_p<T>(gres) : NULL, cols);
+    const T *gr = gres ? cu_p<T>(gres) : NULL;
+    if (gx && cols <= LN_WARP_COLS)
+        ln_bwd_kernel<T, TG, true>
+            <<<(unsigned)((rows + LN_WARP_ROWS - 1) / LN_WARP_ROWS), 32 * LN_WARP_ROWS, 0,
+               d->compute>>>(cu_p<T>(gx), cu_p<TG>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean),
+                             cu_f(rstd), gr, rows, cols);
+    else if (gx)
+        ln_bwd_kernel<T, TG, false><<<(unsigned)rows, cu_row_threads(cols), 0, d->compute>>>(
+            cu_p<T>(gx), cu_p<TG>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean), cu_f(rstd), gr, rows,
+            cols);
     int rc = gx ? cu_check_launch("layer_norm_backward", x->device.index) : TDM_OK;
     if (!rc && (gw || gb))
         rc = ln_wb<T, TG>(d, x->device.index, cu_f(gw), cu_f(gb), gy, x, mean, rstd, rows, cols);

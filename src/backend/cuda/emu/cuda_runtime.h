@@ -160,6 +160,15 @@ static inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int w
     __builtin_memcpy(&v, &all[((threadIdx.x % 32) ^ (unsigned)lane_mask) * EMU_XCHG_WORDS], 4);
     return v;
 }
+/* The same of a double (two words). */
+static inline double __shfl_xor_sync(unsigned mask, double v, int lane_mask, int width = 32) {
+    (void)mask, (void)width;
+    uint32_t u[2];
+    __builtin_memcpy(u, &v, 8);
+    const uint32_t *all = emu_warp_exchange(u, 2);
+    __builtin_memcpy(&v, &all[((threadIdx.x % 32) ^ (unsigned)lane_mask) * EMU_XCHG_WORDS], 8);
+    return v;
+}
 /* Runs body for every thread of every block; shmem bytes of dynamic shared memory (extern
  * __shared__, at emu_dynamic_shared, 128-byte aligned) are allocated for the launch, exactly
  * sized, so that AddressSanitizer sees an access past them. Over 48 KiB, kernel (the launched

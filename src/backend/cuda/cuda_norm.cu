@@ -404,12 +404,14 @@ static void ln_fwd_launch(cu_device *d, const ln_fwd_args &a) {
                d->compute>>>(cu_p<TY>(a.y), cu_f(a.mean), cu_f(a.rstd), cu_p<TX>(a.x),
                              cu_f(a.weight), cu_f(a.bias), res, sum, a.rows, a.cols, a.eps);
     else
-        ln_fwd_kernel<TX, TY, TR, false><<<(unsigned)a.rows, cu_row_threads(a.cols), 0, d->compute>>>(
-            cu_p<TY>(a.y), cu_f(a.mean), cu_f(a.rstd), cu_p<TX>(a.x), cu_f(a.weight), cu_f(a.bias),
-            res, sum, a.rows, a.cols, a.eps);
+        ln_fwd_kernel<TX, TY, TR, false>
+            <<<(unsigned)a.rows, cu_row_threads(a.cols), 0, d->compute>>>(
+                cu_p<TY>(a.y), cu_f(a.mean), cu_f(a.rstd), cu_p<TX>(a.x), cu_f(a.weight),
+                cu_f(a.bias), res, sum, a.rows, a.cols, a.eps);
 }
 /* x's dtype chosen (CU_DISPATCH), then y's, then res's: x's own, or bf16/f16 beside f32 x */
-template <typename TX, typename TY> static void ln_fwd_pick_res(cu_device *d, const ln_fwd_args &a) {
+template <typename TX, typename TY>
+static void ln_fwd_pick_res(cu_device *d, const ln_fwd_args &a) {
     const tdm_dtype rt = a.res ? a.res->dtype : a.x->dtype;
     if constexpr (std::is_same<TX, float>::value) { /* only f32 x takes another res dtype */
         if (rt == TDM_BF16) return ln_fwd_launch<TX, TY, __nv_bfloat16>(d, a);

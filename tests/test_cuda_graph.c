@@ -1,7 +1,8 @@
 /* CUDA graphs (tdm_graph_capture, tdm_strategy_set_graphs) on a GPU: a recording runs
  * nothing until replayed; a replayed training step gives the eager step's losses and
  * parameters bit for bit (with a learning rate that changes each step, a batch of another
- * shape between replays, batch norm's running statistics, dropout's masks); the blocks a
+ * shape between replays, batch norm's running statistics, dropout's masks, a GPT in f32 and
+ * under bf16 autocast: the fused attention, the residual adds in the layer norms); the blocks a
  * recording used are never handed to other work; a replay checks the indices the recording
  * checked; what cannot be recorded (a read back to the host, dropout inside a recomputed
  * module) is refused naming why, and the strategy then steps eagerly, as a run without graphs
@@ -120,33 +121,71 @@ static tdm_tensor *ce_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, vo
     return tdm_cross_entropy(out, target, NULL);
 }
 
+static tdm_tensor *gpt_loss(tdm_tensor *out, tdm_tensor *target, int64_t row0, void *arg) {
+    (void)row0, (void)arg;
+    return tdm_gpt_loss(out, target);
+}
+
 #define STEPS 7
 #define SHORT 4 /* this step's batch is smaller: it runs eagerly between replays */
 
-/* STEPS steps of make() on cuda:0 through the one-device strategy, with graphs after
- * warmup eager steps (0: none), the learning rate changed each step and gradients clipped;
- * losses and the final parameters (host, caller frees) written out; *replays, *why the
- * strategy's. */
-static float *run(tdm_module *(*make)(void), tdm_shape xs, int warmup, float *losses,
-                  int64_t *replays, const char **why) {
-    tdm_module *mc = make(), *m = tdm_module_clone(mc, G);
-    tdm_module_free(mc);
+/* A model stepped: what makes it, its batch's shape, and the precision of its steps (the
+ * strategy's autocast region: f32 for none). */
+typedef struct {
+    const char *name;
+    tdm_module *(*make)(void);
+    tdm_shape xs;
+    tdm_dtype precision;
+} model_case;
+
+/* A GPT of 2 layers, 2 heads of 16 (the fused attention), context 16, vocabulary 64: every
+ * residual add in a layer norm's kernel, its MLP one op */
+static tdm_module *make_gpt(void) {
+    tdm_rng r = tdm_rng_make(9);
+    const tdm_gpt_config c = {.layers = 2, .heads = 2, .channels = 32, .context = 16, .vocab = 64};
+    return tdm_gpt_new(&c, tdm_cpu(0), &r);
+}
+
+/* Batch s of mc, on the host: random inputs and class targets, or (a GPT's [B, T]) tokens
+ * and the next ones. */
+static void batch_of(const model_case *mc, int s, tdm_tensor **x, tdm_tensor **t) {
+    tdm_shape bs = mc->xs;
+    bs.d[0] = s == SHORT ? mc->xs.d[0] / 2 : mc->xs.d[0];
+    int64_t y[128];
+    if (mc->make == make_gpt) {
+        int64_t idx[128];
+        for (int i = 0; i < bs.d[0] * bs.d[1]; i++)
+            idx[i] = (i * 7 + s * 13 + i / 5) % 64, y[i] = (idx[i] * 3 + 1) % 64;
+        *x = tdm_from_data(bs, TDM_I64, tdm_cpu(0), idx);
+        *t = tdm_from_data(bs, TDM_I64, tdm_cpu(0), y);
+        return;
+    }
+    for (int i = 0; i < bs.d[0]; i++) y[i] = (i * 3 + s) % 5;
+    tdm_rng r = tdm_rng_make(500 + (uint64_t)s);
+    *x = tdm_randn(bs, 0.5f, 1, tdm_cpu(0), &r);
+    *t = tdm_from_data(TDM_SHAPE(bs.d[0]), TDM_I64, tdm_cpu(0), y);
+}
+
+/* STEPS steps of mc on cuda:0 through the one-device strategy, with graphs after warmup
+ * eager steps (0: none), the learning rate changed each step and gradients clipped; losses and
+ * the final parameters (host, caller frees) written out; *replays, *why the strategy's. */
+static float *run(const model_case *mc, int warmup, float *losses, int64_t *replays,
+                  const char **why) {
+    tdm_module *m0 = mc->make(), *m = tdm_module_clone(m0, G);
+    tdm_module_free(m0);
     tdm_module_train(m, true);
     tdm_strategy *st = tdm_strategy_one_device(m, make_adamw, NULL);
     int rc = st ? TDM_OK : tdm_last_status();
     if (!rc) rc = tdm_strategy_set_clip_grad_norm(st, 1.0f);
+    if (!rc && mc->precision != TDM_F32) rc = tdm_strategy_set_precision(st, mc->precision);
     if (!rc && warmup) rc = tdm_strategy_set_graphs(st, warmup);
+    tdm_loss_fn loss = mc->make == make_gpt ? gpt_loss : ce_loss;
     for (int s = 0; s < STEPS && !rc; s++) {
         tdm_scope_begin();
-        tdm_shape bs = xs;
-        bs.d[0] = s == SHORT ? xs.d[0] / 2 : xs.d[0];
-        int64_t y[64];
-        for (int i = 0; i < bs.d[0]; i++) y[i] = (i * 3 + s) % 5;
-        tdm_rng r = tdm_rng_make(500 + (uint64_t)s);
-        tdm_tensor *x = tdm_randn(bs, 0.5f, 1, tdm_cpu(0), &r);
-        tdm_tensor *t = tdm_from_data(TDM_SHAPE(bs.d[0]), TDM_I64, tdm_cpu(0), y);
+        tdm_tensor *x, *t;
+        batch_of(mc, s, &x, &t);
         tdm_strategy_set_lr(st, 0.01f / (float)(1 + s));
-        rc = tdm_strategy_step(st, x, t, ce_loss, NULL, &losses[s]);
+        rc = tdm_strategy_step(st, x, t, loss, NULL, &losses[s]);
         tdm_scope_end();
     }
     tdm_paramset *ps = tdm_module_parameters(m);
@@ -170,19 +209,17 @@ static tdm_module *make_recomputed_mlp(void) {
 }
 
 static void test_steps(void) {
-    struct {
-        const char *name;
-        tdm_module *(*make)(void);
-        tdm_shape xs;
-    } models[3] = {{"mlp", make_plain_mlp, TDM_SHAPE(32, 20)},
-                   {"cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12)},
-                   {"mlp with dropout", make_mlp, TDM_SHAPE(32, 20)}};
-    for (int i = 0; i < 3; i++) {
+    const model_case models[] = {{"mlp", make_plain_mlp, TDM_SHAPE(32, 20), TDM_F32},
+                                 {"cnn", make_cnn, TDM_SHAPE(16, 1, 12, 12), TDM_F32},
+                                 {"mlp with dropout", make_mlp, TDM_SHAPE(32, 20), TDM_F32},
+                                 {"gpt", make_gpt, TDM_SHAPE(4, 16), TDM_F32},
+                                 {"gpt in bf16", make_gpt, TDM_SHAPE(4, 16), TDM_BF16}};
+    for (size_t i = 0; i < sizeof models / sizeof *models; i++) {
         float le[STEPS], lg[STEPS];
         int64_t re, rg, n;
         const char *why;
-        float *pe = run(models[i].make, models[i].xs, 0, le, &re, &why);
-        float *pg = run(models[i].make, models[i].xs, 2, lg, &rg, &why);
+        float *pe = run(&models[i], 0, le, &re, &why);
+        float *pg = run(&models[i], 2, lg, &rg, &why);
         tdm_module *m = models[i].make();
         n = tdm_module_parameters(m)->total;
         tdm_module_free(m);
@@ -203,8 +240,9 @@ static void test_steps(void) {
     float le[STEPS], lg[STEPS];
     int64_t re, rg;
     const char *why;
-    float *pe = run(make_recomputed_mlp, TDM_SHAPE(32, 20), 0, le, &re, &why);
-    float *pg = run(make_recomputed_mlp, TDM_SHAPE(32, 20), 1, lg, &rg, &why);
+    const model_case rec = {"recomputed mlp", make_recomputed_mlp, TDM_SHAPE(32, 20), TDM_F32};
+    float *pe = run(&rec, 0, le, &re, &why);
+    float *pg = run(&rec, 1, lg, &rg, &why);
     CHECK(pg && rg == 0 && why && strstr(why, "random draw in a recomputed function"),
           "dropout recomputed: %lld replays, %s", (long long)rg, why ? why : "no reason");
     CHECK(pe && pg && !memcmp(le, lg, sizeof le) &&

@@ -549,6 +549,51 @@ static void test_loss_reads_lowp(tdm_dtype dt) {
     free_all((tdm_tensor *[]){xa, xb, w, tg}, 4);
 }
 
+/* A pre-norm block's residual add and norm in a region, as the GPT runs them: the f32 stream
+ * x plus a linear's dt output, normalised into dt (tdm_add_layer_norm_to, one kernel), against
+ * tdm_add then tdm_layer_norm_to on twin leaves: the sum, the norm and every leaf's gradient
+ * bit for bit. */
+static void test_add_norm_in_region(tdm_dtype dt) {
+    enum { N = 6, C = 40 };
+    float v[N * C], wv[C * C], gv[C];
+    for (int i = 0; i < N * C; i++) v[i] = (float)((i * 29) % 31 - 15) / 7.0f;
+    for (int i = 0; i < C * C; i++) wv[i] = (float)((i * 13) % 17 - 8) / 40.0f;
+    for (int c = 0; c < C; c++) gv[c] = 1.0f + (float)(c % 5) / 8.0f;
+    tdm_tensor *l[2][4];
+    for (int k = 0; k < 2; k++) /* the stream, the linear's weight, the norm's weight and bias */
+        l[k][0] = leaf(TDM_SHAPE(N, C), v), l[k][1] = leaf(TDM_SHAPE(C, C), wv),
+        l[k][2] = leaf(TDM_SHAPE(C), gv), l[k][3] = leaf(TDM_SHAPE(C), v);
+    const char *dn = tdm_dtype_name(dt);
+    tdm_scope_begin();
+    tdm_tensor *s[2], *y[2];
+    for (int k = 0; k < 2; k++) {
+        tdm_tensor **t = l[k];
+        tdm_autocast_begin(dt);
+        tdm_tensor *r = tdm_linear(t[0], t[1], NULL);
+        if (k == 0) {
+            y[k] = tdm_add_layer_norm_to(t[0], r, &s[k], 1, t[2], t[3], 1e-5f, dt);
+        } else {
+            s[k] = tdm_add(t[0], r);
+            y[k] = tdm_layer_norm_to(s[k], 1, t[2], t[3], 1e-5f, dt);
+        }
+        tdm_tensor *loss = y[k] ? tdm_add(tdm_sum_all(tdm_mul(tdm_to_dtype(y[k], TDM_F32), t[0])),
+                                          tdm_sum_all(tdm_mul(s[k], s[k])))
+                                : NULL;
+        tdm_autocast_end();
+        CHECK(loss && tdm_backward(loss) == TDM_OK, "%s add and norm: %s", dn, tdm_last_error());
+    }
+    CHECK(y[0] && y[0]->dtype == dt && s[0] && s[0]->dtype == TDM_F32,
+          "%s add_layer_norm_to in a region: the sum f32, the norm %s", dn, dn);
+    CHECK(same_bits(s[0], s[1]) && same_bits(y[0], y[1]),
+          "%s add_layer_norm_to in a region: the sum or the norm differs from the two ops'", dn);
+    for (int i = 0; i < 4; i++)
+        CHECK(same_bits(l[0][i]->grad, l[1][i]->grad),
+              "%s add_layer_norm_to in a region: leaf %d's gradient differs from the two ops'", dn,
+              i);
+    tdm_scope_end();
+    for (int k = 0; k < 2; k++) free_all(l[k], 4);
+}
+
 /* On a CUDA device the fp32 list is longer (autocast.h); conv2d is on the lower-precision list
  * there as on the CPU. */
 static void test_cuda_lists(void) {
@@ -604,10 +649,13 @@ int main(void) {
     test_backward_vs_fp32();
     test_loss_reads_lowp(TDM_BF16);
     test_loss_reads_lowp(TDM_F16);
+    test_add_norm_in_region(TDM_BF16);
     if (tdm_device_count(TDM_CUDA) > 0) {
         DEV = tdm_cuda(0);
         test_loss_reads_lowp(TDM_BF16);
         test_loss_reads_lowp(TDM_F16);
+        test_add_norm_in_region(TDM_BF16);
+        test_add_norm_in_region(TDM_F16);
         test_mlp_chain();
         test_attention_chain();
         test_cuda_lists();

@@ -4,8 +4,9 @@
  * chains replayed op by op with the same fp32 inputs and weights; every intermediate's dtype
  * equal exactly, values and fp32 gradients within the bounds below. Then the cast cache
  * (counted with tdm_autocast_cast_count and on the tape), nesting, the disabled region, the
- * per-thread state, the dtypes ops give outside a region, and backward in bf16 against the
- * fp32 twin on the same (bf16-rounded) values.
+ * per-thread state, the dtypes ops give outside a region, backward in bf16 against the fp32
+ * twin on the same (bf16-rounded) values, and the ops that read low-precision inputs as they are
+ * (cross-entropy's logits, the residual add folded into a layer norm) against the casts' bits.
  *
  * Bounds. bf16 keeps 8 significant bits: one rounding is at most 2^-9 of the value, one ulp
  * 2^-8 of it. Tandem and PyTorch compute each op in fp32 inside and round its output once,

@@ -3,7 +3,8 @@
  * of GPT-2 small's shape (batch 8, context 1024, 12 heads of 64) forward and backward, fused
  * (cuda_flash.cu) and unfused (cuda_attention.cu), in f32 and bf16, and that shape's layer norm
  * (8192 rows of 768) as a bf16 step runs it, with the residual add in its kernel and before it,
- * against the card's copy bandwidth; on cuda:0. Each figure is the median of 5 rounds.
+ * a row a warp and a row a block, against the card's copy bandwidth; on cuda:0. Each figure is the
+ * median of 5 rounds.
  *
  *   bench_cuda        (exits 77 without a GPU or without the CUDA backend) */
 #include <stdio.h>
@@ -149,23 +150,28 @@ static void bench_layer_norm(void) {
     tdm_tensor *gw = tdm_tensor_alloc(TDM_SHAPE(C), TDM_F32, G);
     tdm_tensor *gb = tdm_tensor_alloc(TDM_SHAPE(C), TDM_F32, G);
     int rc = x && r && w && b && s && y && m && rs && gx && gw && gb ? 0 : -1;
-    double tf = 0, tu = 0, tb = 0, n = (double)(R * C);
-    TIME_MEDIAN(tf, 20, rc, GPU->layer_norm(y, m, rs, x, w, b, 1e-5f, r, s));
-    TIME_MEDIAN(tu, 20, rc,
-                GPU->binary(TDM_BIN_ADD, s, x, r) ||
-                    GPU->layer_norm(y, m, rs, s, w, b, 1e-5f, NULL, NULL));
-    /* gy: y's buffer, gres: x's */
-    TIME_MEDIAN(tb, 20, rc, GPU->layer_norm_backward(gx, gw, gb, y, s, w, m, rs, x));
-    if (rc) {
-        printf("layer norm: %s\n", tdm_last_error());
-    } else {
+    double n = (double)(R * C), bw = copy_bandwidth((size_t)1 << 30);
+    for (int warps = 1; warps >= 0; warps--) { /* a warp a row (the default), a block a row */
+        double tf = 0, tu = 0, tb = 0;
+        tdm_cuda_layer_norm_warps(warps);
+        TIME_MEDIAN(tf, 20, rc, GPU->layer_norm(y, m, rs, x, w, b, 1e-5f, r, s));
+        TIME_MEDIAN(tu, 20, rc,
+                    GPU->binary(TDM_BIN_ADD, s, x, r) ||
+                        GPU->layer_norm(y, m, rs, s, w, b, 1e-5f, NULL, NULL));
+        /* gy: y's buffer, gres: x's */
+        TIME_MEDIAN(tb, 20, rc, GPU->layer_norm_backward(gx, gw, gb, y, s, w, m, rs, x));
+        tdm_cuda_layer_norm_warps(true);
+        if (rc) {
+            printf("layer norm: %s\n", tdm_last_error());
+            break;
+        }
         /* bytes: x 4 + r 2 in, s 4 + y 2 out; unfused, s read again; backward: gy 2, s 4,
          * gres 4 in, gx 4 out */
-        printf("layer norm 8192x768, f32 stream, bf16 branch and output: add folded in %.1f us "
-               "(%.0f GB/s), add then norm %.1f us (%.0f GB/s of the fused bytes); backward "
-               "with gres, gw, gb %.1f us (%.0f GB/s); copy %.0f GB/s\n",
-               tf * 1e6, 12 * n / tf * 1e-9, tu * 1e6, 12 * n / tu * 1e-9, tb * 1e6,
-               14 * n / tb * 1e-9, copy_bandwidth((size_t)1 << 30));
+        printf("layer norm 8192x768 (a row a %s), f32 stream, bf16 branch and output: add folded "
+               "in %.1f us (%.0f GB/s), add then norm %.1f us (%.0f GB/s of the fused bytes); "
+               "backward with gres, gw, gb %.1f us (%.0f GB/s); copy %.0f GB/s\n",
+               warps ? "warp" : "block", tf * 1e6, 12 * n / tf * 1e-9, tu * 1e6, 12 * n / tu * 1e-9,
+               tb * 1e6, 14 * n / tb * 1e-9, bw);
     }
     tdm_tensor *all[] = {x, r32, r, w, b, s, y, m, rs, gx, gw, gb};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++) tdm_tensor_free(all[i]);

@@ -825,6 +825,14 @@ static void case_layer_norm(run *r) {
     }
 }
 
+/* The same with every row a block of threads (tdm_cuda_layer_norm_warps(false)), as rows past
+ * 4096 columns always run */
+static void case_layer_norm_blocks(run *r) {
+    if (r->be != CPU) tdm_cuda_layer_norm_warps(false);
+    case_layer_norm(r);
+    tdm_cuda_layer_norm_warps(true);
+}
+
 static void case_dropout(run *r) {
     tdm_tensor *x = randn(r, TDM_SHAPE(3, 1001), 0, 1), *y = like(r, x), *mask = like(r, x);
     KERNEL(r, dropout, y, mask, x, 0.3f, 7, 12345, NULL);
@@ -1048,6 +1056,11 @@ static const row ROWS[] = {
     /* row statistics in double vs float lanes: 1e-5; the CPU adds gw and gb in float over
      * rows, the GPU in double: 1e-4 */
     {"layer_norm, layer_norm_backward", case_layer_norm, {1e-5, 1e-5}, {1e-4, 1e-4}, TDM_F32},
+    {"layer_norm, layer_norm_backward, a row a block",
+     case_layer_norm_blocks,
+     {1e-5, 1e-5},
+     {1e-4, 1e-4},
+     TDM_F32},
     {"dropout", case_dropout, EXACT, EXACT, TDM_F32}, /* the same Philox counters: bit-identical */
     /* the GPU sums each dot product and softmax in another order than BLAS */
     {"attention, attention_backward", case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}, TDM_F32},

@@ -77,6 +77,9 @@ int tdm_cuda_flash_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, co
  * default; TANDEM_FLASH_ATTENTION=0 in the environment starts it off): tests and
  * scripts/gpu-check compare the two. Not to be called with attention kernels in flight. */
 void tdm_cuda_flash_enable(bool on);
+/* Layer norms of up to 4096 columns a row a warp (on, the default) or a row a block (off), as
+ * wider rows always run: bench_cuda times the two. Not to be called with norms in flight. */
+void tdm_cuda_layer_norm_warps(bool on);
 
 #define TDM_KERNEL(ret, entry, params) ret tdm_cuda_##entry params;
 #define TDM_UPLOAD                     TDM_KERNEL

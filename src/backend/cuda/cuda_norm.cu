@@ -330,9 +330,18 @@ extern "C" int tdm_cuda_batch_norm_backward_elemt(tdm_tensor *gx, const tdm_tens
  * the next product takes in bf16 writes it so (tdm_layer_norm_to), its one rounding */
 
 /* Rows of up to LN_WARP_COLS columns take a warp each (eight rows a block, no barrier: the
- * row's sums by shuffles), wider ones a block each (the sums through shared memory). */
+ * row's sums by shuffles), wider ones a block each (the sums through shared memory), as every
+ * row does after tdm_cuda_layer_norm_warps(false) (bench_cuda times the two). */
 #define LN_WARP_COLS 4096
 #define LN_WARP_ROWS 8
+static bool ln_warps = true; /* tdm_cuda_layer_norm_warps */
+
+extern "C" void tdm_cuda_layer_norm_warps(bool on) {
+    __atomic_store_n(&ln_warps, on, __ATOMIC_RELAXED);
+}
+static bool ln_by_warp(int64_t cols) {
+    return cols <= LN_WARP_COLS && __atomic_load_n(&ln_warps, __ATOMIC_RELAXED);
+}
 
 /* The sum of v over the threads of a row: a warp's lanes by an xor butterfly, every lane
  * getting the same bits (each pair is added in both orders, and addition commutes), or the
@@ -398,7 +407,7 @@ template <typename TX, typename TY, typename TR>
 static void ln_fwd_launch(cu_device *d, const ln_fwd_args &a) {
     const TR *res = a.res ? cu_p<TR>(a.res) : nullptr;
     TX *sum = a.res ? cu_p<TX>(a.sum) : nullptr;
-    if (a.cols <= LN_WARP_COLS)
+    if (ln_by_warp(a.cols))
         ln_fwd_kernel<TX, TY, TR, true>
             <<<(unsigned)((a.rows + LN_WARP_ROWS - 1) / LN_WARP_ROWS), 32 * LN_WARP_ROWS, 0,
                d->compute>>>(cu_p<TY>(a.y), cu_f(a.mean), cu_f(a.rstd), cu_p<TX>(a.x),
@@ -552,7 +561,7 @@ static int ln_bwd_launch(cu_device *d, tdm_tensor *gx, tdm_tensor *gw, tdm_tenso
                          const tdm_tensor *mean, const tdm_tensor *rstd, const tdm_tensor *gres,
                          int64_t rows, int64_t cols) {
     const T *gr = gres ? cu_p<T>(gres) : NULL;
-    if (gx && cols <= LN_WARP_COLS)
+    if (gx && ln_by_warp(cols))
         ln_bwd_kernel<T, TG, true>
             <<<(unsigned)((rows + LN_WARP_ROWS - 1) / LN_WARP_ROWS), 32 * LN_WARP_ROWS, 0,
                d->compute>>>(cu_p<T>(gx), cu_p<TG>(gy), cu_p<T>(x), cu_f(weight), cu_f(mean),

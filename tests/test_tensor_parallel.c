@@ -205,6 +205,7 @@ typedef struct {
     float emb_w[VV * VC], ref_emb[2 * 3 * VC], ref_emb_grad[VV * VC];
     int64_t target[VM], tokens[2 * 3];
     float dloss[MAX_RANKS], dgrad[MAX_RANKS], demb[MAX_RANKS];
+    tdm_dtype dt; /* the logits' */
 } vocab_shared;
 
 /* the columns [r k, (r+1) k) of m [rows, VV] (or rows [r k, (r+1) k) of [VV, cols]) */
@@ -219,13 +220,21 @@ static int vocab_rank(tdm_rank_ctx *ctx, void *arg) {
     float lp[VM * VV], wp[VV * VC], g[VM * VV], y[2 * 3 * VC];
     part_cols(sh->logits, VM, k, r, lp);
     memcpy(wp, sh->emb_w + r * k * VC, sizeof(float) * (size_t)(k * VC));
-    tdm_tensor *l = leaf(TDM_SHAPE(VM, k), lp), *w = leaf(TDM_SHAPE(k, VC), wp);
+    tdm_tensor *l = f32(TDM_SHAPE(VM, k), lp), *w = leaf(TDM_SHAPE(k, VC), wp);
+    if (l && sh->dt != TDM_F32) { /* bf16 logits, the values the reference had */
+        tdm_tensor *low = tdm_cast(l, sh->dt);
+        tdm_tensor_free(l);
+        l = low;
+    }
+    if (l) tdm_requires_grad_(l, true);
     int rc = l && w ? 0 : tdm_last_status();
     tdm_scope_begin();
     tdm_tensor *loss =
         rc ? NULL : tdm_tp_cross_entropy(ctx->group, l, i64(TDM_SHAPE(VM), sh->target));
     if (!rc) rc = loss ? tdm_backward(loss) : tdm_last_status();
-    if (!rc) rc = grad_to(l, g, VM * (size_t)k);
+    if (!rc && l->grad->dtype != sh->dt) rc = tdm_raise(TDM_ERR_DTYPE, "the logits' gradient");
+    tdm_tensor *g32 = rc ? NULL : tdm_to_dtype(l->grad, TDM_F32);
+    if (!rc) rc = g32 ? tdm_to_host(g32, g, sizeof(float) * VM * (size_t)k) : tdm_last_status();
     if (!rc) {
         float want[VM * VV];
         part_cols(sh->ref_grad, VM, k, r, want);
@@ -249,11 +258,17 @@ static int vocab_rank(tdm_rank_ctx *ctx, void *arg) {
 
 /* Bound: the loss adds the ranks' sums of exponentials in another order than one device's
  * row; a few float roundings of values ~1. The embedding is exact: each output row is one
- * rank's row plus zeros. */
-static void test_vocab(int n) {
-    vocab_shared sh = {0};
+ * rank's row plus zeros. bf16 logits (dt) are read as they are, in f32 inside: the reference
+ * takes the same values in f32, and the gradient, rounded to bf16 once, is within 2^-8 of it. */
+static void test_vocab(int n, tdm_dtype dt) {
+    vocab_shared sh = {.dt = dt};
     tdm_rng rng = tdm_rng_make(21);
     tdm_tensor *l = tdm_randn(TDM_SHAPE(VM, VV), 0, 2, tdm_cpu(0), &rng);
+    if (dt != TDM_F32) { /* the reference on the low-precision values */
+        tdm_tensor *low = tdm_cast(l, dt), *back = low ? tdm_cast(low, TDM_F32) : NULL;
+        tdm_tensor_free(l), tdm_tensor_free(low);
+        l = back;
+    }
     tdm_tensor *w = tdm_randn(TDM_SHAPE(VV, VC), 0, 1, tdm_cpu(0), &rng);
     for (int i = 0; i < VM; i++) sh.target[i] = (i * 5 + 3) % VV;
     for (int i = 0; i < 6; i++) sh.tokens[i] = (i * 7 + 1) % VV;
@@ -277,10 +292,11 @@ static void test_vocab(int n) {
     int rc = tdm_spawn(n, devs, vocab_rank, &sh);
     CHECK(rc == TDM_OK, "vocabulary over %d ranks: %s", n, tdm_last_error());
     for (int r = 0; !rc && r < n; r++)
-        CHECK(sh.dloss[r] <= 1e-6f && sh.dgrad[r] <= 1e-6f && sh.demb[r] == 0,
-              "vocabulary over %d ranks, rank %d: loss off by %g, its gradient by %g, the "
+        CHECK(sh.dloss[r] <= 1e-6f && sh.dgrad[r] <= (dt == TDM_F32 ? 1e-6f : 0x1p-8f) &&
+                  sh.demb[r] == 0,
+              "vocabulary over %d ranks in %s, rank %d: loss off by %g, its gradient by %g, the "
               "embedding by %g",
-              n, r, sh.dloss[r], sh.dgrad[r], sh.demb[r]);
+              n, tdm_dtype_name(dt), r, sh.dloss[r], sh.dgrad[r], sh.demb[r]);
 }
 
 /* ---- Megatron's MLP against one device ---------------------------------------------------- */
@@ -1201,7 +1217,8 @@ int main(int argc, char **argv) {
     test_bad_arguments();
     test_mesh();
     test_rank_dies();
-    for (int n = 2; n <= MAX_RANKS; n++) test_ops(n), test_seq_ops(n), test_vocab(n);
+    for (int n = 2; n <= MAX_RANKS; n++)
+        test_ops(n), test_seq_ops(n), test_vocab(n, TDM_F32), test_vocab(n, TDM_BF16);
     for (int gathered = 0; gathered < 2; gathered++) {
         test_mlp(2, gathered, 1);
         test_mlp(4, gathered, 1);

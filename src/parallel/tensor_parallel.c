@@ -898,13 +898,15 @@ tdm_tensor *tdm_tp_cross_entropy(tdm_group *tp, tdm_tensor *logits, const tdm_te
                               tdm_tensor_shape_str(logits, a), tdm_tensor_shape_str(target, b));
     int n = tdm_group_size(tp), r = tdm_group_rank(tp);
     int64_t m = logits->shape[0], k = logits->shape[1];
-    /* in f32 whatever the logits' dtype, as autocast runs PyTorch's cross_entropy */
-    if (logits->dtype != TDM_F32 && !(logits = tdm_to_dtype(logits, TDM_F32))) return NULL;
+    /* in f32 whatever the logits' dtype, as autocast runs PyTorch's cross_entropy, but without
+     * an f32 copy of bf16/f16 logits: their maxima are exact in their dtype, and the shift below
+     * widens each element as it subtracts (the bits of the cast, one pass fewer each way) */
     /* every row's maximum over the whole vocabulary, a constant: it cancels in the loss and
      * only keeps exp() in range; the ranks' maxima gathered and their maximum taken on the
      * device (no wait for the host) */
     bool grad = tdm_set_grad_enabled(false);
     tdm_tensor *mx = tdm_max(logits, 1, false, NULL);
+    if (mx && mx->dtype != TDM_F32) mx = tdm_to_dtype(mx, TDM_F32);
     tdm_tensor *all =
         mx ? tdm_tensor_alloc(TDM_SHAPE((int64_t)n * m), TDM_F32, logits->device) : NULL;
     int rc = all ? wait_for(tdm_all_gather(tp, all, mx)) : tdm_last_status();
@@ -916,7 +918,7 @@ tdm_tensor *tdm_tp_cross_entropy(tdm_group *tp, tdm_tensor *logits, const tdm_te
     if (!shift ||
         local_indices("tp_cross_entropy", target, n, r, k, k, logits->device, &local, &mask))
         return NULL;
-    /* log sum over the vocabulary of exp(l - max), less the target's l - max */
+    /* log sum over the vocabulary of exp(l - max), less the target's l - max; z is f32 */
     tdm_tensor *z = tdm_sub(logits, shift);
     tdm_tensor *sum = tdm_tp_reduce(tp, tdm_sum(tdm_exp(z), 1, false));
     tdm_tensor *picked =

@@ -651,7 +651,9 @@ int tdm_tp_linear_set_sequence_dim(tdm_module *layer, int dim);
  * cross-entropy of logits [M, n k] against targets [M] (i32 or i64) from each rank's columns
  * logits [M, k] without gathering them (a max, a sum of exponentials and the target's logit
  * exchanged per row); the same scalar on every rank, the gradient of each part computed where
- * it lives. An index or target outside [0, n k) is refused naming it. */
+ * it lives. bf16/f16 logits are computed on in f32 without an f32 copy (the loss f32, their
+ * gradient in their dtype, as the non-parallel cross-entropy under autocast). An index or
+ * target outside [0, n k) is refused naming it. */
 tdm_tensor *tdm_tp_embedding(tdm_group *tp, tdm_tensor *weight, const tdm_tensor *idx);
 /* A module holding this rank's rows of an existing Embedding's weight (the rows must split
  * over the ranks), whose forward is tdm_tp_embedding. Cannot be cloned. NULL and an error. */

@@ -232,7 +232,8 @@ static int vocab_rank(tdm_rank_ctx *ctx, void *arg) {
     tdm_tensor *loss =
         rc ? NULL : tdm_tp_cross_entropy(ctx->group, l, i64(TDM_SHAPE(VM), sh->target));
     if (!rc) rc = loss ? tdm_backward(loss) : tdm_last_status();
-    if (!rc && l->grad->dtype != sh->dt) rc = tdm_raise(TDM_ERR_DTYPE, "the logits' gradient");
+    if (!rc && (!l->grad || l->grad->dtype != sh->dt))
+        rc = tdm_raise(TDM_ERR_DTYPE, "the logits' gradient is missing or not in their dtype");
     tdm_tensor *g32 = rc ? NULL : tdm_to_dtype(l->grad, TDM_F32);
     if (!rc) rc = g32 ? tdm_to_host(g32, g, sizeof(float) * VM * (size_t)k) : tdm_last_status();
     if (!rc) {

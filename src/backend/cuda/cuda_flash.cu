@@ -199,17 +199,11 @@ __global__ void __launch_bounds__(FA_THREADS)
         }
         float alpha[4];
 #pragma unroll
-        for (int r = 0; r < 4; r++) { /* key 0 of the tile is at or below every row's diagonal
-                                       * (rows past T included): the maximum is finite */
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 4));
-            const float m_new = fmaxf(m[r], mx[r]);
-            alpha[r] = exp2f(m[r] - m_new); /* 0 at the first tile: m is -inf */
-            m[r] = m_new, l[r] *= alpha[r];
+        for (int r = 0; r < 4; r++) { /* a row's columns across 8 lanes */
+            alpha[r] = fa_rescale<8>(mx[r], m[r], l[r]);
 #pragma unroll
             for (int c = 0; c < FA_BC / 8; c++) { /* P (masked scores give 0) */
-                s[r][c] = exp2f(s[r][c] - m_new);
+                s[r][c] = exp2f(s[r][c] - m[r]);
                 l[r] += s[r][c];
             }
 #pragma unroll
@@ -221,9 +215,7 @@ __global__ void __launch_bounds__(FA_THREADS)
     }
 #pragma unroll
     for (int r = 0; r < 4; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 4);
+        l[r] = fa_row_sum<8>(l[r]);
         if (tc == 0 && row[r] < g.T) lse[bh * g.T + row[r]] = m[r] * FA_LN2 + logf(l[r]);
         const float inv = 1.0f / l[r];
 #pragma unroll

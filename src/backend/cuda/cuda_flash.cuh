@@ -75,6 +75,26 @@ __device__ inline void fa_load_rows(float *lse_s, float *D_s, const float *lse, 
     }
 }
 
+/* ---- the online softmax, a row's scores across LANES adjacent lanes (xor 1, 2, ...; loops of
+ * a constant count, unrolled by nvcc) ---------------------------------------------------------- */
+
+/* v summed over the row's lanes; each of them gets the same bits (a pair is added both ways) */
+template <int LANES> __device__ __forceinline__ float fa_row_sum(float v) {
+    for (int o = 1; o < LANES; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* One key tile's step for a row whose tile maximum (over this lane's scores, base 2) is mx: m
+ * moves to the row's new maximum and l is rescaled; returns the factor O is rescaled by (0 at
+ * the first tile, where m is -inf). The tile's maximum is finite: key 0 of every tile is at or
+ * below each row's diagonal (rows past T included). */
+template <int LANES> __device__ __forceinline__ float fa_rescale(float mx, float &m, float &l) {
+    for (int o = 1; o < LANES; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float m_new = fmaxf(m, mx), alpha = exp2f(m - m_new);
+    m = m_new, l *= alpha;
+    return alpha;
+}
+
 /* ---- the bf16 and f16 kernels on mma.sync (cuda_flash_mma.cu; sm_80 on) -------------------- */
 
 /* Shared memory the mma.sync kernels take (cudaFuncSetAttribute's limit must allow it). */

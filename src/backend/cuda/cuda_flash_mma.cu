@@ -282,14 +282,7 @@ __global__ void __launch_bounds__(FA_THREADS)
             }
         float alpha[2];
 #pragma unroll
-        for (int r = 0; r < 2; r++) { /* key 0 of the tile is at or below every row's diagonal
-                                       * (rows past T included): the maximum is finite */
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m[r], mx[r]);
-            alpha[r] = exp2f(m[r] - m_new); /* 0 at the first tile: m is -inf */
-            m[r] = m_new, l[r] *= alpha[r];
-        }
+        for (int r = 0; r < 2; r++) alpha[r] = fa_rescale<4>(mx[r], m[r], l[r]); /* a quad's */
 #pragma unroll
         for (int n = 0; n < FA_BC / 8; n++)
 #pragma unroll
@@ -305,8 +298,7 @@ __global__ void __launch_bounds__(FA_THREADS)
     float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        l[r] = fa_row_sum<4>(l[r]);
         inv[r] = 1.0f / l[r];
         if (tq == 0 && row[r] < g.T) lse[bh * g.T + row[r]] = m[r] * FA_LN2 + logf(l[r]);
     }

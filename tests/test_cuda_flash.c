@@ -1,7 +1,10 @@
 /* The fused causal attention (cuda_flash.cu) against the unfused one (cuda_attention.cu) on
  * the same GPU, in f32, bf16 and f16: y, lse and dqkv at sizes with partial tiles (T not a
  * multiple of the 64-row tile), one tile, several, one head and several, head sizes 16 to
- * 128; a fused run twice, bit for bit (every sum in a fixed order); which heads it takes
+ * 128; a fused run twice, bit for bit (every sum in a fixed order); in bf16 and f16 at heads
+ * up to 64, the forward and dQ kernels' blocks of 128 query rows (two tiles of 16 a warp, the
+ * default) against their blocks of 64 (tdm_cuda_flash_wide(false)), bit for bit (the same
+ * products in the same order; a warp's key tile past all its rows adds zeros); which heads it takes
  * (a head size that is not a multiple of 16, or whose backward blocks need more shared memory
  * than the GPU has, goes to the unfused path; and with --before-sm80, on a GPU the caller knows
  * to be older than sm_80, bf16 and f16 of every head). The kernels against the CPU's are
@@ -78,6 +81,13 @@ static int attend(const tdm_tensor *qkv, const tdm_tensor *dy, int nh, bool fuse
     return rc ? rc : r->y && r->lse && r->g ? TDM_OK : tdm_last_status();
 }
 
+/* Whether a and b hold the same n values (== : a zero's sign aside). */
+static bool same(const float *a, const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!(a[i] == b[i])) return false;
+    return true;
+}
+
 static void result_free(result *r) {
     free(r->y), free(r->lse), free(r->g);
 }
@@ -109,10 +119,16 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt, boo
           "B=%lld T=%lld C=%lld heads %d %s: the fused kernel "
           "does not take it",
           (long long)B, (long long)T, (long long)C, nh, dn);
-    result f = {0}, f2 = {0}, u = {0};
+    result f = {0}, f2 = {0}, u = {0}, n = {0};
+    const bool narrow = dt != TDM_F32 && C / nh <= 64; /* the wide blocks' heads */
     int rc = attend(qkv, dy, nh, true, &f);
     if (!rc && twice) rc = attend(qkv, dy, nh, true, &f2);
     if (!rc) rc = attend(qkv, dy, nh, false, &u);
+    if (!rc && narrow) {
+        tdm_cuda_flash_wide(false);
+        rc = attend(qkv, dy, nh, true, &n);
+        tdm_cuda_flash_wide(true);
+    }
     CHECK(rc == TDM_OK, "%s: %s", dn, tdm_last_error());
     if (!rc) {
         double *sy = NULL, *sl = NULL, *sg = NULL;
@@ -135,12 +151,16 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt, boo
         CHECK(!twice || (!memcmp(f.y, f2.y, sizeof(float) * (size_t)ny) &&
                          !memcmp(f.g, f2.g, sizeof(float) * (size_t)nq)),
               "%s: two fused runs differ", dn);
+        CHECK(!narrow ||
+                  (same(f.y, n.y, ny) && same(f.lse, n.lse, B * nh * T) && same(f.g, n.g, nq)),
+              "B=%lld T=%lld C=%lld heads %d %s: blocks of 128 query rows and of 64 differ",
+              (long long)B, (long long)T, (long long)C, nh, dn);
         printf("fused attention B=%lld T=%lld C=%lld heads %d %s: y within %.3g, lse %.3g, dqkv "
                "%.3g of the unfused\n",
                (long long)B, (long long)T, (long long)C, nh, dn, wy, wl, wg);
         free(sy), free(sl), free(sg);
     }
-    result_free(&f), result_free(&f2), result_free(&u);
+    result_free(&f), result_free(&f2), result_free(&u), result_free(&n);
     tdm_scope_end();
     free(q), free(gy);
 }
@@ -207,6 +227,8 @@ int main(int argc, char **argv) {
         test_size(1, 70, 32, 1, dts[d], false);   /* one head, a partial second tile */
         test_size(2, 64, 32, 2, dts[d], false);   /* one whole tile, heads of 16 */
         test_size(1, 130, 64, 2, dts[d], true);   /* three tiles, the last of 2 rows */
+        test_size(1, 200, 128, 2, dts[d], false); /* heads of 64, a block's last warps past T */
+        test_size(2, 300, 64, 2, dts[d], true);   /* three blocks of 128 rows, five key tiles */
         test_size(1, 33, 96, 2, dts[d], false);   /* heads of 48 */
         test_size(1, 20, 96, 1, dts[d], false);   /* a head of 96 */
         test_size(1, 130, 128, 2, dts[d], false); /* heads of 64 (GPT-2's), three tiles */

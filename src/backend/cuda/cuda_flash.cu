@@ -4,7 +4,8 @@
  * No T x T scores reach memory and the tiles above the diagonal are never computed: a block
  * takes FA_BR query rows of one head and walks the key tiles up to its diagonal, each of its
  * four warps owning 16 of the rows and all of their work. bf16 and f16 run on the tensor cores
- * through mma.sync (cuda_flash_mma.cu). This file holds the dispatch, D = rowsum(dy * y) for
+ * through mma.sync (cuda_flash_mma.cu; there the forward's and dQ's blocks take 128 rows, 32 a
+ * warp, where heads are up to 64). This file holds the dispatch, D = rowsum(dy * y) for
  * every dtype and the f32 kernels, whose products run on the CUDA cores (no TF32, as PyTorch's
  * default): the scores, the row statistics and the sums sit in registers, a tile of P (or dS)
  * goes through the warp's own rows of shared memory to become the next product's operand, and
@@ -141,18 +142,18 @@ __device__ __forceinline__ void fa32_store(float *out, int64_t rs, const float c
 
 /* Bytes each kernel carves below (the same order and sizes): the f32 kernels' here, the
  * mma.sync kernels' in bf16 and f16 (cuda_flash_mma.cu). */
-static size_t fa_smem_fwd(int ld, size_t es) {
-    if (es == 2) return fa_mma_smem_fwd(ld, es);
-    return 3 * fa_round(FA_BR * ld * 4) + fa_round(FA_BR * FA_PLD32 * 4);
+static size_t fa_smem_fwd(fa_geom g, size_t es) {
+    if (es == 2) return fa_mma_smem_fwd(g, es);
+    return 3 * fa_round(FA_BR * g.ld * 4) + fa_round(FA_BR * FA_PLD32 * 4);
 }
-static size_t fa_smem_dkv(int ld, size_t es) {
-    if (es == 2) return fa_mma_smem_dkv(ld, es);
-    return 4 * fa_round(FA_BR * ld * 4) + 2 * fa_round(FA_BR * 4) +
+static size_t fa_smem_dkv(fa_geom g, size_t es) {
+    if (es == 2) return fa_mma_smem_dkv(g, es);
+    return 4 * fa_round(FA_BR * g.ld * 4) + 2 * fa_round(FA_BR * 4) +
            2 * fa_round(FA_BR * FA_PLD32_HALF * 4);
 }
-static size_t fa_smem_dq(int ld, size_t es) {
-    if (es == 2) return fa_mma_smem_dq(ld, es);
-    return 4 * fa_round(FA_BR * ld * 4) + fa_round(FA_BR * FA_PLD32 * 4);
+static size_t fa_smem_dq(fa_geom g, size_t es) {
+    if (es == 2) return fa_mma_smem_dq(g, es);
+    return 4 * fa_round(FA_BR * g.ld * 4) + fa_round(FA_BR * FA_PLD32 * 4);
 }
 
 /* ---- forward ------------------------------------------------------------------------------ */
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(FA_THREADS)
     float *P = fa_take<float>(&cv, FA_BR * FA_PLD32) + w * 16 * FA_PLD32; /* the warp's rows */
     const int64_t rl = 3 * g.C;
     const float *head = qkv + b * g.T * rl + h * g.hs, *Qw = Q + w * 16 * g.ld;
-    fa_load(Q, head, rl, q0, g);
+    fa_load(Q, head, rl, q0, FA_BR, g);
     int64_t row[4];
     float o[4][NC] = {}, m[4], l[4];
 #pragma unroll
@@ -181,8 +182,8 @@ __global__ void __launch_bounds__(FA_THREADS)
     for (int64_t j = 0; j <= i; j++) {
         const int64_t k0 = j * FA_BC;
         __syncthreads(); /* every warp is done with the last tile's K and V */
-        fa_load(K, head + g.C, rl, k0, g);
-        fa_load(V, head + 2 * g.C, rl, k0, g);
+        fa_load(K, head + g.C, rl, k0, FA_BR, g);
+        fa_load(V, head + 2 * g.C, rl, k0, FA_BR, g);
         __syncthreads();
         float s[4][FA_BC / 8], mx[4];
         fa32_dot<FA_BC / 8>(s, Qw, K, g.ld, (int)g.hs);
@@ -286,8 +287,8 @@ __global__ void __launch_bounds__(FA_THREADS)
     const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs;
     const float *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
     const float *Kw = K + w * 16 * g.ld, *Vw = V + w * 16 * g.ld;
-    fa_load(K, head + g.C, rl, k0, g);
-    fa_load(V, head + 2 * g.C, rl, k0, g);
+    fa_load(K, head + g.C, rl, k0, FA_BR, g);
+    fa_load(V, head + 2 * g.C, rl, k0, FA_BR, g);
     int64_t key[4];
     float dK[4][NC] = {}, dV[4][NC] = {};
 #pragma unroll
@@ -295,8 +296,8 @@ __global__ void __launch_bounds__(FA_THREADS)
     for (int64_t i = j; i < nt; i++) {
         const int64_t q0 = i * FA_BR;
         __syncthreads(); /* every warp is done with the last tile's Q and dy */
-        fa_load(Q, head, rl, q0, g);
-        fa_load(dO, dyh, g.C, q0, g);
+        fa_load(Q, head, rl, q0, FA_BR, g);
+        fa_load(dO, dyh, g.C, q0, FA_BR, g);
         fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
         __syncthreads();
         /* the diagonal tile, and a last one with queries past T, take the masks */
@@ -347,8 +348,8 @@ __global__ void __launch_bounds__(FA_THREADS)
     float *dS = fa_take<float>(&cv, FA_BR * FA_PLD32) + w * 16 * FA_PLD32;
     const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs;
     const float *head = qkv + off, *Qw = Q + w * 16 * g.ld, *dOw = dO + w * 16 * g.ld;
-    fa_load(Q, head, rl, q0, g);
-    fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
+    fa_load(Q, head, rl, q0, FA_BR, g);
+    fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, FA_BR, g);
     int64_t q[4];
     float lse_r[4], D_r[4], dQ[4][NC] = {};
 #pragma unroll
@@ -360,8 +361,8 @@ __global__ void __launch_bounds__(FA_THREADS)
     for (int64_t j = 0; j <= i; j++) {
         const int64_t k0 = j * FA_BC;
         __syncthreads(); /* every warp is done with the last tile's K */
-        fa_load(K, head + g.C, rl, k0, g);
-        fa_load(V, head + 2 * g.C, rl, k0, g);
+        fa_load(K, head + g.C, rl, k0, FA_BR, g);
+        fa_load(V, head + 2 * g.C, rl, k0, FA_BR, g);
         __syncthreads();
         float s[4][FA_BC / 8], dp[4][FA_BC / 8];
         fa32_dot<FA_BC / 8>(s, Qw, K, g.ld, hs);
@@ -431,11 +432,12 @@ extern "C" bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head) {
     if (!__atomic_load_n(&fa_enabled, __ATOMIC_RELAXED)) return false;
     const fa_geom g = fa_geom_of(qkv, n_head);
     const size_t es = tdm_dtype_size(qkv->dtype);
-    /* the backward's blocks take the most */
+    if (g.hs % 16 || g.hs > 128 || g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR) > INT32_MAX)
+        return false;
     /* bf16 and f16 products take sm_80's tensor-core instructions */
-    return g.hs % 16 == 0 && g.hs <= 128 && g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR) <= INT32_MAX &&
-           (es == 4 || fa_cc_major(qkv->device.index) >= 8) &&
-           fa_smem_dkv(g.ld, es) <= (size_t)fa_smem_limit(qkv->device.index);
+    if (es == 2 && fa_cc_major(qkv->device.index) < 8) return false;
+    const size_t limit = (size_t)fa_smem_limit(qkv->device.index);
+    return fa_smem_fwd(g, es) <= limit && fa_smem_dkv(g, es) <= limit && fa_smem_dq(g, es) <= limit;
 }
 
 /* Launches kernel k with smem bytes of shared memory (over the 48 KiB a launch gets unasked). */
@@ -473,7 +475,7 @@ static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, con
     if constexpr (sizeof(E) == 2) {
         return fa_mma_forward<E>(d, idx, cu_p<E>(y), cu_f(lse), cu_p<E>(qkv), g);
     } else {
-        const size_t smem = fa_smem_fwd(g.ld, 4);
+        const size_t smem = fa_smem_fwd(g, 4);
         const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
         return fa32_by_head(g.hs, [&](auto nc) -> int {
             constexpr int NC = decltype(nc)::value;
@@ -489,7 +491,7 @@ static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, con
 /* The f32 backward's two kernels. */
 static int fa_backward_f32(cu_device *d, int idx, float *gq, const float *gy, const float *x,
                            const float *lse, const float *D, fa_geom g) {
-    const size_t s_kv = fa_smem_dkv(g.ld, 4), s_q = fa_smem_dq(g.ld, 4);
+    const size_t s_kv = fa_smem_dkv(g, 4), s_q = fa_smem_dq(g, 4);
     const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
     const char *what = "flash attention_backward";
     return fa32_by_head(g.hs, [&](auto nc) -> int {

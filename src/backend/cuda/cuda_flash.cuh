@@ -6,7 +6,7 @@
 
 #include "backend/cuda/cuda_common.cuh"
 
-#define FA_BR      64  /* query rows a block */
+#define FA_BR      64  /* query rows a block (the mma.sync forward and dQ: 64 or 128) */
 #define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
 #define FA_THREADS 128 /* four warps */
 #define FA_PAD     8   /* bf16/f16 elements after each row of Q, K, V, dy in shared memory */
@@ -42,16 +42,16 @@ struct __align__(16) fa_vec {
     uint32_t w[4];
 };
 
-/* rows [r0, r0 + FA_BR) of one head's q (part 0), k (1) or v (2) in qkv (or of dy, y: part 0
- * with a row of C) into tile [FA_BR, ld]; rows past T as zeros. 16 bytes a thread at a time
+/* rows [r0, r0 + rows) of one head's q (part 0), k (1) or v (2) in qkv (or of dy, y: part 0
+ * with a row of C) into tile [rows, ld]; rows past T as zeros. 16 bytes a thread at a time
  * where the rows allow it (a head's row is a multiple of 16 bytes; src and row_len keep that
  * alignment: the tile's rows, ld apart, always do), else an element at a time. */
 template <typename E>
-__device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, fa_geom g) {
+__device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, int rows, fa_geom g) {
     constexpr int per = sizeof(fa_vec) / sizeof(E);
     if ((uintptr_t)src % sizeof(fa_vec) == 0 && row_len % per == 0) {
         const int vecs = (int)g.hs / per; /* a row's */
-        for (int e = threadIdx.x; e < FA_BR * vecs; e += FA_THREADS) {
+        for (int e = threadIdx.x; e < rows * vecs; e += FA_THREADS) {
             const int r = e / vecs, c = e % vecs;
             fa_vec v = {};
             if (r0 + r < g.T) v = *(const fa_vec *)(src + (r0 + r) * row_len + c * per);
@@ -59,7 +59,7 @@ __device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, fa_g
         }
         return;
     }
-    for (int e = threadIdx.x; e < FA_BR * g.hs; e += FA_THREADS) {
+    for (int e = threadIdx.x; e < rows * g.hs; e += FA_THREADS) {
         const int r = e / (int)g.hs, d = e % (int)g.hs;
         tile[r * g.ld + d] = r0 + r < g.T ? src[(r0 + r) * row_len + d] : cu_to<E>(0.0f);
     }
@@ -86,8 +86,9 @@ template <int LANES> __device__ __forceinline__ float fa_row_sum(float v) {
 
 /* One key tile's step for a row whose tile maximum (over this lane's scores, base 2) is mx: m
  * moves to the row's new maximum and l is rescaled; returns the factor O is rescaled by (0 at
- * the first tile, where m is -inf). The tile's maximum is finite: key 0 of every tile is at or
- * below each row's diagonal (rows past T included). */
+ * the first tile, where m is -inf). The first tile's maximum is finite (key 0 is at or below
+ * every row's diagonal, rows past T included); a later one's may be -inf (a tile past all of a
+ * warp's rows, which the mma.sync kernels' 128-row blocks run masked): m stays, alpha is 1. */
 template <int LANES> __device__ __forceinline__ float fa_rescale(float mx, float &m, float &l) {
     for (int o = 1; o < LANES; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     const float m_new = fmaxf(m, mx), alpha = exp2f(m - m_new);
@@ -97,10 +98,13 @@ template <int LANES> __device__ __forceinline__ float fa_rescale(float mx, float
 
 /* ---- the bf16 and f16 kernels on mma.sync (cuda_flash_mma.cu; sm_80 on) -------------------- */
 
+/* Tiles of 16 rows each warp of the forward and dQ kernels takes for heads of hs: 2 up to heads
+ * of 64 while tdm_cuda_flash_wide is on (blocks of 128 query rows), else 1 (64). */
+int fa_mma_tiles(int64_t hs);
 /* Shared memory the mma.sync kernels take (cudaFuncSetAttribute's limit must allow it). */
-size_t fa_mma_smem_fwd(int ld, size_t es);
-size_t fa_mma_smem_dkv(int ld, size_t es);
-size_t fa_mma_smem_dq(int ld, size_t es);
+size_t fa_mma_smem_fwd(fa_geom g, size_t es);
+size_t fa_mma_smem_dkv(fa_geom g, size_t es);
+size_t fa_mma_smem_dq(fa_geom g, size_t es);
 
 /* y [B, T, C] and lse [B, nh, T] from qkv, heads of 16 to 128 (a multiple of 16), on d's compute
  * stream (index idx, for errors). Returns 0 or the launch's error, raised. */

@@ -7,15 +7,17 @@
  * row-major gives register r the pair (row g + 8 (r & 1), columns 2t + 8 (r >> 1), + 1); B
  * [16, 8] column-major register r the pair (rows 2t + 8r, + 1; column g); the accumulator d[i]
  * sits at (row g + 8 (i >> 1), column 2t + (i & 1)); a pair's first element in the low half.
- * So each warp owns 16 rows of the block's 64 and does all of their work: the softmax, the
- * masks and the rescales run on registers, a row's maximum takes two shuffles in its quad (the
- * 4 lanes of one g), and an accumulator tile pair becomes the next product's A operand in
- * place (two 8-column tiles are one 16-column A tile). Tiles come from shared memory through
- * ldmatrix (.trans for the operands whose rows are the product's k), and the next tile of K and
- * V (or Q and dy) loads with cp.async while the warps work on this one: one barrier a tile.
- * Exponentials are base 2 (one multiply-add and exp2 a score, as FlashAttention-2): scores
- * scaled by scale log2(e), maxima in those units, lse (natural) converted in and out. Only the
- * diagonal tile (and a last, partial one) needs the causal and length masks.
+ * So each warp owns 16 rows of the block's 64 (in the forward and dQ at heads up to 64, two
+ * tiles of 16 of the block's 128: each K and V fragment it reads feeds both, halving the
+ * shared-memory reads a product, FlashAttention-2's forward tiling at those heads) and does all
+ * of their work: the softmax, the masks and the rescales run on registers, a row's maximum
+ * takes two shuffles in its quad (the 4 lanes of one g), and an accumulator tile pair becomes
+ * the next product's A operand in place (two 8-column tiles are one 16-column A tile). Tiles come
+ * from shared memory through ldmatrix (.trans for the operands whose rows are the product's k), and
+ * the next tile of K and V (or Q and dy) loads with cp.async while the warps work on this one: one
+ * barrier a tile. Exponentials are base 2 (one multiply-add and exp2 a score, as FlashAttention-2):
+ * scores scaled by scale log2(e), maxima in those units, lse (natural) converted in and out. Only
+ * the diagonal tiles (and a last, partial one) need the causal and length masks.
  *
  *   forward   warp rows of query tile i, key tiles j <= i: S, m, P, l, O as cuda_flash.cu
  *   dK, dV    warp rows of key tile j, query tiles i >= j: S^T = K Q^T, dP^T = V dy^T,
@@ -138,14 +140,15 @@ template <typename E> __device__ __forceinline__ uint32_t fa_pack(float lo, floa
 
 /* As fa_load (cuda_flash.cuh), but without waiting where the rows allow 16-byte copies. */
 template <typename E>
-__device__ void fa_load_async(E *tile, const E *src, int64_t row_len, int64_t r0, fa_geom g) {
+__device__ void fa_load_async(E *tile, const E *src, int64_t row_len, int64_t r0, int rows,
+                              fa_geom g) {
     constexpr int per = sizeof(fa_vec) / sizeof(E);
     if ((uintptr_t)src % sizeof(fa_vec) || row_len % per) {
-        fa_load(tile, src, row_len, r0, g);
+        fa_load(tile, src, row_len, r0, rows, g);
         return;
     }
     const int vecs = (int)g.hs / per;
-    for (int e = threadIdx.x; e < FA_BR * vecs; e += FA_THREADS) {
+    for (int e = threadIdx.x; e < rows * vecs; e += FA_THREADS) {
         const int r = e / vecs, c = e % vecs;
         const bool in = r0 + r < g.T;
         fa_cp<16>(tile + r * g.ld + c * per, in ? src + (r0 + r) * row_len + c * per : src,
@@ -162,45 +165,57 @@ __device__ __forceinline__ void fa_frag_a(uint32_t a[HT][4], const E *tile, int 
         fa_ldsm<false>(a[kk], tile + (r0 + (m & 1) * 8 + r) * ld + kk * 16 + (m >> 1) * 8);
 }
 
-/* c [16, 8 NB] = a b^T: a the warp's rows (HT A fragments), b 8 NB rows of a tile (row n of b
- * is column n of c). */
-template <typename E, int HT, int NB>
-__device__ __forceinline__ void fa_mm_rows(float c[NB][4], const uint32_t a[HT][4], const E *b,
-                                           int ld) {
+/* c[t] [16, 8 NB] = a[t] b^T for the warp's MT tiles of 16 rows: a[t] their A fragments (HT
+ * each), b 8 NB rows of a tile (row n of b is column n of c[t]). Each B fragment is read from
+ * shared memory once for the MT tiles: with two, half the reads a product. */
+template <typename E, int HT, int NB, int MT>
+__device__ __forceinline__ void fa_mm_rows(float c[MT][NB][4], const uint32_t a[MT][HT][4],
+                                           const E *b, int ld) {
     const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
 #pragma unroll
-    for (int n = 0; n < NB; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
+    for (int t = 0; t < MT; t++)
+#pragma unroll
+        for (int n = 0; n < NB; n++) c[t][n][0] = c[t][n][1] = c[t][n][2] = c[t][n][3] = 0.0f;
 #pragma unroll
     for (int n = 0; n < NB; n += 2)
 #pragma unroll
         for (int kk = 0; kk < HT; kk++) {
             uint32_t bb[4]; /* columns n and n + 1's B registers */
             fa_ldsm<false>(bb, b + ((n + (m >> 1)) * 8 + r) * ld + kk * 16 + (m & 1) * 8);
-            fa_mma<E>(c[n], a[kk], bb[0], bb[1]);
-            fa_mma<E>(c[n + 1], a[kk], bb[2], bb[3]);
+#pragma unroll
+            for (int t = 0; t < MT; t++) {
+                fa_mma<E>(c[t][n], a[t][kk], bb[0], bb[1]);
+                fa_mma<E>(c[t][n + 1], a[t][kk], bb[2], bb[3]);
+            }
         }
 }
 
-/* c [16, 16 HT] += a b: a [16, 8 NB] as accumulators (rounded to E into A fragments in place),
- * b [8 NB, 16 HT] rows of a tile. */
-template <typename E, int HT, int NB>
-__device__ __forceinline__ void fa_mm_acc(float c[2 * HT][4], const float a[NB][4], const E *b,
-                                          int ld) {
+/* c[t] [16, 16 HT] += a[t] b for the warp's MT tiles of 16 rows: a[t] [16, 8 NB] as
+ * accumulators (rounded to E into A fragments in place), b [8 NB, 16 HT] rows of a tile, each
+ * B fragment read once for the MT tiles. */
+template <typename E, int HT, int NB, int MT>
+__device__ __forceinline__ void fa_mm_acc(float c[MT][2 * HT][4], const float a[MT][NB][4],
+                                          const E *b, int ld) {
     const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
-    uint32_t pa[NB / 2][4];
+    uint32_t pa[MT][NB / 2][4];
 #pragma unroll
-    for (int n = 0; n < NB; n++) {
-        pa[n / 2][2 * (n % 2)] = fa_pack<E>(a[n][0], a[n][1]);
-        pa[n / 2][2 * (n % 2) + 1] = fa_pack<E>(a[n][2], a[n][3]);
-    }
+    for (int t = 0; t < MT; t++)
+#pragma unroll
+        for (int n = 0; n < NB; n++) {
+            pa[t][n / 2][2 * (n % 2)] = fa_pack<E>(a[t][n][0], a[t][n][1]);
+            pa[t][n / 2][2 * (n % 2) + 1] = fa_pack<E>(a[t][n][2], a[t][n][3]);
+        }
 #pragma unroll
     for (int d = 0; d < 2 * HT; d += 2)
 #pragma unroll
         for (int kk = 0; kk < NB / 2; kk++) {
             uint32_t bb[4]; /* columns d and d + 1's B registers, b's rows their k */
             fa_ldsm<true>(bb, b + (kk * 16 + (m & 1) * 8 + r) * ld + (d + (m >> 1)) * 8);
-            fa_mma<E>(c[d], pa[kk], bb[0], bb[1]);
-            fa_mma<E>(c[d + 1], pa[kk], bb[2], bb[3]);
+#pragma unroll
+            for (int t = 0; t < MT; t++) {
+                fa_mma<E>(c[t][d], pa[t][kk], bb[0], bb[1]);
+                fa_mma<E>(c[t][d + 1], pa[t][kk], bb[2], bb[3]);
+            }
         }
 }
 
@@ -229,83 +244,115 @@ __device__ __forceinline__ void fa_store_rows(E *out, int64_t rs, const float c[
     }
 }
 
+/* Key tiles from 0 to the one holding row `end` - 1, or T - 1 if that comes first. */
+__device__ __forceinline__ int64_t fa_key_tiles(int64_t end, fa_geom g) {
+    const int64_t to_T = (g.T + FA_BC - 1) / FA_BC, to_end = (end + FA_BC - 1) / FA_BC;
+    return to_T < to_end ? to_T : to_end;
+}
+
 /* ---- forward ------------------------------------------------------------------------------ */
 
-/* One block: query tile i of head h of batch row b, the last tiles (the most work) first. */
-template <typename E, int HT>
+/* One block: query tile i (64 MT rows) of head h of batch row b, the last tiles (the most work)
+ * first; warp w owns rows [16 MT w, 16 MT (w + 1)) of it. With MT 2 the block's rows reach into
+ * two key tiles on the diagonal: the second is past every row of warps 0 and 1, which run it
+ * masked (P is 0 and the rescale 1: their sums do not move) rather than leave the collective
+ * instructions the emulation runs a block at a time. */
+template <typename E, int HT, int MT>
 __global__ void __launch_bounds__(FA_THREADS)
     fa_fwd_mma_kernel(const E *qkv, E *y, float *lse, fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
-    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
-    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
+    constexpr int BR = FA_BC * MT;
+    const int64_t nt = (g.T + BR - 1) / BR, i = nt - 1 - blockIdx.x % nt;
+    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * BR;
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    const int64_t r0 = q0 + w * 16 * MT; /* the warp's first row */
     const float sl = g.scale * FA_LOG2E;
     fa_carve cv = {fa_smem, 0};
     /* K and V twice: tile j + 1 loads into one pair while the warps work on the other */
-    E *Q = fa_take<E>(&cv, FA_BR * g.ld), *K0 = fa_take<E>(&cv, FA_BR * g.ld);
-    E *V0 = fa_take<E>(&cv, FA_BR * g.ld), *K1 = fa_take<E>(&cv, FA_BR * g.ld);
-    E *V1 = fa_take<E>(&cv, FA_BR * g.ld);
+    E *Q = fa_take<E>(&cv, BR * g.ld), *K0 = fa_take<E>(&cv, FA_BC * g.ld);
+    E *V0 = fa_take<E>(&cv, FA_BC * g.ld), *K1 = fa_take<E>(&cv, FA_BC * g.ld);
+    E *V1 = fa_take<E>(&cv, FA_BC * g.ld);
     const int64_t rl = 3 * g.C;
     const E *head = qkv + b * g.T * rl + h * g.hs;
-    fa_load(Q, head, rl, q0, g);
-    fa_load_async(K0, head + g.C, rl, 0, g);
-    fa_load_async(V0, head + 2 * g.C, rl, 0, g);
+    /* the key tiles up to the block's last row or T */
+    const int64_t nk = fa_key_tiles(q0 + BR, g);
+    fa_load(Q, head, rl, q0, BR, g);
+    fa_load_async(K0, head + g.C, rl, 0, FA_BC, g);
+    fa_load_async(V0, head + 2 * g.C, rl, 0, FA_BC, g);
     fa_commit_loads();
     __syncthreads();
-    uint32_t qa[HT][4];
-    fa_frag_a<E, HT>(qa, Q, w * 16, g.ld);
-    const int64_t row[2] = {q0 + w * 16 + lane / 4, q0 + w * 16 + lane / 4 + 8};
-    float o[2 * HT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    for (int64_t j = 0; j <= i; j++) {
+    uint32_t qa[MT][HT][4];
+    int64_t row[MT][2];
+    float o[MT][2 * HT][4] = {}, m[MT][2], l[MT][2];
+#pragma unroll
+    for (int t = 0; t < MT; t++) {
+        fa_frag_a<E, HT>(qa[t], Q, (int)(r0 - q0) + 16 * t, g.ld);
+        row[t][0] = r0 + 16 * t + lane / 4, row[t][1] = row[t][0] + 8;
+        m[t][0] = m[t][1] = -INFINITY, l[t][0] = l[t][1] = 0.0f;
+    }
+    for (int64_t j = 0; j < nk; j++) {
         const int64_t k0 = j * FA_BC;
         fa_wait_loads();
         __syncthreads();        /* tile j is in; every warp is done with tile j - 1's buffers */
         const bool odd = j & 1; /* tile j in K1 and V1 */
-        if (j < i) {
-            fa_load_async(odd ? K0 : K1, head + g.C, rl, k0 + FA_BC, g);
-            fa_load_async(odd ? V0 : V1, head + 2 * g.C, rl, k0 + FA_BC, g);
+        if (j + 1 < nk) {
+            fa_load_async(odd ? K0 : K1, head + g.C, rl, k0 + FA_BC, FA_BC, g);
+            fa_load_async(odd ? V0 : V1, head + 2 * g.C, rl, k0 + FA_BC, FA_BC, g);
             fa_commit_loads();
         }
-        float s[FA_BC / 8][4];
-        fa_mm_rows<E, HT, FA_BC / 8>(s, qa, odd ? K1 : K0, g.ld);
-        float mx[2] = {-INFINITY, -INFINITY};
+        /* keys past one of the warp's rows or T: the diagonal tiles and a last, partial one */
+        const bool edge = k0 + FA_BC - 1 > r0 || k0 + FA_BC > g.T;
+        float s[MT][FA_BC / 8][4];
+        fa_mm_rows<E, HT, FA_BC / 8, MT>(s, qa, odd ? K1 : K0, g.ld);
 #pragma unroll
-        for (int n = 0; n < FA_BC / 8; n++)
+        for (int t = 0; t < MT; t++) {
+            float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float v = s[n][e] * sl;
-                if (j == i) { /* the diagonal tile, the only one with keys past a row or T */
-                    const int64_t k = k0 + n * 8 + 2 * tq + (e & 1);
-                    if (k > row[e >> 1] || k >= g.T) v = -INFINITY;
+            for (int n = 0; n < FA_BC / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float v = s[t][n][e] * sl;
+                    if (edge) {
+                        const int64_t k = k0 + n * 8 + 2 * tq + (e & 1);
+                        if (k > row[t][e >> 1] || k >= g.T) v = -INFINITY;
+                    }
+                    s[t][n][e] = v, mx[e >> 1] = fmaxf(mx[e >> 1], v);
                 }
-                s[n][e] = v, mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            float alpha[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) alpha[r] = fa_rescale<4>(mx[r], m[t][r], l[t][r]);
+#pragma unroll
+            for (int n = 0; n < FA_BC / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) { /* P (masked scores give 0); l sums it unrounded */
+                    s[t][n][e] = exp2f(s[t][n][e] - m[t][e >> 1]);
+                    l[t][e >> 1] += s[t][n][e];
+                }
+#pragma unroll
+            for (int d = 0; d < 2 * HT; d++) {
+                o[t][d][0] *= alpha[0], o[t][d][1] *= alpha[0];
+                o[t][d][2] *= alpha[1], o[t][d][3] *= alpha[1];
             }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) alpha[r] = fa_rescale<4>(mx[r], m[r], l[r]); /* a quad's */
-#pragma unroll
-        for (int n = 0; n < FA_BC / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) { /* P (masked scores give 0); l sums it unrounded */
-                s[n][e] = exp2f(s[n][e] - m[e >> 1]);
-                l[e >> 1] += s[n][e];
-            }
-#pragma unroll
-        for (int d = 0; d < 2 * HT; d++)
-            o[d][0] *= alpha[0], o[d][1] *= alpha[0], o[d][2] *= alpha[1], o[d][3] *= alpha[1];
-        fa_mm_acc<E, HT, FA_BC / 8>(o, s, odd ? V1 : V0, g.ld);
-    }
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] = fa_row_sum<4>(l[r]);
-        inv[r] = 1.0f / l[r];
-        if (tq == 0 && row[r] < g.T) lse[bh * g.T + row[r]] = m[r] * FA_LN2 + logf(l[r]);
+        }
+        fa_mm_acc<E, HT, FA_BC / 8, MT>(o, s, odd ? V1 : V0, g.ld);
     }
 #pragma unroll
-    for (int d = 0; d < 2 * HT; d++)
-        o[d][0] *= inv[0], o[d][1] *= inv[0], o[d][2] *= inv[1], o[d][3] *= inv[1];
-    fa_store_rows<E, HT>(y + b * g.T * g.C + h * g.hs, g.C, o, q0 + w * 16, 1.0f, g.T);
+    for (int t = 0; t < MT; t++) {
+        float inv[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l[t][r] = fa_row_sum<4>(l[t][r]);
+            inv[r] = 1.0f / l[t][r];
+            if (tq == 0 && row[t][r] < g.T)
+                lse[bh * g.T + row[t][r]] = m[t][r] * FA_LN2 + logf(l[t][r]);
+        }
+#pragma unroll
+        for (int d = 0; d < 2 * HT; d++) {
+            o[t][d][0] *= inv[0], o[t][d][1] *= inv[0];
+            o[t][d][2] *= inv[1], o[t][d][3] *= inv[1];
+        }
+        fa_store_rows<E, HT>(y + b * g.T * g.C + h * g.hs, g.C, o[t], r0 + 16 * t, 1.0f, g.T);
+    }
 }
 
 /* ---- backward ----------------------------------------------------------------------------- */
@@ -334,8 +381,8 @@ __global__ void __launch_bounds__(FA_THREADS)
     const float *lh = lse + bh * g.T, *Dh = D + bh * g.T;
     /* query tile i into buffer u: Q, dy, and its rows' lse and D (0 past T: masked below) */
     auto load = [&](int64_t i, int u) {
-        fa_load_async(at(Q0, u), head, rl, i * FA_BR, g);
-        fa_load_async(at(dO0, u), dyh, g.C, i * FA_BR, g);
+        fa_load_async(at(Q0, u), head, rl, i * FA_BR, FA_BR, g);
+        fa_load_async(at(dO0, u), dyh, g.C, i * FA_BR, FA_BR, g);
         if (threadIdx.x < FA_BR) {
             const int64_t q = i * FA_BR + threadIdx.x;
             fa_cp<4>(at(lse0, u) + threadIdx.x, q < g.T ? lh + q : lh, q < g.T ? 4 : 0);
@@ -343,10 +390,10 @@ __global__ void __launch_bounds__(FA_THREADS)
         }
         fa_commit_loads();
     };
-    fa_load(K, head + g.C, rl, k0, g);
-    fa_load(V, head + 2 * g.C, rl, k0, g);
+    fa_load(K, head + g.C, rl, k0, FA_BR, g);
+    fa_load(V, head + 2 * g.C, rl, k0, FA_BR, g);
     load(j, 0);
-    float dK[2 * HT][4] = {}, dV[2 * HT][4] = {};
+    float dK[1][2 * HT][4] = {}, dV[1][2 * HT][4] = {}; /* fa_mm_acc's one tile of rows */
     const int64_t key[2] = {k0 + w * 16 + lane / 4, k0 + w * 16 + lane / 4 + 8};
     for (int64_t i = j; i < nt; i++) {
         const int64_t q0 = i * FA_BR;
@@ -361,13 +408,13 @@ __global__ void __launch_bounds__(FA_THREADS)
 #pragma unroll 1
         for (int half = 0; half < 2; half++) { /* 32 queries at a time: half the registers */
             const int c0 = half * (FA_BC / 2);
-            float s[FA_BC / 16][4], dp[FA_BC / 16][4];
+            float s[1][FA_BC / 16][4], dp[1][FA_BC / 16][4];
             {
-                uint32_t a[HT][4];
-                fa_frag_a<E, HT>(a, K, w * 16, g.ld);
-                fa_mm_rows<E, HT, FA_BC / 16>(s, a, Q + c0 * g.ld, g.ld);
-                fa_frag_a<E, HT>(a, V, w * 16, g.ld);
-                fa_mm_rows<E, HT, FA_BC / 16>(dp, a, dO + c0 * g.ld, g.ld);
+                uint32_t a[1][HT][4];
+                fa_frag_a<E, HT>(a[0], K, w * 16, g.ld);
+                fa_mm_rows<E, HT, FA_BC / 16, 1>(s, a, Q + c0 * g.ld, g.ld);
+                fa_frag_a<E, HT>(a[0], V, w * 16, g.ld);
+                fa_mm_rows<E, HT, FA_BC / 16, 1>(dp, a, dO + c0 * g.ld, g.ld);
             }
 #pragma unroll
             for (int n = 0; n < FA_BC / 16; n++)
@@ -375,93 +422,124 @@ __global__ void __launch_bounds__(FA_THREADS)
                 for (int e = 0; e < 4; e++) { /* P^T and dS^T: key row e >> 1, query column c */
                     const int c = c0 + n * 8 + 2 * tq + (e & 1);
                     const int64_t q = q0 + c;
-                    float p = exp2f(s[n][e] * sl - lse_s[c] * FA_LOG2E);
+                    float p = exp2f(s[0][n][e] * sl - lse_s[c] * FA_LOG2E);
                     if (edge && (key[e >> 1] > q || q >= g.T)) p = 0.0f;
-                    s[n][e] = p, dp[n][e] = p * (dp[n][e] - D_s[c]);
+                    s[0][n][e] = p, dp[0][n][e] = p * (dp[0][n][e] - D_s[c]);
                 }
-            fa_mm_acc<E, HT, FA_BC / 16>(dV, s, dO + c0 * g.ld, g.ld);
-            fa_mm_acc<E, HT, FA_BC / 16>(dK, dp, Q + c0 * g.ld, g.ld);
+            fa_mm_acc<E, HT, FA_BC / 16, 1>(dV, s, dO + c0 * g.ld, g.ld);
+            fa_mm_acc<E, HT, FA_BC / 16, 1>(dK, dp, Q + c0 * g.ld, g.ld);
         }
     }
     E *gh = dqkv + off;
-    fa_store_rows<E, HT>(gh + g.C, rl, dK, k0 + w * 16, g.scale, g.T);
-    fa_store_rows<E, HT>(gh + 2 * g.C, rl, dV, k0 + w * 16, 1.0f, g.T);
+    fa_store_rows<E, HT>(gh + g.C, rl, dK[0], k0 + w * 16, g.scale, g.T);
+    fa_store_rows<E, HT>(gh + 2 * g.C, rl, dV[0], k0 + w * 16, 1.0f, g.T);
 }
 
-/* One block: query tile i of a head, over the key tiles up to its diagonal; warp w owns queries
- * [16w, 16w + 16): dQ. */
-template <typename E, int HT>
+/* One block: query tile i (64 MT rows) of a head, over the key tiles up to its last row; warp w
+ * owns queries [16 MT w, 16 MT (w + 1)): dQ. As the forward, warps whose rows a key tile is past
+ * run it masked (dS is 0). */
+template <typename E, int HT, int MT>
 __global__ void __launch_bounds__(FA_THREADS)
     fa_dq_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
                      fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
-    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, i = nt - 1 - blockIdx.x % nt;
-    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * FA_BR;
+    constexpr int BR = FA_BC * MT, KC = MT == 1 ? 32 : 16; /* keys a step: KC / 8 columns */
+    const int64_t nt = (g.T + BR - 1) / BR, i = nt - 1 - blockIdx.x % nt;
+    const int64_t bh = blockIdx.x / nt, b = bh / g.nh, h = bh % g.nh, q0 = i * BR;
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    const int64_t r0 = q0 + w * 16 * MT; /* the warp's first row */
     const float sl = g.scale * FA_LOG2E;
     fa_carve cv = {fa_smem, 0};
-    /* K and V twice: tile j + 1 loads into one pair while the warps work on the other */
-    E *K0 = fa_take<E>(&cv, FA_BR * g.ld), *V0 = fa_take<E>(&cv, FA_BR * g.ld);
-    E *K1 = fa_take<E>(&cv, FA_BR * g.ld), *V1 = fa_take<E>(&cv, FA_BR * g.ld);
-    const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs;
+    /* K and V twice: tile j + 1 loads into one pair while the warps work on the other; Q and dy
+     * pass through the second pair where they fit in it (MT 1), else through their own */
+    E *K0 = fa_take<E>(&cv, FA_BC * g.ld), *V0 = fa_take<E>(&cv, FA_BC * g.ld);
+    E *K1 = fa_take<E>(&cv, FA_BC * g.ld), *V1 = fa_take<E>(&cv, FA_BC * g.ld);
+    E *Qs = MT == 1 ? K1 : fa_take<E>(&cv, BR * g.ld),
+      *dOs = MT == 1 ? V1 : fa_take<E>(&cv, BR * g.ld);
+    const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs, nk = fa_key_tiles(q0 + BR, g);
     const E *head = qkv + off;
-    fa_load(K1, head, rl, q0, g); /* Q and dy, through the second pair */
-    fa_load(V1, dy + b * g.T * g.C + h * g.hs, g.C, q0, g);
-    fa_load_async(K0, head + g.C, rl, 0, g);
-    fa_load_async(V0, head + 2 * g.C, rl, 0, g);
+    fa_load(Qs, head, rl, q0, BR, g);
+    fa_load(dOs, dy + b * g.T * g.C + h * g.hs, g.C, q0, BR, g);
+    fa_load_async(K0, head + g.C, rl, 0, FA_BC, g);
+    fa_load_async(V0, head + 2 * g.C, rl, 0, FA_BC, g);
     fa_commit_loads();
     __syncthreads();
-    uint32_t qa[HT][4], da[HT][4];
-    fa_frag_a<E, HT>(qa, K1, w * 16, g.ld);
-    fa_frag_a<E, HT>(da, V1, w * 16, g.ld);
-    const int64_t q[2] = {q0 + w * 16 + lane / 4, q0 + w * 16 + lane / 4 + 8};
-    float lse_r[2], D_r[2], dQ[2 * HT][4] = {};
+    uint32_t qa[MT][HT][4], da[MT][HT][4];
+    int64_t q[MT][2];
+    float lse_r[MT][2], D_r[MT][2], dQ[MT][2 * HT][4] = {};
 #pragma unroll
-    for (int r = 0; r < 2; r++) { /* rows past T: lse +inf, so P is 0 */
-        lse_r[r] = q[r] < g.T ? lse[bh * g.T + q[r]] * FA_LOG2E : INFINITY;
-        D_r[r] = q[r] < g.T ? D[bh * g.T + q[r]] : 0.0f;
+    for (int t = 0; t < MT; t++) {
+        fa_frag_a<E, HT>(qa[t], Qs, (int)(r0 - q0) + 16 * t, g.ld);
+        fa_frag_a<E, HT>(da[t], dOs, (int)(r0 - q0) + 16 * t, g.ld);
+#pragma unroll
+        for (int r = 0; r < 2; r++) { /* rows past T: lse +inf, so P is 0 */
+            q[t][r] = r0 + 16 * t + lane / 4 + 8 * r;
+            lse_r[t][r] = q[t][r] < g.T ? lse[bh * g.T + q[t][r]] * FA_LOG2E : INFINITY;
+            D_r[t][r] = q[t][r] < g.T ? D[bh * g.T + q[t][r]] : 0.0f;
+        }
     }
-    for (int64_t j = 0; j <= i; j++) {
+    for (int64_t j = 0; j < nk; j++) {
         const int64_t k0 = j * FA_BC;
         fa_wait_loads();
         __syncthreads(); /* tile j is in; every warp is done with tile j - 1's (or Q and dy) */
         const bool odd = j & 1; /* tile j in K1 and V1 */
-        if (j < i) {
-            fa_load_async(odd ? K0 : K1, head + g.C, rl, k0 + FA_BC, g);
-            fa_load_async(odd ? V0 : V1, head + 2 * g.C, rl, k0 + FA_BC, g);
+        if (j + 1 < nk) {
+            fa_load_async(odd ? K0 : K1, head + g.C, rl, k0 + FA_BC, FA_BC, g);
+            fa_load_async(odd ? V0 : V1, head + 2 * g.C, rl, k0 + FA_BC, FA_BC, g);
             fa_commit_loads();
         }
         const E *K = odd ? K1 : K0, *V = odd ? V1 : V0;
+        const bool edge = k0 + FA_BC - 1 > r0; /* keys past one of the warp's rows */
 #pragma unroll 1
-        for (int half = 0; half < 2; half++) { /* 32 keys at a time: half the registers */
-            const int c0 = half * (FA_BC / 2);
-            float s[FA_BC / 16][4], dp[FA_BC / 16][4];
-            fa_mm_rows<E, HT, FA_BC / 16>(s, qa, K + c0 * g.ld, g.ld);
-            fa_mm_rows<E, HT, FA_BC / 16>(dp, da, V + c0 * g.ld, g.ld);
+        for (int c0 = 0; c0 < FA_BC; c0 += KC) { /* KC keys at a time: fewer registers */
+            float s[MT][KC / 8][4], dp[MT][KC / 8][4];
+            fa_mm_rows<E, HT, KC / 8, MT>(s, qa, K + c0 * g.ld, g.ld);
+            fa_mm_rows<E, HT, KC / 8, MT>(dp, da, V + c0 * g.ld, g.ld);
 #pragma unroll
-            for (int n = 0; n < FA_BC / 16; n++)
+            for (int t = 0; t < MT; t++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) { /* dS: query row e >> 1, key column */
-                    float p = exp2f(s[n][e] * sl - lse_r[e >> 1]);
-                    if (j == i && k0 + c0 + n * 8 + 2 * tq + (e & 1) > q[e >> 1]) p = 0.0f;
-                    dp[n][e] = p * (dp[n][e] - D_r[e >> 1]);
-                }
-            fa_mm_acc<E, HT, FA_BC / 16>(dQ, dp, K + c0 * g.ld, g.ld);
+                for (int n = 0; n < KC / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) { /* dS: query row e >> 1, key column */
+                        float p = exp2f(s[t][n][e] * sl - lse_r[t][e >> 1]);
+                        if (edge && k0 + c0 + n * 8 + 2 * tq + (e & 1) > q[t][e >> 1]) p = 0.0f;
+                        dp[t][n][e] = p * (dp[t][n][e] - D_r[t][e >> 1]);
+                    }
+            fa_mm_acc<E, HT, KC / 8, MT>(dQ, dp, K + c0 * g.ld, g.ld);
         }
     }
-    fa_store_rows<E, HT>(dqkv + off, rl, dQ, q0 + w * 16, g.scale, g.T);
+#pragma unroll
+    for (int t = 0; t < MT; t++)
+        fa_store_rows<E, HT>(dqkv + off, rl, dQ[t], r0 + 16 * t, g.scale, g.T);
 }
 
 /* ---- host --------------------------------------------------------------------------------- */
 
-size_t fa_mma_smem_fwd(int ld, size_t es) {
-    return 5 * fa_round(FA_BR * ld * es);
+/* The forward's and dQ's warps take two tiles of 16 rows (blocks of 128 query rows, as
+ * FlashAttention-2's forward at heads of 64) where heads are up to FA_WIDE_HT 16s: each K and V
+ * fragment read from shared memory feeds twice the products. Wider heads would spill the second
+ * tile's accumulators. */
+#define FA_WIDE_HT 4
+static bool fa_wide = true; /* tdm_cuda_flash_wide */
+
+extern "C" void tdm_cuda_flash_wide(bool on) {
+    __atomic_store_n(&fa_wide, on, __ATOMIC_RELAXED);
 }
-size_t fa_mma_smem_dkv(int ld, size_t es) { /* K, V and two sets of Q, dy, lse, D */
-    return 6 * fa_round(FA_BR * ld * es) + 4 * fa_round(FA_BR * 4);
+int fa_mma_tiles(int64_t hs) {
+    return hs / 16 <= FA_WIDE_HT && __atomic_load_n(&fa_wide, __ATOMIC_RELAXED) ? 2 : 1;
 }
-size_t fa_mma_smem_dq(int ld, size_t es) {
-    return 4 * fa_round(FA_BR * ld * es);
+
+size_t fa_mma_smem_fwd(fa_geom g, size_t es) { /* Q, and K and V twice */
+    const size_t tile = fa_round(FA_BC * g.ld * es);
+    return fa_mma_tiles(g.hs) * tile + 4 * tile;
+}
+size_t fa_mma_smem_dkv(fa_geom g, size_t es) { /* K, V and two sets of Q, dy, lse, D */
+    return 6 * fa_round(FA_BR * g.ld * es) + 4 * fa_round(FA_BR * 4);
+}
+size_t fa_mma_smem_dq(fa_geom g, size_t es) { /* K and V twice, and Q and dy past MT 1 */
+    const size_t tile = fa_round(FA_BC * g.ld * es);
+    const int mt = fa_mma_tiles(g.hs);
+    return 4 * tile + (mt > 1 ? 2 * mt * tile : 0);
 }
 
 /* Launches kernel k with smem bytes of shared memory (over the 48 KiB a launch gets unasked). */
@@ -470,13 +548,24 @@ template <typename K> static int fa_allow(K *k, size_t smem, const char *what, i
                     what, idx);
 }
 
+/* f(std::integral_constant<int, MT>) for the forward's and dQ's tiles a warp. */
+template <int HT, typename F> static int fa_by_tiles(int64_t hs, F f) {
+    if constexpr (HT <= FA_WIDE_HT)
+        if (fa_mma_tiles(hs) == 2) return f(std::integral_constant<int, 2>());
+    return f(std::integral_constant<int, 1>());
+}
+
 template <typename E, int HT>
 static int fa_forward_ht(cu_device *d, int idx, E *y, float *lse, const E *qkv, fa_geom g) {
-    const size_t smem = fa_mma_smem_fwd(g.ld, sizeof(E));
-    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
-    if (fa_allow(fa_fwd_mma_kernel<E, HT>, smem, "flash attention", idx)) return tdm_last_status();
-    fa_fwd_mma_kernel<E, HT><<<blocks, FA_THREADS, smem, d->compute>>>(qkv, y, lse, g);
-    return cu_check_launch("flash attention", idx);
+    const size_t smem = fa_mma_smem_fwd(g, sizeof(E));
+    return fa_by_tiles<HT>(g.hs, [&](auto mt) -> int {
+        constexpr int MT = decltype(mt)::value, BR = FA_BC * MT;
+        const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + BR - 1) / BR));
+        if (fa_allow(fa_fwd_mma_kernel<E, HT, MT>, smem, "flash attention", idx))
+            return tdm_last_status();
+        fa_fwd_mma_kernel<E, HT, MT><<<blocks, FA_THREADS, smem, d->compute>>>(qkv, y, lse, g);
+        return cu_check_launch("flash attention", idx);
+    });
 }
 
 template <typename E>
@@ -504,15 +593,19 @@ int fa_mma_forward(cu_device *d, int idx, E *y, float *lse, const E *qkv, fa_geo
 template <typename E, int HT>
 static int fa_backward_ht(cu_device *d, int idx, E *gq, const E *gy, const E *x, const float *lse,
                           const float *D, fa_geom g) {
-    const size_t s_kv = fa_mma_smem_dkv(g.ld, sizeof(E)), s_q = fa_mma_smem_dq(g.ld, sizeof(E));
+    const size_t s_kv = fa_mma_smem_dkv(g, sizeof(E)), s_q = fa_mma_smem_dq(g, sizeof(E));
     const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
     const char *what = "flash attention_backward";
     if (fa_allow(fa_dkv_mma_kernel<E, HT>, s_kv, what, idx)) return tdm_last_status();
     fa_dkv_mma_kernel<E, HT><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
     if (cu_check_launch("flash attention_backward (dk, dv)", idx)) return tdm_last_status();
-    if (fa_allow(fa_dq_mma_kernel<E, HT>, s_q, what, idx)) return tdm_last_status();
-    fa_dq_mma_kernel<E, HT><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
-    return cu_check_launch("flash attention_backward (dq)", idx);
+    return fa_by_tiles<HT>(g.hs, [&](auto mt) -> int {
+        constexpr int MT = decltype(mt)::value, BR = FA_BC * MT;
+        const unsigned qblocks = (unsigned)(g.B * g.nh * ((g.T + BR - 1) / BR));
+        if (fa_allow(fa_dq_mma_kernel<E, HT, MT>, s_q, what, idx)) return tdm_last_status();
+        fa_dq_mma_kernel<E, HT, MT><<<qblocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
+        return cu_check_launch("flash attention_backward (dq)", idx);
+    });
 }
 
 template <typename E>

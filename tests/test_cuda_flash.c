@@ -2,7 +2,7 @@
  * the same GPU, in f32, bf16 and f16: y, lse and dqkv at sizes with partial tiles (T not a
  * multiple of the 64-row tile), one tile, several, one head and several, head sizes 16 to
  * 128; a fused run twice, bit for bit (every sum in a fixed order); in bf16 and f16 at heads
- * up to 64, the forward and dQ kernels' blocks of 128 query rows (two tiles of 16 a warp, the
+ * up to 64, the kernels' blocks of 128 rows (two tiles of 16 a warp, the
  * default) against their blocks of 64 (tdm_cuda_flash_wide(false)), bit for bit (the same
  * products in the same order; a warp's key tile past all its rows adds zeros); which heads it takes
  * (a head size that is not a multiple of 16, or whose backward blocks need more shared memory
@@ -153,8 +153,8 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt, boo
               "%s: two fused runs differ", dn);
         CHECK(!narrow ||
                   (same(f.y, n.y, ny) && same(f.lse, n.lse, B * nh * T) && same(f.g, n.g, nq)),
-              "B=%lld T=%lld C=%lld heads %d %s: blocks of 128 query rows and of 64 differ",
-              (long long)B, (long long)T, (long long)C, nh, dn);
+              "B=%lld T=%lld C=%lld heads %d %s: blocks of 128 rows and of 64 differ", (long long)B,
+              (long long)T, (long long)C, nh, dn);
         printf("fused attention B=%lld T=%lld C=%lld heads %d %s: y within %.3g, lse %.3g, dqkv "
                "%.3g of the unfused\n",
                (long long)B, (long long)T, (long long)C, nh, dn, wy, wl, wg);

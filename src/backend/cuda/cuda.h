@@ -77,11 +77,11 @@ int tdm_cuda_flash_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, co
  * default; TANDEM_FLASH_ATTENTION=0 in the environment starts it off): tests and
  * scripts/gpu-check compare the two. Not to be called with attention kernels in flight. */
 void tdm_cuda_flash_enable(bool on);
-/* Blocks of 128 query rows, two 16-row tiles a warp, in the bf16/f16 fused attention's forward
- * and dQ kernels for heads up to 64 (on, the default: each K and V fragment the warp reads
- * feeds two products), or of 64 rows, one tile a warp (off), as wider heads always run: the
- * same bits either way; test_cuda_flash checks the two, bench_cuda times them. Not to be called
- * with attention kernels in flight. */
+/* Blocks of 128 rows (queries, or keys in dK and dV), two 16-row tiles a warp, in the bf16/f16
+ * fused attention's kernels for heads up to 64 (on, the default: each fragment a warp reads
+ * from shared memory feeds two products), or of 64 rows, one tile a warp (off), as wider heads
+ * always run: the same bits either way; test_cuda_flash checks the two, bench_cuda times them.
+ * Not to be called with attention kernels in flight. */
 void tdm_cuda_flash_wide(bool on);
 /* Layer norms of up to 4096 columns a row a warp (on, the default) or a row a block (off), as
  * wider rows always run: bench_cuda times the two. Not to be called with norms in flight. */

@@ -4,8 +4,8 @@
  * No T x T scores reach memory and the tiles above the diagonal are never computed: a block
  * takes FA_BR query rows of one head and walks the key tiles up to its diagonal, each of its
  * four warps owning 16 of the rows and all of their work. bf16 and f16 run on the tensor cores
- * through mma.sync (cuda_flash_mma.cu; there the forward's and dQ's blocks take 128 rows, 32 a
- * warp, where heads are up to 64). This file holds the dispatch, D = rowsum(dy * y) for
+ * through mma.sync (cuda_flash_mma.cu; there the blocks take 128 rows, 32 a warp, where heads
+ * are up to 64). This file holds the dispatch, D = rowsum(dy * y) for
  * every dtype and the f32 kernels, whose products run on the CUDA cores (no TF32, as PyTorch's
  * default): the scores, the row statistics and the sums sit in registers, a tile of P (or dS)
  * goes through the warp's own rows of shared memory to become the next product's operand, and

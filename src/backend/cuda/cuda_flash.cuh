@@ -6,7 +6,7 @@
 
 #include "backend/cuda/cuda_common.cuh"
 
-#define FA_BR      64  /* query rows a block (the mma.sync forward and dQ: 64 or 128) */
+#define FA_BR      64  /* query (or key) rows a block (the mma.sync kernels: 64 or 128) */
 #define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
 #define FA_THREADS 128 /* four warps */
 #define FA_PAD     8   /* bf16/f16 elements after each row of Q, K, V, dy in shared memory */
@@ -88,7 +88,7 @@ template <int LANES> __device__ __forceinline__ float fa_row_sum(float v) {
  * moves to the row's new maximum and l is rescaled; returns the factor O is rescaled by (0 at
  * the first tile, where m is -inf). The first tile's maximum is finite (key 0 is at or below
  * every row's diagonal, rows past T included); a later one's may be -inf (a tile past all of a
- * warp's rows, which the mma.sync kernels' 128-row blocks run masked): m stays, alpha is 1. */
+ * warp's rows, which the mma.sync forward's 128-row blocks run masked): m stays, alpha is 1. */
 template <int LANES> __device__ __forceinline__ float fa_rescale(float mx, float &m, float &l) {
     for (int o = 1; o < LANES; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     const float m_new = fmaxf(m, mx), alpha = exp2f(m - m_new);
@@ -98,8 +98,9 @@ template <int LANES> __device__ __forceinline__ float fa_rescale(float mx, float
 
 /* ---- the bf16 and f16 kernels on mma.sync (cuda_flash_mma.cu; sm_80 on) -------------------- */
 
-/* Tiles of 16 rows each warp of the forward and dQ kernels takes for heads of hs: 2 up to heads
- * of 64 while tdm_cuda_flash_wide is on (blocks of 128 query rows), else 1 (64). */
+/* Tiles of 16 rows (queries, or keys in dK and dV) each warp of the mma.sync kernels takes for
+ * heads of hs: 2 up to heads of 64 while tdm_cuda_flash_wide is on (blocks of 128 rows), else 1
+ * (64). */
 int fa_mma_tiles(int64_t hs);
 /* Shared memory the mma.sync kernels take (cudaFuncSetAttribute's limit must allow it). */
 size_t fa_mma_smem_fwd(fa_geom g, size_t es);

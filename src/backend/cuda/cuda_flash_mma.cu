@@ -7,9 +7,9 @@
  * row-major gives register r the pair (row g + 8 (r & 1), columns 2t + 8 (r >> 1), + 1); B
  * [16, 8] column-major register r the pair (rows 2t + 8r, + 1; column g); the accumulator d[i]
  * sits at (row g + 8 (i >> 1), column 2t + (i & 1)); a pair's first element in the low half.
- * So each warp owns 16 rows of the block's 64 (in the forward and dQ at heads up to 64, two
- * tiles of 16 of the block's 128: each K and V fragment it reads feeds both, halving the
- * shared-memory reads a product, FlashAttention-2's forward tiling at those heads) and does all
+ * So each warp owns 16 rows of the block's 64 (at heads up to 64, two tiles of 16 of the
+ * block's 128: each fragment it reads from shared memory feeds both, FlashAttention-2's forward
+ * tiling at those heads) and does all
  * of their work: the softmax, the masks and the rescales run on registers, a row's maximum
  * takes two shuffles in its quad (the 4 lanes of one g), and an accumulator tile pair becomes
  * the next product's A operand in place (two 8-column tiles are one 16-column A tile). Tiles come
@@ -357,19 +357,22 @@ __global__ void __launch_bounds__(FA_THREADS)
 
 /* ---- backward ----------------------------------------------------------------------------- */
 
-/* One block: key tile j of a head, over the query tiles from its diagonal on; warp w owns keys
- * [16w, 16w + 16): dK and dV. */
-template <typename E, int HT>
+/* One block: key tile j (64 MT keys) of a head, over the query tiles from its first key on;
+ * warp w owns keys [16 MT w, 16 MT (w + 1)): dK and dV. With MT 2 the first query tile is
+ * before every key of warps 2 and 3, which run it masked (P and dS are 0). */
+template <typename E, int HT, int MT>
 __global__ void __launch_bounds__(FA_THREADS)
     fa_dkv_mma_kernel(E *dqkv, const E *dy, const E *qkv, const float *lse, const float *D,
                       fa_geom g) {
     extern __shared__ __align__(128) char fa_smem[];
-    const int64_t nt = (g.T + FA_BR - 1) / FA_BR, j = blockIdx.x % nt, bh = blockIdx.x / nt;
-    const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * FA_BC;
+    constexpr int BK = FA_BC * MT, QC = 32 / MT; /* keys a block; queries a step */
+    const int64_t nk = (g.T + BK - 1) / BK, j = blockIdx.x % nk, bh = blockIdx.x / nk;
+    const int64_t b = bh / g.nh, h = bh % g.nh, k0 = j * BK, nq = (g.T + FA_BR - 1) / FA_BR;
     const int lane = threadIdx.x % 32, w = threadIdx.x / 32, tq = lane % 4;
+    const int64_t i0 = k0 / FA_BR, kw = k0 + w * 16 * MT; /* the warp's first key */
     const float sl = g.scale * FA_LOG2E;
     fa_carve cv = {fa_smem, 0};
-    E *K = fa_take<E>(&cv, FA_BR * g.ld), *V = fa_take<E>(&cv, FA_BR * g.ld);
+    E *K = fa_take<E>(&cv, BK * g.ld), *V = fa_take<E>(&cv, BK * g.ld);
     /* Q, dy and the rows' lse and D twice: tile i + 1 loads into one set while the warps work
      * on the other (set u at base u) */
     E *Q0 = fa_take<E>(&cv, FA_BR * g.ld), *dO0 = fa_take<E>(&cv, FA_BR * g.ld);
@@ -390,49 +393,59 @@ __global__ void __launch_bounds__(FA_THREADS)
         }
         fa_commit_loads();
     };
-    fa_load(K, head + g.C, rl, k0, FA_BR, g);
-    fa_load(V, head + 2 * g.C, rl, k0, FA_BR, g);
-    load(j, 0);
-    float dK[1][2 * HT][4] = {}, dV[1][2 * HT][4] = {}; /* fa_mm_acc's one tile of rows */
-    const int64_t key[2] = {k0 + w * 16 + lane / 4, k0 + w * 16 + lane / 4 + 8};
-    for (int64_t i = j; i < nt; i++) {
+    fa_load(K, head + g.C, rl, k0, BK, g);
+    fa_load(V, head + 2 * g.C, rl, k0, BK, g);
+    load(i0, 0);
+    float dK[MT][2 * HT][4] = {}, dV[MT][2 * HT][4] = {};
+    int64_t key[MT][2];
+#pragma unroll
+    for (int t = 0; t < MT; t++) key[t][0] = kw + 16 * t + lane / 4, key[t][1] = key[t][0] + 8;
+    for (int64_t i = i0; i < nq; i++) {
         const int64_t q0 = i * FA_BR;
-        const int u = (int)((i - j) & 1);
+        const int u = (int)((i - i0) & 1);
         fa_wait_loads();
         __syncthreads(); /* tile i is in; every warp is done with tile i - 1's buffers */
-        if (i + 1 < nt) load(i + 1, u ^ 1);
+        if (i + 1 < nq) load(i + 1, u ^ 1);
         const E *Q = at(Q0, u), *dO = at(dO0, u);
         const float *lse_s = at(lse0, u), *D_s = at(D0, u);
-        /* the diagonal tile, and a last one with queries past T, take the masks */
-        const bool edge = i == j || q0 + FA_BR > g.T;
+        /* queries before one of the warp's keys, or past T: the diagonal tiles and a last one */
+        const bool edge = q0 < kw + 16 * MT - 1 || q0 + FA_BR > g.T;
 #pragma unroll 1
-        for (int half = 0; half < 2; half++) { /* 32 queries at a time: half the registers */
-            const int c0 = half * (FA_BC / 2);
-            float s[1][FA_BC / 16][4], dp[1][FA_BC / 16][4];
+        for (int c0 = 0; c0 < FA_BR; c0 += QC) { /* QC queries at a time: fewer registers */
+            float s[MT][QC / 8][4], dp[MT][QC / 8][4];
             {
-                uint32_t a[1][HT][4];
-                fa_frag_a<E, HT>(a[0], K, w * 16, g.ld);
-                fa_mm_rows<E, HT, FA_BC / 16, 1>(s, a, Q + c0 * g.ld, g.ld);
-                fa_frag_a<E, HT>(a[0], V, w * 16, g.ld);
-                fa_mm_rows<E, HT, FA_BC / 16, 1>(dp, a, dO + c0 * g.ld, g.ld);
+                uint32_t a[MT][HT][4];
+#pragma unroll
+                for (int t = 0; t < MT; t++)
+                    fa_frag_a<E, HT>(a[t], K, (int)(kw - k0) + 16 * t, g.ld);
+                fa_mm_rows<E, HT, QC / 8, MT>(s, a, Q + c0 * g.ld, g.ld);
+#pragma unroll
+                for (int t = 0; t < MT; t++)
+                    fa_frag_a<E, HT>(a[t], V, (int)(kw - k0) + 16 * t, g.ld);
+                fa_mm_rows<E, HT, QC / 8, MT>(dp, a, dO + c0 * g.ld, g.ld);
             }
 #pragma unroll
-            for (int n = 0; n < FA_BC / 16; n++)
+            for (int t = 0; t < MT; t++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) { /* P^T and dS^T: key row e >> 1, query column c */
-                    const int c = c0 + n * 8 + 2 * tq + (e & 1);
-                    const int64_t q = q0 + c;
-                    float p = exp2f(s[0][n][e] * sl - lse_s[c] * FA_LOG2E);
-                    if (edge && (key[e >> 1] > q || q >= g.T)) p = 0.0f;
-                    s[0][n][e] = p, dp[0][n][e] = p * (dp[0][n][e] - D_s[c]);
-                }
-            fa_mm_acc<E, HT, FA_BC / 16, 1>(dV, s, dO + c0 * g.ld, g.ld);
-            fa_mm_acc<E, HT, FA_BC / 16, 1>(dK, dp, Q + c0 * g.ld, g.ld);
+                for (int n = 0; n < QC / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) { /* P^T and dS^T: key row e >> 1, query c */
+                        const int c = c0 + n * 8 + 2 * tq + (e & 1);
+                        const int64_t q = q0 + c;
+                        float p = exp2f(s[t][n][e] * sl - lse_s[c] * FA_LOG2E);
+                        if (edge && (key[t][e >> 1] > q || q >= g.T)) p = 0.0f;
+                        s[t][n][e] = p, dp[t][n][e] = p * (dp[t][n][e] - D_s[c]);
+                    }
+            fa_mm_acc<E, HT, QC / 8, MT>(dV, s, dO + c0 * g.ld, g.ld);
+            fa_mm_acc<E, HT, QC / 8, MT>(dK, dp, Q + c0 * g.ld, g.ld);
         }
     }
     E *gh = dqkv + off;
-    fa_store_rows<E, HT>(gh + g.C, rl, dK[0], k0 + w * 16, g.scale, g.T);
-    fa_store_rows<E, HT>(gh + 2 * g.C, rl, dV[0], k0 + w * 16, 1.0f, g.T);
+#pragma unroll
+    for (int t = 0; t < MT; t++) {
+        fa_store_rows<E, HT>(gh + g.C, rl, dK[t], kw + 16 * t, g.scale, g.T);
+        fa_store_rows<E, HT>(gh + 2 * g.C, rl, dV[t], kw + 16 * t, 1.0f, g.T);
+    }
 }
 
 /* One block: query tile i (64 MT rows) of a head, over the key tiles up to its last row; warp w
@@ -515,10 +528,12 @@ __global__ void __launch_bounds__(FA_THREADS)
 
 /* ---- host --------------------------------------------------------------------------------- */
 
-/* The forward's and dQ's warps take two tiles of 16 rows (blocks of 128 query rows, as
- * FlashAttention-2's forward at heads of 64) where heads are up to FA_WIDE_HT 16s: each K and V
- * fragment read from shared memory feeds twice the products. Wider heads would spill the second
- * tile's accumulators. */
+/* The warps take two tiles of 16 rows (blocks of 128 queries, or keys in dK and dV: the
+ * forward as FlashAttention-2's at heads of 64) where heads are up to FA_WIDE_HT 16s: each
+ * fragment read from shared memory feeds twice the products (ldmatrix's reads a product: the
+ * forward's and dQ's halved, dK and dV's 5/8 -> 1/2), each Q and dy tile loaded into dK and
+ * dV's blocks serves twice the keys. Wider heads would spill the second tile's accumulators
+ * (sm_90 at heads of 64: 254, 238 and 222 registers for the forward, dK dV and dQ, no spills). */
 #define FA_WIDE_HT 4
 static bool fa_wide = true; /* tdm_cuda_flash_wide */
 
@@ -534,7 +549,8 @@ size_t fa_mma_smem_fwd(fa_geom g, size_t es) { /* Q, and K and V twice */
     return fa_mma_tiles(g.hs) * tile + 4 * tile;
 }
 size_t fa_mma_smem_dkv(fa_geom g, size_t es) { /* K, V and two sets of Q, dy, lse, D */
-    return 6 * fa_round(FA_BR * g.ld * es) + 4 * fa_round(FA_BR * 4);
+    const size_t tile = fa_round(FA_BC * g.ld * es);
+    return 2 * fa_mma_tiles(g.hs) * tile + 4 * tile + 4 * fa_round(FA_BR * 4);
 }
 size_t fa_mma_smem_dq(fa_geom g, size_t es) { /* K and V twice, and Q and dy past MT 1 */
     const size_t tile = fa_round(FA_BC * g.ld * es);
@@ -548,7 +564,7 @@ template <typename K> static int fa_allow(K *k, size_t smem, const char *what, i
                     what, idx);
 }
 
-/* f(std::integral_constant<int, MT>) for the forward's and dQ's tiles a warp. */
+/* f(std::integral_constant<int, MT>) for the kernels' tiles a warp. */
 template <int HT, typename F> static int fa_by_tiles(int64_t hs, F f) {
     if constexpr (HT <= FA_WIDE_HT)
         if (fa_mma_tiles(hs) == 2) return f(std::integral_constant<int, 2>());
@@ -594,16 +610,16 @@ template <typename E, int HT>
 static int fa_backward_ht(cu_device *d, int idx, E *gq, const E *gy, const E *x, const float *lse,
                           const float *D, fa_geom g) {
     const size_t s_kv = fa_mma_smem_dkv(g, sizeof(E)), s_q = fa_mma_smem_dq(g, sizeof(E));
-    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
     const char *what = "flash attention_backward";
-    if (fa_allow(fa_dkv_mma_kernel<E, HT>, s_kv, what, idx)) return tdm_last_status();
-    fa_dkv_mma_kernel<E, HT><<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
-    if (cu_check_launch("flash attention_backward (dk, dv)", idx)) return tdm_last_status();
     return fa_by_tiles<HT>(g.hs, [&](auto mt) -> int {
         constexpr int MT = decltype(mt)::value, BR = FA_BC * MT;
-        const unsigned qblocks = (unsigned)(g.B * g.nh * ((g.T + BR - 1) / BR));
+        const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + BR - 1) / BR));
+        if (fa_allow(fa_dkv_mma_kernel<E, HT, MT>, s_kv, what, idx)) return tdm_last_status();
+        fa_dkv_mma_kernel<E, HT, MT>
+            <<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
+        if (cu_check_launch("flash attention_backward (dk, dv)", idx)) return tdm_last_status();
         if (fa_allow(fa_dq_mma_kernel<E, HT, MT>, s_q, what, idx)) return tdm_last_status();
-        fa_dq_mma_kernel<E, HT, MT><<<qblocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
+        fa_dq_mma_kernel<E, HT, MT><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
         return cu_check_launch("flash attention_backward (dq)", idx);
     });
 }

@@ -159,7 +159,9 @@ static size_t fa_smem_dq(fa_geom g, size_t es) {
 /* ---- forward ------------------------------------------------------------------------------ */
 
 /* f32, heads of 8 NC. One block: query tile i of head h of batch row b, the last tiles (the
- * most work) first. */
+ * most work) first. One K and one V buffer, each refilled without waiting as soon as every warp
+ * is done with it (K_j+1 after S, V_j+1 after O += P V_j): a load overlaps half a tile's work,
+ * in no more shared memory. */
 template <int NC>
 __global__ void __launch_bounds__(FA_THREADS)
     fa_fwd_kernel(const float *qkv, float *y, float *lse, fa_geom g) {
@@ -175,18 +177,23 @@ __global__ void __launch_bounds__(FA_THREADS)
     const int64_t rl = 3 * g.C;
     const float *head = qkv + b * g.T * rl + h * g.hs, *Qw = Q + w * 16 * g.ld;
     fa_load(Q, head, rl, q0, FA_BR, g);
+    fa_load_async(K, head + g.C, rl, 0, FA_BC, g);
+    fa_commit_loads();
+    fa_load_async(V, head + 2 * g.C, rl, 0, FA_BC, g);
+    fa_commit_loads();
     int64_t row[4];
     float o[4][NC] = {}, m[4], l[4];
 #pragma unroll
     for (int r = 0; r < 4; r++) row[r] = q0 + w * 16 + tr + 4 * r, m[r] = -INFINITY, l[r] = 0.0f;
     for (int64_t j = 0; j <= i; j++) {
         const int64_t k0 = j * FA_BC;
-        __syncthreads(); /* every warp is done with the last tile's K and V */
-        fa_load(K, head + g.C, rl, k0, FA_BR, g);
-        fa_load(V, head + 2 * g.C, rl, k0, FA_BR, g);
+        fa_wait_loads_but<1>(); /* K_j (V_j, committed after it, may be on its way) */
         __syncthreads();
         float s[4][FA_BC / 8], mx[4];
         fa32_dot<FA_BC / 8>(s, Qw, K, g.ld, (int)g.hs);
+        __syncthreads(); /* every warp is done with K_j */
+        if (j < i) fa_load_async(K, head + g.C, rl, k0 + FA_BC, FA_BC, g);
+        fa_commit_loads(); /* (empty after the last tile: the groups keep their count) */
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             mx[r] = -INFINITY;
@@ -211,8 +218,12 @@ __global__ void __launch_bounds__(FA_THREADS)
             for (int d = 0; d < NC; d++) o[r][d] *= alpha[r];
         }
         fa32_put<FA_BC / 8>(P, FA_PLD32, s);
-        __syncwarp(); /* the warp's P is in (the next tile's is written after a barrier) */
+        fa_wait_loads_but<1>(); /* V_j (K_j+1 may be on its way) */
+        __syncthreads();        /* V_j, and the warp's P, are in */
         fa32_acc<NC>(o, P, FA_PLD32, V, g.ld, FA_BC);
+        __syncthreads(); /* every warp is done with V_j */
+        if (j < i) fa_load_async(V, head + 2 * g.C, rl, k0 + FA_BC, FA_BC, g);
+        fa_commit_loads();
     }
 #pragma unroll
     for (int r = 0; r < 4; r++) {
@@ -331,7 +342,8 @@ __global__ void __launch_bounds__(FA_THREADS)
 }
 
 /* f32. One block: query tile i of a head, over the key tiles up to its diagonal; warp w owns
- * queries [16w, 16w + 16): dQ in registers. */
+ * queries [16w, 16w + 16): dQ in registers. As the forward, V_j+1 loads once dP is done with
+ * V_j, and K_j+1 once dQ is done with K_j, without waiting. */
 template <int NC>
 __global__ void __launch_bounds__(FA_THREADS)
     fa_dq_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse, const float *D,
@@ -350,6 +362,10 @@ __global__ void __launch_bounds__(FA_THREADS)
     const float *head = qkv + off, *Qw = Q + w * 16 * g.ld, *dOw = dO + w * 16 * g.ld;
     fa_load(Q, head, rl, q0, FA_BR, g);
     fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, FA_BR, g);
+    fa_load_async(V, head + 2 * g.C, rl, 0, FA_BC, g);
+    fa_commit_loads();
+    fa_load_async(K, head + g.C, rl, 0, FA_BC, g);
+    fa_commit_loads();
     int64_t q[4];
     float lse_r[4], D_r[4], dQ[4][NC] = {};
 #pragma unroll
@@ -360,13 +376,15 @@ __global__ void __launch_bounds__(FA_THREADS)
     }
     for (int64_t j = 0; j <= i; j++) {
         const int64_t k0 = j * FA_BC;
-        __syncthreads(); /* every warp is done with the last tile's K */
-        fa_load(K, head + g.C, rl, k0, FA_BR, g);
-        fa_load(V, head + 2 * g.C, rl, k0, FA_BR, g);
-        __syncthreads();
         float s[4][FA_BC / 8], dp[4][FA_BC / 8];
-        fa32_dot<FA_BC / 8>(s, Qw, K, g.ld, hs);
+        fa_wait_loads_but<1>(); /* V_j (K_j, committed after it, may be on its way) */
+        __syncthreads();
         fa32_dot<FA_BC / 8>(dp, dOw, V, g.ld, hs);
+        fa_wait_loads(); /* K_j */
+        __syncthreads(); /* K_j is in; every warp is done with V_j */
+        if (j < i) fa_load_async(V, head + 2 * g.C, rl, k0 + FA_BC, FA_BC, g);
+        fa_commit_loads(); /* (empty after the last tile: the groups keep their count) */
+        fa32_dot<FA_BC / 8>(s, Qw, K, g.ld, hs);
 #pragma unroll
         for (int r = 0; r < 4; r++)
 #pragma unroll
@@ -378,6 +396,9 @@ __global__ void __launch_bounds__(FA_THREADS)
         fa32_put<FA_BC / 8>(dS, FA_PLD32, dp);
         __syncwarp(); /* the warp's dS is in (the next tile's is written after a barrier) */
         fa32_acc<NC>(dQ, dS, FA_PLD32, K, g.ld, FA_BC);
+        __syncthreads(); /* every warp is done with K_j */
+        if (j < i) fa_load_async(K, head + g.C, rl, k0 + FA_BC, FA_BC, g);
+        fa_commit_loads();
     }
     fa32_store<NC>(dqkv + off, rl, dQ, q0 + w * 16, g.scale, g.T);
 }

@@ -6,6 +6,8 @@
 
 #include "backend/cuda/cuda_common.cuh"
 
+#include <string.h>
+
 #define FA_BR      64  /* query (or key) rows a block (the mma.sync kernels: 64 or 128) */
 #define FA_BC      64  /* keys a tile (= FA_BR: every row of a block sees a key in each tile) */
 #define FA_THREADS 128 /* four warps */
@@ -62,6 +64,77 @@ __device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, int 
     for (int e = threadIdx.x; e < rows * g.hs; e += FA_THREADS) {
         const int r = e / (int)g.hs, d = e % (int)g.hs;
         tile[r * g.ld + d] = r0 + r < g.T ? src[(r0 + r) * row_len + d] : cu_to<E>(0.0f);
+    }
+}
+
+/* ---- loads without waiting (cp.async, sm_80 on; before it, and in the emulation, a plain copy)
+ */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800 && !defined(TDM_CUDA_EMU)
+#define FA_NO_ASYNC 1
+#endif
+
+/* N bytes (N 4 or 16; bytes N, or 0 for zeros) from global src to shared dst, N-byte aligned,
+ * without waiting: fa_wait_loads waits for this thread's. The emulation's land when the thread
+ * waits for them, as they may on a GPU (emu_cp_async). */
+template <int N> __device__ __forceinline__ void fa_cp(void *dst, const void *src, int bytes) {
+#if defined(TDM_CUDA_EMU)
+    emu_cp_async(dst, src, N, bytes);
+#elif defined(FA_NO_ASYNC)
+    if (bytes)
+        memcpy(dst, src, N);
+    else
+        memset(dst, 0, N);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    if constexpr (N == 16) /* past L1, as the tiles are read once a block */
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes)
+                     : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(bytes)
+                     : "memory");
+#endif
+}
+/* Marks this thread's loads since the last commit as one group. */
+__device__ __forceinline__ void fa_commit_loads(void) {
+#if defined(TDM_CUDA_EMU)
+    emu_cp_async_commit();
+#elif !defined(FA_NO_ASYNC)
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+/* Waits for this thread's loads: all of them (fa_wait_loads), or those of every group but the N
+ * committed last (fa_wait_loads_but). Other threads' loads are theirs: a barrier after the wait
+ * makes a tile whole for the block. */
+__device__ __forceinline__ void fa_wait_loads(void) {
+#if defined(TDM_CUDA_EMU)
+    emu_cp_async_wait(-1);
+#elif !defined(FA_NO_ASYNC)
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void fa_wait_loads_but(void) {
+#if defined(TDM_CUDA_EMU)
+    emu_cp_async_wait(N);
+#elif !defined(FA_NO_ASYNC)
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
+/* As fa_load, but without waiting where the rows allow 16-byte copies. */
+template <typename E>
+__device__ void fa_load_async(E *tile, const E *src, int64_t row_len, int64_t r0, int rows,
+                              fa_geom g) {
+    constexpr int per = sizeof(fa_vec) / sizeof(E);
+    if ((uintptr_t)src % sizeof(fa_vec) || row_len % per) {
+        fa_load(tile, src, row_len, r0, rows, g);
+        return;
+    }
+    const int vecs = (int)g.hs / per;
+    for (int e = threadIdx.x; e < rows * vecs; e += FA_THREADS) {
+        const int r = e / vecs, c = e % vecs;
+        const bool in = r0 + r < g.T;
+        fa_cp<16>(tile + r * g.ld + c * per, in ? src + (r0 + r) * row_len + c * per : src,
+                  in ? 16 : 0);
     }
 }
 

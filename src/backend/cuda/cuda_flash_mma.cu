@@ -84,37 +84,6 @@ template <bool TRANS> __device__ __forceinline__ void fa_ldsm(uint32_t r[4], con
 #endif
 }
 
-/* N bytes (N 4 or 16; bytes N, or 0 for zeros) from global src to shared dst, N-byte aligned,
- * without waiting: fa_wait_loads waits for this thread's. The emulation copies at once. */
-template <int N> __device__ __forceinline__ void fa_cp(void *dst, const void *src, int bytes) {
-#if defined(TDM_CUDA_EMU) || defined(FA_NO_MMA)
-    if (bytes)
-        memcpy(dst, src, N);
-    else
-        memset(dst, 0, N);
-#else
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    if constexpr (N == 16) /* past L1, as the tiles are read once a block */
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes)
-                     : "memory");
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(bytes)
-                     : "memory");
-#endif
-}
-/* Marks the loads issued so far as one group (issued after a barrier, waited for before the
- * next one). */
-__device__ __forceinline__ void fa_commit_loads(void) {
-#if !defined(TDM_CUDA_EMU) && !defined(FA_NO_MMA)
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void fa_wait_loads(void) {
-#if !defined(TDM_CUDA_EMU) && !defined(FA_NO_MMA)
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 /* Two floats rounded to E as one register, lo in the low half. */
 template <typename E> __device__ __forceinline__ uint32_t fa_pack(float lo, float hi) {
 #if defined(TDM_CUDA_EMU)
@@ -137,24 +106,6 @@ template <typename E> __device__ __forceinline__ uint32_t fa_pack(float lo, floa
 }
 
 /* ---- tiles ---------------------------------------------------------------------------------- */
-
-/* As fa_load (cuda_flash.cuh), but without waiting where the rows allow 16-byte copies. */
-template <typename E>
-__device__ void fa_load_async(E *tile, const E *src, int64_t row_len, int64_t r0, int rows,
-                              fa_geom g) {
-    constexpr int per = sizeof(fa_vec) / sizeof(E);
-    if ((uintptr_t)src % sizeof(fa_vec) || row_len % per) {
-        fa_load(tile, src, row_len, r0, rows, g);
-        return;
-    }
-    const int vecs = (int)g.hs / per;
-    for (int e = threadIdx.x; e < rows * vecs; e += FA_THREADS) {
-        const int r = e / vecs, c = e % vecs;
-        const bool in = r0 + r < g.T;
-        fa_cp<16>(tile + r * g.ld + c * per, in ? src + (r0 + r) * row_len + c * per : src,
-                  in ? 16 : 0);
-    }
-}
 
 /* The A fragments of rows [r0, r0 + 16) of a tile, 16 HT columns. */
 template <typename E, int HT>

@@ -169,6 +169,14 @@ static inline double __shfl_xor_sync(unsigned mask, double v, int lane_mask, int
     __builtin_memcpy(&v, &all[((threadIdx.x % 32) ^ (unsigned)lane_mask) * EMU_XCHG_WORDS], 8);
     return v;
 }
+/* cp.async (emu.cpp): n bytes from src to dst (bytes 0: zeros) when this thread next waits
+ * for the copy's group: emu_cp_async_wait(keep) lands every copy but those of the keep groups
+ * committed last and those not committed (keep -1: every copy, cp.async.wait_all). So a kernel
+ * that reads a tile before waiting for it reads what was there before, as it may on a GPU; a
+ * thread that ends with a copy not waited for aborts. */
+void emu_cp_async(void *dst, const void *src, int n, int bytes);
+void emu_cp_async_commit(void);
+void emu_cp_async_wait(int keep);
 /* Runs body for every thread of every block; shmem bytes of dynamic shared memory (extern
  * __shared__, at emu_dynamic_shared, 128-byte aligned) are allocated for the launch, exactly
  * sized, so that AddressSanitizer sees an access past them. Over 48 KiB, kernel (the launched

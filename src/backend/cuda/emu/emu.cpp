@@ -105,12 +105,58 @@ static void yield(int t) {
     SWITCH_END(fake, &sched_bottom, &sched_size);
 }
 
+/* cp.async, late: a thread's copies wait in its list until it waits for their group, and land
+ * then (src read then: a kernel's inputs do not change while it runs). group: the commits
+ * before the copy's, so the copies since the last commit have group == cp_committed[t]. */
+struct emu_cp {
+    void *dst;
+    const void *src;
+    int n, bytes;
+    long group;
+};
+static std::vector<emu_cp> cp_pending[MAX_BLOCK];
+static long cp_committed[MAX_BLOCK];
+
+void emu_cp_async(void *dst, const void *src, int n, int bytes) {
+    const unsigned t = threadIdx.x;
+    cp_pending[t].push_back(emu_cp{dst, src, n, bytes, cp_committed[t]});
+}
+void emu_cp_async_commit(void) {
+    cp_committed[threadIdx.x]++;
+}
+void emu_cp_async_wait(int keep) {
+    const unsigned t = threadIdx.x;
+    std::vector<emu_cp> &q = cp_pending[t];
+    size_t kept = 0;
+    for (size_t i = 0; i < q.size(); i++) {
+        const emu_cp c = q[i];
+        if (keep >= 0 && c.group >= cp_committed[t] - keep) { /* newer, or not committed */
+            q[kept++] = c;
+            continue;
+        }
+        if (c.bytes)
+            memcpy(c.dst, c.src, (size_t)c.n);
+        else
+            memset(c.dst, 0, (size_t)c.n);
+    }
+    q.resize(kept);
+}
+/* A thread that ends with copies it never waited for loaded what nothing reads. */
+static void cp_check_done(void) {
+    const unsigned t = threadIdx.x;
+    if (cp_pending[t].empty()) return;
+    fprintf(stderr, "emu: thread %u of block %u ended with %zu cp.async copies never waited for\n",
+            t, blockIdx.x, cp_pending[t].size());
+    abort();
+}
+
 /* A coroutine's first frame: the kernel's body, then back to the scheduler for good. It never
  * returns, so it has no local whose address is taken: ASan's poison around such a local would
  * stay on the stack that the next block's thread t starts on. */
 static void coroutine(void) {
     SWITCH_END(NULL, &sched_bottom, &sched_size);
     (*body_now)();
+    cp_check_done();
     finished[threadIdx.x] = true;
     SWITCH_START(NULL, sched_bottom, sched_size); /* NULL: this stack's frames are done */
     emu_switch(&thread_sp[threadIdx.x], sched_sp);
@@ -263,6 +309,7 @@ void emu_launch(long long grid, long long block, const std::function<void()> &bo
             for (int t = 1; t < block; t++) {
                 threadIdx = {(unsigned)t, 0, 0};
                 body();
+                cp_check_done();
             }
             plain_calls = false;
             continue;

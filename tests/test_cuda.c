@@ -1239,6 +1239,37 @@ static void test_tf32(void) {
     tdm_scope_end();
 }
 
+/* cuBLASLt's choice of algorithm remembered (cuda_matmul.cu): a linear of a shape no test has
+ * run asks the heuristic once, and not again with other values in other buffers of that shape;
+ * another shape asks again; the product is the same bits either way. */
+static void test_lt_memo(void) {
+    const char *e = getenv("TANDEM_CUBLASLT_EPILOGUES");
+    if (e && !strcmp(e, "0")) return; /* no cuBLASLt: nothing asked */
+    tdm_rng rng = tdm_rng_make(43);
+    tdm_scope_begin();
+    tdm_tensor *w = tdm_cast(tdm_randn(TDM_SHAPE(1, 56, 48), 0, 1, G, &rng), TDM_BF16);
+    tdm_tensor *b = tdm_cast(tdm_randn(TDM_SHAPE(56), 0, 1, G, &rng), TDM_BF16);
+    tdm_tensor *x[3], *y[3];
+    unsigned long long calls[4] = {tdm_cuda_blaslt_heuristic_calls()};
+    for (int i = 0; i < 3; i++) { /* x0, x1 = x0 again in a new buffer, then M 48 instead of 40 */
+        x[i] = i == 1 ? tdm_clone(x[0])
+                      : tdm_cast(tdm_randn(TDM_SHAPE(1, i ? 48 : 40, 48), 0, 1, G, &rng), TDM_BF16);
+        y[i] = x[i] ? tdm_tensor_alloc(TDM_SHAPE(1, x[i]->shape[1], 56), TDM_BF16, G) : NULL;
+        CHECK(w && b && y[i] && GPU->linear(y[i], x[i], w, b) == TDM_OK, "linear %d: %s", i,
+              tdm_last_error());
+        calls[i + 1] = tdm_cuda_blaslt_heuristic_calls();
+    }
+    CHECK(calls[1] == calls[0] + 1 && calls[2] == calls[1] && calls[3] == calls[2] + 1,
+          "cuBLASLt's heuristic asked %llu, %llu and %llu times for a new problem, the same one "
+          "again and another (1, 0, 1)",
+          calls[1] - calls[0], calls[2] - calls[1], calls[3] - calls[2]);
+    tdm_tensor *a = tdm_to_device(tdm_cast(y[0], TDM_F32), tdm_cpu(0));
+    tdm_tensor *c = tdm_to_device(tdm_cast(y[1], TDM_F32), tdm_cpu(0));
+    CHECK(a && c && !memcmp(tdm_data_ptr(a), tdm_data_ptr(c), sizeof(float) * 40 * 56),
+          "the remembered algorithm's product differs from the first");
+    tdm_scope_end();
+}
+
 static void test_errors(void) {
     int n = tdm_cuda_device_count();
     char desc[256];
@@ -1287,6 +1318,7 @@ int main(void) {
     CHECK(tdm_backend_check(GPU, true) == TDM_OK, "cuda table: %s", tdm_last_error());
     test_kernels();
     test_tf32();
+    test_lt_memo();
     test_errors();
     return check_summary();
 }

@@ -86,6 +86,10 @@ void tdm_cuda_flash_wide(bool on);
 /* Layer norms of up to 4096 columns a row a warp (on, the default) or a row a block (off), as
  * wider rows always run: bench_cuda times the two. Not to be called with norms in flight. */
 void tdm_cuda_layer_norm_warps(bool on);
+/* Times cuBLASLt's heuristic was asked for an algorithm since the start: once for each problem
+ * (device, types, shapes, epilogue, alignments), whose answer cuda_matmul.cu keeps for the
+ * products after it (the last 256 problems). For tests. */
+unsigned long long tdm_cuda_blaslt_heuristic_calls(void);
 
 #define TDM_KERNEL(ret, entry, params) ret tdm_cuda_##entry params;
 #define TDM_UPLOAD                     TDM_KERNEL

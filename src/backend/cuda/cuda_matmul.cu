@@ -112,20 +112,115 @@ static void lt_read_env(void) {
     if (e && !strcmp(e, "0")) lt_epilogues = false;
 }
 
-/* g on d's compute stream: CUBLAS_STATUS_NOT_SUPPORTED, nothing queued, where cuBLASLt has no
- * algorithm for it (or the epilogues are turned off). */
-static cublasStatus_t lt_run(cu_device *d, cudaDataType t, bool tf32, const lt_gemm *g) {
+/* ---- cuBLASLt's choice of algorithm, remembered ----------------------------------------------
+ * cublasLtMatmulAlgoGetHeuristic is a search on the host, and a training step would ask it the
+ * same few questions every step (a GPT: about six products a layer, forward and backward), on
+ * the thread that must stay ahead of the GPU: the answer (an algorithm, or none) is kept per
+ * problem. A problem is everything the heuristic sees: the device, types, shapes, leading
+ * dimensions, epilogue, the operands' alignments. */
+typedef struct {
+    int device;
+    cudaDataType t;
+    bool tf32, ta, tb, bias, aux;
+    cublasLtEpilogue_t epi;
+    uint64_t m, n, k;
+    int64_t lda, ldb, ldd, aux_ld;
+    uint32_t align[4];
+} lt_problem;
+
+#define LT_MEMO 256 /* problems remembered (a GPT step on 8 GPUs: about 20 each) */
+static struct {
+    bool used, found;
+    lt_problem p;
+    cublasLtMatmulAlgo_t algo;
+} lt_memo[LT_MEMO];
+static unsigned lt_memo_next; /* the slot the next new problem takes once all are used */
+static pthread_mutex_t lt_memo_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned long long lt_heuristic_calls; /* tdm_cuda_blaslt_heuristic_calls */
+
+/* The problem g poses on device index, every byte set (compared with memcmp). */
+static lt_problem lt_problem_of(int index, cudaDataType t, bool tf32, const lt_gemm *g,
+                                const uint32_t align[4]) {
+    lt_problem p;
+    memset(&p, 0, sizeof p);
+    p.device = index, p.t = t, p.tf32 = tf32, p.ta = g->ta, p.tb = g->tb;
+    p.bias = g->bias != NULL, p.aux = g->aux != NULL, p.epi = g->epi;
+    p.m = g->m, p.n = g->n, p.k = g->k;
+    p.lda = g->lda, p.ldb = g->ldb, p.ldd = g->ldd, p.aux_ld = g->aux ? g->aux_ld : 0;
+    memcpy(p.align, align, sizeof p.align);
+    return p;
+}
+
+/* Whether p was answered before: *found and, where one was, *algo set. */
+static bool lt_memo_get(const lt_problem *p, bool *found, cublasLtMatmulAlgo_t *algo) {
+    pthread_mutex_lock(&lt_memo_lock);
+    bool hit = false;
+    for (int i = 0; i < LT_MEMO && lt_memo[i].used && !hit; i++)
+        if (!memcmp(&lt_memo[i].p, p, sizeof *p)) {
+            hit = true, *found = lt_memo[i].found;
+            if (*found) *algo = lt_memo[i].algo;
+        }
+    pthread_mutex_unlock(&lt_memo_lock);
+    return hit;
+}
+static void lt_memo_put(const lt_problem *p, bool found, const cublasLtMatmulAlgo_t *algo) {
+    pthread_mutex_lock(&lt_memo_lock);
+    const unsigned i = lt_memo_next++ % LT_MEMO; /* past LT_MEMO problems, the oldest goes */
+    lt_memo[i].used = true, lt_memo[i].found = found, lt_memo[i].p = *p;
+    if (found) lt_memo[i].algo = *algo;
+    lt_heuristic_calls++;
+    pthread_mutex_unlock(&lt_memo_lock);
+}
+
+extern "C" unsigned long long tdm_cuda_blaslt_heuristic_calls(void) {
+    pthread_mutex_lock(&lt_memo_lock);
+    const unsigned long long n = lt_heuristic_calls;
+    pthread_mutex_unlock(&lt_memo_lock);
+    return n;
+}
+
+/* cuBLASLt's first algorithm for the product op on la, lb, ld (alignments al) within the
+ * workspace: *found false where it has none. */
+static cublasStatus_t lt_heuristic(cu_device *d, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t la,
+                                   cublasLtMatrixLayout_t lb, cublasLtMatrixLayout_t ld,
+                                   const uint32_t al[4], bool *found, cublasLtMatmulAlgo_t *algo) {
+    const uint64_t ws = CU_BLAS_WORKSPACE;
+    const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t heur;
+    int n = 0;
+    cublasStatus_t st = cu_blas.cublasLtMatmulPreferenceCreate(&pref);
+    if (!st)
+        st = cu_blas.cublasLtMatmulPreferenceSetAttribute(
+            pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    for (int i = 0; i < 4 && !st; i++)
+        st =
+            cu_blas.cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &al[i], sizeof al[i]);
+    if (!st)
+        st = cu_blas.cublasLtMatmulAlgoGetHeuristic(d->lt, op, la, lb, ld, ld, pref, 1, &heur, &n);
+    if (pref) cu_blas.cublasLtMatmulPreferenceDestroy(pref);
+    if (st == CUBLAS_STATUS_NOT_SUPPORTED) st = CUBLAS_STATUS_SUCCESS, n = 0; /* none: an answer */
+    *found = !st && n > 0;
+    if (*found) *algo = heur.algo;
+    return st;
+}
+
+/* g on d's compute stream (device index): CUBLAS_STATUS_NOT_SUPPORTED, nothing queued, where
+ * cuBLASLt has no algorithm for it (or the epilogues are turned off). */
+static cublasStatus_t lt_run(cu_device *d, int index, cudaDataType t, bool tf32, const lt_gemm *g) {
     pthread_once(&lt_env_once, lt_read_env);
     if (!lt_epilogues) return CUBLAS_STATUS_NOT_SUPPORTED;
     cublasOperation_t ta = g->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasOperation_t tb = g->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-    uint64_t ws = CU_BLAS_WORKSPACE;
-    uint32_t al[4] = {align_of(g->a), align_of(g->b), align_of(g->d), align_of(g->d)};
+    const uint32_t al[4] = {align_of(g->a), align_of(g->b), align_of(g->d), align_of(g->d)};
+    const lt_problem prob = lt_problem_of(index, t, tf32, g, al);
+    cublasLtMatmulAlgo_t algo;
+    bool found = false;
+    const bool known = lt_memo_get(&prob, &found, &algo);
     cublasLtMatmulDesc_t op = NULL;
     cublasLtMatrixLayout_t la = NULL, lb = NULL, ld = NULL;
-    cublasLtMatmulPreference_t pref = NULL;
-    cublasLtMatmulHeuristicResult_t heur;
-    int found = 0;
     cublasStatus_t st = cu_blas.cublasLtMatmulDescCreate(
         &op, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUDA_R_32F);
     if (!st)
@@ -153,26 +248,15 @@ static cublasStatus_t lt_run(cu_device *d, cudaDataType t, bool tf32, const lt_g
         st = cu_blas.cublasLtMatrixLayoutCreate(&lb, t, g->tb ? g->n : g->k, g->tb ? g->k : g->n,
                                                 g->ldb);
     if (!st) st = cu_blas.cublasLtMatrixLayoutCreate(&ld, t, g->m, g->n, g->ldd);
-    if (!st) st = cu_blas.cublasLtMatmulPreferenceCreate(&pref);
-    if (!st)
-        st = cu_blas.cublasLtMatmulPreferenceSetAttribute(
-            pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-    const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
-    for (int i = 0; i < 4 && !st; i++)
-        st =
-            cu_blas.cublasLtMatmulPreferenceSetAttribute(pref, align_attr[i], &al[i], sizeof al[i]);
-    if (!st)
-        st = cu_blas.cublasLtMatmulAlgoGetHeuristic(d->lt, op, la, lb, ld, ld, pref, 1, &heur,
-                                                    &found);
-    if (!st && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (!st && !known) {
+        st = lt_heuristic(d, op, la, lb, ld, al, &found, &algo);
+        if (!st) lt_memo_put(&prob, found, &algo);
+    }
+    if (!st && !found) st = CUBLAS_STATUS_NOT_SUPPORTED;
     const float one = 1.0f;
     if (!st)
         st = cu_blas.cublasLtMatmul(d->lt, op, &one, g->a, la, g->b, lb, &g->beta, g->d, ld, g->d,
-                                    ld, &heur.algo, d->blas_workspace, CU_BLAS_WORKSPACE,
-                                    d->compute);
-    if (pref) cu_blas.cublasLtMatmulPreferenceDestroy(pref);
+                                    ld, &algo, d->blas_workspace, CU_BLAS_WORKSPACE, d->compute);
     if (ld) cu_blas.cublasLtMatrixLayoutDestroy(ld);
     if (lb) cu_blas.cublasLtMatrixLayoutDestroy(lb);
     if (la) cu_blas.cublasLtMatrixLayoutDestroy(la);
@@ -193,7 +277,8 @@ static cublasStatus_t linear_lt(cu_device *d, tdm_tensor *y, tdm_tensor *pre, co
     g.epi = pre ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS;
     g.bias = tdm_cuda_ptr(b);
     g.aux = pre ? tdm_cuda_ptr(pre) : NULL, g.aux_ld = (int64_t)out;
-    return lt_run(d, blas_type(y->dtype), y->dtype == TDM_F32 && tdm_allow_tf32(), &g);
+    return lt_run(d, y->device.index, blas_type(y->dtype), y->dtype == TDM_F32 && tdm_allow_tf32(),
+                  &g);
 }
 
 /* The operands of linear (and linear_gelu's pre), checked: TDM_OK or an error naming op. */
@@ -281,8 +366,8 @@ extern "C" int tdm_cuda_linear_dgelu(tdm_tensor *gpre, const tdm_tensor *gy, con
         g.lda = g.ldd = in, g.ldb = out;
         g.epi = CUBLASLT_EPILOGUE_DGELU;
         g.aux = tdm_cuda_ptr(pre), g.aux_ld = in;
-        cublasStatus_t st =
-            lt_run(d, blas_type(gpre->dtype), gpre->dtype == TDM_F32 && tdm_allow_tf32(), &g);
+        cublasStatus_t st = lt_run(d, gpre->device.index, blas_type(gpre->dtype),
+                                   gpre->dtype == TDM_F32 && tdm_allow_tf32(), &g);
         if (st == CUBLAS_STATUS_SUCCESS) return TDM_OK;
         if (st != CUBLAS_STATUS_NOT_SUPPORTED)
             return cu_check_blas(st, "linear_dgelu (cublasLtMatmul)", gpre->device.index);
@@ -317,8 +402,8 @@ extern "C" int tdm_cuda_linear_wgrad(tdm_tensor *gw, tdm_tensor *gb, const tdm_t
         g.lda = g.ldd = in, g.ldb = out;
         g.epi = CUBLASLT_EPILOGUE_BGRADB;
         g.bias = tdm_cuda_ptr(gb);
-        cublasStatus_t st =
-            lt_run(d, blas_type(gw->dtype), gw->dtype == TDM_F32 && tdm_allow_tf32(), &g);
+        cublasStatus_t st = lt_run(d, gw->device.index, blas_type(gw->dtype),
+                                   gw->dtype == TDM_F32 && tdm_allow_tf32(), &g);
         if (st == CUBLAS_STATUS_SUCCESS) return TDM_OK;
         if (st != CUBLAS_STATUS_NOT_SUPPORTED)
             return cu_check_blas(st, "linear_wgrad (cublasLtMatmul)", gw->device.index);

@@ -812,6 +812,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t h, cublasLtMatmul
                                               cublasLtMatmulHeuristicResult_t results[],
                                               int *count) {
     if (requested < 1) return CUBLAS_STATUS_INVALID_VALUE;
+    census_add("cublasLtMatmulAlgoGetHeuristic", 1);
     *count = 0;
     if (!lt_runs(op, a, b, c, d)) return CUBLAS_STATUS_NOT_SUPPORTED;
     memset(&results[0], 0, sizeof results[0]);

@@ -278,7 +278,9 @@ __global__ void fa_delta_kernel(float *D, const E *dy, const E *y, fa_geom g, bo
 }
 
 /* f32. One block: key tile j of a head, over the query tiles from its diagonal on, 32 queries
- * at a time; warp w owns keys [16w, 16w + 16): dK and dV in registers. */
+ * at a time; warp w owns keys [16w, 16w + 16): dK and dV in registers. Once every warp is done
+ * with a half of the tile's queries, that half of the next tile's Q, dy, lse and D loads without
+ * waiting, while the warps work on the other half. */
 template <int NC>
 __global__ void __launch_bounds__(FA_THREADS)
     fa_dkv_kernel(float *dqkv, const float *dy, const float *qkv, const float *lse, const float *D,
@@ -298,23 +300,38 @@ __global__ void __launch_bounds__(FA_THREADS)
     const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs;
     const float *head = qkv + off, *dyh = dy + b * g.T * g.C + h * g.hs;
     const float *Kw = K + w * 16 * g.ld, *Vw = V + w * 16 * g.ld;
+    const float *lh = lse + bh * g.T, *Dh = D + bh * g.T;
+    /* half u (queries [32u, 32u + 32)) of query tile i: Q, dy, and its rows' lse and D (0 past
+     * T: masked below), as one group of loads */
+    auto load_half = [&](int64_t i, int u) {
+        const int64_t r0 = i * FA_BR + u * (FA_BR / 2);
+        fa_load_async(Q + u * (FA_BR / 2) * g.ld, head, rl, r0, FA_BR / 2, g);
+        fa_load_async(dO + u * (FA_BR / 2) * g.ld, dyh, g.C, r0, FA_BR / 2, g);
+        if (threadIdx.x < FA_BR / 2) {
+            const int64_t q = r0 + threadIdx.x;
+            const int c = u * (FA_BR / 2) + threadIdx.x;
+            fa_cp<4>(lse_s + c, q < g.T ? lh + q : lh, q < g.T ? 4 : 0);
+            fa_cp<4>(D_s + c, q < g.T ? Dh + q : Dh, q < g.T ? 4 : 0);
+        }
+        fa_commit_loads();
+    };
     fa_load(K, head + g.C, rl, k0, FA_BR, g);
     fa_load(V, head + 2 * g.C, rl, k0, FA_BR, g);
+    load_half(j, 0);
+    load_half(j, 1);
     int64_t key[4];
     float dK[4][NC] = {}, dV[4][NC] = {};
 #pragma unroll
     for (int r = 0; r < 4; r++) key[r] = k0 + w * 16 + tr + 4 * r;
     for (int64_t i = j; i < nt; i++) {
         const int64_t q0 = i * FA_BR;
-        __syncthreads(); /* every warp is done with the last tile's Q and dy */
-        fa_load(Q, head, rl, q0, FA_BR, g);
-        fa_load(dO, dyh, g.C, q0, FA_BR, g);
-        fa_load_rows(lse_s, D_s, lse + bh * g.T, D + bh * g.T, q0, g);
-        __syncthreads();
         /* the diagonal tile, and a last one with queries past T, take the masks */
         const bool edge = i == j || q0 + FA_BR > g.T;
 #pragma unroll 1
-        for (int c0 = 0; c0 < FA_BC; c0 += FA_BC / 2) {
+        for (int u = 0; u < 2; u++) {
+            const int c0 = u * (FA_BC / 2);
+            fa_wait_loads_but<1>(); /* this half's (the other's may be on its way) */
+            __syncthreads();
             float s[4][FA_BC / 16], dp[4][FA_BC / 16]; /* P^T and dS^T: key rows, query columns */
             fa32_dot<FA_BC / 16>(s, Kw, Q + c0 * g.ld, g.ld, hs);
             fa32_dot<FA_BC / 16>(dp, Vw, dO + c0 * g.ld, g.ld, hs);
@@ -333,7 +350,11 @@ __global__ void __launch_bounds__(FA_THREADS)
             __syncwarp(); /* the warp's P^T and dS^T are in */
             fa32_acc<NC>(dV, P, FA_PLD32_HALF, dO + c0 * g.ld, g.ld, FA_BC / 2);
             fa32_acc<NC>(dK, dS, FA_PLD32_HALF, Q + c0 * g.ld, g.ld, FA_BC / 2);
-            __syncwarp(); /* every lane is done with them before the next half's */
+            __syncthreads(); /* every warp is done with this half, and with its P^T and dS^T */
+            if (i + 1 < nt)
+                load_half(i + 1, u);
+            else
+                fa_commit_loads(); /* an empty group: the count stays */
         }
     }
     float *gh = dqkv + off;

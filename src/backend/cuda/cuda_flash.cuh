@@ -138,16 +138,6 @@ __device__ void fa_load_async(E *tile, const E *src, int64_t row_len, int64_t r0
     }
 }
 
-/* Query tile q0's rows' lse and D into shared memory (rows past T: lse +inf, so that P is 0). */
-__device__ inline void fa_load_rows(float *lse_s, float *D_s, const float *lse, const float *D,
-                                    int64_t q0, fa_geom g) {
-    if (threadIdx.x < FA_BR) {
-        const int64_t q = q0 + threadIdx.x;
-        lse_s[threadIdx.x] = q < g.T ? lse[q] : INFINITY;
-        D_s[threadIdx.x] = q < g.T ? D[q] : 0.0f;
-    }
-}
-
 /* ---- the online softmax, a row's scores across LANES adjacent lanes (xor 1, 2, ...; loops of
  * a constant count, unrolled by nvcc) ---------------------------------------------------------- */
 

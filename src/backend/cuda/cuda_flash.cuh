@@ -67,8 +67,7 @@ __device__ void fa_load(E *tile, const E *src, int64_t row_len, int64_t r0, int 
     }
 }
 
-/* ---- loads without waiting (cp.async, sm_80 on; before it, and in the emulation, a plain copy)
- */
+/* ---- loads without waiting: cp.async from sm_80 on (before it a plain copy) ---------------- */
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800 && !defined(TDM_CUDA_EMU)
 #define FA_NO_ASYNC 1
 #endif

@@ -9,15 +9,15 @@
  * sits at (row g + 8 (i >> 1), column 2t + (i & 1)); a pair's first element in the low half.
  * So each warp owns 16 rows of the block's 64 (at heads up to 64, two tiles of 16 of the
  * block's 128: each fragment it reads from shared memory feeds both, FlashAttention-2's forward
- * tiling at those heads) and does all
- * of their work: the softmax, the masks and the rescales run on registers, a row's maximum
- * takes two shuffles in its quad (the 4 lanes of one g), and an accumulator tile pair becomes
- * the next product's A operand in place (two 8-column tiles are one 16-column A tile). Tiles come
- * from shared memory through ldmatrix (.trans for the operands whose rows are the product's k), and
- * the next tile of K and V (or Q and dy) loads with cp.async while the warps work on this one: one
- * barrier a tile. Exponentials are base 2 (one multiply-add and exp2 a score, as FlashAttention-2):
- * scores scaled by scale log2(e), maxima in those units, lse (natural) converted in and out. Only
- * the diagonal tiles (and a last, partial one) need the causal and length masks.
+ * tiling at those heads) and does all of their work: the softmax, the masks and the rescales
+ * run on registers, a row's maximum takes two shuffles in its quad (the 4 lanes of one g), and
+ * an accumulator tile pair becomes the next product's A operand in place (two 8-column tiles
+ * are one 16-column A tile). Tiles come from shared memory through ldmatrix (.trans for the
+ * operands whose rows are the product's k), and the next tile of K and V (or Q and dy) loads
+ * with cp.async while the warps work on this one: one barrier a tile. Exponentials are base 2
+ * (one multiply-add and exp2 a score, as FlashAttention-2): scores scaled by scale log2(e),
+ * maxima in those units, lse (natural) converted in and out. Only the diagonal tiles (and a
+ * last, partial one) need the causal and length masks.
  *
  *   forward   warp rows of query tile i, key tiles j <= i: S, m, P, l, O as cuda_flash.cu
  *   dK, dV    warp rows of key tile j, query tiles i >= j: S^T = K Q^T, dP^T = V dy^T,

@@ -92,8 +92,7 @@ static void bench_matmul(int64_t n) {
  * fused or not, and their rate over the causal products' FLOPs (2 B H T^2 hs forward, the
  * half of QK^T and PV at or below the diagonal; 2.5 times that backward, FlashAttention's
  * count: the dQ kernel's recomputed products are not counted). In bf16 fused, wide: blocks of
- * 128 rows, two 16-row tiles a warp (the default), else of 64
- * (tdm_cuda_flash_wide). */
+ * 128 rows, two 16-row tiles a warp (the default), else of 64 (tdm_cuda_flash_wide). */
 static void bench_attention(tdm_dtype dt, bool fused, bool wide) {
     const int64_t B = 8, T = 1024, C = 768, H = 12;
     tdm_tensor *q32 = tdm_randn(TDM_SHAPE(B, T, 3 * C), 0, 1, G, NULL);

@@ -1240,8 +1240,8 @@ static void test_tf32(void) {
 }
 
 /* cuBLASLt's choice of algorithm remembered (cuda_matmul.cu): a linear of a shape no test has
- * run asks the heuristic once, and not again with other values in other buffers of that shape;
- * another shape asks again; the product is the same bits either way. */
+ * run asks the heuristic once, and not again for that shape in other buffers; another shape
+ * asks again; the remembered algorithm gives the first product's bits. */
 static void test_lt_memo(void) {
     const char *e = getenv("TANDEM_CUBLASLT_EPILOGUES");
     if (e && !strcmp(e, "0")) return; /* no cuBLASLt: nothing asked */

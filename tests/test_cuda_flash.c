@@ -2,10 +2,10 @@
  * the same GPU, in f32, bf16 and f16: y, lse and dqkv at sizes with partial tiles (T not a
  * multiple of the 64-row tile), one tile, several, one head and several, head sizes 16 to
  * 128; a fused run twice, bit for bit (every sum in a fixed order); in bf16 and f16 at heads
- * up to 64, the kernels' blocks of 128 rows (two tiles of 16 a warp, the
- * default) against their blocks of 64 (tdm_cuda_flash_wide(false)), bit for bit (the same
- * products in the same order; a warp's key tile past all its rows adds zeros); which heads it takes
- * (a head size that is not a multiple of 16, or whose backward blocks need more shared memory
+ * up to 64, the kernels' blocks of 128 rows (two tiles of 16 a warp, the default) against
+ * their blocks of 64 (tdm_cuda_flash_wide(false)), bit for bit (the same products in the same
+ * order; a warp's tile past all its rows adds zeros); which heads it takes
+ * (a head size that is not a multiple of 16, or whose blocks need more shared memory
  * than the GPU has, goes to the unfused path; and with --before-sm80, on a GPU the caller knows
  * to be older than sm_80, bf16 and f16 of every head). The kernels against the CPU's are
  * test_cuda's attention rows, which run the fused kernel where it fits.

@@ -91,9 +91,10 @@ static void bench_matmul(int64_t n) {
 /* Milliseconds of attention and of attention_backward at GPT-2 small's shape in dtype dt,
  * fused or not, and their rate over the causal products' FLOPs (2 B H T^2 hs forward, the
  * half of QK^T and PV at or below the diagonal; 2.5 times that backward, FlashAttention's
- * count: the dQ kernel's recomputed products are not counted). In bf16 fused, wide: blocks of
- * 128 rows, two 16-row tiles a warp (the default), else of 64 (tdm_cuda_flash_wide). */
-static void bench_attention(tdm_dtype dt, bool fused, bool wide) {
+ * count: the dQ kernel's recomputed products are not counted). In bf16 fused, wide: the kernels
+ * whose blocks take 128 rows, two 16-row tiles a warp (tdm_cuda_flash_wide; all by default), the
+ * others 64. */
+static void bench_attention(tdm_dtype dt, bool fused, unsigned wide) {
     const int64_t B = 8, T = 1024, C = 768, H = 12;
     tdm_tensor *q32 = tdm_randn(TDM_SHAPE(B, T, 3 * C), 0, 1, G, NULL);
     tdm_tensor *d32 = tdm_randn(TDM_SHAPE(B, T, C), 0, 1, G, NULL);
@@ -109,20 +110,23 @@ static void bench_attention(tdm_dtype dt, bool fused, bool wide) {
     TIME_MEDIAN(tf, reps, rc, GPU->attention(y, lse, qkv, (int)H));
     TIME_MEDIAN(tb, reps, rc, GPU->attention_backward(g, dy, qkv, y, lse, (int)H));
     tdm_cuda_flash_enable(true);
-    tdm_cuda_flash_wide(true);
+    tdm_cuda_flash_wide(TDM_CUDA_FLASH_WIDE_ALL);
     const double f = 2.0 * (double)(B * H) * (double)(T * T) * (double)(C / H);
+    char how[80] = "unfused";
+    if (fused && dt == TDM_F32)
+        snprintf(how, sizeof how, "fused");
+    else if (fused)
+        snprintf(how, sizeof how, "fused, 128-row blocks in: %s%s%s%s",
+                 wide & TDM_CUDA_FLASH_WIDE_FWD ? "forward " : "",
+                 wide & TDM_CUDA_FLASH_WIDE_DQ ? "dQ " : "",
+                 wide & TDM_CUDA_FLASH_WIDE_DKV ? "dK/dV " : "", wide ? "" : "none");
     if (rc)
         printf("attention %s %s: %s\n", tdm_dtype_name(dt), fused ? "fused" : "unfused",
                tdm_last_error());
     else
         printf("attention B8 T1024 H12 hs64 %s %s: forward %.2f ms (%.1f TFLOP/s), backward "
                "%.2f ms (%.1f TFLOP/s)\n",
-               tdm_dtype_name(dt),
-               !fused          ? "unfused"
-               : dt == TDM_F32 ? "fused"
-               : wide          ? "fused, 128-row blocks"
-                               : "fused, 64-row blocks",
-               tf * 1e3, f / tf * 1e-12, tb * 1e3, 2.5 * f / tb * 1e-12);
+               tdm_dtype_name(dt), how, tf * 1e3, f / tf * 1e-12, tb * 1e3, 2.5 * f / tb * 1e-12);
     tdm_tensor_free(q32), tdm_tensor_free(d32), tdm_tensor_free(qkv), tdm_tensor_free(dy);
     tdm_tensor_free(y), tdm_tensor_free(g), tdm_tensor_free(lse);
 }
@@ -199,11 +203,14 @@ int main(void) {
         printf("device: %s, %.0f GiB\n", prop.name, (double)prop.totalGlobalMem / (1 << 30));
     bench_matmul(1024);
     bench_matmul(4096);
-    bench_attention(TDM_BF16, true, true);
-    bench_attention(TDM_BF16, true, false);
-    bench_attention(TDM_F32, true, true);
-    bench_attention(TDM_BF16, false, true);
-    bench_attention(TDM_F32, false, true);
+    /* bf16: every kernel's 128-row blocks, none, and all but dQ's, all but dK/dV's (the
+     * backward's two kernels apart; the forward is alone in its column) */
+    const unsigned all = TDM_CUDA_FLASH_WIDE_ALL;
+    const unsigned wide[] = {all, 0, all & ~TDM_CUDA_FLASH_WIDE_DQ, all & ~TDM_CUDA_FLASH_WIDE_DKV};
+    for (int i = 0; i < 4; i++) bench_attention(TDM_BF16, true, wide[i]);
+    bench_attention(TDM_F32, true, all);
+    bench_attention(TDM_BF16, false, all);
+    bench_attention(TDM_F32, false, all);
     bench_layer_norm();
     return 0;
 }

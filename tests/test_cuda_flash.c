@@ -3,7 +3,7 @@
  * multiple of the 64-row tile), one tile, several, one head and several, head sizes 16 to
  * 128; a fused run twice, bit for bit (every sum in a fixed order); in bf16 and f16 at heads
  * up to 64, the kernels' blocks of 128 rows (two tiles of 16 a warp, the default) against
- * their blocks of 64 (tdm_cuda_flash_wide(false)), bit for bit (the same products in the same
+ * their blocks of 64 (tdm_cuda_flash_wide(0)), bit for bit (the same products in the same
  * order; a warp's tile past all its rows adds zeros); which heads it takes
  * (a head size that is not a multiple of 16, or whose blocks need more shared memory
  * than the GPU has, goes to the unfused path; and with --before-sm80, on a GPU the caller knows
@@ -125,9 +125,9 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt, boo
     if (!rc && twice) rc = attend(qkv, dy, nh, true, &f2);
     if (!rc) rc = attend(qkv, dy, nh, false, &u);
     if (!rc && narrow) {
-        tdm_cuda_flash_wide(false);
+        tdm_cuda_flash_wide(0);
         rc = attend(qkv, dy, nh, true, &n);
-        tdm_cuda_flash_wide(true);
+        tdm_cuda_flash_wide(TDM_CUDA_FLASH_WIDE_ALL);
     }
     CHECK(rc == TDM_OK, "%s: %s", dn, tdm_last_error());
     if (!rc) {

@@ -77,12 +77,17 @@ int tdm_cuda_flash_attention_backward(tdm_tensor *dqkv, const tdm_tensor *dy, co
  * default; TANDEM_FLASH_ATTENTION=0 in the environment starts it off): tests and
  * scripts/gpu-check compare the two. Not to be called with attention kernels in flight. */
 void tdm_cuda_flash_enable(bool on);
-/* Blocks of 128 rows (queries, or keys in dK and dV), two 16-row tiles a warp, in the bf16/f16
- * fused attention's kernels for heads up to 64 (on, the default: each fragment a warp reads
- * from shared memory feeds two products), or of 64 rows, one tile a warp (off), as wider heads
- * always run: the same bits either way; test_cuda_flash checks the two, bench_cuda times them.
- * Not to be called with attention kernels in flight. */
-void tdm_cuda_flash_wide(bool on);
+/* The bf16/f16 fused attention's kernels whose blocks take 128 rows (queries, or keys in dK and
+ * dV), two 16-row tiles a warp, for heads up to 64: an OR of the TDM_CUDA_FLASH_WIDE_ bits
+ * (all, the default: each fragment a warp reads from shared memory feeds two products); the
+ * others take 64 rows, one tile a warp, as wider heads always do. The same bits either way:
+ * test_cuda_flash checks all against none, bench_cuda times them kernel by kernel. Not to be
+ * called with attention kernels in flight. */
+#define TDM_CUDA_FLASH_WIDE_FWD 1u
+#define TDM_CUDA_FLASH_WIDE_DQ  2u
+#define TDM_CUDA_FLASH_WIDE_DKV 4u
+#define TDM_CUDA_FLASH_WIDE_ALL 7u
+void tdm_cuda_flash_wide(unsigned kernels);
 /* Layer norms of up to 4096 columns a row a warp (on, the default) or a row a block (off), as
  * wider rows always run: bench_cuda times the two. Not to be called with norms in flight. */
 void tdm_cuda_layer_norm_warps(bool on);

@@ -160,10 +160,10 @@ template <int LANES> __device__ __forceinline__ float fa_rescale(float mx, float
 
 /* ---- the bf16 and f16 kernels on mma.sync (cuda_flash_mma.cu; sm_80 on) -------------------- */
 
-/* Tiles of 16 rows (queries, or keys in dK and dV) each warp of the mma.sync kernels takes for
- * heads of hs: 2 up to heads of 64 while tdm_cuda_flash_wide is on (blocks of 128 rows), else 1
- * (64). */
-int fa_mma_tiles(int64_t hs);
+/* Tiles of 16 rows (queries, or keys in dK and dV) each warp of mma.sync kernel `kernel` (a
+ * TDM_CUDA_FLASH_WIDE_ bit) takes for heads of hs: 2 up to heads of 64 while
+ * tdm_cuda_flash_wide has its bit (blocks of 128 rows), else 1 (64). */
+int fa_mma_tiles(int64_t hs, unsigned kernel);
 /* Shared memory the mma.sync kernels take (cudaFuncSetAttribute's limit must allow it). */
 size_t fa_mma_smem_fwd(fa_geom g, size_t es);
 size_t fa_mma_smem_dkv(fa_geom g, size_t es);

@@ -486,26 +486,27 @@ __global__ void __launch_bounds__(FA_THREADS)
  * dV's blocks serves twice the keys. Wider heads would spill the second tile's accumulators
  * (sm_90 at heads of 64: 254, 238 and 222 registers for the forward, dK dV and dQ, no spills). */
 #define FA_WIDE_HT 4
-static bool fa_wide = true; /* tdm_cuda_flash_wide */
+static unsigned fa_wide = TDM_CUDA_FLASH_WIDE_ALL; /* tdm_cuda_flash_wide */
 
-extern "C" void tdm_cuda_flash_wide(bool on) {
-    __atomic_store_n(&fa_wide, on, __ATOMIC_RELAXED);
+extern "C" void tdm_cuda_flash_wide(unsigned kernels) {
+    __atomic_store_n(&fa_wide, kernels, __ATOMIC_RELAXED);
 }
-int fa_mma_tiles(int64_t hs) {
-    return hs / 16 <= FA_WIDE_HT && __atomic_load_n(&fa_wide, __ATOMIC_RELAXED) ? 2 : 1;
+int fa_mma_tiles(int64_t hs, unsigned kernel) {
+    return hs / 16 <= FA_WIDE_HT && (__atomic_load_n(&fa_wide, __ATOMIC_RELAXED) & kernel) ? 2 : 1;
 }
 
 size_t fa_mma_smem_fwd(fa_geom g, size_t es) { /* Q, and K and V twice */
     const size_t tile = fa_round(FA_BC * g.ld * es);
-    return fa_mma_tiles(g.hs) * tile + 4 * tile;
+    return fa_mma_tiles(g.hs, TDM_CUDA_FLASH_WIDE_FWD) * tile + 4 * tile;
 }
 size_t fa_mma_smem_dkv(fa_geom g, size_t es) { /* K, V and two sets of Q, dy, lse, D */
     const size_t tile = fa_round(FA_BC * g.ld * es);
-    return 2 * fa_mma_tiles(g.hs) * tile + 4 * tile + 4 * fa_round(FA_BR * 4);
+    return 2 * fa_mma_tiles(g.hs, TDM_CUDA_FLASH_WIDE_DKV) * tile + 4 * tile +
+           4 * fa_round(FA_BR * 4);
 }
 size_t fa_mma_smem_dq(fa_geom g, size_t es) { /* K and V twice, and Q and dy past MT 1 */
     const size_t tile = fa_round(FA_BC * g.ld * es);
-    const int mt = fa_mma_tiles(g.hs);
+    const int mt = fa_mma_tiles(g.hs, TDM_CUDA_FLASH_WIDE_DQ);
     return 4 * tile + (mt > 1 ? 2 * mt * tile : 0);
 }
 
@@ -515,17 +516,18 @@ template <typename K> static int fa_allow(K *k, size_t smem, const char *what, i
                     what, idx);
 }
 
-/* f(std::integral_constant<int, MT>) for the kernels' tiles a warp. */
-template <int HT, typename F> static int fa_by_tiles(int64_t hs, F f) {
+/* f(std::integral_constant<int, MT>) for the tiles a warp of kernel (a TDM_CUDA_FLASH_WIDE_
+ * bit) takes. */
+template <int HT, typename F> static int fa_by_tiles(int64_t hs, unsigned kernel, F f) {
     if constexpr (HT <= FA_WIDE_HT)
-        if (fa_mma_tiles(hs) == 2) return f(std::integral_constant<int, 2>());
+        if (fa_mma_tiles(hs, kernel) == 2) return f(std::integral_constant<int, 2>());
     return f(std::integral_constant<int, 1>());
 }
 
 template <typename E, int HT>
 static int fa_forward_ht(cu_device *d, int idx, E *y, float *lse, const E *qkv, fa_geom g) {
     const size_t smem = fa_mma_smem_fwd(g, sizeof(E));
-    return fa_by_tiles<HT>(g.hs, [&](auto mt) -> int {
+    return fa_by_tiles<HT>(g.hs, TDM_CUDA_FLASH_WIDE_FWD, [&](auto mt) -> int {
         constexpr int MT = decltype(mt)::value, BR = FA_BC * MT;
         const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + BR - 1) / BR));
         if (fa_allow(fa_fwd_mma_kernel<E, HT, MT>, smem, "flash attention", idx))
@@ -562,13 +564,18 @@ static int fa_backward_ht(cu_device *d, int idx, E *gq, const E *gy, const E *x,
                           const float *D, fa_geom g) {
     const size_t s_kv = fa_mma_smem_dkv(g, sizeof(E)), s_q = fa_mma_smem_dq(g, sizeof(E));
     const char *what = "flash attention_backward";
-    return fa_by_tiles<HT>(g.hs, [&](auto mt) -> int {
-        constexpr int MT = decltype(mt)::value, BR = FA_BC * MT;
-        const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + BR - 1) / BR));
+    int rc = fa_by_tiles<HT>(g.hs, TDM_CUDA_FLASH_WIDE_DKV, [&](auto mt) -> int {
+        constexpr int MT = decltype(mt)::value, BK = FA_BC * MT;
+        const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + BK - 1) / BK));
         if (fa_allow(fa_dkv_mma_kernel<E, HT, MT>, s_kv, what, idx)) return tdm_last_status();
         fa_dkv_mma_kernel<E, HT, MT>
             <<<blocks, FA_THREADS, s_kv, d->compute>>>(gq, gy, x, lse, D, g);
-        if (cu_check_launch("flash attention_backward (dk, dv)", idx)) return tdm_last_status();
+        return cu_check_launch("flash attention_backward (dk, dv)", idx);
+    });
+    if (rc) return rc;
+    return fa_by_tiles<HT>(g.hs, TDM_CUDA_FLASH_WIDE_DQ, [&](auto mt) -> int {
+        constexpr int MT = decltype(mt)::value, BR = FA_BC * MT;
+        const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + BR - 1) / BR));
         if (fa_allow(fa_dq_mma_kernel<E, HT, MT>, s_q, what, idx)) return tdm_last_status();
         fa_dq_mma_kernel<E, HT, MT><<<blocks, FA_THREADS, s_q, d->compute>>>(gq, gy, x, lse, D, g);
         return cu_check_launch("flash attention_backward (dq)", idx);

@@ -176,11 +176,11 @@ __global__ void __launch_bounds__(FA_THREADS)
     float *P = fa_take<float>(&cv, FA_BR * FA_PLD32) + w * 16 * FA_PLD32; /* the warp's rows */
     const int64_t rl = 3 * g.C;
     const float *head = qkv + b * g.T * rl + h * g.hs, *Qw = Q + w * 16 * g.ld;
-    fa_load(Q, head, rl, q0, FA_BR, g);
-    fa_load_async(K, head + g.C, rl, 0, FA_BC, g);
+    fa_load_async(K, head + g.C, rl, 0, FA_BC, g); /* on their way while Q loads */
     fa_commit_loads();
     fa_load_async(V, head + 2 * g.C, rl, 0, FA_BC, g);
     fa_commit_loads();
+    fa_load(Q, head, rl, q0, FA_BR, g);
     int64_t row[4];
     float o[4][NC] = {}, m[4], l[4];
 #pragma unroll
@@ -315,10 +315,10 @@ __global__ void __launch_bounds__(FA_THREADS)
         }
         fa_commit_loads();
     };
+    load_half(j, 0); /* on their way while K and V load */
+    load_half(j, 1);
     fa_load(K, head + g.C, rl, k0, FA_BR, g);
     fa_load(V, head + 2 * g.C, rl, k0, FA_BR, g);
-    load_half(j, 0);
-    load_half(j, 1);
     int64_t key[4];
     float dK[4][NC] = {}, dV[4][NC] = {};
 #pragma unroll
@@ -381,12 +381,12 @@ __global__ void __launch_bounds__(FA_THREADS)
     float *dS = fa_take<float>(&cv, FA_BR * FA_PLD32) + w * 16 * FA_PLD32;
     const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs;
     const float *head = qkv + off, *Qw = Q + w * 16 * g.ld, *dOw = dO + w * 16 * g.ld;
-    fa_load(Q, head, rl, q0, FA_BR, g);
-    fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, FA_BR, g);
-    fa_load_async(V, head + 2 * g.C, rl, 0, FA_BC, g);
+    fa_load_async(V, head + 2 * g.C, rl, 0, FA_BC, g); /* on their way while Q and dy load */
     fa_commit_loads();
     fa_load_async(K, head + g.C, rl, 0, FA_BC, g);
     fa_commit_loads();
+    fa_load(Q, head, rl, q0, FA_BR, g);
+    fa_load(dO, dy + b * g.T * g.C + h * g.hs, g.C, q0, FA_BR, g);
     int64_t q[4];
     float lse_r[4], D_r[4], dQ[4][NC] = {};
 #pragma unroll

@@ -227,10 +227,11 @@ __global__ void __launch_bounds__(FA_THREADS)
     const E *head = qkv + b * g.T * rl + h * g.hs;
     /* the key tiles up to the block's last row or T */
     const int64_t nk = fa_key_tiles(q0 + BR, g);
-    fa_load(Q, head, rl, q0, BR, g);
+    /* the first K and V tiles on their way while Q loads */
     fa_load_async(K0, head + g.C, rl, 0, FA_BC, g);
     fa_load_async(V0, head + 2 * g.C, rl, 0, FA_BC, g);
     fa_commit_loads();
+    fa_load(Q, head, rl, q0, BR, g);
     __syncthreads();
     uint32_t qa[MT][HT][4];
     int64_t row[MT][2];
@@ -344,9 +345,9 @@ __global__ void __launch_bounds__(FA_THREADS)
         }
         fa_commit_loads();
     };
+    load(i0, 0); /* on its way while K and V load */
     fa_load(K, head + g.C, rl, k0, BK, g);
     fa_load(V, head + 2 * g.C, rl, k0, BK, g);
-    load(i0, 0);
     float dK[MT][2 * HT][4] = {}, dV[MT][2 * HT][4] = {};
     int64_t key[MT][2];
 #pragma unroll
@@ -422,11 +423,11 @@ __global__ void __launch_bounds__(FA_THREADS)
       *dOs = MT == 1 ? V1 : fa_take<E>(&cv, BR * g.ld);
     const int64_t rl = 3 * g.C, off = b * g.T * rl + h * g.hs, nk = fa_key_tiles(q0 + BR, g);
     const E *head = qkv + off;
-    fa_load(Qs, head, rl, q0, BR, g);
-    fa_load(dOs, dy + b * g.T * g.C + h * g.hs, g.C, q0, BR, g);
-    fa_load_async(K0, head + g.C, rl, 0, FA_BC, g);
+    fa_load_async(K0, head + g.C, rl, 0, FA_BC, g); /* on their way while Q and dy load */
     fa_load_async(V0, head + 2 * g.C, rl, 0, FA_BC, g);
     fa_commit_loads();
+    fa_load(Qs, head, rl, q0, BR, g);
+    fa_load(dOs, dy + b * g.T * g.C + h * g.hs, g.C, q0, BR, g);
     __syncthreads();
     uint32_t qa[MT][HT][4], da[MT][HT][4];
     int64_t q[MT][2];

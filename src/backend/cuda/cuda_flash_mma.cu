@@ -485,7 +485,7 @@ __global__ void __launch_bounds__(FA_THREADS)
  * fragment read from shared memory feeds twice the products (ldmatrix's reads a product: the
  * forward's and dQ's halved, dK and dV's 5/8 -> 1/2), each Q and dy tile loaded into dK and
  * dV's blocks serves twice the keys. Wider heads would spill the second tile's accumulators
- * (sm_90 at heads of 64: 254, 238 and 222 registers for the forward, dK dV and dQ, no spills). */
+ * (sm_90 at heads of 64: 255, 237 and 222 registers for the forward, dK dV and dQ, no spills). */
 #define FA_WIDE_HT 4
 static unsigned fa_wide = TDM_CUDA_FLASH_WIDE_ALL; /* tdm_cuda_flash_wide */
 

@@ -93,8 +93,9 @@ static void bench_matmul(int64_t n) {
  * half of QK^T and PV at or below the diagonal; 2.5 times that backward, FlashAttention's
  * count: the dQ kernel's recomputed products are not counted). In bf16 fused, wide: the kernels
  * whose blocks take 128 rows, two 16-row tiles a warp (tdm_cuda_flash_wide; all by default), the
- * others 64. */
-static void bench_attention(tdm_dtype dt, bool fused, unsigned wide) {
+ * others 64. In f32 fused, tf32x3: the products as three TF32 products on the tensor cores
+ * (tdm_cuda_flash_tf32x3; the default), else on the CUDA cores. */
+static void bench_attention(tdm_dtype dt, bool fused, unsigned wide, bool tf32x3) {
     const int64_t B = 8, T = 1024, C = 768, H = 12;
     tdm_tensor *q32 = tdm_randn(TDM_SHAPE(B, T, 3 * C), 0, 1, G, NULL);
     tdm_tensor *d32 = tdm_randn(TDM_SHAPE(B, T, C), 0, 1, G, NULL);
@@ -106,15 +107,18 @@ static void bench_attention(tdm_dtype dt, bool fused, unsigned wide) {
     double tf = 0, tb = 0;
     tdm_cuda_flash_enable(fused);
     tdm_cuda_flash_wide(wide);
+    tdm_cuda_flash_tf32x3(tf32x3);
     int rc = qkv && dy && y && g && lse ? 0 : -1;
     TIME_MEDIAN(tf, reps, rc, GPU->attention(y, lse, qkv, (int)H));
     TIME_MEDIAN(tb, reps, rc, GPU->attention_backward(g, dy, qkv, y, lse, (int)H));
     tdm_cuda_flash_enable(true);
     tdm_cuda_flash_wide(TDM_CUDA_FLASH_WIDE_ALL);
+    tdm_cuda_flash_tf32x3(true);
     const double f = 2.0 * (double)(B * H) * (double)(T * T) * (double)(C / H);
     char how[80] = "unfused";
     if (fused && dt == TDM_F32)
-        snprintf(how, sizeof how, "fused");
+        snprintf(how, sizeof how, "fused, %s",
+                 tf32x3 ? "3xTF32 on the tensor cores" : "on the CUDA cores");
     else if (fused)
         snprintf(how, sizeof how, "fused, 128-row blocks in: %s%s%s%s",
                  wide & TDM_CUDA_FLASH_WIDE_FWD ? "forward " : "",
@@ -207,10 +211,11 @@ int main(void) {
      * backward's two kernels apart; the forward is alone in its column) */
     const unsigned all = TDM_CUDA_FLASH_WIDE_ALL;
     const unsigned wide[] = {all, 0, all & ~TDM_CUDA_FLASH_WIDE_DQ, all & ~TDM_CUDA_FLASH_WIDE_DKV};
-    for (int i = 0; i < 4; i++) bench_attention(TDM_BF16, true, wide[i]);
-    bench_attention(TDM_F32, true, all);
-    bench_attention(TDM_BF16, false, all);
-    bench_attention(TDM_F32, false, all);
+    for (int i = 0; i < 4; i++) bench_attention(TDM_BF16, true, wide[i], true);
+    bench_attention(TDM_F32, true, all, true);
+    bench_attention(TDM_F32, true, all, false);
+    bench_attention(TDM_BF16, false, all, true);
+    bench_attention(TDM_F32, false, all, true);
     bench_layer_norm();
     return 0;
 }

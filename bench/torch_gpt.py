@@ -4,7 +4,7 @@
 usage: $VENV/bin/python bench/torch_gpt.py [--dir /tmp/tandem_bench_gpt] [--steps 40] [--threads 1]
                                           [--device cpu|cuda] [--layers 2] [--channels 128]
                                           [--heads 4] [--context 64] [--batch 4]
-                                          [--autocast none|bf16|fp16]
+                                          [--autocast none|bf16|fp16] [--attention sdpa|manual]
 
 Config (../shared/baseline/README.md, section 6): 2 layers, 128 channels, 4 heads, context
 64, batch 4, vocabulary 256 (bytes), no dropout; AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8,
@@ -20,6 +20,11 @@ the same batches:
 (float16)), PyTorch's mixed precision for issue 37; the parameters, the optimizer and the
 initial weights written to model.bin stay fp32, so bench_gpt starts from the same weights. fp16
 on a GPU also scales the loss with torch.amp.GradScaler, as a user of fp16 must.
+--attention sdpa (the default) is F.scaled_dot_product_attention(is_causal=True), what a PyTorch
+user writes (nanoGPT's fast path): its flash kernel in bf16/fp16 on a GPU, its memory-efficient
+one in fp32 (3xTF32 on the tensor cores from sm_80), its fused CPU kernel on a CPU. --attention
+manual is nanoGPT's slow path (q k^T, masked_fill, softmax, @ v: the T x T scores stored), the
+baseline of the figures measured before 2026-12-07 (bench/RESULTS.md says which).
 Step time = forward + backward + optimizer step (batches are prepared before timing, on the
 device; loss.item() ends each step, as the Tandem trainer reads each step's loss).
 """
@@ -41,6 +46,8 @@ ap.add_argument("--context", type=int, default=64)
 ap.add_argument("--batch", type=int, default=4, help="bench_gpt --batch must be the same")
 ap.add_argument("--autocast", choices=["none", "bf16", "fp16"], default="none",
                 help="forward and loss under torch.autocast in this dtype")
+ap.add_argument("--attention", choices=["sdpa", "manual"], default="sdpa",
+                help="F.scaled_dot_product_attention (default) or the unfused products")
 args = ap.parse_args()
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
 os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
@@ -78,9 +85,13 @@ class Block(nn.Module):
         q = q.view(Bn, Tn, NH, C // NH).transpose(1, 2)
         k = k.view(Bn, Tn, NH, C // NH).transpose(1, 2)
         v = v.view(Bn, Tn, NH, C // NH).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // NH))
-        att = att.masked_fill(~self.mask[:Tn, :Tn], float("-inf")).softmax(-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(Bn, Tn, C)
+        if args.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // NH))
+            att = att.masked_fill(~self.mask[:Tn, :Tn], float("-inf")).softmax(-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(Bn, Tn, C)
         x = x + self.c_proj(y)
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
@@ -157,8 +168,9 @@ with open(os.path.join(args.dir, "torch.txt"), "w") as f:
     f.writelines(lines)
 first = 5 if len(lines) > 5 else 0  # the warm-up steps left out, but for a short run
 ms = sorted(float(s.split()[2]) for s in lines[first:])
-print("torch %s on %s, %d thread(s), autocast %s, OPENBLAS_CORETYPE=%s: %d steps, median %.2f ms/step (steps %d-%d), "
-      "loss %s -> %s" % (torch.__version__, args.device, args.threads, args.autocast,
+print("torch %s on %s, %d thread(s), autocast %s, attention %s, OPENBLAS_CORETYPE=%s: %d steps, "
+      "median %.2f ms/step (steps %d-%d), loss %s -> %s"
+      % (torch.__version__, args.device, args.threads, args.autocast, args.attention,
                          os.environ.get("OPENBLAS_CORETYPE"),
                          args.steps, ms[len(ms) // 2], first, args.steps - 1, lines[0].split()[1],
                          lines[-1].split()[1]))

@@ -4,16 +4,19 @@
  * 128; a fused run twice, bit for bit (every sum in a fixed order); in bf16 and f16 at heads
  * up to 64, the kernels' blocks of 128 rows (two tiles of 16 a warp, the default) against
  * their blocks of 64 (tdm_cuda_flash_wide(0)), bit for bit (the same products in the same
- * order; a warp's tile past all its rows adds zeros); which heads it takes
+ * order; a warp's tile past all its rows adds zeros); in f32 at heads up to 64, the products
+ * as 3xTF32 on the tensor cores (the default) and on the CUDA cores (tdm_cuda_flash_tf32x3),
+ * each against the unfused; which heads it takes
  * (a head size that is not a multiple of 16, or whose blocks need more shared memory
  * than the GPU has, goes to the unfused path; and with --before-sm80, on a GPU the caller knows
  * to be older than sm_80, bf16 and f16 of every head). The kernels against the CPU's are
  * test_cuda's attention rows, which run the fused kernel where it fits.
  *
  * The bound: in f32 both paths sum the same products in other orders (1e-5 of the
- * magnitudes); in bf16 and f16 both round P and dS to the dtype (at other points: the fused
- * one's P is not yet divided by the row's sum) and y, so the two differ by up to twice
- * attention_slack's bound on each against exact arithmetic, plus a rounding of the output.
+ * magnitudes; 3xTF32's products keep about 22 of f32's 24 bits, well inside it); in bf16 and f16
+ * both round P and dS to the dtype (at other points: the fused one's P is not yet divided by the
+ * row's sum) and y, so the two differ by up to twice attention_slack's bound on each against exact
+ * arithmetic, plus a rounding of the output.
  *
  * Without the CUDA backend or a GPU: skipped (77). */
 #include "attention_slack.h"
@@ -121,6 +124,7 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt, boo
           (long long)B, (long long)T, (long long)C, nh, dn);
     result f = {0}, f2 = {0}, u = {0}, n = {0};
     const bool narrow = dt != TDM_F32 && C / nh <= 64; /* the wide blocks' heads */
+    const bool simt = dt == TDM_F32 && C / nh <= 64;   /* 3xTF32's heads: n on the CUDA cores */
     int rc = attend(qkv, dy, nh, true, &f);
     if (!rc && twice) rc = attend(qkv, dy, nh, true, &f2);
     if (!rc) rc = attend(qkv, dy, nh, false, &u);
@@ -128,6 +132,11 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt, boo
         tdm_cuda_flash_wide(0);
         rc = attend(qkv, dy, nh, true, &n);
         tdm_cuda_flash_wide(TDM_CUDA_FLASH_WIDE_ALL);
+    }
+    if (!rc && simt) {
+        tdm_cuda_flash_tf32x3(false);
+        rc = attend(qkv, dy, nh, true, &n);
+        tdm_cuda_flash_tf32x3(true);
     }
     CHECK(rc == TDM_OK, "%s: %s", dn, tdm_last_error());
     if (!rc) {
@@ -155,6 +164,19 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt, boo
                   (same(f.y, n.y, ny) && same(f.lse, n.lse, B * nh * T) && same(f.g, n.g, nq)),
               "B=%lld T=%lld C=%lld heads %d %s: blocks of 128 rows and of 64 differ", (long long)B,
               (long long)T, (long long)C, nh, dn);
+        if (simt) {
+            double sy2, sl2, sg2;
+            bool o2 = within(n.y, u.y, NULL, ny, atol, rtol, &sy2) &&
+                      within(n.lse, u.lse, NULL, B * nh * T, 1e-5, 1e-5, &sl2) &&
+                      within(n.g, u.g, NULL, nq, atol, rtol, &sg2);
+            CHECK(o2,
+                  "B=%lld T=%lld C=%lld heads %d f32 on the CUDA cores: y %.3g lse %.3g dqkv "
+                  "%.3g from the unfused, over the bound",
+                  (long long)B, (long long)T, (long long)C, nh, sy2, sl2, sg2);
+            printf("fused attention B=%lld T=%lld C=%lld heads %d f32 on the CUDA cores: y within "
+                   "%.3g, lse %.3g, dqkv %.3g of the unfused\n",
+                   (long long)B, (long long)T, (long long)C, nh, sy2, sl2, sg2);
+        }
         printf("fused attention B=%lld T=%lld C=%lld heads %d %s: y within %.3g, lse %.3g, dqkv "
                "%.3g of the unfused\n",
                (long long)B, (long long)T, (long long)C, nh, dn, wy, wl, wg);

@@ -5,9 +5,11 @@
  * takes FA_BR query rows of one head and walks the key tiles up to its diagonal, each of its
  * four warps owning 16 of the rows and all of their work. bf16 and f16 run on the tensor cores
  * through mma.sync (cuda_flash_mma.cu; there the blocks take 128 rows, 32 a warp, where heads
- * are up to 64). This file holds the dispatch, D = rowsum(dy * y) for
- * every dtype and the f32 kernels, whose products run on the CUDA cores (no TF32, as PyTorch's
- * default): the scores, the row statistics and the sums sit in registers, a tile of P (or dS)
+ * are up to 64), and so does f32 from sm_80 at heads up to 64, each product as three TF32
+ * products (PyTorch's memory-efficient attention's fp32 arithmetic; tdm_cuda_flash_tf32x3).
+ * This file holds the dispatch, D = rowsum(dy * y) for every dtype and the f32 kernels for
+ * the rest, whose products run on the CUDA cores in f32: the scores, the row statistics and
+ * the sums sit in registers, a tile of P (or dS)
  * goes through the warp's own rows of shared memory to become the next product's operand, and
  * every shared-memory read of the products is conflict-free (fa32_dot, fa32_acc). Every softmax
  * sum is f32, and in bf16 and f16 P and dS are rounded to the dtype for the products that take
@@ -141,18 +143,18 @@ __device__ __forceinline__ void fa32_store(float *out, int64_t rs, const float c
 /* ---- shared memory ------------------------------------------------------------------------ */
 
 /* Bytes each kernel carves below (the same order and sizes): the f32 kernels' here, the
- * mma.sync kernels' in bf16 and f16 (cuda_flash_mma.cu). */
-static size_t fa_smem_fwd(fa_geom g, size_t es) {
-    if (es == 2) return fa_mma_smem_fwd(g, es);
+ * mma.sync kernels' (mma: bf16, f16 and f32 as 3xTF32) in cuda_flash_mma.cu. */
+static size_t fa_smem_fwd(fa_geom g, size_t es, bool mma) {
+    if (mma) return fa_mma_smem_fwd(g, es);
     return 3 * fa_round(FA_BR * g.ld * 4) + fa_round(FA_BR * FA_PLD32 * 4);
 }
-static size_t fa_smem_dkv(fa_geom g, size_t es) {
-    if (es == 2) return fa_mma_smem_dkv(g, es);
+static size_t fa_smem_dkv(fa_geom g, size_t es, bool mma) {
+    if (mma) return fa_mma_smem_dkv(g, es);
     return 4 * fa_round(FA_BR * g.ld * 4) + 2 * fa_round(FA_BR * 4) +
            2 * fa_round(FA_BR * FA_PLD32_HALF * 4);
 }
-static size_t fa_smem_dq(fa_geom g, size_t es) {
-    if (es == 2) return fa_mma_smem_dq(g, es);
+static size_t fa_smem_dq(fa_geom g, size_t es, bool mma) {
+    if (mma) return fa_mma_smem_dq(g, es);
     return 4 * fa_round(FA_BR * g.ld * 4) + fa_round(FA_BR * FA_PLD32 * 4);
 }
 
@@ -454,19 +456,35 @@ static int fa_cc_major(int index) {
     return v;
 }
 
-/* TANDEM_FLASH_ATTENTION=0 in the environment starts it off (for measuring one path against
- * the other: scripts/gpu-check) */
-static bool fa_enabled = true;
+/* TANDEM_FLASH_ATTENTION=0 in the environment starts it off, TANDEM_FLASH_TF32X3=0 the f32
+ * products on the tensor cores (for measuring one path against the other: scripts/gpu-check) */
+static bool fa_enabled = true, fa_tf32x3 = true;
 static pthread_once_t fa_env_once = PTHREAD_ONCE_INIT;
 
 static void fa_read_env(void) {
     const char *e = getenv("TANDEM_FLASH_ATTENTION");
     if (e && !strcmp(e, "0")) __atomic_store_n(&fa_enabled, false, __ATOMIC_RELAXED);
+    e = getenv("TANDEM_FLASH_TF32X3");
+    if (e && !strcmp(e, "0")) __atomic_store_n(&fa_tf32x3, false, __ATOMIC_RELAXED);
 }
 
 extern "C" void tdm_cuda_flash_enable(bool on) {
     pthread_once(&fa_env_once, fa_read_env);
     __atomic_store_n(&fa_enabled, on, __ATOMIC_RELAXED);
+}
+
+extern "C" void tdm_cuda_flash_tf32x3(bool on) {
+    pthread_once(&fa_env_once, fa_read_env);
+    __atomic_store_n(&fa_tf32x3, on, __ATOMIC_RELAXED);
+}
+
+/* Whether heads of g on device `index` run on the mma.sync kernels: bf16 and f16 always
+ * (tdm_cuda_flash_fits declines them before sm_80), f32 heads up to 64 from sm_80 while
+ * tdm_cuda_flash_tf32x3 is on (wider ones would spill the split fragments). */
+static bool fa_on_mma(fa_geom g, size_t es, int index) {
+    pthread_once(&fa_env_once, fa_read_env);
+    return es == 2 ||
+           (__atomic_load_n(&fa_tf32x3, __ATOMIC_RELAXED) && g.hs <= 64 && fa_cc_major(index) >= 8);
 }
 
 extern "C" bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head) {
@@ -479,7 +497,9 @@ extern "C" bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head) {
     /* bf16 and f16 products take sm_80's tensor-core instructions */
     if (es == 2 && fa_cc_major(qkv->device.index) < 8) return false;
     const size_t limit = (size_t)fa_smem_limit(qkv->device.index);
-    return fa_smem_fwd(g, es) <= limit && fa_smem_dkv(g, es) <= limit && fa_smem_dq(g, es) <= limit;
+    const bool mma = fa_on_mma(g, es, qkv->device.index);
+    return fa_smem_fwd(g, es, mma) <= limit && fa_smem_dkv(g, es, mma) <= limit &&
+           fa_smem_dq(g, es, mma) <= limit;
 }
 
 /* Launches kernel k with smem bytes of shared memory (over the 48 KiB a launch gets unasked). */
@@ -511,29 +531,32 @@ template <typename F> static int fa32_by_head(int64_t hs, F f) {
     }
 }
 
+/* The f32 forward on the CUDA cores. */
+static int fa_forward_f32(cu_device *d, int idx, float *y, float *lse, const float *qkv,
+                          fa_geom g) {
+    const size_t smem = fa_smem_fwd(g, 4, false);
+    const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
+    return fa32_by_head(g.hs, [&](auto nc) -> int {
+        constexpr int NC = decltype(nc)::value;
+        if (fa_launch_check(fa_fwd_kernel<NC>, smem, "flash attention", idx))
+            return tdm_last_status();
+        fa_fwd_kernel<NC><<<blocks, FA_THREADS, smem, d->compute>>>(qkv, y, lse, g);
+        return cu_check_launch("flash attention", idx);
+    });
+}
+
 template <typename E>
 static int fa_forward(cu_device *d, int idx, tdm_tensor *y, tdm_tensor *lse, const tdm_tensor *qkv,
                       fa_geom g) {
-    if constexpr (sizeof(E) == 2) {
-        return fa_mma_forward<E>(d, idx, cu_p<E>(y), cu_f(lse), cu_p<E>(qkv), g);
-    } else {
-        const size_t smem = fa_smem_fwd(g, 4);
-        const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
-        return fa32_by_head(g.hs, [&](auto nc) -> int {
-            constexpr int NC = decltype(nc)::value;
-            if (fa_launch_check(fa_fwd_kernel<NC>, smem, "flash attention", idx))
-                return tdm_last_status();
-            fa_fwd_kernel<NC>
-                <<<blocks, FA_THREADS, smem, d->compute>>>(cu_f(qkv), cu_f(y), cu_f(lse), g);
-            return cu_check_launch("flash attention", idx);
-        });
-    }
+    if constexpr (sizeof(E) == 4)
+        if (!fa_on_mma(g, 4, idx)) return fa_forward_f32(d, idx, cu_f(y), cu_f(lse), cu_f(qkv), g);
+    return fa_mma_forward<E>(d, idx, cu_p<E>(y), cu_f(lse), cu_p<E>(qkv), g);
 }
 
 /* The f32 backward's two kernels. */
 static int fa_backward_f32(cu_device *d, int idx, float *gq, const float *gy, const float *x,
                            const float *lse, const float *D, fa_geom g) {
-    const size_t s_kv = fa_smem_dkv(g, 4), s_q = fa_smem_dq(g, 4);
+    const size_t s_kv = fa_smem_dkv(g, 4, false), s_q = fa_smem_dq(g, 4, false);
     const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR));
     const char *what = "flash attention_backward";
     return fa32_by_head(g.hs, [&](auto nc) -> int {
@@ -563,9 +586,9 @@ static int fa_backward(cu_device *d, int idx, tdm_tensor *dqkv, const tdm_tensor
                          0, d->compute>>>(D, gy, cu_p<E>(y), g, vec);
     int rc = cu_check_launch("flash attention_backward (D)", idx);
     if (!rc) {
-        if constexpr (sizeof(E) == 2)
+        if (sizeof(E) == 2 || fa_on_mma(g, 4, idx))
             rc = fa_mma_backward<E>(d, idx, gq, gy, x, cu_f(lse), D, g);
-        else
+        else if constexpr (sizeof(E) == 4)
             rc = fa_backward_f32(d, idx, gq, gy, x, cu_f(lse), D, g);
     }
     tdm_storage_release(hold); /* in stream order: the kernels above run first */

@@ -158,22 +158,23 @@ template <int LANES> __device__ __forceinline__ float fa_rescale(float mx, float
     return alpha;
 }
 
-/* ---- the bf16 and f16 kernels on mma.sync (cuda_flash_mma.cu; sm_80 on) -------------------- */
+/* ---- the kernels on mma.sync (cuda_flash_mma.cu; sm_80 on): bf16, f16, f32 as 3xTF32 -------- */
 
 /* Tiles of 16 rows (queries, or keys in dK and dV) each warp of mma.sync kernel `kernel` (a
- * TDM_CUDA_FLASH_WIDE_ bit) takes for heads of hs: 2 up to heads of 64 while
- * tdm_cuda_flash_wide has its bit (blocks of 128 rows), else 1 (64). */
-int fa_mma_tiles(int64_t hs, unsigned kernel);
+ * TDM_CUDA_FLASH_WIDE_ bit) takes for heads of hs in elements of es bytes: in bf16 and f16 2
+ * up to heads of 64 while tdm_cuda_flash_wide has its bit (blocks of 128 rows), else 1 (64). */
+int fa_mma_tiles(int64_t hs, size_t es, unsigned kernel);
 /* Shared memory the mma.sync kernels take (cudaFuncSetAttribute's limit must allow it). */
 size_t fa_mma_smem_fwd(fa_geom g, size_t es);
 size_t fa_mma_smem_dkv(fa_geom g, size_t es);
 size_t fa_mma_smem_dq(fa_geom g, size_t es);
 
-/* y [B, T, C] and lse [B, nh, T] from qkv, heads of 16 to 128 (a multiple of 16), on d's compute
- * stream (index idx, for errors). Returns 0 or the launch's error, raised. */
+/* y [B, T, C] and lse [B, nh, T] from qkv, heads of 16 to 128 (a multiple of 16; f32, whose
+ * products are 3xTF32 (cuda_flash_mma.cu's fa_kind), 16 to 64), on d's compute stream (index
+ * idx, for errors). Returns 0 or the launch's error, raised. */
 template <typename E>
 int fa_mma_forward(cu_device *d, int idx, E *y, float *lse, const E *qkv, fa_geom g);
-/* dqkv (every element written) from dy, qkv, lse and D = rowsum(dy * y), heads of 16 to 64. */
+/* dqkv (every element written) from dy, qkv, lse and D = rowsum(dy * y), the forward's heads. */
 template <typename E>
 int fa_mma_backward(cu_device *d, int idx, E *dqkv, const E *dy, const E *qkv, const float *lse,
                     const float *D, fa_geom g);

@@ -1,6 +1,7 @@
-/* The fused attention in bf16 and f16 on mma.sync (sm_80 on): FlashAttention-2's kernels, the
- * scores and sums in registers, for heads of 16 to 128 (cuda_flash.cu dispatches here and holds
- * the f32 kernels, whose tiles live in shared memory).
+/* The fused attention on mma.sync (sm_80 on): FlashAttention-2's kernels, the scores and sums
+ * in registers, in bf16 and f16 for heads of 16 to 128, and in f32 for heads up to 64 with each
+ * product as three TF32 products (fa_kind; cuda_flash.cu dispatches here and holds the f32
+ * kernels on the CUDA cores, whose tiles live in shared memory).
  *
  * PTX's m16n8k16 product has documented fragment layouts (WMMA's are not), so a thread knows
  * which rows and columns its accumulators hold: with g = lane / 4 and t = lane % 4, A [16, 16]
@@ -40,9 +41,55 @@
 
 /* ---- the warp's instructions ------------------------------------------------------------- */
 
+/* What an element type asks of the products. bf16 and f16: one m16n8k16 a product. f32: three
+ * m16n8k8 in TF32 ("3xTF32", CUTLASS's OpMultiplyAddFastF32, the arithmetic of PyTorch's
+ * memory-efficient attention in f32 from sm_80): each operand split as x = big + small, two
+ * TF32 values (11 significant bits each), and a b taken as big_a big_b + big_a small_b +
+ * small_a big_b, about 22 of f32's 24 bits a product, summed in f32. KS: the products' k steps
+ * a 16-column tile of a head takes (32 bytes of a row either way); A: registers an A fragment
+ * holds (f32: big, then small); B: registers of a B fragment (f32: big, then small). */
+template <typename E> struct fa_kind {
+    static constexpr bool tf32 = sizeof(E) == 4;
+    static constexpr int KS = tf32 ? 2 : 1, A = tf32 ? 8 : 4, B = tf32 ? 4 : 2;
+};
+
+__device__ __forceinline__ uint32_t fa_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+__device__ __forceinline__ float fa_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* x as big + small, two TF32 values (their 13 low bits clear): big x rounded to nearest (ties
+ * away from 0), small the rest (exact in f32) truncated. */
+__device__ __forceinline__ void fa_split(uint32_t x, uint32_t &big, uint32_t &small) {
+    big = (x + 0x1000u) & 0xffffe000u;
+    small = fa_bits(fa_float(x) - fa_float(big)) & 0xffffe000u;
+}
+
+/* d += A B, m16n8k8 in TF32, f32 accumulation (PTX's layouts: A's register r holds (row g + 8
+ * (r & 1), column t + 4 (r >> 1)), B's register r (row t + 4r, column g), d as m16n8k16's). */
+__device__ __forceinline__ void fa_mma_tf32(float d[4], const uint32_t a[4], uint32_t b0,
+                                            uint32_t b1) {
+#if defined(TDM_CUDA_EMU)
+    emu_mma_m16n8k8_tf32(d, a, b0, b1);
+#elif defined(FA_NO_MMA)
+    __trap();
+#else
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
 /* d += A B, m16n8k16, f32 accumulation (the layouts at the top). */
 template <typename E>
-__device__ __forceinline__ void fa_mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void fa_mma16(float d[4], const uint32_t a[4], uint32_t b0,
+                                         uint32_t b1) {
 #if defined(TDM_CUDA_EMU)
     emu_mma_m16n8k16<E>(d, a, b0, b1);
 #elif defined(FA_NO_MMA)
@@ -59,6 +106,19 @@ __device__ __forceinline__ void fa_mma(float d[4], const uint32_t a[4], uint32_t
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
+}
+
+/* d += A B for one k step (fa_kind): m16n8k16, or in f32 the three TF32 products, the small
+ * terms first. */
+template <typename E>
+__device__ __forceinline__ void fa_mma(float d[4], const uint32_t *a, const uint32_t *b) {
+    if constexpr (fa_kind<E>::tf32) {
+        fa_mma_tf32(d, a + 4, b[0], b[1]);
+        fa_mma_tf32(d, a, b[2], b[3]);
+        fa_mma_tf32(d, a, b[0], b[1]);
+    } else {
+        fa_mma16<E>(d, a, b[0], b[1]);
+    }
 }
 
 /* Four 8 x 8 tiles of 2-byte elements from shared memory: lane l gives row l % 8 of tile l / 8
@@ -107,20 +167,35 @@ template <typename E> __device__ __forceinline__ uint32_t fa_pack(float lo, floa
 
 /* ---- tiles ---------------------------------------------------------------------------------- */
 
-/* The A fragments of rows [r0, r0 + 16) of a tile, 16 HT columns. */
+/* The A fragments of rows [r0, r0 + 16) of a tile, 16 HT columns (HT KS k steps; the tile's
+ * rows ld elements apart). ldmatrix moves 2-byte halves: an f32 row's 8 columns of a k step
+ * are its 16 halves, and register i of the four then holds (row g + 8 (i & 1), column t + 4
+ * (i >> 1)): TF32's A layout. */
 template <typename E, int HT>
-__device__ __forceinline__ void fa_frag_a(uint32_t a[HT][4], const E *tile, int r0, int ld) {
+__device__ __forceinline__ void fa_frag_a(uint32_t a[HT * fa_kind<E>::KS][fa_kind<E>::A],
+                                          const E *tile, int r0, int ld) {
     const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
+    const char *row = (const char *)(tile + (r0 + (m & 1) * 8 + r) * ld) + (m >> 1) * 16;
 #pragma unroll
-    for (int kk = 0; kk < HT; kk++)
-        fa_ldsm<false>(a[kk], tile + (r0 + (m & 1) * 8 + r) * ld + kk * 16 + (m >> 1) * 8);
+    for (int kk = 0; kk < HT * fa_kind<E>::KS; kk++) {
+        if constexpr (fa_kind<E>::tf32) {
+            uint32_t x[4];
+            fa_ldsm<false>(x, row + kk * 32);
+#pragma unroll
+            for (int i = 0; i < 4; i++) fa_split(x[i], a[kk][i], a[kk][4 + i]);
+        } else {
+            fa_ldsm<false>(a[kk], row + kk * 32);
+        }
+    }
 }
 
 /* c[t] [16, 8 NB] = a[t] b^T for the warp's MT tiles of 16 rows: a[t] their A fragments (HT
- * each), b 8 NB rows of a tile (row n of b is column n of c[t]). Each B fragment is read from
- * shared memory once for the MT tiles: with two, half the reads a product. */
+ * 16-column tiles each), b 8 NB rows of a tile (row n of b is column n of c[t]). Each B
+ * fragment is read from shared memory (and in f32 split) once for the MT tiles: with two, half
+ * the reads a product. */
 template <typename E, int HT, int NB, int MT>
-__device__ __forceinline__ void fa_mm_rows(float c[MT][NB][4], const uint32_t a[MT][HT][4],
+__device__ __forceinline__ void fa_mm_rows(float c[MT][NB][4],
+                                           const uint32_t a[MT][HT * fa_kind<E>::KS][fa_kind<E>::A],
                                            const E *b, int ld) {
     const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
 #pragma unroll
@@ -130,15 +205,54 @@ __device__ __forceinline__ void fa_mm_rows(float c[MT][NB][4], const uint32_t a[
 #pragma unroll
     for (int n = 0; n < NB; n += 2)
 #pragma unroll
-        for (int kk = 0; kk < HT; kk++) {
-            uint32_t bb[4]; /* columns n and n + 1's B registers */
-            fa_ldsm<false>(bb, b + ((n + (m >> 1)) * 8 + r) * ld + kk * 16 + (m & 1) * 8);
+        for (int kk = 0; kk < HT * fa_kind<E>::KS; kk++) {
+            uint32_t bb[4], b0[fa_kind<E>::B], b1[fa_kind<E>::B]; /* columns n and n + 1's */
+            fa_ldsm<false>(bb, (const char *)(b + ((n + (m >> 1)) * 8 + r) * ld) + kk * 32 +
+                                   (m & 1) * 16);
+            if constexpr (fa_kind<E>::tf32) {
+                fa_split(bb[0], b0[0], b0[2]), fa_split(bb[1], b0[1], b0[3]);
+                fa_split(bb[2], b1[0], b1[2]), fa_split(bb[3], b1[1], b1[3]);
+            } else {
+                b0[0] = bb[0], b0[1] = bb[1], b1[0] = bb[2], b1[1] = bb[3];
+            }
 #pragma unroll
             for (int t = 0; t < MT; t++) {
-                fa_mma<E>(c[t][n], a[t][kk], bb[0], bb[1]);
-                fa_mma<E>(c[t][n + 1], a[t][kk], bb[2], bb[3]);
+                fa_mma<E>(c[t][n], a[t][kk], b0);
+                fa_mma<E>(c[t][n + 1], a[t][kk], b1);
             }
         }
+}
+
+/* fa_mm_acc in f32: c[t] [16, 16 HT] += a[t] b, a[t] [16, 8 NB] as accumulators, one k step
+ * an accumulator tile. A thread's accumulators hold columns 2t and 2t + 1 where TF32's A layout
+ * wants t and t + 4: the step's 8 keys are taken in the order 0, 2, 4, 6, 1, 3, 5, 7 (a sum's
+ * order is free), so the registers serve as they are, and B's rows (k) are read in that order
+ * too, a float at a time (ldmatrix cannot transpose 4-byte elements; with rows hs + 4 floats
+ * apart, keys 2t and 2t' are 8 (t - t') apart mod 32: the warp's reads fall in distinct banks). */
+template <int HT, int NB, int MT>
+__device__ __forceinline__ void fa_mm_acc_tf32(float c[MT][2 * HT][4], const float a[MT][NB][4],
+                                               const float *b, int ld) {
+    const int lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < NB; kk++) {
+        uint32_t pa[MT][8];
+#pragma unroll
+        for (int t = 0; t < MT; t++) {
+            fa_split(fa_bits(a[t][kk][0]), pa[t][0], pa[t][4]);
+            fa_split(fa_bits(a[t][kk][2]), pa[t][1], pa[t][5]);
+            fa_split(fa_bits(a[t][kk][1]), pa[t][2], pa[t][6]);
+            fa_split(fa_bits(a[t][kk][3]), pa[t][3], pa[t][7]);
+        }
+        const float *k0 = b + (kk * 8 + 2 * tq) * ld + g, *k1 = k0 + ld; /* keys 2t, 2t + 1 */
+#pragma unroll
+        for (int d = 0; d < 2 * HT; d++) {
+            uint32_t bv[4];
+            fa_split(fa_bits(k0[d * 8]), bv[0], bv[2]);
+            fa_split(fa_bits(k1[d * 8]), bv[1], bv[3]);
+#pragma unroll
+            for (int t = 0; t < MT; t++) fa_mma<float>(c[t][d], pa[t], bv);
+        }
+    }
 }
 
 /* c[t] [16, 16 HT] += a[t] b for the warp's MT tiles of 16 rows: a[t] [16, 8 NB] as
@@ -147,6 +261,10 @@ __device__ __forceinline__ void fa_mm_rows(float c[MT][NB][4], const uint32_t a[
 template <typename E, int HT, int NB, int MT>
 __device__ __forceinline__ void fa_mm_acc(float c[MT][2 * HT][4], const float a[MT][NB][4],
                                           const E *b, int ld) {
+    if constexpr (fa_kind<E>::tf32) {
+        fa_mm_acc_tf32<HT, NB, MT>(c, a, b, ld);
+        return;
+    }
     const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
     uint32_t pa[MT][NB / 2][4];
 #pragma unroll
@@ -164,8 +282,8 @@ __device__ __forceinline__ void fa_mm_acc(float c[MT][2 * HT][4], const float a[
             fa_ldsm<true>(bb, b + (kk * 16 + (m & 1) * 8 + r) * ld + (d + (m >> 1)) * 8);
 #pragma unroll
             for (int t = 0; t < MT; t++) {
-                fa_mma<E>(c[t][d], pa[t][kk], bb[0], bb[1]);
-                fa_mma<E>(c[t][d + 1], pa[t][kk], bb[2], bb[3]);
+                fa_mma<E>(c[t][d], pa[t][kk], bb);
+                fa_mma<E>(c[t][d + 1], pa[t][kk], bb + 2);
             }
         }
 }
@@ -176,7 +294,7 @@ template <typename E, int HT>
 __device__ __forceinline__ void fa_store_rows(E *out, int64_t rs, const float c[2 * HT][4],
                                               int64_t first, float scale, int64_t T) {
     const int lane = threadIdx.x % 32;
-    const bool pairs = (uintptr_t)out % 4 == 0 && rs % 2 == 0; /* 4-byte stores */
+    const bool pairs = (uintptr_t)out % (2 * sizeof(E)) == 0 && rs % 2 == 0; /* one store */
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         const int64_t row = first + lane / 4 + 8 * r;
@@ -185,7 +303,9 @@ __device__ __forceinline__ void fa_store_rows(E *out, int64_t rs, const float c[
 #pragma unroll
         for (int d = 0; d < 2 * HT; d++) {
             const float lo = c[d][2 * r] * scale, hi = c[d][2 * r + 1] * scale;
-            if (pairs) {
+            if (pairs && fa_kind<E>::tf32) {
+                *(float2 *)(o + d * 8) = make_float2(lo, hi);
+            } else if (pairs) {
                 *(uint32_t *)(o + d * 8) = fa_pack<E>(lo, hi);
             } else {
                 o[d * 8] = cu_to<E>(lo);
@@ -233,7 +353,7 @@ __global__ void __launch_bounds__(FA_THREADS)
     fa_commit_loads();
     fa_load(Q, head, rl, q0, BR, g);
     __syncthreads();
-    uint32_t qa[MT][HT][4];
+    uint32_t qa[MT][HT * fa_kind<E>::KS][fa_kind<E>::A];
     int64_t row[MT][2];
     float o[MT][2 * HT][4] = {}, m[MT][2], l[MT][2];
 #pragma unroll
@@ -366,7 +486,7 @@ __global__ void __launch_bounds__(FA_THREADS)
         for (int c0 = 0; c0 < FA_BR; c0 += QC) { /* QC queries at a time: fewer registers */
             float s[MT][QC / 8][4], dp[MT][QC / 8][4];
             {
-                uint32_t a[MT][HT][4];
+                uint32_t a[MT][HT * fa_kind<E>::KS][fa_kind<E>::A];
 #pragma unroll
                 for (int t = 0; t < MT; t++)
                     fa_frag_a<E, HT>(a[t], K, (int)(kw - k0) + 16 * t, g.ld);
@@ -429,7 +549,7 @@ __global__ void __launch_bounds__(FA_THREADS)
     fa_load(Qs, head, rl, q0, BR, g);
     fa_load(dOs, dy + b * g.T * g.C + h * g.hs, g.C, q0, BR, g);
     __syncthreads();
-    uint32_t qa[MT][HT][4], da[MT][HT][4];
+    uint32_t qa[MT][HT * fa_kind<E>::KS][fa_kind<E>::A], da[MT][HT * fa_kind<E>::KS][fa_kind<E>::A];
     int64_t q[MT][2];
     float lse_r[MT][2], D_r[MT][2], dQ[MT][2 * HT][4] = {};
 #pragma unroll
@@ -492,22 +612,26 @@ static unsigned fa_wide = TDM_CUDA_FLASH_WIDE_ALL; /* tdm_cuda_flash_wide */
 extern "C" void tdm_cuda_flash_wide(unsigned kernels) {
     __atomic_store_n(&fa_wide, kernels, __ATOMIC_RELAXED);
 }
-int fa_mma_tiles(int64_t hs, unsigned kernel) {
-    return hs / 16 <= FA_WIDE_HT && (__atomic_load_n(&fa_wide, __ATOMIC_RELAXED) & kernel) ? 2 : 1;
+/* f32 always 1: its split fragments take twice bf16's registers */
+int fa_mma_tiles(int64_t hs, size_t es, unsigned kernel) {
+    return es == 2 && hs / 16 <= FA_WIDE_HT &&
+                   (__atomic_load_n(&fa_wide, __ATOMIC_RELAXED) & kernel)
+               ? 2
+               : 1;
 }
 
 size_t fa_mma_smem_fwd(fa_geom g, size_t es) { /* Q, and K and V twice */
     const size_t tile = fa_round(FA_BC * g.ld * es);
-    return fa_mma_tiles(g.hs, TDM_CUDA_FLASH_WIDE_FWD) * tile + 4 * tile;
+    return fa_mma_tiles(g.hs, es, TDM_CUDA_FLASH_WIDE_FWD) * tile + 4 * tile;
 }
 size_t fa_mma_smem_dkv(fa_geom g, size_t es) { /* K, V and two sets of Q, dy, lse, D */
     const size_t tile = fa_round(FA_BC * g.ld * es);
-    return 2 * fa_mma_tiles(g.hs, TDM_CUDA_FLASH_WIDE_DKV) * tile + 4 * tile +
+    return 2 * fa_mma_tiles(g.hs, es, TDM_CUDA_FLASH_WIDE_DKV) * tile + 4 * tile +
            4 * fa_round(FA_BR * 4);
 }
 size_t fa_mma_smem_dq(fa_geom g, size_t es) { /* K and V twice, and Q and dy past MT 1 */
     const size_t tile = fa_round(FA_BC * g.ld * es);
-    const int mt = fa_mma_tiles(g.hs, TDM_CUDA_FLASH_WIDE_DQ);
+    const int mt = fa_mma_tiles(g.hs, es, TDM_CUDA_FLASH_WIDE_DQ);
     return 4 * tile + (mt > 1 ? 2 * mt * tile : 0);
 }
 
@@ -519,16 +643,44 @@ template <typename K> static int fa_allow(K *k, size_t smem, const char *what, i
 
 /* f(std::integral_constant<int, MT>) for the tiles a warp of kernel (a TDM_CUDA_FLASH_WIDE_
  * bit) takes. */
-template <int HT, typename F> static int fa_by_tiles(int64_t hs, unsigned kernel, F f) {
-    if constexpr (HT <= FA_WIDE_HT)
-        if (fa_mma_tiles(hs, kernel) == 2) return f(std::integral_constant<int, 2>());
+template <typename E, int HT, typename F> static int fa_by_tiles(int64_t hs, unsigned kernel, F f) {
+    if constexpr (HT <= FA_WIDE_HT && !fa_kind<E>::tf32)
+        if (fa_mma_tiles(hs, sizeof(E), kernel) == 2) return f(std::integral_constant<int, 2>());
     return f(std::integral_constant<int, 1>());
+}
+
+/* f(std::integral_constant<int, HT>) for heads of 16 HT: 1 to 8, in f32 1 to 4. */
+template <typename E, typename F> static int fa_by_head(int64_t hs, F f) {
+    switch (hs / 16) {
+    case 1:
+        return f(std::integral_constant<int, 1>());
+    case 2:
+        return f(std::integral_constant<int, 2>());
+    case 3:
+        return f(std::integral_constant<int, 3>());
+    }
+    if constexpr (fa_kind<E>::tf32) {
+        return f(std::integral_constant<int, 4>());
+    } else {
+        switch (hs / 16) {
+        case 4:
+            return f(std::integral_constant<int, 4>());
+        case 5:
+            return f(std::integral_constant<int, 5>());
+        case 6:
+            return f(std::integral_constant<int, 6>());
+        case 7:
+            return f(std::integral_constant<int, 7>());
+        default:
+            return f(std::integral_constant<int, 8>());
+        }
+    }
 }
 
 template <typename E, int HT>
 static int fa_forward_ht(cu_device *d, int idx, E *y, float *lse, const E *qkv, fa_geom g) {
     const size_t smem = fa_mma_smem_fwd(g, sizeof(E));
-    return fa_by_tiles<HT>(g.hs, TDM_CUDA_FLASH_WIDE_FWD, [&](auto mt) -> int {
+    return fa_by_tiles<E, HT>(g.hs, TDM_CUDA_FLASH_WIDE_FWD, [&](auto mt) -> int {
         constexpr int MT = decltype(mt)::value, BR = FA_BC * MT;
         const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + BR - 1) / BR));
         if (fa_allow(fa_fwd_mma_kernel<E, HT, MT>, smem, "flash attention", idx))
@@ -540,24 +692,9 @@ static int fa_forward_ht(cu_device *d, int idx, E *y, float *lse, const E *qkv, 
 
 template <typename E>
 int fa_mma_forward(cu_device *d, int idx, E *y, float *lse, const E *qkv, fa_geom g) {
-    switch (g.hs / 16) {
-    case 1:
-        return fa_forward_ht<E, 1>(d, idx, y, lse, qkv, g);
-    case 2:
-        return fa_forward_ht<E, 2>(d, idx, y, lse, qkv, g);
-    case 3:
-        return fa_forward_ht<E, 3>(d, idx, y, lse, qkv, g);
-    case 4:
-        return fa_forward_ht<E, 4>(d, idx, y, lse, qkv, g);
-    case 5:
-        return fa_forward_ht<E, 5>(d, idx, y, lse, qkv, g);
-    case 6:
-        return fa_forward_ht<E, 6>(d, idx, y, lse, qkv, g);
-    case 7:
-        return fa_forward_ht<E, 7>(d, idx, y, lse, qkv, g);
-    default:
-        return fa_forward_ht<E, 8>(d, idx, y, lse, qkv, g);
-    }
+    return fa_by_head<E>(g.hs, [&](auto ht) -> int {
+        return fa_forward_ht<E, decltype(ht)::value>(d, idx, y, lse, qkv, g);
+    });
 }
 
 template <typename E, int HT>
@@ -565,7 +702,7 @@ static int fa_backward_ht(cu_device *d, int idx, E *gq, const E *gy, const E *x,
                           const float *D, fa_geom g) {
     const size_t s_kv = fa_mma_smem_dkv(g, sizeof(E)), s_q = fa_mma_smem_dq(g, sizeof(E));
     const char *what = "flash attention_backward";
-    int rc = fa_by_tiles<HT>(g.hs, TDM_CUDA_FLASH_WIDE_DKV, [&](auto mt) -> int {
+    int rc = fa_by_tiles<E, HT>(g.hs, TDM_CUDA_FLASH_WIDE_DKV, [&](auto mt) -> int {
         constexpr int MT = decltype(mt)::value, BK = FA_BC * MT;
         const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + BK - 1) / BK));
         if (fa_allow(fa_dkv_mma_kernel<E, HT, MT>, s_kv, what, idx)) return tdm_last_status();
@@ -574,7 +711,7 @@ static int fa_backward_ht(cu_device *d, int idx, E *gq, const E *gy, const E *x,
         return cu_check_launch("flash attention_backward (dk, dv)", idx);
     });
     if (rc) return rc;
-    return fa_by_tiles<HT>(g.hs, TDM_CUDA_FLASH_WIDE_DQ, [&](auto mt) -> int {
+    return fa_by_tiles<E, HT>(g.hs, TDM_CUDA_FLASH_WIDE_DQ, [&](auto mt) -> int {
         constexpr int MT = decltype(mt)::value, BR = FA_BC * MT;
         const unsigned blocks = (unsigned)(g.B * g.nh * ((g.T + BR - 1) / BR));
         if (fa_allow(fa_dq_mma_kernel<E, HT, MT>, s_q, what, idx)) return tdm_last_status();
@@ -586,24 +723,9 @@ static int fa_backward_ht(cu_device *d, int idx, E *gq, const E *gy, const E *x,
 template <typename E>
 int fa_mma_backward(cu_device *d, int idx, E *dqkv, const E *dy, const E *qkv, const float *lse,
                     const float *D, fa_geom g) {
-    switch (g.hs / 16) {
-    case 1:
-        return fa_backward_ht<E, 1>(d, idx, dqkv, dy, qkv, lse, D, g);
-    case 2:
-        return fa_backward_ht<E, 2>(d, idx, dqkv, dy, qkv, lse, D, g);
-    case 3:
-        return fa_backward_ht<E, 3>(d, idx, dqkv, dy, qkv, lse, D, g);
-    case 4:
-        return fa_backward_ht<E, 4>(d, idx, dqkv, dy, qkv, lse, D, g);
-    case 5:
-        return fa_backward_ht<E, 5>(d, idx, dqkv, dy, qkv, lse, D, g);
-    case 6:
-        return fa_backward_ht<E, 6>(d, idx, dqkv, dy, qkv, lse, D, g);
-    case 7:
-        return fa_backward_ht<E, 7>(d, idx, dqkv, dy, qkv, lse, D, g);
-    default:
-        return fa_backward_ht<E, 8>(d, idx, dqkv, dy, qkv, lse, D, g);
-    }
+    return fa_by_head<E>(g.hs, [&](auto ht) -> int {
+        return fa_backward_ht<E, decltype(ht)::value>(d, idx, dqkv, dy, qkv, lse, D, g);
+    });
 }
 
 template int fa_mma_forward<__nv_bfloat16>(cu_device *, int, __nv_bfloat16 *, float *,
@@ -614,3 +736,6 @@ template int fa_mma_backward<__nv_bfloat16>(cu_device *, int, __nv_bfloat16 *,
                                             const float *, const float *, fa_geom);
 template int fa_mma_backward<__half>(cu_device *, int, __half *, const __half *, const __half *,
                                      const float *, const float *, fa_geom);
+template int fa_mma_forward<float>(cu_device *, int, float *, float *, const float *, fa_geom);
+template int fa_mma_backward<float>(cu_device *, int, float *, const float *, const float *,
+                                    const float *, const float *, fa_geom);

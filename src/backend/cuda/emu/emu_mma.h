@@ -1,7 +1,7 @@
 /* Host emulation of the tensor-core instructions Tandem's kernels issue through inline PTX
- * (cuda_flash_mma.cu): mma.sync m16n8k16 and ldmatrix, and the shuffle they go with
- * (cuda_runtime.h). On a GPU these are collectives of a warp, each lane holding its part of a
- * tile in registers; here the emulation runs a block's threads one after another between
+ * (cuda_flash_mma.cu): mma.sync m16n8k16 (bf16, f16) and m16n8k8 (tf32), ldmatrix, and the shuffle
+ * they go with (cuda_runtime.h). On a GPU these are collectives of a warp, each lane holding its
+ * part of a tile in registers; here the emulation runs a block's threads one after another between
  * barriers, so each collective gathers the warp's registers through emu_warp_exchange (a barrier
  * of the block: every thread of the block must reach it, as in the flash kernels) and each lane
  * then computes its own part, in the layouts the PTX ISA documents. A kernel that put an
@@ -74,6 +74,37 @@ static inline void emu_mma_m16n8k16(float d[4], const uint32_t a[4], uint32_t b0
     for (int i = 0; i < 4; i++) {
         float s = d[i];
         for (int k = 0; k < 16; k++) s += A[i >> 1][k] * B[i & 1][k];
+        d[i] = s;
+    }
+}
+
+/* PTX's mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 with d as C and D: d += A B for A
+ * 16 x 8, B 8 x 8, one element a register (the PTX ISA's layouts: A's register r holds (row g +
+ * 8 (r & 1), column t + 4 (r >> 1)), B's register r (row t + 4r, column g), d as m16n8k16's).
+ * A tensor core reads 19 bits of each element (sign, exponent, 10 of the mantissa): the rest
+ * are dropped here (the kernels clear them first, so how a GPU treats them does not matter). */
+static inline float emu_tf32(uint32_t w) {
+    w &= 0xffffe000u;
+    float f;
+    __builtin_memcpy(&f, &w, 4);
+    return f;
+}
+static inline void emu_mma_m16n8k8_tf32(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+    const uint32_t *all = emu_warp_exchange(mine, 6);
+    const int g = (int)(threadIdx.x % 32) / 4, t = (int)(threadIdx.x % 4);
+    float A[2][8], B[2][8]; /* rows g and g + 8 of A; columns 2t and 2t + 1 of B */
+    for (int tl = 0; tl < 4; tl++) {
+        const uint32_t *la = all + (4 * g + tl) * EMU_XCHG_WORDS;
+        for (int r = 0; r < 4; r++) A[r & 1][tl + 4 * (r >> 1)] = emu_tf32(la[r]);
+        for (int j = 0; j < 2; j++) {
+            const uint32_t *lb = all + (4 * (2 * t + j) + tl) * EMU_XCHG_WORDS;
+            for (int r = 0; r < 2; r++) B[j][tl + 4 * r] = emu_tf32(lb[4 + r]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        float s = d[i];
+        for (int k = 0; k < 8; k++) s += A[i >> 1][k] * B[i & 1][k];
         d[i] = s;
     }
 }

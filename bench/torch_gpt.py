@@ -5,6 +5,7 @@ usage: $VENV/bin/python bench/torch_gpt.py [--dir /tmp/tandem_bench_gpt] [--step
                                           [--device cpu|cuda] [--layers 2] [--channels 128]
                                           [--heads 4] [--context 64] [--batch 4]
                                           [--autocast none|bf16|fp16] [--attention sdpa|manual]
+                                          [--adamw fused|foreach]
 
 Config (../shared/baseline/README.md, section 6): 2 layers, 128 channels, 4 heads, context
 64, batch 4, vocabulary 256 (bytes), no dropout; AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8,
@@ -25,6 +26,9 @@ user writes (nanoGPT's fast path): its flash kernel in bf16/fp16 on a GPU, its m
 one in fp32 (3xTF32 on the tensor cores from sm_80), its fused CPU kernel on a CPU. --attention
 manual is nanoGPT's slow path (q k^T, masked_fill, softmax, @ v: the T x T scores stored), the
 baseline of the figures measured before 2026-12-07 (bench/RESULTS.md says which).
+--adamw: torch.optim.AdamW's fused kernel (the default on a GPU, as nanoGPT asks for it there)
+or its foreach one (the default on a CPU, where the figures before 2026-12-07 used it; on a GPU
+it was the default until then).
 Step time = forward + backward + optimizer step (batches are prepared before timing, on the
 device; loss.item() ends each step, as the Tandem trainer reads each step's loss).
 """
@@ -48,6 +52,8 @@ ap.add_argument("--autocast", choices=["none", "bf16", "fp16"], default="none",
                 help="forward and loss under torch.autocast in this dtype")
 ap.add_argument("--attention", choices=["sdpa", "manual"], default="sdpa",
                 help="F.scaled_dot_product_attention (default) or the unfused products")
+ap.add_argument("--adamw", choices=["fused", "foreach"], default=None,
+                help="AdamW's implementation (default: fused on a GPU, foreach on a CPU)")
 args = ap.parse_args()
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
 os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
@@ -142,9 +148,10 @@ dev = torch.device(args.device)
 model.to(dev)
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
 no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+adamw = args.adamw or ("fused" if dev.type == "cuda" else "foreach")
 opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                          {"params": no_decay, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.999),
-                        eps=1e-8)
+                        eps=1e-8, **({"fused": True} if adamw == "fused" else {"foreach": True}))
 batches = []
 for k in range(args.steps):
     chunk = data[k * B * T:(k + 1) * B * T + 1]
@@ -168,9 +175,9 @@ with open(os.path.join(args.dir, "torch.txt"), "w") as f:
     f.writelines(lines)
 first = 5 if len(lines) > 5 else 0  # the warm-up steps left out, but for a short run
 ms = sorted(float(s.split()[2]) for s in lines[first:])
-print("torch %s on %s, %d thread(s), autocast %s, attention %s, OPENBLAS_CORETYPE=%s: %d steps, "
-      "median %.2f ms/step (steps %d-%d), loss %s -> %s"
-      % (torch.__version__, args.device, args.threads, args.autocast, args.attention,
+print("torch %s on %s, %d thread(s), autocast %s, attention %s, AdamW %s, OPENBLAS_CORETYPE=%s: "
+      "%d steps, median %.2f ms/step (steps %d-%d), loss %s -> %s"
+      % (torch.__version__, args.device, args.threads, args.autocast, args.attention, adamw,
                          os.environ.get("OPENBLAS_CORETYPE"),
                          args.steps, ms[len(ms) // 2], first, args.steps - 1, lines[0].split()[1],
                          lines[-1].split()[1]))

@@ -480,11 +480,17 @@ extern "C" void tdm_cuda_flash_tf32x3(bool on) {
 
 /* Whether heads of g on device `index` run on the mma.sync kernels: bf16 and f16 always
  * (tdm_cuda_flash_fits declines them before sm_80), f32 heads up to 64 from sm_80 while
- * tdm_cuda_flash_tf32x3 is on (wider ones would spill the split fragments). */
+ * tdm_cuda_flash_tf32x3 is on (wider ones would spill the split fragments) and the blocks' shared
+ * memory fits (at heads of 64 the dK/dV kernel's 103 KB do not on sm_86 and sm_89, whose
+ * blocks get 99: the CUDA cores' kernels, 89 KB, still do). */
 static bool fa_on_mma(fa_geom g, size_t es, int index) {
     pthread_once(&fa_env_once, fa_read_env);
-    return es == 2 ||
-           (__atomic_load_n(&fa_tf32x3, __ATOMIC_RELAXED) && g.hs <= 64 && fa_cc_major(index) >= 8);
+    if (es == 2) return true;
+    if (!__atomic_load_n(&fa_tf32x3, __ATOMIC_RELAXED) || g.hs > 64 || fa_cc_major(index) < 8)
+        return false;
+    const size_t limit = (size_t)fa_smem_limit(index);
+    return fa_mma_smem_fwd(g, 4) <= limit && fa_mma_smem_dkv(g, 4) <= limit &&
+           fa_mma_smem_dq(g, 4) <= limit;
 }
 
 extern "C" bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head) {

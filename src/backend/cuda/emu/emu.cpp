@@ -488,16 +488,23 @@ cudaError_t cudaGraphDestroy(cudaGraph_t g) {
     delete g;
     return cudaSuccess;
 }
-/* sm_90 (as SMEM_OPTIN), or EMU_CC_MAJOR's major number: an older GPU's choices, for a test */
+/* A block's shared memory: sm_90's (SMEM_OPTIN), or EMU_SMEM_OPTIN bytes (another GPU's, for a
+ * test: sm_86 and sm_89 give 101376) */
+static int emu_smem_optin(void) {
+    const char *e = getenv("EMU_SMEM_OPTIN");
+    return e ? atoi(e) : SMEM_OPTIN;
+}
+/* sm_90, or EMU_CC_MAJOR's major number: an older GPU's choices, for a test */
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int device) {
     const char *cc = getenv("EMU_CC_MAJOR");
-    *v = a == cudaDevAttrMaxSharedMemoryPerBlockOptin ? SMEM_OPTIN
+    *v = a == cudaDevAttrMaxSharedMemoryPerBlockOptin ? emu_smem_optin()
          : a == cudaDevAttrComputeCapabilityMajor     ? (cc ? atoi(cc) : 9)
                                                       : 0;
     return cudaSuccess;
 }
 cudaError_t emu_func_set_attribute(const void *kernel, enum cudaFuncAttribute a, int value) {
-    if (a != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || value > SMEM_OPTIN) {
+    if (a != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+        value > emu_smem_optin()) {
         last_error = cudaErrorInvalidValue;
         return cudaErrorInvalidValue;
     }

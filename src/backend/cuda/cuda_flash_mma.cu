@@ -263,29 +263,29 @@ __device__ __forceinline__ void fa_mm_acc(float c[MT][2 * HT][4], const float a[
                                           const E *b, int ld) {
     if constexpr (fa_kind<E>::tf32) {
         fa_mm_acc_tf32<HT, NB, MT>(c, a, b, ld);
-        return;
-    }
-    const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
-    uint32_t pa[MT][NB / 2][4];
+    } else {
+        const int lane = threadIdx.x % 32, m = lane / 8, r = lane % 8;
+        uint32_t pa[MT][NB / 2][4];
 #pragma unroll
-    for (int t = 0; t < MT; t++)
+        for (int t = 0; t < MT; t++)
 #pragma unroll
-        for (int n = 0; n < NB; n++) {
-            pa[t][n / 2][2 * (n % 2)] = fa_pack<E>(a[t][n][0], a[t][n][1]);
-            pa[t][n / 2][2 * (n % 2) + 1] = fa_pack<E>(a[t][n][2], a[t][n][3]);
-        }
-#pragma unroll
-    for (int d = 0; d < 2 * HT; d += 2)
-#pragma unroll
-        for (int kk = 0; kk < NB / 2; kk++) {
-            uint32_t bb[4]; /* columns d and d + 1's B registers, b's rows their k */
-            fa_ldsm<true>(bb, b + (kk * 16 + (m & 1) * 8 + r) * ld + (d + (m >> 1)) * 8);
-#pragma unroll
-            for (int t = 0; t < MT; t++) {
-                fa_mma<E>(c[t][d], pa[t][kk], bb);
-                fa_mma<E>(c[t][d + 1], pa[t][kk], bb + 2);
+            for (int n = 0; n < NB; n++) {
+                pa[t][n / 2][2 * (n % 2)] = fa_pack<E>(a[t][n][0], a[t][n][1]);
+                pa[t][n / 2][2 * (n % 2) + 1] = fa_pack<E>(a[t][n][2], a[t][n][3]);
             }
-        }
+#pragma unroll
+        for (int d = 0; d < 2 * HT; d += 2)
+#pragma unroll
+            for (int kk = 0; kk < NB / 2; kk++) {
+                uint32_t bb[4]; /* columns d and d + 1's B registers, b's rows their k */
+                fa_ldsm<true>(bb, b + (kk * 16 + (m & 1) * 8 + r) * ld + (d + (m >> 1)) * 8);
+#pragma unroll
+                for (int t = 0; t < MT; t++) {
+                    fa_mma<E>(c[t][d], pa[t][kk], bb);
+                    fa_mma<E>(c[t][d + 1], pa[t][kk], bb + 2);
+                }
+            }
+    }
 }
 
 /* The warp's rows of a [16, 16 HT] result times scale into out (row stride rs), the warp's first

@@ -9,9 +9,9 @@
  * products (PyTorch's memory-efficient attention's fp32 arithmetic; tdm_cuda_flash_tf32x3).
  * This file holds the dispatch, D = rowsum(dy * y) for every dtype and the f32 kernels for
  * the rest, whose products run on the CUDA cores in f32: the scores, the row statistics and
- * the sums sit in registers, a tile of P (or dS)
- * goes through the warp's own rows of shared memory to become the next product's operand, and
- * every shared-memory read of the products is conflict-free (fa32_dot, fa32_acc). Every softmax
+ * the sums sit in registers, a tile of P (or dS) goes through the warp's own rows of shared
+ * memory to become the next product's operand, and every shared-memory read of the products
+ * is conflict-free (fa32_dot, fa32_acc). Every softmax
  * sum is f32, and in bf16 and f16 P and dS are rounded to the dtype for the products that take
  * them, as the unfused path and PyTorch's flash kernels round them.
  *

@@ -9,8 +9,9 @@
  * each against the unfused; which heads it takes
  * (a head size that is not a multiple of 16, or whose blocks need more shared memory
  * than the GPU has, goes to the unfused path; and with --before-sm80, on a GPU the caller knows
- * to be older than sm_80, bf16 and f16 of every head; with --sm86, on a GPU whose blocks get 99
- * KB, f32 heads up to 64). The kernels against the CPU's are
+ * to be older than sm_80, bf16 and f16 of every head; with --sm86 and --small-smem, on GPUs
+ * whose blocks get 99 KB, f32 heads up to 64); in f32, which heads run on the tensor cores (the
+ * default's bits against the CUDA cores'). The kernels against the CPU's are
  * test_cuda's attention rows, which run the fused kernel where it fits.
  *
  * The bound: in f32 both paths sum the same products in other orders (1e-5 of the
@@ -36,6 +37,9 @@ int main(void) {
 #include <string.h>
 
 static const tdm_backend *GPU;
+/* The widest f32 head the GPU's default runs as 3xTF32 on the tensor cores (its bits then differ
+ * from the CUDA cores' kernels'); narrower ones up to 64 run on the CUDA cores (the same bits). */
+static int64_t tf32x3_heads = 64;
 
 /* A GPU tensor of dtype dt holding v (f32 values, rounded to dt). */
 static tdm_tensor *on_gpu(tdm_shape s, tdm_dtype dt, const float *v) {
@@ -166,6 +170,11 @@ static void test_size(int64_t B, int64_t T, int64_t C, int nh, tdm_dtype dt, boo
               "B=%lld T=%lld C=%lld heads %d %s: blocks of 128 rows and of 64 differ", (long long)B,
               (long long)T, (long long)C, nh, dn);
         if (simt) {
+            const bool tc = !same(f.y, n.y, ny) || !same(f.g, n.g, nq);
+            CHECK(tc == (C / nh <= tf32x3_heads),
+                  "B=%lld T=%lld C=%lld heads %d f32: the default ran on the %s, not the %s",
+                  (long long)B, (long long)T, (long long)C, nh, tc ? "tensor cores" : "CUDA cores",
+                  tc ? "CUDA cores" : "tensor cores");
             double sy2, sl2, sg2;
             bool o2 = within(n.y, u.y, NULL, ny, atol, rtol, &sy2) &&
                       within(n.lse, u.lse, NULL, B * nh * T, 1e-5, 1e-5, &sl2) &&
@@ -231,10 +240,12 @@ static void test_before_sm80(void) {
     tdm_scope_end();
 }
 
-/* On a GPU whose blocks get 99 KB of shared memory (sm_86, sm_89; the caller says so: the
- * emulation's EMU_CC_MAJOR=8 EMU_SMEM_OPTIN=101376), f32 heads up to 64 still run fused: at 64
- * on the CUDA cores' kernels (3xTF32's dK/dV block takes 103 KB), at 48 on the tensor cores. */
-static void test_sm86(void) {
+/* On a GPU whose blocks get 99 KB of shared memory (the caller says so: the emulation's
+ * EMU_SMEM_OPTIN=101376), f32 heads up to 64 still run fused. sm_86 (--sm86: EMU_CC_MAJOR=8
+ * EMU_CC_MINOR=6; sm_89 alike), where TF32 is no faster than f32, on the CUDA cores at every
+ * head; an sm_80 with that little (--small-smem) at 64 on the CUDA cores (3xTF32's dK/dV block
+ * takes 103 KB), at 48 on the tensor cores. */
+static void test_small_smem(void) {
     tdm_scope_begin();
     for (int64_t hs = 16; hs <= 64; hs += 16) {
         tdm_tensor *qkv = tdm_zeros(TDM_SHAPE(1, 4, 3 * 2 * hs), TDM_F32, tdm_cuda(0));
@@ -259,8 +270,9 @@ int main(int argc, char **argv) {
         test_before_sm80();
         return check_summary();
     }
-    if (argc > 1 && !strcmp(argv[1], "--sm86")) {
-        test_sm86();
+    if (argc > 1 && (!strcmp(argv[1], "--sm86") || !strcmp(argv[1], "--small-smem"))) {
+        tf32x3_heads = !strcmp(argv[1], "--sm86") ? 0 : 48;
+        test_small_smem();
         return check_summary();
     }
     test_fits();

@@ -89,11 +89,12 @@ void tdm_cuda_flash_enable(bool on);
 #define TDM_CUDA_FLASH_WIDE_ALL 7u
 void tdm_cuda_flash_wide(unsigned kernels);
 /* The f32 fused attention's products on the tensor cores as three TF32 products each (on, the
- * default, from sm_80 for heads up to 64: the arithmetic of PyTorch's memory-efficient
- * attention in f32, about 22 of f32's 24 bits a product, every sum in f32), or on the CUDA
- * cores in f32 (off, as GPUs before sm_80 and wider heads always run; TANDEM_FLASH_TF32X3=0 in
- * the environment starts it off). test_cuda_flash checks both against the unfused path,
- * bench_cuda times both. Not to be called with attention kernels in flight. */
+ * default, on sm_80, sm_90 and sm_100 for heads up to 64: the arithmetic of PyTorch's
+ * memory-efficient attention in f32, about 22 of f32's 24 bits a product, every sum in f32), or on
+ * the CUDA cores in f32 (off, as other GPUs, whose TF32 is no faster than f32 or missing, and wider
+ * heads always run; TANDEM_FLASH_TF32X3=0 in the environment starts it off). test_cuda_flash checks
+ * both against the unfused path, bench_cuda times both. Not to be called with attention kernels in
+ * flight. */
 void tdm_cuda_flash_tf32x3(bool on);
 /* Layer norms of up to 4096 columns a row a warp (on, the default) or a row a block (off), as
  * wider rows always run: bench_cuda times the two. Not to be called with norms in flight. */

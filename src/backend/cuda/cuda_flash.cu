@@ -5,12 +5,12 @@
  * takes FA_BR query rows of one head and walks the key tiles up to its diagonal, each of its
  * four warps owning 16 of the rows and all of their work. bf16 and f16 run on the tensor cores
  * through mma.sync (cuda_flash_mma.cu; there the blocks take 128 rows, 32 a warp, where heads
- * are up to 64), and so does f32 from sm_80 at heads up to 64, each product as three TF32
- * products (PyTorch's memory-efficient attention's fp32 arithmetic; tdm_cuda_flash_tf32x3).
- * This file holds the dispatch, D = rowsum(dy * y) for every dtype and the f32 kernels for
- * the rest, whose products run on the CUDA cores in f32: the scores, the row statistics and
- * the sums sit in registers, a tile of P (or dS) goes through the warp's own rows of shared
- * memory to become the next product's operand, and every shared-memory read of the products
+ * are up to 64), and so does f32 on sm_80, sm_90 and sm_100 at heads up to 64, each product as
+ * three TF32 products (PyTorch's memory-efficient attention's fp32 arithmetic;
+ * tdm_cuda_flash_tf32x3). This file holds the dispatch, D = rowsum(dy * y) for every dtype and the
+ * f32 kernels for the rest, whose products run on the CUDA cores in f32: the scores, the row
+ * statistics and the sums sit in registers, a tile of P (or dS) goes through the warp's own rows of
+ * shared memory to become the next product's operand, and every shared-memory read of the products
  * is conflict-free (fa32_dot, fa32_acc). Every softmax
  * sum is f32, and in bf16 and f16 P and dS are rounded to the dtype for the products that take
  * them, as the unfused path and PyTorch's flash kernels round them.
@@ -446,14 +446,23 @@ static int fa_smem_limit(int index) {
     return v;
 }
 
-/* The device's compute capability's major number (0 when it cannot be read). */
-static int fa_cc_major(int index) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess) {
+/* The device's compute capability as 10 major + minor (0 when it cannot be read). */
+static int fa_cc(int index) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index) != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }
-    return v;
+    return 10 * major + minor;
+}
+
+/* Whether three TF32 products beat one f32 product on the CUDA cores: on the data-center parts,
+ * whose tensor cores run TF32 7-8 times as fast as their CUDA cores run f32 (sm_80 A100, sm_90
+ * H100 and H200, sm_100 B200); not where TF32 is no faster than f32 (sm_86 and sm_89, NVIDIA's
+ * GA102 and AD102 whitepapers; sm_120) or not known to be (sm_87 Orin). */
+static bool fa_tf32_fast(int cc) {
+    return cc == 80 || cc == 90 || (cc >= 100 && cc < 110);
 }
 
 /* TANDEM_FLASH_ATTENTION=0 in the environment starts it off, TANDEM_FLASH_TF32X3=0 the f32
@@ -479,14 +488,14 @@ extern "C" void tdm_cuda_flash_tf32x3(bool on) {
 }
 
 /* Whether heads of g on device `index` run on the mma.sync kernels: bf16 and f16 always
- * (tdm_cuda_flash_fits declines them before sm_80), f32 heads up to 64 from sm_80 while
- * tdm_cuda_flash_tf32x3 is on (wider ones would spill the split fragments) and the blocks' shared
- * memory fits (at heads of 64 the dK/dV kernel's 103 KB do not on sm_86 and sm_89, whose
- * blocks get 99: the CUDA cores' kernels, 89 KB, still do). */
+ * (tdm_cuda_flash_fits declines them before sm_80), f32 heads up to 64 (wider ones would spill
+ * the split fragments) while tdm_cuda_flash_tf32x3 is on, where TF32 is fast (fa_tf32_fast) and
+ * the blocks' shared memory fits (the dK/dV kernel's 103 KB at heads of 64; the CUDA cores'
+ * kernels take 89 KB). */
 static bool fa_on_mma(fa_geom g, size_t es, int index) {
     pthread_once(&fa_env_once, fa_read_env);
     if (es == 2) return true;
-    if (!__atomic_load_n(&fa_tf32x3, __ATOMIC_RELAXED) || g.hs > 64 || fa_cc_major(index) < 8)
+    if (!__atomic_load_n(&fa_tf32x3, __ATOMIC_RELAXED) || g.hs > 64 || !fa_tf32_fast(fa_cc(index)))
         return false;
     const size_t limit = (size_t)fa_smem_limit(index);
     return fa_mma_smem_fwd(g, 4) <= limit && fa_mma_smem_dkv(g, 4) <= limit &&
@@ -501,7 +510,7 @@ extern "C" bool tdm_cuda_flash_fits(const tdm_tensor *qkv, int n_head) {
     if (g.hs % 16 || g.hs > 128 || g.B * g.nh * ((g.T + FA_BR - 1) / FA_BR) > INT32_MAX)
         return false;
     /* bf16 and f16 products take sm_80's tensor-core instructions */
-    if (es == 2 && fa_cc_major(qkv->device.index) < 8) return false;
+    if (es == 2 && fa_cc(qkv->device.index) < 80) return false;
     const size_t limit = (size_t)fa_smem_limit(qkv->device.index);
     const bool mma = fa_on_mma(g, es, qkv->device.index);
     return fa_smem_fwd(g, es, mma) <= limit && fa_smem_dkv(g, es, mma) <= limit &&

@@ -26,6 +26,7 @@ typedef enum {
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 enum cudaDeviceAttr {
     cudaDevAttrComputeCapabilityMajor = 75,
+    cudaDevAttrComputeCapabilityMinor = 76,
     cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
 };
 typedef struct emu_stream *cudaStream_t;

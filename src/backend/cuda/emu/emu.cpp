@@ -494,11 +494,12 @@ static int emu_smem_optin(void) {
     const char *e = getenv("EMU_SMEM_OPTIN");
     return e ? atoi(e) : SMEM_OPTIN;
 }
-/* sm_90, or EMU_CC_MAJOR's major number: an older GPU's choices, for a test */
+/* sm_90, or EMU_CC_MAJOR.EMU_CC_MINOR (minor 0 unset): another GPU's choices, for a test */
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int device) {
-    const char *cc = getenv("EMU_CC_MAJOR");
+    const char *cc = getenv("EMU_CC_MAJOR"), *minor = getenv("EMU_CC_MINOR");
     *v = a == cudaDevAttrMaxSharedMemoryPerBlockOptin ? emu_smem_optin()
          : a == cudaDevAttrComputeCapabilityMajor     ? (cc ? atoi(cc) : 9)
+         : a == cudaDevAttrComputeCapabilityMinor     ? (minor ? atoi(minor) : 0)
                                                       : 0;
     return cudaSuccess;
 }

@@ -34,12 +34,22 @@ int main(void) {
 #include "backend/cuda/cuda.h"
 #include "tandem/half.h"
 
+#include <cuda_runtime.h>
 #include <string.h>
 
 static const tdm_backend *GPU;
 /* The widest f32 head the GPU's default runs as 3xTF32 on the tensor cores (its bits then differ
- * from the CUDA cores' kernels'); narrower ones up to 64 run on the CUDA cores (the same bits). */
-static int64_t tf32x3_heads = 64;
+ * from the CUDA cores' kernels'); wider ones up to 64 run on the CUDA cores (the same bits). The
+ * rule (cuda.h): 64 on sm_80, sm_90 and sm_100, whose blocks' shared memory holds them, else 0. */
+static int64_t tf32x3_heads;
+
+static int64_t tf32x3_heads_here(void) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+    const int cc = 10 * major + minor;
+    return cc == 80 || cc == 90 || (cc >= 100 && cc < 110) ? 64 : 0;
+}
 
 /* A GPU tensor of dtype dt holding v (f32 values, rounded to dt). */
 static tdm_tensor *on_gpu(tdm_shape s, tdm_dtype dt, const float *v) {
@@ -266,12 +276,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "test_cuda_flash: %s\n", tdm_last_error());
         return 1;
     }
+    tf32x3_heads = tf32x3_heads_here();
     if (argc > 1 && !strcmp(argv[1], "--before-sm80")) {
         test_before_sm80();
         return check_summary();
     }
     if (argc > 1 && (!strcmp(argv[1], "--sm86") || !strcmp(argv[1], "--small-smem"))) {
-        tf32x3_heads = !strcmp(argv[1], "--sm86") ? 0 : 48;
+        tf32x3_heads = !strcmp(argv[1], "--sm86") ? 0 : 48; /* 64's blocks exceed 99 KB */
         test_small_smem();
         return check_summary();
     }

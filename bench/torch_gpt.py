@@ -5,7 +5,7 @@ usage: $VENV/bin/python bench/torch_gpt.py [--dir /tmp/tandem_bench_gpt] [--step
                                           [--device cpu|cuda] [--layers 2] [--channels 128]
                                           [--heads 4] [--context 64] [--batch 4]
                                           [--autocast none|bf16|fp16] [--attention sdpa|manual]
-                                          [--adamw fused|foreach]
+                                          [--adamw fused|foreach|default]
 
 Config (../shared/baseline/README.md, section 6): 2 layers, 128 channels, 4 heads, context
 64, batch 4, vocabulary 256 (bytes), no dropout; AdamW lr 1e-4, betas (0.9, 0.999), eps 1e-8,
@@ -26,9 +26,10 @@ user writes (nanoGPT's fast path): its flash kernel in bf16/fp16 on a GPU, its m
 one in fp32 (3xTF32 on the tensor cores from sm_80), its fused CPU kernel on a CPU. --attention
 manual is nanoGPT's slow path (q k^T, masked_fill, softmax, @ v: the T x T scores stored), the
 baseline of the figures measured before 2026-12-07 (bench/RESULTS.md says which).
---adamw: torch.optim.AdamW's fused kernel (the default on a GPU, as nanoGPT asks for it there)
-or its foreach one (the default on a CPU, where the figures before 2026-12-07 used it; on a GPU
-it was the default until then).
+--adamw: torch.optim.AdamW's fused kernel (the default on a GPU, as nanoGPT asks for it there),
+its foreach one, or PyTorch's own default (the default on a CPU, where it is a loop over the
+tensors, the baseline of every CPU figure; on a GPU it is foreach, the baseline until
+2026-12-07).
 Step time = forward + backward + optimizer step (batches are prepared before timing, on the
 device; loss.item() ends each step, as the Tandem trainer reads each step's loss).
 """
@@ -52,8 +53,8 @@ ap.add_argument("--autocast", choices=["none", "bf16", "fp16"], default="none",
                 help="forward and loss under torch.autocast in this dtype")
 ap.add_argument("--attention", choices=["sdpa", "manual"], default="sdpa",
                 help="F.scaled_dot_product_attention (default) or the unfused products")
-ap.add_argument("--adamw", choices=["fused", "foreach"], default=None,
-                help="AdamW's implementation (default: fused on a GPU, foreach on a CPU)")
+ap.add_argument("--adamw", choices=["fused", "foreach", "default"], default=None,
+                help="AdamW's implementation (default: fused on a GPU, PyTorch's default on a CPU)")
 args = ap.parse_args()
 os.environ["OMP_NUM_THREADS"] = str(args.threads)
 os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
@@ -148,10 +149,11 @@ dev = torch.device(args.device)
 model.to(dev)
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
 no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-adamw = args.adamw or ("fused" if dev.type == "cuda" else "foreach")
+adamw = args.adamw or ("fused" if dev.type == "cuda" else "default")
 opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                          {"params": no_decay, "weight_decay": 0.0}], lr=1e-4, betas=(0.9, 0.999),
-                        eps=1e-8, **({"fused": True} if adamw == "fused" else {"foreach": True}))
+                        eps=1e-8, **{"fused": {"fused": True}, "foreach": {"foreach": True},
+                                     "default": {}}[adamw])
 batches = []
 for k in range(args.steps):
     chunk = data[k * B * T:(k + 1) * B * T + 1]

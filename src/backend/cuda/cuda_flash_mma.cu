@@ -303,10 +303,11 @@ __device__ __forceinline__ void fa_store_rows(E *out, int64_t rs, const float c[
 #pragma unroll
         for (int d = 0; d < 2 * HT; d++) {
             const float lo = c[d][2 * r] * scale, hi = c[d][2 * r + 1] * scale;
-            if (pairs && fa_kind<E>::tf32) {
-                *(float2 *)(o + d * 8) = make_float2(lo, hi);
-            } else if (pairs) {
-                *(uint32_t *)(o + d * 8) = fa_pack<E>(lo, hi);
+            if (pairs) {
+                if constexpr (fa_kind<E>::tf32)
+                    *(float2 *)(o + d * 8) = make_float2(lo, hi);
+                else
+                    *(uint32_t *)(o + d * 8) = fa_pack<E>(lo, hi);
             } else {
                 o[d * 8] = cu_to<E>(lo);
                 o[d * 8 + 1] = cu_to<E>(hi);

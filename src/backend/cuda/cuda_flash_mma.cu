@@ -63,11 +63,13 @@ __device__ __forceinline__ float fa_float(uint32_t u) {
     memcpy(&f, &u, 4);
     return f;
 }
-/* x as big + small, two TF32 values (their 13 low bits clear): big x rounded to nearest (ties
- * away from 0), small the rest (exact in f32) truncated. */
+/* x as big + small, CUTLASS's FastF32 split: big x truncated to TF32 (its 13 low bits cleared),
+ * small the rest (exact in f32) with half a TF32 ulp added to its bits, so that the tensor core,
+ * which truncates an f32 operand to TF32 as it reads it (the emulation does the same), takes it
+ * rounded to nearest: three instructions a register, and big + small keep 22 of x's 24 bits. */
 __device__ __forceinline__ void fa_split(uint32_t x, uint32_t &big, uint32_t &small) {
-    big = (x + 0x1000u) & 0xffffe000u;
-    small = fa_bits(fa_float(x) - fa_float(big)) & 0xffffe000u;
+    big = x & 0xffffe000u;
+    small = fa_bits(fa_float(x) - fa_float(big)) + 0x1000u;
 }
 
 /* d += A B, m16n8k8 in TF32, f32 accumulation (PTX's layouts: A's register r holds (row g + 8

@@ -81,8 +81,9 @@ static inline void emu_mma_m16n8k16(float d[4], const uint32_t a[4], uint32_t b0
 /* PTX's mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 with d as C and D: d += A B for A
  * 16 x 8, B 8 x 8, one element a register (the PTX ISA's layouts: A's register r holds (row g +
  * 8 (r & 1), column t + 4 (r >> 1)), B's register r (row t + 4r, column g), d as m16n8k16's).
- * A tensor core reads 19 bits of each element (sign, exponent, 10 of the mantissa): the rest
- * are dropped here (the kernels clear them first, so how a GPU treats them does not matter). */
+ * A tensor core reads 19 bits of each element (sign, exponent, 10 of the mantissa) and drops
+ * the rest, truncating: so does this (the kernels' 3xTF32 split counts on it for its small
+ * halves). */
 static inline float emu_tf32(uint32_t w) {
     w &= 0xffffe000u;
     float f;

@@ -905,6 +905,15 @@ static void case_cross_entropy(run *r) {
         grad(r, "gx", gx);
         grad(r, "gx-recomputed-lse", gx2);
         keep(r, "wsum", ws, (bound)EXACT);
+        /* the mean (the sum in variant 2) and its gradient in one pass */
+        tdm_tensor *o = zeros32(r, TDM_SHAPE0), *den = zeros32(r, TDM_SHAPE0);
+        tdm_tensor *gx3 = like(r, x), *lse3 = like(r, gl);
+        KERNEL(r, cross_entropy_reduced, o, den, logits ? lse3 : NULL, gx3, x, tg, w, -100, smooth,
+               logits, v != 2);
+        out(r, "reduced", o);
+        out(r, "den", den);
+        grad(r, "gx-reduced", gx3);
+        if (logits) out(r, "lse-reduced", lse3);
     }
     variant(r, "bad target");
     tdm_tensor *x = randn(r, TDM_SHAPE(3, C), 0, 1), *tg = from(r, TDM_SHAPE(3), TDM_I64, badt);
@@ -999,8 +1008,8 @@ static void case_gpt(run *r) {
     {"dropout in " tag, case_dropout, EXACT, EXACT, dt},                                          \
     {"conv2d, conv2d_backward in " tag, case_conv2d, {1e-4, 1e-4}, {1e-4, 1e-4}, dt},             \
     {"attention, attention_backward in " tag, case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}, dt},    \
-    {"cross_entropy, cross_entropy_backward in " tag, case_cross_entropy, {1e-6, 1e-5},           \
-     {1e-6, 1e-5}, dt},
+    {"cross_entropy, cross_entropy_backward, cross_entropy_reduced in " tag, case_cross_entropy,  \
+     {1e-6, 1e-5}, {1e-6, 1e-5}, dt},
 /* clang-format on */
 
 static const row ROWS[] = {
@@ -1065,7 +1074,7 @@ static const row ROWS[] = {
     /* the GPU sums each dot product and softmax in another order than BLAS */
     {"attention, attention_backward", case_attention, {1e-5, 1e-5}, {1e-4, 1e-4}, TDM_F32},
     /* log-sum-exp through different expf; expf and log1pf ulps: 1e-5 */
-    {"cross_entropy, cross_entropy_backward",
+    {"cross_entropy, cross_entropy_backward, cross_entropy_reduced",
      case_cross_entropy,
      {1e-6, 1e-5},
      {1e-6, 1e-5},

@@ -647,6 +647,14 @@ static void test_losses(void) {
         RUN2(BE->cross_entropy_backward(gx.lo, gl.lo, x.lo, lse.lo, tg, w.lo, -100, sm, true),
              BE->cross_entropy_backward(gx.f, gl.f, x.f, lse.f, tg, w.f, -100, sm, true));
         expect("cross_entropy_backward", gx, NULL);
+        pair out = output(TDM_SHAPE0, TDM_F32), den = output(TDM_SHAPE0, TDM_F32);
+        pair gr = output(TDM_SHAPE(N, C), DT);
+        RUN2(BE->cross_entropy_reduced(out.lo, den.lo, lse.lo, gr.lo, x.lo, tg, w.lo, -100, sm,
+                                       true, v == 0),
+             BE->cross_entropy_reduced(out.f, den.f, lse.f, gr.f, x.f, tg, w.f, -100, sm, true,
+                                       v == 0));
+        expect("cross_entropy_reduced", out, NULL);
+        expect("cross_entropy_reduced gx", gr, NULL);
         tdm_scope_end();
     }
     tdm_scope_begin();
@@ -727,8 +735,8 @@ static const char COVERED[] =
     " sum_squares matmul index_select index_add conv2d conv2d_backward max_pool2d"
     " max_pool2d_backward avg_pool2d avg_pool2d_backward batch_norm batch_norm_backward"
     " batch_norm_stats batch_norm_backward_reduce batch_norm_backward_elemt layer_norm"
-    " layer_norm_backward dropout cross_entropy cross_entropy_backward bce_logits"
-    " bce_logits_backward attention attention_backward ";
+    " layer_norm_backward dropout cross_entropy cross_entropy_backward cross_entropy_reduced"
+    " bce_logits bce_logits_backward attention attention_backward ";
 /* The kernels with none: raw memory and host transfers move bytes of any dtype, copy, fill
  * and random are cpu_memory.c's (the tensor core's tests), count_up counts in i64 only, linear
  * is copy and matmul, linear_gelu linear and unary, linear_dgelu matmul and unary_backward,

@@ -4,13 +4,14 @@
 #include "gradcheck.h"
 #include "backend/backend.h"
 #include "core/core.h"
+#include "tandem/autocast.h"
 
-/* L = sum(out * U) (U = 1 for a scalar loss), run backward. */
+/* L = sum(out * U), run backward; a scalar loss is the backward's root itself (a
+ * cross-entropy's then hands on the gradient its forward wrote). */
 static int backward_weighted(tdm_tensor *out, const float *u) {
     if (!out) return -1;
-    tdm_tensor *l = tdm_numel(out) == 1 ? tdm_sum_all(out)
-                                        : tdm_sum_all(tdm_mul(out, f32(tdm_shape_of(out), u)));
-    return tdm_backward(l);
+    if (tdm_numel(out) == 1) return tdm_backward(out);
+    return tdm_backward(tdm_sum_all(tdm_mul(out, f32(tdm_shape_of(out), u))));
 }
 
 /* ---- PyTorch fixtures ---- */
@@ -261,6 +262,67 @@ static void test_backward_from_lse(void) {
 }
 
 /* No scope open: losses return caller-owned results and free their temporaries. */
+/* x.grad of a cross-entropy of x (f32 or bf16 logits), the loss times k the backward's root
+ * (k 0: the loss itself). After the forward, x is overwritten with ones: a backward that reads
+ * the logits gives another gradient, one that hands on the forward's does not. */
+static float *ce_grad_of(tdm_dtype dt, const tdm_ce_opts *o, float k, bool spoil) {
+    enum { N = 7, C = 37 };
+    int64_t tv[N] = {0, 36, 3, -100, 17, 8, 36};
+    tdm_rng r = tdm_rng_make(21);
+    tdm_scope_begin();
+    tdm_tensor *x = tdm_cast(tdm_randn(TDM_SHAPE(N, C), 0, 2, tdm_cpu(0), &r), dt);
+    tdm_requires_grad_(x, true);
+    /* bf16 in an autocast region, as it trains: the loss f32 (outside one it is bf16, and the
+     * cast after it the root) */
+    if (dt == TDM_BF16) tdm_autocast_begin(TDM_BF16);
+    tdm_tensor *l = tdm_cross_entropy(x, i64(TDM_SHAPE(N), tv), o);
+    if (dt == TDM_BF16) tdm_autocast_end();
+    if (spoil) tdm_backend_for(x->device)->fill(x, 1.0);
+    int rc = tdm_backward(k ? tdm_mul_scalar(l, k) : l);
+    float *g = malloc(sizeof(float) * N * C);
+    tdm_tensor *gf = x->grad ? tdm_cast(x->grad, TDM_F32) : NULL;
+    CHECK(!rc && gf && !tdm_to_host(gf, g, sizeof(float) * N * C), "cross_entropy backward: %s",
+          tdm_last_error());
+    tdm_scope_end();
+    return g;
+}
+
+/* A mean or sum whose backward starts at it takes the gradient its forward wrote in the same
+ * pass over the logits; the bits are those of the backward from the logits (which any other
+ * upstream takes: the loss times 1 or 0.5 here), f32 and bf16, every option. */
+static void test_ce_fused_gradient(void) {
+    float wv[37];
+    for (int c = 0; c < 37; c++) wv[c] = 0.5f + (float)(c % 5) * 0.25f;
+    tdm_tensor *w = f32(TDM_SHAPE(37), wv);
+    for (int k = 0; k < 8; k++) {
+        tdm_dtype dt = k & 4 ? TDM_BF16 : TDM_F32;
+        tdm_ce_opts o = tdm_ce_defaults();
+        o.reduction = k & 1 ? TDM_REDUCE_SUM : TDM_REDUCE_MEAN;
+        o.weight = k & 2 ? w : NULL;
+        o.label_smoothing = k & 2 ? 0.1f : 0.0f;
+        float *fused = ce_grad_of(dt, &o, 0, false), *from_x = ce_grad_of(dt, &o, 1.0f, false);
+        float *half = ce_grad_of(dt, &o, 0.5f, false), *spoilt = ce_grad_of(dt, &o, 0, true);
+        float *spoilt_x = ce_grad_of(dt, &o, 1.0f, true);
+        int same = 0, halved = 0, kept = 0, moved = 0;
+        for (int i = 0; i < 7 * 37; i++) {
+            same += fused[i] == from_x[i];
+            halved += half[i] == 0.5f * fused[i]; /* a power of two: exact */
+            kept += spoilt[i] == fused[i];
+            moved += spoilt_x[i] != fused[i];
+        }
+        CHECK(same == 7 * 37 && halved == 7 * 37,
+              "ce %s reduction %d options %d: %d of 259 bits as the backward from the logits, "
+              "%d halved with the loss",
+              tdm_dtype_name(dt), (int)o.reduction, k & 2, same, halved);
+        CHECK(kept == 7 * 37, "ce %s: the root's backward read the logits (%d of 259 kept)",
+              tdm_dtype_name(dt), kept);
+        CHECK(moved > 200, "ce %s: the backward from the logits did not read them (%d moved)",
+              tdm_dtype_name(dt), moved);
+        free(fused), free(from_x), free(half), free(spoilt), free(spoilt_x);
+    }
+    tdm_tensor_free(w);
+}
+
 static void test_no_scope(void) {
     int64_t tv[2] = {1, 0};
     float xv[6] = {1, 2, 3, 4, 5, 6};
@@ -324,6 +386,7 @@ int main(void) {
     test_pair_gradcheck();
     test_stability();
     test_backward_from_lse();
+    test_ce_fused_gradient();
     test_no_scope();
     test_errors();
     return check_summary();

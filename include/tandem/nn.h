@@ -124,7 +124,13 @@ typedef struct {
 /* PyTorch's defaults: mean, ignore_index -100, no smoothing, no weights. */
 tdm_ce_opts tdm_ce_defaults(void);
 
-/* logits [N, C], target [N] (i32/i64) -> scalar (mean, sum) or [N] (none). o may be NULL. */
+/* logits [N, C], target [N] (i32/i64) -> scalar (mean, sum) or [N] (none). o may be NULL.
+ * Returns a tensor of the current scope; NULL with TDM_ERR_SHAPE, TDM_ERR_DTYPE or
+ * TDM_ERR_ARG naming a bad shape, dtype, option or target. Recording a gradient, an f32 mean
+ * or sum (an f32 loss, or bf16 logits under autocast) also writes the logits' gradient in the
+ * forward's pass over them (llm.c's fused classifier), held until the backward: a backward
+ * started at this loss hands it on without reading the logits again; any other upstream (the
+ * loss scaled or summed with others first) recomputes it, to the same bits. */
 tdm_tensor *tdm_cross_entropy(tdm_tensor *logits, const tdm_tensor *target, const tdm_ce_opts *o);
 /* logp [N, C] log-probabilities; label_smoothing must be 0. */
 tdm_tensor *tdm_nll_loss(tdm_tensor *logp, const tdm_tensor *target, const tdm_ce_opts *o);

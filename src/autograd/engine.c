@@ -147,6 +147,7 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
             hold(own);
             return TDM_OK;
         }
+        n->seed_one = false;
         return add_into(n->gout, g);
     }
     /* a leaf: .grad lives as long as the leaf itself, or comes from its source */
@@ -176,6 +177,7 @@ int tdm_grad_replace(tdm_tensor *t, tdm_tensor *g) {
     consumed(n->gout); /* read by the caller's kernel, queued in stream order: freed if done */
     n->gout = g;
     n->gout_owned = true; /* made for t alone: a later gradient adds into it in place */
+    n->seed_one = false;
     hold(g);
     return TDM_OK;
 }
@@ -338,6 +340,7 @@ static int walk(int top, int stop, tdm_tensor **heads) {
 static void seed_node(tdm_tensor *out, tdm_tensor *seed, bool owned) {
     out->grad_fn->gout = seed;
     out->grad_fn->gout_owned = owned;
+    out->grad_fn->seed_one = owned; /* ones when the engine made it */
     hold(seed);
 }
 

@@ -25,6 +25,9 @@ struct tdm_node {
     tdm_tensor *out;
     tdm_tensor *gout; /* gradient of out accumulated so far (NULL: none reached it) */
     bool gout_owned;  /* gout belongs to this node and may be added into in place */
+    /* gout is the backward's seed of ones, unchanged: the walk starts at this node with a
+     * unit gradient (a loss may have written its input's gradient for it in the forward) */
+    bool seed_one;
     int n_in;
     tdm_tensor *in[TDM_NODE_MAX_IN];
     tdm_tensor *saved[TDM_NODE_MAX_SAVED];

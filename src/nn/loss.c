@@ -1,10 +1,12 @@
 /* Losses with PyTorch's meaning: cross-entropy (logits) and NLL (log-probabilities) with class
  * weights, ignore_index and label smoothing; MSE; binary cross-entropy on logits.
  *
- * The heavy part of each loss is one fused per-sample node (kernels in cpu_loss.c); the
- * reduction is composed from scalar ops. For cross-entropy, torch 1.13's mean divides the sum
- * of per-sample losses by the sum of w[target] over non-ignored samples (the count of them
- * without weights), for the smoothing term too; the kernel returns those w[target] terms.
+ * The heavy part of each loss is one fused node (kernels in cpu_loss.c). Cross-entropy's mean
+ * or sum is one node over the reduced kernel, which can write the logits' gradient in the
+ * forward's pass (ce_reduced); reduction none is a per-sample node. torch 1.13's mean divides
+ * the sum of per-sample losses by the sum of w[target] over non-ignored samples (the count of
+ * them without weights), for the smoothing term too. MSE's and BCE's reductions are composed
+ * from scalar ops.
  */
 #include "autograd/ops.h"
 #include "tandem/nn.h"
@@ -77,29 +79,41 @@ static int ce_check(const tdm_tensor *x, const tdm_tensor *target, const tdm_ce_
     return TDM_OK;
 }
 
-/* The loss of every sample [N] (differentiable in x) and, in *wsum, w[target] per sample
- * (0 where ignored). */
+/* x, and weight as a contiguous tensor (class weights are constants here, as in PyTorch's
+ * loss: a copy is fine), or NULL on failure. */
+static tdm_tensor *ce_inputs(tdm_tensor *x, const tdm_ce_opts *o, tdm_tensor **w) {
+    *w = NULL;
+    tdm_tensor *xc = tdm_contiguous(x);
+    if (!xc || !o->weight) return xc;
+    *w = tdm_is_contiguous(o->weight) ? o->weight : tdm_clone(o->weight);
+    return *w ? xc : NULL;
+}
+
+/* The node's saved tensors and arguments (both nodes below). */
+static void ce_save(tdm_node *n, tdm_tensor *tk, tdm_tensor *wk, const tdm_ce_opts *o,
+                    bool is_logits) {
+    n->saved[0] = tk;
+    n->saved[1] = wk;
+    n->arg.i[0] = o->ignore_index;
+    n->arg2.f[0] = o->label_smoothing;
+    n->arg2.f[1] = is_logits ? 1.0f : 0.0f;
+}
+
+/* The loss of every sample [N] (differentiable in x; reduction none). */
 static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
-                                 bool is_logits, tdm_tensor **wsum) {
+                                 bool is_logits) {
     const tdm_backend *be = tdm_backend_for(x->device);
-    if (!be) return NULL;
-    tdm_tensor *xc = tdm_contiguous(x), *w = NULL;
+    tdm_tensor *w, *xc = be ? ce_inputs(x, o, &w) : NULL;
     if (!xc) return NULL;
-    if (o->weight) {
-        /* class weights are constants here, as in PyTorch's loss: a contiguous copy is fine */
-        w = tdm_is_contiguous(o->weight) ? o->weight : tdm_clone(o->weight);
-        if (!w) return NULL;
-    }
     tdm_shape ns = TDM_SHAPE(x->shape[0]);
-    /* f32 whatever x's dtype (the backends' contract): counts stay exact, the sums too */
+    /* f32 whatever x's dtype (the backends' contract) */
     tdm_tensor *loss = tdm_tensor_alloc(ns, TDM_F32, x->device);
-    *wsum = tdm_tensor_alloc(ns, TDM_F32, x->device);
     tdm_tensor *in[1] = {xc};
     bool record = tdm_needs_record(1, in);
     /* the rows' log-sum-exps, N floats, spare the backward its own pass for them */
     tdm_tensor *lse = record && is_logits ? tdm_tensor_alloc(ns, TDM_F32, x->device) : NULL;
-    if (!loss || !*wsum || (record && is_logits && !lse)) return NULL;
-    if (be->cross_entropy(loss, *wsum, lse, xc, target, w, o->ignore_index, o->label_smoothing,
+    if (!loss || (record && is_logits && !lse)) return NULL;
+    if (be->cross_entropy(loss, NULL, lse, xc, target, w, o->ignore_index, o->label_smoothing,
                           is_logits))
         return NULL;
     if (record) {
@@ -108,16 +122,69 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
         tdm_node *n =
             tdm_record(is_logits ? "cross_entropy" : "nll_loss", ce_backward, loss, 1, in);
         if (!n) return tdm_drop_fail(loss);
-        n->saved[0] = tk;
-        n->saved[1] = wk;
+        ce_save(n, tk, wk, o, is_logits);
         n->saved[2] = lse;
-        n->arg.i[0] = o->ignore_index;
-        n->arg2.f[0] = o->label_smoothing;
-        n->arg2.f[1] = is_logits ? 1.0f : 0.0f;
     }
     tdm_drop_temp(xc, x);
     tdm_drop_temp(w, o->weight);
     return loss;
+}
+
+/* saved: target, weight, lse (logits), den (the mean's denominator, 1 for a sum), the
+ * forward's gradient or NULL. A backward that starts here (the engine's unit seed) hands the
+ * forward's gradient on; any other upstream g recomputes it from the logits and lse for
+ * g / den a sample, as the per-sample node's backward does. */
+static int ce_reduced_backward(tdm_node *n, tdm_tensor *gout) {
+    tdm_tensor *x = n->in[0], *gx = n->saved[4];
+    if (gx && n->seed_one) {
+        gx->storage->walk_born = true; /* freed once consumed, as a gradient made now */
+        return tdm_grad_accumulate(x, gx);
+    }
+    if (gx) tdm_storage_resize(gx->storage, 0); /* not this upstream's: its memory back now */
+    const tdm_backend *be = tdm_backend_for(x->device);
+    tdm_tensor *g = tdm_tensor_alloc(TDM_SHAPE0, TDM_F32, x->device);
+    tdm_tensor *gxn = tdm_tensor_alloc(tdm_shape_of(x), x->dtype, x->device);
+    if (!g || !gxn || be->binary(TDM_BIN_DIV, g, gout, n->saved[3])) return tdm_last_status();
+    int rc = be->cross_entropy_backward(gxn, g, x, n->saved[2], n->saved[0], n->saved[1],
+                                        n->arg.i[0], n->arg2.f[0], n->arg2.f[1] != 0);
+    return rc ? rc : tdm_grad_accumulate(x, gxn);
+}
+
+/* The mean or sum in one node over the backend's reduced kernel. Where the backward will
+ * likely start at this loss (f32, not cast after), the kernel writes the logits' gradient in
+ * the forward's pass over them (llm.c's fused classifier), and the backward reads no logits;
+ * f16 logits are left out, as their loss is scaled before its backward (tdm_grad_scaler),
+ * and a gradient rounded to f16 before that scale would lose what the scale keeps. */
+static tdm_tensor *ce_reduced(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
+                              bool is_logits, bool root_likely) {
+    const tdm_backend *be = tdm_backend_for(x->device);
+    tdm_tensor *w, *xc = be ? ce_inputs(x, o, &w) : NULL;
+    if (!xc) return NULL;
+    tdm_tensor *out = tdm_tensor_alloc(TDM_SHAPE0, TDM_F32, x->device);
+    tdm_tensor *den = tdm_tensor_alloc(TDM_SHAPE0, TDM_F32, x->device);
+    tdm_tensor *in[1] = {xc};
+    bool record = tdm_needs_record(1, in), pre = record && root_likely && x->dtype != TDM_F16;
+    tdm_tensor *lse = NULL, *gx = NULL;
+    if (record && is_logits) lse = tdm_tensor_alloc(TDM_SHAPE(x->shape[0]), TDM_F32, x->device);
+    if (pre) gx = tdm_tensor_alloc(tdm_shape_of(xc), xc->dtype, x->device);
+    if (!out || !den || (record && is_logits && !lse) || (pre && !gx)) return NULL;
+    if (be->cross_entropy_reduced(out, den, lse, gx, xc, target, w, o->ignore_index,
+                                  o->label_smoothing, is_logits, o->reduction == TDM_REDUCE_MEAN))
+        return NULL;
+    if (record) {
+        tdm_tensor *tk = tdm_index_keep(target), *wk = w ? tdm_index_keep(w) : NULL;
+        if (!tk || (w && !wk)) return NULL;
+        tdm_node *n =
+            tdm_record(is_logits ? "cross_entropy" : "nll_loss", ce_reduced_backward, out, 1, in);
+        if (!n) return tdm_drop_fail(out);
+        ce_save(n, tk, wk, o, is_logits);
+        n->saved[2] = lse;
+        n->saved[3] = den;
+        n->saved[4] = gx;
+    }
+    tdm_drop_temp(xc, x);
+    tdm_drop_temp(w, o->weight);
+    return out;
 }
 
 static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,
@@ -136,21 +203,11 @@ static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_
                               "%s: label_smoothing must be 0 (got %g); use "
                               "cross_entropy on logits",
                               op, (double)o->label_smoothing);
-    tdm_tensor *wsum = NULL;
-    tdm_tensor *loss = ce_per_sample(x, target, o, is_logits, &wsum);
-    if (!loss) return NULL;
-    tdm_tensor *out;
-    if (o->reduction != TDM_REDUCE_MEAN) {
-        tdm_drop_temp(wsum, NULL);
-        out = reduce(loss, o->reduction);
-    } else { /* sum of losses / sum of w[target] over the samples that count */
-        tdm_tensor *num = tdm_sum_all(loss), *den = tdm_sum_all(wsum);
-        out = tdm_div(num, den);
-        tdm_drop_temp(num, NULL);
-        tdm_drop_temp(den, NULL);
-        tdm_drop_temp(loss, NULL);
-        tdm_drop_temp(wsum, NULL);
-    }
+    /* torch 1.13's mean: the sum of the losses over the sum of w[target] over the samples that
+     * count (their count without weights) */
+    tdm_tensor *out = o->reduction == TDM_REDUCE_NONE
+                          ? ce_per_sample(x, target, o, is_logits)
+                          : ce_reduced(x, target, o, is_logits, out_dt == TDM_F32);
     if (!out || out->dtype == out_dt) return out;
     /* computed in f32, given in x's dtype as PyTorch's (a bf16 loss outside a region) */
     tdm_tensor *f = out;

@@ -247,9 +247,11 @@ static int replica_step(replica *r) {
     tdm_tensor *loss = dp->loss_fn(tdm_ddp_forward(r->ddp, xs), ys, lo, dp->loss_arg);
     tdm_trace_end();
     /* DDP averages over n replicas; weighting each by its share of the batch makes the
-     * average the gradient of the whole batch's mean loss; fp16 multiplies by the scale too */
-    tdm_tensor *scaled =
-        tdm_mul_scalar(loss, (float)((double)(hi - lo) * dp->n / (double)b * dp->loss_scale));
+     * average the gradient of the whole batch's mean loss; fp16 multiplies by the scale too.
+     * A factor of 1 (an even split, no scale) leaves the loss the backward's root, where a
+     * cross-entropy hands on the gradient its forward wrote (nn/loss.c). */
+    float factor = (float)((double)(hi - lo) * dp->n / (double)b * dp->loss_scale);
+    tdm_tensor *scaled = factor == 1.0f ? loss : tdm_mul_scalar(loss, factor);
     /* Sharing memory, a window's gradients are marked stale instead of zeroed, and what the
      * backward did not reach is zeroed after it: zeroing the MLP's 0.94 MB, half of it lines
      * the other core had read in the update, took a tenth of a step (bench/RESULTS.md,

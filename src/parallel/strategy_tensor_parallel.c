@@ -175,8 +175,8 @@ static int rank_step(tp_rank *r) {
     tdm_strategy_set_loss_module(NULL);
     /* DDP averages over dp rows; each weighted by its share of the batch (across processes
      * the rows' batches are equal) */
-    tdm_tensor *scaled =
-        loss ? tdm_mul_scalar(loss, (float)((double)(hi - lo) * s->rows / (double)b)) : NULL;
+    float factor = (float)((double)(hi - lo) * s->rows / (double)b);
+    tdm_tensor *scaled = !loss || factor == 1.0f ? loss : tdm_mul_scalar(loss, factor);
     int rc = s->first ? tdm_optim_zero_grad(r->opt) : TDM_OK;
     if (r->ddp) tdm_ddp_set_sync(r->ddp, s->last); /* accumulating rounds keep theirs local */
     if (!rc)

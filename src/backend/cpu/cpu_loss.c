@@ -189,6 +189,34 @@ int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse, c
     return TDM_OK;
 }
 
+/* Row i's gradient for an upstream g into gr (f32); lse: the row's log-sum-exp, or NULL
+ * (recomputed from xr). The one body of the backward and of the reduced loss's gradient, so
+ * both give the same bits. */
+TDM_CPU_CLONES
+static void ce_grad_row(float *gr, const float *xr, int64_t C, int64_t t, float g, const float *lse,
+                        const float *w, float e, double wtotal, bool is_logits) {
+    float eC = e / (float)C, wt = w ? w[t] : 1.0f;
+    float ge = g * eC;
+    if (is_logits) {
+        /* gx[c] = g * (p[c] * sum_k coef[k] - e/C * w[c]), p[c] = exp(x[c] - lse) */
+        float total = g * (float)((1 - e) * wt + eC * wtotal);
+        if (lse)
+            grad_row(gr, xr, C, *lse, total, ge, w);
+        else
+            grad_row_recompute(gr, xr, C, total, ge, w);
+    } else {
+        for (int64_t c = 0; c < C; c++) gr[c] = -ge * (w ? w[c] : 1.0f);
+    }
+    gr[t] -= g * (1 - e) * wt;
+}
+
+/* Zeros row i of gx (an ignored sample), through gbuf where gx is bf16/f16. */
+static void zero_row(tdm_tensor *gx, int64_t i, int64_t C, float *gbuf) {
+    float *gr = gbuf ? gbuf : (float *)tdm_data_ptr(gx) + i * C;
+    for (int64_t c = 0; c < C; c++) gr[c] = 0;
+    if (gbuf) row_out(gx, i, C, gr);
+}
+
 TDM_CPU_CLONES
 int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tensor *x,
                                    const tdm_tensor *lse, const tdm_tensor *target,
@@ -209,32 +237,80 @@ int tdm_cpu_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor *gloss, cons
         return tdm_last_status();
     }
     const float *w = weight ? (const float *)tdm_data_ptr(weight) : NULL;
-    float e = smoothing, eC = smoothing / (float)C;
     double wtotal = weight_total(w, C);
     for (int64_t i = 0; i < N; i++) {
         int64_t t = target_at(target, i);
-        float *gr = gbuf ? gbuf : (float *)tdm_data_ptr(gx) + i * C;
         if (t == ignore_index) {
-            for (int64_t c = 0; c < C; c++) gr[c] = 0;
-            if (gbuf) row_out(gx, i, C, gr);
+            zero_row(gx, i, C, gbuf);
+            continue;
+        }
+        float *gr = gbuf ? gbuf : (float *)tdm_data_ptr(gx) + i * C, li = lse ? f32_at(lse, i) : 0;
+        ce_grad_row(gr, row_in(x, i, C, xbuf), C, t, f32_at(gloss, i), lse ? &li : NULL, w,
+                    smoothing, wtotal, is_logits);
+        if (gbuf) row_out(gx, i, C, gr);
+    }
+    tdm_storage_release(xhold);
+    tdm_storage_release(ghold);
+    return TDM_OK;
+}
+
+/* sum_i w[t_i] over the samples not ignored, in double (the reduced loss's mean denominator) */
+static double weight_of_targets(const tdm_tensor *target, int64_t N, const float *w,
+                                int64_t ignore_index) {
+    double s = 0;
+    for (int64_t i = 0; i < N; i++) {
+        int64_t t = target_at(target, i);
+        if (t != ignore_index) s += w ? w[t] : 1.0f;
+    }
+    return s;
+}
+
+/* The forward's rows, their sum, and each row's gradient for 1/den while the row is at hand. */
+TDM_CPU_CLONES
+int tdm_cpu_cross_entropy_reduced(tdm_tensor *out, tdm_tensor *den, tdm_tensor *lse, tdm_tensor *gx,
+                                  const tdm_tensor *x, const tdm_tensor *target,
+                                  const tdm_tensor *weight, int64_t ignore_index, float smoothing,
+                                  bool is_logits, bool mean) {
+    if (tdm_cpu_lowp_any(4, (const tdm_tensor *[]){out, den, lse, weight}) ||
+        (gx && gx->dtype != x->dtype))
+        return tdm_raise(TDM_ERR_DTYPE, "cross_entropy_reduced: out, den, lse and weight must "
+                                        "be f32 and gx in x's dtype");
+    int64_t N = x->shape[0], C = x->shape[1];
+    int rc = check_targets(target, N, C, ignore_index);
+    if (rc) return rc;
+    tdm_storage *xhold, *ghold = NULL;
+    float *xbuf = row_buf(x, C, &xhold), *gbuf = gx ? row_buf(gx, C, &ghold) : NULL;
+    if (rows_lowp(x) && (!xbuf || (gx && !gbuf))) {
+        tdm_storage_release(xhold);
+        tdm_storage_release(ghold);
+        return tdm_last_status();
+    }
+    const float *w = weight ? (const float *)tdm_data_ptr(weight) : NULL;
+    float *sp = lse && is_logits ? (float *)tdm_data_ptr(lse) : NULL;
+    double e = smoothing, wtotal = weight_total(w, C), sum = 0;
+    /* the backward's upstream for each sample: the mean's d out / d loss[i] */
+    float d = mean ? (float)weight_of_targets(target, N, w, ignore_index) : 1.0f, g = 1.0f / d;
+    for (int64_t i = 0; i < N; i++) {
+        int64_t t = target_at(target, i);
+        if (t == ignore_index) {
+            if (gx) zero_row(gx, i, C, gbuf);
             continue;
         }
         const float *xr = row_in(x, i, C, xbuf);
-        float g = f32_at(gloss, i), wt = w ? w[t] : 1.0f;
-        float ge = g * eC;
-        if (is_logits) {
-            /* gx[c] = g * (p[c] * sum_k coef[k] - e/C * w[c]), p[c] = exp(x[c] - lse) */
-            float total = g * (float)((1 - e) * wt + eC * wtotal);
-            if (lse)
-                grad_row(gr, xr, C, f32_at(lse, i), total, ge, w);
-            else
-                grad_row_recompute(gr, xr, C, total, ge, w);
-        } else {
-            for (int64_t c = 0; c < C; c++) gr[c] = -ge * (w ? w[c] : 1.0f);
-        }
-        gr[t] -= g * (1 - e) * wt;
+        double row_lse, sm;
+        ce_row(xr, C, w, wtotal, is_logits, e > 0, &row_lse, &sm);
+        float lf = (float)row_lse;
+        if (sp) sp[i] = lf;
+        double l = (1 - e) * (w ? w[t] : 1.0) * (row_lse - xr[t]);
+        if (e > 0) l += e / (double)C * sm;
+        sum += (float)l; /* the per-sample losses' f32 values, as cross_entropy's */
+        if (!gx) continue;
+        float *gr = gbuf ? gbuf : (float *)tdm_data_ptr(gx) + i * C;
+        ce_grad_row(gr, xr, C, t, g, is_logits ? &lf : NULL, w, smoothing, wtotal, is_logits);
         if (gbuf) row_out(gx, i, C, gr);
     }
+    *(float *)tdm_data_ptr(out) = mean ? (float)sum / d : (float)sum;
+    *(float *)tdm_data_ptr(den) = d;
     tdm_storage_release(xhold);
     tdm_storage_release(ghold);
     return TDM_OK;

@@ -102,6 +102,15 @@ __device__ void ce_row(const ce_args<T> &a, const T *xr, double *lse_out, double
     *smooth_out = sm;
 }
 
+/* The row's loss from ce_row's sums. */
+template <typename T>
+__device__ float ce_row_loss(const ce_args<T> &a, const T *xr, int64_t t, double lse, double sm) {
+    double wt = a.w ? a.w[t] : 1.0, e = a.e;
+    double l = (1 - e) * wt * (lse - cu_ld(xr[t]));
+    if (e > 0) l += e / (double)a.C * sm;
+    return (float)l;
+}
+
 template <typename T>
 __global__ void ce_kernel(float *loss, float *wsum, float *lse_out, ce_args<T> a) {
     int64_t i = blockIdx.x;
@@ -117,39 +126,21 @@ __global__ void ce_kernel(float *loss, float *wsum, float *lse_out, ce_args<T> a
     double lse, sm;
     ce_row(a, xr, &lse, &sm);
     if (threadIdx.x == 0) {
-        double wt = a.w ? a.w[t] : 1.0, e = a.e;
-        double l = (1 - e) * wt * (lse - cu_ld(xr[t]));
-        if (e > 0) l += e / (double)a.C * sm;
-        loss[i] = (float)l;
-        if (wsum) wsum[i] = (float)wt;
+        loss[i] = ce_row_loss(a, xr, t, lse, sm);
+        if (wsum) wsum[i] = a.w ? a.w[t] : 1.0f;
         if (lse_out && a.is_logits) lse_out[i] = (float)lse;
     }
 }
 
-/* lse_in: the forward's log-sum-exps (a row then read once), or NULL (recomputed). */
+/* Row gr's gradient for an upstream g, l the row's log-sum-exp (logits): the one body of the
+ * backward and of the reduced loss's gradient, so both give the same bits. Every thread of
+ * the block calls it (a block sum inside). */
 template <typename T>
-__global__ void ce_bwd_kernel(T *gx, const float *gloss, int64_t gstride, const float *lse_in,
-                              ce_args<T> a) {
+__device__ void ce_grad_row(const ce_args<T> &a, T *gr, const T *xr, int64_t t, float g, float l) {
     __shared__ double shd[CU_THREADS];
-    int64_t i = blockIdx.x;
-    int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
-    T *gr = gx + i * a.C;
-    if (t == a.ignore) {
-        for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) gr[c] = cu_to<T>(0.0f);
-        return;
-    }
-    const T *xr = a.x + i * a.C;
-    float g = gloss[i * gstride], wt = a.w ? a.w[t] : 1.0f;
+    float wt = a.w ? a.w[t] : 1.0f;
     float eC = a.e / (float)a.C, ge = g * eC;
     if (a.is_logits) {
-        float l;
-        if (lse_in) { /* uniform across the block, as the barriers in ce_row need */
-            l = lse_in[i];
-        } else {
-            double lse, unused;
-            ce_row(a, xr, &lse, &unused);
-            l = (float)lse;
-        }
         double wtot = (double)a.C;
         if (a.w) {
             wtot = 0;
@@ -167,6 +158,75 @@ __global__ void ce_bwd_kernel(T *gx, const float *gloss, int64_t gstride, const 
             gr[c] = cu_to<T>(c == t ? v - g * (1 - a.e) * wt : v);
         }
     }
+}
+
+template <typename T> __device__ void ce_zero_row(const ce_args<T> &a, T *gr) {
+    for (int64_t c = threadIdx.x; c < a.C; c += blockDim.x) gr[c] = cu_to<T>(0.0f);
+}
+
+/* lse_in: the forward's log-sum-exps (a row then read once), or NULL (recomputed). */
+template <typename T>
+__global__ void ce_bwd_kernel(T *gx, const float *gloss, int64_t gstride, const float *lse_in,
+                              ce_args<T> a) {
+    int64_t i = blockIdx.x;
+    int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
+    T *gr = gx + i * a.C;
+    if (t == a.ignore) return ce_zero_row(a, gr); /* uniform across the block */
+    const T *xr = a.x + i * a.C;
+    float l = 0;
+    if (a.is_logits && lse_in) {
+        l = lse_in[i];
+    } else if (a.is_logits) {
+        double lse, unused;
+        ce_row(a, xr, &lse, &unused);
+        l = (float)lse;
+    }
+    ce_grad_row(a, gr, xr, t, gloss[i * gstride], l);
+}
+
+/* ---- the reduced cross-entropy: den, then the rows with their gradient, then the sum ---- */
+
+/* den = sum_i w[t_i] over the samples not ignored (mean), or 1; one block, a fixed tree. */
+template <typename T> __global__ void ce_den_kernel(float *den, ce_args<T> a, bool mean) {
+    __shared__ double shd[CU_THREADS];
+    double s = 0;
+    for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x) {
+        int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
+        if (t != a.ignore) s += a.w ? a.w[t] : 1.0f;
+    }
+    s = cu_block_sum(s, shd);
+    if (threadIdx.x == 0) *den = mean ? (float)s : 1.0f;
+}
+
+/* ce_kernel's row, and with gx the row's gradient for the upstream 1/den while it is read. */
+template <typename T>
+__global__ void ce_fused_kernel(float *loss, float *lse_out, T *gx, const float *den,
+                                ce_args<T> a) {
+    int64_t i = blockIdx.x;
+    int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
+    if (t == a.ignore) {
+        if (threadIdx.x == 0) loss[i] = 0;
+        if (gx) ce_zero_row(a, gx + i * a.C);
+        return;
+    }
+    const T *xr = a.x + i * a.C;
+    double lse, sm;
+    ce_row(a, xr, &lse, &sm);
+    if (threadIdx.x == 0) {
+        loss[i] = ce_row_loss(a, xr, t, lse, sm);
+        if (lse_out && a.is_logits) lse_out[i] = (float)lse;
+    }
+    if (gx) ce_grad_row(a, gx + i * a.C, xr, t, 1.0f / *den, (float)lse);
+}
+
+/* out = sum_i loss[i] (in double, a fixed tree) / den, or the sum; one block. */
+__global__ void ce_sum_kernel(float *out, const float *loss, const float *den, int64_t n,
+                              bool mean) {
+    __shared__ double shd[CU_THREADS];
+    double s = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += loss[i];
+    s = cu_block_sum(s, shd);
+    if (threadIdx.x == 0) *out = mean ? (float)s / *den : (float)s;
 }
 
 template <typename T>
@@ -225,6 +285,29 @@ static int ce_bwd_launch(tdm_tensor *gx, const tdm_tensor *gloss, const tdm_tens
     return cu_check_launch("cross_entropy_backward", x->device.index);
 }
 
+template <typename T>
+static int ce_reduced_launch(tdm_tensor *out, tdm_tensor *den, tdm_tensor *lse, tdm_tensor *gx,
+                             const tdm_tensor *x, const tdm_tensor *target,
+                             const tdm_tensor *weight, int64_t ignore_index, float smoothing,
+                             bool is_logits, bool mean) {
+    ce_args<T> a;
+    cu_device *d = NULL;
+    if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits,
+                   "cross_entropy_reduced"))
+        return tdm_last_status();
+    tdm_storage *hold;
+    float *rows =
+        (float *)cu_scratch(x->device.index, sizeof(float) * (size_t)(a.N ? a.N : 1), &hold);
+    if (!rows) return tdm_last_status();
+    ce_den_kernel<T><<<1, CU_THREADS, 0, d->compute>>>(cu_f(den), a, mean);
+    if (a.N)
+        ce_fused_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(
+            rows, cu_f(lse), gx ? cu_p<T>(gx) : NULL, cu_f(den), a);
+    ce_sum_kernel<<<1, CU_THREADS, 0, d->compute>>>(cu_f(out), rows, cu_f(den), a.N, mean);
+    tdm_storage_release(hold); /* the cache reuses it in stream order */
+    return cu_check_launch("cross_entropy_reduced", x->device.index);
+}
+
 extern "C" int tdm_cuda_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse,
                                       const tdm_tensor *x, const tdm_tensor *target,
                                       const tdm_tensor *weight, int64_t ignore_index,
@@ -249,4 +332,17 @@ extern "C" int tdm_cuda_cross_entropy_backward(tdm_tensor *gx, const tdm_tensor 
         return tdm_last_status();
     return CU_DISPATCH(x->dtype, ce_bwd_launch, gx, gloss, x, lse, target, weight, ignore_index,
                        smoothing, is_logits);
+}
+
+extern "C" int tdm_cuda_cross_entropy_reduced(tdm_tensor *out, tdm_tensor *den, tdm_tensor *lse,
+                                              tdm_tensor *gx, const tdm_tensor *x,
+                                              const tdm_tensor *target, const tdm_tensor *weight,
+                                              int64_t ignore_index, float smoothing, bool is_logits,
+                                              bool mean) {
+    const char *op = "cross_entropy_reduced";
+    if (cu_check_float(op, true, {x, gx}) || ce_check_f32(op, out) || ce_check_f32(op, den) ||
+        ce_check_f32(op, lse) || ce_check_f32(op, weight))
+        return tdm_last_status();
+    return CU_DISPATCH(x->dtype, ce_reduced_launch, out, den, lse, gx, x, target, weight,
+                       ignore_index, smoothing, is_logits, mean);
 }

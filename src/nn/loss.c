@@ -167,24 +167,28 @@ static tdm_tensor *ce_reduced(tdm_tensor *x, const tdm_tensor *target, const tdm
     tdm_tensor *lse = NULL, *gx = NULL;
     if (record && is_logits) lse = tdm_tensor_alloc(TDM_SHAPE(x->shape[0]), TDM_F32, x->device);
     if (pre) gx = tdm_tensor_alloc(tdm_shape_of(xc), xc->dtype, x->device);
-    if (!out || !den || (record && is_logits && !lse) || (pre && !gx)) return NULL;
-    if (be->cross_entropy_reduced(out, den, lse, gx, xc, target, w, o->ignore_index,
-                                  o->label_smoothing, is_logits, o->reduction == TDM_REDUCE_MEAN))
-        return NULL;
-    if (record) {
-        tdm_tensor *tk = tdm_index_keep(target), *wk = w ? tdm_index_keep(w) : NULL;
-        if (!tk || (w && !wk)) return NULL;
-        tdm_node *n =
-            tdm_record(is_logits ? "cross_entropy" : "nll_loss", ce_reduced_backward, out, 1, in);
-        if (!n) return tdm_drop_fail(out);
+    bool ok =
+        out && den && (!record || !is_logits || lse) && (!pre || gx) &&
+        !be->cross_entropy_reduced(out, den, lse, gx, xc, target, w, o->ignore_index,
+                                   o->label_smoothing, is_logits, o->reduction == TDM_REDUCE_MEAN);
+    tdm_tensor *tk = ok && record ? tdm_index_keep(target) : NULL;
+    tdm_tensor *wk = tk && w ? tdm_index_keep(w) : NULL;
+    tdm_node *n = tk && (wk || !w) ? tdm_record(is_logits ? "cross_entropy" : "nll_loss",
+                                                ce_reduced_backward, out, 1, in)
+                                   : NULL;
+    if (n) {
         ce_save(n, tk, wk, o, is_logits);
         n->saved[2] = lse;
         n->saved[3] = den;
         n->saved[4] = gx;
+    } else { /* temporaries where no scope owns them (no scope: no gradient either) */
+        tdm_drop_temp(lse, NULL);
+        tdm_drop_temp(gx, NULL);
+        tdm_drop_temp(den, NULL);
     }
     tdm_drop_temp(xc, x);
     tdm_drop_temp(w, o->weight);
-    return out;
+    return ok && (n || !record) ? out : tdm_drop_fail(out);
 }
 
 static tdm_tensor *ce_common(tdm_tensor *x, const tdm_tensor *target, const tdm_ce_opts *o,

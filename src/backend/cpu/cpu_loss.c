@@ -96,6 +96,17 @@ static void ce_row(const float *x, int64_t C, const float *w, double wtotal, boo
     *smooth_out = lse * wtotal - sx; /* sum_c w[c] * (lse - x[c]) */
 }
 
+/* A sample's loss from its row (target t), and the row's lse (0 for log-probabilities). */
+TDM_CPU_CLONES
+static float sample_loss(const float *xr, int64_t C, int64_t t, const float *w, double wtotal,
+                         double e, bool is_logits, double *row_lse) {
+    double sm;
+    ce_row(xr, C, w, wtotal, is_logits, e > 0, row_lse, &sm);
+    double l = (1 - e) * (w ? w[t] : 1.0) * (*row_lse - xr[t]);
+    if (e > 0) l += e / (double)C * sm;
+    return (float)l;
+}
+
 /* bf16 and f16 logits are read a row at a time: widened into buf, computed on in f32, their
  * gradient row narrowed once from f32. The bits of the f32 kernel on f32 copies, without an
  * [N, C] f32 copy of the logits and of their gradient (the widening adapter, cpu_lowp.c, would
@@ -175,15 +186,10 @@ int tdm_cpu_cross_entropy(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse, c
             if (wp) wp[i] = 0;
             continue;
         }
-        const float *xr = row_in(x, i, C, xbuf);
-        double row_lse, sm;
-        ce_row(xr, C, w, wtotal, is_logits, e > 0, &row_lse, &sm);
+        double row_lse;
+        lp[i] = sample_loss(row_in(x, i, C, xbuf), C, t, w, wtotal, e, is_logits, &row_lse);
         if (sp) sp[i] = (float)row_lse;
-        double wt = w ? w[t] : 1.0;
-        double l = (1 - e) * wt * (row_lse - xr[t]);
-        if (e > 0) l += e / (double)C * sm;
-        lp[i] = (float)l;
-        if (wp) wp[i] = (float)wt;
+        if (wp) wp[i] = w ? w[t] : 1.0f;
     }
     tdm_storage_release(xhold);
     return TDM_OK;
@@ -297,13 +303,11 @@ int tdm_cpu_cross_entropy_reduced(tdm_tensor *out, tdm_tensor *den, tdm_tensor *
             continue;
         }
         const float *xr = row_in(x, i, C, xbuf);
-        double row_lse, sm;
-        ce_row(xr, C, w, wtotal, is_logits, e > 0, &row_lse, &sm);
+        double row_lse;
+        /* the per-sample losses' f32 values, as cross_entropy's */
+        sum += sample_loss(xr, C, t, w, wtotal, e, is_logits, &row_lse);
         float lf = (float)row_lse;
         if (sp) sp[i] = lf;
-        double l = (1 - e) * (w ? w[t] : 1.0) * (row_lse - xr[t]);
-        if (e > 0) l += e / (double)C * sm;
-        sum += (float)l; /* the per-sample losses' f32 values, as cross_entropy's */
         if (!gx) continue;
         float *gr = gbuf ? gbuf : (float *)tdm_data_ptr(gx) + i * C;
         ce_grad_row(gr, xr, C, t, g, is_logits ? &lf : NULL, w, smoothing, wtotal, is_logits);

@@ -111,27 +111,6 @@ __device__ float ce_row_loss(const ce_args<T> &a, const T *xr, int64_t t, double
     return (float)l;
 }
 
-template <typename T>
-__global__ void ce_kernel(float *loss, float *wsum, float *lse_out, ce_args<T> a) {
-    int64_t i = blockIdx.x;
-    int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
-    if (t == a.ignore) { /* uniform across the block: no thread reaches a barrier below */
-        if (threadIdx.x == 0) {
-            loss[i] = 0;
-            if (wsum) wsum[i] = 0;
-        }
-        return;
-    }
-    const T *xr = a.x + i * a.C;
-    double lse, sm;
-    ce_row(a, xr, &lse, &sm);
-    if (threadIdx.x == 0) {
-        loss[i] = ce_row_loss(a, xr, t, lse, sm);
-        if (wsum) wsum[i] = a.w ? a.w[t] : 1.0f;
-        if (lse_out && a.is_logits) lse_out[i] = (float)lse;
-    }
-}
-
 /* Row gr's gradient for an upstream g, l the row's log-sum-exp (logits): the one body of the
  * backward and of the reduced loss's gradient, so both give the same bits. Every thread of
  * the block calls it (a block sum inside). */
@@ -198,14 +177,18 @@ template <typename T> __global__ void ce_den_kernel(float *den, ce_args<T> a, bo
     if (threadIdx.x == 0) *den = mean ? (float)s : 1.0f;
 }
 
-/* ce_kernel's row, and with gx the row's gradient for the upstream 1/den while it is read. */
+/* A sample's loss a block, with wsum (w[target]), lse, and gx the row's gradient for the
+ * upstream 1/den (the reduced loss) while the row is read; each NULL where not wanted. */
 template <typename T>
-__global__ void ce_fused_kernel(float *loss, float *lse_out, T *gx, const float *den,
-                                ce_args<T> a) {
+__global__ void ce_kernel(float *loss, float *wsum, float *lse_out, T *gx, const float *den,
+                          ce_args<T> a) {
     int64_t i = blockIdx.x;
     int64_t t = cu_index_at(a.target, a.t64, a.tstride, i);
-    if (t == a.ignore) {
-        if (threadIdx.x == 0) loss[i] = 0;
+    if (t == a.ignore) { /* uniform across the block: no thread reaches a barrier below */
+        if (threadIdx.x == 0) {
+            loss[i] = 0;
+            if (wsum) wsum[i] = 0;
+        }
         if (gx) ce_zero_row(a, gx + i * a.C);
         return;
     }
@@ -214,6 +197,7 @@ __global__ void ce_fused_kernel(float *loss, float *lse_out, T *gx, const float 
     ce_row(a, xr, &lse, &sm);
     if (threadIdx.x == 0) {
         loss[i] = ce_row_loss(a, xr, t, lse, sm);
+        if (wsum) wsum[i] = a.w ? a.w[t] : 1.0f;
         if (lse_out && a.is_logits) lse_out[i] = (float)lse;
     }
     if (gx) ce_grad_row(a, gx + i * a.C, xr, t, 1.0f / *den, (float)lse);
@@ -265,8 +249,8 @@ static int ce_launch(tdm_tensor *loss, tdm_tensor *wsum, tdm_tensor *lse, const 
     if (ce_prepare(&a, &d, x, target, weight, ignore_index, smoothing, is_logits, "cross_entropy"))
         return tdm_last_status();
     if (a.N == 0) return TDM_OK;
-    ce_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(cu_f(loss), cu_f(wsum),
-                                                                        cu_f(lse), a);
+    ce_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(
+        cu_f(loss), cu_f(wsum), cu_f(lse), (T *)NULL, (const float *)NULL, a);
     return cu_check_launch("cross_entropy", x->device.index);
 }
 
@@ -301,8 +285,8 @@ static int ce_reduced_launch(tdm_tensor *out, tdm_tensor *den, tdm_tensor *lse, 
     if (!rows) return tdm_last_status();
     ce_den_kernel<T><<<1, CU_THREADS, 0, d->compute>>>(cu_f(den), a, mean);
     if (a.N)
-        ce_fused_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(
-            rows, cu_f(lse), gx ? cu_p<T>(gx) : NULL, cu_f(den), a);
+        ce_kernel<T><<<(unsigned)a.N, cu_row_threads(a.C), 0, d->compute>>>(
+            rows, (float *)NULL, cu_f(lse), gx ? cu_p<T>(gx) : (T *)NULL, cu_f(den), a);
     ce_sum_kernel<<<1, CU_THREADS, 0, d->compute>>>(cu_f(out), rows, cu_f(den), a.N, mean);
     tdm_storage_release(hold); /* the cache reuses it in stream order */
     return cu_check_launch("cross_entropy_reduced", x->device.index);

@@ -165,6 +165,11 @@ int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g) {
     return add_into(t->grad, g);
 }
 
+int tdm_grad_accumulate_made(tdm_tensor *t, tdm_tensor *g) {
+    if (g && g->storage) g->storage->walk_born = true;
+    return tdm_grad_accumulate(t, g);
+}
+
 tdm_tensor *tdm_grad_pending(tdm_tensor *t) {
     if (!t || !t->requires_grad || !t->grad_fn) return NULL;
     tdm_tensor *g = t->grad_fn->gout;

@@ -60,6 +60,9 @@ static inline bool tdm_node_wants(const tdm_node *n, int i) {
  * keep a reference to g instead of copying, so g must stay unmodified afterwards; once that
  * node has run, g's memory may be given back (engine.c). */
 int tdm_grad_accumulate(tdm_tensor *t, tdm_tensor *g);
+/* tdm_grad_accumulate for a gradient an op made before the walk for t alone (a loss's forward
+ * writing its input's gradient): its memory goes back once consumed, as one made during it. */
+int tdm_grad_accumulate_made(tdm_tensor *t, tdm_tensor *g);
 /* The gradient t's other consumers have given it so far, when t is an op's output (not a
  * leaf) and one has: dense, of t's shape and dtype; else NULL. A backward whose kernel can add
  * it to the gradient it computes for t (one pass where the kernel's output and an add took

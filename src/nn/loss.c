@@ -136,10 +136,7 @@ static tdm_tensor *ce_per_sample(tdm_tensor *x, const tdm_tensor *target, const 
  * g / den a sample, as the per-sample node's backward does. */
 static int ce_reduced_backward(tdm_node *n, tdm_tensor *gout) {
     tdm_tensor *x = n->in[0], *gx = n->saved[4];
-    if (gx && n->seed_one) {
-        gx->storage->walk_born = true; /* freed once consumed, as a gradient made now */
-        return tdm_grad_accumulate(x, gx);
-    }
+    if (gx && n->seed_one) return tdm_grad_accumulate_made(x, gx);
     if (gx) tdm_storage_resize(gx->storage, 0); /* not this upstream's: its memory back now */
     const tdm_backend *be = tdm_backend_for(x->device);
     tdm_tensor *g = tdm_tensor_alloc(TDM_SHAPE0, TDM_F32, x->device);
